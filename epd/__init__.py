@@ -1,0 +1,1 @@
+"""epd: disaggregated encode / prefill / decode serving. `epd.v1` holds the generated protocol bindings."""

@@ -1,0 +1,59 @@
+"""Regenerate the Python bindings of the epd.v1 protocol.
+
+Reads protos/epd/v1/*.proto and writes epd/v1/*_pb2.py, *_pb2.pyi and *_pb2_grpc.py.
+The output is committed; tests/test_protocol_codegen.py regenerates it into a temporary
+folder and fails on any difference, so edit the .proto files and rerun this script.
+
+    python scripts/gen_protos.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_ROOT = ROOT / "protos"
+
+
+def proto_files() -> list[Path]:
+    """The protocol's .proto files, relative to the proto root, in a stable order."""
+    return sorted(p.relative_to(PROTO_ROOT) for p in (PROTO_ROOT / "epd" / "v1").glob("*.proto"))
+
+
+def generate(out: Path) -> list[Path]:
+    """Run protoc for every .proto file into `out`; return the files written."""
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
+
+    out.mkdir(parents=True, exist_ok=True)
+    include = Path(protoc.__file__).parent / "_proto"
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *[str(p) for p in proto_files()],
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed; see the messages above")
+    package = out / "epd" / "v1"
+    for init in (out / "epd" / "__init__.py", package / "__init__.py"):
+        if not init.exists():
+            init.write_text("")
+    return sorted(package.glob("*_pb2*.py*"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT, help="output root (default: repo root)")
+    args = parser.parse_args()
+    for path in generate(args.out):
+        print(path.relative_to(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
