@@ -122,12 +122,12 @@ class Qwen3VLConfig:
             deepstack_visual_indexes=tuple(
                 int(i) for i in vision_raw.get("deepstack_visual_indexes", (8, 16, 24))
             ),
-            rope_theta=float(
-                (vision_raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-            ),
+            rope_theta=float((vision_raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         )
         eos = raw.get("eos_token_id", text_raw.get("eos_token_id"))
-        eos_ids = () if eos is None else tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+        eos_ids = (
+            () if eos is None else tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+        )
         return cls(
             text=text,
             vision=vision,

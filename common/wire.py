@@ -1,0 +1,231 @@
+"""Conversion between in-process data types and the `epd.v1` protobuf messages.
+
+Everything that crosses a gRPC boundary passes through here, so validation happens once,
+at the edge: a malformed message raises `MultimodalLayoutError` (a `ValueError`) naming the
+wire field, and the servers turn that into `INVALID_ARGUMENT`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.multimodal import (
+    ItemEmbedding,
+    ItemPartition,
+    Modality,
+    MultimodalItemMetadata,
+    MultimodalLayoutError,
+    MultimodalParams,
+    validate_flat,
+)
+from epd.v1 import multimodal_pb2, tensor_pb2
+
+RUN_EXTENSION_VERSION = 1
+
+_DTYPES: dict[torch.dtype, tensor_pb2.ElementType] = {
+    torch.float32: tensor_pb2.ELEMENT_TYPE_FLOAT32,
+    torch.float16: tensor_pb2.ELEMENT_TYPE_FLOAT16,
+    torch.bfloat16: tensor_pb2.ELEMENT_TYPE_BFLOAT16,
+    torch.int64: tensor_pb2.ELEMENT_TYPE_INT64,
+    torch.int32: tensor_pb2.ELEMENT_TYPE_INT32,
+    torch.uint8: tensor_pb2.ELEMENT_TYPE_UINT8,
+}
+_TORCH_DTYPES: dict[int, torch.dtype] = {int(v): k for k, v in _DTYPES.items()}
+_MODALITIES = {
+    Modality.IMAGE: multimodal_pb2.MODALITY_IMAGE,
+    Modality.VIDEO: multimodal_pb2.MODALITY_VIDEO,
+    Modality.AUDIO: multimodal_pb2.MODALITY_AUDIO,
+}
+_MODALITY_NAMES = {v: k for k, v in _MODALITIES.items()}
+
+
+def element_type(dtype: torch.dtype) -> tensor_pb2.ElementType:
+    """The wire element type of a torch dtype."""
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} has no wire element type") from None
+
+
+def torch_dtype(element: int, field: str = "dtype") -> torch.dtype:
+    """The torch dtype of a wire element type."""
+    try:
+        return _TORCH_DTYPES[element]
+    except KeyError:
+        raise MultimodalLayoutError(field, f"unknown element type {element}") from None
+
+
+def tensor_to_ref(tensor: torch.Tensor) -> tensor_pb2.TensorRef:
+    """A tensor as an inline `TensorRef` (C-contiguous little-endian bytes)."""
+    t = tensor.detach().to("cpu").contiguous()
+    raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    data = raw.numpy().tobytes() if t.numel() else b""
+    return tensor_pb2.TensorRef(dtype=element_type(t.dtype), shape=list(t.shape), inline_data=data)
+
+
+def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.Tensor:
+    """The tensor of an inline `TensorRef`; a transfer handle needs a transfer agent."""
+    dtype = torch_dtype(ref.dtype, field)
+    if ref.WhichOneof("data") != "inline_data":
+        raise MultimodalLayoutError(field, "holds a transfer handle, not inline data")
+    shape = tuple(int(d) for d in ref.shape)
+    if any(d < 0 for d in shape):
+        raise MultimodalLayoutError(field, f"negative dimension in shape {shape}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(ref.inline_data) != numel * itemsize:
+        raise MultimodalLayoutError(
+            field, f"{len(ref.inline_data)} bytes for shape {shape} of {dtype}"
+        )
+    raw = torch.frombuffer(bytearray(ref.inline_data), dtype=torch.uint8) if numel else None
+    if raw is None:
+        return torch.empty(shape, dtype=dtype)
+    return raw.view(dtype).reshape(shape)
+
+
+def params_to_proto(params: MultimodalParams) -> multimodal_pb2.MultimodalParams:
+    """The wire form: legacy flat arrays, run extension, item metadata, embeddings."""
+    msg = multimodal_pb2.MultimodalParams(
+        mm_hashes=params.hashes,
+        mm_positions=params.positions,
+        mm_lengths=params.lengths,
+        mm_uuids=[u or "" for u in params.uuids] if any(params.uuids) else [],
+        version=RUN_EXTENSION_VERSION,
+        item_run_cu_offsets=params.item_run_cu_offsets.tolist(),
+        run_positions=params.run_positions.tolist(),
+        run_lengths=params.run_lengths.tolist(),
+    )
+    for item in params.items:
+        meta = msg.items.add(
+            modality=_MODALITIES.get(item.modality, multimodal_pb2.MODALITY_UNSPECIFIED)
+            if item.modality is not None
+            else multimodal_pb2.MODALITY_UNSPECIFIED,
+            payload_index=item.payload_index,
+            grid_thw=list(item.grid_thw or ()),
+            frame_timestamps=list(item.frame_timestamps),
+        )
+        if item.encoder_cost is not None:
+            meta.encoder_cost = item.encoder_cost
+        for part in item.partitions:
+            meta.partitions.add(
+                input_start=part.input_start,
+                input_end=part.input_end,
+                output_rows=part.output_rows,
+                content_hash=part.content_hash,
+            )
+    for index in sorted(params.embeddings):
+        emb = params.embeddings[index]
+        out = msg.embeddings.add(item_index=index, rows=tensor_to_ref(emb.rows))
+        out.deepstack.extend(tensor_to_ref(d) for d in emb.deepstack)
+    if params.mrope_position_delta is not None:
+        msg.mrope_position_delta = params.mrope_position_delta
+    return msg
+
+
+def params_from_proto(
+    msg: multimodal_pb2.MultimodalParams, *, with_embeddings: bool = True
+) -> MultimodalParams:
+    """Validate and decode the wire form. A message without the run extension (version 0)
+    decodes to the legacy contiguous layout. Raises `MultimodalLayoutError`."""
+    has_runs = bool(msg.item_run_cu_offsets or msg.run_positions or msg.run_lengths)
+    if msg.version > RUN_EXTENSION_VERSION:
+        raise MultimodalLayoutError(
+            "version",
+            f"run extension version {msg.version} is newer than this reader's "
+            f"{RUN_EXTENSION_VERSION}",
+        )
+    if msg.version == 0 and has_runs:
+        raise MultimodalLayoutError("version", "run fields are set but version is 0")
+    n = len(msg.mm_hashes)
+    uuids = [u or None for u in msg.mm_uuids] if msg.mm_uuids else None
+    hashes, positions, lengths = list(msg.mm_hashes), list(msg.mm_positions), list(msg.mm_lengths)
+    if msg.version >= 1:
+        run_fields = {
+            "item_run_cu_offsets": list(msg.item_run_cu_offsets),
+            "run_positions": list(msg.run_positions),
+            "run_lengths": list(msg.run_lengths),
+        }
+        for name, values in run_fields.items():
+            if n and not values:
+                raise MultimodalLayoutError(name, "missing; run extension version 1 needs it")
+        runs = validate_flat(
+            hashes,
+            positions,
+            lengths,
+            uuids,
+            run_fields["item_run_cu_offsets"] or [0],
+            run_fields["run_positions"],
+            run_fields["run_lengths"],
+        )
+    else:
+        runs = validate_flat(hashes, positions, lengths, uuids, None, None, None)
+    if msg.items and len(msg.items) != n:
+        raise MultimodalLayoutError("items", f"has {len(msg.items)} entries, mm_hashes has {n}")
+    items = []
+    for i in range(n):
+        meta = msg.items[i] if msg.items else multimodal_pb2.MultimodalItemMetadata()
+        items.append(_item_from_proto(i, meta, bytes(msg.mm_hashes[i]), runs[i], uuids))
+    embeddings = _embeddings_from_proto(msg, items) if with_embeddings else {}
+    delta = msg.mrope_position_delta if msg.HasField("mrope_position_delta") else None
+    return MultimodalParams(tuple(items), embeddings, delta)
+
+
+def _item_from_proto(
+    index: int,
+    meta: multimodal_pb2.MultimodalItemMetadata,
+    content_hash: bytes,
+    runs: tuple[tuple[int, int], ...],
+    uuids: list[str | None] | None,
+) -> MultimodalItemMetadata:
+    known = meta.modality in _MODALITY_NAMES or meta.modality == multimodal_pb2.MODALITY_UNSPECIFIED
+    if not known:
+        raise MultimodalLayoutError("items.modality", f"unknown modality {meta.modality}", index)
+    if meta.grid_thw and len(meta.grid_thw) != 3:
+        raise MultimodalLayoutError("items.grid_thw", "must have 3 entries or none", index)
+    partitions = []
+    for part in meta.partitions:
+        if not (0 <= part.input_start <= part.input_end) or part.output_rows < 0:
+            raise MultimodalLayoutError("items.partitions", "bad input slice or rows", index)
+        partitions.append(
+            ItemPartition(part.input_start, part.input_end, part.output_rows, part.content_hash)
+        )
+    total = sum(length for _, length in runs)
+    if partitions and sum(p.output_rows for p in partitions) != total:
+        raise MultimodalLayoutError(
+            "items.partitions", f"output rows do not sum to the item's {total} rows", index
+        )
+    grid = tuple(int(g) for g in meta.grid_thw)
+    return MultimodalItemMetadata(
+        content_hash=content_hash,
+        runs=runs,
+        modality=_MODALITY_NAMES.get(meta.modality),
+        payload_index=meta.payload_index,
+        uuid=uuids[index] if uuids else None,
+        partitions=tuple(partitions),
+        encoder_cost=meta.encoder_cost if meta.HasField("encoder_cost") else None,
+        grid_thw=(grid[0], grid[1], grid[2]) if grid else None,
+        frame_timestamps=tuple(meta.frame_timestamps),
+    )
+
+
+def _embeddings_from_proto(
+    msg: multimodal_pb2.MultimodalParams, items: list[MultimodalItemMetadata]
+) -> dict[int, ItemEmbedding]:
+    out: dict[int, ItemEmbedding] = {}
+    for emb in msg.embeddings:
+        index = emb.item_index
+        if index >= len(items) or index in out:
+            raise MultimodalLayoutError("embeddings.item_index", "no such item or repeated", index)
+        rows = tensor_from_ref(emb.rows, "embeddings.rows")
+        if rows.ndim != 2 or rows.shape[0] != items[index].length:
+            raise MultimodalLayoutError(
+                "embeddings.rows",
+                f"shape {tuple(rows.shape)} does not match the item's {items[index].length} rows",
+                index,
+            )
+        deepstack = tuple(tensor_from_ref(d, "embeddings.deepstack") for d in emb.deepstack)
+        if any(d.shape != rows.shape for d in deepstack):
+            raise MultimodalLayoutError("embeddings.deepstack", "shape differs from rows", index)
+        out[index] = ItemEmbedding(rows, deepstack)
+    return out
