@@ -1,0 +1,361 @@
+"""The Qwen3-VL vision tower in torch: patch rows in, LM-ready embedding rows out.
+
+Pipeline per item with grid `(t, h, w)` (in patches): a linear patch embedding (equal to the
+reference's Conv3d with stride = kernel), plus the learned position table resampled
+bilinearly (align_corners) from its square grid to `h x w`; 2-D rotary embedding over
+(row, column); `depth` pre-norm blocks with attention restricted to one temporal frame
+(`h * w` patches); the merger turns each 2x2 block of patches into one row of the LM's
+width. Deepstack mergers read the hidden states after the blocks listed in
+`deepstack_visual_indexes`, one extra row set per listed block.
+
+Patch rows arrive in the processor's order: frame-major, then 2x2 merge blocks in raster
+order, then the four patches of a block. Nothing couples two frames, so a frame's output rows
+depend only on that frame's pixels: encoding any subset of frames gives exactly those
+frames' rows of the whole-item encoding (the exactness partial reuse relies on).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
+from common.models.qwen3_vl.weights import VISUAL_PREFIX
+
+logger = logging.getLogger(__name__)
+
+
+def _activation(name: str) -> nn.Module:
+    if name == "gelu_pytorch_tanh":
+        return nn.GELU(approximate="tanh")
+    if name == "gelu":
+        return nn.GELU()
+    if name == "silu":
+        return nn.SiLU()
+    if name == "quick_gelu":
+        return _QuickGELU()
+    raise ValueError(f"unsupported vision activation {name!r}")
+
+
+class _QuickGELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm + 2-layer MLP over each group of `merge_unit` consecutive patch rows.
+
+    `postshuffle_norm` (deepstack mergers) normalises the concatenated group; otherwise
+    (the final merger) each patch is normalised before concatenation.
+    """
+
+    def __init__(self, config: VisionConfig, *, postshuffle_norm: bool) -> None:
+        super().__init__()
+        self.merged_size = config.hidden_size * config.merge_unit
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(
+            self.merged_size if postshuffle_norm else config.hidden_size, eps=1e-6
+        )
+        self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size)
+        self.act = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.merged_size, config.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.postshuffle_norm:
+            x = self.norm(x.reshape(-1, self.merged_size))
+        else:
+            x = self.norm(x).reshape(-1, self.merged_size)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head attention within each frame, with 2-D rotary q/k."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.hidden_size // config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        segments: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        """`segments`: `(row_start, frames, rows_per_frame)` per item; attention never crosses
+        a frame boundary."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = _apply_rotary(q, k, *rotary)
+        out = torch.empty_like(q)
+        for start, frames, per_frame in segments:
+            end = start + frames * per_frame
+            # (frames, heads, rows, head_dim): one batched call per item, each frame a batch.
+            qs, ks, vs = (
+                t[start:end].reshape(frames, per_frame, self.num_heads, -1).transpose(1, 2)
+                for t in (q, k, v)
+            )
+            o = F.scaled_dot_product_attention(qs, ks, vs)
+            out[start:end] = o.transpose(1, 2).reshape(end - start, self.num_heads, self.head_dim)
+        return self.proj(out.reshape(n, -1))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Rotation in float32 whatever the model dtype, as the reference does.
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    qf, kf = q.float(), k.float()
+    q_out = qf * cos + _rotate_half(qf) * sin
+    k_out = kf * cos + _rotate_half(kf) * sin
+    return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+class VisionMLP(nn.Module):
+    """Two linear layers with the configured activation."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = _activation(config.hidden_act)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(config)
+        self.mlp = VisionMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        segments: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rotary, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """Flattened `(C, T, P, P)` patch rows -> hidden rows.
+
+    The weight keeps the reference's Conv3d shape; since stride equals kernel, the convolution
+    is one matrix product over each flattened patch, which is what runs.
+    """
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.proj = nn.Conv3d(
+            config.in_channels,
+            config.hidden_size,
+            kernel_size=(config.temporal_patch_size, config.patch_size, config.patch_size),
+            stride=(config.temporal_patch_size, config.patch_size, config.patch_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight.reshape(self.proj.out_channels, -1)
+        return F.linear(x, weight, self.proj.bias)
+
+
+class VisionTower(nn.Module):
+    """The whole Qwen3-VL vision encoder (state-dict names = the reference's minus
+    `model.visual.`)."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        if config.hidden_size % config.num_heads:
+            raise ValueError("vision hidden_size must be a multiple of num_heads")
+        self.side = math.isqrt(config.num_position_embeddings)
+        if self.side * self.side != config.num_position_embeddings:
+            raise ValueError("vision num_position_embeddings must be a perfect square")
+        self.patch_embed = PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config, postshuffle_norm=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(config, postshuffle_norm=True) for _ in config.deepstack_visual_indexes
+        )
+        head_dim = config.hidden_size // config.num_heads
+        # Axial rope: a quarter of the head's dims per axis, repeated so the halves rotate
+        # (row, col) pairs over the whole head.
+        quarter = head_dim // 2
+        inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: Qwen3VLConfig | VisionConfig,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        device: str | torch.device | None = None,
+    ) -> VisionTower:
+        """Build from reference-named tensors (`model.visual.*`, or already stripped).
+
+        The tower takes the tensors' dtype (all must share it) and device unless `device` says
+        otherwise. Raises `ValueError` naming any missing or misshaped tensor.
+        """
+        vision = config.vision if isinstance(config, Qwen3VLConfig) else config
+        if any(n.startswith(VISUAL_PREFIX) for n in tensors):
+            cut = len(VISUAL_PREFIX)
+            state = {n[cut:]: t for n, t in tensors.items() if n.startswith(VISUAL_PREFIX)}
+        else:
+            state = dict(tensors)
+        with torch.device("meta"):
+            tower = cls(vision)
+        own = tower.state_dict()
+        missing = sorted(set(own) - set(state))
+        misshaped = sorted(
+            f"{n} (expected {list(own[n].shape)}, got {list(state[n].shape)})"
+            for n in own
+            if n in state and own[n].shape != state[n].shape
+        )
+        problems = []
+        if missing:
+            problems.append("missing: " + ", ".join(VISUAL_PREFIX + m for m in missing))
+        if misshaped:
+            problems.append("misshaped: " + ", ".join(VISUAL_PREFIX + m for m in misshaped))
+        if problems:
+            raise ValueError("vision weights do not match the config: " + "; ".join(problems))
+        tower.load_state_dict({n: state[n] for n in own}, assign=True)
+        tower.inv_freq = tower._fresh_inv_freq(state[next(iter(own))].device)
+        if device is not None:
+            tower = tower.to(device)
+        return tower.eval()
+
+    def _fresh_inv_freq(self, device: torch.device) -> torch.Tensor:
+        head_dim = self.config.hidden_size // self.config.num_heads
+        quarter = head_dim // 2
+        exponent = torch.arange(0, quarter, 2, dtype=torch.float32, device=device) / quarter
+        return 1.0 / (self.config.rope_theta**exponent)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the tower's weights."""
+        return self.pos_embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the tower's weights."""
+        return self.pos_embed.weight.device
+
+    def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:
+        """Merged output rows of each item: `t * h * w / merge_unit`."""
+        return [int(t * h * w) // self.config.merge_unit for t, h, w in grid_thw.tolist()]
+
+    @torch.inference_mode()
+    def encode(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Encode the patch rows of several items.
+
+        `pixel_values`: `(sum(t*h*w), patch_dim)` patch rows of all items in order;
+        `grid_thw`: `(n, 3)` integer patch grid per item. Returns the merged rows of all items
+        concatenated in item order, `(sum(t*h*w) / merge_unit, out_hidden_size)`, and one
+        tensor of the same shape per deepstack layer (in layer order).
+        """
+        cfg = self.config
+        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+        total = sum(t * h * w for t, h, w in grids)
+        if pixel_values.ndim != 2 or pixel_values.shape != (total, cfg.patch_dim):
+            raise ValueError(
+                f"pixel_values shape {tuple(pixel_values.shape)} does not match grid_thw "
+                f"{grids}: expected ({total}, {cfg.patch_dim})"
+            )
+        for t, h, w in grids:
+            if t < 1 or h % cfg.spatial_merge_size or w % cfg.spatial_merge_size:
+                raise ValueError(
+                    f"grid {(t, h, w)}: t >= 1 and h, w multiples of {cfg.spatial_merge_size}"
+                )
+        x = pixel_values.to(device=self.device, dtype=self.dtype)
+        x = self.patch_embed(x)
+
+        segments: list[tuple[int, int, int]] = []
+        pos_parts: list[torch.Tensor] = []
+        cos_parts: list[torch.Tensor] = []
+        start = 0
+        cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for t, h, w in grids:
+            if (h, w) not in cache:
+                cache[(h, w)] = (self._position_embedding(h, w), self._rotary_angles(h, w))
+            pos, angles = cache[(h, w)]
+            pos_parts.append(pos.repeat(t, 1))
+            cos_parts.append(angles.repeat(t, 1))
+            segments.append((start, t, h * w))
+            start += t * h * w
+        x = x + torch.cat(pos_parts).to(x.dtype)
+        angles = torch.cat(cos_parts)
+        rotary = (angles.cos(), angles.sin())
+
+        deepstack: list[torch.Tensor] = []
+        for layer, block in enumerate(self.blocks):
+            x = block(x, rotary, segments)
+            if layer in cfg.deepstack_visual_indexes:
+                merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(layer)]
+                deepstack.append(merger(x))
+        return self.merger(x), deepstack
+
+    def _merge_order(self, h: int, w: int) -> torch.Tensor:
+        """Raster index of each patch in the processor's merge-block order."""
+        m = self.config.spatial_merge_size
+        raster = torch.arange(h * w, device=self.device).reshape(h // m, m, w // m, m)
+        return raster.permute(0, 2, 1, 3).reshape(-1)
+
+    def _position_embedding(self, h: int, w: int) -> torch.Tensor:
+        """The learned `side x side` table resampled bilinearly (align_corners) to `h x w`,
+        rows in merge-block order."""
+        side = self.side
+        table = self.pos_embed.weight.float()
+
+        def taps(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            src = torch.arange(n, device=self.device, dtype=torch.float32) * (side - 1)
+            src = src / max(n - 1, 1)
+            lo = src.floor()
+            frac = src - lo
+            lo_i = lo.long().clamp(0, side - 1)
+            return lo_i, (lo_i + 1).clamp(max=side - 1), frac
+
+        h0, h1, fh = taps(h)
+        w0, w1, fw = taps(w)
+        fh, fw = fh[:, None, None], fw[None, :, None]
+        emb = (
+            table[h0[:, None] * side + w0[None, :]] * ((1 - fh) * (1 - fw))
+            + table[h0[:, None] * side + w1[None, :]] * ((1 - fh) * fw)
+            + table[h1[:, None] * side + w0[None, :]] * (fh * (1 - fw))
+            + table[h1[:, None] * side + w1[None, :]] * (fh * fw)
+        )
+        return emb.reshape(h * w, -1)[self._merge_order(h, w)]
+
+    def _rotary_angles(self, h: int, w: int) -> torch.Tensor:
+        """Rotary angles `(h*w, head_dim)` for one frame, rows in merge-block order."""
+        order = self._merge_order(h, w)
+        rows = (order // w).float()
+        cols = (order % w).float()
+        inv_freq = self.inv_freq.to(self.device)
+        half = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)
+        return torch.cat([half, half], dim=-1)

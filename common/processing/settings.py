@@ -1,0 +1,87 @@
+"""Processor settings: how images and videos become patch rows (`preprocessor_config.json`).
+
+One frozen record read from the checkpoint folder. Every field that changes the processed
+pixels is part of `fingerprint()`, which goes into each item's content hash, so the same
+picture processed under different settings never shares a hash.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorSettings:
+    """Qwen3-VL image/video preprocessing settings (defaults are the released model's)."""
+
+    # Spatial side of one vision patch, in pixels.
+    patch_size: int = 16
+    # Patches per side merged into one LM token (2 -> 2x2 patches per token).
+    merge_size: int = 2
+    # Frames stacked into one patch (images are repeated to fill it).
+    temporal_patch_size: int = 2
+    # Image pixel budget (height x width after resizing) lower and upper bound.
+    min_pixels: int = 64 * 32 * 32
+    max_pixels: int = 16384 * 32 * 32
+    # Per-channel normalisation applied after scaling to [0, 1].
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # Video pixel budget over all sampled frames (frames x height x width).
+    video_min_pixels: int = 4096
+    video_max_pixels: int = 24576 * 32 * 32
+    # Frames sampled per second of video; None keeps every given frame.
+    video_sample_fps: float | None = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    # Source frame rate assumed when a video message does not give one (the reference's).
+    video_default_fps: float = 24.0
+
+    @property
+    def factor(self) -> int:
+        """Resized image sides are multiples of this many pixels."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ProcessorSettings:
+        """Build from our `preprocessor_config.json` form; the reference's `size` dict is
+        accepted for the image pixel bounds."""
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {k: v for k, v in raw.items() if k in known}
+        size = raw.get("size")
+        if isinstance(size, dict):
+            if "shortest_edge" in size:
+                values.setdefault("min_pixels", int(size["shortest_edge"]))
+            if "longest_edge" in size:
+                values.setdefault("max_pixels", int(size["longest_edge"]))
+        for key in ("image_mean", "image_std"):
+            if key in values:
+                values[key] = tuple(float(x) for x in values[key])
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ProcessorSettings:
+        """Read `preprocessor_config.json` (a file, or a folder holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / PREPROCESSOR_FILE
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `preprocessor_config.json` form, with the reference's keys added so its image
+        processor reads the same bounds."""
+        out = asdict(self)
+        out["image_mean"] = list(self.image_mean)
+        out["image_std"] = list(self.image_std)
+        out["size"] = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+        out["processor_class"] = "Qwen3VLProcessor"
+        out["image_processor_type"] = "Qwen2VLImageProcessor"
+        return out
+
+    def fingerprint(self) -> bytes:
+        """Canonical bytes of every setting, for content hashes."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
