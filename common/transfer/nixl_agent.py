@@ -1,0 +1,491 @@
+"""One NIXL agent per process: memory registration, peer metadata, and blocking READs.
+
+KV blocks and large embedding tensors move worker-to-worker by NIXL READ, initiated by the
+receiver (DESIGN §4). `TransferAgent` wraps one `nixl_agent` with the UCX backend, which moves
+host DRAM between processes on CPU-only machines and device memory where there are GPUs.
+
+Lifecycle: construct (creates the agent and its UCX backend) -> `register` the buffers peers
+may read or this process reads into -> send `metadata()` to peers (after registering: the
+metadata is a snapshot of the registrations) -> `add_peer` for each holder -> `read` /
+`read_async` -> `close()`.
+
+Ownership: `register` keeps a reference to the tensor until `deregister` or `close`, so
+registered memory is never freed while NIXL may still touch it. The caller owns the tensor's
+contents. A holder must keep a range alive (lease) until the reader confirms its READ.
+
+Thread safety: all public methods may be called from several threads (servers call
+`read_async`, which runs `read` in a worker thread). Python-side state is guarded by a lock
+and the nixl agent is created with NIXL_THREAD_SYNC_STRICT. `close()` must not race with reads
+in flight; stop issuing reads first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from common.transfer.ranges import ByteRange, check_pairs, merge_ranges
+
+logger = logging.getLogger(__name__)
+
+# NIXL memory segment names.
+HOST_MEMORY: Final = "DRAM"
+DEVICE_MEMORY: Final = "VRAM"
+
+# Poll back-off while waiting for a transfer: first sleep, growth factor, ceiling (seconds).
+# The ceiling stays well under one large transfer's time so polling adds little latency.
+_POLL_FIRST_S: Final = 20e-6
+_POLL_GROWTH: Final = 2.0
+_POLL_MAX_S: Final = 200e-6
+
+
+class TransferError(RuntimeError):
+    """A NIXL transfer could not be created, failed, or was refused."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A transfer did not complete within its timeout.
+
+    `cancelled` is True when NIXL released (cancelled) the handle. When False the handle is
+    parked and retried later, and the transfer may still write the local ranges: keep that
+    memory allocated and registered.
+    """
+
+    def __init__(self, message: str, cancelled: bool = False) -> None:
+        super().__init__(message)
+        # True when NIXL cancelled and released the transfer.
+        self.cancelled = cancelled
+
+
+class UnknownPeerError(TransferError, KeyError):
+    """A read named a peer whose metadata was never loaded with `add_peer`."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown peer"
+
+
+def _import_nixl() -> Any:
+    """Import the NIXL Python package (CUDA 12 wheel first, then the generic name)."""
+    try:
+        import nixl_cu12
+
+        return nixl_cu12
+    except ImportError:
+        pass
+    try:
+        from nixl import _api as nixl_api
+
+        return nixl_api
+    except ImportError as exc:
+        raise ImportError(
+            "NIXL is not installed: install the 'nixl-cu12' (or 'nixl') package to move KV "
+            "blocks and tensors between workers"
+        ) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredRegion:
+    """A memory range registered with this process's NIXL agent."""
+
+    # Start address in this process.
+    address: int
+    # Length in bytes.
+    nbytes: int
+    # NIXL segment: "DRAM" (host) or "VRAM" (device).
+    memory: str
+    # CUDA device ordinal for device memory; 0 for host memory.
+    device_id: int
+    # The registered tensor, held so its memory outlives the registration.
+    tensor: torch.Tensor = field(repr=False, compare=False)
+    # NIXL's registration list, needed to deregister.
+    _reg_descs: Any = field(repr=False, compare=False)
+
+    def contains(self, address: int, nbytes: int) -> bool:
+        """True if [address, address + nbytes) lies inside this region."""
+        return self.address <= address and address + nbytes <= self.address + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What one READ moved and how long it took."""
+
+    # Bytes moved.
+    nbytes: int
+    # Descriptors posted to NIXL, after merging.
+    descriptors: int
+    # Ranges the caller asked for, before merging.
+    requested: int
+    # Wall time from building descriptors to completion, in seconds.
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def tensor_memory(tensor: torch.Tensor) -> tuple[str, int]:
+    """NIXL segment name and device ordinal for a tensor's storage."""
+    if tensor.device.type == "cpu":
+        return HOST_MEMORY, 0
+    if tensor.device.type == "cuda":
+        return DEVICE_MEMORY, tensor.device.index or 0
+    raise ValueError(f"NIXL cannot register memory on device {tensor.device}")
+
+
+class TransferAgent:
+    """One NIXL agent (UCX backend) for this process; see the module docstring for contracts."""
+
+    def __init__(self, name_prefix: str = "epd", *, progress_thread: bool = True) -> None:
+        """Create the agent, named `<prefix>-<pid>-<random>` so names never collide.
+
+        Raises ImportError if NIXL is missing and RuntimeError if the UCX backend cannot be
+        created on this machine.
+        """
+        nixl = _import_nixl()
+        self.name: str = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        config = nixl.nixl_agent_config(
+            enable_prog_thread=progress_thread,
+            backends=["UCX"],
+            sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        try:
+            self._agent = nixl.nixl_agent(self.name, config)
+        except Exception as exc:
+            raise RuntimeError(f"cannot create NIXL agent {self.name!r}: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError(
+                f"NIXL UCX backend unavailable (plugins found: {self._agent.get_plugin_list()}); "
+                "check that the UCX plugin ships with the nixl wheel"
+            )
+        self._lock = threading.Lock()
+        self._regions: list[RegisteredRegion] = []
+        self._peers: dict[str, bytes] = {}  # peer name -> metadata last loaded
+        self._leaked: list[Any] = []  # xfer handles NIXL refused to release; retried later
+        self._closed = False
+        logger.info("NIXL agent %s ready (UCX)", self.name)
+
+    # -- registration ------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor) -> RegisteredRegion:
+        """Register a contiguous tensor's memory so peers may READ it or it may receive READs.
+
+        Idempotent: a tensor lying inside an already registered region returns that region.
+        A tensor otherwise overlapping a registered region is refused (ValueError). The agent
+        holds a reference to the tensor until `deregister` or `close`.
+        """
+        if not tensor.is_contiguous():
+            raise ValueError("only contiguous tensors can be registered")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            raise ValueError("cannot register an empty tensor")
+        memory, device_id = tensor_memory(tensor)
+        address = tensor.data_ptr()
+        with self._lock:
+            self._check_open()
+            for region in self._regions:
+                if region.memory != memory or region.device_id != device_id:
+                    continue
+                if region.contains(address, nbytes):
+                    return region
+                if address < region.address + region.nbytes and region.address < address + nbytes:
+                    raise ValueError(
+                        f"tensor at {address:#x}+{nbytes} overlaps registered region "
+                        f"{region.address:#x}+{region.nbytes}"
+                    )
+            reg_descs = self._agent.get_reg_descs(
+                [(address, nbytes, device_id, "")], memory
+            )
+            try:
+                self._agent.register_memory(reg_descs)
+            except Exception as exc:
+                raise TransferError(
+                    f"NIXL could not register {nbytes} bytes of {memory}: {exc}"
+                ) from exc
+            region = RegisteredRegion(address, nbytes, memory, device_id, tensor, reg_descs)
+            self._regions.append(region)
+        logger.debug("%s registered %s %#x+%d", self.name, memory, address, nbytes)
+        return region
+
+    def deregister(self, region: RegisteredRegion) -> None:
+        """Deregister a region returned by `register` and drop the agent's tensor reference.
+
+        Peers holding older metadata may still try to read it; their transfers fail.
+        """
+        with self._lock:
+            self._check_open()
+            if region not in self._regions:
+                raise ValueError(f"region {region} is not registered with {self.name}")
+            self._regions.remove(region)
+            self._agent.deregister_memory(region._reg_descs)
+
+    def region_of(self, address: int, nbytes: int) -> RegisteredRegion | None:
+        """The registered region holding [address, address + nbytes), if any."""
+        with self._lock:
+            return self._find_region(address, nbytes)
+
+    def _find_region(self, address: int, nbytes: int) -> RegisteredRegion | None:
+        for region in self._regions:
+            if region.contains(address, nbytes):
+                return region
+        return None
+
+    # -- peers -------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """This agent's serialized metadata for peers: connection info plus registrations.
+
+        It is a snapshot: send it again after registering more memory.
+        """
+        with self._lock:
+            self._check_open()
+            return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, agent_metadata: bytes) -> str:
+        """Load a peer's metadata and return its agent name.
+
+        Loading the same bytes again is a cheap no-op; new bytes for a known peer (it has
+        registered more memory since) replace the old snapshot.
+        """
+        with self._lock:
+            self._check_open()
+            for name, known in self._peers.items():
+                if known == agent_metadata:
+                    return name
+            try:
+                raw_name = self._agent.add_remote_agent(agent_metadata)
+            except Exception as exc:
+                raise TransferError(f"cannot load peer metadata: {exc}") from exc
+            # The binding returns the name as bytes although it is annotated as str.
+            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+            if name == self.name:
+                raise ValueError("add_peer was given this agent's own metadata")
+            self._peers[name] = agent_metadata
+        logger.debug("%s loaded peer %s", self.name, name)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (for example a worker that died) and disconnect from it."""
+        with self._lock:
+            self._check_open()
+            if self._peers.pop(name, None) is not None:
+                self._agent.remove_remote_agent(name)
+
+    @property
+    def peers(self) -> list[str]:
+        """Names of the peers loaded so far."""
+        with self._lock:
+            return list(self._peers)
+
+    # -- transfers ---------------------------------------------------------------------
+
+    def read(
+        self,
+        peer: str,
+        remote: Sequence[ByteRange],
+        local: Sequence[ByteRange],
+        *,
+        timeout_s: float,
+        remote_memory: str = HOST_MEMORY,
+        remote_device_id: int = 0,
+    ) -> TransferStats:
+        """READ `remote[i]` of `peer` into `local[i]` for every i, and block until done.
+
+        Pairs contiguous on both sides are merged first (see `merge_ranges`), then the whole
+        copy is posted as one NIXL transfer and polled to completion. Local ranges must lie
+        in memory registered with this agent; remote ranges in memory the peer registered
+        before producing the metadata given to `add_peer` (NIXL refuses others).
+
+        Raises ValueError for malformed ranges, UnknownPeerError for a peer never added,
+        TransferTimeoutError after `timeout_s` (the handle is released or, if NIXL refuses
+        to cancel, parked and released later; the local bytes are then undefined), and
+        TransferError if NIXL refuses or fails the transfer.
+        """
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if remote_memory not in (HOST_MEMORY, DEVICE_MEMORY):
+            raise ValueError(f"remote_memory must be 'DRAM' or 'VRAM', got {remote_memory!r}")
+        check_pairs(remote, local)
+        started = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise UnknownPeerError(
+                    f"unknown NIXL peer {peer!r}: call add_peer with its metadata first"
+                )
+            local_memory, local_device = self._local_memory_of(local)
+            self._retry_leaked()
+        merged_remote, merged_local = merge_ranges(remote, local)
+        remote_descs = self._agent.get_xfer_descs(
+            _desc_array(merged_remote, remote_device_id), remote_memory
+        )
+        local_descs = self._agent.get_xfer_descs(
+            _desc_array(merged_local, local_device), local_memory
+        )
+        try:
+            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer)
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL refused a READ of {len(merged_remote)} descriptors from {peer!r} "
+                f"({exc}); are the remote ranges inside memory the peer registered before "
+                "sending its metadata?"
+            ) from exc
+        nbytes = sum(length for _, length in merged_local)
+        self._post_and_wait(handle, peer, nbytes, timeout_s, started)
+        stats = TransferStats(
+            nbytes=nbytes,
+            descriptors=len(merged_remote),
+            requested=len(remote),
+            seconds=time.perf_counter() - started,
+        )
+        logger.debug(
+            "%s read %d bytes from %s in %d descriptors (%d asked) in %.3f ms",
+            self.name, stats.nbytes, peer, stats.descriptors, stats.requested,
+            stats.seconds * 1e3,
+        )
+        return stats
+
+    async def read_async(
+        self,
+        peer: str,
+        remote: Sequence[ByteRange],
+        local: Sequence[ByteRange],
+        *,
+        timeout_s: float,
+        remote_memory: str = HOST_MEMORY,
+        remote_device_id: int = 0,
+    ) -> TransferStats:
+        """`read` in a worker thread, so an asyncio server keeps serving meanwhile.
+
+        Cancelling the awaiting task does not stop the transfer: the thread runs it to
+        completion or timeout, so the local ranges must stay allocated until then.
+        """
+        return await asyncio.to_thread(
+            self.read,
+            peer,
+            remote,
+            local,
+            timeout_s=timeout_s,
+            remote_memory=remote_memory,
+            remote_device_id=remote_device_id,
+        )
+
+    def _post_and_wait(
+        self, handle: Any, peer: str, nbytes: int, timeout_s: float, started: float
+    ) -> None:
+        """Post a prepared transfer and poll it; always releases the handle."""
+        done = False
+        timed_out: TransferTimeoutError | None = None
+        try:
+            state = self._agent.transfer(handle)
+            sleep_s = _POLL_FIRST_S
+            deadline = started + timeout_s
+            while state == "PROC":
+                if time.perf_counter() >= deadline:
+                    timed_out = TransferTimeoutError(
+                        f"READ of {nbytes} bytes from {peer!r} timed out after {timeout_s} s"
+                    )
+                    raise timed_out
+                time.sleep(sleep_s)
+                sleep_s = min(sleep_s * _POLL_GROWTH, _POLL_MAX_S)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed (state {state})")
+            done = True
+        finally:
+            released = self._release(handle, done)
+            if timed_out is not None:
+                timed_out.cancelled = released
+
+    def _release(self, handle: Any, done: bool) -> bool:
+        """Release a transfer handle; park it if NIXL refuses. True if released."""
+        try:
+            handle.release()
+            return True
+        except Exception:
+            # NIXL refuses to release a transfer it cannot cancel; keep it and retry later.
+            logger.warning(
+                "%s could not release %s transfer handle; will retry",
+                self.name, "a finished" if done else "an unfinished",
+            )
+            with self._lock:
+                self._leaked.append(handle)
+            return False
+
+    def _retry_leaked(self) -> None:
+        """Release parked handles that NIXL now lets go. Caller holds the lock."""
+        still: list[Any] = []
+        for handle in self._leaked:
+            try:
+                handle.release()
+            except Exception:
+                still.append(handle)
+        self._leaked = still
+
+    def _local_memory_of(self, local: Sequence[ByteRange]) -> tuple[str, int]:
+        """Segment and device shared by all local ranges; each must be registered."""
+        kinds: set[tuple[str, int]] = set()
+        for i, (address, nbytes) in enumerate(local):
+            region = self._find_region(address, nbytes)
+            if region is None:
+                raise ValueError(
+                    f"local range {i} ({address:#x}+{nbytes}) is not inside memory registered "
+                    f"with {self.name}; register the destination buffer first"
+                )
+            kinds.add((region.memory, region.device_id))
+        if len(kinds) != 1:
+            raise ValueError(f"local ranges span several memories {sorted(kinds)}; split the read")
+        return kinds.pop()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Forget peers, deregister every region, and drop tensor references. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._retry_leaked()
+            for name in list(self._peers):
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception:
+                    logger.warning("%s: could not remove peer %s", self.name, name, exc_info=True)
+            self._peers.clear()
+            for region in self._regions:
+                try:
+                    self._agent.deregister_memory(region._reg_descs)
+                except Exception:
+                    logger.warning(
+                        "%s: could not deregister %#x", self.name, region.address, exc_info=True
+                    )
+            self._regions.clear()
+        logger.info("NIXL agent %s closed", self.name)
+
+    def __enter__(self) -> TransferAgent:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"NIXL agent {self.name} is closed")
+
+
+def _desc_array(ranges: Sequence[ByteRange], device_id: int) -> np.ndarray:
+    """Nx3 uint64 (address, length, device) rows: NIXL's fastest descriptor-list input."""
+    arr = np.empty((len(ranges), 3), dtype=np.uint64)
+    arr[:, :2] = ranges
+    arr[:, 2] = device_id
+    return arr
