@@ -1,0 +1,229 @@
+"""BlockPool: exact block ids, eviction order, KV events, and random-operation invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.kv import BlockPool, KvEvent, NoFreeBlocksError
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def test_fresh_pool_allocates_in_id_order():
+    pool = BlockPool(6)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) == [2, 3, 4]
+    assert (pool.num_free_blocks, pool.num_used_blocks) == (1, 5)
+    assert pool.allocate(0) == []
+    pool.check_invariants()
+
+
+def test_released_uncached_blocks_go_to_the_free_tail():
+    pool = BlockPool(4)
+    a = pool.allocate(2)  # [0, 1]
+    pool.release(a)  # released last to first: 1 then 0
+    assert pool.allocate(4) == [2, 3, 1, 0]
+
+
+def test_free_blocks_are_used_before_evicting_cached_ones():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    pool.cache_blocks(a, [h(0), h(1)])
+    pool.release(a)
+    assert pool.num_evictable_blocks == 2 and pool.num_free_blocks == 4
+    assert pool.allocate(2) == [2, 3]  # never-cached blocks first
+    assert pool.num_cached_blocks == 2
+    assert pool.drain_events() == [KvEvent("stored", (h(0), h(1)))]
+
+
+def test_eviction_order_is_lru_with_sequence_tail_first():
+    pool = BlockPool(5)
+    seq_a = pool.allocate(3)  # [0, 1, 2]
+    pool.cache_blocks(seq_a, [h(0), h(1), h(2)])
+    seq_b = pool.allocate(2)  # [3, 4]
+    pool.cache_blocks(seq_b, [h(3), h(4)])
+    pool.release(seq_a)  # queue: 2, 1, 0
+    pool.release(seq_b)  # queue: 2, 1, 0, 4, 3
+    pool.drain_events()
+    assert pool.allocate(1) == [2]
+    assert pool.allocate(2) == [1, 0]
+    assert pool.drain_events() == [KvEvent("removed", (h(2),)), KvEvent("removed", (h(1), h(0)))]
+    assert pool.get(h(2)) is None and pool.block_hash_of(2) is None
+    assert pool.find_cached_prefix([h(3), h(4)]) == [3, 4]
+    assert pool.allocate(2) == [4, 3]
+    assert pool.num_cached_blocks == 0
+    pool.check_invariants()
+
+
+def test_acquire_revives_an_evictable_block_and_release_requeues_it_at_the_tail():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    pool.cache_blocks(blocks, [h(0), h(1), h(2)])
+    pool.release(blocks)  # queue: 2, 1, 0
+    hit = pool.find_cached_prefix([h(0), h(1), h(9)])
+    assert hit == [0, 1]
+    assert (pool.hits, pool.lookups) == (2, 3)
+    pool.acquire(hit)  # queue: 2
+    assert pool.ref_count(0) == 1 and pool.num_used_blocks == 2
+    pool.acquire([0])  # a second sequence shares block 0
+    pool.release([0])
+    assert pool.ref_count(0) == 1
+    pool.release(hit)  # queue: 2, 1, 0
+    assert pool.allocate(3) == [2, 1, 0]
+
+
+def test_allocate_failure_changes_nothing():
+    pool = BlockPool(3)
+    held = pool.allocate(2)
+    pool.cache_block(held[0], h(7))
+    pool.release(held[:1])
+    events = pool.drain_events()
+    with pytest.raises(NoFreeBlocksError, match="wanted 3 KV blocks, only 2 free") as err:
+        pool.allocate(3)
+    assert (err.value.wanted, err.value.free) == (3, 2)
+    assert not pool.can_allocate(3) and pool.can_allocate(2)
+    assert pool.get(h(7)) == 0 and pool.num_free_blocks == 2
+    assert events == [KvEvent("stored", (h(7),))] and pool.drain_events() == []
+    pool.check_invariants()
+
+
+def test_double_release_and_bad_acquire_raise_without_side_effects():
+    pool = BlockPool(3)
+    a = pool.allocate(2)
+    with pytest.raises(ValueError, match="double release of block 0"):
+        pool.release([1, 0, 0])
+    assert pool.ref_count(0) == pool.ref_count(1) == 1
+    pool.release(a)
+    with pytest.raises(ValueError, match="double release"):
+        pool.release([0])
+    with pytest.raises(ValueError, match="free and not cached"):
+        pool.acquire([2])
+    with pytest.raises(IndexError):
+        pool.release([3])
+    pool.check_invariants()
+
+
+def test_cache_block_never_duplicates_a_hash():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    assert pool.cache_block(a, h(1)) == a
+    assert pool.cache_block(a, h(1)) == a  # idempotent, no second event
+    assert pool.cache_block(b, h(1)) == a  # caller decides what to do with b
+    assert pool.block_hash_of(b) is None and pool.num_cached_blocks == 1
+    with pytest.raises(ValueError, match="another hash"):
+        pool.cache_block(a, h(2))
+    with pytest.raises(ValueError, match="not referenced"):
+        pool.cache_block(3, h(3))
+    assert pool.drain_events() == [KvEvent("stored", (h(1),))]
+
+
+def test_reset_prefix_cache_frees_evictable_and_uncaches_used_blocks():
+    seen: list[KvEvent] = []
+    pool = BlockPool(4, on_event=seen.append)
+    a = pool.allocate(2)
+    pool.cache_blocks(a, [h(0), h(1)])
+    pool.release(a[1:])
+    pool.reset_prefix_cache()
+    assert pool.num_cached_blocks == 0 and pool.num_evictable_blocks == 0
+    assert pool.find_cached_prefix([h(0)]) == []
+    pool.release(a[:1])  # uncached now, so straight to the free list
+    assert pool.num_free_blocks == 4
+    assert (
+        pool.drain_events()
+        == seen
+        == [
+            KvEvent("stored", (h(0), h(1))),
+            KvEvent("cleared", ()),
+        ]
+    )
+    pool.check_invariants()
+
+
+def test_disabled_prefix_cache_never_caches_or_emits():
+    pool = BlockPool(2, enable_prefix_cache=False, record_events=False)
+    a = pool.allocate(2)
+    assert pool.cache_blocks(a, [h(0), h(1)]) == a
+    assert pool.get(h(0)) is None and pool.find_cached_prefix([h(0)]) == []
+    pool.release(a)
+    assert pool.allocate(2) == [1, 0]
+    assert pool.drain_events() == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, True])
+def test_bad_pool_size(bad):
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(bad)
+
+
+# ----------------------------------------------------------------------------- properties
+
+_op = st.one_of(
+    st.tuples(st.just("allocate"), st.integers(0, 5)),
+    st.tuples(st.just("release"), st.integers(0, 20)),
+    st.tuples(st.just("cache"), st.integers(0, 20), st.integers(0, 12)),
+    st.tuples(st.just("hit"), st.lists(st.integers(0, 12), max_size=4)),
+    st.tuples(st.just("reset")),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_blocks=st.integers(1, 8), ops=st.lists(_op, max_size=40))
+def test_random_operations_keep_the_pool_consistent(num_blocks, ops):
+    """A model of the pool: `held` lists every reference the 'scheduler' owns."""
+    pool = BlockPool(num_blocks)
+    held: list[int] = []  # one entry per reference held (may repeat a block id)
+    cached: dict[bytes, int | None] = {}  # model of the prefix cache from the events
+    for op in ops:
+        if op[0] == "allocate":
+            n = op[1]
+            if pool.can_allocate(n):
+                got = pool.allocate(n)
+                assert len(set(got)) == n
+                assert not set(got) & set(held), "allocated a block someone holds"
+                held.extend(got)
+            else:
+                with pytest.raises(NoFreeBlocksError):
+                    pool.allocate(n)
+        elif op[0] == "release" and held:
+            block_id = held.pop(op[1] % len(held))
+            pool.release([block_id])
+        elif op[0] == "cache" and held:
+            block_id = held[op[1] % len(held)]
+            current = pool.block_hash_of(block_id)
+            if current is None or current == h(op[2]):
+                got = pool.cache_block(block_id, h(op[2]))
+                assert pool.get(h(op[2])) == got
+            else:
+                with pytest.raises(ValueError, match="another hash"):
+                    pool.cache_block(block_id, h(op[2]))
+        elif op[0] == "hit":
+            hashes = [h(i) for i in op[1]]
+            prefix = pool.find_cached_prefix(hashes)
+            assert prefix == [pool.get(x) for x in hashes[: len(prefix)]]
+            pool.acquire(prefix)
+            held.extend(prefix)
+        elif op[0] == "reset":
+            pool.reset_prefix_cache()
+        for event in pool.drain_events():
+            if event.kind == "stored":
+                for x in event.block_hashes:
+                    assert x not in cached
+                    cached[x] = pool.get(x)
+            elif event.kind == "removed":
+                for x in event.block_hashes:
+                    del cached[x]
+                    assert pool.get(x) is None
+                    assert pool.find_cached_prefix([x]) == []
+            else:
+                cached.clear()
+        pool.check_invariants()
+        assert pool.num_free_blocks + pool.num_used_blocks == num_blocks
+        assert pool.num_used_blocks == len(set(held))
+        for block_id in range(num_blocks):
+            assert pool.ref_count(block_id) == held.count(block_id)
+        assert cached == {x: b for x in cached if (b := pool.get(x)) is not None}
+        assert len(cached) == pool.num_cached_blocks

@@ -1,0 +1,185 @@
+"""PagedKvCache: byte layout, block addresses, scatter writes and gathers."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from common.kv import KV_LAYOUT, KvCacheSpec, PagedKvCache, slot_ids
+
+
+def make_spec(
+    *,
+    num_layers: int = 2,
+    num_kv_heads: int = 2,
+    head_dim: int = 4,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    num_blocks: int = 8,
+) -> KvCacheSpec:
+    return KvCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype, num_blocks)
+
+
+def rand_kv(n: int, spec: KvCacheSpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, spec.num_kv_heads, spec.head_dim)
+    return torch.randn(shape, generator=g).to(spec.dtype), torch.randn(shape, generator=g).to(
+        spec.dtype
+    )
+
+
+def test_spec_sizes_and_layout():
+    spec = make_spec(dtype=torch.bfloat16)
+    assert spec.layout == KV_LAYOUT == "block-major/layer,kv,token,head,dim"
+    assert spec.shape == (8, 2, 2, 4, 2, 4)
+    assert spec.block_bytes == 2 * 2 * 4 * 2 * 4 * 2
+    assert spec.total_bytes == spec.block_bytes * 8
+    assert spec.layout_key == make_spec(dtype=torch.bfloat16, num_blocks=99).layout_key
+    assert spec.layout_key != make_spec(dtype=torch.float16).layout_key
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "block_size"])
+def test_spec_rejects_bad_sizes(field):
+    with pytest.raises(ValueError, match=field):
+        make_spec(**{field: 0})
+    with pytest.raises(ValueError, match="dtype"):
+        KvCacheSpec(1, 1, 1, 1, "float32", 1)
+
+
+def test_buffer_is_one_contiguous_block_major_tensor():
+    spec = make_spec()
+    cache = PagedKvCache(spec)
+    assert cache.buffer.shape == spec.shape and cache.buffer.is_contiguous()
+    assert cache.buffer.device.type == "cpu"
+    assert cache.buffer.numel() * cache.buffer.element_size() == spec.total_bytes
+    k, v = cache.layer_view(1)
+    assert k.shape == v.shape == (8, 4, 2, 4)
+    assert k.data_ptr() == cache.buffer[0, 1, 0].data_ptr()  # a view, not a copy
+    assert v.data_ptr() == k.data_ptr() + 4 * 2 * 4 * spec.itemsize
+
+
+@pytest.mark.parametrize("block_id", [0, 3, 7])
+def test_block_address_covers_exactly_that_block(block_id):
+    spec = make_spec()
+    cache = PagedKvCache(spec)
+    cache.buffer[block_id] = torch.arange(cache.buffer[0].numel(), dtype=spec.dtype).view(
+        cache.buffer[0].shape
+    )
+    addr, nbytes = cache.block_address(block_id)
+    assert nbytes == spec.block_bytes
+    assert addr == cache.buffer.data_ptr() + block_id * spec.block_bytes
+    raw = ctypes.string_at(addr, nbytes)
+    assert raw == cache.buffer[block_id].numpy().tobytes()
+    # Byte formula of the module docstring: (block, layer, kv, token, head, dim).
+    b, layer, i, t, h, d = block_id, 1, 1, 2, 1, 3
+    L, S, H, D = spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim
+    off = (((((b * L + layer) * 2 + i) * S + t) * H + h) * D + d) * spec.itemsize
+    value = ctypes.c_float.from_address(cache.buffer.data_ptr() + off).value
+    assert value == cache.buffer[b, layer, i, t, h, d].item()
+
+
+def test_merged_descriptors_join_adjacent_ids():
+    cache = PagedKvCache(make_spec())
+    base, nb = cache.buffer.data_ptr(), cache.spec.block_bytes
+    assert cache.merged_descriptors([4, 5, 6, 1, 2, 7]) == [
+        (base + 4 * nb, 3 * nb),
+        (base + 1 * nb, 2 * nb),
+        (base + 7 * nb, nb),
+    ]
+    assert cache.merged_descriptors([]) == []
+    with pytest.raises(IndexError):
+        cache.block_address(8)
+
+
+def test_slot_ids_1d_and_2d():
+    table = torch.tensor([5, 2, 7])
+    assert slot_ids(table, torch.tensor([0, 3, 4, 9]), 4).tolist() == [20, 23, 8, 29]
+    tables = torch.tensor([[5, 2, 0], [1, 6, 3]])
+    assert slot_ids(tables, torch.tensor([5, 10]), 4).tolist() == [9, 14]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("chunks", [[10], [3, 7], [1, 1, 1, 7], [4, 4, 2]])
+def test_write_then_gather_round_trips(block_size, chunks):
+    spec = make_spec(block_size=block_size, num_blocks=12)
+    cache = PagedKvCache(spec)
+    n = sum(chunks)
+    n_blocks = -(-n // block_size)
+    table = torch.randperm(12, generator=torch.Generator().manual_seed(1))[:n_blocks]
+    k, v = rand_kv(n, spec)
+    start = 0
+    for size in chunks:
+        cache.write(1, table, start, k[start : start + size], v[start : start + size])
+        start += size
+    gk, gv = cache.gather(1, table, n)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    # Layer 0 and untouched blocks stay zero.
+    assert not cache.buffer[:, 0].any()
+    unused = sorted(set(range(12)) - set(table.tolist()))
+    assert not cache.buffer[unused].any()
+
+
+def test_write_lands_in_the_right_slot():
+    spec = make_spec()
+    cache = PagedKvCache(spec)
+    k, v = rand_kv(2, spec)
+    cache.write(0, torch.tensor([6, 3]), 3, k, v)  # positions 3 and 4
+    assert torch.equal(cache.buffer[6, 0, 0, 3], k[0])
+    assert torch.equal(cache.buffer[3, 0, 0, 0], k[1])
+    assert torch.equal(cache.buffer[3, 0, 1, 0], v[1])
+
+
+def test_write_casts_and_checks():
+    spec = make_spec(dtype=torch.bfloat16)
+    cache = PagedKvCache(spec)
+    k, v = rand_kv(3, make_spec())
+    cache.write(0, torch.tensor([1]), 0, k, v)
+    assert torch.equal(cache.gather(0, torch.tensor([1]), 3)[0], k.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="need 2"):
+        cache.write(0, torch.tensor([1]), 2, k, v)
+    with pytest.raises(ValueError, match=r"\[n, 2, 4\]"):
+        cache.write(0, torch.tensor([1]), 0, k[:, :1], v[:, :1])
+    with pytest.raises(IndexError):
+        cache.layer_view(2)
+
+
+def test_write_decode_batch_matches_per_sequence_writes():
+    spec = make_spec()
+    batched, single = PagedKvCache(spec), PagedKvCache(spec)
+    tables = torch.tensor([[1, 4], [2, 0], [7, 5]])
+    positions = torch.tensor([5, 0, 7])
+    k, v = rand_kv(3, spec)
+    batched.write_decode(1, slot_ids(tables, positions, spec.block_size), k, v)
+    for i in range(3):
+        single.write(1, tables[i], int(positions[i]), k[i : i + 1], v[i : i + 1])
+    assert torch.equal(batched.buffer, single.buffer)
+    with pytest.raises(IndexError):
+        batched.write_decode(0, torch.tensor([8 * 4]), k[:1], v[:1])
+    with pytest.raises(ValueError, match="slot ids"):
+        batched.write_decode(0, torch.tensor([1, 2]), k[:1], v[:1])
+
+
+def test_gather_batch_pads_with_block_rows():
+    spec = make_spec()
+    cache = PagedKvCache(spec)
+    k, v = rand_kv(6, spec)
+    cache.write(0, torch.tensor([3, 1]), 0, k, v)
+    cache.write(0, torch.tensor([5]), 0, k[:2], v[:2])
+    bk, bv = cache.gather_batch(0, torch.tensor([[3, 1], [5, 0]]))
+    assert bk.shape == (2, 8, 2, 4)
+    assert torch.equal(bk[0, :6], k) and torch.equal(bv[0, :6], v)
+    assert torch.equal(bk[1, :2], k[:2])
+
+
+def test_copy_block_and_copy_blocks():
+    spec = make_spec()
+    cache = PagedKvCache(spec)
+    cache.buffer.copy_(torch.randn(spec.shape))
+    before = cache.buffer.clone()
+    cache.copy_block(2, 6)
+    assert torch.equal(cache.buffer[6], before[2])
+    cache.copy_blocks([0, 1], [4, 5])
+    assert torch.equal(cache.buffer[4:6], before[0:2])
+    assert torch.equal(cache.buffer[:4], before[:4]) and torch.equal(cache.buffer[7], before[7])
