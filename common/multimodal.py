@@ -26,6 +26,8 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     import torch
 
+    from epd.v1 import multimodal_pb2
+
 INT32_MAX = 2**31 - 1
 HASH_BYTES = 32
 
@@ -239,6 +241,44 @@ class MultimodalParams:
                 int(self.run_items[run]),
             )
 
+    def check_placeholders(
+        self, token_ids: IntSequence, placeholder_ids: Sequence[int] | set[int]
+    ) -> None:
+        """Raise `MultimodalLayoutError` unless the prompt's placeholder tokens (ids in
+        `placeholder_ids`) sit exactly at the runs' positions.
+
+        Block keys name each run's first row; the token ids pin where runs end. A prompt
+        whose placeholder ids and runs disagree could share a block hash with a different
+        layout, so workers reject it before hashing.
+        """
+        tokens = np.asarray(token_ids)
+        mask = self.placeholder_mask(len(tokens))
+        is_pad = np.isin(tokens, np.fromiter(placeholder_ids, dtype=np.int64))
+        wrong = np.flatnonzero(is_pad != mask)
+        if wrong.size:
+            i = int(wrong[0])
+            what = (
+                "is a placeholder id outside every run"
+                if is_pad[i]
+                else "lies in a run but is not a placeholder id"
+            )
+            raise MultimodalLayoutError(
+                "prompt_token_ids", f"token {i} (id {int(tokens[i])}) {what}"
+            )
+
+    def to_proto(self) -> multimodal_pb2.MultimodalParams:
+        """The `epd.v1.MultimodalParams` wire form (see `common.wire`)."""
+        from common.wire import params_to_proto
+
+        return params_to_proto(self)
+
+    @classmethod
+    def from_proto(cls, msg: multimodal_pb2.MultimodalParams) -> MultimodalParams:
+        """Validate and decode the wire form (see `common.wire`)."""
+        from common.wire import params_from_proto
+
+        return params_from_proto(msg)
+
     def without_embeddings(self) -> MultimodalParams:
         """The same layout with no embeddings attached."""
         return MultimodalParams(self.items, {}, self.mrope_position_delta)
@@ -271,8 +311,6 @@ def validate_flat(
     for i, uuid in enumerate(uuids or ()):
         if uuid is not None and (not isinstance(uuid, str) or not uuid):
             raise MultimodalLayoutError("mm_uuids", "must be a non-empty string or None", i)
-    _check_spans("mm_positions", "mm_lengths", pos, lens, items=None)
-
     run_fields = {
         "item_run_cu_offsets": item_run_cu_offsets,
         "run_positions": run_positions,
@@ -280,7 +318,11 @@ def validate_flat(
     }
     given = [name for name, value in run_fields.items() if value is not None]
     if not given:
+        _check_spans("mm_positions", "mm_lengths", pos, lens, items=None)
         return [((int(p), int(length)),) for p, length in zip(pos, lens, strict=True)]
+    # With runs, [position, position + length) is no span (items may have gaps), so the
+    # legacy arrays are only checked for range; the runs carry the ordering checks.
+    _check_spans("mm_positions", "mm_lengths", pos, lens, items=None, ordered=False)
     if len(given) != len(run_fields):
         missing = [name for name in run_fields if name not in given]
         raise MultimodalLayoutError(
@@ -358,9 +400,15 @@ def _int_array(name: str, values: IntSequence) -> IntArray:
 
 
 def _check_spans(
-    pos_name: str, len_name: str, pos: IntArray, lens: IntArray, items: IntArray | None
+    pos_name: str,
+    len_name: str,
+    pos: IntArray,
+    lens: IntArray,
+    items: IntArray | None,
+    ordered: bool = True,
 ) -> None:
-    """Spans must have length >= 1, end within int32, and be ordered without overlap."""
+    """Spans must have length >= 1, end within int32, and (if `ordered`) be in order
+    without overlap."""
 
     def owner(k: int) -> int:
         return k if items is None else int(items[k])
@@ -374,6 +422,8 @@ def _check_spans(
     if overflow.size:
         k = int(overflow[0])
         raise MultimodalLayoutError(len_name, "position + length overflows int32", owner(k))
+    if not ordered:
+        return
     overlap = np.flatnonzero(pos[1:] < ends[:-1])
     if overlap.size:
         k = int(overlap[0]) + 1
