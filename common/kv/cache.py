@@ -208,7 +208,8 @@ class PagedKvCache:
         """Store K/V `[n, heads, head_dim]` at `n` flat slot ids (one scatter).
 
         The batched decode path: row `i` is the new token of sequence `i`, placed at
-        `slot_ids[i]` (see `slot_ids`). Slot ids must be distinct.
+        `slot_ids[i]` (see `slot_ids`). Slot ids must be distinct and in range (checked
+        for a host buffer).
         """
         n = self._check_kv(k, v)
         slots = slot_ids.to(self.device, torch.long).reshape(-1)
@@ -217,7 +218,9 @@ class PagedKvCache:
         if n == 0:
             return
         total = self.spec.num_blocks * self.spec.block_size
-        if int(slots.min()) < 0 or int(slots.max()) >= total:
+        # Bounds are checked on host memory only: on an accelerator the check would stall the
+        # stream once per layer per step, and a bad id fails there as a device-side assert.
+        if slots.device.type == "cpu" and (int(slots.min()) < 0 or int(slots.max()) >= total):
             raise IndexError(f"slot id out of range [0, {total})")
         blocks = torch.div(slots, self.spec.block_size, rounding_mode="floor")
         offsets = slots % self.spec.block_size
