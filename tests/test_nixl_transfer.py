@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -132,8 +133,10 @@ def peer(agent: TransferAgent, holder: tuple[Connection, dict[str, Any]]) -> str
 def test_merge_adjacent_both_sides() -> None:
     remote = [(1000, 10), (1010, 10), (1020, 5), (2000, 10)]
     local = [(0, 10), (10, 10), (40, 5), (45, 10)]
-    assert merge_ranges(remote, local) == ([(1000, 20), (1020, 5), (2000, 10)],
-                                           [(0, 20), (40, 5), (45, 10)])
+    assert merge_ranges(remote, local) == (
+        [(1000, 20), (1020, 5), (2000, 10)],
+        [(0, 20), (40, 5), (45, 10)],
+    )
 
 
 def test_merge_orders_pairs_by_remote_address() -> None:
@@ -197,7 +200,8 @@ def test_merge_preserves_bytes_and_never_grows(plan: tuple[list, list]) -> None:
     assert _byte_map(m_remote, m_local) == _byte_map(remote, local)
     # Maximal: no two neighbouring output pairs could be merged further.
     for (ra, la), (rb, lb) in zip(
-        zip(m_remote, m_local, strict=True), zip(m_remote[1:], m_local[1:], strict=False),
+        zip(m_remote, m_local, strict=True),
+        zip(m_remote[1:], m_local[1:], strict=False),
         strict=False,
     ):
         assert not (ra[0] + ra[1] == rb[0] and la[0] + la[1] == lb[0])
@@ -272,6 +276,26 @@ def test_read_blocks_into_other_slots(
     assert all(int(got[s].count_nonzero()) == 0 for s in untouched)
 
 
+def test_merge_stops_at_local_registration_boundary(
+    agent: TransferAgent, holder: tuple[Connection, dict[str, Any]], peer: str
+) -> None:
+    # Two registrations adjacent in memory: NIXL needs each descriptor inside one of them.
+    local = torch.zeros(4 * BLOCK_BYTES, dtype=torch.uint8)
+    first = agent.register(local[: 2 * BLOCK_BYTES])
+    second = agent.register(local[2 * BLOCK_BYTES :])
+    base = holder[1]["kv_addr"]
+    remote = np.array([(base + b * BLOCK_BYTES, BLOCK_BYTES) for b in range(4)])
+    dst = np.array([(local.data_ptr() + s * BLOCK_BYTES, BLOCK_BYTES) for s in range(4)])
+    try:
+        stats = agent.read(peer, remote, dst, timeout_s=10)
+    finally:
+        agent.deregister(first)
+        agent.deregister(second)
+    assert stats.descriptors == 2
+    for b in range(4):
+        assert torch.equal(local.view(4, BLOCK_BYTES)[b], block_pattern(b))
+
+
 async def test_read_async_random_subset(
     agent: TransferAgent, holder: tuple[Connection, dict[str, Any]], peer: str
 ) -> None:
@@ -321,8 +345,9 @@ def test_unknown_peer(agent: TransferAgent) -> None:
         agent.read("nobody", [(4096, 64)], [(local.data_ptr(), 64)], timeout_s=1)
 
 
-def test_add_peer_is_cached(agent: TransferAgent, holder: tuple[Connection, dict[str, Any]],
-                            peer: str) -> None:
+def test_add_peer_is_cached(
+    agent: TransferAgent, holder: tuple[Connection, dict[str, Any]], peer: str
+) -> None:
     assert agent.add_peer(holder[1]["metadata"]) == peer == holder[1]["name"]
     assert peer in agent.peers
 
@@ -332,8 +357,12 @@ def test_local_range_must_be_registered(
 ) -> None:
     unregistered = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
     with pytest.raises(ValueError, match="not inside memory registered"):
-        agent.read(peer, [(holder[1]["kv_addr"], BLOCK_BYTES)],
-                   [(unregistered.data_ptr(), BLOCK_BYTES)], timeout_s=1)
+        agent.read(
+            peer,
+            [(holder[1]["kv_addr"], BLOCK_BYTES)],
+            [(unregistered.data_ptr(), BLOCK_BYTES)],
+            timeout_s=1,
+        )
 
 
 def test_remote_range_outside_registration(
@@ -343,8 +372,12 @@ def test_remote_range_outside_registration(
     region = agent.register(local)
     end = holder[1]["kv_addr"] + NUM_BLOCKS * BLOCK_BYTES
     with pytest.raises(TransferError, match="refused"):
-        agent.read(peer, [(end - BLOCK_BYTES, 2 * BLOCK_BYTES)],
-                   [(local.data_ptr(), 2 * BLOCK_BYTES)], timeout_s=1)
+        agent.read(
+            peer,
+            [(end - BLOCK_BYTES, 2 * BLOCK_BYTES)],
+            [(local.data_ptr(), 2 * BLOCK_BYTES)],
+            timeout_s=1,
+        )
     agent.deregister(region)
 
 
@@ -367,15 +400,17 @@ def test_stalled_or_failed_transfer(
     monkeypatch.setattr(agent._agent, "transfer", lambda handle, notif_msg=b"": state)
     monkeypatch.setattr(agent._agent, "check_xfer_state", lambda handle: state)
     with pytest.raises(error, match="timed out" if state == "PROC" else "failed") as info:
-        agent.read(peer, [(holder[1]["big_addr"], 4096)], [(local.data_ptr(), 4096)],
-                   timeout_s=0.05)
+        agent.read(
+            peer, [(holder[1]["big_addr"], 4096)], [(local.data_ptr(), 4096)], timeout_s=0.05
+        )
     if state == "PROC":
         assert isinstance(info.value, TransferTimeoutError)
         assert info.value.cancelled  # never posted, so NIXL could release it
     monkeypatch.undo()
     # The agent still works afterwards.
-    stats = agent.read(peer, [(holder[1]["big_addr"], 4096)], [(local.data_ptr(), 4096)],
-                       timeout_s=10)
+    stats = agent.read(
+        peer, [(holder[1]["big_addr"], 4096)], [(local.data_ptr(), 4096)], timeout_s=10
+    )
     agent.deregister(region)
     assert stats.nbytes == 4096
     assert int(local.sum()) == 5 * 4096

@@ -15,12 +15,14 @@ from common.transfer.nixl_agent import (
     TransferTimeoutError,
     UnknownPeerError,
 )
-from common.transfer.ranges import ByteRange, check_pairs, merge_ranges
+from common.transfer.ranges import ByteRange, RangeArray, Ranges, check_pairs, merge_ranges
 
 __all__ = [
     "DEVICE_MEMORY",
     "HOST_MEMORY",
     "ByteRange",
+    "RangeArray",
+    "Ranges",
     "RegisteredRegion",
     "TransferAgent",
     "TransferError",

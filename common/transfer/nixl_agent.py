@@ -27,14 +27,14 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from common.transfer.ranges import ByteRange, check_pairs, merge_ranges
+from common.transfer.ranges import RangeArray, Ranges, check_pairs, merge_range_arrays
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,11 @@ logger = logging.getLogger(__name__)
 HOST_MEMORY: Final = "DRAM"
 DEVICE_MEMORY: Final = "VRAM"
 
-# Poll back-off while waiting for a transfer: first sleep, growth factor, ceiling (seconds).
-# The ceiling stays well under one large transfer's time so polling adds little latency.
+# Waiting for a transfer: spin on the status this long first (small transfers finish within
+# microseconds, and a sleep on a busy machine can cost a whole scheduler slice), then sleep
+# with back-off: first sleep, growth factor, ceiling (seconds). The ceiling stays well under
+# one large transfer's time so polling adds little latency.
+_SPIN_S: Final = 100e-6
 _POLL_FIRST_S: Final = 20e-6
 _POLL_GROWTH: Final = 2.0
 _POLL_MAX_S: Final = 200e-6
@@ -292,8 +295,8 @@ class TransferAgent:
     def read(
         self,
         peer: str,
-        remote: Sequence[ByteRange],
-        local: Sequence[ByteRange],
+        remote: Ranges,
+        local: Ranges,
         *,
         timeout_s: float,
         remote_memory: str = HOST_MEMORY,
@@ -301,6 +304,7 @@ class TransferAgent:
     ) -> TransferStats:
         """READ `remote[i]` of `peer` into `local[i]` for every i, and block until done.
 
+        Ranges are (address, nbytes) tuples or Nx2 integer arrays (cheaper for many blocks).
         Pairs contiguous on both sides are merged first (see `merge_ranges`), then the whole
         copy is posted as one NIXL transfer and polled to completion. Local ranges must lie
         in memory registered with this agent; remote ranges in memory the peer registered
@@ -315,37 +319,37 @@ class TransferAgent:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if remote_memory not in (HOST_MEMORY, DEVICE_MEMORY):
             raise ValueError(f"remote_memory must be 'DRAM' or 'VRAM', got {remote_memory!r}")
-        check_pairs(remote, local)
         started = time.perf_counter()
+        r, loc = check_pairs(remote, local)
         with self._lock:
             self._check_open()
             if peer not in self._peers:
                 raise UnknownPeerError(
                     f"unknown NIXL peer {peer!r}: call add_peer with its metadata first"
                 )
-            local_memory, local_device = self._local_memory_of(local)
+            region_ids, local_memory, local_device = self._local_regions_of(loc)
             self._retry_leaked()
-        merged_remote, merged_local = merge_ranges(remote, local)
+        merged_r, merged_l = merge_range_arrays(r, loc, region_ids)
         remote_descs = self._agent.get_xfer_descs(
-            _desc_array(merged_remote, remote_device_id), remote_memory
+            _desc_array(merged_r, remote_device_id), remote_memory
         )
         local_descs = self._agent.get_xfer_descs(
-            _desc_array(merged_local, local_device), local_memory
+            _desc_array(merged_l, local_device), local_memory
         )
         try:
             handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer)
         except Exception as exc:
             raise TransferError(
-                f"NIXL refused a READ of {len(merged_remote)} descriptors from {peer!r} "
+                f"NIXL refused a READ of {len(merged_r)} descriptors from {peer!r} "
                 f"({exc}); are the remote ranges inside memory the peer registered before "
                 "sending its metadata?"
             ) from exc
-        nbytes = sum(length for _, length in merged_local)
+        nbytes = int(merged_l[:, 1].sum())
         self._post_and_wait(handle, peer, nbytes, timeout_s, started)
         stats = TransferStats(
             nbytes=nbytes,
-            descriptors=len(merged_remote),
-            requested=len(remote),
+            descriptors=len(merged_r),
+            requested=len(r),
             seconds=time.perf_counter() - started,
         )
         logger.debug(
@@ -358,8 +362,8 @@ class TransferAgent:
     async def read_async(
         self,
         peer: str,
-        remote: Sequence[ByteRange],
-        local: Sequence[ByteRange],
+        remote: Ranges,
+        local: Ranges,
         *,
         timeout_s: float,
         remote_memory: str = HOST_MEMORY,
@@ -390,6 +394,9 @@ class TransferAgent:
             state = self._agent.transfer(handle)
             sleep_s = _POLL_FIRST_S
             deadline = started + timeout_s
+            spin_until = time.perf_counter() + _SPIN_S
+            while state == "PROC" and time.perf_counter() < spin_until:
+                state = self._agent.check_xfer_state(handle)
             while state == "PROC":
                 if time.perf_counter() >= deadline:
                     timed_out = TransferTimeoutError(
@@ -432,20 +439,37 @@ class TransferAgent:
                 still.append(handle)
         self._leaked = still
 
-    def _local_memory_of(self, local: Sequence[ByteRange]) -> tuple[str, int]:
-        """Segment and device shared by all local ranges; each must be registered."""
-        kinds: set[tuple[str, int]] = set()
-        for i, (address, nbytes) in enumerate(local):
-            region = self._find_region(address, nbytes)
-            if region is None:
-                raise ValueError(
-                    f"local range {i} ({address:#x}+{nbytes}) is not inside memory registered "
-                    f"with {self.name}; register the destination buffer first"
-                )
-            kinds.add((region.memory, region.device_id))
+    def _local_regions_of(
+        self, local: RangeArray
+    ) -> tuple[npt.NDArray[np.int64], str, int]:
+        """Index of the registered region holding each local range, plus the segment and
+        device they share. Raises ValueError if a range is unregistered or they mix memories.
+        Caller holds the lock.
+        """
+        if not self._regions:
+            raise ValueError(f"no memory is registered with {self.name}; register the "
+                             "destination buffer first")
+        by_start = sorted(range(len(self._regions)), key=lambda i: self._regions[i].address)
+        starts = np.array([self._regions[i].address for i in by_start], dtype=np.int64)
+        ends = starts + np.array([self._regions[i].nbytes for i in by_start], dtype=np.int64)
+        # Regions never overlap, so the candidate is the last one starting at or below.
+        idx = np.searchsorted(starts, local[:, 0], side="right") - 1
+        inside = (idx >= 0) & (local[:, 0] + local[:, 1] <= ends[np.maximum(idx, 0)])
+        bad = np.flatnonzero(~inside)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"local range {i} ({local[i, 0]:#x}+{local[i, 1]}) is not inside memory "
+                f"registered with {self.name}; register the destination buffer first"
+            )
+        kinds = {
+            (self._regions[by_start[i]].memory, self._regions[by_start[i]].device_id)
+            for i in np.unique(idx).tolist()
+        }
         if len(kinds) != 1:
             raise ValueError(f"local ranges span several memories {sorted(kinds)}; split the read")
-        return kinds.pop()
+        memory, device = kinds.pop()
+        return idx.astype(np.int64), memory, device
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -483,7 +507,7 @@ class TransferAgent:
             raise RuntimeError(f"NIXL agent {self.name} is closed")
 
 
-def _desc_array(ranges: Sequence[ByteRange], device_id: int) -> np.ndarray:
+def _desc_array(ranges: RangeArray, device_id: int) -> npt.NDArray[np.uint64]:
     """Nx3 uint64 (address, length, device) rows: NIXL's fastest descriptor-list input."""
     arr = np.empty((len(ranges), 3), dtype=np.uint64)
     arr[:, :2] = ranges
