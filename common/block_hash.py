@@ -82,22 +82,28 @@ def block_hashes(
         params.check_fits(num_tokens)
     keys = _keys_by_block(params, num_full, block_size) if has_items else {}
     stride = 4 * block_size
+    # The msgpack of [parent, tokens, keys, salt, lora] is assembled from pre-packed parts:
+    # byte-for-byte what msgpack.packb of that list gives, without packing per block.
     pack = msgpack.Packer(use_bin_type=True).pack
+    head = b"\x95" + pack(bytes(32))[:-32]  # fixarray(5), bin header of the parent
+    token_head = pack(bytes(stride))[:-stride]  # bin header of the token bytes
+    first_salt, later_salt = pack(cache_salt), pack(None)
+    tail = pack(lora_id)
+    no_keys = pack([])
     sha256 = hashlib.sha256
     out: list[bytes] = []
     parent = root
-    no_keys: list[MmKey] = []
     for b in range(num_full):
-        payload = pack(
-            [
-                parent,
-                tokens[b * stride : (b + 1) * stride],
-                keys.get(b, no_keys),
-                cache_salt if b == 0 else None,
-                lora_id,
-            ]
-        )
-        parent = sha256(payload).digest()
+        block_keys = keys.get(b)
+        parent = sha256(
+            head
+            + parent
+            + token_head
+            + tokens[b * stride : (b + 1) * stride]
+            + (no_keys if block_keys is None else pack(block_keys))
+            + (first_salt if b == 0 else later_salt)
+            + tail
+        ).digest()
         out.append(parent)
     return out
 

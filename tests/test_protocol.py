@@ -1,0 +1,78 @@
+"""The epd.v1 protocol: buf lint (STANDARD), buf breaking against the committed v1 image,
+and committed generated code that matches the .proto sources."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTOS = ROOT / "protos"
+IMAGE = PROTOS / "images" / "epd-v1.binpb"
+
+
+def buf() -> str:
+    path = shutil.which("buf") or str(Path(sys.executable).parent / "buf")
+    if not Path(path).exists():
+        pytest.fail("buf is not installed: `pip install -e .[dev]` installs it (buf-bin)")
+    return path
+
+
+def run_buf(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([buf(), *args], cwd=PROTOS, capture_output=True, text=True, timeout=120)
+
+
+def test_buf_lint_standard() -> None:
+    result = run_buf("lint")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_buf_breaking_against_v1_image() -> None:
+    assert IMAGE.exists(), "the committed v1 image is missing"
+    result = run_buf("breaking", "--against", str(IMAGE))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("gen_protos", ROOT / "scripts" / "gen_protos.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    fresh = {p.name: p.read_text() for p in gen.generate(tmp_path)}
+    committed = {p.name: p.read_text() for p in (ROOT / "epd" / "v1").glob("*_pb2*.py*")}
+    assert set(fresh) == set(committed), "generated file set differs; run scripts/gen_protos.py"
+    stale = sorted(name for name in fresh if fresh[name] != committed[name])
+    assert not stale, f"stale generated code: {stale}; run scripts/gen_protos.py"
+
+
+def test_every_rpc_has_its_own_messages() -> None:
+    from epd.v1 import (
+        decode_service_pb2,
+        encoder_service_pb2,
+        prefill_service_pb2,
+        registry_service_pb2,
+        router_service_pb2,
+    )
+
+    seen: set[str] = set()
+    for module in (
+        encoder_service_pb2,
+        prefill_service_pb2,
+        decode_service_pb2,
+        router_service_pb2,
+        registry_service_pb2,
+    ):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            assert service.full_name.startswith("epd.v1.")
+            for method in service.methods:
+                assert method.input_type.name == f"{method.name}Request"
+                assert method.output_type.name == f"{method.name}Response"
+                for name in (method.input_type.full_name, method.output_type.full_name):
+                    assert name not in seen
+                    seen.add(name)
+    assert {"epd.v1.DecodeResponse", "epd.v1.GenerateResponse"} <= seen

@@ -1,0 +1,165 @@
+"""Wire form of MultimodalParams: round trips, legacy compatibility, validation at decode."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from common.multimodal import (
+    ItemEmbedding,
+    ItemPartition,
+    Modality,
+    MultimodalItemMetadata,
+    MultimodalLayoutError,
+    MultimodalParams,
+)
+from common.wire import params_from_proto, params_to_proto, tensor_from_ref, tensor_to_ref
+from epd.v1 import multimodal_pb2, tensor_pb2
+
+LEGACY_PROTO = Path(__file__).parent / "data" / "legacy" / "epd_legacy.proto"
+HA, HB = b"\xaa" * 32, b"\xbb" * 32
+
+
+@pytest.fixture(scope="module")
+def legacy(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """The frozen legacy-only schema, compiled with protoc into a temporary module."""
+    from grpc_tools import protoc
+
+    out = tmp_path_factory.mktemp("legacy")
+    rc = protoc.main(
+        ["protoc", f"-I{LEGACY_PROTO.parent}", f"--python_out={out}", LEGACY_PROTO.name]
+    )
+    assert rc == 0
+    sys.path.insert(0, str(out))
+    try:
+        return importlib.import_module("epd_legacy_pb2")
+    finally:
+        sys.path.remove(str(out))
+
+
+def video_and_image() -> MultimodalParams:
+    video = MultimodalItemMetadata(
+        content_hash=HA,
+        runs=((3, 4), (10, 4)),
+        modality=Modality.VIDEO,
+        payload_index=0,
+        uuid="clip-1",
+        partitions=(
+            ItemPartition(0, 16, 4, b"\x01" * 32),
+            ItemPartition(16, 32, 4, b"\x02" * 32),
+        ),
+        encoder_cost=2.5,
+        grid_thw=(2, 4, 4),
+        frame_timestamps=(0.5, 1.5),
+    )
+    image = MultimodalItemMetadata(
+        content_hash=HB,
+        runs=((16, 2),),
+        modality=Modality.IMAGE,
+        payload_index=1,
+        grid_thw=(1, 2, 4),
+    )
+    embeddings = {
+        0: ItemEmbedding(torch.randn(8, 6), (torch.randn(8, 6), torch.randn(8, 6))),
+        1: ItemEmbedding(torch.randn(2, 6).to(torch.bfloat16)),
+    }
+    return MultimodalParams.from_items([video, image], embeddings, mrope_position_delta=-5)
+
+
+def test_round_trip_python_proto_python() -> None:
+    params = video_and_image()
+    msg = params_to_proto(params)
+    assert msg.version == 1
+    back = params_from_proto(multimodal_pb2.MultimodalParams.FromString(msg.SerializeToString()))
+    assert back.items == params.items
+    assert back.mrope_position_delta == -5
+    for index, emb in params.embeddings.items():
+        got = back.embeddings[index]
+        assert torch.equal(got.rows, emb.rows) and got.rows.dtype == emb.rows.dtype
+        assert len(got.deepstack) == len(emb.deepstack)
+        assert all(torch.equal(a, b) for a, b in zip(got.deepstack, emb.deepstack, strict=True))
+
+
+def test_round_trip_proto_python_proto() -> None:
+    msg = params_to_proto(video_and_image())
+    again = params_to_proto(params_from_proto(msg))
+    assert again.SerializeToString(deterministic=True) == msg.SerializeToString(deterministic=True)
+    assert MultimodalParams.from_proto(msg).to_proto() == msg
+
+
+def test_flat_arrays_on_the_wire() -> None:
+    msg = params_to_proto(video_and_image())
+    assert list(msg.mm_positions) == [3, 16]
+    assert list(msg.mm_lengths) == [8, 2]
+    assert list(msg.mm_uuids) == ["clip-1", ""]
+    assert list(msg.item_run_cu_offsets) == [0, 2, 3]
+    assert list(msg.run_positions) == [3, 10, 16]
+    assert list(msg.run_lengths) == [4, 4, 2]
+
+
+def test_legacy_message_decodes_to_contiguous_runs(legacy: ModuleType) -> None:
+    old = legacy.MultimodalParams(
+        mm_hashes=[HA, HB], mm_positions=[2, 9], mm_lengths=[5, 3], mm_uuids=["x", ""]
+    )
+    msg = multimodal_pb2.MultimodalParams.FromString(old.SerializeToString())
+    params = params_from_proto(msg)
+    assert [item.runs for item in params.items] == [((2, 5),), ((9, 3),)]
+    assert [item.uuid for item in params.items] == ["x", None]
+    assert all(item.modality is None for item in params.items)
+
+
+def test_extension_still_parses_under_legacy_schema(legacy: ModuleType) -> None:
+    data = params_to_proto(video_and_image()).SerializeToString()
+    old = legacy.MultimodalParams.FromString(data)
+    assert list(old.mm_hashes) == [HA, HB]
+    assert list(old.mm_positions) == [3, 16]
+    assert list(old.mm_lengths) == [8, 2]
+    assert list(old.mm_uuids) == ["clip-1", ""]
+    # a legacy relay keeps the unknown extension fields and passes them on intact
+    relayed = multimodal_pb2.MultimodalParams.FromString(old.SerializeToString())
+    assert params_from_proto(relayed).items == video_and_image().items
+
+
+def base_message() -> multimodal_pb2.MultimodalParams:
+    return params_to_proto(video_and_image())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda m: m.ClearField("run_lengths"), "run_lengths"),
+        (lambda m: m.ClearField("item_run_cu_offsets"), "item_run_cu_offsets"),
+        (lambda m: m.run_lengths.__setitem__(0, 3), "run_lengths"),
+        (lambda m: setattr(m, "version", 0), "version"),
+        (lambda m: setattr(m, "version", 2), "version"),
+        (lambda m: m.mm_lengths.append(3), "mm_lengths"),
+        (lambda m: m.items.pop(), "items"),
+        (lambda m: m.items[0].grid_thw.append(1), "items.grid_thw"),
+        (lambda m: m.items[0].partitions[0].__setattr__("output_rows", 5), "items.partitions"),
+        (lambda m: m.embeddings[0].rows.shape.__setitem__(0, 7), "embeddings.rows"),
+        (lambda m: setattr(m.embeddings[1], "item_index", 5), "embeddings.item_index"),
+        (lambda m: setattr(m.embeddings[1].rows, "dtype", 99), "embeddings.rows"),
+    ],
+)
+def test_malformed_wire_names_field(mutate: object, field: str) -> None:
+    msg = base_message()
+    mutate(msg)  # type: ignore[operator]
+    with pytest.raises(MultimodalLayoutError) as info:
+        params_from_proto(msg)
+    assert info.value.field == field, str(info.value)
+
+
+def test_tensor_ref_round_trip_dtypes() -> None:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32):
+        t = (torch.arange(24) - 7).reshape(2, 3, 4).to(dtype)
+        back = tensor_from_ref(
+            tensor_pb2.TensorRef.FromString(tensor_to_ref(t).SerializeToString())
+        )
+        assert back.dtype == dtype and torch.equal(back, t)
+    empty = tensor_from_ref(tensor_to_ref(torch.empty(0, 4)))
+    assert empty.shape == (0, 4)
