@@ -287,11 +287,12 @@ def test_merge_stops_at_local_registration_boundary(
     remote = np.array([(base + b * BLOCK_BYTES, BLOCK_BYTES) for b in range(4)])
     dst = np.array([(local.data_ptr() + s * BLOCK_BYTES, BLOCK_BYTES) for s in range(4)])
     try:
+        unmerged = agent.read(peer, remote, dst, timeout_s=10, merge=False)
         stats = agent.read(peer, remote, dst, timeout_s=10)
     finally:
         agent.deregister(first)
         agent.deregister(second)
-    assert stats.descriptors == 2
+    assert (unmerged.descriptors, stats.descriptors) == (4, 2)
     for b in range(4):
         assert torch.equal(local.view(4, BLOCK_BYTES)[b], block_pattern(b))
 

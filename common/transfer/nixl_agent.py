@@ -15,8 +15,9 @@ contents. A holder must keep a range alive (lease) until the reader confirms its
 
 Thread safety: all public methods may be called from several threads (servers call
 `read_async`, which runs `read` in a worker thread). Python-side state is guarded by a lock
-and the nixl agent is created with NIXL_THREAD_SYNC_STRICT. `close()` must not race with reads
-in flight; stop issuing reads first.
+and the nixl agent is created with NIXL_THREAD_SYNC_STRICT. Neither `close()` nor
+`deregister(region)` may race with a read in flight that touches the region; stop those reads
+first.
 """
 
 from __future__ import annotations
@@ -301,6 +302,7 @@ class TransferAgent:
         timeout_s: float,
         remote_memory: str = HOST_MEMORY,
         remote_device_id: int = 0,
+        merge: bool = True,
     ) -> TransferStats:
         """READ `remote[i]` of `peer` into `local[i]` for every i, and block until done.
 
@@ -309,6 +311,14 @@ class TransferAgent:
         copy is posted as one NIXL transfer and polled to completion. Local ranges must lie
         in memory registered with this agent; remote ranges in memory the peer registered
         before producing the metadata given to `add_peer` (NIXL refuses others).
+
+        NIXL refuses a descriptor that spans two registrations, even adjacent ones. Merging
+        never crosses a local registration boundary, but remote registrations are unknown
+        here: holders register one buffer per pool (the KV cache is one buffer), or callers
+        pass `merge=False` when remote ranges may sit in adjacent, separate registrations.
+
+        The timeout covers polling only: with UCX on host memory, NIXL often performs the
+        whole copy inside the post call, which cannot be interrupted.
 
         Raises ValueError for malformed ranges, UnknownPeerError for a peer never added,
         TransferTimeoutError after `timeout_s` (the handle is released or, if NIXL refuses
@@ -329,7 +339,10 @@ class TransferAgent:
                 )
             region_ids, local_memory, local_device = self._local_regions_of(loc)
             self._retry_leaked()
-        merged_r, merged_l = merge_range_arrays(r, loc, region_ids)
+        if merge:
+            merged_r, merged_l = merge_range_arrays(r, loc, region_ids)
+        else:
+            merged_r, merged_l = r, loc
         remote_descs = self._agent.get_xfer_descs(
             _desc_array(merged_r, remote_device_id), remote_memory
         )
@@ -368,6 +381,7 @@ class TransferAgent:
         timeout_s: float,
         remote_memory: str = HOST_MEMORY,
         remote_device_id: int = 0,
+        merge: bool = True,
     ) -> TransferStats:
         """`read` in a worker thread, so an asyncio server keeps serving meanwhile.
 
@@ -382,6 +396,7 @@ class TransferAgent:
             timeout_s=timeout_s,
             remote_memory=remote_memory,
             remote_device_id=remote_device_id,
+            merge=merge,
         )
 
     def _post_and_wait(
