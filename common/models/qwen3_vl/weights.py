@@ -89,8 +89,7 @@ def _vision_shapes(config: Qwen3VLConfig) -> dict[str, tuple[int, ...]]:
             }
         )
     mergers = [(f"{p}merger.", d)] + [
-        (f"{p}deepstack_merger_list.{i}.", merged)
-        for i in range(len(v.deepstack_visual_indexes))
+        (f"{p}deepstack_merger_list.{i}.", merged) for i in range(len(v.deepstack_visual_indexes))
     ]
     # The final merger normalises each patch before the 2x2 shuffle; deepstack mergers
     # normalise the shuffled row.
@@ -196,9 +195,7 @@ def check_checkpoint(folder: str | Path, config: Qwen3VLConfig) -> None:
     )
     if misshaped:
         problems.append(f"misshaped {len(misshaped)}: {', '.join(misshaped)}")
-    unexpected = sorted(
-        n for n in set(found) - set(expected) if not _is_harmless_extra(n, config)
-    )
+    unexpected = sorted(n for n in set(found) - set(expected) if not _is_harmless_extra(n, config))
     if unexpected:
         problems.append(f"unexpected {len(unexpected)}: {', '.join(unexpected)}")
     if problems:
@@ -242,9 +239,7 @@ def load_weights(
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 tensors[name] = tensor
-    logger.info(
-        "loaded %d tensors (prefix %s) from %s", len(tensors), prefixes or "''", folder
-    )
+    logger.info("loaded %d tensors (prefix %s) from %s", len(tensors), prefixes or "''", folder)
     return tensors
 
 

@@ -1,0 +1,127 @@
+"""Qwen3-VL image preprocessing: decode, smart resize, rescale + normalise, patchify.
+
+Matches the reference PIL image processor (`transformers` `Qwen2VLImageProcessorPil`, which
+Qwen3-VL uses) value for value: RGB with transparency composited on white, bicubic PIL
+resize of the uint8 image to sides that are multiples of `patch_size * merge_size` within
+the pixel budget, scale by 1/255 (in float64, then float32), `(x - mean) / std` in float32.
+
+Patch rows are laid out as the vision tower expects: frame-major (temporal patches), then
+`merge_size x merge_size` blocks in raster order, then the patches inside a block in raster
+order; each row flattens one patch as `(channel, time, row, column)`.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
+
+from common.processing.settings import ProcessorSettings
+
+ImageSource = bytes | str | Path | Image.Image
+FloatArray = npt.NDArray[np.float32]
+ByteArray = npt.NDArray[np.uint8]
+
+
+def load_image(source: ImageSource | Any) -> Image.Image:
+    """Open encoded bytes, a file path or a PIL image (not yet converted)."""
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, bytes | bytearray | memoryview):
+        image = Image.open(io.BytesIO(bytes(source)))
+    elif isinstance(source, str | Path):
+        image = Image.open(source)
+    else:
+        raise TypeError(f"unsupported image source {type(source).__name__}")
+    image.load()
+    return image
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited onto white (as the reference does)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def smart_resize(
+    height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Target `(height, width)`: multiples of `factor`, pixel count within the bounds, aspect
+    ratio kept as closely as possible (the reference's rule, including its rounding)."""
+    if min(height, width) < 1:
+        raise ValueError(f"image has no pixels: {height}x{width}")
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio must be below 200, got {height}x{width}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def resize_rgb(image: Image.Image, height: int, width: int) -> ByteArray:
+    """Bicubic PIL resize of an RGB image to `(height, width, 3)` uint8."""
+    if image.size != (width, height):
+        image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+    return np.asarray(image, dtype=np.uint8)
+
+
+def normalize(frames: ByteArray, settings: ProcessorSettings) -> FloatArray:
+    """`(T, H, W, C)` uint8 -> `(T, C, H, W)` float32, scaled to [0, 1] and normalised."""
+    scaled = (frames.astype(np.float64) * (1 / 255)).astype(np.float32)
+    mean = np.asarray(settings.image_mean, dtype=np.float32)
+    std = np.asarray(settings.image_std, dtype=np.float32)
+    return np.ascontiguousarray(((scaled - mean) / std).transpose(0, 3, 1, 2))
+
+
+def patchify(
+    frames: FloatArray, settings: ProcessorSettings
+) -> tuple[FloatArray, tuple[int, int, int]]:
+    """`(T, C, H, W)` frames -> `(grid_t * grid_h * grid_w, patch_dim)` rows and the grid.
+
+    T is padded to a multiple of `temporal_patch_size` by repeating the last frame (an image
+    becomes `temporal_patch_size` identical frames).
+    """
+    tp, p, m = settings.temporal_patch_size, settings.patch_size, settings.merge_size
+    t, c, h, w = frames.shape
+    if h % (p * m) or w % (p * m):
+        raise ValueError(f"frame size {h}x{w} is not a multiple of {p * m}")
+    if pad := -t % tp:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+        t += pad
+    gt, gh, gw = t // tp, h // p, w // p
+    blocks = frames.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
+    # -> (gt, block_row, block_col, in_row, in_col, channel, time, pixel_row, pixel_col)
+    rows = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, c * tp * p * p)
+    return np.ascontiguousarray(rows), (gt, gh, gw)
+
+
+def preprocess_image(
+    source: ImageSource | Any, settings: ProcessorSettings
+) -> tuple[FloatArray, tuple[int, int, int]]:
+    """One image -> patch rows `(grid_h * grid_w, patch_dim)` float32 and grid `(1, h, w)`."""
+    image = to_rgb(load_image(source))
+    width, height = image.size
+    new_h, new_w = smart_resize(
+        height,
+        width,
+        factor=settings.factor,
+        min_pixels=settings.min_pixels,
+        max_pixels=settings.max_pixels,
+    )
+    pixels = resize_rgb(image, new_h, new_w)
+    return patchify(normalize(pixels[None], settings), settings)

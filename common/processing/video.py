@@ -1,0 +1,140 @@
+"""Qwen3-VL video preprocessing: frame sampling, resize, patchify and frame timestamps.
+
+A video arrives as decoded frames (a list of images, or a `(T, H, W, 3)` uint8 array) plus
+its frame rate. Frames are sampled uniformly at `video_sample_fps` (clamped to the frame
+bounds, as the reference does), resized together by the video smart-resize rule (the pixel
+budget covers all frames), normalised like images and patchified in groups of
+`temporal_patch_size` frames (the last frame repeats to fill the last group). Each group is
+one temporal patch: one grid step `t`, one run of placeholders in the prompt, and one
+timestamp, the mean of its first and last frame's time in seconds.
+
+Resizing uses the same PIL bicubic path as images (the reference video processor resizes
+with torchvision, so resized video pixels may differ from it in the last bits).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from common.processing.image import (
+    ByteArray,
+    FloatArray,
+    load_image,
+    normalize,
+    patchify,
+    resize_rgb,
+    to_rgb,
+)
+from common.processing.settings import ProcessorSettings
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedVideo:
+    """One video's patch rows and layout."""
+
+    patches: FloatArray  # (grid_t * grid_h * grid_w, patch_dim) rows, temporal patch major
+    grid_thw: tuple[int, int, int]  # (temporal patches, patch rows, patch columns)
+    timestamps: tuple[float, ...]  # seconds per temporal patch (mean of first/last frame)
+    frame_indices: tuple[int, ...]  # source frames used, after padding to the temporal patch
+
+
+def sample_frame_indices(total: int, fps: float, settings: ProcessorSettings) -> list[int]:
+    """Source frame indices to keep: uniform, `video_sample_fps` per second of video."""
+    if total < 1:
+        raise ValueError("video has no frames")
+    if settings.video_sample_fps is None:
+        return list(range(total))
+    count = int(total / fps * settings.video_sample_fps)
+    count = min(max(count, settings.video_min_frames), settings.video_max_frames, total)
+    return [int(i) for i in np.linspace(0, total - 1, count).round().astype(np.int64)]
+
+
+def temporal_timestamps(
+    indices: Sequence[int], fps: float, temporal_patch_size: int
+) -> list[float]:
+    """Time of each temporal patch: mean of its first and last frame's time (seconds).
+
+    `indices` are padded with the last index to a multiple of `temporal_patch_size`.
+    """
+    padded = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
+    times = [i / fps for i in padded]
+    return [
+        (times[k] + times[k + temporal_patch_size - 1]) / 2
+        for k in range(0, len(times), temporal_patch_size)
+    ]
+
+
+def smart_resize_video(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+) -> tuple[int, int]:
+    """Target frame `(height, width)`: multiples of `factor`, with frames x height x width
+    within the bounds (the reference video rule; frames below `temporal_factor` count as
+    `temporal_factor`)."""
+    num_frames = max(num_frames, temporal_factor)
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio must be below 200, got {height}x{width}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _frames_as_images(frames: Any) -> list[Image.Image]:
+    if isinstance(frames, np.ndarray):
+        if frames.ndim != 4 or frames.shape[-1] not in (1, 3, 4):
+            raise ValueError(f"video array must be (T, H, W, C), got {frames.shape}")
+        return [Image.fromarray(np.ascontiguousarray(f.astype(np.uint8)).squeeze()) for f in frames]
+    if isinstance(frames, Sequence) and not isinstance(frames, str | bytes):
+        return [load_image(f) for f in frames]
+    raise TypeError(f"video must be a list of frames or a (T, H, W, C) array, got {type(frames)}")
+
+
+def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> ProcessedVideo:
+    """Decoded frames at `fps` frames per second -> patch rows, grid and timestamps."""
+    if fps <= 0:
+        raise ValueError(f"video fps must be positive, got {fps}")
+    images = _frames_as_images(frames)
+    indices = sample_frame_indices(len(images), fps, settings)
+    chosen = [to_rgb(images[i]) for i in indices]
+    sizes = {im.size for im in chosen}
+    if len(sizes) != 1:
+        raise ValueError(f"video frames differ in size: {sorted(sizes)}")
+    width, height = chosen[0].size
+    new_h, new_w = smart_resize_video(
+        len(chosen),
+        height,
+        width,
+        temporal_factor=settings.temporal_patch_size,
+        factor=settings.factor,
+        min_pixels=settings.video_min_pixels,
+        max_pixels=settings.video_max_pixels,
+    )
+    pixels: ByteArray = np.stack([resize_rgb(im, new_h, new_w) for im in chosen])
+    patches, grid = patchify(normalize(pixels, settings), settings)
+    timestamps = temporal_timestamps(indices, fps, settings.temporal_patch_size)
+    padded = indices + [indices[-1]] * (-len(indices) % settings.temporal_patch_size)
+    return ProcessedVideo(patches, grid, tuple(timestamps), tuple(padded))
