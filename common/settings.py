@@ -1,0 +1,214 @@
+"""Typed settings: frozen dataclasses read from TOML, overridden by command-line flags.
+
+Each component declares its settings as a frozen dataclass whose fields carry a default and
+a one-line help text (`setting(default, "help")`). This module turns such a class into:
+
+- `from_mapping(cls, data)`: build from a TOML table; an unknown key is an error naming it
+  (with the closest known key), and a value of the wrong type is an error naming the field;
+- `add_flags(parser, cls)` / `apply_flags(obj, args)`: one `--field-name` flag per field
+  (nested dataclasses get `--section-field` flags), applied over the loaded values;
+- `describe(cls)`: the documented default of every field, for `--help` and the docs.
+
+Only the types settings need are supported: bool, int, float, str, Optional of those,
+tuples of str/int, and nested settings dataclasses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """A settings file or flag that cannot be used; the message names the key."""
+
+
+def setting(default: Any, help: str) -> Any:
+    """A settings field with its default and one-line documentation."""
+    if isinstance(default, list | dict | set):
+        raise TypeError("use an immutable default (tuple) for settings fields")
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _fields(cls: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _is_settings(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check and convert one TOML (or flag) value to the field type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if _is_settings(tp):
+        if not isinstance(value, Mapping):
+            raise SettingsError(f"{key}: expected a table, got {type(value).__name__}")
+        return from_mapping(tp, value, prefix=f"{key}.")
+    if origin is tuple:
+        (item_tp, *_rest) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list | tuple):
+            raise SettingsError(f"{key}: expected a list, got {type(value).__name__}")
+        return tuple(_coerce(v, item_tp, key) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise SettingsError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise SettingsError(f"{key}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{key}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise SettingsError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise SettingsError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported settings type {tp!r}")
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Build settings of type `cls` from a mapping; unknown keys are an error."""
+    known = _fields(cls)
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, list(known), n=1)
+        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        raise SettingsError(
+            f"unknown setting {prefix}{key}{hint}; known: {', '.join(sorted(known))}"
+        )
+    values = {name: _coerce(data[name], known[name][1], prefix + name) for name in data}
+    return cls(**values)
+
+
+def load(cls: type[T], path: str | Path | None) -> T:
+    """Read a TOML settings file (or the defaults when `path` is None)."""
+    if path is None:
+        return cls()
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"settings file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"settings file {path} is not valid TOML: {exc}") from None
+    try:
+        return from_mapping(cls, data)
+    except SettingsError as exc:
+        raise SettingsError(f"{path}: {exc}") from None
+
+
+def _flag_items(cls: type, prefix: str = "") -> list[tuple[str, str, Any, dataclasses.Field[Any]]]:
+    """(dotted key, flag, type, field) for every leaf field of `cls`."""
+    out = []
+    for name, (f, tp) in _fields(cls).items():
+        key = prefix + name
+        if _is_settings(tp):
+            out.extend(_flag_items(tp, key + "."))
+        else:
+            out.append((key, "--" + key.replace(".", "-").replace("_", "-"), tp, f))
+    return out
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """One flag per leaf field; each defaults to "not given" so files are not overridden."""
+    for key, flag, _tp, f in _flag_items(cls, prefix):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        parser.add_argument(
+            flag,
+            dest=key.replace(".", "__"),
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=f"{f.metadata.get('help', '')} (default: {default!r})",
+        )
+
+
+def apply_flags(obj: T, args: argparse.Namespace, prefix: str = "") -> T:
+    """A copy of `obj` with every flag given on the command line applied."""
+    given = vars(args)
+    return _apply(obj, given, prefix)
+
+
+def _apply(obj: Any, given: Mapping[str, Any], prefix: str) -> Any:
+    changes: dict[str, Any] = {}
+    for name, (_f, tp) in _fields(type(obj)).items():
+        key = prefix + name
+        if _is_settings(tp):
+            changes[name] = _apply(getattr(obj, name), given, key + ".")
+            continue
+        dest = key.replace(".", "__")
+        if dest in given:
+            raw = given[dest]
+            changes[name] = (
+                None if raw in ("none", "None", "") and _optional(tp) else _coerce(raw, tp, key)
+            )
+    return dataclasses.replace(obj, **changes)
+
+
+def _optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in (
+        typing.get_args(tp)
+    )
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, default, help) of every leaf field, in declaration order."""
+    out = []
+    for key, _flag, _tp, f in _flag_items(cls, prefix):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out.append((key, default, str(f.metadata.get("help", ""))))
+    return out
+
+
+def to_toml(cls: type, prefix: str = "") -> str:
+    """A commented TOML document listing every field with its default."""
+    lines: list[str] = []
+    section = None
+    for key, default, help_text in describe(cls, prefix):
+        head, _, leaf = key.rpartition(".")
+        if head != section:
+            section = head
+            lines.extend(["", f"[{head}]"] if head else [])
+        lines.append(f"# {help_text}")
+        lines.append(f"# {leaf} = {_toml_value(default)}")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return "# (unset)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,101 @@
+"""Typed settings: TOML in, flags over it, unknown keys and bad types rejected by name."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from common.settings import (
+    SettingsError,
+    add_flags,
+    apply_flags,
+    describe,
+    from_mapping,
+    load,
+    setting,
+    to_toml,
+)
+
+
+@dataclass(frozen=True)
+class Pool:
+    replicas: int = setting(1, "workers in the pool")
+    address: str | None = setting(None, "address to join")
+
+
+@dataclass(frozen=True)
+class Top:
+    host: str = setting("127.0.0.1", "listen host")
+    port: int = setting(50051, "listen port")
+    ratio: float = setting(0.5, "a ratio")
+    verbose: bool = setting(False, "more logs")
+    tags: tuple[str, ...] = setting((), "labels")
+    prefill: Pool = field(default_factory=Pool, metadata={"help": "prefill pool"})
+
+
+def test_defaults_and_nested_tables(tmp_path: Path) -> None:
+    path = tmp_path / "epd.toml"
+    path.write_text('port = 6000\ntags = ["a", "b"]\n[prefill]\nreplicas = 3\n')
+    cfg = load(Top, path)
+    assert cfg == Top(port=6000, tags=("a", "b"), prefill=Pool(replicas=3))
+    assert load(Top, None) == Top()
+
+
+def test_unknown_key_named_with_hint() -> None:
+    with pytest.raises(SettingsError, match=r"prefill\.replica .*did you mean prefill\.replicas"):
+        from_mapping(Top, {"prefill": {"replica": 2}})
+    with pytest.raises(SettingsError, match="unknown setting colour"):
+        from_mapping(Top, {"colour": "red"})
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"port": "x"}, "port"),
+        ({"verbose": 3}, "verbose"),
+        ({"prefill": 1}, "prefill"),
+        ({"tags": 5}, "tags"),
+        ({"host": 1}, "host"),
+        ({"port": True}, "port"),
+    ],
+)
+def test_bad_types_named(data: dict[str, object], key: str) -> None:
+    with pytest.raises(SettingsError, match=key):
+        from_mapping(Top, data)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="does not exist"):
+        load(Top, tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port = = 1")
+    with pytest.raises(SettingsError, match="not valid TOML"):
+        load(Top, bad)
+
+
+def test_flags_override_file_values() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Top)
+    args = parser.parse_args(["--port", "7000", "--prefill-replicas", "2", "--verbose", "true"])
+    cfg = apply_flags(Top(host="0.0.0.0", port=1), args)
+    assert cfg == Top(host="0.0.0.0", port=7000, verbose=True, prefill=Pool(replicas=2))
+    with pytest.raises(SettingsError, match="port"):
+        apply_flags(Top(), parser.parse_args(["--port", "many"]))
+
+
+def test_every_field_documented() -> None:
+    keys = [key for key, _default, help_text in describe(Top) if help_text]
+    assert keys == [
+        "host",
+        "port",
+        "ratio",
+        "verbose",
+        "tags",
+        "prefill.replicas",
+        "prefill.address",
+    ]
+    text = to_toml(Top)
+    assert "# port = 50051" in text and "[prefill]" in text
