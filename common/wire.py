@@ -7,6 +7,8 @@ wire field, and the servers turn that into `INVALID_ARGUMENT`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -123,11 +125,22 @@ def params_to_proto(params: MultimodalParams) -> multimodal_pb2.MultimodalParams
     return msg
 
 
+TensorResolver = Callable[[tensor_pb2.TensorRef, str], torch.Tensor]
+
+
 def params_from_proto(
-    msg: multimodal_pb2.MultimodalParams, *, with_embeddings: bool = True
+    msg: multimodal_pb2.MultimodalParams,
+    *,
+    with_embeddings: bool = True,
+    resolve: TensorResolver | None = None,
 ) -> MultimodalParams:
     """Validate and decode the wire form. A message without the run extension (version 0)
-    decodes to the legacy contiguous layout. Raises `MultimodalLayoutError`."""
+    decodes to the legacy contiguous layout. Raises `MultimodalLayoutError`.
+
+    Embeddings held inline are decoded here; ones held by a transfer handle are passed to
+    `resolve(ref, field)` (a worker's NIXL pull), and are an error without it. The layout is
+    validated before any tensor is pulled.
+    """
     has_runs = bool(msg.item_run_cu_offsets or msg.run_positions or msg.run_lengths)
     if msg.version > RUN_EXTENSION_VERSION:
         raise MultimodalLayoutError(
@@ -166,7 +179,7 @@ def params_from_proto(
     for i in range(n):
         meta = msg.items[i] if msg.items else multimodal_pb2.MultimodalItemMetadata()
         items.append(_item_from_proto(i, meta, bytes(msg.mm_hashes[i]), runs[i], uuids))
-    embeddings = _embeddings_from_proto(msg, items) if with_embeddings else {}
+    embeddings = _embeddings_from_proto(msg, items, resolve) if with_embeddings else {}
     delta = msg.mrope_position_delta if msg.HasField("mrope_position_delta") else None
     return MultimodalParams(tuple(items), embeddings, delta)
 
@@ -210,21 +223,35 @@ def _item_from_proto(
 
 
 def _embeddings_from_proto(
-    msg: multimodal_pb2.MultimodalParams, items: list[MultimodalItemMetadata]
+    msg: multimodal_pb2.MultimodalParams,
+    items: list[MultimodalItemMetadata],
+    resolve: TensorResolver | None,
 ) -> dict[int, ItemEmbedding]:
+    def tensor(ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
+        if ref.WhichOneof("data") == "handle" and resolve is not None:
+            return resolve(ref, field)
+        return tensor_from_ref(ref, field)
+
     out: dict[int, ItemEmbedding] = {}
     for emb in msg.embeddings:
         index = emb.item_index
         if index >= len(items) or index in out:
             raise MultimodalLayoutError("embeddings.item_index", "no such item or repeated", index)
-        rows = tensor_from_ref(emb.rows, "embeddings.rows")
+        if tuple(emb.rows.shape[:1]) != (items[index].length,):
+            raise MultimodalLayoutError(
+                "embeddings.rows",
+                f"shape {tuple(emb.rows.shape)} does not match the item's "
+                f"{items[index].length} rows",
+                index,
+            )
+        rows = tensor(emb.rows, "embeddings.rows")
         if rows.ndim != 2 or rows.shape[0] != items[index].length:
             raise MultimodalLayoutError(
                 "embeddings.rows",
                 f"shape {tuple(rows.shape)} does not match the item's {items[index].length} rows",
                 index,
             )
-        deepstack = tuple(tensor_from_ref(d, "embeddings.deepstack") for d in emb.deepstack)
+        deepstack = tuple(tensor(d, "embeddings.deepstack") for d in emb.deepstack)
         if any(d.shape != rows.shape for d in deepstack):
             raise MultimodalLayoutError("embeddings.deepstack", "shape differs from rows", index)
         out[index] = ItemEmbedding(rows, deepstack)
