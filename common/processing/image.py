@@ -23,15 +23,23 @@ from PIL import Image
 
 from common.processing.settings import ProcessorSettings
 
-ImageSource = bytes | str | Path | Image.Image
+ImageSource = bytes | str | Path | Image.Image | npt.NDArray[np.uint8]
 FloatArray = npt.NDArray[np.float32]
 ByteArray = npt.NDArray[np.uint8]
 
 
 def load_image(source: ImageSource | Any) -> Image.Image:
-    """Open encoded bytes, a file path or a PIL image (not yet converted)."""
+    """Open encoded bytes, a file path, a PIL image or an `(H, W[, C])` uint8 array."""
     if isinstance(source, Image.Image):
         return source
+    if isinstance(source, np.ndarray):
+        if source.dtype != np.uint8 or source.ndim not in (2, 3):
+            raise ValueError(
+                f"image array must be (H, W[, C]) uint8, got {source.dtype} {source.shape}"
+            )
+        return Image.fromarray(
+            source.squeeze(-1) if source.ndim == 3 and source.shape[-1] == 1 else source
+        )
     if isinstance(source, bytes | bytearray | memoryview):
         image = Image.open(io.BytesIO(bytes(source)))
     elif isinstance(source, str | Path):

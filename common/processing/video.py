@@ -107,7 +107,7 @@ def _frames_as_images(frames: Any) -> list[Image.Image]:
     if isinstance(frames, np.ndarray):
         if frames.ndim != 4 or frames.shape[-1] not in (1, 3, 4):
             raise ValueError(f"video array must be (T, H, W, C), got {frames.shape}")
-        return [Image.fromarray(np.ascontiguousarray(f.astype(np.uint8)).squeeze()) for f in frames]
+        return [load_image(np.ascontiguousarray(f, dtype=np.uint8)) for f in frames]
     if isinstance(frames, Sequence) and not isinstance(frames, str | bytes):
         return [load_image(f) for f in frames]
     raise TypeError(f"video must be a list of frames or a (T, H, W, C) array, got {type(frames)}")

@@ -270,7 +270,7 @@ class VisionTower(nn.Module):
 
     @torch.inference_mode()
     def encode(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, *, per_frame: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Encode the patch rows of several items.
 
@@ -278,6 +278,12 @@ class VisionTower(nn.Module):
         `grid_thw`: `(n, 3)` integer patch grid per item. Returns the merged rows of all items
         concatenated in item order, `(sum(t*h*w) / merge_unit, out_hidden_size)`, and one
         tensor of the same shape per deepstack layer (in layer order).
+
+        Frames never interact, so a frame's rows are the same whichever frames are encoded
+        with it, up to floating-point rounding of matrix products whose kernels depend on the
+        row count (about 1e-7 in float32). `per_frame=True` runs every temporal patch as its
+        own forward pass, making each frame's rows bit-identical however items and frames
+        are grouped (for exact partition reuse), at the cost of smaller matrix products.
         """
         cfg = self.config
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
@@ -293,11 +299,28 @@ class VisionTower(nn.Module):
                     f"grid {(t, h, w)}: t >= 1 and h, w multiples of {cfg.spatial_merge_size}"
                 )
         x = pixel_values.to(device=self.device, dtype=self.dtype)
-        x = self.patch_embed(x)
+        if not per_frame:
+            return self._forward(x, grids)
+        frames = [(1, h, w) for t, h, w in grids for _ in range(t)]
+        outputs = []
+        start = 0
+        for grid in frames:
+            rows = grid[1] * grid[2]
+            outputs.append(self._forward(x[start : start + rows], [grid]))
+            start += rows
+        merged = torch.cat([rows for rows, _ in outputs])
+        deepstack = [torch.cat(layer) for layer in zip(*(ds for _, ds in outputs), strict=True)]
+        return merged, deepstack
 
+    def _forward(
+        self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One pass over validated patch rows of items with these grids."""
+        cfg = self.config
+        x = self.patch_embed(pixels)
         segments: list[tuple[int, int, int]] = []
         pos_parts: list[torch.Tensor] = []
-        cos_parts: list[torch.Tensor] = []
+        angle_parts: list[torch.Tensor] = []
         start = 0
         cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for t, h, w in grids:
@@ -305,11 +328,11 @@ class VisionTower(nn.Module):
                 cache[(h, w)] = (self._position_embedding(h, w), self._rotary_angles(h, w))
             pos, angles = cache[(h, w)]
             pos_parts.append(pos.repeat(t, 1))
-            cos_parts.append(angles.repeat(t, 1))
+            angle_parts.append(angles.repeat(t, 1))
             segments.append((start, t, h * w))
             start += t * h * w
         x = x + torch.cat(pos_parts).to(x.dtype)
-        angles = torch.cat(cos_parts)
+        angles = torch.cat(angle_parts)
         rotary = (angles.cos(), angles.sin())
 
         deepstack: list[torch.Tensor] = []
