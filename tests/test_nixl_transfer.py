@@ -198,6 +198,8 @@ def test_merge_preserves_bytes_and_never_grows(plan: tuple[list, list]) -> None:
     check_pairs(m_remote, m_local)
     assert len(m_remote) <= len(remote)
     assert _byte_map(m_remote, m_local) == _byte_map(remote, local)
+    # The numpy implementation (used for large reads) gives the same result.
+    assert merge_ranges(np.array(remote), np.array(local)) == (m_remote, m_local)
     # Maximal: no two neighbouring output pairs could be merged further.
     for (ra, la), (rb, lb) in zip(
         zip(m_remote, m_local, strict=True),
@@ -247,6 +249,7 @@ def test_closed_agent_refuses_work() -> None:
         ([6, 4, 5], [2, 0, 1], 1),  # out of order but one run once sorted
     ],
 )
+@pytest.mark.parametrize("as_array", [False, True], ids=["lists", "arrays"])
 def test_read_blocks_into_other_slots(
     agent: TransferAgent,
     holder: tuple[Connection, dict[str, Any]],
@@ -254,17 +257,18 @@ def test_read_blocks_into_other_slots(
     blocks: list[int],
     slots: list[int],
     descriptors: int,
+    as_array: bool,
 ) -> None:
     base = holder[1]["kv_addr"]
     local = torch.zeros((NUM_BLOCKS, *KV_BLOCK_SHAPE), dtype=torch.float16)
+    remote = [(base + b * BLOCK_BYTES, BLOCK_BYTES) for b in blocks]
+    dst = [(local.data_ptr() + s * BLOCK_BYTES, BLOCK_BYTES) for s in slots]
     region = agent.register(local)
     try:
-        stats = agent.read(
-            peer,
-            [(base + b * BLOCK_BYTES, BLOCK_BYTES) for b in blocks],
-            [(local.data_ptr() + s * BLOCK_BYTES, BLOCK_BYTES) for s in slots],
-            timeout_s=10,
-        )
+        if as_array:
+            stats = agent.read(peer, np.array(remote), np.array(dst), timeout_s=10)
+        else:
+            stats = agent.read(peer, remote, dst, timeout_s=10)
     finally:
         agent.deregister(region)
     assert stats.nbytes == len(blocks) * BLOCK_BYTES
@@ -284,15 +288,16 @@ def test_merge_stops_at_local_registration_boundary(
     first = agent.register(local[: 2 * BLOCK_BYTES])
     second = agent.register(local[2 * BLOCK_BYTES :])
     base = holder[1]["kv_addr"]
-    remote = np.array([(base + b * BLOCK_BYTES, BLOCK_BYTES) for b in range(4)])
-    dst = np.array([(local.data_ptr() + s * BLOCK_BYTES, BLOCK_BYTES) for s in range(4)])
+    remote = [(base + b * BLOCK_BYTES, BLOCK_BYTES) for b in range(4)]
+    dst = [(local.data_ptr() + s * BLOCK_BYTES, BLOCK_BYTES) for s in range(4)]
     try:
         unmerged = agent.read(peer, remote, dst, timeout_s=10, merge=False)
         stats = agent.read(peer, remote, dst, timeout_s=10)
+        as_arrays = agent.read(peer, np.array(remote), np.array(dst), timeout_s=10)
     finally:
         agent.deregister(first)
         agent.deregister(second)
-    assert (unmerged.descriptors, stats.descriptors) == (4, 2)
+    assert (unmerged.descriptors, stats.descriptors, as_arrays.descriptors) == (4, 2, 2)
     for b in range(4):
         assert torch.equal(local.view(4, BLOCK_BYTES)[b], block_pattern(b))
 

@@ -35,9 +35,20 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from common.transfer.ranges import RangeArray, Ranges, check_pairs, merge_range_arrays
+from common.transfer.ranges import (
+    ByteRange,
+    RangeArray,
+    Ranges,
+    check_pair_lists,
+    check_pairs,
+    merge_range_arrays,
+    merge_range_lists,
+)
 
 logger = logging.getLogger(__name__)
+
+# Reads with at most this many ranges (given as sequences) take the plain-Python path.
+_SMALL_READ: Final = 64
 
 # NIXL memory segment names.
 HOST_MEMORY: Final = "DRAM"
@@ -330,16 +341,34 @@ class TransferAgent:
         if remote_memory not in (HOST_MEMORY, DEVICE_MEMORY):
             raise ValueError(f"remote_memory must be 'DRAM' or 'VRAM', got {remote_memory!r}")
         started = time.perf_counter()
-        r, loc = check_pairs(remote, local)
+        small = (
+            not isinstance(remote, np.ndarray)
+            and not isinstance(local, np.ndarray)
+            and len(remote) <= _SMALL_READ
+        )
+        if small:
+            r_list, l_list = check_pair_lists(remote, local)  # type: ignore[arg-type]
+            requested = len(r_list)
+        else:
+            r, loc = check_pairs(remote, local)
+            requested = len(r)
         with self._lock:
             self._check_open()
             if peer not in self._peers:
                 raise UnknownPeerError(
                     f"unknown NIXL peer {peer!r}: call add_peer with its metadata first"
                 )
-            region_ids, local_memory, local_device = self._local_regions_of(loc)
+            if small:
+                ids, local_memory, local_device = self._local_regions_small(l_list)
+            else:
+                region_ids, local_memory, local_device = self._local_regions_of(loc)
             self._retry_leaked()
-        if merge:
+        if small:
+            if merge:
+                r_list, l_list = merge_range_lists(r_list, l_list, ids)
+            merged_r = np.array(r_list, dtype=np.int64)
+            merged_l = np.array(l_list, dtype=np.int64)
+        elif merge:
             merged_r, merged_l = merge_range_arrays(r, loc, region_ids)
         else:
             merged_r, merged_l = r, loc
@@ -362,7 +391,7 @@ class TransferAgent:
         stats = TransferStats(
             nbytes=nbytes,
             descriptors=len(merged_r),
-            requested=len(r),
+            requested=requested,
             seconds=time.perf_counter() - started,
         )
         logger.debug(
@@ -453,6 +482,25 @@ class TransferAgent:
             except Exception:
                 still.append(handle)
         self._leaked = still
+
+    def _local_regions_small(self, local: list[ByteRange]) -> tuple[list[int], str, int]:
+        """`_local_regions_of` in plain Python for a few ranges. Caller holds the lock."""
+        ids: list[int] = []
+        for i, (address, nbytes) in enumerate(local):
+            for j, region in enumerate(self._regions):
+                if region.contains(address, nbytes):
+                    ids.append(j)
+                    break
+            else:
+                raise ValueError(
+                    f"local range {i} ({address:#x}+{nbytes}) is not inside memory registered "
+                    f"with {self.name}; register the destination buffer first"
+                )
+        kinds = {(self._regions[j].memory, self._regions[j].device_id) for j in set(ids)}
+        if len(kinds) != 1:
+            raise ValueError(f"local ranges span several memories {sorted(kinds)}; split the read")
+        memory, device = kinds.pop()
+        return ids, memory, device
 
     def _local_regions_of(
         self, local: RangeArray

@@ -4,13 +4,15 @@ A transfer is a list of (remote range, local range) pairs of equal length. NIXL'
 depends on descriptor size (DESIGN §4: 64 KiB descriptors reach 0.43x of one large one), so
 runs of pairs that are contiguous on BOTH sides are merged into one descriptor before posting.
 
-Everything here is pure (numpy over int64, no NIXL), vectorized because a KV pull can carry
-thousands of blocks and per-range Python loops would cost milliseconds, as much as the copy.
+Everything here is pure (no NIXL). Two implementations with one contract: plain Python for a
+few dozen ranges (numpy's per-call overhead would dominate), numpy for thousands of blocks
+(Python loops would cost milliseconds, as much as the copy itself).
 Ranges come as a sequence of (address, nbytes) tuples or an Nx2 integer array.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +27,15 @@ Ranges = Sequence[ByteRange] | RangeArray
 
 def as_range_array(ranges: Ranges, what: str = "ranges") -> RangeArray:
     """Ranges as an Nx2 int64 array (a copy only when the input is not one already)."""
+    if not isinstance(ranges, np.ndarray):
+        # fromiter over the flattened pairs is several times faster than asarray on tuples.
+        try:
+            flat = np.fromiter(
+                itertools.chain.from_iterable(ranges), dtype=np.int64, count=2 * len(ranges)
+            )
+            return flat.reshape(-1, 2)
+        except (TypeError, ValueError):
+            pass  # ragged or malformed: let asarray produce the shape error below
     arr = np.asarray(ranges, dtype=np.int64)
     if arr.size == 0:
         return arr.reshape(0, 2)
@@ -73,6 +84,66 @@ def check_pairs(remote: Ranges, local: Ranges) -> tuple[RangeArray, RangeArray]:
     return r, loc
 
 
+def check_pair_lists(
+    remote: Sequence[ByteRange], local: Sequence[ByteRange]
+) -> tuple[list[ByteRange], list[ByteRange]]:
+    """`check_pairs` in plain Python, faster than numpy for a few dozen ranges."""
+    if len(remote) != len(local):
+        raise ValueError(
+            f"remote and local must have the same number of ranges, got {len(remote)} "
+            f"remote and {len(local)} local"
+        )
+    if not remote:
+        raise ValueError("nothing to transfer: no ranges given")
+    r = [(int(a), int(n)) for a, n in remote]
+    loc = [(int(a), int(n)) for a, n in local]
+    for i, ((r_addr, r_len), (l_addr, l_len)) in enumerate(zip(r, loc, strict=True)):
+        if r_len <= 0 or l_len <= 0:
+            raise ValueError(f"range {i}: lengths must be positive, got {r_len} and {l_len}")
+        if r_len != l_len:
+            raise ValueError(
+                f"range {i}: remote length {r_len} differs from local length {l_len}"
+            )
+        if r_addr < 0 or l_addr < 0:
+            raise ValueError(f"range {i}: negative address")
+    ordered = sorted(loc)
+    for (a_addr, a_len), (b_addr, _) in itertools.pairwise(ordered):
+        if a_addr + a_len > b_addr:
+            raise ValueError(
+                f"local ranges overlap: [{a_addr:#x}, +{a_len}) and a range at {b_addr:#x}"
+            )
+    return r, loc
+
+
+def merge_range_lists(
+    remote: Sequence[ByteRange],
+    local: Sequence[ByteRange],
+    local_region: Sequence[int] | None = None,
+) -> tuple[list[ByteRange], list[ByteRange]]:
+    """`merge_range_arrays` in plain Python on validated lists; returns lists."""
+    regions = local_region if local_region is not None else [0] * len(remote)
+    triples = sorted(zip(remote, local, regions, strict=True), key=lambda p: (p[0][0], p[1][0]))
+    out_r: list[ByteRange] = []
+    out_l: list[ByteRange] = []
+    run_r = run_l = run_len = run_reg = 0
+    for (r_addr, length), (l_addr, _), reg in triples:
+        if (
+            run_len
+            and r_addr == run_r + run_len
+            and l_addr == run_l + run_len
+            and reg == run_reg
+        ):
+            run_len += length
+            continue
+        if run_len:
+            out_r.append((run_r, run_len))
+            out_l.append((run_l, run_len))
+        run_r, run_l, run_len, run_reg = r_addr, l_addr, length, reg
+    out_r.append((run_r, run_len))
+    out_l.append((run_l, run_len))
+    return out_r, out_l
+
+
 def merge_range_arrays(
     remote: RangeArray,
     local: RangeArray,
@@ -108,9 +179,11 @@ def merge_ranges(remote: Ranges, local: Ranges) -> tuple[list[ByteRange], list[B
     neighbouring output pairs could be merged further. Raises ValueError for inputs that
     `check_pairs` rejects.
     """
-    r, loc = check_pairs(remote, local)
-    out_r, out_l = merge_range_arrays(r, loc)
-    return (
-        [(int(a), int(n)) for a, n in out_r.tolist()],
-        [(int(a), int(n)) for a, n in out_l.tolist()],
-    )
+    if isinstance(remote, np.ndarray) or isinstance(local, np.ndarray):
+        r, loc = check_pairs(remote, local)
+        out_r, out_l = merge_range_arrays(r, loc)
+        return (
+            [(int(a), int(n)) for a, n in out_r.tolist()],
+            [(int(a), int(n)) for a, n in out_l.tolist()],
+        )
+    return merge_range_lists(*check_pair_lists(remote, local))
