@@ -7,6 +7,7 @@ buffer; the reader pulls N blocks of B bytes in four ways, per (size, block size
   raw-N      raw NIXL READ with N adjacent per-block descriptors (no merging by us)
   read-adj   our `read` with N adjacent per-block ranges (merged into one descriptor)
   read-scat  our `read` with N blocks spaced one block apart remotely (cannot merge)
+  read-np    read-adj with the ranges as Nx2 numpy arrays instead of lists of tuples
 
 Reports the median GB/s over repetitions and ratios against raw-1 (goal: read-adj >= 0.9x).
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -103,7 +105,8 @@ def main() -> None:
 
     print("GB/s = median over repetitions; x = median of per-repetition ratios to raw-1")
     print(f"{'size':>6} {'block':>6} {'descs':>5} {'raw-1':>7} {'raw-N':>7} {'read-adj':>8} "
-          f"{'read-scat':>9} {'adj x':>6} {'scat x':>6} {'raw-N x':>7}")
+          f"{'read-scat':>9} {'read-np':>7} {'adj x':>6} {'scat x':>6} {'np x':>6} "
+          f"{'raw-N x':>7}")
     for size_mib in args.sizes_mib:
         nbytes = size_mib * MIB
         for block_kib in args.block_kib:
@@ -112,12 +115,14 @@ def main() -> None:
             local = [(dst + i * block, block) for i in range(n)]
             adjacent = [(base + i * block, block) for i in range(n)]
             scattered = [(base + 2 * i * block, block) for i in range(n)]
+            adjacent_np, local_np = np.array(adjacent), np.array(local)
             times = measure(
                 {
                     "raw-1": lambda: raw_read(agent, peer, [(base, nbytes)], [(dst, nbytes)]),  # noqa: B023
                     "raw-N": lambda: raw_read(agent, peer, adjacent, local),  # noqa: B023
                     "read-adj": lambda: agent.read(peer, adjacent, local, timeout_s=30),  # noqa: B023
                     "read-scat": lambda: agent.read(peer, scattered, local, timeout_s=30),  # noqa: B023
+                    "read-np": lambda: agent.read(peer, adjacent_np, local_np, timeout_s=30),  # noqa: B023
                 },
                 args.reps,
             )
@@ -128,7 +133,8 @@ def main() -> None:
             }
             print(f"{size_mib:>4}Mi {block_kib:>4}Ki {n:>5} {gbps['raw-1']:>7.2f} "
                   f"{gbps['raw-N']:>7.2f} {gbps['read-adj']:>8.2f} {gbps['read-scat']:>9.2f} "
-                  f"{ratio['read-adj']:>6.2f} {ratio['read-scat']:>6.2f} {ratio['raw-N']:>7.2f}",
+                  f"{gbps['read-np']:>7.2f} {ratio['read-adj']:>6.2f} {ratio['read-scat']:>6.2f} "
+                  f"{ratio['read-np']:>6.2f} {ratio['raw-N']:>7.2f}",
                   flush=True)
 
     parent.send_bytes(b"stop")
