@@ -1,0 +1,389 @@
+"""Shared gRPC plumbing for every epd server: start, health, errors, drain, channels.
+
+Every worker and the router serve their role service through `start_server`, which also
+serves `grpc.health.v1` and applies the same message-size limits that `channel` uses on the
+client side. Handlers wrap themselves in `rpc_errors` so that a bad request becomes a clear
+status (never a crashed server), and in `WorkerLifecycle.track()` so that draining refuses new
+work while the in-flight work finishes. `run_until_signal` ties it together for `__main__`s.
+
+Registration with the router lives in `common.rpc_registrar` (re-exported here as
+`Registrar`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import inspect
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from common.kv.block_pool import NoFreeBlocksError
+from common.multimodal import MultimodalLayoutError
+from common.settings import SettingsError
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = "epd.v1"
+DEFAULT_MAX_MESSAGE_MB = 256
+DRAINING_DETAILS = "draining"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def grpc_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
+    """Channel/server options shared by both ends: message size limits in both directions."""
+    limit = max_message_mb * 1024 * 1024
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+    ]
+
+
+def service_name(pb2_module: Any, service: str) -> str:
+    """Full name of `service` in a generated `_pb2` module, e.g. "epd.v1.EncoderService"."""
+    return str(pb2_module.DESCRIPTOR.services_by_name[service].full_name)
+
+
+# --------------------------------------------------------------------------------- server
+
+
+@dataclass(slots=True, eq=False)
+class RunningServer:
+    """A started grpc.aio server with its health servicer.
+
+    `stop` is idempotent. The caller owns the server: whoever started it stops it.
+    """
+
+    server: Any  # grpc.aio.Server
+    health: HealthServicer  # grpc.health.v1 servicer; "" and every service name are listed
+    address: str  # "host:port" actually bound (port 0 resolved)
+    service_names: tuple[str, ...]  # health names besides "", e.g. "epd.v1.EncoderService"
+    stopped: bool = field(default=False)  # set once stop() has run
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING for "" and every service name."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Health NOT_SERVING, then stop; RPCs still running after `grace_s` are cancelled."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        """Return once the server has stopped."""
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    add_servicers: Sequence[Callable[[Any], None]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    service_names: Sequence[str] = (),
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+) -> RunningServer:
+    """Start a grpc.aio server serving the given servicers plus `grpc.health.v1`.
+
+    `add_servicers` are callables such as
+    `lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(impl, s)`.
+    Health reports SERVING for "" and each of `service_names` once started. `port=0` picks a
+    free port; the returned `address` carries the real one. Raises RuntimeError when the
+    address cannot be bound.
+    """
+    server = grpc.aio.server(options=grpc_options(max_message_mb))
+    for add in add_servicers:
+        add(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {host}:{port}")
+    await server.start()
+    shown_host = f"[{host}]" if ":" in host else host
+    running = RunningServer(server, health, f"{shown_host}:{bound}", tuple(service_names))
+    await running.set_serving(True)
+    logger.info("gRPC server on %s (%s)", running.address, ", ".join(service_names) or "-")
+    return running
+
+
+def channel(address: str, *, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> Any:
+    """An insecure grpc.aio channel to `address` with the shared message-size options.
+
+    The caller closes it (`await ch.close()`, or `async with channel(...) as ch`).
+    """
+    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_mb))
+
+
+async def wait_healthy(address: str, timeout_s: float = 10.0, service: str = "") -> None:
+    """Poll `grpc.health.v1.Check` until `service` is SERVING; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{address} not healthy after {timeout_s}s ({last})")
+            try:
+                reply = await stub.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=min(left, 1.0)
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                last = exc.code().name
+            await asyncio.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+
+
+# --------------------------------------------------------------------------------- errors
+
+
+class RpcStatusError(Exception):
+    """Raise from a handler to answer with an explicit status code and details."""
+
+    def __init__(self, code: Any, details: str) -> None:
+        super().__init__(details)
+        self.code = code  # grpc.StatusCode
+        self.details = details
+
+
+class WorkerDrainingError(RpcStatusError):
+    """New work refused because the worker drains; maps to UNAVAILABLE "draining"."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, DRAINING_DETAILS)
+
+
+def status_for(exc: BaseException) -> tuple[Any, str]:
+    """The (grpc.StatusCode, details) an exception escaping a handler maps to.
+
+    RpcStatusError → its code; MultimodalLayoutError / SettingsError / ValueError →
+    INVALID_ARGUMENT (the message names the field); NoFreeBlocksError → RESOURCE_EXHAUSTED;
+    TimeoutError → DEADLINE_EXCEEDED; anything else → INTERNAL.
+    """
+    if isinstance(exc, RpcStatusError):
+        return exc.code, exc.details
+    if isinstance(exc, MultimodalLayoutError | SettingsError | ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, NoFreeBlocksError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def _abort(context: Any, exc: Exception, where: str) -> None:
+    code, details = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("%s failed", where)
+    else:
+        logger.info("%s: %s %s", where, code.name, details)
+    if isinstance(exc, MultimodalLayoutError):
+        context.set_trailing_metadata((("epd-field", exc.field),))
+    await context.abort(code, details)
+
+
+def rpc_errors(fn: F) -> F:
+    """Decorate an async unary handler or async-generator streaming handler.
+
+    Exceptions escaping the handler become the status `status_for` gives (the handler's
+    last positional argument is the grpc.aio.ServicerContext). `context.abort` inside the
+    handler and cancellation pass through untouched. A stream that already yielded
+    messages ends with the mapped status after them.
+    """
+    where = fn.__qualname__
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def stream(*args: Any) -> AsyncIterator[Any]:
+            try:
+                async for message in fn(*args):
+                    yield message
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await _abort(args[-1], exc, where)
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    async def unary(*args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(args[-1], exc, where)
+
+    return unary  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------ lifecycle
+
+
+class LifecycleState(enum.StrEnum):
+    """Where a worker is in its life; see WorkerLifecycle."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class WorkerLifecycle:
+    """A worker's lifecycle: starting → serving → draining → stopped.
+
+    - starting: created; the model may still load. `track()` already admits work (the
+      server is not reachable before `attach`).
+    - serving: `attach(running)` was called; health SERVING.
+    - draining: `drain()` began; health NOT_SERVING, `track()` refuses new work with
+      UNAVAILABLE "draining" (via `rpc_errors`), tracked in-flight RPCs run to the end.
+    - stopped: in-flight work finished (or the timeout passed and it was cancelled) and the
+      gRPC server is stopped.
+
+    States only move forward. One lifecycle per server.
+    """
+
+    def __init__(self) -> None:
+        self.state = LifecycleState.STARTING
+        self.running: RunningServer | None = None
+        self.active = 0  # tracked RPCs in flight
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def draining(self) -> bool:
+        """True once draining began (also when stopped): no new work."""
+        return self.state in (LifecycleState.DRAINING, LifecycleState.STOPPED)
+
+    def attach(self, running: RunningServer) -> None:
+        """Bind the started server; the worker is now serving."""
+        self.running = running
+        if self.state == LifecycleState.STARTING:
+            self.state = LifecycleState.SERVING
+
+    @contextlib.asynccontextmanager
+    async def track(self) -> AsyncIterator[None]:
+        """Count one in-flight RPC; raises WorkerDrainingError once draining.
+
+        Wrap the whole handler body (for a stream: the whole generator) in it.
+        """
+        if self.draining:
+            raise WorkerDrainingError()
+        self.active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop taking work, wait up to `timeout_s` for in-flight RPCs, stop the server.
+
+        Returns True when every tracked RPC finished in time (False: the rest were cancelled
+        by the server stop). Calling it again after it finished returns True at once.
+        """
+        if self.state == LifecycleState.STOPPED:
+            return True
+        self.state = LifecycleState.DRAINING
+        if self.running is not None:
+            await self.running.set_serving(False)
+        logger.info("draining: %d in flight", self.active)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            clean = True
+        except TimeoutError:
+            logger.warning("drain timeout after %.1fs; cancelling %d RPCs", timeout_s, self.active)
+            clean = False
+        if self.running is not None:
+            # Only untracked RPCs (health watches, releases) can remain: short grace.
+            await self.running.stop(grace_s=0.5 if clean else 0.0)
+        self.state = LifecycleState.STOPPED
+        logger.info("stopped")
+        return clean
+
+
+async def run_until_signal(
+    lifecycle: WorkerLifecycle,
+    *,
+    drain_timeout_s: float = 30.0,
+    cleanup: Sequence[Callable[[], Awaitable[None]]] = (),
+) -> None:
+    """Serve until SIGTERM/SIGINT (or the server stops), then drain gracefully and clean up.
+
+    For `__main__`s: stop taking work, let in-flight work finish (up to `drain_timeout_s`),
+    stop the server, then await each `cleanup` (e.g. `registrar.stop`) in order. A second
+    signal while draining is ignored (the drain timeout bounds shutdown).
+    """
+    if lifecycle.running is None:
+        raise RuntimeError("run_until_signal needs an attached server")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    waiters = [
+        asyncio.ensure_future(stop.wait()),
+        asyncio.ensure_future(lifecycle.running.wait_for_termination()),
+    ]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        logger.info("shutting down")
+        await lifecycle.drain(drain_timeout_s)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        for step in cleanup:
+            try:
+                await step()
+            except Exception:
+                logger.exception("cleanup step failed")
+
+
+# Registration is its own module; re-exported for one import path.
+from common.rpc_registrar import Registrar  # noqa: E402
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_MB",
+    "DRAINING_DETAILS",
+    "PROTOCOL_VERSION",
+    "LifecycleState",
+    "Registrar",
+    "RpcStatusError",
+    "RunningServer",
+    "WorkerDrainingError",
+    "WorkerLifecycle",
+    "channel",
+    "grpc_options",
+    "rpc_errors",
+    "run_until_signal",
+    "service_name",
+    "start_server",
+    "status_for",
+    "wait_healthy",
+]

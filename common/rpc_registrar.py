@@ -1,0 +1,146 @@
+"""Worker-side registration with the router: Register once, then Heartbeat with load.
+
+Lifecycle of a `Registrar`: `start()` launches a background task that registers (retrying
+with capped backoff while the router is unreachable or refuses), then heartbeats every
+`heartbeat_interval_ms` the router asked for. A heartbeat answered `known=False`, or one that
+fails (router restarted, network), sends the worker back to registering. The task logs
+failures — the first of an outage at WARNING, repeats at DEBUG — and never raises. `stop()`
+cancels it and closes the channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 1.0
+
+
+class Registrar:
+    """Keeps one worker registered with the router at `router_address`.
+
+    `load_fn` is called (in the event loop, so keep it cheap) before every heartbeat; if it
+    raises, an empty load is sent. Counters `registrations` and `heartbeats` are for tests
+    and metrics. `worker_id` is None while not registered.
+    """
+
+    def __init__(
+        self,
+        router_address: str,
+        worker_info: registry_service_pb2.WorkerInfo,
+        load_fn: Callable[[], registry_service_pb2.WorkerLoad],
+        *,
+        rpc_timeout_s: float = 5.0,
+        retry_initial_s: float = 0.2,
+        retry_max_s: float = 5.0,
+    ) -> None:
+        self.router_address = router_address
+        self.worker_info = worker_info
+        self.load_fn = load_fn
+        self.rpc_timeout_s = rpc_timeout_s
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.worker_id: str | None = None  # from the last successful Register
+        self.heartbeat_s = DEFAULT_HEARTBEAT_S  # from the last RegisterResponse
+        self.registrations = 0  # successful Register calls
+        self.heartbeats = 0  # heartbeats the router answered
+        self._registered = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._channel: Any = None
+        self._failing = False  # inside an outage: log repeats at DEBUG
+
+    def start(self) -> None:
+        """Launch the background task (idempotent). Needs a running event loop."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="epd-registrar")
+
+    async def wait_registered(self, timeout_s: float = 10.0) -> str:
+        """The worker id once registered; TimeoutError after `timeout_s`."""
+        await asyncio.wait_for(self._registered.wait(), timeout_s)
+        assert self.worker_id is not None
+        return self.worker_id
+
+    async def stop(self) -> None:
+        """Cancel the task and close the channel (idempotent)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    def _log_failure(self, what: str, exc: BaseException) -> None:
+        detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+        level = logging.DEBUG if self._failing else logging.WARNING
+        logger.log(level, "%s with router %s failed: %s", what, self.router_address, detail)
+        self._failing = True
+
+    async def _run(self) -> None:
+        from common.rpc import channel  # late: common.rpc re-exports this module
+
+        self._channel = channel(self.router_address)
+        stub = registry_service_pb2_grpc.RegistryServiceStub(self._channel)
+        backoff = self.retry_initial_s
+        while True:
+            try:
+                if self.worker_id is None:
+                    await self._register(stub)
+                    backoff = self.retry_initial_s
+                await asyncio.sleep(self.heartbeat_s)
+                await self._heartbeat(stub)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._log_failure("register" if self.worker_id is None else "heartbeat", exc)
+                self._forget()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.retry_max_s)
+
+    async def _register(self, stub: Any) -> None:
+        reply = await stub.Register(
+            registry_service_pb2.RegisterRequest(worker=self.worker_info),
+            timeout=self.rpc_timeout_s,
+        )
+        self.worker_id = reply.worker_id
+        if reply.heartbeat_interval_ms > 0:
+            self.heartbeat_s = reply.heartbeat_interval_ms / 1000.0
+        self.registrations += 1
+        self._failing = False
+        self._registered.set()
+        logger.info(
+            "registered with %s as %s (heartbeat %.2fs)",
+            self.router_address,
+            self.worker_id,
+            self.heartbeat_s,
+        )
+
+    async def _heartbeat(self, stub: Any) -> None:
+        try:
+            load = self.load_fn()
+        except Exception:
+            logger.exception("load_fn failed; sending an empty load")
+            load = registry_service_pb2.WorkerLoad()
+        reply = await stub.Heartbeat(
+            registry_service_pb2.HeartbeatRequest(worker_id=self.worker_id, load=load),
+            timeout=self.rpc_timeout_s,
+        )
+        self.heartbeats += 1
+        self._failing = False
+        if not reply.known:
+            logger.info(
+                "router %s forgot worker %s; registering again", self.router_address, self.worker_id
+            )
+            self._forget()
+
+    def _forget(self) -> None:
+        self.worker_id = None
+        self._registered.clear()
