@@ -1,0 +1,344 @@
+"""Qwen3-VL input processing against the reference processors, and the prompt layout."""
+
+from __future__ import annotations
+
+import io
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common.multimodal import Modality
+from common.processing import Processor, ProcessorSettings
+from common.processing.image import patchify, smart_resize
+from common.processing.video import (
+    sample_frame_indices,
+    smart_resize_video,
+    temporal_timestamps,
+)
+from tests.model_fixtures import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("proc") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt: Path) -> Processor:
+    return Processor.from_pretrained(ckpt)
+
+
+def _image(h: int, w: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    data = rng.integers(0, 256, (h, w, channels), dtype=np.uint8)
+    return Image.fromarray(data.squeeze(-1) if channels == 1 else data, mode=mode)
+
+
+def _frames(n: int, h: int, w: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def _user(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+# --- images against the reference PIL image processor ---------------------------------------
+
+IMAGE_CASES = {
+    "wide": (50, 90, "RGB"),
+    "tall": (120, 40, "RGB"),
+    "below_min_pixels": (12, 20, "RGB"),
+    "above_max_pixels": (300, 220, "RGB"),
+    "thin": (20, 400, "RGB"),
+    "rgba": (64, 64, "RGBA"),
+    "grayscale": (70, 45, "L"),
+}
+
+
+@pytest.mark.parametrize("case", IMAGE_CASES.values(), ids=IMAGE_CASES.keys())
+def test_image_matches_reference(processor: Processor, case: tuple[int, int, str]) -> None:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    s = processor.settings
+    reference = Qwen2VLImageProcessorPil(
+        patch_size=s.patch_size,
+        merge_size=s.merge_size,
+        temporal_patch_size=s.temporal_patch_size,
+        size={"shortest_edge": s.min_pixels, "longest_edge": s.max_pixels},
+        image_mean=list(s.image_mean),
+        image_std=list(s.image_std),
+    )
+    h, w, mode = case
+    image = _image(h, w, mode=mode)
+    expected = reference([image], return_tensors="np")
+    prompt = processor.process(_user({"type": "image", "image": image}))
+    assert prompt.pixel_values[0].dtype == torch.float32
+    np.testing.assert_array_equal(prompt.pixel_values[0].numpy(), expected["pixel_values"])
+    assert [list(prompt.grid_thw[0])] == expected["image_grid_thw"].tolist()
+
+
+def test_smart_resize_matches_reference() -> None:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        smart_resize as ref_image,
+    )
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as ref_video
+
+    rng = np.random.default_rng(0)
+    for h, w in rng.integers(8, 2000, (200, 2)).tolist():
+        bounds = {"min_pixels": 4096, "max_pixels": 300_000}
+        assert smart_resize(h, w, factor=32, **bounds) == ref_image(h, w, 32, **bounds)
+        for frames in (2, 5, 16):
+            bounds = {"min_pixels": 8192, "max_pixels": 2_000_000}
+            ours = smart_resize_video(frames, h, w, temporal_factor=2, factor=32, **bounds)
+            theirs = ref_video(frames, h, w, temporal_factor=2, factor=32, **bounds)
+            assert ours == theirs, (frames, h, w)
+
+
+def test_image_sources_agree(processor: Processor, tmp_path: Path) -> None:
+    image = _image(40, 70, seed=5)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    path = tmp_path / "x.png"
+    path.write_bytes(buffer.getvalue())
+    sources = [image, buffer.getvalue(), str(path), path, np.asarray(image)]
+    prompts = [processor.process(_user({"type": "image", "image": s})) for s in sources]
+    for p in prompts[1:]:
+        assert torch.equal(p.pixel_values[0], prompts[0].pixel_values[0])
+        assert p.params.items[0].content_hash == prompts[0].params.items[0].content_hash
+    url = "data:image/png;base64," + __import__("base64").b64encode(buffer.getvalue()).decode()
+    via_url = processor.process(_user({"type": "image_url", "image_url": {"url": url}}))
+    assert via_url.params.hashes == prompts[0].params.hashes
+
+
+# --- video ------------------------------------------------------------------------------------
+
+
+def test_video_patchify_equals_hand_reshape() -> None:
+    settings = ProcessorSettings(patch_size=4, merge_size=2, temporal_patch_size=2)
+    rng = np.random.default_rng(1)
+    frames = rng.standard_normal((3, 3, 16, 8)).astype(np.float32)  # (T, C, H, W), T odd
+    rows, grid = patchify(frames, settings)
+    assert grid == (2, 4, 2)
+    padded = np.concatenate([frames, frames[-1:]])  # last frame repeats to fill the patch
+    expected = []
+    for t in range(2):
+        for bh in range(2):
+            for bw in range(1):
+                for mh in range(2):
+                    for mw in range(2):
+                        r, c = (bh * 2 + mh) * 4, (bw * 2 + mw) * 4
+                        patch = padded[2 * t : 2 * t + 2, :, r : r + 4, c : c + 4]  # (T, C, P, P)
+                        expected.append(patch.transpose(1, 0, 2, 3).reshape(-1))
+    np.testing.assert_array_equal(rows, np.stack(expected))
+
+
+@pytest.mark.parametrize(("total", "fps"), [(30, 10.0), (7, 2.0), (100, 24.0), (3, 30.0)])
+def test_frame_sampling_matches_reference(total: int, fps: float) -> None:
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    settings = ProcessorSettings(video_sample_fps=2.0, video_min_frames=4, video_max_frames=768)
+    fake = SimpleNamespace(fps=2.0, min_frames=4, max_frames=768)
+    metadata = VideoMetadata(total_num_frames=total, fps=fps)
+    expected = Qwen3VLVideoProcessor.sample_frames(fake, metadata).tolist()
+    assert sample_frame_indices(total, fps, settings) == expected
+
+
+@pytest.mark.parametrize("indices", [[0, 3, 5], [0, 6, 12, 17], [4]])
+def test_timestamps_match_reference(indices: list[int]) -> None:
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    expected = Qwen3VLProcessor._calculate_timestamps(None, list(indices), 10.0, 2)
+    assert temporal_timestamps(indices, 10.0, 2) == expected
+
+
+def test_video_prompt_layout(processor: Processor) -> None:
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    frames = _frames(6, 48, 64)
+    prompt = processor.process(
+        _user(
+            {"type": "text", "text": "Watch:"},
+            {"type": "video", "video": frames, "fps": 2.0},
+            {"type": "text", "text": "What happens?"},
+        )
+    )
+    (item,) = prompt.params.items
+    assert item.modality == Modality.VIDEO
+    assert prompt.grid_thw == ((3, 4, 4),) and item.grid_thw == (3, 4, 4)
+    assert item.frame_timestamps == (0.25, 1.25, 2.25)
+
+    # The placeholder text is the reference processor's for the same grid and frames.
+    fake = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+        video_token="<|video_pad|>",
+        vision_start_token="<|vision_start|>",
+        vision_end_token="<|vision_end|>",
+        _calculate_timestamps=partial(Qwen3VLProcessor._calculate_timestamps, None),
+    )
+    inputs = {
+        "video_grid_thw": np.array([[3, 4, 4]]),
+        "video_metadata": [SimpleNamespace(fps=2.0, frames_indices=list(range(6)))],
+    }
+    placeholder = Qwen3VLProcessor.replace_video_token(fake, inputs, 0)
+    assert placeholder.startswith("<0.2 seconds><|vision_start|><|video_pad|>")
+    assert prompt.prompt_text == (
+        f"<|im_start|>user\nWatch:{placeholder}What happens?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert prompt.prompt_token_ids == processor.tokenizer.encode(prompt.prompt_text).ids
+
+    # One run per temporal patch, each wrapped in vision_start/end, timestamps between them.
+    ids = prompt.prompt_token_ids
+    cfg = processor.config
+    assert len(item.runs) == 3 and all(n == 4 for _, n in item.runs)
+    for k, (start, n) in enumerate(item.runs):
+        assert (
+            ids[start - 1] == cfg.vision_start_token_id
+            and ids[start + n] == cfg.vision_end_token_id
+        )
+        assert set(ids[start : start + n]) == {cfg.video_token_id}
+        if k:
+            prev_end = item.runs[k - 1][0] + item.runs[k - 1][1]
+            gap = processor.decode(ids[prev_end + 1 : start - 1])
+            assert gap == f"<{item.frame_timestamps[k]:.1f} seconds>"
+    mask = prompt.params.placeholder_mask(len(ids))
+    assert np.array_equal(mask, np.asarray(ids) == cfg.video_token_id)
+
+    # Partitions: one per temporal patch, slicing the item's patch rows.
+    assert [(p.input_start, p.input_end, p.output_rows) for p in item.partitions] == [
+        (0, 16, 4),
+        (16, 32, 4),
+        (32, 48, 4),
+    ]
+    assert prompt.pixel_values[0].shape == (48, processor.config.vision.patch_dim)
+
+
+def test_video_partition_hashes_share_common_frames(processor: Processor) -> None:
+    base = _frames(8, 64, 64, seed=1)
+    changed = base[:4] + _frames(4, 64, 64, seed=2)
+    settings_fps = {"type": "video", "fps": 2.0}
+    a = processor.process(_user({**settings_fps, "video": base})).params.items[0]
+    b = processor.process(_user({**settings_fps, "video": changed})).params.items[0]
+    assert len(a.partitions) == 4
+    assert [p.content_hash for p in a.partitions[:2]] == [p.content_hash for p in b.partitions[:2]]
+    assert a.partitions[2].content_hash != b.partitions[2].content_hash
+    assert a.content_hash != b.content_hash
+    assert len({p.content_hash for p in a.partitions} | {a.content_hash}) == 5
+
+
+def test_video_array_input_and_odd_frame_count(processor: Processor) -> None:
+    frames = np.stack(_frames(5, 40, 40, seed=3))
+    prompt = processor.process(_user({"type": "video", "video": frames, "fps": 1.0}))
+    item = prompt.params.items[0]
+    # 5 frames at 1 fps, sampled at 2 fps -> all 5; padded to 6 -> 3 temporal patches.
+    assert prompt.grid_thw[0][0] == 3
+    assert item.frame_timestamps == (0.5, 2.5, 4.0)
+
+
+# --- chat template, payload order, hashes, errors -----------------------------------------------
+
+
+def test_chat_template(processor: Processor) -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
+        {"role": "user", "content": [{"type": "image", "image": _image(32, 32)}]},
+    ]
+    prompt = processor.process(messages)
+    pads = "<|image_pad|>" * prompt.params.items[0].length
+    assert prompt.prompt_text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+        f"<|im_start|>user\n<|vision_start|>{pads}<|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_prompt = processor.process(messages[:2], add_generation_prompt=False)
+    assert not no_prompt.prompt_text.endswith("assistant\n")
+    assert no_prompt.params.items == ()
+
+
+def test_item_order_differs_from_payload_order(processor: Processor) -> None:
+    first, second = _image(40, 40, seed=10), _image(64, 96, seed=11)
+    video = _frames(4, 32, 32)
+    prompt = processor.process(
+        _user(
+            {"type": "image", "index": 1, "uuid": "img-b"},
+            {"type": "video"},
+            {"type": "text", "text": "and"},
+            {"type": "image", "index": 0},
+            {"type": "image", "image": first},
+        ),
+        images=[first, second],
+        videos=[video],
+    )
+    items = prompt.params.items
+    assert [(i.modality, i.payload_index) for i in items] == [
+        (Modality.IMAGE, 1),
+        (Modality.VIDEO, 0),
+        (Modality.IMAGE, 0),
+        (Modality.IMAGE, 2),  # inline payloads come after the side payloads
+    ]
+    assert items[0].uuid == "img-b" and items[2].uuid is None
+    alone = processor.process(_user({"type": "image", "image": second}))
+    assert torch.equal(prompt.pixel_values[0], alone.pixel_values[0])
+    assert items[0].content_hash == alone.params.items[0].content_hash
+    assert items[2].content_hash == items[3].content_hash  # same picture, same hash
+    assert prompt.grid_thw[0] == (1, 4, 6)
+    # Runs are in prompt order and disjoint; each item's rows = t*h*w / 4.
+    positions = [r for i in items for r in i.runs]
+    assert positions == sorted(positions)
+    assert prompt.params.lengths == [int(np.prod(g)) // 4 for g in prompt.grid_thw]
+    pixels, grid = prompt.vision_inputs([2, 0])
+    assert grid.tolist() == [list(prompt.grid_thw[2]), list(prompt.grid_thw[0])]
+    assert pixels.shape[0] == sum(int(np.prod(g)) for g in grid.tolist())
+
+
+def test_hash_depends_on_settings(ckpt: Path, processor: Processor) -> None:
+    image = _image(200, 200, seed=7)
+    base = processor.process(_user({"type": "image", "image": image})).params.items[0]
+    again = processor.process(_user({"type": "image", "image": image})).params.items[0]
+    assert base.content_hash == again.content_hash and len(base.content_hash) == 32
+    other = processor.process(_user({"type": "image", "image": _image(200, 200, seed=8)}))
+    assert other.params.items[0].content_hash != base.content_hash
+    import dataclasses
+
+    smaller = Processor(
+        processor.tokenizer,
+        processor.config,
+        dataclasses.replace(processor.settings, max_pixels=64 * 64),
+    )
+    resized = smaller.process(_user({"type": "image", "image": image})).params.items[0]
+    assert resized.grid_thw != base.grid_thw and resized.content_hash != base.content_hash
+    renormed = Processor(
+        processor.tokenizer,
+        processor.config,
+        dataclasses.replace(processor.settings, video_max_frames=8),
+    )
+    same_pixels = renormed.process(_user({"type": "image", "image": image})).params.items[0]
+    assert same_pixels.content_hash != base.content_hash  # settings are part of the hash
+
+
+def test_errors(processor: Processor) -> None:
+    with pytest.raises(ValueError, match="must not contain placeholder tokens"):
+        processor.process(_user({"type": "text", "text": "sneaky <|image_pad|>"}))
+    with pytest.raises(ValueError, match="refers to payload 2"):
+        processor.process(_user({"type": "image", "index": 2}), images=[_image(32, 32)])
+    with pytest.raises(ValueError, match="unsupported content part"):
+        processor.process(_user({"type": "audio", "audio": b""}))
+    with pytest.raises(ValueError, match="no role"):
+        processor.process([{"content": "x"}])
+    with pytest.raises(ValueError, match="differ in size"):
+        frames = _frames(2, 32, 32) + _frames(2, 40, 32)
+        processor.process(_user({"type": "video", "video": frames, "fps": 1.0}))
