@@ -342,3 +342,59 @@ def test_errors(processor: Processor) -> None:
     with pytest.raises(ValueError, match="differ in size"):
         frames = _frames(2, 32, 32) + _frames(2, 40, 32)
         processor.process(_user({"type": "video", "video": frames, "fps": 1.0}))
+
+
+def _documented_mrope_positions(prompt: Any, merge: int) -> np.ndarray:
+    """mRoPE positions built only from what `ProcessedPrompt`'s docstring promises."""
+    n = len(prompt.prompt_token_ids)
+    runs = sorted(
+        (start, length, grid)
+        for item, grid in zip(prompt.params.items, prompt.grid_thw, strict=True)
+        for start, length in item.runs
+    )
+    out = np.zeros((3, n), dtype=np.int64)
+    pos = cursor = 0
+    for start, length, (_, h, w) in [*runs, (n, 0, (1, 0, 0))]:
+        text = np.arange(start - cursor) + pos
+        out[:, cursor:start] = text
+        pos += start - cursor
+        if length:
+            rows, cols = np.divmod(np.arange(length), w // merge)
+            out[:, start : start + length] = [pos + 0 * rows, pos + rows, pos + cols]
+            pos += max(h, w) // merge
+        cursor = start + length
+    return out
+
+
+def test_grid_thw_gives_reference_mrope_positions(processor: Processor) -> None:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    prompt = processor.process(
+        _user(
+            {"type": "image", "image": _image(40, 100, seed=1)},
+            {"type": "text", "text": "then"},
+            {"type": "video", "video": _frames(6, 64, 96), "fps": 2.0},
+            {"type": "image", "image": _image(90, 30, seed=2)},
+        )
+    )
+    cfg = processor.config
+    ids = torch.tensor([prompt.prompt_token_ids])
+    types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+    grids = [torch.tensor(g) for g in prompt.grid_thw]
+    kinds = [i.modality for i in prompt.params.items]
+    fake = SimpleNamespace(
+        config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2)),
+        get_vision_position_ids=partial(Qwen3VLModel.get_vision_position_ids, None),
+    )
+    expected, _ = Qwen3VLModel.get_rope_index(
+        fake,
+        ids,
+        types,
+        image_grid_thw=torch.stack(
+            [g for g, k in zip(grids, kinds, strict=True) if k == Modality.IMAGE]
+        ),
+        video_grid_thw=torch.stack(
+            [g for g, k in zip(grids, kinds, strict=True) if k == Modality.VIDEO]
+        ),
+    )
+    np.testing.assert_array_equal(_documented_mrope_positions(prompt, 2), expected[:, 0].numpy())
