@@ -40,6 +40,11 @@ class EncoderServiceStub:
                 request_serializer=epd_dot_v1_dot_encoder__service__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_encoder__service__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.ReleaseEmbeddings = channel.unary_unary(
+                '/epd.v1.EncoderService/ReleaseEmbeddings',
+                request_serializer=epd_dot_v1_dot_encoder__service__pb2.ReleaseEmbeddingsRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_encoder__service__pb2.ReleaseEmbeddingsResponse.FromString,
+                _registered_method=True)
 
 
 class EncoderServiceServicer:
@@ -53,6 +58,13 @@ class EncoderServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseEmbeddings(self, request, context):
+        """Free the transfer leases of large outputs once their reader has pulled them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +72,11 @@ def add_EncoderServiceServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=epd_dot_v1_dot_encoder__service__pb2.EncodeRequest.FromString,
                     response_serializer=epd_dot_v1_dot_encoder__service__pb2.EncodeResponse.SerializeToString,
+            ),
+            'ReleaseEmbeddings': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseEmbeddings,
+                    request_deserializer=epd_dot_v1_dot_encoder__service__pb2.ReleaseEmbeddingsRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_encoder__service__pb2.ReleaseEmbeddingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class EncoderService:
             '/epd.v1.EncoderService/Encode',
             epd_dot_v1_dot_encoder__service__pb2.EncodeRequest.SerializeToString,
             epd_dot_v1_dot_encoder__service__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseEmbeddings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.EncoderService/ReleaseEmbeddings',
+            epd_dot_v1_dot_encoder__service__pb2.ReleaseEmbeddingsRequest.SerializeToString,
+            epd_dot_v1_dot_encoder__service__pb2.ReleaseEmbeddingsResponse.FromString,
             options,
             channel_credentials,
             insecure,
