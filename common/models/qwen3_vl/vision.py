@@ -268,7 +268,7 @@ class VisionTower(nn.Module):
         """Merged output rows of each item: `t * h * w / merge_unit`."""
         return [int(t * h * w) // self.config.merge_unit for t, h, w in grid_thw.tolist()]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def encode(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, *, per_frame: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
