@@ -1,0 +1,392 @@
+"""The worker registry: who is serving, whether they fit together, and who gets the next job.
+
+Lifecycle of a worker as the router sees it:
+
+    Register  -> checked against the deployment (protocol, model, KV layout); refused with
+                 FAILED_PRECONDITION on a mismatch, else recorded under a fresh worker id
+                 (a worker re-registering from the same address replaces its old record)
+    Heartbeat -> refreshes liveness and load; an unknown id answers known=False so the
+                 worker registers again
+    draining  -> reported by the worker or asked for through AdminService.Drain; a draining
+                 worker gets no new work, its in-flight work finishes
+    expiry    -> a worker silent for longer than the timeout is dropped
+
+Compatibility: every worker must speak `PROTOCOL_VERSION` and serve the expected model
+identity (given, or adopted from the first worker to register). Prefill and decode workers
+exchange KV blocks, so their `KvLayout`s must agree field by field: the layout of the first
+one to register becomes the reference, and the fields the checkpoint fixes (layers, KV
+heads, head dim) are checked against the checkpoint config when the router has it.
+
+Selection picks, among live non-draining workers of a role, the one with the smallest load
+estimate (see `WorkerRecord.load_estimate`); ties go to the worker picked least recently.
+The registry is plain in-process state driven from one asyncio loop; it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+
+import grpc
+
+from epd.v1 import kv_pb2, registry_service_pb2, registry_service_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = "epd.v1"
+
+
+class Role(enum.StrEnum):
+    """A worker's role."""
+
+    ENCODER = "encoder"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @classmethod
+    def from_proto(cls, value: int) -> Role:
+        """The role of a wire `WorkerRole`; ValueError for unspecified or unknown values."""
+        try:
+            return _ROLES[value]
+        except KeyError:
+            raise ValueError(f"worker role {value} is not encoder, prefill or decode") from None
+
+    def to_proto(self) -> registry_service_pb2.WorkerRole:
+        """The wire `WorkerRole`."""
+        return _ROLE_PROTOS[self]
+
+
+_ROLE_PROTOS = {
+    Role.ENCODER: registry_service_pb2.WORKER_ROLE_ENCODER,
+    Role.PREFILL: registry_service_pb2.WORKER_ROLE_PREFILL,
+    Role.DECODE: registry_service_pb2.WORKER_ROLE_DECODE,
+}
+_ROLES = {int(v): k for k, v in _ROLE_PROTOS.items()}
+KV_ROLES = frozenset({Role.PREFILL, Role.DECODE})
+
+
+class RegistrationRefused(Exception):
+    """A worker that does not fit this deployment (FAILED_PRECONDITION on the wire)."""
+
+
+class NoWorkerError(Exception):
+    """No live, non-draining worker of a role (UNAVAILABLE on the wire)."""
+
+    def __init__(self, role: Role) -> None:
+        super().__init__(f"no {role} worker is registered and available")
+        self.role = role
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """A worker's paged KV shape; peers must agree on every field to exchange blocks."""
+
+    model: str  # model identity
+    dtype: int  # wire ElementType of the cache
+    block_size: int  # tokens per block
+    num_layers: int  # decoder layers
+    num_kv_heads: int  # KV heads per layer
+    head_dim: int  # head dimension
+    layout: str  # byte layout name
+    block_bytes: int  # bytes per block
+
+    @classmethod
+    def from_proto(cls, msg: kv_pb2.KvLayout) -> KvLayout:
+        """Decode the wire form (no validation: comparison does the checking)."""
+        return cls(
+            msg.model,
+            int(msg.dtype),
+            msg.block_size,
+            msg.num_layers,
+            msg.num_kv_heads,
+            msg.head_dim,
+            msg.layout,
+            msg.block_bytes,
+        )
+
+    def differences(self, other: KvLayout) -> list[str]:
+        """'field=mine (expected theirs)' for every field that differs."""
+        return [
+            f"{f.name}={getattr(self, f.name)!r} (expected {getattr(other, f.name)!r})"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointShape:
+    """The KV fields a checkpoint config fixes, for checking layouts before any worker."""
+
+    num_layers: int  # decoder layers
+    num_kv_heads: int  # KV heads per layer
+    head_dim: int  # head dimension
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """A worker's load as of its last heartbeat."""
+
+    active_requests: int = 0  # requests in flight on the worker (from every router)
+    kv_blocks_used: int = 0  # KV blocks in use
+    kv_blocks_free: int = 0  # KV blocks free
+    cache_hits: int = 0  # prefix or encoder cache hits since start
+    cache_lookups: int = 0  # prefix or encoder cache lookups since start
+    draining: bool = False  # the worker says it drains
+
+    @classmethod
+    def from_proto(cls, msg: registry_service_pb2.WorkerLoad) -> WorkerLoad:
+        """Decode the wire form."""
+        return cls(
+            msg.active_requests,
+            msg.kv_blocks_used,
+            msg.kv_blocks_free,
+            msg.cache_hits,
+            msg.cache_lookups,
+            msg.draining,
+        )
+
+    def to_proto(self) -> registry_service_pb2.WorkerLoad:
+        """The wire form."""
+        return registry_service_pb2.WorkerLoad(
+            active_requests=self.active_requests,
+            kv_blocks_used=self.kv_blocks_used,
+            kv_blocks_free=self.kv_blocks_free,
+            cache_hits=self.cache_hits,
+            cache_lookups=self.cache_lookups,
+            draining=self.draining,
+        )
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    """One registered worker."""
+
+    worker_id: str  # id handed out at registration, used in heartbeats
+    role: Role  # what it does
+    address: str  # gRPC host:port
+    name: str  # stable process name (actor, pod), for logs and Status
+    model: str  # model identity it serves
+    layout: KvLayout | None  # KV layout (prefill and decode only)
+    info: registry_service_pb2.WorkerInfo  # the registration as sent, echoed by Status
+    last_seen: float  # clock time of the last register or heartbeat
+    load: WorkerLoad = field(default_factory=WorkerLoad)  # last reported load
+    in_flight: int = 0  # requests this router has on the worker now
+    in_flight_at_heartbeat: int = 0  # `in_flight` when the last heartbeat arrived
+    drain_requested: bool = False  # AdminService.Drain asked for it
+    last_pick: int = 0  # selection tick of the last pick (least recently picked wins ties)
+
+    @property
+    def draining(self) -> bool:
+        """No new work: the worker reported draining, or an operator asked for it."""
+        return self.drain_requested or self.load.draining
+
+    @property
+    def load_estimate(self) -> int:
+        """Requests the worker has: this router's in-flight count (exact, current) plus what
+        the last heartbeat reported beyond this router's requests at that time (other
+        routers' work, or queued work), so a request is not counted twice."""
+        others = max(0, self.load.active_requests - self.in_flight_at_heartbeat)
+        return self.in_flight + others
+
+
+class Registry:
+    """Registered workers by id; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        *,
+        worker_timeout_s: float,
+        heartbeat_interval_s: float,
+        expected_model: str | None = None,
+        checkpoint_shape: CheckpointShape | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.worker_timeout_s = worker_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.expected_model = expected_model  # None until given or adopted
+        self.checkpoint_shape = checkpoint_shape
+        self.reference_layout: KvLayout | None = None  # first registered KV layout
+        self._clock = clock
+        self._workers: dict[str, WorkerRecord] = {}
+        self._ticks = itertools.count(1)
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self, info: registry_service_pb2.WorkerInfo) -> WorkerRecord:
+        """Check and record a worker. Raises ValueError for an incomplete registration and
+        `RegistrationRefused` for one that does not fit the deployment; neither changes
+        any state."""
+        role = Role.from_proto(info.role)
+        if not info.address:
+            raise ValueError("worker.address is empty")
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise RegistrationRefused(
+                f"{role} worker {info.address} speaks protocol "
+                f"{info.protocol_version or '(none)'!r}; this router speaks {PROTOCOL_VERSION!r}"
+            )
+        if self.expected_model is not None and info.model != self.expected_model:
+            raise RegistrationRefused(
+                f"{role} worker {info.address} serves model {info.model!r}; this deployment "
+                f"serves {self.expected_model!r}"
+            )
+        layout = None
+        if role in KV_ROLES:
+            if not info.HasField("kv_layout"):
+                raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
+            layout = KvLayout.from_proto(info.kv_layout)
+            self._check_layout(role, info.address, layout)
+        for old in [w for w in self._workers.values() if w.address == info.address]:
+            logger.info("worker %s re-registered; old id %s dropped", old.address, old.worker_id)
+            del self._workers[old.worker_id]
+        if self.expected_model is None:
+            self.expected_model = info.model
+            logger.info("adopted model identity %r from %s", info.model, info.address)
+        if layout is not None and self.reference_layout is None:
+            self.reference_layout = layout
+        record = WorkerRecord(
+            worker_id=uuid.uuid4().hex,
+            role=role,
+            address=info.address,
+            name=info.name or info.address,
+            model=info.model,
+            layout=layout,
+            info=info,
+            last_seen=self._clock(),
+        )
+        self._workers[record.worker_id] = record
+        logger.info("registered %s worker %s at %s", role, record.name, record.address)
+        return record
+
+    def _check_layout(self, role: Role, address: str, layout: KvLayout) -> None:
+        shape = self.checkpoint_shape
+        if shape is not None:
+            wrong = [
+                f"{name}={getattr(layout, name)} (checkpoint has {getattr(shape, name)})"
+                for name in ("num_layers", "num_kv_heads", "head_dim")
+                if getattr(layout, name) != getattr(shape, name)
+            ]
+            if wrong:
+                raise RegistrationRefused(
+                    f"{role} worker {address} has a KV layout that does not match the "
+                    f"checkpoint: {', '.join(wrong)}"
+                )
+        if self.reference_layout is not None:
+            wrong = layout.differences(self.reference_layout)
+            if wrong:
+                raise RegistrationRefused(
+                    f"{role} worker {address} has a KV layout that differs from the "
+                    f"deployment's: {', '.join(wrong)}"
+                )
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        """Refresh a worker's liveness and load; False when the id is unknown."""
+        record = self._workers.get(worker_id)
+        if record is None:
+            return False
+        if load.draining and not record.load.draining:
+            logger.info("worker %s reports draining", record.address)
+        record.load = load
+        record.in_flight_at_heartbeat = record.in_flight
+        record.last_seen = self._clock()
+        return True
+
+    def drain(self, address: str) -> bool:
+        """Give the worker at `address` no new work; False when none is registered there."""
+        found = False
+        for record in self._workers.values():
+            if record.address == address:
+                record.drain_requested = True
+                found = True
+                logger.info("draining %s worker %s", record.role, address)
+        return found
+
+    def remove(self, worker_id: str) -> None:
+        """Forget a worker (it stopped)."""
+        self._workers.pop(worker_id, None)
+
+    def expire(self) -> list[WorkerRecord]:
+        """Drop and return the workers silent for longer than the timeout."""
+        cutoff = self._clock() - self.worker_timeout_s
+        dead = [w for w in self._workers.values() if w.last_seen < cutoff]
+        for record in dead:
+            del self._workers[record.worker_id]
+            logger.warning(
+                "dropped %s worker %s: no heartbeat for %.1f s",
+                record.role,
+                record.address,
+                self._clock() - record.last_seen,
+            )
+        return dead
+
+    # --------------------------------------------------------------------- selection
+
+    def workers(self, role: Role | None = None) -> list[WorkerRecord]:
+        """Live workers (of `role`, or all), ordered by role then address."""
+        self.expire()
+        chosen = [w for w in self._workers.values() if role is None or w.role == role]
+        return sorted(chosen, key=lambda w: (list(Role).index(w.role), w.address))
+
+    def seconds_since(self, record: WorkerRecord) -> float:
+        """Seconds since the worker's last register or heartbeat."""
+        return max(0.0, self._clock() - record.last_seen)
+
+    def pick(self, role: Role, *, exclude: frozenset[str] = frozenset()) -> WorkerRecord:
+        """The least loaded live, non-draining worker of `role` whose address is not in
+        `exclude`. Raises `NoWorkerError`. Does not count the request: use `using`."""
+        candidates = [w for w in self.workers(role) if not w.draining and w.address not in exclude]
+        if not candidates:
+            raise NoWorkerError(role)
+        best = min(candidates, key=lambda w: (w.load_estimate, w.last_pick))
+        best.last_pick = next(self._ticks)
+        return best
+
+    @contextmanager
+    def using(self, record: WorkerRecord) -> Iterator[WorkerRecord]:
+        """Count one in-flight request of this router on `record` while the block runs."""
+        record.in_flight += 1
+        try:
+            yield record
+        finally:
+            record.in_flight -= 1
+
+    @property
+    def active_requests(self) -> int:
+        """Requests this router has in flight on any worker, counted per worker."""
+        return sum(w.in_flight for w in self._workers.values())
+
+
+class RegistryServicer(registry_service_pb2_grpc.RegistryServiceServicer):
+    """`RegistryService` over a `Registry`: refusals become FAILED_PRECONDITION, incomplete
+    registrations INVALID_ARGUMENT."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    async def Register(
+        self, request: registry_service_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> registry_service_pb2.RegisterResponse:
+        """Record the worker or refuse it."""
+        try:
+            record = self.registry.register(request.worker)
+        except RegistrationRefused as exc:
+            logger.warning("refused worker: %s", exc)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return registry_service_pb2.RegisterResponse(
+            worker_id=record.worker_id,
+            heartbeat_interval_ms=max(1, round(self.registry.heartbeat_interval_s * 1000)),
+        )
+
+    async def Heartbeat(
+        self, request: registry_service_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> registry_service_pb2.HeartbeatResponse:
+        """Refresh liveness and load; known=False asks the worker to register again."""
+        known = self.registry.heartbeat(request.worker_id, WorkerLoad.from_proto(request.load))
+        return registry_service_pb2.HeartbeatResponse(known=known)

@@ -1,0 +1,52 @@
+"""Router settings: the front door's TOML table and `python -m router` flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.settings import setting
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """Everything `router.server.serve` needs; every field has a documented default."""
+
+    model: str | None = setting(
+        None, "checkpoint folder the router processes inputs for (None: the built-in tiny model)"
+    )
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50051, "port to listen on (0: pick a free one)")
+    heartbeat_interval_s: float = setting(1.0, "how often workers are told to heartbeat")
+    worker_timeout_s: float = setting(
+        5.0, "a worker whose last heartbeat is older than this is dropped"
+    )
+    request_timeout_s: float = setting(
+        300.0, "longest a request may run when the client sets no earlier deadline"
+    )
+    release_timeout_s: float = setting(
+        5.0, "deadline of the ReleaseKv call that frees a lease decode never took"
+    )
+    max_message_mb: int = setting(
+        256, "largest gRPC message in or out, in MiB (inline embeddings travel in messages)"
+    )
+    max_inline_embedding_mb: int = setting(
+        128,
+        "largest total of inline embedding bytes one request may carry through the router; "
+        "larger outputs must come as NIXL handles",
+    )
+    expected_model: str | None = setting(
+        None,
+        "model identity workers must report (None: derived from the checkpoint when the "
+        "runtime can, else the first registered worker's)",
+    )
+    grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """`max_message_mb` in bytes, for gRPC channel and server options."""
+        return self.max_message_mb * 1024 * 1024
+
+    @property
+    def address(self) -> str:
+        """host:port as configured (port 0 is resolved only once the server is up)."""
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,184 @@
+"""The router's worker registry: compatibility checks, heartbeats, expiry, draining and
+least-loaded selection, driven with a fake clock (no network)."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd.v1 import kv_pb2, registry_service_pb2
+from router.registry import (
+    CheckpointShape,
+    NoWorkerError,
+    RegistrationRefused,
+    Registry,
+    Role,
+    WorkerLoad,
+)
+
+MODEL = "qwen3-vl/test"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def layout(**overrides) -> kv_pb2.KvLayout:
+    fields = dict(
+        model=MODEL,
+        dtype=1,
+        block_size=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        layout="block-major/layer,kv,token,head,dim",
+        block_bytes=8192,
+    )
+    fields.update(overrides)
+    return kv_pb2.KvLayout(**fields)
+
+
+def info(role: Role, port: int, **overrides) -> registry_service_pb2.WorkerInfo:
+    msg = registry_service_pb2.WorkerInfo(
+        role=role.to_proto(),
+        address=f"127.0.0.1:{port}",
+        model=overrides.pop("model", MODEL),
+        protocol_version=overrides.pop("protocol_version", "epd.v1"),
+        name=f"{role}-{port}",
+    )
+    if role != Role.ENCODER:
+        msg.kv_layout.CopyFrom(overrides.pop("kv_layout", layout()))
+    return msg
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def registry(clock: Clock) -> Registry:
+    return Registry(
+        worker_timeout_s=3.0,
+        heartbeat_interval_s=1.0,
+        expected_model=MODEL,
+        checkpoint_shape=CheckpointShape(num_layers=2, num_kv_heads=2, head_dim=16),
+        clock=clock,
+    )
+
+
+def test_register_and_pick(registry: Registry) -> None:
+    enc = registry.register(info(Role.ENCODER, 1))
+    pre = registry.register(info(Role.PREFILL, 2))
+    assert registry.pick(Role.ENCODER) is enc
+    assert registry.pick(Role.PREFILL) is pre
+    with pytest.raises(NoWorkerError, match="no decode worker"):
+        registry.pick(Role.DECODE)
+    assert [w.role for w in registry.workers()] == [Role.ENCODER, Role.PREFILL]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"protocol_version": "epd.v2"}, "speaks protocol 'epd.v2'"),
+        ({"model": "other"}, "serves model 'other'"),
+        ({"kv_layout": layout(num_layers=3)}, r"num_layers=3 \(checkpoint has 2\)"),
+        ({"kv_layout": layout(head_dim=8)}, r"head_dim=8 \(checkpoint has 16\)"),
+    ],
+)
+def test_mismatch_is_refused(registry: Registry, overrides: dict, message: str) -> None:
+    with pytest.raises(RegistrationRefused, match=message):
+        registry.register(info(Role.PREFILL, 2, **overrides))
+    assert registry.workers() == []
+
+
+def test_kv_layout_must_match_the_first_kv_worker(registry: Registry) -> None:
+    registry.register(info(Role.PREFILL, 2))
+    with pytest.raises(RegistrationRefused, match=r"block_size=8 \(expected 16\)"):
+        registry.register(info(Role.DECODE, 3, kv_layout=layout(block_size=8, block_bytes=4096)))
+    registry.register(info(Role.DECODE, 4))  # a matching one is fine
+    assert [w.address for w in registry.workers(Role.DECODE)] == ["127.0.0.1:4"]
+
+
+def test_model_is_adopted_from_the_first_worker_when_not_given(clock: Clock) -> None:
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=clock)
+    registry.register(info(Role.ENCODER, 1, model="m1"))
+    assert registry.expected_model == "m1"
+    with pytest.raises(RegistrationRefused, match="serves model 'm2'"):
+        registry.register(info(Role.ENCODER, 2, model="m2"))
+
+
+def test_incomplete_registration_is_a_value_error(registry: Registry) -> None:
+    bad = info(Role.PREFILL, 2)
+    bad.ClearField("kv_layout")
+    with pytest.raises(ValueError, match="kv_layout is missing"):
+        registry.register(bad)
+    with pytest.raises(ValueError, match="role"):
+        registry.register(registry_service_pb2.WorkerInfo(address="x:1", protocol_version="epd.v1"))
+
+
+def test_reregistering_replaces_the_old_record(registry: Registry) -> None:
+    old = registry.register(info(Role.DECODE, 3))
+    new = registry.register(info(Role.DECODE, 3))
+    assert old.worker_id != new.worker_id
+    assert registry.workers(Role.DECODE) == [new]
+    assert not registry.heartbeat(old.worker_id, WorkerLoad())
+
+
+def test_silent_workers_expire(registry: Registry, clock: Clock) -> None:
+    a = registry.register(info(Role.DECODE, 3))
+    b = registry.register(info(Role.DECODE, 4))
+    clock.now += 2.0
+    assert registry.heartbeat(b.worker_id, WorkerLoad())
+    clock.now += 2.0  # a silent for 4 s > 3 s, b for 2 s
+    assert registry.expire() == [a]
+    assert registry.pick(Role.DECODE) is b
+    assert not registry.heartbeat(a.worker_id, WorkerLoad())  # it must register again
+
+
+def test_least_loaded_wins_and_ties_rotate(registry: Registry) -> None:
+    a = registry.register(info(Role.DECODE, 3))
+    b = registry.register(info(Role.DECODE, 4))
+    picks = [registry.pick(Role.DECODE).address for _ in range(4)]
+    assert picks == [a.address, b.address, a.address, b.address]
+    with registry.using(a):
+        assert registry.pick(Role.DECODE) is b
+        with registry.using(b), registry.using(b):
+            assert registry.pick(Role.DECODE) is a
+    assert a.in_flight == b.in_flight == 0
+
+
+def test_heartbeat_load_counts_other_work_once(registry: Registry) -> None:
+    a = registry.register(info(Role.PREFILL, 3))
+    b = registry.register(info(Role.PREFILL, 4))
+    with registry.using(a):
+        # a reports our one request: not counted twice.
+        registry.heartbeat(a.worker_id, WorkerLoad(active_requests=1))
+        assert a.load_estimate == 1
+        # b is busy with three requests from elsewhere.
+        registry.heartbeat(b.worker_id, WorkerLoad(active_requests=3))
+        assert b.load_estimate == 3
+        assert registry.pick(Role.PREFILL) is a
+
+
+def test_draining_workers_get_no_new_work(registry: Registry) -> None:
+    a = registry.register(info(Role.ENCODER, 1))
+    b = registry.register(info(Role.ENCODER, 2))
+    assert registry.drain(a.address)
+    assert not registry.drain("127.0.0.1:99")
+    assert {registry.pick(Role.ENCODER).address for _ in range(3)} == {b.address}
+    registry.heartbeat(b.worker_id, WorkerLoad(draining=True))  # reported by the worker
+    with pytest.raises(NoWorkerError):
+        registry.pick(Role.ENCODER)
+    assert [w.draining for w in registry.workers()] == [True, True]
+
+
+def test_pick_excludes_addresses(registry: Registry) -> None:
+    a = registry.register(info(Role.PREFILL, 3))
+    registry.register(info(Role.PREFILL, 4))
+    assert registry.pick(Role.PREFILL, exclude=frozenset({"127.0.0.1:4"})) is a
+    with pytest.raises(NoWorkerError):
+        registry.pick(Role.PREFILL, exclude=frozenset({"127.0.0.1:3", "127.0.0.1:4"}))
