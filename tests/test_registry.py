@@ -3,9 +3,11 @@ least-loaded selection, driven with a fake clock (no network)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from epd.v1 import kv_pb2, registry_service_pb2
+from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
 from router.registry import (
     CheckpointShape,
     NoWorkerError,
@@ -26,10 +28,10 @@ class Clock:
         return self.now
 
 
-def layout(**overrides) -> kv_pb2.KvLayout:
-    fields = dict(
+def layout(**overrides: object) -> kv_pb2.KvLayout:
+    fields: dict[str, Any] = dict(
         model=MODEL,
-        dtype=1,
+        dtype=tensor_pb2.ELEMENT_TYPE_FLOAT32,
         block_size=16,
         num_layers=2,
         num_kv_heads=2,

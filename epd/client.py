@@ -1,0 +1,332 @@
+"""Python client of the epd router: chat messages in, streamed text out.
+
+    async with Client("127.0.0.1:50051") as client:
+        async for chunk in client.generate(messages, SamplingParams(max_tokens=32)):
+            print(chunk.text, end="")
+
+    result = generate_text("127.0.0.1:50051", messages)   # blocking, whole answer
+
+Messages are OpenAI-like: `{"role": "user", "content": str | [parts]}` with parts
+`{"type": "text", "text": ...}`, `{"type": "image", "image": src}` and
+`{"type": "video", "video": frames, "fps": float}`. An image `src` is encoded file bytes
+(sent as they are), a path (the file's bytes), a PIL image or an `(H, W[, C])` uint8 array
+(both sent as PNG, lossless); video frames are a list of such sources or a `(T, H, W, C)`
+uint8 array. `"uuid"` on a media part is the caller's identity for it. Data URLs
+(`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`) work too.
+
+Failures raise `GenerateError` with the gRPC status code and the router's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from PIL import Image
+
+from common.sampling import SamplingParams
+from epd.v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    decode_service_pb2,
+    router_service_pb2,
+    router_service_pb2_grpc,
+    sampling_pb2,
+)
+
+DEFAULT_MAX_MESSAGE_MB = 256
+_FINISH = {
+    decode_service_pb2.FINISH_REASON_STOP: "stop",
+    decode_service_pb2.FINISH_REASON_LENGTH: "length",
+    decode_service_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+Messages = Sequence[Mapping[str, Any]]
+
+
+class GenerateError(Exception):
+    """A failed request: `code` is the gRPC status, `details` the router's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One piece of a streamed answer."""
+
+    text: str  # text of the new tokens (may be empty while a character is incomplete)
+    token_ids: tuple[int, ...]  # new token ids
+    finish_reason: str | None  # "stop", "length" or "cancelled" on the last chunk
+    prompt_tokens: int = 0  # tokens in the prompt (first chunk)
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (first chunk)
+    blocks_pulled: int = 0  # prompt KV blocks the decode worker pulled (first decode chunk)
+    blocks_reused: int = 0  # prompt KV blocks the decode worker already held (same)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A whole answer, with the stream's statistics and timings."""
+
+    text: str  # the answer
+    token_ids: list[int]  # every generated token, the stop token included
+    finish_reason: str | None  # why it ended
+    prompt_tokens: int  # tokens in the prompt
+    cached_tokens: int  # prompt tokens served from a prefix cache
+    blocks_pulled: int  # prompt KV blocks pulled by the decode worker
+    blocks_reused: int  # prompt KV blocks the decode worker already held
+    ttft_s: float  # seconds from sending to the first token
+    token_times_s: list[float]  # arrival time (from sending) of each chunk with tokens
+    total_s: float  # seconds from sending to the end of the stream
+
+
+class Client:
+    """A router connection reused across requests. Close it (or use `async with`)."""
+
+    def __init__(self, address: str, *, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> None:
+        limit = max_message_mb * 1024 * 1024
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+            ],
+        )
+        self._router = router_service_pb2_grpc.RouterServiceStub(self._channel)
+        self._admin = admin_service_pb2_grpc.AdminServiceStub(self._channel)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; running streams are cancelled."""
+        await self._channel.close()
+
+    async def generate(
+        self,
+        messages: Messages,
+        sampling: SamplingParams | None = None,
+        *,
+        timeout_s: float | None = None,
+        request_id: str = "",
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """Stream the answer to a chat. Leaving the loop early (break, cancellation) cancels
+        the request on the router, which frees what the workers hold for it. Raises
+        `GenerateError`; `ValueError` for messages that cannot be sent."""
+        request = build_request(messages, sampling, request_id=request_id, cache_salt=cache_salt)
+        call = self._router.Generate(request, timeout=timeout_s)
+        try:
+            async for response in call:
+                yield _chunk(response)
+        except grpc.aio.AioRpcError as exc:
+            raise GenerateError(exc.code(), exc.details() or "") from None
+        finally:
+            call.cancel()
+
+    async def generate_text(
+        self,
+        messages: Messages,
+        sampling: SamplingParams | None = None,
+        *,
+        timeout_s: float | None = None,
+        request_id: str = "",
+        cache_salt: str | None = None,
+    ) -> Result:
+        """The whole answer to a chat, with timings."""
+        start = time.perf_counter()
+        text: list[str] = []
+        tokens: list[int] = []
+        times: list[float] = []
+        stats = dict.fromkeys(("prompt", "cached", "pulled", "reused"), 0)
+        finish = None
+        async for chunk in self.generate(
+            messages, sampling, timeout_s=timeout_s, request_id=request_id, cache_salt=cache_salt
+        ):
+            if chunk.token_ids:
+                times.append(time.perf_counter() - start)
+            text.append(chunk.text)
+            tokens.extend(chunk.token_ids)
+            stats["prompt"] = stats["prompt"] or chunk.prompt_tokens
+            stats["cached"] = stats["cached"] or chunk.cached_tokens
+            stats["pulled"] = stats["pulled"] or chunk.blocks_pulled
+            stats["reused"] = stats["reused"] or chunk.blocks_reused
+            finish = chunk.finish_reason or finish
+        return Result(
+            text="".join(text),
+            token_ids=tokens,
+            finish_reason=finish,
+            prompt_tokens=stats["prompt"],
+            cached_tokens=stats["cached"],
+            blocks_pulled=stats["pulled"],
+            blocks_reused=stats["reused"],
+            ttft_s=times[0] if times else float("nan"),
+            token_times_s=times,
+            total_s=time.perf_counter() - start,
+        )
+
+    async def status(self, *, timeout_s: float = 10.0) -> admin_service_pb2.StatusResponse:
+        """The router's AdminService.Status (every worker with its last load)."""
+        try:
+            response: admin_service_pb2.StatusResponse = await self._admin.Status(
+                admin_service_pb2.StatusRequest(), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise GenerateError(exc.code(), exc.details() or "") from None
+        return response
+
+
+async def generate(
+    address: str,
+    messages: Messages,
+    sampling: SamplingParams | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> AsyncIterator[Chunk]:
+    """`Client.generate` on a connection of its own, closed when the stream ends."""
+    async with Client(address) as client:
+        async for chunk in client.generate(messages, sampling, timeout_s=timeout_s):
+            yield chunk
+
+
+def generate_text(
+    address: str,
+    messages: Messages,
+    sampling: SamplingParams | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> Result:
+    """Blocking: the whole answer to one chat (runs its own event loop; do not call it from
+    inside one, use `Client.generate_text` there)."""
+
+    async def run() -> Result:
+        async with Client(address) as client:
+            return await client.generate_text(messages, sampling, timeout_s=timeout_s)
+
+    return asyncio.run(run())
+
+
+# ------------------------------------------------------------------------------ wire form
+
+
+def build_request(
+    messages: Messages,
+    sampling: SamplingParams | None = None,
+    *,
+    request_id: str = "",
+    cache_salt: str | None = None,
+) -> router_service_pb2.GenerateRequest:
+    """The `GenerateRequest` of a chat; media encoded for the wire. ValueError naming the
+    part that cannot be sent."""
+    request = router_service_pb2.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        sampling=sampling_to_proto(sampling or SamplingParams()),
+    )
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
+    for i, message in enumerate(messages):
+        out = request.messages.add(role=str(message.get("role", "")))
+        content = message.get("content")
+        if isinstance(content, str):
+            out.content.add(text=content)
+            continue
+        for j, part in enumerate(content or ()):
+            _add_part(out, part, f"messages[{i}].content[{j}]")
+    return request
+
+
+def _add_part(out: router_service_pb2.ChatMessage, part: Mapping[str, Any], where: str) -> None:
+    kind = part.get("type")
+    uid = part.get("uuid")
+    if kind == "text":
+        out.content.add(text=str(part.get("text", "")))
+    elif kind in ("image", "image_url"):
+        source = part.get("image") if kind == "image" else _data_url(part.get("image_url"), where)
+        image = router_service_pb2.ImageInput(data=encode_image(source, f"{where}.image"))
+        if uid is not None:
+            image.uuid = str(uid)
+        out.content.add(image=image)
+    elif kind == "video":
+        fps = part.get("fps")
+        if fps is None or not float(fps) > 0:
+            raise ValueError(f"{where}.fps: a video needs a positive fps, got {fps!r}")
+        frames = part.get("video")
+        if frames is None or len(frames) == 0:
+            raise ValueError(f"{where}.video: no frames")
+        video = router_service_pb2.VideoInput(
+            frames=[encode_image(f, f"{where}.video[{k}]") for k, f in enumerate(frames)],
+            fps=float(fps),
+        )
+        if uid is not None:
+            video.uuid = str(uid)
+        out.content.add(video=video)
+    else:
+        raise ValueError(f"{where}: unsupported content part type {kind!r}")
+
+
+def encode_image(source: Any, where: str = "image") -> bytes:
+    """Encoded file bytes of an image source (bytes as given, a path's bytes, PNG else)."""
+    if isinstance(source, bytes | bytearray | memoryview):
+        return bytes(source)
+    if isinstance(source, str | Path):
+        return Path(source).read_bytes()
+    if isinstance(source, np.ndarray):
+        if source.dtype != np.uint8 or source.ndim not in (2, 3):
+            raise ValueError(f"{where}: arrays must be (H, W[, C]) uint8, got {source.shape}")
+        squeeze = source.ndim == 3 and source.shape[-1] == 1
+        source = Image.fromarray(source[..., 0] if squeeze else source)
+    if isinstance(source, Image.Image):
+        buffer = io.BytesIO()
+        source.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise ValueError(f"{where}: unsupported image source {type(source).__name__}")
+
+
+def _data_url(value: Any, where: str) -> bytes:
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise ValueError(f"{where}.image_url: only base64 data URLs can be sent")
+    return base64.b64decode(url.split(";base64,", 1)[1])
+
+
+def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
+    """The wire form of `SamplingParams`."""
+    msg = sampling_pb2.SamplingParams(
+        temperature=params.temperature,
+        max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.top_p != 1.0:
+        msg.top_p = params.top_p
+    if params.top_k:
+        msg.top_k = params.top_k
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def _chunk(response: router_service_pb2.GenerateResponse) -> Chunk:
+    return Chunk(
+        text=response.text,
+        token_ids=tuple(response.token_ids),
+        finish_reason=_FINISH.get(response.finish_reason),
+        prompt_tokens=response.prompt_tokens,
+        cached_tokens=response.cached_tokens,
+        blocks_pulled=response.blocks_pulled,
+        blocks_reused=response.blocks_reused,
+    )

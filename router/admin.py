@@ -1,0 +1,83 @@
+"""`AdminService`: the operator's view of the registry, scaling and draining.
+
+Scaling is not the router's job: it delegates to a pluggable async `Scaler` given to
+`router.server.serve` (the Ray deployment plugs one in). Without one, Scale answers
+UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
+from router.registry import Registry, Role
+
+logger = logging.getLogger(__name__)
+
+# scaler(role, replicas) -> the pool's worker count after the call (or the target it moves
+# to). It may raise ValueError for a request it refuses (answered INVALID_ARGUMENT).
+Scaler = Callable[[Role, int], Awaitable[int]]
+
+NO_SCALER = "scaling needs `epd serve` on Ray"
+
+
+class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
+    """Status / Scale / Drain over a `Registry` and an optional `Scaler`."""
+
+    def __init__(self, registry: Registry, scaler: Scaler | None = None) -> None:
+        self.registry = registry
+        self.scaler = scaler
+
+    async def Status(
+        self, request: admin_service_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> admin_service_pb2.StatusResponse:
+        """Every live worker (of the role asked for) with its last load."""
+        role = None
+        if request.role != registry_service_pb2.WORKER_ROLE_UNSPECIFIED:
+            try:
+                role = Role.from_proto(request.role)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: {exc}")
+        response = admin_service_pb2.StatusResponse(
+            model=self.registry.expected_model or "",
+            active_requests=self.registry.active_requests,
+        )
+        for w in self.registry.workers(role):
+            response.workers.add(
+                worker_id=w.worker_id,
+                info=w.info,
+                load=w.load.to_proto(),
+                router_in_flight=w.in_flight,
+                seconds_since_heartbeat=self.registry.seconds_since(w),
+                draining=w.draining,
+            )
+        return response
+
+    async def Scale(
+        self, request: admin_service_pb2.ScaleRequest, context: grpc.aio.ServicerContext
+    ) -> admin_service_pb2.ScaleResponse:
+        """Delegate to the scaler; UNIMPLEMENTED without one."""
+        try:
+            role = Role.from_proto(request.role)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: {exc}")
+        if self.scaler is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_SCALER)
+            raise AssertionError("unreachable")  # abort raises; this keeps mypy honest
+        logger.info("scaling %s to %d replicas", role, request.replicas)
+        try:
+            replicas = await self.scaler(role, request.replicas)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return admin_service_pb2.ScaleResponse(replicas=replicas)
+
+    async def Drain(
+        self, request: admin_service_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> admin_service_pb2.DrainResponse:
+        """Route no new work to the worker at `address`."""
+        if not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: is empty")
+        return admin_service_pb2.DrainResponse(found=self.registry.drain(request.address))

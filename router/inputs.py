@@ -1,0 +1,129 @@
+"""The router's edge: a `GenerateRequest` checked and turned into processor input.
+
+Everything a client sends is validated here, before any worker sees the request: each
+media payload is decoded (a payload PIL cannot open is an error naming its field, e.g.
+`messages[0].content[1].image.data`), and the sampling parameters are checked and
+normalised (proto3 zeros mean "default"). Errors are `InputError`s (a `ValueError`), which
+the server answers with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any
+
+from PIL import Image
+
+from common.sampling import SamplingParams
+from epd.v1 import router_service_pb2, sampling_pb2
+
+# A decompression bomb is refused rather than decoded.
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
+
+
+class InputError(ValueError):
+    """A malformed request; `field` names the offending request field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def decode_image(data: bytes, field: str) -> Image.Image:
+    """Open and fully decode one encoded image; `InputError` naming `field` when it cannot."""
+    if not data:
+        raise InputError(field, "is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if image.width * image.height > MAX_IMAGE_PIXELS:
+                raise InputError(field, f"image of {image.width}x{image.height} is too large")
+            image.load()
+    except InputError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Warning) as exc:
+        raise InputError(field, f"is not a decodable image ({exc})") from None
+    return image
+
+
+def messages_from_proto(
+    messages: Any,  # RepeatedCompositeFieldContainer[ChatMessage]
+) -> list[dict[str, Any]]:
+    """Chat messages in the processor's input form, media decoded to PIL images."""
+    if not messages:
+        raise InputError("messages", "is empty")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise InputError(f"messages[{i}].role", "is empty")
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(message.content):
+            parts.append(_part(part, f"messages[{i}].content[{j}]"))
+        out.append({"role": message.role, "content": parts})
+    return out
+
+
+def _part(part: router_service_pb2.ContentPart, where: str) -> dict[str, Any]:
+    kind = part.WhichOneof("content")
+    if kind == "text":
+        return {"type": "text", "text": part.text}
+    if kind == "image":
+        out: dict[str, Any] = {
+            "type": "image",
+            "image": decode_image(part.image.data, f"{where}.image.data"),
+        }
+        if part.image.HasField("uuid"):
+            out["uuid"] = part.image.uuid
+        return out
+    if kind == "video":
+        video = part.video
+        if not video.frames:
+            raise InputError(f"{where}.video.frames", "is empty")
+        if not video.fps > 0:
+            raise InputError(f"{where}.video.fps", f"must be positive, got {video.fps}")
+        frames = [
+            decode_image(frame, f"{where}.video.frames[{k}]")
+            for k, frame in enumerate(video.frames)
+        ]
+        sizes = {f.size for f in frames}
+        if len(sizes) != 1:
+            raise InputError(f"{where}.video.frames", f"frames differ in size: {sorted(sizes)}")
+        out = {"type": "video", "video": frames, "fps": float(video.fps)}
+        if video.HasField("uuid"):
+            out["uuid"] = video.uuid
+        return out
+    raise InputError(where, "has no text, image or video")
+
+
+def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
+    """Checked sampling parameters; max_tokens 0 means the default."""
+    try:
+        return SamplingParams(
+            temperature=float(msg.temperature),
+            top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
+            top_k=int(msg.top_k) if msg.HasField("top_k") else 0,
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            max_tokens=int(msg.max_tokens) or DEFAULT_MAX_TOKENS,
+            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+            ignore_eos=bool(msg.ignore_eos),
+        )
+    except ValueError as exc:
+        raise InputError("sampling", str(exc)) from None
+
+
+def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
+    """The wire form, every field explicit, as the router forwards it to workers."""
+    msg = sampling_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg

@@ -1,0 +1,245 @@
+"""The router process: `RouterService.Generate` plus the registry and admin services.
+
+`serve(settings)` loads the checkpoint's processor (tokenizer + media preprocessing, no
+weights), derives the model identity and KV shape workers must match, and starts one gRPC
+server with RouterService, RegistryService, AdminService and grpc.health.v1.
+
+Generate, per request:
+  1. check the request and process the chat (decode media, tokenise, exact runs, hashes)
+     in a worker thread; anything malformed -> INVALID_ARGUMENT naming the field, before
+     any worker is involved;
+  2. deadline = the client's, capped by `request_timeout_s`;
+  3. `Orchestrator.run` streams the answer (encode -> prefill -> decode).
+
+Lifecycle: starting (processor loaded) -> serving (`serve` returned) -> draining
+(`lifecycle.drain()`: Generate refuses new requests with UNAVAILABLE, running ones finish)
+-> stopped (`RunningRouter.stop`, which also stops the expiry task, waits for lease
+releases and closes worker channels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from common.models.tiny import default_checkpoint
+from common.processor import ProcessedPrompt, Processor
+from common.rpc import RpcStatusError, RunningServer, WorkerLifecycle, service_name, start_server
+from common.runner import model_identity
+from epd.v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    registry_service_pb2,
+    registry_service_pb2_grpc,
+    router_service_pb2,
+    router_service_pb2_grpc,
+)
+from router.admin import AdminServicer, Scaler
+from router.channels import Channels
+from router.inputs import InputError, messages_from_proto, sampling_from_proto
+from router.orchestrator import Job, Orchestrator, RouterError
+from router.registry import CheckpointShape, Registry, RegistryServicer
+from router.settings import RouterSettings
+
+logger = logging.getLogger(__name__)
+
+AddServicer = Callable[[Any], None]
+
+
+class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
+    """`RouterService.Generate`: check, process, orchestrate (see the module docstring)."""
+
+    def __init__(
+        self,
+        processor: Processor,
+        orchestrator: Orchestrator,
+        lifecycle: WorkerLifecycle,
+        settings: RouterSettings,
+    ) -> None:
+        self.processor = processor
+        self.orchestrator = orchestrator
+        self.lifecycle = lifecycle
+        self.settings = settings
+
+    def _prepare(self, request: router_service_pb2.GenerateRequest) -> tuple[Any, ProcessedPrompt]:
+        sampling = sampling_from_proto(request.sampling)
+        messages = messages_from_proto(request.messages)
+        try:
+            prompt = self.processor.process(messages)
+        except InputError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise InputError("messages", str(exc)) from None
+        return sampling, prompt
+
+    async def Generate(
+        self, request: router_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
+        """Stream the answer to one chat; see `Orchestrator.run` for what the chunks hold."""
+        request_id = request.request_id or uuid.uuid4().hex
+        started = time.monotonic()
+        try:
+            async with self.lifecycle.track():
+                try:
+                    sampling, prompt = await asyncio.to_thread(self._prepare, request)
+                except InputError as exc:
+                    logger.info("request %s rejected: %s", request_id, exc)
+                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                budget = self.settings.request_timeout_s
+                client_left = context.time_remaining()
+                if client_left is not None:
+                    budget = min(budget, client_left)
+                job = Job(
+                    request_id=request_id,
+                    prompt=prompt,
+                    sampling=sampling,
+                    cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                    deadline=started + budget,
+                )
+                tokens = 0
+                async for chunk in self.orchestrator.run(job):
+                    tokens += len(chunk.token_ids)
+                    yield chunk
+                logger.info(
+                    "request %s: %d prompt tokens, %d generated in %.3f s",
+                    request_id,
+                    len(prompt.prompt_token_ids),
+                    tokens,
+                    time.monotonic() - started,
+                )
+        except RouterError as exc:
+            logger.info("request %s failed: %s %s", request_id, exc.code.name, exc)
+            await context.abort(exc.code, str(exc))
+        except RpcStatusError as exc:  # draining
+            await context.abort(exc.code, exc.details)
+
+
+@dataclass(slots=True, eq=False)
+class RunningRouter(RunningServer):
+    """A started router: the gRPC server plus the state behind it. `stop` is idempotent."""
+
+    registry: Registry | None = None  # the worker registry
+    orchestrator: Orchestrator | None = None  # request execution
+    lifecycle: WorkerLifecycle | None = None  # drain/stop of Generate
+    channels: Channels | None = None  # channels to workers
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)  # background loops
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Stop serving (in-flight requests get `grace_s`), then the background work."""
+        first = not self.stopped
+        await RunningServer.stop(self, grace_s)
+        if not first:
+            return
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.orchestrator is not None:
+            await self.orchestrator.close()
+        if self.channels is not None:
+            await self.channels.close()
+
+
+async def _expire_loop(registry: Registry, channels: Channels, period_s: float) -> None:
+    """Drop silent workers (and their channels) every `period_s`."""
+    while True:
+        await asyncio.sleep(period_s)
+        for record in registry.expire():
+            if not any(w.address == record.address for w in registry.workers()):
+                await channels.forget(record.address)
+
+
+def resolve_model(settings: RouterSettings) -> Path:
+    """The checkpoint folder: `settings.model`, or the built-in tiny one (made on first use)."""
+    return Path(settings.model) if settings.model else default_checkpoint("tiny")
+
+
+async def serve(
+    settings: RouterSettings,
+    *,
+    extra_servicers: Sequence[AddServicer] = (),
+    scaler: Scaler | None = None,
+) -> RunningRouter:
+    """Start the router; returns once it listens (the caller stops it).
+
+    `extra_servicers` are `add_*Servicer_to_server`-style callables served on the same port
+    (e.g. by `epd serve`); `scaler` backs AdminService.Scale (None: UNIMPLEMENTED).
+    """
+    path = await asyncio.to_thread(resolve_model, settings)
+    processor = await asyncio.to_thread(Processor.from_pretrained, path)
+    text = processor.config.text
+    expected = settings.expected_model or await asyncio.to_thread(
+        model_identity, path, processor.config
+    )
+    registry = Registry(
+        worker_timeout_s=settings.worker_timeout_s,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        expected_model=expected,
+        checkpoint_shape=CheckpointShape(
+            text.num_hidden_layers, text.num_key_value_heads, text.head_dim
+        ),
+    )
+    channels = Channels(settings.max_message_bytes)
+    orchestrator = Orchestrator(
+        registry,
+        channels,
+        processor,
+        max_inline_embedding_bytes=settings.max_inline_embedding_mb * 1024 * 1024,
+        release_timeout_s=settings.release_timeout_s,
+    )
+    lifecycle = WorkerLifecycle()
+    router = RouterServicer(processor, orchestrator, lifecycle, settings)
+    adders: list[AddServicer] = [
+        lambda s: router_service_pb2_grpc.add_RouterServiceServicer_to_server(router, s),
+        lambda s: registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(
+            RegistryServicer(registry), s
+        ),
+        lambda s: admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
+            AdminServicer(registry, scaler), s
+        ),
+        *extra_servicers,
+    ]
+    started = await start_server(
+        adders,
+        host=settings.host,
+        port=settings.port,
+        service_names=(
+            service_name(router_service_pb2, "RouterService"),
+            service_name(registry_service_pb2, "RegistryService"),
+            service_name(admin_service_pb2, "AdminService"),
+        ),
+        max_message_mb=settings.max_message_mb,
+    )
+    running = RunningRouter(
+        started.server,
+        started.health,
+        started.address,
+        started.service_names,
+        registry=registry,
+        orchestrator=orchestrator,
+        lifecycle=lifecycle,
+        channels=channels,
+    )
+    lifecycle.attach(running)
+    period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
+    running.tasks.append(asyncio.create_task(_expire_loop(registry, channels, period)))
+    logger.info("router on %s serving %s (model %s)", running.address, path, expected)
+    return running
+
+
+@contextlib.asynccontextmanager
+async def running_router(settings: RouterSettings, **kwargs: Any) -> AsyncIterator[RunningRouter]:
+    """`serve` as a context manager that stops the router on exit (tests, embedding)."""
+    running = await serve(settings, **kwargs)
+    try:
+        yield running
+    finally:
+        await running.stop(settings.grace_s)
