@@ -8,7 +8,9 @@
                worker -> first token + KvHandle (a lease pins the prompt's blocks)
       stream   the first token goes to the client at once (that is the TTFT)
       decode   (prompt_token_ids, MultimodalParams without embeddings, first token,
-               KvHandle) -> least loaded decode worker -> token chunks, streamed on
+               KvHandle) -> least loaded decode worker -> token chunks, streamed on (its
+               first chunk repeats the first token, which is dropped, and carries the KV
+               transfer counts blocks_pulled / blocks_reused)
 
 Ownership of the KV lease: the decode worker takes it over with its first chunk (it has
 pulled the blocks by then). Until that chunk arrives the router owns it: if decode is
@@ -124,8 +126,10 @@ class Orchestrator:
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with
-        prompt_tokens and cached_tokens; the first chunk from the decode worker carries
-        blocks_pulled and blocks_reused; the last one a finish reason. Raises RouterError."""
+        prompt_tokens and cached_tokens (it is sent before decode starts, so TTFT is the
+        prefill's); the next chunk, the decode worker's first, carries blocks_pulled and
+        blocks_reused (and possibly no tokens); the last one a finish reason. Raises
+        RouterError."""
         embeddings = await self._encode(job) if job.prompt.params.items else []
         handoff = params_to_proto(job.prompt.params)
         prefill, holder = await self._prefill(job, handoff, embeddings)
@@ -272,7 +276,9 @@ class Orchestrator:
                     call = stub.Decode(request, timeout=job.time_left("decode"))
                     try:
                         async for response in call:
-                            lease_owned = False
+                            if lease_owned:
+                                lease_owned = False
+                                _drop_echo(response, prefill.first_token_id)
                             yield self._chunk(response, detok)
                         return
                     except grpc.aio.AioRpcError as exc:
@@ -358,3 +364,12 @@ class Orchestrator:
         """Wait for background lease releases (bounded by their own deadline)."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _drop_echo(response: decode_service_pb2.DecodeResponse, first_token_id: int) -> None:
+    """The decode worker's first chunk repeats the prefill's first token (so its stream alone
+    is the whole answer); the router already sent that token, so it is dropped here."""
+    if response.token_ids and response.token_ids[0] == first_token_id:
+        del response.token_ids[0]
+    else:
+        logger.warning("decode stream did not start with the first token %d", first_token_id)

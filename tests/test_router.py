@@ -111,7 +111,8 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
             if self.hang_before_first:
                 await asyncio.sleep(60)
             left = request.sampling.max_tokens - 1
-            yield decode_service_pb2.DecodeResponse(token_ids=[101], blocks_pulled=3)
+            first = [request.first_token_id, 101]  # the real worker repeats the first token
+            yield decode_service_pb2.DecodeResponse(token_ids=first, blocks_pulled=3)
             if self.hang_after_first:
                 await asyncio.sleep(60)
             for i in range(left - 1):
