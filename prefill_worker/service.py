@@ -1,0 +1,268 @@
+"""`PrefillService`: compute a prompt's KV and first token, then lend the KV by lease.
+
+Prefill: validate the handoff (INVALID_ARGUMENT naming the field, nothing cached), pull
+embeddings held by NIXL handles, hash the prompt's full blocks under the runner's root,
+reuse the cached prefix, compute the rest, sample the first token, and answer with a
+`KvHandle`: the block hashes, this worker's NIXL agent, one descriptor per prompt block
+(full blocks, then the partial last block) into the registered block-major KV buffer, and
+a lease.
+
+Block ownership: the prompt's blocks move from the prefill sequence to a lease
+(`prefill_worker.leases`). The lease holds them until `ReleaseKv(lease_id)` (the decode
+worker, after its pull) or until the reaper sees it expire; both release the blocks to the
+pool exactly once. Full prompt blocks stay in the prefix cache afterwards (evictable).
+
+Threads: every runner call runs on the one `ModelThread`, so the event loop keeps serving
+(ReleaseKv, StreamKvEvents, health) while the model computes; NIXL pulls of embeddings run
+in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import torch
+
+from common.multimodal import MultimodalLayoutError
+from common.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
+from common.runner import LmRunner, LmSequence, MissingEmbeddingsError, ModelThread, blocks_for
+from common.transfer import TransferAgent, TransferError, read_tensor
+from common.wire import torch_dtype
+from epd.v1 import (
+    kv_pb2,
+    prefill_service_pb2,
+    prefill_service_pb2_grpc,
+    registry_service_pb2,
+    tensor_pb2,
+)
+from prefill_worker.events import KvEventHub, Subscription
+from prefill_worker.handoff import read_handoff, sampling_from_proto
+from prefill_worker.leases import LeaseTable
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
+    """The prefill worker's RPCs; see the module docstring for the contracts.
+
+    Registers the runner's whole KV buffer with `agent` once, here; the agent metadata sent
+    in every handle is the snapshot taken right after.
+    """
+
+    def __init__(
+        self,
+        runner: LmRunner,
+        model: ModelThread,
+        agent: TransferAgent,
+        lifecycle: WorkerLifecycle,
+        *,
+        lease_ttl_s: float,
+        embedding_pull_timeout_s: float = 30.0,
+    ) -> None:
+        self.runner = runner
+        self.model = model
+        self.agent = agent
+        self.lifecycle = lifecycle
+        self.leases = LeaseTable(lease_ttl_s)
+        self.hub = KvEventHub(runner)
+        self.embedding_pull_timeout_s = embedding_pull_timeout_s
+        # gRPC address of this worker, put in handles for ReleaseKv; set once bound.
+        self.holder_address = ""
+        self.active = 0  # Prefill RPCs in flight
+        self.requests = 0  # Prefill RPCs answered with a handle
+        agent.register(runner.kv.buffer)
+        self._metadata = agent.metadata()
+        device = runner.kv.device
+        self._memory_kind = (
+            tensor_pb2.MEMORY_KIND_HOST if device.type == "cpu" else tensor_pb2.MEMORY_KIND_DEVICE
+        )
+        self._device_id = 0 if device.type == "cpu" else (device.index or 0)
+
+    # ------------------------------------------------------------------------- Prefill
+
+    @rpc_errors
+    async def Prefill(
+        self, request: prefill_service_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_service_pb2.PrefillResponse:
+        async with self.lifecycle.track():
+            self.active += 1
+            try:
+                return await self._prefill(request)
+            finally:
+                self.active -= 1
+
+    async def _prefill(
+        self, request: prefill_service_pb2.PrefillRequest
+    ) -> prefill_service_pb2.PrefillResponse:
+        tokens = list(request.prompt_token_ids)
+        sampling = sampling_from_proto(request.sampling)
+        params = await asyncio.to_thread(
+            read_handoff,
+            self.runner,
+            tokens,
+            request.multimodal,
+            with_embeddings=True,
+            resolve=self._resolve,
+        )
+        hashes = self.runner.hashes(
+            tokens,
+            params,
+            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+            lora_id=request.lora_id if request.HasField("lora_id") else None,
+        )
+        try:
+            seq = await self.model.call(
+                self.runner.prefill,
+                tokens,
+                params,
+                sampling,
+                on_orphan=self._release_orphan,
+                hashes=hashes,
+            )
+        except MissingEmbeddingsError as exc:
+            raise RpcStatusError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        lease = self.leases.add(seq.blocks, request.request_id)
+        self.requests += 1
+        logger.debug(
+            "request %s: %d tokens (%d cached), lease %s",
+            request.request_id,
+            len(tokens),
+            seq.cached_tokens,
+            lease.lease_id,
+        )
+        return prefill_service_pb2.PrefillResponse(
+            first_token_id=seq.output[0],
+            kv=self._handle(seq, hashes or [], lease.lease_id),
+            cached_tokens=seq.cached_tokens,
+            computed_tokens=len(tokens) - seq.cached_tokens,
+        )
+
+    def _release_orphan(self, seq: LmSequence) -> None:
+        """A prefill finished after its RPC was cancelled: nobody will lease its blocks."""
+        self.model.submit(self.runner.release, seq)
+
+    def _resolve(self, ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
+        """Pull an embedding held by a NIXL handle (worker thread)."""
+        dtype = torch_dtype(ref.dtype, field)
+        try:
+            return read_tensor(
+                ref.handle,
+                dtype,
+                [int(d) for d in ref.shape],
+                self.agent,
+                device=self.runner.device,
+                timeout_s=self.embedding_pull_timeout_s,
+            )
+        except TransferError as exc:
+            raise RpcStatusError(
+                grpc.StatusCode.UNAVAILABLE, f"{field}: cannot pull embeddings: {exc}"
+            ) from None
+        except ValueError as exc:
+            raise MultimodalLayoutError(field, str(exc)) from None
+
+    def _handle(self, seq: LmSequence, hashes: list[bytes], lease_id: str) -> kv_pb2.KvHandle:
+        n = len(seq.prompt_token_ids)
+        kv = self.runner.kv
+        blocks = seq.blocks[: blocks_for(n, self.runner.block_size)]
+        return kv_pb2.KvHandle(
+            block_hashes=hashes,
+            agent_metadata=self._metadata,
+            agent_name=self.agent.name,
+            blocks=[
+                kv_pb2.KvBlockDescriptor(address=address, length=length, device_id=self._device_id)
+                for address, length in map(kv.block_address, blocks)
+            ],
+            lease_id=lease_id,
+            memory_kind=self._memory_kind,
+            num_tokens=n,
+            layout=self.runner.kv_layout,
+            lease_ttl_ms=int(self.leases.ttl_s * 1000),
+            holder_address=self.holder_address,
+        )
+
+    # -------------------------------------------------------------------------- leases
+
+    @rpc_errors
+    async def ReleaseKv(
+        self, request: prefill_service_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_service_pb2.ReleaseKvResponse:
+        lease = self.leases.pop(request.lease_id)
+        if lease is None:
+            return prefill_service_pb2.ReleaseKvResponse(released=False)
+        await self.model.call(self.runner.pool.release, lease.blocks)
+        return prefill_service_pb2.ReleaseKvResponse(released=True)
+
+    async def reap_leases(self, interval_s: float | None = None) -> None:
+        """Background task: free the blocks of every expired lease, forever."""
+        period = interval_s or min(1.0, self.leases.ttl_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            for lease in self.leases.pop_expired():
+                logger.warning(
+                    "lease %s (request %s) expired unreleased; freeing %d blocks",
+                    lease.lease_id,
+                    lease.request_id,
+                    len(lease.blocks),
+                )
+                await self.model.call(self.runner.pool.release, lease.blocks)
+
+    async def release_all_leases(self) -> None:
+        """Free every leased block (shutdown)."""
+        for lease in self.leases.pop_all():
+            await self.model.call(self.runner.pool.release, lease.blocks)
+
+    # ---------------------------------------------------------------------- KV events
+
+    @rpc_errors
+    async def StreamKvEvents(
+        self,
+        request: prefill_service_pb2.StreamKvEventsRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[prefill_service_pb2.StreamKvEventsResponse]:
+        sub = Subscription(asyncio.get_running_loop())
+        snapshot = await self.model.call(
+            self.hub.subscribe, sub, on_orphan=lambda _: self.hub.unsubscribe(sub)
+        )
+        logger.info("KV event subscriber %r joined", request.subscriber)
+        try:
+            yield prefill_service_pb2.StreamKvEventsResponse(events=[snapshot])
+            while True:
+                events = [await sub.queue.get()]
+                while not sub.queue.empty():
+                    events.append(sub.queue.get_nowait())
+                yield prefill_service_pb2.StreamKvEventsResponse(events=events)
+        finally:
+            self.hub.unsubscribe(sub)
+
+    # --------------------------------------------------------------------------- load
+
+    def load(self) -> registry_service_pb2.WorkerLoad:
+        """Heartbeat load: requests in flight, KV blocks, prefix-cache hits and lookups."""
+        pool = self.runner.pool
+        return registry_service_pb2.WorkerLoad(
+            active_requests=self.active,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            cache_hits=pool.hits,
+            cache_lookups=pool.lookups,
+            draining=self.lifecycle.draining,
+        )
+
+    def counters(self) -> dict[str, Any]:
+        """Counters for tests and logs."""
+        pool = self.runner.pool
+        return {
+            "requests": self.requests,
+            "active": self.active,
+            "leases": len(self.leases),
+            "leases_expired": self.leases.expired,
+            "leases_released": self.leases.released,
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "prefix_hits": pool.hits,
+            "prefix_lookups": pool.lookups,
+        }
