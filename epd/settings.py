@@ -1,0 +1,181 @@
+"""The one `epd` config file: every role's settings plus the pools and Ray sections.
+
+    model = "/path/to/checkpoint"      # optional: one checkpoint for every role
+    [router]   RouterSettings           (router/settings.py)
+    [encoder]  EncoderSettings          (encoder_worker/settings.py)
+    [prefill]  PrefillSettings          (prefill_worker/settings.py)
+    [decode]   DecodeSettings           (decode_worker/settings.py)
+    [pools]    PoolSettings             replicas per role, resources per worker actor
+    [ray]      RaySettings              which Ray cluster, and how to start a local one
+
+`epd serve --config epd.toml` reads it with `common.settings.load` (unknown keys are an error
+naming them); every field is also a flag (`--pools-prefill-replicas 2`, `--router-port 0`)
+applied over the file. `epd config --print-defaults` prints the commented defaults, and
+docs/config.md is generated from the same descriptions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.settings import describe, setting, to_toml
+from decode_worker.settings import DecodeSettings
+from encoder_worker.settings import EncoderSettings
+from prefill_worker.settings import PrefillSettings
+from router.settings import RouterSettings
+
+ROLES = ("encoder", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """How many workers each pool runs and what each worker actor asks Ray for."""
+
+    encoder_replicas: int = setting(1, "encoder workers started by `epd serve`")
+    prefill_replicas: int = setting(1, "prefill workers started by `epd serve`")
+    decode_replicas: int = setting(1, "decode workers started by `epd serve`")
+    max_replicas: int = setting(64, "largest pool `epd scale` may ask for")
+    num_gpus: float = setting(
+        1.0, "GPUs per worker actor, asked for only when the Ray cluster has GPUs (0: CPU only)"
+    )
+    num_cpus: float = setting(
+        0.25, "CPUs per worker actor (a Ray scheduling share, not a limit on threads)"
+    )
+    max_restarts: int = setting(
+        -1, "times Ray restarts a crashed worker actor (-1: always, 0: never)"
+    )
+    drain_timeout_s: float = setting(
+        60.0, "longest a retiring worker may take to finish its in-flight work"
+    )
+    ready_timeout_s: float = setting(
+        600.0, "longest `epd serve` waits for every worker to register"
+    )
+
+    def initial_replicas(self) -> dict[str, int]:
+        """Workers per role at start-up."""
+        return {
+            "encoder": self.encoder_replicas,
+            "prefill": self.prefill_replicas,
+            "decode": self.decode_replicas,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RaySettings:
+    """Which Ray cluster `epd serve` runs on."""
+
+    address: str | None = setting(
+        None, "Ray cluster to join ('auto': the one running on this node; None: start one here)"
+    )
+    namespace: str = setting("epd", "Ray namespace of the controller and worker actors")
+    num_cpus: int | None = setting(None, "CPUs of a Ray started here (None: this machine's)")
+    num_gpus: int | None = setting(None, "GPUs of a Ray started here (None: detect)")
+    object_store_mb: int = setting(256, "object store of a Ray started here, in MiB")
+    worker_host: str | None = setting(
+        None,
+        "host workers listen on and register (None: 127.0.0.1 on a Ray started here, "
+        "else the node's IP)",
+    )
+    log_to_driver: bool = setting(True, "show the actors' logs in `epd serve`'s output")
+
+
+@dataclass(frozen=True, slots=True)
+class EpdSettings:
+    """Everything `epd serve` needs: one table per role, plus pools and Ray."""
+
+    model: str | None = setting(
+        None,
+        "checkpoint folder for every role (None: each role's own `model`, whose default is "
+        "the built-in tiny model, made on first use)",
+    )
+    log_level: str = setting("warning", "log level of the router and worker actors")
+    router: RouterSettings = field(default_factory=RouterSettings, metadata={"help": "the router"})
+    encoder: EncoderSettings = field(
+        default_factory=EncoderSettings, metadata={"help": "every encoder worker"}
+    )
+    prefill: PrefillSettings = field(
+        default_factory=PrefillSettings, metadata={"help": "every prefill worker"}
+    )
+    decode: DecodeSettings = field(
+        default_factory=DecodeSettings, metadata={"help": "every decode worker"}
+    )
+    pools: PoolSettings = field(default_factory=PoolSettings, metadata={"help": "the pools"})
+    ray: RaySettings = field(default_factory=RaySettings, metadata={"help": "the Ray cluster"})
+
+    def with_model(self) -> EpdSettings:
+        """A copy where a top-level `model` has been given to every role."""
+        if self.model is None:
+            return self
+        return dataclasses.replace(
+            self,
+            router=dataclasses.replace(self.router, model=self.model),
+            encoder=dataclasses.replace(self.encoder, model=self.model),
+            prefill=dataclasses.replace(self.prefill, model=self.model),
+            decode=dataclasses.replace(self.decode, model=self.model),
+        )
+
+    def role_settings(self) -> dict[str, Any]:
+        """The settings of each worker role, by role name (the top-level model applied)."""
+        full = self.with_model()
+        return {"encoder": full.encoder, "prefill": full.prefill, "decode": full.decode}
+
+
+def defaults_toml() -> str:
+    """The commented TOML of every setting with its default (`epd config --print-defaults`)."""
+    header = (
+        "# epd configuration: every setting with its default. Uncomment what you change.\n"
+        "# Use with `epd serve --config FILE`; flags (see `epd serve --help`) override it.\n\n"
+    )
+    return header + to_toml(EpdSettings)
+
+
+_SECTIONS = {
+    "": "Top level",
+    "router": "`[router]`: the router (`router/settings.py`)",
+    "encoder": "`[encoder]`: every encoder worker (`encoder_worker/settings.py`)",
+    "prefill": "`[prefill]`: every prefill worker (`prefill_worker/settings.py`)",
+    "decode": "`[decode]`: every decode worker (`decode_worker/settings.py`)",
+    "pools": "`[pools]`: worker pools on Ray (`epd/settings.py`)",
+    "ray": "`[ray]`: the Ray cluster (`epd/settings.py`)",
+}
+
+
+def reference_markdown() -> str:
+    """docs/config.md: every setting with its flag, default and help, one table per section."""
+    lines = [
+        "# epd configuration reference",
+        "",
+        "<!-- Generated by `python -m epd config --markdown > docs/config.md`; do not edit. -->",
+        "",
+        "`epd serve --config epd.toml` reads one TOML file with the sections below; every",
+        "setting is also a flag of `epd serve` (shown), applied over the file. Unknown keys are",
+        "an error naming them. `epd config --print-defaults` prints the same defaults as a",
+        "commented TOML file; `epd config --check FILE` loads a file and reports the first error.",
+        "The worker and router sections are the same tables `python -m <role> --config` reads;",
+        "under `epd serve` the pool manager fills in each worker's `router_address`, `name` and",
+        "`host` (see `[ray] worker_host`), and `device` = `cuda` when the Ray cluster has GPUs.",
+    ]
+    section = None
+    for key, default, help_text in describe(EpdSettings):
+        head, _, leaf = key.rpartition(".")
+        if head != section:
+            section = head
+            lines += ["", f"## {_SECTIONS.get(head, head)}", ""]
+            lines += ["| key | flag | default | meaning |", "| --- | --- | --- | --- |"]
+        flag = "--" + key.replace(".", "-").replace("_", "-")
+        shown = "unset" if default is None else f"`{_toml_literal(default)}`"
+        meaning = help_text.replace("|", "\\|")
+        lines.append(f"| `{leaf}` | `{flag}` | {shown} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    return repr(value)

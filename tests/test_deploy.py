@@ -1,0 +1,294 @@
+"""Offline checks of deploy/: every manifest validates, and every command it runs is real.
+
+- Core Kubernetes kinds validate against the schemas bundled with `kubernetes-validate`.
+- KubeRay kinds validate against the CRD schemas in ../shared/k8s-schemas/kuberay/ with
+  jsonschema (skipped, with the reason, when that folder is absent: the project never
+  needs it).
+- Container commands name entry points of this project (`python -m X` with an `X.__main__`,
+  or the `epd` console script) and their flags parse with the real argparse parsers; the
+  embedded epd.toml loads as `EpdSettings`; Services select pods that exist and target
+  ports the containers declare; the Dockerfile installs every package and the pinned torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.settings import from_mapping
+from epd.cli import build_parser, load_settings
+from epd.settings import EpdSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+KUBERAY_SCHEMAS = ROOT.parent / "shared" / "k8s-schemas" / "kuberay"
+K8S_VERSION = "1.33"
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+
+
+def _documents() -> list[tuple[str, dict[str, Any]]]:
+    docs = []
+    for path in sorted(DEPLOY.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs.append(
+                    (f"{path.relative_to(ROOT)}:{doc['kind']}/{doc['metadata']['name']}", doc)
+                )
+    return docs
+
+
+DOCUMENTS = _documents()
+CORE = [(name, doc) for name, doc in DOCUMENTS if not doc["apiVersion"].startswith("ray.io/")]
+KUBERAY = [(name, doc) for name, doc in DOCUMENTS if doc["apiVersion"].startswith("ray.io/")]
+
+
+def _ids(items: list[tuple[str, Any]]) -> list[str]:
+    return [name for name, _ in items]
+
+
+def test_deploy_has_both_modes() -> None:
+    kinds = {doc["kind"] for _, doc in DOCUMENTS}
+    assert {"Deployment", "Service", "ConfigMap", "RayCluster"} <= kinds
+    deployments = {doc["metadata"]["name"] for _, doc in DOCUMENTS if doc["kind"] == "Deployment"}
+    assert deployments == {"epd-router", "epd-encoder", "epd-prefill", "epd-decode"}
+    assert (DEPLOY / "Dockerfile").is_file()
+    assert (DEPLOY / "README.md").is_file()
+
+
+# ---------------------------------------------------------------------------- schemas
+
+
+@pytest.mark.parametrize(("name", "doc"), CORE, ids=_ids(CORE))
+def test_core_manifest_validates(name: str, doc: dict[str, Any]) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    # strict: unknown fields are errors too (a misspelt key would otherwise pass silently)
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _kuberay_schema(doc: dict[str, Any]) -> dict[str, Any]:
+    if not KUBERAY_SCHEMAS.is_dir():
+        pytest.skip(f"KubeRay CRD schemas not present at {KUBERAY_SCHEMAS} (../shared is optional)")
+    return _crd_schema(doc["apiVersion"], doc["kind"])
+
+
+@functools.cache
+def _crd_schema(api_version: str, kind: str) -> dict[str, Any]:
+    group, version = api_version.split("/")
+    path = KUBERAY_SCHEMAS / f"{group}_{kind.lower()}s.yaml"
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are large
+    crd = yaml.load(path.read_text(), Loader=loader)
+    assert crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == kind, path
+    for v in crd["spec"]["versions"]:
+        if v["name"] == version:
+            return dict(v["schema"]["openAPIV3Schema"])
+    raise AssertionError(f"{path} has no version {version}")
+
+
+@pytest.mark.parametrize(("name", "doc"), KUBERAY, ids=_ids(KUBERAY))
+def test_kuberay_manifest_validates(name: str, doc: dict[str, Any]) -> None:
+    import jsonschema
+
+    schema = _kuberay_schema(doc)
+    jsonschema.validate(doc, schema, cls=jsonschema.Draft7Validator)
+    # CRD schemas allow unknown fields only where they say so; also catch misspelt top-level
+    # spec keys, which a structural schema would prune silently in a real cluster.
+    unknown = set(doc["spec"]) - set(schema["properties"]["spec"]["properties"])
+    assert not unknown, f"unknown spec fields {unknown}"
+
+
+def test_kuberay_schema_check_catches_errors() -> None:
+    """The schema check is not vacuous: a wrong type in the RayCluster is rejected."""
+    import jsonschema
+
+    doc = next(d for _, d in KUBERAY if d["kind"] == "RayCluster")
+    schema = _kuberay_schema(doc)
+    broken = yaml.safe_load(yaml.safe_dump(doc))
+    broken["spec"]["workerGroupSpecs"][0]["replicas"] = "three"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema, cls=jsonschema.Draft7Validator)
+
+
+# -------------------------------------------------------------------------- commands
+
+
+def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc["kind"] in WORKLOAD_KINDS:
+        return [doc["spec"]["template"]["spec"]]
+    if doc["kind"] == "RayCluster":
+        spec = doc["spec"]
+        groups = [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]
+        return [g["template"]["spec"] for g in groups]
+    return []
+
+
+def _containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    out = []
+    for name, doc in DOCUMENTS:
+        for pod in _pod_specs(doc):
+            for container in pod["containers"]:
+                out.append((f"{name}/{container['name']}", container, doc))
+    return out
+
+
+CONTAINERS = _containers()
+
+
+def _substitute(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes `$(VAR)` expansion with stand-in values for downward-API variables."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), "x"), arg)
+
+
+def _parse_module_args(module: str, argv: list[str]) -> Any:
+    """Parse `python -m module argv` with that module's own parser (SystemExit = refused)."""
+    assert importlib.util.find_spec(f"{module}.__main__") is not None, f"no {module}.__main__"
+    main = importlib.import_module(f"{module}.__main__")
+    parse = getattr(main, "parse_args", None) or getattr(main, "parse", None)
+    assert parse is not None, f"{module}.__main__ exposes no parse_args/parse function"
+    try:
+        return parse(argv)
+    except SystemExit as exc:
+        raise AssertionError(f"python -m {module} refused {argv}") from exc
+
+
+def _epd_commands(script: str) -> list[list[str]]:
+    """The `epd ...` command lines inside a shell script (after `exec` or `;`)."""
+    commands = []
+    for part in re.split(r"[;&|\n]+", script):
+        words = shlex.split(part)
+        if words and words[0] == "exec":
+            words = words[1:]
+        if words and words[0] == "epd":
+            commands.append(words[1:])
+    return commands
+
+
+@pytest.mark.parametrize(("name", "container", "doc"), CONTAINERS, ids=[c[0] for c in CONTAINERS])
+def test_container_command_is_a_real_entry_point(
+    name: str, container: dict[str, Any], doc: dict[str, Any]
+) -> None:
+    command = container.get("command", [])
+    args = container.get("args", [])
+    env = {
+        e["name"]: "10.0.0.7" if "IP" in e["name"] else "pod-0" for e in container.get("env", [])
+    }
+    if command[:2] == ["python", "-m"]:
+        module = command[2]
+        argv = [_substitute(a, env) for a in [*command[3:], *args]]
+        settings = _parse_module_args(module, argv)
+        if isinstance(settings, tuple):
+            settings = settings[0]
+        if module.endswith("_worker"):
+            assert settings.router_address == "epd-router:50051"
+            assert settings.host == "0.0.0.0"
+            assert settings.advertise_address == f"10.0.0.7:{settings.port}"
+            ports = {p["containerPort"] for p in container["ports"]}
+            assert settings.port in ports
+        return
+    assert command == ["/bin/bash", "-lc", "--"], f"{name}: unexpected command {command}"
+    script = " ".join(args)
+    assert "$KUBERAY_GEN_RAY_START_CMD" in script, f"{name}: must start Ray"
+    assert doc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    for argv in _epd_commands(script):
+        parsed = build_parser().parse_args(argv)
+        assert parsed.command == "serve"
+        assert parsed.ray__address == "auto"
+        config = _configmap_toml(doc, container, parsed.config)
+        settings = load_settings_from_text(config, parsed)
+        assert settings.ray.address == "auto"
+        assert settings.router.host == "0.0.0.0"
+        router_ports = {p["containerPort"] for p in container["ports"]}
+        assert settings.router.port in router_ports
+
+
+def load_settings_from_text(text: str, parsed: Any) -> EpdSettings:
+    """`load_settings` for a config given as text (flags applied over it)."""
+    from common.settings import apply_flags
+
+    settings = from_mapping(EpdSettings, tomllib.loads(text))
+    return apply_flags(settings, parsed)
+
+
+def _configmap_toml(doc: dict[str, Any], container: dict[str, Any], path: str) -> str:
+    """The text of `path` as mounted into `container` from a ConfigMap of the same files."""
+    pod = next(p for p in _pod_specs(doc) if container in p["containers"])
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+            cm_name = volume["configMap"]["name"]
+            cm = next(
+                d
+                for _, d in DOCUMENTS
+                if d["kind"] == "ConfigMap" and d["metadata"]["name"] == cm_name
+            )
+            return str(cm["data"][Path(path).name])
+    raise AssertionError(f"{path} is not mounted from a ConfigMap")
+
+
+def test_epd_console_script_points_at_cli_main() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    target = pyproject["project"]["scripts"]["epd"]
+    module, _, func = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), func))
+    assert module == "epd.cli"
+
+
+def test_load_settings_reads_the_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "epd.toml"
+    path.write_text("[pools]\nprefill_replicas = 2\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--address", "auto"])
+    settings = load_settings(args)
+    assert settings.pools.prefill_replicas == 2
+    assert settings.ray.address == "auto"
+
+
+# -------------------------------------------------------------------- services, image
+
+
+@pytest.mark.parametrize(
+    ("name", "doc"),
+    [(n, d) for n, d in DOCUMENTS if d["kind"] == "Service"],
+    ids=[n for n, d in DOCUMENTS if d["kind"] == "Service"],
+)
+def test_service_selects_pods_and_ports_exist(name: str, doc: dict[str, Any]) -> None:
+    selector = doc["spec"]["selector"]
+    matches = []
+    for _, other in DOCUMENTS:
+        templates = []
+        if other["kind"] in WORKLOAD_KINDS:
+            templates = [other["spec"]["template"]]
+        elif other["kind"] == "RayCluster":
+            spec = other["spec"]
+            templates = [g["template"] for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]]
+        for template in templates:
+            labels = template["metadata"].get("labels", {})
+            if all(labels.get(k) == v for k, v in selector.items()):
+                matches.append(template)
+    assert len(matches) == 1, f"{name} selects {len(matches)} pod templates"
+    ports = matches[0]["spec"]["containers"][0]["ports"]
+    for port in doc["spec"]["ports"]:
+        target = port.get("targetPort", port["port"])
+        known = {p.get("name") for p in ports} | {p["containerPort"] for p in ports}
+        assert target in known, f"{name}: targetPort {target} not declared by the pods"
+
+
+def test_dockerfile_installs_the_project() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert text.splitlines()[
+        next(i for i, x in enumerate(text.splitlines()) if x.startswith("FROM"))
+    ] == ("FROM python:3.11-slim")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
+    assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in text
+    assert "download.pytorch.org/whl/${TORCH_INDEX}" in text
+    for package in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        folder = package.rstrip("*")
+        assert re.search(rf"^COPY {folder} \./{folder}$", text, re.M), f"{folder} not copied"
