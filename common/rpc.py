@@ -62,7 +62,10 @@ def service_name(pb2_module: Any, service: str) -> str:
 class RunningServer:
     """A started grpc.aio server with its health servicer.
 
-    `stop` is idempotent. The caller owns the server: whoever started it stops it.
+    `stop` is idempotent. The caller owns the server: whoever started it stops it (directly,
+    or through `lifecycle.drain()` when one is attached). A role that owns more than the
+    server (registrar, background tasks, a NIXL agent) appends async callbacks to `on_stop`;
+    `stop` awaits them in order after the server stopped, logging (not raising) failures.
     """
 
     server: Any  # grpc.aio.Server
@@ -70,6 +73,8 @@ class RunningServer:
     address: str  # "host:port" actually bound (port 0 resolved)
     service_names: tuple[str, ...]  # health names besides "", e.g. "epd.v1.EncoderService"
     stopped: bool = field(default=False)  # set once stop() has run
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # cleanups
+    lifecycle: WorkerLifecycle | None = None  # set by WorkerLifecycle.attach
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING for "" and every service name."""
@@ -88,6 +93,11 @@ class RunningServer:
         self.stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        for step in self.on_stop:
+            try:
+                await step()
+            except Exception:
+                logger.exception("cleanup after server stop failed")
 
     async def wait_for_termination(self) -> None:
         """Return once the server has stopped."""
@@ -280,6 +290,7 @@ class WorkerLifecycle:
     def attach(self, running: RunningServer) -> None:
         """Bind the started server; the worker is now serving."""
         self.running = running
+        running.lifecycle = self
         if self.state == LifecycleState.STARTING:
             self.state = LifecycleState.SERVING
 

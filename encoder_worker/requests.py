@@ -1,0 +1,196 @@
+"""EncodeRequest → validated work: which cache keys each item needs, with their inputs.
+
+`parse_request` checks every item against the vision config before anything else happens,
+so a malformed request is refused whole (MultimodalLayoutError naming the field and item →
+INVALID_ARGUMENT) and touches no cache. An item becomes one or more `Unit`s, the granule of
+caching and encoding:
+
+- an item without partitions is one unit keyed by its content hash;
+- an item with partitions is one unit per requested partition (all of them when
+  `partition_indices` is empty), keyed by the partition's hash.
+
+`pixel_values` holds either the whole item's patch rows (`t*h*w` rows) or only the
+requested partitions' rows, concatenated in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from common.models.qwen3_vl.config import VisionConfig
+from common.multimodal import HASH_BYTES, MultimodalLayoutError
+from common.wire import tensor_from_ref
+from epd.v1 import encoder_service_pb2, multimodal_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One cache key's worth of encoder input."""
+
+    key: bytes  # 32-byte content hash: the item's, or the partition's
+    pixels: torch.Tensor  # (t*h*w, patch_dim) patch rows of this unit
+    grid: tuple[int, int, int]  # (t, h, w) patch grid of this unit
+    per_frame: bool  # encode frame by frame (bit-exact partition rows)
+    output_rows: int  # embedding rows the unit makes
+
+    @property
+    def input_rows(self) -> int:
+        """Patch rows the unit consumes."""
+        return int(self.pixels.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class ItemJob:
+    """One requested item: the units whose rows, concatenated in order, are its output."""
+
+    content_hash: bytes  # the item's hash, echoed in the response
+    partition_indices: tuple[int, ...]  # as requested, echoed in the response
+    units: tuple[Unit, ...]  # in output order
+
+
+def parse_request(
+    request: encoder_service_pb2.EncodeRequest,
+    vision: VisionConfig,
+    *,
+    exact_partitions: bool = True,
+) -> list[ItemJob]:
+    """Validate `request` and split it into jobs; MultimodalLayoutError on the first problem."""
+    if not request.items:
+        raise MultimodalLayoutError("items", "no items to encode")
+    return [_parse_item(i, item, vision, exact_partitions) for i, item in enumerate(request.items)]
+
+
+def _check_hash(value: bytes, field: str, item: int) -> None:
+    if len(value) != HASH_BYTES:
+        raise MultimodalLayoutError(field, f"expected {HASH_BYTES} bytes, got {len(value)}", item)
+
+
+def _parse_item(
+    i: int, item: encoder_service_pb2.EncodeItem, vision: VisionConfig, exact: bool
+) -> ItemJob:
+    _check_hash(item.content_hash, "content_hash", i)
+    if item.modality == multimodal_pb2.MODALITY_AUDIO:
+        raise MultimodalLayoutError("modality", "audio is not supported by this encoder", i)
+    if len(item.grid_thw) != 3:
+        raise MultimodalLayoutError("grid_thw", f"expected 3 values, got {len(item.grid_thw)}", i)
+    t, h, w = (int(v) for v in item.grid_thw)
+    merge = vision.spatial_merge_size
+    if t < 1 or h < 1 or w < 1 or h % merge or w % merge:
+        raise MultimodalLayoutError(
+            "grid_thw", f"{(t, h, w)}: need t, h, w >= 1 and h, w multiples of {merge}", i
+        )
+    frame = h * w
+    total = t * frame
+    spans = _partition_spans(i, item, total, frame, vision.merge_unit)
+    indices = tuple(int(p) for p in item.partition_indices)
+    chosen = _chosen_partitions(i, indices, max(len(spans), 1))
+
+    pixels = _pixels(i, item, vision, total, spans, chosen)
+    if not spans:
+        unit = Unit(item.content_hash, pixels, (t, h, w), False, total // vision.merge_unit)
+        return ItemJob(item.content_hash, indices, (unit,))
+    whole = pixels.shape[0] == total
+    units = []
+    offset = 0
+    for p in chosen:
+        start, end, out_rows, key = spans[p]
+        if whole:
+            rows = pixels[start:end]
+        else:
+            rows = pixels[offset : offset + end - start]
+            offset += end - start
+        units.append(Unit(key, rows, ((end - start) // frame, h, w), exact, out_rows))
+    return ItemJob(item.content_hash, indices, tuple(units))
+
+
+def _partition_spans(
+    i: int, item: encoder_service_pb2.EncodeItem, total: int, frame: int, merge_unit: int
+) -> list[tuple[int, int, int, bytes]]:
+    """(input_start, input_end, output_rows, hash) per partition, checked to tile the item
+    in whole temporal patches."""
+    spans = []
+    expected_start = 0
+    for k, part in enumerate(item.partitions):
+        field = f"partitions[{k}]"
+        _check_hash(part.content_hash, f"{field}.content_hash", i)
+        start, end = int(part.input_start), int(part.input_end)
+        if start != expected_start:
+            raise MultimodalLayoutError(
+                f"{field}.input_start", f"is {start}, expected {expected_start} (no gaps)", i
+            )
+        if end <= start or (end - start) % frame:
+            raise MultimodalLayoutError(
+                f"{field}.input_end",
+                f"is {end}: a partition holds a positive number of whole temporal patches "
+                f"of {frame} rows",
+                i,
+            )
+        if part.output_rows != (end - start) // merge_unit:
+            raise MultimodalLayoutError(
+                f"{field}.output_rows",
+                f"is {part.output_rows}, its input makes {(end - start) // merge_unit}",
+                i,
+            )
+        spans.append((start, end, int(part.output_rows), bytes(part.content_hash)))
+        expected_start = end
+    if spans and expected_start != total:
+        raise MultimodalLayoutError(
+            "partitions", f"cover {expected_start} input rows, the grid has {total}", i
+        )
+    return spans
+
+
+def _chosen_partitions(i: int, indices: tuple[int, ...], count: int) -> list[int]:
+    if not indices:
+        return list(range(count))
+    for a, b in itertools.pairwise(indices):
+        if b <= a:
+            raise MultimodalLayoutError("partition_indices", "must be strictly increasing", i)
+    if indices[-1] >= count:
+        raise MultimodalLayoutError(
+            "partition_indices", f"index {indices[-1]} but the item has {count} partition(s)", i
+        )
+    return list(indices)
+
+
+def _pixels(
+    i: int,
+    item: encoder_service_pb2.EncodeItem,
+    vision: VisionConfig,
+    total: int,
+    spans: list[tuple[int, int, int, bytes]],
+    chosen: list[int],
+) -> torch.Tensor:
+    ref = item.pixel_values
+    if ref.WhichOneof("data") is None:
+        raise MultimodalLayoutError("pixel_values", "missing", i)
+    if ref.WhichOneof("data") != "inline_data":
+        raise MultimodalLayoutError("pixel_values", "must be inline (no transfer handles)", i)
+    try:
+        pixels = tensor_from_ref(ref, "pixel_values")
+    except MultimodalLayoutError as exc:
+        raise MultimodalLayoutError(
+            "pixel_values", str(exc).removeprefix("pixel_values: "), i
+        ) from None
+    if not pixels.is_floating_point():
+        raise MultimodalLayoutError("pixel_values", f"dtype {pixels.dtype} is not floating", i)
+    subset = sum(spans[p][1] - spans[p][0] for p in chosen) if spans else total
+    if (
+        pixels.ndim != 2
+        or pixels.shape[1] != vision.patch_dim
+        or pixels.shape[0]
+        not in (
+            total,
+            subset,
+        )
+    ):
+        allowed = f"({total}, {vision.patch_dim})"
+        if subset != total:
+            allowed += f" or ({subset}, {vision.patch_dim}) for the requested partitions"
+        raise MultimodalLayoutError(
+            "pixel_values", f"shape {tuple(pixels.shape)}, expected {allowed}", i
+        )
+    return pixels

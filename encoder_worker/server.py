@@ -1,0 +1,213 @@
+"""The encoder worker's gRPC server: EncoderService over the vision tower.
+
+Lifecycle (see `common.rpc.WorkerLifecycle`): `serve(settings)` loads the vision tower,
+starts gRPC (EncoderService + health), starts creating the NIXL agent in the background,
+and registers with the router when `router_address` is set (role ENCODER, heartbeats carry
+cache hits/lookups and in-flight requests). `server.lifecycle.drain()` refuses new Encode
+calls with UNAVAILABLE "draining" and lets running ones finish; `server.stop()` then stops
+gRPC, the batcher, the registrar, waits for outstanding output leases (up to `lease_ttl_s`)
+and closes the agent. ReleaseEmbeddings stays available while draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
+from common.models.qwen3_vl.vision import VisionTower
+from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
+from common.models.tiny import default_checkpoint
+from common.rpc import (
+    PROTOCOL_VERSION,
+    Registrar,
+    RunningServer,
+    WorkerLifecycle,
+    rpc_errors,
+    service_name,
+    start_server,
+)
+from common.runner import model_identity
+from common.wire import element_type, tensor_to_ref
+from encoder_worker.cache import EncodedRows, EncoderCache
+from encoder_worker.engine import EncoderEngine, ItemOutput
+from encoder_worker.leases import OutputLeases
+from encoder_worker.requests import ItemJob, parse_request
+from encoder_worker.settings import EncoderSettings
+from epd.v1 import (
+    encoder_service_pb2,
+    encoder_service_pb2_grpc,
+    registry_service_pb2,
+    tensor_pb2,
+)
+
+logger = logging.getLogger(__name__)
+
+ENCODER_SERVICE = service_name(encoder_service_pb2, "EncoderService")
+
+AddServicer = Callable[[Any], None]
+
+
+class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
+    """EncodeRequest → validated jobs → engine (cache + batched tower) → TensorRefs."""
+
+    def __init__(
+        self,
+        engine: EncoderEngine,
+        leases: OutputLeases | None,
+        lifecycle: WorkerLifecycle,
+        vision: VisionConfig,
+        settings: EncoderSettings,
+    ) -> None:
+        self.engine = engine
+        self.leases = leases  # None: NIXL off, every output inline
+        self.lifecycle = lifecycle
+        self.vision = vision
+        self.settings = settings
+
+    @rpc_errors
+    async def Encode(
+        self, request: encoder_service_pb2.EncodeRequest, context: Any
+    ) -> encoder_service_pb2.EncodeResponse:
+        """Rows for every requested item (or its requested partitions), in request order."""
+        async with self.lifecycle.track():
+            jobs = parse_request(
+                request, self.vision, exact_partitions=self.settings.exact_partitions
+            )
+            outputs = await self.engine.encode(jobs)
+            items = [await self._encoded(job, out) for job, out in zip(jobs, outputs, strict=True)]
+            logger.debug(
+                "request %s: %d items, %d from cache",
+                request.request_id,
+                len(items),
+                sum(out.cache_hit for out in outputs),
+            )
+            return encoder_service_pb2.EncodeResponse(items=items)
+
+    @rpc_errors
+    async def ReleaseEmbeddings(
+        self, request: encoder_service_pb2.ReleaseEmbeddingsRequest, context: Any
+    ) -> encoder_service_pb2.ReleaseEmbeddingsResponse:
+        """Free output leases early; unknown ids are ignored."""
+        released = self.leases.release(request.lease_ids) if self.leases is not None else 0
+        return encoder_service_pb2.ReleaseEmbeddingsResponse(released=released)
+
+    async def _encoded(self, job: ItemJob, out: ItemOutput) -> encoder_service_pb2.EncodedItem:
+        refs = await self._refs(out.rows)
+        return encoder_service_pb2.EncodedItem(
+            content_hash=job.content_hash,
+            rows=refs[0],
+            deepstack=refs[1:],
+            partition_indices=job.partition_indices,
+            cache_hit=out.cache_hit,
+        )
+
+    async def _refs(self, rows: EncodedRows) -> list[tensor_pb2.TensorRef]:
+        tensors = [rows.rows, *rows.deepstack]
+        if rows.nbytes > self.settings.inline_limit_bytes and self.leases is not None:
+            agent = await self.leases.agent()
+            if agent is not None:
+                handles = self.leases.export(agent, tensors)
+                return [
+                    tensor_pb2.TensorRef(
+                        dtype=element_type(t.dtype), shape=list(t.shape), handle=handle
+                    )
+                    for t, handle in zip(tensors, handles, strict=True)
+                ]
+        return [tensor_to_ref(t) for t in tensors]
+
+    def load(self) -> registry_service_pb2.WorkerLoad:
+        """Load for the router's heartbeat."""
+        cache = self.engine.cache
+        return registry_service_pb2.WorkerLoad(
+            active_requests=self.lifecycle.active,
+            cache_hits=cache.hits,
+            cache_lookups=cache.lookups,
+            draining=self.lifecycle.draining,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class EncoderServer(RunningServer):
+    """A running encoder worker: the gRPC server plus its servicer and registrar."""
+
+    servicer: EncoderServicer | None = None  # engine, cache and counters
+    registrar: Registrar | None = None  # router registration; None without a router
+
+
+def resolve_model(settings: EncoderSettings) -> Path:
+    """The checkpoint folder: `settings.model`, or the built-in tiny one (made on first use)."""
+    return Path(settings.model) if settings.model else default_checkpoint("tiny")
+
+
+def load_tower(path: Path, settings: EncoderSettings) -> tuple[Qwen3VLConfig, VisionTower]:
+    """Read the config and only the vision tower's weights (blocking)."""
+    config = Qwen3VLConfig.from_file(path)
+    tensors = load_weights(
+        path, config, dtype=settings.torch_dtype, prefix=(VISUAL_PREFIX,), device=settings.device
+    )
+    return config, VisionTower.from_weights(config, tensors)
+
+
+async def serve(
+    settings: EncoderSettings, *, extra_servicers: Sequence[AddServicer] = ()
+) -> EncoderServer:
+    """Load the vision tower and start serving; returns once listening (the caller stops it).
+
+    `extra_servicers` are served on the same port. Raises SettingsError on unusable settings
+    and the loader's errors on a bad checkpoint.
+    """
+    settings.check()
+    path = await asyncio.to_thread(resolve_model, settings)
+    config, tower = await asyncio.to_thread(load_tower, path, settings)
+    identity = await asyncio.to_thread(model_identity, path, config)
+    engine = EncoderEngine(
+        tower,
+        EncoderCache(settings.cache_bytes),
+        batch_window_s=settings.batch_window_ms / 1000.0,
+        max_batch_rows=settings.max_batch_rows,
+    )
+    leases = OutputLeases(settings.lease_ttl_s) if settings.nixl else None
+    lifecycle = WorkerLifecycle()
+    servicer = EncoderServicer(engine, leases, lifecycle, config.vision, settings)
+    running = await start_server(
+        [
+            lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, s),
+            *extra_servicers,
+        ],
+        host=settings.host,
+        port=settings.port,
+        service_names=[ENCODER_SERVICE],
+        max_message_mb=settings.max_message_mb,
+    )
+    server = EncoderServer(
+        server=running.server,
+        health=running.health,
+        address=running.address,
+        service_names=running.service_names,
+        servicer=servicer,
+    )
+    lifecycle.attach(server)
+    server.on_stop.append(engine.close)
+    if leases is not None:
+        leases.start()
+        server.on_stop.append(lambda: leases.close(wait_s=settings.lease_ttl_s))
+    if settings.router_address:
+        info = registry_service_pb2.WorkerInfo(
+            role=registry_service_pb2.WORKER_ROLE_ENCODER,
+            address=settings.advertise_address or server.address,
+            model=identity,
+            protocol_version=PROTOCOL_VERSION,
+            capabilities=["nixl"] if settings.nixl else [],
+            name=settings.name or f"encoder-{os.getpid()}",
+        )
+        server.registrar = Registrar(settings.router_address, info, servicer.load)
+        server.registrar.start()
+        server.on_stop.insert(0, server.registrar.stop)
+    logger.info("encoder worker serving %s on %s (model %s)", path, server.address, identity)
+    return server
