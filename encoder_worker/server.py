@@ -121,6 +121,25 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
                 ]
         return [tensor_to_ref(t) for t in tensors]
 
+    def counters(self) -> dict[str, int]:
+        """Counters for tests, logs and the pool manager ("leases": outputs not yet freed)."""
+        engine, cache, leases = self.engine, self.engine.cache, self.leases
+        return {
+            "active": self.lifecycle.active,
+            "leases": len(leases) if leases is not None else 0,
+            "leases_released": leases.released if leases is not None else 0,
+            "leases_expired": leases.expired if leases is not None else 0,
+            "cache_hits": cache.hits,
+            "cache_lookups": cache.lookups,
+            "cache_entries": len(cache),
+            "cache_bytes": cache.bytes_used,
+            "cache_evictions": cache.evictions,
+            "forward_calls": engine.forward_calls,
+            "batches": engine.batches,
+            "units_encoded": engine.units_encoded,
+            "rows_encoded": engine.rows_encoded,
+        }
+
     def load(self) -> registry_service_pb2.WorkerLoad:
         """Load for the router's heartbeat."""
         cache = self.engine.cache

@@ -206,6 +206,9 @@ async def test_second_request_is_a_cache_hit(make_server: Factory, processor: Pr
     load = server.servicer.load() if server.servicer else None
     assert load is not None and (load.cache_hits, load.cache_lookups) == (1, 2)
     assert _engine(server).forward_calls == 1
+    assert server.servicer is not None
+    counters = server.servicer.counters()
+    assert counters["cache_entries"] == 1 and counters["rows_encoded"] == 4
 
 
 async def test_partition_subset_returns_those_rows(
@@ -405,6 +408,9 @@ async def test_large_output_goes_over_nixl_and_is_released(
         assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 1
         assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 0
         assert len(leases) == 0
+        assert server.servicer is not None
+        counters = server.servicer.counters()
+        assert counters["leases"] == 0 and counters["leases_released"] == 1
 
         # A reader that never releases: the lease expires.
         await stub.Encode(_request(_item(other)), timeout=60)
@@ -440,6 +446,27 @@ async def test_registers_with_router_and_reports_cache(
         assert fake.loads[-1].cache_lookups == 2
     finally:
         await router.stop(0)
+
+
+async def test_drain_finishes_encode_in_flight_and_refuses_new(
+    make_server: Factory, processor: Processor
+) -> None:
+    server, stub = await make_server(batch_window_ms=300)
+    lifecycle = server.lifecycle
+    assert lifecycle is not None
+    in_flight = asyncio.ensure_future(
+        stub.Encode(_request(_item(_image(processor, 70))), timeout=30)
+    )
+    while lifecycle.active == 0:
+        await asyncio.sleep(0.005)
+    drain = asyncio.create_task(lifecycle.drain(timeout_s=30))
+    while not lifecycle.draining:
+        await asyncio.sleep(0.005)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Encode(_request(_item(_image(processor, 71))), timeout=30)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert (await in_flight).items[0].rows.shape
+    assert await drain is True and server.stopped
 
 
 def test_settings_are_checked() -> None:
