@@ -1,0 +1,324 @@
+"""The prefill worker alone: validation, leases and their reaper, KV events, embeddings pulled
+by NIXL, settings and flags. In-process gRPC servers on 127.0.0.1 with real NIXL agents."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from common.engine import Engine
+from common.multimodal import MultimodalParams
+from common.rpc import channel
+from common.runner import blocks_for
+from common.transfer import TransferAgent, handle_for
+from epd.v1 import kv_pb2, multimodal_pb2, prefill_service_pb2, prefill_service_pb2_grpc
+from prefill_worker.__main__ import parse
+from prefill_worker.server import WorkerServer
+from prefill_worker.server import serve as serve_prefill
+from prefill_worker.settings import PrefillSettings
+from tests.test_kv_handoff import (
+    BLOCK,
+    GREEDY,
+    IMAGE_VIDEO,
+    TEXT,
+    ckpt,
+    engine,
+    eventually,
+    make_handoff,
+    prefill_request,
+    user,
+    vid_part,
+)
+
+__all__ = ["ckpt", "engine"]  # module fixtures shared with test_kv_handoff
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TTL_S = 0.6
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def worker(ckpt: Path) -> AsyncIterator[WorkerServer]:
+    """A prefill worker with a short lease TTL and a small cache (evictions happen)."""
+    server = await serve_prefill(
+        PrefillSettings(model=str(ckpt), block_size=BLOCK, num_blocks=48, lease_ttl_s=TTL_S)
+    )
+    yield server
+    await server.stop(0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stub(worker: WorkerServer) -> AsyncIterator[Any]:
+    async with channel(worker.address) as ch:
+        yield prefill_service_pb2_grpc.PrefillServiceStub(ch)
+
+
+async def settle(worker: WorkerServer, stub: Any) -> None:
+    """Release every live lease so block counts are at their baseline."""
+    for lease in list(worker.servicer.leases._leases):
+        await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=lease))
+    assert worker.servicer.runner.pool.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def _corrupt_run_lengths(msg: multimodal_pb2.MultimodalParams, tokens: list[int]) -> None:
+    msg.run_lengths[0] += 1
+
+
+def _shift_runs(msg: multimodal_pb2.MultimodalParams, tokens: list[int]) -> None:
+    for i in range(len(msg.run_positions)):
+        msg.run_positions[i] += 1
+    for i in range(len(msg.mm_positions)):
+        msg.mm_positions[i] += 1
+
+
+def _token_outside_vocab(msg: multimodal_pb2.MultimodalParams, tokens: list[int]) -> None:
+    tokens[1] = 10**6
+
+
+def _run_past_prompt(msg: multimodal_pb2.MultimodalParams, tokens: list[int]) -> None:
+    del tokens[-40:]
+
+
+def _narrow_embeddings(msg: multimodal_pb2.MultimodalParams, tokens: list[int]) -> None:
+    for ref in (msg.embeddings[0].rows, *msg.embeddings[0].deepstack):
+        ref.shape[1] -= 1
+        ref.inline_data = ref.inline_data[: ref.shape[0] * ref.shape[1] * 4]
+
+
+MALFORMED: dict[str, tuple[Callable[[Any, list[int]], None], str]] = {
+    "run_lengths": (_corrupt_run_lengths, "run_lengths"),
+    "placeholders_off_runs": (_shift_runs, "prompt_token_ids"),
+    "token_outside_vocab": (_token_outside_vocab, "prompt_token_ids"),
+    "run_past_prompt": (_run_past_prompt, "run_positions"),
+    "embedding_width": (_narrow_embeddings, "embeddings.rows"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+async def test_malformed_handoff_is_invalid_argument_and_worker_keeps_serving(
+    worker: WorkerServer, stub: Any, engine: Engine, case: str
+) -> None:
+    corrupt, field = MALFORMED[case]
+    tokens, params = make_handoff(engine, IMAGE_VIDEO)
+    request = prefill_request(tokens, params, GREEDY)
+    bad_tokens = list(tokens)
+    corrupt(request.multimodal, bad_tokens)
+    del request.prompt_token_ids[:]
+    request.prompt_token_ids.extend(bad_tokens)
+    runner = worker.servicer.runner
+    await settle(worker, stub)
+    cached = runner.cached_hashes()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Prefill(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (info.value.details() or "")
+    trailing = dict(info.value.trailing_metadata() or ())
+    assert trailing.get("epd-field") == field
+    assert runner.cached_hashes() == cached  # nothing cached from a rejected request
+    assert runner.pool.num_used_blocks == 0
+    # Still serving.
+    text_tokens, text_params = make_handoff(engine, TEXT)
+    reply = await stub.Prefill(prefill_request(text_tokens, text_params, GREEDY), timeout=30)
+    await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id))
+
+
+async def test_bad_sampling_is_invalid_argument(
+    worker: WorkerServer, stub: Any, engine: Engine
+) -> None:
+    tokens, params = make_handoff(engine, TEXT)
+    request = prefill_request(tokens, params, GREEDY)
+    request.sampling.temperature = -1.0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Prefill(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature" in (info.value.details() or "")
+
+
+# ---------------------------------------------------------------------------- leases
+
+
+async def test_release_frees_blocks_once(worker: WorkerServer, stub: Any, engine: Engine) -> None:
+    await settle(worker, stub)
+    pool = worker.servicer.runner.pool
+    tokens, params = make_handoff(engine, user("A short question about leases?"))
+    reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    assert pool.num_used_blocks == blocks_for(len(tokens), BLOCK)
+    release = prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id)
+    assert (await stub.ReleaseKv(release)).released
+    assert pool.num_used_blocks == 0
+    assert not (await stub.ReleaseKv(release)).released
+    pool.check_invariants()
+
+
+async def test_unreleased_lease_is_reaped_after_ttl(
+    worker: WorkerServer, stub: Any, engine: Engine
+) -> None:
+    await settle(worker, stub)
+    servicer = worker.servicer
+    pool = servicer.runner.pool
+    free = pool.num_free_blocks
+    expired = servicer.leases.expired
+    tokens, params = make_handoff(engine, user("Nobody will ever release this one."))
+    reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    assert reply.kv.lease_ttl_ms == int(TTL_S * 1000)
+    assert pool.num_free_blocks == free - blocks_for(len(tokens), BLOCK)
+    await eventually(lambda: pool.num_free_blocks == free, timeout_s=TTL_S + 5)
+    assert servicer.leases.expired == expired + 1
+    assert len(servicer.leases) == 0
+    release = prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id)
+    assert not (await stub.ReleaseKv(release)).released
+    pool.check_invariants()
+
+
+# ------------------------------------------------------------------------- KV events
+
+
+async def test_kv_events_snapshot_then_live(
+    worker: WorkerServer, stub: Any, engine: Engine
+) -> None:
+    runner = worker.servicer.runner
+    tokens, params = make_handoff(engine, user("Warm the cache with this sentence, please."))
+    reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id))
+    stream = stub.StreamKvEvents(prefill_service_pb2.StreamKvEventsRequest(subscriber="test"))
+    try:
+        snapshot = (await stream.read()).events
+        assert len(snapshot) == 1
+        assert snapshot[0].kind == kv_pb2.KV_EVENT_KIND_STORED
+        assert list(snapshot[0].block_hashes) == runner.cached_hashes()
+        assert set(reply.kv.block_hashes) <= set(snapshot[0].block_hashes)
+        # Fill the small cache with new prompts: STORED for each, REMOVED once it evicts.
+        stored: set[bytes] = set()
+        removed: set[bytes] = set()
+        sequence = snapshot[0].sequence
+        for i in range(6):
+            words = " ".join(f"word{i}x{j}" for j in range(30))
+            t, p = make_handoff(engine, user(words))
+            r = await stub.Prefill(prefill_request(t, p, GREEDY), timeout=30)
+            await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=r.kv.lease_id))
+            want = set(r.kv.block_hashes)
+            while not want <= stored:
+                for event in (await asyncio.wait_for(stream.read(), 10)).events:
+                    assert event.sequence == sequence + 1
+                    sequence = event.sequence
+                    target = stored if event.kind == kv_pb2.KV_EVENT_KIND_STORED else removed
+                    target.update(event.block_hashes)
+        assert removed  # the 48-block cache evicted something
+        assert (stored | set(snapshot[0].block_hashes)) - removed == set(runner.cached_hashes())
+    finally:
+        stream.cancel()
+    await eventually(lambda: worker.servicer.hub.subscribers == 0)
+
+
+# ------------------------------------------------------------------------ embeddings
+
+
+def _by_handle(params: MultimodalParams, agent: TransferAgent) -> multimodal_pb2.MultimodalParams:
+    """The wire params with every embedding tensor held by a NIXL handle of `agent` (which
+    keeps the registered tensors alive)."""
+    from common.wire import params_to_proto
+
+    msg = params_to_proto(params)
+    for emb in msg.embeddings:
+        source = params.embeddings[emb.item_index]
+        for ref, tensor in zip(
+            [emb.rows, *emb.deepstack], [source.rows, *source.deepstack], strict=True
+        ):
+            ref.handle.CopyFrom(handle_for(tensor.contiguous(), agent, lease_id="enc-lease"))
+    return msg
+
+
+async def test_embeddings_pulled_by_nixl_give_the_inline_result(
+    worker: WorkerServer, stub: Any, engine: Engine
+) -> None:
+    await settle(worker, stub)
+    tokens, params = make_handoff(engine, user(vid_part(21, 4), "What is this?"))
+    inline = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=inline.kv.lease_id))
+    worker.servicer.runner.pool.reset_prefix_cache()  # compute everything again
+    with TransferAgent("encoder") as encoder:
+        request = prefill_request(tokens, params, GREEDY)
+        request.multimodal.CopyFrom(_by_handle(params, encoder))
+        assert request.multimodal.embeddings[0].rows.WhichOneof("data") == "handle"
+        pulled = await stub.Prefill(request, timeout=30)
+    await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=pulled.kv.lease_id))
+    assert pulled.first_token_id == inline.first_token_id
+    assert pulled.cached_tokens == 0
+    assert list(pulled.kv.block_hashes) == list(inline.kv.block_hashes)
+
+
+async def test_embeddings_only_needed_past_the_cached_prefix(
+    worker: WorkerServer, stub: Any, engine: Engine
+) -> None:
+    await settle(worker, stub)
+    shared = "This long preamble about the clip is shared by both of the questions below."
+    first = user(vid_part(22, 4), shared, "Who is there?")
+    second = user(vid_part(22, 4), shared, "What colour dominates?")
+    tokens, params = make_handoff(engine, second)
+    bare = MultimodalParams(params.items, {}, params.mrope_position_delta)
+    # Video not cached yet: its embeddings are required.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Prefill(prefill_request(tokens, bare, GREEDY), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert worker.servicer.runner.pool.num_used_blocks == 0
+    t1, p1 = make_handoff(engine, first)
+    r1 = await stub.Prefill(prefill_request(t1, p1, GREEDY), timeout=30)
+    await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=r1.kv.lease_id))
+    # Now the whole video lies in the cached prefix: no embeddings needed.
+    with_emb = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    without = await stub.Prefill(prefill_request(tokens, bare, GREEDY), timeout=30)
+    for reply in (with_emb, without):
+        await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id))
+    assert without.cached_tokens >= params.items[0].end
+    assert without.first_token_id == with_emb.first_token_id
+
+
+# --------------------------------------------------------------------- load, settings
+
+
+async def test_load_reports_blocks_and_prefix_hits(
+    worker: WorkerServer, stub: Any, engine: Engine
+) -> None:
+    await settle(worker, stub)
+    tokens, params = make_handoff(engine, user("Count my prefix hits, twice over."))
+    replies = [
+        await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30) for _ in range(2)
+    ]
+    load = worker.servicer.load()
+    pool = worker.servicer.runner.pool
+    assert load.kv_blocks_used == pool.num_used_blocks > 0
+    assert load.kv_blocks_free == pool.num_free_blocks
+    assert load.cache_hits == pool.hits > 0
+    assert load.cache_lookups == pool.lookups >= load.cache_hits
+    assert replies[1].cached_tokens == (len(tokens) - 1) // BLOCK * BLOCK
+    for reply in replies:
+        await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id))
+
+
+async def test_flags_and_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "prefill.toml"
+    config.write_text('block_size = 8\nlease_ttl_s = 2.5\nrouter_address = "127.0.0.1:9"\n')
+    settings = parse(["--config", str(config), "--port", "5555", "--prefill-chunk", "64"])
+    assert settings == PrefillSettings(
+        block_size=8, lease_ttl_s=2.5, router_address="127.0.0.1:9", port=5555, prefill_chunk=64
+    )
+    with pytest.raises(SystemExit) as done:
+        parse(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--lease-ttl-s", "--router-address", "--num-blocks", "--config"):
+        assert flag in out
+
+
+async def test_unknown_dtype_is_an_error() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        _ = PrefillSettings(dtype="int4").torch_dtype
