@@ -304,21 +304,25 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         _say(f"epd: {exc}")
         return 2
     t0 = time.monotonic()
-    first: Any = None
     ttft = 0.0
     tokens = 0
     finish = ""
+    stats = dict.fromkeys(("prompt_tokens", "cached_tokens", "blocks_reused", "blocks_pulled"), 0)
     async for chunk in generate(args.address, messages, sampling):
-        if first is None:
-            first, ttft = chunk, time.monotonic() - t0
+        if tokens == 0 and chunk.token_ids:
+            ttft = time.monotonic() - t0
         tokens += len(chunk.token_ids)
+        # The first chunk (prefill) carries the prompt counts, the first decode chunk the
+        # KV block counts.
+        for key, value in stats.items():
+            stats[key] = value or getattr(chunk, key)
         if chunk.text:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         finish = chunk.finish_reason or finish
     total = time.monotonic() - t0
     sys.stdout.write("\n")
-    if first is None:
+    if tokens == 0:
         _say("(no answer)")
         return 1
     decode_s = total - ttft
@@ -328,8 +332,9 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         f"{rate:.1f} tokens/s after the first, {total:.2f} s total"
     )
     _say(
-        f"--- prompt {first.prompt_tokens} tokens, {first.cached_tokens} from prefix cache; "
-        f"KV blocks at decode: {first.blocks_reused} reused, {first.blocks_pulled} pulled"
+        f"--- prompt {stats['prompt_tokens']} tokens, {stats['cached_tokens']} from prefix "
+        f"cache; KV blocks at decode: {stats['blocks_reused']} reused, "
+        f"{stats['blocks_pulled']} pulled"
     )
     return 0
 

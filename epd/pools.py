@@ -133,13 +133,17 @@ class WorkerActor:
     async def __init__(  # type: ignore[misc]
         self, role: str, name: str, settings: Any, log_level: str
     ) -> None:
-        _setup_logging(log_level)
         self.role = role
         self.name = name
+        _setup_logging(log_level)
         module = importlib.import_module(SERVER_MODULES[role])
         logger.info("%s: starting %s server", name, role)
         self.server = await module.serve(settings)
         logger.info("%s: %s server on %s", name, role, self.server.address)
+
+    def __repr__(self) -> str:
+        # Ray prefixes the actor's log lines with this: "(epd-prefill-1 pid=...)".
+        return str(getattr(self, "name", "epd-worker"))
 
     async def describe(self) -> WorkerDescription:
         """Role, name, address, pid and node of this worker."""
@@ -164,11 +168,12 @@ class WorkerActor:
         return clean
 
     async def _wait_leases(self, deadline: float) -> bool:
-        """Wait until the servicer reports no outstanding leases; False at the deadline."""
-        counters = getattr(getattr(self.server, "servicer", None), "counters", None)
-        if counters is None:
+        """Wait until the servicer holds no leases (`len(servicer.leases)`); False at the
+        deadline. Workers without leases (decode) return at once."""
+        leases = getattr(getattr(self.server, "servicer", None), "leases", None)
+        if leases is None or not hasattr(leases, "__len__"):
             return True
-        while counters().get("leases", 0) > 0:
+        while len(leases) > 0:
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.05)
@@ -213,6 +218,8 @@ class PoolManager:
         worker_host: str | None,
         namespace: str,
         log_level: str,
+        use_gpus: bool,
+        actor_class: Any = None,
     ) -> None:
         import ray
 
@@ -222,11 +229,12 @@ class PoolManager:
         self.worker_host = worker_host
         self.namespace = namespace
         self.log_level = log_level
-        self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0 and pools.num_gpus > 0
+        self.use_gpus = use_gpus and pools.num_gpus > 0
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
         self.router_stopped = False  # set by stop() once the router is gone
-        self._actor_class = ray.remote(WorkerActor)
+        # The Ray actor class of the workers (tests pass a stand-in).
+        self._actor_class = actor_class or ray.remote(WorkerActor)
 
     def replicas(self) -> dict[str, int]:
         """Workers each pool has or is moving to (retiring ones not counted)."""
@@ -283,8 +291,9 @@ class PoolManager:
             changes["name"] = name
         if "host" in names:
             changes["host"] = self.worker_host or _node_ip()
-        if "device" in names and base.device in ("auto", None):
-            changes["device"] = "cuda" if self.use_gpus else "cpu"
+        if "device" in names and self.use_gpus and base.device == "cpu":
+            # Ray gave the actor its GPU(s) through CUDA_VISIBLE_DEVICES: "cuda" is the first.
+            changes["device"] = "cuda"
         return dataclasses.replace(base, **changes)
 
     async def _retire(self, role: str, member: _Member) -> None:
@@ -363,6 +372,8 @@ class Controller:
     async def __init__(  # type: ignore[misc]
         self, settings: EpdSettings, worker_host: str | None
     ) -> None:
+        import ray
+
         _setup_logging(settings.log_level)
         self.settings = settings
         router_module = importlib.import_module(SERVER_MODULES["router"])
@@ -377,9 +388,13 @@ class Controller:
             worker_host=worker_host,
             namespace=settings.ray.namespace,
             log_level=settings.log_level,
+            use_gpus=ray.cluster_resources().get("GPU", 0) > 0,
         )
         for role, replicas in settings.pools.initial_replicas().items():
             await self.pools.scale(role, replicas)
+
+    def __repr__(self) -> str:
+        return CONTROLLER_NAME
 
     async def _scale(self, role: Any, replicas: int) -> int:
         """The router's scaler: `role` as a wire enum value or a name."""

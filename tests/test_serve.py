@@ -1,0 +1,331 @@
+"""End to end: `python -m epd serve` in a subprocess (its own local Ray, router on 127.0.0.1).
+
+One deployment serves every test of this module, in order:
+1. an image + video prompt streams back exactly what the offline `Engine` generates;
+2. prefill scales 1 -> 3 -> 1 while 8 client loops keep streaming: every stream finishes
+   and each answer equals the one from before the scaling;
+3. a decode actor's process is killed with SIGKILL between requests: Ray restarts it, it
+   registers again, and the next requests succeed with the same answers.
+Tear-down sends SIGINT and expects a clean stop (drain, router stop, Ray shut down, exit 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common.sampling import SamplingParams
+from epd.cli import build_parser, cmd_scale, main
+from epd.client import Client
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 400.0
+SAMPLING = SamplingParams(max_tokens=12)
+
+
+@dataclass
+class Served:
+    """A running `epd serve` subprocess."""
+
+    process: subprocess.Popen[str]
+    address: str  # router host:port
+    cache_dir: Path  # its EPD_CACHE_DIR
+    lines: list[str] = field(default_factory=list)  # its output so far
+
+
+def _reader(stream: Any, out: queue.Queue[str | None]) -> None:
+    for line in stream:
+        out.put(line.rstrip("\n"))
+    out.put(None)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    cache = tmp_path_factory.mktemp("epd-cache")
+    env = {**os.environ, "EPD_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "epd",
+        "serve",
+        "--router-port=0",
+        "--ray-num-cpus=2",
+        "--pools-drain-timeout-s=30",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # Ctrl-C of the test run does not reach it; we stop it
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_reader, args=(process.stdout, lines), daemon=True).start()
+    result = Served(process, "", cache)
+
+    def next_line(deadline: float) -> str | None:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        if line is not None:
+            result.lines.append(line)
+        return line
+
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not any(line.startswith("ready in") for line in result.lines):
+            line = next_line(deadline)
+            if line is None:
+                raise AssertionError("epd serve exited:\n" + "\n".join(result.lines))
+            if line.startswith("router listening on "):
+                result.address = line.removeprefix("router listening on ").strip()
+        yield result
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        while True:
+            try:
+                line = lines.get(timeout=5)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            result.lines.append(line)
+    output = "\n".join(result.lines)
+    assert process.returncode == 0, output
+    assert "stopping the local Ray cluster" in output and result.lines[-1] == "stopped", output
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 64x96 image file and a folder of four 64x64 frames."""
+    folder = tmp_path_factory.mktemp("media")
+    rng = np.random.default_rng(7)
+    image = folder / "image.png"
+    Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(image)
+    frames = folder / "frames"
+    frames.mkdir()
+    for i in range(4):
+        frame = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        Image.fromarray(frame).save(frames / f"{i:03d}.png")
+    return image, frames
+
+
+def _chat(text: str, image: Path | None = None, frames: Path | None = None) -> list[dict[str, Any]]:
+    content: list[dict[str, Any]] = []
+    if image is not None:
+        content.append({"type": "image", "image": image.read_bytes()})
+    if frames is not None:
+        video = [p.read_bytes() for p in sorted(frames.iterdir())]
+        content.append({"type": "video", "video": video, "fps": 2.0})
+    content.append({"type": "text", "text": text})
+    return [{"role": "user", "content": content}]
+
+
+async def _status(address: str) -> Any:
+    async with Client(address) as client:
+        return await client.status()
+
+
+async def _wait_for(address: str, check: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await _status(address)
+        if check(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout_s:.0f}s: {status}")
+        await asyncio.sleep(0.25)
+
+
+def _of_role(status: Any, role: int) -> list[Any]:
+    return [w for w in status.workers if w.info.role == role]
+
+
+# --------------------------------------------------------------------------------- tests
+
+
+async def test_image_and_video_answer_equals_offline_engine(
+    served: Served, media: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert any("preparing the built-in tiny checkpoint" in line for line in served.lines)
+    image, frames = media
+    messages = _chat("Describe the image and the video.", image, frames)
+    async with Client(served.address) as client:
+        chunks = [c async for c in client.generate(messages, SAMPLING)]
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert len(chunks) > 1, "the answer should stream in several chunks"
+    assert chunks[-1].finish_reason in ("stop", "length")
+
+    from common.engine import Engine
+
+    engine = await asyncio.to_thread(
+        Engine.from_pretrained, served.cache_dir / "checkpoints" / "tiny-0"
+    )
+    expected = await asyncio.to_thread(engine.generate, messages, SAMPLING)
+    assert tokens == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text
+
+    # The same request through the CLI's generate, which prints the stats line.
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "Describe the image and the video.",
+            "--image",
+            str(image),
+            "--video",
+            str(frames),
+            "--max-tokens",
+            str(SAMPLING.max_tokens),
+            "--address",
+            served.address,
+        ]
+    )
+    from epd.cli import cmd_generate
+
+    assert await cmd_generate(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(expected.text)
+    assert "TTFT" in out and "tokens/s" in out and "reused" in out and "pulled" in out
+
+
+async def test_scale_prefill_up_and_down_while_streams_run(
+    served: Served, media: tuple[Path, Path]
+) -> None:
+    image, _ = media
+    prompts = [
+        _chat(f"Question {i}: what is in the picture?", image if i % 2 == 0 else None)
+        for i in range(8)
+    ]
+    async with Client(served.address) as client:
+        reference = [
+            r.token_ids
+            for r in await asyncio.gather(*(client.generate_text(p, SAMPLING) for p in prompts))
+        ]
+
+    done = asyncio.Event()
+    answers: list[list[list[int]]] = [[] for _ in prompts]
+
+    async def stream(i: int) -> None:
+        async with Client(served.address) as client:
+            while not done.is_set():
+                result = await client.generate_text(prompts[i], SAMPLING, timeout_s=120)
+                assert result.finish_reason in ("stop", "length")
+                answers[i].append(result.token_ids)
+
+    loops = [asyncio.create_task(stream(i)) for i in range(len(prompts))]
+    prefill = 2  # registry_service_pb2.WORKER_ROLE_PREFILL
+    try:
+        args = build_parser().parse_args(
+            ["scale", "--role", "prefill", "--replicas", "3", "--address", served.address]
+        )
+        assert await cmd_scale(args) == 0
+        await _wait_for(
+            served.address,
+            lambda s: len(_of_role(s, prefill)) == 3,
+            180,
+            "3 prefill workers registered",
+        )
+        served_by = await _wait_for(
+            served.address,
+            lambda s: sum(w.load.cache_lookups > 0 for w in _of_role(s, prefill)) >= 2,
+            60,
+            "requests on a new prefill worker",
+        )
+        assert len(_of_role(served_by, prefill)) == 3
+        during_up = sum(map(len, answers))
+
+        args = build_parser().parse_args(
+            ["scale", "--role", "prefill", "--replicas", "1", "--address", served.address]
+        )
+        assert await cmd_scale(args) == 0  # returns once the two retired workers have left
+        status = await _status(served.address)
+        assert len(_of_role(status, prefill)) == 1
+        assert not any(w.draining for w in status.workers)
+    finally:
+        done.set()
+        results = await asyncio.gather(*loops, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    assert during_up > 0 and sum(map(len, answers)) > during_up
+    for i, got in enumerate(answers):
+        assert got, f"stream {i} finished no request"
+        assert all(tokens == reference[i] for tokens in got), f"stream {i} answers changed"
+
+
+def _listening_pid(port: int) -> int:
+    """The pid of the process listening on 127.0.0.1:`port` (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # LISTEN
+                    inodes.add(cols[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                return int(pid)
+    raise AssertionError(f"nobody listens on port {port}")
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
+async def test_killed_decode_actor_is_restarted_and_registers_again(served: Served) -> None:
+    decode = 3  # registry_service_pb2.WORKER_ROLE_DECODE
+    messages = _chat("Count the apples on the table.")
+    async with Client(served.address) as client:
+        before = await client.generate_text(messages, SAMPLING)
+    status = await _status(served.address)
+    (worker,) = _of_role(status, decode)
+    old_address = worker.info.address
+    pid = _listening_pid(int(old_address.rsplit(":", 1)[1]))
+    assert pid != served.process.pid
+    os.kill(pid, signal.SIGKILL)
+
+    await _wait_for(
+        served.address,
+        lambda s: (
+            [w.info.address for w in _of_role(s, decode)] not in ([], [old_address])
+            and len(_of_role(s, decode)) == 1
+        ),
+        240,
+        "the restarted decode worker registered (and the dead one dropped)",
+    )
+    status = await _status(served.address)
+    (restarted,) = _of_role(status, decode)
+    assert restarted.info.name == worker.info.name  # same actor, new process and port
+    async with Client(served.address) as client:
+        for _ in range(2):
+            after = await client.generate_text(messages, SAMPLING, timeout_s=120)
+            assert after.token_ids == before.token_ids
+
+    assert await asyncio.to_thread(main, ["status", "--address", served.address]) == 0
