@@ -1,0 +1,266 @@
+"""The decode worker: refusing handles (tampered hashes, foreign layouts, malformed), freeing
+blocks on cancel and deadline, the first-token-only path; plus the runner's import plan and
+the incremental detokenizer without servers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from tokenizers import Tokenizer
+
+from common.engine import Engine
+from common.kv.block_pool import NoFreeBlocksError
+from common.runner import LmRunner, blocks_for
+from common.sampling import SamplingParams
+from decode_worker.__main__ import parse
+from decode_worker.detok import IncrementalDetokenizer
+from decode_worker.settings import DecodeSettings
+from epd.v1 import decode_service_pb2, prefill_service_pb2
+from tests.test_kv_handoff import (
+    BLOCK,
+    GREEDY,
+    IMAGE_VIDEO,
+    TEXT,
+    Cluster,
+    ckpt,
+    decode_request,
+    engine,
+    eventually,
+    make_handoff,
+    run_decode,
+    run_prefill,
+    start_cluster,
+    stop_cluster,
+    user,
+    vid_part,
+)
+
+__all__ = ["ckpt", "engine"]  # module fixtures shared with test_kv_handoff
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(ckpt: Path, engine: Engine) -> AsyncIterator[Cluster]:
+    c = await start_cluster(ckpt, engine)
+    yield c
+    await stop_cluster(c)
+
+
+def snapshot(c: Cluster) -> tuple[list[bytes], int, int, int]:
+    """Decode worker state a refused request must not change."""
+    runner = c.decode.servicer.runner
+    counters = c.decode.servicer.counters
+    return (
+        runner.cached_hashes(),
+        runner.pool.num_free_blocks,
+        counters.blocks_pulled,
+        counters.blocks_reused,
+    )
+
+
+async def release(c: Cluster, lease_id: str) -> None:
+    await c.prefill_stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=lease_id))
+
+
+# -------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+async def test_tampered_hash_is_refused_and_cache_unchanged(cluster: Cluster, where: str) -> None:
+    c = cluster
+    tokens, params = make_handoff(c.engine, IMAGE_VIDEO)
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    request = decode_request(tokens, params, GREEDY, reply)
+    index = 0 if where == "first" else len(request.kv.block_hashes) - 1
+    request.kv.block_hashes[index] = bytes(32)
+    before = snapshot(c)
+    mismatches = c.decode.servicer.counters.hash_mismatches
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await run_decode(c, request)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_hashes" in (info.value.details() or "")
+    assert snapshot(c) == before
+    assert c.decode.servicer.counters.hash_mismatches == mismatches + 1
+    # The untampered handle still works (the lease was left alone).
+    answer = await run_decode(c, decode_request(tokens, params, GREEDY, reply))
+    assert answer.token_ids == c.expected(IMAGE_VIDEO, GREEDY).token_ids
+
+
+async def test_handle_for_another_tenant_is_refused(cluster: Cluster) -> None:
+    c = cluster
+    tokens, params = make_handoff(c.engine, user("A prompt with enough words for some blocks."))
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    before = snapshot(c)
+    # Prefill hashed without a salt; this handoff claims a tenant salt: hashes differ.
+    request = decode_request(tokens, params, GREEDY, reply)
+    request.cache_salt = "another tenant"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await run_decode(c, request)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert snapshot(c) == before
+    await release(c, reply.kv.lease_id)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("block_size", BLOCK * 2), ("model", "qwen3-vl/another"), ("num_layers", 99)],
+)
+async def test_foreign_layout_is_failed_precondition(
+    cluster: Cluster, field: str, value: object
+) -> None:
+    c = cluster
+    tokens, params = make_handoff(c.engine, TEXT)
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    request = decode_request(tokens, params, GREEDY, reply)
+    setattr(request.kv.layout, field, value)
+    before = snapshot(c)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await run_decode(c, request)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "kv.layout" in (info.value.details() or "")
+    assert field in (info.value.details() or "")
+    assert snapshot(c) == before
+    await release(c, reply.kv.lease_id)
+
+
+async def test_malformed_requests_are_invalid_argument(cluster: Cluster) -> None:
+    c = cluster
+    tokens, params = make_handoff(c.engine, IMAGE_VIDEO)
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    cases: dict[str, decode_service_pb2.DecodeRequest] = {}
+    r = cases.setdefault("kv.num_tokens", decode_request(tokens, params, GREEDY, reply))
+    r.kv.num_tokens += 1
+    r = cases.setdefault("kv.blocks", decode_request(tokens, params, GREEDY, reply))
+    del r.kv.blocks[-1]
+    r = cases.setdefault("run_lengths", decode_request(tokens, params, GREEDY, reply))
+    r.multimodal.run_lengths[0] -= 1
+    r = cases.setdefault("first_token_id", decode_request(tokens, params, GREEDY, reply))
+    r.first_token_id = -3
+    r = cases.setdefault("kv", decode_request(tokens, params, GREEDY, reply))
+    r.ClearField("kv")
+    before = snapshot(c)
+    for field, request in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await run_decode(c, request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert field in (info.value.details() or ""), info.value.details()
+    assert snapshot(c) == before
+    answer = await run_decode(c, decode_request(tokens, params, GREEDY, reply))
+    assert answer.token_ids == c.expected(IMAGE_VIDEO, GREEDY).token_ids
+
+
+# ---------------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_cancelled_stream_frees_its_blocks(cluster: Cluster, how: str) -> None:
+    c = cluster
+    runner = c.decode.servicer.runner
+    await eventually(lambda: runner.pool.num_used_blocks == 0)
+    free = runner.pool.num_free_blocks
+    long = SamplingParams(max_tokens=800, ignore_eos=True)
+    tokens, params = make_handoff(c.engine, user(vid_part(31, 4), "Tell me a very long story."))
+    reply = await run_prefill(c, tokens, params, long)
+    request = decode_request(tokens, params, long, reply)
+    if how == "cancel":
+        call = c.decode_stub.Decode(request, timeout=60)
+        first = await call.read()
+        assert first.blocks_pulled == blocks_for(len(tokens), BLOCK)
+        await call.read()
+        assert runner.pool.num_used_blocks == blocks_for(len(tokens) + 800 - 1, BLOCK)
+        call.cancel()
+    else:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in c.decode_stub.Decode(request, timeout=0.5):
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await eventually(lambda: runner.pool.num_used_blocks == 0)
+    assert runner.pool.num_free_blocks == free
+    runner.pool.check_invariants()
+    # The prefill worker got its lease back too.
+    await eventually(lambda: len(c.prefill.servicer.leases) == 0)
+
+
+async def test_first_token_that_ends_the_answer_pulls_nothing(cluster: Cluster) -> None:
+    c = cluster
+    one = SamplingParams(max_tokens=1)
+    tokens, params = make_handoff(c.engine, TEXT)
+    reply = await run_prefill(c, tokens, params, one)
+    pulled = c.decode.servicer.counters.blocks_pulled
+    answer = await run_decode(c, decode_request(tokens, params, one, reply))
+    assert answer.token_ids == [reply.first_token_id] == c.expected(TEXT, one).token_ids
+    assert len(answer.chunks) == 1
+    assert answer.chunks[0].finish_reason == decode_service_pb2.FINISH_REASON_LENGTH
+    assert c.decode.servicer.counters.blocks_pulled == pulled
+    await eventually(lambda: len(c.prefill.servicer.leases) == 0)
+
+
+async def test_load_and_counters(cluster: Cluster) -> None:
+    servicer = cluster.decode.servicer
+    load = servicer.load()
+    assert load.kv_blocks_free == servicer.runner.pool.num_free_blocks
+    assert load.kv_blocks_used == servicer.runner.pool.num_used_blocks
+    assert load.cache_lookups >= load.cache_hits
+    assert servicer.counters.bytes_pulled == servicer.counters.blocks_pulled * (
+        servicer.runner.kv.spec.block_bytes
+    )
+
+
+# ------------------------------------------------------------------ without servers
+
+
+@pytest.fixture(scope="module")
+def runner(ckpt: Path) -> LmRunner:
+    return LmRunner.from_pretrained(ckpt, block_size=4, num_blocks=12)
+
+
+async def test_import_plan_reuses_cached_blocks_and_pulls_the_rest(runner: LmRunner) -> None:
+    pool = runner.pool
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    # Block for hash 1 cached (evictable), hashes 0 and 2 not.
+    held = pool.allocate(1)
+    pool.cache_block(held[0], hashes[1])
+    pool.release(held)
+    plan = runner.plan_import(hashes, num_tokens=14, total_tokens=20)  # 4 prompt blocks
+    assert plan.reused == [1]
+    assert plan.blocks[1] == held[0]
+    assert plan.pull == [0, 2, 3]  # the missing full blocks + the partial last one
+    assert len(plan.blocks) == blocks_for(20, 4)
+    runner.finish_import(plan, hashes)
+    assert set(runner.cached_hashes()) == set(hashes)
+    runner.abort_import(plan)
+    assert pool.num_used_blocks == 0
+    # Too big: nothing taken.
+    with pytest.raises(NoFreeBlocksError):
+        runner.plan_import(hashes, num_tokens=14, total_tokens=100)
+    assert pool.num_used_blocks == 0
+    pool.check_invariants()
+    pool.reset_prefix_cache()
+
+
+async def test_uncacheable_import_pulls_everything_and_caches_nothing(runner: LmRunner) -> None:
+    plan = runner.plan_import(None, num_tokens=9, total_tokens=9)
+    assert plan.pull == [0, 1, 2] and plan.reused == []
+    runner.finish_import(plan, None)
+    assert runner.cached_hashes() == []
+    runner.abort_import(plan)
+
+
+async def test_detokenizer_chunks_concatenate_to_the_full_text(ckpt: Path) -> None:
+    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    ids = tokenizer.encode("héllo wörld — ünïcode ✓ text, and more").ids
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.add([t]) for t in ids) + detok.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def test_flags(tmp_path: Path) -> None:
+    config = tmp_path / "decode.toml"
+    config.write_text("max_batch = 4\nnum_blocks = 64\n")
+    settings = parse(["--config", str(config), "--block-size", "8"])
+    assert settings == DecodeSettings(max_batch=4, num_blocks=64, block_size=8)
