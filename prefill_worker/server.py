@@ -144,6 +144,7 @@ async def serve(
 
     async def close() -> None:
         await servicer.release_all_leases()
+        await servicer.close()
         await asyncio.to_thread(model.close)
         agent.close()
 

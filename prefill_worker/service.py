@@ -1,7 +1,8 @@
 """`PrefillService`: compute a prompt's KV and first token, then lend the KV by lease.
 
 Prefill: validate the handoff (INVALID_ARGUMENT naming the field, nothing cached), pull
-embeddings held by NIXL handles, hash the prompt's full blocks under the runner's root,
+embeddings held by NIXL handles (then `ReleaseEmbeddings` on the encoder named for each
+lease in `embedding_holders`), hash the prompt's full blocks under the runner's root,
 reuse the cached prefix, compute the rest, sample the first token, and answer with a
 `KvHandle`: the block hashes, this worker's NIXL agent, one descriptor per prompt block
 (full blocks, then the partial last block) into the registered block-major KV buffer, and
@@ -20,19 +21,22 @@ in worker threads.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
 import torch
 
 from common.multimodal import MultimodalLayoutError
-from common.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
+from common.rpc import RpcStatusError, WorkerLifecycle, channel, rpc_errors
 from common.runner import LmRunner, LmSequence, MissingEmbeddingsError, ModelThread, blocks_for
 from common.transfer import TransferAgent, TransferError, read_tensor
 from common.wire import torch_dtype
 from epd.v1 import (
+    encoder_service_pb2,
+    encoder_service_pb2_grpc,
     kv_pb2,
     prefill_service_pb2,
     prefill_service_pb2_grpc,
@@ -62,6 +66,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         *,
         lease_ttl_s: float,
         embedding_pull_timeout_s: float = 30.0,
+        release_timeout_s: float = 5.0,
     ) -> None:
         self.runner = runner
         self.model = model
@@ -70,6 +75,9 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.leases = LeaseTable(lease_ttl_s)
         self.hub = KvEventHub(runner)
         self.embedding_pull_timeout_s = embedding_pull_timeout_s
+        self.release_timeout_s = release_timeout_s  # deadline of ReleaseEmbeddings calls
+        self._channels: dict[str, Any] = {}  # encoder address -> grpc.aio channel
+        self._background: set[asyncio.Task[None]] = set()  # ReleaseEmbeddings in flight
         # gRPC address of this worker, put in handles for ReleaseKv; set once bound.
         self.holder_address = ""
         self.active = 0  # Prefill RPCs in flight
@@ -100,14 +108,18 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     ) -> prefill_service_pb2.PrefillResponse:
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
-        params = await asyncio.to_thread(
-            read_handoff,
-            self.runner,
-            tokens,
-            request.multimodal,
-            with_embeddings=True,
-            resolve=self._resolve,
-        )
+        pulled: list[str] = []  # embedding leases pulled from encoders
+        try:
+            params = await asyncio.to_thread(
+                read_handoff,
+                self.runner,
+                tokens,
+                request.multimodal,
+                with_embeddings=True,
+                resolve=functools.partial(self._resolve, pulled=pulled),
+            )
+        finally:
+            self._release_embeddings(pulled, request.embedding_holders)
         hashes = self.runner.hashes(
             tokens,
             params,
@@ -145,11 +157,11 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         """A prefill finished after its RPC was cancelled: nobody will lease its blocks."""
         self.model.submit(self.runner.release, seq)
 
-    def _resolve(self, ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
-        """Pull an embedding held by a NIXL handle (worker thread)."""
+    def _resolve(self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str]) -> torch.Tensor:
+        """Pull an embedding held by a NIXL handle (worker thread); note its lease."""
         dtype = torch_dtype(ref.dtype, field)
         try:
-            return read_tensor(
+            tensor = read_tensor(
                 ref.handle,
                 dtype,
                 [int(d) for d in ref.shape],
@@ -163,6 +175,53 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             ) from None
         except ValueError as exc:
             raise MultimodalLayoutError(field, str(exc)) from None
+        if ref.handle.lease_id and ref.handle.lease_id not in pulled:
+            pulled.append(ref.handle.lease_id)
+        return tensor
+
+    def _release_embeddings(self, lease_ids: list[str], holders: Mapping[str, str]) -> None:
+        """Tell each encoder, in the background, that its embedding leases were pulled.
+
+        A lease without a holder address in `PrefillRequest.embedding_holders` is left to
+        expire on its encoder.
+        """
+        by_holder: dict[str, list[str]] = {}
+        for lease_id in lease_ids:
+            address = holders.get(lease_id)
+            if address:
+                by_holder.setdefault(address, []).append(lease_id)
+            else:
+                logger.debug("embedding lease %s has no holder address; it will expire", lease_id)
+        for address, leases in by_holder.items():
+            task = asyncio.create_task(self._release_on(address, leases))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _release_on(self, address: str, lease_ids: list[str]) -> None:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        stub = encoder_service_pb2_grpc.EncoderServiceStub(ch)
+        try:
+            await stub.ReleaseEmbeddings(
+                encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=lease_ids),
+                timeout=self.release_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.warning(
+                "ReleaseEmbeddings(%d leases) on %s failed: %s",
+                len(lease_ids),
+                address,
+                exc.code().name,
+            )
+
+    async def close(self) -> None:
+        """Finish background releases and close their channels (shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
 
     def _handle(self, seq: LmSequence, hashes: list[bytes], lease_id: str) -> kv_pb2.KvHandle:
         n = len(seq.prompt_token_ids)

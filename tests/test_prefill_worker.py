@@ -14,10 +14,17 @@ import pytest_asyncio
 
 from common.engine import Engine
 from common.multimodal import MultimodalParams
-from common.rpc import channel
+from common.rpc import channel, start_server
 from common.runner import blocks_for
 from common.transfer import TransferAgent, handle_for
-from epd.v1 import kv_pb2, multimodal_pb2, prefill_service_pb2, prefill_service_pb2_grpc
+from epd.v1 import (
+    encoder_service_pb2,
+    encoder_service_pb2_grpc,
+    kv_pb2,
+    multimodal_pb2,
+    prefill_service_pb2,
+    prefill_service_pb2_grpc,
+)
 from prefill_worker.__main__ import parse
 from prefill_worker.server import WorkerServer
 from prefill_worker.server import serve as serve_prefill
@@ -237,6 +244,19 @@ def _by_handle(params: MultimodalParams, agent: TransferAgent) -> multimodal_pb2
     return msg
 
 
+class FakeEncoder(encoder_service_pb2_grpc.EncoderServiceServicer):
+    """Records ReleaseEmbeddings calls."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def ReleaseEmbeddings(
+        self, request: encoder_service_pb2.ReleaseEmbeddingsRequest, context: Any
+    ) -> encoder_service_pb2.ReleaseEmbeddingsResponse:
+        self.released.extend(request.lease_ids)
+        return encoder_service_pb2.ReleaseEmbeddingsResponse(released=len(request.lease_ids))
+
+
 async def test_embeddings_pulled_by_nixl_give_the_inline_result(
     worker: WorkerServer, stub: Any, engine: Engine
 ) -> None:
@@ -245,11 +265,20 @@ async def test_embeddings_pulled_by_nixl_give_the_inline_result(
     inline = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
     await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=inline.kv.lease_id))
     worker.servicer.runner.pool.reset_prefix_cache()  # compute everything again
-    with TransferAgent("encoder") as encoder:
-        request = prefill_request(tokens, params, GREEDY)
-        request.multimodal.CopyFrom(_by_handle(params, encoder))
-        assert request.multimodal.embeddings[0].rows.WhichOneof("data") == "handle"
-        pulled = await stub.Prefill(request, timeout=30)
+    fake = FakeEncoder()
+    encoder_server = await start_server(
+        [lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(fake, s)]
+    )
+    try:
+        with TransferAgent("encoder") as encoder:
+            request = prefill_request(tokens, params, GREEDY)
+            request.multimodal.CopyFrom(_by_handle(params, encoder))
+            request.embedding_holders["enc-lease"] = encoder_server.address
+            assert request.multimodal.embeddings[0].rows.WhichOneof("data") == "handle"
+            pulled = await stub.Prefill(request, timeout=30)
+        await eventually(lambda: fake.released == ["enc-lease"])
+    finally:
+        await encoder_server.stop(0)
     await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=pulled.kv.lease_id))
     assert pulled.first_token_id == inline.first_token_id
     assert pulled.cached_tokens == 0
