@@ -1,0 +1,366 @@
+"""The pool manager and worker actor logic, without a Ray cluster.
+
+Ray's part (placement, restarts) is exercised end to end in test_serve.py. Here the actor
+class is a stand-in with the same `.options(...).remote(...)` / `handle.method.remote()`
+shape, `ray.kill` is recorded, and the router side of a drain is a real gRPC AdminService
+fake on 127.0.0.1, so the order of a retirement (router drain → wait for the router's
+requests → worker drain → kill) and the settings each worker gets are checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+import epd.pools as pools
+from common.rpc import start_server
+from epd.pools import PoolManager, WorkerActor, drain_at_router, reachable_address
+from epd.settings import EpdSettings, PoolSettings
+from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
+
+# ------------------------------------------------------------------------ stand-in actors
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return asyncio.ensure_future(self.fn(*args))
+
+
+@dataclass
+class FakeHandle:
+    """Records what the pool manager asks a worker actor to do."""
+
+    name: str
+    role: str
+    settings: Any
+    options: dict[str, Any]
+    log: list[str]
+    drain_clean: bool = True
+
+    def __post_init__(self) -> None:
+        self.describe = _Method(self._describe)
+        self.drain = _Method(self._drain)
+
+    async def _describe(self) -> pools.WorkerDescription:
+        self.log.append(f"describe {self.name}")
+        return pools.WorkerDescription(self.role, self.name, f"addr-{self.name}", 1, "127.0.0.1")
+
+    async def _drain(self, timeout_s: float) -> bool:
+        self.log.append(f"drain {self.name}")
+        return self.drain_clean
+
+
+@dataclass
+class FakeActorClass:
+    """`ray.remote(WorkerActor)` stand-in: `.options(**o).remote(*args)` makes a handle."""
+
+    log: list[str] = field(default_factory=list)
+    handles: list[FakeHandle] = field(default_factory=list)
+
+    def options(self, **options: Any) -> Any:
+        outer = self
+
+        class _Bound:
+            def remote(self, role: str, name: str, settings: Any, log_level: str) -> FakeHandle:
+                handle = FakeHandle(name, role, settings, options, outer.log)
+                outer.handles.append(handle)
+                outer.log.append(f"create {name}")
+                return handle
+
+        return _Bound()
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The log shared by the fakes; `ray.kill` and the router drain append to it."""
+    log: list[str] = []
+    import ray
+
+    monkeypatch.setattr(
+        ray, "kill", lambda handle, no_restart=False: log.append(f"kill {handle.name} {no_restart}")
+    )
+
+    async def fake_router_drain(router: str, worker: str, timeout_s: float) -> None:
+        log.append(f"router-drain {worker}")
+
+    monkeypatch.setattr(pools, "drain_at_router", fake_router_drain)
+    return log
+
+
+def _manager(
+    log: list[str], *, use_gpus: bool = False, **pool_settings: Any
+) -> tuple[PoolManager, FakeActorClass]:
+    actors = FakeActorClass(log)
+    settings = EpdSettings(pools=PoolSettings(**pool_settings))
+    manager = PoolManager(
+        settings.role_settings(),
+        settings.pools,
+        router_address="127.0.0.1:50051",
+        worker_host="127.0.0.1",
+        namespace="epd-test",
+        log_level="warning",
+        use_gpus=use_gpus,
+        actor_class=actors,
+    )
+    return manager, actors
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def test_role_names_and_wire_values_round_trip() -> None:
+    for role in ("encoder", "prefill", "decode"):
+        assert pools.role_name(pools.wire_role(role)) == role
+    assert pools.wire_role("prefill") == registry_service_pb2.WORKER_ROLE_PREFILL
+    with pytest.raises(ValueError, match="unknown role 'router'"):
+        pools.wire_role("router")
+    with pytest.raises(ValueError, match="worker role 0"):
+        pools.role_name(0)
+
+
+def test_reachable_address_replaces_wildcards(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pools, "_node_ip", lambda: "10.1.2.3")
+    assert reachable_address("0.0.0.0:50051") == "10.1.2.3:50051"
+    assert reachable_address("[::]:7000") == "10.1.2.3:7000"
+    assert reachable_address("127.0.0.1:50051") == "127.0.0.1:50051"
+
+
+async def test_scale_up_creates_named_actors_with_filled_in_settings(recorded: list[str]) -> None:
+    manager, actors = _manager(recorded, num_cpus=0.5, max_restarts=7)
+    assert await manager.scale("prefill", 3) == 3
+    assert [h.name for h in actors.handles] == ["epd-prefill-0", "epd-prefill-1", "epd-prefill-2"]
+    handle = actors.handles[0]
+    assert handle.role == "prefill"
+    assert handle.settings.router_address == "127.0.0.1:50051"
+    assert handle.settings.name == "epd-prefill-0"
+    assert handle.settings.host == "127.0.0.1"
+    assert handle.settings.device == "cpu"
+    assert handle.options["num_cpus"] == 0.5 and handle.options["num_gpus"] == 0
+    assert handle.options["max_restarts"] == 7
+    assert handle.options["name"] == "epd-prefill-0" and handle.options["namespace"] == "epd-test"
+    assert manager.replicas() == {"encoder": 0, "prefill": 3, "decode": 0}
+
+
+async def test_gpu_clusters_get_cuda_workers(recorded: list[str]) -> None:
+    manager, actors = _manager(recorded, use_gpus=True, num_gpus=0.5)
+    await manager.scale("decode", 1)
+    assert actors.handles[0].options["num_gpus"] == 0.5
+    assert actors.handles[0].settings.device == "cuda"
+    manager, actors = _manager(recorded, use_gpus=True, num_gpus=0)  # 0 GPUs: CPU workers
+    await manager.scale("decode", 1)
+    assert actors.handles[0].options["num_gpus"] == 0
+    assert actors.handles[0].settings.device == "cpu"
+
+
+async def test_scale_down_retires_newest_in_order_and_never_reuses_names(
+    recorded: list[str],
+) -> None:
+    manager, actors = _manager(recorded)
+    await manager.scale("prefill", 3)
+    recorded.clear()
+    assert await manager.scale("prefill", 1) == 1  # returns before the retirements finish
+    assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-0"]
+    await manager.stop()  # waits for every retirement (and retires the last one too)
+    for name in ("epd-prefill-2", "epd-prefill-1"):
+        steps = [e for e in recorded if e.split()[1] in (name, f"addr-{name}")]
+        assert steps == [
+            f"describe {name}",
+            f"router-drain addr-{name}",
+            f"drain {name}",
+            f"kill {name} True",
+        ]
+    await manager.scale("prefill", 1)
+    assert actors.handles[-1].name == "epd-prefill-3"
+
+
+async def test_stop_after_the_router_is_gone_skips_the_router_drain(recorded: list[str]) -> None:
+    manager, _ = _manager(recorded)
+    await manager.scale("encoder", 2)
+    recorded.clear()
+    await manager.stop(router_stopped=True)
+    assert sorted(recorded) == [
+        "drain epd-encoder-0",
+        "drain epd-encoder-1",
+        "kill epd-encoder-0 True",
+        "kill epd-encoder-1 True",
+    ]
+    assert manager.replicas() == {"encoder": 0, "prefill": 0, "decode": 0}
+
+
+async def test_a_failed_drain_still_ends_the_actor(recorded: list[str]) -> None:
+    manager, actors = _manager(recorded)
+    await manager.scale("decode", 1)
+
+    async def broken(timeout_s: float) -> bool:
+        raise RuntimeError("actor died")
+
+    actors.handles[0].drain = _Method(broken)
+    await manager.stop()
+    assert recorded[-1] == "kill epd-decode-0 True"
+
+
+async def test_scale_refuses_bad_requests(recorded: list[str]) -> None:
+    manager, _ = _manager(recorded, max_replicas=4)
+    with pytest.raises(ValueError, match="unknown role"):
+        await manager.scale("router", 1)
+    with pytest.raises(ValueError, match=r"replicas must be in \[0, 4\]"):
+        await manager.scale("decode", 5)
+
+
+# ------------------------------------------------------------------ router side of drain
+
+
+class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
+    """Reports one worker whose router in-flight count drops by one per Status call."""
+
+    def __init__(self, in_flight: int) -> None:
+        self.in_flight = in_flight
+        self.drained: list[str] = []
+
+    async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
+        response = admin_service_pb2.StatusResponse()
+        response.workers.add(
+            info=registry_service_pb2.WorkerInfo(
+                role=registry_service_pb2.WORKER_ROLE_PREFILL, address="10.0.0.1:1"
+            ),
+            router_in_flight=self.in_flight,
+            draining=bool(self.drained),
+        )
+        self.in_flight = max(0, self.in_flight - 1)
+        return response
+
+    async def Drain(self, request: Any, context: Any) -> admin_service_pb2.DrainResponse:
+        self.drained.append(request.address)
+        return admin_service_pb2.DrainResponse(found=True)
+
+
+@pytest.fixture
+async def fake_admin() -> AsyncIterator[tuple[str, FakeAdmin]]:
+    admin = FakeAdmin(in_flight=3)
+    server = await start_server(
+        [lambda s: admin_service_pb2_grpc.add_AdminServiceServicer_to_server(admin, s)],
+        host="127.0.0.1",
+    )
+    try:
+        yield server.address, admin
+    finally:
+        await server.stop(0)
+
+
+async def test_drain_at_router_waits_for_the_routers_requests(
+    fake_admin: tuple[str, FakeAdmin],
+) -> None:
+    address, admin = fake_admin
+    await drain_at_router(address, "10.0.0.1:1", timeout_s=10)
+    assert admin.drained == ["10.0.0.1:1"]
+    assert admin.in_flight == 0
+
+
+async def test_registered_counts_leave_out_draining_workers(
+    fake_admin: tuple[str, FakeAdmin],
+) -> None:
+    address, admin = fake_admin
+    admin.drained.append("10.0.0.1:1")
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = admin_service_pb2_grpc.AdminServiceStub(ch)
+        assert await pools.registered_counts(stub) == {"encoder": 0, "prefill": 0, "decode": 0}
+        counts = await pools.registered_counts(stub, include_draining=True)
+        assert counts == {"encoder": 0, "prefill": 1, "decode": 0}
+
+
+# ------------------------------------------------------------------------ worker actor
+
+
+class FakeLifecycle:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def drain(self, timeout_s: float) -> bool:
+        self.log.append("lifecycle-drain")
+        return True
+
+
+@dataclass
+class FakeServer:
+    """What a role's `serve` returns, reduced to what WorkerActor uses."""
+
+    settings: Any
+    log: list[str]
+    address: str = "127.0.0.1:4242"
+    servicer: Any = None
+    lifecycle: Any = None
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        self.log.append("stop")
+
+
+class _Leases:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+SERVED: list[FakeServer] = []
+
+
+async def serve(settings: Any) -> FakeServer:
+    """Stand-in for a role's `serve`, found through `SERVER_MODULES`."""
+    log: list[str] = []
+    server = FakeServer(settings, log, servicer=type("S", (), {"leases": _Leases(2)})())
+    server.lifecycle = FakeLifecycle(log)
+    SERVED.append(server)
+    return server
+
+
+async def _worker(monkeypatch: pytest.MonkeyPatch) -> WorkerActor:
+    monkeypatch.setitem(pools.SERVER_MODULES, "prefill", __name__)
+    monkeypatch.setattr(pools, "_node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(pools, "_setup_logging", lambda level: None)  # keep pytest's logging
+    actor = WorkerActor.__new__(WorkerActor)
+    settings = EpdSettings().prefill
+    await actor.__init__("prefill", "epd-prefill-0", settings, "warning")  # type: ignore[misc]
+    return actor
+
+
+async def test_worker_actor_serves_and_describes_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    actor = await _worker(monkeypatch)
+    assert repr(actor) == "epd-prefill-0"
+    description = await actor.describe()
+    assert dataclasses.astuple(description)[:3] == ("prefill", "epd-prefill-0", "127.0.0.1:4242")
+
+
+async def test_worker_drain_waits_for_leases_then_drains_then_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    actor = await _worker(monkeypatch)
+    server = SERVED[-1]
+    leases = server.servicer.leases
+
+    async def release_later() -> None:
+        await asyncio.sleep(0.2)
+        server.log.append("leases released")
+        leases.n = 0
+
+    releaser = asyncio.create_task(release_later())
+    assert await actor.drain(timeout_s=5) is True
+    await releaser
+    assert server.log == ["leases released", "lifecycle-drain", "stop"]
+
+
+async def test_worker_drain_reports_leases_that_outlive_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    actor = await _worker(monkeypatch)
+    assert await actor.drain(timeout_s=0.2) is False
+    assert SERVED[-1].log == ["lifecycle-drain", "stop"]
