@@ -131,11 +131,17 @@ class WorkerActor:
 
     # Ray runs an async actor's async __init__ in the actor's event loop (and again on restart).
     async def __init__(  # type: ignore[misc]
-        self, role: str, name: str, settings: Any, log_level: str
+        self, role: str, name: str, settings: Any, log_level: str, host: str | None = None
     ) -> None:
         self.role = role
         self.name = name
         _setup_logging(log_level)
+        # The listen (and registered) host is resolved here, on the node Ray placed us on:
+        # None or a wildcard means this node's IP.
+        if host is None or host in _ANY:
+            host = _node_ip()
+        if "host" in {f.name for f in dataclasses.fields(settings)}:
+            settings = dataclasses.replace(settings, host=host)
         module = importlib.import_module(SERVER_MODULES[role])
         logger.info("%s: starting %s server", name, role)
         self.server = await module.serve(settings)
@@ -278,19 +284,18 @@ class PoolManager:
             num_gpus=self.settings.num_gpus if self.use_gpus else 0,
             max_restarts=self.settings.max_restarts,
             max_concurrency=1000,
-        ).remote(pool.role, name, settings, self.log_level)
+        ).remote(pool.role, name, settings, self.log_level, self.worker_host)
         logger.info("started %s", name)
         return _Member(name, handle)
 
     def _worker_settings(self, role: str, name: str) -> Any:
-        """The role's settings with this deployment's router, host and identity filled in."""
+        """The role's settings with this deployment's router and identity filled in (the
+        host is filled in by the actor, on its own node)."""
         base = self.role_settings[role]
         changes: dict[str, Any] = {"router_address": self.router_address}
         names = {f.name for f in dataclasses.fields(base)}
         if "name" in names:
             changes["name"] = name
-        if "host" in names:
-            changes["host"] = self.worker_host or _node_ip()
         if "device" in names and self.use_gpus and base.device == "cpu":
             # Ray gave the actor its GPU(s) through CUDA_VISIBLE_DEVICES: "cuda" is the first.
             changes["device"] = "cuda"
@@ -375,11 +380,19 @@ class Controller:
         import ray
 
         _setup_logging(settings.log_level)
+        settings = settings.with_model()  # a top-level `model` reaches the router too
         self.settings = settings
         router_module = importlib.import_module(SERVER_MODULES["router"])
         self.router = await router_module.serve(settings.router, scaler=self._scale)
         self.router_address = reachable_address(self.router.address)
-        if worker_host is None and self.router_address.split(":")[0] in _LOOPBACK:
+        loopback = self.router_address.rsplit(":", 1)[0] in _LOOPBACK
+        if loopback and len([n for n in ray.nodes() if n.get("Alive")]) > 1:
+            logger.warning(
+                "router listens on %s but the Ray cluster has several nodes: workers on other "
+                'nodes cannot reach it (set [router] host = "0.0.0.0")',
+                self.router_address,
+            )
+        if worker_host is None and loopback:
             worker_host = "127.0.0.1"
         self.pools = PoolManager(
             settings.role_settings(),

@@ -45,6 +45,7 @@ class FakeHandle:
     options: dict[str, Any]
     log: list[str]
     drain_clean: bool = True
+    host: str | None = None  # the listen host the actor is told (None: its node's IP)
 
     def __post_init__(self) -> None:
         self.describe = _Method(self._describe)
@@ -70,8 +71,11 @@ class FakeActorClass:
         outer = self
 
         class _Bound:
-            def remote(self, role: str, name: str, settings: Any, log_level: str) -> FakeHandle:
+            def remote(
+                self, role: str, name: str, settings: Any, log_level: str, host: str | None
+            ) -> FakeHandle:
                 handle = FakeHandle(name, role, settings, options, outer.log)
+                handle.host = host
                 outer.handles.append(handle)
                 outer.log.append(f"create {name}")
                 return handle
@@ -142,7 +146,7 @@ async def test_scale_up_creates_named_actors_with_filled_in_settings(recorded: l
     assert handle.role == "prefill"
     assert handle.settings.router_address == "127.0.0.1:50051"
     assert handle.settings.name == "epd-prefill-0"
-    assert handle.settings.host == "127.0.0.1"
+    assert handle.host == "127.0.0.1"
     assert handle.settings.device == "cpu"
     assert handle.options["num_cpus"] == 0.5 and handle.options["num_gpus"] == 0
     assert handle.options["max_restarts"] == 7
@@ -336,6 +340,7 @@ async def _worker(monkeypatch: pytest.MonkeyPatch) -> WorkerActor:
 async def test_worker_actor_serves_and_describes_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     actor = await _worker(monkeypatch)
     assert repr(actor) == "epd-prefill-0"
+    assert SERVED[-1].settings.host == "127.0.0.1"  # its node's IP: no host was given
     description = await actor.describe()
     assert dataclasses.astuple(description)[:3] == ("prefill", "epd-prefill-0", "127.0.0.1:4242")
 
