@@ -227,17 +227,21 @@ class Engine:
             raise
         start = len(cached) * self.block_size
         positions = self.positions(tokens, params)
-        logits = self.model.prefill(
-            self.kv.buffer,
-            torch.tensor(blocks, device=self.device),
-            torch.tensor(tokens, device=self.device),
-            positions.positions.to(self.device),
-            start=start,
-            items=params.items,
-            embeddings=params.embeddings,
-            chunk_size=self.prefill_chunk,
-            all_logits=keep_logits,
-        )
+        try:
+            logits = self.model.prefill(
+                self.kv.buffer,
+                torch.tensor(blocks, device=self.device),
+                torch.tensor(tokens, device=self.device),
+                positions.positions.to(self.device),
+                start=start,
+                items=params.items,
+                embeddings=params.embeddings,
+                chunk_size=self.prefill_chunk,
+                all_logits=keep_logits,
+            )
+        except Exception:
+            self.pool.release(blocks)
+            raise
         full = n // self.block_size
         if hashes and full > len(cached):
             self.pool.cache_blocks(blocks[len(cached) : full], hashes[len(cached) : full])

@@ -234,9 +234,10 @@ class TextModel:
         end = start + n
         block_size = kv.shape[3]
         x = self.embed_tokens[token_ids] if inputs_embeds is None else inputs_embeds.to(self.dtype)
+        index = None if visual is None else visual.index.to(x.device)
         if visual is not None:
             x = x.clone()
-            x[visual.index] = visual.rows.to(x.dtype)
+            x[index] = visual.rows.to(x.device, x.dtype)
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
         blocks, offsets = self._slots(
             block_table, torch.arange(start, end, device=block_table.device), block_size
@@ -244,15 +245,15 @@ class TextModel:
         used = block_table[: (end + block_size - 1) // block_size]
         mask = None
         if start > 0:
-            q_pos = torch.arange(start, end).unsqueeze(1)
-            mask = torch.arange(end).unsqueeze(0) <= q_pos
+            q_pos = torch.arange(start, end, device=x.device).unsqueeze(1)
+            mask = torch.arange(end, device=x.device).unsqueeze(0) <= q_pos
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
             kv[blocks, i, 0, offsets] = k
             kv[blocks, i, 1, offsets] = v
-            ctx = kv[used, i].transpose(0, 1).reshape(2, -1, c.num_key_value_heads, c.head_dim)
-            keys, values = ctx[0, :end].transpose(0, 1), ctx[1, :end].transpose(0, 1)
+            keys = kv[:, i, 0].index_select(0, used).flatten(0, 1)[:end].transpose(0, 1)
+            values = kv[:, i, 1].index_select(0, used).flatten(0, 1)[:end].transpose(0, 1)
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1),
                 keys,
@@ -263,7 +264,7 @@ class TextModel:
             )
             x = self._finish_layer(layer, x, attn.transpose(0, 1).reshape(n, -1))
             if visual is not None and i < len(visual.deepstack):
-                x[visual.index] += visual.deepstack[i].to(x.dtype)
+                x[index] += visual.deepstack[i].to(x.device, x.dtype)
         return x
 
     def prefill(
@@ -330,19 +331,21 @@ class TextModel:
         offsets = last % block_size
         # Keep only as many blocks as the longest sequence needs.
         width = (int(seq_lens.max()) + block_size - 1) // block_size
-        tables = block_tables[:, :width]
+        flat = block_tables[:, :width].reshape(-1)
         span = width * block_size
         mask = torch.arange(span, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
         mask = mask.view(batch, 1, 1, span)
+        heads = c.num_key_value_heads
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
             kv[blocks, i, 0, offsets] = k
             kv[blocks, i, 1, offsets] = v
-            ctx = kv[tables, i]  # [B, width, 2, block, KV, D]
-            ctx = ctx.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, c.num_key_value_heads, span, -1)
+            # [B, KV, span, D] views of one copy each; SDPA takes the strides as they are.
+            keys = kv[:, i, 0].index_select(0, flat).view(batch, span, heads, -1).transpose(1, 2)
+            values = kv[:, i, 1].index_select(0, flat).view(batch, span, heads, -1).transpose(1, 2)
             attn = F.scaled_dot_product_attention(
-                q.unsqueeze(2), ctx[0], ctx[1], attn_mask=mask, enable_gqa=True
+                q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True
             )
             x = self._finish_layer(layer, x, attn.reshape(batch, -1))
         return self.logits(x)
