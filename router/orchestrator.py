@@ -12,6 +12,11 @@
                first chunk repeats the first token, which is dropped, and carries the KV
                transfer counts blocks_pulled / blocks_reused)
 
+Embedding leases (NIXL-held encoder outputs): the request tells the prefill worker which
+encoder holds each (`embedding_holders`) and the prefill worker releases them once pulled;
+if prefill is never reached or fails, the router releases them (a second release of the
+same lease is ignored by the encoder).
+
 Ownership of the KV lease: the decode worker takes it over with its first chunk (it has
 pulled the blocks by then). Until that chunk arrives the router owns it: if decode is
 never started, fails, or the request is cancelled or runs out of time first, the router
@@ -26,7 +31,6 @@ stream explicitly), so workers free what they hold.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -52,6 +56,7 @@ from router.channels import Channels
 from router.detokenize import IncrementalDetokenizer
 from router.inputs import sampling_to_proto
 from router.registry import NoWorkerError, Registry, Role, WorkerRecord
+from router.releases import Releases
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +107,14 @@ class Job:
         return left
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """The encoder's output for a job, ready for the prefill request."""
+
+    embeddings: list[multimodal_pb2.ItemEmbedding]  # one per item, inline or NIXL handle
+    leases: dict[str, str]  # NIXL lease id -> address of the encoder holding it
+
+
 class Orchestrator:
     """Runs jobs across the registered workers; see the module docstring."""
 
@@ -122,7 +135,7 @@ class Orchestrator:
         self.release_timeout_s = release_timeout_s
         self.attempts = attempts
         self.stop = StopChecker(frozenset(processor.eos_token_ids))
-        self._background: set[asyncio.Task[None]] = set()
+        self.releases = Releases(channels, release_timeout_s)
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with
@@ -130,9 +143,14 @@ class Orchestrator:
         prefill's); the next chunk, the decode worker's first, carries blocks_pulled and
         blocks_reused (and possibly no tokens); the last one a finish reason. Raises
         RouterError."""
-        embeddings = await self._encode(job) if job.prompt.params.items else []
+        encoded = await self._encode(job) if job.prompt.params.items else Encoded([], {})
         handoff = params_to_proto(job.prompt.params)
-        prefill, holder = await self._prefill(job, handoff, embeddings)
+        try:
+            prefill, holder = await self._prefill(job, handoff, encoded)
+        except BaseException:
+            # Prefill releases what it pulled; leases it never reached are freed here.
+            self.releases.embeddings(encoded.leases)
+            raise
         detok = IncrementalDetokenizer(self.processor.decode)
         first = prefill.first_token_id
         finish = self.stop.check(job.sampling, first, 1)
@@ -143,7 +161,7 @@ class Orchestrator:
             cached_tokens=prefill.cached_tokens,
         )
         if finish is not None:
-            self._release(prefill.kv.lease_id, prefill.kv.holder_address or holder)
+            self.releases.kv(prefill.kv.lease_id, prefill.kv.holder_address or holder)
             chunk.text += detok.flush()
             chunk.finish_reason = _FINISH[finish]
             yield chunk
@@ -154,7 +172,7 @@ class Orchestrator:
 
     # -------------------------------------------------------------------------- stages
 
-    async def _encode(self, job: Job) -> list[multimodal_pb2.ItemEmbedding]:
+    async def _encode(self, job: Job) -> Encoded:
         prompt = job.prompt
         request = encoder_service_pb2.EncodeRequest(request_id=job.request_id)
         for i, item in enumerate(prompt.params.items):
@@ -172,15 +190,29 @@ class Orchestrator:
                     content_hash=part.content_hash,
                 )
 
+        encoder = ""
+
         async def call(worker: WorkerRecord) -> encoder_service_pb2.EncodeResponse:
+            nonlocal encoder
             stub = encoder_service_pb2_grpc.EncoderServiceStub(self.channels.get(worker.address))
             response: encoder_service_pb2.EncodeResponse = await stub.Encode(
                 request, timeout=job.time_left("encode")
             )
+            encoder = worker.address
             return response
 
         response = await self._with_retry(Role.ENCODER, "encode", call)
-        return self._check_encoded(job, response)
+        leases = {
+            ref.handle.lease_id: encoder
+            for item in response.items
+            for ref in (item.rows, *item.deepstack)
+            if ref.WhichOneof("data") == "handle" and ref.handle.lease_id
+        }
+        try:
+            return Encoded(self._check_encoded(job, response), leases)
+        except RouterError:
+            self.releases.embeddings(leases)
+            raise
 
     def _check_encoded(
         self, job: Job, response: encoder_service_pb2.EncodeResponse
@@ -220,16 +252,17 @@ class Orchestrator:
         self,
         job: Job,
         handoff: multimodal_pb2.MultimodalParams,
-        embeddings: list[multimodal_pb2.ItemEmbedding],
+        encoded: Encoded,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         multimodal = multimodal_pb2.MultimodalParams()
         multimodal.CopyFrom(handoff)
-        multimodal.embeddings.extend(embeddings)
+        multimodal.embeddings.extend(encoded.embeddings)
         request = prefill_service_pb2.PrefillRequest(
             request_id=job.request_id,
             prompt_token_ids=job.prompt.prompt_token_ids,
             multimodal=multimodal,
             sampling=sampling_to_proto(job.sampling),
+            embedding_holders=encoded.leases,
         )
         if job.cache_salt is not None:
             request.cache_salt = job.cache_salt
@@ -291,7 +324,7 @@ class Orchestrator:
                         call.cancel()
         finally:
             if lease_owned:
-                self._release(prefill.kv.lease_id, prefill.kv.holder_address or holder)
+                self.releases.kv(prefill.kv.lease_id, prefill.kv.holder_address or holder)
 
     def _chunk(
         self, response: decode_service_pb2.DecodeResponse, detok: IncrementalDetokenizer
@@ -341,29 +374,9 @@ class Orchestrator:
                         "%s on %s failed (%s); trying another", stage, worker.address, exc.code()
                     )
 
-    def _release(self, lease_id: str, address: str) -> None:
-        """Free a lease the decode worker never took, in the background."""
-        if not lease_id or not address:
-            return
-        task = asyncio.get_running_loop().create_task(self._release_now(lease_id, address))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release_now(self, lease_id: str, address: str) -> None:
-        stub = prefill_service_pb2_grpc.PrefillServiceStub(self.channels.get(address))
-        try:
-            response = await stub.ReleaseKv(
-                prefill_service_pb2.ReleaseKvRequest(lease_id=lease_id),
-                timeout=self.release_timeout_s,
-            )
-            logger.debug("released lease %s on %s: %s", lease_id, address, response.released)
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("could not release lease %s on %s: %s", lease_id, address, exc.code())
-
     async def close(self) -> None:
         """Wait for background lease releases (bounded by their own deadline)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.releases.close()
 
 
 def _drop_echo(response: decode_service_pb2.DecodeResponse, first_token_id: int) -> None:

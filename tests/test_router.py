@@ -51,19 +51,29 @@ def ckpt(tmp_path_factory):
 class FakeEncoder(encoder_service_pb2_grpc.EncoderServiceServicer):
     def __init__(self) -> None:
         self.requests: list[encoder_service_pb2.EncodeRequest] = []
+        self.released: list[str] = []
+        self.handles = False  # answer with NIXL handles instead of inline rows
 
     async def Encode(self, request, context):
         self.requests.append(request)
         out = encoder_service_pb2.EncodeResponse()
-        for item in request.items:
+        for i, item in enumerate(request.items):
             rows = sum(p.output_rows for p in item.partitions) or int(np.prod(item.grid_thw)) // 4
-            ref = tensor_pb2.TensorRef(
-                dtype=tensor_pb2.ELEMENT_TYPE_FLOAT32,
-                shape=[rows, 64],
-                inline_data=bytes(rows * 64 * 4),
-            )
-            out.items.add(content_hash=item.content_hash, rows=ref, deepstack=[ref, ref])
+            refs = []
+            for k in range(3):
+                ref = tensor_pb2.TensorRef(dtype=tensor_pb2.ELEMENT_TYPE_FLOAT32, shape=[rows, 64])
+                if self.handles:
+                    ref.handle.lease_id = f"emb-{i}-{k}"
+                    ref.handle.length = rows * 64 * 4
+                else:
+                    ref.inline_data = bytes(rows * 64 * 4)
+                refs.append(ref)
+            out.items.add(content_hash=item.content_hash, rows=refs[0], deepstack=refs[1:])
         return out
+
+    async def ReleaseEmbeddings(self, request, context):
+        self.released.extend(request.lease_ids)
+        return encoder_service_pb2.ReleaseEmbeddingsResponse(released=len(request.lease_ids))
 
 
 class FakePrefill(prefill_service_pb2_grpc.PrefillServiceServicer):
@@ -242,6 +252,33 @@ async def test_image_embeddings_pass_through_to_prefill_only(cluster, workers):
     assert list(emb.rows.shape) == [pre.requests[0].multimodal.mm_lengths[0], 64]
     assert dec.requests[0].multimodal.mm_hashes == [item.content_hash]
     assert len(dec.requests[0].multimodal.embeddings) == 0  # decode never gets embeddings
+
+
+async def test_nixl_handles_pass_through_with_their_holder(cluster, workers):
+    enc, pre, _ = workers
+    enc.handles = True
+    encoder_address = (await cluster.admin.Status(admin_service_pb2.StatusRequest())).workers[0]
+    await cluster.client.generate_text(IMAGE, SamplingParams(max_tokens=2))
+    emb = pre.requests[0].multimodal.embeddings[0]
+    assert emb.rows.handle.lease_id == "emb-0-0"  # unchanged: prefill pulls from the encoder
+    assert dict(pre.requests[0].embedding_holders) == {
+        f"emb-0-{k}": encoder_address.info.address for k in range(3)
+    }
+    assert enc.released == []  # the prefill worker releases what it pulled
+
+
+async def test_embedding_leases_are_released_when_prefill_fails(cluster, workers):
+    enc, pre, _ = workers
+    enc.handles = True
+    pre.fail = grpc.StatusCode.INTERNAL
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(IMAGE)
+    assert err.value.code == grpc.StatusCode.INTERNAL
+    for _ in range(100):
+        if enc.released:
+            break
+        await asyncio.sleep(0.02)
+    assert sorted(enc.released) == ["emb-0-0", "emb-0-1", "emb-0-2"]
 
 
 @pytest.mark.parametrize(

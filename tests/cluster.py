@@ -1,0 +1,204 @@
+"""A real local deployment for end-to-end tests and benchmarks: router + 1 encoder +
+1 prefill + 1 decode, each a `python -m ...` subprocess on 127.0.0.1 with a free port.
+
+    cluster = start_cluster(checkpoint, log_dir)      # returns once every worker registered
+    try:
+        ... Client(cluster.address) ...
+    finally:
+        cluster.stop()
+
+The router gets a port that was just free (its log line `EPD_ROUTER_ADDRESS=` confirms it)
+so the workers start at the same time; workers bind port 0 and register with the router.
+Each process logs to `<log_dir>/<name>.log`; a start-up failure raises with the tail of the
+logs. `stop` sends SIGTERM (workers first, so they drain), then kills what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = {
+    "encoder": registry_service_pb2.WORKER_ROLE_ENCODER,
+    "prefill": registry_service_pb2.WORKER_ROLE_PREFILL,
+    "decode": registry_service_pb2.WORKER_ROLE_DECODE,
+}
+_ADDRESS = re.compile(r"EPD_ROUTER_ADDRESS=(\S+)")
+
+
+@dataclass
+class Cluster:
+    """A started deployment; `stop` it (idempotent)."""
+
+    address: str  # router host:port
+    model: Path  # checkpoint folder every process serves
+    log_dir: Path  # one <name>.log per process
+    block_size: int  # KV block size of prefill and decode
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def status(self, timeout_s: float = 5.0) -> admin_service_pb2.StatusResponse:
+        """The router's AdminService.Status (blocking)."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = admin_service_pb2_grpc.AdminServiceStub(channel)
+            response: admin_service_pb2.StatusResponse = stub.Status(
+                admin_service_pb2.StatusRequest(), timeout=timeout_s
+            )
+            return response
+
+    def worker(self, role: str) -> admin_service_pb2.WorkerStatus:
+        """The (only) worker of `role` in Status."""
+        (found,) = [w for w in self.status().workers if w.info.role == ROLES[role]]
+        return found
+
+    def logs(self, tail: int = 40) -> str:
+        """The last lines of every process's log, for failure messages."""
+        out = []
+        for name in self.procs:
+            path = self.log_dir / f"{name}.log"
+            lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+            out.append(f"--- {name} ---\n" + "\n".join(lines[-tail:]))
+        return "\n".join(out)
+
+    def check_alive(self) -> None:
+        """Raise RuntimeError (with logs) when a process has exited."""
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        if dead:
+            raise RuntimeError(f"processes exited: {dead}\n{self.logs()}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the workers, then the router; kill what is still running after
+        `timeout_s`."""
+        order = [n for n in self.procs if n != "router"] + ["router"]
+        for name in order:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name in order:
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def start_cluster(
+    model: Path,
+    log_dir: Path,
+    *,
+    block_size: int = 8,
+    num_blocks: int = 512,
+    heartbeat_interval_s: float = 0.2,
+    encoder_args: tuple[str, ...] = (),
+    prefill_args: tuple[str, ...] = (),
+    decode_args: tuple[str, ...] = (),
+    timeout_s: float = 120.0,
+) -> Cluster:
+    """Start router + encoder + prefill + decode and wait until all three registered.
+
+    Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
+    nothing is left running then.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    common = ["--model", str(model), "--log-level", "INFO"]
+    router_log = log_dir / "router.log"
+    # The router's port is picked here so the workers can start alongside it (they retry
+    # registering until it listens); its log line confirms the address it bound.
+    cluster = Cluster(f"127.0.0.1:{free_port()}", model, log_dir, block_size)
+    try:
+        cluster.procs["router"] = _spawn(
+            "router",
+            [
+                *common,
+                "--port",
+                cluster.address.rsplit(":", 1)[1],
+                "--heartbeat-interval-s",
+                str(heartbeat_interval_s),
+                "--worker-timeout-s",
+                str(max(5.0, 20 * heartbeat_interval_s)),
+                "--grace-s",
+                "1",
+            ],
+            router_log,
+        )
+        deadline = time.monotonic() + timeout_s
+        kv = ["--block-size", str(block_size), "--num-blocks", str(num_blocks)]
+        worker_args = {
+            "encoder": list(encoder_args),
+            "prefill": [*kv, *prefill_args],
+            "decode": [*kv, *decode_args],
+        }
+        for role, extra in worker_args.items():
+            cluster.procs[role] = _spawn(
+                f"{role}_worker",
+                [*common, "--router-address", cluster.address, "--name", role, *extra],
+                log_dir / f"{role}.log",
+            )
+        bound = _wait_address(cluster, router_log, deadline)
+        if bound != cluster.address:
+            raise RuntimeError(f"router bound {bound}, not {cluster.address}")
+        _wait_registered(cluster, deadline)
+    except BaseException:
+        cluster.stop(timeout_s=5.0)
+        raise
+    return cluster
+
+
+def _wait_address(cluster: Cluster, log: Path, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        cluster.check_alive()
+        match = _ADDRESS.search(log.read_text(errors="replace")) if log.exists() else None
+        if match:
+            return match.group(1)
+        time.sleep(0.1)
+    raise RuntimeError(f"router did not start in time\n{cluster.logs()}")
+
+
+def _wait_registered(cluster: Cluster, deadline: float) -> None:
+    want = set(ROLES.values())
+    while time.monotonic() < deadline:
+        cluster.check_alive()
+        try:
+            roles = {w.info.role for w in cluster.status().workers}
+        except grpc.RpcError:
+            roles = set()
+        if want <= roles:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"workers did not register in time\n{cluster.logs()}")
