@@ -115,6 +115,15 @@ class Encoded:
     leases: dict[str, str]  # NIXL lease id -> address of the encoder holding it
 
 
+@dataclass(slots=True)
+class KvLease:
+    """The prefill worker's lease on a prompt's KV blocks and who must release it."""
+
+    lease_id: str  # from the KvHandle
+    address: str  # prefill worker holding the blocks
+    owned: bool = True  # False once the decode worker has taken it over (first chunk)
+
+
 class Orchestrator:
     """Runs jobs across the registered workers; see the module docstring."""
 
@@ -160,15 +169,20 @@ class Orchestrator:
             prompt_tokens=len(job.prompt.prompt_token_ids),
             cached_tokens=prefill.cached_tokens,
         )
-        if finish is not None:
-            self.releases.kv(prefill.kv.lease_id, prefill.kv.holder_address or holder)
-            chunk.text += detok.flush()
-            chunk.finish_reason = _FINISH[finish]
+        lease = KvLease(prefill.kv.lease_id, prefill.kv.holder_address or holder)
+        try:
+            if finish is not None:
+                chunk.text += detok.flush()
+                chunk.finish_reason = _FINISH[finish]
+                yield chunk
+                return
             yield chunk
-            return
-        yield chunk
-        async for out in self._decode(job, handoff, prefill, holder, detok):
-            yield out
+            async for out in self._decode(job, handoff, prefill, lease, detok):
+                yield out
+        finally:
+            # Also when the client goes away at a `yield`, before decode ever starts.
+            if lease.owned:
+                self.releases.kv(lease.lease_id, lease.address)
 
     # -------------------------------------------------------------------------- stages
 
@@ -285,7 +299,7 @@ class Orchestrator:
         job: Job,
         handoff: multimodal_pb2.MultimodalParams,
         prefill: prefill_service_pb2.PrefillResponse,
-        holder: str,
+        lease: KvLease,
         detok: IncrementalDetokenizer,
     ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         request = decode_service_pb2.DecodeRequest(
@@ -298,33 +312,28 @@ class Orchestrator:
         )
         if job.cache_salt is not None:
             request.cache_salt = job.cache_salt
-        lease_owned = True  # until the decode worker's first chunk
-        try:
-            tried: set[str] = set()
-            while True:
-                worker = self._pick(Role.DECODE, tried)
-                tried.add(worker.address)
-                stub = decode_service_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
-                with self.registry.using(worker):
-                    call = stub.Decode(request, timeout=job.time_left("decode"))
-                    try:
-                        async for response in call:
-                            if lease_owned:
-                                lease_owned = False
-                                _drop_echo(response, prefill.first_token_id)
-                            yield self._chunk(response, detok)
-                        return
-                    except grpc.aio.AioRpcError as exc:
-                        if not lease_owned or not self._retryable(exc, len(tried)):
-                            raise self._error("decode", worker, exc) from None
-                        logger.warning(
-                            "decode on %s failed (%s); trying another", worker.address, exc.code()
-                        )
-                    finally:
-                        call.cancel()
-        finally:
-            if lease_owned:
-                self.releases.kv(prefill.kv.lease_id, prefill.kv.holder_address or holder)
+        tried: set[str] = set()
+        while True:
+            worker = self._pick(Role.DECODE, tried)
+            tried.add(worker.address)
+            stub = decode_service_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
+            with self.registry.using(worker):
+                call = stub.Decode(request, timeout=job.time_left("decode"))
+                try:
+                    async for response in call:
+                        if lease.owned:
+                            lease.owned = False  # the decode worker has it now
+                            _drop_echo(response, prefill.first_token_id)
+                        yield self._chunk(response, detok)
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    if not lease.owned or not self._retryable(exc, len(tried)):
+                        raise self._error("decode", worker, exc) from None
+                    logger.warning(
+                        "decode on %s failed (%s); trying another", worker.address, exc.code()
+                    )
+                finally:
+                    call.cancel()
 
     def _chunk(
         self, response: decode_service_pb2.DecodeResponse, detok: IncrementalDetokenizer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from typing import Any
 
 import grpc
@@ -35,6 +36,7 @@ from epd.v1 import (
     registry_service_pb2_grpc,
     tensor_pb2,
 )
+from router.orchestrator import Job
 from router.registry import Role
 from router.server import RunningRouter, serve
 from router.settings import RouterSettings
@@ -384,6 +386,24 @@ async def test_cancel_before_decode_answers_releases_and_cancels(cluster, worker
             break
         await asyncio.sleep(0.02)
     assert pre.released == ["lease-1"]
+
+
+async def test_closing_after_the_first_token_releases_the_lease(cluster, workers, ckpt):
+    # The client may go away while the router still sits at the first `yield`, before
+    # decode starts: the router owns the lease then and must release it.
+    _, pre, dec = workers
+    orchestrator = cluster.router.orchestrator
+    prompt = orchestrator.processor.process(TEXT)
+    job = Job("r1", prompt, SamplingParams(max_tokens=4), None, time.monotonic() + 30)
+    stream = orchestrator.run(job)
+    first = await anext(stream)
+    assert list(first.token_ids) == [FIRST]
+    await stream.aclose()
+    for _ in range(100):
+        if pre.released:
+            break
+        await asyncio.sleep(0.02)
+    assert pre.released == ["lease-1"] and dec.requests == []
 
 
 async def test_cancel_mid_stream_cancels_decode(cluster, workers):
