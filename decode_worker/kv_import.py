@@ -89,7 +89,10 @@ async def pull(
     """
     if not plan.pull:
         return None
-    peer = await asyncio.to_thread(agent.add_peer, handle.agent_metadata)
+    if handle.agent_name in agent.peers:
+        peer = agent.add_peer(handle.agent_metadata)  # known: a cheap comparison
+    else:
+        peer = await asyncio.to_thread(agent.add_peer, handle.agent_metadata)
     if peer != handle.agent_name:
         raise _invalid("kv.agent_name", f"{handle.agent_name!r}, but its metadata is {peer!r}")
     remote = [(handle.blocks[i].address, handle.blocks[i].length) for i in plan.pull]
