@@ -362,7 +362,7 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             admin_service_pb2.ScaleRequest(role=wire_role(args.role), replicas=args.replicas),
             timeout=60,
         )
-        _say(f"{args.role}: {before} -> {reply.replicas} workers")
+        _say(f"{args.role}: {_workers(before)} -> {_workers(reply.replicas)}")
         if args.no_wait:
             return 0
         t0 = time.monotonic()
@@ -370,12 +370,16 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             counts = await registered_counts(stub, include_draining=True)
             if counts.get(args.role, 0) == reply.replicas:
                 took = time.monotonic() - t0
-                _say(f"{args.role}: {reply.replicas} workers registered ({took:.1f}s)")
+                _say(f"{args.role}: {_workers(reply.replicas)} registered ({took:.1f}s)")
                 return 0
             if time.monotonic() - t0 > args.timeout:
                 _say(f"{args.role}: still {counts.get(args.role, 0)} after {args.timeout:.0f}s")
                 return 1
             await asyncio.sleep(0.2)
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" if n == 1 else f"{n} workers"
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
@@ -388,7 +392,10 @@ async def cmd_status(args: argparse.Namespace) -> int:
         reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
     model = reply.model or "-"
     _say(f"router {args.address}  model {model}  requests in flight {reply.active_requests}")
-    rows = [("ROLE", "NAME", "ADDRESS", "ACTIVE", "KV USED/FREE", "CACHE HITS", "SEEN", "STATE")]
+    # LOAD: requests the worker reports in flight; ROUTED: requests this router has on it;
+    # CACHE HITS: prefix (or encoder) cache hits / lookups since the worker started.
+    header = ("ROLE", "NAME", "ADDRESS", "LOAD", "ROUTED", "KV USED/FREE", "CACHE HITS")
+    rows = [(*header, "SEEN", "STATE")]
     for w in reply.workers:
         load = w.load
         kv = "-" if w.info.role == 1 else f"{load.kv_blocks_used}/{load.kv_blocks_free}"
@@ -398,7 +405,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 role_name(w.info.role),
                 w.info.name or "-",
                 w.info.address,
-                f"{load.active_requests} ({w.router_in_flight})",
+                str(load.active_requests),
+                str(w.router_in_flight),
                 kv,
                 hits,
                 f"{w.seconds_since_heartbeat:.1f}s ago",
