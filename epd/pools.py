@@ -224,7 +224,7 @@ class PoolManager:
         worker_host: str | None,
         namespace: str,
         log_level: str,
-        use_gpus: bool,
+        cluster_gpus: float,
         actor_class: Any = None,
     ) -> None:
         import ray
@@ -235,7 +235,8 @@ class PoolManager:
         self.worker_host = worker_host
         self.namespace = namespace
         self.log_level = log_level
-        self.use_gpus = use_gpus and pools.num_gpus > 0
+        self.gpus_per_worker = pools.gpus_per_worker(cluster_gpus)
+        self.use_gpus = self.gpus_per_worker > 0
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
         self.router_stopped = False  # set by stop() once the router is gone
@@ -281,7 +282,7 @@ class PoolManager:
             name=name,
             namespace=self.namespace,
             num_cpus=self.settings.num_cpus,
-            num_gpus=self.settings.num_gpus if self.use_gpus else 0,
+            num_gpus=self.gpus_per_worker,
             max_restarts=self.settings.max_restarts,
             max_concurrency=1000,
         ).remote(pool.role, name, settings, self.log_level, self.worker_host)
@@ -401,7 +402,7 @@ class Controller:
             worker_host=worker_host,
             namespace=settings.ray.namespace,
             log_level=settings.log_level,
-            use_gpus=ray.cluster_resources().get("GPU", 0) > 0,
+            cluster_gpus=float(ray.cluster_resources().get("GPU", 0)),
         )
         for role, replicas in settings.pools.initial_replicas().items():
             await self.pools.scale(role, replicas)
@@ -436,7 +437,8 @@ class Controller:
                 return have
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"workers not registered after {timeout_s:.0f}s: have {have}, want {wanted}"
+                    f"workers not registered after {timeout_s:.0f}s: have {have}, want {wanted} "
+                    "(actors waiting for resources? see `ray status`)"
                 )
             await asyncio.sleep(0.2)
 

@@ -17,6 +17,7 @@ docs/config.md is generated from the same descriptions.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +38,10 @@ class PoolSettings:
     prefill_replicas: int = setting(1, "prefill workers started by `epd serve`")
     decode_replicas: int = setting(1, "decode workers started by `epd serve`")
     max_replicas: int = setting(64, "largest pool `epd scale` may ask for")
-    num_gpus: float = setting(
-        1.0, "GPUs per worker actor, asked for only when the Ray cluster has GPUs (0: CPU only)"
+    num_gpus: float | None = setting(
+        None,
+        "GPUs per worker actor, asked for only when the Ray cluster has GPUs (None: 1, or an "
+        "equal share when there are fewer GPUs than starting workers; 0: CPU only)",
     )
     num_cpus: float = setting(
         0.25, "CPUs per worker actor (a Ray scheduling share, not a limit on threads)"
@@ -52,6 +55,18 @@ class PoolSettings:
     ready_timeout_s: float = setting(
         600.0, "longest `epd serve` waits for every worker to register"
     )
+
+    def gpus_per_worker(self, cluster_gpus: float) -> float:
+        """What each worker actor asks Ray for on a cluster with `cluster_gpus` GPUs."""
+        if cluster_gpus <= 0:
+            return 0.0
+        if self.num_gpus is not None:
+            return self.num_gpus
+        workers = sum(self.initial_replicas().values())
+        if workers <= cluster_gpus:
+            return 1.0
+        # Share: e.g. 3 workers on 1 GPU ask for 0.33 each (Ray packs fractions on one GPU).
+        return math.floor(cluster_gpus / workers * 100) / 100
 
     def initial_replicas(self) -> dict[str, int]:
         """Workers per role at start-up."""

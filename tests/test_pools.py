@@ -101,7 +101,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def _manager(
-    log: list[str], *, use_gpus: bool = False, **pool_settings: Any
+    log: list[str], *, cluster_gpus: float = 0, **pool_settings: Any
 ) -> tuple[PoolManager, FakeActorClass]:
     actors = FakeActorClass(log)
     settings = EpdSettings(pools=PoolSettings(**pool_settings))
@@ -112,7 +112,7 @@ def _manager(
         worker_host="127.0.0.1",
         namespace="epd-test",
         log_level="warning",
-        use_gpus=use_gpus,
+        cluster_gpus=cluster_gpus,
         actor_class=actors,
     )
     return manager, actors
@@ -155,14 +155,30 @@ async def test_scale_up_creates_named_actors_with_filled_in_settings(recorded: l
 
 
 async def test_gpu_clusters_get_cuda_workers(recorded: list[str]) -> None:
-    manager, actors = _manager(recorded, use_gpus=True, num_gpus=0.5)
+    manager, actors = _manager(recorded, cluster_gpus=8, num_gpus=0.5)
     await manager.scale("decode", 1)
     assert actors.handles[0].options["num_gpus"] == 0.5
     assert actors.handles[0].settings.device == "cuda"
-    manager, actors = _manager(recorded, use_gpus=True, num_gpus=0)  # 0 GPUs: CPU workers
+    manager, actors = _manager(recorded, cluster_gpus=8, num_gpus=0)  # 0 GPUs: CPU workers
     await manager.scale("decode", 1)
     assert actors.handles[0].options["num_gpus"] == 0
     assert actors.handles[0].settings.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("cluster_gpus", "num_gpus", "expected"),
+    [
+        (0, None, 0.0),  # CPU-only cluster: never ask for GPUs
+        (0, 1.0, 0.0),
+        (8, None, 1.0),  # enough GPUs for the 3 starting workers: one each
+        (3, None, 1.0),
+        (1, None, 0.33),  # one GPU shared by 3 workers
+        (2, None, 0.66),
+        (8, 2.0, 2.0),  # explicit wins
+    ],
+)
+def test_gpus_per_worker(cluster_gpus: float, num_gpus: float | None, expected: float) -> None:
+    assert PoolSettings(num_gpus=num_gpus).gpus_per_worker(cluster_gpus) == expected
 
 
 async def test_scale_down_retires_newest_in_order_and_never_reuses_names(
