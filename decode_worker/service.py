@@ -114,13 +114,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         async with self.lifecycle.track():
             self.active += 1
             try:
-                async for chunk in self._decode(request):
+                async for chunk in self._decode(request, context.time_remaining()):
                     yield chunk
             finally:
                 self.active -= 1
 
     async def _decode(
-        self, request: decode_service_pb2.DecodeRequest
+        self, request: decode_service_pb2.DecodeRequest, time_left_s: float | None
     ) -> AsyncIterator[decode_service_pb2.DecodeResponse]:
         runner = self.runner
         tokens = list(request.prompt_token_ids)
@@ -166,7 +166,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             return
         async with self._slots:
             try:
-                seq, plan = await self._admit(request, tokens, params, sampling, hashes)
+                pull_timeout_s = min(self.pull_timeout_s, time_left_s or self.pull_timeout_s)
+                seq, plan = await self._admit(
+                    request, tokens, params, sampling, hashes, max(pull_timeout_s, 1e-3)
+                )
             finally:
                 release()
             entry = self.batcher.add(seq)
@@ -200,6 +203,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         params: MultimodalParams,
         sampling: SamplingParams,
         hashes: list[bytes] | None,
+        pull_timeout_s: float,
     ) -> tuple[LmSequence, ImportPlan]:
         """Take blocks, pull the missing ones, make the sequence (owning the blocks).
 
@@ -216,7 +220,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 runner,
                 request.kv,
                 plan,
-                timeout_s=self.pull_timeout_s,
+                timeout_s=pull_timeout_s,
                 on_orphan=lambda: self.model.submit(runner.abort_import, plan),
             )
         except asyncio.CancelledError:

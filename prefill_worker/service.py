@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -99,12 +100,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         async with self.lifecycle.track():
             self.active += 1
             try:
-                return await self._prefill(request)
+                return await self._prefill(request, context.time_remaining())
             finally:
                 self.active -= 1
 
     async def _prefill(
-        self, request: prefill_service_pb2.PrefillRequest
+        self, request: prefill_service_pb2.PrefillRequest, time_left_s: float | None
     ) -> prefill_service_pb2.PrefillResponse:
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
@@ -116,7 +117,13 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 tokens,
                 request.multimodal,
                 with_embeddings=True,
-                resolve=functools.partial(self._resolve, pulled=pulled),
+                resolve=functools.partial(
+                    self._resolve,
+                    pulled=pulled,
+                    timeout_s=max(
+                        min(self.embedding_pull_timeout_s, time_left_s or math.inf), 1e-3
+                    ),
+                ),
             )
         finally:
             self._release_embeddings(pulled, request.embedding_holders)
@@ -157,7 +164,9 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         """A prefill finished after its RPC was cancelled: nobody will lease its blocks."""
         self.model.submit(self.runner.release, seq)
 
-    def _resolve(self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str]) -> torch.Tensor:
+    def _resolve(
+        self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str], timeout_s: float
+    ) -> torch.Tensor:
         """Pull an embedding held by a NIXL handle (worker thread); note its lease."""
         dtype = torch_dtype(ref.dtype, field)
         try:
@@ -167,7 +176,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 [int(d) for d in ref.shape],
                 self.agent,
                 device=self.runner.device,
-                timeout_s=self.embedding_pull_timeout_s,
+                timeout_s=timeout_s,
             )
         except TransferError as exc:
             raise RpcStatusError(

@@ -28,7 +28,7 @@ from common.block_hash import block_hashes
 from common.engine import Engine, GenerateResult
 from common.models.tiny import default_checkpoint
 from common.multimodal import MultimodalParams
-from common.rpc import channel
+from common.rpc import PROTOCOL_VERSION, channel, start_server
 from common.runner import blocks_for, layout_root
 from common.sampling import SamplingParams
 from common.wire import params_to_proto
@@ -39,6 +39,8 @@ from epd.v1 import (
     decode_service_pb2_grpc,
     prefill_service_pb2,
     prefill_service_pb2_grpc,
+    registry_service_pb2,
+    registry_service_pb2_grpc,
 )
 from prefill_worker.handoff import sampling_to_proto
 from prefill_worker.server import WorkerServer
@@ -359,3 +361,55 @@ async def test_prefill_in_another_process(cluster: Cluster, ckpt: Path, tmp_path
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0, log.read_text()
+
+
+class FakeRegistry(registry_service_pb2_grpc.RegistryServiceServicer):
+    """Records registrations and heartbeats; asks for fast heartbeats."""
+
+    def __init__(self) -> None:
+        self.workers: list[registry_service_pb2.WorkerInfo] = []
+        self.loads: list[registry_service_pb2.WorkerLoad] = []
+
+    async def Register(
+        self, request: registry_service_pb2.RegisterRequest, context: Any
+    ) -> registry_service_pb2.RegisterResponse:
+        self.workers.append(request.worker)
+        return registry_service_pb2.RegisterResponse(
+            worker_id=f"w{len(self.workers)}", heartbeat_interval_ms=50
+        )
+
+    async def Heartbeat(
+        self, request: registry_service_pb2.HeartbeatRequest, context: Any
+    ) -> registry_service_pb2.HeartbeatResponse:
+        self.loads.append(request.load)
+        return registry_service_pb2.HeartbeatResponse(known=True)
+
+
+async def test_workers_register_their_layout_and_heartbeat(ckpt: Path) -> None:
+    fake = FakeRegistry()
+    router = await start_server(
+        [lambda s: registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(fake, s)]
+    )
+    common_kw: dict[str, Any] = {
+        "model": str(ckpt),
+        "block_size": BLOCK,
+        "num_blocks": 32,
+        "router_address": router.address,
+    }
+    prefill = await serve_prefill(PrefillSettings(name="p0", **common_kw))
+    decode = await serve_decode(DecodeSettings(name="d0", **common_kw))
+    try:
+        await eventually(lambda: len(fake.workers) == 2 and len(fake.loads) >= 4)
+    finally:
+        await decode.stop(0)
+        await prefill.stop(0)
+        await router.stop(0)
+    by_role = {w.role: w for w in fake.workers}
+    p = by_role[registry_service_pb2.WORKER_ROLE_PREFILL]
+    d = by_role[registry_service_pb2.WORKER_ROLE_DECODE]
+    assert (p.address, p.name, d.address, d.name) == (prefill.address, "p0", decode.address, "d0")
+    assert p.kv_layout == d.kv_layout == prefill.servicer.runner.kv_layout
+    assert p.model == d.model == p.kv_layout.model
+    assert p.protocol_version == d.protocol_version == PROTOCOL_VERSION
+    assert "nixl" in p.capabilities
+    assert all(load.kv_blocks_free + load.kv_blocks_used == 32 for load in fake.loads)
