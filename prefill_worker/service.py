@@ -110,23 +110,29 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
         pulled: list[str] = []  # embedding leases pulled from encoders
-        try:
-            params = await asyncio.to_thread(
+        timeout_s = max(min(self.embedding_pull_timeout_s, time_left_s or math.inf), 1e-3)
+        holders = dict(request.embedding_holders)
+        decoding = asyncio.get_running_loop().run_in_executor(
+            None,
+            functools.partial(
                 read_handoff,
                 self.runner,
                 tokens,
                 request.multimodal,
                 with_embeddings=True,
-                resolve=functools.partial(
-                    self._resolve,
-                    pulled=pulled,
-                    timeout_s=max(
-                        min(self.embedding_pull_timeout_s, time_left_s or math.inf), 1e-3
-                    ),
-                ),
-            )
-        finally:
-            self._release_embeddings(pulled, request.embedding_holders)
+                resolve=functools.partial(self._resolve, pulled=pulled, timeout_s=timeout_s),
+            ),
+        )
+        try:
+            params = await asyncio.shield(decoding)
+        except asyncio.CancelledError:
+            # Pulls may still be running: release the leases only once they are over.
+            decoding.add_done_callback(lambda _: self._release_embeddings(pulled, holders))
+            raise
+        except BaseException:
+            self._release_embeddings(pulled, holders)
+            raise
+        self._release_embeddings(pulled, holders)
         hashes = self.runner.hashes(
             tokens,
             params,
