@@ -39,7 +39,6 @@ def _router_flag(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `epd` parser with every subcommand (also used by the deploy tests)."""
-    from common.settings import add_flags
     from epd.settings import ROLES, EpdSettings
 
     parser = argparse.ArgumentParser(
@@ -50,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="start the router and the worker pools on Ray",
+        usage="epd serve [--config FILE.toml] [--address RAY_ADDRESS] [--SECTION-KEY VALUE ...]",
         description="Start or join a Ray cluster, then run the router and one pool of worker "
-        "actors per role until Ctrl-C. With no arguments it serves the built-in tiny model.",
+        "actors per role until Ctrl-C. With no arguments it serves the built-in tiny model. "
+        "Every setting of the config file is also a flag (see docs/config.md); flags win.",
     )
     serve.add_argument("--config", metavar="FILE.toml", help="settings file (TOML)")
     serve.add_argument(
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RAY_ADDRESS",
         help="Ray cluster to join ('auto': the one on this node); same as --ray-address",
     )
-    add_flags(serve, EpdSettings)
+    _add_settings_flags(serve, EpdSettings)
 
     generate = commands.add_parser(
         "generate", help="stream an answer from a running router, then print timings"
@@ -110,6 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="the reference table of docs/config.md"
     )
     return parser
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """`common.settings.add_flags` for `cls`, with one help group per TOML section."""
+    import dataclasses
+    import typing
+
+    from common.settings import add_flags
+
+    hints = typing.get_type_hints(cls)
+    top = parser.add_argument_group("top-level settings")
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            group = parser.add_argument_group(f"[{f.name}] settings", f.metadata.get("help"))
+            add_flags(typing.cast(argparse.ArgumentParser, group), tp, prefix=f"{f.name}.")
+        else:
+            top.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f.name,
+                default=argparse.SUPPRESS,
+                metavar="VALUE",
+                help=f"{f.metadata.get('help', '')} (default: {f.default!r})",
+            )
 
 
 def load_settings(args: argparse.Namespace) -> Any:
