@@ -413,3 +413,25 @@ async def test_workers_register_their_layout_and_heartbeat(ckpt: Path) -> None:
     assert p.protocol_version == d.protocol_version == PROTOCOL_VERSION
     assert "nixl" in p.capabilities
     assert all(load.kv_blocks_free + load.kv_blocks_used == 32 for load in fake.loads)
+
+
+@pytest.mark.parametrize("length", [5, 2 * BLOCK, 2 * BLOCK + 1, 3 * BLOCK - 1])
+async def test_raw_prompts_around_block_edges(cluster: Cluster, length: int) -> None:
+    """Shorter than a block (no hash, one partial block), exactly full blocks (no partial
+    block), and one token either side."""
+    c = cluster
+    tokens = [(37 * i + length) % 900 + 50 for i in range(length)]
+    params = MultimodalParams()
+    sampling = SamplingParams(max_tokens=9, ignore_eos=True)
+    e = c.engine
+    fresh = Engine(e.config, e.model, e.vision, e.processor, block_size=BLOCK, num_blocks=64)
+    seq = fresh.prefill(tokens, params, sampling)
+    while seq.finish_reason is None:
+        fresh.decode_step([seq])
+    reply = await run_prefill(c, tokens, params, sampling)
+    assert len(reply.kv.block_hashes) == length // BLOCK
+    assert len(reply.kv.blocks) == blocks_for(length, BLOCK)
+    answer = await run_decode(c, decode_request(tokens, params, sampling, reply))
+    assert answer.token_ids == seq.output
+    head = answer.chunks[0]
+    assert head.blocks_pulled + head.blocks_reused == blocks_for(length, BLOCK)
