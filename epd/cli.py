@@ -219,7 +219,7 @@ def _prepare_checkpoint(settings: Any) -> None:
 
 
 async def _serve(settings: Any, started_ray: bool, started: float) -> int:
-    from epd.pools import Deployment
+    from epd.pools import Deployment, WorkerStartError, error_summary
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -248,8 +248,8 @@ async def _serve(settings: Any, started_ray: bool, started: float) -> int:
                 code = 1
                 break
         return code
-    except TimeoutError as exc:
-        _say(f"not ready: {exc}")
+    except (TimeoutError, WorkerStartError) as exc:
+        _say(f"not ready: {error_summary(exc)}")
         return 1
     finally:
         _say("stopping ...")

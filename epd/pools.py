@@ -368,6 +368,17 @@ async def registered_counts(stub: Any, *, include_draining: bool = False) -> dic
 # ------------------------------------------------------------------------------ controller
 
 
+class WorkerStartError(RuntimeError):
+    """A worker actor (or the controller) raised while starting; the message has the cause."""
+
+
+def error_summary(exc: BaseException | None) -> str:
+    """The last line of a (Ray) error: the exception that started it all."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else repr(exc)
+    return last.removeprefix(f"{__name__}.{WorkerStartError.__name__}: ")
+
+
 class Controller:
     """The head of a deployment: the router server plus the pool manager, in one actor.
 
@@ -425,8 +436,19 @@ class Controller:
         Returns the registered count per role; TimeoutError after `timeout_s`.
         """
         deadline = time.monotonic() + timeout_s
+        # One describe() per worker resolves once its actor is up, or fails with the error
+        # its __init__ raised (Ray does not restart an actor whose creation task failed).
+        probes: dict[str, asyncio.Future[Any]] = {}
         while True:
             wanted = self.pools.replicas()
+            for role in ROLES:
+                for name, handle in self.pools.members(role):
+                    if name not in probes:
+                        probes[name] = asyncio.ensure_future(handle.describe.remote())
+            for name, probe in probes.items():
+                if probe.done() and probe.exception() is not None:
+                    cause = error_summary(probe.exception())
+                    raise WorkerStartError(f"{name} failed to start: {cause}")
             try:
                 async with channel(self.router_address) as ch:
                     stub = admin_service_pb2_grpc.AdminServiceStub(ch)
@@ -523,7 +545,10 @@ class Deployment:
             .remote(settings, settings.ray.worker_host or ("127.0.0.1" if started_ray else None))
         )
         deployment = cls(settings, controller, started_ray)
-        deployment.address = await controller.address.remote()
+        try:
+            deployment.address = await controller.address.remote()
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerStartError(f"the router failed to start: {error_summary(exc)}") from None
         return deployment
 
     async def wait_ready(self, timeout_s: float) -> dict[str, int]:

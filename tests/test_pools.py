@@ -131,6 +131,18 @@ def test_role_names_and_wire_values_round_trip() -> None:
         pools.role_name(0)
 
 
+def test_error_summary_is_the_root_cause() -> None:
+    ray_style = (
+        "The actor died because of an error raised in its creation task\n"
+        '  File "x.py", line 1, in serve\n'
+        "epd.pools.WorkerStartError: epd-prefill-0 failed to start: FileNotFoundError: /m\n"
+    )
+    assert pools.error_summary(RuntimeError(ray_style)) == (
+        "epd-prefill-0 failed to start: FileNotFoundError: /m"
+    )
+    assert pools.error_summary(RuntimeError("")) == "RuntimeError('')"
+
+
 def test_reachable_address_replaces_wildcards(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pools, "_node_ip", lambda: "10.1.2.3")
     assert reachable_address("0.0.0.0:50051") == "10.1.2.3:50051"
