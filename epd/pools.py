@@ -18,11 +18,14 @@ Lifecycles, in the order they happen:
 - scale: `AdminService.Scale` → router → `PoolManager.scale`. Up: new actors, which register
   as they come up. Down: the newest workers retire in the background (see `drain` below).
 - drain (one retiring worker): the router is told to stop routing to it (`AdminService.Drain`),
-  the pool waits until the router has no request in flight on it, then the worker drains
-  itself (refuses new work, finishes in-flight RPCs, stops its server, which ends its
-  registration) and the actor is killed without restart.
-- stop: `Deployment.stop` asks the Controller to retire every worker (same drain), stop the
-  router, and then shuts down the Ray it started (a joined cluster is left running).
+  the pool waits until the router has no request in flight on it, the worker waits until the
+  leases it holds for peers are released (prefill KV blocks a decode worker has not pulled
+  yet), then drains itself (refuses new work, finishes in-flight RPCs, stops its server,
+  which ends its registration) and the actor is killed without restart.
+- stop (SIGINT/SIGTERM to `epd serve`): the router drains first (no new requests, running
+  ones finish on the workers they use) and stops; then every worker retires as above
+  (without the router step), and the driver shuts down the Ray it started (a joined cluster
+  is left running).
 
 Ray's own objects carry only settings dataclasses and plain values between these actors; all
 serving traffic is gRPC.
