@@ -1,11 +1,17 @@
 """One request through the pools: encode -> prefill -> decode, streamed back.
 
     run(job):
-      encode   items of the prompt -> least loaded encoder -> one TensorRef per item (+
-               deepstack); inline bytes and NIXL handles both pass through unchanged, so a
-               prefill worker pulls large embeddings straight from the encoder
-      prefill  (prompt_token_ids, MultimodalParams + embeddings) -> least loaded prefill
-               worker -> first token + KvHandle (a lease pins the prompt's blocks)
+      route    block hashes of the prompt -> the prefill worker with the longest cached
+               prefix among the least loaded (`router.prefix_index` follows each prefill
+               worker's KV events); items whose every run lies inside that cached prefix
+               need no encoding
+      encode   the other items -> least loaded encoder (`router.encode`); inline bytes and
+               NIXL handles pass through unchanged, so a prefill worker pulls large
+               embeddings straight from the encoder
+      prefill  (prompt_token_ids, MultimodalParams + embeddings) -> that prefill worker ->
+               first token + KvHandle (a lease pins the prompt's blocks); if the worker
+               evicted blocks meanwhile and needs a skipped item after all
+               (FAILED_PRECONDITION), every item is encoded and prefill runs once more
       stream   the first token goes to the client at once (that is the TTFT)
       decode   (prompt_token_ids, MultimodalParams without embeddings, first token,
                KvHandle) -> least loaded decode worker -> token chunks, streamed on (its
@@ -19,10 +25,10 @@ same lease is ignored by the encoder).
 
 Ownership of the KV lease: the decode worker takes it over with its first chunk (it has
 pulled the blocks by then). Until that chunk arrives the router owns it: if decode is
-never started, fails, or the request is cancelled or runs out of time first, the router
-calls `PrefillService.ReleaseKv` (in the background, so a cancelled request still frees
-it). A worker call that fails with UNAVAILABLE before any of its output was used is tried
-once more on another worker of the role.
+never started, fails, or the client leaves or time runs out first, the router calls
+`PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it). A
+worker call that fails with UNAVAILABLE before any of its output was used is tried once
+more on another worker of the role.
 
 Deadlines: every worker call gets the time left until the job's deadline; cancellation of
 the caller cancels the in-flight call (unary calls through task cancellation, the decode
@@ -32,87 +38,49 @@ stream explicitly), so workers free what they hold.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 
-from common.processor import ProcessedPrompt, Processor
-from common.sampling import SamplingParams, StopChecker
-from common.wire import params_to_proto, tensor_to_ref
+from common.block_hash import block_hashes
+from common.processor import Processor
+from common.runner import layout_root
+from common.sampling import StopChecker
+from common.wire import params_to_proto
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
-    encoder_service_pb2,
-    encoder_service_pb2_grpc,
     multimodal_pb2,
     prefill_service_pb2,
     prefill_service_pb2_grpc,
     router_service_pb2,
 )
+from router.calls import Job, RouterError, WorkerCalls
 from router.channels import Channels
 from router.detokenize import IncrementalDetokenizer
+from router.encode import Encoded, EncodeStage
 from router.inputs import sampling_to_proto
-from router.registry import NoWorkerError, Registry, Role, WorkerRecord
+from router.prefix_index import PrefixIndex
+from router.registry import Registry, Role, WorkerRecord
 from router.releases import Releases
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+__all__ = ["Job", "Orchestrator", "RouterError"]
 
 _FINISH = {
     "stop": decode_service_pb2.FINISH_REASON_STOP,
     "length": decode_service_pb2.FINISH_REASON_LENGTH,
 }
-_MODALITY = {
-    "image": multimodal_pb2.MODALITY_IMAGE,
-    "video": multimodal_pb2.MODALITY_VIDEO,
-    "audio": multimodal_pb2.MODALITY_AUDIO,
-}
-# Worker failures the client caused or should see as they are.
-_PASS_THROUGH = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-}
-
-
-class RouterError(Exception):
-    """A request failure with the gRPC status the client gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
-    """One checked request, ready to run."""
+class PrefillRoute:
+    """Where a job's prefill goes and which items it will not need embeddings for."""
 
-    request_id: str  # the caller's id, or one the router made
-    prompt: ProcessedPrompt  # tokens, item layout and pixels
-    sampling: SamplingParams  # checked sampling parameters
-    cache_salt: str | None  # tenant salt for the prefix caches
-    deadline: float  # `time.monotonic()` by which the request must be done
-
-    def time_left(self, stage: str) -> float:
-        """Seconds left; RouterError(DEADLINE_EXCEEDED) naming `stage` when none are."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed before {stage}")
-        return left
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """The encoder's output for a job, ready for the prefill request."""
-
-    embeddings: list[multimodal_pb2.ItemEmbedding]  # one per item, inline or NIXL handle
-    leases: dict[str, str]  # NIXL lease id -> address of the encoder holding it
+    worker: WorkerRecord | None  # the chosen prefill worker (None: pick at call time)
+    skip: frozenset[int]  # items inside the worker's cached prefix: not encoded
 
 
 @dataclass(slots=True)
@@ -136,15 +104,17 @@ class Orchestrator:
         max_inline_embedding_bytes: int,
         release_timeout_s: float = 5.0,
         attempts: int = 2,
+        cache_aware: bool = True,
     ) -> None:
         self.registry = registry
         self.channels = channels
         self.processor = processor
-        self.max_inline_embedding_bytes = max_inline_embedding_bytes
-        self.release_timeout_s = release_timeout_s
-        self.attempts = attempts
+        self.cache_aware = cache_aware
         self.stop = StopChecker(frozenset(processor.eos_token_ids))
+        self.calls = WorkerCalls(registry, attempts)
         self.releases = Releases(channels, release_timeout_s)
+        self.prefix = PrefixIndex(channels)
+        self.encoder = EncodeStage(self.calls, channels, self.releases, max_inline_embedding_bytes)
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with
@@ -152,14 +122,8 @@ class Orchestrator:
         prefill's); the next chunk, the decode worker's first, carries blocks_pulled and
         blocks_reused (and possibly no tokens); the last one a finish reason. Raises
         RouterError."""
-        encoded = await self._encode(job) if job.prompt.params.items else Encoded([], {})
         handoff = params_to_proto(job.prompt.params)
-        try:
-            prefill, holder = await self._prefill(job, handoff, encoded)
-        except BaseException:
-            # Prefill releases what it pulled; leases it never reached are freed here.
-            self.releases.embeddings(encoded.leases)
-            raise
+        prefill, holder = await self._encode_and_prefill(job, handoff)
         detok = IncrementalDetokenizer(self.processor.decode)
         first = prefill.first_token_id
         finish = self.stop.check(job.sampling, first, 1)
@@ -186,87 +150,66 @@ class Orchestrator:
 
     # -------------------------------------------------------------------------- stages
 
-    async def _encode(self, job: Job) -> Encoded:
-        prompt = job.prompt
-        request = encoder_service_pb2.EncodeRequest(request_id=job.request_id)
-        for i, item in enumerate(prompt.params.items):
-            encode_item = request.items.add(
-                content_hash=item.content_hash,
-                modality=_MODALITY.get(str(item.modality), multimodal_pb2.MODALITY_UNSPECIFIED),
-                pixel_values=tensor_to_ref(prompt.pixel_values[i]),
-                grid_thw=list(prompt.grid_thw[i]),
-            )
-            for part in item.partitions:
-                encode_item.partitions.add(
-                    input_start=part.input_start,
-                    input_end=part.input_end,
-                    output_rows=part.output_rows,
-                    content_hash=part.content_hash,
-                )
-
-        encoder = ""
-
-        async def call(worker: WorkerRecord) -> encoder_service_pb2.EncodeResponse:
-            nonlocal encoder
-            stub = encoder_service_pb2_grpc.EncoderServiceStub(self.channels.get(worker.address))
-            response: encoder_service_pb2.EncodeResponse = await stub.Encode(
-                request, timeout=job.time_left("encode")
-            )
-            encoder = worker.address
-            return response
-
-        response = await self._with_retry(Role.ENCODER, "encode", call)
-        leases = {
-            ref.handle.lease_id: encoder
-            for item in response.items
-            for ref in (item.rows, *item.deepstack)
-            if ref.WhichOneof("data") == "handle" and ref.handle.lease_id
-        }
-        try:
-            return Encoded(self._check_encoded(job, response), leases)
-        except RouterError:
-            self.releases.embeddings(leases)
-            raise
-
-    def _check_encoded(
-        self, job: Job, response: encoder_service_pb2.EncodeResponse
-    ) -> list[multimodal_pb2.ItemEmbedding]:
+    def route(self, job: Job) -> PrefillRoute:
+        """The prefill worker with the longest known cached prefix among the least loaded,
+        and the items that prefix covers entirely (see the module docstring)."""
         items = job.prompt.params.items
-        if len(response.items) != len(items):
-            raise RouterError(
-                grpc.StatusCode.INTERNAL,
-                f"encoder answered {len(response.items)} items for {len(items)} requested",
+        workers = [w for w in self.registry.workers(Role.PREFILL) if not w.draining]
+        if not self.cache_aware or not workers or workers[0].layout is None:
+            return PrefillRoute(None, frozenset())
+        for w in workers:
+            self.prefix.track(w.address)
+        layout = workers[0].info.kv_layout  # the registry keeps every KV layout equal
+        tokens = job.prompt.prompt_token_ids
+        try:
+            hashes = block_hashes(
+                tokens,
+                layout.block_size,
+                job.prompt.params,
+                cache_salt=job.cache_salt,
+                root=layout_root(layout),
             )
-        out = []
-        inline = 0
-        for i, (item, encoded) in enumerate(zip(items, response.items, strict=True)):
-            if encoded.content_hash != item.content_hash or (
-                tuple(encoded.rows.shape[:1]) != (item.length,)
-            ):
-                raise RouterError(
-                    grpc.StatusCode.INTERNAL,
-                    f"encoder output for item {i} does not match it (hash or "
-                    f"{tuple(encoded.rows.shape)} rows for {item.length} placeholders)",
+        except ValueError:
+            return PrefillRoute(None, frozenset())
+        worker = self.registry.pick(
+            Role.PREFILL, affinity=lambda w: self.prefix.cached_prefix(w.address, hashes)
+        )
+        blocks = min(
+            self.prefix.cached_prefix(worker.address, hashes),
+            (len(tokens) - 1) // layout.block_size,
+        )
+        covered = blocks * layout.block_size
+        return PrefillRoute(worker, frozenset(i for i, it in enumerate(items) if it.end <= covered))
+
+    async def _encode_and_prefill(
+        self, job: Job, handoff: multimodal_pb2.MultimodalParams
+    ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
+        route = self.route(job)
+        every = range(len(job.prompt.params.items))
+        encoded = await self.encoder.encode(job, [i for i in every if i not in route.skip])
+        try:
+            try:
+                return await self._prefill(job, handoff, encoded, route.worker)
+            except RouterError as exc:
+                if not route.skip or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                logger.info(
+                    "request %s: prefix cache moved on (%s); encoding all", job.request_id, exc
                 )
-            emb = multimodal_pb2.ItemEmbedding(item_index=i, rows=encoded.rows)
-            emb.deepstack.extend(encoded.deepstack)
-            inline += len(encoded.rows.inline_data) + sum(
-                len(d.inline_data) for d in encoded.deepstack
-            )
-            out.append(emb)
-        if inline > self.max_inline_embedding_bytes:
-            raise RouterError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request carries {inline} bytes of inline embeddings, more than the router's "
-                f"limit of {self.max_inline_embedding_bytes}",
-            )
-        return out
+            self.releases.embeddings(encoded.leases)
+            encoded = await self.encoder.encode(job, list(every))
+            return await self._prefill(job, handoff, encoded, None)
+        except BaseException:
+            # Prefill releases what it pulled; leases it never reached are freed here.
+            self.releases.embeddings(encoded.leases)
+            raise
 
     async def _prefill(
         self,
         job: Job,
         handoff: multimodal_pb2.MultimodalParams,
         encoded: Encoded,
+        first: WorkerRecord | None,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         multimodal = multimodal_pb2.MultimodalParams()
         multimodal.CopyFrom(handoff)
@@ -291,7 +234,7 @@ class Orchestrator:
             holder = worker.address
             return response
 
-        response = await self._with_retry(Role.PREFILL, "prefill", call)
+        response = await self.calls.with_retry(Role.PREFILL, "prefill", call, first=first)
         return response, holder
 
     async def _decode(
@@ -314,7 +257,7 @@ class Orchestrator:
             request.cache_salt = job.cache_salt
         tried: set[str] = set()
         while True:
-            worker = self._pick(Role.DECODE, tried)
+            worker = self.calls.pick(Role.DECODE, tried)
             tried.add(worker.address)
             stub = decode_service_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
             with self.registry.using(worker):
@@ -327,8 +270,8 @@ class Orchestrator:
                         yield self._chunk(response, detok)
                     return
                 except grpc.aio.AioRpcError as exc:
-                    if not lease.owned or not self._retryable(exc, len(tried)):
-                        raise self._error("decode", worker, exc) from None
+                    if not lease.owned or not self.calls.retryable(exc, len(tried)):
+                        raise self.calls.error("decode", worker, exc) from None
                     logger.warning(
                         "decode on %s failed (%s); trying another", worker.address, exc.code()
                     )
@@ -349,42 +292,9 @@ class Orchestrator:
             blocks_reused=response.blocks_reused,
         )
 
-    # ------------------------------------------------------------------------- helpers
-
-    def _pick(self, role: Role, tried: set[str]) -> WorkerRecord:
-        try:
-            return self.registry.pick(role, exclude=frozenset(tried))
-        except NoWorkerError as exc:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-
-    def _retryable(self, exc: grpc.aio.AioRpcError, tries: int) -> bool:
-        return exc.code() == grpc.StatusCode.UNAVAILABLE and tries < self.attempts
-
-    def _error(self, stage: str, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> RouterError:
-        code = exc.code()
-        if code not in _PASS_THROUGH and code != grpc.StatusCode.UNAVAILABLE:
-            code = grpc.StatusCode.INTERNAL
-        return RouterError(code, f"{stage} on {worker.address} failed: {exc.details()}")
-
-    async def _with_retry(
-        self, role: Role, stage: str, call: Callable[[WorkerRecord], Awaitable[T]]
-    ) -> T:
-        tried: set[str] = set()
-        while True:
-            worker = self._pick(role, tried)
-            tried.add(worker.address)
-            with self.registry.using(worker):
-                try:
-                    return await call(worker)
-                except grpc.aio.AioRpcError as exc:
-                    if not self._retryable(exc, len(tried)):
-                        raise self._error(stage, worker, exc) from None
-                    logger.warning(
-                        "%s on %s failed (%s); trying another", stage, worker.address, exc.code()
-                    )
-
     async def close(self) -> None:
-        """Wait for background lease releases (bounded by their own deadline)."""
+        """Stop following KV events; wait for background lease releases."""
+        await self.prefix.close()
         await self.releases.close()
 
 

@@ -19,6 +19,8 @@ heads, head dim) are checked against the checkpoint config when the router has i
 
 Selection picks, among live non-draining workers of a role, the one with the smallest load
 estimate (see `WorkerRecord.load_estimate`); ties go to the worker picked least recently.
+An optional affinity (cached prefix blocks, for prefill) wins among workers whose load is
+within a small slack of the least loaded.
 The registry is plain in-process state driven from one asyncio loop; it is not thread-safe.
 """
 
@@ -215,6 +217,8 @@ class Registry:
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
         self._ticks = itertools.count(1)
+        # Called with every newly registered worker (e.g. to follow its KV events).
+        self.on_register: list[Callable[[WorkerRecord], None]] = []
 
     # ------------------------------------------------------------------ registration
 
@@ -261,6 +265,8 @@ class Registry:
         )
         self._workers[record.worker_id] = record
         logger.info("registered %s worker %s at %s", role, record.name, record.address)
+        for listener in self.on_register:
+            listener(record)
         return record
 
     def _check_layout(self, role: Role, address: str, layout: KvLayout) -> None:
@@ -336,13 +342,29 @@ class Registry:
         """Seconds since the worker's last register or heartbeat."""
         return max(0.0, self._clock() - record.last_seen)
 
-    def pick(self, role: Role, *, exclude: frozenset[str] = frozenset()) -> WorkerRecord:
+    def pick(
+        self,
+        role: Role,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        affinity: Callable[[WorkerRecord], int] | None = None,
+        slack: int = 2,
+    ) -> WorkerRecord:
         """The least loaded live, non-draining worker of `role` whose address is not in
-        `exclude`. Raises `NoWorkerError`. Does not count the request: use `using`."""
+        `exclude`; ties go to the least recently picked. With `affinity` (e.g. cached
+        prefix blocks), the worker with the highest affinity among those within `slack`
+        requests of the least loaded wins, so a cache hit never piles work on one worker.
+        Raises `NoWorkerError`. Does not count the request: use `using`."""
         candidates = [w for w in self.workers(role) if not w.draining and w.address not in exclude]
         if not candidates:
             raise NoWorkerError(role)
-        best = min(candidates, key=lambda w: (w.load_estimate, w.last_pick))
+        if affinity is not None:
+            least = min(w.load_estimate for w in candidates)
+            near = [w for w in candidates if w.load_estimate <= least + slack]
+            scores = {w.worker_id: affinity(w) for w in near}
+            best = min(near, key=lambda w: (-scores[w.worker_id], w.load_estimate, w.last_pick))
+        else:
+            best = min(candidates, key=lambda w: (w.load_estimate, w.last_pick))
         best.last_pick = next(self._ticks)
         return best
 

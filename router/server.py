@@ -47,7 +47,7 @@ from router.admin import AdminServicer, Scaler
 from router.channels import Channels
 from router.inputs import InputError, messages_from_proto, sampling_from_proto
 from router.orchestrator import Job, Orchestrator, RouterError
-from router.registry import CheckpointShape, Registry, RegistryServicer
+from router.registry import CheckpointShape, Registry, RegistryServicer, Role
 from router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
@@ -148,13 +148,14 @@ class RunningRouter(RunningServer):
             await self.channels.close()
 
 
-async def _expire_loop(registry: Registry, channels: Channels, period_s: float) -> None:
-    """Drop silent workers (and their channels) every `period_s`."""
+async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: float) -> None:
+    """Drop silent workers (their channels and KV-event subscriptions) every `period_s`."""
     while True:
         await asyncio.sleep(period_s)
         for record in registry.expire():
             if not any(w.address == record.address for w in registry.workers()):
-                await channels.forget(record.address)
+                orchestrator.prefix.forget(record.address)
+                await orchestrator.channels.forget(record.address)
 
 
 def resolve_model(settings: RouterSettings) -> Path:
@@ -194,7 +195,12 @@ async def serve(
         processor,
         max_inline_embedding_bytes=settings.max_inline_embedding_mb * 1024 * 1024,
         release_timeout_s=settings.release_timeout_s,
+        cache_aware=settings.cache_aware_routing,
     )
+    if settings.cache_aware_routing:
+        registry.on_register.append(
+            lambda w: orchestrator.prefix.track(w.address) if w.role == Role.PREFILL else None
+        )
     lifecycle = WorkerLifecycle()
     router = RouterServicer(processor, orchestrator, lifecycle, settings)
     adders: list[AddServicer] = [
@@ -230,7 +236,7 @@ async def serve(
     )
     lifecycle.attach(running)
     period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
-    running.tasks.append(asyncio.create_task(_expire_loop(registry, channels, period)))
+    running.tasks.append(asyncio.create_task(_expire_loop(registry, orchestrator, period)))
     logger.info("router on %s serving %s (model %s)", running.address, path, expected)
     return running
 

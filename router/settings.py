@@ -39,6 +39,11 @@ class RouterSettings:
         "model identity workers must report (None: derived from the checkpoint when the "
         "runtime can, else the first registered worker's)",
     )
+    cache_aware_routing: bool = setting(
+        True,
+        "send prefill to the worker caching the longest prefix (among the least loaded) and "
+        "skip encoding items that prefix covers",
+    )
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
 
     @property

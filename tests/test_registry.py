@@ -184,3 +184,14 @@ def test_pick_excludes_addresses(registry: Registry) -> None:
     assert registry.pick(Role.PREFILL, exclude=frozenset({"127.0.0.1:4"})) is a
     with pytest.raises(NoWorkerError):
         registry.pick(Role.PREFILL, exclude=frozenset({"127.0.0.1:3", "127.0.0.1:4"}))
+
+
+def test_affinity_wins_within_the_load_slack(registry: Registry) -> None:
+    a = registry.register(info(Role.PREFILL, 3))
+    b = registry.register(info(Role.PREFILL, 4))
+    cached = {a.address: 0, b.address: 5}
+    assert registry.pick(Role.PREFILL, affinity=lambda w: cached[w.address]) is b
+    with registry.using(b), registry.using(b):
+        assert registry.pick(Role.PREFILL, affinity=lambda w: cached[w.address]) is b
+        with registry.using(b):  # three more than a: past the slack of two
+            assert registry.pick(Role.PREFILL, affinity=lambda w: cached[w.address]) is a

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from common.block_hash import block_hashes
 from common.models.tiny import make_tiny_checkpoint
 from common.rpc import start_server
+from common.runner import layout_root
 from common.sampling import SamplingParams
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import (
@@ -87,11 +89,16 @@ class FakePrefill(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.fail: grpc.StatusCode | None = None
         self.cancelled = asyncio.Event()
         self.first = FIRST
+        self.cached: list[bytes] = []  # hashes announced by StreamKvEvents
+        self.strict = False  # refuse items without embeddings, as after an eviction
 
     async def Prefill(self, request, context):
         self.requests.append(request)
         if self.fail is not None:
             await context.abort(self.fail, "fake failure")
+        mm = request.multimodal
+        if self.strict and len(mm.embeddings) < len(mm.mm_hashes):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "carries no embeddings")
         if self.hang:
             try:
                 await asyncio.sleep(60)
@@ -105,6 +112,11 @@ class FakePrefill(prefill_service_pb2_grpc.PrefillServiceServicer):
     async def ReleaseKv(self, request, context):
         self.released.append(request.lease_id)
         return prefill_service_pb2.ReleaseKvResponse(released=True)
+
+    async def StreamKvEvents(self, request, context):
+        snapshot = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=self.cached)
+        yield prefill_service_pb2.StreamKvEventsResponse(events=[snapshot])
+        await asyncio.Event().wait()
 
 
 class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
@@ -239,6 +251,47 @@ async def test_text_request_goes_prefill_then_decode(cluster, workers):
     assert pre.requests[0].sampling.max_tokens == 4
     await asyncio.sleep(0.05)
     assert pre.released == []  # the decode worker took the lease over
+
+
+def prompt_hashes(cluster: Cluster, messages: Any) -> tuple[Any, list[bytes]]:
+    assert cluster.router.orchestrator is not None
+    prompt = cluster.router.orchestrator.processor.process(messages)
+    layout = worker_info(Role.PREFILL, "x").kv_layout
+    hashes = block_hashes(prompt.prompt_token_ids, 16, prompt.params, root=layout_root(layout))
+    return prompt, hashes
+
+
+async def test_prefill_goes_to_the_worker_caching_the_prefix_and_skips_covered_items(cluster):
+    enc, cold, dec = FakeEncoder(), FakePrefill(), FakeDecode()
+    warm = FakePrefill()
+    messages = chat({"type": "image", "image": png(3)}, {"type": "text", "text": "Again?"})
+    prompt, hashes = prompt_hashes(cluster, messages)
+    covered = 16 * min(len(hashes), (len(prompt.prompt_token_ids) - 1) // 16)
+    assert prompt.params.items[0].end <= covered
+    warm.cached = hashes
+    for role, servicer in ((Role.ENCODER, enc), (Role.PREFILL, cold), (Role.DECODE, dec)):
+        await cluster.add(role, servicer)
+    await cluster.add(Role.PREFILL, warm)
+    await asyncio.sleep(0.3)  # the router follows both workers' KV events
+    for _ in range(2):
+        await cluster.client.generate_text(messages, SamplingParams(max_tokens=2))
+    assert len(warm.requests) == 2 and cold.requests == []
+    assert enc.requests == []  # the image lies inside the cached prefix
+    assert len(warm.requests[0].multimodal.embeddings) == 0
+
+
+async def test_skipped_items_are_encoded_when_the_cache_moved_on(cluster):
+    enc, pre, dec = FakeEncoder(), FakePrefill(), FakeDecode()
+    messages = chat({"type": "image", "image": png(4)}, {"type": "text", "text": "Again?"})
+    _, pre.cached = prompt_hashes(cluster, messages)
+    pre.strict = True  # ... but it evicted them: it needs the embeddings
+    for role, servicer in ((Role.ENCODER, enc), (Role.PREFILL, pre), (Role.DECODE, dec)):
+        await cluster.add(role, servicer)
+    await asyncio.sleep(0.3)
+    result = await cluster.client.generate_text(messages, SamplingParams(max_tokens=2))
+    assert result.token_ids == [FIRST, 101]
+    assert len(pre.requests) == 2 and len(enc.requests) == 1
+    assert len(pre.requests[1].multimodal.embeddings) == 1
 
 
 async def test_image_embeddings_pass_through_to_prefill_only(cluster, workers):

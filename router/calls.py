@@ -1,0 +1,104 @@
+"""What every stage of a request shares: the job, its failure type, and worker calls with
+selection, in-flight counting and one retry on UNAVAILABLE."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from common.processor import ProcessedPrompt
+from common.sampling import SamplingParams
+from router.registry import NoWorkerError, Registry, Role, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Worker failures the client caused or should see as they are; others become INTERNAL.
+_PASS_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class RouterError(Exception):
+    """A request failure with the gRPC status the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One checked request, ready to run."""
+
+    request_id: str  # the caller's id, or one the router made
+    prompt: ProcessedPrompt  # tokens, item layout and pixels
+    sampling: SamplingParams  # checked sampling parameters
+    cache_salt: str | None  # tenant salt for the prefix caches
+    deadline: float  # `time.monotonic()` by which the request must be done
+
+    def time_left(self, stage: str) -> float:
+        """Seconds left; RouterError(DEADLINE_EXCEEDED) naming `stage` when none are."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed before {stage}")
+        return left
+
+
+class WorkerCalls:
+    """Picks workers from the registry and runs calls on them (see `with_retry`)."""
+
+    def __init__(self, registry: Registry, attempts: int = 2) -> None:
+        self.registry = registry
+        self.attempts = attempts  # tries of one stage, on different workers
+
+    def pick(self, role: Role, tried: set[str]) -> WorkerRecord:
+        """The least loaded worker of `role` not yet tried; RouterError(UNAVAILABLE)."""
+        try:
+            return self.registry.pick(role, exclude=frozenset(tried))
+        except NoWorkerError as exc:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+
+    def retryable(self, exc: grpc.aio.AioRpcError, tries: int) -> bool:
+        """UNAVAILABLE (worker gone or draining) with tries left."""
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and tries < self.attempts
+
+    def error(self, stage: str, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> RouterError:
+        """The client-facing error of a failed worker call."""
+        code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
+        return RouterError(code, f"{stage} on {worker.address} failed: {exc.details()}")
+
+    async def with_retry(
+        self,
+        role: Role,
+        stage: str,
+        call: Callable[[WorkerRecord], Awaitable[T]],
+        *,
+        first: WorkerRecord | None = None,
+    ) -> T:
+        """`call(worker)` on `first` (or the least loaded worker of `role`), counted in
+        flight; on UNAVAILABLE once more on another worker. Raises RouterError."""
+        tried: set[str] = set()
+        while True:
+            worker = first if first is not None and not tried else self.pick(role, tried)
+            tried.add(worker.address)
+            with self.registry.using(worker):
+                try:
+                    return await call(worker)
+                except grpc.aio.AioRpcError as exc:
+                    if not self.retryable(exc, len(tried)):
+                        raise self.error(stage, worker, exc) from None
+                    logger.warning(
+                        "%s on %s failed (%s); trying another", stage, worker.address, exc.code()
+                    )

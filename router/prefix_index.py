@@ -1,0 +1,105 @@
+"""Which KV blocks each prefill worker caches, followed through `StreamKvEvents`.
+
+For every prefill worker the router routes to, a background task subscribes to the
+worker's KV event stream: the first message is a snapshot (STORED with every cached hash),
+then STORED / REMOVED / CLEARED events follow in order. The set can lag the worker by a few
+milliseconds, so it is a routing hint, never a promise: a worker that evicted a block in
+the meantime simply computes it (and a skipped encoder item is re-encoded, see
+`router.orchestrator`). When a stream breaks, the worker's set is emptied (no hint is
+better than a stale one) and the task resubscribes with backoff until the worker is
+forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from epd.v1 import kv_pb2, prefill_service_pb2, prefill_service_pb2_grpc
+from router.channels import Channels
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixIndex:
+    """Cached block hashes per prefill worker address (see the module docstring)."""
+
+    def __init__(self, channels: Channels, *, retry_s: float = 0.5) -> None:
+        self.channels = channels
+        self.retry_s = retry_s
+        self._hashes: dict[str, set[bytes]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def track(self, address: str) -> None:
+        """Follow the worker at `address` (idempotent; needs a running loop)."""
+        if address not in self._tasks:
+            self._hashes[address] = set()
+            self._tasks[address] = asyncio.get_running_loop().create_task(self._follow(address))
+
+    def forget(self, address: str) -> None:
+        """Stop following a worker that went away."""
+        task = self._tasks.pop(address, None)
+        if task is not None:
+            task.cancel()
+        self._hashes.pop(address, None)
+
+    def cached_prefix(self, address: str, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of `block_hashes` the worker is known to cache."""
+        cached = self._hashes.get(address)
+        if not cached:
+            return 0
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in cached:
+                break
+            count += 1
+        return count
+
+    async def _follow(self, address: str) -> None:
+        delay = self.retry_s
+        while True:
+            stub = prefill_service_pb2_grpc.PrefillServiceStub(self.channels.get(address))
+            call = stub.StreamKvEvents(
+                prefill_service_pb2.StreamKvEventsRequest(subscriber="router")
+            )
+            try:
+                first = True
+                async for response in call:
+                    if first:
+                        self._hashes[address] = set()
+                        first = False
+                        delay = self.retry_s
+                    self._apply(address, response.events)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    logger.info("%s streams no KV events; no cache-aware routing to it", address)
+                    self._hashes[address] = set()
+                    return
+                logger.debug("KV events of %s: %s; resubscribing", address, exc.code().name)
+            finally:
+                call.cancel()
+            self._hashes[address] = set()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def _apply(self, address: str, events: Sequence[kv_pb2.KvEvent]) -> None:
+        cached = self._hashes.setdefault(address, set())
+        for event in events:
+            if event.kind == kv_pb2.KV_EVENT_KIND_STORED:
+                cached.update(event.block_hashes)
+            elif event.kind == kv_pb2.KV_EVENT_KIND_REMOVED:
+                cached.difference_update(event.block_hashes)
+            elif event.kind == kv_pb2.KV_EVENT_KIND_CLEARED:
+                cached.clear()
+
+    async def close(self) -> None:
+        """Stop following every worker."""
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        self._hashes.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
