@@ -330,3 +330,41 @@ def test_batched_decode_equals_alone(models):
             seq_lens[i : i + 1],
         )
         assert (alone[0] - batched[i]).abs().max().item() <= 1e-5
+
+
+def test_prefill_needs_only_embeddings_of_uncached_items(models):
+    _, _, model = models
+    parts = [("video", (2, 4, 4)), ("text", (BLOCK + 3,)), ("image", (4, 4)), ("text", (2,))]
+    case = build_case(parts, seed=6)
+    n = len(case.token_ids)
+    video, img = case.items
+    start = -(-video.end // BLOCK) * BLOCK  # first block boundary after the video
+    assert start <= img.position
+    table = torch.arange((n + BLOCK - 1) // BLOCK)
+    kv = new_kv(model)
+    full = our_prefill(model, case, kv, table)
+    pos = prompt_positions(n, case.items, MERGE).positions
+    rest = model.prefill(
+        kv,
+        table,
+        torch.tensor(case.token_ids),
+        pos,
+        start=start,
+        items=case.items,
+        embeddings={1: case.embeddings[1]},  # the video lies wholly in the reused prefix
+        all_logits=True,
+    )
+    assert (rest - full[start:]).abs().max().item() <= 1e-5
+    with pytest.raises(KeyError):
+        model.prefill(kv, table, torch.tensor(case.token_ids), pos, items=case.items)
+
+
+def test_positions_reject_runs_that_do_not_fit_the_grid():
+    item = MultimodalItemMetadata(content_hash=bytes(32), runs=((2, 3),), grid_thw=(1, 4, 4))
+    with pytest.raises(ValueError, match="grid_thw"):
+        prompt_positions(10, [item], MERGE)
+    split = MultimodalItemMetadata(
+        content_hash=bytes(32), runs=((1, 2), (5, 2)), grid_thw=(1, 4, 4)
+    )
+    with pytest.raises(ValueError, match="frame"):
+        prompt_positions(10, [split], MERGE)
