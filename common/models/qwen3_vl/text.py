@@ -166,10 +166,12 @@ class TextModel:
 
     @property
     def dtype(self) -> torch.dtype:
+        """Dtype of the weights (and of the KV buffer this model expects)."""
         return self.embed_tokens.dtype
 
     @property
     def device(self) -> torch.device:
+        """Device of the weights."""
         return self.embed_tokens.device
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
