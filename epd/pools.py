@@ -506,6 +506,7 @@ def init_ray(settings: RaySettings) -> bool:
         )
         return False
     ray.init(
+        address="local",  # always a new cluster, even when `ray start` left one running here
         num_cpus=settings.num_cpus,
         num_gpus=settings.num_gpus,
         namespace=settings.namespace,
