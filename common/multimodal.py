@@ -14,35 +14,40 @@ boundary that accepts them goes through it, so a malformed layout is rejected wi
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
+
+from common.layout_validation import (
+    HASH_BYTES,
+    INT32_MAX,
+    IntArray,
+    IntSequence,
+    MultimodalLayoutError,
+    validate_flat,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from epd.v1 import multimodal_pb2
 
-INT32_MAX = 2**31 - 1
-HASH_BYTES = 32
-
-IntArray = npt.NDArray[np.int64]
-IntSequence = Sequence[int] | npt.NDArray[np.integer[Any]]
-
-
-class MultimodalLayoutError(ValueError):
-    """A malformed multimodal layout. `field` names the offending wire field."""
-
-    def __init__(self, field: str, message: str, item: int | None = None) -> None:
-        where = f"{field}" if item is None else f"{field} (item {item})"
-        super().__init__(f"{where}: {message}")
-        self.field = field  # wire field name, e.g. "run_lengths"
-        self.item = item  # index of the offending item in prompt order, when one is to blame
+__all__ = [
+    "HASH_BYTES",
+    "INT32_MAX",
+    "ItemEmbedding",
+    "ItemPartition",
+    "Modality",
+    "MultimodalItemMetadata",
+    "MultimodalLayoutError",
+    "MultimodalParams",
+    "runs_from_mask",
+    "validate_flat",
+]
 
 
 class Modality(enum.StrEnum):
@@ -282,157 +287,6 @@ class MultimodalParams:
     def without_embeddings(self) -> MultimodalParams:
         """The same layout with no embeddings attached."""
         return MultimodalParams(self.items, {}, self.mrope_position_delta)
-
-
-def validate_flat(
-    hashes: Sequence[bytes],
-    positions: IntSequence,
-    lengths: IntSequence,
-    uuids: Sequence[str | None] | None,
-    item_run_cu_offsets: IntSequence | None,
-    run_positions: IntSequence | None,
-    run_lengths: IntSequence | None,
-) -> list[tuple[tuple[int, int], ...]]:
-    """Validate the flat wire arrays; return each item's runs.
-
-    Raises `MultimodalLayoutError` for the first problem found, naming field and item.
-    """
-    n = len(hashes)
-    pos = _int_array("mm_positions", positions)
-    lens = _int_array("mm_lengths", lengths)
-    for name, arr in (("mm_positions", pos), ("mm_lengths", lens)):
-        if len(arr) != n:
-            raise MultimodalLayoutError(name, f"has {len(arr)} entries, mm_hashes has {n}")
-    if uuids is not None and len(uuids) != n:
-        raise MultimodalLayoutError("mm_uuids", f"has {len(uuids)} entries, mm_hashes has {n}")
-    for i, digest in enumerate(hashes):
-        if not isinstance(digest, bytes | bytearray) or len(digest) != HASH_BYTES:
-            raise MultimodalLayoutError("mm_hashes", f"must be {HASH_BYTES} bytes", i)
-    for i, uuid in enumerate(uuids or ()):
-        if uuid is not None and (not isinstance(uuid, str) or not uuid):
-            raise MultimodalLayoutError("mm_uuids", "must be a non-empty string or None", i)
-    run_fields = {
-        "item_run_cu_offsets": item_run_cu_offsets,
-        "run_positions": run_positions,
-        "run_lengths": run_lengths,
-    }
-    given = [name for name, value in run_fields.items() if value is not None]
-    if not given:
-        _check_spans("mm_positions", "mm_lengths", pos, lens, items=None)
-        return [((int(p), int(length)),) for p, length in zip(pos, lens, strict=True)]
-    # With runs, [position, position + length) is no span (items may have gaps), so the
-    # legacy arrays are only checked for range; the runs carry the ordering checks.
-    _check_spans("mm_positions", "mm_lengths", pos, lens, items=None, ordered=False)
-    if len(given) != len(run_fields):
-        missing = [name for name in run_fields if name not in given]
-        raise MultimodalLayoutError(
-            missing[0], f"run fields must be given together; have {', '.join(given)}"
-        )
-    assert item_run_cu_offsets is not None and run_positions is not None
-    assert run_lengths is not None
-    cu = _int_array("item_run_cu_offsets", item_run_cu_offsets)
-    rpos = _int_array("run_positions", run_positions)
-    rlen = _int_array("run_lengths", run_lengths)
-    if len(cu) != n + 1:
-        raise MultimodalLayoutError(
-            "item_run_cu_offsets", f"has {len(cu)} entries, expected items + 1 = {n + 1}"
-        )
-    if cu[0] != 0:
-        raise MultimodalLayoutError("item_run_cu_offsets", f"must start at 0, got {cu[0]}")
-    drops = np.flatnonzero(np.diff(cu) < 0)
-    if drops.size:
-        i = int(drops[0])
-        raise MultimodalLayoutError("item_run_cu_offsets", "must be non-decreasing", i)
-    if len(rlen) != len(rpos):
-        raise MultimodalLayoutError(
-            "run_lengths", f"has {len(rlen)} entries, run_positions has {len(rpos)}"
-        )
-    if cu[-1] != len(rpos):
-        raise MultimodalLayoutError(
-            "item_run_cu_offsets", f"last entry {cu[-1]} != run count {len(rpos)}"
-        )
-    run_items = np.repeat(np.arange(n), np.diff(cu))
-    _check_spans("run_positions", "run_lengths", rpos, rlen, items=run_items)
-    placed = np.concatenate(([0], np.cumsum(rlen)))
-    sums = placed[cu[1:]] - placed[cu[:-1]]
-    bad = np.flatnonzero(sums != lens)
-    if bad.size:
-        i = int(bad[0])
-        raise MultimodalLayoutError(
-            "run_lengths", f"runs sum to {sums[i]}, expected mm_lengths = {lens[i]}", i
-        )
-    firsts = rpos[cu[:-1]]
-    moved = np.flatnonzero(firsts != pos)
-    if moved.size:
-        i = int(moved[0])
-        raise MultimodalLayoutError(
-            "mm_positions", f"{pos[i]} is not the start of the item's first run ({firsts[i]})", i
-        )
-    return [
-        tuple((int(s), int(length)) for s, length in zip(rpos[a:b], rlen[a:b], strict=True))
-        for a, b in itertools.pairwise(cu)
-    ]
-
-
-def _int_array(name: str, values: IntSequence) -> IntArray:
-    """Convert to int64, rejecting non-integers and values outside int32."""
-    try:
-        arr = np.asarray(values)
-    except (OverflowError, ValueError) as exc:
-        raise MultimodalLayoutError(name, f"not an integer array ({exc})") from None
-    if arr.ndim != 1:
-        raise MultimodalLayoutError(name, f"must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype == object:
-        if not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in arr):
-            raise MultimodalLayoutError(name, "must hold integers")
-        if any(not -INT32_MAX - 1 <= int(v) <= INT32_MAX for v in arr):
-            raise MultimodalLayoutError(name, "value does not fit in int32")
-        arr = arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        raise MultimodalLayoutError(name, f"must hold integers, got {arr.dtype}")
-    out_of_range = np.flatnonzero((arr < 0) | (arr > INT32_MAX))
-    if out_of_range.size:
-        i = int(out_of_range[0])
-        raise MultimodalLayoutError(name, f"entry {i} = {arr[i]} is not in [0, int32 max]")
-    return arr.astype(np.int64)
-
-
-def _check_spans(
-    pos_name: str,
-    len_name: str,
-    pos: IntArray,
-    lens: IntArray,
-    items: IntArray | None,
-    ordered: bool = True,
-) -> None:
-    """Spans must have length >= 1, end within int32, and (if `ordered`) be in order
-    without overlap."""
-
-    def owner(k: int) -> int:
-        return k if items is None else int(items[k])
-
-    empty = np.flatnonzero(lens < 1)
-    if empty.size:
-        k = int(empty[0])
-        raise MultimodalLayoutError(len_name, f"length {lens[k]} must be >= 1", owner(k))
-    ends = pos + lens
-    overflow = np.flatnonzero(ends > INT32_MAX)
-    if overflow.size:
-        k = int(overflow[0])
-        raise MultimodalLayoutError(len_name, "position + length overflows int32", owner(k))
-    if not ordered:
-        return
-    overlap = np.flatnonzero(pos[1:] < ends[:-1])
-    if overlap.size:
-        k = int(overlap[0]) + 1
-        raise MultimodalLayoutError(
-            pos_name,
-            f"span starting at {pos[k]} overlaps or precedes the previous one ending at "
-            f"{ends[k - 1]} (spans must be in prompt order and disjoint)",
-            owner(k),
-        )
 
 
 def runs_from_mask(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -28,13 +29,23 @@ HA, HB = b"\xaa" * 32, b"\xbb" * 32
 @pytest.fixture(scope="module")
 def legacy(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     """The frozen legacy-only schema, compiled with protoc into a temporary module."""
-    from grpc_tools import protoc
-
     out = tmp_path_factory.mktemp("legacy")
-    rc = protoc.main(
-        ["protoc", f"-I{LEGACY_PROTO.parent}", f"--python_out={out}", LEGACY_PROTO.name]
+    # protoc runs in a child process: grpc_tools' compiler and nixl's bundled libraries
+    # crash when loaded into one process.
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{LEGACY_PROTO.parent}",
+            f"--python_out={out}",
+            LEGACY_PROTO.name,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert rc == 0
+    assert result.returncode == 0, result.stderr
     sys.path.insert(0, str(out))
     try:
         return importlib.import_module("epd_legacy_pb2")
