@@ -1,0 +1,90 @@
+"""epd.client's wire form: messages and media to a `GenerateRequest`, no network.
+
+What the client sends must decode on the router to the same pixels and sampling the caller
+gave (the router's side is `router.inputs`)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common.sampling import SamplingParams
+from epd.client import build_request, encode_image
+from router.inputs import decode_image, messages_from_proto, sampling_from_proto
+
+
+def pixels(seed: int, h: int = 12, w: int = 20) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def png_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["pil", "array", "bytes", "path"])
+def test_image_sources_arrive_with_identical_pixels(kind, tmp_path):
+    array = pixels(1)
+    path = tmp_path / "x.png"
+    path.write_bytes(png_bytes(array))
+    source = {
+        "pil": Image.fromarray(array),
+        "array": array,
+        "bytes": png_bytes(array),
+        "path": str(path),
+    }[kind]
+    data = encode_image(source)
+    assert np.array_equal(np.asarray(decode_image(data, "x")), array)
+
+
+def test_chat_round_trips_through_the_router_edge():
+    video = np.stack([pixels(k) for k in range(3)])
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(pixels(9))).decode()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": video, "fps": 4.0, "uuid": "v1"},
+                {"type": "text", "text": "and"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        },
+    ]
+    sampling = SamplingParams(temperature=0.5, top_k=5, seed=7, max_tokens=9, stop_token_ids=(3,))
+    request = build_request(messages, sampling, request_id="r", cache_salt="tenant")
+    assert request.request_id == "r" and request.cache_salt == "tenant"
+    assert sampling_from_proto(request.sampling) == sampling
+    decoded = messages_from_proto(request.messages)
+    assert decoded[0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    parts = decoded[1]["content"]
+    assert parts[0]["fps"] == 4.0 and parts[0]["uuid"] == "v1"
+    assert np.array_equal(np.stack([np.asarray(f) for f in parts[0]["video"]]), video)
+    assert parts[1] == {"type": "text", "text": "and"}
+    assert np.array_equal(np.asarray(parts[2]["image"]), pixels(9))
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ({"type": "video", "video": [pixels(1)]}, "needs a positive fps"),
+        ({"type": "video", "video": [], "fps": 2.0}, "no frames"),
+        ({"type": "image", "image": 3.5}, "unsupported image source"),
+        ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "data URLs"),
+        ({"type": "audio"}, "unsupported content part type"),
+    ],
+)
+def test_unsendable_parts_name_the_part(part, message):
+    with pytest.raises(ValueError, match=message) as err:
+        build_request([{"role": "user", "content": [part]}])
+    assert "messages[0].content[0]" in str(err.value)
+
+
+def test_default_sampling_is_the_library_default():
+    request = build_request([{"role": "user", "content": "hi"}])
+    assert sampling_from_proto(request.sampling) == SamplingParams()
