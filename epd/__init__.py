@@ -1,1 +1,4 @@
-"""epd: disaggregated encode / prefill / decode serving. `epd.v1` holds the generated protocol bindings."""
+"""epd: disaggregated encode / prefill / decode serving.
+
+`epd.v1` holds the generated protocol bindings; `epd.cli` is the `epd` command line.
+"""
