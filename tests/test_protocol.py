@@ -56,6 +56,7 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
 
 def test_every_rpc_has_its_own_messages() -> None:
     from epd.v1 import (
+        admin_service_pb2,
         decode_service_pb2,
         encoder_service_pb2,
         prefill_service_pb2,
@@ -65,6 +66,7 @@ def test_every_rpc_has_its_own_messages() -> None:
 
     seen: set[str] = set()
     for module in (
+        admin_service_pb2,
         encoder_service_pb2,
         prefill_service_pb2,
         decode_service_pb2,
