@@ -21,7 +21,8 @@ from common.multimodal import (
     MultimodalParams,
     validate_flat,
 )
-from epd.v1 import multimodal_pb2, tensor_pb2
+from common.sampling import SamplingParams
+from epd.v1 import multimodal_pb2, sampling_pb2, tensor_pb2
 
 RUN_EXTENSION_VERSION = 1
 
@@ -256,3 +257,39 @@ def _embeddings_from_proto(
             raise MultimodalLayoutError("embeddings.deepstack", "shape differs from rows", index)
         out[index] = ItemEmbedding(rows, deepstack)
     return out
+
+
+def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
+    """Checked `SamplingParams`; `max_tokens` 0 (unset on the wire) means the default.
+
+    Raises `MultimodalLayoutError` with field "sampling" for out-of-range values.
+    """
+    try:
+        return SamplingParams(
+            temperature=float(msg.temperature),
+            top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
+            top_k=int(msg.top_k) if msg.HasField("top_k") else 0,
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            max_tokens=int(msg.max_tokens) or SamplingParams().max_tokens,
+            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+            ignore_eos=bool(msg.ignore_eos),
+        )
+    except ValueError as exc:
+        raise MultimodalLayoutError("sampling", str(exc)) from None
+
+
+def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
+    """The wire form of `SamplingParams` (the inverse of `sampling_from_proto`)."""
+    msg = sampling_pb2.SamplingParams(
+        temperature=params.temperature,
+        max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.top_p != 1.0:
+        msg.top_p = params.top_p
+    if params.top_k:
+        msg.top_k = params.top_k
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg

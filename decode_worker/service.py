@@ -40,6 +40,7 @@ from common.rpc import RpcStatusError, WorkerLifecycle, channel, rpc_errors
 from common.runner import ImportPlan, LmRunner, LmSequence, ModelThread
 from common.sampling import SamplingParams
 from common.transfer import TransferAgent, TransferTimeoutError
+from common.wire import sampling_from_proto
 from decode_worker.batcher import DecodeBatcher
 from decode_worker.detok import IncrementalDetokenizer
 from decode_worker.kv_import import check_handle, pull
@@ -50,7 +51,7 @@ from epd.v1 import (
     prefill_service_pb2_grpc,
     registry_service_pb2,
 )
-from prefill_worker.handoff import read_handoff, sampling_from_proto
+from prefill_worker.handoff import read_handoff
 
 logger = logging.getLogger(__name__)
 

@@ -34,13 +34,13 @@ import numpy as np
 from PIL import Image
 
 from common.sampling import SamplingParams
+from common.wire import sampling_to_proto
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
     decode_service_pb2,
     router_service_pb2,
     router_service_pb2_grpc,
-    sampling_pb2,
 )
 
 DEFAULT_MAX_MESSAGE_MB = 256
@@ -301,23 +301,6 @@ def _data_url(value: Any, where: str) -> bytes:
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
         raise ValueError(f"{where}.image_url: only base64 data URLs can be sent")
     return base64.b64decode(url.split(";base64,", 1)[1])
-
-
-def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
-    """The wire form of `SamplingParams`."""
-    msg = sampling_pb2.SamplingParams(
-        temperature=params.temperature,
-        max_tokens=params.max_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.top_p != 1.0:
-        msg.top_p = params.top_p
-    if params.top_k:
-        msg.top_k = params.top_k
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
 
 
 def _chunk(response: router_service_pb2.GenerateResponse) -> Chunk:

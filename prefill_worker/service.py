@@ -34,7 +34,7 @@ from common.multimodal import MultimodalLayoutError
 from common.rpc import RpcStatusError, WorkerLifecycle, channel, rpc_errors
 from common.runner import LmRunner, LmSequence, MissingEmbeddingsError, ModelThread, blocks_for
 from common.transfer import TransferAgent, TransferError, read_tensor
-from common.wire import torch_dtype
+from common.wire import sampling_from_proto, torch_dtype
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -45,7 +45,7 @@ from epd.v1 import (
     tensor_pb2,
 )
 from prefill_worker.events import KvEventHub, Subscription
-from prefill_worker.handoff import read_handoff, sampling_from_proto
+from prefill_worker.handoff import read_handoff
 from prefill_worker.leases import LeaseTable
 
 logger = logging.getLogger(__name__)

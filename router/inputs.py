@@ -15,12 +15,10 @@ from typing import Any
 
 from PIL import Image
 
-from common.sampling import SamplingParams
-from epd.v1 import router_service_pb2, sampling_pb2
+from epd.v1 import router_service_pb2
 
 # A decompression bomb is refused rather than decoded.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
-DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 
 
 class InputError(ValueError):
@@ -96,34 +94,3 @@ def _part(part: router_service_pb2.ContentPart, where: str) -> dict[str, Any]:
             out["uuid"] = video.uuid
         return out
     raise InputError(where, "has no text, image or video")
-
-
-def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
-    """Checked sampling parameters; max_tokens 0 means the default."""
-    try:
-        return SamplingParams(
-            temperature=float(msg.temperature),
-            top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
-            top_k=int(msg.top_k) if msg.HasField("top_k") else 0,
-            seed=int(msg.seed) if msg.HasField("seed") else None,
-            max_tokens=int(msg.max_tokens) or DEFAULT_MAX_TOKENS,
-            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
-            ignore_eos=bool(msg.ignore_eos),
-        )
-    except ValueError as exc:
-        raise InputError("sampling", str(exc)) from None
-
-
-def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
-    """The wire form, every field explicit, as the router forwards it to workers."""
-    msg = sampling_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        max_tokens=params.max_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg

@@ -47,7 +47,7 @@ from common.block_hash import block_hashes
 from common.processor import Processor
 from common.runner import layout_root
 from common.sampling import StopChecker
-from common.wire import params_to_proto
+from common.wire import params_to_proto, sampling_to_proto
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
@@ -60,7 +60,6 @@ from router.calls import Job, RouterError, WorkerCalls
 from router.channels import Channels
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
-from router.inputs import sampling_to_proto
 from router.prefix_index import PrefixIndex
 from router.registry import Registry, Role, WorkerRecord
 from router.releases import Releases

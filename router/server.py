@@ -32,9 +32,11 @@ from typing import Any
 import grpc
 
 from common.models.tiny import default_checkpoint
+from common.multimodal import MultimodalLayoutError
 from common.processor import ProcessedPrompt, Processor
 from common.rpc import RpcStatusError, RunningServer, WorkerLifecycle, service_name, start_server
 from common.runner import model_identity
+from common.wire import sampling_from_proto
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -45,7 +47,7 @@ from epd.v1 import (
 )
 from router.admin import AdminServicer, Scaler
 from router.channels import Channels
-from router.inputs import InputError, messages_from_proto, sampling_from_proto
+from router.inputs import InputError, messages_from_proto
 from router.orchestrator import Job, Orchestrator, RouterError
 from router.registry import CheckpointShape, Registry, RegistryServicer, Role
 from router.settings import RouterSettings
@@ -71,7 +73,10 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.settings = settings
 
     def _prepare(self, request: router_service_pb2.GenerateRequest) -> tuple[Any, ProcessedPrompt]:
-        sampling = sampling_from_proto(request.sampling)
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except MultimodalLayoutError as exc:
+            raise InputError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
         messages = messages_from_proto(request.messages)
         try:
             prompt = self.processor.process(messages)

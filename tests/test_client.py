@@ -13,8 +13,9 @@ import pytest
 from PIL import Image
 
 from common.sampling import SamplingParams
+from common.wire import sampling_from_proto
 from epd.client import build_request, encode_image
-from router.inputs import decode_image, messages_from_proto, sampling_from_proto
+from router.inputs import decode_image, messages_from_proto
 
 
 def pixels(seed: int, h: int = 12, w: int = 20) -> np.ndarray:

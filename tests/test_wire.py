@@ -174,3 +174,19 @@ def test_tensor_ref_round_trip_dtypes() -> None:
         assert back.dtype == dtype and torch.equal(back, t)
     empty = tensor_from_ref(tensor_to_ref(torch.empty(0, 4)))
     assert empty.shape == (0, 4)
+
+
+def test_sampling_round_trip_and_defaults() -> None:
+    from common.sampling import SamplingParams
+    from common.wire import sampling_from_proto, sampling_to_proto
+    from epd.v1 import sampling_pb2
+
+    # float32 on the wire: these values are exact in binary
+    params = SamplingParams(
+        temperature=0.5, top_p=0.75, top_k=5, seed=3, max_tokens=9, stop_token_ids=(4,)
+    )
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert sampling_from_proto(sampling_pb2.SamplingParams()) == SamplingParams()
+    with pytest.raises(MultimodalLayoutError) as info:
+        sampling_from_proto(sampling_pb2.SamplingParams(temperature=-1.0))
+    assert info.value.field == "sampling"
