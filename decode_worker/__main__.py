@@ -1,40 +1,33 @@
 """`python -m decode_worker [--config FILE.toml] [--flag VALUE ...]`: run one decode worker
-until SIGTERM/SIGINT, then drain (in-flight streams finish) and stop."""
+until SIGTERM/SIGINT, then drain (in-flight streams finish) and stop (see common.worker_main)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
+import sys
 from collections.abc import Sequence
 
-from common.rpc import run_until_signal
-from common.settings import add_flags, apply_flags, load
+from common import worker_main
 from decode_worker.server import serve
 from decode_worker.settings import DecodeSettings
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """`--config`, `--log-level`, `--print-config` and one flag per `DecodeSettings` field."""
+    return worker_main.build_parser(
+        DecodeSettings, prog="python -m decode_worker", description="Run an epd decode worker."
+    )
+
+
 def parse(argv: Sequence[str] | None = None) -> DecodeSettings:
     """Settings from `--config` (TOML) overridden by flags."""
-    parser = argparse.ArgumentParser(
-        prog="python -m decode_worker", description="Run an epd decode worker."
-    )
-    parser.add_argument("--config", metavar="FILE.toml", help="settings file (TOML)")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
-    add_flags(parser, DecodeSettings)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return apply_flags(load(DecodeSettings, args.config), args)
+    return worker_main.parse_settings(build_parser(), DecodeSettings, argv)[0]
 
 
-async def main(settings: DecodeSettings) -> None:
-    """Serve until a signal, then drain."""
-    server = await serve(settings)
-    await run_until_signal(server.lifecycle, drain_timeout_s=settings.drain_timeout_s)
-    await server.stop(0)
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: serve until a signal, then drain and stop."""
+    return worker_main.main(build_parser(), DecodeSettings, serve, argv)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    sys.exit(main())
