@@ -1,7 +1,8 @@
 """The monolithic offline engine: processor, vision tower and language model in one process.
 
 It is the reference the disaggregated path is compared against, and small enough to read in
-one sitting:
+one sitting. The language model runs through the same `common.runner.LmRunner` the prefill
+and decode workers use, so both paths share one prefill, decode and sampling code path:
 
     process(messages)  -> ProcessedPrompt            (tokens, item metadata, pixels)
     encode(processed)  -> MultimodalParams            (+ embeddings, + mRoPE delta)
@@ -13,10 +14,10 @@ one sitting:
 running sequences in one forward.
 
 Prefix reuse: the prompt's full blocks are hashed with `common.block_hash.block_hashes` (the
-same function router, prefill and decode use); the longest cached prefix is acquired from
-the `BlockPool`, only the rest is computed, and the newly computed full prompt blocks are
-cached afterwards. At least the last prompt token is always computed (its logits give the
-first token), and a cached block is never written.
+same function router, prefill and decode use, from its default root); the longest
+cached prefix is acquired from the `BlockPool`, only the rest is computed, and the newly
+computed full prompt blocks are cached afterwards. At least the last prompt token is always
+computed (its logits give the first token), and a cached block is never written.
 
 Block ownership: a sequence owns one reference on each of its blocks from `prefill` until
 `release` (called by `generate*` when it finishes). Blocks for the whole request (prompt +
@@ -25,27 +26,27 @@ Block ownership: a sequence owns one reference on each of its blocks from `prefi
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from common.block_hash import block_hashes
+from common.block_hash import DEFAULT_ROOT
 from common.kv.block_pool import BlockPool
-from common.kv.cache import KvCacheSpec, PagedKvCache
+from common.kv.cache import PagedKvCache
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.qwen3_vl.rope import MropePositions, decode_positions, prompt_positions
+from common.models.qwen3_vl.rope import MropePositions
 from common.models.qwen3_vl.text import LM_PREFIX, TextModel
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import LM_HEAD, VISUAL_PREFIX, load_weights
 from common.multimodal import ItemEmbedding, MultimodalParams
 from common.processor import ProcessedPrompt, Processor
-from common.sampling import FinishReason, Sampler, SamplingParams, StopChecker, make_generator
+from common.runner import LmRunner, LmSequence
+from common.sampling import FinishReason, Sampler, SamplingParams, StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +64,12 @@ class GenerateResult:
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
-@dataclass(slots=True)
-class RunningSequence:
-    """Engine-side state of one request between prefill and release."""
+# Engine-side state of one request between prefill and release: the runner's sequence.
+RunningSequence = LmSequence
 
-    request_id: int  # engine-local id, in admission order
-    prompt_token_ids: list[int]  # the prompt
-    sampling: SamplingParams  # how tokens are picked and when to stop
-    generator: torch.Generator | None  # the request's own randomness (seeded requests)
-    blocks: list[int]  # KV block ids in sequence order; one reference owned on each
-    mrope_delta: int  # position offset of tokens after the prompt
-    cached_tokens: int  # prompt tokens reused from the prefix cache
-    output: list[int] = field(default_factory=list)  # sampled tokens so far
-    # Logits of the computed prompt tokens [n - cached_tokens, vocab], when asked for.
-    prompt_logits: torch.Tensor | None = None
-    finish_reason: FinishReason | None = None  # set once the request is done
-
-    @property
-    def num_computed(self) -> int:
-        """Tokens whose K/V are in the cache (the newest sampled token is not yet)."""
-        return len(self.prompt_token_ids) + len(self.output) - 1
+# The Engine's `KvLayout.model`. Its prefix cache is private to the process, so its block
+# hashes chain from `DEFAULT_ROOT` (as `block_hashes` does by default), not a layout root.
+ENGINE_IDENTITY = "qwen3-vl/offline-engine"
 
 
 class Engine:
@@ -105,29 +92,20 @@ class Engine:
         device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
-        self.model = text_model
         self.vision = vision
         self.processor = processor
-        self.device = torch.device(device)
-        self.block_size = block_size
         self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
-        t = config.text
-        self.kv = PagedKvCache(
-            KvCacheSpec(
-                num_layers=t.num_hidden_layers,
-                num_kv_heads=t.num_key_value_heads,
-                head_dim=t.head_dim,
-                block_size=block_size,
-                dtype=text_model.dtype,
-                num_blocks=num_blocks,
-            ),
-            self.device,
+        # The language model, its KV cache, block pool and sampler: the workers' runner.
+        self.runner = LmRunner(
+            config,
+            text_model,
+            identity=ENGINE_IDENTITY,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            prefill_chunk=prefill_chunk,
+            device=device,
+            root=DEFAULT_ROOT,
         )
-        self.pool = BlockPool(num_blocks, record_events=False)
-        self.sampler = Sampler()
-        self.stop = StopChecker(frozenset(config.eos_token_ids))
-        self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(
@@ -158,6 +136,40 @@ class Engine:
             device=device,
         )
 
+    # The runner's parts, under the names the Engine always had.
+
+    @property
+    def model(self) -> TextModel:
+        return self.runner.model
+
+    @property
+    def kv(self) -> PagedKvCache:
+        return self.runner.kv
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.runner.pool
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.runner.sampler
+
+    @property
+    def stop(self) -> StopChecker:
+        return self.runner.stop
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.runner.prefill_chunk
+
     # ------------------------------------------------------------------ encode / prefill
 
     def process(
@@ -187,15 +199,7 @@ class Engine:
         self, prompt_token_ids: Sequence[int], params: MultimodalParams
     ) -> MropePositions:
         """mRoPE positions of a prompt (see `rope.prompt_positions`)."""
-        merge = self.config.vision.spatial_merge_size
-        return prompt_positions(len(prompt_token_ids), params.items, merge)
-
-    def _hashes(self, prompt_token_ids: Sequence[int], params: MultimodalParams) -> list[bytes]:
-        try:
-            return block_hashes(prompt_token_ids, self.block_size, params)
-        except ValueError:
-            logger.warning("prompt layout cannot be hashed; computing it without prefix reuse")
-            return []
+        return self.runner.positions(len(prompt_token_ids), params)
 
     def prefill(
         self,
@@ -208,96 +212,29 @@ class Engine:
     ) -> RunningSequence:
         """Compute a prompt (reusing cached prefix blocks) and sample its first token.
 
-        The returned sequence owns its blocks; pass it to `decode_step`, then `release`.
-        With `keep_logits` it also holds the logits of every computed prompt token.
-        Raises `NoFreeBlocksError` when the pool cannot hold prompt + `max_tokens`.
+        The returned sequence owns blocks for prompt + `max_tokens`; pass it to
+        `decode_step`, then `release`. With `keep_logits` it also holds the logits of every
+        computed prompt token. Raises `NoFreeBlocksError` when the pool cannot hold them.
         """
-        tokens = list(prompt_token_ids)
-        n = len(tokens)
-        if n == 0:
-            raise ValueError("empty prompt")
-        hashes = self._hashes(tokens, params) if use_prefix_cache else []
-        cached = self.pool.find_cached_prefix(hashes)[: (n - 1) // self.block_size]
-        total_blocks = -(-(n + sampling.max_tokens) // self.block_size)
-        self.pool.acquire(cached)
-        try:
-            blocks = cached + self.pool.allocate(total_blocks - len(cached))
-        except Exception:
-            self.pool.release(cached)
-            raise
-        start = len(cached) * self.block_size
-        positions = self.positions(tokens, params)
-        try:
-            logits = self.model.prefill(
-                self.kv.buffer,
-                torch.tensor(blocks, device=self.device),
-                torch.tensor(tokens, device=self.device),
-                positions.positions.to(self.device),
-                start=start,
-                items=params.items,
-                embeddings=params.embeddings,
-                chunk_size=self.prefill_chunk,
-                all_logits=keep_logits,
-            )
-        except Exception:
-            self.pool.release(blocks)
-            raise
-        full = n // self.block_size
-        if hashes and full > len(cached):
-            self.pool.cache_blocks(blocks[len(cached) : full], hashes[len(cached) : full])
-        seq = RunningSequence(
-            request_id=next(self._ids),
-            prompt_token_ids=tokens,
-            sampling=sampling,
-            generator=make_generator(sampling.seed, self.device),
-            blocks=blocks,
-            mrope_delta=positions.delta,
-            cached_tokens=start,
-            prompt_logits=logits if keep_logits else None,
+        hashes = self.runner.hashes(prompt_token_ids, params) if use_prefix_cache else None
+        return self.runner.prefill(
+            prompt_token_ids,
+            params,
+            sampling,
+            hashes=hashes,
+            total_tokens=len(prompt_token_ids) + sampling.max_tokens,
+            keep_logits=keep_logits,
         )
-        last = logits[-1:] if keep_logits else logits.unsqueeze(0)
-        self._append(seq, self.sampler.sample(last, [sampling], [seq.generator]))
-        logger.debug("request %d: prefilled %d tokens (%d cached)", seq.request_id, n, start)
-        return seq
 
     # -------------------------------------------------------------------------- decode
 
     def decode_step(self, seqs: Sequence[RunningSequence]) -> None:
         """Feed each unfinished sequence its newest token and sample the next, in one forward."""
-        live = [s for s in seqs if s.finish_reason is None]
-        if not live:
-            return
-        width = max(len(s.blocks) for s in live)
-        tables = torch.zeros(len(live), width, dtype=torch.long)
-        for i, s in enumerate(live):
-            tables[i, : len(s.blocks)] = torch.tensor(s.blocks)
-        seq_lens = torch.tensor([s.num_computed + 1 for s in live])
-        deltas = torch.tensor([s.mrope_delta for s in live])
-        logits = self.model.decode(
-            self.kv.buffer,
-            tables.to(self.device),
-            torch.tensor([s.output[-1] for s in live], device=self.device),
-            decode_positions(seq_lens - 1, deltas).to(self.device),
-            seq_lens.to(self.device),
-        )
-        self._append_batch(live, logits)
-
-    def _append_batch(self, live: Sequence[RunningSequence], logits: torch.Tensor) -> None:
-        tokens = self.sampler.sample(
-            logits, [s.sampling for s in live], [s.generator for s in live]
-        ).tolist()
-        for s, token in zip(live, tokens, strict=True):
-            self._append(s, token)
-
-    def _append(self, seq: RunningSequence, token: int | torch.Tensor) -> None:
-        token_id = int(token.reshape(-1)[0]) if isinstance(token, torch.Tensor) else int(token)
-        seq.output.append(token_id)
-        seq.finish_reason = self.stop.check(seq.sampling, token_id, len(seq.output))
+        self.runner.decode_step(seqs)
 
     def release(self, seq: RunningSequence) -> None:
         """Give the sequence's blocks back to the pool (cached prompt blocks stay cached)."""
-        self.pool.release(seq.blocks)
-        seq.blocks = []
+        self.runner.release(seq)
 
     # ---------------------------------------------------------------------- front doors
 
@@ -358,18 +295,4 @@ class Engine:
         """Logits `[n, vocab]` over the whole prompt, computed from scratch (no reuse)."""
         processed = self.process(messages, images=images, videos=videos)
         params = self.encode(processed)
-        tokens = processed.prompt_token_ids
-        blocks = self.pool.allocate(-(-len(tokens) // self.block_size))
-        try:
-            return self.model.prefill(
-                self.kv.buffer,
-                torch.tensor(blocks, device=self.device),
-                torch.tensor(tokens, device=self.device),
-                self.positions(tokens, params).positions.to(self.device),
-                items=params.items,
-                embeddings=params.embeddings,
-                chunk_size=self.prefill_chunk,
-                all_logits=True,
-            )
-        finally:
-            self.pool.release(blocks)
+        return self.runner.prompt_logits(processed.prompt_token_ids, params)

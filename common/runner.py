@@ -1,13 +1,14 @@
 """The language-model runner shared by the prefill and decode workers (no vision, no processor).
 
 `LmRunner` owns one worker's `TextModel`, its block-major `PagedKvCache`, the `BlockPool` over
-that cache and a `Sampler`. It does what `common.engine.Engine` does for the language model,
-with the same numerics, so a prefill worker followed by a decode worker produces exactly the
+that cache and a `Sampler`. The offline `common.engine.Engine` runs its language model through
+an `LmRunner` too, so a prefill worker followed by a decode worker produces exactly the
 Engine's tokens:
 
     check_prompt / check_embeddings          -> raise MultimodalLayoutError naming the field
     hashes(tokens, params, salt, lora)       -> block hashes under this runner's root, or None
     prefill(tokens, params, sampling, ...)   -> LmSequence (prefix reuse, first token sampled)
+    prompt_logits(tokens, params)            -> logits of every prompt token (no reuse)
     plan_import(hashes, n, total) / finish_import / abort_import   (decode: KV pulled by NIXL)
     resume(tokens, params, sampling, blocks, first_token) -> LmSequence (decode side)
     decode_step(seqs)                        (one token for every unfinished sequence)
@@ -16,8 +17,10 @@ Engine's tokens:
 Block hashes: every hash is chained from `root = layout_root(kv_layout)`, the root of the
 model identity (config + weight-file digest) and the KV layout, so two workers exchange or
 reuse blocks only when model and layout agree. The router computes the same root from the
-`KvLayout` a worker registers. A prompt whose layout cannot be hashed is *uncacheable*
-(`hashes` returns None): it is computed, never cached, never offered for transfer by hash.
+`KvLayout` a worker registers. (The offline Engine, whose cache is private, passes
+`block_hash.DEFAULT_ROOT` as `root` instead.) A prompt whose layout cannot be hashed is
+*uncacheable* (`hashes` returns None): it is computed, never cached, never offered for
+transfer by hash.
 
 Block ownership: every block id a runner method returns is owned by the caller with one
 reference (`LmSequence.blocks`, `ImportPlan.blocks`) until `release` / `abort_import` or a
@@ -29,84 +32,47 @@ thread), because the pool and the KV buffer are shared by all requests.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import functools
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
-import msgpack
 import torch
 
-from common.block_hash import block_hashes, root_hash
+from common import kv_import, prompt_check
+from common.block_hash import block_hashes
 from common.kv.block_pool import BlockPool, KvEvent
 from common.kv.cache import KvCacheSpec, PagedKvCache
+from common.kv_identity import layout_root, model_identity
+from common.kv_import import ImportPlan, blocks_for
+from common.model_thread import ModelThread
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import MropePositions, decode_positions, prompt_positions
 from common.models.qwen3_vl.text import LM_HEAD, LM_PREFIX, TextModel
-from common.models.qwen3_vl.weights import load_weights, weight_files
-from common.multimodal import MultimodalLayoutError, MultimodalParams
+from common.models.qwen3_vl.weights import load_weights
+from common.multimodal import MultimodalParams
 from common.sampling import FinishReason, Sampler, SamplingParams, StopChecker, make_generator
 from common.wire import element_type
 from epd.v1 import kv_pb2
 
+# Re-exported: workers and tests import these from here.
+__all__ = [
+    "ImportPlan",
+    "LmRunner",
+    "LmSequence",
+    "MissingEmbeddingsError",
+    "ModelThread",
+    "blocks_for",
+    "layout_root",
+    "model_identity",
+]
+
 logger = logging.getLogger(__name__)
-
-_DIGEST_CHUNK = 8 << 20
-
-T = TypeVar("T")
 
 
 class MissingEmbeddingsError(RuntimeError):
     """Prefill needs an item's embeddings (its runs reach past the cached prefix) but the
     request carries none; the caller should encode the item and retry."""
-
-
-def model_identity(path: str | Path, config: Qwen3VLConfig) -> str:
-    """`qwen3-vl/<digest>`: SHA-256 of the canonical config and every weight file's bytes.
-
-    Identical on every machine holding the same checkpoint. Reads each weight file once
-    (about a second per GB); done once per worker start.
-    """
-    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
-    for file in sorted(set(weight_files(path).values())):
-        digest.update(file.name.encode())
-        with file.open("rb") as f:
-            while chunk := f.read(_DIGEST_CHUNK):
-                digest.update(chunk)
-    return f"qwen3-vl/{digest.hexdigest()[:32]}"
-
-
-def layout_root(layout: kv_pb2.KvLayout) -> bytes:
-    """Root block hash of a worker's `KvLayout`: its model identity plus every field that
-    decides the bytes of a block (not `block_bytes`, which follows from them).
-
-    Router, prefill and decode all derive the root this way, so equal layouts give equal
-    hashes and different models or layouts never share a block.
-    """
-    key = msgpack.packb(
-        [
-            layout.layout,
-            int(layout.dtype),
-            layout.block_size,
-            layout.num_layers,
-            layout.num_kv_heads,
-            layout.head_dim,
-        ],
-        use_bin_type=True,
-    )
-    return root_hash(layout.model, key.hex())
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks holding `num_tokens` token slots."""
-    return -(-num_tokens // block_size)
 
 
 @dataclass(slots=True)
@@ -120,21 +86,14 @@ class LmSequence:
     mrope_delta: int  # position offset of tokens after the prompt
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (prefill)
     output: list[int] = field(default_factory=list)  # sampled tokens so far
+    # Logits of the computed prompt tokens [n - cached_tokens, vocab], when asked for.
+    prompt_logits: torch.Tensor | None = None
     finish_reason: FinishReason | None = None  # set once the request is done
 
     @property
     def num_computed(self) -> int:
         """Tokens whose K/V are in the cache (the newest sampled token is not yet)."""
         return len(self.prompt_token_ids) + len(self.output) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class ImportPlan:
-    """Where a pulled prompt's KV goes on the decode side (see `LmRunner.plan_import`)."""
-
-    blocks: list[int]  # block ids for prompt + generation, in order; one reference owned each
-    pull: list[int]  # indices into the prompt's blocks whose bytes must be pulled
-    reused: list[int]  # indices of full prompt blocks found in this runner's prefix cache
 
 
 class LmRunner:
@@ -153,6 +112,7 @@ class LmRunner:
         num_blocks: int = 1024,
         prefill_chunk: int | None = None,
         device: torch.device | str = "cpu",
+        root: bytes | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -191,7 +151,8 @@ class LmRunner:
             layout=spec.layout,
             block_bytes=spec.block_bytes,
         )
-        self.root = layout_root(self.kv_layout)
+        # The hash every block hash chains from; workers always use the layout root.
+        self.root = layout_root(self.kv_layout) if root is None else root
         self.placeholder_ids = frozenset((config.image_token_id, config.video_token_id))
 
     @classmethod
@@ -223,38 +184,14 @@ class LmRunner:
     # ------------------------------------------------------------------- validation, hashing
 
     def check_prompt(self, prompt_token_ids: Sequence[int], params: MultimodalParams) -> None:
-        """Raise `MultimodalLayoutError` naming the field unless the prompt fits this model:
-        non-empty, ids in the vocabulary, placeholders exactly at the runs, mRoPE positions
-        computable from the items' runs and grids. Embeddings are not looked at."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise MultimodalLayoutError("prompt_token_ids", "empty prompt")
-        vocab = self.config.text.vocab_size
-        tokens = torch.as_tensor(list(prompt_token_ids), dtype=torch.long)
-        bad = torch.nonzero((tokens < 0) | (tokens >= vocab)).flatten()
-        if bad.numel():
-            i = int(bad[0])
-            raise MultimodalLayoutError(
-                "prompt_token_ids", f"token {i} (id {int(tokens[i])}) outside vocab [0, {vocab})"
-            )
-        params.check_placeholders(prompt_token_ids, sorted(self.placeholder_ids))
-        try:
-            self.positions(n, params)
-        except ValueError as exc:
-            raise MultimodalLayoutError("items.grid_thw", str(exc)) from None
+        """Raise `MultimodalLayoutError` naming the field unless the prompt fits this model
+        (see `prompt_check.check_prompt`; embeddings are not looked at)."""
+        prompt_check.check_prompt(self.config, prompt_token_ids, params)
 
     def check_embeddings(self, params: MultimodalParams) -> None:
         """Raise `MultimodalLayoutError` unless every attached embedding has the model's
         width and deepstack depth."""
-        width = self.config.text.hidden_size
-        deep = len(self.config.vision.deepstack_visual_indexes)
-        for index, emb in params.embeddings.items():
-            if emb.rows.ndim != 2 or emb.rows.shape[1] != width:
-                raise MultimodalLayoutError("embeddings.rows", f"rows must be [n, {width}]", index)
-            if len(emb.deepstack) != deep:
-                raise MultimodalLayoutError(
-                    "embeddings.deepstack", f"{len(emb.deepstack)} layers, model has {deep}", index
-                )
+        prompt_check.check_embeddings(self.config, params)
 
     def hashes(
         self,
@@ -292,13 +229,15 @@ class LmRunner:
         *,
         hashes: list[bytes] | None,
         total_tokens: int | None = None,
+        keep_logits: bool = False,
     ) -> LmSequence:
         """Compute a prompt (reusing cached prefix blocks) and sample its first token.
 
-        Exactly `Engine.prefill`: the longest cached prefix (at most `(n - 1) // block_size`
-        blocks, so the last token is computed) is acquired, the rest computed, and the new
-        full blocks cached under `hashes` (None: nothing reused or cached). Blocks are taken
-        for `total_tokens` slots (default: the prompt). The sequence owns them. Raises
+        The longest cached prefix (at most `(n - 1) // block_size` blocks, so the last token
+        is computed) is acquired, the rest computed, and the new full blocks cached under
+        `hashes` (None: nothing reused or cached). Blocks are taken for `total_tokens` slots
+        (default: the prompt). The sequence owns them; with `keep_logits` it also holds the
+        logits of every computed prompt token. Raises
         `NoFreeBlocksError` (nothing taken) or `MissingEmbeddingsError` (nothing taken or
         cached) when an item that must be computed has no embeddings.
         """
@@ -323,16 +262,7 @@ class LmRunner:
             raise
         positions = self.positions(n, params)
         try:
-            logits = self.model.prefill(
-                self.kv.buffer,
-                torch.tensor(blocks, device=self.device),
-                torch.tensor(tokens, device=self.device),
-                positions.positions.to(self.device),
-                start=start,
-                items=params.items,
-                embeddings=params.embeddings,
-                chunk_size=self.prefill_chunk,
-            )
+            logits = self._forward(blocks, tokens, positions, params, start, keep_logits)
         except Exception:
             self.pool.release(blocks)
             raise
@@ -346,51 +276,64 @@ class LmRunner:
             blocks=blocks,
             mrope_delta=positions.delta,
             cached_tokens=start,
+            prompt_logits=logits if keep_logits else None,
         )
-        self._append(seq, self.sampler.sample(logits.unsqueeze(0), [sampling], [seq.generator]))
+        last = logits[-1:] if keep_logits else logits.unsqueeze(0)
+        self._append(seq, self.sampler.sample(last, [sampling], [seq.generator]))
         logger.debug("prefilled %d tokens (%d cached)", n, start)
         return seq
+
+    def prompt_logits(
+        self, prompt_token_ids: Sequence[int], params: MultimodalParams
+    ) -> torch.Tensor:
+        """Logits `[n, vocab]` over the whole prompt, computed from scratch into blocks that
+        are given back afterwards (nothing reused or cached). Every item needs embeddings."""
+        tokens = list(prompt_token_ids)
+        blocks = self.pool.allocate(blocks_for(len(tokens), self.block_size))
+        try:
+            positions = self.positions(len(tokens), params)
+            return self._forward(blocks, tokens, positions, params, 0, True)
+        finally:
+            self.pool.release(blocks)
+
+    def _forward(
+        self,
+        blocks: list[int],
+        tokens: list[int],
+        positions: MropePositions,
+        params: MultimodalParams,
+        start: int,
+        all_logits: bool,
+    ) -> torch.Tensor:
+        """One prefill forward over `tokens[start:]` into `blocks`: logits of the computed
+        tokens `[n - start, vocab]` with `all_logits`, else of the last token `[vocab]`."""
+        return self.model.prefill(
+            self.kv.buffer,
+            torch.tensor(blocks, device=self.device),
+            torch.tensor(tokens, device=self.device),
+            positions.positions.to(self.device),
+            start=start,
+            items=params.items,
+            embeddings=params.embeddings,
+            chunk_size=self.prefill_chunk,
+            all_logits=all_logits,
+        )
 
     # ---------------------------------------------------------------------- KV import
 
     def plan_import(
         self, hashes: list[bytes] | None, num_tokens: int, total_tokens: int
     ) -> ImportPlan:
-        """Take blocks for a prompt whose KV is pulled from a prefill worker.
-
-        Full prompt blocks whose hash this pool caches are acquired (reused, not pulled);
-        every other prompt block (the partial last one included) and the generation blocks
-        up to `total_tokens` slots are allocated. The caller owns the plan's blocks and must
-        pass the plan to `finish_import` (after the pull) or `abort_import`. Raises
-        `NoFreeBlocksError` with nothing taken.
+        """Take blocks for a prompt whose KV is pulled from a prefill worker (reusing the full
+        blocks this pool caches; see `kv_import.plan_import`). The caller owns the plan's
+        blocks and must pass the plan to `finish_import` (after the pull) or `abort_import`.
+        Raises `NoFreeBlocksError` with nothing taken.
         """
-        bs = self.block_size
-        prompt_blocks = blocks_for(num_tokens, bs)
-        found = [self.pool.get(h) for h in (hashes or [])]
-        reused = [i for i, b in enumerate(found) if b is not None]
-        self.pool.lookups += len(found)
-        self.pool.hits += len(reused)
-        hit_ids = [b for b in found if b is not None]
-        self.pool.acquire(hit_ids)
-        need = blocks_for(max(total_tokens, num_tokens), bs) - len(hit_ids)
-        try:
-            fresh = iter(self.pool.allocate(need))
-        except Exception:
-            self.pool.release(hit_ids)
-            raise
-        blocks = [b if b is not None else next(fresh) for b in found]
-        blocks.extend(fresh)
-        reused_set = set(reused)
-        pull = [i for i in range(prompt_blocks) if i not in reused_set]
-        return ImportPlan(blocks=blocks, pull=pull, reused=reused)
+        return kv_import.plan_import(self.pool, self.block_size, hashes, num_tokens, total_tokens)
 
     def finish_import(self, plan: ImportPlan, hashes: list[bytes] | None) -> None:
         """Cache the pulled full blocks under their hashes (their bytes are now valid)."""
-        if not hashes:
-            return
-        full = [i for i in plan.pull if i < len(hashes)]
-        if full:
-            self.pool.cache_blocks([plan.blocks[i] for i in full], [hashes[i] for i in full])
+        kv_import.finish_import(self.pool, plan, hashes)
 
     def abort_import(self, plan: ImportPlan) -> None:
         """Give back every block of a plan whose pull failed or was cancelled."""
@@ -478,48 +421,3 @@ class LmRunner:
             self._cached.clear()
         for listener in self.event_listeners:
             listener(event)
-
-
-class ModelThread:
-    """The one thread that runs every call into a runner, in submission order.
-
-    Servers await `call` so the event loop stays responsive while the model runs. A call
-    whose awaiting task is cancelled still runs to completion on the thread (torch cannot be
-    interrupted); `on_orphan(result)` then receives what it returned, so blocks it took can
-    be given back (schedule that with `submit`, it runs on this thread too).
-    """
-
-    def __init__(self, name: str = "epd-model") -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-
-    async def call(
-        self,
-        fn: Callable[..., T],
-        *args: Any,
-        on_orphan: Callable[[T], object] | None = None,
-        **kwargs: Any,
-    ) -> T:
-        """Run `fn(*args, **kwargs)` on the model thread and return its result."""
-        future = asyncio.get_running_loop().run_in_executor(
-            self._executor, functools.partial(fn, *args, **kwargs)
-        )
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            if on_orphan is not None:
-                orphan = on_orphan
-
-                def done(f: asyncio.Future[T]) -> None:
-                    if not f.cancelled() and f.exception() is None:
-                        orphan(f.result())
-
-                future.add_done_callback(done)
-            raise
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """Queue `fn(*args)` without waiting (cleanup from callbacks)."""
-        return self._executor.submit(fn, *args)
-
-    def close(self) -> None:
-        """Finish queued calls and stop the thread."""
-        self._executor.shutdown(wait=True)

@@ -1,0 +1,62 @@
+"""The single executor thread every call into a worker's `LmRunner` runs on.
+
+The runner is not thread-safe (its pool and KV buffer are shared by all requests), so the
+workers serialize every call through one `ModelThread`; awaiting `call` keeps their event
+loops responsive while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ModelThread:
+    """The one thread that runs every call into a runner, in submission order.
+
+    Servers await `call` so the event loop stays responsive while the model runs. A call
+    whose awaiting task is cancelled still runs to completion on the thread (torch cannot be
+    interrupted); `on_orphan(result)` then receives what it returned, so blocks it took can
+    be given back (schedule that with `submit`, it runs on this thread too).
+    """
+
+    def __init__(self, name: str = "epd-model") -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def call(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        on_orphan: Callable[[T], object] | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """Run `fn(*args, **kwargs)` on the model thread and return its result."""
+        future = asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(fn, *args, **kwargs)
+        )
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if on_orphan is not None:
+                orphan = on_orphan
+
+                def done(f: asyncio.Future[T]) -> None:
+                    if not f.cancelled() and f.exception() is None:
+                        orphan(f.result())
+
+                future.add_done_callback(done)
+            raise
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Queue `fn(*args)` without waiting (cleanup from callbacks)."""
+        return self._executor.submit(fn, *args)
+
+    def close(self) -> None:
+        """Finish queued calls and stop the thread."""
+        self._executor.shutdown(wait=True)

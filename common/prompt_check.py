@@ -1,0 +1,55 @@
+"""Checks that a request's prompt and embeddings fit a model, before any block is taken.
+
+Each raises `MultimodalLayoutError` naming the offending field (and item), so a worker can
+reject the request with a precise message; `LmRunner.check_prompt` / `check_embeddings` are
+the entry points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from common.models.qwen3_vl.config import Qwen3VLConfig
+from common.models.qwen3_vl.rope import prompt_positions
+from common.multimodal import MultimodalLayoutError, MultimodalParams
+
+
+def check_prompt(
+    config: Qwen3VLConfig, prompt_token_ids: Sequence[int], params: MultimodalParams
+) -> None:
+    """Raise unless the prompt is non-empty, its ids are in the vocabulary, placeholders sit
+    exactly at the runs, and mRoPE positions are computable from the items' runs and grids.
+    Embeddings are not looked at."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise MultimodalLayoutError("prompt_token_ids", "empty prompt")
+    vocab = config.text.vocab_size
+    tokens = torch.as_tensor(list(prompt_token_ids), dtype=torch.long)
+    bad = torch.nonzero((tokens < 0) | (tokens >= vocab)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise MultimodalLayoutError(
+            "prompt_token_ids", f"token {i} (id {int(tokens[i])}) outside vocab [0, {vocab})"
+        )
+    params.check_placeholders(
+        prompt_token_ids, sorted({config.image_token_id, config.video_token_id})
+    )
+    try:
+        prompt_positions(n, params.items, config.vision.spatial_merge_size)
+    except ValueError as exc:
+        raise MultimodalLayoutError("items.grid_thw", str(exc)) from None
+
+
+def check_embeddings(config: Qwen3VLConfig, params: MultimodalParams) -> None:
+    """Raise unless every attached embedding has the model's width and deepstack depth."""
+    width = config.text.hidden_size
+    deep = len(config.vision.deepstack_visual_indexes)
+    for index, emb in params.embeddings.items():
+        if emb.rows.ndim != 2 or emb.rows.shape[1] != width:
+            raise MultimodalLayoutError("embeddings.rows", f"rows must be [n, {width}]", index)
+        if len(emb.deepstack) != deep:
+            raise MultimodalLayoutError(
+                "embeddings.deepstack", f"{len(emb.deepstack)} layers, model has {deep}", index
+            )
