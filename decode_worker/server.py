@@ -18,13 +18,13 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from common.models.tiny import default_checkpoint
-from common.rpc import PROTOCOL_VERSION, Registrar, WorkerLifecycle, service_name, start_server
+from common.rpc import WorkerLifecycle, service_name, start_server
 from common.runner import LmRunner, ModelThread
 from common.transfer import TransferAgent
+from common.worker_server import Cleanup, WorkerServer, adopt, register_kv_worker
 from decode_worker.service import DecodeServicer
 from decode_worker.settings import DecodeSettings
 from epd.v1 import decode_service_pb2, decode_service_pb2_grpc, registry_service_pb2
-from prefill_worker.server import Cleanup, WorkerServer, adopt
 
 logger = logging.getLogger(__name__)
 
@@ -77,22 +77,14 @@ async def serve(
         raise
     servicer.batcher.start()
     address = settings.advertise_address or running.address
-    registrar = None
-    if settings.router_address:
-        registrar = Registrar(
-            settings.router_address,
-            registry_service_pb2.WorkerInfo(
-                role=registry_service_pb2.WORKER_ROLE_DECODE,
-                address=address,
-                model=runner.identity,
-                kv_layout=runner.kv_layout,
-                protocol_version=PROTOCOL_VERSION,
-                capabilities=["nixl"],
-                name=settings.name,
-            ),
-            servicer.load,
-        )
-        registrar.start()
+    registrar = register_kv_worker(
+        settings.router_address,
+        role=registry_service_pb2.WORKER_ROLE_DECODE,
+        address=address,
+        runner=runner,
+        name=settings.name,
+        load=servicer.load,
+    )
 
     async def close() -> None:
         await servicer.close()

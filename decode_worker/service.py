@@ -29,18 +29,18 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from tokenizers import Tokenizer
 
 from common.kv.block_pool import NoFreeBlocksError
 from common.multimodal import MultimodalParams
-from common.rpc import RpcStatusError, WorkerLifecycle, channel, rpc_errors
+from common.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
 from common.runner import ImportPlan, LmRunner, LmSequence, ModelThread
 from common.sampling import SamplingParams
 from common.transfer import TransferAgent, TransferTimeoutError
 from common.wire import sampling_from_proto
+from common.worker_server import PeerCalls, kv_load
 from decode_worker.batcher import DecodeBatcher
 from decode_worker.detok import IncrementalDetokenizer
 from decode_worker.kv_import import check_handle, pull
@@ -102,8 +102,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.counters = DecodeCounters()
         self.active = 0  # Decode RPCs in flight
         self._slots = asyncio.Semaphore(max_batch)
-        self._channels: dict[str, Any] = {}  # holder address -> grpc.aio channel
-        self._releases: set[asyncio.Task[None]] = set()
+        self._peers = PeerCalls()  # ReleaseKv calls to prefill workers
         agent.register(runner.kv.buffer)
 
     # -------------------------------------------------------------------------- Decode
@@ -301,17 +300,12 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             if not address or not lease_id:
                 logger.warning("KV handle names no holder or lease; the lease will expire")
                 return
-            task = asyncio.create_task(self._release(address, lease_id))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self._peers.spawn(self._release(address, lease_id))
 
         return release
 
     async def _release(self, address: str, lease_id: str) -> None:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = channel(address)
-        stub = prefill_service_pb2_grpc.PrefillServiceStub(ch)
+        stub = prefill_service_pb2_grpc.PrefillServiceStub(self._peers.channel(address))
         try:
             await stub.ReleaseKv(
                 prefill_service_pb2.ReleaseKvRequest(lease_id=lease_id),
@@ -323,22 +317,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
     async def close(self) -> None:
         """Stop the decode loop (freeing running sequences), finish releases, close channels."""
         await self.batcher.stop()
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._peers.close()
 
     # --------------------------------------------------------------------------- load
 
     def load(self) -> registry_service_pb2.WorkerLoad:
         """Heartbeat load: streams in flight, KV blocks, prefix-cache hits and lookups."""
-        pool = self.runner.pool
-        return registry_service_pb2.WorkerLoad(
-            active_requests=self.active,
-            kv_blocks_used=pool.num_used_blocks,
-            kv_blocks_free=pool.num_free_blocks,
-            cache_hits=pool.hits,
-            cache_lookups=pool.lookups,
-            draining=self.lifecycle.draining,
-        )
+        return kv_load(self.runner, self.active, self.lifecycle)

@@ -13,63 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from common.models.tiny import default_checkpoint
-from common.rpc import (
-    PROTOCOL_VERSION,
-    Registrar,
-    RunningServer,
-    WorkerLifecycle,
-    service_name,
-    start_server,
-)
+from common.rpc import WorkerLifecycle, service_name, start_server
 from common.runner import LmRunner, ModelThread
 from common.transfer import TransferAgent
+from common.worker_server import Cleanup, WorkerServer, adopt, register_kv_worker
 from epd.v1 import prefill_service_pb2, prefill_service_pb2_grpc, registry_service_pb2
 from prefill_worker.service import PrefillServicer
 from prefill_worker.settings import PrefillSettings
 
 logger = logging.getLogger(__name__)
-
-Cleanup = Callable[[], Awaitable[None]]
-
-
-@dataclass(slots=True, eq=False)
-class WorkerServer(RunningServer):
-    """A worker's running gRPC server plus what must stop with it (see the module docstring).
-
-    `servicer` exposes the worker's counters; `registrar` is None without a router.
-    """
-
-    lifecycle: WorkerLifecycle = field(default_factory=WorkerLifecycle)  # drain / state
-    servicer: Any = None  # the role servicer (counters, runner)
-    registrar: Registrar | None = None  # router registration, when configured
-    cleanup: list[Cleanup] = field(default_factory=list)  # run in order after gRPC stops
-
-    async def stop(self, grace_s: float | None = 5.0) -> None:
-        """Stop gRPC (RPCs past `grace_s` are cancelled), then every cleanup step."""
-        if self.stopped:
-            return
-        await RunningServer.stop(self, grace_s)
-        for step in self.cleanup:
-            try:
-                await step()
-            except Exception:
-                logger.exception("prefill worker cleanup step failed")
-
-
-def adopt(running: RunningServer, **extra: Any) -> WorkerServer:
-    """A `WorkerServer` taking over a started `RunningServer`."""
-    return WorkerServer(
-        server=running.server,
-        health=running.health,
-        address=running.address,
-        service_names=running.service_names,
-        **extra,
-    )
 
 
 async def serve(
@@ -120,22 +76,14 @@ async def serve(
         raise
     servicer.holder_address = settings.advertise_address or running.address
     reaper = asyncio.create_task(servicer.reap_leases(), name="epd-lease-reaper")
-    registrar = None
-    if settings.router_address:
-        registrar = Registrar(
-            settings.router_address,
-            registry_service_pb2.WorkerInfo(
-                role=registry_service_pb2.WORKER_ROLE_PREFILL,
-                address=servicer.holder_address,
-                model=runner.identity,
-                kv_layout=runner.kv_layout,
-                protocol_version=PROTOCOL_VERSION,
-                capabilities=["nixl"],
-                name=settings.name,
-            ),
-            servicer.load,
-        )
-        registrar.start()
+    registrar = register_kv_worker(
+        settings.router_address,
+        role=registry_service_pb2.WORKER_ROLE_PREFILL,
+        address=servicer.holder_address,
+        runner=runner,
+        name=settings.name,
+        load=servicer.load,
+    )
 
     async def stop_reaper() -> None:
         reaper.cancel()

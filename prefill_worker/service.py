@@ -31,10 +31,11 @@ import grpc
 import torch
 
 from common.multimodal import MultimodalLayoutError
-from common.rpc import RpcStatusError, WorkerLifecycle, channel, rpc_errors
+from common.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
 from common.runner import LmRunner, LmSequence, MissingEmbeddingsError, ModelThread, blocks_for
 from common.transfer import TransferAgent, TransferError, read_tensor
 from common.wire import sampling_from_proto, torch_dtype
+from common.worker_server import PeerCalls, kv_load
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -77,8 +78,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.hub = KvEventHub(runner)
         self.embedding_pull_timeout_s = embedding_pull_timeout_s
         self.release_timeout_s = release_timeout_s  # deadline of ReleaseEmbeddings calls
-        self._channels: dict[str, Any] = {}  # encoder address -> grpc.aio channel
-        self._background: set[asyncio.Task[None]] = set()  # ReleaseEmbeddings in flight
+        self._peers = PeerCalls()  # ReleaseEmbeddings calls to encoders
         # gRPC address of this worker, put in handles for ReleaseKv; set once bound.
         self.holder_address = ""
         self.active = 0  # Prefill RPCs in flight
@@ -208,15 +208,10 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             else:
                 logger.debug("embedding lease %s has no holder address; it will expire", lease_id)
         for address, leases in by_holder.items():
-            task = asyncio.create_task(self._release_on(address, leases))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._peers.spawn(self._release_on(address, leases))
 
     async def _release_on(self, address: str, lease_ids: list[str]) -> None:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = channel(address)
-        stub = encoder_service_pb2_grpc.EncoderServiceStub(ch)
+        stub = encoder_service_pb2_grpc.EncoderServiceStub(self._peers.channel(address))
         try:
             await stub.ReleaseEmbeddings(
                 encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=lease_ids),
@@ -232,11 +227,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
 
     async def close(self) -> None:
         """Finish background releases and close their channels (shutdown)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._peers.close()
 
     def _handle(self, seq: LmSequence, hashes: list[bytes], lease_id: str) -> kv_pb2.KvHandle:
         n = len(seq.prompt_token_ids)
@@ -316,15 +307,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
 
     def load(self) -> registry_service_pb2.WorkerLoad:
         """Heartbeat load: requests in flight, KV blocks, prefix-cache hits and lookups."""
-        pool = self.runner.pool
-        return registry_service_pb2.WorkerLoad(
-            active_requests=self.active,
-            kv_blocks_used=pool.num_used_blocks,
-            kv_blocks_free=pool.num_free_blocks,
-            cache_hits=pool.hits,
-            cache_lookups=pool.lookups,
-            draining=self.lifecycle.draining,
-        )
+        return kv_load(self.runner, self.active, self.lifecycle)
 
     def counters(self) -> dict[str, Any]:
         """Counters for tests and logs."""

@@ -32,6 +32,7 @@ from common.rpc import PROTOCOL_VERSION, channel, start_server
 from common.runner import blocks_for, layout_root
 from common.sampling import SamplingParams
 from common.wire import params_to_proto, sampling_to_proto
+from common.worker_server import WorkerServer
 from decode_worker.server import serve as serve_decode
 from decode_worker.settings import DecodeSettings
 from epd.v1 import (
@@ -42,7 +43,6 @@ from epd.v1 import (
     registry_service_pb2,
     registry_service_pb2_grpc,
 )
-from prefill_worker.server import WorkerServer
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
 

@@ -17,6 +17,7 @@ from common.multimodal import MultimodalParams
 from common.rpc import channel, start_server
 from common.runner import blocks_for
 from common.transfer import TransferAgent, handle_for
+from common.worker_server import WorkerServer
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -26,7 +27,6 @@ from epd.v1 import (
     prefill_service_pb2_grpc,
 )
 from prefill_worker.__main__ import parse
-from prefill_worker.server import WorkerServer
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
 from tests.test_kv_handoff import (
