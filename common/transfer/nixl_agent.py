@@ -18,6 +18,9 @@ Thread safety: all public methods may be called from several threads (servers ca
 and the nixl agent is created with NIXL_THREAD_SYNC_STRICT. Neither `close()` nor
 `deregister(region)` may race with a read in flight that touches the region; stop those reads
 first.
+
+Split: value types and errors live in `types`, region lookup in `regions`, transfer polling
+in `polling`; they are re-exported here and from `common.transfer`.
 """
 
 from __future__ import annotations
@@ -28,65 +31,51 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
+from common.transfer.polling import post_and_wait
 from common.transfer.ranges import (
-    ByteRange,
-    RangeArray,
     Ranges,
     check_pair_lists,
     check_pairs,
     merge_range_arrays,
     merge_range_lists,
 )
+from common.transfer.regions import (
+    RegisteredRegion,
+    desc_array,
+    local_regions_of,
+    local_regions_small,
+    tensor_memory,
+)
+from common.transfer.types import (
+    DEVICE_MEMORY,
+    HOST_MEMORY,
+    TransferError,
+    TransferStats,
+    TransferTimeoutError,
+    UnknownPeerError,
+)
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "DEVICE_MEMORY",
+    "HOST_MEMORY",
+    "RegisteredRegion",
+    "TransferAgent",
+    "TransferError",
+    "TransferStats",
+    "TransferTimeoutError",
+    "UnknownPeerError",
+    "tensor_memory",
+]
+
 # Reads with at most this many ranges (given as sequences) take the plain-Python path.
 _SMALL_READ: Final = 64
-
-# NIXL memory segment names.
-HOST_MEMORY: Final = "DRAM"
-DEVICE_MEMORY: Final = "VRAM"
-
-# Waiting for a transfer: spin on the status this long first (small transfers finish within
-# microseconds, and a sleep on a busy machine can cost a whole scheduler slice), then sleep
-# with back-off: first sleep, growth factor, ceiling (seconds). The ceiling stays well under
-# one large transfer's time so polling adds little latency.
-_SPIN_S: Final = 100e-6
-_POLL_FIRST_S: Final = 20e-6
-_POLL_GROWTH: Final = 2.0
-_POLL_MAX_S: Final = 200e-6
-
-
-class TransferError(RuntimeError):
-    """A NIXL transfer could not be created, failed, or was refused."""
-
-
-class TransferTimeoutError(TransferError, TimeoutError):
-    """A transfer did not complete within its timeout.
-
-    `cancelled` is True when NIXL released (cancelled) the handle. When False the handle is
-    parked and retried later, and the transfer may still write the local ranges: keep that
-    memory allocated and registered.
-    """
-
-    def __init__(self, message: str, cancelled: bool = False) -> None:
-        super().__init__(message)
-        # True when NIXL cancelled and released the transfer.
-        self.cancelled = cancelled
-
-
-class UnknownPeerError(TransferError, KeyError):
-    """A read named a peer whose metadata was never loaded with `add_peer`."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else "unknown peer"
 
 
 def _import_nixl() -> Any:
@@ -106,56 +95,6 @@ def _import_nixl() -> Any:
             "NIXL is not installed: install the 'nixl-cu12' (or 'nixl') package to move KV "
             "blocks and tensors between workers"
         ) from exc
-
-
-@dataclass(frozen=True, slots=True)
-class RegisteredRegion:
-    """A memory range registered with this process's NIXL agent."""
-
-    # Start address in this process.
-    address: int
-    # Length in bytes.
-    nbytes: int
-    # NIXL segment: "DRAM" (host) or "VRAM" (device).
-    memory: str
-    # CUDA device ordinal for device memory; 0 for host memory.
-    device_id: int
-    # The registered tensor, held so its memory outlives the registration.
-    tensor: torch.Tensor = field(repr=False, compare=False)
-    # NIXL's registration list, needed to deregister.
-    _reg_descs: Any = field(repr=False, compare=False)
-
-    def contains(self, address: int, nbytes: int) -> bool:
-        """True if [address, address + nbytes) lies inside this region."""
-        return self.address <= address and address + nbytes <= self.address + self.nbytes
-
-
-@dataclass(frozen=True, slots=True)
-class TransferStats:
-    """What one READ moved and how long it took."""
-
-    # Bytes moved.
-    nbytes: int
-    # Descriptors posted to NIXL, after merging.
-    descriptors: int
-    # Ranges the caller asked for, before merging.
-    requested: int
-    # Wall time from building descriptors to completion, in seconds.
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        """Throughput in GB/s (10^9 bytes per second)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-def tensor_memory(tensor: torch.Tensor) -> tuple[str, int]:
-    """NIXL segment name and device ordinal for a tensor's storage."""
-    if tensor.device.type == "cpu":
-        return HOST_MEMORY, 0
-    if tensor.device.type == "cuda":
-        return DEVICE_MEMORY, tensor.device.index or 0
-    raise ValueError(f"NIXL cannot register memory on device {tensor.device}")
 
 
 class TransferAgent:
@@ -218,9 +157,7 @@ class TransferAgent:
                         f"tensor at {address:#x}+{nbytes} overlaps registered region "
                         f"{region.address:#x}+{region.nbytes}"
                     )
-            reg_descs = self._agent.get_reg_descs(
-                [(address, nbytes, device_id, "")], memory
-            )
+            reg_descs = self._agent.get_reg_descs([(address, nbytes, device_id, "")], memory)
             try:
                 self._agent.register_memory(reg_descs)
             except Exception as exc:
@@ -359,9 +296,13 @@ class TransferAgent:
                     f"unknown NIXL peer {peer!r}: call add_peer with its metadata first"
                 )
             if small:
-                ids, local_memory, local_device = self._local_regions_small(l_list)
+                ids, local_memory, local_device = local_regions_small(
+                    self._regions, l_list, self.name
+                )
             else:
-                region_ids, local_memory, local_device = self._local_regions_of(loc)
+                region_ids, local_memory, local_device = local_regions_of(
+                    self._regions, loc, self.name
+                )
             self._retry_leaked()
         if small:
             if merge:
@@ -373,11 +314,9 @@ class TransferAgent:
         else:
             merged_r, merged_l = r, loc
         remote_descs = self._agent.get_xfer_descs(
-            _desc_array(merged_r, remote_device_id), remote_memory
+            desc_array(merged_r, remote_device_id), remote_memory
         )
-        local_descs = self._agent.get_xfer_descs(
-            _desc_array(merged_l, local_device), local_memory
-        )
+        local_descs = self._agent.get_xfer_descs(desc_array(merged_l, local_device), local_memory)
         try:
             handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer)
         except Exception as exc:
@@ -396,7 +335,11 @@ class TransferAgent:
         )
         logger.debug(
             "%s read %d bytes from %s in %d descriptors (%d asked) in %.3f ms",
-            self.name, stats.nbytes, peer, stats.descriptors, stats.requested,
+            self.name,
+            stats.nbytes,
+            peer,
+            stats.descriptors,
+            stats.requested,
             stats.seconds * 1e3,
         )
         return stats
@@ -431,32 +374,16 @@ class TransferAgent:
     def _post_and_wait(
         self, handle: Any, peer: str, nbytes: int, timeout_s: float, started: float
     ) -> None:
-        """Post a prepared transfer and poll it; always releases the handle."""
-        done = False
-        timed_out: TransferTimeoutError | None = None
+        """Post a prepared transfer and poll it (`post_and_wait`); always releases the handle."""
         try:
-            state = self._agent.transfer(handle)
-            sleep_s = _POLL_FIRST_S
-            deadline = started + timeout_s
-            spin_until = time.perf_counter() + _SPIN_S
-            while state == "PROC" and time.perf_counter() < spin_until:
-                state = self._agent.check_xfer_state(handle)
-            while state == "PROC":
-                if time.perf_counter() >= deadline:
-                    timed_out = TransferTimeoutError(
-                        f"READ of {nbytes} bytes from {peer!r} timed out after {timeout_s} s"
-                    )
-                    raise timed_out
-                time.sleep(sleep_s)
-                sleep_s = min(sleep_s * _POLL_GROWTH, _POLL_MAX_S)
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed (state {state})")
-            done = True
-        finally:
-            released = self._release(handle, done)
-            if timed_out is not None:
-                timed_out.cancelled = released
+            post_and_wait(self._agent, handle, peer, nbytes, timeout_s, started)
+        except TransferTimeoutError as exc:
+            exc.cancelled = self._release(handle, False)
+            raise
+        except BaseException:
+            self._release(handle, False)
+            raise
+        self._release(handle, True)
 
     def _release(self, handle: Any, done: bool) -> bool:
         """Release a transfer handle; park it if NIXL refuses. True if released."""
@@ -467,7 +394,8 @@ class TransferAgent:
             # NIXL refuses to release a transfer it cannot cancel; keep it and retry later.
             logger.warning(
                 "%s could not release %s transfer handle; will retry",
-                self.name, "a finished" if done else "an unfinished",
+                self.name,
+                "a finished" if done else "an unfinished",
             )
             with self._lock:
                 self._leaked.append(handle)
@@ -482,57 +410,6 @@ class TransferAgent:
             except Exception:
                 still.append(handle)
         self._leaked = still
-
-    def _local_regions_small(self, local: list[ByteRange]) -> tuple[list[int], str, int]:
-        """`_local_regions_of` in plain Python for a few ranges. Caller holds the lock."""
-        ids: list[int] = []
-        for i, (address, nbytes) in enumerate(local):
-            for j, region in enumerate(self._regions):
-                if region.contains(address, nbytes):
-                    ids.append(j)
-                    break
-            else:
-                raise ValueError(
-                    f"local range {i} ({address:#x}+{nbytes}) is not inside memory registered "
-                    f"with {self.name}; register the destination buffer first"
-                )
-        kinds = {(self._regions[j].memory, self._regions[j].device_id) for j in set(ids)}
-        if len(kinds) != 1:
-            raise ValueError(f"local ranges span several memories {sorted(kinds)}; split the read")
-        memory, device = kinds.pop()
-        return ids, memory, device
-
-    def _local_regions_of(
-        self, local: RangeArray
-    ) -> tuple[npt.NDArray[np.int64], str, int]:
-        """Index of the registered region holding each local range, plus the segment and
-        device they share. Raises ValueError if a range is unregistered or they mix memories.
-        Caller holds the lock.
-        """
-        if not self._regions:
-            raise ValueError(f"no memory is registered with {self.name}; register the "
-                             "destination buffer first")
-        by_start = sorted(range(len(self._regions)), key=lambda i: self._regions[i].address)
-        starts = np.array([self._regions[i].address for i in by_start], dtype=np.int64)
-        ends = starts + np.array([self._regions[i].nbytes for i in by_start], dtype=np.int64)
-        # Regions never overlap, so the candidate is the last one starting at or below.
-        idx = np.searchsorted(starts, local[:, 0], side="right") - 1
-        inside = (idx >= 0) & (local[:, 0] + local[:, 1] <= ends[np.maximum(idx, 0)])
-        bad = np.flatnonzero(~inside)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"local range {i} ({local[i, 0]:#x}+{local[i, 1]}) is not inside memory "
-                f"registered with {self.name}; register the destination buffer first"
-            )
-        kinds = {
-            (self._regions[by_start[i]].memory, self._regions[by_start[i]].device_id)
-            for i in np.unique(idx).tolist()
-        }
-        if len(kinds) != 1:
-            raise ValueError(f"local ranges span several memories {sorted(kinds)}; split the read")
-        memory, device = kinds.pop()
-        return idx.astype(np.int64), memory, device
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -568,11 +445,3 @@ class TransferAgent:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"NIXL agent {self.name} is closed")
-
-
-def _desc_array(ranges: RangeArray, device_id: int) -> npt.NDArray[np.uint64]:
-    """Nx3 uint64 (address, length, device) rows: NIXL's fastest descriptor-list input."""
-    arr = np.empty((len(ranges), 3), dtype=np.uint64)
-    arr[:, :2] = ranges
-    arr[:, 2] = device_id
-    return arr
