@@ -8,22 +8,24 @@
     epd config --print-defaults | --check FILE | --markdown           the config file
 
 Every command but `serve` and `config` talks to a running router (`--address`, default
-127.0.0.1:50051, or $EPD_ROUTER). This module is the only place in `epd` that prints;
-the library code it calls logs.
+127.0.0.1:50051, or $EPD_ROUTER). `serve` is in `epd.cli_serve`, `scale`/`status`/`drain` in
+`epd.cli_admin`; they print through `epd.console`, the library code they call logs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from epd.cli_admin import cmd_drain, cmd_scale, cmd_status
+from epd.cli_serve import cmd_serve
+from epd.console import say as _say
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
@@ -176,106 +178,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
-# ----------------------------------------------------------------------------------- serve
-
-
-def cmd_serve(settings: Any) -> int:
-    """Start (or join) Ray, run the deployment until SIGINT/SIGTERM, then stop it cleanly."""
-    import logging
-
-    from epd.pools import init_ray
-
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    _prepare_checkpoint(settings)
-    started = time.monotonic()
-    if settings.ray.address:
-        _say(f"joining the Ray cluster at {settings.ray.address}")
-    else:
-        _say("starting a local Ray cluster")
-    started_ray = init_ray(settings.ray)
-    return asyncio.run(_serve(settings, started_ray, started))
-
-
-def _prepare_checkpoint(settings: Any) -> None:
-    """Make the built-in tiny checkpoint now (with a progress line) when a role will need it."""
-    from common.models.tiny import default_checkpoint
-
-    wanted = [settings.model] + [
-        getattr(s, "model", None)
-        for s in (settings.router, settings.encoder, settings.prefill, settings.decode)
-    ]
-    if settings.model is not None or all(m is not None for m in wanted[1:]):
-        return
-    _say("preparing the built-in tiny checkpoint (random weights; made on first use) ...")
-    t0 = time.monotonic()
-    path = default_checkpoint("tiny")
-    _say(f"checkpoint {path} ready in {time.monotonic() - t0:.1f}s")
-
-
-async def _serve(settings: Any, started_ray: bool, started: float) -> int:
-    from epd.pools import Deployment, WorkerStartError, error_summary
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    deployment: Deployment | None = None
-    code = 0
-    try:
-        deployment = await _until(stop, Deployment.start(settings, started_ray=started_ray))
-        if deployment is None:
-            return 130
-        _say(f"router listening on {deployment.address}")
-        pools = settings.pools.initial_replicas()
-        _say("waiting for " + ", ".join(f"{n} {role}" for role, n in pools.items()) + " ...")
-        ready = await _until(stop, deployment.wait_ready(settings.pools.ready_timeout_s))
-        if ready is None:
-            return 130
-        counts = ", ".join(f"{n} {role}" for role, n in ready.items())
-        _say(f"ready in {time.monotonic() - started:.1f}s: {counts} registered")
-        _say(f'try: epd generate "Describe the image." --image IMG --address {deployment.address}')
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 5.0)
-            if not stop.is_set() and not await deployment.alive():
-                _say("the controller actor died; stopping")
-                code = 1
-                break
-        return code
-    except (TimeoutError, WorkerStartError) as exc:
-        _say(f"not ready: {error_summary(exc)}")
-        return 1
-    finally:
-        _say("stopping ...")
-        if deployment is not None:
-            await deployment.stop(on_step=_say)
-        elif started_ray:
-            import ray
-
-            ray.shutdown()
-        _say("stopped")
-
-
-async def _until(stop: asyncio.Event, work: Any) -> Any:
-    """Await `work` unless `stop` is set first (then cancel it and return None)."""
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(stop.wait())
-    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    return None
-
-
 # -------------------------------------------------------------------------------- generate
 
 
@@ -361,102 +263,6 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         f"cache; KV blocks at decode: {stats['blocks_reused']} reused, "
         f"{stats['blocks_pulled']} pulled"
     )
-    return 0
-
-
-# ---------------------------------------------------------------------------- scale, status
-
-
-async def _admin(address: str) -> Any:
-    from common.rpc import channel
-    from epd.v1 import admin_service_pb2_grpc
-
-    ch = channel(address)
-    return ch, admin_service_pb2_grpc.AdminServiceStub(ch)
-
-
-async def cmd_scale(args: argparse.Namespace) -> int:
-    """Ask the router's scaler for `--replicas` workers, then wait until the pool has them."""
-    from epd.pools import registered_counts, wire_role
-    from epd.v1 import admin_service_pb2
-
-    ch, stub = await _admin(args.address)
-    async with ch:
-        before = (await registered_counts(stub)).get(args.role, 0)
-        reply = await stub.Scale(
-            admin_service_pb2.ScaleRequest(role=wire_role(args.role), replicas=args.replicas),
-            timeout=60,
-        )
-        _say(f"{args.role}: {_workers(before)} -> {_workers(reply.replicas)}")
-        if args.no_wait:
-            return 0
-        t0 = time.monotonic()
-        while True:
-            counts = await registered_counts(stub, include_draining=True)
-            if counts.get(args.role, 0) == reply.replicas:
-                took = time.monotonic() - t0
-                _say(f"{args.role}: {_workers(reply.replicas)} registered ({took:.1f}s)")
-                return 0
-            if time.monotonic() - t0 > args.timeout:
-                _say(f"{args.role}: still {counts.get(args.role, 0)} after {args.timeout:.0f}s")
-                return 1
-            await asyncio.sleep(0.2)
-
-
-def _workers(n: int) -> str:
-    return f"{n} worker" if n == 1 else f"{n} workers"
-
-
-async def cmd_status(args: argparse.Namespace) -> int:
-    """One line per worker: role, name, address, load, KV blocks, cache hits, heartbeat."""
-    from epd.pools import role_name
-    from epd.v1 import admin_service_pb2
-
-    ch, stub = await _admin(args.address)
-    async with ch:
-        reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-    model = reply.model or "-"
-    _say(f"router {args.address}  model {model}  requests in flight {reply.active_requests}")
-    # LOAD: requests the worker reports in flight; ROUTED: requests this router has on it;
-    # CACHE HITS: prefix (or encoder) cache hits / lookups since the worker started.
-    header = ("ROLE", "NAME", "ADDRESS", "LOAD", "ROUTED", "KV USED/FREE", "CACHE HITS")
-    rows = [(*header, "SEEN", "STATE")]
-    for w in reply.workers:
-        load = w.load
-        kv = "-" if w.info.role == 1 else f"{load.kv_blocks_used}/{load.kv_blocks_free}"
-        hits = f"{load.cache_hits}/{load.cache_lookups}"
-        rows.append(
-            (
-                role_name(w.info.role),
-                w.info.name or "-",
-                w.info.address,
-                str(load.active_requests),
-                str(w.router_in_flight),
-                kv,
-                hits,
-                f"{w.seconds_since_heartbeat:.1f}s ago",
-                "draining" if w.draining else "serving",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        _say("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-    if not reply.workers:
-        _say("(no workers registered)")
-    return 0
-
-
-async def cmd_drain(args: argparse.Namespace) -> int:
-    """AdminService.Drain: the router stops sending new work to the worker."""
-    from epd.v1 import admin_service_pb2
-
-    ch, stub = await _admin(args.address)
-    async with ch:
-        reply = await stub.Drain(admin_service_pb2.DrainRequest(address=args.worker), timeout=10)
-    if not reply.found:
-        _say(f"no registered worker at {args.worker}")
-        return 1
-    _say(f"{args.worker}: draining (no new work; in-flight work finishes)")
     return 0
 
 

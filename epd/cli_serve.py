@@ -1,0 +1,106 @@
+"""`epd serve`: start (or join) Ray, run a deployment until SIGINT/SIGTERM, then stop it,
+saying what happens on the console."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from typing import Any
+
+from epd.console import say as _say
+
+
+def cmd_serve(settings: Any) -> int:
+    """Start (or join) Ray, run the deployment until SIGINT/SIGTERM, then stop it cleanly."""
+    import logging
+
+    from epd.deployment import init_ray
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    _prepare_checkpoint(settings)
+    started = time.monotonic()
+    if settings.ray.address:
+        _say(f"joining the Ray cluster at {settings.ray.address}")
+    else:
+        _say("starting a local Ray cluster")
+    started_ray = init_ray(settings.ray)
+    return asyncio.run(_serve(settings, started_ray, started))
+
+
+def _prepare_checkpoint(settings: Any) -> None:
+    """Make the built-in tiny checkpoint now (with a progress line) when a role will need it."""
+    from common.models.tiny import default_checkpoint
+
+    wanted = [settings.model] + [
+        getattr(s, "model", None)
+        for s in (settings.router, settings.encoder, settings.prefill, settings.decode)
+    ]
+    if settings.model is not None or all(m is not None for m in wanted[1:]):
+        return
+    _say("preparing the built-in tiny checkpoint (random weights; made on first use) ...")
+    t0 = time.monotonic()
+    path = default_checkpoint("tiny")
+    _say(f"checkpoint {path} ready in {time.monotonic() - t0:.1f}s")
+
+
+async def _serve(settings: Any, started_ray: bool, started: float) -> int:
+    from epd.deployment import Deployment
+    from epd.pools import WorkerStartError, error_summary
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    deployment: Deployment | None = None
+    code = 0
+    try:
+        deployment = await _until(stop, Deployment.start(settings, started_ray=started_ray))
+        if deployment is None:
+            return 130
+        _say(f"router listening on {deployment.address}")
+        pools = settings.pools.initial_replicas()
+        _say("waiting for " + ", ".join(f"{n} {role}" for role, n in pools.items()) + " ...")
+        ready = await _until(stop, deployment.wait_ready(settings.pools.ready_timeout_s))
+        if ready is None:
+            return 130
+        counts = ", ".join(f"{n} {role}" for role, n in ready.items())
+        _say(f"ready in {time.monotonic() - started:.1f}s: {counts} registered")
+        _say(f'try: epd generate "Describe the image." --image IMG --address {deployment.address}')
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 5.0)
+            if not stop.is_set() and not await deployment.alive():
+                _say("the controller actor died; stopping")
+                code = 1
+                break
+        return code
+    except (TimeoutError, WorkerStartError) as exc:
+        _say(f"not ready: {error_summary(exc)}")
+        return 1
+    finally:
+        _say("stopping ...")
+        if deployment is not None:
+            await deployment.stop(on_step=_say)
+        elif started_ray:
+            import ray
+
+            ray.shutdown()
+        _say("stopped")
+
+
+async def _until(stop: asyncio.Event, work: Any) -> Any:
+    """Await `work` unless `stop` is set first (then cancel it and return None)."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    return None
