@@ -1,0 +1,165 @@
+"""The registry's records of workers: roles, the KV layout and checkpoint shape they must
+agree on, the load they report, and one record per registered worker (see router.registry).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+
+from epd.v1 import kv_pb2, registry_service_pb2
+
+PROTOCOL_VERSION = "epd.v1"
+
+
+class Role(enum.StrEnum):
+    """A worker's role."""
+
+    ENCODER = "encoder"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @classmethod
+    def from_proto(cls, value: int) -> Role:
+        """The role of a wire `WorkerRole`; ValueError for unspecified or unknown values."""
+        try:
+            return _ROLES[value]
+        except KeyError:
+            raise ValueError(f"worker role {value} is not encoder, prefill or decode") from None
+
+    def to_proto(self) -> registry_service_pb2.WorkerRole:
+        """The wire `WorkerRole`."""
+        return _ROLE_PROTOS[self]
+
+
+_ROLE_PROTOS = {
+    Role.ENCODER: registry_service_pb2.WORKER_ROLE_ENCODER,
+    Role.PREFILL: registry_service_pb2.WORKER_ROLE_PREFILL,
+    Role.DECODE: registry_service_pb2.WORKER_ROLE_DECODE,
+}
+_ROLES = {int(v): k for k, v in _ROLE_PROTOS.items()}
+KV_ROLES = frozenset({Role.PREFILL, Role.DECODE})
+
+
+class RegistrationRefused(Exception):
+    """A worker that does not fit this deployment (FAILED_PRECONDITION on the wire)."""
+
+
+class NoWorkerError(Exception):
+    """No live, non-draining worker of a role (UNAVAILABLE on the wire)."""
+
+    def __init__(self, role: Role) -> None:
+        super().__init__(f"no {role} worker is registered and available")
+        self.role = role
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """A worker's paged KV shape; peers must agree on every field to exchange blocks."""
+
+    model: str  # model identity
+    dtype: int  # wire ElementType of the cache
+    block_size: int  # tokens per block
+    num_layers: int  # decoder layers
+    num_kv_heads: int  # KV heads per layer
+    head_dim: int  # head dimension
+    layout: str  # byte layout name
+    block_bytes: int  # bytes per block
+
+    @classmethod
+    def from_proto(cls, msg: kv_pb2.KvLayout) -> KvLayout:
+        """Decode the wire form (no validation: comparison does the checking)."""
+        return cls(
+            msg.model,
+            int(msg.dtype),
+            msg.block_size,
+            msg.num_layers,
+            msg.num_kv_heads,
+            msg.head_dim,
+            msg.layout,
+            msg.block_bytes,
+        )
+
+    def differences(self, other: KvLayout) -> list[str]:
+        """'field=mine (expected theirs)' for every field that differs."""
+        return [
+            f"{f.name}={getattr(self, f.name)!r} (expected {getattr(other, f.name)!r})"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointShape:
+    """The KV fields a checkpoint config fixes, for checking layouts before any worker."""
+
+    num_layers: int  # decoder layers
+    num_kv_heads: int  # KV heads per layer
+    head_dim: int  # head dimension
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """A worker's load as of its last heartbeat."""
+
+    active_requests: int = 0  # requests in flight on the worker (from every router)
+    kv_blocks_used: int = 0  # KV blocks in use
+    kv_blocks_free: int = 0  # KV blocks free
+    cache_hits: int = 0  # prefix or encoder cache hits since start
+    cache_lookups: int = 0  # prefix or encoder cache lookups since start
+    draining: bool = False  # the worker says it drains
+
+    @classmethod
+    def from_proto(cls, msg: registry_service_pb2.WorkerLoad) -> WorkerLoad:
+        """Decode the wire form."""
+        return cls(
+            msg.active_requests,
+            msg.kv_blocks_used,
+            msg.kv_blocks_free,
+            msg.cache_hits,
+            msg.cache_lookups,
+            msg.draining,
+        )
+
+    def to_proto(self) -> registry_service_pb2.WorkerLoad:
+        """The wire form."""
+        return registry_service_pb2.WorkerLoad(
+            active_requests=self.active_requests,
+            kv_blocks_used=self.kv_blocks_used,
+            kv_blocks_free=self.kv_blocks_free,
+            cache_hits=self.cache_hits,
+            cache_lookups=self.cache_lookups,
+            draining=self.draining,
+        )
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    """One registered worker."""
+
+    worker_id: str  # id handed out at registration, used in heartbeats
+    role: Role  # what it does
+    address: str  # gRPC host:port
+    name: str  # stable process name (actor, pod), for logs and Status
+    model: str  # model identity it serves
+    layout: KvLayout | None  # KV layout (prefill and decode only)
+    info: registry_service_pb2.WorkerInfo  # the registration as sent, echoed by Status
+    last_seen: float  # clock time of the last register or heartbeat
+    load: WorkerLoad = field(default_factory=WorkerLoad)  # last reported load
+    in_flight: int = 0  # requests this router has on the worker now
+    in_flight_at_heartbeat: int = 0  # `in_flight` when the last heartbeat arrived
+    drain_requested: bool = False  # AdminService.Drain asked for it
+    last_pick: int = 0  # selection tick of the last pick (least recently picked wins ties)
+
+    @property
+    def draining(self) -> bool:
+        """No new work: the worker reported draining, or an operator asked for it."""
+        return self.drain_requested or self.load.draining
+
+    @property
+    def load_estimate(self) -> int:
+        """Requests the worker has: this router's in-flight count (exact, current) plus what
+        the last heartbeat reported beyond this router's requests at that time (other
+        routers' work, or queued work), so a request is not counted twice."""
+        others = max(0, self.load.active_requests - self.in_flight_at_heartbeat)
+        return self.in_flight + others
