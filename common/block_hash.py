@@ -131,10 +131,22 @@ def _keys_by_block(
     lo = np.searchsorted(run_ends, block_starts, side="right")
     hi = np.searchsorted(run_starts, block_starts + block_size, side="left")
     hit = np.flatnonzero(hi > lo)
-    return {
-        int(b): [_key(params, k, int(b) * block_size) for k in range(int(lo[b]), int(hi[b]))]
-        for b in hit
-    }
+    # Plain Python lists from here: per-key numpy scalar access costs microseconds.
+    run_starts_l = run_starts.tolist()
+    run_rows = params.run_row_offsets.tolist()
+    run_items = params.run_items.tolist()
+    identity = [(item.content_hash, item.uuid) for item in params.items]
+    keys: dict[int, list[MmKey]] = {}
+    for b, first, stop in zip(hit.tolist(), lo[hit].tolist(), hi[hit].tolist(), strict=True):
+        start = b * block_size
+        block_keys = []
+        for k in range(first, stop):
+            item_hash, uuid = identity[run_items[k]]
+            run_start = run_starts_l[k]
+            offset = run_rows[k] + max(start, run_start) - run_start
+            block_keys.append(MmKey(item_hash, offset, uuid))
+        keys[b] = block_keys
+    return keys
 
 
 def _key(params: MultimodalParams, run: int, block_start: int) -> MmKey:
