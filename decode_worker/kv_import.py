@@ -6,7 +6,8 @@ handle INVALID_ARGUMENT naming the `kv.*` field. The caller then compares the ha
 hashes with the ones it recomputed from the handoff.
 
 `pull` READs, in one NIXL transfer (adjacent blocks merged into one descriptor on both
-sides), the prompt blocks an `ImportPlan` lacks into the plan's own blocks. The plan's
+sides), the prompt blocks an `ImportPlan` lacks into the plan's own blocks; small pulls run
+on the event loop's thread (see `INLINE_PULL_BYTES`), large ones on a worker thread. The plan's
 blocks stay owned by the caller throughout; if the awaiting task is cancelled while the READ
 runs, `on_orphan` is called once the READ has finished (NIXL may write the blocks until
 then), so the caller can give the blocks back only when it is safe.
@@ -24,6 +25,11 @@ from common.rpc import RpcStatusError
 from common.runner import ImportPlan, LmRunner, blocks_for
 from common.transfer import DEVICE_MEMORY, HOST_MEMORY, TransferAgent, TransferStats
 from epd.v1 import kv_pb2, tensor_pb2
+
+# Pulls up to this size READ on the event loop's own thread: a hop to a worker thread and
+# back costs a scheduler slice (milliseconds) on a busy host, more than the READ of a few
+# MiB itself; larger pulls go to a worker thread so the loop keeps serving streams.
+INLINE_PULL_BYTES = 8 * 1024 * 1024
 
 _MEMORY = {tensor_pb2.MEMORY_KIND_HOST: HOST_MEMORY, tensor_pb2.MEMORY_KIND_DEVICE: DEVICE_MEMORY}
 _LAYOUT_FIELDS = (
@@ -106,6 +112,8 @@ async def pull(
         remote_memory=_MEMORY[handle.memory_kind],
         remote_device_id=handle.blocks[0].device_id,
     )
+    if len(plan.pull) * runner.kv.spec.block_bytes <= INLINE_PULL_BYTES:
+        return read()
     future = asyncio.get_running_loop().run_in_executor(None, read)
     try:
         return await asyncio.shield(future)
