@@ -1,16 +1,27 @@
-"""The encode stage: items' pixels to the least loaded encoder, embeddings checked and
-ready for the prefill request.
+"""The encode stage: items' pixels to encoders picked by item-hash affinity + load,
+embeddings checked and ready for the prefill request.
+
+Each item has a home encoder: the rendezvous (highest-random-weight) choice for its content
+hash among the live, non-draining encoders (`Registry.pick` with `key`), so a repeated
+image meets the encoder cache that already holds it, and an encoder joining or leaving moves
+only the items it wins or held. The home is bypassed for the least loaded encoder when its
+load exceeds that one's by more than `affinity_slack` requests; a slack of 0 turns affinity
+off (the whole request goes to the least loaded encoder). A request's items are grouped per
+chosen encoder; the groups' `Encode` calls run concurrently (each retried once on
+UNAVAILABLE, on another encoder) and their outputs come back in item order.
 
 Outputs come back as inline bytes or NIXL handles and pass on unchanged (a prefill worker
 pulls handle-held ones straight from the encoder). Each handle's lease is recorded with the
-encoder's address, for `PrefillRequest.embedding_holders`; when the outputs are unusable
-the leases are released here.
+address of the encoder that produced it, for `PrefillRequest.embedding_holders`; when the
+outputs are unusable, or one group fails or the request is cancelled, the leases already
+granted are released here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -19,7 +30,7 @@ from common.wire import tensor_to_ref
 from epd.v1 import encoder_service_pb2, encoder_service_pb2_grpc, multimodal_pb2
 from router.calls import Job, RouterError, WorkerCalls
 from router.channels import Channels
-from router.registry import Role, WorkerRecord
+from router.registry import NoWorkerError, Role, WorkerRecord
 from router.releases import Releases
 
 logger = logging.getLogger(__name__)
@@ -51,17 +62,73 @@ class EncodeStage:
         channels: Channels,
         releases: Releases,
         max_inline_embedding_bytes: int,
+        affinity_slack: int = 2,
     ) -> None:
         self.calls = calls
         self.channels = channels
         self.releases = releases
         self.max_inline_embedding_bytes = max_inline_embedding_bytes
+        self.affinity_slack = affinity_slack  # requests; 0: no affinity, least loaded only
 
     async def encode(self, job: Job, items: Sequence[int]) -> Encoded:
-        """Embeddings of the job's items at indexes `items` (whole items). Raises
-        RouterError (nothing left leased then)."""
+        """Embeddings of the job's items at indexes `items` (whole items), in that order.
+        Raises RouterError (nothing left leased then)."""
         if not items:
             return NOTHING
+        groups = self._assign(job, items)
+        if len(groups) == 1:
+            ((worker, group),) = groups
+            parts = [await self._encode_on(job, group, worker)]
+        else:
+            tasks = [
+                asyncio.ensure_future(self._encode_on(job, group, worker))
+                for worker, group in groups
+            ]
+            try:
+                parts = list(await asyncio.gather(*tasks))
+            except BaseException:
+                # A group failed or the request was cancelled: stop the others and free
+                # what any of them got (now or when it finishes).
+                for task in tasks:
+                    task.cancel()
+                    task.add_done_callback(self._release_result)
+                raise
+        leases = {lease: address for part in parts for lease, address in part.leases.items()}
+        by_index = {emb.item_index: emb for part in parts for emb in part.embeddings}
+        try:
+            self._check_inline(by_index.values())
+        except RouterError:
+            self.releases.embeddings(leases)
+            raise
+        return Encoded([by_index[i] for i in items], leases)
+
+    def _assign(
+        self, job: Job, items: Sequence[int]
+    ) -> list[tuple[WorkerRecord | None, list[int]]]:
+        """Items per chosen encoder, each group in item order; with affinity off, all to
+        None (the least loaded encoder, picked by the call)."""
+        if self.affinity_slack <= 0:
+            return [(None, list(items))]
+        groups: dict[str, tuple[WorkerRecord, list[int]]] = {}
+        registry = self.calls.registry
+        for i in items:
+            key = job.prompt.params.items[i].content_hash
+            try:
+                worker = registry.pick(Role.ENCODER, key=key, slack=self.affinity_slack)
+            except NoWorkerError as exc:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            groups.setdefault(worker.address, (worker, []))[1].append(i)
+        return list(groups.values())
+
+    def _release_result(self, task: asyncio.Future[Encoded]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.releases.embeddings(task.result().leases)
+
+    async def _encode_on(
+        self, job: Job, items: Sequence[int], first: WorkerRecord | None
+    ) -> Encoded:
+        """One `Encode` call for `items` on `first` (None: the least loaded encoder), once
+        more elsewhere on UNAVAILABLE. Raises RouterError (nothing left leased then)."""
         prompt = job.prompt
         request = encoder_service_pb2.EncodeRequest(request_id=job.request_id)
         for i in items:
@@ -90,7 +157,7 @@ class EncodeStage:
             encoder = worker.address
             return response
 
-        response = await self.calls.with_retry(Role.ENCODER, "encode", call)
+        response = await self.calls.with_retry(Role.ENCODER, "encode", call, first=first)
         leases = {
             ref.handle.lease_id: encoder
             for item in response.items
@@ -112,7 +179,6 @@ class EncodeStage:
                 f"encoder answered {len(response.items)} items for {len(items)} requested",
             )
         out = []
-        inline = 0
         for i, encoded in zip(items, response.items, strict=True):
             item = job.prompt.params.items[i]
             if encoded.content_hash != item.content_hash or (
@@ -125,14 +191,17 @@ class EncodeStage:
                 )
             emb = multimodal_pb2.ItemEmbedding(item_index=i, rows=encoded.rows)
             emb.deepstack.extend(encoded.deepstack)
-            inline += len(encoded.rows.inline_data) + sum(
-                len(d.inline_data) for d in encoded.deepstack
-            )
             out.append(emb)
+        return out
+
+    def _check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
+        inline = sum(
+            len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
+            for emb in embeddings
+        )
         if inline > self.max_inline_embedding_bytes:
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"request carries {inline} bytes of inline embeddings, more than the router's "
                 f"limit of {self.max_inline_embedding_bytes}",
             )
-        return out

@@ -5,7 +5,8 @@
                prefix among the least loaded (`router.prefix_index` follows each prefill
                worker's KV events); items whose every run lies inside that cached prefix
                need no encoding
-      encode   the other items -> least loaded encoder (`router.encode`); inline bytes and
+      encode   the other items -> each to its content hash's encoder unless that one is
+               much busier than the least loaded (`router.encode`); inline bytes and
                NIXL handles pass through unchanged, so a prefill worker pulls large
                embeddings straight from the encoder
       prefill  (prompt_token_ids, MultimodalParams + embeddings) -> that prefill worker ->
@@ -104,6 +105,7 @@ class Orchestrator:
         release_timeout_s: float = 5.0,
         attempts: int = 2,
         cache_aware: bool = True,
+        encoder_affinity_slack: int = 2,
     ) -> None:
         self.registry = registry
         self.channels = channels
@@ -113,7 +115,13 @@ class Orchestrator:
         self.calls = WorkerCalls(registry, attempts)
         self.releases = Releases(channels, release_timeout_s)
         self.prefix = PrefixIndex(channels)
-        self.encoder = EncodeStage(self.calls, channels, self.releases, max_inline_embedding_bytes)
+        self.encoder = EncodeStage(
+            self.calls,
+            channels,
+            self.releases,
+            max_inline_embedding_bytes,
+            affinity_slack=encoder_affinity_slack,
+        )
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with

@@ -20,13 +20,19 @@ heads, head dim) are checked against the checkpoint config when the router has i
 Selection picks, among live non-draining workers of a role, the one with the smallest load
 estimate (see `WorkerRecord.load_estimate`); ties go to the worker picked least recently.
 An optional affinity (cached prefix blocks, for prefill) wins among workers whose load is
-within a small slack of the least loaded.
+within a small slack of the least loaded. A key (an item's content hash, for encoders) gives
+each key a home worker by rendezvous (highest-random-weight) hashing over worker names: the
+home is the candidate with the highest `rendezvous_weight(key, name)`, so when a worker
+joins only the keys it now wins move to it, and when one leaves only its keys move. The
+home gets the job unless its load exceeds the least loaded's by more than the slack; then
+the least loaded does.
 What the registry records per worker (roles, layouts, loads, records) is in `router.workers`.
 The registry is plain in-process state driven from one asyncio loop; it is not thread-safe.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -63,7 +69,16 @@ __all__ = [
     "Role",
     "WorkerLoad",
     "WorkerRecord",
+    "rendezvous_weight",
 ]
+
+
+def rendezvous_weight(key: bytes, name: str) -> int:
+    """The weight of worker `name` for `key` in rendezvous hashing: stable across processes
+    and routers (no Python `hash`), uniform over 64 bits."""
+    digest = hashlib.blake2b(key, digest_size=8, person=b"epd-rendezvous")
+    digest.update(name.encode())
+    return int.from_bytes(digest.digest(), "big")
 
 
 class Registry:
@@ -217,18 +232,27 @@ class Registry:
         *,
         exclude: frozenset[str] = frozenset(),
         affinity: Callable[[WorkerRecord], int] | None = None,
+        key: bytes | None = None,
         slack: int = 2,
     ) -> WorkerRecord:
         """The least loaded live, non-draining worker of `role` whose address is not in
         `exclude`; ties go to the least recently picked. With `affinity` (e.g. cached
         prefix blocks), the worker with the highest affinity among those within `slack`
         requests of the least loaded wins, so a cache hit never piles work on one worker.
+        With `key` (instead of `affinity`), the key's rendezvous home among the candidates
+        wins when within `slack` of the least loaded, else the least loaded does.
         Raises `NoWorkerError`. Does not count the request: use `using`."""
         candidates = [w for w in self.workers(role) if not w.draining and w.address not in exclude]
         if not candidates:
             raise NoWorkerError(role)
-        if affinity is not None:
-            least = min(w.load_estimate for w in candidates)
+        least = min(w.load_estimate for w in candidates)
+        if key is not None:
+            home = max(candidates, key=lambda w: (rendezvous_weight(key, w.name), w.address))
+            if home.load_estimate <= least + slack:
+                best = home
+            else:
+                best = min(candidates, key=lambda w: (w.load_estimate, w.last_pick))
+        elif affinity is not None:
             near = [w for w in candidates if w.load_estimate <= least + slack]
             scores = {w.worker_id: affinity(w) for w in near}
             best = min(near, key=lambda w: (-scores[w.worker_id], w.load_estimate, w.last_pick))

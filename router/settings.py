@@ -44,6 +44,12 @@ class RouterSettings:
         "send prefill to the worker caching the longest prefix (among the least loaded) and "
         "skip encoding items that prefix covers",
     )
+    encoder_affinity_slack: int = setting(
+        2,
+        "send each image to the encoder its content hash maps to (rendezvous hashing, so "
+        "its encoder cache hits) unless that encoder has more than this many requests beyond "
+        "the least loaded one; 0: no affinity, each request to the least loaded encoder",
+    )
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
 
     @property
