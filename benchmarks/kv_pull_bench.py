@@ -49,8 +49,9 @@ def holder_main(conn: Connection, nbytes: int) -> None:
     agent.close()
 
 
-def raw_read(agent: TransferAgent, peer: str, remote: list[tuple[int, int]],
-             local: list[tuple[int, int]]) -> None:
+def raw_read(
+    agent: TransferAgent, peer: str, remote: list[tuple[int, int]], local: list[tuple[int, int]]
+) -> None:
     """A raw NIXL READ: descriptors as given, tight polling, no validation or merging."""
     nixl = agent._agent
     handle = nixl.initialize_xfer(
@@ -104,9 +105,11 @@ def main() -> None:
     dst = local_buf.data_ptr()
 
     print("GB/s = median over repetitions; x = median of per-repetition ratios to raw-1")
-    print(f"{'size':>6} {'block':>6} {'descs':>5} {'raw-1':>7} {'raw-N':>7} {'read-adj':>8} "
-          f"{'read-scat':>9} {'read-np':>7} {'adj x':>6} {'scat x':>6} {'np x':>6} "
-          f"{'raw-N x':>7}")
+    print(
+        f"{'size':>6} {'block':>6} {'descs':>5} {'raw-1':>7} {'raw-N':>7} {'read-adj':>8} "
+        f"{'read-scat':>9} {'read-np':>7} {'adj x':>6} {'scat x':>6} {'np x':>6} "
+        f"{'raw-N x':>7}"
+    )
     for size_mib in args.sizes_mib:
         nbytes = size_mib * MIB
         for block_kib in args.block_kib:
@@ -131,11 +134,13 @@ def main() -> None:
                 k: statistics.median(b / t for b, t in zip(times["raw-1"], v, strict=True))
                 for k, v in times.items()
             }
-            print(f"{size_mib:>4}Mi {block_kib:>4}Ki {n:>5} {gbps['raw-1']:>7.2f} "
-                  f"{gbps['raw-N']:>7.2f} {gbps['read-adj']:>8.2f} {gbps['read-scat']:>9.2f} "
-                  f"{gbps['read-np']:>7.2f} {ratio['read-adj']:>6.2f} {ratio['read-scat']:>6.2f} "
-                  f"{ratio['read-np']:>6.2f} {ratio['raw-N']:>7.2f}",
-                  flush=True)
+            print(
+                f"{size_mib:>4}Mi {block_kib:>4}Ki {n:>5} {gbps['raw-1']:>7.2f} "
+                f"{gbps['raw-N']:>7.2f} {gbps['read-adj']:>8.2f} {gbps['read-scat']:>9.2f} "
+                f"{gbps['read-np']:>7.2f} {ratio['read-adj']:>6.2f} {ratio['read-scat']:>6.2f} "
+                f"{ratio['read-np']:>6.2f} {ratio['raw-N']:>7.2f}",
+                flush=True,
+            )
 
     parent.send_bytes(b"stop")
     proc.join(10)

@@ -74,8 +74,7 @@ def read_tensor(
     nbytes = math.prod(shape) * itemsize
     if nbytes != handle.length:
         raise ValueError(
-            f"shape {list(shape)} of {dtype} is {nbytes} bytes but the handle holds "
-            f"{handle.length}"
+            f"shape {list(shape)} of {dtype} is {nbytes} bytes but the handle holds {handle.length}"
         )
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
     if nbytes == 0:

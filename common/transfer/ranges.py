@@ -68,8 +68,9 @@ def check_pairs(remote: Ranges, local: Ranges) -> tuple[RangeArray, RangeArray]:
     bad = np.flatnonzero(r[:, 1] != loc[:, 1])
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"range {i}: remote length {r[i, 1]} differs from local length "
-                         f"{loc[i, 1]}")
+        raise ValueError(
+            f"range {i}: remote length {r[i, 1]} differs from local length {loc[i, 1]}"
+        )
     bad = np.flatnonzero((r[:, 0] < 0) | (loc[:, 0] < 0))
     if bad.size:
         raise ValueError(f"range {int(bad[0])}: negative address")
@@ -101,9 +102,7 @@ def check_pair_lists(
         if r_len <= 0 or l_len <= 0:
             raise ValueError(f"range {i}: lengths must be positive, got {r_len} and {l_len}")
         if r_len != l_len:
-            raise ValueError(
-                f"range {i}: remote length {r_len} differs from local length {l_len}"
-            )
+            raise ValueError(f"range {i}: remote length {r_len} differs from local length {l_len}")
         if r_addr < 0 or l_addr < 0:
             raise ValueError(f"range {i}: negative address")
     ordered = sorted(loc)
@@ -127,12 +126,7 @@ def merge_range_lists(
     out_l: list[ByteRange] = []
     run_r = run_l = run_len = run_reg = 0
     for (r_addr, length), (l_addr, _), reg in triples:
-        if (
-            run_len
-            and r_addr == run_r + run_len
-            and l_addr == run_l + run_len
-            and reg == run_reg
-        ):
+        if run_len and r_addr == run_r + run_len and l_addr == run_l + run_len and reg == run_reg:
             run_len += length
             continue
         if run_len:
