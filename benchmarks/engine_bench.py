@@ -24,8 +24,8 @@ from PIL import Image
 
 from common.engine import Engine, RunningSequence
 from common.models.tiny import default_checkpoint
-from common.multimodal import Modality
-from common.processor import ProcessedPrompt
+from common.multimodal.params import Modality
+from common.processing.processor import ProcessedPrompt
 from common.sampling import SamplingParams
 
 

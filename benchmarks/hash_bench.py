@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from common.block_hash import block_hashes
-from common.multimodal import MultimodalParams, runs_from_mask
+from common.kv.hashing import block_hashes
+from common.multimodal.params import MultimodalParams, runs_from_mask
 
 FRAMES, ROWS_PER_FRAME, GAP = 8, 258, 13  # the seed's 8 runs x 258 with 13-token gaps
 

@@ -4,7 +4,7 @@ Two processes on one machine (NIXL over UCX, host memory), both `LmRunner`s of t
 checkpoint (default: the "bench" tiny size, bf16, 16-token blocks = 128 KiB per block). The
 holder builds real `KvHandle`s with the prefill worker's own code (`PrefillServicer`, one
 descriptor per block into its registered block-major buffer); the reader pulls them with
-the decode worker's own code (`LmRunner.plan_import` + `decode_worker.kv_import.pull`:
+the decode worker's own code (`LmRunner.plan_import` + `common.handoff.pull`:
 ranges from the handle, adjacent blocks merged, READ on a worker thread). Per size and
 holder block pattern:
 
@@ -39,13 +39,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.handoff import pull
+from common.kv.allocator import ImportPlan
 from common.kv.block_pool import BlockPool
+from common.models.model_thread import ModelThread
+from common.models.runner import LmRunner, LmSequence
 from common.models.tiny import default_checkpoint
-from common.rpc import WorkerLifecycle
-from common.runner import ImportPlan, LmRunner, LmSequence, ModelThread
 from common.sampling import SamplingParams
-from common.transfer import TransferAgent
-from decode_worker.kv_import import pull
+from common.server.rpc import WorkerLifecycle
+from common.transfer.agent import TransferAgent
 from epd.v1 import kv_pb2
 from prefill_worker.service import PrefillServicer
 

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.transfer import TransferAgent
+from common.transfer.agent import TransferAgent
 
 MIB = 1 << 20
 KIB = 1 << 10

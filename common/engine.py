@@ -1,7 +1,7 @@
 """The monolithic offline engine: processor, vision tower and language model in one process.
 
 It is the reference the disaggregated path is compared against, and small enough to read in
-one sitting. The language model runs through the same `common.runner.LmRunner` the prefill
+one sitting. The language model runs through the same `common.models.runner.LmRunner` the prefill
 and decode workers use, so both paths share one prefill, decode and sampling code path:
 
     process(messages)  -> ProcessedPrompt            (tokens, item metadata, pixels)
@@ -35,17 +35,17 @@ from typing import Any
 
 import torch
 
-from common.block_hash import DEFAULT_ROOT
 from common.kv.block_pool import BlockPool
 from common.kv.cache import PagedKvCache
+from common.kv.hashing import DEFAULT_ROOT
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.qwen3_vl.text import LM_PREFIX, TextModel
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import LM_HEAD, VISUAL_PREFIX, load_weights
-from common.multimodal import ItemEmbedding, MultimodalParams
-from common.processor import ProcessedPrompt, Processor
-from common.runner import LmRunner, LmSequence
+from common.models.runner import LmRunner, LmSequence
+from common.multimodal.params import ItemEmbedding, MultimodalParams
+from common.processing.processor import ProcessedPrompt, Processor
 from common.sampling import FinishReason, Sampler, SamplingParams, StopChecker
 
 logger = logging.getLogger(__name__)

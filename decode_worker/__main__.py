@@ -1,5 +1,5 @@
 """`python -m decode_worker [--config FILE.toml] [--flag VALUE ...]`: run one decode worker
-until SIGTERM/SIGINT, then drain (in-flight streams finish) and stop (see common.worker_main)."""
+until SIGTERM/SIGINT, then drain (in-flight streams finish) and stop (see common.server.main)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from common import worker_main
+from common.server import main as worker_main
 from decode_worker.server import serve
 from decode_worker.settings import DecodeSettings
 

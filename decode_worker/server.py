@@ -17,11 +17,12 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from common.models.model_thread import ModelThread
+from common.models.runner import LmRunner
 from common.models.tiny import default_checkpoint
-from common.rpc import WorkerLifecycle, service_name, start_server
-from common.runner import LmRunner, ModelThread
-from common.transfer import TransferAgent
-from common.worker_server import Cleanup, WorkerServer, adopt, register_kv_worker
+from common.server.kv_worker import Cleanup, WorkerServer, adopt, register_kv_worker
+from common.server.rpc import WorkerLifecycle, service_name, start_server
+from common.transfer.agent import TransferAgent
 from decode_worker.service import DecodeServicer
 from decode_worker.settings import DecodeSettings
 from epd.v1 import decode_service_pb2, decode_service_pb2_grpc, registry_service_pb2

@@ -33,17 +33,20 @@ from dataclasses import dataclass
 import grpc
 from tokenizers import Tokenizer
 
+from common.handoff import check_handle, pull, read_handoff
+from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
-from common.multimodal import MultimodalParams
-from common.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
-from common.runner import ImportPlan, LmRunner, LmSequence, ModelThread
+from common.models.batching import DecodeBatcher
+from common.models.model_thread import ModelThread
+from common.models.runner import LmRunner, LmSequence
+from common.multimodal.params import MultimodalParams
 from common.sampling import SamplingParams
-from common.transfer import TransferAgent, TransferTimeoutError
-from common.wire import sampling_from_proto
-from common.worker_server import PeerCalls, kv_load
-from decode_worker.batcher import DecodeBatcher
+from common.server.kv_worker import PeerCalls, kv_load
+from common.server.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
+from common.transfer.agent import TransferAgent
+from common.transfer.types import TransferTimeoutError
+from common.wire.convert import sampling_from_proto
 from decode_worker.detok import IncrementalDetokenizer
-from decode_worker.kv_import import check_handle, pull
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
@@ -51,7 +54,6 @@ from epd.v1 import (
     prefill_service_pb2_grpc,
     registry_service_pb2,
 )
-from prefill_worker.handoff import read_handoff
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.settings import setting
+from common.settings.schema import setting
 from prefill_worker.settings import DTYPES
 
 

@@ -1,5 +1,5 @@
 """`python -m encoder_worker [--config FILE.toml] [--flag VALUE ...]`: run one encoder worker
-until SIGTERM/SIGINT, then drain (in-flight Encode calls finish) and stop (common.worker_main)."""
+until SIGTERM/SIGINT, then drain (in-flight Encode calls finish) and stop (common.server.main)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from common import worker_main
+from common.server import main as worker_main
 from encoder_worker.server import serve
 from encoder_worker.settings import EncoderSettings
 

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.transfer import RegisteredRegion, TransferAgent, handle_for
+from common.transfer.agent import TransferAgent
+from common.transfer.regions import RegisteredRegion
+from common.wire.transfer import handle_for
 from epd.v1 import tensor_pb2
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from common.models.qwen3_vl.config import VisionConfig
-from common.multimodal import HASH_BYTES, MultimodalLayoutError
-from common.wire import tensor_from_ref
+from common.multimodal.validation import HASH_BYTES, MultimodalLayoutError
+from common.wire.convert import tensor_from_ref
 from epd.v1 import encoder_service_pb2, multimodal_pb2
 
 

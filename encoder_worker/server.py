@@ -1,6 +1,6 @@
 """The encoder worker's gRPC server: EncoderService over the vision tower.
 
-Lifecycle (see `common.rpc.WorkerLifecycle`): `serve(settings)` loads the vision tower,
+Lifecycle (see `common.server.rpc.WorkerLifecycle`): `serve(settings)` loads the vision tower,
 starts gRPC (EncoderService + health), starts creating the NIXL agent in the background,
 and registers with the router when `router_address` is set (role ENCODER, heartbeats carry
 cache hits/lookups and in-flight requests). `server.lifecycle.drain()` refuses new Encode
@@ -19,21 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.kv.layout import model_identity
 from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
 from common.models.tiny import default_checkpoint
-from common.rpc import (
+from common.server.registrar import Registrar
+from common.server.rpc import (
     PROTOCOL_VERSION,
-    Registrar,
     RunningServer,
     WorkerLifecycle,
     rpc_errors,
     service_name,
     start_server,
 )
-from common.runner import model_identity
-from common.wire import element_type, tensor_to_ref
+from common.wire.convert import element_type, tensor_to_ref
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.engine import EncoderEngine, ItemOutput
 from encoder_worker.leases import OutputLeases

@@ -1,4 +1,6 @@
-"""epd: disaggregated encode / prefill / decode serving.
+"""epd: disaggregated encode / prefill / decode serving, as its users import it.
 
-`epd.v1` holds the generated protocol bindings; `epd.cli` is the `epd` command line.
+This package holds only the generated protocol bindings (`epd.v1`, which import nothing of
+ours) and the public client (`epd.client`). The `epd` command line, the Ray pools and the
+deployment settings are the `cluster` package; `python -m epd` runs that command line.
 """

@@ -34,7 +34,7 @@ import numpy as np
 from PIL import Image
 
 from common.sampling import SamplingParams
-from common.wire import sampling_to_proto
+from common.wire.convert import sampling_to_proto
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,

@@ -16,11 +16,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from common.models.model_thread import ModelThread
+from common.models.runner import LmRunner
 from common.models.tiny import default_checkpoint
-from common.rpc import WorkerLifecycle, service_name, start_server
-from common.runner import LmRunner, ModelThread
-from common.transfer import TransferAgent
-from common.worker_server import Cleanup, WorkerServer, adopt, register_kv_worker
+from common.server.kv_worker import Cleanup, WorkerServer, adopt, register_kv_worker
+from common.server.rpc import WorkerLifecycle, service_name, start_server
+from common.transfer.agent import TransferAgent
 from epd.v1 import prefill_service_pb2, prefill_service_pb2_grpc, registry_service_pb2
 from prefill_worker.service import PrefillServicer
 from prefill_worker.settings import PrefillSettings

@@ -9,7 +9,7 @@ reuse the cached prefix, compute the rest, sample the first token, and answer wi
 a lease.
 
 Block ownership: the prompt's blocks move from the prefill sequence to a lease
-(`prefill_worker.leases`). The lease holds them until `ReleaseKv(lease_id)` (the decode
+(`common.server.leases`). The lease holds them until `ReleaseKv(lease_id)` (the decode
 worker, after its pull) or until the reaper sees it expire; both release the blocks to the
 pool exactly once. Full prompt blocks stay in the prefix cache afterwards (evictable).
 
@@ -30,12 +30,19 @@ from typing import Any
 import grpc
 import torch
 
-from common.multimodal import MultimodalLayoutError
-from common.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
-from common.runner import LmRunner, LmSequence, MissingEmbeddingsError, ModelThread, blocks_for
-from common.transfer import TransferAgent, TransferError, read_tensor
-from common.wire import sampling_from_proto, torch_dtype
-from common.worker_server import PeerCalls, kv_load
+from common.handoff import read_handoff
+from common.kv.allocator import blocks_for
+from common.kv.events import KvEventHub, Subscription
+from common.models.model_thread import ModelThread
+from common.models.runner import LmRunner, LmSequence, MissingEmbeddingsError
+from common.multimodal.validation import MultimodalLayoutError
+from common.server.kv_worker import PeerCalls, kv_load
+from common.server.leases import LeaseTable
+from common.server.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
+from common.transfer.agent import TransferAgent
+from common.transfer.types import TransferError
+from common.wire.convert import sampling_from_proto, torch_dtype
+from common.wire.transfer import read_tensor
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -45,9 +52,6 @@ from epd.v1 import (
     registry_service_pb2,
     tensor_pb2,
 )
-from prefill_worker.events import KvEventHub, Subscription
-from prefill_worker.handoff import read_handoff
-from prefill_worker.leases import LeaseTable
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.settings import setting
+from common.settings.schema import setting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

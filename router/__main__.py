@@ -2,7 +2,7 @@
 
 Settings come from the `RouterSettings` defaults, then the TOML file, then the flags. On
 SIGTERM/SIGINT the router drains (no new requests, running ones finish) and stops (see
-common.worker_main).
+common.server.main).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from common import worker_main
+from common.server import main as worker_main
 from router.server import RunningRouter, serve
 from router.settings import RouterSettings
 

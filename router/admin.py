@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
-from router.registry import Registry, Role
+from router.registry import Registry
+from router.workers import Role
 
 logger = logging.getLogger(__name__)
 

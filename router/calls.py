@@ -11,9 +11,10 @@ from typing import TypeVar
 
 import grpc
 
-from common.processor import ProcessedPrompt
+from common.processing.processor import ProcessedPrompt
 from common.sampling import SamplingParams
-from router.registry import NoWorkerError, Registry, Role, WorkerRecord
+from router.registry import Registry
+from router.workers import NoWorkerError, Role, WorkerRecord
 
 logger = logging.getLogger(__name__)
 

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.block_hash import block_hashes
-from common.processor import Processor
-from common.runner import layout_root
+from common.kv.hashing import block_hashes
+from common.kv.layout import layout_root
+from common.processing.processor import Processor
 from common.sampling import StopChecker
-from common.wire import params_to_proto, sampling_to_proto
+from common.wire.convert import params_to_proto, sampling_to_proto
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
@@ -62,12 +62,11 @@ from router.channels import Channels
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
 from router.prefix_index import PrefixIndex
-from router.registry import Registry, Role, WorkerRecord
+from router.registry import Registry
 from router.releases import Releases
+from router.workers import Role, WorkerRecord
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["Job", "Orchestrator", "RouterError"]
 
 _FINISH = {
     "stop": decode_service_pb2.FINISH_REASON_STOP,

@@ -57,21 +57,6 @@ from router.workers import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "KV_ROLES",
-    "PROTOCOL_VERSION",
-    "CheckpointShape",
-    "KvLayout",
-    "NoWorkerError",
-    "RegistrationRefused",
-    "Registry",
-    "RegistryServicer",
-    "Role",
-    "WorkerLoad",
-    "WorkerRecord",
-    "rendezvous_weight",
-]
-
 
 def rendezvous_weight(key: bytes, name: str) -> int:
     """The weight of worker `name` for `key` in rendezvous hashing: stable across processes

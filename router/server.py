@@ -31,12 +31,18 @@ from typing import Any
 
 import grpc
 
+from common.kv.layout import model_identity
 from common.models.tiny import default_checkpoint
-from common.multimodal import MultimodalLayoutError
-from common.processor import ProcessedPrompt, Processor
-from common.rpc import RpcStatusError, RunningServer, WorkerLifecycle, service_name, start_server
-from common.runner import model_identity
-from common.wire import sampling_from_proto
+from common.multimodal.validation import MultimodalLayoutError
+from common.processing.processor import ProcessedPrompt, Processor
+from common.server.rpc import (
+    RpcStatusError,
+    RunningServer,
+    WorkerLifecycle,
+    service_name,
+    start_server,
+)
+from common.wire.convert import sampling_from_proto
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -46,11 +52,13 @@ from epd.v1 import (
     router_service_pb2_grpc,
 )
 from router.admin import AdminServicer, Scaler
+from router.calls import Job, RouterError
 from router.channels import Channels
 from router.inputs import InputError, messages_from_proto
-from router.orchestrator import Job, Orchestrator, RouterError
-from router.registry import CheckpointShape, Registry, RegistryServicer, Role
+from router.orchestrator import Orchestrator
+from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
+from router.workers import CheckpointShape, Role
 
 logger = logging.getLogger(__name__)
 

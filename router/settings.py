@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.settings import setting
+from common.settings.schema import setting
 
 
 @dataclass(frozen=True, slots=True)

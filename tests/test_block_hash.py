@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.block_hash import DEFAULT_ROOT, MmKey, block_extra_keys, block_hashes, root_hash
-from common.multimodal import MultimodalParams, runs_from_mask
+from common.kv.hashing import DEFAULT_ROOT, MmKey, block_extra_keys, block_hashes, root_hash
+from common.multimodal.params import MultimodalParams, runs_from_mask
 
 ROOT = Path(__file__).resolve().parent.parent
 HA, HB = b"\xaa" * 32, b"\xbb" * 32

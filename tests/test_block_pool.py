@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv import BlockPool, KvEvent, NoFreeBlocksError
+from common.kv.block_pool import BlockPool, KvEvent, NoFreeBlocksError
 
 
 def h(i: int) -> bytes:

@@ -25,7 +25,7 @@ from common.models.qwen3_vl.weights import (
     save_weights,
 )
 from common.models.tiny import default_checkpoint, make_tiny_checkpoint, tiny_config
-from common.processing import Processor
+from common.processing.processor import Processor
 from tests.model_fixtures import (
     save_reference_checkpoint,
     tiny_reference_config_dict,

@@ -14,20 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.rpc import start_server
-from common.settings import from_mapping
-from epd.cli import (
-    build_messages,
-    build_parser,
-    cmd_drain,
-    cmd_generate,
-    cmd_scale,
-    cmd_status,
-    frame_files,
-    load_settings,
-    main,
-)
-from epd.settings import EpdSettings, defaults_toml, reference_markdown
+from cluster.admin import cmd_drain, cmd_scale, cmd_status
+from cluster.cli import build_messages, build_parser, cmd_generate, frame_files, load_settings, main
+from cluster.settings import EpdSettings, defaults_toml, reference_markdown
+from common.server.rpc import start_server
+from common.settings.schema import from_mapping
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -68,7 +59,7 @@ def test_docs_config_md_is_up_to_date() -> None:
 
 
 def test_every_setting_is_documented() -> None:
-    from common.settings import describe
+    from common.settings.schema import describe
 
     for key, _default, help_text in describe(EpdSettings):
         assert help_text.strip(), f"{key} has no help text"

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from common.sampling import SamplingParams
-from common.wire import sampling_from_proto
+from common.wire.convert import sampling_from_proto
 from epd.client import build_request, encode_image
 from router.inputs import decode_image, messages_from_proto
 

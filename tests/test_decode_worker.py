@@ -13,8 +13,9 @@ import pytest_asyncio
 from tokenizers import Tokenizer
 
 from common.engine import Engine
+from common.kv.allocator import blocks_for
 from common.kv.block_pool import NoFreeBlocksError
-from common.runner import LmRunner, blocks_for
+from common.models.runner import LmRunner
 from common.sampling import SamplingParams
 from decode_worker.__main__ import parse
 from decode_worker.detok import IncrementalDetokenizer

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from common.settings import from_mapping
-from epd.cli import build_parser, load_settings
-from epd.settings import EpdSettings
+from cluster.cli import build_parser, load_settings
+from cluster.settings import EpdSettings
+from common.settings.schema import from_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -211,7 +211,7 @@ def test_container_command_is_a_real_entry_point(
 
 def load_settings_from_text(text: str, parsed: Any) -> EpdSettings:
     """`load_settings` for a config given as text (flags applied over it)."""
-    from common.settings import apply_flags
+    from common.settings.schema import apply_flags
 
     settings = from_mapping(EpdSettings, tomllib.loads(text))
     return apply_flags(settings, parsed)
@@ -238,7 +238,7 @@ def test_epd_console_script_points_at_cli_main() -> None:
     target = pyproject["project"]["scripts"]["epd"]
     module, _, func = target.partition(":")
     assert callable(getattr(importlib.import_module(module), func))
-    assert module == "epd.cli"
+    assert module == "cluster.cli"
 
 
 def test_load_settings_reads_the_file_then_flags(tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.block_hash import block_hashes
 from common.engine import Engine
+from common.kv.hashing import block_hashes
+from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
-from common.runner import layout_root
 from common.sampling import SamplingParams
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc

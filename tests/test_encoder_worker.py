@@ -21,10 +21,10 @@ import torch
 
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.tiny import default_checkpoint
-from common.processing import ProcessedPrompt, Processor
-from common.rpc import channel, start_server, wait_healthy
-from common.settings import SettingsError
-from common.wire import tensor_from_ref, tensor_to_ref
+from common.processing.processor import ProcessedPrompt, Processor
+from common.server.rpc import channel, start_server, wait_healthy
+from common.settings.schema import SettingsError
+from common.wire.convert import tensor_from_ref, tensor_to_ref
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.server import EncoderServer, load_tower, serve
 from encoder_worker.settings import EncoderSettings
@@ -370,7 +370,9 @@ def _output_bytes(prompt: ProcessedPrompt, tower: VisionTower) -> int:
 async def test_large_output_goes_over_nixl_and_is_released(
     make_server: Factory, processor: Processor, tower: VisionTower
 ) -> None:
-    transfer = pytest.importorskip("common.transfer")
+    transfer = pytest.importorskip("common.transfer.agent")
+    from common.wire.transfer import read_tensor
+
     try:
         reader = await asyncio.to_thread(transfer.TransferAgent, "reader")
     except (ImportError, RuntimeError) as exc:
@@ -393,7 +395,7 @@ async def test_large_output_goes_over_nixl_and_is_released(
         assert len(lease_ids) == 1
         pulled = [
             await asyncio.to_thread(
-                transfer.read_tensor, ref.handle, torch.float32, tuple(ref.shape), reader
+                read_tensor, ref.handle, torch.float32, tuple(ref.shape), reader
             )
             for ref in refs
         ]

@@ -14,11 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
-from common.block_hash import block_hashes
 from common.engine import Engine
+from common.kv.hashing import block_hashes
 from common.models.tiny import make_tiny_checkpoint
-from common.multimodal import Modality
-from common.processor import ProcessedPrompt
+from common.multimodal.params import Modality
+from common.processing.processor import ProcessedPrompt
 from common.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")

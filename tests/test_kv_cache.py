@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from common.kv import KV_LAYOUT, KvCacheSpec, PagedKvCache, slot_ids
+from common.kv.cache import KV_LAYOUT, KvCacheSpec, PagedKvCache, slot_ids
 
 
 def make_spec(

@@ -24,15 +24,16 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
-from common.block_hash import block_hashes
 from common.engine import Engine, GenerateResult
+from common.kv.allocator import blocks_for
+from common.kv.hashing import block_hashes
+from common.kv.layout import layout_root
 from common.models.tiny import default_checkpoint
-from common.multimodal import MultimodalParams
-from common.rpc import PROTOCOL_VERSION, channel, start_server
-from common.runner import blocks_for, layout_root
+from common.multimodal.params import MultimodalParams
 from common.sampling import SamplingParams
-from common.wire import params_to_proto, sampling_to_proto
-from common.worker_server import WorkerServer
+from common.server.kv_worker import WorkerServer
+from common.server.rpc import PROTOCOL_VERSION, channel, start_server
+from common.wire.convert import params_to_proto, sampling_to_proto
 from decode_worker.server import serve as serve_decode
 from decode_worker.settings import DecodeSettings
 from epd.v1 import (

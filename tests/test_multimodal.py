@@ -9,13 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.multimodal import (
-    INT32_MAX,
-    MultimodalItemMetadata,
-    MultimodalLayoutError,
-    MultimodalParams,
-    runs_from_mask,
-)
+from common.multimodal.params import MultimodalItemMetadata, MultimodalParams, runs_from_mask
+from common.multimodal.validation import INT32_MAX, MultimodalLayoutError
 
 H0, H1, H2 = (bytes([i]) * 32 for i in range(3))
 

@@ -20,16 +20,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.transfer import (
-    TransferAgent,
-    TransferError,
-    TransferTimeoutError,
-    UnknownPeerError,
-    check_pairs,
-    handle_for,
-    merge_ranges,
-    read_tensor,
-)
+from common.transfer.agent import TransferAgent
+from common.transfer.ranges import check_pairs, merge_ranges
+from common.transfer.types import TransferError, TransferTimeoutError, UnknownPeerError
+from common.wire.transfer import handle_for, read_tensor
 from epd.v1 import tensor_pb2
 
 # Tiny KV geometry: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], fp16.

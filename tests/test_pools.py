@@ -18,10 +18,10 @@ from typing import Any
 import grpc
 import pytest
 
-import epd.pools as pools
-from common.rpc import start_server
-from epd.pools import PoolManager, WorkerActor, drain_at_router, reachable_address
-from epd.settings import EpdSettings, PoolSettings
+import cluster.pools as pools
+from cluster.pools import PoolManager, WorkerActor, drain_at_router, reachable_address
+from cluster.settings import EpdSettings, PoolSettings
+from common.server.rpc import start_server
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 
 # ------------------------------------------------------------------------ stand-in actors
@@ -135,7 +135,7 @@ def test_error_summary_is_the_root_cause() -> None:
     ray_style = (
         "The actor died because of an error raised in its creation task\n"
         '  File "x.py", line 1, in serve\n'
-        "epd.pools.WorkerStartError: epd-prefill-0 failed to start: FileNotFoundError: /m\n"
+        "cluster.pools.WorkerStartError: epd-prefill-0 failed to start: FileNotFoundError: /m\n"
     )
     assert pools.error_summary(RuntimeError(ray_style)) == (
         "epd-prefill-0 failed to start: FileNotFoundError: /m"

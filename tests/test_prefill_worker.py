@@ -13,11 +13,12 @@ import pytest
 import pytest_asyncio
 
 from common.engine import Engine
-from common.multimodal import MultimodalParams
-from common.rpc import channel, start_server
-from common.runner import blocks_for
-from common.transfer import TransferAgent, handle_for
-from common.worker_server import WorkerServer
+from common.kv.allocator import blocks_for
+from common.multimodal.params import MultimodalParams
+from common.server.kv_worker import WorkerServer
+from common.server.rpc import channel, start_server
+from common.transfer.agent import TransferAgent
+from common.wire.transfer import handle_for
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -232,7 +233,7 @@ async def test_kv_events_snapshot_then_live(
 def _by_handle(params: MultimodalParams, agent: TransferAgent) -> multimodal_pb2.MultimodalParams:
     """The wire params with every embedding tensor held by a NIXL handle of `agent` (which
     keeps the registered tensors alive)."""
-    from common.wire import params_to_proto
+    from common.wire.convert import params_to_proto
 
     msg = params_to_proto(params)
     for emb in msg.embeddings:

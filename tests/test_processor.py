@@ -13,14 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from common.multimodal import Modality
-from common.processing import Processor, ProcessorSettings
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
+from common.multimodal.params import Modality
 from common.processing.image import patchify, smart_resize
-from common.processing.video import (
-    sample_frame_indices,
-    smart_resize_video,
-    temporal_timestamps,
-)
+from common.processing.processor import Processor
+from common.processing.video import sample_frame_indices, smart_resize_video, temporal_timestamps
 from tests.model_fixtures import write_tiny_checkpoint
 
 

@@ -8,14 +8,8 @@ from typing import Any
 import pytest
 
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
-from router.registry import (
-    CheckpointShape,
-    NoWorkerError,
-    RegistrationRefused,
-    Registry,
-    Role,
-    WorkerLoad,
-)
+from router.registry import Registry
+from router.workers import CheckpointShape, NoWorkerError, RegistrationRefused, Role, WorkerLoad
 
 MODEL = "qwen3-vl/test"
 

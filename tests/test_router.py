@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.block_hash import block_hashes
+from common.kv.hashing import block_hashes
+from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
-from common.rpc import start_server
-from common.runner import layout_root
 from common.sampling import SamplingParams
+from common.server.rpc import start_server
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import (
     admin_service_pb2,
@@ -38,10 +38,10 @@ from epd.v1 import (
     registry_service_pb2_grpc,
     tensor_pb2,
 )
-from router.orchestrator import Job
-from router.registry import Role
+from router.calls import Job
 from router.server import RunningRouter, serve
 from router.settings import RouterSettings
+from router.workers import Role
 
 MODEL = "fake-model"
 FIRST = 100  # the fake prefill's first token

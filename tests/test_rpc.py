@@ -10,12 +10,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.kv import NoFreeBlocksError
-from common.multimodal import MultimodalLayoutError
-from common.rpc import (
+from common.kv.block_pool import NoFreeBlocksError
+from common.multimodal.validation import MultimodalLayoutError
+from common.server.registrar import Registrar
+from common.server.rpc import (
     PROTOCOL_VERSION,
     LifecycleState,
-    Registrar,
     RunningServer,
     WorkerLifecycle,
     channel,
@@ -24,7 +24,7 @@ from common.rpc import (
     start_server,
     wait_healthy,
 )
-from common.settings import SettingsError
+from common.settings.schema import SettingsError
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 
 SERVICE = "test.Probe"

@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from cluster.admin import cmd_scale
+from cluster.cli import build_parser, main
 from common.sampling import SamplingParams
-from epd.cli import build_parser, cmd_scale, main
 from epd.client import Client
 
 pytestmark = pytest.mark.slow
@@ -202,7 +203,7 @@ async def test_image_and_video_answer_equals_offline_engine(
             served.address,
         ]
     )
-    from epd.cli import cmd_generate
+    from cluster.cli import cmd_generate
 
     assert await cmd_generate(args) == 0
     out = capsys.readouterr().out

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import (
+from common.settings.schema import (
     SettingsError,
     add_flags,
     apply_flags,

@@ -18,7 +18,7 @@ import torch
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig, VisionConfig
 from common.models.qwen3_vl.rope import decode_positions, prompt_positions
 from common.models.qwen3_vl.text import TextModel
-from common.multimodal import ItemEmbedding, Modality, MultimodalItemMetadata
+from common.multimodal.params import ItemEmbedding, Modality, MultimodalItemMetadata
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from PIL import Image
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import load_weights
-from common.processing import Processor
+from common.processing.processor import Processor
 from tests.model_fixtures import reference_model, write_tiny_checkpoint
 
 

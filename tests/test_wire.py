@@ -11,15 +11,15 @@ from types import ModuleType
 import pytest
 import torch
 
-from common.multimodal import (
+from common.multimodal.params import (
     ItemEmbedding,
     ItemPartition,
     Modality,
     MultimodalItemMetadata,
-    MultimodalLayoutError,
     MultimodalParams,
 )
-from common.wire import params_from_proto, params_to_proto, tensor_from_ref, tensor_to_ref
+from common.multimodal.validation import MultimodalLayoutError
+from common.wire.convert import params_from_proto, params_to_proto, tensor_from_ref, tensor_to_ref
 from epd.v1 import multimodal_pb2, tensor_pb2
 
 LEGACY_PROTO = Path(__file__).parent / "data" / "legacy" / "epd_legacy.proto"
@@ -178,7 +178,7 @@ def test_tensor_ref_round_trip_dtypes() -> None:
 
 def test_sampling_round_trip_and_defaults() -> None:
     from common.sampling import SamplingParams
-    from common.wire import sampling_from_proto, sampling_to_proto
+    from common.wire.convert import sampling_from_proto, sampling_to_proto
     from epd.v1 import sampling_pb2
 
     # float32 on the wire: these values are exact in binary

@@ -27,8 +27,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig, VisionConfig
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.qwen3_vl.weights import expected_weight_shapes, save_weights
-from common.processing.settings import ProcessorSettings
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.multimodal import Modality
+from common.multimodal.params import Modality
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

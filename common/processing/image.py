@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from common.processing.settings import ProcessorSettings
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
 
 ImageSource = bytes | str | Path | Image.Image | npt.NDArray[np.uint8]
 FloatArray = npt.NDArray[np.float32]

@@ -26,7 +26,8 @@ import torch
 from tokenizers import Tokenizer
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.multimodal import (
+from common.models.qwen3_vl.preprocessor import PREPROCESSOR_FILE, ProcessorSettings
+from common.multimodal.params import (
     ItemPartition,
     Modality,
     MultimodalItemMetadata,
@@ -35,7 +36,6 @@ from common.multimodal import (
 )
 from common.processing.chat import MediaSlot, render_chat
 from common.processing.image import FloatArray, preprocess_image
-from common.processing.settings import PREPROCESSOR_FILE, ProcessorSettings
 from common.processing.video import preprocess_video
 
 logger = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import (
     ByteArray,
     FloatArray,
@@ -31,7 +32,6 @@ from common.processing.image import (
     resize_rgb,
     to_rgb,
 )
-from common.processing.settings import ProcessorSettings
 
 
 @dataclass(frozen=True, slots=True)

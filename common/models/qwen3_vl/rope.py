@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.multimodal import MultimodalItemMetadata
+from common.multimodal.params import MultimodalItemMetadata
 
 
 @dataclass(frozen=True, slots=True)

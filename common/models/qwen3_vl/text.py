@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
-from common.multimodal import ItemEmbedding, MultimodalItemMetadata
+from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from common.kv.block_pool import KvEvent
-from common.runner import LmRunner
+from common.models.runner import LmRunner
 from epd.v1 import kv_pb2
 
 _KINDS = {

@@ -16,7 +16,8 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from common.runner import LmRunner, LmSequence, ModelThread
+from common.models.model_thread import ModelThread
+from common.models.runner import LmRunner, LmSequence
 from common.sampling import FinishReason
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,8 @@
     epd config --print-defaults | --check FILE | --markdown           the config file
 
 Every command but `serve` and `config` talks to a running router (`--address`, default
-127.0.0.1:50051, or $EPD_ROUTER). `serve` is in `epd.cli_serve`, `scale`/`status`/`drain` in
-`epd.cli_admin`; they print through `epd.console`, the library code they call logs.
+127.0.0.1:50051, or $EPD_ROUTER). `serve` is in `cluster.serve`, `scale`/`status`/`drain` in
+`cluster.admin`; they print through `cluster.console`, the library code they call logs.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from epd.cli_admin import cmd_drain, cmd_scale, cmd_status
-from epd.cli_serve import cmd_serve
-from epd.console import say as _say
+from cluster.admin import cmd_drain, cmd_scale, cmd_status
+from cluster.console import say as _say
+from cluster.serve import cmd_serve
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
@@ -41,7 +41,7 @@ def _router_flag(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `epd` parser with every subcommand (also used by the deploy tests)."""
-    from epd.settings import ROLES, EpdSettings
+    from cluster.settings import ROLES, EpdSettings
 
     parser = argparse.ArgumentParser(
         prog="epd", description="Disaggregated encode / prefill / decode serving."
@@ -116,11 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """`common.settings.add_flags` for `cls`, with one help group per TOML section."""
+    """`common.settings.schema.add_flags` for `cls`, with one help group per TOML section."""
     import dataclasses
     import typing
 
-    from common.settings import add_flags
+    from common.settings.schema import add_flags
 
     hints = typing.get_type_hints(cls)
     top = parser.add_argument_group("top-level settings")
@@ -141,15 +141,15 @@ def _add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def load_settings(args: argparse.Namespace) -> Any:
     """`EpdSettings` from the defaults, `--config`, then the flags (SettingsError if bad)."""
-    from common.settings import apply_flags, load
-    from epd.settings import EpdSettings
+    from cluster.settings import EpdSettings
+    from common.settings.schema import apply_flags, load
 
     return apply_flags(load(EpdSettings, getattr(args, "config", None)), args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `epd` console script and `python -m epd`."""
-    from common.settings import SettingsError
+    from common.settings.schema import SettingsError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -271,8 +271,8 @@ async def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the commented defaults, or load a file and report the first error."""
-    from common.settings import load
-    from epd.settings import EpdSettings, defaults_toml, reference_markdown
+    from cluster.settings import EpdSettings, defaults_toml, reference_markdown
+    from common.settings.schema import load
 
     if args.print_defaults:
         sys.stdout.write(defaults_toml())

@@ -8,11 +8,11 @@ import asyncio
 import time
 from typing import Any
 
-from epd.console import say as _say
+from cluster.console import say as _say
 
 
 async def _admin(address: str) -> Any:
-    from common.rpc import channel
+    from common.server.rpc import channel
     from epd.v1 import admin_service_pb2_grpc
 
     ch = channel(address)
@@ -21,7 +21,7 @@ async def _admin(address: str) -> Any:
 
 async def cmd_scale(args: argparse.Namespace) -> int:
     """Ask the router's scaler for `--replicas` workers, then wait until the pool has them."""
-    from epd.pools import registered_counts, wire_role
+    from cluster.pools import registered_counts, wire_role
     from epd.v1 import admin_service_pb2
 
     ch, stub = await _admin(args.address)
@@ -53,7 +53,7 @@ def _workers(n: int) -> str:
 
 async def cmd_status(args: argparse.Namespace) -> int:
     """One line per worker: role, name, address, load, KV blocks, cache hits, heartbeat."""
-    from epd.pools import role_name
+    from cluster.pools import role_name
     from epd.v1 import admin_service_pb2
 
     ch, stub = await _admin(args.address)

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
-from common.rpc import RunningServer, run_until_signal
-from common.settings import SettingsError, add_flags, apply_flags, load, to_toml
+from common.server.rpc import RunningServer, run_until_signal
+from common.settings.schema import SettingsError, add_flags, apply_flags, load, to_toml
 
 S = TypeVar("S")
 

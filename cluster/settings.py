@@ -8,7 +8,7 @@
     [pools]    PoolSettings             replicas per role, resources per worker actor
     [ray]      RaySettings              which Ray cluster, and how to start a local one
 
-`epd serve --config epd.toml` reads it with `common.settings.load` (unknown keys are an error
+`epd serve --config epd.toml` reads it with `common.settings.schema.load` (unknown keys are an error
 naming them); every field is also a flag (`--pools-prefill-replicas 2`, `--router-port 0`)
 applied over the file. `epd config --print-defaults` prints the commented defaults, and
 docs/config.md is generated from the same descriptions.
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.settings import describe, setting, to_toml
+from common.settings.schema import describe, setting, to_toml
 from decode_worker.settings import DecodeSettings
 from encoder_worker.settings import EncoderSettings
 from prefill_worker.settings import PrefillSettings
@@ -152,8 +152,8 @@ _SECTIONS = {
     "encoder": "`[encoder]`: every encoder worker (`encoder_worker/settings.py`)",
     "prefill": "`[prefill]`: every prefill worker (`prefill_worker/settings.py`)",
     "decode": "`[decode]`: every decode worker (`decode_worker/settings.py`)",
-    "pools": "`[pools]`: worker pools on Ray (`epd/settings.py`)",
-    "ray": "`[ray]`: the Ray cluster (`epd/settings.py`)",
+    "pools": "`[pools]`: worker pools on Ray (`cluster/settings.py`)",
+    "ray": "`[ray]`: the Ray cluster (`cluster/settings.py`)",
 }
 
 

@@ -6,7 +6,7 @@ client side. Handlers wrap themselves in `rpc_errors` so that a bad request beco
 status (never a crashed server), and in `WorkerLifecycle.track()` so that draining refuses new
 work while the in-flight work finishes. `run_until_signal` ties it together for `__main__`s.
 
-Registration with the router lives in `common.rpc_registrar` (re-exported here as
+Registration with the router lives in `common.server.registrar` (re-exported here as
 `Registrar`).
 """
 
@@ -29,8 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from common.kv.block_pool import NoFreeBlocksError
-from common.multimodal import MultimodalLayoutError
-from common.settings import SettingsError
+from common.multimodal.validation import MultimodalLayoutError
+from common.settings.schema import SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -374,27 +374,3 @@ async def run_until_signal(
                 await step()
             except Exception:
                 logger.exception("cleanup step failed")
-
-
-# Registration is its own module; re-exported for one import path.
-from common.rpc_registrar import Registrar  # noqa: E402
-
-__all__ = [
-    "DEFAULT_MAX_MESSAGE_MB",
-    "DRAINING_DETAILS",
-    "PROTOCOL_VERSION",
-    "LifecycleState",
-    "Registrar",
-    "RpcStatusError",
-    "RunningServer",
-    "WorkerDrainingError",
-    "WorkerLifecycle",
-    "channel",
-    "grpc_options",
-    "rpc_errors",
-    "run_until_signal",
-    "service_name",
-    "start_server",
-    "status_for",
-    "wait_healthy",
-]

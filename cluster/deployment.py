@@ -1,6 +1,6 @@
 """The deployment's head and driver: the Controller actor (router server plus PoolManager)
 and `Deployment`, which `epd serve` uses to start Ray, the controller and the pools, wait
-until ready, scale, and stop. Lifecycles are described in `epd.pools`.
+until ready, scale, and stop. Lifecycles are described in `cluster.pools`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from typing import Any
 
 import grpc
 
-from common.rpc import channel
-from epd.pools import (
+from cluster.pools import (
     _LOOPBACK,
     CONTROLLER_NAME,
     SERVER_MODULES,
@@ -29,7 +28,8 @@ from epd.pools import (
     registered_counts,
     role_name,
 )
-from epd.settings import ROLES, EpdSettings, RaySettings
+from cluster.settings import ROLES, EpdSettings, RaySettings
+from common.server.rpc import channel
 from epd.v1 import admin_service_pb2_grpc
 
 logger = logging.getLogger(__name__)

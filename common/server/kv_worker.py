@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.rpc import PROTOCOL_VERSION, Registrar, RunningServer, WorkerLifecycle, channel
-from common.runner import LmRunner
+from common.models.runner import LmRunner
+from common.server.registrar import Registrar
+from common.server.rpc import PROTOCOL_VERSION, RunningServer, WorkerLifecycle, channel
 from epd.v1 import registry_service_pb2
 
 logger = logging.getLogger(__name__)

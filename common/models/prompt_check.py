@@ -13,7 +13,8 @@ import torch
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import prompt_positions
-from common.multimodal import MultimodalLayoutError, MultimodalParams
+from common.multimodal.params import MultimodalParams
+from common.multimodal.validation import MultimodalLayoutError
 
 
 def check_prompt(

@@ -12,15 +12,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from common.multimodal import (
+from common.multimodal.params import (
     ItemEmbedding,
     ItemPartition,
     Modality,
     MultimodalItemMetadata,
-    MultimodalLayoutError,
     MultimodalParams,
-    validate_flat,
 )
+from common.multimodal.validation import MultimodalLayoutError, validate_flat
 from common.sampling import SamplingParams
 from epd.v1 import multimodal_pb2, sampling_pb2, tensor_pb2
 

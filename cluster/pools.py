@@ -12,7 +12,7 @@ Lifecycles, in the order they happen:
 - start: the driver starts or joins Ray and creates the Controller, whose async `__init__`
   starts the router and one actor per wanted replica. A WorkerActor's async `__init__` starts
   its role's gRPC server in the actor's event loop; that server registers itself with the
-  router and heartbeats (`common.rpc.Registrar`). Ready = every wanted worker registered.
+  router and heartbeats (`common.server.rpc.Registrar`). Ready = every wanted worker registered.
 - restart: worker actors are created with `max_restarts` (default -1: always), so Ray
   re-runs `__init__` after a crash; the new server registers again (new port, same name).
 - scale: `AdminService.Scale` → router → `PoolManager.scale`. Up: new actors, which register
@@ -42,8 +42,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.rpc import channel
-from epd.settings import ROLES, PoolSettings
+from cluster.settings import ROLES, PoolSettings
+from common.server.rpc import channel
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 
 logger = logging.getLogger(__name__)
@@ -376,13 +376,3 @@ def error_summary(exc: BaseException | None) -> str:
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     last = lines[-1] if lines else repr(exc)
     return last.removeprefix(f"{__name__}.{WorkerStartError.__name__}: ")
-
-
-def __getattr__(name: str) -> Any:
-    """`Controller`, `Deployment` and `init_ray` live in `epd.deployment` (which imports this
-    module); they stay importable from here, loaded on first use."""
-    if name in ("Controller", "Deployment", "init_ray"):
-        from epd import deployment
-
-        return getattr(deployment, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,10 @@
-"""Bringing a prefill worker's KV into this decode worker: check the handle, pull by NIXL READ.
+"""The KV handoff between prefill and decode workers, in one place.
+
+`read_handoff` decodes the multimodal half of a Prefill or Decode request and checks it
+against the worker's model (INVALID_ARGUMENT naming the field, before any cache is
+touched).
+
+Bringing a prefill worker's KV into this decode worker: check the handle, pull by NIXL READ.
 
 `check_handle` refuses a handle that does not fit the handoff or this worker: a different
 `KvLayout` is FAILED_PRECONDITION (the two workers cannot exchange blocks), a malformed
@@ -17,14 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
-from common.rpc import RpcStatusError
-from common.runner import ImportPlan, LmRunner, blocks_for
-from common.transfer import DEVICE_MEMORY, HOST_MEMORY, TransferAgent, TransferStats
-from epd.v1 import kv_pb2, tensor_pb2
+from common.kv.allocator import ImportPlan, blocks_for
+from common.models.runner import LmRunner
+from common.multimodal.params import MultimodalParams
+from common.multimodal.validation import MultimodalLayoutError
+from common.server.rpc import RpcStatusError
+from common.transfer.agent import TransferAgent
+from common.transfer.types import DEVICE_MEMORY, HOST_MEMORY, TransferStats
+from common.wire.convert import TensorResolver, params_from_proto
+from epd.v1 import kv_pb2, multimodal_pb2, tensor_pb2
 
 # Pulls up to this size READ on the event loop's own thread: a hop to a worker thread and
 # back costs a scheduler slice (milliseconds) on a busy host, more than the READ of a few
@@ -120,3 +131,29 @@ async def pull(
     except asyncio.CancelledError:
         future.add_done_callback(lambda _: on_orphan())
         raise
+
+
+def read_handoff(
+    runner: LmRunner,
+    prompt_token_ids: Sequence[int],
+    multimodal: multimodal_pb2.MultimodalParams,
+    *,
+    with_embeddings: bool,
+    resolve: TensorResolver | None = None,
+) -> MultimodalParams:
+    """Decode and validate the multimodal half of a handoff against `runner`'s model.
+
+    The layout and the prompt (vocabulary, placeholders exactly at the runs, positions) are
+    checked before `resolve` pulls any embedding held by a transfer handle; embedding widths
+    after. Raises `MultimodalLayoutError` naming the field. Blocking (NIXL
+    pulls): call it from a worker thread in a server.
+    """
+    if not prompt_token_ids:
+        raise MultimodalLayoutError("prompt_token_ids", "empty prompt")
+    layout = params_from_proto(multimodal, with_embeddings=False)
+    runner.check_prompt(prompt_token_ids, layout)
+    if not with_embeddings:
+        return layout
+    params = params_from_proto(multimodal, resolve=resolve)
+    runner.check_embeddings(params)
+    return params

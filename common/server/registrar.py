@@ -85,7 +85,7 @@ class Registrar:
         self._failing = True
 
     async def _run(self) -> None:
-        from common.rpc import channel  # late: common.rpc re-exports this module
+        from common.server.rpc import channel  # late: common.rpc re-exports this module
 
         self._channel = channel(self.router_address)
         stub = registry_service_pb2_grpc.RegistryServiceStub(self._channel)

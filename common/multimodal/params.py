@@ -22,9 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from common.layout_validation import (
-    HASH_BYTES,
-    INT32_MAX,
+from common.multimodal.validation import (
     IntArray,
     IntSequence,
     MultimodalLayoutError,
@@ -35,19 +33,6 @@ if TYPE_CHECKING:
     import torch
 
     from epd.v1 import multimodal_pb2
-
-__all__ = [
-    "HASH_BYTES",
-    "INT32_MAX",
-    "ItemEmbedding",
-    "ItemPartition",
-    "Modality",
-    "MultimodalItemMetadata",
-    "MultimodalLayoutError",
-    "MultimodalParams",
-    "runs_from_mask",
-    "validate_flat",
-]
 
 
 class Modality(enum.StrEnum):
@@ -273,14 +258,14 @@ class MultimodalParams:
 
     def to_proto(self) -> multimodal_pb2.MultimodalParams:
         """The `epd.v1.MultimodalParams` wire form (see `common.wire`)."""
-        from common.wire import params_to_proto
+        from common.wire.convert import params_to_proto
 
         return params_to_proto(self)
 
     @classmethod
     def from_proto(cls, msg: multimodal_pb2.MultimodalParams) -> MultimodalParams:
         """Validate and decode the wire form (see `common.wire`)."""
-        from common.wire import params_from_proto
+        from common.wire.convert import params_from_proto
 
         return params_from_proto(msg)
 

@@ -39,33 +39,21 @@ from pathlib import Path
 
 import torch
 
-from common import kv_import, prompt_check
-from common.block_hash import block_hashes
+from common.kv import allocator as kv_import
+from common.kv.allocator import ImportPlan, blocks_for
 from common.kv.block_pool import BlockPool, KvEvent
 from common.kv.cache import KvCacheSpec, PagedKvCache
-from common.kv_identity import layout_root, model_identity
-from common.kv_import import ImportPlan, blocks_for
-from common.model_thread import ModelThread
+from common.kv.hashing import block_hashes
+from common.kv.layout import layout_root, model_identity
+from common.models import prompt_check
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import MropePositions, decode_positions, prompt_positions
 from common.models.qwen3_vl.text import LM_HEAD, LM_PREFIX, TextModel
 from common.models.qwen3_vl.weights import load_weights
-from common.multimodal import MultimodalParams
+from common.multimodal.params import MultimodalParams
 from common.sampling import FinishReason, Sampler, SamplingParams, StopChecker, make_generator
-from common.wire import element_type
+from common.wire.convert import element_type
 from epd.v1 import kv_pb2
-
-# Re-exported: workers and tests import these from here.
-__all__ = [
-    "ImportPlan",
-    "LmRunner",
-    "LmSequence",
-    "MissingEmbeddingsError",
-    "ModelThread",
-    "blocks_for",
-    "layout_root",
-    "model_identity",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -9,14 +9,14 @@ import signal
 import time
 from typing import Any
 
-from epd.console import say as _say
+from cluster.console import say as _say
 
 
 def cmd_serve(settings: Any) -> int:
     """Start (or join) Ray, run the deployment until SIGINT/SIGTERM, then stop it cleanly."""
     import logging
 
-    from epd.deployment import init_ray
+    from cluster.deployment import init_ray
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -48,8 +48,8 @@ def _prepare_checkpoint(settings: Any) -> None:
 
 
 async def _serve(settings: Any, started_ray: bool, started: float) -> int:
-    from epd.deployment import Deployment
-    from epd.pools import WorkerStartError, error_summary
+    from cluster.deployment import Deployment
+    from cluster.pools import WorkerStartError, error_summary
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

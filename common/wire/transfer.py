@@ -11,13 +11,9 @@ import math
 
 import torch
 
-from common.transfer.nixl_agent import (
-    DEVICE_MEMORY,
-    HOST_MEMORY,
-    TransferAgent,
-    TransferTimeoutError,
-    tensor_memory,
-)
+from common.transfer.agent import TransferAgent
+from common.transfer.regions import tensor_memory
+from common.transfer.types import DEVICE_MEMORY, HOST_MEMORY, TransferTimeoutError
 from epd.v1 import tensor_pb2
 
 _KIND_TO_MEMORY = {

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgpack
 
-from common.block_hash import root_hash
+from common.kv.hashing import root_hash
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.weights import weight_files
 from epd.v1 import kv_pb2

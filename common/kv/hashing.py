@@ -1,0 +1,158 @@
+"""Canonical KV block hashing: the one module router, prefill and decode all call.
+
+A prompt is cut into blocks of `block_size` tokens; each *full* block gets a 32-byte
+SHA-256 digest chained from its parent's. The key of a block is its parent hash, its token
+ids, the multimodal extra keys of the runs that overlap it, the cache salt (first block
+only) and the LoRA id. The byte layout is fixed (msgpack, see docs/block-hash.md) so any
+process, machine or language computes the same hashes.
+
+Extra keys come from the exact runs (DESIGN §3): for every run of every item that overlaps
+a block `[s, e)`, the key is `(item hash, item-local row offset, uuid)` where the offset is
+the rows the item placed in earlier runs plus `max(s, run_start) - run_start`. Text between
+runs is hashed as text, and a layout that does not fit the prompt raises instead of
+silently hashing placeholders as text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from common.multimodal.params import MultimodalParams
+from common.multimodal.validation import INT32_MAX
+
+BLOCK_HASH_SCHEME = "epd-block-hash-v1"
+
+
+class MmKey(NamedTuple):
+    """Extra key of one run's overlap with one block."""
+
+    item_hash: bytes  # the item's 32-byte content hash
+    offset: int  # item-local row index of the first overlapping placeholder
+    uuid: str | None  # caller-supplied item identity
+
+
+def root_hash(model_identity: str = "", kv_layout: str = "") -> bytes:
+    """Parent of a prompt's first block: separates models and KV layouts."""
+    return hashlib.sha256(
+        msgpack.packb([BLOCK_HASH_SCHEME, model_identity, kv_layout], use_bin_type=True)
+    ).digest()
+
+
+DEFAULT_ROOT = root_hash()
+
+
+def block_extra_keys(params: MultimodalParams | None, start: int, end: int) -> list[MmKey]:
+    """Extra keys of the block `[start, end)`, in prompt order of items and runs."""
+    if params is None or not params.items:
+        return []
+    run_starts = params.run_positions
+    run_ends = run_starts + params.run_lengths
+    lo = int(np.searchsorted(run_ends, start, side="right"))
+    hi = int(np.searchsorted(run_starts, end, side="left"))
+    return [_key(params, k, start) for k in range(lo, hi)]
+
+
+def block_hashes(
+    token_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+    block_size: int,
+    params: MultimodalParams | None = None,
+    *,
+    cache_salt: str | None = None,
+    lora_id: str | int | None = None,
+    root: bytes = DEFAULT_ROOT,
+) -> list[bytes]:
+    """One 32-byte hash per full block of `token_ids`; the partial last block gets none.
+
+    Raises `ValueError` when a token id is outside int32, `block_size` < 1, or a run of
+    `params` does not fit the prompt (placeholders are never hashed as plain text).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    tokens = _token_bytes(token_ids)
+    num_tokens = len(tokens) // 4
+    num_full = num_tokens // block_size
+    has_items = params is not None and bool(params.items)
+    if has_items:
+        assert params is not None
+        params.check_fits(num_tokens)
+    keys = _keys_by_block(params, num_full, block_size) if has_items else {}
+    stride = 4 * block_size
+    # The msgpack of [parent, tokens, keys, salt, lora] is assembled from pre-packed parts:
+    # byte-for-byte what msgpack.packb of that list gives, without packing per block.
+    pack = msgpack.Packer(use_bin_type=True).pack
+    head = b"\x95" + pack(bytes(32))[:-32]  # fixarray(5), bin header of the parent
+    token_head = pack(bytes(stride))[:-stride]  # bin header of the token bytes
+    first_salt, later_salt = pack(cache_salt), pack(None)
+    tail = pack(lora_id)
+    no_keys = pack([])
+    sha256 = hashlib.sha256
+    out: list[bytes] = []
+    parent = root
+    for b in range(num_full):
+        block_keys = keys.get(b)
+        parent = sha256(
+            head
+            + parent
+            + token_head
+            + tokens[b * stride : (b + 1) * stride]
+            + (no_keys if block_keys is None else pack(block_keys))
+            + (first_salt if b == 0 else later_salt)
+            + tail
+        ).digest()
+        out.append(parent)
+    return out
+
+
+def _token_bytes(token_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bytes:
+    """Token ids as little-endian int32 bytes, rejecting values outside int32."""
+    arr = np.asarray(token_ids)
+    if arr.size == 0:
+        return b""
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be a 1-D integer sequence, got {arr.dtype} {arr.shape}")
+    if arr.dtype != np.int32 and (arr.min() < -INT32_MAX - 1 or arr.max() > INT32_MAX):
+        raise ValueError("token ids must fit in int32")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def _keys_by_block(
+    params: MultimodalParams | None, num_full: int, block_size: int
+) -> dict[int, list[MmKey]]:
+    """Extra keys of every full block that overlaps a run, by block index."""
+    assert params is not None
+    run_starts = params.run_positions
+    run_ends = run_starts + params.run_lengths
+    block_starts = np.arange(num_full, dtype=np.int64) * block_size
+    lo = np.searchsorted(run_ends, block_starts, side="right")
+    hi = np.searchsorted(run_starts, block_starts + block_size, side="left")
+    hit = np.flatnonzero(hi > lo)
+    # Plain Python lists from here: per-key numpy scalar access costs microseconds.
+    run_starts_l = run_starts.tolist()
+    run_rows = params.run_row_offsets.tolist()
+    run_items = params.run_items.tolist()
+    identity = [(item.content_hash, item.uuid) for item in params.items]
+    keys: dict[int, list[MmKey]] = {}
+    for b, first, stop in zip(hit.tolist(), lo[hit].tolist(), hi[hit].tolist(), strict=True):
+        start = b * block_size
+        block_keys = []
+        for k in range(first, stop):
+            item_hash, uuid = identity[run_items[k]]
+            run_start = run_starts_l[k]
+            offset = run_rows[k] + max(start, run_start) - run_start
+            block_keys.append(MmKey(item_hash, offset, uuid))
+        keys[b] = block_keys
+    return keys
+
+
+def _key(params: MultimodalParams, run: int, block_start: int) -> MmKey:
+    """Extra key of flat run `run` for a block starting at `block_start`."""
+    item = params.items[int(params.run_items[run])]
+    run_start = int(params.run_positions[run])
+    offset = int(params.run_row_offsets[run]) + max(block_start, run_start) - run_start
+    return MmKey(item.content_hash, offset, item.uuid)
