@@ -9,7 +9,9 @@ Lifecycle of a worker as the router sees it:
                  worker registers again
     draining  -> reported by the worker or asked for through AdminService.Drain; a draining
                  worker gets no new work, its in-flight work finishes
-    expiry    -> a worker silent for longer than the timeout is dropped
+    expiry    -> a worker silent for longer than the timeout is hidden from `workers` and
+                 `pick` at once; `expire` (the router's expiry loop) drops it and tells the
+                 `on_expire` listeners, so whatever follows the worker is let go exactly once
 
 Compatibility: every worker must speak `PROTOCOL_VERSION` and serve the expected model
 identity (given, or adopted from the first worker to register). Prefill and decode workers
@@ -88,6 +90,8 @@ class Registry:
         self._ticks = itertools.count(1)
         # Called with every newly registered worker (e.g. to follow its KV events).
         self.on_register: list[Callable[[WorkerRecord], None]] = []
+        # Called with every worker `expire` drops (e.g. to stop following its KV events).
+        self.on_expire: list[Callable[[WorkerRecord], None]] = []
 
     # ------------------------------------------------------------------ registration
 
@@ -186,8 +190,9 @@ class Registry:
         self._workers.pop(worker_id, None)
 
     def expire(self) -> list[WorkerRecord]:
-        """Drop and return the workers silent for longer than the timeout."""
-        cutoff = self._clock() - self.worker_timeout_s
+        """Drop and return the workers silent for longer than the timeout, after calling
+        each `on_expire` listener with each of them. The only place a record expires."""
+        cutoff = self._cutoff()
         dead = [w for w in self._workers.values() if w.last_seen < cutoff]
         for record in dead:
             del self._workers[record.worker_id]
@@ -197,14 +202,26 @@ class Registry:
                 record.address,
                 self._clock() - record.last_seen,
             )
+            for listener in self.on_expire:
+                listener(record)
         return dead
+
+    def _cutoff(self) -> float:
+        """Workers last seen before this clock time count as dead."""
+        return self._clock() - self.worker_timeout_s
 
     # --------------------------------------------------------------------- selection
 
     def workers(self, role: Role | None = None) -> list[WorkerRecord]:
-        """Live workers (of `role`, or all), ordered by role then address."""
-        self.expire()
-        chosen = [w for w in self._workers.values() if role is None or w.role == role]
+        """Live workers (of `role`, or all), ordered by role then address. Changes nothing:
+        a silent worker is left out here but dropped only by `expire`, whose listeners must
+        hear of it."""
+        cutoff = self._cutoff()
+        chosen = [
+            w
+            for w in self._workers.values()
+            if w.last_seen >= cutoff and (role is None or w.role == role)
+        ]
         return sorted(chosen, key=lambda w: (list(Role).index(w.role), w.address))
 
     def seconds_since(self, record: WorkerRecord) -> float:

@@ -162,13 +162,21 @@ class RunningRouter(RunningServer):
 
 
 async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: float) -> None:
-    """Drop silent workers (their channels and KV-event subscriptions) every `period_s`."""
+    """Drop silent workers every `period_s`, and forget the channel and KV-event subscription
+    of every worker that expired (whoever called `expire`) unless one registered again at its
+    address since."""
+    gone: list[str] = []
+    # A listener, not expire's return value: an expiry run elsewhere must not be missed, or
+    # the router would resubscribe to a dead address forever.
+    registry.on_expire.append(lambda record: gone.append(record.address))
     while True:
         await asyncio.sleep(period_s)
-        for record in registry.expire():
-            if not any(w.address == record.address for w in registry.workers()):
-                orchestrator.prefix.forget(record.address)
-                await orchestrator.channels.forget(record.address)
+        registry.expire()
+        addresses, gone[:] = dict.fromkeys(gone), []
+        for address in addresses:
+            if not any(w.address == address for w in registry.workers()):
+                orchestrator.prefix.forget(address)
+                await orchestrator.channels.forget(address)
 
 
 def resolve_model(settings: RouterSettings) -> Path:

@@ -3,13 +3,23 @@ least-loaded selection, driven with a fake clock (no network)."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
 from router.registry import Registry
-from router.workers import CheckpointShape, NoWorkerError, RegistrationRefused, Role, WorkerLoad
+from router.server import _expire_loop
+from router.workers import (
+    CheckpointShape,
+    NoWorkerError,
+    RegistrationRefused,
+    Role,
+    WorkerLoad,
+    WorkerRecord,
+)
 
 MODEL = "qwen3-vl/test"
 
@@ -189,3 +199,52 @@ def test_affinity_wins_within_the_load_slack(registry: Registry) -> None:
         assert registry.pick(Role.PREFILL, affinity=lambda w: cached[w.address]) is b
         with registry.using(b):  # three more than a: past the slack of two
             assert registry.pick(Role.PREFILL, affinity=lambda w: cached[w.address]) is a
+
+
+def test_a_lookup_hides_a_silent_worker_but_leaves_its_expiry_to_expire(
+    registry: Registry, clock: Clock
+) -> None:
+    gone: list[WorkerRecord] = []
+    registry.on_expire.append(gone.append)
+    a = registry.register(info(Role.DECODE, 3))
+    clock.now += 4.0
+    assert registry.workers() == []  # hidden at once, from selection too
+    with pytest.raises(NoWorkerError):
+        registry.pick(Role.DECODE)
+    assert gone == []  # a lookup only filters
+    assert registry.expire() == [a]
+    assert gone == [a]
+    assert registry.expire() == [] and gone == [a]
+
+
+async def test_the_expire_loop_forgets_a_worker_a_lookup_saw_dead_first(
+    registry: Registry, clock: Clock
+) -> None:
+    class Forgets:
+        def __init__(self) -> None:
+            self.addresses: list[str] = []
+
+        def forget(self, address: str) -> None:
+            self.addresses.append(address)
+
+    class AsyncForgets(Forgets):
+        async def forget(self, address: str) -> None:  # type: ignore[override]
+            self.addresses.append(address)
+
+    orchestrator = SimpleNamespace(prefix=Forgets(), channels=AsyncForgets())
+    dead = registry.register(info(Role.PREFILL, 3))
+    live = registry.register(info(Role.PREFILL, 4))
+    loop = asyncio.create_task(_expire_loop(registry, orchestrator, 0.01))  # type: ignore[arg-type]
+    try:
+        await asyncio.sleep(0)  # the loop subscribes before its first sleep
+        clock.now += 4.0
+        registry.heartbeat(live.worker_id, WorkerLoad())
+        assert registry.pick(Role.PREFILL) is live  # a request sees `dead` gone first
+        for _ in range(100):
+            if orchestrator.channels.addresses:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        loop.cancel()
+    assert orchestrator.prefix.addresses == [dead.address]
+    assert orchestrator.channels.addresses == [dead.address]
