@@ -1,18 +1,32 @@
-"""Contracts of the canonical block hash (DESIGN §3, docs/block-hash.md)."""
+"""Contracts of the canonical block hash (DESIGN §3, docs/block-hash.md).
+
+The extra-key rules are checked on the production path: `keys_by_span` (what `block_hashes`
+calls) for the keys, and `block_hashes` against the byte layout of docs/block-hash.md packed
+from those keys written out by hand.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv.hashing import DEFAULT_ROOT, MmKey, block_extra_keys, block_hashes, root_hash
+from common.kv.hashing import (
+    DEFAULT_ROOT,
+    MmKey,
+    block_extra_keys,
+    block_hashes,
+    keys_by_span,
+    root_hash,
+)
 from common.multimodal.params import MultimodalParams, runs_from_mask
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +53,35 @@ def prompt_with_runs(
         [n for _, n in runs],
     )
     return tokens, params
+
+
+def documented_hashes(
+    tokens: np.ndarray | list[int],
+    block_size: int,
+    keys: dict[int, list[MmKey]],
+    cache_salt: str | None = None,
+    lora_id: str | int | None = None,
+) -> list[bytes]:
+    """The chain docs/block-hash.md defines, each block packed with `msgpack.packb` from
+    `keys` (block index -> extra keys; a block not in it has none)."""
+    data = np.asarray(tokens).astype("<i4").tobytes()
+    parent, out = DEFAULT_ROOT, []
+    for b in range(len(tokens) // block_size):
+        block = data[4 * b * block_size : 4 * (b + 1) * block_size]
+        salt = cache_salt if b == 0 else None
+        packed = msgpack.packb([parent, block, keys.get(b, []), salt, lora_id], use_bin_type=True)
+        parent = hashlib.sha256(packed).digest()
+        out.append(parent)
+    return out
+
+
+def assert_block_keys(
+    tokens: np.ndarray, block_size: int, params: MultimodalParams, keys: dict[int, list[MmKey]]
+) -> None:
+    """`block_hashes` hashes exactly `keys` for the full blocks of `tokens`."""
+    starts = np.arange(len(tokens) // block_size, dtype=np.int64) * block_size
+    assert keys_by_span(params, starts, starts + block_size) == keys
+    assert block_hashes(tokens, block_size, params) == documented_hashes(tokens, block_size, keys)
 
 
 def first_difference(a: list[bytes], b: list[bytes]) -> int | None:
@@ -176,7 +219,14 @@ def test_same_placeholders_different_media_never_collide() -> None:
 
 def test_gap_only_block_has_no_key_and_offsets_accumulate() -> None:
     # runs [4, 8) and [16, 24); block [8, 16) holds only gap text
-    _, params = prompt_with_runs([(4, 4), (16, 8)], 32)
+    tokens, params = prompt_with_runs([(4, 4), (16, 8)], 32)
+    assert_block_keys(tokens, 8, params, {0: [MmKey(HA, 0, None)], 2: [MmKey(HA, 4, None)]})
+    assert_block_keys(
+        tokens,
+        4,
+        params,
+        {1: [MmKey(HA, 0, None)], 4: [MmKey(HA, 4, None)], 5: [MmKey(HA, 8, None)]},
+    )
     assert block_extra_keys(params, 0, 8) == [MmKey(HA, 0, None)]
     assert block_extra_keys(params, 8, 16) == []
     assert block_extra_keys(params, 16, 24) == [MmKey(HA, 4, None)]
@@ -185,7 +235,10 @@ def test_gap_only_block_has_no_key_and_offsets_accumulate() -> None:
 
 
 def test_block_spanning_two_runs_gets_both_keys() -> None:
-    _, params = prompt_with_runs([(2, 3), (7, 5)], 16)
+    tokens, params = prompt_with_runs([(2, 3), (7, 5)], 16)
+    assert_block_keys(
+        tokens, 8, params, {0: [MmKey(HA, 0, None), MmKey(HA, 3, None)], 1: [MmKey(HA, 4, None)]}
+    )
     assert block_extra_keys(params, 0, 8) == [MmKey(HA, 0, None), MmKey(HA, 3, None)]
     assert block_extra_keys(params, 8, 16) == [MmKey(HA, 4, None)]
 
@@ -193,6 +246,10 @@ def test_block_spanning_two_runs_gets_both_keys() -> None:
 def test_two_items_keys_in_prompt_order() -> None:
     params = MultimodalParams.from_flat(
         [HA, HB], [2, 6], [3, 4], ["x", None], [0, 1, 3], [2, 6, 12], [3, 2, 2]
+    )
+    tokens = np.arange(16) + 1000
+    assert_block_keys(
+        tokens, 8, params, {0: [MmKey(HA, 0, "x"), MmKey(HB, 0, None)], 1: [MmKey(HB, 2, None)]}
     )
     assert block_extra_keys(params, 0, 8) == [MmKey(HA, 0, "x"), MmKey(HB, 0, None)]
     assert block_extra_keys(params, 8, 16) == [MmKey(HB, 2, None)]
@@ -209,6 +266,10 @@ def test_tail_runs_past_position_plus_length_carry_keys() -> None:
     assert block + 16 <= params.items[0].end
     keys = block_extra_keys(params, block, block + 16)
     assert keys == [MmKey(HA, 7 * 258 + block - starts[-1], None)]
+    block_starts = np.arange(len(tokens) // 16, dtype=np.int64) * 16
+    by_block = keys_by_span(params, block_starts, block_starts + 16)
+    assert by_block[block // 16] == keys  # what block_hashes hashes for that block
+    assert block_hashes(tokens, 16, params) == documented_hashes(tokens, 16, by_block)
     # and hashing differs from a prompt that has the legacy span only
     legacy = MultimodalParams.from_flat([HA], [10], [8 * 258])
     assert block_hashes(tokens, 64, params) != block_hashes(tokens, 64, legacy)
@@ -232,6 +293,10 @@ def test_seed_evs_pruned_layout() -> None:
     ]
     for offset in offsets:
         assert offset in seen
+    starts = np.arange(len(hashes), dtype=np.int64) * 16
+    by_block = keys_by_span(params, starts, starts + 16)
+    assert [key.offset for b in sorted(by_block) for key in by_block[b]] == seen
+    assert hashes == documented_hashes(tokens, 16, by_block)
 
 
 def test_seed_qwen3_vl_two_runs() -> None:
@@ -239,6 +304,10 @@ def test_seed_qwen3_vl_two_runs() -> None:
     tokens, params = prompt_with_runs([(10, 880), (898, 880)], 1800)
     assert block_extra_keys(params, 880, 896) == [MmKey(HA, 870, None)]
     assert block_extra_keys(params, 896, 912) == [MmKey(HA, 880, None)]
+    starts = np.arange(1800 // 16, dtype=np.int64) * 16
+    by_block = keys_by_span(params, starts, starts + 16)
+    assert by_block[55] == [MmKey(HA, 870, None)] and by_block[56] == [MmKey(HA, 880, None)]
+    assert block_hashes(tokens, 16, params) == documented_hashes(tokens, 16, by_block)
     gap_changed = tokens.copy()
     gap_changed[893] += 1
     a, b = block_hashes(tokens, 16, params), block_hashes(gap_changed, 16, params)
@@ -278,20 +347,51 @@ def test_deterministic_across_processes_and_hash_seeds() -> None:
     assert outputs == {local}
 
 
-def test_golden_vectors_in_docs() -> None:
-    """The vectors printed in docs/block-hash.md are what this code computes."""
-    doc = (ROOT / "docs" / "block-hash.md").read_text()
-    params = MultimodalParams.from_flat(
-        [bytes(range(32))], [2], [6], ["cat"], [0, 3], [2, 7, 12], [2, 2, 2]
-    )
+# Golden vectors: literals here, the same literals in docs/block-hash.md (a cross-language
+# contract: a change here is a new scheme, not a fix).
+GOLDEN_ROOT = "0fbd438445b1ef12714d95a01392734385e7dedb2b11d4326cfed24602232633"
+GOLDEN = {
+    "text": [
+        "5e26fa5a0f06412fb49ab2a58153f9ede7b89c9487bbbc235e71ec4477ef72c4",
+        "b7297910560d90cb9110624fd4f2f5bc887b3b9ae4e8afbdf00e4227a0a9bb54",
+        "6ccacc958fa7739fd14069bb258922f36bfa1ef5f030cddc3a285e52b5567b52",
+        "f5f59fe820144c12c6c08d44e5451a6373a5f8c166c699803481e2d11fb23f8b",
+    ],
+    "salted": [
+        "91d372ac95b3e861f5bd6da855faf7394f8d36c3f277b9376ac71fbb0a5c517d",
+        "bcf523c325ec59553709f55a7c3c7f3636d0945f54d0a3b7c35af4bf442ceb2b",
+        "170d1139abf9742ecb4f3f596f5c20cefa8373ea4be0144fc7cd15184203a64c",
+        "79bb6a0e9887f76d1e54b64795c1cf41ddec9888f6622e16fb099761bef7de78",
+    ],
+    "multimodal": [
+        "1a588ccae039b5c0f93102f7ca34af2bf1e868bedabe43ba7d39d7c3fcd898a7",
+        "90408d4d04fdb732fe3a4891e0659d9236230753528ba1e4c7190b5fc1d00a0a",
+        "24de66e31eac6e963cb3be80adbeba05750937d518ca35976815bb59d5682de8",
+        "fa1a6f9420a640871599e8bd1039da8838e463ed08c2a0fd64a420aea64129f3",
+    ],
+}
+
+
+def test_golden_vectors() -> None:
+    """The code computes the literal vectors; the multimodal one from the documented keys."""
+    item = bytes(range(32))
+    params = MultimodalParams.from_flat([item], [2], [6], ["cat"], [0, 3], [2, 7, 12], [2, 2, 2])
     tokens = list(range(100, 116))
-    vectors = {
-        "root": DEFAULT_ROOT,
-        "text": block_hashes(tokens, 4),
-        "salted": block_hashes(tokens, 4, cache_salt="tenant-1", lora_id="adapter-a"),
-        "multimodal": block_hashes(tokens, 4, params),
-    }
-    for name, value in vectors.items():
-        values = value if isinstance(value, list) else [value]
-        for i, digest in enumerate(values):
-            assert digest.hex() in doc, f"golden vector {name}[{i}] missing from the doc"
+    assert DEFAULT_ROOT.hex() == GOLDEN_ROOT
+    assert [h.hex() for h in block_hashes(tokens, 4)] == GOLDEN["text"]
+    salted = block_hashes(tokens, 4, cache_salt="tenant-1", lora_id="adapter-a")
+    assert [h.hex() for h in salted] == GOLDEN["salted"]
+    assert [h.hex() for h in block_hashes(tokens, 4, params)] == GOLDEN["multimodal"]
+    # the per-block keys the doc lists: [(h, 0)], [(h, 2)], [(h, 3)], [(h, 4)], uuid "cat"
+    keys = {b: [MmKey(item, offset, "cat")] for b, offset in enumerate([0, 2, 3, 4])}
+    assert keys_by_span(params, np.arange(4) * 4, np.arange(1, 5) * 4) == keys
+    assert [h.hex() for h in documented_hashes(tokens, 4, keys)] == GOLDEN["multimodal"]
+
+
+def test_golden_vectors_in_docs() -> None:
+    """The vectors printed in docs/block-hash.md are the literals above."""
+    doc = (ROOT / "docs" / "block-hash.md").read_text()
+    assert GOLDEN_ROOT in doc, "golden root missing from the doc"
+    for name, values in GOLDEN.items():
+        block = "\n".join(values)
+        assert block in doc, f"golden vectors {name} missing from the doc (or out of order)"

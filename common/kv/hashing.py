@@ -8,9 +8,10 @@ process, machine or language computes the same hashes.
 
 Extra keys come from the exact runs (DESIGN §3): for every run of every item that overlaps
 a block `[s, e)`, the key is `(item hash, item-local row offset, uuid)` where the offset is
-the rows the item placed in earlier runs plus `max(s, run_start) - run_start`. Text between
-runs is hashed as text, and a layout that does not fit the prompt raises instead of
-silently hashing placeholders as text.
+the rows the item placed in earlier runs plus `max(s, run_start) - run_start`. That formula
+lives in `keys_by_span` alone: `block_hashes` calls it for the full blocks, and
+`block_extra_keys` for one span. Text between runs is hashed as text, and a layout that does
+not fit the prompt raises instead of silently hashing placeholders as text.
 """
 
 from __future__ import annotations
@@ -51,11 +52,7 @@ def block_extra_keys(params: MultimodalParams | None, start: int, end: int) -> l
     """Extra keys of the block `[start, end)`, in prompt order of items and runs."""
     if params is None or not params.items:
         return []
-    run_starts = params.run_positions
-    run_ends = run_starts + params.run_lengths
-    lo = int(np.searchsorted(run_ends, start, side="right"))
-    hi = int(np.searchsorted(run_starts, end, side="left"))
-    return [_key(params, k, start) for k in range(lo, hi)]
+    return keys_by_span(params, np.array([start]), np.array([end])).get(0, [])
 
 
 def block_hashes(
@@ -77,11 +74,11 @@ def block_hashes(
     tokens = _token_bytes(token_ids)
     num_tokens = len(tokens) // 4
     num_full = num_tokens // block_size
-    has_items = params is not None and bool(params.items)
-    if has_items:
-        assert params is not None
+    keys: dict[int, list[MmKey]] = {}
+    if params is not None and params.items:
         params.check_fits(num_tokens)
-    keys = _keys_by_block(params, num_full, block_size) if has_items else {}
+        block_starts = np.arange(num_full, dtype=np.int64) * block_size
+        keys = keys_by_span(params, block_starts, block_starts + block_size)
     stride = 4 * block_size
     # The msgpack of [parent, tokens, keys, salt, lora] is assembled from pre-packed parts:
     # byte-for-byte what msgpack.packb of that list gives, without packing per block.
@@ -121,38 +118,36 @@ def _token_bytes(token_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> byt
     return arr.astype("<i4", copy=False).tobytes()
 
 
-def _keys_by_block(
-    params: MultimodalParams | None, num_full: int, block_size: int
+def keys_by_span(
+    params: MultimodalParams, starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64]
 ) -> dict[int, list[MmKey]]:
-    """Extra keys of every full block that overlaps a run, by block index."""
-    assert params is not None
+    """Extra keys of every span `[starts[i], ends[i])` that overlaps a run, by span index.
+
+    A span's keys are, in prompt order, one `(item hash, offset, uuid)` per run
+    `[rs, rs + len)` with `rs < end` and `rs + len > start`, where offset is the rows the
+    item placed in its earlier runs plus `max(start, rs) - rs`. A span that overlaps no run
+    (gap text only) is absent. `starts` must be ascending, as blocks are.
+    """
     run_starts = params.run_positions
     run_ends = run_starts + params.run_lengths
-    block_starts = np.arange(num_full, dtype=np.int64) * block_size
-    lo = np.searchsorted(run_ends, block_starts, side="right")
-    hi = np.searchsorted(run_starts, block_starts + block_size, side="left")
+    lo = np.searchsorted(run_ends, starts, side="right")
+    hi = np.searchsorted(run_starts, ends, side="left")
     hit = np.flatnonzero(hi > lo)
     # Plain Python lists from here: per-key numpy scalar access costs microseconds.
     run_starts_l = run_starts.tolist()
     run_rows = params.run_row_offsets.tolist()
     run_items = params.run_items.tolist()
+    span_starts = starts[hit].tolist()
     identity = [(item.content_hash, item.uuid) for item in params.items]
     keys: dict[int, list[MmKey]] = {}
-    for b, first, stop in zip(hit.tolist(), lo[hit].tolist(), hi[hit].tolist(), strict=True):
-        start = b * block_size
-        block_keys = []
+    for i, start, first, stop in zip(
+        hit.tolist(), span_starts, lo[hit].tolist(), hi[hit].tolist(), strict=True
+    ):
+        span_keys = []
         for k in range(first, stop):
             item_hash, uuid = identity[run_items[k]]
             run_start = run_starts_l[k]
             offset = run_rows[k] + max(start, run_start) - run_start
-            block_keys.append(MmKey(item_hash, offset, uuid))
-        keys[b] = block_keys
+            span_keys.append(MmKey(item_hash, offset, uuid))
+        keys[i] = span_keys
     return keys
-
-
-def _key(params: MultimodalParams, run: int, block_start: int) -> MmKey:
-    """Extra key of flat run `run` for a block starting at `block_start`."""
-    item = params.items[int(params.run_items[run])]
-    run_start = int(params.run_positions[run])
-    offset = int(params.run_row_offsets[run]) + max(block_start, run_start) - run_start
-    return MmKey(item.content_hash, offset, item.uuid)
