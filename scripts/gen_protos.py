@@ -1,8 +1,9 @@
 """Regenerate the Python bindings of the epd.v1 protocol.
 
 Reads protos/epd/v1/*.proto and writes epd/v1/*_pb2.py, *_pb2.pyi and *_pb2_grpc.py.
-The output is committed; tests/test_protocol_codegen.py regenerates it into a temporary
-folder and fails on any difference, so edit the .proto files and rerun this script.
+The output is committed; `test_generated_code_is_up_to_date` in tests/test_protocol.py
+regenerates it into a temporary folder and fails on any difference, so edit the .proto
+files and rerun this script.
 
     python scripts/gen_protos.py [--out DIR]
 """

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.errors import FieldError
 from common.multimodal.params import MultimodalItemMetadata, MultimodalParams, runs_from_mask
 from common.multimodal.validation import INT32_MAX, MultimodalLayoutError
 
@@ -109,6 +110,7 @@ def test_malformed_layout_names_field_and_item(
     if item is not None:
         assert f"item {item}" in str(info.value)
     assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, FieldError)  # the servers send its field as epd-field
 
 
 def test_run_end_overflow_rejected() -> None:

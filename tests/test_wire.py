@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from common.errors import FieldError
 from common.multimodal.params import (
     ItemEmbedding,
     ItemPartition,
@@ -187,6 +188,47 @@ def test_sampling_round_trip_and_defaults() -> None:
     )
     assert sampling_from_proto(sampling_to_proto(params)) == params
     assert sampling_from_proto(sampling_pb2.SamplingParams()) == SamplingParams()
-    with pytest.raises(MultimodalLayoutError) as info:
+    with pytest.raises(FieldError) as info:
         sampling_from_proto(sampling_pb2.SamplingParams(temperature=-1.0))
     assert info.value.field == "sampling"
+
+
+def test_non_multimodal_fields_raise_the_general_field_error() -> None:
+    from common.wire.convert import sampling_from_proto, torch_dtype
+    from epd.v1 import sampling_pb2
+
+    with pytest.raises(FieldError) as info:
+        sampling_from_proto(sampling_pb2.SamplingParams(temperature=-1.0))
+    assert info.value.field == "sampling"
+    assert not isinstance(info.value, MultimodalLayoutError)
+    with pytest.raises(FieldError, match=r"kv_layout\.dtype: unknown element type 99") as info:
+        torch_dtype(99, "kv_layout.dtype")
+    assert info.value.field == "kv_layout.dtype"
+    assert not isinstance(info.value, MultimodalLayoutError)
+    # an inline multimodal tensor keeps the multimodal kind, so its caller can add the item
+    with pytest.raises(MultimodalLayoutError, match="pixel_values: unknown element type 99"):
+        ref = tensor_pb2.TensorRef(inline_data=b"")
+        ref.dtype = 99  # type: ignore[assignment]  # an element type this build lacks
+        tensor_from_ref(ref, "pixel_values")
+
+
+async def test_servers_name_the_field_of_any_field_error() -> None:
+    import grpc
+
+    from common.server.rpc import _abort, status_for
+
+    class Context:
+        trailing: tuple[tuple[str, str], ...] = ()
+
+        def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+            self.trailing = metadata
+
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            self.status = (code, details)
+
+    error = FieldError("sampling", "temperature must be >= 0")
+    assert status_for(error) == (grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    context = Context()
+    await _abort(context, error, "test")
+    assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    assert context.trailing == (("epd-field", "sampling"),)

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from common.errors import FieldError
+
 INT32_MAX = 2**31 - 1
 HASH_BYTES = 32
 
@@ -21,14 +23,17 @@ IntArray = npt.NDArray[np.int64]
 IntSequence = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
-class MultimodalLayoutError(ValueError):
+class MultimodalLayoutError(FieldError):
     """A malformed multimodal layout. `field` names the offending wire field."""
 
     def __init__(self, field: str, message: str, item: int | None = None) -> None:
-        where = f"{field}" if item is None else f"{field} (item {item})"
-        super().__init__(f"{where}: {message}")
-        self.field = field  # wire field name, e.g. "run_lengths"
         self.item = item  # index of the offending item in prompt order, when one is to blame
+        super().__init__(field, message)  # field: wire field name, e.g. "run_lengths"
+
+    @property
+    def where(self) -> str:
+        """The field, and the item when one is to blame: "run_lengths (item 1)"."""
+        return self.field if self.item is None else f"{self.field} (item {self.item})"
 
 
 def validate_flat(

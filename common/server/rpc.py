@@ -28,8 +28,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from common.errors import FieldError
 from common.kv.block_pool import NoFreeBlocksError
-from common.multimodal.validation import MultimodalLayoutError
 from common.settings.schema import SettingsError
 
 logger = logging.getLogger(__name__)
@@ -188,13 +188,13 @@ class WorkerDrainingError(RpcStatusError):
 def status_for(exc: BaseException) -> tuple[Any, str]:
     """The (grpc.StatusCode, details) an exception escaping a handler maps to.
 
-    RpcStatusError → its code; MultimodalLayoutError / SettingsError / ValueError →
-    INVALID_ARGUMENT (the message names the field); NoFreeBlocksError → RESOURCE_EXHAUSTED;
-    TimeoutError → DEADLINE_EXCEEDED; anything else → INTERNAL.
+    RpcStatusError → its code; FieldError (MultimodalLayoutError is one) / SettingsError /
+    ValueError → INVALID_ARGUMENT (the message names the field); NoFreeBlocksError →
+    RESOURCE_EXHAUSTED; TimeoutError → DEADLINE_EXCEEDED; anything else → INTERNAL.
     """
     if isinstance(exc, RpcStatusError):
         return exc.code, exc.details
-    if isinstance(exc, MultimodalLayoutError | SettingsError | ValueError):
+    if isinstance(exc, FieldError | SettingsError | ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, NoFreeBlocksError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
@@ -209,7 +209,7 @@ async def _abort(context: Any, exc: Exception, where: str) -> None:
         logger.exception("%s failed", where)
     else:
         logger.info("%s: %s %s", where, code.name, details)
-    if isinstance(exc, MultimodalLayoutError):
+    if isinstance(exc, FieldError):  # any field error names its field, multimodal or not
         context.set_trailing_metadata((("epd-field", exc.field),))
     await context.abort(code, details)
 

@@ -1,8 +1,9 @@
 """Conversion between in-process data types and the `epd.v1` protobuf messages.
 
 Everything that crosses a gRPC boundary passes through here, so validation happens once,
-at the edge: a malformed message raises `MultimodalLayoutError` (a `ValueError`) naming the
-wire field, and the servers turn that into `INVALID_ARGUMENT`.
+at the edge: a malformed message raises `FieldError` (a `ValueError`) naming the wire field,
+`MultimodalLayoutError` (its subclass, naming the item too) for the multimodal fields, and
+the servers turn that into `INVALID_ARGUMENT`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from common.errors import FieldError
 from common.multimodal.params import (
     ItemEmbedding,
     ItemPartition,
@@ -51,11 +53,11 @@ def element_type(dtype: torch.dtype) -> tensor_pb2.ElementType:
 
 
 def torch_dtype(element: int, field: str = "dtype") -> torch.dtype:
-    """The torch dtype of a wire element type."""
+    """The torch dtype of a wire element type; `FieldError` naming `field` if unknown."""
     try:
         return _TORCH_DTYPES[element]
     except KeyError:
-        raise MultimodalLayoutError(field, f"unknown element type {element}") from None
+        raise FieldError(field, f"unknown element type {element}") from None
 
 
 def tensor_to_ref(tensor: torch.Tensor) -> tensor_pb2.TensorRef:
@@ -67,8 +69,15 @@ def tensor_to_ref(tensor: torch.Tensor) -> tensor_pb2.TensorRef:
 
 
 def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.Tensor:
-    """The tensor of an inline `TensorRef`; a transfer handle needs a transfer agent."""
-    dtype = torch_dtype(ref.dtype, field)
+    """The tensor of an inline `TensorRef`; a transfer handle needs a transfer agent.
+
+    Raises `MultimodalLayoutError` naming `field`: the tensors sent inline are multimodal
+    (embeddings, pixel values), and their callers add the item to that kind.
+    """
+    try:
+        dtype = torch_dtype(ref.dtype, field)
+    except FieldError as exc:
+        raise MultimodalLayoutError(field, exc.reason) from None
     if ref.WhichOneof("data") != "inline_data":
         raise MultimodalLayoutError(field, "holds a transfer handle, not inline data")
     shape = tuple(int(d) for d in ref.shape)
@@ -261,7 +270,7 @@ def _embeddings_from_proto(
 def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
     """Checked `SamplingParams`; `max_tokens` 0 (unset on the wire) means the default.
 
-    Raises `MultimodalLayoutError` with field "sampling" for out-of-range values.
+    Raises `FieldError` with field "sampling" for out-of-range values.
     """
     try:
         return SamplingParams(
@@ -274,7 +283,7 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
             ignore_eos=bool(msg.ignore_eos),
         )
     except ValueError as exc:
-        raise MultimodalLayoutError("sampling", str(exc)) from None
+        raise FieldError("sampling", str(exc)) from None
 
 
 def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:

@@ -1,0 +1,23 @@
+"""Errors shared by every layer: a bad value in a named field.
+
+`FieldError` is the root of the family the servers map to INVALID_ARGUMENT with the field in
+the `epd-field` trailing metadata (`common.server.rpc`); `MultimodalLayoutError`
+(`common.multimodal.validation`) is the multimodal kind, which also names the item.
+"""
+
+from __future__ import annotations
+
+
+class FieldError(ValueError):
+    """A value that a request or message field may not hold. `field` names the field; the
+    message reads "<where>: <message>"."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field  # wire field name, e.g. "sampling" or "dtype"
+        self.reason = message  # what is wrong with it, without the field
+        super().__init__(f"{self.where}: {message}")
+
+    @property
+    def where(self) -> str:
+        """What the message blames: the field (subclasses may add more)."""
+        return self.field
