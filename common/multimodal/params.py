@@ -205,11 +205,6 @@ class MultimodalParams:
         prior = np.cumsum(lengths) - lengths  # rows before each run, across all items
         return prior - prior[cu[:-1]][self.run_items] if len(lengths) else prior
 
-    @property
-    def num_items(self) -> int:
-        """Items in the prompt."""
-        return len(self.items)
-
     def placeholder_mask(self, num_tokens: int) -> npt.NDArray[np.bool_]:
         """Boolean mask over the prompt marking every placeholder token of every item."""
         self.check_fits(num_tokens)

@@ -226,13 +226,6 @@ class TransferAgent:
         logger.debug("%s loaded peer %s", self.name, name)
         return name
 
-    def remove_peer(self, name: str) -> None:
-        """Forget a peer (for example a worker that died) and disconnect from it."""
-        with self._lock:
-            self._check_open()
-            if self._peers.pop(name, None) is not None:
-                self._agent.remove_remote_agent(name)
-
     @property
     def peers(self) -> list[str]:
         """Names of the peers loaded so far."""

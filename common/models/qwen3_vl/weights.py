@@ -243,11 +243,6 @@ def load_weights(
     return tensors
 
 
-def strip_prefix(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors under `prefix`, renamed without it (e.g. for `Module.load_state_dict`)."""
-    return {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
-
-
 def save_weights(
     folder: str | Path,
     tensors: Mapping[str, torch.Tensor],
