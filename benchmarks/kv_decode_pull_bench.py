@@ -4,7 +4,7 @@ Two processes on one machine (NIXL over UCX, host memory), both `LmRunner`s of t
 checkpoint (default: the "bench" tiny size, bf16, 16-token blocks = 128 KiB per block). The
 holder builds real `KvHandle`s with the prefill worker's own code (`PrefillServicer`, one
 descriptor per block into its registered block-major buffer); the reader pulls them with
-the decode worker's own code (`LmRunner.plan_import` + `common.handoff.pull`:
+the decode worker's own code (`KvAllocator.plan_import` + `common.handoff.pull`:
 ranges from the handle, adjacent blocks merged, READ on a worker thread). Per size and
 holder block pattern:
 
@@ -39,17 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.handoff import pull
-from common.kv.allocator import ImportPlan
-from common.kv.block_pool import BlockPool
-from common.models.model_thread import ModelThread
-from common.models.runner import LmRunner, LmSequence
+from common.handoff import build_handle, pull
+from common.kv.allocator import ImportPlan, KvAllocator
+from common.models.runner import LmRunner
 from common.models.tiny import default_checkpoint
-from common.sampling import SamplingParams
-from common.server.rpc import WorkerLifecycle
 from common.transfer.agent import TransferAgent
 from epd.v1 import kv_pb2
-from prefill_worker.service import PrefillServicer
 
 MIB = 1 << 20
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -63,18 +58,27 @@ def holder_main(conn: Connection, ckpt: str, dtype: str, block_size: int, blocks
     )
     raw = runner.kv.buffer.view(-1).view(torch.uint8).view(blocks, -1)
     raw.copy_((torch.arange(blocks, dtype=torch.int64) % 251).to(torch.uint8)[:, None])
-    model = ModelThread("bench-holder")
     agent = TransferAgent("bench-prefill")
-    servicer = PrefillServicer(runner, model, agent, WorkerLifecycle(), lease_ttl_s=3600.0)
+    agent.register(runner.kv.buffer)  # as the prefill worker does, once
+    metadata = agent.metadata()
     conn.send_bytes(msgpack.packb(runner.kv.buffer.data_ptr()))
     while True:
         msg = msgpack.unpackb(conn.recv_bytes())
         if msg is None:
             break
         ids = [int(b) for b in msg["blocks"]]
-        seq = LmSequence([0] * (len(ids) * block_size), SamplingParams(), None, ids, 0)
-        conn.send_bytes(servicer._handle(seq, [], "bench").SerializeToString())
-    model.close()
+        handle = build_handle(
+            runner,
+            ids,
+            [],
+            num_tokens=len(ids) * block_size,
+            agent=agent,
+            agent_metadata=metadata,
+            lease_id="bench",
+            lease_ttl_s=3600.0,
+            holder_address="",
+        )
+        conn.send_bytes(handle.SerializeToString())
     agent.close()
 
 
@@ -155,10 +159,10 @@ def main() -> None:
     # Warm the event loop, its executor thread and the peer connection before measuring.
     parent.send_bytes(msgpack.packb({"blocks": [0]}))
     warm = kv_pb2.KvHandle.FromString(parent.recv_bytes())
-    plan = reader.plan_import(None, args.block_size, args.block_size)
+    plan = reader.allocator.plan_import(None, args.block_size, args.block_size)
     for _ in range(50):
         loop.run_until_complete(pull(agent, reader, warm, plan, timeout_s=60, on_orphan=print))
-    reader.abort_import(plan)
+    reader.allocator.abort_import(plan)
     for size_mib in args.sizes_mib:
         n = size_mib * MIB // block_bytes
         nbytes = n * block_bytes
@@ -170,7 +174,7 @@ def main() -> None:
         for name, ids in patterns.items():
             parent.send_bytes(msgpack.packb({"blocks": ids}))
             handle = kv_pb2.KvHandle.FromString(parent.recv_bytes())
-            plan = reader.plan_import(None, n * args.block_size, n * args.block_size)
+            plan = reader.allocator.plan_import(None, n * args.block_size, n * args.block_size)
             peer = agent.add_peer(handle.agent_metadata)
             remote = [(handle.blocks[i].address, block_bytes) for i in plan.pull]
             local = [reader.kv.block_address(plan.blocks[i]) for i in plan.pull]
@@ -192,8 +196,11 @@ def main() -> None:
             got = reader.kv.buffer.view(-1).view(torch.uint8).view(max_blocks, -1)
             want = torch.tensor([b % 251 for b in ids], dtype=torch.uint8)
             assert torch.equal(got[plan.blocks[:n], 0], want), "pulled bytes are wrong"
-            reader.abort_import(plan)
-            reader.pool = BlockPool(max_blocks, record_events=False)  # fresh: blocks 0, 1, ...
+            reader.allocator.abort_import(plan)
+            # Fresh: blocks 0, 1, ... again.
+            reader.allocator = KvAllocator.create(
+                max_blocks, args.block_size, reader.allocator.root
+            )
             gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
             ratio = statistics.median(
                 r / p for r, p in zip(times["raw-1"], times["pull"], strict=True)

@@ -137,10 +137,7 @@ class Controller:
         The router goes first so that no request starts on a worker that is about to leave;
         its in-flight requests still have every worker they need while it drains.
         """
-        lifecycle = getattr(self.router, "lifecycle", None)
-        if lifecycle is not None:
-            await lifecycle.drain(self.settings.pools.drain_timeout_s)
-        await self.router.stop(self.settings.router.grace_s)
+        await self.router.drain(self.settings.pools.drain_timeout_s)
         await self.pools.stop(router_stopped=True)
 
 

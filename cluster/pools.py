@@ -12,7 +12,8 @@ Lifecycles, in the order they happen:
 - start: the driver starts or joins Ray and creates the Controller, whose async `__init__`
   starts the router and one actor per wanted replica. A WorkerActor's async `__init__` starts
   its role's gRPC server in the actor's event loop; that server registers itself with the
-  router and heartbeats (`common.server.rpc.Registrar`). Ready = every wanted worker registered.
+  router and heartbeats (`common.server.registrar.Registrar`). Ready = every wanted worker
+  registered.
 - restart: worker actors are created with `max_restarts` (default -1: always), so Ray
   re-runs `__init__` after a crash; the new server registers again (new port, same name).
 - scale: `AdminService.Scale` → router → `PoolManager.scale`. Up: new actors, which register
@@ -43,7 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.settings import ROLES, PoolSettings
+from common.server.role import RoleServer
 from common.server.rpc import channel
+from common.settings.base import ModelWorkerSettings, WorkerSettings
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 
 logger = logging.getLogger(__name__)
@@ -130,7 +133,12 @@ class WorkerActor:
 
     # Ray runs an async actor's async __init__ in the actor's event loop (and again on restart).
     async def __init__(  # type: ignore[misc]
-        self, role: str, name: str, settings: Any, log_level: str, host: str | None = None
+        self,
+        role: str,
+        name: str,
+        settings: WorkerSettings,
+        log_level: str,
+        host: str | None = None,
     ) -> None:
         self.role = role
         self.name = name
@@ -139,11 +147,10 @@ class WorkerActor:
         # None or a wildcard means this node's IP.
         if host is None or host in _ANY:
             host = _node_ip()
-        if "host" in {f.name for f in dataclasses.fields(settings)}:
-            settings = dataclasses.replace(settings, host=host)
+        settings = dataclasses.replace(settings, host=host)
         module = importlib.import_module(SERVER_MODULES[role])
         logger.info("%s: starting %s server", name, role)
-        self.server = await module.serve(settings)
+        self.server: RoleServer[Any] = await module.serve(settings)
         logger.info("%s: %s server on %s", name, role, self.server.address)
 
     def __repr__(self) -> str:
@@ -165,20 +172,14 @@ class WorkerActor:
         """
         deadline = time.monotonic() + timeout_s
         clean = await self._wait_leases(deadline)
-        lifecycle = getattr(self.server, "lifecycle", None)
-        if lifecycle is not None:
-            clean = await lifecycle.drain(max(0.0, deadline - time.monotonic())) and clean
-        await self.server.stop(0)
+        clean = await self.server.drain(max(0.0, deadline - time.monotonic())) and clean
         logger.info("%s: drained (%s) and stopped", self.name, "clean" if clean else "timed out")
         return clean
 
     async def _wait_leases(self, deadline: float) -> bool:
-        """Wait until the servicer holds no leases (`len(servicer.leases)`); False at the
-        deadline. Workers without leases (decode) return at once."""
-        leases = getattr(getattr(self.server, "servicer", None), "leases", None)
-        if leases is None or not hasattr(leases, "__len__"):
-            return True
-        while len(leases) > 0:
+        """Wait until the server holds no leases for peers; False at the deadline. Workers
+        without leases (decode) return at once."""
+        while self.server.outstanding_leases() > 0:
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.05)
@@ -288,15 +289,12 @@ class PoolManager:
         logger.info("started %s", name)
         return _Member(name, handle)
 
-    def _worker_settings(self, role: str, name: str) -> Any:
+    def _worker_settings(self, role: str, name: str) -> WorkerSettings:
         """The role's settings with this deployment's router and identity filled in (the
         host is filled in by the actor, on its own node)."""
-        base = self.role_settings[role]
-        changes: dict[str, Any] = {"router_address": self.router_address}
-        names = {f.name for f in dataclasses.fields(base)}
-        if "name" in names:
-            changes["name"] = name
-        if "device" in names and self.use_gpus and base.device == "cpu":
+        base: WorkerSettings = self.role_settings[role]
+        changes: dict[str, Any] = {"router_address": self.router_address, "name": name}
+        if isinstance(base, ModelWorkerSettings) and self.use_gpus and base.device == "cpu":
             # Ray gave the actor its GPU(s) through CUDA_VISIBLE_DEVICES: "cuda" is the first.
             changes["device"] = "cuda"
         return dataclasses.replace(base, **changes)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.settings.schema import describe, setting, to_toml
+from common.settings.schema import SettingsError, describe, setting, to_toml
 from decode_worker.settings import DecodeSettings
 from encoder_worker.settings import EncoderSettings
 from prefill_worker.settings import PrefillSettings
@@ -118,6 +118,14 @@ class EpdSettings:
     )
     pools: PoolSettings = field(default_factory=PoolSettings, metadata={"help": "the pools"})
     ray: RaySettings = field(default_factory=RaySettings, metadata={"help": "the Ray cluster"})
+
+    def __post_init__(self) -> None:
+        # Decode READs prefill's blocks as they are laid out: one block size for both.
+        if self.prefill.block_size != self.decode.block_size:
+            raise SettingsError(
+                f"prefill.block_size ({self.prefill.block_size}) and decode.block_size "
+                f"({self.decode.block_size}) must be equal"
+            )
 
     def with_model(self) -> EpdSettings:
         """A copy where a top-level `model` has been given to every role."""

@@ -2,16 +2,19 @@
 
 Per request:
 1. validate the handoff (INVALID_ARGUMENT naming the field) and the handle against this
-   worker (`kv_import.check_handle`: a different KV layout is FAILED_PRECONDITION);
+   worker (`common.handoff.check_handle`: a different KV layout is FAILED_PRECONDITION);
 2. recompute the block hashes from the handoff under this worker's root; a handle whose
    hashes differ is refused with FAILED_PRECONDITION and nothing enters the cache;
-3. take blocks (`LmRunner.plan_import`): full prompt blocks whose hashes this worker caches
+3. take blocks (`KvAllocator.plan_import`): full prompt blocks whose hashes this worker caches
    are reused, the others plus the partial last block are pulled by one NIXL READ, then the
    lease is released on the prefill worker (`holder_address`), and the pulled full blocks
    enter this worker's prefix cache;
-4. join the continuous-batching loop and stream `DecodeResponse` chunks. The first chunk
-   carries the prefill's first token and `blocks_pulled` / `blocks_reused`, so the stream
-   alone is the whole answer; the last carries `finish_reason`.
+4. join the continuous-batching loop and stream `DecodeResponse` chunks of token ids (the
+   router owns the text). The stream never repeats the prefill's first token, which the
+   caller already has: the first chunk carries `blocks_pulled` / `blocks_reused` and the
+   tokens after the first one (possibly none); the last carries `finish_reason`. When the
+   first token already ends the answer, the stream is one chunk with no tokens and the
+   finish reason.
 
 Leases: once this worker starts pulling it owns the duty to release the lease (after the
 READ, whether it succeeded or not). A request refused before that (bad handoff, foreign
@@ -31,36 +34,31 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-from tokenizers import Tokenizer
 
 from common.handoff import check_handle, pull, read_handoff
 from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
+from common.models import batching
 from common.models.batching import DecodeBatcher
 from common.models.model_thread import ModelThread
-from common.models.runner import LmRunner, LmSequence
-from common.multimodal.params import MultimodalParams
+from common.models.runner import LmRunner
+from common.models.sequence import LmSequence
 from common.sampling import SamplingParams
-from common.server.kv_worker import PeerCalls, kv_load
-from common.server.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
+from common.server.kv_worker import kv_load
+from common.server.lifecycle import ServerLifecycle
+from common.server.peers import PeerClient
+from common.server.rpc import RpcStatusError, rpc_errors
 from common.transfer.agent import TransferAgent
 from common.transfer.types import TransferTimeoutError
 from common.wire.convert import sampling_from_proto
-from decode_worker.detok import IncrementalDetokenizer
+from common.wire.sampling import finish_reason_to_proto
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
-    prefill_service_pb2,
-    prefill_service_pb2_grpc,
     registry_service_pb2,
 )
 
 logger = logging.getLogger(__name__)
-
-_FINISH = {
-    "stop": decode_service_pb2.FINISH_REASON_STOP,
-    "length": decode_service_pb2.FINISH_REASON_LENGTH,
-}
 
 
 @dataclass(slots=True)
@@ -86,8 +84,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         runner: LmRunner,
         model: ModelThread,
         agent: TransferAgent,
-        tokenizer: Tokenizer,
-        lifecycle: WorkerLifecycle,
+        lifecycle: ServerLifecycle,
         *,
         max_batch: int = 32,
         pull_timeout_s: float = 30.0,
@@ -96,7 +93,6 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.runner = runner
         self.model = model
         self.agent = agent
-        self.tokenizer = tokenizer
         self.lifecycle = lifecycle
         self.pull_timeout_s = pull_timeout_s
         self.release_timeout_s = release_timeout_s
@@ -104,7 +100,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.counters = DecodeCounters()
         self.active = 0  # Decode RPCs in flight
         self._slots = asyncio.Semaphore(max_batch)
-        self._peers = PeerCalls()  # ReleaseKv calls to prefill workers
+        self._peers = PeerClient(release_timeout_s=release_timeout_s)  # ReleaseKv to prefill
         agent.register(runner.kv.buffer)
 
     # -------------------------------------------------------------------------- Decode
@@ -127,7 +123,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         runner = self.runner
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
-        params = await asyncio.to_thread(
+        handoff = await asyncio.to_thread(
             read_handoff, runner, tokens, request.multimodal, with_embeddings=False
         )
         first = request.first_token_id
@@ -139,9 +135,9 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             raise RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT, "kv: missing")
         handle = request.kv
         check_handle(handle, runner, len(tokens))
-        hashes = runner.hashes(
+        hashes = runner.allocator.hashes(
             tokens,
-            params,
+            handoff.params,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             lora_id=request.lora_id if request.HasField("lora_id") else None,
         )
@@ -155,44 +151,39 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.counters.requests += 1
         # From here on this worker owns releasing the lease (once, whatever happens).
         release = self._lease_releaser(handle.holder_address, handle.lease_id)
-        detok = IncrementalDetokenizer(self.tokenizer)
         reason = runner.stop.check(sampling, first, 1)
         if reason is not None:
-            # The first token already ends the answer: nothing to pull.
+            # The first token already ends the answer: nothing to pull, nothing to add.
             release()
-            yield decode_service_pb2.DecodeResponse(
-                token_ids=[first],
-                text=detok.add([first]) + detok.flush(),
-                finish_reason=_FINISH[reason],
-            )
+            yield decode_service_pb2.DecodeResponse(finish_reason=finish_reason_to_proto(reason))
             return
         async with self._slots:
             try:
                 pull_timeout_s = min(self.pull_timeout_s, time_left_s or self.pull_timeout_s)
                 seq, plan = await self._admit(
-                    request, tokens, params, sampling, hashes, max(pull_timeout_s, 1e-3)
+                    request,
+                    tokens,
+                    handoff.positions.delta,
+                    sampling,
+                    hashes,
+                    max(pull_timeout_s, 1e-3),
                 )
             finally:
                 release()
             entry = self.batcher.add(seq)
             finished = False
             try:
+                # Sent before any new token so the caller learns at once that this worker
+                # has the KV (and the lease) now.
                 yield decode_service_pb2.DecodeResponse(
-                    token_ids=[first],
-                    text=detok.add([first]),
-                    blocks_pulled=len(plan.pull),
-                    blocks_reused=len(plan.reused),
+                    blocks_pulled=len(plan.pull), blocks_reused=len(plan.reused)
                 )
                 while not finished:
                     chunk = await entry.queue.get()
                     finished = chunk.finish_reason is not None
-                    text = detok.add(chunk.token_ids) + (detok.flush() if finished else "")
                     yield decode_service_pb2.DecodeResponse(
                         token_ids=chunk.token_ids,
-                        text=text,
-                        finish_reason=_FINISH[chunk.finish_reason]
-                        if chunk.finish_reason
-                        else decode_service_pb2.FINISH_REASON_UNSPECIFIED,
+                        finish_reason=finish_reason_to_proto(chunk.finish_reason),
                     )
             finally:
                 if not finished:
@@ -202,7 +193,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self,
         request: decode_service_pb2.DecodeRequest,
         tokens: list[int],
-        params: MultimodalParams,
+        mrope_delta: int,
         sampling: SamplingParams,
         hashes: list[bytes] | None,
         pull_timeout_s: float,
@@ -214,6 +205,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         may still write those blocks, so they are quarantined (never handed out again).
         """
         runner = self.runner
+        allocator = runner.allocator
         total = len(tokens) + sampling.max_tokens - 1
         plan = await self._plan(hashes, len(tokens), total)
         try:
@@ -223,13 +215,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 request.kv,
                 plan,
                 timeout_s=pull_timeout_s,
-                on_orphan=lambda: self.model.submit(runner.abort_import, plan),
+                on_orphan=lambda: self.model.submit(allocator.abort_import, plan),
             )
         except asyncio.CancelledError:
             raise  # on_orphan gives the blocks back once the READ is over
         except TransferTimeoutError as exc:
             if exc.cancelled:
-                await self.model.call(runner.abort_import, plan)
+                await self.model.call(allocator.abort_import, plan)
             else:
                 logger.error(
                     "KV READ timed out and could not be cancelled; quarantining %d blocks",
@@ -237,7 +229,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 )
             raise
         except BaseException:
-            await self.model.call(runner.abort_import, plan)
+            await self.model.call(allocator.abort_import, plan)
             raise
         c = self.counters
         c.blocks_pulled += len(plan.pull)
@@ -250,10 +242,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             plan,
             hashes,
             tokens,
-            params,
+            mrope_delta,
             sampling,
             request.first_token_id,
-            on_orphan=lambda s: self.model.submit(runner.release, s),
+            on_orphan=lambda s: self.model.submit(batching.release, runner, s),
         )
         return seq, plan
 
@@ -262,13 +254,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         plan: ImportPlan,
         hashes: list[bytes] | None,
         tokens: list[int],
-        params: MultimodalParams,
+        mrope_delta: int,
         sampling: SamplingParams,
         first: int,
     ) -> LmSequence:
         """Model thread: cache the pulled blocks, then the running sequence owning them."""
-        self.runner.finish_import(plan, hashes)
-        return self.runner.resume(tokens, params, sampling, plan.blocks, first)
+        self.runner.allocator.finish_import(plan, hashes)
+        return self.runner.resume(tokens, sampling, plan.blocks, first, mrope_delta=mrope_delta)
 
     async def _plan(self, hashes: list[bytes] | None, n: int, total: int) -> ImportPlan:
         """`plan_import`, waiting for running sequences to free blocks when the pool is full;
@@ -276,11 +268,11 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         while True:
             try:
                 return await self.model.call(
-                    self.runner.plan_import,
+                    self.runner.allocator.plan_import,
                     hashes,
                     n,
                     total,
-                    on_orphan=lambda p: self.model.submit(self.runner.abort_import, p),
+                    on_orphan=lambda p: self.model.submit(self.runner.allocator.abort_import, p),
                 )
             except NoFreeBlocksError:
                 if not self.batcher.running:
@@ -302,19 +294,9 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             if not address or not lease_id:
                 logger.warning("KV handle names no holder or lease; the lease will expire")
                 return
-            self._peers.spawn(self._release(address, lease_id))
+            self._peers.release_kv(address, lease_id)
 
         return release
-
-    async def _release(self, address: str, lease_id: str) -> None:
-        stub = prefill_service_pb2_grpc.PrefillServiceStub(self._peers.channel(address))
-        try:
-            await stub.ReleaseKv(
-                prefill_service_pb2.ReleaseKvRequest(lease_id=lease_id),
-                timeout=self.release_timeout_s,
-            )
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("ReleaseKv(%s) on %s failed: %s", lease_id, address, exc.code().name)
 
     async def close(self) -> None:
         """Stop the decode loop (freeing running sequences), finish releases, close channels."""

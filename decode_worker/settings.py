@@ -4,37 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from common.settings.base import KvWorkerSettings
 from common.settings.schema import setting
-from prefill_worker.settings import DTYPES
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeSettings:
-    """Everything `decode_worker.server.serve` needs; every field has a documented default."""
+class DecodeSettings(KvWorkerSettings):
+    """Everything `decode_worker.server.serve` needs; every field has a documented default.
 
-    model: str | None = setting(None, "checkpoint folder (None: the built-in tiny model)")
-    dtype: str = setting("float32", "weights and KV cache dtype: float32, bfloat16 or float16")
-    device: str = setting("cpu", "torch device of the model and the KV cache (cpu, cuda:0)")
-    host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(0, "port to listen on (0: pick a free one)")
-    advertise_address: str | None = setting(
-        None, "host:port peers use to reach this worker (None: the bound address)"
-    )
-    router_address: str | None = setting(None, "router to register with (None: no registration)")
-    name: str = setting("", "stable worker name for the router (actor or pod name)")
-    block_size: int = setting(16, "tokens per KV block (must match the prefill workers)")
-    num_blocks: int = setting(1024, "KV blocks in this worker's cache")
+    The server, registration, model and KV-cache fields come from `KvWorkerSettings`.
+    """
+
     max_batch: int = setting(32, "most sequences decoded together in one step")
     pull_timeout_s: float = setting(30.0, "longest NIXL READ of one request's KV blocks")
     release_timeout_s: float = setting(5.0, "deadline of the ReleaseKv call after a pull")
-    drain_timeout_s: float = setting(30.0, "how long in-flight streams may finish on shutdown")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """`dtype` as a torch dtype; ValueError for an unknown name."""
-        try:
-            return DTYPES[self.dtype]
-        except KeyError:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}") from None

@@ -5,8 +5,9 @@ with this worker's `TransferAgent`, and described by `TransferHandle`s (one per 
 sharing the buffer's lease id). The reader pulls with `common.transfer.read_tensor`, then
 calls `EncoderService.ReleaseEmbeddings` with the lease id.
 
-Lifecycle of a lease: `export` (buffer registered, lease live) → `release` (by the reader)
-or `expire` (the reaper, `ttl_s` after export: a reader that died never releases) → the
+Lifecycle of a lease (held in the shared `common.server.leases.LeaseTable`, whose reaper
+frees expired ones): `export` (buffer registered, lease live) → `release` (by the reader)
+or expiry (the reaper, `ttl_s` after export: a reader that died never releases) → the
 buffer is deregistered and dropped. Each lease is freed exactly once.
 
 The agent is created on a background thread at `start()` (making a NIXL agent takes
@@ -20,12 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from common.server.leases import Lease, LeaseTable
 from common.transfer.agent import TransferAgent
 from common.transfer.regions import RegisteredRegion
 from common.wire.transfer import handle_for
@@ -36,17 +37,18 @@ logger = logging.getLogger(__name__)
 _ALIGN = 64  # byte alignment of each tensor inside a lease buffer
 
 
-@dataclass(slots=True)
-class _Lease:
+@dataclass(frozen=True, slots=True)
+class OutputBuffer:
+    """What one output lease holds."""
+
     region: RegisteredRegion  # the registration of `buffer`
     buffer: torch.Tensor  # flat uint8 buffer holding the lease's tensors
-    expires_at: float  # clock() time after which the reaper frees it
 
 
 class OutputLeases:
     """Live output leases of one encoder worker; see the module docstring.
 
-    Counters: `exported`, `released`, `expired` (leases since start).
+    Counters: `exported`, and the table's `released`, `expired` (leases since start).
     """
 
     def __init__(
@@ -56,26 +58,35 @@ class OutputLeases:
         agent_factory: Callable[[], TransferAgent] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ttl_s = ttl_s  # lifetime of a new lease
-        self.clock = clock
+        self.table: LeaseTable[OutputBuffer] = LeaseTable(ttl_s, clock)  # live leases
         self._factory = agent_factory or (lambda: TransferAgent("encoder"))
         self._agent_task: asyncio.Task[TransferAgent | None] | None = None
         self._agent: TransferAgent | None = None
-        self._reaper: asyncio.Task[None] | None = None
-        self._leases: dict[str, _Lease] = {}
-        self.exported = 0
-        self.released = 0
-        self.expired = 0
+        self.exported = 0  # leases made since start
 
     def __len__(self) -> int:
-        return len(self._leases)
+        return len(self.table)
+
+    @property
+    def ttl_s(self) -> float:
+        """Lifetime of a new lease."""
+        return self.table.ttl_s
+
+    @property
+    def released(self) -> int:
+        """Leases their reader released, since start."""
+        return self.table.released
+
+    @property
+    def expired(self) -> int:
+        """Leases the reaper freed, since start."""
+        return self.table.expired
 
     def start(self) -> None:
-        """Begin creating the agent in the background and start the reaper."""
+        """Begin creating the agent in the background and start the table's reaper."""
         if self._agent_task is None:
             self._agent_task = asyncio.create_task(self._make_agent(), name="epd-nixl-agent")
-        if self._reaper is None:
-            self._reaper = asyncio.create_task(self._reap(), name="epd-lease-reaper")
+        self.table.start_reaper(self._on_expire)
 
     async def _make_agent(self) -> TransferAgent | None:
         try:
@@ -110,62 +121,50 @@ class OutputLeases:
             view.copy_(t)
             views.append(view)
         region = agent.register(buffer)
-        lease_id = uuid.uuid4().hex
-        self._leases[lease_id] = _Lease(region, buffer, self.clock() + self.ttl_s)
+        lease = self.table.add(OutputBuffer(region, buffer))
         self.exported += 1
-        return [handle_for(view, agent, lease_id) for view in views]
+        return [handle_for(view, agent, lease.lease_id) for view in views]
 
     def release(self, lease_ids: Sequence[str]) -> int:
         """Free the given leases now; unknown or already freed ids are ignored."""
-        freed = sum(self._free(lease_id) for lease_id in lease_ids)
-        self.released += freed
+        freed = 0
+        for lease_id in lease_ids:
+            lease = self.table.pop(lease_id)
+            if lease is not None:
+                self._free(lease)
+                freed += 1
         return freed
 
     def expire(self) -> int:
-        """Free every lease whose time ran out; returns how many."""
-        now = self.clock()
-        due = [lease_id for lease_id, lease in self._leases.items() if lease.expires_at <= now]
-        freed = sum(self._free(lease_id) for lease_id in due)
-        if freed:
-            logger.info("%d output lease(s) expired unreleased", freed)
-        self.expired += freed
-        return freed
+        """Free every lease whose time ran out now, without waiting for the reaper."""
+        due = self.table.pop_expired()
+        for lease in due:
+            self._free(lease)
+        return len(due)
 
-    def _free(self, lease_id: str) -> bool:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return False
+    async def _on_expire(self, lease: Lease[OutputBuffer]) -> None:
+        self._free(lease)
+
+    def _free(self, lease: Lease[OutputBuffer]) -> None:
         if self._agent is not None:
-            self._agent.deregister(lease.region)
-        return True
-
-    async def _reap(self) -> None:
-        interval = min(max(self.ttl_s / 4, 0.01), 1.0)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self.expire()
-            except Exception:
-                logger.exception("lease reaper failed")
+            self._agent.deregister(lease.held.region)
 
     async def close(self, wait_s: float = 0.0) -> None:
         """Wait up to `wait_s` for readers to release, free the rest, close the agent."""
-        deadline = self.clock() + wait_s
-        while self._leases and self.clock() < deadline:
+        clock = self.table.clock
+        deadline = clock() + wait_s
+        while len(self.table) and clock() < deadline:
             await asyncio.sleep(0.02)
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
+        await self.table.stop_reaper()
         agent = None
         if self._agent_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 agent = await self._agent_task
-        if self._leases:
-            logger.warning("closing with %d unreleased output lease(s)", len(self._leases))
-        for lease_id in list(self._leases):
-            self._free(lease_id)
+        rest = self.table.pop_all()
+        if rest:
+            logger.warning("closing with %d unreleased output lease(s)", len(rest))
+        for lease in rest:
+            self._free(lease)
         if agent is not None:
             await asyncio.to_thread(agent.close)
         self._agent = None

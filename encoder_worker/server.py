@@ -1,11 +1,11 @@
 """The encoder worker's gRPC server: EncoderService over the vision tower.
 
-Lifecycle (see `common.server.rpc.WorkerLifecycle`): `serve(settings)` loads the vision tower,
+Lifecycle (see `common.server.role.RoleServer`): `serve(settings)` loads the vision tower,
 starts gRPC (EncoderService + health), starts creating the NIXL agent in the background,
 and registers with the router when `router_address` is set (role ENCODER, heartbeats carry
-cache hits/lookups and in-flight requests). `server.lifecycle.drain()` refuses new Encode
-calls with UNAVAILABLE "draining" and lets running ones finish; `server.stop()` then stops
-gRPC, the batcher, the registrar, waits for outstanding output leases (up to `lease_ttl_s`)
+cache hits/lookups and in-flight requests). `server.drain()` refuses new Encode calls with
+UNAVAILABLE "draining" and lets running ones finish; `server.stop()` then stops the
+registrar, gRPC, the batcher, waits for outstanding output leases (up to `lease_ttl_s`)
 and closes the agent. ReleaseEmbeddings stays available while draining.
 """
 
@@ -14,25 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.kv.layout import model_identity
 from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
-from common.models.tiny import default_checkpoint
-from common.server.registrar import Registrar
-from common.server.rpc import (
-    PROTOCOL_VERSION,
-    RunningServer,
-    WorkerLifecycle,
-    rpc_errors,
-    service_name,
-    start_server,
-)
+from common.models.runner import model_identity
+from common.server.lifecycle import ServerLifecycle
+from common.server.role import AddServicer, RoleServer, checkpoint_path
+from common.server.rpc import PROTOCOL_VERSION, rpc_errors, service_name
 from common.wire.convert import element_type, tensor_to_ref
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.engine import EncoderEngine, ItemOutput
@@ -50,7 +43,24 @@ logger = logging.getLogger(__name__)
 
 ENCODER_SERVICE = service_name(encoder_service_pb2, "EncoderService")
 
-AddServicer = Callable[[Any], None]
+
+@dataclass(frozen=True, slots=True)
+class EncoderCounters:
+    """What the encoder worker did since start (tests, logs, the pool manager)."""
+
+    active: int  # Encode calls in flight
+    leases: int  # NIXL outputs not yet freed
+    leases_released: int  # outputs their reader released
+    leases_expired: int  # outputs the reaper freed
+    cache_hits: int  # items answered from the encoder cache
+    cache_lookups: int  # items looked up in the cache
+    cache_entries: int  # items the cache holds
+    cache_bytes: int  # bytes the cache holds
+    cache_evictions: int  # items evicted from the cache
+    forward_calls: int  # vision-tower forwards
+    batches: int  # batches the engine ran
+    units_encoded: int  # items or partitions encoded
+    rows_encoded: int  # patch rows encoded
 
 
 class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
@@ -60,7 +70,7 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
         self,
         engine: EncoderEngine,
         leases: OutputLeases | None,
-        lifecycle: WorkerLifecycle,
+        lifecycle: ServerLifecycle,
         vision: VisionConfig,
         settings: EncoderSettings,
     ) -> None:
@@ -121,24 +131,25 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
                 ]
         return [tensor_to_ref(t) for t in tensors]
 
-    def counters(self) -> dict[str, int]:
-        """Counters for tests, logs and the pool manager ("leases": outputs not yet freed)."""
+    @property
+    def counters(self) -> EncoderCounters:
+        """A snapshot of the counters (see EncoderCounters)."""
         engine, cache, leases = self.engine, self.engine.cache, self.leases
-        return {
-            "active": self.lifecycle.active,
-            "leases": len(leases) if leases is not None else 0,
-            "leases_released": leases.released if leases is not None else 0,
-            "leases_expired": leases.expired if leases is not None else 0,
-            "cache_hits": cache.hits,
-            "cache_lookups": cache.lookups,
-            "cache_entries": len(cache),
-            "cache_bytes": cache.bytes_used,
-            "cache_evictions": cache.evictions,
-            "forward_calls": engine.forward_calls,
-            "batches": engine.batches,
-            "units_encoded": engine.units_encoded,
-            "rows_encoded": engine.rows_encoded,
-        }
+        return EncoderCounters(
+            active=self.lifecycle.active,
+            leases=len(leases) if leases is not None else 0,
+            leases_released=leases.released if leases is not None else 0,
+            leases_expired=leases.expired if leases is not None else 0,
+            cache_hits=cache.hits,
+            cache_lookups=cache.lookups,
+            cache_entries=len(cache),
+            cache_bytes=cache.bytes_used,
+            cache_evictions=cache.evictions,
+            forward_calls=engine.forward_calls,
+            batches=engine.batches,
+            units_encoded=engine.units_encoded,
+            rows_encoded=engine.rows_encoded,
+        )
 
     def load(self) -> registry_service_pb2.WorkerLoad:
         """Load for the router's heartbeat."""
@@ -149,19 +160,6 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
             cache_lookups=cache.lookups,
             draining=self.lifecycle.draining,
         )
-
-
-@dataclass(slots=True, eq=False)
-class EncoderServer(RunningServer):
-    """A running encoder worker: the gRPC server plus its servicer and registrar."""
-
-    servicer: EncoderServicer | None = None  # engine, cache and counters
-    registrar: Registrar | None = None  # router registration; None without a router
-
-
-def resolve_model(settings: EncoderSettings) -> Path:
-    """The checkpoint folder: `settings.model`, or the built-in tiny one (made on first use)."""
-    return Path(settings.model) if settings.model else default_checkpoint("tiny")
 
 
 def load_tower(path: Path, settings: EncoderSettings) -> tuple[Qwen3VLConfig, VisionTower]:
@@ -175,14 +173,14 @@ def load_tower(path: Path, settings: EncoderSettings) -> tuple[Qwen3VLConfig, Vi
 
 async def serve(
     settings: EncoderSettings, *, extra_servicers: Sequence[AddServicer] = ()
-) -> EncoderServer:
+) -> RoleServer[EncoderServicer]:
     """Load the vision tower and start serving; returns once listening (the caller stops it).
 
     `extra_servicers` are served on the same port. Raises SettingsError on unusable settings
     and the loader's errors on a bad checkpoint.
     """
     settings.check()
-    path = await asyncio.to_thread(resolve_model, settings)
+    path = await asyncio.to_thread(checkpoint_path, settings.model)
     config, tower = await asyncio.to_thread(load_tower, path, settings)
     identity = await asyncio.to_thread(model_identity, path, config)
     engine = EncoderEngine(
@@ -192,41 +190,33 @@ async def serve(
         max_batch_rows=settings.max_batch_rows,
     )
     leases = OutputLeases(settings.lease_ttl_s) if settings.nixl else None
-    lifecycle = WorkerLifecycle()
-    servicer = EncoderServicer(engine, leases, lifecycle, config.vision, settings)
-    running = await start_server(
-        [
-            lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, s),
-            *extra_servicers,
-        ],
-        host=settings.host,
-        port=settings.port,
-        service_names=[ENCODER_SERVICE],
-        max_message_mb=settings.max_message_mb,
+    lifecycle = ServerLifecycle()
+
+    async def close() -> None:
+        await engine.close()
+        if leases is not None:
+            await leases.close(wait_s=settings.lease_ttl_s)
+
+    server: RoleServer[EncoderServicer] = await RoleServer.start(
+        settings,
+        EncoderServicer(engine, leases, lifecycle, config.vision, settings),
+        encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server,
+        [ENCODER_SERVICE],
+        lifecycle=lifecycle,
+        extra_servicers=extra_servicers,
+        leases=leases,
+        cleanup=[close],
     )
-    server = EncoderServer(
-        server=running.server,
-        health=running.health,
-        address=running.address,
-        service_names=running.service_names,
-        servicer=servicer,
-    )
-    lifecycle.attach(server)
-    server.on_stop.append(engine.close)
     if leases is not None:
         leases.start()
-        server.on_stop.append(lambda: leases.close(wait_s=settings.lease_ttl_s))
-    if settings.router_address:
-        info = registry_service_pb2.WorkerInfo(
-            role=registry_service_pb2.WORKER_ROLE_ENCODER,
-            address=settings.advertise_address or server.address,
-            model=identity,
-            protocol_version=PROTOCOL_VERSION,
-            capabilities=["nixl"] if settings.nixl else [],
-            name=settings.name or f"encoder-{os.getpid()}",
-        )
-        server.registrar = Registrar(settings.router_address, info, servicer.load)
-        server.registrar.start()
-        server.on_stop.insert(0, server.registrar.stop)
+    info = registry_service_pb2.WorkerInfo(
+        role=registry_service_pb2.WORKER_ROLE_ENCODER,
+        address=settings.reachable_address(server.address),
+        model=identity,
+        protocol_version=PROTOCOL_VERSION,
+        capabilities=["nixl"] if settings.nixl else [],
+        name=settings.name or f"encoder-{os.getpid()}",
+    )
+    server.register(settings.router_address, info, server.servicer.load)
     logger.info("encoder worker serving %s on %s (model %s)", path, server.address, identity)
     return server

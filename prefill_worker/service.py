@@ -25,28 +25,30 @@ import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 import torch
 
-from common.handoff import read_handoff
-from common.kv.allocator import blocks_for
+from common.handoff import build_handle, read_handoff
 from common.kv.events import KvEventHub, Subscription
+from common.models import batching
+from common.models.batching import MissingEmbeddingsError
 from common.models.model_thread import ModelThread
-from common.models.runner import LmRunner, LmSequence, MissingEmbeddingsError
+from common.models.runner import LmRunner
+from common.models.sequence import LmSequence
 from common.multimodal.validation import MultimodalLayoutError
-from common.server.kv_worker import PeerCalls, kv_load
-from common.server.leases import LeaseTable
-from common.server.rpc import RpcStatusError, WorkerLifecycle, rpc_errors
+from common.server.kv_worker import kv_load
+from common.server.leases import Lease, LeaseTable
+from common.server.lifecycle import ServerLifecycle
+from common.server.peers import PeerClient
+from common.server.rpc import RpcStatusError, rpc_errors
 from common.transfer.agent import TransferAgent
 from common.transfer.types import TransferError
 from common.wire.convert import sampling_from_proto, torch_dtype
+from common.wire.kv import kv_event_to_proto
 from common.wire.transfer import read_tensor
 from epd.v1 import (
-    encoder_service_pb2,
-    encoder_service_pb2_grpc,
-    kv_pb2,
     prefill_service_pb2,
     prefill_service_pb2_grpc,
     registry_service_pb2,
@@ -54,6 +56,21 @@ from epd.v1 import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCounters:
+    """What the prefill worker did since start, and holds now (tests, logs)."""
+
+    requests: int  # Prefill RPCs answered with a handle
+    active: int  # Prefill RPCs in flight
+    leases: int  # live KV leases
+    leases_expired: int  # leases the reaper freed
+    leases_released: int  # leases released by ReleaseKv
+    kv_blocks_used: int  # pool blocks referenced
+    kv_blocks_free: int  # pool blocks free
+    prefix_hits: int  # prompt blocks found in the prefix cache
+    prefix_lookups: int  # prompt blocks looked up
 
 
 class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
@@ -68,7 +85,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         runner: LmRunner,
         model: ModelThread,
         agent: TransferAgent,
-        lifecycle: WorkerLifecycle,
+        lifecycle: ServerLifecycle,
         *,
         lease_ttl_s: float,
         embedding_pull_timeout_s: float = 30.0,
@@ -78,11 +95,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.model = model
         self.agent = agent
         self.lifecycle = lifecycle
-        self.leases = LeaseTable(lease_ttl_s)
-        self.hub = KvEventHub(runner)
+        # Lease id -> the block ids (one pool reference each) pinned for a decode worker.
+        self.leases: LeaseTable[list[int]] = LeaseTable(lease_ttl_s)
+        self.hub = KvEventHub(runner.allocator)
         self.embedding_pull_timeout_s = embedding_pull_timeout_s
         self.release_timeout_s = release_timeout_s  # deadline of ReleaseEmbeddings calls
-        self._peers = PeerCalls()  # ReleaseEmbeddings calls to encoders
+        self._peers = PeerClient(release_timeout_s=release_timeout_s)  # releases to encoders
         # gRPC address of this worker, put in handles for ReleaseKv; set once bound.
         self.holder_address = ""
         self.active = 0  # Prefill RPCs in flight
@@ -128,7 +146,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             ),
         )
         try:
-            params = await asyncio.shield(decoding)
+            handoff = await asyncio.shield(decoding)
         except asyncio.CancelledError:
             # Pulls may still be running: release the leases only once they are over.
             decoding.add_done_callback(lambda _: self._release_embeddings(pulled, holders))
@@ -137,7 +155,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             self._release_embeddings(pulled, holders)
             raise
         self._release_embeddings(pulled, holders)
-        hashes = self.runner.hashes(
+        params = handoff.params
+        hashes = self.runner.allocator.hashes(
             tokens,
             params,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
@@ -145,12 +164,14 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         )
         try:
             seq = await self.model.call(
-                self.runner.prefill,
+                batching.prefill,
+                self.runner,
                 tokens,
                 params,
                 sampling,
                 on_orphan=self._release_orphan,
                 hashes=hashes,
+                positions=handoff.positions,
             )
         except MissingEmbeddingsError as exc:
             raise RpcStatusError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
@@ -165,14 +186,24 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         )
         return prefill_service_pb2.PrefillResponse(
             first_token_id=seq.output[0],
-            kv=self._handle(seq, hashes or [], lease.lease_id),
+            kv=build_handle(
+                self.runner,
+                seq.blocks,
+                hashes or [],
+                num_tokens=len(tokens),
+                agent=self.agent,
+                agent_metadata=self._metadata,
+                lease_id=lease.lease_id,
+                lease_ttl_s=self.leases.ttl_s,
+                holder_address=self.holder_address,
+            ),
             cached_tokens=seq.cached_tokens,
             computed_tokens=len(tokens) - seq.cached_tokens,
         )
 
     def _release_orphan(self, seq: LmSequence) -> None:
         """A prefill finished after its RPC was cancelled: nobody will lease its blocks."""
-        self.model.submit(self.runner.release, seq)
+        self.model.submit(batching.release, self.runner, seq)
 
     def _resolve(
         self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str], timeout_s: float
@@ -204,54 +235,21 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         A lease without a holder address in `PrefillRequest.embedding_holders` is left to
         expire on its encoder.
         """
-        by_holder: dict[str, list[str]] = {}
+        known: dict[str, str] = {}
         for lease_id in lease_ids:
             address = holders.get(lease_id)
             if address:
-                by_holder.setdefault(address, []).append(lease_id)
+                known[lease_id] = address
             else:
                 logger.debug("embedding lease %s has no holder address; it will expire", lease_id)
-        for address, leases in by_holder.items():
-            self._peers.spawn(self._release_on(address, leases))
-
-    async def _release_on(self, address: str, lease_ids: list[str]) -> None:
-        stub = encoder_service_pb2_grpc.EncoderServiceStub(self._peers.channel(address))
-        try:
-            await stub.ReleaseEmbeddings(
-                encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=lease_ids),
-                timeout=self.release_timeout_s,
-            )
-        except grpc.aio.AioRpcError as exc:
-            logger.warning(
-                "ReleaseEmbeddings(%d leases) on %s failed: %s",
-                len(lease_ids),
-                address,
-                exc.code().name,
-            )
+        self._peers.release_embeddings(known)
 
     async def close(self) -> None:
-        """Finish background releases and close their channels (shutdown)."""
+        """Shutdown, after gRPC stopped: stop the reaper, free every leased block, finish
+        background releases and close their channels."""
+        await self.leases.stop_reaper()
+        await self.release_all_leases()
         await self._peers.close()
-
-    def _handle(self, seq: LmSequence, hashes: list[bytes], lease_id: str) -> kv_pb2.KvHandle:
-        n = len(seq.prompt_token_ids)
-        kv = self.runner.kv
-        blocks = seq.blocks[: blocks_for(n, self.runner.block_size)]
-        return kv_pb2.KvHandle(
-            block_hashes=hashes,
-            agent_metadata=self._metadata,
-            agent_name=self.agent.name,
-            blocks=[
-                kv_pb2.KvBlockDescriptor(address=address, length=length, device_id=self._device_id)
-                for address, length in map(kv.block_address, blocks)
-            ],
-            lease_id=lease_id,
-            memory_kind=self._memory_kind,
-            num_tokens=n,
-            layout=self.runner.kv_layout,
-            lease_ttl_ms=int(self.leases.ttl_s * 1000),
-            holder_address=self.holder_address,
-        )
 
     # -------------------------------------------------------------------------- leases
 
@@ -262,27 +260,21 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         lease = self.leases.pop(request.lease_id)
         if lease is None:
             return prefill_service_pb2.ReleaseKvResponse(released=False)
-        await self.model.call(self.runner.pool.release, lease.blocks)
+        await self._free(lease)
         return prefill_service_pb2.ReleaseKvResponse(released=True)
 
-    async def reap_leases(self, interval_s: float | None = None) -> None:
-        """Background task: free the blocks of every expired lease, forever."""
-        period = interval_s or min(1.0, self.leases.ttl_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            for lease in self.leases.pop_expired():
-                logger.warning(
-                    "lease %s (request %s) expired unreleased; freeing %d blocks",
-                    lease.lease_id,
-                    lease.request_id,
-                    len(lease.blocks),
-                )
-                await self.model.call(self.runner.pool.release, lease.blocks)
+    def reap_leases(self, interval_s: float | None = None) -> None:
+        """Start the lease table's reaper: expired leases' blocks go back to the pool."""
+        self.leases.start_reaper(self._free, interval_s)
 
     async def release_all_leases(self) -> None:
         """Free every leased block (shutdown)."""
         for lease in self.leases.pop_all():
-            await self.model.call(self.runner.pool.release, lease.blocks)
+            await self._free(lease)
+
+    async def _free(self, lease: Lease[list[int]]) -> None:
+        """Release a popped lease's block references to the pool (on the model thread)."""
+        await self.model.call(self.runner.allocator.release, lease.held)
 
     # ---------------------------------------------------------------------- KV events
 
@@ -298,12 +290,14 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         )
         logger.info("KV event subscriber %r joined", request.subscriber)
         try:
-            yield prefill_service_pb2.StreamKvEventsResponse(events=[snapshot])
+            yield prefill_service_pb2.StreamKvEventsResponse(events=[kv_event_to_proto(snapshot)])
             while True:
                 events = [await sub.queue.get()]
                 while not sub.queue.empty():
                     events.append(sub.queue.get_nowait())
-                yield prefill_service_pb2.StreamKvEventsResponse(events=events)
+                yield prefill_service_pb2.StreamKvEventsResponse(
+                    events=[kv_event_to_proto(e) for e in events]
+                )
         finally:
             self.hub.unsubscribe(sub)
 
@@ -313,17 +307,18 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         """Heartbeat load: requests in flight, KV blocks, prefix-cache hits and lookups."""
         return kv_load(self.runner, self.active, self.lifecycle)
 
-    def counters(self) -> dict[str, Any]:
-        """Counters for tests and logs."""
-        pool = self.runner.pool
-        return {
-            "requests": self.requests,
-            "active": self.active,
-            "leases": len(self.leases),
-            "leases_expired": self.leases.expired,
-            "leases_released": self.leases.released,
-            "kv_blocks_used": pool.num_used_blocks,
-            "kv_blocks_free": pool.num_free_blocks,
-            "prefix_hits": pool.hits,
-            "prefix_lookups": pool.lookups,
-        }
+    @property
+    def counters(self) -> PrefillCounters:
+        """A snapshot of the counters (see PrefillCounters)."""
+        pool = self.runner.allocator.pool
+        return PrefillCounters(
+            requests=self.requests,
+            active=self.active,
+            leases=len(self.leases),
+            leases_expired=self.leases.expired,
+            leases_released=self.leases.released,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            prefix_hits=pool.hits,
+            prefix_lookups=pool.lookups,
+        )

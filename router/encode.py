@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.server.peers import PeerClient
 from common.wire.convert import tensor_to_ref
 from epd.v1 import encoder_service_pb2, encoder_service_pb2_grpc, multimodal_pb2
 from router.calls import Job, RouterError, WorkerCalls
-from router.channels import Channels
-from router.releases import Releases
 from router.workers import NoWorkerError, Role, WorkerRecord
 
 logger = logging.getLogger(__name__)
@@ -59,14 +58,12 @@ class EncodeStage:
     def __init__(
         self,
         calls: WorkerCalls,
-        channels: Channels,
-        releases: Releases,
+        channels: PeerClient,
         max_inline_embedding_bytes: int,
         affinity_slack: int = 2,
     ) -> None:
         self.calls = calls
-        self.channels = channels
-        self.releases = releases
+        self.channels = channels  # worker channels, and embedding lease releases
         self.max_inline_embedding_bytes = max_inline_embedding_bytes
         self.affinity_slack = affinity_slack  # requests; 0: no affinity, least loaded only
 
@@ -98,7 +95,7 @@ class EncodeStage:
         try:
             self._check_inline(by_index.values())
         except RouterError:
-            self.releases.embeddings(leases)
+            self.channels.release_embeddings(leases)
             raise
         return Encoded([by_index[i] for i in items], leases)
 
@@ -122,7 +119,7 @@ class EncodeStage:
 
     def _release_result(self, task: asyncio.Future[Encoded]) -> None:
         if not task.cancelled() and task.exception() is None:
-            self.releases.embeddings(task.result().leases)
+            self.channels.release_embeddings(task.result().leases)
 
     async def _encode_on(
         self, job: Job, items: Sequence[int], first: WorkerRecord | None
@@ -167,7 +164,7 @@ class EncodeStage:
         try:
             return Encoded(self._check(job, items, response), leases)
         except RouterError:
-            self.releases.embeddings(leases)
+            self.channels.release_embeddings(leases)
             raise
 
     def _check(

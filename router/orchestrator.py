@@ -15,9 +15,12 @@
                (FAILED_PRECONDITION), every item is encoded and prefill runs once more
       stream   the first token goes to the client at once (that is the TTFT)
       decode   (prompt_token_ids, MultimodalParams without embeddings, first token,
-               KvHandle) -> least loaded decode worker -> token chunks, streamed on (its
-               first chunk repeats the first token, which is dropped, and carries the KV
-               transfer counts blocks_pulled / blocks_reused)
+               KvHandle) -> least loaded decode worker -> token id chunks after the first
+               token, streamed on (its first chunk carries the KV transfer counts
+               blocks_pulled / blocks_reused)
+
+Text: the router owns it. Workers send token ids only; one incremental detokenizer per job
+(`router.detokenize`) turns the whole answer, first token included, into text deltas.
 
 Embedding leases (NIXL-held encoder outputs): the request tells the prefill worker which
 encoder holds each (`embedding_holders`) and the prefill worker releases them once pulled;
@@ -48,7 +51,9 @@ from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
 from common.processing.processor import Processor
 from common.sampling import StopChecker
+from common.server.peers import PeerClient
 from common.wire.convert import params_to_proto, sampling_to_proto
+from common.wire.sampling import finish_reason_to_proto
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
@@ -58,20 +63,13 @@ from epd.v1 import (
     router_service_pb2,
 )
 from router.calls import Job, RouterError, WorkerCalls
-from router.channels import Channels
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
-from router.releases import Releases
 from router.workers import Role, WorkerRecord
 
 logger = logging.getLogger(__name__)
-
-_FINISH = {
-    "stop": decode_service_pb2.FINISH_REASON_STOP,
-    "length": decode_service_pb2.FINISH_REASON_LENGTH,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,27 +95,24 @@ class Orchestrator:
     def __init__(
         self,
         registry: Registry,
-        channels: Channels,
+        channels: PeerClient,
         processor: Processor,
         *,
         max_inline_embedding_bytes: int,
-        release_timeout_s: float = 5.0,
         attempts: int = 2,
         cache_aware: bool = True,
         encoder_affinity_slack: int = 2,
     ) -> None:
         self.registry = registry
-        self.channels = channels
+        self.channels = channels  # worker channels and lease releases; the caller closes it
         self.processor = processor
         self.cache_aware = cache_aware
         self.stop = StopChecker(frozenset(processor.eos_token_ids))
         self.calls = WorkerCalls(registry, attempts)
-        self.releases = Releases(channels, release_timeout_s)
         self.prefix = PrefixIndex(channels)
         self.encoder = EncodeStage(
             self.calls,
             channels,
-            self.releases,
             max_inline_embedding_bytes,
             affinity_slack=encoder_affinity_slack,
         )
@@ -143,7 +138,7 @@ class Orchestrator:
         try:
             if finish is not None:
                 chunk.text += detok.flush()
-                chunk.finish_reason = _FINISH[finish]
+                chunk.finish_reason = finish_reason_to_proto(finish)
                 yield chunk
                 return
             yield chunk
@@ -152,7 +147,7 @@ class Orchestrator:
         finally:
             # Also when the client goes away at a `yield`, before decode ever starts.
             if lease.owned:
-                self.releases.kv(lease.lease_id, lease.address)
+                self.channels.release_kv(lease.address, lease.lease_id)
 
     # -------------------------------------------------------------------------- stages
 
@@ -161,11 +156,12 @@ class Orchestrator:
         and the items that prefix covers entirely (see the module docstring)."""
         items = job.prompt.params.items
         workers = [w for w in self.registry.workers(Role.PREFILL) if not w.draining]
-        if not self.cache_aware or not workers or workers[0].layout is None:
+        # The registry keeps every KV layout equal, so the first one roots every hash.
+        layout = workers[0].layout if workers else None
+        if not self.cache_aware or layout is None:
             return PrefillRoute(None, frozenset())
         for w in workers:
             self.prefix.track(w.address)
-        layout = workers[0].info.kv_layout  # the registry keeps every KV layout equal
         tokens = job.prompt.prompt_token_ids
         try:
             hashes = block_hashes(
@@ -202,12 +198,12 @@ class Orchestrator:
                 logger.info(
                     "request %s: prefix cache moved on (%s); encoding all", job.request_id, exc
                 )
-            self.releases.embeddings(encoded.leases)
+            self.channels.release_embeddings(encoded.leases)
             encoded = await self.encoder.encode(job, list(every))
             return await self._prefill(job, handoff, encoded, None)
         except BaseException:
             # Prefill releases what it pulled; leases it never reached are freed here.
-            self.releases.embeddings(encoded.leases)
+            self.channels.release_embeddings(encoded.leases)
             raise
 
     async def _prefill(
@@ -270,9 +266,7 @@ class Orchestrator:
                 call = stub.Decode(request, timeout=job.time_left("decode"))
                 try:
                     async for response in call:
-                        if lease.owned:
-                            lease.owned = False  # the decode worker has it now
-                            _drop_echo(response, prefill.first_token_id)
+                        lease.owned = False  # the decode worker has it once it answers
                         yield self._chunk(response, detok)
                     return
                 except grpc.aio.AioRpcError as exc:
@@ -299,15 +293,5 @@ class Orchestrator:
         )
 
     async def close(self) -> None:
-        """Stop following KV events; wait for background lease releases."""
+        """Stop following KV events (the peer client's owner closes it: releases finish)."""
         await self.prefix.close()
-        await self.releases.close()
-
-
-def _drop_echo(response: decode_service_pb2.DecodeResponse, first_token_id: int) -> None:
-    """The decode worker's first chunk repeats the prefill's first token (so its stream alone
-    is the whole answer); the router already sent that token, so it is dropped here."""
-    if response.token_ids and response.token_ids[0] == first_token_id:
-        del response.token_ids[0]
-    else:
-        logger.warning("decode stream did not start with the first token %d", first_token_id)

@@ -11,37 +11,31 @@ Generate, per request:
   2. deadline = the client's, capped by `request_timeout_s`;
   3. `Orchestrator.run` streams the answer (encode -> prefill -> decode).
 
-Lifecycle: starting (processor loaded) -> serving (`serve` returned) -> draining
-(`lifecycle.drain()`: Generate refuses new requests with UNAVAILABLE, running ones finish)
--> stopped (`RunningRouter.stop`, which also stops the expiry task, waits for lease
-releases and closes worker channels).
+Lifecycle (`common.server.role.RoleServer`): starting (processor loaded) -> serving (`serve`
+returned) -> draining (`drain()`: Generate refuses new requests with UNAVAILABLE, running
+ones finish) -> stopped (`stop`: gRPC, then the expiry task, then the orchestrator's KV
+event subscriptions, then the peer client: lease releases in flight finish, channels close).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from common.kv.layout import model_identity
-from common.models.tiny import default_checkpoint
+from common.models.runner import model_identity
 from common.multimodal.validation import MultimodalLayoutError
 from common.processing.processor import ProcessedPrompt, Processor
-from common.server.rpc import (
-    RpcStatusError,
-    RunningServer,
-    WorkerLifecycle,
-    service_name,
-    start_server,
-)
+from common.server.lifecycle import ServerLifecycle
+from common.server.peers import PeerClient
+from common.server.role import AddServicer, RoleServer, checkpoint_path
+from common.server.rpc import RpcStatusError, service_name
 from common.wire.convert import sampling_from_proto
 from epd.v1 import (
     admin_service_pb2,
@@ -53,7 +47,6 @@ from epd.v1 import (
 )
 from router.admin import AdminServicer, Scaler
 from router.calls import Job, RouterError
-from router.channels import Channels
 from router.inputs import InputError, messages_from_proto
 from router.orchestrator import Orchestrator
 from router.registry import Registry, RegistryServicer
@@ -61,8 +54,6 @@ from router.settings import RouterSettings
 from router.workers import CheckpointShape, Role
 
 logger = logging.getLogger(__name__)
-
-AddServicer = Callable[[Any], None]
 
 
 class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
@@ -72,7 +63,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self,
         processor: Processor,
         orchestrator: Orchestrator,
-        lifecycle: WorkerLifecycle,
+        lifecycle: ServerLifecycle,
         settings: RouterSettings,
     ) -> None:
         self.processor = processor
@@ -137,28 +128,18 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
 
 
 @dataclass(slots=True, eq=False)
-class RunningRouter(RunningServer):
-    """A started router: the gRPC server plus the state behind it. `stop` is idempotent."""
+class RunningRouter(RoleServer[RouterServicer]):
+    """A started router (`RoleServer.stop` stops it, in the module docstring's order)."""
 
-    registry: Registry | None = None  # the worker registry
-    orchestrator: Orchestrator | None = None  # request execution
-    lifecycle: WorkerLifecycle | None = None  # drain/stop of Generate
-    channels: Channels | None = None  # channels to workers
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)  # background loops
+    @property
+    def orchestrator(self) -> Orchestrator:
+        """Request execution: registry, peer client, prefix index, encode stage."""
+        return self.servicer.orchestrator
 
-    async def stop(self, grace_s: float | None = 5.0) -> None:
-        """Stop serving (in-flight requests get `grace_s`), then the background work."""
-        first = not self.stopped
-        await RunningServer.stop(self, grace_s)
-        if not first:
-            return
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        if self.orchestrator is not None:
-            await self.orchestrator.close()
-        if self.channels is not None:
-            await self.channels.close()
+    @property
+    def registry(self) -> Registry:
+        """The worker registry."""
+        return self.servicer.orchestrator.registry
 
 
 async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: float) -> None:
@@ -179,11 +160,6 @@ async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s:
                 await orchestrator.channels.forget(address)
 
 
-def resolve_model(settings: RouterSettings) -> Path:
-    """The checkpoint folder: `settings.model`, or the built-in tiny one (made on first use)."""
-    return Path(settings.model) if settings.model else default_checkpoint("tiny")
-
-
 async def serve(
     settings: RouterSettings,
     *,
@@ -195,7 +171,7 @@ async def serve(
     `extra_servicers` are `add_*Servicer_to_server`-style callables served on the same port
     (e.g. by `epd serve`); `scaler` backs AdminService.Scale (None: UNIMPLEMENTED).
     """
-    path = await asyncio.to_thread(resolve_model, settings)
+    path = await asyncio.to_thread(checkpoint_path, settings.model)
     processor = await asyncio.to_thread(Processor.from_pretrained, path)
     text = processor.config.text
     expected = settings.expected_model or await asyncio.to_thread(
@@ -209,13 +185,14 @@ async def serve(
             text.num_hidden_layers, text.num_key_value_heads, text.head_dim
         ),
     )
-    channels = Channels(settings.max_message_bytes)
+    peers = PeerClient(
+        release_timeout_s=settings.release_timeout_s, max_message_mb=settings.max_message_mb
+    )
     orchestrator = Orchestrator(
         registry,
-        channels,
+        peers,
         processor,
         max_inline_embedding_bytes=settings.max_inline_embedding_mb * 1024 * 1024,
-        release_timeout_s=settings.release_timeout_s,
         cache_aware=settings.cache_aware_routing,
         encoder_affinity_slack=settings.encoder_affinity_slack,
     )
@@ -223,51 +200,29 @@ async def serve(
         registry.on_register.append(
             lambda w: orchestrator.prefix.track(w.address) if w.role == Role.PREFILL else None
         )
-    lifecycle = WorkerLifecycle()
-    router = RouterServicer(processor, orchestrator, lifecycle, settings)
-    adders: list[AddServicer] = [
-        lambda s: router_service_pb2_grpc.add_RouterServiceServicer_to_server(router, s),
-        lambda s: registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(
-            RegistryServicer(registry), s
-        ),
-        lambda s: admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
-            AdminServicer(registry, scaler), s
-        ),
-        *extra_servicers,
-    ]
-    started = await start_server(
-        adders,
-        host=settings.host,
-        port=settings.port,
-        service_names=(
+    lifecycle = ServerLifecycle()
+    running = await RunningRouter.start(
+        settings,
+        RouterServicer(processor, orchestrator, lifecycle, settings),
+        router_service_pb2_grpc.add_RouterServiceServicer_to_server,
+        (
             service_name(router_service_pb2, "RouterService"),
             service_name(registry_service_pb2, "RegistryService"),
             service_name(admin_service_pb2, "AdminService"),
         ),
-        max_message_mb=settings.max_message_mb,
-    )
-    running = RunningRouter(
-        started.server,
-        started.health,
-        started.address,
-        started.service_names,
-        registry=registry,
-        orchestrator=orchestrator,
         lifecycle=lifecycle,
-        channels=channels,
+        extra_servicers=[
+            lambda s: registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(
+                RegistryServicer(registry), s
+            ),
+            lambda s: admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
+                AdminServicer(registry, scaler), s
+            ),
+            *extra_servicers,
+        ],
+        cleanup=[orchestrator.close, peers.close],
     )
-    lifecycle.attach(running)
     period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
     running.tasks.append(asyncio.create_task(_expire_loop(registry, orchestrator, period)))
     logger.info("router on %s serving %s (model %s)", running.address, path, expected)
     return running
-
-
-@contextlib.asynccontextmanager
-async def running_router(settings: RouterSettings, **kwargs: Any) -> AsyncIterator[RunningRouter]:
-    """`serve` as a context manager that stops the router on exit (tests, embedding)."""
-    running = await serve(settings, **kwargs)
-    try:
-        yield running
-    finally:
-        await running.stop(settings.grace_s)

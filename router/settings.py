@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.settings.base import ServerSettings
 from common.settings.schema import setting
 
 
 @dataclass(frozen=True, slots=True)
-class RouterSettings:
-    """Everything `router.server.serve` needs; every field has a documented default."""
+class RouterSettings(ServerSettings):
+    """Everything `router.server.serve` needs; every field has a documented default.
 
+    host, max_message_mb and drain_timeout_s come from `ServerSettings`; `port` is declared
+    there too and only its default differs here.
+    """
+
+    port: int = setting(50051, "port to listen on (0: pick a free one)")
     model: str | None = setting(
         None, "checkpoint folder the router processes inputs for (None: the built-in tiny model)"
     )
-    host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(50051, "port to listen on (0: pick a free one)")
     heartbeat_interval_s: float = setting(1.0, "how often workers are told to heartbeat")
     worker_timeout_s: float = setting(
         5.0, "a worker whose last heartbeat is older than this is dropped"
@@ -25,9 +29,6 @@ class RouterSettings:
     )
     release_timeout_s: float = setting(
         5.0, "deadline of the ReleaseKv call that frees a lease decode never took"
-    )
-    max_message_mb: int = setting(
-        256, "largest gRPC message in or out, in MiB (inline embeddings travel in messages)"
     )
     max_inline_embedding_mb: int = setting(
         128,
@@ -51,11 +52,6 @@ class RouterSettings:
         "the least loaded one; 0: no affinity, each request to the least loaded encoder",
     )
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
-
-    @property
-    def max_message_bytes(self) -> int:
-        """`max_message_mb` in bytes, for gRPC channel and server options."""
-        return self.max_message_mb * 1024 * 1024
 
     @property
     def address(self) -> str:

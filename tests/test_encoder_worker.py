@@ -22,11 +22,12 @@ import torch
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.tiny import default_checkpoint
 from common.processing.processor import ProcessedPrompt, Processor
+from common.server.role import RoleServer
 from common.server.rpc import channel, start_server, wait_healthy
 from common.settings.schema import SettingsError
 from common.wire.convert import tensor_from_ref, tensor_to_ref
 from encoder_worker.cache import EncodedRows, EncoderCache
-from encoder_worker.server import EncoderServer, load_tower, serve
+from encoder_worker.server import EncoderServicer, load_tower, serve
 from encoder_worker.settings import EncoderSettings
 from epd.v1 import (
     encoder_service_pb2,
@@ -116,15 +117,15 @@ def _rows(item: encoder_service_pb2.EncodedItem) -> tuple[torch.Tensor, list[tor
     return tensor_from_ref(item.rows), [tensor_from_ref(d) for d in item.deepstack]
 
 
-Factory = Callable[..., Awaitable[tuple[EncoderServer, Any]]]
+Factory = Callable[..., Awaitable[tuple[RoleServer[EncoderServicer], Any]]]
 
 
 @pytest.fixture
 async def make_server(ckpt: Path) -> AsyncIterator[Factory]:
     """Start encoder workers (NIXL off unless asked); stops them and their channels."""
-    started: list[tuple[EncoderServer, Any]] = []
+    started: list[tuple[RoleServer[EncoderServicer], Any]] = []
 
-    async def make(**overrides: Any) -> tuple[EncoderServer, Any]:
+    async def make(**overrides: Any) -> tuple[RoleServer[EncoderServicer], Any]:
         fields: dict[str, Any] = {"model": str(ckpt), "nixl": False, **overrides}
         server = await serve(EncoderSettings(**fields))
         ch = channel(server.address)
@@ -137,12 +138,12 @@ async def make_server(ckpt: Path) -> AsyncIterator[Factory]:
         await server.stop(0)
 
 
-def _engine(server: EncoderServer) -> Any:
+def _engine(server: RoleServer[EncoderServicer]) -> Any:
     assert server.servicer is not None
     return server.servicer.engine
 
 
-def _count_forwards(server: EncoderServer) -> list[int]:
+def _count_forwards(server: RoleServer[EncoderServicer]) -> list[int]:
     """Wrap the tower's encode to count calls (independent of the engine's counter)."""
     engine = _engine(server)
     calls = [0]
@@ -207,8 +208,8 @@ async def test_second_request_is_a_cache_hit(make_server: Factory, processor: Pr
     assert load is not None and (load.cache_hits, load.cache_lookups) == (1, 2)
     assert _engine(server).forward_calls == 1
     assert server.servicer is not None
-    counters = server.servicer.counters()
-    assert counters["cache_entries"] == 1 and counters["rows_encoded"] == 4
+    counters = server.servicer.counters
+    assert counters.cache_entries == 1 and counters.rows_encoded == 4
 
 
 async def test_partition_subset_returns_those_rows(
@@ -411,13 +412,13 @@ async def test_large_output_goes_over_nixl_and_is_released(
         assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 0
         assert len(leases) == 0
         assert server.servicer is not None
-        counters = server.servicer.counters()
-        assert counters["leases"] == 0 and counters["leases_released"] == 1
+        counters = server.servicer.counters
+        assert counters.leases == 0 and counters.leases_released == 1
 
         # A reader that never releases: the lease expires.
         await stub.Encode(_request(_item(other)), timeout=60)
         assert len(leases) == 1
-        leases.clock = lambda: time.monotonic() + 3600
+        leases.table.clock = lambda: time.monotonic() + 3600
         assert leases.expire() == 1 and len(leases) == 0
     finally:
         await asyncio.to_thread(reader.close)

@@ -312,35 +312,25 @@ async def test_registered_counts_leave_out_draining_workers(
 # ------------------------------------------------------------------------ worker actor
 
 
-class FakeLifecycle:
-    def __init__(self, log: list[str]) -> None:
-        self.log = log
-
-    async def drain(self, timeout_s: float) -> bool:
-        self.log.append("lifecycle-drain")
-        return True
-
-
 @dataclass
 class FakeServer:
-    """What a role's `serve` returns, reduced to what WorkerActor uses."""
+    """What a role's `serve` returns (a `RoleServer`), reduced to what WorkerActor uses."""
 
     settings: Any
     log: list[str]
     address: str = "127.0.0.1:4242"
-    servicer: Any = None
-    lifecycle: Any = None
+    leases: int = 2  # leases held for peers
+
+    def outstanding_leases(self) -> int:
+        return self.leases
+
+    async def drain(self, timeout_s: float) -> bool:
+        self.log.append("lifecycle-drain")
+        await self.stop(0)
+        return True
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
         self.log.append("stop")
-
-
-class _Leases:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
 
 
 SERVED: list[FakeServer] = []
@@ -348,9 +338,7 @@ SERVED: list[FakeServer] = []
 
 async def serve(settings: Any) -> FakeServer:
     """Stand-in for a role's `serve`, found through `SERVER_MODULES`."""
-    log: list[str] = []
-    server = FakeServer(settings, log, servicer=type("S", (), {"leases": _Leases(2)})())
-    server.lifecycle = FakeLifecycle(log)
+    server = FakeServer(settings, [])
     SERVED.append(server)
     return server
 
@@ -378,12 +366,11 @@ async def test_worker_drain_waits_for_leases_then_drains_then_stops(
 ) -> None:
     actor = await _worker(monkeypatch)
     server = SERVED[-1]
-    leases = server.servicer.leases
 
     async def release_later() -> None:
         await asyncio.sleep(0.2)
         server.log.append("leases released")
-        leases.n = 0
+        server.leases = 0
 
     releaser = asyncio.create_task(release_later())
     assert await actor.drain(timeout_s=5) is True

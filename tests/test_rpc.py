@@ -12,12 +12,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.kv.block_pool import NoFreeBlocksError
 from common.multimodal.validation import MultimodalLayoutError
+from common.server.lifecycle import LifecycleState, ServerLifecycle
 from common.server.registrar import Registrar
 from common.server.rpc import (
     PROTOCOL_VERSION,
-    LifecycleState,
     RunningServer,
-    WorkerLifecycle,
     channel,
     rpc_errors,
     service_name,
@@ -42,7 +41,7 @@ ERRORS: dict[bytes, Exception] = {
 class Probe:
     """A tiny servicer over raw bytes: unary Call and streaming Stream."""
 
-    def __init__(self, lifecycle: WorkerLifecycle) -> None:
+    def __init__(self, lifecycle: ServerLifecycle) -> None:
         self.lifecycle = lifecycle
         self.release = asyncio.Event()
         self.started = asyncio.Event()
@@ -75,7 +74,7 @@ class Probe:
 
 @pytest.fixture
 async def probe() -> AsyncIterator[tuple[Probe, RunningServer, Any]]:
-    lifecycle = WorkerLifecycle()
+    lifecycle = ServerLifecycle()
     impl = Probe(lifecycle)
     running = await start_server([impl.add], service_names=[SERVICE])
     lifecycle.attach(running)
@@ -149,7 +148,7 @@ async def test_health_serving_for_each_name(probe: Any) -> None:
 
 async def test_drain_finishes_in_flight_and_refuses_new(probe: Any) -> None:
     impl, _, ch = probe
-    lifecycle: WorkerLifecycle = impl.lifecycle
+    lifecycle: ServerLifecycle = impl.lifecycle
     assert lifecycle.state == LifecycleState.SERVING
     call = _stream(ch)(b"wait", timeout=10)
     assert await call.read() == b"first"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,3 +100,48 @@ def test_every_field_documented() -> None:
     ]
     text = to_toml(Top)
     assert "# port = 50051" in text and "[prefill]" in text
+
+
+# ------------------------------------------------------------------- role settings
+
+
+def test_block_size_is_declared_once_for_prefill_and_decode() -> None:
+    from common.settings.base import KvWorkerSettings
+    from decode_worker.settings import DecodeSettings
+    from prefill_worker.settings import PrefillSettings
+
+    for cls in (PrefillSettings, DecodeSettings):
+        assert issubclass(cls, KvWorkerSettings)
+        assert "block_size" not in inspect.get_annotations(cls)
+
+
+def test_epd_settings_refuse_different_block_sizes(tmp_path: Path) -> None:
+    from cluster.settings import EpdSettings
+
+    path = tmp_path / "epd.toml"
+    path.write_text("[prefill]\nblock_size = 16\n[decode]\nblock_size = 32\n")
+    with pytest.raises(SettingsError, match=r"prefill\.block_size.*decode\.block_size"):
+        load(EpdSettings, path)
+    path.write_text("[prefill]\nblock_size = 32\n[decode]\nblock_size = 32\n")
+    settings = load(EpdSettings, path)
+    assert settings.prefill.block_size == settings.decode.block_size == 32
+
+
+@pytest.mark.parametrize("role", ["encoder", "prefill", "decode"])
+def test_unknown_dtype_is_one_settings_error(role: str) -> None:
+    from cluster.settings import EpdSettings
+
+    settings = getattr(EpdSettings(), role)
+    bad = type(settings)(dtype="int4")
+    with pytest.raises(SettingsError, match="dtype: expected one of float32"):
+        _ = bad.torch_dtype
+    with pytest.raises(SettingsError, match="dtype"):
+        bad.check()
+
+
+def test_router_drain_timeout_is_a_setting() -> None:
+    from router.__main__ import parse
+    from router.settings import RouterSettings
+
+    assert RouterSettings().drain_timeout_s == 30.0
+    assert parse(["--drain-timeout-s", "45", "--port", "0"]).drain_timeout_s == 45.0

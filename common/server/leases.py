@@ -1,67 +1,78 @@
-"""Leases: the prefill worker's record of which prompt blocks it keeps pinned for a decode
-worker, and until when.
+"""Leases: what a worker keeps alive for a peer that will read it, and until when.
 
-Lifecycle of a lease: `add` (Prefill hands its sequence's block references to the lease)
--> `pop` (ReleaseKv from the decode worker, or the router) or `pop_expired` (the reaper,
-once `ttl_s` passed: a decode worker that died never releases). Whoever pops a lease owns
-its block references and must release them to the pool exactly once; a lease is popped at
-most once, so no block is released twice and none leaks.
+One table serves both kinds of lease epd has: the prefill worker's pinned prompt blocks
+(held = block ids, released by `ReleaseKv`) and the encoder's registered output buffers
+(held = the buffer and its NIXL registration, released by `ReleaseEmbeddings`).
 
-Touched only from the server's event loop (not thread-safe).
+Lifecycle of a lease: `add` (the table now holds `held`) -> `pop` (the reader released it)
+or `pop_expired` (the reaper, once `ttl_s` passed: a reader that died never releases) or
+`pop_all` (shutdown). Whoever pops a lease owns what it holds and must free it exactly once;
+a lease is popped at most once, so nothing is freed twice and nothing leaks.
+
+The reaper (`start_reaper`) is a task of the table's own: every `interval_s` it pops the
+expired leases and awaits `on_expire(lease)` for each, which frees what the lease held.
+`stop_reaper` cancels it. Touched only from the server's event loop (not thread-safe).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
-class Lease:
-    """Blocks pinned for one handed-off prompt."""
+class Lease(Generic[T]):
+    """One thing held for a reader."""
 
-    lease_id: str  # opaque id sent in the KvHandle
-    blocks: list[int]  # block ids, one pool reference each, owned by the lease
-    expires_at: float  # clock() time after which the reaper frees the blocks
-    request_id: str  # the prefill request's id, for logs
+    lease_id: str  # opaque id the reader releases by
+    held: T  # what the lease keeps alive (block ids, a registered buffer); owned by it
+    expires_at: float  # clock() time after which the reaper frees it
+    request_id: str  # the request it was made for, for logs
 
 
-class LeaseTable:
-    """Live leases by id; see the module docstring for ownership."""
+class LeaseTable(Generic[T]):
+    """Live leases by id, with their reaper; see the module docstring for ownership.
+
+    Counters (since start): `released` (popped by a reader), `expired` (reaped).
+    """
 
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl_s}")
         self.ttl_s = ttl_s  # lifetime of a new lease
         self.clock = clock  # monotonic time source
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, Lease[T]] = {}
+        self._reaper: asyncio.Task[None] | None = None
         self.expired = 0  # leases reaped since start
-        self.released = 0  # leases released by ReleaseKv since start
+        self.released = 0  # leases popped by their reader since start
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    @property
-    def pinned_blocks(self) -> int:
-        """Block references held by live leases."""
-        return sum(len(lease.blocks) for lease in self._leases.values())
-
-    def add(self, blocks: list[int], request_id: str = "") -> Lease:
-        """A new lease owning one reference on each of `blocks`."""
-        lease = Lease(uuid.uuid4().hex, list(blocks), self.clock() + self.ttl_s, request_id)
+    def add(self, held: T, request_id: str = "") -> Lease[T]:
+        """A new lease, owning `held` until it is popped."""
+        lease = Lease(uuid.uuid4().hex, held, self.clock() + self.ttl_s, request_id)
         self._leases[lease.lease_id] = lease
         return lease
 
-    def pop(self, lease_id: str) -> Lease | None:
+    def pop(self, lease_id: str) -> Lease[T] | None:
         """Remove and return a live lease (None when unknown or already gone)."""
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
             self.released += 1
         return lease
 
-    def pop_expired(self) -> list[Lease]:
+    def pop_expired(self) -> list[Lease[T]]:
         """Remove and return every lease past its expiry."""
         now = self.clock()
         gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
@@ -70,12 +81,40 @@ class LeaseTable:
         self.expired += len(gone)
         return gone
 
-    def pop_all(self) -> list[Lease]:
+    def pop_all(self) -> list[Lease[T]]:
         """Remove and return every lease (shutdown)."""
         gone = list(self._leases.values())
         self._leases.clear()
         return gone
 
-    def next_expiry(self) -> float | None:
-        """The earliest expiry among live leases, or None."""
-        return min((lease.expires_at for lease in self._leases.values()), default=None)
+    def start_reaper(
+        self,
+        on_expire: Callable[[Lease[T]], Awaitable[None]],
+        interval_s: float | None = None,
+    ) -> None:
+        """Start the reaper task (idempotent; needs a running loop). Every `interval_s`
+        (default: a quarter of the TTL, within [10 ms, 1 s]) each expired lease is popped
+        and `await on_expire(lease)` frees it; a failing `on_expire` is logged."""
+        if self._reaper is None:
+            period = interval_s or min(max(self.ttl_s / 4, 0.01), 1.0)
+            self._reaper = asyncio.create_task(self._reap(on_expire, period), name="epd-reaper")
+
+    async def stop_reaper(self) -> None:
+        """Cancel the reaper and wait for it (idempotent)."""
+        task, self._reaper = self._reaper, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _reap(self, on_expire: Callable[[Lease[T]], Awaitable[None]], period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            for lease in self.pop_expired():
+                logger.warning(
+                    "lease %s (request %s) expired unreleased", lease.lease_id, lease.request_id
+                )
+                try:
+                    await on_expire(lease)
+                except Exception:
+                    logger.exception("freeing expired lease %s failed", lease.lease_id)

@@ -1,9 +1,11 @@
 """The shared `python -m <role>` entry point: one parser shape, settings loading, logging, and
 serving until a signal.
 
-Every role's `__main__` reads its settings the same way — the dataclass defaults, then the
-`--config` TOML file, then one flag per field — and serves until SIGTERM/SIGINT, then drains
-(no new work, running work finishes within the drain timeout) and stops the server.
+Every role's `__main__` is a `RoleMain`: it reads its settings the same way — the dataclass
+defaults, then the `--config` TOML file, then one flag per field (`--drain-timeout-s` among
+them, from `ServerSettings`) — and serves until SIGTERM/SIGINT, then drains (no new work,
+running work finishes within `drain_timeout_s`) and stops the server in its stated order
+(`common.server.role`).
 """
 
 from __future__ import annotations
@@ -13,22 +15,15 @@ import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from common.server.rpc import RunningServer, run_until_signal
+from common.server.lifecycle import run_until_signal
+from common.server.role import RoleServer
+from common.settings.base import ServerSettings
 from common.settings.schema import SettingsError, add_flags, apply_flags, load, to_toml
 
-S = TypeVar("S")
-
-
-class DrainingSettings(Protocol):
-    """Settings that carry their own drain timeout (every worker role's do)."""
-
-    @property
-    def drain_timeout_s(self) -> float: ...
-
-
-D = TypeVar("D", bound=DrainingSettings)
+S = TypeVar("S", bound=ServerSettings)
 
 
 def build_parser(settings_cls: type, prog: str, description: str) -> argparse.ArgumentParser:
@@ -43,25 +38,6 @@ def build_parser(settings_cls: type, prog: str, description: str) -> argparse.Ar
     return parser
 
 
-def parse_settings(
-    parser: argparse.ArgumentParser, settings_cls: type[S], argv: Sequence[str] | None = None
-) -> tuple[S, argparse.Namespace]:
-    """Settings from defaults, `--config` and flags, plus the parsed namespace.
-
-    Exits (SystemExit) on `--help`, after `--print-config`, and with a message naming the key
-    on a bad file or value.
-    """
-    args = parser.parse_args(argv)
-    if args.print_config:
-        sys.stdout.write(to_toml(settings_cls))
-        parser.exit(0)
-    try:
-        settings = apply_flags(load(settings_cls, args.config), args)
-    except SettingsError as exc:
-        parser.error(str(exc))
-    return settings, args
-
-
 def configure_logging(level: str) -> None:
     """Root logging at `level` (a name such as "info"), one line per record."""
     logging.basicConfig(
@@ -69,26 +45,52 @@ def configure_logging(level: str) -> None:
     )
 
 
-async def serve_until_signal(
-    serve: Callable[[S], Awaitable[RunningServer]], settings: S, drain_timeout_s: float
-) -> None:
-    """Start `serve(settings)`, run until a signal (or the server stops), drain, then stop."""
-    server = await serve(settings)
-    if server.lifecycle is None:
-        raise RuntimeError("serve() must return a server with a lifecycle attached")
-    await run_until_signal(
-        server.lifecycle, drain_timeout_s=drain_timeout_s, cleanup=[lambda: server.stop(0)]
-    )
+@dataclass(frozen=True, slots=True)
+class RoleMain(Generic[S]):
+    """`python -m <role>` for one role: its settings class, its `serve`, its help."""
 
+    settings_cls: type[S]  # the role's settings dataclass
+    serve: Callable[[S], Awaitable[RoleServer[Any]]]  # starts the role's server
+    prog: str  # e.g. "python -m encoder_worker"
+    description: str  # first line of --help
 
-def main(
-    parser: argparse.ArgumentParser,
-    settings_cls: type[D],
-    serve: Callable[[D], Awaitable[RunningServer]],
-    argv: Sequence[str] | None = None,
-) -> int:
-    """Parse, configure logging, serve until a signal with the settings' drain timeout."""
-    settings, args = parse_settings(parser, settings_cls, argv)
-    configure_logging(args.log_level)
-    asyncio.run(serve_until_signal(serve, settings, settings.drain_timeout_s))
-    return 0
+    def parser(self) -> argparse.ArgumentParser:
+        """The shared flags plus one flag per settings field."""
+        return build_parser(self.settings_cls, self.prog, self.description)
+
+    def parse_args(self, argv: Sequence[str] | None = None) -> tuple[S, argparse.Namespace]:
+        """Settings from defaults, `--config` and flags, plus the parsed namespace.
+
+        Exits (SystemExit) on `--help`, after `--print-config`, and with a message naming
+        the key on a bad file or value.
+        """
+        parser = self.parser()
+        args = parser.parse_args(argv)
+        if args.print_config:
+            sys.stdout.write(to_toml(self.settings_cls))
+            parser.exit(0)
+        try:
+            settings = apply_flags(load(self.settings_cls, args.config), args)
+            settings.check()
+        except SettingsError as exc:
+            parser.error(str(exc))
+        return settings, args
+
+    def parse(self, argv: Sequence[str] | None = None) -> S:
+        """Only the settings of `parse_args`."""
+        return self.parse_args(argv)[0]
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """Parse, configure logging, serve until a signal, drain, stop."""
+        settings, args = self.parse_args(argv)
+        configure_logging(args.log_level)
+        asyncio.run(self._serve_until_signal(settings))
+        return 0
+
+    async def _serve_until_signal(self, settings: S) -> None:
+        server = await self.serve(settings)
+        await run_until_signal(
+            server.lifecycle,
+            drain_timeout_s=settings.drain_timeout_s,
+            cleanup=[lambda: server.stop(0)],
+        )

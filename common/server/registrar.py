@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from common.server.rpc import channel
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -85,8 +86,6 @@ class Registrar:
         self._failing = True
 
     async def _run(self) -> None:
-        from common.server.rpc import channel  # late: common.rpc re-exports this module
-
         self._channel = channel(self.router_address)
         stub = registry_service_pb2_grpc.RegistryServiceStub(self._channel)
         backoff = self.retry_initial_s

@@ -1,26 +1,22 @@
-"""Shared gRPC plumbing for every epd server: start, health, errors, drain, channels.
+"""Shared gRPC plumbing for every epd server: start, health, errors, channels.
 
 Every worker and the router serve their role service through `start_server`, which also
 serves `grpc.health.v1` and applies the same message-size limits that `channel` uses on the
 client side. Handlers wrap themselves in `rpc_errors` so that a bad request becomes a clear
-status (never a crashed server), and in `WorkerLifecycle.track()` so that draining refuses new
-work while the in-flight work finishes. `run_until_signal` ties it together for `__main__`s.
-
-Registration with the router lives in `common.server.registrar` (re-exported here as
-`Registrar`).
+status (never a crashed server), and in `ServerLifecycle.track()`
+(`common.server.lifecycle`) so that draining refuses new work while the in-flight work
+finishes. A role's whole server (registration, drain, ordered stop) is
+`common.server.role.RoleServer`; registration itself is `common.server.registrar`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import functools
 import inspect
 import logging
-import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -64,17 +60,15 @@ class RunningServer:
 
     `stop` is idempotent. The caller owns the server: whoever started it stops it (directly,
     or through `lifecycle.drain()` when one is attached). A role that owns more than the
-    server (registrar, background tasks, a NIXL agent) appends async callbacks to `on_stop`;
-    `stop` awaits them in order after the server stopped, logging (not raising) failures.
+    server (registrar, background tasks, a NIXL agent) is a `common.server.role.RoleServer`,
+    whose `stop` adds those steps around `shutdown`.
     """
 
     server: Any  # grpc.aio.Server
     health: HealthServicer  # grpc.health.v1 servicer; "" and every service name are listed
     address: str  # "host:port" actually bound (port 0 resolved)
     service_names: tuple[str, ...]  # health names besides "", e.g. "epd.v1.EncoderService"
-    stopped: bool = field(default=False)  # set once stop() has run
-    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # cleanups
-    lifecycle: WorkerLifecycle | None = None  # set by WorkerLifecycle.attach
+    stopped: bool = field(default=False)  # set once stop() has begun
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING for "" and every service name."""
@@ -91,13 +85,12 @@ class RunningServer:
         if self.stopped:
             return
         self.stopped = True
+        await self.shutdown(grace_s)
+
+    async def shutdown(self, grace_s: float | None) -> None:
+        """Health NOT_SERVING, then the gRPC server stops (no idempotence check: see stop)."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
-        for step in self.on_stop:
-            try:
-                await step()
-            except Exception:
-                logger.exception("cleanup after server stop failed")
 
     async def wait_for_termination(self) -> None:
         """Return once the server has stopped."""
@@ -247,130 +240,3 @@ def rpc_errors(fn: F) -> F:
             await _abort(args[-1], exc, where)
 
     return unary  # type: ignore[return-value]
-
-
-# ------------------------------------------------------------------------------ lifecycle
-
-
-class LifecycleState(enum.StrEnum):
-    """Where a worker is in its life; see WorkerLifecycle."""
-
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-class WorkerLifecycle:
-    """A worker's lifecycle: starting → serving → draining → stopped.
-
-    - starting: created; the model may still load. `track()` already admits work (the
-      server is not reachable before `attach`).
-    - serving: `attach(running)` was called; health SERVING.
-    - draining: `drain()` began; health NOT_SERVING, `track()` refuses new work with
-      UNAVAILABLE "draining" (via `rpc_errors`), tracked in-flight RPCs run to the end.
-    - stopped: in-flight work finished (or the timeout passed and it was cancelled) and the
-      gRPC server is stopped.
-
-    States only move forward. One lifecycle per server.
-    """
-
-    def __init__(self) -> None:
-        self.state = LifecycleState.STARTING
-        self.running: RunningServer | None = None
-        self.active = 0  # tracked RPCs in flight
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def draining(self) -> bool:
-        """True once draining began (also when stopped): no new work."""
-        return self.state in (LifecycleState.DRAINING, LifecycleState.STOPPED)
-
-    def attach(self, running: RunningServer) -> None:
-        """Bind the started server; the worker is now serving."""
-        self.running = running
-        running.lifecycle = self
-        if self.state == LifecycleState.STARTING:
-            self.state = LifecycleState.SERVING
-
-    @contextlib.asynccontextmanager
-    async def track(self) -> AsyncIterator[None]:
-        """Count one in-flight RPC; raises WorkerDrainingError once draining.
-
-        Wrap the whole handler body (for a stream: the whole generator) in it.
-        """
-        if self.draining:
-            raise WorkerDrainingError()
-        self.active += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.active -= 1
-            if self.active == 0:
-                self._idle.set()
-
-    async def drain(self, timeout_s: float = 30.0) -> bool:
-        """Stop taking work, wait up to `timeout_s` for in-flight RPCs, stop the server.
-
-        Returns True when every tracked RPC finished in time (False: the rest were cancelled
-        by the server stop). Calling it again after it finished returns True at once.
-        """
-        if self.state == LifecycleState.STOPPED:
-            return True
-        self.state = LifecycleState.DRAINING
-        if self.running is not None:
-            await self.running.set_serving(False)
-        logger.info("draining: %d in flight", self.active)
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            clean = True
-        except TimeoutError:
-            logger.warning("drain timeout after %.1fs; cancelling %d RPCs", timeout_s, self.active)
-            clean = False
-        if self.running is not None:
-            # Only untracked RPCs (health watches, releases) can remain: short grace.
-            await self.running.stop(grace_s=0.5 if clean else 0.0)
-        self.state = LifecycleState.STOPPED
-        logger.info("stopped")
-        return clean
-
-
-async def run_until_signal(
-    lifecycle: WorkerLifecycle,
-    *,
-    drain_timeout_s: float = 30.0,
-    cleanup: Sequence[Callable[[], Awaitable[None]]] = (),
-) -> None:
-    """Serve until SIGTERM/SIGINT (or the server stops), then drain gracefully and clean up.
-
-    For `__main__`s: stop taking work, let in-flight work finish (up to `drain_timeout_s`),
-    stop the server, then await each `cleanup` (e.g. `registrar.stop`) in order. A second
-    signal while draining is ignored (the drain timeout bounds shutdown).
-    """
-    if lifecycle.running is None:
-        raise RuntimeError("run_until_signal needs an attached server")
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    waiters = [
-        asyncio.ensure_future(stop.wait()),
-        asyncio.ensure_future(lifecycle.running.wait_for_termination()),
-    ]
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        logger.info("shutting down")
-        await lifecycle.drain(drain_timeout_s)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-        for step in cleanup:
-            try:
-                await step()
-            except Exception:
-                logger.exception("cleanup step failed")

@@ -1,0 +1,149 @@
+"""A server's lifecycle: starting -> serving -> draining -> stopped, and serving until a
+signal.
+
+Every role (router and workers) has one `ServerLifecycle`. Its handlers wrap their bodies in
+`track()`, so draining refuses new work (UNAVAILABLE "draining") while in-flight work
+finishes; `drain()` ends by stopping the attached server, which for a role server is the
+ordered stop of `common.server.role.RoleServer`. `run_until_signal` ties it together for the
+`python -m <role>` entry points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from common.server.rpc import WorkerDrainingError
+
+if TYPE_CHECKING:
+    from common.server.rpc import RunningServer
+
+logger = logging.getLogger(__name__)
+
+
+class LifecycleState(enum.StrEnum):
+    """Where a server is in its life; see ServerLifecycle."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class ServerLifecycle:
+    """A server's lifecycle (router or worker): starting → serving → draining → stopped.
+
+    - starting: created; the model may still load. `track()` already admits work (the
+      server is not reachable before `attach`).
+    - serving: `attach(running)` was called; health SERVING.
+    - draining: `drain()` began; health NOT_SERVING, `track()` refuses new work with
+      UNAVAILABLE "draining" (via `rpc_errors`), tracked in-flight RPCs run to the end.
+    - stopped: in-flight work finished (or the timeout passed and it was cancelled) and the
+      gRPC server is stopped.
+
+    States only move forward. One lifecycle per server.
+    """
+
+    def __init__(self) -> None:
+        self.state = LifecycleState.STARTING
+        self.running: RunningServer | None = None
+        self.active = 0  # tracked RPCs in flight
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def draining(self) -> bool:
+        """True once draining began (also when stopped): no new work."""
+        return self.state in (LifecycleState.DRAINING, LifecycleState.STOPPED)
+
+    def attach(self, running: RunningServer) -> None:
+        """Bind the started server; it is now serving."""
+        self.running = running
+        if self.state == LifecycleState.STARTING:
+            self.state = LifecycleState.SERVING
+
+    @contextlib.asynccontextmanager
+    async def track(self) -> AsyncIterator[None]:
+        """Count one in-flight RPC; raises WorkerDrainingError once draining.
+
+        Wrap the whole handler body (for a stream: the whole generator) in it.
+        """
+        if self.draining:
+            raise WorkerDrainingError()
+        self.active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop taking work, wait up to `timeout_s` for in-flight RPCs, stop the server.
+
+        Returns True when every tracked RPC finished in time (False: the rest were cancelled
+        by the server stop). Calling it again after it finished returns True at once.
+        """
+        if self.state == LifecycleState.STOPPED:
+            return True
+        self.state = LifecycleState.DRAINING
+        if self.running is not None:
+            await self.running.set_serving(False)
+        logger.info("draining: %d in flight", self.active)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            clean = True
+        except TimeoutError:
+            logger.warning("drain timeout after %.1fs; cancelling %d RPCs", timeout_s, self.active)
+            clean = False
+        if self.running is not None:
+            # Only untracked RPCs (health watches, releases) can remain: short grace.
+            await self.running.stop(grace_s=0.5 if clean else 0.0)
+        self.state = LifecycleState.STOPPED
+        logger.info("stopped")
+        return clean
+
+
+async def run_until_signal(
+    lifecycle: ServerLifecycle,
+    *,
+    drain_timeout_s: float = 30.0,
+    cleanup: Sequence[Callable[[], Awaitable[None]]] = (),
+) -> None:
+    """Serve until SIGTERM/SIGINT (or the server stops), then drain gracefully and clean up.
+
+    For `__main__`s: stop taking work, let in-flight work finish (up to `drain_timeout_s`),
+    stop the server, then await each `cleanup` (e.g. `registrar.stop`) in order. A second
+    signal while draining is ignored (the drain timeout bounds shutdown).
+    """
+    if lifecycle.running is None:
+        raise RuntimeError("run_until_signal needs an attached server")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    waiters = [
+        asyncio.ensure_future(stop.wait()),
+        asyncio.ensure_future(lifecycle.running.wait_for_termination()),
+    ]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        logger.info("shutting down")
+        await lifecycle.drain(drain_timeout_s)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        for step in cleanup:
+            try:
+                await step()
+            except Exception:
+                logger.exception("cleanup step failed")

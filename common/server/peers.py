@@ -1,0 +1,101 @@
+"""Calls from one epd process to the workers it talks to: one channel per address, and
+fire-and-forget lease releases over them.
+
+Shared by the router (its calls to every worker, and the releases of leases a request left
+behind) and the KV workers (prefill releasing encoder embeddings it pulled, decode releasing
+the prefill KV lease it pulled). A release runs as a background task bounded by its own
+deadline, so a cancelled request still frees what it held; a failed release is logged, not
+raised (the holder's reaper frees the lease at its TTL). Releasing twice is harmless: holders
+ignore unknown lease ids.
+
+Lifecycle: channels open on first use and live until `forget(address)` (a worker left) or
+`close()`, which first waits for the releases in flight, then closes every channel.
+Touched only from the owner's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Mapping, Sequence
+
+import grpc
+
+from common.server.rpc import DEFAULT_MAX_MESSAGE_MB, channel
+from epd.v1 import (
+    encoder_service_pb2,
+    encoder_service_pb2_grpc,
+    prefill_service_pb2,
+    prefill_service_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class PeerClient:
+    """Channels to peers by address plus background lease releases (module docstring)."""
+
+    def __init__(
+        self, *, release_timeout_s: float = 5.0, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+    ) -> None:
+        self.release_timeout_s = release_timeout_s  # deadline of each release call
+        self.max_message_mb = max_message_mb  # message limit of every channel
+        self._channels: dict[str, grpc.aio.Channel] = {}  # peer address -> channel
+        self._tasks: set[asyncio.Task[None]] = set()  # releases in flight
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        """The channel to `address`, opened on first use."""
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address, max_message_mb=self.max_message_mb)
+        return ch
+
+    async def forget(self, address: str) -> None:
+        """Close the channel to `address`, if open (the peer went away)."""
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            await ch.close()
+
+    def release_kv(self, address: str, lease_id: str) -> None:
+        """`PrefillService.ReleaseKv(lease_id)` on the prefill worker at `address`, in the
+        background. Nothing is sent without both."""
+        if lease_id and address:
+            stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
+            request = prefill_service_pb2.ReleaseKvRequest(lease_id=lease_id)
+            call = stub.ReleaseKv(request, timeout=self.release_timeout_s)
+            self._spawn(call, f"ReleaseKv({lease_id})", address)
+
+    def release_embeddings(self, holders: Mapping[str, str]) -> None:
+        """`EncoderService.ReleaseEmbeddings` in the background, one call per encoder, for
+        each lease id -> holder (encoder) address in `holders`."""
+        by_encoder: dict[str, list[str]] = {}
+        for lease_id, address in holders.items():
+            by_encoder.setdefault(address, []).append(lease_id)
+        for address, lease_ids in by_encoder.items():
+            self._release_embeddings_on(address, lease_ids)
+
+    def _release_embeddings_on(self, address: str, lease_ids: Sequence[str]) -> None:
+        stub = encoder_service_pb2_grpc.EncoderServiceStub(self.get(address))
+        request = encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=lease_ids)
+        call = stub.ReleaseEmbeddings(request, timeout=self.release_timeout_s)
+        self._spawn(call, f"ReleaseEmbeddings({len(lease_ids)} leases)", address)
+
+    def _spawn(self, call: Awaitable[object], what: str, address: str) -> None:
+        async def run() -> None:
+            try:
+                await call
+                logger.debug("%s on %s done", what, address)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("%s on %s failed: %s", what, address, exc.code().name)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Wait for the releases in flight, then close every channel."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            await ch.close()

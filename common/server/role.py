@@ -1,0 +1,149 @@
+"""The running server of one epd role (router, encoder, prefill, decode), with the one
+ordered drain and stop they all share.
+
+A role's `serve(settings)` builds its typed servicer and calls `RoleServer.start`, which
+serves it (plus `grpc.health.v1` and any extra servicers) as the settings say and attaches
+the lifecycle; then the role starts its background work, `register`s with the router
+(workers) and returns the server. The caller owns it.
+
+Stop, in this order (`stop`, also the end of `drain`), each step once:
+  1. the registrar: heartbeats end, so the router stops routing here;
+  2. gRPC: health NOT_SERVING, RPCs still running after the grace period are cancelled;
+  3. `tasks`: background loops of the role, cancelled;
+  4. `cleanup`: the role's own steps, in the order the role listed them (e.g. reaper, leases,
+     peer client, model thread, NIXL agent), each failure logged, never raised.
+`drain(timeout_s)` first refuses new work and lets tracked RPCs finish (`ServerLifecycle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence, Sized
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from common.models.tiny import default_checkpoint
+from common.server.lifecycle import ServerLifecycle
+from common.server.registrar import Registrar
+from common.server.rpc import RunningServer, start_server
+from common.settings.base import ServerSettings
+from epd.v1 import registry_service_pb2
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
+R = TypeVar("R", bound="RoleServer[Any]")
+Cleanup = Callable[[], Awaitable[None]]
+AddServicer = Callable[[Any], None]  # e.g. `lambda s: add_XServicer_to_server(impl, s)`
+
+
+def checkpoint_path(model: str | None) -> Path:
+    """The checkpoint folder: `model`, or the built-in tiny one when unset (made on first
+    use, so call it off the event loop)."""
+    return Path(model) if model else default_checkpoint("tiny")
+
+
+async def run_steps(steps: Sequence[Cleanup], what: str) -> None:
+    """Await each step in order; a failing step is logged and the next one still runs."""
+    for step in steps:
+        try:
+            await step()
+        except Exception:
+            logger.exception("%s: a step failed", what)
+
+
+@dataclass(slots=True, eq=False)
+class RoleServer(RunningServer, Generic[S]):
+    """A role's started gRPC server plus everything that must stop with it (module
+    docstring). `servicer` is the role's typed servicer (counters, runner, ...)."""
+
+    servicer: S = field(kw_only=True)  # the role's servicer
+    lifecycle: ServerLifecycle = field(kw_only=True)  # serving / draining / stopped
+    leases: Sized | None = field(default=None, kw_only=True)  # leases held for peers
+    registrar: Registrar | None = field(default=None, kw_only=True)  # set by `register`
+    tasks: list[asyncio.Task[None]] = field(default_factory=list, kw_only=True)  # loops
+    cleanup: list[Cleanup] = field(default_factory=list, kw_only=True)  # after gRPC stops
+
+    @classmethod
+    async def start(
+        cls: type[R],
+        settings: ServerSettings,
+        servicer: Any,
+        add_servicer: Callable[[Any, Any], None],
+        service_names: Sequence[str],
+        *,
+        lifecycle: ServerLifecycle,
+        extra_servicers: Sequence[AddServicer] = (),
+        leases: Sized | None = None,
+        cleanup: Sequence[Cleanup] = (),
+    ) -> R:
+        """Serve `servicer` via `add_servicer(servicer, server)` (an `add_*_to_server`),
+        with `extra_servicers` and health for `service_names`, on `settings.host:port`.
+
+        Returns the server, serving, with `lifecycle` attached. When the server cannot start,
+        the `cleanup` steps run (freeing what the role built for it) and the error
+        propagates.
+        """
+        try:
+            settings.check()
+            running = await start_server(
+                [lambda s: add_servicer(servicer, s), *extra_servicers],
+                host=settings.host,
+                port=settings.port,
+                service_names=service_names,
+                max_message_mb=settings.max_message_mb,
+            )
+        except BaseException:
+            await run_steps(cleanup, "cleanup after a failed start")
+            raise
+        server = cls(
+            running.server,
+            running.health,
+            running.address,
+            running.service_names,
+            servicer=servicer,
+            lifecycle=lifecycle,
+            leases=leases,
+            cleanup=list(cleanup),
+        )
+        lifecycle.attach(server)
+        return server
+
+    def register(
+        self,
+        router_address: str | None,
+        info: registry_service_pb2.WorkerInfo,
+        load: Callable[[], registry_service_pb2.WorkerLoad],
+    ) -> None:
+        """Start registering with the router at `router_address` (nothing when unset);
+        `load` is called for every heartbeat. `stop` stops the registrar first."""
+        if router_address and self.registrar is None:
+            self.registrar = Registrar(router_address, info, load)
+            self.registrar.start()
+
+    def outstanding_leases(self) -> int:
+        """Leases this server still holds for peers (0 when its role holds none)."""
+        return len(self.leases) if self.leases is not None else 0
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new work, let tracked RPCs finish (up to `timeout_s`), then `stop`.
+
+        True when every tracked RPC finished in time."""
+        clean = await self.lifecycle.drain(timeout_s)
+        await self.stop(0)
+        return clean
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """The ordered stop of the module docstring (idempotent)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.registrar is not None:
+            await run_steps([self.registrar.stop], "stopping the registrar")
+        await self.shutdown(grace_s)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await run_steps(self.cleanup, "cleanup after the server stopped")

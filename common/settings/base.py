@@ -1,0 +1,115 @@
+"""The settings every role shares, as one frozen inheritance chain (mini-sglang style):
+
+    ServerSettings          host, port, max_message_mb, drain_timeout_s    (router, workers)
+      WorkerSettings        + advertise_address, router_address, name      (registers)
+        ModelWorkerSettings + model, dtype, device; `torch_dtype`          (encoder)
+          KvWorkerSettings  + block_size, num_blocks                       (prefill, decode)
+
+A field is declared once, in the class that introduces it; derived values are properties.
+Subclasses append their own fields (so a role's TOML table lists the shared keys first).
+`check()` raises SettingsError naming the first unusable field; subclasses extend it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.settings.schema import SettingsError, setting
+
+# The one map from a settings dtype name to torch; `ModelWorkerSettings.torch_dtype` reads it.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def torch_dtype(name: str, key: str = "dtype") -> torch.dtype:
+    """The torch dtype called `name`; SettingsError naming `key` when unknown."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise SettingsError(f"{key}: expected one of {', '.join(DTYPES)}, got {name!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """What every gRPC server of epd (router and workers) is started with."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(0, "port to listen on (0: pick a free one)")
+    max_message_mb: int = setting(256, "largest gRPC message in or out, in MiB")
+    drain_timeout_s: float = setting(
+        30.0, "on SIGTERM: seconds in-flight work may finish before it is cancelled"
+    )
+
+    @property
+    def max_message_bytes(self) -> int:
+        """`max_message_mb` in bytes, for gRPC channel and server options."""
+        return self.max_message_mb * 1024 * 1024
+
+    def check(self) -> None:
+        """Raise SettingsError naming the first unusable field."""
+        if self.port < 0:
+            raise SettingsError("port: must not be negative")
+        if self.max_message_mb <= 0:
+            raise SettingsError("max_message_mb: must be positive")
+        if self.drain_timeout_s <= 0:
+            raise SettingsError("drain_timeout_s: must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings(ServerSettings):
+    """A server that registers with the router (encoder, prefill, decode)."""
+
+    advertise_address: str | None = setting(
+        None, "host:port the router and peers use to reach this worker (None: the bound address)"
+    )
+    router_address: str | None = setting(None, "router to register with (None: no registration)")
+    name: str = setting("", "stable worker name for the router (actor or pod name)")
+
+    def reachable_address(self, bound: str) -> str:
+        """The address to register and hand to peers, for a server bound to `bound`."""
+        return self.advertise_address or bound
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWorkerSettings(WorkerSettings):
+    """A worker that loads (part of) a checkpoint onto a device."""
+
+    model: str | None = setting(
+        None, "Hugging Face-format Qwen3-VL checkpoint folder (None: the built-in tiny model)"
+    )
+    dtype: str = setting(
+        "float32", "weights dtype (and the KV cache's): float32, bfloat16 or float16"
+    )
+    device: str = setting("cpu", "torch device of the model and what it computes (cpu, cuda:0)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """`dtype` as a torch dtype; SettingsError when unknown."""
+        return torch_dtype(self.dtype)
+
+    def check(self) -> None:
+        """Raise SettingsError naming the first unusable field."""
+        ServerSettings.check(self)
+        _ = self.torch_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class KvWorkerSettings(ModelWorkerSettings):
+    """A worker with a paged KV cache (prefill, decode): both ends of a KV handoff."""
+
+    block_size: int = setting(
+        16, "tokens per KV block (prefill and decode workers must use the same)"
+    )
+    num_blocks: int = setting(1024, "KV blocks in this worker's cache")
+
+    def check(self) -> None:
+        """Raise SettingsError naming the first unusable field."""
+        ModelWorkerSettings.check(self)
+        for name in ("block_size", "num_blocks"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name}: must be positive")
