@@ -20,7 +20,7 @@ and the nixl agent is created with NIXL_THREAD_SYNC_STRICT. Neither `close()` no
 first.
 
 Split: value types and errors live in `types`, region lookup in `regions`, transfer polling
-in `polling`; they are re-exported here and from `common.transfer`.
+in `polling`, finding the NIXL package in `nixl`.
 """
 
 from __future__ import annotations
@@ -36,19 +36,20 @@ from typing import Any, Final
 import numpy as np
 import torch
 
+from common.transfer.nixl import import_nixl
 from common.transfer.polling import post_and_wait
 from common.transfer.ranges import (
     Ranges,
     check_pair_lists,
     check_pairs,
-    merge_range_arrays,
-    merge_range_lists,
+    merge_for_read,
 )
 from common.transfer.regions import (
     RegisteredRegion,
     desc_array,
     local_regions_of,
     local_regions_small,
+    registered_region,
     tensor_memory,
 )
 from common.transfer.types import (
@@ -62,39 +63,9 @@ from common.transfer.types import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DEVICE_MEMORY",
-    "HOST_MEMORY",
-    "RegisteredRegion",
-    "TransferAgent",
-    "TransferError",
-    "TransferStats",
-    "TransferTimeoutError",
-    "UnknownPeerError",
-    "tensor_memory",
-]
 
 # Reads with at most this many ranges (given as sequences) take the plain-Python path.
 _SMALL_READ: Final = 64
-
-
-def _import_nixl() -> Any:
-    """Import the NIXL Python package (CUDA 12 wheel first, then the generic name)."""
-    try:
-        import nixl_cu12
-
-        return nixl_cu12
-    except ImportError:
-        pass
-    try:
-        from nixl import _api as nixl_api
-
-        return nixl_api
-    except ImportError as exc:
-        raise ImportError(
-            "NIXL is not installed: install the 'nixl-cu12' (or 'nixl') package to move KV "
-            "blocks and tensors between workers"
-        ) from exc
 
 
 class TransferAgent:
@@ -106,7 +77,7 @@ class TransferAgent:
         Raises ImportError if NIXL is missing and RuntimeError if the UCX backend cannot be
         created on this machine.
         """
-        nixl = _import_nixl()
+        nixl = import_nixl()
         self.name: str = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         config = nixl.nixl_agent_config(
             enable_prog_thread=progress_thread,
@@ -147,16 +118,9 @@ class TransferAgent:
         address = tensor.data_ptr()
         with self._lock:
             self._check_open()
-            for region in self._regions:
-                if region.memory != memory or region.device_id != device_id:
-                    continue
-                if region.contains(address, nbytes):
-                    return region
-                if address < region.address + region.nbytes and region.address < address + nbytes:
-                    raise ValueError(
-                        f"tensor at {address:#x}+{nbytes} overlaps registered region "
-                        f"{region.address:#x}+{region.nbytes}"
-                    )
+            existing = registered_region(self._regions, memory, device_id, address, nbytes)
+            if existing is not None:
+                return existing
             reg_descs = self._agent.get_reg_descs([(address, nbytes, device_id, "")], memory)
             try:
                 self._agent.register_memory(reg_descs)
@@ -298,14 +262,9 @@ class TransferAgent:
                 )
             self._retry_leaked()
         if small:
-            if merge:
-                r_list, l_list = merge_range_lists(r_list, l_list, ids)
-            merged_r = np.array(r_list, dtype=np.int64)
-            merged_l = np.array(l_list, dtype=np.int64)
-        elif merge:
-            merged_r, merged_l = merge_range_arrays(r, loc, region_ids)
+            merged_r, merged_l = merge_for_read(r_list, l_list, ids if merge else None)
         else:
-            merged_r, merged_l = r, loc
+            merged_r, merged_l = merge_for_read(r, loc, region_ids if merge else None)
         remote_descs = self._agent.get_xfer_descs(
             desc_array(merged_r, remote_device_id), remote_memory
         )

@@ -181,3 +181,18 @@ def merge_ranges(remote: Ranges, local: Ranges) -> tuple[list[ByteRange], list[B
             [(int(a), int(n)) for a, n in out_l.tolist()],
         )
     return merge_range_lists(*check_pair_lists(remote, local))
+
+
+def merge_for_read(
+    remote: Ranges, local: Ranges, local_region: Sequence[int] | npt.NDArray[np.int64] | None
+) -> tuple[RangeArray, RangeArray]:
+    """Both sides of a checked copy as Nx2 arrays, merged within `local_region` ids (None:
+    not merged). Lists take the plain-Python merge, arrays the numpy one."""
+    if isinstance(remote, np.ndarray) and isinstance(local, np.ndarray):
+        if local_region is None:
+            return remote, local
+        return merge_range_arrays(remote, local, np.asarray(local_region, dtype=np.int64))
+    r_list, l_list = list(remote), list(local)
+    if local_region is not None:
+        r_list, l_list = merge_range_lists(r_list, l_list, list(local_region))
+    return np.array(r_list, dtype=np.int64), np.array(l_list, dtype=np.int64)

@@ -107,3 +107,21 @@ def desc_array(ranges: RangeArray, device_id: int) -> npt.NDArray[np.uint64]:
     arr[:, :2] = ranges
     arr[:, 2] = device_id
     return arr
+
+
+def registered_region(
+    regions: list[RegisteredRegion], memory: str, device_id: int, address: int, nbytes: int
+) -> RegisteredRegion | None:
+    """The region already holding `[address, address + nbytes)`, or None when none overlaps
+    it; ValueError when it overlaps a region without lying inside it."""
+    for region in regions:
+        if region.memory != memory or region.device_id != device_id:
+            continue
+        if region.contains(address, nbytes):
+            return region
+        if address < region.address + region.nbytes and region.address < address + nbytes:
+            raise ValueError(
+                f"tensor at {address:#x}+{nbytes} overlaps registered region "
+                f"{region.address:#x}+{region.nbytes}"
+            )
+    return None
