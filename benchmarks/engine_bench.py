@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common.engine import Engine, RunningSequence
+from common.engine import Engine
+from common.models.sequence import LmSequence
 from common.models.tiny import default_checkpoint
 from common.multimodal.params import Modality
 from common.processing.processor import ProcessedPrompt
@@ -57,7 +58,7 @@ def ours(engine: Engine, p: ProcessedPrompt, batch: int, steps: int) -> tuple[fl
     """(prefill seconds of the first prompt, seconds of each decode step at `batch`)."""
     sampling = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     prefill = 0.0
-    seqs: list[RunningSequence] = []
+    seqs: list[LmSequence] = []
     for i in range(batch):
         start = time.perf_counter()
         params = engine.encode(p)

@@ -1,17 +1,19 @@
 """The monolithic offline engine: processor, vision tower and language model in one process.
 
 It is the reference the disaggregated path is compared against, and small enough to read in
-one sitting. The language model runs through the same `common.models.runner.LmRunner` the prefill
-and decode workers use, so both paths share one prefill, decode and sampling code path:
+one sitting. The language model runs through the same `common.models.runner.LmRunner`, its
+`KvAllocator` and the same scheduling (`common.models.batching`) as the prefill and decode
+workers, so both paths share one prefill, decode, sampling and batching code path:
 
     process(messages)  -> ProcessedPrompt            (tokens, item metadata, pixels)
     encode(processed)  -> MultimodalParams            (+ embeddings, + mRoPE delta)
-    prefill(tokens, params, sampling) -> Sequence     (reuses cached prefix blocks, first token)
+    prefill(tokens, params, sampling) -> LmSequence   (reuses cached prefix blocks, first token)
     decode_step(sequences)                            (one token for every running sequence)
+    release(sequence)                                 (its blocks back to the pool)
 
-`generate_batch` runs continuous batching over those pieces: new requests are admitted
-(prefilled) whenever a batch slot and enough KV blocks are free, and every step decodes all
-running sequences in one forward.
+`generate_batch` drives the shared `batching.Batch` synchronously: new requests are admitted
+(prefilled) whenever a batch slot and enough KV blocks are free, and every `Batch.step`
+decodes all running sequences in one forward and releases the finished ones.
 
 Prefix reuse: the prompt's full blocks are hashed with `common.block_hash.block_hashes` (the
 same function router, prefill and decode use, from its default root); the longest
@@ -20,8 +22,10 @@ computed full prompt blocks are cached afterwards. At least the last prompt toke
 computed (its logits give the first token), and a cached block is never written.
 
 Block ownership: a sequence owns one reference on each of its blocks from `prefill` until
-`release` (called by `generate*` when it finishes). Blocks for the whole request (prompt +
-`max_tokens`) are taken at admission, so decode never runs out of blocks mid-request.
+`release` (done by the batch in `generate*` when it finishes). Blocks for the whole request
+(prompt + `max_tokens`) are taken at admission, so decode never runs out of blocks
+mid-request. The language model's parts are reached through `engine.runner` (`.model`,
+`.kv`, `.allocator.pool`, `.sampler`, ...).
 """
 
 from __future__ import annotations
@@ -35,18 +39,18 @@ from typing import Any
 
 import torch
 
-from common.kv.block_pool import BlockPool
-from common.kv.cache import PagedKvCache
 from common.kv.hashing import DEFAULT_ROOT
+from common.models import batching
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.qwen3_vl.text import LM_PREFIX, TextModel
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import LM_HEAD, VISUAL_PREFIX, load_weights
-from common.models.runner import LmRunner, LmSequence
+from common.models.runner import LmRunner
+from common.models.sequence import LmSequence
 from common.multimodal.params import ItemEmbedding, MultimodalParams
 from common.processing.processor import ProcessedPrompt, Processor
-from common.sampling import FinishReason, Sampler, SamplingParams, StopChecker
+from common.sampling import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +67,6 @@ class GenerateResult:
     prompt_tokens: int  # tokens in the prompt
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
-
-# Engine-side state of one request between prefill and release: the runner's sequence.
-RunningSequence = LmSequence
 
 # The Engine's `KvLayout.model`. Its prefix cache is private to the process, so its block
 # hashes chain from `DEFAULT_ROOT` (as `block_hashes` does by default), not a layout root.
@@ -95,7 +96,7 @@ class Engine:
         self.vision = vision
         self.processor = processor
         self.max_batch = max_batch
-        # The language model, its KV cache, block pool and sampler: the workers' runner.
+        # The language model, its KV cache and sampler, and its allocator: as on a worker.
         self.runner = LmRunner(
             config,
             text_model,
@@ -136,40 +137,6 @@ class Engine:
             device=device,
         )
 
-    # The runner's parts, under the names the Engine always had.
-
-    @property
-    def model(self) -> TextModel:
-        return self.runner.model
-
-    @property
-    def kv(self) -> PagedKvCache:
-        return self.runner.kv
-
-    @property
-    def pool(self) -> BlockPool:
-        return self.runner.pool
-
-    @property
-    def sampler(self) -> Sampler:
-        return self.runner.sampler
-
-    @property
-    def stop(self) -> StopChecker:
-        return self.runner.stop
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    @property
-    def block_size(self) -> int:
-        return self.runner.block_size
-
-    @property
-    def prefill_chunk(self) -> int | None:
-        return self.runner.prefill_chunk
-
     # ------------------------------------------------------------------ encode / prefill
 
     def process(
@@ -187,7 +154,7 @@ class Engine:
         embeddings: dict[int, ItemEmbedding] = {}
         if params.items:
             pixels, grids = processed.vision_inputs()
-            rows, deep = self.vision.encode(pixels.to(self.device), grids)
+            rows, deep = self.vision.encode(pixels.to(self.runner.device), grids)
             sizes = self.vision.rows_per_item(grids)
             split_deep = [d.split(sizes) for d in deep]
             for i, item_rows in enumerate(rows.split(sizes)):
@@ -209,15 +176,17 @@ class Engine:
         *,
         use_prefix_cache: bool = True,
         keep_logits: bool = False,
-    ) -> RunningSequence:
+    ) -> LmSequence:
         """Compute a prompt (reusing cached prefix blocks) and sample its first token.
 
         The returned sequence owns blocks for prompt + `max_tokens`; pass it to
         `decode_step`, then `release`. With `keep_logits` it also holds the logits of every
         computed prompt token. Raises `NoFreeBlocksError` when the pool cannot hold them.
         """
-        hashes = self.runner.hashes(prompt_token_ids, params) if use_prefix_cache else None
-        return self.runner.prefill(
+        allocator = self.runner.allocator
+        hashes = allocator.hashes(prompt_token_ids, params) if use_prefix_cache else None
+        return batching.prefill(
+            self.runner,
             prompt_token_ids,
             params,
             sampling,
@@ -228,17 +197,17 @@ class Engine:
 
     # -------------------------------------------------------------------------- decode
 
-    def decode_step(self, seqs: Sequence[RunningSequence]) -> None:
+    def decode_step(self, seqs: Sequence[LmSequence]) -> None:
         """Feed each unfinished sequence its newest token and sample the next, in one forward."""
         self.runner.decode_step(seqs)
 
-    def release(self, seq: RunningSequence) -> None:
+    def release(self, seq: LmSequence) -> None:
         """Give the sequence's blocks back to the pool (cached prompt blocks stay cached)."""
-        self.runner.release(seq)
+        batching.release(self.runner, seq)
 
     # ---------------------------------------------------------------------- front doors
 
-    def _result(self, seq: RunningSequence) -> GenerateResult:
+    def _result(self, seq: LmSequence) -> GenerateResult:
         assert seq.finish_reason is not None
         return GenerateResult(
             token_ids=list(seq.output),
@@ -263,30 +232,25 @@ class Engine:
             raise ValueError(f"{len(requests)} requests but {len(params)} sampling params")
         waiting = deque(range(len(requests)))
         processed: dict[int, ProcessedPrompt] = {}
-        running: list[tuple[int, RunningSequence]] = []
+        batch = batching.Batch(self.runner)
+        index_of: dict[LmSequence, int] = {}
         results: dict[int, GenerateResult] = {}
-        while waiting or running:
-            while waiting and len(running) < self.max_batch:
+        while waiting or batch.running:
+            while waiting and len(batch.running) < self.max_batch:
                 index = waiting[0]
                 if index not in processed:
                     processed[index] = self.process(requests[index])
                 prompt = processed[index]
                 total = len(prompt.prompt_token_ids) + params[index].max_tokens
-                if running and not self.pool.can_allocate(-(-total // self.block_size)):
+                if batch.running and not self.runner.allocator.can_allocate(total):
                     break  # wait for running sequences to free blocks
                 waiting.popleft()
                 del processed[index]
                 seq = self.prefill(prompt.prompt_token_ids, self.encode(prompt), params[index])
-                running.append((index, seq))
-            self.decode_step([s for _, s in running])
-            still: list[tuple[int, RunningSequence]] = []
-            for index, seq in running:
-                if seq.finish_reason is None:
-                    still.append((index, seq))
-                else:
-                    results[index] = self._result(seq)
-                    self.release(seq)
-            running = still
+                index_of[seq] = index
+                batch.add(seq)
+            for seq in batch.step():
+                results[index_of.pop(seq)] = self._result(seq)
         return [results[i] for i in range(len(requests))]
 
     def prompt_logits(
@@ -295,4 +259,4 @@ class Engine:
         """Logits `[n, vocab]` over the whole prompt, computed from scratch (no reuse)."""
         processed = self.process(messages, images=images, videos=videos)
         params = self.encode(processed)
-        return self.runner.prompt_logits(processed.prompt_token_ids, params)
+        return batching.prompt_logits(self.runner, processed.prompt_token_ids, params)

@@ -44,12 +44,13 @@ from contextlib import contextmanager
 
 import grpc
 
+from common.kv.layout import KvLayout
+from common.wire.kv import layout_from_proto
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 from router.workers import (
     KV_ROLES,
     PROTOCOL_VERSION,
     CheckpointShape,
-    KvLayout,
     NoWorkerError,
     RegistrationRefused,
     Role,
@@ -116,7 +117,7 @@ class Registry:
         if role in KV_ROLES:
             if not info.HasField("kv_layout"):
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
-            layout = KvLayout.from_proto(info.kv_layout)
+            layout = layout_from_proto(info.kv_layout)
             self._check_layout(role, info.address, layout)
         for old in [w for w in self._workers.values() if w.address == info.address]:
             logger.info("worker %s re-registered; old id %s dropped", old.address, old.worker_id)

@@ -5,9 +5,10 @@ agree on, the load they report, and one record per registered worker (see router
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from epd.v1 import kv_pb2, registry_service_pb2
+from common.kv.layout import KvLayout
+from epd.v1 import registry_service_pb2
 
 PROTOCOL_VERSION = "epd.v1"
 
@@ -51,42 +52,6 @@ class NoWorkerError(Exception):
     def __init__(self, role: Role) -> None:
         super().__init__(f"no {role} worker is registered and available")
         self.role = role
-
-
-@dataclass(frozen=True, slots=True)
-class KvLayout:
-    """A worker's paged KV shape; peers must agree on every field to exchange blocks."""
-
-    model: str  # model identity
-    dtype: int  # wire ElementType of the cache
-    block_size: int  # tokens per block
-    num_layers: int  # decoder layers
-    num_kv_heads: int  # KV heads per layer
-    head_dim: int  # head dimension
-    layout: str  # byte layout name
-    block_bytes: int  # bytes per block
-
-    @classmethod
-    def from_proto(cls, msg: kv_pb2.KvLayout) -> KvLayout:
-        """Decode the wire form (no validation: comparison does the checking)."""
-        return cls(
-            msg.model,
-            int(msg.dtype),
-            msg.block_size,
-            msg.num_layers,
-            msg.num_kv_heads,
-            msg.head_dim,
-            msg.layout,
-            msg.block_bytes,
-        )
-
-    def differences(self, other: KvLayout) -> list[str]:
-        """'field=mine (expected theirs)' for every field that differs."""
-        return [
-            f"{f.name}={getattr(self, f.name)!r} (expected {getattr(other, f.name)!r})"
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -227,3 +227,28 @@ def test_random_operations_keep_the_pool_consistent(num_blocks, ops):
             assert pool.ref_count(block_id) == held.count(block_id)
         assert cached == {x: b for x in cached if (b := pool.get(x)) is not None}
         assert len(cached) == pool.num_cached_blocks
+
+
+def test_find_cached_looks_past_a_miss_and_counts_hits():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.cache_blocks(blocks, [h(0), h(2)])
+    assert pool.find_cached([h(0), h(1), h(2)]) == [0, None, 1]
+    assert (pool.hits, pool.lookups) == (2, 3)
+    assert pool.ref_count(0) == 1  # no reference taken
+    pool.release(blocks)
+    pool.check_invariants()
+
+
+def test_cached_hashes_follow_entry_order_eviction_and_reset():
+    pool = BlockPool(3)
+    first = pool.allocate(2)
+    pool.cache_blocks(first, [h(5), h(1)])
+    second = pool.allocate(1)
+    pool.cache_block(second[0], h(3))
+    assert pool.cached_hashes() == [h(5), h(1), h(3)]  # the order they entered
+    pool.release(first)  # queue: 1, 0 (tail first)
+    pool.allocate(1)  # evicts block 1 (h(1))
+    assert pool.cached_hashes() == [h(5), h(3)]
+    pool.reset_prefix_cache()
+    assert pool.cached_hashes() == []

@@ -57,8 +57,8 @@ def snapshot(c: Cluster) -> tuple[list[bytes], int, int, int]:
     runner = c.decode.servicer.runner
     counters = c.decode.servicer.counters
     return (
-        runner.cached_hashes(),
-        runner.pool.num_free_blocks,
+        runner.allocator.cached_hashes(),
+        runner.allocator.pool.num_free_blocks,
         counters.blocks_pulled,
         counters.blocks_reused,
     )
@@ -162,8 +162,8 @@ async def test_malformed_requests_are_invalid_argument(cluster: Cluster) -> None
 async def test_cancelled_stream_frees_its_blocks(cluster: Cluster, how: str) -> None:
     c = cluster
     runner = c.decode.servicer.runner
-    await eventually(lambda: runner.pool.num_used_blocks == 0)
-    free = runner.pool.num_free_blocks
+    await eventually(lambda: runner.allocator.pool.num_used_blocks == 0)
+    free = runner.allocator.pool.num_free_blocks
     long = SamplingParams(max_tokens=800, ignore_eos=True)
     tokens, params = make_handoff(c.engine, user(vid_part(31, 4), "Tell me a very long story."))
     reply = await run_prefill(c, tokens, params, long)
@@ -173,16 +173,16 @@ async def test_cancelled_stream_frees_its_blocks(cluster: Cluster, how: str) -> 
         first = await call.read()
         assert first.blocks_pulled == blocks_for(len(tokens), BLOCK)
         await call.read()
-        assert runner.pool.num_used_blocks == blocks_for(len(tokens) + 800 - 1, BLOCK)
+        assert runner.allocator.pool.num_used_blocks == blocks_for(len(tokens) + 800 - 1, BLOCK)
         call.cancel()
     else:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in c.decode_stub.Decode(request, timeout=0.5):
                 pass
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await eventually(lambda: runner.pool.num_used_blocks == 0)
-    assert runner.pool.num_free_blocks == free
-    runner.pool.check_invariants()
+    await eventually(lambda: runner.allocator.pool.num_used_blocks == 0)
+    assert runner.allocator.pool.num_free_blocks == free
+    runner.allocator.pool.check_invariants()
     # The prefill worker got its lease back too.
     await eventually(lambda: len(c.prefill.servicer.leases) == 0)
 
@@ -204,8 +204,8 @@ async def test_first_token_that_ends_the_answer_pulls_nothing(cluster: Cluster) 
 async def test_load_and_counters(cluster: Cluster) -> None:
     servicer = cluster.decode.servicer
     load = servicer.load()
-    assert load.kv_blocks_free == servicer.runner.pool.num_free_blocks
-    assert load.kv_blocks_used == servicer.runner.pool.num_used_blocks
+    assert load.kv_blocks_free == servicer.runner.allocator.pool.num_free_blocks
+    assert load.kv_blocks_used == servicer.runner.allocator.pool.num_used_blocks
     assert load.cache_lookups >= load.cache_hits
     assert servicer.counters.bytes_pulled == servicer.counters.blocks_pulled * (
         servicer.runner.kv.spec.block_bytes
@@ -221,35 +221,35 @@ def runner(ckpt: Path) -> LmRunner:
 
 
 async def test_import_plan_reuses_cached_blocks_and_pulls_the_rest(runner: LmRunner) -> None:
-    pool = runner.pool
+    pool = runner.allocator.pool
     hashes = [bytes([i]) * 32 for i in range(3)]
     # Block for hash 1 cached (evictable), hashes 0 and 2 not.
     held = pool.allocate(1)
     pool.cache_block(held[0], hashes[1])
     pool.release(held)
-    plan = runner.plan_import(hashes, num_tokens=14, total_tokens=20)  # 4 prompt blocks
+    plan = runner.allocator.plan_import(hashes, num_tokens=14, total_tokens=20)  # 4 prompt blocks
     assert plan.reused == [1]
     assert plan.blocks[1] == held[0]
     assert plan.pull == [0, 2, 3]  # the missing full blocks + the partial last one
     assert len(plan.blocks) == blocks_for(20, 4)
-    runner.finish_import(plan, hashes)
-    assert set(runner.cached_hashes()) == set(hashes)
-    runner.abort_import(plan)
+    runner.allocator.finish_import(plan, hashes)
+    assert set(runner.allocator.cached_hashes()) == set(hashes)
+    runner.allocator.abort_import(plan)
     assert pool.num_used_blocks == 0
     # Too big: nothing taken.
     with pytest.raises(NoFreeBlocksError):
-        runner.plan_import(hashes, num_tokens=14, total_tokens=100)
+        runner.allocator.plan_import(hashes, num_tokens=14, total_tokens=100)
     assert pool.num_used_blocks == 0
     pool.check_invariants()
     pool.reset_prefix_cache()
 
 
 async def test_uncacheable_import_pulls_everything_and_caches_nothing(runner: LmRunner) -> None:
-    plan = runner.plan_import(None, num_tokens=9, total_tokens=9)
+    plan = runner.allocator.plan_import(None, num_tokens=9, total_tokens=9)
     assert plan.pull == [0, 1, 2] and plan.reused == []
-    runner.finish_import(plan, None)
-    assert runner.cached_hashes() == []
-    runner.abort_import(plan)
+    runner.allocator.finish_import(plan, None)
+    assert runner.allocator.cached_hashes() == []
+    runner.allocator.abort_import(plan)
 
 
 async def test_detokenizer_chunks_concatenate_to_the_full_text(ckpt: Path) -> None:

@@ -20,6 +20,7 @@ from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
 from common.sampling import SamplingParams
+from common.wire.kv import layout_from_proto
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 from tests.cluster import Cluster, start_cluster
@@ -162,7 +163,7 @@ async def test_same_video_new_question_reuses_prefill_cache_and_pulls_only_missi
     first = user("Cache test:", vid(21), "What happens first?")
     second = user("Cache test:", vid(21), "And what is the last thing that moves?")
     layout = cluster.worker("decode").info.kv_layout
-    root = layout_root(layout)
+    root = layout_root(layout_from_proto(layout))
 
     def hashes(messages: Any) -> tuple[int, list[bytes]]:
         p = engine.process(messages)

@@ -16,6 +16,7 @@ from PIL import Image
 
 from common.engine import Engine
 from common.kv.hashing import block_hashes
+from common.models import batching
 from common.models.tiny import make_tiny_checkpoint
 from common.multimodal.params import Modality
 from common.processing.processor import ProcessedPrompt
@@ -80,7 +81,7 @@ def setup(tmp_path_factory):
 def fresh(engine: Engine, **kw: Any) -> Engine:
     """A new engine (own KV cache and pool) sharing the loaded weights."""
     args = {"block_size": BLOCK, "num_blocks": 256, "max_batch": 8, **kw}
-    return Engine(engine.config, engine.model, engine.vision, engine.processor, **args)
+    return Engine(engine.config, engine.runner.model, engine.vision, engine.processor, **args)
 
 
 def ref_inputs(engine: Engine, p: ProcessedPrompt) -> dict[str, torch.Tensor]:
@@ -156,7 +157,7 @@ def test_prefill_reuses_cached_blocks_ending_mid_video(setup):
     keep = (video_item.position + video_item.length // 2) // BLOCK  # blocks to keep cached
     assert video_item.position < keep * BLOCK < video_item.end
     # Evict the cached tail (LRU drops a released sequence's last blocks first).
-    pool = engine.pool
+    pool = engine.runner.allocator.pool
     only_free = pool.num_free_blocks - pool.num_evictable_blocks
     pool.release(pool.allocate(only_free + pool.num_cached_blocks - keep))
     assert pool.num_cached_blocks == keep
@@ -210,8 +211,8 @@ def test_batched_decode_equals_each_alone(setup):
     alone = [fresh(setup[0]).generate(m, s) for m, s in zip(requests, sampling, strict=True)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert [len(r.token_ids) for r in batched] == [6 + i for i in range(8)]
-    assert engine.pool.num_used_blocks == 0
-    engine.pool.check_invariants()
+    assert engine.runner.allocator.pool.num_used_blocks == 0
+    engine.runner.allocator.pool.check_invariants()
 
 
 def test_continuous_batching_admits_when_blocks_free(setup):
@@ -226,7 +227,7 @@ def test_continuous_batching_admits_when_blocks_free(setup):
     results = engine.generate_batch(requests, sampling)
     want = [fresh(setup[0]).generate(m, sampling) for m in requests]
     assert [r.token_ids for r in results] == [r.token_ids for r in want]
-    assert engine.pool.num_used_blocks == 0
+    assert engine.runner.allocator.pool.num_used_blocks == 0
     assert results[3].cached_tokens > 0
 
 
@@ -241,3 +242,28 @@ def test_repeated_prompt_hits_prefix_cache(setup):
     assert again.cached_tokens == (n - 1) // BLOCK * BLOCK
     assert again.token_ids == first.token_ids
     assert isinstance(again.text, str)
+
+
+def test_batch_step_releases_finished_and_cancelled_sequences(setup):
+    engine = fresh(setup[0])
+    pool = engine.runner.allocator.pool
+    p = engine.process(CASES["text"][0])
+    params = engine.encode(p)
+
+    def admit(max_tokens: int):
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return engine.prefill(p.prompt_token_ids, params, sampling)
+
+    short, long, gone = admit(2), admit(50), admit(50)
+    batch = batching.Batch(engine.runner)
+    for seq in (short, long, gone):
+        batch.add(seq)
+    batch.cancel(gone)
+    # `short` ends at its second token; `gone` is dropped without being decoded again.
+    assert batch.step() == [short, gone]
+    assert short.blocks == [] and gone.blocks == [] and len(gone.output) == 1
+    assert batch.running == [long] and len(long.output) == 2 and batch.steps == 1
+    assert pool.num_used_blocks == len(long.blocks)
+    batch.release_all()
+    assert pool.num_used_blocks == 0 and batch.running == []
+    pool.check_invariants()

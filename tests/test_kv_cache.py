@@ -1,4 +1,5 @@
-"""PagedKvCache: byte layout, block addresses, scatter writes and gathers."""
+"""PagedKvCache: byte layout, block addresses, scatter writes and gathers; the KvLayout
+of a cache, its wire form and its pinned root hash."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import pytest
 import torch
 
 from common.kv.cache import KV_LAYOUT, KvCacheSpec, PagedKvCache, slot_ids
+from common.kv.layout import ELEMENT_TYPES, KvLayout, layout_root
+from common.wire.convert import element_type
+from common.wire.kv import layout_from_proto, layout_to_proto
 
 
 def make_spec(
@@ -183,3 +187,41 @@ def test_copy_block_and_copy_blocks():
     cache.copy_blocks([0, 1], [4, 5])
     assert torch.equal(cache.buffer[4:6], before[0:2])
     assert torch.equal(cache.buffer[:4], before[:4]) and torch.equal(cache.buffer[7], before[7])
+
+
+# ------------------------------------------------------------------------- KV layout
+
+LAYOUT_MODEL = "qwen3-vl/0123456789abcdef0123456789abcdef"
+# Root hashes computed before the layout became a dataclass (from the protobuf `KvLayout`):
+# routers and workers of different versions must keep deriving the same roots.
+GOLDEN_ROOTS = {
+    torch.bfloat16: "b62febf8fa57a2ba0b50cb01ca70a21fd1df5e3b6a75b08f29b377796277fe1e",
+    torch.float32: "43a2faf5be761908d91ca98fddb412e16c1384a8ef8a1a3ba1d1c975e5a2b8ab",
+}
+
+
+@pytest.mark.parametrize("dtype", list(GOLDEN_ROOTS))
+def test_layout_root_is_pinned(dtype: torch.dtype) -> None:
+    spec = make_spec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=dtype)
+    layout = KvLayout.of(LAYOUT_MODEL, spec)
+    assert layout.layout == KV_LAYOUT
+    assert layout.block_bytes == spec.block_bytes
+    assert layout_root(layout).hex() == GOLDEN_ROOTS[dtype]
+
+
+def test_layout_element_types_are_the_wire_numbers() -> None:
+    for dtype, number in ELEMENT_TYPES.items():
+        assert number == int(element_type(dtype))
+
+
+def test_layout_wire_round_trip_and_differences() -> None:
+    layout = KvLayout.of(LAYOUT_MODEL, make_spec())
+    msg = layout_to_proto(layout)
+    assert layout_from_proto(msg) == layout
+    assert layout_root(layout_from_proto(msg)) == layout_root(layout)
+    other = KvLayout.of(LAYOUT_MODEL, make_spec(block_size=8))
+    assert layout.differences(layout) == []
+    assert layout.differences(other) == [
+        "block_size=4 (expected 8)",
+        f"block_bytes={layout.block_bytes} (expected {other.block_bytes})",
+    ]

@@ -34,6 +34,7 @@ from common.sampling import SamplingParams
 from common.server.kv_worker import WorkerServer
 from common.server.rpc import PROTOCOL_VERSION, channel, start_server
 from common.wire.convert import params_to_proto, sampling_to_proto
+from common.wire.kv import layout_from_proto, layout_to_proto
 from decode_worker.server import serve as serve_decode
 from decode_worker.settings import DecodeSettings
 from epd.v1 import (
@@ -100,7 +101,9 @@ class Cluster:
     def expected(self, messages: Any, sampling: SamplingParams) -> GenerateResult:
         """The offline engine's answer, from a fresh cache sharing the loaded weights."""
         e = self.engine
-        fresh = Engine(e.config, e.model, e.vision, e.processor, block_size=BLOCK, num_blocks=512)
+        fresh = Engine(
+            e.config, e.runner.model, e.vision, e.processor, block_size=BLOCK, num_blocks=512
+        )
         return fresh.generate(messages, sampling)
 
 
@@ -197,10 +200,10 @@ class Answer:
 
 
 async def run_decode(c: Cluster, request: decode_service_pb2.DecodeRequest) -> Answer:
+    """The whole answer: the prefill's first token (the caller's) + what decode streams."""
     chunks = [chunk async for chunk in c.decode_stub.Decode(request, timeout=60)]
-    return Answer(
-        [t for ch in chunks for t in ch.token_ids], "".join(ch.text for ch in chunks), chunks
-    )
+    tokens = [request.first_token_id, *(t for ch in chunks for t in ch.token_ids)]
+    return Answer(tokens, c.engine.processor.decode(tokens), chunks)
 
 
 async def generate(
@@ -240,10 +243,11 @@ async def test_prefill_then_decode_equals_engine(cluster: Cluster, name: str) ->
     n = len(tokens)
     assert reply.kv.num_tokens == n
     assert len(reply.kv.blocks) == blocks_for(n, BLOCK)
-    root = layout_root(reply.kv.layout)
+    root = layout_root(layout_from_proto(reply.kv.layout))
     assert list(reply.kv.block_hashes) == block_hashes(tokens, BLOCK, params, root=root)
     first = answer.chunks[0]
-    assert first.token_ids[0] == reply.first_token_id
+    # The stream follows the first token without repeating it (else `assert_same` fails).
+    assert answer.token_ids[0] == reply.first_token_id
     assert first.blocks_pulled + first.blocks_reused == blocks_for(n, BLOCK)
     # The decode worker released the lease after its pull.
     await eventually(lambda: len(cluster.prefill.servicer.leases) == 0)
@@ -255,7 +259,7 @@ async def test_same_video_new_question_pulls_only_missing_blocks(cluster: Cluste
     second_q = user(vid_part(7), "And what happens at the very end of it?")
     t1, p1 = make_handoff(c.engine, first_q)
     t2, p2 = make_handoff(c.engine, second_q)
-    root = c.decode.servicer.runner.root
+    root = c.decode.servicer.runner.allocator.root
     h1 = block_hashes(t1, BLOCK, p1, root=root)
     h2 = block_hashes(t2, BLOCK, p2, root=root)
     common = next(i for i, (a, b) in enumerate(zip(h1, h2, strict=False)) if a != b)
@@ -264,7 +268,7 @@ async def test_same_video_new_question_pulls_only_missing_blocks(cluster: Cluste
     reply1, answer1 = await generate(c, first_q, GREEDY)
     assert_same(answer1, c.expected(first_q, GREEDY))
     assert reply1.cached_tokens == 0
-    decode_cache = set(c.decode.servicer.runner.cached_hashes())
+    decode_cache = set(c.decode.servicer.runner.allocator.cached_hashes())
     assert set(h1) <= decode_cache  # every pulled full block entered decode's cache
     before = c.decode.servicer.counters
     pulled0, bytes0, reused0 = before.blocks_pulled, before.bytes_pulled, before.blocks_reused
@@ -286,7 +290,7 @@ async def test_same_video_new_question_pulls_only_missing_blocks(cluster: Cluste
     assert counters.blocks_pulled - pulled0 == want_pulled
     assert counters.bytes_pulled - bytes0 == want_pulled * block_bytes
     assert counters.blocks_reused - reused0 == len(h2) - len(lacked)
-    assert set(h2) <= set(c.decode.servicer.runner.cached_hashes())
+    assert set(h2) <= set(c.decode.servicer.runner.allocator.cached_hashes())
 
 
 async def test_four_requests_in_flight_on_one_decode_worker(cluster: Cluster) -> None:
@@ -319,7 +323,7 @@ async def test_four_requests_in_flight_on_one_decode_worker(cluster: Cluster) ->
     batcher = c.decode.servicer.batcher
     assert batcher.max_batch_seen >= 2
     assert batcher.steps - steps0 < sum(s.max_tokens for _, s in cases)  # steps were shared
-    await eventually(lambda: c.decode.servicer.runner.pool.num_used_blocks == 0)
+    await eventually(lambda: c.decode.servicer.runner.allocator.pool.num_used_blocks == 0)
 
 
 @pytest.mark.slow
@@ -408,7 +412,7 @@ async def test_workers_register_their_layout_and_heartbeat(ckpt: Path) -> None:
     p = by_role[registry_service_pb2.WORKER_ROLE_PREFILL]
     d = by_role[registry_service_pb2.WORKER_ROLE_DECODE]
     assert (p.address, p.name, d.address, d.name) == (prefill.address, "p0", decode.address, "d0")
-    assert p.kv_layout == d.kv_layout == prefill.servicer.runner.kv_layout
+    assert p.kv_layout == d.kv_layout == layout_to_proto(prefill.servicer.runner.kv_layout)
     assert p.model == d.model == p.kv_layout.model
     assert p.protocol_version == d.protocol_version == PROTOCOL_VERSION
     assert "nixl" in p.capabilities
@@ -424,7 +428,7 @@ async def test_raw_prompts_around_block_edges(cluster: Cluster, length: int) -> 
     params = MultimodalParams()
     sampling = SamplingParams(max_tokens=9, ignore_eos=True)
     e = c.engine
-    fresh = Engine(e.config, e.model, e.vision, e.processor, block_size=BLOCK, num_blocks=64)
+    fresh = Engine(e.config, e.runner.model, e.vision, e.processor, block_size=BLOCK, num_blocks=64)
     seq = fresh.prefill(tokens, params, sampling)
     while seq.finish_reason is None:
         fresh.decode_step([seq])

@@ -71,7 +71,7 @@ async def settle(worker: WorkerServer, stub: Any) -> None:
     """Release every live lease so block counts are at their baseline."""
     for lease in list(worker.servicer.leases._leases):
         await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=lease))
-    assert worker.servicer.runner.pool.num_used_blocks == 0
+    assert worker.servicer.runner.allocator.pool.num_used_blocks == 0
 
 
 # ------------------------------------------------------------------------- validation
@@ -124,15 +124,15 @@ async def test_malformed_handoff_is_invalid_argument_and_worker_keeps_serving(
     request.prompt_token_ids.extend(bad_tokens)
     runner = worker.servicer.runner
     await settle(worker, stub)
-    cached = runner.cached_hashes()
+    cached = runner.allocator.cached_hashes()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Prefill(request, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in (info.value.details() or "")
     trailing = dict(info.value.trailing_metadata() or ())
     assert trailing.get("epd-field") == field
-    assert runner.cached_hashes() == cached  # nothing cached from a rejected request
-    assert runner.pool.num_used_blocks == 0
+    assert runner.allocator.cached_hashes() == cached  # nothing cached from a rejected request
+    assert runner.allocator.pool.num_used_blocks == 0
     # Still serving.
     text_tokens, text_params = make_handoff(engine, TEXT)
     reply = await stub.Prefill(prefill_request(text_tokens, text_params, GREEDY), timeout=30)
@@ -156,7 +156,7 @@ async def test_bad_sampling_is_invalid_argument(
 
 async def test_release_frees_blocks_once(worker: WorkerServer, stub: Any, engine: Engine) -> None:
     await settle(worker, stub)
-    pool = worker.servicer.runner.pool
+    pool = worker.servicer.runner.allocator.pool
     tokens, params = make_handoff(engine, user("A short question about leases?"))
     reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
     assert pool.num_used_blocks == blocks_for(len(tokens), BLOCK)
@@ -172,7 +172,7 @@ async def test_unreleased_lease_is_reaped_after_ttl(
 ) -> None:
     await settle(worker, stub)
     servicer = worker.servicer
-    pool = servicer.runner.pool
+    pool = servicer.runner.allocator.pool
     free = pool.num_free_blocks
     expired = servicer.leases.expired
     tokens, params = make_handoff(engine, user("Nobody will ever release this one."))
@@ -202,7 +202,7 @@ async def test_kv_events_snapshot_then_live(
         snapshot = (await stream.read()).events
         assert len(snapshot) == 1
         assert snapshot[0].kind == kv_pb2.KV_EVENT_KIND_STORED
-        assert list(snapshot[0].block_hashes) == runner.cached_hashes()
+        assert list(snapshot[0].block_hashes) == runner.allocator.cached_hashes()
         assert set(reply.kv.block_hashes) <= set(snapshot[0].block_hashes)
         # Fill the small cache with new prompts: STORED for each, REMOVED once it evicts.
         stored: set[bytes] = set()
@@ -221,7 +221,8 @@ async def test_kv_events_snapshot_then_live(
                     target = stored if event.kind == kv_pb2.KV_EVENT_KIND_STORED else removed
                     target.update(event.block_hashes)
         assert removed  # the 48-block cache evicted something
-        assert (stored | set(snapshot[0].block_hashes)) - removed == set(runner.cached_hashes())
+        cached = set(runner.allocator.cached_hashes())
+        assert (stored | set(snapshot[0].block_hashes)) - removed == cached
     finally:
         stream.cancel()
     await eventually(lambda: worker.servicer.hub.subscribers == 0)
@@ -265,7 +266,7 @@ async def test_embeddings_pulled_by_nixl_give_the_inline_result(
     tokens, params = make_handoff(engine, user(vid_part(21, 4), "What is this?"))
     inline = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
     await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=inline.kv.lease_id))
-    worker.servicer.runner.pool.reset_prefix_cache()  # compute everything again
+    worker.servicer.runner.allocator.pool.reset_prefix_cache()  # compute everything again
     fake = FakeEncoder()
     encoder_server = await start_server(
         [lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(fake, s)]
@@ -299,7 +300,7 @@ async def test_embeddings_only_needed_past_the_cached_prefix(
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Prefill(prefill_request(tokens, bare, GREEDY), timeout=30)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert worker.servicer.runner.pool.num_used_blocks == 0
+    assert worker.servicer.runner.allocator.pool.num_used_blocks == 0
     t1, p1 = make_handoff(engine, first)
     r1 = await stub.Prefill(prefill_request(t1, p1, GREEDY), timeout=30)
     await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=r1.kv.lease_id))
@@ -324,7 +325,7 @@ async def test_load_reports_blocks_and_prefix_hits(
         await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30) for _ in range(2)
     ]
     load = worker.servicer.load()
-    pool = worker.servicer.runner.pool
+    pool = worker.servicer.runner.allocator.pool
     assert load.kv_blocks_used == pool.num_used_blocks > 0
     assert load.kv_blocks_free == pool.num_free_blocks
     assert load.cache_hits == pool.hits > 0

@@ -23,6 +23,7 @@ from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
 from common.sampling import SamplingParams
 from common.server.rpc import start_server
+from common.wire.kv import layout_from_proto
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import (
     admin_service_pb2,
@@ -256,7 +257,7 @@ async def test_text_request_goes_prefill_then_decode(cluster, workers):
 def prompt_hashes(cluster: Cluster, messages: Any) -> tuple[Any, list[bytes]]:
     assert cluster.router.orchestrator is not None
     prompt = cluster.router.orchestrator.processor.process(messages)
-    layout = worker_info(Role.PREFILL, "x").kv_layout
+    layout = layout_from_proto(worker_info(Role.PREFILL, "x").kv_layout)
     hashes = block_hashes(prompt.prompt_token_ids, 16, prompt.params, root=layout_root(layout))
     return prompt, hashes
 

@@ -1,16 +1,43 @@
-"""Decode-side bookkeeping for a prompt whose KV is pulled from a prefill worker.
+"""The KV allocator of one worker: which blocks a request gets, and what enters the cache.
 
-`plan_import` takes the blocks (reusing the ones this pool already caches), the caller pulls
-the bytes of `ImportPlan.pull`, then `finish_import` caches the pulled full blocks; a failed
-or cancelled pull hands the plan's blocks back with `BlockPool.release(plan.blocks)`.
-`LmRunner.plan_import` / `finish_import` / `abort_import` are the entry points.
+`KvAllocator` wraps the worker's `BlockPool` with the block decisions of both roles (the
+model runner never takes or frees a block):
+
+    hashes(tokens, params, salt, lora)      -> block hashes under this worker's root, or None
+    cached_prefix(hashes, n)                -> cached prefix blocks a prefill may reuse
+    allocate_prompt(cached, total)          -> those blocks acquired + fresh ones for `total`
+    cache_prompt(blocks, hashes, n, reused) -> the newly computed full blocks enter the cache
+    plan_import(hashes, n, total) / finish_import / abort_import   (decode: KV pulled by NIXL)
+    release(blocks)
+    cached_hashes() + listeners             -> snapshot + live events for the KV event hub
+
+Block hashes: every hash chains from `root`: a worker's `layout_root(kv_layout)` (model
+identity + KV layout), so two workers exchange or reuse blocks only when model and layout
+agree; the offline Engine, whose cache is private, uses `block_hash.DEFAULT_ROOT`. A prompt
+whose layout cannot be hashed is *uncacheable* (`hashes` returns None): it is computed,
+never cached, never offered for transfer by hash.
+
+Block ownership: every block id `allocate_prompt` or `plan_import` returns is owned by the
+caller with one reference until `release` / `abort_import` or a hand-over of those ids (to a
+sequence, a lease); cached blocks stay cached after release (LRU-evictable).
+
+Events: the pool calls the allocator with every change, which passes it to each of
+`listeners` on the same thread; `cached_hashes` is read from the pool itself, so a listener
+that takes the snapshot and subscribes in one call on that thread misses nothing and sees
+nothing twice. Not thread-safe: callers serialize every call (workers use one model thread).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from common.kv.block_pool import BlockPool
+from common.kv.block_pool import BlockPool, KvEvent
+from common.kv.hashing import block_hashes
+from common.multimodal.params import MultimodalParams
+
+logger = logging.getLogger(__name__)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -20,51 +47,139 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ImportPlan:
-    """Where a pulled prompt's KV goes on the decode side (see `LmRunner.plan_import`)."""
+    """Where a pulled prompt's KV goes on the decode side (see `KvAllocator.plan_import`)."""
 
     blocks: list[int]  # block ids for prompt + generation, in order; one reference owned each
     pull: list[int]  # indices into the prompt's blocks whose bytes must be pulled
-    reused: list[int]  # indices of full prompt blocks found in this runner's prefix cache
+    reused: list[int]  # indices of full prompt blocks found in this worker's prefix cache
 
 
-def plan_import(
-    pool: BlockPool,
-    block_size: int,
-    hashes: list[bytes] | None,
-    num_tokens: int,
-    total_tokens: int,
-) -> ImportPlan:
-    """Take blocks from `pool` for a pulled prompt of `num_tokens` tokens.
+@dataclass(eq=False, slots=True)
+class KvAllocator:
+    """Block decisions over one worker's pool; see the module docstring."""
 
-    Full prompt blocks whose hash the pool caches are acquired (reused, not pulled); every
-    other prompt block (the partial last one included) and the generation blocks up to
-    `total_tokens` slots are allocated. The caller owns the plan's blocks. Raises
-    `NoFreeBlocksError` with nothing taken.
-    """
-    prompt_blocks = blocks_for(num_tokens, block_size)
-    found = [pool.get(h) for h in (hashes or [])]
-    reused = [i for i, b in enumerate(found) if b is not None]
-    pool.lookups += len(found)
-    pool.hits += len(reused)
-    hit_ids = [b for b in found if b is not None]
-    pool.acquire(hit_ids)
-    need = blocks_for(max(total_tokens, num_tokens), block_size) - len(hit_ids)
-    try:
-        fresh = iter(pool.allocate(need))
-    except Exception:
-        pool.release(hit_ids)
-        raise
-    blocks = [b if b is not None else next(fresh) for b in found]
-    blocks.extend(fresh)
-    reused_set = set(reused)
-    pull = [i for i in range(prompt_blocks) if i not in reused_set]
-    return ImportPlan(blocks=blocks, pull=pull, reused=reused)
+    pool: BlockPool  # the worker's blocks; its events come back through `_on_event`
+    block_size: int  # tokens per block (the cache's)
+    root: bytes  # the hash every block hash chains from
+    # Called with every KV event, on the thread that made it (the allocator's caller).
+    listeners: list[Callable[[KvEvent], None]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.pool.on_event = self._on_event
 
-def finish_import(pool: BlockPool, plan: ImportPlan, hashes: list[bytes] | None) -> None:
-    """Cache the pulled full blocks under their hashes (their bytes are now valid)."""
-    if not hashes:
-        return
-    full = [i for i in plan.pull if i < len(hashes)]
-    if full:
-        pool.cache_blocks([plan.blocks[i] for i in full], [hashes[i] for i in full])
+    @classmethod
+    def create(cls, num_blocks: int, block_size: int, root: bytes) -> KvAllocator:
+        """An allocator over a fresh pool of `num_blocks` (events go to `listeners` only)."""
+        return cls(BlockPool(num_blocks, record_events=False), block_size, root)
+
+    # ------------------------------------------------------------------------ hashing
+
+    def hashes(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: MultimodalParams,
+        *,
+        cache_salt: str | None = None,
+        lora_id: str | None = None,
+    ) -> list[bytes] | None:
+        """Hashes of the prompt's full blocks under this worker's root; None = uncacheable."""
+        try:
+            return block_hashes(
+                prompt_token_ids,
+                self.block_size,
+                params,
+                cache_salt=cache_salt,
+                lora_id=lora_id,
+                root=self.root,
+            )
+        except ValueError:
+            logger.warning("prompt layout cannot be hashed; request is uncacheable")
+            return None
+
+    # ------------------------------------------------------------------------ prefill
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether blocks for `num_tokens` slots are free now (ignoring any cache hit)."""
+        return self.pool.can_allocate(blocks_for(num_tokens, self.block_size))
+
+    def cached_prefix(self, hashes: list[bytes] | None, num_tokens: int) -> list[int]:
+        """The cached blocks a prefill of `num_tokens` reuses: the longest cached prefix of
+        `hashes`, at most `(n - 1) // block_size` blocks so the last token is computed (its
+        logits give the first token). Takes no reference; counts the lookup."""
+        return self.pool.find_cached_prefix(hashes or [])[: (num_tokens - 1) // self.block_size]
+
+    def allocate_prompt(self, cached: list[int], total_tokens: int) -> list[int]:
+        """`cached` (acquired) followed by fresh blocks up to `total_tokens` slots, owned by
+        the caller. Raises `NoFreeBlocksError` with nothing taken."""
+        self.pool.acquire(cached)
+        try:
+            fresh = self.pool.allocate(blocks_for(total_tokens, self.block_size) - len(cached))
+        except Exception:
+            self.pool.release(cached)
+            raise
+        return cached + fresh
+
+    def cache_prompt(
+        self, blocks: list[int], hashes: list[bytes] | None, num_tokens: int, reused: int
+    ) -> None:
+        """Cache the prompt's full blocks past the `reused` cached ones (their K/V are now
+        computed) under `hashes`; None caches nothing."""
+        full = num_tokens // self.block_size
+        if hashes and full > reused:
+            self.pool.cache_blocks(blocks[reused:full], hashes[reused:full])
+
+    def release(self, blocks: list[int]) -> None:
+        """Give back one reference on each block (cached ones stay cached, evictable)."""
+        self.pool.release(blocks)
+
+    # ------------------------------------------------------------------------- import
+
+    def plan_import(
+        self, hashes: list[bytes] | None, num_tokens: int, total_tokens: int
+    ) -> ImportPlan:
+        """Take blocks for a prompt of `num_tokens` whose KV is pulled from a prefill worker.
+
+        Full prompt blocks whose hash the pool caches are acquired (reused, not pulled);
+        every other prompt block (the partial last one included) and the generation blocks
+        up to `total_tokens` slots are allocated. The caller owns the plan's blocks and must
+        pass the plan to `finish_import` (after the pull) or `abort_import`. Raises
+        `NoFreeBlocksError` with nothing taken.
+        """
+        pool, bs = self.pool, self.block_size
+        found = pool.find_cached(hashes or [])
+        hit_ids = [b for b in found if b is not None]
+        pool.acquire(hit_ids)
+        need = blocks_for(max(total_tokens, num_tokens), bs) - len(hit_ids)
+        try:
+            fresh = iter(pool.allocate(need))
+        except Exception:
+            pool.release(hit_ids)
+            raise
+        blocks = [b if b is not None else next(fresh) for b in found]
+        blocks.extend(fresh)
+        reused = [i for i, b in enumerate(found) if b is not None]
+        reused_set = set(reused)
+        pull = [i for i in range(blocks_for(num_tokens, bs)) if i not in reused_set]
+        return ImportPlan(blocks=blocks, pull=pull, reused=reused)
+
+    def finish_import(self, plan: ImportPlan, hashes: list[bytes] | None) -> None:
+        """Cache the pulled full blocks under their hashes (their bytes are now valid)."""
+        if not hashes:
+            return
+        full = [i for i in plan.pull if i < len(hashes)]
+        if full:
+            self.pool.cache_blocks([plan.blocks[i] for i in full], [hashes[i] for i in full])
+
+    def abort_import(self, plan: ImportPlan) -> None:
+        """Give back every block of a plan whose pull failed or was cancelled."""
+        self.pool.release(plan.blocks)
+
+    # ------------------------------------------------------------------------- events
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash in the prefix cache, in the order it entered (the event snapshot)."""
+        return self.pool.cached_hashes()
+
+    def _on_event(self, event: KvEvent) -> None:
+        for listener in self.listeners:
+            listener(event)

@@ -21,8 +21,8 @@ before them: the shared prefix (system prompt, first image) outlives the unique 
 
 Ownership: whoever gets a block from `allocate` or `acquire` owns one reference and must
 `release` it exactly once (the request's scheduler, or the prefill lease holder). The pool
-never frees a referenced block. `find_cached_prefix` and `get` take no reference: call
-`acquire` on their result before anything else can allocate.
+never frees a referenced block. `find_cached_prefix`, `find_cached` and `get` take no
+reference: call `acquire` on their result before anything else can allocate.
 
 KV events ("stored" on a new cache entry, "removed" on eviction, "cleared" on reset) are
 queued for `drain_events` when `record_events` is set (the owner must then drain them, or
@@ -98,7 +98,7 @@ class BlockPool:
         self._block_to_hash: list[bytes | None] = [None] * num_blocks
         # Events not yet drained, oldest first.
         self._events: list[KvEvent] = []
-        # Hashes looked up by find_cached_prefix (one per block hash asked about).
+        # Hashes looked up by find_cached_prefix / find_cached (one per block hash asked about).
         self.lookups = 0
         # Of those, hashes found (the returned prefix length, summed).
         self.hits = 0
@@ -125,11 +125,6 @@ class BlockPool:
         """Cached blocks with no reference (evicted by allocation when free runs out)."""
         return len(self._evictable)
 
-    @property
-    def hit_rate(self) -> float:
-        """hits / lookups, 0.0 before any lookup."""
-        return self.hits / self.lookups if self.lookups else 0.0
-
     def ref_count(self, block_id: int) -> int:
         """Current reference count of a block."""
         self._check_id(block_id)
@@ -154,9 +149,25 @@ class BlockPool:
         self.hits += len(out)
         return out
 
+    def find_cached(self, block_hashes: Sequence[bytes]) -> list[int | None]:
+        """For each hash, the block caching it or None (not only a prefix: a pulled prompt
+        reuses any cached block). Takes no reference; counts like `find_cached_prefix`."""
+        out = [self._hash_to_block.get(h) for h in block_hashes]
+        self.lookups += len(out)
+        self.hits += sum(b is not None for b in out)
+        return out
+
     def get(self, block_hash: bytes) -> int | None:
-        """The block caching `block_hash`, or None. Takes no reference."""
+        """The block caching `block_hash`, or None. Takes no reference and counts nothing."""
         return self._hash_to_block.get(block_hash)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash in the prefix cache, in the order it entered (oldest first).
+
+        With the events that follow, a listener's exact view of the cache: an entry leaves
+        this list exactly when a "removed" or "cleared" event names it.
+        """
+        return list(self._hash_to_block)
 
     def block_hash_of(self, block_id: int) -> bytes | None:
         """The hash block `block_id` is cached under, or None."""

@@ -134,11 +134,6 @@ class PagedKvCache:
         self._check_layer(layer)
         return self.buffer[:, layer, 0], self.buffer[:, layer, 1]
 
-    def block_tensor(self, block_id: int) -> torch.Tensor:
-        """A contiguous view of one block, `[num_layers, 2, block_size, heads, head_dim]`."""
-        self._check_block(block_id)
-        return self.buffer[block_id]
-
     def block_address(self, block_id: int) -> tuple[int, int]:
         """`(address, nbytes)` of one block, for a transfer descriptor.
 

@@ -1,9 +1,10 @@
-"""KV event fan-out: the runner's prefix-cache changes, numbered, to every StreamKvEvents.
+"""KV event fan-out: a worker's prefix-cache changes, numbered, to every StreamKvEvents.
 
-The runner calls `KvEventHub.on_event` on the model thread (where every pool change
+The allocator calls `KvEventHub.on_event` on the model thread (where every pool change
 happens). The hub numbers the event (one monotonic sequence per worker) and hands it to each
 subscriber's asyncio queue on the event loop. `subscribe` runs on the model thread too, so
-the snapshot it takes and the live events that follow it never overlap or leave a gap.
+the snapshot it takes (read from the pool) and the live events that follow it never overlap
+or leave a gap. Events stay in-process types here; `common.wire.kv` converts them.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
+from common.kv.allocator import KvAllocator
 from common.kv.block_pool import KvEvent
-from common.models.runner import LmRunner
-from epd.v1 import kv_pb2
 
-_KINDS = {
-    "stored": kv_pb2.KV_EVENT_KIND_STORED,
-    "removed": kv_pb2.KV_EVENT_KIND_REMOVED,
-    "cleared": kv_pb2.KV_EVENT_KIND_CLEARED,
-}
+
+@dataclass(frozen=True, slots=True)
+class NumberedKvEvent:
+    """A prefix-cache change with its place in the worker's event sequence."""
+
+    event: KvEvent  # what changed
+    sequence: int  # number of the last event included (1, 2, ...; a snapshot repeats it)
 
 
 @dataclass(eq=False, slots=True)
@@ -28,42 +30,35 @@ class Subscription:
     """One StreamKvEvents stream's queue of live events."""
 
     loop: asyncio.AbstractEventLoop  # the loop that owns `queue`
-    queue: asyncio.Queue[kv_pb2.KvEvent] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[NumberedKvEvent] = field(default_factory=asyncio.Queue)
 
 
 class KvEventHub:
-    """Numbers the runner's KV events and fans them out; see the module docstring."""
+    """Numbers the allocator's KV events and fans them out; see the module docstring."""
 
-    def __init__(self, runner: LmRunner) -> None:
-        self._runner = runner
+    def __init__(self, allocator: KvAllocator) -> None:
+        self._allocator = allocator
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
         self.sequence = 0  # sequence number of the last event made
-        runner.event_listeners.append(self.on_event)
+        allocator.listeners.append(self.on_event)
 
     def on_event(self, event: KvEvent) -> None:
-        """Runner listener (model thread): number the event and queue it for everyone."""
+        """Allocator listener (model thread): number the event and queue it for everyone."""
         with self._lock:
             self.sequence += 1
-            msg = kv_pb2.KvEvent(
-                kind=_KINDS[event.kind],
-                block_hashes=list(event.block_hashes),
-                sequence=self.sequence,
-            )
+            numbered = NumberedKvEvent(event, self.sequence)
             subs = list(self._subs)
         for sub in subs:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, msg)
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, numbered)
 
-    def subscribe(self, sub: Subscription) -> kv_pb2.KvEvent:
-        """Add a subscriber and return the snapshot event: STORED with every cached hash,
-        numbered with the current sequence. Call on the model thread."""
+    def subscribe(self, sub: Subscription) -> NumberedKvEvent:
+        """Add a subscriber and return the snapshot event: "stored" with every cached hash
+        (oldest first), numbered with the current sequence. Call on the model thread."""
         with self._lock:
             self._subs.append(sub)
-            return kv_pb2.KvEvent(
-                kind=kv_pb2.KV_EVENT_KIND_STORED,
-                block_hashes=self._runner.cached_hashes(),
-                sequence=self.sequence,
-            )
+            snapshot = KvEvent("stored", tuple(self._allocator.cached_hashes()))
+            return NumberedKvEvent(snapshot, self.sequence)
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Stop feeding a subscriber (any thread)."""

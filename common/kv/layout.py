@@ -1,46 +1,80 @@
-"""What a block hash is rooted in: the model identity and the KV layout of a worker.
+"""A worker's KV layout, what two workers compare before exchanging blocks, and its root hash.
 
+`KvLayout` is the one in-process description of a worker's paged KV: the runner builds it
+from its cache (`KvLayout.of`), the router decodes it from a registration
+(`common.wire.kv.layout_from_proto`), and both compare layouts with `differences` only.
 Router, prefill and decode workers all derive a worker's root hash with `layout_root`, so
 equal models and layouts give equal block hashes, and different ones never share a block.
+No protobuf here: the wire form converts in `common.wire.kv`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
+from dataclasses import dataclass, fields
 
 import msgpack
+import torch
 
+from common.kv.cache import KvCacheSpec
 from common.kv.hashing import root_hash
-from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.qwen3_vl.weights import weight_files
-from epd.v1 import kv_pb2
 
-_DIGEST_CHUNK = 8 << 20
-
-
-def model_identity(path: str | Path, config: Qwen3VLConfig) -> str:
-    """`qwen3-vl/<digest>`: SHA-256 of the canonical config and every weight file's bytes.
-
-    Identical on every machine holding the same checkpoint. Reads each weight file once
-    (about a second per GB); done once per worker start.
-    """
-    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
-    for file in sorted(set(weight_files(path).values())):
-        digest.update(file.name.encode())
-        with file.open("rb") as f:
-            while chunk := f.read(_DIGEST_CHUNK):
-                digest.update(chunk)
-    return f"qwen3-vl/{digest.hexdigest()[:32]}"
+# The `epd.v1.ElementType` numbers of the cache dtypes. A root hash packs this number, so it
+# is part of the hashing contract: the enum numbers are frozen by `buf breaking`, and a test
+# pins this table against the bindings.
+ELEMENT_TYPES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+}
 
 
-def layout_root(layout: kv_pb2.KvLayout) -> bytes:
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """A worker's paged KV shape; peers must agree on every field to exchange blocks."""
+
+    model: str  # model identity (config + weight digest), chained into the root hash
+    dtype: int  # wire ElementType number of the cache (see ELEMENT_TYPES)
+    block_size: int  # tokens per block
+    num_layers: int  # decoder layers
+    num_kv_heads: int  # KV heads per layer
+    head_dim: int  # head dimension
+    layout: str  # byte layout name (`common.kv.cache.KV_LAYOUT`)
+    block_bytes: int  # bytes per block (follows from the rest; compared, not hashed)
+
+    @classmethod
+    def of(cls, model: str, spec: KvCacheSpec) -> KvLayout:
+        """The layout of a worker serving `model` with a cache shaped by `spec`."""
+        try:
+            dtype = ELEMENT_TYPES[spec.dtype]
+        except KeyError:
+            raise ValueError(f"KV cache dtype {spec.dtype} has no wire element type") from None
+        return cls(
+            model=model,
+            dtype=dtype,
+            block_size=spec.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            layout=spec.layout,
+            block_bytes=spec.block_bytes,
+        )
+
+    def differences(self, other: KvLayout) -> list[str]:
+        """'field=mine (expected theirs)' for every field that differs; [] when equal."""
+        return [
+            f"{f.name}={getattr(self, f.name)!r} (expected {getattr(other, f.name)!r})"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+def layout_root(layout: KvLayout) -> bytes:
     """Root block hash of a worker's `KvLayout`: its model identity plus every field that
     decides the bytes of a block (not `block_bytes`, which follows from them).
 
     Router, prefill and decode all derive the root this way, so equal layouts give equal
-    hashes and different models or layouts never share a block.
+    hashes and different models or layouts never share a block. The bytes are a wire
+    contract between versions (pinned by a golden test).
     """
     key = msgpack.packb(
         [

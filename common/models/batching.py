@@ -1,12 +1,17 @@
-"""Continuous batching: one loop task advances every running sequence by one token per step.
+"""Scheduling over an `LmRunner` and its `KvAllocator`: admission, and the one batching step.
 
-Requests join (`add`) and leave (finish, or `cancel`) between steps; each step is a single
-batched forward on the model thread. After a step the loop first releases the blocks of
-sequences that finished or were cancelled, then hands each live stream its new tokens, so a
-stream that sees its last chunk also sees its blocks back in the pool.
+Admission: `prefill` takes the blocks a prompt needs from the allocator (reusing the longest
+cached prefix), runs the forward and caches the newly computed full blocks; `release` gives
+a finished sequence's blocks back. Both workers and the offline Engine admit this way.
 
-Block ownership: `add` takes over the sequence's blocks; the loop releases them exactly once
-(finish, cancel, or `stop`). Touched only from the event loop.
+Continuous batching has one step mechanism, `Batch.step` (nano-vllm's schedule, run,
+postprocess): pick the live sequences, decode one token for all of them in one forward,
+then release the blocks of every sequence that finished or was cancelled. `Batch` is
+synchronous; the Engine drives it in a plain loop, and the decode worker's `DecodeBatcher`
+drives it from its event loop, one `Batch.step` per model-thread call.
+
+Block ownership: a sequence owns its blocks from admission until `release`; once added to a
+`Batch` the batch releases them exactly once (finish, cancel, or `release_all`).
 """
 
 from __future__ import annotations
@@ -14,13 +19,151 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from common.models.model_thread import ModelThread
-from common.models.runner import LmRunner, LmSequence
-from common.sampling import FinishReason
+from common.models.qwen3_vl.rope import MropePositions
+from common.models.runner import LmRunner
+from common.models.sequence import LmSequence
+from common.multimodal.params import MultimodalParams
+from common.sampling import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class MissingEmbeddingsError(RuntimeError):
+    """Prefill needs an item's embeddings (its runs reach past the cached prefix) but the
+    request carries none; the caller should encode the item and retry."""
+
+
+# ---------------------------------------------------------------------------- admission
+
+
+def prefill(
+    runner: LmRunner,
+    prompt_token_ids: Sequence[int],
+    params: MultimodalParams,
+    sampling: SamplingParams,
+    *,
+    hashes: list[bytes] | None,
+    total_tokens: int | None = None,
+    positions: MropePositions | None = None,
+    keep_logits: bool = False,
+) -> LmSequence:
+    """Compute a prompt (reusing cached prefix blocks) and sample its first token.
+
+    The longest cached prefix of `hashes` is acquired (the last token is always computed),
+    the rest computed, and the new full blocks cached under `hashes` (None: nothing reused
+    or cached). Blocks are taken for `total_tokens` slots (default: the prompt); the
+    sequence owns them. `positions` are the prompt's when already computed. Raises
+    `NoFreeBlocksError` (nothing taken) or `MissingEmbeddingsError` (nothing taken or
+    cached) when an item that must be computed has no embeddings.
+    """
+    tokens = list(prompt_token_ids)
+    n = len(tokens)
+    if n == 0:
+        raise ValueError("empty prompt")
+    allocator = runner.allocator
+    cached = allocator.cached_prefix(hashes, n)
+    start = len(cached) * allocator.block_size
+    for i, item in enumerate(params.items):
+        if item.end > start and i not in params.embeddings:
+            raise MissingEmbeddingsError(
+                f"item {i} reaches token {item.end - 1}, past the {start} cached tokens, "
+                "but carries no embeddings"
+            )
+    blocks = allocator.allocate_prompt(cached, total_tokens or n)
+    try:
+        seq = runner.prefill(
+            tokens,
+            params,
+            sampling,
+            blocks=blocks,
+            start=start,
+            positions=positions,
+            keep_logits=keep_logits,
+        )
+    except Exception:
+        allocator.release(blocks)
+        raise
+    allocator.cache_prompt(blocks, hashes, n, len(cached))
+    return seq
+
+
+def prompt_logits(
+    runner: LmRunner, prompt_token_ids: Sequence[int], params: MultimodalParams
+) -> torch.Tensor:
+    """Logits `[n, vocab]` over the whole prompt, computed from scratch into blocks that are
+    given back afterwards (nothing reused or cached). Every item needs embeddings."""
+    tokens = list(prompt_token_ids)
+    blocks = runner.allocator.allocate_prompt([], len(tokens))
+    try:
+        positions = runner.positions(len(tokens), params)
+        return runner.forward(blocks, tokens, positions, params, 0, True)
+    finally:
+        runner.allocator.release(blocks)
+
+
+def release(runner: LmRunner, seq: LmSequence) -> None:
+    """Give the sequence's blocks back to the pool (cached prompt blocks stay cached)."""
+    runner.allocator.release(seq.blocks)
+    seq.blocks = []
+
+
+# ------------------------------------------------------------------------------- the step
+
+
+class Batch:
+    """The running sequences of one runner, advanced together by `step`.
+
+    Synchronous and not thread-safe: call every method from the thread that owns the
+    runner (the Engine's caller, or the decode worker's model thread).
+    """
+
+    def __init__(self, runner: LmRunner) -> None:
+        self.runner = runner
+        self.running: list[LmSequence] = []  # admitted, not yet released, in join order
+        self.steps = 0  # batched forwards run
+        self.max_batch_seen = 0  # largest batch decoded in one step
+        self._cancelled: set[LmSequence] = set()  # released at the next step boundary
+
+    def add(self, seq: LmSequence) -> None:
+        """Join the next step; the batch now owns `seq`'s blocks."""
+        self.running.append(seq)
+
+    def cancel(self, seq: LmSequence) -> None:
+        """Drop `seq` at the next step: it is not decoded again, and its blocks are freed."""
+        self._cancelled.add(seq)
+
+    def step(self) -> list[LmSequence]:
+        """Schedule, run, postprocess: decode one token for every live, uncancelled
+        sequence in one forward, then release (and drop) every sequence that finished or
+        was cancelled. Returns the released sequences, in join order."""
+        live = [s for s in self.running if s not in self._cancelled and s.finish_reason is None]
+        if live:
+            self.runner.decode_step(live)
+            self.steps += 1
+            self.max_batch_seen = max(self.max_batch_seen, len(live))
+        done = [s for s in self.running if s in self._cancelled or s.finish_reason is not None]
+        if done:
+            self.running = [s for s in self.running if s not in set(done)]
+            self._cancelled.difference_update(done)
+            for seq in done:
+                release(self.runner, seq)
+        return done
+
+    def release_all(self) -> None:
+        """Release every running sequence's blocks (shutdown)."""
+        seqs, self.running = self.running, []
+        self._cancelled.clear()
+        for seq in seqs:
+            release(self.runner, seq)
+
+
+# ------------------------------------------------------------------- the decode worker's
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,22 +185,40 @@ class Entry:
 
 
 class DecodeBatcher:
-    """The decode loop of one worker; see the module docstring."""
+    """The decode loop of one worker: drives a `Batch` from the event loop.
+
+    Streams join (`add`) and leave (finish, or `cancel`) between steps; each step is one
+    `Batch.step` on the model thread, which releases the blocks of sequences that finished
+    or were cancelled before the loop hands each live stream its new tokens, so a stream
+    that sees its last chunk also sees its blocks back in the pool. Joins and cancels are
+    applied on the model thread at the step boundary, so the `Batch` is touched from that
+    thread only. The other methods are touched only from the event loop.
+    """
 
     def __init__(self, runner: LmRunner, model: ModelThread) -> None:
         self.runner = runner
         self.model = model
-        self.steps = 0  # batched forwards run
-        self.max_batch_seen = 0  # largest batch decoded in one step
-        self._running: list[Entry] = []
+        self.batch = Batch(runner)  # touched on the model thread only
+        self._entries: list[Entry] = []  # every stream holding blocks, in join order
+        self._joining: list[LmSequence] = []  # added since the last step
         self._wake = asyncio.Event()
         self._freed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     @property
+    def steps(self) -> int:
+        """Batched forwards run."""
+        return self.batch.steps
+
+    @property
+    def max_batch_seen(self) -> int:
+        """Largest batch decoded in one step."""
+        return self.batch.max_batch_seen
+
+    @property
     def running(self) -> int:
         """Sequences holding blocks in the loop."""
-        return len(self._running)
+        return len(self._entries)
 
     def start(self) -> None:
         """Launch the loop task (idempotent). Needs a running event loop."""
@@ -67,7 +228,8 @@ class DecodeBatcher:
     def add(self, seq: LmSequence) -> Entry:
         """Join the next step; the loop now owns `seq`'s blocks."""
         entry = Entry(seq, sent=len(seq.output))
-        self._running.append(entry)
+        self._entries.append(entry)
+        self._joining.append(seq)
         self._wake.set()
         return entry
 
@@ -87,36 +249,46 @@ class DecodeBatcher:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        entries, self._running = self._running, []
-        if entries:
-            await self.model.call(self._release, [e.seq for e in entries])
+        joining, self._joining = self._joining, []
+        had, self._entries = bool(self._entries), []
+        if had:
+            await self.model.call(self._release_all, joining)
 
     async def _loop(self) -> None:
         while True:
-            if not self._running:
+            if not self._entries:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = [e for e in self._running if not e.cancelled and e.seq.finish_reason is None]
-            if batch:
-                await self.model.call(self.runner.decode_step, [e.seq for e in batch])
-                self.steps += 1
-                self.max_batch_seen = max(self.max_batch_seen, len(batch))
-            done = [e for e in self._running if e.cancelled or e.seq.finish_reason is not None]
-            if done:
-                self._running = [e for e in self._running if e not in done]
-                await self.model.call(self._release, [e.seq for e in done])
+            stepped = [e for e in self._entries if not e.cancelled and e.seq.finish_reason is None]
+            cancelled = [e.seq for e in self._entries if e.cancelled]
+            joining, self._joining = self._joining, []
+            released = await self.model.call(self._step, joining, cancelled)
+            if released:
+                gone = set(released)
+                self._entries = [e for e in self._entries if e.seq not in gone]
                 self._freed.set()
                 self._freed = asyncio.Event()
-            for entry in batch:
+            for entry in stepped:
                 if entry.cancelled:
                     continue
                 new = entry.seq.output[entry.sent :]
                 entry.sent = len(entry.seq.output)
                 entry.queue.put_nowait(Chunk(new, entry.seq.finish_reason))
-            if not batch:
+            if not stepped:
                 await asyncio.sleep(0)
 
-    def _release(self, seqs: list[LmSequence]) -> None:
-        for seq in seqs:
-            self.runner.release(seq)
+    def _step(
+        self, joining: Sequence[LmSequence], cancelled: Collection[LmSequence]
+    ) -> list[LmSequence]:
+        """Model thread: apply the joins and cancels of the boundary, then one step."""
+        for seq in joining:
+            self.batch.add(seq)
+        for seq in cancelled:
+            self.batch.cancel(seq)
+        return self.batch.step()
+
+    def _release_all(self, joining: Sequence[LmSequence]) -> None:
+        for seq in joining:
+            self.batch.add(seq)
+        self.batch.release_all()

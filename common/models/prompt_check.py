@@ -2,7 +2,8 @@
 
 Each raises `MultimodalLayoutError` naming the offending field (and item), so a worker can
 reject the request with a precise message; `LmRunner.check_prompt` / `check_embeddings` are
-the entry points.
+the entry points. `check_prompt` returns the prompt's mRoPE positions it had to compute to
+check them, so a worker computes them once per request.
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ from collections.abc import Sequence
 import torch
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.qwen3_vl.rope import prompt_positions
+from common.models.qwen3_vl.rope import MropePositions, prompt_positions
 from common.multimodal.params import MultimodalParams
 from common.multimodal.validation import MultimodalLayoutError
 
 
 def check_prompt(
     config: Qwen3VLConfig, prompt_token_ids: Sequence[int], params: MultimodalParams
-) -> None:
-    """Raise unless the prompt is non-empty, its ids are in the vocabulary, placeholders sit
-    exactly at the runs, and mRoPE positions are computable from the items' runs and grids.
-    Embeddings are not looked at."""
+) -> MropePositions:
+    """The prompt's mRoPE positions; raise unless the prompt is non-empty, its ids are in
+    the vocabulary, placeholders sit exactly at the runs, and positions are computable from
+    the items' runs and grids. Embeddings are not looked at."""
     n = len(prompt_token_ids)
     if n == 0:
         raise MultimodalLayoutError("prompt_token_ids", "empty prompt")
@@ -38,7 +39,7 @@ def check_prompt(
         prompt_token_ids, sorted({config.image_token_id, config.video_token_id})
     )
     try:
-        prompt_positions(n, params.items, config.vision.spatial_merge_size)
+        return prompt_positions(n, params.items, config.vision.spatial_merge_size)
     except ValueError as exc:
         raise MultimodalLayoutError("items.grid_thw", str(exc)) from None
 
