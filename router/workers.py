@@ -5,7 +5,7 @@ agree on, the load they report, and one record per registered worker (see router
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from common.kv.layout import KvLayout
 from epd.v1 import registry_service_pb2
@@ -77,24 +77,12 @@ class WorkerLoad:
     @classmethod
     def from_proto(cls, msg: registry_service_pb2.WorkerLoad) -> WorkerLoad:
         """Decode the wire form."""
-        return cls(
-            msg.active_requests,
-            msg.kv_blocks_used,
-            msg.kv_blocks_free,
-            msg.cache_hits,
-            msg.cache_lookups,
-            msg.draining,
-        )
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
 
     def to_proto(self) -> registry_service_pb2.WorkerLoad:
-        """The wire form."""
+        """The wire form (the message has exactly this dataclass's fields)."""
         return registry_service_pb2.WorkerLoad(
-            active_requests=self.active_requests,
-            kv_blocks_used=self.kv_blocks_used,
-            kv_blocks_free=self.kv_blocks_free,
-            cache_hits=self.cache_hits,
-            cache_lookups=self.cache_lookups,
-            draining=self.draining,
+            **{f.name: getattr(self, f.name) for f in fields(self)}
         )
 
 

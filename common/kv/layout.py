@@ -28,6 +28,10 @@ ELEMENT_TYPES: dict[torch.dtype, int] = {
 }
 
 
+# KvLayout fields after `model` and `dtype`, in order, copied from the cache spec.
+_FROM_SPEC = ("block_size", "num_layers", "num_kv_heads", "head_dim", "layout", "block_bytes")
+
+
 @dataclass(frozen=True, slots=True)
 class KvLayout:
     """A worker's paged KV shape; peers must agree on every field to exchange blocks."""
@@ -48,16 +52,7 @@ class KvLayout:
             dtype = ELEMENT_TYPES[spec.dtype]
         except KeyError:
             raise ValueError(f"KV cache dtype {spec.dtype} has no wire element type") from None
-        return cls(
-            model=model,
-            dtype=dtype,
-            block_size=spec.block_size,
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            layout=spec.layout,
-            block_bytes=spec.block_bytes,
-        )
+        return cls(model, dtype, *(getattr(spec, name) for name in _FROM_SPEC))
 
     def differences(self, other: KvLayout) -> list[str]:
         """'field=mine (expected theirs)' for every field that differs; [] when equal."""

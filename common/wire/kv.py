@@ -6,6 +6,8 @@ The runtime (`common.kv`, `common.models`) holds only `common.kv.layout.KvLayout
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from common.kv.block_pool import KvEventKind
 from common.kv.events import NumberedKvEvent
 from common.kv.layout import KvLayout
@@ -19,31 +21,15 @@ _KINDS: dict[KvEventKind, kv_pb2.KvEventKind] = {
 
 
 def layout_to_proto(layout: KvLayout) -> kv_pb2.KvLayout:
-    """The wire form of a layout."""
-    return kv_pb2.KvLayout(
-        model=layout.model,
-        dtype=layout.dtype,  # type: ignore[arg-type]  # ElementType is an int on the wire
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        layout=layout.layout,
-        block_bytes=layout.block_bytes,
-    )
+    """The wire form of a layout (the message has exactly the dataclass's fields)."""
+    return kv_pb2.KvLayout(**{f.name: getattr(layout, f.name) for f in fields(KvLayout)})
 
 
 def layout_from_proto(msg: kv_pb2.KvLayout) -> KvLayout:
     """Decode the wire form (no validation: `KvLayout.differences` does the checking)."""
-    return KvLayout(
-        model=msg.model,
-        dtype=int(msg.dtype),
-        block_size=msg.block_size,
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        layout=msg.layout,
-        block_bytes=msg.block_bytes,
-    )
+    values = {f.name: getattr(msg, f.name) for f in fields(KvLayout)}
+    values["dtype"] = int(values["dtype"])  # an ElementType enum value on the wire
+    return KvLayout(**values)
 
 
 def kv_event_to_proto(event: NumberedKvEvent) -> kv_pb2.KvEvent:
