@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,12 +49,15 @@ from common.models.qwen3_vl.weights import LM_HEAD, VISUAL_PREFIX, load_weights
 from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
 from common.multimodal.params import ItemEmbedding, MultimodalParams
+from common.processing.messages import ChatDicts, Message, messages_from_dicts
 from common.processing.processor import ProcessedPrompt, Processor
 from common.sampling import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Messages = Sequence[Mapping[str, Any]]
+# A chat as the public methods take it: the OpenAI-like dict form (or typed `Message`s),
+# converted once at `process` by `messages_from_dicts`.
+Messages = ChatDicts | Sequence[Message]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +147,12 @@ class Engine:
     ) -> ProcessedPrompt:
         """Tokenize the chat and preprocess its media (delegates to the processor).
 
-        `images` / `videos` are side payloads that media parts may name by `"index"`.
+        The chat is typed here, the Engine's edge (`messages_from_dicts`; `ValueError` on a
+        malformed message). `images` / `videos` are side payloads that media parts may name
+        by `"index"`.
         """
-        return self.processor.process(messages, images=images, videos=videos)
+        chat = messages_from_dicts(messages)
+        return self.processor.process(chat, images=images, videos=videos)
 
     def encode(self, processed: ProcessedPrompt) -> MultimodalParams:
         """Run the vision tower over every item; attach embeddings and the mRoPE delta."""

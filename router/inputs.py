@@ -3,8 +3,9 @@
 Everything a client sends is validated here, before any worker sees the request: each
 media payload is decoded (a payload PIL cannot open is an error naming its field, e.g.
 `messages[0].content[1].image.data`), and the sampling parameters are checked and
-normalised (proto3 zeros mean "default"). Errors are `InputError`s (a `ValueError`), which
-the server answers with INVALID_ARGUMENT.
+normalised (proto3 zeros mean "default"). The chat becomes typed `Message`s here, once
+(`common.processing.messages`); nothing after this reads the protobuf or a dict. Errors are
+`InputError`s (a `ValueError`), which the server answers with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from PIL import Image
 
+from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
 from epd.v1 import router_service_pb2
 
 # A decompression bomb is refused rather than decoded.
@@ -49,33 +51,30 @@ def decode_image(data: bytes, field: str) -> Image.Image:
 
 def messages_from_proto(
     messages: Any,  # RepeatedCompositeFieldContainer[ChatMessage]
-) -> list[dict[str, Any]]:
-    """Chat messages in the processor's input form, media decoded to PIL images."""
+) -> tuple[Message, ...]:
+    """The typed chat, media decoded to PIL images; `InputError` naming the field."""
     if not messages:
         raise InputError("messages", "is empty")
-    out: list[dict[str, Any]] = []
+    out: list[Message] = []
     for i, message in enumerate(messages):
         if not message.role:
             raise InputError(f"messages[{i}].role", "is empty")
-        parts: list[dict[str, Any]] = []
-        for j, part in enumerate(message.content):
-            parts.append(_part(part, f"messages[{i}].content[{j}]"))
-        out.append({"role": message.role, "content": parts})
-    return out
+        parts = tuple(
+            _part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(message.content)
+        )
+        out.append(Message(message.role, parts))
+    return tuple(out)
 
 
-def _part(part: router_service_pb2.ContentPart, where: str) -> dict[str, Any]:
+def _part(part: router_service_pb2.ContentPart, where: str) -> Part:
     kind = part.WhichOneof("content")
     if kind == "text":
-        return {"type": "text", "text": part.text}
+        return TextPart(part.text)
     if kind == "image":
-        out: dict[str, Any] = {
-            "type": "image",
-            "image": decode_image(part.image.data, f"{where}.image.data"),
-        }
-        if part.image.HasField("uuid"):
-            out["uuid"] = part.image.uuid
-        return out
+        return ImagePart(
+            decode_image(part.image.data, f"{where}.image.data"),
+            uuid=part.image.uuid if part.image.HasField("uuid") else None,
+        )
     if kind == "video":
         video = part.video
         if not video.frames:
@@ -89,8 +88,7 @@ def _part(part: router_service_pb2.ContentPart, where: str) -> dict[str, Any]:
         sizes = {f.size for f in frames}
         if len(sizes) != 1:
             raise InputError(f"{where}.video.frames", f"frames differ in size: {sorted(sizes)}")
-        out = {"type": "video", "video": frames, "fps": float(video.fps)}
-        if video.HasField("uuid"):
-            out["uuid"] = video.uuid
-        return out
+        return VideoPart(
+            frames, float(video.fps), uuid=video.uuid if video.HasField("uuid") else None
+        )
     raise InputError(where, "has no text, image or video")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from common.processing.messages import ImagePart, Message, TextPart, VideoPart
 from common.sampling import SamplingParams
 from common.wire.convert import sampling_from_proto
 from epd.client import build_request, encode_image
@@ -62,12 +63,15 @@ def test_chat_round_trips_through_the_router_edge():
     assert request.request_id == "r" and request.cache_salt == "tenant"
     assert sampling_from_proto(request.sampling) == sampling
     decoded = messages_from_proto(request.messages)
-    assert decoded[0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
-    parts = decoded[1]["content"]
-    assert parts[0]["fps"] == 4.0 and parts[0]["uuid"] == "v1"
-    assert np.array_equal(np.stack([np.asarray(f) for f in parts[0]["video"]]), video)
-    assert parts[1] == {"type": "text", "text": "and"}
-    assert np.array_equal(np.asarray(parts[2]["image"]), pixels(9))
+    assert decoded[0] == Message("system", (TextPart("Be brief."),))
+    assert decoded[1].role == "user"
+    clip, text, image = decoded[1].content
+    assert isinstance(clip, VideoPart) and clip.fps == 4.0 and clip.uuid == "v1"
+    assert clip.frames is not None and clip.index is None
+    assert np.array_equal(np.stack([np.asarray(f) for f in clip.frames]), video)
+    assert text == TextPart("and")
+    assert isinstance(image, ImagePart) and image.uuid is None
+    assert np.array_equal(np.asarray(image.data), pixels(9))
 
 
 @pytest.mark.parametrize(

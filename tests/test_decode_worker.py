@@ -1,6 +1,6 @@
 """The decode worker: refusing handles (tampered hashes, foreign layouts, malformed), freeing
-blocks on cancel and deadline, the first-token-only path; plus the runner's import plan and
-the incremental detokenizer without servers."""
+blocks on cancel and deadline, the first-token-only path, a stream of token ids only that
+never repeats the first token; plus the runner's import plan without servers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from tokenizers import Tokenizer
 
 from common.engine import Engine
 from common.kv.allocator import blocks_for
@@ -18,7 +17,6 @@ from common.kv.block_pool import NoFreeBlocksError
 from common.models.runner import LmRunner
 from common.sampling import SamplingParams
 from decode_worker.__main__ import parse
-from decode_worker.detok import IncrementalDetokenizer
 from decode_worker.settings import DecodeSettings
 from epd.v1 import decode_service_pb2, prefill_service_pb2
 from tests.test_kv_handoff import (
@@ -195,10 +193,23 @@ async def test_first_token_that_ends_the_answer_pulls_nothing(cluster: Cluster) 
     pulled = c.decode.servicer.counters.blocks_pulled
     answer = await run_decode(c, decode_request(tokens, params, one, reply))
     assert answer.token_ids == [reply.first_token_id] == c.expected(TEXT, one).token_ids
-    assert len(answer.chunks) == 1
+    assert len(answer.chunks) == 1 and list(answer.chunks[0].token_ids) == []
     assert answer.chunks[0].finish_reason == decode_service_pb2.FINISH_REASON_LENGTH
     assert c.decode.servicer.counters.blocks_pulled == pulled
     await eventually(lambda: len(c.prefill.servicer.leases) == 0)
+
+
+async def test_stream_is_token_ids_after_the_first(cluster: Cluster) -> None:
+    c = cluster
+    tokens, params = make_handoff(c.engine, TEXT)
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    answer = await run_decode(c, decode_request(tokens, params, GREEDY, reply))
+    head, *_ = answer.chunks
+    assert head.blocks_pulled + head.blocks_reused == blocks_for(len(tokens), BLOCK)
+    streamed = [t for ch in answer.chunks for t in ch.token_ids]
+    assert streamed == c.expected(TEXT, GREEDY).token_ids[1:]  # the first token is not echoed
+    assert answer.chunks[-1].finish_reason == decode_service_pb2.FINISH_REASON_LENGTH
+    assert all(not ch.finish_reason for ch in answer.chunks[:-1])
 
 
 async def test_load_and_counters(cluster: Cluster) -> None:
@@ -250,14 +261,6 @@ async def test_uncacheable_import_pulls_everything_and_caches_nothing(runner: Lm
     runner.allocator.finish_import(plan, None)
     assert runner.allocator.cached_hashes() == []
     runner.allocator.abort_import(plan)
-
-
-async def test_detokenizer_chunks_concatenate_to_the_full_text(ckpt: Path) -> None:
-    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    ids = tokenizer.encode("héllo wörld — ünïcode ✓ text, and more").ids
-    detok = IncrementalDetokenizer(tokenizer)
-    text = "".join(detok.add([t]) for t in ids) + detok.flush()
-    assert text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 async def test_flags(tmp_path: Path) -> None:

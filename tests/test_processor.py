@@ -16,6 +16,13 @@ from PIL import Image
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.multimodal.params import Modality
 from common.processing.image import patchify, smart_resize
+from common.processing.messages import (
+    ImagePart,
+    Message,
+    TextPart,
+    VideoPart,
+    messages_from_dicts,
+)
 from common.processing.processor import Processor
 from common.processing.video import sample_frame_indices, smart_resize_video, temporal_timestamps
 from tests.model_fixtures import write_tiny_checkpoint
@@ -43,8 +50,9 @@ def _frames(n: int, h: int, w: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(n)]
 
 
-def _user(*parts: dict) -> list[dict]:
-    return [{"role": "user", "content": list(parts)}]
+def _user(*parts: dict) -> tuple[Message, ...]:
+    """One user message, written in the dict form and typed as the Engine's edge does."""
+    return messages_from_dicts([{"role": "user", "content": list(parts)}])
 
 
 # --- images against the reference PIL image processor ---------------------------------------
@@ -252,7 +260,7 @@ def test_chat_template(processor: Processor) -> None:
         {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
         {"role": "user", "content": [{"type": "image", "image": _image(32, 32)}]},
     ]
-    prompt = processor.process(messages)
+    prompt = processor.process(messages_from_dicts(messages))
     pads = "<|image_pad|>" * prompt.params.items[0].length
     assert prompt.prompt_text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
@@ -261,7 +269,7 @@ def test_chat_template(processor: Processor) -> None:
         f"<|im_start|>user\n<|vision_start|>{pads}<|vision_end|><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    no_prompt = processor.process(messages[:2], add_generation_prompt=False)
+    no_prompt = processor.process(messages_from_dicts(messages[:2]), add_generation_prompt=False)
     assert not no_prompt.prompt_text.endswith("assistant\n")
     assert no_prompt.params.items == ()
 
@@ -335,10 +343,107 @@ def test_errors(processor: Processor) -> None:
     with pytest.raises(ValueError, match="unsupported content part"):
         processor.process(_user({"type": "audio", "audio": b""}))
     with pytest.raises(ValueError, match="no role"):
-        processor.process([{"content": "x"}])
+        processor.process(messages_from_dicts([{"content": "x"}]))
+    with pytest.raises(ValueError, match="system message may only come first"):
+        processor.process((Message("user", (TextPart("a"),)), Message("system", (TextPart("b"),))))
     with pytest.raises(ValueError, match="differ in size"):
         frames = _frames(2, 32, 32) + _frames(2, 40, 32)
         processor.process(_user({"type": "video", "video": frames, "fps": 1.0}))
+
+
+# --- typed messages ---------------------------------------------------------------------------
+
+
+def test_dict_form_converts_to_typed_messages() -> None:
+    image, frames = _image(16, 16), _frames(2, 16, 16)
+    url = "data:image/png;base64,"
+    dicts: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image, "uuid": 7},
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "video", "video": frames, "fps": 2},
+                {"type": "video", "index": 0},
+                {"type": "text", "text": "?"},
+            ],
+        },
+        {"role": "assistant", "content": None},
+    ]
+    chat = messages_from_dicts(dicts)
+    system, user, assistant = chat
+    assert system == Message("system", (TextPart("Be brief."),))
+    assert assistant == Message("assistant")
+    img, via_url, video, side, text = user.content
+    assert isinstance(img, ImagePart) and img.data is image and img.uuid == "7"
+    assert isinstance(via_url, ImagePart) and via_url.data == b""
+    assert isinstance(video, VideoPart) and video.frames is frames and video.fps == 2.0
+    assert isinstance(side, VideoPart) and side.index == 0 and side.payload is None
+    assert text == TextPart("?")
+    assert messages_from_dicts(chat) == chat  # typed messages pass through
+
+
+def test_typed_and_dict_messages_process_alike(processor: Processor) -> None:
+    image, frames = _image(40, 40, seed=3), _frames(4, 32, 32, seed=4)
+    typed = (
+        Message("system", (TextPart("Be brief."),)),
+        Message(
+            "user",
+            (ImagePart(image, uuid="a"), TextPart("and"), VideoPart(frames, 2.0), ImagePart()),
+        ),
+    )
+    dicts: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image, "uuid": "a"},
+                {"type": "text", "text": "and"},
+                {"type": "video", "video": frames, "fps": 2.0},
+                {"type": "image"},
+            ],
+        },
+    ]
+    side = [_image(24, 24, seed=5)]
+    a = processor.process(typed, images=side)
+    b = processor.process(messages_from_dicts(dicts), images=side)
+    assert a.prompt_token_ids == b.prompt_token_ids and a.params.hashes == b.params.hashes
+    assert [i.uuid for i in a.params.items] == ["a", None, None]
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: ImagePart(b"x", index=0), "both data and an index"),
+        (lambda: VideoPart(index=-1), "non-negative int"),
+        (lambda: Message(""), "no role"),
+        (lambda: messages_from_dicts([{"role": "user", "content": 3}]), "message 0: content"),
+        (
+            lambda: messages_from_dicts(
+                [{"role": "u", "content": [{"type": "image", "index": -2}]}]
+            ),
+            "message 0: image index",
+        ),
+        (
+            lambda: messages_from_dicts(
+                [{"role": "u", "content": [{"type": "image_url", "image_url": "https://x"}]}]
+            ),
+            "not fetched",
+        ),
+    ],
+)
+def test_malformed_messages_are_value_errors(build: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_messages_are_frozen() -> None:
+    import dataclasses
+
+    message = Message("user", (TextPart("hi"),))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        message.role = "assistant"  # type: ignore[misc]
 
 
 def _documented_mrope_positions(prompt: Any, merge: int) -> np.ndarray:

@@ -82,3 +82,22 @@ def test_every_rpc_has_its_own_messages() -> None:
                     assert name not in seen
                     seen.add(name)
     assert {"epd.v1.DecodeResponse", "epd.v1.GenerateResponse"} <= seen
+
+
+# Fields deleted from the protocol: (message, number, name). Both stay reserved forever, so
+# neither is reused with another meaning (`buf breaking` only lets a deletion through then).
+DELETED_FIELDS = [("epd.v1.DecodeResponse", 2, "text")]
+
+
+@pytest.mark.parametrize(("message", "number", "name"), DELETED_FIELDS)
+def test_deleted_fields_keep_number_and_name_reserved(message: str, number: int, name: str) -> None:
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    import epd.v1.decode_service_pb2  # noqa: F401  (registers the descriptors)
+
+    descriptor = descriptor_pool.Default().FindMessageTypeByName(message)
+    assert number not in descriptor.fields_by_number and name not in descriptor.fields_by_name
+    proto = descriptor_pb2.DescriptorProto()
+    descriptor.CopyToProto(proto)
+    assert any(r.start <= number < r.end for r in proto.reserved_range), f"{number} not reserved"
+    assert name in proto.reserved_name, f"{name!r} not reserved"

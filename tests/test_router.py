@@ -21,6 +21,8 @@ from PIL import Image
 from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
+from common.processing.messages import messages_from_dicts
+from common.processing.processor import Processor
 from common.sampling import SamplingParams
 from common.server.rpc import start_server
 from common.wire.kv import layout_from_proto
@@ -40,6 +42,7 @@ from epd.v1 import (
     tensor_pb2,
 )
 from router.calls import Job
+from router.detokenize import IncrementalDetokenizer
 from router.server import RunningRouter, serve
 from router.settings import RouterSettings
 from router.workers import Role
@@ -136,8 +139,8 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
             if self.hang_before_first:
                 await asyncio.sleep(60)
             left = request.sampling.max_tokens - 1
-            first = [request.first_token_id, 101]  # the real worker repeats the first token
-            yield decode_service_pb2.DecodeResponse(token_ids=first, blocks_pulled=3)
+            # As the real worker: the tokens after the first one (never an echo of it).
+            yield decode_service_pb2.DecodeResponse(token_ids=[101], blocks_pulled=3)
             if self.hang_after_first:
                 await asyncio.sleep(60)
             for i in range(left - 1):
@@ -256,7 +259,7 @@ async def test_text_request_goes_prefill_then_decode(cluster, workers):
 
 def prompt_hashes(cluster: Cluster, messages: Any) -> tuple[Any, list[bytes]]:
     assert cluster.router.orchestrator is not None
-    prompt = cluster.router.orchestrator.processor.process(messages)
+    prompt = cluster.router.orchestrator.processor.process(messages_from_dicts(messages))
     layout = layout_from_proto(worker_info(Role.PREFILL, "x").kv_layout)
     hashes = block_hashes(prompt.prompt_token_ids, 16, prompt.params, root=layout_root(layout))
     return prompt, hashes
@@ -447,7 +450,7 @@ async def test_closing_after_the_first_token_releases_the_lease(cluster, workers
     # decode starts: the router owns the lease then and must release it.
     _, pre, dec = workers
     orchestrator = cluster.router.orchestrator
-    prompt = orchestrator.processor.process(TEXT)
+    prompt = orchestrator.processor.process(messages_from_dicts(TEXT))
     job = Job("r1", prompt, SamplingParams(max_tokens=4), None, time.monotonic() + 30)
     stream = orchestrator.run(job)
     first = await anext(stream)
@@ -534,3 +537,22 @@ async def test_mismatched_registration_is_failed_precondition(cluster, workers):
         await cluster.registry_stub.Register(registry_service_pb2.RegisterRequest(worker=info))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "block_size=8 (expected 16)" in err.value.details()
+
+
+# ------------------------------------------------------------------------------- text
+
+
+async def test_text_is_the_routers_detokenization_of_every_token(cluster, workers):
+    # The decode stream carries token ids only; the router's text covers the first token too.
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert result.token_ids == [FIRST, 101, 102, 103]
+    assert result.text == cluster.router.orchestrator.processor.decode(result.token_ids)
+
+
+def test_detokenizer_deltas_concatenate_to_the_full_text(ckpt):
+    processor = Processor.from_pretrained(ckpt)
+    ids = processor.tokenizer.encode("héllo wörld — ünïcode ✓ text, and more").ids
+    detok = IncrementalDetokenizer(processor.decode)
+    deltas = [detok.add([t]) for t in ids]
+    assert "\ufffd" not in "".join(deltas)  # a split character is held back, never sent
+    assert "".join(deltas) + detok.flush() == processor.decode(ids)

@@ -1,4 +1,4 @@
-"""Qwen3-VL input processing: chat messages -> token ids, item layout and patch rows.
+"""Qwen3-VL input processing: typed chat messages -> token ids, item layout and patch rows.
 
 `Processor.process` renders the chat template, preprocesses every image and video, expands
 each into placeholder tokens, tokenises the result and derives each item's exact runs from
@@ -34,8 +34,15 @@ from common.multimodal.params import (
     MultimodalParams,
     runs_from_mask,
 )
-from common.processing.chat import MediaSlot, render_chat
+from common.processing.chat import render_chat
 from common.processing.image import FloatArray, preprocess_image
+from common.processing.messages import (
+    ChatDicts,
+    ImagePart,
+    MediaPart,
+    Message,
+    messages_from_dicts,
+)
 from common.processing.video import preprocess_video
 
 logger = logging.getLogger(__name__)
@@ -173,7 +180,7 @@ class Processor:
 
     def process(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Message] | ChatDicts,
         *,
         images: Sequence[Any] = (),
         videos: Sequence[Any] = (),
@@ -181,14 +188,17 @@ class Processor:
     ) -> ProcessedPrompt:
         """Render, preprocess and tokenise a chat request.
 
+        `messages` are typed (`common.processing.messages`); the dict form is still taken
+        and converted first by `messages_from_dicts`, the same converter the Engine uses.
         Media parts carry their data inline or refer to `images` / `videos` (the payloads, in
-        payload order) by `"index"`; a part with neither takes the next unreferenced payload.
+        payload order) by `index`; a part with neither takes the next unreferenced payload.
         Inline payloads are numbered after the side payloads, in prompt order. Raises
         `ValueError` on malformed messages, unknown payload indexes or text that spells out
         placeholder tokens.
         """
-        pieces = render_chat(messages, add_generation_prompt=add_generation_prompt)
-        slots = [p for p in pieces if isinstance(p, MediaSlot)]
+        chat = messages_from_dicts(messages)
+        pieces = render_chat(chat, add_generation_prompt=add_generation_prompt)
+        slots = [p for p in pieces if not isinstance(p, str)]
         payload_index = _assign_payloads(
             slots, {Modality.IMAGE: len(images), Modality.VIDEO: len(videos)}
         )
@@ -200,7 +210,7 @@ class Processor:
                 text_parts.append(piece)
                 continue
             index = payload_index[len(media)]
-            data = piece.data if piece.data is not None else sides[piece.modality][index]
+            data = piece.payload if piece.payload is not None else sides[piece.modality][index]
             item = self._preprocess(piece, data, index)
             media.append(item)
             text_parts.append(self._placeholder_text(item))
@@ -208,8 +218,8 @@ class Processor:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return self._layout(ids, text, media)
 
-    def _preprocess(self, slot: MediaSlot, data: Any, payload_index: int) -> _Media:
-        if slot.modality == Modality.IMAGE:
+    def _preprocess(self, slot: MediaPart, data: Any, payload_index: int) -> _Media:
+        if isinstance(slot, ImagePart):
             patches, grid = preprocess_image(data, self.settings)
             return _Media(slot.modality, payload_index, slot.uuid, patches, grid, ())
         fps = slot.fps
@@ -318,7 +328,7 @@ class Processor:
         return h.digest()
 
 
-def _assign_payloads(slots: Sequence[MediaSlot], side_counts: Mapping[Modality, int]) -> list[int]:
+def _assign_payloads(slots: Sequence[MediaPart], side_counts: Mapping[Modality, int]) -> list[int]:
     """Payload index of each slot (see `Processor.process`)."""
     explicit = {
         m: {s.index for s in slots if s.modality == m and s.index is not None} for m in side_counts
@@ -328,7 +338,7 @@ def _assign_payloads(slots: Sequence[MediaSlot], side_counts: Mapping[Modality, 
     out: list[int] = []
     for slot in slots:
         m = slot.modality
-        if slot.data is not None:
+        if slot.payload is not None:
             out.append(inline_next[m])
             inline_next[m] += 1
             continue
