@@ -21,14 +21,15 @@ async def _admin(address: str) -> Any:
 
 async def cmd_scale(args: argparse.Namespace) -> int:
     """Ask the router's scaler for `--replicas` workers, then wait until the pool has them."""
-    from cluster.pools import registered_counts, wire_role
+    from cluster.pools import registered_counts
+    from common.wire.roles import role_to_proto
     from epd.v1 import admin_service_pb2
 
     ch, stub = await _admin(args.address)
     async with ch:
         before = (await registered_counts(stub)).get(args.role, 0)
         reply = await stub.Scale(
-            admin_service_pb2.ScaleRequest(role=wire_role(args.role), replicas=args.replicas),
+            admin_service_pb2.ScaleRequest(role=role_to_proto(args.role), replicas=args.replicas),
             timeout=60,
         )
         _say(f"{args.role}: {_workers(before)} -> {_workers(reply.replicas)}")
@@ -53,7 +54,7 @@ def _workers(n: int) -> str:
 
 async def cmd_status(args: argparse.Namespace) -> int:
     """One line per worker: role, name, address, load, KV blocks, cache hits, heartbeat."""
-    from cluster.pools import role_name
+    from common.wire.roles import role_from_proto
     from epd.v1 import admin_service_pb2
 
     ch, stub = await _admin(args.address)
@@ -71,7 +72,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
         hits = f"{load.cache_hits}/{load.cache_lookups}"
         rows.append(
             (
-                role_name(w.info.role),
+                str(role_from_proto(w.info.role)),
                 w.info.name or "-",
                 w.info.address,
                 str(load.active_requests),

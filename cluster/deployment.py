@@ -26,10 +26,10 @@ from cluster.pools import (
     error_summary,
     reachable_address,
     registered_counts,
-    role_name,
 )
 from cluster.settings import ROLES, EpdSettings, RaySettings
 from common.server.rpc import channel
+from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Controller:
 
     async def _scale(self, role: Any, replicas: int) -> int:
         """The router's scaler: `role` as a wire enum value or a name."""
-        name = str(role) if isinstance(role, str) else role_name(int(role))
+        name = str(role) if isinstance(role, str) else str(role_from_proto(int(role)))
         return await self.pools.scale(name, int(replicas))
 
     async def address(self) -> str:

@@ -47,7 +47,8 @@ from cluster.settings import ROLES, PoolSettings
 from common.server.role import RoleServer
 from common.server.rpc import channel
 from common.settings.base import ModelWorkerSettings, WorkerSettings
-from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
+from common.wire.roles import role_from_proto
+from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -59,30 +60,8 @@ SERVER_MODULES = {
     "decode": "decode_worker.server",
 }
 CONTROLLER_NAME = "epd-controller"
-_WIRE_ROLES = {
-    "encoder": registry_service_pb2.WORKER_ROLE_ENCODER,
-    "prefill": registry_service_pb2.WORKER_ROLE_PREFILL,
-    "decode": registry_service_pb2.WORKER_ROLE_DECODE,
-}
-_ROLE_NAMES: dict[int, str] = {int(v): k for k, v in _WIRE_ROLES.items()}
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _ANY = ("0.0.0.0", "::", "")
-
-
-def wire_role(role: str) -> registry_service_pb2.WorkerRole:
-    """The `WorkerRole` enum value of a role name ("encoder", "prefill", "decode")."""
-    try:
-        return _WIRE_ROLES[role]
-    except KeyError:
-        raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}") from None
-
-
-def role_name(value: int) -> str:
-    """The role name of a wire `WorkerRole` value."""
-    try:
-        return _ROLE_NAMES[value]
-    except KeyError:
-        raise ValueError(f"worker role {value} is not encoder, prefill or decode") from None
 
 
 def _setup_logging(level: str) -> None:
@@ -357,8 +336,12 @@ async def registered_counts(stub: Any, *, include_draining: bool = False) -> dic
     reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
     counts = dict.fromkeys(ROLES, 0)
     for worker in reply.workers:
-        if worker.info.role in _ROLE_NAMES and (include_draining or not worker.draining):
-            counts[role_name(worker.info.role)] += 1
+        try:
+            role = role_from_proto(worker.info.role)
+        except ValueError:
+            continue  # a role this CLI does not know
+        if include_draining or not worker.draining:
+            counts[role] += 1
     return counts
 
 

@@ -21,13 +21,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.roles import WORKER_ROLES
 from common.settings.schema import SettingsError, describe, setting, to_toml
 from decode_worker.settings import DecodeSettings
 from encoder_worker.settings import EncoderSettings
 from prefill_worker.settings import PrefillSettings
 from router.settings import RouterSettings
 
-ROLES = ("encoder", "prefill", "decode")
+# Worker role names, as TOML sections and `epd scale --role` choices.
+ROLES = tuple(str(role) for role in WORKER_ROLES)
 
 
 @dataclass(frozen=True, slots=True)

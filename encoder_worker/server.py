@@ -23,9 +23,10 @@ from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
 from common.models.runner import model_identity
+from common.roles import PROTOCOL_VERSION
 from common.server.lifecycle import ServerLifecycle
 from common.server.role import AddServicer, RoleServer, checkpoint_path
-from common.server.rpc import PROTOCOL_VERSION, rpc_errors, service_name
+from common.server.rpc import rpc_errors, service_name
 from common.wire.convert import element_type, tensor_to_ref
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.engine import EncoderEngine, ItemOutput

@@ -12,9 +12,10 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from common.roles import Role
+from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 from router.registry import Registry
-from router.workers import Role
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         role = None
         if request.role != registry_service_pb2.WORKER_ROLE_UNSPECIFIED:
             try:
-                role = Role.from_proto(request.role)
+                role = role_from_proto(request.role)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: {exc}")
         response = admin_service_pb2.StatusResponse(
@@ -62,7 +63,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
     ) -> admin_service_pb2.ScaleResponse:
         """Delegate to the scaler; UNIMPLEMENTED without one."""
         try:
-            role = Role.from_proto(request.role)
+            role = role_from_proto(request.role)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: {exc}")
         if self.scaler is None:

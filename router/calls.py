@@ -12,9 +12,10 @@ from typing import TypeVar
 import grpc
 
 from common.processing.processor import ProcessedPrompt
+from common.roles import Role
 from common.sampling import SamplingParams
 from router.registry import Registry
-from router.workers import NoWorkerError, Role, WorkerRecord
+from router.workers import NoWorkerError, WorkerRecord
 
 logger = logging.getLogger(__name__)
 

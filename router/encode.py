@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.roles import Role
 from common.server.peers import PeerClient
 from common.wire.convert import tensor_to_ref
 from epd.v1 import encoder_service_pb2, encoder_service_pb2_grpc, multimodal_pb2
 from router.calls import Job, RouterError, WorkerCalls
-from router.workers import NoWorkerError, Role, WorkerRecord
+from router.workers import NoWorkerError, WorkerRecord
 
 logger = logging.getLogger(__name__)
 

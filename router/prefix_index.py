@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from common.server.peers import PeerClient
 from epd.v1 import kv_pb2, prefill_service_pb2, prefill_service_pb2_grpc
-from router.channels import Channels
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 class PrefixIndex:
     """Cached block hashes per prefill worker address (see the module docstring)."""
 
-    def __init__(self, channels: Channels, *, retry_s: float = 0.5) -> None:
+    def __init__(self, channels: PeerClient, *, retry_s: float = 0.5) -> None:
         self.channels = channels
         self.retry_s = retry_s
         self._hashes: dict[str, set[bytes]] = {}

@@ -45,15 +45,14 @@ from contextlib import contextmanager
 import grpc
 
 from common.kv.layout import KvLayout
+from common.roles import KV_ROLES, PROTOCOL_VERSION, Role
 from common.wire.kv import layout_from_proto
+from common.wire.roles import role_from_proto
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 from router.workers import (
-    KV_ROLES,
-    PROTOCOL_VERSION,
     CheckpointShape,
     NoWorkerError,
     RegistrationRefused,
-    Role,
     WorkerLoad,
     WorkerRecord,
 )
@@ -100,7 +99,7 @@ class Registry:
         """Check and record a worker. Raises ValueError for an incomplete registration and
         `RegistrationRefused` for one that does not fit the deployment; neither changes
         any state."""
-        role = Role.from_proto(info.role)
+        role = role_from_proto(info.role)
         if not info.address:
             raise ValueError("worker.address is empty")
         if info.protocol_version != PROTOCOL_VERSION:

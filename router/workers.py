@@ -4,42 +4,11 @@ agree on, the load they report, and one record per registered worker (see router
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, fields
 
 from common.kv.layout import KvLayout
+from common.roles import Role
 from epd.v1 import registry_service_pb2
-
-PROTOCOL_VERSION = "epd.v1"
-
-
-class Role(enum.StrEnum):
-    """A worker's role."""
-
-    ENCODER = "encoder"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-    @classmethod
-    def from_proto(cls, value: int) -> Role:
-        """The role of a wire `WorkerRole`; ValueError for unspecified or unknown values."""
-        try:
-            return _ROLES[value]
-        except KeyError:
-            raise ValueError(f"worker role {value} is not encoder, prefill or decode") from None
-
-    def to_proto(self) -> registry_service_pb2.WorkerRole:
-        """The wire `WorkerRole`."""
-        return _ROLE_PROTOS[self]
-
-
-_ROLE_PROTOS = {
-    Role.ENCODER: registry_service_pb2.WORKER_ROLE_ENCODER,
-    Role.PREFILL: registry_service_pb2.WORKER_ROLE_PREFILL,
-    Role.DECODE: registry_service_pb2.WORKER_ROLE_DECODE,
-}
-_ROLES = {int(v): k for k, v in _ROLE_PROTOS.items()}
-KV_ROLES = frozenset({Role.PREFILL, Role.DECODE})
 
 
 class RegistrationRefused(Exception):

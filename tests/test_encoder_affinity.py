@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from common.models.tiny import make_tiny_checkpoint
+from common.roles import Role
 from common.sampling import SamplingParams
 from common.server.rpc import start_server
 from epd.client import GenerateError
@@ -21,7 +22,7 @@ from epd.v1 import encoder_service_pb2_grpc, registry_service_pb2
 from router.registry import Registry, rendezvous_weight
 from router.server import serve
 from router.settings import RouterSettings
-from router.workers import Role, WorkerLoad
+from router.workers import WorkerLoad
 from tests.test_router import (
     MODEL,
     Cluster,

@@ -30,9 +30,10 @@ from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
 from common.models.tiny import default_checkpoint
 from common.multimodal.params import MultimodalParams
+from common.roles import PROTOCOL_VERSION
 from common.sampling import SamplingParams
-from common.server.kv_worker import WorkerServer
-from common.server.rpc import PROTOCOL_VERSION, channel, start_server
+from common.server.role import RoleServer
+from common.server.rpc import channel, start_server
 from common.wire.convert import params_to_proto, sampling_to_proto
 from common.wire.kv import layout_from_proto, layout_to_proto
 from decode_worker.server import serve as serve_decode
@@ -92,8 +93,8 @@ class Cluster:
     """A tiny engine for expected results plus one prefill and one decode worker."""
 
     engine: Engine
-    prefill: WorkerServer
-    decode: WorkerServer
+    prefill: RoleServer[Any]
+    decode: RoleServer[Any]
     prefill_stub: Any
     decode_stub: Any
     channels: list[Any]

@@ -22,6 +22,7 @@ import cluster.pools as pools
 from cluster.pools import PoolManager, WorkerActor, drain_at_router, reachable_address
 from cluster.settings import EpdSettings, PoolSettings
 from common.server.rpc import start_server
+from common.wire.roles import role_from_proto, role_to_proto
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 
 # ------------------------------------------------------------------------ stand-in actors
@@ -123,12 +124,12 @@ def _manager(
 
 def test_role_names_and_wire_values_round_trip() -> None:
     for role in ("encoder", "prefill", "decode"):
-        assert pools.role_name(pools.wire_role(role)) == role
-    assert pools.wire_role("prefill") == registry_service_pb2.WORKER_ROLE_PREFILL
+        assert role_from_proto(role_to_proto(role)) == role
+    assert role_to_proto("prefill") == registry_service_pb2.WORKER_ROLE_PREFILL
     with pytest.raises(ValueError, match="unknown role 'router'"):
-        pools.wire_role("router")
+        role_to_proto("router")
     with pytest.raises(ValueError, match="worker role 0"):
-        pools.role_name(0)
+        role_from_proto(0)
 
 
 def test_error_summary_is_the_root_cause() -> None:

@@ -15,7 +15,7 @@ import pytest_asyncio
 from common.engine import Engine
 from common.kv.allocator import blocks_for
 from common.multimodal.params import MultimodalParams
-from common.server.kv_worker import WorkerServer
+from common.server.role import RoleServer
 from common.server.rpc import channel, start_server
 from common.transfer.agent import TransferAgent
 from common.wire.transfer import handle_for
@@ -52,7 +52,7 @@ TTL_S = 0.6
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def worker(ckpt: Path) -> AsyncIterator[WorkerServer]:
+async def worker(ckpt: Path) -> AsyncIterator[RoleServer[Any]]:
     """A prefill worker with a short lease TTL and a small cache (evictions happen)."""
     server = await serve_prefill(
         PrefillSettings(model=str(ckpt), block_size=BLOCK, num_blocks=48, lease_ttl_s=TTL_S)
@@ -62,12 +62,12 @@ async def worker(ckpt: Path) -> AsyncIterator[WorkerServer]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stub(worker: WorkerServer) -> AsyncIterator[Any]:
+async def stub(worker: RoleServer[Any]) -> AsyncIterator[Any]:
     async with channel(worker.address) as ch:
         yield prefill_service_pb2_grpc.PrefillServiceStub(ch)
 
 
-async def settle(worker: WorkerServer, stub: Any) -> None:
+async def settle(worker: RoleServer[Any], stub: Any) -> None:
     """Release every live lease so block counts are at their baseline."""
     for lease in list(worker.servicer.leases._leases):
         await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=lease))
@@ -113,7 +113,7 @@ MALFORMED: dict[str, tuple[Callable[[Any, list[int]], None], str]] = {
 
 @pytest.mark.parametrize("case", list(MALFORMED))
 async def test_malformed_handoff_is_invalid_argument_and_worker_keeps_serving(
-    worker: WorkerServer, stub: Any, engine: Engine, case: str
+    worker: RoleServer[Any], stub: Any, engine: Engine, case: str
 ) -> None:
     corrupt, field = MALFORMED[case]
     tokens, params = make_handoff(engine, IMAGE_VIDEO)
@@ -140,7 +140,7 @@ async def test_malformed_handoff_is_invalid_argument_and_worker_keeps_serving(
 
 
 async def test_bad_sampling_is_invalid_argument(
-    worker: WorkerServer, stub: Any, engine: Engine
+    worker: RoleServer[Any], stub: Any, engine: Engine
 ) -> None:
     tokens, params = make_handoff(engine, TEXT)
     request = prefill_request(tokens, params, GREEDY)
@@ -154,7 +154,9 @@ async def test_bad_sampling_is_invalid_argument(
 # ---------------------------------------------------------------------------- leases
 
 
-async def test_release_frees_blocks_once(worker: WorkerServer, stub: Any, engine: Engine) -> None:
+async def test_release_frees_blocks_once(
+    worker: RoleServer[Any], stub: Any, engine: Engine
+) -> None:
     await settle(worker, stub)
     pool = worker.servicer.runner.allocator.pool
     tokens, params = make_handoff(engine, user("A short question about leases?"))
@@ -168,7 +170,7 @@ async def test_release_frees_blocks_once(worker: WorkerServer, stub: Any, engine
 
 
 async def test_unreleased_lease_is_reaped_after_ttl(
-    worker: WorkerServer, stub: Any, engine: Engine
+    worker: RoleServer[Any], stub: Any, engine: Engine
 ) -> None:
     await settle(worker, stub)
     servicer = worker.servicer
@@ -191,7 +193,7 @@ async def test_unreleased_lease_is_reaped_after_ttl(
 
 
 async def test_kv_events_snapshot_then_live(
-    worker: WorkerServer, stub: Any, engine: Engine
+    worker: RoleServer[Any], stub: Any, engine: Engine
 ) -> None:
     runner = worker.servicer.runner
     tokens, params = make_handoff(engine, user("Warm the cache with this sentence, please."))
@@ -260,7 +262,7 @@ class FakeEncoder(encoder_service_pb2_grpc.EncoderServiceServicer):
 
 
 async def test_embeddings_pulled_by_nixl_give_the_inline_result(
-    worker: WorkerServer, stub: Any, engine: Engine
+    worker: RoleServer[Any], stub: Any, engine: Engine
 ) -> None:
     await settle(worker, stub)
     tokens, params = make_handoff(engine, user(vid_part(21, 4), "What is this?"))
@@ -288,7 +290,7 @@ async def test_embeddings_pulled_by_nixl_give_the_inline_result(
 
 
 async def test_embeddings_only_needed_past_the_cached_prefix(
-    worker: WorkerServer, stub: Any, engine: Engine
+    worker: RoleServer[Any], stub: Any, engine: Engine
 ) -> None:
     await settle(worker, stub)
     shared = "This long preamble about the clip is shared by both of the questions below."
@@ -317,7 +319,7 @@ async def test_embeddings_only_needed_past_the_cached_prefix(
 
 
 async def test_load_reports_blocks_and_prefix_hits(
-    worker: WorkerServer, stub: Any, engine: Engine
+    worker: RoleServer[Any], stub: Any, engine: Engine
 ) -> None:
     await settle(worker, stub)
     tokens, params = make_handoff(engine, user("Count my prefix hits, twice over."))

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from common.roles import Role
+from common.wire.roles import role_to_proto
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
 from router.registry import Registry
 from router.server import _expire_loop
@@ -16,7 +18,6 @@ from router.workers import (
     CheckpointShape,
     NoWorkerError,
     RegistrationRefused,
-    Role,
     WorkerLoad,
     WorkerRecord,
 )
@@ -49,7 +50,7 @@ def layout(**overrides: object) -> kv_pb2.KvLayout:
 
 def info(role: Role, port: int, **overrides) -> registry_service_pb2.WorkerInfo:
     msg = registry_service_pb2.WorkerInfo(
-        role=role.to_proto(),
+        role=role_to_proto(role),
         address=f"127.0.0.1:{port}",
         model=overrides.pop("model", MODEL),
         protocol_version=overrides.pop("protocol_version", "epd.v1"),

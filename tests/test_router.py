@@ -23,9 +23,11 @@ from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.processing.processor import Processor
+from common.roles import Role
 from common.sampling import SamplingParams
 from common.server.rpc import start_server
 from common.wire.kv import layout_from_proto
+from common.wire.roles import role_to_proto
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import (
     admin_service_pb2,
@@ -45,7 +47,6 @@ from router.calls import Job
 from router.detokenize import IncrementalDetokenizer
 from router.server import RunningRouter, serve
 from router.settings import RouterSettings
-from router.workers import Role
 
 MODEL = "fake-model"
 FIRST = 100  # the fake prefill's first token
@@ -156,7 +157,7 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
 
 def worker_info(role: Role, address: str, **kw: Any) -> registry_service_pb2.WorkerInfo:
     msg = registry_service_pb2.WorkerInfo(
-        role=role.to_proto(), address=address, model=MODEL, protocol_version="epd.v1"
+        role=role_to_proto(role), address=address, model=MODEL, protocol_version="epd.v1"
     )
     if role != Role.ENCODER:
         msg.kv_layout.CopyFrom(

@@ -12,10 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.kv.block_pool import NoFreeBlocksError
 from common.multimodal.validation import MultimodalLayoutError
+from common.roles import PROTOCOL_VERSION
 from common.server.lifecycle import LifecycleState, ServerLifecycle
 from common.server.registrar import Registrar
 from common.server.rpc import (
-    PROTOCOL_VERSION,
     RunningServer,
     channel,
     rpc_errors,

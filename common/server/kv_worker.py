@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from common.models.runner import LmRunner
+from common.roles import PROTOCOL_VERSION
 from common.server.lifecycle import ServerLifecycle
 from common.server.role import RoleServer, checkpoint_path
-from common.server.rpc import PROTOCOL_VERSION
 from common.settings.base import KvWorkerSettings
 from common.wire.kv import layout_to_proto
 from epd.v1 import registry_service_pb2

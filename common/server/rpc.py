@@ -30,7 +30,6 @@ from common.settings.schema import SettingsError
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = "epd.v1"
 DEFAULT_MAX_MESSAGE_MB = 256
 DRAINING_DETAILS = "draining"
 
