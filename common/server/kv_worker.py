@@ -1,8 +1,8 @@
 """What the KV workers (prefill and decode) share around their servicers: loading the
 runner, the registration they send the router, and their heartbeat load.
 
-Their running server is a `common.server.role.RoleServer` (`WorkerServer` below names it
-for them); their calls to peers go through `common.server.peers.PeerClient`.
+Their running server is a `common.server.role.RoleServer`; their calls to peers go through
+`common.server.peers.PeerClient`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ from typing import Any
 from common.models.runner import LmRunner
 from common.roles import PROTOCOL_VERSION
 from common.server.lifecycle import ServerLifecycle
-from common.server.role import RoleServer, checkpoint_path
+from common.server.role import checkpoint_path
 from common.settings.base import KvWorkerSettings
 from common.wire.kv import layout_to_proto
 from epd.v1 import registry_service_pb2
-
-# A KV worker's running server; its `servicer` is the role's servicer.
-WorkerServer = RoleServer[Any]
 
 
 def load_runner(settings: KvWorkerSettings, **extra: Any) -> LmRunner:
