@@ -29,8 +29,8 @@ from typing import Any
 
 import grpc
 
+from common.errors import FieldError
 from common.models.runner import model_identity
-from common.multimodal.validation import MultimodalLayoutError
 from common.processing.processor import ProcessedPrompt, Processor
 from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
@@ -74,8 +74,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
     def _prepare(self, request: router_service_pb2.GenerateRequest) -> tuple[Any, ProcessedPrompt]:
         try:
             sampling = sampling_from_proto(request.sampling)
-        except MultimodalLayoutError as exc:
-            raise InputError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+        except FieldError as exc:  # sampling errors and multimodal layout errors alike
+            raise InputError(exc.field, exc.reason) from None
         messages = messages_from_proto(request.messages)
         try:
             prompt = self.processor.process(messages)
