@@ -45,9 +45,9 @@ from common.multimodal.validation import MultimodalLayoutError
 from common.server.rpc import RpcStatusError
 from common.transfer.agent import TransferAgent
 from common.transfer.types import DEVICE_MEMORY, HOST_MEMORY, TransferStats
-from common.wire.convert import TensorResolver, _embeddings_from_proto, params_from_proto
+from common.wire.convert import TensorResolver, embeddings_from_proto, params_from_proto
 from common.wire.kv import layout_from_proto, layout_to_proto
-from common.wire.transfer import _KIND_TO_MEMORY, _MEMORY_TO_KIND
+from common.wire.transfer import KIND_TO_MEMORY, MEMORY_TO_KIND
 from epd.v1 import kv_pb2, multimodal_pb2
 
 # Pulls up to this size READ on the event loop's own thread: a hop to a worker thread and
@@ -100,7 +100,7 @@ def build_handle(
             for address, length in map(kv.block_address, blocks)
         ],
         lease_id=lease_id,
-        memory_kind=_MEMORY_TO_KIND[memory],
+        memory_kind=MEMORY_TO_KIND[memory],
         num_tokens=num_tokens,
         layout=layout_to_proto(runner.kv_layout),
         lease_ttl_ms=int(lease_ttl_s * 1000),
@@ -131,7 +131,7 @@ def check_handle(handle: kv_pb2.KvHandle, runner: LmRunner, num_tokens: int) -> 
         raise _invalid("kv.blocks", f"every descriptor must be one block of {block_bytes} bytes")
     if len({b.device_id for b in handle.blocks}) > 1:
         raise _invalid("kv.blocks", "descriptors name several devices")
-    if handle.memory_kind not in _KIND_TO_MEMORY:
+    if handle.memory_kind not in KIND_TO_MEMORY:
         raise _invalid("kv.memory_kind", f"unknown memory kind {handle.memory_kind}")
     if not handle.agent_metadata or not handle.agent_name:
         raise _invalid("kv.agent_metadata", "the holder's NIXL agent is missing")
@@ -167,7 +167,7 @@ async def pull(
         remote,
         local,
         timeout_s=timeout_s,
-        remote_memory=_KIND_TO_MEMORY[handle.memory_kind],
+        remote_memory=KIND_TO_MEMORY[handle.memory_kind],
         remote_device_id=handle.blocks[0].device_id,
     )
     if len(plan.pull) * runner.kv.spec.block_bytes <= INLINE_PULL_BYTES:
@@ -204,7 +204,7 @@ def read_handoff(
     positions = runner.check_prompt(prompt_token_ids, layout)
     if not with_embeddings:
         return Handoff(layout, positions)
-    embeddings = _embeddings_from_proto(multimodal, list(layout.items), resolve)
+    embeddings = embeddings_from_proto(multimodal, list(layout.items), resolve)
     params = dataclasses.replace(layout, embeddings=embeddings)
     runner.check_embeddings(params)
     return Handoff(params, positions)

@@ -107,11 +107,6 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.requests = 0  # Prefill RPCs answered with a handle
         agent.register(runner.kv.buffer)
         self._metadata = agent.metadata()
-        device = runner.kv.device
-        self._memory_kind = (
-            tensor_pb2.MEMORY_KIND_HOST if device.type == "cpu" else tensor_pb2.MEMORY_KIND_DEVICE
-        )
-        self._device_id = 0 if device.type == "cpu" else (device.index or 0)
 
     # ------------------------------------------------------------------------- Prefill
 

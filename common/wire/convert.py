@@ -188,7 +188,7 @@ def params_from_proto(
     for i in range(n):
         meta = msg.items[i] if msg.items else multimodal_pb2.MultimodalItemMetadata()
         items.append(_item_from_proto(i, meta, bytes(msg.mm_hashes[i]), runs[i], uuids))
-    embeddings = _embeddings_from_proto(msg, items, resolve) if with_embeddings else {}
+    embeddings = embeddings_from_proto(msg, items, resolve) if with_embeddings else {}
     delta = msg.mrope_position_delta if msg.HasField("mrope_position_delta") else None
     return MultimodalParams(tuple(items), embeddings, delta)
 
@@ -231,11 +231,15 @@ def _item_from_proto(
     )
 
 
-def _embeddings_from_proto(
+def embeddings_from_proto(
     msg: multimodal_pb2.MultimodalParams,
     items: list[MultimodalItemMetadata],
     resolve: TensorResolver | None,
 ) -> dict[int, ItemEmbedding]:
+    """The embeddings a message carries, by item index, checked against `items` (inline
+    tensors decoded here, NIXL-held ones through `resolve`). Raises MultimodalLayoutError
+    naming the field."""
+
     def tensor(ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
         if ref.WhichOneof("data") == "handle" and resolve is not None:
             return resolve(ref, field)

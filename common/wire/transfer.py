@@ -16,11 +16,12 @@ from common.transfer.regions import tensor_memory
 from common.transfer.types import DEVICE_MEMORY, HOST_MEMORY, TransferTimeoutError
 from epd.v1 import tensor_pb2
 
-_KIND_TO_MEMORY = {
+# The one map between the wire MemoryKind and NIXL's memory names (handles, KV handles).
+KIND_TO_MEMORY = {
     tensor_pb2.MEMORY_KIND_HOST: HOST_MEMORY,
     tensor_pb2.MEMORY_KIND_DEVICE: DEVICE_MEMORY,
 }
-_MEMORY_TO_KIND = {memory: kind for kind, memory in _KIND_TO_MEMORY.items()}
+MEMORY_TO_KIND = {memory: kind for kind, memory in KIND_TO_MEMORY.items()}
 
 
 def handle_for(
@@ -40,7 +41,7 @@ def handle_for(
         address=tensor.data_ptr(),
         length=tensor.numel() * tensor.element_size(),
         device_id=device_id,
-        memory_kind=_MEMORY_TO_KIND[region.memory],
+        memory_kind=MEMORY_TO_KIND[region.memory],
         lease_id=lease_id,
     )
 
@@ -60,7 +61,7 @@ def read_tensor(
     owns an ordinary tensor. Raises ValueError if dtype and shape disagree with the handle's
     length or the handle is malformed, and the errors of `TransferAgent.read` otherwise.
     """
-    if handle.memory_kind not in _KIND_TO_MEMORY:
+    if handle.memory_kind not in KIND_TO_MEMORY:
         raise ValueError(f"transfer handle has no valid memory kind ({handle.memory_kind})")
     if not handle.agent_metadata:
         raise ValueError("transfer handle carries no agent metadata")
@@ -87,7 +88,7 @@ def read_tensor(
             [(handle.address, handle.length)],
             [(out.data_ptr(), nbytes)],
             timeout_s=timeout_s,
-            remote_memory=_KIND_TO_MEMORY[handle.memory_kind],
+            remote_memory=KIND_TO_MEMORY[handle.memory_kind],
             remote_device_id=handle.device_id,
         )
     except TransferTimeoutError as exc:
