@@ -64,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RAY_ADDRESS",
         help="Ray cluster to join ('auto': the one on this node); same as --ray-address",
     )
+    serve.add_argument(
+        "--insecure",
+        dest="security__insecure",
+        action="store_const",
+        const="true",
+        default=argparse.SUPPRESS,
+        help="run without a cluster token (KV handles unsigned); same as --security-insecure true",
+    )
     _add_settings_flags(serve, EpdSettings)
 
     generate = commands.add_parser(

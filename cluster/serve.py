@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from cluster.console import say as _say
@@ -22,6 +25,7 @@ def cmd_serve(settings: Any) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     _prepare_checkpoint(settings)
+    settings = with_cluster_token(settings)
     started = time.monotonic()
     if settings.ray.address:
         _say(f"joining the Ray cluster at {settings.ray.address}")
@@ -29,6 +33,29 @@ def cmd_serve(settings: Any) -> int:
         _say("starting a local Ray cluster")
     started_ray = init_ray(settings.ray)
     return asyncio.run(_serve(settings, started_ray, started))
+
+
+def state_dir(namespace: str) -> Path:
+    """Where `epd serve` keeps a deployment's secrets: $EPD_HOME (default ~/.epd)/<namespace>."""
+    return Path(os.environ.get("EPD_HOME", "~/.epd")).expanduser() / namespace
+
+
+def with_cluster_token(settings: Any) -> Any:
+    """`settings` with a fresh cluster token file for this deployment, unless one is given
+    (top level or in every role) or `[security] insecure` is set; says where it went."""
+    from common.settings.security import write_token_file
+
+    security = settings.security
+    roles = (settings.router, settings.encoder, settings.prefill, settings.decode)
+    if security.insecure or security.cluster_token_file:
+        return settings
+    if all(r.security.cluster_token_file or r.security.insecure for r in roles):
+        return settings
+    path = write_token_file(state_dir(settings.ray.namespace) / "cluster_token")
+    _say(f"cluster token for this deployment written to {path} (readable by you only)")
+    return dataclasses.replace(
+        settings, security=dataclasses.replace(security, cluster_token_file=str(path))
+    )
 
 
 def _prepare_checkpoint(settings: Any) -> None:

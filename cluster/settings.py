@@ -5,6 +5,8 @@
     [encoder]  EncoderSettings          (encoder_worker/settings.py)
     [prefill]  PrefillSettings          (prefill_worker/settings.py)
     [decode]   DecodeSettings           (decode_worker/settings.py)
+    [security] SecuritySettings         the cluster token (common/settings/security.py), for
+                                        every role
     [pools]    PoolSettings             replicas per role, resources per worker actor
     [ray]      RaySettings              which Ray cluster, and how to start a local one
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from common.roles import WORKER_ROLES
 from common.settings.schema import SettingsError, describe, setting, to_toml
+from common.settings.security import SecuritySettings
 from decode_worker.settings import DecodeSettings
 from encoder_worker.settings import EncoderSettings
 from prefill_worker.settings import PrefillSettings
@@ -108,6 +111,10 @@ class EpdSettings:
         "the built-in tiny model, made on first use)",
     )
     log_level: str = setting("warning", "log level of the router and worker actors")
+    security: SecuritySettings = field(
+        default_factory=SecuritySettings,
+        metadata={"help": "every role's [security] (a role's own table is used when unset)"},
+    )
     router: RouterSettings = field(default_factory=RouterSettings, metadata={"help": "the router"})
     encoder: EncoderSettings = field(
         default_factory=EncoderSettings, metadata={"help": "every encoder worker"}
@@ -130,15 +137,21 @@ class EpdSettings:
             )
 
     def with_model(self) -> EpdSettings:
-        """A copy where a top-level `model` has been given to every role."""
-        if self.model is None:
+        """A copy where a top-level `model`, and a top-level `[security]` other than the
+        defaults, have been given to every role."""
+        shared: dict[str, Any] = {}
+        if self.model is not None:
+            shared["model"] = self.model
+        if self.security != SecuritySettings():
+            shared["security"] = self.security
+        if not shared:
             return self
         return dataclasses.replace(
             self,
-            router=dataclasses.replace(self.router, model=self.model),
-            encoder=dataclasses.replace(self.encoder, model=self.model),
-            prefill=dataclasses.replace(self.prefill, model=self.model),
-            decode=dataclasses.replace(self.decode, model=self.model),
+            router=dataclasses.replace(self.router, **shared),
+            encoder=dataclasses.replace(self.encoder, **shared),
+            prefill=dataclasses.replace(self.prefill, **shared),
+            decode=dataclasses.replace(self.decode, **shared),
         )
 
     def role_settings(self) -> dict[str, Any]:
@@ -162,6 +175,7 @@ _SECTIONS = {
     "encoder": "`[encoder]`: every encoder worker (`encoder_worker/settings.py`)",
     "prefill": "`[prefill]`: every prefill worker (`prefill_worker/settings.py`)",
     "decode": "`[decode]`: every decode worker (`decode_worker/settings.py`)",
+    "security": "`[security]`: the cluster token, for every role (`common/settings/security.py`)",
     "pools": "`[pools]`: worker pools on Ray (`cluster/settings.py`)",
     "ray": "`[ray]`: the Ray cluster (`cluster/settings.py`)",
 }

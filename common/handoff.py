@@ -7,24 +7,32 @@ check, so neither worker computes them again.
 
 On the prefill worker, `build_handle` describes a computed prompt's blocks for the decode
 worker: the block hashes, the holder's NIXL agent, one descriptor per prompt block (full
-blocks, then the partial last block) into the registered block-major KV buffer, the layout
-and the lease.
+blocks, then the partial last block) into the registered block-major KV buffer, the layout,
+the lease, the prompt's digest, each block's bytes' digest, and the holder's signature.
+
+Bytes bound to keys (DESIGN §4): the holder signs the handle (`handle_signature`, HMAC-SHA256
+under the deployment's cluster key) over every other field, so a handle cannot point at
+other blocks, another agent or another holder, nor be moved to another prompt
+(`prompt_digest` covers every token, the partial last block's included). The reader checks
+the bytes it pulled against `block_digests` before anything uses or caches them, and then
+confirms with the holder that the lease was live throughout the READ.
 
 On the decode worker: check the handle, plan the blocks (`KvAllocator.plan_import`), pull by
-NIXL READ, then `KvAllocator.finish_import` (or `abort_import`).
+NIXL READ and verify the digests, confirm the lease, then `KvAllocator.finish_import` (or
+`abort_import`).
 
-`check_handle` refuses a handle that does not fit the handoff or this worker: a different
-`KvLayout` (`KvLayout.differences`, the one comparison of layouts) is FAILED_PRECONDITION
-(the two workers cannot exchange blocks), a malformed handle INVALID_ARGUMENT naming the
-`kv.*` field. The caller then compares the handle's block hashes with the ones it
-recomputed from the handoff.
+`check_handle` refuses a handle that does not fit the handoff or this worker, before anything
+is allocated: a signature that does not verify is PERMISSION_DENIED, a different `KvLayout`
+(`KvLayout.differences`, the one comparison of layouts) or a handle made for another prompt
+FAILED_PRECONDITION, a malformed handle INVALID_ARGUMENT naming the `kv.*` field. The caller
+then compares the handle's block hashes with the ones it recomputed from the handoff.
 
 `pull` READs, in one NIXL transfer (adjacent blocks merged into one descriptor on both
-sides), the prompt blocks an `ImportPlan` lacks into the plan's own blocks; small pulls run
-on the event loop's thread (see `INLINE_PULL_BYTES`), large ones on a worker thread. The plan's
-blocks stay owned by the caller throughout; if the awaiting task is cancelled while the READ
-runs, `on_orphan` is called once the READ has finished (NIXL may write the blocks until
-then), so the caller can give the blocks back only when it is safe.
+sides), the prompt blocks an `ImportPlan` lacks into the plan's own blocks, then digests
+them; small pulls run on the event loop's thread (see `INLINE_PULL_BYTES`), large ones on a
+worker thread. The plan's blocks stay owned by the caller throughout; if the awaiting task
+is cancelled while the READ runs, `on_orphan` is called once the READ has finished (NIXL may
+write the blocks until then), so the caller can give the blocks back only when it is safe.
 """
 
 from __future__ import annotations
@@ -32,19 +40,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
+import hmac
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+import msgpack
 
 from common.kv.allocator import ImportPlan, blocks_for
+from common.kv.digest import DIGEST_BYTES, cache_block_digests
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.runner import LmRunner
 from common.multimodal.params import MultimodalParams
 from common.multimodal.validation import MultimodalLayoutError
 from common.server.rpc import RpcStatusError
 from common.transfer.agent import TransferAgent
-from common.transfer.types import DEVICE_MEMORY, HOST_MEMORY, TransferStats
+from common.transfer.types import (
+    DEVICE_MEMORY,
+    HOST_MEMORY,
+    TransferError,
+    TransferStats,
+    TransferTimeoutError,
+)
 from common.wire.convert import TensorResolver, embeddings_from_proto, params_from_proto
 from common.wire.kv import layout_from_proto, layout_to_proto
 from common.wire.transfer import KIND_TO_MEMORY, MEMORY_TO_KIND
@@ -64,8 +82,50 @@ class Handoff:
     positions: MropePositions  # the prompt's mRoPE positions (computed by the check)
 
 
+HANDLE_SIGNATURE_SCHEME = b"epd-kv-handle-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    """What `pull` did: the READ's figures, and which pulled blocks failed their digest."""
+
+    stats: TransferStats | None  # None: nothing was missing, nothing READ
+    mismatched: list[int]  # indices into the prompt's blocks whose bytes differ from the handle
+
+
 def _invalid(field: str, message: str) -> RpcStatusError:
     return RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
+
+
+def handle_signature(handle: kv_pb2.KvHandle, key: bytes) -> bytes:
+    """HMAC-SHA256 under `key` of every field of `handle` but the signature (a canonical
+    msgpack of them; the agent metadata by its SHA-256)."""
+    layout = handle.layout
+    body = [
+        HANDLE_SIGNATURE_SCHEME,
+        handle.agent_name,
+        hashlib.sha256(handle.agent_metadata).digest(),
+        [[b.address, b.length, b.device_id] for b in handle.blocks],
+        int(handle.memory_kind),
+        list(handle.block_hashes),
+        list(handle.block_digests),
+        handle.lease_id,
+        handle.lease_ttl_ms,
+        handle.num_tokens,
+        [
+            layout.model,
+            int(layout.dtype),
+            layout.block_size,
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.layout,
+            layout.block_bytes,
+        ],
+        handle.holder_address,
+        handle.prompt_digest,
+    ]
+    return hmac.new(key, msgpack.packb(body, use_bin_type=True), hashlib.sha256).digest()
 
 
 # ------------------------------------------------------------------------ prefill side
@@ -77,21 +137,27 @@ def build_handle(
     hashes: list[bytes],
     *,
     num_tokens: int,
+    prompt_digest: bytes,
+    block_digests: Sequence[bytes],
     agent: TransferAgent,
     agent_metadata: bytes,
     lease_id: str,
     lease_ttl_s: float,
     holder_address: str,
+    key: bytes | None,
 ) -> kv_pb2.KvHandle:
     """The `KvHandle` lending the first `blocks_for(num_tokens)` of `prompt_blocks` (held by
-    the lease `lease_id`) out of `runner`'s KV buffer, registered with `agent`, whose
-    metadata after that registration is `agent_metadata`."""
+    the lease `lease_id`, whose bytes have `block_digests`) out of `runner`'s KV buffer,
+    registered with `agent`, whose metadata after that registration is `agent_metadata`;
+    signed with `key` (unsigned when None: an insecure deployment)."""
     kv = runner.kv
     device = kv.device
     memory = HOST_MEMORY if device.type == "cpu" else DEVICE_MEMORY
     device_id = 0 if device.type == "cpu" else (device.index or 0)
     blocks = prompt_blocks[: blocks_for(num_tokens, runner.block_size)]
-    return kv_pb2.KvHandle(
+    if len(block_digests) != len(blocks):
+        raise ValueError(f"{len(block_digests)} digests for {len(blocks)} prompt blocks")
+    handle = kv_pb2.KvHandle(
         block_hashes=hashes,
         agent_metadata=agent_metadata,
         agent_name=agent.name,
@@ -105,15 +171,41 @@ def build_handle(
         layout=layout_to_proto(runner.kv_layout),
         lease_ttl_ms=int(lease_ttl_s * 1000),
         holder_address=holder_address,
+        prompt_digest=prompt_digest,
+        block_digests=block_digests,
     )
+    if key is not None:
+        handle.signature = handle_signature(handle, key)
+    return handle
 
 
 # ------------------------------------------------------------------------- decode side
 
 
-def check_handle(handle: kv_pb2.KvHandle, runner: LmRunner, num_tokens: int) -> None:
+def check_handle(
+    handle: kv_pb2.KvHandle,
+    runner: LmRunner,
+    num_tokens: int,
+    *,
+    prompt_digest: bytes,
+    key: bytes | None,
+) -> None:
     """Raise `RpcStatusError` unless `handle` can be pulled into `runner` for a prompt of
-    `num_tokens` tokens (see the module docstring for the statuses)."""
+    `num_tokens` tokens whose digest is `prompt_digest` (see the module docstring for the
+    statuses). With `key` None (insecure) the signature is not checked."""
+    if key is not None:
+        if not handle.signature:
+            raise RpcStatusError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "kv.signature: missing; this worker accepts only handles signed with the "
+                "deployment's cluster key",
+            )
+        if not hmac.compare_digest(handle.signature, handle_signature(handle, key)):
+            raise RpcStatusError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "kv.signature: does not verify; the handle was not made, as it is, by a "
+                "worker of this deployment",
+            )
     differ = layout_from_proto(handle.layout).differences(runner.kv_layout)
     if differ:
         raise RpcStatusError(
@@ -123,9 +215,21 @@ def check_handle(handle: kv_pb2.KvHandle, runner: LmRunner, num_tokens: int) -> 
         )
     if handle.num_tokens != num_tokens:
         raise _invalid("kv.num_tokens", f"{handle.num_tokens}, but the prompt has {num_tokens}")
+    if not hmac.compare_digest(handle.prompt_digest, prompt_digest):
+        raise RpcStatusError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "kv.prompt_digest: the handle was made for another prompt (tokens, layout, salt "
+            "or LoRA differ from this request's); refusing the KV",
+        )
     want = blocks_for(num_tokens, runner.block_size)
     if len(handle.blocks) != want:
         raise _invalid("kv.blocks", f"{len(handle.blocks)} descriptors, the prompt needs {want}")
+    if len(handle.block_digests) != want or any(
+        len(d) != DIGEST_BYTES for d in handle.block_digests
+    ):
+        raise _invalid(
+            "kv.block_digests", f"expected {want} digests of {DIGEST_BYTES} bytes, one per block"
+        )
     block_bytes = runner.kv.spec.block_bytes
     if any(b.length != block_bytes for b in handle.blocks):
         raise _invalid("kv.blocks", f"every descriptor must be one block of {block_bytes} bytes")
@@ -135,6 +239,8 @@ def check_handle(handle: kv_pb2.KvHandle, runner: LmRunner, num_tokens: int) -> 
         raise _invalid("kv.memory_kind", f"unknown memory kind {handle.memory_kind}")
     if not handle.agent_metadata or not handle.agent_name:
         raise _invalid("kv.agent_metadata", "the holder's NIXL agent is missing")
+    if not handle.lease_id or not handle.holder_address:
+        raise _invalid("kv.lease_id", "a handle names its lease and holder address")
 
 
 async def pull(
@@ -145,39 +251,83 @@ async def pull(
     *,
     timeout_s: float,
     on_orphan: Callable[[], object],
-) -> TransferStats | None:
-    """READ the plan's missing prompt blocks from the holder; None when nothing is missing.
+) -> Pulled:
+    """READ the plan's missing prompt blocks from the holder and check their digests.
 
-    Raises `RpcStatusError` (INVALID_ARGUMENT) when the metadata names another agent, and
-    the errors of `TransferAgent.read` (TransferError, TransferTimeoutError) otherwise.
+    Raises `RpcStatusError`: INVALID_ARGUMENT when the metadata cannot be loaded or names
+    another agent, FAILED_PRECONDITION when the holder refuses the READ (descriptors outside
+    its registered memory), UNAVAILABLE when the holder cannot be reached or the READ times
+    out (`TransferTimeoutError` is re-raised as is, for the caller's quarantine decision).
     """
     if not plan.pull:
-        return None
-    if handle.agent_name in agent.peers:
-        peer = agent.add_peer(handle.agent_metadata)  # known: a cheap comparison
-    else:
-        peer = await asyncio.to_thread(agent.add_peer, handle.agent_metadata)
+        return Pulled(None, [])
+    try:
+        if handle.agent_name in agent.peers:
+            peer = agent.add_peer(handle.agent_metadata)  # known: a cheap comparison
+        else:
+            try:
+                peer = await asyncio.to_thread(agent.add_peer, handle.agent_metadata)
+            except asyncio.CancelledError:
+                on_orphan()  # no READ was started: the blocks can go back now
+                raise
+    except (TransferError, ValueError) as exc:
+        raise _invalid("kv.agent_metadata", f"cannot be loaded: {exc}") from None
     if peer != handle.agent_name:
         raise _invalid("kv.agent_name", f"{handle.agent_name!r}, but its metadata is {peer!r}")
     remote = [(handle.blocks[i].address, handle.blocks[i].length) for i in plan.pull]
-    local = [runner.kv.block_address(plan.blocks[i]) for i in plan.pull]
+    local_ids = [plan.blocks[i] for i in plan.pull]
+    local = [runner.kv.block_address(b) for b in local_ids]
     read = functools.partial(
-        agent.read,
+        _read_and_digest,
+        agent,
+        runner,
         peer,
         remote,
         local,
+        local_ids,
         timeout_s=timeout_s,
         remote_memory=KIND_TO_MEMORY[handle.memory_kind],
         remote_device_id=handle.blocks[0].device_id,
     )
     if len(plan.pull) * runner.kv.spec.block_bytes <= INLINE_PULL_BYTES:
-        return read()
-    future = asyncio.get_running_loop().run_in_executor(None, read)
+        stats, digests = read()
+    else:
+        future = asyncio.get_running_loop().run_in_executor(None, read)
+        try:
+            stats, digests = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda _: on_orphan())
+            raise
+    mismatched = [
+        i
+        for i, got in zip(plan.pull, digests, strict=True)
+        if not hmac.compare_digest(got, handle.block_digests[i])
+    ]
+    return Pulled(stats, mismatched)
+
+
+def _read_and_digest(
+    agent: TransferAgent,
+    runner: LmRunner,
+    peer: str,
+    remote: list[tuple[int, int]],
+    local: list[tuple[int, int]],
+    local_ids: list[int],
+    **read_options: object,
+) -> tuple[TransferStats, list[bytes]]:
+    """One READ, then the digests of the blocks it wrote (same thread: no hop between)."""
     try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        future.add_done_callback(lambda _: on_orphan())
+        stats = agent.read(peer, remote, local, **read_options)  # type: ignore[arg-type]
+    except TransferTimeoutError:
         raise
+    except TransferError as exc:
+        raise RpcStatusError(
+            grpc.StatusCode.FAILED_PRECONDITION
+            if "refused" in str(exc)
+            else grpc.StatusCode.UNAVAILABLE,
+            f"kv.blocks: the READ from the holder failed: {exc}",
+        ) from None
+    return stats, cache_block_digests(runner.kv, local_ids)
 
 
 # -------------------------------------------------------------------------- both sides

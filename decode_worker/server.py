@@ -35,6 +35,8 @@ async def serve(
 
     `extra_servicers` are more `add_*Servicer_to_server` callables to serve on the same port.
     """
+    settings.check()
+    key = settings.security.cluster_key("decode worker")
     runner = await asyncio.to_thread(load_runner, settings)
     model = ModelThread("epd-decode")
     agent = TransferAgent("decode")
@@ -44,6 +46,7 @@ async def serve(
         model,
         agent,
         lifecycle,
+        key=key,
         max_batch=settings.max_batch,
         pull_timeout_s=settings.pull_timeout_s,
         release_timeout_s=settings.release_timeout_s,

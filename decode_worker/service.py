@@ -2,24 +2,29 @@
 
 Per request:
 1. validate the handoff (INVALID_ARGUMENT naming the field) and the handle against this
-   worker (`common.handoff.check_handle`: a different KV layout is FAILED_PRECONDITION);
+   worker (`common.handoff.check_handle`): a signature that does not verify under the
+   cluster key is PERMISSION_DENIED, a different KV layout or a handle made for another
+   prompt (its `prompt_digest`, over every token, differs) FAILED_PRECONDITION;
 2. recompute the block hashes from the handoff under this worker's root; a handle whose
    hashes differ is refused with FAILED_PRECONDITION and nothing enters the cache;
-3. take blocks (`KvAllocator.plan_import`): full prompt blocks whose hashes this worker caches
-   are reused, the others plus the partial last block are pulled by one NIXL READ, then the
-   lease is released on the prefill worker (`holder_address`), and the pulled full blocks
-   enter this worker's prefix cache;
-4. join the continuous-batching loop and stream `DecodeResponse` chunks of token ids (the
-   router owns the text). The stream never repeats the prefill's first token, which the
-   caller already has: the first chunk carries `blocks_pulled` / `blocks_reused` and the
-   tokens after the first one (possibly none); the last carries `finish_reason`. When the
-   first token already ends the answer, the stream is one chunk with no tokens and the
-   finish reason.
+3. take blocks (`KvAllocator.plan_import`) and pull at once (before waiting for a batch
+   slot): full prompt blocks whose hashes this worker caches are reused, the others plus
+   the partial last block are pulled by one NIXL READ and their bytes checked against the
+   handle's `block_digests`; then `ReleaseKv` on the holder confirms the lease was live
+   throughout. Only then do the pulled full blocks enter this worker's prefix cache. If a
+   digest differs or the lease was gone, nothing pulled is used or cached and the call
+   fails with ABORTED (the router prefills again; the client sees no error);
+4. wait for a batch slot, join the continuous-batching loop and stream `DecodeResponse`
+   chunks of token ids (the router owns the text). The stream never repeats the prefill's
+   first token, which the caller already has: the first chunk carries `blocks_pulled` /
+   `blocks_reused` and the tokens after the first one (possibly none); the last carries
+   `finish_reason`. When the first token already ends the answer, the stream is one chunk
+   with no tokens and the finish reason.
 
-Leases: once this worker starts pulling it owns the duty to release the lease (after the
-READ, whether it succeeded or not). A request refused before that (bad handoff, foreign
-layout, hash mismatch) leaves the lease to the caller (the router releases it, or it
-expires on the prefill worker).
+Leases: once the handle has been checked this worker owns the duty to release the lease
+exactly once (the confirming `ReleaseKv` after the READ, or a background one on every other
+path). A request refused before that (bad handoff, bad handle, hash mismatch) leaves the
+lease to the caller (the router releases it, or it expires on the prefill worker).
 
 Cancellation (client cancel, deadline): blocks taken for the request go back to the pool —
 at once before the READ starts, after the READ finishes if it is in flight, and at the
@@ -29,13 +34,15 @@ decode loop's next step once the sequence is running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 
-from common.handoff import check_handle, pull, read_handoff
+from common.handoff import Pulled, check_handle, pull, read_handoff
 from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
 from common.models import batching
@@ -55,6 +62,7 @@ from common.wire.sampling import finish_reason_to_proto
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
+    kv_pb2,
     registry_service_pb2,
 )
 
@@ -70,6 +78,9 @@ class DecodeCounters:
     bytes_pulled: int = 0  # bytes READ from prefill workers
     blocks_reused: int = 0  # full prompt blocks found in this worker's prefix cache
     hash_mismatches: int = 0  # handles refused because their hashes differ
+    digest_mismatches: int = 0  # pulled blocks whose bytes failed their digest (re-prefilled)
+    leases_lost: int = 0  # pulls discarded because the lease was not live throughout
+    lease_renewals: int = 0  # RenewKv calls made while waiting for free blocks
     pull_seconds: float = 0.0  # wall time spent in READs
 
 
@@ -86,6 +97,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         agent: TransferAgent,
         lifecycle: ServerLifecycle,
         *,
+        key: bytes | None,
         max_batch: int = 32,
         pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
@@ -94,6 +106,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.model = model
         self.agent = agent
         self.lifecycle = lifecycle
+        self.key = key  # verifies every KvHandle's signature; None: insecure, unchecked
         self.pull_timeout_s = pull_timeout_s
         self.release_timeout_s = release_timeout_s
         self.batcher = DecodeBatcher(runner, model)
@@ -134,13 +147,12 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         if not request.HasField("kv"):
             raise RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT, "kv: missing")
         handle = request.kv
-        check_handle(handle, runner, len(tokens))
-        hashes = runner.allocator.hashes(
-            tokens,
-            handoff.params,
-            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            lora_id=request.lora_id if request.HasField("lora_id") else None,
-        )
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        lora = request.lora_id if request.HasField("lora_id") else None
+        allocator = runner.allocator
+        digest = allocator.prompt_digest(tokens, handoff.params, cache_salt=salt, lora_id=lora)
+        check_handle(handle, runner, len(tokens), prompt_digest=digest, key=self.key)
+        hashes = allocator.hashes(tokens, handoff.params, cache_salt=salt, lora_id=lora)
         if (hashes or []) != list(handle.block_hashes):
             self.counters.hash_mismatches += 1
             raise RpcStatusError(
@@ -150,31 +162,27 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             )
         self.counters.requests += 1
         # From here on this worker owns releasing the lease (once, whatever happens).
-        release = self._lease_releaser(handle.holder_address, handle.lease_id)
         reason = runner.stop.check(sampling, first, 1)
         if reason is not None:
             # The first token already ends the answer: nothing to pull, nothing to add.
-            release()
+            self._peers.release_kv(handle.holder_address, handle.lease_id)
             yield decode_service_pb2.DecodeResponse(finish_reason=finish_reason_to_proto(reason))
             return
-        async with self._slots:
-            try:
-                pull_timeout_s = min(self.pull_timeout_s, time_left_s or self.pull_timeout_s)
-                seq, plan = await self._admit(
-                    request,
-                    tokens,
-                    handoff.positions.delta,
-                    sampling,
-                    hashes,
-                    max(pull_timeout_s, 1e-3),
-                )
-            finally:
-                release()
+        pull_timeout_s = min(self.pull_timeout_s, time_left_s or self.pull_timeout_s)
+        seq, plan = await self._admit(
+            request, tokens, handoff.positions.delta, sampling, hashes, max(pull_timeout_s, 1e-3)
+        )
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            self.model.submit(batching.release, runner, seq)
+            raise
+        try:
             entry = self.batcher.add(seq)
             finished = False
             try:
                 # Sent before any new token so the caller learns at once that this worker
-                # has the KV (and the lease) now.
+                # has the KV (and the lease is released) now.
                 yield decode_service_pb2.DecodeResponse(
                     blocks_pulled=len(plan.pull), blocks_reused=len(plan.reused)
                 )
@@ -188,6 +196,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             finally:
                 if not finished:
                     self.batcher.cancel(entry)
+        finally:
+            self._slots.release()
 
     async def _admit(
         self,
@@ -198,28 +208,52 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         hashes: list[bytes] | None,
         pull_timeout_s: float,
     ) -> tuple[LmSequence, ImportPlan]:
-        """Take blocks, pull the missing ones, make the sequence (owning the blocks).
+        """Take blocks, pull and verify the missing ones, confirm the lease, make the
+        sequence (owning the blocks). Releases the lease in every case.
 
         On failure or cancellation every block taken goes back to the pool (after the READ
         has finished, if one is in flight), except after an uncancellable READ timeout: NIXL
         may still write those blocks, so they are quarantined (never handed out again).
+        Raises ABORTED (the router prefills again) when a pulled block fails its digest or
+        the lease was not live until the READ was confirmed.
         """
         runner = self.runner
         allocator = runner.allocator
+        handle = request.kv
         total = len(tokens) + sampling.max_tokens - 1
-        plan = await self._plan(hashes, len(tokens), total)
         try:
-            stats = await pull(
+            plan = await self._plan(hashes, len(tokens), total, handle)
+        except BaseException:
+            self._peers.release_kv(handle.holder_address, handle.lease_id)
+            raise
+        released = False  # the lease's one release has been made
+        pulled: Pulled | None = None  # set once the READ is over
+        try:
+            pulled = await pull(
                 self.agent,
                 runner,
-                request.kv,
+                handle,
                 plan,
                 timeout_s=pull_timeout_s,
                 on_orphan=lambda: self.model.submit(allocator.abort_import, plan),
             )
+            if pulled.stats is None:
+                released = True
+                self._peers.release_kv(handle.holder_address, handle.lease_id)
+                live = True  # nothing READ: no byte read under the lease is used
+            else:
+                live = await self._peers.confirm_release_kv(
+                    handle.holder_address, handle.lease_id, pulled.mismatched
+                )
+                released = True
         except asyncio.CancelledError:
-            raise  # on_orphan gives the blocks back once the READ is over
+            if not released:  # a second release of a lease is harmless
+                self._peers.release_kv(handle.holder_address, handle.lease_id)
+            if pulled is not None:  # cancelled while confirming: the READ is over
+                self.model.submit(allocator.abort_import, plan)
+            raise  # else on_orphan gives the blocks back once the READ is over
         except TransferTimeoutError as exc:
+            self._peers.release_kv(handle.holder_address, handle.lease_id)
             if exc.cancelled:
                 await self.model.call(allocator.abort_import, plan)
             else:
@@ -229,18 +263,38 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 )
             raise
         except BaseException:
+            if not released:
+                self._peers.release_kv(handle.holder_address, handle.lease_id)
             await self.model.call(allocator.abort_import, plan)
             raise
         c = self.counters
+        if pulled.mismatched or not live:
+            await self.model.call(allocator.abort_import, plan)
+            if pulled.mismatched:
+                c.digest_mismatches += len(pulled.mismatched)
+                what = (
+                    f"kv.block_digests: {len(pulled.mismatched)} pulled block(s) do not match "
+                    "their digests"
+                )
+            else:
+                c.leases_lost += 1
+                what = (
+                    f"kv.lease_id: the lease on {handle.holder_address} was not live until the "
+                    "READ was confirmed"
+                )
+            raise RpcStatusError(
+                grpc.StatusCode.ABORTED, what + "; nothing pulled is used, prefill again"
+            )
         c.blocks_pulled += len(plan.pull)
         c.blocks_reused += len(plan.reused)
-        if stats is not None:
-            c.bytes_pulled += stats.nbytes
-            c.pull_seconds += stats.seconds
+        if pulled.stats is not None:
+            c.bytes_pulled += pulled.stats.nbytes
+            c.pull_seconds += pulled.stats.seconds
         seq = await self.model.call(
             self._start,
             plan,
             hashes,
+            list(handle.block_digests),
             tokens,
             mrope_delta,
             sampling,
@@ -253,18 +307,24 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self,
         plan: ImportPlan,
         hashes: list[bytes] | None,
+        digests: list[bytes],
         tokens: list[int],
         mrope_delta: int,
         sampling: SamplingParams,
         first: int,
     ) -> LmSequence:
-        """Model thread: cache the pulled blocks, then the running sequence owning them."""
-        self.runner.allocator.finish_import(plan, hashes)
+        """Model thread: cache the pulled (verified) blocks, then the sequence owning them."""
+        self.runner.allocator.finish_import(plan, hashes, digests)
         return self.runner.resume(tokens, sampling, plan.blocks, first, mrope_delta=mrope_delta)
 
-    async def _plan(self, hashes: list[bytes] | None, n: int, total: int) -> ImportPlan:
-        """`plan_import`, waiting for running sequences to free blocks when the pool is full;
-        RESOURCE_EXHAUSTED (NoFreeBlocksError) when nothing runs that could free any."""
+    async def _plan(
+        self, hashes: list[bytes] | None, n: int, total: int, handle: kv_pb2.KvHandle
+    ) -> ImportPlan:
+        """`plan_import`, waiting for running sequences to free blocks when the pool is full
+        (renewing the handle's lease meanwhile, every third of its lifetime); RESOURCE_EXHAUSTED
+        (NoFreeBlocksError) when nothing runs that could free any."""
+        renew_every_s = max(handle.lease_ttl_ms / 3000, 0.05)
+        renewed = time.monotonic()
         while True:
             try:
                 return await self.model.call(
@@ -277,26 +337,14 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             except NoFreeBlocksError:
                 if not self.batcher.running:
                     raise
-                await self.batcher.wait_freed()
+            if time.monotonic() - renewed >= renew_every_s:
+                renewed = time.monotonic()
+                self.counters.lease_renewals += 1
+                self._peers.renew_kv(handle.holder_address, handle.lease_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.batcher.wait_freed(), renew_every_s)
 
-    # ----------------------------------------------------------------------- releases
-
-    def _lease_releaser(self, address: str, lease_id: str) -> Callable[[], None]:
-        """A callable that tells the prefill worker, once and in the background, to unpin
-        the lease; later calls do nothing."""
-        done = False
-
-        def release() -> None:
-            nonlocal done
-            if done:
-                return
-            done = True
-            if not address or not lease_id:
-                logger.warning("KV handle names no holder or lease; the lease will expire")
-                return
-            self._peers.release_kv(address, lease_id)
-
-        return release
+    # --------------------------------------------------------------------------- stop
 
     async def close(self) -> None:
         """Stop the decode loop (freeing running sequences), finish releases, close channels."""

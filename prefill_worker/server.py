@@ -36,6 +36,8 @@ async def serve(
 
     `extra_servicers` are more `add_*Servicer_to_server` callables to serve on the same port.
     """
+    settings.check()
+    key = settings.security.cluster_key("prefill worker")
     runner = await asyncio.to_thread(load_runner, settings, prefill_chunk=settings.prefill_chunk)
     model = ModelThread("epd-prefill")
     agent = TransferAgent("prefill")
@@ -45,7 +47,9 @@ async def serve(
         model,
         agent,
         lifecycle,
+        key=key,
         lease_ttl_s=settings.lease_ttl_s,
+        lease_ttl_per_lease_s=settings.lease_ttl_per_lease_s,
         embedding_pull_timeout_s=settings.embedding_pull_timeout_s,
     )
 

@@ -18,6 +18,11 @@ class PrefillSettings(KvWorkerSettings):
     lease_ttl_s: float = setting(
         30.0, "how long a prompt's blocks stay pinned for a decode worker that never releases"
     )
+    lease_ttl_per_lease_s: float = setting(
+        0.5,
+        "more lease time per lease already live: when decode falls behind, leases queue up "
+        "and new ones last longer",
+    )
     prefill_chunk: int | None = setting(None, "tokens per prefill chunk (None: whole prompt)")
     embedding_pull_timeout_s: float = setting(
         30.0, "longest NIXL pull of one embedding tensor from an encoder"

@@ -29,6 +29,7 @@ _PASS_THROUGH = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ABORTED,
 }
 
 

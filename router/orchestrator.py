@@ -37,6 +37,12 @@ more on another worker of the role.
 Deadlines: every worker call gets the time left until the job's deadline; cancellation of
 the caller cancels the in-flight call (unary calls through task cancellation, the decode
 stream explicitly), so workers free what they hold.
+
+Trusted KV: a decode worker that finds the pulled KV unusable (a block failed its digest, or
+the lease was not live throughout the READ) answers ABORTED before its first chunk; the
+router then prefills again (any prefill worker; the first token already sent is kept, as
+the KV of the prompt does not depend on it) and decodes with the new handle, up to
+`reprefills` times, so the client sees no error.
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ class Orchestrator:
         *,
         max_inline_embedding_bytes: int,
         attempts: int = 2,
+        reprefills: int = 2,
         cache_aware: bool = True,
         encoder_affinity_slack: int = 2,
     ) -> None:
@@ -107,6 +114,7 @@ class Orchestrator:
         self.channels = channels  # worker channels and lease releases; the caller closes it
         self.processor = processor
         self.cache_aware = cache_aware
+        self.reprefills = reprefills  # prefills again after decode refused the KV (ABORTED)
         self.stop = StopChecker(frozenset(processor.eos_token_ids))
         self.calls = WorkerCalls(registry, attempts)
         self.prefix = PrefixIndex(channels)
@@ -258,6 +266,7 @@ class Orchestrator:
         if job.cache_salt is not None:
             request.cache_salt = job.cache_salt
         tried: set[str] = set()
+        reprefills = 0
         while True:
             worker = self.calls.pick(Role.DECODE, tried)
             tried.add(worker.address)
@@ -270,6 +279,22 @@ class Orchestrator:
                         yield self._chunk(response, detok)
                     return
                 except grpc.aio.AioRpcError as exc:
+                    refused_kv = exc.code() == grpc.StatusCode.ABORTED
+                    if lease.owned and refused_kv and reprefills < self.reprefills:
+                        reprefills += 1
+                        tried.discard(worker.address)
+                        logger.warning(
+                            "request %s: decode on %s refused the KV (%s); prefilling again",
+                            job.request_id,
+                            worker.address,
+                            exc.details(),
+                        )
+                        self.channels.release_kv(lease.address, lease.lease_id)
+                        again, holder = await self._encode_and_prefill(job, handoff)
+                        request.kv.CopyFrom(again.kv)
+                        lease.lease_id = again.kv.lease_id
+                        lease.address = again.kv.holder_address or holder
+                        continue
                     if not lease.owned or not self.calls.retryable(exc, len(tried)):
                         raise self.calls.error("decode", worker, exc) from None
                     logger.warning(

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from common.settings.security import SecuritySettings, write_token_file
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +37,20 @@ ROLES = {
     "decode": registry_service_pb2.WORKER_ROLE_DECODE,
 }
 _ADDRESS = re.compile(r"EPD_ROUTER_ADDRESS=(\S+)")
+
+
+_SESSION_TOKEN: Path | None = None
+
+
+def cluster_security() -> SecuritySettings:
+    """`[security]` for workers a test starts in its own process: one cluster token file per
+    test session (in a fresh temporary folder)."""
+    global _SESSION_TOKEN
+    if _SESSION_TOKEN is None:
+        import tempfile
+
+        _SESSION_TOKEN = write_token_file(Path(tempfile.mkdtemp(prefix="epd-test-")) / "token")
+    return SecuritySettings(cluster_token_file=str(_SESSION_TOKEN))
 
 
 @dataclass
@@ -136,7 +151,15 @@ def start_cluster(
     nothing is left running then.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
-    common = ["--model", str(model), "--log-level", "INFO"]
+    token = write_token_file(log_dir / "cluster_token")
+    common = [
+        "--model",
+        str(model),
+        "--log-level",
+        "INFO",
+        "--security-cluster-token-file",
+        str(token),
+    ]
     router_log = log_dir / "router.log"
     # The router's port is picked here so the workers can start alongside it (they retry
     # registering until it listens); its log line confirms the address it bound.

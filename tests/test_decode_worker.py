@@ -16,6 +16,7 @@ from common.kv.allocator import blocks_for
 from common.kv.block_pool import NoFreeBlocksError
 from common.models.runner import LmRunner
 from common.sampling import SamplingParams
+from common.settings.security import SecuritySettings
 from decode_worker.__main__ import parse
 from decode_worker.settings import DecodeSettings
 from epd.v1 import decode_service_pb2, prefill_service_pb2
@@ -30,6 +31,7 @@ from tests.test_kv_handoff import (
     engine,
     eventually,
     make_handoff,
+    resign,
     run_decode,
     run_prefill,
     start_cluster,
@@ -77,6 +79,7 @@ async def test_tampered_hash_is_refused_and_cache_unchanged(cluster: Cluster, wh
     request = decode_request(tokens, params, GREEDY, reply)
     index = 0 if where == "first" else len(request.kv.block_hashes) - 1
     request.kv.block_hashes[index] = bytes(32)
+    resign(request)  # a signer's mistake: what decode checks past the signature
     before = snapshot(c)
     mismatches = c.decode.servicer.counters.hash_mismatches
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -117,6 +120,7 @@ async def test_foreign_layout_is_failed_precondition(
     reply = await run_prefill(c, tokens, params, GREEDY)
     request = decode_request(tokens, params, GREEDY, reply)
     setattr(request.kv.layout, field, value)
+    resign(request)
     before = snapshot(c)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await run_decode(c, request)
@@ -144,6 +148,8 @@ async def test_malformed_requests_are_invalid_argument(cluster: Cluster) -> None
     r.ClearField("kv")
     before = snapshot(c)
     for field, request in cases.items():
+        if request.HasField("kv"):
+            resign(request)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await run_decode(c, request)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
@@ -266,5 +272,9 @@ async def test_uncacheable_import_pulls_everything_and_caches_nothing(runner: Lm
 async def test_flags(tmp_path: Path) -> None:
     config = tmp_path / "decode.toml"
     config.write_text("max_batch = 4\nnum_blocks = 64\n")
-    settings = parse(["--config", str(config), "--block-size", "8"])
-    assert settings == DecodeSettings(max_batch=4, num_blocks=64, block_size=8)
+    settings = parse(["--config", str(config), "--block-size", "8", "--insecure"])
+    assert settings == DecodeSettings(
+        max_batch=4, num_blocks=64, block_size=8, security=SecuritySettings(insecure=True)
+    )
+    with pytest.raises(SystemExit):  # no cluster token and not --insecure
+        parse(["--config", str(config)])

@@ -25,6 +25,7 @@ import pytest_asyncio
 from PIL import Image
 
 from common.engine import Engine, GenerateResult
+from common.handoff import handle_signature
 from common.kv.allocator import blocks_for
 from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
@@ -48,6 +49,7 @@ from epd.v1 import (
 )
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
+from tests.cluster import cluster_security
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -120,10 +122,22 @@ def engine(ckpt: Path) -> Engine:
 
 async def start_cluster(ckpt: Path, engine: Engine, **prefill_kw: Any) -> Cluster:
     prefill = await serve_prefill(
-        PrefillSettings(model=str(ckpt), block_size=BLOCK, num_blocks=NUM_BLOCKS, **prefill_kw)
+        PrefillSettings(
+            model=str(ckpt),
+            block_size=BLOCK,
+            num_blocks=NUM_BLOCKS,
+            security=cluster_security(),
+            **prefill_kw,
+        )
     )
     decode = await serve_decode(
-        DecodeSettings(model=str(ckpt), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_batch=8)
+        DecodeSettings(
+            model=str(ckpt),
+            block_size=BLOCK,
+            num_blocks=NUM_BLOCKS,
+            max_batch=8,
+            security=cluster_security(),
+        )
     )
     channels = [channel(prefill.address), channel(decode.address)]
     return Cluster(
@@ -185,6 +199,15 @@ def decode_request(
         first_token_id=reply.first_token_id,
         kv=reply.kv,
     )
+
+
+def resign(request: decode_service_pb2.DecodeRequest) -> decode_service_pb2.DecodeRequest:
+    """Sign `request.kv` again with the test deployment's key (after a test changed it), as a
+    worker holding the cluster key could: what decode checks after the signature."""
+    key = cluster_security().cluster_key()
+    assert key is not None
+    request.kv.signature = handle_signature(request.kv, key)
+    return request
 
 
 async def run_prefill(
@@ -339,6 +362,7 @@ async def test_prefill_in_another_process(cluster: Cluster, ckpt: Path, tmp_path
             f"--block-size={BLOCK}",
             "--num-blocks=64",
             "--port=0",
+            f"--security-cluster-token-file={cluster_security().cluster_token_file}",
             cwd=ROOT,
             stdout=out,
             stderr=out,
@@ -400,6 +424,7 @@ async def test_workers_register_their_layout_and_heartbeat(ckpt: Path) -> None:
         "block_size": BLOCK,
         "num_blocks": 32,
         "router_address": router.address,
+        "security": cluster_security(),
     }
     prefill = await serve_prefill(PrefillSettings(name="p0", **common_kw))
     decode = await serve_decode(DecodeSettings(name="d0", **common_kw))

@@ -17,6 +17,7 @@ from common.kv.allocator import blocks_for
 from common.multimodal.params import MultimodalParams
 from common.server.role import RoleServer
 from common.server.rpc import channel, start_server
+from common.settings.security import SecuritySettings
 from common.transfer.agent import TransferAgent
 from common.wire.transfer import handle_for
 from epd.v1 import (
@@ -30,6 +31,7 @@ from epd.v1 import (
 from prefill_worker.__main__ import parse
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
+from tests.cluster import cluster_security
 from tests.test_kv_handoff import (
     BLOCK,
     GREEDY,
@@ -55,7 +57,13 @@ TTL_S = 0.6
 async def worker(ckpt: Path) -> AsyncIterator[RoleServer[Any]]:
     """A prefill worker with a short lease TTL and a small cache (evictions happen)."""
     server = await serve_prefill(
-        PrefillSettings(model=str(ckpt), block_size=BLOCK, num_blocks=48, lease_ttl_s=TTL_S)
+        PrefillSettings(
+            model=str(ckpt),
+            block_size=BLOCK,
+            num_blocks=48,
+            lease_ttl_s=TTL_S,
+            security=cluster_security(),
+        )
     )
     yield server
     await server.stop(0)
@@ -339,10 +347,18 @@ async def test_load_reports_blocks_and_prefix_hits(
 
 async def test_flags_and_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "prefill.toml"
-    config.write_text('block_size = 8\nlease_ttl_s = 2.5\nrouter_address = "127.0.0.1:9"\n')
+    config.write_text(
+        'block_size = 8\nlease_ttl_s = 2.5\nrouter_address = "127.0.0.1:9"\n'
+        '[security]\ncluster_token_file = "/run/epd/token"\n'
+    )
     settings = parse(["--config", str(config), "--port", "5555", "--prefill-chunk", "64"])
     assert settings == PrefillSettings(
-        block_size=8, lease_ttl_s=2.5, router_address="127.0.0.1:9", port=5555, prefill_chunk=64
+        block_size=8,
+        lease_ttl_s=2.5,
+        router_address="127.0.0.1:9",
+        port=5555,
+        prefill_chunk=64,
+        security=SecuritySettings(cluster_token_file="/run/epd/token"),
     )
     with pytest.raises(SystemExit) as done:
         parse(["--help"])

@@ -9,6 +9,7 @@ model runner never takes or frees a block):
     cache_prompt(blocks, hashes, n, reused) -> the newly computed full blocks enter the cache
     plan_import(hashes, n, total) / finish_import / abort_import   (decode: KV pulled by NIXL)
     release(blocks)
+    record_digests / digest_of / check_prefix / uncache             (bytes bound to keys)
     cached_hashes() + listeners             -> snapshot + live events for the KV event hub
 
 Block hashes: every hash chains from `root`: a worker's `layout_root(kv_layout)` (model
@@ -20,6 +21,12 @@ never cached, never offered for transfer by hash.
 Block ownership: every block id `allocate_prompt` or `plan_import` returns is owned by the
 caller with one reference until `release` / `abort_import` or a hand-over of those ids (to a
 sequence, a lease); cached blocks stay cached after release (LRU-evictable).
+
+Digests (DESIGN §4): the digest of a block's bytes (`common.kv.digest`) is recorded by
+block id when the block is computed (or pulled and verified) and forgotten when the id is
+allocated again. Before a prefill reuses cached blocks, `check_prefix` compares their bytes'
+digests now with the recorded ones and uncaches the first block whose bytes changed, so a
+corrupted block is recomputed instead of served.
 
 Events: the pool calls the allocator with every change, which passes it to each of
 `listeners` on the same thread; `cached_hashes` is read from the pool itself, so a listener
@@ -34,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.kv.block_pool import BlockPool, KvEvent
-from common.kv.hashing import block_hashes
+from common.kv.hashing import block_hashes, prompt_digest
 from common.multimodal.params import MultimodalParams
 
 logger = logging.getLogger(__name__)
@@ -63,6 +70,9 @@ class KvAllocator:
     root: bytes  # the hash every block hash chains from
     # Called with every KV event, on the thread that made it (the allocator's caller).
     listeners: list[Callable[[KvEvent], None]] = field(default_factory=list)
+    # Block id -> digest of its bytes when computed; dropped when the id is allocated again.
+    digests: dict[int, bytes] = field(default_factory=dict)
+    digest_mismatches: int = 0  # cached blocks whose bytes changed after they were computed
 
     def __post_init__(self) -> None:
         self.pool.on_event = self._on_event
@@ -96,6 +106,19 @@ class KvAllocator:
             logger.warning("prompt layout cannot be hashed; request is uncacheable")
             return None
 
+    def prompt_digest(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: MultimodalParams,
+        *,
+        cache_salt: str | None = None,
+        lora_id: str | None = None,
+    ) -> bytes:
+        """`hashing.prompt_digest` of the whole prompt under this worker's root."""
+        return prompt_digest(
+            prompt_token_ids, params, cache_salt=cache_salt, lora_id=lora_id, root=self.root
+        )
+
     # ------------------------------------------------------------------------ prefill
 
     def can_allocate(self, num_tokens: int) -> bool:
@@ -113,7 +136,7 @@ class KvAllocator:
         the caller. Raises `NoFreeBlocksError` with nothing taken."""
         self.pool.acquire(cached)
         try:
-            fresh = self.pool.allocate(blocks_for(total_tokens, self.block_size) - len(cached))
+            fresh = self._allocate(blocks_for(total_tokens, self.block_size) - len(cached))
         except Exception:
             self.pool.release(cached)
             raise
@@ -151,7 +174,7 @@ class KvAllocator:
         pool.acquire(hit_ids)
         need = blocks_for(max(total_tokens, num_tokens), bs) - len(hit_ids)
         try:
-            fresh = iter(pool.allocate(need))
+            fresh = iter(self._allocate(need))
         except Exception:
             pool.release(hit_ids)
             raise
@@ -162,8 +185,18 @@ class KvAllocator:
         pull = [i for i in range(blocks_for(num_tokens, bs)) if i not in reused_set]
         return ImportPlan(blocks=blocks, pull=pull, reused=reused)
 
-    def finish_import(self, plan: ImportPlan, hashes: list[bytes] | None) -> None:
-        """Cache the pulled full blocks under their hashes (their bytes are now valid)."""
+    def finish_import(
+        self,
+        plan: ImportPlan,
+        hashes: list[bytes] | None,
+        digests: Sequence[bytes] | None = None,
+    ) -> None:
+        """Cache the pulled full blocks under their hashes (their bytes are now valid and,
+        when `digests` (one per prompt block) is given, match them: they are recorded)."""
+        if digests is not None:
+            self.record_digests(
+                [plan.blocks[i] for i in plan.pull], [digests[i] for i in plan.pull]
+            )
         if not hashes:
             return
         full = [i for i in plan.pull if i < len(hashes)]
@@ -173,6 +206,47 @@ class KvAllocator:
     def abort_import(self, plan: ImportPlan) -> None:
         """Give back every block of a plan whose pull failed or was cancelled."""
         self.pool.release(plan.blocks)
+
+    # ------------------------------------------------------------------------ digests
+
+    def record_digests(self, block_ids: Sequence[int], digests: Sequence[bytes]) -> None:
+        """Record the digest of each block's bytes, just computed (or verified)."""
+        if len(block_ids) != len(digests):
+            raise ValueError(f"{len(block_ids)} blocks for {len(digests)} digests")
+        self.digests.update(zip(block_ids, digests, strict=True))
+
+    def digest_of(self, block_id: int) -> bytes | None:
+        """The recorded digest of a block's bytes, or None."""
+        return self.digests.get(block_id)
+
+    def check_prefix(self, cached: list[int], digests_now: Sequence[bytes]) -> list[int]:
+        """The leading blocks of `cached` whose bytes' digest now (`digests_now`) is the one
+        recorded when they were computed. The first block that differs (or has none
+        recorded) is uncached and counted; it and the blocks after it are not returned."""
+        for j, (block_id, now) in enumerate(zip(cached, digests_now, strict=True)):
+            if self.digests.get(block_id) != now:
+                self.digest_mismatches += 1
+                logger.error(
+                    "cached KV block %d changed after it was computed; dropping it", block_id
+                )
+                self.uncache([block_id])
+                return cached[:j]
+        return cached
+
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Take blocks out of the prefix cache (their bytes can no longer be trusted); held
+        ones stay with their holders and are freed on release."""
+        for block_id in block_ids:
+            self.digests.pop(block_id, None)
+            self.pool.uncache_block(block_id)
+
+    def _allocate(self, n: int) -> list[int]:
+        """`pool.allocate`, forgetting the digests of the ids handed out (their bytes will
+        be overwritten)."""
+        fresh = self.pool.allocate(n)
+        for block_id in fresh:
+            self.digests.pop(block_id, None)
+        return fresh
 
     # ------------------------------------------------------------------------- events
 

@@ -202,6 +202,20 @@ class BlockPool:
             self._emit(KvEvent("stored", tuple(new)))
         return out
 
+    def uncache_block(self, block_id: int) -> None:
+        """Forget the hash block `block_id` caches (no-op when uncached); an evictable block
+        becomes free, a referenced one stays with its holders. Emits "removed"."""
+        self._check_id(block_id)
+        block_hash = self._block_to_hash[block_id]
+        if block_hash is None:
+            return
+        del self._hash_to_block[block_hash]
+        self._block_to_hash[block_id] = None
+        if block_id in self._evictable:
+            del self._evictable[block_id]
+            self._free.append(block_id)
+        self._emit(KvEvent("removed", (block_hash,)))
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; evictable blocks become free. Emits "cleared".
 

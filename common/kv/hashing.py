@@ -28,6 +28,7 @@ from common.multimodal.params import MultimodalParams
 from common.multimodal.validation import INT32_MAX
 
 BLOCK_HASH_SCHEME = "epd-block-hash-v1"
+PROMPT_DIGEST_SCHEME = "epd-prompt-digest-v1"
 
 
 class MmKey(NamedTuple):
@@ -104,6 +105,35 @@ def block_hashes(
         ).digest()
         out.append(parent)
     return out
+
+
+def prompt_digest(
+    token_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+    params: MultimodalParams | None = None,
+    *,
+    cache_salt: str | None = None,
+    lora_id: str | int | None = None,
+    root: bytes = DEFAULT_ROOT,
+) -> bytes:
+    """SHA-256 of a whole prompt: every token (the partial last block's too), every item's
+    layout (modality, content hash, runs, uuid, mRoPE grid, frame times), the mRoPE delta,
+    cache salt and LoRA id, under `root`. Two prompts whose KV can differ never share it;
+    a KV handle carries it so the reader checks the handle was made for its prompt."""
+    items = [] if params is None else params.items
+    layout = [
+        [
+            None if it.modality is None else str(it.modality),
+            it.content_hash,
+            [list(run) for run in it.runs],
+            it.uuid,
+            None if it.grid_thw is None else list(it.grid_thw),
+            list(it.frame_timestamps),
+        ]
+        for it in items
+    ]
+    delta = None if params is None else params.mrope_position_delta
+    body = [PROMPT_DIGEST_SCHEME, root, _token_bytes(token_ids), layout, delta]
+    return hashlib.sha256(msgpack.packb([*body, cache_salt, lora_id], use_bin_type=True)).digest()
 
 
 def _token_bytes(token_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bytes:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.kv.allocator import blocks_for
+from common.kv.digest import cache_block_digests
 from common.models.model_thread import ModelThread
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.runner import LmRunner
@@ -55,12 +57,13 @@ def prefill(
 ) -> LmSequence:
     """Compute a prompt (reusing cached prefix blocks) and sample its first token.
 
-    The longest cached prefix of `hashes` is acquired (the last token is always computed),
-    the rest computed, and the new full blocks cached under `hashes` (None: nothing reused
-    or cached). Blocks are taken for `total_tokens` slots (default: the prompt); the
-    sequence owns them. `positions` are the prompt's when already computed. Raises
-    `NoFreeBlocksError` (nothing taken) or `MissingEmbeddingsError` (nothing taken or
-    cached) when an item that must be computed has no embeddings.
+    The longest cached prefix of `hashes` whose bytes still match their digests is acquired
+    (the last token is always computed), the rest computed, the digests of the computed
+    prompt blocks (the partial last one too) recorded, and the new full blocks cached under
+    `hashes` (None: nothing reused or cached). Blocks are taken for `total_tokens` slots
+    (default: the prompt); the sequence owns them. `positions` are the prompt's when already
+    computed. Raises `NoFreeBlocksError` (nothing taken) or `MissingEmbeddingsError`
+    (nothing taken or cached) when an item that must be computed has no embeddings.
     """
     tokens = list(prompt_token_ids)
     n = len(tokens)
@@ -68,6 +71,8 @@ def prefill(
         raise ValueError("empty prompt")
     allocator = runner.allocator
     cached = allocator.cached_prefix(hashes, n)
+    if cached:  # reuse only blocks whose bytes are still the ones computed
+        cached = allocator.check_prefix(cached, cache_block_digests(runner.kv, cached))
     start = len(cached) * allocator.block_size
     for i, item in enumerate(params.items):
         if item.end > start and i not in params.embeddings:
@@ -89,6 +94,8 @@ def prefill(
     except Exception:
         allocator.release(blocks)
         raise
+    computed = blocks[len(cached) : blocks_for(n, allocator.block_size)]
+    allocator.record_digests(computed, cache_block_digests(runner.kv, computed))
     allocator.cache_prompt(blocks, hashes, n, len(cached))
     return seq
 

@@ -4,7 +4,8 @@ One table serves both kinds of lease epd has: the prefill worker's pinned prompt
 (held = block ids, released by `ReleaseKv`) and the encoder's registered output buffers
 (held = the buffer and its NIXL registration, released by `ReleaseEmbeddings`).
 
-Lifecycle of a lease: `add` (the table now holds `held`) -> `pop` (the reader released it)
+Lifecycle of a lease: `add` (the table now holds `held`) -> `renew` (a reader still waiting
+to read keeps it alive; optional, repeatable) -> `pop` (the reader released it)
 or `pop_expired` (the reaper, once `ttl_s` passed: a reader that died never releases) or
 `pop_all` (shutdown). Whoever pops a lease owns what it holds and must free it exactly once;
 a lease is popped at most once, so nothing is freed twice and nothing leaks.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -59,17 +61,33 @@ class LeaseTable(Generic[T]):
     def __len__(self) -> int:
         return len(self._leases)
 
-    def add(self, held: T, request_id: str = "") -> Lease[T]:
-        """A new lease, owning `held` until it is popped."""
-        lease = Lease(uuid.uuid4().hex, held, self.clock() + self.ttl_s, request_id)
+    def add(self, held: T, request_id: str = "", ttl_s: float | None = None) -> Lease[T]:
+        """A new lease, owning `held` until it is popped; it lives `ttl_s` (default: the
+        table's `ttl_s`)."""
+        lifetime = self.ttl_s if ttl_s is None else ttl_s
+        lease = Lease(uuid.uuid4().hex, held, self.clock() + lifetime, request_id)
         self._leases[lease.lease_id] = lease
         return lease
 
     def pop(self, lease_id: str) -> Lease[T] | None:
-        """Remove and return a live lease (None when unknown or already gone)."""
+        """Remove and return a lease not yet popped (None when unknown or already gone). A
+        lease past its expiry that the reaper has not popped yet is returned: what it holds
+        was never freed."""
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
             self.released += 1
+        return lease
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease[T] | None:
+        """Push a live lease's expiry to `ttl_s` (default: the table's) from now, never
+        earlier than it was; None (nothing changed) when it is unknown or already expired."""
+        lease = self._leases.get(lease_id)
+        now = self.clock()
+        if lease is None or lease.expires_at <= now:
+            return None
+        expires_at = max(lease.expires_at, now + (self.ttl_s if ttl_s is None else ttl_s))
+        lease = dataclasses.replace(lease, expires_at=expires_at)
+        self._leases[lease_id] = lease
         return lease
 
     def pop_expired(self) -> list[Lease[T]]:

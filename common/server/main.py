@@ -34,6 +34,14 @@ def build_parser(settings_cls: type, prog: str, description: str) -> argparse.Ar
     parser.add_argument(
         "--print-config", action="store_true", help="print every setting's default as TOML"
     )
+    parser.add_argument(
+        "--insecure",
+        dest="security__insecure",
+        action="store_const",
+        const="true",
+        default=argparse.SUPPRESS,
+        help="run without a cluster token (said in the log); same as --security-insecure true",
+    )
     add_flags(parser, settings_cls)
     return parser
 

@@ -65,6 +65,35 @@ class PeerClient:
             call = stub.ReleaseKv(request, timeout=self.release_timeout_s)
             self._spawn(call, f"ReleaseKv({lease_id})", address)
 
+    def renew_kv(self, address: str, lease_id: str) -> None:
+        """`PrefillService.RenewKv(lease_id)` on the prefill worker at `address`, in the
+        background (the reader is still waiting to pull)."""
+        if lease_id and address:
+            stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
+            call = stub.RenewKv(
+                prefill_service_pb2.RenewKvRequest(lease_id=lease_id),
+                timeout=self.release_timeout_s,
+            )
+            self._spawn(call, f"RenewKv({lease_id})", address)
+
+    async def confirm_release_kv(
+        self, address: str, lease_id: str, mismatched_blocks: Sequence[int] = ()
+    ) -> bool:
+        """`ReleaseKv(lease_id)` on the prefill worker at `address`, awaited: True when the
+        holder says the lease was live until now (bytes read under it are valid); False when
+        it was not, or the holder cannot be reached. `mismatched_blocks` names the handle's
+        blocks whose pulled bytes failed their digest (the holder re-checks them)."""
+        stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
+        request = prefill_service_pb2.ReleaseKvRequest(
+            lease_id=lease_id, mismatched_blocks=mismatched_blocks
+        )
+        try:
+            response = await stub.ReleaseKv(request, timeout=self.release_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("ReleaseKv(%s) on %s failed: %s", lease_id, address, exc.code().name)
+            return False
+        return bool(response.released)
+
     def release_embeddings(self, holders: Mapping[str, str]) -> None:
         """`EncoderService.ReleaseEmbeddings` in the background, one call per encoder, for
         each lease id -> holder (encoder) address in `holders`."""

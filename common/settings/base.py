@@ -1,6 +1,7 @@
 """The settings every role shares, as one frozen inheritance chain (mini-sglang style):
 
-    ServerSettings          host, port, max_message_mb, drain_timeout_s    (router, workers)
+    ServerSettings          host, port, max_message_mb, drain_timeout_s,   (router, workers)
+                            [security] (common.settings.security)
       WorkerSettings        + advertise_address, router_address, name      (registers)
         ModelWorkerSettings + model, dtype, device; `torch_dtype`          (encoder)
           KvWorkerSettings  + block_size, num_blocks                       (prefill, decode)
@@ -12,11 +13,12 @@ Subclasses append their own fields (so a role's TOML table lists the shared keys
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.settings.schema import SettingsError, setting
+from common.settings.security import SecuritySettings
 
 # The one map from a settings dtype name to torch; `ModelWorkerSettings.torch_dtype` reads it.
 DTYPES: dict[str, torch.dtype] = {
@@ -43,6 +45,9 @@ class ServerSettings:
     max_message_mb: int = setting(256, "largest gRPC message in or out, in MiB")
     drain_timeout_s: float = setting(
         30.0, "on SIGTERM: seconds in-flight work may finish before it is cancelled"
+    )
+    security: SecuritySettings = field(
+        default_factory=SecuritySettings, metadata={"help": "cluster token and trust"}
     )
 
     @property
@@ -113,3 +118,4 @@ class KvWorkerSettings(ModelWorkerSettings):
         for name in ("block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be positive")
+        self.security.check()

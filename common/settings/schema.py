@@ -180,12 +180,15 @@ def _optional(tp: Any) -> bool:
 
 
 def describe(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
-    """(dotted key, default, help) of every leaf field, in declaration order."""
-    out = []
+    """(dotted key, default, help) of every leaf field, grouped by table: a table's own
+    keys together (a nested table declared between them, such as a role's `security`,
+    comes after them), tables in the order they first appear, fields in declaration order."""
+    tables: dict[str, list[tuple[str, Any, str]]] = {}
     for key, _flag, _tp, f in _flag_items(cls, prefix):
         default = f.default if f.default is not dataclasses.MISSING else None
-        out.append((key, default, str(f.metadata.get("help", ""))))
-    return out
+        head = key.rpartition(".")[0]
+        tables.setdefault(head, []).append((key, default, str(f.metadata.get("help", ""))))
+    return [item for items in tables.values() for item in items]
 
 
 def to_toml(cls: type, prefix: str = "") -> str:

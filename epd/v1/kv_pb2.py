@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x65pd/v1/kv.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/tensor.proto\"\xb2\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.epd.v1.ElementType\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x08 \x01(\x04\"G\n\x11KvBlockDescriptor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x96\x02\n\x08KvHandle\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12)\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x19.epd.v1.KvBlockDescriptor\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\'\n\x0bmemory_kind\x18\x06 \x01(\x0e\x32\x12.epd.v1.MemoryKind\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12 \n\x06layout\x18\x08 \x01(\x0b\x32\x10.epd.v1.KvLayout\x12\x14\n\x0clease_ttl_ms\x18\t \x01(\x04\x12\x16\n\x0eholder_address\x18\n \x01(\t\"T\n\x07KvEvent\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.epd.v1.KvEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08sequence\x18\x03 \x01(\x04*|\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x19\n\x15KV_EVENT_KIND_CLEARED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x65pd/v1/kv.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/tensor.proto\"\xb2\x01\n\x08KvLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.epd.v1.ElementType\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x08 \x01(\x04\"G\n\x11KvBlockDescriptor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xd7\x02\n\x08KvHandle\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12)\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x19.epd.v1.KvBlockDescriptor\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\'\n\x0bmemory_kind\x18\x06 \x01(\x0e\x32\x12.epd.v1.MemoryKind\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12 \n\x06layout\x18\x08 \x01(\x0b\x32\x10.epd.v1.KvLayout\x12\x14\n\x0clease_ttl_ms\x18\t \x01(\x04\x12\x16\n\x0eholder_address\x18\n \x01(\t\x12\x15\n\rprompt_digest\x18\x0b \x01(\x0c\x12\x15\n\rblock_digests\x18\x0c \x03(\x0c\x12\x11\n\tsignature\x18\r \x01(\x0c\"T\n\x07KvEvent\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.epd.v1.KvEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x10\n\x08sequence\x18\x03 \x01(\x04*|\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x19\n\x15KV_EVENT_KIND_CLEARED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=669
-  _globals['_KVEVENTKIND']._serialized_end=793
+  _globals['_KVEVENTKIND']._serialized_start=734
+  _globals['_KVEVENTKIND']._serialized_end=858
   _globals['_KVLAYOUT']._serialized_start=49
   _globals['_KVLAYOUT']._serialized_end=227
   _globals['_KVBLOCKDESCRIPTOR']._serialized_start=229
   _globals['_KVBLOCKDESCRIPTOR']._serialized_end=300
   _globals['_KVHANDLE']._serialized_start=303
-  _globals['_KVHANDLE']._serialized_end=581
-  _globals['_KVEVENT']._serialized_start=583
-  _globals['_KVEVENT']._serialized_end=667
+  _globals['_KVHANDLE']._serialized_end=646
+  _globals['_KVEVENT']._serialized_start=648
+  _globals['_KVEVENT']._serialized_end=732
 # @@protoc_insertion_point(module_scope)

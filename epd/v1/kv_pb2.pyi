@@ -50,7 +50,7 @@ class KvBlockDescriptor(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("block_hashes", "agent_metadata", "agent_name", "blocks", "lease_id", "memory_kind", "num_tokens", "layout", "lease_ttl_ms", "holder_address")
+    __slots__ = ("block_hashes", "agent_metadata", "agent_name", "blocks", "lease_id", "memory_kind", "num_tokens", "layout", "lease_ttl_ms", "holder_address", "prompt_digest", "block_digests", "signature")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,9 @@ class KvHandle(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     HOLDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     agent_metadata: bytes
     agent_name: str
@@ -71,7 +74,10 @@ class KvHandle(_message.Message):
     layout: KvLayout
     lease_ttl_ms: int
     holder_address: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[KvBlockDescriptor, _Mapping]]] = ..., lease_id: _Optional[str] = ..., memory_kind: _Optional[_Union[_tensor_pb2.MemoryKind, str]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., holder_address: _Optional[str] = ...) -> None: ...
+    prompt_digest: bytes
+    block_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    signature: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[KvBlockDescriptor, _Mapping]]] = ..., lease_id: _Optional[str] = ..., memory_kind: _Optional[_Union[_tensor_pb2.MemoryKind, str]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., holder_address: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., block_digests: _Optional[_Iterable[bytes]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("kind", "block_hashes", "sequence")

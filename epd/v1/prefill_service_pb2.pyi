@@ -47,16 +47,32 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "mismatched_blocks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    mismatched_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., mismatched_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseKvResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class RenewKvRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class RenewKvResponse(_message.Message):
+    __slots__ = ("renewed", "lease_ttl_ms")
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    renewed: bool
+    lease_ttl_ms: int
+    def __init__(self, renewed: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class StreamKvEventsRequest(_message.Message):
     __slots__ = ("subscriber",)

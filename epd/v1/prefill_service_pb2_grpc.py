@@ -45,6 +45,11 @@ class PrefillServiceStub:
                 request_serializer=epd_dot_v1_dot_prefill__service__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_prefill__service__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
+        self.RenewKv = channel.unary_unary(
+                '/epd.v1.PrefillService/RenewKv',
+                request_serializer=epd_dot_v1_dot_prefill__service__pb2.RenewKvRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_prefill__service__pb2.RenewKvResponse.FromString,
+                _registered_method=True)
         self.StreamKvEvents = channel.unary_stream(
                 '/epd.v1.PrefillService/StreamKvEvents',
                 request_serializer=epd_dot_v1_dot_prefill__service__pb2.StreamKvEventsRequest.SerializeToString,
@@ -70,6 +75,13 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewKv(self, request, context):
+        """Keep a lease alive while its reader waits to pull (for example for free blocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamKvEvents(self, request, context):
         """Stream prefix-cache changes, starting with a snapshot of the cached hashes.
         """
@@ -89,6 +101,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=epd_dot_v1_dot_prefill__service__pb2.ReleaseKvRequest.FromString,
                     response_serializer=epd_dot_v1_dot_prefill__service__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+            'RenewKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewKv,
+                    request_deserializer=epd_dot_v1_dot_prefill__service__pb2.RenewKvRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_prefill__service__pb2.RenewKvResponse.SerializeToString,
             ),
             'StreamKvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamKvEvents,
@@ -151,6 +168,33 @@ class PrefillService:
             '/epd.v1.PrefillService/ReleaseKv',
             epd_dot_v1_dot_prefill__service__pb2.ReleaseKvRequest.SerializeToString,
             epd_dot_v1_dot_prefill__service__pb2.ReleaseKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.PrefillService/RenewKv',
+            epd_dot_v1_dot_prefill__service__pb2.RenewKvRequest.SerializeToString,
+            epd_dot_v1_dot_prefill__service__pb2.RenewKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
