@@ -5,16 +5,20 @@ checkpoint (default: the "bench" tiny size, bf16, 16-token blocks = 128 KiB per 
 holder builds real `KvHandle`s with the prefill worker's own code (`PrefillServicer`, one
 descriptor per block into its registered block-major buffer); the reader pulls them with
 the decode worker's own code (`KvAllocator.plan_import` + `common.handoff.pull`:
-ranges from the handle, adjacent blocks merged, READ on a worker thread). Per size and
-holder block pattern:
+ranges from the handle, adjacent blocks merged, READ on a worker thread, then the pulled
+blocks' digests checked against the handle's). Per size and holder block pattern:
 
   raw-1   one raw NIXL READ descriptor of the same bytes (the ceiling)
-  pull    the decode pull path from the KvHandle (what `DecodeServicer` runs)
-  read    `TransferAgent.read` of the same per-block ranges, called directly
+  read    `TransferAgent.read` of the same per-block ranges, called directly (no check)
+  read+v  the read, then `cache_block_digests` of the pulled blocks compared with the
+          digests the holder computed of its blocks (issue 9's payload check, alone)
+  pull    the decode pull path from the KvHandle (what `DecodeServicer` runs; it verifies)
 
 Holder block patterns: `contiguous` (a fresh pool: merges into one descriptor), `alternate`
 (every other block: one descriptor per block), `random` (a churned pool). Reports the median
-GB/s over repetitions (round-robin) and the median per-repetition ratio pull / raw-1.
+GB/s over repetitions (round-robin), the median per-repetition throughput ratio pull / raw-1
+(`x`) and the median per-repetition time ratio (read+v) / read (`v/r`: what verifying costs
+the READ).
 
     .venv/bin/python benchmarks/kv_decode_pull_bench.py [--sizes-mib 4 16 64] [--reps 7]
 """
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.handoff import build_handle, pull
 from common.kv.allocator import ImportPlan, KvAllocator
+from common.kv.digest import cache_block_digests
 from common.models.runner import LmRunner
 from common.models.tiny import default_checkpoint
 from common.transfer.agent import TransferAgent
@@ -51,7 +56,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def holder_main(conn: Connection, ckpt: str, dtype: str, block_size: int, blocks: int) -> None:
-    """A prefill-side runner whose block b holds the byte b % 251; answers handle requests."""
+    """A prefill-side runner whose block b holds the byte b % 251; answers handle requests
+    (the handle carries the blocks' digests, computed here as the prefill worker does)."""
     torch.set_num_threads(1)
     runner = LmRunner.from_pretrained(
         ckpt, dtype=DTYPES[dtype], block_size=block_size, num_blocks=blocks
@@ -72,11 +78,14 @@ def holder_main(conn: Connection, ckpt: str, dtype: str, block_size: int, blocks
             ids,
             [],
             num_tokens=len(ids) * block_size,
+            prompt_digest=bytes(32),  # not checked here
+            block_digests=cache_block_digests(runner.kv, ids),
             agent=agent,
             agent_metadata=metadata,
             lease_id="bench",
             lease_ttl_s=3600.0,
             holder_address="",
+            key=None,
         )
         conn.send_bytes(handle.SerializeToString())
     agent.close()
@@ -154,7 +163,7 @@ def main() -> None:
     )
     print(
         f"{'size':>6} {'pattern':>10} {'blocks':>6} {'descs':>5} {'raw-1':>7} {'pull':>7} "
-        f"{'read':>7} {'x':>5}"
+        f"{'read':>7} {'read+v':>7} {'x':>5} {'v/r':>5}"
     )
     # Warm the event loop, its executor thread and the peer connection before measuring.
     parent.send_bytes(msgpack.packb({"blocks": [0]}))
@@ -183,13 +192,23 @@ def main() -> None:
 
             def decode_pull(plan: ImportPlan = plan, handle: kv_pb2.KvHandle = handle) -> None:
                 coro = pull(agent, reader, handle, plan, timeout_s=60, on_orphan=lambda: None)
-                stats.append(loop.run_until_complete(coro))  # noqa: B023
+                pulled = loop.run_until_complete(coro)
+                if pulled.mismatched:
+                    raise RuntimeError(f"blocks {pulled.mismatched} failed their digests")
+                stats.append(pulled.stats)  # noqa: B023
+
+            def read_verify(plan: ImportPlan = plan, handle: kv_pb2.KvHandle = handle) -> None:
+                agent.read(peer, remote, local, timeout_s=60)  # noqa: B023
+                got = cache_block_digests(reader.kv, [plan.blocks[i] for i in plan.pull])
+                if got != [handle.block_digests[i] for i in plan.pull]:
+                    raise RuntimeError("pulled blocks do not match the holder's digests")
 
             times = measure(
                 {
                     "raw-1": functools.partial(raw_read, agent, peer, one_remote, one_local),
-                    "pull": decode_pull,
                     "read": functools.partial(agent.read, peer, remote, local, timeout_s=60),
+                    "read+v": read_verify,
+                    "pull": decode_pull,
                 },
                 args.reps,
             )
@@ -205,9 +224,13 @@ def main() -> None:
             ratio = statistics.median(
                 r / p for r, p in zip(times["raw-1"], times["pull"], strict=True)
             )
+            verify = statistics.median(
+                v / r for v, r in zip(times["read+v"], times["read"], strict=True)
+            )
             print(
                 f"{size_mib:>4}Mi {name:>10} {n:>6} {stats[-1].descriptors:>5} "
-                f"{gbps['raw-1']:>7.2f} {gbps['pull']:>7.2f} {gbps['read']:>7.2f} {ratio:>5.2f}",
+                f"{gbps['raw-1']:>7.2f} {gbps['pull']:>7.2f} {gbps['read']:>7.2f} "
+                f"{gbps['read+v']:>7.2f} {ratio:>5.2f} {verify:>5.2f}",
                 flush=True,
             )
 

@@ -161,7 +161,7 @@ def _lanes(
 
     def flush() -> None:
         nonlocal fill
-        mixed = (y[:fill].to(torch.int64) * outer).sum(1)
+        mixed = y[:fill].to(torch.int64).mul_(outer).sum(1)
         at = 0
         for first, rows in pending:
             out[first : first + rows] = mixed[at : at + rows]
