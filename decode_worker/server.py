@@ -50,6 +50,7 @@ async def serve(
         max_batch=settings.max_batch,
         pull_timeout_s=settings.pull_timeout_s,
         release_timeout_s=settings.release_timeout_s,
+        renew_leases=settings.renew_leases,
     )
 
     async def close() -> None:

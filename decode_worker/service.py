@@ -81,6 +81,7 @@ class DecodeCounters:
     digest_mismatches: int = 0  # pulled blocks whose bytes failed their digest (re-prefilled)
     leases_lost: int = 0  # pulls discarded because the lease was not live throughout
     lease_renewals: int = 0  # RenewKv calls made while waiting for free blocks
+    block_waits: int = 0  # requests that waited for free blocks before their pull
     pull_seconds: float = 0.0  # wall time spent in READs
 
 
@@ -101,6 +102,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         max_batch: int = 32,
         pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
+        renew_leases: bool = True,
     ) -> None:
         self.runner = runner
         self.model = model
@@ -109,6 +111,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.key = key  # verifies every KvHandle's signature; None: insecure, unchecked
         self.pull_timeout_s = pull_timeout_s
         self.release_timeout_s = release_timeout_s
+        self.renew_leases = renew_leases  # RenewKv while a request waits for blocks
         self.batcher = DecodeBatcher(runner, model)
         self.counters = DecodeCounters()
         self.active = 0  # Decode RPCs in flight
@@ -320,11 +323,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
     async def _plan(
         self, hashes: list[bytes] | None, n: int, total: int, handle: kv_pb2.KvHandle
     ) -> ImportPlan:
-        """`plan_import`, waiting for running sequences to free blocks when the pool is full
-        (renewing the handle's lease meanwhile, every third of its lifetime); RESOURCE_EXHAUSTED
-        (NoFreeBlocksError) when nothing runs that could free any."""
+        """`plan_import`, waiting for blocks to be freed when the pool is full (renewing the
+        handle's lease meanwhile, every third of its lifetime; the caller's deadline bounds
+        the wait); RESOURCE_EXHAUSTED (NoFreeBlocksError) when no block is in use, so none
+        will be freed (the request needs more than the whole pool)."""
         renew_every_s = max(handle.lease_ttl_ms / 3000, 0.05)
         renewed = time.monotonic()
+        waited = False
         while True:
             try:
                 return await self.model.call(
@@ -335,9 +340,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     on_orphan=lambda p: self.model.submit(self.runner.allocator.abort_import, p),
                 )
             except NoFreeBlocksError:
-                if not self.batcher.running:
+                if self.runner.allocator.pool.num_used_blocks == 0:
                     raise
-            if time.monotonic() - renewed >= renew_every_s:
+            if not waited:
+                waited = True
+                self.counters.block_waits += 1
+                logger.info("a request waits for free KV blocks (lease %s)", handle.lease_id)
+            if self.renew_leases and time.monotonic() - renewed >= renew_every_s:
                 renewed = time.monotonic()
                 self.counters.lease_renewals += 1
                 self._peers.renew_kv(handle.holder_address, handle.lease_id)

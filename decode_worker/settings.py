@@ -18,3 +18,6 @@ class DecodeSettings(KvWorkerSettings):
     max_batch: int = setting(32, "most sequences decoded together in one step")
     pull_timeout_s: float = setting(30.0, "longest NIXL READ of one request's KV blocks")
     release_timeout_s: float = setting(5.0, "deadline of the ReleaseKv call after a pull")
+    renew_leases: bool = setting(
+        True, "keep a prefill lease alive (RenewKv) while the request waits for free blocks"
+    )

@@ -195,6 +195,7 @@ async def serve(
         max_inline_embedding_bytes=settings.max_inline_embedding_mb * 1024 * 1024,
         cache_aware=settings.cache_aware_routing,
         encoder_affinity_slack=settings.encoder_affinity_slack,
+        reprefills=settings.kv_reprefills,
     )
     if settings.cache_aware_routing:
         registry.on_register.append(

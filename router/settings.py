@@ -51,6 +51,11 @@ class RouterSettings(ServerSettings):
         "its encoder cache hits) unless that encoder has more than this many requests beyond "
         "the least loaded one; 0: no affinity, each request to the least loaded encoder",
     )
+    kv_reprefills: int = setting(
+        2,
+        "times a request is prefilled again when decode refuses the pulled KV (its lease "
+        "ran out or a block failed its digest) before the client gets ABORTED",
+    )
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
 
     @property

@@ -62,6 +62,8 @@ class Cluster:
     log_dir: Path  # one <name>.log per process
     block_size: int  # KV block size of prefill and decode
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    workers: int = 3  # worker processes started (registration waits for all of them)
+    renewing: bool = True  # a test's note of how its deployment was configured
 
     def status(self, timeout_s: float = 5.0) -> admin_service_pb2.StatusResponse:
         """The router's AdminService.Status (blocking)."""
@@ -143,9 +145,12 @@ def start_cluster(
     encoder_args: tuple[str, ...] = (),
     prefill_args: tuple[str, ...] = (),
     decode_args: tuple[str, ...] = (),
+    router_args: tuple[str, ...] = (),
+    encoders: int = 1,
     timeout_s: float = 120.0,
 ) -> Cluster:
-    """Start router + encoder + prefill + decode and wait until all three registered.
+    """Start router + `encoders` encoders + prefill + decode and wait until all registered
+    (encoders after the first are named encoder-1, encoder-2, ...).
 
     Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
     nothing is left running then.
@@ -177,6 +182,7 @@ def start_cluster(
                 str(max(5.0, 20 * heartbeat_interval_s)),
                 "--grace-s",
                 "1",
+                *router_args,
             ],
             router_log,
         )
@@ -187,15 +193,26 @@ def start_cluster(
             "prefill": [*kv, *prefill_args],
             "decode": [*kv, *decode_args],
         }
-        for role, extra in worker_args.items():
-            cluster.procs[role] = _spawn(
+        names = [("encoder", "encoder")]
+        names += [("encoder", f"encoder-{i}") for i in range(1, encoders)]
+        names += [("prefill", "prefill"), ("decode", "decode")]
+        for role, name in names:
+            cluster.procs[name] = _spawn(
                 f"{role}_worker",
-                [*common, "--router-address", cluster.address, "--name", role, *extra],
-                log_dir / f"{role}.log",
+                [
+                    *common,
+                    "--router-address",
+                    cluster.address,
+                    "--name",
+                    name,
+                    *worker_args[role],
+                ],
+                log_dir / f"{name}.log",
             )
         bound = _wait_address(cluster, router_log, deadline)
         if bound != cluster.address:
             raise RuntimeError(f"router bound {bound}, not {cluster.address}")
+        cluster.workers = len(names)
         _wait_registered(cluster, deadline)
     except BaseException:
         cluster.stop(timeout_s=5.0)
@@ -218,10 +235,10 @@ def _wait_registered(cluster: Cluster, deadline: float) -> None:
     while time.monotonic() < deadline:
         cluster.check_alive()
         try:
-            roles = {w.info.role for w in cluster.status().workers}
+            workers = cluster.status().workers
         except grpc.RpcError:
-            roles = set()
-        if want <= roles:
+            workers = []
+        if want <= {w.info.role for w in workers} and len(workers) >= cluster.workers:
             return
         time.sleep(0.1)
     raise RuntimeError(f"workers did not register in time\n{cluster.logs()}")

@@ -130,12 +130,16 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
         self.hang_before_first = False
         self.hang_after_first = False
         self.fail: grpc.StatusCode | None = None
+        self.refuse_kv = 0  # answer this many calls ABORTED, as when the KV fails its checks
         self.cancelled = asyncio.Event()
 
     async def Decode(self, request, context):
         self.requests.append(request)
         if self.fail is not None:
             await context.abort(self.fail, "fake decode failure")
+        if self.refuse_kv:
+            self.refuse_kv -= 1
+            await context.abort(grpc.StatusCode.ABORTED, "kv.block_digests: prefill again")
         try:
             if self.hang_before_first:
                 await asyncio.sleep(60)
@@ -408,6 +412,28 @@ async def test_decode_failure_releases_the_lease(cluster, workers):
     assert "fake decode failure" in err.value.details
     await asyncio.sleep(0.1)
     assert pre.released == ["lease-1"]
+
+
+async def test_kv_refused_by_decode_is_prefilled_again(cluster, workers):
+    _, pre, dec = workers
+    dec.refuse_kv = 2
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert result.token_ids == [FIRST, 101, 102, 103]  # the client saw no error
+    assert len(pre.requests) == 3  # the first prefill and two more
+    # Each decode try got the newest handle and the first token already streamed.
+    assert [r.kv.lease_id for r in dec.requests] == ["lease-1", "lease-2", "lease-3"]
+    assert {r.first_token_id for r in dec.requests} == {FIRST}
+    await asyncio.sleep(0.1)
+    assert {"lease-1", "lease-2"} <= set(pre.released)
+
+
+async def test_kv_refused_past_the_reprefills_is_aborted(cluster, workers):
+    _, pre, dec = workers
+    dec.refuse_kv = 3
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert err.value.code == grpc.StatusCode.ABORTED
+    assert len(pre.requests) == 3
 
 
 async def test_unavailable_worker_is_retried_on_another(cluster, workers):
