@@ -1,12 +1,13 @@
 """The encoder worker's gRPC server: EncoderService over the vision tower.
 
 Lifecycle (see `common.server.role.RoleServer`): `serve(settings)` loads the vision tower,
-starts gRPC (EncoderService + health), starts creating the NIXL agent in the background,
-and registers with the router when `router_address` is set (role ENCODER, heartbeats carry
-cache hits/lookups and in-flight requests). `server.drain()` refuses new Encode calls with
-UNAVAILABLE "draining" and lets running ones finish; `server.stop()` then stops the
-registrar, gRPC, the batcher, waits for outstanding output leases (up to `lease_ttl_s`)
-and closes the agent. ReleaseEmbeddings stays available while draining.
+starts gRPC (EncoderService + health), starts creating the NIXL agent and its registered
+output arena (`output_pool_mb`) in the background, and registers with the router when
+`router_address` is set (role ENCODER, heartbeats carry cache hits/lookups and in-flight
+requests). `server.drain()` refuses new Encode calls with UNAVAILABLE "draining" and lets
+running ones finish; `server.stop()` then stops the registrar, gRPC, the batcher, waits for
+outstanding output leases (up to `lease_ttl_s`) and closes the agent. ReleaseEmbeddings
+stays available while draining.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class EncoderCounters:
     leases: int  # NIXL outputs not yet freed
     leases_released: int  # outputs their reader released
     leases_expired: int  # outputs the reaper freed
+    leases_unpooled: int  # outputs that did not fit the output arena (own registered buffer)
     cache_hits: int  # items answered from the encoder cache
     cache_lookups: int  # items looked up in the cache
     cache_entries: int  # items the cache holds
@@ -141,6 +143,7 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
             leases=len(leases) if leases is not None else 0,
             leases_released=leases.released if leases is not None else 0,
             leases_expired=leases.expired if leases is not None else 0,
+            leases_unpooled=leases.unpooled if leases is not None else 0,
             cache_hits=cache.hits,
             cache_lookups=cache.lookups,
             cache_entries=len(cache),
@@ -190,7 +193,11 @@ async def serve(
         batch_window_s=settings.batch_window_ms / 1000.0,
         max_batch_rows=settings.max_batch_rows,
     )
-    leases = OutputLeases(settings.lease_ttl_s) if settings.nixl else None
+    leases = None
+    if settings.nixl:
+        leases = OutputLeases(
+            settings.lease_ttl_s, pool_bytes=settings.output_pool_mb << 20, device=settings.device
+        )
     lifecycle = ServerLifecycle()
 
     async def close() -> None:

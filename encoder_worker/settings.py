@@ -21,6 +21,12 @@ class EncoderSettings(ModelWorkerSettings):
     )
     nixl: bool = setting(True, "offer large outputs over NIXL (else always inline)")
     lease_ttl_s: float = setting(30.0, "seconds a NIXL output stays readable unless released")
+    output_pool_mb: int = setting(
+        256,
+        "MiB of device memory registered with NIXL once, at start, that large outputs are "
+        "placed in (so readers load this encoder's metadata once); an output that does not "
+        "fit gets a registered buffer of its own; 0: every output gets its own",
+    )
     batch_window_ms: float = setting(2.0, "wait this long to batch items of concurrent requests")
     max_batch_rows: int = setting(1 << 16, "patch rows per vision forward, at most")
     exact_partitions: bool = setting(
@@ -30,7 +36,7 @@ class EncoderSettings(ModelWorkerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         ModelWorkerSettings.check(self)
-        for name in ("cache_bytes", "inline_limit_bytes", "max_batch_rows"):
+        for name in ("cache_bytes", "inline_limit_bytes", "max_batch_rows", "output_pool_mb"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must not be negative")
         if self.max_batch_rows == 0:

@@ -203,7 +203,15 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     def _resolve(
         self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str], timeout_s: float
     ) -> torch.Tensor:
-        """Pull an embedding held by a NIXL handle (worker thread); note its lease."""
+        """Pull an embedding held by a NIXL handle (worker thread); note its lease.
+
+        What the handle claims is at fault (sizes, metadata NIXL cannot load, a range outside
+        the holder's registered memory): MultimodalLayoutError naming `field`, so
+        INVALID_ARGUMENT. Only a holder that cannot be reached or fails the READ is
+        UNAVAILABLE.
+        """
+        from common.transfer.types import TransferRefusedError  # hoist to the module imports
+
         dtype = torch_dtype(ref.dtype, field)
         try:
             tensor = read_tensor(
@@ -214,6 +222,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 device=self.runner.device,
                 timeout_s=timeout_s,
             )
+        except TransferRefusedError as exc:
+            raise MultimodalLayoutError(field, f"cannot pull embeddings: {exc}") from None
         except TransferError as exc:
             raise RpcStatusError(
                 grpc.StatusCode.UNAVAILABLE, f"{field}: cannot pull embeddings: {exc}"

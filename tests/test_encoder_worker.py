@@ -424,6 +424,99 @@ async def test_large_output_goes_over_nixl_and_is_released(
         await asyncio.to_thread(reader.close)
 
 
+async def _reader() -> Any:
+    transfer = pytest.importorskip("common.transfer.agent")
+    try:
+        return await asyncio.to_thread(transfer.TransferAgent, "reader")
+    except (ImportError, RuntimeError) as exc:
+        pytest.skip(f"NIXL unavailable: {exc}")
+
+
+async def test_outputs_share_one_snapshot_and_reuse_released_ranges(
+    make_server: Factory, processor: Processor, tower: VisionTower
+) -> None:
+    from common.wire.transfer import read_tensor
+
+    reader = await _reader()
+    try:
+        server, stub = await make_server(nixl=True, inline_limit_bytes=4096, output_pool_mb=1)
+        leases = server.servicer.leases if server.servicer else None
+        assert leases is not None
+        replies = [
+            await stub.Encode(_request(_item(_image(processor, seed, 128, 128))), timeout=60)
+            for seed in (80, 81)
+        ]
+        refs = [[item.rows, *item.deepstack] for r in replies for item in r.items]
+        handles = [ref.handle for group in refs for ref in group]
+        agent = await leases.agent()
+        assert agent is not None and leases.arena is not None
+        # One snapshot, taken once: the encoder's metadata did not change while serving.
+        assert {h.agent_metadata for h in handles} == {agent.metadata()}
+        # Each tensor lies in the arena, 64-byte aligned, the two leases apart.
+        base = leases.arena.buffer.data_ptr()
+        assert all(h.address % 64 == 0 and h.address >= base for h in handles)
+        assert len({h.address for h in handles}) == len(handles)
+        for group in refs:
+            for ref in group:
+                got = await asyncio.to_thread(
+                    read_tensor, ref.handle, torch.float32, tuple(ref.shape), reader
+                )
+                assert got.shape == tuple(ref.shape)
+        first = refs[0][0].handle
+        release = encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=[first.lease_id])
+        assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 1
+        # The next output takes the range the released lease gave back (the lowest free).
+        reply = await stub.Encode(_request(_item(_image(processor, 82, 128, 128))), timeout=60)
+        again = reply.items[0].rows.handle
+        assert again.address == first.address and again.lease_id != first.lease_id
+        assert again.agent_metadata == first.agent_metadata
+        prompt = _image(processor, 82, 128, 128)
+        rows, _ = tower.encode(prompt.pixel_values[0], torch.tensor([prompt.grid_thw[0]]))
+        shape = tuple(reply.items[0].rows.shape)
+        got = await asyncio.to_thread(read_tensor, again, torch.float32, shape, reader)
+        torch.testing.assert_close(got, rows, rtol=1e-5, atol=1e-5)
+        assert server.servicer is not None and server.servicer.counters.leases_unpooled == 0
+    finally:
+        await asyncio.to_thread(reader.close)
+
+
+async def test_output_that_does_not_fit_gets_its_own_registered_buffer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from common.transfer.agent import TransferAgent
+    from common.wire.transfer import read_tensor
+    from encoder_worker.leases import OutputLeases
+
+    reader = await _reader()
+    leases = OutputLeases(30.0, pool_bytes=4096, agent_factory=lambda: TransferAgent("enc"))
+    try:
+        leases.start()
+        agent = await leases.agent()
+        assert agent is not None and leases.arena is not None
+        outputs = [torch.full((750,), float(k)) for k in range(4)]  # 3000 bytes each
+        pooled = leases.export(agent, [outputs[0]])
+        with caplog.at_level("INFO", logger="encoder_worker.leases"):
+            own = [leases.export(agent, [t]) for t in outputs[1:]]  # the arena is full
+        assert leases.unpooled == 3 and leases.exported == 4
+        warned = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and "does not fit the output arena" in warned[0].message
+        # Own buffers change the metadata: each lease's handles carry a fresh snapshot.
+        snapshots = {pooled[0].agent_metadata, *(h[0].agent_metadata for h in own)}
+        assert len(snapshots) == 4
+        for k, (handle,) in enumerate([pooled, *own]):
+            got = await asyncio.to_thread(read_tensor, handle, torch.float32, (750,), reader)
+            assert torch.equal(got, outputs[k])
+        # Freeing: the arena range goes back; own buffers are deregistered.
+        assert leases.release([h[0].lease_id for h in own]) == 3
+        assert all(agent.region_of(h[0].address, 3000) is None for h in own)
+        assert leases.release([pooled[0].lease_id]) == 1
+        assert leases.arena.allocator.free_ranges() == [(0, 4096)]
+        assert agent.region_of(pooled[0].address, 3000) is not None  # the arena stays
+    finally:
+        await leases.close()
+        await asyncio.to_thread(reader.close)
+
+
 async def test_registers_with_router_and_reports_cache(
     make_server: Factory, processor: Processor
 ) -> None:
@@ -477,6 +570,8 @@ def test_settings_are_checked() -> None:
         EncoderSettings(dtype="float64").check()
     with pytest.raises(SettingsError, match="lease_ttl_s"):
         EncoderSettings(lease_ttl_s=0).check()
+    with pytest.raises(SettingsError, match="output_pool_mb"):
+        EncoderSettings(output_pool_mb=-1).check()
 
 
 @pytest.fixture

@@ -22,7 +22,12 @@ from hypothesis import strategies as st
 
 from common.transfer.agent import TransferAgent
 from common.transfer.ranges import check_pairs, merge_ranges
-from common.transfer.types import TransferError, TransferTimeoutError, UnknownPeerError
+from common.transfer.types import (
+    TransferError,
+    TransferRefusedError,
+    TransferTimeoutError,
+    UnknownPeerError,
+)
 from common.wire.transfer import handle_for, read_tensor
 from epd.v1 import tensor_pb2
 
@@ -82,6 +87,19 @@ def holder_main(conn: Connection) -> None:
             t = known_tensor()
             keep.append(t)
             conn.send_bytes(handle_for(t, agent, lease_id="lease-1").SerializeToString())
+        elif cmd == "reuse":
+            # Register a range, snapshot, deregister it, then register a larger range over
+            # the same memory (as an allocator reusing freed memory would): the reader has
+            # the first snapshot, the handle the second.
+            pool = torch.zeros(8192, dtype=torch.uint8)
+            keep.append(pool)
+            first = agent.register(pool[1024:2048])
+            older = agent.metadata()
+            agent.deregister(first)
+            pool[4096:].copy_(block_pattern(3, 4096))
+            handle = handle_for(pool, agent, lease_id="lease-2")
+            handle.address, handle.length = pool.data_ptr() + 4096, 4096
+            _send(conn, older=older, handle=handle.SerializeToString())
         elif cmd == "stop":
             agent.close()
             _send(conn, ok=True)
@@ -350,6 +368,141 @@ def test_add_peer_is_cached(
 ) -> None:
     assert agent.add_peer(holder[1]["metadata"]) == peer == holder[1]["name"]
     assert peer in agent.peers
+
+
+def _tensor_handle(holder: tuple[Connection, dict[str, Any]]) -> tensor_pb2.TransferHandle:
+    """A handle for a tensor the holder registers now, with the snapshot taken after."""
+    _send(holder[0], cmd="tensor")
+    return tensor_pb2.TransferHandle.FromString(holder[0].recv_bytes())
+
+
+def _regress(reader: TransferAgent, name: str, older: bytes) -> None:
+    """Leave NIXL knowing only the `older` snapshot of peer `name`: the state a reader is in
+    when an older snapshot won a race with the newer one (NIXL 1.5 merges the sections of
+    every snapshot loaded, so only forgetting the peer gets there)."""
+    reader._agent.remove_remote_agent(name)
+    reader._agent.add_remote_agent(older)
+
+
+@pytest.fixture
+def fresh() -> Iterator[TransferAgent]:
+    """A reader of its own, for tests that put its view of the holder out of date."""
+    a = TransferAgent("fresh")
+    yield a
+    a.close()
+
+
+def test_add_peer_never_regresses_to_an_earlier_snapshot(
+    fresh: TransferAgent, holder: tuple[Connection, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    older = holder[1]["metadata"]
+    newer = _tensor_handle(holder).agent_metadata
+    assert newer != older
+    loads: list[bytes] = []
+    real = fresh._agent.add_remote_agent
+
+    def counted(metadata: bytes) -> Any:
+        loads.append(metadata)
+        return real(metadata)
+
+    monkeypatch.setattr(fresh._agent, "add_remote_agent", counted)
+    name = holder[1]["name"]
+    assert fresh.add_peer(older) == fresh.add_peer(newer) == name
+    # Both seen: neither is loaded again, whatever order they come back in.
+    assert fresh.add_peer(older) == fresh.add_peer(newer) == name
+    assert loads == [older, newer]
+    assert fresh.add_peer(older, force=True) == name
+    assert loads == [older, newer, older]
+    assert fresh.peers == [name]
+
+
+def test_refused_read_reloads_the_handles_snapshot_once(
+    fresh: TransferAgent, holder: tuple[Connection, dict[str, Any]]
+) -> None:
+    handle = _tensor_handle(holder)
+    peer = fresh.add_peer(handle.agent_metadata)
+    _regress(fresh, peer, holder[1]["metadata"])  # lacks the tensor just registered
+    local = torch.zeros(handle.length, dtype=torch.uint8)
+    fresh.register(local)
+    remote = [(handle.address, handle.length)]
+    into = [(local.data_ptr(), handle.length)]
+    with pytest.raises(TransferRefusedError, match="NOT_FOUND"):
+        fresh.read(peer, remote, into, timeout_s=5)
+    assert not fresh.covers(peer, remote)
+    stats = fresh.read(peer, remote, into, timeout_s=5, peer_metadata=handle.agent_metadata)
+    assert stats.nbytes == handle.length
+    assert torch.equal(local.view(torch.float32).view(TENSOR_SHAPE), known_tensor())
+    assert fresh.covers(peer, remote)
+
+
+def test_read_tensor_refreshes_a_stale_view_of_the_holder(
+    fresh: TransferAgent, holder: tuple[Connection, dict[str, Any]]
+) -> None:
+    # The fallback path of an encoder: a buffer registered after a first snapshot was loaded.
+    fresh.add_peer(holder[1]["metadata"])
+    handle = _tensor_handle(holder)
+    peer = fresh.add_peer(handle.agent_metadata)
+    _regress(fresh, peer, holder[1]["metadata"])
+    # add_peer has seen the handle's bytes and skips them; read_tensor still gets there.
+    out = read_tensor(handle, torch.float32, TENSOR_SHAPE, fresh)
+    assert torch.equal(out, known_tensor())
+
+
+def test_read_tensor_follows_a_holder_that_reregistered_reused_memory(
+    fresh: TransferAgent, holder: tuple[Connection, dict[str, Any]]
+) -> None:
+    _send(holder[0], cmd="reuse")
+    reply = _recv(holder[0])
+    handle = tensor_pb2.TransferHandle.FromString(reply["handle"])
+    fresh.add_peer(reply["older"])
+    peer = fresh.add_peer(handle.agent_metadata)
+    # NIXL keeps the deregistered range, which shadows the new registration around it.
+    assert not fresh.covers(peer, [(handle.address, handle.length)])
+    out = read_tensor(handle, torch.uint8, (4096,), fresh)
+    assert torch.equal(out, block_pattern(3, 4096))
+
+
+_BAD_HANDLES = {
+    "garbage_metadata": (TransferRefusedError, "cannot load peer metadata"),
+    "other_name": (ValueError, "names agent"),
+    "past_the_registration": (TransferRefusedError, "outside the memory"),
+    "oversize_shape": (TransferRefusedError, "outside the memory"),
+    "overflowing_shape": (ValueError, "too large"),
+    "overflowing_address": (ValueError, "invalid"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_HANDLES))
+def test_bad_handle_is_refused_before_anything_is_allocated(
+    agent: TransferAgent,
+    holder: tuple[Connection, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    handle = _tensor_handle(holder)
+    shape: list[int] = list(TENSOR_SHAPE)
+    if case == "garbage_metadata":
+        handle.agent_metadata = b"not nixl metadata"
+    elif case == "other_name":
+        handle.agent_name = "someone-else"
+    elif case == "past_the_registration":
+        handle.address = holder[1]["big_addr"] + BIG_BYTES - handle.length // 2
+    elif case == "oversize_shape":
+        shape = [4, 1 << 36]  # 1 TiB of float32, "held" from the start of a 1 MiB buffer
+        handle.address, handle.length = holder[1]["big_addr"], 4 << 38
+    elif case == "overflowing_shape":
+        shape = [1 << 40, 1 << 40]
+        handle.length = 1 << 62
+    else:
+        handle.address = (1 << 64) - 64
+    error, message = _BAD_HANDLES[case]
+
+    def no_allocation(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("read_tensor allocated before the handle checked out")
+
+    monkeypatch.setattr(torch, "empty", no_allocation)
+    with pytest.raises(error, match=message):
+        read_tensor(handle, torch.float32, shape, agent)
 
 
 def test_local_range_must_be_registered(

@@ -7,7 +7,10 @@ host DRAM between processes on CPU-only machines and device memory where there a
 Lifecycle: construct (creates the agent and its UCX backend) -> `register` the buffers peers
 may read or this process reads into -> send `metadata()` to peers (after registering: the
 metadata is a snapshot of the registrations) -> `add_peer` for each holder -> `read` /
-`read_async` -> `close()`.
+`read_async` -> `close()`. Snapshots may reach a reader in any order: `add_peer` loads each
+at most once, `refresh_peer` starts a peer over from one snapshot, and `read` given
+`peer_metadata` does that and retries once when NIXL refuses the remote ranges (the rules,
+and why NIXL needs them, are in `peers`).
 
 Ownership: `register` keeps a reference to the tensor until `deregister` or `close`, so
 registered memory is never freed while NIXL may still touch it. The caller owns the tensor's
@@ -20,7 +23,7 @@ and the nixl agent is created with NIXL_THREAD_SYNC_STRICT. Neither `close()` no
 first.
 
 Split: value types and errors live in `types`, region lookup in `regions`, transfer polling
-in `polling`, finding the NIXL package in `nixl`.
+in `polling`, the peers' snapshots in `peers`, finding the NIXL package in `nixl`.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ import numpy as np
 import torch
 
 from common.transfer.nixl import import_nixl
+from common.transfer.peers import PeerSnapshots
 from common.transfer.polling import post_and_wait
 from common.transfer.ranges import (
     Ranges,
+    as_range_array,
     check_pair_lists,
     check_pairs,
     merge_for_read,
@@ -58,7 +63,6 @@ from common.transfer.types import (
     TransferError,
     TransferStats,
     TransferTimeoutError,
-    UnknownPeerError,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,7 +99,7 @@ class TransferAgent:
             )
         self._lock = threading.Lock()
         self._regions: list[RegisteredRegion] = []
-        self._peers: dict[str, bytes] = {}  # peer name -> metadata last loaded
+        self._peers = PeerSnapshots(self._agent, self.name)  # peers, snapshots loaded
         self._leaked: list[Any] = []  # xfer handles NIXL refused to release; retried later
         self._closed = False
         logger.info("NIXL agent %s ready (UCX)", self.name)
@@ -148,13 +152,7 @@ class TransferAgent:
     def region_of(self, address: int, nbytes: int) -> RegisteredRegion | None:
         """The registered region holding [address, address + nbytes), if any."""
         with self._lock:
-            return self._find_region(address, nbytes)
-
-    def _find_region(self, address: int, nbytes: int) -> RegisteredRegion | None:
-        for region in self._regions:
-            if region.contains(address, nbytes):
-                return region
-        return None
+            return next((r for r in self._regions if r.contains(address, nbytes)), None)
 
     # -- peers -------------------------------------------------------------------------
 
@@ -167,34 +165,36 @@ class TransferAgent:
             self._check_open()
             return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, agent_metadata: bytes) -> str:
-        """Load a peer's metadata and return its agent name.
-
-        Loading the same bytes again is a cheap no-op; new bytes for a known peer (it has
-        registered more memory since) replace the old snapshot.
-        """
+    def add_peer(self, agent_metadata: bytes, *, force: bool = False) -> str:
+        """Load a peer's metadata snapshot and return its agent name. Bytes loaded before
+        are a cheap no-op unless `force` (a known peer never regresses to an earlier
+        snapshot); TransferRefusedError for bytes NIXL cannot load."""
         with self._lock:
             self._check_open()
-            for name, known in self._peers.items():
-                if known == agent_metadata:
-                    return name
-            try:
-                raw_name = self._agent.add_remote_agent(agent_metadata)
-            except Exception as exc:
-                raise TransferError(f"cannot load peer metadata: {exc}") from exc
-            # The binding returns the name as bytes although it is annotated as str.
-            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
-            if name == self.name:
-                raise ValueError("add_peer was given this agent's own metadata")
-            self._peers[name] = agent_metadata
-        logger.debug("%s loaded peer %s", self.name, name)
-        return name
+            return self._peers.load(agent_metadata, force=force)
 
     @property
     def peers(self) -> list[str]:
         """Names of the peers loaded so far."""
         with self._lock:
-            return list(self._peers)
+            return self._peers.names()
+
+    def refresh_peer(self, peer: str, agent_metadata: bytes) -> str:
+        """Make NIXL forget `peer` and load `agent_metadata` alone, once no READ of `peer` is
+        in flight here (new ones wait); return `peer`. TransferRefusedError for bytes NIXL
+        cannot load (`peer` is then unknown), ValueError for another agent's."""
+        return self._peers.refresh(self._lock, peer, agent_metadata, lambda: peer)
+
+    def covers(
+        self, peer: str, remote: Ranges, *, remote_memory: str = HOST_MEMORY, device_id: int = 0
+    ) -> bool:
+        """Whether every remote range lies in memory `peer` registered, as far as the
+        snapshots loaded of it tell (nothing moves). UnknownPeerError for a peer never added."""
+        ranges = desc_array(as_range_array(remote, "remote"), device_id)
+        descs = self._agent.get_xfer_descs(ranges, remote_memory)
+        with self._lock:
+            self._check_open()
+            return self._peers.covers(peer, descs)
 
     # -- transfers ---------------------------------------------------------------------
 
@@ -208,6 +208,7 @@ class TransferAgent:
         remote_memory: str = HOST_MEMORY,
         remote_device_id: int = 0,
         merge: bool = True,
+        peer_metadata: bytes | None = None,
     ) -> TransferStats:
         """READ `remote[i]` of `peer` into `local[i]` for every i, and block until done.
 
@@ -225,10 +226,14 @@ class TransferAgent:
         The timeout covers polling only: with UCX on host memory, NIXL often performs the
         whole copy inside the post call, which cannot be interrupted.
 
+        `peer_metadata`, the snapshot that described the remote ranges: if NIXL refuses the
+        READ, the peer is refreshed from it (`refresh_peer`) and the READ prepared again.
+
         Raises ValueError for malformed ranges, UnknownPeerError for a peer never added,
         TransferTimeoutError after `timeout_s` (the handle is released or, if NIXL refuses
-        to cancel, parked and released later; the local bytes are then undefined), and
-        TransferError if NIXL refuses or fails the transfer.
+        to cancel, parked and released later; the local bytes are then undefined),
+        TransferRefusedError if NIXL refuses the ranges (after the retry), and TransferError
+        if the transfer fails (a disconnected peer, a failed READ).
         """
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -248,10 +253,7 @@ class TransferAgent:
             requested = len(r)
         with self._lock:
             self._check_open()
-            if peer not in self._peers:
-                raise UnknownPeerError(
-                    f"unknown NIXL peer {peer!r}: call add_peer with its metadata first"
-                )
+            self._peers.check_known(peer)
             if small:
                 ids, local_memory, local_device = local_regions_small(
                     self._regions, l_list, self.name
@@ -269,16 +271,15 @@ class TransferAgent:
             desc_array(merged_r, remote_device_id), remote_memory
         )
         local_descs = self._agent.get_xfer_descs(desc_array(merged_l, local_device), local_memory)
-        try:
-            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer)
-        except Exception as exc:
-            raise TransferError(
-                f"NIXL refused a READ of {len(merged_r)} descriptors from {peer!r} "
-                f"({exc}); are the remote ranges inside memory the peer registered before "
-                "sending its metadata?"
-            ) from exc
         nbytes = int(merged_l[:, 1].sum())
-        self._post_and_wait(handle, peer, nbytes, timeout_s, started)
+        self._peers.begin_read(peer)
+        try:
+            handle = self._peers.prepare_read(
+                self._lock, local_descs, remote_descs, len(merged_r), peer, peer_metadata
+            )
+            self._post_and_wait(handle, peer, nbytes, timeout_s, started)
+        finally:
+            self._peers.end_read(peer)
         stats = TransferStats(
             nbytes=nbytes,
             descriptors=len(merged_r),
@@ -307,11 +308,9 @@ class TransferAgent:
         remote_device_id: int = 0,
         merge: bool = True,
     ) -> TransferStats:
-        """`read` in a worker thread, so an asyncio server keeps serving meanwhile.
-
-        Cancelling the awaiting task does not stop the transfer: the thread runs it to
-        completion or timeout, so the local ranges must stay allocated until then.
-        """
+        """`read` in a worker thread, so an asyncio server keeps serving meanwhile. Cancelling
+        the awaiting task does not stop the transfer: the thread runs it to completion or
+        timeout, so the local ranges must stay allocated until then."""
         return await asyncio.to_thread(
             self.read,
             peer,
@@ -332,8 +331,11 @@ class TransferAgent:
         except TransferTimeoutError as exc:
             exc.cancelled = self._release(handle, False)
             raise
-        except BaseException:
+        except BaseException as exc:
             self._release(handle, False)
+            if isinstance(exc, Exception) and not isinstance(exc, TransferError):
+                # The binding's own errors, e.g. NIXL_ERR_REMOTE_DISCONNECT from a dead peer.
+                raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed: {exc}") from exc
             raise
         self._release(handle, True)
 
@@ -372,12 +374,7 @@ class TransferAgent:
                 return
             self._closed = True
             self._retry_leaked()
-            for name in list(self._peers):
-                try:
-                    self._agent.remove_remote_agent(name)
-                except Exception:
-                    logger.warning("%s: could not remove peer %s", self.name, name, exc_info=True)
-            self._peers.clear()
+            self._peers.remove_all()
             for region in self._regions:
                 try:
                     self._agent.deregister_memory(region._reg_descs)

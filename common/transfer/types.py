@@ -11,7 +11,20 @@ DEVICE_MEMORY: Final = "VRAM"
 
 
 class TransferError(RuntimeError):
-    """A NIXL transfer could not be created, failed, or was refused."""
+    """A NIXL transfer could not be created, failed, or was refused.
+
+    Raised as is for what may pass (the peer is unreachable, disconnected, or failed the
+    transfer); refusals that retrying cannot fix are the subclass `TransferRefusedError`.
+    """
+
+
+class TransferRefusedError(TransferError):
+    """NIXL refused what it was given: peer metadata it cannot load, or remote ranges outside
+    the memory the peer registered (after one refresh of the peer's metadata).
+
+    The fault lies with whoever sent the metadata or the ranges, not with the network: a
+    server answers INVALID_ARGUMENT, not UNAVAILABLE.
+    """
 
 
 class TransferTimeoutError(TransferError, TimeoutError):
@@ -52,3 +65,15 @@ class TransferStats:
     def gbps(self) -> float:
         """Throughput in GB/s (10^9 bytes per second)."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+# NIXL's exception classes (its bindings) for refusals: what it was given is not loadable or
+# not inside what the peer registered. Others (disconnects, backend errors) may pass.
+_NIXL_REFUSALS: Final = frozenset(
+    {"nixlNotFoundError", "nixlMismatchError", "nixlInvalidParamError", "nixlNotAllowedError"}
+)
+
+
+def nixl_refused(exc: BaseException) -> bool:
+    """Whether a NIXL binding exception is a refusal (see `TransferRefusedError`)."""
+    return type(exc).__name__ in _NIXL_REFUSALS

@@ -3,17 +3,28 @@
 Used for tensors too large to ship inline in a `TensorRef` (encoder embeddings): the holder
 registers the tensor and puts a `TransferHandle` on the wire; the reader loads the holder's
 metadata and READs the bytes into a fresh local tensor. Only protobuf crosses the wire.
+
+A reader trusts nothing a handle claims: sizes are checked, and the range is checked against
+what the holder's metadata says it registered, before anything is allocated. Handles reach
+readers in any order, each with the holder's snapshot of when it was made; a reader whose
+view of the holder is older than the handle's reloads the handle's own snapshot once.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Final
 
 import torch
 
 from common.transfer.agent import TransferAgent
 from common.transfer.regions import tensor_memory
-from common.transfer.types import DEVICE_MEMORY, HOST_MEMORY, TransferTimeoutError
+from common.transfer.types import (
+    DEVICE_MEMORY,
+    HOST_MEMORY,
+    TransferRefusedError,
+    TransferTimeoutError,
+)
 from epd.v1 import tensor_pb2
 
 # The one map between the wire MemoryKind and NIXL's memory names (handles, KV handles).
@@ -23,23 +34,41 @@ KIND_TO_MEMORY = {
 }
 MEMORY_TO_KIND = {memory: kind for kind, memory in KIND_TO_MEMORY.items()}
 
+# Sizes and addresses torch and NIXL take (int64): larger claims are refused unread.
+_MAX_INT64: Final = (1 << 63) - 1
+
 
 def handle_for(
-    tensor: torch.Tensor, agent: TransferAgent, lease_id: str
+    tensor: torch.Tensor,
+    agent: TransferAgent,
+    lease_id: str,
+    *,
+    metadata: bytes | None = None,
 ) -> tensor_pb2.TransferHandle:
-    """Register `tensor` with `agent` (if needed) and describe it for a remote READ.
+    """Describe `tensor` for a remote READ, registering it with `agent` first if needed.
 
     The holder must keep the tensor alive and registered until the lease `lease_id` is
     released or expires; `agent.deregister(agent.register(tensor))` ends it. The handle carries
-    the agent's current metadata, which includes this registration.
+    `metadata`, a snapshot of the agent's metadata taken after the tensor's memory was
+    registered (ValueError if that memory is not registered), or else `agent.metadata()` now,
+    which includes the registration made here. Holders that register once pass one cached
+    snapshot, so every handle carries the same bytes and readers load them once.
     """
-    region = agent.register(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    if metadata is None:
+        region = agent.register(tensor)
+        metadata = agent.metadata()
+    else:
+        found = agent.region_of(tensor.data_ptr(), nbytes)
+        if found is None:
+            raise ValueError("handle_for was given metadata, but the tensor is not registered")
+        region = found
     _, device_id = tensor_memory(tensor)
     return tensor_pb2.TransferHandle(
-        agent_metadata=agent.metadata(),
+        agent_metadata=metadata,
         agent_name=agent.name,
         address=tensor.data_ptr(),
-        length=tensor.numel() * tensor.element_size(),
+        length=nbytes,
         device_id=device_id,
         memory_kind=MEMORY_TO_KIND[region.memory],
         lease_id=lease_id,
@@ -57,39 +86,57 @@ def read_tensor(
 ) -> torch.Tensor:
     """Pull the tensor behind `handle` into a fresh tensor on `device` and return it.
 
-    The fresh buffer is registered for the READ and deregistered afterwards, so the caller
-    owns an ordinary tensor. Raises ValueError if dtype and shape disagree with the handle's
-    length or the handle is malformed, and the errors of `TransferAgent.read` otherwise.
+    Nothing is allocated before the handle checks out: its sizes, then its holder's
+    metadata, then its range against the memory that metadata says the holder registered
+    (refreshing the holder from the handle's snapshot once if the agent's view lacks it). The
+    fresh buffer is registered for the READ and deregistered afterwards, so the caller owns
+    an ordinary tensor. Thread-safe (servers call it from worker threads).
+
+    Raises ValueError if the handle is malformed, names another agent than its metadata, or
+    disagrees with dtype and shape (sizes that overflow included); TransferRefusedError if
+    the holder's metadata cannot be loaded or the range lies outside memory it registered;
+    and the errors of `TransferAgent.read` otherwise (TransferError, TransferTimeoutError:
+    the holder is unreachable, gone, or failed the READ).
     """
-    if handle.memory_kind not in KIND_TO_MEMORY:
-        raise ValueError(f"transfer handle has no valid memory kind ({handle.memory_kind})")
-    if not handle.agent_metadata:
-        raise ValueError("transfer handle carries no agent metadata")
-    if any(dim < 0 for dim in shape):
-        raise ValueError(f"negative dimension in shape {list(shape)}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
-    if nbytes != handle.length:
-        raise ValueError(
-            f"shape {list(shape)} of {dtype} is {nbytes} bytes but the handle holds {handle.length}"
-        )
-    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    nbytes = _checked_nbytes(handle, dtype, shape)
     if nbytes == 0:
-        return out
-    peer = agent.add_peer(handle.agent_metadata)
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    metadata = handle.agent_metadata
+    try:
+        peer = agent.add_peer(metadata)
+    except TransferRefusedError:
+        if handle.agent_name not in agent.peers:
+            raise
+        # NIXL refuses a snapshot that collides with stale ones it holds: start over.
+        peer = agent.refresh_peer(handle.agent_name, metadata)
     if peer != handle.agent_name:
         raise ValueError(
             f"handle names agent {handle.agent_name!r} but its metadata is for {peer!r}"
         )
+    remote = [(handle.address, handle.length)]
+    memory = KIND_TO_MEMORY[handle.memory_kind]
+
+    def covered() -> bool:
+        return agent.covers(peer, remote, remote_memory=memory, device_id=handle.device_id)
+
+    if not covered():  # stale descriptors may shadow the range: start over from this one
+        agent.refresh_peer(peer, metadata)
+        if not covered():
+            raise TransferRefusedError(
+                f"{handle.length} bytes at {handle.address:#x} of {memory} lie outside the "
+                f"memory {peer!r} registered"
+            )
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
     region = agent.register(out)
     try:
         agent.read(
             peer,
-            [(handle.address, handle.length)],
+            remote,
             [(out.data_ptr(), nbytes)],
             timeout_s=timeout_s,
-            remote_memory=KIND_TO_MEMORY[handle.memory_kind],
+            remote_memory=memory,
             remote_device_id=handle.device_id,
+            peer_metadata=metadata,
         )
     except TransferTimeoutError as exc:
         if exc.cancelled:
@@ -101,3 +148,27 @@ def read_tensor(
         raise
     agent.deregister(region)
     return out
+
+
+def _checked_nbytes(
+    handle: tensor_pb2.TransferHandle, dtype: torch.dtype, shape: tuple[int, ...] | list[int]
+) -> int:
+    """The bytes `shape` of `dtype` takes, once they agree with the handle (else ValueError)."""
+    if handle.memory_kind not in KIND_TO_MEMORY:
+        raise ValueError(f"transfer handle has no valid memory kind ({handle.memory_kind})")
+    if not handle.agent_metadata:
+        raise ValueError("transfer handle carries no agent metadata")
+    if any(dim < 0 for dim in shape):
+        raise ValueError(f"negative dimension in shape {list(shape)}")
+    if any(dim > _MAX_INT64 for dim in shape):
+        raise ValueError(f"dimension too large in shape {list(shape)}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > _MAX_INT64:
+        raise ValueError(f"shape {list(shape)} of {dtype} is {nbytes} bytes: too large")
+    if nbytes != handle.length:
+        raise ValueError(
+            f"shape {list(shape)} of {dtype} is {nbytes} bytes but the handle holds {handle.length}"
+        )
+    if handle.address + handle.length > _MAX_INT64:
+        raise ValueError(f"transfer handle range {handle.address:#x}+{handle.length} is invalid")
+    return nbytes

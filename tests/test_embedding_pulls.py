@@ -1,0 +1,252 @@
+"""Prefill-side pulls of encoder outputs held by NIXL, from encoder processes exporting
+through the real `OutputLeases`: encoder 0's arena is too small for every output, so some
+fall back to buffers of their own; encoder 1 has no arena, so every output registers its
+own buffer, its metadata changes while readers pull, and released buffers' addresses come
+back in later registrations (which NIXL readers cannot follow without a refresh).
+
+Each encoder process serves commands over a Pipe (msgpack maps, serialized protobuf).
+Readers pull with `read_tensor` from many threads at once, as prefill workers do, and the
+prefill worker's `_resolve` turns what goes wrong into the right gRPC status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from types import SimpleNamespace
+from typing import Any, cast
+
+import grpc
+import msgpack
+import pytest
+import torch
+
+from common.multimodal.validation import MultimodalLayoutError
+from common.server.rpc import RpcStatusError
+from common.transfer.agent import TransferAgent
+from common.transfer.types import TransferError, TransferRefusedError
+from common.wire.convert import element_type
+from common.wire.transfer import read_tensor
+from epd.v1 import tensor_pb2
+from prefill_worker.service import PrefillServicer
+
+HIDDEN = 64  # row width of the fake outputs
+LAYERS = 3  # tensors per output: rows and two deepstack layers
+POOL_BYTES = 1 << 20  # encoder 0's arena: fills up, and the largest outputs never fit
+
+
+def output_rows(k: int) -> int:
+    """Rows of output `k`: mostly small, every seventh 3 MiB in all (larger than the arena)."""
+    return 4096 if k % 7 == 3 else 16 + 37 * (k % 5)
+
+
+def output_tensor(encoder: int, k: int, layer: int) -> torch.Tensor:
+    """The exact values of tensor `layer` of output `k` of encoder `encoder`."""
+    rows = output_rows(k)
+    base = torch.arange(rows * HIDDEN, dtype=torch.float32).reshape(rows, HIDDEN)
+    return base + float(100_000 * encoder + 100 * k + layer)
+
+
+def _send(conn: Connection, **msg: Any) -> None:
+    conn.send_bytes(msgpack.packb(msg))
+
+
+def _recv(conn: Connection) -> dict[str, Any]:
+    return msgpack.unpackb(conn.recv_bytes())
+
+
+def encoder_main(conn: Connection, encoder: int) -> None:
+    """An encoder process: export outputs through `OutputLeases` until told to stop."""
+    torch.set_num_threads(1)
+    asyncio.run(_serve(conn, encoder))
+
+
+async def _serve(conn: Connection, encoder: int) -> None:
+    from encoder_worker.leases import OutputLeases
+
+    leases = OutputLeases(
+        60.0,
+        pool_bytes=0 if encoder == 1 else POOL_BYTES,
+        agent_factory=lambda: TransferAgent(f"enc{encoder}"),
+    )
+    leases.start()
+    agent = await leases.agent()
+    if agent is None:
+        _send(conn, error="NIXL unavailable")
+        return
+    _send(conn, name=agent.name, pid=os.getpid())
+    while True:
+        msg = await asyncio.to_thread(_recv, conn)
+        if msg["cmd"] == "export":
+            handles = []
+            for k in msg["outputs"]:
+                tensors = [output_tensor(encoder, k, layer) for layer in range(LAYERS)]
+                handles.append([h.SerializeToString() for h in leases.export(agent, tensors)])
+            _send(conn, handles=handles)
+        elif msg["cmd"] == "release":
+            _send(conn, released=leases.release(msg["lease_ids"]))
+        elif msg["cmd"] == "counters":
+            _send(conn, exported=leases.exported, unpooled=leases.unpooled, live=len(leases))
+        elif msg["cmd"] == "stop":
+            await leases.close()
+            _send(conn, ok=True)
+            return
+
+
+class Encoder:
+    """The test's side of one encoder process."""
+
+    def __init__(self, index: int, conn: Connection, proc: Any) -> None:
+        self.index = index
+        self.conn = conn
+        self.proc = proc
+        self.info: dict[str, Any] = {}
+
+    def ask(self, **msg: Any) -> dict[str, Any]:
+        _send(self.conn, **msg)
+        if not self.conn.poll(30):
+            pytest.fail(f"encoder {self.index} did not answer {msg['cmd']!r} within 30 s")
+        return _recv(self.conn)
+
+    def export(self, outputs: list[int]) -> list[list[tensor_pb2.TransferHandle]]:
+        reply = self.ask(cmd="export", outputs=outputs)
+        return [[tensor_pb2.TransferHandle.FromString(h) for h in out] for out in reply["handles"]]
+
+
+@pytest.fixture(scope="module")
+def encoders() -> Iterator[list[Encoder]]:
+    """Three encoder processes, started together: two to pull from, one to kill."""
+    ctx = mp.get_context("spawn")
+    started = []
+    for index in range(3):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=encoder_main, args=(child, index), daemon=True)
+        proc.start()
+        started.append(Encoder(index, parent, proc))
+    try:
+        for enc in started:
+            if not enc.conn.poll(60):
+                pytest.fail(f"encoder {enc.index} did not start within 60 s")
+            enc.info = _recv(enc.conn)
+            if "error" in enc.info:
+                pytest.skip(f"NIXL UCX backend unavailable: {enc.info['error']}")
+        yield started
+    finally:
+        for enc in started:
+            if enc.proc.is_alive():
+                _send(enc.conn, cmd="stop")
+                enc.conn.poll(10)
+            enc.proc.join(10)
+            if enc.proc.is_alive():
+                enc.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reader(encoders: list[Encoder]) -> Iterator[TransferAgent]:
+    agent = TransferAgent("prefill")
+    yield agent
+    agent.close()
+
+
+def _pull(handle: tensor_pb2.TransferHandle, rows: int, agent: TransferAgent) -> torch.Tensor:
+    return read_tensor(handle, torch.float32, (rows, HIDDEN), agent, timeout_s=10)
+
+
+def test_concurrent_pulls_from_two_encoders_all_succeed(
+    encoders: list[Encoder], reader: TransferAgent
+) -> None:
+    rng = random.Random(3)
+    rounds, per_round = 3, 8
+    pulled = 0
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        # Exports go on while the previous round's pulls are in flight, and each round's
+        # leases are released once pulled, so the next round reuses their memory.
+        previous: list[tuple[int, int, int, Any]] = []
+        leases: dict[int, list[str]] = {0: [], 1: []}
+        for round_ in range(rounds + 1):
+            jobs = []
+            fresh: dict[int, list[str]] = {0: [], 1: []}
+            if round_ < rounds:
+                for enc in encoders[:2]:
+                    outputs = [rng.randrange(50) for _ in range(per_round)]
+                    for k, handles in zip(outputs, enc.export(outputs), strict=True):
+                        fresh[enc.index].append(handles[0].lease_id)
+                        jobs += [(enc.index, k, layer, h) for layer, h in enumerate(handles)]
+            rng.shuffle(jobs)
+            current = [
+                (e, k, layer, pool.submit(_pull, h, output_rows(k), reader))
+                for e, k, layer, h in jobs
+            ]
+            for enc_index, k, layer, future in previous:
+                assert torch.equal(future.result(timeout=30), output_tensor(enc_index, k, layer))
+                pulled += 1
+            for enc in encoders[:2]:
+                released = enc.ask(cmd="release", lease_ids=leases[enc.index])["released"]
+                assert released == len(leases[enc.index])
+            previous, leases = current, fresh
+    assert pulled == 2 * rounds * per_round * LAYERS
+    unpooled = [enc.ask(cmd="counters")["unpooled"] for enc in encoders[:2]]
+    assert 0 < unpooled[0] < rounds * per_round  # both paths ran: arena ranges, own buffers
+    assert unpooled[1] == rounds * per_round
+    assert all(enc.ask(cmd="counters")["live"] == 0 for enc in encoders[:2])
+
+
+def _resolve(reader: TransferAgent, ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
+    """`PrefillServicer._resolve` as a prefill worker calls it (its agent, a CPU device)."""
+    servicer = cast(Any, SimpleNamespace(agent=reader, runner=SimpleNamespace(device="cpu")))
+    return PrefillServicer._resolve(servicer, ref, field, pulled=[], timeout_s=5)
+
+
+def _ref(handle: tensor_pb2.TransferHandle, shape: list[int]) -> tensor_pb2.TensorRef:
+    ref = tensor_pb2.TensorRef(dtype=element_type(torch.float32), shape=shape)
+    ref.handle.CopyFrom(handle)
+    return ref
+
+
+@pytest.mark.parametrize("case", ["garbage_metadata", "past_the_registration", "oversize"])
+def test_a_bad_handle_is_invalid_argument_naming_the_field(
+    encoders: list[Encoder], reader: TransferAgent, case: str
+) -> None:
+    (handles,) = encoders[0].export([100])
+    handle = handles[1]
+    rows = output_rows(100)
+    good = _resolve(reader, _ref(handle, [rows, HIDDEN]), "embeddings.deepstack")
+    assert torch.equal(good, output_tensor(0, 100, 1))
+    bad = tensor_pb2.TransferHandle()
+    bad.CopyFrom(handle)
+    shape = [rows, HIDDEN]
+    if case == "garbage_metadata":
+        bad.agent_metadata = b"\x00garbage"
+    elif case == "past_the_registration":
+        bad.address += POOL_BYTES  # the arena is 1 MiB: past its end
+    else:
+        shape = [4, 1 << 36]
+        bad.length = 4 << 38
+    with pytest.raises(MultimodalLayoutError) as info:
+        _resolve(reader, _ref(bad, shape), "embeddings.deepstack")
+    assert info.value.field == "embeddings.deepstack"
+    if case != "oversize":
+        assert isinstance(info.value.__context__, TransferRefusedError)
+    encoders[0].ask(cmd="release", lease_ids=[handle.lease_id])
+
+
+def test_a_dead_holder_is_unavailable(encoders: list[Encoder], reader: TransferAgent) -> None:
+    doomed = encoders[2]
+    (handles,) = doomed.export([1])
+    ref = _ref(handles[0], [output_rows(1), HIDDEN])
+    assert torch.equal(_resolve(reader, ref, "embeddings.rows"), output_tensor(2, 1, 0))
+    os.kill(doomed.proc.pid, signal.SIGKILL)
+    doomed.proc.join(10)
+    with pytest.raises(TransferError) as raw:
+        read_tensor(ref.handle, torch.float32, tuple(ref.shape), reader, timeout_s=2)
+    assert not isinstance(raw.value, TransferRefusedError)
+    with pytest.raises(RpcStatusError) as info:
+        _resolve(reader, ref, "embeddings.rows")
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "embeddings.rows" in str(info.value)
