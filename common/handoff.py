@@ -60,6 +60,7 @@ from common.transfer.types import (
     DEVICE_MEMORY,
     HOST_MEMORY,
     TransferError,
+    TransferRefusedError,
     TransferStats,
     TransferTimeoutError,
 )
@@ -288,6 +289,7 @@ async def pull(
         timeout_s=timeout_s,
         remote_memory=KIND_TO_MEMORY[handle.memory_kind],
         remote_device_id=handle.blocks[0].device_id,
+        peer_metadata=handle.agent_metadata,
     )
     if len(plan.pull) * runner.kv.spec.block_bytes <= INLINE_PULL_BYTES:
         stats, digests = read()
@@ -320,12 +322,14 @@ def _read_and_digest(
         stats = agent.read(peer, remote, local, **read_options)  # type: ignore[arg-type]
     except TransferTimeoutError:
         raise
+    except TransferRefusedError as exc:
+        raise RpcStatusError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"kv.blocks: the holder's NIXL agent refused the READ: {exc}",
+        ) from None
     except TransferError as exc:
         raise RpcStatusError(
-            grpc.StatusCode.FAILED_PRECONDITION
-            if "refused" in str(exc)
-            else grpc.StatusCode.UNAVAILABLE,
-            f"kv.blocks: the READ from the holder failed: {exc}",
+            grpc.StatusCode.UNAVAILABLE, f"kv.blocks: the READ from the holder failed: {exc}"
         ) from None
     return stats, cache_block_digests(runner.kv, local_ids)
 

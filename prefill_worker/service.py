@@ -6,12 +6,18 @@ lease in `embedding_holders`), hash the prompt's full blocks under the runner's 
 reuse the cached prefix, compute the rest, sample the first token, and answer with a
 `KvHandle`: the block hashes, this worker's NIXL agent, one descriptor per prompt block
 (full blocks, then the partial last block) into the registered block-major KV buffer, and
-a lease.
+a lease, plus the prompt's digest and each block's bytes' digest, signed with the cluster
+key (`common.handoff.build_handle`).
 
 Block ownership: the prompt's blocks move from the prefill sequence to a lease
 (`common.server.leases`). The lease holds them until `ReleaseKv(lease_id)` (the decode
 worker, after its pull) or until the reaper sees it expire; both release the blocks to the
-pool exactly once. Full prompt blocks stay in the prefix cache afterwards (evictable).
+pool exactly once, and no block is freed or reused while its lease lives. Full prompt blocks
+stay in the prefix cache afterwards (evictable). `ReleaseKv` answers whether the lease was
+still live: a decode worker uses what it READ only if it was. A lease lasts `lease_ttl_s`
+plus `lease_ttl_per_lease_s` for every lease already live, so a burst that backs decode up
+gets longer leases. Blocks a decode worker reports as failing their digest are digested
+again here; one whose bytes changed since it was computed leaves the prefix cache.
 
 Threads: every runner call runs on the one `ModelThread`, so the event loop keeps serving
 (ReleaseKv, StreamKvEvents, health) while the model computes; NIXL pulls of embeddings run
@@ -31,20 +37,25 @@ import grpc
 import torch
 
 from common.handoff import build_handle, read_handoff
+from common.kv.allocator import blocks_for
+from common.kv.digest import cache_block_digests
 from common.kv.events import KvEventHub, Subscription
 from common.models import batching
 from common.models.batching import MissingEmbeddingsError
 from common.models.model_thread import ModelThread
+from common.models.qwen3_vl.rope import MropePositions
 from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
+from common.multimodal.params import MultimodalParams
 from common.multimodal.validation import MultimodalLayoutError
+from common.sampling import SamplingParams
 from common.server.kv_worker import kv_load
 from common.server.leases import Lease, LeaseTable
 from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
 from common.transfer.agent import TransferAgent
-from common.transfer.types import TransferError
+from common.transfer.types import TransferError, TransferRefusedError
 from common.wire.convert import sampling_from_proto, torch_dtype
 from common.wire.kv import kv_event_to_proto
 from common.wire.transfer import read_tensor
@@ -56,6 +67,15 @@ from epd.v1 import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedBlocks:
+    """What a KV lease pins: the prompt's blocks (one pool reference each) and the digests
+    of the prompt blocks' bytes the handle carries."""
+
+    blocks: list[int]
+    digests: list[bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +91,7 @@ class PrefillCounters:
     kv_blocks_free: int  # pool blocks free
     prefix_hits: int  # prompt blocks found in the prefix cache
     prefix_lookups: int  # prompt blocks looked up
+    digest_mismatches: int  # cached blocks found changed since computed (then recomputed)
 
 
 class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
@@ -87,7 +108,9 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         agent: TransferAgent,
         lifecycle: ServerLifecycle,
         *,
+        key: bytes | None,
         lease_ttl_s: float,
+        lease_ttl_per_lease_s: float = 0.0,
         embedding_pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
     ) -> None:
@@ -95,8 +118,10 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.model = model
         self.agent = agent
         self.lifecycle = lifecycle
-        # Lease id -> the block ids (one pool reference each) pinned for a decode worker.
-        self.leases: LeaseTable[list[int]] = LeaseTable(lease_ttl_s)
+        self.key = key  # signs every KvHandle; None: insecure, handles go unsigned
+        # Lease id -> the blocks pinned for a decode worker, with their digests.
+        self.leases: LeaseTable[LeasedBlocks] = LeaseTable(lease_ttl_s)
+        self.lease_ttl_per_lease_s = lease_ttl_per_lease_s
         self.hub = KvEventHub(runner.allocator)
         self.embedding_pull_timeout_s = embedding_pull_timeout_s
         self.release_timeout_s = release_timeout_s  # deadline of ReleaseEmbeddings calls
@@ -151,33 +176,32 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             raise
         self._release_embeddings(pulled, holders)
         params = handoff.params
-        hashes = self.runner.allocator.hashes(
-            tokens,
-            params,
-            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            lora_id=request.lora_id if request.HasField("lora_id") else None,
-        )
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        lora = request.lora_id if request.HasField("lora_id") else None
+        allocator = self.runner.allocator
+        hashes = allocator.hashes(tokens, params, cache_salt=salt, lora_id=lora)
         try:
-            seq = await self.model.call(
-                batching.prefill,
-                self.runner,
+            seq, digests = await self.model.call(
+                self._compute,
                 tokens,
                 params,
                 sampling,
-                on_orphan=self._release_orphan,
-                hashes=hashes,
-                positions=handoff.positions,
+                hashes,
+                handoff.positions,
+                on_orphan=lambda done: self._release_orphan(done[0]),
             )
         except MissingEmbeddingsError as exc:
             raise RpcStatusError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-        lease = self.leases.add(seq.blocks, request.request_id)
+        ttl_s = self.leases.ttl_s + self.lease_ttl_per_lease_s * len(self.leases)
+        lease = self.leases.add(LeasedBlocks(seq.blocks, digests), request.request_id, ttl_s)
         self.requests += 1
         logger.debug(
-            "request %s: %d tokens (%d cached), lease %s",
+            "request %s: %d tokens (%d cached), lease %s for %.1f s",
             request.request_id,
             len(tokens),
             seq.cached_tokens,
             lease.lease_id,
+            ttl_s,
         )
         return prefill_service_pb2.PrefillResponse(
             first_token_id=seq.output[0],
@@ -186,15 +210,38 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 seq.blocks,
                 hashes or [],
                 num_tokens=len(tokens),
+                prompt_digest=allocator.prompt_digest(
+                    tokens, params, cache_salt=salt, lora_id=lora
+                ),
+                block_digests=digests,
                 agent=self.agent,
                 agent_metadata=self._metadata,
                 lease_id=lease.lease_id,
-                lease_ttl_s=self.leases.ttl_s,
+                lease_ttl_s=ttl_s,
                 holder_address=self.holder_address,
+                key=self.key,
             ),
             cached_tokens=seq.cached_tokens,
             computed_tokens=len(tokens) - seq.cached_tokens,
         )
+
+    def _compute(
+        self,
+        tokens: list[int],
+        params: MultimodalParams,
+        sampling: SamplingParams,
+        hashes: list[bytes] | None,
+        positions: MropePositions,
+    ) -> tuple[LmSequence, list[bytes]]:
+        """Model thread: prefill, and the digests of the prompt blocks' bytes (recorded by
+        the prefill for every block it computed or verified)."""
+        runner = self.runner
+        seq = batching.prefill(runner, tokens, params, sampling, hashes=hashes, positions=positions)
+        prompt_blocks = seq.blocks[: blocks_for(len(tokens), runner.block_size)]
+        known = [runner.allocator.digest_of(b) for b in prompt_blocks]
+        if any(d is None for d in known):  # not expected: prefill records every block
+            return seq, cache_block_digests(runner.kv, prompt_blocks)
+        return seq, [d for d in known if d is not None]
 
     def _release_orphan(self, seq: LmSequence) -> None:
         """A prefill finished after its RPC was cancelled: nobody will lease its blocks."""
@@ -210,7 +257,6 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         INVALID_ARGUMENT. Only a holder that cannot be reached or fails the READ is
         UNAVAILABLE.
         """
-        from common.transfer.types import TransferRefusedError  # hoist to the module imports
 
         dtype = torch_dtype(ref.dtype, field)
         try:
@@ -265,8 +311,34 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         lease = self.leases.pop(request.lease_id)
         if lease is None:
             return prefill_service_pb2.ReleaseKvResponse(released=False)
-        await self._free(lease)
+        try:
+            if request.mismatched_blocks:
+                await self.model.call(self._recheck, lease.held, list(request.mismatched_blocks))
+        finally:
+            await self._free(lease)
         return prefill_service_pb2.ReleaseKvResponse(released=True)
+
+    @rpc_errors
+    async def RenewKv(
+        self, request: prefill_service_pb2.RenewKvRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_service_pb2.RenewKvResponse:
+        lease = self.leases.renew(request.lease_id)
+        if lease is None:
+            return prefill_service_pb2.RenewKvResponse(renewed=False)
+        left = max(lease.expires_at - self.leases.clock(), 0.0)
+        return prefill_service_pb2.RenewKvResponse(renewed=True, lease_ttl_ms=int(left * 1000))
+
+    def _recheck(self, held: LeasedBlocks, indices: list[int]) -> None:
+        """Model thread: digest again the leased prompt blocks a reader says failed their
+        digest; uncache those whose bytes changed since they were computed (a reader's
+        word alone changes nothing)."""
+        picked = sorted({i for i in indices if 0 <= i < len(held.digests)})
+        now = cache_block_digests(self.runner.kv, [held.blocks[i] for i in picked])
+        changed = [held.blocks[i] for i, d in zip(picked, now, strict=True) if d != held.digests[i]]
+        if changed:
+            logger.error("leased KV blocks %s changed after they were computed", changed)
+            self.runner.allocator.digest_mismatches += len(changed)
+            self.runner.allocator.uncache(changed)
 
     def reap_leases(self, interval_s: float | None = None) -> None:
         """Start the lease table's reaper: expired leases' blocks go back to the pool."""
@@ -277,9 +349,9 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         for lease in self.leases.pop_all():
             await self._free(lease)
 
-    async def _free(self, lease: Lease[list[int]]) -> None:
+    async def _free(self, lease: Lease[LeasedBlocks]) -> None:
         """Release a popped lease's block references to the pool (on the model thread)."""
-        await self.model.call(self.runner.allocator.release, lease.held)
+        await self.model.call(self.runner.allocator.release, lease.held.blocks)
 
     # ---------------------------------------------------------------------- KV events
 
@@ -326,4 +398,5 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             kv_blocks_free=pool.num_free_blocks,
             prefix_hits=pool.hits,
             prefix_lookups=pool.lookups,
+            digest_mismatches=self.runner.allocator.digest_mismatches,
         )

@@ -97,9 +97,8 @@ async def test_burst_with_short_leases_equals_the_offline_engine(cluster, engine
         "re-prefills": count("refused the KV", logs["router"]),
     }
     print(f"burst: {stats}")
+    # How many waited, expired and were prefilled again depends on this machine's speed
+    # (test_trusted_kv covers each path deterministically); every answer must be exact.
     assert mismatched == [], stats
-    assert stats["waited for blocks"] > 0, stats  # the burst did outrun the decode pool
-    if not cluster.renewing:
-        assert stats["leases expired"] > 0 and stats["re-prefills"] > 0, stats
     encoders = {w.info.name for w in cluster.status().workers if w.info.name.startswith("enc")}
     assert encoders == {"encoder", "encoder-1"}

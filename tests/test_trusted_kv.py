@@ -218,7 +218,7 @@ async def test_expired_lease_whose_blocks_were_reused_is_not_served(cluster: Clu
     await eventually(lambda: leases.expired > expired, timeout_s=15)
     # Other prompts take the freed blocks (the pool hands out free blocks first, so fill it).
     pool = c.prefill.servicer.runner.allocator.pool
-    fillers = []
+    fillers: list[prefill_service_pb2.PrefillResponse] = []
     while pool.num_free_blocks > 4 * blocks_for(len(tokens), BLOCK) and len(fillers) < 80:
         t, p = make_handoff(c.engine, user(f"filler {len(fillers)} " * 12))
         fillers.append(await run_prefill(c, t, p, GREEDY))
