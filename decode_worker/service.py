@@ -7,8 +7,9 @@ Per request:
    prompt (its `prompt_digest`, over every token, differs) FAILED_PRECONDITION;
 2. recompute the block hashes from the handoff under this worker's root; a handle whose
    hashes differ is refused with FAILED_PRECONDITION and nothing enters the cache;
-3. take blocks (`KvAllocator.plan_import`) and pull at once (before waiting for a batch
-   slot): full prompt blocks whose hashes this worker caches are reused, the others plus
+3. take blocks (`KvAllocator.plan_import`; while the pool is full, wait for blocks to be
+   freed and keep the lease alive with `RenewKv`) and pull at once (before waiting for a
+   batch slot): full prompt blocks whose hashes this worker caches are reused, the others plus
    the partial last block are pulled by one NIXL READ and their bytes checked against the
    handle's `block_digests`; then `ReleaseKv` on the holder confirms the lease was live
    throughout. Only then do the pulled full blocks enter this worker's prefix cache. If a
