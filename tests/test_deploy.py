@@ -292,3 +292,61 @@ def test_dockerfile_installs_the_project() -> None:
     for package in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
         folder = package.rstrip("*")
         assert re.search(rf"^COPY {folder} \./{folder}$", text, re.M), f"{folder} not copied"
+
+
+# ------------------------------------------------------------------------- hardening
+
+
+@pytest.mark.parametrize(
+    ("name", "doc"),
+    [(n, d) for n, d in DOCUMENTS if _pod_specs(d)],
+    ids=[n for n, d in DOCUMENTS if _pod_specs(d)],
+)
+def test_pods_run_as_non_root_without_privileges(name: str, doc: dict[str, Any]) -> None:
+    for pod in _pod_specs(doc):
+        context = pod.get("securityContext", {})
+        assert context.get("runAsNonRoot") is True and context.get("runAsUser", 0) > 0, name
+        for container in pod["containers"]:
+            own = container.get("securityContext", {})
+            assert own.get("allowPrivilegeEscalation", True) is False, name
+            assert "ALL" in own.get("capabilities", {}).get("drop", []), name
+
+
+def test_every_worker_reads_the_cluster_token_from_a_secret() -> None:
+    for name, container, doc in CONTAINERS:
+        if "router" in name and doc["kind"] == "Deployment":
+            continue
+        mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+        assert "/var/run/epd/cluster-token" in mounts, name
+        pods = _pod_specs(doc)
+        secrets = {
+            v["secret"]["secretName"] for p in pods for v in p.get("volumes", []) if "secret" in v
+        }
+        assert "epd-cluster-token" in secrets, name
+
+
+def test_network_policies_open_only_the_router_client_port() -> None:
+    for folder, router in (("kubernetes", "router"), ("kuberay", "ray-head")):
+        docs = [d for n, d in DOCUMENTS if n.startswith(f"deploy/{folder}/")]
+        policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+        assert policies, folder
+        open_ports = []
+        for policy in policies:
+            selector = policy["spec"]["podSelector"]["matchLabels"]
+            assert selector["app.kubernetes.io/name"] == "epd"
+            for rule in policy["spec"]["ingress"]:
+                if "from" in rule:  # only the namespace's epd pods
+                    assert all(
+                        f["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "epd"}
+                        for f in rule["from"]
+                    )
+                else:  # from anywhere: must be the router's client port only
+                    assert selector.get("app.kubernetes.io/component") == router
+                    open_ports += [p["port"] for p in rule["ports"]]
+        assert open_ports == [50051], folder
+
+
+def test_ray_dashboard_is_not_exposed() -> None:
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert params.get("dashboard-host", "127.0.0.1") in ("127.0.0.1", "localhost")
