@@ -238,6 +238,7 @@ class Admission:
         reservations and place it again from the head of the queue after a back-off.
         Raises like `admit`'s wait."""
         self.release(ticket)
+        self._check_fits(ticket.need)  # a capacity heartbeated since may rule it out
         ticket.requeues += 1
         self.requeued += 1
         backoff = min(MAX_RETRY_BACKOFF_S, self.retry_backoff_s * 2 ** (ticket.requeues - 1))

@@ -153,19 +153,10 @@ class Orchestrator:
             self._chooser(hashes),
         )
         try:
-            async for out in self._run_admitted(job, handoff, hashes, ticket):
-                yield out
-        finally:
+            prefill, holder = await self._prefill_admitted(job, handoff, hashes, ticket)
+        except BaseException:
             self.admission.release(ticket)
-
-    async def _run_admitted(
-        self,
-        job: Job,
-        handoff: multimodal_pb2.MultimodalParams,
-        hashes: list[bytes] | None,
-        ticket: Ticket,
-    ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
-        prefill, holder = await self._prefill_admitted(job, handoff, hashes, ticket)
+            raise
         detok = IncrementalDetokenizer(self.processor.decode)
         first = prefill.first_token_id
         finish = self.stop.check(job.sampling, first, 1)
@@ -189,7 +180,7 @@ class Orchestrator:
             # Also when the client goes away at a `yield`, before decode ever starts.
             if lease.owned:
                 self.channels.release_kv(lease.address, lease.lease_id)
-            self.admission.release(ticket, Role.PREFILL)
+            self.admission.release(ticket)
 
     # -------------------------------------------------------------------------- stages
 
@@ -232,12 +223,11 @@ class Orchestrator:
         return choose
 
     def route(
-        self, job: Job, hashes: list[bytes] | None = None, worker: WorkerRecord | None = None
+        self, job: Job, hashes: list[bytes] | None, worker: WorkerRecord | None
     ) -> PrefillRoute:
         """The prefill worker (`worker`, or the one with the longest known cached prefix
         among the least loaded) and the items its cached prefix covers entirely (see the
-        module docstring); `hashes` are `_hashes(job)`, computed when not given."""
-        hashes = self._hashes(job) if hashes is None else hashes
+        module docstring); `hashes` are `_hashes(job)`."""
         if hashes is None:
             return PrefillRoute(worker, frozenset())
         if worker is None:
