@@ -25,8 +25,9 @@ deadline (DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds 
 Never fits: a request needing more blocks than the largest worker of a role has in all is
 refused at once (RESOURCE_EXHAUSTED naming the sizes, no back-off hint: waiting cannot help).
 
-Safety net: a prefill worker's RESOURCE_EXHAUSTED (its pool momentarily full: a lease the
-decode worker is releasing, another router's work) comes back as `KvPoolFull`; the caller
+Safety net: a prefill worker's RESOURCE_EXHAUSTED (its pool momentarily full of blocks the
+ledger does not see: another router's requests, a worker not yet heartbeated, leases the
+reaper has not yet expired) comes back as `KvPoolFull`; the caller
 hands the ticket to `requeue`, which releases its reservations and puts it back at the head
 after a back-off (doubling from `retry_backoff_s`, at most 1 s), then places it again.
 
