@@ -61,7 +61,12 @@ async def cmd_status(args: argparse.Namespace) -> int:
     async with ch:
         reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
     model = reply.model or "-"
-    _say(f"router {args.address}  model {model}  requests in flight {reply.active_requests}")
+    # queued: requests waiting in the router for KV blocks (admission control).
+    _say(
+        f"router {args.address}  model {model}  requests in flight {reply.active_requests}  "
+        f"queued {reply.queued_requests} (peak {reply.queued_peak}, refused "
+        f"{reply.refused_requests})"
+    )
     # LOAD: requests the worker reports in flight; ROUTED: requests this router has on it;
     # CACHE HITS: prefix (or encoder) cache hits / lookups since the worker started.
     header = ("ROLE", "NAME", "ADDRESS", "LOAD", "ROUTED", "KV USED/FREE", "CACHE HITS")

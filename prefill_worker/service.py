@@ -16,8 +16,9 @@ pool exactly once, and no block is freed or reused while its lease lives. Full p
 stay in the prefix cache afterwards (evictable). `ReleaseKv` answers whether the lease was
 still live: a decode worker uses what it READ only if it was. A lease lasts `lease_ttl_s`
 plus `lease_ttl_per_lease_s` for every lease already live, so a burst that backs decode up
-gets longer leases; a reader still waiting to pull extends a live lease with `RenewKv`. Blocks a decode worker reports as failing their digest are digested
-again here; one whose bytes changed since it was computed leaves the prefix cache.
+gets longer leases; a reader still waiting to pull extends a live lease with `RenewKv`.
+Blocks a decode worker reports as failing their digest are digested again here; one whose
+bytes changed since it was computed leaves the prefix cache.
 
 Threads: every runner call runs on the one `ModelThread`, so the event loop keeps serving
 (ReleaseKv, StreamKvEvents, health) while the model computes; NIXL pulls of embeddings run

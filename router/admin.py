@@ -15,6 +15,7 @@ import grpc
 from common.roles import Role
 from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
+from router.admission import Admission
 from router.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -27,16 +28,21 @@ NO_SCALER = "scaling needs `epd serve` on Ray"
 
 
 class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
-    """Status / Scale / Drain over a `Registry` and an optional `Scaler`."""
+    """Status / Scale / Drain over a `Registry`, an optional `Scaler` and the router's
+    `Admission` (queue figures in Status; zeros without one)."""
 
-    def __init__(self, registry: Registry, scaler: Scaler | None = None) -> None:
+    def __init__(
+        self, registry: Registry, scaler: Scaler | None = None, admission: Admission | None = None
+    ) -> None:
         self.registry = registry
         self.scaler = scaler
+        self.admission = admission
 
     async def Status(
         self, request: admin_service_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> admin_service_pb2.StatusResponse:
-        """Every live worker (of the role asked for) with its last load."""
+        """Every live worker (of the role asked for) with its last load, and the admission
+        queue's figures."""
         role = None
         if request.role != registry_service_pb2.WORKER_ROLE_UNSPECIFIED:
             try:
@@ -47,6 +53,15 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
             model=self.registry.expected_model or "",
             active_requests=self.registry.active_requests,
         )
+        if self.admission is not None:
+            queue = self.admission.stats()
+            response.queued_requests = queue.queued
+            response.queued_peak = queue.peak
+            response.admitted_requests = queue.admitted
+            response.refused_requests = queue.refused
+            response.requeued_requests = queue.requeued
+            response.queue_wait_p50_s = queue.wait_p50_s
+            response.queue_wait_max_s = queue.wait_max_s
         for w in self.registry.workers(role):
             response.workers.add(
                 worker_id=w.worker_id,
@@ -55,6 +70,9 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
                 router_in_flight=w.in_flight,
                 seconds_since_heartbeat=self.registry.seconds_since(w),
                 draining=w.draining,
+                router_reserved_kv_blocks=(
+                    self.admission.reserved(w.address) if self.admission is not None else 0
+                ),
             )
         return response
 

@@ -39,6 +39,8 @@ class RouterError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+        # Sent with the status (e.g. `retry-after-ms` when admission refuses).
+        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,9 @@
 """One request through the pools: encode -> prefill -> decode, streamed back.
 
     run(job):
+      admit    the KV blocks the request needs on a prefill and a decode worker are
+               reserved, or it waits in the router's bounded FIFO (`router.admission`);
+               a prefill worker's RESOURCE_EXHAUSTED puts it back at the head of the queue
       route    block hashes of the prompt -> the prefill worker with the longest cached
                prefix among the least loaded (`router.prefix_index` follows each prefill
                worker's KV events); items whose every run lies inside that cached prefix
@@ -27,6 +30,10 @@ encoder holds each (`embedding_holders`) and the prefill worker releases them on
 if prefill is never reached or fails, the router releases them (a second release of the
 same lease is ignored by the encoder).
 
+Admission: the ticket's prefill reservation is released with the KV lease's ownership (the
+decode worker's first chunk, or the router's ReleaseKv), its decode reservation when the
+stream ends; a stage retried on another worker moves its reservation there.
+
 Ownership of the KV lease: the decode worker takes it over with its first chunk (it has
 pulled the blocks by then). Until that chunk arrives the router owns it: if decode is
 never started, fails, or the client leaves or time runs out first, the router calls
@@ -48,7 +55,7 @@ the KV of the prompt does not depend on it) and decodes with the new handle, up 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -68,6 +75,7 @@ from epd.v1 import (
     prefill_service_pb2_grpc,
     router_service_pb2,
 )
+from router.admission import Admission, KvPoolFull, Ticket
 from router.calls import Job, RouterError, WorkerCalls
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
@@ -109,6 +117,8 @@ class Orchestrator:
         reprefills: int = 2,
         cache_aware: bool = True,
         encoder_affinity_slack: int = 2,
+        max_queued_requests: int = 512,
+        max_queue_wait_s: float = 60.0,
     ) -> None:
         self.registry = registry
         self.channels = channels  # worker channels and lease releases; the caller closes it
@@ -118,6 +128,9 @@ class Orchestrator:
         self.stop = StopChecker(frozenset(processor.eos_token_ids))
         self.calls = WorkerCalls(registry, attempts)
         self.prefix = PrefixIndex(channels)
+        self.admission = Admission(
+            registry, max_queued=max_queued_requests, max_wait_s=max_queue_wait_s
+        )
         self.encoder = EncodeStage(
             self.calls,
             channels,
@@ -132,7 +145,18 @@ class Orchestrator:
         blocks_reused (and possibly no tokens); the last one a finish reason. Raises
         RouterError."""
         handoff = params_to_proto(job.prompt.params)
-        prefill, holder = await self._encode_and_prefill(job, handoff)
+        hashes = self._hashes(job)
+        ticket = await self.admission.admit(
+            len(job.prompt.prompt_token_ids),
+            job.sampling.max_tokens,
+            job.deadline,
+            self._chooser(hashes),
+        )
+        try:
+            prefill, holder = await self._prefill_admitted(job, handoff, hashes, ticket)
+        except BaseException:
+            self.admission.release(ticket)
+            raise
         detok = IncrementalDetokenizer(self.processor.decode)
         first = prefill.first_token_id
         finish = self.stop.check(job.sampling, first, 1)
@@ -150,56 +174,103 @@ class Orchestrator:
                 yield chunk
                 return
             yield chunk
-            async for out in self._decode(job, handoff, prefill, lease, detok):
+            async for out in self._decode(job, handoff, hashes, prefill, lease, detok, ticket):
                 yield out
         finally:
             # Also when the client goes away at a `yield`, before decode ever starts.
             if lease.owned:
                 self.channels.release_kv(lease.address, lease.lease_id)
+            self.admission.release(ticket)
 
     # -------------------------------------------------------------------------- stages
 
-    def route(self, job: Job) -> PrefillRoute:
-        """The prefill worker with the longest known cached prefix among the least loaded,
-        and the items that prefix covers entirely (see the module docstring)."""
-        items = job.prompt.params.items
+    def _hashes(self, job: Job) -> list[bytes] | None:
+        """The prompt's block hashes for cache-aware routing (None: not cache aware, or no
+        prefill worker yet, or a layout the hashes cannot cover)."""
         workers = [w for w in self.registry.workers(Role.PREFILL) if not w.draining]
         # The registry keeps every KV layout equal, so the first one roots every hash.
         layout = workers[0].layout if workers else None
         if not self.cache_aware or layout is None:
-            return PrefillRoute(None, frozenset())
+            return None
         for w in workers:
             self.prefix.track(w.address)
-        tokens = job.prompt.prompt_token_ids
         try:
-            hashes = block_hashes(
-                tokens,
+            return block_hashes(
+                job.prompt.prompt_token_ids,
                 layout.block_size,
                 job.prompt.params,
                 cache_salt=job.cache_salt,
                 root=layout_root(layout),
             )
         except ValueError:
-            return PrefillRoute(None, frozenset())
-        worker = self.registry.pick(
-            Role.PREFILL, affinity=lambda w: self.prefix.cached_prefix(w.address, hashes)
-        )
+            return None
+
+    def _chooser(
+        self, hashes: list[bytes] | None
+    ) -> Callable[[Role, frozenset[str]], WorkerRecord]:
+        """Admission's worker choice: prefill by cached prefix among the least loaded (when
+        cache aware), decode by load; never a worker in `exclude` (no room)."""
+
+        def choose(role: Role, exclude: frozenset[str]) -> WorkerRecord:
+            if role == Role.PREFILL and hashes is not None:
+                return self.registry.pick(
+                    role,
+                    exclude=exclude,
+                    affinity=lambda w: self.prefix.cached_prefix(w.address, hashes),
+                )
+            return self.registry.pick(role, exclude=exclude)
+
+        return choose
+
+    def route(
+        self, job: Job, hashes: list[bytes] | None, worker: WorkerRecord | None
+    ) -> PrefillRoute:
+        """The prefill worker (`worker`, or the one with the longest known cached prefix
+        among the least loaded) and the items its cached prefix covers entirely (see the
+        module docstring); `hashes` are `_hashes(job)`."""
+        if hashes is None:
+            return PrefillRoute(worker, frozenset())
+        if worker is None:
+            worker = self._chooser(hashes)(Role.PREFILL, frozenset())
+        assert worker.layout is not None  # a prefill worker
+        block_size = worker.layout.block_size
+        tokens = job.prompt.prompt_token_ids
         blocks = min(
-            self.prefix.cached_prefix(worker.address, hashes),
-            (len(tokens) - 1) // layout.block_size,
+            self.prefix.cached_prefix(worker.address, hashes), (len(tokens) - 1) // block_size
         )
-        covered = blocks * layout.block_size
+        covered = blocks * block_size
+        items = job.prompt.params.items
         return PrefillRoute(worker, frozenset(i for i, it in enumerate(items) if it.end <= covered))
 
-    async def _encode_and_prefill(
-        self, job: Job, handoff: multimodal_pb2.MultimodalParams
+    async def _prefill_admitted(
+        self,
+        job: Job,
+        handoff: multimodal_pb2.MultimodalParams,
+        hashes: list[bytes] | None,
+        ticket: Ticket,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
-        route = self.route(job)
+        """Encode and prefill on the ticket's prefill worker; when a prefill worker's pool
+        is full after all, back in the admission queue and again (see `router.admission`)."""
+        while True:
+            try:
+                return await self._encode_and_prefill(job, handoff, hashes, ticket)
+            except KvPoolFull as exc:
+                logger.info("request %s: %s; queued again", job.request_id, exc)
+            await self.admission.requeue(ticket, self._chooser(hashes))
+
+    async def _encode_and_prefill(
+        self,
+        job: Job,
+        handoff: multimodal_pb2.MultimodalParams,
+        hashes: list[bytes] | None,
+        ticket: Ticket,
+    ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
+        route = self.route(job, hashes, ticket.workers.get(Role.PREFILL))
         every = range(len(job.prompt.params.items))
         encoded = await self.encoder.encode(job, [i for i in every if i not in route.skip])
         try:
             try:
-                return await self._prefill(job, handoff, encoded, route.worker)
+                return await self._prefill(job, handoff, encoded, route.worker, ticket)
             except RouterError as exc:
                 if not route.skip or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
@@ -208,7 +279,7 @@ class Orchestrator:
                 )
             self.channels.release_embeddings(encoded.leases)
             encoded = await self.encoder.encode(job, list(every))
-            return await self._prefill(job, handoff, encoded, None)
+            return await self._prefill(job, handoff, encoded, None, ticket)
         except BaseException:
             # Prefill releases what it pulled; leases it never reached are freed here.
             self.channels.release_embeddings(encoded.leases)
@@ -220,6 +291,7 @@ class Orchestrator:
         handoff: multimodal_pb2.MultimodalParams,
         encoded: Encoded,
         first: WorkerRecord | None,
+        ticket: Ticket,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         multimodal = multimodal_pb2.MultimodalParams()
         multimodal.CopyFrom(handoff)
@@ -237,6 +309,7 @@ class Orchestrator:
 
         async def call(worker: WorkerRecord) -> prefill_service_pb2.PrefillResponse:
             nonlocal holder
+            self.admission.move(ticket, Role.PREFILL, worker)
             stub = prefill_service_pb2_grpc.PrefillServiceStub(self.channels.get(worker.address))
             response: prefill_service_pb2.PrefillResponse = await stub.Prefill(
                 request, timeout=job.time_left("prefill")
@@ -244,16 +317,23 @@ class Orchestrator:
             holder = worker.address
             return response
 
-        response = await self.calls.with_retry(Role.PREFILL, "prefill", call, first=first)
+        try:
+            response = await self.calls.with_retry(Role.PREFILL, "prefill", call, first=first)
+        except RouterError as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise KvPoolFull(exc.code, str(exc)) from None
+            raise
         return response, holder
 
     async def _decode(
         self,
         job: Job,
         handoff: multimodal_pb2.MultimodalParams,
+        hashes: list[bytes] | None,
         prefill: prefill_service_pb2.PrefillResponse,
         lease: KvLease,
         detok: IncrementalDetokenizer,
+        ticket: Ticket,
     ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         request = decode_service_pb2.DecodeRequest(
             request_id=job.request_id,
@@ -268,14 +348,21 @@ class Orchestrator:
         tried: set[str] = set()
         reprefills = 0
         while True:
-            worker = self.calls.pick(Role.DECODE, tried)
+            reserved = ticket.workers.get(Role.DECODE)
+            if reserved is not None and reserved.address not in tried:
+                worker = reserved
+            else:
+                worker = self.calls.pick(Role.DECODE, tried)
+                self.admission.move(ticket, Role.DECODE, worker)
             tried.add(worker.address)
             stub = decode_service_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
             with self.registry.using(worker):
                 call = stub.Decode(request, timeout=job.time_left("decode"))
                 try:
                     async for response in call:
-                        lease.owned = False  # the decode worker has it once it answers
+                        if lease.owned:  # the decode worker has it once it answers
+                            lease.owned = False
+                            self.admission.release(ticket, Role.PREFILL)
                         yield self._chunk(response, detok)
                     return
                 except grpc.aio.AioRpcError as exc:
@@ -290,7 +377,7 @@ class Orchestrator:
                             exc.details(),
                         )
                         self.channels.release_kv(lease.address, lease.lease_id)
-                        again, holder = await self._encode_and_prefill(job, handoff)
+                        again, holder = await self._prefill_admitted(job, handoff, hashes, ticket)
                         request.kv.CopyFrom(again.kv)
                         lease.lease_id = again.kv.lease_id
                         lease.address = again.kv.holder_address or holder

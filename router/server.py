@@ -122,7 +122,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 )
         except RouterError as exc:
             logger.info("request %s failed: %s %s", request_id, exc.code.name, exc)
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing_metadata)
         except RpcStatusError as exc:  # draining
             await context.abort(exc.code, exc.details)
 
@@ -196,6 +196,8 @@ async def serve(
         cache_aware=settings.cache_aware_routing,
         encoder_affinity_slack=settings.encoder_affinity_slack,
         reprefills=settings.kv_reprefills,
+        max_queued_requests=settings.max_queued_requests,
+        max_queue_wait_s=settings.max_queue_wait_s,
     )
     if settings.cache_aware_routing:
         registry.on_register.append(
@@ -217,7 +219,7 @@ async def serve(
                 RegistryServicer(registry), s
             ),
             lambda s: admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
-                AdminServicer(registry, scaler), s
+                AdminServicer(registry, scaler, orchestrator.admission), s
             ),
             *extra_servicers,
         ],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import ServerSettings
-from common.settings.schema import setting
+from common.settings.schema import SettingsError, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,25 @@ class RouterSettings(ServerSettings):
         "times a request is prefilled again when decode refuses the pulled KV (its lease "
         "ran out or a block failed its digest) before the client gets ABORTED",
     )
+    max_queued_requests: int = setting(
+        512,
+        "requests that may wait in the router for the KV blocks they need on a prefill and a "
+        "decode worker; past that, new ones are refused with RESOURCE_EXHAUSTED "
+        "(0: refuse at once what does not fit)",
+    )
+    max_queue_wait_s: float = setting(
+        60.0,
+        "longest a request waits in that queue (in all, requeues after a full prefill pool "
+        "included) before it is refused with RESOURCE_EXHAUSTED and a back-off hint",
+    )
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
+
+    def check(self) -> None:
+        """Raise SettingsError naming the first unusable field."""
+        ServerSettings.check(self)
+        for name in ("max_queued_requests", "max_queue_wait_s"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name}: must not be negative")
 
     @property
     def address(self) -> str:

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "info", "load", "router_in_flight", "seconds_since_heartbeat", "draining")
+    __slots__ = ("worker_id", "info", "load", "router_in_flight", "seconds_since_heartbeat", "draining", "router_reserved_kv_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     ROUTER_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_RESERVED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     info: _registry_service_pb2.WorkerInfo
     load: _registry_service_pb2.WorkerLoad
     router_in_flight: int
     seconds_since_heartbeat: float
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[_registry_service_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_registry_service_pb2.WorkerLoad, _Mapping]] = ..., router_in_flight: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    router_reserved_kv_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[_registry_service_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_registry_service_pb2.WorkerLoad, _Mapping]] = ..., router_in_flight: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ..., router_reserved_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("role",)
@@ -30,14 +32,28 @@ class StatusRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_registry_service_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "model", "active_requests")
+    __slots__ = ("workers", "model", "active_requests", "queued_requests", "queued_peak", "admitted_requests", "refused_requests", "requeued_requests", "queue_wait_p50_s", "queue_wait_max_s")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PEAK_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_P50_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_MAX_S_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     model: str
     active_requests: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    queued_requests: int
+    queued_peak: int
+    admitted_requests: int
+    refused_requests: int
+    requeued_requests: int
+    queue_wait_p50_s: float
+    queue_wait_max_s: float
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., queued_peak: _Optional[int] = ..., admitted_requests: _Optional[int] = ..., refused_requests: _Optional[int] = ..., requeued_requests: _Optional[int] = ..., queue_wait_p50_s: _Optional[float] = ..., queue_wait_max_s: _Optional[float] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("role", "replicas")

@@ -1,0 +1,358 @@
+"""Admission control: a request starts only when the KV blocks it needs are free on the
+workers it will use; otherwise it waits in a bounded FIFO queue, and past the queue it is
+refused with RESOURCE_EXHAUSTED naming the limit and how long to back off.
+
+Need (`Need`): `blocks_for(prompt)` on a prefill worker, held from prefill until the decode
+worker has pulled them (its first chunk); `blocks_for(prompt + max_tokens - 1)` on a decode
+worker, held until the stream ends. That is what the workers allocate, before prefix reuse,
+so the estimate never falls short.
+
+Ledger: heartbeats lag, so the router keeps its own reservations per worker. A worker's room
+is its capacity (`kv_blocks_used + kv_blocks_free` of its last heartbeat: the pool size,
+evictable cached blocks counting as free) minus the blocks this router has reserved on it.
+A worker that has not heartbeated its capacity yet is not accounted (its own refusals, see
+the safety net, still protect it). With several routers each keeps its own ledger; the
+decode worker's own wait for blocks and the safety net cover what the others hold.
+
+Queue: one FIFO. A request is placed at once when nobody waits and each KV role has a worker
+with room; else it joins the tail, or is refused when `max_queued` already wait. Only the
+head is placed: each role's worker is picked by the caller's `choose(role, exclude)` among
+those with room (`exclude` are the rest) and reserved, then the next head is tried. The
+head wakes when a reservation is released and polls every `poll_s` (heartbeats, new
+workers). A request waits at most `max_wait_s` in all (refused past that) and never past its
+deadline (DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
+
+Never fits: a request needing more blocks than the largest worker of a role has in all is
+refused at once (RESOURCE_EXHAUSTED naming the sizes, no back-off hint: waiting cannot help).
+
+Safety net: a prefill worker's RESOURCE_EXHAUSTED (its pool momentarily full of blocks the
+ledger does not see: another router's requests, a worker not yet heartbeated, leases the
+reaper has not yet expired) comes back as `KvPoolFull`; the caller
+hands the ticket to `requeue`, which releases its reservations and puts it back at the head
+after a back-off (doubling from `retry_backoff_s`, at most 1 s), then places it again.
+
+Back-off hint: the median wait of the last requests that queued (1 s before any), at least
+0.1 s and at most `max_wait_s`; in the message and as trailing metadata `retry-after-ms`.
+
+Counters (Status now, Prometheus later): `admitted`, `refused` by reason, `requeued`,
+`expired`, `cancelled`, `peak`, and the waits of the last `WAIT_WINDOW` admissions.
+
+Plain in-process state driven from one asyncio loop, like the registry; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.kv.allocator import blocks_for
+from common.roles import Role
+from router.calls import RouterError
+from router.registry import Registry
+from router.workers import NoWorkerError, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+WAIT_WINDOW = 1000  # admissions whose waits Status summarises
+MIN_RETRY_AFTER_S = 0.1  # smallest back-off hint
+MAX_RETRY_BACKOFF_S = 1.0  # longest pause before a requeued request is placed again
+ROLES = (Role.PREFILL, Role.DECODE)  # the roles whose KV blocks are reserved, in order
+
+# choose(role, exclude) -> a live, non-draining worker of `role` whose address is not in
+# `exclude` (the workers without room), e.g. `Registry.pick`.
+Choose = Callable[[Role, frozenset[str]], WorkerRecord]
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What one request holds on each KV role's worker."""
+
+    prompt_tokens: int  # tokens of the prompt
+    max_tokens: int  # most tokens it generates
+    block_size: int  # tokens per KV block (the deployment's)
+
+    def blocks(self, role: Role) -> int:
+        """KV blocks the request holds on a worker of `role` (see the module docstring)."""
+        if role == Role.PREFILL:
+            return blocks_for(self.prompt_tokens, self.block_size)
+        return blocks_for(self.prompt_tokens + self.max_tokens - 1, self.block_size)
+
+
+class AdmissionRefused(RouterError):
+    """RESOURCE_EXHAUSTED past the queue: the limit, and how long to back off."""
+
+    def __init__(self, limit: str, retry_after_s: float) -> None:
+        super().__init__(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit}; retry after {retry_after_s:.1f} s"
+        )
+        self.retry_after_s = retry_after_s
+        self.trailing_metadata = (("retry-after-ms", str(round(retry_after_s * 1000))),)
+
+
+class KvPoolFull(RouterError):
+    """A prefill worker answered RESOURCE_EXHAUSTED: its pool was full at that moment."""
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """An admitted request's reservations; `Admission.release` them (idempotent)."""
+
+    need: Need  # blocks per role
+    deadline: float  # the request's `time.monotonic()` deadline
+    workers: dict[Role, WorkerRecord] = field(default_factory=dict)  # reserved on, per role
+    waited_s: float = 0.0  # time queued, requeues included
+    requeues: int = 0  # times put back after a prefill worker's RESOURCE_EXHAUSTED
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    ticket: Ticket  # what it will hold once placed
+    choose: Choose  # the caller's worker choice
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set: try again now
+    not_before: float = 0.0  # clock time before which it is not placed (requeue back-off)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStats:
+    """A snapshot for `AdminService.Status` (see the module docstring)."""
+
+    queued: int  # waiting now
+    peak: int  # most waiting at once since start
+    admitted: int  # admitted since start
+    refused: int  # refused since start (queue full, waited too long, never fits)
+    requeued: int  # put back after a prefill worker's RESOURCE_EXHAUSTED
+    wait_p50_s: float  # median wait of the last WAIT_WINDOW admissions (0 before any)
+    wait_max_s: float  # longest of them
+
+
+class Admission:
+    """Reservations per worker and the FIFO of waiting requests; see the module docstring."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        max_queued: int,
+        max_wait_s: float,
+        poll_s: float = 0.1,
+        retry_backoff_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.max_queued = max_queued  # most requests waiting at once
+        self.max_wait_s = max_wait_s  # longest a request waits in all
+        self.poll_s = poll_s  # the head re-checks this often without a release
+        self.retry_backoff_s = retry_backoff_s  # first pause of a requeued request
+        self._clock = clock
+        self._reserved: Counter[str] = Counter()  # blocks reserved per worker address
+        self._queue: deque[_Waiter] = deque()
+        self._waits: deque[float] = deque(maxlen=WAIT_WINDOW)  # seconds, per admission
+        # Counters: a hook for metrics.
+        self.admitted = 0
+        self.refused: Counter[str] = Counter()  # "queue_full", "queue_wait", "never_fits"
+        self.requeued = 0
+        self.expired = 0  # deadline passed while queued
+        self.cancelled = 0  # caller went away while queued
+        self.peak = 0
+
+    # ----------------------------------------------------------------------- ledger
+
+    def capacity(self, worker: WorkerRecord) -> int | None:
+        """The worker's KV blocks in all, from its last heartbeat (None before one)."""
+        total = worker.load.kv_blocks_used + worker.load.kv_blocks_free
+        return total or None
+
+    def reserved(self, address: str) -> int:
+        """Blocks this router has reserved on the worker at `address`."""
+        return self._reserved[address]
+
+    def has_room(self, worker: WorkerRecord, blocks: int) -> bool:
+        """Whether `blocks` more fit beside this router's reservations (True: unknown)."""
+        cap = self.capacity(worker)
+        return cap is None or cap - self._reserved[worker.address] >= blocks
+
+    def release(self, ticket: Ticket, role: Role | None = None) -> None:
+        """Give back the ticket's reservation for `role` (None: every role); idempotent."""
+        roles = [role] if role is not None else list(ticket.workers)
+        released = False
+        for r in roles:
+            worker = ticket.workers.pop(r, None)
+            if worker is not None:
+                self._unreserve(worker.address, ticket.need.blocks(r))
+                released = True
+        if released:
+            self._kick()
+
+    def move(self, ticket: Ticket, role: Role, worker: WorkerRecord) -> None:
+        """The stage of `role` runs on `worker` after all (a retry): move the reservation,
+        unchecked (the blocks are needed wherever the stage runs)."""
+        old = ticket.workers.get(role)
+        if old is None or old.address == worker.address:
+            return
+        self._unreserve(old.address, ticket.need.blocks(role))
+        self._reserved[worker.address] += ticket.need.blocks(role)
+        ticket.workers[role] = worker
+        self._kick()
+
+    def _unreserve(self, address: str, blocks: int) -> None:
+        self._reserved[address] -= blocks
+        if self._reserved[address] <= 0:
+            del self._reserved[address]
+
+    # ------------------------------------------------------------------------ queue
+
+    async def admit(
+        self, prompt_tokens: int, max_tokens: int, deadline: float, choose: Choose
+    ) -> Ticket:
+        """Reserve the request's blocks on a worker of each KV role, waiting in the queue
+        when needed. Raises RouterError: UNAVAILABLE (no worker of a role), RESOURCE_EXHAUSTED
+        (never fits; `AdmissionRefused` past the queue), DEADLINE_EXCEEDED (while queued)."""
+        self._live(Role.PREFILL)
+        layout = self.registry.reference_layout
+        assert layout is not None  # set by the first KV worker to register
+        ticket = Ticket(Need(prompt_tokens, max_tokens, layout.block_size), deadline)
+        self._check_fits(ticket.need)
+        if not self._queue and self._place(ticket, choose):
+            self._admitted(ticket)
+            return ticket
+        if len(self._queue) >= self.max_queued:
+            self.refused["queue_full"] += 1
+            raise AdmissionRefused(
+                f"admission queue full: {len(self._queue)} requests already wait for KV blocks "
+                f"(max_queued_requests={self.max_queued})",
+                self.retry_after_s(),
+            )
+        await self._wait(_Waiter(ticket, choose))
+        self._admitted(ticket)
+        return ticket
+
+    async def requeue(self, ticket: Ticket, choose: Choose) -> None:
+        """A prefill worker refused the ticket's prompt for a full pool: release its
+        reservations and place it again from the head of the queue after a back-off.
+        Raises like `admit`'s wait."""
+        self.release(ticket)
+        self._check_fits(ticket.need)  # a capacity heartbeated since may rule it out
+        ticket.requeues += 1
+        self.requeued += 1
+        backoff = min(MAX_RETRY_BACKOFF_S, self.retry_backoff_s * 2 ** (ticket.requeues - 1))
+        await self._wait(_Waiter(ticket, choose, not_before=self._clock() + backoff), front=True)
+
+    def retry_after_s(self) -> float:
+        """The back-off hint (see the module docstring)."""
+        queued = [w for w in self._waits if w > 0]
+        hint = statistics.median(queued) if queued else 1.0
+        return min(max(hint, MIN_RETRY_AFTER_S), max(self.max_wait_s, MIN_RETRY_AFTER_S))
+
+    def stats(self) -> AdmissionStats:
+        """Queue depth, totals and recent waits."""
+        waits = sorted(self._waits)
+        return AdmissionStats(
+            queued=len(self._queue),
+            peak=self.peak,
+            admitted=self.admitted,
+            refused=sum(self.refused.values()),
+            requeued=self.requeued,
+            wait_p50_s=statistics.median(waits) if waits else 0.0,
+            wait_max_s=waits[-1] if waits else 0.0,
+        )
+
+    def _live(self, role: Role) -> list[WorkerRecord]:
+        live = [w for w in self.registry.workers(role) if not w.draining]
+        if not live:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(NoWorkerError(role)))
+        return live
+
+    def _check_fits(self, need: Need) -> None:
+        for role in ROLES:
+            capacities = [self.capacity(w) for w in self._live(role)]
+            known = [c for c in capacities if c is not None]
+            if len(known) < len(capacities):
+                continue  # a worker without a heartbeat yet may be larger
+            if need.blocks(role) > max(known):
+                self.refused["never_fits"] += 1
+                extra = f" + max_tokens {need.max_tokens}" if role == Role.DECODE else ""
+                raise RouterError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the request needs {need.blocks(role)} KV blocks of {need.block_size} "
+                    f"tokens on a {role} worker (prompt {need.prompt_tokens}{extra} tokens); "
+                    f"the largest {role} worker has {max(known)} in all",
+                )
+
+    def _place(self, ticket: Ticket, choose: Choose) -> bool:
+        """Reserve on a worker with room for each role, or nothing and False."""
+        full: dict[Role, frozenset[str]] = {}
+        for role in ROLES:
+            live = self._live(role)
+            blocks = ticket.need.blocks(role)
+            full[role] = frozenset(w.address for w in live if not self.has_room(w, blocks))
+            if len(full[role]) == len(live):
+                return False
+        for role in ROLES:
+            worker = choose(role, full[role])
+            self._reserved[worker.address] += ticket.need.blocks(role)
+            ticket.workers[role] = worker
+        return True
+
+    async def _wait(self, waiter: _Waiter, *, front: bool = False) -> None:
+        """Queue `waiter` until it is placed; it leaves the queue however this ends."""
+        ticket = waiter.ticket
+        if front:
+            self._queue.appendleft(waiter)
+        else:
+            self._queue.append(waiter)
+        self.peak = max(self.peak, len(self._queue))
+        start = self._clock()
+        limit = start + max(0.0, self.max_wait_s - ticket.waited_s)
+        try:
+            while True:
+                now = self._clock()
+                head = self._queue[0] is waiter
+                if head and now >= waiter.not_before and self._place(ticket, waiter.choose):
+                    return
+                if now >= ticket.deadline:
+                    self.expired += 1
+                    raise RouterError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"deadline passed while queued for KV blocks ({now - start:.1f} s)",
+                    )
+                if now >= limit:
+                    self.refused["queue_wait"] += 1
+                    raise AdmissionRefused(
+                        f"no KV blocks free for {ticket.waited_s + now - start:.1f} s in the "
+                        f"admission queue (max_queue_wait_s={self.max_wait_s:g})",
+                        self.retry_after_s(),
+                    )
+                timeout = min(ticket.deadline, limit) - now
+                if head:
+                    timeout = min(timeout, max(waiter.not_before - now, self.poll_s))
+                waiter.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.wake.wait(), timeout)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            ticket.waited_s += self._clock() - start
+            was_head = self._queue[0] is waiter
+            self._queue.remove(waiter)
+            if was_head:
+                self._kick()
+
+    def _kick(self) -> None:
+        """Wake the head of the queue: something it waits for may have changed."""
+        if self._queue:
+            self._queue[0].wake.set()
+
+    def _admitted(self, ticket: Ticket) -> None:
+        self.admitted += 1
+        self._waits.append(ticket.waited_s)
+        if ticket.waited_s > 0:
+            logger.debug("admitted after %.3f s in the queue", ticket.waited_s)
