@@ -13,8 +13,6 @@ Placeholder layout per item (m = merge_size, grid `(t, h, w)` in patches):
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.qwen3_vl.preprocessor import PREPROCESSOR_FILE, ProcessorSettings
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.multimodal.params import (
     ItemPartition,
     Modality,
@@ -35,6 +33,7 @@ from common.multimodal.params import (
     runs_from_mask,
 )
 from common.processing.chat import render_chat
+from common.processing.content_hash import content_hash, processor_settings
 from common.processing.image import FloatArray, preprocess_image
 from common.processing.messages import (
     ChatDicts,
@@ -51,9 +50,6 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
-
-# Domain tag of item and partition content hashes; bump it if the hashed layout changes.
-_HASH_TAG = b"epd.qwen3vl.item.v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,16 +152,7 @@ class Processor:
         folder = Path(folder)
         config = Qwen3VLConfig.from_file(folder)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        if (folder / PREPROCESSOR_FILE).is_file():
-            settings = ProcessorSettings.from_file(folder)
-        else:
-            v = config.vision
-            settings = ProcessorSettings(
-                patch_size=v.patch_size,
-                merge_size=v.spatial_merge_size,
-                temporal_patch_size=v.temporal_patch_size,
-            )
-        return cls(tokenizer, config, settings)
+        return cls(tokenizer, config, processor_settings(folder, config))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -309,23 +296,8 @@ class Processor:
         )
 
     def _hash(self, modality: Modality, patches: FloatArray, grid: tuple[int, int, int]) -> bytes:
-        """32-byte BLAKE2b over modality, settings, grid, dtype, shape and the patch bytes."""
-        header = json.dumps(
-            {
-                "modality": str(modality),
-                "grid_thw": list(grid),
-                "dtype": str(patches.dtype),
-                "shape": list(patches.shape),
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        ).encode()
-        h = hashlib.blake2b(digest_size=32)
-        for chunk in (_HASH_TAG, self._fingerprint, header):
-            h.update(len(chunk).to_bytes(8, "little"))
-            h.update(chunk)
-        h.update(np.ascontiguousarray(patches).tobytes())
-        return h.digest()
+        """The item's (or partition's) content hash (`common.processing.content_hash`)."""
+        return content_hash(self._fingerprint, str(modality), patches, grid)
 
 
 def _assign_payloads(slots: Sequence[MediaPart], side_counts: Mapping[Modality, int]) -> list[int]:
