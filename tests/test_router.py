@@ -379,7 +379,7 @@ async def test_malformed_input_is_invalid_argument(cluster, workers, messages, s
 
 
 async def test_messages_the_processor_refuses_are_invalid_argument(cluster, workers):
-    bad = [{"role": "user", "content": "a <|image_pad|> by hand"}]
+    bad = [{"role": "user", "content": "hi"}, {"role": "system", "content": "too late"}]
     with pytest.raises(GenerateError) as err:
         await cluster.client.generate_text(bad)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
