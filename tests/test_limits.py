@@ -120,9 +120,14 @@ def test_huge_png_video_frames_are_refused_from_headers_without_decoding(
 ) -> None:
     frame = png(4096, 4096, noise=False)  # a few KiB each; 64 MiB each once decoded
     frames = [frame] * 16
-    loads = []
+    loads: list[Image.Image] = []
     original = Image.Image.load
-    monkeypatch.setattr(Image.Image, "load", lambda im: loads.append(im) or original(im))
+
+    def load(im: Image.Image) -> Any:
+        loads.append(im)
+        return original(im)
+
+    monkeypatch.setattr(Image.Image, "load", load)
     started = time.perf_counter()
     err = refused(prepare(), request(video(frames), text("what happens?")))
     elapsed = time.perf_counter() - started
@@ -197,7 +202,8 @@ def test_media_bytes_boundary(prepare: Callable[..., Prepare]) -> None:
 # ------------------------------------------------------------------ user text is text
 
 
-def _count(ids: list[int], token_id: int) -> int:
+def _count(ids: list[int], token_id: int | None) -> int:
+    assert token_id is not None
     return sum(1 for t in ids if t == token_id)
 
 
@@ -260,7 +266,7 @@ def _prompt(processor: Processor, seed: int, kind: str = "image") -> ProcessedPr
 
 
 def _encode_item(
-    prompt: ProcessedPrompt, modality: int = multimodal_pb2.MODALITY_IMAGE
+    prompt: ProcessedPrompt, modality: Any = multimodal_pb2.MODALITY_IMAGE
 ) -> encoder_service_pb2.EncodeItem:
     meta = prompt.params.items[0]
     return encoder_service_pb2.EncodeItem(
@@ -337,7 +343,7 @@ def test_int64_embedding_rows_are_refused_before_decoding(processor: Processor) 
     with pytest.raises(MultimodalLayoutError) as info:
         params_from_proto(msg)
     assert info.value.field == "embeddings.rows" and "ELEMENT_TYPE_INT64" in str(info.value)
-    rows.rows.dtype = 77  # type: ignore[assignment]
+    rows.rows.dtype = 77
     with pytest.raises(MultimodalLayoutError, match="element type 77"):
         params_from_proto(msg)
     assert tensor_pb2.ELEMENT_TYPE_INT64  # the wire does define int64, for token ids
