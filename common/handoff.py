@@ -48,12 +48,15 @@ from dataclasses import dataclass
 import grpc
 import msgpack
 
+from common.errors import FieldError
 from common.kv.allocator import ImportPlan, blocks_for
 from common.kv.digest import DIGEST_BYTES, cache_block_digests
+from common.models.prompt_check import check_context
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.runner import LmRunner
 from common.multimodal.params import MultimodalParams
 from common.multimodal.validation import MultimodalLayoutError
+from common.sampling import SamplingParams
 from common.server.rpc import RpcStatusError
 from common.transfer.agent import TransferAgent
 from common.transfer.types import (
@@ -67,7 +70,7 @@ from common.transfer.types import (
 from common.wire.convert import TensorResolver, embeddings_from_proto, params_from_proto
 from common.wire.kv import layout_from_proto, layout_to_proto
 from common.wire.transfer import KIND_TO_MEMORY, MEMORY_TO_KIND
-from epd.v1 import kv_pb2, multimodal_pb2
+from epd.v1 import decode_service_pb2, kv_pb2, multimodal_pb2, prefill_service_pb2
 
 # Pulls up to this size READ on the event loop's own thread: a hop to a worker thread and
 # back costs a scheduler slice (milliseconds) on a busy host, more than the READ of a few
@@ -335,6 +338,25 @@ def _read_and_digest(
 
 
 # -------------------------------------------------------------------------- both sides
+
+
+def check_request(
+    runner: LmRunner,
+    prompt_token_ids: Sequence[int],
+    sampling: SamplingParams,
+    request: prefill_service_pb2.PrefillRequest | decode_service_pb2.DecodeRequest,
+) -> None:
+    """What a Prefill or Decode request asks for, checked before any other work (no
+    embedding pulled, no block taken or hashed): no LoRA adapters are loaded, so a
+    `lora_id` is refused; prompt tokens + `sampling.max_tokens` must fit the model's
+    context. Raises FieldError naming the field (INVALID_ARGUMENT)."""
+    if request.HasField("lora_id") and request.lora_id:
+        raise FieldError("lora_id", f"unknown lora_id {request.lora_id!r} (no adapters loaded)")
+    check_context(
+        len(prompt_token_ids),
+        sampling.max_tokens,
+        runner.config.text.max_position_embeddings,
+    )
 
 
 def read_handoff(

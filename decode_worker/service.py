@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.handoff import Pulled, check_handle, pull, read_handoff
+from common.handoff import Pulled, check_handle, check_request, pull, read_handoff
 from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
 from common.models import batching
@@ -140,6 +140,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         runner = self.runner
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
+        check_request(self.runner, tokens, sampling, request)
         handoff = await asyncio.to_thread(
             read_handoff, runner, tokens, request.multimodal, with_embeddings=False
         )

@@ -11,6 +11,15 @@ caching and encoding:
 
 `pixel_values` holds either the whole item's patch rows (`t*h*w` rows) or only the
 requested partitions' rows, concatenated in order.
+
+No hash a caller sends is trusted (DESIGN §7): every cache key is computed here from the
+patch rows it names (`common.processing.content_hash`, the processor's own function, so the
+router's block hashes agree), and a request whose claimed hash differs from the computed one
+is refused (INVALID_ARGUMENT naming `content_hash` or `partitions[k].content_hash`), never
+corrected: a mismatch means a caller that is broken or lying, and answering it anyway would
+hand it rows under a key it did not compute. An item's own hash is checked whenever its
+whole patch rows are sent; when only some partitions' rows are sent it cannot be, and then
+it is only echoed in the response: the cache is keyed by the partitions' (checked) hashes.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from common.models.qwen3_vl.config import VisionConfig
+from common.multimodal.params import Modality
 from common.multimodal.validation import HASH_BYTES, MultimodalLayoutError
+from common.processing.content_hash import content_hash
 from common.wire.convert import tensor_from_ref
 from epd.v1 import encoder_service_pb2, multimodal_pb2
 
@@ -30,7 +41,7 @@ from epd.v1 import encoder_service_pb2, multimodal_pb2
 class Unit:
     """One cache key's worth of encoder input."""
 
-    key: bytes  # 32-byte content hash: the item's, or the partition's
+    key: bytes  # 32-byte content hash of `pixels` (computed here): the item's or partition's
     pixels: torch.Tensor  # (t*h*w, patch_dim) patch rows of this unit
     grid: tuple[int, int, int]  # (t, h, w) patch grid of this unit
     per_frame: bool  # encode frame by frame (bit-exact partition rows)
@@ -46,21 +57,34 @@ class Unit:
 class ItemJob:
     """One requested item: the units whose rows, concatenated in order, are its output."""
 
-    content_hash: bytes  # the item's hash, echoed in the response
+    content_hash: bytes  # the item's hash (checked unless only partitions were sent), echoed
     partition_indices: tuple[int, ...]  # as requested, echoed in the response
     units: tuple[Unit, ...]  # in output order
+
+
+_MODALITIES = {
+    multimodal_pb2.MODALITY_IMAGE: Modality.IMAGE,
+    multimodal_pb2.MODALITY_VIDEO: Modality.VIDEO,
+}
 
 
 def parse_request(
     request: encoder_service_pb2.EncodeRequest,
     vision: VisionConfig,
+    fingerprint: bytes,
     *,
     exact_partitions: bool = True,
 ) -> list[ItemJob]:
-    """Validate `request` and split it into jobs; MultimodalLayoutError on the first problem."""
+    """Validate `request` and split it into jobs; MultimodalLayoutError on the first problem.
+
+    `fingerprint` is the checkpoint's `ProcessorSettings.fingerprint()`, which every content
+    hash covers."""
     if not request.items:
         raise MultimodalLayoutError("items", "no items to encode")
-    return [_parse_item(i, item, vision, exact_partitions) for i, item in enumerate(request.items)]
+    return [
+        _parse_item(i, item, vision, fingerprint, exact_partitions)
+        for i, item in enumerate(request.items)
+    ]
 
 
 def _check_hash(value: bytes, field: str, item: int) -> None:
@@ -68,12 +92,37 @@ def _check_hash(value: bytes, field: str, item: int) -> None:
         raise MultimodalLayoutError(field, f"expected {HASH_BYTES} bytes, got {len(value)}", item)
 
 
+def _verify(
+    fingerprint: bytes,
+    modality: Modality,
+    pixels: torch.Tensor,
+    grid: tuple[int, int, int],
+    claimed: bytes,
+    field: str,
+    item: int,
+) -> bytes:
+    """The content hash of `pixels`; refuses a `claimed` one that differs."""
+    computed = content_hash(fingerprint, str(modality), pixels, grid)
+    if computed != claimed:
+        raise MultimodalLayoutError(
+            field, "does not match the content hash computed from pixel_values", item
+        )
+    return computed
+
+
 def _parse_item(
-    i: int, item: encoder_service_pb2.EncodeItem, vision: VisionConfig, exact: bool
+    i: int,
+    item: encoder_service_pb2.EncodeItem,
+    vision: VisionConfig,
+    fingerprint: bytes,
+    exact: bool,
 ) -> ItemJob:
     _check_hash(item.content_hash, "content_hash", i)
     if item.modality == multimodal_pb2.MODALITY_AUDIO:
         raise MultimodalLayoutError("modality", "audio is not supported by this encoder", i)
+    modality = _MODALITIES.get(item.modality)
+    if modality is None:
+        raise MultimodalLayoutError("modality", f"unknown modality {item.modality}", i)
     if len(item.grid_thw) != 3:
         raise MultimodalLayoutError("grid_thw", f"expected 3 values, got {len(item.grid_thw)}", i)
     t, h, w = (int(v) for v in item.grid_thw)
@@ -89,21 +138,34 @@ def _parse_item(
     chosen = _chosen_partitions(i, indices, max(len(spans), 1))
 
     pixels = _pixels(i, item, vision, total, spans, chosen)
-    if not spans:
-        unit = Unit(item.content_hash, pixels, (t, h, w), False, total // vision.merge_unit)
-        return ItemJob(item.content_hash, indices, (unit,))
     whole = pixels.shape[0] == total
+    item_hash = bytes(item.content_hash)  # checked below when it can be
+    if whole:
+        item_hash = _verify(fingerprint, modality, pixels, (t, h, w), item_hash, "content_hash", i)
+    if not spans:
+        unit = Unit(item_hash, pixels, (t, h, w), False, total // vision.merge_unit)
+        return ItemJob(item_hash, indices, (unit,))
     units = []
     offset = 0
     for p in chosen:
-        start, end, out_rows, key = spans[p]
+        start, end, out_rows, claimed = spans[p]
         if whole:
             rows = pixels[start:end]
         else:
             rows = pixels[offset : offset + end - start]
             offset += end - start
-        units.append(Unit(key, rows, ((end - start) // frame, h, w), exact, out_rows))
-    return ItemJob(item.content_hash, indices, tuple(units))
+        part_grid = ((end - start) // frame, h, w)
+        part_key = _verify(
+            fingerprint,
+            modality,
+            rows,
+            part_grid,
+            claimed,
+            f"partitions[{p}].content_hash",
+            i,
+        )
+        units.append(Unit(part_key, rows, part_grid, exact, out_rows))
+    return ItemJob(item_hash, indices, tuple(units))
 
 
 def _partition_spans(

@@ -24,6 +24,7 @@ from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
 from common.models.runner import model_identity
+from common.processing.content_hash import processor_settings
 from common.roles import PROTOCOL_VERSION
 from common.server.lifecycle import ServerLifecycle
 from common.server.role import AddServicer, RoleServer, checkpoint_path
@@ -76,12 +77,15 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
         lifecycle: ServerLifecycle,
         vision: VisionConfig,
         settings: EncoderSettings,
+        fingerprint: bytes,
     ) -> None:
         self.engine = engine
         self.leases = leases  # None: NIXL off, every output inline
         self.lifecycle = lifecycle
         self.vision = vision
         self.settings = settings
+        # The checkpoint's processor settings, which every content hash it computes covers.
+        self.fingerprint = fingerprint
 
     @rpc_errors
     async def Encode(
@@ -90,7 +94,10 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
         """Rows for every requested item (or its requested partitions), in request order."""
         async with self.lifecycle.track():
             jobs = parse_request(
-                request, self.vision, exact_partitions=self.settings.exact_partitions
+                request,
+                self.vision,
+                self.fingerprint,
+                exact_partitions=self.settings.exact_partitions,
             )
             outputs = await self.engine.encode(jobs)
             items = [await self._encoded(job, out) for job, out in zip(jobs, outputs, strict=True)]
@@ -186,6 +193,7 @@ async def serve(
     settings.check()
     path = await asyncio.to_thread(checkpoint_path, settings.model)
     config, tower = await asyncio.to_thread(load_tower, path, settings)
+    fingerprint = (await asyncio.to_thread(processor_settings, path, config)).fingerprint()
     identity = await asyncio.to_thread(model_identity, path, config)
     engine = EncoderEngine(
         tower,
@@ -207,7 +215,7 @@ async def serve(
 
     server: RoleServer[EncoderServicer] = await RoleServer.start(
         settings,
-        EncoderServicer(engine, leases, lifecycle, config.vision, settings),
+        EncoderServicer(engine, leases, lifecycle, config.vision, settings, fingerprint),
         encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server,
         [ENCODER_SERVICE],
         lifecycle=lifecycle,

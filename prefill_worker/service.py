@@ -18,7 +18,9 @@ still live: a decode worker uses what it READ only if it was. A lease lasts `lea
 plus `lease_ttl_per_lease_s` for every lease already live, so a burst that backs decode up
 gets longer leases; a reader still waiting to pull extends a live lease with `RenewKv`.
 Blocks a decode worker reports as failing their digest are digested again here; one whose
-bytes changed since it was computed leaves the prefix cache.
+bytes changed since it was computed leaves the prefix cache. A request asking for a LoRA
+adapter or for more than the model's context is refused before anything
+(`common.handoff.check_request`).
 
 Threads: every runner call runs on the one `ModelThread`, so the event loop keeps serving
 (ReleaseKv, StreamKvEvents, health) while the model computes; NIXL pulls of embeddings run
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from common.handoff import build_handle, read_handoff
+from common.handoff import build_handle, check_request, read_handoff
 from common.kv.allocator import blocks_for
 from common.kv.digest import cache_block_digests
 from common.kv.events import KvEventHub, Subscription
@@ -152,6 +154,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     ) -> prefill_service_pb2.PrefillResponse:
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
+        check_request(self.runner, tokens, sampling, request)
         pulled: list[str] = []  # embedding leases pulled from encoders
         timeout_s = max(min(self.embedding_pull_timeout_s, time_left_s or math.inf), 1e-3)
         holders = dict(request.embedding_holders)

@@ -3,7 +3,13 @@
 Everything a client sends is validated here, before any worker sees the request: each
 media payload is decoded (a payload PIL cannot open is an error naming its field, e.g.
 `messages[0].content[1].image.data`), and the sampling parameters are checked and
-normalised (proto3 zeros mean "default"). The chat becomes typed `Message`s here, once
+normalised (proto3 zeros mean "default").
+
+Limits come before work (`common.processing.limits.InputLimits`, from the router's
+settings): text bytes are counted before anything is tokenized; a video's frame count is
+checked before any frame is opened; every image and frame is opened lazily, its header's
+size checked, and the decoded bytes of the whole request summed from the headers, before
+any of them is decoded. The chat becomes typed `Message`s here, once
 (`common.processing.messages`); nothing after this reads the protobuf or a dict. Errors are
 `InputError`s (a `ValueError`), which the server answers with INVALID_ARGUMENT.
 """
@@ -16,10 +22,18 @@ from typing import Any
 
 from PIL import Image
 
+from common.processing.limits import (
+    InputLimits,
+    LimitError,
+    MediaBudget,
+    check_image_header,
+    check_text_bytes,
+    check_video_frames,
+)
 from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
 from epd.v1 import router_service_pb2
 
-# A decompression bomb is refused rather than decoded.
+# A decompression bomb is refused rather than decoded (when no limit is set).
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
@@ -31,59 +45,120 @@ class InputError(ValueError):
         self.field = field
 
 
-def decode_image(data: bytes, field: str) -> Image.Image:
-    """Open and fully decode one encoded image; `InputError` naming `field` when it cannot."""
+_DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Warning)
+
+
+def open_image(
+    data: bytes, field: str, limits: InputLimits, budget: MediaBudget | None = None
+) -> Image.Image:
+    """Open one encoded image lazily (PIL reads only its header) and check its size, and
+    its decoded bytes against `budget`; `InputError` naming `field`. Nothing is decoded."""
     if not data:
         raise InputError(field, "is empty")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise InputError(field, f"image of {image.width}x{image.height} is too large")
+    except _DECODE_ERRORS as exc:
+        raise InputError(field, f"is not a decodable image ({exc})") from None
+    try:
+        check_image_header(image, limits, field)
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise InputError(field, f"image of {image.width}x{image.height} is too large")
+        if budget is not None:
+            budget.add(image.width, image.height, field)
+    except LimitError as exc:
+        raise InputError(exc.field, exc.reason) from None
+    return image
+
+
+def load_image(image: Image.Image, field: str) -> Image.Image:
+    """Decode an image `open_image` opened; `InputError` naming `field` when it cannot."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
             image.load()
-    except InputError:
-        raise
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Warning) as exc:
+    except _DECODE_ERRORS as exc:
         raise InputError(field, f"is not a decodable image ({exc})") from None
     return image
 
 
+def decode_image(data: bytes, field: str, limits: InputLimits | None = None) -> Image.Image:
+    """Open, check and fully decode one encoded image; `InputError` naming `field`."""
+    return load_image(open_image(data, field, limits or InputLimits()), field)
+
+
 def messages_from_proto(
     messages: Any,  # RepeatedCompositeFieldContainer[ChatMessage]
+    limits: InputLimits | None = None,
 ) -> tuple[Message, ...]:
-    """The typed chat, media decoded to PIL images; `InputError` naming the field."""
+    """The typed chat, media decoded to PIL images; `InputError` naming the field.
+
+    Every limit is checked, for the whole request, before any image is decoded."""
     if not messages:
         raise InputError("messages", "is empty")
+    reader = _Reader(limits or InputLimits())
     out: list[Message] = []
     for i, message in enumerate(messages):
         if not message.role:
             raise InputError(f"messages[{i}].role", "is empty")
+        reader.text(message.role, f"messages[{i}].role")
         parts = tuple(
-            _part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(message.content)
+            reader.part(part, f"messages[{i}].content[{j}]")
+            for j, part in enumerate(message.content)
         )
         out.append(Message(message.role, parts))
+    for image, field in reader.opened:
+        load_image(image, field)
     return tuple(out)
 
 
-def _part(part: router_service_pb2.ContentPart, where: str) -> Part:
-    kind = part.WhichOneof("content")
-    if kind == "text":
-        return TextPart(part.text)
-    if kind == "image":
-        return ImagePart(
-            decode_image(part.image.data, f"{where}.image.data"),
-            uuid=part.image.uuid if part.image.HasField("uuid") else None,
-        )
-    if kind == "video":
-        video = part.video
+class _Reader:
+    """One request's parts, read under its limits; images opened, decoded only later."""
+
+    def __init__(self, limits: InputLimits) -> None:
+        self.limits = limits
+        self.budget = MediaBudget(limits)
+        self.text_bytes = 0  # UTF-8 bytes of the roles and text parts so far
+        self.opened: list[tuple[Image.Image, str]] = []  # images to decode, with their fields
+
+    def text(self, text: str, field: str) -> None:
+        self.text_bytes += len(text.encode())
+        try:
+            check_text_bytes(self.text_bytes, self.limits, field)
+        except LimitError as exc:
+            raise InputError(exc.field, exc.reason) from None
+
+    def image(self, data: bytes, field: str) -> Image.Image:
+        image = open_image(data, field, self.limits, self.budget)
+        self.opened.append((image, field))
+        return image
+
+    def part(self, part: router_service_pb2.ContentPart, where: str) -> Part:
+        kind = part.WhichOneof("content")
+        if kind == "text":
+            self.text(part.text, f"{where}.text")
+            return TextPart(part.text)
+        if kind == "image":
+            return ImagePart(
+                self.image(part.image.data, f"{where}.image.data"),
+                uuid=part.image.uuid if part.image.HasField("uuid") else None,
+            )
+        if kind == "video":
+            return self.video(part.video, where)
+        raise InputError(where, "has no text, image or video")
+
+    def video(self, video: router_service_pb2.VideoInput, where: str) -> VideoPart:
         if not video.frames:
             raise InputError(f"{where}.video.frames", "is empty")
+        try:
+            check_video_frames(len(video.frames), self.limits, f"{where}.video.frames")
+        except LimitError as exc:
+            raise InputError(exc.field, exc.reason) from None
         if not video.fps > 0:
             raise InputError(f"{where}.video.fps", f"must be positive, got {video.fps}")
         frames = [
-            decode_image(frame, f"{where}.video.frames[{k}]")
-            for k, frame in enumerate(video.frames)
+            self.image(frame, f"{where}.video.frames[{k}]") for k, frame in enumerate(video.frames)
         ]
         sizes = {f.size for f in frames}
         if len(sizes) != 1:
@@ -91,4 +166,3 @@ def _part(part: router_service_pb2.ContentPart, where: str) -> Part:
         return VideoPart(
             frames, float(video.fps), uuid=video.uuid if video.HasField("uuid") else None
         )
-    raise InputError(where, "has no text, image or video")

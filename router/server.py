@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from common.errors import FieldError
+from common.models.prompt_check import check_context
 from common.models.runner import model_identity
 from common.processing.processor import ProcessedPrompt, Processor
 from common.server.lifecycle import ServerLifecycle
@@ -72,15 +73,31 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.settings = settings
 
     def _prepare(self, request: router_service_pb2.GenerateRequest) -> tuple[Any, ProcessedPrompt]:
+        """Check and process one request (a worker thread); InputError naming the field.
+
+        Every limit (`RouterSettings.input_limits`) is checked before the work it bounds:
+        sampling first, text bytes and media headers before anything is decoded or
+        tokenized, then prompt tokens + `max_tokens` against the context; no worker is
+        called for a request refused here."""
+        limits = self.settings.input_limits(self.processor.config.text.max_position_embeddings)
         try:
             sampling = sampling_from_proto(request.sampling)
         except FieldError as exc:  # sampling errors and multimodal layout errors alike
             raise InputError(exc.field, exc.reason) from None
-        messages = messages_from_proto(request.messages)
+        messages = messages_from_proto(request.messages, limits)
         try:
-            prompt = self.processor.process(messages)
+            prompt = self.processor.process(
+                messages,
+                allow_special_tokens=self.settings.allow_special_tokens_in_text,
+                limits=limits,
+            )
+            assert limits.max_model_len is not None
+            check_context(len(prompt.prompt_token_ids), sampling.max_tokens, limits.max_model_len)
         except InputError:
             raise
+        except FieldError as exc:
+            field = "messages" if exc.field == "prompt_token_ids" else exc.field
+            raise InputError(field, exc.reason) from None
         except (ValueError, TypeError) as exc:
             raise InputError("messages", str(exc)) from None
         return sampling, prompt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.processing.limits import InputLimits
 from common.settings.base import ServerSettings
 from common.settings.schema import SettingsError, setting
 
@@ -51,6 +52,30 @@ class RouterSettings(ServerSettings):
         "its encoder cache hits) unless that encoder has more than this many requests beyond "
         "the least loaded one; 0: no affinity, each request to the least loaded encoder",
     )
+    allow_special_tokens_in_text: bool = setting(
+        False,
+        "read special tokens typed in message text (e.g. <|im_start|>) as control tokens; "
+        "off: they are plain text and only the chat template inserts control tokens",
+    )
+    max_prompt_text_bytes: int = setting(
+        1 << 20, "most UTF-8 bytes of message text and roles in one request, before tokenizing"
+    )
+    max_model_len: int | None = setting(
+        None,
+        "most prompt tokens + max_tokens of one request (None: max_position_embeddings of "
+        "the checkpoint's config; larger values are capped to it)",
+    )
+    max_image_pixels: int = setting(
+        16384 * 32 * 32,
+        "most width x height of one image or video frame, read from its header before "
+        "decoding (the default is the released processor's max_pixels, 4096 x 4096)",
+    )
+    max_video_frames: int = setting(768, "most frames one video may send")
+    max_media_bytes: int = setting(
+        512 << 20,
+        "most bytes of decoded pixels (4 per pixel, summed over all images and frames of one "
+        "request, from their headers before any is decoded)",
+    )
     kv_reprefills: int = setting(
         2,
         "times a request is prefilled again when decode refuses the pulled KV (its lease "
@@ -72,9 +97,29 @@ class RouterSettings(ServerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         ServerSettings.check(self)
-        for name in ("max_queued_requests", "max_queue_wait_s"):
+        for name in (
+            "max_queued_requests",
+            "max_queue_wait_s",
+            "max_prompt_text_bytes",
+            "max_image_pixels",
+            "max_media_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must not be negative")
+        if self.max_video_frames < 1:
+            raise SettingsError("max_video_frames: must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise SettingsError("max_model_len: must be at least 2")
+
+    def input_limits(self, context: int) -> InputLimits:
+        """The request limits, for a model of `context` positions."""
+        return InputLimits(
+            max_text_bytes=self.max_prompt_text_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_video_frames=self.max_video_frames,
+            max_media_bytes=self.max_media_bytes,
+            max_model_len=min(self.max_model_len or context, context),
+        )
 
     @property
     def address(self) -> str:

@@ -27,6 +27,7 @@ from epd.v1 import (
     multimodal_pb2,
     prefill_service_pb2,
     prefill_service_pb2_grpc,
+    tensor_pb2,
 )
 from prefill_worker.__main__ import parse
 from prefill_worker.server import serve as serve_prefill
@@ -157,6 +158,42 @@ async def test_bad_sampling_is_invalid_argument(
         await stub.Prefill(request, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "temperature" in (info.value.details() or "")
+
+
+def _lora(request: prefill_service_pb2.PrefillRequest) -> None:
+    request.lora_id = "adapter-that-is-not-loaded"
+
+
+def _max_tokens(request: prefill_service_pb2.PrefillRequest) -> None:
+    request.sampling.max_tokens = 2**32 - 1
+
+
+def _int64_rows(request: prefill_service_pb2.PrefillRequest) -> None:
+    rows = request.multimodal.embeddings[0].rows
+    rows.dtype = tensor_pb2.ELEMENT_TYPE_INT64
+    rows.inline_data = bytes(8 * rows.shape[0] * rows.shape[1])
+
+
+@pytest.mark.parametrize(
+    ("attack", "field"),
+    [(_lora, "lora_id"), (_max_tokens, "sampling.max_tokens"), (_int64_rows, "embeddings.rows")],
+)
+async def test_hostile_requests_are_refused_before_any_block(
+    worker: RoleServer[Any], stub: Any, engine: Engine, attack: Any, field: str
+) -> None:
+    tokens, params = make_handoff(engine, IMAGE_VIDEO)
+    request = prefill_request(tokens, params, GREEDY)
+    attack(request)
+    runner = worker.servicer.runner
+    await settle(worker, stub)
+    cached, lookups = runner.allocator.cached_hashes(), runner.allocator.pool.lookups
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Prefill(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (info.value.details() or "")
+    assert runner.allocator.cached_hashes() == cached
+    assert runner.allocator.pool.lookups == lookups  # not even looked up
+    assert runner.allocator.pool.num_used_blocks == 0
 
 
 # ---------------------------------------------------------------------------- leases

@@ -336,8 +336,10 @@ def test_hash_depends_on_settings(ckpt: Path, processor: Processor) -> None:
 
 
 def test_errors(processor: Processor) -> None:
+    sneaky = _user({"type": "text", "text": "sneaky <|image_pad|>"})
+    assert not processor.process(sneaky).params.items  # plain text by default
     with pytest.raises(ValueError, match="must not contain placeholder tokens"):
-        processor.process(_user({"type": "text", "text": "sneaky <|image_pad|>"}))
+        processor.process(sneaky, allow_special_tokens=True)
     with pytest.raises(ValueError, match="refers to payload 2"):
         processor.process(_user({"type": "image", "index": 2}), images=[_image(32, 32)])
     with pytest.raises(ValueError, match="unsupported content part"):

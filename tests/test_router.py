@@ -379,11 +379,26 @@ async def test_malformed_input_is_invalid_argument(cluster, workers, messages, s
 
 
 async def test_messages_the_processor_refuses_are_invalid_argument(cluster, workers):
-    bad = [{"role": "user", "content": "a <|image_pad|> by hand"}]
+    bad = [{"role": "user", "content": "hi"}, {"role": "system", "content": "too late"}]
     with pytest.raises(GenerateError) as err:
         await cluster.client.generate_text(bad)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "messages" in err.value.details
+
+
+async def test_limits_refuse_before_any_worker_is_called(cluster, workers):
+    enc, pre, dec = workers
+    huge = [{"role": "user", "content": [{"type": "text", "text": "x" * 1_200_000}]}]
+    attacks = {
+        "sampling.max_tokens": (IMAGE, SamplingParams(max_tokens=2**32 - 1)),
+        "messages[0].content[0].text": (huge, SamplingParams()),
+    }
+    for field, (messages, sampling) in attacks.items():
+        with pytest.raises(GenerateError) as err:
+            await cluster.client.generate_text(messages, sampling)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details.startswith(field)
+    assert enc.requests == [] and pre.requests == [] and dec.requests == []
 
 
 async def test_no_workers_is_unavailable(cluster):

@@ -2,8 +2,10 @@
 
 Each raises `MultimodalLayoutError` naming the offending field (and item), so a worker can
 reject the request with a precise message; `LmRunner.check_prompt` / `check_embeddings` are
-the entry points. `check_prompt` returns the prompt's mRoPE positions it had to compute to
-check them, so a worker computes them once per request.
+the entry points. `check_context` (prompt tokens + `max_tokens` within the context) is
+shared by the router and both KV workers, each calling it before any other work.
+`check_prompt` returns the prompt's mRoPE positions it had to compute to check them, so a
+worker computes them once per request.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.errors import FieldError
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import MropePositions, prompt_positions
 from common.multimodal.params import MultimodalParams
@@ -55,3 +58,20 @@ def check_embeddings(config: Qwen3VLConfig, params: MultimodalParams) -> None:
             raise MultimodalLayoutError(
                 "embeddings.deepstack", f"{len(emb.deepstack)} layers, model has {deep}", index
             )
+
+
+def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
+    """Raise `FieldError` for a prompt that leaves no room to generate, or a `max_tokens`
+    that would run past the model's context of `context` positions."""
+    if prompt_tokens >= context:
+        raise FieldError(
+            "prompt_token_ids",
+            f"prompt of {prompt_tokens} tokens does not fit the model's context of "
+            f"{context} tokens (at least one token must be generated)",
+        )
+    if prompt_tokens + max_tokens > context:
+        raise FieldError(
+            "sampling.max_tokens",
+            f"{max_tokens}: prompt of {prompt_tokens} tokens + max_tokens exceeds the "
+            f"model's context of {context} tokens (at most {context - prompt_tokens})",
+        )

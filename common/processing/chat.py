@@ -8,24 +8,38 @@ The layout is Qwen3-VL's (ChatML):
 
 Inside `content`, text parts are concatenated as they are and each image or video part
 stays a piece of its own; the processor expands it into its placeholder tokens (see
-`common.processing.processor`). The messages are `common.processing.messages.Message`s:
-the dict form is converted before it gets here.
+`common.processing.processor`). The template's own control tokens come as `Control`
+pieces, apart from the text: everything in a `str` piece (a role, user text) is text, and
+the processor tokenizes a special token spelled in it as plain text unless told otherwise.
+The messages are `common.processing.messages.Message`s: the dict form is converted before
+it gets here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from common.processing.messages import ImagePart, MediaPart, Message, TextPart, VideoPart
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
-Piece = str | MediaPart
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    """`count` copies of one control token, inserted by the template or the processor."""
+
+    token: str  # the special token's text, e.g. "<|im_start|>"
+    count: int = 1
+
+
+Piece = str | Control | MediaPart
 
 
 def render_chat(messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[Piece]:
-    """The prompt as text pieces and media parts in order (adjacent text is joined).
+    """The prompt as text, control-token and media pieces in order (adjacent text is
+    joined).
 
     Raises `ValueError` when a system message is not the first one.
     """
@@ -40,7 +54,8 @@ def render_chat(messages: Sequence[Message], *, add_generation_prompt: bool = Tr
     for number, message in enumerate(messages):
         if message.role == "system" and number != 0:
             raise ValueError("a system message may only come first")
-        emit(f"{IM_START}{message.role}\n")
+        emit(Control(IM_START))
+        emit(f"{message.role}\n")
         for part in message.content:
             if isinstance(part, TextPart):
                 emit(part.text)
@@ -48,7 +63,9 @@ def render_chat(messages: Sequence[Message], *, add_generation_prompt: bool = Tr
                 emit(part)
             else:
                 raise ValueError(f"message {number}: unsupported content part {part!r}")
-        emit(f"{IM_END}\n")
+        emit(Control(IM_END))
+        emit("\n")
     if add_generation_prompt:
-        emit(f"{IM_START}assistant\n")
+        emit(Control(IM_START))
+        emit("assistant\n")
     return pieces

@@ -9,12 +9,17 @@ Placeholder layout per item (m = merge_size, grid `(t, h, w)` in patches):
 - image: `<|vision_start|>` + (h/m)*(w/m) x `<|image_pad|>` + `<|vision_end|>` -> one run;
 - video: per temporal patch k: `<{ts_k:.1f} seconds>` + `<|vision_start|>` +
   (h/m)*(w/m) x `<|video_pad|>` + `<|vision_end|>` -> t runs, separated by text.
+
+User text is text: only the chat template and the placeholders above insert control tokens.
+Each stretch of text between them is tokenized with special tokens read as plain text (a
+typed `<|im_start|>` becomes the tokens of its characters), unless the caller passes
+`allow_special_tokens=True`. Tokenizing the stretches apart gives the same ids as
+tokenizing the whole prompt at once would for text without special tokens, because the
+tokenizer splits at special tokens before anything else.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +31,7 @@ import torch
 from tokenizers import Tokenizer
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.qwen3_vl.preprocessor import PREPROCESSOR_FILE, ProcessorSettings
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.multimodal.params import (
     ItemPartition,
     Modality,
@@ -34,13 +39,16 @@ from common.multimodal.params import (
     MultimodalParams,
     runs_from_mask,
 )
-from common.processing.chat import render_chat
+from common.processing.chat import Control, render_chat
+from common.processing.content_hash import content_hash, processor_settings
 from common.processing.image import FloatArray, preprocess_image
+from common.processing.limits import InputLimits, check_text_bytes
 from common.processing.messages import (
     ChatDicts,
     ImagePart,
     MediaPart,
     Message,
+    TextPart,
     messages_from_dicts,
 )
 from common.processing.video import preprocess_video
@@ -51,9 +59,6 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
-
-# Domain tag of item and partition content hashes; bump it if the hashed layout changes.
-_HASH_TAG = b"epd.qwen3vl.item.v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +153,10 @@ class Processor:
             if actual != expected:
                 raise ValueError(f"tokenizer id of {token} is {actual}, config says {expected}")
         self._fingerprint = settings.fingerprint()
+        # The same tokenizer, reading special tokens in text as plain text (user text); a
+        # copy rather than a toggled flag, so concurrent `process` calls stay independent.
+        self._text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self._text_tokenizer.encode_special_tokens = True
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> Processor:
@@ -156,16 +165,7 @@ class Processor:
         folder = Path(folder)
         config = Qwen3VLConfig.from_file(folder)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        if (folder / PREPROCESSOR_FILE).is_file():
-            settings = ProcessorSettings.from_file(folder)
-        else:
-            v = config.vision
-            settings = ProcessorSettings(
-                patch_size=v.patch_size,
-                merge_size=v.spatial_merge_size,
-                temporal_patch_size=v.temporal_patch_size,
-            )
-        return cls(tokenizer, config, settings)
+        return cls(tokenizer, config, processor_settings(folder, config))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -185,6 +185,8 @@ class Processor:
         images: Sequence[Any] = (),
         videos: Sequence[Any] = (),
         add_generation_prompt: bool = True,
+        allow_special_tokens: bool = False,
+        limits: InputLimits | None = None,
     ) -> ProcessedPrompt:
         """Render, preprocess and tokenise a chat request.
 
@@ -192,31 +194,60 @@ class Processor:
         and converted first by `messages_from_dicts`, the same converter the Engine uses.
         Media parts carry their data inline or refer to `images` / `videos` (the payloads, in
         payload order) by `index`; a part with neither takes the next unreferenced payload.
-        Inline payloads are numbered after the side payloads, in prompt order. Raises
-        `ValueError` on malformed messages, unknown payload indexes or text that spells out
-        placeholder tokens.
+        Inline payloads are numbered after the side payloads, in prompt order. Special tokens
+        in text (roles, text parts) are tokenized as plain text unless
+        `allow_special_tokens`. Raises `ValueError` on malformed messages, unknown payload
+        indexes or (with `allow_special_tokens`) text that spells out placeholder tokens;
+        `LimitError` (a `ValueError` naming the field) when the text is over
+        `limits.max_text_bytes`, checked before anything is tokenized or preprocessed.
         """
         chat = messages_from_dicts(messages)
+        if limits is not None:
+            _check_text(chat, limits)
         pieces = render_chat(chat, add_generation_prompt=add_generation_prompt)
-        slots = [p for p in pieces if not isinstance(p, str)]
+        slots = [p for p in pieces if not isinstance(p, str | Control)]
         payload_index = _assign_payloads(
             slots, {Modality.IMAGE: len(images), Modality.VIDEO: len(videos)}
         )
         sides = {Modality.IMAGE: images, Modality.VIDEO: videos}
         media: list[_Media] = []
-        text_parts: list[str] = []
+        segments: list[str | Control] = []
         for piece in pieces:
-            if isinstance(piece, str):
-                text_parts.append(piece)
+            if isinstance(piece, str | Control):
+                segments.append(piece)
                 continue
             index = payload_index[len(media)]
             data = piece.payload if piece.payload is not None else sides[piece.modality][index]
             item = self._preprocess(piece, data, index)
             media.append(item)
-            text_parts.append(self._placeholder_text(item))
-        text = "".join(text_parts)
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            segments.extend(self._placeholders(item))
+        text = "".join(s if isinstance(s, str) else s.token * s.count for s in segments)
+        ids = self._tokenize(segments, allow_special_tokens)
         return self._layout(ids, text, media)
+
+    def _tokenize(self, segments: Sequence[str | Control], allow_special: bool) -> list[int]:
+        """Ids of the segments: control tokens as themselves, each stretch of text between
+        them tokenized whole (see the module docstring)."""
+        text_tokenizer = self.tokenizer if allow_special else self._text_tokenizer
+        ids: list[int] = []
+        stretch: list[str] = []
+
+        def flush() -> None:
+            if stretch:
+                ids.extend(text_tokenizer.encode("".join(stretch), add_special_tokens=False).ids)
+                stretch.clear()
+
+        for segment in segments:
+            if isinstance(segment, str):
+                stretch.append(segment)
+                continue
+            flush()
+            token_id = self.tokenizer.token_to_id(segment.token)
+            if token_id is None:
+                raise ValueError(f"tokenizer has no control token {segment.token}")
+            ids.extend([token_id] * segment.count)
+        flush()
+        return ids
 
     def _preprocess(self, slot: MediaPart, data: Any, payload_index: int) -> _Media:
         if isinstance(slot, ImagePart):
@@ -231,15 +262,17 @@ class Processor:
             slot.modality, payload_index, slot.uuid, video.patches, video.grid_thw, video.timestamps
         )
 
-    def _placeholder_text(self, item: _Media) -> str:
+    def _placeholders(self, item: _Media) -> list[str | Control]:
+        """The item's placeholder layout (see the module docstring)."""
         t, h, w = item.grid
         per_step = (h // self.settings.merge_size) * (w // self.settings.merge_size)
         if item.modality == Modality.IMAGE:
-            return VISION_START + IMAGE_PAD * (t * per_step) + VISION_END
-        return "".join(
-            f"<{ts:.1f} seconds>{VISION_START}{VIDEO_PAD * per_step}{VISION_END}"
-            for ts in item.timestamps
-        )
+            return [Control(VISION_START), Control(IMAGE_PAD, t * per_step), Control(VISION_END)]
+        out: list[str | Control] = []
+        for ts in item.timestamps:
+            out += [f"<{ts:.1f} seconds>", Control(VISION_START), Control(VIDEO_PAD, per_step)]
+            out.append(Control(VISION_END))
+        return out
 
     def _layout(self, ids: list[int], text: str, media: list[_Media]) -> ProcessedPrompt:
         token_ids = np.asarray(ids, dtype=np.int64)
@@ -309,23 +342,20 @@ class Processor:
         )
 
     def _hash(self, modality: Modality, patches: FloatArray, grid: tuple[int, int, int]) -> bytes:
-        """32-byte BLAKE2b over modality, settings, grid, dtype, shape and the patch bytes."""
-        header = json.dumps(
-            {
-                "modality": str(modality),
-                "grid_thw": list(grid),
-                "dtype": str(patches.dtype),
-                "shape": list(patches.shape),
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-        ).encode()
-        h = hashlib.blake2b(digest_size=32)
-        for chunk in (_HASH_TAG, self._fingerprint, header):
-            h.update(len(chunk).to_bytes(8, "little"))
-            h.update(chunk)
-        h.update(np.ascontiguousarray(patches).tobytes())
-        return h.digest()
+        """The item's (or partition's) content hash (`common.processing.content_hash`)."""
+        return content_hash(self._fingerprint, str(modality), patches, grid)
+
+
+def _check_text(chat: Sequence[Message], limits: InputLimits) -> None:
+    """Count the UTF-8 bytes of roles and text parts; refuse past `max_text_bytes`."""
+    used = 0
+    for i, message in enumerate(chat):
+        used += len(message.role.encode())
+        check_text_bytes(used, limits, f"messages[{i}].role")
+        for j, part in enumerate(message.content):
+            if isinstance(part, TextPart):
+                used += len(part.text.encode())
+                check_text_bytes(used, limits, f"messages[{i}].content[{j}].text")
 
 
 def _assign_payloads(slots: Sequence[MediaPart], side_counts: Mapping[Modality, int]) -> list[int]:

@@ -42,6 +42,14 @@ _MODALITIES = {
     Modality.AUDIO: multimodal_pb2.MODALITY_AUDIO,
 }
 _MODALITY_NAMES = {v: k for k, v in _MODALITIES.items()}
+# Element types an embedding may have: the models' floating dtypes.
+_EMBEDDING_TYPES = frozenset(
+    {
+        tensor_pb2.ELEMENT_TYPE_FLOAT32,
+        tensor_pb2.ELEMENT_TYPE_FLOAT16,
+        tensor_pb2.ELEMENT_TYPE_BFLOAT16,
+    }
+)
 
 
 def element_type(dtype: torch.dtype) -> tensor_pb2.ElementType:
@@ -241,6 +249,14 @@ def embeddings_from_proto(
     naming the field."""
 
     def tensor(ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
+        # Checked from the wire's element type, before anything is decoded or pulled.
+        if ref.dtype not in _EMBEDDING_TYPES:
+            name = (
+                tensor_pb2.ElementType.Name(ref.dtype) if ref.dtype in _TORCH_DTYPES else ref.dtype
+            )
+            raise MultimodalLayoutError(
+                field, f"element type {name} is not a floating type a model takes", index
+            )
         if ref.WhichOneof("data") == "handle" and resolve is not None:
             return resolve(ref, field)
         return tensor_from_ref(ref, field)

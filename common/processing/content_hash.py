@@ -1,0 +1,68 @@
+"""Item and partition content hashes: the one function the processor and the encoder share.
+
+A content hash is 32 bytes of BLAKE2b over a domain tag, the processor settings'
+fingerprint, the modality, the patch grid, the patch rows' dtype and shape, and the rows'
+bytes (DESIGN §2). The router's processor computes it while preprocessing; the encoder
+worker computes it again from the patch rows it is asked to encode and never trusts the
+caller's (DESIGN §7), so both must derive it from the same settings: `processor_settings`
+reads them from a checkpoint folder the way `Processor.from_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from common.models.qwen3_vl.config import Qwen3VLConfig
+from common.models.qwen3_vl.preprocessor import PREPROCESSOR_FILE, ProcessorSettings
+
+# Domain tag of item and partition content hashes; bump it if the hashed layout changes.
+_HASH_TAG = b"epd.qwen3vl.item.v1"
+
+
+def processor_settings(folder: str | Path, config: Qwen3VLConfig) -> ProcessorSettings:
+    """The checkpoint's `preprocessor_config.json`, or defaults from its vision config."""
+    folder = Path(folder)
+    if (folder / PREPROCESSOR_FILE).is_file():
+        return ProcessorSettings.from_file(folder)
+    v = config.vision
+    return ProcessorSettings(
+        patch_size=v.patch_size,
+        merge_size=v.spatial_merge_size,
+        temporal_patch_size=v.temporal_patch_size,
+    )
+
+
+def content_hash(
+    fingerprint: bytes,
+    modality: str,
+    patches: npt.NDArray[np.float32] | torch.Tensor,
+    grid: tuple[int, int, int],
+) -> bytes:
+    """32-byte BLAKE2b over `fingerprint` (`ProcessorSettings.fingerprint()`), modality,
+    grid, dtype, shape and the patch bytes. A tensor is hashed as the float32 rows it holds
+    (the processor's dtype), so the encoder's hash of what it received equals the
+    processor's hash of what it sent."""
+    if isinstance(patches, torch.Tensor):
+        patches = patches.detach().to("cpu", torch.float32).contiguous().numpy()
+    header = json.dumps(
+        {
+            "modality": str(modality),
+            "grid_thw": [int(g) for g in grid],
+            "dtype": str(patches.dtype),
+            "shape": list(patches.shape),
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    h = hashlib.blake2b(digest_size=32)
+    for chunk in (_HASH_TAG, fingerprint, header):
+        h.update(len(chunk).to_bytes(8, "little"))
+        h.update(chunk)
+    h.update(np.ascontiguousarray(patches).data)
+    return h.digest()

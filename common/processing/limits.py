@@ -1,0 +1,90 @@
+"""Input limits, checked before the work they bound (DESIGN §7: limits come before work).
+
+`InputLimits` is what a caller (the router, from its settings) asks `Processor.process` and
+the media readers to enforce; None disables a limit. Each check raises `LimitError`, a
+`FieldError` naming the offending request field and the limit, before anything is decoded,
+tokenized or allocated for it:
+- text bytes are counted before tokenizing (`check_text_bytes`);
+- an image's or frame's size comes from its header (PIL reads it lazily in `Image.open`),
+  checked before `load()` (`check_image_header`), and the decoded bytes of every item of a
+  request are summed against one budget (`MediaBudget`), also from headers;
+- prompt tokens + `max_tokens` against the model's context
+  (`common.models.prompt_check.check_context`, which the KV workers call too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from PIL import Image
+
+from common.errors import FieldError
+
+# PIL holds every RGB / RGBA pixel in 4 bytes, and every item is converted to RGB.
+DECODED_BYTES_PER_PIXEL = 4
+
+
+class LimitError(FieldError):
+    """A request over one of the `InputLimits`; `field` names the request field."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """Sizes one request may have; None: unlimited."""
+
+    max_text_bytes: int | None = None  # UTF-8 bytes of all text parts and roles
+    max_image_pixels: int | None = None  # width * height of one image or video frame
+    max_video_frames: int | None = None  # frames of one video
+    max_media_bytes: int | None = None  # decoded pixel bytes of all images and frames
+    max_model_len: int | None = None  # prompt tokens + max_tokens
+
+
+def check_text_bytes(used: int, limits: InputLimits, field: str) -> None:
+    """Refuse when `used` text bytes (the total so far, up to `field`) exceed the limit."""
+    if limits.max_text_bytes is not None and used > limits.max_text_bytes:
+        raise LimitError(
+            field,
+            f"prompt text of {used}+ bytes exceeds max_prompt_text_bytes = {limits.max_text_bytes}",
+        )
+
+
+def decoded_bytes(width: int, height: int) -> int:
+    """Bytes an image of this size takes once decoded and converted to RGB."""
+    return width * height * DECODED_BYTES_PER_PIXEL
+
+
+def check_image_header(image: Image.Image, limits: InputLimits, field: str) -> None:
+    """Refuse an opened, not yet decoded image whose header size exceeds the pixel limit."""
+    pixels = image.width * image.height
+    if limits.max_image_pixels is not None and pixels > limits.max_image_pixels:
+        raise LimitError(
+            field,
+            f"image of {image.width}x{image.height} = {pixels} pixels exceeds "
+            f"max_image_pixels = {limits.max_image_pixels}",
+        )
+
+
+def check_video_frames(count: int, limits: InputLimits, field: str) -> None:
+    """Refuse a video of more frames than the limit (before opening any)."""
+    if limits.max_video_frames is not None and count > limits.max_video_frames:
+        raise LimitError(
+            field, f"video of {count} frames exceeds max_video_frames = {limits.max_video_frames}"
+        )
+
+
+class MediaBudget:
+    """Decoded pixel bytes of one request's media, summed from headers as items open."""
+
+    def __init__(self, limits: InputLimits) -> None:
+        self.limit = limits.max_media_bytes
+        self.used = 0  # bytes of the items added so far
+
+    def add(self, width: int, height: int, field: str) -> None:
+        """Count one image or frame; refuse when the request's total passes the limit."""
+        self.used += decoded_bytes(width, height)
+        if self.limit is not None and self.used > self.limit:
+            raise LimitError(
+                field,
+                f"decoded media of the request reach {self.used} bytes, more than "
+                f"max_media_bytes = {self.limit}",
+            )
