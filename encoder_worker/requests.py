@@ -11,10 +11,16 @@ caching and encoding:
 
 `pixel_values` holds either the whole item's patch rows (`t*h*w` rows) or only the
 requested partitions' rows, concatenated in order.
+
+With `cache_salt` set (the router sets it from the authenticated tenant), every unit's key
+is `salted_key(hash, salt)`: two tenants' identical images never share a cache entry, so
+neither can learn from a hit what the other sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 from dataclasses import dataclass
 
@@ -60,7 +66,22 @@ def parse_request(
     """Validate `request` and split it into jobs; MultimodalLayoutError on the first problem."""
     if not request.items:
         raise MultimodalLayoutError("items", "no items to encode")
-    return [_parse_item(i, item, vision, exact_partitions) for i, item in enumerate(request.items)]
+    jobs = [_parse_item(i, item, vision, exact_partitions) for i, item in enumerate(request.items)]
+    if not request.HasField("cache_salt"):
+        return jobs
+    salt = request.cache_salt
+    return [
+        dataclasses.replace(
+            job,
+            units=tuple(dataclasses.replace(u, key=salted_key(u.key, salt)) for u in job.units),
+        )
+        for job in jobs
+    ]
+
+
+def salted_key(key: bytes, salt: str) -> bytes:
+    """The 32-byte cache key of content hash `key` under a tenant's `salt`."""
+    return hashlib.sha256(b"epd-encoder-salt-v1\x00" + salt.encode() + b"\x00" + key).digest()
 
 
 def _check_hash(value: bytes, field: str, item: int) -> None:

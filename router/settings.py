@@ -58,6 +58,12 @@ class RouterSettings(ServerSettings):
     )
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
 
+    def check(self) -> None:
+        """Raise SettingsError naming the first unusable field; the router also needs the
+        API keys file unless insecure."""
+        ServerSettings.check(self)
+        self.security.check(api_keys=True)
+
     @property
     def address(self) -> str:
         """host:port as configured (port 0 is resolved only once the server is up)."""

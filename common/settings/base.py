@@ -47,7 +47,7 @@ class ServerSettings:
         30.0, "on SIGTERM: seconds in-flight work may finish before it is cancelled"
     )
     security: SecuritySettings = field(
-        default_factory=SecuritySettings, metadata={"help": "cluster token and trust"}
+        default_factory=SecuritySettings, metadata={"help": "cluster token, API keys, TLS"}
     )
 
     @property
@@ -63,6 +63,7 @@ class ServerSettings:
             raise SettingsError("max_message_mb: must be positive")
         if self.drain_timeout_s <= 0:
             raise SettingsError("drain_timeout_s: must be positive")
+        self.security.check()  # every server needs the cluster token unless insecure
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,4 +119,3 @@ class KvWorkerSettings(ModelWorkerSettings):
         for name in ("block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be positive")
-        self.security.check()
