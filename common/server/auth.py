@@ -101,16 +101,17 @@ class Authenticator:
 
     @classmethod
     def from_settings(cls, security: SecuritySettings, *, api_keys: bool) -> Authenticator | None:
-        """The authenticator `security` asks for (None when `insecure`, said in the log);
-        the API keys are read when `api_keys` (the router). SettingsError when a needed
-        secret is missing or unreadable."""
+        """The authenticator `security` asks for (None when `insecure`, said in the log).
+        The API keys file is required when `api_keys` (the router) and read whenever set
+        (a worker that has it answers a client key PERMISSION_DENIED rather than
+        UNAUTHENTICATED). SettingsError when a needed secret is missing or unreadable."""
         if security.insecure:
             logger.warning(
                 "authentication is OFF (security.insecure): every caller may call every method"
             )
             return None
         security.check(api_keys=api_keys)
-        keys = load_api_keys(str(security.api_keys_file)) if api_keys else ()
+        keys = load_api_keys(str(security.api_keys_file)) if security.api_keys_file else ()
         return cls(security.cluster_bearer(), keys)
 
     def identify(self, metadata: Sequence[tuple[str, Any]] | None) -> Caller | None:

@@ -63,7 +63,6 @@ class ServerSettings:
             raise SettingsError("max_message_mb: must be positive")
         if self.drain_timeout_s <= 0:
             raise SettingsError("drain_timeout_s: must be positive")
-        self.security.check()  # every server needs the cluster token unless insecure
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +101,7 @@ class ModelWorkerSettings(WorkerSettings):
         """Raise SettingsError naming the first unusable field."""
         ServerSettings.check(self)
         _ = self.torch_dtype
+        self.security.check()  # every worker needs the cluster token unless insecure
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +115,7 @@ class KvWorkerSettings(ModelWorkerSettings):
 
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
-        ModelWorkerSettings.check(self)
         for name in ("block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be positive")
+        ModelWorkerSettings.check(self)
