@@ -101,15 +101,16 @@ async def dep(ckpt: Path) -> AsyncIterator[Deployment]:
         "router_address": router.address,
         "security": security,
     }
-    kv = {"block_size": BLOCK, "num_blocks": 128}
+    kv: dict[str, Any] = {"block_size": BLOCK, "num_blocks": 128}
     encoder = await serve_encoder(EncoderSettings(name="e0", **kw))
     prefill = await serve_prefill(PrefillSettings(name="p0", **kw, **kv))
     decode = await serve_decode(DecodeSettings(name="d0", **kw, **kv))
-    for server in (encoder, prefill, decode):
-        assert server.registrar is not None
-        await server.registrar.wait_registered(30)
+    workers: list[RoleServer[Any]] = [encoder, prefill, decode]
+    for worker in workers:
+        assert worker.registrar is not None
+        await worker.registrar.wait_registered(30)
     yield Deployment(router, encoder, prefill, decode, scaled)
-    for server in (decode, prefill, encoder, router):
+    for server in [*reversed(workers), router]:
         await server.stop(0)
 
 

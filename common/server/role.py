@@ -27,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from common.models.tiny import default_checkpoint
 from common.server.auth import Authenticator, server_tls, service_credentials
@@ -87,14 +87,14 @@ class RoleServer(RunningServer, Generic[S]):
         extra_servicers: Sequence[AddServicer] = (),
         leases: Sized | None = None,
         cleanup: Sequence[Cleanup] = (),
-        auth: Authenticator | None = None,
+        auth: Authenticator | Literal["settings"] | None = "settings",
         client_api: bool = False,
     ) -> R:
         """Serve `servicer` via `add_servicer(servicer, server)` (an `add_*_to_server`),
         with `extra_servicers` and health for `service_names`, on `settings.host:port`.
 
-        `auth`: the authenticator (built from `settings.security` when None; the router
-        passes its own, it needs it too); `client_api`: this port serves clients (the
+        `auth`: the authenticator ("settings": built from `settings.security`; the router
+        passes the one it built, it needs it too; None: no authentication); `client_api`: this port serves clients (the
         router: API keys are read, client certificates are not required).
         Returns the server, serving, with `lifecycle` attached. When the server cannot start
         (SettingsError for a missing secret among others), the `cleanup` steps run (freeing
@@ -103,7 +103,7 @@ class RoleServer(RunningServer, Generic[S]):
         security = settings.security
         try:
             settings.check()
-            if auth is None:
+            if auth == "settings":
                 auth = Authenticator.from_settings(security, api_keys=client_api)
             running = await start_server(
                 [lambda s: add_servicer(servicer, s), *extra_servicers],
