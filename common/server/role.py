@@ -94,8 +94,9 @@ class RoleServer(RunningServer, Generic[S]):
         with `extra_servicers` and health for `service_names`, on `settings.host:port`.
 
         `auth`: the authenticator ("settings": built from `settings.security`; the router
-        passes the one it built, it needs it too; None: no authentication); `client_api`: this port serves clients (the
-        router: API keys are read, client certificates are not required).
+        passes the one it built, it needs it too; None: no authentication); `client_api`:
+        this port serves clients (the router: API keys are read, client certificates are
+        not required).
         Returns the server, serving, with `lifecycle` attached. When the server cannot start
         (SettingsError for a missing secret among others), the `cleanup` steps run (freeing
         what the role built for it) and the error propagates.
