@@ -1,5 +1,6 @@
 """`epd scale`, `epd status`, `epd drain`: AdminService calls to a running router, with their
-console output."""
+console output. They need an admin key (`--api-key`, $EPD_API_KEY, or the admin_key file
+`epd serve` wrote)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,21 @@ from typing import Any
 from cluster.console import say as _say
 
 
-async def _admin(address: str) -> Any:
+async def _admin(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    from common.server.credentials import ChannelCredentials
     from common.server.rpc import channel
+    from common.settings.api_keys import ADMIN_KEY_FILE, default_api_key
     from epd.v1 import admin_service_pb2_grpc
 
-    ch = channel(address)
+    ca = getattr(args, "tls_ca_file", None)
+    credentials = ChannelCredentials(
+        getattr(args, "api_key", None) or default_api_key(ADMIN_KEY_FILE),
+        root_certificates=Path(ca).read_bytes() if ca else None,
+        tls=ca is not None,
+    )
+    ch = channel(args.address, credentials=credentials)
     return ch, admin_service_pb2_grpc.AdminServiceStub(ch)
 
 
@@ -25,7 +36,7 @@ async def cmd_scale(args: argparse.Namespace) -> int:
     from common.wire.roles import role_to_proto
     from epd.v1 import admin_service_pb2
 
-    ch, stub = await _admin(args.address)
+    ch, stub = await _admin(args)
     async with ch:
         before = (await registered_counts(stub)).get(args.role, 0)
         reply = await stub.Scale(
@@ -57,7 +68,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     from common.wire.roles import role_from_proto
     from epd.v1 import admin_service_pb2
 
-    ch, stub = await _admin(args.address)
+    ch, stub = await _admin(args)
     async with ch:
         reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
     model = reply.model or "-"
@@ -100,7 +111,7 @@ async def cmd_drain(args: argparse.Namespace) -> int:
     """AdminService.Drain: the router stops sending new work to the worker."""
     from epd.v1 import admin_service_pb2
 
-    ch, stub = await _admin(args.address)
+    ch, stub = await _admin(args)
     async with ch:
         reply = await stub.Drain(admin_service_pb2.DrainRequest(address=args.worker), timeout=10)
     if not reply.found:

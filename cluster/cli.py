@@ -8,8 +8,11 @@
     epd config --print-defaults | --check FILE | --markdown           the config file
 
 Every command but `serve` and `config` talks to a running router (`--address`, default
-127.0.0.1:50051, or $EPD_ROUTER). `serve` is in `cluster.serve`, `scale`/`status`/`drain` in
-`cluster.admin`; they print through `cluster.console`, the library code they call logs.
+127.0.0.1:50051, or $EPD_ROUTER) with an API key (`--api-key`, or $EPD_API_KEY, or the key
+`epd serve` wrote: client_key for `generate`, admin_key for `scale`/`status`/`drain`, under
+$EPD_HOME/<namespace>, default ~/.epd/epd) and, for a TLS router, `--tls-ca-file`.
+`serve` is in `cluster.serve`, `scale`/`status`/`drain` in `cluster.admin`; they print through
+`cluster.console`, the library code they call logs.
 """
 
 from __future__ import annotations
@@ -31,11 +34,24 @@ DEFAULT_ROUTER = "127.0.0.1:50051"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
-def _router_flag(parser: argparse.ArgumentParser) -> None:
+def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") -> None:
     parser.add_argument(
         "--address",
         default=os.environ.get("EPD_ROUTER", DEFAULT_ROUTER),
         help="router address host:port (default: $EPD_ROUTER or %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"API key (default: $EPD_API_KEY, else the {key_file} file `epd serve` wrote "
+        "under $EPD_HOME/<namespace>, default ~/.epd/epd)",
+    )
+    parser.add_argument(
+        "--tls-ca-file",
+        default=os.environ.get("EPD_TLS_CA_FILE"),
+        metavar="PEM",
+        help="dial the router over TLS, verifying it with this CA (default: $EPD_TLS_CA_FILE)",
     )
 
 
@@ -70,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const",
         const="true",
         default=argparse.SUPPRESS,
-        help="run without a cluster token (KV handles unsigned); same as --security-insecure true",
+        help="run without authentication (no cluster token, no API keys, KV handles unsigned); "
+        "same as --security-insecure true",
     )
     _add_settings_flags(serve, EpdSettings)
 
@@ -102,14 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-wait", action="store_true", help="return once asked, not when the pool has changed"
     )
     scale.add_argument("--timeout", type=float, default=300.0, help="longest wait, seconds")
-    _router_flag(scale)
+    _router_flag(scale, "admin_key")
 
     status = commands.add_parser("status", help="show every registered worker and its load")
-    _router_flag(status)
+    _router_flag(status, "admin_key")
 
     drain = commands.add_parser("drain", help="stop routing new work to one worker")
     drain.add_argument("worker", metavar="HOST:PORT", help="the worker's registered address")
-    _router_flag(drain)
+    _router_flag(drain, "admin_key")
 
     config = commands.add_parser("config", help="print or check the config file")
     action = config.add_mutually_exclusive_group(required=True)
@@ -243,7 +260,12 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     tokens = 0
     finish = ""
     stats = dict.fromkeys(("prompt_tokens", "cached_tokens", "blocks_reused", "blocks_pulled"), 0)
-    async for chunk in generate(args.address, messages, sampling):
+    from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
+
+    key = args.api_key or default_api_key(CLIENT_KEY_FILE)
+    async for chunk in generate(
+        args.address, messages, sampling, api_key=key, tls_ca_file=args.tls_ca_file
+    ):
         if tokens == 0 and chunk.token_ids:
             ttft = time.monotonic() - t0
         tokens += len(chunk.token_ids)

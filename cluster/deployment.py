@@ -28,6 +28,7 @@ from cluster.pools import (
     registered_counts,
 )
 from cluster.settings import ROLES, EpdSettings, RaySettings
+from common.server.auth import service_credentials
 from common.server.rpc import channel
 from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2_grpc
@@ -53,6 +54,8 @@ class Controller:
         router_module = importlib.import_module(SERVER_MODULES["router"])
         self.router = await router_module.serve(settings.router, scaler=self._scale)
         self.router_address = reachable_address(self.router.address)
+        # The controller's own calls to the router (Status, Drain) present the cluster bearer.
+        self.credentials = service_credentials(settings.router.security)
         loopback = self.router_address.rsplit(":", 1)[0] in _LOOPBACK
         if loopback and len([n for n in ray.nodes() if n.get("Alive")]) > 1:
             logger.warning(
@@ -70,6 +73,7 @@ class Controller:
             namespace=settings.ray.namespace,
             log_level=settings.log_level,
             cluster_gpus=float(ray.cluster_resources().get("GPU", 0)),
+            credentials=self.credentials,
         )
         for role, replicas in settings.pools.initial_replicas().items():
             await self.pools.scale(role, replicas)
@@ -106,7 +110,7 @@ class Controller:
                     cause = error_summary(probe.exception())
                     raise WorkerStartError(f"{name} failed to start: {cause}")
             try:
-                async with channel(self.router_address) as ch:
+                async with channel(self.router_address, credentials=self.credentials) as ch:
                     stub = admin_service_pb2_grpc.AdminServiceStub(ch)
                     have = await registered_counts(stub)
             except grpc.aio.AioRpcError:

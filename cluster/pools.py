@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.settings import ROLES, PoolSettings
+from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.role import RoleServer
 from common.server.rpc import channel
 from common.settings.base import ModelWorkerSettings, WorkerSettings
@@ -205,6 +206,7 @@ class PoolManager:
         log_level: str,
         cluster_gpus: float,
         actor_class: Any = None,
+        credentials: ChannelCredentials = NO_CREDENTIALS,
     ) -> None:
         import ray
 
@@ -219,6 +221,7 @@ class PoolManager:
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
         self.router_stopped = False  # set by stop() once the router is gone
+        self.credentials = credentials  # presented to the router (Drain, Status): the cluster
         # The Ray actor class of the workers (tests pass a stand-in).
         self._actor_class = actor_class or ray.remote(WorkerActor)
 
@@ -286,7 +289,9 @@ class PoolManager:
         try:
             if not self.router_stopped:
                 description = await asyncio.wait_for(member.handle.describe.remote(), timeout_s)
-                await drain_at_router(self.router_address, description.address, timeout_s)
+                await drain_at_router(
+                    self.router_address, description.address, timeout_s, self.credentials
+                )
             clean = await asyncio.wait_for(member.handle.drain.remote(timeout_s), timeout_s + 5)
             logger.info("%s drained (%s)", member.name, "clean" if clean else "timed out")
         except Exception:
@@ -307,15 +312,21 @@ class PoolManager:
             await asyncio.gather(*self._retiring, return_exceptions=True)
 
 
-async def drain_at_router(router_address: str, worker_address: str, timeout_s: float) -> None:
-    """Tell the router to stop routing to a worker, then wait for its requests there to end.
+async def drain_at_router(
+    router_address: str,
+    worker_address: str,
+    timeout_s: float,
+    credentials: ChannelCredentials = NO_CREDENTIALS,
+) -> None:
+    """Tell the router to stop routing to a worker, then wait for its requests there to end
+    (AdminService calls: `credentials` are an admin's or the cluster's).
 
     Waiting on the router's count (not only the worker's) matters for prefill workers: a
     request still needs the prefill worker after its Prefill RPC returned, until decode has
     pulled the KV blocks.
     """
     deadline = time.monotonic() + timeout_s
-    async with channel(router_address) as ch:
+    async with channel(router_address, credentials=credentials) as ch:
         stub = admin_service_pb2_grpc.AdminServiceStub(ch)
         await stub.Drain(admin_service_pb2.DrainRequest(address=worker_address), timeout=10)
         while time.monotonic() < deadline:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import signal
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ def cmd_serve(settings: Any) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     _prepare_checkpoint(settings)
-    settings = with_cluster_token(settings)
+    settings = with_api_keys(with_cluster_token(settings))
     started = time.monotonic()
     if settings.ray.address:
         _say(f"joining the Ray cluster at {settings.ray.address}")
@@ -37,7 +36,9 @@ def cmd_serve(settings: Any) -> int:
 
 def state_dir(namespace: str) -> Path:
     """Where `epd serve` keeps a deployment's secrets: $EPD_HOME (default ~/.epd)/<namespace>."""
-    return Path(os.environ.get("EPD_HOME", "~/.epd")).expanduser() / namespace
+    from common.settings.api_keys import state_dir as home
+
+    return home(namespace)
 
 
 def with_cluster_token(settings: Any) -> Any:
@@ -56,6 +57,37 @@ def with_cluster_token(settings: Any) -> Any:
     return dataclasses.replace(
         settings, security=dataclasses.replace(security, cluster_token_file=str(path))
     )
+
+
+def with_api_keys(settings: Any) -> Any:
+    """`settings` with a fresh API keys file for this deployment (one client key, tenant
+    "default"; one admin key, tenant "admin"), unless one is given (top level or the
+    router's) or `[security] insecure` is set. The keys also go, one per file, to
+    client_key and admin_key beside it, where `epd generate`/`status`/`scale`/`drain` and
+    `epd.client` look by default; says where on the console."""
+    from common.settings import api_keys
+    from common.settings.security import SecuritySettings
+
+    top, router = settings.security, settings.router.security
+    if top.insecure or router.insecure or top.api_keys_file or router.api_keys_file:
+        return settings
+    folder = state_dir(settings.ray.namespace)
+    client, admin = api_keys.new_api_key(), api_keys.new_api_key()
+    path = api_keys.write_api_keys_file(
+        folder / api_keys.API_KEYS_FILE, [(client, "default", False), (admin, "admin", True)]
+    )
+    api_keys.write_key_file(folder / api_keys.CLIENT_KEY_FILE, client)
+    api_keys.write_key_file(folder / api_keys.ADMIN_KEY_FILE, admin)
+    _say(
+        f"API keys for this deployment written to {folder}: {api_keys.CLIENT_KEY_FILE} "
+        f"(epd generate, epd.client), {api_keys.ADMIN_KEY_FILE} (epd status, scale, drain)"
+    )
+    if top != SecuritySettings():  # the top-level table reaches every role, the router too
+        return dataclasses.replace(
+            settings, security=dataclasses.replace(top, api_keys_file=str(path))
+        )
+    own = dataclasses.replace(router, api_keys_file=str(path))
+    return dataclasses.replace(settings, router=dataclasses.replace(settings.router, security=own))
 
 
 def _prepare_checkpoint(settings: Any) -> None:

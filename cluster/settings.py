@@ -175,7 +175,8 @@ _SECTIONS = {
     "encoder": "`[encoder]`: every encoder worker (`encoder_worker/settings.py`)",
     "prefill": "`[prefill]`: every prefill worker (`prefill_worker/settings.py`)",
     "decode": "`[decode]`: every decode worker (`decode_worker/settings.py`)",
-    "security": "`[security]`: the cluster token, for every role (`common/settings/security.py`)",
+    "security": "`[security]`: cluster token, API keys, TLS, for every role "
+    "(`common/settings/security.py`, docs/security.md)",
     "pools": "`[pools]`: worker pools on Ray (`cluster/settings.py`)",
     "ray": "`[ray]`: the Ray cluster (`cluster/settings.py`)",
 }

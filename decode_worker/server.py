@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 
 from common.models.model_thread import ModelThread
+from common.server.auth import service_credentials
 from common.server.kv_worker import kv_worker_info, load_runner
 from common.server.lifecycle import ServerLifecycle
 from common.server.role import AddServicer, RoleServer
@@ -47,6 +48,7 @@ async def serve(
         agent,
         lifecycle,
         key=key,
+        credentials=service_credentials(settings.security),
         max_batch=settings.max_batch,
         pull_timeout_s=settings.pull_timeout_s,
         release_timeout_s=settings.release_timeout_s,

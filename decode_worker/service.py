@@ -52,6 +52,7 @@ from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
 from common.sampling import SamplingParams
+from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.kv_worker import kv_load
 from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
@@ -103,6 +104,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         max_batch: int = 32,
         pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
+        credentials: ChannelCredentials = NO_CREDENTIALS,
         renew_leases: bool = True,
     ) -> None:
         self.runner = runner
@@ -117,7 +119,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.counters = DecodeCounters()
         self.active = 0  # Decode RPCs in flight
         self._slots = asyncio.Semaphore(max_batch)
-        self._peers = PeerClient(release_timeout_s=release_timeout_s)  # ReleaseKv to prefill
+        # Releasekv to prefill, presenting `credentials` (the cluster bearer).
+        self._peers = PeerClient(release_timeout_s=release_timeout_s, credentials=credentials)
         agent.register(runner.kv.buffer)
 
     # -------------------------------------------------------------------------- Decode

@@ -20,10 +20,16 @@ corrected: a mismatch means a caller that is broken or lying, and answering it a
 hand it rows under a key it did not compute. An item's own hash is checked whenever its
 whole patch rows are sent; when only some partitions' rows are sent it cannot be, and then
 it is only echoed in the response: the cache is keyed by the partitions' (checked) hashes.
+
+With `cache_salt` set (the router sets it from the authenticated tenant), every unit's key
+is `salted_key(hash, salt)`: two tenants' identical images never share a cache entry, so
+neither can learn from a hit what the other sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 from dataclasses import dataclass
 
@@ -81,10 +87,25 @@ def parse_request(
     hash covers."""
     if not request.items:
         raise MultimodalLayoutError("items", "no items to encode")
-    return [
+    jobs = [
         _parse_item(i, item, vision, fingerprint, exact_partitions)
         for i, item in enumerate(request.items)
     ]
+    if not request.HasField("cache_salt"):
+        return jobs
+    salt = request.cache_salt
+    return [
+        dataclasses.replace(
+            job,
+            units=tuple(dataclasses.replace(u, key=salted_key(u.key, salt)) for u in job.units),
+        )
+        for job in jobs
+    ]
+
+
+def salted_key(key: bytes, salt: str) -> bytes:
+    """The 32-byte cache key of content hash `key` under a tenant's `salt`."""
+    return hashlib.sha256(b"epd-encoder-salt-v1\x00" + salt.encode() + b"\x00" + key).digest()
 
 
 def _check_hash(value: bytes, field: str, item: int) -> None:

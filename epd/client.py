@@ -14,7 +14,14 @@ Messages are OpenAI-like: `{"role": "user", "content": str | [parts]}` with part
 uint8 array. `"uuid"` on a media part is the caller's identity for it. Data URLs
 (`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`) work too.
 
-Failures raise `GenerateError` with the gRPC status code and the router's message.
+Every call presents an API key (`authorization: Bearer KEY`): `api_key=...`, else
+$EPD_API_KEY, else the client key `epd serve` wrote ($EPD_HOME/<namespace>/client_key, default
+~/.epd/epd/client_key). The key's tenant owns the request's caches: a `cache_salt` only splits
+that tenant's cache further. A router serving TLS is reached with `tls_ca_file` (the CA that
+signed its certificate); no client certificate is needed.
+
+Failures raise `GenerateError` with the gRPC status code and the router's message
+(UNAUTHENTICATED: no or an unknown key; PERMISSION_DENIED: the key may not do that).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import numpy as np
 from PIL import Image
 
 from common.sampling import SamplingParams
+from common.server.credentials import ChannelCredentials, bearer_metadata
+from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
 from common.wire.convert import sampling_to_proto
 from epd.v1 import (
     admin_service_pb2,
@@ -93,12 +102,27 @@ class Result:
 class Client:
     """A router connection reused across requests. Close it (or use `async with`)."""
 
-    def __init__(self, address: str, *, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+        api_key: str | None = None,
+        tls_ca_file: str | Path | None = None,
+    ) -> None:
+        """`api_key`: presented on every call (None: $EPD_API_KEY or `epd serve`'s client
+        key file, see the module docstring); `tls_ca_file`: dial TLS, verifying the router
+        with this PEM CA (None: plaintext)."""
         limit = max_message_mb * 1024 * 1024
         self.address = address
-        self._channel = grpc.aio.insecure_channel(
+        credentials = ChannelCredentials(
+            api_key if api_key is not None else default_api_key(CLIENT_KEY_FILE),
+            root_certificates=Path(tls_ca_file).read_bytes() if tls_ca_file else None,
+            tls=tls_ca_file is not None,
+        )
+        self._channel = credentials.open(
             address,
-            options=[
+            [
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
             ],
@@ -124,12 +148,15 @@ class Client:
         timeout_s: float | None = None,
         request_id: str = "",
         cache_salt: str | None = None,
+        api_key: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the answer to a chat. Leaving the loop early (break, cancellation) cancels
-        the request on the router, which frees what the workers hold for it. Raises
-        `GenerateError`; `ValueError` for messages that cannot be sent."""
+        the request on the router, which frees what the workers hold for it. `api_key`
+        overrides the client's key for this request. Raises `GenerateError`; `ValueError`
+        for messages that cannot be sent."""
         request = build_request(messages, sampling, request_id=request_id, cache_salt=cache_salt)
-        call = self._router.Generate(request, timeout=timeout_s)
+        metadata = bearer_metadata(api_key) if api_key is not None else None
+        call = self._router.Generate(request, timeout=timeout_s, metadata=metadata)
         try:
             async for response in call:
                 yield _chunk(response)
@@ -146,8 +173,9 @@ class Client:
         timeout_s: float | None = None,
         request_id: str = "",
         cache_salt: str | None = None,
+        api_key: str | None = None,
     ) -> Result:
-        """The whole answer to a chat, with timings."""
+        """The whole answer to a chat, with timings (`api_key`: as in `generate`)."""
         start = time.perf_counter()
         text: list[str] = []
         tokens: list[int] = []
@@ -155,7 +183,12 @@ class Client:
         stats = dict.fromkeys(("prompt", "cached", "pulled", "reused"), 0)
         finish = None
         async for chunk in self.generate(
-            messages, sampling, timeout_s=timeout_s, request_id=request_id, cache_salt=cache_salt
+            messages,
+            sampling,
+            timeout_s=timeout_s,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            api_key=api_key,
         ):
             if chunk.token_ids:
                 times.append(time.perf_counter() - start)
@@ -180,7 +213,8 @@ class Client:
         )
 
     async def status(self, *, timeout_s: float = 10.0) -> admin_service_pb2.StatusResponse:
-        """The router's AdminService.Status (every worker with its last load)."""
+        """The router's AdminService.Status (every worker with its last load); needs an
+        admin key (PERMISSION_DENIED otherwise)."""
         try:
             response: admin_service_pb2.StatusResponse = await self._admin.Status(
                 admin_service_pb2.StatusRequest(), timeout=timeout_s
@@ -196,9 +230,11 @@ async def generate(
     sampling: SamplingParams | None = None,
     *,
     timeout_s: float | None = None,
+    api_key: str | None = None,
+    tls_ca_file: str | Path | None = None,
 ) -> AsyncIterator[Chunk]:
     """`Client.generate` on a connection of its own, closed when the stream ends."""
-    async with Client(address) as client:
+    async with Client(address, api_key=api_key, tls_ca_file=tls_ca_file) as client:
         async for chunk in client.generate(messages, sampling, timeout_s=timeout_s):
             yield chunk
 
@@ -209,12 +245,14 @@ def generate_text(
     sampling: SamplingParams | None = None,
     *,
     timeout_s: float | None = None,
+    api_key: str | None = None,
+    tls_ca_file: str | Path | None = None,
 ) -> Result:
     """Blocking: the whole answer to one chat (runs its own event loop; do not call it from
-    inside one, use `Client.generate_text` there)."""
+    inside one, use `Client.generate_text` there). `api_key`, `tls_ca_file`: as `Client`'s."""
 
     async def run() -> Result:
-        async with Client(address) as client:
+        async with Client(address, api_key=api_key, tls_ca_file=tls_ca_file) as client:
             return await client.generate_text(messages, sampling, timeout_s=timeout_s)
 
     return asyncio.run(run())

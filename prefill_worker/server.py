@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 
 from common.models.model_thread import ModelThread
+from common.server.auth import service_credentials
 from common.server.kv_worker import kv_worker_info, load_runner
 from common.server.lifecycle import ServerLifecycle
 from common.server.role import AddServicer, RoleServer
@@ -48,6 +49,7 @@ async def serve(
         agent,
         lifecycle,
         key=key,
+        credentials=service_credentials(settings.security),
         lease_ttl_s=settings.lease_ttl_s,
         lease_ttl_per_lease_s=settings.lease_ttl_per_lease_s,
         embedding_pull_timeout_s=settings.embedding_pull_timeout_s,

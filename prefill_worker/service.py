@@ -52,6 +52,7 @@ from common.models.sequence import LmSequence
 from common.multimodal.params import MultimodalParams
 from common.multimodal.validation import MultimodalLayoutError
 from common.sampling import SamplingParams
+from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.kv_worker import kv_load
 from common.server.leases import Lease, LeaseTable
 from common.server.lifecycle import ServerLifecycle
@@ -116,6 +117,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         lease_ttl_per_lease_s: float = 0.0,
         embedding_pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
+        credentials: ChannelCredentials = NO_CREDENTIALS,
     ) -> None:
         self.runner = runner
         self.model = model
@@ -128,7 +130,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.hub = KvEventHub(runner.allocator)
         self.embedding_pull_timeout_s = embedding_pull_timeout_s
         self.release_timeout_s = release_timeout_s  # deadline of ReleaseEmbeddings calls
-        self._peers = PeerClient(release_timeout_s=release_timeout_s)  # releases to encoders
+        # Releases to encoders, presenting `credentials` (the cluster bearer).
+        self._peers = PeerClient(release_timeout_s=release_timeout_s, credentials=credentials)
         # gRPC address of this worker, put in handles for ReleaseKv; set once bound.
         self.holder_address = ""
         self.active = 0  # Prefill RPCs in flight

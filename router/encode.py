@@ -129,6 +129,8 @@ class EncodeStage:
         more elsewhere on UNAVAILABLE. Raises RouterError (nothing left leased then)."""
         prompt = job.prompt
         request = encoder_service_pb2.EncodeRequest(request_id=job.request_id)
+        if job.cache_salt is not None:  # the tenant's: its encoder cache entries are its own
+            request.cache_salt = job.cache_salt
         for i in items:
             item = prompt.params.items[i]
             encode_item = request.items.add(

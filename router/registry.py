@@ -68,6 +68,21 @@ def rendezvous_weight(key: bytes, name: str) -> int:
     return int.from_bytes(digest.digest(), "big")
 
 
+def check_address(address: str, field: str = "worker.address") -> None:
+    """ValueError naming `field` unless `address` is host:port ([v6]:port) with a port in
+    1..65535 and a host free of spaces, slashes and other URL syntax."""
+    if not address:
+        raise ValueError(f"{field} is empty")
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        bad_host = not host or any(c not in "0123456789abcdefABCDEF:." for c in host)
+    else:
+        bad_host = not host or any(c.isspace() or c in "/@?#[]:\\" for c in host)
+    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{field}: {address!r} is not an address (host:port, port 1-65535)")
+
+
 class Registry:
     """Registered workers by id; see the module docstring for the rules."""
 
@@ -100,8 +115,7 @@ class Registry:
         `RegistrationRefused` for one that does not fit the deployment; neither changes
         any state."""
         role = role_from_proto(info.role)
-        if not info.address:
-            raise ValueError("worker.address is empty")
+        check_address(info.address)
         if info.protocol_version != PROTOCOL_VERSION:
             raise RegistrationRefused(
                 f"{role} worker {info.address} speaks protocol "

@@ -11,6 +11,10 @@ Generate, per request:
   2. deadline = the client's, capped by `request_timeout_s`;
   3. `Orchestrator.run` streams the answer (encode -> prefill -> decode).
 
+Every call is authenticated (`common.server.auth`): Generate needs a client API key, whose
+tenant picks the request's cache salt (`router.tenants`); RegistryService needs the cluster
+bearer; AdminService an admin key. `--insecure` turns that off (said in the log).
+
 Lifecycle (`common.server.role.RoleServer`): starting (processor loaded) -> serving (`serve`
 returned) -> draining (`drain()`: Generate refuses new requests with UNAVAILABLE, running
 ones finish) -> stopped (`stop`: gRPC, then the expiry task, then the orchestrator's KV
@@ -33,6 +37,7 @@ from common.errors import FieldError
 from common.models.prompt_check import check_context
 from common.models.runner import model_identity
 from common.processing.processor import ProcessedPrompt, Processor
+from common.server.auth import Authenticator, principal, service_credentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
 from common.server.role import AddServicer, RoleServer, checkpoint_path
@@ -52,6 +57,7 @@ from router.inputs import InputError, messages_from_proto
 from router.orchestrator import Orchestrator
 from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
+from router.tenants import tenant_salt
 from router.workers import CheckpointShape, Role
 
 logger = logging.getLogger(__name__)
@@ -66,11 +72,16 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         orchestrator: Orchestrator,
         lifecycle: ServerLifecycle,
         settings: RouterSettings,
+        *,
+        auth: Authenticator | None = None,
+        salt_key: bytes | None = None,
     ) -> None:
         self.processor = processor
         self.orchestrator = orchestrator
         self.lifecycle = lifecycle
         self.settings = settings
+        self.auth = auth  # who is calling (None: insecure, no tenants)
+        self.salt_key = salt_key  # the cluster key tenant salts are derived under
 
     def _prepare(self, request: router_service_pb2.GenerateRequest) -> tuple[Any, ProcessedPrompt]:
         """Check and process one request (a worker thread); InputError naming the field.
@@ -123,7 +134,11 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     request_id=request_id,
                     prompt=prompt,
                     sampling=sampling,
-                    cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                    cache_salt=tenant_salt(
+                        self.salt_key,
+                        principal(self.auth, context).tenant,
+                        request.cache_salt if request.HasField("cache_salt") else None,
+                    ),
                     deadline=started + budget,
                 )
                 tokens = 0
@@ -188,6 +203,9 @@ async def serve(
     `extra_servicers` are `add_*Servicer_to_server`-style callables served on the same port
     (e.g. by `epd serve`); `scaler` backs AdminService.Scale (None: UNIMPLEMENTED).
     """
+    settings.check()  # refuse to start without the secrets security needs, before any work
+    auth = Authenticator.from_settings(settings.security, api_keys=True)
+    salt_key = settings.security.cluster_key("router")
     path = await asyncio.to_thread(checkpoint_path, settings.model)
     processor = await asyncio.to_thread(Processor.from_pretrained, path)
     text = processor.config.text
@@ -203,7 +221,9 @@ async def serve(
         ),
     )
     peers = PeerClient(
-        release_timeout_s=settings.release_timeout_s, max_message_mb=settings.max_message_mb
+        release_timeout_s=settings.release_timeout_s,
+        max_message_mb=settings.max_message_mb,
+        credentials=service_credentials(settings.security),
     )
     orchestrator = Orchestrator(
         registry,
@@ -223,7 +243,7 @@ async def serve(
     lifecycle = ServerLifecycle()
     running = await RunningRouter.start(
         settings,
-        RouterServicer(processor, orchestrator, lifecycle, settings),
+        RouterServicer(processor, orchestrator, lifecycle, settings, auth=auth, salt_key=salt_key),
         router_service_pb2_grpc.add_RouterServiceServicer_to_server,
         (
             service_name(router_service_pb2, "RouterService"),
@@ -241,6 +261,8 @@ async def serve(
             *extra_servicers,
         ],
         cleanup=[orchestrator.close, peers.close],
+        auth=auth,
+        client_api=True,
     )
     period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
     running.tasks.append(asyncio.create_task(_expire_loop(registry, orchestrator, period)))

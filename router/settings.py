@@ -95,8 +95,10 @@ class RouterSettings(ServerSettings):
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
 
     def check(self) -> None:
-        """Raise SettingsError naming the first unusable field."""
+        """Raise SettingsError naming the first unusable field; the router also needs the
+        API keys file unless insecure."""
         ServerSettings.check(self)
+        self.security.check(api_keys=True)
         for name in (
             "max_queued_requests",
             "max_queue_wait_s",

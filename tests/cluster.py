@@ -7,6 +7,8 @@
     finally:
         cluster.stop()
 
+Every process gets the deployment's cluster token, the router an API keys file with two
+tenants' client keys and an admin key (`Cluster.client_key`, `other_key`, `admin_key`).
 The router gets a port that was just free (its log line `EPD_ROUTER_ADDRESS=` confirms it)
 so the workers start at the same time; workers bind port 0 and register with the router.
 Each process logs to `<log_dir>/<name>.log`; a start-up failure raises with the tail of the
@@ -27,6 +29,9 @@ from pathlib import Path
 
 import grpc
 
+from common.server.auth import service_credentials
+from common.server.credentials import ChannelCredentials
+from common.settings.api_keys import write_api_keys_file
 from common.settings.security import SecuritySettings, write_token_file
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 
@@ -39,18 +44,49 @@ ROLES = {
 _ADDRESS = re.compile(r"EPD_ROUTER_ADDRESS=(\S+)")
 
 
-_SESSION_TOKEN: Path | None = None
+# The API keys of every test deployment: two tenants' client keys and an admin key.
+CLIENT_KEY = "epd-test-client-key-tenant-a"
+OTHER_KEY = "epd-test-client-key-tenant-b"
+ADMIN_KEY = "epd-test-admin-key-operators"
+TEST_KEYS = [
+    (CLIENT_KEY, "tenant-a", False),
+    (OTHER_KEY, "tenant-b", False),
+    (ADMIN_KEY, "ops", True),
+]
+
+_SESSION_DIR: Path | None = None
+
+
+def write_secrets(folder: Path) -> SecuritySettings:
+    """A cluster token and the `TEST_KEYS` keys file in `folder`, as `[security]`."""
+    token = write_token_file(folder / "cluster_token")
+    keys = write_api_keys_file(folder / "api_keys.toml", TEST_KEYS)
+    return SecuritySettings(cluster_token_file=str(token), api_keys_file=str(keys))
 
 
 def cluster_security() -> SecuritySettings:
-    """`[security]` for workers a test starts in its own process: one cluster token file per
-    test session (in a fresh temporary folder)."""
-    global _SESSION_TOKEN
-    if _SESSION_TOKEN is None:
+    """`[security]` for servers a test starts in its own process: one cluster token file and
+    one API keys file (`TEST_KEYS`) per test session (in a fresh temporary folder)."""
+    global _SESSION_DIR
+    if _SESSION_DIR is None:
         import tempfile
 
-        _SESSION_TOKEN = write_token_file(Path(tempfile.mkdtemp(prefix="epd-test-")) / "token")
-    return SecuritySettings(cluster_token_file=str(_SESSION_TOKEN))
+        _SESSION_DIR = Path(tempfile.mkdtemp(prefix="epd-test-"))
+        write_secrets(_SESSION_DIR)
+    return SecuritySettings(
+        cluster_token_file=str(_SESSION_DIR / "cluster_token"),
+        api_keys_file=str(_SESSION_DIR / "api_keys.toml"),
+    )
+
+
+def cluster_credentials() -> ChannelCredentials:
+    """What a service of the session's deployment presents (the cluster bearer)."""
+    return service_credentials(cluster_security())
+
+
+def admin_credentials() -> ChannelCredentials:
+    """What an operator presents (the admin key)."""
+    return ChannelCredentials(ADMIN_KEY)
 
 
 @dataclass
@@ -64,10 +100,14 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     workers: int = 3  # worker processes started (registration waits for all of them)
     renewing: bool = True  # a test's note of how its deployment was configured
+    security: SecuritySettings = field(default_factory=SecuritySettings)  # every process's
+    client_key: str = CLIENT_KEY  # tenant-a's API key
+    other_key: str = OTHER_KEY  # tenant-b's API key
+    admin_key: str = ADMIN_KEY  # the operators' (admin) API key
 
     def status(self, timeout_s: float = 5.0) -> admin_service_pb2.StatusResponse:
-        """The router's AdminService.Status (blocking)."""
-        with grpc.insecure_channel(self.address) as channel:
+        """The router's AdminService.Status (blocking; as admin)."""
+        with ChannelCredentials(self.admin_key).open_blocking(self.address) as channel:
             stub = admin_service_pb2_grpc.AdminServiceStub(channel)
             response: admin_service_pb2.StatusResponse = stub.Status(
                 admin_service_pb2.StatusRequest(), timeout=timeout_s
@@ -156,19 +196,19 @@ def start_cluster(
     nothing is left running then.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
-    token = write_token_file(log_dir / "cluster_token")
+    security = write_secrets(log_dir)
     common = [
         "--model",
         str(model),
         "--log-level",
         "INFO",
         "--security-cluster-token-file",
-        str(token),
+        str(security.cluster_token_file),
     ]
     router_log = log_dir / "router.log"
     # The router's port is picked here so the workers can start alongside it (they retry
     # registering until it listens); its log line confirms the address it bound.
-    cluster = Cluster(f"127.0.0.1:{free_port()}", model, log_dir, block_size)
+    cluster = Cluster(f"127.0.0.1:{free_port()}", model, log_dir, block_size, security=security)
     try:
         cluster.procs["router"] = _spawn(
             "router",
@@ -182,6 +222,8 @@ def start_cluster(
                 str(max(5.0, 20 * heartbeat_interval_s)),
                 "--grace-s",
                 "1",
+                "--security-api-keys-file",
+                str(security.api_keys_file),
                 *router_args,
             ],
             router_log,

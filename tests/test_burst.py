@@ -75,7 +75,7 @@ def count(pattern: str, text: str) -> int:
 async def test_burst_with_short_leases_equals_the_offline_engine(cluster, engine):
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = [burst_prompt(i) for i in range(REQUESTS)]
-    async with Client(cluster.address) as client:
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
         results = await asyncio.gather(
             *(client.generate_text(p, sampling, timeout_s=120) for p in prompts)
         )

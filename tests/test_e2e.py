@@ -20,6 +20,8 @@ from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
 from common.sampling import SamplingParams
+from common.server.auth import service_credentials
+from common.server.rpc import channel
 from common.wire.kv import layout_from_proto
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
@@ -146,7 +148,7 @@ async def test_outputs_equal_the_offline_engine_with_four_in_flight(cluster, eng
     }
     want = {name: reference(engine, e, GREEDY, s) for name, (_, e, s) in cases.items()}
     assert len(engine.process(cases["video"][1]).params.items[0].runs) >= 4  # multi-run
-    async with Client(cluster.address) as client:
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
         results = await asyncio.gather(
             *(client.generate_text(w, GREEDY, timeout_s=120) for w, _, _ in cases.values())
         )
@@ -174,7 +176,7 @@ async def test_same_video_new_question_reuses_prefill_cache_and_pulls_only_missi
     n2, h2 = hashes(second)
     shared = next(i for i, (a, b) in enumerate(zip(h1, h2, strict=False)) if a != b)
     assert shared >= 4  # the video spans several blocks
-    async with Client(cluster.address) as client:
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
         a = await client.generate_text(first, GREEDY, timeout_s=120)
         b = await client.generate_text(second, GREEDY, timeout_s=120)
     assert a.cached_tokens == 0
@@ -192,7 +194,7 @@ async def test_same_video_new_question_reuses_prefill_cache_and_pulls_only_missi
 
 
 async def test_malformed_media_is_invalid_argument_and_workers_keep_serving(cluster, engine):
-    async with Client(cluster.address) as client:
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
         with pytest.raises(GenerateError) as err:
             await client.generate_text(user("Look:", {"type": "image", "image": b"\x89PNG junk"}))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -214,7 +216,7 @@ async def test_cancelled_stream_frees_blocks_on_prefill_and_decode(cluster, afte
     await wait_for(kv_idle, cluster)
     long = SamplingParams(max_tokens=1500, ignore_eos=True)
     messages = user(f"Cancel test {after_chunks}:", vid(30 + after_chunks), "Tell me more.")
-    async with Client(cluster.address) as client:
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
         stream = client.generate(messages, long, timeout_s=120)
         for _ in range(after_chunks):
             await anext(stream)
@@ -235,8 +237,9 @@ async def test_worker_with_a_mismatched_layout_is_refused(cluster):
     other_model.CopyFrom(decode)
     other_model.address = "127.0.0.1:2"
     other_model.model = other_model.kv_layout.model = "qwen3-vl/someone-else"
-    async with grpc.aio.insecure_channel(cluster.address) as channel:
-        stub = registry_service_pb2_grpc.RegistryServiceStub(channel)
+    creds = service_credentials(cluster.security)  # a service of the deployment may register
+    async with channel(cluster.address, credentials=creds) as ch:
+        stub = registry_service_pb2_grpc.RegistryServiceStub(ch)
         for info, message in ((bad, f"block_size={BLOCK * 2}"), (other_model, "someone-else")):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Register(registry_service_pb2.RegisterRequest(worker=info))

@@ -23,6 +23,7 @@ from router.registry import Registry, rendezvous_weight
 from router.server import serve
 from router.settings import RouterSettings
 from router.workers import WorkerLoad
+from tests.cluster import cluster_security
 from tests.test_router import (
     MODEL,
     Cluster,
@@ -81,6 +82,7 @@ async def start(ckpt: Any, slack: int = 2) -> AffinityCluster:
         worker_timeout_s=60.0,
         grace_s=0.0,
         encoder_affinity_slack=slack,
+        security=cluster_security(),
     )
     cluster = AffinityCluster(await serve(settings))
     cluster.prefill = FakePrefill()

@@ -36,6 +36,7 @@ from epd.v1 import (
     registry_service_pb2,
     registry_service_pb2_grpc,
 )
+from tests.cluster import cluster_credentials, cluster_security
 from tests.test_rpc import FakeRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,9 +127,14 @@ async def make_server(ckpt: Path) -> AsyncIterator[Factory]:
     started: list[tuple[RoleServer[EncoderServicer], Any]] = []
 
     async def make(**overrides: Any) -> tuple[RoleServer[EncoderServicer], Any]:
-        fields: dict[str, Any] = {"model": str(ckpt), "nixl": False, **overrides}
+        fields: dict[str, Any] = {
+            "model": str(ckpt),
+            "nixl": False,
+            "security": cluster_security(),
+            **overrides,
+        }
         server = await serve(EncoderSettings(**fields))
-        ch = channel(server.address)
+        ch = channel(server.address, credentials=cluster_credentials())
         started.append((server, ch))
         return server, encoder_service_pb2_grpc.EncoderServiceStub(ch)
 
@@ -568,10 +574,13 @@ async def test_drain_finishes_encode_in_flight_and_refuses_new(
 def test_settings_are_checked() -> None:
     with pytest.raises(SettingsError, match="dtype"):
         EncoderSettings(dtype="float64").check()
+    secure = cluster_security()
     with pytest.raises(SettingsError, match="lease_ttl_s"):
-        EncoderSettings(lease_ttl_s=0).check()
+        EncoderSettings(lease_ttl_s=0, security=secure).check()
     with pytest.raises(SettingsError, match="output_pool_mb"):
-        EncoderSettings(output_pool_mb=-1).check()
+        EncoderSettings(output_pool_mb=-1, security=secure).check()
+    with pytest.raises(SettingsError, match=r"security\.cluster_token_file"):
+        EncoderSettings().check()  # the encoder, too, refuses to run without the token
 
 
 @pytest.fixture
@@ -599,6 +608,8 @@ async def test_subprocess_serves_health_and_encode(
             "false",
             "--log-level",
             "WARNING",
+            "--security-cluster-token-file",
+            str(cluster_security().cluster_token_file),
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -609,7 +620,7 @@ async def test_subprocess_serves_health_and_encode(
         address = f"127.0.0.1:{free_port}"
         await wait_healthy(address, timeout_s=90, service="epd.v1.EncoderService")
         prompt = _image(processor, 60)
-        async with channel(address) as ch:
+        async with channel(address, credentials=cluster_credentials()) as ch:
             reply = await encoder_service_pb2_grpc.EncoderServiceStub(ch).Encode(
                 _request(_item(prompt)), timeout=60
             )

@@ -49,7 +49,7 @@ from epd.v1 import (
 )
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
-from tests.cluster import cluster_security
+from tests.cluster import cluster_credentials, cluster_security
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -139,7 +139,8 @@ async def start_cluster(ckpt: Path, engine: Engine, **prefill_kw: Any) -> Cluste
             security=cluster_security(),
         )
     )
-    channels = [channel(prefill.address), channel(decode.address)]
+    creds = cluster_credentials()
+    channels = [channel(a, credentials=creds) for a in (prefill.address, decode.address)]
     return Cluster(
         engine,
         prefill,
@@ -379,7 +380,7 @@ async def test_prefill_in_another_process(cluster: Cluster, ckpt: Path, tmp_path
             await asyncio.sleep(0.1)
         messages = user(img_part(11), vid_part(12, 4), "Which came first?")
         tokens, params = make_handoff(cluster.engine, messages)
-        async with channel(address) as ch:
+        async with channel(address, credentials=cluster_credentials()) as ch:
             stub = prefill_service_pb2_grpc.PrefillServiceStub(ch)
             reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=60)
             assert reply.kv.agent_name.startswith(f"prefill-{proc.pid}-")

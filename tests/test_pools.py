@@ -94,7 +94,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         ray, "kill", lambda handle, no_restart=False: log.append(f"kill {handle.name} {no_restart}")
     )
 
-    async def fake_router_drain(router: str, worker: str, timeout_s: float) -> None:
+    async def fake_router_drain(router: str, worker: str, timeout_s: float, creds: Any) -> None:
         log.append(f"router-drain {worker}")
 
     monkeypatch.setattr(pools, "drain_at_router", fake_router_drain)

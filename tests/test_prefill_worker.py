@@ -32,7 +32,7 @@ from epd.v1 import (
 from prefill_worker.__main__ import parse
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
-from tests.cluster import cluster_security
+from tests.cluster import cluster_credentials, cluster_security
 from tests.test_kv_handoff import (
     BLOCK,
     GREEDY,
@@ -72,7 +72,7 @@ async def worker(ckpt: Path) -> AsyncIterator[RoleServer[Any]]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stub(worker: RoleServer[Any]) -> AsyncIterator[Any]:
-    async with channel(worker.address) as ch:
+    async with channel(worker.address, credentials=cluster_credentials()) as ch:
         yield prefill_service_pb2_grpc.PrefillServiceStub(ch)
 
 

@@ -25,7 +25,7 @@ from common.processing.messages import messages_from_dicts
 from common.processing.processor import Processor
 from common.roles import Role
 from common.sampling import SamplingParams
-from common.server.rpc import start_server
+from common.server.rpc import channel, start_server
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_to_proto
 from epd.client import Client, GenerateError, build_request
@@ -47,6 +47,8 @@ from router.calls import Job
 from router.detokenize import IncrementalDetokenizer
 from router.server import RunningRouter, serve
 from router.settings import RouterSettings
+from router.tenants import tenant_salt
+from tests.cluster import CLIENT_KEY, admin_credentials, cluster_credentials, cluster_security
 
 MODEL = "fake-model"
 FIRST = 100  # the fake prefill's first token
@@ -185,10 +187,11 @@ class Cluster:
     def __init__(self, router: RunningRouter) -> None:
         self.router = router
         self.servers: list[Any] = []
-        self.channel = grpc.aio.insecure_channel(router.address)
+        # The fake workers register as services of the deployment (the cluster bearer).
+        self.channel = channel(router.address, credentials=cluster_credentials())
         self.registry_stub = registry_service_pb2_grpc.RegistryServiceStub(self.channel)
         self.admin = admin_service_pb2_grpc.AdminServiceStub(self.channel)
-        self.client = Client(router.address)
+        self.client = Client(router.address, api_key=CLIENT_KEY)
 
     async def add(self, role: Role, servicer: Any) -> str:
         adders = {
@@ -216,7 +219,12 @@ class Cluster:
 @pytest.fixture
 async def cluster(ckpt):
     settings = RouterSettings(
-        model=str(ckpt), port=0, expected_model=MODEL, worker_timeout_s=60.0, grace_s=0.0
+        model=str(ckpt),
+        port=0,
+        expected_model=MODEL,
+        worker_timeout_s=60.0,
+        grace_s=0.0,
+        security=cluster_security(),
     )
     c = Cluster(await serve(settings))
     yield c
@@ -266,7 +274,11 @@ def prompt_hashes(cluster: Cluster, messages: Any) -> tuple[Any, list[bytes]]:
     assert cluster.router.orchestrator is not None
     prompt = cluster.router.orchestrator.processor.process(messages_from_dicts(messages))
     layout = layout_from_proto(worker_info(Role.PREFILL, "x").kv_layout)
-    hashes = block_hashes(prompt.prompt_token_ids, 16, prompt.params, root=layout_root(layout))
+    # The router salts every hash with the client's tenant (tenant-a: `cluster.client`'s).
+    salt = tenant_salt(cluster_security().cluster_key(), "tenant-a", None)
+    hashes = block_hashes(
+        prompt.prompt_token_ids, 16, prompt.params, cache_salt=salt, root=layout_root(layout)
+    )
     return prompt, hashes
 
 
@@ -558,11 +570,13 @@ async def test_scale_delegates_to_the_scaler(ckpt):
         calls.append((role, replicas))
         return replicas
 
-    settings = RouterSettings(model=str(ckpt), port=0, expected_model=MODEL, grace_s=0.0)
+    settings = RouterSettings(
+        model=str(ckpt), port=0, expected_model=MODEL, grace_s=0.0, security=cluster_security()
+    )
     router = await serve(settings, scaler=scaler)
     try:
-        async with grpc.aio.insecure_channel(router.address) as channel:
-            admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        async with channel(router.address, credentials=admin_credentials()) as ch:
+            admin = admin_service_pb2_grpc.AdminServiceStub(ch)
             reply = await admin.Scale(
                 admin_service_pb2.ScaleRequest(
                     role=registry_service_pb2.WORKER_ROLE_PREFILL, replicas=3

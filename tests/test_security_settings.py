@@ -1,5 +1,5 @@
-"""The `[security]` table: the cluster token file, `--insecure`, and `epd serve` making a
-token per deployment."""
+"""The `[security]` table: the cluster token file, the API keys file, `--insecure`, `epd serve`
+making a token and keys per deployment, the method -> principal policy and the tenant salts."""
 
 from __future__ import annotations
 
@@ -9,12 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from cluster.serve import with_cluster_token
+from cluster.serve import with_api_keys, with_cluster_token
 from cluster.settings import EpdSettings
+from common.server.auth import Authenticator, Caller, Need, need_for
+from common.settings.api_keys import default_api_key, load_api_keys
 from common.settings.schema import SettingsError, from_mapping
 from common.settings.security import SecuritySettings, write_token_file
 from decode_worker.settings import DecodeSettings
+from encoder_worker.requests import salted_key
 from prefill_worker.__main__ import parse
+from router.tenants import tenant_salt
+from tests.cluster import ADMIN_KEY, CLIENT_KEY, cluster_security
 
 
 def test_key_comes_from_the_token_file_and_is_stable(tmp_path: Path) -> None:
@@ -80,3 +85,92 @@ def test_epd_serve_makes_a_token_per_deployment(
     assert with_cluster_token(given) is given
     insecure = EpdSettings(security=SecuritySettings(insecure=True))
     assert with_cluster_token(insecure) is insecure
+
+
+def test_tenant_salts() -> None:
+    key = b"k" * 32
+    a, b = tenant_salt(key, "a", None), tenant_salt(key, "b", None)
+    assert a is not None and b is not None and a != b
+    assert tenant_salt(key, "a", None) == a  # stable
+    assert tenant_salt(key, "a", "") not in (a, tenant_salt(key, "b", ""))
+    assert tenant_salt(b"x" * 32, "a", None) != a  # another deployment, other salts
+    assert tenant_salt(None, None, "mine") == "mine"  # insecure: no tenants
+
+
+def test_every_method_maps_to_its_principal() -> None:
+    assert need_for("/grpc.health.v1.Health/Check") is Need.OPEN
+    assert need_for("/epd.v1.RouterService/Generate") is Need.CLIENT
+    for method in ("Status", "Scale", "Drain"):
+        assert need_for(f"/epd.v1.AdminService/{method}") is Need.ADMIN
+    for method in (
+        "/epd.v1.RegistryService/Register",
+        "/epd.v1.EncoderService/Encode",
+        "/epd.v1.PrefillService/Prefill",
+        "/epd.v1.PrefillService/ReleaseKv",
+        "/epd.v1.DecodeService/Decode",
+        "/epd.v1.SomethingNew/Method",
+    ):
+        assert need_for(method) is Need.CLUSTER, method
+    keys = load_api_keys(str(cluster_security().api_keys_file))
+    auth = Authenticator(cluster_security().cluster_bearer(), keys)
+    assert auth.identify([("authorization", f"Bearer {CLIENT_KEY}")]) == Caller("tenant-a")
+    assert auth.identify([("authorization", f"Bearer {ADMIN_KEY}")]) == Caller("ops", admin=True)
+    assert auth.identify([("authorization", CLIENT_KEY)]) is None  # no scheme
+    assert auth.identify([]) is None
+
+
+def test_epd_serve_writes_the_deployments_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    monkeypatch.delenv("EPD_API_KEY", raising=False)
+    settings = with_api_keys(with_cluster_token(EpdSettings()))
+    path = Path(str(settings.security.api_keys_file))
+    assert path == tmp_path / "epd" / "api_keys.toml"
+    for name in ("api_keys.toml", "client_key", "admin_key"):
+        assert stat.S_IMODE((tmp_path / "epd" / name).stat().st_mode) == 0o600
+    keys = load_api_keys(path)
+    auth = Authenticator(None, keys)
+    client, admin = default_api_key("client_key"), default_api_key("admin_key")
+    assert client and admin and client != admin
+    assert auth.identify([("authorization", f"Bearer {client}")]) == Caller("default")
+    assert auth.identify([("authorization", f"Bearer {admin}")]) == Caller("admin", admin=True)
+    assert settings.with_model().router.security.api_keys_file == str(path)
+    monkeypatch.setenv("EPD_API_KEY", "from-the-env")
+    assert default_api_key("admin_key") == "from-the-env"
+    insecure = EpdSettings(security=SecuritySettings(insecure=True))
+    assert with_api_keys(insecure) is insecure
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("not toml [", "not TOML"),
+        ("", "has no "),
+        ('[[keys]]\nkey = "short"\ntenant = "t"\n', r"keys\[0\]\.key"),
+        ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = ""\n', r"keys\[0\]\.tenant"),
+        ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\nadmin = 1\n', "admin"),
+        ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\nrole = "x"\n', "only"),
+        ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\n' * 2, "twice"),
+    ],
+)
+def test_bad_api_keys_files_name_the_entry(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    with pytest.raises(SettingsError, match=message) as info:
+        load_api_keys(path)
+    assert "security.api_keys_file" in str(info.value)
+
+
+def test_tls_files_go_together() -> None:
+    with pytest.raises(SettingsError, match="tls_key_file"):
+        SecuritySettings(insecure=True, tls_cert_file="c.pem").check()
+    with pytest.raises(SettingsError, match="tls_ca_file"):
+        SecuritySettings(insecure=True, tls_ca_file="ca.pem").check()
+
+
+def test_the_encoder_cache_key_is_tenant_separated() -> None:
+    key = bytes(range(32))
+    a, b = salted_key(key, "tenant:a"), salted_key(key, "tenant:b")
+    assert len(a) == 32 and len({key, a, b}) == 3
+    assert salted_key(key, "tenant:a") == a

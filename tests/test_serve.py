@@ -31,6 +31,7 @@ from PIL import Image
 from cluster.admin import cmd_scale
 from cluster.cli import build_parser, main
 from common.sampling import SamplingParams
+from common.settings.api_keys import default_api_key
 from epd.client import Client
 
 pytestmark = pytest.mark.slow
@@ -59,6 +60,11 @@ def _reader(stream: Any, out: queue.Queue[str | None]) -> None:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     cache = tmp_path_factory.mktemp("epd-cache")
+    # `epd serve` writes the deployment's token and keys under $EPD_HOME; this process's
+    # clients and `epd` commands find them there by default, as in the README tour.
+    home = str(tmp_path_factory.mktemp("epd-home"))
+    saved_home = os.environ.get("EPD_HOME")
+    os.environ["EPD_HOME"] = home
     env = {**os.environ, "EPD_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
     command = [
         sys.executable,
@@ -96,8 +102,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 raise AssertionError("epd serve exited:\n" + "\n".join(result.lines))
             if line.startswith("router listening on "):
                 result.address = line.removeprefix("router listening on ").strip()
+        assert any(line.startswith("API keys for this deployment") for line in result.lines)
         yield result
     finally:
+        if saved_home is None:
+            os.environ.pop("EPD_HOME", None)
+        else:
+            os.environ["EPD_HOME"] = saved_home
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
             try:
@@ -145,7 +156,7 @@ def _chat(text: str, image: Path | None = None, frames: Path | None = None) -> l
 
 
 async def _status(address: str) -> Any:
-    async with Client(address) as client:
+    async with Client(address, api_key=default_api_key("admin_key")) as client:
         return await client.status()
 
 

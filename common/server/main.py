@@ -40,7 +40,8 @@ def build_parser(settings_cls: type, prog: str, description: str) -> argparse.Ar
         action="store_const",
         const="true",
         default=argparse.SUPPRESS,
-        help="run without a cluster token (said in the log); same as --security-insecure true",
+        help="run without authentication: no cluster token, no API keys (said in the log); "
+        "same as --security-insecure true",
     )
     add_flags(parser, settings_cls)
     return parser

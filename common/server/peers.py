@@ -10,6 +10,8 @@ ignore unknown lease ids.
 
 Lifecycle: channels open on first use and live until `forget(address)` (a worker left) or
 `close()`, which first waits for the releases in flight, then closes every channel.
+Every channel presents the `credentials` given (the cluster bearer and, with TLS, this
+process's certificate: `common.server.auth.service_credentials`).
 Touched only from the owner's event loop.
 """
 
@@ -21,6 +23,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 
 import grpc
 
+from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.rpc import DEFAULT_MAX_MESSAGE_MB, channel
 from epd.v1 import (
     encoder_service_pb2,
@@ -36,10 +39,15 @@ class PeerClient:
     """Channels to peers by address plus background lease releases (module docstring)."""
 
     def __init__(
-        self, *, release_timeout_s: float = 5.0, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+        self,
+        *,
+        release_timeout_s: float = 5.0,
+        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+        credentials: ChannelCredentials = NO_CREDENTIALS,
     ) -> None:
         self.release_timeout_s = release_timeout_s  # deadline of each release call
         self.max_message_mb = max_message_mb  # message limit of every channel
+        self.credentials = credentials  # what every channel presents
         self._channels: dict[str, grpc.aio.Channel] = {}  # peer address -> channel
         self._tasks: set[asyncio.Task[None]] = set()  # releases in flight
 
@@ -47,7 +55,9 @@ class PeerClient:
         """The channel to `address`, opened on first use."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address, max_message_mb=self.max_message_mb)
+            ch = self._channels[address] = channel(
+                address, max_message_mb=self.max_message_mb, credentials=self.credentials
+            )
         return ch
 
     async def forget(self, address: str) -> None:

@@ -5,7 +5,8 @@ with capped backoff while the router is unreachable or refuses), then heartbeats
 `heartbeat_interval_ms` the router asked for. A heartbeat answered `known=False`, or one that
 fails (router restarted, network), sends the worker back to registering. The task logs
 failures — the first of an outage at WARNING, repeats at DEBUG — and never raises. `stop()`
-cancels it and closes the channel.
+cancels it and closes the channel. The channel presents `credentials` (the cluster bearer:
+the router accepts registrations only from services of the deployment).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.rpc import channel
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 
@@ -42,8 +44,10 @@ class Registrar:
         rpc_timeout_s: float = 5.0,
         retry_initial_s: float = 0.2,
         retry_max_s: float = 5.0,
+        credentials: ChannelCredentials = NO_CREDENTIALS,
     ) -> None:
         self.router_address = router_address
+        self.credentials = credentials  # presented on every call to the router
         self.worker_info = worker_info
         self.load_fn = load_fn
         self.rpc_timeout_s = rpc_timeout_s
@@ -86,7 +90,7 @@ class Registrar:
         self._failing = True
 
     async def _run(self) -> None:
-        self._channel = channel(self.router_address)
+        self._channel = channel(self.router_address, credentials=self.credentials)
         stub = registry_service_pb2_grpc.RegistryServiceStub(self._channel)
         backoff = self.retry_initial_s
         while True:

@@ -13,6 +13,11 @@ Stop, in this order (`stop`, also the end of `drain`), each step once:
   4. `cleanup`: the role's own steps, in the order the role listed them (e.g. reaper, leases,
      peer client, model thread, NIXL agent), each failure logged, never raised.
 `drain(timeout_s)` first refuses new work and lets tracked RPCs finish (`ServerLifecycle`).
+
+Security comes from `settings.security` (`common.server.auth`): every call is checked against
+the cluster bearer (and, for the router, `client_api=True`, the API keys); TLS as configured,
+client certificates required on service ports when a CA is given. `credentials` is what this
+server presents to others (registration, peers).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from common.models.tiny import default_checkpoint
+from common.server.auth import Authenticator, server_tls, service_credentials
+from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.registrar import Registrar
 from common.server.rpc import RunningServer, start_server
@@ -65,6 +72,8 @@ class RoleServer(RunningServer, Generic[S]):
     registrar: Registrar | None = field(default=None, kw_only=True)  # set by `register`
     tasks: list[asyncio.Task[None]] = field(default_factory=list, kw_only=True)  # loops
     cleanup: list[Cleanup] = field(default_factory=list, kw_only=True)  # after gRPC stops
+    credentials: ChannelCredentials = field(default=NO_CREDENTIALS, kw_only=True)  # presented
+    auth: Authenticator | None = field(default=None, kw_only=True)  # None: insecure
 
     @classmethod
     async def start(
@@ -78,22 +87,33 @@ class RoleServer(RunningServer, Generic[S]):
         extra_servicers: Sequence[AddServicer] = (),
         leases: Sized | None = None,
         cleanup: Sequence[Cleanup] = (),
+        auth: Authenticator | Literal["settings"] | None = "settings",
+        client_api: bool = False,
     ) -> R:
         """Serve `servicer` via `add_servicer(servicer, server)` (an `add_*_to_server`),
         with `extra_servicers` and health for `service_names`, on `settings.host:port`.
 
-        Returns the server, serving, with `lifecycle` attached. When the server cannot start,
-        the `cleanup` steps run (freeing what the role built for it) and the error
-        propagates.
+        `auth`: the authenticator ("settings": built from `settings.security`; the router
+        passes the one it built, it needs it too; None: no authentication); `client_api`:
+        this port serves clients (the router: API keys are read, client certificates are
+        not required).
+        Returns the server, serving, with `lifecycle` attached. When the server cannot start
+        (SettingsError for a missing secret among others), the `cleanup` steps run (freeing
+        what the role built for it) and the error propagates.
         """
+        security = settings.security
         try:
             settings.check()
+            if auth == "settings":
+                auth = Authenticator.from_settings(security, api_keys=client_api)
             running = await start_server(
                 [lambda s: add_servicer(servicer, s), *extra_servicers],
                 host=settings.host,
                 port=settings.port,
                 service_names=service_names,
                 max_message_mb=settings.max_message_mb,
+                auth=auth,
+                tls=server_tls(security, client_certs=not client_api),
             )
         except BaseException:
             await run_steps(cleanup, "cleanup after a failed start")
@@ -107,6 +127,8 @@ class RoleServer(RunningServer, Generic[S]):
             lifecycle=lifecycle,
             leases=leases,
             cleanup=list(cleanup),
+            credentials=service_credentials(security),
+            auth=auth,
         )
         lifecycle.attach(server)
         return server
@@ -120,7 +142,7 @@ class RoleServer(RunningServer, Generic[S]):
         """Start registering with the router at `router_address` (nothing when unset);
         `load` is called for every heartbeat. `stop` stops the registrar first."""
         if router_address and self.registrar is None:
-            self.registrar = Registrar(router_address, info, load)
+            self.registrar = Registrar(router_address, info, load, credentials=self.credentials)
             self.registrar.start()
 
     def outstanding_leases(self) -> int:

@@ -7,6 +7,8 @@ status (never a crashed server), and in `ServerLifecycle.track()`
 (`common.server.lifecycle`) so that draining refuses new work while the in-flight work
 finishes. A role's whole server (registration, drain, ordered stop) is
 `common.server.role.RoleServer`; registration itself is `common.server.registrar`.
+Authentication (an `Authenticator` given to `start_server`, credentials given to `channel`)
+and TLS are `common.server.auth` and `common.server.credentials`; nothing here picks them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from grpc_health.v1._async import HealthServicer
 
 from common.errors import FieldError
 from common.kv.block_pool import NoFreeBlocksError
+from common.server.auth import Authenticator, AuthInterceptor
+from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.settings.schema import SettingsError
 
 logger = logging.getLogger(__name__)
@@ -103,6 +107,8 @@ async def start_server(
     port: int = 0,
     service_names: Sequence[str] = (),
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+    auth: Authenticator | None = None,
+    tls: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
     """Start a grpc.aio server serving the given servicers plus `grpc.health.v1`.
 
@@ -110,14 +116,17 @@ async def start_server(
     `lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(impl, s)`.
     Health reports SERVING for "" and each of `service_names` once started. `port=0` picks a
     free port; the returned `address` carries the real one. Raises RuntimeError when the
-    address cannot be bound.
+    address cannot be bound. `auth` (None: every call is let through) checks every call's
+    credentials (`common.server.auth`); `tls` (None: plaintext) secures the port.
     """
-    server = grpc.aio.server(options=grpc_options(max_message_mb))
+    interceptors = [AuthInterceptor(auth)] if auth is not None else []
+    server = grpc.aio.server(options=grpc_options(max_message_mb), interceptors=interceptors)
     for add in add_servicers:
         add(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    target = f"{host}:{port}"
+    bound = server.add_secure_port(target, tls) if tls else server.add_insecure_port(target)
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     await server.start()
@@ -128,19 +137,31 @@ async def start_server(
     return running
 
 
-def channel(address: str, *, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> Any:
-    """An insecure grpc.aio channel to `address` with the shared message-size options.
+def channel(
+    address: str,
+    *,
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+    credentials: ChannelCredentials = NO_CREDENTIALS,
+) -> Any:
+    """A grpc.aio channel to `address` with the shared message-size options, presenting
+    `credentials` (default: none, plaintext).
 
     The caller closes it (`await ch.close()`, or `async with channel(...) as ch`).
     """
-    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_mb))
+    return credentials.open(address, grpc_options(max_message_mb))
 
 
-async def wait_healthy(address: str, timeout_s: float = 10.0, service: str = "") -> None:
-    """Poll `grpc.health.v1.Check` until `service` is SERVING; TimeoutError after `timeout_s`."""
+async def wait_healthy(
+    address: str,
+    timeout_s: float = 10.0,
+    service: str = "",
+    credentials: ChannelCredentials = NO_CREDENTIALS,
+) -> None:
+    """Poll `grpc.health.v1.Check` until `service` is SERVING; TimeoutError after `timeout_s`.
+    Health needs no bearer; `credentials` matter for TLS."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    async with channel(address) as ch:
+    async with channel(address, credentials=credentials) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             left = deadline - time.monotonic()

@@ -47,7 +47,7 @@ class ServerSettings:
         30.0, "on SIGTERM: seconds in-flight work may finish before it is cancelled"
     )
     security: SecuritySettings = field(
-        default_factory=SecuritySettings, metadata={"help": "cluster token and trust"}
+        default_factory=SecuritySettings, metadata={"help": "cluster token, API keys, TLS"}
     )
 
     @property
@@ -101,6 +101,7 @@ class ModelWorkerSettings(WorkerSettings):
         """Raise SettingsError naming the first unusable field."""
         ServerSettings.check(self)
         _ = self.torch_dtype
+        self.security.check()  # every worker needs the cluster token unless insecure
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +115,7 @@ class KvWorkerSettings(ModelWorkerSettings):
 
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
-        ModelWorkerSettings.check(self)
         for name in ("block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be positive")
-        self.security.check()
+        ModelWorkerSettings.check(self)

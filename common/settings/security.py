@@ -2,9 +2,13 @@
 
 The cluster token is a secret shared by the workers of one deployment (a file, mounted from
 a Kubernetes Secret or written by `epd serve`). KV workers derive the key that signs and
-verifies `KvHandle`s from it (`common.handoff`); service-to-service authentication uses the
-same file. A server started without one refuses to start unless `insecure` is set, and then
-says so in its log.
+verifies `KvHandle`s from it (`common.handoff`); service-to-service calls present a bearer
+derived from it (`cluster_bearer`), and the router derives each tenant's cache salt from it.
+Clients present API keys from `api_keys_file` (format: `common.settings.api_keys`). A server
+started without the secrets it needs refuses to start unless `insecure` is set, and then
+says so in its log. TLS (`tls_*_file`) is independent of `insecure`: given a certificate and
+key, servers serve TLS and channels dial TLS; given a CA too, services require client
+certificates from each other (mutual TLS) while the router's port accepts clients without one.
 """
 
 from __future__ import annotations
@@ -34,18 +38,66 @@ class SecuritySettings:
         "file holding the deployment's cluster token, shared by every worker (signs KV "
         "handles; `epd serve` makes one per deployment when unset)",
     )
+    api_keys_file: str | None = setting(
+        None,
+        "TOML file of client API keys: [[keys]] entries with key, tenant and admin (read by "
+        "the router; `epd serve` makes one per deployment when unset)",
+    )
+    tls_cert_file: str | None = setting(
+        None, "PEM certificate chain this process serves (and presents to peers) over TLS"
+    )
+    tls_key_file: str | None = setting(None, "PEM private key of tls_cert_file")
+    tls_ca_file: str | None = setting(
+        None,
+        "PEM CA bundle that verifies peers' certificates; with it, services require client "
+        "certificates from each other (mutual TLS); the router's port does not",
+    )
     insecure: bool = setting(
-        False, "run without a cluster token: KV handles go unsigned (said in the log)"
+        False,
+        "run without authentication: no cluster token, no API keys, KV handles unsigned "
+        "(said in the log)",
     )
 
-    def check(self) -> None:
-        """SettingsError naming `security.cluster_token_file` when it is unset and
-        `insecure` is not set (the file itself is read by `cluster_key`)."""
-        if not self.insecure and not self.cluster_token_file:
+    def check(self, *, api_keys: bool = False) -> None:
+        """SettingsError naming `security.cluster_token_file` (or `security.api_keys_file`
+        when `api_keys`: the router) when it is unset and `insecure` is not set, or naming a
+        `security.tls_*_file` given without its partner (the files themselves are read by
+        `cluster_key`, `tls_files` and `common.settings.api_keys.load_api_keys`)."""
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise SettingsError("security.tls_key_file: tls_cert_file and tls_key_file go together")
+        if self.tls_ca_file and not self.tls_cert_file:
+            raise SettingsError("security.tls_ca_file: needs tls_cert_file and tls_key_file")
+        if self.insecure:
+            return
+        if not self.cluster_token_file:
             raise SettingsError(
                 "security.cluster_token_file: unset; give the deployment's cluster token "
                 "file, or --insecure"
             )
+        if api_keys and not self.api_keys_file:
+            raise SettingsError(
+                "security.api_keys_file: unset; give the file of client API keys, or --insecure"
+            )
+
+    def cluster_bearer(self) -> str | None:
+        """What services present to each other (`authorization: Bearer ...`): a value
+        derived from the cluster key, so the token itself never travels. None when
+        `insecure` (raises like `cluster_key` otherwise)."""
+        key = self.cluster_key() if not self.insecure else None
+        if key is None:
+            return None
+        return "epd-cluster." + hashlib.sha256(b"epd-cluster-bearer-v1\x00" + key).hexdigest()
+
+    def tls_files(self) -> TlsFiles | None:
+        """The PEM bytes of the TLS files; None without `tls_cert_file`. SettingsError
+        naming the file that cannot be read."""
+        if not self.tls_cert_file or not self.tls_key_file:
+            return None
+        return TlsFiles(
+            cert_chain=_read("security.tls_cert_file", self.tls_cert_file),
+            private_key=_read("security.tls_key_file", self.tls_key_file),
+            ca=_read("security.tls_ca_file", self.tls_ca_file) if self.tls_ca_file else None,
+        )
 
     def cluster_key(self, role: str = "server") -> bytes | None:
         """The 32-byte key derived from the cluster token; None when `insecure`.
@@ -74,6 +126,22 @@ class SecuritySettings:
         if len(token) < MIN_TOKEN_BYTES:
             raise SettingsError(f"{key}: {path} holds under {MIN_TOKEN_BYTES} bytes of token")
         return hashlib.sha256(b"epd-cluster-key-v1\x00" + token).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM contents of the `[security] tls_*_file` settings."""
+
+    cert_chain: bytes  # this process's certificate chain
+    private_key: bytes  # its private key
+    ca: bytes | None  # CA bundle verifying peers; None: peers are not asked for certificates
+
+
+def _read(key: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise SettingsError(f"{key}: cannot read {path}: {exc.strerror}") from None
 
 
 def write_token_file(path: str | Path) -> Path:

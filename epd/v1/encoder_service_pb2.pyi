@@ -25,12 +25,14 @@ class EncodeItem(_message.Message):
     def __init__(self, content_hash: _Optional[bytes] = ..., modality: _Optional[_Union[_multimodal_pb2.Modality, str]] = ..., pixel_values: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., partitions: _Optional[_Iterable[_Union[_multimodal_pb2.ItemPartition, _Mapping]]] = ..., partition_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "items")
+    __slots__ = ("request_id", "items", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[EncodeItem]
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EncodedItem(_message.Message):
     __slots__ = ("content_hash", "rows", "deepstack", "partition_indices", "cache_hit")

@@ -1,0 +1,137 @@
+"""API keys: the file that names every client key with its tenant, and where `epd serve`
+leaves a deployment's keys for the `epd` commands and the Python client.
+
+The file (`[security] api_keys_file`, TOML, readable by its owner only) holds one `[[keys]]`
+table per key:
+
+    [[keys]]
+    key = "epd-3q0V..."     # the secret a client presents (`authorization: Bearer KEY`)
+    tenant = "acme"         # who the key belongs to: the tenant owns its caches
+    admin = false           # true: may also call AdminService (Status, Scale, Drain)
+
+Keys are at least `MIN_KEY_CHARS` characters and unique; tenants are non-empty. Several keys
+may share a tenant (they then share its caches). Only the router reads the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.settings.schema import SettingsError
+
+# Shortest key accepted, in characters.
+MIN_KEY_CHARS = 16
+# Largest keys file read.
+MAX_KEYS_FILE_BYTES = 1 << 20
+# Where `epd serve` writes the deployment's keys, under `state_dir(namespace)`.
+CLIENT_KEY_FILE = "client_key"
+ADMIN_KEY_FILE = "admin_key"
+API_KEYS_FILE = "api_keys.toml"
+DEFAULT_NAMESPACE = "epd"  # `[ray] namespace`'s default
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """One entry of the keys file. `digest` (sha256 of the key) is what servers compare."""
+
+    digest: bytes  # sha256 of the key's UTF-8 bytes; the key itself is not kept
+    tenant: str  # the tenant the key belongs to
+    admin: bool  # may call AdminService
+
+    @classmethod
+    def of(cls, key: str, tenant: str, admin: bool = False) -> ApiKey:
+        """The entry for a plain key."""
+        return cls(key_digest(key), tenant, admin)
+
+
+def key_digest(key: str) -> bytes:
+    """sha256 of a presented key: fixed length, so comparing digests takes constant time."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def new_api_key() -> str:
+    """A fresh random key ("epd-" + 43 URL-safe characters)."""
+    return "epd-" + secrets.token_urlsafe(32)
+
+
+def load_api_keys(path: str | Path) -> tuple[ApiKey, ...]:
+    """Every key in the file at `path`; SettingsError naming `security.api_keys_file` and
+    the entry when the file is unreadable, not TOML, or an entry is malformed."""
+    where = "security.api_keys_file"
+    target = Path(path)
+    try:
+        with target.open("rb") as f:
+            raw = f.read(MAX_KEYS_FILE_BYTES + 1)
+    except OSError as exc:
+        raise SettingsError(f"{where}: cannot read {target}: {exc.strerror}") from None
+    if len(raw) > MAX_KEYS_FILE_BYTES:
+        raise SettingsError(f"{where}: {target} is larger than {MAX_KEYS_FILE_BYTES} bytes")
+    try:
+        data = tomllib.loads(raw.decode())
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"{where}: {target} is not TOML: {exc}") from None
+    entries = data.get("keys")
+    if not isinstance(entries, list) or not entries:
+        raise SettingsError(f"{where}: {target} has no [[keys]] entries")
+    keys: list[ApiKey] = []
+    for i, entry in enumerate(entries):
+        at = f"{where}: keys[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"key", "tenant", "admin"}:
+            raise SettingsError(f"{at}: expected only key, tenant and admin")
+        key, tenant, admin = entry.get("key"), entry.get("tenant"), entry.get("admin", False)
+        if not isinstance(key, str) or len(key) < MIN_KEY_CHARS:
+            raise SettingsError(f"{at}.key: must be a string of at least {MIN_KEY_CHARS} chars")
+        if not isinstance(tenant, str) or not tenant:
+            raise SettingsError(f"{at}.tenant: must be a non-empty string")
+        if not isinstance(admin, bool):
+            raise SettingsError(f"{at}.admin: must be true or false")
+        parsed = ApiKey.of(key, tenant, admin)
+        if any(k.digest == parsed.digest for k in keys):
+            raise SettingsError(f"{at}.key: appears twice")
+        keys.append(parsed)
+    return tuple(keys)
+
+
+def write_api_keys_file(path: str | Path, entries: list[tuple[str, str, bool]]) -> Path:
+    """Write (key, tenant, admin) entries as a keys file readable by this user only."""
+    lines = []
+    for key, tenant, admin in entries:
+        lines += ["[[keys]]", f'key = "{key}"', f'tenant = "{tenant}"']
+        lines += [f"admin = {'true' if admin else 'false'}", ""]
+    return _write_private(Path(path), "\n".join(lines))
+
+
+def _write_private(target: Path, text: str) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.touch(mode=0o600, exist_ok=True)
+    target.chmod(0o600)
+    target.write_text(text)
+    return target
+
+
+def write_key_file(path: str | Path, key: str) -> Path:
+    """Write one key (a line) to `path`, readable by this user only."""
+    return _write_private(Path(path), key + "\n")
+
+
+def state_dir(namespace: str = DEFAULT_NAMESPACE) -> Path:
+    """Where `epd serve` keeps a deployment's secrets: $EPD_HOME (default ~/.epd)/<namespace>."""
+    return Path(os.environ.get("EPD_HOME", "~/.epd")).expanduser() / namespace
+
+
+def default_api_key(kind: str = CLIENT_KEY_FILE) -> str | None:
+    """The key a client uses when given none: $EPD_API_KEY, else the `kind` file (client_key
+    or admin_key) `epd serve` wrote under `state_dir($EPD_NAMESPACE or "epd")`, else None."""
+    env = os.environ.get("EPD_API_KEY")
+    if env:
+        return env
+    path = state_dir(os.environ.get("EPD_NAMESPACE", DEFAULT_NAMESPACE)) / kind
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
