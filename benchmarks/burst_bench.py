@@ -79,7 +79,7 @@ async def run(args: argparse.Namespace) -> None:
         )
         try:
             await wait_capacity(cluster)
-            async with Client(cluster.address) as client:
+            async with Client(cluster.address, api_key=cluster.client_key) as client:
 
                 async def one(i: int) -> Result | GenerateError:
                     try:

@@ -109,7 +109,7 @@ async def run(args: argparse.Namespace) -> None:
             start_cluster, model, Path(logs), block_size=16, num_blocks=2048, timeout_s=600
         )
         try:
-            async with Client(cluster.address) as client:
+            async with Client(cluster.address, api_key=cluster.client_key) as client:
                 # Warm-up: first NIXL connections, first forwards.
                 await client.generate_text(image_prompt(10_000, image_size), sampling)
                 engine_request(engine, image_prompt(10_001, image_size), sampling)

@@ -3,7 +3,7 @@
 
     cluster = start_cluster(checkpoint, log_dir)      # returns once every worker registered
     try:
-        ... Client(cluster.address) ...
+        ... Client(cluster.address, api_key=cluster.client_key) ...
     finally:
         cluster.stop()
 

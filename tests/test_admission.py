@@ -35,6 +35,7 @@ from router.registry import Registry
 from router.server import serve
 from router.settings import RouterSettings
 from router.workers import WorkerLoad, WorkerRecord
+from tests.cluster import CLIENT_KEY, cluster_security
 from tests.test_router import FIRST, TEXT, FakeDecode, FakePrefill
 from tests.test_router import Cluster as RouterCluster
 
@@ -371,6 +372,7 @@ async def router(ckpt: Any) -> Any:
         worker_timeout_s=60.0,
         grace_s=0.0,
         max_queued_requests=1,
+        security=cluster_security(),
     )
     c = RouterCluster(await serve(settings))
     yield c
@@ -422,7 +424,9 @@ async def test_status_shows_the_queue_and_the_overflow_gets_a_retry_after(router
     }
     # The queue (max_queued_requests=1) is full: the third is refused, with a hint.
     stub = router_service_pb2_grpc.RouterServiceStub(router.channel)
-    call = stub.Generate(build_request(TEXT, sampling))
+    call = stub.Generate(
+        build_request(TEXT, sampling), metadata=(("authorization", f"Bearer {CLIENT_KEY}"),)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in call:
             pass

@@ -58,7 +58,7 @@ async def capacity_known(cluster: Cluster) -> None:
 
 
 async def burst(cluster: Cluster) -> list[Result | GenerateError]:
-    async with Client(cluster.address) as client:
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
 
         async def one(i: int) -> Result | GenerateError:
             try:

@@ -44,6 +44,7 @@ from epd.v1 import (
 from router.inputs import InputError
 from router.server import RouterServicer
 from router.settings import RouterSettings
+from tests.cluster import cluster_credentials, cluster_security
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -246,8 +247,8 @@ def test_special_tokens_in_text_through_the_router(
 
 @pytest.fixture
 async def encoder(ckpt: Path) -> AsyncIterator[tuple[RoleServer[EncoderServicer], Any]]:
-    server = await serve(EncoderSettings(model=str(ckpt), nixl=False))
-    async with channel(server.address) as ch:
+    server = await serve(EncoderSettings(model=str(ckpt), nixl=False, security=cluster_security()))
+    async with channel(server.address, credentials=cluster_credentials()) as ch:
         yield server, encoder_service_pb2_grpc.EncoderServiceStub(ch)
     await server.stop(0)
 
