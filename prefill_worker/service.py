@@ -24,22 +24,19 @@ adapter or for more than the model's context is refused before anything
 
 Threads: every runner call runs on the one `ModelThread`, so the event loop keeps serving
 (ReleaseKv, StreamKvEvents, health) while the model computes; NIXL pulls of embeddings run
-in worker threads.
+in worker threads (`prefill_worker.embeddings`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-import torch
 
-from common.handoff import build_handle, check_request, read_handoff
+from common.handoff import build_handle, check_request
 from common.kv.allocator import blocks_for
 from common.kv.digest import cache_block_digests
 from common.kv.events import KvEventHub, Subscription
@@ -50,7 +47,6 @@ from common.models.qwen3_vl.rope import MropePositions
 from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
 from common.multimodal.params import MultimodalParams
-from common.multimodal.validation import MultimodalLayoutError
 from common.sampling import SamplingParams
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.kv_worker import kv_load
@@ -59,16 +55,14 @@ from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
 from common.transfer.agent import TransferAgent
-from common.transfer.types import TransferError, TransferRefusedError
-from common.wire.convert import sampling_from_proto, torch_dtype
+from common.wire.convert import sampling_from_proto
 from common.wire.kv import kv_event_to_proto
-from common.wire.transfer import read_tensor
 from epd.v1 import (
     prefill_service_pb2,
     prefill_service_pb2_grpc,
     registry_service_pb2,
-    tensor_pb2,
 )
+from prefill_worker.embeddings import EmbeddingPulls
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +122,10 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.leases: LeaseTable[LeasedBlocks] = LeaseTable(lease_ttl_s)
         self.lease_ttl_per_lease_s = lease_ttl_per_lease_s
         self.hub = KvEventHub(runner.allocator)
-        self.embedding_pull_timeout_s = embedding_pull_timeout_s
         self.release_timeout_s = release_timeout_s  # deadline of ReleaseEmbeddings calls
         # Releases to encoders, presenting `credentials` (the cluster bearer).
         self._peers = PeerClient(release_timeout_s=release_timeout_s, credentials=credentials)
+        self.embeddings = EmbeddingPulls(runner, agent, self._peers, embedding_pull_timeout_s)
         # gRPC address of this worker, put in handles for ReleaseKv; set once bound.
         self.holder_address = ""
         self.active = 0  # Prefill RPCs in flight
@@ -158,30 +152,9 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
         check_request(self.runner, tokens, sampling, request)
-        pulled: list[str] = []  # embedding leases pulled from encoders
-        timeout_s = max(min(self.embedding_pull_timeout_s, time_left_s or math.inf), 1e-3)
-        holders = dict(request.embedding_holders)
-        decoding = asyncio.get_running_loop().run_in_executor(
-            None,
-            functools.partial(
-                read_handoff,
-                self.runner,
-                tokens,
-                request.multimodal,
-                with_embeddings=True,
-                resolve=functools.partial(self._resolve, pulled=pulled, timeout_s=timeout_s),
-            ),
+        handoff = await self.embeddings.read_handoff(
+            tokens, request.multimodal, request.embedding_holders, time_left_s
         )
-        try:
-            handoff = await asyncio.shield(decoding)
-        except asyncio.CancelledError:
-            # Pulls may still be running: release the leases only once they are over.
-            decoding.add_done_callback(lambda _: self._release_embeddings(pulled, holders))
-            raise
-        except BaseException:
-            self._release_embeddings(pulled, holders)
-            raise
-        self._release_embeddings(pulled, holders)
         params = handoff.params
         salt = request.cache_salt if request.HasField("cache_salt") else None
         lora = request.lora_id if request.HasField("lora_id") else None
@@ -253,54 +226,6 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     def _release_orphan(self, seq: LmSequence) -> None:
         """A prefill finished after its RPC was cancelled: nobody will lease its blocks."""
         self.model.submit(batching.release, self.runner, seq)
-
-    def _resolve(
-        self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str], timeout_s: float
-    ) -> torch.Tensor:
-        """Pull an embedding held by a NIXL handle (worker thread); note its lease.
-
-        What the handle claims is at fault (sizes, metadata NIXL cannot load, a range outside
-        the holder's registered memory): MultimodalLayoutError naming `field`, so
-        INVALID_ARGUMENT. Only a holder that cannot be reached or fails the READ is
-        UNAVAILABLE.
-        """
-
-        dtype = torch_dtype(ref.dtype, field)
-        try:
-            tensor = read_tensor(
-                ref.handle,
-                dtype,
-                [int(d) for d in ref.shape],
-                self.agent,
-                device=self.runner.device,
-                timeout_s=timeout_s,
-            )
-        except TransferRefusedError as exc:
-            raise MultimodalLayoutError(field, f"cannot pull embeddings: {exc}") from None
-        except TransferError as exc:
-            raise RpcStatusError(
-                grpc.StatusCode.UNAVAILABLE, f"{field}: cannot pull embeddings: {exc}"
-            ) from None
-        except ValueError as exc:
-            raise MultimodalLayoutError(field, str(exc)) from None
-        if ref.handle.lease_id and ref.handle.lease_id not in pulled:
-            pulled.append(ref.handle.lease_id)
-        return tensor
-
-    def _release_embeddings(self, lease_ids: list[str], holders: Mapping[str, str]) -> None:
-        """Tell each encoder, in the background, that its embedding leases were pulled.
-
-        A lease without a holder address in `PrefillRequest.embedding_holders` is left to
-        expire on its encoder.
-        """
-        known: dict[str, str] = {}
-        for lease_id in lease_ids:
-            address = holders.get(lease_id)
-            if address:
-                known[lease_id] = address
-            else:
-                logger.debug("embedding lease %s has no holder address; it will expire", lease_id)
-        self._peers.release_embeddings(known)
 
     async def close(self) -> None:
         """Shutdown, after gRPC stopped: stop the reaper, free every leased block, finish

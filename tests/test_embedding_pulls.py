@@ -6,7 +6,7 @@ back in later registrations (which NIXL readers cannot follow without a refresh)
 
 Each encoder process serves commands over a Pipe (msgpack maps, serialized protobuf).
 Readers pull with `read_tensor` from many threads at once, as prefill workers do, and the
-prefill worker's `_resolve` turns what goes wrong into the right gRPC status.
+prefill worker's `EmbeddingPulls._resolve` turns what goes wrong into the right gRPC status.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from common.transfer.types import TransferError, TransferRefusedError
 from common.wire.convert import element_type
 from common.wire.transfer import read_tensor
 from epd.v1 import tensor_pb2
-from prefill_worker.service import PrefillServicer
+from prefill_worker.embeddings import EmbeddingPulls
 
 HIDDEN = 64  # row width of the fake outputs
 LAYERS = 3  # tensors per output: rows and two deepstack layers
@@ -198,9 +198,9 @@ def test_concurrent_pulls_from_two_encoders_all_succeed(
 
 
 def _resolve(reader: TransferAgent, ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
-    """`PrefillServicer._resolve` as a prefill worker calls it (its agent, a CPU device)."""
-    servicer = cast(Any, SimpleNamespace(agent=reader, runner=SimpleNamespace(device="cpu")))
-    return PrefillServicer._resolve(servicer, ref, field, pulled=[], timeout_s=5)
+    """`EmbeddingPulls._resolve` as a prefill worker calls it (its agent, a CPU device)."""
+    pulls = cast(Any, SimpleNamespace(agent=reader, runner=SimpleNamespace(device="cpu")))
+    return EmbeddingPulls._resolve(pulls, ref, field, pulled=[], timeout_s=5)
 
 
 def _ref(handle: tensor_pb2.TransferHandle, shape: list[int]) -> tensor_pb2.TensorRef:

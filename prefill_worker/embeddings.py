@@ -1,0 +1,116 @@
+"""The prefill worker's side of the encoder handoff: decode a Prefill request's multimodal
+half, pulling the embeddings encoders hold by NIXL, then release those encoder leases.
+
+`EmbeddingPulls.read_handoff` runs `common.handoff.read_handoff` on a worker thread (NIXL
+pulls block) with a resolver that READs each `TransferHandle` into this worker's device and
+notes its lease. Once the pulls are over (also when the request fails, and, for a cancelled
+request, only once the thread has finished: NIXL may still be writing), every lease pulled is
+released on the encoder `PrefillRequest.embedding_holders` names for it, in the background; a
+lease without a holder address is left to expire there.
+
+Errors: what a handle claims is at fault (sizes, metadata NIXL cannot load, a range outside
+the holder's registered memory) is INVALID_ARGUMENT naming the field; only a holder that
+cannot be reached or fails the READ is UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import grpc
+import torch
+
+from common.handoff import Handoff, read_handoff
+from common.models.runner import LmRunner
+from common.multimodal.validation import MultimodalLayoutError
+from common.server.peers import PeerClient
+from common.server.rpc import RpcStatusError
+from common.transfer.agent import TransferAgent
+from common.transfer.types import TransferError, TransferRefusedError
+from common.wire.convert import torch_dtype
+from common.wire.transfer import read_tensor
+from epd.v1 import multimodal_pb2, tensor_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddingPulls:
+    """Pulls of encoder-held embeddings for one prefill worker (see the module docstring)."""
+
+    def __init__(
+        self, runner: LmRunner, agent: TransferAgent, peers: PeerClient, timeout_s: float
+    ) -> None:
+        self.runner = runner
+        self.agent = agent  # this worker's NIXL agent (the READ side)
+        self.peers = peers  # releases to encoders
+        self.timeout_s = timeout_s  # longest pull of one embedding tensor
+
+    async def read_handoff(
+        self,
+        tokens: Sequence[int],
+        multimodal: multimodal_pb2.MultimodalParams,
+        holders: Mapping[str, str],
+        time_left_s: float | None,
+    ) -> Handoff:
+        """The checked handoff with its embeddings, pulled; releases what was pulled."""
+        pulled: list[str] = []  # embedding leases pulled from encoders
+        timeout_s = max(min(self.timeout_s, time_left_s or math.inf), 1e-3)
+        decoding = asyncio.get_running_loop().run_in_executor(
+            None,
+            functools.partial(
+                read_handoff,
+                self.runner,
+                tokens,
+                multimodal,
+                with_embeddings=True,
+                resolve=functools.partial(self._resolve, pulled=pulled, timeout_s=timeout_s),
+            ),
+        )
+        try:
+            return await asyncio.shield(decoding)
+        finally:
+            if decoding.done():
+                self._release(pulled, holders)
+            else:  # cancelled while pulls run: release the leases once they are over
+                decoding.add_done_callback(lambda _: self._release(pulled, holders))
+
+    def _resolve(
+        self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str], timeout_s: float
+    ) -> torch.Tensor:
+        """Pull an embedding held by a NIXL handle (worker thread); note its lease."""
+        dtype = torch_dtype(ref.dtype, field)
+        try:
+            tensor = read_tensor(
+                ref.handle,
+                dtype,
+                [int(d) for d in ref.shape],
+                self.agent,
+                device=self.runner.device,
+                timeout_s=timeout_s,
+            )
+        except TransferRefusedError as exc:
+            raise MultimodalLayoutError(field, f"cannot pull embeddings: {exc}") from None
+        except TransferError as exc:
+            raise RpcStatusError(
+                grpc.StatusCode.UNAVAILABLE, f"{field}: cannot pull embeddings: {exc}"
+            ) from None
+        except ValueError as exc:
+            raise MultimodalLayoutError(field, str(exc)) from None
+        if ref.handle.lease_id and ref.handle.lease_id not in pulled:
+            pulled.append(ref.handle.lease_id)
+        return tensor
+
+    def _release(self, lease_ids: list[str], holders: Mapping[str, str]) -> None:
+        """Release each pulled lease on its encoder, once, in the background."""
+        known: dict[str, str] = {}
+        for lease_id in lease_ids:
+            address = holders.get(lease_id)
+            if address:
+                known[lease_id] = address
+            else:
+                logger.debug("embedding lease %s has no holder address; it will expire", lease_id)
+        self.peers.release_embeddings(known)
