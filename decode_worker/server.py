@@ -9,17 +9,12 @@ blocks) and pending lease releases, the model thread, and the NIXL agent — in 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
-from common.models.model_thread import ModelThread
-from common.server.auth import service_credentials
-from common.server.kv_worker import kv_worker_info, load_runner
-from common.server.lifecycle import ServerLifecycle
+from common.server.kv_worker import KvWorkerParts, kv_worker_info
 from common.server.role import AddServicer, RoleServer
 from common.server.rpc import service_name
-from common.transfer.agent import TransferAgent
 from decode_worker.service import DecodeServicer
 from decode_worker.settings import DecodeSettings
 from epd.v1 import decode_service_pb2, decode_service_pb2_grpc, registry_service_pb2
@@ -36,38 +31,28 @@ async def serve(
 
     `extra_servicers` are more `add_*Servicer_to_server` callables to serve on the same port.
     """
-    settings.check()
-    key = settings.security.cluster_key("decode worker")
-    runner = await asyncio.to_thread(load_runner, settings)
-    model = ModelThread("epd-decode")
-    agent = TransferAgent("decode")
-    lifecycle = ServerLifecycle()
+    parts = await KvWorkerParts.make(settings, "decode")
+    runner = parts.runner
     servicer = DecodeServicer(
         runner,
-        model,
-        agent,
-        lifecycle,
-        key=key,
-        credentials=service_credentials(settings.security),
+        parts.model,
+        parts.agent,
+        parts.lifecycle,
+        key=parts.key,
+        credentials=parts.credentials,
         max_batch=settings.max_batch,
         pull_timeout_s=settings.pull_timeout_s,
         release_timeout_s=settings.release_timeout_s,
         renew_leases=settings.renew_leases,
     )
-
-    async def close() -> None:
-        await servicer.close()
-        await asyncio.to_thread(model.close)
-        agent.close()
-
     server: RoleServer[DecodeServicer] = await RoleServer.start(
         settings,
         servicer,
         decode_service_pb2_grpc.add_DecodeServiceServicer_to_server,
         [DECODE_SERVICE],
-        lifecycle=lifecycle,
+        lifecycle=parts.lifecycle,
         extra_servicers=extra_servicers,
-        cleanup=[close],
+        cleanup=[parts.closer(servicer.close)],
     )
     servicer.batcher.start()
     address = settings.reachable_address(server.address)

@@ -10,17 +10,12 @@ and the NIXL agent — in that order, so no block or registration outlives the w
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
-from common.models.model_thread import ModelThread
-from common.server.auth import service_credentials
-from common.server.kv_worker import kv_worker_info, load_runner
-from common.server.lifecycle import ServerLifecycle
+from common.server.kv_worker import KvWorkerParts, kv_worker_info
 from common.server.role import AddServicer, RoleServer
 from common.server.rpc import service_name
-from common.transfer.agent import TransferAgent
 from epd.v1 import prefill_service_pb2, prefill_service_pb2_grpc, registry_service_pb2
 from prefill_worker.service import PrefillServicer
 from prefill_worker.settings import PrefillSettings
@@ -37,38 +32,28 @@ async def serve(
 
     `extra_servicers` are more `add_*Servicer_to_server` callables to serve on the same port.
     """
-    settings.check()
-    key = settings.security.cluster_key("prefill worker")
-    runner = await asyncio.to_thread(load_runner, settings, prefill_chunk=settings.prefill_chunk)
-    model = ModelThread("epd-prefill")
-    agent = TransferAgent("prefill")
-    lifecycle = ServerLifecycle()
+    parts = await KvWorkerParts.make(settings, "prefill", prefill_chunk=settings.prefill_chunk)
+    runner = parts.runner
     servicer = PrefillServicer(
         runner,
-        model,
-        agent,
-        lifecycle,
-        key=key,
-        credentials=service_credentials(settings.security),
+        parts.model,
+        parts.agent,
+        parts.lifecycle,
+        key=parts.key,
+        credentials=parts.credentials,
         lease_ttl_s=settings.lease_ttl_s,
         lease_ttl_per_lease_s=settings.lease_ttl_per_lease_s,
         embedding_pull_timeout_s=settings.embedding_pull_timeout_s,
     )
-
-    async def close() -> None:
-        await servicer.close()
-        await asyncio.to_thread(model.close)
-        agent.close()
-
     server: RoleServer[PrefillServicer] = await RoleServer.start(
         settings,
         servicer,
         prefill_service_pb2_grpc.add_PrefillServiceServicer_to_server,
         [PREFILL_SERVICE],
-        lifecycle=lifecycle,
+        lifecycle=parts.lifecycle,
         extra_servicers=extra_servicers,
         leases=servicer.leases,
-        cleanup=[close],
+        cleanup=[parts.closer(servicer.close)],
     )
     servicer.holder_address = settings.reachable_address(server.address)
     servicer.reap_leases()

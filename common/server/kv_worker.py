@@ -1,5 +1,7 @@
-"""What the KV workers (prefill and decode) share around their servicers: loading the
-runner, the registration they send the router, and their heartbeat load.
+"""What the KV workers (prefill and decode) share around their servicers: what a worker is
+made of before it serves (`KvWorkerParts`: the cluster key, the credentials it presents, its
+runner, model thread, NIXL agent and lifecycle), the registration they send the router, and
+their heartbeat load.
 
 Their running server is a `common.server.role.RoleServer`; their calls to peers go through
 `common.server.peers.PeerClient`.
@@ -7,15 +9,59 @@ Their running server is a `common.server.role.RoleServer`; their calls to peers 
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from typing import Any
 
+from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
 from common.roles import PROTOCOL_VERSION
+from common.server.auth import service_credentials
+from common.server.credentials import ChannelCredentials
 from common.server.lifecycle import ServerLifecycle
-from common.server.role import checkpoint_path
+from common.server.role import Cleanup, checkpoint_path
 from common.settings.base import KvWorkerSettings
+from common.transfer.agent import TransferAgent
 from common.wire.kv import layout_to_proto
 from epd.v1 import registry_service_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class KvWorkerParts:
+    """A KV worker's parts, made before its servicer: see `make`; `closer` stops them."""
+
+    key: bytes | None  # the cluster key (signs or checks KV handles); None: insecure
+    credentials: ChannelCredentials  # what this worker presents to its peers
+    runner: LmRunner  # model + KV cache
+    model: ModelThread  # the one thread every runner call runs on
+    agent: TransferAgent  # this worker's NIXL agent
+    lifecycle: ServerLifecycle  # serving / draining
+
+    @classmethod
+    async def make(cls, settings: KvWorkerSettings, role: str, **runner: Any) -> KvWorkerParts:
+        """Check `settings` (SettingsError naming the field: a missing cluster token among
+        them), read the key, load the runner (`runner` goes to `load_runner`)."""
+        settings.check()
+        key = settings.security.cluster_key(f"{role} worker")
+        loaded = await asyncio.to_thread(load_runner, settings, **runner)
+        return cls(
+            key,
+            service_credentials(settings.security),
+            loaded,
+            ModelThread(f"epd-{role}"),
+            TransferAgent(role),
+            ServerLifecycle(),
+        )
+
+    def closer(self, close_servicer: Cleanup) -> Cleanup:
+        """The server's cleanup step: the servicer, then the model thread, then the agent."""
+
+        async def close() -> None:
+            await close_servicer()
+            await asyncio.to_thread(self.model.close)
+            self.agent.close()
+
+        return close
 
 
 def load_runner(settings: KvWorkerSettings, **extra: Any) -> LmRunner:
