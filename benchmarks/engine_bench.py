@@ -16,11 +16,9 @@ import argparse
 import itertools
 import statistics
 import time
-from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
+from timing import image_question
 
 from common.engine import Engine
 from common.models.sequence import LmSequence
@@ -28,18 +26,6 @@ from common.models.tiny import default_checkpoint
 from common.multimodal.params import Modality
 from common.processing.processor import ProcessedPrompt
 from common.sampling import SamplingParams
-
-
-def messages() -> list[dict[str, Any]]:
-    rng = np.random.default_rng(0)
-    picture = Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8))
-    question = "Describe the image in detail and list every object you can see. " * 8
-    return [
-        {
-            "role": "user",
-            "content": [{"type": "image", "image": picture}, {"type": "text", "text": question}],
-        }
-    ]
 
 
 def ref_inputs(engine: Engine, p: ProcessedPrompt, batch: int) -> dict[str, torch.Tensor]:
@@ -92,7 +78,7 @@ def main() -> None:
         folder, dtype=torch.float32
     ).eval()
     ref.generation_config.eos_token_id = None
-    p = engine.process(messages())
+    p = engine.process(image_question())
     n = len(p.prompt_token_ids)
     steps = args.decode_tokens
     print(f"checkpoint {folder}; prompt {n} tokens; {torch.get_num_threads()} threads")

@@ -31,8 +31,6 @@ import functools
 import multiprocessing as mp
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import measure
 
 from common.handoff import build_handle, pull
 from common.kv.allocator import ImportPlan, KvAllocator
@@ -108,19 +108,6 @@ def raw_read(
     if state != "DONE":
         raise RuntimeError(f"raw READ failed: {state}")
     handle.release()
-
-
-def measure(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    """Seconds per run of each variant, round-robin so machine load hits them alike."""
-    for fn in variants.values():
-        fn()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(reps):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:

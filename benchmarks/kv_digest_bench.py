@@ -19,32 +19,16 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from timing import image_question, measure
 
 from common.engine import Engine
 from common.kv.cache import KvCacheSpec, PagedKvCache
 from common.kv.digest import block_digests, cache_block_digests
 from common.models.tiny import default_checkpoint
 from common.sampling import SamplingParams
-
-
-def measure(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    """Seconds per run of each variant, round-robin so machine load hits them alike."""
-    for fn in variants.values():
-        fn()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(reps):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def throughput(engine: Engine, sizes: list[int], reps: int) -> None:
@@ -81,20 +65,8 @@ def throughput(engine: Engine, sizes: list[int], reps: int) -> None:
         )
 
 
-def prompt() -> list[dict[str, Any]]:
-    rng = np.random.default_rng(0)
-    picture = Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8))
-    question = "Describe the image in detail and list every object you can see. " * 8
-    return [
-        {
-            "role": "user",
-            "content": [{"type": "image", "image": picture}, {"type": "text", "text": question}],
-        }
-    ]
-
-
 def prefill_cost(engine: Engine, reps: int) -> None:
-    p = engine.process(prompt())
+    p = engine.process(image_question())
     n = len(p.prompt_token_ids)
     sampling = SamplingParams(max_tokens=1, ignore_eos=True)
     block_size = engine.runner.block_size

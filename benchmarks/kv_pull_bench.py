@@ -20,17 +20,16 @@ import argparse
 import multiprocessing as mp
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import measure
 
 from common.transfer.agent import TransferAgent
 
@@ -66,20 +65,6 @@ def raw_read(
     if state != "DONE":
         raise RuntimeError(f"raw READ failed: {state}")
     handle.release()
-
-
-def measure(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    """Seconds per run of each variant. Variants run round-robin within each repetition so
-    load from other processes on a shared machine hits them alike."""
-    for fn in variants.values():
-        fn()  # warm-up: first use of a descriptor shape, page faults
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(reps):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
