@@ -34,12 +34,7 @@ async def serve(
     parts = await KvWorkerParts.make(settings, "decode")
     runner = parts.runner
     servicer = DecodeServicer(
-        runner,
-        parts.model,
-        parts.agent,
-        parts.lifecycle,
-        key=parts.key,
-        credentials=parts.credentials,
+        parts,
         max_batch=settings.max_batch,
         pull_timeout_s=settings.pull_timeout_s,
         release_timeout_s=settings.release_timeout_s,

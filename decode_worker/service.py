@@ -48,16 +48,11 @@ from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
 from common.models import batching
 from common.models.batching import DecodeBatcher
-from common.models.model_thread import ModelThread
-from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
 from common.sampling import SamplingParams
-from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
-from common.server.kv_worker import kv_load
-from common.server.lifecycle import ServerLifecycle
+from common.server.kv_worker import KvWorkerParts, kv_load
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
-from common.transfer.agent import TransferAgent
 from common.transfer.types import TransferTimeoutError
 from common.wire.convert import sampling_from_proto
 from common.wire.sampling import finish_reason_to_proto
@@ -95,23 +90,19 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
 
     def __init__(
         self,
-        runner: LmRunner,
-        model: ModelThread,
-        agent: TransferAgent,
-        lifecycle: ServerLifecycle,
+        parts: KvWorkerParts,
         *,
-        key: bytes | None,
         max_batch: int = 32,
         pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
-        credentials: ChannelCredentials = NO_CREDENTIALS,
         renew_leases: bool = True,
     ) -> None:
-        self.runner = runner
-        self.model = model
-        self.agent = agent
-        self.lifecycle = lifecycle
-        self.key = key  # verifies every KvHandle's signature; None: insecure, unchecked
+        self.runner = runner = parts.runner
+        self.model = model = parts.model
+        self.agent = agent = parts.agent
+        self.lifecycle = parts.lifecycle
+        self.key = parts.key  # verifies every KvHandle's signature; None: insecure, unchecked
+        credentials = parts.credentials
         self.pull_timeout_s = pull_timeout_s
         self.release_timeout_s = release_timeout_s
         self.renew_leases = renew_leases  # RenewKv while a request waits for blocks

@@ -35,12 +35,7 @@ async def serve(
     parts = await KvWorkerParts.make(settings, "prefill", prefill_chunk=settings.prefill_chunk)
     runner = parts.runner
     servicer = PrefillServicer(
-        runner,
-        parts.model,
-        parts.agent,
-        parts.lifecycle,
-        key=parts.key,
-        credentials=parts.credentials,
+        parts,
         lease_ttl_s=settings.lease_ttl_s,
         lease_ttl_per_lease_s=settings.lease_ttl_per_lease_s,
         embedding_pull_timeout_s=settings.embedding_pull_timeout_s,

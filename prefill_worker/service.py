@@ -42,19 +42,14 @@ from common.kv.digest import cache_block_digests
 from common.kv.events import KvEventHub, Subscription
 from common.models import batching
 from common.models.batching import MissingEmbeddingsError
-from common.models.model_thread import ModelThread
 from common.models.qwen3_vl.rope import MropePositions
-from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
 from common.multimodal.params import MultimodalParams
 from common.sampling import SamplingParams
-from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
-from common.server.kv_worker import kv_load
+from common.server.kv_worker import KvWorkerParts, kv_load
 from common.server.leases import Lease, LeaseTable
-from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
-from common.transfer.agent import TransferAgent
 from common.wire.convert import sampling_from_proto
 from common.wire.kv import kv_event_to_proto
 from epd.v1 import (
@@ -101,23 +96,19 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
 
     def __init__(
         self,
-        runner: LmRunner,
-        model: ModelThread,
-        agent: TransferAgent,
-        lifecycle: ServerLifecycle,
+        parts: KvWorkerParts,
         *,
-        key: bytes | None,
         lease_ttl_s: float,
         lease_ttl_per_lease_s: float = 0.0,
         embedding_pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
-        credentials: ChannelCredentials = NO_CREDENTIALS,
     ) -> None:
-        self.runner = runner
-        self.model = model
-        self.agent = agent
-        self.lifecycle = lifecycle
-        self.key = key  # signs every KvHandle; None: insecure, handles go unsigned
+        self.runner = runner = parts.runner
+        self.model = parts.model
+        self.agent = agent = parts.agent
+        self.lifecycle = parts.lifecycle
+        self.key = parts.key  # signs every KvHandle; None: insecure, handles go unsigned
+        credentials = parts.credentials
         # Lease id -> the blocks pinned for a decode worker, with their digests.
         self.leases: LeaseTable[LeasedBlocks] = LeaseTable(lease_ttl_s)
         self.lease_ttl_per_lease_s = lease_ttl_per_lease_s
