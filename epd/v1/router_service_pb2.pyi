@@ -17,14 +17,16 @@ class ImageInput(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class VideoInput(_message.Message):
-    __slots__ = ("frames", "fps", "uuid")
+    __slots__ = ("frames", "fps", "uuid", "file")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
     frames: _containers.RepeatedScalarFieldContainer[bytes]
     fps: float
     uuid: str
-    def __init__(self, frames: _Optional[_Iterable[bytes]] = ..., fps: _Optional[float] = ..., uuid: _Optional[str] = ...) -> None: ...
+    file: bytes
+    def __init__(self, frames: _Optional[_Iterable[bytes]] = ..., fps: _Optional[float] = ..., uuid: _Optional[str] = ..., file: _Optional[bytes] = ...) -> None: ...
 
 class ContentPart(_message.Message):
     __slots__ = ("text", "image", "video")
@@ -45,16 +47,18 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "cache_salt")
+    __slots__ = ("request_id", "messages", "sampling", "cache_salt", "stop")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: _sampling_pb2.SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "cached_tokens", "blocks_pulled", "blocks_reused")
