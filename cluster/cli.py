@@ -1,7 +1,7 @@
 """The `epd` command line: serve, generate, scale, status, drain, config.
 
     epd serve [--config epd.toml] [--address RAY] [--FLAG VALUE ...]   run a deployment on Ray
-    epd generate "prompt" [--image PATH] [--video DIR] [--fps F]       stream one answer
+    epd generate "prompt" [--image PATH] [--video FILE|DIR] [--fps F]  stream one answer
     epd scale --role prefill --replicas 3                              resize a pool
     epd status                                                         every worker and its load
     epd drain HOST:PORT                                                stop routing to a worker
@@ -102,10 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--video",
         action="append",
         default=[],
-        metavar="DIR",
-        help="a folder of frame images, in name order (repeatable)",
+        metavar="FILE|DIR",
+        help="a video file (mp4, webm, mkv) or a folder of frame images, in name order "
+        "(repeatable)",
     )
-    generate.add_argument("--fps", type=float, default=2.0, help="frames per second of --video")
+    generate.add_argument(
+        "--fps",
+        type=float,
+        default=2.0,
+        help="frames per second of a --video folder; the rate a --video file is sampled at",
+    )
     generate.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     generate.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -210,7 +216,7 @@ def frame_files(folder: str | Path) -> list[Path]:
     """The image files of a frames folder, in name order; ValueError when there are none."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f"--video {folder}: not a folder of frame images")
+        raise ValueError(f"--video {folder}: neither a video file nor a folder of frame images")
     frames = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     if not frames:
         raise ValueError(f"--video {folder}: no image files ({', '.join(IMAGE_SUFFIXES)})")
@@ -225,11 +231,15 @@ def build_messages(
     fps: float = 2.0,
     system: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The chat for one user turn: images, then videos (each a frames folder), then text."""
+    """The chat for one user turn: images, then videos (each a video file or a frames
+    folder), then text."""
     content: list[dict[str, Any]] = []
     for image in images:
         content.append({"type": "image", "image": Path(image).read_bytes()})
     for video in videos:
+        if Path(video).is_file():
+            content.append({"type": "video", "video": Path(video).read_bytes(), "fps": fps})
+            continue
         frames = [p.read_bytes() for p in frame_files(video)]
         content.append({"type": "video", "video": frames, "fps": fps})
     content.append({"type": "text", "text": prompt})

@@ -8,11 +8,14 @@
 
 Messages are OpenAI-like: `{"role": "user", "content": str | [parts]}` with parts
 `{"type": "text", "text": ...}`, `{"type": "image", "image": src}` and
-`{"type": "video", "video": frames, "fps": float}`. An image `src` is encoded file bytes
+`{"type": "video", "video": video, "fps": float}`. An image `src` is encoded file bytes
 (sent as they are), a path (the file's bytes), a PIL image or an `(H, W[, C])` uint8 array
-(both sent as PNG, lossless); video frames are a list of such sources or a `(T, H, W, C)`
-uint8 array. `"uuid"` on a media part is the caller's identity for it. Data URLs
-(`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`) work too.
+(both sent as PNG, lossless). A video is a video file (mp4, webm, mkv: a path, or the file's
+bytes), which the router decodes and samples at `fps` (optional: the router's default), or
+frames at `fps` frames per second (required): a folder of frame images (a path, read in name
+order), a list of image sources or a `(T, H, W, C)` uint8 array. `"uuid"` on a media part
+is the caller's identity for it. Data URLs (`{"type": "image_url", "image_url": {"url":
+"data:image/png;base64,..."}}`) work too.
 
 Every call presents an API key (`authorization: Bearer KEY`): `api_key=...`, else
 $EPD_API_KEY, else the client key `epd serve` wrote ($EPD_HOME/<namespace>/client_key, default
@@ -53,6 +56,8 @@ from epd.v1 import (
 )
 
 DEFAULT_MAX_MESSAGE_MB = 256
+# Files of a frames folder that are frames.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 _FINISH = {
     decode_service_pb2.FINISH_REASON_STOP: "stop",
     decode_service_pb2.FINISH_REASON_LENGTH: "length",
@@ -299,21 +304,52 @@ def _add_part(out: router_service_pb2.ChatMessage, part: Mapping[str, Any], wher
             image.uuid = str(uid)
         out.content.add(image=image)
     elif kind == "video":
-        fps = part.get("fps")
-        if fps is None or not float(fps) > 0:
-            raise ValueError(f"{where}.fps: a video needs a positive fps, got {fps!r}")
-        frames = part.get("video")
-        if frames is None or len(frames) == 0:
-            raise ValueError(f"{where}.video: no frames")
-        video = router_service_pb2.VideoInput(
-            frames=[encode_image(f, f"{where}.video[{k}]") for k, f in enumerate(frames)],
-            fps=float(fps),
-        )
+        video = video_input(part.get("video"), part.get("fps"), where)
         if uid is not None:
             video.uuid = str(uid)
         out.content.add(video=video)
     else:
         raise ValueError(f"{where}: unsupported content part type {kind!r}")
+
+
+def video_input(source: Any, fps: Any, where: str = "video") -> router_service_pb2.VideoInput:
+    """The wire form of a video (see the module docstring): a file's bytes with the rate to
+    sample it at (0: the router's default), or encoded frames with their rate."""
+    if isinstance(source, str | Path):
+        path = Path(source)
+        if path.is_dir():
+            source = frame_files(path, f"{where}.video")
+        elif path.is_file():
+            source = path.read_bytes()
+        else:
+            raise ValueError(f"{where}.video: no such file or folder: {path}")
+    if isinstance(source, bytes | bytearray | memoryview):
+        rate = 0.0 if fps is None else float(fps)
+        if not rate >= 0:
+            raise ValueError(f"{where}.fps: a video file's fps must be positive or 0, got {fps!r}")
+        if len(source) == 0:
+            raise ValueError(f"{where}.video: the video file is empty")
+        return router_service_pb2.VideoInput(file=bytes(source), fps=rate)
+    if fps is None or not float(fps) > 0:
+        raise ValueError(f"{where}.fps: a video needs a positive fps, got {fps!r}")
+    if source is None or len(source) == 0:
+        raise ValueError(f"{where}.video: no frames")
+    return router_service_pb2.VideoInput(
+        frames=[encode_image(f, f"{where}.video[{k}]") for k, f in enumerate(source)],
+        fps=float(fps),
+    )
+
+
+def frame_files(folder: str | Path, where: str = "video") -> list[Path]:
+    """The image files of a frames folder, in name order; ValueError naming `where` when
+    it is not a folder or holds none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{where} {folder}: not a folder of frame images")
+    frames = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not frames:
+        raise ValueError(f"{where} {folder}: no image files ({', '.join(IMAGE_SUFFIXES)})")
+    return frames
 
 
 def encode_image(source: Any, where: str = "image") -> bytes:

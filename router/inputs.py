@@ -9,9 +9,14 @@ Limits come before work (`common.processing.limits.InputLimits`, from the router
 settings): text bytes are counted before anything is tokenized; a video's frame count is
 checked before any frame is opened; every image and frame is opened lazily, its header's
 size checked, and the decoded bytes of the whole request summed from the headers, before
-any of them is decoded. The chat becomes typed `Message`s here, once
-(`common.processing.messages`); nothing after this reads the protobuf or a dict. Errors are
-`InputError`s (a `ValueError`), which the server answers with INVALID_ARGUMENT.
+any of them is decoded. A video may come as a container file (`VideoInput.file`: mp4, webm,
+mkv), opened by `common.processing.video_file.open_video`: its bytes, frame size and
+duration are checked from its headers, and the frames it will give counted in the same
+budget, before anything is decoded; it is sampled at the request's `fps` (0: the router's
+`video_file_fps`) and its frames keep the container's times. The chat becomes typed
+`Message`s here, once (`common.processing.messages`); nothing after this reads the protobuf
+or a dict. Errors are `InputError`s (a `ValueError`), which the server answers with
+INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 from PIL import Image
 
+from common.errors import FieldError
 from common.processing.limits import (
     InputLimits,
     LimitError,
@@ -31,10 +37,13 @@ from common.processing.limits import (
     check_video_frames,
 )
 from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
+from common.processing.video_file import VideoFile, open_video
 from epd.v1 import router_service_pb2
 
 # A decompression bomb is refused rather than decoded (when no limit is set).
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# Frames one video file may give when no max_video_frames is set.
+DEFAULT_MAX_VIDEO_FRAMES = 768
 
 
 class InputError(ValueError):
@@ -98,19 +107,41 @@ def messages_from_proto(
     if not messages:
         raise InputError("messages", "is empty")
     reader = _Reader(limits or InputLimits())
-    out: list[Message] = []
-    for i, message in enumerate(messages):
-        if not message.role:
-            raise InputError(f"messages[{i}].role", "is empty")
-        reader.text(message.role, f"messages[{i}].role")
-        parts = tuple(
-            reader.part(part, f"messages[{i}].content[{j}]")
-            for j, part in enumerate(message.content)
+    try:
+        chat: list[tuple[str, list[Part | _FileVideo]]] = []
+        for i, message in enumerate(messages):
+            if not message.role:
+                raise InputError(f"messages[{i}].role", "is empty")
+            reader.text(message.role, f"messages[{i}].role")
+            parts = [
+                reader.part(part, f"messages[{i}].content[{j}]")
+                for j, part in enumerate(message.content)
+            ]
+            chat.append((message.role, parts))
+        for image, field in reader.opened:
+            load_image(image, field)
+        return tuple(
+            Message(role, tuple(p.decode() if isinstance(p, _FileVideo) else p for p in parts))
+            for role, parts in chat
         )
-        out.append(Message(message.role, parts))
-    for image, field in reader.opened:
-        load_image(image, field)
-    return tuple(out)
+    finally:
+        for video in reader.files:
+            video.file.close()
+
+
+class _FileVideo:
+    """A video file opened and checked, decoded once every limit of the request held."""
+
+    def __init__(self, file: VideoFile, uuid: str | None) -> None:
+        self.file = file
+        self.uuid = uuid
+
+    def decode(self) -> VideoPart:
+        try:
+            frames = self.file.decode()
+        except FieldError as exc:
+            raise InputError(exc.field, exc.reason) from None
+        return VideoPart(frames, frames.fps, uuid=self.uuid)
 
 
 class _Reader:
@@ -121,6 +152,7 @@ class _Reader:
         self.budget = MediaBudget(limits)
         self.text_bytes = 0  # UTF-8 bytes of the roles and text parts so far
         self.opened: list[tuple[Image.Image, str]] = []  # images to decode, with their fields
+        self.files: list[_FileVideo] = []  # video files to decode (closed when done)
 
     def text(self, text: str, field: str) -> None:
         self.text_bytes += len(text.encode())
@@ -134,7 +166,7 @@ class _Reader:
         self.opened.append((image, field))
         return image
 
-    def part(self, part: router_service_pb2.ContentPart, where: str) -> Part:
+    def part(self, part: router_service_pb2.ContentPart, where: str) -> Part | _FileVideo:
         kind = part.WhichOneof("content")
         if kind == "text":
             self.text(part.text, f"{where}.text")
@@ -148,7 +180,11 @@ class _Reader:
             return self.video(part.video, where)
         raise InputError(where, "has no text, image or video")
 
-    def video(self, video: router_service_pb2.VideoInput, where: str) -> VideoPart:
+    def video(self, video: router_service_pb2.VideoInput, where: str) -> VideoPart | _FileVideo:
+        if video.file and video.frames:
+            raise InputError(f"{where}.video", "set exactly one of frames and file")
+        if video.file:
+            return self.video_file(video, where)
         if not video.frames:
             raise InputError(f"{where}.video.frames", "is empty")
         try:
@@ -166,3 +202,29 @@ class _Reader:
         return VideoPart(
             frames, float(video.fps), uuid=video.uuid if video.HasField("uuid") else None
         )
+
+    def video_file(self, video: router_service_pb2.VideoInput, where: str) -> _FileVideo:
+        if not video.fps >= 0 or video.fps == float("inf"):
+            raise InputError(f"{where}.video.fps", f"must be positive or 0, got {video.fps}")
+        field = f"{where}.video.file"
+        limits = self.limits
+        try:
+            opened = open_video(
+                video.file,
+                fps=video.fps or limits.video_file_fps,
+                max_frames=limits.max_video_frames or DEFAULT_MAX_VIDEO_FRAMES,
+                max_pixels=min(limits.max_image_pixels or MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS),
+                max_bytes=limits.max_video_file_bytes,
+                max_seconds=limits.max_video_seconds,
+                field=field,
+            )
+        except FieldError as exc:
+            raise InputError(exc.field, exc.reason) from None
+        pending = _FileVideo(opened, video.uuid if video.HasField("uuid") else None)
+        self.files.append(pending)
+        try:
+            for _ in opened.header.sample_times:
+                self.budget.add(opened.header.width, opened.header.height, field)
+        except LimitError as exc:
+            raise InputError(exc.field, exc.reason) from None
+        return pending

@@ -76,6 +76,17 @@ class RouterSettings(ServerSettings):
         "most bytes of decoded pixels (4 per pixel, summed over all images and frames of one "
         "request, from their headers before any is decoded)",
     )
+    max_video_file_bytes: int = setting(
+        256 << 20, "most bytes of one video file (mp4, webm, mkv), checked before it is opened"
+    )
+    max_video_seconds: float = setting(
+        600.0, "longest video file, by its header's duration, checked before any frame is decoded"
+    )
+    video_file_fps: float = setting(
+        2.0,
+        "frames per second a video file is sampled at when the request gives none (fps 0); "
+        "at most max_video_frames, spread over the video when more",
+    )
     kv_reprefills: int = setting(
         2,
         "times a request is prefilled again when decode refuses the pulled KV (its lease "
@@ -105,11 +116,15 @@ class RouterSettings(ServerSettings):
             "max_prompt_text_bytes",
             "max_image_pixels",
             "max_media_bytes",
+            "max_video_file_bytes",
+            "max_video_seconds",
         ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must not be negative")
         if self.max_video_frames < 1:
             raise SettingsError("max_video_frames: must be positive")
+        if not self.video_file_fps > 0:
+            raise SettingsError("video_file_fps: must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SettingsError("max_model_len: must be at least 2")
 
@@ -120,6 +135,9 @@ class RouterSettings(ServerSettings):
             max_image_pixels=self.max_image_pixels,
             max_video_frames=self.max_video_frames,
             max_media_bytes=self.max_media_bytes,
+            max_video_file_bytes=self.max_video_file_bytes,
+            max_video_seconds=self.max_video_seconds,
+            video_file_fps=self.video_file_fps,
             max_model_len=min(self.max_model_len or context, context),
         )
 

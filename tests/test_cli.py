@@ -167,7 +167,7 @@ def frames(tmp_path: Path) -> Path:
 
 def test_video_frames_are_the_images_of_the_folder_in_name_order(frames: Path) -> None:
     assert [p.name for p in frame_files(frames)] == ["f00.png", "f01.png", "f02.png"]
-    with pytest.raises(ValueError, match="not a folder"):
+    with pytest.raises(ValueError, match="nor a folder"):
         frame_files(frames / "f00.png")
     empty = frames.parent / "empty"
     empty.mkdir()

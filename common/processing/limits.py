@@ -8,6 +8,9 @@ tokenized or allocated for it:
 - an image's or frame's size comes from its header (PIL reads it lazily in `Image.open`),
   checked before `load()` (`check_image_header`), and the decoded bytes of every item of a
   request are summed against one budget (`MediaBudget`), also from headers;
+- a video file's bytes, frame size and duration come from its container's headers, checked
+  before any frame is decoded (`common.processing.video_file.open_video`), and the frames it
+  will give count against the same budget;
 - prompt tokens + `max_tokens` against the model's context
   (`common.models.prompt_check.check_context`, which the KV workers call too).
 """
@@ -36,6 +39,9 @@ class InputLimits:
     max_image_pixels: int | None = None  # width * height of one image or video frame
     max_video_frames: int | None = None  # frames of one video
     max_media_bytes: int | None = None  # decoded pixel bytes of all images and frames
+    max_video_file_bytes: int | None = None  # bytes of one video container file
+    max_video_seconds: float | None = None  # duration of one video file, from its header
+    video_file_fps: float = 2.0  # rate a video file is sampled at when its request says 0
     max_model_len: int | None = None  # prompt tokens + max_tokens
 
 

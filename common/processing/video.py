@@ -8,6 +8,10 @@ budget covers all frames), normalised like images and patchified in groups of
 one temporal patch: one grid step `t`, one run of placeholders in the prompt, and one
 timestamp, the mean of its first and last frame's time in seconds.
 
+A frame's time is its index / fps, unless the frames come as `TimedFrames` (decoded from a
+container file by `common.processing.video_file`): then it is the frame's own time, from the
+container's presentation timestamps, so the `<t seconds>` text in the prompt is the file's.
+
 Resizing uses the same PIL bicubic path as images (the reference video processor resizes
 with torchvision, so resized video pixels may differ from it in the last bits).
 """
@@ -34,6 +38,22 @@ from common.processing.image import (
 )
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class TimedFrames:
+    """Decoded frames, each with its own time (a container file's, sampled at `fps`)."""
+
+    frames: ByteArray  # (T, H, W, 3) uint8 RGB
+    times: tuple[float, ...]  # seconds of each frame from the stream's start, increasing
+    fps: float  # rate the frames were sampled at (what `sample_frame_indices` assumes)
+
+    def __post_init__(self) -> None:
+        if self.frames.ndim != 4 or len(self.times) != len(self.frames):
+            raise ValueError(
+                f"timed frames need (T, H, W, 3) frames and T times, got "
+                f"{self.frames.shape} and {len(self.times)}"
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessedVideo:
     """One video's patch rows and layout."""
@@ -56,14 +76,18 @@ def sample_frame_indices(total: int, fps: float, settings: ProcessorSettings) ->
 
 
 def temporal_timestamps(
-    indices: Sequence[int], fps: float, temporal_patch_size: int
+    indices: Sequence[int],
+    fps: float,
+    temporal_patch_size: int,
+    frame_times: Sequence[float] | None = None,
 ) -> list[float]:
     """Time of each temporal patch: mean of its first and last frame's time (seconds).
 
+    A frame's time is `frame_times[i]` when given (a container's), else `i / fps`.
     `indices` are padded with the last index to a multiple of `temporal_patch_size`.
     """
     padded = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
-    times = [i / fps for i in padded]
+    times = [i / fps if frame_times is None else frame_times[i] for i in padded]
     return [
         (times[k] + times[k + temporal_patch_size - 1]) / 2
         for k in range(0, len(times), temporal_patch_size)
@@ -104,6 +128,8 @@ def smart_resize_video(
 
 
 def _frames_as_images(frames: Any) -> list[Image.Image]:
+    if isinstance(frames, TimedFrames):
+        frames = frames.frames
     if isinstance(frames, np.ndarray):
         if frames.ndim != 4 or frames.shape[-1] not in (1, 3, 4):
             raise ValueError(f"video array must be (T, H, W, C), got {frames.shape}")
@@ -114,7 +140,12 @@ def _frames_as_images(frames: Any) -> list[Image.Image]:
 
 
 def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> ProcessedVideo:
-    """Decoded frames at `fps` frames per second -> patch rows, grid and timestamps."""
+    """Decoded frames at `fps` frames per second -> patch rows, grid and timestamps.
+
+    `TimedFrames` bring their own rate and times; `fps` is then ignored."""
+    frame_times = None
+    if isinstance(frames, TimedFrames):
+        fps, frame_times = frames.fps, frames.times
     if fps <= 0:
         raise ValueError(f"video fps must be positive, got {fps}")
     images = _frames_as_images(frames)
@@ -135,6 +166,6 @@ def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> Pr
     )
     pixels: ByteArray = np.stack([resize_rgb(im, new_h, new_w) for im in chosen])
     patches, grid = patchify(normalize(pixels, settings), settings)
-    timestamps = temporal_timestamps(indices, fps, settings.temporal_patch_size)
+    timestamps = temporal_timestamps(indices, fps, settings.temporal_patch_size, frame_times)
     padded = indices + [indices[-1]] * (-len(indices) % settings.temporal_patch_size)
     return ProcessedVideo(patches, grid, tuple(timestamps), tuple(padded))

@@ -1,0 +1,249 @@
+"""Video container files (mp4, webm, mkv) decoded with PyAV into timed frames.
+
+`open_video` reads only the file's headers and checks them against the caller's limits
+before a single frame is decoded (DESIGN §7, limits come before work):
+- the file's bytes (`max_bytes`), before FFmpeg sees them;
+- the container kind, from its magic bytes: ISO base media (mp4, mov) or Matroska (mkv,
+  webm), opened with that demuxer only, so no other demuxer (playlists, concat lists that
+  open further files) ever reads the bytes;
+- the first video stream's width x height (`max_pixels`) and duration (`max_seconds`).
+
+`VideoFile.decode` then samples the stream at `fps`: one frame per `1 / fps` seconds (the
+frame nearest each sample time, never one frame twice), or, when that is more than
+`max_frames`, `max_frames` times spread uniformly over the duration. Decoding stops at the
+last sample time and refuses a stream that holds far more frames than its header says. Each
+kept frame is converted to RGB and keeps its time, from the container's presentation
+timestamps relative to the stream's start: `TimedFrames`, which the processor turns into
+the `<t seconds>` text between a video's runs.
+
+Every refusal is a `FieldError` naming the caller's field (`LimitError` for a limit,
+`VideoFileError` for a file that is not a readable video).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import av
+import numpy as np
+
+from common.errors import FieldError
+from common.processing.limits import LimitError
+from common.processing.video import TimedFrames
+
+# Magic bytes -> the one demuxer allowed to read such a file.
+_MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header: mkv, webm
+_ISO_BOX_TYPES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")  # mp4, mov
+# A stream may hold this many more frames than its header's duration x rate says (rounding,
+# variable frame rates) before it is refused as lying about its length.
+_FRAME_SLACK = 1.5
+_FRAME_SLACK_MIN = 16
+# Assumed frame rate when the header gives none (bounds the frames decoded).
+_FALLBACK_RATE = 240.0
+_DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
+
+
+class VideoFileError(FieldError):
+    """A video file that cannot be read: not a supported container, no video stream,
+    corrupt data."""
+
+
+def container_format(data: bytes, field: str) -> str:
+    """The PyAV demuxer for a file, from its magic bytes; `VideoFileError` for any other
+    kind of file."""
+    if data[:4] == _MATROSKA_MAGIC:
+        return "matroska"
+    if len(data) >= 8 and data[4:8] in _ISO_BOX_TYPES:
+        return "mov"
+    raise VideoFileError(field, "is not an mp4, mov, webm or mkv file")
+
+
+@dataclass(frozen=True, slots=True)
+class VideoHeader:
+    """What the headers of a video file say, checked against the limits."""
+
+    width: int  # frame width in pixels
+    height: int  # frame height in pixels
+    duration_s: float  # length of the video stream in seconds
+    rate: float | None  # average frames per second, None when the header has none
+    sample_times: tuple[float, ...]  # seconds (from the stream's start) of the frames to keep
+
+
+class VideoFile:
+    """An opened, header-checked video file; nothing is decoded until `decode`. Owns the
+    PyAV container: `decode` closes it (so does `close`)."""
+
+    def __init__(self, container: av.container.InputContainer, header: VideoHeader, field: str):
+        self._container = container
+        self.header = header
+        self.field = field  # the request field errors name
+        self.fps = 0.0  # rate the frames are sampled at (set by open_video)
+
+    def close(self) -> None:
+        """Release the container (idempotent)."""
+        self._container.close()
+
+    def decode(self) -> TimedFrames:
+        """Decode up to the last sample time and keep the frames nearest the sample times.
+        `VideoFileError` naming the field on corrupt data or a stream that is not what its
+        header said."""
+        try:
+            return self._decode()
+        except _DECODE_ERRORS as exc:
+            raise VideoFileError(self.field, f"is not a decodable video ({exc})") from None
+        finally:
+            self.close()
+
+    def _decode(self) -> TimedFrames:
+        header = self.header
+        stream = self._container.streams.video[0]
+        start = 0.0
+        if stream.start_time and stream.time_base:
+            start = float(stream.start_time * stream.time_base)
+        half = 0.5 / header.rate if header.rate else 1e-3
+        rate = header.rate or _FALLBACK_RATE
+        budget = max(math.ceil(header.duration_s * rate * _FRAME_SLACK), _FRAME_SLACK_MIN)
+        targets = header.sample_times
+        frames: list[np.ndarray] = []
+        times: list[float] = []
+        decoded = 0
+        next_target = 0  # index of the first sample time no kept frame covers
+        for frame in self._container.decode(stream):
+            decoded += 1
+            if decoded > budget:
+                raise VideoFileError(
+                    self.field, f"holds more frames than its header's {header.duration_s:.3f} s"
+                )
+            if frame.time is None:
+                raise VideoFileError(self.field, "has frames without timestamps")
+            if (frame.width, frame.height) != (header.width, header.height):
+                raise VideoFileError(
+                    self.field,
+                    f"frame size changes from {header.width}x{header.height} to "
+                    f"{frame.width}x{frame.height}",
+                )
+            t = frame.time - start
+            if t + half < targets[next_target]:
+                continue
+            frames.append(frame.to_ndarray(format="rgb24"))
+            times.append(t)
+            # The frame covers every sample time up to half a frame after it (a source slower
+            # than `fps` skips some), so no frame is kept twice.
+            while next_target < len(targets) and targets[next_target] <= t + half:
+                next_target += 1
+            if next_target == len(targets):
+                break
+        if not frames:
+            raise VideoFileError(self.field, "has no decodable frames")
+        return TimedFrames(np.stack(frames), tuple(times), self.fps)
+
+
+def sample_times(duration_s: float, fps: float, max_frames: int) -> tuple[float, ...]:
+    """Seconds of the frames to keep: every `1 / fps` in `[0, duration)`, or `max_frames`
+    spread uniformly over the duration when that is fewer."""
+    count = max(1, math.ceil(duration_s * fps - 1e-9))
+    if count <= max_frames:
+        return tuple(k / fps for k in range(count))
+    return tuple(k * duration_s / max_frames for k in range(max_frames))
+
+
+def open_video(
+    data: bytes,
+    *,
+    fps: float,
+    max_frames: int,
+    max_pixels: int | None = None,
+    max_bytes: int | None = None,
+    max_seconds: float | None = None,
+    field: str = "video.file",
+) -> VideoFile:
+    """Open a video file and check its headers against the limits (None: unlimited);
+    nothing is decoded. `LimitError` for a file over a limit, `VideoFileError` for one that
+    is not a readable video, both naming `field`."""
+    if not fps > 0:
+        raise FieldError(field, f"sample rate must be positive, got {fps}")
+    if max_frames < 1:
+        raise FieldError(field, f"max_frames must be positive, got {max_frames}")
+    if not data:
+        raise VideoFileError(field, "is empty")
+    if max_bytes is not None and len(data) > max_bytes:
+        raise LimitError(
+            field, f"video file of {len(data)} bytes exceeds max_video_file_bytes = {max_bytes}"
+        )
+    kind = container_format(data, field)
+    try:
+        container = av.open(io.BytesIO(data), mode="r", format=kind)
+    except _DECODE_ERRORS as exc:
+        raise VideoFileError(field, f"is not a readable video file ({exc})") from None
+    try:
+        header = _header(container, fps, max_frames, field)
+        _check_header(header, max_pixels, max_seconds, field)
+    except BaseException:
+        container.close()
+        raise
+    video = VideoFile(container, header, field)
+    video.fps = fps
+    return video
+
+
+def decode_video(
+    data: bytes,
+    *,
+    fps: float,
+    max_frames: int,
+    max_pixels: int | None = None,
+    max_bytes: int | None = None,
+    max_seconds: float | None = None,
+    field: str = "video.file",
+) -> TimedFrames:
+    """`open_video`, then `VideoFile.decode`: the sampled frames `(T, H, W, 3)` uint8 with
+    their times in seconds."""
+    return open_video(
+        data,
+        fps=fps,
+        max_frames=max_frames,
+        max_pixels=max_pixels,
+        max_bytes=max_bytes,
+        max_seconds=max_seconds,
+        field=field,
+    ).decode()
+
+
+def _header(
+    container: av.container.InputContainer, fps: float, max_frames: int, field: str
+) -> VideoHeader:
+    if not container.streams.video:
+        raise VideoFileError(field, "has no video stream")
+    stream = container.streams.video[0]
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width < 1 or height < 1:
+        raise VideoFileError(field, f"has no frame size in its header ({width}x{height})")
+    if stream.duration and stream.time_base:
+        duration = float(stream.duration * stream.time_base)
+    elif container.duration:
+        duration = container.duration / av.time_base
+    else:
+        raise VideoFileError(field, "has no duration in its header")
+    if not duration > 0 or not math.isfinite(duration):
+        raise VideoFileError(field, f"has a duration of {duration} s")
+    rate = float(stream.average_rate) if stream.average_rate else None
+    return VideoHeader(width, height, duration, rate, sample_times(duration, fps, max_frames))
+
+
+def _check_header(
+    header: VideoHeader, max_pixels: int | None, max_seconds: float | None, field: str
+) -> None:
+    pixels = header.width * header.height
+    if max_pixels is not None and pixels > max_pixels:
+        raise LimitError(
+            field,
+            f"video of {header.width}x{header.height} = {pixels} pixels per frame exceeds "
+            f"max_image_pixels = {max_pixels}",
+        )
+    if max_seconds is not None and header.duration_s > max_seconds:
+        raise LimitError(
+            field,
+            f"video of {header.duration_s:.1f} s exceeds max_video_seconds = {max_seconds}",
+        )
