@@ -19,6 +19,7 @@ from common.engine import Engine
 from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
+from common.processing.video_file import decode_video
 from common.sampling import SamplingParams
 from common.server.auth import service_credentials
 from common.server.rpc import channel
@@ -26,6 +27,7 @@ from common.wire.kv import layout_from_proto
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 from tests.cluster import Cluster, start_cluster
+from tests.test_video_file import make_video
 
 pytestmark = pytest.mark.slow
 
@@ -159,6 +161,16 @@ async def test_outputs_equal_the_offline_engine_with_four_in_flight(cluster, eng
         _, messages, images = cases[name]
         prompt = engine.process(messages, images=images).prompt_token_ids
         assert result.prompt_tokens == len(prompt), name
+
+
+async def test_a_video_file_equals_the_offline_engine_given_its_decoded_frames(cluster, engine):
+    data = make_video("mp4", "libx264", frames=24, rate=8)  # 3 s: 6 frames at 2 fps
+    frames = decode_video(data, fps=2.0, max_frames=768)
+    want = reference(engine, user("Film:", {"type": "video", "video": frames}, "Why?"), GREEDY)
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
+        wire = user("Film:", {"type": "video", "video": data, "fps": 2.0}, "Why?")
+        result = await client.generate_text(wire, GREEDY, timeout_s=120)
+    assert result.token_ids == want
 
 
 async def test_same_video_new_question_reuses_prefill_cache_and_pulls_only_missing(cluster, engine):
