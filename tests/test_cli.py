@@ -292,6 +292,18 @@ async def test_generate_streams_text_then_timings_and_block_counts(
     assert len(video.frames) == 3 and video.fps == 3.0
 
 
+async def test_generate_sends_a_video_file_with_its_sample_rate(
+    router: tuple[str, FakeRouter, FakeAdmin], tmp_path: Path
+) -> None:
+    address, fake, _ = router
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"\x00\x00\x00\x18ftypmp42 the router decodes this")
+    argv = ["generate", "hi", "--video", str(clip), "--fps", "2", "--address", address]
+    assert await cmd_generate(build_parser().parse_args(argv)) == 0
+    video = fake.requests[0].messages[0].content[0].video
+    assert video.file == clip.read_bytes() and not video.frames and video.fps == 2.0
+
+
 async def test_status_lists_every_worker(
     router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
 ) -> None:
