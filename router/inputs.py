@@ -13,7 +13,8 @@ any of them is decoded. A video may come as a container file (`VideoInput.file`:
 mkv), opened by `common.processing.video_file.open_video`: its bytes, frame size and
 duration are checked from its headers, and the frames it will give counted in the same
 budget, before anything is decoded; it is sampled at the request's `fps` (0: the router's
-`video_file_fps`) and its frames keep the container's times. The chat becomes typed
+`video_file_fps`) and its frames keep the container's times (the processor then samples them
+as any frame list, at most its `video_sample_fps`). The chat becomes typed
 `Message`s here, once (`common.processing.messages`); nothing after this reads the protobuf
 or a dict. Errors are `InputError`s (a `ValueError`), which the server answers with
 INVALID_ARGUMENT.
@@ -213,7 +214,9 @@ class _Reader:
                 video.file,
                 fps=video.fps or limits.video_file_fps,
                 max_frames=limits.max_video_frames or DEFAULT_MAX_VIDEO_FRAMES,
-                max_pixels=min(limits.max_image_pixels or MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS),
+                max_pixels=MAX_IMAGE_PIXELS
+                if limits.max_image_pixels is None
+                else min(limits.max_image_pixels, MAX_IMAGE_PIXELS),
                 max_bytes=limits.max_video_file_bytes,
                 max_seconds=limits.max_video_seconds,
                 field=field,

@@ -75,11 +75,13 @@ class VideoFile:
     """An opened, header-checked video file; nothing is decoded until `decode`. Owns the
     PyAV container: `decode` closes it (so does `close`)."""
 
-    def __init__(self, container: av.container.InputContainer, header: VideoHeader, field: str):
+    def __init__(
+        self, container: av.container.InputContainer, header: VideoHeader, fps: float, field: str
+    ) -> None:
         self._container = container
         self.header = header
+        self.fps = fps  # rate the frames are sampled at
         self.field = field  # the request field errors name
-        self.fps = 0.0  # rate the frames are sampled at (set by open_video)
 
     def close(self) -> None:
         """Release the container (idempotent)."""
@@ -102,10 +104,13 @@ class VideoFile:
         start = 0.0
         if stream.start_time and stream.time_base:
             start = float(stream.start_time * stream.time_base)
-        half = 0.5 / header.rate if header.rate else 1e-3
+        targets = header.sample_times
+        # A frame stands for the sample times up to half a source frame after it (at most
+        # half the sampling interval, whatever rate the header claims).
+        spacing = targets[1] - targets[0] if len(targets) > 1 else header.duration_s
+        half = min(0.5 / header.rate if header.rate else 1e-3, 0.5 * spacing)
         rate = header.rate or _FALLBACK_RATE
         budget = max(math.ceil(header.duration_s * rate * _FRAME_SLACK), _FRAME_SLACK_MIN)
-        targets = header.sample_times
         frames: list[np.ndarray] = []
         times: list[float] = []
         decoded = 0
@@ -129,8 +134,8 @@ class VideoFile:
                 continue
             frames.append(frame.to_ndarray(format="rgb24"))
             times.append(t)
-            # The frame covers every sample time up to half a frame after it (a source slower
-            # than `fps` skips some), so no frame is kept twice.
+            # The frame covers every sample time up to `half` after it (a source slower than
+            # `fps` skips some), so no frame is kept twice.
             while next_target < len(targets) and targets[next_target] <= t + half:
                 next_target += 1
             if next_target == len(targets):
@@ -183,9 +188,7 @@ def open_video(
     except BaseException:
         container.close()
         raise
-    video = VideoFile(container, header, field)
-    video.fps = fps
-    return video
+    return VideoFile(container, header, fps, field)
 
 
 def decode_video(
