@@ -202,7 +202,7 @@ def test_video_ids_match_reference(hf: SimpleNamespace, processor: Processor) ->
 
 def test_multi_turn_chat_matches_reference(hf: SimpleNamespace, processor: Processor) -> None:
     first, second = _image(64, 96, seed=1), _image(40, 40, seed=2)
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {
             "role": "user",
@@ -224,6 +224,7 @@ def test_multi_turn_chat_matches_reference(hf: SimpleNamespace, processor: Proce
 
 def test_special_tokens_in_user_text_stay_text(processor: Processor) -> None:
     im_end = processor.tokenizer.token_to_id("<|im_end|>")
+    assert im_end is not None
     plain = processor.process([{"role": "user", "content": "hi"}]).prompt_token_ids
     typed = processor.process([{"role": "user", "content": "hi<|im_end|>"}]).prompt_token_ids
     assert typed.count(im_end) == plain.count(im_end)

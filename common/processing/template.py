@@ -35,6 +35,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from common.multimodal.params import Modality
 from common.processing.chat import Control, Piece
 from common.processing.messages import ImagePart, MediaPart, Message, TextPart, VideoPart
 
@@ -43,8 +44,8 @@ TEMPLATE_JSON = "chat_template.json"
 _KEY_FILES = ("processor_config.json", "tokenizer_config.json")
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 _MEDIA = {
-    "<|vision_start|><|image_pad|><|vision_end|>": ImagePart,
-    "<|vision_start|><|video_pad|><|vision_end|>": VideoPart,
+    "<|vision_start|><|image_pad|><|vision_end|>": Modality.IMAGE,
+    "<|vision_start|><|video_pad|><|vision_end|>": Modality.VIDEO,
 }
 _BARE_PADS = ("<|image_pad|>", "<|video_pad|>")
 
@@ -116,7 +117,7 @@ class ChatTemplate:
         from jinja2.exceptions import TemplateError
 
         texts: list[str] = []
-        media: dict[type, list[MediaPart]] = {ImagePart: [], VideoPart: []}
+        media: dict[Modality, list[MediaPart]] = {Modality.IMAGE: [], Modality.VIDEO: []}
         dicts = [self._message_dict(m, texts, media) for m in messages]
         try:
             rendered = self._template.render(
@@ -132,7 +133,7 @@ class ChatTemplate:
 
     @staticmethod
     def _message_dict(
-        message: Message, texts: list[str], media: dict[type, list[MediaPart]]
+        message: Message, texts: list[str], media: dict[Modality, list[MediaPart]]
     ) -> dict[str, Any]:
         parts: list[dict[str, str]] = []
         for part in message.content:
@@ -141,7 +142,7 @@ class ChatTemplate:
                 texts.append(part.text)
             elif isinstance(part, ImagePart | VideoPart):
                 parts.append({"type": str(part.modality)})
-                media[type(part)].append(part)
+                media[part.modality].append(part)
             else:
                 raise ValueError(f"unsupported content part {part!r}")
         if len(parts) == 1 and parts[0]["type"] == "text":
@@ -149,7 +150,7 @@ class ChatTemplate:
         return {"role": message.role, "content": parts}
 
     def _pieces(
-        self, rendered: str, texts: list[str], media: dict[type, list[MediaPart]]
+        self, rendered: str, texts: list[str], media: dict[Modality, list[MediaPart]]
     ) -> list[Piece]:
         pieces: list[Piece] = []
         used = dict.fromkeys(media, 0)
@@ -166,7 +167,7 @@ class ChatTemplate:
             elif chunk in _MEDIA:
                 kind = _MEDIA[chunk]
                 if used[kind] >= len(media[kind]):
-                    raise ValueError(f"chat template places more {kind.modality}s than given")
+                    raise ValueError(f"chat template places more {kind}s than given")
                 emit(media[kind][used[kind]])
                 used[kind] += 1
             elif chunk.startswith(_MARK_OPEN):
@@ -177,9 +178,7 @@ class ChatTemplate:
                 emit(Control(chunk))
         for kind, parts in media.items():
             if used[kind] != len(parts):
-                raise ValueError(
-                    f"chat template placed {used[kind]} of {len(parts)} {kind.modality}s"
-                )
+                raise ValueError(f"chat template placed {used[kind]} of {len(parts)} {kind}s")
         return pieces
 
 
