@@ -382,7 +382,8 @@ def test_generation_defaults(tmp_path: Path) -> None:
     assert defaults.eos_token_ids == (3,)
     assert defaults.sampling(max_tokens=2, temperature=None).max_tokens == 2
     _write(tmp_path, "generation_config.json", {"temperature": 0.7, "top_k": 20})
-    assert GenerationDefaults.from_folder(tmp_path).sampling().is_greedy
+    greedy = GenerationDefaults.from_folder(tmp_path).sampling()
+    assert greedy.is_greedy and greedy.top_k == 20
 
 
 def test_generation_eos_wins_over_config(tmp_path: Path) -> None:
@@ -391,3 +392,16 @@ def test_generation_eos_wins_over_config(tmp_path: Path) -> None:
     _write(folder, "generation_config.json", {"eos_token_id": [7, 9]})
     assert Qwen3VLConfig.from_file(folder).eos_token_ids == (7, 9)
     assert Qwen3VLConfig.from_file(folder / "config.json").eos_token_ids != (7, 9)
+
+
+def test_wire_sampling_takes_checkpoint_defaults() -> None:
+    from common.wire.convert import sampling_from_proto
+    from epd.v1 import sampling_pb2
+
+    defaults = GenerationDefaults(top_p=0.8, top_k=5, max_new_tokens=3)
+    unset = sampling_from_proto(sampling_pb2.SamplingParams(temperature=0.5), defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.5, 0.8, 5, 3)
+    given = sampling_pb2.SamplingParams(temperature=0.5, top_p=0.5, top_k=2, max_tokens=9)
+    s = sampling_from_proto(given, defaults)
+    assert (s.top_p, s.top_k, s.max_tokens) == (0.5, 2, 9)
+    assert sampling_from_proto(sampling_pb2.SamplingParams()).max_tokens == 16

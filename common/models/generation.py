@@ -2,9 +2,10 @@
 
 What is read: `do_sample`, `temperature`, `top_p`, `top_k`, `max_new_tokens` and
 `eos_token_id` (an int or a list). As in `transformers`' `generate`, `do_sample: false` (or
-absent) means greedy whatever the temperature says. `max_new_tokens` is the default
-`max_tokens` of a request that leaves it unset; without it the default is
-`SamplingParams`' own. `eos_token_id` here wins over `config.json`'s (it is what the
+absent) means greedy whatever the temperature says; `top_p` / `top_k` are kept either way
+(greedy ignores them; a request that sets a temperature samples with them).
+`max_new_tokens` is the default `max_tokens` of a request that leaves it unset; without it
+the default is `SamplingParams`' own. `eos_token_id` here wins over `config.json`'s (it is what the
 reference's `generate` stops on): `Qwen3VLConfig.from_file` of a folder applies it.
 Other keys are ignored (they steer the reference's search, not what epd implements).
 """
@@ -45,8 +46,8 @@ class GenerationDefaults:
             temperature=(float(temperature) if temperature is not None else None)
             if sample
             else 0.0,
-            top_p=float(raw["top_p"]) if sample and raw.get("top_p") is not None else None,
-            top_k=int(top_k) if sample and top_k is not None else None,
+            top_p=float(raw["top_p"]) if raw.get("top_p") is not None else None,
+            top_k=int(top_k) if top_k is not None else None,
             max_new_tokens=(
                 int(raw["max_new_tokens"]) if raw.get("max_new_tokens") is not None else None
             ),

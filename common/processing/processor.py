@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from common.models.generation import GenerationDefaults
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.multimodal.params import (
@@ -137,12 +138,15 @@ class Processor:
         config: Qwen3VLConfig,
         settings: ProcessorSettings,
         template: ChatTemplate | None = None,
+        generation: GenerationDefaults | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.settings = settings
         # The checkpoint's own chat template; None renders the built-in ChatML layout.
         self.template = template
+        # The checkpoint's default sampling (`generation_config.json`), for the front doors.
+        self.generation = generation or GenerationDefaults()
         vision = config.vision
         if (settings.patch_size, settings.merge_size, settings.temporal_patch_size) != (
             vision.patch_size,
@@ -170,13 +174,14 @@ class Processor:
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> Processor:
         """Read tokenizer.json, config.json, the processor settings files
-        (`common.models.qwen3_vl.processor_files`) and the chat template, if the checkpoint
-        has one (`common.processing.template`)."""
+        (`common.models.qwen3_vl.processor_files`), the chat template if the checkpoint has
+        one (`common.processing.template`) and `generation_config.json`."""
         folder = Path(folder)
         config = Qwen3VLConfig.from_file(folder)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         settings = processor_settings(folder, config)
-        return cls(tokenizer, config, settings, load_chat_template(folder, tokenizer))
+        template = load_chat_template(folder, tokenizer)
+        return cls(tokenizer, config, settings, template, GenerationDefaults.from_folder(folder))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
