@@ -40,7 +40,7 @@ TEMPLATE = (
     "{%- if messages[0].role != 'system' %}<|im_start|>system\nYou are tiny.<|im_end|>\n"
     "{% endif %}"
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
-    "{%- if message.content is string %}{{ message.content }}{% else %}"
+    "{%- if message.content is string %}{{ message.content | trim }}{% else %}"
     "{%- for part in message.content %}"
     "{%- if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{%- elif part.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
@@ -208,7 +208,7 @@ def test_multi_turn_chat_matches_reference(hf: SimpleNamespace, processor: Proce
             "role": "user",
             "content": [{"type": "text", "text": "Look:"}, {"type": "image", "image": first}],
         },
-        {"role": "assistant", "content": "A picture."},
+        {"role": "assistant", "content": "  A picture.  "},  # trimmed by the template
         {
             "role": "user",
             "content": [
@@ -220,6 +220,7 @@ def test_multi_turn_chat_matches_reference(hf: SimpleNamespace, processor: Proce
     prompt = processor.process(messages)
     assert prompt.prompt_token_ids == _reference_ids(hf, messages, [first, second])
     assert not prompt.prompt_text.startswith("<|im_start|>system\nYou are tiny.")
+    assert "<|im_start|>assistant\nA picture.<|im_end|>" in prompt.prompt_text
 
 
 def test_special_tokens_in_user_text_stay_text(processor: Processor) -> None:

@@ -13,14 +13,17 @@ Rendering is `transformers`' `apply_chat_template`: a sandboxed
 `eos_token`, ...) when given.
 
 User text must stay text, yet the template's output is one string mixing its control
-tokens with user text. So the template never sees the user's text: each text part is
-replaced by a marker (`\\ue000<n>\\ue001`, private-use characters no template treats
-specially) and each media part by `{"type": "image"}` / `{"type": "video"}`. The rendered
-string is then cut into pieces: a marker becomes the user's text (a `str`, tokenized with
-special tokens as plain text), a `<|vision_start|><|image_pad|><|vision_end|>` (or
-`video_pad`) run becomes the next media part of that modality (the processor expands it
-exactly as with the built-in layout, so the runs are the same), any other added token of
-the tokenizer becomes a `Control`, and the rest is the template's own text. A message's
+tokens with user text. So before rendering, every special token spelled in a role or a text
+part (and the marker characters themselves) is replaced by a marker (`\ue000<n>\ue001`,
+private-use characters no template treats specially); the template sees the user's text
+otherwise unchanged, so its `trim`, `startswith` or `'</think>' in content` behave as in
+`transformers`. Media parts are given as `{"type": "image"}` / `{"type": "video"}`. The
+rendered string is then cut into pieces: a marker becomes the literal text it hid (a `str`,
+tokenized with special tokens as plain text), a `<|vision_start|><|image_pad|><|vision_end|>`
+(or `video_pad`) run becomes the next media part of that modality (the processor expands it
+exactly as with the built-in layout, so the runs are the same), any other added token of the
+tokenizer becomes a `Control` (non-special added tokens in user text, such as `<think>`,
+are tokens there too, as with the built-in layout), and the rest is text. A message's
 content is passed as a string when it is one text part, as the list form otherwise.
 """
 
@@ -77,11 +80,13 @@ class ChatTemplate:
         source: str,
         *,
         added_tokens: Iterable[str] = (),
-        special_tokens: Mapping[str, str] | None = None,
+        special_tokens: Iterable[str] = (),
+        variables: Mapping[str, str] | None = None,
     ) -> None:
-        """`added_tokens`: the tokenizer's added tokens, cut out as `Control`s; the
-        `<|vision_start|>` + pad runs are matched first. `special_tokens`: template
-        variables such as `eos_token`."""
+        """`added_tokens`: the tokenizer's added tokens, cut out of the output as
+        `Control`s (the `<|vision_start|>` + pad runs are matched first).
+        `special_tokens`: those hidden from the template when typed in user text (the
+        tokenizer's special ones). `variables`: template variables such as `eos_token`."""
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -101,7 +106,9 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
         self._template = env.from_string(source)
-        self._variables = dict(special_tokens or {})
+        self._variables = dict(variables or {})
+        hidden = sorted({*special_tokens, *_BARE_PADS, _MARK_OPEN, _MARK_CLOSE}, key=len)
+        self._hide = re.compile("|".join(re.escape(t) for t in reversed(hidden) if t))
         tokens = sorted(set(added_tokens) | set(_BARE_PADS), key=len, reverse=True)
         alternatives = [re.escape(m) for m in _MEDIA]
         alternatives.append(f"{_MARK_OPEN}[0-9]+{_MARK_CLOSE}")
@@ -131,23 +138,31 @@ class ChatTemplate:
             raise ValueError(f"chat template: {exc}") from exc
         return self._pieces(rendered, texts, media)
 
-    @staticmethod
+    def _escape(self, text: str, texts: list[str]) -> str:
+        """`text` with each special token (and marker character) replaced by a marker."""
+
+        def mark(match: re.Match[str]) -> str:
+            texts.append(match.group(0))
+            return f"{_MARK_OPEN}{len(texts) - 1}{_MARK_CLOSE}"
+
+        return self._hide.sub(mark, text)
+
     def _message_dict(
-        message: Message, texts: list[str], media: dict[Modality, list[MediaPart]]
+        self, message: Message, texts: list[str], media: dict[Modality, list[MediaPart]]
     ) -> dict[str, Any]:
         parts: list[dict[str, str]] = []
+        role = self._escape(message.role, texts)
         for part in message.content:
             if isinstance(part, TextPart):
-                parts.append({"type": "text", "text": f"{_MARK_OPEN}{len(texts)}{_MARK_CLOSE}"})
-                texts.append(part.text)
+                parts.append({"type": "text", "text": self._escape(part.text, texts)})
             elif isinstance(part, ImagePart | VideoPart):
                 parts.append({"type": str(part.modality)})
                 media[part.modality].append(part)
             else:
                 raise ValueError(f"unsupported content part {part!r}")
         if len(parts) == 1 and parts[0]["type"] == "text":
-            return {"role": message.role, "content": parts[0]["text"]}
-        return {"role": message.role, "content": parts}
+            return {"role": role, "content": parts[0]["text"]}
+        return {"role": role, "content": parts}
 
     def _pieces(
         self, rendered: str, texts: list[str], media: dict[Modality, list[MediaPart]]
@@ -202,5 +217,10 @@ def load_chat_template(folder: str | Path, tokenizer: Tokenizer) -> ChatTemplate
                 value = value.get("content")
             if isinstance(value, str):
                 variables[key] = value
-    added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
-    return ChatTemplate(source, added_tokens=added, special_tokens=variables)
+    added = list(tokenizer.get_added_tokens_decoder().values())
+    return ChatTemplate(
+        source,
+        added_tokens=[t.content for t in added],
+        special_tokens=[t.content for t in added if t.special],
+        variables=variables,
+    )
