@@ -306,6 +306,20 @@ def test_settings_precedence(tmp_path: Path, config: Qwen3VLConfig) -> None:
     assert (s.video_max_frames, s.video_sample_fps) == (7, None)
 
 
+def test_unset_values_and_older_size_keys(tmp_path: Path, config: Qwen3VLConfig) -> None:
+    _write(
+        tmp_path,
+        "preprocessor_config.json",
+        {
+            "min_pixels": None,
+            "max_pixels": None,
+            "size": {"min_pixels": 1000, "max_pixels": 9000},
+        },
+    )
+    s = processor_files.read_processor_settings(tmp_path, config)
+    assert (s.min_pixels, s.max_pixels) == (1000, 9000)
+
+
 def test_unknown_setting_warns_once(
     tmp_path: Path, config: Qwen3VLConfig, caplog: pytest.LogCaptureFixture
 ) -> None:

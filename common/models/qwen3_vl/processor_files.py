@@ -123,8 +123,8 @@ def _image_values(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
     if isinstance(size, dict):
         out.update(_pixel_bounds(size, name, "min_pixels", "max_pixels"))
     for key, value in raw.items():
-        if key == "size" or (value is None and key not in _OWN_FIELDS):
-            continue
+        if key == "size" or (value is None and key != "video_sample_fps"):
+            continue  # None: unset (our own video_sample_fps None keeps every frame)
         if key in _OWN_FIELDS:
             out[key] = _coerce(key, value)
         else:
@@ -164,9 +164,11 @@ def _video_values(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
 def _pixel_bounds(size: Mapping[str, Any], name: str, low: str, high: str) -> dict[str, int]:
     out = {}
     for key, value in size.items():
-        if key == "shortest_edge":
+        if value is None:
+            continue
+        if key in ("shortest_edge", "min_pixels"):  # min/max_pixels: older checkpoints
             out[low] = int(value)
-        elif key == "longest_edge":
+        elif key in ("longest_edge", "max_pixels"):
             out[high] = int(value)
         else:
             _warn(name, f"size.{key}", "is not understood (epd reads shortest/longest_edge)")
