@@ -41,6 +41,7 @@ import torch
 
 from common.kv.hashing import DEFAULT_ROOT
 from common.models import batching
+from common.models.generation import GenerationDefaults
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.qwen3_vl.text import LM_PREFIX, TextModel
@@ -94,11 +95,15 @@ class Engine:
         max_batch: int = 32,
         prefill_chunk: int | None = None,
         device: torch.device | str = "cpu",
+        generation: GenerationDefaults | None = None,
     ) -> None:
         self.config = config
         self.vision = vision
         self.processor = processor
         self.max_batch = max_batch
+        # The checkpoint's default sampling (`generation_config.json`), for requests that
+        # pass no `SamplingParams` (see `sampling`).
+        self.generation = generation or GenerationDefaults()
         # The language model, its KV cache and sampler, and its allocator: as on a worker.
         self.runner = LmRunner(
             config,
@@ -123,7 +128,8 @@ class Engine:
         max_batch: int = 32,
         prefill_chunk: int | None = None,
     ) -> Engine:
-        """Load a Hugging Face-format Qwen3-VL checkpoint folder."""
+        """Load a Hugging Face-format Qwen3-VL checkpoint folder (its processor files, chat
+        template and generation defaults included)."""
         config = Qwen3VLConfig.from_file(path)
         tensors = load_weights(
             path, config, dtype=dtype, prefix=(VISUAL_PREFIX, LM_PREFIX, LM_HEAD), device=device
@@ -138,7 +144,13 @@ class Engine:
             max_batch=max_batch,
             prefill_chunk=prefill_chunk,
             device=device,
+            generation=GenerationDefaults.from_folder(path),
         )
+
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        """The checkpoint's default `SamplingParams` (`generation_config.json`: temperature,
+        top_p, top_k, max_new_tokens as max_tokens), then the given fields (None: unset)."""
+        return self.generation.sampling(**overrides)
 
     # ------------------------------------------------------------------ encode / prefill
 
@@ -223,16 +235,21 @@ class Engine:
             cached_tokens=seq.cached_tokens,
         )
 
-    def generate(self, messages: Messages, sampling: SamplingParams) -> GenerateResult:
-        """Generate for one chat."""
+    def generate(
+        self, messages: Messages, sampling: SamplingParams | None = None
+    ) -> GenerateResult:
+        """Generate for one chat (`sampling` None: the checkpoint's defaults)."""
         return self.generate_batch([messages], sampling)[0]
 
     def generate_batch(
         self,
         requests: Sequence[Messages],
-        sampling: SamplingParams | Sequence[SamplingParams],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerateResult]:
-        """Generate for many chats with continuous batching; results in request order."""
+        """Generate for many chats with continuous batching; results in request order
+        (`sampling` None: the checkpoint's defaults, `self.sampling()`)."""
+        if sampling is None:
+            sampling = self.sampling()
         params = [sampling] * len(requests) if isinstance(sampling, SamplingParams) else sampling
         if len(params) != len(requests):
             raise ValueError(f"{len(requests)} requests but {len(params)} sampling params")

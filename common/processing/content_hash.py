@@ -19,23 +19,18 @@ import numpy.typing as npt
 import torch
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.qwen3_vl.preprocessor import PREPROCESSOR_FILE, ProcessorSettings
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
+from common.models.qwen3_vl.processor_files import read_processor_settings
 
 # Domain tag of item and partition content hashes; bump it if the hashed layout changes.
 _HASH_TAG = b"epd.qwen3vl.item.v1"
 
 
 def processor_settings(folder: str | Path, config: Qwen3VLConfig) -> ProcessorSettings:
-    """The checkpoint's `preprocessor_config.json`, or defaults from its vision config."""
-    folder = Path(folder)
-    if (folder / PREPROCESSOR_FILE).is_file():
-        return ProcessorSettings.from_file(folder)
-    v = config.vision
-    return ProcessorSettings(
-        patch_size=v.patch_size,
-        merge_size=v.spatial_merge_size,
-        temporal_patch_size=v.temporal_patch_size,
-    )
+    """The checkpoint's processor settings: its preprocessor, video preprocessor and
+    processor files over defaults from its vision config
+    (`common.models.qwen3_vl.processor_files`)."""
+    return read_processor_settings(folder, config)
 
 
 def content_hash(

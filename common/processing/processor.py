@@ -1,9 +1,11 @@
 """Qwen3-VL input processing: typed chat messages -> token ids, item layout and patch rows.
 
-`Processor.process` renders the chat template, preprocesses every image and video, expands
-each into placeholder tokens, tokenises the result and derives each item's exact runs from
-the placeholder mask (`common.multimodal.runs_from_mask`). The output carries no
-embeddings: the encoder makes them later from `pixel_values`.
+`Processor.process` renders the chat template (the checkpoint's own when it has one, see
+`common.processing.template`; else the built-in layout of `common.processing.chat`),
+preprocesses every image and video, expands each into placeholder tokens, tokenises the
+result and derives each item's exact runs from the placeholder mask
+(`common.multimodal.runs_from_mask`). The output carries no embeddings: the encoder makes
+them later from `pixel_values`.
 
 Placeholder layout per item (m = merge_size, grid `(t, h, w)` in patches):
 - image: `<|vision_start|>` + (h/m)*(w/m) x `<|image_pad|>` + `<|vision_end|>` -> one run;
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from common.models.generation import GenerationDefaults
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.multimodal.params import (
@@ -51,6 +54,7 @@ from common.processing.messages import (
     TextPart,
     messages_from_dicts,
 )
+from common.processing.template import ChatTemplate, load_chat_template
 from common.processing.video import preprocess_video
 
 logger = logging.getLogger(__name__)
@@ -129,11 +133,20 @@ class Processor:
     """Tokeniser + image/video preprocessing of one Qwen3-VL checkpoint."""
 
     def __init__(
-        self, tokenizer: Tokenizer, config: Qwen3VLConfig, settings: ProcessorSettings
+        self,
+        tokenizer: Tokenizer,
+        config: Qwen3VLConfig,
+        settings: ProcessorSettings,
+        template: ChatTemplate | None = None,
+        generation: GenerationDefaults | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.settings = settings
+        # The checkpoint's own chat template; None renders the built-in ChatML layout.
+        self.template = template
+        # The checkpoint's default sampling (`generation_config.json`), for the front doors.
+        self.generation = generation or GenerationDefaults()
         vision = config.vision
         if (settings.patch_size, settings.merge_size, settings.temporal_patch_size) != (
             vision.patch_size,
@@ -160,12 +173,15 @@ class Processor:
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> Processor:
-        """Read tokenizer.json, config.json and preprocessor_config.json (defaults from the
-        vision config when the last is absent)."""
+        """Read tokenizer.json, config.json, the processor settings files
+        (`common.models.qwen3_vl.processor_files`), the chat template if the checkpoint has
+        one (`common.processing.template`) and `generation_config.json`."""
         folder = Path(folder)
         config = Qwen3VLConfig.from_file(folder)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        return cls(tokenizer, config, processor_settings(folder, config))
+        settings = processor_settings(folder, config)
+        template = load_chat_template(folder, tokenizer)
+        return cls(tokenizer, config, settings, template, GenerationDefaults.from_folder(folder))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -204,7 +220,10 @@ class Processor:
         chat = messages_from_dicts(messages)
         if limits is not None:
             _check_text(chat, limits)
-        pieces = render_chat(chat, add_generation_prompt=add_generation_prompt)
+        if self.template is not None:
+            pieces = self.template.render(chat, add_generation_prompt=add_generation_prompt)
+        else:
+            pieces = render_chat(chat, add_generation_prompt=add_generation_prompt)
         slots = [p for p in pieces if not isinstance(p, str | Control)]
         payload_index = _assign_payloads(
             slots, {Modality.IMAGE: len(images), Modality.VIDEO: len(videos)}

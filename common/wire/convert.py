@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from common.errors import FieldError
+from common.models.generation import GenerationDefaults
 from common.multimodal.params import (
     ItemEmbedding,
     ItemPartition,
@@ -287,18 +288,24 @@ def embeddings_from_proto(
     return out
 
 
-def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
+def sampling_from_proto(
+    msg: sampling_pb2.SamplingParams, defaults: GenerationDefaults | None = None
+) -> SamplingParams:
     """Checked `SamplingParams`; `max_tokens` 0 (unset on the wire) means the default.
 
-    Raises `FieldError` with field "sampling" for out-of-range values.
+    With `defaults` (the checkpoint's `generation_config.json`), an unset `max_tokens`,
+    `top_p` or `top_k` takes the checkpoint's value (`max_new_tokens`, ...) before
+    `SamplingParams`' own; the temperature is always the request's (the wire cannot leave
+    it unset). Raises `FieldError` with field "sampling" for out-of-range values.
     """
+    base = (defaults or GenerationDefaults()).sampling()
     try:
         return SamplingParams(
             temperature=float(msg.temperature),
-            top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
-            top_k=int(msg.top_k) if msg.HasField("top_k") else 0,
+            top_p=float(msg.top_p) if msg.HasField("top_p") else base.top_p,
+            top_k=int(msg.top_k) if msg.HasField("top_k") else base.top_k,
             seed=int(msg.seed) if msg.HasField("seed") else None,
-            max_tokens=int(msg.max_tokens) or SamplingParams().max_tokens,
+            max_tokens=int(msg.max_tokens) or base.max_tokens,
             stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
             ignore_eos=bool(msg.ignore_eos),
         )

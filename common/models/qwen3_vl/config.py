@@ -9,9 +9,11 @@ One frozen tree: `Qwen3VLConfig` holds a `TextConfig` (the language model) and a
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from common.models.generation import GenerationDefaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +145,14 @@ class Qwen3VLConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Qwen3VLConfig:
-        """Read `config.json` (a file, or a checkpoint folder holding one)."""
+        """Read `config.json` (a file, or a checkpoint folder holding one; in a folder the
+        `eos_token_id` of `generation_config.json` wins, see `common.models.generation`)."""
         path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        if not path.is_dir():
+            return cls.from_dict(json.loads(path.read_text()))
+        config = cls.from_dict(json.loads((path / "config.json").read_text()))
+        eos = GenerationDefaults.from_folder(path).eos_token_ids
+        return replace(config, eos_token_ids=eos) if eos else config
 
     def to_dict(self) -> dict[str, Any]:
         """The `config.json` form the reference reads (transformers >= 5)."""

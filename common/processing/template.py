@@ -1,0 +1,226 @@
+"""A checkpoint's own Jinja2 chat template, rendered into the processor's pieces.
+
+Where the template comes from, first found wins: `chat_template.jinja`, then
+`chat_template.json` (`{"chat_template": ...}`), then the `chat_template` key of
+`processor_config.json`, then of `tokenizer_config.json` (a string, or the list of named
+templates transformers accepts, of which `default` is taken). A checkpoint with none (the
+built-in tiny ones) uses the built-in ChatML layout of `common.processing.chat`.
+
+Rendering is `transformers`' `apply_chat_template`: a sandboxed
+`ImmutableSandboxedEnvironment` (`trim_blocks`, `lstrip_blocks`, the `tojson` filter,
+`raise_exception`, `strftime_now`, loop controls), called with `messages`,
+`add_generation_prompt`, `tools=None` and the tokenizer's special tokens (`bos_token`,
+`eos_token`, ...) when given.
+
+User text must stay text, yet the template's output is one string mixing its control
+tokens with user text. So before rendering, every special token spelled in a role or a text
+part (and the marker characters themselves) is replaced by a marker (`\ue000<n>\ue001`,
+private-use characters no template treats specially); the template sees the user's text
+otherwise unchanged, so its `trim`, `startswith` or `'</think>' in content` behave as in
+`transformers`. Media parts are given as `{"type": "image"}` / `{"type": "video"}`. The
+rendered string is then cut into pieces: a marker becomes the literal text it hid (a `str`,
+tokenized with special tokens as plain text), a `<|vision_start|><|image_pad|><|vision_end|>`
+(or `video_pad`) run becomes the next media part of that modality (the processor expands it
+exactly as with the built-in layout, so the runs are the same), any other added token of the
+tokenizer becomes a `Control` (non-special added tokens in user text, such as `<think>`,
+are tokens there too, as with the built-in layout), and the rest is text. A message's
+content is passed as a string when it is one text part, as the list form otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from common.multimodal.params import Modality
+from common.processing.chat import Control, Piece
+from common.processing.messages import ImagePart, MediaPart, Message, TextPart, VideoPart
+
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_JSON = "chat_template.json"
+_KEY_FILES = ("processor_config.json", "tokenizer_config.json")
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MEDIA = {
+    "<|vision_start|><|image_pad|><|vision_end|>": Modality.IMAGE,
+    "<|vision_start|><|video_pad|><|vision_end|>": Modality.VIDEO,
+}
+_BARE_PADS = ("<|image_pad|>", "<|video_pad|>")
+
+
+def find_chat_template(folder: str | Path) -> str | None:
+    """The checkpoint's chat template source, or None (see the module docstring)."""
+    folder = Path(folder)
+    if (folder / TEMPLATE_FILE).is_file():
+        return (folder / TEMPLATE_FILE).read_text()
+    for name in (TEMPLATE_JSON, *_KEY_FILES):
+        path = folder / name
+        if not path.is_file():
+            continue
+        raw = json.loads(path.read_text())
+        template = raw.get("chat_template") if isinstance(raw, dict) else None
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if isinstance(template, str) and template:
+            return template
+    return None
+
+
+class ChatTemplate:
+    """One compiled Jinja2 chat template; `render` is safe to call from many threads."""
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        added_tokens: Iterable[str] = (),
+        special_tokens: Iterable[str] = (),
+        variables: Mapping[str, str] | None = None,
+    ) -> None:
+        """`added_tokens`: the tokenizer's added tokens, cut out of the output as
+        `Control`s (the `<|vision_start|>` + pad runs are matched first).
+        `special_tokens`: those hidden from the template when typed in user text (the
+        tokenizer's special ones). `variables`: template variables such as `eos_token`."""
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent)
+
+        def strftime_now(fmt: str) -> str:
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        self._template = env.from_string(source)
+        self._variables = dict(variables or {})
+        hidden = sorted({*special_tokens, *_BARE_PADS, _MARK_OPEN, _MARK_CLOSE}, key=len)
+        self._hide = re.compile("|".join(re.escape(t) for t in reversed(hidden) if t))
+        tokens = sorted(set(added_tokens) | set(_BARE_PADS), key=len, reverse=True)
+        alternatives = [re.escape(m) for m in _MEDIA]
+        alternatives.append(f"{_MARK_OPEN}[0-9]+{_MARK_CLOSE}")
+        alternatives += [re.escape(t) for t in tokens if t]
+        self._splitter = re.compile("(" + "|".join(alternatives) + ")")
+
+    def render(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> list[Piece]:
+        """The prompt as text, control-token and media pieces in order, like
+        `common.processing.chat.render_chat`. Raises `ValueError` when the template fails
+        (its `raise_exception` included) or places media it was not given."""
+        from jinja2.exceptions import TemplateError
+
+        texts: list[str] = []
+        media: dict[Modality, list[MediaPart]] = {Modality.IMAGE: [], Modality.VIDEO: []}
+        dicts = [self._message_dict(m, texts, media) for m in messages]
+        try:
+            rendered = self._template.render(
+                messages=dicts,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self._variables,
+            )
+        except TemplateError as exc:
+            raise ValueError(f"chat template: {exc}") from exc
+        return self._pieces(rendered, texts, media)
+
+    def _escape(self, text: str, texts: list[str]) -> str:
+        """`text` with each special token (and marker character) replaced by a marker."""
+
+        def mark(match: re.Match[str]) -> str:
+            texts.append(match.group(0))
+            return f"{_MARK_OPEN}{len(texts) - 1}{_MARK_CLOSE}"
+
+        return self._hide.sub(mark, text)
+
+    def _message_dict(
+        self, message: Message, texts: list[str], media: dict[Modality, list[MediaPart]]
+    ) -> dict[str, Any]:
+        parts: list[dict[str, str]] = []
+        role = self._escape(message.role, texts)
+        for part in message.content:
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": self._escape(part.text, texts)})
+            elif isinstance(part, ImagePart | VideoPart):
+                parts.append({"type": str(part.modality)})
+                media[part.modality].append(part)
+            else:
+                raise ValueError(f"unsupported content part {part!r}")
+        if len(parts) == 1 and parts[0]["type"] == "text":
+            return {"role": role, "content": parts[0]["text"]}
+        return {"role": role, "content": parts}
+
+    def _pieces(
+        self, rendered: str, texts: list[str], media: dict[Modality, list[MediaPart]]
+    ) -> list[Piece]:
+        pieces: list[Piece] = []
+        used = dict.fromkeys(media, 0)
+
+        def emit(piece: Piece) -> None:
+            if isinstance(piece, str) and pieces and isinstance(pieces[-1], str):
+                pieces[-1] += piece
+            elif piece != "":
+                pieces.append(piece)
+
+        for k, chunk in enumerate(self._splitter.split(rendered)):
+            if k % 2 == 0:
+                emit(chunk)
+            elif chunk in _MEDIA:
+                kind = _MEDIA[chunk]
+                if used[kind] >= len(media[kind]):
+                    raise ValueError(f"chat template places more {kind}s than given")
+                emit(media[kind][used[kind]])
+                used[kind] += 1
+            elif chunk.startswith(_MARK_OPEN):
+                emit(texts[int(chunk[1:-1])])
+            elif chunk in _BARE_PADS:
+                raise ValueError(f"chat template places {chunk} outside <|vision_start|>..end")
+            else:
+                emit(Control(chunk))
+        for kind, parts in media.items():
+            if used[kind] != len(parts):
+                raise ValueError(f"chat template placed {used[kind]} of {len(parts)} {kind}s")
+        return pieces
+
+
+def load_chat_template(folder: str | Path, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The checkpoint's chat template compiled for `tokenizer`, or None when it has none.
+
+    Template variables `bos_token`, `eos_token`, `pad_token`, `unk_token` come from
+    `tokenizer_config.json` when it names them as strings.
+    """
+    folder = Path(folder)
+    source = find_chat_template(folder)
+    if source is None:
+        return None
+    variables: dict[str, str] = {}
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        raw = json.loads(config_path.read_text())
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = raw.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                variables[key] = value
+    added = list(tokenizer.get_added_tokens_decoder().values())
+    return ChatTemplate(
+        source,
+        added_tokens=[t.content for t in added],
+        special_tokens=[t.content for t in added if t.special],
+        variables=variables,
+    )

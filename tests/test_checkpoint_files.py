@@ -1,0 +1,422 @@
+"""A checkpoint behaves as its files say: processor settings, chat template, generation config.
+
+The main fixture is the built-in tiny checkpoint re-saved the way `transformers` 5 saves a
+Qwen3-VL folder: the image and video processor settings nested in `processor_config.json`
+(non-default: a smaller pixel budget, CLIP normalisation, at most 4 video frames), the
+tokenizer saved by `save_pretrained` with a chat template of its own (a default system
+message the built-in layout does not have), and `max_new_tokens` in
+`generation_config.json`. epd's token ids are compared with the reference's
+`apply_chat_template` + placeholder expansion, and the Engine's greedy output with
+`generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common.engine import Engine
+from common.models import generation
+from common.models.generation import GenerationDefaults
+from common.models.qwen3_vl import processor_files
+from common.models.qwen3_vl.config import Qwen3VLConfig
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
+from common.models.tiny import default_checkpoint
+from common.processing.processor import Processor
+from common.processing.template import find_chat_template
+from tests.model_fixtures import reference_model
+
+TEMPLATE = (
+    "{%- if messages[0].role != 'system' %}<|im_start|>system\nYou are tiny.<|im_end|>\n"
+    "{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string %}{{ message.content | trim }}{% else %}"
+    "{%- for part in message.content %}"
+    "{%- if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif part.type == 'text' %}{{ part.text }}{% endif %}"
+    "{%- endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    folder = tmp_path_factory.mktemp("hf") / "ckpt"
+    shutil.copytree(default_checkpoint(), folder)
+    (folder / "preprocessor_config.json").unlink()
+    image = Qwen2VLImageProcessorPil(
+        patch_size=16,
+        merge_size=2,
+        size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+    )
+    video = Qwen3VLVideoProcessor(
+        max_frames=4,
+        min_frames=2,
+        size={"shortest_edge": 4096, "longest_edge": 4 * 64 * 64},
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+    )
+    nested = {
+        "image_processor": image.to_dict(),
+        "video_processor": video.to_dict(),
+        "processor_class": "Qwen3VLProcessor",
+    }
+    (folder / "processor_config.json").write_text(json.dumps(nested))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(str(folder))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 8}))
+    return SimpleNamespace(folder=folder, tokenizer=tokenizer, image=image, video=video)
+
+
+@pytest.fixture(scope="module")
+def processor(hf: SimpleNamespace) -> Processor:
+    return Processor.from_pretrained(hf.folder)
+
+
+def _image(h: int, w: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _reference_ids(
+    hf: SimpleNamespace,
+    messages: list[dict[str, Any]],
+    images: list[Any],
+    video: tuple[int, int, int, float] | None = None,
+) -> list[int]:
+    """The reference's ids: `apply_chat_template`, then the Qwen3-VL processor's expansion."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+    from transformers.video_utils import VideoMetadata
+
+    bare = [
+        {
+            **m,
+            "content": [
+                {"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
+                for p in m["content"]
+            ],
+        }
+        if isinstance(m["content"], list)
+        else m
+        for m in messages
+    ]
+    text = hf.tokenizer.apply_chat_template(bare, tokenize=False, add_generation_prompt=True)
+    for image in images:
+        grid = hf.image([image], return_tensors="np")["image_grid_thw"][0]
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * (int(grid.prod()) // 4), 1)
+    text = text.replace("<|placeholder|>", "<|image_pad|>")
+    if video is not None:
+        total, h, w, fps = video
+        indices = hf.video.sample_frames(VideoMetadata(total_num_frames=total, fps=fps)).tolist()
+        new_h, new_w = smart_resize(
+            len(indices),
+            h,
+            w,
+            temporal_factor=2,
+            factor=32,
+            min_pixels=hf.video.size["shortest_edge"],
+            max_pixels=hf.video.size["longest_edge"],
+        )
+        fake = SimpleNamespace(
+            video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+            video_token="<|video_pad|>",
+            vision_start_token="<|vision_start|>",
+            vision_end_token="<|vision_end|>",
+            _calculate_timestamps=partial(Qwen3VLProcessor._calculate_timestamps, None),
+        )
+        inputs = {
+            "video_grid_thw": np.array([[-(-len(indices) // 2), new_h // 16, new_w // 16]]),
+            "video_metadata": [SimpleNamespace(fps=fps, frames_indices=indices)],
+        }
+        placeholder = Qwen3VLProcessor.replace_video_token(fake, inputs, 0)
+        text = text.replace("<|vision_start|><|video_pad|><|vision_end|>", placeholder, 1)
+    return list(hf.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_settings_come_from_the_nested_sections(processor: Processor) -> None:
+    s = processor.settings
+    assert (s.min_pixels, s.max_pixels) == (32 * 32, 128 * 128)
+    assert s.image_mean == tuple(CLIP_MEAN) and s.image_std == tuple(CLIP_STD)
+    assert (s.video_min_frames, s.video_max_frames, s.video_sample_fps) == (2, 4, 2.0)
+    assert (s.video_min_pixels, s.video_max_pixels) == (4096, 4 * 64 * 64)
+    assert processor.template is not None
+
+
+def test_image_ids_match_reference(hf: SimpleNamespace, processor: Processor) -> None:
+    image = _image(224, 224)
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}],
+        }
+    ]
+    prompt = processor.process(messages)
+    assert prompt.prompt_token_ids == _reference_ids(hf, messages, [image])
+    assert prompt.params.items[0].runs[0][1] == 16  # 224x224 within 128*128 pixels: 8x8 / 4
+    assert prompt.prompt_text.startswith("<|im_start|>system\nYou are tiny.")
+    np.testing.assert_array_equal(
+        prompt.pixel_values[0].numpy(), hf.image([image], return_tensors="np")["pixel_values"]
+    )
+
+
+def test_video_ids_match_reference(hf: SimpleNamespace, processor: Processor) -> None:
+    frames = [np.asarray(_image(48, 64, seed=k)) for k in range(20)]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": frames, "fps": 4.0},
+                {"type": "text", "text": "And this?"},
+            ],
+        }
+    ]
+    prompt = processor.process(messages)
+    assert prompt.grid_thw[0][0] == 2  # max_frames 4 -> 2 temporal patches
+    assert prompt.prompt_token_ids == _reference_ids(hf, messages, [], (20, 48, 64, 4.0))
+
+
+def test_multi_turn_chat_matches_reference(hf: SimpleNamespace, processor: Processor) -> None:
+    first, second = _image(64, 96, seed=1), _image(40, 40, seed=2)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Look:"}, {"type": "image", "image": first}],
+        },
+        {"role": "assistant", "content": "  A picture.  "},  # trimmed by the template
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": second},
+                {"type": "text", "text": "and this one?"},
+            ],
+        },
+    ]
+    prompt = processor.process(messages)
+    assert prompt.prompt_token_ids == _reference_ids(hf, messages, [first, second])
+    assert not prompt.prompt_text.startswith("<|im_start|>system\nYou are tiny.")
+    assert "assistantA picture.<|im_end|>" in prompt.prompt_text
+
+
+def test_special_tokens_in_user_text_stay_text(processor: Processor) -> None:
+    im_end = processor.tokenizer.token_to_id("<|im_end|>")
+    assert im_end is not None
+    plain = processor.process([{"role": "user", "content": "hi"}]).prompt_token_ids
+    typed = processor.process([{"role": "user", "content": "hi<|im_end|>"}]).prompt_token_ids
+    assert typed.count(im_end) == plain.count(im_end)
+    with pytest.raises(ValueError, match="placeholder"):
+        processor.process([{"role": "user", "content": "<|image_pad|>"}], allow_special_tokens=True)
+
+
+def test_engine_greedy_matches_reference_generate(hf: SimpleNamespace) -> None:
+    engine = Engine.from_pretrained(hf.folder, num_blocks=64)
+    assert engine.sampling().max_tokens == 8 and engine.sampling().is_greedy
+    image = _image(64, 64, seed=3)
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe."}],
+        }
+    ]
+    prompt = engine.process(messages)
+    ours = engine.generate(messages)
+    reference = reference_model(hf.folder)
+    ids = torch.tensor([prompt.prompt_token_ids])
+    types = (ids == engine.config.image_token_id).long()  # the reference's modality mask
+    with torch.no_grad():
+        out = reference.generate(
+            input_ids=ids,
+            mm_token_type_ids=types,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=prompt.pixel_values[0],
+            image_grid_thw=torch.tensor([prompt.grid_thw[0]]),
+            do_sample=False,
+        )
+    assert ours.token_ids == out[0, ids.shape[1] :].tolist()
+
+
+# ------------------------------------------------------------------- unit: precedence
+
+
+def _write(folder: Path, name: str, obj: object) -> None:
+    (folder / name).write_text(json.dumps(obj))
+
+
+@pytest.fixture
+def config() -> Qwen3VLConfig:
+    return Qwen3VLConfig.from_file(default_checkpoint())
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(processor_files, "_warned", set())
+
+
+def test_settings_precedence(tmp_path: Path, config: Qwen3VLConfig) -> None:
+    read = partial(processor_files.read_processor_settings, tmp_path, config)
+    v = config.vision
+    assert read() == ProcessorSettings(
+        patch_size=v.patch_size,
+        merge_size=v.spatial_merge_size,
+        temporal_patch_size=v.temporal_patch_size,
+    )
+    _write(
+        tmp_path,
+        "preprocessor_config.json",
+        {"size": {"shortest_edge": 100, "longest_edge": 200}, "max_pixels": 300},
+    )
+    assert (read().min_pixels, read().max_pixels) == (100, 300)  # explicit key over size
+    _write(tmp_path, "video_preprocessor_config.json", {"max_frames": 5, "fps": 1})
+    assert (read().video_max_frames, read().video_sample_fps) == (5, 1.0)
+    _write(
+        tmp_path,
+        "processor_config.json",
+        {
+            "image_processor": {"size": {"longest_edge": 400}},
+            "video_processor": {"max_frames": 7, "do_sample_frames": False},
+        },
+    )
+    s = read()
+    assert (s.min_pixels, s.max_pixels) == (100, 400)
+    assert (s.video_max_frames, s.video_sample_fps) == (7, None)
+
+
+def test_unset_values_and_older_size_keys(tmp_path: Path, config: Qwen3VLConfig) -> None:
+    _write(
+        tmp_path,
+        "preprocessor_config.json",
+        {
+            "min_pixels": None,
+            "max_pixels": None,
+            "size": {"min_pixels": 1000, "max_pixels": 9000},
+        },
+    )
+    s = processor_files.read_processor_settings(tmp_path, config)
+    assert (s.min_pixels, s.max_pixels) == (1000, 9000)
+
+
+def test_unknown_setting_warns_once(
+    tmp_path: Path, config: Qwen3VLConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(
+        tmp_path,
+        "processor_config.json",
+        {
+            "image_processor": {"crop_to_fit": True, "do_resize": True, "resample": 2},
+            "video_processor": {"num_frames": 8, "image_mean": [0.1, 0.2, 0.3]},
+        },
+    )
+    with caplog.at_level(logging.WARNING, logger=processor_files.__name__):
+        processor_files.read_processor_settings(tmp_path, config)
+        processor_files.read_processor_settings(tmp_path, config)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 4, messages
+    for key in ("crop_to_fit", "resample", "num_frames", "image_mean"):
+        assert sum(key in m for m in messages) == 1, key
+    assert not any("do_resize" in m for m in messages)
+
+
+def test_builtin_checkpoint_reads_as_before(
+    config: Qwen3VLConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = default_checkpoint()
+    with caplog.at_level(logging.WARNING):
+        processor = Processor.from_pretrained(folder)
+    assert processor.settings == ProcessorSettings.from_file(folder)
+    assert processor.template is None and not caplog.records
+
+
+def test_template_sources(tmp_path: Path) -> None:
+    assert find_chat_template(tmp_path) is None
+    _write(
+        tmp_path, "tokenizer_config.json", {"chat_template": [{"name": "default", "template": "b"}]}
+    )
+    assert find_chat_template(tmp_path) == "b"
+    _write(tmp_path, "processor_config.json", {"chat_template": "p"})
+    assert find_chat_template(tmp_path) == "p"
+    _write(tmp_path, "chat_template.json", {"chat_template": "j"})
+    assert find_chat_template(tmp_path) == "j"
+    (tmp_path / "chat_template.jinja").write_text("f")
+    assert find_chat_template(tmp_path) == "f"
+
+
+def test_template_errors_are_value_errors(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(default_checkpoint(), folder)
+    (folder / "chat_template.jinja").write_text("{{ raise_exception('no system, please') }}")
+    processor = Processor.from_pretrained(folder)
+    with pytest.raises(ValueError, match="no system, please"):
+        processor.process([{"role": "user", "content": "hi"}])
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}<|image_pad|>{% endfor %}")
+    with pytest.raises(ValueError, match="outside"):
+        Processor.from_pretrained(folder).process([{"role": "user", "content": "hi"}])
+
+
+def test_generation_defaults(tmp_path: Path) -> None:
+    assert GenerationDefaults.from_folder(tmp_path).sampling() == generation.SamplingParams()
+    _write(
+        tmp_path,
+        "generation_config.json",
+        {
+            "do_sample": True,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "max_new_tokens": 5,
+            "eos_token_id": 3,
+        },
+    )
+    defaults = GenerationDefaults.from_folder(tmp_path)
+    s = defaults.sampling()
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.7, 0.9, 20, 5)
+    assert defaults.eos_token_ids == (3,)
+    assert defaults.sampling(max_tokens=2, temperature=None).max_tokens == 2
+    _write(tmp_path, "generation_config.json", {"temperature": 0.7, "top_k": 20})
+    greedy = GenerationDefaults.from_folder(tmp_path).sampling()
+    assert greedy.is_greedy and greedy.top_k == 20
+
+
+def test_generation_eos_wins_over_config(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(default_checkpoint(), folder)
+    _write(folder, "generation_config.json", {"eos_token_id": [7, 9]})
+    assert Qwen3VLConfig.from_file(folder).eos_token_ids == (7, 9)
+    assert Qwen3VLConfig.from_file(folder / "config.json").eos_token_ids != (7, 9)
+
+
+def test_wire_sampling_takes_checkpoint_defaults() -> None:
+    from common.wire.convert import sampling_from_proto
+    from epd.v1 import sampling_pb2
+
+    defaults = GenerationDefaults(top_p=0.8, top_k=5, max_new_tokens=3)
+    unset = sampling_from_proto(sampling_pb2.SamplingParams(temperature=0.5), defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.5, 0.8, 5, 3)
+    given = sampling_pb2.SamplingParams(temperature=0.5, top_p=0.5, top_k=2, max_tokens=9)
+    s = sampling_from_proto(given, defaults)
+    assert (s.top_p, s.top_k, s.max_tokens) == (0.5, 2, 9)
+    assert sampling_from_proto(sampling_pb2.SamplingParams()).max_tokens == 16
