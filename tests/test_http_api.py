@@ -194,7 +194,7 @@ async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         await api(url).chat.completions.create(model="gpt-4o", messages=WEATHER)
     assert missing.value.body["param"] == "model"  # type: ignore[index]
-    bad = [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 1 << 20}, "max_tokens"),  # over the context
         ({"stop": [""]}, "stop"),
