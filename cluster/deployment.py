@@ -91,8 +91,9 @@ class Controller:
         return self.router_address
 
     async def http_address(self) -> str | None:
-        """The router's HTTP API address (None: off)."""
-        return self.router.http_address
+        """The router's HTTP API address, as clients dial it (None: off)."""
+        http = self.router.http_address
+        return reachable_address(http) if http else None
 
     async def wait_ready(self, timeout_s: float) -> dict[str, int]:
         """Wait until every pool has as many registered workers as it should.

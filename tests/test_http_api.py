@@ -34,6 +34,7 @@ from router.http.media import MediaPolicy, load
 from router.http.schema import ChatCompletionRequest
 from router.server import serve
 from router.settings import RouterSettings
+from router.stop import StopStrings
 from router.workers import WorkerLoad
 from tests.cluster import CLIENT_KEY, Cluster, cluster_security, start_cluster
 from tests.test_router import TEXT, FakeDecode, FakeEncoder, FakePrefill
@@ -131,6 +132,20 @@ def test_media_urls_are_refused_unless_allowed(tmp_path: Path) -> None:
         load(f"{tmp_path}/../cat.png", "f", allowed)
     with pytest.raises(FieldError, match="non-public"):  # resolved, then refused
         load("https://localhost/cat.png", "f", MediaPolicy(fetch_urls=True))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 100])
+def test_stop_strings_are_found_across_chunks(size: int) -> None:
+    text = "The cat sat. The END. After"
+    cutter = StopStrings(["END", "zzz"])
+    out = ""
+    for i in range(0, len(text), size):
+        out += cutter.add(text[i : i + size])
+        if cutter.stopped:
+            break
+    assert (out, cutter.stopped) == ("The cat sat. The ", True)
+    plain = StopStrings(["zz"])
+    assert plain.add("fiz") == "fi" and plain.add("") == "" and plain.flush() == "z"
 
 
 # ------------------------------------------------------------- a router with fake workers
