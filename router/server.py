@@ -24,6 +24,7 @@ event subscriptions, then the peer client: lease releases in flight finish, chan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -211,14 +212,18 @@ async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s:
 
 async def _health_loop(running: RunningRouter, period_s: float) -> None:
     """gRPC health follows the registry: SERVING only while every role has a serving
-    worker (and the router is not draining)."""
+    worker (and the router is not draining); checked at once when a worker registers."""
+    changed = asyncio.Event()
+    running.registry.on_register.append(lambda _worker: changed.set())
     serving: bool | None = None
     while True:
         now = running.registry.ready() and not running.lifecycle.draining
         if now != serving and not running.lifecycle.draining:
             await running.set_serving(now)
         serving = now
-        await asyncio.sleep(period_s)
+        changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), period_s)
 
 
 async def _start_http(running: RunningRouter, settings: RouterSettings, path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from common.errors import FieldError
@@ -27,6 +28,7 @@ from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.roles import Role
 from common.sampling import SamplingParams
+from common.server.rpc import channel
 from epd.client import Client
 from router.admission import Need
 from router.http.convert import chat_request
@@ -194,10 +196,25 @@ async def wait_health(url: str, status: int) -> None:
     raise AssertionError(f"/health never answered {status}")
 
 
+async def grpc_health(c: FakeCluster, want: int) -> int:
+    """The router's gRPC health once it is `want` (it follows the registry within 0.1 s)."""
+    async with channel(c.router.address) as ch:
+        for _ in range(40):
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            if reply.status == want:
+                break
+            await asyncio.sleep(0.05)
+    return int(reply.status)
+
+
 async def test_health_needs_every_role(fake: FakeCluster) -> None:
     await wait_health(url_of(fake), 503)
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await grpc_health(fake, not_serving) == not_serving
     await add_workers(fake)
     await wait_health(url_of(fake), 200)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert await grpc_health(fake, serving) == serving
 
 
 async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
@@ -206,6 +223,8 @@ async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
     with pytest.raises(openai.AuthenticationError) as unauth:
         await api(url, "not-a-key").chat.completions.create(model=MODEL_ID, messages=WEATHER)
     assert unauth.value.status_code == 401
+    with pytest.raises(openai.PermissionDeniedError):  # a service's bearer names no tenant
+        await api(url, cluster_security().cluster_bearer() or "").models.list()
     with pytest.raises(openai.NotFoundError) as missing:
         await api(url).chat.completions.create(model="gpt-4o", messages=WEATHER)
     assert missing.value.body["param"] == "model"  # type: ignore[index]
