@@ -214,9 +214,11 @@ class HttpServer:
             timeout_graceful_shutdown=1,
         )
         self._server = _Server(config)
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host.strip("[]"), port), family=family)
         self._sock.setblocking(False)
         bound_host, bound_port = self._sock.getsockname()[:2]
+        bound_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
         self.address = f"{bound_host}:{bound_port}"  # host:port actually bound
         self._task: asyncio.Task[None] | None = None
 
