@@ -215,7 +215,13 @@ class HttpServer:
         )
         self._server = _Server(config)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host.strip("[]"), port), family=family)
+        try:
+            self._sock = socket.create_server((host.strip("[]"), port), family=family)
+        except OSError as exc:
+            raise RuntimeError(
+                f"HTTP API: cannot listen on {host}:{port} ({exc.strerror}); set [router] "
+                "http_port (0: any free port, -1: no HTTP API)"
+            ) from None
         self._sock.setblocking(False)
         bound_host, bound_port = self._sock.getsockname()[:2]
         bound_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
