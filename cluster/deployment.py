@@ -90,6 +90,11 @@ class Controller:
         """The router's address, as workers and clients dial it."""
         return self.router_address
 
+    async def http_address(self) -> str | None:
+        """The router's HTTP API address, as clients dial it (None: off)."""
+        http = self.router.http_address
+        return reachable_address(http) if http else None
+
     async def wait_ready(self, timeout_s: float) -> dict[str, int]:
         """Wait until every pool has as many registered workers as it should.
 
@@ -182,6 +187,7 @@ class Deployment:
         self.controller = controller
         self.started_ray = started_ray
         self.address = ""  # router address, set by start
+        self.http_address: str | None = None  # router's HTTP API address, set by start
 
     @classmethod
     async def start(cls, settings: EpdSettings, *, started_ray: bool) -> Deployment:
@@ -205,6 +211,7 @@ class Deployment:
         deployment = cls(settings, controller, started_ray)
         try:
             deployment.address = await controller.address.remote()
+            deployment.http_address = await controller.http_address.remote()
         except ray.exceptions.RayActorError as exc:
             raise WorkerStartError(f"the router failed to start: {error_summary(exc)}") from None
         return deployment

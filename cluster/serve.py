@@ -121,6 +121,8 @@ async def _serve(settings: Any, started_ray: bool, started: float) -> int:
         if deployment is None:
             return 130
         _say(f"router listening on {deployment.address}")
+        if deployment.http_address:
+            _say(f"OpenAI-compatible HTTP API on http://{deployment.http_address}/v1")
         pools = settings.pools.initial_replicas()
         _say("waiting for " + ", ".join(f"{n} {role}" for role, n in pools.items()) + " ...")
         ready = await _until(stop, deployment.wait_ready(settings.pools.ready_timeout_s))

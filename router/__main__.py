@@ -21,6 +21,8 @@ async def _serve(settings: RouterSettings) -> RunningRouter:
     running = await serve(settings)
     # Machine-readable line for launchers that start the router on port 0.
     logger.info("EPD_ROUTER_ADDRESS=%s", running.address)
+    if running.http_address is not None:
+        logger.info("EPD_HTTP_ADDRESS=%s", running.http_address)
     return running
 
 

@@ -238,6 +238,11 @@ class Registry:
         ]
         return sorted(chosen, key=lambda w: (list(Role).index(w.role), w.address))
 
+    def ready(self) -> bool:
+        """Whether every role (encoder, prefill, decode) has a registered, serving worker."""
+        live = {w.role for w in self.workers() if not w.draining}
+        return all(role in live for role in (Role.ENCODER, Role.PREFILL, Role.DECODE))
+
     def seconds_since(self, record: WorkerRecord) -> float:
         """Seconds since the worker's last register or heartbeat."""
         return max(0.0, self._clock() - record.last_seen)

@@ -24,11 +24,13 @@ event subscriptions, then the peer client: lease releases in flight finish, chan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,7 +39,7 @@ from common.errors import FieldError
 from common.models.prompt_check import check_context
 from common.models.runner import model_identity
 from common.processing.processor import ProcessedPrompt, Processor
-from common.server.auth import Authenticator, principal, service_credentials
+from common.server.auth import Authenticator, Caller, principal, service_credentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
 from common.server.role import AddServicer, RoleServer, checkpoint_path
@@ -57,6 +59,7 @@ from router.inputs import InputError, messages_from_proto
 from router.orchestrator import Orchestrator
 from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
+from router.stop import check_stop, stop_at
 from router.tenants import tenant_salt
 from router.workers import CheckpointShape, Role
 
@@ -113,47 +116,60 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             raise InputError("messages", str(exc)) from None
         return sampling, prompt
 
+    async def generate(
+        self, request: router_service_pb2.GenerateRequest, caller: Caller, client_left: float | None
+    ) -> AsyncGenerator[router_service_pb2.GenerateResponse, None]:
+        """Stream the answer to one chat for `caller` (its tenant salts the caches) within
+        `client_left` seconds (None: `request_timeout_s`); see `Orchestrator.run` for what
+        the chunks hold. Raises RouterError, or RpcStatusError while draining. The gRPC
+        Generate and the HTTP API (`router.http`) both run this."""
+        request_id = request.request_id or uuid.uuid4().hex
+        started = time.monotonic()
+        async with self.lifecycle.track():
+            try:
+                sampling, prompt = await asyncio.to_thread(self._prepare, request)
+                check_stop(request.stop)
+            except (InputError, FieldError) as exc:
+                logger.info("request %s rejected: %s", request_id, exc)
+                error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                error.trailing_metadata = (("epd-field", exc.field),)
+                raise error from None
+            budget = self.settings.request_timeout_s
+            if client_left is not None:
+                budget = min(budget, client_left)
+            job = Job(
+                request_id=request_id,
+                prompt=prompt,
+                sampling=sampling,
+                cache_salt=tenant_salt(
+                    self.salt_key,
+                    caller.tenant,
+                    request.cache_salt if request.HasField("cache_salt") else None,
+                ),
+                deadline=started + budget,
+            )
+            tokens = 0
+            async for chunk in stop_at(self.orchestrator.run(job), request.stop):
+                tokens += len(chunk.token_ids)
+                yield chunk
+            logger.info(
+                "request %s: %d prompt tokens, %d generated in %.3f s",
+                request_id,
+                len(prompt.prompt_token_ids),
+                tokens,
+                time.monotonic() - started,
+            )
+
     async def Generate(
         self, request: router_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
-        """Stream the answer to one chat; see `Orchestrator.run` for what the chunks hold."""
-        request_id = request.request_id or uuid.uuid4().hex
-        started = time.monotonic()
+        """Stream the answer to one chat (`generate`, as the authenticated caller)."""
         try:
-            async with self.lifecycle.track():
-                try:
-                    sampling, prompt = await asyncio.to_thread(self._prepare, request)
-                except InputError as exc:
-                    logger.info("request %s rejected: %s", request_id, exc)
-                    raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-                budget = self.settings.request_timeout_s
-                client_left = context.time_remaining()
-                if client_left is not None:
-                    budget = min(budget, client_left)
-                job = Job(
-                    request_id=request_id,
-                    prompt=prompt,
-                    sampling=sampling,
-                    cache_salt=tenant_salt(
-                        self.salt_key,
-                        principal(self.auth, context).tenant,
-                        request.cache_salt if request.HasField("cache_salt") else None,
-                    ),
-                    deadline=started + budget,
-                )
-                tokens = 0
-                async for chunk in self.orchestrator.run(job):
-                    tokens += len(chunk.token_ids)
-                    yield chunk
-                logger.info(
-                    "request %s: %d prompt tokens, %d generated in %.3f s",
-                    request_id,
-                    len(prompt.prompt_token_ids),
-                    tokens,
-                    time.monotonic() - started,
-                )
+            caller = principal(self.auth, context)
+            async for chunk in self.generate(request, caller, context.time_remaining()):
+                yield chunk
         except RouterError as exc:
-            logger.info("request %s failed: %s %s", request_id, exc.code.name, exc)
+            logger.info("request %s failed: %s %s", request.request_id, exc.code.name, exc)
             await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing_metadata)
         except RpcStatusError as exc:  # draining
             await context.abort(exc.code, exc.details)
@@ -173,6 +189,8 @@ class RunningRouter(RoleServer[RouterServicer]):
         """The worker registry."""
         return self.servicer.orchestrator.registry
 
+    http_address: str | None = field(default=None, kw_only=True)  # HTTP API (None: off)
+
 
 async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: float) -> None:
     """Drop silent workers every `period_s`, and forget the channel and KV-event subscription
@@ -190,6 +208,47 @@ async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s:
             if not any(w.address == address for w in registry.workers()):
                 orchestrator.prefix.forget(address)
                 await orchestrator.channels.forget(address)
+
+
+async def _health_loop(running: RunningRouter, period_s: float) -> None:
+    """gRPC health follows the registry: SERVING only while every role has a serving
+    worker (and the router is not draining); checked at once when a worker registers."""
+    changed = asyncio.Event()
+    running.registry.on_register.append(lambda _worker: changed.set())
+    serving: bool | None = None
+    while True:
+        now = running.registry.ready() and not running.lifecycle.draining
+        if now != serving and not running.lifecycle.draining:
+            await running.set_serving(now)
+        serving = now
+        changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), period_s)
+
+
+async def _start_http(running: RunningRouter, settings: RouterSettings, path: Path) -> None:
+    """Serve the OpenAI-compatible HTTP API (`router.http`) unless `http_port` is -1; it
+    stops first among the cleanup steps."""
+    if settings.http_port < 0:
+        return
+    from router.http.app import HttpServer, build_app
+    from router.http.media import MediaPolicy
+
+    policy = MediaPolicy(
+        media_dir=Path(settings.http_media_dir) if settings.http_media_dir else None,
+        fetch_urls=settings.http_fetch_urls,
+        fetch_timeout_s=settings.http_fetch_timeout_s,
+        max_bytes=settings.http_fetch_max_bytes,
+    )
+    model_id = settings.served_model_name or path.name
+    app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
+    http = HttpServer(
+        app, settings.http_host, settings.http_port, settings.max_message_mb * 1024 * 1024
+    )
+    await http.start()
+    running.cleanup.insert(0, http.stop)
+    running.http_address = http.address
+    logger.info("HTTP API (OpenAI-compatible) on http://%s serving %s", http.address, model_id)
 
 
 async def serve(
@@ -266,5 +325,11 @@ async def serve(
     )
     period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
     running.tasks.append(asyncio.create_task(_expire_loop(registry, orchestrator, period)))
+    running.tasks.append(asyncio.create_task(_health_loop(running, min(period, 0.1))))
+    try:
+        await _start_http(running, settings, path)
+    except BaseException:
+        await running.stop(0)
+        raise
     logger.info("router on %s serving %s (model %s)", running.address, path, expected)
     return running

@@ -88,6 +88,27 @@ class RouterSettings(ServerSettings):
         "at most max_video_frames, spread over the video when more (the processor then "
         "samples those frames as any frame list)",
     )
+    http_host: str = setting("127.0.0.1", "address the OpenAI-compatible HTTP API listens on")
+    http_port: int = setting(
+        8000, "port of the OpenAI-compatible HTTP API (0: pick a free one; -1: no HTTP API)"
+    )
+    served_model_name: str | None = setting(
+        None,
+        "model id the HTTP API serves and lists at /v1/models (None: the checkpoint folder's "
+        "name); requests naming another model get 404",
+    )
+    http_media_dir: str | None = setting(
+        None,
+        "folder whose files HTTP requests may name as media (a path or file:// URL inside it; "
+        "None: local files are refused)",
+    )
+    http_fetch_urls: bool = setting(
+        False,
+        "let HTTP requests name media by https:// URL, fetched by the router (hosts resolving "
+        "to private, loopback or link-local addresses are refused)",
+    )
+    http_fetch_timeout_s: float = setting(10.0, "longest one media URL fetch may take")
+    http_fetch_max_bytes: int = setting(64 << 20, "largest media file one URL fetch may return")
     kv_reprefills: int = setting(
         2,
         "times a request is prefilled again when decode refuses the pulled KV (its lease "
@@ -119,9 +140,12 @@ class RouterSettings(ServerSettings):
             "max_media_bytes",
             "max_video_file_bytes",
             "max_video_seconds",
+            "http_fetch_max_bytes",
         ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must not be negative")
+        if not -1 <= self.http_port <= 65535:
+            raise SettingsError("http_port: must be -1 (off), 0 (any free port) or a port")
         if self.max_video_frames < 1:
             raise SettingsError("max_video_frames: must be positive")
         if not self.video_file_fps > 0:

@@ -42,6 +42,7 @@ ROLES = {
     "decode": registry_service_pb2.WORKER_ROLE_DECODE,
 }
 _ADDRESS = re.compile(r"EPD_ROUTER_ADDRESS=(\S+)")
+_HTTP_ADDRESS = re.compile(r"EPD_HTTP_ADDRESS=(\S+)")
 
 
 # The API keys of every test deployment: two tenants' client keys and an admin key.
@@ -104,6 +105,7 @@ class Cluster:
     client_key: str = CLIENT_KEY  # tenant-a's API key
     other_key: str = OTHER_KEY  # tenant-b's API key
     admin_key: str = ADMIN_KEY  # the operators' (admin) API key
+    http_url: str | None = None  # the router's HTTP API, "http://host:port" (start `http=True`)
 
     def status(self, timeout_s: float = 5.0) -> admin_service_pb2.StatusResponse:
         """The router's AdminService.Status (blocking; as admin)."""
@@ -187,10 +189,12 @@ def start_cluster(
     decode_args: tuple[str, ...] = (),
     router_args: tuple[str, ...] = (),
     encoders: int = 1,
+    http: bool = False,
     timeout_s: float = 120.0,
 ) -> Cluster:
     """Start router + `encoders` encoders + prefill + decode and wait until all registered
-    (encoders after the first are named encoder-1, encoder-2, ...).
+    (encoders after the first are named encoder-1, encoder-2, ...). `http`: the router also
+    serves its HTTP API on a free port (`Cluster.http_url`); off otherwise.
 
     Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
     nothing is left running then.
@@ -224,6 +228,8 @@ def start_cluster(
                 "1",
                 "--security-api-keys-file",
                 str(security.api_keys_file),
+                "--http-port",
+                "0" if http else "-1",
                 *router_args,
             ],
             router_log,
@@ -254,6 +260,10 @@ def start_cluster(
         bound = _wait_address(cluster, router_log, deadline)
         if bound != cluster.address:
             raise RuntimeError(f"router bound {bound}, not {cluster.address}")
+        if http:
+            cluster.http_url = "http://" + _wait_address(
+                cluster, router_log, deadline, _HTTP_ADDRESS
+            )
         cluster.workers = len(names)
         _wait_registered(cluster, deadline)
     except BaseException:
@@ -262,10 +272,12 @@ def start_cluster(
     return cluster
 
 
-def _wait_address(cluster: Cluster, log: Path, deadline: float) -> str:
+def _wait_address(
+    cluster: Cluster, log: Path, deadline: float, pattern: re.Pattern[str] = _ADDRESS
+) -> str:
     while time.monotonic() < deadline:
         cluster.check_alive()
-        match = _ADDRESS.search(log.read_text(errors="replace")) if log.exists() else None
+        match = pattern.search(log.read_text(errors="replace")) if log.exists() else None
         if match:
             return match.group(1)
         time.sleep(0.1)

@@ -368,6 +368,7 @@ async def router(ckpt: Any) -> Any:
     settings = RouterSettings(
         model=str(ckpt),
         port=0,
+        http_port=-1,
         expected_model="fake-model",
         worker_timeout_s=60.0,
         grace_s=0.0,

@@ -92,7 +92,12 @@ async def dep(ckpt: Path) -> AsyncIterator[Deployment]:
     security = cluster_security()
     router = await serve_router(
         RouterSettings(
-            model=str(ckpt), port=0, heartbeat_interval_s=0.1, grace_s=0.0, security=security
+            model=str(ckpt),
+            port=0,
+            http_port=-1,
+            heartbeat_interval_s=0.1,
+            grace_s=0.0,
+            security=security,
         ),
         scaler=scaler,
     )
@@ -302,21 +307,23 @@ async def test_a_client_salt_only_splits_its_own_tenants_cache(dep: Deployment) 
 async def test_servers_without_their_secrets_refuse_to_start(ckpt: Path, tmp_path: Path) -> None:
     token_only = SecuritySettings(cluster_token_file=cluster_security().cluster_token_file)
     with pytest.raises(SettingsError, match=r"security\.api_keys_file"):
-        await serve_router(RouterSettings(model=str(ckpt), port=0, security=token_only))
+        await serve_router(
+            RouterSettings(model=str(ckpt), port=0, http_port=-1, security=token_only)
+        )
     with pytest.raises(SettingsError, match=r"security\.cluster_token_file"):
         await serve_encoder(EncoderSettings(model=str(ckpt)))
     bad = tmp_path / "keys.toml"
     bad.write_text('[[keys]]\nkey = "short"\ntenant = "t"\n')
     broken = dataclasses.replace(token_only, api_keys_file=str(bad))
     with pytest.raises(SettingsError, match=r"security\.api_keys_file: keys\[0\]\.key"):
-        await serve_router(RouterSettings(model=str(ckpt), port=0, security=broken))
+        await serve_router(RouterSettings(model=str(ckpt), port=0, http_port=-1, security=broken))
 
 
 async def test_insecure_turns_auth_off_and_says_so(
     ckpt: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     settings = RouterSettings(
-        model=str(ckpt), port=0, grace_s=0.0, security=SecuritySettings(insecure=True)
+        model=str(ckpt), port=0, http_port=-1, grace_s=0.0, security=SecuritySettings(insecure=True)
     )
     with caplog.at_level(logging.WARNING):
         router = await serve_router(settings)

@@ -78,6 +78,7 @@ async def start(ckpt: Any, slack: int = 2) -> AffinityCluster:
     settings = RouterSettings(
         model=str(ckpt),
         port=0,
+        http_port=-1,
         expected_model=MODEL,
         worker_timeout_s=60.0,
         grace_s=0.0,

@@ -221,6 +221,7 @@ async def cluster(ckpt):
     settings = RouterSettings(
         model=str(ckpt),
         port=0,
+        http_port=-1,
         expected_model=MODEL,
         worker_timeout_s=60.0,
         grace_s=0.0,
@@ -571,7 +572,12 @@ async def test_scale_delegates_to_the_scaler(ckpt):
         return replicas
 
     settings = RouterSettings(
-        model=str(ckpt), port=0, expected_model=MODEL, grace_s=0.0, security=cluster_security()
+        model=str(ckpt),
+        port=0,
+        http_port=-1,
+        expected_model=MODEL,
+        grace_s=0.0,
+        security=cluster_security(),
     )
     router = await serve(settings, scaler=scaler)
     try:

@@ -72,6 +72,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "epd",
         "serve",
         "--router-port=0",
+        "--router-http-port=0",
         "--ray-num-cpus=2",
         "--pools-drain-timeout-s=30",
     ]

@@ -1,0 +1,272 @@
+"""The HTTP API's endpoints and its server, run in the router's own event loop.
+
+    POST /v1/chat/completions   chat with text, image_url and video_url parts; streamed
+                                (server-sent chat.completion.chunk events) or not
+    POST /v1/completions        a text prompt
+    GET  /v1/models             the served model
+    GET  /health                200 when every role has a serving worker, else 503
+
+A request is converted to a `GenerateRequest` and runs through `RouterServicer.generate`,
+the code the gRPC Generate runs, in-process: the same checks, limits, admission and tenants.
+Authentication is the gRPC front door's: `Authorization: Bearer KEY` names an API key, its
+tenant salts the caches (`[security] insecure`: no keys, no tenants). Failures come back in
+OpenAI's error shape (`router.http.errors`).
+
+Lifecycle: `HttpServer.start` binds the port and serves until `stop` (the router stops it
+first among its cleanup steps, after gRPC). Requests count in the router's lifecycle, so a
+draining router refuses new ones (503) and lets running ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import uuid
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import TYPE_CHECKING, Annotated, Any
+
+import grpc
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.errors import FieldError
+from common.server.auth import ANONYMOUS, Authenticator, Caller, Need
+from common.server.credentials import AUTHORIZATION
+from common.server.rpc import RpcStatusError
+from epd.v1 import router_service_pb2
+from router.calls import RouterError
+from router.http.convert import chat_request, completion_request
+from router.http.errors import ApiError
+from router.http.media import MediaPolicy
+from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
+from router.http.stream import Answer, events
+
+if TYPE_CHECKING:
+    from router.server import RouterServicer
+
+logger = logging.getLogger(__name__)
+
+Chunks = AsyncGenerator[router_service_pb2.GenerateResponse, None]
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """Any failure of a request as the API answers it."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RouterError):
+        return ApiError.from_router(exc.code, str(exc), exc.trailing_metadata)
+    if isinstance(exc, RpcStatusError):
+        return ApiError(exc.code, exc.details)
+    if isinstance(exc, FieldError):
+        return ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param=exc.field)
+    logger.exception("HTTP request failed")
+    return ApiError(grpc.StatusCode.INTERNAL, "internal error")
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """`("body", "messages", 0, "content")` -> `messages[0].content`."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _caller(request: Request) -> Caller:
+    """The authenticated caller (runs before the body is read: refusals come first)."""
+    auth: Authenticator | None = request.app.state.auth
+    if auth is None:
+        return ANONYMOUS
+    header = request.headers.get("authorization")
+    found = auth.identify([(AUTHORIZATION, header)] if header else [])
+    if found is None:
+        raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "needs a valid API key (Bearer)")
+    if not found.satisfies(Need.CLIENT):
+        raise ApiError(grpc.StatusCode.PERMISSION_DENIED, "needs a client API key")
+    return found
+
+
+Who = Annotated[Caller, Depends(_caller)]
+
+
+def build_app(
+    servicer: RouterServicer,
+    model_id: str,
+    policy: MediaPolicy,
+    ready: Callable[[], bool],
+    auth: Authenticator | None,
+) -> FastAPI:
+    """The API over `servicer` serving `model_id`; `ready()` decides /health."""
+    app = FastAPI(title="epd", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.auth = auth
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = _param(tuple(first.get("loc", ())))
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        return ApiError(code, message, param=param or None).response()
+
+    def check_model(body: SamplingBody) -> None:
+        if body.model != model_id:
+            raise ApiError(
+                grpc.StatusCode.NOT_FOUND,
+                f"the model {body.model!r} does not exist (this server serves {model_id!r})",
+                param="model",
+            )
+
+    async def answer(
+        body: SamplingBody, request: router_service_pb2.GenerateRequest, who: Caller, chat: bool
+    ) -> Response:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        result = Answer(prefix + request.request_id, model_id, chat)
+        chunks = servicer.generate(request, who, None)
+        try:
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:
+            await chunks.aclose()
+            raise api_error(exc) from None
+        if not body.stream:
+            try:
+                if first is not None:
+                    result.add(first)
+                async for chunk in chunks:
+                    result.add(chunk)
+            except Exception as exc:
+                raise api_error(exc) from None
+            finally:
+                await chunks.aclose()
+            return JSONResponse(result.final())
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        stream = events(result, _chain(first, chunks), include_usage, lambda e: api_error(e).body())
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, who: Who) -> Response:
+        check_model(body)
+        request_id = uuid.uuid4().hex
+        try:
+            request = await asyncio.to_thread(chat_request, body, request_id, policy)
+        except FieldError as exc:
+            raise api_error(exc) from None
+        return await answer(body, request, who, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, who: Who) -> Response:
+        check_model(body)
+        try:
+            request = completion_request(body, uuid.uuid4().hex)
+        except FieldError as exc:
+            raise api_error(exc) from None
+        return await answer(body, request, who, chat=False)
+
+    @app.get("/v1/models")
+    async def models(_who: Who) -> dict[str, Any]:
+        entry = {"id": model_id, "object": "model", "created": 0, "owned_by": "epd"}
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = ready() and not servicer.lifecycle.draining
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+
+    return app
+
+
+async def _chain(first: router_service_pb2.GenerateResponse | None, rest: Chunks) -> Chunks:
+    try:
+        if first is not None:
+            yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the router's process owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """uvicorn serving an app on a port bound at `start`, in the running event loop."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, max_body_bytes: int) -> None:
+        config = uvicorn.Config(
+            _limit_body(app, max_body_bytes),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
+        self._server = _Server(config)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._sock = socket.create_server((host.strip("[]"), port), family=family)
+        except OSError as exc:
+            raise RuntimeError(
+                f"HTTP API: cannot listen on {host}:{port} ({exc.strerror}); set [router] "
+                "http_port (0: any free port, -1: no HTTP API)"
+            ) from None
+        self._sock.setblocking(False)
+        bound_host, bound_port = self._sock.getsockname()[:2]
+        bound_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+        self.address = f"{bound_host}:{bound_port}"  # host:port actually bound
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Serve until `stop`; returns once uvicorn listens."""
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        while not self._server.started and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()  # raises what stopped it
+
+    async def stop(self) -> None:
+        """Stop serving (open streams get a second), then close the socket."""
+        self._server.should_exit = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sock.close()
+
+
+def _limit_body(app: Any, max_bytes: int) -> Any:
+    """ASGI middleware: a request body over `max_bytes` is answered 413 before it is read."""
+
+    async def limited(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            error = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
+            error.status = 413
+            await error.response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > max_bytes:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
+            return message
+
+        await app(scope, counted, send)
+
+    return limited

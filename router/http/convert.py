@@ -1,0 +1,97 @@
+"""An HTTP request body -> the gRPC front door's `GenerateRequest` (run off the event loop:
+media are read here). Field errors name the body's field as OpenAI clients know it (e.g.
+`messages[0].content[1].image_url.url`, `temperature`)."""
+
+from __future__ import annotations
+
+from common.errors import FieldError
+from common.sampling import SamplingParams
+from epd.v1 import router_service_pb2, sampling_pb2
+from router.http.media import MediaPolicy, load
+from router.http.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ImageContent,
+    SamplingBody,
+    TextContent,
+)
+
+# Fields a SamplingParams message names at the start of its ValueError.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+
+
+def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
+    """The body's sampling as the wire message (checked here, so errors name the field)."""
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    top_k = max(body.top_k or 0, 0)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    try:
+        SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            seed=body.seed,
+            max_tokens=max_tokens or SamplingParams().max_tokens,
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as exc:
+        text = str(exc)
+        field = next((f for f in _SAMPLING_FIELDS if text.startswith(f)), "sampling")
+        raise FieldError(field, text) from None
+    msg = sampling_pb2.SamplingParams(temperature=temperature, ignore_eos=body.ignore_eos)
+    if body.top_p is not None:
+        msg.top_p = body.top_p
+    if top_k:
+        msg.top_k = top_k
+    if body.seed is not None:
+        msg.seed = body.seed
+    if max_tokens:
+        msg.max_tokens = max_tokens
+    return msg
+
+
+def _request(body: SamplingBody, request_id: str) -> router_service_pb2.GenerateRequest:
+    return router_service_pb2.GenerateRequest(
+        request_id=request_id, sampling=sampling(body), stop=body.stop_strings
+    )
+
+
+def chat_request(
+    body: ChatCompletionRequest, request_id: str, policy: MediaPolicy
+) -> router_service_pb2.GenerateRequest:
+    """`POST /v1/chat/completions` -> GenerateRequest (media read under `policy`)."""
+    request = _request(body, request_id)
+    for m, message in enumerate(body.messages):
+        out = request.messages.add(role="system" if message.role == "developer" else message.role)
+        if isinstance(message.content, str):
+            out.content.add(text=message.content)
+            continue
+        for p, part in enumerate(message.content):
+            where = f"messages[{m}].content[{p}]"
+            if isinstance(part, TextContent):
+                out.content.add(text=part.text)
+            elif isinstance(part, ImageContent):
+                image = router_service_pb2.ImageInput(
+                    data=load(part.image_url.url, f"{where}.image_url.url", policy)
+                )
+                if part.uuid is not None:
+                    image.uuid = part.uuid
+                out.content.add(image=image)
+            else:
+                video = router_service_pb2.VideoInput(
+                    file=load(part.video_url.url, f"{where}.video_url.url", policy),
+                    fps=part.fps or 0.0,
+                )
+                if part.uuid is not None:
+                    video.uuid = part.uuid
+                out.content.add(video=video)
+    return request
+
+
+def completion_request(
+    body: CompletionRequest, request_id: str
+) -> router_service_pb2.GenerateRequest:
+    """`POST /v1/completions` -> GenerateRequest: the prompt as one user message."""
+    request = _request(body, request_id)
+    request.messages.add(role="user").content.add(text=body.prompt)
+    return request

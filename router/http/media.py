@@ -1,0 +1,130 @@
+"""Media URLs of HTTP requests -> file bytes, under the router's settings.
+
+    data:<mime>;base64,<payload>   always (the payload is the file)
+    /path or file:///path          only inside `[router] http_media_dir` (default: refused)
+    https://host/...               only with `[router] http_fetch_urls` (default: off); the
+                                   host's addresses are resolved once and every one must be
+                                   public (private, loopback, link-local, reserved: refused);
+                                   the connection goes to that checked address; no
+                                   redirects; at most `http_fetch_max_bytes`, within
+                                   `http_fetch_timeout_s`
+    http://...                     refused
+
+Errors are `FieldError`s naming the part's url field (the API answers 400 with it). Call
+`load` off the event loop (it reads files and sockets).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import ipaddress
+import socket
+import ssl
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.errors import FieldError
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPolicy:
+    """Where media may come from (the `[router] http_*` settings)."""
+
+    media_dir: Path | None = None  # local files only inside it (None: none)
+    fetch_urls: bool = False  # https URLs fetched by the router
+    fetch_timeout_s: float = 10.0  # whole fetch, connect to last byte
+    max_bytes: int = 64 << 20  # largest file from a path or URL
+
+
+def load(url: str, field: str, policy: MediaPolicy) -> bytes:
+    """The file `url` names; FieldError(field) when it is malformed or not allowed."""
+    if url.startswith("data:"):
+        return _data_url(url, field)
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme in ("http", "https"):
+        if not policy.fetch_urls:
+            raise FieldError(field, "fetching media URLs is off (send a data URL)")
+        if parsed.scheme != "https":
+            raise FieldError(field, "only https URLs are fetched")
+        return _fetch(parsed, field, policy)
+    if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
+        return _local(urllib.parse.unquote(parsed.path), field, policy)
+    raise FieldError(field, "expected a data URL (data:<mime>;base64,...)")
+
+
+def _data_url(url: str, field: str) -> bytes:
+    header, comma, payload = url.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise FieldError(field, "expected a base64 data URL (data:<mime>;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise FieldError(field, "the data URL's payload is not valid base64") from None
+
+
+def _local(path: str, field: str, policy: MediaPolicy) -> bytes:
+    if policy.media_dir is None:
+        raise FieldError(field, "local files are refused (no [router] http_media_dir)")
+    root = policy.media_dir.resolve()
+    target = Path(path).resolve()
+    if not target.is_relative_to(root) or not target.is_file():
+        raise FieldError(field, f"no such file under {root}")
+    if target.stat().st_size > policy.max_bytes:
+        raise FieldError(field, f"file larger than {policy.max_bytes} bytes")
+    return target.read_bytes()
+
+
+def public_address(host: str, port: int, field: str) -> str:
+    """The first address `host` resolves to; FieldError unless every one is public."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        raise FieldError(field, f"cannot resolve {host}") from None
+    addresses = [str(info[4][0]) for info in infos]
+    for address in addresses:
+        if not ipaddress.ip_address(address.split("%")[0]).is_global:
+            raise FieldError(field, f"{host} resolves to a non-public address")
+    if not addresses:
+        raise FieldError(field, f"cannot resolve {host}")
+    return addresses[0]
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to a checked address, verifying the certificate for the URL's host name."""
+
+    def __init__(self, host: str, address: str, port: int, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+        self._address = address
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
+
+
+def _fetch(url: urllib.parse.SplitResult, field: str, policy: MediaPolicy) -> bytes:
+    host, port = url.hostname or "", url.port or 443
+    address = public_address(host, port, field)
+    deadline = time.monotonic() + policy.fetch_timeout_s
+    conn = _PinnedHTTPS(host, address, port, policy.fetch_timeout_s)
+    try:
+        path = url.path or "/"
+        conn.request("GET", path + (f"?{url.query}" if url.query else ""))
+        response = conn.getresponse()
+        if response.status != 200:
+            raise FieldError(field, f"fetching it answered HTTP {response.status}")
+        body = bytearray()
+        while chunk := response.read(1 << 16):
+            body += chunk
+            if len(body) > policy.max_bytes:
+                raise FieldError(field, f"larger than {policy.max_bytes} bytes")
+            if time.monotonic() > deadline:
+                raise FieldError(field, f"fetching took over {policy.fetch_timeout_s} s")
+        return bytes(body)
+    except (OSError, http.client.HTTPException) as exc:
+        raise FieldError(field, f"fetching failed: {exc}") from None
+    finally:
+        conn.close()

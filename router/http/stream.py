@@ -1,0 +1,118 @@
+"""`GenerateResponse` chunks -> OpenAI's response objects: `chat.completion` and its
+`chat.completion.chunk` stream (server-sent events ending `data: [DONE]`), and
+`text_completion` for `/v1/completions`.
+
+The first chunk of the router's stream carries prompt_tokens and cached_tokens, the last
+one the finish reason; `Answer` folds them into the usage and the finish reason."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd.v1 import decode_service_pb2, router_service_pb2
+
+_FINISH = {
+    decode_service_pb2.FINISH_REASON_STOP: "stop",
+    decode_service_pb2.FINISH_REASON_LENGTH: "length",
+    decode_service_pb2.FINISH_REASON_CANCELLED: "abort",
+}
+
+
+@dataclass(slots=True)
+class Answer:
+    """What one request's chunks add up to."""
+
+    id: str  # the response id ("chatcmpl-..." / "cmpl-...")
+    model: str  # the served model id
+    chat: bool  # chat.completion (True) or text_completion
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+    def add(self, chunk: router_service_pb2.GenerateResponse) -> None:
+        """Fold in one chunk."""
+        self.text += chunk.text
+        self.prompt_tokens = max(self.prompt_tokens, chunk.prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self.completion_tokens += len(chunk.token_ids)
+        if chunk.finish_reason != decode_service_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = _FINISH.get(chunk.finish_reason, "stop")
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object (cached tokens: from the prefix cache)."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def final(self) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text},
+                "finish_reason": self.finish_reason,
+                "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": self.text, "finish_reason": self.finish_reason}
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [choice], "usage": self.usage()}
+
+    def delta(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+        """One streamed chunk carrying `text`."""
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """`stream_options.include_usage`: the last chunk, no choices."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage()}
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+async def events(
+    answer: Answer,
+    chunks: AsyncIterator[router_service_pb2.GenerateResponse],
+    include_usage: bool,
+    on_error: Any,
+) -> AsyncIterator[str]:
+    """The SSE stream of `chunks`: one event per chunk with text or a finish reason, the
+    usage chunk when asked, then `[DONE]`. A failure mid-stream (the status line is sent
+    already) becomes one event with OpenAI's error body, `on_error(exc)`."""
+    first = True
+    try:
+        async for chunk in chunks:
+            answer.add(chunk)
+            finish = answer.finish_reason if chunk.finish_reason else None
+            if chunk.text or finish is not None or first:
+                yield sse(answer.delta(chunk.text, finish, first))
+                first = False
+    except Exception as exc:
+        yield sse(on_error(exc))
+        return
+    if include_usage:
+        yield sse(answer.usage_chunk())
+    yield sse("[DONE]")

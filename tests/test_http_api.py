@@ -1,0 +1,382 @@
+"""The router's OpenAI-compatible HTTP API (`router.http`), driven with the `openai` client.
+
+Two set-ups: a router in this event loop with fake workers (errors, admission's 429, health,
+stop strings: fast and exact), and one real deployment for the module (`tests.cluster`:
+answers equal the gRPC front door's, usage and cached tokens, the other endpoints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from common.errors import FieldError
+from common.models.tiny import make_tiny_checkpoint
+from common.processing.messages import messages_from_dicts
+from common.roles import Role
+from common.sampling import SamplingParams
+from common.server.rpc import channel
+from epd.client import Client
+from router.admission import Need
+from router.http.convert import chat_request
+from router.http.media import MediaPolicy, load
+from router.http.schema import ChatCompletionRequest
+from router.server import serve
+from router.settings import RouterSettings
+from router.stop import StopStrings
+from router.workers import WorkerLoad
+from tests.cluster import CLIENT_KEY, Cluster, cluster_security, start_cluster
+from tests.test_router import TEXT, FakeDecode, FakeEncoder, FakePrefill
+from tests.test_router import Cluster as FakeCluster
+
+MODEL_ID = "tiny"  # the served model name both set-ups use
+
+
+def png_data_url(seed: int, w: int = 64, h: int = 48) -> str:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user(*parts: dict[str, Any]) -> list[Any]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+WEATHER = user({"type": "text", "text": "Describe the weather."})
+
+
+def call(url: str, body: Any = None, key: str | None = None) -> tuple[int, dict[str, str], Any]:
+    """One plain HTTP request (blocking): status, headers, JSON body."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
+    request.add_header("Content-Type", "application/json")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return (
+                reply.status,
+                {k.lower(): v for k, v in reply.headers.items()},
+                json.loads(reply.read()),
+            )
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, json.loads(exc.read())
+
+
+def api(url: str, key: str = CLIENT_KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+# ----------------------------------------------------------- request conversion (no server)
+
+
+def test_parts_become_the_grpc_request() -> None:
+    mp4 = b"\x00\x00\x00\x18ftypmp42 not really a video"
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL_ID,
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                user(
+                    {"type": "image_url", "image_url": {"url": png_data_url(1)}, "uuid": "cat"},
+                    {
+                        "type": "video_url",
+                        "video_url": {
+                            "url": "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+                        },
+                        "fps": 2,
+                    },
+                    {"type": "text", "text": "What changes?"},
+                )[0],
+            ],
+            "temperature": 0,
+            "top_k": -1,
+            "seed": 7,
+            "max_completion_tokens": 5,
+            "stop": "\n",
+        }
+    )
+    request = chat_request(body, "r1", MediaPolicy())
+    system, question = request.messages
+    assert (system.role, system.content[0].text) == ("system", "Be brief.")
+    image, video, text = question.content
+    assert image.image.uuid == "cat" and image.image.data.startswith(b"\x89PNG")
+    assert (video.video.file, video.video.fps, list(video.video.frames)) == (mp4, 2.0, [])
+    assert text.text == "What changes?"
+    s = request.sampling
+    assert (s.temperature, s.HasField("top_k"), s.seed, s.max_tokens) == (0.0, False, 7, 5)
+    assert list(request.stop) == ["\n"]
+
+
+def test_media_urls_are_refused_unless_allowed(tmp_path: Path) -> None:
+    for url in ("https://example.com/cat.png", "http://127.0.0.1/x.png", "/etc/passwd"):
+        with pytest.raises(FieldError) as err:
+            load(url, "f", MediaPolicy())
+        assert err.value.field == "f"
+    (tmp_path / "cat.png").write_bytes(b"png")
+    allowed = MediaPolicy(media_dir=tmp_path)
+    assert load(f"file://{tmp_path}/cat.png", "f", allowed) == b"png"
+    with pytest.raises(FieldError):
+        load(f"{tmp_path}/../cat.png", "f", allowed)
+    with pytest.raises(FieldError, match="non-public"):  # resolved, then refused
+        load("https://localhost/cat.png", "f", MediaPolicy(fetch_urls=True))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 100])
+def test_stop_strings_are_found_across_chunks(size: int) -> None:
+    text = "The cat sat. The END. After"
+    cutter = StopStrings(["END", "zzz"])
+    out = ""
+    for i in range(0, len(text), size):
+        out += cutter.add(text[i : i + size])
+        if cutter.stopped:
+            break
+    assert (out, cutter.stopped) == ("The cat sat. The ", True)
+    plain = StopStrings(["zz"])
+    assert plain.add("fiz") == "fi" and plain.add("") == "" and plain.flush() == "z"
+
+
+# ------------------------------------------------------------- a router with fake workers
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+async def fake(ckpt: Path) -> AsyncIterator[FakeCluster]:
+    settings = RouterSettings(
+        model=str(ckpt),
+        port=0,
+        http_port=0,
+        served_model_name=MODEL_ID,
+        expected_model="fake-model",
+        worker_timeout_s=60.0,
+        grace_s=0.0,
+        max_queued_requests=0,
+        security=cluster_security(),
+    )
+    c = FakeCluster(await serve(settings))
+    yield c
+    await c.close()
+
+
+def url_of(c: FakeCluster) -> str:
+    return f"http://{c.router.http_address}"
+
+
+async def add_workers(c: FakeCluster) -> tuple[FakePrefill, FakeDecode]:
+    pre, dec = FakePrefill(), FakeDecode()
+    await c.add(Role.ENCODER, FakeEncoder())
+    await c.add(Role.PREFILL, pre)
+    await c.add(Role.DECODE, dec)
+    return pre, dec
+
+
+async def wait_health(url: str, status: int) -> None:
+    for _ in range(100):
+        if (await asyncio.to_thread(call, f"{url}/health"))[0] == status:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"/health never answered {status}")
+
+
+async def grpc_health(c: FakeCluster, want: int) -> int:
+    """The router's gRPC health once it is `want` (it follows the registry within 0.1 s)."""
+    async with channel(c.router.address) as ch:
+        for _ in range(40):
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            if reply.status == want:
+                break
+            await asyncio.sleep(0.05)
+    return int(reply.status)
+
+
+async def test_health_needs_every_role(fake: FakeCluster) -> None:
+    await wait_health(url_of(fake), 503)
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await grpc_health(fake, not_serving) == not_serving
+    await add_workers(fake)
+    await wait_health(url_of(fake), 200)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert await grpc_health(fake, serving) == serving
+
+
+async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
+    await add_workers(fake)
+    url = url_of(fake)
+    with pytest.raises(openai.AuthenticationError) as unauth:
+        await api(url, "not-a-key").chat.completions.create(model=MODEL_ID, messages=WEATHER)
+    assert unauth.value.status_code == 401
+    with pytest.raises(openai.PermissionDeniedError):  # a service's bearer names no tenant
+        await api(url, cluster_security().cluster_bearer() or "").models.list()
+    with pytest.raises(openai.NotFoundError) as missing:
+        await api(url).chat.completions.create(model="gpt-4o", messages=WEATHER)
+    assert missing.value.body["param"] == "model"  # type: ignore[index]
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 1 << 20}, "max_tokens"),  # over the context
+        ({"stop": [""]}, "stop"),
+    ]
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            await api(url).chat.completions.create(model=MODEL_ID, messages=WEATHER, **extra)
+        assert err.value.body["param"] == param, err.value.body  # type: ignore[index]
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    with pytest.raises(openai.BadRequestError) as fetch:
+        await api(url).chat.completions.create(model=MODEL_ID, messages=user(image))
+    assert fetch.value.body["param"] == "messages[0].content[0].image_url.url"  # type: ignore[index]
+    status, _, reply = await asyncio.to_thread(
+        call, f"{url}/v1/chat/completions", {"model": MODEL_ID}
+    )
+    assert status == 401  # no key: refused before the body is looked at
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+async def test_a_full_queue_answers_429_with_retry_after(fake: FakeCluster) -> None:
+    pre, _ = await add_workers(fake)
+    prompt = fake.router.orchestrator.processor.process(messages_from_dicts(TEXT))
+    need = Need(len(prompt.prompt_token_ids), 4, 16)
+    for w in fake.router.registry.workers():  # room for one request at a time
+        w.load = WorkerLoad(kv_blocks_free=need.blocks(Role.DECODE))
+    pre.hang = True
+    first = asyncio.create_task(fake.client.generate_text(TEXT, SamplingParams(max_tokens=4)))
+    while not pre.requests:
+        await asyncio.sleep(0.01)
+    status, headers, reply = await asyncio.to_thread(
+        call,
+        f"{url_of(fake)}/v1/chat/completions",
+        {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 4},
+        CLIENT_KEY,
+    )
+    first.cancel()
+    assert status == 429, reply
+    assert int(headers["retry-after"]) >= 1
+    assert reply["error"]["type"] == "rate_limit_error"
+
+
+async def test_stop_strings_cut_the_text(fake: FakeCluster) -> None:
+    await add_workers(fake)
+    client = api(url_of(fake))
+    full = await client.chat.completions.create(model=MODEL_ID, messages=WEATHER, max_tokens=8)
+    text = full.choices[0].message.content or ""
+    assert full.choices[0].finish_reason == "length" and len(text) >= 4
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = await client.chat.completions.create(
+        model=MODEL_ID, messages=WEATHER, max_tokens=8, stop=[stop, "never-there"]
+    )
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    pieces = []
+    stream = await client.chat.completions.create(
+        model=MODEL_ID, messages=WEATHER, max_tokens=8, stop=stop, stream=True
+    )
+    async for chunk in stream:
+        pieces.append(chunk.choices[0].delta.content or "")
+    assert "".join(pieces) == text[: text.find(stop)]
+
+
+# -------------------------------------------------------------------- a real deployment
+
+
+@pytest.fixture(scope="module")
+def deployment(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = start_cluster(
+        ckpt,
+        tmp_path_factory.mktemp("http-logs"),
+        http=True,
+        router_args=("--served-model-name", MODEL_ID),
+    )
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+IMAGE_CHAT = user(
+    {"type": "image_url", "image_url": {"url": png_data_url(3)}},
+    {"type": "text", "text": "What is in the picture?"},
+)
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+
+
+async def test_streamed_chat_equals_the_grpc_answer(deployment: Cluster) -> None:
+    assert deployment.http_url is not None
+    client = api(deployment.http_url)
+    stream = await client.chat.completions.create(
+        model=MODEL_ID,
+        messages=IMAGE_CHAT,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    pieces, usage, finish = [], None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    image = base64.b64decode(png_data_url(3).split(",", 1)[1])
+    grpc_chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image},
+                {"type": "text", "text": "What is in the picture?"},
+            ],
+        }
+    ]
+    async with Client(deployment.address, api_key=deployment.client_key) as grpc_client:
+        expected = await grpc_client.generate_text(
+            grpc_chat, SamplingParams(max_tokens=6, ignore_eos=True)
+        )
+    assert "".join(pieces) == expected.text
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 6
+    assert usage.prompt_tokens == expected.prompt_tokens > 0
+
+
+async def test_usage_reports_cached_tokens_when_asked_again(deployment: Cluster) -> None:
+    assert deployment.http_url is not None
+    client = api(deployment.http_url)
+    chat = user(
+        {"type": "image_url", "image_url": {"url": png_data_url(9)}},
+        {"type": "text", "text": "Once more, describe it."},
+    )
+    first = await client.chat.completions.create(model=MODEL_ID, messages=chat, **GREEDY)
+    again = await client.chat.completions.create(model=MODEL_ID, messages=chat, **GREEDY)
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 6
+    assert again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+async def test_models_completions_and_health(deployment: Cluster) -> None:
+    assert deployment.http_url is not None
+    client = api(deployment.http_url)
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL_ID]
+    done = await client.completions.create(
+        model=MODEL_ID, prompt="Once upon a time", temperature=0, max_tokens=4
+    )
+    assert done.usage is not None and done.usage.completion_tokens <= 4
+    assert done.choices[0].finish_reason in ("length", "stop")
+    await wait_health(deployment.http_url, 200)
