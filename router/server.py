@@ -95,7 +95,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         called for a request refused here."""
         limits = self.settings.input_limits(self.processor.config.text.max_position_embeddings)
         try:
-            sampling = sampling_from_proto(request.sampling)
+            sampling = sampling_from_proto(request.sampling, self.processor.generation)
         except FieldError as exc:  # sampling errors and multimodal layout errors alike
             raise InputError(exc.field, exc.reason) from None
         messages = messages_from_proto(request.messages, limits)
