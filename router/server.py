@@ -98,13 +98,21 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             sampling = sampling_from_proto(request.sampling, self.processor.generation)
         except FieldError as exc:  # sampling errors and multimodal layout errors alike
             raise InputError(exc.field, exc.reason) from None
-        messages = messages_from_proto(request.messages, limits)
+        if request.HasField("prompt") and request.messages:
+            raise InputError("prompt", "give either messages or a prompt, not both")
+        messages = (
+            [] if request.HasField("prompt") else messages_from_proto(request.messages, limits)
+        )
+        allow_special = self.settings.allow_special_tokens_in_text
         try:
-            prompt = self.processor.process(
-                messages,
-                allow_special_tokens=self.settings.allow_special_tokens_in_text,
-                limits=limits,
-            )
+            if request.HasField("prompt"):
+                prompt = self.processor.process_text(
+                    request.prompt, allow_special_tokens=allow_special, limits=limits
+                )
+            else:
+                prompt = self.processor.process(
+                    messages, allow_special_tokens=allow_special, limits=limits
+                )
             assert limits.max_model_len is not None
             check_context(len(prompt.prompt_token_ids), sampling.max_tokens, limits.max_model_len)
         except InputError:

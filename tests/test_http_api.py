@@ -26,6 +26,7 @@ from PIL import Image
 from common.errors import FieldError
 from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
+from common.processing.processor import Processor
 from common.roles import Role
 from common.sampling import SamplingParams
 from common.server.rpc import channel
@@ -379,4 +380,7 @@ async def test_models_completions_and_health(deployment: Cluster) -> None:
     )
     assert done.usage is not None and done.usage.completion_tokens <= 4
     assert done.choices[0].finish_reason in ("length", "stop")
+    # The prompt is tokenized as it is: no chat template around it.
+    plain = Processor.from_pretrained(deployment.model).process_text("Once upon a time")
+    assert done.usage.prompt_tokens == len(plain.prompt_token_ids)
     await wait_health(deployment.http_url, 200)

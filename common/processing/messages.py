@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from common.multimodal.params import Modality
 from common.processing.image import ImageSource
+from common.processing.limits import InputLimits, check_text_bytes
 from common.processing.video import TimedFrames
 
 # Decoded or encoded frames: a list of images, one (T, H, W, C) uint8 array, or frames with
@@ -175,3 +176,42 @@ def _decode_image_url(image_url: Any) -> bytes | str:
     if url.startswith("file://"):
         return url[len("file://") :]
     raise ValueError("remote image URLs are not fetched; send the bytes")
+
+
+def check_text_limits(chat: Sequence[Message], limits: InputLimits) -> None:
+    """Count the UTF-8 bytes of roles and text parts; refuse past `max_text_bytes`."""
+    used = 0
+    for i, message in enumerate(chat):
+        used += len(message.role.encode())
+        check_text_bytes(used, limits, f"messages[{i}].role")
+        for j, part in enumerate(message.content):
+            if isinstance(part, TextPart):
+                used += len(part.text.encode())
+                check_text_bytes(used, limits, f"messages[{i}].content[{j}].text")
+
+
+def assign_payloads(slots: Sequence[MediaPart], side_counts: Mapping[Modality, int]) -> list[int]:
+    """Payload index of each slot (see `common.processing.processor.Processor.process`)."""
+    explicit = {
+        m: {s.index for s in slots if s.modality == m and s.index is not None} for m in side_counts
+    }
+    next_free = dict.fromkeys(side_counts, 0)
+    inline_next = dict(side_counts)
+    out: list[int] = []
+    for slot in slots:
+        m = slot.modality
+        if slot.payload is not None:
+            out.append(inline_next[m])
+            inline_next[m] += 1
+            continue
+        if slot.index is not None:
+            index = slot.index
+        else:
+            while next_free[m] in explicit[m]:
+                next_free[m] += 1
+            index = next_free[m]
+            next_free[m] += 1
+        if index >= side_counts[m]:
+            raise ValueError(f"{m} part refers to payload {index}, but {side_counts[m]} were given")
+        out.append(index)
+    return out

@@ -23,7 +23,7 @@ tokenizer splits at special tokens before anything else.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,8 @@ from common.processing.messages import (
     ImagePart,
     MediaPart,
     Message,
-    TextPart,
+    assign_payloads,
+    check_text_limits,
     messages_from_dicts,
 )
 from common.processing.template import ChatTemplate, load_chat_template
@@ -219,13 +220,13 @@ class Processor:
         """
         chat = messages_from_dicts(messages)
         if limits is not None:
-            _check_text(chat, limits)
+            check_text_limits(chat, limits)
         if self.template is not None:
             pieces = self.template.render(chat, add_generation_prompt=add_generation_prompt)
         else:
             pieces = render_chat(chat, add_generation_prompt=add_generation_prompt)
         slots = [p for p in pieces if not isinstance(p, str | Control)]
-        payload_index = _assign_payloads(
+        payload_index = assign_payloads(
             slots, {Modality.IMAGE: len(images), Modality.VIDEO: len(videos)}
         )
         sides = {Modality.IMAGE: images, Modality.VIDEO: videos}
@@ -243,6 +244,20 @@ class Processor:
         text = "".join(s if isinstance(s, str) else s.token * s.count for s in segments)
         ids = self._tokenize(segments, allow_special_tokens)
         return self._layout(ids, text, media)
+
+    def process_text(
+        self,
+        text: str,
+        *,
+        allow_special_tokens: bool = False,
+        limits: InputLimits | None = None,
+    ) -> ProcessedPrompt:
+        """A plain-text prompt tokenized as it is: no chat template, no media (text
+        completions). Special tokens in it are text unless `allow_special_tokens`;
+        `LimitError` naming "prompt" past `limits.max_text_bytes`, before tokenizing."""
+        if limits is not None:
+            check_text_bytes(len(text.encode()), limits, "prompt")
+        return self._layout(self._tokenize([text], allow_special_tokens), text, [])
 
     def _tokenize(self, segments: Sequence[str | Control], allow_special: bool) -> list[int]:
         """Ids of the segments: control tokens as themselves, each stretch of text between
@@ -363,42 +378,3 @@ class Processor:
     def _hash(self, modality: Modality, patches: FloatArray, grid: tuple[int, int, int]) -> bytes:
         """The item's (or partition's) content hash (`common.processing.content_hash`)."""
         return content_hash(self._fingerprint, str(modality), patches, grid)
-
-
-def _check_text(chat: Sequence[Message], limits: InputLimits) -> None:
-    """Count the UTF-8 bytes of roles and text parts; refuse past `max_text_bytes`."""
-    used = 0
-    for i, message in enumerate(chat):
-        used += len(message.role.encode())
-        check_text_bytes(used, limits, f"messages[{i}].role")
-        for j, part in enumerate(message.content):
-            if isinstance(part, TextPart):
-                used += len(part.text.encode())
-                check_text_bytes(used, limits, f"messages[{i}].content[{j}].text")
-
-
-def _assign_payloads(slots: Sequence[MediaPart], side_counts: Mapping[Modality, int]) -> list[int]:
-    """Payload index of each slot (see `Processor.process`)."""
-    explicit = {
-        m: {s.index for s in slots if s.modality == m and s.index is not None} for m in side_counts
-    }
-    next_free = dict.fromkeys(side_counts, 0)
-    inline_next = dict(side_counts)
-    out: list[int] = []
-    for slot in slots:
-        m = slot.modality
-        if slot.payload is not None:
-            out.append(inline_next[m])
-            inline_next[m] += 1
-            continue
-        if slot.index is not None:
-            index = slot.index
-        else:
-            while next_free[m] in explicit[m]:
-                next_free[m] += 1
-            index = next_free[m]
-            next_free[m] += 1
-        if index >= side_counts[m]:
-            raise ValueError(f"{m} part refers to payload {index}, but {side_counts[m]} were given")
-        out.append(index)
-    return out

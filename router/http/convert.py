@@ -91,7 +91,7 @@ def chat_request(
 def completion_request(
     body: CompletionRequest, request_id: str
 ) -> router_service_pb2.GenerateRequest:
-    """`POST /v1/completions` -> GenerateRequest: the prompt as one user message."""
+    """`POST /v1/completions` -> GenerateRequest: the plain-text prompt, no chat template."""
     request = _request(body, request_id)
-    request.messages.add(role="user").content.add(text=body.prompt)
+    request.prompt = body.prompt
     return request
