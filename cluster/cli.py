@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="frames per second of a --video folder; the rate a --video file is sampled at",
     )
     generate.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    generate.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="end before TEXT (repeatable)"
+    )
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     generate.add_argument("--seed", type=int, default=None, help="sampling seed")
     generate.add_argument("--system", default=None, help="a system message")
@@ -274,7 +277,12 @@ async def cmd_generate(args: argparse.Namespace) -> int:
 
     key = args.api_key or default_api_key(CLIENT_KEY_FILE)
     async for chunk in generate(
-        args.address, messages, sampling, api_key=key, tls_ca_file=args.tls_ca_file
+        args.address,
+        messages,
+        sampling,
+        api_key=key,
+        tls_ca_file=args.tls_ca_file,
+        stop=args.stop,
     ):
         if tokens == 0 and chunk.token_ids:
             ttft = time.monotonic() - t0

@@ -154,12 +154,16 @@ class Client:
         request_id: str = "",
         cache_salt: str | None = None,
         api_key: str | None = None,
+        stop: Sequence[str] = (),
     ) -> AsyncIterator[Chunk]:
         """Stream the answer to a chat. Leaving the loop early (break, cancellation) cancels
         the request on the router, which frees what the workers hold for it. `api_key`
-        overrides the client's key for this request. Raises `GenerateError`; `ValueError`
-        for messages that cannot be sent."""
-        request = build_request(messages, sampling, request_id=request_id, cache_salt=cache_salt)
+        overrides the client's key for this request; the answer ends before the first of
+        the `stop` strings (finish reason "stop"). Raises `GenerateError`; `ValueError` for
+        messages that cannot be sent."""
+        request = build_request(
+            messages, sampling, request_id=request_id, cache_salt=cache_salt, stop=stop
+        )
         metadata = bearer_metadata(api_key) if api_key is not None else None
         call = self._router.Generate(request, timeout=timeout_s, metadata=metadata)
         try:
@@ -179,8 +183,9 @@ class Client:
         request_id: str = "",
         cache_salt: str | None = None,
         api_key: str | None = None,
+        stop: Sequence[str] = (),
     ) -> Result:
-        """The whole answer to a chat, with timings (`api_key`: as in `generate`)."""
+        """The whole answer to a chat, with timings (`api_key`, `stop`: as in `generate`)."""
         start = time.perf_counter()
         text: list[str] = []
         tokens: list[int] = []
@@ -194,6 +199,7 @@ class Client:
             request_id=request_id,
             cache_salt=cache_salt,
             api_key=api_key,
+            stop=stop,
         ):
             if chunk.token_ids:
                 times.append(time.perf_counter() - start)
@@ -237,10 +243,11 @@ async def generate(
     timeout_s: float | None = None,
     api_key: str | None = None,
     tls_ca_file: str | Path | None = None,
+    stop: Sequence[str] = (),
 ) -> AsyncIterator[Chunk]:
     """`Client.generate` on a connection of its own, closed when the stream ends."""
     async with Client(address, api_key=api_key, tls_ca_file=tls_ca_file) as client:
-        async for chunk in client.generate(messages, sampling, timeout_s=timeout_s):
+        async for chunk in client.generate(messages, sampling, timeout_s=timeout_s, stop=stop):
             yield chunk
 
 
@@ -252,13 +259,15 @@ def generate_text(
     timeout_s: float | None = None,
     api_key: str | None = None,
     tls_ca_file: str | Path | None = None,
+    stop: Sequence[str] = (),
 ) -> Result:
     """Blocking: the whole answer to one chat (runs its own event loop; do not call it from
-    inside one, use `Client.generate_text` there). `api_key`, `tls_ca_file`: as `Client`'s."""
+    inside one, use `Client.generate_text` there). `api_key`, `tls_ca_file`: as `Client`'s;
+    `stop`: as `Client.generate`'s."""
 
     async def run() -> Result:
         async with Client(address, api_key=api_key, tls_ca_file=tls_ca_file) as client:
-            return await client.generate_text(messages, sampling, timeout_s=timeout_s)
+            return await client.generate_text(messages, sampling, timeout_s=timeout_s, stop=stop)
 
     return asyncio.run(run())
 
@@ -272,12 +281,14 @@ def build_request(
     *,
     request_id: str = "",
     cache_salt: str | None = None,
+    stop: Sequence[str] = (),
 ) -> router_service_pb2.GenerateRequest:
     """The `GenerateRequest` of a chat; media encoded for the wire. ValueError naming the
     part that cannot be sent."""
     request = router_service_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
         sampling=sampling_to_proto(sampling or SamplingParams()),
+        stop=list(stop),
     )
     if cache_salt is not None:
         request.cache_salt = cache_salt

@@ -93,3 +93,9 @@ def test_unsendable_parts_name_the_part(part, message):
 def test_default_sampling_is_the_library_default():
     request = build_request([{"role": "user", "content": "hi"}])
     assert sampling_from_proto(request.sampling) == SamplingParams()
+
+
+def test_stop_strings_travel_in_the_request():
+    request = build_request([{"role": "user", "content": "hi"}], stop=["\n\n", "END"])
+    assert list(request.stop) == ["\n\n", "END"]
+    assert list(build_request([{"role": "user", "content": "hi"}]).stop) == []
