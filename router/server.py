@@ -142,7 +142,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     deadline=started + budget,
                 )
                 tokens = 0
-                async for chunk in self.orchestrator.run(job):
+                async for chunk in self.orchestrator.metrics.track(
+                    self.orchestrator.run(job), started
+                ):
                     tokens += len(chunk.token_ids)
                     yield chunk
                 logger.info(
@@ -263,6 +265,7 @@ async def serve(
         cleanup=[orchestrator.close, peers.close],
         auth=auth,
         client_api=True,
+        metrics=orchestrator.metrics.registry,
     )
     period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
     running.tasks.append(asyncio.create_task(_expire_loop(registry, orchestrator, period)))
