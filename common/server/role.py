@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from common.models.tiny import default_checkpoint
 from common.server.auth import Authenticator, server_tls, service_credentials
@@ -126,6 +126,7 @@ class RoleServer(RunningServer, Generic[S]):
                 tls=server_tls(security, client_certs=not client_api),
             )
             registry = metrics if metrics is not None else CollectorRegistry()
+            ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, fds
             endpoint = None
             if settings.metrics_port is not None:
                 try:
