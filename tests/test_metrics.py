@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from PIL import Image
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.models.tiny import make_tiny_checkpoint
@@ -192,13 +191,15 @@ async def test_endpoint_serves_its_registry_and_frees_its_port() -> None:
     await endpoint.close()  # idempotent
     port = int(endpoint.address.rsplit(":", 1)[1])
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the scrape's TIME_WAIT
         s.bind(("127.0.0.1", port))  # free again
+        s.listen()
+        with pytest.raises(SettingsError, match="metrics_port"):
+            MetricsEndpoint.start(registry, "127.0.0.1", port)  # taken now
 
 
 async def test_asgi_app_serves_the_registry() -> None:
-    registry = CollectorRegistry()
-    counter_family = scrape_registry(lambda: [counter("epd:test_asgi", "A thing.", 5)])
-    app = asgi_app(counter_family)
+    app = asgi_app(scrape_registry(lambda: [counter("epd:test_asgi", "A thing.", 5)]))
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -211,7 +212,6 @@ async def test_asgi_app_serves_the_registry() -> None:
     await app(scope, receive, send)
     assert sent[0]["status"] == 200
     assert b"epd:test_asgi_total 5.0" in b"".join(m.get("body", b"") for m in sent)
-    assert list(registry.collect()) == []
 
 
 async def test_metrics_port_is_checked() -> None:

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from common.kv.block_pool import BlockPool
+from common.settings.schema import SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,12 @@ class MetricsEndpoint:
 
     @classmethod
     def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
-        """Serve `registry` on `host:port` (0: a free port); OSError when it cannot bind."""
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        """Serve `registry` on `host:port` (0: a free port); SettingsError naming
+        `metrics_port` when it cannot listen there (say, two workers given one port)."""
+        try:
+            server, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            raise SettingsError(f"metrics_port: cannot listen on {host}:{port}: {exc}") from None
         shown = f"[{host}]" if ":" in host else host
         endpoint = cls(registry, f"{shown}:{server.server_port}", server, thread)
         logger.info("EPD_METRICS_ADDRESS=%s", endpoint.address)
