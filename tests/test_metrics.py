@@ -138,6 +138,7 @@ async def test_one_request_shows_up_in_every_scrape(dep: Deployment) -> None:
     assert one(router, "epd:retries_total", stage="decode") == 0
     assert one(router, "vllm:num_requests_running") == 0
     assert one(router, "vllm:num_requests_waiting") == 0
+    assert one(router, "process_cpu_seconds_total") > 0  # every endpoint: process_* too
 
     assert one(encoder, "epd:encoder_cache_queries_total") >= 1
     assert one(encoder, "vllm:num_requests_running") == 0
