@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from common.server.kv_worker import KvWorkerParts, kv_worker_info
+from common.server.metrics import counter, kv_pool_metrics, requests_metrics, scrape_registry
 from common.server.role import AddServicer, RoleServer
 from common.server.rpc import service_name
 from decode_worker.service import DecodeServicer
@@ -22,6 +24,27 @@ from epd.v1 import decode_service_pb2, decode_service_pb2_grpc, registry_service
 logger = logging.getLogger(__name__)
 
 DECODE_SERVICE = service_name(decode_service_pb2, "DecodeService")
+
+
+def decode_metrics(servicer: DecodeServicer) -> list[Any]:
+    """The decode worker's metrics at scrape time (docs/metrics.md): streams in the batch
+    and before it (validating, waiting for blocks, pulling), the pool, `DecodeCounters`."""
+    c, running = servicer.counters, servicer.batcher.running
+    return [
+        *requests_metrics(running, max(servicer.active - running, 0)),
+        *kv_pool_metrics(servicer.runner.allocator.pool),
+        counter("epd:decode_requests", "Decode streams admitted.", c.requests),
+        counter("epd:kv_blocks_pulled", "Prompt KV blocks READ from prefill.", c.blocks_pulled),
+        counter("epd:kv_blocks_reused", "Full prompt blocks found here.", c.blocks_reused),
+        counter("epd:kv_bytes_pulled", "Bytes READ from prefill workers.", c.bytes_pulled),
+        counter("epd:kv_pull_seconds", "Wall time spent in KV READs.", c.pull_seconds),
+        counter("epd:kv_hash_mismatches", "KV handles refused: hashes differ.", c.hash_mismatches),
+        counter(
+            "epd:kv_digest_failures", "Pulled blocks failing their digest.", c.digest_mismatches
+        ),
+        counter("epd:kv_leases_lost", "Pulls discarded: lease not live.", c.leases_lost),
+        counter("epd:kv_block_waits", "Requests that waited for free blocks.", c.block_waits),
+    ]
 
 
 async def serve(
@@ -48,6 +71,7 @@ async def serve(
         lifecycle=parts.lifecycle,
         extra_servicers=extra_servicers,
         cleanup=[parts.closer(servicer.close)],
+        metrics=scrape_registry(lambda: decode_metrics(servicer)),
     )
     servicer.batcher.start()
     address = settings.reachable_address(server.address)

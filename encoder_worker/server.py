@@ -27,6 +27,7 @@ from common.models.runner import model_identity
 from common.processing.content_hash import processor_settings
 from common.roles import PROTOCOL_VERSION
 from common.server.lifecycle import ServerLifecycle
+from common.server.metrics import counter, gauge, requests_metrics, scrape_registry
 from common.server.role import AddServicer, RoleServer, checkpoint_path
 from common.server.rpc import rpc_errors, service_name
 from common.wire.convert import element_type, tensor_to_ref
@@ -173,6 +174,23 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
         )
 
 
+def encoder_metrics(servicer: EncoderServicer) -> list[Any]:
+    """The encoder's metrics at scrape time (docs/metrics.md): requests, its cache."""
+    c = servicer.counters
+    return [
+        *requests_metrics(c.active, 0),
+        counter(
+            "epd:encoder_cache_queries", "Items looked up in the encoder cache.", c.cache_lookups
+        ),
+        counter("epd:encoder_cache_hits", "Items answered from the encoder cache.", c.cache_hits),
+        gauge("epd:encoder_cache_bytes", "Bytes held by the encoder cache.", c.cache_bytes),
+        counter("epd:encoder_cache_evictions", "Encoder cache entries evicted.", c.cache_evictions),
+        counter(
+            "epd:encoder_units_encoded", "Items or partitions the tower encoded.", c.units_encoded
+        ),
+    ]
+
+
 def load_tower(path: Path, settings: EncoderSettings) -> tuple[Qwen3VLConfig, VisionTower]:
     """Read the config and only the vision tower's weights (blocking)."""
     config = Qwen3VLConfig.from_file(path)
@@ -213,15 +231,17 @@ async def serve(
         if leases is not None:
             await leases.close(wait_s=settings.lease_ttl_s)
 
+    servicer = EncoderServicer(engine, leases, lifecycle, config.vision, settings, fingerprint)
     server: RoleServer[EncoderServicer] = await RoleServer.start(
         settings,
-        EncoderServicer(engine, leases, lifecycle, config.vision, settings, fingerprint),
+        servicer,
         encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server,
         [ENCODER_SERVICE],
         lifecycle=lifecycle,
         extra_servicers=extra_servicers,
         leases=leases,
         cleanup=[close],
+        metrics=scrape_registry(lambda: encoder_metrics(servicer)),
     )
     if leases is not None:
         leases.start()

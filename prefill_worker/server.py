@@ -12,8 +12,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from common.server.kv_worker import KvWorkerParts, kv_worker_info
+from common.server.metrics import (
+    counter,
+    gauge,
+    kv_pool_metrics,
+    requests_metrics,
+    scrape_registry,
+)
 from common.server.role import AddServicer, RoleServer
 from common.server.rpc import service_name
 from epd.v1 import prefill_service_pb2, prefill_service_pb2_grpc, registry_service_pb2
@@ -23,6 +31,25 @@ from prefill_worker.settings import PrefillSettings
 logger = logging.getLogger(__name__)
 
 PREFILL_SERVICE = service_name(prefill_service_pb2, "PrefillService")
+
+
+def prefill_metrics(servicer: PrefillServicer) -> list[Any]:
+    """The prefill worker's metrics at scrape time (docs/metrics.md): requests, the pool,
+    the KV leases it holds for decode workers."""
+    c = servicer.counters
+    return [
+        *requests_metrics(c.active, 0),
+        *kv_pool_metrics(servicer.runner.allocator.pool),
+        counter("epd:prefill_requests", "Prefill calls answered with a KV handle.", c.requests),
+        gauge("epd:kv_leases", "KV leases held for decode workers now.", c.leases),
+        counter("epd:kv_leases_expired", "KV leases the reaper freed.", c.leases_expired),
+        counter("epd:kv_leases_released", "KV leases released by ReleaseKv.", c.leases_released),
+        counter(
+            "epd:kv_digest_failures",
+            "Cached blocks found changed since computed (recomputed).",
+            c.digest_mismatches,
+        ),
+    ]
 
 
 async def serve(
@@ -49,6 +76,7 @@ async def serve(
         extra_servicers=extra_servicers,
         leases=servicer.leases,
         cleanup=[parts.closer(servicer.close)],
+        metrics=scrape_registry(lambda: prefill_metrics(servicer)),
     )
     servicer.holder_address = settings.reachable_address(server.address)
     servicer.reap_leases()

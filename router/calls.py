@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -67,6 +68,7 @@ class WorkerCalls:
     def __init__(self, registry: Registry, attempts: int = 2) -> None:
         self.registry = registry
         self.attempts = attempts  # tries of one stage, on different workers
+        self.retries: Counter[str] = Counter()  # calls tried again, per stage (metrics)
 
     def pick(self, role: Role, tried: set[str]) -> WorkerRecord:
         """The least loaded worker of `role` not yet tried; RouterError(UNAVAILABLE)."""
@@ -104,6 +106,7 @@ class WorkerCalls:
                 except grpc.aio.AioRpcError as exc:
                     if not self.retryable(exc, len(tried)):
                         raise self.error(stage, worker, exc) from None
+                    self.retries[stage] += 1
                     logger.warning(
                         "%s on %s failed (%s); trying another", stage, worker.address, exc.code()
                     )

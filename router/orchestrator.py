@@ -55,6 +55,7 @@ the KV of the prompt does not depend on it) and decodes with the new handle, up 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -79,6 +80,7 @@ from router.admission import Admission, KvPoolFull, Ticket
 from router.calls import Job, RouterError, WorkerCalls
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
+from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
 from router.workers import Role, WorkerRecord
@@ -137,6 +139,7 @@ class Orchestrator:
             max_inline_embedding_bytes,
             affinity_slack=encoder_affinity_slack,
         )
+        self.metrics = RouterMetrics(self.admission, self.calls)  # the router's registry
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with
@@ -145,7 +148,9 @@ class Orchestrator:
         blocks_reused (and possibly no tokens); the last one a finish reason. Raises
         RouterError."""
         handoff = params_to_proto(job.prompt.params)
+        planning = time.perf_counter()
         hashes = self._hashes(job)
+        self.metrics.planning.labels("hash").observe(time.perf_counter() - planning)
         ticket = await self.admission.admit(
             len(job.prompt.prompt_token_ids),
             job.sampling.max_tokens,
@@ -265,7 +270,10 @@ class Orchestrator:
         hashes: list[bytes] | None,
         ticket: Ticket,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
+        planning = time.perf_counter()
         route = self.route(job, hashes, ticket.workers.get(Role.PREFILL))
+        self.metrics.planning.labels("route").observe(time.perf_counter() - planning)
+        self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
         encoded = await self.encoder.encode(job, [i for i in every if i not in route.skip])
         try:
@@ -369,6 +377,7 @@ class Orchestrator:
                     refused_kv = exc.code() == grpc.StatusCode.ABORTED
                     if lease.owned and refused_kv and reprefills < self.reprefills:
                         reprefills += 1
+                        self.metrics.reprefills.inc()
                         tried.discard(worker.address)
                         logger.warning(
                             "request %s: decode on %s refused the KV (%s); prefilling again",
@@ -384,6 +393,7 @@ class Orchestrator:
                         continue
                     if not lease.owned or not self.calls.retryable(exc, len(tried)):
                         raise self.calls.error("decode", worker, exc) from None
+                    self.calls.retries["decode"] += 1
                     logger.warning(
                         "decode on %s failed (%s); trying another", worker.address, exc.code()
                     )

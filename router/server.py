@@ -157,7 +157,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 deadline=started + budget,
             )
             tokens = 0
-            async for chunk in stop_at(self.orchestrator.run(job), request.stop):
+            answer = stop_at(self.orchestrator.run(job), request.stop)
+            async for chunk in self.orchestrator.metrics.track(answer, started):
                 tokens += len(chunk.token_ids)
                 yield chunk
             logger.info(
@@ -239,6 +240,7 @@ async def _start_http(running: RunningRouter, settings: RouterSettings, path: Pa
     stops first among the cleanup steps."""
     if settings.http_port < 0:
         return
+    from common.server.metrics import asgi_app
     from router.http.app import HttpServer, build_app
     from router.http.media import MediaPolicy
 
@@ -250,6 +252,8 @@ async def _start_http(running: RunningRouter, settings: RouterSettings, path: Pa
     )
     model_id = settings.served_model_name or path.name
     app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
+    # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them).
+    app.mount("/metrics", asgi_app(running.servicer.orchestrator.metrics.registry))
     http = HttpServer(
         app, settings.http_host, settings.http_port, settings.max_message_mb * 1024 * 1024
     )
@@ -330,6 +334,7 @@ async def serve(
         cleanup=[orchestrator.close, peers.close],
         auth=auth,
         client_api=True,
+        metrics=orchestrator.metrics.registry,
     )
     period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
     running.tasks.append(asyncio.create_task(_expire_loop(registry, orchestrator, period)))

@@ -22,6 +22,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.errors import FieldError
 from common.models.tiny import make_tiny_checkpoint
@@ -383,4 +384,9 @@ async def test_models_completions_and_health(deployment: Cluster) -> None:
     # The prompt is tokenized as it is: no chat template around it.
     plain = Processor.from_pretrained(deployment.model).process_text("Once upon a time")
     assert done.usage.prompt_tokens == len(plain.prompt_token_ids)
+    # The router's Prometheus metrics are on the API port too, and count the requests.
+    with urllib.request.urlopen(f"{deployment.http_url}/metrics", timeout=10) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    e2e = families["vllm:e2e_request_latency_seconds"]
+    assert next(s.value for s in e2e.samples if s.name.endswith("_count")) >= 1
     await wait_health(deployment.http_url, 200)

@@ -7,6 +7,9 @@ cluster bearer (`SecuritySettings.cluster_bearer`) and the digests of the API ke
 
     method                                    needs      satisfied by
     /grpc.health.v1.Health/*                  open       anyone (Kubernetes probes)
+    /grpc.reflection.v1alpha.ServerReflection/*
+                                              open       anyone (describes only the public
+                                                         epd.v1 protocol, never state)
     /epd.v1.RouterService/*                   client     any API key (its tenant is the caller)
     /epd.v1.AdminService/*                    admin      an admin API key, or the cluster
     everything else (Register, Heartbeat,     cluster    the cluster bearer only
@@ -39,6 +42,7 @@ from common.settings.security import SecuritySettings
 logger = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIX = "/grpc.reflection.v1alpha.ServerReflection/"
 CLIENT_PREFIX = "/epd.v1.RouterService/"
 ADMIN_PREFIX = "/epd.v1.AdminService/"
 
@@ -54,7 +58,7 @@ class Need(enum.Enum):
 
 def need_for(method: str) -> Need:
     """The principal the method with full name `method` needs (module docstring table)."""
-    if method.startswith(HEALTH_PREFIX):
+    if method.startswith((HEALTH_PREFIX, REFLECTION_PREFIX)):
         return Need.OPEN
     if method.startswith(CLIENT_PREFIX):
         return Need.CLIENT

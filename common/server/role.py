@@ -10,7 +10,8 @@ Stop, in this order (`stop`, also the end of `drain`), each step once:
   1. the registrar: heartbeats end, so the router stops routing here;
   2. gRPC: health NOT_SERVING, RPCs still running after the grace period are cancelled;
   3. `tasks`: background loops of the role, cancelled;
-  4. `cleanup`: the role's own steps, in the order the role listed them (e.g. reaper, leases,
+  4. the `/metrics` endpoint (`common.server.metrics`), when one was started;
+  5. `cleanup`: the role's own steps, in the order the role listed them (e.g. reaper, leases,
      peer client, model thread, NIXL agent), each failure logged, never raised.
 `drain(timeout_s)` first refuses new work and lets tracked RPCs finish (`ServerLifecycle`).
 
@@ -29,10 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
+from prometheus_client import CollectorRegistry, ProcessCollector
+
 from common.models.tiny import default_checkpoint
 from common.server.auth import Authenticator, server_tls, service_credentials
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.lifecycle import ServerLifecycle
+from common.server.metrics import MetricsEndpoint
 from common.server.registrar import Registrar
 from common.server.rpc import RunningServer, start_server
 from common.settings.base import ServerSettings
@@ -74,6 +78,10 @@ class RoleServer(RunningServer, Generic[S]):
     cleanup: list[Cleanup] = field(default_factory=list, kw_only=True)  # after gRPC stops
     credentials: ChannelCredentials = field(default=NO_CREDENTIALS, kw_only=True)  # presented
     auth: Authenticator | None = field(default=None, kw_only=True)  # None: insecure
+    # This server's metrics (its own, never the global registry) and their HTTP endpoint
+    # (None: `metrics_port` unset).
+    metrics: CollectorRegistry = field(default_factory=CollectorRegistry, kw_only=True)
+    metrics_endpoint: MetricsEndpoint | None = field(default=None, kw_only=True)
 
     @classmethod
     async def start(
@@ -89,6 +97,7 @@ class RoleServer(RunningServer, Generic[S]):
         cleanup: Sequence[Cleanup] = (),
         auth: Authenticator | Literal["settings"] | None = "settings",
         client_api: bool = False,
+        metrics: CollectorRegistry | None = None,
     ) -> R:
         """Serve `servicer` via `add_servicer(servicer, server)` (an `add_*_to_server`),
         with `extra_servicers` and health for `service_names`, on `settings.host:port`.
@@ -96,7 +105,8 @@ class RoleServer(RunningServer, Generic[S]):
         `auth`: the authenticator ("settings": built from `settings.security`; the router
         passes the one it built, it needs it too; None: no authentication); `client_api`:
         this port serves clients (the router: API keys are read, client certificates are
-        not required).
+        not required); `metrics`: the role's registry (None: an empty one), served on
+        `settings.metrics_host:metrics_port` when that port is set.
         Returns the server, serving, with `lifecycle` attached. When the server cannot start
         (SettingsError for a missing secret among others), the `cleanup` steps run (freeing
         what the role built for it) and the error propagates.
@@ -115,6 +125,17 @@ class RoleServer(RunningServer, Generic[S]):
                 auth=auth,
                 tls=server_tls(security, client_certs=not client_api),
             )
+            registry = metrics if metrics is not None else CollectorRegistry()
+            ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, fds
+            endpoint = None
+            if settings.metrics_port is not None:
+                try:
+                    endpoint = MetricsEndpoint.start(
+                        registry, settings.metrics_host, settings.metrics_port
+                    )
+                except BaseException:
+                    await running.stop(0)
+                    raise
         except BaseException:
             await run_steps(cleanup, "cleanup after a failed start")
             raise
@@ -129,6 +150,8 @@ class RoleServer(RunningServer, Generic[S]):
             cleanup=list(cleanup),
             credentials=service_credentials(security),
             auth=auth,
+            metrics=registry,
+            metrics_endpoint=endpoint,
         )
         lifecycle.attach(server)
         return server
@@ -168,4 +191,6 @@ class RoleServer(RunningServer, Generic[S]):
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.metrics_endpoint is not None:
+            await run_steps([self.metrics_endpoint.close], "stopping the metrics endpoint")
         await run_steps(self.cleanup, "cleanup after the server stopped")

@@ -1,11 +1,12 @@
 """Shared gRPC plumbing for every epd server: start, health, errors, channels.
 
 Every worker and the router serve their role service through `start_server`, which also
-serves `grpc.health.v1` and applies the same message-size limits that `channel` uses on the
-client side. Handlers wrap themselves in `rpc_errors` so that a bad request becomes a clear
-status (never a crashed server), and in `ServerLifecycle.track()`
-(`common.server.lifecycle`) so that draining refuses new work while the in-flight work
-finishes. A role's whole server (registration, drain, ordered stop) is
+serves `grpc.health.v1` and gRPC server reflection (`grpc.reflection.v1alpha`: the served
+services and their file descriptors, for grpcurl and friends), and applies the same
+message-size limits that `channel` uses on the client side. Handlers wrap themselves in
+`rpc_errors` so that a bad request becomes a clear status (never a crashed server), and in
+`ServerLifecycle.track()` (`common.server.lifecycle`) so that draining refuses new work
+while the in-flight work finishes. A role's whole server (registration, drain, ordered stop) is
 `common.server.role.RoleServer`; registration itself is `common.server.registrar`.
 Authentication (an `Authenticator` given to `start_server`, credentials given to `channel`)
 and TLS are `common.server.auth` and `common.server.credentials`; nothing here picks them.
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
 
 from common.errors import FieldError
 from common.kv.block_pool import NoFreeBlocksError
@@ -110,7 +112,8 @@ async def start_server(
     auth: Authenticator | None = None,
     tls: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
-    """Start a grpc.aio server serving the given servicers plus `grpc.health.v1`.
+    """Start a grpc.aio server serving the given servicers plus `grpc.health.v1` and
+    server reflection (listing `service_names`, health and reflection itself).
 
     `add_servicers` are callables such as
     `lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(impl, s)`.
@@ -125,6 +128,10 @@ async def start_server(
         add(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection(
+        [*service_names, health_name, reflection.SERVICE_NAME], server
+    )
     target = f"{host}:{port}"
     bound = server.add_secure_port(target, tls) if tls else server.add_insecure_port(target)
     if bound == 0:

@@ -1,6 +1,7 @@
 """The settings every role shares, as one frozen inheritance chain (mini-sglang style):
 
     ServerSettings          host, port, max_message_mb, drain_timeout_s,   (router, workers)
+                            metrics_host, metrics_port,
                             [security] (common.settings.security)
       WorkerSettings        + advertise_address, router_address, name      (registers)
         ModelWorkerSettings + model, dtype, device; `torch_dtype`          (encoder)
@@ -46,6 +47,10 @@ class ServerSettings:
     drain_timeout_s: float = setting(
         30.0, "on SIGTERM: seconds in-flight work may finish before it is cancelled"
     )
+    metrics_host: str = setting("127.0.0.1", "address the Prometheus /metrics endpoint listens on")
+    metrics_port: int | None = setting(
+        None, "port of the Prometheus /metrics endpoint (None: no endpoint; 0: a free port)"
+    )
     security: SecuritySettings = field(
         default_factory=SecuritySettings, metadata={"help": "cluster token, API keys, TLS"}
     )
@@ -63,6 +68,8 @@ class ServerSettings:
             raise SettingsError("max_message_mb: must be positive")
         if self.drain_timeout_s <= 0:
             raise SettingsError("drain_timeout_s: must be positive")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise SettingsError("metrics_port: must be between 0 and 65535")
 
 
 @dataclass(frozen=True, slots=True)

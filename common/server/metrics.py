@@ -1,0 +1,118 @@
+"""Prometheus metrics for every epd process: one registry per server, its HTTP endpoint,
+and the scrape-time collectors the roles share (docs/metrics.md lists every metric).
+
+Each server object owns its own `CollectorRegistry` (never prometheus_client's global one),
+so several servers in one process (tests, `epd serve` on one node) never collide. Counters
+the servicers already keep are not mirrored on the hot path: a `ScrapeCollector` reads them
+when `/metrics` is scraped. `MetricsEndpoint.start` serves a registry on `host:port` (port
+0: a free one) and logs `EPD_METRICS_ADDRESS=host:port`; whoever started it closes it
+(`RoleServer.stop` does, after gRPC). `asgi_app(registry)` is the same page for an ASGI
+front door (the router's HTTP API mounts it at `/metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, make_asgi_app, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from common.kv.block_pool import BlockPool
+from common.settings.schema import SettingsError
+
+logger = logging.getLogger(__name__)
+
+Scrape = Callable[[], Iterable[Any]]  # yields prometheus_client Metric families
+
+
+class ScrapeCollector(Collector):
+    """A collector whose metric families `scrape()` makes at each scrape (read-only)."""
+
+    def __init__(self, scrape: Scrape) -> None:
+        self._scrape = scrape
+
+    def collect(self) -> Iterator[Any]:
+        yield from self._scrape()
+
+
+def scrape_registry(*scrapes: Scrape) -> CollectorRegistry:
+    """A fresh registry holding one `ScrapeCollector` per `scrapes` entry."""
+    registry = CollectorRegistry()
+    for scrape in scrapes:
+        registry.register(ScrapeCollector(scrape))
+    return registry
+
+
+def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    """A label-less counter family (`name` without `_total`; the exposition adds it)."""
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    """A label-less gauge family."""
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def requests_metrics(running: int, waiting: int) -> list[Any]:
+    """vLLM's request gauges: `running` being served, `waiting` queued before service."""
+    return [
+        gauge("vllm:num_requests_running", "Requests being served now.", running),
+        gauge("vllm:num_requests_waiting", "Requests queued before being served.", waiting),
+    ]
+
+
+def kv_pool_metrics(pool: BlockPool) -> list[Any]:
+    """A KV worker's prefix cache (blocks looked up / found) and pool usage."""
+    return [
+        counter(
+            "vllm:prefix_cache_queries", "KV blocks looked up in the prefix cache.", pool.lookups
+        ),
+        counter("vllm:prefix_cache_hits", "KV blocks found in the prefix cache.", pool.hits),
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV blocks in use (0 to 1).",
+            pool.num_used_blocks / pool.num_blocks,
+        ),
+    ]
+
+
+@dataclass(slots=True, eq=False)
+class MetricsEndpoint:
+    """A running `/metrics` HTTP server (a daemon thread) for one registry."""
+
+    registry: CollectorRegistry  # what it serves
+    address: str  # "host:port" actually bound
+    _server: Any  # wsgiref WSGIServer
+    _thread: threading.Thread
+
+    @classmethod
+    def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
+        """Serve `registry` on `host:port` (0: a free port); SettingsError naming
+        `metrics_port` when it cannot listen there (say, two workers given one port)."""
+        try:
+            server, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            raise SettingsError(f"metrics_port: cannot listen on {host}:{port}: {exc}") from None
+        shown = f"[{host}]" if ":" in host else host
+        endpoint = cls(registry, f"{shown}:{server.server_port}", server, thread)
+        logger.info("EPD_METRICS_ADDRESS=%s", endpoint.address)
+        return endpoint
+
+    async def close(self) -> None:
+        """Stop serving and free the port (idempotent)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await asyncio.to_thread(server.shutdown)
+        server.server_close()
+
+
+def asgi_app(registry: CollectorRegistry) -> Any:
+    """An ASGI app serving `registry` in the Prometheus text format (mount at /metrics)."""
+    return make_asgi_app(registry=registry)

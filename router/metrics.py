@@ -1,0 +1,134 @@
+"""The router's Prometheus metrics (docs/metrics.md lists them all).
+
+`RouterMetrics` owns the router's registry (served by `RoleServer` on `metrics_port`, and
+mounted at `/metrics` by the HTTP front door). Latencies are observed by `track`, which
+wraps the chunk stream of one request, so every front door (gRPC Generate, the HTTP API)
+measures the same way; planning time, re-prefills and skipped items are observed where they
+happen (`router.orchestrator`); admission, retries and the request gauges are read from the
+counters `Admission` and `WorkerCalls` keep, at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from common.server.metrics import ScrapeCollector, counter, requests_metrics
+from epd.v1 import router_service_pb2
+from router.admission import Admission
+from router.calls import WorkerCalls
+
+# vLLM's buckets, so dashboards built for vLLM read these too.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
+TTFT_BUCKETS += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+ITL_BUCKETS += [5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0]
+E2E_BUCKETS += [60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+PLANNING_BUCKETS = [1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.1]
+
+Chunk = router_service_pb2.GenerateResponse
+
+
+class RouterMetrics:
+    """The router's instruments and its registry (module docstring)."""
+
+    def __init__(self, admission: Admission, calls: WorkerCalls) -> None:
+        self.registry = registry = CollectorRegistry()
+        self._admission = admission
+        self._calls = calls
+        self.in_flight = 0  # streams inside `track`
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from the request's arrival to its first token.",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between output tokens (a chunk of n tokens: n observations of gap / n).",
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token, of requests that finished.",
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.planning = Histogram(
+            "epd:router_planning_seconds",
+            "Router planning overhead per request: step=hash (block hashes), step=route "
+            "(prefill choice and the items its cached prefix covers).",
+            ["step"],
+            buckets=PLANNING_BUCKETS,
+            registry=registry,
+        )
+        self.reprefills = Counter(
+            "epd:reprefills",
+            "Prefills run again because decode refused the KV (ABORTED).",
+            registry=registry,
+        )
+        self.items_skipped = Counter(
+            "epd:items_skipped",
+            "Multimodal items not encoded: they lie wholly in the prefill worker's cached prefix.",
+            registry=registry,
+        )
+        registry.register(ScrapeCollector(self._scrape))
+
+    def _scrape(self) -> list[Any]:
+        admission = self._admission
+        waiting = admission.stats().queued
+        refused = CounterMetricFamily(
+            "epd:admission_refused",
+            "Requests refused by admission, by reason (queue_full, queue_wait, never_fits).",
+            labels=["reason"],
+        )
+        for reason in ("queue_full", "queue_wait", "never_fits"):
+            refused.add_metric([reason], admission.refused[reason])
+        retries = CounterMetricFamily(
+            "epd:retries",
+            "Stage calls tried again on another worker after UNAVAILABLE, by stage.",
+            labels=["stage"],
+        )
+        for stage in ("encode", "prefill", "decode"):
+            retries.add_metric([stage], self._calls.retries[stage])
+        return [
+            *requests_metrics(max(self.in_flight - waiting, 0), waiting),
+            counter("epd:admission_admitted", "Requests admitted.", admission.admitted),
+            refused,
+            counter(
+                "epd:admission_requeued",
+                "Requests queued again after a prefill worker's RESOURCE_EXHAUSTED.",
+                admission.requeued,
+            ),
+            retries,
+        ]
+
+    async def track(self, stream: AsyncIterator[Chunk], started: float) -> AsyncIterator[Chunk]:
+        """Yield `stream`'s chunks, observing TTFT, inter-token latency and (when the stream
+        ends normally) end-to-end latency from `started` (time.monotonic() at arrival).
+        Closes `stream` (an async generator) when closed early."""
+        self.in_flight += 1
+        last: float | None = None
+        try:
+            async for chunk in stream:
+                n = len(chunk.token_ids)
+                if n:
+                    now = time.monotonic()
+                    if last is None:
+                        self.ttft.observe(now - started)
+                    else:
+                        for _ in range(n):
+                            self.itl.observe((now - last) / n)
+                    last = now
+                yield chunk
+            self.e2e.observe(time.monotonic() - started)
+        finally:
+            self.in_flight -= 1
+            if isinstance(stream, AsyncGenerator):
+                await stream.aclose()

@@ -1,0 +1,221 @@
+"""Prometheus `/metrics` on every process: a real router, encoder, prefill and decode worker
+in this process, each with its own registry and endpoint; one request through the router
+shows up in every scrape (docs/metrics.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import socket
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.models.tiny import make_tiny_checkpoint
+from common.sampling import SamplingParams
+from common.server.metrics import MetricsEndpoint, asgi_app, counter, scrape_registry
+from common.server.role import RoleServer
+from common.settings.base import ServerSettings
+from common.settings.schema import SettingsError
+from decode_worker.server import serve as serve_decode
+from decode_worker.settings import DecodeSettings
+from encoder_worker.server import serve as serve_encoder
+from encoder_worker.settings import EncoderSettings
+from epd.client import Client
+from prefill_worker.server import serve as serve_prefill
+from prefill_worker.settings import PrefillSettings
+from router.server import RunningRouter
+from router.server import serve as serve_router
+from router.settings import RouterSettings
+from tests.cluster import CLIENT_KEY, cluster_security
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+BLOCK = 8
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclasses.dataclass
+class Deployment:
+    router: RunningRouter
+    encoder: RoleServer[Any]
+    prefill: RoleServer[Any]
+    decode: RoleServer[Any]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def dep(ckpt: Path) -> AsyncIterator[Deployment]:
+    security = cluster_security()
+    metrics: dict[str, Any] = {"metrics_port": 0}
+    router = await serve_router(
+        RouterSettings(
+            model=str(ckpt),
+            port=0,
+            heartbeat_interval_s=0.1,
+            grace_s=0.0,
+            security=security,
+            **metrics,
+        )
+    )
+    kw: dict[str, Any] = {
+        "model": str(ckpt),
+        "router_address": router.address,
+        "security": security,
+        **metrics,
+    }
+    kv: dict[str, Any] = {"block_size": BLOCK, "num_blocks": 128}
+    encoder = await serve_encoder(EncoderSettings(name="e0", **kw))
+    prefill = await serve_prefill(PrefillSettings(name="p0", **kw, **kv))
+    decode = await serve_decode(DecodeSettings(name="d0", **kw, **kv))
+    workers: list[RoleServer[Any]] = [encoder, prefill, decode]
+    for worker in workers:
+        assert worker.registrar is not None
+        await worker.registrar.wait_registered(30)
+    yield Deployment(router, encoder, prefill, decode)
+    for server in [*reversed(workers), router]:
+        await server.stop(0)
+
+
+def chat(seed: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
+    text = f"Metrics test {seed}: describe this picture in great detail, every colour and shape."
+    content = [{"type": "image", "image": buf.getvalue()}, {"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+def fetch(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+async def scrape(server: RoleServer[Any]) -> Samples:
+    """Every sample of `server`'s endpoint, by (name, sorted labels)."""
+    assert server.metrics_endpoint is not None
+    text = await asyncio.to_thread(fetch, server.metrics_endpoint.address)
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def one(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+async def test_one_request_shows_up_in_every_scrape(dep: Deployment) -> None:
+    async with Client(dep.router.address, api_key=CLIENT_KEY) as client:
+        result = await client.generate_text(chat(1), GREEDY, timeout_s=60)
+    assert len(result.token_ids) == 4
+    router, encoder = await scrape(dep.router), await scrape(dep.encoder)
+    prefill, decode = await scrape(dep.prefill), await scrape(dep.decode)
+
+    assert one(router, "vllm:time_to_first_token_seconds_count") == 1
+    assert one(router, "vllm:e2e_request_latency_seconds_count") == 1
+    assert one(router, "vllm:inter_token_latency_seconds_count") == 3  # tokens after the first
+    assert one(router, "epd:router_planning_seconds_count", step="hash") == 1
+    assert one(router, "epd:router_planning_seconds_count", step="route") == 1
+    assert one(router, "epd:admission_admitted_total") == 1
+    assert one(router, "epd:admission_refused_total", reason="queue_full") == 0
+    assert one(router, "epd:reprefills_total") == 0
+    assert one(router, "epd:retries_total", stage="decode") == 0
+    assert one(router, "vllm:num_requests_running") == 0
+    assert one(router, "vllm:num_requests_waiting") == 0
+    assert one(router, "process_cpu_seconds_total") > 0  # every endpoint: process_* too
+
+    assert one(encoder, "epd:encoder_cache_queries_total") >= 1
+    assert one(encoder, "vllm:num_requests_running") == 0
+
+    assert one(prefill, "vllm:prefix_cache_queries_total") > 0
+    assert one(prefill, "epd:prefill_requests_total") == 1
+    assert 0 <= one(prefill, "vllm:kv_cache_usage_perc") <= 1
+
+    assert one(decode, "epd:kv_blocks_pulled_total") > 0
+    assert one(decode, "epd:kv_bytes_pulled_total") > 0
+    assert one(decode, "epd:kv_pull_seconds_total") > 0
+    assert one(decode, "epd:kv_digest_failures_total") == 0
+    assert one(decode, "epd:kv_leases_lost_total") == 0
+    assert one(decode, "epd:decode_requests_total") == 1
+    assert one(decode, "vllm:prefix_cache_queries_total") > 0
+
+
+async def test_a_repeated_request_hits_the_caches(dep: Deployment) -> None:
+    messages = chat(2)
+    async with Client(dep.router.address, api_key=CLIENT_KEY) as client:
+        await client.generate_text(messages, GREEDY, timeout_s=60)
+        before = await scrape(dep.prefill), await scrape(dep.decode)
+        await client.generate_text(messages, GREEDY, timeout_s=60)
+    prefill, decode = await scrape(dep.prefill), await scrape(dep.decode)
+    hits = "vllm:prefix_cache_hits_total"
+    assert one(prefill, hits) > one(before[0], hits)
+    reused = "epd:kv_blocks_reused_total"
+    assert one(decode, reused) > one(before[1], reused)
+    router = await scrape(dep.router)
+    # The image lay in the cached prefix (when the router had seen the KV events) or was
+    # answered from the encoder cache: either way the vision tower did not run again.
+    encoder = await scrape(dep.encoder)
+    assert (
+        one(router, "epd:items_skipped_total") + one(encoder, "epd:encoder_cache_hits_total") >= 1
+    )
+
+
+async def test_servers_have_their_own_registries() -> None:
+    a = scrape_registry(lambda: [counter("epd:test_thing", "A thing.", 1)])
+    b = scrape_registry(lambda: [counter("epd:test_thing", "A thing.", 2)])
+    assert a.get_sample_value("epd:test_thing_total") == 1
+    assert b.get_sample_value("epd:test_thing_total") == 2
+
+
+async def test_endpoint_serves_its_registry_and_frees_its_port() -> None:
+    registry = scrape_registry(lambda: [counter("epd:test_thing", "A thing.", 3)])
+    endpoint = MetricsEndpoint.start(registry, "127.0.0.1", 0)
+    text = await asyncio.to_thread(fetch, endpoint.address)
+    assert "epd:test_thing_total 3.0" in text
+    await endpoint.close()
+    await endpoint.close()  # idempotent
+    port = int(endpoint.address.rsplit(":", 1)[1])
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the scrape's TIME_WAIT
+        s.bind(("127.0.0.1", port))  # free again
+        s.listen()
+        with pytest.raises(SettingsError, match="metrics_port"):
+            MetricsEndpoint.start(registry, "127.0.0.1", port)  # taken now
+
+
+async def test_asgi_app_serves_the_registry() -> None:
+    app = asgi_app(scrape_registry(lambda: [counter("epd:test_asgi", "A thing.", 5)]))
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/", "query_string": b"", "headers": []}
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 200
+    assert b"epd:test_asgi_total 5.0" in b"".join(m.get("body", b"") for m in sent)
+
+
+async def test_metrics_port_is_checked() -> None:
+    assert ServerSettings().metrics_port is None  # off unless asked for
+    with pytest.raises(SettingsError, match="metrics_port"):
+        ServerSettings(metrics_port=70000).check()
