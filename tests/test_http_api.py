@@ -43,6 +43,7 @@ from router.workers import WorkerLoad
 from tests.cluster import CLIENT_KEY, Cluster, cluster_security, start_cluster
 from tests.test_router import TEXT, FakeDecode, FakeEncoder, FakePrefill
 from tests.test_router import Cluster as FakeCluster
+from tests.test_video_file import make_video
 
 MODEL_ID = "tiny"  # the served model name both set-ups use
 
@@ -390,3 +391,31 @@ async def test_models_completions_and_health(deployment: Cluster) -> None:
     e2e = families["vllm:e2e_request_latency_seconds"]
     assert next(s.value for s in e2e.samples if s.name.endswith("_count")) >= 1
     await wait_health(deployment.http_url, 200)
+
+
+async def test_an_mp4_data_url_streams_the_answer_to_its_frames(deployment: Cluster) -> None:
+    """A `video_url` mp4 through the HTTP API answers as the gRPC client sending the file."""
+    assert deployment.http_url is not None
+    clip = make_video()
+    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+    question = "What happens in the clip?"
+    messages: Any = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": url}},
+                {"type": "text", "text": question},
+            ],
+        }
+    ]
+    stream = await api(deployment.http_url).chat.completions.create(
+        model=MODEL_ID, messages=messages, stream=True, **GREEDY
+    )
+    pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    video: dict[str, Any] = {"type": "video", "video": clip}
+    chat = [{"role": "user", "content": [video, {"type": "text", "text": question}]}]
+    async with Client(deployment.address, api_key=deployment.client_key) as grpc_client:
+        expected = await grpc_client.generate_text(
+            chat, SamplingParams(max_tokens=6, ignore_eos=True)
+        )
+    assert expected.prompt_tokens > 0 and "".join(pieces) == expected.text
