@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class Served:
     process: subprocess.Popen[str]
     address: str  # router host:port
     cache_dir: Path  # its EPD_CACHE_DIR
+    http_url: str = ""  # the OpenAI-compatible API's base URL (ends in /v1)
     lines: list[str] = field(default_factory=list)  # its output so far
 
 
@@ -103,6 +105,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 raise AssertionError("epd serve exited:\n" + "\n".join(result.lines))
             if line.startswith("router listening on "):
                 result.address = line.removeprefix("router listening on ").strip()
+            if line.startswith("OpenAI-compatible HTTP API on "):
+                result.http_url = line.removeprefix("OpenAI-compatible HTTP API on ").strip()
         assert any(line.startswith("API keys for this deployment") for line in result.lines)
         yield result
     finally:
@@ -221,6 +225,61 @@ async def test_image_and_video_answer_equals_offline_engine(
     out = capsys.readouterr().out
     assert out.startswith(expected.text)
     assert "TTFT" in out and "tokens/s" in out and "reused" in out and "pulled" in out
+
+
+async def test_openai_client_streams_an_image_chat_with_cached_tokens_and_metrics(
+    served: Served, media: tuple[Path, Path]
+) -> None:
+    """The issue's check: with `epd serve` running, the `openai` client streams an image
+    chat, a repeated request reports cached tokens, and /metrics counts the requests."""
+    import base64
+
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from common.settings.api_keys import CLIENT_KEY_FILE
+
+    assert served.http_url.startswith("http://127.0.0.1:"), served.lines
+    image, _ = media
+    url = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
+    messages: Any = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in the picture?"},
+            ],
+        }
+    ]
+    client = openai.AsyncOpenAI(base_url=served.http_url, api_key=default_api_key(CLIENT_KEY_FILE))
+    cached: list[int] = []
+    for _ in range(2):
+        stream = await client.chat.completions.create(
+            model=(await client.models.list()).data[0].id,
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage = [], None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            pieces += [c.delta.content or "" for c in chunk.choices]
+        assert usage is not None and usage.completion_tokens > 0 and "".join(pieces)
+        details = usage.prompt_tokens_details
+        cached.append((details.cached_tokens or 0) if details is not None else 0)
+    assert cached[1] > 0, cached
+    base = served.http_url.removesuffix("/v1")
+    metrics = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    )
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    count = next(
+        s.value
+        for s in families["vllm:e2e_request_latency_seconds"].samples
+        if s.name.endswith("_count")
+    )
+    assert count >= 2
 
 
 async def test_scale_prefill_up_and_down_while_streams_run(
