@@ -233,29 +233,67 @@ def test_special_tokens_in_user_text_stay_text(processor: Processor) -> None:
         processor.process([{"role": "user", "content": "<|image_pad|>"}], allow_special_tokens=True)
 
 
-def test_engine_greedy_matches_reference_generate(hf: SimpleNamespace) -> None:
+def _greedy_cases() -> dict[str, list[dict[str, Any]]]:
+    image = _image(64, 64, seed=3)
+    frames = [np.asarray(_image(48, 64, seed=10 + k)) for k in range(8)]
+    return {
+        "image": [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": image}, {"type": "text", "text": "Hm?"}],
+            }
+        ],
+        "video": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video", "video": frames, "fps": 2.0},
+                    {"type": "text", "text": "What happens?"},
+                ],
+            }
+        ],
+        "multi-turn": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image", "image": image}, "Look."]},
+            {"role": "assistant", "content": "A picture."},
+            {"role": "user", "content": [{"type": "image", "image": _image(40, 40, seed=4)}]},
+        ],
+    }
+
+
+@pytest.mark.parametrize("case", ["image", "video", "multi-turn"])
+def test_engine_greedy_matches_reference_generate(hf: SimpleNamespace, case: str) -> None:
     engine = Engine.from_pretrained(hf.folder, num_blocks=64)
     assert engine.sampling().max_tokens == 8 and engine.sampling().is_greedy
-    image = _image(64, 64, seed=3)
-    messages = [
-        {
-            "role": "user",
-            "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe."}],
-        }
-    ]
+    messages = _greedy_cases()[case]
+    for m in messages:  # bare strings in content are text parts
+        if isinstance(m["content"], list):
+            m["content"] = [
+                {"type": "text", "text": p} if isinstance(p, str) else p for p in m["content"]
+            ]
     prompt = engine.process(messages)
     ours = engine.generate(messages)
     reference = reference_model(hf.folder)
     ids = torch.tensor([prompt.prompt_token_ids])
-    types = (ids == engine.config.image_token_id).long()  # the reference's modality mask
+    config = engine.config
+    # The reference's modality mask: 1 for image placeholders, 2 for video ones.
+    types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id).long()
+    images = [i for i, it in enumerate(prompt.params.items) if it.modality == "image"]
+    videos = [i for i, it in enumerate(prompt.params.items) if it.modality == "video"]
+    media: dict[str, Any] = {}
+    if images:
+        media["pixel_values"] = torch.cat([prompt.pixel_values[i] for i in images])
+        media["image_grid_thw"] = torch.tensor([prompt.grid_thw[i] for i in images])
+    if videos:
+        media["pixel_values_videos"] = torch.cat([prompt.pixel_values[i] for i in videos])
+        media["video_grid_thw"] = torch.tensor([prompt.grid_thw[i] for i in videos])
     with torch.no_grad():
         out = reference.generate(
             input_ids=ids,
             mm_token_type_ids=types,
             attention_mask=torch.ones_like(ids),
-            pixel_values=prompt.pixel_values[0],
-            image_grid_thw=torch.tensor([prompt.grid_thw[0]]),
             do_sample=False,
+            **media,
         )
     assert ours.token_ids == out[0, ids.shape[1] :].tolist()
 
