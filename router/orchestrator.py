@@ -5,9 +5,9 @@
                reserved, or it waits in the router's bounded FIFO (`router.admission`);
                a prefill worker's RESOURCE_EXHAUSTED puts it back at the head of the queue
       route    block hashes of the prompt -> the prefill worker with the longest cached
-               prefix among the least loaded (`router.prefix_index` follows each prefill
-               worker's KV events); items whose every run lies inside that cached prefix
-               need no encoding
+               prefix among the least loaded (`router.routing`; `router.prefix_index`
+               follows each prefill worker's KV events); items whose every run lies inside
+               that cached prefix need no encoding
       encode   the other items -> each to its content hash's encoder unless that one is
                much busier than the least loaded (`router.encode`); inline bytes and
                NIXL handles pass through unchanged, so a prefill worker pulls large
@@ -56,13 +56,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 
-from common.kv.hashing import block_hashes
-from common.kv.layout import layout_root
 from common.processing.processor import Processor
 from common.sampling import StopChecker
 from common.server.peers import PeerClient
@@ -83,17 +81,10 @@ from router.encode import Encoded, EncodeStage
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
+from router.routing import PrefillRouting
 from router.workers import Role, WorkerRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillRoute:
-    """Where a job's prefill goes and which items it will not need embeddings for."""
-
-    worker: WorkerRecord | None  # the chosen prefill worker (None: pick at call time)
-    skip: frozenset[int]  # items inside the worker's cached prefix: not encoded
 
 
 @dataclass(slots=True)
@@ -125,11 +116,11 @@ class Orchestrator:
         self.registry = registry
         self.channels = channels  # worker channels and lease releases; the caller closes it
         self.processor = processor
-        self.cache_aware = cache_aware
         self.reprefills = reprefills  # prefills again after decode refused the KV (ABORTED)
         self.stop = StopChecker(frozenset(processor.eos_token_ids))
         self.calls = WorkerCalls(registry, attempts)
         self.prefix = PrefixIndex(channels)
+        self.routing = PrefillRouting(registry, self.prefix, cache_aware)
         self.admission = Admission(
             registry, max_queued=max_queued_requests, max_wait_s=max_queue_wait_s
         )
@@ -149,13 +140,13 @@ class Orchestrator:
         RouterError."""
         handoff = params_to_proto(job.prompt.params)
         planning = time.perf_counter()
-        hashes = self._hashes(job)
+        hashes = self.routing.hashes(job)
         self.metrics.planning.labels("hash").observe(time.perf_counter() - planning)
         ticket = await self.admission.admit(
             len(job.prompt.prompt_token_ids),
             job.sampling.max_tokens,
             job.deadline,
-            self._chooser(hashes),
+            self.routing.chooser(hashes),
         )
         try:
             prefill, holder = await self._prefill_admitted(job, handoff, hashes, ticket)
@@ -189,64 +180,6 @@ class Orchestrator:
 
     # -------------------------------------------------------------------------- stages
 
-    def _hashes(self, job: Job) -> list[bytes] | None:
-        """The prompt's block hashes for cache-aware routing (None: not cache aware, or no
-        prefill worker yet, or a layout the hashes cannot cover)."""
-        workers = [w for w in self.registry.workers(Role.PREFILL) if not w.draining]
-        # The registry keeps every KV layout equal, so the first one roots every hash.
-        layout = workers[0].layout if workers else None
-        if not self.cache_aware or layout is None:
-            return None
-        for w in workers:
-            self.prefix.track(w.address)
-        try:
-            return block_hashes(
-                job.prompt.prompt_token_ids,
-                layout.block_size,
-                job.prompt.params,
-                cache_salt=job.cache_salt,
-                root=layout_root(layout),
-            )
-        except ValueError:
-            return None
-
-    def _chooser(
-        self, hashes: list[bytes] | None
-    ) -> Callable[[Role, frozenset[str]], WorkerRecord]:
-        """Admission's worker choice: prefill by cached prefix among the least loaded (when
-        cache aware), decode by load; never a worker in `exclude` (no room)."""
-
-        def choose(role: Role, exclude: frozenset[str]) -> WorkerRecord:
-            if role == Role.PREFILL and hashes is not None:
-                return self.registry.pick(
-                    role,
-                    exclude=exclude,
-                    affinity=lambda w: self.prefix.cached_prefix(w.address, hashes),
-                )
-            return self.registry.pick(role, exclude=exclude)
-
-        return choose
-
-    def route(
-        self, job: Job, hashes: list[bytes] | None, worker: WorkerRecord | None
-    ) -> PrefillRoute:
-        """The prefill worker (`worker`, or the one with the longest known cached prefix
-        among the least loaded) and the items its cached prefix covers entirely (see the
-        module docstring); `hashes` are `_hashes(job)`."""
-        if hashes is None:
-            return PrefillRoute(worker, frozenset())
-        if worker is None:
-            worker = self._chooser(hashes)(Role.PREFILL, frozenset())
-        assert worker.layout is not None  # a prefill worker
-        block_size = worker.layout.block_size
-        tokens = job.prompt.prompt_token_ids
-        blocks = min(
-            self.prefix.cached_prefix(worker.address, hashes), (len(tokens) - 1) // block_size
-        )
-        covered = blocks * block_size
-        items = job.prompt.params.items
-        return PrefillRoute(worker, frozenset(i for i, it in enumerate(items) if it.end <= covered))
-
     async def _prefill_admitted(
         self,
         job: Job,
@@ -261,7 +194,7 @@ class Orchestrator:
                 return await self._encode_and_prefill(job, handoff, hashes, ticket)
             except KvPoolFull as exc:
                 logger.info("request %s: %s; queued again", job.request_id, exc)
-            await self.admission.requeue(ticket, self._chooser(hashes))
+            await self.admission.requeue(ticket, self.routing.chooser(hashes))
 
     async def _encode_and_prefill(
         self,
@@ -271,7 +204,7 @@ class Orchestrator:
         ticket: Ticket,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         planning = time.perf_counter()
-        route = self.route(job, hashes, ticket.workers.get(Role.PREFILL))
+        route = self.routing.route(job, hashes, ticket.workers.get(Role.PREFILL))
         self.metrics.planning.labels("route").observe(time.perf_counter() - planning)
         self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))

@@ -1,0 +1,89 @@
+"""Where a job's prefill goes: the prompt's block hashes under the deployment's KV layout,
+the prefill worker with the longest cached prefix among the least loaded (the
+`router.prefix_index` follows each prefill worker's KV events), and the items that prefix
+covers entirely, which need no encoding. Admission uses the same choice (`chooser`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.kv.hashing import block_hashes
+from common.kv.layout import layout_root
+from router.calls import Job
+from router.prefix_index import PrefixIndex
+from router.registry import Registry
+from router.workers import Role, WorkerRecord
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRoute:
+    """Where a job's prefill goes and which items it will not need embeddings for."""
+
+    worker: WorkerRecord | None  # the chosen prefill worker (None: pick at call time)
+    skip: frozenset[int]  # items inside the worker's cached prefix: not encoded
+
+
+class PrefillRouting:
+    """Cache-aware choice of prefill workers (see the module docstring)."""
+
+    def __init__(self, registry: Registry, prefix: PrefixIndex, cache_aware: bool) -> None:
+        self.registry = registry
+        self.prefix = prefix  # cached prefixes per prefill worker, from their KV events
+        self.cache_aware = cache_aware  # False: no hashes, the least loaded worker
+
+    def hashes(self, job: Job) -> list[bytes] | None:
+        """The prompt's block hashes for cache-aware routing (None: not cache aware, or no
+        prefill worker yet, or a layout the hashes cannot cover)."""
+        workers = [w for w in self.registry.workers(Role.PREFILL) if not w.draining]
+        # The registry keeps every KV layout equal, so the first one roots every hash.
+        layout = workers[0].layout if workers else None
+        if not self.cache_aware or layout is None:
+            return None
+        for w in workers:
+            self.prefix.track(w.address)
+        try:
+            return block_hashes(
+                job.prompt.prompt_token_ids,
+                layout.block_size,
+                job.prompt.params,
+                cache_salt=job.cache_salt,
+                root=layout_root(layout),
+            )
+        except ValueError:
+            return None
+
+    def chooser(self, hashes: list[bytes] | None) -> Callable[[Role, frozenset[str]], WorkerRecord]:
+        """Admission's worker choice: prefill by cached prefix among the least loaded (when
+        cache aware), decode by load; never a worker in `exclude` (no room)."""
+
+        def choose(role: Role, exclude: frozenset[str]) -> WorkerRecord:
+            if role == Role.PREFILL and hashes is not None:
+                return self.registry.pick(
+                    role,
+                    exclude=exclude,
+                    affinity=lambda w: self.prefix.cached_prefix(w.address, hashes),
+                )
+            return self.registry.pick(role, exclude=exclude)
+
+        return choose
+
+    def route(
+        self, job: Job, hashes: list[bytes] | None, worker: WorkerRecord | None
+    ) -> PrefillRoute:
+        """The prefill worker (`worker`, or the one with the longest known cached prefix
+        among the least loaded) and the items its cached prefix covers entirely (see
+        `router.orchestrator`); `hashes` are `hashes(job)`."""
+        if hashes is None:
+            return PrefillRoute(worker, frozenset())
+        if worker is None:
+            worker = self.chooser(hashes)(Role.PREFILL, frozenset())
+        assert worker.layout is not None  # a prefill worker
+        block_size = worker.layout.block_size
+        tokens = job.prompt.prompt_token_ids
+        blocks = min(
+            self.prefix.cached_prefix(worker.address, hashes), (len(tokens) - 1) // block_size
+        )
+        covered = blocks * block_size
+        items = job.prompt.params.items
+        return PrefillRoute(worker, frozenset(i for i, it in enumerate(items) if it.end <= covered))
