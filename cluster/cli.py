@@ -320,7 +320,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the commented defaults, or load a file and report the first error."""
     from cluster.settings import EpdSettings, defaults_toml, reference_markdown
-    from common.settings.schema import load
+    from common.settings.schema import SettingsError, load
 
     if args.print_defaults:
         sys.stdout.write(defaults_toml())
@@ -328,6 +328,9 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.markdown:
         sys.stdout.write(reference_markdown())
         return 0
-    load(EpdSettings, args.check)
+    try:
+        load(EpdSettings, args.check).check()  # the same check `epd serve` runs first
+    except SettingsError as exc:
+        raise SettingsError(f"{args.check}: {exc}") from None
     _say(f"{args.check}: ok")
     return 0

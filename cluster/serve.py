@@ -15,7 +15,9 @@ from cluster.console import say as _say
 
 
 def cmd_serve(settings: Any) -> int:
-    """Start (or join) Ray, run the deployment until SIGINT/SIGTERM, then stop it cleanly."""
+    """Check the settings (SettingsError naming the key, before anything starts), start
+    (or join) Ray, run the deployment until SIGINT/SIGTERM, then stop it cleanly."""
+    settings.check()  # the same check as `epd config --check`; `epd` exits 2 with its line
     import logging
 
     from cluster.deployment import init_ray

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from common.roles import WORKER_ROLES
@@ -136,6 +137,46 @@ class EpdSettings:
                 f"({self.decode.block_size}) must be equal"
             )
 
+    def check(self) -> None:
+        """Raise SettingsError with one line naming the first unusable key (`decode.dtype`,
+        `prefill.block_size`, `model`, ...): every role's own `check()`, the model folders,
+        then the pools. `epd config --check` and `epd serve` (before Ray starts) call it.
+
+        The cluster token and API keys are not required here: `epd serve` makes them when
+        they are unset. The TLS file pairing is still checked."""
+        if self.model is not None:
+            check_model_folder("model", self.model)
+        full = self.with_model()
+        roles: dict[str, RouterSettings | EncoderSettings | PrefillSettings | DecodeSettings] = {
+            "router": full.router,
+            "encoder": full.encoder,
+            "prefill": full.prefill,
+            "decode": full.decode,
+        }
+        for role, settings in roles.items():
+            # insecure skips only the "secret unset" checks, which `epd serve` fills in.
+            relaxed = dataclasses.replace(
+                settings, security=dataclasses.replace(settings.security, insecure=True)
+            )
+            try:
+                relaxed.check()
+            except SettingsError as exc:
+                raise SettingsError(f"{role}.{exc}") from None
+            if self.model is None and settings.model is not None:
+                check_model_folder(f"{role}.model", settings.model)
+        pools = self.pools
+        for name, n in pools.initial_replicas().items():
+            if n < 0:
+                raise SettingsError(f"pools.{name}_replicas: must not be negative")
+            if n > pools.max_replicas:
+                raise SettingsError(
+                    f"pools.{name}_replicas: {n} is more than pools.max_replicas "
+                    f"({pools.max_replicas})"
+                )
+        for name in ("drain_timeout_s", "ready_timeout_s"):
+            if getattr(pools, name) <= 0:
+                raise SettingsError(f"pools.{name}: must be positive")
+
     def with_model(self) -> EpdSettings:
         """A copy where a top-level `model`, and a top-level `[security]` other than the
         defaults, have been given to every role."""
@@ -158,6 +199,23 @@ class EpdSettings:
         """The settings of each worker role, by role name (the top-level model applied)."""
         full = self.with_model()
         return {"encoder": full.encoder, "prefill": full.prefill, "decode": full.decode}
+
+
+# What a checkpoint folder must hold for every role to load it (weights are found by
+# the loader, which names what it misses).
+MODEL_FILES = ("config.json", "tokenizer.json")
+
+
+def check_model_folder(key: str, model: str) -> None:
+    """SettingsError naming `key` when `model` is not a folder holding `MODEL_FILES`."""
+    folder = Path(model)
+    if not folder.exists():
+        raise SettingsError(f"{key}: {model} does not exist")
+    if not folder.is_dir():
+        raise SettingsError(f"{key}: {model} is not a checkpoint folder")
+    for name in MODEL_FILES:
+        if not (folder / name).is_file():
+            raise SettingsError(f"{key}: {model} has no {name}")
 
 
 def defaults_toml() -> str:

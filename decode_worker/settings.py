@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import KvWorkerSettings
-from common.settings.schema import setting
+from common.settings.schema import SettingsError, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,3 +21,12 @@ class DecodeSettings(KvWorkerSettings):
     renew_leases: bool = setting(
         True, "keep a prefill lease alive (RenewKv) while the request waits for free blocks"
     )
+
+    def check(self) -> None:
+        """Raise SettingsError naming the first unusable field."""
+        KvWorkerSettings.check(self)
+        if self.max_batch <= 0:
+            raise SettingsError("max_batch: must be positive")
+        for name in ("pull_timeout_s", "release_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name}: must be positive")

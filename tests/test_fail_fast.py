@@ -1,0 +1,78 @@
+"""Operator mistakes fail fast with one line naming the key or the address: bad settings
+(`epd config --check`, and `epd serve` before Ray starts) and a port already in use."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+from cluster.settings import EpdSettings
+from common.settings.schema import SettingsError, load
+
+
+def _model_folder(tmp_path: Path, *files: str) -> Path:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_text("{}")
+    return folder
+
+
+BAD_FILES = [
+    ('[decode]\ndtype = "fp8"\n', r"decode\.dtype: expected one of"),
+    ("[prefill]\nblock_size = 16\n[decode]\nblock_size = 32\n", r"prefill\.block_size"),
+    ("[prefill]\nblock_size = 0\n[decode]\nblock_size = 0\n", r"prefill\.block_size"),
+    ("[decode]\nmax_batch = 0\n", r"decode\.max_batch: must be positive"),
+    ('model = "/no/such/checkpoint"\n', r"model: /no/such/checkpoint does not exist"),
+    ('[encoder]\nmodel = "/no/such/checkpoint"\n', r"encoder\.model: .* does not exist"),
+    ("[pools]\ndecode_replicas = -1\n", r"pools\.decode_replicas"),
+    ("[router]\nhttp_port = 70000\n", r"router\.http_port"),
+]
+
+
+@pytest.mark.parametrize(("text", "named"), BAD_FILES)
+def test_config_check_names_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
+) -> None:
+    path = tmp_path / "epd.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "--check", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err  # one line
+    assert re.search(named, err), err
+
+
+@pytest.mark.parametrize(("text", "named"), BAD_FILES)
+def test_serve_prechecks_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
+) -> None:
+    path = tmp_path / "epd.toml"
+    path.write_text(text)
+    # cmd_serve's first step, called directly: no Ray.
+    with pytest.raises(SettingsError, match=named):
+        load(EpdSettings, path).check()
+    # And through `epd serve`: exit 2 with the line (the check runs before Ray is imported).
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--config", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(named, err), err
+
+
+@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json"])
+def test_model_folder_names_the_missing_file(tmp_path: Path, missing: str) -> None:
+    present = [f for f in ("config.json", "tokenizer.json") if f != missing]
+    folder = _model_folder(tmp_path, *present)
+    with pytest.raises(SettingsError, match=rf"^model: .* has no {re.escape(missing)}$"):
+        EpdSettings(model=str(folder)).check()
+
+
+def test_good_settings_pass(tmp_path: Path) -> None:
+    EpdSettings().check()  # defaults (built-in tiny model; secrets made by `epd serve`)
+    folder = _model_folder(tmp_path, "config.json", "tokenizer.json")
+    EpdSettings(model=str(folder)).check()
