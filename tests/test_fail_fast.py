@@ -10,6 +10,8 @@ import pytest
 
 from cluster.cli import main
 from cluster.settings import EpdSettings
+from common.server.role import _role_name
+from common.server.rpc import start_server, wait_healthy
 from common.settings.schema import SettingsError, load
 
 
@@ -76,3 +78,46 @@ def test_good_settings_pass(tmp_path: Path) -> None:
     EpdSettings().check()  # defaults (built-in tiny model; secrets made by `epd serve`)
     folder = _model_folder(tmp_path, "config.json", "tokenizer.json")
     EpdSettings(model=str(folder)).check()
+
+
+# ------------------------------------------------------------------------- port in use
+
+
+async def test_second_server_on_a_taken_port_refuses() -> None:
+    first = await start_server([], service_names=["epd.v1.RouterService"])
+    try:
+        port = int(first.address.rsplit(":", 1)[1])
+        with pytest.raises(SettingsError) as exc:
+            await start_server([], port=port, name="router")
+        assert str(exc.value) == (
+            f"router port 127.0.0.1:{port} is in use; set `port` to a free one (0: any free port)"
+        )
+        await wait_healthy(first.address, timeout_s=5.0)  # the first keeps serving
+    finally:
+        await first.stop(0)
+
+
+async def test_bad_host_names_host_and_port() -> None:
+    with pytest.raises(SettingsError, match=r"^server port 203\.0\.113\.7:0 cannot be bound"):
+        await start_server([], host="203.0.113.7")  # TEST-NET-3: not this machine's
+
+
+def test_role_name_for_messages() -> None:
+    assert _role_name(["epd.v1.RouterService", "epd.v1.AdminService"]) == "router"
+    assert _role_name(["epd.v1.DecodeService"]) == "decode"
+    assert _role_name([]) == "server"
+
+
+async def test_second_http_api_on_a_taken_port_refuses() -> None:
+    from fastapi import FastAPI
+
+    from router.http.app import HttpServer
+
+    first = HttpServer(FastAPI(), "127.0.0.1", 0, 1 << 20)
+    await first.start()
+    try:
+        port = int(first.address.rsplit(":", 1)[1])
+        with pytest.raises(RuntimeError, match=rf"127\.0\.0\.1:{port} .*http_port"):
+            HttpServer(FastAPI(), "127.0.0.1", port, 1 << 20)
+    finally:
+        await first.stop()

@@ -124,6 +124,7 @@ class RoleServer(RunningServer, Generic[S]):
                 max_message_mb=settings.max_message_mb,
                 auth=auth,
                 tls=server_tls(security, client_certs=not client_api),
+                name=_role_name(service_names),
             )
             registry = metrics if metrics is not None else CollectorRegistry()
             ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, fds
@@ -194,3 +195,10 @@ class RoleServer(RunningServer, Generic[S]):
         if self.metrics_endpoint is not None:
             await run_steps([self.metrics_endpoint.close], "stopping the metrics endpoint")
         await run_steps(self.cleanup, "cleanup after the server stopped")
+
+
+def _role_name(service_names: Sequence[str]) -> str:
+    """What error messages call this server: "router" for ("epd.v1.RouterService", ...)."""
+    if not service_names:
+        return "server"
+    return service_names[0].rsplit(".", 1)[-1].removesuffix("Service").lower() or "server"

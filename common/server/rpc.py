@@ -15,9 +15,11 @@ and TLS are `common.server.auth` and `common.server.credentials`; nothing here p
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import inspect
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +113,7 @@ async def start_server(
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
     auth: Authenticator | None = None,
     tls: grpc.ServerCredentials | None = None,
+    name: str = "server",
 ) -> RunningServer:
     """Start a grpc.aio server serving the given servicers plus `grpc.health.v1` and
     server reflection (listing `service_names`, health and reflection itself).
@@ -118,12 +121,17 @@ async def start_server(
     `add_servicers` are callables such as
     `lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(impl, s)`.
     Health reports SERVING for "" and each of `service_names` once started. `port=0` picks a
-    free port; the returned `address` carries the real one. Raises RuntimeError when the
-    address cannot be bound. `auth` (None: every call is let through) checks every call's
-    credentials (`common.server.auth`); `tls` (None: plaintext) secures the port.
+    free port; the returned `address` carries the real one. The port is never shared: a
+    port another server listens on (even another gRPC server, which would otherwise share it
+    through SO_REUSEPORT) raises SettingsError "<name> port HOST:PORT is in use ..."; any
+    other bind failure raises SettingsError naming `port` too. `auth` (None: every call is
+    let through) checks every call's credentials (`common.server.auth`); `tls` (None:
+    plaintext) secures the port. `name` ("router", ...) is what the errors call the server.
     """
     interceptors = [AuthInterceptor(auth)] if auth is not None else []
-    server = grpc.aio.server(options=grpc_options(max_message_mb), interceptors=interceptors)
+    # so_reuseport 0: a second server on a taken port must fail, not silently share it.
+    options = [*grpc_options(max_message_mb), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     for add in add_servicers:
         add(server)
     health = HealthServicer()
@@ -133,15 +141,34 @@ async def start_server(
         [*service_names, health_name, reflection.SERVICE_NAME], server
     )
     target = f"{host}:{port}"
-    bound = server.add_secure_port(target, tls) if tls else server.add_insecure_port(target)
+    try:
+        bound = server.add_secure_port(target, tls) if tls else server.add_insecure_port(target)
+    except RuntimeError:  # grpc says only "Failed to bind"; older versions return 0
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"cannot bind {host}:{port}")
+        raise SettingsError(_bind_error(name, host, port))
     await server.start()
     shown_host = f"[{host}]" if ":" in host else host
     running = RunningServer(server, health, f"{shown_host}:{bound}", tuple(service_names))
     await running.set_serving(True)
     logger.info("gRPC server on %s (%s)", running.address, ", ".join(service_names) or "-")
     return running
+
+
+def _bind_error(name: str, host: str, port: int) -> str:
+    """One line saying why `host:port` cannot be bound, naming the `port` setting."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:  # grpc does not say why; a plain bind does
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), port))
+        why = "cannot be bound"
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"{name} port {shown} is in use; set `port` to a free one (0: any free port)"
+        why = f"cannot be bound ({exc.strerror})"
+    return f"{name} port {shown} {why}; check `host` and `port`"
 
 
 def channel(
