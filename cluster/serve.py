@@ -18,6 +18,7 @@ def cmd_serve(settings: Any) -> int:
     """Check the settings (SettingsError naming the key, before anything starts), start
     (or join) Ray, run the deployment until SIGINT/SIGTERM, then stop it cleanly."""
     settings.check()  # the same check as `epd config --check`; `epd` exits 2 with its line
+    check_ports(settings)
     import logging
 
     from cluster.deployment import init_ray
@@ -34,6 +35,25 @@ def cmd_serve(settings: Any) -> int:
         _say("starting a local Ray cluster")
     started_ray = init_ray(settings.ray)
     return asyncio.run(_serve(settings, started_ray, started))
+
+
+def check_ports(settings: Any) -> None:
+    """SettingsError naming `router.port` or `router.http_port` when that fixed port is
+    taken on this node (where the router's actor runs), before Ray starts: a second
+    `epd serve` on the same ports fails at once with one line."""
+    from common.server.rpc import bind_problem
+    from common.settings.schema import SettingsError
+
+    router = settings.router
+    for key, host, port in (
+        ("router.port", router.host, router.port),
+        ("router.http_port", router.http_host, router.http_port),
+    ):
+        if port > 0 and bind_problem(host, port) == "in use":
+            raise SettingsError(
+                f"{key}: {host}:{port} is in use (another epd serve or router?); "
+                "set a free port, or 0 for any"
+            )
 
 
 def state_dir(namespace: str) -> Path:

@@ -23,6 +23,16 @@ def _model_folder(tmp_path: Path, *files: str) -> Path:
     return folder
 
 
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`epd serve` must stop at its checks: the step after them fails the test instead."""
+
+    def past_the_checks(settings: object) -> None:
+        raise AssertionError("epd serve got past its checks")
+
+    monkeypatch.setattr("cluster.serve._prepare_checkpoint", past_the_checks)
+
+
 BAD_FILES = [
     ('[decode]\ndtype = "fp8"\n', r"decode\.dtype: expected one of"),
     ("[prefill]\nblock_size = 16\n[decode]\nblock_size = 32\n", r"prefill\.block_size"),
@@ -51,7 +61,7 @@ def test_config_check_names_the_key(
 
 @pytest.mark.parametrize(("text", "named"), BAD_FILES)
 def test_serve_prechecks_before_ray(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
+    no_ray: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
 ) -> None:
     path = tmp_path / "epd.toml"
     path.write_text(text)
@@ -121,3 +131,21 @@ async def test_second_http_api_on_a_taken_port_refuses() -> None:
             HttpServer(FastAPI(), "127.0.0.1", port, 1 << 20)
     finally:
         await first.stop()
+
+
+@pytest.mark.parametrize("key", ["router.port", "router.http_port"])
+def test_serve_refuses_a_taken_router_port_before_ray(
+    no_ray: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str
+) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        path = tmp_path / "epd.toml"
+        path.write_text(f"[router]\n{key.split('.')[1]} = {port}\n")
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--config", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{key}: 127.0.0.1:{port} is in use" in err
