@@ -1,9 +1,8 @@
 """Offline checks of deploy/: every manifest validates, and every command it runs is real.
 
 - Core Kubernetes kinds validate against the schemas bundled with `kubernetes-validate`.
-- KubeRay kinds validate against the CRD schemas in ../shared/k8s-schemas/kuberay/ with
-  jsonschema (skipped, with the reason, when that folder is absent: the project never
-  needs it).
+- KubeRay kinds validate against the KubeRay CRD schemas shipped in tests/data/kuberay/
+  (trimmed copies; see the README there) with jsonschema.
 - Container commands name entry points of this project (`python -m X` with an `X.__main__`,
   or the `epd` console script) and their flags parse with the real argparse parsers; the
   embedded epd.toml loads as `EpdSettings`; Services select pods that exist and target
@@ -30,7 +29,7 @@ from common.settings.schema import from_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-KUBERAY_SCHEMAS = ROOT.parent / "shared" / "k8s-schemas" / "kuberay"
+KUBERAY_SCHEMAS = ROOT / "tests" / "data" / "kuberay"
 K8S_VERSION = "1.33"
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 
@@ -75,8 +74,6 @@ def test_core_manifest_validates(name: str, doc: dict[str, Any]) -> None:
 
 
 def _kuberay_schema(doc: dict[str, Any]) -> dict[str, Any]:
-    if not KUBERAY_SCHEMAS.is_dir():
-        pytest.skip(f"KubeRay CRD schemas not present at {KUBERAY_SCHEMAS} (../shared is optional)")
     return _crd_schema(doc["apiVersion"], doc["kind"])
 
 
