@@ -309,6 +309,45 @@ def test_pods_run_as_non_root_without_privileges(name: str, doc: dict[str, Any])
             assert "ALL" in own.get("capabilities", {}).get("drop", []), name
 
 
+WORKER_DEPLOYMENTS = [
+    (n, d)
+    for n, d in DOCUMENTS
+    if d["kind"] == "Deployment" and d["metadata"]["name"] != "epd-router"
+]
+
+
+def _shm_mounted(pod: dict[str, Any], container: dict[str, Any]) -> bool:
+    """`container` mounts a memory-backed emptyDir at /dev/shm."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if mount["mountPath"] == "/dev/shm":
+            return volumes[mount["name"]].get("emptyDir", {}).get("medium") == "Memory"
+    return False
+
+
+@pytest.mark.parametrize(("name", "doc"), WORKER_DEPLOYMENTS, ids=_ids(WORKER_DEPLOYMENTS))
+def test_worker_pods_have_a_startup_probe_shm_and_models(name: str, doc: dict[str, Any]) -> None:
+    (pod,) = _pod_specs(doc)
+    for container in pod["containers"]:
+        startup = container.get("startupProbe")
+        assert startup is not None and "grpc" in startup, f"{name}: no gRPC startupProbe"
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert startup["grpc"]["port"] in ports, name
+        # generous: model loading may take minutes before liveness starts counting
+        assert startup["failureThreshold"] * startup.get("periodSeconds", 10) >= 300, name
+        assert _shm_mounted(pod, container), f"{name}: no memory-backed /dev/shm"
+        models = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
+        assert len(models) == 1 and models[0].get("readOnly") is True, f"{name}: /models"
+    assert len(WORKER_DEPLOYMENTS) == 3
+
+
+def test_ray_worker_pods_have_shm() -> None:
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        assert all(_shm_mounted(pod, c) for c in pod["containers"]), group["groupName"]
+
+
 def test_every_worker_reads_the_cluster_token_from_a_secret() -> None:
     for name, container, doc in CONTAINERS:
         if "router" in name and doc["kind"] == "Deployment":
