@@ -1,9 +1,8 @@
 """Offline checks of deploy/: every manifest validates, and every command it runs is real.
 
 - Core Kubernetes kinds validate against the schemas bundled with `kubernetes-validate`.
-- KubeRay kinds validate against the CRD schemas in ../shared/k8s-schemas/kuberay/ with
-  jsonschema (skipped, with the reason, when that folder is absent: the project never
-  needs it).
+- KubeRay kinds validate against the KubeRay CRD schemas shipped in tests/data/kuberay/
+  (trimmed copies; see the README there) with jsonschema.
 - Container commands name entry points of this project (`python -m X` with an `X.__main__`,
   or the `epd` console script) and their flags parse with the real argparse parsers; the
   embedded epd.toml loads as `EpdSettings`; Services select pods that exist and target
@@ -30,7 +29,7 @@ from common.settings.schema import from_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-KUBERAY_SCHEMAS = ROOT.parent / "shared" / "k8s-schemas" / "kuberay"
+KUBERAY_SCHEMAS = ROOT / "tests" / "data" / "kuberay"
 K8S_VERSION = "1.33"
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 
@@ -75,8 +74,6 @@ def test_core_manifest_validates(name: str, doc: dict[str, Any]) -> None:
 
 
 def _kuberay_schema(doc: dict[str, Any]) -> dict[str, Any]:
-    if not KUBERAY_SCHEMAS.is_dir():
-        pytest.skip(f"KubeRay CRD schemas not present at {KUBERAY_SCHEMAS} (../shared is optional)")
     return _crd_schema(doc["apiVersion"], doc["kind"])
 
 
@@ -294,6 +291,57 @@ def test_dockerfile_installs_the_project() -> None:
         assert re.search(rf"^COPY {folder} \./{folder}$", text, re.M), f"{folder} not copied"
 
 
+def _dockerignore_excludes(path: str) -> bool:
+    """Whether the root .dockerignore keeps `path` (relative, "/"-separated) out of the build
+    context: the last matching pattern wins, a "!" pattern re-includes; a folder's exclusion
+    covers what is inside it."""
+    import fnmatch
+
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.removeprefix("!").strip("/")
+        if any(
+            fnmatch.fnmatch(p, pattern) or fnmatch.fnmatch(p, pattern.removeprefix("**/"))
+            for p in prefixes
+        ):
+            excluded = not negate
+    return excluded
+
+
+def test_dockerignore_keeps_local_state_out_and_what_the_image_copies_in() -> None:
+    for path in (".venv", ".venv/bin/python", ".git", ".git/config", "a.log", "x/y.log"):
+        assert _dockerignore_excludes(path), f".dockerignore does not exclude {path}"
+    assert _dockerignore_excludes("common/__pycache__/x.cpython-311.pyc")
+    copied = re.findall(r"^COPY (.+?) \S+$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    sources = [s for line in copied for s in line.split()]
+    assert "pyproject.toml" in sources
+    for source in sources:
+        assert not _dockerignore_excludes(source), f".dockerignore excludes {source}"
+
+
+def test_dockerfile_pins_ray_within_pyproject() -> None:
+    from packaging.requirements import Requirement
+
+    text = (DEPLOY / "Dockerfile").read_text()
+    version = re.search(r"^ARG RAY_VERSION=(\S+)$", text, re.M)
+    assert version, "the Dockerfile must pin Ray (ARG RAY_VERSION=...)"
+    assert '"ray[default]==${RAY_VERSION}"' in text
+    assert re.search(r"^RUN pip install \. ", text, re.M), "installs the project's own pins"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (ray,) = [
+        Requirement(d) for d in pyproject["project"]["dependencies"] if Requirement(d).name == "ray"
+    ]
+    assert ray.specifier.contains(version.group(1)), f"ray=={version.group(1)} is not {ray}"
+
+
 # ------------------------------------------------------------------------- hardening
 
 
@@ -310,6 +358,45 @@ def test_pods_run_as_non_root_without_privileges(name: str, doc: dict[str, Any])
             own = container.get("securityContext", {})
             assert own.get("allowPrivilegeEscalation", True) is False, name
             assert "ALL" in own.get("capabilities", {}).get("drop", []), name
+
+
+WORKER_DEPLOYMENTS = [
+    (n, d)
+    for n, d in DOCUMENTS
+    if d["kind"] == "Deployment" and d["metadata"]["name"] != "epd-router"
+]
+
+
+def _shm_mounted(pod: dict[str, Any], container: dict[str, Any]) -> bool:
+    """`container` mounts a memory-backed emptyDir at /dev/shm."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if mount["mountPath"] == "/dev/shm":
+            return volumes[mount["name"]].get("emptyDir", {}).get("medium") == "Memory"
+    return False
+
+
+@pytest.mark.parametrize(("name", "doc"), WORKER_DEPLOYMENTS, ids=_ids(WORKER_DEPLOYMENTS))
+def test_worker_pods_have_a_startup_probe_shm_and_models(name: str, doc: dict[str, Any]) -> None:
+    (pod,) = _pod_specs(doc)
+    for container in pod["containers"]:
+        startup = container.get("startupProbe")
+        assert startup is not None and "grpc" in startup, f"{name}: no gRPC startupProbe"
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert startup["grpc"]["port"] in ports, name
+        # generous: model loading may take minutes before liveness starts counting
+        assert startup["failureThreshold"] * startup.get("periodSeconds", 10) >= 300, name
+        assert _shm_mounted(pod, container), f"{name}: no memory-backed /dev/shm"
+        models = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
+        assert len(models) == 1 and models[0].get("readOnly") is True, f"{name}: /models"
+    assert len(WORKER_DEPLOYMENTS) == 3
+
+
+def test_ray_worker_pods_have_shm() -> None:
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        assert all(_shm_mounted(pod, c) for c in pod["containers"]), group["groupName"]
 
 
 def test_every_worker_reads_the_cluster_token_from_a_secret() -> None:

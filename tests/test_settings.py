@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +102,41 @@ def test_every_field_documented() -> None:
     ]
     text = to_toml(Top)
     assert "# port = 50051" in text and "[prefill]" in text
+
+
+_SETTING_LINE = re.compile(r"^# ([A-Za-z_][A-Za-z0-9_]*) = ")
+
+
+def _uncommented(text: str) -> str:
+    """`text` with every `# key = value` line uncommented (what an operator would do)."""
+    return "\n".join(
+        line.removeprefix("# ") if _SETTING_LINE.match(line) else line for line in text.splitlines()
+    )
+
+
+def test_to_toml_uncommented_is_valid_toml_with_the_defaults() -> None:
+    """Uncommenting the `# key = value` lines gives a file that loads as the defaults; an
+    unset field is written `# key: unset (a string)`, which is not a value line."""
+    from cluster.settings import EpdSettings, defaults_toml
+
+    for cls, text in ((Top, to_toml(Top)), (EpdSettings, defaults_toml())):
+        assert "# (unset)" not in text
+        data = tomllib.loads(_uncommented(text))
+        assert from_mapping(cls, data) == cls()
+    text = defaults_toml()
+    assert "# model: unset (a string)" in text.splitlines()
+    assert "# metrics_port: unset (an integer)" in text.splitlines()
+    assert not any(re.match(r"^# \w+ = $", line) for line in text.splitlines())
+
+
+def test_to_toml_escapes_strings() -> None:
+    @dataclass(frozen=True)
+    class Quoted:
+        path: str = setting('C:\\dir "x"', "a path with a backslash and quotes")
+        names: tuple[str, ...] = setting(('a"b', "c\\d"), "names")
+
+    data = tomllib.loads(_uncommented(to_toml(Quoted)))
+    assert from_mapping(Quoted, data) == Quoted()
 
 
 # ------------------------------------------------------------------- role settings

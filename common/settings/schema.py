@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import tomllib
 import types
 import typing
@@ -192,7 +193,13 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
 
 
 def to_toml(cls: type, prefix: str = "") -> str:
-    """A commented TOML document listing every field with its default."""
+    """A commented TOML document listing every field with its default.
+
+    A field with a default is written `# key = value`: uncommented, that line is valid TOML
+    and loads as the default. TOML has no null, so a field that is unset by default is written
+    `# key: unset (a string)` instead, naming the type it takes: that line is not a value and
+    is not meant to be uncommented as it is; write `key = ...` to set it."""
+    types_ = {key: tp for key, _flag, tp, _f in _flag_items(cls, prefix)}
     lines: list[str] = []
     section = None
     for key, default, help_text in describe(cls, prefix):
@@ -201,17 +208,31 @@ def to_toml(cls: type, prefix: str = "") -> str:
             section = head
             lines.extend(["", f"[{head}]"] if head else [])
         lines.append(f"# {help_text}")
-        lines.append(f"# {leaf} = {_toml_value(default)}")
+        if default is None:
+            lines.append(f"# {leaf}: unset ({_type_name(types_[key])})")
+        else:
+            lines.append(f"# {leaf} = {_toml_value(default)}")
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+def _type_name(tp: Any) -> str:
+    """How `to_toml` names the type an unset field takes ("a string", "an integer", ...)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if _optional(tp) else [tp]
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+    base = args[0] if len(args) == 1 else tp
+    if typing.get_origin(base) is tuple or base is tuple:
+        return "a list"
+    return names.get(base, "a value")
+
+
 def _toml_value(value: Any) -> str:
-    if value is None:
-        return "# (unset)"
+    """`value` as a TOML value (strings escaped as TOML basic strings)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return f'"{value}"'
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
     if isinstance(value, tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, float) and value != value:
+        return "nan"
     return repr(value)
