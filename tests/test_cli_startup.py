@@ -41,3 +41,9 @@ def test_admin_commands_do_not_import_heavy_modules() -> None:
     code = "import cluster.cli, cluster.admin, cluster.console"
     imported = _imported(code)
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_generate_path_does_not_import_heavy_modules() -> None:
+    code = "import cluster.cli, epd.client, common.sampling, common.wire.sampling"
+    imported = _imported(code)
+    assert not imported & {*HEAVY, "numpy", "PIL"}, sorted(imported & {*HEAVY, "numpy", "PIL"})
