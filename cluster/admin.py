@@ -30,9 +30,30 @@ async def _admin(args: argparse.Namespace) -> Any:
     return ch, admin_service_pb2_grpc.AdminServiceStub(ch)
 
 
+async def registered_counts(stub: Any, *, include_draining: bool = False) -> dict[str, int]:
+    """Registered workers per role name, from `AdminService.Status` through `stub`.
+
+    Draining workers are left out unless `include_draining` (a retiring worker still counts
+    until it has left the registry).
+    """
+    from common.roles import WORKER_ROLES
+    from common.wire.roles import role_from_proto
+    from epd.v1 import admin_service_pb2
+
+    reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+    counts = dict.fromkeys((str(r) for r in WORKER_ROLES), 0)
+    for worker in reply.workers:
+        try:
+            role = role_from_proto(worker.info.role)
+        except ValueError:
+            continue  # a role this CLI does not know
+        if include_draining or not worker.draining:
+            counts[role] += 1
+    return counts
+
+
 async def cmd_scale(args: argparse.Namespace) -> int:
     """Ask the router's scaler for `--replicas` workers, then wait until the pool has them."""
-    from cluster.pools import registered_counts
     from common.wire.roles import role_to_proto
     from epd.v1 import admin_service_pb2
 

@@ -31,6 +31,22 @@ from cluster.console import say as _say
 from cluster.serve import cmd_serve
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
+STATUS_HELP = """\
+Show the router's load, then one line per registered worker.
+
+The first line: the router's address, the model it serves, requests in flight, requests
+queued now (peak: the most ever queued at once; refused: turned away with the queue full).
+
+Worker columns:
+  ROLE          encoder, prefill or decode
+  NAME          the worker's name (- when it has none)
+  ADDRESS       host:port it registered; what `epd drain` takes
+  LOAD          requests the worker itself reports in flight
+  ROUTED        requests this router has sent to it and not yet seen finish
+  KV USED/FREE  paged KV blocks in use / free (- for an encoder: it holds no KV)
+  CACHE HITS    prefix (encoder: embedding) cache hits / lookups since the worker started
+  SEEN          time since its last heartbeat
+  STATE         serving, or draining (after `epd drain`: no new work is routed to it)"""
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
@@ -59,13 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The `epd` parser with every subcommand (also used by the deploy tests)."""
     from cluster.settings import ROLES, EpdSettings
 
+    # allow_abbrev=False everywhere: `--imag` is an error, not `--image`.
     parser = argparse.ArgumentParser(
-        prog="epd", description="Disaggregated encode / prefill / decode serving."
+        prog="epd",
+        description="Disaggregated encode / prefill / decode serving.",
+        allow_abbrev=False,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
         "serve",
+        allow_abbrev=False,
         help="start the router and the worker pools on Ray",
         usage="epd serve [--config FILE.toml] [--address RAY_ADDRESS] [--SECTION-KEY VALUE ...]",
         description="Start or join a Ray cluster, then run the router and one pool of worker "
@@ -92,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(serve, EpdSettings)
 
     generate = commands.add_parser(
-        "generate", help="stream an answer from a running router, then print timings"
+        "generate",
+        allow_abbrev=False,
+        help="stream an answer from a running router, then print timings",
     )
     generate.add_argument("prompt", help="the user's text")
     generate.add_argument(
@@ -121,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--system", default=None, help="a system message")
     _router_flag(generate)
 
-    scale = commands.add_parser("scale", help="resize a worker pool (through the router)")
+    scale = commands.add_parser(
+        "scale", allow_abbrev=False, help="resize a worker pool (through the router)"
+    )
     scale.add_argument("--role", required=True, choices=ROLES)
     scale.add_argument("--replicas", required=True, type=int)
     scale.add_argument(
@@ -130,14 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--timeout", type=float, default=300.0, help="longest wait, seconds")
     _router_flag(scale, "admin_key")
 
-    status = commands.add_parser("status", help="show every registered worker and its load")
+    status = commands.add_parser(
+        "status",
+        allow_abbrev=False,
+        help="show every registered worker and its load",
+        description=STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _router_flag(status, "admin_key")
 
-    drain = commands.add_parser("drain", help="stop routing new work to one worker")
+    drain = commands.add_parser(
+        "drain", allow_abbrev=False, help="stop routing new work to one worker"
+    )
     drain.add_argument("worker", metavar="HOST:PORT", help="the worker's registered address")
     _router_flag(drain, "admin_key")
 
-    config = commands.add_parser("config", help="print or check the config file")
+    config = commands.add_parser(
+        "config", allow_abbrev=False, help="print or check the config file"
+    )
     action = config.add_mutually_exclusive_group(required=True)
     action.add_argument(
         "--print-defaults", action="store_true", help="every setting with its default (TOML)"
@@ -186,7 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from common.settings.schema import SettingsError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # A wrong flag is the subcommand's error, printed with the subcommand's usage.
+        sub = _subparser(parser, args.command)
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "serve":
             return cmd_serve(load_settings(args))
@@ -210,6 +248,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, GenerateError):
             parser.exit(1, f"epd: {args.command} failed: {exc}\n")
         raise
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of subcommand `command` (the top-level parser if there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub: argparse.ArgumentParser = action.choices[command]
+            return sub
+    return parser
 
 
 # -------------------------------------------------------------------------------- generate

@@ -43,12 +43,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+# `registered_counts` lives in cluster.admin, which `epd scale` imports without torch.
+from cluster.admin import registered_counts as registered_counts
 from cluster.settings import ROLES, PoolSettings
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.role import RoleServer
 from common.server.rpc import channel
 from common.settings.base import ModelWorkerSettings, WorkerSettings
-from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -336,24 +337,6 @@ async def drain_at_router(
                 return
             await asyncio.sleep(0.1)
     logger.warning("router still has requests on %s after %.0fs", worker_address, timeout_s)
-
-
-async def registered_counts(stub: Any, *, include_draining: bool = False) -> dict[str, int]:
-    """Registered workers per role name, from `AdminService.Status` through `stub`.
-
-    Draining workers are left out unless `include_draining` (a retiring worker still counts
-    until it has left the registry).
-    """
-    reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-    counts = dict.fromkeys(ROLES, 0)
-    for worker in reply.workers:
-        try:
-            role = role_from_proto(worker.info.role)
-        except ValueError:
-            continue  # a role this CLI does not know
-        if include_draining or not worker.draining:
-            counts[role] += 1
-    return counts
 
 
 # ------------------------------------------------------------------------------ controller

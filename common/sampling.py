@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length"]
 
@@ -79,6 +80,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     """
     if seed is None:
         return None
+    import torch
+
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
@@ -96,6 +99,8 @@ def apply_top_k_top_p(
     """
     batch, vocab = logits.shape
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    import torch
+
     rank = torch.arange(vocab, device=logits.device).expand(batch, vocab)
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab).to(logits.device)
     sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], -math.inf)
@@ -134,6 +139,8 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rows:
             return tokens
+        import torch
+
         device = logits.device
         index = torch.tensor(rows, device=device)
         temperature = torch.tensor([params[i].temperature for i in rows], device=device)
@@ -149,6 +156,8 @@ class Sampler:
 
 
 def _exponential(vocab: int, generator: torch.Generator | None) -> torch.Tensor:
+    import torch
+
     device = generator.device if generator is not None else torch.device("cpu")
     return torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=generator)
 

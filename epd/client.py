@@ -40,13 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
-from PIL import Image
 
 from common.sampling import SamplingParams
 from common.server.credentials import ChannelCredentials, bearer_metadata
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
-from common.wire.convert import sampling_to_proto
+from common.wire.sampling import sampling_to_proto
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -369,6 +367,9 @@ def encode_image(source: Any, where: str = "image") -> bytes:
         return bytes(source)
     if isinstance(source, str | Path):
         return Path(source).read_bytes()
+    import numpy as np  # here, not at the top: `epd generate` starts without them
+    from PIL import Image
+
     if isinstance(source, np.ndarray):
         if source.dtype != np.uint8 or source.ndim not in (2, 3):
             raise ValueError(f"{where}: arrays must be (H, W[, C]) uint8, got {source.shape}")

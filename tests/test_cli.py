@@ -363,3 +363,40 @@ def test_commands_report_an_unreachable_router(capsys: pytest.CaptureFixture[str
         main(["status", "--address", "127.0.0.1:1"])
     assert exc.value.code == 1
     assert "status failed: UNAVAILABLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["generate", "hi", "--imag", "x.png"], "usage: epd generate"),
+        (["status", "--bogus"], "usage: epd status"),
+        (["scale", "--role", "prefill", "--replica", "2"], "usage: epd scale"),
+        (["drain", "h:1", "--addr", "h:2"], "usage: epd drain"),
+    ],
+)
+def test_a_wrong_or_abbreviated_flag_is_the_subcommands_error(
+    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage)
+    assert f"{usage[7:]}: error:" in err
+
+
+def test_role_parser_does_not_take_abbreviations() -> None:
+    from common.server.main import build_parser as role_parser
+
+    src = Path(__file__).parents[1] / "common" / "server" / "main.py"
+    assert "allow_abbrev=False" in src.read_text()
+    assert callable(role_parser)
+
+
+def test_status_help_explains_every_column(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    out = capsys.readouterr().out
+    for column in ("ROLE", "NAME", "ADDRESS", "LOAD", "ROUTED", "KV USED/FREE", "CACHE HITS"):
+        assert f"  {column}  " in out
+    assert "SEEN" in out and "STATE" in out

@@ -28,7 +28,7 @@ S = TypeVar("S", bound=ServerSettings)
 
 def build_parser(settings_cls: type, prog: str, description: str) -> argparse.ArgumentParser:
     """`--config`, `--log-level`, `--print-config` and one flag per field of `settings_cls`."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE.toml", help="settings file (TOML)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     parser.add_argument(

@@ -15,26 +15,27 @@ Subclasses append their own fields (so a role's TOML table lists the shared keys
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.settings.schema import SettingsError, setting
 from common.settings.security import SecuritySettings
 
-# The one map from a settings dtype name to torch; `ModelWorkerSettings.torch_dtype` reads it.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+if TYPE_CHECKING:
+    import torch
+
+# The settings dtype names, each the name of its torch dtype; `torch_dtype` maps them. Names,
+# not torch objects: loading settings (the `epd` CLI, `epd config`) must not import torch.
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 def torch_dtype(name: str, key: str = "dtype") -> torch.dtype:
     """The torch dtype called `name`; SettingsError naming `key` when unknown."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise SettingsError(f"{key}: expected one of {', '.join(DTYPES)}, got {name!r}") from None
+    if name not in DTYPES:
+        raise SettingsError(f"{key}: expected one of {', '.join(DTYPES)}, got {name!r}")
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)

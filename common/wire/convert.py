@@ -24,6 +24,7 @@ from common.multimodal.params import (
 )
 from common.multimodal.validation import MultimodalLayoutError, validate_flat
 from common.sampling import SamplingParams
+from common.wire.sampling import sampling_to_proto as sampling_to_proto
 from epd.v1 import multimodal_pb2, sampling_pb2, tensor_pb2
 
 RUN_EXTENSION_VERSION = 1
@@ -311,20 +312,3 @@ def sampling_from_proto(
         )
     except ValueError as exc:
         raise FieldError("sampling", str(exc)) from None
-
-
-def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
-    """The wire form of `SamplingParams` (the inverse of `sampling_from_proto`)."""
-    msg = sampling_pb2.SamplingParams(
-        temperature=params.temperature,
-        max_tokens=params.max_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.top_p != 1.0:
-        msg.top_p = params.top_p
-    if params.top_k:
-        msg.top_k = params.top_k
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg

@@ -4,8 +4,8 @@ that ends at the prefill's first token)."""
 
 from __future__ import annotations
 
-from common.sampling import FinishReason
-from epd.v1 import decode_service_pb2
+from common.sampling import FinishReason, SamplingParams
+from epd.v1 import decode_service_pb2, sampling_pb2
 
 _FINISH: dict[FinishReason, decode_service_pb2.FinishReason] = {
     "stop": decode_service_pb2.FINISH_REASON_STOP,
@@ -18,3 +18,20 @@ def finish_reason_to_proto(reason: FinishReason | None) -> decode_service_pb2.Fi
     if reason is None:
         return decode_service_pb2.FINISH_REASON_UNSPECIFIED
     return _FINISH[reason]
+
+
+def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
+    """The wire form of `SamplingParams` (the inverse of `sampling_from_proto`)."""
+    msg = sampling_pb2.SamplingParams(
+        temperature=params.temperature,
+        max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.top_p != 1.0:
+        msg.top_p = params.top_p
+    if params.top_k:
+        msg.top_k = params.top_k
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
