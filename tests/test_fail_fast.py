@@ -149,3 +149,39 @@ def test_serve_refuses_a_taken_router_port_before_ray(
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert f"{key}: 127.0.0.1:{port} is in use" in err
+
+
+def test_a_role_started_on_a_taken_port_exits_with_one_line(tmp_path: Path) -> None:
+    """`python -m router` on a port another server holds: exit 2, one line, no traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.cluster import ROOT, cluster_security
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    security = cluster_security()
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "router",
+                f"--port={port}",
+                "--http-port=-1",
+                f"--security-cluster-token-file={security.cluster_token_file}",
+                f"--security-api-keys-file={security.api_keys_file}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        holder.close()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"127.0.0.1:{port} is in use" in done.stderr.strip().splitlines()[-1]

@@ -90,10 +90,15 @@ class RoleMain(Generic[S]):
         return self.parse_args(argv)[0]
 
     def main(self, argv: Sequence[str] | None = None) -> int:
-        """Parse, configure logging, serve until a signal, drain, stop."""
+        """Parse, configure logging, serve until a signal, drain, stop. A setting found
+        unusable only when serving starts (a port in use, an unreadable token file) exits 2
+        with one line naming it."""
         settings, args = self.parse_args(argv)
         configure_logging(args.log_level)
-        asyncio.run(self._serve_until_signal(settings))
+        try:
+            asyncio.run(self._serve_until_signal(settings))
+        except SettingsError as exc:
+            self.parser().exit(2, f"{self.prog}: error: {exc}\n")
         return 0
 
     async def _serve_until_signal(self, settings: S) -> None:
