@@ -47,7 +47,6 @@ Worker columns:
   CACHE HITS    prefix (encoder: embedding) cache hits / lookups since the worker started
   SEEN          time since its last heartbeat
   STATE         serving, or draining (after `epd drain`: no new work is routed to it)"""
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 
 
 def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") -> None:
@@ -263,14 +262,13 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
 
 
 def frame_files(folder: str | Path) -> list[Path]:
-    """The image files of a frames folder, in name order; ValueError when there are none."""
-    folder = Path(folder)
-    if not folder.is_dir():
+    """The image files of a frames folder, in name order (`epd.request.frame_files`);
+    ValueError naming `--video` when there are none."""
+    from epd.request import frame_files as files
+
+    if not Path(folder).is_dir():
         raise ValueError(f"--video {folder}: neither a video file nor a folder of frame images")
-    frames = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-    if not frames:
-        raise ValueError(f"--video {folder}: no image files ({', '.join(IMAGE_SUFFIXES)})")
-    return frames
+    return files(folder, where="--video")
 
 
 def build_messages(

@@ -1,0 +1,145 @@
+"""The wire form of a chat for the router: `GenerateRequest`s built from OpenAI-like messages
+(see `epd.client` for the message format), with images and videos encoded for the wire.
+Blocking file reads; no network."""
+
+from __future__ import annotations
+
+import base64
+import io
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from common.sampling import SamplingParams
+from common.wire.sampling import sampling_to_proto
+from epd.v1 import router_service_pb2
+
+# Files of a frames folder that are frames.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+Messages = Sequence[Mapping[str, Any]]
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "Messages",
+    "build_request",
+    "encode_image",
+    "frame_files",
+    "video_input",
+]
+
+
+def build_request(
+    messages: Messages,
+    sampling: SamplingParams | None = None,
+    *,
+    request_id: str = "",
+    cache_salt: str | None = None,
+    stop: Sequence[str] = (),
+) -> router_service_pb2.GenerateRequest:
+    """The `GenerateRequest` of a chat; media encoded for the wire. ValueError naming the
+    part that cannot be sent."""
+    request = router_service_pb2.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        sampling=sampling_to_proto(sampling or SamplingParams()),
+        stop=list(stop),
+    )
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
+    for i, message in enumerate(messages):
+        out = request.messages.add(role=str(message.get("role", "")))
+        content = message.get("content")
+        if isinstance(content, str):
+            out.content.add(text=content)
+            continue
+        for j, part in enumerate(content or ()):
+            _add_part(out, part, f"messages[{i}].content[{j}]")
+    return request
+
+
+def _add_part(out: router_service_pb2.ChatMessage, part: Mapping[str, Any], where: str) -> None:
+    kind = part.get("type")
+    uid = part.get("uuid")
+    if kind == "text":
+        out.content.add(text=str(part.get("text", "")))
+    elif kind in ("image", "image_url"):
+        source = part.get("image") if kind == "image" else _data_url(part.get("image_url"), where)
+        image = router_service_pb2.ImageInput(data=encode_image(source, f"{where}.image"))
+        if uid is not None:
+            image.uuid = str(uid)
+        out.content.add(image=image)
+    elif kind == "video":
+        video = video_input(part.get("video"), part.get("fps"), where)
+        if uid is not None:
+            video.uuid = str(uid)
+        out.content.add(video=video)
+    else:
+        raise ValueError(f"{where}: unsupported content part type {kind!r}")
+
+
+def video_input(source: Any, fps: Any, where: str = "video") -> router_service_pb2.VideoInput:
+    """The wire form of a video (see the module docstring): a file's bytes with the rate to
+    sample it at (0: the router's default), or encoded frames with their rate."""
+    if isinstance(source, str | Path):
+        path = Path(source)
+        if path.is_dir():
+            source = frame_files(path, f"{where}.video")
+        elif path.is_file():
+            source = path.read_bytes()
+        else:
+            raise ValueError(f"{where}.video: no such file or folder: {path}")
+    if isinstance(source, bytes | bytearray | memoryview):
+        rate = 0.0 if fps is None else float(fps)
+        if not rate >= 0:
+            raise ValueError(f"{where}.fps: a video file's fps must be positive or 0, got {fps!r}")
+        if len(source) == 0:
+            raise ValueError(f"{where}.video: the video file is empty")
+        return router_service_pb2.VideoInput(file=bytes(source), fps=rate)
+    if fps is None or not float(fps) > 0:
+        raise ValueError(f"{where}.fps: a video needs a positive fps, got {fps!r}")
+    if source is None or len(source) == 0:
+        raise ValueError(f"{where}.video: no frames")
+    return router_service_pb2.VideoInput(
+        frames=[encode_image(f, f"{where}.video[{k}]") for k, f in enumerate(source)],
+        fps=float(fps),
+    )
+
+
+def frame_files(folder: str | Path, where: str = "video") -> list[Path]:
+    """The image files of a frames folder, in name order; ValueError naming `where` when
+    it is not a folder or holds none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{where} {folder}: not a folder of frame images")
+    frames = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not frames:
+        raise ValueError(f"{where} {folder}: no image files ({', '.join(IMAGE_SUFFIXES)})")
+    return frames
+
+
+def encode_image(source: Any, where: str = "image") -> bytes:
+    """Encoded file bytes of an image source (bytes as given, a path's bytes, PNG else)."""
+    if isinstance(source, bytes | bytearray | memoryview):
+        return bytes(source)
+    if isinstance(source, str | Path):
+        return Path(source).read_bytes()
+    import numpy as np  # here, not at the top: `epd generate` starts without them
+    from PIL import Image
+
+    if isinstance(source, np.ndarray):
+        if source.dtype != np.uint8 or source.ndim not in (2, 3):
+            raise ValueError(f"{where}: arrays must be (H, W[, C]) uint8, got {source.shape}")
+        squeeze = source.ndim == 3 and source.shape[-1] == 1
+        source = Image.fromarray(source[..., 0] if squeeze else source)
+    if isinstance(source, Image.Image):
+        buffer = io.BytesIO()
+        source.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise ValueError(f"{where}: unsupported image source {type(source).__name__}")
+
+
+def _data_url(value: Any, where: str) -> bytes:
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise ValueError(f"{where}.image_url: only base64 data URLs can be sent")
+    return base64.b64decode(url.split(";base64,", 1)[1])
