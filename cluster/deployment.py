@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from cluster.placement import CpuPlanner
 from cluster.pools import (
     _LOOPBACK,
     CONTROLLER_NAME,
@@ -27,9 +28,10 @@ from cluster.pools import (
     reachable_address,
     registered_counts,
 )
-from cluster.settings import ROLES, EpdSettings, RaySettings
+from cluster.settings import ROLES, EpdSettings, PoolSettings, RaySettings
 from common.server.auth import service_credentials
 from common.server.rpc import channel
+from common.server.threads import available_cores
 from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2_grpc
 
@@ -74,6 +76,7 @@ class Controller:
             log_level=settings.log_level,
             cluster_gpus=float(ray.cluster_resources().get("GPU", 0)),
             credentials=self.credentials,
+            cpu=cpu_planner(settings.pools),
         )
         for role, replicas in settings.pools.initial_replicas().items():
             await self.pools.scale(role, replicas)
@@ -148,6 +151,22 @@ class Controller:
         """
         await self.router.drain(self.settings.pools.drain_timeout_s)
         await self.pools.stop(router_stopped=True)
+
+
+def cpu_planner(pools: PoolSettings) -> CpuPlanner:
+    """The CPU plan of this Ray cluster (run in the controller, on the driver's node): with
+    one alive node, its cores as this process may use them, at most Ray's CPU count, pinned;
+    with several, the smallest node's CPU count, unpinned (`cluster.placement`)."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    cpus = [int(n.get("Resources", {}).get("CPU", 0)) for n in alive] or [1]
+    workers = sum(pools.initial_replicas().values())
+    if len(alive) <= 1:
+        cores = available_cores()[: max(1, cpus[0])]
+    else:
+        cores = tuple(range(max(1, min(cpus))))
+    return CpuPlanner.for_cluster(cores, len(alive), workers, pools.num_cpus)
 
 
 # ------------------------------------------------------------------------------ the driver

@@ -45,10 +45,12 @@ from typing import Any
 
 # `registered_counts` lives in cluster.admin, which `epd scale` imports without torch.
 from cluster.admin import registered_counts as registered_counts
+from cluster.placement import CpuPlanner
 from cluster.settings import ROLES, PoolSettings
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.role import RoleServer
 from common.server.rpc import channel
+from common.server.threads import CpuPlacement, apply, available_cores, resolve
 from common.settings.base import ModelWorkerSettings, WorkerSettings
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 
@@ -120,10 +122,13 @@ class WorkerActor:
         settings: WorkerSettings,
         log_level: str,
         host: str | None = None,
+        placement: CpuPlacement | None = None,
     ) -> None:
         self.role = role
         self.name = name
         _setup_logging(log_level)
+        # Threads and cores first: torch's pools are sized before the model loads.
+        apply(resolve(getattr(settings, "threads", 0), placement), name)
         # The listen (and registered) host is resolved here, on the node Ray placed us on:
         # None or a wildcard means this node's IP.
         if host is None or host in _ANY:
@@ -208,6 +213,7 @@ class PoolManager:
         cluster_gpus: float,
         actor_class: Any = None,
         credentials: ChannelCredentials = NO_CREDENTIALS,
+        cpu: CpuPlanner | None = None,
     ) -> None:
         import ray
 
@@ -223,6 +229,9 @@ class PoolManager:
         self._retiring: set[asyncio.Task[None]] = set()
         self.router_stopped = False  # set by stop() once the router is gone
         self.credentials = credentials  # presented to the router (Drain, Status): the cluster
+        # Threads, Ray CPUs and cores of each worker (default: this node alone, unpinned).
+        workers = max(1, sum(pools.initial_replicas().values()))
+        self.cpu = cpu or CpuPlanner(available_cores(), workers, pin=False, num_cpus=pools.num_cpus)
         # The Ray actor class of the workers (tests pass a stand-in).
         self._actor_class = actor_class or ray.remote(WorkerActor)
 
@@ -261,14 +270,15 @@ class PoolManager:
         name = f"epd-{pool.role}-{pool.next_index}"
         pool.next_index += 1
         settings = self._worker_settings(pool.role, name)
+        placement, num_cpus = self.cpu.take(name, getattr(settings, "threads", 0))
         handle = self._actor_class.options(
             name=name,
             namespace=self.namespace,
-            num_cpus=self.settings.num_cpus,
+            num_cpus=num_cpus,
             num_gpus=self.gpus_per_worker,
             max_restarts=self.settings.max_restarts,
             max_concurrency=1000,
-        ).remote(pool.role, name, settings, self.log_level, self.worker_host)
+        ).remote(pool.role, name, settings, self.log_level, self.worker_host, placement)
         logger.info("started %s", name)
         return _Member(name, handle)
 
@@ -299,6 +309,7 @@ class PoolManager:
             logger.exception("draining %s failed; stopping it anyway", member.name)
         finally:
             ray.kill(member.handle, no_restart=True)
+            self.cpu.release(member.name)
             logger.info("%s (%s) stopped", member.name, role)
 
     async def stop(self, *, router_stopped: bool = False) -> None:

@@ -49,8 +49,10 @@ class PoolSettings:
         "GPUs per worker actor, asked for only when the Ray cluster has GPUs (None: 1, or an "
         "equal share when there are fewer GPUs than starting workers; 0: CPU only)",
     )
-    num_cpus: float = setting(
-        0.25, "CPUs per worker actor (a Ray scheduling share, not a limit on threads)"
+    num_cpus: float | None = setting(
+        None,
+        "CPUs per worker actor asked of Ray (None: the worker's threads, or its fractional "
+        "share of a node when workers outnumber cores; see cluster/placement.py)",
     )
     max_restarts: int = setting(
         -1, "times Ray restarts a crashed worker actor (-1: always, 0: never)"
@@ -173,6 +175,8 @@ class EpdSettings:
                     f"pools.{name}_replicas: {n} is more than pools.max_replicas "
                     f"({pools.max_replicas})"
                 )
+        if pools.num_cpus is not None and pools.num_cpus < 0:
+            raise SettingsError("pools.num_cpus: must not be negative")
         for name in ("drain_timeout_s", "ready_timeout_s"):
             if getattr(pools, name) <= 0:
                 raise SettingsError(f"pools.{name}: must be positive")

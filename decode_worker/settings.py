@@ -15,6 +15,11 @@ class DecodeSettings(KvWorkerSettings):
     The server, registration, model and KV-cache fields come from `KvWorkerSettings`.
     """
 
+    threads: int = setting(
+        0,
+        "torch intra-op threads (0: auto; under `epd serve` the node's cores divided among the "
+        "workers it places there, at least 1; alone, every core)",
+    )
     max_batch: int = setting(32, "most sequences decoded together in one step")
     pull_timeout_s: float = setting(30.0, "longest NIXL READ of one request's KV blocks")
     release_timeout_s: float = setting(5.0, "deadline of the ReleaseKv call after a pull")
@@ -25,6 +30,8 @@ class DecodeSettings(KvWorkerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         KvWorkerSettings.check(self)
+        if self.threads < 0:
+            raise SettingsError("threads: must not be negative")
         if self.max_batch <= 0:
             raise SettingsError("max_batch: must be positive")
         for name in ("pull_timeout_s", "release_timeout_s"):

@@ -15,6 +15,11 @@ class EncoderSettings(ModelWorkerSettings):
     The server, registration and model fields come from `ModelWorkerSettings`.
     """
 
+    threads: int = setting(
+        0,
+        "torch intra-op threads (0: auto; under `epd serve` the node's cores divided among the "
+        "workers it places there, at least 1; alone, every core)",
+    )
     cache_bytes: int = setting(256 << 20, "encoder cache budget in bytes (LRU); 0 disables it")
     inline_limit_bytes: int = setting(
         1 << 20, "outputs of an item above this many bytes travel as a NIXL handle"
@@ -36,7 +41,13 @@ class EncoderSettings(ModelWorkerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         ModelWorkerSettings.check(self)
-        for name in ("cache_bytes", "inline_limit_bytes", "max_batch_rows", "output_pool_mb"):
+        for name in (
+            "threads",
+            "cache_bytes",
+            "inline_limit_bytes",
+            "max_batch_rows",
+            "output_pool_mb",
+        ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must not be negative")
         if self.max_batch_rows == 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import KvWorkerSettings
-from common.settings.schema import setting
+from common.settings.schema import SettingsError, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +15,11 @@ class PrefillSettings(KvWorkerSettings):
     The server, registration, model and KV-cache fields come from `KvWorkerSettings`.
     """
 
+    threads: int = setting(
+        0,
+        "torch intra-op threads (0: auto; under `epd serve` the node's cores divided among the "
+        "workers it places there, at least 1; alone, every core)",
+    )
     lease_ttl_s: float = setting(
         30.0, "how long a prompt's blocks stay pinned for a decode worker that never releases"
     )
@@ -27,3 +32,9 @@ class PrefillSettings(KvWorkerSettings):
     embedding_pull_timeout_s: float = setting(
         30.0, "longest NIXL pull of one embedding tensor from an encoder"
     )
+
+    def check(self) -> None:
+        """Raise SettingsError naming the first unusable field."""
+        KvWorkerSettings.check(self)
+        if self.threads < 0:
+            raise SettingsError("threads: must not be negative")

@@ -19,9 +19,11 @@ import grpc
 import pytest
 
 import cluster.pools as pools
+from cluster.admin import RoleCount, role_counts
 from cluster.pools import PoolManager, WorkerActor, drain_at_router, reachable_address
 from cluster.settings import EpdSettings, PoolSettings
 from common.server.rpc import start_server
+from common.server.threads import CpuPlacement
 from common.wire.roles import role_from_proto, role_to_proto
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 
@@ -47,6 +49,7 @@ class FakeHandle:
     log: list[str]
     drain_clean: bool = True
     host: str | None = None  # the listen host the actor is told (None: its node's IP)
+    placement: CpuPlacement | None = None  # threads and cores the actor is told
 
     def __post_init__(self) -> None:
         self.describe = _Method(self._describe)
@@ -73,10 +76,17 @@ class FakeActorClass:
 
         class _Bound:
             def remote(
-                self, role: str, name: str, settings: Any, log_level: str, host: str | None
+                self,
+                role: str,
+                name: str,
+                settings: Any,
+                log_level: str,
+                host: str | None,
+                placement: CpuPlacement | None = None,
             ) -> FakeHandle:
                 handle = FakeHandle(name, role, settings, options, outer.log)
                 handle.host = host
+                handle.placement = placement
                 outer.handles.append(handle)
                 outer.log.append(f"create {name}")
                 return handle
@@ -306,8 +316,8 @@ async def test_registered_counts_leave_out_draining_workers(
     async with grpc.aio.insecure_channel(address) as ch:
         stub = admin_service_pb2_grpc.AdminServiceStub(ch)
         assert await pools.registered_counts(stub) == {"encoder": 0, "prefill": 0, "decode": 0}
-        counts = await pools.registered_counts(stub, include_draining=True)
-        assert counts == {"encoder": 0, "prefill": 1, "decode": 0}
+        reply = await stub.Status(admin_service_pb2.StatusRequest())
+        assert role_counts(reply)["prefill"] == RoleCount(serving=0, draining=1)
 
 
 # ------------------------------------------------------------------------ worker actor

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from common.server import threads
 from common.server.lifecycle import run_until_signal
 from common.server.role import RoleServer
 from common.settings.base import ServerSettings
@@ -96,6 +97,8 @@ class RoleMain(Generic[S]):
         settings, args = self.parse_args(argv)
         configure_logging(args.log_level)
         try:
+            if hasattr(settings, "threads"):  # workers: torch threads before the model loads
+                threads.apply(threads.resolve(settings.threads), self.prog)
             asyncio.run(self._serve_until_signal(settings))
         except SettingsError as exc:
             self.parser().exit(2, f"{self.prog}: error: {exc}\n")

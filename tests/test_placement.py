@@ -1,0 +1,126 @@
+"""Worker threads and CPU placement: the plan (`cluster.placement`), the pool manager asking
+Ray for the planned CPUs, and a worker process applying its placement
+(`common.server.threads`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+import cluster.pools as pools
+from cluster.placement import CpuPlanner
+from cluster.settings import EpdSettings, PoolSettings
+from common.server.threads import CpuPlacement, available_cores, resolve
+from common.settings.schema import SettingsError
+from common.settings.security import SecuritySettings
+from decode_worker.settings import DecodeSettings
+from encoder_worker.settings import EncoderSettings
+from prefill_worker.settings import PrefillSettings
+
+
+def test_auto_threads_divide_the_node_and_pin_disjoint_cores() -> None:
+    plan = CpuPlanner.for_cluster(tuple(range(8)), nodes=1, workers=4)
+    taken = [plan.take(f"w{i}", 0) for i in range(4)]
+    assert [p.threads for p, _ in taken] == [2, 2, 2, 2]
+    assert [p.cores for p, _ in taken] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [cpus for _, cpus in taken] == [2.0] * 4  # Ray's request matches the threads
+    # A fifth worker (scaled past the plan) finds no free cores: threads, but not pinned.
+    assert plan.take("w4", 0)[0] == CpuPlacement(2, None)
+    plan.release("w1")  # retired: its cores go to the next worker
+    assert plan.take("w5", 0)[0].cores == (2, 3)
+
+
+def test_more_workers_than_cores_get_one_thread_and_a_fitting_ray_share() -> None:
+    plan = CpuPlanner.for_cluster((0, 1), nodes=1, workers=3)
+    taken = [plan.take(f"w{i}", 0) for i in range(3)]
+    assert [p.threads for p, _ in taken] == [1, 1, 1]
+    assert [cpus for _, cpus in taken] == [0.66] * 3  # 3 x 0.66 fits on 2 CPUs
+    assert [p.cores for p, _ in taken] == [(0,), (1,), None]
+
+
+def test_explicit_threads_and_num_cpus_win() -> None:
+    plan = CpuPlanner.for_cluster(tuple(range(4)), nodes=1, workers=3)
+    placement, cpus = plan.take("w0", 3)
+    assert placement == CpuPlacement(3, (0, 1, 2)) and cpus == 3.0
+    assert plan.take("w1", 2)[0] == CpuPlacement(2, None)  # only one core left
+    fixed = CpuPlanner.for_cluster(tuple(range(4)), nodes=1, workers=3, num_cpus=0.5)
+    assert fixed.take("w0", 0)[1] == 0.5
+
+
+def test_several_nodes_share_per_node_and_never_pin() -> None:
+    plan = CpuPlanner.for_cluster(tuple(range(16)), nodes=2, workers=3)  # 2 per node
+    placement, cpus = plan.take("w0", 0)
+    assert placement == CpuPlacement(8, None) and cpus == 8.0
+
+
+@pytest.mark.parametrize("cls", [EncoderSettings, PrefillSettings, DecodeSettings])
+def test_threads_setting_is_checked(cls: Any) -> None:
+    assert cls().threads == 0
+    with pytest.raises(SettingsError, match=r"^threads: must not be negative"):
+        cls(threads=-1, security=SecuritySettings(insecure=True)).check()
+    with pytest.raises(SettingsError, match=r"^decode\.threads: must not be negative"):
+        EpdSettings(decode=DecodeSettings(threads=-2)).check()
+    with pytest.raises(SettingsError, match=r"^threads"):
+        resolve(-1)
+
+
+def test_alone_a_worker_takes_every_core() -> None:
+    assert resolve(0) == CpuPlacement(len(available_cores()))
+    assert resolve(3) == CpuPlacement(3)
+    share = CpuPlacement(1, (0,))
+    assert resolve(0, share) is share
+
+
+async def test_pool_manager_asks_ray_for_the_planned_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_pools import FakeActorClass
+
+    monkeypatch.setattr("ray.kill", lambda handle, no_restart=False: None)
+
+    async def no_router(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(pools, "drain_at_router", no_router)
+    actors = FakeActorClass()
+    settings = EpdSettings(decode=DecodeSettings(threads=2), pools=PoolSettings())
+    manager = pools.PoolManager(
+        settings.role_settings(),
+        settings.pools,
+        router_address="127.0.0.1:1",
+        worker_host="127.0.0.1",
+        namespace="t",
+        log_level="warning",
+        cluster_gpus=0,
+        actor_class=actors,
+        cpu=CpuPlanner.for_cluster(tuple(range(4)), nodes=1, workers=3),
+    )
+    await manager.scale("encoder", 1)
+    await manager.scale("decode", 1)
+    encoder, decode = actors.handles
+    assert encoder.placement == CpuPlacement(1, (0,)) and encoder.options["num_cpus"] == 1.0
+    assert decode.placement == CpuPlacement(2, (1, 2)) and decode.options["num_cpus"] == 2.0
+    await manager.scale("decode", 0)
+    await asyncio.gather(*manager._retiring)
+    assert manager.cpu.take("next", 2)[0].cores == (1, 2)  # the retired worker's cores
+
+
+def test_a_worker_process_applies_its_placement() -> None:
+    cores = sorted(available_cores())
+    pinned = (cores[-1],) if hasattr(os, "sched_setaffinity") else None
+    code = (
+        "import os, torch\n"
+        "from common.server.threads import CpuPlacement, apply\n"
+        f"apply(CpuPlacement(1, {pinned!r}))\n"
+        "print(torch.get_num_threads(), torch.get_num_interop_threads(),\n"
+        "      sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else None)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split(maxsplit=2)
+    assert out[:2] == ["1", "1"]
+    if pinned is not None:
+        assert out[2].strip() == str(list(pinned))
