@@ -1,12 +1,20 @@
-"""`epd scale`, `epd status`, `epd drain`: AdminService calls to a running router, with their
-console output. They need an admin key (`--api-key`, $EPD_API_KEY, or the admin_key file
-`epd serve` wrote)."""
+"""`epd scale`, `epd status`, `epd drain`, `epd undrain`: AdminService calls to a running
+router, with their console output. They need an admin key (`--api-key`, $EPD_API_KEY, or the
+admin_key file `epd serve` wrote).
+
+Counting workers, the same way in `scale` and `status` (`role_counts`): a worker is serving
+when it is registered and not draining; draining ones (after `epd drain`, or retiring after
+a scale-down) are counted apart until they leave the registry or are undrained. A scale is
+done when the pool's serving count is what was asked and no more workers drain than before
+it (the retired ones are gone).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from cluster.console import say as _say
@@ -30,26 +38,42 @@ async def _admin(args: argparse.Namespace) -> Any:
     return ch, admin_service_pb2_grpc.AdminServiceStub(ch)
 
 
-async def registered_counts(stub: Any, *, include_draining: bool = False) -> dict[str, int]:
-    """Registered workers per role name, from `AdminService.Status` through `stub`.
+@dataclass(frozen=True, slots=True)
+class RoleCount:
+    """Registered workers of one role, as `scale` and `status` count them (module docstring)."""
 
-    Draining workers are left out unless `include_draining` (a retiring worker still counts
-    until it has left the registry).
-    """
+    serving: int = 0  # registered, not draining: they get new work
+    draining: int = 0  # registered, draining: no new work, leaving or drained by an operator
+
+
+def role_counts(reply: Any) -> dict[str, RoleCount]:
+    """`RoleCount` per worker role name of an `AdminService.Status` reply."""
     from common.roles import WORKER_ROLES
     from common.wire.roles import role_from_proto
-    from epd.v1 import admin_service_pb2
 
-    reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-    counts = dict.fromkeys((str(r) for r in WORKER_ROLES), 0)
+    serving = dict.fromkeys((str(r) for r in WORKER_ROLES), 0)
+    draining = dict(serving)
     for worker in reply.workers:
         try:
             role = role_from_proto(worker.info.role)
         except ValueError:
             continue  # a role this CLI does not know
-        if include_draining or not worker.draining:
-            counts[role] += 1
-    return counts
+        (draining if worker.draining else serving)[role] += 1
+    return {role: RoleCount(serving[role], draining[role]) for role in serving}
+
+
+async def registered_counts(stub: Any) -> dict[str, int]:
+    """Serving workers per role name, from `AdminService.Status` through `stub`."""
+    from epd.v1 import admin_service_pb2
+
+    reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+    return {role: count.serving for role, count in role_counts(reply).items()}
+
+
+async def _count(stub: Any, role: str) -> RoleCount:
+    from epd.v1 import admin_service_pb2
+
+    return role_counts(await stub.Status(admin_service_pb2.StatusRequest(), timeout=10))[role]
 
 
 async def cmd_scale(args: argparse.Namespace) -> int:
@@ -59,29 +83,37 @@ async def cmd_scale(args: argparse.Namespace) -> int:
 
     ch, stub = await _admin(args)
     async with ch:
-        before = (await registered_counts(stub)).get(args.role, 0)
+        before = await _count(stub, args.role)
         reply = await stub.Scale(
             admin_service_pb2.ScaleRequest(role=role_to_proto(args.role), replicas=args.replicas),
             timeout=60,
         )
-        _say(f"{args.role}: {_workers(before)} -> {_workers(reply.replicas)}")
+        _say(f"{args.role}: {_counted(before)} -> {_workers(reply.replicas)}")
         if args.no_wait:
             return 0
         t0 = time.monotonic()
         while True:
-            counts = await registered_counts(stub, include_draining=True)
-            if counts.get(args.role, 0) == reply.replicas:
+            now = await _count(stub, args.role)
+            if now.serving == reply.replicas and now.draining <= before.draining:
                 took = time.monotonic() - t0
-                _say(f"{args.role}: {_workers(reply.replicas)} registered ({took:.1f}s)")
+                _say(f"{args.role}: {_workers(reply.replicas)} serving ({took:.1f}s)")
                 return 0
             if time.monotonic() - t0 > args.timeout:
-                _say(f"{args.role}: still {counts.get(args.role, 0)} after {args.timeout:.0f}s")
+                _say(f"{args.role}: still {_counted(now)} after {args.timeout:.0f}s")
+                if now.draining:
+                    _say("  a worker drained with `epd drain` stays in its pool: `epd undrain` it")
                 return 1
             await asyncio.sleep(0.2)
 
 
 def _workers(n: int) -> str:
     return f"{n} worker" if n == 1 else f"{n} workers"
+
+
+def _counted(count: RoleCount) -> str:
+    """ "2 workers serving" or "2 workers serving, 1 draining"."""
+    text = f"{_workers(count.serving)} serving"
+    return f"{text}, {count.draining} draining" if count.draining else text
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
@@ -125,6 +157,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         _say("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     if not reply.workers:
         _say("(no workers registered)")
+    # The counts `epd scale` waits on: serving workers, draining ones apart.
+    _say("; ".join(f"{role} {_counted(count)}" for role, count in role_counts(reply).items()))
     return 0
 
 
@@ -139,4 +173,22 @@ async def cmd_drain(args: argparse.Namespace) -> int:
         _say(f"no registered worker at {args.worker}")
         return 1
     _say(f"{args.worker}: draining (no new work; in-flight work finishes)")
+    return 0
+
+
+async def cmd_undrain(args: argparse.Namespace) -> int:
+    """AdminService.Undrain: the router routes new work to a drained worker again."""
+    from epd.v1 import admin_service_pb2
+
+    ch, stub = await _admin(args)
+    async with ch:
+        request = admin_service_pb2.UndrainRequest(address=args.worker)
+        reply = await stub.Undrain(request, timeout=10)
+    if not reply.found:
+        _say(f"no registered worker at {args.worker}")
+        return 1
+    if not reply.serving:
+        _say(f"{args.worker}: still draining: the worker itself drains (retiring or stopping)")
+        return 1
+    _say(f"{args.worker}: serving (gets new work again)")
     return 0

@@ -1,17 +1,18 @@
-"""The `epd` command line: serve, generate, scale, status, drain, config.
+"""The `epd` command line: serve, generate, scale, status, drain, undrain, config.
 
     epd serve [--config epd.toml] [--address RAY] [--FLAG VALUE ...]   run a deployment on Ray
     epd generate "prompt" [--image PATH] [--video FILE|DIR] [--fps F]  stream one answer
     epd scale --role prefill --replicas 3                              resize a pool
     epd status                                                         every worker and its load
     epd drain HOST:PORT                                                stop routing to a worker
+    epd undrain HOST:PORT                                              route to it again
     epd config --print-defaults | --check FILE | --markdown           the config file
 
 Every command but `serve` and `config` talks to a running router (`--address`, default
 127.0.0.1:50051, or $EPD_ROUTER) with an API key (`--api-key`, or $EPD_API_KEY, or the key
-`epd serve` wrote: client_key for `generate`, admin_key for `scale`/`status`/`drain`, under
+`epd serve` wrote: client_key for `generate`, admin_key for the admin commands, under
 $EPD_HOME/<namespace>, default ~/.epd/epd) and, for a TLS router, `--tls-ca-file`.
-`serve` is in `cluster.serve`, `scale`/`status`/`drain` in `cluster.admin`; they print through
+`serve` is in `cluster.serve`, the admin commands in `cluster.admin`; they print through
 `cluster.console`, the library code they call logs.
 """
 
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.admin import cmd_drain, cmd_scale, cmd_status
+from cluster.admin import cmd_drain, cmd_scale, cmd_status, cmd_undrain
 from cluster.console import say as _say
 from cluster.serve import cmd_serve
 
@@ -46,7 +47,10 @@ Worker columns:
   KV USED/FREE  paged KV blocks in use / free (- for an encoder: it holds no KV)
   CACHE HITS    prefix (encoder: embedding) cache hits / lookups since the worker started
   SEEN          time since its last heartbeat
-  STATE         serving, or draining (after `epd drain`: no new work is routed to it)"""
+  STATE         serving, or draining: no new work is routed to it (after `epd drain`, until
+                `epd undrain`; or retiring after a scale-down, until it leaves)
+
+The last line counts each role as `epd scale` does: serving workers, and draining ones apart."""
 
 
 def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") -> None:
@@ -168,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("worker", metavar="HOST:PORT", help="the worker's registered address")
     _router_flag(drain, "admin_key")
 
+    undrain = commands.add_parser(
+        "undrain", allow_abbrev=False, help="route new work to a drained worker again"
+    )
+    undrain.add_argument("worker", metavar="HOST:PORT", help="the worker's registered address")
+    _router_flag(undrain, "admin_key")
+
     config = commands.add_parser(
         "config", allow_abbrev=False, help="print or check the config file"
     )
@@ -229,10 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(load_settings(args))
         if args.command == "config":
             return cmd_config(args)
-        runner = {"generate": cmd_generate, "scale": cmd_scale, "status": cmd_status}
-        if args.command in runner:
-            return asyncio.run(runner[args.command](args))
-        return asyncio.run(cmd_drain(args))
+        runner = {
+            "generate": cmd_generate,
+            "scale": cmd_scale,
+            "status": cmd_status,
+            "drain": cmd_drain,
+            "undrain": cmd_undrain,
+        }
+        return asyncio.run(runner[args.command](args))
     except SettingsError as exc:
         parser.exit(2, f"epd: error: {exc}\n")
     except KeyboardInterrupt:

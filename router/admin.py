@@ -28,7 +28,7 @@ NO_SCALER = "scaling needs `epd serve` on Ray"
 
 
 class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
-    """Status / Scale / Drain over a `Registry`, an optional `Scaler` and the router's
+    """Status / Scale / Drain / Undrain over a `Registry`, an optional `Scaler` and the router's
     `Admission` (queue figures in Status; zeros without one)."""
 
     def __init__(
@@ -101,3 +101,12 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: is empty")
         return admin_service_pb2.DrainResponse(found=self.registry.drain(request.address))
+
+    async def Undrain(
+        self, request: admin_service_pb2.UndrainRequest, context: grpc.aio.ServicerContext
+    ) -> admin_service_pb2.UndrainResponse:
+        """Route new work to the worker at `address` again (undoes Drain)."""
+        if not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: is empty")
+        found, serving = self.registry.undrain(request.address)
+        return admin_service_pb2.UndrainResponse(found=found, serving=serving)

@@ -8,7 +8,8 @@ Lifecycle of a worker as the router sees it:
     Heartbeat -> refreshes liveness and load; an unknown id answers known=False so the
                  worker registers again
     draining  -> reported by the worker or asked for through AdminService.Drain; a draining
-                 worker gets no new work, its in-flight work finishes
+                 worker gets no new work, its in-flight work finishes; AdminService.Undrain
+                 undoes an asked-for drain (not one the worker reports)
     expiry    -> a worker silent for longer than the timeout is hidden from `workers` and
                  `pick` at once; `expire` (the router's expiry loop) drops it and tells the
                  `on_expire` listeners, so whatever follows the worker is let go exactly once
@@ -198,6 +199,15 @@ class Registry:
                 found = True
                 logger.info("draining %s worker %s", record.role, address)
         return found
+
+    def undrain(self, address: str) -> tuple[bool, bool]:
+        """Undo `drain` for the worker at `address`: (found, serving). A worker that reports
+        draining itself (retiring, stopping) stays draining: serving is False."""
+        records = [r for r in self._workers.values() if r.address == address]
+        for record in records:
+            record.drain_requested = False
+            logger.info("undrained %s worker %s", record.role, address)
+        return bool(records), any(not r.draining for r in records)
 
     def remove(self, worker_id: str) -> None:
         """Forget a worker (it stopped)."""

@@ -324,7 +324,7 @@ async def test_status_lists_every_worker(
         "SEEN",
         "STATE",
     ]
-    rows = [line.split() for line in out[2:]]
+    rows = [line.split() for line in out[2:-1]]
     assert [r[0] for r in rows] == ["encoder", "prefill", "decode"]
     assert rows[0][5] == "-"  # encoders have no KV blocks
     assert rows[1][:6] == ["prefill", "w-2-0", "127.0.0.1:7020", "1", "1", "3/61"]
@@ -341,8 +341,8 @@ async def test_scale_asks_the_router_and_waits_for_the_pool(
     assert await cmd_scale(args) == 0
     assert admin.scaled == [(registry_service_pb2.WORKER_ROLE_PREFILL, 3)]
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "prefill: 1 worker -> 3 workers"
-    assert out[1].startswith("prefill: 3 workers registered")
+    assert out[0] == "prefill: 1 worker serving -> 3 workers"
+    assert out[1].startswith("prefill: 3 workers serving")
 
 
 async def test_drain_reports_unknown_workers(

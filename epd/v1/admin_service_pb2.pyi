@@ -80,3 +80,17 @@ class DrainResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class UndrainRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class UndrainResponse(_message.Message):
+    __slots__ = ("found", "serving")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    serving: bool
+    def __init__(self, found: _Optional[bool] = ..., serving: _Optional[bool] = ...) -> None: ...

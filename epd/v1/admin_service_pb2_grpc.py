@@ -50,6 +50,11 @@ class AdminServiceStub:
                 request_serializer=epd_dot_v1_dot_admin__service__pb2.DrainRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_admin__service__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/epd.v1.AdminService/Undrain',
+                request_serializer=epd_dot_v1_dot_admin__service__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_admin__service__pb2.UndrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -77,6 +82,14 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Undrain(self, request, context):
+        """Route new work to a worker drained through Drain again (not one that drains itself:
+        a retiring or stopping worker).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=epd_dot_v1_dot_admin__service__pb2.DrainRequest.FromString,
                     response_serializer=epd_dot_v1_dot_admin__service__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=epd_dot_v1_dot_admin__service__pb2.UndrainRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_admin__service__pb2.UndrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class AdminService:
             '/epd.v1.AdminService/Drain',
             epd_dot_v1_dot_admin__service__pb2.DrainRequest.SerializeToString,
             epd_dot_v1_dot_admin__service__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.AdminService/Undrain',
+            epd_dot_v1_dot_admin__service__pb2.UndrainRequest.SerializeToString,
+            epd_dot_v1_dot_admin__service__pb2.UndrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,109 @@
+"""`epd drain` / `epd undrain` and the worker counts `epd scale` and `epd status` share, over
+the router's real AdminService and Registry on 127.0.0.1 (no workers: records are
+registered directly)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+
+import pytest
+
+from cluster.admin import RoleCount, cmd_drain, cmd_scale, cmd_status, cmd_undrain, role_counts
+from cluster.cli import build_parser
+from common.roles import Role
+from common.server.rpc import start_server
+from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
+from router.admin import AdminServicer
+from router.registry import Registry
+from router.workers import WorkerLoad
+from tests.test_registry import MODEL, info
+
+
+@pytest.fixture
+async def admin() -> AsyncIterator[tuple[str, Registry, list[int]]]:
+    """(router address, its registry, scale calls) with two prefill workers registered."""
+    registry = Registry(worker_timeout_s=60.0, heartbeat_interval_s=1.0, expected_model=MODEL)
+    for port in (7001, 7002):
+        registry.register(info(Role.PREFILL, port))
+    scaled: list[int] = []
+
+    async def scaler(role: Role, replicas: int) -> int:
+        scaled.append(replicas)
+        return replicas
+
+    servicer = AdminServicer(registry, scaler)
+    server = await start_server(
+        [lambda s: admin_service_pb2_grpc.add_AdminServiceServicer_to_server(servicer, s)],
+        host="127.0.0.1",
+    )
+    try:
+        yield server.address, registry, scaled
+    finally:
+        await server.stop(0)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args([*argv])
+
+
+async def test_undrain_routes_to_a_drained_worker_again(
+    admin: tuple[str, Registry, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, registry, _ = admin
+    worker = "127.0.0.1:7001"
+    assert await cmd_drain(_args("drain", worker, "--address", address)) == 0
+    assert registry.pick(Role.PREFILL).address == "127.0.0.1:7002"  # 7001 gets no new work
+    assert await cmd_undrain(_args("undrain", worker, "--address", address)) == 0
+    assert not any(w.draining for w in registry.workers())
+    assert await cmd_undrain(_args("undrain", "127.0.0.1:1", "--address", address)) == 1
+    out = capsys.readouterr().out
+    assert f"{worker}: serving (gets new work again)" in out
+    assert "no registered worker at 127.0.0.1:1" in out
+
+
+async def test_a_worker_draining_itself_stays_draining(
+    admin: tuple[str, Registry, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, registry, _ = admin
+    (record,) = [w for w in registry.workers() if w.address == "127.0.0.1:7002"]
+    registry.drain(record.address)
+    registry.heartbeat(record.worker_id, WorkerLoad(draining=True))  # retiring
+    assert await cmd_undrain(_args("undrain", record.address, "--address", address)) == 1
+    assert "still draining: the worker itself drains" in capsys.readouterr().out
+    assert record.draining
+
+
+async def test_status_and_scale_count_serving_and_draining_alike(
+    admin: tuple[str, Registry, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, registry, scaled = admin
+    registry.drain("127.0.0.1:7001")
+    assert await cmd_status(_args("status", "--address", address)) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (
+        "encoder 0 workers serving; prefill 1 worker serving, 1 draining; decode 0 workers serving"
+    )
+    # The pool keeps the drained worker: asking for 2 finds 1 serving and says why.
+    argv = ("scale", "--role", "prefill", "--replicas", "2", "--timeout", "0.5")
+    assert await cmd_scale(_args(*argv, "--address", address)) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "prefill: 1 worker serving, 1 draining -> 2 workers"
+    assert out[1] == "prefill: still 1 worker serving, 1 draining after 0s"
+    assert "`epd undrain` it" in out[2]
+    registry.undrain("127.0.0.1:7001")
+    assert await cmd_scale(_args(*argv, "--address", address)) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("prefill: 2 workers serving (")
+    assert scaled == [2, 2]
+
+
+def test_role_counts_of_a_status_reply() -> None:
+    reply = admin_service_pb2.StatusResponse()
+    for role, draining in ((2, False), (2, True), (3, False), (0, False)):
+        reply.workers.add(draining=draining).info.role = role  # role 0: unknown, skipped
+    counts = role_counts(reply)
+    assert counts == {
+        "encoder": RoleCount(0, 0),
+        "prefill": RoleCount(1, 1),
+        "decode": RoleCount(1, 0),
+    }
