@@ -32,7 +32,8 @@ def child(checkpoint: str, threads: int, cores: list[int] | None, steps: int) ->
     from common.models.tiny import default_checkpoint
     from common.sampling import SamplingParams
 
-    engine = Engine.from_pretrained(default_checkpoint(checkpoint), num_blocks=512, max_batch=4)
+    folder = default_checkpoint("bench" if checkpoint == "bench" else "tiny")
+    engine = Engine.from_pretrained(folder, num_blocks=512, max_batch=4)
     p = engine.process([{"role": "user", "content": [{"type": "text", "text": "Hello " * 32}]}])
     sampling = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
 
@@ -55,7 +56,7 @@ def child(checkpoint: str, threads: int, cores: list[int] | None, steps: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--checkpoint", default="tiny", help="built-in checkpoint name")
+    parser.add_argument("--checkpoint", default="tiny", choices=("tiny", "bench"))
     parser.add_argument("--steps", type=int, default=64, help="decode steps per run")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--child", nargs=3, metavar=("THREADS", "CORES", "STEPS"))
