@@ -92,12 +92,18 @@ async def cmd_scale(args: argparse.Namespace) -> int:
         if args.no_wait:
             return 0
         t0 = time.monotonic()
+        said: list[str] = []
         while True:
-            now = await _count(stub, args.role)
+            status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+            now = role_counts(status)[args.role]
             if now.serving == reply.replicas and now.draining <= before.draining:
                 took = time.monotonic() - t0
                 _say(f"{args.role}: {_workers(reply.replicas)} serving ({took:.1f}s)")
                 return 0
+            waiting = [w for w in status.waiting if f"-{args.role}-" in w]
+            if waiting and waiting != said:  # e.g. Ray has no CPU or GPU left for a worker
+                _say(f"{args.role}: " + "; ".join(waiting))
+                said = waiting
             if time.monotonic() - t0 > args.timeout:
                 _say(f"{args.role}: still {_counted(now)} after {args.timeout:.0f}s")
                 if now.draining:

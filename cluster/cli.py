@@ -318,6 +318,8 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     from epd.client import generate
 
     try:
+        if not args.fps > 0:  # also NaN
+            raise ValueError(f"--fps: must be positive, got {args.fps:g}")
         messages = build_messages(
             args.prompt, args.image, args.video, fps=args.fps, system=args.system
         )

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from cluster import logs
 from cluster.placement import CpuPlanner
 from cluster.pools import (
     _LOOPBACK,
@@ -22,6 +23,7 @@ from cluster.pools import (
     SERVER_MODULES,
     PoolManager,
     WorkerDescription,
+    WorkerRefusedError,
     WorkerStartError,
     _setup_logging,
     error_summary,
@@ -36,6 +38,26 @@ from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+class _Scaler:
+    """The router's scaler (`router.admin.Scaler`), with `waiting` for AdminService.Status:
+    the workers Ray has not placed yet, asked at most every 2 s (a GCS call, off the loop)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self._waiting: list[str] = []
+        self._asked = 0.0
+
+    async def __call__(self, role: Any, replicas: int) -> int:
+        return await self.controller._scale(role, replicas)
+
+    async def waiting(self) -> list[str]:
+        pools = getattr(self.controller, "pools", None)  # None while the router starts
+        if pools is not None and time.monotonic() - self._asked > 2.0:
+            self._asked = time.monotonic()
+            self._waiting = await asyncio.to_thread(pools.waiting)
+        return list(self._waiting)
 
 
 class Controller:
@@ -53,8 +75,9 @@ class Controller:
         _setup_logging(settings.log_level)
         settings = settings.with_model()  # a top-level `model` reaches the router too
         self.settings = settings
+        self.registered: dict[str, int] = {}  # per role, as `wait_ready` last counted
         router_module = importlib.import_module(SERVER_MODULES["router"])
-        self.router = await router_module.serve(settings.router, scaler=self._scale)
+        self.router = await router_module.serve(settings.router, scaler=_Scaler(self))
         self.router_address = reachable_address(self.router.address)
         # The controller's own calls to the router (Status, Drain) present the cluster bearer.
         self.credentials = service_credentials(settings.router.security)
@@ -117,20 +140,38 @@ class Controller:
                 if probe.done() and probe.exception() is not None:
                     cause = error_summary(probe.exception())
                     raise WorkerStartError(f"{name} failed to start: {cause}")
+            for reason in self.router.registry.refusals.values():
+                # Refused for its settings (model, protocol, KV layout): retrying cannot help.
+                raise WorkerRefusedError(f"the router refused a worker: {reason}")
             try:
                 async with channel(self.router_address, credentials=self.credentials) as ch:
                     stub = admin_service_pb2_grpc.AdminServiceStub(ch)
                     have = await registered_counts(stub)
             except grpc.aio.AioRpcError:
                 have = dict.fromkeys(wanted, 0)
+            self.registered = have
             if all(have[role] >= n for role, n in wanted.items()):
                 return have
             if time.monotonic() > deadline:
+                waiting = await asyncio.to_thread(self.pools.waiting)
+                why = "; ".join(waiting) if waiting else "placed, not registered: see their logs"
                 raise TimeoutError(
                     f"workers not registered after {timeout_s:.0f}s: have {have}, want {wanted} "
-                    "(actors waiting for resources? see `ray status`)"
+                    f"({why})"
                 )
             await asyncio.sleep(0.2)
+
+    async def progress(self) -> str:
+        """How far start-up is, for `epd serve` while it waits: workers registered per
+        pool, then the workers Ray has not placed yet with what they ask for; the others
+        are loading their model."""
+        wanted = self.pools.replicas()
+        have = self.registered
+        short = [f"{role} {have.get(role, 0)}/{n}" for role, n in wanted.items()]
+        waiting = await asyncio.to_thread(self.pools.waiting)
+        done = sum(min(have.get(role, 0), n) for role, n in wanted.items())
+        line = f"{done} of {sum(wanted.values())} workers registered ({', '.join(short)})"
+        return "; ".join([line, *waiting]) if waiting else f"{line}; the rest load their model"
 
     async def workers(self) -> list[WorkerDescription]:
         """Every live worker actor's description (skips ones that do not answer)."""
@@ -172,16 +213,29 @@ def cpu_planner(pools: PoolSettings) -> CpuPlanner:
 # ------------------------------------------------------------------------------ the driver
 
 
-def init_ray(settings: RaySettings) -> bool:
-    """Join the Ray cluster at `settings.address`, or start a local one; True if started here."""
+def init_ray(settings: RaySettings, log_level: str = "warning") -> bool:
+    """Join the Ray cluster at `settings.address`, or start a local one; True if started here.
+    Ray's start-up notices stay quiet below `log_level` debug (`cluster.logs`)."""
+    logs.driver_env(log_level)
     import ray
 
+    logs.quiet_driver(log_level)
+    quiet = {"logging_level": logging.DEBUG if logs.debug(log_level) else logging.WARNING}
     if settings.address:
-        ray.init(
-            address=settings.address,
-            namespace=settings.namespace,
-            log_to_driver=settings.log_to_driver,
-        )
+        try:
+            ray.init(
+                address=settings.address,
+                namespace=settings.namespace,
+                log_to_driver=settings.log_to_driver,
+                **quiet,
+            )
+        except ConnectionError as exc:
+            from common.settings.schema import SettingsError
+
+            raise SettingsError(
+                f"ray.address: no Ray cluster at {settings.address!r} ({exc}); start one "
+                "(`ray start --head`), or leave --address unset to start one here"
+            ) from None
         return False
     ray.init(
         address="local",  # always a new cluster, even when `ray start` left one running here
@@ -191,8 +245,12 @@ def init_ray(settings: RaySettings) -> bool:
         include_dashboard=False,
         object_store_memory=settings.object_store_mb * 1024 * 1024,
         log_to_driver=settings.log_to_driver,
+        **quiet,
     )
     return True
+
+
+WAIT_REPORT_S = 10.0  # how often `epd serve` says how far start-up is
 
 
 class Deployment:
@@ -235,9 +293,20 @@ class Deployment:
             raise WorkerStartError(f"the router failed to start: {error_summary(exc)}") from None
         return deployment
 
-    async def wait_ready(self, timeout_s: float) -> dict[str, int]:
-        """Registered workers per role once every pool is complete."""
-        return dict(await self.controller.wait_ready.remote(timeout_s))
+    async def wait_ready(
+        self, timeout_s: float, on_wait: Callable[[str], None] = lambda _: None
+    ) -> dict[str, int]:
+        """Registered workers per role once every pool is complete. Every `WAIT_REPORT_S`
+        until then, `on_wait` gets a progress line (`Controller.progress`)."""
+        ready = asyncio.ensure_future(self.controller.wait_ready.remote(timeout_s))
+        started = time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({ready}, timeout=WAIT_REPORT_S)
+            if done:
+                return dict(ready.result())
+            with contextlib.suppress(Exception):
+                progress = await self.controller.progress.remote()
+                on_wait(f"still waiting ({time.monotonic() - started:.0f}s): {progress}")
 
     async def workers(self) -> list[WorkerDescription]:
         """Every worker actor's description."""

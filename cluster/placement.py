@@ -12,6 +12,8 @@ core set per worker, so workers sharing a node do not each take every core.
   free (scaled past the plan, or threads set above the share), it is not pinned. On several
   nodes Ray decides where a worker lands, so no worker is pinned.
 
+`pending_actor_names` tells which actors still wait for Ray to place them.
+
 `CpuPlanner` is plain state of the pool manager (one asyncio loop); `take` when a worker is
 created, `release` when it is retired.
 """
@@ -81,3 +83,16 @@ class CpuPlanner:
         taken = {core for cores in self._held.values() for core in cores}
         free = [core for core in self.node_cores if core not in taken]
         return tuple(free[:n]) if len(free) >= n else None
+
+
+def pending_actor_names() -> set[str]:
+    """Names of the actors Ray has not placed yet (the GCS actor table, which needs no
+    dashboard; empty when this Ray does not answer)."""
+    try:
+        from ray._private.state import actors
+
+        table = actors(actor_state_name="PENDING_CREATION")
+    except Exception:
+        logger.debug("Ray's actor table did not answer", exc_info=True)
+        return set()
+    return {str(info.get("Name", "")) for info in table.values()}

@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # `registered_counts` lives in cluster.admin, which `epd scale` imports without torch.
+from cluster import logs
 from cluster.admin import registered_counts as registered_counts
-from cluster.placement import CpuPlanner
+from cluster.placement import CpuPlanner, pending_actor_names
 from cluster.settings import ROLES, PoolSettings
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.role import RoleServer
@@ -73,6 +74,7 @@ def _setup_logging(level: str) -> None:
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger().setLevel(level.upper())
+    logs.worker_env(level)  # NIXL's INFO lines only at debug
 
 
 def _node_ip() -> str:
@@ -181,6 +183,7 @@ class _Member:
 
     name: str  # actor name, unique in the namespace
     handle: Any  # Ray actor handle
+    request: dict[str, float] = field(default_factory=dict)  # what it asked Ray for
 
 
 @dataclass(slots=True)
@@ -280,7 +283,23 @@ class PoolManager:
             max_concurrency=1000,
         ).remote(pool.role, name, settings, self.log_level, self.worker_host, placement)
         logger.info("started %s", name)
-        return _Member(name, handle)
+        return _Member(name, handle, {"CPU": num_cpus, "GPU": self.gpus_per_worker})
+
+    def waiting(self) -> list[str]:
+        """One line per worker actor Ray has not placed yet (PENDING_CREATION in Ray's
+        actor table), with what it asked for and what the cluster has free."""
+        import ray
+
+        pending = pending_actor_names()
+        free = ray.available_resources()
+        lines = []
+        for pool in self.pools.values():
+            for m in pool.members:
+                if m.name in pending:
+                    asks = ", ".join(f"{k} {v:g}" for k, v in m.request.items() if v)
+                    has = ", ".join(f"{k} {free.get(k, 0.0):g}" for k in m.request)
+                    lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
+        return lines
 
     def _worker_settings(self, role: str, name: str) -> WorkerSettings:
         """The role's settings with this deployment's router and identity filled in (the
@@ -355,6 +374,11 @@ async def drain_at_router(
 
 class WorkerStartError(RuntimeError):
     """A worker actor (or the controller) raised while starting; the message has the cause."""
+
+
+class WorkerRefusedError(WorkerStartError):
+    """The router refused a worker's registration for its settings (another model, protocol
+    or KV layout): a settings error, found only once the worker runs."""
 
 
 def error_summary(exc: BaseException | None) -> str:

@@ -33,7 +33,7 @@ def cmd_serve(settings: Any) -> int:
         _say(f"joining the Ray cluster at {settings.ray.address}")
     else:
         _say("starting a local Ray cluster")
-    started_ray = init_ray(settings.ray)
+    started_ray = init_ray(settings.ray, settings.log_level)
     return asyncio.run(_serve(settings, started_ray, started))
 
 
@@ -130,7 +130,7 @@ def _prepare_checkpoint(settings: Any) -> None:
 
 async def _serve(settings: Any, started_ray: bool, started: float) -> int:
     from cluster.deployment import Deployment
-    from cluster.pools import WorkerStartError, error_summary
+    from cluster.pools import WorkerRefusedError, WorkerStartError, error_summary
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -147,7 +147,7 @@ async def _serve(settings: Any, started_ray: bool, started: float) -> int:
             _say(f"OpenAI-compatible HTTP API on http://{deployment.http_address}/v1")
         pools = settings.pools.initial_replicas()
         _say("waiting for " + ", ".join(f"{n} {role}" for role, n in pools.items()) + " ...")
-        ready = await _until(stop, deployment.wait_ready(settings.pools.ready_timeout_s))
+        ready = await _until(stop, deployment.wait_ready(settings.pools.ready_timeout_s, _say))
         if ready is None:
             return 130
         counts = ", ".join(f"{n} {role}" for role, n in ready.items())
@@ -161,6 +161,9 @@ async def _serve(settings: Any, started_ray: bool, started: float) -> int:
                 code = 1
                 break
         return code
+    except WorkerRefusedError as exc:
+        _say(f"epd: error: {error_summary(exc)}")
+        return 2
     except (TimeoutError, WorkerStartError) as exc:
         _say(f"not ready: {error_summary(exc)}")
         return 1

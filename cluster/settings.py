@@ -148,6 +148,14 @@ class EpdSettings:
         they are unset. The TLS file pairing is still checked."""
         if self.model is not None:
             check_model_folder("model", self.model)
+            for role in ("router", *ROLES):
+                own = getattr(self, role).model
+                if own is not None and own != self.model:
+                    # with_model gives `model` to every role: the role's own would be lost.
+                    raise SettingsError(
+                        f"{role}.model: {own} differs from model ({self.model}), which is "
+                        f"every role's; set one of them"
+                    )
         full = self.with_model()
         roles: dict[str, RouterSettings | EncoderSettings | PrefillSettings | DecodeSettings] = {
             "router": full.router,

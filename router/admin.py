@@ -2,7 +2,8 @@
 
 Scaling is not the router's job: it delegates to a pluggable async `Scaler` given to
 `router.server.serve` (the Ray deployment plugs one in). Without one, Scale answers
-UNIMPLEMENTED.
+UNIMPLEMENTED. A scaler may also have an async `waiting()` method: lines about workers it
+started that are not up yet (what they wait for), which Status reports.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
             response.requeued_requests = queue.requeued
             response.queue_wait_p50_s = queue.wait_p50_s
             response.queue_wait_max_s = queue.wait_max_s
+        waiting = getattr(self.scaler, "waiting", None)
+        if waiting is not None:
+            response.waiting.extend(await waiting())
         for w in self.registry.workers(role):
             response.workers.add(
                 worker_id=w.worker_id,

@@ -100,6 +100,7 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.expected_model = expected_model  # None until given or adopted
         self.checkpoint_shape = checkpoint_shape
+        self.refusals: dict[str, str] = {}  # worker address -> why Register refused it (last)
         self.reference_layout: KvLayout | None = None  # first registered KV layout
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
@@ -152,6 +153,7 @@ class Registry:
             last_seen=self._clock(),
         )
         self._workers[record.worker_id] = record
+        self.refusals.pop(record.address, None)
         logger.info("registered %s worker %s at %s", role, record.name, record.address)
         for listener in self.on_register:
             listener(record)
@@ -220,12 +222,17 @@ class Registry:
         dead = [w for w in self._workers.values() if w.last_seen < cutoff]
         for record in dead:
             del self._workers[record.worker_id]
-            logger.warning(
-                "dropped %s worker %s: no heartbeat for %.1f s",
-                record.role,
-                record.address,
-                self._clock() - record.last_seen,
-            )
+            if record.draining:  # it was leaving: a scale-down, a stop or `epd drain`
+                logger.info(
+                    "retired %s worker %s (drained, then stopped)", record.role, record.address
+                )
+            else:
+                logger.warning(
+                    "dropped %s worker %s: no heartbeat for %.1f s",
+                    record.role,
+                    record.address,
+                    self._clock() - record.last_seen,
+                )
             for listener in self.on_expire:
                 listener(record)
         return dead
@@ -322,6 +329,7 @@ class RegistryServicer(registry_service_pb2_grpc.RegistryServiceServicer):
             record = self.registry.register(request.worker)
         except RegistrationRefused as exc:
             logger.warning("refused worker: %s", exc)
+            self.registry.refusals[request.worker.address] = str(exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -13,6 +13,7 @@ from cluster.settings import EpdSettings
 from common.server.role import _role_name
 from common.server.rpc import start_server, wait_healthy
 from common.settings.schema import SettingsError, load
+from decode_worker.settings import DecodeSettings
 
 
 def _model_folder(tmp_path: Path, *files: str) -> Path:
@@ -185,3 +186,78 @@ def test_a_role_started_on_a_taken_port_exits_with_one_line(tmp_path: Path) -> N
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert f"127.0.0.1:{port} is in use" in done.stderr.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------- fail-fast leftovers
+
+
+def test_a_role_model_that_differs_from_model_is_one_line(
+    no_ray: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    top = _model_folder(tmp_path, "config.json", "tokenizer.json")
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", str(top), "--decode-model", str(other)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"decode.model: {other} differs from model" in err, err
+    EpdSettings(model=str(top), decode=DecodeSettings(model=str(top))).check()  # same: fine
+
+
+NO_HTTP = ["--router-http-port=0"]
+
+
+def test_serve_address_auto_without_ray_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import ray
+
+    def no_cluster(**kwargs: object) -> None:  # what ray.init raises with no Ray running
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr("cluster.serve._prepare_checkpoint", lambda settings: None)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--address", "auto", "--insecure", "--router-port=0", *NO_HTTP])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ray.address: no Ray cluster at 'auto'" in err, err
+
+
+@pytest.mark.parametrize("fps", ["0", "-1", "nan"])
+def test_generate_fps_not_positive_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fps: str
+) -> None:
+    assert main(["generate", "hi", "--video", str(tmp_path), "--fps", fps]) == 2
+    out = capsys.readouterr()
+    assert out.out.strip() == f"epd: --fps: must be positive, got {float(fps):g}"
+    assert "Traceback" not in out.err
+
+
+async def test_a_refused_worker_is_remembered_with_its_reason() -> None:
+    import grpc
+
+    from common.roles import Role
+    from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
+    from router.registry import Registry, RegistryServicer
+    from tests.test_registry import MODEL, info
+
+    registry = Registry(worker_timeout_s=60.0, heartbeat_interval_s=1.0, expected_model=MODEL)
+    servicer = RegistryServicer(registry)
+    server = await start_server(
+        [lambda s: registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, s)]
+    )
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = registry_service_pb2_grpc.RegistryServiceStub(ch)
+            wrong = info(Role.DECODE, 7001, model="another/model")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Register(registry_service_pb2.RegisterRequest(worker=wrong))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "another/model" in registry.refusals["127.0.0.1:7001"]
+            right = info(Role.DECODE, 7001)
+            await stub.Register(registry_service_pb2.RegisterRequest(worker=right))
+            assert registry.refusals == {}  # it came back with the right settings
+    finally:
+        await server.stop(0)

@@ -107,3 +107,51 @@ def test_role_counts_of_a_status_reply() -> None:
         "prefill": RoleCount(1, 1),
         "decode": RoleCount(1, 0),
     }
+
+
+def test_a_drained_worker_that_goes_silent_is_retired_not_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [1000.0]
+    registry = Registry(
+        worker_timeout_s=3.0, heartbeat_interval_s=1.0, expected_model=MODEL, clock=lambda: now[0]
+    )
+    leaving = registry.register(info(Role.DECODE, 7001))
+    registry.register(info(Role.DECODE, 7002))
+    registry.drain(leaving.address)  # what a scale-down does before the worker stops
+    now[0] += 10
+    with caplog.at_level("INFO", logger="router.registry"):
+        assert len(registry.expire()) == 2
+    levels = {r.getMessage(): r.levelname for r in caplog.records}
+    assert levels["retired decode worker 127.0.0.1:7001 (drained, then stopped)"] == "INFO"
+    assert levels["dropped decode worker 127.0.0.1:7002: no heartbeat for 10.0 s"] == "WARNING"
+
+
+async def test_scale_says_what_a_waiting_worker_waits_for(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    registry = Registry(worker_timeout_s=60.0, heartbeat_interval_s=1.0, expected_model=MODEL)
+    registry.register(info(Role.DECODE, 7001))
+
+    class Scaler:  # a scaler whose second worker Ray cannot place
+        async def __call__(self, role: Role, replicas: int) -> int:
+            return replicas
+
+        async def waiting(self) -> list[str]:
+            return ["epd-decode-1 waits for Ray resources: asks CPU 1, GPU 1; free: CPU 0, GPU 0"]
+
+    servicer = AdminServicer(registry, Scaler())
+    server = await start_server(
+        [lambda s: admin_service_pb2_grpc.add_AdminServiceServicer_to_server(servicer, s)],
+        host="127.0.0.1",
+    )
+    try:
+        argv = ("scale", "--role", "decode", "--replicas", "2", "--timeout", "0.5")
+        assert await cmd_scale(_args(*argv, "--address", server.address)) == 1
+    finally:
+        await server.stop(0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        "decode: epd-decode-1 waits for Ray resources: asks CPU 1, GPU 1; free: CPU 0, GPU 0"
+    )
+    assert out[2] == "decode: still 1 worker serving after 0s"
