@@ -4,13 +4,15 @@ core set per worker, so workers sharing a node do not each take every core.
 - threads: a role's `threads` setting, or (0, auto) the node's cores divided among the
   workers `epd serve` places on a node (the starting workers over the alive nodes, rounded
   up), at least 1.
-- Ray's `num_cpus` for the actor: `[pools] num_cpus` when set; else `threads` when the
-  worker's threads are explicit or each auto worker has at least a whole core; else (more
-  workers than cores) the fractional share, so that every starting worker still fits.
 - cores: on a one-node cluster (the controller's node is every worker's node) each worker is
-  pinned to `threads` cores no other live worker holds, lowest ids first; when too few are
-  free (scaled past the plan, or threads set above the share), it is not pinned. On several
-  nodes Ray decides where a worker lands, so no worker is pinned.
+  pinned to `threads` cores no other live worker holds, lowest ids first. An auto worker
+  that finds fewer free (scaled past the plan) takes the free ones it finds (that many
+  threads); finding none, it shares the node: 1 thread, not pinned. An explicit `threads`
+  that does not fit is not pinned. On several nodes Ray decides where a worker lands, so no
+  worker is pinned.
+- Ray's `num_cpus` for the actor: `[pools] num_cpus` when set; else its threads, except for
+  an auto worker that shares the node unpinned, which asks for none (the node's CPUs are
+  all planned already, and Ray would otherwise refuse to place it).
 
 `pending_actor_names` tells which actors still wait for Ray to place them.
 
@@ -61,28 +63,32 @@ class CpuPlanner:
         """The placement of `worker` (its role's `threads` setting; 0: auto) and the CPUs
         its actor asks Ray for. Its cores are held until `release(worker)`."""
         auto = threads == 0
-        threads = max(1, int(self.share)) if auto else threads
-        if self.num_cpus is not None:
-            request = self.num_cpus
-        elif auto and self.share < 1:
-            request = math.floor(self.share * 100) / 100  # e.g. 3 workers on 2 cores: 0.66
-        else:
-            request = float(threads)
-        cores = self._free_cores(threads) if self.pin else None
-        if cores is None and self.pin:
-            logger.debug("%s: fewer than %d free cores; not pinned", worker, threads)
-        if cores is not None:
+        wanted = max(1, int(self.share)) if auto else threads
+        cores: tuple[int, ...] | None = None
+        if self.pin:
+            free = self._free_cores()
+            if len(free) >= wanted:
+                cores = free[:wanted]
+            elif auto and free:
+                cores = free  # scaled past the plan: the free cores left
+            else:
+                logger.debug("%s: fewer than %d free cores; not pinned", worker, wanted)
+        if cores:
             self._held[worker] = cores
-        return CpuPlacement(threads, cores), request
+        shares_node = self.pin and auto and cores is None
+        placement = CpuPlacement(len(cores) if cores else (1 if shares_node else wanted), cores)
+        if self.num_cpus is not None:
+            return placement, self.num_cpus
+        return placement, 0.0 if shares_node else float(placement.threads)
 
     def release(self, worker: str) -> None:
         """`worker` retired: its cores are free for the next worker."""
         self._held.pop(worker, None)
 
-    def _free_cores(self, n: int) -> tuple[int, ...] | None:
+    def _free_cores(self) -> tuple[int, ...]:
+        """The cores no live worker holds, lowest first."""
         taken = {core for cores in self._held.values() for core in cores}
-        free = [core for core in self.node_cores if core not in taken]
-        return tuple(free[:n]) if len(free) >= n else None
+        return tuple(core for core in self.node_cores if core not in taken)
 
 
 def pending_actor_names() -> set[str]:

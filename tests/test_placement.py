@@ -29,25 +29,34 @@ def test_auto_threads_divide_the_node_and_pin_disjoint_cores() -> None:
     assert [p.threads for p, _ in taken] == [2, 2, 2, 2]
     assert [p.cores for p, _ in taken] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert [cpus for _, cpus in taken] == [2.0] * 4  # Ray's request matches the threads
-    # A fifth worker (scaled past the plan) finds no free cores: threads, but not pinned.
-    assert plan.take("w4", 0)[0] == CpuPlacement(2, None)
+    # A fifth worker (scaled past the plan) finds no free core: it shares the node with one
+    # thread, unpinned, and asks Ray for no CPU (all 8 are planned already).
+    assert plan.take("w4", 0) == (CpuPlacement(1, None), 0.0)
     plan.release("w1")  # retired: its cores go to the next worker
-    assert plan.take("w5", 0)[0].cores == (2, 3)
+    assert plan.take("w5", 0) == (CpuPlacement(2, (2, 3)), 2.0)
 
 
-def test_more_workers_than_cores_get_one_thread_and_a_fitting_ray_share() -> None:
+def test_scaled_past_the_plan_takes_the_free_cores_left() -> None:
+    plan = CpuPlanner.for_cluster(tuple(range(7)), nodes=1, workers=3)  # 2 threads each
+    taken = [plan.take(f"w{i}", 0) for i in range(5)]
+    assert [p.cores for p, _ in taken] == [(0, 1), (2, 3), (4, 5), (6,), None]
+    assert [p.threads for p, _ in taken] == [2, 2, 2, 1, 1]
+    assert sum(cpus for _, cpus in taken) == 7.0  # fits a Ray of 7 CPUs
+
+
+def test_more_workers_than_cores_fit_one_thread_each() -> None:
     plan = CpuPlanner.for_cluster((0, 1), nodes=1, workers=3)
     taken = [plan.take(f"w{i}", 0) for i in range(3)]
     assert [p.threads for p, _ in taken] == [1, 1, 1]
-    assert [cpus for _, cpus in taken] == [0.66] * 3  # 3 x 0.66 fits on 2 CPUs
     assert [p.cores for p, _ in taken] == [(0,), (1,), None]
+    assert [cpus for _, cpus in taken] == [1.0, 1.0, 0.0]  # fits a Ray of 2 CPUs
 
 
 def test_explicit_threads_and_num_cpus_win() -> None:
     plan = CpuPlanner.for_cluster(tuple(range(4)), nodes=1, workers=3)
     placement, cpus = plan.take("w0", 3)
     assert placement == CpuPlacement(3, (0, 1, 2)) and cpus == 3.0
-    assert plan.take("w1", 2)[0] == CpuPlacement(2, None)  # only one core left
+    assert plan.take("w1", 2) == (CpuPlacement(2, None), 2.0)  # one core left: not pinned
     fixed = CpuPlanner.for_cluster(tuple(range(4)), nodes=1, workers=3, num_cpus=0.5)
     assert fixed.take("w0", 0)[1] == 0.5
 
