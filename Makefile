@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve lint bench clean
+.PHONY: test serve examples lint bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; run: make PYTHON=python3 ..." >&2; exit 1; }
@@ -27,8 +27,15 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(STRICT) $(BIN)/python -m pytest
 
+# make serve ARGS="--pools-prefill-replicas 2 --log-level info": any `epd serve` flags.
+ARGS ?=
+
 serve: $(STAMP)
-	$(BIN)/python -m epd serve
+	$(BIN)/python -m epd serve $(ARGS)
+
+# The README tour's media (cat.png, clip/, clip.mp4) in the current folder.
+examples: $(STAMP)
+	$(BIN)/python -m epd make-examples .
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -7,11 +7,13 @@
     epd drain HOST:PORT                                                stop routing to a worker
     epd undrain HOST:PORT                                              route to it again
     epd config --print-defaults | --check FILE | --markdown           the config file
+    epd make-examples [DIR]                                            the tour's media files
 
-Every command but `serve` and `config` talks to a running router (`--address`, default
-127.0.0.1:50051, or $EPD_ROUTER) with an API key (`--api-key`, or $EPD_API_KEY, or the key
-`epd serve` wrote: client_key for `generate`, admin_key for the admin commands, under
-$EPD_HOME/<namespace>, default ~/.epd/epd) and, for a TLS router, `--tls-ca-file`.
+The other commands (not `serve`, `config`, `make-examples`) talk to a running router
+(`--address`, default 127.0.0.1:50051, or $EPD_ROUTER) with an API key (`--api-key`, or
+$EPD_API_KEY, or the key `epd serve` wrote: client_key for `generate`, admin_key for the
+admin commands, under $EPD_HOME/<namespace>, default ~/.epd/epd) and, for a TLS router,
+`--tls-ca-file`.
 `serve` is in `cluster.serve`, the admin commands in `cluster.admin`; they print through
 `cluster.console`, the library code they call logs.
 """
@@ -178,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     undrain.add_argument("worker", metavar="HOST:PORT", help="the worker's registered address")
     _router_flag(undrain, "admin_key")
 
+    examples = commands.add_parser(
+        "make-examples",
+        allow_abbrev=False,
+        help="write the README tour's media: cat.png, clip/ (frames) and clip.mp4",
+    )
+    examples.add_argument("folder", nargs="?", default=".", help="where (default: here)")
+
     config = commands.add_parser(
         "config", allow_abbrev=False, help="print or check the config file"
     )
@@ -239,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(load_settings(args))
         if args.command == "config":
             return cmd_config(args)
+        if args.command == "make-examples":
+            return cmd_make_examples(args)
         runner = {
             "generate": cmd_generate,
             "scale": cmd_scale,
@@ -372,6 +383,18 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         f"cache; KV blocks at decode: {stats['blocks_reused']} reused, "
         f"{stats['blocks_pulled']} pulled"
     )
+    return 0
+
+
+# --------------------------------------------------------------------------- make-examples
+
+
+def cmd_make_examples(args: argparse.Namespace) -> int:
+    """Write the tour's image, frame folder and video file (`cluster.examples`)."""
+    from cluster.examples import make_examples
+
+    for path in make_examples(args.folder):
+        _say(f"wrote {path}{'/' if path.is_dir() else ''}")
     return 0
 
 
