@@ -197,17 +197,19 @@ class Controller:
 def cpu_planner(pools: PoolSettings) -> CpuPlanner:
     """The CPU plan of this Ray cluster (run in the controller, on the driver's node): with
     one alive node, its cores as this process may use them, at most Ray's CPU count, pinned;
-    with several, the smallest node's CPU count, unpinned (`cluster.placement`)."""
+    with several, the smallest CPU count of the nodes that have CPUs, unpinned
+    (`cluster.placement`)."""
     import ray
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    cpus = [int(n.get("Resources", {}).get("CPU", 0)) for n in alive] or [1]
+    # Nodes without CPUs (a KubeRay head started with num-cpus 0) host no workers.
+    cpus = [c for n in alive if (c := int(n.get("Resources", {}).get("CPU", 0))) > 0] or [1]
     workers = sum(pools.initial_replicas().values())
-    if len(alive) <= 1:
-        cores = available_cores()[: max(1, cpus[0])]
+    if len(cpus) == 1 and len(alive) == 1:
+        cores = available_cores()[: cpus[0]]
     else:
-        cores = tuple(range(max(1, min(cpus))))
-    return CpuPlanner.for_cluster(cores, len(alive), workers, pools.num_cpus)
+        cores = tuple(range(min(cpus)))
+    return CpuPlanner.for_cluster(cores, len(cpus), workers, pools.num_cpus)
 
 
 # ------------------------------------------------------------------------------ the driver

@@ -437,3 +437,41 @@ def test_ray_dashboard_is_not_exposed() -> None:
     (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
     params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
     assert params.get("dashboard-host", "127.0.0.1") in ("127.0.0.1", "localhost")
+
+
+def _quantity(value: str | int) -> float:
+    """A Kubernetes CPU or count quantity ("4", "500m") as a number."""
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def test_kuberay_scale_commands_fit_the_raycluster() -> None:
+    """Every `epd scale` the deploy docs show fits the RayCluster: the pools' GPUs within the
+    GPU pods the cluster can have (maxReplicas with the autoscaler, else replicas), and
+    each worker's Ray CPU request (its threads, `cluster.placement`) within a pod's CPUs."""
+    from cluster.placement import CpuPlanner
+
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    (config,) = [d for _, d in DOCUMENTS if d["metadata"]["name"] == "epd-ray-config"]
+    settings = from_mapping(EpdSettings, tomllib.loads(config["data"]["epd.toml"]))
+    spec = cluster["spec"]
+    autoscaled = spec.get("enableInTreeAutoscaling", False)
+    (group,) = spec["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    requests = container["resources"]["requests"]
+    pod_gpus, pod_cpus = _quantity(requests["nvidia.com/gpu"]), _quantity(requests["cpu"])
+    pods = group["maxReplicas"] if autoscaled else group["replicas"]
+    gpus_per_worker = settings.pools.gpus_per_worker(pod_gpus * group["replicas"])
+    text = (DEPLOY / "README.md").read_text() + (DEPLOY / "kuberay" / "raycluster.yaml").read_text()
+    scales = re.findall(r"epd scale --role (\w+) --replicas (\d+)", text)
+    assert scales, "the deploy docs show no `epd scale`"
+    for role, replicas in scales:
+        pools = {**settings.pools.initial_replicas(), role: int(replicas)}
+        need = sum(pools.values()) * gpus_per_worker
+        assert need <= pods * pod_gpus, f"`epd scale --role {role} --replicas {replicas}`"
+    starting = sum(settings.pools.initial_replicas().values())
+    plan = CpuPlanner.for_cluster(
+        tuple(range(int(pod_cpus))), group["replicas"], starting, settings.pools.num_cpus
+    )
+    for threads in (settings.encoder.threads, settings.prefill.threads, settings.decode.threads):
+        assert plan.take("worker", threads)[1] <= pod_cpus
