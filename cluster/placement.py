@@ -4,15 +4,16 @@ core set per worker, so workers sharing a node do not each take every core.
 - threads: a role's `threads` setting, or (0, auto) the node's cores divided among the
   workers `epd serve` places on a node (the starting workers over the alive nodes, rounded
   up), at least 1.
-- cores: on a one-node cluster (the controller's node is every worker's node) each worker is
-  pinned to `threads` cores no other live worker holds, lowest ids first. An auto worker
-  that finds fewer free (scaled past the plan) takes the free ones it finds (that many
-  threads); finding none, it shares the node: 1 thread, not pinned. An explicit `threads`
-  that does not fit is not pinned. On several nodes Ray decides where a worker lands, so no
-  worker is pinned.
+- cores: on a one-node cluster (the controller's node is every worker's node) with at least
+  a core per starting worker, each worker is pinned to `threads` cores no other live worker
+  holds, lowest ids first. An auto worker that finds fewer free (scaled past the plan) takes
+  the free ones it finds (that many threads); finding none, it shares the node: 1 thread,
+  not pinned. An explicit `threads` that does not fit is not pinned. With more starting
+  workers than cores no worker is pinned (the kernel balances them better than a fixed
+  split of too few cores), nor on several nodes, where Ray decides where a worker lands.
 - Ray's `num_cpus` for the actor: `[pools] num_cpus` when set; else its threads, except for
-  an auto worker that shares the node unpinned, which asks for none (the node's CPUs are
-  all planned already, and Ray would otherwise refuse to place it).
+  an auto worker that shares its node (scaled past the cores, or more workers than cores),
+  which asks for none: the node's CPUs are all spoken for, and Ray would not place it.
 
 `pending_actor_names` tells which actors still wait for Ray to place them.
 
@@ -37,7 +38,7 @@ class CpuPlanner:
 
     node_cores: tuple[int, ...]  # CPU ids of a node (the controller's, or the smallest one)
     workers_per_node: int  # workers `epd serve` starts on each node
-    pin: bool  # pin workers to disjoint cores (one-node clusters)
+    pin: bool  # pin workers to disjoint cores (one node, a core per starting worker)
     num_cpus: float | None = None  # `[pools] num_cpus`: Ray's CPU request, when set
     _held: dict[str, tuple[int, ...]] = field(default_factory=dict)  # worker -> its cores
 
@@ -52,7 +53,8 @@ class CpuPlanner:
         """The plan for `workers` starting workers over `nodes` alive nodes of
         `len(node_cores)` CPUs each."""
         per_node = max(1, math.ceil(workers / max(1, nodes)))
-        return cls(node_cores, per_node, pin=nodes == 1, num_cpus=num_cpus)
+        pin = nodes == 1 and per_node <= len(node_cores)
+        return cls(node_cores, per_node, pin=pin, num_cpus=num_cpus)
 
     @property
     def share(self) -> float:
@@ -75,7 +77,7 @@ class CpuPlanner:
                 logger.debug("%s: fewer than %d free cores; not pinned", worker, wanted)
         if cores:
             self._held[worker] = cores
-        shares_node = self.pin and auto and cores is None
+        shares_node = auto and cores is None and (self.pin or self.share < 1)
         placement = CpuPlacement(len(cores) if cores else (1 if shares_node else wanted), cores)
         if self.num_cpus is not None:
             return placement, self.num_cpus
@@ -92,8 +94,8 @@ class CpuPlanner:
 
 
 def pending_actor_names() -> set[str]:
-    """Names of the actors Ray has not placed yet (the GCS actor table, which needs no
-    dashboard; empty when this Ray does not answer)."""
+    """Names of the actors Ray has not placed on a node yet (the GCS actor table, which
+    needs no dashboard; empty when this Ray does not answer)."""
     try:
         from ray._private.state import actors
 
@@ -101,4 +103,10 @@ def pending_actor_names() -> set[str]:
     except Exception:
         logger.debug("Ray's actor table did not answer", exc_info=True)
         return set()
-    return {str(info.get("Name", "")) for info in table.values()}
+    # PENDING_CREATION also covers a placed actor whose __init__ runs (loading its model):
+    # one still waiting for resources has no process and no node yet.
+    return {
+        str(info.get("Name", ""))
+        for info in table.values()
+        if not info.get("Pid") and not info.get("Address", {}).get("IPAddress")
+    }

@@ -296,7 +296,7 @@ class PoolManager:
         for pool in self.pools.values():
             for m in pool.members:
                 if m.name in pending:
-                    asks = ", ".join(f"{k} {v:g}" for k, v in m.request.items() if v)
+                    asks = ", ".join(f"{k} {v:g}" for k, v in m.request.items() if v) or "none"
                     has = ", ".join(f"{k} {free.get(k, 0.0):g}" for k in m.request)
                     lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
         return lines

@@ -44,12 +44,12 @@ def test_scaled_past_the_plan_takes_the_free_cores_left() -> None:
     assert sum(cpus for _, cpus in taken) == 7.0  # fits a Ray of 7 CPUs
 
 
-def test_more_workers_than_cores_fit_one_thread_each() -> None:
+def test_more_workers_than_cores_share_the_node_unpinned() -> None:
     plan = CpuPlanner.for_cluster((0, 1), nodes=1, workers=3)
-    taken = [plan.take(f"w{i}", 0) for i in range(3)]
-    assert [p.threads for p, _ in taken] == [1, 1, 1]
-    assert [p.cores for p, _ in taken] == [(0,), (1,), None]
-    assert [cpus for _, cpus in taken] == [1.0, 1.0, 0.0]  # fits a Ray of 2 CPUs
+    taken = [plan.take(f"w{i}", 0) for i in range(5)]  # 3, then scaled to 5
+    assert [p for p, _ in taken] == [CpuPlacement(1, None)] * 5
+    assert [cpus for _, cpus in taken] == [0.0] * 5  # Ray places them all
+    assert plan.take("w5", 2) == (CpuPlacement(2, None), 2.0)  # explicit threads: asked
 
 
 def test_explicit_threads_and_num_cpus_win() -> None:
