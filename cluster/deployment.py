@@ -171,7 +171,9 @@ class Controller:
         waiting = await asyncio.to_thread(self.pools.waiting)
         done = sum(min(have.get(role, 0), n) for role, n in wanted.items())
         line = f"{done} of {sum(wanted.values())} workers registered ({', '.join(short)})"
-        return "; ".join([line, *waiting]) if waiting else f"{line}; the rest load their model"
+        if waiting:
+            return "; ".join([line, *waiting])
+        return f"{line}; the rest load their model" if done < sum(wanted.values()) else line
 
     async def workers(self) -> list[WorkerDescription]:
         """Every live worker actor's description (skips ones that do not answer)."""

@@ -286,8 +286,8 @@ class PoolManager:
         return _Member(name, handle, {"CPU": num_cpus, "GPU": self.gpus_per_worker})
 
     def waiting(self) -> list[str]:
-        """One line per worker actor Ray has not placed yet (PENDING_CREATION in Ray's
-        actor table), with what it asked for and what the cluster has free."""
+        """One line per worker actor Ray has not placed yet (`pending_actor_names`) whose
+        request exceeds what the cluster has free, with both: it waits for resources."""
         import ray
 
         pending = pending_actor_names()
@@ -295,8 +295,9 @@ class PoolManager:
         lines = []
         for pool in self.pools.values():
             for m in pool.members:
-                if m.name in pending:
-                    asks = ", ".join(f"{k} {v:g}" for k, v in m.request.items() if v) or "none"
+                short = any(v > free.get(k, 0.0) for k, v in m.request.items())
+                if m.name in pending and short:
+                    asks = ", ".join(f"{k} {v:g}" for k, v in m.request.items() if v)
                     has = ", ".join(f"{k} {free.get(k, 0.0):g}" for k in m.request)
                     lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
         return lines
