@@ -14,8 +14,8 @@ The other commands (not `serve`, `config`, `make-examples`) talk to a running ro
 $EPD_API_KEY, or the key `epd serve` wrote: client_key for `generate`, admin_key for the
 admin commands, under $EPD_HOME/<namespace>, default ~/.epd/epd) and, for a TLS router,
 `--tls-ca-file`.
-`serve` is in `cluster.serve`, the admin commands in `cluster.admin`; they print through
-`cluster.console`, the library code they call logs.
+`serve` is in `cluster.serve`, `generate` in `cluster.generate`, the admin commands in
+`cluster.admin`; they print through `cluster.console`, the library code they call logs.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from cluster.admin import cmd_drain, cmd_scale, cmd_status, cmd_undrain
 from cluster.console import say as _say
+from cluster.generate import build_messages as build_messages
+from cluster.generate import cmd_generate
+from cluster.generate import frame_files as frame_files
 from cluster.serve import cmd_serve
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
@@ -281,109 +282,6 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
             sub: argparse.ArgumentParser = action.choices[command]
             return sub
     return parser
-
-
-# -------------------------------------------------------------------------------- generate
-
-
-def frame_files(folder: str | Path) -> list[Path]:
-    """The image files of a frames folder, in name order (`epd.request.frame_files`);
-    ValueError naming `--video` when there are none."""
-    from epd.request import frame_files as files
-
-    if not Path(folder).is_dir():
-        raise ValueError(f"--video {folder}: neither a video file nor a folder of frame images")
-    return files(folder, where="--video")
-
-
-def build_messages(
-    prompt: str,
-    images: Sequence[str | Path] = (),
-    videos: Sequence[str | Path] = (),
-    *,
-    fps: float = 2.0,
-    system: str | None = None,
-) -> list[dict[str, Any]]:
-    """The chat for one user turn: images, then videos (each a video file or a frames
-    folder), then text."""
-    content: list[dict[str, Any]] = []
-    for image in images:
-        content.append({"type": "image", "image": Path(image).read_bytes()})
-    for video in videos:
-        if Path(video).is_file():
-            content.append({"type": "video", "video": Path(video).read_bytes(), "fps": fps})
-            continue
-        frames = [p.read_bytes() for p in frame_files(video)]
-        content.append({"type": "video", "video": frames, "fps": fps})
-    content.append({"type": "text", "text": prompt})
-    messages: list[dict[str, Any]] = []
-    if system is not None:
-        messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
-    messages.append({"role": "user", "content": content})
-    return messages
-
-
-async def cmd_generate(args: argparse.Namespace) -> int:
-    """Stream the answer, then one line of timing and cache statistics."""
-    from common.sampling import SamplingParams
-    from epd.client import generate
-
-    try:
-        if not args.fps > 0:  # also NaN
-            raise ValueError(f"--fps: must be positive, got {args.fps:g}")
-        messages = build_messages(
-            args.prompt, args.image, args.video, fps=args.fps, system=args.system
-        )
-        sampling = SamplingParams(
-            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-        )
-    except (OSError, ValueError) as exc:
-        _say(f"epd: {exc}")
-        return 2
-    t0 = time.monotonic()
-    ttft = 0.0
-    tokens = 0
-    finish = ""
-    stats = dict.fromkeys(("prompt_tokens", "cached_tokens", "blocks_reused", "blocks_pulled"), 0)
-    from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
-
-    key = args.api_key or default_api_key(CLIENT_KEY_FILE)
-    async for chunk in generate(
-        args.address,
-        messages,
-        sampling,
-        api_key=key,
-        tls_ca_file=args.tls_ca_file,
-        stop=args.stop,
-    ):
-        if tokens == 0 and chunk.token_ids:
-            ttft = time.monotonic() - t0
-        tokens += len(chunk.token_ids)
-        # The first chunk (prefill) carries the prompt counts, the first decode chunk the
-        # KV block counts.
-        for key, value in stats.items():
-            stats[key] = value or getattr(chunk, key)
-        if chunk.text:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        finish = chunk.finish_reason or finish
-    total = time.monotonic() - t0
-    sys.stdout.write("\n")
-    if tokens == 0:
-        _say("(no answer)")
-        return 1
-    decode_s = total - ttft
-    rate = (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else 0.0
-    _say(
-        f"--- {tokens} tokens ({finish or 'unfinished'}); TTFT {ttft * 1000:.0f} ms, "
-        f"{rate:.1f} tokens/s after the first, {total:.2f} s total"
-    )
-    _say(
-        f"--- prompt {stats['prompt_tokens']} tokens, {stats['cached_tokens']} from prefix "
-        f"cache; KV blocks at decode: {stats['blocks_reused']} reused, "
-        f"{stats['blocks_pulled']} pulled"
-    )
-    return 0
 
 
 # --------------------------------------------------------------------------- make-examples

@@ -277,18 +277,25 @@ class Deployment:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = ray.get_runtime_context().get_node_id()
-        controller = (
-            ray.remote(Controller)
-            .options(
-                name=CONTROLLER_NAME,
-                namespace=settings.ray.namespace,
-                num_cpus=0,
-                max_restarts=0,
-                max_concurrency=1000,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-            )
-            .remote(settings, settings.ray.worker_host or ("127.0.0.1" if started_ray else None))
+        options = ray.remote(Controller).options(
+            name=CONTROLLER_NAME,
+            namespace=settings.ray.namespace,
+            num_cpus=0,
+            max_restarts=0,
+            max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         )
+        worker_host = settings.ray.worker_host or ("127.0.0.1" if started_ray else None)
+        try:
+            controller = options.remote(settings, worker_host)
+        except ray.exceptions.ActorAlreadyExistsError:
+            from common.settings.schema import SettingsError
+
+            raise SettingsError(
+                f"ray.namespace: an epd deployment already runs in namespace "
+                f"{settings.ray.namespace!r} of this Ray cluster; stop it, or set another "
+                "--ray-namespace"
+            ) from None
         deployment = cls(settings, controller, started_ray)
         try:
             deployment.address = await controller.address.remote()
