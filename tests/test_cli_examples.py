@@ -53,3 +53,20 @@ def test_make_serve_passes_args_to_epd_serve() -> None:
         check=True,
     )
     assert ".venv/bin/python -m epd serve --pools-prefill-replicas 2" in done.stdout
+
+
+def test_every_epd_command_of_the_readme_parses() -> None:
+    import shlex
+
+    from cluster.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    lines = [
+        line.removeprefix("$ epd ").split("  #")[0]
+        for line in (root / "README.md").read_text().splitlines()
+        if line.startswith("$ epd ")
+    ]
+    assert len(lines) >= 8
+    parser = build_parser()
+    for line in lines:
+        parser.parse_args(shlex.split(line))  # SystemExit on a wrong flag or command
