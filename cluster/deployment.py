@@ -101,6 +101,9 @@ class Controller:
             credentials=self.credentials,
             cpu=cpu_planner(settings.pools),
         )
+        # Tell the pools which workers have registered: those drain when stopping.
+        registered = self.pools.registered
+        self.router.registry.on_register.append(lambda record: registered.add(record.name))
         for role, replicas in settings.pools.initial_replicas().items():
             await self.pools.scale(role, replicas)
 

@@ -231,6 +231,9 @@ class PoolManager:
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
         self.router_stopped = False  # set by stop() once the router is gone
+        # Workers that registered at least once (the controller adds them as the router
+        # sees them); one that never did is stopped without a drain once the router is gone.
+        self.registered: set[str] = set()
         self.credentials = credentials  # presented to the router (Drain, Status): the cluster
         # Threads, Ray CPUs and cores of each worker (default: this node alone, unpinned).
         workers = max(1, sum(pools.initial_replicas().values()))
@@ -318,6 +321,8 @@ class PoolManager:
 
         timeout_s = self.settings.drain_timeout_s
         try:
+            if self.router_stopped and member.name not in self.registered:
+                return  # still starting (e.g. Ctrl-C during start-up): no work to finish
             if not self.router_stopped:
                 description = await asyncio.wait_for(member.handle.describe.remote(), timeout_s)
                 await drain_at_router(

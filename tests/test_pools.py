@@ -227,7 +227,8 @@ async def test_scale_down_retires_newest_in_order_and_never_reuses_names(
 
 async def test_stop_after_the_router_is_gone_skips_the_router_drain(recorded: list[str]) -> None:
     manager, _ = _manager(recorded)
-    await manager.scale("encoder", 2)
+    await manager.scale("encoder", 3)
+    manager.registered |= {"epd-encoder-0", "epd-encoder-1"}  # epd-encoder-2 still starts
     recorded.clear()
     await manager.stop(router_stopped=True)
     assert sorted(recorded) == [
@@ -235,6 +236,7 @@ async def test_stop_after_the_router_is_gone_skips_the_router_drain(recorded: li
         "drain epd-encoder-1",
         "kill epd-encoder-0 True",
         "kill epd-encoder-1 True",
+        "kill epd-encoder-2 True",  # never registered: nothing to drain (Ctrl-C at start-up)
     ]
     assert manager.replicas() == {"encoder": 0, "prefill": 0, "decode": 0}
 
