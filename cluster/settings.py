@@ -51,8 +51,8 @@ class PoolSettings:
     )
     num_cpus: float | None = setting(
         None,
-        "CPUs per worker actor asked of Ray (None: the worker's threads; 0 for a worker "
-        "scaled past a one-node cluster's cores, which shares them; see cluster/placement.py)",
+        "CPUs per worker actor asked of Ray (None: the worker's threads, or 0 for an auto-threads "
+        "worker that shares its node's cores with the others; see cluster/placement.py)",
     )
     max_restarts: int = setting(
         -1, "times Ray restarts a crashed worker actor (-1: always, 0: never)"
