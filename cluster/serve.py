@@ -102,7 +102,7 @@ def with_api_keys(settings: Any) -> Any:
     api_keys.write_key_file(folder / api_keys.ADMIN_KEY_FILE, admin)
     _say(
         f"API keys for this deployment written to {folder}: {api_keys.CLIENT_KEY_FILE} "
-        f"(epd generate, epd.client), {api_keys.ADMIN_KEY_FILE} (epd status, scale, drain)"
+        f"(epd generate, epd.client), {api_keys.ADMIN_KEY_FILE} (epd status, scale, drain, undrain)"
     )
     if top != SecuritySettings():  # the top-level table reaches every role, the router too
         return dataclasses.replace(
