@@ -391,4 +391,6 @@ def error_summary(exc: BaseException | None) -> str:
     """The last line of a (Ray) error: the exception that started it all."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     last = lines[-1] if lines else repr(exc)
-    return last.removeprefix(f"{__name__}.{WorkerStartError.__name__}: ")
+    for cls in (WorkerRefusedError, WorkerStartError):
+        last = last.removeprefix(f"{__name__}.{cls.__name__}: ")
+    return last

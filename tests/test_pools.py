@@ -152,6 +152,9 @@ def test_error_summary_is_the_root_cause() -> None:
         "epd-prefill-0 failed to start: FileNotFoundError: /m"
     )
     assert pools.error_summary(RuntimeError("")) == "RuntimeError('')"
+    reason = "the router refused a worker: decode worker"
+    refused = RuntimeError(f"cluster.pools.WorkerRefusedError: {reason}")
+    assert pools.error_summary(refused) == reason
 
 
 def test_reachable_address_replaces_wildcards(monkeypatch: pytest.MonkeyPatch) -> None:
