@@ -133,3 +133,32 @@ def test_a_worker_process_applies_its_placement() -> None:
     assert out[:2] == ["1", "1"]
     if pinned is not None:
         assert out[2].strip() == str(list(pinned))
+
+
+async def test_waiting_names_the_workers_ray_cannot_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_pools import FakeActorClass
+
+    settings = EpdSettings(decode=DecodeSettings(threads=4), pools=PoolSettings())
+    manager = pools.PoolManager(
+        settings.role_settings(),
+        settings.pools,
+        router_address="127.0.0.1:1",
+        worker_host="127.0.0.1",
+        namespace="t",
+        log_level="warning",
+        cluster_gpus=0,
+        actor_class=FakeActorClass(),
+        cpu=CpuPlanner.for_cluster(tuple(range(4)), nodes=1, workers=2),
+    )
+    await manager.scale("encoder", 1)
+    await manager.scale("decode", 1)
+    # Ray has placed neither yet; 1 CPU is free: the encoder (2 CPUs asked) and the decode
+    # worker (4) both wait for resources.
+    monkeypatch.setattr(pools, "pending_actor_names", lambda: {"epd-encoder-0", "epd-decode-0"})
+    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 1.0})
+    assert manager.waiting() == [
+        "epd-encoder-0 waits for Ray resources: asks CPU 2; free: CPU 1, GPU 0",
+        "epd-decode-0 waits for Ray resources: asks CPU 4; free: CPU 1, GPU 0",
+    ]
+    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 2.0})
+    assert [line.split()[0] for line in manager.waiting()] == ["epd-decode-0"]  # 2 CPUs fit
