@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 
@@ -295,7 +296,8 @@ def _spawn_more_routers(cluster: Cluster, routers: int) -> None:
     """Routers router-1 ... router-(routers-1), each started as the first one (same flags)
     on a port of its own, without the HTTP API; fills `cluster.router_addresses`."""
     cluster.router_addresses = [cluster.address]
-    args = [str(a) for a in cluster.procs["router"].args][3:]  # after `python -m router`
+    first = cast("list[str]", cluster.procs["router"].args)  # python -m router ...
+    args = [str(a) for a in first][3:]
     args[args.index("--http-port") + 1] = "-1"
     for index in range(1, routers):
         name, address = f"router-{index}", f"127.0.0.1:{free_port()}"

@@ -1,0 +1,110 @@
+"""Registration with several routers, restarts and drains, one component at a time (no
+subprocesses): `Registrations` keeps one registration per router, each failing on its own;
+the registry tells a restart (a new `instance_id` at a known address) from a re-registration;
+a drain tells the routers at once and waits for held leases; the settings' router list."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.roles import Role
+from common.server.lifecycle import ServerLifecycle
+from common.server.registrar import Registrations
+from common.settings.base import WorkerSettings
+from common.settings.schema import SettingsError
+from epd.v1 import registry_service_pb2
+from router.registry import Registry
+from router.workers import WorkerRecord
+from tests.cluster import free_port
+from tests.test_registry import MODEL, info
+from tests.test_rpc import FakeRegistry, _info, _start_registry, _until
+
+
+async def test_one_registration_per_router_each_on_its_own() -> None:
+    fakes = [FakeRegistry(), FakeRegistry()]
+    routers = [await _start_registry(f) for f in fakes]
+    down = f"127.0.0.1:{free_port()}"  # a router that is not (yet) there
+    draining = False
+
+    def load() -> registry_service_pb2.WorkerLoad:
+        return registry_service_pb2.WorkerLoad(draining=draining)
+
+    addresses = [routers[0].address, down, routers[1].address, routers[0].address]
+    registrations = Registrations(addresses, _info(), load, retry_initial_s=0.01)
+    try:
+        assert registrations.router_addresses == [routers[0].address, down, routers[1].address]
+        registrations.start()
+        first, _, second = registrations.registrars
+        assert await first.wait_registered(5) == "w1" and await second.wait_registered(5) == "w1"
+        assert [len(f.registered) for f in fakes] == [1, 1]
+        with pytest.raises(TimeoutError):
+            await registrations.wait_registered(0.2)  # the missing router holds it up
+        fakes[0].known.clear()  # router 0 forgot the worker: only that one registers again
+        await _until(lambda: first.registrations == 2)
+        assert second.registrations == 1
+        draining = True
+        assert await registrations.heartbeat_now() == 2  # the two routers that answer
+        assert all(f.loads[-1].draining for f in fakes)
+    finally:
+        await registrations.stop()
+        for router in routers:
+            await router.stop(0)
+
+
+def _restarts(registry: Registry) -> list[WorkerRecord]:
+    heard: list[WorkerRecord] = []
+    registry.on_restart.append(heard.append)
+    return heard
+
+
+def prefill(port: int, instance_id: str = "") -> registry_service_pb2.WorkerInfo:
+    msg = info(Role.PREFILL, port)
+    msg.instance_id = instance_id
+    return msg
+
+
+def test_a_new_instance_at_a_known_address_is_a_restart() -> None:
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, expected_model=MODEL)
+    heard = _restarts(registry)
+    first = registry.register(prefill(7001, "a"))
+    again = registry.register(prefill(7001, "a"))  # router forgot it
+    assert heard == [] and again.worker_id != first.worker_id
+    restarted = registry.register(prefill(7001, "b"))
+    assert [r.worker_id for r in heard] == [again.worker_id]
+    assert [w.worker_id for w in registry.workers()] == [restarted.worker_id]
+    registry.register(prefill(7001))  # no instance id: counted as a restart
+    assert len(heard) == 2
+    registry.register(prefill(7002, "b"))  # another address
+    assert len(heard) == 2
+
+
+async def test_drain_tells_routers_then_waits_for_held_leases() -> None:
+    lifecycle = ServerLifecycle()
+    told: list[int] = []
+    leases = {"lease-1"}
+
+    async def tell() -> None:
+        told.append(len(leases))
+
+    lifecycle.on_drain.append(tell)
+    lifecycle.holds.append(leases.__len__)
+    asyncio.get_running_loop().call_later(0.2, leases.clear)
+    assert await lifecycle.drain(timeout_s=5) is True
+    assert told == [1] and not leases and lifecycle.draining
+    held = ServerLifecycle()
+    held.holds.append(lambda: 1)  # never released: the bound ends the drain
+    assert await held.drain(timeout_s=0.2) is False
+
+
+def test_routers_setting_lists_every_router_once() -> None:
+    assert WorkerSettings().routers == ()
+    assert WorkerSettings(router_address="a:1").routers == ("a:1",)
+    both = WorkerSettings(router_address="a:1", router_addresses=("b:2", "a:1", "c:3"))
+    assert both.routers == ("a:1", "b:2", "c:3")
+    both.check()
+    with pytest.raises(SettingsError, match="router_addresses: 'b' is not host:port"):
+        WorkerSettings(router_addresses=("b",)).check()
+    with pytest.raises(SettingsError, match="router_address: "):
+        WorkerSettings(router_address="nope").check()
