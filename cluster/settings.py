@@ -61,6 +61,12 @@ class PoolSettings:
     ready_timeout_s: float = setting(
         600.0, "longest `epd serve` waits for every worker to register"
     )
+    routers: int = setting(
+        1,
+        "routers `epd serve` starts (in its controller actor), each with its own registry; "
+        "ports consecutive from router.port and router.http_port (0: each a free one); every "
+        "worker registers with all of them",
+    )
 
     def gpus_per_worker(self, cluster_gpus: float) -> float:
         """What each worker actor asks Ray for on a cluster with `cluster_gpus` GPUs."""
@@ -173,6 +179,8 @@ class EpdSettings:
                     f"pools.{name}_replicas: {n} is more than pools.max_replicas "
                     f"({pools.max_replicas})"
                 )
+        if pools.routers < 1:
+            raise SettingsError("pools.routers: must be at least 1")
         for name in ("drain_timeout_s", "ready_timeout_s"):
             if getattr(pools, name) <= 0:
                 raise SettingsError(f"pools.{name}: must be positive")

@@ -18,6 +18,7 @@ from epd.v1 import registry_service_pb2
 from router.registry import Registry
 from router.workers import WorkerRecord
 from tests.cluster import free_port
+from tests.test_pools import recorded as recorded  # the fakes' shared log (a fixture)
 from tests.test_registry import MODEL, info
 from tests.test_rpc import FakeRegistry, _info, _start_registry, _until
 
@@ -108,3 +109,52 @@ def test_routers_setting_lists_every_router_once() -> None:
         WorkerSettings(router_addresses=("b",)).check()
     with pytest.raises(SettingsError, match="router_address: "):
         WorkerSettings(router_address="nope").check()
+
+
+# ------------------------------------------------------------------- epd serve --routers N
+
+
+def test_serve_routers_flag_and_consecutive_ports() -> None:
+    from cluster.cli import build_parser, load_settings
+    from router.settings import RouterSettings
+
+    settings = load_settings(build_parser().parse_args(["serve", "--routers", "3"]))
+    assert settings.pools.routers == 3
+    with pytest.raises(SettingsError, match=r"pools\.routers: must be at least 1"):
+        load_settings(build_parser().parse_args(["serve", "--routers", "0"])).check()
+    base = RouterSettings(port=50051, http_port=8000)
+    assert [(r.port, r.http_port) for r in map(base.nth, range(3))] == [
+        (50051, 8000),
+        (50052, 8001),
+        (50053, 8002),
+    ]
+    free = RouterSettings(port=0, http_port=-1).nth(2)
+    assert (free.port, free.http_port) == (0, -1)
+
+
+async def test_pool_workers_register_with_every_router_and_drain_at_each(
+    recorded: list[str],
+) -> None:
+    from cluster.pools import PoolManager
+    from cluster.settings import EpdSettings
+    from tests.test_pools import FakeActorClass
+
+    actors = FakeActorClass(recorded)
+    settings = EpdSettings()
+    manager = PoolManager(
+        settings.role_settings(),
+        settings.pools,
+        router_address="127.0.0.1:50051",
+        router_addresses=["127.0.0.1:50052"],
+        worker_host="127.0.0.1",
+        namespace="epd-test",
+        log_level="warning",
+        cluster_gpus=0,
+        actor_class=actors,
+    )
+    await manager.scale("decode", 1)
+    assert actors.handles[0].settings.routers == ("127.0.0.1:50051", "127.0.0.1:50052")
+    await manager.scale("decode", 0)
+    await manager.stop()
+    drained = sorted(line for line in recorded if line.startswith("router-drain"))
+    assert len(drained) == 2  # the retiring worker is drained at both routers
