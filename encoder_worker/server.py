@@ -253,6 +253,6 @@ async def serve(
         capabilities=["nixl"] if settings.nixl else [],
         name=settings.name or f"encoder-{os.getpid()}",
     )
-    server.register(settings.routers, info, server.servicer.load)
+    server.register(settings.routers, info, server.servicer.load, settings.router_dns)
     logger.info("encoder worker serving %s on %s (model %s)", path, server.address, identity)
     return server

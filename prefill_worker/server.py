@@ -82,7 +82,7 @@ async def serve(
     servicer.reap_leases()
     role = registry_service_pb2.WORKER_ROLE_PREFILL
     info = kv_worker_info(role, servicer.holder_address, runner, settings.name)
-    server.register(settings.routers, info, servicer.load)
+    server.register(settings.routers, info, servicer.load, settings.router_dns)
     logger.info(
         "prefill worker %s serving %s (%s, block %d x %d)",
         servicer.holder_address,

@@ -158,3 +158,29 @@ async def test_pool_workers_register_with_every_router_and_drain_at_each(
     await manager.stop()
     drained = sorted(line for line in recorded if line.startswith("router-drain"))
     assert len(drained) == 2  # the retiring worker is drained at both routers
+
+
+async def test_routers_found_through_dns_are_registered_with_and_let_go() -> None:
+    fake = FakeRegistry()
+    router = await _start_registry(fake)
+    port = router.address.rsplit(":", 1)[1]
+    found = Registrations(
+        [], _info(), registry_service_pb2.WorkerLoad, discover=f"localhost:{port}", resolve_s=0.05
+    )
+    listed = Registrations(["10.9.9.9:1"], _info(), registry_service_pb2.WorkerLoad)
+    try:
+        found.start()
+        await _until(lambda: len(fake.registered) == 1)
+        assert f"127.0.0.1:{port}" in found.router_addresses
+        await asyncio.sleep(0.2)  # lookups again: no second registration
+        assert len(fake.registered) == 1
+        await listed.track(["10.9.9.8:1"])  # discovered one more
+        assert listed.router_addresses == ["10.9.9.9:1", "10.9.9.8:1"]
+        await listed.track([])  # it left the answer; the listed router stays
+        assert listed.router_addresses == ["10.9.9.9:1"]
+    finally:
+        await found.stop()
+        await listed.stop()
+        await router.stop(0)
+    with pytest.raises(SettingsError, match="router_dns: 'x' is not host:port"):
+        WorkerSettings(router_dns="x").check()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -170,8 +171,12 @@ class Registrar:
 
 
 class Registrations:
-    """One `Registrar` per router in `router_addresses` (same worker info, load and
-    credentials); `start`, `heartbeat_now` and `stop` act on all of them."""
+    """One `Registrar` per router (same worker info, load and credentials): the routers in
+    `router_addresses`, plus, with `discover` ("host:port" whose name resolves to every
+    router, e.g. a Kubernetes headless Service), one per address the name resolves to,
+    re-resolved every `resolve_s`: a router that appears is registered with, one that
+    left the answer is let go (a failed lookup changes nothing). `start`, `heartbeat_now`
+    and `stop` act on all of them."""
 
     def __init__(
         self,
@@ -180,35 +185,82 @@ class Registrations:
         load_fn: Callable[[], registry_service_pb2.WorkerLoad],
         *,
         credentials: ChannelCredentials = NO_CREDENTIALS,
+        discover: str | None = None,
+        resolve_s: float = 10.0,
         **options: float,
     ) -> None:
         """`options`: `Registrar`'s timing keywords (rpc_timeout_s, retry_initial_s, ...)."""
-        self.registrars = [
-            Registrar(address, worker_info, load_fn, credentials=credentials, **options)
-            for address in dict.fromkeys(router_addresses)
-        ]
+
+        def make(address: str) -> Registrar:
+            return Registrar(address, worker_info, load_fn, credentials=credentials, **options)
+
+        self._make = make  # a registrar for one router address
+        self.registrars = [self._make(a) for a in dict.fromkeys(router_addresses)]
+        self.discover = discover  # host:port naming every router (None: the list only)
+        self.resolve_s = resolve_s  # seconds between lookups of `discover`
+        self._found: dict[str, Registrar] = {}  # registrars of discovered addresses
+        self._task: asyncio.Task[None] | None = None  # follows `discover`
 
     @property
     def router_addresses(self) -> list[str]:
-        """The routers, in the order given."""
+        """The routers known now, in the order given, then as discovered."""
         return [r.router_address for r in self.registrars]
 
     def start(self) -> None:
-        """Start registering with every router (idempotent)."""
+        """Start registering with every router, and following `discover` (idempotent)."""
         for registrar in self.registrars:
             registrar.start()
+        if self.discover and self._task is None:
+            self._task = asyncio.create_task(self._follow(self.discover), name="epd-routers")
 
     async def wait_registered(self, timeout_s: float = 10.0) -> list[str]:
-        """The worker id each router gave, once every router registered the worker;
+        """The worker id each router known now gave, once they all registered the worker;
         TimeoutError after `timeout_s`."""
         async with asyncio.timeout(timeout_s):
-            return [await r.wait_registered(timeout_s) for r in self.registrars]
+            return [await r.wait_registered(timeout_s) for r in list(self.registrars)]
 
     async def heartbeat_now(self) -> int:
         """One heartbeat to every router at once; how many answered."""
-        answered = await asyncio.gather(*(r.heartbeat_now() for r in self.registrars))
+        answered = await asyncio.gather(*(r.heartbeat_now() for r in list(self.registrars)))
         return sum(answered)
 
     async def stop(self) -> None:
-        """Stop every registrar (idempotent)."""
+        """Stop following `discover`, then every registrar (idempotent)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self.registrars))
+
+    async def _follow(self, discover: str) -> None:
+        host, _, port = discover.rpartition(":")
+        while True:
+            try:
+                await self.track(await resolve_all(host, int(port)))
+            except OSError as exc:
+                logger.warning("looking up routers at %s failed: %s", discover, exc)
+            await asyncio.sleep(self.resolve_s)
+
+    async def track(self, addresses: Sequence[str]) -> None:
+        """Register with each of `addresses` not known yet; let go of discovered routers
+        not among them (routers given in the list stay)."""
+        known = {r.router_address for r in self.registrars}
+        for address in addresses:
+            if address not in known:
+                logger.info("router found at %s (%s)", address, self.discover)
+                registrar = self._found[address] = self._make(address)
+                self.registrars.append(registrar)
+                registrar.start()
+        for address in [a for a in self._found if a not in addresses]:
+            logger.info("router at %s left %s; no longer registered there", address, self.discover)
+            registrar = self._found.pop(address)
+            self.registrars.remove(registrar)
+            await registrar.stop()
+
+
+async def resolve_all(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to, as host:port ([v6]:port), sorted; OSError when the
+    name does not resolve."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    ips = {str(info[4][0]) for info in infos}
+    return sorted(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips)

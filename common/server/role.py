@@ -170,18 +170,22 @@ class RoleServer(RunningServer, Generic[S]):
         routers: str | Sequence[str] | None,
         info: registry_service_pb2.WorkerInfo,
         load: Callable[[], registry_service_pb2.WorkerLoad],
+        discover: str | None = None,
     ) -> None:
         """Start registering with every router in `routers` (`WorkerSettings.routers`; one
-        address or none also do); `load` is called for every heartbeat. The registration
-        carries a fresh `instance_id` (this process start). Draining heartbeats at once;
-        `stop` stops the registrations first."""
+        address or none also do) and every address `discover` resolves to (`router_dns`);
+        `load` is called for every heartbeat. The registration carries a fresh
+        `instance_id` (this process start). Draining heartbeats at once; `stop` stops the
+        registrations first."""
         addresses = [routers] if isinstance(routers, str) else list(routers or ())
-        if not addresses or self.registrar is not None:
+        if not (addresses or discover) or self.registrar is not None:
             return
         sent = registry_service_pb2.WorkerInfo()
         sent.CopyFrom(info)
         sent.instance_id = sent.instance_id or uuid.uuid4().hex
-        self.registrar = Registrations(addresses, sent, load, credentials=self.credentials)
+        self.registrar = Registrations(
+            addresses, sent, load, credentials=self.credentials, discover=discover
+        )
         self.lifecycle.on_drain.append(self.registrar.heartbeat_now)
         self.registrar.start()
 

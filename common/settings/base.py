@@ -4,7 +4,7 @@
                             metrics_host, metrics_port,
                             [security] (common.settings.security)
       WorkerSettings        + advertise_address, router_address,           (registers)
-                            router_addresses, name; `routers`
+                            router_addresses, router_dns, name; `routers`
         ModelWorkerSettings + model, dtype, device; `torch_dtype`          (encoder)
           KvWorkerSettings  + block_size, num_blocks                       (prefill, decode)
 
@@ -89,6 +89,11 @@ class WorkerSettings(ServerSettings):
         "every router to register with, host:port each (comma-separated as a flag); "
         "`router_address`, when set, is one more",
     )
+    router_dns: str | None = setting(
+        None,
+        "host:port whose name resolves to every router (a Kubernetes headless Service): the "
+        "worker registers with each address, looked up again every 10 s (None: the lists only)",
+    )
     name: str = setting("", "stable worker name for the router (actor or pod name)")
 
     @property
@@ -101,10 +106,14 @@ class WorkerSettings(ServerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         ServerSettings.check(self)
-        for address in self.routers:
+        named = [("router_dns", self.router_dns)] if self.router_dns else []
+        named += [
+            ("router_address" if a == self.router_address else "router_addresses", a)
+            for a in self.routers
+        ]
+        for key, address in named:
             host, sep, port = address.rpartition(":")
             if not host or not sep or not port.isdigit():
-                key = "router_address" if address == self.router_address else "router_addresses"
                 raise SettingsError(f"{key}: {address!r} is not host:port")
 
     def reachable_address(self, bound: str) -> str:
