@@ -56,7 +56,7 @@ class PoolSettings:
         -1, "times Ray restarts a crashed worker actor (-1: always, 0: never)"
     )
     drain_timeout_s: float = setting(
-        60.0, "longest a retiring worker may take to finish its in-flight work"
+        300.0, "longest a retiring worker may take to finish its in-flight work (streams, leases)"
     )
     ready_timeout_s: float = setting(
         600.0, "longest `epd serve` waits for every worker to register"
