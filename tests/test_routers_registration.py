@@ -20,6 +20,11 @@ from router.workers import WorkerRecord
 from tests.cluster import free_port
 from tests.test_pools import recorded as recorded  # the fakes' shared log (a fixture)
 from tests.test_registry import MODEL, info
+from tests.test_router import Cluster as RouterCluster
+from tests.test_router import FakePrefill
+from tests.test_router import ckpt as ckpt  # fixtures: a router with fake workers
+from tests.test_router import cluster as cluster
+from tests.test_router import worker_info as router_worker_info
 from tests.test_rpc import FakeRegistry, _info, _start_registry, _until
 
 
@@ -184,3 +189,34 @@ async def test_routers_found_through_dns_are_registered_with_and_let_go() -> Non
         await router.stop(0)
     with pytest.raises(SettingsError, match="router_dns: 'x' is not host:port"):
         WorkerSettings(router_dns="x").check()
+
+
+# ------------------------------------------------- a restart at the router (in-process fakes)
+
+
+async def test_router_drops_a_restarted_workers_prefix_entries_and_channel(
+    cluster: RouterCluster,
+) -> None:
+    old = FakePrefill()  # still streaming its KV events, as across a partition
+    old.cached = [bytes([i]) * 32 for i in range(3)]
+    address = await cluster.add(Role.PREFILL, old)
+    router = cluster.router
+    prefix, channels = router.orchestrator.prefix, router.orchestrator.channels
+
+    async def register(instance_id: str) -> None:
+        worker = router_worker_info(Role.PREFILL, address)
+        worker.instance_id = instance_id
+        await cluster.registry_stub.Register(registry_service_pb2.RegisterRequest(worker=worker))
+
+    await register("first")
+    await _until(lambda: prefix.cached_prefix(address, old.cached) == 3)
+    before = channels.get(address)
+    await register("first")  # the same process again (it lost the router for a moment)
+    await asyncio.sleep(0.2)
+    assert prefix.cached_prefix(address, old.cached) == 3 and channels.get(address) is before
+    old.cached = []  # what the new process holds: nothing
+    await register("second")  # a new process at the address: nothing of the old one stays
+    assert channels.get(address) is not before  # dialled afresh
+    await _until(lambda: prefix.cached_prefix(address, [bytes([0]) * 32]) == 0)
+    await asyncio.sleep(0.2)  # the old stream is gone: no stale event comes back
+    assert prefix.cached_prefix(address, [bytes([0]) * 32]) == 0
