@@ -172,6 +172,7 @@ class Client:
         ]
         self._channels = [credentials.open(a, options) for a in self.addresses]
         self._routers = [router_service_pb2_grpc.RouterServiceStub(c) for c in self._channels]
+        self._router = self._routers[0]  # the first router's stub (tests send raw requests)
         self._admin = admin_service_pb2_grpc.AdminServiceStub(self._channels[0])
         self._turn = 0  # the router the next request starts on
         self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
