@@ -34,7 +34,8 @@ async def _admin(args: argparse.Namespace) -> Any:
         root_certificates=Path(ca).read_bytes() if ca else None,
         tls=ca is not None,
     )
-    ch = channel(args.address, credentials=credentials)
+    first = args.address.split(",")[0].strip()  # $EPD_ROUTER may list several routers
+    ch = channel(first, credentials=credentials)
     return ch, admin_service_pb2_grpc.AdminServiceStub(ch)
 
 

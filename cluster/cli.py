@@ -60,7 +60,9 @@ def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") 
     parser.add_argument(
         "--address",
         default=os.environ.get("EPD_ROUTER", DEFAULT_ROUTER),
-        help="router address host:port (default: $EPD_ROUTER or %(default)s)",
+        help="router address host:port, or several comma-separated (generate sends a request "
+        "that fails before its first token to the next; admin commands ask the first) "
+        "(default: $EPD_ROUTER or %(default)s)",
     )
     parser.add_argument(
         "--api-key",
@@ -114,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="run without authentication (no cluster token, no API keys, KV handles unsigned); "
         "same as --security-insecure true",
+    )
+    serve.add_argument(
+        "--routers",
+        dest="pools__routers",
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="start N routers, every worker registered with all; same as --pools-routers",
     )
     _add_settings_flags(serve, EpdSettings)
 

@@ -79,6 +79,13 @@ class Controller:
         router_module = importlib.import_module(SERVER_MODULES["router"])
         self.router = await router_module.serve(settings.router, scaler=_Scaler(self))
         self.router_address = reachable_address(self.router.address)
+        # `pools.routers` > 1: more routers here, each its own registry; workers join all.
+        self.more_routers = [
+            await router_module.serve(settings.router.nth(i), scaler=self._scale)
+            for i in range(1, settings.pools.routers)
+        ]
+        self.router_addresses = [self.router_address]
+        self.router_addresses += [reachable_address(r.address) for r in self.more_routers]
         # The controller's own calls to the router (Status, Drain) present the cluster bearer.
         self.credentials = service_credentials(settings.router.security)
         loopback = self.router_address.rsplit(":", 1)[0] in _LOOPBACK
@@ -94,6 +101,7 @@ class Controller:
             settings.role_settings(),
             settings.pools,
             router_address=self.router_address,
+            router_addresses=self.router_addresses[1:],
             worker_host=worker_host,
             namespace=settings.ray.namespace,
             log_level=settings.log_level,
@@ -118,6 +126,10 @@ class Controller:
     async def address(self) -> str:
         """The router's address, as workers and clients dial it."""
         return self.router_address
+
+    async def addresses(self) -> list[str]:
+        """Every router's address (the first is `address`)."""
+        return list(self.router_addresses)
 
     async def http_address(self) -> str | None:
         """The router's HTTP API address, as clients dial it (None: off)."""
@@ -195,7 +207,8 @@ class Controller:
         The router goes first so that no request starts on a worker that is about to leave;
         its in-flight requests still have every worker they need while it drains.
         """
-        await self.router.drain(self.settings.pools.drain_timeout_s)
+        timeout_s = self.settings.pools.drain_timeout_s
+        await asyncio.gather(*(r.drain(timeout_s) for r in [self.router, *self.more_routers]))
         await self.pools.stop(router_stopped=True)
 
 
@@ -271,6 +284,7 @@ class Deployment:
         self.controller = controller
         self.started_ray = started_ray
         self.address = ""  # router address, set by start
+        self.addresses: list[str] = []  # every router's address (`address` first), by start
         self.http_address: str | None = None  # router's HTTP API address, set by start
 
     @classmethod
@@ -302,6 +316,7 @@ class Deployment:
         deployment = cls(settings, controller, started_ray)
         try:
             deployment.address = await controller.address.remote()
+            deployment.addresses = list(await controller.addresses.remote())
             deployment.http_address = await controller.http_address.remote()
         except ray.exceptions.RayActorError as exc:
             raise WorkerStartError(f"the router failed to start: {error_summary(exc)}") from None

@@ -40,6 +40,7 @@ import importlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,12 +218,15 @@ class PoolManager:
         actor_class: Any = None,
         credentials: ChannelCredentials = NO_CREDENTIALS,
         cpu: CpuPlanner | None = None,
+        router_addresses: Sequence[str] = (),
     ) -> None:
         import ray
 
         self.role_settings = role_settings
         self.settings = pools
         self.router_address = router_address
+        # The deployment's other routers: workers register with them too, and drain there.
+        self.router_addresses = tuple(router_addresses)
         self.worker_host = worker_host
         self.namespace = namespace
         self.log_level = log_level
@@ -310,6 +314,7 @@ class PoolManager:
         host is filled in by the actor, on its own node)."""
         base: WorkerSettings = self.role_settings[role]
         changes: dict[str, Any] = {"router_address": self.router_address, "name": name}
+        changes["router_addresses"] = self.router_addresses
         if isinstance(base, ModelWorkerSettings) and self.use_gpus and base.device == "cpu":
             # Ray gave the actor its GPU(s) through CUDA_VISIBLE_DEVICES: "cuda" is the first.
             changes["device"] = "cuda"
@@ -325,8 +330,12 @@ class PoolManager:
                 return  # still starting (e.g. Ctrl-C during start-up): no work to finish
             if not self.router_stopped:
                 description = await asyncio.wait_for(member.handle.describe.remote(), timeout_s)
-                await drain_at_router(
-                    self.router_address, description.address, timeout_s, self.credentials
+                routers = [self.router_address, *self.router_addresses]
+                await asyncio.gather(
+                    *(
+                        drain_at_router(r, description.address, timeout_s, self.credentials)
+                        for r in routers
+                    )
                 )
             clean = await asyncio.wait_for(member.handle.drain.remote(timeout_s), timeout_s + 5)
             logger.info("%s drained (%s)", member.name, "clean" if clean else "timed out")

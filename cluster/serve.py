@@ -143,6 +143,8 @@ async def _serve(settings: Any, started_ray: bool, started: float) -> int:
         if deployment is None:
             return 130
         _say(f"router listening on {deployment.address}")
+        for more in deployment.addresses[1:]:  # `--routers N`: every worker joins each
+            _say(f"router listening on {more}")
         if deployment.http_address:
             _say(f"OpenAI-compatible HTTP API on http://{deployment.http_address}/v1")
         pools = settings.pools.initial_replicas()

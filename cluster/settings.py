@@ -58,10 +58,16 @@ class PoolSettings:
         -1, "times Ray restarts a crashed worker actor (-1: always, 0: never)"
     )
     drain_timeout_s: float = setting(
-        60.0, "longest a retiring worker may take to finish its in-flight work"
+        300.0, "longest a retiring worker may take to finish its in-flight work (streams, leases)"
     )
     ready_timeout_s: float = setting(
         600.0, "longest `epd serve` waits for every worker to register"
+    )
+    routers: int = setting(
+        1,
+        "routers `epd serve` starts (in its controller actor), each with its own registry; "
+        "ports consecutive from router.port and router.http_port (0: each a free one); every "
+        "worker registers with all of them",
     )
 
     def gpus_per_worker(self, cluster_gpus: float) -> float:
@@ -185,6 +191,8 @@ class EpdSettings:
                 )
         if pools.num_cpus is not None and pools.num_cpus < 0:
             raise SettingsError("pools.num_cpus: must not be negative")
+        if pools.routers < 1:
+            raise SettingsError("pools.routers: must be at least 1")
         for name in ("drain_timeout_s", "ready_timeout_s"):
             if getattr(pools, name) <= 0:
                 raise SettingsError(f"pools.{name}: must be positive")

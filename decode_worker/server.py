@@ -76,7 +76,7 @@ async def serve(
     servicer.batcher.start()
     address = settings.reachable_address(server.address)
     info = kv_worker_info(registry_service_pb2.WORKER_ROLE_DECODE, address, runner, settings.name)
-    server.register(settings.router_address, info, servicer.load)
+    server.register(settings.routers, info, servicer.load, settings.router_dns)
     logger.info(
         "decode worker %s serving %s (%s, block %d x %d, batch %d)",
         address,

@@ -2,12 +2,12 @@
 
 Lifecycle (see `common.server.role.RoleServer`): `serve(settings)` loads the vision tower,
 starts gRPC (EncoderService + health), starts creating the NIXL agent and its registered
-output arena (`output_pool_mb`) in the background, and registers with the router when
-`router_address` is set (role ENCODER, heartbeats carry cache hits/lookups and in-flight
-requests). `server.drain()` refuses new Encode calls with UNAVAILABLE "draining" and lets
-running ones finish; `server.stop()` then stops the registrar, gRPC, the batcher, waits for
-outstanding output leases (up to `lease_ttl_s`) and closes the agent. ReleaseEmbeddings
-stays available while draining.
+output arena (`output_pool_mb`) in the background, and registers with every router in
+`routers` (`router_address` and `router_addresses`; role ENCODER, heartbeats carry cache
+hits/lookups and in-flight requests). `server.drain()` refuses new Encode calls with
+UNAVAILABLE "draining" and lets running ones finish; `server.stop()` then stops the
+registrar, gRPC, the batcher, waits for outstanding output leases (up to `lease_ttl_s`) and
+closes the agent. ReleaseEmbeddings stays available while draining.
 """
 
 from __future__ import annotations
@@ -253,6 +253,6 @@ async def serve(
         capabilities=["nixl"] if settings.nixl else [],
         name=settings.name or f"encoder-{os.getpid()}",
     )
-    server.register(settings.router_address, info, server.servicer.load)
+    server.register(settings.routers, info, server.servicer.load, settings.router_dns)
     logger.info("encoder worker serving %s on %s (model %s)", path, server.address, identity)
     return server

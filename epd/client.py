@@ -26,6 +26,14 @@ signed its certificate); no client certificate is needed.
 The wire form of a chat (`build_request`, media encoding) is `epd.request`; its names are
 importable from here too.
 
+Several routers: `Client(["host1:50051", "host2:50051"])` (or one string "a,b", as
+$EPD_ROUTER may hold) spreads requests over them, each request starting on the next router
+in turn. A stream that fails with UNAVAILABLE before it delivered anything (the router died,
+drains or cannot be reached) is sent again, once to each other router; after that, or when a
+stream breaks after its first chunk, `GenerateError` says which routers were tried. A stream
+that broke mid-answer is not resumed on another router: the routers do not offer that, so
+the caller decides whether to ask again.
+
 Failures raise `GenerateError` with the gRPC status code and the router's message
 (UNAUTHENTICATED: no or an unknown key; PERMISSION_DENIED: the key may not do that).
 """
@@ -62,6 +70,7 @@ from epd.v1 import (
 # The wire form lives in `epd.request`; its public names are importable from here too.
 __all__ = [
     "IMAGE_SUFFIXES",
+    "Routers",
     "Chunk",
     "Client",
     "GenerateError",
@@ -81,6 +90,18 @@ _FINISH = {
     decode_service_pb2.FINISH_REASON_LENGTH: "length",
     decode_service_pb2.FINISH_REASON_CANCELLED: "cancelled",
 }
+
+
+Routers = str | Sequence[str]  # one address, "a,b" comma-separated, or a list of them
+
+
+def router_list(routers: Routers) -> list[str]:
+    """The router addresses in `routers`, each once, in order; ValueError when none."""
+    items = routers.split(",") if isinstance(routers, str) else list(routers)
+    addresses = list(dict.fromkeys(a.strip() for a in items if a.strip()))
+    if not addresses:
+        raise ValueError(f"router address: none given in {routers!r}")
+    return addresses
 
 
 class GenerateError(Exception):
@@ -122,35 +143,39 @@ class Result:
 
 
 class Client:
-    """A router connection reused across requests. Close it (or use `async with`)."""
+    """Connections to one or more routers, reused across requests (module docstring). Close
+    it (or use `async with`)."""
 
     def __init__(
         self,
-        address: str,
+        address: Routers,
         *,
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         api_key: str | None = None,
         tls_ca_file: str | Path | None = None,
     ) -> None:
-        """`api_key`: presented on every call (None: $EPD_API_KEY or `epd serve`'s client
-        key file, see the module docstring); `tls_ca_file`: dial TLS, verifying the router
+        """`address`: the router, or several (a list, or one comma-separated string);
+        `api_key`: presented on every call (None: $EPD_API_KEY or `epd serve`'s client
+        key file, see the module docstring); `tls_ca_file`: dial TLS, verifying the routers
         with this PEM CA (None: plaintext)."""
         limit = max_message_mb * 1024 * 1024
-        self.address = address
+        self.addresses = router_list(address)  # every router, in the order given
+        self.address = self.addresses[0]  # the first (Status asks this one)
         credentials = ChannelCredentials(
             api_key if api_key is not None else default_api_key(CLIENT_KEY_FILE),
             root_certificates=Path(tls_ca_file).read_bytes() if tls_ca_file else None,
             tls=tls_ca_file is not None,
         )
-        self._channel = credentials.open(
-            address,
-            [
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
-            ],
-        )
-        self._router = router_service_pb2_grpc.RouterServiceStub(self._channel)
-        self._admin = admin_service_pb2_grpc.AdminServiceStub(self._channel)
+        options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ]
+        self._channels = [credentials.open(a, options) for a in self.addresses]
+        self._routers = [router_service_pb2_grpc.RouterServiceStub(c) for c in self._channels]
+        self._router = self._routers[0]  # the first router's stub (tests send raw requests)
+        self._admin = admin_service_pb2_grpc.AdminServiceStub(self._channels[0])
+        self._turn = 0  # the router the next request starts on
+        self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
 
     async def __aenter__(self) -> Client:
         return self
@@ -159,8 +184,15 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel; running streams are cancelled."""
-        await self._channel.close()
+        """Close the channels; running streams are cancelled."""
+        for ch in self._channels:
+            await ch.close()
+
+    def _order(self) -> list[int]:
+        """Router indices for the next request: the next router in turn, then the rest."""
+        start, n = self._turn, len(self._routers)
+        self._turn = (start + 1) % n
+        return [(start + k) % n for k in range(n)]
 
     async def generate(
         self,
@@ -182,14 +214,34 @@ class Client:
             messages, sampling, request_id=request_id, cache_salt=cache_salt, stop=stop
         )
         metadata = bearer_metadata(api_key) if api_key is not None else None
-        call = self._router.Generate(request, timeout=timeout_s, metadata=metadata)
-        try:
-            async for response in call:
-                yield _chunk(response)
-        except grpc.aio.AioRpcError as exc:
-            raise GenerateError(exc.code(), exc.details() or "") from None
-        finally:
-            call.cancel()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        failures: list[str] = []
+        for attempt, index in enumerate(self._order()):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = self._routers[index].Generate(request, timeout=left, metadata=metadata)
+            chunks = 0
+            try:
+                async for response in call:
+                    chunks += 1
+                    yield _chunk(response)
+                return
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+                if len(self._routers) == 1:
+                    raise GenerateError(code, details) from None
+                where = f"{self.addresses[index]}: {code.name} {details}".strip()
+                if chunks or code != grpc.StatusCode.UNAVAILABLE:
+                    after = f" after {chunks} chunks (not resumed)" if chunks else ""
+                    raise GenerateError(code, f"router {where}{after}") from None
+                failures.append(where)
+                if attempt + 1 < len(self._routers):
+                    self.retries += 1
+            finally:
+                call.cancel()
+        raise GenerateError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"every router failed before the first chunk: {'; '.join(failures)}",
+        )
 
     async def generate_text(
         self,
@@ -253,7 +305,7 @@ class Client:
 
 
 async def generate(
-    address: str,
+    address: Routers,
     messages: Messages,
     sampling: SamplingParams | None = None,
     *,
@@ -269,7 +321,7 @@ async def generate(
 
 
 def generate_text(
-    address: str,
+    address: Routers,
     messages: Messages,
     sampling: SamplingParams | None = None,
     *,

@@ -1,8 +1,8 @@
 """Start a prefill worker: load the model, register the KV buffer with NIXL, serve gRPC,
-register with the router, reap expired leases.
+register with every router given, reap expired leases.
 
-Lifecycle: `serve(settings)` returns a started `RoleServer` (SERVING, registered when a
-router address is given, the lease reaper running). `await server.stop(grace_s)` (or
+Lifecycle: `serve(settings)` returns a started `RoleServer` (SERVING, registered with
+every router in `settings.routers`, the lease reaper running). `await server.stop(grace_s)` (or
 `server.drain(timeout_s)`, which ends in `stop`) stops the registrar, then gRPC, then the
 servicer (the reaper, every lease's blocks, pending embedding releases), the model thread
 and the NIXL agent — in that order, so no block or registration outlives the worker's users.
@@ -82,7 +82,7 @@ async def serve(
     servicer.reap_leases()
     role = registry_service_pb2.WORKER_ROLE_PREFILL
     info = kv_worker_info(role, servicer.holder_address, runner, settings.name)
-    server.register(settings.router_address, info, servicer.load)
+    server.register(settings.routers, info, servicer.load, settings.router_dns)
     logger.info(
         "prefill worker %s serving %s (%s, block %d x %d)",
         servicer.holder_address,

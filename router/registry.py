@@ -4,7 +4,10 @@ Lifecycle of a worker as the router sees it:
 
     Register  -> checked against the deployment (protocol, model, KV layout); refused with
                  FAILED_PRECONDITION on a mismatch, else recorded under a fresh worker id
-                 (a worker re-registering from the same address replaces its old record)
+                 (a worker re-registering from the same address replaces its old record;
+                 when its `instance_id` differs, the process restarted: the `on_restart`
+                 listeners hear of the old record first, so its channel, KV-event
+                 subscription and prefix entries are dropped, not carried over)
     Heartbeat -> refreshes liveness and load; an unknown id answers known=False so the
                  worker registers again
     draining  -> reported by the worker or asked for through AdminService.Drain; a draining
@@ -109,6 +112,8 @@ class Registry:
         self.on_register: list[Callable[[WorkerRecord], None]] = []
         # Called with every worker `expire` drops (e.g. to stop following its KV events).
         self.on_expire: list[Callable[[WorkerRecord], None]] = []
+        # Called with the old record when another process registers at its address.
+        self.on_restart: list[Callable[[WorkerRecord], None]] = []
 
     # ------------------------------------------------------------------ registration
 
@@ -135,8 +140,17 @@ class Registry:
             layout = layout_from_proto(info.kv_layout)
             self._check_layout(role, info.address, layout)
         for old in [w for w in self._workers.values() if w.address == info.address]:
-            logger.info("worker %s re-registered; old id %s dropped", old.address, old.worker_id)
             del self._workers[old.worker_id]
+            restarted = not info.instance_id or old.info.instance_id != info.instance_id
+            logger.info(
+                "worker %s re-registered%s; old id %s dropped",
+                old.address,
+                " after a restart" if restarted else "",
+                old.worker_id,
+            )
+            if restarted:
+                for restart_listener in self.on_restart:
+                    restart_listener(old)
         if self.expected_model is None:
             self.expected_model = info.model
             logger.info("adopted model identity %r from %s", info.model, info.address)

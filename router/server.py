@@ -15,6 +15,11 @@ Every call is authenticated (`common.server.auth`): Generate needs a client API 
 tenant picks the request's cache salt (`router.tenants`); RegistryService needs the cluster
 bearer; AdminService an admin key. `--insecure` turns that off (said in the log).
 
+Workers register with every router they are given; each router keeps its own registry, KV
+event subscriptions and admission ledger, and knows nothing of the others. A worker that
+registers again from a known address as a new process (`instance_id`) is a restart: the
+router drops the old process's prefix entries, subscription and channel first.
+
 Lifecycle (`common.server.role.RoleServer`): starting (processor loaded) -> serving (`serve`
 returned) -> draining (`drain()`: Generate refuses new requests with UNAVAILABLE, running
 ones finish) -> stopped (`stop`: gRPC, then the expiry task, then the orchestrator's KV
@@ -61,7 +66,7 @@ from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
 from router.stop import check_stop, stop_at
 from router.tenants import tenant_salt
-from router.workers import CheckpointShape, Role
+from router.workers import CheckpointShape, Role, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +224,14 @@ async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s:
                 await orchestrator.channels.forget(address)
 
 
+def _forget_restarted(orchestrator: Orchestrator, old: WorkerRecord) -> None:
+    """A new process registered at `old`'s address: drop what followed the old one (its
+    KV-event subscription and prefix entries: none of its blocks survived; its channel,
+    which may sit in reconnect back-off). The new record's `on_register` follows it anew."""
+    orchestrator.prefix.forget(old.address)
+    orchestrator.channels.reopen(old.address)
+
+
 async def _health_loop(running: RunningRouter, period_s: float) -> None:
     """gRPC health follows the registry: SERVING only while every role has a serving
     worker (and the router is not draining); checked at once when a worker registers."""
@@ -307,6 +320,7 @@ async def serve(
         max_queued_requests=settings.max_queued_requests,
         max_queue_wait_s=settings.max_queue_wait_s,
     )
+    registry.on_restart.append(lambda old: _forget_restarted(orchestrator, old))
     if settings.cache_aware_routing:
         registry.on_register.append(
             lambda w: orchestrator.prefix.track(w.address) if w.role == Role.PREFILL else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from common.processing.limits import InputLimits
@@ -126,6 +127,16 @@ class RouterSettings(ServerSettings):
         "included) before it is refused with RESOURCE_EXHAUSTED and a back-off hint",
     )
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
+
+    def nth(self, index: int) -> RouterSettings:
+        """The settings of router `index` (0: these) of several started together
+        (`epd serve --routers N`): `port` and `http_port` plus `index`, except 0 (a free
+        port each) and -1 (no HTTP API)."""
+        return dataclasses.replace(
+            self,
+            port=self.port + index if self.port > 0 else self.port,
+            http_port=self.http_port + index if self.http_port > 0 else self.http_port,
+        )
 
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field; the router also needs the

@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import grpc
 
@@ -106,10 +107,17 @@ class Cluster:
     other_key: str = OTHER_KEY  # tenant-b's API key
     admin_key: str = ADMIN_KEY  # the operators' (admin) API key
     http_url: str | None = None  # the router's HTTP API, "http://host:port" (start `http=True`)
+    # Every router (start `routers=N`): `address` first, then router-1, router-2, ...
+    router_addresses: list[str] = field(default_factory=list)
+    # How each process was started, (module, args), so `respawn` can start it again.
+    commands: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
 
-    def status(self, timeout_s: float = 5.0) -> admin_service_pb2.StatusResponse:
-        """The router's AdminService.Status (blocking; as admin)."""
-        with ChannelCredentials(self.admin_key).open_blocking(self.address) as channel:
+    def status(
+        self, timeout_s: float = 5.0, address: str | None = None
+    ) -> admin_service_pb2.StatusResponse:
+        """AdminService.Status of the router at `address` (None: the first; blocking; as
+        admin)."""
+        with ChannelCredentials(self.admin_key).open_blocking(address or self.address) as channel:
             stub = admin_service_pb2_grpc.AdminServiceStub(channel)
             response: admin_service_pb2.StatusResponse = stub.Status(
                 admin_service_pb2.StatusRequest(), timeout=timeout_s
@@ -136,10 +144,20 @@ class Cluster:
         if dead:
             raise RuntimeError(f"processes exited: {dead}\n{self.logs()}")
 
+    def respawn(self, name: str, log_suffix: str = "restarted") -> subprocess.Popen[bytes]:
+        """Start process `name` again as it was first started (same flags, so a worker with
+        a fixed `--port` comes back at the same address); logs to <name>.<log_suffix>.log.
+        The old process must have exited."""
+        module, args = self.commands[name]
+        proc = _spawn(module, args, self.log_dir / f"{name}.{log_suffix}.log")
+        self.procs[name] = proc
+        return proc
+
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the workers, then the router; kill what is still running after
+        """SIGTERM the workers, then the routers; kill what is still running after
         `timeout_s`."""
-        order = [n for n in self.procs if n != "router"] + ["router"]
+        routers = [n for n in self.procs if n == "router" or n.startswith("router-")]
+        order = [n for n in self.procs if n not in routers] + routers
         for name in order:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
@@ -191,10 +209,13 @@ def start_cluster(
     encoders: int = 1,
     http: bool = False,
     timeout_s: float = 120.0,
+    routers: int = 1,
 ) -> Cluster:
     """Start router + `encoders` encoders + prefill + decode and wait until all registered
     (encoders after the first are named encoder-1, encoder-2, ...). `http`: the router also
-    serves its HTTP API on a free port (`Cluster.http_url`); off otherwise.
+    serves its HTTP API on a free port (`Cluster.http_url`); off otherwise. `routers`: that
+    many routers (router, router-1, ...; `Cluster.router_addresses`), every worker registered
+    with all of them.
 
     Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
     nothing is left running then.
@@ -234,6 +255,7 @@ def start_cluster(
             ],
             router_log,
         )
+        _spawn_more_routers(cluster, routers)
         deadline = time.monotonic() + timeout_s
         kv = ["--block-size", str(block_size), "--num-blocks", str(num_blocks)]
         worker_args = {
@@ -244,19 +266,17 @@ def start_cluster(
         names = [("encoder", "encoder")]
         names += [("encoder", f"encoder-{i}") for i in range(1, encoders)]
         names += [("prefill", "prefill"), ("decode", "decode")]
+        routers_flag = (
+            ["--router-address", cluster.address]
+            if routers == 1
+            else ["--router-addresses", ",".join(cluster.router_addresses)]
+        )
         for role, name in names:
-            cluster.procs[name] = _spawn(
+            cluster.commands[name] = (
                 f"{role}_worker",
-                [
-                    *common,
-                    "--router-address",
-                    cluster.address,
-                    "--name",
-                    name,
-                    *worker_args[role],
-                ],
-                log_dir / f"{name}.log",
+                [*common, *routers_flag, "--name", name, *worker_args[role]],
             )
+            cluster.procs[name] = _spawn(*cluster.commands[name], log_dir / f"{name}.log")
         bound = _wait_address(cluster, router_log, deadline)
         if bound != cluster.address:
             raise RuntimeError(f"router bound {bound}, not {cluster.address}")
@@ -270,6 +290,21 @@ def start_cluster(
         cluster.stop(timeout_s=5.0)
         raise
     return cluster
+
+
+def _spawn_more_routers(cluster: Cluster, routers: int) -> None:
+    """Routers router-1 ... router-(routers-1), each started as the first one (same flags)
+    on a port of its own, without the HTTP API; fills `cluster.router_addresses`."""
+    cluster.router_addresses = [cluster.address]
+    first = cast("list[str]", cluster.procs["router"].args)  # python -m router ...
+    args = [str(a) for a in first][3:]
+    args[args.index("--http-port") + 1] = "-1"
+    for index in range(1, routers):
+        name, address = f"router-{index}", f"127.0.0.1:{free_port()}"
+        args[args.index("--port") + 1] = address.rsplit(":", 1)[1]
+        cluster.commands[name] = ("router", list(args))
+        cluster.procs[name] = _spawn("router", list(args), cluster.log_dir / f"{name}.log")
+        cluster.router_addresses.append(address)
 
 
 def _wait_address(
@@ -286,13 +321,17 @@ def _wait_address(
 
 def _wait_registered(cluster: Cluster, deadline: float) -> None:
     want = set(ROLES.values())
+    waiting = list(cluster.router_addresses or [cluster.address])  # every router
     while time.monotonic() < deadline:
         cluster.check_alive()
         try:
-            workers = cluster.status().workers
+            workers = cluster.status(address=waiting[0]).workers
         except grpc.RpcError:
             workers = []
         if want <= {w.info.role for w in workers} and len(workers) >= cluster.workers:
-            return
+            waiting.pop(0)
+            if not waiting:
+                return
+            continue
         time.sleep(0.1)
     raise RuntimeError(f"workers did not register in time\n{cluster.logs()}")

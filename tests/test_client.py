@@ -99,3 +99,23 @@ def test_stop_strings_travel_in_the_request():
     request = build_request([{"role": "user", "content": "hi"}], stop=["\n\n", "END"])
     assert list(request.stop) == ["\n\n", "END"]
     assert list(build_request([{"role": "user", "content": "hi"}]).stop) == []
+
+
+async def test_router_addresses_come_as_a_list_or_comma_separated() -> None:
+    from epd.client import Client, router_list
+
+    assert router_list("a:1") == ["a:1"]
+    assert router_list(" a:1, b:2,,a:1 ") == ["a:1", "b:2"]
+    assert router_list(["b:2", "a:1"]) == ["b:2", "a:1"]
+    with pytest.raises(ValueError, match="router address: none given"):
+        router_list(" , ")
+    client = Client("a:1,b:2,c:3", api_key="k")
+    assert client.address == "a:1" and client.addresses == ["a:1", "b:2", "c:3"]
+    # Each request starts on the next router in turn, then tries the others in order.
+    assert [client._order() for _ in range(4)] == [
+        [0, 1, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [0, 1, 2],
+    ]
+    await client.close()

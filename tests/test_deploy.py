@@ -184,7 +184,7 @@ def test_container_command_is_a_real_entry_point(
         if isinstance(settings, tuple):
             settings = settings[0]
         if module.endswith("_worker"):
-            assert settings.router_address == "epd-router:50051"
+            assert settings.router_dns == "epd-router-pods:50051"  # every router
             assert settings.host == "0.0.0.0"
             assert settings.advertise_address == f"10.0.0.7:{settings.port}"
             ports = {p["containerPort"] for p in container["ports"]}

@@ -180,5 +180,5 @@ def test_router_drain_timeout_is_a_setting() -> None:
     from router.__main__ import parse
     from router.settings import RouterSettings
 
-    assert RouterSettings().drain_timeout_s == 30.0
+    assert RouterSettings().drain_timeout_s == 300.0
     assert parse(["--drain-timeout-s", "45", "--port", "0", "--insecure"]).drain_timeout_s == 45.0

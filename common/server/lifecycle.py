@@ -42,7 +42,9 @@ class ServerLifecycle:
       server is not reachable before `attach`).
     - serving: `attach(running)` was called; health SERVING.
     - draining: `drain()` began; health NOT_SERVING, `track()` refuses new work with
-      UNAVAILABLE "draining" (via `rpc_errors`), tracked in-flight RPCs run to the end.
+      UNAVAILABLE "draining" (via `rpc_errors`), the `on_drain` hooks run (a worker tells its
+      routers at once), tracked in-flight RPCs run to the end and the `holds` (leases held
+      for peers) reach zero.
     - stopped: in-flight work finished (or the timeout passed and it was cancelled) and the
       gRPC server is stopped.
 
@@ -55,6 +57,10 @@ class ServerLifecycle:
         self.active = 0  # tracked RPCs in flight
         self._idle = asyncio.Event()
         self._idle.set()
+        # Awaited, in order, when draining begins (failures logged): e.g. heartbeat the routers.
+        self.on_drain: list[Callable[[], Awaitable[object]]] = []
+        # Counts of untracked work a drain also waits for (e.g. leases peers still pull).
+        self.holds: list[Callable[[], int]] = []
 
     @property
     def draining(self) -> bool:
@@ -84,8 +90,25 @@ class ServerLifecycle:
             if self.active == 0:
                 self._idle.set()
 
-    async def drain(self, timeout_s: float = 30.0) -> bool:
-        """Stop taking work, wait up to `timeout_s` for in-flight RPCs, stop the server.
+    def held(self) -> int:
+        """Untracked work still held (sum of `holds`; a failing count counts as none)."""
+        total = 0
+        for count in self.holds:
+            try:
+                total += count()
+            except Exception:
+                logger.exception("a drain hold count failed")
+        return total
+
+    async def _until_idle(self, poll_s: float = 0.05) -> None:
+        await self._idle.wait()
+        while self.held() > 0:
+            await asyncio.sleep(poll_s)
+            await self._idle.wait()
+
+    async def drain(self, timeout_s: float = 300.0) -> bool:
+        """Stop taking work, run `on_drain`, wait up to `timeout_s` for in-flight RPCs and
+        `holds`, stop the server.
 
         Returns True when every tracked RPC finished in time (False: the rest were cancelled
         by the server stop). Calling it again after it finished returns True at once.
@@ -95,12 +118,23 @@ class ServerLifecycle:
         self.state = LifecycleState.DRAINING
         if self.running is not None:
             await self.running.set_serving(False)
-        logger.info("draining: %d in flight", self.active)
+        logger.info("draining: %d in flight, %d held", self.active, self.held())
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                for hook in self.on_drain:
+                    try:
+                        await hook()
+                    except Exception:
+                        logger.exception("a drain hook failed")
+                await self._until_idle()
             clean = True
         except TimeoutError:
-            logger.warning("drain timeout after %.1fs; cancelling %d RPCs", timeout_s, self.active)
+            logger.warning(
+                "drain timeout after %.1fs; cancelling %d RPCs (%d held)",
+                timeout_s,
+                self.active,
+                self.held(),
+            )
             clean = False
         if self.running is not None:
             # Only untracked RPCs (health watches, releases) can remain: short grace.
@@ -113,7 +147,7 @@ class ServerLifecycle:
 async def run_until_signal(
     lifecycle: ServerLifecycle,
     *,
-    drain_timeout_s: float = 30.0,
+    drain_timeout_s: float = 300.0,
     cleanup: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> None:
     """Serve until SIGTERM/SIGINT (or the server stops), then drain gracefully and clean up.

@@ -8,8 +8,10 @@ deadline, so a cancelled request still frees what it held; a failed release is l
 raised (the holder's reaper frees the lease at its TTL). Releasing twice is harmless: holders
 ignore unknown lease ids.
 
-Lifecycle: channels open on first use and live until `forget(address)` (a worker left) or
-`close()`, which first waits for the releases in flight, then closes every channel.
+Lifecycle: channels open on first use and live until `forget(address)` (a worker left),
+`reopen(address)` (a worker restarted there: the next call dials afresh instead of waiting
+out the old channel's reconnect back-off) or `close()`, which first waits for the releases
+in flight, then closes every channel.
 Every channel presents the `credentials` given (the cluster bearer and, with TLS, this
 process's certificate: `common.server.auth.service_credentials`).
 Touched only from the owner's event loop.
@@ -65,6 +67,13 @@ class PeerClient:
         ch = self._channels.pop(address, None)
         if ch is not None:
             await ch.close()
+
+    def reopen(self, address: str) -> None:
+        """Drop the channel to `address` now (the next `get` opens a new one) and close the
+        old one in the background: the process behind it restarted, calls on it are dead."""
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            self._spawn(ch.close(), "closing the old channel", address)
 
     def release_kv(self, address: str, lease_id: str) -> None:
         """`PrefillService.ReleaseKv(lease_id)` on the prefill worker at `address`, in the

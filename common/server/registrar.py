@@ -1,4 +1,7 @@
-"""Worker-side registration with the router: Register once, then Heartbeat with load.
+"""Worker-side registration with the routers: Register once with each, then Heartbeat with
+load. A worker given several routers (`WorkerSettings.routers`) keeps one `Registrar` per
+router in a `Registrations`: each router keeps its own registry, so each registration lives
+and fails on its own.
 
 Lifecycle of a `Registrar`: `start()` launches a background task that registers (retrying
 with capped backoff while the router is unreachable or refuses), then heartbeats every
@@ -6,14 +9,18 @@ with capped backoff while the router is unreachable or refuses), then heartbeats
 fails (router restarted, network), sends the worker back to registering. The task logs
 failures — the first of an outage at WARNING, repeats at DEBUG — and never raises. `stop()`
 cancels it and closes the channel. The channel presents `credentials` (the cluster bearer:
-the router accepts registrations only from services of the deployment).
+the router accepts registrations only from services of the deployment). `heartbeat_now()`
+sends one heartbeat at once (a worker that starts draining says so before the next tick, so
+the router stops routing to it at once; it keeps heartbeating while its in-flight work
+finishes, or the router would expire it and drop the channel those streams run on).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -60,6 +67,7 @@ class Registrar:
         self._registered = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._channel: Any = None
+        self._stub: Any = None  # RegistryService stub on `_channel`, while running
         self._failing = False  # inside an outage: log repeats at DEBUG
 
     def start(self) -> None:
@@ -82,6 +90,19 @@ class Registrar:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+            self._stub = None
+
+    async def heartbeat_now(self) -> bool:
+        """One heartbeat now, when registered; True when the router answered. Never raises
+        (a failure is logged; the background task carries on)."""
+        if self._stub is None or self.worker_id is None:
+            return False
+        try:
+            await self._heartbeat(self._stub)
+        except Exception as exc:
+            self._log_failure("heartbeat", exc)
+            return False
+        return True
 
     def _log_failure(self, what: str, exc: BaseException) -> None:
         detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
@@ -91,7 +112,7 @@ class Registrar:
 
     async def _run(self) -> None:
         self._channel = channel(self.router_address, credentials=self.credentials)
-        stub = registry_service_pb2_grpc.RegistryServiceStub(self._channel)
+        stub = self._stub = registry_service_pb2_grpc.RegistryServiceStub(self._channel)
         backoff = self.retry_initial_s
         while True:
             try:
@@ -147,3 +168,99 @@ class Registrar:
     def _forget(self) -> None:
         self.worker_id = None
         self._registered.clear()
+
+
+class Registrations:
+    """One `Registrar` per router (same worker info, load and credentials): the routers in
+    `router_addresses`, plus, with `discover` ("host:port" whose name resolves to every
+    router, e.g. a Kubernetes headless Service), one per address the name resolves to,
+    re-resolved every `resolve_s`: a router that appears is registered with, one that
+    left the answer is let go (a failed lookup changes nothing). `start`, `heartbeat_now`
+    and `stop` act on all of them."""
+
+    def __init__(
+        self,
+        router_addresses: Sequence[str],
+        worker_info: registry_service_pb2.WorkerInfo,
+        load_fn: Callable[[], registry_service_pb2.WorkerLoad],
+        *,
+        credentials: ChannelCredentials = NO_CREDENTIALS,
+        discover: str | None = None,
+        resolve_s: float = 10.0,
+        **options: float,
+    ) -> None:
+        """`options`: `Registrar`'s timing keywords (rpc_timeout_s, retry_initial_s, ...)."""
+
+        def make(address: str) -> Registrar:
+            return Registrar(address, worker_info, load_fn, credentials=credentials, **options)
+
+        self._make = make  # a registrar for one router address
+        self.registrars = [self._make(a) for a in dict.fromkeys(router_addresses)]
+        self.discover = discover  # host:port naming every router (None: the list only)
+        self.resolve_s = resolve_s  # seconds between lookups of `discover`
+        self._found: dict[str, Registrar] = {}  # registrars of discovered addresses
+        self._task: asyncio.Task[None] | None = None  # follows `discover`
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """The routers known now, in the order given, then as discovered."""
+        return [r.router_address for r in self.registrars]
+
+    def start(self) -> None:
+        """Start registering with every router, and following `discover` (idempotent)."""
+        for registrar in self.registrars:
+            registrar.start()
+        if self.discover and self._task is None:
+            self._task = asyncio.create_task(self._follow(self.discover), name="epd-routers")
+
+    async def wait_registered(self, timeout_s: float = 10.0) -> list[str]:
+        """The worker id each router known now gave, once they all registered the worker;
+        TimeoutError after `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            return [await r.wait_registered(timeout_s) for r in list(self.registrars)]
+
+    async def heartbeat_now(self) -> int:
+        """One heartbeat to every router at once; how many answered."""
+        answered = await asyncio.gather(*(r.heartbeat_now() for r in list(self.registrars)))
+        return sum(answered)
+
+    async def stop(self) -> None:
+        """Stop following `discover`, then every registrar (idempotent)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*(r.stop() for r in self.registrars))
+
+    async def _follow(self, discover: str) -> None:
+        host, _, port = discover.rpartition(":")
+        while True:
+            try:
+                await self.track(await resolve_all(host, int(port)))
+            except OSError as exc:
+                logger.warning("looking up routers at %s failed: %s", discover, exc)
+            await asyncio.sleep(self.resolve_s)
+
+    async def track(self, addresses: Sequence[str]) -> None:
+        """Register with each of `addresses` not known yet; let go of discovered routers
+        not among them (routers given in the list stay)."""
+        known = {r.router_address for r in self.registrars}
+        for address in addresses:
+            if address not in known:
+                logger.info("router found at %s (%s)", address, self.discover)
+                registrar = self._found[address] = self._make(address)
+                self.registrars.append(registrar)
+                registrar.start()
+        for address in [a for a in self._found if a not in addresses]:
+            logger.info("router at %s left %s; no longer registered there", address, self.discover)
+            registrar = self._found.pop(address)
+            self.registrars.remove(registrar)
+            await registrar.stop()
+
+
+async def resolve_all(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to, as host:port ([v6]:port), sorted; OSError when the
+    name does not resolve."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    ips = {str(info[4][0]) for info in infos}
+    return sorted(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips)

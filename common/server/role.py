@@ -3,11 +3,16 @@ ordered drain and stop they all share.
 
 A role's `serve(settings)` builds its typed servicer and calls `RoleServer.start`, which
 serves it (plus `grpc.health.v1` and any extra servicers) as the settings say and attaches
-the lifecycle; then the role starts its background work, `register`s with the router
+the lifecycle; then the role starts its background work, `register`s with every router
 (workers) and returns the server. The caller owns it.
 
+Drain (`drain`, or SIGTERM through `run_until_signal`): the lifecycle refuses new work and
+the registrations heartbeat `draining` to every router at once (so they stop routing here),
+then keep heartbeating while tracked RPCs and the leases held for peers (`leases`) run out,
+up to the drain timeout; then the stop below.
+
 Stop, in this order (`stop`, also the end of `drain`), each step once:
-  1. the registrar: heartbeats end, so the router stops routing here;
+  1. the registrations: heartbeats end, so the routers forget this worker;
   2. gRPC: health NOT_SERVING, RPCs still running after the grace period are cancelled;
   3. `tasks`: background loops of the role, cancelled;
   4. the `/metrics` endpoint (`common.server.metrics`), when one was started;
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +43,7 @@ from common.server.auth import Authenticator, server_tls, service_credentials
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.metrics import MetricsEndpoint
-from common.server.registrar import Registrar
+from common.server.registrar import Registrations
 from common.server.rpc import RunningServer, start_server
 from common.settings.base import ServerSettings
 from epd.v1 import registry_service_pb2
@@ -73,7 +79,7 @@ class RoleServer(RunningServer, Generic[S]):
     servicer: S = field(kw_only=True)  # the role's servicer
     lifecycle: ServerLifecycle = field(kw_only=True)  # serving / draining / stopped
     leases: Sized | None = field(default=None, kw_only=True)  # leases held for peers
-    registrar: Registrar | None = field(default=None, kw_only=True)  # set by `register`
+    registrar: Registrations | None = field(default=None, kw_only=True)  # set by `register`
     tasks: list[asyncio.Task[None]] = field(default_factory=list, kw_only=True)  # loops
     cleanup: list[Cleanup] = field(default_factory=list, kw_only=True)  # after gRPC stops
     credentials: ChannelCredentials = field(default=NO_CREDENTIALS, kw_only=True)  # presented
@@ -155,19 +161,33 @@ class RoleServer(RunningServer, Generic[S]):
             metrics_endpoint=endpoint,
         )
         lifecycle.attach(server)
+        if leases is not None:
+            lifecycle.holds.append(leases.__len__)  # a drain waits for peers' pulls too
         return server
 
     def register(
         self,
-        router_address: str | None,
+        routers: str | Sequence[str] | None,
         info: registry_service_pb2.WorkerInfo,
         load: Callable[[], registry_service_pb2.WorkerLoad],
+        discover: str | None = None,
     ) -> None:
-        """Start registering with the router at `router_address` (nothing when unset);
-        `load` is called for every heartbeat. `stop` stops the registrar first."""
-        if router_address and self.registrar is None:
-            self.registrar = Registrar(router_address, info, load, credentials=self.credentials)
-            self.registrar.start()
+        """Start registering with every router in `routers` (`WorkerSettings.routers`; one
+        address or none also do) and every address `discover` resolves to (`router_dns`);
+        `load` is called for every heartbeat. The registration carries a fresh
+        `instance_id` (this process start). Draining heartbeats at once; `stop` stops the
+        registrations first."""
+        addresses = [routers] if isinstance(routers, str) else list(routers or ())
+        if not (addresses or discover) or self.registrar is not None:
+            return
+        sent = registry_service_pb2.WorkerInfo()
+        sent.CopyFrom(info)
+        sent.instance_id = sent.instance_id or uuid.uuid4().hex
+        self.registrar = Registrations(
+            addresses, sent, load, credentials=self.credentials, discover=discover
+        )
+        self.lifecycle.on_drain.append(self.registrar.heartbeat_now)
+        self.registrar.start()
 
     def outstanding_leases(self) -> int:
         """Leases this server still holds for peers (0 when its role holds none)."""

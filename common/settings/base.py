@@ -3,7 +3,8 @@
     ServerSettings          host, port, max_message_mb, drain_timeout_s,   (router, workers)
                             metrics_host, metrics_port,
                             [security] (common.settings.security)
-      WorkerSettings        + advertise_address, router_address, name      (registers)
+      WorkerSettings        + advertise_address, router_address,           (registers)
+                            router_addresses, router_dns, name; `routers`
         ModelWorkerSettings + model, dtype, device; `torch_dtype`          (encoder)
           KvWorkerSettings  + block_size, num_blocks                       (prefill, decode)
 
@@ -46,7 +47,9 @@ class ServerSettings:
     port: int = setting(0, "port to listen on (0: pick a free one)")
     max_message_mb: int = setting(256, "largest gRPC message in or out, in MiB")
     drain_timeout_s: float = setting(
-        30.0, "on SIGTERM: seconds in-flight work may finish before it is cancelled"
+        300.0,
+        "on SIGTERM: seconds in-flight work (streams, leases held for peers) may take to "
+        "finish before it is cancelled",
     )
     metrics_host: str = setting("127.0.0.1", "address the Prometheus /metrics endpoint listens on")
     metrics_port: int | None = setting(
@@ -81,7 +84,37 @@ class WorkerSettings(ServerSettings):
         None, "host:port the router and peers use to reach this worker (None: the bound address)"
     )
     router_address: str | None = setting(None, "router to register with (None: no registration)")
+    router_addresses: tuple[str, ...] = setting(
+        (),
+        "every router to register with, host:port each (comma-separated as a flag); "
+        "`router_address`, when set, is one more",
+    )
+    router_dns: str | None = setting(
+        None,
+        "host:port whose name resolves to every router (a Kubernetes headless Service): the "
+        "worker registers with each address, looked up again every 10 s (None: the lists only)",
+    )
     name: str = setting("", "stable worker name for the router (actor or pod name)")
+
+    @property
+    def routers(self) -> tuple[str, ...]:
+        """Every router this worker registers with: `router_address` (when set) first, then
+        `router_addresses`, each once, in order."""
+        listed = (self.router_address,) if self.router_address else ()
+        return tuple(dict.fromkeys((*listed, *self.router_addresses)))
+
+    def check(self) -> None:
+        """Raise SettingsError naming the first unusable field."""
+        ServerSettings.check(self)
+        named = [("router_dns", self.router_dns)] if self.router_dns else []
+        named += [
+            ("router_address" if a == self.router_address else "router_addresses", a)
+            for a in self.routers
+        ]
+        for key, address in named:
+            host, sep, port = address.rpartition(":")
+            if not host or not sep or not port.isdigit():
+                raise SettingsError(f"{key}: {address!r} is not host:port")
 
     def reachable_address(self, bound: str) -> str:
         """The address to register and hand to peers, for a server bound to `bound`."""
@@ -107,7 +140,7 @@ class ModelWorkerSettings(WorkerSettings):
 
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
-        ServerSettings.check(self)
+        WorkerSettings.check(self)
         _ = self.torch_dtype
         self.security.check()  # every worker needs the cluster token unless insecure
 
