@@ -101,7 +101,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         if request.HasField("prompt") and request.messages:
             raise InputError("prompt", "give either messages or a prompt, not both")
         messages = (
-            [] if request.HasField("prompt") else messages_from_proto(request.messages, limits)
+            []
+            if request.HasField("prompt")
+            else messages_from_proto(request.messages, limits, self.processor)
         )
         allow_special = self.settings.allow_special_tokens_in_text
         try:
@@ -278,7 +280,9 @@ async def serve(
     auth = Authenticator.from_settings(settings.security, api_keys=True)
     salt_key = settings.security.cluster_key("router")
     path = await asyncio.to_thread(checkpoint_path, settings.model)
-    processor = await asyncio.to_thread(Processor.from_pretrained, path)
+    processor = await asyncio.to_thread(
+        Processor.from_pretrained, path, image_cache_bytes=settings.processed_image_cache_mb << 20
+    )
     text = processor.config.text
     expected = settings.expected_model or await asyncio.to_thread(
         model_identity, path, processor.config
