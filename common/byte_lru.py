@@ -1,16 +1,24 @@
 """An LRU map under a byte budget: the one mechanism behind epd's in-memory caches.
 
 Eviction order: least recently used first, where `get` (a hit) and `put` both count as a
-use. An entry larger than the whole budget is not stored. Entries are never mutated by the
-map; callers may keep references to evicted values. Thread-safe (one lock per map), so a
-cache shared by worker threads (the router's processed images) and one touched from an
-event loop only (the encoder's rows) are the same class.
+use. Entries are never mutated by the map; callers may keep references to evicted values.
+Thread-safe (one lock per map), so a cache shared by worker threads (the router's
+processed images) and one touched from an event loop only (the encoder's rows) are the same
+class.
+
+Bytes are the memory the entries keep alive. An entry owns its bytes (`nbytes`) unless it
+names an `owner`: a buffer it is a view of, shared with other entries (the encoder's rows
+of one batch segment). An owner's `nbytes` count once while any entry naming it is stored,
+and are freed only when the last of them is evicted, so `bytes_used` is the memory held,
+never less. An entry whose bytes (or whose new owner's) exceed the whole budget is not
+stored.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
@@ -24,8 +32,22 @@ class Sized(Protocol):
 V = TypeVar("V", bound=Sized)
 
 
+def _owner(entry: object) -> Sized:
+    """What holds the entry's memory: its `owner` when it names one, else itself."""
+    owner = getattr(entry, "owner", None)
+    return owner if owner is not None else entry  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class _Held:
+    """An owner some stored entries name (kept, so its id stays its own)."""
+
+    owner: Sized
+    entries: int = 0  # stored entries naming it
+
+
 class ByteBudgetLru(Generic[V]):
-    """LRU map from bytes keys to `V`, bounded by `budget_bytes` of `V.nbytes`.
+    """LRU map from bytes keys to `V`, bounded by `budget_bytes` of memory held.
 
     Counters: `hits` and `lookups` (every `get`), `evictions`, `bytes_used`.
     """
@@ -34,11 +56,12 @@ class ByteBudgetLru(Generic[V]):
         if budget_bytes < 0:
             raise ValueError(f"cache budget must not be negative, got {budget_bytes}")
         self.budget_bytes = budget_bytes  # upper bound of bytes_used
-        self.bytes_used = 0  # sum of nbytes of the stored entries
+        self.bytes_used = 0  # bytes of the owners the stored entries keep alive
         self.hits = 0  # gets that found their key
         self.lookups = 0  # all gets
         self.evictions = 0  # entries dropped to make room
         self._entries: OrderedDict[bytes, V] = OrderedDict()  # LRU first
+        self._owners: dict[int, _Held] = {}  # id(owner) -> the owner and its entries
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -67,19 +90,37 @@ class ByteBudgetLru(Generic[V]):
     def put(self, key: bytes, entry: V) -> bool:
         """Store `entry` as most recently used, evicting LRU entries to fit the budget.
 
-        Returns False (and stores nothing) when the entry alone exceeds the budget.
+        Returns False (and stores nothing) when the entry's memory alone exceeds the budget.
         """
-        size = entry.nbytes
-        if size > self.budget_bytes:
-            return False
+        owner = _owner(entry)
         with self._lock:
+            if owner.nbytes > self.budget_bytes and id(owner) not in self._owners:
+                return False
             old = self._entries.pop(key, None)
             if old is not None:
-                self.bytes_used -= old.nbytes
-            while self._entries and self.bytes_used + size > self.budget_bytes:
+                self._drop(old)
+            while self._entries and self.bytes_used + self._cost(owner) > self.budget_bytes:
                 _, evicted = self._entries.popitem(last=False)
-                self.bytes_used -= evicted.nbytes
+                self._drop(evicted)
                 self.evictions += 1
+            if self.bytes_used + self._cost(owner) > self.budget_bytes:
+                return False  # only possible when the whole map was emptied above
+            held = self._owners.get(id(owner))
+            if held is None:
+                held = self._owners[id(owner)] = _Held(owner)
+                self.bytes_used += owner.nbytes
+            held.entries += 1
             self._entries[key] = entry
-            self.bytes_used += size
         return True
+
+    def _cost(self, owner: Sized) -> int:
+        """Bytes storing one more entry of `owner` adds (0 when it is already held)."""
+        return 0 if id(owner) in self._owners else owner.nbytes
+
+    def _drop(self, entry: V) -> None:
+        owner = _owner(entry)
+        held = self._owners[id(owner)]
+        held.entries -= 1
+        if held.entries == 0:
+            del self._owners[id(owner)]
+            self.bytes_used -= owner.nbytes

@@ -6,9 +6,12 @@ another video sharing them, hits). Values are the rows the vision tower made for
 (main rows plus the deepstack rows of every layer).
 
 Eviction order (`common.byte_lru`): least recently used first, where `get` (a hit) and
-`put` both count as a use. An entry larger than the whole budget is not stored. Entries are
-never mutated; callers may keep references to evicted tensors. Touched only from the
-server's event loop.
+`put` both count as a use. An entry larger than the whole budget is not stored. The units
+one request had encoded in one batch share one copied segment of the tower's output (one
+copy per request, not per unit; the batch output itself is never pinned): the cache counts
+a segment's bytes while any of its units is stored, so `bytes_used` is the memory held.
+Entries are never mutated; callers may keep references to evicted tensors. Touched only from
+the server's event loop.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import torch
 from common.byte_lru import ByteBudgetLru
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class EncodedRows:
-    """The tower's output for one cache key (an item or a partition)."""
+    """The tower's output for one cache key (an item or a partition), or for a segment of
+    a batch whose units' entries are views of it (their `owner`)."""
 
     rows: torch.Tensor  # (output_rows, out_hidden) main embedding rows
     deepstack: tuple[torch.Tensor, ...]  # per deepstack layer, same shape as `rows`
+    # The segment these tensors are views of (None: they own their memory); the cache
+    # counts its bytes once while any of its units is stored (`common.byte_lru`).
+    owner: EncodedRows | None = None
 
     @property
     def nbytes(self) -> int:

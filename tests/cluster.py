@@ -164,12 +164,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    module: str, args: list[str], log: Path, root: Path = ROOT
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            cwd=ROOT,
+            cwd=root,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -191,10 +193,12 @@ def start_cluster(
     encoders: int = 1,
     http: bool = False,
     timeout_s: float = 120.0,
+    root: Path = ROOT,
 ) -> Cluster:
     """Start router + `encoders` encoders + prefill + decode and wait until all registered
     (encoders after the first are named encoder-1, encoder-2, ...). `http`: the router also
-    serves its HTTP API on a free port (`Cluster.http_url`); off otherwise.
+    serves its HTTP API on a free port (`Cluster.http_url`); off otherwise. `root`: the
+    checkout whose code the processes run (another one's, e.g. a benchmark's baseline).
 
     Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
     nothing is left running then.
@@ -233,6 +237,7 @@ def start_cluster(
                 *router_args,
             ],
             router_log,
+            root,
         )
         deadline = time.monotonic() + timeout_s
         kv = ["--block-size", str(block_size), "--num-blocks", str(num_blocks)]
@@ -256,6 +261,7 @@ def start_cluster(
                     *worker_args[role],
                 ],
                 log_dir / f"{name}.log",
+                root,
             )
         bound = _wait_address(cluster, router_log, deadline)
         if bound != cluster.address:
