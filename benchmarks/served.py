@@ -76,13 +76,13 @@ async def one_run(
 
 async def run_served(args: argparse.Namespace) -> None:
     n, size = args.served, args.image_size
-    model = default_checkpoint(args.size)
+    model = args.model or default_checkpoint(args.size)
     sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     roots = {"this": ROOT}
     if args.baseline is not None:
         roots["baseline"] = args.baseline.resolve()
     seeds = itertools.count(1_000_000)
-    print(f"checkpoint {model} ({args.size}); {n} requests x {size}px, {args.tokens} tokens, ")
+    print(f"checkpoint {model}; {n} requests x {size}px, {args.tokens} tokens,")
     print(f"concurrency {args.concurrency}; deployments: {roots}")
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="epd-served-") as logs:

@@ -43,6 +43,7 @@ class _Held:
     """An owner some stored entries name (kept, so its id stays its own)."""
 
     owner: Sized
+    nbytes: int  # the owner's bytes, counted in bytes_used while entries > 0
     entries: int = 0  # stored entries naming it
 
 
@@ -93,29 +94,25 @@ class ByteBudgetLru(Generic[V]):
         Returns False (and stores nothing) when the entry's memory alone exceeds the budget.
         """
         owner = _owner(entry)
+        size = owner.nbytes
         with self._lock:
-            if owner.nbytes > self.budget_bytes and id(owner) not in self._owners:
+            held = self._owners.get(id(owner))
+            if held is None and size > self.budget_bytes:
                 return False
             old = self._entries.pop(key, None)
             if old is not None:
                 self._drop(old)
-            while self._entries and self.bytes_used + self._cost(owner) > self.budget_bytes:
+                held = self._owners.get(id(owner))
+            while self._entries and held is None and self.bytes_used + size > self.budget_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self._drop(evicted)
                 self.evictions += 1
-            if self.bytes_used + self._cost(owner) > self.budget_bytes:
-                return False  # only possible when the whole map was emptied above
-            held = self._owners.get(id(owner))
             if held is None:
-                held = self._owners[id(owner)] = _Held(owner)
-                self.bytes_used += owner.nbytes
+                held = self._owners[id(owner)] = _Held(owner, size)
+                self.bytes_used += size
             held.entries += 1
             self._entries[key] = entry
         return True
-
-    def _cost(self, owner: Sized) -> int:
-        """Bytes storing one more entry of `owner` adds (0 when it is already held)."""
-        return 0 if id(owner) in self._owners else owner.nbytes
 
     def _drop(self, entry: V) -> None:
         owner = _owner(entry)
@@ -123,4 +120,4 @@ class ByteBudgetLru(Generic[V]):
         held.entries -= 1
         if held.entries == 0:
             del self._owners[id(owner)]
-            self.bytes_used -= owner.nbytes
+            self.bytes_used -= held.nbytes
