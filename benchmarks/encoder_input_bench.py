@@ -18,20 +18,28 @@ Separately (not part of the reference's figure): `parse_request` of the same req
 their protobuf form, which decodes the patch rows and recomputes every content hash (the
 encoder trusts no caller's hash, DESIGN §7).
 
-Reference (the seed's report, 64 requests x 8 items): 0.50 ms contiguous, 0.95 ms reordered,
-3.17 ms alternating. Medians of `--reps` runs, each on a fresh cache (every unit a miss).
+Times are CPU seconds of this process (`time.process_time`, every thread: the event loop and
+the forward thread), not wall time, so other processes' load on a shared machine does not
+count as preparation; `torch.set_num_threads(1)`. Reference (the seed's report, 64 requests
+x 8 items): 0.50 ms contiguous, 0.95 ms reordered, 3.17 ms alternating. Medians of
+`--reps` runs, each on a fresh cache (every unit a miss).
+With `--baseline DIR` (a checkout of the landed commit) its `encoder_worker/engine.py` runs
+interleaved with this one's on the same jobs, and the ratio is printed.
 
     .venv/bin/python benchmarks/encoder_input_bench.py [--requests 64] [--reps 30]
+        [--baseline /tmp/landed]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,6 +112,29 @@ def encode_request(
     return request
 
 
+def _load(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline_engine(folder: Path) -> tuple[Any, Any]:
+    """`EncoderEngine` and `EncoderCache` of another checkout's `encoder_worker/engine.py`
+    and `cache.py` (its engine imports its own cache while it loads; request types are
+    this checkout's, which did not change)."""
+    cache = _load("baseline_cache", folder / "encoder_worker" / "cache.py")
+    ours = sys.modules["encoder_worker.cache"]
+    sys.modules["encoder_worker.cache"] = cache
+    try:
+        engine = _load("baseline_engine", folder / "encoder_worker" / "engine.py")
+    finally:
+        sys.modules["encoder_worker.cache"] = ours
+    return engine.EncoderEngine, cache.EncoderCache
+
+
 async def prepare(engine: EncoderEngine, jobs: list[list[ItemJob]]) -> list[list[torch.Tensor]]:
     outputs = await asyncio.gather(*(engine.encode(j) for j in jobs))
     return [[o.rows.rows for o in out] for out in outputs]
@@ -114,6 +145,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--grid", type=int, default=4, help="h = w patches of an item")
+    parser.add_argument("--baseline", type=Path, help="checkout whose engine to compare")
     args = parser.parse_args()
     torch.set_num_threads(1)
     # Small patches: the figure is the preparation's, not a memcpy of large pixel rows.
@@ -134,42 +166,52 @@ def main() -> None:
     jobs = {s: [parse_request(r, vision, FINGERPRINT) for r in rs] for s, rs in requests.items()}
     max_rows = sum(u.output_rows for js in jobs["alternating"] for j in js for u in j.units)
     tower = NoTower(vision, max_rows * vision.merge_unit, 3)
-    times: dict[str, list[float]] = {s: [] for s in shapes}
+    engines: dict[str, tuple[Any, Any]] = {"epd": (EncoderEngine, EncoderCache)}
+    if args.baseline is not None:
+        engines["baseline"] = baseline_engine(args.baseline)
+    times: dict[tuple[str, str], list[float]] = {(e, s): [] for e in engines for s in shapes}
     parse: dict[str, list[float]] = {s: [] for s in shapes}
 
     async def loop() -> None:
         for rep in range(args.reps + 1):
             for s in shapes:
-                engine = EncoderEngine(
-                    tower,  # type: ignore[arg-type]  # no compute: the tower is excluded
-                    EncoderCache(1 << 34),
-                    batch_window_s=0.0,
-                    max_batch_rows=1 << 30,
-                )
-                start = time.perf_counter()
-                await prepare(engine, jobs[s])
-                elapsed = time.perf_counter() - start
-                await engine.close()
-                start = time.perf_counter()
+                for name, (engine_cls, cache_cls) in engines.items():
+                    engine = engine_cls(
+                        tower,  # no compute: the tower is excluded
+                        cache_cls(1 << 34),
+                        batch_window_s=0.0,
+                        max_batch_rows=1 << 30,
+                    )
+                    start = time.process_time()
+                    await prepare(engine, jobs[s])
+                    elapsed = time.process_time() - start
+                    await engine.close()
+                    if rep:  # the first round warms up
+                        times[(name, s)].append(elapsed)
+                start = time.process_time()
                 for r in requests[s]:
                     parse_request(r, vision, FINGERPRINT)
-                parsed = time.perf_counter() - start
-                if rep:  # the first round warms up
-                    times[s].append(elapsed)
-                    parse[s].append(parsed)
+                if rep:
+                    parse[s].append(time.process_time() - start)
 
     asyncio.run(loop())
     print(
         f"{args.requests} requests x 8 items, grid (t, {args.grid}, {args.grid}), "
         f"medians of {args.reps}:"
     )
-    print(f"  {'shape':12s} {'epd ms':>8s} {'reference':>10s} {'epd/ref':>8s} {'parse ms':>9s}")
+    base = "baseline" in engines
+    print(
+        f"  {'shape':12s} {'epd ms':>8s} {'reference':>10s} {'epd/ref':>8s}"
+        + (f" {'landed ms':>10s} {'landed/epd':>10s}" if base else "")
+        + f" {'parse ms':>9s}"
+    )
     for s in shapes:
-        ms = statistics.median(times[s]) * 1e3
-        print(
-            f"  {s:12s} {ms:8.3f} {REFERENCE_MS[s]:10.2f} {ms / REFERENCE_MS[s]:7.2f}x "
-            f"{statistics.median(parse[s]) * 1e3:9.2f}"
-        )
+        ms = statistics.median(times[("epd", s)]) * 1e3
+        line = f"  {s:12s} {ms:8.3f} {REFERENCE_MS[s]:10.2f} {ms / REFERENCE_MS[s]:7.2f}x"
+        if base:
+            landed = statistics.median(times[("baseline", s)]) * 1e3
+            line += f" {landed:10.3f} {landed / ms:9.2f}x"
+        print(line + f" {statistics.median(parse[s]) * 1e3:9.2f}")
 
 
 if __name__ == "__main__":

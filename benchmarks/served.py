@@ -19,6 +19,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from PIL import Image
 
 from common.models.tiny import default_checkpoint
 from common.sampling import SamplingParams
-from epd.client import Client
+from epd.client import Client, Result
 from tests.cluster import ROOT, Cluster, start_cluster
 
 _TEXT = (
@@ -57,21 +58,39 @@ def messages(image: bytes, k: int) -> list[dict[str, Any]]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One run's throughput and where a request's time went (medians over requests)."""
+
+    rps: float  # requests per second
+    ttft_s: float  # send -> first token (processing, encode, prefill)
+    pull_s: float  # first token -> first decode chunk (KV pull, admission)
+    decode_s: float  # first decode chunk -> end of stream
+
+
 async def one_run(
     client: Client, prompts: list[list[dict[str, Any]]], sampling: SamplingParams, inflight: int
-) -> tuple[float, float]:
-    """(req/s, TTFT p50 seconds) of `prompts` at `inflight` concurrent requests."""
+) -> Run:
+    """`prompts` at `inflight` concurrent requests."""
     gate = asyncio.Semaphore(inflight)
-    ttfts: list[float] = []
+    results: list[Result] = []
 
     async def send(prompt: list[dict[str, Any]]) -> None:
         async with gate:
-            result = await client.generate_text(prompt, sampling)
-            ttfts.append(result.ttft_s)
+            results.append(await client.generate_text(prompt, sampling))
 
     start = time.perf_counter()
     await asyncio.gather(*(send(p) for p in prompts))
-    return len(prompts) / (time.perf_counter() - start), statistics.median(ttfts)
+    elapsed = time.perf_counter() - start
+    times = [r.token_times_s for r in results if len(r.token_times_s) > 1]
+    return Run(
+        len(prompts) / elapsed,
+        statistics.median(r.ttft_s for r in results),
+        statistics.median(t[1] - t[0] for t in times) if times else float("nan"),
+        statistics.median(r.total_s - t[1] for r, t in zip(results, times, strict=False))
+        if times
+        else float("nan"),
+    )
 
 
 async def run_served(args: argparse.Namespace) -> None:
@@ -84,7 +103,7 @@ async def run_served(args: argparse.Namespace) -> None:
     seeds = itertools.count(1_000_000)
     print(f"checkpoint {model}; {n} requests x {size}px, {args.tokens} tokens,")
     print(f"concurrency {args.concurrency}; deployments: {roots}")
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, str], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="epd-served-") as logs:
         clusters: dict[str, Cluster] = {}
         try:
@@ -113,7 +132,7 @@ async def run_served(args: argparse.Namespace) -> None:
                         prompts = [messages(images[k % distinct], k) for k in range(n)]
                         got = await one_run(clients[name], prompts, sampling, args.concurrency)
                         results.setdefault((name, kind), []).append(got)
-                        print(f"  round {r} {name:8s} {kind:8s} {got[0]:6.2f} req/s", flush=True)
+                        print(f"  round {r} {name:8s} {kind:8s} {got.rps:6.2f} req/s", flush=True)
             for client in clients.values():
                 await client.close()
         finally:
@@ -122,22 +141,23 @@ async def run_served(args: argparse.Namespace) -> None:
     report(results, list(roots))
 
 
-def report(results: dict[tuple[str, str], list[tuple[float, float]]], names: list[str]) -> None:
-    def rps(name: str, kind: str) -> float:
-        return statistics.median(r for r, _ in results[(name, kind)])
+def report(results: dict[tuple[str, str], list[Run]], names: list[str]) -> None:
+    def med(name: str, kind: str, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in results[(name, kind)])
 
-    def ttft(name: str, kind: str) -> float:
-        return statistics.median(t for _, t in results[(name, kind)])
-
-    print("\nmedians over rounds:")
-    print(f"  {'code':10s} {'images':9s} {'req/s':>7s} {'TTFT p50':>10s}")
+    print("\nmedians over rounds (per request: TTFT, first token -> first decode chunk, rest):")
+    print(f"  {'code':10s} {'images':9s} {'req/s':>7s} {'TTFT':>9s} {'pull':>9s} {'decode':>9s}")
     for name in names:
         for kind in ("distinct", "repeated"):
-            print(f"  {name:10s} {kind:9s} {rps(name, kind):7.2f} {ttft(name, kind) * 1e3:8.1f} ms")
+            ms = [med(name, kind, f) * 1e3 for f in ("ttft_s", "pull_s", "decode_s")]
+            print(
+                f"  {name:10s} {kind:9s} {med(name, kind, 'rps'):7.2f} "
+                + " ".join(f"{v:6.0f} ms" for v in ms)
+            )
     for name in names:
-        ratio = rps(name, "repeated") / rps(name, "distinct")
+        ratio = med(name, "repeated", "rps") / med(name, "distinct", "rps")
         print(f"  {name}: repeated / distinct req/s {ratio:.2f}x")
     if "baseline" in names:
         for kind in ("distinct", "repeated"):
-            ratio = rps("this", kind) / rps("baseline", kind)
+            ratio = med("this", kind, "rps") / med("baseline", kind, "rps")
             print(f"  this / baseline, {kind} req/s {ratio:.2f}x")

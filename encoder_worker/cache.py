@@ -16,6 +16,7 @@ the server's event loop.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,18 +27,37 @@ from common.byte_lru import ByteBudgetLru
 @dataclass(frozen=True, slots=True, eq=False)
 class EncodedRows:
     """The tower's output for one cache key (an item or a partition), or for a segment of
-    a batch whose units' entries are views of it (their `owner`)."""
+    a batch whose units' entries are views of it (their `owner`).
 
-    rows: torch.Tensor  # (output_rows, out_hidden) main embedding rows
-    deepstack: tuple[torch.Tensor, ...]  # per deepstack layer, same shape as `rows`
-    # The segment these tensors are views of (None: they own their memory); the cache
-    # counts its bytes once while any of its units is stored (`common.byte_lru`).
+    One tensor holds the main rows and every deepstack layer's (they have the same shape),
+    so slicing, copying and joining an output is one tensor operation, not one per layer.
+    """
+
+    # (1 + deepstack layers, output_rows, out_hidden): the main rows, then each layer's
+    stacked: torch.Tensor
+    # The segment `stacked` is a view of (None: it owns its memory); the cache counts the
+    # segment's bytes once while any of its units is stored (`common.byte_lru`).
     owner: EncodedRows | None = None
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, deepstack: Sequence[torch.Tensor]) -> EncodedRows:
+        """Rows and deepstack layers (each `(output_rows, out_hidden)`) stacked (a copy)."""
+        return cls(torch.stack([rows, *deepstack]))
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """`(output_rows, out_hidden)` main embedding rows."""
+        return self.stacked[0]
+
+    @property
+    def deepstack(self) -> tuple[torch.Tensor, ...]:
+        """Per deepstack layer, rows of the same shape as `rows`."""
+        return tuple(self.stacked[1:].unbind(0))
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all the tensors."""
-        return sum(t.numel() * t.element_size() for t in (self.rows, *self.deepstack))
+        """Bytes of the rows (main and deepstack)."""
+        return self.stacked.numel() * self.stacked.element_size()
 
 
 class EncoderCache(ByteBudgetLru[EncodedRows]):

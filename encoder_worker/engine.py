@@ -230,26 +230,23 @@ class EncoderEngine:
             self.forward_calls += 1
             rows, deepstack = self.tower.encode(pixels, grids, per_frame=per_frame)
             tensors = (rows, *deepstack)
-            sizes = [sum(u.output_rows for u in seg) for _, seg in segments]
-            # One copy per entry (its segment), never a view of the whole batch output.
-            split = [t.split(sizes) for t in tensors]
-            for j, (i, seg) in enumerate(segments):
-                copied = [parts[j].clone() for parts in split]
-                owner = EncodedRows(copied[0], tuple(copied[1:]))
+            start = 0
+            for i, seg in segments:
+                # One copy per entry (its segment, main and deepstack rows stacked), never a
+                # view of the whole batch output.
+                n = sum(u.output_rows for u in seg)
+                owner = EncodedRows(torch.stack([t.narrow(0, start, n) for t in tensors]))
+                start += n
                 if len(seg) == 1:
                     results[i][seg[0].key] = owner
                     continue
-                per_unit = [t.split([u.output_rows for u in seg]) for t in copied]
-                for k, unit in enumerate(seg):
-                    results[i][unit.key] = EncodedRows(
-                        per_unit[0][k], tuple(p[k] for p in per_unit[1:]), owner
-                    )
+                views = owner.stacked.split([u.output_rows for u in seg], dim=1)
+                for unit, view in zip(seg, views, strict=True):
+                    results[i][unit.key] = EncodedRows(view, owner)
         return results
 
 
 def _concat(parts: list[EncodedRows]) -> EncodedRows:
     if len(parts) == 1:
         return parts[0]
-    rows = torch.cat([p.rows for p in parts])
-    deepstack = tuple(torch.cat(layer) for layer in zip(*(p.deepstack for p in parts), strict=True))
-    return EncodedRows(rows, deepstack)
+    return EncodedRows(torch.cat([p.stacked for p in parts], dim=1))

@@ -164,9 +164,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(
-    module: str, args: list[str], log: Path, root: Path = ROOT
-) -> subprocess.Popen[bytes]:
+def _spawn(module: str, args: list[str], log: Path, root: Path = ROOT) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
         return subprocess.Popen(

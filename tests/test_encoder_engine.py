@@ -96,13 +96,13 @@ def hand_encode(tower: VisionTower, jobs: list[ItemJob]) -> dict[bytes, EncodedR
         sizes = [u.output_rows for u in chosen]
         split_deep = [d.split(sizes) for d in deep]
         for k, (unit, r) in enumerate(zip(chosen, rows.split(sizes), strict=True)):
-            out[unit.key] = EncodedRows(r, tuple(d[k] for d in split_deep))
+            out[unit.key] = EncodedRows.of(r, tuple(d[k] for d in split_deep))
     return out
 
 
 def expected_rows(job: ItemJob, by_key: dict[bytes, EncodedRows]) -> EncodedRows:
     parts = [by_key[u.key] for u in job.units]
-    return EncodedRows(
+    return EncodedRows.of(
         torch.cat([p.rows for p in parts]),
         tuple(torch.cat(layer) for layer in zip(*(p.deepstack for p in parts), strict=True)),
     )
@@ -162,18 +162,18 @@ async def test_concurrent_requests_join_and_split_batches(
 
 
 def test_shared_segment_counts_once_and_frees_with_its_last_unit() -> None:
-    segment = EncodedRows(torch.zeros(6, 4), (torch.zeros(6, 4),))  # 192 bytes
-    views = [segment.rows.split(2), segment.deepstack[0].split(2)]
-    units = [EncodedRows(views[0][k], (views[1][k],), segment) for k in range(3)]
+    segment = EncodedRows.of(torch.zeros(6, 4), (torch.zeros(6, 4),))  # 192 bytes
+    views = segment.stacked.split(2, dim=1)
+    units = [EncodedRows(views[k], segment) for k in range(3)]
     cache = EncoderCache(budget_bytes=300)
     for k, unit in enumerate(units):
         assert cache.put(bytes([k]), unit)
     assert cache.bytes_used == segment.nbytes == 192
-    assert cache.put(b"own", EncodedRows(torch.zeros(1, 4), (torch.zeros(1, 4),)))  # 32
+    assert cache.put(b"own", EncodedRows.of(torch.zeros(1, 4), (torch.zeros(1, 4),)))  # 32
     assert cache.bytes_used == 224
     # 96 more bytes do not fit: evicting units 0 and 1 frees nothing (unit 2 still holds
     # the segment), evicting unit 2 frees its 192 bytes.
-    assert cache.put(b"new", EncodedRows(torch.zeros(3, 4), (torch.zeros(3, 4),)))
+    assert cache.put(b"new", EncodedRows.of(torch.zeros(3, 4), (torch.zeros(3, 4),)))
     assert cache.keys() == [b"own", b"new"] and cache.evictions == 3
     assert cache.bytes_used == 32 + 96
-    assert not cache.put(b"big", EncodedRows(torch.zeros(10, 4), (torch.zeros(10, 4),)))
+    assert not cache.put(b"big", EncodedRows.of(torch.zeros(10, 4), (torch.zeros(10, 4),)))
