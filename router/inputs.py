@@ -106,16 +106,18 @@ def messages_from_proto(
     messages: Any,  # RepeatedCompositeFieldContainer[ChatMessage]
     limits: InputLimits | None = None,
     processor: Processor | None = None,
+    cache_salt: str | None = None,
 ) -> tuple[Message, ...]:
     """The typed chat, media decoded to PIL images; `InputError` naming the field.
 
     Every limit is checked, for the whole request, before any image is decoded. With a
     `processor` that has an `image_cache`, an image part becomes a `KeyedImage` (its bytes
     and their cache key), decoded only when the cache does not hold that key: bytes the
-    processor has already processed were decodable then, so they are not decoded again."""
+    processor has already processed were decodable then, so they are not decoded again.
+    The key covers `cache_salt` (the tenant's): tenants never share entries."""
     if not messages:
         raise InputError("messages", "is empty")
-    reader = _Reader(limits or InputLimits(), processor)
+    reader = _Reader(limits or InputLimits(), processor, cache_salt)
     try:
         chat: list[tuple[str, list[Part | _FileVideo]]] = []
         for i, message in enumerate(messages):
@@ -156,8 +158,11 @@ class _FileVideo:
 class _Reader:
     """One request's parts, read under its limits; images opened, decoded only later."""
 
-    def __init__(self, limits: InputLimits, processor: Processor | None = None) -> None:
+    def __init__(
+        self, limits: InputLimits, processor: Processor | None = None, salt: str | None = None
+    ) -> None:
         self.limits = limits
+        self.salt = salt  # the request's cache salt, part of every processed-image key
         # Keys images for the processor's processed-image cache (None: no cache).
         self.processor = (
             processor if processor is not None and processor.image_cache is not None else None
@@ -186,7 +191,7 @@ class _Reader:
         if processor is None:
             return self.image(data, field)
         image = open_image(data, field, self.limits, self.budget)
-        key = processor.image_key(data)
+        key = processor.image_key(data, self.salt)
         assert processor.image_cache is not None
         if key in processor.image_cache:
             image.close()

@@ -138,3 +138,14 @@ def test_budget_bounds_the_cache() -> None:
     assert not cache.put(b"x" * 32, entry(64))
     with pytest.raises(ValueError, match="negative"):
         ProcessedImageCache(-1)
+
+
+def test_tenants_never_share_entries(cached: Processor) -> None:
+    data = png(7)
+    cached.process(messages_from_proto(request(data).messages, processor=cached, cache_salt="a"))
+    assert cached.image_key(data, "a") != cached.image_key(data, "b") != cached.image_key(data)
+    for salt, hit in (("a", True), ("b", False), (None, False)):
+        chat = messages_from_proto(request(data).messages, processor=cached, cache_salt=salt)
+        (part,) = [p for p in chat[0].content if isinstance(p, ImagePart)]
+        assert isinstance(part.data, KeyedImage)
+        assert (part.data.image is None) == hit

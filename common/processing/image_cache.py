@@ -8,7 +8,9 @@ fingerprint (`ProcessorSettings.fingerprint()`: patch, merge and temporal sizes,
 pixels, mean/std, ...) and the encoded bytes, so a hit is exact: same bytes under the same
 settings give the same patch rows, bit for bit, and the same content hash (DESIGN §2). It
 never keys by the content hash a caller claims, nor by anything cheaper than a
-cryptographic digest of every byte.
+cryptographic digest of every byte. The router adds the request's cache salt (derived from
+the tenant) to the key, so one tenant cannot learn from a faster answer that another sent
+the same image (DESIGN §7), as the encoder and KV caches are salted.
 
 Bounded: least recently used entries are dropped once the patch rows held exceed
 `budget_bytes` (an entry larger than the budget is not stored; 0 stores nothing). Entries
@@ -44,10 +46,11 @@ class ProcessedImage:
         return int(self.patches.nbytes)
 
 
-def image_key(fingerprint: bytes, data: bytes) -> bytes:
-    """The cache key of encoded image `data` under processor settings `fingerprint`."""
+def image_key(fingerprint: bytes, data: bytes, salt: str | None = None) -> bytes:
+    """The cache key of encoded image `data` under processor settings `fingerprint`, for
+    the tenant whose cache salt is `salt` (None: none)."""
     h = hashlib.blake2b(digest_size=32)
-    for chunk in (_KEY_TAG, fingerprint):
+    for chunk in (_KEY_TAG, fingerprint, b"" if salt is None else b"\x01" + salt.encode()):
         h.update(len(chunk).to_bytes(8, "little"))
         h.update(chunk)
     h.update(data)

@@ -149,9 +149,10 @@ class Processor:
             image_cache=cache,
         )
 
-    def image_key(self, data: bytes) -> bytes:
-        """The processed-image cache key of encoded image bytes under these settings."""
-        return image_key(self._fingerprint, data)
+    def image_key(self, data: bytes, salt: str | None = None) -> bytes:
+        """The processed-image cache key of encoded image bytes under these settings, for
+        the cache salt `salt` (a tenant's; None: none)."""
+        return image_key(self._fingerprint, data, salt)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
