@@ -140,6 +140,16 @@ async def prepare(engine: EncoderEngine, jobs: list[list[ItemJob]]) -> list[list
     return [[o.rows.rows for o in out] for out in outputs]
 
 
+async def _nothing(jobs: list[ItemJob]) -> list[ItemJob]:
+    return jobs
+
+
+async def fan_out(jobs: list[list[ItemJob]]) -> None:
+    """The harness alone: `len(jobs)` concurrent calls that do nothing (as many tasks as
+    concurrent Encode RPCs would make), to read the engine's share of the figures."""
+    await asyncio.gather(*(_nothing(j) for j in jobs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
@@ -171,6 +181,7 @@ def main() -> None:
         engines["baseline"] = baseline_engine(args.baseline)
     times: dict[tuple[str, str], list[float]] = {(e, s): [] for e in engines for s in shapes}
     parse: dict[str, list[float]] = {s: [] for s in shapes}
+    harness: list[float] = []
 
     async def loop() -> None:
         for rep in range(args.reps + 1):
@@ -193,6 +204,10 @@ def main() -> None:
                     parse_request(r, vision, FINGERPRINT)
                 if rep:
                     parse[s].append(time.process_time() - start)
+                start = time.process_time()
+                await fan_out(jobs[s])
+                if rep:
+                    harness.append(time.process_time() - start)
 
     asyncio.run(loop())
     print(
@@ -212,6 +227,10 @@ def main() -> None:
             landed = statistics.median(times[("baseline", s)]) * 1e3
             line += f" {landed:10.3f} {landed / ms:9.2f}x"
         print(line + f" {statistics.median(parse[s]) * 1e3:9.2f}")
+    print(
+        f"  of which the harness ({args.requests} concurrent calls doing nothing): "
+        f"{statistics.median(harness) * 1e3:.3f} ms"
+    )
 
 
 if __name__ == "__main__":
