@@ -12,10 +12,15 @@ between them; `tests/cluster.py`) and an in-process `Engine` on the same checkpo
 2. Warm vs cold TTFT for the same video with a new question (E/P/D): per video, a cold
    request (encoder and prefix caches miss) and then the same video with another question
    (encoder cache hit, prefill reuses the video's blocks).
+3. Served throughput (`--served`, see `served.py`): req/s and TTFT p50 of `--served`
+   requests at concurrency 8, each one image + ~30 words, with distinct images and with
+   images repeated 4 times, interleaved, on this checkout and (`--baseline DIR`, a
+   `git worktree` of the landed commit) on another one's code, in the same run.
 
 Prints medians and ratios.
 
     .venv/bin/python benchmarks/epd_bench.py [--size bench|tiny] [--requests 6] [--tokens 24]
+    .venv/bin/python benchmarks/epd_bench.py --served 48 --baseline /tmp/landed [--rounds 3]
 """
 
 from __future__ import annotations
@@ -164,11 +169,25 @@ async def run(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("bench", "tiny"), default="bench")
+    parser.add_argument(
+        "--served", type=int, default=0, help="served throughput only: requests per run"
+    )
+    parser.add_argument("--baseline", type=Path, help="checkout to compare (--served)")
+    parser.add_argument("--model", type=Path, help="checkpoint folder (--served; default --size)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--served)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--image-size", type=int, default=224, help="image side (--served)")
     parser.add_argument("--requests", type=int, default=6, help="image requests per side")
     parser.add_argument("--tokens", type=int, default=24, help="tokens per request")
     parser.add_argument("--videos", type=int, default=4, help="videos for warm vs cold")
     parser.add_argument("--frames", type=int, default=16, help="frames per video")
-    asyncio.run(run(parser.parse_args()))
+    args = parser.parse_args()
+    if args.served:
+        from served import run_served
+
+        asyncio.run(run_served(args))
+    else:
+        asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
 from common.errors import FieldError
+from common.processing.image import KeyedImage
 from common.processing.limits import (
     InputLimits,
     LimitError,
@@ -40,6 +41,9 @@ from common.processing.limits import (
 from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
 from common.processing.video_file import VideoFile, open_video
 from epd.v1 import router_service_pb2
+
+if TYPE_CHECKING:
+    from common.processing.processor import Processor
 
 # A decompression bomb is refused rather than decoded (when no limit is set).
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -101,13 +105,19 @@ def decode_image(data: bytes, field: str, limits: InputLimits | None = None) -> 
 def messages_from_proto(
     messages: Any,  # RepeatedCompositeFieldContainer[ChatMessage]
     limits: InputLimits | None = None,
+    processor: Processor | None = None,
+    cache_salt: str | None = None,
 ) -> tuple[Message, ...]:
     """The typed chat, media decoded to PIL images; `InputError` naming the field.
 
-    Every limit is checked, for the whole request, before any image is decoded."""
+    Every limit is checked, for the whole request, before any image is decoded. With a
+    `processor` that has an `image_cache`, an image part becomes a `KeyedImage` (its bytes
+    and their cache key), decoded only when the cache does not hold that key: bytes the
+    processor has already processed were decodable then, so they are not decoded again.
+    The key covers `cache_salt` (the tenant's): tenants never share entries."""
     if not messages:
         raise InputError("messages", "is empty")
-    reader = _Reader(limits or InputLimits())
+    reader = _Reader(limits or InputLimits(), processor, cache_salt)
     try:
         chat: list[tuple[str, list[Part | _FileVideo]]] = []
         for i, message in enumerate(messages):
@@ -148,8 +158,15 @@ class _FileVideo:
 class _Reader:
     """One request's parts, read under its limits; images opened, decoded only later."""
 
-    def __init__(self, limits: InputLimits) -> None:
+    def __init__(
+        self, limits: InputLimits, processor: Processor | None = None, salt: str | None = None
+    ) -> None:
         self.limits = limits
+        self.salt = salt  # the request's cache salt, part of every processed-image key
+        # Keys images for the processor's processed-image cache (None: no cache).
+        self.processor = (
+            processor if processor is not None and processor.image_cache is not None else None
+        )
         self.budget = MediaBudget(limits)
         self.text_bytes = 0  # UTF-8 bytes of the roles and text parts so far
         self.opened: list[tuple[Image.Image, str]] = []  # images to decode, with their fields
@@ -167,6 +184,21 @@ class _Reader:
         self.opened.append((image, field))
         return image
 
+    def still(self, data: bytes, field: str) -> Image.Image | KeyedImage:
+        """An image part: opened and checked as any image, then keyed for the processor's
+        cache; not decoded when the cache holds it (see `messages_from_proto`)."""
+        processor = self.processor
+        if processor is None:
+            return self.image(data, field)
+        image = open_image(data, field, self.limits, self.budget)
+        key = processor.image_key(data, self.salt)
+        assert processor.image_cache is not None
+        if key in processor.image_cache:
+            image.close()
+            return KeyedImage(data, key)
+        self.opened.append((image, field))
+        return KeyedImage(data, key, image)
+
     def part(self, part: router_service_pb2.ContentPart, where: str) -> Part | _FileVideo:
         kind = part.WhichOneof("content")
         if kind == "text":
@@ -174,7 +206,7 @@ class _Reader:
             return TextPart(part.text)
         if kind == "image":
             return ImagePart(
-                self.image(part.image.data, f"{where}.image.data"),
+                self.still(part.image.data, f"{where}.image.data"),
                 uuid=part.image.uuid if part.image.HasField("uuid") else None,
             )
         if kind == "video":

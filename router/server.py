@@ -91,7 +91,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.auth = auth  # who is calling (None: insecure, no tenants)
         self.salt_key = salt_key  # the cluster key tenant salts are derived under
 
-    def _prepare(self, request: router_service_pb2.GenerateRequest) -> tuple[Any, ProcessedPrompt]:
+    def _prepare(
+        self, request: router_service_pb2.GenerateRequest, cache_salt: str | None = None
+    ) -> tuple[Any, ProcessedPrompt]:
         """Check and process one request (a worker thread); InputError naming the field.
 
         Every limit (`RouterSettings.input_limits`) is checked before the work it bounds:
@@ -106,7 +108,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         if request.HasField("prompt") and request.messages:
             raise InputError("prompt", "give either messages or a prompt, not both")
         messages = (
-            [] if request.HasField("prompt") else messages_from_proto(request.messages, limits)
+            []
+            if request.HasField("prompt")
+            else messages_from_proto(request.messages, limits, self.processor, cache_salt)
         )
         allow_special = self.settings.allow_special_tokens_in_text
         try:
@@ -138,9 +142,14 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         Generate and the HTTP API (`router.http`) both run this."""
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
+        cache_salt = tenant_salt(
+            self.salt_key,
+            caller.tenant,
+            request.cache_salt if request.HasField("cache_salt") else None,
+        )
         async with self.lifecycle.track():
             try:
-                sampling, prompt = await asyncio.to_thread(self._prepare, request)
+                sampling, prompt = await asyncio.to_thread(self._prepare, request, cache_salt)
                 check_stop(request.stop)
             except (InputError, FieldError) as exc:
                 logger.info("request %s rejected: %s", request_id, exc)
@@ -154,11 +163,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 request_id=request_id,
                 prompt=prompt,
                 sampling=sampling,
-                cache_salt=tenant_salt(
-                    self.salt_key,
-                    caller.tenant,
-                    request.cache_salt if request.HasField("cache_salt") else None,
-                ),
+                cache_salt=cache_salt,
                 deadline=started + budget,
             )
             tokens = 0
@@ -291,7 +296,9 @@ async def serve(
     auth = Authenticator.from_settings(settings.security, api_keys=True)
     salt_key = settings.security.cluster_key("router")
     path = await asyncio.to_thread(checkpoint_path, settings.model)
-    processor = await asyncio.to_thread(Processor.from_pretrained, path)
+    processor = await asyncio.to_thread(
+        Processor.from_pretrained, path, image_cache_bytes=settings.processed_image_cache_mb << 20
+    )
     text = processor.config.text
     expected = settings.expected_model or await asyncio.to_thread(
         model_identity, path, processor.config

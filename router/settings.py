@@ -127,6 +127,12 @@ class RouterSettings(ServerSettings):
         "included) before it is refused with RESOURCE_EXHAUSTED and a back-off hint",
     )
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
+    processed_image_cache_mb: int = setting(
+        256,
+        "MiB of patch rows the router keeps for images it processed, keyed by a digest of "
+        "the encoded bytes and the processor settings, so a repeated image is not decoded, "
+        "resized and hashed again (0: off)",
+    )
 
     def nth(self, index: int) -> RouterSettings:
         """The settings of router `index` (0: these) of several started together
@@ -152,6 +158,7 @@ class RouterSettings(ServerSettings):
             "max_video_file_bytes",
             "max_video_seconds",
             "http_fetch_max_bytes",
+            "processed_image_cache_mb",
         ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must not be negative")

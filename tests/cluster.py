@@ -182,12 +182,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(module: str, args: list[str], log: Path, root: Path = ROOT) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            cwd=ROOT,
+            cwd=root,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -210,12 +210,14 @@ def start_cluster(
     http: bool = False,
     timeout_s: float = 120.0,
     routers: int = 1,
+    root: Path = ROOT,
 ) -> Cluster:
     """Start router + `encoders` encoders + prefill + decode and wait until all registered
     (encoders after the first are named encoder-1, encoder-2, ...). `http`: the router also
     serves its HTTP API on a free port (`Cluster.http_url`); off otherwise. `routers`: that
     many routers (router, router-1, ...; `Cluster.router_addresses`), every worker registered
-    with all of them.
+    with all of them. `root`: the checkout whose code the processes run (another one's, e.g.
+    a benchmark's baseline).
 
     Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
     nothing is left running then.
@@ -254,6 +256,7 @@ def start_cluster(
                 *router_args,
             ],
             router_log,
+            root,
         )
         _spawn_more_routers(cluster, routers)
         deadline = time.monotonic() + timeout_s
@@ -276,7 +279,7 @@ def start_cluster(
                 f"{role}_worker",
                 [*common, *routers_flag, "--name", name, *worker_args[role]],
             )
-            cluster.procs[name] = _spawn(*cluster.commands[name], log_dir / f"{name}.log")
+            cluster.procs[name] = _spawn(*cluster.commands[name], log_dir / f"{name}.log", root)
         bound = _wait_address(cluster, router_log, deadline)
         if bound != cluster.address:
             raise RuntimeError(f"router bound {bound}, not {cluster.address}")

@@ -254,7 +254,7 @@ async def test_partition_subset_returns_those_rows(
 
 
 def _entry(rows: int) -> EncodedRows:
-    return EncodedRows(torch.zeros(rows, 4), (torch.zeros(rows, 4),))  # 32 bytes per row
+    return EncodedRows.of(torch.zeros(rows, 4), (torch.zeros(rows, 4),))  # 32 bytes per row
 
 
 def test_cache_lru_order_and_budget() -> None:

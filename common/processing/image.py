@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,32 @@ from PIL import Image
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 
-ImageSource = bytes | str | Path | Image.Image | npt.NDArray[np.uint8]
 FloatArray = npt.NDArray[np.float32]
 ByteArray = npt.NDArray[np.uint8]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class KeyedImage:
+    """Encoded image bytes with their processed-image cache key
+    (`common.processing.image_cache.image_key`), and the image decoded from them where it
+    was (None: the cache held the key when the router checked the request, so it was not
+    decoded; `load_image` decodes `data` should the entry be gone by processing time)."""
+
+    data: bytes  # the encoded file (PNG, JPEG, ...) as received
+    key: bytes  # image_key of `data` under the processor's settings
+    image: Image.Image | None = None  # decoded from `data`, or None
+
+
+ImageSource = bytes | str | Path | Image.Image | npt.NDArray[np.uint8] | KeyedImage
+
+
 def load_image(source: ImageSource | Any) -> Image.Image:
-    """Open encoded bytes, a file path, a PIL image or an `(H, W[, C])` uint8 array."""
+    """Open encoded bytes, a file path, a PIL image, a `KeyedImage` or an `(H, W[, C])` uint8
+    array."""
     if isinstance(source, Image.Image):
         return source
+    if isinstance(source, KeyedImage):
+        return source.image if source.image is not None else load_image(source.data)
     if isinstance(source, np.ndarray):
         if source.dtype != np.uint8 or source.ndim not in (2, 3):
             raise ValueError(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,8 @@ from common.multimodal.params import (
 )
 from common.processing.chat import Control, render_chat
 from common.processing.content_hash import content_hash, processor_settings
-from common.processing.image import FloatArray, preprocess_image
+from common.processing.image import FloatArray, KeyedImage, preprocess_image
+from common.processing.image_cache import ProcessedImage, ProcessedImageCache, image_key
 from common.processing.limits import InputLimits, check_text_bytes
 from common.processing.messages import (
     ChatDicts,
@@ -55,6 +56,7 @@ from common.processing.messages import (
     check_text_limits,
     messages_from_dicts,
 )
+from common.processing.prompt import ProcessedPrompt
 from common.processing.template import ChatTemplate, load_chat_template
 from common.processing.video import preprocess_video
 
@@ -67,58 +69,6 @@ VIDEO_PAD = "<|video_pad|>"
 
 
 @dataclass(frozen=True, slots=True)
-class ProcessedPrompt:
-    """A processed request: what the router hashes and every stage reads.
-
-    `grid_thw[i]` is item i's vision patch grid `(t, h, w)`, exactly what the vision tower
-    takes: t temporal patches (1 for an image; for a video, sampled frames /
-    temporal_patch_size) and h x w patches of `patch_size` pixels per temporal patch. The item
-    makes `t * h * w / merge_size**2` embedding rows. For mRoPE (reference `get_rope_index`)
-    each temporal patch is placed like a one-frame image: a video item has t runs, run k
-    holding `(h / merge_size) * (w / merge_size)` tokens whose positions are
-    `(start, start + row, start + col)` with `start` the text position where the run begins;
-    the text after a run resumes at `start + max(h, w) / merge_size`. The same grid is in
-    `params.items[i].grid_thw`, so later stages need nothing else.
-    """
-
-    prompt_token_ids: list[int]  # the whole prompt, placeholders included
-    params: MultimodalParams  # items in prompt order, with exact runs; no embeddings
-    pixel_values: tuple[torch.Tensor, ...]  # per item in prompt order: (t*h*w, patch_dim) f32
-    grid_thw: tuple[tuple[int, int, int], ...]  # per item in prompt order (see above)
-    prompt_text: str = ""  # the rendered prompt, for logs and tests
-    frame_timestamps: tuple[tuple[float, ...], ...] = field(default=())  # per item (video)
-
-    def vision_inputs(
-        self, items: Sequence[int] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated patch rows and `(n, 3)` grids of the given items (default: all), ready
-        for `VisionTower.encode`."""
-        chosen = range(len(self.grid_thw)) if items is None else items
-        pixels = [self.pixel_values[i] for i in chosen]
-        grids = [self.grid_thw[i] for i in chosen]
-        if not pixels:
-            raise ValueError("no items to encode")
-        return torch.cat(pixels), torch.tensor(grids, dtype=torch.int64)
-
-    def partition_inputs(
-        self, item: int, partitions: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Patch rows and grids of some partitions of one item (each its own grid row)."""
-        meta = self.params.items[item]
-        _, h, w = self.grid_thw[item]
-        parts = meta.partitions
-        if not parts:
-            if list(partitions) != [0]:
-                raise ValueError(f"item {item} has a single partition")
-            return self.vision_inputs([item])
-        rows = [
-            self.pixel_values[item][parts[p].input_start : parts[p].input_end] for p in partitions
-        ]
-        grids = [(parts[p].input_end - parts[p].input_start) // (h * w) for p in partitions]
-        return torch.cat(rows), torch.tensor([(g, h, w) for g in grids], dtype=torch.int64)
-
-
-@dataclass(frozen=True, slots=True)
 class _Media:
     """One preprocessed item before placement."""
 
@@ -128,6 +78,7 @@ class _Media:
     patches: FloatArray
     grid: tuple[int, int, int]
     timestamps: tuple[float, ...]
+    content_hash: bytes | None = None  # known already (a processed image); None: hash later
 
 
 class Processor:
@@ -140,6 +91,7 @@ class Processor:
         settings: ProcessorSettings,
         template: ChatTemplate | None = None,
         generation: GenerationDefaults | None = None,
+        image_cache: ProcessedImageCache | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config
@@ -148,6 +100,9 @@ class Processor:
         self.template = template
         # The checkpoint's default sampling (`generation_config.json`), for the front doors.
         self.generation = generation or GenerationDefaults()
+        # Encoded image bytes -> processed image (`common.processing.image_cache`); None:
+        # every image is preprocessed every time.
+        self.image_cache = image_cache
         vision = config.vision
         if (settings.patch_size, settings.merge_size, settings.temporal_patch_size) != (
             vision.patch_size,
@@ -173,16 +128,31 @@ class Processor:
         self._text_tokenizer.encode_special_tokens = True
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path) -> Processor:
+    def from_pretrained(cls, folder: str | Path, *, image_cache_bytes: int = 0) -> Processor:
         """Read tokenizer.json, config.json, the processor settings files
         (`common.models.qwen3_vl.processor_files`), the chat template if the checkpoint has
-        one (`common.processing.template`) and `generation_config.json`."""
+        one (`common.processing.template`) and `generation_config.json`. With
+        `image_cache_bytes` > 0, processed images of encoded bytes are cached up to that many
+        bytes of patch rows (`image_cache`)."""
         folder = Path(folder)
         config = Qwen3VLConfig.from_file(folder)
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         settings = processor_settings(folder, config)
         template = load_chat_template(folder, tokenizer)
-        return cls(tokenizer, config, settings, template, GenerationDefaults.from_folder(folder))
+        cache = ProcessedImageCache(image_cache_bytes) if image_cache_bytes > 0 else None
+        return cls(
+            tokenizer,
+            config,
+            settings,
+            template,
+            GenerationDefaults.from_folder(folder),
+            image_cache=cache,
+        )
+
+    def image_key(self, data: bytes, salt: str | None = None) -> bytes:
+        """The processed-image cache key of encoded image bytes under these settings, for
+        the cache salt `salt` (a tenant's; None: none)."""
+        return image_key(self._fingerprint, data, salt)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -285,8 +255,16 @@ class Processor:
 
     def _preprocess(self, slot: MediaPart, data: Any, payload_index: int) -> _Media:
         if isinstance(slot, ImagePart):
-            patches, grid = preprocess_image(data, self.settings)
-            return _Media(slot.modality, payload_index, slot.uuid, patches, grid, ())
+            image = self._image(data)
+            return _Media(
+                slot.modality,
+                payload_index,
+                slot.uuid,
+                image.patches,
+                image.grid,
+                (),
+                image.content_hash,
+            )
         fps = slot.fps
         if fps is None:
             fps = self.settings.video_default_fps
@@ -295,6 +273,24 @@ class Processor:
         return _Media(
             slot.modality, payload_index, slot.uuid, video.patches, video.grid_thw, video.timestamps
         )
+
+    def _image(self, data: Any) -> ProcessedImage:
+        """One image preprocessed and hashed; from `image_cache` when it holds the encoded
+        bytes' key (a `KeyedImage`'s, or that of plain bytes), and stored there otherwise."""
+        cache = self.image_cache
+        key = None
+        if cache is not None:
+            if isinstance(data, KeyedImage):
+                key = data.key
+            elif isinstance(data, bytes | bytearray | memoryview):
+                key = self.image_key(bytes(data))
+            if key is not None and (hit := cache.get(key)) is not None:
+                return hit
+        patches, grid = preprocess_image(data, self.settings)
+        image = ProcessedImage(patches, grid, self._hash(Modality.IMAGE, patches, grid))
+        if cache is not None and key is not None:
+            cache.put(key, image)
+        return image
 
     def _placeholders(self, item: _Media) -> list[str | Control]:
         """The item's placeholder layout (see the module docstring)."""
@@ -336,7 +332,7 @@ class Processor:
             )
             items.append(
                 MultimodalItemMetadata(
-                    content_hash=self._hash(m.modality, m.patches, m.grid),
+                    content_hash=m.content_hash or self._hash(m.modality, m.patches, m.grid),
                     runs=runs,
                     modality=m.modality,
                     payload_index=m.payload_index,

@@ -1,0 +1,237 @@
+"""CPU encoder-input preparation of the encoder worker, vision tower excluded.
+
+What is timed: `--requests` requests of 8 items each, their `ItemJob`s (units with cache
+keys, as `encoder_worker.requests.parse_request` makes them) handed to
+`EncoderEngine.encode` concurrently, as the server does: cache lookups and in-flight joins
+(item selection), the batch taken, per encoding mode the selected units' patch rows
+concatenated with their grids (tensor slices), the tower's output split back into
+per-unit cache entries (output splits) and each item's rows assembled for its request.
+The tower is replaced by one that returns preallocated rows of the right shapes, so its
+cost is not in the figure. Three shapes, as the reference engine's report:
+
+- contiguous: 8 images per request, requested in prompt order;
+- reordered: the same, requested in a shuffled order (item order differs from prompt order);
+- alternating: image, video, image, ... (videos of 2 frames, one partition per frame,
+  encoded frame by frame), so the batch holds both encoding modes interleaved.
+
+Separately (not part of the reference's figure): `parse_request` of the same requests from
+their protobuf form, which decodes the patch rows and recomputes every content hash (the
+encoder trusts no caller's hash, DESIGN §7).
+
+Times are CPU seconds of this process (`time.process_time`, every thread: the event loop and
+the forward thread), not wall time, so other processes' load on a shared machine does not
+count as preparation; `torch.set_num_threads(1)`. Reference (the seed's report, 64 requests
+x 8 items): 0.50 ms contiguous, 0.95 ms reordered, 3.17 ms alternating. Medians of
+`--reps` runs, each on a fresh cache (every unit a miss).
+With `--baseline DIR` (a checkout of the landed commit) its `encoder_worker/engine.py` runs
+interleaved with this one's on the same jobs, and the ratio is printed.
+
+    .venv/bin/python benchmarks/encoder_input_bench.py [--requests 64] [--reps 30]
+        [--baseline /tmp/landed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.models.qwen3_vl.config import VisionConfig
+from common.processing.content_hash import content_hash
+from common.wire.convert import tensor_to_ref
+from encoder_worker.cache import EncoderCache
+from encoder_worker.engine import EncoderEngine
+from encoder_worker.requests import ItemJob, parse_request
+from epd.v1 import encoder_service_pb2, multimodal_pb2
+
+REFERENCE_MS = {"contiguous": 0.50, "reordered": 0.95, "alternating": 3.17}
+FINGERPRINT = b"bench"
+
+
+class NoTower:
+    """Stands in for `VisionTower.encode`: rows of the right shapes, no compute."""
+
+    def __init__(self, vision: VisionConfig, max_rows: int, layers: int) -> None:
+        self.merge_unit = vision.merge_unit
+        self.rows = torch.zeros(max_rows, vision.out_hidden_size)
+        self.deep = [torch.zeros(max_rows, vision.out_hidden_size) for _ in range(layers)]
+
+    def encode(
+        self, pixels: torch.Tensor, grids: torch.Tensor, *, per_frame: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        n = pixels.shape[0] // self.merge_unit
+        return self.rows[:n], [d[:n] for d in self.deep]
+
+
+def encode_request(
+    vision: VisionConfig, seed: int, shape: str, hw: int
+) -> encoder_service_pb2.EncodeRequest:
+    """One request of 8 items of `shape` (see the module docstring), real hashes."""
+    rng = np.random.default_rng(seed)
+    request = encoder_service_pb2.EncodeRequest(request_id=f"r{seed}")
+    items = []
+    for k in range(8):
+        video = shape == "alternating" and k % 2 == 1
+        t = 2 if video else 1
+        grid = (t, hw, hw)
+        pixels = torch.from_numpy(
+            rng.standard_normal((t * hw * hw, vision.patch_dim), dtype=np.float32)
+        )
+        modality = "video" if video else "image"
+        item = encoder_service_pb2.EncodeItem(
+            content_hash=content_hash(FINGERPRINT, modality, pixels, grid),
+            modality=multimodal_pb2.MODALITY_VIDEO if video else multimodal_pb2.MODALITY_IMAGE,
+            pixel_values=tensor_to_ref(pixels),
+            grid_thw=list(grid),
+        )
+        if video:
+            step = hw * hw
+            for f in range(t):
+                rows = pixels[f * step : (f + 1) * step]
+                item.partitions.add(
+                    input_start=f * step,
+                    input_end=(f + 1) * step,
+                    output_rows=step // vision.merge_unit,
+                    content_hash=content_hash(FINGERPRINT, modality, rows, (1, hw, hw)),
+                )
+        items.append(item)
+    if shape == "reordered":
+        order = rng.permutation(8)
+        items = [items[i] for i in order]
+    request.items.extend(items)
+    return request
+
+
+def _load(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline_engine(folder: Path) -> tuple[Any, Any]:
+    """`EncoderEngine` and `EncoderCache` of another checkout's `encoder_worker/engine.py`
+    and `cache.py` (its engine imports its own cache while it loads; request types are
+    this checkout's, which did not change)."""
+    cache = _load("baseline_cache", folder / "encoder_worker" / "cache.py")
+    ours = sys.modules["encoder_worker.cache"]
+    sys.modules["encoder_worker.cache"] = cache
+    try:
+        engine = _load("baseline_engine", folder / "encoder_worker" / "engine.py")
+    finally:
+        sys.modules["encoder_worker.cache"] = ours
+    return engine.EncoderEngine, cache.EncoderCache
+
+
+async def prepare(engine: EncoderEngine, jobs: list[list[ItemJob]]) -> list[list[torch.Tensor]]:
+    outputs = await asyncio.gather(*(engine.encode(j) for j in jobs))
+    return [[o.rows.rows for o in out] for out in outputs]
+
+
+async def _nothing(jobs: list[ItemJob]) -> list[ItemJob]:
+    return jobs
+
+
+async def fan_out(jobs: list[list[ItemJob]]) -> None:
+    """The harness alone: `len(jobs)` concurrent calls that do nothing (as many tasks as
+    concurrent Encode RPCs would make), to read the engine's share of the figures."""
+    await asyncio.gather(*(_nothing(j) for j in jobs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--grid", type=int, default=4, help="h = w patches of an item")
+    parser.add_argument("--baseline", type=Path, help="checkout whose engine to compare")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    # Small patches: the figure is the preparation's, not a memcpy of large pixel rows.
+    vision = VisionConfig(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        deepstack_visual_indexes=(0, 0, 0),
+    )
+    shapes = ("contiguous", "reordered", "alternating")
+    requests = {
+        s: [encode_request(vision, 64 * i + j, s, args.grid) for j in range(args.requests)]
+        for i, s in enumerate(shapes)
+    }
+    jobs = {s: [parse_request(r, vision, FINGERPRINT) for r in rs] for s, rs in requests.items()}
+    max_rows = sum(u.output_rows for js in jobs["alternating"] for j in js for u in j.units)
+    tower = NoTower(vision, max_rows * vision.merge_unit, 3)
+    engines: dict[str, tuple[Any, Any]] = {"epd": (EncoderEngine, EncoderCache)}
+    if args.baseline is not None:
+        engines["baseline"] = baseline_engine(args.baseline)
+    times: dict[tuple[str, str], list[float]] = {(e, s): [] for e in engines for s in shapes}
+    parse: dict[str, list[float]] = {s: [] for s in shapes}
+    harness: list[float] = []
+
+    async def loop() -> None:
+        for rep in range(args.reps + 1):
+            for s in shapes:
+                for name, (engine_cls, cache_cls) in engines.items():
+                    engine = engine_cls(
+                        tower,  # no compute: the tower is excluded
+                        cache_cls(1 << 34),
+                        batch_window_s=0.0,
+                        max_batch_rows=1 << 30,
+                    )
+                    start = time.process_time()
+                    await prepare(engine, jobs[s])
+                    elapsed = time.process_time() - start
+                    await engine.close()
+                    if rep:  # the first round warms up
+                        times[(name, s)].append(elapsed)
+                start = time.process_time()
+                for r in requests[s]:
+                    parse_request(r, vision, FINGERPRINT)
+                if rep:
+                    parse[s].append(time.process_time() - start)
+                start = time.process_time()
+                await fan_out(jobs[s])
+                if rep:
+                    harness.append(time.process_time() - start)
+
+    asyncio.run(loop())
+    print(
+        f"{args.requests} requests x 8 items, grid (t, {args.grid}, {args.grid}), "
+        f"medians of {args.reps}:"
+    )
+    base = "baseline" in engines
+    print(
+        f"  {'shape':12s} {'epd ms':>8s} {'reference':>10s} {'epd/ref':>8s}"
+        + (f" {'landed ms':>10s} {'landed/epd':>10s}" if base else "")
+        + f" {'parse ms':>9s}"
+    )
+    for s in shapes:
+        ms = statistics.median(times[("epd", s)]) * 1e3
+        line = f"  {s:12s} {ms:8.3f} {REFERENCE_MS[s]:10.2f} {ms / REFERENCE_MS[s]:7.2f}x"
+        if base:
+            landed = statistics.median(times[("baseline", s)]) * 1e3
+            line += f" {landed:10.3f} {landed / ms:9.2f}x"
+        print(line + f" {statistics.median(parse[s]) * 1e3:9.2f}")
+    print(
+        f"  of which the harness ({args.requests} concurrent calls doing nothing): "
+        f"{statistics.median(harness) * 1e3:.3f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

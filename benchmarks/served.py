@@ -1,0 +1,163 @@
+"""Served throughput, distinct vs repeated images, this checkout vs a baseline checkout.
+
+One local deployment per checkout (`tests/cluster.py`, `root=` the checkout), both up for
+the whole run. Each round runs, per deployment, `n` requests at `concurrency` in flight
+with distinct images and `n` with `n / 4` images used 4 times each (image `k % (n / 4)`
+for request k, so the first use of each misses every cache and the later ones may hit);
+rounds alternate the order of deployments so background load hits them alike. Every run
+uses images no earlier run sent. Images are PNG-encoded before the clock starts (the
+client does no image work while timed). Reports medians over rounds of req/s and TTFT p50,
+and the ratios repeated/distinct and this/baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import itertools
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from common.models.tiny import default_checkpoint
+from common.sampling import SamplingParams
+from epd.client import Client, Result
+from tests.cluster import ROOT, Cluster, start_cluster
+
+_TEXT = (
+    "please describe this picture carefully and tell me which objects colours shapes and "
+    "textures you can see in it and where each of them is placed relative to the others"
+)
+_WORDS = _TEXT.split(" ")
+
+
+def png(seed: int, size: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def messages(image: bytes, k: int) -> list[dict[str, Any]]:
+    words = " ".join(_WORDS[(k + i) % len(_WORDS)] for i in range(30))
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image},
+                {"type": "text", "text": f"Request {k}: {words}?"},
+            ],
+        }
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One run's throughput and where a request's time went (medians over requests)."""
+
+    rps: float  # requests per second
+    ttft_s: float  # send -> first token (processing, encode, prefill)
+    pull_s: float  # first token -> first decode chunk (KV pull, admission)
+    decode_s: float  # first decode chunk -> end of stream
+
+
+async def one_run(
+    client: Client, prompts: list[list[dict[str, Any]]], sampling: SamplingParams, inflight: int
+) -> Run:
+    """`prompts` at `inflight` concurrent requests."""
+    gate = asyncio.Semaphore(inflight)
+    results: list[Result] = []
+
+    async def send(prompt: list[dict[str, Any]]) -> None:
+        async with gate:
+            results.append(await client.generate_text(prompt, sampling))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(send(p) for p in prompts))
+    elapsed = time.perf_counter() - start
+    times = [r.token_times_s for r in results if len(r.token_times_s) > 1]
+    return Run(
+        len(prompts) / elapsed,
+        statistics.median(r.ttft_s for r in results),
+        statistics.median(t[1] - t[0] for t in times) if times else float("nan"),
+        statistics.median(r.total_s - t[1] for r, t in zip(results, times, strict=False))
+        if times
+        else float("nan"),
+    )
+
+
+async def run_served(args: argparse.Namespace) -> None:
+    n, size = args.served, args.image_size
+    model = args.model or default_checkpoint(args.size)
+    sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    roots = {"this": ROOT}
+    if args.baseline is not None:
+        roots["baseline"] = args.baseline.resolve()
+    seeds = itertools.count(1_000_000)
+    print(f"checkpoint {model}; {n} requests x {size}px, {args.tokens} tokens,")
+    print(f"concurrency {args.concurrency}; deployments: {roots}")
+    results: dict[tuple[str, str], list[Run]] = {}
+    with tempfile.TemporaryDirectory(prefix="epd-served-") as logs:
+        clusters: dict[str, Cluster] = {}
+        try:
+            for name, root in roots.items():
+                clusters[name] = await asyncio.to_thread(
+                    start_cluster,
+                    model,
+                    Path(logs) / name,
+                    block_size=16,
+                    num_blocks=4096,
+                    timeout_s=600,
+                    root=root,
+                )
+            clients = {
+                name: Client(c.address, api_key=c.client_key) for name, c in clusters.items()
+            }
+            for client in clients.values():  # warm-up: connections, first forwards
+                warm = [messages(png(next(seeds), size), k) for k in range(args.concurrency)]
+                await one_run(client, warm, sampling, args.concurrency)
+            for r in range(args.rounds):
+                order = list(clients) if r % 2 == 0 else list(reversed(clients))
+                for name in order:
+                    for kind in ("distinct", "repeated"):
+                        distinct = n if kind == "distinct" else max(1, n // 4)
+                        images = [png(next(seeds), size) for _ in range(distinct)]
+                        prompts = [messages(images[k % distinct], k) for k in range(n)]
+                        got = await one_run(clients[name], prompts, sampling, args.concurrency)
+                        results.setdefault((name, kind), []).append(got)
+                        print(f"  round {r} {name:8s} {kind:8s} {got.rps:6.2f} req/s", flush=True)
+            for client in clients.values():
+                await client.close()
+        finally:
+            for cluster in clusters.values():
+                await asyncio.to_thread(cluster.stop)
+    report(results, list(roots))
+
+
+def report(results: dict[tuple[str, str], list[Run]], names: list[str]) -> None:
+    def med(name: str, kind: str, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in results[(name, kind)])
+
+    print("\nmedians over rounds (per request: TTFT, first token -> first decode chunk, rest):")
+    print(f"  {'code':10s} {'images':9s} {'req/s':>7s} {'TTFT':>9s} {'pull':>9s} {'decode':>9s}")
+    for name in names:
+        for kind in ("distinct", "repeated"):
+            ms = [med(name, kind, f) * 1e3 for f in ("ttft_s", "pull_s", "decode_s")]
+            print(
+                f"  {name:10s} {kind:9s} {med(name, kind, 'rps'):7.2f} "
+                + " ".join(f"{v:6.0f} ms" for v in ms)
+            )
+    for name in names:
+        ratio = med(name, "repeated", "rps") / med(name, "distinct", "rps")
+        print(f"  {name}: repeated / distinct req/s {ratio:.2f}x")
+    if "baseline" in names:
+        for kind in ("distinct", "repeated"):
+            ratio = med("this", kind, "rps") / med("baseline", kind, "rps")
+            print(f"  this / baseline, {kind} req/s {ratio:.2f}x")

@@ -1,0 +1,62 @@
+"""The processed-image cache: an encoded image's bytes -> its patch rows, grid and hash.
+
+A served image that repeats (the same PNG or JPEG sent again) would otherwise be decoded,
+resized, normalised, patchified and content-hashed again on every request, although the
+result is a pure function of the encoded bytes and the processor settings. The cache keys
+that result by `image_key`: 32 bytes of BLAKE2b over a domain tag, the settings'
+fingerprint (`ProcessorSettings.fingerprint()`: patch, merge and temporal sizes, min/max
+pixels, mean/std, ...) and the encoded bytes, so a hit is exact: same bytes under the same
+settings give the same patch rows, bit for bit, and the same content hash (DESIGN §2). It
+never keys by the content hash a caller claims, nor by anything cheaper than a
+cryptographic digest of every byte. The router adds the request's cache salt (derived from
+the tenant) to the key, so one tenant cannot learn from a faster answer that another sent
+the same image (DESIGN §7), as the encoder and KV caches are salted.
+
+Bounded: least recently used entries are dropped once the patch rows held exceed
+`budget_bytes` (an entry larger than the budget is not stored; 0 stores nothing). Entries
+are never mutated after `put`; readers share their arrays and must not write to them.
+Thread-safe: the router prepares requests on worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from common.byte_lru import ByteBudgetLru
+
+# Domain tag of the cache key; bump it if the keyed layout changes.
+_KEY_TAG = b"epd.processed-image.v1"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ProcessedImage:
+    """What preprocessing one encoded image gives: shared, read only."""
+
+    patches: npt.NDArray[np.float32]  # (grid_h * grid_w, patch_dim) patch rows
+    grid: tuple[int, int, int]  # (1, grid_h, grid_w)
+    content_hash: bytes  # `common.processing.content_hash` of the rows, as the processor's
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the patch rows (the cache's budget unit)."""
+        return int(self.patches.nbytes)
+
+
+def image_key(fingerprint: bytes, data: bytes, salt: str | None = None) -> bytes:
+    """The cache key of encoded image `data` under processor settings `fingerprint`, for
+    the tenant whose cache salt is `salt` (None: none)."""
+    h = hashlib.blake2b(digest_size=32)
+    for chunk in (_KEY_TAG, fingerprint, b"" if salt is None else b"\x01" + salt.encode()):
+        h.update(len(chunk).to_bytes(8, "little"))
+        h.update(chunk)
+    h.update(data)
+    return h.digest()
+
+
+class ProcessedImageCache(ByteBudgetLru[ProcessedImage]):
+    """LRU map `image_key` -> `ProcessedImage` under a byte budget of patch rows
+    (`common.byte_lru.ByteBudgetLru`; see the module docstring)."""
