@@ -336,8 +336,11 @@ def _read_and_digest(
             f"kv.blocks: the holder's NIXL agent refused the READ: {exc}",
         ) from None
     except TransferError as exc:
+        # The holder is gone or failed the READ: its KV is unusable, like a lost lease, so
+        # the caller prefills again (ABORTED) rather than trying this handle elsewhere.
         raise RpcStatusError(
-            grpc.StatusCode.UNAVAILABLE, f"kv.blocks: the READ from the holder failed: {exc}"
+            grpc.StatusCode.ABORTED,
+            f"kv.blocks: the READ from the holder failed: {exc}; prefill again",
         ) from None
     return stats, cache_block_digests(runner.kv, local_ids)
 

@@ -157,6 +157,31 @@ class Cluster:
         self.procs.clear()
 
 
+def kill(cluster: Cluster, name: str) -> None:
+    """SIGKILL one process of `cluster` (no drain, no goodbye) and reap it."""
+    proc = cluster.procs[name]
+    proc.kill()
+    proc.wait(10)
+
+
+def restart(cluster: Cluster, name: str) -> None:
+    """Start a killed process of `cluster` again with the same arguments (its log goes on);
+    it registers with the router on its own."""
+    old = cluster.procs[name]
+    if old.poll() is None:
+        raise RuntimeError(f"{name} is still running")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with (cluster.log_dir / f"{name}.log").open("ab") as out:
+        cluster.procs[name] = subprocess.Popen(
+            old.args,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
 def free_port() -> int:
     """A port that was free on 127.0.0.1 a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -191,9 +216,12 @@ def start_cluster(
     encoders: int = 1,
     http: bool = False,
     timeout_s: float = 120.0,
+    prefills: int = 1,
+    decodes: int = 1,
 ) -> Cluster:
-    """Start router + `encoders` encoders + prefill + decode and wait until all registered
-    (encoders after the first are named encoder-1, encoder-2, ...). `http`: the router also
+    """Start router + `encoders` encoders + `prefills` prefill + `decodes` decode workers
+    and wait until all registered (workers of a role after the first are named encoder-1,
+    prefill-1, decode-1, ...). `http`: the router also
     serves its HTTP API on a free port (`Cluster.http_url`); off otherwise.
 
     Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
@@ -243,7 +271,10 @@ def start_cluster(
         }
         names = [("encoder", "encoder")]
         names += [("encoder", f"encoder-{i}") for i in range(1, encoders)]
-        names += [("prefill", "prefill"), ("decode", "decode")]
+        names += [("prefill", "prefill")]
+        names += [("prefill", f"prefill-{i}") for i in range(1, prefills)]
+        names += [("decode", "decode")]
+        names += [("decode", f"decode-{i}") for i in range(1, decodes)]
         for role, name in names:
             cluster.procs[name] = _spawn(
                 f"{role}_worker",
