@@ -69,35 +69,48 @@ async def decode_workers(cluster: Cluster) -> dict[str, Any]:
     return {w.info.name: w for w in status.workers if w.info.role == DECODE}
 
 
-async def wait_decoders(cluster: Cluster, dead_address: str, timeout_s: float = 60) -> None:
+async def wait_decoders(cluster: Cluster, dead_address: str, timeout_s: float = 60) -> bool:
     """Until both decode workers are registered and the killed one's old record is gone."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         workers = await decode_workers(cluster)
         addresses = {w.info.address for w in workers.values()}
         if len(workers) == 2 and dead_address not in addresses:
-            return
+            return True
         await asyncio.sleep(0.2)
-    raise RuntimeError(f"decode workers did not come back\n{cluster.logs()}")
+    return False
 
 
 async def stream(
     client: Client, messages: Any, sampling: SamplingParams, cluster: Cluster | None, after: int
 ) -> tuple[list[int], list[float], str]:
-    """Tokens and chunk arrival times; with `cluster`, kill the serving decode worker once
-    `after` tokens arrived (returns its name, "" otherwise)."""
+    """Tokens and chunk arrival times; with `cluster`, a separate task kills the serving
+    decode worker once `after` tokens arrived (its name is returned, "" otherwise), so the
+    kill itself never delays the reading of chunks."""
     tokens: list[int] = []
     times: list[float] = []
+    enough = asyncio.Event()
     killed = ""
+
+    async def killer() -> None:
+        nonlocal killed
+        assert cluster is not None
+        await enough.wait()
+        busy = [n for n, w in (await decode_workers(cluster)).items() if w.load.active_requests]
+        if busy:
+            killed = busy[0]
+            await asyncio.to_thread(kill, cluster, killed)
+
+    task = asyncio.ensure_future(killer()) if cluster is not None else None
     async for chunk in client.generate(messages, sampling, timeout_s=300):
         if chunk.token_ids:
             times.append(time.perf_counter())
             tokens.extend(chunk.token_ids)
-        if cluster is not None and not killed and len(tokens) >= after:
-            busy = [n for n, w in (await decode_workers(cluster)).items() if w.load.active_requests]
-            if busy:
-                killed = busy[0]
-                await asyncio.to_thread(kill, cluster, killed)
+            if len(tokens) >= after:
+                enough.set()
+    if task is not None:
+        enough.set()
+        await task
     return tokens, times, killed
 
 
@@ -123,6 +136,8 @@ async def run(args: argparse.Namespace) -> None:
         rows: dict[str, dict[str, list[float]]] = {}
         identical: dict[str, list[bool]] = {}
         try:
+            if not await wait_decoders(cluster, ""):
+                raise RuntimeError("two decode workers did not register")
             async with Client(cluster.address, api_key=cluster.client_key) as client:
                 for kind, messages in requests().items():
                     await stream(client, messages, sampling, None, 0)  # warm-up
@@ -145,7 +160,8 @@ async def run(args: argparse.Namespace) -> None:
                         if killed:
                             dead = addresses[killed]
                             await asyncio.to_thread(restart, cluster, killed)
-                            await wait_decoders(cluster, dead)
+                            if not await wait_decoders(cluster, dead):
+                                raise RuntimeError(f"{killed} did not come back")
         finally:
             cluster.stop()
     print(
@@ -165,6 +181,9 @@ async def run(args: argparse.Namespace) -> None:
             f"{kind:8} {steady:14.2f} {migrated:17.1f} {migrated / steady:7.1f} "
             f"{recomputed:10.0f} {same:>10}"
         )
+    for kind, row in rows.items():
+        each = ", ".join(f"{g * 1e3:.0f}" for g in row["migrated"])
+        print(f"  {kind}: migration gaps per rep (ms): {each}; recomputed {row['recomputed']}")
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ worker left fails with UNAVAILABLE naming it."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -15,7 +17,17 @@ from common.sampling import SamplingParams
 from epd.client import GenerateError
 from epd.v1 import decode_service_pb2
 from tests import test_router
-from tests.test_router import FIRST, IMAGE, TEXT, FakeDecode, FakeEncoder, FakePrefill
+from tests.test_router import (
+    FIRST,
+    IMAGE,
+    TEXT,
+    FakeDecode,
+    FakeEncoder,
+    FakePrefill,
+    chat,
+    png,
+    prompt_hashes,
+)
 
 # The router plus fake workers in this event loop, as in `tests.test_router`.
 ckpt = test_router.ckpt
@@ -132,3 +144,21 @@ async def test_no_prefill_worker_left_is_unavailable_naming_the_role(cluster):
         await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "no prefill worker left" in err.value.details
+
+
+async def test_a_resumed_multimodal_stream_is_not_encoded_again_when_prefill_holds_it(cluster):
+    enc, pre = FakeEncoder(), FakePrefill()
+    decoders = [BreakingDecode(2, fresh_only=True) for _ in range(2)]
+    messages = chat({"type": "image", "image": png(4)}, {"type": "text", "text": "And now?"})
+    _, hashes = prompt_hashes(cluster, messages)
+    pre.cached = hashes  # the prefill worker holds the prompt's blocks (its KV events)
+    await cluster.add(Role.ENCODER, enc)
+    await cluster.add(Role.PREFILL, pre)
+    for decode in decoders:
+        await cluster.add(Role.DECODE, decode)
+    await asyncio.sleep(0.3)  # the router follows the worker's KV events
+    result = await cluster.client.generate_text(messages, SamplingParams(max_tokens=8))
+    assert result.token_ids == [FIRST, *range(101, 108)]
+    assert len(pre.requests) == 2  # prefilled again for the resumed stream
+    assert enc.requests == []  # the image lies inside the cached prefix, both times
+    assert [len(r.multimodal.embeddings) for r in pre.requests] == [0, 0]
