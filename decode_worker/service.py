@@ -58,6 +58,7 @@ from common.server.rpc import RpcStatusError, rpc_errors
 from common.transfer.types import TransferTimeoutError
 from common.wire.convert import sampling_from_proto
 from common.wire.sampling import finish_reason_to_proto
+from decode_worker.resume import resume_tokens
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
@@ -147,7 +148,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             raise RpcStatusError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"first_token_id: {first} outside the vocab"
             )
-        generated = [first, *self._resume_tokens(request, sampling)]
+        generated = [first, *resume_tokens(runner, request, sampling)]
         if not request.HasField("kv"):
             raise RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT, "kv: missing")
         handle = request.kv
@@ -331,33 +332,6 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             self.counters.resumed += 1
             self.counters.tokens_recomputed += len(generated) - 1
         return self.runner.resume(tokens, sampling, plan.blocks, generated, mrope_delta=mrope_delta)
-
-    def _resume_tokens(
-        self, request: decode_service_pb2.DecodeRequest, sampling: SamplingParams
-    ) -> list[int]:
-        """`resume_tokens`, checked: in the vocabulary, none ending the answer, and room
-        left for at least one more token. INVALID_ARGUMENT naming the field."""
-        resume = list(request.resume_tokens)
-        if not resume:
-            return resume
-        vocab = self.runner.config.text.vocab_size
-        if len(resume) + 1 >= sampling.max_tokens:
-            raise RpcStatusError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"resume_tokens: {len(resume)} tokens after the first leave nothing to "
-                f"generate under max_tokens {sampling.max_tokens}",
-            )
-        for i, token in enumerate([request.first_token_id, *resume]):
-            if not 0 <= token < vocab:
-                raise RpcStatusError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"resume_tokens: {token} outside the vocab"
-                )
-            if self.runner.stop.check(sampling, token, i + 1) is not None:
-                raise RpcStatusError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"resume_tokens: the answer already ended at token {i} ({token})",
-                )
-        return resume
 
     async def _plan(
         self, hashes: list[bytes] | None, n: int, total: int, handle: kv_pb2.KvHandle

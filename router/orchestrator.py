@@ -20,7 +20,8 @@
       decode   (prompt_token_ids, MultimodalParams without embeddings, first token,
                KvHandle) -> least loaded decode worker -> token id chunks after the first
                token, streamed on (its first chunk carries the KV transfer counts
-               blocks_pulled / blocks_reused)
+               blocks_pulled / blocks_reused); a stream that breaks mid-way resumes on
+               another decode worker, token for token (`router.decode`)
 
 Text: the router owns it. Workers send token ids only; one incremental detokenizer per job
 (`router.detokenize`) turns the whole answer, first token included, into text deltas.
@@ -37,16 +38,22 @@ stream ends; a stage retried on another worker moves its reservation there.
 Ownership of the KV lease: the decode worker takes it over with its first chunk (it has
 pulled the blocks by then). Until that chunk arrives the router owns it: if decode is
 never started, fails, or the client leaves or time runs out first, the router calls
-`PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it). A
-worker call that fails with UNAVAILABLE before any of its output was used is tried once
-more on another worker of the role.
+`PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it).
+
+Failures (`router.calls`): a worker call that fails with UNAVAILABLE before any of its
+output was used is tried again on another worker of the role, up to `attempts` tries; with
+no untried worker of the role left the request fails with UNAVAILABLE naming the role. A
+failed prefill is retried with its items encoded again (the failed worker may have released
+their embedding leases already); when it failed because an embedding's encoder is gone
+(`common.handoff.EMBEDDINGS_LOST`), on the same prefill worker.
 
 Deadlines: every worker call gets the time left until the job's deadline; cancellation of
 the caller cancels the in-flight call (unary calls through task cancellation, the decode
 stream explicitly), so workers free what they hold.
 
-Trusted KV: a decode worker that finds the pulled KV unusable (a block failed its digest, or
-the lease was not live throughout the READ) answers ABORTED before its first chunk; the
+Trusted KV: a decode worker that finds the pulled KV unusable (a block failed its digest,
+the lease was not live throughout the READ, or the holder is gone) answers ABORTED before
+its first chunk; the
 router then prefills again (any prefill worker; the first token already sent is kept, as
 the KV of the prompt does not depend on it) and decodes with the new handle, up to
 `reprefills` times, so the client sees no error.
