@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from common.engine import Engine
@@ -97,37 +99,51 @@ def engine(ckpt):
 
 def references(engine: Engine, waves: int) -> list[list[list[int]]]:
     """The offline engine's tokens for every wave's requests, in one batch (a request's
-    tokens do not depend on its batch: `test_sampling`)."""
+    tokens do not depend on its batch: `test_sampling`). On one torch thread: the worker
+    processes share the CPUs, and oversubscribed intra-op threads run many times slower."""
     every = [r for wave in range(waves) for r in requests(wave)]
-    results = engine.generate_batch([m for m, _ in every], [s for _, s in every])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = engine.generate_batch([m for m, _ in every], [s for _, s in every])
+    finally:
+        torch.set_num_threads(threads)
     per = len(results) // waves
     return [[r.token_ids for r in results[w * per : (w + 1) * per]] for w in range(waves)]
 
 
-async def stream(client: Client, messages: Any, sampling: SamplingParams, seen: list[int]) -> Any:
-    """The request's tokens; `seen[0]` counts the tokens of every stream so far."""
+async def stream(
+    client: Client, messages: Any, sampling: SamplingParams, seen: list[int], i: int
+) -> Any:
+    """The request's tokens and finish reason; `seen[i]` counts its tokens so far."""
     tokens: list[int] = []
     finish = None
     async for chunk in client.generate(messages, sampling, timeout_s=120):
         tokens.extend(chunk.token_ids)
-        seen[0] += len(chunk.token_ids)
+        seen[i] += len(chunk.token_ids)
         finish = chunk.finish_reason or finish
     return tokens, finish
 
 
 async def wave_with_kill(
-    cluster: Cluster, client: Client, wave: int, victim: str, after_tokens: int
+    cluster: Cluster,
+    client: Client,
+    wave: int,
+    victim: str,
+    stagger_s: float,
+    ready: Callable[[list[int]], bool],
 ) -> list[Any]:
-    """Run one wave (requests started 30 ms apart) and kill -9 `victim` once the streams
-    have received `after_tokens` tokens in all."""
-    seen = [0]
+    """Run one wave (request i starts at `i * stagger_s`) and kill -9 `victim` once
+    `ready(tokens received per request)` holds (or every request is done)."""
+    batch = requests(wave)
+    seen = [0] * len(batch)
 
     async def staggered(i: int, messages: Any, sampling: SamplingParams) -> Any:
-        await asyncio.sleep(0.03 * i)
-        return await stream(client, messages, sampling, seen)
+        await asyncio.sleep(stagger_s * i)
+        return await stream(client, messages, sampling, seen, i)
 
-    tasks = [asyncio.ensure_future(staggered(i, m, s)) for i, (m, s) in enumerate(requests(wave))]
-    while seen[0] < after_tokens and not all(t.done() for t in tasks):
+    tasks = [asyncio.ensure_future(staggered(i, m, s)) for i, (m, s) in enumerate(batch)]
+    while not ready(seen) and not all(t.done() for t in tasks):
         await asyncio.sleep(0.002)
     await asyncio.to_thread(kill, cluster, victim)
     return list(await asyncio.gather(*tasks))
@@ -144,13 +160,19 @@ def live_kv_idle(status: Any, dead: set[str]) -> bool:
 async def test_kill_decode_then_prefill_then_encoder_loses_no_request(cluster, engine):
     dead: set[str] = set()
     counts = {"requests": 0, "identical": 0}
-    # Kill when the streams are well into decoding, then when the next waves have barely
-    # started (prefills and encodes in flight, later requests still arriving).
-    kills = (("decode", 30), ("prefill", 1), ("encoder", 1))
+    # Kill the decode worker when every stream of the wave is decoding (all started at
+    # once, so both decode workers serve some), then the prefill worker and the encoder
+    # when the next waves have barely started (prefills and encodes in flight, requests
+    # still arriving every 30 ms).
+    kills: list[tuple[str, float, Callable[[list[int]], bool]]] = [
+        ("decode", 0.0, lambda seen: min(seen) >= 3),
+        ("prefill", 0.03, lambda seen: sum(seen) >= 1),
+        ("encoder", 0.03, lambda seen: sum(seen) >= 1),
+    ]
     want = references(engine, len(kills))
     async with Client(cluster.address, api_key=cluster.client_key) as client:
-        for wave, (victim, after) in enumerate(kills):
-            results = await wave_with_kill(cluster, client, wave, victim, after)
+        for wave, (victim, stagger_s, ready) in enumerate(kills):
+            results = await wave_with_kill(cluster, client, wave, victim, stagger_s, ready)
             dead.add(victim)
             for i, (tokens, finish) in enumerate(results):
                 counts["requests"] += 1
