@@ -92,10 +92,6 @@ class WorkerCalls:
                 "registered and available",
             ) from None
 
-    def retryable(self, exc: grpc.aio.AioRpcError, tries: int) -> bool:
-        """UNAVAILABLE (worker gone or draining) with tries left."""
-        return exc.code() == grpc.StatusCode.UNAVAILABLE and tries < self.attempts
-
     def error(self, stage: str, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> RouterError:
         """The client-facing error of a failed worker call."""
         code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
