@@ -187,7 +187,11 @@ def engine(tmp_path_factory):
     from common.models.tiny import make_tiny_checkpoint
 
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
-    return Engine.from_pretrained(folder, block_size=8, num_blocks=128, max_batch=4)
+    # One torch thread: on a shared machine oversubscribed intra-op threads run far slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained(folder, block_size=8, num_blocks=128, max_batch=4)
+    torch.set_num_threads(threads)
 
 
 def _chat(text: str) -> list[dict[str, object]]:
