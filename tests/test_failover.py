@@ -10,6 +10,7 @@ hold no lease and no block.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -33,9 +34,8 @@ pytestmark = pytest.mark.slow
 
 BLOCK = 8
 NUM_BLOCKS = 512
-MAX_TOKENS = 32
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.1, seed=1234)
+# Long streams in the decode-kill wave, so every stream is still decoding when it lands.
+MAX_TOKENS = (160, 32, 32)  # per wave
 
 
 def user(*parts: Any) -> list[dict[str, Any]]:
@@ -66,7 +66,10 @@ def requests(wave: int) -> list[tuple[list[dict[str, Any]], SamplingParams]]:
             messages = user(img(seed), f"What is in image {seed}?")
         else:
             messages = user("Watch:", vid(seed), f"What happens in video {seed}?")
-        out.append((messages, SEEDED if i % 2 else GREEDY))
+        sampling = SamplingParams(max_tokens=MAX_TOKENS[wave], ignore_eos=True)
+        if i % 2:
+            sampling = dataclasses.replace(sampling, temperature=1.1, seed=1234)
+        out.append((messages, sampling))
     return out
 
 
