@@ -72,6 +72,11 @@ from common.wire.kv import layout_from_proto, layout_to_proto
 from common.wire.transfer import KIND_TO_MEMORY, MEMORY_TO_KIND
 from epd.v1 import decode_service_pb2, kv_pb2, multimodal_pb2, prefill_service_pb2
 
+# In the details of a prefill worker's UNAVAILABLE when an embedding's holder is gone (the
+# READ from the encoder failed): the router encodes the items again and retries prefill,
+# keeping this (healthy) prefill worker.
+EMBEDDINGS_LOST = "embeddings lost with their encoder; encode again"
+
 # Pulls up to this size READ on the event loop's own thread: a hop to a worker thread and
 # back costs a scheduler slice (milliseconds) on a busy host, more than the READ of a few
 # MiB itself; larger pulls go to a worker thread so the loop keeps serving streams.
@@ -331,8 +336,11 @@ def _read_and_digest(
             f"kv.blocks: the holder's NIXL agent refused the READ: {exc}",
         ) from None
     except TransferError as exc:
+        # The holder is gone or failed the READ: its KV is unusable, like a lost lease, so
+        # the caller prefills again (ABORTED) rather than trying this handle elsewhere.
         raise RpcStatusError(
-            grpc.StatusCode.UNAVAILABLE, f"kv.blocks: the READ from the holder failed: {exc}"
+            grpc.StatusCode.ABORTED,
+            f"kv.blocks: the READ from the holder failed: {exc}; prefill again",
         ) from None
     return stats, cache_block_digests(runner.kv, local_ids)
 

@@ -5,14 +5,18 @@ logits. Other rows divide by the temperature, keep the top_k highest logits (0 =
 then keep the smallest set of the remaining tokens, highest probability first, whose
 probability reaches top_p (the top token always stays), and draw from what is left.
 
-The draw is an exponential race: token = argmax(p_i / q_i) with q_i ~ Exp(1) drawn from the
-row's own generator, which picks token i with probability p_i. Each sampled row consumes
-exactly `vocab` exponential draws from its generator regardless of the other rows, so a
-seeded request yields the same tokens alone or in any batch.
+The draw is an exponential race: token = argmax(p_i / q_i) with q_i ~ Exp(1), which picks
+token i with probability p_i. For a seeded request the `vocab` exponentials of the token at
+absolute position `p` of the sequence (prompt tokens count; the first generated token sits
+at `len(prompt)`) come from a generator seeded with `draw_seed(seed, p)`: the draw is a pure
+function of (seed, position, logits). It does not depend on the batch, on how many steps
+this process ran, or on which process sampled the earlier tokens, so a stream resumed on
+another worker from its tokens so far draws exactly what the original would have.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -34,7 +38,7 @@ class SamplingParams:
     top_p: float = 1.0
     # Keep only the top_k highest logits (0 = off).
     top_k: int = 0
-    # Seed of the request's own generator; None draws from torch's global generator.
+    # Seed of the request's draws (see `draw_seed`); None draws from torch's global generator.
     seed: int | None = None
     # Most tokens to generate (the prefill's first token included).
     max_tokens: int = 16
@@ -73,18 +77,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """The per-request generator for `seed` (None for an unseeded request).
-
-    Create it once per request and pass it to every `Sampler.sample` call of that request.
-    """
-    if seed is None:
-        return None
-    import torch
-
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of the token at absolute `position` of a request seeded `seed`:
+    the first 8 bytes of BLAKE2b over both as little-endian u64, masked to 63 bits.
+    Canonical (the same in every process and on every machine)."""
+    if not 0 <= position < 2**63:
+        raise ValueError(f"position must be in [0, 2**63), got {position!r}")
+    key = seed.to_bytes(8, "little") + position.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
 
 
 def apply_top_k_top_p(
@@ -114,26 +114,27 @@ def apply_top_k_top_p(
 
 
 class Sampler:
-    """Picks the next token of every row of a batch. Stateless; the randomness lives in
-    the per-request generators the caller owns (advanced by each sampled row)."""
+    """Picks the next token of every row of a batch. Stateless: a seeded row's randomness is
+    a function of its seed and the position it samples (see the module docstring)."""
 
     def sample(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        positions: Sequence[int],
     ) -> torch.Tensor:
         """Token ids `[batch]` (int64, on `logits`' device) for `logits` `[batch, vocab]`.
 
-        Row `i` follows `params[i]` and draws from `generators[i]` (torch's global
-        generator when None). Greedy rows draw nothing.
+        Row `i` follows `params[i]` and samples the token at absolute position
+        `positions[i]` of its sequence. Greedy rows draw nothing; unseeded rows draw from
+        torch's global generator.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got {tuple(logits.shape)}")
         batch, vocab = logits.shape
-        if len(params) != batch or len(generators) != batch:
+        if len(params) != batch or len(positions) != batch:
             raise ValueError(
-                f"{batch} logit rows, {len(params)} params, {len(generators)} generators"
+                f"{batch} logit rows, {len(params)} params, {len(positions)} positions"
             )
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -150,16 +151,14 @@ class Sampler:
         probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
         race = torch.empty(len(rows), vocab, dtype=torch.float32, device=device)
         for j, i in enumerate(rows):
-            race[j] = _exponential(vocab, generators[i]).to(device)
+            seed = params[i].seed
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=device)
+                generator.manual_seed(draw_seed(seed, positions[i]))
+            race[j].exponential_(generator=generator)
         tokens[index] = (probs / race).argmax(dim=-1)
         return tokens
-
-
-def _exponential(vocab: int, generator: torch.Generator | None) -> torch.Tensor:
-    import torch
-
-    device = generator.device if generator is not None else torch.device("cpu")
-    return torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=generator)
 
 
 def finish_reason(

@@ -15,6 +15,8 @@ Per request:
    throughout. Only then do the pulled full blocks enter this worker's prefix cache. If a
    digest differs or the lease was gone, nothing pulled is used or cached and the call
    fails with ABORTED (the router prefills again; the client sees no error);
+   A resumed stream (`resume_tokens`: the tokens another decode worker had streamed before
+   it failed) gets their KV computed after the prompt's, and continues from there;
 4. wait for a batch slot, join the continuous-batching loop and stream `DecodeResponse`
    chunks of token ids (the router owns the text). The stream never repeats the prefill's
    first token, which the caller already has: the first chunk carries `blocks_pulled` /
@@ -56,6 +58,7 @@ from common.server.rpc import RpcStatusError, rpc_errors
 from common.transfer.types import TransferTimeoutError
 from common.wire.convert import sampling_from_proto
 from common.wire.sampling import finish_reason_to_proto
+from decode_worker.resume import resume_tokens
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
@@ -79,6 +82,8 @@ class DecodeCounters:
     leases_lost: int = 0  # pulls discarded because the lease was not live throughout
     lease_renewals: int = 0  # RenewKv calls made while waiting for free blocks
     block_waits: int = 0  # requests that waited for free blocks before their pull
+    resumed: int = 0  # streams resumed from another decode worker's tokens (resume_tokens)
+    tokens_recomputed: int = 0  # KV of resumed tokens computed here
     pull_seconds: float = 0.0  # wall time spent in READs
 
 
@@ -143,6 +148,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             raise RpcStatusError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"first_token_id: {first} outside the vocab"
             )
+        generated = [first, *resume_tokens(runner, request, sampling)]
         if not request.HasField("kv"):
             raise RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT, "kv: missing")
         handle = request.kv
@@ -161,7 +167,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             )
         self.counters.requests += 1
         # From here on this worker owns releasing the lease (once, whatever happens).
-        reason = runner.stop.check(sampling, first, 1)
+        reason = None if len(generated) > 1 else runner.stop.check(sampling, first, 1)
         if reason is not None:
             # The first token already ends the answer: nothing to pull, nothing to add.
             self._peers.release_kv(handle.holder_address, handle.lease_id)
@@ -169,7 +175,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             return
         pull_timeout_s = min(self.pull_timeout_s, time_left_s or self.pull_timeout_s)
         seq, plan = await self._admit(
-            request, tokens, handoff.positions.delta, sampling, hashes, max(pull_timeout_s, 1e-3)
+            request,
+            tokens,
+            generated,
+            handoff.positions.delta,
+            sampling,
+            hashes,
+            max(pull_timeout_s, 1e-3),
         )
         try:
             await self._slots.acquire()
@@ -202,6 +214,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self,
         request: decode_service_pb2.DecodeRequest,
         tokens: list[int],
+        generated: list[int],
         mrope_delta: int,
         sampling: SamplingParams,
         hashes: list[bytes] | None,
@@ -297,7 +310,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             tokens,
             mrope_delta,
             sampling,
-            request.first_token_id,
+            generated,
             on_orphan=lambda s: self.model.submit(batching.release, runner, s),
         )
         return seq, plan
@@ -310,11 +323,15 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         tokens: list[int],
         mrope_delta: int,
         sampling: SamplingParams,
-        first: int,
+        generated: list[int],
     ) -> LmSequence:
-        """Model thread: cache the pulled (verified) blocks, then the sequence owning them."""
+        """Model thread: cache the pulled (verified) blocks, then the sequence owning them
+        (computing the KV of resumed tokens)."""
         self.runner.allocator.finish_import(plan, hashes, digests)
-        return self.runner.resume(tokens, sampling, plan.blocks, first, mrope_delta=mrope_delta)
+        if len(generated) > 1:
+            self.counters.resumed += 1
+            self.counters.tokens_recomputed += len(generated) - 1
+        return self.runner.resume(tokens, sampling, plan.blocks, generated, mrope_delta=mrope_delta)
 
     async def _plan(
         self, hashes: list[bytes] | None, n: int, total: int, handle: kv_pb2.KvHandle

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 import torch
 
-from common.handoff import Handoff, read_handoff
+from common.handoff import EMBEDDINGS_LOST, Handoff, read_handoff
 from common.models.runner import LmRunner
 from common.multimodal.validation import MultimodalLayoutError
 from common.server.peers import PeerClient
@@ -96,10 +96,16 @@ class EmbeddingPulls:
             raise MultimodalLayoutError(field, f"cannot pull embeddings: {exc}") from None
         except TransferError as exc:
             raise RpcStatusError(
-                grpc.StatusCode.UNAVAILABLE, f"{field}: cannot pull embeddings: {exc}"
+                grpc.StatusCode.UNAVAILABLE, f"{field}: {EMBEDDINGS_LOST} ({exc})"
             ) from None
         except ValueError as exc:
             raise MultimodalLayoutError(field, str(exc)) from None
+        except Exception as exc:
+            if not type(exc).__name__.startswith("nixl"):  # e.g. nixlRemoteDisconnectError
+                raise
+            raise RpcStatusError(
+                grpc.StatusCode.UNAVAILABLE, f"{field}: {EMBEDDINGS_LOST} ({exc!r})"
+            ) from None
         if ref.handle.lease_id and ref.handle.lease_id not in pulled:
             pulled.append(ref.handle.lease_id)
         return tensor

@@ -1,12 +1,17 @@
 """What every stage of a request shares: the job, its failure type, and worker calls with
-selection, in-flight counting and one retry on UNAVAILABLE."""
+selection, in-flight counting and retries on UNAVAILABLE.
+
+A call that fails with UNAVAILABLE (the worker died, its stream was removed, or it drains)
+is tried again on another worker of the role not yet tried, up to `attempts` tries in all;
+each retry is counted per stage (`retries`, the `epd:retries` metric) and logged. When no
+untried worker of the role is left the request fails with UNAVAILABLE naming the role."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -42,6 +47,9 @@ class RouterError(Exception):
         self.code = code
         # Sent with the status (e.g. `retry-after-ms` when admission refuses).
         self.trailing_metadata: tuple[tuple[str, str], ...] = ()
+        # The worker whose call failed and its stage ("" when no worker call did).
+        self.address = ""
+        self.stage = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,26 +73,32 @@ class Job:
 class WorkerCalls:
     """Picks workers from the registry and runs calls on them (see `with_retry`)."""
 
-    def __init__(self, registry: Registry, attempts: int = 2) -> None:
+    def __init__(self, registry: Registry, attempts: int = 3) -> None:
         self.registry = registry
         self.attempts = attempts  # tries of one stage, on different workers
         self.retries: Counter[str] = Counter()  # calls tried again, per stage (metrics)
 
-    def pick(self, role: Role, tried: set[str]) -> WorkerRecord:
-        """The least loaded worker of `role` not yet tried; RouterError(UNAVAILABLE)."""
+    def pick(self, role: Role, tried: Collection[str]) -> WorkerRecord:
+        """The least loaded worker of `role` not yet tried; RouterError(UNAVAILABLE) naming
+        the role (and the workers tried) when there is none."""
         try:
             return self.registry.pick(role, exclude=frozenset(tried))
         except NoWorkerError as exc:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-
-    def retryable(self, exc: grpc.aio.AioRpcError, tries: int) -> bool:
-        """UNAVAILABLE (worker gone or draining) with tries left."""
-        return exc.code() == grpc.StatusCode.UNAVAILABLE and tries < self.attempts
+            if not tried:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            raise RouterError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no {role} worker left: {', '.join(sorted(tried))} failed and no other is "
+                "registered and available",
+            ) from None
 
     def error(self, stage: str, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> RouterError:
         """The client-facing error of a failed worker call."""
         code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
-        return RouterError(code, f"{stage} on {worker.address} failed: {exc.details()}")
+        error = RouterError(code, f"{stage} on {worker.address} failed: {exc.details()}")
+        error.address = worker.address
+        error.stage = stage
+        return error
 
     async def with_retry(
         self,
@@ -93,18 +107,24 @@ class WorkerCalls:
         call: Callable[[WorkerRecord], Awaitable[T]],
         *,
         first: WorkerRecord | None = None,
+        exclude: Collection[str] = (),
+        attempts: int | None = None,
     ) -> T:
-        """`call(worker)` on `first` (or the least loaded worker of `role`), counted in
-        flight; on UNAVAILABLE once more on another worker. Raises RouterError."""
-        tried: set[str] = set()
+        """`call(worker)` on `first` (or the least loaded worker of `role` not in
+        `exclude`), counted in flight; on UNAVAILABLE again on another worker, up to
+        `attempts` tries (default `self.attempts`). Raises RouterError."""
+        tried: set[str] = set(exclude)
+        tries = 0
+        limit = self.attempts if attempts is None else attempts
         while True:
-            worker = first if first is not None and not tried else self.pick(role, tried)
+            worker = first if first is not None and not tries else self.pick(role, tried)
             tried.add(worker.address)
+            tries += 1
             with self.registry.using(worker):
                 try:
                     return await call(worker)
                 except grpc.aio.AioRpcError as exc:
-                    if not self.retryable(exc, len(tried)):
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or tries >= limit:
                         raise self.error(stage, worker, exc) from None
                     self.retries[stage] += 1
                     logger.warning(

@@ -7,7 +7,7 @@ image meets the encoder cache that already holds it, and an encoder joining or l
 only the items it wins or held. The home is bypassed for the least loaded encoder when its
 load exceeds that one's by more than `affinity_slack` requests; a slack of 0 turns affinity
 off (the whole request goes to the least loaded encoder). A request's items are grouped per
-chosen encoder; the groups' `Encode` calls run concurrently (each retried once on
+chosen encoder; the groups' `Encode` calls run concurrently (each retried on
 UNAVAILABLE, on another encoder) and their outputs come back in item order.
 
 Outputs come back as inline bytes or NIXL handles and pass on unchanged (a prefill worker

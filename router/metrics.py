@@ -73,6 +73,16 @@ class RouterMetrics:
             "Prefills run again because decode refused the KV (ABORTED).",
             registry=registry,
         )
+        self.migrations = Counter(
+            "epd:decode_migrations",
+            "Decode streams resumed on another decode worker after theirs failed mid-stream.",
+            registry=registry,
+        )
+        self.tokens_recomputed = Counter(
+            "epd:decode_tokens_recomputed",
+            "Tokens already streamed whose KV a resuming decode worker computed again.",
+            registry=registry,
+        )
         self.items_skipped = Counter(
             "epd:items_skipped",
             "Multimodal items not encoded: they lie wholly in the prefill worker's cached prefix.",

@@ -20,7 +20,8 @@
       decode   (prompt_token_ids, MultimodalParams without embeddings, first token,
                KvHandle) -> least loaded decode worker -> token id chunks after the first
                token, streamed on (its first chunk carries the KV transfer counts
-               blocks_pulled / blocks_reused)
+               blocks_pulled / blocks_reused); a stream that breaks mid-way resumes on
+               another decode worker, token for token (`router.decode`)
 
 Text: the router owns it. Workers send token ids only; one incremental detokenizer per job
 (`router.detokenize`) turns the whole answer, first token included, into text deltas.
@@ -37,16 +38,22 @@ stream ends; a stage retried on another worker moves its reservation there.
 Ownership of the KV lease: the decode worker takes it over with its first chunk (it has
 pulled the blocks by then). Until that chunk arrives the router owns it: if decode is
 never started, fails, or the client leaves or time runs out first, the router calls
-`PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it). A
-worker call that fails with UNAVAILABLE before any of its output was used is tried once
-more on another worker of the role.
+`PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it).
+
+Failures (`router.calls`): a worker call that fails with UNAVAILABLE before any of its
+output was used is tried again on another worker of the role, up to `attempts` tries; with
+no untried worker of the role left the request fails with UNAVAILABLE naming the role. A
+failed prefill is retried with its items encoded again (the failed worker may have released
+their embedding leases already); when it failed because an embedding's encoder is gone
+(`common.handoff.EMBEDDINGS_LOST`), on the same prefill worker.
 
 Deadlines: every worker call gets the time left until the job's deadline; cancellation of
 the caller cancels the in-flight call (unary calls through task cancellation, the decode
 stream explicitly), so workers free what they hold.
 
-Trusted KV: a decode worker that finds the pulled KV unusable (a block failed its digest, or
-the lease was not live throughout the READ) answers ABORTED before its first chunk; the
+Trusted KV: a decode worker that finds the pulled KV unusable (a block failed its digest,
+the lease was not live throughout the READ, or the holder is gone) answers ABORTED before
+its first chunk; the
 router then prefills again (any prefill worker; the first token already sent is kept, as
 the KV of the prompt does not depend on it) and decodes with the new handle, up to
 `reprefills` times, so the client sees no error.
@@ -56,11 +63,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 
+from common.handoff import EMBEDDINGS_LOST
 from common.processing.processor import Processor
 from common.sampling import StopChecker
 from common.server.peers import PeerClient
@@ -68,7 +75,6 @@ from common.wire.convert import params_to_proto, sampling_to_proto
 from common.wire.sampling import finish_reason_to_proto
 from epd.v1 import (
     decode_service_pb2,
-    decode_service_pb2_grpc,
     multimodal_pb2,
     prefill_service_pb2,
     prefill_service_pb2_grpc,
@@ -76,24 +82,16 @@ from epd.v1 import (
 )
 from router.admission import Admission, KvPoolFull, Ticket
 from router.calls import Job, RouterError, WorkerCalls
+from router.decode import DecodeStage, KvLease
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
 from router.routing import PrefillRouting
-from router.workers import Role, WorkerRecord
+from router.workers import NoWorkerError, Role, WorkerRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class KvLease:
-    """The prefill worker's lease on a prompt's KV blocks and who must release it."""
-
-    lease_id: str  # from the KvHandle
-    address: str  # prefill worker holding the blocks
-    owned: bool = True  # False once the decode worker has taken it over (first chunk)
 
 
 class Orchestrator:
@@ -106,8 +104,9 @@ class Orchestrator:
         processor: Processor,
         *,
         max_inline_embedding_bytes: int,
-        attempts: int = 2,
+        attempts: int = 3,
         reprefills: int = 2,
+        migrations: int = 2,
         cache_aware: bool = True,
         encoder_affinity_slack: int = 2,
         max_queued_requests: int = 512,
@@ -116,7 +115,6 @@ class Orchestrator:
         self.registry = registry
         self.channels = channels  # worker channels and lease releases; the caller closes it
         self.processor = processor
-        self.reprefills = reprefills  # prefills again after decode refused the KV (ABORTED)
         self.stop = StopChecker(frozenset(processor.eos_token_ids))
         self.calls = WorkerCalls(registry, attempts)
         self.prefix = PrefixIndex(channels)
@@ -131,6 +129,15 @@ class Orchestrator:
             affinity_slack=encoder_affinity_slack,
         )
         self.metrics = RouterMetrics(self.admission, self.calls)  # the router's registry
+        self.decode = DecodeStage(
+            registry,
+            self.calls,
+            channels,
+            self.admission,
+            self.metrics,
+            reprefills=reprefills,
+            migrations=migrations,
+        )
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with
@@ -170,7 +177,21 @@ class Orchestrator:
                 yield chunk
                 return
             yield chunk
-            async for out in self._decode(job, handoff, hashes, prefill, lease, detok, ticket):
+            request = decode_service_pb2.DecodeRequest(
+                request_id=job.request_id,
+                prompt_token_ids=job.prompt.prompt_token_ids,
+                multimodal=handoff,
+                sampling=sampling_to_proto(job.sampling),
+                first_token_id=first,
+                kv=prefill.kv,
+            )
+            if job.cache_salt is not None:
+                request.cache_salt = job.cache_salt
+
+            def prefill_again() -> Awaitable[tuple[prefill_service_pb2.PrefillResponse, str]]:
+                return self._prefill_admitted(job, handoff, hashes, ticket)
+
+            async for out in self.decode.stream(job, request, lease, detok, ticket, prefill_again):
                 yield out
         finally:
             # Also when the client goes away at a `yield`, before decode ever starts.
@@ -203,15 +224,56 @@ class Orchestrator:
         hashes: list[bytes] | None,
         ticket: Ticket,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
+        """Encode and prefill; a prefill worker that fails with UNAVAILABLE (dead, or an
+        embedding's encoder is: `EMBEDDINGS_LOST`) is retried with the items encoded again
+        (its embedding leases may be released already), on another prefill worker unless
+        only the encoder was lost, up to `calls.attempts` tries."""
+        failed: set[str] = set()  # prefill workers that failed under this request
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return await self._encode_and_prefill_on(job, handoff, hashes, ticket, failed)
+            except RouterError as exc:
+                if exc.code != grpc.StatusCode.UNAVAILABLE or exc.stage != "prefill":
+                    raise
+                if tries >= self.calls.attempts:
+                    raise
+                lost_embeddings = EMBEDDINGS_LOST in str(exc)
+                if not lost_embeddings:
+                    failed.add(exc.address)
+                self.calls.retries["prefill"] += 1
+                logger.warning(
+                    "request %s: %s; encoding again and prefilling %s",
+                    job.request_id,
+                    exc,
+                    "again" if lost_embeddings else "on another worker",
+                )
+
+    async def _encode_and_prefill_on(
+        self,
+        job: Job,
+        handoff: multimodal_pb2.MultimodalParams,
+        hashes: list[bytes] | None,
+        ticket: Ticket,
+        failed: set[str],
+    ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         planning = time.perf_counter()
-        route = self.routing.route(job, hashes, ticket.workers.get(Role.PREFILL))
+        worker = ticket.workers.get(Role.PREFILL)
+        if failed and (worker is None or worker.address in failed):
+            try:
+                worker = self.routing.chooser(hashes)(Role.PREFILL, frozenset(failed))
+            except NoWorkerError:
+                self.calls.pick(Role.PREFILL, failed)  # raises UNAVAILABLE naming the role
+                raise
+        route = self.routing.route(job, hashes, worker)
         self.metrics.planning.labels("route").observe(time.perf_counter() - planning)
         self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
         encoded = await self.encoder.encode(job, [i for i in every if i not in route.skip])
         try:
             try:
-                return await self._prefill(job, handoff, encoded, route.worker, ticket)
+                return await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
             except RouterError as exc:
                 if not route.skip or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
@@ -220,7 +282,7 @@ class Orchestrator:
                 )
             self.channels.release_embeddings(encoded.leases)
             encoded = await self.encoder.encode(job, list(every))
-            return await self._prefill(job, handoff, encoded, None, ticket)
+            return await self._prefill(job, handoff, encoded, None, ticket, failed)
         except BaseException:
             # Prefill releases what it pulled; leases it never reached are freed here.
             self.channels.release_embeddings(encoded.leases)
@@ -233,7 +295,10 @@ class Orchestrator:
         encoded: Encoded,
         first: WorkerRecord | None,
         ticket: Ticket,
+        failed: set[str],
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
+        """One Prefill call (on `first`, or the best worker not in `failed`): retrying it
+        is the caller's, with the items encoded again. Raises RouterError."""
         multimodal = multimodal_pb2.MultimodalParams()
         multimodal.CopyFrom(handoff)
         multimodal.embeddings.extend(encoded.embeddings)
@@ -259,93 +324,14 @@ class Orchestrator:
             return response
 
         try:
-            response = await self.calls.with_retry(Role.PREFILL, "prefill", call, first=first)
+            response = await self.calls.with_retry(
+                Role.PREFILL, "prefill", call, first=first, exclude=failed, attempts=1
+            )
         except RouterError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise KvPoolFull(exc.code, str(exc)) from None
             raise
         return response, holder
-
-    async def _decode(
-        self,
-        job: Job,
-        handoff: multimodal_pb2.MultimodalParams,
-        hashes: list[bytes] | None,
-        prefill: prefill_service_pb2.PrefillResponse,
-        lease: KvLease,
-        detok: IncrementalDetokenizer,
-        ticket: Ticket,
-    ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
-        request = decode_service_pb2.DecodeRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt.prompt_token_ids,
-            multimodal=handoff,
-            sampling=sampling_to_proto(job.sampling),
-            first_token_id=prefill.first_token_id,
-            kv=prefill.kv,
-        )
-        if job.cache_salt is not None:
-            request.cache_salt = job.cache_salt
-        tried: set[str] = set()
-        reprefills = 0
-        while True:
-            reserved = ticket.workers.get(Role.DECODE)
-            if reserved is not None and reserved.address not in tried:
-                worker = reserved
-            else:
-                worker = self.calls.pick(Role.DECODE, tried)
-                self.admission.move(ticket, Role.DECODE, worker)
-            tried.add(worker.address)
-            stub = decode_service_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
-            with self.registry.using(worker):
-                call = stub.Decode(request, timeout=job.time_left("decode"))
-                try:
-                    async for response in call:
-                        if lease.owned:  # the decode worker has it once it answers
-                            lease.owned = False
-                            self.admission.release(ticket, Role.PREFILL)
-                        yield self._chunk(response, detok)
-                    return
-                except grpc.aio.AioRpcError as exc:
-                    refused_kv = exc.code() == grpc.StatusCode.ABORTED
-                    if lease.owned and refused_kv and reprefills < self.reprefills:
-                        reprefills += 1
-                        self.metrics.reprefills.inc()
-                        tried.discard(worker.address)
-                        logger.warning(
-                            "request %s: decode on %s refused the KV (%s); prefilling again",
-                            job.request_id,
-                            worker.address,
-                            exc.details(),
-                        )
-                        self.channels.release_kv(lease.address, lease.lease_id)
-                        again, holder = await self._prefill_admitted(job, handoff, hashes, ticket)
-                        request.kv.CopyFrom(again.kv)
-                        lease.lease_id = again.kv.lease_id
-                        lease.address = again.kv.holder_address or holder
-                        continue
-                    if not lease.owned or not self.calls.retryable(exc, len(tried)):
-                        raise self.calls.error("decode", worker, exc) from None
-                    self.calls.retries["decode"] += 1
-                    logger.warning(
-                        "decode on %s failed (%s); trying another", worker.address, exc.code()
-                    )
-                finally:
-                    call.cancel()
-
-    def _chunk(
-        self, response: decode_service_pb2.DecodeResponse, detok: IncrementalDetokenizer
-    ) -> router_service_pb2.GenerateResponse:
-        text = detok.add(response.token_ids)
-        if response.finish_reason != decode_service_pb2.FINISH_REASON_UNSPECIFIED:
-            text += detok.flush()
-        return router_service_pb2.GenerateResponse(
-            token_ids=response.token_ids,
-            text=text,
-            finish_reason=response.finish_reason,
-            blocks_pulled=response.blocks_pulled,
-            blocks_reused=response.blocks_reused,
-        )
 
     async def close(self) -> None:
         """Stop following KV events (the peer client's owner closes it: releases finish)."""

@@ -324,6 +324,7 @@ async def serve(
         cache_aware=settings.cache_aware_routing,
         encoder_affinity_slack=settings.encoder_affinity_slack,
         reprefills=settings.kv_reprefills,
+        migrations=settings.decode_migrations,
         max_queued_requests=settings.max_queued_requests,
         max_queue_wait_s=settings.max_queue_wait_s,
     )

@@ -110,6 +110,11 @@ class RouterSettings(ServerSettings):
     )
     http_fetch_timeout_s: float = setting(10.0, "longest one media URL fetch may take")
     http_fetch_max_bytes: int = setting(64 << 20, "largest media file one URL fetch may return")
+    decode_migrations: int = setting(
+        2,
+        "times one decode stream is resumed on another decode worker after the one serving it "
+        "fails mid-stream (0: the client gets UNAVAILABLE at once)",
+    )
     kv_reprefills: int = setting(
         2,
         "times a request is prefilled again when decode refuses the pulled KV (its lease "

@@ -148,6 +148,8 @@ class Cluster:
         """Start process `name` again as it was first started (same flags, so a worker with
         a fixed `--port` comes back at the same address); logs to <name>.<log_suffix>.log.
         The old process must have exited."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
         module, args = self.commands[name]
         proc = _spawn(module, args, self.log_dir / f"{name}.{log_suffix}.log")
         self.procs[name] = proc
@@ -173,6 +175,13 @@ class Cluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+
+
+def kill(cluster: Cluster, name: str) -> None:
+    """SIGKILL one process of `cluster` (no drain, no goodbye) and reap it."""
+    proc = cluster.procs[name]
+    proc.kill()
+    proc.wait(10)
 
 
 def free_port() -> int:
@@ -211,13 +220,15 @@ def start_cluster(
     timeout_s: float = 120.0,
     routers: int = 1,
     root: Path = ROOT,
+    prefills: int = 1,
+    decodes: int = 1,
 ) -> Cluster:
-    """Start router + `encoders` encoders + prefill + decode and wait until all registered
-    (encoders after the first are named encoder-1, encoder-2, ...). `http`: the router also
-    serves its HTTP API on a free port (`Cluster.http_url`); off otherwise. `routers`: that
-    many routers (router, router-1, ...; `Cluster.router_addresses`), every worker registered
-    with all of them. `root`: the checkout whose code the processes run (another one's, e.g.
-    a benchmark's baseline).
+    """Start router + `encoders` encoders + `prefills` prefill + `decodes` decode workers
+    and wait until all registered (workers of a role after the first are named encoder-1,
+    prefill-1, decode-1, ...). `http`: the router also serves its HTTP API on a free port
+    (`Cluster.http_url`); off otherwise. `routers`: that many routers (router, router-1, ...;
+    `Cluster.router_addresses`), every worker registered with all of them. `root`: the
+    checkout whose code the processes run (another one's, e.g. a benchmark's baseline).
 
     Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
     nothing is left running then.
@@ -268,7 +279,10 @@ def start_cluster(
         }
         names = [("encoder", "encoder")]
         names += [("encoder", f"encoder-{i}") for i in range(1, encoders)]
-        names += [("prefill", "prefill"), ("decode", "decode")]
+        names += [("prefill", "prefill")]
+        names += [("prefill", f"prefill-{i}") for i in range(1, prefills)]
+        names += [("decode", "decode")]
+        names += [("decode", f"decode-{i}") for i in range(1, decodes)]
         routers_flag = (
             ["--router-address", cluster.address]
             if routers == 1

@@ -27,6 +27,7 @@ import msgpack
 import pytest
 import torch
 
+from common.handoff import EMBEDDINGS_LOST
 from common.multimodal.validation import MultimodalLayoutError
 from common.server.rpc import RpcStatusError
 from common.transfer.agent import TransferAgent
@@ -250,3 +251,4 @@ def test_a_dead_holder_is_unavailable(encoders: list[Encoder], reader: TransferA
         _resolve(reader, ref, "embeddings.rows")
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "embeddings.rows" in str(info.value)
+    assert EMBEDDINGS_LOST in str(info.value)  # the router encodes the item again

@@ -12,8 +12,8 @@ from common.sampling import (
     SamplingParams,
     StopChecker,
     apply_top_k_top_p,
+    draw_seed,
     finish_reason,
-    make_generator,
 )
 
 VOCAB = 64
@@ -23,10 +23,13 @@ def rand_logits(batch: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def sample_steps(logits_rows: torch.Tensor, params: SamplingParams, steps: int) -> list[int]:
-    """Tokens a seeded request draws over `steps` calls, alone in the batch."""
-    gen = make_generator(params.seed)
-    return [int(Sampler().sample(logits_rows[None], [params], [gen])[0]) for _ in range(steps)]
+def sample_steps(
+    logits_rows: torch.Tensor, params: SamplingParams, steps: int, start: int = 0
+) -> list[int]:
+    """Tokens a seeded request draws at positions start, start+1, ..., alone in the batch."""
+    return [
+        int(Sampler().sample(logits_rows[None], [params], [start + p])[0]) for p in range(steps)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -55,12 +58,11 @@ def test_params_defaults_and_normalization():
     assert p.stop_token_ids == (3, 4) and p.is_greedy
     assert SamplingParams(temperature=1.0, top_k=1).is_greedy
     assert not SamplingParams(temperature=0.7).is_greedy
-    assert make_generator(None) is None
 
 
 def test_greedy_is_argmax():
     logits = rand_logits(5)
-    out = Sampler().sample(logits, [SamplingParams()] * 5, [None] * 5)
+    out = Sampler().sample(logits, [SamplingParams()] * 5, [0] * 5)
     assert out.dtype == torch.long
     assert torch.equal(out, logits.argmax(dim=-1))
 
@@ -68,9 +70,8 @@ def test_greedy_is_argmax():
 def test_top_k_one_is_greedy_even_when_hot():
     logits = rand_logits(4)
     params = [SamplingParams(temperature=5.0, top_k=1, seed=i) for i in range(4)]
-    gens = [make_generator(p.seed) for p in params]
-    for _ in range(3):
-        assert torch.equal(Sampler().sample(logits, params, gens), logits.argmax(dim=-1))
+    for p in range(3):
+        assert torch.equal(Sampler().sample(logits, params, [p] * 4), logits.argmax(dim=-1))
 
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant():
@@ -84,15 +85,13 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant():
     steps = 12
     alone = [sample_steps(logits[i], p, steps) for i, p in enumerate(params)]
     assert alone == [sample_steps(logits[i], p, steps) for i, p in enumerate(params)]
-    gens = [make_generator(p.seed) for p in params]
-    batched = [Sampler().sample(logits, params, gens).tolist() for _ in range(steps)]
+    batched = [Sampler().sample(logits, params, [p] * 4).tolist() for p in range(steps)]
     assert [list(col) for col in zip(*batched, strict=True)] == alone
     assert len(set(alone[0])) > 1  # it really samples
     # Another batch order / composition gives the same per-request tokens.
-    gens = [make_generator(13), make_generator(11)]
     swapped = [
-        Sampler().sample(logits[[3, 0]], [params[3], params[0]], gens).tolist()
-        for _ in range(steps)
+        Sampler().sample(logits[[3, 0]], [params[3], params[0]], [p, p]).tolist()
+        for p in range(steps)
     ]
     assert [row[0] for row in swapped] == alone[3]
     assert [row[1] for row in swapped] == alone[0]
@@ -103,6 +102,23 @@ def test_different_seeds_differ():
     a = sample_steps(logits, SamplingParams(temperature=2.0, seed=1), 20)
     b = sample_steps(logits, SamplingParams(temperature=2.0, seed=2), 20)
     assert a != b
+
+
+def test_a_draw_is_a_function_of_seed_and_position_only():
+    logits = rand_logits(1, seed=3)[0]
+    params = SamplingParams(temperature=1.5, seed=5)
+    whole = sample_steps(logits, params, 16)
+    # Resumed mid-way (a fresh process, say): positions 9.. draw what they drew before,
+    # whatever was sampled in between and in whatever order.
+    assert sample_steps(logits, params, 7, start=9) == whole[9:]
+    assert [sample_steps(logits, params, 1, start=p)[0] for p in reversed(range(16))] == (
+        whole[::-1]
+    )
+    # Canonical and distinct per position.
+    assert draw_seed(5, 9) == draw_seed(5, 9) != draw_seed(5, 10) != draw_seed(6, 9)
+    assert 0 <= draw_seed(2**63 - 1, 2**40) < 2**63
+    with pytest.raises(ValueError, match="position"):
+        draw_seed(5, -1)
 
 
 def test_sampled_tokens_respect_top_k():
@@ -116,8 +132,7 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().expand(4000, 3).contiguous()
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(4000)]
-    gens = [make_generator(i) for i in range(4000)]
-    counts = torch.bincount(Sampler().sample(logits, params, gens), minlength=3) / 4000
+    counts = torch.bincount(Sampler().sample(logits, params, [7] * 4000), minlength=3) / 4000
     assert torch.allclose(counts, probs, atol=0.03)
 
 
@@ -146,7 +161,7 @@ def test_top_k_then_top_p_renormalizes():
 
 def test_sample_checks_shapes():
     with pytest.raises(ValueError, match="params"):
-        Sampler().sample(rand_logits(2), [SamplingParams()], [None, None])
+        Sampler().sample(rand_logits(2), [SamplingParams()], [0, 0])
 
 
 def test_finish_reason():
@@ -161,3 +176,65 @@ def test_finish_reason():
     checker = StopChecker(frozenset({2, 7}))
     assert checker.check(p, 7, 1) == "stop"
     assert checker.check(ignore, 7, 3) == "length"
+
+
+# ------------------------------------------------- through the runner: alone, batch, resumed
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from common.engine import Engine
+    from common.models.tiny import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+    # One torch thread: on a shared machine oversubscribed intra-op threads run far slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.from_pretrained(folder, block_size=8, num_blocks=128, max_batch=4)
+    torch.set_num_threads(threads)
+
+
+def _chat(text: str) -> list[dict[str, object]]:
+    return [{"role": "user", "content": [{"type": "text", "text": text}]}]
+
+
+def _image_chat() -> list[dict[str, object]]:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(1).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    part = {"type": "image", "image": Image.fromarray(pixels)}
+    return [{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
+
+
+@pytest.mark.parametrize("chat", ["text", "image"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.2, "top_p": 0.95, "seed": 7}])
+def test_seeded_tokens_alone_batched_and_resumed(engine, chat, sampling):
+    """A request's tokens are the same decoded alone, beside others, or resumed mid-way
+    from its prompt's KV plus its tokens so far (`LmRunner.resume`, what a decode worker
+    does when it takes over a broken stream)."""
+    messages = _chat("Tell me a story about a cat.") if chat == "text" else _image_chat()
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **sampling)
+    alone = engine.generate(messages, params).token_ids
+    others = [_chat("Other request"), _chat("And one more, longer than the others.")]
+    other_params = [SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.9, seed=3)] * 2
+    batched = engine.generate_batch([*others, messages], [*other_params, params])
+    assert batched[2].token_ids == alone
+    if sampling:
+        assert len(set(alone)) > 2  # it really samples
+    prompt = engine.process(messages)
+    encoded = engine.encode(prompt)
+    for cut in (1, 7):
+        # A fresh prefill gives the prompt's KV; the tokens after it are recomputed.
+        seq = engine.prefill(prompt.prompt_token_ids, encoded, params, use_prefix_cache=False)
+        resumed = engine.runner.resume(
+            prompt.prompt_token_ids,
+            params,
+            seq.blocks,
+            alone[:cut],
+            mrope_delta=seq.mrope_delta,
+        )
+        while resumed.finish_reason is None:
+            engine.decode_step([resumed])
+        assert resumed.output == alone, cut
+        engine.release(resumed)

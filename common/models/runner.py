@@ -11,7 +11,7 @@ produces exactly the Engine's tokens:
     check_embeddings(params)                 -> MultimodalLayoutError naming the field
     prefill(tokens, params, sampling, blocks, start) -> LmSequence (first token sampled)
     forward(blocks, tokens, positions, params, start) -> prompt logits (nothing sampled)
-    resume(tokens, sampling, blocks, first_token, mrope_delta) -> LmSequence (decode side)
+    resume(tokens, sampling, blocks, generated, mrope_delta) -> LmSequence (decode side)
     decode_step(seqs)                        (one token for every unfinished sequence)
 
 Why the runner carries the allocator: the KV buffer and the pool over it are sized by the
@@ -44,7 +44,7 @@ from common.models.qwen3_vl.text import LM_HEAD, LM_PREFIX, TextModel
 from common.models.qwen3_vl.weights import load_weights, weight_files
 from common.models.sequence import LmSequence
 from common.multimodal.params import MultimodalParams
-from common.sampling import Sampler, SamplingParams, StopChecker, make_generator
+from common.sampling import Sampler, SamplingParams, StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +183,13 @@ class LmRunner:
         seq = LmSequence(
             prompt_token_ids=tokens,
             sampling=sampling,
-            generator=make_generator(sampling.seed, self.device),
             blocks=blocks,
             mrope_delta=positions.delta,
             cached_tokens=start,
             prompt_logits=logits if keep_logits else None,
         )
         last = logits[-1:] if keep_logits else logits.unsqueeze(0)
-        self._append(seq, self.sampler.sample(last, [sampling], [seq.generator]))
+        self._append(seq, self.sampler.sample(last, [sampling], [len(tokens)]))
         logger.debug("prefilled %d tokens (%d cached)", len(tokens), start)
         return seq
 
@@ -224,30 +223,39 @@ class LmRunner:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         blocks: list[int],
-        first_token: int,
+        generated: Sequence[int],
         *,
         mrope_delta: int,
     ) -> LmSequence:
         """A sequence continuing after a prefill elsewhere: the prompt's KV is in `blocks`
-        (now owned by the sequence), `first_token` was sampled there, and `mrope_delta` is
-        the prompt's (from `check_prompt`).
+        (now owned by the sequence), `generated` are the tokens sampled so far (the
+        prefill's first token, then any a failed decode worker had streamed), and
+        `mrope_delta` is the prompt's (from `check_prompt`).
 
-        A seeded, non-greedy request's generator is advanced past the first token's draw,
-        so the rest of the tokens equal what one process would sample.
+        The K/V of every generated token but the newest are computed here, in one forward
+        (`blocks` must have room for them). Seeded draws depend on the position only
+        (`common.sampling`), so the rest of the tokens equal what one process would sample.
         """
+        if not generated:
+            raise ValueError("resume needs at least the first token")
         seq = LmSequence(
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
-            generator=make_generator(sampling.seed, self.device),
             blocks=blocks,
             mrope_delta=mrope_delta,
         )
-        if seq.generator is not None and not sampling.is_greedy:
-            vocab = self.config.text.vocab_size
-            torch.empty(vocab, dtype=torch.float32, device=seq.generator.device).exponential_(
-                generator=seq.generator
+        n, recompute = len(seq.prompt_token_ids), list(generated[:-1])
+        if recompute:
+            index = torch.arange(n, n + len(recompute))
+            self.model.prefill_chunk(
+                self.kv.buffer,
+                torch.tensor(blocks, device=self.device),
+                torch.tensor(recompute, device=self.device),
+                decode_positions(index, torch.tensor(mrope_delta)).to(self.device),
+                n,
             )
-        self._append(seq, first_token)
+        for token in generated:
+            self._append(seq, token)
         return seq
 
     def decode_step(self, seqs: Sequence[LmSequence]) -> None:
@@ -269,7 +277,7 @@ class LmRunner:
             seq_lens.to(self.device),
         )
         tokens = self.sampler.sample(
-            logits, [s.sampling for s in live], [s.generator for s in live]
+            logits, [s.sampling for s in live], [s.num_computed + 1 for s in live]
         ).tolist()
         for s, token in zip(live, tokens, strict=True):
             self._append(s, token)

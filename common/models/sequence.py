@@ -20,7 +20,6 @@ class LmSequence:
 
     prompt_token_ids: list[int]  # the prompt
     sampling: SamplingParams  # how tokens are picked and when to stop
-    generator: torch.Generator | None  # the request's own randomness (seeded requests)
     blocks: list[int]  # KV block ids in sequence order; one reference owned on each
     mrope_delta: int  # position offset of tokens after the prompt
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (prefill)

@@ -22,7 +22,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "multimodal", "sampling", "first_token_id", "kv", "cache_salt", "lora_id")
+    __slots__ = ("request_id", "prompt_token_ids", "multimodal", "sampling", "first_token_id", "kv", "cache_salt", "lora_id", "resume_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class DecodeRequest(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     multimodal: _multimodal_pb2.MultimodalParams
@@ -39,7 +40,8 @@ class DecodeRequest(_message.Message):
     kv: _kv_pb2.KvHandle
     cache_salt: str
     lora_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., multimodal: _Optional[_Union[_multimodal_pb2.MultimodalParams, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ...) -> None: ...
+    resume_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., multimodal: _Optional[_Union[_multimodal_pb2.MultimodalParams, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., resume_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "blocks_pulled", "blocks_reused")

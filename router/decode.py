@@ -1,0 +1,195 @@
+"""The decode stage: one request's decode stream, kept alive across decode-worker failures.
+
+    stream(job, request, lease, ...):
+      decode   the DecodeRequest (handoff without embeddings, sampling, first token, KvHandle)
+               -> the ticket's decode worker (or the least loaded one) -> token chunks
+      refused  ABORTED before the first chunk (the pulled KV was unusable): prefill again
+               and decode with the new handle, up to `reprefills` times
+      retried  UNAVAILABLE before the first chunk (the router still owns the lease): the
+               same handle to another decode worker
+      migrated UNAVAILABLE after the first chunk (the worker died or its stream was
+               removed; the lease was handed over and is gone): the stream resumes on a
+               decode worker not yet tried, up to `migrations` times
+
+A migration keeps what the router already has: the handoff and sampling (in the request)
+and the tokens streamed so far. It prefills the prompt again (`prefill_again`: the prefill
+worker with the longest cached prefix, so the prompt's full blocks are usually reused and a
+multimodal item wholly inside them is not encoded again) for a fresh KvHandle under a new
+lease the router owns, and sends the new decode worker `resume_tokens`: the tokens after
+the first one. That worker computes their KV after the prompt's and samples on from the
+next position; seeded draws depend only on (seed, position) (`common.sampling`), so the
+continuation is token for token the stream the failed worker would have sent. The client
+sees one stream: no token repeated or missing, and no empty chunk from the new worker.
+
+Counted in the router's metrics (`epd:decode_migrations`: streams resumed,
+`epd:decode_tokens_recomputed`: resume tokens whose KV a new decode worker computed,
+`epd:reprefills`); each migration is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from common.roles import Role
+from common.server.peers import PeerClient
+from epd.v1 import (
+    decode_service_pb2,
+    decode_service_pb2_grpc,
+    prefill_service_pb2,
+    router_service_pb2,
+)
+from router.admission import Admission, Ticket
+from router.calls import Job, WorkerCalls
+from router.detokenize import IncrementalDetokenizer
+from router.metrics import RouterMetrics
+from router.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+# Prefill the job's prompt again (admitted, encoded where needed): response and holder.
+PrefillAgain = Callable[[], Awaitable[tuple[prefill_service_pb2.PrefillResponse, str]]]
+
+
+@dataclass(slots=True)
+class KvLease:
+    """The prefill worker's lease on a prompt's KV blocks and who must release it."""
+
+    lease_id: str  # from the KvHandle
+    address: str  # prefill worker holding the blocks
+    owned: bool = True  # False once the decode worker has taken it over (first chunk)
+
+    def renew(self, response: prefill_service_pb2.PrefillResponse, holder: str) -> None:
+        """A new prefill's lease, owned by the router until a decode worker takes it."""
+        self.lease_id = response.kv.lease_id
+        self.address = response.kv.holder_address or holder
+        self.owned = True
+
+
+class DecodeStage:
+    """Runs and resumes decode streams; see the module docstring."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        calls: WorkerCalls,
+        channels: PeerClient,
+        admission: Admission,
+        metrics: RouterMetrics,
+        *,
+        reprefills: int = 2,
+        migrations: int = 2,
+    ) -> None:
+        self.registry = registry
+        self.calls = calls
+        self.channels = channels  # decode channels and KV lease releases
+        self.admission = admission
+        self.reprefills = reprefills  # prefills again after decode refused the KV (ABORTED)
+        self.migrations = migrations  # resumes of one stream after its decode worker failed
+        self.metrics = metrics  # reprefills, migrations, tokens_recomputed
+
+    async def stream(
+        self,
+        job: Job,
+        request: decode_service_pb2.DecodeRequest,
+        lease: KvLease,
+        detok: IncrementalDetokenizer,
+        ticket: Ticket,
+        prefill_again: PrefillAgain,
+    ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
+        """The chunks after the first token, to the finish reason. `lease` follows the
+        handle in `request` (the caller releases it while `owned`). Raises RouterError."""
+        tried: set[str] = set()
+        reprefills = 0
+        migrations = 0
+        streamed: list[int] = []  # tokens after the first one already sent to the client
+        while True:
+            reserved = ticket.workers.get(Role.DECODE)
+            if reserved is not None and reserved.address not in tried:
+                worker = reserved
+            else:
+                worker = self.calls.pick(Role.DECODE, tried)
+                self.admission.move(ticket, Role.DECODE, worker)
+            tried.add(worker.address)
+            del request.resume_tokens[:]
+            request.resume_tokens.extend(streamed)
+            stub = decode_service_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
+            with self.registry.using(worker):
+                call = stub.Decode(request, timeout=job.time_left("decode"))
+                try:
+                    async for response in call:
+                        if lease.owned:  # the decode worker has it once it answers
+                            lease.owned = False
+                            self.admission.release(ticket, Role.PREFILL)
+                        if migrations and not response.token_ids and not response.finish_reason:
+                            continue  # the resumed worker's first chunk: nothing new
+                        streamed.extend(response.token_ids)
+                        yield _chunk(response, detok)
+                        if response.finish_reason != decode_service_pb2.FINISH_REASON_UNSPECIFIED:
+                            return
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if lease.owned and code == grpc.StatusCode.ABORTED:
+                        if reprefills >= self.reprefills:
+                            raise self.calls.error("decode", worker, exc) from None
+                        reprefills += 1
+                        self.metrics.reprefills.inc()
+                        tried.discard(worker.address)
+                        logger.warning(
+                            "request %s: decode on %s refused the KV (%s); prefilling again",
+                            job.request_id,
+                            worker.address,
+                            exc.details(),
+                        )
+                    elif code != grpc.StatusCode.UNAVAILABLE:
+                        raise self.calls.error("decode", worker, exc) from None
+                    elif lease.owned:
+                        if len(tried) >= self.calls.attempts:
+                            raise self.calls.error("decode", worker, exc) from None
+                        self.calls.retries["decode"] += 1
+                        logger.warning(
+                            "decode on %s failed (%s); trying another", worker.address, code
+                        )
+                        continue  # the same handle, another worker
+                    else:
+                        if migrations >= self.migrations:
+                            raise self.calls.error("decode", worker, exc) from None
+                        migrations += 1
+                        self.metrics.migrations.inc()
+                        self.metrics.tokens_recomputed.inc(len(streamed))
+                        logger.warning(
+                            "request %s: decode stream on %s broke after %d tokens (%s); "
+                            "resuming on another decode worker",
+                            job.request_id,
+                            worker.address,
+                            1 + len(streamed),
+                            exc.details(),
+                        )
+                finally:
+                    call.cancel()
+            # Refused or broken: a fresh handle under a new lease for the next worker.
+            if lease.owned:
+                self.channels.release_kv(lease.address, lease.lease_id)
+                lease.owned = False
+            again, holder = await prefill_again()
+            request.kv.CopyFrom(again.kv)
+            lease.renew(again, holder)
+
+
+def _chunk(
+    response: decode_service_pb2.DecodeResponse, detok: IncrementalDetokenizer
+) -> router_service_pb2.GenerateResponse:
+    text = detok.add(response.token_ids)
+    if response.finish_reason != decode_service_pb2.FINISH_REASON_UNSPECIFIED:
+        text += detok.flush()
+    return router_service_pb2.GenerateResponse(
+        token_ids=response.token_ids,
+        text=text,
+        finish_reason=response.finish_reason,
+        blocks_pulled=response.blocks_pulled,
+        blocks_reused=response.blocks_reused,
+    )

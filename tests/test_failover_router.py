@@ -1,0 +1,164 @@
+"""The router's failover paths against fake workers in this event loop (`tests.test_router`):
+a decode stream that breaks mid-way resumes on another decode worker with `resume_tokens`;
+a prefill worker that fails is retried elsewhere with the items encoded again; embeddings
+lost with their encoder are encoded again for the same prefill worker; a role with no
+worker left fails with UNAVAILABLE naming it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.handoff import EMBEDDINGS_LOST
+from common.roles import Role
+from common.sampling import SamplingParams
+from epd.client import GenerateError
+from epd.v1 import decode_service_pb2
+from tests import test_router
+from tests.test_router import (
+    FIRST,
+    IMAGE,
+    TEXT,
+    FakeDecode,
+    FakeEncoder,
+    FakePrefill,
+    chat,
+    png,
+    prompt_hashes,
+)
+
+# The router plus fake workers in this event loop, as in `tests.test_router`.
+ckpt = test_router.ckpt
+cluster = test_router.cluster
+
+
+class BreakingDecode(FakeDecode):
+    """Streams the tokens after `resume_tokens` (101, 102, ... by position), and breaks the
+    stream with UNAVAILABLE after `break_after` of them (None: never; `fresh_only`: only a
+    stream that is not itself resumed), as a killed worker."""
+
+    def __init__(self, break_after: int | None, *, fresh_only: bool = False) -> None:
+        super().__init__()
+        self.break_after = break_after
+        self.fresh_only = fresh_only
+
+    async def Decode(self, request, context):
+        self.requests.append(request)
+        done = 1 + len(request.resume_tokens)  # tokens the client already has
+        yield decode_service_pb2.DecodeResponse(blocks_pulled=3)
+        breaks = self.break_after is not None and not (self.fresh_only and request.resume_tokens)
+        for sent, n in enumerate(range(done, request.sampling.max_tokens)):
+            if breaks and sent == self.break_after:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed")
+            last = n == request.sampling.max_tokens - 1
+            yield decode_service_pb2.DecodeResponse(
+                token_ids=[100 + n],
+                finish_reason=decode_service_pb2.FINISH_REASON_LENGTH if last else 0,
+            )
+
+
+class FailingPrefill(FakePrefill):
+    """Fails its first `failures` calls with UNAVAILABLE and `details`, then serves."""
+
+    def __init__(self, failures: int, details: str) -> None:
+        super().__init__()
+        self.failures = failures
+        self.details = details
+
+    async def Prefill(self, request, context):
+        if self.failures:
+            self.failures -= 1
+            self.requests.append(request)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.details)
+        return await super().Prefill(request, context)
+
+
+async def test_a_broken_decode_stream_resumes_on_another_worker(cluster):
+    enc, pre = FakeEncoder(), FakePrefill()
+    decoders = [BreakingDecode(3, fresh_only=True) for _ in range(2)]
+    await cluster.add(Role.ENCODER, enc)
+    await cluster.add(Role.PREFILL, pre)
+    for decode in decoders:
+        await cluster.add(Role.DECODE, decode)
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    # One uninterrupted stream: nothing repeated, nothing missing.
+    assert result.token_ids == [FIRST, *range(101, 110)]
+    assert result.finish_reason == "length"
+    (broken,) = [r for d in decoders for r in d.requests if not r.resume_tokens]
+    (resumed,) = [r for d in decoders for r in d.requests if r.resume_tokens]
+    assert [len(d.requests) for d in decoders] == [1, 1]  # on the other worker
+    assert list(broken.resume_tokens) == []
+    assert list(resumed.resume_tokens) == [101, 102, 103]  # what the client had after FIRST
+    assert resumed.first_token_id == FIRST
+    # The prompt was prefilled again for a fresh handle under a new lease.
+    assert [r.kv.lease_id for r in (broken, resumed)] == ["lease-1", "lease-2"]
+    assert len(pre.requests) == 2
+
+
+async def test_migrations_are_bounded(cluster):
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, FakePrefill())
+    for _ in range(4):  # more workers than the two migrations allowed
+        await cluster.add(Role.DECODE, BreakingDecode(break_after=1))
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "decode on" in err.value.details
+
+
+async def test_a_failed_prefill_is_retried_elsewhere_with_items_encoded_again(cluster):
+    enc = FakeEncoder()
+    await cluster.add(Role.ENCODER, enc)
+    dying = FailingPrefill(10, "Socket closed")
+    await cluster.add(Role.PREFILL, dying)
+    healthy = FakePrefill()
+    await cluster.add(Role.PREFILL, healthy)
+    await cluster.add(Role.DECODE, FakeDecode())
+    for _ in range(2):
+        result = await cluster.client.generate_text(IMAGE, SamplingParams(max_tokens=3))
+        assert result.token_ids == [FIRST, 101, 102]
+    assert len(dying.requests) >= 1 and len(healthy.requests) == 2
+    # The image was encoded again for the retry (its first embeddings may be released).
+    assert len(enc.requests) == 2 + len(dying.requests)
+
+
+async def test_embeddings_lost_with_their_encoder_are_encoded_again(cluster):
+    enc = FakeEncoder()
+    await cluster.add(Role.ENCODER, enc)
+    pre = FailingPrefill(1, f"multimodal.embeddings[0].rows: {EMBEDDINGS_LOST} (READ failed)")
+    await cluster.add(Role.PREFILL, pre)  # the only prefill worker: it is kept
+    await cluster.add(Role.DECODE, FakeDecode())
+    result = await cluster.client.generate_text(IMAGE, SamplingParams(max_tokens=3))
+    assert result.token_ids == [FIRST, 101, 102]
+    assert len(pre.requests) == 2 and len(enc.requests) == 2
+
+
+async def test_no_prefill_worker_left_is_unavailable_naming_the_role(cluster):
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    for _ in range(2):
+        await cluster.add(Role.PREFILL, FailingPrefill(10, "Socket closed"))
+    await cluster.add(Role.DECODE, FakeDecode())
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no prefill worker left" in err.value.details
+
+
+async def test_a_resumed_multimodal_stream_is_not_encoded_again_when_prefill_holds_it(cluster):
+    enc, pre = FakeEncoder(), FakePrefill()
+    decoders = [BreakingDecode(2, fresh_only=True) for _ in range(2)]
+    messages = chat({"type": "image", "image": png(4)}, {"type": "text", "text": "And now?"})
+    _, hashes = prompt_hashes(cluster, messages)
+    pre.cached = hashes  # the prefill worker holds the prompt's blocks (its KV events)
+    await cluster.add(Role.ENCODER, enc)
+    await cluster.add(Role.PREFILL, pre)
+    for decode in decoders:
+        await cluster.add(Role.DECODE, decode)
+    await asyncio.sleep(0.3)  # the router follows the worker's KV events
+    result = await cluster.client.generate_text(messages, SamplingParams(max_tokens=8))
+    assert result.token_ids == [FIRST, *range(101, 108)]
+    assert len(pre.requests) == 2  # prefilled again for the resumed stream
+    assert enc.requests == []  # the image lies inside the cached prefix, both times
+    assert [len(r.multimodal.embeddings) for r in pre.requests] == [0, 0]
