@@ -148,7 +148,8 @@ class Cluster:
         """Start process `name` again as it was first started (same flags, so a worker with
         a fixed `--port` comes back at the same address); logs to <name>.<log_suffix>.log.
         The old process must have exited."""
-        if self.procs[name].poll() is None:
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
             raise RuntimeError(f"{name} is still running")
         module, args = self.commands[name]
         proc = _spawn(module, args, self.log_dir / f"{name}.{log_suffix}.log")

@@ -187,9 +187,17 @@ def channel(
     """A grpc.aio channel to `address` with the shared message-size options, presenting
     `credentials` (default: none, plaintext).
 
+    The channel keeps its own connections (a local subchannel pool): a channel opened anew to
+    a process that restarted at the same address must not inherit the dead connection's
+    reconnect back-off from gRPC's process-wide pool.
+
     The caller closes it (`await ch.close()`, or `async with channel(...) as ch`).
     """
-    return credentials.open(address, grpc_options(max_message_mb))
+    options: list[tuple[str, int]] = [
+        *grpc_options(max_message_mb),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+    return credentials.open(address, options)
 
 
 async def wait_healthy(
