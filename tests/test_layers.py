@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. A module may import modules of its own layer or of a lower one.
 COMMON_LAYERS: list[tuple[str, ...]] = [
-    ("common.errors", "common.roles", "common.settings", "common.sampling"),
+    ("common.errors", "common.roles", "common.settings", "common.sampling", "common.byte_lru"),
     ("common.multimodal",),
     ("common.transfer",),
     ("common.kv", "common.block_hash"),
