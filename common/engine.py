@@ -8,6 +8,7 @@ workers, so both paths share one prefill, decode, sampling and batching code pat
     process(messages)  -> ProcessedPrompt            (tokens, item metadata, pixels)
     encode(processed)  -> MultimodalParams            (+ embeddings, + mRoPE delta)
     prefill(tokens, params, sampling) -> LmSequence   (reuses cached prefix blocks, first token)
+    prefill_many(prompts, sampling)   -> LmSequences  (several prompts computed together)
     decode_step(sequences)                            (one token for every running sequence)
     release(sequence)                                 (its blocks back to the pool)
 
@@ -205,6 +206,24 @@ class Engine:
         admission = self._admit(prompt_token_ids, params, sampling, use_prefix_cache, keep_logits)
         return batching.compute(self.runner, [admission])[0]
 
+    def prefill_many(
+        self,
+        prompts: Sequence[tuple[Sequence[int], MultimodalParams]],
+        sampling: SamplingParams,
+        *,
+        use_prefix_cache: bool = True,
+    ) -> list[LmSequence]:
+        """`prefill` of several prompts, computed together (packed into forwards). Blocks
+        are taken for all of them first; raises `NoFreeBlocksError` taking nothing."""
+        admitted: list[batching.Admission] = []
+        try:
+            for tokens, params in prompts:
+                admitted.append(self._admit(tokens, params, sampling, use_prefix_cache))
+        except Exception:
+            batching.abandon(self.runner, admitted)
+            raise
+        return batching.compute(self.runner, admitted)
+
     def _admit(
         self,
         prompt_token_ids: Sequence[int],
@@ -291,8 +310,7 @@ class Engine:
                     del processed[index]
                     indices.append(index)
             except Exception:
-                for admission in admitted:
-                    self.runner.allocator.release(admission.job.blocks)
+                batching.abandon(self.runner, admitted)
                 raise
             if admitted:  # the new prompts' prefill, packed into as few forwards as fit
                 for seq, index in zip(

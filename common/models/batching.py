@@ -102,8 +102,7 @@ def compute(runner: LmRunner, admissions: Sequence[Admission]) -> list[LmSequenc
     try:
         seqs = runner.prefill_many([a.job for a in admissions])
     except Exception:
-        for a in admissions:
-            allocator.release(a.job.blocks)
+        abandon(runner, admissions)
         raise
     for a in admissions:
         n = len(a.job.prompt_token_ids)
@@ -112,6 +111,12 @@ def compute(runner: LmRunner, admissions: Sequence[Admission]) -> list[LmSequenc
         allocator.record_digests(computed, cache_block_digests(runner.kv, computed))
         allocator.cache_prompt(blocks, a.hashes, n, a.cached)
     return seqs
+
+
+def abandon(runner: LmRunner, admissions: Sequence[Admission]) -> None:
+    """Give back the blocks of admissions that will not be computed."""
+    for a in admissions:
+        runner.allocator.release(a.job.blocks)
 
 
 def prefill(
