@@ -321,9 +321,7 @@ class LmRunner:
             return
         live = self.running.arrange(live)
         width = max(len(s.blocks) for s in live)
-        tables = torch.zeros(len(live), width, dtype=torch.long)
-        for i, s in enumerate(live):
-            tables[i, : len(s.blocks)] = torch.tensor(s.blocks)
+        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in live])
         seq_lens = torch.tensor([s.num_computed + 1 for s in live])
         deltas = torch.tensor([s.mrope_delta for s in live])
         try:

@@ -105,8 +105,7 @@ class _Layer:
     input_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    qk_norm: torch.Tensor  # [H + KV, D]: q_norm for each query head, k_norm for each key head
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
@@ -115,11 +114,12 @@ class _Layer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference's RMSNorm (normalize in float32, cast, then scale) as one fused op.
+    """The reference's RMSNorm over the last dimension (normalize in float32, cast, then
+    scale by `weight`, which broadcasts over `x`'s trailing dimensions) in fused ops.
 
     In float32 the cast is a no-op, so scaling inside the fused op gives the same bits."""
     shape = (x.shape[-1],)
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.shape == shape:
         return F.rms_norm(x, shape, weight, eps)
     return weight * F.rms_norm(x.to(torch.float32), shape, eps=eps).to(x.dtype)
 
@@ -143,7 +143,10 @@ class TextModel:
         self.norm = weights["norm.weight"]
         self.lm_head = weights.get(LM_HEAD, self.embed_tokens)
         self.layers = [
-            self._layer(weights, f"layers.{i}.") for i in range(config.num_hidden_layers)
+            self._layer(
+                weights, f"layers.{i}.", config.num_attention_heads, config.num_key_value_heads
+            )
+            for i in range(config.num_hidden_layers)
         ]
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
         self.freq_axis = axis_of_frequency(config.mrope_section, config.mrope_interleaved)
@@ -151,7 +154,7 @@ class TextModel:
         self.kv_size = config.num_key_value_heads * config.head_dim
 
     @staticmethod
-    def _layer(w: Mapping[str, torch.Tensor], p: str) -> _Layer:
+    def _layer(w: Mapping[str, torch.Tensor], p: str, heads: int, kv_heads: int) -> _Layer:
         a = p + "self_attn."
         biases = [w.get(f"{a}{n}_proj.bias") for n in "qkv"]
         qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
@@ -159,8 +162,12 @@ class TextModel:
             input_norm=w[p + "input_layernorm.weight"],
             qkv=torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"]).contiguous(),
             qkv_bias=qkv_bias,
-            q_norm=w[a + "q_norm.weight"],
-            k_norm=w[a + "k_norm.weight"],
+            qk_norm=torch.cat(
+                [
+                    w[a + "q_norm.weight"].expand(heads, -1),
+                    w[a + "k_norm.weight"].expand(kv_heads, -1),
+                ]
+            ),
             o_proj=w[a + "o_proj.weight"],
             o_bias=w.get(a + "o_proj.bias"),
             post_norm=w[p + "post_attention_layernorm.weight"],
@@ -204,15 +211,18 @@ class TextModel:
     def _qkv(
         self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project, q/k-norm and rotate `h [n, hidden]` into q `[n, H, D]`, k, v `[n, KV, D]`."""
+        """Project, q/k-norm and rotate `h [n, hidden]` into q `[n, H, D]`, k, v `[n, KV, D]`
+        (views). `cos`, `sin` are `[n, 1, D]`. q and k heads are normed and rotated together:
+        per head the same arithmetic as apart, in half the ops."""
         c = self.config
         qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        n = h.shape[0]
-        q = _rms_norm(q.view(n, -1, c.head_dim), layer.q_norm, c.rms_norm_eps)
-        k = _rms_norm(k.view(n, -1, c.head_dim), layer.k_norm, c.rms_norm_eps)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(n, -1, c.head_dim)
+        split = self.q_size + self.kv_size
+        qk = _rms_norm(
+            qkv[:, :split].unflatten(-1, (-1, c.head_dim)), layer.qk_norm, c.rms_norm_eps
+        )
+        qk = _rotate(qk, cos, sin)
+        heads = c.num_attention_heads
+        return qk[:, :heads], qk[:, heads:], qkv[:, split:].unflatten(-1, (-1, c.head_dim))
 
     def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then the MLP block + residual."""
@@ -256,6 +266,7 @@ class TextModel:
             x[index] = visual.rows.to(x.device, x.dtype)
         positions = torch.cat([seg.positions for seg in segments], dim=1)
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         slots = [
             self._slots(
                 s.block_table, torch.arange(s.start, s.end, device=s.block_table.device), block_size
@@ -379,6 +390,7 @@ class TextModel:
         block_size = kv.shape[3]
         x = self.embed_tokens[token_ids]
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         index = torch.arange(batch, device=block_tables.device)
         last = seq_lens - 1
         blocks = block_tables[index, last // block_size]
@@ -393,21 +405,27 @@ class TextModel:
             span = width * block_size
             mask = _length_mask(seq_lens, span)
         heads = c.num_key_value_heads
+        # With rows, attention reads only them, so the paged cache takes every layer's new
+        # K/V in one scatter after the loop: [B, layers, 2, KV, D].
+        new = None if rows is None else x.new_empty((batch, len(self.layers), 2, heads, c.head_dim))
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
-            kv[blocks, i, 0, offsets] = k
-            kv[blocks, i, 1, offsets] = v
-            if rows is not None:
-                rows[index, i, 0, :, last] = k
-                rows[index, i, 1, :, last] = v
+            if rows is not None and new is not None:
+                new[:, i, 0] = k
+                new[:, i, 1] = v
+                rows[index, i, :, :, last] = new[:, i]
                 keys, values = rows[:, i, 0, :, :span], rows[:, i, 1, :, :span]
             else:  # [B, KV, span, D] views of one copy each
+                kv[blocks, i, 0, offsets] = k
+                kv[blocks, i, 1, offsets] = v
                 keys = kv[:, i, 0].index_select(0, flat).view(batch, span, heads, -1)
                 values = kv[:, i, 1].index_select(0, flat).view(batch, span, heads, -1)
                 keys, values = keys.transpose(1, 2), values.transpose(1, 2)
             attn = decode_attention(q, keys, values, mask)
             x = self._finish_layer(layer, x, attn)
+        if new is not None:
+            kv[blocks, :, :, offsets] = new
         return self.logits(x)
 
 
