@@ -1,11 +1,14 @@
 """The Qwen3-VL language model, run over a paged KV buffer.
 
-Prefill computes one sequence's prompt tokens from `start` on (earlier tokens are already in
+Prefill computes prompt tokens from each sequence's `start` on (earlier tokens are already in
 the cache, e.g. reused prefix blocks), optionally in chunks, with multimodal rows scattered at
 their exact runs and deepstack features added after the first layers at the same tokens.
-Decode advances many sequences by one token each in a single forward: the linear layers run
-batched, attention reads each sequence's blocks through a padded block table and a length
-mask.
+Several sequences' pieces run packed in one forward (`prefill_many`, planned by
+`prefill_plan`): the linear layers see all their tokens at once, attention runs per segment
+on the fused kernel (`attention.PrefillAttention`). Decode advances many sequences by one
+token each in a single forward: the linear layers run batched, attention reads each
+sequence's contiguous K/V rows (`common.models.running_kv`) or, without them, its blocks
+through a padded block table, under a length mask.
 
 The KV buffer is one tensor `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`
 (block-major, so a block's layers are one contiguous range). The model only reads and
@@ -28,63 +31,13 @@ from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan, deco
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
+from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
 
 logger = logging.getLogger(__name__)
 
 LM_PREFIX = "model.language_model."
 LM_HEAD = "lm_head.weight"
-
-
-@dataclass(frozen=True, slots=True)
-class VisualInputs:
-    """Multimodal rows to place inside one prefill chunk."""
-
-    # int64 [R]: chunk-local token indices that receive a row.
-    index: torch.Tensor
-    # [R, hidden]: replaces the token embedding at `index`.
-    rows: torch.Tensor
-    # One [R, hidden] per early layer: added to that layer's output at `index`.
-    deepstack: tuple[torch.Tensor, ...]
-
-
-def visual_inputs(
-    items: Sequence[MultimodalItemMetadata],
-    embeddings: Mapping[int, ItemEmbedding],
-    start: int,
-    end: int,
-) -> VisualInputs | None:
-    """Gather the rows of every run overlapping prompt tokens `[start, end)`.
-
-    `embeddings` is keyed by item index; an item whose runs miss the range needs none (it may
-    lie wholly in a reused prefix). Raises KeyError when a needed embedding is missing.
-    """
-    index: list[torch.Tensor] = []
-    rows: list[torch.Tensor] = []
-    deep: list[list[torch.Tensor]] = []
-    for i, item in enumerate(items):
-        placed = 0  # item rows placed by earlier runs
-        for run_start, length in item.runs:
-            lo, hi = max(start, run_start), min(end, run_start + length)
-            if lo < hi:
-                if i not in embeddings:
-                    raise KeyError(
-                        f"item {i} overlaps tokens [{start}, {end}) but has no embedding"
-                    )
-                emb = embeddings[i]
-                first = placed + lo - run_start
-                index.append(torch.arange(lo - start, hi - start))
-                rows.append(emb.rows[first : first + hi - lo])
-                if not deep:
-                    deep = [[] for _ in emb.deepstack]
-                if len(emb.deepstack) != len(deep):
-                    raise ValueError("items disagree on the number of deepstack layers")
-                for layer, feat in enumerate(emb.deepstack):
-                    deep[layer].append(feat[first : first + hi - lo])
-            placed += length
-    if not index:
-        return None
-    return VisualInputs(torch.cat(index), torch.cat(rows), tuple(torch.cat(d) for d in deep))
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +213,7 @@ class TextModel:
         attention = PrefillAttention(spans, block_size)
         token_ids = torch.cat([seg.token_ids for seg in segments])
         x = self.embed_tokens[token_ids]
-        visual = _packed_visual([seg.visual for seg in segments], spans)
+        visual = packed_visual([seg.visual for seg in segments], spans)
         index = None if visual is None else visual.index.to(x.device)
         if visual is not None:
             x[index] = visual.rows.to(x.device, x.dtype)
@@ -433,22 +386,3 @@ def _length_mask(seq_lens: torch.Tensor, span: int) -> torch.Tensor:
     """`[B, 1, 1, span]`: True at positions below each sequence's length."""
     mask = torch.arange(span, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
     return mask.view(-1, 1, 1, span)
-
-
-def _packed_visual(
-    visuals: Sequence[VisualInputs | None], spans: Sequence[SegmentSpan]
-) -> VisualInputs | None:
-    """The segments' multimodal rows with indices shifted to the packed forward."""
-    present = [(v, s) for v, s in zip(visuals, spans, strict=True) if v is not None]
-    if not present:
-        return None
-    if len(present) == 1 and present[0][1].offset == 0:
-        return present[0][0]
-    depth = {len(v.deepstack) for v, _ in present}
-    if len(depth) != 1:
-        raise ValueError("items disagree on the number of deepstack layers")
-    return VisualInputs(
-        torch.cat([v.index + s.offset for v, s in present]),
-        torch.cat([v.rows for v, _ in present]),
-        tuple(torch.cat(layer) for layer in zip(*(v.deepstack for v, _ in present), strict=True)),
-    )
