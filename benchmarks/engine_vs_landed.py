@@ -7,13 +7,14 @@ of the code before the change, made with `git worktree add --detach /tmp/landed 
 `--repeats` times, so background load hits them alike, and prints medians and ratios:
 
 - decode tok/s at batch 1 and 32 (batch / median step time over `--steps` steps, after
-  prefilling 100-token prompts without prefix reuse);
+  prefilling 100-token prompts without prefix reuse), and at batch 32 after 512-token ones;
 - prefill tok/s of one 512-token text prompt, and of a 224x224 image prompt (processing,
   vision tower and language model);
 - wall seconds for 32 prompts x 16 tokens with 1 new token (landed: one prefill each, as its
   `generate_batch` admits them; epd: `Engine.prefill_many`; ref: one batched `generate`).
 
-`--load N` adds N busy-loop processes for the whole run (to compare loaded vs quiet).
+`--load N` adds N busy-loop processes for the whole run (to compare loaded vs quiet);
+`--threads N` gives each worker N torch threads (1 by default).
 
     .venv/bin/python benchmarks/engine_vs_landed.py [--landed /tmp/landed] [--repeats 5]
 """
@@ -37,6 +38,7 @@ SIDES = ("landed", "epd", "ref")
 CASES = (
     ("decode b=1", "tok/s", True),
     ("decode b=32", "tok/s", True),
+    ("decode b=32, 512 ctx", "tok/s", True),
     ("prefill 512 text", "tok/s", True),
     ("prefill 224^2 image", "tok/s", True),
     ("32 x 16 tok, 1 new", "s", False),
@@ -93,9 +95,9 @@ def _engine_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     many = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
 
-    def decode(batch: int, rep: int) -> Pair:
+    def decode(batch: int, rep: int, context: int = 100) -> Pair:
         seqs = [
-            engine.prefill(_prompt(rep * 64 + i, 100), empty, many, use_prefix_cache=False)
+            engine.prefill(_prompt(rep * 64 + i, context), empty, many, use_prefix_cache=False)
             for i in range(batch)
         ]
         times = []
@@ -139,6 +141,7 @@ def _engine_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
     return {
         "decode b=1": lambda rep: decode(1, rep),
         "decode b=32": lambda rep: decode(32, rep),
+        "decode b=32, 512 ctx": lambda rep: decode(32, rep, 512),
         "prefill 512 text": prefill_text,
         "prefill 224^2 image": prefill_image,
         "32 x 16 tok, 1 new": short,
@@ -186,9 +189,10 @@ def _ref_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
         t = torch.tensor(ids)
         return {"input_ids": t, "attention_mask": torch.ones_like(t)}
 
-    def decode(batch: int, rep: int) -> Pair:
+    def decode(batch: int, rep: int, context: int = 100) -> Pair:
         clock = Clock()
-        generate(text_inputs([_prompt(rep * 64 + i, 100) for i in range(batch)]), steps + 1, clock)
+        prompts = [_prompt(rep * 64 + i, context) for i in range(batch)]
+        generate(text_inputs(prompts), steps + 1, clock)
         gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)]
         return _rate(batch, gaps)
 
@@ -206,6 +210,7 @@ def _ref_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
     return {
         "decode b=1": lambda rep: decode(1, rep),
         "decode b=32": lambda rep: decode(32, rep),
+        "decode b=32, 512 ctx": lambda rep: decode(32, rep, 512),
         "prefill 512 text": lambda rep: _rate(
             512, timed(lambda: generate(text_inputs([_prompt(rep, 512)]), 1))
         ),
@@ -216,11 +221,11 @@ def _ref_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
     }
 
 
-def worker(side: str, steps: int) -> None:
+def worker(side: str, steps: int, threads: int) -> None:
     """Answer case names read from stdin with one JSON line each (the measured value)."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     cases = _ref_cases(steps) if side == "ref" else _engine_cases(steps)
     for fn in cases.values():  # warm-up: first use of each shape
         fn(999)
@@ -233,11 +238,20 @@ def worker(side: str, steps: int) -> None:
 # ------------------------------------------------------------------------------ parent
 
 
-def _spawn(side: str, landed: Path, steps: int) -> subprocess.Popen[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+def _spawn(side: str, landed: Path, steps: int, threads: int) -> subprocess.Popen[str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = str(landed if side == "landed" else ROOT)
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--worker", side, "--steps", str(steps)],
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            side,
+            "--steps",
+            str(steps),
+            "--threads",
+            str(threads),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -265,10 +279,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per sample")
     parser.add_argument("--load", type=int, default=0, help="busy-loop processes meanwhile")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps)
+        worker(args.worker, args.steps, args.threads)
         return
     if not (args.landed / "common" / "engine.py").is_file():
         sys.exit(f"no checkout at {args.landed}: git worktree add --detach {args.landed} 51e99ae")
@@ -280,7 +295,7 @@ def main() -> None:
     procs: dict[str, subprocess.Popen[str]] = {}
     try:
         for side in SIDES:
-            procs[side] = _spawn(side, args.landed, args.steps)
+            procs[side] = _spawn(side, args.landed, args.steps, args.threads)
         samples: dict[tuple[str, str], list[Pair]] = {}
         for rep in range(args.repeats):
             for name, _, _ in CASES:
@@ -300,8 +315,9 @@ def report(samples: dict[tuple[str, str], list[Pair]], args: Any) -> None:
     """Medians per case and side, and the speed-ups of epd (>1: epd faster), by wall time
     and by CPU time."""
     print(
-        f"medians of {args.repeats}, one torch thread each, {args.load} busy-loop processes, "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"medians of {args.repeats}, {args.threads} torch thread(s) each, {args.load} busy-loop "
+        f"processes, load average {args.load_before:.1f} at start, "
+        f"{os.getloadavg()[0]:.1f} at end"
     )
     for clock, which in (("wall time", 0), ("CPU time", 1)):
         print(f"-- by {clock}")
