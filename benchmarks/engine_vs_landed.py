@@ -291,6 +291,7 @@ def main() -> None:
     from common.models.tiny import default_checkpoint
 
     default_checkpoint("small")  # made here: the landed code does not know the size
+    args.load_before = os.getloadavg()[0]
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     procs: dict[str, subprocess.Popen[str]] = {}
     try:
