@@ -243,6 +243,7 @@ class Engine:
             hashes=hashes,
             total_tokens=len(prompt_token_ids) + sampling.max_tokens,
             keep_logits=keep_logits,
+            digests=use_prefix_cache,  # the Engine's blocks go nowhere: digests only guard reuse
         )
 
     # -------------------------------------------------------------------------- decode
