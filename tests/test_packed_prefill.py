@@ -195,3 +195,28 @@ def test_running_rows_follow_leaving_sequences_and_reused_blocks(runner):
     assert runner.running.loads == loads + 6
     for s in seqs:
         runner.allocator.release(s.blocks)
+
+
+def test_decode_without_rows_gathers_blocks_and_agrees(runner):
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (5, 18, 11)]
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    outputs = []
+    for contiguous in (True, False):
+        runner.contiguous_decode = contiguous
+        try:
+            seqs = [
+                runner.prefill(
+                    p, EMPTY, sampling, blocks=runner.allocator.allocate_prompt([], 11 + len(p))
+                )
+                for p in prompts
+            ]
+            for _ in range(5):
+                runner.decode_step(seqs)
+        finally:
+            runner.contiguous_decode = True
+        outputs.append([s.output for s in seqs])
+        for s in seqs:
+            runner.allocator.release(s.blocks)
+    assert outputs[0] == outputs[1]
+    assert all(len(out) == 6 for out in outputs[0])

@@ -102,6 +102,7 @@ class LmRunner:
         num_blocks: int = 1024,
         prefill_chunk: int | None = None,
         prefill_budget: int | None = None,
+        contiguous_decode: bool = True,
         device: torch.device | str = "cpu",
         root: bytes | None = None,
     ) -> None:
@@ -134,6 +135,8 @@ class LmRunner:
         self.kv_layout = KvLayout.of(identity, self.kv.spec)
         # Contiguous K/V rows of the decode batch (a second copy; the paged cache is truth).
         self.running = RunningKv(self.kv)
+        # Decode attention reads `running`'s rows (False: gathers the blocks every step).
+        self.contiguous_decode = contiguous_decode
         # The worker's blocks and prefix cache (see the module docstring for why it is here).
         self.allocator = KvAllocator.create(
             num_blocks, block_size, layout_root(self.kv_layout) if root is None else root
@@ -311,15 +314,17 @@ class LmRunner:
     def decode_step(self, seqs: Sequence[LmSequence]) -> None:
         """Feed each unfinished sequence its newest token and sample the next, in one forward.
 
-        Attention reads the sequences' contiguous rows in `self.running` (filled from the
-        paged cache the first time a sequence decodes; see `common.models.running_kv`), in
-        the rows' order; sequences are sampled independently, so the order changes nothing.
+        With `contiguous_decode`, attention reads the sequences' contiguous rows in
+        `self.running` (filled from the paged cache the first time a sequence decodes; see
+        `common.models.running_kv`), in the rows' order; sequences are sampled independently,
+        so the order changes nothing. Without it, attention gathers their blocks.
         """
         live = [s for s in seqs if s.finish_reason is None]
         if not live:
             self.running.clear()
             return
-        live = self.running.arrange(live)
+        if self.contiguous_decode:
+            live = self.running.arrange(live)
         width = max(len(s.blocks) for s in live)
         tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in live])
         seq_lens = torch.tensor([s.num_computed + 1 for s in live])
@@ -331,12 +336,13 @@ class LmRunner:
                 torch.tensor([s.output[-1] for s in live], device=self.device),
                 decode_positions(seq_lens - 1, deltas).to(self.device),
                 seq_lens.to(self.device),
-                rows=self.running.view(),
+                rows=self.running.view() if self.contiguous_decode else None,
             )
         except BaseException:
             self.running.clear()  # rows may hold a partly written step
             raise
-        self.running.advanced()
+        if self.contiguous_decode:
+            self.running.advanced()
         tokens = self.sampler.sample(
             logits, [s.sampling for s in live], [s.generator for s in live]
         ).tolist()
