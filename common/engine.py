@@ -8,11 +8,13 @@ workers, so both paths share one prefill, decode, sampling and batching code pat
     process(messages)  -> ProcessedPrompt            (tokens, item metadata, pixels)
     encode(processed)  -> MultimodalParams            (+ embeddings, + mRoPE delta)
     prefill(tokens, params, sampling) -> LmSequence   (reuses cached prefix blocks, first token)
+    prefill_many(prompts, sampling)   -> LmSequences  (several prompts computed together)
     decode_step(sequences)                            (one token for every running sequence)
     release(sequence)                                 (its blocks back to the pool)
 
 `generate_batch` drives the shared `batching.Batch` synchronously: new requests are admitted
-(prefilled) whenever a batch slot and enough KV blocks are free, and every `Batch.step`
+whenever a batch slot and enough KV blocks are free, the prompts admitted together are
+prefilled together (packed into forwards, `batching.compute`), and every `Batch.step`
 decodes all running sequences in one forward and releases the finished ones.
 
 Prefix reuse: the prompt's full blocks are hashed with `common.block_hash.block_hashes` (the
@@ -201,9 +203,39 @@ class Engine:
         `decode_step`, then `release`. With `keep_logits` it also holds the logits of every
         computed prompt token. Raises `NoFreeBlocksError` when the pool cannot hold them.
         """
+        admission = self._admit(prompt_token_ids, params, sampling, use_prefix_cache, keep_logits)
+        return batching.compute(self.runner, [admission])[0]
+
+    def prefill_many(
+        self,
+        prompts: Sequence[tuple[Sequence[int], MultimodalParams]],
+        sampling: SamplingParams,
+        *,
+        use_prefix_cache: bool = True,
+    ) -> list[LmSequence]:
+        """`prefill` of several prompts, computed together (packed into forwards). Blocks
+        are taken for all of them first; raises `NoFreeBlocksError` taking nothing."""
+        admitted: list[batching.Admission] = []
+        try:
+            for tokens, params in prompts:
+                admitted.append(self._admit(tokens, params, sampling, use_prefix_cache))
+        except Exception:
+            batching.abandon(self.runner, admitted)
+            raise
+        return batching.compute(self.runner, admitted)
+
+    def _admit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: MultimodalParams,
+        sampling: SamplingParams,
+        use_prefix_cache: bool = True,
+        keep_logits: bool = False,
+    ) -> batching.Admission:
+        """Take blocks for prompt + `max_tokens` (see `batching.admit`)."""
         allocator = self.runner.allocator
         hashes = allocator.hashes(prompt_token_ids, params) if use_prefix_cache else None
-        return batching.prefill(
+        return batching.admit(
             self.runner,
             prompt_token_ids,
             params,
@@ -211,6 +243,7 @@ class Engine:
             hashes=hashes,
             total_tokens=len(prompt_token_ids) + sampling.max_tokens,
             keep_logits=keep_logits,
+            digests=use_prefix_cache,  # the Engine's blocks go nowhere: digests only guard reuse
         )
 
     # -------------------------------------------------------------------------- decode
@@ -259,19 +292,33 @@ class Engine:
         index_of: dict[LmSequence, int] = {}
         results: dict[int, GenerateResult] = {}
         while waiting or batch.running:
-            while waiting and len(batch.running) < self.max_batch:
-                index = waiting[0]
-                if index not in processed:
-                    processed[index] = self.process(requests[index])
-                prompt = processed[index]
-                total = len(prompt.prompt_token_ids) + params[index].max_tokens
-                if batch.running and not self.runner.allocator.can_allocate(total):
-                    break  # wait for running sequences to free blocks
-                waiting.popleft()
-                del processed[index]
-                seq = self.prefill(prompt.prompt_token_ids, self.encode(prompt), params[index])
-                index_of[seq] = index
-                batch.add(seq)
+            admitted: list[batching.Admission] = []
+            indices: list[int] = []
+            try:
+                while waiting and len(batch.running) + len(admitted) < self.max_batch:
+                    index = waiting[0]
+                    if index not in processed:
+                        processed[index] = self.process(requests[index])
+                    prompt = processed[index]
+                    total = len(prompt.prompt_token_ids) + params[index].max_tokens
+                    busy = batch.running or admitted
+                    if busy and not self.runner.allocator.can_allocate(total):
+                        break  # wait for running sequences to free blocks
+                    admitted.append(
+                        self._admit(prompt.prompt_token_ids, self.encode(prompt), params[index])
+                    )
+                    waiting.popleft()
+                    del processed[index]
+                    indices.append(index)
+            except Exception:
+                batching.abandon(self.runner, admitted)
+                raise
+            if admitted:  # the new prompts' prefill, packed into as few forwards as fit
+                for seq, index in zip(
+                    batching.compute(self.runner, admitted), indices, strict=True
+                ):
+                    index_of[seq] = index
+                    batch.add(seq)
             for seq in batch.step():
                 results[index_of.pop(seq)] = self._result(seq)
         return [results[i] for i in range(len(requests))]

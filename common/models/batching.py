@@ -1,8 +1,10 @@
 """Scheduling over an `LmRunner` and its `KvAllocator`: admission, and the one batching step.
 
-Admission: `prefill` takes the blocks a prompt needs from the allocator (reusing the longest
-cached prefix), runs the forward and caches the newly computed full blocks; `release` gives
-a finished sequence's blocks back. Both workers and the offline Engine admit this way.
+Admission: `admit` takes the blocks a prompt needs from the allocator (reusing the longest
+cached prefix); `compute` runs the forwards of one or more admitted prompts together (packed
+prefill) and caches the newly computed full blocks; `prefill` is both for one prompt;
+`release` gives a finished sequence's blocks back. Both workers and the offline Engine admit
+this way.
 
 Continuous batching has one step mechanism, `Batch.step` (nano-vllm's schedule, run,
 postprocess): pick the live sequences, decode one token for all of them in one forward,
@@ -28,7 +30,7 @@ from common.kv.allocator import blocks_for
 from common.kv.digest import cache_block_digests
 from common.models.model_thread import ModelThread
 from common.models.qwen3_vl.rope import MropePositions
-from common.models.runner import LmRunner
+from common.models.runner import LmRunner, PrefillJob
 from common.models.sequence import LmSequence
 from common.multimodal.params import MultimodalParams
 from common.sampling import FinishReason, SamplingParams
@@ -44,7 +46,19 @@ class MissingEmbeddingsError(RuntimeError):
 # ---------------------------------------------------------------------------- admission
 
 
-def prefill(
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A prompt whose blocks are taken (cached prefix acquired), waiting to be computed."""
+
+    job: PrefillJob  # what to compute; owns the blocks until `compute` hands them on
+    hashes: list[bytes] | None  # the prompt's full-block hashes (None: no reuse, no caching)
+    cached: int  # leading blocks reused from the prefix cache
+    # Record the computed blocks' digests (workers hand them to peers; a private cache that
+    # caches nothing never reads them, and they cost ~15% of a short prefill on CPU).
+    digests: bool = True
+
+
+def admit(
     runner: LmRunner,
     prompt_token_ids: Sequence[int],
     params: MultimodalParams,
@@ -54,16 +68,16 @@ def prefill(
     total_tokens: int | None = None,
     positions: MropePositions | None = None,
     keep_logits: bool = False,
-) -> LmSequence:
-    """Compute a prompt (reusing cached prefix blocks) and sample its first token.
+    digests: bool = True,
+) -> Admission:
+    """Take the blocks a prompt needs, reusing the longest cached prefix of `hashes` whose
+    bytes still match their digests (the last token is always computed).
 
-    The longest cached prefix of `hashes` whose bytes still match their digests is acquired
-    (the last token is always computed), the rest computed, the digests of the computed
-    prompt blocks (the partial last one too) recorded, and the new full blocks cached under
-    `hashes` (None: nothing reused or cached). Blocks are taken for `total_tokens` slots
-    (default: the prompt); the sequence owns them. `positions` are the prompt's when already
-    computed. Raises `NoFreeBlocksError` (nothing taken) or `MissingEmbeddingsError`
-    (nothing taken or cached) when an item that must be computed has no embeddings.
+    Blocks are taken for `total_tokens` slots (default: the prompt); the admission owns
+    them until `compute`. `digests` False: `compute` records no digests (only for a cache
+    that never offers its blocks to anyone and is not given `hashes`). Raises
+    `NoFreeBlocksError` or `MissingEmbeddingsError` (an item that must be computed has no
+    embeddings), taking nothing.
     """
     tokens = list(prompt_token_ids)
     n = len(tokens)
@@ -81,23 +95,62 @@ def prefill(
                 "but carries no embeddings"
             )
     blocks = allocator.allocate_prompt(cached, total_tokens or n)
+    job = PrefillJob(tokens, params, sampling, blocks, start, positions, keep_logits)
+    return Admission(job, hashes, len(cached), digests)
+
+
+def compute(runner: LmRunner, admissions: Sequence[Admission]) -> list[LmSequence]:
+    """Compute admitted prompts together (`LmRunner.prefill_many`) and sample each first
+    token; record the digests of the computed prompt blocks (the partial last one too) and
+    cache the new full blocks under the hashes. Each sequence takes over its admission's
+    blocks; if the forward raises, every admission's blocks are released."""
+    allocator = runner.allocator
     try:
-        seq = runner.prefill(
-            tokens,
-            params,
-            sampling,
-            blocks=blocks,
-            start=start,
-            positions=positions,
-            keep_logits=keep_logits,
-        )
+        seqs = runner.prefill_many([a.job for a in admissions])
     except Exception:
-        allocator.release(blocks)
+        abandon(runner, admissions)
         raise
-    computed = blocks[len(cached) : blocks_for(n, allocator.block_size)]
-    allocator.record_digests(computed, cache_block_digests(runner.kv, computed))
-    allocator.cache_prompt(blocks, hashes, n, len(cached))
-    return seq
+    for a in admissions:
+        n = len(a.job.prompt_token_ids)
+        blocks = a.job.blocks
+        computed = blocks[a.cached : blocks_for(n, allocator.block_size)]
+        if a.digests:
+            allocator.record_digests(computed, cache_block_digests(runner.kv, computed))
+        allocator.cache_prompt(blocks, a.hashes, n, a.cached)
+    return seqs
+
+
+def abandon(runner: LmRunner, admissions: Sequence[Admission]) -> None:
+    """Give back the blocks of admissions that will not be computed."""
+    for a in admissions:
+        runner.allocator.release(a.job.blocks)
+
+
+def prefill(
+    runner: LmRunner,
+    prompt_token_ids: Sequence[int],
+    params: MultimodalParams,
+    sampling: SamplingParams,
+    *,
+    hashes: list[bytes] | None,
+    total_tokens: int | None = None,
+    positions: MropePositions | None = None,
+    keep_logits: bool = False,
+) -> LmSequence:
+    """Compute one prompt (reusing cached prefix blocks) and sample its first token:
+    `admit`, then `compute`. The sequence owns its blocks. Raises `NoFreeBlocksError` or
+    `MissingEmbeddingsError`, taking nothing."""
+    admission = admit(
+        runner,
+        prompt_token_ids,
+        params,
+        sampling,
+        hashes=hashes,
+        total_tokens=total_tokens,
+        positions=positions,
+        keep_logits=keep_logits,
+    )
+    return compute(runner, [admission])[0]
 
 
 def prompt_logits(

@@ -10,6 +10,7 @@ produces exactly the Engine's tokens:
     check_prompt(tokens, params)             -> mRoPE positions; MultimodalLayoutError if bad
     check_embeddings(params)                 -> MultimodalLayoutError naming the field
     prefill(tokens, params, sampling, blocks, start) -> LmSequence (first token sampled)
+    prefill_many(jobs)                       -> LmSequences (prompts packed into forwards)
     forward(blocks, tokens, positions, params, start) -> prompt logits (nothing sampled)
     resume(tokens, sampling, blocks, generated, mrope_delta) -> LmSequence (decode side)
     decode_step(seqs)                        (one token for every unfinished sequence)
@@ -30,6 +31,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,9 +41,11 @@ from common.kv.cache import KvCacheSpec, PagedKvCache
 from common.kv.layout import KvLayout, layout_root
 from common.models import prompt_check
 from common.models.qwen3_vl.config import Qwen3VLConfig
+from common.models.qwen3_vl.prefill_plan import PrefillRequest
 from common.models.qwen3_vl.rope import MropePositions, decode_positions, prompt_positions
-from common.models.qwen3_vl.text import LM_HEAD, LM_PREFIX, TextModel
+from common.models.qwen3_vl.text import LM_HEAD, LM_PREFIX, Segment, TextModel
 from common.models.qwen3_vl.weights import load_weights, weight_files
+from common.models.running_kv import RunningKv
 from common.models.sequence import LmSequence
 from common.multimodal.params import MultimodalParams
 from common.sampling import Sampler, SamplingParams, StopChecker
@@ -49,6 +53,9 @@ from common.sampling import Sampler, SamplingParams, StopChecker
 logger = logging.getLogger(__name__)
 
 _DIGEST_CHUNK = 8 << 20
+
+#: Tokens per packed prefill forward by default: enough for 32 short prompts in one forward.
+DEFAULT_PREFILL_BUDGET = 2048
 
 
 def model_identity(path: str | Path, config: Qwen3VLConfig) -> str:
@@ -66,6 +73,19 @@ def model_identity(path: str | Path, config: Qwen3VLConfig) -> str:
     return f"qwen3-vl/{digest.hexdigest()[:32]}"
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    """One prompt for `LmRunner.prefill_many` (the arguments of `LmRunner.prefill`)."""
+
+    prompt_token_ids: list[int]  # the whole prompt
+    params: MultimodalParams  # its items and the embeddings of those to compute
+    sampling: SamplingParams  # how its first token is picked
+    blocks: list[int]  # its blocks, handed to the sequence; the first `start` tokens' K/V set
+    start: int = 0  # first token to compute
+    positions: MropePositions | None = None  # the prompt's, when already computed
+    keep_logits: bool = False  # keep the logits of every computed prompt token
+
+
 class LmRunner:
     """Language model + paged KV + sampler of one worker (see module docstring).
 
@@ -81,6 +101,8 @@ class LmRunner:
         block_size: int = 16,
         num_blocks: int = 1024,
         prefill_chunk: int | None = None,
+        prefill_budget: int | None = None,
+        contiguous_decode: bool = True,
         device: torch.device | str = "cpu",
         root: bytes | None = None,
     ) -> None:
@@ -90,7 +112,12 @@ class LmRunner:
         self.identity = identity
         self.device = torch.device(device)
         self.block_size = block_size
+        # Most tokens per forward piece of one prompt (None: a whole prompt per piece).
         self.prefill_chunk = prefill_chunk
+        # Most tokens per forward when `prefill_many` packs several prompts' pieces (a piece
+        # longer than this still runs, alone). Default: `prefill_chunk` when set (a forward
+        # stays as small as a chunk), else DEFAULT_PREFILL_BUDGET.
+        self.prefill_budget = prefill_budget or prefill_chunk or DEFAULT_PREFILL_BUDGET
         t = config.text
         self.kv = PagedKvCache(
             KvCacheSpec(
@@ -106,6 +133,10 @@ class LmRunner:
         self.sampler = Sampler()
         self.stop = StopChecker(frozenset(config.eos_token_ids))
         self.kv_layout = KvLayout.of(identity, self.kv.spec)
+        # Contiguous K/V rows of the decode batch (a second copy; the paged cache is truth).
+        self.running = RunningKv(self.kv)
+        # Decode attention reads `running`'s rows (False: gathers the blocks every step).
+        self.contiguous_decode = contiguous_decode
         # The worker's blocks and prefix cache (see the module docstring for why it is here).
         self.allocator = KvAllocator.create(
             num_blocks, block_size, layout_root(self.kv_layout) if root is None else root
@@ -176,22 +207,51 @@ class LmRunner:
         prompt's (computed when None). With `keep_logits` the sequence also holds the logits
         of every computed prompt token. Raises whatever the forward raises, owning nothing.
         """
-        tokens = list(prompt_token_ids)
-        if positions is None:
-            positions = self.positions(len(tokens), params)
-        logits = self.forward(blocks, tokens, positions, params, start, keep_logits)
-        seq = LmSequence(
-            prompt_token_ids=tokens,
-            sampling=sampling,
-            blocks=blocks,
-            mrope_delta=positions.delta,
-            cached_tokens=start,
-            prompt_logits=logits if keep_logits else None,
+        job = PrefillJob(
+            list(prompt_token_ids), params, sampling, blocks, start, positions, keep_logits
         )
-        last = logits[-1:] if keep_logits else logits.unsqueeze(0)
-        self._append(seq, self.sampler.sample(last, [sampling], [len(tokens)]))
-        logger.debug("prefilled %d tokens (%d cached)", len(tokens), start)
-        return seq
+        return self.prefill_many([job])[0]
+
+    def prefill_many(self, jobs: Sequence[PrefillJob]) -> list[LmSequence]:
+        """`prefill` of several prompts, packed into forwards of at most `prefill_budget`
+        tokens (each prompt cut into `prefill_chunk` pieces as when alone, so its K/V and
+        logits are the ones `prefill` computes). Raises whatever a forward raises, owning
+        nothing."""
+        positions = [j.positions or self.positions(len(j.prompt_token_ids), j.params) for j in jobs]
+        requests = [
+            PrefillRequest(
+                torch.tensor(j.blocks, device=self.device),
+                torch.tensor(j.prompt_token_ids, device=self.device),
+                pos.positions.to(self.device),
+                j.start,
+                j.params.items,
+                j.params.embeddings,
+                j.keep_logits,
+            )
+            for j, pos in zip(jobs, positions, strict=True)
+        ]
+        all_logits = self.model.prefill_many(
+            self.kv.buffer,
+            requests,
+            chunk_size=self.prefill_chunk,
+            token_budget=self.prefill_budget,
+        )
+        seqs = []
+        for job, pos, logits in zip(jobs, positions, all_logits, strict=True):
+            sampling = job.sampling
+            seq = LmSequence(
+                prompt_token_ids=job.prompt_token_ids,
+                sampling=sampling,
+                blocks=job.blocks,
+                mrope_delta=pos.delta,
+                cached_tokens=job.start,
+                prompt_logits=logits if job.keep_logits else None,
+            )
+            last = logits[-1:] if job.keep_logits else logits.unsqueeze(0)
+            self._append(seq, self.sampler.sample(last, [sampling], [len(job.prompt_token_ids)]))
+            seqs.append(seq)
+        logger.debug("prefilled %d prompts", len(jobs))
+        return seqs
 
     def forward(
         self,
@@ -202,8 +262,9 @@ class LmRunner:
         start: int,
         all_logits: bool,
     ) -> torch.Tensor:
-        """One prefill forward over `tokens[start:]` into `blocks`: logits of the computed
-        tokens `[n - start, vocab]` with `all_logits`, else of the last token `[vocab]`."""
+        """One prefill over `tokens[start:]` into `blocks` (in `prefill_chunk` pieces):
+        logits of the computed tokens `[n - start, vocab]` with `all_logits`, else of the
+        last token `[vocab]`."""
         return self.model.prefill(
             self.kv.buffer,
             torch.tensor(blocks, device=self.device),
@@ -247,35 +308,50 @@ class LmRunner:
         n, recompute = len(seq.prompt_token_ids), list(generated[:-1])
         if recompute:
             index = torch.arange(n, n + len(recompute))
-            self.model.prefill_chunk(
-                self.kv.buffer,
+            segment = Segment(
                 torch.tensor(blocks, device=self.device),
                 torch.tensor(recompute, device=self.device),
                 decode_positions(index, torch.tensor(mrope_delta)).to(self.device),
                 n,
+                None,
             )
+            self.model.forward_segments(self.kv.buffer, [segment])
         for token in generated:
             self._append(seq, token)
         return seq
 
     def decode_step(self, seqs: Sequence[LmSequence]) -> None:
-        """Feed each unfinished sequence its newest token and sample the next, in one forward."""
+        """Feed each unfinished sequence its newest token and sample the next, in one forward.
+
+        With `contiguous_decode`, attention reads the sequences' contiguous rows in
+        `self.running` (filled from the paged cache the first time a sequence decodes; see
+        `common.models.running_kv`), in the rows' order; sequences are sampled independently,
+        so the order changes nothing. Without it, attention gathers their blocks.
+        """
         live = [s for s in seqs if s.finish_reason is None]
         if not live:
+            self.running.clear()
             return
+        if self.contiguous_decode:
+            live = self.running.arrange(live)
         width = max(len(s.blocks) for s in live)
-        tables = torch.zeros(len(live), width, dtype=torch.long)
-        for i, s in enumerate(live):
-            tables[i, : len(s.blocks)] = torch.tensor(s.blocks)
+        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in live])
         seq_lens = torch.tensor([s.num_computed + 1 for s in live])
         deltas = torch.tensor([s.mrope_delta for s in live])
-        logits = self.model.decode(
-            self.kv.buffer,
-            tables.to(self.device),
-            torch.tensor([s.output[-1] for s in live], device=self.device),
-            decode_positions(seq_lens - 1, deltas).to(self.device),
-            seq_lens.to(self.device),
-        )
+        try:
+            logits = self.model.decode(
+                self.kv.buffer,
+                tables.to(self.device),
+                torch.tensor([s.output[-1] for s in live], device=self.device),
+                decode_positions(seq_lens - 1, deltas).to(self.device),
+                seq_lens.to(self.device),
+                rows=self.running.view() if self.contiguous_decode else None,
+            )
+        except BaseException:
+            self.running.clear()  # rows may hold a partly written step
+            raise
+        if self.contiguous_decode:
+            self.running.advanced()
         tokens = self.sampler.sample(
             logits, [s.sampling for s in live], [s.num_computed + 1 for s in live]
         ).tolist()

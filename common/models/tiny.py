@@ -32,7 +32,7 @@ from common.models.qwen3_vl.weights import expected_weight_shapes, save_weights
 
 logger = logging.getLogger(__name__)
 
-Size = Literal["tiny", "bench"]
+Size = Literal["tiny", "small", "bench"]
 
 # Qwen3-VL's special tokens, in the order they get ids after the learned vocabulary.
 SPECIAL_TOKENS = (
@@ -153,6 +153,24 @@ _SIZES: dict[str, _Dims] = {
         settings=_TINY_SETTINGS,
         target_vocab=1536,
     ),
+    # The engine-speed benchmarks' size (about 5 M parameters, text 4 x 256, vision depth 2).
+    "small": _Dims(
+        text_hidden=256,
+        text_layers=4,
+        text_intermediate=768,
+        text_heads=4,
+        text_kv_heads=2,
+        text_head_dim=64,
+        mrope_section=(12, 10, 10),
+        vision_hidden=256,
+        vision_depth=2,
+        vision_intermediate=768,
+        vision_heads=4,
+        num_position_embeddings=1024,
+        deepstack=(0, 1),
+        settings=_BENCH_SETTINGS,
+        target_vocab=1536,
+    ),
     "bench": _Dims(
         text_hidden=512,
         text_layers=8,
@@ -249,8 +267,8 @@ def random_weights(config: Qwen3VLConfig, *, seed: int = 0) -> dict[str, torch.T
 def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, size: Size = "tiny") -> Path:
     """Write a complete random-weight checkpoint folder at `path` and return it.
 
-    size "tiny" is about 1 M parameters, "bench" about 100 M. The folder's bytes depend only
-    on `(seed, size)`. The text it generates is meaningless (random weights).
+    size "tiny" is about 1 M parameters, "small" about 5 M, "bench" about 100 M. The folder's
+    bytes depend only on `(seed, size)`. The text it generates is meaningless (random weights).
     """
     if size not in _SIZES:
         raise ValueError(f"unknown tiny checkpoint size {size!r}; expected one of {sorted(_SIZES)}")

@@ -1,11 +1,14 @@
 """The Qwen3-VL language model, run over a paged KV buffer.
 
-Prefill computes one sequence's prompt tokens from `start` on (earlier tokens are already in
+Prefill computes prompt tokens from each sequence's `start` on (earlier tokens are already in
 the cache, e.g. reused prefix blocks), optionally in chunks, with multimodal rows scattered at
 their exact runs and deepstack features added after the first layers at the same tokens.
-Decode advances many sequences by one token each in a single forward: the linear layers run
-batched, attention reads each sequence's blocks through a padded block table and a length
-mask.
+Several sequences' pieces run packed in one forward (`prefill_many`, planned by
+`prefill_plan`): the linear layers see all their tokens at once, attention runs per segment
+on the fused kernel (`attention.PrefillAttention`). Decode advances many sequences by one
+token each in a single forward: the linear layers run batched, attention reads each
+sequence's contiguous K/V rows (`common.models.running_kv`) or, without them, its blocks
+through a padded block table, under a length mask.
 
 The KV buffer is one tensor `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`
 (block-major, so a block's layers are one contiguous range). The model only reads and
@@ -24,8 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan, decode_attention
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
+from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
+from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
 
 logger = logging.getLogger(__name__)
@@ -35,54 +41,14 @@ LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True, slots=True)
-class VisualInputs:
-    """Multimodal rows to place inside one prefill chunk."""
+class Segment:
+    """Tokens `[start, start + n)` of one sequence, to compute in a packed forward."""
 
-    # int64 [R]: chunk-local token indices that receive a row.
-    index: torch.Tensor
-    # [R, hidden]: replaces the token embedding at `index`.
-    rows: torch.Tensor
-    # One [R, hidden] per early layer: added to that layer's output at `index`.
-    deepstack: tuple[torch.Tensor, ...]
-
-
-def visual_inputs(
-    items: Sequence[MultimodalItemMetadata],
-    embeddings: Mapping[int, ItemEmbedding],
-    start: int,
-    end: int,
-) -> VisualInputs | None:
-    """Gather the rows of every run overlapping prompt tokens `[start, end)`.
-
-    `embeddings` is keyed by item index; an item whose runs miss the range needs none (it may
-    lie wholly in a reused prefix). Raises KeyError when a needed embedding is missing.
-    """
-    index: list[torch.Tensor] = []
-    rows: list[torch.Tensor] = []
-    deep: list[list[torch.Tensor]] = []
-    for i, item in enumerate(items):
-        placed = 0  # item rows placed by earlier runs
-        for run_start, length in item.runs:
-            lo, hi = max(start, run_start), min(end, run_start + length)
-            if lo < hi:
-                if i not in embeddings:
-                    raise KeyError(
-                        f"item {i} overlaps tokens [{start}, {end}) but has no embedding"
-                    )
-                emb = embeddings[i]
-                first = placed + lo - run_start
-                index.append(torch.arange(lo - start, hi - start))
-                rows.append(emb.rows[first : first + hi - lo])
-                if not deep:
-                    deep = [[] for _ in emb.deepstack]
-                if len(emb.deepstack) != len(deep):
-                    raise ValueError("items disagree on the number of deepstack layers")
-                for layer, feat in enumerate(emb.deepstack):
-                    deep[layer].append(feat[first : first + hi - lo])
-            placed += length
-    if not index:
-        return None
-    return VisualInputs(torch.cat(index), torch.cat(rows), tuple(torch.cat(d) for d in deep))
+    block_table: torch.Tensor  # int64 [blocks]: the sequence's block ids
+    token_ids: torch.Tensor  # int64 [n]
+    positions: torch.Tensor  # int64 [3, n]: their mRoPE positions
+    start: int  # sequence position of the first token (earlier ones are cached)
+    visual: VisualInputs | None  # multimodal rows, indices local to the segment
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +58,7 @@ class _Layer:
     input_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    qk_norm: torch.Tensor  # [H + KV, D]: q_norm for each query head, k_norm for each key head
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
@@ -102,10 +67,14 @@ class _Layer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """The reference's RMSNorm over the last dimension (normalize in float32, cast, then
+    scale by `weight`, which broadcasts over `x`'s trailing dimensions) in fused ops.
+
+    In float32 the cast is a no-op, so scaling inside the fused op gives the same bits."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.shape == shape:
+        return F.rms_norm(x, shape, weight, eps)
+    return weight * F.rms_norm(x.to(torch.float32), shape, eps=eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -127,7 +96,10 @@ class TextModel:
         self.norm = weights["norm.weight"]
         self.lm_head = weights.get(LM_HEAD, self.embed_tokens)
         self.layers = [
-            self._layer(weights, f"layers.{i}.") for i in range(config.num_hidden_layers)
+            self._layer(
+                weights, f"layers.{i}.", config.num_attention_heads, config.num_key_value_heads
+            )
+            for i in range(config.num_hidden_layers)
         ]
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
         self.freq_axis = axis_of_frequency(config.mrope_section, config.mrope_interleaved)
@@ -135,7 +107,7 @@ class TextModel:
         self.kv_size = config.num_key_value_heads * config.head_dim
 
     @staticmethod
-    def _layer(w: Mapping[str, torch.Tensor], p: str) -> _Layer:
+    def _layer(w: Mapping[str, torch.Tensor], p: str, heads: int, kv_heads: int) -> _Layer:
         a = p + "self_attn."
         biases = [w.get(f"{a}{n}_proj.bias") for n in "qkv"]
         qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
@@ -143,8 +115,12 @@ class TextModel:
             input_norm=w[p + "input_layernorm.weight"],
             qkv=torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"]).contiguous(),
             qkv_bias=qkv_bias,
-            q_norm=w[a + "q_norm.weight"],
-            k_norm=w[a + "k_norm.weight"],
+            qk_norm=torch.cat(
+                [
+                    w[a + "q_norm.weight"].expand(heads, -1),
+                    w[a + "k_norm.weight"].expand(kv_heads, -1),
+                ]
+            ),
             o_proj=w[a + "o_proj.weight"],
             o_bias=w.get(a + "o_proj.bias"),
             post_norm=w[p + "post_attention_layernorm.weight"],
@@ -188,15 +164,18 @@ class TextModel:
     def _qkv(
         self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project, q/k-norm and rotate `h [n, hidden]` into q `[n, H, D]`, k, v `[n, KV, D]`."""
+        """Project, q/k-norm and rotate `h [n, hidden]` into q `[n, H, D]`, k, v `[n, KV, D]`
+        (views). `cos`, `sin` are `[n, 1, D]`. q and k heads are normed and rotated together:
+        per head the same arithmetic as apart, in half the ops."""
         c = self.config
         qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        n = h.shape[0]
-        q = _rms_norm(q.view(n, -1, c.head_dim), layer.q_norm, c.rms_norm_eps)
-        k = _rms_norm(k.view(n, -1, c.head_dim), layer.k_norm, c.rms_norm_eps)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(n, -1, c.head_dim)
+        split = self.q_size + self.kv_size
+        qk = _rms_norm(
+            qkv[:, :split].unflatten(-1, (-1, c.head_dim)), layer.qk_norm, c.rms_norm_eps
+        )
+        qk = _rotate(qk, cos, sin)
+        heads = c.num_attention_heads
+        return qk[:, :heads], qk[:, heads:], qkv[:, split:].unflatten(-1, (-1, c.head_dim))
 
     def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then the MLP block + residual."""
@@ -214,60 +193,101 @@ class TextModel:
     # ---------------------------------------------------------------------------- prefill
 
     @torch.inference_mode()
-    def prefill_chunk(
-        self,
-        kv: torch.Tensor,
-        block_table: torch.Tensor,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        start: int,
-        visual: VisualInputs | None = None,
-        *,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Compute prompt tokens `[start, start + n)` of one sequence; return hidden `[n, hidden]`.
+    def forward_segments(self, kv: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """One forward over the packed tokens of `segments`; return hidden `[N, hidden]`
+        (the segments' rows, in order).
 
-        `token_ids [n]` and `positions [3, n]` describe the chunk; tokens before `start` must
-        already be in `kv` at the slots `block_table` names. The chunk's K/V are written there.
-        `inputs_embeds [n, hidden]`, when given, replaces the token embedding lookup.
+        Each segment's tokens before its `start` must already be in `kv` at the slots its
+        `block_table` names, or be computed by an earlier segment of the same sequence in
+        this call (every segment's K/V of a layer are written before any attends).
         """
         c = self.config
-        n = int(token_ids.shape[0]) if inputs_embeds is None else int(inputs_embeds.shape[0])
-        end = start + n
         block_size = kv.shape[3]
-        x = self.embed_tokens[token_ids] if inputs_embeds is None else inputs_embeds.to(self.dtype)
+        spans: list[SegmentSpan] = []
+        offset = 0
+        for seg in segments:
+            spans.append(
+                SegmentSpan(offset, seg.start, int(seg.token_ids.shape[0]), seg.block_table)
+            )
+            offset += spans[-1].length
+        attention = PrefillAttention(spans, block_size)
+        token_ids = torch.cat([seg.token_ids for seg in segments])
+        x = self.embed_tokens[token_ids]
+        visual = packed_visual([seg.visual for seg in segments], spans)
         index = None if visual is None else visual.index.to(x.device)
         if visual is not None:
-            x = x.clone()
             x[index] = visual.rows.to(x.device, x.dtype)
+        positions = torch.cat([seg.positions for seg in segments], dim=1)
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
-        blocks, offsets = self._slots(
-            block_table, torch.arange(start, end, device=block_table.device), block_size
-        )
-        used = block_table[: (end + block_size - 1) // block_size]
-        mask = None
-        if start > 0:
-            q_pos = torch.arange(start, end, device=x.device).unsqueeze(1)
-            mask = torch.arange(end, device=x.device).unsqueeze(0) <= q_pos
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        slots = [
+            self._slots(
+                s.block_table, torch.arange(s.start, s.end, device=s.block_table.device), block_size
+            )
+            for s in spans
+        ]
+        blocks = torch.cat([b for b, _ in slots])
+        offsets = torch.cat([o for _, o in slots])
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
             kv[blocks, i, 0, offsets] = k
             kv[blocks, i, 1, offsets] = v
-            keys = kv[:, i, 0].index_select(0, used).flatten(0, 1)[:end].transpose(0, 1)
-            values = kv[:, i, 1].index_select(0, used).flatten(0, 1)[:end].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                keys,
-                values,
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=True,
-            )
-            x = self._finish_layer(layer, x, attn.transpose(0, 1).reshape(n, -1))
+            attn = attention(q, k, v, kv[:, i, 0], kv[:, i, 1])
+            x = self._finish_layer(layer, x, attn)
             if visual is not None and i < len(visual.deepstack):
                 x[index] += visual.deepstack[i].to(x.device, x.dtype)
         return x
+
+    def prefill_many(
+        self,
+        kv: torch.Tensor,
+        requests: Sequence[PrefillRequest],
+        *,
+        chunk_size: int | None = None,
+        token_budget: int | None = None,
+    ) -> list[torch.Tensor]:
+        """Prefill several prompts, packed into forwards (see `prefill_plan.plan_forwards`).
+
+        Returns per request the logits `[N - start, vocab]` of its computed tokens when it
+        asks for `all_logits`, else its last token's logits `[vocab]`. Multimodal rows come
+        from each request's `embeddings` at its items' runs (KeyError when one is missing).
+        """
+        spans = [(r.start, int(r.token_ids.shape[0])) for r in requests]
+        hidden: list[list[torch.Tensor]] = [[] for _ in requests]
+        for pieces in plan_forwards(spans, chunk_size, token_budget):
+            segments = []
+            for piece in pieces:
+                r = requests[piece.request]
+                visual = (
+                    visual_inputs(r.items, r.embeddings, piece.lo, piece.hi) if r.items else None
+                )
+                segments.append(
+                    Segment(
+                        r.block_table,
+                        r.token_ids[piece.lo : piece.hi],
+                        r.positions[:, piece.lo : piece.hi],
+                        piece.lo,
+                        visual,
+                    )
+                )
+            x = self.forward_segments(kv, segments)
+            for piece, rows in zip(pieces, x.split([p.hi - p.lo for p in pieces]), strict=True):
+                hidden[piece.request].append(rows)
+        with torch.inference_mode():
+            lasts = [i for i, r in enumerate(requests) if not r.all_logits]
+            last_logits = (
+                self.logits(torch.stack([hidden[i][-1][-1] for i in lasts])) if lasts else None
+            )
+            out: list[torch.Tensor] = []
+            for i, r in enumerate(requests):
+                if r.all_logits:
+                    out.append(self.logits(torch.cat(hidden[i])))
+                else:
+                    assert last_logits is not None
+                    out.append(last_logits[lasts.index(i)])
+        logger.debug("prefilled %d prompts in chunks of %s", len(requests), chunk_size)
+        return out
 
     def prefill(
         self,
@@ -282,28 +302,17 @@ class TextModel:
         chunk_size: int | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """Prefill a whole prompt from `start` on, in chunks of at most `chunk_size` tokens.
+        """Prefill a whole prompt from `start` on, in chunks of at most `chunk_size` tokens
+        (one forward per chunk).
 
         `token_ids [N]` and `positions [3, N]` cover the whole prompt; multimodal rows come
         from `embeddings` (by item index) at the items' runs. Returns logits `[N - start,
         vocab]` when `all_logits`, else the last token's logits `[vocab]`.
         """
-        total = int(token_ids.shape[0])
-        if not 0 <= start < total:
-            raise ValueError(f"start {start} outside a prompt of {total} tokens")
-        step = chunk_size or total
-        hidden: list[torch.Tensor] = []
-        for lo in range(start, total, step):
-            hi = min(total, lo + step)
-            visual = visual_inputs(items, embeddings or {}, lo, hi) if items else None
-            x = self.prefill_chunk(
-                kv, block_table, token_ids[lo:hi], positions[:, lo:hi], lo, visual
-            )
-            hidden.append(x if all_logits else x[-1:])
-        with torch.inference_mode():
-            out = self.logits(torch.cat(hidden) if all_logits else hidden[-1][-1])
-        logger.debug("prefilled tokens [%d, %d) in chunks of %d", start, total, step)
-        return out
+        request = PrefillRequest(
+            block_table, token_ids, positions, start, items, embeddings or {}, all_logits
+        )
+        return self.prefill_many(kv, [request], chunk_size=chunk_size)[0]
 
     # ----------------------------------------------------------------------------- decode
 
@@ -315,39 +324,65 @@ class TextModel:
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         seq_lens: torch.Tensor,
+        *,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step for `B` sequences; return logits `[B, vocab]`.
 
         `block_tables [B, max_blocks]` (rows padded with any valid block id), `token_ids [B]`
         the new tokens, `positions [3, B]` their mRoPE positions, `seq_lens [B]` the lengths
         including the new token (its K/V go to slot `seq_len - 1`).
+
+        `rows [B, layers, 2, KV, capacity, D]`, when given, holds each sequence's K/V at
+        positions below `seq_len - 1` contiguously (`RunningKv`): the new K/V are written
+        there too and attention reads them without gathering blocks. Without it, attention
+        gathers each sequence's blocks from `kv`.
         """
         c = self.config
         batch = int(token_ids.shape[0])
         block_size = kv.shape[3]
         x = self.embed_tokens[token_ids]
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
-        rows = torch.arange(batch, device=block_tables.device)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        index = torch.arange(batch, device=block_tables.device)
         last = seq_lens - 1
-        blocks = block_tables[rows, last // block_size]
+        blocks = block_tables[index, last // block_size]
         offsets = last % block_size
-        # Keep only as many blocks as the longest sequence needs.
-        width = (int(seq_lens.max()) + block_size - 1) // block_size
-        flat = block_tables[:, :width].reshape(-1)
-        span = width * block_size
-        mask = torch.arange(span, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-        mask = mask.view(batch, 1, 1, span)
+        longest = int(seq_lens.max())
+        if rows is not None:
+            span = longest
+            mask = None if int(seq_lens.min()) == longest else _length_mask(seq_lens, span)
+        else:  # keep only as many blocks as the longest sequence needs
+            width = (longest + block_size - 1) // block_size
+            flat = block_tables[:, :width].reshape(-1)
+            span = width * block_size
+            mask = _length_mask(seq_lens, span)
         heads = c.num_key_value_heads
+        # With rows, attention reads only them, so the paged cache takes every layer's new
+        # K/V in one scatter after the loop: [B, layers, 2, KV, D].
+        new = None if rows is None else x.new_empty((batch, len(self.layers), 2, heads, c.head_dim))
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
-            kv[blocks, i, 0, offsets] = k
-            kv[blocks, i, 1, offsets] = v
-            # [B, KV, span, D] views of one copy each; SDPA takes the strides as they are.
-            keys = kv[:, i, 0].index_select(0, flat).view(batch, span, heads, -1).transpose(1, 2)
-            values = kv[:, i, 1].index_select(0, flat).view(batch, span, heads, -1).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True
-            )
-            x = self._finish_layer(layer, x, attn.reshape(batch, -1))
+            if rows is not None and new is not None:
+                new[:, i, 0] = k
+                new[:, i, 1] = v
+                rows[index, i, :, :, last] = new[:, i]
+                keys, values = rows[:, i, 0, :, :span], rows[:, i, 1, :, :span]
+            else:  # [B, KV, span, D] views of one copy each
+                kv[blocks, i, 0, offsets] = k
+                kv[blocks, i, 1, offsets] = v
+                keys = kv[:, i, 0].index_select(0, flat).view(batch, span, heads, -1)
+                values = kv[:, i, 1].index_select(0, flat).view(batch, span, heads, -1)
+                keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+            attn = decode_attention(q, keys, values, mask)
+            x = self._finish_layer(layer, x, attn)
+        if new is not None:
+            kv[blocks, :, :, offsets] = new
         return self.logits(x)
+
+
+def _length_mask(seq_lens: torch.Tensor, span: int) -> torch.Tensor:
+    """`[B, 1, 1, span]`: True at positions below each sequence's length."""
+    mask = torch.arange(span, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+    return mask.view(-1, 1, 1, span)

@@ -1,0 +1,131 @@
+"""Contiguous K/V of the running decode batch, so a decode step gathers no blocks.
+
+The paged cache (`common.kv.cache.PagedKvCache`) stays the source of truth: transfers,
+digests and prefix reuse read its blocks. `RunningKv` keeps a second copy of each running
+sequence's K/V in one buffer
+
+    [rows, num_layers, 2, num_kv_heads, capacity, head_dim]
+
+whose row `r` holds one sequence's positions `0 .. length - 1`, laid out as attention reads
+them (`[KV, T, D]` per layer), so decode attention reads `buffer[:B, layer, 0, :, :T]` as a
+view. A sequence's row is filled once, by one gather of its blocks, when it first decodes;
+afterwards `TextModel.decode` writes each new token's K/V to the paged cache and to the row
+alike, so a step copies only the new tokens, not context x batch.
+
+Validity: a row is reused only for the same sequence object, the same block ids and a length
+equal to the sequence's computed tokens; anything else (a sequence that left and came back,
+blocks replaced, a failed step) reloads the row from the paged cache. Rows of sequences that
+are not in a step are dropped at that step, so a row never outlives its sequence's blocks by
+more than one step and is never read after they are freed. Rows stay packed at `0 .. B - 1`:
+dropping one moves the last row into its place (one sequence's copy, on leave only).
+
+Memory: up to the batch's sequences x the longest length, in addition to the paged cache.
+Not thread-safe; owned by one `LmRunner` (its callers serialize every call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.kv.cache import PagedKvCache
+from common.models.sequence import LmSequence
+
+_MIN_CAPACITY = 256  # token slots per row at first; doubled as sequences grow
+
+
+@dataclass(eq=False, slots=True)
+class _Row:
+    seq: LmSequence  # whose K/V the row holds
+    blocks: tuple[int, ...]  # the sequence's block ids when the row was filled
+    length: int  # positions held (0 .. length - 1)
+
+
+class RunningKv:
+    """Contiguous per-sequence K/V rows of the decode batch (see the module docstring)."""
+
+    def __init__(self, paged: PagedKvCache) -> None:
+        self.paged = paged  # the source the rows are filled from
+        spec = paged.spec
+        self._shape = (spec.num_layers, 2, spec.num_kv_heads)
+        self.buffer = torch.empty(
+            (0, *self._shape, 0, spec.head_dim), dtype=spec.dtype, device=paged.device
+        )
+        self._rows: list[_Row] = []  # row i's sequence, rows packed at 0 .. len - 1
+        self.loads = 0  # rows filled from the paged cache (a count for tests and benchmarks)
+
+    def arrange(self, seqs: list[LmSequence]) -> list[LmSequence]:
+        """Make rows `0 .. len(seqs) - 1` hold exactly `seqs`' K/V (their `num_computed`
+        positions) and return `seqs` in row order; rows of other sequences are dropped."""
+        wanted = set(seqs)
+        kept = [row for row in self._rows if row.seq in wanted and self._valid(row)]
+        keep = {id(row) for row in kept}
+        for r in range(len(self._rows) - 1, -1, -1):  # drop from the end: moves stay valid
+            if id(self._rows[r]) not in keep:
+                self._drop(r)
+        held = {row.seq for row in self._rows}
+        new = [s for s in seqs if s not in held]
+        self._reserve(len(seqs), max(s.num_computed + 1 for s in seqs) if seqs else 0)
+        for seq in new:
+            self._load(seq)
+        return [row.seq for row in self._rows]
+
+    def view(self) -> torch.Tensor:
+        """`[B, layers, 2, KV, capacity, D]`: the rows, in `arrange`'s order (a view)."""
+        return self.buffer[: len(self._rows)]
+
+    def advanced(self) -> None:
+        """Each row gained its sequence's newest token (after a successful decode step)."""
+        for row in self._rows:
+            row.length += 1
+
+    def clear(self) -> None:
+        """Forget every row and free the buffer (after a failed step, or when idle)."""
+        self._rows = []
+        self.buffer = self.buffer.new_empty((0, *self.buffer.shape[1:4], 0, self.buffer.shape[5]))
+
+    # ---------------------------------------------------------------------------- rows
+
+    def _valid(self, row: _Row) -> bool:
+        seq = row.seq
+        return row.length == seq.num_computed and tuple(seq.blocks[: len(row.blocks)]) == (
+            row.blocks
+        )
+
+    def _drop(self, r: int) -> None:
+        last = len(self._rows) - 1
+        if r != last:
+            moved = self._rows[last]
+            self.buffer[r, :, :, :, : moved.length].copy_(
+                self.buffer[last, :, :, :, : moved.length]
+            )
+            self._rows[r] = moved
+        self._rows.pop()
+
+    def _reserve(self, rows: int, tokens: int) -> None:
+        have_rows, capacity = self.buffer.shape[0], self.buffer.shape[4]
+        if rows <= have_rows and tokens <= capacity:
+            return
+        new_rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        new_capacity = capacity
+        while new_capacity < tokens:
+            new_capacity = max(_MIN_CAPACITY, 2 * new_capacity)
+        buffer = self.buffer.new_zeros((new_rows, *self._shape, new_capacity, self.buffer.shape[5]))
+        for r, row in enumerate(self._rows):
+            buffer[r, :, :, :, : row.length].copy_(self.buffer[r, :, :, :, : row.length])
+        self.buffer = buffer
+
+    def _load(self, seq: LmSequence) -> None:
+        """Append a row filled with `seq`'s positions `0 .. num_computed - 1` (one gather)."""
+        length = seq.num_computed
+        size = self.paged.spec.block_size
+        used = seq.blocks[: (length + size - 1) // size]
+        r = len(self._rows)
+        if length:
+            index = torch.tensor(used, dtype=torch.long, device=self.buffer.device)
+            blocks = self.paged.buffer.index_select(0, index)  # [n, L, 2, S, KV, D]
+            rows = blocks.permute(1, 2, 4, 0, 3, 5).flatten(3, 4)  # [L, 2, KV, n * S, D]
+            self.buffer[r, :, :, :, :length].copy_(rows[:, :, :, :length])
+        self._rows.append(_Row(seq, tuple(used), length))
+        self.loads += 1
