@@ -18,9 +18,10 @@
                (FAILED_PRECONDITION), every item is encoded and prefill runs once more
       stream   the first token goes to the client at once (that is the TTFT)
       decode   (prompt_token_ids, MultimodalParams without embeddings, first token,
-               KvHandle) -> least loaded decode worker -> token id chunks after the first
-               token, streamed on (its first chunk carries the KV transfer counts
-               blocks_pulled / blocks_reused)
+               KvHandle) -> the decode worker with the longest cached prefix among the
+               least loaded (as prefill) -> token id chunks after the first token,
+               streamed on (its first chunk carries the KV transfer counts blocks_pulled /
+               blocks_reused)
 
 Text: the router owns it. Workers send token ids only; one incremental detokenizer per job
 (`router.detokenize`) turns the whole answer, first token included, into text deltas.

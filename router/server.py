@@ -39,6 +39,7 @@ from common.errors import FieldError
 from common.models.prompt_check import check_context
 from common.models.runner import model_identity
 from common.processing.processor import ProcessedPrompt, Processor
+from common.roles import KV_ROLES
 from common.server.auth import Authenticator, Caller, principal, service_credentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
@@ -61,7 +62,7 @@ from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
 from router.stop import check_stop, stop_at
 from router.tenants import tenant_salt
-from router.workers import CheckpointShape, Role
+from router.workers import CheckpointShape
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ async def serve(
     )
     if settings.cache_aware_routing:
         registry.on_register.append(
-            lambda w: orchestrator.prefix.track(w.address) if w.role == Role.PREFILL else None
+            lambda w: orchestrator.prefix.track(w.address, w.role) if w.role in KV_ROLES else None
         )
     lifecycle = ServerLifecycle()
     running = await RunningRouter.start(

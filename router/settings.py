@@ -43,8 +43,8 @@ class RouterSettings(ServerSettings):
     )
     cache_aware_routing: bool = setting(
         True,
-        "send prefill to the worker caching the longest prefix (among the least loaded) and "
-        "skip encoding items that prefix covers",
+        "send prefill and decode each to the worker caching the longest prefix (among the "
+        "least loaded) and skip encoding items the prefill worker's prefix covers",
     )
     encoder_affinity_slack: int = setting(
         2,

@@ -189,12 +189,15 @@ def start_cluster(
     decode_args: tuple[str, ...] = (),
     router_args: tuple[str, ...] = (),
     encoders: int = 1,
+    prefills: int = 1,
+    decoders: int = 1,
     http: bool = False,
     timeout_s: float = 120.0,
 ) -> Cluster:
-    """Start router + `encoders` encoders + prefill + decode and wait until all registered
-    (encoders after the first are named encoder-1, encoder-2, ...). `http`: the router also
-    serves its HTTP API on a free port (`Cluster.http_url`); off otherwise.
+    """Start router + `encoders` encoders + `prefills` prefill + `decoders` decode workers
+    and wait until all registered (workers of a role after the first are named encoder-1,
+    prefill-1, decode-1, ...). `http`: the router also serves its HTTP API on a free port
+    (`Cluster.http_url`); off otherwise.
 
     Raises RuntimeError (with the logs) when a process dies or `timeout_s` passes first;
     nothing is left running then.
@@ -243,7 +246,10 @@ def start_cluster(
         }
         names = [("encoder", "encoder")]
         names += [("encoder", f"encoder-{i}") for i in range(1, encoders)]
-        names += [("prefill", "prefill"), ("decode", "decode")]
+        names += [("prefill", "prefill")]
+        names += [("prefill", f"prefill-{i}") for i in range(1, prefills)]
+        names += [("decode", "decode")]
+        names += [("decode", f"decode-{i}") for i in range(1, decoders)]
         for role, name in names:
             cluster.procs[name] = _spawn(
                 f"{role}_worker",
