@@ -79,13 +79,17 @@ async def warm_vs_cold(model: Path, args: argparse.Namespace, size: int) -> None
         try:
             async with Client(cluster.address, api_key=cluster.client_key) as client:
                 total = args.frames + args.appended
-                await client.generate_text(ask(clip(9_999, total, size)), sampling)  # warm-up
+                await client.generate_text(
+                    ask(clip(9_999, total, size)), sampling, timeout_s=900
+                )  # warm-up
                 for r in range(args.rounds):
-                    c = await client.generate_text(ask(clip(2 * r, total, size)), sampling)
+                    c = await client.generate_text(
+                        ask(clip(2 * r, total, size)), sampling, timeout_s=900
+                    )
                     cold.append(c.ttft_s)
                     video = clip(2 * r + 1, total, size)
-                    await client.generate_text(ask(video[: args.frames]), sampling)
-                    w = await client.generate_text(ask(video), sampling)
+                    await client.generate_text(ask(video[: args.frames]), sampling, timeout_s=900)
+                    w = await client.generate_text(ask(video), sampling, timeout_s=900)
                     warm.append(w.ttft_s)
                     uncached.append(1 - w.cached_tokens / w.prompt_tokens)
                 prompt_tokens = w.prompt_tokens

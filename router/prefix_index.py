@@ -14,6 +14,7 @@ forgotten.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -62,12 +63,8 @@ class PrefixIndex:
         cached = self._hashes.get(address)
         if not cached:
             return 0
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in cached:
-                break
-            count += 1
-        return count
+        # takewhile + list run in C: a few times faster than a Python loop per block.
+        return len(list(itertools.takewhile(cached.__contains__, block_hashes)))
 
     def _subscribe(self, address: str, role: Role) -> grpc.aio.UnaryStreamCall[Any, Any]:
         """Open the worker's KV event stream (its responses all carry `events`)."""
