@@ -18,6 +18,13 @@ import pytest
 from common.kv.hashing import block_hashes
 from common.models.qwen3_vl.preprocessor import ProcessorSettings, partition_keys_exact
 from common.processing.processor import ProcessedPrompt, Processor
+from common.roles import Role
+from common.sampling import SamplingParams
+from common.wire.roles import role_to_proto
+from epd.v1 import registry_service_pb2
+from router.calls import Job, WorkerCalls
+from router.encode import EncodeStage
+from router.registry import Registry
 from tests.model_fixtures import write_tiny_checkpoint
 
 BLOCK_SIZES = [1, 4, 16]
@@ -143,3 +150,29 @@ def test_setting_is_read_from_the_checkpoint_and_not_fingerprinted(
     config.write_text(json.dumps({**raw, "video_partition_keys": "no"}))
     with pytest.raises(ValueError, match="video_partition_keys"):
         Processor.from_pretrained(folder)
+
+
+def test_a_video_with_frames_appended_meets_the_same_encoder(processor: Processor) -> None:
+    """The encode stage homes a video by its first partition, so appended frames do not move
+    it off the encoder caching the shared ones (with eight encoders, by item hash the two
+    would part in most cases)."""
+    registry = Registry(worker_timeout_s=1e9, heartbeat_interval_s=1.0)
+    for port in range(8):
+        registry.register(
+            registry_service_pb2.WorkerInfo(
+                role=role_to_proto(Role.ENCODER),
+                address=f"127.0.0.1:{9100 + port}",
+                model="m",
+                protocol_version="epd.v1",
+                name=f"encoder-{port}",
+            )
+        )
+    stage = EncodeStage(WorkerCalls(registry), channels=None, max_inline_embedding_bytes=0)  # type: ignore[arg-type]
+    clip = frames(16, seed=5)
+    homes = set()
+    for count in (4, 8, 12, 16):
+        job = Job("r", video_prompt(processor, clip[:count]), SamplingParams(), None, 1e18)
+        ((worker, items),) = stage._assign(job, [0])
+        assert worker is not None and items == [0]
+        homes.add(worker.address)
+    assert len(homes) == 1
