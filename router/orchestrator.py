@@ -8,6 +8,9 @@
                prefix among the least loaded (`router.routing`; `router.prefix_index`
                follows each prefill worker's KV events); items whose every run lies inside
                that cached prefix need no encoding
+      overlap  with `overlap_text_prefill`, while the items are encoded, the prefill worker
+               computes the text before the first item (`router.overlap`); prefill below
+               reuses those blocks
       encode   the other items -> each to its content hash's encoder unless that one is
                much busier than the least loaded (`router.encode`); inline bytes and
                NIXL handles pass through unchanged, so a prefill worker pulls large
@@ -80,6 +83,7 @@ from router.calls import Job, RouterError, WorkerCalls
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
 from router.metrics import RouterMetrics
+from router.overlap import TextPrefill
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
 from router.routing import PrefillRouting
@@ -110,6 +114,7 @@ class Orchestrator:
         attempts: int = 2,
         reprefills: int = 2,
         cache_aware: bool = True,
+        overlap_text_prefill: bool = False,
         encoder_affinity_slack: int = 2,
         max_queued_requests: int = 512,
         max_queue_wait_s: float = 60.0,
@@ -132,6 +137,8 @@ class Orchestrator:
             affinity_slack=encoder_affinity_slack,
         )
         self.metrics = RouterMetrics(self.admission, self.calls)  # the router's registry
+        # Prefills the text before the first item while items are encoded (`router.overlap`).
+        self.text_prefill = TextPrefill(registry, channels) if overlap_text_prefill else None
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with
@@ -209,7 +216,16 @@ class Orchestrator:
         self.metrics.planning.labels("route").observe(time.perf_counter() - planning)
         self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
-        encoded = await self.encoder.encode(job, [i for i in every if i not in route.skip])
+        to_encode = [i for i in every if i not in route.skip]
+        text = self.text_prefill.start(job, route, bool(to_encode)) if self.text_prefill else None
+        try:
+            encoded = await self.encoder.encode(job, to_encode)
+        except BaseException:
+            if text is not None:
+                text.cancel()
+            raise
+        if text is not None:
+            await text  # never raises; the prefill below reuses its blocks
         try:
             try:
                 return await self._prefill(job, handoff, encoded, route.worker, ticket)

@@ -26,6 +26,7 @@ class PrefillRoute:
 
     worker: WorkerRecord | None  # the chosen prefill worker (None: pick at call time)
     skip: frozenset[int]  # items inside the worker's cached prefix: not encoded
+    cached_blocks: int = 0  # leading blocks the worker is known to cache (usable ones)
 
 
 class PrefillRouting:
@@ -91,4 +92,5 @@ class PrefillRouting:
         )
         covered = blocks * block_size
         items = job.prompt.params.items
-        return PrefillRoute(worker, frozenset(i for i, it in enumerate(items) if it.end <= covered))
+        skip = frozenset(i for i, it in enumerate(items) if it.end <= covered)
+        return PrefillRoute(worker, skip, blocks)

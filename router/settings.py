@@ -46,6 +46,12 @@ class RouterSettings(ServerSettings):
         "send prefill and decode each to the worker caching the longest prefix (among the "
         "least loaded) and skip encoding items the prefill worker's prefix covers",
     )
+    overlap_text_prefill: bool = setting(
+        False,
+        "while a request's images and videos are encoded, prefill the text before the first "
+        "of them on the chosen prefill worker (its blocks are then reused; needs "
+        "cache_aware_routing)",
+    )
     encoder_affinity_slack: int = setting(
         2,
         "send each image to the encoder its content hash maps to (rendezvous hashing, so "

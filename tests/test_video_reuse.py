@@ -6,6 +6,10 @@ already holds them and pulls only the rest, the encoder encodes only the new tem
 patches, and the tokens equal the offline engine's (greedy, no reuse). A video differing in
 one frame reuses exactly the blocks before that frame's run. (Where partition keys are not
 allowed, tests/test_partition_keys.py shows the keys fall back to the item's.)
+
+The deployment runs with `overlap_text_prefill` on (`router.overlap`): while a request's
+items are encoded, the prefill worker computes the text before the first one, so even a
+first request finds that text's full blocks cached, and its tokens still equal the engine's.
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def cluster(ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     c = start_cluster(
-        ckpt, tmp_path_factory.mktemp("logs"), block_size=BLOCK, num_blocks=NUM_BLOCKS
+        ckpt,
+        tmp_path_factory.mktemp("logs"),
+        block_size=BLOCK,
+        num_blocks=NUM_BLOCKS,
+        router_args=("--overlap-text-prefill", "true"),
     )
     yield c
     c.stop()
@@ -114,7 +122,8 @@ async def test_appended_frames_reuse_every_shared_block_and_encode_only_new_fram
         hits, lookups = await encoder_counts(cluster, before.cache_lookups + 4)
         assert (hits, lookups) == (before.cache_hits, before.cache_lookups + 4)
         b = await client.generate_text(second, GREEDY, timeout_s=120)
-    assert a.cached_tokens == 0
+    # The text before the video was prefilled while the video was encoded.
+    assert a.cached_tokens == v.params.items[0].position // BLOCK * BLOCK > 0
     # Prefill reuses V's blocks, decode holds them and pulls only the rest.
     assert b.cached_tokens == min(shared, (n2 - 1) // BLOCK) * BLOCK
     assert b.blocks_reused == shared
@@ -141,3 +150,25 @@ async def test_video_differing_in_one_frame_reuses_exactly_the_blocks_before_it(
     assert b.cached_tokens == shared * BLOCK
     assert b.blocks_reused == shared
     assert b.token_ids == reference(engine, second)
+
+
+async def test_text_before_a_video_is_prefilled_while_it_is_encoded(
+    cluster: Cluster, engine: Engine
+) -> None:
+    document = "Here is a long report to read before the clip. " * 12
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": document},
+                {"type": "video", "video": clip(51, 8), "fps": 2.0},
+                {"type": "text", "text": "Summarise both."},
+            ],
+        }
+    ]
+    first_item = engine.process(messages).params.items[0].position
+    assert first_item > 8 * BLOCK
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
+        result = await client.generate_text(messages, GREEDY, timeout_s=120)
+    assert result.cached_tokens == first_item // BLOCK * BLOCK
+    assert result.token_ids == reference(engine, messages)
