@@ -74,7 +74,13 @@ async def warm_vs_cold(model: Path, args: argparse.Namespace, size: int) -> None
     uncached: list[float] = []
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as logs:
         cluster = await asyncio.to_thread(
-            start_cluster, model, Path(logs), block_size=BLOCK, num_blocks=4096, timeout_s=600
+            start_cluster,
+            model,
+            Path(logs),
+            block_size=BLOCK,
+            num_blocks=4096,
+            heartbeat_interval_s=1.0,  # 20 s worker timeout: a loaded machine keeps them
+            timeout_s=600,
         )
         try:
             async with Client(cluster.address, api_key=cluster.client_key) as client:
