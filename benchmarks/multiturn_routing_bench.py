@@ -94,7 +94,7 @@ async def run(args: argparse.Namespace) -> None:
                     Path(logs) / name,
                     block_size=BLOCK,
                     num_blocks=4096,
-                    heartbeat_interval_s=1.0,  # 20 s worker timeout: a loaded machine keeps them
+                    heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
                     prefills=2,
                     decoders=2,
                     router_args=("--cache-aware-routing", flag),

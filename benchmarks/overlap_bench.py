@@ -70,7 +70,7 @@ async def run(args: argparse.Namespace) -> None:
                     Path(logs) / name,
                     block_size=BLOCK,
                     num_blocks=4096,
-                    heartbeat_interval_s=1.0,  # 20 s worker timeout: a loaded machine keeps them
+                    heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
                     router_args=("--overlap-text-prefill", flag),
                     timeout_s=900,
                 )

@@ -79,7 +79,7 @@ async def warm_vs_cold(model: Path, args: argparse.Namespace, size: int) -> None
             Path(logs),
             block_size=BLOCK,
             num_blocks=4096,
-            heartbeat_interval_s=1.0,  # 20 s worker timeout: a loaded machine keeps them
+            heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
             timeout_s=600,
         )
         try:
