@@ -24,6 +24,10 @@ Per request:
    `finish_reason`. When the first token already ends the answer, the stream is one chunk
    with no tokens and the finish reason.
 
+`StreamDecodeKvEvents` streams this worker's prefix-cache changes exactly as prefill's
+`StreamKvEvents` does (`common.kv.events`): the router follows them to send a request to
+the decode worker that already holds most of its prompt (`router.routing`).
+
 Leases: once the handle has been checked this worker owns the duty to release the lease
 exactly once (the confirming `ReleaseKv` after the READ, or a background one on every other
 path). A request refused before that (bad handoff, bad handle, hash mismatch) leaves the
@@ -48,6 +52,7 @@ import grpc
 from common.handoff import Pulled, check_handle, check_request, pull, read_handoff
 from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
+from common.kv.events import KvEventHub, stream_kv_events
 from common.models import batching
 from common.models.batching import DecodeBatcher
 from common.models.sequence import LmSequence
@@ -57,6 +62,7 @@ from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
 from common.transfer.types import TransferTimeoutError
 from common.wire.convert import sampling_from_proto
+from common.wire.kv import kv_event_to_proto
 from common.wire.sampling import finish_reason_to_proto
 from decode_worker.resume import resume_tokens
 from epd.v1 import (
@@ -117,6 +123,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self._slots = asyncio.Semaphore(max_batch)
         # Releasekv to prefill, presenting `credentials` (the cluster bearer).
         self._peers = PeerClient(release_timeout_s=release_timeout_s, credentials=credentials)
+        # Prefix-cache changes for the router's decode routing (`StreamDecodeKvEvents`).
+        self.hub = KvEventHub(runner.allocator)
         agent.register(runner.kv.buffer)
 
     # -------------------------------------------------------------------------- Decode
@@ -132,6 +140,17 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     yield chunk
             finally:
                 self.active -= 1
+
+    @rpc_errors
+    async def StreamDecodeKvEvents(
+        self,
+        request: decode_service_pb2.StreamDecodeKvEventsRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[decode_service_pb2.StreamDecodeKvEventsResponse]:
+        async for events in stream_kv_events(self.hub, self.model, request.subscriber):
+            yield decode_service_pb2.StreamDecodeKvEventsResponse(
+                events=[kv_event_to_proto(e) for e in events]
+            )
 
     async def _decode(
         self, request: decode_service_pb2.DecodeRequest, time_left_s: float | None

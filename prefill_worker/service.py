@@ -29,7 +29,6 @@ in worker threads (`prefill_worker.embeddings`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import grpc
 from common.handoff import build_handle, check_request
 from common.kv.allocator import blocks_for
 from common.kv.digest import cache_block_digests
-from common.kv.events import KvEventHub, Subscription
+from common.kv.events import KvEventHub, stream_kv_events
 from common.models import batching
 from common.models.batching import MissingEmbeddingsError
 from common.models.qwen3_vl.rope import MropePositions
@@ -284,22 +283,10 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         request: prefill_service_pb2.StreamKvEventsRequest,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[prefill_service_pb2.StreamKvEventsResponse]:
-        sub = Subscription(asyncio.get_running_loop())
-        snapshot = await self.model.call(
-            self.hub.subscribe, sub, on_orphan=lambda _: self.hub.unsubscribe(sub)
-        )
-        logger.info("KV event subscriber %r joined", request.subscriber)
-        try:
-            yield prefill_service_pb2.StreamKvEventsResponse(events=[kv_event_to_proto(snapshot)])
-            while True:
-                events = [await sub.queue.get()]
-                while not sub.queue.empty():
-                    events.append(sub.queue.get_nowait())
-                yield prefill_service_pb2.StreamKvEventsResponse(
-                    events=[kv_event_to_proto(e) for e in events]
-                )
-        finally:
-            self.hub.unsubscribe(sub)
+        async for events in stream_kv_events(self.hub, self.model, request.subscriber):
+            yield prefill_service_pb2.StreamKvEventsResponse(
+                events=[kv_event_to_proto(e) for e in events]
+            )
 
     # --------------------------------------------------------------------------- load
 

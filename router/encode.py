@@ -2,9 +2,10 @@
 embeddings checked and ready for the prefill request.
 
 Each item has a home encoder: the rendezvous (highest-random-weight) choice for its content
-hash among the live, non-draining encoders (`Registry.pick` with `key`), so a repeated
-image meets the encoder cache that already holds it, and an encoder joining or leaving moves
-only the items it wins or held. The home is bypassed for the least loaded encoder when its
+hash (a partitioned item's: its first partition's) among the live, non-draining encoders
+(`Registry.pick` with `key`), so a repeated image, or a video with frames appended, meets
+the encoder cache that already holds it, and an encoder joining or leaving moves only the
+items it wins or held. The home is bypassed for the least loaded encoder when its
 load exceeds that one's by more than `affinity_slack` requests; a slack of 0 turns affinity
 off (the whole request goes to the least loaded encoder). A request's items are grouped per
 chosen encoder; the groups' `Encode` calls run concurrently (each retried on
@@ -110,7 +111,10 @@ class EncodeStage:
         groups: dict[str, tuple[WorkerRecord, list[int]]] = {}
         registry = self.calls.registry
         for i in items:
-            key = job.prompt.params.items[i].content_hash
+            item = job.prompt.params.items[i]
+            # A partitioned item (video) is homed by its first partition, so the same video
+            # with frames appended meets the encoder caching its shared partitions.
+            key = item.partitions[0].content_hash if item.partitions else item.content_hash
             try:
                 worker = registry.pick(Role.ENCODER, key=key, slack=self.affinity_slack)
             except NoWorkerError as exc:

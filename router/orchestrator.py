@@ -8,6 +8,9 @@
                prefix among the least loaded (`router.routing`; `router.prefix_index`
                follows each prefill worker's KV events); items whose every run lies inside
                that cached prefix need no encoding
+      overlap  with `overlap_text_prefill`, while the items are encoded, the prefill worker
+               computes the text before the first item (`router.overlap`); prefill below
+               reuses those blocks
       encode   the other items -> each to its content hash's encoder unless that one is
                much busier than the least loaded (`router.encode`); inline bytes and
                NIXL handles pass through unchanged, so a prefill worker pulls large
@@ -18,10 +21,11 @@
                (FAILED_PRECONDITION), every item is encoded and prefill runs once more
       stream   the first token goes to the client at once (that is the TTFT)
       decode   (prompt_token_ids, MultimodalParams without embeddings, first token,
-               KvHandle) -> least loaded decode worker -> token id chunks after the first
-               token, streamed on (its first chunk carries the KV transfer counts
-               blocks_pulled / blocks_reused); a stream that breaks mid-way resumes on
-               another decode worker, token for token (`router.decode`)
+               KvHandle) -> the decode worker with the longest cached prefix among the
+               least loaded (as prefill) -> token id chunks after the first token,
+               streamed on (its first chunk carries the KV transfer counts blocks_pulled /
+               blocks_reused); a stream that breaks mid-way resumes on another decode
+               worker, token for token (`router.decode`)
 
 Text: the router owns it. Workers send token ids only; one incremental detokenizer per job
 (`router.detokenize`) turns the whole answer, first token included, into text deltas.
@@ -86,6 +90,7 @@ from router.decode import DecodeStage, KvLease
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
 from router.metrics import RouterMetrics
+from router.overlap import TextPrefill
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
 from router.routing import PrefillRouting
@@ -108,6 +113,7 @@ class Orchestrator:
         reprefills: int = 2,
         migrations: int = 2,
         cache_aware: bool = True,
+        overlap_text_prefill: bool = False,
         encoder_affinity_slack: int = 2,
         max_queued_requests: int = 512,
         max_queue_wait_s: float = 60.0,
@@ -138,6 +144,8 @@ class Orchestrator:
             reprefills=reprefills,
             migrations=migrations,
         )
+        # Prefills the text before the first item while items are encoded (`router.overlap`).
+        self.text_prefill = TextPrefill(registry, channels) if overlap_text_prefill else None
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with
@@ -270,7 +278,16 @@ class Orchestrator:
         self.metrics.planning.labels("route").observe(time.perf_counter() - planning)
         self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
-        encoded = await self.encoder.encode(job, [i for i in every if i not in route.skip])
+        to_encode = [i for i in every if i not in route.skip]
+        text = self.text_prefill.start(job, route, bool(to_encode)) if self.text_prefill else None
+        try:
+            encoded = await self.encoder.encode(job, to_encode)
+        except BaseException:
+            if text is not None:
+                text.cancel()
+            raise
+        if text is not None:
+            await text  # never raises; the prefill below reuses its blocks
         try:
             try:
                 return await self._prefill(job, handoff, encoded, route.worker, ticket, failed)

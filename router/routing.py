@@ -1,7 +1,11 @@
-"""Where a job's prefill goes: the prompt's block hashes under the deployment's KV layout,
-the prefill worker with the longest cached prefix among the least loaded (the
-`router.prefix_index` follows each prefill worker's KV events), and the items that prefix
-covers entirely, which need no encoding. Admission uses the same choice (`chooser`)."""
+"""Where a job's prefill and decode go: the prompt's block hashes under the deployment's KV
+layout, then for each role the worker with the longest cached prefix among the least loaded
+(`Registry.pick` with the cached prefix as affinity: the same policy and slack for both
+roles; the `router.prefix_index` follows every prefill and decode worker's KV events), and
+the items the prefill worker's prefix covers entirely, which need no encoding. A decode
+worker that holds a conversation's earlier turns pulls only the blocks it lacks, so
+multi-turn chats stay where their KV is unless load says otherwise. Admission uses the same
+choice (`chooser`)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ class PrefillRoute:
 
     worker: WorkerRecord | None  # the chosen prefill worker (None: pick at call time)
     skip: frozenset[int]  # items inside the worker's cached prefix: not encoded
+    cached_blocks: int = 0  # leading blocks the worker is known to cache (usable ones)
 
 
 class PrefillRouting:
@@ -40,8 +45,8 @@ class PrefillRouting:
         layout = workers[0].layout if workers else None
         if not self.cache_aware or layout is None:
             return None
-        for w in workers:
-            self.prefix.track(w.address)
+        for w in [*workers, *self.registry.workers(Role.DECODE)]:
+            self.prefix.track(w.address, w.role)
         try:
             return block_hashes(
                 job.prompt.prompt_token_ids,
@@ -54,11 +59,12 @@ class PrefillRouting:
             return None
 
     def chooser(self, hashes: list[bytes] | None) -> Callable[[Role, frozenset[str]], WorkerRecord]:
-        """Admission's worker choice: prefill by cached prefix among the least loaded (when
-        cache aware), decode by load; never a worker in `exclude` (no room)."""
+        """Admission's worker choice: prefill and decode each by cached prefix among the
+        least loaded (when cache aware; else by load); never a worker in `exclude` (no
+        room)."""
 
         def choose(role: Role, exclude: frozenset[str]) -> WorkerRecord:
-            if role == Role.PREFILL and hashes is not None:
+            if hashes is not None:
                 return self.registry.pick(
                     role,
                     exclude=exclude,
@@ -86,4 +92,5 @@ class PrefillRouting:
         )
         covered = blocks * block_size
         items = job.prompt.params.items
-        return PrefillRoute(worker, frozenset(i for i, it in enumerate(items) if it.end <= covered))
+        skip = frozenset(i for i, it in enumerate(items) if it.end <= covered)
+        return PrefillRoute(worker, skip, blocks)

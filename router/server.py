@@ -44,6 +44,7 @@ from common.errors import FieldError
 from common.models.prompt_check import check_context
 from common.models.runner import model_identity
 from common.processing.processor import ProcessedPrompt, Processor
+from common.roles import KV_ROLES
 from common.server.auth import Authenticator, Caller, principal, service_credentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
@@ -66,7 +67,7 @@ from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
 from router.stop import check_stop, stop_at
 from router.tenants import tenant_salt
-from router.workers import CheckpointShape, Role, WorkerRecord
+from router.workers import CheckpointShape, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +323,7 @@ async def serve(
         processor,
         max_inline_embedding_bytes=settings.max_inline_embedding_mb * 1024 * 1024,
         cache_aware=settings.cache_aware_routing,
+        overlap_text_prefill=settings.overlap_text_prefill,
         encoder_affinity_slack=settings.encoder_affinity_slack,
         reprefills=settings.kv_reprefills,
         migrations=settings.decode_migrations,
@@ -331,7 +333,7 @@ async def serve(
     registry.on_restart.append(lambda old: _forget_restarted(orchestrator, old))
     if settings.cache_aware_routing:
         registry.on_register.append(
-            lambda w: orchestrator.prefix.track(w.address) if w.role == Role.PREFILL else None
+            lambda w: orchestrator.prefix.track(w.address, w.role) if w.role in KV_ROLES else None
         )
     lifecycle = ServerLifecycle()
     running = await RunningRouter.start(

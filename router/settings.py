@@ -44,8 +44,14 @@ class RouterSettings(ServerSettings):
     )
     cache_aware_routing: bool = setting(
         True,
-        "send prefill to the worker caching the longest prefix (among the least loaded) and "
-        "skip encoding items that prefix covers",
+        "send prefill and decode each to the worker caching the longest prefix (among the "
+        "least loaded) and skip encoding items the prefill worker's prefix covers",
+    )
+    overlap_text_prefill: bool = setting(
+        False,
+        "while a request's images and videos are encoded, prefill the text before the first "
+        "of them on the chosen prefill worker (its blocks are then reused; needs "
+        "cache_aware_routing)",
     )
     encoder_affinity_slack: int = setting(
         2,

@@ -27,7 +27,13 @@ from common.kv.hashing import (
     keys_by_span,
     root_hash,
 )
-from common.multimodal.params import MultimodalParams, runs_from_mask
+from common.multimodal.params import (
+    ItemPartition,
+    Modality,
+    MultimodalItemMetadata,
+    MultimodalParams,
+    runs_from_mask,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 HA, HB = b"\xaa" * 32, b"\xbb" * 32
@@ -369,7 +375,30 @@ GOLDEN = {
         "24de66e31eac6e963cb3be80adbeba05750937d518ca35976815bb59d5682de8",
         "fa1a6f9420a640871599e8bd1039da8838e463ed08c2a0fd64a420aea64129f3",
     ],
+    "partitioned": [
+        "0d96e787133560844f80d0b351e849b56ef0c336eb11494640f356656eb0ea7d",
+        "3039f51392aaacf01131cbd8941cfe01fd642e32da1f6eb2eb7e162f289a06b9",
+        "e061ba6171d41adf5e9a231eafebbe1605738406b3dcb3d76956f68539a799de",
+        "d028b40f9da483bc3864aacc3d3f222a349bdad8d8a1fa17bd1db40a50fcf7f8",
+    ],
 }
+
+
+def golden_partitioned(partition_keys: bool = True) -> MultimodalParams:
+    """The doc's partitioned example: the multimodal item with partitions of 1, 3, 2 rows."""
+    parts = tuple(
+        ItemPartition(start, end, rows, bytes(range(32 * k, 32 * k + 32)))
+        for k, (start, end, rows) in enumerate([(0, 4, 1), (4, 16, 3), (16, 24, 2)], start=1)
+    )
+    item = MultimodalItemMetadata(
+        bytes(range(32)),
+        ((2, 2), (7, 2), (12, 2)),
+        Modality.VIDEO,
+        uuid="cat",
+        partitions=parts,
+        partition_keys=partition_keys,
+    )
+    return MultimodalParams.from_items([item])
 
 
 def test_golden_vectors() -> None:
@@ -386,6 +415,27 @@ def test_golden_vectors() -> None:
     keys = {b: [MmKey(item, offset, "cat")] for b, offset in enumerate([0, 2, 3, 4])}
     assert keys_by_span(params, np.arange(4) * 4, np.arange(1, 5) * 4) == keys
     assert [h.hex() for h in documented_hashes(tokens, 4, keys)] == GOLDEN["multimodal"]
+
+
+def test_golden_partitioned_vectors() -> None:
+    """Partition keys: the doc's per-block keys and vectors; without the flag the same
+    item hashes like the plain multimodal example."""
+    params = golden_partitioned()
+    tokens = list(range(100, 116))
+    p0, p1, p2 = (part.content_hash for part in params.items[0].partitions)
+    keys = {
+        0: [MmKey(p0, 0, "cat"), MmKey(p1, 0, "cat")],
+        1: [MmKey(p1, 1, "cat")],
+        2: [MmKey(p1, 2, "cat")],
+        3: [MmKey(p2, 0, "cat")],
+    }
+    assert keys_by_span(params, np.arange(4) * 4, np.arange(1, 5) * 4) == keys
+    assert [h.hex() for h in block_hashes(tokens, 4, params)] == GOLDEN["partitioned"]
+    assert [h.hex() for h in documented_hashes(tokens, 4, keys)] == GOLDEN["partitioned"]
+    assert block_extra_keys(params, 1, 5) == [MmKey(p0, 0, "cat"), MmKey(p1, 0, "cat")]
+    assert block_extra_keys(params, 8, 13) == [MmKey(p1, 2, "cat"), MmKey(p2, 0, "cat")]
+    off = block_hashes(tokens, 4, golden_partitioned(partition_keys=False))
+    assert [h.hex() for h in off] == GOLDEN["multimodal"]
 
 
 def test_golden_vectors_in_docs() -> None:

@@ -10,7 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import FieldError
-from common.multimodal.params import MultimodalItemMetadata, MultimodalParams, runs_from_mask
+from common.multimodal.params import (
+    ItemPartition,
+    MultimodalItemMetadata,
+    MultimodalParams,
+    runs_from_mask,
+)
 from common.multimodal.validation import INT32_MAX, MultimodalLayoutError
 
 H0, H1, H2 = (bytes([i]) * 32 for i in range(3))
@@ -158,6 +163,32 @@ def test_from_items_validates() -> None:
 
 
 # runs_from_mask
+
+
+@pytest.mark.parametrize(
+    ("parts", "flag", "field", "message"),
+    [
+        ((), True, "items.partition_keys", "without partitions"),
+        (((0, 4, 2, H1), (4, 8, 2, b"short")), True, "items.partitions", "32 bytes"),
+        (((0, 4, 2, H1), (5, 8, 2, H1)), False, "items.partitions", "does not follow"),
+        (((0, 4, 2, H1), (4, 4, 2, H1)), True, "items.partitions", "is empty"),
+        (((0, 4, 4, H1), (4, 8, 0, H1)), True, "items.partitions", ">= 1"),
+        (((0, 4, 2, H1), (4, 8, 1, H1)), True, "items.partitions", "sum to 3"),
+    ],
+)
+def test_from_items_validates_partitions(
+    parts: tuple[tuple[int, int, int, bytes], ...], flag: bool, field: str, message: str
+) -> None:
+    item = MultimodalItemMetadata(
+        H1,
+        ((1, 2), (5, 2)),
+        partitions=tuple(ItemPartition(*p) for p in parts),
+        partition_keys=flag,
+    )
+    with pytest.raises(MultimodalLayoutError) as info:
+        MultimodalParams.from_items([item])
+    assert info.value.field == field and info.value.item == 0
+    assert message in str(info.value)
 
 
 def test_runs_from_mask_touching_items() -> None:

@@ -68,6 +68,7 @@ def video_and_image() -> MultimodalParams:
         encoder_cost=2.5,
         grid_thw=(2, 4, 4),
         frame_timestamps=(0.5, 1.5),
+        partition_keys=True,
     )
     image = MultimodalItemMetadata(
         content_hash=HB,
@@ -114,6 +115,12 @@ def test_flat_arrays_on_the_wire() -> None:
     assert list(msg.run_lengths) == [4, 4, 2]
 
 
+def test_partition_keys_on_the_wire() -> None:
+    msg = params_to_proto(video_and_image())
+    assert [meta.partition_keys for meta in msg.items] == [True, False]
+    assert [item.partition_keys for item in params_from_proto(msg).items] == [True, False]
+
+
 def test_legacy_message_decodes_to_contiguous_runs(legacy: ModuleType) -> None:
     old = legacy.MultimodalParams(
         mm_hashes=[HA, HB], mm_positions=[2, 9], mm_lengths=[5, 3], mm_uuids=["x", ""]
@@ -153,6 +160,9 @@ def base_message() -> multimodal_pb2.MultimodalParams:
         (lambda m: m.items.pop(), "items"),
         (lambda m: m.items[0].grid_thw.append(1), "items.grid_thw"),
         (lambda m: m.items[0].partitions[0].__setattr__("output_rows", 5), "items.partitions"),
+        (lambda m: m.items[0].partitions[0].__setattr__("content_hash", b"x"), "items.partitions"),
+        (lambda m: m.items[0].partitions[1].__setattr__("input_start", 17), "items.partitions"),
+        (lambda m: m.items[1].__setattr__("partition_keys", True), "items.partition_keys"),
         (lambda m: m.embeddings[0].rows.shape.__setitem__(0, 7), "embeddings.rows"),
         (lambda m: setattr(m.embeddings[1], "item_index", 5), "embeddings.item_index"),
         (lambda m: setattr(m.embeddings[1].rows, "dtype", 99), "embeddings.rows"),

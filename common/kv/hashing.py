@@ -8,14 +8,18 @@ process, machine or language computes the same hashes.
 
 Extra keys come from the exact runs (DESIGN §3): for every run of every item that overlaps
 a block `[s, e)`, the key is `(item hash, item-local row offset, uuid)` where the offset is
-the rows the item placed in earlier runs plus `max(s, run_start) - run_start`. That formula
-lives in `keys_by_span` alone: `block_hashes` calls it for the full blocks, and
-`block_extra_keys` for one span. Text between runs is hashed as text, and a layout that does
-not fit the prompt raises instead of silently hashing placeholders as text.
+the rows the item placed in earlier runs plus `max(s, run_start) - run_start`. An item whose
+processor set `partition_keys` (its partitions' encoder outputs and placement are
+independent, so shared leading frames of two videos give the same KV) gets instead one key
+per partition its overlapping rows touch: `(partition hash, partition-local row offset,
+uuid)`. Those formulas live in `keys_by_span` alone: `block_hashes` calls it for the full
+blocks, and `block_extra_keys` for one span. Text between runs is hashed as text, and a
+layout that does not fit the prompt raises instead of silently hashing placeholders as text.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -24,7 +28,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from common.multimodal.params import MultimodalParams
+from common.multimodal.params import MultimodalItemMetadata, MultimodalParams
 from common.multimodal.validation import INT32_MAX
 
 BLOCK_HASH_SCHEME = "epd-block-hash-v1"
@@ -32,10 +36,11 @@ PROMPT_DIGEST_SCHEME = "epd-prompt-digest-v1"
 
 
 class MmKey(NamedTuple):
-    """Extra key of one run's overlap with one block."""
+    """Extra key of one run's overlap with one block (with partition keys: with one
+    partition of the item)."""
 
-    item_hash: bytes  # the item's 32-byte content hash
-    offset: int  # item-local row index of the first overlapping placeholder
+    content_hash: bytes  # the item's 32-byte content hash, or the partition's
+    offset: int  # item-local (partition-local) row of the first overlapping placeholder
     uuid: str | None  # caller-supplied item identity
 
 
@@ -155,8 +160,11 @@ def keys_by_span(
 
     A span's keys are, in prompt order, one `(item hash, offset, uuid)` per run
     `[rs, rs + len)` with `rs < end` and `rs + len > start`, where offset is the rows the
-    item placed in its earlier runs plus `max(start, rs) - rs`. A span that overlaps no run
-    (gap text only) is absent. `starts` must be ascending, as blocks are.
+    item placed in its earlier runs plus `max(start, rs) - rs`. For an item with
+    `partition_keys`, the run's overlapping item rows `[r0, r1)` give instead one
+    `(partition hash, max(r0, p0) - p0, uuid)` per partition `[p0, p1)` of item rows with
+    `p0 < r1` and `p1 > r0`, in partition order. A span that overlaps no run (gap text
+    only) is absent. `starts` must be ascending, as blocks are.
     """
     run_starts = params.run_positions
     run_ends = run_starts + params.run_lengths
@@ -165,19 +173,54 @@ def keys_by_span(
     hit = np.flatnonzero(hi > lo)
     # Plain Python lists from here: per-key numpy scalar access costs microseconds.
     run_starts_l = run_starts.tolist()
+    run_ends_l = run_ends.tolist()
     run_rows = params.run_row_offsets.tolist()
     run_items = params.run_items.tolist()
     span_starts = starts[hit].tolist()
+    span_ends = ends[hit].tolist()
     identity = [(item.content_hash, item.uuid) for item in params.items]
+    splits = [_PartitionRows.of(item) if item.partition_keys else None for item in params.items]
     keys: dict[int, list[MmKey]] = {}
-    for i, start, first, stop in zip(
-        hit.tolist(), span_starts, lo[hit].tolist(), hi[hit].tolist(), strict=True
+    for i, start, end, first, stop in zip(
+        hit.tolist(), span_starts, span_ends, lo[hit].tolist(), hi[hit].tolist(), strict=True
     ):
-        span_keys = []
+        span_keys: list[MmKey] = []
         for k in range(first, stop):
-            item_hash, uuid = identity[run_items[k]]
+            item = run_items[k]
+            item_hash, uuid = identity[item]
             run_start = run_starts_l[k]
             offset = run_rows[k] + max(start, run_start) - run_start
-            span_keys.append(MmKey(item_hash, offset, uuid))
+            split = splits[item]
+            if split is None:
+                span_keys.append(MmKey(item_hash, offset, uuid))
+            else:
+                end_row = run_rows[k] + min(end, run_ends_l[k]) - run_start
+                split.keys(offset, end_row, uuid, span_keys)
         keys[i] = span_keys
     return keys
+
+
+class _PartitionRows:
+    """An item's partitions as item-row ranges, for partition keys."""
+
+    __slots__ = ("hashes", "starts")
+
+    def __init__(self, starts: list[int], hashes: list[bytes]) -> None:
+        self.starts = starts  # first item row of each partition, plus one past the last
+        self.hashes = hashes  # content hash of each partition
+
+    @classmethod
+    def of(cls, item: MultimodalItemMetadata) -> _PartitionRows:
+        starts = [0]
+        for part in item.partitions:
+            starts.append(starts[-1] + part.output_rows)
+        return cls(starts, [part.content_hash for part in item.partitions])
+
+    def keys(self, row: int, end_row: int, uuid: str | None, out: list[MmKey]) -> None:
+        """Append the keys of item rows `[row, end_row)`: one per partition they touch."""
+        p = bisect.bisect_right(self.starts, row) - 1
+        starts = self.starts
+        while row < end_row:
+            out.append(MmKey(self.hashes[p], row - starts[p], uuid))
+            p += 1
+            row = starts[p]

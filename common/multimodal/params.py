@@ -27,6 +27,7 @@ from common.multimodal.validation import (
     IntSequence,
     MultimodalLayoutError,
     validate_flat,
+    validate_partitions,
 )
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class MultimodalItemMetadata:
     encoder_cost: float | None = None  # estimated encoder cost, None when unknown
     grid_thw: tuple[int, int, int] | None = None  # mRoPE grid, model-specific
     frame_timestamps: tuple[float, ...] = ()  # seconds per temporal patch (video)
+    partition_keys: bool = False  # block keys name partitions, not the item (needs parts)
 
     @property
     def position(self) -> int:
@@ -82,6 +84,17 @@ class MultimodalItemMetadata:
         """One past the item's last placeholder token."""
         start, length = self.runs[-1]
         return start + length
+
+    def check_partitions(self, index: int) -> None:
+        """Raise `MultimodalLayoutError` unless the partitions fit the item and
+        `partition_keys` has partitions to name (`validate_partitions`); `index` is the
+        item's place in the prompt, for the message."""
+        validate_partitions(
+            index,
+            [(p.input_start, p.input_end, p.output_rows, p.content_hash) for p in self.partitions],
+            self.length,
+            partition_keys=self.partition_keys,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +161,8 @@ class MultimodalParams:
             params.run_positions,
             params.run_lengths,
         )
+        for index, item in enumerate(params.items):
+            item.check_partitions(index)
         for index in params.embeddings:
             if not 0 <= index < len(params.items):
                 raise MultimodalLayoutError("embeddings", "no such item", index)

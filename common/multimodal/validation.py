@@ -126,6 +126,56 @@ def validate_flat(
     ]
 
 
+def validate_partitions(
+    item: int,
+    partitions: Sequence[tuple[int, int, int, bytes]],
+    rows: int,
+    *,
+    partition_keys: bool,
+) -> None:
+    """Check one item's partitions `(input_start, input_end, output_rows, content_hash)`
+    against its `rows` (the sum of its run lengths), and its `partition_keys` flag.
+
+    Partitions, when given, cover the input in order without gaps (each starts where the
+    previous ended), each makes at least one row, their rows sum to the item's and each
+    hash is 32 bytes. `partition_keys` needs partitions: block keys then name them
+    (docs/block-hash.md), so a partition's hash and rows must be as sound as an item's.
+    Raises `MultimodalLayoutError` naming `items.partitions` or `items.partition_keys`.
+    """
+    if partition_keys and not partitions:
+        raise MultimodalLayoutError(
+            "items.partition_keys", "set on an item without partitions", item
+        )
+    if not partitions:
+        return
+    cursor = partitions[0][0]
+    total = 0
+    for k, (start, end, out_rows, digest) in enumerate(partitions):
+        if start != cursor or end <= start:
+            raise MultimodalLayoutError(
+                "items.partitions",
+                f"partition {k}: input [{start}, {end}) does not follow "
+                f"the previous one (ending at {cursor}) or is empty",
+                item,
+            )
+        if out_rows < 1:
+            raise MultimodalLayoutError(
+                "items.partitions", f"partition {k}: output_rows {out_rows} must be >= 1", item
+            )
+        if len(digest) != HASH_BYTES:
+            raise MultimodalLayoutError(
+                "items.partitions",
+                f"partition {k}: content_hash must be {HASH_BYTES} bytes, got {len(digest)}",
+                item,
+            )
+        cursor = end
+        total += out_rows
+    if total != rows:
+        raise MultimodalLayoutError(
+            "items.partitions", f"output rows sum to {total}, the item has {rows} rows", item
+        )
+
+
 def _int_array(name: str, values: IntSequence) -> IntArray:
     """Convert to int64, rejecting non-integers and values outside int32."""
     try:

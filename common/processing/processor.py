@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 
 from common.models.generation import GenerationDefaults
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.qwen3_vl.preprocessor import ProcessorSettings
+from common.models.qwen3_vl.preprocessor import ProcessorSettings, partition_keys_exact
 from common.multimodal.params import (
     ItemPartition,
     Modality,
@@ -330,6 +330,8 @@ class Processor:
             runs = tuple(
                 (int(positions[r]), int(run_lengths[r])) for r in range(int(cu[i]), int(cu[i + 1]))
             )
+            parts = self._partitions(m)
+            rows = [p.output_rows for p in parts]
             items.append(
                 MultimodalItemMetadata(
                     content_hash=m.content_hash or self._hash(m.modality, m.patches, m.grid),
@@ -337,10 +339,11 @@ class Processor:
                     modality=m.modality,
                     payload_index=m.payload_index,
                     uuid=m.uuid,
-                    partitions=self._partitions(m),
+                    partitions=parts,
                     encoder_cost=float(m.patches.shape[0]),
                     grid_thw=m.grid,
                     frame_timestamps=m.timestamps,
+                    partition_keys=bool(parts) and partition_keys_exact(self.settings, runs, rows),
                 )
             )
         return ProcessedPrompt(

@@ -125,6 +125,7 @@ def params_to_proto(params: MultimodalParams) -> multimodal_pb2.MultimodalParams
             payload_index=item.payload_index,
             grid_thw=list(item.grid_thw or ()),
             frame_timestamps=list(item.frame_timestamps),
+            partition_keys=item.partition_keys,
         )
         if item.encoder_cost is not None:
             meta.encoder_cost = item.encoder_cost
@@ -222,13 +223,8 @@ def _item_from_proto(
         partitions.append(
             ItemPartition(part.input_start, part.input_end, part.output_rows, part.content_hash)
         )
-    total = sum(length for _, length in runs)
-    if partitions and sum(p.output_rows for p in partitions) != total:
-        raise MultimodalLayoutError(
-            "items.partitions", f"output rows do not sum to the item's {total} rows", index
-        )
     grid = tuple(int(g) for g in meta.grid_thw)
-    return MultimodalItemMetadata(
+    item = MultimodalItemMetadata(
         content_hash=content_hash,
         runs=runs,
         modality=_MODALITY_NAMES.get(meta.modality),
@@ -238,7 +234,10 @@ def _item_from_proto(
         encoder_cost=meta.encoder_cost if meta.HasField("encoder_cost") else None,
         grid_thw=(grid[0], grid[1], grid[2]) if grid else None,
         frame_timestamps=tuple(meta.frame_timestamps),
+        partition_keys=meta.partition_keys,
     )
+    item.check_partitions(index)
+    return item
 
 
 def embeddings_from_proto(

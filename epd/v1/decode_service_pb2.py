@@ -27,19 +27,23 @@ from epd.v1 import multimodal_pb2 as epd_dot_v1_dot_multimodal__pb2
 from epd.v1 import sampling_pb2 as epd_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65pd/v1/decode_service.proto\x12\x06\x65pd.v1\x1a\x0f\x65pd/v1/kv.proto\x1a\x17\x65pd/v1/multimodal.proto\x1a\x15\x65pd/v1/sampling.proto\"\xac\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\nmultimodal\x18\x03 \x01(\x0b\x32\x18.epd.v1.MultimodalParams\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\x05\x12\x1c\n\x02kv\x18\x06 \x01(\x0b\x32\x10.epd.v1.KvHandle\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07lora_id\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rresume_tokens\x18\t \x03(\x05\x42\r\n\x0b_cache_saltB\n\n\x08_lora_id\"\x8a\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x15\n\rblocks_pulled\x18\x04 \x01(\r\x12\x15\n\rblocks_reused\x18\x05 \x01(\rJ\x04\x08\x02\x10\x03R\x04text*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32J\n\rDecodeService\x12\x39\n\x06\x44\x65\x63ode\x12\x15.epd.v1.DecodeRequest\x1a\x16.epd.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65pd/v1/decode_service.proto\x12\x06\x65pd.v1\x1a\x0f\x65pd/v1/kv.proto\x1a\x17\x65pd/v1/multimodal.proto\x1a\x15\x65pd/v1/sampling.proto\"\xac\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\nmultimodal\x18\x03 \x01(\x0b\x32\x18.epd.v1.MultimodalParams\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\x05\x12\x1c\n\x02kv\x18\x06 \x01(\x0b\x32\x10.epd.v1.KvHandle\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07lora_id\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rresume_tokens\x18\t \x03(\x05\x42\r\n\x0b_cache_saltB\n\n\x08_lora_id\"\x8a\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x15\n\rblocks_pulled\x18\x04 \x01(\r\x12\x15\n\rblocks_reused\x18\x05 \x01(\rJ\x04\x08\x02\x10\x03R\x04text\"1\n\x1bStreamDecodeKvEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"?\n\x1cStreamDecodeKvEventsResponse\x12\x1f\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x0f.epd.v1.KvEvent*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xaf\x01\n\rDecodeService\x12\x39\n\x06\x44\x65\x63ode\x12\x15.epd.v1.DecodeRequest\x1a\x16.epd.v1.DecodeResponse0\x01\x12\x63\n\x14StreamDecodeKvEvents\x12#.epd.v1.StreamDecodeKvEventsRequest\x1a$.epd.v1.StreamDecodeKvEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.decode_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=548
-  _globals['_FINISHREASON']._serialized_end=672
+  _globals['_FINISHREASON']._serialized_start=664
+  _globals['_FINISHREASON']._serialized_end=788
   _globals['_DECODEREQUEST']._serialized_start=105
   _globals['_DECODEREQUEST']._serialized_end=405
   _globals['_DECODERESPONSE']._serialized_start=408
   _globals['_DECODERESPONSE']._serialized_end=546
-  _globals['_DECODESERVICE']._serialized_start=674
-  _globals['_DECODESERVICE']._serialized_end=748
+  _globals['_STREAMDECODEKVEVENTSREQUEST']._serialized_start=548
+  _globals['_STREAMDECODEKVEVENTSREQUEST']._serialized_end=597
+  _globals['_STREAMDECODEKVEVENTSRESPONSE']._serialized_start=599
+  _globals['_STREAMDECODEKVEVENTSRESPONSE']._serialized_end=662
+  _globals['_DECODESERVICE']._serialized_start=791
+  _globals['_DECODESERVICE']._serialized_end=966
 # @@protoc_insertion_point(module_scope)

@@ -54,3 +54,15 @@ class DecodeResponse(_message.Message):
     blocks_pulled: int
     blocks_reused: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ...) -> None: ...
+
+class StreamDecodeKvEventsRequest(_message.Message):
+    __slots__ = ("subscriber",)
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    subscriber: str
+    def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
+
+class StreamDecodeKvEventsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_kv_pb2.KvEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[_kv_pb2.KvEvent, _Mapping]]] = ...) -> None: ...

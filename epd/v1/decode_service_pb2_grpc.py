@@ -40,6 +40,11 @@ class DecodeServiceStub:
                 request_serializer=epd_dot_v1_dot_decode__service__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_decode__service__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.StreamDecodeKvEvents = channel.unary_stream(
+                '/epd.v1.DecodeService/StreamDecodeKvEvents',
+                request_serializer=epd_dot_v1_dot_decode__service__pb2.StreamDecodeKvEventsRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_decode__service__pb2.StreamDecodeKvEventsResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -53,6 +58,14 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamDecodeKvEvents(self, request, context):
+        """This worker's prefix-cache changes, as PrefillService.StreamKvEvents: a snapshot
+        (STORED with every cached hash), then events in sequence order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +73,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=epd_dot_v1_dot_decode__service__pb2.DecodeRequest.FromString,
                     response_serializer=epd_dot_v1_dot_decode__service__pb2.DecodeResponse.SerializeToString,
+            ),
+            'StreamDecodeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamDecodeKvEvents,
+                    request_deserializer=epd_dot_v1_dot_decode__service__pb2.StreamDecodeKvEventsRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_decode__service__pb2.StreamDecodeKvEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +108,33 @@ class DecodeService:
             '/epd.v1.DecodeService/Decode',
             epd_dot_v1_dot_decode__service__pb2.DecodeRequest.SerializeToString,
             epd_dot_v1_dot_decode__service__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamDecodeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/epd.v1.DecodeService/StreamDecodeKvEvents',
+            epd_dot_v1_dot_decode__service__pb2.StreamDecodeKvEventsRequest.SerializeToString,
+            epd_dot_v1_dot_decode__service__pb2.StreamDecodeKvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

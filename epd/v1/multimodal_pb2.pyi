@@ -32,20 +32,22 @@ class ItemPartition(_message.Message):
     def __init__(self, input_start: _Optional[int] = ..., input_end: _Optional[int] = ..., output_rows: _Optional[int] = ..., content_hash: _Optional[bytes] = ...) -> None: ...
 
 class MultimodalItemMetadata(_message.Message):
-    __slots__ = ("modality", "payload_index", "partitions", "encoder_cost", "grid_thw", "frame_timestamps")
+    __slots__ = ("modality", "payload_index", "partitions", "encoder_cost", "grid_thw", "frame_timestamps", "partition_keys")
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_INDEX_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_COST_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     FRAME_TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_KEYS_FIELD_NUMBER: _ClassVar[int]
     modality: Modality
     payload_index: int
     partitions: _containers.RepeatedCompositeFieldContainer[ItemPartition]
     encoder_cost: float
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     frame_timestamps: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, modality: _Optional[_Union[Modality, str]] = ..., payload_index: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[ItemPartition, _Mapping]]] = ..., encoder_cost: _Optional[float] = ..., grid_thw: _Optional[_Iterable[int]] = ..., frame_timestamps: _Optional[_Iterable[float]] = ...) -> None: ...
+    partition_keys: bool
+    def __init__(self, modality: _Optional[_Union[Modality, str]] = ..., payload_index: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[ItemPartition, _Mapping]]] = ..., encoder_cost: _Optional[float] = ..., grid_thw: _Optional[_Iterable[int]] = ..., frame_timestamps: _Optional[_Iterable[float]] = ..., partition_keys: _Optional[bool] = ...) -> None: ...
 
 class ItemEmbedding(_message.Message):
     __slots__ = ("item_index", "rows", "deepstack")

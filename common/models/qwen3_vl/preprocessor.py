@@ -8,6 +8,7 @@ picture processed under different settings never shares a hash.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,10 @@ class ProcessorSettings:
     video_max_frames: int = 768
     # Source frame rate assumed when a video message does not give one (the reference's).
     video_default_fps: float = 24.0
+    # Key a video's KV blocks by its temporal patches rather than the whole video, so a
+    # video that shares leading frames with a cached one reuses their blocks (see
+    # `partition_keys_exact`). Changes no pixels, so it is not in the fingerprint.
+    video_partition_keys: bool = True
 
     @property
     def factor(self) -> int:
@@ -83,5 +88,34 @@ class ProcessorSettings:
         return out
 
     def fingerprint(self) -> bytes:
-        """Canonical bytes of every setting, for content hashes."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        """Canonical bytes of every setting that changes the patch rows, for content
+        hashes (`video_partition_keys` only changes block keys)."""
+        values = asdict(self)
+        del values["video_partition_keys"]
+        return json.dumps(values, sort_keys=True, separators=(",", ":")).encode()
+
+
+def partition_keys_exact(
+    settings: ProcessorSettings,
+    runs: Sequence[tuple[int, int]],
+    partition_rows: Sequence[int],
+) -> bool:
+    """Whether a Qwen3-VL video may key its blocks by partition (docs/block-hash.md).
+
+    The rule is exact when (a) a partition's encoder output depends on that partition
+    alone and (b) its placement depends only on what precedes it in the prompt. Qwen3-VL
+    gives both for one partition per temporal patch: the vision tower attends within a
+    temporal patch (its `temporal_patch_size` frames are merged into the patch, never
+    across patches) and the partition hash covers the patch rows and their `(1, h, w)`
+    grid; each patch is its own run after its own `<t seconds>` text, and mRoPE places a
+    run from the text position where it starts and its `(h, w)` alone (no position depends
+    on the video's frame count or duration). Whatever the total length changes upstream
+    (frame sampling, the pixel budget's resize) changes the patch rows, so the partition
+    hashes. So the partitions must line up one to one with the runs; a layout that merged
+    patches into one run (positions then depending on a frame's index in the video), or a
+    partition spanning runs, keys by the whole item. `settings.video_partition_keys`
+    False turns the rule off.
+    """
+    if not settings.video_partition_keys or len(runs) != len(partition_rows):
+        return False
+    return all(length == rows for (_, length), rows in zip(runs, partition_rows, strict=True))

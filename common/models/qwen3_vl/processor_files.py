@@ -181,6 +181,10 @@ def _coerce(key: str, value: Any) -> Any:
             return tuple(float(x) for x in value)
         if key == "video_sample_fps" or key == "video_default_fps":
             return None if value is None else float(value)
+        if key == "video_partition_keys":
+            if not isinstance(value, bool):
+                raise TypeError(f"must be true or false, got {value!r}")
+            return value
         return int(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"processor setting {key}={value!r} is not a valid value") from exc

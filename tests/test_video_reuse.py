@@ -1,0 +1,174 @@
+"""Partial video reuse end to end (docs/block-hash.md, "Partition keys"): router + encoder +
+prefill + decode as real processes on a tiny random checkpoint.
+
+A video V and V with frames appended: prefill reuses every block of V's frames, decode
+already holds them and pulls only the rest, the encoder encodes only the new temporal
+patches, and the tokens equal the offline engine's (greedy, no reuse). A video differing in
+one frame reuses exactly the blocks before that frame's run. (Where partition keys are not
+allowed, tests/test_partition_keys.py shows the keys fall back to the item's.)
+
+The deployment runs with `overlap_text_prefill` on (`router.overlap`): while a request's
+items are encoded, the prefill worker computes the text before the first one, so even a
+first request finds that text's full blocks cached, and its tokens still equal the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from common.engine import Engine
+from common.kv.hashing import block_hashes
+from common.kv.layout import layout_root
+from common.models.tiny import make_tiny_checkpoint
+from common.sampling import SamplingParams
+from common.wire.kv import layout_from_proto
+from epd.client import Client
+from tests.cluster import Cluster, start_cluster
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 8
+NUM_BLOCKS = 512
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    c = start_cluster(
+        ckpt,
+        tmp_path_factory.mktemp("logs"),
+        block_size=BLOCK,
+        num_blocks=NUM_BLOCKS,
+        router_args=("--overlap-text-prefill", "true"),
+    )
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt: Any) -> Engine:
+    return Engine.from_pretrained(ckpt, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_batch=4)
+
+
+def clip(seed: int, frames: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (frames, 64, 64, 3), dtype=np.uint8)
+
+
+def ask(video: np.ndarray) -> list[dict[str, Any]]:
+    part = {"type": "video", "video": video, "fps": 2.0}
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Clip:"},
+                part,
+                {"type": "text", "text": "What moves?"},
+            ],
+        }
+    ]
+
+
+def reference(engine: Engine, messages: Any) -> list[int]:
+    """Greedy tokens of the offline engine, no prefix reuse."""
+    p = engine.process(messages)
+    seq = engine.prefill(p.prompt_token_ids, engine.encode(p), GREEDY, use_prefix_cache=False)
+    while seq.finish_reason is None:
+        engine.decode_step([seq])
+    engine.release(seq)
+    return seq.output
+
+
+def shared_blocks(engine: Engine, cluster: Cluster, a: Any, b: Any) -> tuple[int, int]:
+    """(leading blocks whose hashes agree, prompt tokens of `b`) under the cluster's root."""
+    root = layout_root(layout_from_proto(cluster.worker("decode").info.kv_layout))
+    pa, pb = engine.process(a), engine.process(b)
+    ha = block_hashes(pa.prompt_token_ids, BLOCK, pa.params, root=root)
+    hb = block_hashes(pb.prompt_token_ids, BLOCK, pb.params, root=root)
+    shared = next((i for i, (x, y) in enumerate(zip(ha, hb, strict=False)) if x != y), len(ha))
+    return shared, len(pb.prompt_token_ids)
+
+
+async def encoder_counts(cluster: Cluster, lookups: int) -> tuple[int, int]:
+    """(hits, lookups) of the encoder cache once the heartbeat shows `lookups` lookups."""
+    for _ in range(150):
+        load = (await asyncio.to_thread(cluster.worker, "encoder")).load
+        if load.cache_lookups >= lookups:
+            return load.cache_hits, load.cache_lookups
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"encoder lookups never reached {lookups}")
+
+
+async def test_appended_frames_reuse_every_shared_block_and_encode_only_new_frames(
+    cluster: Cluster, engine: Engine
+) -> None:
+    frames = clip(31, 12)
+    first, second = ask(frames[:8]), ask(frames)  # 4 temporal patches, then 6
+    v = engine.process(first)
+    shared, n2 = shared_blocks(engine, cluster, first, second)
+    assert shared * BLOCK >= v.params.items[0].end  # every block of V's frames is shared
+    before = (await asyncio.to_thread(cluster.worker, "encoder")).load
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
+        a = await client.generate_text(first, GREEDY, timeout_s=120)
+        hits, lookups = await encoder_counts(cluster, before.cache_lookups + 4)
+        assert (hits, lookups) == (before.cache_hits, before.cache_lookups + 4)
+        b = await client.generate_text(second, GREEDY, timeout_s=120)
+    # The text before the video was prefilled while the video was encoded.
+    assert a.cached_tokens == v.params.items[0].position // BLOCK * BLOCK > 0
+    # Prefill reuses V's blocks, decode holds them and pulls only the rest.
+    assert b.cached_tokens == min(shared, (n2 - 1) // BLOCK) * BLOCK
+    assert b.blocks_reused == shared
+    assert b.blocks_pulled == -(-n2 // BLOCK) - shared
+    # The encoder found V's 4 temporal patches and encoded the 2 new ones.
+    assert await encoder_counts(cluster, lookups + 6) == (hits + 4, lookups + 6)
+    assert a.token_ids == reference(engine, first)
+    assert b.token_ids == reference(engine, second)
+
+
+async def test_video_differing_in_one_frame_reuses_exactly_the_blocks_before_it(
+    cluster: Cluster, engine: Engine
+) -> None:
+    frames = clip(41, 8)
+    changed = frames.copy()
+    changed[5] = clip(42, 1)[0]  # frame 5: temporal patch 2
+    first, second = ask(frames), ask(changed)
+    run_start = engine.process(first).params.items[0].runs[2][0]
+    shared, _ = shared_blocks(engine, cluster, first, second)
+    assert shared == run_start // BLOCK
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
+        await client.generate_text(first, GREEDY, timeout_s=120)
+        b = await client.generate_text(second, GREEDY, timeout_s=120)
+    assert b.cached_tokens == shared * BLOCK
+    assert b.blocks_reused == shared
+    assert b.token_ids == reference(engine, second)
+
+
+async def test_text_before_a_video_is_prefilled_while_it_is_encoded(
+    cluster: Cluster, engine: Engine
+) -> None:
+    document = "Here is a long report to read before the clip. " * 12
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": document},
+                {"type": "video", "video": clip(51, 8), "fps": 2.0},
+                {"type": "text", "text": "Summarise both."},
+            ],
+        }
+    ]
+    first_item = engine.process(messages).params.items[0].position
+    assert first_item > 8 * BLOCK
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
+        result = await client.generate_text(messages, GREEDY, timeout_s=120)
+    assert result.cached_tokens == first_item // BLOCK * BLOCK
+    assert result.token_ids == reference(engine, messages)
