@@ -52,12 +52,12 @@ import grpc
 from common.handoff import Pulled, check_handle, check_request, pull, read_handoff
 from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
-from common.kv.events import KvEventHub, stream_kv_events
+from common.kv.events import KvEventHub
 from common.models import batching
 from common.models.batching import DecodeBatcher
 from common.models.sequence import LmSequence
 from common.sampling import SamplingParams
-from common.server.kv_worker import KvWorkerParts, kv_load
+from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
 from common.transfer.types import TransferTimeoutError

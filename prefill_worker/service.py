@@ -38,14 +38,14 @@ import grpc
 from common.handoff import build_handle, check_request
 from common.kv.allocator import blocks_for
 from common.kv.digest import cache_block_digests
-from common.kv.events import KvEventHub, stream_kv_events
+from common.kv.events import KvEventHub
 from common.models import batching
 from common.models.batching import MissingEmbeddingsError
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.sequence import LmSequence
 from common.multimodal.params import MultimodalParams
 from common.sampling import SamplingParams
-from common.server.kv_worker import KvWorkerParts, kv_load
+from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.leases import Lease, LeaseTable
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors

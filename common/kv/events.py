@@ -6,9 +6,8 @@ subscriber's asyncio queue on the event loop. `subscribe` runs on the model thre
 the snapshot it takes (read from the pool) and the live events that follow it never overlap
 or leave a gap. Events stay in-process types here; `common.wire.kv` converts them.
 
-`stream_kv_events` is the one body of every worker's event stream RPC (prefill's
-`StreamKvEvents`, decode's `StreamDecodeKvEvents`): subscribe, yield the snapshot, then
-batches of live events until the caller goes away.
+`common.server.kv_worker.stream_kv_events` is the one body of every worker's event stream
+RPC over a hub (prefill's `StreamKvEvents`, decode's `StreamDecodeKvEvents`).
 """
 
 from __future__ import annotations
@@ -16,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.kv.allocator import KvAllocator
 from common.kv.block_pool import KvEvent
-from common.models.model_thread import ModelThread
 
 logger = logging.getLogger(__name__)
 
@@ -80,24 +77,3 @@ class KvEventHub:
         """Streams currently subscribed."""
         with self._lock:
             return len(self._subs)
-
-
-async def stream_kv_events(
-    hub: KvEventHub, model: ModelThread, subscriber: str
-) -> AsyncIterator[list[NumberedKvEvent]]:
-    """A worker's KV event stream for one subscriber: first `[snapshot]` (taken on the
-    model thread, see `KvEventHub.subscribe`), then each batch of the live events queued
-    since the last one, in sequence order. Never ends by itself; closing the generator
-    (the RPC is cancelled) unsubscribes."""
-    sub = Subscription(asyncio.get_running_loop())
-    snapshot = await model.call(hub.subscribe, sub, on_orphan=lambda _: hub.unsubscribe(sub))
-    logger.info("KV event subscriber %r joined", subscriber)
-    try:
-        yield [snapshot]
-        while True:
-            events = [await sub.queue.get()]
-            while not sub.queue.empty():
-                events.append(sub.queue.get_nowait())
-            yield events
-    finally:
-        hub.unsubscribe(sub)

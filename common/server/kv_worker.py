@@ -10,9 +10,12 @@ Their running server is a `common.server.role.RoleServer`; their calls to peers 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from common.kv.events import KvEventHub, NumberedKvEvent, Subscription
 from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
 from common.roles import PROTOCOL_VERSION
@@ -24,6 +27,8 @@ from common.settings.base import KvWorkerSettings
 from common.transfer.agent import TransferAgent
 from common.wire.kv import layout_to_proto
 from epd.v1 import registry_service_pb2
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +111,24 @@ def kv_load(
         cache_lookups=pool.lookups,
         draining=lifecycle.draining,
     )
+
+
+async def stream_kv_events(
+    hub: KvEventHub, model: ModelThread, subscriber: str
+) -> AsyncIterator[list[NumberedKvEvent]]:
+    """A worker's KV event stream for one subscriber: first `[snapshot]` (taken on the
+    model thread, see `KvEventHub.subscribe`), then each batch of the live events queued
+    since the last one, in sequence order. Never ends by itself; closing the generator
+    (the RPC is cancelled) unsubscribes."""
+    sub = Subscription(asyncio.get_running_loop())
+    snapshot = await model.call(hub.subscribe, sub, on_orphan=lambda _: hub.unsubscribe(sub))
+    logger.info("KV event subscriber %r joined", subscriber)
+    try:
+        yield [snapshot]
+        while True:
+            events = [await sub.queue.get()]
+            while not sub.queue.empty():
+                events.append(sub.queue.get_nowait())
+            yield events
+    finally:
+        hub.unsubscribe(sub)
