@@ -99,14 +99,22 @@ def test_reference_sharded_checkpoint_loads(tmp_path: Path) -> None:
     assert all(torch.equal(t, state[n]) for n, t in tensors.items())
 
 
-def test_save_weights_sharded_roundtrip(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_save_weights_sharded_roundtrip(
+    tiny_ckpt: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     config = Qwen3VLConfig.from_file(tiny_ckpt)
     tensors = load_weights(tiny_ckpt, config)
     out = tmp_path / "sharded"
     files = save_weights(out, tensors, max_shard_bytes=256 * 1024)
     assert len(files) > 2 and (out / INDEX_FILE) in files
     (out / "config.json").write_text((tiny_ckpt / "config.json").read_text())
-    again = load_weights(out, config)
+    with caplog.at_level(logging.INFO, logger="common.models.qwen3_vl.weights"):
+        again = load_weights(out, config)
+    # Loading a sharded checkpoint shows its progress: one line a shard, then the total.
+    shards = len(files) - 1
+    progress = [r.getMessage() for r in caplog.records if ": shard " in r.getMessage()]
+    assert len(progress) == shards and progress[-1].count(f"shard {shards} of {shards}") == 1
+    assert "MB" in caplog.records[-1].getMessage()
     assert set(again) == set(tensors)
     assert all(torch.equal(again[n], tensors[n]) for n in tensors)
 

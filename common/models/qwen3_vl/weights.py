@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -232,14 +233,34 @@ def load_weights(
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
     tensors: dict[str, torch.Tensor] = {}
-    for path, names in sorted(by_file.items()):
+    shards = sorted(by_file.items())
+    started, nbytes = time.monotonic(), 0
+    for done, (path, names) in enumerate(shards, start=1):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in names:
                 tensor = f.get_tensor(name)
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 tensors[name] = tensor
-    logger.info("loaded %d tensors (prefix %s) from %s", len(tensors), prefixes or "''", folder)
+                nbytes += tensor.numel() * tensor.element_size()
+        if len(shards) > 1:  # progress for a sharded (large) checkpoint, one line a shard
+            logger.info(
+                "loading %s: shard %d of %d (%s), %.0f MB in %.1f s",
+                folder,
+                done,
+                len(shards),
+                path.name,
+                nbytes / 2**20,
+                time.monotonic() - started,
+            )
+    logger.info(
+        "loaded %d tensors (prefix %s, %.0f MB) from %s in %.1f s",
+        len(tensors),
+        prefixes or "''",
+        nbytes / 2**20,
+        folder,
+        time.monotonic() - started,
+    )
     return tensors
 
 
