@@ -176,6 +176,7 @@ class Client:
         self._admin = admin_service_pb2_grpc.AdminServiceStub(self._channels[0])
         self._turn = 0  # the router the next request starts on
         self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
+        self.resumes = 0  # streams resumed on another router after their router failed
 
     async def __aenter__(self) -> Client:
         return self
@@ -209,20 +210,27 @@ class Client:
         the request on the router, which frees what the workers hold for it. `api_key`
         overrides the client's key for this request; the answer ends before the first of
         the `stop` strings (finish reason "stop"). Raises `GenerateError`; `ValueError` for
-        messages that cannot be sent."""
+        messages that cannot be sent.
+
+        With several routers, a stream whose router fails (UNAVAILABLE) goes on at the next
+        one: from the start if no token had come, else resumed after the tokens received
+        (`GenerateRequest.resume_tokens`; greedy and seeded answers are token for token the
+        same); a request with `stop` strings is not resumed (GenerateError)."""
         request = build_request(
             messages, sampling, request_id=request_id, cache_salt=cache_salt, stop=stop
         )
         metadata = bearer_metadata(api_key) if api_key is not None else None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failures: list[str] = []
+        received: list[int] = []  # tokens of the answer the caller has
         for attempt, index in enumerate(self._order()):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            del request.resume_tokens[:]
+            request.resume_tokens.extend(received)
             call = self._routers[index].Generate(request, timeout=left, metadata=metadata)
-            chunks = 0
             try:
                 async for response in call:
-                    chunks += 1
+                    received.extend(response.token_ids)
                     yield _chunk(response)
                 return
             except grpc.aio.AioRpcError as exc:
@@ -230,17 +238,20 @@ class Client:
                 if len(self._routers) == 1:
                     raise GenerateError(code, details) from None
                 where = f"{self.addresses[index]}: {code.name} {details}".strip()
-                if chunks or code != grpc.StatusCode.UNAVAILABLE:
-                    after = f" after {chunks} chunks (not resumed)" if chunks else ""
+                if code != grpc.StatusCode.UNAVAILABLE or (received and stop):
+                    after = f" after {len(received)} tokens (not resumed)" if received else ""
                     raise GenerateError(code, f"router {where}{after}") from None
                 failures.append(where)
                 if attempt + 1 < len(self._routers):
-                    self.retries += 1
+                    if received:
+                        self.resumes += 1
+                    else:
+                        self.retries += 1
             finally:
                 call.cancel()
         raise GenerateError(
             grpc.StatusCode.UNAVAILABLE,
-            f"every router failed before the first chunk: {'; '.join(failures)}",
+            f"every router failed: {'; '.join(failures)}",
         )
 
     async def generate_text(

@@ -21,6 +21,11 @@ next position; seeded draws depend only on (seed, position) (`common.sampling`),
 continuation is token for token the stream the failed worker would have sent. The client
 sees one stream: no token repeated or missing, and no empty chunk from the new worker.
 
+A client resumes the same way across routers (`GenerateRequest.resume_tokens`, checked by
+`check_resume`): when its router dies mid-stream it sends the request to another router
+with the tokens it has; that router prefills the prompt, keeps the client's first token in
+place of its own, and streams on from the next one (`stream(..., streamed=...)`).
+
 Counted in the router's metrics (`epd:decode_migrations`: streams resumed,
 `epd:decode_tokens_recomputed`: resume tokens whose KV a new decode worker computed,
 `epd:reprefills`); each migration is logged.
@@ -29,7 +34,7 @@ Counted in the router's metrics (`epd:decode_migrations`: streams resumed,
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -45,6 +50,7 @@ from epd.v1 import (
 from router.admission import Admission, Ticket
 from router.calls import Job, WorkerCalls
 from router.detokenize import IncrementalDetokenizer
+from router.inputs import InputError
 from router.metrics import RouterMetrics
 from router.registry import Registry
 
@@ -67,6 +73,26 @@ class KvLease:
         self.lease_id = response.kv.lease_id
         self.address = response.kv.holder_address or holder
         self.owned = True
+
+
+def check_resume(request: router_service_pb2.GenerateRequest, max_tokens: int) -> tuple[int, ...]:
+    """`request.resume_tokens` as a tuple, or InputError naming the field: fewer than
+    `max_tokens`, none negative, and not with stop strings (text a failed router held back
+    for a possible stop string never reached the client, so it could not be resumed
+    exactly). The decode worker checks them against its vocabulary and stop tokens."""
+    tokens = tuple(request.resume_tokens)
+    if not tokens:
+        return ()
+    if len(tokens) >= max_tokens:
+        raise InputError(
+            "resume_tokens",
+            f"{len(tokens)} tokens leave none to generate (max_tokens={max_tokens})",
+        )
+    if min(tokens) < 0:
+        raise InputError("resume_tokens", "token ids must not be negative")
+    if request.stop:
+        raise InputError("resume_tokens", "a request with stop strings cannot be resumed")
+    return tokens
 
 
 class DecodeStage:
@@ -99,13 +125,15 @@ class DecodeStage:
         detok: IncrementalDetokenizer,
         ticket: Ticket,
         prefill_again: PrefillAgain,
+        resumed: Sequence[int] = (),
     ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """The chunks after the first token, to the finish reason. `lease` follows the
-        handle in `request` (the caller releases it while `owned`). Raises RouterError."""
+        handle in `request` (the caller releases it while `owned`); `resumed`: the tokens
+        the client already has, first one included (`Job.resumed`). Raises RouterError."""
         tried: set[str] = set()
         reprefills = 0
         migrations = 0
-        streamed: list[int] = []  # tokens after the first one already sent to the client
+        streamed = list(resumed[1:])  # tokens after the first one already sent to the client
         while True:
             reserved = ticket.workers.get(Role.DECODE)
             if reserved is not None and reserved.address not in tried:
@@ -124,7 +152,8 @@ class DecodeStage:
                         if lease.owned:  # the decode worker has it once it answers
                             lease.owned = False
                             self.admission.release(ticket, Role.PREFILL)
-                        if migrations and not response.token_ids and not response.finish_reason:
+                        resuming = migrations or resumed
+                        if resuming and not response.token_ids and not response.finish_reason:
                             continue  # the resumed worker's first chunk: nothing new
                         streamed.extend(response.token_ids)
                         yield _chunk(response, detok)

@@ -171,6 +171,9 @@ class Orchestrator:
         detok = IncrementalDetokenizer(self.processor.decode)
         first = prefill.first_token_id
         finish = self.stop.check(job.sampling, first, 1)
+        if job.resumed:  # the client has these: keep its first token, send what follows
+            first, finish = job.resumed[0], None
+            detok.add(list(job.resumed))
         chunk = router_service_pb2.GenerateResponse(
             token_ids=[first],
             text=detok.add([first]),
@@ -184,7 +187,8 @@ class Orchestrator:
                 chunk.finish_reason = finish_reason_to_proto(finish)
                 yield chunk
                 return
-            yield chunk
+            if not job.resumed:
+                yield chunk
             request = decode_service_pb2.DecodeRequest(
                 request_id=job.request_id,
                 prompt_token_ids=job.prompt.prompt_token_ids,
@@ -199,7 +203,10 @@ class Orchestrator:
             def prefill_again() -> Awaitable[tuple[prefill_service_pb2.PrefillResponse, str]]:
                 return self._prefill_admitted(job, handoff, hashes, ticket)
 
-            async for out in self.decode.stream(job, request, lease, detok, ticket, prefill_again):
+            stream = self.decode.stream(
+                job, request, lease, detok, ticket, prefill_again, resumed=job.resumed
+            )
+            async for out in stream:
                 yield out
         finally:
             # Also when the client goes away at a `yield`, before decode ever starts.

@@ -61,6 +61,7 @@ from epd.v1 import (
 )
 from router.admin import AdminServicer, Scaler
 from router.calls import Job, RouterError
+from router.decode import check_resume
 from router.inputs import InputError, messages_from_proto
 from router.orchestrator import Orchestrator
 from router.registry import Registry, RegistryServicer
@@ -152,6 +153,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             try:
                 sampling, prompt = await asyncio.to_thread(self._prepare, request, cache_salt)
                 check_stop(request.stop)
+                resumed = check_resume(request, sampling.max_tokens)
             except (InputError, FieldError) as exc:
                 logger.info("request %s rejected: %s", request_id, exc)
                 error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -166,6 +168,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 sampling=sampling,
                 cache_salt=cache_salt,
                 deadline=started + budget,
+                resumed=resumed,
             )
             tokens = 0
             answer = stop_at(self.orchestrator.run(job), request.stop)

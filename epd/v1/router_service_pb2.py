@@ -26,7 +26,7 @@ from epd.v1 import decode_service_pb2 as epd_dot_v1_dot_decode__service__pb2
 from epd.v1 import sampling_pb2 as epd_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65pd/v1/router_service.proto\x12\x06\x65pd.v1\x1a\x1b\x65pd/v1/decode_service.proto\x1a\x15\x65pd/v1/sampling.proto\"6\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\x04uuid\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_uuid\"S\n\nVideoInput\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\x12\x11\n\x04uuid\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04\x66ile\x18\x04 \x01(\x0c\x42\x07\n\x05_uuid\"r\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.epd.v1.ImageInputH\x00\x12#\n\x05video\x18\x03 \x01(\x0b\x32\x12.epd.v1.VideoInputH\x00\x42\t\n\x07\x63ontent\"A\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x13\n\x06prompt\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_cache_saltB\t\n\x07_prompt\"\xbc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x15\n\rblocks_pulled\x18\x06 \x01(\r\x12\x15\n\rblocks_reused\x18\x07 \x01(\r2P\n\rRouterService\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65pd/v1/router_service.proto\x12\x06\x65pd.v1\x1a\x1b\x65pd/v1/decode_service.proto\x1a\x15\x65pd/v1/sampling.proto\"6\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\x04uuid\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_uuid\"S\n\nVideoInput\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\x12\x11\n\x04uuid\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04\x66ile\x18\x04 \x01(\x0c\x42\x07\n\x05_uuid\"r\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.epd.v1.ImageInputH\x00\x12#\n\x05video\x18\x03 \x01(\x0b\x32\x12.epd.v1.VideoInputH\x00\x42\t\n\x07\x63ontent\"A\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x13\n\x06prompt\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rresume_tokens\x18\x07 \x03(\x05\x42\r\n\x0b_cache_saltB\t\n\x07_prompt\"\xbc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x15\n\rblocks_pulled\x18\x06 \x01(\r\x12\x15\n\rblocks_reused\x18\x07 \x01(\r2P\n\rRouterService\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,9 +42,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=348
   _globals['_CHATMESSAGE']._serialized_end=413
   _globals['_GENERATEREQUEST']._serialized_start=416
-  _globals['_GENERATEREQUEST']._serialized_end=620
-  _globals['_GENERATERESPONSE']._serialized_start=623
-  _globals['_GENERATERESPONSE']._serialized_end=811
-  _globals['_ROUTERSERVICE']._serialized_start=813
-  _globals['_ROUTERSERVICE']._serialized_end=893
+  _globals['_GENERATEREQUEST']._serialized_end=643
+  _globals['_GENERATERESPONSE']._serialized_start=646
+  _globals['_GENERATERESPONSE']._serialized_end=834
+  _globals['_ROUTERSERVICE']._serialized_start=836
+  _globals['_ROUTERSERVICE']._serialized_end=916
 # @@protoc_insertion_point(module_scope)

@@ -47,20 +47,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "cache_salt", "stop", "prompt")
+    __slots__ = ("request_id", "messages", "sampling", "cache_salt", "stop", "prompt", "resume_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: _sampling_pb2.SamplingParams
     cache_salt: str
     stop: _containers.RepeatedScalarFieldContainer[str]
     prompt: str
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., prompt: _Optional[str] = ...) -> None: ...
+    resume_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., prompt: _Optional[str] = ..., resume_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "cached_tokens", "blocks_pulled", "blocks_reused")
