@@ -175,6 +175,12 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="checkout to compare (--served)")
     parser.add_argument("--model", type=Path, help="checkpoint folder (--served; default --size)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--served)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker of this checkout (--served)",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--image-size", type=int, default=224, help="image side (--served)")
     parser.add_argument("--requests", type=int, default=6, help="image requests per side")

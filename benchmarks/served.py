@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import itertools
 import statistics
@@ -108,8 +109,18 @@ async def run_served(args: argparse.Namespace) -> None:
         clusters: dict[str, Cluster] = {}
         try:
             for name, root in roots.items():
+                # `--threads`: this checkout's workers take that many torch threads each (the
+                # landed code has no such setting; its workers take every core).
+                threads = (
+                    ("--threads", str(args.threads)) if args.threads and name == "this" else ()
+                )
                 clusters[name] = await asyncio.to_thread(
-                    start_cluster,
+                    functools.partial(
+                        start_cluster,
+                        encoder_args=threads,
+                        prefill_args=threads,
+                        decode_args=threads,
+                    ),
                     model,
                     Path(logs) / name,
                     block_size=16,
