@@ -18,19 +18,21 @@ import grpc
 from cluster import logs
 from cluster.placement import CpuPlanner
 from cluster.pools import (
-    _LOOPBACK,
     CONTROLLER_NAME,
-    SERVER_MODULES,
     PoolManager,
-    WorkerDescription,
     WorkerRefusedError,
     WorkerStartError,
-    _setup_logging,
     error_summary,
-    reachable_address,
     registered_counts,
 )
 from cluster.settings import ROLES, EpdSettings, PoolSettings, RaySettings
+from cluster.worker import (
+    LOOPBACK,
+    SERVER_MODULES,
+    WorkerDescription,
+    reachable_address,
+    setup_logging,
+)
 from common.server.auth import service_credentials
 from common.server.rpc import channel
 from common.server.threads import available_cores
@@ -72,7 +74,7 @@ class Controller:
     ) -> None:
         import ray
 
-        _setup_logging(settings.log_level)
+        setup_logging(settings.log_level)
         settings = settings.with_model()  # a top-level `model` reaches the router too
         self.settings = settings
         self.registered: dict[str, int] = {}  # per role, as `wait_ready` last counted
@@ -88,7 +90,7 @@ class Controller:
         self.router_addresses += [reachable_address(r.address) for r in self.more_routers]
         # The controller's own calls to the router (Status, Drain) present the cluster bearer.
         self.credentials = service_credentials(settings.router.security)
-        loopback = self.router_address.rsplit(":", 1)[0] in _LOOPBACK
+        loopback = self.router_address.rsplit(":", 1)[0] in LOOPBACK
         if loopback and len([n for n in ray.nodes() if n.get("Alive")]) > 1:
             logger.warning(
                 "router listens on %s but the Ray cluster has several nodes: workers on other "

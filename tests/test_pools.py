@@ -19,9 +19,11 @@ import grpc
 import pytest
 
 import cluster.pools as pools
+import cluster.worker as worker
 from cluster.admin import RoleCount, role_counts
-from cluster.pools import PoolManager, WorkerActor, drain_at_router, reachable_address
+from cluster.pools import PoolManager, drain_at_router
 from cluster.settings import EpdSettings, PoolSettings
+from cluster.worker import SERVER_MODULES, WorkerActor, WorkerDescription, reachable_address
 from common.server.rpc import start_server
 from common.server.threads import CpuPlacement
 from common.wire.roles import role_from_proto, role_to_proto
@@ -55,9 +57,9 @@ class FakeHandle:
         self.describe = _Method(self._describe)
         self.drain = _Method(self._drain)
 
-    async def _describe(self) -> pools.WorkerDescription:
+    async def _describe(self) -> WorkerDescription:
         self.log.append(f"describe {self.name}")
-        return pools.WorkerDescription(self.role, self.name, f"addr-{self.name}", 1, "127.0.0.1")
+        return WorkerDescription(self.role, self.name, f"addr-{self.name}", 1, "127.0.0.1")
 
     async def _drain(self, timeout_s: float) -> bool:
         self.log.append(f"drain {self.name}")
@@ -158,7 +160,7 @@ def test_error_summary_is_the_root_cause() -> None:
 
 
 def test_reachable_address_replaces_wildcards(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pools, "_node_ip", lambda: "10.1.2.3")
+    monkeypatch.setattr(worker, "_node_ip", lambda: "10.1.2.3")
     assert reachable_address("0.0.0.0:50051") == "10.1.2.3:50051"
     assert reachable_address("[::]:7000") == "10.1.2.3:7000"
     assert reachable_address("127.0.0.1:50051") == "127.0.0.1:50051"
@@ -360,9 +362,9 @@ async def serve(settings: Any) -> FakeServer:
 
 
 async def _worker(monkeypatch: pytest.MonkeyPatch) -> WorkerActor:
-    monkeypatch.setitem(pools.SERVER_MODULES, "prefill", __name__)
-    monkeypatch.setattr(pools, "_node_ip", lambda: "127.0.0.1")
-    monkeypatch.setattr(pools, "_setup_logging", lambda level: None)  # keep pytest's logging
+    monkeypatch.setitem(SERVER_MODULES, "prefill", __name__)
+    monkeypatch.setattr(worker, "_node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(worker, "setup_logging", lambda level: None)  # keep pytest's logging
     actor = WorkerActor.__new__(WorkerActor)
     settings = EpdSettings().prefill
     await actor.__init__("prefill", "epd-prefill-0", settings, "warning")  # type: ignore[misc]
