@@ -97,10 +97,10 @@ def apply_top_k_top_p(
     broken by a stable sort, lower id first); top-p then keeps the smallest prefix of the
     remaining tokens, by descending probability, whose probability sum reaches top_p.
     """
-    batch, vocab = logits.shape
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     import torch
 
+    batch, vocab = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=logits.device).expand(batch, vocab)
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab).to(logits.device)
     sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], -math.inf)
