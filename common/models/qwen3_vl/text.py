@@ -53,7 +53,12 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
-    """One decoder layer's weights, with q/k/v and gate/up fused for fewer GEMMs."""
+    """One decoder layer's weights, with q/k/v and gate/up fused for fewer GEMMs.
+
+    Projection weights are stored transposed (`[in, out]`, contiguous) and applied with
+    `_dense`: at decode's few rows a GEMM with the weight already in that layout is about a
+    quarter faster on CPU than `F.linear` with the checkpoint's `[out, in]` (measured at
+    batch 1 and 32; the same at 512 rows)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -77,10 +82,25 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.to(torch.float32), shape, eps=eps).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _dense(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x [n, in] @ weight_t [in, out] (+ bias)`: a linear layer with a transposed weight."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
+def _transposed(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t().contiguous()
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` with its first half negated, for `_rotate` (once per forward)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The reference's `x * cos + rotate_half(x) * sin`, with `rotate_half(x) = cat(-x2, x1)`
+    taken as `roll(x, half) * signed_sin`: `-x2 * s1 == x2 * -s1` exactly, in fewer ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class TextModel:
@@ -94,7 +114,7 @@ class TextModel:
         self.config = config
         self.embed_tokens = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
-        self.lm_head = weights.get(LM_HEAD, self.embed_tokens)
+        self.lm_head_t = _transposed(weights.get(LM_HEAD, self.embed_tokens))
         self.layers = [
             self._layer(
                 weights, f"layers.{i}.", config.num_attention_heads, config.num_key_value_heads
@@ -113,7 +133,7 @@ class TextModel:
         qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
         return _Layer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"]).contiguous(),
+            qkv=_transposed(torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"])),
             qkv_bias=qkv_bias,
             qk_norm=torch.cat(
                 [
@@ -121,11 +141,13 @@ class TextModel:
                     w[a + "k_norm.weight"].expand(kv_heads, -1),
                 ]
             ),
-            o_proj=w[a + "o_proj.weight"],
+            o_proj=_transposed(w[a + "o_proj.weight"]),
             o_bias=w.get(a + "o_proj.bias"),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-            down=w[p + "mlp.down_proj.weight"],
+            gate_up=_transposed(
+                torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+            ),
+            down=_transposed(w[p + "mlp.down_proj.weight"]),
         )
 
     @classmethod
@@ -157,32 +179,32 @@ class TextModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head."""
-        return F.linear(_rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head)
+        return _dense(_rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head_t, None)
 
     # ----------------------------------------------------------------------------- shared
 
     def _qkv(
-        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project, q/k-norm and rotate `h [n, hidden]` into q `[n, H, D]`, k, v `[n, KV, D]`
-        (views). `cos`, `sin` are `[n, 1, D]`. q and k heads are normed and rotated together:
-        per head the same arithmetic as apart, in half the ops."""
+        (views). `cos`, `signed_sin` (`_signed_sin`) are `[n, 1, D]`. q and k heads are
+        normed and rotated together: per head the same arithmetic as apart, in half the ops."""
         c = self.config
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        qkv = _dense(h, layer.qkv, layer.qkv_bias)
         split = self.q_size + self.kv_size
         qk = _rms_norm(
             qkv[:, :split].unflatten(-1, (-1, c.head_dim)), layer.qk_norm, c.rms_norm_eps
         )
-        qk = _rotate(qk, cos, sin)
+        qk = _rotate(qk, cos, signed_sin)
         heads = c.num_attention_heads
         return qk[:, :heads], qk[:, heads:], qkv[:, split:].unflatten(-1, (-1, c.head_dim))
 
     def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then the MLP block + residual."""
-        x = x + F.linear(attn, layer.o_proj, layer.o_bias)
+        x = x + _dense(attn, layer.o_proj, layer.o_bias)
         h = _rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        gate, up = _dense(h, layer.gate_up, None).chunk(2, dim=-1)
+        return x + _dense(F.silu(gate) * up, layer.down, None)
 
     @staticmethod
     def _slots(
@@ -219,7 +241,7 @@ class TextModel:
             x[index] = visual.rows.to(x.device, x.dtype)
         positions = torch.cat([seg.positions for seg in segments], dim=1)
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)
         slots = [
             self._slots(
                 s.block_table, torch.arange(s.start, s.end, device=s.block_table.device), block_size
@@ -230,7 +252,7 @@ class TextModel:
         offsets = torch.cat([o for _, o in slots])
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)
+            q, k, v = self._qkv(layer, h, cos, signed_sin)
             kv[blocks, i, 0, offsets] = k
             kv[blocks, i, 1, offsets] = v
             attn = attention(q, k, v, kv[:, i, 0], kv[:, i, 1])
@@ -343,7 +365,7 @@ class TextModel:
         block_size = kv.shape[3]
         x = self.embed_tokens[token_ids]
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)
         index = torch.arange(batch, device=block_tables.device)
         last = seq_lens - 1
         blocks = block_tables[index, last // block_size]
@@ -358,16 +380,24 @@ class TextModel:
             span = width * block_size
             mask = _length_mask(seq_lens, span)
         heads = c.num_key_value_heads
-        # With rows, attention reads only them, so the paged cache takes every layer's new
-        # K/V in one scatter after the loop: [B, layers, 2, KV, D].
-        new = None if rows is None else x.new_empty((batch, len(self.layers), 2, heads, c.head_dim))
+        if rows is not None:
+            # Row slot of (sequence b, layer 0, K/V s, head h, position last[b]) in `rows` seen
+            # as `[-1, D]`; layer i's slots are `i * layer_stride` further on.
+            capacity = rows.shape[4]
+            layer_stride = 2 * heads * capacity
+            sh = torch.arange(2 * heads, device=rows.device).view(1, -1) * capacity
+            slots = (index * len(self.layers) * layer_stride + last).view(-1, 1) + sh
+            flat_rows = rows.view(-1, c.head_dim)
+            news: list[torch.Tensor] = []  # per layer the new K/V [B, 2, KV, D]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)
-            if rows is not None and new is not None:
-                new[:, i, 0] = k
-                new[:, i, 1] = v
-                rows[index, i, :, :, last] = new[:, i]
+            q, k, v = self._qkv(layer, h, cos, signed_sin)
+            if rows is not None:
+                new = torch.stack((k, v), dim=1)
+                flat_rows.index_copy_(
+                    0, (slots + i * layer_stride).view(-1), new.view(-1, c.head_dim)
+                )
+                news.append(new)
                 keys, values = rows[:, i, 0, :, :span], rows[:, i, 1, :, :span]
             else:  # [B, KV, span, D] views of one copy each
                 kv[blocks, i, 0, offsets] = k
@@ -377,8 +407,10 @@ class TextModel:
                 keys, values = keys.transpose(1, 2), values.transpose(1, 2)
             attn = decode_attention(q, keys, values, mask)
             x = self._finish_layer(layer, x, attn)
-        if new is not None:
-            kv[blocks, :, :, offsets] = new
+        if rows is not None:
+            # Attention read only the rows, so the paged cache takes every layer's new K/V
+            # in one scatter: [B, layers, 2, KV, D].
+            kv[blocks, :, :, offsets] = torch.stack(news, dim=1)
         return self.logits(x)
 
 
