@@ -200,11 +200,14 @@ class TextModel:
         return qk[:, :heads], qk[:, heads:], qkv[:, split:].unflatten(-1, (-1, c.head_dim))
 
     def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual, then the MLP block + residual."""
-        x = x + _dense(attn, layer.o_proj, layer.o_bias)
+        """o_proj + residual, then the MLP block + residual, added to `x` in place (the
+        residual stream is a tensor of the forward's own; the reference's arithmetic, without
+        a fresh activation-sized buffer per op)."""
+        x += _dense(attn, layer.o_proj, layer.o_bias)
         h = _rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
         gate, up = _dense(h, layer.gate_up, None).chunk(2, dim=-1)
-        return x + _dense(F.silu(gate) * up, layer.down, None)
+        x += _dense(F.silu(gate, inplace=True).mul_(up), layer.down, None)
+        return x
 
     @staticmethod
     def _slots(
