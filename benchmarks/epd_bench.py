@@ -168,7 +168,7 @@ async def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=("bench", "tiny"), default="bench")
+    parser.add_argument("--size", choices=("bench", "small", "tiny"), default="bench")
     parser.add_argument(
         "--served", type=int, default=0, help="served throughput only: requests per run"
     )

@@ -31,6 +31,14 @@ from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan, deco
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
+from common.models.qwen3_vl.text_ops import (
+    dense,
+    length_mask,
+    rms_norm,
+    rotate,
+    signed_sin,
+    transposed,
+)
 from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
 
@@ -56,7 +64,7 @@ class _Layer:
     """One decoder layer's weights, with q/k/v and gate/up fused for fewer GEMMs.
 
     Projection weights are stored transposed (`[in, out]`, contiguous) and applied with
-    `_dense`: at decode's few rows a GEMM with the weight already in that layout is about a
+    `dense`: at decode's few rows a GEMM with the weight already in that layout is about a
     quarter faster on CPU than `F.linear` with the checkpoint's `[out, in]` (measured at
     batch 1 and 32; the same at 512 rows)."""
 
@@ -71,38 +79,6 @@ class _Layer:
     down: torch.Tensor
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference's RMSNorm over the last dimension (normalize in float32, cast, then
-    scale by `weight`, which broadcasts over `x`'s trailing dimensions) in fused ops.
-
-    In float32 the cast is a no-op, so scaling inside the fused op gives the same bits."""
-    shape = (x.shape[-1],)
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.shape == shape:
-        return F.rms_norm(x, shape, weight, eps)
-    return weight * F.rms_norm(x.to(torch.float32), shape, eps=eps).to(x.dtype)
-
-
-def _dense(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x [n, in] @ weight_t [in, out] (+ bias)`: a linear layer with a transposed weight."""
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
-
-
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
-    return weight.t().contiguous()
-
-
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """`sin` with its first half negated, for `_rotate` (once per forward)."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """The reference's `x * cos + rotate_half(x) * sin`, with `rotate_half(x) = cat(-x2, x1)`
-    taken as `roll(x, half) * signed_sin`: `-x2 * s1 == x2 * -s1` exactly, in fewer ops."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 class TextModel:
     """Qwen3-VL decoder stack + lm_head over a paged KV buffer (inference only)."""
 
@@ -114,7 +90,7 @@ class TextModel:
         self.config = config
         self.embed_tokens = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
-        self.lm_head_t = _transposed(weights.get(LM_HEAD, self.embed_tokens))
+        self.lm_head_t = transposed(weights.get(LM_HEAD, self.embed_tokens))
         self.layers = [
             self._layer(
                 weights, f"layers.{i}.", config.num_attention_heads, config.num_key_value_heads
@@ -133,7 +109,7 @@ class TextModel:
         qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
         return _Layer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=_transposed(torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"])),
+            qkv=transposed(torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"])),
             qkv_bias=qkv_bias,
             qk_norm=torch.cat(
                 [
@@ -141,13 +117,13 @@ class TextModel:
                     w[a + "k_norm.weight"].expand(kv_heads, -1),
                 ]
             ),
-            o_proj=_transposed(w[a + "o_proj.weight"]),
+            o_proj=transposed(w[a + "o_proj.weight"]),
             o_bias=w.get(a + "o_proj.bias"),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=_transposed(
+            gate_up=transposed(
                 torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
             ),
-            down=_transposed(w[p + "mlp.down_proj.weight"]),
+            down=transposed(w[p + "mlp.down_proj.weight"]),
         )
 
     @classmethod
@@ -179,23 +155,22 @@ class TextModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head."""
-        return _dense(_rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head_t, None)
+        return dense(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head_t, None)
 
     # ----------------------------------------------------------------------------- shared
 
     def _qkv(
-        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project, q/k-norm and rotate `h [n, hidden]` into q `[n, H, D]`, k, v `[n, KV, D]`
-        (views). `cos`, `signed_sin` (`_signed_sin`) are `[n, 1, D]`. q and k heads are
-        normed and rotated together: per head the same arithmetic as apart, in half the ops."""
+        (views). `cos` and `sin_signed` (`text_ops.signed_sin`) are `[n, 1, D]`. q and k
+        heads are normed and rotated together: per head the same arithmetic as apart, in half
+        the ops."""
         c = self.config
-        qkv = _dense(h, layer.qkv, layer.qkv_bias)
+        qkv = dense(h, layer.qkv, layer.qkv_bias)
         split = self.q_size + self.kv_size
-        qk = _rms_norm(
-            qkv[:, :split].unflatten(-1, (-1, c.head_dim)), layer.qk_norm, c.rms_norm_eps
-        )
-        qk = _rotate(qk, cos, signed_sin)
+        qk = rms_norm(qkv[:, :split].unflatten(-1, (-1, c.head_dim)), layer.qk_norm, c.rms_norm_eps)
+        qk = rotate(qk, cos, sin_signed)
         heads = c.num_attention_heads
         return qk[:, :heads], qk[:, heads:], qkv[:, split:].unflatten(-1, (-1, c.head_dim))
 
@@ -203,10 +178,10 @@ class TextModel:
         """o_proj + residual, then the MLP block + residual, added to `x` in place (the
         residual stream is a tensor of the forward's own; the reference's arithmetic, without
         a fresh activation-sized buffer per op)."""
-        x += _dense(attn, layer.o_proj, layer.o_bias)
-        h = _rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = _dense(h, layer.gate_up, None).chunk(2, dim=-1)
-        x += _dense(F.silu(gate, inplace=True).mul_(up), layer.down, None)
+        x += dense(attn, layer.o_proj, layer.o_bias)
+        h = rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
+        gate, up = dense(h, layer.gate_up, None).chunk(2, dim=-1)
+        x += dense(F.silu(gate, inplace=True).mul_(up), layer.down, None)
         return x
 
     @staticmethod
@@ -244,7 +219,7 @@ class TextModel:
             x[index] = visual.rows.to(x.device, x.dtype)
         positions = torch.cat([seg.positions for seg in segments], dim=1)
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
-        cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)
+        cos, sin_signed = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)
         slots = [
             self._slots(
                 s.block_table, torch.arange(s.start, s.end, device=s.block_table.device), block_size
@@ -254,8 +229,8 @@ class TextModel:
         blocks = torch.cat([b for b, _ in slots])
         offsets = torch.cat([o for _, o in slots])
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, signed_sin)
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            q, k, v = self._qkv(layer, h, cos, sin_signed)
             kv[blocks, i, 0, offsets] = k
             kv[blocks, i, 1, offsets] = v
             attn = attention(q, k, v, kv[:, i, 0], kv[:, i, 1])
@@ -368,7 +343,7 @@ class TextModel:
         block_size = kv.shape[3]
         x = self.embed_tokens[token_ids]
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
-        cos, signed_sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)
+        cos, sin_signed = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)
         index = torch.arange(batch, device=block_tables.device)
         last = seq_lens - 1
         blocks = block_tables[index, last // block_size]
@@ -376,12 +351,12 @@ class TextModel:
         longest = int(seq_lens.max())
         if rows is not None:
             span = longest
-            mask = None if int(seq_lens.min()) == longest else _length_mask(seq_lens, span)
+            mask = None if int(seq_lens.min()) == longest else length_mask(seq_lens, span)
         else:  # keep only as many blocks as the longest sequence needs
             width = (longest + block_size - 1) // block_size
             flat = block_tables[:, :width].reshape(-1)
             span = width * block_size
-            mask = _length_mask(seq_lens, span)
+            mask = length_mask(seq_lens, span)
         heads = c.num_key_value_heads
         if rows is not None:
             # Row slot of (sequence b, layer 0, K/V s, head h, position last[b]) in `rows` seen
@@ -393,8 +368,8 @@ class TextModel:
             flat_rows = rows.view(-1, c.head_dim)
             news: list[torch.Tensor] = []  # per layer the new K/V [B, 2, KV, D]
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, signed_sin)
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            q, k, v = self._qkv(layer, h, cos, sin_signed)
             if rows is not None:
                 new = torch.stack((k, v), dim=1)
                 flat_rows.index_copy_(
@@ -415,9 +390,3 @@ class TextModel:
             # in one scatter: [B, layers, 2, KV, D].
             kv[blocks, :, :, offsets] = torch.stack(news, dim=1)
         return self.logits(x)
-
-
-def _length_mask(seq_lens: torch.Tensor, span: int) -> torch.Tensor:
-    """`[B, 1, 1, span]`: True at positions below each sequence's length."""
-    mask = torch.arange(span, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-    return mask.view(-1, 1, 1, span)

@@ -1,0 +1,45 @@
+"""Elementwise and projection helpers of the text model (`text.TextModel`), kept to the
+reference's arithmetic in as few ops as that allows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference's RMSNorm over the last dimension (normalize in float32, cast, then
+    scale by `weight`, which broadcasts over `x`'s trailing dimensions) in fused ops.
+
+    In float32 the cast is a no-op, so scaling inside the fused op gives the same bits."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.shape == shape:
+        return F.rms_norm(x, shape, weight, eps)
+    return weight * F.rms_norm(x.to(torch.float32), shape, eps=eps).to(x.dtype)
+
+
+def dense(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x [n, in] @ weight_t [in, out] (+ bias)`: a linear layer with a transposed weight."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
+def transposed(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t().contiguous()
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` with its first half negated, for `rotate` (once per forward)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The reference's `x * cos + rotate_half(x) * sin`, with `rotate_half(x) = cat(-x2, x1)`
+    taken as `roll(x, half) * signed_sin`: `-x2 * s1 == x2 * -s1` exactly, in fewer ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def length_mask(seq_lens: torch.Tensor, span: int) -> torch.Tensor:
+    """`[B, 1, 1, span]`: True at positions below each sequence's length."""
+    mask = torch.arange(span, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+    return mask.view(-1, 1, 1, span)
