@@ -24,18 +24,30 @@ Also timed, not part of the reference's figure:
   event loop's own share of it;
 - "parse": `parse_request` of the same requests from their protobuf form, which decodes the
   patch rows and recomputes every content hash (the encoder trusts no caller's hash,
-  DESIGN §7).
+  DESIGN §7);
+- "copy": one bare `torch.stack` of as many output rows as the batch makes (main and
+  deepstack, "copy MB"): the share of "prep" that is a memory copy, which the engine makes
+  so that a cached unit never pins the whole batch output (`encoder_worker.batch`). It
+  grows with the output's bytes, not with the units.
+
+Differences from the reference's setting, as far as its report says: its items' order
+differs from prompt order in "reordered", and it reorders outputs; epd's encoder answers in
+request order (the router places rows by item metadata), so "reordered" costs here what
+"contiguous" does. The per-item output is one tensor holding main and deepstack rows.
 
 Times are CPU seconds of this process (`time.process_time`, every thread: the event loop and
 the forward thread), not wall time, so other processes' load on a shared machine does not
 count as preparation; `torch.set_num_threads(1)`. Reference (the seed's report, 64 requests
-x 8 items): 0.50 ms contiguous, 0.95 ms reordered, 3.17 ms alternating. Medians of
-`--reps` runs, each on a fresh cache (every unit a miss), the engines interleaved.
+x 8 items): 0.50 ms contiguous, 0.95 ms reordered, 3.17 ms alternating, "median of 9 paired
+samples x 20 repetitions with executor GC defaults"; here likewise: each sample is the
+median of `--inner` (20) back-to-back runs, each on a fresh engine and cache (every unit a
+miss), samples interleaved across shapes and engines, the figure the median of `--reps` (9)
+samples; the garbage collector on, as by default.
 With `--baseline DIR` (a checkout of the landed commit) its `encoder_worker/engine.py` runs
 interleaved with this one's on the same jobs ("served", the path both have), and the ratio
 is printed.
 
-    .venv/bin/python benchmarks/encoder_input_bench.py [--requests 64] [--reps 30]
+    .venv/bin/python benchmarks/encoder_input_bench.py [--requests 64] [--reps 9] [--inner 20]
         [--baseline /tmp/landed]
 """
 
@@ -173,7 +185,8 @@ async def fan_out(jobs: list[list[ItemJob]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=9, help="samples (medians of)")
+    parser.add_argument("--inner", type=int, default=20, help="back-to-back runs a sample")
     parser.add_argument("--grid", type=int, default=4, help="h = w patches of an item")
     parser.add_argument("--baseline", type=Path, help="checkout whose engine to compare")
     args = parser.parse_args()
@@ -202,6 +215,8 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {(e, s): [] for e in engines for s in shapes}
     now: dict[str, list[float]] = {s: [] for s in shapes}
     parse: dict[str, list[float]] = {s: [] for s in shapes}
+    copy: dict[str, list[float]] = {s: [] for s in shapes}
+    out_rows = {s: sum(u.output_rows for j in jobs[s] for i in j for u in i.units) for s in shapes}
     harness: list[float] = []
 
     def make(engine_cls: Any, cache_cls: Any) -> Any:
@@ -212,43 +227,66 @@ def main() -> None:
             max_batch_rows=1 << 30,
         )
 
+    def sample(run: Any, *run_args: Any) -> float:
+        """Median CPU seconds of `--inner` back-to-back runs of `run(*run_args)`."""
+        spent = []
+        for _ in range(args.inner):
+            start = time.process_time()
+            run(*run_args)
+            spent.append(time.process_time() - start)
+        return statistics.median(spent)
+
+    async def sample_async(run: Any, *run_args: Any) -> float:
+        spent = []
+        for _ in range(args.inner):
+            start = time.process_time()
+            await run(*run_args)
+            spent.append(time.process_time() - start)
+        return statistics.median(spent)
+
+    def prep_once(shape: str) -> None:
+        prepare_now(make(EncoderEngine, EncoderCache), jobs[shape])
+
+    def copy_once(rows: int) -> None:
+        torch.stack([tower.rows[:rows], *(d[:rows] for d in tower.deep)])
+
+    async def serve_once(engine_cls: Any, cache_cls: Any, shape: str) -> None:
+        engine = make(engine_cls, cache_cls)
+        await prepare(engine, jobs[shape])
+        await engine.close()
+
     async def loop() -> None:
-        for rep in range(args.reps + 1):
+        for rep in range(args.reps + 1):  # the first round warms up
             for s in shapes:
-                engine = make(EncoderEngine, EncoderCache)
-                start = time.process_time()
-                prepare_now(engine, jobs[s])
-                if rep:  # the first round warms up
-                    now[s].append(time.process_time() - start)
-                for name, (engine_cls, cache_cls) in engines.items():
-                    engine = make(engine_cls, cache_cls)
-                    start = time.process_time()
-                    await prepare(engine, jobs[s])
-                    elapsed = time.process_time() - start
-                    await engine.close()
-                    if rep:
-                        times[(name, s)].append(elapsed)
+                got = sample(prep_once, s)
+                copied = sample(copy_once, out_rows[s])
+                by_engine = {}
+                for name, classes in engines.items():
+                    by_engine[name] = await sample_async(serve_once, *classes, s)
                 start = time.process_time()
                 for r in requests[s]:
                     parse_request(r, vision, FINGERPRINT)
+                parsed = time.process_time() - start
+                fanned = await sample_async(fan_out, jobs[s])
                 if rep:
-                    parse[s].append(time.process_time() - start)
-                start = time.process_time()
-                await fan_out(jobs[s])
-                if rep:
-                    harness.append(time.process_time() - start)
+                    now[s].append(got)
+                    copy[s].append(copied)
+                    for name, value in by_engine.items():
+                        times[(name, s)].append(value)
+                    parse[s].append(parsed)
+                    harness.append(fanned)
 
     asyncio.run(loop())
     print(
         f"{args.requests} requests x 8 items, grid (t, {args.grid}, {args.grid}), "
-        f"medians of {args.reps}:"
+        f"medians of {args.reps} samples x {args.inner} runs:"
     )
     base = "baseline" in engines
     print(
         f"  {'shape':12s} {'prep ms':>8s} {'reference':>10s} {'prep/ref':>9s}"
         f" {'served ms':>10s}"
         + (f" {'landed ms':>10s} {'landed/served':>13s}" if base else "")
-        + f" {'parse ms':>9s}"
+        + f" {'parse ms':>9s} {'copy ms':>8s} {'copy MB':>8s}"
     )
     for s in shapes:
         prep = statistics.median(now[s]) * 1e3
@@ -260,10 +298,16 @@ def main() -> None:
         if base:
             landed = statistics.median(times[("baseline", s)]) * 1e3
             line += f" {landed:10.3f} {landed / served:12.2f}x"
-        print(line + f" {statistics.median(parse[s]) * 1e3:9.2f}")
+        mb = out_rows[s] * tower.rows.shape[1] * 4 * (1 + len(tower.deep)) / 1e6
+        print(
+            line + f" {statistics.median(parse[s]) * 1e3:9.2f}"
+            f" {statistics.median(copy[s]) * 1e3:8.3f} {mb:8.2f}"
+        )
     print(
         f"  of which the harness ({args.requests} concurrent calls doing nothing, part of "
-        f"'served' only): {statistics.median(harness) * 1e3:.3f} ms"
+        f"'served' only): {statistics.median(harness) * 1e3:.3f} ms; 'copy': one bare "
+        f"torch.stack of the batch's output rows (copy MB), the part of 'prep' that copies "
+        f"the output into cache segments"
     )
 
 

@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 _key = operator.attrgetter("key")
 _input_rows = operator.attrgetter("input_rows")
-_output_rows = operator.attrgetter("output_rows")
 
 
 @dataclass(slots=True, eq=False)
@@ -62,7 +61,6 @@ class _Pending:
 
     units: list[Unit]  # distinct keys, none cached or in flight when queued
     input_rows: int  # patch rows of all the units
-    output_rows: int  # embedding rows they make
     waiters: list[_Waiter]  # the request that queued it, and those that joined it
     result: dict[bytes, EncodedRows] | None = None  # once encoded: key -> rows, whole batch
 
@@ -174,28 +172,33 @@ class EncoderEngine:
         if inflight and not inflight.keys().isdisjoint(missing_keys):
             joined = list(dict.fromkeys(inflight[k] for k in missing_keys if k in inflight))
             missing = [u for u in missing if u.key not in inflight]
-        queued = self._enqueue(missing) if missing else []
+            missing_keys = list(map(_key, missing))
+        queued = self._enqueue(missing, missing_keys) if missing else []
         sources = joined + queued
         waiter = _Waiter(future, len(sources))
         for entry in sources:
             entry.waiters.append(waiter)
         return _Selection(keys, found, sources, queued, waiter)
 
-    def _enqueue(self, units: list[Unit]) -> list[_Pending]:
-        """Queue `units` as entries of at most `max_batch_rows` patch rows (a larger unit
-        alone); the entries."""
-        chunks = [units]
-        if sum(map(_input_rows, units)) > self.max_batch_rows:
-            chunks, rows = [[units[0]]], units[0].input_rows
-            for unit in units[1:]:
-                if rows + unit.input_rows > self.max_batch_rows:
-                    chunks.append([])
-                    rows = 0
-                chunks[-1].append(unit)
-                rows += unit.input_rows
+    def _enqueue(self, units: list[Unit], keys: list[bytes]) -> list[_Pending]:
+        """Queue `units` (with these keys) as entries of at most `max_batch_rows` patch rows
+        (a larger unit alone); the entries."""
+        rows = sum(map(_input_rows, units))
+        if rows <= self.max_batch_rows:
+            entry = _Pending(units, rows, [])
+            self._inflight.update(dict.fromkeys(keys, entry))
+            self._queue.append(entry)
+            return [entry]
+        chunks, rows = [[units[0]]], units[0].input_rows
+        for unit in units[1:]:
+            if rows + unit.input_rows > self.max_batch_rows:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(unit)
+            rows += unit.input_rows
         entries = []
         for chunk in chunks:
-            entry = _Pending(chunk, sum(map(_input_rows, chunk)), sum(map(_output_rows, chunk)), [])
+            entry = _Pending(chunk, sum(map(_input_rows, chunk)), [])
             self._inflight.update(dict.fromkeys(map(_key, chunk), entry))
             entries.append(entry)
         self._queue.extend(entries)
@@ -310,8 +313,8 @@ class EncoderEngine:
                 inflight.pop(key, None)
         self.batches += 1
         self.units_encoded += len(result)
+        self.rows_encoded += sum(segment.owner.stacked.shape[1] for segment in segments)
         for entry in batch:
-            self.rows_encoded += entry.output_rows
             entry.result = result
             for waiter in entry.waiters:
                 waiter.remaining -= 1
