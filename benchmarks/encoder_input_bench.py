@@ -34,12 +34,17 @@ Differences from the reference's setting, as far as its report says: its items' 
 differs from prompt order in "reordered", and it reorders outputs; epd's encoder answers in
 request order (the router places rows by item metadata), so "reordered" costs here what
 "contiguous" does. The per-item output is one tensor holding main and deepstack rows.
+epd's cache keys are content hashes of the patch rows (of each partition, for videos),
+computed and checked in `parse_request` ("parse", not "prep"), as the encoder trusts no
+caller's hash; "prep" only looks them up. "prep" also writes every encoded unit into the
+encoder cache and copies the output ("copy"), which a preparation step alone need not.
 
 Times are CPU seconds of this process (`time.process_time`, every thread: the event loop and
 the forward thread), not wall time, so other processes' load on a shared machine does not
 count as preparation; `torch.set_num_threads(1)`. Reference (the seed's report, 64 requests
-x 8 items): 0.50 ms contiguous, 0.95 ms reordered, 3.17 ms alternating, "median of 9 paired
-samples x 20 repetitions with executor GC defaults"; here likewise: each sample is the
+x 8 items): 0.502 ms contiguous, 0.945 ms reordered, 3.171 ms alternating (128 requests:
+0.998, 1.928, 6.487), "median of 9 paired samples x 20 repetitions with executor GC
+defaults"; here likewise: each sample is the
 median of `--inner` (20) back-to-back runs, each on a fresh engine and cache (every unit a
 miss), samples interleaved across shapes and engines, the figure the median of `--reps` (9)
 samples; the garbage collector on, as by default.
@@ -75,7 +80,11 @@ from encoder_worker.engine import EncoderEngine
 from encoder_worker.requests import ItemJob, parse_request
 from epd.v1 import encoder_service_pb2, multimodal_pb2
 
-REFERENCE_MS = {"contiguous": 0.50, "reordered": 0.95, "alternating": 3.17}
+# The seed's report, by requests (8 items each): ms per shape.
+REFERENCE_MS = {
+    64: {"contiguous": 0.502, "reordered": 0.945, "alternating": 3.171},
+    128: {"contiguous": 0.998, "reordered": 1.928, "alternating": 6.487},
+}
 FINGERPRINT = b"bench"
 
 
@@ -291,10 +300,11 @@ def main() -> None:
     for s in shapes:
         prep = statistics.median(now[s]) * 1e3
         served = statistics.median(times[("epd", s)]) * 1e3
-        line = (
-            f"  {s:12s} {prep:8.3f} {REFERENCE_MS[s]:10.2f} {prep / REFERENCE_MS[s]:8.2f}x"
-            f" {served:10.3f}"
+        ref = REFERENCE_MS.get(args.requests, {}).get(s)
+        line = f"  {s:12s} {prep:8.3f} " + (
+            f"{ref:10.3f} {prep / ref:8.2f}x" if ref else f"{'-':>10s} {'-':>9s}"
         )
+        line += f" {served:10.3f}"
         if base:
             landed = statistics.median(times[("baseline", s)]) * 1e3
             line += f" {landed:10.3f} {landed / served:12.2f}x"
