@@ -35,6 +35,7 @@ SEGMENT_BYTES: Final = 1 << 20  # output bytes (all layers) one copied segment h
 _grid = operator.attrgetter("grid")
 _output_rows = operator.attrgetter("output_rows")
 _key = operator.attrgetter("key")
+_pixels = operator.attrgetter("pixels")
 
 
 @dataclass(slots=True, eq=False)
@@ -75,7 +76,7 @@ def _mode_input(per_frame: bool, units: list[Unit]) -> ModeInput:
     flat = np.fromiter(
         itertools.chain.from_iterable(map(_grid, units)), dtype=np.int64, count=3 * len(units)
     )
-    pixels = units[0].pixels if len(units) == 1 else torch.cat([u.pixels for u in units])
+    pixels = units[0].pixels if len(units) == 1 else torch.cat(list(map(_pixels, units)))
     return ModeInput(per_frame, units, pixels, torch.from_numpy(flat).view(-1, 3))
 
 

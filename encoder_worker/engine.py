@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import operator
 import time
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _key = operator.attrgetter("key")
 _input_rows = operator.attrgetter("input_rows")
+_units = operator.attrgetter("units")
 
 
 @dataclass(slots=True, eq=False)
@@ -151,7 +153,7 @@ class EncoderEngine:
 
     def _select(self, jobs: Sequence[ItemJob], future: asyncio.Future[None] | None) -> _Selection:
         """Look the jobs' units up in the cache, join those in flight, queue the rest."""
-        units = [u for job in jobs for u in job.units]
+        units = list(itertools.chain.from_iterable(map(_units, jobs)))
         keys = list(map(_key, units))
         distinct, distinct_keys = units, keys
         if len(set(keys)) != len(keys):  # an item or partition asked for twice
@@ -220,7 +222,7 @@ class EncoderEngine:
             rows = [next(m[k] for m in maps if k in m) for k in keys]
         if len(rows) == len(jobs):  # one unit per job
             if not found:
-                return [ItemOutput(r, False) for r in rows]
+                return list(map(ItemOutput, rows, itertools.repeat(False)))
             return [ItemOutput(r, k in found) for r, k in zip(rows, keys, strict=True)]
         outputs = []
         start = 0
@@ -292,7 +294,7 @@ class EncoderEngine:
         """Encode the entries' units (worker thread): one tower call per encoding mode, the
         output as cache-entry segments."""
         segments = []
-        for mode in mode_inputs([u for entry in batch for u in entry.units]):
+        for mode in mode_inputs(list(itertools.chain.from_iterable(map(_units, batch)))):
             self.forward_calls += 1
             rows, deepstack = self.tower.encode(mode.pixels, mode.grids, per_frame=mode.per_frame)
             segments.extend(split_output(mode.units, rows, deepstack))
