@@ -106,8 +106,9 @@ def split_output(
             entries = [owner]
         else:
             views = stacked.split(sizes[first:last], dim=1)
-            offsets = itertools.accumulate(sizes[first : last - 1], initial=0)
-            entries = list(map(EncodedRows, views, itertools.repeat(owner), offsets))
+            ends = list(itertools.accumulate(sizes[first:last]))
+            starts = itertools.chain((0,), ends)
+            entries = list(map(EncodedRows, views, itertools.repeat(owner), starts, ends))
         segments.append(Segment(owner, keys[first:last], entries))
         first = last
     return segments
@@ -122,10 +123,10 @@ def join(parts: Sequence[EncodedRows]) -> EncodedRows:
     if owner is not None:
         end = parts[0].start
         for part in parts:
-            if part.owner is not owner or part.start != end:
+            if part.owner is not owner or part.start != end or part.stop <= end:
                 break
-            end += part.stacked.shape[1]
+            end = part.stop
         else:
             first = parts[0].start
-            return EncodedRows(owner.stacked.narrow(1, first, end - first), owner, first)
+            return EncodedRows(owner.stacked.narrow(1, first, end - first), owner, first, end)
     return EncodedRows(torch.cat([p.stacked for p in parts], dim=1))

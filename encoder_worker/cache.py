@@ -42,9 +42,10 @@ class EncodedRows:
     # The segment `stacked` is a view of (None: it owns its memory); the cache counts the
     # segment's bytes once while any of its units is stored (`common.byte_lru`).
     owner: EncodedRows | None = None
-    # First row of `stacked` within `owner.stacked` (0 without an owner): units adjacent
-    # in one segment are joined by one view instead of a copy.
+    # With an owner: `stacked` is rows [start, stop) of `owner.stacked`, so units adjacent
+    # in one segment are joined by one view instead of a copy (unused without an owner).
     start: int = 0
+    stop: int = 0
 
     @classmethod
     def of(cls, rows: torch.Tensor, deepstack: Sequence[torch.Tensor]) -> EncodedRows:

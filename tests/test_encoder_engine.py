@@ -277,12 +277,14 @@ def test_small_segments_bound_what_a_cached_unit_keeps(
 def test_join_is_a_view_only_for_neighbours() -> None:
     segment = EncodedRows.of(torch.arange(24.0).view(6, 4), (torch.zeros(6, 4),))
     views = segment.stacked.split([1, 2, 3], dim=1)
-    parts = [EncodedRows(v, segment, s) for v, s in zip(views, (0, 1, 3), strict=True)]
+    bounds = ((0, 1), (1, 3), (3, 6))
+    parts = [EncodedRows(v, segment, *b) for v, b in zip(views, bounds, strict=True)]
     whole = join(parts)
     assert torch.equal(whole.stacked, segment.stacked)
     assert whole.stacked.data_ptr() == segment.stacked.data_ptr()  # no copy
     tail = join(parts[1:])
-    assert tail.start == 1 and torch.equal(tail.stacked, segment.stacked[:, 1:])
+    assert (tail.start, tail.stop) == (1, 6)
+    assert torch.equal(tail.stacked, segment.stacked[:, 1:])
     skipped = join([parts[0], parts[2]])  # not neighbours: a copy
     assert torch.equal(skipped.stacked, torch.cat([views[0], views[2]], dim=1))
     assert skipped.owner is None
@@ -291,7 +293,7 @@ def test_join_is_a_view_only_for_neighbours() -> None:
 def test_get_many_and_put_many_keep_lru_and_owner_accounting() -> None:
     segment = EncodedRows.of(torch.zeros(6, 4), (torch.zeros(6, 4),))  # 192 bytes
     views = segment.stacked.split(2, dim=1)
-    units = [EncodedRows(v, segment, 2 * k) for k, v in enumerate(views)]
+    units = [EncodedRows(v, segment, 2 * k, 2 * k + 2) for k, v in enumerate(views)]
     cache = EncoderCache(budget_bytes=300)
     assert cache.put(b"old", EncodedRows.of(torch.zeros(2, 4), (torch.zeros(2, 4),)))  # 64
     assert cache.put_many([b"a", b"b", b"c"], units, segment)
