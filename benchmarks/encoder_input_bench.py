@@ -1,32 +1,58 @@
 """CPU encoder-input preparation of the encoder worker, vision tower excluded.
 
-What is timed: `--requests` requests of 8 items each, their `ItemJob`s (units with cache
-keys, as `encoder_worker.requests.parse_request` makes them) handed to
-`EncoderEngine.encode` concurrently, as the server does: cache lookups and in-flight joins
-(item selection), the batch taken, per encoding mode the selected units' patch rows
-concatenated with their grids (tensor slices), the tower's output split back into
-per-unit cache entries (output splits) and each item's rows assembled for its request.
-The tower is replaced by one that returns preallocated rows of the right shapes, so its
-cost is not in the figure. Three shapes, as the reference engine's report:
+What is timed ("prep", the figure comparable to the reference's): `--requests` requests of
+8 items each, their `ItemJob`s (units with their cache keys, as
+`encoder_worker.requests.parse_request` makes them) handed to `EncoderEngine.encode_now` at
+once, which runs the path `EncoderEngine.encode` runs, without the event loop: per request
+the cache lookups and in-flight joins (item selection) and the misses queued; the batch
+taken; per encoding mode the selected units' patch rows concatenated and their grid tensor
+built (tensor slices); the tower's output copied into segments and split back into per-unit
+cache entries, which are stored (output splits); each item's rows assembled (one tensor per
+item, main and deepstack rows: `EncodedRows.stacked`). The tower is replaced by one that
+returns preallocated rows of the right shapes, so its cost is not in the figure. Three
+shapes, as the reference engine's report:
 
 - contiguous: 8 images per request, requested in prompt order;
 - reordered: the same, requested in a shuffled order (item order differs from prompt order);
 - alternating: image, video, image, ... (videos of 2 frames, one partition per frame,
   encoded frame by frame), so the batch holds both encoding modes interleaved.
 
-Separately (not part of the reference's figure): `parse_request` of the same requests from
-their protobuf form, which decodes the patch rows and recomputes every content hash (the
-encoder trusts no caller's hash, DESIGN §7).
+Also timed, not part of the reference's figure:
+- "served": the same requests as `--requests` concurrent `EncoderEngine.encode` calls, as
+  the server makes them (each an asyncio task awaiting its own future; the batch task; the
+  forward on a worker thread); "harness" is that many concurrent calls doing nothing, the
+  event loop's own share of it;
+- "parse": `parse_request` of the same requests from their protobuf form, which decodes the
+  patch rows and recomputes every content hash (the encoder trusts no caller's hash,
+  DESIGN §7);
+- "copy": one bare `torch.stack` of as many output rows as the batch makes (main and
+  deepstack, "copy MB"): the share of "prep" that is a memory copy, which the engine makes
+  so that a cached unit never pins the whole batch output (`encoder_worker.batch`). It
+  grows with the output's bytes, not with the units.
+
+Differences from the reference's setting, as far as its report says: its items' order
+differs from prompt order in "reordered", and it reorders outputs; epd's encoder answers in
+request order (the router places rows by item metadata), so "reordered" costs here what
+"contiguous" does. The per-item output is one tensor holding main and deepstack rows.
+epd's cache keys are content hashes of the patch rows (of each partition, for videos),
+computed and checked in `parse_request` ("parse", not "prep"), as the encoder trusts no
+caller's hash; "prep" only looks them up. "prep" also writes every encoded unit into the
+encoder cache and copies the output ("copy"), which a preparation step alone need not.
 
 Times are CPU seconds of this process (`time.process_time`, every thread: the event loop and
 the forward thread), not wall time, so other processes' load on a shared machine does not
 count as preparation; `torch.set_num_threads(1)`. Reference (the seed's report, 64 requests
-x 8 items): 0.50 ms contiguous, 0.95 ms reordered, 3.17 ms alternating. Medians of
-`--reps` runs, each on a fresh cache (every unit a miss).
+x 8 items): 0.502 ms contiguous, 0.945 ms reordered, 3.171 ms alternating (128 requests:
+0.998, 1.928, 6.487), "median of 9 paired samples x 20 repetitions with executor GC
+defaults"; here likewise: each sample is the
+median of `--inner` (20) back-to-back runs, each on a fresh engine and cache (every unit a
+miss), samples interleaved across shapes and engines, the figure the median of `--reps` (9)
+samples; the garbage collector on, as by default.
 With `--baseline DIR` (a checkout of the landed commit) its `encoder_worker/engine.py` runs
-interleaved with this one's on the same jobs, and the ratio is printed.
+interleaved with this one's on the same jobs ("served", the path both have), and the ratio
+is printed.
 
-    .venv/bin/python benchmarks/encoder_input_bench.py [--requests 64] [--reps 30]
+    .venv/bin/python benchmarks/encoder_input_bench.py [--requests 64] [--reps 9] [--inner 20]
         [--baseline /tmp/landed]
 """
 
@@ -54,7 +80,11 @@ from encoder_worker.engine import EncoderEngine
 from encoder_worker.requests import ItemJob, parse_request
 from epd.v1 import encoder_service_pb2, multimodal_pb2
 
-REFERENCE_MS = {"contiguous": 0.50, "reordered": 0.95, "alternating": 3.17}
+# The seed's report, by requests (8 items each): ms per shape.
+REFERENCE_MS = {
+    64: {"contiguous": 0.502, "reordered": 0.945, "alternating": 3.171},
+    128: {"contiguous": 0.998, "reordered": 1.928, "alternating": 6.487},
+}
 FINGERPRINT = b"bench"
 
 
@@ -122,22 +152,33 @@ def _load(name: str, path: Path) -> Any:
 
 
 def baseline_engine(folder: Path) -> tuple[Any, Any]:
-    """`EncoderEngine` and `EncoderCache` of another checkout's `encoder_worker/engine.py`
-    and `cache.py` (its engine imports its own cache while it loads; request types are
-    this checkout's, which did not change)."""
-    cache = _load("baseline_cache", folder / "encoder_worker" / "cache.py")
-    ours = sys.modules["encoder_worker.cache"]
-    sys.modules["encoder_worker.cache"] = cache
+    """`EncoderEngine` and `EncoderCache` of another checkout's `encoder_worker/engine.py`,
+    `cache.py` and `common/byte_lru.py` (each imports the other's module of that checkout
+    while it loads; request types are this checkout's: `Unit` only gained a field)."""
+    swapped = {}
+    for name, path in (
+        ("common.byte_lru", folder / "common" / "byte_lru.py"),
+        ("encoder_worker.cache", folder / "encoder_worker" / "cache.py"),
+    ):
+        swapped[name] = sys.modules[name]
+        sys.modules[name] = _load(f"baseline_{name}", path)
+    cache = sys.modules["encoder_worker.cache"]
     try:
         engine = _load("baseline_engine", folder / "encoder_worker" / "engine.py")
     finally:
-        sys.modules["encoder_worker.cache"] = ours
+        sys.modules.update(swapped)
     return engine.EncoderEngine, cache.EncoderCache
 
 
-async def prepare(engine: EncoderEngine, jobs: list[list[ItemJob]]) -> list[list[torch.Tensor]]:
+def prepare_now(engine: EncoderEngine, jobs: list[list[ItemJob]]) -> list[list[torch.Tensor]]:
+    """The reference's figure: every request at once, synchronously; per item its rows."""
+    return [[o.rows.stacked for o in out] for out in engine.encode_now(jobs)]
+
+
+async def prepare(engine: Any, jobs: list[list[ItemJob]]) -> list[list[torch.Tensor]]:
+    """As the server does: one concurrent `encode` call per request; per item its rows."""
     outputs = await asyncio.gather(*(engine.encode(j) for j in jobs))
-    return [[o.rows.rows for o in out] for out in outputs]
+    return [[o.rows.stacked for o in out] for out in outputs]
 
 
 async def _nothing(jobs: list[ItemJob]) -> list[ItemJob]:
@@ -153,7 +194,8 @@ async def fan_out(jobs: list[list[ItemJob]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=9, help="samples (medians of)")
+    parser.add_argument("--inner", type=int, default=20, help="back-to-back runs a sample")
     parser.add_argument("--grid", type=int, default=4, help="h = w patches of an item")
     parser.add_argument("--baseline", type=Path, help="checkout whose engine to compare")
     args = parser.parse_args()
@@ -180,56 +222,102 @@ def main() -> None:
     if args.baseline is not None:
         engines["baseline"] = baseline_engine(args.baseline)
     times: dict[tuple[str, str], list[float]] = {(e, s): [] for e in engines for s in shapes}
+    now: dict[str, list[float]] = {s: [] for s in shapes}
     parse: dict[str, list[float]] = {s: [] for s in shapes}
+    copy: dict[str, list[float]] = {s: [] for s in shapes}
+    out_rows = {s: sum(u.output_rows for j in jobs[s] for i in j for u in i.units) for s in shapes}
     harness: list[float] = []
 
+    def make(engine_cls: Any, cache_cls: Any) -> Any:
+        return engine_cls(
+            tower,  # no compute: the tower is excluded
+            cache_cls(1 << 34),
+            batch_window_s=0.0,
+            max_batch_rows=1 << 30,
+        )
+
+    def sample(run: Any, *run_args: Any) -> float:
+        """Median CPU seconds of `--inner` back-to-back runs of `run(*run_args)`."""
+        spent = []
+        for _ in range(args.inner):
+            start = time.process_time()
+            run(*run_args)
+            spent.append(time.process_time() - start)
+        return statistics.median(spent)
+
+    async def sample_async(run: Any, *run_args: Any) -> float:
+        spent = []
+        for _ in range(args.inner):
+            start = time.process_time()
+            await run(*run_args)
+            spent.append(time.process_time() - start)
+        return statistics.median(spent)
+
+    def prep_once(shape: str) -> None:
+        prepare_now(make(EncoderEngine, EncoderCache), jobs[shape])
+
+    def copy_once(rows: int) -> None:
+        torch.stack([tower.rows[:rows], *(d[:rows] for d in tower.deep)])
+
+    async def serve_once(engine_cls: Any, cache_cls: Any, shape: str) -> None:
+        engine = make(engine_cls, cache_cls)
+        await prepare(engine, jobs[shape])
+        await engine.close()
+
     async def loop() -> None:
-        for rep in range(args.reps + 1):
+        for rep in range(args.reps + 1):  # the first round warms up
             for s in shapes:
-                for name, (engine_cls, cache_cls) in engines.items():
-                    engine = engine_cls(
-                        tower,  # no compute: the tower is excluded
-                        cache_cls(1 << 34),
-                        batch_window_s=0.0,
-                        max_batch_rows=1 << 30,
-                    )
-                    start = time.process_time()
-                    await prepare(engine, jobs[s])
-                    elapsed = time.process_time() - start
-                    await engine.close()
-                    if rep:  # the first round warms up
-                        times[(name, s)].append(elapsed)
+                got = sample(prep_once, s)
+                copied = sample(copy_once, out_rows[s])
+                by_engine = {}
+                for name, classes in engines.items():
+                    by_engine[name] = await sample_async(serve_once, *classes, s)
                 start = time.process_time()
                 for r in requests[s]:
                     parse_request(r, vision, FINGERPRINT)
+                parsed = time.process_time() - start
+                fanned = await sample_async(fan_out, jobs[s])
                 if rep:
-                    parse[s].append(time.process_time() - start)
-                start = time.process_time()
-                await fan_out(jobs[s])
-                if rep:
-                    harness.append(time.process_time() - start)
+                    now[s].append(got)
+                    copy[s].append(copied)
+                    for name, value in by_engine.items():
+                        times[(name, s)].append(value)
+                    parse[s].append(parsed)
+                    harness.append(fanned)
 
     asyncio.run(loop())
     print(
         f"{args.requests} requests x 8 items, grid (t, {args.grid}, {args.grid}), "
-        f"medians of {args.reps}:"
+        f"medians of {args.reps} samples x {args.inner} runs:"
     )
     base = "baseline" in engines
     print(
-        f"  {'shape':12s} {'epd ms':>8s} {'reference':>10s} {'epd/ref':>8s}"
-        + (f" {'landed ms':>10s} {'landed/epd':>10s}" if base else "")
-        + f" {'parse ms':>9s}"
+        f"  {'shape':12s} {'prep ms':>8s} {'reference':>10s} {'prep/ref':>9s}"
+        f" {'served ms':>10s}"
+        + (f" {'landed ms':>10s} {'landed/served':>13s}" if base else "")
+        + f" {'parse ms':>9s} {'copy ms':>8s} {'copy MB':>8s}"
     )
     for s in shapes:
-        ms = statistics.median(times[("epd", s)]) * 1e3
-        line = f"  {s:12s} {ms:8.3f} {REFERENCE_MS[s]:10.2f} {ms / REFERENCE_MS[s]:7.2f}x"
+        prep = statistics.median(now[s]) * 1e3
+        served = statistics.median(times[("epd", s)]) * 1e3
+        ref = REFERENCE_MS.get(args.requests, {}).get(s)
+        line = f"  {s:12s} {prep:8.3f} " + (
+            f"{ref:10.3f} {prep / ref:8.2f}x" if ref else f"{'-':>10s} {'-':>9s}"
+        )
+        line += f" {served:10.3f}"
         if base:
             landed = statistics.median(times[("baseline", s)]) * 1e3
-            line += f" {landed:10.3f} {landed / ms:9.2f}x"
-        print(line + f" {statistics.median(parse[s]) * 1e3:9.2f}")
+            line += f" {landed:10.3f} {landed / served:12.2f}x"
+        mb = out_rows[s] * tower.rows.shape[1] * 4 * (1 + len(tower.deep)) / 1e6
+        print(
+            line + f" {statistics.median(parse[s]) * 1e3:9.2f}"
+            f" {statistics.median(copy[s]) * 1e3:8.3f} {mb:8.2f}"
+        )
     print(
-        f"  of which the harness ({args.requests} concurrent calls doing nothing): "
-        f"{statistics.median(harness) * 1e3:.3f} ms"
+        f"  of which the harness ({args.requests} concurrent calls doing nothing, part of "
+        f"'served' only): {statistics.median(harness) * 1e3:.3f} ms; 'copy': one bare "
+        f"torch.stack of the batch's output rows (copy MB), the part of 'prep' that copies "
+        f"the output into cache segments"
     )
 
 

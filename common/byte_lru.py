@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -88,30 +89,56 @@ class ByteBudgetLru(Generic[V]):
                 self._entries.move_to_end(key)
             return entry
 
+    def get_many(self, keys: Sequence[bytes]) -> list[V | None]:
+        """`get` of every key in order (hits become the most recently used, in that order),
+        under one lock acquisition: an entry or None per key."""
+        with self._lock:
+            entries = self._entries
+            found = list(map(entries.get, keys))
+            misses = found.count(None)
+            self.lookups += len(found)
+            self.hits += len(found) - misses
+            if misses != len(found):
+                for key, entry in zip(keys, found, strict=True):
+                    if entry is not None:
+                        entries.move_to_end(key)
+            return found
+
     def put(self, key: bytes, entry: V) -> bool:
         """Store `entry` as most recently used, evicting LRU entries to fit the budget.
 
         Returns False (and stores nothing) when the entry's memory alone exceeds the budget.
         """
-        owner = _owner(entry)
+        return self.put_many((key,), (entry,), _owner(entry))
+
+    def put_many(self, keys: Sequence[bytes], entries: Sequence[V], owner: Sized) -> bool:
+        """`put` of every (key, entry) in order, for entries that all hold their memory in
+        `owner` (each names it, or is it): room for the owner is made once, not per entry.
+
+        Returns False (and stores nothing) when the owner's memory alone exceeds the budget.
+        """
         size = owner.nbytes
         with self._lock:
+            stored = self._entries
             held = self._owners.get(id(owner))
             if held is None and size > self.budget_bytes:
                 return False
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._drop(old)
+            if not stored.keys().isdisjoint(keys):  # replacing entries: drop the old ones
+                for key in keys:
+                    old = stored.pop(key, None)
+                    if old is not None:
+                        self._drop(old)
                 held = self._owners.get(id(owner))
-            while self._entries and held is None and self.bytes_used + size > self.budget_bytes:
-                _, evicted = self._entries.popitem(last=False)
+            while stored and held is None and self.bytes_used + size > self.budget_bytes:
+                _, evicted = stored.popitem(last=False)
                 self._drop(evicted)
                 self.evictions += 1
             if held is None:
                 held = self._owners[id(owner)] = _Held(owner, size)
                 self.bytes_used += size
-            held.entries += 1
-            self._entries[key] = entry
+            before = len(stored)
+            stored.update(zip(keys, entries, strict=True))
+            held.entries += len(stored) - before  # distinct keys added
         return True
 
     def _drop(self, entry: V) -> None:

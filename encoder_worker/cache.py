@@ -7,9 +7,11 @@ another video sharing them, hits). Values are the rows the vision tower made for
 
 Eviction order (`common.byte_lru`): least recently used first, where `get` (a hit) and
 `put` both count as a use. An entry larger than the whole budget is not stored. The units
-one request had encoded in one batch share one copied segment of the tower's output (one
-copy per request, not per unit; the batch output itself is never pinned): the cache counts
-a segment's bytes while any of its units is stored, so `bytes_used` is the memory held.
+encoded in one batch share copied segments of the tower's output (one copy per segment of at
+most about `encoder_worker.batch.SEGMENT_BYTES`, not per unit or per request, so a cached
+unit keeps at most that much of other units' rows alive, and the batch output itself is
+never pinned): the cache counts a segment's bytes while any of its units is stored, so
+`bytes_used` is the memory held.
 Entries are never mutated; callers may keep references to evicted tensors. Touched only from
 the server's event loop.
 """
@@ -24,13 +26,15 @@ import torch
 from common.byte_lru import ByteBudgetLru
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class EncodedRows:
     """The tower's output for one cache key (an item or a partition), or for a segment of
     a batch whose units' entries are views of it (their `owner`).
 
     One tensor holds the main rows and every deepstack layer's (they have the same shape),
     so slicing, copying and joining an output is one tensor operation, not one per layer.
+    Never mutated once made (not frozen only because a frozen dataclass costs twice as much
+    to build, and the engine builds one per encoded unit).
     """
 
     # (1 + deepstack layers, output_rows, out_hidden): the main rows, then each layer's
@@ -38,6 +42,10 @@ class EncodedRows:
     # The segment `stacked` is a view of (None: it owns its memory); the cache counts the
     # segment's bytes once while any of its units is stored (`common.byte_lru`).
     owner: EncodedRows | None = None
+    # With an owner: `stacked` is rows [start, stop) of `owner.stacked`, so units adjacent
+    # in one segment are joined by one view instead of a copy (unused without an owner).
+    start: int = 0
+    stop: int = 0
 
     @classmethod
     def of(cls, rows: torch.Tensor, deepstack: Sequence[torch.Tensor]) -> EncodedRows:

@@ -1,52 +1,86 @@
-"""The encoder engine: cache lookups, a short batching window, one vision forward per batch.
+"""The encoder engine: cache lookups, a short batching window, one vision forward per
+encoding mode per batch.
 
-`EncoderEngine.encode(jobs)` looks every unit (see `requests.Unit`) up in the encoder cache.
-A request's misses are queued together, as one `_Pending` entry (split so none holds more
-than `max_batch_rows` patch rows) with one future; a single batch task waits
+`EncoderEngine.encode(jobs)` (one request) looks all its units (see `requests.Unit`) up in
+the encoder cache at once. Its misses are queued together, as one `_Pending` entry (split so
+none holds more than `max_batch_rows` patch rows); a unit already queued or being computed
+for another request is joined, not computed twice. A single batch task waits
 `batch_window_s` after the first queued entry, takes every entry queued by then (up to
 `max_batch_rows` patch rows, at least one entry), and runs the vision tower once per
-encoding mode (whole frames batched together, or frame by frame for exact partitions) on a
-worker thread, so the event loop keeps serving health checks and other requests. Each
-entry's rows of a mode are copied out of the batch output once, as one segment its units'
-cache entries are views of (`cache.EncodedRows.owner`), so the work per request does not
-grow with futures, copies and waits per unit. Results enter the cache and wake every request
-waiting on them. A unit already being computed for another request is joined, not computed
-twice.
+encoding mode (whole items batched together, or frame by frame for exact partitions) on a
+worker thread, so the event loop keeps serving health checks and other requests.
+
+The work per batch does not grow with futures, tensors or log lines per unit: the tensor
+operations are a constant number per encoding mode and per copied output segment
+(`encoder_worker.batch`), the cache is read and written a request or a segment at a time
+(`get_many`, `put_many`), one map per batch holds every unit's rows, and each request waits
+on one future of its own (so cancelling a request cancels nothing shared: the rows are still
+computed and cached). What is left per unit is a few dict and list operations.
+
+`encode_now(requests)` runs the same selection, batches, forward and completion for several
+requests synchronously on the caller's thread, without the event loop (offline use, and what
+`benchmarks/encoder_input_bench.py` times as the input preparation).
 
 Failure: if the forward raises, every request of that batch gets the error and nothing is
-cached. Touched only from the server's event loop, except the forward itself.
+cached. Touched only from the server's event loop (or one thread, for `encode_now`), except
+the forward itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from common.models.qwen3_vl.vision import VisionTower
+from encoder_worker.batch import Segment, join, mode_inputs, split_output
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.requests import ItemJob, Unit
 
 logger = logging.getLogger(__name__)
 
+_key = operator.attrgetter("key")
+_input_rows = operator.attrgetter("input_rows")
+_units = operator.attrgetter("units")
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """One request waiting for the entries that compute its misses."""
+
+    future: asyncio.Future[None] | None  # set when `remaining` reaches 0 (None: encode_now)
+    remaining: int  # entries it waits for that have not finished
+
 
 @dataclass(slots=True, eq=False)
 class _Pending:
-    """Units of one request queued for the tower, and the future their rows arrive on."""
+    """Units of one request queued for the tower, and the requests waiting for them."""
 
     units: list[Unit]  # distinct keys, none cached or in flight when queued
-    future: asyncio.Future[dict[bytes, EncodedRows]]  # key -> rows, for these units
     input_rows: int  # patch rows of all the units
+    waiters: list[_Waiter]  # the request that queued it, and those that joined it
+    result: dict[bytes, EncodedRows] | None = None  # once encoded: key -> rows, whole batch
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
+class _Selection:
+    """Where the units of one request's jobs come from."""
+
+    keys: list[bytes]  # every job's unit keys, in job order
+    found: dict[bytes, EncodedRows]  # cache hits
+    sources: list[_Pending]  # entries computing the rest: its own and the joined ones
+    queued: list[_Pending]  # its own, new entries
+    waiter: _Waiter  # waits for `sources`
+
+
+@dataclass(slots=True)
 class ItemOutput:
-    """Encoder output of one requested item."""
+    """Encoder output of one requested item (not mutated once made)."""
 
     rows: EncodedRows  # rows of the requested units, concatenated in order
     cache_hit: bool  # every unit came from the encoder cache
@@ -76,8 +110,8 @@ class EncoderEngine:
         self.units_encoded = 0  # units computed (cache misses actually encoded)
         self.rows_encoded = 0  # output rows computed
         self._queue: list[_Pending] = []
-        # key -> the future of the queued or running entry computing it
-        self._inflight: dict[bytes, asyncio.Future[dict[bytes, EncodedRows]]] = {}
+        self._running: list[_Pending] = []  # the batch in the tower now
+        self._inflight: dict[bytes, _Pending] = {}  # key -> the queued or running entry
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -87,63 +121,117 @@ class EncoderEngine:
         Cache writes happen only for units actually encoded. Cancelling the caller does not
         cancel the shared computation (its result is still cached).
         """
-        found: dict[bytes, EncodedRows] = {}  # cache hits
-        waits: dict[int, asyncio.Future[dict[bytes, EncodedRows]]] = {}  # id -> future
-        missing: list[Unit] = []
-        pending: set[bytes] = set()
-        get, inflight = self.cache.get, self._inflight
-        for job in jobs:
-            for unit in job.units:
-                key = unit.key
-                if key in found or key in pending:
-                    continue
-                entry = get(key)
-                if entry is not None:
-                    found[key] = entry
-                    continue
-                pending.add(key)
-                future = inflight.get(key)
-                if future is None:
-                    missing.append(unit)
-                else:
-                    waits[id(future)] = future
-        if missing:
-            for future in self._enqueue(missing):
-                waits[id(future)] = future
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        selection = self._select(jobs, future)
+        if selection.queued:
             self._ensure_task()
             self._wakeup.set()
-        hits = set(found)
-        for future in waits.values():
-            rows = await asyncio.shield(future)
-            found.update((key, rows[key]) for key in pending.intersection(rows))
-        return [
-            ItemOutput(
-                _concat([found[u.key] for u in job.units]),
-                all(u.key in hits for u in job.units),
-            )
-            for job in jobs
-        ]
+        if selection.waiter.remaining:
+            await future
+        return self._outputs(jobs, selection)
 
-    def _enqueue(self, units: list[Unit]) -> list[asyncio.Future[dict[bytes, EncodedRows]]]:
-        """Queue `units` as entries of at most `max_batch_rows` patch rows (a larger unit
-        alone); their futures."""
-        loop = asyncio.get_running_loop()
-        futures = []
+    def encode_now(self, requests: Sequence[Sequence[ItemJob]]) -> list[list[ItemOutput]]:
+        """`encode` of every request at once, on this thread (blocking it): their misses in
+        batches of at most `max_batch_rows`; per request, its outputs.
+
+        Not while `encode` calls have work queued (RuntimeError): this call finishes only
+        the work it queues itself.
+        """
+        if self._queue or self._inflight:
+            raise RuntimeError("encode_now while encode() calls have work queued")
+        selections = [self._select(jobs, None) for jobs in requests]
+        while self._queue:
+            batch = self._take_batch()
+            try:
+                segments = self._forward(batch)
+            except BaseException as exc:
+                self._fail(batch + self._queue, exc)
+                self._queue.clear()
+                raise
+            self._complete(batch, segments)
+        return [self._outputs(j, s) for j, s in zip(requests, selections, strict=True)]
+
+    def _select(self, jobs: Sequence[ItemJob], future: asyncio.Future[None] | None) -> _Selection:
+        """Look the jobs' units up in the cache, join those in flight, queue the rest."""
+        units = list(itertools.chain.from_iterable(map(_units, jobs)))
+        keys = list(map(_key, units))
+        distinct, distinct_keys = units, keys
+        if len(set(keys)) != len(keys):  # an item or partition asked for twice
+            first: dict[bytes, Unit] = {}
+            for unit in units:
+                first.setdefault(unit.key, unit)
+            distinct, distinct_keys = list(first.values()), list(first)
+        entries = self.cache.get_many(distinct_keys)
+        if entries.count(None) == len(entries):
+            found: dict[bytes, EncodedRows] = {}
+            missing, missing_keys = distinct, distinct_keys
+        else:
+            found = {k: e for k, e in zip(distinct_keys, entries, strict=True) if e is not None}
+            missing = [u for u, e in zip(distinct, entries, strict=True) if e is None]
+            missing_keys = list(map(_key, missing))
+        inflight = self._inflight
+        joined: list[_Pending] = []
+        if inflight and not inflight.keys().isdisjoint(missing_keys):
+            joined = list(dict.fromkeys(inflight[k] for k in missing_keys if k in inflight))
+            missing = [u for u in missing if u.key not in inflight]
+            missing_keys = list(map(_key, missing))
+        queued = self._enqueue(missing, missing_keys) if missing else []
+        sources = joined + queued
+        waiter = _Waiter(future, len(sources))
+        for entry in sources:
+            entry.waiters.append(waiter)
+        return _Selection(keys, found, sources, queued, waiter)
+
+    def _enqueue(self, units: list[Unit], keys: list[bytes]) -> list[_Pending]:
+        """Queue `units` (with these keys) as entries of at most `max_batch_rows` patch rows
+        (a larger unit alone); the entries."""
+        rows = sum(map(_input_rows, units))
+        if rows <= self.max_batch_rows:
+            entry = _Pending(units, rows, [])
+            self._inflight.update(dict.fromkeys(keys, entry))
+            self._queue.append(entry)
+            return [entry]
+        chunks, rows = [[units[0]]], units[0].input_rows
+        for unit in units[1:]:
+            if rows + unit.input_rows > self.max_batch_rows:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(unit)
+            rows += unit.input_rows
+        entries = []
+        for chunk in chunks:
+            entry = _Pending(chunk, sum(map(_input_rows, chunk)), [])
+            self._inflight.update(dict.fromkeys(map(_key, chunk), entry))
+            entries.append(entry)
+        self._queue.extend(entries)
+        return entries
+
+    def _outputs(self, jobs: Sequence[ItemJob], selection: _Selection) -> list[ItemOutput]:
+        """Each job's rows, once every source has finished."""
+        found = selection.found
+        maps = [found] if found else []
+        for entry in selection.sources:
+            result = entry.result
+            assert result is not None  # set before its waiters are woken
+            if all(result is not m for m in maps):
+                maps.append(result)
+        keys = selection.keys
+        if len(maps) == 1:
+            rows = list(map(maps[0].__getitem__, keys))
+        else:
+            rows = [next(m[k] for m in maps if k in m) for k in keys]
+        if len(rows) == len(jobs):  # one unit per job
+            if not found:
+                return list(map(ItemOutput, rows, itertools.repeat(False)))
+            return [ItemOutput(r, k in found) for r, k in zip(rows, keys, strict=True)]
+        outputs = []
         start = 0
-        while start < len(units):
-            rows = units[start].input_rows
-            end = start + 1
-            while end < len(units) and rows + units[end].input_rows <= self.max_batch_rows:
-                rows += units[end].input_rows
-                end += 1
-            future: asyncio.Future[dict[bytes, EncodedRows]] = loop.create_future()
-            chunk = units[start:end]
-            for unit in chunk:
-                self._inflight[unit.key] = future
-            self._queue.append(_Pending(chunk, future, rows))
-            futures.append(future)
+        for job in jobs:
+            end = start + len(job.units)
+            hit = bool(found) and all(k in found for k in keys[start:end])
+            outputs.append(ItemOutput(join(rows[start:end]), hit))
             start = end
-        return futures
+        return outputs
 
     async def close(self) -> None:
         """Stop the batch task; queued requests fail with CancelledError."""
@@ -152,9 +240,12 @@ class EncoderEngine:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for entry in self._queue:
-            entry.future.cancel()
+        for entry in self._queue + self._running:
+            for waiter in entry.waiters:
+                if waiter.future is not None:
+                    waiter.future.cancel()
         self._queue.clear()
+        self._running = []
         self._inflight.clear()
 
     def _ensure_task(self) -> None:
@@ -169,34 +260,21 @@ class EncoderEngine:
                 continue
             if self.batch_window_s > 0:
                 await asyncio.sleep(self.batch_window_s)
-            batch = self._take_batch()
+            batch = self._running = self._take_batch()
             started = time.perf_counter()
             try:
-                outputs = await asyncio.to_thread(self._forward, batch)
+                segments = await asyncio.to_thread(self._forward, batch)
             except Exception as exc:
                 logger.exception("vision forward failed for %d requests", len(batch))
-                for entry in batch:
-                    for unit in entry.units:
-                        self._inflight.pop(unit.key, None)
-                    if not entry.future.done():
-                        entry.future.set_exception(exc)
-                        entry.future.exception()  # retrieved here: waiters may be gone
+                self._fail(batch, exc)
             else:
-                self.batches += 1
-                put, inflight = self.cache.put, self._inflight
-                for entry, rows in zip(batch, outputs, strict=True):
-                    for unit in entry.units:
-                        put(unit.key, rows[unit.key])
-                        inflight.pop(unit.key, None)
-                        self.rows_encoded += unit.output_rows
-                    self.units_encoded += len(entry.units)
-                    if not entry.future.done():
-                        entry.future.set_result(rows)
+                self._complete(batch, segments)
                 logger.debug(
                     "encoded %d requests in %.1f ms",
                     len(batch),
                     1e3 * (time.perf_counter() - started),
                 )
+            self._running = []
             if self._queue:
                 self._wakeup.set()
 
@@ -212,41 +290,47 @@ class EncoderEngine:
         batch, self._queue = self._queue[:count], self._queue[count:]
         return batch
 
-    def _forward(self, batch: list[_Pending]) -> list[dict[bytes, EncodedRows]]:
-        """Encode the entries' units (worker thread): one tower call per encoding mode;
-        per entry, its units' rows by key."""
-        results: list[dict[bytes, EncodedRows]] = [{} for _ in batch]
-        for per_frame in (False, True):
-            segments = [
-                (i, [u for u in entry.units if u.per_frame == per_frame])
-                for i, entry in enumerate(batch)
-            ]
-            segments = [(i, units) for i, units in segments if units]
-            if not segments:
-                continue
-            units = [u for _, seg in segments for u in seg]
-            pixels = torch.cat([u.pixels for u in units])
-            grids = torch.tensor([u.grid for u in units], dtype=torch.int64)
+    def _forward(self, batch: list[_Pending]) -> list[Segment]:
+        """Encode the entries' units (worker thread): one tower call per encoding mode, the
+        output as cache-entry segments."""
+        segments = []
+        for mode in mode_inputs(list(itertools.chain.from_iterable(map(_units, batch)))):
             self.forward_calls += 1
-            rows, deepstack = self.tower.encode(pixels, grids, per_frame=per_frame)
-            tensors = (rows, *deepstack)
-            start = 0
-            for i, seg in segments:
-                # One copy per entry (its segment, main and deepstack rows stacked), never a
-                # view of the whole batch output.
-                n = sum(u.output_rows for u in seg)
-                owner = EncodedRows(torch.stack([t.narrow(0, start, n) for t in tensors]))
-                start += n
-                if len(seg) == 1:
-                    results[i][seg[0].key] = owner
-                    continue
-                views = owner.stacked.split([u.output_rows for u in seg], dim=1)
-                for unit, view in zip(seg, views, strict=True):
-                    results[i][unit.key] = EncodedRows(view, owner)
-        return results
+            rows, deepstack = self.tower.encode(mode.pixels, mode.grids, per_frame=mode.per_frame)
+            segments.extend(split_output(mode.units, rows, deepstack))
+        return segments
 
+    def _complete(self, batch: list[_Pending], segments: list[Segment]) -> None:
+        """Cache the batch's rows, and wake every request that has all it waited for."""
+        result: dict[bytes, EncodedRows] = {}
+        put = self.cache.put_many
+        for segment in segments:
+            put(segment.keys, segment.entries, segment.owner)
+            result.update(zip(segment.keys, segment.entries, strict=True))
+        inflight = self._inflight
+        if len(inflight) == len(result):  # nothing else in flight (each key is queued once)
+            inflight.clear()
+        else:
+            for key in result:
+                inflight.pop(key, None)
+        self.batches += 1
+        self.units_encoded += len(result)
+        self.rows_encoded += sum(segment.owner.stacked.shape[1] for segment in segments)
+        for entry in batch:
+            entry.result = result
+            for waiter in entry.waiters:
+                waiter.remaining -= 1
+                future = waiter.future
+                if not waiter.remaining and future is not None and not future.done():
+                    future.set_result(None)
 
-def _concat(parts: list[EncodedRows]) -> EncodedRows:
-    if len(parts) == 1:
-        return parts[0]
-    return EncodedRows(torch.cat([p.stacked for p in parts], dim=1))
+    def _fail(self, batch: list[_Pending], exc: BaseException) -> None:
+        """The batch's requests get `exc`; nothing is cached."""
+        for entry in batch:
+            for unit in entry.units:
+                self._inflight.pop(unit.key, None)
+            for waiter in entry.waiters:
+                future = waiter.future
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+                    future.exception()  # retrieved here: the waiter may be gone

@@ -52,11 +52,10 @@ class Unit:
     grid: tuple[int, int, int]  # (t, h, w) patch grid of this unit
     per_frame: bool  # encode frame by frame (bit-exact partition rows)
     output_rows: int  # embedding rows the unit makes
+    input_rows: int = dataclasses.field(init=False)  # patch rows it consumes (pixels rows)
 
-    @property
-    def input_rows(self) -> int:
-        """Patch rows the unit consumes."""
-        return int(self.pixels.shape[0])
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_rows", int(self.pixels.shape[0]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,10 @@
-"""`EncoderEngine`'s batched input preparation: per-request queue entries and one copied
-output segment per request give exactly the rows of the equivalent hand-made tower calls,
-in the three shapes of `benchmarks/encoder_input_bench.py`, with joins, duplicates and
-`max_batch_rows` splits; the cache counts a shared segment's bytes once."""
+"""`EncoderEngine`'s batched input preparation (`encoder_worker.batch`): per-request queue
+entries, one `cat` per mode and copied output segments split into per-unit views give
+exactly the rows of the equivalent hand-made tower calls, and the rows of each item encoded
+alone (bit for bit for frame-by-frame partitions), in the three shapes of
+`benchmarks/encoder_input_bench.py`, through `encode` and `encode_now`, with cache hits,
+in-flight joins, duplicates, partitions, small segments and `max_batch_rows` splits; the
+cache counts a shared segment's bytes once; cancellation and a failed forward."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import torch
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.tiny import default_checkpoint
 from common.processing.processor import Processor
+from encoder_worker import batch
+from encoder_worker.batch import join
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.engine import EncoderEngine
 from encoder_worker.requests import ItemJob, Unit
@@ -177,3 +182,183 @@ def test_shared_segment_counts_once_and_frees_with_its_last_unit() -> None:
     assert cache.keys() == [b"own", b"new"] and cache.evictions == 3
     assert cache.bytes_used == 32 + 96
     assert not cache.put(b"big", EncodedRows.of(torch.zeros(10, 4), (torch.zeros(10, 4),)))
+
+
+# ------------------------------------------------- encode_now, hits, joins, segments
+
+
+def requests_of(processor: Processor, shape: str, count: int) -> list[list[ItemJob]]:
+    return [shape_jobs(processor, shape, 100 * (r + 1)) for r in range(count)]
+
+
+def assert_as_alone(tower: VisionTower, job: ItemJob, got: EncodedRows) -> None:
+    """Rows of `job` equal encoding it alone: bit for bit for frame-by-frame units, up to
+    the rounding of the batch's row count for whole images (`VisionTower.encode`)."""
+    alone = expected_rows(job, hand_encode(tower, [job]))
+    if all(u.per_frame for u in job.units):
+        assert_same(got, alone)
+    else:
+        torch.testing.assert_close(got.stacked, alone.stacked, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["contiguous", "reordered", "alternating"])
+async def test_encode_now_equals_concurrent_encode_and_hand_batch(
+    shape: str, processor: Processor, tower: VisionTower
+) -> None:
+    requests = requests_of(processor, shape, 3)
+    requests[2].append(requests[0][1])  # an item of another request: encoded once
+    every = [job for jobs in requests for job in jobs]
+    want = hand_encode(tower, every)  # one batch of all of them, as both paths make
+    now = EncoderEngine(tower, EncoderCache(1 << 30))
+    batched = now.encode_now(requests)
+    served = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    concurrent = await asyncio.gather(*(served.encode(jobs) for jobs in requests))
+    for engine in (now, served):
+        assert engine.batches == 1 and engine.forward_calls == (2 if shape == "alternating" else 1)
+        assert engine.units_encoded == len(want) == len(engine.cache)
+    for jobs, a, b in zip(requests, batched, concurrent, strict=True):
+        for job, x, y in zip(jobs, a, b, strict=True):
+            assert not x.cache_hit and not y.cache_hit
+            assert_same(x.rows, expected_rows(job, want))
+            assert_same(y.rows, x.rows)
+            assert_as_alone(tower, job, x.rows)
+    await served.close()
+
+
+async def test_hits_joins_duplicates_and_partitions_in_one_request(
+    processor: Processor, tower: VisionTower
+) -> None:
+    images = [image_job(processor, 300 + k) for k in range(4)]
+    videos = [video_job(processor, 400 + k) for k in range(2)]
+    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    # Cached before: images 0, 1 and the first partition of video 0.
+    some = ItemJob(videos[0].content_hash, (0,), videos[0].units[:1])
+    await engine.encode([images[0], images[1], some])
+    encoded = engine.units_encoded
+    # In flight while the next request arrives: image 2 and video 1.
+    other = asyncio.ensure_future(engine.encode([images[2], videos[1]]))
+    await asyncio.sleep(0)
+    mixed = [images[0], videos[0], images[2], images[3], videos[1], images[3], some]
+    outputs = await engine.encode(mixed)
+    first = await other
+    # Computed once each: the rest of video 0, image 3 (twice asked), image 2 and video 1
+    # (joined); nothing cached was encoded again.
+    assert engine.units_encoded - encoded == len(videos[0].units) - 1 + 1 + 1 + len(videos[1].units)
+    assert [o.cache_hit for o in outputs] == [True, False, False, False, False, False, True]
+    for job, out in zip(mixed, outputs, strict=True):
+        assert_as_alone(tower, job, out.rows)
+    assert_same(outputs[2].rows, first[0].rows)
+    assert_same(outputs[4].rows, first[1].rows)
+    await engine.close()
+
+
+def test_small_segments_bound_what_a_cached_unit_keeps(
+    processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    requests = requests_of(processor, "alternating", 2)
+    every = [job for jobs in requests for job in jobs]
+    width = tower.config.out_hidden_size * 4 * (1 + len(tower.config.deepstack_visual_indexes))
+    largest = max(u.output_rows for j in every for u in j.units)
+    monkeypatch.setattr(batch, "SEGMENT_BYTES", 2 * largest * width)
+    engine = EncoderEngine(tower, EncoderCache(1 << 30))
+    outputs = engine.encode_now(requests)
+    want = hand_encode(tower, every)
+    for jobs, outs in zip(requests, outputs, strict=True):
+        for job, out in zip(jobs, outs, strict=True):
+            assert_same(out.rows, expected_rows(job, want))
+    entries = [engine.cache.get(key) for key in want]
+    assert all(e is not None for e in entries)
+    owners = {id(o): o for o in (e.owner or e for e in entries if e is not None)}
+    assert len(owners) > 2  # several segments per mode
+    assert all(o.nbytes <= 2 * largest * width for o in owners.values())
+    assert engine.cache.bytes_used == sum(o.nbytes for o in owners.values())
+
+
+def test_join_is_a_view_only_for_neighbours() -> None:
+    segment = EncodedRows.of(torch.arange(24.0).view(6, 4), (torch.zeros(6, 4),))
+    views = segment.stacked.split([1, 2, 3], dim=1)
+    bounds = ((0, 1), (1, 3), (3, 6))
+    parts = [EncodedRows(v, segment, *b) for v, b in zip(views, bounds, strict=True)]
+    whole = join(parts)
+    assert torch.equal(whole.stacked, segment.stacked)
+    assert whole.stacked.data_ptr() == segment.stacked.data_ptr()  # no copy
+    tail = join(parts[1:])
+    assert (tail.start, tail.stop) == (1, 6)
+    assert torch.equal(tail.stacked, segment.stacked[:, 1:])
+    skipped = join([parts[0], parts[2]])  # not neighbours: a copy
+    assert torch.equal(skipped.stacked, torch.cat([views[0], views[2]], dim=1))
+    assert skipped.owner is None
+
+
+def test_get_many_and_put_many_keep_lru_and_owner_accounting() -> None:
+    segment = EncodedRows.of(torch.zeros(6, 4), (torch.zeros(6, 4),))  # 192 bytes
+    views = segment.stacked.split(2, dim=1)
+    units = [EncodedRows(v, segment, 2 * k, 2 * k + 2) for k, v in enumerate(views)]
+    cache = EncoderCache(budget_bytes=300)
+    assert cache.put(b"old", EncodedRows.of(torch.zeros(2, 4), (torch.zeros(2, 4),)))  # 64
+    assert cache.put_many([b"a", b"b", b"c"], units, segment)
+    assert cache.bytes_used == 64 + 192 and cache.keys() == [b"old", b"a", b"b", b"c"]
+    found = cache.get_many([b"b", b"x", b"old"])
+    assert found == [units[1], None, cache.get(b"old")]
+    assert (cache.hits, cache.lookups) == (3, 4)
+    assert cache.keys() == [b"a", b"c", b"b", b"old"]
+    # A second segment evicts from the LRU end until it fits: all of the first segment's
+    # units go (its bytes only when the last one does), "old" stays.
+    second = EncodedRows.of(torch.zeros(3, 4), (torch.zeros(3, 4),))  # 96 bytes
+    assert cache.put_many([b"d"], [second], second)
+    assert cache.keys() == [b"old", b"d"] and cache.bytes_used == 64 + 96
+    assert cache.evictions == 3
+    big = EncodedRows.of(torch.zeros(10, 4), (torch.zeros(10, 4),))
+    assert not cache.put_many([b"e"], [big], big) and b"e" not in cache
+
+
+async def test_encode_now_refuses_while_encode_has_work_queued(
+    processor: Processor, tower: VisionTower
+) -> None:
+    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    pending = asyncio.ensure_future(engine.encode([image_job(processor, 500)]))
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="encode_now"):
+        engine.encode_now([[image_job(processor, 501)]])
+    await pending
+    assert len(engine.encode_now([[image_job(processor, 501)]])[0]) == 1
+    await engine.close()
+
+
+async def test_cancelled_request_leaves_the_joined_one_its_rows(
+    processor: Processor, tower: VisionTower
+) -> None:
+    job = image_job(processor, 600)
+    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    first = asyncio.ensure_future(engine.encode([job]))
+    second = asyncio.ensure_future(engine.encode([job]))
+    await asyncio.sleep(0)
+    first.cancel()
+    (out,) = await second
+    assert first.cancelled() and engine.units_encoded == 1 and job.units[0].key in engine.cache
+    assert_as_alone(tower, job, out.rows)
+    await engine.close()
+
+
+async def test_failed_forward_fails_its_requests_and_caches_nothing(
+    processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs = [image_job(processor, 700), image_job(processor, 701)]
+    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("tower broke")
+
+    monkeypatch.setattr(engine.tower, "encode", broken)
+    results = await asyncio.gather(
+        engine.encode(jobs[:1]), engine.encode(jobs), return_exceptions=True
+    )
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert len(engine.cache) == 0 and not engine._inflight
+    with pytest.raises(RuntimeError, match="tower broke"):
+        engine.encode_now([jobs])
+    assert len(engine.cache) == 0 and not engine._inflight and not engine._queue
+    monkeypatch.undo()
+    (outs,) = engine.encode_now([jobs])
+    assert [o.cache_hit for o in outs] == [False, False]
+    await engine.close()

@@ -10,6 +10,7 @@ reads them from a checkpoint folder the way `Processor.from_pretrained` does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -33,6 +34,15 @@ def processor_settings(folder: str | Path, config: Qwen3VLConfig) -> ProcessorSe
     return read_processor_settings(folder, config)
 
 
+@functools.lru_cache(maxsize=4096)  # a few grids and shapes recur; json costs more than hashing
+def _header(modality: str, grid: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    return json.dumps(
+        {"modality": modality, "grid_thw": list(grid), "dtype": str(dtype), "shape": list(shape)},
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+
+
 def content_hash(
     fingerprint: bytes,
     modality: str,
@@ -44,17 +54,10 @@ def content_hash(
     (the processor's dtype), so the encoder's hash of what it received equals the
     processor's hash of what it sent."""
     if isinstance(patches, torch.Tensor):
-        patches = patches.detach().to("cpu", torch.float32).contiguous().numpy()
-    header = json.dumps(
-        {
-            "modality": str(modality),
-            "grid_thw": [int(g) for g in grid],
-            "dtype": str(patches.dtype),
-            "shape": list(patches.shape),
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    ).encode()
+        if patches.dtype != torch.float32 or patches.device.type != "cpu":
+            patches = patches.to("cpu", torch.float32)
+        patches = patches.detach().numpy()  # contiguous or not: made contiguous below
+    header = _header(str(modality), tuple(int(g) for g in grid), patches.dtype, patches.shape)
     h = hashlib.blake2b(digest_size=32)
     for chunk in (_HASH_TAG, fingerprint, header):
         h.update(len(chunk).to_bytes(8, "little"))

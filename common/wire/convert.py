@@ -8,9 +8,9 @@ the servers turn that into `INVALID_ARGUMENT`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from common.errors import FieldError
@@ -93,8 +93,8 @@ def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.T
     shape = tuple(int(d) for d in ref.shape)
     if any(d < 0 for d in shape):
         raise MultimodalLayoutError(field, f"negative dimension in shape {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    itemsize = dtype.itemsize
+    numel = math.prod(shape)
     if len(ref.inline_data) != numel * itemsize:
         raise MultimodalLayoutError(
             field, f"{len(ref.inline_data)} bytes for shape {shape} of {dtype}"
