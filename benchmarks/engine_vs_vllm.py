@@ -205,9 +205,12 @@ def main() -> None:
         loaded = _phase(procs, args.repeats, 1000)
         load_busy = os.getloadavg()[0]
     finally:
-        for proc in [*procs.values(), *busy]:
-            proc.kill()
-            proc.wait()
+        for worker_proc in procs.values():
+            worker_proc.kill()
+            worker_proc.wait()
+        for spinner in busy:
+            spinner.kill()
+            spinner.wait()
     print(
         f"medians of {args.repeats}, 1 torch thread each; quiet phase (load average "
         f"{load_quiet:.1f}), then {args.load} busy loops (load average {load_busy:.1f})"
