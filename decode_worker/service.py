@@ -217,7 +217,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     blocks_pulled=len(plan.pull), blocks_reused=len(plan.reused)
                 )
                 while not finished:
-                    chunk = await entry.queue.get()
+                    chunk = await entry.next_chunk()
                     finished = chunk.finish_reason is not None
                     yield decode_service_pb2.DecodeResponse(
                         token_ids=chunk.token_ids,

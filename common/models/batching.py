@@ -243,6 +243,17 @@ class Entry:
     sent: int = 1  # output tokens already delivered (the first one came from prefill)
     cancelled: bool = False  # the RPC went away; release at the next step boundary
 
+    async def next_chunk(self) -> Chunk:
+        """Every token sampled since the last call, as one chunk: waits for a step's, then
+        takes the chunks of steps already queued behind it too, so a stream whose sender
+        fell behind the loop (a busy machine, a slow reader) catches up in one message
+        rather than one per step. Token order and the finish reason are unchanged."""
+        chunk = await self.queue.get()
+        while chunk.finish_reason is None and not self.queue.empty():
+            more = self.queue.get_nowait()
+            chunk = Chunk(chunk.token_ids + more.token_ids, more.finish_reason)
+        return chunk
+
 
 class DecodeBatcher:
     """The decode loop of one worker: drives a `Batch` from the event loop.
