@@ -1,7 +1,7 @@
 """TTFT of a long-video request with encoding overlapped with prefill on vs off, in one run.
 
 Two deployments (`tests/cluster.py`: router + encoder + prefill + decode) differ only in
-`--overlap-text-prefill` (`router.overlap`: while the video is encoded, the prefill worker
+`--overlap-prefill` (`router.overlap`: while the video is encoded, the prefill worker
 computes the text before it). Each request is a long document followed by a long video,
 both fresh (nothing cached); requests alternate between the two deployments so background
 load hits both alike. Prints median TTFT of each and the ratio. Goal: on <= 0.75x off.
@@ -71,7 +71,7 @@ async def run(args: argparse.Namespace) -> None:
                     block_size=BLOCK,
                     num_blocks=4096,
                     heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
-                    router_args=("--overlap-text-prefill", flag),
+                    router_args=("--overlap-prefill", flag),
                     timeout_s=900,
                 )
             for name in sides:  # warm-up

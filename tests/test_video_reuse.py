@@ -7,7 +7,7 @@ patches, and the tokens equal the offline engine's (greedy, no reuse). A video d
 one frame reuses exactly the blocks before that frame's run. (Where partition keys are not
 allowed, tests/test_partition_keys.py shows the keys fall back to the item's.)
 
-The deployment runs with `overlap_text_prefill` on (`router.overlap`): while a request's
+The deployment runs with `overlap_prefill` on (`router.overlap`): while a request's
 items are encoded, the prefill worker computes the text before the first one, so even a
 first request finds that text's full blocks cached, and its tokens still equal the engine's.
 """
@@ -48,7 +48,7 @@ def cluster(ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
         tmp_path_factory.mktemp("logs"),
         block_size=BLOCK,
         num_blocks=NUM_BLOCKS,
-        router_args=("--overlap-text-prefill", "true"),
+        router_args=("--overlap-prefill", "true"),
     )
     yield c
     c.stop()
