@@ -47,7 +47,7 @@ def splits_by_partition(item: MultimodalItemMetadata) -> bool:
 
 def pieces_of(items: Sequence[MultimodalItemMetadata], to_encode: Sequence[int]) -> list[Piece]:
     """The pieces of the items at indexes `to_encode`, in prompt order."""
-    out = []
+    out: list[Piece] = []
     for i in sorted(to_encode):
         item = items[i]
         if splits_by_partition(item):

@@ -9,7 +9,6 @@ and a video's inline partition rows joined must be its whole rows.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,7 +85,9 @@ def test_a_step_carries_only_the_embeddings_reaching_past_what_it_reuses(
     params = p.params
     pieces = pieces_of(params.items, [0, 1])
     image, *video = pieces
-    arrived = {(image.item, None): whole_item_embedding(0, image.end - image.start)}
+    arrived: dict[tuple[int, int | None], multimodal_pb2.ItemEmbedding] = {
+        (image.item, None): whole_item_embedding(0, image.end - image.start)
+    }
     for piece in video[:2]:
         arrived[(piece.item, piece.partition)] = whole_item_embedding(
             10 + (piece.partition or 0), piece.end - piece.start
@@ -118,7 +119,3 @@ def test_inline_partition_rows_join_into_the_whole_items_rows() -> None:
     held = multimodal_pb2.ItemEmbedding(item_index=3)
     held.rows.handle.lease_id = "lease"
     assert joined(3, [parts[0], held]) is None
-
-
-def test_no_pieces_without_items(tmp_path: Path) -> None:
-    assert pieces_of((), []) == []
