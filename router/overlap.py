@@ -6,10 +6,11 @@ default).
              partition of a partition-keyed video; encoded in prompt order, one `Encode`
              call each, at most `DEPTH` in flight, so the encoder works on one piece while
              the previous one travels and each arrives as soon as it is done
-    steps    step k is an ordinary `Prefill` of the prompt's tokens `[0, n_k)`, `n_k` the
-             first placeholder of piece k, once pieces 0..k-1 have arrived (step 0, the
-             text before the first item, starts at once), with one sampled token; it runs
-             only when it adds a full block to what the worker caches. Its full blocks
+    steps    a step is an ordinary `Prefill` of the prompt's tokens `[0, n)`, `n` the first
+             placeholder of the first piece not yet arrived (the first step, the text
+             before the first item, starts at once), with one sampled token; steps run one
+             after the other, each as soon as the one before is done and it adds a full
+             block to what the worker caches, none once every piece is in. Its full blocks
              enter the worker's prefix cache and the next step reuses them, so it carries
              only the embeddings of items (partitions) reaching past those blocks. Its KV
              lease is released at once (its blocks stay cached, unpinned).
@@ -108,22 +109,26 @@ class OverlappedPrefill:
         cached: int,
     ) -> int:
         """Run the steps as pieces arrive; the blocks the worker caches after the last
-        successful one (`cached`, the route's, when none succeeded)."""
+        successful one (`cached`, the route's, when none succeeded). A step goes as far as
+        the pieces in by the time it starts (those that arrived while the one before ran
+        are taken together); none runs once every piece is in (the job's prefill is next)."""
         assert worker.layout is not None
         block = worker.layout.block_size
         arrived: dict[Key, multimodal_pb2.ItemEmbedding] = {}
-        for k, piece in enumerate(pieces):
-            if k > 0:
-                before = pieces[k - 1]
-                (emb,) = (await tasks[k - 1]).embeddings
-                arrived[(before.item, before.partition)] = emb
-            n = piece.start
-            if n // block <= cached:
-                continue  # adds no full block to what the worker holds
+        k = 0  # pieces[:k] are in `arrived`
+        while True:
+            while k < len(pieces) and tasks[k].done():
+                (arrived[(pieces[k].item, pieces[k].partition)],) = tasks[k].result().embeddings
+                k += 1
+            if k == len(pieces):
+                return cached
+            n = pieces[k].start
+            if n // block <= cached:  # adds no full block to what the worker holds
+                await asyncio.wait([tasks[k]])
+                continue
             if not await self._step(job, worker, k, n, arrived, cached * block):
-                break
+                return cached
             cached = n // block
-        return cached
 
     async def _step(
         self,
