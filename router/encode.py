@@ -10,6 +10,8 @@ load exceeds that one's by more than `affinity_slack` requests; a slack of 0 tur
 off (the whole request goes to the least loaded encoder). A request's items are grouped per
 chosen encoder; the groups' `Encode` calls run concurrently (each retried on
 UNAVAILABLE, on another encoder) and their outputs come back in item order.
+`encode_partitions` asks for some partitions of one item (`EncodeItem.partition_indices`,
+sending only their patch rows), for `router.overlap`.
 
 Outputs come back as inline bytes or NIXL handles and pass on unchanged (a prefill worker
 pulls handle-held ones straight from the encoder). Each handle's lease is recorded with the

@@ -69,8 +69,6 @@ class OverlappedPrefill:
         self.registry = registry  # counts each step on the worker's load
         self.channels = channels  # the prefill worker's channel; lease releases
         self.encoder = encoder  # the job's Encode calls
-        self.steps = 0  # prefill steps sent (metrics, tests)
-        self.failed_steps = 0  # steps that failed (stepping then stopped for the job)
 
     async def encode(self, job: Job, route: PrefillRoute, to_encode: Sequence[int]) -> Encoded:
         """The embeddings the job's own prefill on `route.worker` needs once the pieces
@@ -140,7 +138,6 @@ class OverlappedPrefill:
         reused: int,
     ) -> bool:
         """Prefill step `k` over tokens `[0, n)` on `worker`; whether it succeeded."""
-        self.steps += 1
         request = prefill_service_pb2.PrefillRequest(
             request_id=f"{job.request_id}:step{k}",
             prompt_token_ids=job.prompt.prompt_token_ids[:n],
@@ -156,7 +153,6 @@ class OverlappedPrefill:
                     request, timeout=job.time_left("prefill step")
                 )
         except (grpc.aio.AioRpcError, RouterError) as exc:
-            self.failed_steps += 1
             logger.info(
                 "request %s: prefill step %d on %s failed, no more steps (%s)",
                 job.request_id,
