@@ -98,7 +98,7 @@ class EncodeStage:
         leases = {lease: address for part in parts for lease, address in part.leases.items()}
         by_index = {emb.item_index: emb for part in parts for emb in part.embeddings}
         try:
-            self._check_inline(by_index.values())
+            self.check_inline(by_index.values())
         except RouterError:
             self.channels.release_embeddings(leases)
             raise
@@ -224,7 +224,9 @@ class EncodeStage:
             out.append(emb)
         return out
 
-    def _check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
+    def check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
+        """RouterError(RESOURCE_EXHAUSTED) when the inline bytes of `embeddings` exceed the
+        router's limit for one request."""
         inline = sum(
             len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
             for emb in embeddings

@@ -210,6 +210,11 @@ class OverlappedPrefill:
             out.extend(whole_items.embeddings)
             carried.update(whole_items.leases)
         out.sort(key=lambda emb: emb.item_index)
+        try:
+            self.encoder.check_inline(out)
+        except RouterError:
+            self.channels.release_embeddings(carried)
+            raise
         return Encoded(out, carried)
 
     def _release_result(self, task: asyncio.Future[Encoded]) -> None:

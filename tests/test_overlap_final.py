@@ -9,7 +9,7 @@ by NIXL handle, the video encoded again whole; every lease not carried is releas
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pytest
@@ -19,8 +19,8 @@ from common.processing.processor import Processor
 from common.sampling import SamplingParams
 from common.wire.convert import tensor_from_ref, tensor_to_ref
 from epd.v1 import multimodal_pb2
-from router.calls import Job
-from router.encode import Encoded
+from router.calls import Job, RouterError
+from router.encode import Encoded, EncodeStage
 from router.overlap import OverlappedPrefill
 from router.pieces import pieces_of
 from tests.model_fixtures import write_tiny_checkpoint
@@ -29,9 +29,13 @@ from tests.model_fixtures import write_tiny_checkpoint
 class Recorder:
     """Stands in for the peer client (releases) and the encode stage (whole items)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inline_limit: int = 1 << 30) -> None:
         self.released: dict[str, str] = {}
         self.encoded: list[list[int]] = []
+        self.stage = EncodeStage(None, None, inline_limit)  # type: ignore[arg-type]
+
+    def check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
+        self.stage.check_inline(embeddings)
 
     def release_embeddings(self, holders: Mapping[str, str]) -> None:
         self.released.update(holders)
@@ -109,3 +113,18 @@ async def test_a_video_with_a_partition_held_by_handle_is_encoded_again_whole(jo
     assert [e.rows.handle.lease_id for e in out.embeddings] == ["whole-1"]
     assert out.leases == {"whole-1": "encoder-a"}
     assert recorder.released == {f"part-{p.partition}": "enc" for p in pieces}
+
+
+async def test_joined_rows_past_the_routers_inline_limit_are_refused_and_released(
+    job: Job,
+) -> None:
+    recorder = Recorder(inline_limit=64)
+    overlap = OverlappedPrefill(None, recorder, recorder)  # type: ignore[arg-type]
+    pieces = pieces_of(job.prompt.params.items, [0, 1])
+    results = [Encoded([handle_embedding(0, "image")], {"image": "encoder-a"})]
+    results += [
+        Encoded([inline_embedding(1, torch.zeros(p.end - p.start, 4))], {}) for p in pieces[1:]
+    ]
+    with pytest.raises(RouterError, match="inline embeddings"):
+        await overlap._final(job, pieces, results, 0)
+    assert recorder.released == {"image": "encoder-a"}
