@@ -14,6 +14,10 @@ and the prefill worker to compute at the same time: each worker gets `--worker-t
 torch threads (default 1), so the two fit on two cores; on a machine whose cores are taken
 by other work, what overlaps is bounded by the cores left.
 
+The default prompt (600 words, then 16 frames) is text-heavy: its prefill is about three
+times its encoding, so even perfect overlap gives only about 0.73x. A long-video request
+(`--frames 48 --words 150`) is encode-heavy, where the per-partition steps matter.
+
     .venv/bin/python benchmarks/overlap_bench.py [--size bench|tiny] [--requests 4]
         [--frames 16] [--words 600] [--worker-threads 1]
 """
