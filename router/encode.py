@@ -10,6 +10,8 @@ load exceeds that one's by more than `affinity_slack` requests; a slack of 0 tur
 off (the whole request goes to the least loaded encoder). A request's items are grouped per
 chosen encoder; the groups' `Encode` calls run concurrently (each retried on
 UNAVAILABLE, on another encoder) and their outputs come back in item order.
+`encode_partitions` asks for some partitions of one item (`EncodeItem.partition_indices`,
+sending only their patch rows), for `router.overlap`.
 
 Outputs come back as inline bytes or NIXL handles and pass on unchanged (a prefill worker
 pulls handle-held ones straight from the encoder). Each handle's lease is recorded with the
@@ -26,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from common.roles import Role
 from common.server.peers import PeerClient
@@ -95,11 +98,19 @@ class EncodeStage:
         leases = {lease: address for part in parts for lease, address in part.leases.items()}
         by_index = {emb.item_index: emb for part in parts for emb in part.embeddings}
         try:
-            self._check_inline(by_index.values())
+            self.check_inline(by_index.values())
         except RouterError:
             self.channels.release_embeddings(leases)
             raise
         return Encoded([by_index[i] for i in items], leases)
+
+    async def encode_partitions(self, job: Job, item: int, partitions: Sequence[int]) -> Encoded:
+        """One `Encode` call for item `item`'s partitions at indexes `partitions` (empty:
+        the whole item) on the item's home encoder: one embedding whose rows are those
+        partitions' rows in order (`router.overlap` encodes a video piece by piece). Raises
+        RouterError (nothing left leased then)."""
+        ((worker, _),) = self._assign(job, [item])
+        return await self._encode_on(job, [item], worker, partitions)
 
     def _assign(
         self, job: Job, items: Sequence[int]
@@ -127,21 +138,31 @@ class EncodeStage:
             self.channels.release_embeddings(task.result().leases)
 
     async def _encode_on(
-        self, job: Job, items: Sequence[int], first: WorkerRecord | None
+        self,
+        job: Job,
+        items: Sequence[int],
+        first: WorkerRecord | None,
+        partitions: Sequence[int] = (),
     ) -> Encoded:
         """One `Encode` call for `items` on `first` (None: the least loaded encoder), once
-        more elsewhere on UNAVAILABLE. Raises RouterError (nothing left leased then)."""
+        more elsewhere on UNAVAILABLE; with `partitions` (one item only) just those of the
+        item, sending only their patch rows. Raises RouterError (nothing left leased then)."""
         prompt = job.prompt
         request = encoder_service_pb2.EncodeRequest(request_id=job.request_id)
         if job.cache_salt is not None:  # the tenant's: its encoder cache entries are its own
             request.cache_salt = job.cache_salt
         for i in items:
             item = prompt.params.items[i]
+            pixels = prompt.pixel_values[i]
+            if partitions:
+                chosen = [item.partitions[p] for p in partitions]
+                pixels = torch.cat([pixels[p.input_start : p.input_end] for p in chosen])
             encode_item = request.items.add(
                 content_hash=item.content_hash,
                 modality=_MODALITY.get(str(item.modality), multimodal_pb2.MODALITY_UNSPECIFIED),
-                pixel_values=tensor_to_ref(prompt.pixel_values[i]),
+                pixel_values=tensor_to_ref(pixels),
                 grid_thw=list(prompt.grid_thw[i]),
+                partition_indices=list(partitions),
             )
             for part in item.partitions:
                 encode_item.partitions.add(
@@ -169,13 +190,17 @@ class EncodeStage:
             if ref.WhichOneof("data") == "handle" and ref.handle.lease_id
         }
         try:
-            return Encoded(self._check(job, items, response), leases)
+            return Encoded(self._check(job, items, response, partitions), leases)
         except RouterError:
             self.channels.release_embeddings(leases)
             raise
 
     def _check(
-        self, job: Job, items: Sequence[int], response: encoder_service_pb2.EncodeResponse
+        self,
+        job: Job,
+        items: Sequence[int],
+        response: encoder_service_pb2.EncodeResponse,
+        partitions: Sequence[int] = (),
     ) -> list[multimodal_pb2.ItemEmbedding]:
         if len(response.items) != len(items):
             raise RouterError(
@@ -185,20 +210,23 @@ class EncodeStage:
         out = []
         for i, encoded in zip(items, response.items, strict=True):
             item = job.prompt.params.items[i]
+            rows = sum(item.partitions[p].output_rows for p in partitions) or item.length
             if encoded.content_hash != item.content_hash or (
-                tuple(encoded.rows.shape[:1]) != (item.length,)
+                tuple(encoded.rows.shape[:1]) != (rows,)
             ):
                 raise RouterError(
                     grpc.StatusCode.INTERNAL,
                     f"encoder output for item {i} does not match it (hash or "
-                    f"{tuple(encoded.rows.shape)} rows for {item.length} placeholders)",
+                    f"{tuple(encoded.rows.shape)} rows for {rows} placeholders)",
                 )
             emb = multimodal_pb2.ItemEmbedding(item_index=i, rows=encoded.rows)
             emb.deepstack.extend(encoded.deepstack)
             out.append(emb)
         return out
 
-    def _check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
+    def check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
+        """RouterError(RESOURCE_EXHAUSTED) when the inline bytes of `embeddings` exceed the
+        router's limit for one request."""
         inline = sum(
             len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
             for emb in embeddings

@@ -8,9 +8,10 @@
                prefix among the least loaded (`router.routing`; `router.prefix_index`
                follows each prefill worker's KV events); items whose every run lies inside
                that cached prefix need no encoding
-      overlap  with `overlap_text_prefill`, while the items are encoded, the prefill worker
-               computes the text before the first item (`router.overlap`); prefill below
-               reuses those blocks
+      overlap  with `overlap_prefill`, items are encoded piece by piece (a video by
+               partition) and the prefill worker computes the prompt up to the first piece
+               not yet encoded as each arrives (`router.overlap`); prefill below reuses
+               those blocks and needs no embeddings of the items inside them
       encode   the other items -> each to its content hash's encoder unless that one is
                much busier than the least loaded (`router.encode`); inline bytes and
                NIXL handles pass through unchanged, so a prefill worker pulls large
@@ -90,7 +91,7 @@ from router.decode import DecodeStage, KvLease
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
 from router.metrics import RouterMetrics
-from router.overlap import TextPrefill
+from router.overlap import OverlappedPrefill
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
 from router.routing import PrefillRouting
@@ -113,7 +114,7 @@ class Orchestrator:
         reprefills: int = 2,
         migrations: int = 2,
         cache_aware: bool = True,
-        overlap_text_prefill: bool = False,
+        overlap_prefill: bool = False,
         encoder_affinity_slack: int = 2,
         max_queued_requests: int = 512,
         max_queue_wait_s: float = 60.0,
@@ -144,8 +145,10 @@ class Orchestrator:
             reprefills=reprefills,
             migrations=migrations,
         )
-        # Prefills the text before the first item while items are encoded (`router.overlap`).
-        self.text_prefill = TextPrefill(registry, channels) if overlap_text_prefill else None
+        # Prefills the prompt as its items' pieces are encoded (`router.overlap`).
+        self.overlap = (
+            OverlappedPrefill(registry, channels, self.encoder) if overlap_prefill else None
+        )
 
     async def run(self, job: Job) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         """Stream the answer to `job`. The first chunk carries the first token with
@@ -286,20 +289,16 @@ class Orchestrator:
         self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
         to_encode = [i for i in every if i not in route.skip]
-        text = self.text_prefill.start(job, route, bool(to_encode)) if self.text_prefill else None
-        try:
+        if self.overlap is not None:
+            encoded = await self.overlap.encode(job, route, to_encode)
+        else:
             encoded = await self.encoder.encode(job, to_encode)
-        except BaseException:
-            if text is not None:
-                text.cancel()
-            raise
-        if text is not None:
-            await text  # never raises; the prefill below reuses its blocks
         try:
             try:
                 return await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
             except RouterError as exc:
-                if not route.skip or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                every_item_carried = len(encoded.embeddings) == len(every)
+                if every_item_carried or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 logger.info(
                     "request %s: prefix cache moved on (%s); encoding all", job.request_id, exc

@@ -1,26 +1,44 @@
-"""Encoding overlapped with prefill: while a job's items are encoded, its prefill worker
-computes the text before the first item (router setting `overlap_text_prefill`, off by
+"""Encoding overlapped with prefill: the prefill worker takes each item's (each video
+partition's) embeddings as they arrive (router setting `overlap_prefill`, off by
 default).
 
-The text prefill is an ordinary `Prefill` of the prompt's leading tokens `[0, n)`, `n` the
-first item's first placeholder, with no multimodal part and one sampled token. Its full
-blocks enter the worker's prefix cache, and the job's own prefill, sent once the
-embeddings are in, reuses them, so the prompt's leading text is computed while the encoder
-works instead of after it. Exact: blocks before the first item carry no extra keys and
-their positions are their indexes (mRoPE gives text its running index), so those blocks
-hash and compute as they do inside the whole prompt; the job's prefill checks the hashes
-as always.
+    pieces   the items to encode, split into pieces (`router.pieces`): a whole item, or one
+             partition of a partition-keyed video; encoded in prompt order, one `Encode`
+             call each, at most `DEPTH` in flight, so the encoder works on one piece while
+             the previous one travels and each arrives as soon as it is done
+    steps    a step is an ordinary `Prefill` of the prompt's tokens `[0, n)`, `n` the first
+             placeholder of the first piece not yet arrived (the first step, the text
+             before the first item, starts at once), with one sampled token; steps run one
+             after the other, each as soon as the one before is done and it adds a full
+             block to what the worker caches, none once every piece is in. Its full blocks
+             enter the worker's prefix cache and the next step reuses them, so it carries
+             only the embeddings of items (partitions) reaching past those blocks. Its KV
+             lease is released at once (its blocks stay cached, unpinned).
+    final    once every piece is in, the job's own prefill (the caller's) reuses the last
+             step's blocks; it carries the whole-item embeddings of the items reaching past
+             them (a video's partitions' inline rows joined, or the video encoded again as a
+             whole, all encoder cache hits, when some came by NIXL handle) and none of the
+             items inside them.
 
-Best effort: it runs only when the route names the worker, at least one full block of that
-text is not cached there yet and some item is being encoded; any failure (a full pool, a
-worker gone) is logged and ignored, and the job's prefill simply computes the text itself.
-The text prefill's KV lease is released at once (its blocks stay cached, unpinned).
+So a long video's TTFT approaches max(encode, prefill) plus one piece's prefill, instead of
+their sum. Exactness: a step's blocks hash and compute as inside the whole prompt
+(`router.pieces`); the worker checks the hashes as always.
+
+Best effort: a step that fails (a full pool, a worker gone, blocks evicted meanwhile) is
+logged and stepping stops; the final prefill computes what is missing, and if it finds an
+item it needs without embeddings (FAILED_PRECONDITION) the caller encodes every item and
+prefills again. A piece that fails fails the job's encoding as `EncodeStage.encode` does.
+
+Leases: NIXL-held pieces are read by steps without being released (a step names no
+`embedding_holders`); the final prefill gets those of the embeddings it carries, the others
+are released here, as is everything on failure or cancellation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 
@@ -29,47 +47,101 @@ from common.server.peers import PeerClient
 from common.wire.convert import sampling_to_proto
 from epd.v1 import multimodal_pb2, prefill_service_pb2, prefill_service_pb2_grpc
 from router.calls import Job, RouterError
+from router.encode import NOTHING, Encoded, EncodeStage
+from router.pieces import Piece, joined, pieces_of, step_layout
 from router.registry import Registry
 from router.routing import PrefillRoute
+from router.workers import WorkerRecord
 
 logger = logging.getLogger(__name__)
 
 ONE_TOKEN = sampling_to_proto(SamplingParams(max_tokens=1))
+DEPTH = 2  # Encode calls of one job in flight: one encoding, the next queued behind it
+
+Key = tuple[int, int | None]  # (item, partition), partition None: the whole item
 
 
-class TextPrefill:
-    """Prefills the text before a job's first item (see the module docstring)."""
+class OverlappedPrefill:
+    """Encodes a job's items piece by piece while its prefill worker takes each piece as
+    it arrives (see the module docstring)."""
 
-    def __init__(self, registry: Registry, channels: PeerClient) -> None:
-        self.registry = registry  # counts the call on the worker's load
+    def __init__(self, registry: Registry, channels: PeerClient, encoder: EncodeStage) -> None:
+        self.registry = registry  # counts each step on the worker's load
         self.channels = channels  # the prefill worker's channel; lease releases
-        self.started = 0  # text prefills sent (metrics, tests)
+        self.encoder = encoder  # the job's Encode calls
 
-    def leading_tokens(self, job: Job, route: PrefillRoute, encoding: bool) -> int:
-        """Tokens of the text prefill for this route: the first item's position when that
-        adds a full block to what the worker caches and items are being encoded, else 0."""
-        items = job.prompt.params.items
-        if route.worker is None or route.worker.layout is None or not items or not encoding:
-            return 0
-        n = items[0].position
-        return n if n // route.worker.layout.block_size > route.cached_blocks else 0
-
-    def start(self, job: Job, route: PrefillRoute, encoding: bool) -> asyncio.Task[None] | None:
-        """Start the text prefill on the route's worker, or None when there is none to do.
-        The task never raises; await it before the job's own prefill."""
-        n = self.leading_tokens(job, route, encoding)
-        if n == 0 or route.worker is None:
-            return None
-        self.started += 1
-        return asyncio.ensure_future(self._run(job, route, n))
-
-    async def _run(self, job: Job, route: PrefillRoute, n: int) -> None:
+    async def encode(self, job: Job, route: PrefillRoute, to_encode: Sequence[int]) -> Encoded:
+        """The embeddings the job's own prefill on `route.worker` needs once the pieces
+        of the items at `to_encode` are encoded and stepped in. Raises RouterError as
+        `EncodeStage.encode` does (nothing left leased then)."""
         worker = route.worker
-        assert worker is not None
+        if not to_encode:
+            return NOTHING
+        if worker is None or worker.layout is None:
+            return await self.encoder.encode(job, to_encode)
+        pieces = pieces_of(job.prompt.params.items, to_encode)
+        limit = asyncio.Semaphore(DEPTH)
+
+        async def encode_piece(piece: Piece) -> Encoded:
+            parts = () if piece.partition is None else (piece.partition,)
+            async with limit:
+                return await self.encoder.encode_partitions(job, piece.item, parts)
+
+        tasks = [asyncio.ensure_future(encode_piece(p)) for p in pieces]
+        try:
+            cached = await self._steps(job, worker, pieces, tasks, route.cached_blocks)
+            results = list(await asyncio.gather(*tasks))
+            return await self._final(job, pieces, results, cached * worker.layout.block_size)
+        except BaseException:
+            for task in tasks:  # free what any piece got, now or when it finishes
+                task.cancel()
+                task.add_done_callback(self._release_result)
+            raise
+
+    async def _steps(
+        self,
+        job: Job,
+        worker: WorkerRecord,
+        pieces: Sequence[Piece],
+        tasks: Sequence[asyncio.Future[Encoded]],
+        cached: int,
+    ) -> int:
+        """Run the steps as pieces arrive; the blocks the worker caches after the last
+        successful one (`cached`, the route's, when none succeeded). A step goes as far as
+        the pieces in by the time it starts (those that arrived while the one before ran
+        are taken together); none runs once every piece is in (the job's prefill is next)."""
+        assert worker.layout is not None
+        block = worker.layout.block_size
+        arrived: dict[Key, multimodal_pb2.ItemEmbedding] = {}
+        k = 0  # pieces[:k] are in `arrived`
+        while True:
+            while k < len(pieces) and tasks[k].done():
+                (arrived[(pieces[k].item, pieces[k].partition)],) = tasks[k].result().embeddings
+                k += 1
+            if k == len(pieces):
+                return cached
+            n = pieces[k].start
+            if n // block <= cached:  # adds no full block to what the worker holds
+                await asyncio.wait([tasks[k]])
+                continue
+            if not await self._step(job, worker, k, n, arrived, cached * block):
+                return cached
+            cached = n // block
+
+    async def _step(
+        self,
+        job: Job,
+        worker: WorkerRecord,
+        k: int,
+        n: int,
+        arrived: dict[Key, multimodal_pb2.ItemEmbedding],
+        reused: int,
+    ) -> bool:
+        """Prefill step `k` over tokens `[0, n)` on `worker`; whether it succeeded."""
         request = prefill_service_pb2.PrefillRequest(
-            request_id=f"{job.request_id}:text",
+            request_id=f"{job.request_id}:step{k}",
             prompt_token_ids=job.prompt.prompt_token_ids[:n],
-            multimodal=multimodal_pb2.MultimodalParams(),
+            multimodal=step_layout(job.prompt.params, n, arrived, reused),
             sampling=ONE_TOKEN,
         )
         if job.cache_salt is not None:
@@ -78,11 +150,73 @@ class TextPrefill:
         try:
             with self.registry.using(worker):
                 response: prefill_service_pb2.PrefillResponse = await stub.Prefill(
-                    request, timeout=job.time_left("text prefill")
+                    request, timeout=job.time_left("prefill step")
                 )
         except (grpc.aio.AioRpcError, RouterError) as exc:
             logger.info(
-                "request %s: no text prefill on %s (%s)", job.request_id, worker.address, exc
+                "request %s: prefill step %d on %s failed, no more steps (%s)",
+                job.request_id,
+                k,
+                worker.address,
+                exc,
             )
-            return
+            return False
         self.channels.release_kv(response.kv.holder_address or worker.address, response.kv.lease_id)
+        logger.debug(
+            "request %s: step %d prefilled %d tokens (%d cached)",
+            job.request_id,
+            k,
+            n,
+            response.cached_tokens,
+        )
+        return True
+
+    async def _final(
+        self, job: Job, pieces: Sequence[Piece], results: Sequence[Encoded], cached: int
+    ) -> Encoded:
+        """What the job's own prefill carries: whole-item embeddings of the items reaching
+        past the first `cached` tokens (the steps' blocks: all before the last piece, so
+        the job's prefill reuses them all); every other piece's lease released."""
+        params = job.prompt.params
+        start = cached
+        leases = {lease: addr for r in results for lease, addr in r.leases.items()}
+        by_item: dict[int, list[multimodal_pb2.ItemEmbedding]] = {}
+        for piece, result in zip(pieces, results, strict=True):
+            by_item.setdefault(piece.item, []).extend(result.embeddings)
+        out: list[multimodal_pb2.ItemEmbedding] = []
+        again: list[int] = []
+        for i, parts in by_item.items():
+            if params.items[i].end <= start:
+                continue  # inside the steps' blocks: no embeddings needed
+            whole = parts[0] if len(parts) == 1 else joined(i, parts)
+            if whole is None:
+                again.append(i)
+            else:
+                out.append(whole)
+        used = {
+            ref.handle.lease_id
+            for emb in out
+            for ref in (emb.rows, *emb.deepstack)
+            if ref.WhichOneof("data") == "handle"
+        }
+        self.channels.release_embeddings({k: v for k, v in leases.items() if k not in used})
+        carried = {k: v for k, v in leases.items() if k in used}
+        if again:  # partitions came by NIXL handle: the whole item, from the encoder cache
+            try:
+                whole_items = await self.encoder.encode(job, again)
+            except BaseException:
+                self.channels.release_embeddings(carried)
+                raise
+            out.extend(whole_items.embeddings)
+            carried.update(whole_items.leases)
+        out.sort(key=lambda emb: emb.item_index)
+        try:
+            self.encoder.check_inline(out)
+        except RouterError:
+            self.channels.release_embeddings(carried)
+            raise
+        return Encoded(out, carried)
+
+    def _release_result(self, task: asyncio.Future[Encoded]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.channels.release_embeddings(task.result().leases)

@@ -326,7 +326,7 @@ async def serve(
         processor,
         max_inline_embedding_bytes=settings.max_inline_embedding_mb * 1024 * 1024,
         cache_aware=settings.cache_aware_routing,
-        overlap_text_prefill=settings.overlap_text_prefill,
+        overlap_prefill=settings.overlap_prefill,
         encoder_affinity_slack=settings.encoder_affinity_slack,
         reprefills=settings.kv_reprefills,
         migrations=settings.decode_migrations,

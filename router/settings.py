@@ -47,10 +47,11 @@ class RouterSettings(ServerSettings):
         "send prefill and decode each to the worker caching the longest prefix (among the "
         "least loaded) and skip encoding items the prefill worker's prefix covers",
     )
-    overlap_text_prefill: bool = setting(
+    overlap_prefill: bool = setting(
         False,
-        "while a request's images and videos are encoded, prefill the text before the first "
-        "of them on the chosen prefill worker (its blocks are then reused; needs "
+        "encode a request's images one by one and its videos partition by partition while "
+        "the chosen prefill worker prefills the prompt up to the first one not yet encoded "
+        "as each arrives (the request's prefill reuses those blocks; needs "
         "cache_aware_routing)",
     )
     encoder_affinity_slack: int = setting(
