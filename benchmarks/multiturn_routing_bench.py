@@ -10,12 +10,14 @@ short new question. Every round uses fresh images. With `--steady`, a round is i
 steady-state window: `--conversations` clients start `--stagger-s` apart and each runs chats
 back to back (fresh images) until `--duration-s` has passed.
 
-Prints, per side, requests/s (all answers of a round / its wall time) and TTFT p50, the
-ratios, the mean share of prompt tokens prefill reused and of blocks decode reused in later
-turns, then per turn the p50 TTFT (router, encode, prefill) and decode time (after the first
-token), the share of a chat's time its first turn takes, and (rounds) the ceiling: the ratio
-cache-aware would reach if its later turns took no time at all, since a round lasts at least
-its slowest first turn, which is a cold encode + prefill on either side.
+Prints, per side, requests/s (all answers of a round / its wall time), TTFT p50 and the
+deployment's CPU seconds per request (its processes' user + system time: the work, which a
+shared machine's background load changes far less than the wall time), the ratios, the
+mean share of prompt tokens prefill reused and of blocks decode reused in later turns, then
+per turn the p50 TTFT (router, encode, prefill) and decode time (after the first token),
+the share of a chat's time its first turn takes, and (rounds) the ceiling: the ratio
+cache-aware would reach if its later turns took no time at all, since a round lasts at
+least its slowest first turn, which is a cold encode + prefill on either side.
 Goal: cache-aware >= 1.5x the requests/s of least-loaded.
 
     .venv/bin/python benchmarks/multiturn_routing_bench.py [--size bench|tiny] [--rounds 2]
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import itertools
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -124,6 +127,23 @@ async def steady(
     return wall, [chat for chats in done for chat in chats if chat]
 
 
+def cpu_seconds(cluster: Cluster) -> float:
+    """CPU time (user + system, every thread) the deployment's processes have used so far:
+    its work, which background load on a shared machine changes far less than wall time
+    (Linux `/proc`; NaN elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for proc in cluster.procs.values():
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        except OSError:
+            return math.nan
+        # Fields after the command name (which may hold spaces): utime, stime are 14, 15.
+        fields = stat.rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 @dataclass(slots=True)
 class Side:
     """What one deployment measured, over the measured rounds."""
@@ -135,12 +155,16 @@ class Side:
     reused: list[float] = field(default_factory=list)  # later turns: decode-reused share
     first_share: list[float] = field(default_factory=list)  # turn 0's share of a chat's time
     ceiling: list[float] = field(default_factory=list)  # requests/s if later turns were free
+    cpu: list[float] = field(default_factory=list)  # deployment CPU seconds per request
 
-    def add(self, wall: float, chats: list[list[Result]], rounds: bool = True) -> None:
-        """One round (`rounds`; else a steady-state window): `chats`, each its turns'
-        results in order."""
+    def add(
+        self, wall: float, cpu_s: float, chats: list[list[Result]], rounds: bool = True
+    ) -> None:
+        """One round (`rounds`; else a steady-state window) of `wall` seconds in which the
+        deployment used `cpu_s` CPU seconds: `chats`, each its turns' results in order."""
         results = [r for chat in chats for r in chat]
         self.rps.append(len(results) / wall)
+        self.cpu.append(cpu_s / len(results))
         self.ttft.extend(r.ttft_s for r in results)
         for chat in chats:
             for k, r in enumerate(chat):
@@ -189,15 +213,22 @@ async def run(args: argparse.Namespace) -> None:
             n = args.conversations
             for name in sides:  # warm-up: first NIXL connections, first forwards
                 await one_round(clusters[name], range(90_000, 90_000 + n), args, size)
+            for name in sides:  # what the deployment burns doing nothing (heartbeats, polls)
+                idle = cpu_seconds(clusters[name])
+                await asyncio.sleep(5.0)
+                idle = (cpu_seconds(clusters[name]) - idle) / 5.0
+                print(f"  {name}: {idle:.2f} CPU s/s when idle")
             for r in range(args.rounds):
                 seeds = range(1000 * (r + 1), 1000 * (r + 1) + n)
                 order = list(sides) if r % 2 == 0 else list(reversed(sides))
                 for name in order:
+                    cpu = cpu_seconds(clusters[name])
                     if args.steady:
                         wall, chats = await steady(clusters[name], seeds.start, args, size)
                     else:
                         wall, chats = await one_round(clusters[name], seeds, args, size)
-                    stats[name].add(wall, chats, rounds=not args.steady)
+                    cpu = cpu_seconds(clusters[name]) - cpu
+                    stats[name].add(wall, cpu, chats, rounds=not args.steady)
         finally:
             for cluster in clusters.values():
                 await asyncio.to_thread(cluster.stop)
@@ -221,6 +252,7 @@ def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
     for name, s in stats.items():
         print(
             f"  {name:12s} req/s {med(s.rps):6.2f}   TTFT p50 {med(s.ttft) * 1000:8.1f} ms   "
+            f"CPU {med(s.cpu):5.2f} s/request   "
             f"later turns: prefill reused {mean(s.cached):5.1%} of tokens, decode reused "
             f"{mean(s.reused):5.1%} of blocks"
         )
@@ -230,6 +262,11 @@ def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
         f"  cache-aware / least-loaded: req/s {ratio:.2f}x   TTFT p50 "
         f"{med(aware.ttft) / med(plain.ttft):.2f}x   goal req/s >= 1.5x: "
         f"{'met' if ratio >= 1.5 else 'NOT met'}"
+    )
+    work = med(plain.cpu) / med(aware.cpu)
+    print(
+        f"  CPU per request, least-loaded / cache-aware: {work:.2f}x (the req/s ratio of a "
+        "deployment that is CPU-bound and has the machine to itself)"
     )
     print("\n  per turn, p50 ms: TTFT (router + encode + prefill) / decode (after the TTFT)")
     print("  turn  " + "".join(f"{name:>26s}" for name in stats))
