@@ -12,8 +12,8 @@ back to back (fresh images) until `--duration-s` has passed.
 
 Prints, per side, requests/s (all answers of a round / its wall time), TTFT p50 and the
 deployment's CPU seconds per request (its processes' user + system time: the work, which a
-shared machine's background load changes far less than the wall time; also less what the
-deployment burns when idle, measured once after the warm-up), the ratios, the
+shared machine's background load changes far less than the wall time; what each side
+burns when idle is printed after the warm-up), the ratios, the
 mean share of prompt tokens prefill reused and of blocks decode reused in later turns, then
 per turn the p50 TTFT (router, encode, prefill) and decode time (after the first token),
 the share of a chat's time its first turn takes, and (rounds) the ceiling: the ratio
@@ -158,7 +158,6 @@ class Side:
     ceiling: list[float] = field(default_factory=list)  # requests/s if later turns were free
     cpu: list[float] = field(default_factory=list)  # deployment CPU seconds per request
     idle: float = 0.0  # deployment CPU seconds per second when it serves nothing
-    busy: list[float] = field(default_factory=list)  # CPU s per request above the idle burn
 
     def add(
         self, wall: float, cpu_s: float, chats: list[list[Result]], rounds: bool = True
@@ -168,7 +167,6 @@ class Side:
         results = [r for chat in chats for r in chat]
         self.rps.append(len(results) / wall)
         self.cpu.append(cpu_s / len(results))
-        self.busy.append((cpu_s - self.idle * wall) / len(results))
         self.ttft.extend(r.ttft_s for r in results)
         for chat in chats:
             for k, r in enumerate(chat):
@@ -268,10 +266,9 @@ def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
         f"{'met' if ratio >= 1.5 else 'NOT met'}"
     )
     work = med(plain.cpu) / med(aware.cpu)
-    busy = med(plain.busy) / med(aware.busy)
     print(
-        f"  CPU per request, least-loaded / cache-aware: {work:.2f}x, {busy:.2f}x above the "
-        "idle burn (the req/s ratio of a CPU-bound deployment with the machine to itself)"
+        f"  CPU per request, least-loaded / cache-aware: {work:.2f}x (idle burn included: it "
+        "takes what the work leaves, so it cannot be subtracted)"
     )
     print("\n  per turn, p50 ms: TTFT (router + encode + prefill) / decode (after the TTFT)")
     print("  turn  " + "".join(f"{name:>26s}" for name in stats))
