@@ -1,27 +1,42 @@
 """Multi-turn image chat over 2 prefill + 2 decode workers: cache-aware routing (prefill and
 decode by cached prefix among the least loaded) vs least-loaded routing, in one run.
 
-Two deployments (`tests/cluster.py`, router + 1 encoder + 2 prefill + 2 decode each) differ
-only in `--cache-aware-routing`. The same workload runs on each, alternating round by round
-so background load hits both alike: `--conversations` chats at once, each `--turns` turns;
-the first turn carries an image and a long question, each later turn repeats the history
-(with the previous answer) and asks a short new question. Every round uses fresh images.
+Two deployments (`tests/cluster.py`, router + 1 encoder + 2 prefill + 2 decode each, every
+worker with `--threads` torch threads) differ only in `--cache-aware-routing`. The same
+workload runs on each, alternating round by round so background load hits both alike:
+`--conversations` chats at once, each `--turns` turns; the first turn carries an image and a
+long question, each later turn repeats the history (with the previous answer) and asks a
+short new question. Every round uses fresh images. With `--steady`, a round is instead a
+steady-state window: `--conversations` clients start `--stagger-s` apart and each runs chats
+back to back (fresh images) until `--duration-s` has passed.
 
-Prints, per side, requests/s (all turns of a round / its wall time) and TTFT p50, the
-ratios, and the mean share of prompt tokens prefill reused and of blocks decode reused.
+Prints, per side, requests/s (all answers of a round / its wall time), TTFT p50 and the
+deployment's CPU seconds per request (its processes' user + system time: the work, which a
+shared machine's background load changes far less than the wall time; what each side
+burns when idle is printed after the warm-up), the ratios, the
+mean share of prompt tokens prefill reused and of blocks decode reused in later turns, then
+per turn the p50 TTFT (router, encode, prefill) and decode time (after the first token),
+the share of a chat's time its first turn takes, and (rounds) the ceiling: the ratio
+cache-aware would reach if its later turns took no time at all, since a round lasts at
+least its slowest first turn, which is a cold encode + prefill on either side.
 Goal: cache-aware >= 1.5x the requests/s of least-loaded.
 
     .venv/bin/python benchmarks/multiturn_routing_bench.py [--size bench|tiny] [--rounds 2]
+        [--turns 4] [--steady --duration-s 120] [--log-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import math
+import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +64,22 @@ def first_turn(seed: int, size: int) -> list[dict[str, Any]]:
 
 
 async def conversation(
-    client: Client, seed: int, turns: int, size: int, sampling: SamplingParams
+    client: Client,
+    seed: int,
+    turns: int,
+    size: int,
+    sampling: SamplingParams,
+    deadline: float = math.inf,
 ) -> list[Result]:
+    """One chat's turns (none started after `deadline`, a `time.perf_counter()` value)."""
     messages = first_turn(seed, size)
     results = []
     for k in range(turns):
-        result = await client.generate_text(messages, sampling, timeout_s=600)
+        if time.perf_counter() >= deadline:
+            break
+        result = await client.generate_text(
+            messages, sampling, timeout_s=600, request_id=f"chat{seed}-turn{k}"
+        )
         results.append(result)
         messages = [
             *messages,
@@ -66,14 +91,96 @@ async def conversation(
 
 async def one_round(
     cluster: Cluster, seeds: range, args: argparse.Namespace, size: int
-) -> tuple[float, list[Result]]:
+) -> tuple[float, list[list[Result]]]:
+    """Wall seconds of one round and each chat's results, turn by turn."""
     sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     async with Client(cluster.address, api_key=cluster.client_key) as client:
         start = time.perf_counter()
         chats = [conversation(client, s, args.turns, size, sampling) for s in seeds]
         done = await asyncio.gather(*chats)
         wall = time.perf_counter() - start
-    return wall, [r for chat in done for r in chat]
+    return wall, list(done)
+
+
+async def steady(
+    cluster: Cluster, base: int, args: argparse.Namespace, size: int
+) -> tuple[float, list[list[Result]]]:
+    """`--conversations` clients, client i starting `i * --stagger-s` late, each running
+    chats back to back (fresh images) and starting no turn after `--duration-s`: wall
+    seconds until the last answer, and every chat's results."""
+    sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
+        start = time.perf_counter()
+        deadline = start + args.duration_s
+
+        async def user(i: int) -> list[list[Result]]:
+            await asyncio.sleep(i * args.stagger_s)
+            chats: list[list[Result]] = []
+            for j in itertools.count():
+                if time.perf_counter() >= deadline:
+                    break
+                seed = base + 100 * i + j
+                chats.append(await conversation(client, seed, args.turns, size, sampling, deadline))
+            return chats
+
+        done = await asyncio.gather(*(user(i) for i in range(args.conversations)))
+        wall = time.perf_counter() - start
+    return wall, [chat for chats in done for chat in chats if chat]
+
+
+def cpu_seconds(cluster: Cluster) -> float:
+    """CPU time (user + system, every thread) the deployment's processes have used so far:
+    its work, which background load on a shared machine changes far less than wall time
+    (Linux `/proc`; NaN elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for proc in cluster.procs.values():
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        except OSError:
+            return math.nan
+        # Fields after the command name (which may hold spaces): utime, stime are 14, 15.
+        fields = stat.rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+@dataclass(slots=True)
+class Side:
+    """What one deployment measured, over the measured rounds."""
+
+    rps: list[float] = field(default_factory=list)  # requests/s of each round
+    ttft: list[float] = field(default_factory=list)  # seconds, every request
+    by_turn: list[list[Result]] = field(default_factory=list)  # results per turn index
+    cached: list[float] = field(default_factory=list)  # later turns: prefill-reused share
+    reused: list[float] = field(default_factory=list)  # later turns: decode-reused share
+    first_share: list[float] = field(default_factory=list)  # turn 0's share of a chat's time
+    ceiling: list[float] = field(default_factory=list)  # requests/s if later turns were free
+    cpu: list[float] = field(default_factory=list)  # deployment CPU seconds per request
+    idle: float = 0.0  # deployment CPU seconds per second when it serves nothing
+
+    def add(
+        self, wall: float, cpu_s: float, chats: list[list[Result]], rounds: bool = True
+    ) -> None:
+        """One round (`rounds`; else a steady-state window) of `wall` seconds in which the
+        deployment used `cpu_s` CPU seconds: `chats`, each its turns' results in order."""
+        results = [r for chat in chats for r in chat]
+        self.rps.append(len(results) / wall)
+        self.cpu.append(cpu_s / len(results))
+        self.ttft.extend(r.ttft_s for r in results)
+        for chat in chats:
+            for k, r in enumerate(chat):
+                while len(self.by_turn) <= k:
+                    self.by_turn.append([])
+                self.by_turn[k].append(r)
+            later = chat[1:]
+            self.cached.extend(r.cached_tokens / r.prompt_tokens for r in later)
+            self.reused.extend(
+                r.blocks_reused / max(1, r.blocks_reused + r.blocks_pulled) for r in later
+            )
+            self.first_share.append(chat[0].total_s / sum(r.total_s for r in chat))
+        if rounds:  # A round cannot end before its slowest first turn, whatever comes later.
+            self.ceiling.append(len(results) / max(chat[0].total_s for chat in chats))
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -81,20 +188,25 @@ async def run(args: argparse.Namespace) -> None:
     size = 448 if args.size == "bench" else 64
     print(f"checkpoint {model} ({args.size}); starting two deployments (2P + 2D each) ...")
     sides = {"cache-aware": "true", "least-loaded": "false"}
-    stats: dict[str, dict[str, list[float]]] = {
-        name: {"rps": [], "ttft": [], "cached": [], "reused": []} for name in sides
-    }
-    with tempfile.TemporaryDirectory(prefix="epd-bench-") as logs:
+    # Each worker gets `--threads` torch threads: ten workers each taking every core (the
+    # default) would oversubscribe the machine, on both sides alike.
+    threads = ("--threads", str(args.threads))
+    stats = {name: Side() for name in sides}
+    with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
+        logs = Path(args.log_dir or tmp)
         clusters: dict[str, Cluster] = {}
         try:
             for name, flag in sides.items():
                 clusters[name] = await asyncio.to_thread(
                     start_cluster,
                     model,
-                    Path(logs) / name,
+                    logs / name,
                     block_size=BLOCK,
                     num_blocks=4096,
                     heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
+                    encoder_args=threads,
+                    prefill_args=threads,
+                    decode_args=threads,
                     prefills=2,
                     decodes=2,
                     router_args=("--cache-aware-routing", flag),
@@ -103,41 +215,78 @@ async def run(args: argparse.Namespace) -> None:
             n = args.conversations
             for name in sides:  # warm-up: first NIXL connections, first forwards
                 await one_round(clusters[name], range(90_000, 90_000 + n), args, size)
+            for name in sides:  # what the deployment burns doing nothing (heartbeats, polls)
+                idle = cpu_seconds(clusters[name])
+                await asyncio.sleep(5.0)
+                stats[name].idle = (cpu_seconds(clusters[name]) - idle) / 5.0
+                print(f"  {name}: {stats[name].idle:.2f} CPU s/s when idle")
             for r in range(args.rounds):
                 seeds = range(1000 * (r + 1), 1000 * (r + 1) + n)
                 order = list(sides) if r % 2 == 0 else list(reversed(sides))
                 for name in order:
-                    wall, results = await one_round(clusters[name], seeds, args, size)
-                    s = stats[name]
-                    s["rps"].append(len(results) / wall)
-                    s["ttft"].extend(res.ttft_s for res in results)
-                    later = [res for i, res in enumerate(results) if i % args.turns]
-                    s["cached"].extend(res.cached_tokens / res.prompt_tokens for res in later)
-                    s["reused"].extend(
-                        res.blocks_reused / max(1, res.blocks_reused + res.blocks_pulled)
-                        for res in later
-                    )
+                    cpu = cpu_seconds(clusters[name])
+                    if args.steady:
+                        wall, chats = await steady(clusters[name], seeds.start, args, size)
+                    else:
+                        wall, chats = await one_round(clusters[name], seeds, args, size)
+                    cpu = cpu_seconds(clusters[name]) - cpu
+                    stats[name].add(wall, cpu, chats, rounds=not args.steady)
         finally:
             for cluster in clusters.values():
                 await asyncio.to_thread(cluster.stop)
+    report(args, size, stats)
+
+
+def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
+    """The summary table, the per-turn breakdown and the ratios."""
     med = statistics.median
     mean = statistics.fmean
+    how = (
+        f"steady state: {args.duration_s:.0f} s windows, chats started {args.stagger_s} s apart"
+        if args.steady
+        else "all chats start together"
+    )
     print(
-        f"\n{args.rounds} rounds x {args.conversations} concurrent chats x {args.turns} turns "
-        f"({size}px image, {args.tokens} tokens per answer):"
+        f"\n{args.rounds} rounds ({how}) x {args.conversations} concurrent chats x "
+        f"{args.turns} turns ({size}px image, {args.tokens} tokens per answer, "
+        f"{args.threads} thread(s) a worker):"
     )
     for name, s in stats.items():
         print(
-            f"  {name:12s} req/s {med(s['rps']):6.2f}   TTFT p50 {med(s['ttft']) * 1000:8.1f} ms   "
-            f"later turns: prefill reused {mean(s['cached']):5.1%} of tokens, decode reused "
-            f"{mean(s['reused']):5.1%} of blocks"
+            f"  {name:12s} req/s {med(s.rps):6.2f}   TTFT p50 {med(s.ttft) * 1000:8.1f} ms   "
+            f"CPU {med(s.cpu):5.2f} s/request   "
+            f"later turns: prefill reused {mean(s.cached):5.1%} of tokens, decode reused "
+            f"{mean(s.reused):5.1%} of blocks"
         )
     aware, plain = stats["cache-aware"], stats["least-loaded"]
-    ratio = med(aware["rps"]) / med(plain["rps"])
+    ratio = med(aware.rps) / med(plain.rps)
     print(
         f"  cache-aware / least-loaded: req/s {ratio:.2f}x   TTFT p50 "
-        f"{med(aware['ttft']) / med(plain['ttft']):.2f}x   goal req/s >= 1.5x: "
+        f"{med(aware.ttft) / med(plain.ttft):.2f}x   goal req/s >= 1.5x: "
         f"{'met' if ratio >= 1.5 else 'NOT met'}"
+    )
+    work = med(plain.cpu) / med(aware.cpu)
+    print(
+        f"  CPU per request, least-loaded / cache-aware: {work:.2f}x (idle burn included: it "
+        "takes what the work leaves, so it cannot be subtracted)"
+    )
+    print("\n  per turn, p50 ms: TTFT (router + encode + prefill) / decode (after the TTFT)")
+    print("  turn  " + "".join(f"{name:>26s}" for name in stats))
+    for k in range(min(len(s.by_turn) for s in stats.values())):
+        cells = []
+        for s in stats.values():
+            turn = s.by_turn[k]
+            decode = med(r.total_s - r.ttft_s for r in turn) * 1000
+            cells.append(f"{med(r.ttft_s for r in turn) * 1000:9.0f} / {decode:7.0f} ms")
+        print(f"  {k:4d}  " + "".join(f"{c:>26s}" for c in cells))
+    shares = ", ".join(f"{mean(s.first_share):.0%} ({n})" for n, s in stats.items())
+    print(f"  turn 0 (a fresh image, cold on either side) takes {shares} of a chat's time")
+    if not aware.ceiling:
+        return
+    ceiling = med(aware.ceiling) / med(plain.rps)
+    print(
+        f"  ceiling: even with later turns free, cache-aware could reach {ceiling:.2f}x "
+        "(a round ends after its slowest first turn)"
     )
 
 
@@ -148,6 +297,15 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=4, help="chats at once")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer")
+    parser.add_argument(
+        "--steady",
+        action="store_true",
+        help="steady state instead of rounds: each chat client runs chats back to back",
+    )
+    parser.add_argument("--duration-s", type=float, default=120.0, help="steady window")
+    parser.add_argument("--stagger-s", type=float, default=2.0, help="steady: start offsets")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--log-dir", help="keep the deployments' logs here (default: dropped)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     asyncio.run(run(args))
