@@ -39,7 +39,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from common.transfer.nixl import import_nixl
+from common.transfer.nixl import PROGRESS_DELAY_US, import_nixl, make_agent
 from common.transfer.peers import PeerSnapshots
 from common.transfer.polling import post_and_wait
 from common.transfer.ranges import (
@@ -75,8 +75,15 @@ _SMALL_READ: Final = 64
 class TransferAgent:
     """One NIXL agent (UCX backend) for this process; see the module docstring for contracts."""
 
-    def __init__(self, name_prefix: str = "epd", *, progress_thread: bool = True) -> None:
-        """Create the agent, named `<prefix>-<pid>-<random>` so names never collide.
+    def __init__(
+        self,
+        name_prefix: str = "epd",
+        *,
+        progress_thread: bool = True,
+        progress_delay_us: int = PROGRESS_DELAY_US,
+    ) -> None:
+        """Create the agent, named `<prefix>-<pid>-<random>` so names never collide. Its
+        progress thread waits `progress_delay_us` between idle polls (`nixl.make_agent`).
 
         Raises ImportError if NIXL is missing and RuntimeError if the UCX backend cannot be
         created on this machine.
@@ -89,7 +96,7 @@ class TransferAgent:
             sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
-            self._agent = nixl.nixl_agent(self.name, config)
+            self._agent = make_agent(nixl, self.name, config, progress_delay_us)
         except Exception as exc:
             raise RuntimeError(f"cannot create NIXL agent {self.name!r}: {exc}") from exc
         if "UCX" not in self._agent.backends:
