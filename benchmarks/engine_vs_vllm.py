@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -44,8 +45,10 @@ CASES = (
 
 
 def _prompt(i: int, n: int) -> list[int]:
-    """Token ids of a distinct text prompt (ids below 1000: plain vocabulary)."""
-    return [(i * 131 + j * 7 + 3) % 1000 for j in range(n)]
+    """Token ids of prompt `i` (ids below 1000: plain vocabulary). Drawn from a generator
+    seeded by `i`, so different `i` never share a block and prefix caching cannot hit."""
+    rng = random.Random(i)
+    return [rng.randrange(1000) for _ in range(n)]
 
 
 # ------------------------------------------------------------------------------ workers
