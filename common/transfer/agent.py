@@ -84,10 +84,7 @@ class TransferAgent:
     ) -> None:
         """Create the agent, named `<prefix>-<pid>-<random>` so names never collide. Its
         progress thread waits `progress_delay_us` between idle polls (`nixl.make_agent`).
-
-        Raises ImportError if NIXL is missing and RuntimeError if the UCX backend cannot be
-        created on this machine.
-        """
+        Raises ImportError without NIXL, RuntimeError if the UCX backend cannot be created."""
         nixl = import_nixl()
         self.name: str = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         config = nixl.nixl_agent_config(
