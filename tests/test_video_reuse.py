@@ -11,7 +11,7 @@ The deployment runs with `overlap_prefill` on (`router.overlap`): the router enc
 video partition by partition and the prefill worker computes the prompt up to the first
 partition not yet encoded as they arrive, so even a first request finds the text before the
 video cached (and, as far as the encoder was ahead, the partitions after it), and its tokens
-still equal the engine's (tests/test_overlap.py counts the steps).
+still equal the engine's (the last section counts the steps).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from common.models.tiny import make_tiny_checkpoint
 from common.sampling import SamplingParams
 from common.wire.kv import layout_from_proto
 from epd.client import Client
+from router.pieces import pieces_of
 from tests.cluster import Cluster, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -183,3 +184,84 @@ async def test_text_and_partitions_before_the_last_are_prefilled_while_it_is_enc
         result = await client.generate_text(messages, GREEDY, timeout_s=120)
     assert first_item // BLOCK * BLOCK <= result.cached_tokens <= stepped_tokens(engine, messages)
     assert result.token_ids == reference(engine, messages)
+
+
+# ---------------------------------------------- overlapped steps over a mixed prompt
+#
+# A prompt with text, an image, more text and a video: the router encodes the image, then
+# the video partition by partition, and prefills the prompt up to the first piece not yet
+# encoded as they arrive. How many steps run depends on how far the encoder is ahead, but
+# not what they reuse: each step finds every block of the one before it and the request's
+# own prefill every block of the last one, so over a fresh prompt the prefill worker's
+# prefix-cache hits are its lookups minus the request's own (the steps' blocks, each found
+# once).
+
+
+def mixed(seed: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    clip = rng.integers(0, 256, (8, 64, 64, 3), dtype=np.uint8)
+    image = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    content = [
+        {"type": "text", "text": f"Report {seed}: the quick brown fox jumps. " * 6},
+        {"type": "image", "image": image},
+        {"type": "text", "text": "and then, a little later, this clip:"},
+        {"type": "video", "video": clip, "fps": 2.0},
+        {"type": "text", "text": "What changed between them?"},
+    ]
+    return [{"role": "user", "content": content}]
+
+
+def first_and_last_piece(engine: Engine, chat: Any) -> tuple[int, int]:
+    """Prompt index of the first placeholder of the first piece and of the last."""
+    p = engine.process(chat)
+    pieces = pieces_of(p.params.items, range(len(p.params.items)))
+    assert len(pieces) == 5  # the image, then the video's 4 temporal patches
+    return pieces[0].start, pieces[-1].start
+
+
+async def prefill_counts(cluster: Cluster, lookups: int) -> tuple[int, int]:
+    """(hits, lookups) of the prefill worker's prefix cache once its heartbeat shows at
+    least `lookups` lookups and two more heartbeats show no change."""
+    last = None
+    for _ in range(300):
+        load = (await asyncio.to_thread(cluster.worker, "prefill")).load
+        now = (load.cache_hits, load.cache_lookups)
+        if now[1] >= lookups and now == last:
+            return now
+        last = now if now[1] >= lookups else None
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"prefill lookups never settled at {lookups} or more")
+
+
+async def test_each_step_reuses_the_one_before_and_prefill_the_last(
+    cluster: Cluster, engine: Engine
+) -> None:
+    chat = mixed(1)
+    first, last = first_and_last_piece(engine, chat)
+    n = len(engine.process(chat).prompt_token_ids)
+    # The counts once the earlier tests' requests have all reached the heartbeat.
+    hits0, lookups0 = await prefill_counts(cluster, 0)
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
+        result = await client.generate_text(chat, GREEDY, timeout_s=120)
+    # At least the text step ran (it starts with the encoding): its blocks, and the
+    # request's own.
+    least = lookups0 + first // BLOCK + n // BLOCK
+    hits, lookups = await prefill_counts(cluster, least)
+    steps_blocks = lookups - lookups0 - n // BLOCK
+    assert hits - hits0 == steps_blocks >= first // BLOCK > 0
+    # The request's own prefill reused the last step's blocks: at least the text's, at
+    # most everything before the last partition.
+    assert first // BLOCK * BLOCK <= result.cached_tokens <= last // BLOCK * BLOCK
+    assert result.token_ids == reference(engine, chat)
+
+
+async def test_overlapped_requests_in_parallel_equal_the_engine(
+    cluster: Cluster, engine: Engine
+) -> None:
+    chats = [mixed(seed) for seed in (2, 3, 4)]
+    async with Client(cluster.address, api_key=cluster.client_key) as client:
+        results = await asyncio.gather(
+            *(client.generate_text(chat, GREEDY, timeout_s=120) for chat in chats)
+        )
+    for chat, result in zip(chats, results, strict=True):
+        assert result.token_ids == reference(engine, chat)
