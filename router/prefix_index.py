@@ -14,9 +14,12 @@ forgotten.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import grpc
@@ -35,19 +38,25 @@ logger = logging.getLogger(__name__)
 
 
 class PrefixIndex:
-    """Cached block hashes per KV worker address (see the module docstring)."""
+    """Cached block hashes per KV worker address (see the module docstring).
+
+    Besides each worker's set, one map from a hash to the workers holding it (a bit per
+    worker) lets `cached_prefixes` look each of a prompt's hashes up once for every
+    worker."""
 
     def __init__(self, channels: PeerClient, *, retry_s: float = 0.5) -> None:
         self.channels = channels
         self.retry_s = retry_s
         self._hashes: dict[str, set[bytes]] = {}
+        self._holders: dict[bytes, int] = {}  # hash -> bits of the workers caching it
+        self._bits: dict[str, int] = {}  # worker address -> its bit
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def track(self, address: str, role: Role = Role.PREFILL) -> None:
         """Follow the `role` worker (prefill or decode) at `address` (idempotent; needs a
         running loop)."""
         if address not in self._tasks:
-            self._hashes[address] = set()
+            self._reset(address)
             follow = self._follow(address, role)
             self._tasks[address] = asyncio.get_running_loop().create_task(follow)
 
@@ -56,7 +65,9 @@ class PrefixIndex:
         task = self._tasks.pop(address, None)
         if task is not None:
             task.cancel()
+        self._reset(address)
         self._hashes.pop(address, None)
+        self._bits.pop(address, None)
 
     def cached_prefix(self, address: str, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of `block_hashes` the worker is known to cache."""
@@ -65,6 +76,21 @@ class PrefixIndex:
             return 0
         # takewhile + list run in C: a few times faster than a Python loop per block.
         return len(list(itertools.takewhile(cached.__contains__, block_hashes)))
+
+    def cached_prefixes(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """`cached_prefix` of every worker caching the first block (the others have 0),
+        from one lookup per block however many workers there are."""
+        # The running AND of the holders' bits (in C): block b's entry has the bits of the
+        # workers caching blocks 0..b, so each worker's bit is set in a leading run of them.
+        get = self._holders.get
+        held = accumulate(map(get, block_hashes, itertools.repeat(0)), operator.and_)
+        running = list(itertools.takewhile(bool, held))
+        out: dict[str, int] = {}
+        if running:
+            for address, bit in self._bits.items():
+                if running[0] & bit:
+                    out[address] = bisect.bisect_left(running, True, key=lambda m: not m & bit)
+        return out
 
     def _subscribe(self, address: str, role: Role) -> grpc.aio.UnaryStreamCall[Any, Any]:
         """Open the worker's KV event stream (its responses all carry `events`)."""
@@ -85,30 +111,61 @@ class PrefixIndex:
                 first = True
                 async for response in call:
                     if first:
-                        self._hashes[address] = set()
+                        self._reset(address)
                         first = False
                         delay = self.retry_s
                     self._apply(address, response.events)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     logger.info("%s streams no KV events; no cache-aware routing to it", address)
-                    self._hashes[address] = set()
+                    self._reset(address)
                     return
                 logger.debug("KV events of %s: %s; resubscribing", address, exc.code().name)
             finally:
                 call.cancel()
-            self._hashes[address] = set()
+            self._reset(address)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
+    def _bit(self, address: str) -> int:
+        bit = self._bits.get(address)
+        if bit is None:
+            used = set(self._bits.values())
+            bit = next(1 << k for k in itertools.count() if 1 << k not in used)
+            self._bits[address] = bit
+        return bit
+
+    def _reset(self, address: str) -> None:
+        """Forget every block of the worker at `address` (it stays tracked)."""
+        cached = self._hashes.get(address)
+        if cached:
+            self._drop(self._bit(address), cached)
+        self._hashes[address] = set()
+
+    def _drop(self, bit: int, hashes: Iterable[bytes]) -> None:
+        holders = self._holders
+        for h in hashes:
+            left = holders.get(h, 0) & ~bit
+            if left:
+                holders[h] = left
+            else:
+                holders.pop(h, None)
+
     def _apply(self, address: str, events: Sequence[kv_pb2.KvEvent]) -> None:
         cached = self._hashes.setdefault(address, set())
+        bit = self._bit(address)
+        holders = self._holders
         for event in events:
             if event.kind == kv_pb2.KV_EVENT_KIND_STORED:
                 cached.update(event.block_hashes)
+                for h in event.block_hashes:
+                    holders[h] = holders.get(h, 0) | bit
             elif event.kind == kv_pb2.KV_EVENT_KIND_REMOVED:
-                cached.difference_update(event.block_hashes)
+                gone = cached.intersection(event.block_hashes)
+                cached.difference_update(gone)
+                self._drop(bit, gone)
             elif event.kind == kv_pb2.KV_EVENT_KIND_CLEARED:
+                self._drop(bit, cached)
                 cached.clear()
 
     async def close(self) -> None:
@@ -116,6 +173,8 @@ class PrefixIndex:
         tasks = list(self._tasks.values())
         self._tasks.clear()
         self._hashes.clear()
+        self._holders.clear()
+        self._bits.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

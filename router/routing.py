@@ -9,7 +9,6 @@ choice (`chooser`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.kv.hashing import block_hashes
@@ -58,39 +57,59 @@ class PrefillRouting:
         except ValueError:
             return None
 
-    def chooser(self, hashes: list[bytes] | None) -> Callable[[Role, frozenset[str]], WorkerRecord]:
+    def chooser(self, hashes: list[bytes] | None) -> Chooser:
         """Admission's worker choice: prefill and decode each by cached prefix among the
         least loaded (when cache aware; else by load); never a worker in `exclude` (no
         room)."""
-
-        def choose(role: Role, exclude: frozenset[str]) -> WorkerRecord:
-            if hashes is not None:
-                return self.registry.pick(
-                    role,
-                    exclude=exclude,
-                    affinity=lambda w: self.prefix.cached_prefix(w.address, hashes),
-                )
-            return self.registry.pick(role, exclude=exclude)
-
-        return choose
+        return Chooser(self.registry, self.prefix, hashes)
 
     def route(
-        self, job: Job, hashes: list[bytes] | None, worker: WorkerRecord | None
+        self,
+        job: Job,
+        hashes: list[bytes] | None,
+        worker: WorkerRecord | None,
+        choose: Chooser | None = None,
     ) -> PrefillRoute:
         """The prefill worker (`worker`, or the one with the longest known cached prefix
         among the least loaded) and the items its cached prefix covers entirely (see
-        `router.orchestrator`); `hashes` are `hashes(job)`."""
+        `router.orchestrator`); `hashes` are `hashes(job)`, `choose` the chooser admission
+        used for them (its prefixes are reused), if any."""
         if hashes is None:
             return PrefillRoute(worker, frozenset())
+        if choose is None or choose.hashes is not hashes:
+            choose = self.chooser(hashes)
         if worker is None:
-            worker = self.chooser(hashes)(Role.PREFILL, frozenset())
+            worker = choose(Role.PREFILL, frozenset())
         assert worker.layout is not None  # a prefill worker
         block_size = worker.layout.block_size
         tokens = job.prompt.prompt_token_ids
-        blocks = min(
-            self.prefix.cached_prefix(worker.address, hashes), (len(tokens) - 1) // block_size
-        )
+        blocks = min(choose.cached_blocks(worker), (len(tokens) - 1) // block_size)
         covered = blocks * block_size
         items = job.prompt.params.items
         skip = frozenset(i for i, it in enumerate(items) if it.end <= covered)
         return PrefillRoute(worker, skip, blocks)
+
+
+class Chooser:
+    """One routing decision's worker choice (`PrefillRouting.chooser`): called with a role
+    and the addresses to exclude. Every worker's cached prefix of `hashes` is looked up
+    once, at the first call, and serves every later call (the other role, a retry)."""
+
+    def __init__(self, registry: Registry, prefix: PrefixIndex, hashes: list[bytes] | None):
+        self.registry = registry
+        self.prefix = prefix
+        self.hashes = hashes  # None: by load alone
+        self._prefixes: dict[str, int] | None = None
+
+    def cached_blocks(self, worker: WorkerRecord) -> int:
+        """Leading blocks of the hashes `worker` is known to cache."""
+        if self.hashes is None:
+            return 0
+        if self._prefixes is None:
+            self._prefixes = self.prefix.cached_prefixes(self.hashes)
+        return self._prefixes.get(worker.address, 0)
+
+    def __call__(self, role: Role, exclude: frozenset[str]) -> WorkerRecord:
+        if self.hashes is None:
+            return self.registry.pick(role, exclude=exclude)
+        return self.registry.pick(role, exclude=exclude, affinity=self.cached_blocks)

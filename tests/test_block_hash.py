@@ -128,6 +128,24 @@ def test_layout_past_prompt_is_an_error() -> None:
         block_hashes(tokens[:15], 4, params)
 
 
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=300),
+    st.sampled_from([1, 3, 16, 64, 70]),  # 64 and 70: token bytes past bin8
+    st.one_of(st.none(), st.text(max_size=40)),
+    st.one_of(st.none(), st.text(max_size=5), st.integers(0, 2**40)),
+    st.booleans(),
+)
+@settings(max_examples=150, deadline=None)
+def test_text_blocks_equal_the_documented_chain(
+    tokens: list[int], block_size: int, salt: str | None, lora: str | int | None, as_array: bool
+) -> None:
+    """The pre-packed fast path equals `msgpack.packb` of each block's list, for a list of
+    ints and for an array, any salt and LoRA id."""
+    ids = np.array(tokens, dtype=np.int64) if as_array else tokens
+    got = block_hashes(ids, block_size, cache_salt=salt, lora_id=lora)
+    assert got == documented_hashes(tokens, block_size, {}, cache_salt=salt, lora_id=lora)
+
+
 # Run path equals the legacy path for contiguous items
 
 

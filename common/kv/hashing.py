@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -87,29 +88,37 @@ def block_hashes(
         keys = keys_by_span(params, block_starts, block_starts + block_size)
     stride = 4 * block_size
     # The msgpack of [parent, tokens, keys, salt, lora] is assembled from pre-packed parts:
-    # byte-for-byte what msgpack.packb of that list gives, without packing per block.
+    # byte-for-byte what msgpack.packb of that list gives, without packing per block. What
+    # follows the parent in a block without keys is cut for every block from one array.
     pack = msgpack.Packer(use_bin_type=True).pack
     head = b"\x95" + pack(bytes(32))[:-32]  # fixarray(5), bin header of the parent
     token_head = pack(bytes(stride))[:-stride]  # bin header of the token bytes
-    first_salt, later_salt = pack(cache_salt), pack(None)
-    tail = pack(lora_id)
-    no_keys = pack([])
+    later = pack(None) + pack(lora_id)  # no salt past the first block, the LoRA id
+    rests = _rests(tokens, num_full, stride, token_head, pack([]) + later)
+    for b, block_keys in keys.items():
+        rests[b] = token_head + tokens[b * stride : (b + 1) * stride] + pack(block_keys) + later
+    if num_full:
+        rest = token_head + tokens[:stride] + pack(keys.get(0, []))
+        rests[0] = rest + pack(cache_salt) + pack(lora_id)
     sha256 = hashlib.sha256
     out: list[bytes] = []
     parent = root
-    for b in range(num_full):
-        block_keys = keys.get(b)
-        parent = sha256(
-            head
-            + parent
-            + token_head
-            + tokens[b * stride : (b + 1) * stride]
-            + (no_keys if block_keys is None else pack(block_keys))
-            + (first_salt if b == 0 else later_salt)
-            + tail
-        ).digest()
+    for rest in rests:
+        parent = sha256(head + parent + rest).digest()
         out.append(parent)
     return out
+
+
+def _rests(tokens: bytes, blocks: int, stride: int, lead: bytes, tail: bytes) -> list[bytes]:
+    """`lead + the block's token bytes + tail` for each of `blocks` blocks."""
+    width = len(lead) + stride + len(tail)
+    rows = np.empty((blocks, width), dtype=np.uint8)
+    rows[:, : len(lead)] = np.frombuffer(lead, dtype=np.uint8)
+    cut = np.frombuffer(tokens, dtype=np.uint8, count=blocks * stride)
+    rows[:, len(lead) : len(lead) + stride] = cut.reshape(blocks, stride)
+    rows[:, len(lead) + stride :] = np.frombuffer(tail, dtype=np.uint8)
+    data = rows.tobytes()
+    return [data[o : o + width] for o in range(0, len(data), width)]
 
 
 def prompt_digest(
@@ -143,6 +152,11 @@ def prompt_digest(
 
 def _token_bytes(token_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bytes:
     """Token ids as little-endian int32 bytes, rejecting values outside int32."""
+    if isinstance(token_ids, list):
+        try:  # a list of ints (what processors give): struct packs and range-checks in C
+            return struct.pack(f"<{len(token_ids)}i", *token_ids)
+        except struct.error:
+            pass  # not all int32: numpy below names what is wrong
     arr = np.asarray(token_ids)
     if arr.size == 0:
         return b""
