@@ -19,7 +19,6 @@ layout that does not fit the prompt raises instead of silently hashing placehold
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from common.multimodal.params import MultimodalItemMetadata, MultimodalParams
+from common.multimodal.params import MultimodalParams
 from common.multimodal.validation import INT32_MAX
 
 BLOCK_HASH_SCHEME = "epd-block-hash-v1"
@@ -179,62 +178,67 @@ def keys_by_span(
     `(partition hash, max(r0, p0) - p0, uuid)` per partition `[p0, p1)` of item rows with
     `p0 < r1` and `p1 > r0`, in partition order. A span that overlaps no run (gap text
     only) is absent. `starts` must be ascending, as blocks are.
+
+    Computed on arrays: an item without partition keys is one "unit" of rows `[0, inf)`
+    keyed by the item, an item with them one unit per partition; every item's units are
+    laid out on one row axis (item after item), so the units a (span, run) pair touches
+    are a `searchsorted` range there.
     """
     run_starts = params.run_positions
     run_ends = run_starts + params.run_lengths
     lo = np.searchsorted(run_ends, starts, side="right")
     hi = np.searchsorted(run_starts, ends, side="left")
-    hit = np.flatnonzero(hi > lo)
-    # Plain Python lists from here: per-key numpy scalar access costs microseconds.
-    run_starts_l = run_starts.tolist()
-    run_ends_l = run_ends.tolist()
-    run_rows = params.run_row_offsets.tolist()
-    run_items = params.run_items.tolist()
-    span_starts = starts[hit].tolist()
-    span_ends = ends[hit].tolist()
-    identity = [(item.content_hash, item.uuid) for item in params.items]
-    splits = [_PartitionRows.of(item) if item.partition_keys else None for item in params.items]
+    counts = np.maximum(hi - lo, 0)
+    span, run = _expand(lo, counts)  # one entry per (span, overlapping run) pair
+    if not len(span):
+        return {}
+    item = params.run_items[run]
+    row0 = params.run_row_offsets[run] - run_starts[run]  # item row = prompt index + row0
+    r0 = row0 + np.maximum(starts[span], run_starts[run])
+    r1 = row0 + np.minimum(ends[span], run_ends[run])
+    base, unit_start, unit_hash = _units(params)
+    g0, g1 = base[item] + r0, base[item] + r1
+    first = np.searchsorted(unit_start, g0, side="right") - 1
+    pair, unit = _expand(first, np.searchsorted(unit_start, g1, side="left") - first)
+    offsets = (np.maximum(g0[pair], unit_start[unit]) - unit_start[unit]).tolist()
+    uuids = [it.uuid for it in params.items]
     keys: dict[int, list[MmKey]] = {}
-    for i, start, end, first, stop in zip(
-        hit.tolist(), span_starts, span_ends, lo[hit].tolist(), hi[hit].tolist(), strict=True
-    ):
-        span_keys: list[MmKey] = []
-        for k in range(first, stop):
-            item = run_items[k]
-            item_hash, uuid = identity[item]
-            run_start = run_starts_l[k]
-            offset = run_rows[k] + max(start, run_start) - run_start
-            split = splits[item]
-            if split is None:
-                span_keys.append(MmKey(item_hash, offset, uuid))
-            else:
-                end_row = run_rows[k] + min(end, run_ends_l[k]) - run_start
-                split.keys(offset, end_row, uuid, span_keys)
-        keys[i] = span_keys
+    spans, items = span[pair].tolist(), item[pair].tolist()
+    for s, u, o, i in zip(spans, unit.tolist(), offsets, items, strict=True):
+        key = MmKey(unit_hash[u], o, uuids[i])
+        found = keys.get(s)
+        if found is None:
+            keys[s] = [key]
+        else:
+            found.append(key)
     return keys
 
 
-class _PartitionRows:
-    """An item's partitions as item-row ranges, for partition keys."""
+def _expand(
+    first: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """`(i, first[i] + j)` for every `i` and `0 <= j < counts[i]`, in that order."""
+    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    cumulative = np.cumsum(counts) - counts
+    return owner, first[owner] + np.arange(len(owner), dtype=np.int64) - cumulative[owner]
 
-    __slots__ = ("hashes", "starts")
 
-    def __init__(self, starts: list[int], hashes: list[bytes]) -> None:
-        self.starts = starts  # first item row of each partition, plus one past the last
-        self.hashes = hashes  # content hash of each partition
-
-    @classmethod
-    def of(cls, item: MultimodalItemMetadata) -> _PartitionRows:
-        starts = [0]
-        for part in item.partitions:
-            starts.append(starts[-1] + part.output_rows)
-        return cls(starts, [part.content_hash for part in item.partitions])
-
-    def keys(self, row: int, end_row: int, uuid: str | None, out: list[MmKey]) -> None:
-        """Append the keys of item rows `[row, end_row)`: one per partition they touch."""
-        p = bisect.bisect_right(self.starts, row) - 1
-        starts = self.starts
-        while row < end_row:
-            out.append(MmKey(self.hashes[p], row - starts[p], uuid))
-            p += 1
-            row = starts[p]
+def _units(
+    params: MultimodalParams,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], list[bytes]]:
+    """Each item's first row on the shared row axis, each unit's first row there (ascending)
+    and each unit's content hash (see `keys_by_span`)."""
+    rows = np.bincount(params.run_items, params.run_lengths, len(params.items)).astype(np.int64)
+    base = np.cumsum(rows) - rows
+    unit_start: list[int] = []
+    unit_hash: list[bytes] = []
+    for item, first in zip(params.items, base.tolist(), strict=True):
+        if item.partition_keys:
+            for part in item.partitions:
+                unit_start.append(first)
+                unit_hash.append(part.content_hash)
+                first += part.output_rows
+        else:
+            unit_start.append(first)
+            unit_hash.append(item.content_hash)
+    return base, np.array(unit_start, dtype=np.int64), unit_hash
