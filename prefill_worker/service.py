@@ -30,6 +30,7 @@ in worker threads (`prefill_worker.embeddings`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -142,6 +143,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
         check_request(self.runner, tokens, sampling, request)
+        started = time.perf_counter()
         handoff = await self.embeddings.read_handoff(
             tokens, request.multimodal, request.embedding_holders, time_left_s
         )
@@ -150,6 +152,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         lora = request.lora_id if request.HasField("lora_id") else None
         allocator = self.runner.allocator
         hashes = allocator.hashes(tokens, params, cache_salt=salt, lora_id=lora)
+        computing = time.perf_counter()
         try:
             seq, digests = await self.model.call(
                 self._compute,
@@ -166,10 +169,13 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         lease = self.leases.add(LeasedBlocks(seq.blocks, digests), request.request_id, ttl_s)
         self.requests += 1
         logger.debug(
-            "request %s: %d tokens (%d cached), lease %s for %.1f s",
+            "request %s: %d tokens (%d cached), handoff and hashes %.1f ms, compute %.1f ms, "
+            "lease %s for %.1f s",
             request.request_id,
             len(tokens),
             seq.cached_tokens,
+            (computing - started) * 1000,
+            (time.perf_counter() - computing) * 1000,
             lease.lease_id,
             ttl_s,
         )

@@ -289,13 +289,17 @@ class Orchestrator:
         self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
         to_encode = [i for i in every if i not in route.skip]
+        encoding = time.perf_counter()
         if self.overlap is not None:
             encoded = await self.overlap.encode(job, route, to_encode)
         else:
             encoded = await self.encoder.encode(job, to_encode)
+        prefilling = time.perf_counter()
         try:
             try:
-                return await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
+                out = await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
+                _log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
+                return out
             except RouterError as exc:
                 every_item_carried = len(encoded.embeddings) == len(every)
                 if every_item_carried or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
@@ -359,3 +363,30 @@ class Orchestrator:
     async def close(self) -> None:
         """Stop following KV events (the peer client's owner closes it: releases finish)."""
         await self.prefix.close()
+
+
+def _log_stages(
+    job: Job,
+    encoded: Encoded,
+    encode_s: float,
+    prefill_start: float,
+    response: prefill_service_pb2.PrefillResponse,
+) -> None:
+    """Debug log of where a request's time to first token went (benchmarks read it)."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    inline = sum(
+        len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
+        for emb in encoded.embeddings
+    )
+    logger.debug(
+        "request %s stages: encode %.1f ms (%d embeddings, %d inline bytes), prefill %.1f ms "
+        "(%d cached, %d computed tokens)",
+        job.request_id,
+        encode_s * 1000,
+        len(encoded.embeddings),
+        inline,
+        (time.perf_counter() - prefill_start) * 1000,
+        response.cached_tokens,
+        response.computed_tokens,
+    )
