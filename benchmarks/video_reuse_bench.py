@@ -152,8 +152,8 @@ async def warm_vs_cold(model: Path, args: argparse.Namespace, size: int) -> None
                         for line in stages(logs / name, request):
                             print(f"      {line}")
         finally:
-            for c in clusters.values():
-                await asyncio.to_thread(c.stop)
+            for deployment in clusters.values():
+                await asyncio.to_thread(deployment.stop)
     ms = 1000.0
     fraction = med(uncached)
     print(

@@ -2,7 +2,9 @@
 
 Prefill: validate the handoff (INVALID_ARGUMENT naming the field, nothing cached), pull
 embeddings held by NIXL handles (then `ReleaseEmbeddings` on the encoder named for each
-lease in `embedding_holders`), hash the prompt's full blocks under the runner's root,
+lease in `embedding_holders`; a video given only its partitions past the cached prefix is
+computed as its pieces, `prefill_worker.partitions`), hash the prompt's full blocks under
+the runner's root,
 reuse the cached prefix, compute the rest, sample the first token, and answer with a
 `KvHandle`: the block hashes, this worker's NIXL agent, one descriptor per prompt block
 (full blocks, then the partial last block) into the registered block-major KV buffer, and
@@ -58,6 +60,7 @@ from epd.v1 import (
     registry_service_pb2,
 )
 from prefill_worker.embeddings import EmbeddingPulls
+from prefill_worker.partitions import split_for_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -144,14 +147,18 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         sampling = sampling_from_proto(request.sampling)
         check_request(self.runner, tokens, sampling, request)
         started = time.perf_counter()
+        # A video given only some partitions' rows is computed as its pieces; the hashes
+        # and digest stay the whole prompt's (`prefill_worker.partitions`).
+        whole, multimodal = split_for_prefill(request.multimodal)
         handoff = await self.embeddings.read_handoff(
-            tokens, request.multimodal, request.embedding_holders, time_left_s
+            tokens, multimodal, request.embedding_holders, time_left_s
         )
         params = handoff.params
+        prompt = params if whole is None else whole
         salt = request.cache_salt if request.HasField("cache_salt") else None
         lora = request.lora_id if request.HasField("lora_id") else None
         allocator = self.runner.allocator
-        hashes = allocator.hashes(tokens, params, cache_salt=salt, lora_id=lora)
+        hashes = allocator.hashes(tokens, prompt, cache_salt=salt, lora_id=lora)
         computing = time.perf_counter()
         try:
             seq, digests = await self.model.call(
@@ -187,7 +194,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 hashes or [],
                 num_tokens=len(tokens),
                 prompt_digest=allocator.prompt_digest(
-                    tokens, params, cache_salt=salt, lora_id=lora
+                    tokens, prompt, cache_salt=salt, lora_id=lora
                 ),
                 block_digests=digests,
                 agent=self.agent,

@@ -2,8 +2,9 @@
 prefill + decode as real processes on a tiny random checkpoint.
 
 A video V and V with frames appended: prefill reuses every block of V's frames, decode
-already holds them and pulls only the rest, the encoder encodes only the new temporal
-patches, and the tokens equal the offline engine's (greedy, no reuse). A video differing in
+already holds them and pulls only the rest, the router asks the encoder for the new
+temporal patches alone (and the prefill worker takes the video as its pieces), and the
+tokens equal the offline engine's (greedy, no reuse). A video differing in
 one frame reuses exactly the blocks before that frame's run. (Where partition keys are not
 allowed, tests/test_partition_keys.py shows the keys fall back to the item's.)
 
@@ -140,8 +141,9 @@ async def test_appended_frames_reuse_every_shared_block_and_encode_only_new_fram
     assert shared * BLOCK <= b.cached_tokens <= max(stepped_tokens(engine, second), shared * BLOCK)
     assert b.blocks_reused == shared
     assert b.blocks_pulled == -(-n2 // BLOCK) - shared
-    # The encoder found V's 4 temporal patches and encoded the 2 new ones.
-    assert await encoder_counts(cluster, lookups + 6) == (hits + 4, lookups + 6)
+    # The router asked the encoder for the 2 new temporal patches alone (V's 4 lie inside
+    # the prefill worker's cached prefix: neither encoded nor sent), and it encoded them.
+    assert await encoder_counts(cluster, lookups + 2) == (hits, lookups + 2)
     assert a.token_ids == reference(engine, first)
     assert b.token_ids == reference(engine, second)
 
