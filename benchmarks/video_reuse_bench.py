@@ -4,6 +4,10 @@
    `tests/cluster.py`): per round, a cold request (a fresh video of `frames + appended`
    frames: nothing cached) and a warm one (a video of `frames` frames served first, then the
    same video with `appended` more frames), alternating so background load hits both alike.
+   Frames go as PNG files encoded before the clock starts (a client's encoding is not the
+   deployment's time). `--baseline DIR`: a second deployment running another checkout's
+   code (e.g. `git worktree add --detach /tmp/vw-base <commit>`), its requests interleaved
+   with this one's; `--stages` prints the last round's stage times from the debug logs.
    Goal: warm TTFT <= (uncached fraction of the warm prompt + 0.05) x cold TTFT.
 2. Router planning per request for a ~`--plan-tokens`-token prompt holding a video, in this
    process: process (template, video preprocessing, tokenizing), hash (`block_hashes`
@@ -41,6 +45,7 @@ from common.sampling import SamplingParams
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_to_proto
 from epd.client import Client
+from epd.request import encode_image
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
 from router.calls import Job
 from router.prefix_index import PrefixIndex
@@ -57,7 +62,13 @@ def clip(seed: int, frames: int, size: int) -> np.ndarray:
     return rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
 
 
-def ask(video: np.ndarray, text: str = "What happens at the end?") -> list[dict[str, Any]]:
+def png_frames(video: np.ndarray) -> list[bytes]:
+    """The frames as the PNG files a client sends (encoded before the clock starts: the
+    client's encoding is not the deployment's time to first token)."""
+    return [encode_image(frame) for frame in video]
+
+
+def ask(video: Any, text: str = "What happens at the end?") -> list[dict[str, Any]]:
     part = {"type": "video", "video": video, "fps": 2.0}
     return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
 
@@ -122,16 +133,17 @@ async def warm_vs_cold(model: Path, args: argparse.Namespace, size: int) -> None
             total = args.frames + args.appended
             for client in clients.values():
                 await client.generate_text(
-                    ask(clip(9_999, total, size)), sampling, timeout_s=900
+                    ask(png_frames(clip(9_999, total, size))), sampling, timeout_s=900
                 )  # warm-up
             for r in range(args.rounds):
                 for k, (name, client) in enumerate(clients.items()):
                     seed = 1000 * k + 2 * r
+                    cold_video = png_frames(clip(seed, total, size))
                     c = await client.generate_text(
-                        ask(clip(seed, total, size)), sampling, timeout_s=900, request_id=f"cold{r}"
+                        ask(cold_video), sampling, timeout_s=900, request_id=f"cold{r}"
                     )
                     cold[name].append(c.ttft_s)
-                    video = clip(seed + 1, total, size)
+                    video = png_frames(clip(seed + 1, total, size))
                     await client.generate_text(
                         ask(video[: args.frames]), sampling, timeout_s=900, request_id=f"first{r}"
                     )
