@@ -8,7 +8,10 @@ tokens equal the offline engine's (greedy, no reuse). A video differing in
 one frame reuses exactly the blocks before that frame's run. (Where partition keys are not
 allowed, tests/test_partition_keys.py shows the keys fall back to the item's.)
 
-The deployment runs with `overlap_prefill` on (`router.overlap`): the router encodes a
+A second deployment, without overlap, shows the plain path: the warm request's one
+`Encode` call holds only the new temporal patches.
+
+The first deployment runs with `overlap_prefill` on (`router.overlap`): the router encodes a
 video partition by partition and the prefill worker computes the prompt up to the first
 partition not yet encoded as they arrive, so even a first request finds the text before the
 video cached (and, as far as the encoder was ahead, the partitions after it), and its tokens
