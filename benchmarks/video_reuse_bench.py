@@ -4,6 +4,10 @@
    `tests/cluster.py`): per round, a cold request (a fresh video of `frames + appended`
    frames: nothing cached) and a warm one (a video of `frames` frames served first, then the
    same video with `appended` more frames), alternating so background load hits both alike.
+   Frames go as PNG files encoded before the clock starts (a client's encoding is not the
+   deployment's time). `--baseline DIR`: a second deployment running another checkout's
+   code (e.g. `git worktree add --detach /tmp/vw-base <commit>`), its requests interleaved
+   with this one's; `--stages` prints the last round's stage times from the debug logs.
    Goal: warm TTFT <= (uncached fraction of the warm prompt + 0.05) x cold TTFT.
 2. Router planning per request for a ~`--plan-tokens`-token prompt holding a video, in this
    process: process (template, video preprocessing, tokenizing), hash (`block_hashes`
@@ -11,12 +15,14 @@
    workers whose cached prefixes are known). p50 and p99. Goal: hash + route p99 <= 1 ms.
 
     .venv/bin/python benchmarks/video_reuse_bench.py [--size bench|tiny] [--rounds 3]
+        [--skip-planning] [--baseline /tmp/vw-base] [--stages]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import statistics
 import sys
 import tempfile
@@ -39,6 +45,7 @@ from common.sampling import SamplingParams
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_to_proto
 from epd.client import Client
+from epd.request import encode_image
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
 from router.calls import Job
 from router.prefix_index import PrefixIndex
@@ -47,6 +54,7 @@ from router.routing import PrefillRouting
 from tests.cluster import start_cluster
 
 BLOCK = 16
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def clip(seed: int, frames: int, size: int) -> np.ndarray:
@@ -54,7 +62,13 @@ def clip(seed: int, frames: int, size: int) -> np.ndarray:
     return rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
 
 
-def ask(video: np.ndarray, text: str = "What happens at the end?") -> list[dict[str, Any]]:
+def png_frames(video: np.ndarray) -> list[bytes]:
+    """The frames as the PNG files a client sends (encoded before the clock starts: the
+    client's encoding is not the deployment's time to first token)."""
+    return [encode_image(frame) for frame in video]
+
+
+def ask(video: Any, text: str = "What happens at the end?") -> list[dict[str, Any]]:
     part = {"type": "video", "video": video, "fps": 2.0}
     return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
 
@@ -67,51 +81,110 @@ def p99(values: list[float]) -> float:
     return float(np.percentile(values, 99))
 
 
+STAGE_LINES = (  # debug lines of the router, encoder and prefill worker (`--stages`)
+    re.compile(r"request (\S+) stages: (.*)$"),
+    re.compile(r"request (\S+): \d+ items, (\d+ from cache; .*)$"),
+    re.compile(r"request (\S+): (\d+ tokens \(\d+ cached\), handoff .* ms), lease"),
+)
+
+
+def stages(logs: Path, request_id: str) -> list[str]:
+    """What the deployment's debug logs say about one request's stages."""
+    out = []
+    for name in ("router", "encoder", "prefill"):
+        for line in (logs / f"{name}.log").read_text(errors="replace").splitlines():
+            for pattern in STAGE_LINES:
+                m = pattern.search(line)
+                if m and m.group(1).split(":")[0] == request_id:
+                    out.append(f"{name}: {m.group(2)}")
+    return out
+
+
 async def warm_vs_cold(model: Path, args: argparse.Namespace, size: int) -> None:
+    """Cold and warm requests on each deployment (this checkout's, and `--baseline`'s),
+    round by round, the deployments' requests interleaved."""
     sampling = SamplingParams(max_tokens=2, ignore_eos=True)
-    cold: list[float] = []
-    warm: list[float] = []
+    roots = {"this": ROOT} | ({"baseline": Path(args.baseline)} if args.baseline else {})
+    cold: dict[str, list[float]] = {name: [] for name in roots}
+    warm: dict[str, list[float]] = {name: [] for name in roots}
     uncached: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="epd-bench-") as logs:
-        cluster = await asyncio.to_thread(
-            start_cluster,
-            model,
-            Path(logs),
-            block_size=BLOCK,
-            num_blocks=4096,
-            heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
-            timeout_s=600,
-        )
+    debug = ("--log-level", "DEBUG") if args.stages else ()
+    with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
+        logs = Path(args.log_dir or tmp)
+        clusters = {}
         try:
-            async with Client(cluster.address, api_key=cluster.client_key) as client:
-                total = args.frames + args.appended
+            for name, root in roots.items():
+                clusters[name] = await asyncio.to_thread(
+                    start_cluster,
+                    model,
+                    logs / name,
+                    block_size=BLOCK,
+                    num_blocks=4096,
+                    heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
+                    timeout_s=600,
+                    root=root,
+                    router_args=debug,
+                    encoder_args=debug,
+                    prefill_args=debug,
+                )
+            clients = {
+                name: Client(c.address, api_key=c.client_key) for name, c in clusters.items()
+            }
+            total = args.frames + args.appended
+            for client in clients.values():
                 await client.generate_text(
-                    ask(clip(9_999, total, size)), sampling, timeout_s=900
+                    ask(png_frames(clip(9_999, total, size))), sampling, timeout_s=900
                 )  # warm-up
-                for r in range(args.rounds):
+            for r in range(args.rounds):
+                for k, (name, client) in enumerate(clients.items()):
+                    seed = 1000 * k + 2 * r
+                    cold_video = png_frames(clip(seed, total, size))
                     c = await client.generate_text(
-                        ask(clip(2 * r, total, size)), sampling, timeout_s=900
+                        ask(cold_video), sampling, timeout_s=900, request_id=f"cold{r}"
                     )
-                    cold.append(c.ttft_s)
-                    video = clip(2 * r + 1, total, size)
-                    await client.generate_text(ask(video[: args.frames]), sampling, timeout_s=900)
-                    w = await client.generate_text(ask(video), sampling, timeout_s=900)
-                    warm.append(w.ttft_s)
-                    uncached.append(1 - w.cached_tokens / w.prompt_tokens)
-                prompt_tokens = w.prompt_tokens
+                    cold[name].append(c.ttft_s)
+                    video = png_frames(clip(seed + 1, total, size))
+                    await client.generate_text(
+                        ask(video[: args.frames]), sampling, timeout_s=900, request_id=f"first{r}"
+                    )
+                    w = await client.generate_text(
+                        ask(video), sampling, timeout_s=900, request_id=f"warm{r}"
+                    )
+                    warm[name].append(w.ttft_s)
+                    if name == "this":
+                        uncached.append(1 - w.cached_tokens / w.prompt_tokens)
+            prompt_tokens = w.prompt_tokens
+            for client in clients.values():
+                await client.close()
+            if args.stages:
+                await asyncio.sleep(0.5)  # the last lines reach the logs
+                for name in roots:
+                    for request in (f"cold{args.rounds - 1}", f"warm{args.rounds - 1}"):
+                        print(f"   [{name}] {request}:")
+                        for line in stages(logs / name, request):
+                            print(f"      {line}")
         finally:
-            await asyncio.to_thread(cluster.stop)
+            for deployment in clusters.values():
+                await asyncio.to_thread(deployment.stop)
     ms = 1000.0
-    ratio, fraction = med(warm) / med(cold), med(uncached)
+    fraction = med(uncached)
     print(
         f"\n1. warm vs cold TTFT: {args.frames} + {args.appended} appended frames of {size}px "
         f"({prompt_tokens} prompt tokens), {args.rounds} rounds, medians:"
     )
-    print(f"   cold {med(cold) * ms:8.1f} ms   warm {med(warm) * ms:8.1f} ms")
-    print(
-        f"   warm/cold {ratio:.3f}   uncached fraction {fraction:.3f}   goal <= "
-        f"{fraction + 0.05:.3f}: {'met' if ratio <= fraction + 0.05 else 'NOT met'}"
-    )
+    for name in roots:
+        ratio = med(warm[name]) / med(cold[name])
+        print(
+            f"   {name:8s} cold {med(cold[name]) * ms:8.1f} ms   warm {med(warm[name]) * ms:8.1f} "
+            f"ms   warm/cold {ratio:.3f}   goal <= {fraction + 0.05:.3f} (uncached fraction "
+            f"{fraction:.3f}): {'met' if ratio <= fraction + 0.05 else 'NOT met'}"
+        )
+    if args.baseline:
+        print(
+            "   this/baseline: cold "
+            f"{med(cold['this']) / med(cold['baseline']):.3f}   warm "
+            f"{med(warm['this']) / med(warm['baseline']):.3f}"
+        )
 
 
 def kv_layout(block_bytes: int) -> kv_pb2.KvLayout:
@@ -199,12 +272,21 @@ def main() -> None:
     parser.add_argument("--plan-reps", type=int, default=200)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--skip-cluster", action="store_true", help="only the planning part")
+    parser.add_argument("--skip-planning", action="store_true", help="only warm vs cold")
+    parser.add_argument(
+        "--baseline", help="another checkout (e.g. a git worktree): its deployment too, interleaved"
+    )
+    parser.add_argument(
+        "--stages", action="store_true", help="debug logs; print the last round's stage times"
+    )
+    parser.add_argument("--log-dir", help="keep the deployments' logs here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = default_checkpoint(args.size)
     size = 224 if args.size == "bench" else 64
     print(f"checkpoint {model} ({args.size})")
-    planning(model, args, size)
+    if not args.skip_planning:
+        planning(model, args, size)
     if not args.skip_cluster:
         asyncio.run(warm_vs_cold(model, args, size))
 

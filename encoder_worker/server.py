@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,19 +95,24 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
     ) -> encoder_service_pb2.EncodeResponse:
         """Rows for every requested item (or its requested partitions), in request order."""
         async with self.lifecycle.track():
+            started = time.perf_counter()
             jobs = parse_request(
                 request,
                 self.vision,
                 self.fingerprint,
                 exact_partitions=self.settings.exact_partitions,
             )
+            parsed = time.perf_counter()
             outputs = await self.engine.encode(jobs)
             items = [await self._encoded(job, out) for job, out in zip(jobs, outputs, strict=True)]
             logger.debug(
-                "request %s: %d items, %d from cache",
+                "request %s: %d items, %d from cache; parse and verify %.1f ms, encode and "
+                "answer %.1f ms",
                 request.request_id,
                 len(items),
                 sum(out.cache_hit for out in outputs),
+                (parsed - started) * 1000,
+                (time.perf_counter() - parsed) * 1000,
             )
             return encoder_service_pb2.EncodeResponse(items=items)
 

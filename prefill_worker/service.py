@@ -2,7 +2,9 @@
 
 Prefill: validate the handoff (INVALID_ARGUMENT naming the field, nothing cached), pull
 embeddings held by NIXL handles (then `ReleaseEmbeddings` on the encoder named for each
-lease in `embedding_holders`), hash the prompt's full blocks under the runner's root,
+lease in `embedding_holders`; a video given only its partitions past the cached prefix is
+computed as its pieces, `prefill_worker.partitions`), hash the prompt's full blocks under
+the runner's root,
 reuse the cached prefix, compute the rest, sample the first token, and answer with a
 `KvHandle`: the block hashes, this worker's NIXL agent, one descriptor per prompt block
 (full blocks, then the partial last block) into the registered block-major KV buffer, and
@@ -30,6 +32,7 @@ in worker threads (`prefill_worker.embeddings`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -57,6 +60,7 @@ from epd.v1 import (
     registry_service_pb2,
 )
 from prefill_worker.embeddings import EmbeddingPulls
+from prefill_worker.partitions import split_for_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -142,14 +146,20 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
         check_request(self.runner, tokens, sampling, request)
+        started = time.perf_counter()
+        # A video given only some partitions' rows is computed as its pieces; the hashes
+        # and digest stay the whole prompt's (`prefill_worker.partitions`).
+        whole, multimodal = split_for_prefill(request.multimodal)
         handoff = await self.embeddings.read_handoff(
-            tokens, request.multimodal, request.embedding_holders, time_left_s
+            tokens, multimodal, request.embedding_holders, time_left_s
         )
         params = handoff.params
+        prompt = params if whole is None else whole
         salt = request.cache_salt if request.HasField("cache_salt") else None
         lora = request.lora_id if request.HasField("lora_id") else None
         allocator = self.runner.allocator
-        hashes = allocator.hashes(tokens, params, cache_salt=salt, lora_id=lora)
+        hashes = allocator.hashes(tokens, prompt, cache_salt=salt, lora_id=lora)
+        computing = time.perf_counter()
         try:
             seq, digests = await self.model.call(
                 self._compute,
@@ -166,10 +176,13 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         lease = self.leases.add(LeasedBlocks(seq.blocks, digests), request.request_id, ttl_s)
         self.requests += 1
         logger.debug(
-            "request %s: %d tokens (%d cached), lease %s for %.1f s",
+            "request %s: %d tokens (%d cached), handoff and hashes %.1f ms, compute %.1f ms, "
+            "lease %s for %.1f s",
             request.request_id,
             len(tokens),
             seq.cached_tokens,
+            (computing - started) * 1000,
+            (time.perf_counter() - computing) * 1000,
             lease.lease_id,
             ttl_s,
         )
@@ -181,7 +194,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 hashes or [],
                 num_tokens=len(tokens),
                 prompt_digest=allocator.prompt_digest(
-                    tokens, params, cache_salt=salt, lora_id=lora
+                    tokens, prompt, cache_salt=salt, lora_id=lora
                 ),
                 block_digests=digests,
                 agent=self.agent,

@@ -10,8 +10,11 @@ load exceeds that one's by more than `affinity_slack` requests; a slack of 0 tur
 off (the whole request goes to the least loaded encoder). A request's items are grouped per
 chosen encoder; the groups' `Encode` calls run concurrently (each retried on
 UNAVAILABLE, on another encoder) and their outputs come back in item order.
-`encode_partitions` asks for some partitions of one item (`EncodeItem.partition_indices`,
-sending only their patch rows), for `router.overlap`.
+Of a video whose leading partitions the prefill worker caches, only the partitions past
+them are encoded (`encode`'s `from_partition`); `encode_partitions` asks for some
+partitions of one item (for `router.overlap`). Either way only their patch rows are sent
+(`EncodeItem.partition_indices`), and the embedding names the span it holds
+(`ItemEmbedding.partition_start` / `partition_end`) for the prefill worker.
 
 Outputs come back as inline bytes or NIXL handles and pass on unchanged (a prefill worker
 pulls handle-held ones straight from the encoder). Each handle's lease is recorded with the
@@ -24,11 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from common.roles import Role
 from common.server.peers import PeerClient
@@ -72,18 +74,26 @@ class EncodeStage:
         self.max_inline_embedding_bytes = max_inline_embedding_bytes
         self.affinity_slack = affinity_slack  # requests; 0: no affinity, least loaded only
 
-    async def encode(self, job: Job, items: Sequence[int]) -> Encoded:
-        """Embeddings of the job's items at indexes `items` (whole items), in that order.
-        Raises RouterError (nothing left leased then)."""
+    async def encode(
+        self, job: Job, items: Sequence[int], from_partition: Mapping[int, int] | None = None
+    ) -> Encoded:
+        """Embeddings of the job's items at indexes `items`, in that order: whole items,
+        except an item `i` in `from_partition`, whose embedding holds only its partitions
+        from `from_partition[i]` on (`ItemEmbedding.partition_start`; the prefill worker
+        caches the others). Raises RouterError (nothing left leased then)."""
         if not items:
             return NOTHING
+        chosen = {
+            i: range(first, len(job.prompt.params.items[i].partitions))
+            for i, first in (from_partition or {}).items()
+        }
         groups = self._assign(job, items)
         if len(groups) == 1:
             ((worker, group),) = groups
-            parts = [await self._encode_on(job, group, worker)]
+            parts = [await self._encode_on(job, group, worker, chosen)]
         else:
             tasks = [
-                asyncio.ensure_future(self._encode_on(job, group, worker))
+                asyncio.ensure_future(self._encode_on(job, group, worker, chosen))
                 for worker, group in groups
             ]
             try:
@@ -110,7 +120,7 @@ class EncodeStage:
         partitions' rows in order (`router.overlap` encodes a video piece by piece). Raises
         RouterError (nothing left leased then)."""
         ((worker, _),) = self._assign(job, [item])
-        return await self._encode_on(job, [item], worker, partitions)
+        return await self._encode_on(job, [item], worker, {item: partitions} if partitions else {})
 
     def _assign(
         self, job: Job, items: Sequence[int]
@@ -142,11 +152,12 @@ class EncodeStage:
         job: Job,
         items: Sequence[int],
         first: WorkerRecord | None,
-        partitions: Sequence[int] = (),
+        chosen: Mapping[int, Sequence[int]],
     ) -> Encoded:
         """One `Encode` call for `items` on `first` (None: the least loaded encoder), once
-        more elsewhere on UNAVAILABLE; with `partitions` (one item only) just those of the
-        item, sending only their patch rows. Raises RouterError (nothing left leased then)."""
+        more elsewhere on UNAVAILABLE; of an item `i` in `chosen` just the consecutive
+        partitions `chosen[i]`, sending only their patch rows. Raises RouterError (nothing
+        left leased then)."""
         prompt = job.prompt
         request = encoder_service_pb2.EncodeRequest(request_id=job.request_id)
         if job.cache_salt is not None:  # the tenant's: its encoder cache entries are its own
@@ -154,9 +165,10 @@ class EncodeStage:
         for i in items:
             item = prompt.params.items[i]
             pixels = prompt.pixel_values[i]
-            if partitions:
-                chosen = [item.partitions[p] for p in partitions]
-                pixels = torch.cat([pixels[p.input_start : p.input_end] for p in chosen])
+            partitions = chosen.get(i, ())
+            if partitions:  # consecutive: one slice of the patch rows
+                lo, hi = item.partitions[partitions[0]], item.partitions[partitions[-1]]
+                pixels = pixels[lo.input_start : hi.input_end]
             encode_item = request.items.add(
                 content_hash=item.content_hash,
                 modality=_MODALITY.get(str(item.modality), multimodal_pb2.MODALITY_UNSPECIFIED),
@@ -190,7 +202,7 @@ class EncodeStage:
             if ref.WhichOneof("data") == "handle" and ref.handle.lease_id
         }
         try:
-            return Encoded(self._check(job, items, response, partitions), leases)
+            return Encoded(self._check(job, items, response, chosen), leases)
         except RouterError:
             self.channels.release_embeddings(leases)
             raise
@@ -200,7 +212,7 @@ class EncodeStage:
         job: Job,
         items: Sequence[int],
         response: encoder_service_pb2.EncodeResponse,
-        partitions: Sequence[int] = (),
+        chosen: Mapping[int, Sequence[int]],
     ) -> list[multimodal_pb2.ItemEmbedding]:
         if len(response.items) != len(items):
             raise RouterError(
@@ -210,6 +222,7 @@ class EncodeStage:
         out = []
         for i, encoded in zip(items, response.items, strict=True):
             item = job.prompt.params.items[i]
+            partitions = chosen.get(i, ())
             rows = sum(item.partitions[p].output_rows for p in partitions) or item.length
             if encoded.content_hash != item.content_hash or (
                 tuple(encoded.rows.shape[:1]) != (rows,)
@@ -221,6 +234,8 @@ class EncodeStage:
                 )
             emb = multimodal_pb2.ItemEmbedding(item_index=i, rows=encoded.rows)
             emb.deepstack.extend(encoded.deepstack)
+            if partitions:  # consecutive: the span the rows hold
+                emb.partition_start, emb.partition_end = partitions[0], partitions[-1] + 1
             out.append(emb)
         return out
 

@@ -14,7 +14,10 @@ mkv), opened by `common.processing.video_file.open_video`: its bytes, frame size
 duration are checked from its headers, and the frames it will give counted in the same
 budget, before anything is decoded; it is sampled at the request's `fps` (0: the router's
 `video_file_fps`) and its frames keep the container's times (the processor then samples them
-as any frame list, at most its `video_sample_fps`). The chat becomes typed
+as any frame list, at most its `video_sample_fps`). With the processor's processed-image
+cache, a video's frames are keyed by their bytes (`common.processing.video_cache`) and
+only those of temporal patches the cache does not hold are decoded: the same video with
+frames appended decodes the new frames alone. The chat becomes typed
 `Message`s here, once (`common.processing.messages`); nothing after this reads the protobuf
 or a dict. Errors are `InputError`s (a `ValueError`), which the server answers with
 INVALID_ARGUMENT.
@@ -39,6 +42,7 @@ from common.processing.limits import (
     check_video_frames,
 )
 from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
+from common.processing.video_cache import frames_to_decode
 from common.processing.video_file import VideoFile, open_video
 from epd.v1 import router_service_pb2
 
@@ -226,15 +230,51 @@ class _Reader:
             raise InputError(exc.field, exc.reason) from None
         if not video.fps > 0:
             raise InputError(f"{where}.video.fps", f"must be positive, got {video.fps}")
-        frames = [
-            self.image(frame, f"{where}.video.frames[{k}]") for k, frame in enumerate(video.frames)
+        fields = [f"{where}.video.frames[{k}]" for k in range(len(video.frames))]
+        opened = [
+            open_image(frame, field, self.limits, self.budget)
+            for frame, field in zip(video.frames, fields, strict=True)
         ]
-        sizes = {f.size for f in frames}
+        sizes = {f.size for f in opened}
         if len(sizes) != 1:
             raise InputError(f"{where}.video.frames", f"frames differ in size: {sorted(sizes)}")
-        return VideoPart(
-            frames, float(video.fps), uuid=video.uuid if video.HasField("uuid") else None
-        )
+        fps = float(video.fps)
+        frames = self.keyed_frames(list(video.frames), opened, fps)
+        if frames is None:  # no processed-partition cache: every frame is decoded
+            self.opened.extend(zip(opened, fields, strict=True))
+        else:
+            needed = [k for k, f in enumerate(frames) if f.image is not None]
+            self.opened.extend((opened[k], fields[k]) for k in needed)
+        uuid = video.uuid if video.HasField("uuid") else None
+        return VideoPart(opened if frames is None else frames, fps, uuid=uuid)
+
+    def keyed_frames(
+        self, data: list[bytes], opened: list[Image.Image], fps: float
+    ) -> list[KeyedImage] | None:
+        """A video's frames keyed for the processor's cache of processed temporal patches
+        (`common.processing.video_cache`), each with its image where a patch it belongs to
+        is not cached (to be decoded) and without it where every one is (not decoded, its
+        image closed); None without a cache (or when the video cannot be planned, which the
+        processor then reports)."""
+        processor = self.processor
+        if processor is None or processor.image_cache is None:
+            return None
+        keys = [processor.image_key(frame, self.salt) for frame in data]
+        width, height = opened[0].size
+        try:
+            needed = frames_to_decode(
+                keys, fps, width, height, processor.settings, processor.image_cache
+            )
+        except ValueError:
+            return None
+        out = []
+        for k, (frame, key, image) in enumerate(zip(data, keys, opened, strict=True)):
+            if k in needed:
+                out.append(KeyedImage(frame, key, image))
+            else:
+                image.close()
+                out.append(KeyedImage(frame, key))
+        return out
 
     def video_file(self, video: router_service_pb2.VideoInput, where: str) -> _FileVideo:
         if not video.fps >= 0 or video.fps == float("inf"):

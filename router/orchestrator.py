@@ -7,7 +7,9 @@
       route    block hashes of the prompt -> the prefill worker with the longest cached
                prefix among the least loaded (`router.routing`; `router.prefix_index`
                follows each prefill worker's KV events); items whose every run lies inside
-               that cached prefix need no encoding
+               that cached prefix need no encoding, and of a partition-keyed video only
+               the partitions past it are encoded and sent (`router.pieces.pieces_past`;
+               the prefill worker takes the video as its pieces, `prefill_worker.partitions`)
       overlap  with `overlap_prefill`, items are encoded piece by piece (a video by
                partition) and the prefill worker computes the prompt up to the first piece
                not yet encoded as each arrives (`router.overlap`); prefill below reuses
@@ -18,8 +20,8 @@
                embeddings straight from the encoder
       prefill  (prompt_token_ids, MultimodalParams + embeddings) -> that prefill worker ->
                first token + KvHandle (a lease pins the prompt's blocks); if the worker
-               evicted blocks meanwhile and needs a skipped item after all
-               (FAILED_PRECONDITION), every item is encoded and prefill runs once more
+               evicted blocks meanwhile and needs a skipped item or partition after all
+               (FAILED_PRECONDITION), every item is encoded whole and prefill runs once more
       stream   the first token goes to the client at once (that is the TTFT)
       decode   (prompt_token_ids, MultimodalParams without embeddings, first token,
                KvHandle) -> the decode worker with the longest cached prefix among the
@@ -92,6 +94,7 @@ from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage
 from router.metrics import RouterMetrics
 from router.overlap import OverlappedPrefill
+from router.pieces import cached_tokens, partitions_past
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
 from router.routing import PrefillRouting
@@ -289,15 +292,22 @@ class Orchestrator:
         self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
         to_encode = [i for i in every if i not in route.skip]
+        encoding = time.perf_counter()
         if self.overlap is not None:
             encoded = await self.overlap.encode(job, route, to_encode)
         else:
-            encoded = await self.encoder.encode(job, to_encode)
+            past = partitions_past(job.prompt.params.items, to_encode, cached_tokens(route))
+            encoded = await self.encoder.encode(job, to_encode, past)
+        prefilling = time.perf_counter()
         try:
             try:
-                return await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
+                out = await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
+                _log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
+                return out
             except RouterError as exc:
-                every_item_carried = len(encoded.embeddings) == len(every)
+                every_item_carried = len(encoded.embeddings) == len(every) and not any(
+                    emb.HasField("partition_start") for emb in encoded.embeddings
+                )
                 if every_item_carried or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 logger.info(
@@ -359,3 +369,30 @@ class Orchestrator:
     async def close(self) -> None:
         """Stop following KV events (the peer client's owner closes it: releases finish)."""
         await self.prefix.close()
+
+
+def _log_stages(
+    job: Job,
+    encoded: Encoded,
+    encode_s: float,
+    prefill_start: float,
+    response: prefill_service_pb2.PrefillResponse,
+) -> None:
+    """Debug log of where a request's time to first token went (benchmarks read it)."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    inline = sum(
+        len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
+        for emb in encoded.embeddings
+    )
+    logger.debug(
+        "request %s stages: encode %.1f ms (%d embeddings, %d inline bytes), prefill %.1f ms "
+        "(%d cached, %d computed tokens)",
+        job.request_id,
+        encode_s * 1000,
+        len(encoded.embeddings),
+        inline,
+        (time.perf_counter() - prefill_start) * 1000,
+        response.cached_tokens,
+        response.computed_tokens,
+    )

@@ -15,10 +15,13 @@ default).
              only the embeddings of items (partitions) reaching past those blocks. Its KV
              lease is released at once (its blocks stay cached, unpinned).
     final    once every piece is in, the job's own prefill (the caller's) reuses the last
-             step's blocks; it carries the whole-item embeddings of the items reaching past
-             them (a video's partitions' inline rows joined, or the video encoded again as a
-             whole, all encoder cache hits, when some came by NIXL handle) and none of the
-             items inside them.
+             step's blocks; it carries the embeddings of the pieces reaching past them, a
+             video's partitions each as its span (`ItemEmbedding.partition_start`, the
+             prefill worker takes the video as its pieces: `prefill_worker.partitions`),
+             and none of the pieces inside them.
+
+Pieces the route's prefill worker already caches (a video's leading partitions inside its
+known cached prefix, `router.pieces.pieces_past`) are neither encoded nor stepped.
 
 So a long video's TTFT approaches max(encode, prefill) plus one piece's prefill, instead of
 their sum. Exactness: a step's blocks hash and compute as inside the whole prompt
@@ -48,7 +51,7 @@ from common.wire.convert import sampling_to_proto
 from epd.v1 import multimodal_pb2, prefill_service_pb2, prefill_service_pb2_grpc
 from router.calls import Job, RouterError
 from router.encode import NOTHING, Encoded, EncodeStage
-from router.pieces import Piece, joined, pieces_of, step_layout
+from router.pieces import Piece, cached_tokens, pieces_past, step_layout
 from router.registry import Registry
 from router.routing import PrefillRoute
 from router.workers import WorkerRecord
@@ -79,7 +82,7 @@ class OverlappedPrefill:
             return NOTHING
         if worker is None or worker.layout is None:
             return await self.encoder.encode(job, to_encode)
-        pieces = pieces_of(job.prompt.params.items, to_encode)
+        pieces = pieces_past(job.prompt.params.items, to_encode, cached_tokens(route))
         limit = asyncio.Semaphore(DEPTH)
 
         async def encode_piece(piece: Piece) -> Encoded:
@@ -174,42 +177,23 @@ class OverlappedPrefill:
     async def _final(
         self, job: Job, pieces: Sequence[Piece], results: Sequence[Encoded], cached: int
     ) -> Encoded:
-        """What the job's own prefill carries: whole-item embeddings of the items reaching
-        past the first `cached` tokens (the steps' blocks: all before the last piece, so
-        the job's prefill reuses them all); every other piece's lease released."""
-        params = job.prompt.params
-        start = cached
-        leases = {lease: addr for r in results for lease, addr in r.leases.items()}
-        by_item: dict[int, list[multimodal_pb2.ItemEmbedding]] = {}
-        for piece, result in zip(pieces, results, strict=True):
-            by_item.setdefault(piece.item, []).extend(result.embeddings)
+        """What the job's own prefill carries: the embeddings of the pieces reaching past
+        the first `cached` tokens (the steps' blocks: all before the last piece, so the
+        job's prefill reuses them all), a video's partitions each as its own span
+        (`ItemEmbedding.partition_start`); every other piece's lease released."""
         out: list[multimodal_pb2.ItemEmbedding] = []
-        again: list[int] = []
-        for i, parts in by_item.items():
-            if params.items[i].end <= start:
-                continue  # inside the steps' blocks: no embeddings needed
-            whole = parts[0] if len(parts) == 1 else joined(i, parts)
-            if whole is None:
-                again.append(i)
-            else:
-                out.append(whole)
+        for piece, result in zip(pieces, results, strict=True):
+            if piece.end > cached:  # else inside the steps' blocks: not needed
+                out.extend(result.embeddings)
         used = {
             ref.handle.lease_id
             for emb in out
             for ref in (emb.rows, *emb.deepstack)
             if ref.WhichOneof("data") == "handle"
         }
+        leases = {lease: addr for r in results for lease, addr in r.leases.items()}
         self.channels.release_embeddings({k: v for k, v in leases.items() if k not in used})
         carried = {k: v for k, v in leases.items() if k in used}
-        if again:  # partitions came by NIXL handle: the whole item, from the encoder cache
-            try:
-                whole_items = await self.encoder.encode(job, again)
-            except BaseException:
-                self.channels.release_embeddings(carried)
-                raise
-            out.extend(whole_items.embeddings)
-            carried.update(whole_items.leases)
-        out.sort(key=lambda emb: emb.item_index)
         try:
             self.encoder.check_inline(out)
         except RouterError:

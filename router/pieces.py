@@ -9,15 +9,10 @@ piece not yet encoded, so every item or partition before `n` has its embeddings.
 Exactness (why a step's blocks are the whole prompt's): a step's full blocks must hash and
 compute exactly as inside the whole prompt. Tokens are the prompt's own. An item wholly
 before `n` is placed as it is. An item that `n` cuts is a partition-keyed one, and it is
-placed as one item per partition before `n`: partition `j` as an item whose one partition is
-`j` (same hash, rows, uuid, `partition_keys`), whose one run is the item's run `j` (the rule
-pairs partitions and runs one to one) and whose grid is the partition's `(t_j, h, w)`. Its
-block keys are `(partition hash, partition-local row, uuid)`, the whole item's keys for
-those rows byte for byte, and mRoPE positions each frame from the text position where its
-run starts and `(h, w)` alone (`common.models.qwen3_vl.rope`), so positions are those of the
-whole prompt too. Later items and partitions lie past `n` and touch no block before it. The
-worker's own hashing still decides reuse; the tests compare hashes and positions with the
-whole prompt's.
+placed as one item per partition before `n` (`common.multimodal.partitions`: same block
+keys and positions as inside the whole item). Later items and partitions lie past `n` and
+touch no block before it. The worker's own hashing still decides reuse; the tests compare
+hashes and positions with the whole prompt's.
 """
 
 from __future__ import annotations
@@ -25,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from common.multimodal.params import ItemPartition, MultimodalItemMetadata, MultimodalParams
-from epd.v1 import multimodal_pb2, tensor_pb2
+from common.multimodal.params import MultimodalItemMetadata, MultimodalParams
+from common.multimodal.partitions import partitions_item, splits_by_partition
+from epd.v1 import multimodal_pb2
+from router.routing import PrefillRoute
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +34,6 @@ class Piece:
     partition: int | None  # the partition encoded, None: the whole item
     start: int  # prompt index of its first placeholder
     end: int  # one past its last placeholder
-
-
-def splits_by_partition(item: MultimodalItemMetadata) -> bool:
-    """Whether the item is encoded and placed partition by partition: it keys its blocks by
-    partition, and its partitions pair one to one with its runs."""
-    return item.partition_keys and len(item.partitions) == len(item.runs) > 1
 
 
 def pieces_of(items: Sequence[MultimodalItemMetadata], to_encode: Sequence[int]) -> list[Piece]:
@@ -57,30 +48,38 @@ def pieces_of(items: Sequence[MultimodalItemMetadata], to_encode: Sequence[int])
     return out
 
 
-def partition_item(item: MultimodalItemMetadata, j: int) -> MultimodalItemMetadata:
-    """Partition `j` of a `splits_by_partition` item as an item of its own (see the module
-    docstring: same block keys and positions as inside the whole item)."""
-    part = item.partitions[j]
-    inputs = part.input_end - part.input_start
-    grid = item.grid_thw
-    times: tuple[float, ...] = ()
-    if grid is not None:
-        per_t = grid[1] * grid[2]
-        t_j, first = inputs // per_t, part.input_start // per_t
-        grid = (t_j, grid[1], grid[2])
-        if len(item.frame_timestamps) >= first + t_j:
-            times = item.frame_timestamps[first : first + t_j]
-    return MultimodalItemMetadata(
-        content_hash=part.content_hash,
-        runs=(item.runs[j],),
-        modality=item.modality,
-        payload_index=item.payload_index,
-        uuid=item.uuid,
-        partitions=(ItemPartition(0, inputs, part.output_rows, part.content_hash),),
-        grid_thw=grid,
-        frame_timestamps=times,
-        partition_keys=True,
-    )
+def cached_tokens(route: PrefillRoute) -> int:
+    """Prompt tokens inside the route's prefill worker's known cached prefix."""
+    worker = route.worker
+    if worker is None or worker.layout is None:
+        return 0
+    return route.cached_blocks * worker.layout.block_size
+
+
+def pieces_past(
+    items: Sequence[MultimodalItemMetadata], to_encode: Sequence[int], covered: int
+) -> list[Piece]:
+    """The partition skip rule: of the pieces of the items at `to_encode`, those a prefill
+    worker whose cached prefix is the prompt's first `covered` tokens needs embeddings for,
+    in prompt order: each with a placeholder at or past `covered` (the worker computes the
+    tokens from there on; a partition whose run ends inside the prefix is cached KV)."""
+    return [p for p in pieces_of(items, to_encode) if p.end > covered]
+
+
+def partitions_past(
+    items: Sequence[MultimodalItemMetadata], to_encode: Sequence[int], covered: int
+) -> dict[int, int]:
+    """For each item at `to_encode` whose needed pieces (`pieces_past`) leave out its
+    leading partitions: the first partition needed (the item's embedding holds those from
+    it on). Items needed whole are not listed."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    for piece in pieces_past(items, to_encode, covered):
+        if piece.item not in seen:
+            seen.add(piece.item)
+            if piece.partition:
+                out[piece.item] = piece.partition
+    return out
 
 
 def step_layout(
@@ -103,7 +102,7 @@ def step_layout(
             for j, (start, length) in enumerate(item.runs):
                 if start + length > n:
                     break
-                items.append(partition_item(item, j))
+                items.append(partitions_item(item, j, j + 1))
                 keys.append((i, j))
         elif item.end <= n:
             items.append(item)
@@ -115,27 +114,3 @@ def step_layout(
             out = msg.embeddings.add(item_index=index, rows=emb.rows)
             out.deepstack.extend(emb.deepstack)
     return msg
-
-
-def joined(
-    item: int, parts: Sequence[multimodal_pb2.ItemEmbedding]
-) -> multimodal_pb2.ItemEmbedding | None:
-    """The whole item's embedding from its partitions' (in order), when every one is
-    inline (rows are row-major, so the item's bytes are theirs one after the other); None
-    when one is held by a NIXL handle."""
-    layers = [[p.rows, *p.deepstack] for p in parts]
-    if any(ref.WhichOneof("data") != "inline_data" for refs in layers for ref in refs):
-        return None
-    out = multimodal_pb2.ItemEmbedding(item_index=item)
-    tensors = [_concat([refs[k] for refs in layers]) for k in range(len(layers[0]))]
-    out.rows.CopyFrom(tensors[0])
-    out.deepstack.extend(tensors[1:])
-    return out
-
-
-def _concat(refs: Sequence[tensor_pb2.TensorRef]) -> tensor_pb2.TensorRef:
-    first = refs[0]
-    shape = [sum(int(r.shape[0]) for r in refs), *first.shape[1:]]
-    return tensor_pb2.TensorRef(
-        dtype=first.dtype, shape=shape, inline_data=b"".join(r.inline_data for r in refs)
-    )

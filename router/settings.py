@@ -141,9 +141,10 @@ class RouterSettings(ServerSettings):
     grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
     processed_image_cache_mb: int = setting(
         256,
-        "MiB of patch rows the router keeps for images it processed, keyed by a digest of "
-        "the encoded bytes and the processor settings, so a repeated image is not decoded, "
-        "resized and hashed again (0: off)",
+        "MiB of patch rows the router keeps for images and video temporal patches it "
+        "processed, keyed by a digest of the encoded bytes and the processor settings (a "
+        "patch: of its frames' and their resized size), so a repeated image, or a video's "
+        "frames sent again, is not decoded, resized and hashed again (0: off)",
     )
 
     def nth(self, index: int) -> RouterSettings:

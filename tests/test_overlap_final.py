@@ -1,15 +1,16 @@
 """What the request's own prefill carries after overlapped steps (`OverlappedPrefill._final`),
 with the encoder stage and the lease releases replaced by recorders (one component).
 
-Items inside the steps' blocks carry nothing; an item reaching past them carries its whole
-embedding: a piece as it came, a video's inline partitions joined, or, when a partition came
-by NIXL handle, the video encoded again whole; every lease not carried is released.
+Pieces inside the steps' blocks carry nothing; each piece reaching past them carries its
+embedding as it came (a video's partitions each as its span, `ItemEmbedding.partition_start`,
+inline or held by NIXL handle: nothing is joined or encoded again); every lease not carried
+is released.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import pytest
@@ -27,11 +28,10 @@ from tests.model_fixtures import write_tiny_checkpoint
 
 
 class Recorder:
-    """Stands in for the peer client (releases) and the encode stage (whole items)."""
+    """Stands in for the peer client (releases) and the encode stage (its inline limit)."""
 
     def __init__(self, inline_limit: int = 1 << 30) -> None:
         self.released: dict[str, str] = {}
-        self.encoded: list[list[int]] = []
         self.stage = EncodeStage(None, None, inline_limit)  # type: ignore[arg-type]
 
     def check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
@@ -40,20 +40,26 @@ class Recorder:
     def release_embeddings(self, holders: Mapping[str, str]) -> None:
         self.released.update(holders)
 
-    async def encode(self, job: Job, items: Sequence[int]) -> Encoded:
-        self.encoded.append(list(items))
-        embs = [handle_embedding(i, f"whole-{i}") for i in items]
-        return Encoded(embs, {f"whole-{i}": "encoder-a" for i in items})
 
-
-def handle_embedding(item: int, lease: str) -> multimodal_pb2.ItemEmbedding:
-    emb = multimodal_pb2.ItemEmbedding(item_index=item)
-    emb.rows.handle.lease_id = lease
+def span(emb: multimodal_pb2.ItemEmbedding, partition: int | None) -> multimodal_pb2.ItemEmbedding:
+    """`emb` naming the one partition it holds, as `EncodeStage.encode_partitions` gives."""
+    if partition is not None:
+        emb.partition_start, emb.partition_end = partition, partition + 1
     return emb
 
 
-def inline_embedding(item: int, rows: torch.Tensor) -> multimodal_pb2.ItemEmbedding:
-    return multimodal_pb2.ItemEmbedding(item_index=item, rows=tensor_to_ref(rows))
+def handle_embedding(
+    item: int, lease: str, partition: int | None = None
+) -> multimodal_pb2.ItemEmbedding:
+    emb = multimodal_pb2.ItemEmbedding(item_index=item)
+    emb.rows.handle.lease_id = lease
+    return span(emb, partition)
+
+
+def inline_embedding(
+    item: int, rows: torch.Tensor, partition: int | None = None
+) -> multimodal_pb2.ItemEmbedding:
+    return span(multimodal_pb2.ItemEmbedding(item_index=item, rows=tensor_to_ref(rows)), partition)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +80,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
     return Job("r", prompt, SamplingParams(), None, time.monotonic() + 60)
 
 
-async def test_items_past_the_steps_carry_whole_embeddings_inline_partitions_joined(
-    job: Job,
-) -> None:
+async def test_pieces_past_the_steps_carry_their_own_embeddings(job: Job) -> None:
     recorder = Recorder()
     overlap = OverlappedPrefill(None, recorder, recorder)  # type: ignore[arg-type]
     pieces = pieces_of(job.prompt.params.items, [0, 1])
@@ -87,43 +91,48 @@ async def test_items_past_the_steps_carry_whole_embeddings_inline_partitions_joi
     for piece in pieces[1:]:
         rows = video_rows[start : start + piece.end - piece.start]
         start += piece.end - piece.start
-        results.append(Encoded([inline_embedding(1, rows)], {}))
+        results.append(Encoded([inline_embedding(1, rows, piece.partition)], {}))
     # The steps cached everything before the video: the image needs nothing.
     out = await overlap._final(job, pieces, results, job.prompt.params.items[1].position)
-    assert [e.item_index for e in out.embeddings] == [1]
-    assert torch.equal(tensor_from_ref(out.embeddings[0].rows), video_rows)
+    assert [(e.item_index, e.partition_start) for e in out.embeddings] == [(1, 0), (1, 1), (1, 2)]
+    got = torch.cat([tensor_from_ref(e.rows) for e in out.embeddings])
+    assert torch.equal(got, video_rows)
     assert out.leases == {} and recorder.released == {"image": "encoder-a"}
-    assert recorder.encoded == []
-    # Nothing cached: the image as it came, its lease carried.
+    # The steps cached the video's first partition too: the other two alone.
+    out = await overlap._final(job, pieces, results, pieces[2].start)
+    assert [(e.item_index, e.partition_start) for e in out.embeddings] == [(1, 1), (1, 2)]
+    # Nothing cached: the image as it came (whole), its lease carried.
     out = await overlap._final(job, pieces, results, 0)
-    assert [e.item_index for e in out.embeddings] == [0, 1]
+    assert [e.item_index for e in out.embeddings] == [0, 1, 1, 1]
+    assert not out.embeddings[0].HasField("partition_start")
     assert out.leases == {"image": "encoder-a"}
 
 
-async def test_a_video_with_a_partition_held_by_handle_is_encoded_again_whole(job: Job) -> None:
+async def test_handle_held_partitions_are_carried_as_they_came(job: Job) -> None:
     recorder = Recorder()
     overlap = OverlappedPrefill(None, recorder, recorder)  # type: ignore[arg-type]
     pieces = pieces_of(job.prompt.params.items, [1])
     results = [
-        Encoded([handle_embedding(1, f"part-{p.partition}")], {f"part-{p.partition}": "enc"})
+        Encoded(
+            [handle_embedding(1, f"part-{p.partition}", p.partition)],
+            {f"part-{p.partition}": "enc"},
+        )
         for p in pieces
     ]
-    out = await overlap._final(job, pieces, results, 0)
-    assert recorder.encoded == [[1]]
-    assert [e.rows.handle.lease_id for e in out.embeddings] == ["whole-1"]
-    assert out.leases == {"whole-1": "encoder-a"}
-    assert recorder.released == {f"part-{p.partition}": "enc" for p in pieces}
+    out = await overlap._final(job, pieces, results, pieces[1].start)
+    assert [e.rows.handle.lease_id for e in out.embeddings] == ["part-1", "part-2"]
+    assert out.leases == {"part-1": "enc", "part-2": "enc"}
+    assert recorder.released == {"part-0": "enc"}
 
 
-async def test_joined_rows_past_the_routers_inline_limit_are_refused_and_released(
-    job: Job,
-) -> None:
+async def test_rows_past_the_routers_inline_limit_are_refused_and_released(job: Job) -> None:
     recorder = Recorder(inline_limit=64)
     overlap = OverlappedPrefill(None, recorder, recorder)  # type: ignore[arg-type]
     pieces = pieces_of(job.prompt.params.items, [0, 1])
     results = [Encoded([handle_embedding(0, "image")], {"image": "encoder-a"})]
     results += [
-        Encoded([inline_embedding(1, torch.zeros(p.end - p.start, 4))], {}) for p in pieces[1:]
+        Encoded([inline_embedding(1, torch.zeros(p.end - p.start, 4), p.partition)], {})
+        for p in pieces[1:]
     ]
     with pytest.raises(RouterError, match="inline embeddings"):
         await overlap._final(job, pieces, results, 0)

@@ -2,8 +2,8 @@
 
 A step over tokens `[0, n)`, `n` the first placeholder of a piece, must give the whole
 prompt's block hashes and mRoPE positions for every token before `n` (a cut video as one
-item per partition), carry only the embeddings of items reaching past the reused tokens,
-and a video's inline partition rows joined must be its whole rows.
+item per partition), and carry only the embeddings of items reaching past the reused
+tokens.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 from common.kv.hashing import block_hashes
 from common.models.qwen3_vl.rope import prompt_positions
 from common.processing.processor import ProcessedPrompt, Processor
-from common.wire.convert import params_from_proto, tensor_from_ref, tensor_to_ref
+from common.wire.convert import params_from_proto, tensor_to_ref
 from epd.v1 import multimodal_pb2
-from router.pieces import joined, pieces_of, step_layout
+from router.pieces import pieces_of, step_layout
 from tests.model_fixtures import write_tiny_checkpoint
 
 MERGE = 2  # the tiny checkpoint's spatial merge
@@ -102,20 +102,3 @@ def test_a_step_carries_only_the_embeddings_reaching_past_what_it_reuses(
     decoded = params_from_proto(some, with_embeddings=True)
     assert decoded.items[2].runs == (params.items[1].runs[1],)
     assert decoded.items[2].partitions[0].content_hash == params.items[1].partitions[1].content_hash
-
-
-def test_inline_partition_rows_join_into_the_whole_items_rows() -> None:
-    rows = torch.randn(10, 6)
-    deep = torch.randn(10, 6)
-    parts = []
-    for lo, hi in [(0, 4), (4, 7), (7, 10)]:
-        emb = multimodal_pb2.ItemEmbedding(item_index=3, rows=tensor_to_ref(rows[lo:hi]))
-        emb.deepstack.append(tensor_to_ref(deep[lo:hi]))
-        parts.append(emb)
-    whole = joined(3, parts)
-    assert whole is not None and whole.item_index == 3
-    assert torch.equal(tensor_from_ref(whole.rows), rows)
-    assert torch.equal(tensor_from_ref(whole.deepstack[0]), deep)
-    held = multimodal_pb2.ItemEmbedding(item_index=3)
-    held.rows.handle.lease_id = "lease"
-    assert joined(3, [parts[0], held]) is None

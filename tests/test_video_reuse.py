@@ -2,12 +2,16 @@
 prefill + decode as real processes on a tiny random checkpoint.
 
 A video V and V with frames appended: prefill reuses every block of V's frames, decode
-already holds them and pulls only the rest, the encoder encodes only the new temporal
-patches, and the tokens equal the offline engine's (greedy, no reuse). A video differing in
+already holds them and pulls only the rest, the router asks the encoder for the new
+temporal patches alone (and the prefill worker takes the video as its pieces), and the
+tokens equal the offline engine's (greedy, no reuse). A video differing in
 one frame reuses exactly the blocks before that frame's run. (Where partition keys are not
 allowed, tests/test_partition_keys.py shows the keys fall back to the item's.)
 
-The deployment runs with `overlap_prefill` on (`router.overlap`): the router encodes a
+A second deployment, without overlap, shows the plain path: the warm request's one
+`Encode` call holds only the new temporal patches.
+
+The first deployment runs with `overlap_prefill` on (`router.overlap`): the router encodes a
 video partition by partition and the prefill worker computes the prompt up to the first
 partition not yet encoded as they arrive, so even a first request finds the text before the
 video cached (and, as far as the encoder was ahead, the partitions after it), and its tokens
@@ -52,6 +56,16 @@ def cluster(ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
         block_size=BLOCK,
         num_blocks=NUM_BLOCKS,
         router_args=("--overlap-prefill", "true"),
+    )
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A deployment without overlap: one Encode call per request."""
+    c = start_cluster(
+        ckpt, tmp_path_factory.mktemp("plain"), block_size=BLOCK, num_blocks=NUM_BLOCKS
     )
     yield c
     c.stop()
@@ -108,6 +122,19 @@ def shared_blocks(engine: Engine, cluster: Cluster, a: Any, b: Any) -> tuple[int
     return shared, len(pb.prompt_token_ids)
 
 
+async def encoder_counts_settled(cluster: Cluster) -> tuple[int, int]:
+    """(hits, lookups) of the encoder cache once two heartbeats agree."""
+    last = None
+    for _ in range(150):
+        load = (await asyncio.to_thread(cluster.worker, "encoder")).load
+        now = (load.cache_hits, load.cache_lookups)
+        if now == last:
+            return now
+        last = now
+        await asyncio.sleep(0.3)
+    raise AssertionError("encoder counts never settled")
+
+
 async def encoder_counts(cluster: Cluster, lookups: int) -> tuple[int, int]:
     """(hits, lookups) of the encoder cache once the heartbeat shows `lookups` lookups."""
     for _ in range(150):
@@ -140,8 +167,28 @@ async def test_appended_frames_reuse_every_shared_block_and_encode_only_new_fram
     assert shared * BLOCK <= b.cached_tokens <= max(stepped_tokens(engine, second), shared * BLOCK)
     assert b.blocks_reused == shared
     assert b.blocks_pulled == -(-n2 // BLOCK) - shared
-    # The encoder found V's 4 temporal patches and encoded the 2 new ones.
-    assert await encoder_counts(cluster, lookups + 6) == (hits + 4, lookups + 6)
+    # The router asked the encoder for the 2 new temporal patches alone (V's 4 lie inside
+    # the prefill worker's cached prefix: neither encoded nor sent), and it encoded them.
+    assert await encoder_counts(cluster, lookups + 2) == (hits, lookups + 2)
+    assert a.token_ids == reference(engine, first)
+    assert b.token_ids == reference(engine, second)
+
+
+async def test_without_overlap_the_warm_request_encodes_and_sends_only_new_partitions(
+    plain: Cluster, engine: Engine
+) -> None:
+    frames = clip(33, 12)
+    first, second = ask(frames[:8]), ask(frames)  # 4 temporal patches, then 6
+    shared, _ = shared_blocks(engine, plain, first, second)
+    hits, lookups = await encoder_counts_settled(plain)
+    async with Client(plain.address, api_key=plain.client_key) as client:
+        a = await client.generate_text(first, GREEDY, timeout_s=120)
+        assert await encoder_counts(plain, lookups + 4) == (hits, lookups + 4)
+        b = await client.generate_text(second, GREEDY, timeout_s=120)
+    assert a.cached_tokens == 0
+    assert b.cached_tokens >= shared * BLOCK and b.blocks_reused == shared
+    # V's 4 temporal patches were neither encoded nor looked up again: the 2 new ones alone.
+    assert await encoder_counts(plain, lookups + 6) == (hits, lookups + 6)
     assert a.token_ids == reference(engine, first)
     assert b.token_ids == reference(engine, second)
 

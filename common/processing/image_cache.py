@@ -12,6 +12,9 @@ cryptographic digest of every byte. The router adds the request's cache salt (de
 the tenant) to the key, so one tenant cannot learn from a faster answer that another sent
 the same image (DESIGN §7), as the encoder and KV caches are salted.
 
+The same cache holds a video's processed temporal patches (`common.processing.video_cache`,
+keys of their own domain tag over the frames' image keys), one budget for both.
+
 Bounded: least recently used entries are dropped once the patch rows held exceed
 `budget_bytes` (an entry larger than the budget is not stored; 0 stores nothing). Entries
 are never mutated after `put`; readers share their arrays and must not write to them.

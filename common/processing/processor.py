@@ -59,6 +59,7 @@ from common.processing.messages import (
 from common.processing.prompt import ProcessedPrompt
 from common.processing.template import ChatTemplate, load_chat_template
 from common.processing.video import preprocess_video
+from common.processing.video_cache import is_keyed, preprocess_keyed
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class _Media:
     grid: tuple[int, int, int]
     timestamps: tuple[float, ...]
     content_hash: bytes | None = None  # known already (a processed image); None: hash later
+    partition_hashes: tuple[bytes, ...] = ()  # known already (cached video patches); (): later
 
 
 class Processor:
@@ -269,9 +271,19 @@ class Processor:
         if fps is None:
             fps = self.settings.video_default_fps
             logger.warning("video %d has no fps; assuming %.1f", payload_index, fps)
-        video = preprocess_video(data, fps, self.settings)
+        cache = self.image_cache
+        if cache is not None and is_keyed(data):  # frames keyed by the router's reader
+            video = preprocess_keyed(data, fps, self.settings, cache, self._fingerprint)
+        else:
+            video = preprocess_video(data, fps, self.settings)
         return _Media(
-            slot.modality, payload_index, slot.uuid, video.patches, video.grid_thw, video.timestamps
+            slot.modality,
+            payload_index,
+            slot.uuid,
+            video.patches,
+            video.grid_thw,
+            video.timestamps,
+            partition_hashes=video.partition_hashes,
         )
 
     def _image(self, data: Any) -> ProcessedImage:
@@ -367,9 +379,9 @@ class Processor:
                 input_start=k * step,
                 input_end=(k + 1) * step,
                 output_rows=step // self.settings.merge_size**2,
-                content_hash=self._hash(
-                    item.modality, item.patches[k * step : (k + 1) * step], (1, h, w)
-                ),
+                content_hash=item.partition_hashes[k]
+                if item.partition_hashes
+                else self._hash(item.modality, item.patches[k * step : (k + 1) * step], (1, h, w)),
             )
             for k in range(t)
         )

@@ -62,6 +62,45 @@ class ProcessedVideo:
     grid_thw: tuple[int, int, int]  # (temporal patches, patch rows, patch columns)
     timestamps: tuple[float, ...]  # seconds per temporal patch (mean of first/last frame)
     frame_indices: tuple[int, ...]  # source frames used, after padding to the temporal patch
+    # Content hash of each temporal patch, where known already (the processed-partition
+    # cache, `common.processing.video_cache`); () : the processor hashes them.
+    partition_hashes: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class VideoPlan:
+    """Which source frames a video keeps and the size they are resized to: a function of
+    the frame count, rate and frame size alone (`plan_video`)."""
+
+    indices: tuple[int, ...]  # sampled source frames
+    padded: tuple[int, ...]  # `indices` with the last repeated to the temporal patch size
+    size: tuple[int, int]  # (height, width) every frame is resized to
+
+    def groups(self, temporal_patch_size: int) -> list[tuple[int, ...]]:
+        """The source frames of each temporal patch, in order."""
+        p = self.padded
+        return [p[k : k + temporal_patch_size] for k in range(0, len(p), temporal_patch_size)]
+
+
+def plan_video(
+    count: int, fps: float, width: int, height: int, settings: ProcessorSettings
+) -> VideoPlan:
+    """The frames kept from `count` frames of `width` x `height` at `fps`, and their
+    resized size (the sampling and the video smart-resize rule: both depend on the frame
+    count, so a video with frames appended may keep other frames or resize them
+    differently)."""
+    indices = sample_frame_indices(count, fps, settings)
+    size = smart_resize_video(
+        len(indices),
+        height,
+        width,
+        temporal_factor=settings.temporal_patch_size,
+        factor=settings.factor,
+        min_pixels=settings.video_min_pixels,
+        max_pixels=settings.video_max_pixels,
+    )
+    padded = indices + [indices[-1]] * (-len(indices) % settings.temporal_patch_size)
+    return VideoPlan(tuple(indices), tuple(padded), size)
 
 
 def sample_frame_indices(total: int, fps: float, settings: ProcessorSettings) -> list[int]:
@@ -150,22 +189,25 @@ def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> Pr
         raise ValueError(f"video fps must be positive, got {fps}")
     images = _frames_as_images(frames)
     indices = sample_frame_indices(len(images), fps, settings)
-    chosen = [to_rgb(images[i]) for i in indices]
-    sizes = {im.size for im in chosen}
+    sizes = {images[i].size for i in indices}
     if len(sizes) != 1:
         raise ValueError(f"video frames differ in size: {sorted(sizes)}")
-    width, height = chosen[0].size
-    new_h, new_w = smart_resize_video(
-        len(chosen),
-        height,
-        width,
-        temporal_factor=settings.temporal_patch_size,
-        factor=settings.factor,
-        min_pixels=settings.video_min_pixels,
-        max_pixels=settings.video_max_pixels,
-    )
-    pixels: ByteArray = np.stack([resize_rgb(im, new_h, new_w) for im in chosen])
+    ((width, height),) = sizes
+    plan = plan_video(len(images), fps, width, height, settings)
+    pixels = resized_frames([images[i] for i in plan.indices], plan.size)
     patches, grid = patchify(normalize(pixels, settings), settings)
-    timestamps = temporal_timestamps(indices, fps, settings.temporal_patch_size, frame_times)
-    padded = indices + [indices[-1]] * (-len(indices) % settings.temporal_patch_size)
-    return ProcessedVideo(patches, grid, tuple(timestamps), tuple(padded))
+    return ProcessedVideo(
+        patches, grid, video_timestamps(plan, fps, settings, frame_times), plan.padded
+    )
+
+
+def resized_frames(images: Sequence[Image.Image], size: tuple[int, int]) -> ByteArray:
+    """Frames as RGB, resized to `size` `(height, width)`, stacked `(T, H, W, 3)` uint8."""
+    return np.stack([resize_rgb(to_rgb(im), size[0], size[1]) for im in images])
+
+
+def video_timestamps(
+    plan: VideoPlan, fps: float, settings: ProcessorSettings, frame_times: Sequence[float] | None
+) -> tuple[float, ...]:
+    """Seconds of each temporal patch of a planned video (`temporal_timestamps`)."""
+    return tuple(temporal_timestamps(plan.indices, fps, settings.temporal_patch_size, frame_times))

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65pd/v1/multimodal.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/tensor.proto\"b\n\rItemPartition\x12\x13\n\x0binput_start\x18\x01 \x01(\x03\x12\x11\n\tinput_end\x18\x02 \x01(\x03\x12\x13\n\x0boutput_rows\x18\x03 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\"\xee\x01\n\x16MultimodalItemMetadata\x12\"\n\x08modality\x18\x01 \x01(\x0e\x32\x10.epd.v1.Modality\x12\x15\n\rpayload_index\x18\x02 \x01(\r\x12)\n\npartitions\x18\x03 \x03(\x0b\x32\x15.epd.v1.ItemPartition\x12\x19\n\x0c\x65ncoder_cost\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08grid_thw\x18\x05 \x03(\x05\x12\x18\n\x10\x66rame_timestamps\x18\x06 \x03(\x01\x12\x16\n\x0epartition_keys\x18\x07 \x01(\x08\x42\x0f\n\r_encoder_cost\"j\n\rItemEmbedding\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.epd.v1.TensorRef\x12$\n\tdeepstack\x18\x03 \x03(\x0b\x32\x11.epd.v1.TensorRef\"\xd1\x02\n\x10MultimodalParams\x12\x11\n\tmm_hashes\x18\x01 \x03(\x0c\x12\x14\n\x0cmm_positions\x18\x02 \x03(\x05\x12\x12\n\nmm_lengths\x18\x03 \x03(\x05\x12\x10\n\x08mm_uuids\x18\x04 \x03(\t\x12\x0f\n\x07version\x18\x05 \x01(\r\x12\x1b\n\x13item_run_cu_offsets\x18\x06 \x03(\x05\x12\x15\n\rrun_positions\x18\x07 \x03(\x05\x12\x13\n\x0brun_lengths\x18\x08 \x03(\x05\x12-\n\x05items\x18\t \x03(\x0b\x32\x1e.epd.v1.MultimodalItemMetadata\x12)\n\nembeddings\x18\n \x03(\x0b\x32\x15.epd.v1.ItemEmbedding\x12!\n\x14mrope_position_delta\x18\x0b \x01(\x03H\x00\x88\x01\x01\x42\x17\n\x15_mrope_position_delta*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65pd/v1/multimodal.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/tensor.proto\"b\n\rItemPartition\x12\x13\n\x0binput_start\x18\x01 \x01(\x03\x12\x11\n\tinput_end\x18\x02 \x01(\x03\x12\x13\n\x0boutput_rows\x18\x03 \x01(\x03\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\"\xee\x01\n\x16MultimodalItemMetadata\x12\"\n\x08modality\x18\x01 \x01(\x0e\x32\x10.epd.v1.Modality\x12\x15\n\rpayload_index\x18\x02 \x01(\r\x12)\n\npartitions\x18\x03 \x03(\x0b\x32\x15.epd.v1.ItemPartition\x12\x19\n\x0c\x65ncoder_cost\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08grid_thw\x18\x05 \x03(\x05\x12\x18\n\x10\x66rame_timestamps\x18\x06 \x03(\x01\x12\x16\n\x0epartition_keys\x18\x07 \x01(\x08\x42\x0f\n\r_encoder_cost\"\xb3\x01\n\rItemEmbedding\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.epd.v1.TensorRef\x12$\n\tdeepstack\x18\x03 \x03(\x0b\x32\x11.epd.v1.TensorRef\x12\x1c\n\x0fpartition_start\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rpartition_end\x18\x05 \x01(\rB\x12\n\x10_partition_start\"\xd1\x02\n\x10MultimodalParams\x12\x11\n\tmm_hashes\x18\x01 \x03(\x0c\x12\x14\n\x0cmm_positions\x18\x02 \x03(\x05\x12\x12\n\nmm_lengths\x18\x03 \x03(\x05\x12\x10\n\x08mm_uuids\x18\x04 \x03(\t\x12\x0f\n\x07version\x18\x05 \x01(\r\x12\x1b\n\x13item_run_cu_offsets\x18\x06 \x03(\x05\x12\x15\n\rrun_positions\x18\x07 \x03(\x05\x12\x13\n\x0brun_lengths\x18\x08 \x03(\x05\x12-\n\x05items\x18\t \x03(\x0b\x32\x1e.epd.v1.MultimodalItemMetadata\x12)\n\nembeddings\x18\n \x03(\x0b\x32\x15.epd.v1.ItemEmbedding\x12!\n\x14mrope_position_delta\x18\x0b \x01(\x03H\x00\x88\x01\x01\x42\x17\n\x15_mrope_position_delta*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.multimodal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=845
-  _globals['_MODALITY']._serialized_end=941
+  _globals['_MODALITY']._serialized_start=919
+  _globals['_MODALITY']._serialized_end=1015
   _globals['_ITEMPARTITION']._serialized_start=56
   _globals['_ITEMPARTITION']._serialized_end=154
   _globals['_MULTIMODALITEMMETADATA']._serialized_start=157
   _globals['_MULTIMODALITEMMETADATA']._serialized_end=395
-  _globals['_ITEMEMBEDDING']._serialized_start=397
-  _globals['_ITEMEMBEDDING']._serialized_end=503
-  _globals['_MULTIMODALPARAMS']._serialized_start=506
-  _globals['_MULTIMODALPARAMS']._serialized_end=843
+  _globals['_ITEMEMBEDDING']._serialized_start=398
+  _globals['_ITEMEMBEDDING']._serialized_end=577
+  _globals['_MULTIMODALPARAMS']._serialized_start=580
+  _globals['_MULTIMODALPARAMS']._serialized_end=917
 # @@protoc_insertion_point(module_scope)

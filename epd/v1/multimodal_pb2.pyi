@@ -50,14 +50,18 @@ class MultimodalItemMetadata(_message.Message):
     def __init__(self, modality: _Optional[_Union[Modality, str]] = ..., payload_index: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[ItemPartition, _Mapping]]] = ..., encoder_cost: _Optional[float] = ..., grid_thw: _Optional[_Iterable[int]] = ..., frame_timestamps: _Optional[_Iterable[float]] = ..., partition_keys: _Optional[bool] = ...) -> None: ...
 
 class ItemEmbedding(_message.Message):
-    __slots__ = ("item_index", "rows", "deepstack")
+    __slots__ = ("item_index", "rows", "deepstack", "partition_start", "partition_end")
     ITEM_INDEX_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DEEPSTACK_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_START_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_END_FIELD_NUMBER: _ClassVar[int]
     item_index: int
     rows: _tensor_pb2.TensorRef
     deepstack: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorRef]
-    def __init__(self, item_index: _Optional[int] = ..., rows: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., deepstack: _Optional[_Iterable[_Union[_tensor_pb2.TensorRef, _Mapping]]] = ...) -> None: ...
+    partition_start: int
+    partition_end: int
+    def __init__(self, item_index: _Optional[int] = ..., rows: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., deepstack: _Optional[_Iterable[_Union[_tensor_pb2.TensorRef, _Mapping]]] = ..., partition_start: _Optional[int] = ..., partition_end: _Optional[int] = ...) -> None: ...
 
 class MultimodalParams(_message.Message):
     __slots__ = ("mm_hashes", "mm_positions", "mm_lengths", "mm_uuids", "version", "item_run_cu_offsets", "run_positions", "run_lengths", "items", "embeddings", "mrope_position_delta")
