@@ -97,7 +97,7 @@ from router.overlap import OverlappedPrefill
 from router.pieces import cached_tokens, partitions_past
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
-from router.routing import PrefillRouting
+from router.routing import Chooser, PrefillRouting
 from router.workers import NoWorkerError, Role, WorkerRecord
 
 logger = logging.getLogger(__name__)
@@ -163,14 +163,12 @@ class Orchestrator:
         planning = time.perf_counter()
         hashes = self.routing.hashes(job)
         self.metrics.planning.labels("hash").observe(time.perf_counter() - planning)
+        choose = self.routing.chooser(hashes)  # the route reuses its cached prefixes
         ticket = await self.admission.admit(
-            len(job.prompt.prompt_token_ids),
-            job.sampling.max_tokens,
-            job.deadline,
-            self.routing.chooser(hashes),
+            len(job.prompt.prompt_token_ids), job.sampling.max_tokens, job.deadline, choose
         )
         try:
-            prefill, holder = await self._prefill_admitted(job, handoff, hashes, ticket)
+            prefill, holder = await self._prefill_admitted(job, handoff, choose, ticket)
         except BaseException:
             self.admission.release(ticket)
             raise
@@ -207,7 +205,7 @@ class Orchestrator:
                 request.cache_salt = job.cache_salt
 
             def prefill_again() -> Awaitable[tuple[prefill_service_pb2.PrefillResponse, str]]:
-                return self._prefill_admitted(job, handoff, hashes, ticket)
+                return self._prefill_admitted(job, handoff, self.routing.chooser(hashes), ticket)
 
             stream = self.decode.stream(
                 job, request, lease, detok, ticket, prefill_again, resumed=job.resumed
@@ -226,23 +224,25 @@ class Orchestrator:
         self,
         job: Job,
         handoff: multimodal_pb2.MultimodalParams,
-        hashes: list[bytes] | None,
+        choose: Chooser,
         ticket: Ticket,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
-        """Encode and prefill on the ticket's prefill worker; when a prefill worker's pool
-        is full after all, back in the admission queue and again (see `router.admission`)."""
+        """Encode and prefill on the ticket's prefill worker (`choose`: the choice that
+        placed it, over the prompt's block hashes); when a prefill worker's pool is full
+        after all, back in the admission queue and again (see `router.admission`)."""
         while True:
             try:
-                return await self._encode_and_prefill(job, handoff, hashes, ticket)
+                return await self._encode_and_prefill(job, handoff, choose, ticket)
             except KvPoolFull as exc:
                 logger.info("request %s: %s; queued again", job.request_id, exc)
-            await self.admission.requeue(ticket, self.routing.chooser(hashes))
+            choose = self.routing.chooser(choose.hashes)  # the caches moved meanwhile
+            await self.admission.requeue(ticket, choose)
 
     async def _encode_and_prefill(
         self,
         job: Job,
         handoff: multimodal_pb2.MultimodalParams,
-        hashes: list[bytes] | None,
+        choose: Chooser,
         ticket: Ticket,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         """Encode and prefill; a prefill worker that fails with UNAVAILABLE (dead, or an
@@ -254,7 +254,7 @@ class Orchestrator:
         while True:
             tries += 1
             try:
-                return await self._encode_and_prefill_on(job, handoff, hashes, ticket, failed)
+                return await self._encode_and_prefill_on(job, handoff, choose, ticket, failed)
             except RouterError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE or exc.stage != "prefill":
                     raise
@@ -275,7 +275,7 @@ class Orchestrator:
         self,
         job: Job,
         handoff: multimodal_pb2.MultimodalParams,
-        hashes: list[bytes] | None,
+        choose: Chooser,
         ticket: Ticket,
         failed: set[str],
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
@@ -283,11 +283,11 @@ class Orchestrator:
         worker = ticket.workers.get(Role.PREFILL)
         if failed and (worker is None or worker.address in failed):
             try:
-                worker = self.routing.chooser(hashes)(Role.PREFILL, frozenset(failed))
+                worker = choose(Role.PREFILL, frozenset(failed))
             except NoWorkerError:
                 self.calls.pick(Role.PREFILL, failed)  # raises UNAVAILABLE naming the role
                 raise
-        route = self.routing.route(job, hashes, worker)
+        route = self.routing.route(job, choose.hashes, worker, choose)
         self.metrics.planning.labels("route").observe(time.perf_counter() - planning)
         self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
