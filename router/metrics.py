@@ -88,6 +88,12 @@ class RouterMetrics:
             "Multimodal items not encoded: they lie wholly in the prefill worker's cached prefix.",
             registry=registry,
         )
+        self.partitions_skipped = Counter(
+            "epd:partitions_skipped",
+            "Leading partitions of partition-keyed items not encoded: their runs lie wholly in "
+            "the prefill worker's cached prefix (the rest of the item is).",
+            registry=registry,
+        )
         registry.register(ScrapeCollector(self._scrape))
 
     def _scrape(self) -> list[Any]:

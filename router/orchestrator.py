@@ -297,6 +297,7 @@ class Orchestrator:
             encoded = await self.overlap.encode(job, route, to_encode)
         else:
             past = partitions_past(job.prompt.params.items, to_encode, cached_tokens(route))
+            self.metrics.partitions_skipped.inc(sum(past.values()))
             encoded = await self.encoder.encode(job, to_encode, past)
         prefilling = time.perf_counter()
         try:

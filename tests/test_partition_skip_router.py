@@ -100,8 +100,12 @@ async def test_only_partitions_past_the_cached_prefix_are_encoded_and_sent(
 ) -> None:
     pre = FakePrefill()
     prompt, first, enc = await start(cluster, pre)
+    assert cluster.router.orchestrator is not None
+    metrics = cluster.router.orchestrator.metrics.registry
+    skipped = metrics.get_sample_value("epd:partitions_skipped_total") or 0.0
     result = await cluster.client.generate_text(video_chat(), SamplingParams(max_tokens=2))
     assert result.token_ids == [FIRST, 101]
+    assert metrics.get_sample_value("epd:partitions_skipped_total") == skipped + first
     (video,) = prompt.params.items
     count = len(video.partitions)
     (encode,) = enc.requests
