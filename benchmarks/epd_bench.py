@@ -178,8 +178,8 @@ def main() -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        default=0,
-        help="torch threads per worker of this checkout (--served)",
+        default=1,
+        help="torch threads per worker, both checkouts (--served; 0: every core each)",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--image-size", type=int, default=224, help="image side (--served)")

@@ -6,8 +6,9 @@ with distinct images and `n` with `n / 4` images used 4 times each (image `k % (
 for request k, so the first use of each misses every cache and the later ones may hit);
 rounds alternate the order of deployments so background load hits them alike. Every run
 uses images no earlier run sent. Images are PNG-encoded before the clock starts (the
-client does no image work while timed). Reports medians over rounds of req/s and TTFT p50,
-and the ratios repeated/distinct and this/baseline.
+client does no image work while timed). Every worker of both deployments gets `--threads`
+torch threads (the issue's rule: one thread per worker). Reports medians over rounds of
+req/s and TTFT p50, and the ratios repeated/distinct and this/baseline.
 """
 
 from __future__ import annotations
@@ -103,17 +104,17 @@ async def run_served(args: argparse.Namespace) -> None:
         roots["baseline"] = args.baseline.resolve()
     seeds = itertools.count(1_000_000)
     print(f"checkpoint {model}; {n} requests x {size}px, {args.tokens} tokens,")
-    print(f"concurrency {args.concurrency}; deployments: {roots}")
+    print(f"concurrency {args.concurrency}, {args.threads or 'all'} torch thread(s) a worker;")
+    print(f"deployments: {roots}")
     results: dict[tuple[str, str], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="epd-served-") as logs:
         clusters: dict[str, Cluster] = {}
         try:
             for name, root in roots.items():
-                # `--threads`: this checkout's workers take that many torch threads each (the
-                # landed code has no such setting; its workers take every core).
-                threads = (
-                    ("--threads", str(args.threads)) if args.threads and name == "this" else ()
-                )
+                # `--threads`: every worker of both checkouts takes that many torch threads
+                # (0: each its default, every core: four workers on a small machine then run
+                # more busy threads than it has cores, and each step waits on the others).
+                threads = ("--threads", str(args.threads)) if args.threads else ()
                 clusters[name] = await asyncio.to_thread(
                     functools.partial(
                         start_cluster,

@@ -1,6 +1,7 @@
 """A decode stream's sender takes every step's tokens queued since its last message at once
 (`batching.Entry.next_chunk`): same tokens, same order, same finish reason, fewer messages
-when the sender is behind the loop."""
+when the sender is behind the loop; `Entry.ready` takes them without waiting (the stream's
+first message, once the lease is confirmed)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,20 @@ def test_waits_for_the_next_step_when_nothing_is_queued() -> None:
         return await asyncio.wait_for(entry.next_chunk(), 5)
 
     assert asyncio.run(run()).token_ids == [4]
+
+
+def test_ready_takes_what_is_queued_without_waiting() -> None:
+    async def run() -> tuple[Chunk | None, Chunk | None, int]:
+        entry = _entry()
+        empty = entry.ready()
+        entry.queue.put_nowait(Chunk([5], None))
+        entry.queue.put_nowait(Chunk([6], "length"))
+        return empty, entry.ready(), entry.queue.qsize()
+
+    empty, chunk, left = asyncio.run(run())
+    assert empty is None
+    assert chunk is not None and (chunk.token_ids, chunk.finish_reason, left) == (
+        [5, 6],
+        "length",
+        0,
+    )

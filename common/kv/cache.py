@@ -70,7 +70,7 @@ class KvCacheSpec:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:

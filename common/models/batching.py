@@ -242,13 +242,20 @@ class Entry:
     queue: asyncio.Queue[Chunk] = field(default_factory=asyncio.Queue)
     sent: int = 1  # output tokens already delivered (the first one came from prefill)
     cancelled: bool = False  # the RPC went away; release at the next step boundary
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # its blocks are back
 
     async def next_chunk(self) -> Chunk:
         """Every token sampled since the last call, as one chunk: waits for a step's, then
         takes the chunks of steps already queued behind it too, so a stream whose sender
         fell behind the loop (a busy machine, a slow reader) catches up in one message
         rather than one per step. Token order and the finish reason are unchanged."""
-        chunk = await self.queue.get()
+        return self._merged(await self.queue.get())
+
+    def ready(self) -> Chunk | None:
+        """`next_chunk` without waiting: the tokens already sampled, or None when none are."""
+        return None if self.queue.empty() else self._merged(self.queue.get_nowait())
+
+    def _merged(self, chunk: Chunk) -> Chunk:
         while chunk.finish_reason is None and not self.queue.empty():
             more = self.queue.get_nowait()
             chunk = Chunk(chunk.token_ids + more.token_ids, more.finish_reason)
@@ -309,6 +316,11 @@ class DecodeBatcher:
         entry.cancelled = True
         self._wake.set()
 
+    async def drop(self, entry: Entry) -> None:
+        """`cancel`, then return once the loop has given the sequence's blocks back."""
+        self.cancel(entry)
+        await entry.released.wait()
+
     async def wait_freed(self) -> None:
         """Return after the loop next gives blocks back to the pool."""
         await self._freed.wait()
@@ -321,9 +333,11 @@ class DecodeBatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         joining, self._joining = self._joining, []
-        had, self._entries = bool(self._entries), []
-        if had:
+        entries, self._entries = self._entries, []
+        if entries:
             await self.model.call(self._release_all, joining)
+        for entry in entries:
+            entry.released.set()
 
     async def _loop(self) -> None:
         while True:
@@ -337,6 +351,9 @@ class DecodeBatcher:
             released = await self.model.call(self._step, joining, cancelled)
             if released:
                 gone = set(released)
+                for entry in self._entries:
+                    if entry.seq in gone:
+                        entry.released.set()
                 self._entries = [e for e in self._entries if e.seq not in gone]
                 self._freed.set()
                 self._freed = asyncio.Event()
