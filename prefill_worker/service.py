@@ -31,6 +31,7 @@ in worker threads (`prefill_worker.embeddings`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -123,6 +124,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         # gRPC address of this worker, put in handles for ReleaseKv; set once bound.
         self.holder_address = ""
         self.active = 0  # Prefill RPCs in flight
+        self._settling: set[asyncio.Task[None]] = set()  # released leases not yet freed
         self.requests = 0  # Prefill RPCs answered with a handle
         agent.register(runner.kv.buffer)
         self._metadata = agent.metadata()
@@ -246,12 +248,25 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         lease = self.leases.pop(request.lease_id)
         if lease is None:
             return prefill_service_pb2.ReleaseKvResponse(released=False)
+        # The answer needs only the pop: the lease was live until now, so the reader's READ
+        # saw the leased bytes. The recheck and the freeing wait for the model thread (~20
+        # ms on a busy worker, on the decode worker's path), so they follow the answer.
+        settle = self._settle(lease, list(request.mismatched_blocks))
+        task = asyncio.get_running_loop().create_task(settle)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return prefill_service_pb2.ReleaseKvResponse(released=True)
+
+    async def _settle(self, lease: Lease[LeasedBlocks], mismatched: list[int]) -> None:
+        """A released lease: recheck the blocks its reader says failed their digest, then
+        give every block back."""
         try:
-            if request.mismatched_blocks:
-                await self.model.call(self._recheck, lease.held, list(request.mismatched_blocks))
+            if mismatched:
+                await self.model.call(self._recheck, lease.held, mismatched)
+        except Exception:
+            logger.exception("lease %s: rechecking blocks %s failed", lease.lease_id, mismatched)
         finally:
             await self._free(lease)
-        return prefill_service_pb2.ReleaseKvResponse(released=True)
 
     @rpc_errors
     async def RenewKv(
@@ -280,9 +295,14 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.leases.start_reaper(self._free, interval_s)
 
     async def release_all_leases(self) -> None:
-        """Free every leased block (shutdown)."""
+        """Free every leased block (shutdown), released leases' included."""
         for lease in self.leases.pop_all():
             await self._free(lease)
+        await self.settle_releases()
+
+    async def settle_releases(self) -> None:
+        """Return once every lease released so far has its blocks back in the pool."""
+        await asyncio.gather(*self._settling, return_exceptions=True)
 
     async def _free(self, lease: Lease[LeasedBlocks]) -> None:
         """Release a popped lease's block references to the pool (on the model thread)."""

@@ -60,9 +60,11 @@ def ask(frames: Any) -> Any:
     return user("Clip:", {"type": "video", "video": frames, "fps": 2.0}, "What moves?")
 
 
-async def prefill(stub: Any, request: prefill_service_pb2.PrefillRequest) -> Any:
+async def prefill(stub: Any, server: Any, request: prefill_service_pb2.PrefillRequest) -> Any:
+    """Prefill, release the lease and wait until its blocks are back in the pool."""
     reply = await stub.Prefill(request, timeout=60)
     await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id))
+    await server.servicer.settle_releases()
     return reply
 
 
@@ -89,10 +91,10 @@ async def test_only_the_new_partitions_rows_give_the_whole_prompts_prefill(
     given.deepstack.extend(tensor_to_ref(d[rows:]) for d in emb.deepstack)
 
     pool.reset_prefix_cache()
-    reference = await prefill(prefill_stub, whole)
+    reference = await prefill(prefill_stub, server, whole)
     pool.reset_prefix_cache()
-    await prefill(prefill_stub, prefill_request(t1, p1, GREEDY, rid="v"))
-    got = await prefill(prefill_stub, partial)
+    await prefill(prefill_stub, server, prefill_request(t1, p1, GREEDY, rid="v"))
+    got = await prefill(prefill_stub, server, partial)
     assert got.cached_tokens >= (item.runs[3][0] + item.runs[3][1]) // BLOCK * BLOCK
     assert got.first_token_id == reference.first_token_id
     assert list(got.kv.block_hashes) == list(reference.kv.block_hashes)

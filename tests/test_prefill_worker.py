@@ -4,6 +4,7 @@ by NIXL, settings and flags. In-process gRPC servers on 127.0.0.1 with real NIXL
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -209,8 +210,34 @@ async def test_release_frees_blocks_once(
     assert pool.num_used_blocks == blocks_for(len(tokens), BLOCK)
     release = prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id)
     assert (await stub.ReleaseKv(release)).released
+    await worker.servicer.settle_releases()  # the blocks go back after the answer
     assert pool.num_used_blocks == 0
     assert not (await stub.ReleaseKv(release)).released
+    pool.check_invariants()
+
+
+async def test_release_answers_before_the_busy_model_thread_frees_the_blocks(
+    worker: RoleServer[Any], stub: Any, engine: Engine
+) -> None:
+    """The answer needs only the lease table; the blocks go back once the model thread is
+    free, and a second release of the lease is refused meanwhile."""
+    await settle(worker, stub)
+    servicer = worker.servicer
+    pool = servicer.runner.allocator.pool
+    tokens, params = make_handoff(engine, user("Another short question about leases?"))
+    reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    gate = threading.Event()
+    busy = asyncio.ensure_future(servicer.model.call(gate.wait, 30))  # a long forward
+    release = prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id)
+    try:
+        assert (await asyncio.wait_for(stub.ReleaseKv(release), 10)).released
+        assert pool.num_used_blocks == blocks_for(len(tokens), BLOCK)  # not freed yet
+        assert not (await stub.ReleaseKv(release)).released
+    finally:
+        gate.set()
+        await busy
+    await servicer.settle_releases()
+    assert pool.num_used_blocks == 0
     pool.check_invariants()
 
 
