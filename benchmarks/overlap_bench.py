@@ -19,7 +19,7 @@ times its encoding, so even perfect overlap gives only about 0.73x. A long-video
 (`--frames 48 --words 150`) is encode-heavy, where the per-partition steps matter.
 
     .venv/bin/python benchmarks/overlap_bench.py [--size bench|tiny] [--requests 4]
-        [--frames 16] [--words 600] [--worker-threads 1]
+        [--frames 16] [--words 600] [--worker-threads 1] [--log-dir DIR]
 """
 
 from __future__ import annotations
@@ -93,10 +93,13 @@ def offline_halves(model: Path, messages: Any) -> tuple[float, float]:
 async def run(args: argparse.Namespace) -> None:
     model = default_checkpoint(args.size)
     size = 224 if args.size == "bench" else 64
-    threads = ("--threads", str(args.worker_threads))
+    threads: tuple[str, ...] = ("--threads", str(args.worker_threads))
+    if args.log_dir is not None:  # the stage timelines (router, encoder, prefill debug lines)
+        threads += ("--log-level", "DEBUG")
     sides = {"on": "true", "off": "false"}
     times: dict[str, list[float]] = {name: [] for name in sides}
-    with tempfile.TemporaryDirectory(prefix="epd-bench-") as logs:
+    with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
+        logs = tmp if args.log_dir is None else args.log_dir
         clusters: dict[str, Cluster] = {}
         try:
             for name, flag in sides.items():
@@ -107,7 +110,7 @@ async def run(args: argparse.Namespace) -> None:
                     block_size=BLOCK,
                     num_blocks=4096,
                     heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
-                    router_args=("--overlap-prefill", flag),
+                    router_args=("--overlap-prefill", flag, *threads[2:]),
                     encoder_args=threads,
                     prefill_args=threads,
                     decode_args=threads,
@@ -152,6 +155,11 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=600, help="words of text before the video")
     parser.add_argument(
         "--worker-threads", type=int, default=1, help="torch threads of each worker process"
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        help="keep the processes' logs here, at debug level (each step's timeline)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
