@@ -90,9 +90,7 @@ def test_a_step_carries_only_the_embeddings_reaching_past_what_it_reuses(
         image: whole_item_embedding(0, image.end - image.start)
     }
     for piece in video[:2]:
-        arrived[piece] = whole_item_embedding(
-            10 + (piece.partition or 0), piece.end - piece.start
-        )
+        arrived[piece] = whole_item_embedding(10 + (piece.partition or 0), piece.end - piece.start)
     n = video[2].start  # the video's first two partitions are in
     everything = step_layout(params, n, arrived, reused=0)
     assert [e.item_index for e in everything.embeddings] == [0, 1, 2]
