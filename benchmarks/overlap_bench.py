@@ -4,7 +4,9 @@ Two deployments (`tests/cluster.py`: router + encoder + prefill + decode) differ
 `--overlap-prefill` (`router.overlap`: the router encodes the video partition by partition
 and, as each arrives, the prefill worker computes the prompt up to the next one). Each
 request is a document followed by a video, both fresh (nothing cached); requests alternate
-between the two deployments so background load hits both alike. Prints median TTFT of each
+between the two deployments so background load hits both alike. `--baseline DIR`: a third
+deployment, overlap on, runs the code of the checkout at DIR (an earlier version), in the
+same rotation. Prints median TTFT of each
 and the ratio. Goal: on <= 0.75x off.
 
 For the bound, the bench process also times the two halves offline (the offline engine,
@@ -19,13 +21,14 @@ times its encoding, so even perfect overlap gives only about 0.73x. A long-video
 (`--frames 48 --words 150`) is encode-heavy, where the per-partition steps matter.
 
     .venv/bin/python benchmarks/overlap_bench.py [--size bench|tiny] [--requests 4]
-        [--frames 16] [--words 600] [--worker-threads 1] [--log-dir DIR]
+        [--frames 16] [--words 600] [--worker-threads 1] [--log-dir DIR] [--baseline DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -44,7 +47,7 @@ from common.engine import Engine
 from common.models.tiny import default_checkpoint
 from common.sampling import SamplingParams
 from epd.client import Client
-from tests.cluster import Cluster, start_cluster
+from tests.cluster import ROOT, Cluster, start_cluster
 
 BLOCK = 16
 
@@ -59,6 +62,21 @@ def request(seed: int, frames: int, size: int, words: int) -> list[dict[str, Any
         {"type": "text", "text": "Does the video match the report?"},
     ]
     return [{"role": "user", "content": content}]
+
+
+ROLES = ("router", "encoder", "prefill", "decode")
+
+
+def cpu_seconds(cluster: Cluster) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) each process of `cluster` used so far, by
+    role (Linux `/proc`). Unlike wall time, other sessions' load does not change them."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for role in ROLES:
+        stat = Path(f"/proc/{cluster.procs[role].pid}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name
+        out[role] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 async def ttft(cluster: Cluster, messages: Any) -> tuple[float, int]:
@@ -96,13 +114,19 @@ async def run(args: argparse.Namespace) -> None:
     threads: tuple[str, ...] = ("--threads", str(args.worker_threads))
     if args.log_dir is not None:  # the stage timelines (router, encoder, prefill debug lines)
         threads += ("--log-level", "DEBUG")
-    sides = {"on": "true", "off": "false"}
+    # name -> (--overlap-prefill, the checkout the deployment runs)
+    sides = {"on": ("true", ROOT), "off": ("false", ROOT)}
+    if args.baseline is not None:
+        sides["base"] = ("true", args.baseline.resolve())
+    names = list(sides)
     times: dict[str, list[float]] = {name: [] for name in sides}
+    # name -> role -> CPU seconds of each request
+    cpu: dict[str, dict[str, list[float]]] = {name: {r: [] for r in ROLES} for name in sides}
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
         logs = tmp if args.log_dir is None else args.log_dir
         clusters: dict[str, Cluster] = {}
         try:
-            for name, flag in sides.items():
+            for name, (flag, root) in sides.items():
                 clusters[name] = await asyncio.to_thread(
                     start_cluster,
                     model,
@@ -115,17 +139,22 @@ async def run(args: argparse.Namespace) -> None:
                     prefill_args=threads,
                     decode_args=threads,
                     timeout_s=900,
+                    root=root,
                 )
             for name in sides:  # warm-up
                 await ttft(clusters[name], request(99_000, args.frames, size, args.words))
             prompt_tokens = 0
             for i in range(args.requests):
-                order = list(sides) if i % 2 == 0 else list(reversed(sides))
+                order = names[i % len(names) :] + names[: i % len(names)]
                 for k, name in enumerate(order):
+                    before = cpu_seconds(clusters[name])
                     seconds, prompt_tokens = await ttft(
-                        clusters[name], request(2 * i + k, args.frames, size, args.words)
+                        clusters[name], request(len(names) * i + k, args.frames, size, args.words)
                     )
+                    after = cpu_seconds(clusters[name])
                     times[name].append(seconds)
+                    for role in ROLES:
+                        cpu[name][role].append(after[role] - before[role])
         finally:
             for cluster in clusters.values():
                 await asyncio.to_thread(cluster.stop)
@@ -139,6 +168,21 @@ async def run(args: argparse.Namespace) -> None:
     print(f"  overlap on {on * 1000:8.1f} ms   off {off * 1000:8.1f} ms   on/off {on / off:.2f}x")
     print("  on  (ms):", " ".join(f"{t * 1000:.0f}" for t in times["on"]))
     print("  off (ms):", " ".join(f"{t * 1000:.0f}" for t in times["off"]))
+    if "base" in times:
+        base = statistics.median(times["base"])
+        print(
+            f"  baseline ({args.baseline}, overlap on) {base * 1000:8.1f} ms   base/off "
+            f"{base / off:.2f}x   on/base {on / base:.2f}x"
+        )
+        print("  base (ms):", " ".join(f"{t * 1000:.0f}" for t in times["base"]))
+    print("  CPU seconds per request (median; the whole answer, heartbeats included):")
+    for name in sides:
+        used = {r: statistics.median(cpu[name][r]) for r in ROLES}
+        print(
+            f"    {name:4}",
+            " ".join(f"{r} {used[r]:.2f}" for r in ROLES),
+            f"total {sum(used.values()):.2f}",
+        )
     bound = max(encode, prefill) / (encode + prefill)
     print(
         f"  offline halves: encode {encode * 1000:.0f} ms, prefill {prefill * 1000:.0f} ms; "
@@ -160,6 +204,11 @@ def main() -> None:
         "--log-dir",
         type=Path,
         help="keep the processes' logs here, at debug level (each step's timeline)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of an earlier version: a third deployment, overlap on, runs its code",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
