@@ -11,7 +11,7 @@
                the partitions past it are encoded and sent (`router.pieces.pieces_past`;
                the prefill worker takes the video as its pieces, `prefill_worker.partitions`)
       overlap  with `overlap_prefill`, items are encoded piece by piece (a video by
-               partition) and the prefill worker computes the prompt up to the first piece
+               spans of partitions) and the prefill worker computes the prompt up to the first piece
                not yet encoded as each arrives (`router.overlap`); prefill below reuses
                those blocks and needs no embeddings of the items inside them
       encode   the other items -> each to its content hash's encoder unless that one is

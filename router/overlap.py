@@ -2,10 +2,11 @@
 partition's) embeddings as they arrive (router setting `overlap_prefill`, off by
 default).
 
-    pieces   the items to encode, split into pieces (`router.pieces`): a whole item, or one
-             partition of a partition-keyed video; encoded in prompt order, one `Encode`
-             call each, at most `DEPTH` in flight, so the encoder works on one piece while
-             the previous one travels and each arrives as soon as it is done
+    pieces   the items to encode, split into pieces (`router.pieces.batched`): a whole
+             item, or a span of a partition-keyed video's partitions (small at both ends
+             of the video, larger between); encoded in prompt order, one `Encode` call
+             each, at most `DEPTH` in flight, so the encoder works on one piece while the
+             previous one travels and each arrives as soon as it is done
     steps    a step is an ordinary `Prefill` of the prompt's tokens `[0, n)`, `n` the first
              placeholder of the first piece not yet arrived (the first step, the text
              before the first item, starts at once), with one sampled token; steps run one
@@ -51,7 +52,7 @@ from common.wire.convert import sampling_to_proto
 from epd.v1 import multimodal_pb2, prefill_service_pb2, prefill_service_pb2_grpc
 from router.calls import Job, RouterError
 from router.encode import NOTHING, Encoded, EncodeStage
-from router.pieces import Piece, cached_tokens, pieces_past, step_layout
+from router.pieces import Piece, batched, cached_tokens, pieces_past, step_layout
 from router.registry import Registry
 from router.routing import PrefillRoute
 from router.workers import WorkerRecord
@@ -60,8 +61,6 @@ logger = logging.getLogger(__name__)
 
 ONE_TOKEN = sampling_to_proto(SamplingParams(max_tokens=1))
 DEPTH = 2  # Encode calls of one job in flight: one encoding, the next queued behind it
-
-Key = tuple[int, int | None]  # (item, partition), partition None: the whole item
 
 
 class OverlappedPrefill:
@@ -82,13 +81,12 @@ class OverlappedPrefill:
             return NOTHING
         if worker is None or worker.layout is None:
             return await self.encoder.encode(job, to_encode)
-        pieces = pieces_past(job.prompt.params.items, to_encode, cached_tokens(route))
+        pieces = batched(pieces_past(job.prompt.params.items, to_encode, cached_tokens(route)))
         limit = asyncio.Semaphore(DEPTH)
 
         async def encode_piece(piece: Piece) -> Encoded:
-            parts = () if piece.partition is None else (piece.partition,)
             async with limit:
-                return await self.encoder.encode_partitions(job, piece.item, parts)
+                return await self.encoder.encode_partitions(job, piece.item, piece.partitions)
 
         tasks = [asyncio.ensure_future(encode_piece(p)) for p in pieces]
         try:
@@ -115,11 +113,11 @@ class OverlappedPrefill:
         are taken together); none runs once every piece is in (the job's prefill is next)."""
         assert worker.layout is not None
         block = worker.layout.block_size
-        arrived: dict[Key, multimodal_pb2.ItemEmbedding] = {}
+        arrived: dict[Piece, multimodal_pb2.ItemEmbedding] = {}
         k = 0  # pieces[:k] are in `arrived`
         while True:
             while k < len(pieces) and tasks[k].done():
-                (arrived[(pieces[k].item, pieces[k].partition)],) = tasks[k].result().embeddings
+                (arrived[pieces[k]],) = tasks[k].result().embeddings
                 k += 1
             if k == len(pieces):
                 return cached
@@ -137,7 +135,7 @@ class OverlappedPrefill:
         worker: WorkerRecord,
         k: int,
         n: int,
-        arrived: dict[Key, multimodal_pb2.ItemEmbedding],
+        arrived: dict[Piece, multimodal_pb2.ItemEmbedding],
         reused: int,
     ) -> bool:
         """Prefill step `k` over tokens `[0, n)` on `worker`; whether it succeeded."""

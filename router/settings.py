@@ -49,7 +49,7 @@ class RouterSettings(ServerSettings):
     )
     overlap_prefill: bool = setting(
         False,
-        "encode a request's images one by one and its videos partition by partition while "
+        "encode a request's images one by one and its videos as spans of partitions while "
         "the chosen prefill worker prefills the prompt up to the first one not yet encoded "
         "as each arrives (the request's prefill reuses those blocks; needs "
         "cache_aware_routing)",

@@ -2,8 +2,9 @@
 
 A step over tokens `[0, n)`, `n` the first placeholder of a piece, must give the whole
 prompt's block hashes and mRoPE positions for every token before `n` (a cut video as one
-item per partition), and carry only the embeddings of items reaching past the reused
-tokens.
+item per piece, a span of partitions, or per partition without one), and carry only the
+embeddings of items reaching past the reused tokens. The pieces a video is encoded as
+(`batched`) are small at both ends and cover its partitions once, in order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from common.models.qwen3_vl.rope import prompt_positions
 from common.processing.processor import ProcessedPrompt, Processor
 from common.wire.convert import params_from_proto, tensor_to_ref
 from epd.v1 import multimodal_pb2
-from router.pieces import pieces_of, step_layout
+from router.pieces import Piece, batched, piece_sizes, pieces_of, pieces_past, step_layout
 from tests.model_fixtures import write_tiny_checkpoint
 
 MERGE = 2  # the tiny checkpoint's spatial merge
@@ -85,20 +86,62 @@ def test_a_step_carries_only_the_embeddings_reaching_past_what_it_reuses(
     params = p.params
     pieces = pieces_of(params.items, [0, 1])
     image, *video = pieces
-    arrived: dict[tuple[int, int | None], multimodal_pb2.ItemEmbedding] = {
-        (image.item, None): whole_item_embedding(0, image.end - image.start)
+    arrived: dict[Piece, multimodal_pb2.ItemEmbedding] = {
+        image: whole_item_embedding(0, image.end - image.start)
     }
     for piece in video[:2]:
-        arrived[(piece.item, piece.partition)] = whole_item_embedding(
-            10 + (piece.partition or 0), piece.end - piece.start
-        )
+        arrived[piece] = whole_item_embedding(10 + (piece.partition or 0), piece.end - piece.start)
     n = video[2].start  # the video's first two partitions are in
     everything = step_layout(params, n, arrived, reused=0)
     assert [e.item_index for e in everything.embeddings] == [0, 1, 2]
     # Reusing up to the second partition's first token: that partition alone.
     some = step_layout(params, n, arrived, reused=video[1].start)
     assert [e.item_index for e in some.embeddings] == [2]
-    assert some.embeddings[0].rows == arrived[(1, 1)].rows
+    assert some.embeddings[0].rows == arrived[video[1]].rows
     decoded = params_from_proto(some, with_embeddings=True)
     assert decoded.items[2].runs == (params.items[1].runs[1],)
     assert decoded.items[2].partitions[0].content_hash == params.items[1].partitions[1].content_hash
+
+
+def test_piece_sizes_double_from_both_ends_up_to_the_largest() -> None:
+    assert piece_sizes(24, 4) == [1, 2, 4, 4, 2, 4, 4, 2, 1]
+    assert piece_sizes(4, 8) == [1, 2, 1]
+    assert piece_sizes(1, 4) == [1] and piece_sizes(0, 4) == []
+    for count in range(40):
+        for largest in (1, 2, 3, 4, 8):
+            sizes = piece_sizes(count, largest)
+            assert sum(sizes) == count and all(1 <= s <= largest for s in sizes)
+            assert count < 2 or sizes[0] == sizes[-1] == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        piece_sizes(3, 0)
+
+
+@pytest.mark.parametrize("largest", [1, 2, 4])
+@pytest.mark.parametrize("covered", [0, 1])
+def test_steps_over_batched_pieces_hash_and_position_as_the_whole_prompt(
+    processor: Processor, largest: int, covered: int
+) -> None:
+    p = prompt(processor)
+    tokens, params = p.prompt_token_ids, p.params
+    units = pieces_of(params.items, range(len(params.items)))
+    # `covered`: the worker caches the prompt up to the video's second partition.
+    cut = units[2].start if covered else 0
+    pieces = batched(pieces_past(params.items, range(len(params.items)), cut), largest)
+    video = [q for q in pieces if q.partition is not None]
+    assert [q.width for q in video] == piece_sizes(4 - covered, largest)  # 4 temporal patches
+    assert [r for q in video for r in q.partitions] == list(range(covered, 4))
+    block = 4
+    whole_hashes = block_hashes(tokens, block, params)
+    whole = prompt_positions(len(tokens), params.items, MERGE).positions
+    arrived: dict[Piece, multimodal_pb2.ItemEmbedding] = {}
+    for k, piece in enumerate(pieces):
+        n = piece.start
+        layout = step_layout(params, n, arrived, reused=0)
+        step = params_from_proto(layout, with_embeddings=False)
+        assert block_hashes(tokens[:n], block, step) == whole_hashes[: n // block]
+        assert torch.equal(prompt_positions(n, step.items, MERGE).positions, whole[:, :n])
+        # Every arrived piece is one item carrying its rows; cached partitions carry none.
+        assert len(layout.embeddings) == k
+        item = params.items[piece.item]
+        rows = sum(item.runs[j][1] for j in piece.partitions) or item.length
+        arrived[piece] = whole_item_embedding(k, rows)
