@@ -18,8 +18,10 @@ router's block hashes agree), and a request whose claimed hash differs from the 
 is refused (INVALID_ARGUMENT naming `content_hash` or `partitions[k].content_hash`), never
 corrected: a mismatch means a caller that is broken or lying, and answering it anyway would
 hand it rows under a key it did not compute. An item's own hash is checked whenever its
-whole patch rows are sent; when only some partitions' rows are sent it cannot be, and then
-it is only echoed in the response: the cache is keyed by the partitions' (checked) hashes.
+whole patch rows are sent (for an item with partitions: as the hash of its partitions'
+checked hashes, `partitioned_content_hash`); when only some partitions' rows are sent it
+cannot be, and then it is only echoed in the response: the cache is keyed by the
+partitions' (checked) hashes.
 
 With `cache_salt` set (the router sets it from the authenticated tenant), every unit's key
 is `salted_key(hash, salt)`: two tenants' identical images never share a cache entry, so
@@ -38,7 +40,7 @@ import torch
 from common.models.qwen3_vl.config import VisionConfig
 from common.multimodal.params import Modality
 from common.multimodal.validation import HASH_BYTES, MultimodalLayoutError
-from common.processing.content_hash import content_hash
+from common.processing.content_hash import content_hash, partitioned_content_hash
 from common.wire.convert import tensor_from_ref
 from epd.v1 import encoder_service_pb2, multimodal_pb2
 
@@ -160,31 +162,44 @@ def _parse_item(
     pixels = _pixels(i, item, vision, total, spans, chosen)
     whole = pixels.shape[0] == total
     item_hash = bytes(item.content_hash)  # checked below when it can be
-    if whole:
-        item_hash = _verify(fingerprint, modality, pixels, (t, h, w), item_hash, "content_hash", i)
     if not spans:
+        item_hash = _verify(fingerprint, modality, pixels, (t, h, w), item_hash, "content_hash", i)
         unit = Unit(item_hash, pixels, (t, h, w), False, total // vision.merge_unit)
         return ItemJob(item_hash, indices, (unit,))
-    units = []
+    # Partition p's rows, checked against its claimed hash; with the whole item's rows every
+    # partition is, and the item's hash is that of their hashes.
+    given = range(len(spans)) if whole else chosen
+    rows_of: dict[int, torch.Tensor] = {}
     offset = 0
-    for p in chosen:
-        start, end, out_rows, claimed = spans[p]
-        if whole:
-            rows = pixels[start:end]
-        else:
-            rows = pixels[offset : offset + end - start]
-            offset += end - start
-        part_grid = ((end - start) // frame, h, w)
-        part_key = _verify(
+    for p in given:
+        start, end = spans[p][0], spans[p][1]
+        rows_of[p] = pixels[start:end] if whole else pixels[offset : offset + end - start]
+        offset += end - start
+    keys = {
+        p: _verify(
             fingerprint,
             modality,
             rows,
-            part_grid,
-            claimed,
+            ((rows.shape[0]) // frame, h, w),
+            spans[p][3],
             f"partitions[{p}].content_hash",
             i,
         )
-        units.append(Unit(part_key, rows, part_grid, exact, out_rows))
+        for p, rows in rows_of.items()
+    }
+    if whole:
+        derived = partitioned_content_hash(
+            fingerprint, str(modality), pixels, (t, h, w), [keys[p] for p in range(len(spans))]
+        )
+        if derived != item_hash:
+            raise MultimodalLayoutError(
+                "content_hash", "does not match the hash of its partitions' hashes", i
+            )
+    units = []
+    for p in chosen:
+        rows = rows_of[p]
+        grid = (rows.shape[0] // frame, h, w)
+        units.append(Unit(keys[p], rows, grid, exact, spans[p][2]))
     return ItemJob(item_hash, indices, tuple(units))
 
 

@@ -26,6 +26,7 @@ from common.handoff import check_request
 from common.models.tiny import default_checkpoint
 from common.multimodal.validation import MultimodalLayoutError
 from common.processing.chat import IM_START
+from common.processing.content_hash import content_hash, partitioned_content_hash
 from common.processing.processor import IMAGE_PAD, ProcessedPrompt, Processor
 from common.server.role import RoleServer
 from common.server.rpc import channel
@@ -330,6 +331,40 @@ async def test_forged_partition_hash_and_unknown_modality_are_refused(
     details = await _refused(stub, odd)
     assert "modality" in details and "9" in details
     assert len(server.servicer.engine.cache) == 0
+
+
+async def test_a_whole_video_under_another_videos_item_hash_is_refused(
+    encoder: tuple[RoleServer[EncoderServicer], Any], processor: Processor
+) -> None:
+    """A video's item hash is the hash of its partitions' hashes: with every partition's
+    rows and honest partition hashes, a claimed item hash that is not theirs (another
+    video's, or the rows' own `content_hash`) is refused before anything is cached."""
+    server, stub = encoder
+    v, w = _prompt(processor, 7, "video"), _prompt(processor, 8, "video")
+    item = v.params.items[0]
+    assert item.grid_thw is not None
+    assert item.content_hash == partitioned_content_hash(
+        processor.settings.fingerprint(),
+        "video",
+        v.pixel_values[0],
+        item.grid_thw,
+        [p.content_hash for p in item.partitions],
+    )
+    over_rows = content_hash(
+        processor.settings.fingerprint(), "video", v.pixel_values[0], item.grid_thw
+    )
+    assert over_rows != item.content_hash  # the two schemes never name the same item
+    for claimed in (w.params.items[0].content_hash, over_rows):
+        forged = _encode_item(v, multimodal_pb2.MODALITY_VIDEO)
+        forged.content_hash = claimed
+        details = await _refused(stub, forged)
+        assert "content_hash" in details and "partitions[" not in details
+    assert len(server.servicer.engine.cache) == 0
+    reply = await stub.Encode(
+        encoder_service_pb2.EncodeRequest(items=[_encode_item(v, multimodal_pb2.MODALITY_VIDEO)]),
+        timeout=30,
+    )
+    assert reply.items[0].content_hash == item.content_hash
 
 
 # --------------------------------------------------------------- wire and KV workers

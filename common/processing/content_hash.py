@@ -2,10 +2,14 @@
 
 A content hash is 32 bytes of BLAKE2b over a domain tag, the processor settings'
 fingerprint, the modality, the patch grid, the patch rows' dtype and shape, and the rows'
-bytes (DESIGN §2). The router's processor computes it while preprocessing; the encoder
-worker computes it again from the patch rows it is asked to encode and never trusts the
-caller's (DESIGN §7), so both must derive it from the same settings: `processor_settings`
-reads them from a checkpoint folder the way `Processor.from_pretrained` does.
+bytes (DESIGN §2). An item with partitions (a video's temporal patches) hashes its
+partitions' hashes instead of its rows (`partitioned_content_hash`): its rows are then read
+once, for the partition hashes the block keys and the encoder cache need anyway.
+
+The router's processor computes it while preprocessing; the encoder worker computes it
+again from the patch rows it is asked to encode and never trusts the caller's (DESIGN §7),
+so both must derive it from the same settings: `processor_settings` reads them from a
+checkpoint folder the way `Processor.from_pretrained` does.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +31,8 @@ from common.models.qwen3_vl.processor_files import read_processor_settings
 
 # Domain tag of item and partition content hashes; bump it if the hashed layout changes.
 _HASH_TAG = b"epd.qwen3vl.item.v1"
+# Domain tag of an item hashed as its partitions' hashes (`partitioned_content_hash`).
+_PARTITIONED_TAG = b"epd.qwen3vl.item-of-partitions.v1"
 
 
 def processor_settings(folder: str | Path, config: Qwen3VLConfig) -> ProcessorSettings:
@@ -53,14 +61,51 @@ def content_hash(
     grid, dtype, shape and the patch bytes. A tensor is hashed as the float32 rows it holds
     (the processor's dtype), so the encoder's hash of what it received equals the
     processor's hash of what it sent."""
+    rows = _float32_rows(patches)
+    h = _hasher(_HASH_TAG, fingerprint, modality, grid, rows)
+    h.update(np.ascontiguousarray(rows).data)
+    return h.digest()
+
+
+def partitioned_content_hash(
+    fingerprint: bytes,
+    modality: str,
+    patches: npt.NDArray[np.float32] | torch.Tensor,
+    grid: tuple[int, int, int],
+    partition_hashes: Sequence[bytes],
+) -> bytes:
+    """The content hash of an item with partitions: 32-byte BLAKE2b over its own domain
+    tag, the same fingerprint, modality, grid, dtype and shape as `content_hash`, and the
+    partitions' content hashes in order (`content_hash` of each one's rows). Each of those
+    names its rows exactly, so this names the item's rows as exactly as hashing them all
+    would, without a second pass over the bytes; the tag keeps it apart from any
+    `content_hash`. Only `patches`' dtype and shape are read."""
+    h = _hasher(_PARTITIONED_TAG, fingerprint, modality, grid, _float32_rows(patches))
+    for part in partition_hashes:
+        h.update(part)
+    return h.digest()
+
+
+def _float32_rows(
+    patches: npt.NDArray[np.float32] | torch.Tensor,
+) -> npt.NDArray[np.float32]:
     if isinstance(patches, torch.Tensor):
         if patches.dtype != torch.float32 or patches.device.type != "cpu":
             patches = patches.to("cpu", torch.float32)
-        patches = patches.detach().numpy()  # contiguous or not: made contiguous below
-    header = _header(str(modality), tuple(int(g) for g in grid), patches.dtype, patches.shape)
+        return patches.detach().numpy()  # contiguous or not: made contiguous when hashed
+    return patches
+
+
+def _hasher(
+    tag: bytes,
+    fingerprint: bytes,
+    modality: str,
+    grid: tuple[int, int, int],
+    rows: npt.NDArray[np.float32],
+) -> Any:
+    header = _header(str(modality), tuple(int(g) for g in grid), rows.dtype, rows.shape)
     h = hashlib.blake2b(digest_size=32)
-    for chunk in (_HASH_TAG, fingerprint, header):
+    for chunk in (tag, fingerprint, header):
         h.update(len(chunk).to_bytes(8, "little"))
         h.update(chunk)
-    h.update(np.ascontiguousarray(patches).data)
-    return h.digest()
+    return h

@@ -43,7 +43,11 @@ from common.multimodal.params import (
     runs_from_mask,
 )
 from common.processing.chat import Control, render_chat
-from common.processing.content_hash import content_hash, processor_settings
+from common.processing.content_hash import (
+    content_hash,
+    partitioned_content_hash,
+    processor_settings,
+)
 from common.processing.image import FloatArray, KeyedImage, preprocess_image
 from common.processing.image_cache import ProcessedImage, ProcessedImageCache, image_key
 from common.processing.limits import InputLimits, check_text_bytes
@@ -346,7 +350,7 @@ class Processor:
             rows = [p.output_rows for p in parts]
             items.append(
                 MultimodalItemMetadata(
-                    content_hash=m.content_hash or self._hash(m.modality, m.patches, m.grid),
+                    content_hash=m.content_hash or self._hash(m.modality, m.patches, m.grid, parts),
                     runs=runs,
                     modality=m.modality,
                     payload_index=m.payload_index,
@@ -386,6 +390,16 @@ class Processor:
             for k in range(t)
         )
 
-    def _hash(self, modality: Modality, patches: FloatArray, grid: tuple[int, int, int]) -> bytes:
-        """The item's (or partition's) content hash (`common.processing.content_hash`)."""
+    def _hash(
+        self,
+        modality: Modality,
+        patches: FloatArray,
+        grid: tuple[int, int, int],
+        parts: tuple[ItemPartition, ...] = (),
+    ) -> bytes:
+        """The item's (or partition's) content hash (`common.processing.content_hash`); an
+        item with `parts` hashes theirs."""
+        if parts:
+            hashes = [p.content_hash for p in parts]
+            return partitioned_content_hash(self._fingerprint, str(modality), patches, grid, hashes)
         return content_hash(self._fingerprint, str(modality), patches, grid)
