@@ -42,6 +42,7 @@ from common.models.tiny import default_checkpoint
 from common.processing.processor import Processor
 from common.roles import Role
 from common.sampling import SamplingParams
+from common.server.role import freeze_startup_heap
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_to_proto
 from epd.client import Client
@@ -224,6 +225,9 @@ def planning(model: Path, args: argparse.Namespace, size: int) -> None:
         registry.register(info)
     root = layout_root(layout_from_proto(layout))
     hashes = block_hashes(prompt.prompt_token_ids, BLOCK, prompt.params, root=root)
+    # As a router does once serving (`freeze_startup_heap`); the prefix index filled below
+    # stays in the collector's reach, as KV events that arrive later do.
+    freeze_startup_heap()
     prefix = PrefixIndex(channels=None)  # type: ignore[arg-type]  # never follows a stream
     for k, worker in enumerate(registry.workers(Role.PREFILL)):
         # Each worker caches a different share of the prompt (and other blocks).

@@ -34,6 +34,7 @@ from cluster.worker import (
     setup_logging,
 )
 from common.server.auth import service_credentials
+from common.server.role import freeze_startup_heap
 from common.server.rpc import channel
 from common.server.threads import available_cores
 from common.wire.roles import role_from_proto
@@ -86,6 +87,7 @@ class Controller:
             await router_module.serve(settings.router.nth(i), scaler=self._scale)
             for i in range(1, settings.pools.routers)
         ]
+        freeze_startup_heap()  # the routers' processors, registries and settings
         self.router_addresses = [self.router_address]
         self.router_addresses += [reachable_address(r.address) for r in self.more_routers]
         # The controller's own calls to the router (Status, Drain) present the cluster bearer.

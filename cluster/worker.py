@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster import logs
-from common.server.role import RoleServer
+from common.server.role import RoleServer, freeze_startup_heap
 from common.server.threads import CpuPlacement, apply, resolve
 from common.settings.base import WorkerSettings
 
@@ -101,6 +101,7 @@ class WorkerActor:
         module = importlib.import_module(SERVER_MODULES[role])
         logger.info("%s: starting %s server", name, role)
         self.server: RoleServer[Any] = await module.serve(settings)
+        freeze_startup_heap()
         logger.info("%s: %s server on %s", name, role, self.server.address)
 
     def __repr__(self) -> str:

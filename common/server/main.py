@@ -20,7 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from common.server import threads
 from common.server.lifecycle import run_until_signal
-from common.server.role import RoleServer
+from common.server.role import RoleServer, freeze_startup_heap
 from common.settings.base import ServerSettings
 from common.settings.schema import SettingsError, add_flags, apply_flags, load, to_toml
 
@@ -106,6 +106,7 @@ class RoleMain(Generic[S]):
 
     async def _serve_until_signal(self, settings: S) -> None:
         server = await self.serve(settings)
+        freeze_startup_heap()
         await run_until_signal(
             server.lifecycle,
             drain_timeout_s=settings.drain_timeout_s,

