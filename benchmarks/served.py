@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import io
 import itertools
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,21 +117,26 @@ async def run_served(args: argparse.Namespace) -> None:
                 # `--threads`: every worker of both checkouts takes that many torch threads
                 # (0: each its default, every core: four workers on a small machine then run
                 # more busy threads than it has cores, and each step waits on the others).
-                threads = ("--threads", str(args.threads)) if args.threads else ()
-                clusters[name] = await asyncio.to_thread(
-                    functools.partial(
-                        start_cluster,
-                        encoder_args=threads,
-                        prefill_args=threads,
-                        decode_args=threads,
-                    ),
-                    model,
-                    Path(logs) / name,
-                    block_size=16,
-                    num_blocks=4096,
-                    timeout_s=600,
-                    root=root,
-                )
+                # A checkout older than the `threads` setting gets the count through the
+                # environment its workers' torch reads at start.
+                flag = (root / "common" / "server" / "threads.py").exists()
+                threads = ("--threads", str(args.threads)) if args.threads and flag else ()
+                env = {} if flag or not args.threads else _thread_env(args.threads)
+                with _environ(env):
+                    clusters[name] = await asyncio.to_thread(
+                        functools.partial(
+                            start_cluster,
+                            encoder_args=threads,
+                            prefill_args=threads,
+                            decode_args=threads,
+                        ),
+                        model,
+                        Path(logs) / name,
+                        block_size=16,
+                        num_blocks=4096,
+                        timeout_s=600,
+                        root=root,
+                    )
             clients = {
                 name: Client(c.address, api_key=c.client_key) for name, c in clusters.items()
             }
@@ -173,3 +181,22 @@ def report(results: dict[tuple[str, str], list[Run]], names: list[str]) -> None:
         for kind in ("distinct", "repeated"):
             ratio = med("this", kind, "rps") / med("baseline", kind, "rps")
             print(f"  this / baseline, {kind} req/s {ratio:.2f}x")
+
+
+def _thread_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """`os.environ` with `values` set while the block runs (child processes inherit it)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
