@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import re
 import statistics
 import sys
@@ -240,11 +241,11 @@ def planning(model: Path, args: argparse.Namespace, size: int) -> None:
     proc_t, hash_t, route_t = [], [], []
     for _ in range(args.plan_reps):
         t0 = time.perf_counter()
-        processor.process(messages)
+        fresh = processor.process(messages)  # hashed and routed as a new request's prompt
         t1 = time.perf_counter()
-        got = block_hashes(prompt.prompt_token_ids, BLOCK, prompt.params, root=root)
+        got = block_hashes(fresh.prompt_token_ids, BLOCK, fresh.params, root=root)
         t2 = time.perf_counter()
-        routing.route(job, got, None)
+        routing.route(dataclasses.replace(job, prompt=fresh), got, None)
         t3 = time.perf_counter()
         proc_t.append(t1 - t0)
         hash_t.append(t2 - t1)
