@@ -19,7 +19,8 @@ is refused (INVALID_ARGUMENT naming `content_hash` or `partitions[k].content_has
 corrected: a mismatch means a caller that is broken or lying, and answering it anyway would
 hand it rows under a key it did not compute. An item's own hash is checked whenever its
 whole patch rows are sent (for an item with partitions: as the hash of its partitions'
-checked hashes, `partitioned_content_hash`); when only some partitions' rows are sent it
+checked hashes, `partitioned_content_hash`, or over all its rows as a router from before
+that names it); when only some partitions' rows are sent it
 cannot be, and then it is only echoed in the response: the cache is keyed by the
 partitions' (checked) hashes.
 
@@ -191,10 +192,10 @@ def _parse_item(
         derived = partitioned_content_hash(
             fingerprint, str(modality), pixels, (t, h, w), [keys[p] for p in range(len(spans))]
         )
+        # A router from before partition-hashed items names the item by all its rows:
+        # as exact, so it is checked that way rather than refused (a rolling upgrade).
         if derived != item_hash:
-            raise MultimodalLayoutError(
-                "content_hash", "does not match the hash of its partitions' hashes", i
-            )
+            _verify(fingerprint, modality, pixels, (t, h, w), item_hash, "content_hash", i)
     units = []
     for p in chosen:
         rows = rows_of[p]
