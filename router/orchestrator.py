@@ -306,10 +306,14 @@ class Orchestrator:
                 _log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
                 return out
             except RouterError as exc:
-                every_item_carried = len(encoded.embeddings) == len(every) and not any(
-                    emb.HasField("partition_start") for emb in encoded.embeddings
+                spans = any(emb.HasField("partition_start") for emb in encoded.embeddings)
+                every_item_carried = len(encoded.embeddings) == len(every) and not spans
+                # A prefill worker from before partition spans takes their rows for the
+                # whole item's and refuses them (INVALID_ARGUMENT): encoding all serves it.
+                again = (grpc.StatusCode.FAILED_PRECONDITION,) + (
+                    (grpc.StatusCode.INVALID_ARGUMENT,) if spans else ()
                 )
-                if every_item_carried or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                if every_item_carried or exc.code not in again:
                     raise
                 logger.info(
                     "request %s: prefix cache moved on (%s); encoding all", job.request_id, exc
