@@ -81,6 +81,7 @@ async def settle(worker: RoleServer[Any], stub: Any) -> None:
     """Release every live lease so block counts are at their baseline."""
     for lease in list(worker.servicer.leases._leases):
         await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=lease))
+    await worker.servicer.settle_releases()  # the blocks go back after each answer
     assert worker.servicer.runner.allocator.pool.num_used_blocks == 0
 
 
