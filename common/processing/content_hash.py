@@ -28,6 +28,7 @@ import torch
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.qwen3_vl.processor_files import read_processor_settings
+from common.multimodal.params import ItemPartition
 
 # Domain tag of item and partition content hashes; bump it if the hashed layout changes.
 _HASH_TAG = b"epd.qwen3vl.item.v1"
@@ -84,6 +85,45 @@ def partitioned_content_hash(
     for part in partition_hashes:
         h.update(part)
     return h.digest()
+
+
+def item_content_hash(
+    fingerprint: bytes,
+    modality: str,
+    patches: npt.NDArray[np.float32],
+    grid: tuple[int, int, int],
+    partitions: Sequence[ItemPartition],
+) -> bytes:
+    """An item's content hash: `partitioned_content_hash` of its `partitions` when it has
+    any, else `content_hash` of its rows."""
+    if partitions:
+        hashes = [part.content_hash for part in partitions]
+        return partitioned_content_hash(fingerprint, modality, patches, grid, hashes)
+    return content_hash(fingerprint, modality, patches, grid)
+
+
+def video_partitions(
+    fingerprint: bytes,
+    patches: npt.NDArray[np.float32],
+    grid: tuple[int, int, int],
+    merge_size: int,
+    known: Sequence[bytes] = (),
+) -> tuple[ItemPartition, ...]:
+    """A video's partitions: one per temporal patch (the tower attends within a frame only),
+    each hashed from its rows unless its hash is `known` already (cached patches)."""
+    t, h, w = grid
+    step = h * w
+    return tuple(
+        ItemPartition(
+            input_start=k * step,
+            input_end=(k + 1) * step,
+            output_rows=step // merge_size**2,
+            content_hash=known[k]
+            if known
+            else content_hash(fingerprint, "video", patches[k * step : (k + 1) * step], (1, h, w)),
+        )
+        for k in range(t)
+    )
 
 
 def _float32_rows(

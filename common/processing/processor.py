@@ -45,8 +45,9 @@ from common.multimodal.params import (
 from common.processing.chat import Control, render_chat
 from common.processing.content_hash import (
     content_hash,
-    partitioned_content_hash,
+    item_content_hash,
     processor_settings,
+    video_partitions,
 )
 from common.processing.image import FloatArray, KeyedImage, preprocess_image
 from common.processing.image_cache import ProcessedImage, ProcessedImageCache, image_key
@@ -303,7 +304,8 @@ class Processor:
             if key is not None and (hit := cache.get(key)) is not None:
                 return hit
         patches, grid = preprocess_image(data, self.settings)
-        image = ProcessedImage(patches, grid, self._hash(Modality.IMAGE, patches, grid))
+        digest = content_hash(self._fingerprint, str(Modality.IMAGE), patches, grid)
+        image = ProcessedImage(patches, grid, digest)
         if cache is not None and key is not None:
             cache.put(key, image)
         return image
@@ -348,9 +350,11 @@ class Processor:
             )
             parts = self._partitions(m)
             rows = [p.output_rows for p in parts]
+            kind = str(m.modality)
             items.append(
                 MultimodalItemMetadata(
-                    content_hash=m.content_hash or self._hash(m.modality, m.patches, m.grid, parts),
+                    content_hash=m.content_hash
+                    or item_content_hash(self._fingerprint, kind, m.patches, m.grid, parts),
                     runs=runs,
                     modality=m.modality,
                     payload_index=m.payload_index,
@@ -372,34 +376,10 @@ class Processor:
         )
 
     def _partitions(self, item: _Media) -> tuple[ItemPartition, ...]:
-        """Video: one partition per temporal patch (the tower attends within a frame only).
-        Images: none, the item is its own single part."""
+        """Video: one per temporal patch (`video_partitions`). Images: none, the item is its
+        own single part."""
         if item.modality != Modality.VIDEO:
             return ()
-        t, h, w = item.grid
-        step = h * w
-        return tuple(
-            ItemPartition(
-                input_start=k * step,
-                input_end=(k + 1) * step,
-                output_rows=step // self.settings.merge_size**2,
-                content_hash=item.partition_hashes[k]
-                if item.partition_hashes
-                else self._hash(item.modality, item.patches[k * step : (k + 1) * step], (1, h, w)),
-            )
-            for k in range(t)
-        )
-
-    def _hash(
-        self,
-        modality: Modality,
-        patches: FloatArray,
-        grid: tuple[int, int, int],
-        parts: tuple[ItemPartition, ...] = (),
-    ) -> bytes:
-        """The item's (or partition's) content hash (`common.processing.content_hash`); an
-        item with `parts` hashes theirs."""
-        if parts:
-            hashes = [p.content_hash for p in parts]
-            return partitioned_content_hash(self._fingerprint, str(modality), patches, grid, hashes)
-        return content_hash(self._fingerprint, str(modality), patches, grid)
+        merge = self.settings.merge_size
+        known = item.partition_hashes
+        return video_partitions(self._fingerprint, item.patches, item.grid, merge, known)
