@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,12 @@ import grpc
 from common.roles import Role
 from common.server.peers import PeerClient
 from common.wire.convert import tensor_to_ref
-from epd.v1 import encoder_service_pb2, encoder_service_pb2_grpc, multimodal_pb2
+from epd.v1 import (
+    encoder_service_pb2,
+    encoder_service_pb2_grpc,
+    multimodal_pb2,
+    prefill_service_pb2,
+)
 from router.calls import Job, RouterError, WorkerCalls
 from router.workers import NoWorkerError, WorkerRecord
 
@@ -252,3 +258,30 @@ class EncodeStage:
                 f"request carries {inline} bytes of inline embeddings, more than the router's "
                 f"limit of {self.max_inline_embedding_bytes}",
             )
+
+
+def log_stages(
+    job: Job,
+    encoded: Encoded,
+    encode_s: float,
+    prefill_start: float,
+    response: prefill_service_pb2.PrefillResponse,
+) -> None:
+    """Debug log of where a request's time to first token went (benchmarks read it)."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    inline = sum(
+        len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
+        for emb in encoded.embeddings
+    )
+    logger.debug(
+        "request %s stages: encode %.1f ms (%d embeddings, %d inline bytes), prefill %.1f ms "
+        "(%d cached, %d computed tokens)",
+        job.request_id,
+        encode_s * 1000,
+        len(encoded.embeddings),
+        inline,
+        (time.perf_counter() - prefill_start) * 1000,
+        response.cached_tokens,
+        response.computed_tokens,
+    )

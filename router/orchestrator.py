@@ -91,7 +91,7 @@ from router.admission import Admission, KvPoolFull, Ticket
 from router.calls import Job, RouterError, WorkerCalls
 from router.decode import DecodeStage, KvLease
 from router.detokenize import IncrementalDetokenizer
-from router.encode import Encoded, EncodeStage
+from router.encode import Encoded, EncodeStage, log_stages
 from router.metrics import RouterMetrics
 from router.overlap import OverlappedPrefill
 from router.pieces import cached_tokens, partitions_past
@@ -303,7 +303,7 @@ class Orchestrator:
         try:
             try:
                 out = await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
-                _log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
+                log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
                 return out
             except RouterError as exc:
                 spans = any(emb.HasField("partition_start") for emb in encoded.embeddings)
@@ -374,30 +374,3 @@ class Orchestrator:
     async def close(self) -> None:
         """Stop following KV events (the peer client's owner closes it: releases finish)."""
         await self.prefix.close()
-
-
-def _log_stages(
-    job: Job,
-    encoded: Encoded,
-    encode_s: float,
-    prefill_start: float,
-    response: prefill_service_pb2.PrefillResponse,
-) -> None:
-    """Debug log of where a request's time to first token went (benchmarks read it)."""
-    if not logger.isEnabledFor(logging.DEBUG):
-        return
-    inline = sum(
-        len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
-        for emb in encoded.embeddings
-    )
-    logger.debug(
-        "request %s stages: encode %.1f ms (%d embeddings, %d inline bytes), prefill %.1f ms "
-        "(%d cached, %d computed tokens)",
-        job.request_id,
-        encode_s * 1000,
-        len(encoded.embeddings),
-        inline,
-        (time.perf_counter() - prefill_start) * 1000,
-        response.cached_tokens,
-        response.computed_tokens,
-    )
