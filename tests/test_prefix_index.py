@@ -1,8 +1,10 @@
 """`router.prefix_index.PrefixIndex`: the per-worker sets and the shared holder bits stay in
 agreement through any sequence of KV events, and `cached_prefixes` (one lookup per block
-for every worker) equals `cached_prefix` asked worker by worker."""
+for every worker) equals each worker's prefix read from its own set."""
 
 from __future__ import annotations
+
+import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,9 +49,14 @@ def test_cached_prefixes_equals_cached_prefix_per_worker(
             event = kv_pb2.KvEvent(kind=kind, block_hashes=[HASHES[h] for h in hashes])  # type: ignore[arg-type]
             prefix._apply(address, [event])
     asked = [HASHES[h] for h in prompt]
-    expected = {a: prefix.cached_prefix(a, asked) for a in ADDRESSES}
+    # Each worker's prefix read from its own set, one block at a time.
+    expected = {
+        a: len(list(itertools.takewhile(prefix._hashes.get(a, set()).__contains__, asked)))
+        for a in ADDRESSES
+    }
     got = prefix.cached_prefixes(asked)
     assert got == {a: n for a, n in expected.items() if n}
+    assert all(prefix.cached_prefix(a, asked) == n for a, n in expected.items())
     # The holder bits are exactly the sets: nothing stale after removals and forgets.
     holders: dict[bytes, set[str]] = {}
     for address, cached in prefix._hashes.items():
