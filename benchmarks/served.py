@@ -1,14 +1,18 @@
 """Served throughput, distinct vs repeated images, this checkout vs a baseline checkout.
 
-One local deployment per checkout (`tests/cluster.py`, `root=` the checkout), both up for
-the whole run. Each round runs, per deployment, `n` requests at `concurrency` in flight
+One local deployment per checkout (`tests/cluster.py`, `root=` the checkout), both started
+at the outset. Each round runs, per deployment, `n` requests at `concurrency` in flight
 with distinct images and `n` with `n / 4` images used 4 times each (image `k % (n / 4)`
 for request k, so the first use of each misses every cache and the later ones may hit);
-rounds alternate the order of deployments so background load hits them alike. Every run
-uses images no earlier run sent. Images are PNG-encoded before the clock starts (the
-client does no image work while timed). Every worker of both deployments gets `--threads`
-torch threads (the issue's rule: one thread per worker). Reports medians over rounds of
-req/s and TTFT p50, and the ratios repeated/distinct and this/baseline.
+rounds alternate the order of deployments so background load hits them alike. Only the
+deployment being measured runs: the others' processes are stopped (SIGSTOP) meanwhile, so
+what one burns while idle (e.g. an older checkout's spinning transfer threads) is charged to
+it alone, not to the one being measured; a resumed deployment gets a few seconds and an
+untimed warm-up run before its timed ones. Every run uses images no earlier run sent.
+Images are PNG-encoded before the clock starts (the client does no image work while
+timed). Every worker of both deployments gets `--threads` torch threads (the issue's rule:
+one thread per worker). Reports medians over rounds of req/s and TTFT p50, and the ratios
+repeated/distinct and this/baseline.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import functools
 import io
 import itertools
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -140,12 +145,16 @@ async def run_served(args: argparse.Namespace) -> None:
             clients = {
                 name: Client(c.address, api_key=c.client_key) for name, c in clusters.items()
             }
-            for client in clients.values():  # warm-up: connections, first forwards
-                warm = [messages(png(next(seeds), size), k) for k in range(args.concurrency)]
-                await one_run(client, warm, sampling, args.concurrency)
+            for cluster in clusters.values():
+                _signal(cluster, signal.SIGSTOP)
             for r in range(args.rounds):
                 order = list(clients) if r % 2 == 0 else list(reversed(clients))
                 for name in order:
+                    _signal(clusters[name], signal.SIGCONT)
+                    await asyncio.sleep(3.0)  # heartbeats again (or registrations)
+                    # warm-up: connections, first forwards
+                    warm = [messages(png(next(seeds), size), k) for k in range(args.concurrency)]
+                    await one_run(clients[name], warm, sampling, args.concurrency)
                     for kind in ("distinct", "repeated"):
                         distinct = n if kind == "distinct" else max(1, n // 4)
                         images = [png(next(seeds), size) for _ in range(distinct)]
@@ -153,10 +162,12 @@ async def run_served(args: argparse.Namespace) -> None:
                         got = await one_run(clients[name], prompts, sampling, args.concurrency)
                         results.setdefault((name, kind), []).append(got)
                         print(f"  round {r} {name:8s} {kind:8s} {got.rps:6.2f} req/s", flush=True)
+                    _signal(clusters[name], signal.SIGSTOP)
             for client in clients.values():
                 await client.close()
         finally:
             for cluster in clusters.values():
+                _signal(cluster, signal.SIGCONT)
                 await asyncio.to_thread(cluster.stop)
     report(results, list(roots))
 
@@ -181,6 +192,13 @@ def report(results: dict[tuple[str, str], list[Run]], names: list[str]) -> None:
         for kind in ("distinct", "repeated"):
             ratio = med("this", kind, "rps") / med("baseline", kind, "rps")
             print(f"  this / baseline, {kind} req/s {ratio:.2f}x")
+
+
+def _signal(cluster: Cluster, sig: signal.Signals) -> None:
+    """Send `sig` to every running process of the deployment."""
+    for proc in cluster.procs.values():
+        if proc.poll() is None:
+            proc.send_signal(sig)
 
 
 def _thread_env(threads: int) -> dict[str, str]:
