@@ -1,7 +1,8 @@
 """TTFT of a long-video request with encoding overlapped with prefill on vs off, in one run.
 
 Two deployments (`tests/cluster.py`: router + encoder + prefill + decode) differ only in
-`--overlap-prefill` (`router.overlap`: the router encodes the video as spans of partitions
+`--overlap-prefill` (`router.overlap`: the router encodes the video's first temporal
+patches while it processes the rest (the head start), then the video as spans of partitions
 and, as each arrives, the prefill worker computes the prompt up to the next one). Each
 request is a document followed by a video, both fresh (nothing cached); requests alternate
 between the two deployments so background load hits both alike. `--baseline DIR`: a third
@@ -20,6 +21,9 @@ The default prompt (600 words, then 16 frames) is text-heavy: its prefill is abo
 times its encoding, so even perfect overlap gives only about 0.73x, or 0.75x counting what
 off pays besides the two halves (the bound's second line). A long-video request
 (`--frames 48 --words 150`) is encode-heavy, where the per-partition steps matter.
+
+With `--log-dir` each deployment logs at debug level and the medians of each request's
+timeline are printed (`benchmarks/overlap_timeline.py DIR/on` prints every request's).
 
     .venv/bin/python benchmarks/overlap_bench.py [--size bench|tiny] [--requests 4]
         [--frames 16] [--words 600] [--worker-threads 1] [--log-dir DIR] [--baseline DIR]
@@ -42,6 +46,7 @@ import torch
 # `tests.cluster` (the deployment helper) lives beside the test suite, not in a package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from overlap_timeline import medians
 from timing import measure
 
 from common.engine import Engine
@@ -197,6 +202,10 @@ async def run(args: argparse.Namespace) -> None:
         "(the ratio if overlap hid the smaller half and cost nothing)"
     )
     print(f"  goal on/off <= 0.75x: {'met' if on / off <= 0.75 else 'NOT met'}")
+    if args.log_dir is not None:  # benchmarks/overlap_timeline.py DIR/on: each request's
+        print("  timelines (ms from the router's receipt, medians):")
+        for name in sides:
+            print("   ", medians(args.log_dir / name))
 
 
 def main() -> None:
