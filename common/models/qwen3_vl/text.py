@@ -320,18 +320,21 @@ class TextModel:
     def decode(
         self,
         kv: torch.Tensor,
-        block_tables: torch.Tensor,
+        block_tables: torch.Tensor | None,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
         rows: torch.Tensor | None = None,
+        slot_blocks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step for `B` sequences; return logits `[B, vocab]`.
 
         `block_tables [B, max_blocks]` (rows padded with any valid block id), `token_ids [B]`
         the new tokens, `positions [3, B]` their mRoPE positions, `seq_lens [B]` the lengths
-        including the new token (its K/V go to slot `seq_len - 1`).
+        including the new token (its K/V go to slot `seq_len - 1`). `slot_blocks [B]`, when
+        given, is the block of that slot, `block_tables[b, (seq_len - 1) // block_size]`
+        (then `block_tables` may be None when `rows` is given: nothing else reads it).
 
         `rows [B, layers, 2, KV, capacity, D]`, when given, holds each sequence's K/V at
         positions below `seq_len - 1` contiguously (`RunningKv`): the new K/V are written
@@ -341,45 +344,52 @@ class TextModel:
         c = self.config
         batch = int(token_ids.shape[0])
         block_size = kv.shape[3]
+        layers = len(self.layers)
         x = self.embed_tokens[token_ids]
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
         cos, sin_signed = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)
-        index = torch.arange(batch, device=block_tables.device)
         last = seq_lens - 1
-        blocks = block_tables[index, last // block_size]
+        if slot_blocks is None:
+            if block_tables is None:
+                raise ValueError("decode needs block_tables or slot_blocks")
+            index = torch.arange(batch, device=block_tables.device)
+            slot_blocks = block_tables[index, last // block_size]
         offsets = last % block_size
-        longest = int(seq_lens.max())
+        lengths = seq_lens.tolist()
+        longest = max(lengths)
+        heads = c.num_key_value_heads
         if rows is not None:
             span = longest
-            mask = None if int(seq_lens.min()) == longest else length_mask(seq_lens, span)
+            mask = None if min(lengths) == longest else length_mask(seq_lens, span)
+            # Per layer, the [B, KV, span, D] views attention reads, and the row slots of
+            # (sequence b, K/V s, head h, position last[b]) in `rows` seen as `[-1, D]`.
+            layer_rows = [r.unbind(1) for r in rows[:, :, :, :, :span].unbind(1)]
+            capacity = rows.shape[4]
+            layer_stride = 2 * heads * capacity
+            sh = torch.arange(2 * heads, device=rows.device).view(1, -1) * capacity
+            seq_base = torch.arange(batch, device=rows.device) * layers * layer_stride + last
+            layer_base = torch.arange(layers, device=rows.device) * layer_stride
+            slots = ((seq_base.view(-1, 1) + sh).view(1, -1) + layer_base.view(-1, 1)).unbind(0)
+            flat_rows = rows.view(-1, c.head_dim)
+            news: list[torch.Tensor] = []  # per layer the new K/V [B, 2, KV, D]
         else:  # keep only as many blocks as the longest sequence needs
+            if block_tables is None:
+                raise ValueError("decode without rows needs block_tables")
             width = (longest + block_size - 1) // block_size
             flat = block_tables[:, :width].reshape(-1)
             span = width * block_size
             mask = length_mask(seq_lens, span)
-        heads = c.num_key_value_heads
-        if rows is not None:
-            # Row slot of (sequence b, layer 0, K/V s, head h, position last[b]) in `rows` seen
-            # as `[-1, D]`; layer i's slots are `i * layer_stride` further on.
-            capacity = rows.shape[4]
-            layer_stride = 2 * heads * capacity
-            sh = torch.arange(2 * heads, device=rows.device).view(1, -1) * capacity
-            slots = (index * len(self.layers) * layer_stride + last).view(-1, 1) + sh
-            flat_rows = rows.view(-1, c.head_dim)
-            news: list[torch.Tensor] = []  # per layer the new K/V [B, 2, KV, D]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin_signed)
             if rows is not None:
                 new = torch.stack((k, v), dim=1)
-                flat_rows.index_copy_(
-                    0, (slots + i * layer_stride).view(-1), new.view(-1, c.head_dim)
-                )
+                flat_rows.index_copy_(0, slots[i], new.view(-1, c.head_dim))
                 news.append(new)
-                keys, values = rows[:, i, 0, :, :span], rows[:, i, 1, :, :span]
+                keys, values = layer_rows[i]
             else:  # [B, KV, span, D] views of one copy each
-                kv[blocks, i, 0, offsets] = k
-                kv[blocks, i, 1, offsets] = v
+                kv[slot_blocks, i, 0, offsets] = k
+                kv[slot_blocks, i, 1, offsets] = v
                 keys = kv[:, i, 0].index_select(0, flat).view(batch, span, heads, -1)
                 values = kv[:, i, 1].index_select(0, flat).view(batch, span, heads, -1)
                 keys, values = keys.transpose(1, 2), values.transpose(1, 2)
@@ -388,5 +398,5 @@ class TextModel:
         if rows is not None:
             # Attention read only the rows, so the paged cache takes every layer's new K/V
             # in one scatter: [B, layers, 2, KV, D].
-            kv[blocks, :, :, offsets] = torch.stack(news, dim=1)
+            kv[slot_blocks, :, :, offsets] = torch.stack(news, dim=1)
         return self.logits(x)
