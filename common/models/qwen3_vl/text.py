@@ -40,6 +40,7 @@ from common.models.qwen3_vl.text_ops import (
     transposed,
 )
 from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
+from common.models.running_kv import new_token_slots
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
 
 logger = logging.getLogger(__name__)
@@ -344,7 +345,6 @@ class TextModel:
         c = self.config
         batch = int(token_ids.shape[0])
         block_size = kv.shape[3]
-        layers = len(self.layers)
         x = self.embed_tokens[token_ids]
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
         cos, sin_signed = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)
@@ -361,15 +361,8 @@ class TextModel:
         if rows is not None:
             span = longest
             mask = None if min(lengths) == longest else length_mask(seq_lens, span)
-            # Per layer, the [B, KV, span, D] views attention reads, and the row slots of
-            # (sequence b, K/V s, head h, position last[b]) in `rows` seen as `[-1, D]`.
             layer_rows = [r.unbind(1) for r in rows[:, :, :, :, :span].unbind(1)]
-            capacity = rows.shape[4]
-            layer_stride = 2 * heads * capacity
-            sh = torch.arange(2 * heads, device=rows.device).view(1, -1) * capacity
-            seq_base = torch.arange(batch, device=rows.device) * layers * layer_stride + last
-            layer_base = torch.arange(layers, device=rows.device) * layer_stride
-            slots = ((seq_base.view(-1, 1) + sh).view(1, -1) + layer_base.view(-1, 1)).unbind(0)
+            slots = new_token_slots(rows, last)
             flat_rows = rows.view(-1, c.head_dim)
             news: list[torch.Tensor] = []  # per layer the new K/V [B, 2, KV, D]
         else:  # keep only as many blocks as the longest sequence needs
