@@ -110,6 +110,51 @@ def test_packed_prefill_equals_each_alone(runner, chunk, budget):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize(
+    ("picks", "chunk", "budget"),
+    [
+        ((2, 5), None, None),  # equal lengths, fresh: the batched call, last rows only
+        ((0, 1, 3, 4, 6, 7), None, None),  # mixed, an image, a cached prefix
+        ((0, 1, 3, 4, 6, 7), 8, 20),  # earlier pieces want no rows at all
+    ],
+)
+def test_last_token_logits_equal_the_last_row_of_all_logits(runner, picks, chunk, budget):
+    """Without `all_logits` the last layer runs on each prompt's last row only; its logits
+    must be the last row of a forward over every row (to rounding, same greedy token), and
+    the K/V must be the same."""
+    model = runner.model
+    requests = [_requests(runner)[i] for i in picks]
+    tables = _tables(requests)
+    kv = torch.zeros(model.kv_shape(128, BLOCK))
+    for (tokens, _, start), table in zip(requests, tables, strict=True):
+        if start:  # the cached prefix, computed into its blocks beforehand
+            prefix = torch.tensor(tokens[:start])
+            model.prefill(kv, table, prefix, torch.arange(start).expand(3, start))
+    results = []
+    for all_logits in (True, False):
+        out_kv = kv.clone()
+        batch = [
+            PrefillRequest(
+                table,
+                torch.tensor(tokens),
+                prompt_positions(len(tokens), params.items, 2).positions,
+                start,
+                params.items,
+                params.embeddings,
+                all_logits,
+            )
+            for (tokens, params, start), table in zip(requests, tables, strict=True)
+        ]
+        logits = model.prefill_many(out_kv, batch, chunk_size=chunk, token_budget=budget)
+        results.append((out_kv, [t[-1] if all_logits else t for t in logits]))
+    (full_kv, full), (last_kv, last) = results
+    assert torch.equal(full_kv, last_kv)  # every layer's K/V computed from all rows alike
+    for want, got in zip(full, last, strict=True):
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() <= TOL
+        assert int(got.argmax()) == int(want.argmax())
+
+
 def test_runner_prefill_many_samples_what_prefill_samples(runner):
     requests = _requests(runner)[:-1]  # no cached prefix: blocks are fresh here
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)

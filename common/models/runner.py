@@ -326,6 +326,7 @@ class LmRunner:
                 decode_positions(index, torch.tensor(mrope_delta)).to(self.device),
                 n,
                 None,
+                0,  # only their K/V are wanted
             )
             self.model.forward_segments(self.kv.buffer, [segment])
         for token in generated:

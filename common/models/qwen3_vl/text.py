@@ -31,6 +31,7 @@ from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan, deco
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
+from common.models.qwen3_vl.text_layer import LayerWeights
 from common.models.qwen3_vl.text_ops import (
     dense,
     length_mask,
@@ -58,26 +59,7 @@ class Segment:
     positions: torch.Tensor  # int64 [3, n]: their mRoPE positions
     start: int  # sequence position of the first token (earlier ones are cached)
     visual: VisualInputs | None  # multimodal rows, indices local to the segment
-
-
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    """One decoder layer's weights, with q/k/v and gate/up fused for fewer GEMMs.
-
-    Projection weights are stored transposed (`[in, out]`, contiguous) and applied with
-    `dense`: at decode's few rows a GEMM with the weight already in that layout is about a
-    quarter faster on CPU than `F.linear` with the checkpoint's `[out, in]` (measured at
-    batch 1 and 32; the same at 512 rows)."""
-
-    input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    qk_norm: torch.Tensor  # [H + KV, D]: q_norm for each query head, k_norm for each key head
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    outputs: int | None = None  # hidden rows to return: its last `outputs` tokens' (None: all)
 
 
 class TextModel:
@@ -93,7 +75,7 @@ class TextModel:
         self.norm = weights["norm.weight"]
         self.lm_head_t = transposed(weights.get(LM_HEAD, self.embed_tokens))
         self.layers = [
-            self._layer(
+            LayerWeights.load(
                 weights, f"layers.{i}.", config.num_attention_heads, config.num_key_value_heads
             )
             for i in range(config.num_hidden_layers)
@@ -102,30 +84,6 @@ class TextModel:
         self.freq_axis = axis_of_frequency(config.mrope_section, config.mrope_interleaved)
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
-
-    @staticmethod
-    def _layer(w: Mapping[str, torch.Tensor], p: str, heads: int, kv_heads: int) -> _Layer:
-        a = p + "self_attn."
-        biases = [w.get(f"{a}{n}_proj.bias") for n in "qkv"]
-        qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
-        return _Layer(
-            input_norm=w[p + "input_layernorm.weight"],
-            qkv=transposed(torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"])),
-            qkv_bias=qkv_bias,
-            qk_norm=torch.cat(
-                [
-                    w[a + "q_norm.weight"].expand(heads, -1),
-                    w[a + "k_norm.weight"].expand(kv_heads, -1),
-                ]
-            ),
-            o_proj=transposed(w[a + "o_proj.weight"]),
-            o_bias=w.get(a + "o_proj.bias"),
-            post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=transposed(
-                torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-            ),
-            down=transposed(w[p + "mlp.down_proj.weight"]),
-        )
 
     @classmethod
     def from_weights(
@@ -161,7 +119,7 @@ class TextModel:
     # ----------------------------------------------------------------------------- shared
 
     def _qkv(
-        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+        self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project, q/k-norm and rotate `h [n, hidden]` into q `[n, H, D]`, k, v `[n, KV, D]`
         (views). `cos` and `sin_signed` (`text_ops.signed_sin`) are `[n, 1, D]`. q and k
@@ -175,7 +133,9 @@ class TextModel:
         heads = c.num_attention_heads
         return qk[:, :heads], qk[:, heads:], qkv[:, split:].unflatten(-1, (-1, c.head_dim))
 
-    def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(
+        self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor
+    ) -> torch.Tensor:
         """o_proj + residual, then the MLP block + residual, added to `x` in place (the
         residual stream is a tensor of the forward's own; the reference's arithmetic, without
         a fresh activation-sized buffer per op)."""
@@ -195,22 +155,27 @@ class TextModel:
 
     @torch.inference_mode()
     def forward_segments(self, kv: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        """One forward over the packed tokens of `segments`; return hidden `[N, hidden]`
-        (the segments' rows, in order).
+        """One forward over the packed tokens of `segments`: write their K/V of every layer
+        and return the hidden rows each segment asks for (its last `outputs` tokens', in
+        segment order), `[sum(outputs), hidden]`.
 
         Each segment's tokens before its `start` must already be in `kv` at the slots its
         `block_table` names, or be computed by an earlier segment of the same sequence in
         this call (every segment's K/V of a layer are written before any attends).
+
+        The last layer computes attention and MLP only for the rows asked for (its K/V still
+        for all): nothing else reads them. Per row the same arithmetic as a whole forward,
+        up to the rounding of matrix products whose kernels depend on the row count.
         """
         c = self.config
         block_size = kv.shape[3]
         spans: list[SegmentSpan] = []
         offset = 0
         for seg in segments:
-            spans.append(
-                SegmentSpan(offset, seg.start, int(seg.token_ids.shape[0]), seg.block_table)
-            )
-            offset += spans[-1].length
+            length = int(seg.token_ids.shape[0])
+            outputs = length if seg.outputs is None else min(seg.outputs, length)
+            spans.append(SegmentSpan(offset, seg.start, length, seg.block_table, outputs))
+            offset += length
         attention = PrefillAttention(spans, block_size)
         token_ids = torch.cat([seg.token_ids for seg in segments])
         x = self.embed_tokens[token_ids]
@@ -229,16 +194,25 @@ class TextModel:
         ]
         blocks = torch.cat([b for b, _ in slots])
         offsets = torch.cat([o for _, o in slots])
+        # The last layer runs on the wanted rows only, unless deepstack rows still follow it.
+        last = len(self.layers) - 1
+        trim = not attention.all_wanted and (visual is None or last >= len(visual.deepstack))
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin_signed)
             kv[blocks, i, 0, offsets] = k
             kv[blocks, i, 1, offsets] = v
+            if i == last and trim:
+                x = x[attention.wanted_rows(x.device)]
+                if x.shape[0]:
+                    attn = attention(q, k, v, kv[:, i, 0], kv[:, i, 1], wanted_only=True)
+                    x = self._finish_layer(layer, x, attn)
+                return x
             attn = attention(q, k, v, kv[:, i, 0], kv[:, i, 1])
             x = self._finish_layer(layer, x, attn)
             if visual is not None and i < len(visual.deepstack):
                 x[index] += visual.deepstack[i].to(x.device, x.dtype)
-        return x
+        return x if attention.all_wanted else x[attention.wanted_rows(x.device)]
 
     def prefill_many(
         self,
@@ -270,10 +244,16 @@ class TextModel:
                         r.positions[:, piece.lo : piece.hi],
                         piece.lo,
                         visual,
+                        # Hidden rows read below: all (`all_logits`), else the prompt's last.
+                        None if r.all_logits else int(piece.hi == spans[piece.request][1]),
                     )
                 )
             x = self.forward_segments(kv, segments)
-            for piece, rows in zip(pieces, x.split([p.hi - p.lo for p in pieces]), strict=True):
+            wanted = [
+                s.outputs if s.outputs is not None else p.hi - p.lo
+                for s, p in zip(segments, pieces, strict=True)
+            ]
+            for piece, rows in zip(pieces, x.split(wanted), strict=True):
                 hidden[piece.request].append(rows)
         with torch.inference_mode():
             lasts = [i for i, r in enumerate(requests) if not r.all_logits]
