@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
+from common.models.qwen3_vl.text_ops import rotate, signed_sin
 from common.models.qwen3_vl.weights import VISUAL_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -89,11 +90,14 @@ class VisionAttention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         segments: list[tuple[int, int, int]],
     ) -> torch.Tensor:
-        """`segments`: `(row_start, frames, rows_per_frame)` per item; attention never crosses
+        """`rotary`: float32 cos and signed sin (`text_ops.signed_sin`) `[n, 1, 1, head_dim]`;
+        `segments`: `(row_start, frames, rows_per_frame)` per item; attention never crosses
         a frame boundary."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _apply_rotary(q, k, *rotary)
+        qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)
+        # q and k rotated together, in float32 whatever the model dtype (as the reference).
+        q, k = rotate(qkv[:, :2].float(), *rotary).to(x.dtype).unbind(1)
+        v = qkv[:, 2]
         out = torch.empty_like(q)
         for start, frames, per_frame in segments:
             end = start + frames * per_frame
@@ -105,22 +109,6 @@ class VisionAttention(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs)
             out[start:end] = o.transpose(1, 2).reshape(end - start, self.num_heads, self.head_dim)
         return self.proj(out.reshape(n, -1))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Rotation in float32 whatever the model dtype, as the reference does.
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    qf, kf = q.float(), k.float()
-    q_out = qf * cos + _rotate_half(qf) * sin
-    k_out = kf * cos + _rotate_half(kf) * sin
-    return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -333,7 +321,8 @@ class VisionTower(nn.Module):
             start += t * h * w
         x = x + torch.cat(pos_parts).to(x.dtype)
         angles = torch.cat(angle_parts)
-        rotary = (angles.cos(), angles.sin())
+        # cos and signed sin ([n, 1, 1, head_dim]: over q/k and heads) for `text_ops.rotate`.
+        rotary = (angles.cos()[:, None, None], signed_sin(angles.sin())[:, None, None])
 
         deepstack: list[torch.Tensor] = []
         for layer, block in enumerate(self.blocks):
