@@ -5,7 +5,9 @@ the cache, e.g. reused prefix blocks), optionally in chunks, with multimodal row
 their exact runs and deepstack features added after the first layers at the same tokens.
 Several sequences' pieces run packed in one forward (`prefill_many`, planned by
 `prefill_plan`): the linear layers see all their tokens at once, attention runs per segment
-on the fused kernel (`attention.PrefillAttention`). Decode advances many sequences by one
+on the fused kernel (`attention.PrefillAttention`). The last layer computes attention and
+MLP only for the rows whose hidden states are read (a prompt's last token, unless every
+token's logits are asked for); its K/V it still computes for every row. Decode advances many sequences by one
 token each in a single forward: the linear layers run batched, attention reads each
 sequence's contiguous K/V rows (`common.models.running_kv`) or, without them, its blocks
 through a padded block table, under a length mask.
