@@ -7,10 +7,11 @@ Several sequences' pieces run packed in one forward (`prefill_many`, planned by
 `prefill_plan`): the linear layers see all their tokens at once, attention runs per segment
 on the fused kernel (`attention.PrefillAttention`). The last layer computes attention and
 MLP only for the rows whose hidden states are read (a prompt's last token, unless every
-token's logits are asked for); its K/V it still computes for every row. Decode advances many sequences by one
-token each in a single forward: the linear layers run batched, attention reads each
-sequence's contiguous K/V rows (`common.models.running_kv`) or, without them, its blocks
-through a padded block table, under a length mask.
+token's logits are asked for); its K/V it still computes for every row.
+
+Decode advances many sequences by one token each in a single forward: the linear layers run
+batched, attention reads each sequence's contiguous K/V rows (`common.models.running_kv`)
+or, without them, its blocks through a padded block table, under a length mask.
 
 The KV buffer is one tensor `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`
 (block-major, so a block's layers are one contiguous range). The model only reads and

@@ -30,6 +30,8 @@ from common.models.qwen3_vl.weights import VISUAL_PREFIX
 
 logger = logging.getLogger(__name__)
 
+_FRAME_TABLES = 64  # frame sizes whose position tables a tower keeps
+
 
 def _activation(name: str) -> nn.Module:
     if name == "gelu_pytorch_tanh":
@@ -176,6 +178,8 @@ class VisionTower(nn.Module):
         self.config = config
         if config.hidden_size % config.num_heads:
             raise ValueError("vision hidden_size must be a multiple of num_heads")
+        # Per frame size, its position embedding and rotary angles (`_frame_tables`).
+        self._frame_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.side = math.isqrt(config.num_position_embeddings)
         if self.side * self.side != config.num_position_embeddings:
             raise ValueError("vision num_position_embeddings must be a perfect square")
@@ -310,11 +314,8 @@ class VisionTower(nn.Module):
         pos_parts: list[torch.Tensor] = []
         angle_parts: list[torch.Tensor] = []
         start = 0
-        cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for t, h, w in grids:
-            if (h, w) not in cache:
-                cache[(h, w)] = (self._position_embedding(h, w), self._rotary_angles(h, w))
-            pos, angles = cache[(h, w)]
+            pos, angles = self._frame_tables(h, w)
             pos_parts.append(pos.repeat(t, 1))
             angle_parts.append(angles.repeat(t, 1))
             segments.append((start, t, h * w))
@@ -331,6 +332,21 @@ class VisionTower(nn.Module):
                 merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(layer)]
                 deepstack.append(merger(x))
         return self.merger(x), deepstack
+
+    def _frame_tables(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The position embedding and rotary angles of an `h x w` frame, kept for the next
+        item of that size (they depend on the size and the weights only; a few hundred
+        microseconds per image otherwise). At most `_FRAME_TABLES` sizes, oldest out first;
+        weights changed in place or moved make new entries."""
+        weight = self.pos_embed.weight
+        key = (h, w, weight.device, weight.data_ptr(), weight._version)
+        tables = self._frame_cache.get(key)
+        if tables is None:
+            tables = (self._position_embedding(h, w), self._rotary_angles(h, w))
+            if len(self._frame_cache) >= _FRAME_TABLES:
+                del self._frame_cache[next(iter(self._frame_cache))]
+            self._frame_cache[key] = tables
+        return tables
 
     def _merge_order(self, h: int, w: int) -> torch.Tensor:
         """Raster index of each patch in the processor's merge-block order."""
