@@ -303,3 +303,14 @@ def test_rows_past_a_sequences_length_hold_no_garbage(runner, monkeypatch):
     assert [s.output for s in seqs] == alone
     for s in seqs:
         runner.allocator.release(s.blocks)
+
+
+def test_decode_without_a_block_for_the_next_token_names_its_position(runner):
+    prompt = list(range(1, 2 * BLOCK + 1))  # fills its two blocks exactly
+    blocks = runner.allocator.allocate_prompt([], len(prompt))
+    seq = runner.prefill(
+        prompt, EMPTY, SamplingParams(max_tokens=4, ignore_eos=True), blocks=blocks
+    )
+    with pytest.raises(ValueError, match=f"position {2 * BLOCK}"):
+        runner.decode_step([seq])
+    runner.allocator.release(blocks)

@@ -351,7 +351,15 @@ class LmRunner:
         size = self.block_size
         # The block of each new token's slot (position `computed`); the whole tables only
         # when attention gathers blocks.
-        slot_blocks = _long([s.blocks[n // size] for s, n in zip(live, computed, strict=True)])
+        try:
+            slot_blocks = _long([s.blocks[n // size] for s, n in zip(live, computed, strict=True)])
+        except IndexError:
+            short = next(
+                n for s, n in zip(live, computed, strict=True) if n // size >= len(s.blocks)
+            )
+            raise ValueError(
+                f"a sequence has no KV block for its token at position {short}"
+            ) from None
         tables = None
         if not self.contiguous_decode:
             width = max(len(s.blocks) for s in live)
