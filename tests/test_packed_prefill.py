@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.models.qwen3_vl.attention import causal_attention
 from common.models.qwen3_vl.prefill_plan import Piece, PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import decode_positions, prompt_positions
 from common.models.runner import LmRunner, PrefillJob
@@ -314,3 +315,16 @@ def test_decode_without_a_block_for_the_next_token_names_its_position(runner):
     with pytest.raises(ValueError, match=f"position {2 * BLOCK}"):
         runner.decode_step([seq])
     runner.allocator.release(blocks)
+
+
+@pytest.mark.parametrize("n", [200, 257, 384, 512, 600])
+def test_causal_attention_in_two_calls_equals_one_causal_call(n):
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(2, 4, n, 8, generator=g)
+    k, v = torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True
+    )
+    got = causal_attention(q, k, v)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-6
