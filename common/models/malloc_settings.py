@@ -5,8 +5,9 @@ hundreds of KB to a few MB (a 512-token prefill's gate/up activations are 3 MB).
 defaults the heap returns freed memory above 128 KB at its top to the kernel (trim), and
 the mmap threshold, which adapts to the largest block freed so far, never settles while
 the sizes vary between prefill and decode; the next allocation then faults its pages in
-again and the kernel zeroes them. On one torch thread that costs about 8% of a 512-token
-prefill and 3% of a batch-32 decode step (benchmarks/engine_vs_landed.py, interleaved).
+again and the kernel zeroes them. On one torch thread that cost about 8% of a 512-token
+prefill and 3% of a batch-32 decode step on the "small" checkpoint (the same code with and
+without these thresholds, in two processes, interleaved, medians of 21).
 
 `tune_malloc` sets the mmap threshold to 32 MB (glibc's ceiling for it; larger blocks, such
 as the paged KV buffer, still get their own mapping) and the trim threshold to 256 MB, so
