@@ -2,11 +2,15 @@
 
 Times, in one process with one torch thread, (a) `Engine.prefill` of one 512-token text
 prompt (no prefix reuse) and (b) only the kernels that forward cannot avoid, at its exact
-shapes and on the engine's own weights: per layer the four projection GEMMs (q/k/v fused,
-o, gate/up fused, down) and one causal grouped-query `scaled_dot_product_attention`, plus
-the lm_head on the last row. (b) is a floor for any fp32 engine doing the same arithmetic
-on one core: whatever (a) spends beyond it is norms, rotary, activations, KV writes and
-per-op overhead. Medians of `--reps` alternating runs (CPU time of this process).
+shapes and on the engine's own weights: per layer but the last, the four projection GEMMs
+(q/k/v fused, o, gate/up fused, down) and one causal grouped-query
+`scaled_dot_product_attention`; in the last layer the q/k/v GEMM over every row (its K/V go
+to the cache) and the rest for the last row only (nothing reads the other rows' outputs);
+then the lm_head on the last row. (b) is a floor for any fp32 engine doing the same
+arithmetic on one core: whatever (a) spends beyond it is norms, rotary, activations, KV
+writes and per-op overhead. `--full-last-layer` times the last layer on every row, as the
+floor of an engine that does not skip it. Medians of `--reps` alternating runs (CPU time of
+this process).
 
     .venv/bin/python benchmarks/prefill_floor.py [--tokens 512] [--reps 15]
 """
@@ -30,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--full-last-layer", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     n = args.tokens
@@ -49,14 +54,22 @@ def main() -> None:
     q = torch.randn(1, c.num_attention_heads, n, c.head_dim)
     kv = torch.randn(1, c.num_key_value_heads, n, c.head_dim)
 
+    last = len(model.layers) - 1
+
     def kernels(rep: int) -> None:
         with torch.inference_mode():
-            for layer in model.layers:
+            for i, layer in enumerate(model.layers):
                 torch.mm(x, layer.qkv)
-                F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
-                torch.mm(attn_in, layer.o_proj)
-                torch.mm(x, layer.gate_up)
-                torch.mm(mlp_in, layer.down)
+                if i < last or args.full_last_layer:
+                    F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+                    torch.mm(attn_in, layer.o_proj)
+                    torch.mm(x, layer.gate_up)
+                    torch.mm(mlp_in, layer.down)
+                else:  # the last row's query over every key, and its MLP
+                    F.scaled_dot_product_attention(q[:, :, -1:], kv, kv, enable_gqa=True)
+                    torch.mm(attn_in[-1:], layer.o_proj)
+                    torch.mm(x[-1:], layer.gate_up)
+                    torch.mm(mlp_in[-1:], layer.down)
             torch.mm(x[-1:], model.lm_head_t)
 
     runs: dict[str, list[float]] = {"engine prefill": [], "unavoidable kernels": []}

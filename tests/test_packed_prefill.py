@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.models.qwen3_vl.attention import causal_attention
 from common.models.qwen3_vl.prefill_plan import Piece, PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import decode_positions, prompt_positions
 from common.models.runner import LmRunner, PrefillJob
@@ -108,6 +109,51 @@ def test_packed_prefill_equals_each_alone(runner, chunk, budget):
         assert got.shape == want.shape
         assert (got - want).abs().max().item() <= TOL
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("picks", "chunk", "budget"),
+    [
+        ((2, 5), None, None),  # equal lengths, fresh: the batched call, last rows only
+        ((0, 1, 3, 4, 6, 7), None, None),  # mixed, an image, a cached prefix
+        ((0, 1, 3, 4, 6, 7), 8, 20),  # earlier pieces want no rows at all
+    ],
+)
+def test_last_token_logits_equal_the_last_row_of_all_logits(runner, picks, chunk, budget):
+    """Without `all_logits` the last layer runs on each prompt's last row only; its logits
+    must be the last row of a forward over every row (to rounding, same greedy token), and
+    the K/V must be the same."""
+    model = runner.model
+    requests = [_requests(runner)[i] for i in picks]
+    tables = _tables(requests)
+    kv = torch.zeros(model.kv_shape(128, BLOCK))
+    for (tokens, _, start), table in zip(requests, tables, strict=True):
+        if start:  # the cached prefix, computed into its blocks beforehand
+            prefix = torch.tensor(tokens[:start])
+            model.prefill(kv, table, prefix, torch.arange(start).expand(3, start))
+    results = []
+    for all_logits in (True, False):
+        out_kv = kv.clone()
+        batch = [
+            PrefillRequest(
+                table,
+                torch.tensor(tokens),
+                prompt_positions(len(tokens), params.items, 2).positions,
+                start,
+                params.items,
+                params.embeddings,
+                all_logits,
+            )
+            for (tokens, params, start), table in zip(requests, tables, strict=True)
+        ]
+        logits = model.prefill_many(out_kv, batch, chunk_size=chunk, token_budget=budget)
+        results.append((out_kv, [t[-1] if all_logits else t for t in logits]))
+    (full_kv, full), (last_kv, last) = results
+    assert torch.equal(full_kv, last_kv)  # every layer's K/V computed from all rows alike
+    for want, got in zip(full, last, strict=True):
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() <= TOL
+        assert int(got.argmax()) == int(want.argmax())
 
 
 def test_runner_prefill_many_samples_what_prefill_samples(runner):
@@ -258,3 +304,27 @@ def test_rows_past_a_sequences_length_hold_no_garbage(runner, monkeypatch):
     assert [s.output for s in seqs] == alone
     for s in seqs:
         runner.allocator.release(s.blocks)
+
+
+def test_decode_without_a_block_for_the_next_token_names_its_position(runner):
+    prompt = list(range(1, 2 * BLOCK + 1))  # fills its two blocks exactly
+    blocks = runner.allocator.allocate_prompt([], len(prompt))
+    seq = runner.prefill(
+        prompt, EMPTY, SamplingParams(max_tokens=4, ignore_eos=True), blocks=blocks
+    )
+    with pytest.raises(ValueError, match=f"position {2 * BLOCK}"):
+        runner.decode_step([seq])
+    runner.allocator.release(blocks)
+
+
+@pytest.mark.parametrize("n", [200, 257, 384, 512, 600])
+def test_causal_attention_in_two_calls_equals_one_causal_call(n):
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(2, 4, n, 8, generator=g)
+    k, v = torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True
+    )
+    got = causal_attention(q, k, v)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-6

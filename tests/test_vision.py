@@ -173,3 +173,26 @@ def test_encode_rejects_bad_shapes(tower: VisionTower) -> None:
         tower.encode(torch.zeros(5, tower.config.patch_dim), torch.tensor([[1, 2, 2]]))
     with pytest.raises(ValueError, match="multiples of 2"):
         tower.encode(torch.zeros(6, tower.config.patch_dim), torch.tensor([[1, 3, 2]]))
+
+
+def test_frame_tables_are_reused_and_follow_the_weights(ckpt: Path, config: Qwen3VLConfig) -> None:
+    """The position tables of a frame size are computed once per tower; changing the
+    weights in place gives the tables of the new weights, as a fresh tower computes them."""
+
+    def fresh() -> VisionTower:
+        return VisionTower.from_weights(config, load_weights(ckpt, config, prefix="model.visual."))
+
+    tower = fresh()
+    grid = torch.tensor([[1, 4, 6], [2, 4, 6]])
+    pixels = _pixels(grid.tolist(), tower.config.patch_dim)
+    first, _ = tower.encode(pixels, grid)
+    again, _ = tower.encode(pixels, grid)
+    assert torch.equal(first, again)
+    assert len(tower._frame_cache) == 1  # one frame size, computed once
+    other = fresh()
+    with torch.no_grad():
+        tower.pos_embed.weight.mul_(2)
+        other.pos_embed.weight.mul_(2)
+    changed, _ = tower.encode(pixels, grid)
+    assert not torch.equal(changed, first)
+    assert torch.equal(changed, other.encode(pixels, grid)[0])

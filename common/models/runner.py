@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from common.kv.allocator import KvAllocator
 from common.kv.cache import KvCacheSpec, PagedKvCache
 from common.kv.layout import KvLayout, layout_root
 from common.models import prompt_check
+from common.models.malloc_settings import tune_malloc
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.prefill_plan import PrefillRequest
 from common.models.qwen3_vl.rope import MropePositions, decode_positions, prompt_positions
@@ -56,6 +58,15 @@ _DIGEST_CHUNK = 8 << 20
 
 #: Tokens per packed prefill forward by default: enough for 32 short prompts in one forward.
 DEFAULT_PREFILL_BUDGET = 2048
+
+
+def _long(values: Sequence[int] | array[int]) -> torch.Tensor:
+    """An int64 CPU tensor of `values`: through an `array`, several times faster than
+    `torch.tensor` on a list of ints (which a decode step builds a few of)."""
+    buffer = values if isinstance(values, array) else array("q", values)
+    if not buffer:  # frombuffer refuses an empty buffer
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(buffer, dtype=torch.long)
 
 
 def model_identity(path: str | Path, config: Qwen3VLConfig) -> str:
@@ -106,6 +117,7 @@ class LmRunner:
         device: torch.device | str = "cpu",
         root: bytes | None = None,
     ) -> None:
+        tune_malloc()  # process-wide: freed activations stay in the heap (see the module)
         self.config = config
         self.model = model
         # Model identity string, the `model` of the KvLayout (see `model_identity`).
@@ -314,6 +326,7 @@ class LmRunner:
                 decode_positions(index, torch.tensor(mrope_delta)).to(self.device),
                 n,
                 None,
+                0,  # only their K/V are wanted
             )
             self.model.forward_segments(self.kv.buffer, [segment])
         for token in generated:
@@ -334,18 +347,39 @@ class LmRunner:
             return
         if self.contiguous_decode:
             live = self.running.arrange(live)
-        width = max(len(s.blocks) for s in live)
-        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in live])
-        seq_lens = torch.tensor([s.num_computed + 1 for s in live])
-        deltas = torch.tensor([s.mrope_delta for s in live])
+        computed = [s.num_computed for s in live]
+        size = self.block_size
+        # The block of each new token's slot (position `computed`); the whole tables only
+        # when attention gathers blocks.
+        try:
+            slot_blocks = _long([s.blocks[n // size] for s, n in zip(live, computed, strict=True)])
+        except IndexError:
+            short = next(
+                n for s, n in zip(live, computed, strict=True) if n // size >= len(s.blocks)
+            )
+            raise ValueError(
+                f"a sequence has no KV block for its token at position {short}"
+            ) from None
+        tables = None
+        if not self.contiguous_decode:
+            width = max(len(s.blocks) for s in live)
+            flat = array("q")
+            for s in live:
+                flat.extend(s.blocks)
+                flat.extend([0] * (width - len(s.blocks)))
+            tables = _long(flat).view(len(live), width).to(self.device)
+        seq_lens = _long([n + 1 for n in computed])
         try:
             logits = self.model.decode(
                 self.kv.buffer,
-                tables.to(self.device),
-                torch.tensor([s.output[-1] for s in live], device=self.device),
-                decode_positions(seq_lens - 1, deltas).to(self.device),
+                tables,
+                _long([s.output[-1] for s in live]).to(self.device),
+                decode_positions(seq_lens - 1, _long([s.mrope_delta for s in live])).to(
+                    self.device
+                ),
                 seq_lens.to(self.device),
                 rows=self.running.view() if self.contiguous_decode else None,
+                slot_blocks=slot_blocks.to(self.device),
             )
         except BaseException:
             self.running.clear()  # rows may hold a partly written step
@@ -353,7 +387,7 @@ class LmRunner:
         if self.contiguous_decode:
             self.running.advanced()
         tokens = self.sampler.sample(
-            logits, [s.sampling for s in live], [s.num_computed + 1 for s in live]
+            logits, [s.sampling for s in live], [n + 1 for n in computed]
         ).tolist()
         for s, token in zip(live, tokens, strict=True):
             self._append(s, token)

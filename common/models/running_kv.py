@@ -129,3 +129,16 @@ class RunningKv:
             self.buffer[r, :, :, :, :length].copy_(rows[:, :, :, :length])
         self._rows.append(_Row(seq, tuple(used), length))
         self.loads += 1
+
+
+def new_token_slots(rows: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per layer, where a decode step's new K/V go in `rows [B, layers, 2, KV, capacity, D]`
+    seen as `[-1, D]`: for sequence `b` at position `last[b]`, its K heads then its V heads
+    (`[B * 2 * KV]` each, in `torch.stack((k, v), dim=1)` order)."""
+    batch, layers, pair, heads, capacity, _ = rows.shape
+    layer_stride = pair * heads * capacity
+    device = rows.device
+    head_base = torch.arange(pair * heads, device=device).view(1, -1) * capacity
+    seq_base = torch.arange(batch, device=device) * layers * layer_stride + last
+    per_layer = torch.arange(layers, device=device).view(-1, 1) * layer_stride
+    return ((seq_base.view(-1, 1) + head_base).view(1, -1) + per_layer).unbind(0)

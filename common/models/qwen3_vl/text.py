@@ -5,10 +5,13 @@ the cache, e.g. reused prefix blocks), optionally in chunks, with multimodal row
 their exact runs and deepstack features added after the first layers at the same tokens.
 Several sequences' pieces run packed in one forward (`prefill_many`, planned by
 `prefill_plan`): the linear layers see all their tokens at once, attention runs per segment
-on the fused kernel (`attention.PrefillAttention`). Decode advances many sequences by one
-token each in a single forward: the linear layers run batched, attention reads each
-sequence's contiguous K/V rows (`common.models.running_kv`) or, without them, its blocks
-through a padded block table, under a length mask.
+on the fused kernel (`attention.PrefillAttention`). The last layer computes attention and
+MLP only for the rows whose hidden states are read (a prompt's last token, unless every
+token's logits are asked for); its K/V it still computes for every row.
+
+Decode advances many sequences by one token each in a single forward: the linear layers run
+batched, attention reads each sequence's contiguous K/V rows (`common.models.running_kv`)
+or, without them, its blocks through a padded block table, under a length mask.
 
 The KV buffer is one tensor `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`
 (block-major, so a block's layers are one contiguous range). The model only reads and
@@ -31,6 +34,7 @@ from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan, deco
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
+from common.models.qwen3_vl.text_layer import LayerWeights
 from common.models.qwen3_vl.text_ops import (
     dense,
     length_mask,
@@ -40,6 +44,7 @@ from common.models.qwen3_vl.text_ops import (
     transposed,
 )
 from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
+from common.models.running_kv import new_token_slots
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
 
 logger = logging.getLogger(__name__)
@@ -57,26 +62,7 @@ class Segment:
     positions: torch.Tensor  # int64 [3, n]: their mRoPE positions
     start: int  # sequence position of the first token (earlier ones are cached)
     visual: VisualInputs | None  # multimodal rows, indices local to the segment
-
-
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    """One decoder layer's weights, with q/k/v and gate/up fused for fewer GEMMs.
-
-    Projection weights are stored transposed (`[in, out]`, contiguous) and applied with
-    `dense`: at decode's few rows a GEMM with the weight already in that layout is about a
-    quarter faster on CPU than `F.linear` with the checkpoint's `[out, in]` (measured at
-    batch 1 and 32; the same at 512 rows)."""
-
-    input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    qk_norm: torch.Tensor  # [H + KV, D]: q_norm for each query head, k_norm for each key head
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    outputs: int | None = None  # hidden rows to return: its last `outputs` tokens' (None: all)
 
 
 class TextModel:
@@ -92,7 +78,7 @@ class TextModel:
         self.norm = weights["norm.weight"]
         self.lm_head_t = transposed(weights.get(LM_HEAD, self.embed_tokens))
         self.layers = [
-            self._layer(
+            LayerWeights.load(
                 weights, f"layers.{i}.", config.num_attention_heads, config.num_key_value_heads
             )
             for i in range(config.num_hidden_layers)
@@ -101,30 +87,6 @@ class TextModel:
         self.freq_axis = axis_of_frequency(config.mrope_section, config.mrope_interleaved)
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
-
-    @staticmethod
-    def _layer(w: Mapping[str, torch.Tensor], p: str, heads: int, kv_heads: int) -> _Layer:
-        a = p + "self_attn."
-        biases = [w.get(f"{a}{n}_proj.bias") for n in "qkv"]
-        qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
-        return _Layer(
-            input_norm=w[p + "input_layernorm.weight"],
-            qkv=transposed(torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"])),
-            qkv_bias=qkv_bias,
-            qk_norm=torch.cat(
-                [
-                    w[a + "q_norm.weight"].expand(heads, -1),
-                    w[a + "k_norm.weight"].expand(kv_heads, -1),
-                ]
-            ),
-            o_proj=transposed(w[a + "o_proj.weight"]),
-            o_bias=w.get(a + "o_proj.bias"),
-            post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=transposed(
-                torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-            ),
-            down=transposed(w[p + "mlp.down_proj.weight"]),
-        )
 
     @classmethod
     def from_weights(
@@ -160,7 +122,7 @@ class TextModel:
     # ----------------------------------------------------------------------------- shared
 
     def _qkv(
-        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+        self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project, q/k-norm and rotate `h [n, hidden]` into q `[n, H, D]`, k, v `[n, KV, D]`
         (views). `cos` and `sin_signed` (`text_ops.signed_sin`) are `[n, 1, D]`. q and k
@@ -174,7 +136,9 @@ class TextModel:
         heads = c.num_attention_heads
         return qk[:, :heads], qk[:, heads:], qkv[:, split:].unflatten(-1, (-1, c.head_dim))
 
-    def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(
+        self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor
+    ) -> torch.Tensor:
         """o_proj + residual, then the MLP block + residual, added to `x` in place (the
         residual stream is a tensor of the forward's own; the reference's arithmetic, without
         a fresh activation-sized buffer per op)."""
@@ -194,22 +158,27 @@ class TextModel:
 
     @torch.inference_mode()
     def forward_segments(self, kv: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        """One forward over the packed tokens of `segments`; return hidden `[N, hidden]`
-        (the segments' rows, in order).
+        """One forward over the packed tokens of `segments`: write their K/V of every layer
+        and return the hidden rows each segment asks for (its last `outputs` tokens', in
+        segment order), `[sum(outputs), hidden]`.
 
         Each segment's tokens before its `start` must already be in `kv` at the slots its
         `block_table` names, or be computed by an earlier segment of the same sequence in
         this call (every segment's K/V of a layer are written before any attends).
+
+        The last layer computes attention and MLP only for the rows asked for (its K/V still
+        for all): nothing else reads them. Per row the same arithmetic as a whole forward,
+        up to the rounding of matrix products whose kernels depend on the row count.
         """
         c = self.config
         block_size = kv.shape[3]
         spans: list[SegmentSpan] = []
         offset = 0
         for seg in segments:
-            spans.append(
-                SegmentSpan(offset, seg.start, int(seg.token_ids.shape[0]), seg.block_table)
-            )
-            offset += spans[-1].length
+            length = int(seg.token_ids.shape[0])
+            outputs = length if seg.outputs is None else min(seg.outputs, length)
+            spans.append(SegmentSpan(offset, seg.start, length, seg.block_table, outputs))
+            offset += length
         attention = PrefillAttention(spans, block_size)
         token_ids = torch.cat([seg.token_ids for seg in segments])
         x = self.embed_tokens[token_ids]
@@ -228,16 +197,25 @@ class TextModel:
         ]
         blocks = torch.cat([b for b, _ in slots])
         offsets = torch.cat([o for _, o in slots])
+        # The last layer runs on the wanted rows only, unless deepstack rows still follow it.
+        last = len(self.layers) - 1
+        trim = not attention.all_wanted and (visual is None or last >= len(visual.deepstack))
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin_signed)
             kv[blocks, i, 0, offsets] = k
             kv[blocks, i, 1, offsets] = v
+            if i == last and trim:
+                x = x[attention.wanted_rows(x.device)]
+                if x.shape[0]:
+                    attn = attention(q, k, v, kv[:, i, 0], kv[:, i, 1], wanted_only=True)
+                    x = self._finish_layer(layer, x, attn)
+                return x
             attn = attention(q, k, v, kv[:, i, 0], kv[:, i, 1])
             x = self._finish_layer(layer, x, attn)
             if visual is not None and i < len(visual.deepstack):
                 x[index] += visual.deepstack[i].to(x.device, x.dtype)
-        return x
+        return x if attention.all_wanted else x[attention.wanted_rows(x.device)]
 
     def prefill_many(
         self,
@@ -269,10 +247,16 @@ class TextModel:
                         r.positions[:, piece.lo : piece.hi],
                         piece.lo,
                         visual,
+                        # Hidden rows read below: all (`all_logits`), else the prompt's last.
+                        None if r.all_logits else int(piece.hi == spans[piece.request][1]),
                     )
                 )
             x = self.forward_segments(kv, segments)
-            for piece, rows in zip(pieces, x.split([p.hi - p.lo for p in pieces]), strict=True):
+            wanted = [
+                s.outputs if s.outputs is not None else p.hi - p.lo
+                for s, p in zip(segments, pieces, strict=True)
+            ]
+            for piece, rows in zip(pieces, x.split(wanted), strict=True):
                 hidden[piece.request].append(rows)
         with torch.inference_mode():
             lasts = [i for i, r in enumerate(requests) if not r.all_logits]
@@ -320,18 +304,21 @@ class TextModel:
     def decode(
         self,
         kv: torch.Tensor,
-        block_tables: torch.Tensor,
+        block_tables: torch.Tensor | None,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
         rows: torch.Tensor | None = None,
+        slot_blocks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step for `B` sequences; return logits `[B, vocab]`.
 
         `block_tables [B, max_blocks]` (rows padded with any valid block id), `token_ids [B]`
         the new tokens, `positions [3, B]` their mRoPE positions, `seq_lens [B]` the lengths
-        including the new token (its K/V go to slot `seq_len - 1`).
+        including the new token (its K/V go to slot `seq_len - 1`). `slot_blocks [B]`, when
+        given, is the block of that slot, `block_tables[b, (seq_len - 1) // block_size]`
+        (then `block_tables` may be None when `rows` is given: nothing else reads it).
 
         `rows [B, layers, 2, KV, capacity, D]`, when given, holds each sequence's K/V at
         positions below `seq_len - 1` contiguously (`RunningKv`): the new K/V are written
@@ -344,42 +331,41 @@ class TextModel:
         x = self.embed_tokens[token_ids]
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
         cos, sin_signed = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)
-        index = torch.arange(batch, device=block_tables.device)
         last = seq_lens - 1
-        blocks = block_tables[index, last // block_size]
+        if slot_blocks is None:
+            if block_tables is None:
+                raise ValueError("decode needs block_tables or slot_blocks")
+            index = torch.arange(batch, device=block_tables.device)
+            slot_blocks = block_tables[index, last // block_size]
         offsets = last % block_size
-        longest = int(seq_lens.max())
+        lengths = seq_lens.tolist()
+        longest = max(lengths)
+        heads = c.num_key_value_heads
         if rows is not None:
             span = longest
-            mask = None if int(seq_lens.min()) == longest else length_mask(seq_lens, span)
+            mask = None if min(lengths) == longest else length_mask(seq_lens, span)
+            layer_rows = [r.unbind(1) for r in rows[:, :, :, :, :span].unbind(1)]
+            slots = new_token_slots(rows, last)
+            flat_rows = rows.view(-1, c.head_dim)
+            news: list[torch.Tensor] = []  # per layer the new K/V [B, 2, KV, D]
         else:  # keep only as many blocks as the longest sequence needs
+            if block_tables is None:
+                raise ValueError("decode without rows needs block_tables")
             width = (longest + block_size - 1) // block_size
             flat = block_tables[:, :width].reshape(-1)
             span = width * block_size
             mask = length_mask(seq_lens, span)
-        heads = c.num_key_value_heads
-        if rows is not None:
-            # Row slot of (sequence b, layer 0, K/V s, head h, position last[b]) in `rows` seen
-            # as `[-1, D]`; layer i's slots are `i * layer_stride` further on.
-            capacity = rows.shape[4]
-            layer_stride = 2 * heads * capacity
-            sh = torch.arange(2 * heads, device=rows.device).view(1, -1) * capacity
-            slots = (index * len(self.layers) * layer_stride + last).view(-1, 1) + sh
-            flat_rows = rows.view(-1, c.head_dim)
-            news: list[torch.Tensor] = []  # per layer the new K/V [B, 2, KV, D]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin_signed)
             if rows is not None:
                 new = torch.stack((k, v), dim=1)
-                flat_rows.index_copy_(
-                    0, (slots + i * layer_stride).view(-1), new.view(-1, c.head_dim)
-                )
+                flat_rows.index_copy_(0, slots[i], new.view(-1, c.head_dim))
                 news.append(new)
-                keys, values = rows[:, i, 0, :, :span], rows[:, i, 1, :, :span]
+                keys, values = layer_rows[i]
             else:  # [B, KV, span, D] views of one copy each
-                kv[blocks, i, 0, offsets] = k
-                kv[blocks, i, 1, offsets] = v
+                kv[slot_blocks, i, 0, offsets] = k
+                kv[slot_blocks, i, 1, offsets] = v
                 keys = kv[:, i, 0].index_select(0, flat).view(batch, span, heads, -1)
                 values = kv[:, i, 1].index_select(0, flat).view(batch, span, heads, -1)
                 keys, values = keys.transpose(1, 2), values.transpose(1, 2)
@@ -388,5 +374,5 @@ class TextModel:
         if rows is not None:
             # Attention read only the rows, so the paged cache takes every layer's new K/V
             # in one scatter: [B, layers, 2, KV, D].
-            kv[blocks, :, :, offsets] = torch.stack(news, dim=1)
+            kv[slot_blocks, :, :, offsets] = torch.stack(news, dim=1)
         return self.logits(x)

@@ -1,5 +1,6 @@
-"""Elementwise and projection helpers of the text model (`text.TextModel`), kept to the
-reference's arithmetic in as few ops as that allows."""
+"""Elementwise and projection helpers of the text model (`text.TextModel`; the vision
+tower rotates with `rotate` too), kept to the reference's arithmetic in as few ops as that
+allows."""
 
 from __future__ import annotations
 

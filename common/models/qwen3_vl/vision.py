@@ -25,9 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
+from common.models.qwen3_vl.text_ops import rotate, signed_sin
 from common.models.qwen3_vl.weights import VISUAL_PREFIX
 
 logger = logging.getLogger(__name__)
+
+_FRAME_TABLES = 64  # frame sizes whose position tables a tower keeps
 
 
 def _activation(name: str) -> nn.Module:
@@ -89,11 +92,14 @@ class VisionAttention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         segments: list[tuple[int, int, int]],
     ) -> torch.Tensor:
-        """`segments`: `(row_start, frames, rows_per_frame)` per item; attention never crosses
+        """`rotary`: float32 cos and signed sin (`text_ops.signed_sin`) `[n, 1, 1, head_dim]`;
+        `segments`: `(row_start, frames, rows_per_frame)` per item; attention never crosses
         a frame boundary."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _apply_rotary(q, k, *rotary)
+        qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)
+        # q and k rotated together, in float32 whatever the model dtype (as the reference).
+        q, k = rotate(qkv[:, :2].float(), *rotary).to(x.dtype).unbind(1)
+        v = qkv[:, 2]
         out = torch.empty_like(q)
         for start, frames, per_frame in segments:
             end = start + frames * per_frame
@@ -105,22 +111,6 @@ class VisionAttention(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs)
             out[start:end] = o.transpose(1, 2).reshape(end - start, self.num_heads, self.head_dim)
         return self.proj(out.reshape(n, -1))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Rotation in float32 whatever the model dtype, as the reference does.
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    qf, kf = q.float(), k.float()
-    q_out = qf * cos + _rotate_half(qf) * sin
-    k_out = kf * cos + _rotate_half(kf) * sin
-    return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -188,6 +178,8 @@ class VisionTower(nn.Module):
         self.config = config
         if config.hidden_size % config.num_heads:
             raise ValueError("vision hidden_size must be a multiple of num_heads")
+        # Per frame size, its position embedding and rotary angles (`_frame_tables`).
+        self._frame_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.side = math.isqrt(config.num_position_embeddings)
         if self.side * self.side != config.num_position_embeddings:
             raise ValueError("vision num_position_embeddings must be a perfect square")
@@ -322,18 +314,16 @@ class VisionTower(nn.Module):
         pos_parts: list[torch.Tensor] = []
         angle_parts: list[torch.Tensor] = []
         start = 0
-        cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for t, h, w in grids:
-            if (h, w) not in cache:
-                cache[(h, w)] = (self._position_embedding(h, w), self._rotary_angles(h, w))
-            pos, angles = cache[(h, w)]
+            pos, angles = self._frame_tables(h, w)
             pos_parts.append(pos.repeat(t, 1))
             angle_parts.append(angles.repeat(t, 1))
             segments.append((start, t, h * w))
             start += t * h * w
         x = x + torch.cat(pos_parts).to(x.dtype)
         angles = torch.cat(angle_parts)
-        rotary = (angles.cos(), angles.sin())
+        # cos and signed sin ([n, 1, 1, head_dim]: over q/k and heads) for `text_ops.rotate`.
+        rotary = (angles.cos()[:, None, None], signed_sin(angles.sin())[:, None, None])
 
         deepstack: list[torch.Tensor] = []
         for layer, block in enumerate(self.blocks):
@@ -342,6 +332,21 @@ class VisionTower(nn.Module):
                 merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(layer)]
                 deepstack.append(merger(x))
         return self.merger(x), deepstack
+
+    def _frame_tables(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The position embedding and rotary angles of an `h x w` frame, kept for the next
+        item of that size (they depend on the size and the weights only; a few hundred
+        microseconds per image otherwise). At most `_FRAME_TABLES` sizes, oldest out first;
+        weights changed in place or moved make new entries."""
+        weight = self.pos_embed.weight
+        key = (h, w, weight.device, weight.data_ptr(), weight._version)
+        tables = self._frame_cache.get(key)
+        if tables is None:
+            tables = (self._position_embedding(h, w), self._rotary_angles(h, w))
+            if len(self._frame_cache) >= _FRAME_TABLES:
+                del self._frame_cache[next(iter(self._frame_cache))]
+            self._frame_cache[key] = tables
+        return tables
 
     def _merge_order(self, h: int, w: int) -> torch.Tensor:
         """Raster index of each patch in the processor's merge-block order."""
