@@ -6,9 +6,8 @@ request (its "generated in" line, minus that time).
     .venv/bin/python benchmarks/overlap_timeline.py DIR [DIR ...]   (a deployment's log dir)
 
 Per request: when the encode stage started (processing, hashing, routing and admission
-before it), each `Encode` answer (the head start's included, with its partitions' rows),
-each prefill call's end (steps and the request's own), and the first token (the end of the
-request's own prefill).
+before it), each `Encode` answer (with its partitions' rows), each prefill call's end
+(steps and the request's own), and the first token (the end of the request's own prefill).
 """
 
 from __future__ import annotations
