@@ -137,9 +137,11 @@ class Result:
     cached_tokens: int  # prompt tokens served from a prefix cache
     blocks_pulled: int  # prompt KV blocks pulled by the decode worker
     blocks_reused: int  # prompt KV blocks the decode worker already held
-    ttft_s: float  # seconds from sending to the first token
-    token_times_s: list[float]  # arrival time (from sending) of each chunk with tokens
-    total_s: float  # seconds from sending to the end of the stream
+    # Times count from the call, so they include building the request (PNG-encoding images
+    # and frames given as arrays or PIL images; bytes and files are sent as they are).
+    ttft_s: float  # seconds from the call to the first token
+    token_times_s: list[float]  # arrival time (from the call) of each chunk with tokens
+    total_s: float  # seconds from the call to the end of the stream
 
 
 class Client:
