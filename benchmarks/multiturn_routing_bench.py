@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import itertools
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from PIL import Image
 
 # `tests.cluster` (the deployment helper) lives beside the test suite, not in a package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from timing import process_cpu_seconds
 
 from common.models.tiny import default_checkpoint
 from common.sampling import SamplingParams
@@ -129,20 +130,8 @@ async def steady(
 
 
 def cpu_seconds(cluster: Cluster) -> float:
-    """CPU time (user + system, every thread) the deployment's processes have used so far:
-    its work, which background load on a shared machine changes far less than wall time
-    (Linux `/proc`; NaN elsewhere)."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0.0
-    for proc in cluster.procs.values():
-        try:
-            stat = Path(f"/proc/{proc.pid}/stat").read_text()
-        except OSError:
-            return math.nan
-        # Fields after the command name (which may hold spaces): utime, stime are 14, 15.
-        fields = stat.rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    """CPU seconds the deployment's processes have used so far, together."""
+    return sum(process_cpu_seconds(cluster.procs).values())
 
 
 @dataclass(slots=True)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -48,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from overlap_timeline import medians
-from timing import measure
+from timing import measure, process_cpu_seconds
 
 from common.engine import Engine
 from common.models.tiny import default_checkpoint
@@ -81,15 +80,10 @@ ROLES = ("router", "encoder", "prefill", "decode")
 
 
 def cpu_seconds(cluster: Cluster) -> dict[str, float]:
-    """CPU seconds (user + system, all threads) each process of `cluster` used so far, by
-    role (Linux `/proc`). Unlike wall time, other sessions' load does not change them."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for role in ROLES:
-        stat = Path(f"/proc/{cluster.procs[role].pid}/stat").read_text()
-        fields = stat.rsplit(")", 1)[1].split()  # after the command name
-        out[role] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return out
+    """CPU seconds each process of `cluster` used so far, by role (`timing`): unlike wall
+    time, other sessions' load does not change them."""
+    used = process_cpu_seconds(cluster.procs)
+    return {role: used[role] for role in ROLES}
 
 
 async def ttft(cluster: Cluster, messages: Any) -> tuple[float, int]:

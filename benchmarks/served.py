@@ -8,7 +8,8 @@ rounds alternate the order of deployments so background load hits them alike. On
 deployment being measured runs: the others' processes are stopped (SIGSTOP) meanwhile, so
 what one burns while idle (e.g. an older checkout's spinning transfer threads) is charged to
 it alone, not to the one being measured; a resumed deployment gets a few seconds and an
-untimed warm-up run before its timed ones. Every run uses images no earlier run sent.
+untimed warm-up run before its timed ones; the first time, what it burns while idle is
+printed. Every run uses images no earlier run sent.
 Images are PNG-encoded before the clock starts (the client does no image work while
 timed). Every worker of both deployments gets `--threads` torch threads (the issue's rule:
 one thread per worker). Reports medians over rounds of req/s and TTFT p50, and the ratios
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+from timing import process_cpu_seconds
 
 from common.models.tiny import default_checkpoint
 from common.sampling import SamplingParams
@@ -155,6 +157,8 @@ async def run_served(args: argparse.Namespace) -> None:
                     # warm-up: connections, first forwards
                     warm = [messages(png(next(seeds), size), k) for k in range(args.concurrency)]
                     await one_run(clients[name], warm, sampling, args.concurrency)
+                    if r == 0:
+                        await _idle_burn(name, clusters[name])
                     for kind in ("distinct", "repeated"):
                         distinct = n if kind == "distinct" else max(1, n // 4)
                         images = [png(next(seeds), size) for _ in range(distinct)]
@@ -192,6 +196,17 @@ def report(results: dict[tuple[str, str], list[Run]], names: list[str]) -> None:
         for kind in ("distinct", "repeated"):
             ratio = med("this", kind, "rps") / med("baseline", kind, "rps")
             print(f"  this / baseline, {kind} req/s {ratio:.2f}x")
+
+
+async def _idle_burn(name: str, cluster: Cluster, seconds: float = 3.0) -> None:
+    """Print the CPU the deployment uses per second while it serves nothing (the others
+    are stopped meanwhile)."""
+    before = process_cpu_seconds(cluster.procs)
+    await asyncio.sleep(seconds)
+    after = process_cpu_seconds(cluster.procs)
+    used = {k: (after[k] - before[k]) / seconds for k in after}
+    each = ", ".join(f"{k} {v:.2f}" for k, v in used.items())
+    print(f"  {name}: {sum(used.values()):.2f} CPU s/s when idle ({each})", flush=True)
 
 
 def _signal(cluster: Cluster, sig: signal.Signals) -> None:

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: interleaved timing of variants, and the bench prompt.
+"""What the benchmark scripts share: interleaved timing of variants, the CPU time of a
+deployment's processes, and the bench prompt.
 
 Run a script from the repository root (`python benchmarks/NAME.py`); its folder is on
 `sys.path`, so scripts import this as `timing`.
@@ -6,8 +7,12 @@ Run a script from the repository root (`python benchmarks/NAME.py`); its folder 
 
 from __future__ import annotations
 
+import math
+import os
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +32,24 @@ def measure(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, list
             fn()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def process_cpu_seconds(procs: Mapping[str, subprocess.Popen[bytes]]) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) each process has used so far, by name:
+    its work, which background load on a shared machine changes far less than wall time
+    (Linux `/proc`; NaN where it cannot be read)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        except OSError:
+            out[name] = math.nan
+            continue
+        # Fields after the command name (which may hold spaces): utime, stime are 14, 15.
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def image_question() -> list[dict[str, Any]]:
