@@ -252,3 +252,44 @@ def test_cached_hashes_follow_entry_order_eviction_and_reset():
     assert pool.cached_hashes() == [h(5), h(3)]
     pool.reset_prefix_cache()
     assert pool.cached_hashes() == []
+
+
+# A prompt is a path of block choices; its blocks' hashes are its prefixes (a hash chain).
+paths = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(tuple)
+
+
+@given(
+    st.integers(4, 12),
+    st.lists(st.tuples(st.sampled_from(("run", "finish")), paths, st.integers(0, 9)), max_size=40),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_cached_block_never_outlives_the_blocks_before_it(num_blocks, ops):
+    """Sequences admitted as the allocator does (acquire the cached prefix, compute and
+    cache the rest) and released in sequence order, interleaved at random under eviction:
+    every cached block's parent stays cached. The router's prefix search
+    (`router.prefix_index`) is exact because of it."""
+    pool = BlockPool(num_blocks)
+    running: list[list[int]] = []
+
+    def chain(path):  # the hash of each leading part of the path
+        return [bytes([k, *path[:k]]) for k in range(1, len(path) + 1)]
+
+    for op, path, pick in ops:
+        if op == "run":
+            hashes = chain(path)
+            prefix = pool.find_cached_prefix(hashes)
+            pool.acquire(prefix)
+            rest = len(hashes) - len(prefix)
+            if not pool.can_allocate(rest):
+                pool.release(prefix)
+                continue
+            fresh = pool.allocate(rest)
+            blocks = prefix + pool.cache_blocks(fresh, hashes[len(prefix) :])
+            running.append(blocks)
+        elif running:
+            pool.release(running.pop(pick % len(running)))
+        pool.drain_events()
+        cached = set(pool.cached_hashes())
+        for x in cached:
+            parent = x[1:-1]  # the path without its last block
+            assert not parent or bytes([len(parent), *parent]) in cached, f"{x!r} without parent"

@@ -1,6 +1,8 @@
 """`router.prefix_index.PrefixIndex`: the per-worker sets and the shared holder bits stay in
-agreement through any sequence of KV events, and `cached_prefixes` (one lookup per block
-for every worker) equals each worker's prefix read from its own set."""
+agreement through any sequence of KV events; `cached_prefixes` (a binary search per worker)
+equals each worker's prefix read from its own set wherever a worker holds a prefix of the
+prompt's blocks, as workers do, and otherwise ends on a block the worker holds, at or past
+its prefix."""
 
 from __future__ import annotations
 
@@ -55,8 +57,14 @@ def test_cached_prefixes_equals_cached_prefix_per_worker(
         for a in ADDRESSES
     }
     got = prefix.cached_prefixes(asked)
-    assert got == {a: n for a, n in expected.items() if n}
-    assert all(prefix.cached_prefix(a, asked) == n for a, n in expected.items())
+    for address, n in expected.items():
+        cached = prefix._hashes.get(address, set())
+        found = got.get(address, 0)
+        assert prefix.cached_prefix(address, asked) == found
+        if all(h not in cached for h in asked[n:]):  # a prefix of the prompt: exact
+            assert found == n
+        else:  # a hole: a hint, but always ending on a block it holds
+            assert found >= n and (found == 0 or asked[found - 1] in cached)
     # The holder bits are exactly the sets: nothing stale after removals and forgets.
     holders: dict[bytes, set[str]] = {}
     for address, cached in prefix._hashes.items():
@@ -68,6 +76,24 @@ def test_cached_prefixes_equals_cached_prefix_per_worker(
         for h, mask in prefix._holders.items()
     }
     assert decoded == holders
+
+
+@given(
+    st.lists(st.integers(0, 40), min_size=len(ADDRESSES), max_size=len(ADDRESSES)),
+    st.integers(0, 40),
+)
+@settings(max_examples=200, deadline=None)
+def test_cached_prefixes_of_prefix_holders_are_exact(held: list[int], asked: int) -> None:
+    """Each worker holds the first `held[k]` blocks of a 40-block chain (and other blocks):
+    the search finds exactly that many of the first `asked`."""
+    chain = [k.to_bytes(32, "little") for k in range(40)]
+    prefix = index()
+    for k, (address, n) in enumerate(zip(ADDRESSES, held, strict=True)):
+        other = [bytes([k + 1]) * 32]
+        event = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=chain[:n] + other)
+        prefix._apply(address, [event])
+    got = prefix.cached_prefixes(chain[:asked])
+    assert got == {a: min(n, asked) for a, n in zip(ADDRESSES, held, strict=True) if min(n, asked)}
 
 
 def test_a_forgotten_workers_bit_is_reused_without_its_blocks() -> None:
