@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import operator
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -62,6 +63,8 @@ from router.workers import (
 )
 
 logger = logging.getLogger(__name__)
+_ROLE_ORDER = {role: k for k, role in enumerate(Role)}  # `workers()` lists roles in this order
+_address = operator.attrgetter("address")
 
 
 def rendezvous_weight(key: bytes, name: str) -> int:
@@ -262,12 +265,11 @@ class Registry:
         a silent worker is left out here but dropped only by `expire`, whose listeners must
         hear of it."""
         cutoff = self._cutoff()
-        chosen = [
-            w
-            for w in self._workers.values()
-            if w.last_seen >= cutoff and (role is None or w.role == role)
-        ]
-        return sorted(chosen, key=lambda w: (list(Role).index(w.role), w.address))
+        if role is not None:  # on every request's path: one role, ordered by address
+            chosen = [w for w in self._workers.values() if w.last_seen >= cutoff and w.role == role]
+            return sorted(chosen, key=_address)
+        chosen = [w for w in self._workers.values() if w.last_seen >= cutoff]
+        return sorted(chosen, key=lambda w: (_ROLE_ORDER[w.role], w.address))
 
     def ready(self) -> bool:
         """Whether every role (encoder, prefill, decode) has a registered, serving worker."""

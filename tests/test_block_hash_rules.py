@@ -100,7 +100,7 @@ def layouts(draw: st.DrawFn) -> tuple[MultimodalParams, int]:
 def test_keys_by_span_follows_the_documented_rule(
     layout: tuple[MultimodalParams, int], block_size: int
 ) -> None:
-    """The array computation of extra keys equals the rule read literally, for any mix of
+    """`keys_by_span` equals the rule read literally, for any mix of
     items with and without partition keys, runs split by text, and block sizes."""
     params, num_tokens = layout
     starts = np.arange(num_tokens // block_size, dtype=np.int64) * block_size

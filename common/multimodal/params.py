@@ -230,16 +230,14 @@ class MultimodalParams:
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise `MultimodalLayoutError` unless every run lies inside a prompt this long."""
-        ends = self.run_positions + self.run_lengths
-        past = np.flatnonzero(ends > num_tokens)
-        if past.size:
-            run = int(past[0])
-            raise MultimodalLayoutError(
-                "run_positions",
-                f"run [{self.run_positions[run]}, {ends[run]}) ends past the prompt "
-                f"of {num_tokens} tokens",
-                int(self.run_items[run]),
-            )
+        for index, item in enumerate(self.items):  # runs are ordered: the last ends last
+            if item.runs and item.end > num_tokens:
+                start, length = next((s, n) for s, n in item.runs if s + n > num_tokens)
+                raise MultimodalLayoutError(
+                    "run_positions",
+                    f"run [{start}, {start + length}) ends past the prompt of {num_tokens} tokens",
+                    index,
+                )
 
     def check_placeholders(
         self, token_ids: IntSequence, placeholder_ids: Sequence[int] | set[int]
