@@ -1,7 +1,9 @@
 """`common.models.qwen3_vl.text_ops.rms_norm` computes the reference's RMSNorm bit for bit
 (transformers' Qwen3-VL arithmetic: float32 variance of squares, rsqrt of it plus eps,
 scale, weight times the result), for weights over the last dimension or broadcast over
-trailing ones (the fused q/k norm), contiguous or strided input."""
+trailing ones (the fused q/k norm), contiguous or strided input; attention given the
+`additive` bias of a mask (made once per forward or step) gives the bits it gives the mask,
+in the shapes prefill and decode pass."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.models.qwen3_vl.text_ops import rms_norm
+from common.models.qwen3_vl.text_ops import additive, length_mask, rms_norm
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,3 +46,35 @@ def test_bfloat16_normalizes_in_float32() -> None:
     x = torch.randn(8, 128, generator=gen).to(torch.bfloat16)
     weight = torch.randn(128, generator=gen).to(torch.bfloat16)
     assert torch.equal(rms_norm(x, weight, 1e-6), reference(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "kv_shape", "mask_shape"),
+    [
+        ((1, 6, 256, 64), (1, 2, 512, 64), (256, 512)),  # a split causal call's second half
+        ((1, 4, 37, 16), (1, 2, 300, 16), (37, 300)),  # a segment over a cached prefix
+        ((32, 2, 3, 64), (32, 2, 90, 64), (32, 1, 1, 90)),  # decode, heads grouped per key
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_the_additive_bias_equals_the_mask(q_shape, kv_shape, mask_shape, dtype):
+    gen = torch.Generator().manual_seed(len(mask_shape))
+    q = torch.randn(q_shape, generator=gen).to(dtype)
+    k, v = (torch.randn(kv_shape, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(mask_shape, generator=gen) < 0.7
+    mask[..., 0] = True  # no row without a key
+    gqa = q_shape[1] != kv_shape[1]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=additive(mask, dtype), enable_gqa=gqa)
+    assert torch.equal(got, want)
+
+
+def test_length_mask_is_the_bias_of_each_sequences_length() -> None:
+    bias = length_mask(torch.tensor([1, 3, 5]), 5, torch.float32)
+    assert bias.shape == (3, 1, 1, 5)
+    inf = float("-inf")
+    assert bias.view(3, 5).tolist() == [
+        [0, inf, inf, inf, inf],
+        [0, 0, 0, inf, inf],
+        [0, 0, 0, 0, 0],
+    ]

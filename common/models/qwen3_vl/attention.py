@@ -23,15 +23,24 @@ gain nothing from it (the kernel skips blocks itself), shorter ones too little.
 Decode (`decode_attention`): one query per sequence over either contiguous per-sequence
 K/V rows (`common.models.running_kv.RunningKv`, no copy per step) or, without them, a
 gather of each sequence's blocks from the paged buffer.
+
+Masks go in as additive biases (`text_ops.additive`: 0 where a key is attended, -inf where not),
+each made once and passed to every layer's call: `scaled_dot_product_attention` turns a
+boolean mask into exactly that bias on each call (two `where`s of the mask's size per
+layer), so the outputs are the same bits. The second half's bias of a split causal call
+is kept per shape (`_lower_half_bias`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from common.models.qwen3_vl.text_ops import additive
 
 _KEY_BLOCK = 512  # keys per block of torch's CPU flash kernel (it skips whole blocks only)
 _SPLIT_ABOVE = 256  # fewer tokens gain too little from the split (measured)
@@ -56,7 +65,9 @@ class SegmentSpan:
 class PrefillAttention:
     """The attention of one packed prefill forward, planned once and run per layer."""
 
-    def __init__(self, spans: Sequence[SegmentSpan], block_size: int) -> None:
+    def __init__(
+        self, spans: Sequence[SegmentSpan], block_size: int, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.spans = list(spans)
         self.block_size = block_size
         fresh = [s for s in self.spans if s.start == 0]
@@ -64,13 +75,13 @@ class PrefillAttention:
         self.uniform = len(fresh) == len(self.spans) and len({s.length for s in fresh}) == 1
         # Every row's output is wanted (`wanted_only` changes nothing).
         self.all_wanted = all(s.outputs == s.length for s in self.spans)
-        # Offset-causal masks of the segments with a cached prefix ([n, end], True = attend).
+        # Offset-causal biases of the segments with a cached prefix ([n, end], `additive`).
         self.masks: dict[int, torch.Tensor] = {}
         for j, s in enumerate(self.spans):
             if s.start > 0:
                 device = s.block_table.device
                 q_pos = torch.arange(s.start, s.end, device=device).unsqueeze(1)
-                self.masks[j] = torch.arange(s.end, device=device).unsqueeze(0) <= q_pos
+                self.masks[j] = additive(torch.arange(s.end, device=device) <= q_pos, dtype)
 
     def wanted_rows(self, device: torch.device) -> torch.Tensor:
         """Rows of the packed forward whose outputs are wanted: each segment's last
@@ -157,10 +168,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     first = F.scaled_dot_product_attention(
         q[:, :, :half], k[:, :, :half], v[:, :, :half], is_causal=True, enable_gqa=True
     )
-    rows = torch.arange(half, n, device=q.device).unsqueeze(1)
-    mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows
-    second = F.scaled_dot_product_attention(q[:, :, half:], k, v, attn_mask=mask, enable_gqa=True)
+    bias = _lower_half_bias(n, q.dtype, q.device)
+    second = F.scaled_dot_product_attention(q[:, :, half:], k, v, attn_mask=bias, enable_gqa=True)
     return torch.cat((first, second), dim=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _lower_half_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Causal bias `[n - n // 2, n]` of the last queries of `n` over all `n` keys (kept:
+    the same for every layer and every prompt of this length)."""
+    with torch.inference_mode(False):  # usable inside inference mode and outside it
+        rows = torch.arange(n // 2, n, device=device).unsqueeze(1)
+        return additive(torch.arange(n, device=device) <= rows, dtype)
 
 
 def decode_attention(

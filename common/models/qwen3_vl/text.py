@@ -179,9 +179,9 @@ class TextModel:
             outputs = length if seg.outputs is None else min(seg.outputs, length)
             spans.append(SegmentSpan(offset, seg.start, length, seg.block_table, outputs))
             offset += length
-        attention = PrefillAttention(spans, block_size)
+        attention = PrefillAttention(spans, block_size, self.dtype)
         token_ids = torch.cat([seg.token_ids for seg in segments])
-        x = self.embed_tokens[token_ids]
+        x = self.embed_tokens.index_select(0, token_ids)
         visual = packed_visual([seg.visual for seg in segments], spans)
         index = None if visual is None else visual.index.to(x.device)
         if visual is not None:
@@ -328,7 +328,7 @@ class TextModel:
         c = self.config
         batch = int(token_ids.shape[0])
         block_size = kv.shape[3]
-        x = self.embed_tokens[token_ids]
+        x = self.embed_tokens.index_select(0, token_ids)
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
         cos, sin_signed = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)
         last = seq_lens - 1
@@ -343,7 +343,7 @@ class TextModel:
         heads = c.num_key_value_heads
         if rows is not None:
             span = longest
-            mask = None if min(lengths) == longest else length_mask(seq_lens, span)
+            mask = None if min(lengths) == longest else length_mask(seq_lens, span, x.dtype)
             layer_rows = [r.unbind(1) for r in rows[:, :, :, :, :span].unbind(1)]
             slots = new_token_slots(rows, last)
             flat_rows = rows.view(-1, c.head_dim)
@@ -354,7 +354,7 @@ class TextModel:
             width = (longest + block_size - 1) // block_size
             flat = block_tables[:, :width].reshape(-1)
             span = width * block_size
-            mask = length_mask(seq_lens, span)
+            mask = length_mask(seq_lens, span, x.dtype)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin_signed)

@@ -43,7 +43,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def length_mask(seq_lens: torch.Tensor, span: int) -> torch.Tensor:
-    """`[B, 1, 1, span]`: True at positions below each sequence's length."""
-    mask = torch.arange(span, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-    return mask.view(-1, 1, 1, span)
+def length_mask(seq_lens: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[B, 1, 1, span]` attention bias in `dtype`: 0 at positions below each sequence's
+    length, -inf past it (what attention makes of the boolean mask, made once a step)."""
+    keep = torch.arange(span, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+    return additive(keep, dtype).view(-1, 1, 1, span)
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bias `scaled_dot_product_attention` makes of a boolean `mask` on every call: 0
+    where True, -inf where False, in `dtype` (the queries'); made once, it serves every
+    layer's call with the same results."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(mask.logical_not(), float("-inf"))
