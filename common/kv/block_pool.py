@@ -17,7 +17,11 @@ queue; its next release puts it at the tail again.
 
 `release(block_ids)` takes a sequence's blocks in sequence order and releases them **last to
 first**, so a sequence's tail blocks enter the queue before its head blocks and are evicted
-before them: the shared prefix (system prompt, first image) outlives the unique tail.
+before them: the shared prefix (system prompt, first image) outlives the unique tail. As a
+block is only ever acquired with every block before it, no cached block outlives the
+blocks before it in any sequence (only `uncache_block` can leave such a hole): what a
+worker caches of a prompt is a prefix of it, which lets a router find each worker's
+cached prefix by binary search.
 
 Ownership: whoever gets a block from `allocate` or `acquire` owns one reference and must
 `release` it exactly once (the request's scheduler, or the prefill lease holder). The pool
