@@ -15,6 +15,8 @@ them are encoded (`encode`'s `from_partition`); `encode_partitions` asks for som
 partitions of one item (for `router.overlap`). Either way only their patch rows are sent
 (`EncodeItem.partition_indices`), and the embedding names the span it holds
 (`ItemEmbedding.partition_start` / `partition_end`) for the prefill worker.
+A whole item whose inline output the router kept (`router.embedding_cache`, setting
+`embedding_cache_mb`) is not sent to an encoder at all: its kept rows go to prefill.
 
 Outputs come back as inline bytes or NIXL handles and pass on unchanged (a prefill worker
 pulls handle-held ones straight from the encoder). Each handle's lease is recorded with the
@@ -43,6 +45,7 @@ from epd.v1 import (
     prefill_service_pb2,
 )
 from router.calls import Job, RouterError, WorkerCalls
+from router.embedding_cache import EmbeddingCache
 from router.workers import NoWorkerError, WorkerRecord
 
 logger = logging.getLogger(__name__)
@@ -74,11 +77,14 @@ class EncodeStage:
         channels: PeerClient,
         max_inline_embedding_bytes: int,
         affinity_slack: int = 2,
+        embedding_cache_bytes: int = 0,
     ) -> None:
         self.calls = calls
         self.channels = channels  # worker channels, and embedding lease releases
         self.max_inline_embedding_bytes = max_inline_embedding_bytes
         self.affinity_slack = affinity_slack  # requests; 0: no affinity, least loaded only
+        # Whole items' inline outputs, for items seen again (None: off).
+        self.embeddings = EmbeddingCache(embedding_cache_bytes) if embedding_cache_bytes else None
 
     async def encode(
         self, job: Job, items: Sequence[int], from_partition: Mapping[int, int] | None = None
@@ -93,7 +99,11 @@ class EncodeStage:
             i: range(first, len(job.prompt.params.items[i].partitions))
             for i, first in (from_partition or {}).items()
         }
-        groups = self._assign(job, items)
+        kept, keys = self._kept(job, items, chosen)
+        if len(kept) == len(items):  # nothing to ask an encoder for
+            self.check_inline(kept.values())
+            return Encoded([kept[i] for i in items], {})
+        groups = self._assign(job, [i for i in items if i not in kept])
         if len(groups) == 1:
             ((worker, group),) = groups
             parts = [await self._encode_on(job, group, worker, chosen)]
@@ -113,12 +123,40 @@ class EncodeStage:
                 raise
         leases = {lease: address for part in parts for lease, address in part.leases.items()}
         by_index = {emb.item_index: emb for part in parts for emb in part.embeddings}
+        if self.embeddings is not None:
+            for i, key in keys.items():
+                if i in by_index:
+                    self.embeddings.put(key, by_index[i])
+        by_index.update(kept)
         try:
             self.check_inline(by_index.values())
         except RouterError:
             self.channels.release_embeddings(leases)
             raise
         return Encoded([by_index[i] for i in items], leases)
+
+    def _kept(
+        self, job: Job, items: Sequence[int], chosen: Mapping[int, Sequence[int]]
+    ) -> tuple[dict[int, multimodal_pb2.ItemEmbedding], dict[int, bytes]]:
+        """The embeddings `self.embeddings` holds of the whole items among `items`, and the
+        keys of the others (to keep what the encoder answers for them)."""
+        model = self.calls.registry.expected_model
+        if self.embeddings is None or model is None:
+            return {}, {}
+        kept: dict[int, multimodal_pb2.ItemEmbedding] = {}
+        keys: dict[int, bytes] = {}
+        for i in items:
+            if i in chosen:
+                continue
+            key = self.embeddings.key(
+                job.prompt.params.items[i].content_hash, job.cache_salt, model
+            )
+            found = self.embeddings.get(key, i)
+            if found is None:
+                keys[i] = key
+            else:
+                kept[i] = found
+        return kept, keys
 
     async def encode_partitions(self, job: Job, item: int, partitions: Sequence[int]) -> Encoded:
         """One `Encode` call for item `item`'s partitions at indexes `partitions` (empty:

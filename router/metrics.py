@@ -21,6 +21,7 @@ from common.server.metrics import ScrapeCollector, counter, requests_metrics
 from epd.v1 import router_service_pb2
 from router.admission import Admission
 from router.calls import WorkerCalls
+from router.embedding_cache import EmbeddingCache
 
 # vLLM's buckets, so dashboards built for vLLM read these too.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
@@ -37,10 +38,13 @@ Chunk = router_service_pb2.GenerateResponse
 class RouterMetrics:
     """The router's instruments and its registry (module docstring)."""
 
-    def __init__(self, admission: Admission, calls: WorkerCalls) -> None:
+    def __init__(
+        self, admission: Admission, calls: WorkerCalls, embeddings: EmbeddingCache | None = None
+    ) -> None:
         self.registry = registry = CollectorRegistry()
         self._admission = admission
         self._calls = calls
+        self._embeddings = embeddings  # the encode stage's kept outputs (None: off)
         self.in_flight = 0  # streams inside `track`
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -123,6 +127,12 @@ class RouterMetrics:
                 admission.requeued,
             ),
             retries,
+            counter(
+                "epd:embedding_cache_hits",
+                "Items sent to prefill with the encoder output the router kept for them "
+                "(embedding_cache_mb), without an Encode call.",
+                0 if self._embeddings is None else self._embeddings.hits,
+            ),
         ]
 
     async def track(self, stream: AsyncIterator[Chunk], started: float) -> AsyncIterator[Chunk]:

@@ -121,6 +121,7 @@ class Orchestrator:
         encoder_affinity_slack: int = 2,
         max_queued_requests: int = 512,
         max_queue_wait_s: float = 60.0,
+        embedding_cache_bytes: int = 0,
     ) -> None:
         self.registry = registry
         self.channels = channels  # worker channels and lease releases; the caller closes it
@@ -137,8 +138,11 @@ class Orchestrator:
             channels,
             max_inline_embedding_bytes,
             affinity_slack=encoder_affinity_slack,
+            embedding_cache_bytes=embedding_cache_bytes,
         )
-        self.metrics = RouterMetrics(self.admission, self.calls)  # the router's registry
+        self.metrics = RouterMetrics(
+            self.admission, self.calls, self.encoder.embeddings
+        )  # the router's registry
         self.decode = DecodeStage(
             registry,
             self.calls,

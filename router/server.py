@@ -332,6 +332,7 @@ async def serve(
         migrations=settings.decode_migrations,
         max_queued_requests=settings.max_queued_requests,
         max_queue_wait_s=settings.max_queue_wait_s,
+        embedding_cache_bytes=settings.embedding_cache_mb << 20,
     )
     registry.on_restart.append(lambda old: _forget_restarted(orchestrator, old))
     if settings.cache_aware_routing:

@@ -146,6 +146,13 @@ class RouterSettings(ServerSettings):
         "patch: of its frames' and their resized size), so a repeated image, or a video's "
         "frames sent again, is not decoded, resized and hashed again (0: off)",
     )
+    embedding_cache_mb: int = setting(
+        64,
+        "MiB of encoder outputs the router keeps (whole items that came back inline), keyed "
+        "by content hash, cache salt and model, so an item seen again whose KV the prefill "
+        "worker holds only in part (a repeated image, the text after it new) needs no Encode "
+        "call: the kept rows go to the prefill worker (0: off)",
+    )
 
     def nth(self, index: int) -> RouterSettings:
         """The settings of router `index` (0: these) of several started together
@@ -172,6 +179,7 @@ class RouterSettings(ServerSettings):
             "max_video_seconds",
             "http_fetch_max_bytes",
             "processed_image_cache_mb",
+            "embedding_cache_mb",
         ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must not be negative")

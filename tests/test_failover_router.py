@@ -31,7 +31,15 @@ from tests.test_router import (
 
 # The router plus fake workers in this event loop, as in `tests.test_router`.
 ckpt = test_router.ckpt
-cluster = test_router.cluster
+
+
+@pytest.fixture
+async def cluster(ckpt):
+    # These tests count the Encode calls a retry makes: the outputs the router keeps
+    # (`embedding_cache_mb`) would answer them without one.
+    c = await test_router.start_router(ckpt, embedding_cache_mb=0)
+    yield c
+    await c.close()
 
 
 class BreakingDecode(FakeDecode):

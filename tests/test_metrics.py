@@ -19,6 +19,7 @@ import pytest_asyncio
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.engine import Engine
 from common.models.tiny import make_tiny_checkpoint
 from common.sampling import SamplingParams
 from common.server.metrics import MetricsEndpoint, asgi_app, counter, scrape_registry
@@ -168,11 +169,14 @@ async def test_a_repeated_request_hits_the_caches(dep: Deployment) -> None:
     reused = "epd:kv_blocks_reused_total"
     assert one(decode, reused) > one(before[1], reused)
     router = await scrape(dep.router)
-    # The image lay in the cached prefix (when the router had seen the KV events) or was
-    # answered from the encoder cache: either way the vision tower did not run again.
+    # The image lay in the cached prefix (when the router had seen the KV events), or its
+    # output came from the router's or the encoder's cache: the tower did not run again.
     encoder = await scrape(dep.encoder)
     assert (
-        one(router, "epd:items_skipped_total") + one(encoder, "epd:encoder_cache_hits_total") >= 1
+        one(router, "epd:items_skipped_total")
+        + one(router, "epd:embedding_cache_hits_total")
+        + one(encoder, "epd:encoder_cache_hits_total")
+        >= 1
     )
 
 
@@ -219,3 +223,29 @@ async def test_metrics_port_is_checked() -> None:
     assert ServerSettings().metrics_port is None  # off unless asked for
     with pytest.raises(SettingsError, match="metrics_port"):
         ServerSettings(metrics_port=70000).check()
+
+
+async def test_a_repeated_image_with_new_text_needs_no_encode_call(
+    dep: Deployment, ckpt: Path
+) -> None:
+    """The image's last rows share a block with the text after it, so the prefill worker
+    computes them again and needs the embedding: the router sends the rows it kept
+    (`embedding_cache_mb`) instead of asking the encoder, and the answer is the engine's."""
+    image = chat(5)[0]["content"][0]
+
+    def ask(question: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": [image, {"type": "text", "text": question}]}]
+
+    async with Client(dep.router.address, api_key=CLIENT_KEY) as client:
+        await client.generate_text(ask("What is in this picture?"), GREEDY, timeout_s=60)
+        before = await scrape(dep.router), await scrape(dep.encoder)
+        again = ask("Which colours does it have, and where?")
+        result = await client.generate_text(again, GREEDY, timeout_s=60)
+    router, encoder = await scrape(dep.router), await scrape(dep.encoder)
+    hits = "epd:embedding_cache_hits_total"
+    assert one(router, hits) == one(before[0], hits) + 1
+    queries = "epd:encoder_cache_queries_total"
+    assert one(encoder, queries) == one(before[1], queries)  # no Encode call
+    assert result.cached_tokens > 0  # the image's leading blocks came from the prefix cache
+    engine = Engine.from_pretrained(ckpt, block_size=BLOCK)
+    assert result.token_ids == engine.generate(again, GREEDY).token_ids

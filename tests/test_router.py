@@ -48,7 +48,13 @@ from router.detokenize import IncrementalDetokenizer
 from router.server import RunningRouter, serve
 from router.settings import RouterSettings
 from router.tenants import tenant_salt
-from tests.cluster import CLIENT_KEY, admin_credentials, cluster_credentials, cluster_security
+from tests.cluster import (
+    CLIENT_KEY,
+    OTHER_KEY,
+    admin_credentials,
+    cluster_credentials,
+    cluster_security,
+)
 
 MODEL = "fake-model"
 FIRST = 100  # the fake prefill's first token
@@ -216,8 +222,8 @@ class Cluster:
             await server.stop(0)
 
 
-@pytest.fixture
-async def cluster(ckpt):
+async def start_router(ckpt: Any, **overrides: Any) -> Cluster:
+    """The router of these tests (settings `overrides` on top), no workers yet."""
     settings = RouterSettings(
         model=str(ckpt),
         port=0,
@@ -226,8 +232,14 @@ async def cluster(ckpt):
         worker_timeout_s=60.0,
         grace_s=0.0,
         security=cluster_security(),
+        **overrides,
     )
-    c = Cluster(await serve(settings))
+    return Cluster(await serve(settings))
+
+
+@pytest.fixture
+async def cluster(ckpt):
+    c = await start_router(ckpt)
     yield c
     await c.close()
 
@@ -618,3 +630,25 @@ def test_detokenizer_deltas_concatenate_to_the_full_text(ckpt):
     deltas = [detok.add([t]) for t in ids]
     assert "\ufffd" not in "".join(deltas)  # a split character is held back, never sent
     assert "".join(deltas) + detok.flush() == processor.decode(ids)
+
+
+async def test_an_image_seen_again_goes_to_prefill_with_its_kept_rows(cluster, workers):
+    """`embedding_cache_mb`: the second request with an image (new text after it) makes no
+    Encode call; the prefill worker gets the encoder's rows from the first. Another tenant's
+    request with the same image is encoded again (its cache salt keys its own entries), and
+    outputs behind NIXL handles are never kept."""
+    enc, pre, _ = workers
+    image = {"type": "image", "image": png(21)}
+    for question in ("What is it?", "And its colours?"):
+        await cluster.client.generate_text(chat(image, {"type": "text", "text": question}))
+    assert len(enc.requests) == 1 and len(pre.requests) == 2
+    first, second = (r.multimodal.embeddings for r in pre.requests)
+    assert second == first  # the same rows and deepstack, from the router's copy
+    async with Client(cluster.router.address, api_key=OTHER_KEY) as other:
+        await other.generate_text(chat(image, {"type": "text", "text": "What is it?"}))
+    assert len(enc.requests) == 2
+    enc.handles = True
+    for question in ("One?", "Two?"):
+        fresh = {"type": "image", "image": png(22)}
+        await cluster.client.generate_text(chat(fresh, {"type": "text", "text": question}))
+    assert len(enc.requests) == 4
