@@ -53,6 +53,7 @@ class EmbeddingCache:
 
     @property
     def bytes_used(self) -> int:
+        """Inline bytes the kept outputs hold."""
         return self._lru.bytes_used
 
     @staticmethod

@@ -65,9 +65,7 @@ class SegmentSpan:
 class PrefillAttention:
     """The attention of one packed prefill forward, planned once and run per layer."""
 
-    def __init__(
-        self, spans: Sequence[SegmentSpan], block_size: int, dtype: torch.dtype = torch.float32
-    ) -> None:
+    def __init__(self, spans: Sequence[SegmentSpan], block_size: int, dtype: torch.dtype) -> None:
         self.spans = list(spans)
         self.block_size = block_size
         fresh = [s for s in self.spans if s.start == 0]
