@@ -59,6 +59,7 @@ async def serve(
     servicer = DecodeServicer(
         parts,
         max_batch=settings.max_batch,
+        stream_interval=settings.stream_interval,
         pull_timeout_s=settings.pull_timeout_s,
         release_timeout_s=settings.release_timeout_s,
         renew_leases=settings.renew_leases,

@@ -80,6 +80,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         parts: KvWorkerParts,
         *,
         max_batch: int = 32,
+        stream_interval: int = 1,
         pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
         renew_leases: bool = True,
@@ -92,7 +93,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         credentials = parts.credentials
         self.pull_timeout_s = pull_timeout_s
         self.release_timeout_s = release_timeout_s
-        self.batcher = DecodeBatcher(runner, model)
+        self.batcher = DecodeBatcher(runner, model, stream_interval=stream_interval)
         self.counters = DecodeCounters()
         self.active = 0  # Decode RPCs in flight
         self._slots = asyncio.Semaphore(max_batch)

@@ -21,6 +21,12 @@ class DecodeSettings(KvWorkerSettings):
         "workers it places there, at least 1; alone, every core)",
     )
     max_batch: int = setting(32, "most sequences decoded together in one step")
+    stream_interval: int = setting(
+        1,
+        "tokens a stream's chunk carries after the first token (its last chunk may carry "
+        "fewer): 1 streams every step's token at once; more sends fewer, larger messages "
+        "(less CPU per token on this worker, the router and the client, burstier output)",
+    )
     pull_timeout_s: float = setting(30.0, "longest NIXL READ of one request's KV blocks")
     release_timeout_s: float = setting(5.0, "deadline of the ReleaseKv call after a pull")
     renew_leases: bool = setting(
@@ -34,6 +40,8 @@ class DecodeSettings(KvWorkerSettings):
             raise SettingsError("threads: must not be negative")
         if self.max_batch <= 0:
             raise SettingsError("max_batch: must be positive")
+        if self.stream_interval < 1:
+            raise SettingsError("stream_interval: must be at least 1")
         for name in ("pull_timeout_s", "release_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}: must be positive")

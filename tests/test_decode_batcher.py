@@ -65,3 +65,49 @@ def test_drop_returns_with_the_blocks_back(runner: LmRunner, model: ModelThread)
     assert dropped.finish_reason is None and len(dropped.output) < LONG.max_tokens
     assert runner.allocator.pool.num_used_blocks == 0
     runner.allocator.pool.check_invariants()
+
+
+@pytest.mark.parametrize("interval", [1, 3, 7])
+def test_stream_interval_groups_tokens_without_changing_them(
+    runner: LmRunner, model: ModelThread, interval: int
+) -> None:
+    """With `stream_interval` n, every chunk but the last carries n tokens (a multiple of n
+    when the reader fell behind and steps' chunks merged) and the last at least one; the
+    tokens, in order, are the greedy answer decoded without it."""
+    short = SamplingParams(max_tokens=11, ignore_eos=True)
+
+    def seq() -> LmSequence:
+        tokens = [5 + 3 * i % 90 for i in range(9)]
+        return batching.prefill(
+            runner,
+            tokens,
+            MultimodalParams((), {}, 0),
+            short,
+            hashes=None,
+            total_tokens=len(tokens) + short.max_tokens,
+        )
+
+    async def stream(every: int) -> tuple[list[int], list[batching.Chunk]]:
+        batcher = DecodeBatcher(runner, model, stream_interval=every)
+        batcher.start()
+        s = seq()
+        entry = batcher.add(s)
+        chunks = [await entry.next_chunk()]
+        while chunks[-1].finish_reason is None:
+            chunks.append(await entry.next_chunk())
+        await batcher.stop()
+        return s.output, chunks
+
+    expected, _ = asyncio.run(stream(1))
+    output, chunks = asyncio.run(stream(interval))
+    assert output == expected and len(output) == short.max_tokens
+    assert [t for c in chunks for t in c.token_ids] == output[1:]  # the first came from prefill
+    assert all(c.token_ids and len(c.token_ids) % interval == 0 for c in chunks[:-1])
+    assert chunks[-1].token_ids
+    assert [c.finish_reason is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    runner.allocator.pool.check_invariants()
+
+
+def test_stream_interval_must_be_positive(runner: LmRunner, model: ModelThread) -> None:
+    with pytest.raises(ValueError, match="stream_interval"):
+        DecodeBatcher(runner, model, stream_interval=0)

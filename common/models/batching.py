@@ -273,9 +273,13 @@ class DecodeBatcher:
     thread only. The other methods are touched only from the event loop.
     """
 
-    def __init__(self, runner: LmRunner, model: ModelThread) -> None:
+    def __init__(self, runner: LmRunner, model: ModelThread, *, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.runner = runner
         self.model = model
+        # A live stream gets its tokens once this many are new (its last ones at once).
+        self.stream_interval = stream_interval
         self.batch = Batch(runner)  # touched on the model thread only
         self._entries: list[Entry] = []  # every stream holding blocks, in join order
         self._joining: list[LmSequence] = []  # added since the last step
@@ -357,12 +361,13 @@ class DecodeBatcher:
                 self._entries = [e for e in self._entries if e.seq not in gone]
                 self._freed.set()
                 self._freed = asyncio.Event()
+            interval = self.stream_interval
             for entry in stepped:
-                if entry.cancelled:
+                output, reason = entry.seq.output, entry.seq.finish_reason
+                if entry.cancelled or (reason is None and len(output) - entry.sent < interval):
                     continue
-                new = entry.seq.output[entry.sent :]
-                entry.sent = len(entry.seq.output)
-                entry.queue.put_nowait(Chunk(new, entry.seq.finish_reason))
+                entry.queue.put_nowait(Chunk(output[entry.sent :], reason))
+                entry.sent = len(output)
             if not stepped:
                 await asyncio.sleep(0)
 
