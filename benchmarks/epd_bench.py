@@ -181,6 +181,12 @@ def main() -> None:
         default=1,
         help="torch threads per worker, both checkouts (--served; 0: every core each)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="this checkout's decode stream_interval (tokens per streamed chunk; --served)",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--image-size", type=int, default=224, help="image side (--served)")
     parser.add_argument("--requests", type=int, default=6, help="image requests per side")

@@ -12,8 +12,9 @@ untimed warm-up run before its timed ones; the first time, what it burns while i
 printed. Every run uses images no earlier run sent.
 Images are PNG-encoded before the clock starts (the client does no image work while
 timed). Every worker of both deployments gets `--threads` torch threads (the issue's rule:
-one thread per worker). Reports medians over rounds of req/s and TTFT p50, and the ratios
-repeated/distinct and this/baseline.
+one thread per worker). `--stream-interval N` gives this checkout's decode workers that
+setting (tokens per streamed chunk; the baseline streams as its code does). Reports medians
+over rounds of req/s and TTFT p50, and the ratios repeated/distinct and this/baseline.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ async def run_served(args: argparse.Namespace) -> None:
     seeds = itertools.count(1_000_000)
     print(f"checkpoint {model}; {n} requests x {size}px, {args.tokens} tokens,")
     print(f"concurrency {args.concurrency}, {args.threads or 'all'} torch thread(s) a worker;")
-    print(f"deployments: {roots}")
+    print(f"deployments: {roots}; this checkout's stream_interval {args.stream_interval}")
     results: dict[tuple[str, str], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="epd-served-") as logs:
         clusters: dict[str, Cluster] = {}
@@ -135,7 +136,12 @@ async def run_served(args: argparse.Namespace) -> None:
                             start_cluster,
                             encoder_args=threads,
                             prefill_args=threads,
-                            decode_args=threads,
+                            decode_args=threads
+                            + (
+                                ("--stream-interval", str(args.stream_interval))
+                                if name == "this"
+                                else ()
+                            ),
                         ),
                         model,
                         Path(logs) / name,
