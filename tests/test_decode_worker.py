@@ -218,6 +218,25 @@ async def test_stream_is_token_ids_after_the_first(cluster: Cluster) -> None:
     assert all(not ch.finish_reason for ch in answer.chunks[:-1])
 
 
+async def test_stream_interval_sends_that_many_tokens_a_chunk(cluster: Cluster) -> None:
+    """`stream_interval` 3: the same tokens, in chunks of three after the stream's first
+    message (the lease confirmation), the last one shorter."""
+    c = cluster
+    batcher = c.decode.servicer.batcher
+    tokens, params = make_handoff(c.engine, TEXT)
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    batcher.stream_interval = 3
+    try:
+        answer = await run_decode(c, decode_request(tokens, params, GREEDY, reply))
+    finally:
+        batcher.stream_interval = 1
+    streamed = [t for ch in answer.chunks for t in ch.token_ids]
+    assert streamed == c.expected(TEXT, GREEDY).token_ids[1:]
+    sizes = [len(ch.token_ids) for ch in answer.chunks[1:]]
+    assert sizes and all(n % 3 == 0 for n in sizes[:-1]) and sizes[-1] >= 1
+    assert len(answer.chunks) <= 2 + len(streamed) // 3
+
+
 async def test_load_and_counters(cluster: Cluster) -> None:
     servicer = cluster.decode.servicer
     load = servicer.load()
@@ -278,3 +297,6 @@ async def test_flags(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit):  # no cluster token and not --insecure
         parse(["--config", str(config)])
+    assert parse(["--stream-interval", "4", "--insecure"]).stream_interval == 4
+    with pytest.raises(SystemExit):
+        parse(["--stream-interval", "0", "--insecure"])
