@@ -34,15 +34,15 @@ def model() -> Iterator[ModelThread]:
     thread.close()
 
 
-def prefilled(runner: LmRunner, n: int) -> LmSequence:
+def prefilled(runner: LmRunner, n: int, sampling: SamplingParams = LONG) -> LmSequence:
     tokens = [5 + (7 * i + n) % 90 for i in range(6 + n)]
     return batching.prefill(
         runner,
         tokens,
         MultimodalParams((), {}, 0),
-        LONG,
+        sampling,
         hashes=None,
-        total_tokens=len(tokens) + LONG.max_tokens,
+        total_tokens=len(tokens) + sampling.max_tokens,
     )
 
 
@@ -76,21 +76,10 @@ def test_stream_interval_groups_tokens_without_changing_them(
     tokens, in order, are the greedy answer decoded without it."""
     short = SamplingParams(max_tokens=11, ignore_eos=True)
 
-    def seq() -> LmSequence:
-        tokens = [5 + 3 * i % 90 for i in range(9)]
-        return batching.prefill(
-            runner,
-            tokens,
-            MultimodalParams((), {}, 0),
-            short,
-            hashes=None,
-            total_tokens=len(tokens) + short.max_tokens,
-        )
-
     async def stream(every: int) -> tuple[list[int], list[batching.Chunk]]:
         batcher = DecodeBatcher(runner, model, stream_interval=every)
         batcher.start()
-        s = seq()
+        s = prefilled(runner, 3, short)
         entry = batcher.add(s)
         chunks = [await entry.next_chunk()]
         while chunks[-1].finish_reason is None:
