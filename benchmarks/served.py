@@ -130,18 +130,15 @@ async def run_served(args: argparse.Namespace) -> None:
                 flag = (root / "common" / "server" / "threads.py").exists()
                 threads = ("--threads", str(args.threads)) if args.threads and flag else ()
                 env = {} if flag or not args.threads else _thread_env(args.threads)
+                interval = ("--stream-interval", str(args.stream_interval))
+                decode = threads + interval if name == "this" else threads
                 with _environ(env):
                     clusters[name] = await asyncio.to_thread(
                         functools.partial(
                             start_cluster,
                             encoder_args=threads,
                             prefill_args=threads,
-                            decode_args=threads
-                            + (
-                                ("--stream-interval", str(args.stream_interval))
-                                if name == "this"
-                                else ()
-                            ),
+                            decode_args=decode,
                         ),
                         model,
                         Path(logs) / name,
