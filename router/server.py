@@ -171,7 +171,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 resumed=resumed,
             )
             tokens = 0
-            answer = stop_at(self.orchestrator.run(job), request.stop)
+            answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
             async for chunk in self.orchestrator.metrics.track(answer, started):
                 tokens += len(chunk.token_ids)
                 yield chunk

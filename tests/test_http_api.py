@@ -295,6 +295,29 @@ async def test_stop_strings_cut_the_text(fake: FakeCluster) -> None:
     assert "".join(pieces) == text[: text.find(stop)]
 
 
+async def test_a_stop_string_inside_a_chunk_ends_its_tokens_there(fake: FakeCluster) -> None:
+    """Decode sends 4 tokens a chunk: the answer's tokens end at the one that completes the
+    stop string, as with one token a chunk, in the HTTP usage and the gRPC token ids."""
+    _, decode = await add_workers(fake)
+    decode.first_id = 64  # the tiny tokenizer's "a": the answer goes on "bcdefgh..."
+    twelve = SamplingParams(max_tokens=12)
+    full = await fake.client.generate_text(WEATHER, twelve)
+    tokens, text = full.token_ids, full.text
+    assert text[-11:] == "abcdefghijk"
+    k = 8  # a stop string that token 8 ("g", third chunk's second token) completes
+    stop = "fg"
+    decode.per_chunk = 4
+    cut = await fake.client.generate_text(WEATHER, twelve, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+    assert cut.token_ids == tokens[:k]
+    client = api(url_of(fake))
+    reply = await client.chat.completions.create(
+        model=MODEL_ID, messages=WEATHER, max_tokens=12, stop=stop
+    )
+    assert reply.choices[0].message.content == text[: text.find(stop)]
+    assert reply.usage is not None and reply.usage.completion_tokens == k
+
+
 # -------------------------------------------------------------------- a real deployment
 
 

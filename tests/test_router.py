@@ -139,6 +139,8 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
         self.hang_after_first = False
         self.fail: grpc.StatusCode | None = None
         self.refuse_kv = 0  # answer this many calls ABORTED, as when the KV fails its checks
+        self.per_chunk = 1  # tokens a chunk carries after the first (a worker's stream_interval)
+        self.first_id = 101  # the answer's second token; each later one is one more
         self.cancelled = asyncio.Event()
 
     async def Decode(self, request, context):
@@ -153,13 +155,14 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
                 await asyncio.sleep(60)
             left = request.sampling.max_tokens - 1
             # As the real worker: the tokens after the first one (never an echo of it).
-            yield decode_service_pb2.DecodeResponse(token_ids=[101], blocks_pulled=3)
+            yield decode_service_pb2.DecodeResponse(token_ids=[self.first_id], blocks_pulled=3)
             if self.hang_after_first:
                 await asyncio.sleep(60)
-            for i in range(left - 1):
-                last = i == left - 2
+            rest = [self.first_id + 1 + i for i in range(left - 1)]
+            for at in range(0, len(rest), self.per_chunk):
+                last = at + self.per_chunk >= len(rest)
                 yield decode_service_pb2.DecodeResponse(
-                    token_ids=[102 + i],
+                    token_ids=rest[at : at + self.per_chunk],
                     finish_reason=decode_service_pb2.FINISH_REASON_LENGTH if last else 0,
                 )
         except asyncio.CancelledError:
