@@ -14,7 +14,8 @@ Images are PNG-encoded before the clock starts (the client does no image work wh
 timed). Every worker of both deployments gets `--threads` torch threads (the issue's rule:
 one thread per worker). `--stream-interval N` gives this checkout's decode workers that
 setting (tokens per streamed chunk; the baseline streams as its code does). Reports medians
-over rounds of req/s and TTFT p50, and the ratios repeated/distinct and this/baseline.
+over rounds of req/s and TTFT p50, the CPU each process of the deployment spent per request
+(user + system, every thread), and the ratios repeated/distinct and this/baseline.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ class Run:
     ttft_s: float  # send -> first token (processing, encode, prefill)
     pull_s: float  # first token -> first decode chunk (KV pull, admission)
     decode_s: float  # first decode chunk -> end of stream
+    cpu_s: dict[str, float] = field(default_factory=dict)  # per request, by process
 
 
 async def one_run(
@@ -166,7 +168,10 @@ async def run_served(args: argparse.Namespace) -> None:
                         distinct = n if kind == "distinct" else max(1, n // 4)
                         images = [png(next(seeds), size) for _ in range(distinct)]
                         prompts = [messages(images[k % distinct], k) for k in range(n)]
+                        before = process_cpu_seconds(clusters[name].procs)
                         got = await one_run(clients[name], prompts, sampling, args.concurrency)
+                        after = process_cpu_seconds(clusters[name].procs)
+                        got = replace(got, cpu_s={k: (after[k] - before[k]) / n for k in after})
                         results.setdefault((name, kind), []).append(got)
                         print(f"  round {r} {name:8s} {kind:8s} {got.rps:6.2f} req/s", flush=True)
                     _signal(clusters[name], signal.SIGSTOP)
@@ -192,6 +197,13 @@ def report(results: dict[tuple[str, str], list[Run]], names: list[str]) -> None:
                 f"  {name:10s} {kind:9s} {med(name, kind, 'rps'):7.2f} "
                 + " ".join(f"{v:6.0f} ms" for v in ms)
             )
+    print("  CPU ms per request, by process (medians over rounds):")
+    for name in names:
+        for kind in ("distinct", "repeated"):
+            runs = results[(name, kind)]
+            each = {k: statistics.median(r.cpu_s[k] for r in runs) * 1e3 for k in runs[0].cpu_s}
+            parts = "  ".join(f"{k} {v:5.1f}" for k, v in each.items())
+            print(f"  {name:10s} {kind:9s} {sum(each.values()):6.1f}   ({parts})")
     for name in names:
         ratio = med(name, "repeated", "rps") / med(name, "distinct", "rps")
         print(f"  {name}: repeated / distinct req/s {ratio:.2f}x")
