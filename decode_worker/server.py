@@ -28,8 +28,10 @@ DECODE_SERVICE = service_name(decode_service_pb2, "DecodeService")
 
 def decode_metrics(servicer: DecodeServicer) -> list[Any]:
     """The decode worker's metrics at scrape time (docs/metrics.md): streams in the batch
-    and before it (validating, waiting for blocks, pulling), the pool, `DecodeCounters`."""
+    and before it (validating, waiting for blocks, pulling), the pool, `DecodeCounters`, the
+    batched steps (`Batch`: read off the model thread; each a plain number)."""
     c, running = servicer.counters, servicer.batcher.running
+    batch = servicer.batcher.batch
     return [
         *requests_metrics(running, max(servicer.active - running, 0)),
         *kv_pool_metrics(servicer.runner.allocator.pool),
@@ -44,6 +46,14 @@ def decode_metrics(servicer: DecodeServicer) -> list[Any]:
         ),
         counter("epd:kv_leases_lost", "Pulls discarded: lease not live.", c.leases_lost),
         counter("epd:kv_block_waits", "Requests that waited for free blocks.", c.block_waits),
+        counter("epd:decode_steps", "Batched decode forwards run.", batch.steps),
+        counter("epd:decode_step_sequences", "Sequences decoded, over all steps.", batch.decoded),
+        counter("epd:decode_step_seconds", "Wall time of the decode steps.", batch.step_seconds),
+        counter(
+            "epd:decode_step_cpu_seconds",
+            "CPU time of the model thread in the decode forwards.",
+            batch.step_cpu_seconds,
+        ),
     ]
 
 

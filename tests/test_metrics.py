@@ -155,6 +155,11 @@ async def test_one_request_shows_up_in_every_scrape(dep: Deployment) -> None:
     assert one(decode, "epd:kv_leases_lost_total") == 0
     assert one(decode, "epd:decode_requests_total") == 1
     assert one(decode, "vllm:prefix_cache_queries_total") > 0
+    steps = one(decode, "epd:decode_steps_total")
+    assert steps == len(result.token_ids) - 1  # one stream (its first token from prefill)
+    assert one(decode, "epd:decode_step_sequences_total") == steps  # each step it alone
+    wall = one(decode, "epd:decode_step_seconds_total")
+    assert 0 < one(decode, "epd:decode_step_cpu_seconds_total") <= wall + 1e-3
 
 
 async def test_a_repeated_request_hits_the_caches(dep: Deployment) -> None:

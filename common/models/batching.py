@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -188,6 +189,9 @@ class Batch:
         self.running: list[LmSequence] = []  # admitted, not yet released, in join order
         self.steps = 0  # batched forwards run
         self.max_batch_seen = 0  # largest batch decoded in one step
+        self.decoded = 0  # sequences decoded, summed over steps (divided by steps: mean batch)
+        self.step_seconds = 0.0  # wall time of the steps' forwards
+        self.step_cpu_seconds = 0.0  # CPU time of this thread in them (below wall: waiting)
         self._cancelled: set[LmSequence] = set()  # released at the next step boundary
 
     def add(self, seq: LmSequence) -> None:
@@ -204,8 +208,12 @@ class Batch:
         was cancelled. Returns the released sequences, in join order."""
         live = [s for s in self.running if s not in self._cancelled and s.finish_reason is None]
         if live:
+            wall, cpu = time.perf_counter(), time.thread_time()
             self.runner.decode_step(live)
+            self.step_cpu_seconds += time.thread_time() - cpu
+            self.step_seconds += time.perf_counter() - wall
             self.steps += 1
+            self.decoded += len(live)
             self.max_batch_seen = max(self.max_batch_seen, len(live))
         done = [s for s in self.running if s in self._cancelled or s.finish_reason is not None]
         if done:
