@@ -6,8 +6,9 @@ of the code before the change, made with `git worktree add --detach /tmp/landed 
 `ref` runs `transformers`' Qwen3-VL. The parent sends every case to the three in turn,
 `--repeats` times, so background load hits them alike, and prints medians and ratios:
 
-- decode tok/s at batch 1 and 32 (batch / median step time over `--steps` steps, after
-  prefilling 100-token prompts without prefix reuse), and at batch 32 after 512-token ones;
+- decode tok/s at batch 1, 4 (a served deployment's usual batch) and 32 (batch / median
+  step time over `--steps` steps, after prefilling 100-token prompts without prefix reuse),
+  and at batch 32 after 512-token ones;
 - prefill tok/s of one 512-token text prompt, and of a 224x224 image prompt (processing,
   vision tower and language model);
 - wall seconds for 32 prompts x 16 tokens with 1 new token (landed: one prefill each, as its
@@ -37,6 +38,7 @@ SIDES = ("landed", "epd", "ref")
 # (case, unit, higher is better)
 CASES = (
     ("decode b=1", "tok/s", True),
+    ("decode b=4", "tok/s", True),
     ("decode b=32", "tok/s", True),
     ("decode b=32, 512 ctx", "tok/s", True),
     ("prefill 512 text", "tok/s", True),
@@ -140,6 +142,7 @@ def _engine_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
     torch.manual_seed(0)
     return {
         "decode b=1": lambda rep: decode(1, rep),
+        "decode b=4": lambda rep: decode(4, rep),
         "decode b=32": lambda rep: decode(32, rep),
         "decode b=32, 512 ctx": lambda rep: decode(32, rep, 512),
         "prefill 512 text": prefill_text,
@@ -209,6 +212,7 @@ def _ref_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
 
     return {
         "decode b=1": lambda rep: decode(1, rep),
+        "decode b=4": lambda rep: decode(4, rep),
         "decode b=32": lambda rep: decode(32, rep),
         "decode b=32, 512 ctx": lambda rep: decode(32, rep, 512),
         "prefill 512 text": lambda rep: _rate(

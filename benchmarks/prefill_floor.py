@@ -2,8 +2,8 @@
 
 Times, in one process with one torch thread, (a) `Engine.prefill` of one 512-token text
 prompt (no prefix reuse) and (b) only the kernels that forward cannot avoid, at its exact
-shapes and on the engine's own weights: per layer but the last, the four projection GEMMs
-(q/k/v fused, o, gate/up fused, down) and one causal grouped-query
+shapes, on the engine's own weights and projection kernels (`text_ops.Dense`): per layer but
+the last, the four projections (q/k/v fused, o, gate/up fused, down) and one causal grouped-query
 `scaled_dot_product_attention`; in the last layer the q/k/v GEMM over every row (its K/V go
 to the cache) and the rest for the last row only (nothing reads the other rows' outputs);
 then the lm_head on the last row. (b) is a floor for any fp32 engine doing the same
@@ -59,18 +59,18 @@ def main() -> None:
     def kernels(rep: int) -> None:
         with torch.inference_mode():
             for i, layer in enumerate(model.layers):
-                torch.mm(x, layer.qkv)
+                layer.qkv(x)
                 if i < last or args.full_last_layer:
                     F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
-                    torch.mm(attn_in, layer.o_proj)
-                    torch.mm(x, layer.gate_up)
-                    torch.mm(mlp_in, layer.down)
+                    layer.o_proj(attn_in)
+                    layer.gate_up(x)
+                    layer.down(mlp_in)
                 else:  # the last row's query over every key, and its MLP
                     F.scaled_dot_product_attention(q[:, :, -1:], kv, kv, enable_gqa=True)
-                    torch.mm(attn_in[-1:], layer.o_proj)
-                    torch.mm(x[-1:], layer.gate_up)
-                    torch.mm(mlp_in[-1:], layer.down)
-            torch.mm(x[-1:], model.lm_head_t)
+                    layer.o_proj(attn_in[-1:])
+                    layer.gate_up(x[-1:])
+                    layer.down(mlp_in[-1:])
+            model.lm_head(x[-1:])
 
     runs: dict[str, list[float]] = {"engine prefill": [], "unavoidable kernels": []}
     for fn in (prefill, kernels):  # warm-up

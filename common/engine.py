@@ -129,16 +129,17 @@ class Engine:
         num_blocks: int = 1024,
         max_batch: int = 32,
         prefill_chunk: int | None = None,
+        packed_weights: bool = True,
     ) -> Engine:
         """Load a Hugging Face-format Qwen3-VL checkpoint folder (its processor files, chat
-        template and generation defaults included)."""
+        template and generation defaults included; `packed_weights`: `text_ops.Dense`)."""
         config = Qwen3VLConfig.from_file(path)
         tensors = load_weights(
             path, config, dtype=dtype, prefix=(VISUAL_PREFIX, LM_PREFIX, LM_HEAD), device=device
         )
         return cls(
             config,
-            TextModel.from_weights(config, tensors),
+            TextModel.from_weights(config, tensors, packed_weights=packed_weights),
             VisionTower.from_weights(config, tensors),
             Processor.from_pretrained(path),
             block_size=block_size,

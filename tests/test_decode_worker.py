@@ -298,5 +298,7 @@ async def test_flags(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):  # no cluster token and not --insecure
         parse(["--config", str(config)])
     assert parse(["--stream-interval", "4", "--insecure"]).stream_interval == 4
+    assert parse(["--insecure"]).packed_weights
+    assert not parse(["--packed-weights", "false", "--insecure"]).packed_weights
     with pytest.raises(SystemExit):
         parse(["--stream-interval", "0", "--insecure"])

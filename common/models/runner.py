@@ -165,15 +165,17 @@ class LmRunner:
         block_size: int = 16,
         num_blocks: int = 1024,
         prefill_chunk: int | None = None,
+        packed_weights: bool = True,
     ) -> LmRunner:
-        """Load the language model of a Hugging Face-format Qwen3-VL checkpoint folder."""
+        """Load the language model of a Hugging Face-format Qwen3-VL checkpoint folder
+        (`packed_weights`: see `text_ops.Dense`)."""
         config = Qwen3VLConfig.from_file(path)
         tensors = load_weights(
             path, config, dtype=dtype, prefix=(LM_PREFIX, LM_HEAD), device=device
         )
         return cls(
             config,
-            TextModel.from_weights(config, tensors),
+            TextModel.from_weights(config, tensors, packed_weights=packed_weights),
             identity=model_identity(path, config),
             block_size=block_size,
             num_blocks=num_blocks,

@@ -79,6 +79,7 @@ def load_runner(settings: KvWorkerSettings, **extra: Any) -> LmRunner:
         device=settings.device,
         block_size=settings.block_size,
         num_blocks=settings.num_blocks,
+        packed_weights=settings.packed_weights,
         **extra,
     )
 

@@ -35,14 +35,7 @@ from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
 from common.models.qwen3_vl.text_layer import LayerWeights
-from common.models.qwen3_vl.text_ops import (
-    dense,
-    length_mask,
-    rms_norm,
-    rotate,
-    signed_sin,
-    transposed,
-)
+from common.models.qwen3_vl.text_ops import Dense, length_mask, rms_norm, rotate, signed_sin
 from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
 from common.models.running_kv import new_token_slots
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
@@ -68,19 +61,21 @@ class Segment:
 class TextModel:
     """Qwen3-VL decoder stack + lm_head over a paged KV buffer (inference only)."""
 
-    def __init__(self, config: TextConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self, config: TextConfig, weights: Mapping[str, torch.Tensor], *, packed_weights: bool
+    ) -> None:
         """`weights` use the checkpoint's language-model names without prefix, plus
-        `lm_head.weight` (absent when the embeddings are tied)."""
+        `lm_head.weight` (absent when the embeddings are tied); `packed_weights`: keep each
+        projection's oneDNN copy too (`text_ops.Dense`)."""
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
         self.config = config
         self.embed_tokens = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
-        self.lm_head_t = transposed(weights.get(LM_HEAD, self.embed_tokens))
+        self.lm_head = Dense.of(weights.get(LM_HEAD, self.embed_tokens), packed=packed_weights)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.layers = [
-            LayerWeights.load(
-                weights, f"layers.{i}.", config.num_attention_heads, config.num_key_value_heads
-            )
+            LayerWeights.load(weights, f"layers.{i}.", heads, kv_heads, packed=packed_weights)
             for i in range(config.num_hidden_layers)
         ]
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
@@ -90,7 +85,12 @@ class TextModel:
 
     @classmethod
     def from_weights(
-        cls, config: Qwen3VLConfig, tensors: Mapping[str, torch.Tensor], *, prefix: str = LM_PREFIX
+        cls,
+        config: Qwen3VLConfig,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        prefix: str = LM_PREFIX,
+        packed_weights: bool = True,
     ) -> TextModel:
         """Build from checkpoint tensors named as the reference names them."""
         weights = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -98,7 +98,7 @@ class TextModel:
             weights[LM_HEAD] = tensors[LM_HEAD]
         elif not config.tie_word_embeddings:
             raise KeyError(f"{LM_HEAD} missing and embeddings are not tied")
-        return cls(config.text, weights)
+        return cls(config.text, weights, packed_weights=packed_weights)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,7 +117,7 @@ class TextModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head."""
-        return dense(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head_t, None)
+        return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
 
     # ----------------------------------------------------------------------------- shared
 
@@ -129,7 +129,7 @@ class TextModel:
         heads are normed and rotated together: per head the same arithmetic as apart, in half
         the ops."""
         c = self.config
-        qkv = dense(h, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(h)
         split = self.q_size + self.kv_size
         qk = rms_norm(qkv[:, :split].unflatten(-1, (-1, c.head_dim)), layer.qk_norm, c.rms_norm_eps)
         qk = rotate(qk, cos, sin_signed)
@@ -142,10 +142,10 @@ class TextModel:
         """o_proj + residual, then the MLP block + residual, added to `x` in place (the
         residual stream is a tensor of the forward's own; the reference's arithmetic, without
         a fresh activation-sized buffer per op)."""
-        x += dense(attn, layer.o_proj, layer.o_bias)
+        x += layer.o_proj(attn)
         h = rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = dense(h, layer.gate_up, None).chunk(2, dim=-1)
-        x += dense(F.silu(gate, inplace=True).mul_(up), layer.down, None)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        x += layer.down(F.silu(gate, inplace=True).mul_(up))
         return x
 
     @staticmethod

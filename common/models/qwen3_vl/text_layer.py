@@ -7,50 +7,51 @@ from dataclasses import dataclass
 
 import torch
 
-from common.models.qwen3_vl.text_ops import transposed
+from common.models.qwen3_vl.text_ops import Dense
 
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer's weights, with q/k/v and gate/up fused for fewer GEMMs.
 
-    Projection weights are stored transposed (`[in, out]`, contiguous) and applied with
-    `dense`: at decode's few rows a GEMM with the weight already in that layout is about a
-    quarter faster on CPU than `F.linear` with the checkpoint's `[out, in]` (measured at
-    batch 1 and 32; the same at 512 rows)."""
+    Projections are `text_ops.Dense` (the weight transposed, `[in, out]` contiguous, for one
+    row: at decode's few rows a GEMM with the weight already in that layout is about a
+    quarter faster on CPU than `F.linear` with the checkpoint's `[out, in]`; and oneDNN's
+    packed form for more rows, where it is there)."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Dense
     qk_norm: torch.Tensor  # [H + KV, D]: q_norm for each query head, k_norm for each key head
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    o_proj: Dense
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Dense
+    down: Dense
 
     @classmethod
-    def load(cls, w: Mapping[str, torch.Tensor], p: str, heads: int, kv_heads: int) -> LayerWeights:
+    def load(
+        cls, w: Mapping[str, torch.Tensor], p: str, heads: int, kv_heads: int, *, packed: bool
+    ) -> LayerWeights:
         """Layer `p` (e.g. `layers.0.`) from checkpoint tensors named without the language
-        model's prefix, fused and transposed."""
+        model's prefix, fused and transposed (`packed`: with oneDNN copies, `Dense`)."""
         a = p + "self_attn."
         biases = [w.get(f"{a}{n}_proj.bias") for n in "qkv"]
         qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
         return cls(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=transposed(torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"])),
-            qkv_bias=qkv_bias,
+            qkv=Dense.of(
+                torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"]), qkv_bias, packed=packed
+            ),
             qk_norm=torch.cat(
                 [
                     w[a + "q_norm.weight"].expand(heads, -1),
                     w[a + "k_norm.weight"].expand(kv_heads, -1),
                 ]
             ),
-            o_proj=transposed(w[a + "o_proj.weight"]),
-            o_bias=w.get(a + "o_proj.bias"),
+            o_proj=Dense.of(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), packed=packed),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=transposed(
-                torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+            gate_up=Dense.of(
+                torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                packed=packed,
             ),
-            down=transposed(w[p + "mlp.down_proj.weight"]),
+            down=Dense.of(w[p + "mlp.down_proj.weight"], packed=packed),
         )

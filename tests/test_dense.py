@@ -1,0 +1,62 @@
+"""`text_ops.Dense`, the text model's linear layer: at one row MKL's GEMM on the transposed
+weight (the same bits as `dense`), at two or more oneDNN's linear on the packed weight
+(where it can be made: CPU, float32). Both compute `x @ W.T + b` to float rounding, at
+every row count, for contiguous and strided rows; a packed row rounds alike whatever the
+row count, so a sequence decoded with others gets the same bits as with any other batch of
+two or more. `packed=False` (the `packed_weights` setting off) keeps one copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.models.qwen3_vl.text_ops import Dense, dense
+
+TOL = 1e-4
+
+onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+@onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, 32, 300])
+def test_equals_the_linear_map(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(384, 256, generator=gen)
+    b = torch.randn(384, generator=gen) if bias else None
+    layer = Dense.of(weight, b, packed=True)
+    assert layer.packed is not None
+    x = torch.randn(rows, 256, generator=gen)
+    want = x.double() @ weight.double().t() + (0 if b is None else b.double())
+    with torch.inference_mode():
+        got = layer(x)
+        strided = layer(torch.cat((x, x), dim=1)[:, :256])  # rows with a stride of 512
+    assert got.shape == (rows, 384)
+    assert (got.double() - want).abs().max().item() <= TOL
+    assert torch.equal(strided, got)
+    if rows == 1:  # one row: the matrix-vector GEMM, as without the packed copy
+        assert torch.equal(got, dense(x, layer.weight_t, b))
+
+
+@onednn
+def test_packed_rows_round_alike_at_any_row_count() -> None:
+    gen = torch.Generator().manual_seed(0)
+    layer = Dense.of(torch.randn(512, 256, generator=gen), packed=True)
+    x = torch.randn(64, 256, generator=gen)
+    with torch.inference_mode():
+        first = layer(x[:2])[:2]
+        for rows in (3, 5, 8, 17, 64):
+            assert torch.equal(layer(x[:rows])[:2], first)
+
+
+def test_one_copy_without_packing_or_where_it_cannot_be_made() -> None:
+    weight = torch.randn(64, 32)
+    x = torch.randn(5, 32)
+    plain = Dense.of(weight, packed=False)
+    assert plain.packed is None
+    assert torch.equal(plain(x), dense(x, plain.weight_t, None))
+    half = Dense.of(weight.to(torch.bfloat16), packed=True)  # oneDNN's fp32 path only
+    assert half.packed is None
+    assert half(x.to(torch.bfloat16)).dtype == torch.bfloat16
