@@ -140,7 +140,7 @@ class Engine:
         return cls(
             config,
             TextModel.from_weights(config, tensors, packed_weights=packed_weights),
-            VisionTower.from_weights(config, tensors),
+            VisionTower.from_weights(config, tensors, packed_weights=packed_weights),
             Processor.from_pretrained(path),
             block_size=block_size,
             num_blocks=num_blocks,

@@ -203,7 +203,7 @@ def load_tower(path: Path, settings: EncoderSettings) -> tuple[Qwen3VLConfig, Vi
     tensors = load_weights(
         path, config, dtype=settings.torch_dtype, prefix=(VISUAL_PREFIX,), device=settings.device
     )
-    return config, VisionTower.from_weights(config, tensors)
+    return config, VisionTower.from_weights(config, tensors, packed_weights=settings.packed_weights)
 
 
 async def serve(

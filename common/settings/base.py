@@ -132,6 +132,12 @@ class ModelWorkerSettings(WorkerSettings):
         "float32", "weights dtype (and the KV cache's): float32, bfloat16 or float16"
     )
     device: str = setting("cpu", "torch device of the model and what it computes (cpu, cuda:0)")
+    packed_weights: bool = setting(
+        True,
+        "on CPU in float32, also keep each linear layer's weight packed for oneDNN (faster "
+        "at 2+ rows: decode batches, prefill, the vision tower), doubling those weights' "
+        "memory; false: one copy",
+    )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -153,11 +159,6 @@ class KvWorkerSettings(ModelWorkerSettings):
         16, "tokens per KV block (prefill and decode workers must use the same)"
     )
     num_blocks: int = setting(1024, "KV blocks in this worker's cache")
-    packed_weights: bool = setting(
-        True,
-        "on CPU in float32, also keep each text projection packed for oneDNN (faster at 2+ "
-        "rows: decode batches, prefill), doubling those weights' memory; false: one copy",
-    )
 
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan, decode_attention
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
+from common.models.qwen3_vl.linear import Dense
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
 from common.models.qwen3_vl.text_layer import LayerWeights
-from common.models.qwen3_vl.text_ops import Dense, length_mask, rms_norm, rotate, signed_sin
+from common.models.qwen3_vl.text_ops import length_mask, rms_norm, rotate, signed_sin
 from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
 from common.models.running_kv import new_token_slots
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.models.qwen3_vl.text_ops import Dense
+from common.models.qwen3_vl.linear import Dense
 
 
 @dataclass(frozen=True, slots=True)

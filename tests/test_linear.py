@@ -1,16 +1,19 @@
-"""`text_ops.Dense`, the text model's linear layer: at one row MKL's GEMM on the transposed
-weight (the same bits as `dense`), at two or more oneDNN's linear on the packed weight
-(where it can be made: CPU, float32). Both compute `x @ W.T + b` to float rounding, at
-every row count, for contiguous and strided rows; a packed row rounds alike whatever the
-row count, so a sequence decoded with others gets the same bits as with any other batch of
-two or more. `packed=False` (the `packed_weights` setting off) keeps one copy."""
+"""`common.models.qwen3_vl.linear`: the text model's `Dense` and the vision tower's
+`PackedLinear`. At one row torch's GEMM (the same bits as before packing), at two or more
+oneDNN's linear on the packed weight (where it can be made: CPU, float32). Both compute
+`x @ W.T + b` to float rounding at every row count, for contiguous and strided rows; a
+packed row rounds alike whatever the row count, so a sequence decoded with others gets the
+same bits as with any other batch of two or more. `packed=False` (the `packed_weights`
+setting off) keeps one copy; `pack_linears` keeps a module's parameters and state dict."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from common.models.qwen3_vl.text_ops import Dense, dense
+from common.models.qwen3_vl.linear import Dense, PackedLinear, dense, pack_linears
 
 TOL = 1e-4
 
@@ -60,3 +63,30 @@ def test_one_copy_without_packing_or_where_it_cannot_be_made() -> None:
     half = Dense.of(weight.to(torch.bfloat16), packed=True)  # oneDNN's fp32 path only
     assert half.packed is None
     assert half(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@onednn
+def test_pack_linears_swaps_every_linear_and_keeps_its_parameters() -> None:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(96, 32))
+    module = nn.Sequential(nn.Linear(64, 96), nn.GELU(), inner)
+    keys = list(module.state_dict())
+    params = list(module.parameters())
+    assert pack_linears(module) == 2
+    assert isinstance(module[0], PackedLinear) and isinstance(inner[0], PackedLinear)
+    assert list(module.state_dict()) == keys
+    assert all(a is b for a, b in zip(module.parameters(), params, strict=True))
+    with torch.inference_mode():
+        for rows in (1, 2, 49, 196):
+            x = torch.randn(rows, 64)
+            want = F.linear(F.gelu(F.linear(x, params[0], params[1])), params[2], params[3])
+            got = module(x)
+            assert (got - want).abs().max().item() <= TOL
+            if rows == 1:
+                assert torch.equal(got, want)
+
+
+def test_pack_linears_leaves_what_cannot_be_packed() -> None:
+    module = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert pack_linears(module) == 0
+    assert type(module[0]) is nn.Linear
