@@ -2,7 +2,7 @@
 
 Times, in one process with one torch thread, (a) `Engine.prefill` of one 512-token text
 prompt (no prefix reuse) and (b) only the kernels that forward cannot avoid, at its exact
-shapes, on the engine's own weights and projection kernels (`text_ops.Dense`): per layer but
+shapes, on the engine's own weights and projection kernels (`linear.Dense`): per layer but
 the last, the four projections (q/k/v fused, o, gate/up fused, down) and one causal grouped-query
 `scaled_dot_product_attention`; in the last layer the q/k/v GEMM over every row (its K/V go
 to the cache) and the rest for the last row only (nothing reads the other rows' outputs);

@@ -132,7 +132,7 @@ class Engine:
         packed_weights: bool = True,
     ) -> Engine:
         """Load a Hugging Face-format Qwen3-VL checkpoint folder (its processor files, chat
-        template and generation defaults included; `packed_weights`: `text_ops.Dense`)."""
+        template and generation defaults included; `packed_weights`: `linear.Dense`)."""
         config = Qwen3VLConfig.from_file(path)
         tensors = load_weights(
             path, config, dtype=dtype, prefix=(VISUAL_PREFIX, LM_PREFIX, LM_HEAD), device=device

@@ -168,7 +168,7 @@ class LmRunner:
         packed_weights: bool = True,
     ) -> LmRunner:
         """Load the language model of a Hugging Face-format Qwen3-VL checkpoint folder
-        (`packed_weights`: see `text_ops.Dense`)."""
+        (`packed_weights`: see `linear.Dense`)."""
         config = Qwen3VLConfig.from_file(path)
         tensors = load_weights(
             path, config, dtype=dtype, prefix=(LM_PREFIX, LM_HEAD), device=device

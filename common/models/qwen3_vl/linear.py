@@ -41,6 +41,11 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x [n, in] @ W.T (+ bias)` by oneDNN, `packed` being `onednn_packed(W)`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 @dataclass(frozen=True, slots=True)
 class Dense:
     """A linear layer `x [n, in] -> [n, out]` (module docstring): one row on a GEMM against
@@ -59,7 +64,7 @@ class Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return onednn_linear(x, self.packed, self.bias)
         return dense(x, self.weight_t, self.bias)
 
 
@@ -81,7 +86,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -67,7 +67,7 @@ class TextModel:
     ) -> None:
         """`weights` use the checkpoint's language-model names without prefix, plus
         `lm_head.weight` (absent when the embeddings are tied); `packed_weights`: keep each
-        projection's oneDNN copy too (`text_ops.Dense`)."""
+        projection's oneDNN copy too (`linear.Dense`)."""
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
         self.config = config

@@ -14,10 +14,9 @@ from common.models.qwen3_vl.linear import Dense
 class LayerWeights:
     """One decoder layer's weights, with q/k/v and gate/up fused for fewer GEMMs.
 
-    Projections are `text_ops.Dense` (the weight transposed, `[in, out]` contiguous, for one
-    row: at decode's few rows a GEMM with the weight already in that layout is about a
-    quarter faster on CPU than `F.linear` with the checkpoint's `[out, in]`; and oneDNN's
-    packed form for more rows, where it is there)."""
+    Projections are `linear.Dense`: the weight transposed (`[in, out]` contiguous) for one
+    row, where a GEMM with the weight in that layout is about a quarter faster on CPU than
+    `F.linear` with the checkpoint's `[out, in]`; oneDNN's packed copy for more rows."""
 
     input_norm: torch.Tensor
     qkv: Dense
