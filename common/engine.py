@@ -129,7 +129,7 @@ class Engine:
         num_blocks: int = 1024,
         max_batch: int = 32,
         prefill_chunk: int | None = None,
-        packed_weights: bool = True,
+        packed_weights: bool | None = None,
     ) -> Engine:
         """Load a Hugging Face-format Qwen3-VL checkpoint folder (its processor files, chat
         template and generation defaults included; `packed_weights`: `linear.Dense`)."""

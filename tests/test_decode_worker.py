@@ -298,7 +298,8 @@ async def test_flags(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):  # no cluster token and not --insecure
         parse(["--config", str(config)])
     assert parse(["--stream-interval", "4", "--insecure"]).stream_interval == 4
-    assert parse(["--insecure"]).packed_weights
-    assert not parse(["--packed-weights", "false", "--insecure"]).packed_weights
+    assert parse(["--insecure"]).packed_weights is None  # where it pays (linear.use_packed)
+    assert parse(["--packed-weights", "true", "--insecure"]).packed_weights is True
+    assert parse(["--packed-weights", "false", "--insecure"]).packed_weights is False
     with pytest.raises(SystemExit):
         parse(["--stream-interval", "0", "--insecure"])

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.models.qwen3_vl.linear import Dense, PackedLinear, dense, pack_linears
+from common.models.qwen3_vl import linear
+from common.models.qwen3_vl.linear import Dense, PackedLinear, _cpu_vendor, dense, pack_linears
 
 TOL = 1e-4
 
@@ -90,3 +91,42 @@ def test_pack_linears_leaves_what_cannot_be_packed() -> None:
     module = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
     assert pack_linears(module) == 0
     assert type(module[0]) is nn.Linear
+
+
+@pytest.mark.parametrize(
+    ("text", "vendor"),
+    [
+        ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", "AuthenticAMD"),
+        ("processor\t: 0\nvendor_id\t: GenuineIntel\n\nprocessor\t: 1\n", "GenuineIntel"),
+        ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n", ""),  # ARM
+    ],
+)
+def test_cpu_vendor_reads_the_vendor_line(tmp_path, text: str, vendor: str) -> None:
+    path = tmp_path / "cpuinfo"
+    path.write_text(text)
+    assert _cpu_vendor(path) == vendor
+    assert _cpu_vendor(tmp_path / "absent") == ""
+
+
+@pytest.mark.parametrize(
+    ("vendor", "mkl", "pays"),
+    [
+        ("AuthenticAMD", True, True),
+        ("GenuineIntel", True, False),
+        ("", True, False),
+        ("AuthenticAMD", False, False),
+    ],
+)
+def test_packing_pays_where_mkl_runs_on_a_cpu_not_intels(monkeypatch, vendor, mkl, pays) -> None:
+    """Unset `packed_weights` packs on AMD (MKL's generic paths: oneDNN 1.4-1.9x faster at
+    decode batches) and not on Intel (MKL faster at 1-32 rows) nor where unmeasured."""
+    monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    linear.packing_pays.cache_clear()
+    try:
+        assert linear.packing_pays() is pays
+        assert linear.use_packed(None) is pays
+        assert linear.use_packed(True) and not linear.use_packed(False)
+    finally:
+        linear.packing_pays.cache_clear()

@@ -165,7 +165,7 @@ class LmRunner:
         block_size: int = 16,
         num_blocks: int = 1024,
         prefill_chunk: int | None = None,
-        packed_weights: bool = True,
+        packed_weights: bool | None = None,
     ) -> LmRunner:
         """Load the language model of a Hugging Face-format Qwen3-VL checkpoint folder
         (`packed_weights`: see `linear.Dense`)."""

@@ -2,17 +2,26 @@
 
 `Dense` (the text model's projections, weights fused and transposed at load) and
 `PackedLinear` (the vision tower's `nn.Linear`s, swapped in by `pack_linears`): at one row
-MKL's GEMM as torch runs it, at two or more oneDNN's linear on the weight packed once at
-load, where that can be made (CPU, float32, a torch with oneDNN). On this project's 2-core
-machines oneDNN is 1.2-2x faster at 2-32 rows (decode batches), 1.0-1.4x at the vision
-tower's 49-784 and about 1.1x at prefill's hundreds, slower at one row; its rows round
-alike whatever the row count. The packed copy doubles the weights' memory: the
-`packed_weights` setting off keeps one copy and torch's GEMM at every row count.
+MKL's GEMM as torch runs it, at two or more, where packing is on, oneDNN's linear on the
+weight packed once at load (CPU, float32, a torch with oneDNN); its rows round alike
+whatever the row count. The packed copy doubles the weights' memory.
+
+Which kernel is faster depends on the CPU (`packing_pays`), measured per call on the
+project's 2-core machines, one thread:
+- AMD EPYC (AVX-512): MKL takes generic paths on a CPU that is not Intel's, and oneDNN is
+  1.4-1.9x faster at 5-32 rows (decode batches), 1.0-1.4x at the vision tower's 49-784 and
+  about 1.1x at prefill's hundreds; slower at one row.
+- Intel Xeon (AVX-512, AMX): MKL is faster at 1-32 rows (1.1-5x: oneDNN spends ~15 us a
+  call), level from 128; a batch-4 decode step is 1.3x slower packed.
+So the `packed_weights` setting unset (None) packs where `packing_pays`; true or false
+decides.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +35,34 @@ def dense(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) ->
 
 def transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
+
+
+def _cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The `vendor_id` of this machine's CPU ("" where Linux does not say)."""
+    try:
+        with cpuinfo.open() as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def packing_pays() -> bool:
+    """Whether oneDNN's packed linear is the faster kernel at 2+ rows here: where torch's
+    GEMM is MKL on an x86 CPU that is not Intel's (module docstring). Unmeasured machines
+    (ARM, no vendor line, no MKL) keep torch's GEMM."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkl.is_available()):
+        return False
+    return _cpu_vendor() not in ("", "GenuineIntel")
+
+
+def use_packed(packed_weights: bool | None) -> bool:
+    """The `packed_weights` setting resolved: unset (None) is `packing_pays()`."""
+    return packing_pays() if packed_weights is None else packed_weights
 
 
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:

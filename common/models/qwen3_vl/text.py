@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan, decode_attention
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
-from common.models.qwen3_vl.linear import Dense
+from common.models.qwen3_vl.linear import Dense, use_packed
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
 from common.models.qwen3_vl.text_layer import LayerWeights
@@ -63,20 +63,25 @@ class TextModel:
     """Qwen3-VL decoder stack + lm_head over a paged KV buffer (inference only)."""
 
     def __init__(
-        self, config: TextConfig, weights: Mapping[str, torch.Tensor], *, packed_weights: bool
+        self,
+        config: TextConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        packed_weights: bool | None = None,
     ) -> None:
         """`weights` use the checkpoint's language-model names without prefix, plus
         `lm_head.weight` (absent when the embeddings are tied); `packed_weights`: keep each
-        projection's oneDNN copy too (`linear.Dense`)."""
+        projection's oneDNN copy too (None: where it pays, `linear.use_packed`)."""
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
         self.config = config
         self.embed_tokens = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
-        self.lm_head = Dense.of(weights.get(LM_HEAD, self.embed_tokens), packed=packed_weights)
+        packed = use_packed(packed_weights)
+        self.lm_head = Dense.of(weights.get(LM_HEAD, self.embed_tokens), packed=packed)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.layers = [
-            LayerWeights.load(weights, f"layers.{i}.", heads, kv_heads, packed=packed_weights)
+            LayerWeights.load(weights, f"layers.{i}.", heads, kv_heads, packed=packed)
             for i in range(config.num_hidden_layers)
         ]
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
@@ -91,7 +96,7 @@ class TextModel:
         tensors: Mapping[str, torch.Tensor],
         *,
         prefix: str = LM_PREFIX,
-        packed_weights: bool = True,
+        packed_weights: bool | None = None,
     ) -> TextModel:
         """Build from checkpoint tensors named as the reference names them."""
         weights = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
-from common.models.qwen3_vl.linear import pack_linears
+from common.models.qwen3_vl.linear import pack_linears, use_packed
 from common.models.qwen3_vl.text_ops import rotate, signed_sin
 from common.models.qwen3_vl.weights import VISUAL_PREFIX
 
@@ -207,14 +207,14 @@ class VisionTower(nn.Module):
         tensors: Mapping[str, torch.Tensor],
         *,
         device: str | torch.device | None = None,
-        packed_weights: bool = True,
+        packed_weights: bool | None = None,
     ) -> VisionTower:
         """Build from reference-named tensors (`model.visual.*`, or already stripped).
 
         The tower takes the tensors' dtype (all must share it) and device unless `device` says
         otherwise; `packed_weights`: its linear layers run on oneDNN with packed copies where
-        they can (`linear.pack_linears`). Raises `ValueError` naming any missing or misshaped
-        tensor.
+        they can (`linear.pack_linears`; None: where that pays, `linear.use_packed`). Raises
+        `ValueError` naming any missing or misshaped tensor.
         """
         vision = config.vision if isinstance(config, Qwen3VLConfig) else config
         if any(n.startswith(VISUAL_PREFIX) for n in tensors):
@@ -242,7 +242,7 @@ class VisionTower(nn.Module):
         tower.inv_freq = tower._fresh_inv_freq(state[next(iter(own))].device)
         if device is not None:
             tower = tower.to(device)
-        if packed_weights:
+        if use_packed(packed_weights):
             pack_linears(tower)
         return tower.eval()
 
