@@ -23,6 +23,7 @@ of the code before the change, made with `git worktree add --detach /tmp/landed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from timing import busy_loops
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("landed", "epd", "ref")
@@ -296,9 +299,10 @@ def main() -> None:
 
     default_checkpoint("small")  # made here: the landed code does not know the size
     args.load_before = os.getloadavg()[0]
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     procs: dict[str, subprocess.Popen[str]] = {}
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(busy_loops(args.load))
         for side in SIDES:
             procs[side] = _spawn(side, args.landed, args.steps, args.threads)
         samples: dict[tuple[str, str], list[Pair]] = {}
@@ -311,9 +315,7 @@ def main() -> None:
         for proc in procs.values():
             proc.kill()
             proc.wait()
-        for spinner in busy:
-            spinner.kill()
-            spinner.wait()
+        stack.close()
 
 
 def report(samples: dict[tuple[str, str], list[Pair]], args: Any) -> None:

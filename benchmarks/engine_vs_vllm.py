@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from timing import busy_loops
+
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("epd", "vllm")
 STEPS = 32  # decode steps in the long call
@@ -195,25 +197,19 @@ def main() -> None:
 
     folder = str(default_checkpoint("small"))
     procs: dict[str, subprocess.Popen[str]] = {}
-    busy: list[subprocess.Popen[bytes]] = []
     try:
         procs["epd"] = _spawn("epd", sys.executable, folder)
         procs["vllm"] = _spawn("vllm", args.vllm_python, folder)
         load_quiet = os.getloadavg()[0]
         quiet = _phase(procs, args.repeats, 0)
-        busy = [
-            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)
-        ]
-        time.sleep(2)
-        loaded = _phase(procs, args.repeats, 1000)
-        load_busy = os.getloadavg()[0]
+        with busy_loops(args.load):
+            time.sleep(2)
+            loaded = _phase(procs, args.repeats, 1000)
+            load_busy = os.getloadavg()[0]
     finally:
         for worker_proc in procs.values():
             worker_proc.kill()
             worker_proc.wait()
-        for spinner in busy:
-            spinner.kill()
-            spinner.wait()
     print(
         f"medians of {args.repeats}, 1 torch thread each; quiet phase (load average "
         f"{load_quiet:.1f}), then {args.load} busy loops (load average {load_busy:.1f})"

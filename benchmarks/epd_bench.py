@@ -188,6 +188,9 @@ def main() -> None:
         help="this checkout's decode stream_interval (tokens per streamed chunk; --served)",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument(
+        "--load", type=int, default=0, help="busy-loop processes while measuring (--served)"
+    )
     parser.add_argument("--image-size", type=int, default=224, help="image side (--served)")
     parser.add_argument("--requests", type=int, default=6, help="image requests per side")
     parser.add_argument("--tokens", type=int, default=24, help="tokens per request")

@@ -129,9 +129,14 @@ async def steady(
     return wall, [chat for chats in done for chat in chats if chat]
 
 
-def cpu_seconds(cluster: Cluster) -> float:
-    """CPU seconds the deployment's processes have used so far, together."""
-    return sum(process_cpu_seconds(cluster.procs).values())
+def cpu_seconds(cluster: Cluster) -> dict[str, float]:
+    """CPU seconds the deployment's processes have used so far, by role (router, encoder,
+    prefill, decode: a role's workers together)."""
+    roles: dict[str, float] = {}
+    for name, seconds in process_cpu_seconds(cluster.procs).items():
+        role = name.rstrip("-0123456789")
+        roles[role] = roles.get(role, 0.0) + seconds
+    return roles
 
 
 @dataclass(slots=True)
@@ -146,16 +151,19 @@ class Side:
     first_share: list[float] = field(default_factory=list)  # turn 0's share of a chat's time
     ceiling: list[float] = field(default_factory=list)  # requests/s if later turns were free
     cpu: list[float] = field(default_factory=list)  # deployment CPU seconds per request
+    roles: list[dict[str, float]] = field(default_factory=list)  # the same, by role
     idle: float = 0.0  # deployment CPU seconds per second when it serves nothing
 
     def add(
-        self, wall: float, cpu_s: float, chats: list[list[Result]], rounds: bool = True
+        self, wall: float, cpu_s: dict[str, float], chats: list[list[Result]], rounds: bool = True
     ) -> None:
         """One round (`rounds`; else a steady-state window) of `wall` seconds in which the
-        deployment used `cpu_s` CPU seconds: `chats`, each its turns' results in order."""
+        deployment's roles used `cpu_s` CPU seconds: `chats`, each its turns' results in
+        order."""
         results = [r for chat in chats for r in chat]
         self.rps.append(len(results) / wall)
-        self.cpu.append(cpu_s / len(results))
+        self.cpu.append(sum(cpu_s.values()) / len(results))
+        self.roles.append({role: v / len(results) for role, v in cpu_s.items()})
         self.ttft.extend(r.ttft_s for r in results)
         for chat in chats:
             for k, r in enumerate(chat):
@@ -194,7 +202,7 @@ async def run(args: argparse.Namespace) -> None:
                     num_blocks=4096,
                     heartbeat_interval_s=2.0,  # 40 s worker timeout: a loaded machine keeps them
                     encoder_args=threads,
-                    prefill_args=threads,
+                    prefill_args=(*threads, "--num-blocks", str(args.prefill_blocks)),
                     decode_args=threads,
                     prefills=2,
                     decodes=2,
@@ -205,9 +213,9 @@ async def run(args: argparse.Namespace) -> None:
             for name in sides:  # warm-up: first NIXL connections, first forwards
                 await one_round(clusters[name], range(90_000, 90_000 + n), args, size)
             for name in sides:  # what the deployment burns doing nothing (heartbeats, polls)
-                idle = cpu_seconds(clusters[name])
+                idle = sum(cpu_seconds(clusters[name]).values())
                 await asyncio.sleep(5.0)
-                stats[name].idle = (cpu_seconds(clusters[name]) - idle) / 5.0
+                stats[name].idle = (sum(cpu_seconds(clusters[name]).values()) - idle) / 5.0
                 print(f"  {name}: {stats[name].idle:.2f} CPU s/s when idle")
             for r in range(args.rounds):
                 seeds = range(1000 * (r + 1), 1000 * (r + 1) + n)
@@ -218,8 +226,9 @@ async def run(args: argparse.Namespace) -> None:
                         wall, chats = await steady(clusters[name], seeds.start, args, size)
                     else:
                         wall, chats = await one_round(clusters[name], seeds, args, size)
-                    cpu = cpu_seconds(clusters[name]) - cpu
-                    stats[name].add(wall, cpu, chats, rounds=not args.steady)
+                    after = cpu_seconds(clusters[name])
+                    used = {role: after[role] - cpu[role] for role in after}
+                    stats[name].add(wall, used, chats, rounds=not args.steady)
         finally:
             for cluster in clusters.values():
                 await asyncio.to_thread(cluster.stop)
@@ -238,7 +247,8 @@ def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
     print(
         f"\n{args.rounds} rounds ({how}) x {args.conversations} concurrent chats x "
         f"{args.turns} turns ({size}px image, {args.tokens} tokens per answer, "
-        f"{args.threads} thread(s) a worker):"
+        f"{args.threads} thread(s) a worker, {args.prefill_blocks} KV blocks of {BLOCK} "
+        "tokens a prefill worker):"
     )
     for name, s in stats.items():
         print(
@@ -259,6 +269,10 @@ def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
         f"  CPU per request, least-loaded / cache-aware: {work:.2f}x (idle burn included: it "
         "takes what the work leaves, so it cannot be subtracted)"
     )
+    for name, s in stats.items():
+        each = {role: med(r[role] for r in s.roles) * 1e3 for role in s.roles[0]}
+        parts = "  ".join(f"{role} {v:5.1f}" for role, v in each.items())
+        print(f"  CPU ms per request, {name:12s} ({parts})")
     print("\n  per turn, p50 ms: TTFT (router + encode + prefill) / decode (after the TTFT)")
     print("  turn  " + "".join(f"{name:>26s}" for name in stats))
     for k in range(min(len(s.by_turn) for s in stats.values())):
@@ -294,6 +308,12 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=120.0, help="steady window")
     parser.add_argument("--stagger-s", type=float, default=2.0, help="steady: start offsets")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument(
+        "--prefill-blocks",
+        type=int,
+        default=4096,
+        help="KV blocks of each prefill worker (small: the live chats outgrow one worker's cache)",
+    )
     parser.add_argument("--log-dir", help="keep the deployments' logs here (default: dropped)")
     args = parser.parse_args()
     torch.set_num_threads(1)

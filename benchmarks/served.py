@@ -13,7 +13,8 @@ printed. Every run uses images no earlier run sent.
 Images are PNG-encoded before the clock starts (the client does no image work while
 timed). Every worker of both deployments gets `--threads` torch threads (the issue's rule:
 one thread per worker). `--stream-interval N` gives this checkout's decode workers that
-setting (tokens per streamed chunk; the baseline streams as its code does). Reports medians
+setting (tokens per streamed chunk; the baseline streams as its code does). `--load N` runs
+N busy-loop processes for the whole measurement (a machine busy with other work). Reports medians
 over rounds of req/s and TTFT p50, the CPU each process of the deployment spent per request
 (user + system, every thread), and the ratios repeated/distinct and this/baseline.
 """
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from timing import process_cpu_seconds
+from timing import busy_loops, process_cpu_seconds
 
 from common.models.tiny import default_checkpoint
 from common.sampling import SamplingParams
@@ -119,9 +120,11 @@ async def run_served(args: argparse.Namespace) -> None:
     print(f"checkpoint {model}; {n} requests x {size}px, {args.tokens} tokens,")
     print(f"concurrency {args.concurrency}, {args.threads or 'all'} torch thread(s) a worker;")
     print(f"deployments: {roots}; this checkout's stream_interval {args.stream_interval}")
+    print(f"{args.load} busy-loop process(es) meanwhile, load average {os.getloadavg()[0]:.1f}")
     results: dict[tuple[str, str], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="epd-served-") as logs:
         clusters: dict[str, Cluster] = {}
+        stack = contextlib.ExitStack()
         try:
             for name, root in roots.items():
                 # `--threads`: every worker of both checkouts takes that many torch threads
@@ -154,6 +157,7 @@ async def run_served(args: argparse.Namespace) -> None:
             }
             for cluster in clusters.values():
                 _signal(cluster, signal.SIGSTOP)
+            stack.enter_context(busy_loops(args.load))
             for r in range(args.rounds):
                 order = list(clients) if r % 2 == 0 else list(reversed(clients))
                 for name in order:
@@ -178,9 +182,11 @@ async def run_served(args: argparse.Namespace) -> None:
             for client in clients.values():
                 await client.close()
         finally:
+            stack.close()
             for cluster in clusters.values():
                 _signal(cluster, signal.SIGCONT)
                 await asyncio.to_thread(cluster.stop)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
     report(results, list(roots))
 
 

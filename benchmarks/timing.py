@@ -1,5 +1,5 @@
 """What the benchmark scripts share: interleaved timing of variants, the CPU time of a
-deployment's processes, and the bench prompt.
+deployment's processes, background load, and the bench prompt.
 
 Run a script from the repository root (`python benchmarks/NAME.py`); its folder is on
 `sys.path`, so scripts import this as `timing`.
@@ -7,11 +7,13 @@ Run a script from the repository root (`python benchmarks/NAME.py`); its folder 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,19 @@ def process_cpu_seconds(procs: Mapping[str, subprocess.Popen[bytes]]) -> dict[st
         fields = stat.rsplit(")", 1)[1].split()
         out[name] = (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """`n` processes spinning a pure-Python loop while the block runs: background load that
+    takes a core each (killed on the way out, however the block ends)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def image_question() -> list[dict[str, Any]]:
