@@ -16,7 +16,8 @@ one thread per worker). `--stream-interval N` gives this checkout's decode worke
 setting (tokens per streamed chunk; the baseline streams as its code does). `--load N` runs
 N busy-loop processes for the whole measurement (a machine busy with other work). Reports medians
 over rounds of req/s and TTFT p50, the CPU each process of the deployment spent per request
-(user + system, every thread), and the ratios repeated/distinct and this/baseline.
+(user + system, every thread) and the benchmark's own client (this process, sharing the
+machine), and the ratios repeated/distinct and this/baseline.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Run:
     pull_s: float  # first token -> first decode chunk (KV pull, admission)
     decode_s: float  # first decode chunk -> end of stream
     cpu_s: dict[str, float] = field(default_factory=dict)  # per request, by process
+    client_cpu_s: float = 0.0  # per request, the benchmark's client (not the deployment's)
 
 
 async def one_run(
@@ -173,9 +175,12 @@ async def run_served(args: argparse.Namespace) -> None:
                         images = [png(next(seeds), size) for _ in range(distinct)]
                         prompts = [messages(images[k % distinct], k) for k in range(n)]
                         before = process_cpu_seconds(clusters[name].procs)
+                        mine = time.process_time()  # the client: this process
                         got = await one_run(clients[name], prompts, sampling, args.concurrency)
+                        mine = time.process_time() - mine
                         after = process_cpu_seconds(clusters[name].procs)
-                        got = replace(got, cpu_s={k: (after[k] - before[k]) / n for k in after})
+                        cpu_s = {k: (after[k] - before[k]) / n for k in after}
+                        got = replace(got, cpu_s=cpu_s, client_cpu_s=mine / n)
                         results.setdefault((name, kind), []).append(got)
                         print(f"  round {r} {name:8s} {kind:8s} {got.rps:6.2f} req/s", flush=True)
                     _signal(clusters[name], signal.SIGSTOP)
@@ -209,7 +214,11 @@ def report(results: dict[tuple[str, str], list[Run]], names: list[str]) -> None:
             runs = results[(name, kind)]
             each = {k: statistics.median(r.cpu_s[k] for r in runs) * 1e3 for k in runs[0].cpu_s}
             parts = "  ".join(f"{k} {v:5.1f}" for k, v in each.items())
-            print(f"  {name:10s} {kind:9s} {sum(each.values()):6.1f}   ({parts})")
+            client = statistics.median(r.client_cpu_s for r in runs) * 1e3
+            print(
+                f"  {name:10s} {kind:9s} {sum(each.values()):6.1f}   ({parts})   "
+                f"+ the client {client:5.1f}"
+            )
     for name in names:
         ratio = med(name, "repeated", "rps") / med(name, "distinct", "rps")
         print(f"  {name}: repeated / distinct req/s {ratio:.2f}x")

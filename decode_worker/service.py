@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -142,6 +143,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self, request: decode_service_pb2.DecodeRequest, time_left_s: float | None
     ) -> AsyncIterator[decode_service_pb2.DecodeResponse]:
         runner = self.runner
+        started = time.perf_counter()
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
         check_request(self.runner, tokens, sampling, request)
@@ -179,6 +181,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             yield decode_service_pb2.DecodeResponse(finish_reason=finish_reason_to_proto(reason))
             return
         pull_timeout_s = min(self.pull_timeout_s, time_left_s or self.pull_timeout_s)
+        admitting = time.perf_counter()
         imported = await self.importer.admit(
             handle,
             tokens,
@@ -189,6 +192,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             max(pull_timeout_s, 1e-3),
         )
         joined = False  # the decode loop owns the sequence's blocks
+        admitted = time.perf_counter()
         try:
             await self._slots.acquire()
             try:
@@ -207,6 +211,16 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     # the lease is released) now, with the tokens stepped meanwhile.
                     head = entry.ready() or Chunk([], None)
                     finished = head.finish_reason is not None
+                    logger.debug(
+                        "request %s: checks and hashes %.1f ms, admit (%d blocks pulled, %d "
+                        "reused) %.1f ms, joined and confirmed %.1f ms",
+                        request.request_id,
+                        (admitting - started) * 1000,
+                        len(imported.plan.pull),
+                        len(imported.plan.reused),
+                        (admitted - admitting) * 1000,
+                        (time.perf_counter() - admitted) * 1000,
+                    )
                     yield decode_service_pb2.DecodeResponse(
                         token_ids=head.token_ids,
                         finish_reason=finish_reason_to_proto(head.finish_reason),
