@@ -1,6 +1,7 @@
 """`common.models.qwen3_vl.linear`: the text model's `Dense` and the vision tower's
 `PackedLinear`. At one row torch's GEMM (the same bits as before packing), at two or more
-oneDNN's linear on the packed weight (where it can be made: CPU, float32). Both compute
+oneDNN's linear on the packed weight (where it can be made: CPU, float32; in bfloat16 from
+one row on). Both compute
 `x @ W.T + b` to float rounding at every row count, for contiguous and strided rows; a
 packed row rounds alike whatever the row count, so a sequence decoded with others gets the
 same bits as with any other batch of two or more. `packed=False` (the `packed_weights`
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.models.qwen3_vl import linear
-from common.models.qwen3_vl.linear import Dense, PackedLinear, _cpu_vendor, dense, pack_linears
+from common.models.qwen3_vl.linear import Dense, PackedLinear, _cpu_info, dense, pack_linears
 
 TOL = 1e-4
 
@@ -61,9 +62,29 @@ def test_one_copy_without_packing_or_where_it_cannot_be_made() -> None:
     plain = Dense.of(weight, packed=False)
     assert plain.packed is None
     assert torch.equal(plain(x), dense(x, plain.weight_t, None))
-    half = Dense.of(weight.to(torch.bfloat16), packed=True)  # oneDNN's fp32 path only
+    half = Dense.of(weight.to(torch.float16), packed=True)  # float32 and bfloat16 only
     assert half.packed is None
-    assert half(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    assert half(x.to(torch.float16)).dtype == torch.float16
+
+
+@onednn
+@pytest.mark.parametrize("rows", [1, 2, 7, 32])
+def test_bfloat16_packs_and_takes_every_row_count(rows: int) -> None:
+    """In bfloat16 the packed kernel serves one row too (`packed_from_rows`), and rounds
+    like torch's bfloat16 linear to bfloat16's precision; its rows round alike at any row
+    count."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(384, 256, generator=gen).to(torch.bfloat16)
+    b = torch.randn(384, generator=gen).to(torch.bfloat16)
+    layer = Dense.of(weight, b, packed=True)
+    assert layer.packed is not None and layer.from_rows == 1
+    x = torch.randn(32, 256, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x[:rows])
+        want = x[:rows].double() @ weight.double().t() + b.double()
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - want).abs() / (want.abs() + 1.0)).max().item() <= 2e-2
+        assert torch.equal(layer(x)[:rows], got)
 
 
 @onednn
@@ -88,7 +109,7 @@ def test_pack_linears_swaps_every_linear_and_keeps_its_parameters() -> None:
 
 
 def test_pack_linears_leaves_what_cannot_be_packed() -> None:
-    module = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    module = nn.Sequential(nn.Linear(8, 8)).to(torch.float16)
     assert pack_linears(module) == 0
     assert type(module[0]) is nn.Linear
 
@@ -101,11 +122,20 @@ def test_pack_linears_leaves_what_cannot_be_packed() -> None:
         ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n", ""),  # ARM
     ],
 )
-def test_cpu_vendor_reads_the_vendor_line(tmp_path, text: str, vendor: str) -> None:
+def test_cpu_info_reads_the_vendor_line(tmp_path, text: str, vendor: str) -> None:
     path = tmp_path / "cpuinfo"
     path.write_text(text)
-    assert _cpu_vendor(path) == vendor
-    assert _cpu_vendor(tmp_path / "absent") == ""
+    assert _cpu_info(path)[0] == vendor
+    assert _cpu_info(tmp_path / "absent") == ("", frozenset())
+
+
+def test_cpu_info_reads_the_first_processors_flags(tmp_path) -> None:
+    path = tmp_path / "cpuinfo"
+    path.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f amx_bf16\n\n"
+        "processor\t: 1\nvendor_id\t: GenuineIntel\nflags\t\t: fpu\n"
+    )
+    assert _cpu_info(path) == ("GenuineIntel", frozenset({"fpu", "avx512f", "amx_bf16"}))
 
 
 @pytest.mark.parametrize(
@@ -120,13 +150,33 @@ def test_cpu_vendor_reads_the_vendor_line(tmp_path, text: str, vendor: str) -> N
 def test_packing_pays_where_mkl_runs_on_a_cpu_not_intels(monkeypatch, vendor, mkl, pays) -> None:
     """Unset `packed_weights` packs on AMD (MKL's generic paths: oneDNN 1.4-1.9x faster at
     decode batches) and not on Intel (MKL faster at 1-32 rows) nor where unmeasured."""
-    monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear, "_cpu_info", lambda: (vendor, frozenset({"avx512f"})))
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     linear.packing_pays.cache_clear()
     try:
         assert linear.packing_pays() is pays
-        assert linear.use_packed(None) is pays
-        assert linear.use_packed(True) and not linear.use_packed(False)
+        assert linear.use_packed(None, torch.float32) is pays
+        assert linear.use_packed(True, torch.float32)
+        assert not linear.use_packed(False, torch.float32)
+        assert not linear.use_packed(None, torch.bfloat16)  # no bfloat16 instructions
+    finally:
+        linear.packing_pays.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("flags", "pays"),
+    [({"avx512f", "amx_bf16"}, True), ({"avx512_bf16"}, True), ({"avx512f"}, False)],
+)
+def test_bfloat16_packing_pays_where_the_cpu_computes_it(monkeypatch, flags, pays) -> None:
+    """bfloat16 packs where the CPU has bfloat16 instructions (AMX or AVX-512 BF16: oneDNN
+    1.6-2.4x faster than torch's bfloat16 GEMM at 1-32 rows), whoever made it; float16
+    never (unmeasured)."""
+    monkeypatch.setattr(linear, "_cpu_info", lambda: ("GenuineIntel", frozenset(flags)))
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    linear.packing_pays.cache_clear()
+    try:
+        assert linear.packing_pays(torch.bfloat16) is pays
+        assert not linear.packing_pays(torch.float16)
     finally:
         linear.packing_pays.cache_clear()

@@ -134,10 +134,11 @@ class ModelWorkerSettings(WorkerSettings):
     device: str = setting("cpu", "torch device of the model and what it computes (cpu, cuda:0)")
     packed_weights: bool | None = setting(
         None,
-        "on CPU in float32, also keep each linear layer's weight packed for oneDNN and run "
-        "it at 2+ rows, doubling those weights' memory; unset: where that is the faster "
-        "kernel (MKL on a CPU not Intel's: 1.4-1.9x at decode batches on AMD EPYC; on "
-        "Intel Xeon MKL is faster); false: one copy and torch's GEMM",
+        "on CPU in float32 or bfloat16, also keep each linear layer's weight packed for "
+        "oneDNN and run it there (float32: at 2+ rows), doubling those weights' memory; "
+        "unset: where that is the faster kernel (float32: MKL on a CPU not Intel's, 1.4-1.9x "
+        "at decode batches on AMD EPYC, while on Intel Xeon MKL is faster; bfloat16: a CPU "
+        "with bfloat16 instructions, 1.6-2.4x); false: one copy and torch's GEMM",
     )
 
     @property

@@ -1,18 +1,21 @@
 """The models' linear layers, by the kernel fastest at the rows they get.
 
 `Dense` (the text model's projections, weights fused and transposed at load) and
-`PackedLinear` (the vision tower's `nn.Linear`s, swapped in by `pack_linears`): at one row
-MKL's GEMM as torch runs it, at two or more, where packing is on, oneDNN's linear on the
-weight packed once at load (CPU, float32, a torch with oneDNN); its rows round alike
-whatever the row count. The packed copy doubles the weights' memory.
+`PackedLinear` (the vision tower's `nn.Linear`s, swapped in by `pack_linears`): torch's
+GEMM, or, where packing is on, oneDNN's linear on the weight packed once at load (CPU,
+float32 or bfloat16, a torch with oneDNN). In float32 one row stays on MKL's GEMM (faster
+there) and the packed kernel takes two or more; in bfloat16 it takes every row count. A
+packed row rounds alike whatever the row count. The packed copy doubles the weights' memory.
 
-Which kernel is faster depends on the CPU (`packing_pays`), measured per call on the
-project's 2-core machines, one thread:
-- AMD EPYC (AVX-512): MKL takes generic paths on a CPU that is not Intel's, and oneDNN is
-  1.4-1.9x faster at 5-32 rows (decode batches), 1.0-1.4x at the vision tower's 49-784 and
-  about 1.1x at prefill's hundreds; slower at one row.
-- Intel Xeon (AVX-512, AMX): MKL is faster at 1-32 rows (1.1-5x: oneDNN spends ~15 us a
-  call), level from 128; a batch-4 decode step is 1.3x slower packed.
+Which kernel is faster depends on the CPU and the dtype (`packing_pays`), measured per call
+on the project's 2-core machines, one thread:
+- float32, AMD EPYC (AVX-512): MKL takes generic paths on a CPU that is not Intel's, and
+  oneDNN is 1.4-1.9x faster at 5-32 rows (decode batches), 1.0-1.4x at the vision tower's
+  49-784 and about 1.1x at prefill's hundreds; slower at one row.
+- float32, Intel Xeon (AVX-512, AMX): MKL is faster at 1-32 rows (1.1-5x: oneDNN spends
+  ~15 us a call), level from 128; a batch-4 decode step is 1.3x slower packed.
+- bfloat16, Intel Xeon with AMX: packed is 1.6-2.4x faster than torch's bfloat16 GEMM at
+  1-32 rows (which is no faster than float32 at one row).
 So the `packed_weights` setting unset (None) packs where `packing_pays`; true or false
 decides.
 """
@@ -27,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+PACKABLE = (torch.float32, torch.bfloat16)  # the dtypes `onednn_packed` packs
+
 
 def dense(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x [n, in] @ weight_t [in, out] (+ bias)`: a linear layer with a transposed weight."""
@@ -37,38 +42,58 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
 
 
-def _cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The `vendor_id` of this machine's CPU ("" where Linux does not say)."""
+def _cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:
+    """The `vendor_id` and `flags` of this machine's CPU ("" and none where Linux does not
+    say), from its first processor's lines."""
+    vendor, flags = "", frozenset[str]()
     try:
         with cpuinfo.open() as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "flags" and not flags:
+                    flags = frozenset(value.split())
+                elif not key and (vendor or flags):
+                    break  # the first processor's block ended
     except OSError:
         pass
-    return ""
+    return vendor, flags
 
 
 @functools.cache
-def packing_pays() -> bool:
-    """Whether oneDNN's packed linear is the faster kernel at 2+ rows here: where torch's
-    GEMM is MKL on an x86 CPU that is not Intel's (module docstring). Unmeasured machines
-    (ARM, no vendor line, no MKL) keep torch's GEMM."""
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkl.is_available()):
+def packing_pays(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's packed linear is the faster kernel here for `dtype` (module
+    docstring): float32 where torch's GEMM is MKL on an x86 CPU that is not Intel's;
+    bfloat16 where the CPU computes it natively (`avx512_bf16` or AMX's `amx_bf16`).
+    Unmeasured cases (ARM, no cpuinfo, other dtypes) keep torch's GEMM."""
+    if not torch.backends.mkldnn.is_available():
         return False
-    return _cpu_vendor() not in ("", "GenuineIntel")
+    vendor, flags = _cpu_info()
+    if dtype == torch.float32:
+        return torch.backends.mkl.is_available() and vendor not in ("", "GenuineIntel")
+    if dtype == torch.bfloat16:
+        return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
 
 
-def use_packed(packed_weights: bool | None) -> bool:
-    """The `packed_weights` setting resolved: unset (None) is `packing_pays()`."""
-    return packing_pays() if packed_weights is None else packed_weights
+def use_packed(packed_weights: bool | None, dtype: torch.dtype) -> bool:
+    """The `packed_weights` setting resolved for weights of `dtype`: unset (None) is
+    `packing_pays(dtype)`."""
+    return packing_pays(dtype) if packed_weights is None else packed_weights
+
+
+def packed_from_rows(dtype: torch.dtype) -> int:
+    """The fewest rows that go to the packed kernel: in float32 one row is faster on MKL's
+    matrix-vector GEMM; in bfloat16 the packed kernel is faster at every row count."""
+    return 2 if dtype == torch.float32 else 1
 
 
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed form of a float32 CPU `[out, in]` weight (None where oneDNN or its
-    packing op is not there)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    """oneDNN's packed form of a float32 or bfloat16 CPU `[out, in]` weight (None where
+    oneDNN or its packing op is not there, or for another dtype or device)."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE:
         return None
     if not torch.backends.mkldnn.is_available():
         return None
@@ -85,31 +110,35 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 @dataclass(frozen=True, slots=True)
 class Dense:
-    """A linear layer `x [n, in] -> [n, out]` (module docstring): one row on a GEMM against
-    the weight stored transposed (`weight_t`, `[in, out]`: MKL's matrix-vector kernel), two
-    or more on oneDNN with `packed`, where it was made."""
+    """A linear layer `x [n, in] -> [n, out]` (module docstring): a GEMM against the weight
+    stored transposed (`weight_t`, `[in, out]`: MKL's matrix-vector kernel at one row), or
+    oneDNN with `packed`, where it was made, from `from_rows` rows on."""
 
     weight_t: torch.Tensor  # [in, out], contiguous
     bias: torch.Tensor | None
     packed: torch.Tensor | None  # oneDNN's packed [out, in] weight, or None
+    from_rows: int = 2  # the fewest rows `packed` takes (`packed_from_rows`)
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed: bool) -> Dense:
         """From a checkpoint's `[out, in]` weight (and `[out]` bias); `packed`: also keep the
         oneDNN copy where it can be made."""
-        return cls(transposed(weight), bias, onednn_packed(weight) if packed else None)
+        copy = onednn_packed(weight) if packed else None
+        return cls(transposed(weight), bias, copy, packed_from_rows(weight.dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 1:
+        if self.packed is not None and x.shape[0] >= self.from_rows:
             return onednn_linear(x, self.packed, self.bias)
         return dense(x, self.weight_t, self.bias)
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that, given two or more rows, runs oneDNN's linear on `packed` (its
-    weight packed at load); its parameters and state dict are the `nn.Linear`'s."""
+    """An `nn.Linear` that, given 2-D input of at least `from_rows` rows, runs oneDNN's
+    linear on `packed` (its weight packed at load); its parameters and state dict are the
+    `nn.Linear`'s."""
 
     packed: torch.Tensor
+    from_rows: int
 
     @classmethod
     def of(cls, linear: nn.Linear, packed: torch.Tensor) -> PackedLinear:
@@ -119,18 +148,19 @@ class PackedLinear(nn.Linear):
         )
         new.weight, new.bias = linear.weight, linear.bias
         new.packed = packed
+        new.from_rows = packed_from_rows(linear.weight.dtype)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] > 1:
+        if x.dim() == 2 and x.shape[0] >= self.from_rows:
             return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 def pack_linears(module: nn.Module) -> int:
     """Swap every `nn.Linear` inside `module` for a `PackedLinear` where its weight can be
-    packed (CPU, float32, oneDNN); the number swapped. Call it once the weights are loaded
-    and on their device: later changes to a weight do not reach its packed copy."""
+    packed (CPU, float32 or bfloat16, oneDNN); the number swapped. Call it once the weights
+    are loaded and on their device: later changes to a weight do not reach its packed copy."""
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

@@ -77,7 +77,7 @@ class TextModel:
         self.config = config
         self.embed_tokens = weights["embed_tokens.weight"]
         self.norm = weights["norm.weight"]
-        packed = use_packed(packed_weights)
+        packed = use_packed(packed_weights, self.embed_tokens.dtype)
         self.lm_head = Dense.of(weights.get(LM_HEAD, self.embed_tokens), packed=packed)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.layers = [

@@ -242,7 +242,7 @@ class VisionTower(nn.Module):
         tower.inv_freq = tower._fresh_inv_freq(state[next(iter(own))].device)
         if device is not None:
             tower = tower.to(device)
-        if use_packed(packed_weights):
+        if use_packed(packed_weights, tower.dtype):
             pack_linears(tower)
         return tower.eval()
 
