@@ -4,6 +4,7 @@ Two engines load the same checkpoint (`--size`), one per dtype, one torch thread
 repetition runs every case on both in turn, so background load hits them alike:
 
 - prefill of one 512-token text prompt (no prefix reuse), CPU ms;
+- the vision tower over one 448x448 image (784 patches), CPU ms;
 - decode step at batch 1, 4 and 32 (100-token prompts), CPU ms, median of `--steps` steps;
 - greedy agreement: the share of the first 32 greedy tokens of 8 prompts that bfloat16
   picks the same as float32 (bfloat16 rounds every weight and activation to 8 bits of
@@ -24,7 +25,9 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from common.engine import Engine
 from common.models.tiny import default_checkpoint
@@ -47,6 +50,18 @@ def prefill_ms(engine: Engine, rep: int) -> float:
     elapsed = time.thread_time() - start
     engine.release(seq)
     return elapsed * 1e3
+
+
+def encode_ms(engine: Engine, rep: int) -> float:
+    rng = np.random.default_rng(rep)
+    picture = Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8))
+    content = [{"type": "image", "image": picture}, {"type": "text", "text": "What is it?"}]
+    pixels, grids = engine.process([{"role": "user", "content": content}]).vision_inputs()
+    pixels = pixels.to(engine.vision.dtype)
+    start = time.thread_time()
+    with torch.inference_mode():
+        engine.vision.encode(pixels, grids)
+    return (time.thread_time() - start) * 1e3
 
 
 def step_ms(engine: Engine, batch: int, rep: int, steps: int) -> float:
@@ -98,6 +113,7 @@ def main() -> None:
     }
     cases = {
         "prefill 512 text (ms)": lambda e, r: prefill_ms(e, r),
+        "vision tower 448^2 (ms)": lambda e, r: encode_ms(e, r),
         "decode step b=1 (ms)": lambda e, r: step_ms(e, 1, r, args.steps),
         "decode step b=4 (ms)": lambda e, r: step_ms(e, 4, r, args.steps),
         "decode step b=32 (ms)": lambda e, r: step_ms(e, 32, r, args.steps),
