@@ -23,7 +23,6 @@ of the code before the change, made with `git worktree add --detach /tmp/landed 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -300,22 +299,20 @@ def main() -> None:
     default_checkpoint("small")  # made here: the landed code does not know the size
     args.load_before = os.getloadavg()[0]
     procs: dict[str, subprocess.Popen[str]] = {}
-    stack = contextlib.ExitStack()
-    try:
-        stack.enter_context(busy_loops(args.load))
-        for side in SIDES:
-            procs[side] = _spawn(side, args.landed, args.steps, args.threads)
-        samples: dict[tuple[str, str], list[Pair]] = {}
-        for rep in range(args.repeats):
-            for name, _, _ in CASES:
-                for side in SIDES:
-                    samples.setdefault((name, side), []).append(_ask(procs[side], name, rep))
-        report(samples, args)
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
-        stack.close()
+    with busy_loops(args.load):
+        try:
+            for side in SIDES:
+                procs[side] = _spawn(side, args.landed, args.steps, args.threads)
+            samples: dict[tuple[str, str], list[Pair]] = {}
+            for rep in range(args.repeats):
+                for name, _, _ in CASES:
+                    for side in SIDES:
+                        samples.setdefault((name, side), []).append(_ask(procs[side], name, rep))
+            report(samples, args)
+        finally:
+            for proc in procs.values():
+                proc.kill()
+                proc.wait()
 
 
 def report(samples: dict[tuple[str, str], list[Pair]], args: Any) -> None:
