@@ -3,7 +3,7 @@
 A served image that repeats (the same PNG or JPEG sent again) would otherwise be decoded,
 resized, normalised, patchified and content-hashed again on every request, although the
 result is a pure function of the encoded bytes and the processor settings. The cache keys
-that result by `image_key`: 32 bytes of BLAKE2b over a domain tag, the settings'
+that result by `image_key`: 32 bytes of SHA-256 over a domain tag, the settings'
 fingerprint (`ProcessorSettings.fingerprint()`: patch, merge and temporal sizes, min/max
 pixels, mean/std, ...) and the encoded bytes, so a hit is exact: same bytes under the same
 settings give the same patch rows, bit for bit, and the same content hash (DESIGN §2). It
@@ -23,16 +23,16 @@ Thread-safe: the router prepares requests on worker threads.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from common.byte_lru import ByteBudgetLru
+from common.processing.content_hash import framed_sha256
 
 # Domain tag of the cache key; bump it if the keyed layout changes.
-_KEY_TAG = b"epd.processed-image.v1"
+_KEY_TAG = b"epd.processed-image.v2"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -52,10 +52,7 @@ class ProcessedImage:
 def image_key(fingerprint: bytes, data: bytes, salt: str | None = None) -> bytes:
     """The cache key of encoded image `data` under processor settings `fingerprint`, for
     the tenant whose cache salt is `salt` (None: none)."""
-    h = hashlib.blake2b(digest_size=32)
-    for chunk in (_KEY_TAG, fingerprint, b"" if salt is None else b"\x01" + salt.encode()):
-        h.update(len(chunk).to_bytes(8, "little"))
-        h.update(chunk)
+    h = framed_sha256(_KEY_TAG, fingerprint, b"" if salt is None else b"\x01" + salt.encode())
     h.update(data)
     return h.digest()
 

@@ -9,7 +9,7 @@ patch holds and *that size* depend on the whole video (`plan_video`): the sampli
 over the frame count, and the smart-resize pixel budget covers every frame, so once it
 binds, appending frames shrinks all of them. So an entry is keyed by the resized size plus
 the keys of the patch's source frames in order (`patch_key`), each frame's key being the
-processed-image key of its encoded bytes (`image_key`: BLAKE2b over the processor settings'
+processed-image key of its encoded bytes (`image_key`: SHA-256 over the processor settings'
 fingerprint, the tenant's cache salt and the bytes): same key, same rows bit for bit, and
 the same partition content hash (stored with them). Where the plan changes, keys change
 and the patches are made afresh. The item's own content hash still covers all its rows
