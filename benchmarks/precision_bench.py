@@ -15,7 +15,13 @@ Prints medians and float32/bfloat16 speed ratios, with the CPU's bfloat16 featur
 issue benchmarks and the parity tests are float32; this says what `dtype = "bfloat16"`
 (a worker setting) buys or costs on the machine at hand.
 
+With `--packing DTYPE` the two sides are instead that dtype with its linear weights not
+packed and packed for oneDNN (`packed_weights` false vs true,
+`common/models/qwen3_vl/linear.py`): what packing buys on this CPU, and the share of greedy
+tokens the two kernels agree on. Either way a ratio above 1 means the second side is faster.
+
     .venv/bin/python benchmarks/precision_bench.py [--size small|bench] [--repeats 5]
+        [--packing float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ from common.models.tiny import default_checkpoint
 from common.multimodal.params import MultimodalParams
 from common.sampling import SamplingParams
 
-DTYPES = (torch.float32, torch.bfloat16)
 EMPTY = MultimodalParams((), {}, 0)
 
 
@@ -105,12 +110,29 @@ def main() -> None:
     parser.add_argument("--size", choices=("small", "bench"), default="small")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument(
+        "--packing",
+        choices=("float32", "bfloat16"),
+        help="compare this dtype packed vs not packed instead of float32 vs bfloat16",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     folder = default_checkpoint(args.size)
-    engines = {
-        d: Engine.from_pretrained(folder, num_blocks=4096, max_batch=32, dtype=d) for d in DTYPES
+    # Side name -> (dtype, packed_weights); None packs where `packing_pays`.
+    sides: dict[str, tuple[torch.dtype, bool | None]] = {
+        "float32": (torch.float32, None),
+        "bfloat16": (torch.bfloat16, None),
     }
+    if args.packing:
+        dtype = getattr(torch, args.packing)
+        sides = {"plain": (dtype, False), "packed": (dtype, True)}
+    engines = {
+        name: Engine.from_pretrained(
+            folder, num_blocks=4096, max_batch=32, dtype=d, packed_weights=packed
+        )
+        for name, (d, packed) in sides.items()
+    }
+    first, second = sides
     cases = {
         "prefill 512 text (ms)": lambda e, r: prefill_ms(e, r),
         "vision tower 448^2 (ms)": lambda e, r: encode_ms(e, r),
@@ -121,25 +143,28 @@ def main() -> None:
     for engine in engines.values():  # warm-up: first use of each shape
         prefill_ms(engine, 0)
         step_ms(engine, 4, 0, 2)
-    samples: dict[tuple[str, torch.dtype], list[float]] = {}
+    samples: dict[tuple[str, str], list[float]] = {}
     for rep in range(1, args.repeats + 1):
         for name, case in cases.items():
-            for dtype, engine in engines.items():
-                samples.setdefault((name, dtype), []).append(case(engine, rep))
+            for side, engine in engines.items():
+                samples.setdefault((name, side), []).append(case(engine, rep))
     same = total = 0
     for i in range(8):
-        want, got = (greedy(engines[d], i) for d in DTYPES)
+        want, got = (greedy(engines[side], i) for side in (first, second))
         same += sum(a == b for a, b in zip(want, got, strict=True))
         total += len(want)
     print(
         f"checkpoint {folder} ({args.size}), 1 torch thread, medians of {args.repeats}; "
         f"CPU bfloat16 features: {cpu_flags()}"
     )
-    print(f"{'case':26s} {'float32':>10s} {'bfloat16':>10s} {'fp32/bf16':>10s}")
+    if args.packing:
+        print(f"{args.packing}, packed_weights false vs true")
+    ratio = f"{first}/{second}"
+    print(f"{'case':26s} {first:>10s} {second:>10s} {ratio:>14s}")
     for name in cases:
-        fp32, bf16 = (statistics.median(samples[(name, d)]) for d in DTYPES)
-        print(f"{name:26s} {fp32:10.2f} {bf16:10.2f} {fp32 / bf16:9.2f}x")
-    print(f"greedy tokens bfloat16 picks as float32 does: {same}/{total} ({same / total:.0%})")
+        a, b = (statistics.median(samples[(name, side)]) for side in (first, second))
+        print(f"{name:26s} {a:10.2f} {b:10.2f} {a / b:13.2f}x")
+    print(f"greedy tokens {second} picks as {first} does: {same}/{total} ({same / total:.0%})")
 
 
 if __name__ == "__main__":
