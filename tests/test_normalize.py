@@ -1,5 +1,7 @@
-"""`image.normalize` maps bytes through a per-channel table: it must give exactly the bits
-of the reference's per-pixel arithmetic, for any frames and any mean/std settings."""
+"""`image.patch_rows` reorders bytes into patch rows, then maps them through per-channel
+tables (two bytes at a time where it can): it must give exactly the bits of the reference's
+per-pixel arithmetic, laid out as the reference's patchify, for any frames and any
+mean/std settings."""
 
 from __future__ import annotations
 
@@ -11,13 +13,32 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
-from common.processing.image import normalize
+from common.processing.image import patch_rows
 
 
 def _per_pixel(frames: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """The reference's rescale and normalise: `(T, H, W, C)` uint8 -> `(T, C, H, W)`."""
     scaled = (frames.astype(np.float64) * (1 / 255)).astype(np.float32)
     m, d = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
     return np.ascontiguousarray(((scaled - m) / d).transpose(0, 3, 1, 2))
+
+
+def _hand_patchify(frames: np.ndarray, tp: int, p: int, m: int) -> np.ndarray:
+    """The reference's patch rows of `(T, C, H, W)` frames, patch by patch in loops."""
+    if len(frames) % tp:
+        pad = tp - len(frames) % tp
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    _, _, h, w = frames.shape
+    rows = []
+    for t in range(0, len(frames), tp):
+        for bh in range(h // (p * m)):
+            for bw in range(w // (p * m)):
+                for mh in range(m):
+                    for mw in range(m):
+                        r, c = (bh * m + mh) * p, (bw * m + mw) * p
+                        patch = frames[t : t + tp, :, r : r + p, c : c + p]  # (T, C, P, P)
+                        rows.append(patch.transpose(1, 0, 2, 3).reshape(-1))
+    return np.stack(rows)
 
 
 _stats = st.tuples(*[st.floats(0.0625, 1.0, width=32)] * 3)
@@ -25,33 +46,56 @@ _stats = st.tuples(*[st.floats(0.0625, 1.0, width=32)] * 3)
 
 @settings(max_examples=40, deadline=None)
 @given(
-    shape=st.tuples(st.integers(1, 3), st.integers(1, 9), st.integers(1, 9)),
+    frames_t=st.integers(1, 3),
+    blocks=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    patch=st.sampled_from([(2, 1, 2), (2, 2, 2), (1, 3, 2), (3, 1, 1)]),  # tp, p, m
     seed=st.integers(0, 2**32 - 1),
     mean=_stats,
     std=_stats,
 )
-def test_table_gives_the_per_pixel_bits(
-    shape: tuple[int, int, int],
+def test_patch_rows_give_the_per_pixel_bits_in_patch_order(
+    frames_t: int,
+    blocks: tuple[int, int],
+    patch: tuple[int, int, int],
     seed: int,
     mean: tuple[float, float, float],
     std: tuple[float, float, float],
 ) -> None:
-    frames = np.random.default_rng(seed).integers(0, 256, (*shape, 3), dtype=np.uint8)
-    config = dataclasses.replace(ProcessorSettings(), image_mean=mean, image_std=std)
-    got = normalize(frames, config)
-    want = _per_pixel(frames, mean, std)
-    assert got.dtype == np.float32 and got.flags["C_CONTIGUOUS"]
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    tp, p, m = patch  # (1, 3, 2) and (3, 1, 1): odd runs of one channel (single-byte tables)
+    h, w = blocks[0] * p * m, blocks[1] * p * m
+    frames = np.random.default_rng(seed).integers(0, 256, (frames_t, h, w, 3), dtype=np.uint8)
+    config = dataclasses.replace(
+        ProcessorSettings(),
+        image_mean=mean,
+        image_std=std,
+        temporal_patch_size=tp,
+        patch_size=p,
+        merge_size=m,
+    )
+    rows, grid = patch_rows(frames, config)
+    want = _hand_patchify(_per_pixel(frames, mean, std), tp, p, m)
+    assert grid == (-(-frames_t // tp), h // p, w // p)
+    assert rows.dtype == np.float32 and rows.flags["C_CONTIGUOUS"]
+    assert np.array_equal(rows.view(np.uint32), want.view(np.uint32))
 
 
 def test_every_byte_value_of_a_video_batch() -> None:
-    frames = np.arange(256 * 3, dtype=np.int64).reshape(1, 16, 16, 3).astype(np.uint8)
-    frames = np.concatenate([frames, frames[:, ::-1]])
     config = ProcessorSettings()
-    want = _per_pixel(frames, tuple(config.image_mean), tuple(config.image_std))
-    assert np.array_equal(normalize(frames, config).view(np.uint32), want.view(np.uint32))
+    side = config.patch_size * config.merge_size * 2
+    values = np.arange(side * side * 3, dtype=np.int64) % 256
+    frames = values.reshape(1, side, side, 3).astype(np.uint8)
+    frames = np.concatenate([frames, frames[:, ::-1], frames[:, :, ::-1]])  # 3 frames: padded
+    rows, _ = patch_rows(frames, config)
+    mean, std = tuple(config.image_mean), tuple(config.image_std)
+    want = _hand_patchify(_per_pixel(frames, mean, std), 2, config.patch_size, config.merge_size)
+    assert np.array_equal(rows.view(np.uint32), want.view(np.uint32))
 
 
 def test_channel_count_must_match_the_settings() -> None:
     with pytest.raises(ValueError, match="channels"):
-        normalize(np.zeros((1, 4, 4, 4), dtype=np.uint8), ProcessorSettings())
+        patch_rows(np.zeros((1, 32, 32, 4), dtype=np.uint8), ProcessorSettings())
+
+
+def test_frame_size_must_be_a_multiple_of_a_merged_patch() -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        patch_rows(np.zeros((1, 30, 32, 3), dtype=np.uint8), ProcessorSettings())

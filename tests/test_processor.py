@@ -15,7 +15,7 @@ from PIL import Image
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.multimodal.params import Modality
-from common.processing.image import patchify, smart_resize
+from common.processing.image import smart_resize
 from common.processing.messages import (
     ImagePart,
     Message,
@@ -126,25 +126,6 @@ def test_image_sources_agree(processor: Processor, tmp_path: Path) -> None:
 
 
 # --- video ------------------------------------------------------------------------------------
-
-
-def test_video_patchify_equals_hand_reshape() -> None:
-    settings = ProcessorSettings(patch_size=4, merge_size=2, temporal_patch_size=2)
-    rng = np.random.default_rng(1)
-    frames = rng.standard_normal((3, 3, 16, 8)).astype(np.float32)  # (T, C, H, W), T odd
-    rows, grid = patchify(frames, settings)
-    assert grid == (2, 4, 2)
-    padded = np.concatenate([frames, frames[-1:]])  # last frame repeats to fill the patch
-    expected = []
-    for t in range(2):
-        for bh in range(2):
-            for bw in range(1):
-                for mh in range(2):
-                    for mw in range(2):
-                        r, c = (bh * 2 + mh) * 4, (bw * 2 + mw) * 4
-                        patch = padded[2 * t : 2 * t + 2, :, r : r + 4, c : c + 4]  # (T, C, P, P)
-                        expected.append(patch.transpose(1, 0, 2, 3).reshape(-1))
-    np.testing.assert_array_equal(rows, np.stack(expected))
 
 
 @pytest.mark.parametrize(("total", "fps"), [(30, 10.0), (7, 2.0), (100, 24.0), (3, 30.0)])

@@ -31,8 +31,7 @@ from common.processing.image import (
     ByteArray,
     FloatArray,
     load_image,
-    normalize,
-    patchify,
+    patch_rows,
     resize_rgb,
     to_rgb,
 )
@@ -195,7 +194,7 @@ def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> Pr
     ((width, height),) = sizes
     plan = plan_video(len(images), fps, width, height, settings)
     pixels = resized_frames([images[i] for i in plan.indices], plan.size)
-    patches, grid = patchify(normalize(pixels, settings), settings)
+    patches, grid = patch_rows(pixels, settings)
     return ProcessedVideo(
         patches, grid, video_timestamps(plan, fps, settings, frame_times), plan.padded
     )

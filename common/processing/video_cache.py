@@ -2,9 +2,9 @@
 decoded, resized, normalised, patchified and hashed again for the frames it shares.
 
 Exactness. A temporal patch's rows are a function of its source frames' pixels and the size
-they are resized to, and nothing else: frames are resized one by one (`resize_rgb`), every
-output element of `normalize` is a function of one byte and its channel, and `patchify`
-only reorders (patch `k`'s rows are those of frames `2k, 2k + 1`). But *which* frames a
+they are resized to, and nothing else: frames are resized one by one (`resize_rgb`), and
+every output value of `patch_rows` is a function of one byte and its channel, placed by a
+reordering alone (patch `k`'s rows are those of frames `2k, 2k + 1`). But *which* frames a
 patch holds and *that size* depend on the whole video (`plan_video`): the sampling spreads
 over the frame count, and the smart-resize pixel budget covers every frame, so once it
 binds, appending frames shrinks all of them. So an entry is keyed by the resized size plus
@@ -32,7 +32,7 @@ import numpy as np
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.content_hash import content_hash
-from common.processing.image import KeyedImage, load_image, normalize, patchify
+from common.processing.image import KeyedImage, load_image, patch_rows
 from common.processing.image_cache import ProcessedImage, ProcessedImageCache
 from common.processing.video import (
     ProcessedVideo,
@@ -115,7 +115,7 @@ def preprocess_keyed(
             images = [load_image(frames[i]) for i in group]
             if any(im.size != (width, height) for im in images):
                 raise ValueError("video frames differ in size")
-            rows, grid = patchify(normalize(resized_frames(images, plan.size), settings), settings)
+            rows, grid = patch_rows(resized_frames(images, plan.size), settings)
             part = ProcessedImage(rows, grid, content_hash(fingerprint, "video", rows, grid))
             cache.put(key, part)
         parts.append(part)
