@@ -22,7 +22,9 @@ whole patch rows are sent (for an item with partitions: as the hash of its parti
 checked hashes, `partitioned_content_hash`, or over all its rows as a router from before
 that names it); when only some partitions' rows are sent it
 cannot be, and then it is only echoed in the response: the cache is keyed by the
-partitions' (checked) hashes.
+partitions' (checked) hashes. A hash that is not the current scheme's (SHA-256) is checked
+as a router from before made it (`BLAKE2B_SCHEME`), so a rolling upgrade keeps encoding;
+it keys the cache as it is, and the two schemes' tags keep their hashes apart.
 
 With `cache_salt` set (the router sets it from the authenticated tenant), every unit's key
 is `salted_key(hash, salt)`: two tenants' identical images never share a cache entry, so
@@ -41,7 +43,13 @@ import torch
 from common.models.qwen3_vl.config import VisionConfig
 from common.multimodal.params import Modality
 from common.multimodal.validation import HASH_BYTES, MultimodalLayoutError
-from common.processing.content_hash import content_hash, partitioned_content_hash
+from common.processing.content_hash import (
+    BLAKE2B_SCHEME,
+    SCHEME,
+    HashScheme,
+    content_hash,
+    partitioned_content_hash,
+)
 from common.wire.convert import tensor_from_ref
 from epd.v1 import encoder_service_pb2, multimodal_pb2
 
@@ -123,14 +131,16 @@ def _verify(
     claimed: bytes,
     field: str,
     item: int,
-) -> bytes:
-    """The content hash of `pixels`; refuses a `claimed` one that differs."""
-    computed = content_hash(fingerprint, str(modality), pixels, grid)
-    if computed != claimed:
-        raise MultimodalLayoutError(
-            field, "does not match the content hash computed from pixel_values", item
-        )
-    return computed
+) -> tuple[bytes, HashScheme]:
+    """The content hash of `pixels` and its scheme: the current one's, or an older
+    router's where that is what `claimed` is; refuses a `claimed` one that neither gives."""
+    for scheme in (SCHEME, BLAKE2B_SCHEME):
+        computed = content_hash(fingerprint, str(modality), pixels, grid, scheme)
+        if computed == claimed:
+            return computed, scheme
+    raise MultimodalLayoutError(
+        field, "does not match the content hash computed from pixel_values", item
+    )
 
 
 def _parse_item(
@@ -164,7 +174,9 @@ def _parse_item(
     whole = pixels.shape[0] == total
     item_hash = bytes(item.content_hash)  # checked below when it can be
     if not spans:
-        item_hash = _verify(fingerprint, modality, pixels, (t, h, w), item_hash, "content_hash", i)
+        item_hash, _ = _verify(
+            fingerprint, modality, pixels, (t, h, w), item_hash, "content_hash", i
+        )
         unit = Unit(item_hash, pixels, (t, h, w), False, total // vision.merge_unit)
         return ItemJob(item_hash, indices, (unit,))
     # Partition p's rows, checked against its claimed hash; with the whole item's rows every
@@ -176,7 +188,7 @@ def _parse_item(
         start, end = spans[p][0], spans[p][1]
         rows_of[p] = pixels[start:end] if whole else pixels[offset : offset + end - start]
         offset += end - start
-    keys = {
+    checked = {
         p: _verify(
             fingerprint,
             modality,
@@ -188,9 +200,15 @@ def _parse_item(
         )
         for p, rows in rows_of.items()
     }
+    keys = {p: key for p, (key, _) in checked.items()}
     if whole:
         derived = partitioned_content_hash(
-            fingerprint, str(modality), pixels, (t, h, w), [keys[p] for p in range(len(spans))]
+            fingerprint,
+            str(modality),
+            pixels,
+            (t, h, w),
+            [keys[p] for p in range(len(spans))],
+            checked[0][1],  # the scheme its first partition's hash was made by
         )
         # A router from before partition-hashed items names the item by all its rows:
         # as exact, so it is checked that way rather than refused (a rolling upgrade).

@@ -2,7 +2,7 @@
 
 A content hash is 32 bytes of SHA-256 over a domain tag, the processor settings'
 fingerprint, the modality, the patch grid, the patch rows' dtype and shape, and the rows'
-bytes (DESIGN §2), each field framed by its length (`framed_sha256`). An item with
+bytes (DESIGN §2), each field framed by its length (`framed`). An item with
 partitions (a video's temporal patches) hashes its partitions' hashes instead of its rows
 (`partitioned_content_hash`): its rows are then read once, for the partition hashes the
 block keys and the encoder cache need anyway.
@@ -17,6 +17,8 @@ rows are 38 MB), and OpenSSL runs SHA-256 on the CPU's SHA instructions (x86 SHA
 since Zen and on Intel's servers since Ice Lake; ARMv8's SHA-2 extension): 1.64 GB/s on
 the project's AMD EPYC, against 0.80 GB/s for hashlib's BLAKE2b, which has no such
 instructions. A CPU without them hashes SHA-256 more slowly than BLAKE2b (about 0.5 GB/s).
+Routers from before used BLAKE2b (`BLAKE2B_SCHEME`); the encoder still checks a hash of
+theirs that way, so a rolling upgrade keeps encoding (`encoder_worker.requests`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +40,24 @@ from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.qwen3_vl.processor_files import read_processor_settings
 from common.multimodal.params import ItemPartition
 
-# Domain tag of item and partition content hashes; bump it if the hashed layout changes.
-_HASH_TAG = b"epd.qwen3vl.item.v2"
-# Domain tag of an item hashed as its partitions' hashes (`partitioned_content_hash`).
-_PARTITIONED_TAG = b"epd.qwen3vl.item-of-partitions.v2"
+
+@dataclass(frozen=True, slots=True)
+class HashScheme:
+    """How content hashes are made: the hash function and the domain tags (bump a tag if
+    the hashed layout changes)."""
+
+    new: Callable[[], Any]  # a fresh 32-byte hasher
+    item_tag: bytes  # of item and partition content hashes (`content_hash`)
+    partitioned_tag: bytes  # of an item hashed as its partitions' hashes
+
+
+SCHEME = HashScheme(hashlib.sha256, b"epd.qwen3vl.item.v2", b"epd.qwen3vl.item-of-partitions.v2")
+# What routers from before SHA-256 content hashes send (checked, never made, by encoders).
+BLAKE2B_SCHEME = HashScheme(
+    functools.partial(hashlib.blake2b, digest_size=32),
+    b"epd.qwen3vl.item.v1",
+    b"epd.qwen3vl.item-of-partitions.v1",
+)
 
 
 def processor_settings(folder: str | Path, config: Qwen3VLConfig) -> ProcessorSettings:
@@ -64,13 +81,14 @@ def content_hash(
     modality: str,
     patches: npt.NDArray[np.float32] | torch.Tensor,
     grid: tuple[int, int, int],
+    scheme: HashScheme = SCHEME,
 ) -> bytes:
-    """32-byte SHA-256 over `fingerprint` (`ProcessorSettings.fingerprint()`), modality,
-    grid, dtype, shape and the patch bytes. A tensor is hashed as the float32 rows it holds
-    (the processor's dtype), so the encoder's hash of what it received equals the
+    """32-byte SHA-256 (by `scheme`) over `fingerprint` (`ProcessorSettings.fingerprint()`),
+    modality, grid, dtype, shape and the patch bytes. A tensor is hashed as the float32 rows
+    it holds (the processor's dtype), so the encoder's hash of what it received equals the
     processor's hash of what it sent."""
     rows = _float32_rows(patches)
-    h = _hasher(_HASH_TAG, fingerprint, modality, grid, rows)
+    h = _hasher(scheme, scheme.item_tag, fingerprint, modality, grid, rows)
     h.update(np.ascontiguousarray(rows).data)
     return h.digest()
 
@@ -81,6 +99,7 @@ def partitioned_content_hash(
     patches: npt.NDArray[np.float32] | torch.Tensor,
     grid: tuple[int, int, int],
     partition_hashes: Sequence[bytes],
+    scheme: HashScheme = SCHEME,
 ) -> bytes:
     """The content hash of an item with partitions: 32-byte SHA-256 over its own domain
     tag, the same fingerprint, modality, grid, dtype and shape as `content_hash`, and the
@@ -88,7 +107,8 @@ def partitioned_content_hash(
     names its rows exactly, so this names the item's rows as exactly as hashing them all
     would, without a second pass over the bytes; the tag keeps it apart from any
     `content_hash`. Only `patches`' dtype and shape are read."""
-    h = _hasher(_PARTITIONED_TAG, fingerprint, modality, grid, _float32_rows(patches))
+    rows = _float32_rows(patches)
+    h = _hasher(scheme, scheme.partitioned_tag, fingerprint, modality, grid, rows)
     for part in partition_hashes:
         h.update(part)
     return h.digest()
@@ -144,6 +164,7 @@ def _float32_rows(
 
 
 def _hasher(
+    scheme: HashScheme,
     tag: bytes,
     fingerprint: bytes,
     modality: str,
@@ -151,13 +172,12 @@ def _hasher(
     rows: npt.NDArray[np.float32],
 ) -> Any:
     header = _header(str(modality), tuple(int(g) for g in grid), rows.dtype, rows.shape)
-    return framed_sha256(tag, fingerprint, header)
+    return framed(scheme.new(), tag, fingerprint, header)
 
 
-def framed_sha256(*fields: bytes) -> Any:
-    """A SHA-256 hasher fed each field as its 8-byte little-endian length, then its bytes
-    (so no two field lists feed the same bytes); the caller may update it with more."""
-    h = hashlib.sha256()
+def framed(h: Any, *fields: bytes) -> Any:
+    """`h` (a hashlib hasher) fed each field as its 8-byte little-endian length, then its
+    bytes (so no two field lists feed the same bytes); the caller may update it with more."""
     for field in fields:
         h.update(len(field).to_bytes(8, "little"))
         h.update(field)

@@ -23,13 +23,14 @@ Thread-safe: the router prepares requests on worker threads.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from common.byte_lru import ByteBudgetLru
-from common.processing.content_hash import framed_sha256
+from common.processing.content_hash import framed
 
 # Domain tag of the cache key; bump it if the keyed layout changes.
 _KEY_TAG = b"epd.processed-image.v2"
@@ -52,7 +53,8 @@ class ProcessedImage:
 def image_key(fingerprint: bytes, data: bytes, salt: str | None = None) -> bytes:
     """The cache key of encoded image `data` under processor settings `fingerprint`, for
     the tenant whose cache salt is `salt` (None: none)."""
-    h = framed_sha256(_KEY_TAG, fingerprint, b"" if salt is None else b"\x01" + salt.encode())
+    salted = b"" if salt is None else b"\x01" + salt.encode()
+    h = framed(hashlib.sha256(), _KEY_TAG, fingerprint, salted)
     h.update(data)
     return h.digest()
 
