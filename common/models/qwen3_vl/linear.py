@@ -16,6 +16,8 @@ on the project's 2-core machines, one thread:
   ~15 us a call), level from 128; a batch-4 decode step is 1.3x slower packed.
 - bfloat16, Intel Xeon with AMX: packed is 1.6-2.4x faster than torch's bfloat16 GEMM at
   1-32 rows (which is no faster than float32 at one row).
+- bfloat16, AMD EPYC with `avx512_bf16` (Zen 4), whole engine: packed decode steps 1.17-1.56x
+  faster at batch 1-4, prefill and the vision tower 1.04-1.05x.
 So the `packed_weights` setting unset (None) packs where `packing_pays`; true or false
 decides.
 """
