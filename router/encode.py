@@ -37,7 +37,7 @@ import grpc
 
 from common.roles import Role
 from common.server.peers import PeerClient
-from common.wire.convert import tensor_to_ref
+from common.wire.convert import inline_bytes, tensor_to_ref
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -286,10 +286,7 @@ class EncodeStage:
     def check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
         """RouterError(RESOURCE_EXHAUSTED) when the inline bytes of `embeddings` exceed the
         router's limit for one request."""
-        inline = sum(
-            len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
-            for emb in embeddings
-        )
+        inline = sum(inline_bytes((emb.rows, *emb.deepstack)) for emb in embeddings)
         if inline > self.max_inline_embedding_bytes:
             raise RouterError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -308,10 +305,7 @@ def log_stages(
     """Debug log of where a request's time to first token went (benchmarks read it)."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
-    inline = sum(
-        len(emb.rows.inline_data) + sum(len(d.inline_data) for d in emb.deepstack)
-        for emb in encoded.embeddings
-    )
+    inline = sum(inline_bytes((emb.rows, *emb.deepstack)) for emb in encoded.embeddings)
     logger.debug(
         "request %s stages: encode %.1f ms (%d embeddings, %d inline bytes), prefill %.1f ms "
         "(%d cached, %d computed tokens)",

@@ -9,7 +9,7 @@ the servers turn that into `INVALID_ARGUMENT`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -95,14 +95,21 @@ def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.T
         raise MultimodalLayoutError(field, f"negative dimension in shape {shape}")
     itemsize = dtype.itemsize
     numel = math.prod(shape)
-    if len(ref.inline_data) != numel * itemsize:
-        raise MultimodalLayoutError(
-            field, f"{len(ref.inline_data)} bytes for shape {shape} of {dtype}"
-        )
-    raw = torch.frombuffer(bytearray(ref.inline_data), dtype=torch.uint8) if numel else None
-    if raw is None:
+    data = ref.inline_data  # a copy on every read (upb): read once
+    if len(data) != numel * itemsize:
+        raise MultimodalLayoutError(field, f"{len(data)} bytes for shape {shape} of {dtype}")
+    if not numel:
         return torch.empty(shape, dtype=dtype)
-    return raw.view(dtype).reshape(shape)
+    # One more copy, into memory the tensor owns and may write (bytes are immutable).
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def inline_bytes(refs: Iterable[tensor_pb2.TensorRef]) -> int:
+    """Serialized bytes of those of `refs` that hold their data inline (handles count 0):
+    the data plus a few bytes of dtype and shape, so at least the data's length. Read
+    without copying the data, as reading `inline_data` would (megabytes a request for a
+    video's embeddings)."""
+    return sum(ref.ByteSize() for ref in refs if ref.WhichOneof("data") == "inline_data")
 
 
 def params_to_proto(params: MultimodalParams) -> multimodal_pb2.MultimodalParams:
