@@ -37,7 +37,7 @@ import grpc
 
 from common.roles import Role
 from common.server.peers import PeerClient
-from common.wire.convert import inline_bytes, tensor_to_ref
+from common.wire.convert import fill_ref, inline_bytes
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -216,10 +216,10 @@ class EncodeStage:
             encode_item = request.items.add(
                 content_hash=item.content_hash,
                 modality=_MODALITY.get(str(item.modality), multimodal_pb2.MODALITY_UNSPECIFIED),
-                pixel_values=tensor_to_ref(pixels),
                 grid_thw=list(prompt.grid_thw[i]),
                 partition_indices=list(partitions),
             )
+            fill_ref(encode_item.pixel_values, pixels)
             for part in item.partitions:
                 encode_item.partitions.add(
                     input_start=part.input_start,

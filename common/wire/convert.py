@@ -72,10 +72,19 @@ def torch_dtype(element: int, field: str = "dtype") -> torch.dtype:
 
 def tensor_to_ref(tensor: torch.Tensor) -> tensor_pb2.TensorRef:
     """A tensor as an inline `TensorRef` (C-contiguous little-endian bytes)."""
+    return fill_ref(tensor_pb2.TensorRef(), tensor)
+
+
+def fill_ref(ref: tensor_pb2.TensorRef, tensor: torch.Tensor) -> tensor_pb2.TensorRef:
+    """`ref` (e.g. a field of a message being built) set to `tensor` inline; `ref`. Filling
+    the field in place spares the copy that assigning a made `TensorRef` to it takes (a
+    video's pixels are tens of megabytes)."""
     t = tensor.detach().to("cpu").contiguous()
     raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
-    data = raw.numpy().tobytes() if t.numel() else b""
-    return tensor_pb2.TensorRef(dtype=element_type(t.dtype), shape=list(t.shape), inline_data=data)
+    ref.dtype = element_type(t.dtype)
+    ref.shape[:] = t.shape
+    ref.inline_data = raw.numpy().tobytes() if t.numel() else b""
+    return ref
 
 
 def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.Tensor:
@@ -145,8 +154,10 @@ def params_to_proto(params: MultimodalParams) -> multimodal_pb2.MultimodalParams
             )
     for index in sorted(params.embeddings):
         emb = params.embeddings[index]
-        out = msg.embeddings.add(item_index=index, rows=tensor_to_ref(emb.rows))
-        out.deepstack.extend(tensor_to_ref(d) for d in emb.deepstack)
+        out = msg.embeddings.add(item_index=index)
+        fill_ref(out.rows, emb.rows)
+        for layer in emb.deepstack:
+            fill_ref(out.deepstack.add(), layer)
     if params.mrope_position_delta is not None:
         msg.mrope_position_delta = params.mrope_position_delta
     return msg
