@@ -83,8 +83,9 @@ def content_hash(
     grid: tuple[int, int, int],
     scheme: HashScheme = SCHEME,
 ) -> bytes:
-    """32-byte SHA-256 (by `scheme`) over `fingerprint` (`ProcessorSettings.fingerprint()`),
-    modality, grid, dtype, shape and the patch bytes. A tensor is hashed as the float32 rows
+    """32 bytes by `scheme` (SHA-256 unless an older router's is checked) over
+    `fingerprint` (`ProcessorSettings.fingerprint()`), modality, grid, dtype, shape and the
+    patch bytes. A tensor is hashed as the float32 rows
     it holds (the processor's dtype), so the encoder's hash of what it received equals the
     processor's hash of what it sent."""
     rows = _float32_rows(patches)
@@ -101,7 +102,7 @@ def partitioned_content_hash(
     partition_hashes: Sequence[bytes],
     scheme: HashScheme = SCHEME,
 ) -> bytes:
-    """The content hash of an item with partitions: 32-byte SHA-256 over its own domain
+    """The content hash of an item with partitions: 32 bytes by `scheme` over its own domain
     tag, the same fingerprint, modality, grid, dtype and shape as `content_hash`, and the
     partitions' content hashes in order (`content_hash` of each one's rows). Each of those
     names its rows exactly, so this names the item's rows as exactly as hashing them all
