@@ -15,13 +15,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.models.qwen3_vl import linear
-from common.models.qwen3_vl.linear import Dense, PackedLinear, _cpu_info, dense, pack_linears
+from common.models.qwen3_vl.linear import (
+    Dense,
+    PackedLinear,
+    _cpu_info,
+    dense,
+    onednn_packed,
+    pack_linears,
+)
 
 TOL = 1e-4
 
 onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
 )
+# oneDNN packs bfloat16 weights only on a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT.
+BF16_PACKS = onednn_packed(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
 
 
 @onednn
@@ -72,19 +81,24 @@ def test_one_copy_without_packing_or_where_it_cannot_be_made() -> None:
 def test_bfloat16_packs_and_takes_every_row_count(rows: int) -> None:
     """In bfloat16 the packed kernel serves one row too (`packed_from_rows`), and rounds
     like torch's bfloat16 linear to bfloat16's precision; its rows round alike at any row
-    count."""
+    count. On a CPU where oneDNN cannot pack bfloat16, the layer keeps one copy and still
+    computes the map."""
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(384, 256, generator=gen).to(torch.bfloat16)
     b = torch.randn(384, generator=gen).to(torch.bfloat16)
     layer = Dense.of(weight, b, packed=True)
-    assert layer.packed is not None and layer.from_rows == 1
+    if BF16_PACKS:
+        assert layer.packed is not None and layer.from_rows == 1
+    else:
+        assert layer.packed is None
     x = torch.randn(32, 256, generator=gen).to(torch.bfloat16)
     with torch.inference_mode():
         got = layer(x[:rows])
         want = x[:rows].double() @ weight.double().t() + b.double()
         assert got.dtype == torch.bfloat16
         assert ((got.double() - want).abs() / (want.abs() + 1.0)).max().item() <= 2e-2
-        assert torch.equal(layer(x)[:rows], got)
+        if BF16_PACKS:
+            assert torch.equal(layer(x)[:rows], got)
 
 
 @onednn
