@@ -8,7 +8,10 @@ the cache lookups and in-flight joins (item selection) and the misses queued; th
 taken; per encoding mode the selected units' patch rows concatenated and their grid tensor
 built (tensor slices); the tower's output copied into segments and split back into per-unit
 cache entries, which are stored (output splits); each item's rows assembled (one tensor per
-item, main and deepstack rows: `EncodedRows.stacked`). The tower is replaced by one that
+item, main and deepstack rows: `EncodedRows.stacked`). The items' patch rows are uint8 codes,
+as the router sends them, so "prep" includes mapping the batch's codes to float32 values
+(once per mode); `--pixels values` sends float32 values instead, as routers from before
+codes did. The tower is replaced by one that
 returns preallocated rows of the right shapes, so its cost is not in the figure. Three
 shapes, as the reference engine's report:
 
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -73,6 +77,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.models.qwen3_vl.config import VisionConfig
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.content_hash import content_hash
 from common.wire.convert import tensor_to_ref
 from encoder_worker.cache import EncoderCache
@@ -104,9 +109,10 @@ class NoTower:
 
 
 def encode_request(
-    vision: VisionConfig, seed: int, shape: str, hw: int
+    vision: VisionConfig, seed: int, shape: str, hw: int, codes: bool = True
 ) -> encoder_service_pb2.EncodeRequest:
-    """One request of 8 items of `shape` (see the module docstring), real hashes."""
+    """One request of 8 items of `shape` (see the module docstring), real hashes; patch
+    rows as uint8 codes, or float32 values."""
     rng = np.random.default_rng(seed)
     request = encoder_service_pb2.EncodeRequest(request_id=f"r{seed}")
     items = []
@@ -114,8 +120,11 @@ def encode_request(
         video = shape == "alternating" and k % 2 == 1
         t = 2 if video else 1
         grid = (t, hw, hw)
+        shape_rows = (t * hw * hw, vision.patch_dim)
         pixels = torch.from_numpy(
-            rng.standard_normal((t * hw * hw, vision.patch_dim), dtype=np.float32)
+            rng.integers(0, 256, shape_rows, dtype=np.uint8)
+            if codes
+            else rng.standard_normal(shape_rows, dtype=np.float32)
         )
         modality = "video" if video else "image"
         item = encoder_service_pb2.EncodeItem(
@@ -153,12 +162,13 @@ def _load(name: str, path: Path) -> Any:
 
 def baseline_engine(folder: Path) -> tuple[Any, Any]:
     """`EncoderEngine` and `EncoderCache` of another checkout's `encoder_worker/engine.py`,
-    `cache.py` and `common/byte_lru.py` (each imports the other's module of that checkout
-    while it loads; request types are this checkout's: `Unit` only gained a field)."""
+    `cache.py`, `batch.py` and `common/byte_lru.py` (each imports the other's module of that
+    checkout while it loads; request types are this checkout's: `Unit` only gained a field)."""
     swapped = {}
     for name, path in (
         ("common.byte_lru", folder / "common" / "byte_lru.py"),
         ("encoder_worker.cache", folder / "encoder_worker" / "cache.py"),
+        ("encoder_worker.batch", folder / "encoder_worker" / "batch.py"),
     ):
         swapped[name] = sys.modules[name]
         sys.modules[name] = _load(f"baseline_{name}", path)
@@ -198,6 +208,9 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=20, help="back-to-back runs a sample")
     parser.add_argument("--grid", type=int, default=4, help="h = w patches of an item")
     parser.add_argument("--baseline", type=Path, help="checkout whose engine to compare")
+    parser.add_argument(
+        "--pixels", choices=("codes", "values"), default="codes", help="patch rows' form"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     # Small patches: the figure is the preparation's, not a memcpy of large pixel rows.
@@ -212,7 +225,10 @@ def main() -> None:
     )
     shapes = ("contiguous", "reordered", "alternating")
     requests = {
-        s: [encode_request(vision, 64 * i + j, s, args.grid) for j in range(args.requests)]
+        s: [
+            encode_request(vision, 64 * i + j, s, args.grid, args.pixels == "codes")
+            for j in range(args.requests)
+        ]
         for i, s in enumerate(shapes)
     }
     jobs = {s: [parse_request(r, vision, FINGERPRINT) for r in rs] for s, rs in requests.items()}
@@ -228,12 +244,19 @@ def main() -> None:
     out_rows = {s: sum(u.output_rows for j in jobs[s] for i in j for u in i.units) for s in shapes}
     harness: list[float] = []
 
+    pixel_settings = dataclasses.replace(
+        ProcessorSettings(), patch_size=vision.patch_size, merge_size=vision.spatial_merge_size
+    )
+
     def make(engine_cls: Any, cache_cls: Any) -> Any:
+        # A baseline from before codes takes no settings (and hands codes to the tower).
+        mapping = {"settings": pixel_settings} if engine_cls is EncoderEngine else {}
         return engine_cls(
             tower,  # no compute: the tower is excluded
             cache_cls(1 << 34),
             batch_window_s=0.0,
             max_batch_rows=1 << 30,
+            **mapping,
         )
 
     def sample(run: Any, *run_args: Any) -> float:

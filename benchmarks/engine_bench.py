@@ -35,7 +35,7 @@ def ref_inputs(engine: Engine, p: ProcessedPrompt, batch: int) -> dict[str, torc
     types[ids == engine.config.video_token_id] = 2
     out = {"input_ids": ids, "mm_token_type_ids": types, "attention_mask": torch.ones_like(ids)}
     chosen = [i for i, it in enumerate(p.params.items) if it.modality == Modality.IMAGE]
-    out["pixel_values"] = torch.cat([p.pixel_values[i] for i in chosen] * batch)
+    out["pixel_values"] = torch.cat([p.vision_inputs(chosen)[0]] * batch)  # float32 values
     out["image_grid_thw"] = torch.tensor([p.grid_thw[i] for i in chosen] * batch)
     return out
 

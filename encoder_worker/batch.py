@@ -2,10 +2,11 @@
 back into per-unit cache entries.
 
 The number of tensor operations per batch does not grow with its units: per encoding mode
-one `cat` of the units' patch rows and one grid tensor (built through numpy, not from a
-Python list of tuples); per output segment one copy (main and deepstack rows stacked) and
-one `split` into the units' views. Units whose rows lie side by side in one segment (the
-partitions of one video) are joined by one view, not a copy (`join`).
+one `cat` of the units' patch rows, one mapping of the codes to the tower's values
+(`values`: `common.processing.image.as_patch_values`) and one grid tensor (built through
+numpy, not from a Python list of tuples); per output segment one copy (main and deepstack
+rows stacked) and one `split` into the units' views. Units whose rows lie side by side in
+one segment (the partitions of one video) are joined by one view, not a copy (`join`).
 
 Segments: the tower's output of a mode is copied in pieces of at most `SEGMENT_BYTES`
 (cut at unit boundaries; a larger unit is a segment of its own), so a unit kept in the cache
@@ -20,7 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -44,7 +45,7 @@ class ModeInput:
 
     per_frame: bool  # the mode: frame by frame (exact partitions) or whole items
     units: list[Unit]  # in batch order
-    pixels: torch.Tensor  # (sum of input_rows, patch_dim): the units' patch rows
+    pixels: torch.Tensor  # (sum of input_rows, patch_dim): the units' patch rows, values
     grids: torch.Tensor  # (len(units), 3) int64 patch grid per unit
 
 
@@ -57,27 +58,35 @@ class Segment:
     entries: list[EncodedRows]  # one per key
 
 
-def mode_inputs(units: Sequence[Unit]) -> list[ModeInput]:
+Values = Callable[[torch.Tensor], torch.Tensor]  # patch rows (codes or values) -> values
+
+
+def mode_inputs(units: Sequence[Unit], values: Values) -> list[ModeInput]:
     """The tower inputs of `units`: whole-item units first, then frame-by-frame ones, each
-    mode in the given order; modes without units are left out."""
+    mode in the given order; modes without units are left out. `values` maps patch rows to
+    the tower's float values (codes mapped, values kept)."""
     if not units:
         return []
     whole = [u for u in units if not u.per_frame]
     if len(whole) == len(units):
-        return [_mode_input(False, whole)]
+        return [_mode_input(False, whole, values)]
     framed = [u for u in units if u.per_frame]
-    modes = [_mode_input(True, framed)]
+    modes = [_mode_input(True, framed, values)]
     if whole:
-        modes.insert(0, _mode_input(False, whole))
+        modes.insert(0, _mode_input(False, whole, values))
     return modes
 
 
-def _mode_input(per_frame: bool, units: list[Unit]) -> ModeInput:
+def _mode_input(per_frame: bool, units: list[Unit], values: Values) -> ModeInput:
     flat = np.fromiter(
         itertools.chain.from_iterable(map(_grid, units)), dtype=np.int64, count=3 * len(units)
     )
-    pixels = units[0].pixels if len(units) == 1 else torch.cat(list(map(_pixels, units)))
-    return ModeInput(per_frame, units, pixels, torch.from_numpy(flat).view(-1, 3))
+    rows = list(map(_pixels, units))
+    pixels = rows[0] if len(rows) == 1 else torch.cat(rows)
+    if pixels.dtype != torch.uint8 and any(r.dtype == torch.uint8 for r in rows):
+        # Codes and values (a rolling upgrade's mix): `cat` promoted the codes; map each.
+        pixels = torch.cat([values(r) for r in rows])
+    return ModeInput(per_frame, units, values(pixels), torch.from_numpy(flat).view(-1, 3))
 
 
 def split_output(

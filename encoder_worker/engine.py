@@ -37,7 +37,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.qwen3_vl.vision import VisionTower
+from common.processing.image import as_patch_values
 from encoder_worker.batch import Segment, join, mode_inputs, split_output
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.requests import ItemJob, Unit
@@ -100,8 +104,10 @@ class EncoderEngine:
         *,
         batch_window_s: float = 0.002,
         max_batch_rows: int = 1 << 16,
+        settings: ProcessorSettings | None = None,
     ) -> None:
         self.tower = tower
+        self.settings = settings  # maps patch codes to the tower's values (None: no codes)
         self.cache = cache
         self.batch_window_s = batch_window_s
         self.max_batch_rows = max_batch_rows
@@ -294,11 +300,19 @@ class EncoderEngine:
         """Encode the entries' units (worker thread): one tower call per encoding mode, the
         output as cache-entry segments."""
         segments = []
-        for mode in mode_inputs(list(itertools.chain.from_iterable(map(_units, batch)))):
+        units = list(itertools.chain.from_iterable(map(_units, batch)))
+        for mode in mode_inputs(units, self._values):
             self.forward_calls += 1
             rows, deepstack = self.tower.encode(mode.pixels, mode.grids, per_frame=mode.per_frame)
             segments.extend(split_output(mode.units, rows, deepstack))
         return segments
+
+    def _values(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The tower's float input for patch rows: codes mapped by the processor settings,
+        values as they are."""
+        if pixels.dtype == torch.uint8 and self.settings is None:
+            raise ValueError("patch codes to encode, but the engine has no processor settings")
+        return pixels if self.settings is None else as_patch_values(pixels, self.settings)
 
     def _complete(self, batch: list[_Pending], segments: list[Segment]) -> None:
         """Cache the batch's rows, and wake every request that has all it waited for."""

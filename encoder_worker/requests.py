@@ -10,7 +10,10 @@ caching and encoding:
   `partition_indices` is empty), keyed by the partition's hash.
 
 `pixel_values` holds either the whole item's patch rows (`t*h*w` rows) or only the
-requested partitions' rows, concatenated in order.
+requested partitions' rows, concatenated in order: uint8 patch codes, as the processor
+makes them (`common.processing.image`; the engine maps a batch's codes to the tower's
+values once, for the units it encodes), or float32 values, as routers from before codes
+sent them. Either is hashed as it came (the dtype is in the hash), and a unit keeps it so.
 
 No hash a caller sends is trusted (DESIGN §7): every cache key is computed here from the
 patch rows it names (`common.processing.content_hash`, the processor's own function, so the
@@ -20,11 +23,11 @@ corrected: a mismatch means a caller that is broken or lying, and answering it a
 hand it rows under a key it did not compute. An item's own hash is checked whenever its
 whole patch rows are sent (for an item with partitions: as the hash of its partitions'
 checked hashes, `partitioned_content_hash`, or over all its rows as a router from before
-that names it); when only some partitions' rows are sent it
-cannot be, and then it is only echoed in the response: the cache is keyed by the
-partitions' (checked) hashes. A hash that is not the current scheme's (SHA-256) is checked
-as a router from before made it (`BLAKE2B_SCHEME`), so a rolling upgrade keeps encoding;
-it keys the cache as it is, and the two schemes' tags keep their hashes apart.
+that names it); when only some partitions' rows are sent it cannot be, and then it is only
+echoed in the response: the cache is keyed by the partitions' (checked) hashes. A hash that
+is not the current scheme's (SHA-256) is checked as a router from before made it
+(`BLAKE2B_SCHEME`, float32 values only), so a rolling upgrade keeps encoding; it keys the
+cache as it is, and the two schemes' tags keep their hashes apart.
 
 With `cache_salt` set (the router sets it from the authenticated tenant), every unit's key
 is `salted_key(hash, salt)`: two tenants' identical images never share a cache entry, so
@@ -59,7 +62,7 @@ class Unit:
     """One cache key's worth of encoder input."""
 
     key: bytes  # 32-byte content hash of `pixels` (computed here): the item's or partition's
-    pixels: torch.Tensor  # (t*h*w, patch_dim) patch rows of this unit
+    pixels: torch.Tensor  # (t*h*w, patch_dim) patch rows of this unit: uint8 codes or float32
     grid: tuple[int, int, int]  # (t, h, w) patch grid of this unit
     per_frame: bool  # encode frame by frame (bit-exact partition rows)
     output_rows: int  # embedding rows the unit makes
@@ -134,7 +137,8 @@ def _verify(
 ) -> tuple[bytes, HashScheme]:
     """The content hash of `pixels` and its scheme: the current one's, or an older
     router's where that is what `claimed` is; refuses a `claimed` one that neither gives."""
-    for scheme in (SCHEME, BLAKE2B_SCHEME):
+    schemes = (SCHEME,) if pixels.dtype == torch.uint8 else (SCHEME, BLAKE2B_SCHEME)
+    for scheme in schemes:
         computed = content_hash(fingerprint, str(modality), pixels, grid, scheme)
         if computed == claimed:
             return computed, scheme
@@ -291,8 +295,10 @@ def _pixels(
         raise MultimodalLayoutError(
             "pixel_values", str(exc).removeprefix("pixel_values: "), i
         ) from None
-    if not pixels.is_floating_point():
-        raise MultimodalLayoutError("pixel_values", f"dtype {pixels.dtype} is not floating", i)
+    if pixels.dtype not in (torch.uint8, torch.float32):
+        raise MultimodalLayoutError(
+            "pixel_values", f"dtype {pixels.dtype}: uint8 patch codes or float32 values", i
+        )
     subset = sum(spans[p][1] - spans[p][0] for p in chosen) if spans else total
     if (
         pixels.ndim != 2

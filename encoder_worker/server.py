@@ -217,13 +217,15 @@ async def serve(
     settings.check()
     path = await asyncio.to_thread(checkpoint_path, settings.model)
     config, tower = await asyncio.to_thread(load_tower, path, settings)
-    fingerprint = (await asyncio.to_thread(processor_settings, path, config)).fingerprint()
+    pixel_settings = await asyncio.to_thread(processor_settings, path, config)
+    fingerprint = pixel_settings.fingerprint()
     identity = await asyncio.to_thread(model_identity, path, config)
     engine = EncoderEngine(
         tower,
         EncoderCache(settings.cache_bytes),
         batch_window_s=settings.batch_window_ms / 1000.0,
         max_batch_rows=settings.max_batch_rows,
+        settings=pixel_settings,
     )
     leases = None
     if settings.nixl:

@@ -180,7 +180,7 @@ def test_image_ids_match_reference(hf: SimpleNamespace, processor: Processor) ->
     assert prompt.params.items[0].runs[0][1] == 16  # 224x224 within 128*128 pixels: 8x8 / 4
     assert prompt.prompt_text.startswith("<|im_start|>system\nYou are tiny.")
     np.testing.assert_array_equal(
-        prompt.pixel_values[0].numpy(), hf.image([image], return_tensors="np")["pixel_values"]
+        prompt.vision_inputs()[0].numpy(), hf.image([image], return_tensors="np")["pixel_values"]
     )
 
 
@@ -282,10 +282,10 @@ def test_engine_greedy_matches_reference_generate(hf: SimpleNamespace, case: str
     videos = [i for i, it in enumerate(prompt.params.items) if it.modality == "video"]
     media: dict[str, Any] = {}
     if images:
-        media["pixel_values"] = torch.cat([prompt.pixel_values[i] for i in images])
+        media["pixel_values"] = prompt.vision_inputs(images)[0]
         media["image_grid_thw"] = torch.tensor([prompt.grid_thw[i] for i in images])
     if videos:
-        media["pixel_values_videos"] = torch.cat([prompt.pixel_values[i] for i in videos])
+        media["pixel_values_videos"] = prompt.vision_inputs(videos)[0]
         media["video_grid_thw"] = torch.tensor([prompt.grid_thw[i] for i in videos])
     with torch.no_grad():
         out = reference.generate(

@@ -1,6 +1,8 @@
-"""Content hash schemes: the current one is SHA-256 over length-framed fields; the encoder
-also checks hashes an older router made with BLAKE2b (a rolling upgrade), keys its cache by
-them as they are, and still refuses any hash that neither scheme gives for the rows."""
+"""Content hash schemes: the current one is SHA-256 over length-framed fields, of uint8 patch
+codes as the processor makes them; the encoder also checks hashes an older router made of
+float32 values, with SHA-256 or BLAKE2b (a rolling upgrade), keys its cache by them as they
+are, and still refuses any hash that neither scheme gives for the rows, and any other
+dtype."""
 
 from __future__ import annotations
 
@@ -40,6 +42,12 @@ def _rows(seed: int, frames: int = 1) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     shape = (frames * HW * HW, VISION.patch_dim)
     return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+
+
+def _codes(seed: int, frames: int = 1) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    shape = (frames * HW * HW, VISION.patch_dim)
+    return torch.from_numpy(rng.integers(0, 256, shape, dtype=np.uint8))
 
 
 def _image(pixels: torch.Tensor, scheme: HashScheme) -> encoder_service_pb2.EncodeItem:
@@ -133,3 +141,40 @@ def test_an_item_hash_mixing_schemes_is_refused() -> None:
     )
     with pytest.raises(MultimodalLayoutError, match="content_hash"):
         _parse(video)
+
+
+def test_codes_hash_as_uint8_with_the_same_framing() -> None:
+    codes = _codes(10)
+    h = hashlib.sha256()
+    header = b'{"dtype":"uint8","grid_thw":[1,4,4],"modality":"image","shape":[16,24]}'
+    for field in (b"epd.qwen3vl.item.v2", FINGERPRINT, header):
+        h.update(len(field).to_bytes(8, "little") + field)
+    h.update(codes.numpy().tobytes())
+    assert content_hash(FINGERPRINT, "image", codes, (1, HW, HW)) == h.digest()
+    # The same bytes read as values are another input: the dtype keeps the hashes apart.
+    same_bytes = codes.numpy().view(np.float32)  # (16, 6): another shape too
+    assert content_hash(FINGERPRINT, "image", same_bytes, (1, HW, HW)) != h.digest()
+
+
+def test_codes_images_and_videos_are_accepted_and_keep_their_dtype() -> None:
+    image, video = _image(_codes(11), SCHEME), _video(_codes(12, frames=2), 2, SCHEME)
+    jobs = parse_request(
+        encoder_service_pb2.EncodeRequest(items=[image, video]), VISION, FINGERPRINT
+    )
+    keys = [unit.key for job in jobs for unit in job.units]
+    assert keys == [image.content_hash, *(p.content_hash for p in video.partitions)]
+    assert all(unit.pixels.dtype == torch.uint8 for job in jobs for unit in job.units)
+
+
+def test_codes_are_checked_by_the_current_scheme_only() -> None:
+    """No router ever hashed codes with BLAKE2b: such a hash is refused, not looked up."""
+    with pytest.raises(MultimodalLayoutError, match="content_hash"):
+        _parse(_image(_codes(13), BLAKE2B_SCHEME))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32])
+def test_other_pixel_dtypes_are_refused_naming_the_field(dtype: torch.dtype) -> None:
+    image = _image(_rows(14), SCHEME)
+    image.pixel_values.CopyFrom(tensor_to_ref(_rows(14).to(dtype)))
+    with pytest.raises(MultimodalLayoutError, match="pixel_values"):
+        _parse(image)

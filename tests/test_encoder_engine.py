@@ -4,12 +4,16 @@ exactly the rows of the equivalent hand-made tower calls, and the rows of each i
 alone (bit for bit for frame-by-frame partitions), in the three shapes of
 `benchmarks/encoder_input_bench.py`, through `encode` and `encode_now`, with cache hits,
 in-flight joins, duplicates, partitions, small segments and `max_batch_rows` splits; the
-cache counts a shared segment's bytes once; cancellation and a failed forward."""
+cache counts a shared segment's bytes once; cancellation and a failed forward. The units
+hold the processor's uint8 patch codes, as the router sends them; the engine maps them to
+the tower's values (a mix with float32 values from an older router is tested too)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +21,8 @@ import torch
 
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.tiny import default_checkpoint
+from common.processing.content_hash import content_hash, processor_settings
+from common.processing.image import as_patch_values
 from common.processing.processor import Processor
 from encoder_worker import batch
 from encoder_worker.batch import join
@@ -30,6 +36,17 @@ from encoder_worker.settings import EncoderSettings
 @pytest.fixture(scope="module")
 def ckpt() -> Path:
     return default_checkpoint("tiny")
+
+
+@functools.cache
+def pixel_settings() -> Any:
+    ckpt = default_checkpoint("tiny")
+    return processor_settings(ckpt, Processor.from_pretrained(ckpt).config)
+
+
+def make_engine(tower: VisionTower, cache: EncoderCache, **options: Any) -> EncoderEngine:
+    """An engine that maps patch codes by the tiny checkpoint's processor settings."""
+    return EncoderEngine(tower, cache, settings=pixel_settings(), **options)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +111,7 @@ def hand_encode(tower: VisionTower, jobs: list[ItemJob]) -> dict[bytes, EncodedR
         if not chosen:
             continue
         rows, deep = tower.encode(
-            torch.cat([u.pixels for u in chosen]),
+            as_patch_values(torch.cat([u.pixels for u in chosen]), pixel_settings()),
             torch.tensor([u.grid for u in chosen]),
             per_frame=per_frame,
         )
@@ -125,7 +142,7 @@ async def test_one_request_equals_hand_batch(
 ) -> None:
     jobs = shape_jobs(processor, shape, 10)
     jobs.append(jobs[1])  # the same item twice in one request: encoded once
-    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.0)
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.0)
     outputs = await engine.encode(jobs)
     want = hand_encode(tower, jobs)
     for job, out in zip(jobs, outputs, strict=True):
@@ -147,7 +164,7 @@ async def test_concurrent_requests_join_and_split_batches(
     second = [first[3], *shape_jobs(processor, "contiguous", 40)[:2], first[0]]
     largest = max(u.input_rows for j in first + second for u in j.units)
     # A small row budget: each request's misses are split over several entries and batches.
-    engine = EncoderEngine(
+    engine = make_engine(
         tower, EncoderCache(1 << 30), batch_window_s=0.01, max_batch_rows=2 * largest
     )
     a, b = await asyncio.gather(engine.encode(first), engine.encode(second))
@@ -209,9 +226,9 @@ async def test_encode_now_equals_concurrent_encode_and_hand_batch(
     requests[2].append(requests[0][1])  # an item of another request: encoded once
     every = [job for jobs in requests for job in jobs]
     want = hand_encode(tower, every)  # one batch of all of them, as both paths make
-    now = EncoderEngine(tower, EncoderCache(1 << 30))
+    now = make_engine(tower, EncoderCache(1 << 30))
     batched = now.encode_now(requests)
-    served = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    served = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
     concurrent = await asyncio.gather(*(served.encode(jobs) for jobs in requests))
     for engine in (now, served):
         assert engine.batches == 1 and engine.forward_calls == (2 if shape == "alternating" else 1)
@@ -230,7 +247,7 @@ async def test_hits_joins_duplicates_and_partitions_in_one_request(
 ) -> None:
     images = [image_job(processor, 300 + k) for k in range(4)]
     videos = [video_job(processor, 400 + k) for k in range(2)]
-    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
     # Cached before: images 0, 1 and the first partition of video 0.
     some = ItemJob(videos[0].content_hash, (0,), videos[0].units[:1])
     await engine.encode([images[0], images[1], some])
@@ -260,7 +277,7 @@ def test_small_segments_bound_what_a_cached_unit_keeps(
     width = tower.config.out_hidden_size * 4 * (1 + len(tower.config.deepstack_visual_indexes))
     largest = max(u.output_rows for j in every for u in j.units)
     monkeypatch.setattr(batch, "SEGMENT_BYTES", 2 * largest * width)
-    engine = EncoderEngine(tower, EncoderCache(1 << 30))
+    engine = make_engine(tower, EncoderCache(1 << 30))
     outputs = engine.encode_now(requests)
     want = hand_encode(tower, every)
     for jobs, outs in zip(requests, outputs, strict=True):
@@ -315,7 +332,7 @@ def test_get_many_and_put_many_keep_lru_and_owner_accounting() -> None:
 async def test_encode_now_refuses_while_encode_has_work_queued(
     processor: Processor, tower: VisionTower
 ) -> None:
-    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
     pending = asyncio.ensure_future(engine.encode([image_job(processor, 500)]))
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="encode_now"):
@@ -329,7 +346,7 @@ async def test_cancelled_request_leaves_the_joined_one_its_rows(
     processor: Processor, tower: VisionTower
 ) -> None:
     job = image_job(processor, 600)
-    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
     first = asyncio.ensure_future(engine.encode([job]))
     second = asyncio.ensure_future(engine.encode([job]))
     await asyncio.sleep(0)
@@ -344,7 +361,7 @@ async def test_failed_forward_fails_its_requests_and_caches_nothing(
     processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     jobs = [image_job(processor, 700), image_job(processor, 701)]
-    engine = EncoderEngine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("tower broke")
@@ -362,3 +379,32 @@ async def test_failed_forward_fails_its_requests_and_caches_nothing(
     (outs,) = engine.encode_now([jobs])
     assert [o.cache_hit for o in outs] == [False, False]
     await engine.close()
+
+
+async def test_codes_and_older_routers_values_in_one_batch(
+    processor: Processor, tower: VisionTower
+) -> None:
+    """A rolling upgrade's batch: one image's uint8 codes and another's float32 values (as a
+    router from before codes sends them, keyed by their own hash) encode as each would
+    alone, and the two forms of one image are two keys with the same rows."""
+    codes_job = image_job(processor, 70)
+    (unit,) = codes_job.units
+    values = as_patch_values(unit.pixels, pixel_settings())
+    key = content_hash(pixel_settings().fingerprint(), "image", values, unit.grid)
+    assert key != unit.key  # the dtype is hashed: codes and values never share a key
+    values_job = ItemJob(key, (), (Unit(key, values, unit.grid, False, unit.output_rows),))
+    other = image_job(processor, 71)
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.0)
+    got = engine.encode_now([[codes_job, values_job, other]])[0]
+    want = hand_encode(tower, [codes_job, other])
+    assert_same(got[0].rows, want[unit.key])
+    assert_same(got[2].rows, want[other.units[0].key])
+    assert torch.allclose(got[1].rows.stacked, got[0].rows.stacked, atol=1e-5)
+    assert len(engine.cache) == 3
+
+
+def test_codes_need_the_processor_settings(processor: Processor, tower: VisionTower) -> None:
+    engine = EncoderEngine(tower, EncoderCache(1 << 30))
+    with pytest.raises(ValueError, match="processor settings"):
+        engine.encode_now([[image_job(processor, 72)]])
+    assert len(engine.cache) == 0

@@ -176,7 +176,7 @@ async def test_output_equals_vision_tower(
     assert len(reply.items) == 3
 
     # The worker batches the two whole images into one forward: the same call here.
-    pixels = torch.cat([p.pixel_values[0] for p in images])
+    pixels = torch.cat([p.vision_inputs()[0] for p in images])
     grids = torch.tensor([p.grid_thw[0] for p in images])
     rows, deep = tower.encode(pixels, grids)
     sizes = tower.rows_per_item(grids)
@@ -186,11 +186,11 @@ async def test_output_equals_vision_tower(
         assert not reply.items[k].cache_hit
         assert torch.equal(got_rows, rows.split(sizes)[k])
         assert all(torch.equal(g, d.split(sizes)[k]) for g, d in zip(got_deep, deep, strict=True))
-        solo, _ = tower.encode(prompt.pixel_values[0], torch.tensor([prompt.grid_thw[0]]))
+        solo, _ = tower.encode(*prompt.vision_inputs())
         torch.testing.assert_close(got_rows, solo, rtol=1e-5, atol=1e-5)
 
     # Partitioned video: frame-by-frame encoding, bit-exact; equal to the whole pass too.
-    v_pixels, v_grid = video.pixel_values[0], torch.tensor([video.grid_thw[0]])
+    v_pixels, v_grid = video.vision_inputs()
     exact_rows, exact_deep = tower.encode(v_pixels, v_grid, per_frame=True)
     got_rows, got_deep = _rows(reply.items[2])
     assert torch.equal(got_rows, exact_rows)
@@ -406,7 +406,7 @@ async def test_large_output_goes_over_nixl_and_is_released(
             )
             for ref in refs
         ]
-        rows, deep = tower.encode(large.pixel_values[0], torch.tensor([large.grid_thw[0]]))
+        rows, deep = tower.encode(*large.vision_inputs())
         torch.testing.assert_close(pulled[0], rows, rtol=1e-5, atol=1e-5)
         for got, want in zip(pulled[1:], deep, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -477,7 +477,7 @@ async def test_outputs_share_one_snapshot_and_reuse_released_ranges(
         assert again.address == first.address and again.lease_id != first.lease_id
         assert again.agent_metadata == first.agent_metadata
         prompt = _image(processor, 82, 128, 128)
-        rows, _ = tower.encode(prompt.pixel_values[0], torch.tensor([prompt.grid_thw[0]]))
+        rows, _ = tower.encode(*prompt.vision_inputs())
         shape = tuple(reply.items[0].rows.shape)
         got = await asyncio.to_thread(read_tensor, again, torch.float32, shape, reader)
         torch.testing.assert_close(got, rows, rtol=1e-5, atol=1e-5)
@@ -629,7 +629,7 @@ async def test_subprocess_serves_health_and_encode(
             reply = await encoder_service_pb2_grpc.EncoderServiceStub(ch).Encode(
                 _request(_item(prompt)), timeout=60
             )
-        rows, _ = tower.encode(prompt.pixel_values[0], torch.tensor([prompt.grid_thw[0]]))
+        rows, _ = tower.encode(*prompt.vision_inputs())
         assert torch.equal(_rows(reply.items[0])[0], rows)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30) == 0

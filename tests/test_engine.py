@@ -96,7 +96,7 @@ def ref_inputs(engine: Engine, p: ProcessedPrompt) -> dict[str, torch.Tensor]:
     ):
         chosen = [i for i, it in enumerate(p.params.items) if it.modality == modality]
         if chosen:
-            out[pixels] = torch.cat([p.pixel_values[i] for i in chosen])
+            out[pixels] = p.vision_inputs(chosen)[0]  # float32 values
             out[grids] = torch.tensor([p.grid_thw[i] for i in chosen])
     return out
 

@@ -1,7 +1,8 @@
-"""`image.patch_rows` reorders bytes into patch rows, then maps them through per-channel
-tables (two bytes at a time where it can): it must give exactly the bits of the reference's
-per-pixel arithmetic, laid out as the reference's patchify, for any frames and any
-mean/std settings."""
+"""`image.patch_codes` reorders bytes into patch rows and `image.patch_values` maps them
+through per-channel tables (two bytes at a time where it can): together they must give
+exactly the bits of the reference's per-pixel arithmetic, laid out as the reference's
+patchify, for any frames and any mean/std settings; the codes alone are the bytes laid out
+that way."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
-from common.processing.image import patch_rows
+from common.processing.image import as_patch_values, patch_codes, patch_values
 
 
 def _per_pixel(frames: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
@@ -21,6 +23,11 @@ def _per_pixel(frames: np.ndarray, mean: tuple[float, ...], std: tuple[float, ..
     scaled = (frames.astype(np.float64) * (1 / 255)).astype(np.float32)
     m, d = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
     return np.ascontiguousarray(((scaled - m) / d).transpose(0, 3, 1, 2))
+
+
+def patch_rows(frames: np.ndarray, config: ProcessorSettings) -> tuple[np.ndarray, tuple]:
+    codes, grid = patch_codes(frames, config)
+    return patch_values(codes, config), grid
 
 
 def _hand_patchify(frames: np.ndarray, tp: int, p: int, m: int) -> np.ndarray:
@@ -72,11 +79,17 @@ def test_patch_rows_give_the_per_pixel_bits_in_patch_order(
         patch_size=p,
         merge_size=m,
     )
-    rows, grid = patch_rows(frames, config)
+    codes, grid = patch_codes(frames, config)
+    rows = patch_values(codes, config)
     want = _hand_patchify(_per_pixel(frames, mean, std), tp, p, m)
     assert grid == (-(-frames_t // tp), h // p, w // p)
+    assert codes.dtype == np.uint8 and codes.flags["C_CONTIGUOUS"]
+    assert np.array_equal(codes, _hand_patchify(frames.transpose(0, 3, 1, 2), tp, p, m))
     assert rows.dtype == np.float32 and rows.flags["C_CONTIGUOUS"]
     assert np.array_equal(rows.view(np.uint32), want.view(np.uint32))
+    # A slice of the codes (a partition's rows) maps to the same slice of the values.
+    half = len(codes) // 2
+    assert np.array_equal(patch_values(codes[half:], config), rows[half:])
 
 
 def test_every_byte_value_of_a_video_batch() -> None:
@@ -93,9 +106,27 @@ def test_every_byte_value_of_a_video_batch() -> None:
 
 def test_channel_count_must_match_the_settings() -> None:
     with pytest.raises(ValueError, match="channels"):
-        patch_rows(np.zeros((1, 32, 32, 4), dtype=np.uint8), ProcessorSettings())
+        patch_codes(np.zeros((1, 32, 32, 4), dtype=np.uint8), ProcessorSettings())
+
+
+def test_values_take_uint8_codes_whose_rows_hold_whole_channels() -> None:
+    config = ProcessorSettings()
+    with pytest.raises(ValueError, match="uint8"):
+        patch_values(np.zeros((4, 1536), dtype=np.float32), config)
+    with pytest.raises(ValueError, match="uint8"):
+        patch_values(np.zeros((4, 1535), dtype=np.uint8), config)
+
+
+def test_as_patch_values_maps_codes_and_keeps_values() -> None:
+    config = ProcessorSettings()
+    codes = torch.arange(2 * 1536, dtype=torch.int64).remainder(256).to(torch.uint8).view(2, -1)
+    values = as_patch_values(codes, config)
+    assert values.dtype == torch.float32
+    assert torch.equal(values, torch.from_numpy(patch_values(codes.numpy(), config)))
+    floats = torch.randn(2, 1536)
+    assert as_patch_values(floats, config) is floats
 
 
 def test_frame_size_must_be_a_multiple_of_a_merged_patch() -> None:
     with pytest.raises(ValueError, match="multiple"):
-        patch_rows(np.zeros((1, 30, 32, 3), dtype=np.uint8), ProcessorSettings())
+        patch_codes(np.zeros((1, 30, 32, 3), dtype=np.uint8), ProcessorSettings())

@@ -87,8 +87,10 @@ def test_image_matches_reference(processor: Processor, case: tuple[int, int, str
     image = _image(h, w, mode=mode)
     expected = reference([image], return_tensors="np")
     prompt = processor.process(_user({"type": "image", "image": image}))
-    assert prompt.pixel_values[0].dtype == torch.float32
-    np.testing.assert_array_equal(prompt.pixel_values[0].numpy(), expected["pixel_values"])
+    assert prompt.pixel_values[0].dtype == torch.uint8  # patch codes; values where encoded
+    values, _ = prompt.vision_inputs()
+    assert values.dtype == torch.float32
+    np.testing.assert_array_equal(values.numpy(), expected["pixel_values"])
     assert [list(prompt.grid_thw[0])] == expected["image_grid_thw"].tolist()
 
 

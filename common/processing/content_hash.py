@@ -2,9 +2,12 @@
 
 A content hash is 32 bytes of SHA-256 over a domain tag, the processor settings'
 fingerprint, the modality, the patch grid, the patch rows' dtype and shape, and the rows'
-bytes (DESIGN §2), each field framed by its length (`framed`). An item with
-partitions (a video's temporal patches) hashes its partitions' hashes instead of its rows
-(`partitioned_content_hash`): its rows are then read once, for the partition hashes the
+bytes (DESIGN §2), each field framed by its length (`framed`). The rows are the processor's
+uint8 patch codes (`common.processing.image`; the fingerprint covers the mean and std that
+map them to the tower's values, so the codes name those values exactly), or float32 values
+as routers from before codes sent them: the dtype in the header keeps the two apart. An item
+with partitions (a video's temporal patches) hashes its partitions' hashes instead of its
+rows (`partitioned_content_hash`): its rows are then read once, for the partition hashes the
 block keys and the encoder cache need anyway.
 
 The router's processor computes it while preprocessing; the encoder worker computes it
@@ -13,12 +16,13 @@ so both must derive it from the same settings: `processor_settings` reads them f
 checkpoint folder the way `Processor.from_pretrained` does.
 
 Why SHA-256: hashing the rows is most of a video's preprocessing (a 64-frame 224² video's
-rows are 38 MB), and OpenSSL runs SHA-256 on the CPU's SHA instructions (x86 SHA-NI, on AMD
-since Zen and on Intel's servers since Ice Lake; ARMv8's SHA-2 extension): 1.64 GB/s on
-the project's AMD EPYC, against 0.80 GB/s for hashlib's BLAKE2b, which has no such
-instructions. A CPU without them hashes SHA-256 more slowly than BLAKE2b (about 0.5 GB/s).
-Routers from before used BLAKE2b (`BLAKE2B_SCHEME`); the encoder still checks a hash of
-theirs that way, so a rolling upgrade keeps encoding (`encoder_worker.requests`).
+values were 38 MB, its codes are 9.5), and OpenSSL runs SHA-256 on the CPU's SHA
+instructions (x86 SHA-NI, on AMD since Zen and on Intel's servers since Ice Lake; ARMv8's
+SHA-2 extension): 1.64 GB/s on the project's AMD EPYC, against 0.80 GB/s for hashlib's
+BLAKE2b, which has no such instructions. A CPU without them hashes SHA-256 more slowly than
+BLAKE2b (about 0.5 GB/s). Routers from before used BLAKE2b (`BLAKE2B_SCHEME`); the encoder
+still checks a hash of theirs that way, so a rolling upgrade keeps encoding
+(`encoder_worker.requests`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.qwen3_vl.processor_files import read_processor_settings
 from common.multimodal.params import ItemPartition
+
+# Patch rows: uint8 codes (what the processor makes) or float32 values (older routers').
+Rows = npt.NDArray[np.uint8] | npt.NDArray[np.float32] | torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,16 +86,15 @@ def _header(modality: str, grid: tuple[int, ...], dtype: np.dtype, shape: tuple[
 def content_hash(
     fingerprint: bytes,
     modality: str,
-    patches: npt.NDArray[np.float32] | torch.Tensor,
+    patches: Rows,
     grid: tuple[int, int, int],
     scheme: HashScheme = SCHEME,
 ) -> bytes:
     """32 bytes by `scheme` (SHA-256 unless an older router's is checked) over
     `fingerprint` (`ProcessorSettings.fingerprint()`), modality, grid, dtype, shape and the
-    patch bytes. A tensor is hashed as the float32 rows
-    it holds (the processor's dtype), so the encoder's hash of what it received equals the
-    processor's hash of what it sent."""
-    rows = _float32_rows(patches)
+    patch bytes: of uint8 codes or float32 values, array or CPU tensor (`_rows`), so the
+    encoder's hash of what it received equals the processor's hash of what it sent."""
+    rows = _rows(patches)
     h = _hasher(scheme, scheme.item_tag, fingerprint, modality, grid, rows)
     h.update(np.ascontiguousarray(rows).data)
     return h.digest()
@@ -97,7 +103,7 @@ def content_hash(
 def partitioned_content_hash(
     fingerprint: bytes,
     modality: str,
-    patches: npt.NDArray[np.float32] | torch.Tensor,
+    patches: Rows,
     grid: tuple[int, int, int],
     partition_hashes: Sequence[bytes],
     scheme: HashScheme = SCHEME,
@@ -108,7 +114,7 @@ def partitioned_content_hash(
     names its rows exactly, so this names the item's rows as exactly as hashing them all
     would, without a second pass over the bytes; the tag keeps it apart from any
     `content_hash`. Only `patches`' dtype and shape are read."""
-    rows = _float32_rows(patches)
+    rows = _rows(patches)
     h = _hasher(scheme, scheme.partitioned_tag, fingerprint, modality, grid, rows)
     for part in partition_hashes:
         h.update(part)
@@ -118,7 +124,7 @@ def partitioned_content_hash(
 def item_content_hash(
     fingerprint: bytes,
     modality: str,
-    patches: npt.NDArray[np.float32],
+    patches: Rows,
     grid: tuple[int, int, int],
     partitions: Sequence[ItemPartition],
 ) -> bytes:
@@ -132,7 +138,7 @@ def item_content_hash(
 
 def video_partitions(
     fingerprint: bytes,
-    patches: npt.NDArray[np.float32],
+    patches: Rows,
     grid: tuple[int, int, int],
     merge_size: int,
     known: Sequence[bytes] = (),
@@ -154,13 +160,15 @@ def video_partitions(
     )
 
 
-def _float32_rows(
-    patches: npt.NDArray[np.float32] | torch.Tensor,
-) -> npt.NDArray[np.float32]:
+def _rows(patches: Rows) -> npt.NDArray[np.uint8] | npt.NDArray[np.float32]:
+    """The rows as a CPU array of their own dtype, uint8 (codes) or float32 (values): the
+    dtype is hashed, so the two never collide, and any other is refused (ValueError)."""
     if isinstance(patches, torch.Tensor):
-        if patches.dtype != torch.float32 or patches.device.type != "cpu":
-            patches = patches.to("cpu", torch.float32)
-        return patches.detach().numpy()  # contiguous or not: made contiguous when hashed
+        if patches.dtype not in (torch.uint8, torch.float32):
+            raise ValueError(f"patch rows are uint8 codes or float32 values, not {patches.dtype}")
+        return patches.detach().cpu().numpy()  # contiguous or not: made so when hashed
+    if patches.dtype not in (np.uint8, np.float32):
+        raise ValueError(f"patch rows are uint8 codes or float32 values, not {patches.dtype}")
     return patches
 
 
@@ -170,7 +178,7 @@ def _hasher(
     fingerprint: bytes,
     modality: str,
     grid: tuple[int, int, int],
-    rows: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.uint8] | npt.NDArray[np.float32],
 ) -> Any:
     header = _header(str(modality), tuple(int(g) for g in grid), rows.dtype, rows.shape)
     return framed(scheme.new(), tag, fingerprint, header)

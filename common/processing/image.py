@@ -1,9 +1,17 @@
-"""Qwen3-VL image preprocessing: decode, smart resize, rescale + normalise, patchify.
+"""Qwen3-VL image preprocessing: decode, smart resize, patchify, rescale + normalise.
 
 Matches the reference PIL image processor (`transformers` `Qwen2VLImageProcessorPil`, which
 Qwen3-VL uses) value for value: RGB with transparency composited on white, bicubic PIL
 resize of the uint8 image to sides that are multiples of `patch_size * merge_size` within
 the pixel budget, scale by 1/255 (in float64, then float32), `(x - mean) / std` in float32.
+
+In two steps, so that what travels and is hashed is a quarter of the bytes:
+- `patch_codes`: the resized uint8 pixels put in patch-row order ("patch codes"), what the
+  processor makes, the content hash covers and the router sends the encoder;
+- `patch_values`: codes -> the float32 rows the vision tower takes (the reference's
+  `pixel_values`), made where the tower runs (`as_patch_values`). Every value is a function
+  of one byte and its channel (which the settings' fingerprint covers), so codes name their
+  values exactly.
 
 Patch rows are laid out as the vision tower expects: frame-major (temporal patches), then
 `merge_size x merge_size` blocks in raster order, then the patches inside a block in raster
@@ -21,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 from PIL import Image
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
@@ -107,48 +116,72 @@ def resize_rgb(image: Image.Image, height: int, width: int) -> ByteArray:
     return np.asarray(image, dtype=np.uint8)
 
 
-def patch_rows(
+def patch_codes(
     frames: ByteArray, settings: ProcessorSettings
-) -> tuple[FloatArray, tuple[int, int, int]]:
-    """`(T, H, W, C)` uint8 frames -> `(grid_t * grid_h * grid_w, patch_dim)` float32 patch
-    rows (laid out as the module docstring says) and the grid `(grid_t, grid_h, grid_w)`,
-    every value scaled to [0, 1] and normalised as the reference does per pixel.
+) -> tuple[ByteArray, tuple[int, int, int]]:
+    """`(T, H, W, C)` uint8 frames -> `(grid_t * grid_h * grid_w, patch_dim)` uint8 patch
+    codes (the bytes laid out as the module docstring says) and the grid
+    `(grid_t, grid_h, grid_w)`.
 
     T is padded to a multiple of `temporal_patch_size` by repeating the last frame (an image
     becomes `temporal_patch_size` identical frames).
-
-    Each output value is a function of one byte and its channel, so the bytes are put in
-    patch-row order first (a quarter of the float32 bytes to move), then mapped through a
-    table of that function (`_normalized_bytes`), two bytes at a time (`_byte_pairs`) where
-    a row's run of one channel's values has even length: the same bits as the per-pixel
-    arithmetic, without its float64 pass and three float32 passes over every pixel.
     """
     tp, p, m = settings.temporal_patch_size, settings.patch_size, settings.merge_size
-    mean, std = tuple(settings.image_mean), tuple(settings.image_std)
-    table = _normalized_bytes(mean, std)
     t, h, w, c = frames.shape
-    if c != table.shape[0]:
-        raise ValueError(f"frames have {c} channels, the settings {table.shape[0]}")
+    if c != len(settings.image_mean):
+        raise ValueError(f"frames have {c} channels, the settings {len(settings.image_mean)}")
     if h % (p * m) or w % (p * m):
         raise ValueError(f"frame size {h}x{w} is not a multiple of {p * m}")
     if pad := -t % tp:
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
         t += pad
     gt, gh, gw = t // tp, h // p, w // p
-    run = tp * p * p  # the values of one channel in a row: (time, pixel row, pixel column)
     blocks = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, c)
     # -> (gt, block_row, block_col, in_row, in_col, channel, time, pixel_row, pixel_col)
     ordered = np.ascontiguousarray(blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7))
-    codes = ordered.reshape(gt * gh * gw, c, run)
-    rows = np.empty(codes.shape, dtype=np.float32)
+    return ordered.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
+
+
+def patch_values(codes: ByteArray, settings: ProcessorSettings) -> FloatArray:
+    """`(rows, patch_dim)` uint8 patch codes -> the float32 patch rows, every value scaled
+    to [0, 1] and normalised as the reference does per pixel.
+
+    Each value is a function of one byte and its channel, so the codes are mapped through a
+    table of that function (`_normalized_bytes`), two bytes at a time (`_byte_pairs`) where
+    a row's run of one channel's values has even length: the same bits as the per-pixel
+    arithmetic, without its float64 pass and three float32 passes over every pixel.
+    """
+    mean, std = tuple(settings.image_mean), tuple(settings.image_std)
+    c = len(mean)
+    if codes.dtype != np.uint8 or codes.ndim != 2 or codes.shape[1] % c:
+        raise ValueError(
+            f"patch codes must be (rows, {c} * run) uint8, got {codes.dtype} {codes.shape}"
+        )
+    run = codes.shape[1] // c  # the values of one channel in a row: (time, row, column)
+    grouped = np.ascontiguousarray(codes).reshape(-1, c, run)
+    rows = np.empty(grouped.shape, dtype=np.float32)
     if run % 2 == 0:
-        pairs, wide, codes = _byte_pairs(mean, std), rows.view(np.uint64), codes.view(np.uint16)
+        pairs, wide, pair_codes = (
+            _byte_pairs(mean, std),
+            rows.view(np.uint64),
+            grouped.view(np.uint16),
+        )
         for k in range(c):
-            wide[:, k] = pairs[k][codes[:, k]]
+            wide[:, k] = pairs[k][pair_codes[:, k]]
     else:
+        table = _normalized_bytes(mean, std)
         for k in range(c):
-            rows[:, k] = table[k][codes[:, k]]
-    return rows.reshape(gt * gh * gw, c * run), (gt, gh, gw)
+            rows[:, k] = table[k][grouped[:, k]]
+    return rows.reshape(codes.shape)
+
+
+def as_patch_values(pixels: torch.Tensor, settings: ProcessorSettings) -> torch.Tensor:
+    """What the vision tower takes from `pixels`: `patch_values` of uint8 codes (on the
+    CPU), or float rows as they are (sent by a router from before codes, or made
+    elsewhere)."""
+    if pixels.dtype != torch.uint8:
+        return pixels
+    return torch.from_numpy(patch_values(pixels.cpu().numpy(), settings))
 
 
 @functools.lru_cache(maxsize=8)
@@ -175,8 +208,8 @@ def _byte_pairs(mean: tuple[float, ...], std: tuple[float, ...]) -> npt.NDArray[
 
 def preprocess_image(
     source: ImageSource | Any, settings: ProcessorSettings
-) -> tuple[FloatArray, tuple[int, int, int]]:
-    """One image -> patch rows `(grid_h * grid_w, patch_dim)` float32 and grid `(1, h, w)`."""
+) -> tuple[ByteArray, tuple[int, int, int]]:
+    """One image -> patch codes `(grid_h * grid_w, patch_dim)` uint8 and grid `(1, h, w)`."""
     image = to_rgb(load_image(source))
     width, height = image.size
     new_h, new_w = smart_resize(
@@ -187,4 +220,4 @@ def preprocess_image(
         max_pixels=settings.max_pixels,
     )
     pixels = resize_rgb(image, new_h, new_w)
-    return patch_rows(pixels[None], settings)
+    return patch_codes(pixels[None], settings)

@@ -1,12 +1,12 @@
-"""The processed-image cache: an encoded image's bytes -> its patch rows, grid and hash.
+"""The processed-image cache: an encoded image's bytes -> its patch codes, grid and hash.
 
 A served image that repeats (the same PNG or JPEG sent again) would otherwise be decoded,
-resized, normalised, patchified and content-hashed again on every request, although the
+resized, patchified and content-hashed again on every request, although the
 result is a pure function of the encoded bytes and the processor settings. The cache keys
 that result by `image_key`: 32 bytes of SHA-256 over a domain tag, the settings'
 fingerprint (`ProcessorSettings.fingerprint()`: patch, merge and temporal sizes, min/max
 pixels, mean/std, ...) and the encoded bytes, so a hit is exact: same bytes under the same
-settings give the same patch rows, bit for bit, and the same content hash (DESIGN §2). It
+settings give the same patch codes, bit for bit, and the same content hash (DESIGN §2). It
 never keys by the content hash a caller claims, nor by anything cheaper than a
 cryptographic digest of every byte. The router adds the request's cache salt (derived from
 the tenant) to the key, so one tenant cannot learn from a faster answer that another sent
@@ -40,13 +40,13 @@ _KEY_TAG = b"epd.processed-image.v2"
 class ProcessedImage:
     """What preprocessing one encoded image gives: shared, read only."""
 
-    patches: npt.NDArray[np.float32]  # (grid_h * grid_w, patch_dim) patch rows
+    patches: npt.NDArray[np.uint8]  # (grid_h * grid_w, patch_dim) patch codes
     grid: tuple[int, int, int]  # (1, grid_h, grid_w)
-    content_hash: bytes  # `common.processing.content_hash` of the rows, as the processor's
+    content_hash: bytes  # `common.processing.content_hash` of the codes, as the processor's
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the patch rows (the cache's budget unit)."""
+        """Bytes held by the patch codes (the cache's budget unit)."""
         return int(self.patches.nbytes)
 
 

@@ -1,11 +1,11 @@
-"""Qwen3-VL input processing: typed chat messages -> token ids, item layout and patch rows.
+"""Qwen3-VL input processing: typed chat messages -> token ids, item layout and patch codes.
 
 `Processor.process` renders the chat template (the checkpoint's own when it has one, see
 `common.processing.template`; else the built-in layout of `common.processing.chat`),
 preprocesses every image and video, expands each into placeholder tokens, tokenises the
 result and derives each item's exact runs from the placeholder mask
 (`common.multimodal.runs_from_mask`). The output carries no embeddings: the encoder makes
-them later from `pixel_values`.
+them later from `pixel_values`, uint8 patch codes (`common.processing.image`).
 
 Placeholder layout per item (m = merge_size, grid `(t, h, w)` in patches):
 - image: `<|vision_start|>` + (h/m)*(w/m) x `<|image_pad|>` + `<|vision_end|>` -> one run;
@@ -49,7 +49,7 @@ from common.processing.content_hash import (
     processor_settings,
     video_partitions,
 )
-from common.processing.image import FloatArray, KeyedImage, preprocess_image
+from common.processing.image import ByteArray, KeyedImage, preprocess_image
 from common.processing.image_cache import ProcessedImage, ProcessedImageCache, image_key
 from common.processing.limits import InputLimits, check_text_bytes
 from common.processing.messages import (
@@ -81,7 +81,7 @@ class _Media:
     modality: Modality
     payload_index: int
     uuid: str | None
-    patches: FloatArray
+    patches: ByteArray  # uint8 patch codes
     grid: tuple[int, int, int]
     timestamps: tuple[float, ...]
     content_hash: bytes | None = None  # known already (a processed image); None: hash later
@@ -373,6 +373,7 @@ class Processor:
             grid_thw=tuple(m.grid for m in media),
             prompt_text=text,
             frame_timestamps=tuple(m.timestamps for m in media),
+            settings=self.settings,
         )
 
     def _partitions(self, item: _Media) -> tuple[ItemPartition, ...]:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.multimodal.params import MultimodalParams
+from common.processing.image import as_patch_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,27 +29,30 @@ class ProcessedPrompt:
 
     prompt_token_ids: list[int]  # the whole prompt, placeholders included
     params: MultimodalParams  # items in prompt order, with exact runs; no embeddings
-    pixel_values: tuple[torch.Tensor, ...]  # per item in prompt order: (t*h*w, patch_dim) f32
+    # Per item in prompt order: (t*h*w, patch_dim) uint8 patch codes (`common.processing.image`)
+    pixel_values: tuple[torch.Tensor, ...]
     grid_thw: tuple[tuple[int, int, int], ...]  # per item in prompt order (see above)
     prompt_text: str = ""  # the rendered prompt, for logs and tests
     frame_timestamps: tuple[tuple[float, ...], ...] = field(default=())  # per item (video)
+    settings: ProcessorSettings | None = None  # the processor's: codes -> values (None: floats)
 
     def vision_inputs(
         self, items: Sequence[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated patch rows and `(n, 3)` grids of the given items (default: all), ready
-        for `VisionTower.encode`."""
+        """Concatenated patch rows (float32 values, `as_patch_values`) and `(n, 3)` grids of
+        the given items (default: all), ready for `VisionTower.encode`."""
         chosen = range(len(self.grid_thw)) if items is None else items
         pixels = [self.pixel_values[i] for i in chosen]
         grids = [self.grid_thw[i] for i in chosen]
         if not pixels:
             raise ValueError("no items to encode")
-        return torch.cat(pixels), torch.tensor(grids, dtype=torch.int64)
+        return self._values(torch.cat(pixels)), torch.tensor(grids, dtype=torch.int64)
 
     def partition_inputs(
         self, item: int, partitions: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Patch rows and grids of some partitions of one item (each its own grid row)."""
+        """Patch rows (values) and grids of some partitions of one item (each its own grid
+        row)."""
         meta = self.params.items[item]
         _, h, w = self.grid_thw[item]
         parts = meta.partitions
@@ -59,4 +64,12 @@ class ProcessedPrompt:
             self.pixel_values[item][parts[p].input_start : parts[p].input_end] for p in partitions
         ]
         grids = [(parts[p].input_end - parts[p].input_start) // (h * w) for p in partitions]
-        return torch.cat(rows), torch.tensor([(g, h, w) for g in grids], dtype=torch.int64)
+        values = self._values(torch.cat(rows))
+        return values, torch.tensor([(g, h, w) for g in grids], dtype=torch.int64)
+
+    def _values(self, pixels: torch.Tensor) -> torch.Tensor:
+        if self.settings is None:
+            if pixels.dtype == torch.uint8:
+                raise ValueError("patch codes without the processor settings that map them")
+            return pixels
+        return as_patch_values(pixels, self.settings)

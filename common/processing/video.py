@@ -3,7 +3,7 @@
 A video arrives as decoded frames (a list of images, or a `(T, H, W, 3)` uint8 array) plus
 its frame rate. Frames are sampled uniformly at `video_sample_fps` (clamped to the frame
 bounds, as the reference does), resized together by the video smart-resize rule (the pixel
-budget covers all frames), normalised like images and patchified in groups of
+budget covers all frames) and patchified into codes like images, in groups of
 `temporal_patch_size` frames (the last frame repeats to fill the last group). Each group is
 one temporal patch: one grid step `t`, one run of placeholders in the prompt, and one
 timestamp, the mean of its first and last frame's time in seconds.
@@ -29,9 +29,8 @@ from PIL import Image
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import (
     ByteArray,
-    FloatArray,
     load_image,
-    patch_rows,
+    patch_codes,
     resize_rgb,
     to_rgb,
 )
@@ -55,9 +54,9 @@ class TimedFrames:
 
 @dataclass(frozen=True, slots=True)
 class ProcessedVideo:
-    """One video's patch rows and layout."""
+    """One video's patch codes and layout."""
 
-    patches: FloatArray  # (grid_t * grid_h * grid_w, patch_dim) rows, temporal patch major
+    patches: ByteArray  # (grid_t * grid_h * grid_w, patch_dim) uint8 codes, time-major
     grid_thw: tuple[int, int, int]  # (temporal patches, patch rows, patch columns)
     timestamps: tuple[float, ...]  # seconds per temporal patch (mean of first/last frame)
     frame_indices: tuple[int, ...]  # source frames used, after padding to the temporal patch
@@ -194,7 +193,7 @@ def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> Pr
     ((width, height),) = sizes
     plan = plan_video(len(images), fps, width, height, settings)
     pixels = resized_frames([images[i] for i in plan.indices], plan.size)
-    patches, grid = patch_rows(pixels, settings)
+    patches, grid = patch_codes(pixels, settings)
     return ProcessedVideo(
         patches, grid, video_timestamps(plan, fps, settings, frame_times), plan.padded
     )

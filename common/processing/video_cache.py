@@ -1,21 +1,20 @@
 """Processed video partitions, cached: a video sent again with frames appended is not
-decoded, resized, normalised, patchified and hashed again for the frames it shares.
+decoded, resized, patchified and hashed again for the frames it shares.
 
 Exactness. A temporal patch's rows are a function of its source frames' pixels and the size
 they are resized to, and nothing else: frames are resized one by one (`resize_rgb`), and
-every output value of `patch_rows` is a function of one byte and its channel, placed by a
-reordering alone (patch `k`'s rows are those of frames `2k, 2k + 1`). But *which* frames a
-patch holds and *that size* depend on the whole video (`plan_video`): the sampling spreads
-over the frame count, and the smart-resize pixel budget covers every frame, so once it
-binds, appending frames shrinks all of them. So an entry is keyed by the resized size plus
-the keys of the patch's source frames in order (`patch_key`), each frame's key being the
-processed-image key of its encoded bytes (`image_key`: SHA-256 over the processor settings'
-fingerprint, the tenant's cache salt and the bytes): same key, same rows bit for bit, and
-the same partition content hash (stored with them). Where the plan changes, keys change
-and the patches are made afresh. The item's own content hash still covers all its rows
-(the processor computes it as always).
+`patch_codes` places their bytes by a reordering alone (patch `k`'s rows are those of frames
+`2k, 2k + 1`). But *which* frames a patch holds and *that size* depend on the whole video
+(`plan_video`): the sampling spreads over the frame count, and the smart-resize pixel budget
+covers every frame, so once it binds, appending frames shrinks all of them. So an entry is
+keyed by the resized size plus the keys of the patch's source frames in order (`patch_key`),
+each frame's key being the processed-image key of its encoded bytes (`image_key`: SHA-256
+over the processor settings' fingerprint, the tenant's cache salt and the bytes): same key,
+same codes bit for bit, and the same partition content hash (stored with them). Where the
+plan changes, keys change and the patches are made afresh. The item's own content hash still
+covers all its rows (the processor computes it as always).
 
-The entries live in the processor's processed-image cache (`ProcessedImage`: rows, grid
+The entries live in the processor's processed-image cache (`ProcessedImage`: codes, grid
 `(1, h, w)`, content hash; one LRU and byte budget for both), under keys of their own
 domain tag. The router keys a video's frames when it reads the request
 (`router.inputs`) and decodes only the frames of patches the cache does not hold
@@ -32,7 +31,7 @@ import numpy as np
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.content_hash import content_hash
-from common.processing.image import KeyedImage, load_image, patch_rows
+from common.processing.image import KeyedImage, load_image, patch_codes
 from common.processing.image_cache import ProcessedImage, ProcessedImageCache
 from common.processing.video import (
     ProcessedVideo,
@@ -115,7 +114,7 @@ def preprocess_keyed(
             images = [load_image(frames[i]) for i in group]
             if any(im.size != (width, height) for im in images):
                 raise ValueError("video frames differ in size")
-            rows, grid = patch_rows(resized_frames(images, plan.size), settings)
+            rows, grid = patch_codes(resized_frames(images, plan.size), settings)
             part = ProcessedImage(rows, grid, content_hash(fingerprint, "video", rows, grid))
             cache.put(key, part)
         parts.append(part)
