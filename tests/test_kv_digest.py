@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.kv import digest
 from common.kv.cache import KvCacheSpec, PagedKvCache
 from common.kv.digest import (
     CHUNK_BYTES,
@@ -169,8 +170,6 @@ def test_strided_rows_digest_like_contiguous_ones():
 
 
 def test_batches_larger_than_a_group(monkeypatch):
-    import common.kv.digest as digest
-
     data = random_bytes(7, BLOCK)
     want = [block_digests(data[i : i + 1])[0] for i in range(7)]
     monkeypatch.setattr(digest, "_GROUP_BYTES", 3 * BLOCK)  # groups of 3 rows
@@ -188,6 +187,19 @@ def test_float32_path_gives_the_same_digests(monkeypatch):
         raise RuntimeError("no int8 GEMM here")
 
     monkeypatch.setattr(torch, "_int_mm", no_int8_gemm)
+    assert block_digests(data) == want
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32-gemm", "int8-gemm"])
+def test_both_cpu_kernels_give_the_same_digests(monkeypatch, int8: bool) -> None:
+    """The CPU takes the int8 GEMM only with VNNI (`common.cpu.int8_dot_products`), else
+    the float32 one in slices of `_FLOAT_ROWS` rows: the digests are the same bytes, here
+    over more chunk rows than one slice holds (and a partial last slice)."""
+    data = random_bytes(5, 3 * digest._FLOAT_ROWS * digest.CHUNK_BYTES // 4 + 100)
+    want = [block_digests(data[i : i + 1])[0] for i in range(5)]
+    monkeypatch.setattr(digest, "int8_dot_products", lambda: int8)
+    assert block_digests(data) == want
+    monkeypatch.setattr(digest, "_FLOAT_ROWS", 7)
     assert block_digests(data) == want
 
 

@@ -18,7 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. A module may import modules of its own layer or of a lower one.
 COMMON_LAYERS: list[tuple[str, ...]] = [
-    ("common.errors", "common.roles", "common.settings", "common.sampling", "common.byte_lru"),
+    (
+        "common.errors",
+        "common.roles",
+        "common.settings",
+        "common.sampling",
+        "common.byte_lru",
+        "common.cpu",
+    ),
     ("common.multimodal",),
     ("common.transfer",),
     ("common.kv", "common.block_hash"),

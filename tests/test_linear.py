@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.cpu import cpu_info
 from common.models.qwen3_vl import linear
 from common.models.qwen3_vl.linear import (
     Dense,
     PackedLinear,
-    _cpu_info,
     dense,
     onednn_packed,
     pack_linears,
@@ -139,8 +139,8 @@ def test_pack_linears_leaves_what_cannot_be_packed() -> None:
 def test_cpu_info_reads_the_vendor_line(tmp_path, text: str, vendor: str) -> None:
     path = tmp_path / "cpuinfo"
     path.write_text(text)
-    assert _cpu_info(path)[0] == vendor
-    assert _cpu_info(tmp_path / "absent") == ("", frozenset())
+    assert cpu_info(path)[0] == vendor
+    assert cpu_info(tmp_path / "absent") == ("", frozenset())
 
 
 def test_cpu_info_reads_the_first_processors_flags(tmp_path) -> None:
@@ -149,7 +149,7 @@ def test_cpu_info_reads_the_first_processors_flags(tmp_path) -> None:
         "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f amx_bf16\n\n"
         "processor\t: 1\nvendor_id\t: GenuineIntel\nflags\t\t: fpu\n"
     )
-    assert _cpu_info(path) == ("GenuineIntel", frozenset({"fpu", "avx512f", "amx_bf16"}))
+    assert cpu_info(path) == ("GenuineIntel", frozenset({"fpu", "avx512f", "amx_bf16"}))
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_cpu_info_reads_the_first_processors_flags(tmp_path) -> None:
 def test_packing_pays_where_mkl_runs_on_a_cpu_not_intels(monkeypatch, vendor, mkl, pays) -> None:
     """Unset `packed_weights` packs on AMD (MKL's generic paths: oneDNN 1.4-1.9x faster at
     decode batches) and not on Intel (MKL faster at 1-32 rows) nor where unmeasured."""
-    monkeypatch.setattr(linear, "_cpu_info", lambda: (vendor, frozenset({"avx512f"})))
+    monkeypatch.setattr(linear, "cpu_info", lambda: (vendor, frozenset({"avx512f"})))
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     linear.packing_pays.cache_clear()
@@ -186,7 +186,7 @@ def test_bfloat16_packing_pays_where_the_cpu_computes_it(monkeypatch, flags, pay
     """bfloat16 packs where the CPU has bfloat16 instructions (AMX or AVX-512 BF16: oneDNN
     1.6-2.4x faster than torch's bfloat16 GEMM at 1-32 rows), whoever made it; float16
     never (unmeasured)."""
-    monkeypatch.setattr(linear, "_cpu_info", lambda: ("GenuineIntel", frozenset(flags)))
+    monkeypatch.setattr(linear, "cpu_info", lambda: ("GenuineIntel", frozenset(flags)))
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     linear.packing_pays.cache_clear()
     try:

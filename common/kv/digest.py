@@ -15,7 +15,10 @@ The construction: a two-level linear hash with exact integer arithmetic, then a 
    uniformly from the nonzero integers in [-63, 63]. `|y| <= 128 * 63 * 2048 < 2**24`, so the
    sums are exact in int32 (and in float32: every partial sum is an integer below 2**24, so any
    summation order gives the same result). This is one int8 GEMM `[n * S, 2048] x [2048, 16]`
-   (`torch._int_mm`: oneDNN/VNNI on CPU, cuBLASLt on CUDA), which runs at memory speed.
+   (`torch._int_mm`: oneDNN on a CPU with VNNI, cuBLASLt on CUDA), which runs at memory
+   speed; on a CPU without VNNI (`common.cpu.int8_dot_products`), where oneDNN's int8 GEMM
+   is 18x slower than that, the same integers go through a float32 GEMM, a few hundred rows
+   at a time (exact, as above).
 2. `lane[j] = sum_s y[s, j] * C[s, j] mod 2**64`, with fixed pseudo-random odd 64-bit `C`
    (wrapping int64 arithmetic; small, `1/32` of the block's size in int32).
 3. `digest = blake2b(lane bytes || nbytes, 16 bytes)`, on the host over 136 bytes per block.
@@ -55,6 +58,7 @@ from functools import cache
 
 import torch
 
+from common.cpu import int8_dot_products
 from common.kv.cache import PagedKvCache
 
 #: Bytes of one block's digest.
@@ -72,6 +76,8 @@ _PERSON = b"epd-kv-digest/1"
 _GROUP_BYTES = 32 * 1024 * 1024
 # CUDA's int8 GEMM needs more than 16 rows; smaller products take the float32 path.
 _CUDA_MIN_ROWS = 17
+# Rows the float32 path converts at a time: 2 MB of float32, which stays in the cache.
+_FLOAT_ROWS = 256
 
 if sys.byteorder != "little":  # digests hash the lanes' in-memory bytes
     raise ImportError("common.kv.digest assumes a little-endian host")
@@ -190,20 +196,26 @@ def _lanes(
 def _products(x: torch.Tensor, coeffs: torch.Tensor, out: torch.Tensor) -> None:
     """`out = x @ coeffs` exactly, int8 `[m, CHUNK_BYTES]` x `[CHUNK_BYTES, LANES]` -> int32.
 
-    The int8 GEMM where the device has one; else float32, which is exact here (see the
-    module docstring), in row slices that bound its 4-byte-per-byte temporary.
+    The int8 GEMM where the device runs it fast (CUDA; a CPU with VNNI); else float32,
+    which is exact here (see the module docstring), `_FLOAT_ROWS` rows at a time through
+    one reused buffer, so the conversion stays in the cache.
     """
-    if x.device.type == "cpu" or x.shape[0] >= _CUDA_MIN_ROWS:
+    cpu = x.device.type == "cpu"
+    if int8_dot_products() if cpu else x.shape[0] >= _CUDA_MIN_ROWS:
         try:
             torch._int_mm(x, coeffs, out=out)
             return
         except (RuntimeError, NotImplementedError):
             pass  # no int8 GEMM for this device or shape: the float32 path is exact too
     weights = coeffs.to(torch.float32)
-    step = max(1, (4 * 1024 * 1024) // CHUNK_BYTES)
-    for start in range(0, x.shape[0], step):
-        part = x[start : start + step].to(torch.float32) @ weights
-        out[start : start + step] = part.to(torch.int32)
+    rows = min(_FLOAT_ROWS, x.shape[0])
+    values = torch.empty(rows, CHUNK_BYTES, dtype=torch.float32, device=x.device)
+    sums = torch.empty(rows, LANES, dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[0], rows):
+        n = min(rows, x.shape[0] - start)
+        values[:n].copy_(x[start : start + n])
+        torch.mm(values[:n], weights, out=sums[:n])
+        out[start : start + n].copy_(sums[:n])
 
 
 def _finish(lanes: torch.Tensor, nbytes: int) -> list[bytes]:

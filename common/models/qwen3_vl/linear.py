@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from common.cpu import cpu_info
 
 PACKABLE = (torch.float32, torch.bfloat16)  # the dtypes `onednn_packed` packs
 
@@ -44,26 +45,6 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
 
 
-def _cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:
-    """The `vendor_id` and `flags` of this machine's CPU ("" and none where Linux does not
-    say), from its first processor's lines."""
-    vendor, flags = "", frozenset[str]()
-    try:
-        with cpuinfo.open() as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key == "flags" and not flags:
-                    flags = frozenset(value.split())
-                elif not key and (vendor or flags):
-                    break  # the first processor's block ended
-    except OSError:
-        pass
-    return vendor, flags
-
-
 @functools.cache
 def packing_pays(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN's packed linear is the faster kernel here for `dtype` (module
@@ -72,7 +53,7 @@ def packing_pays(dtype: torch.dtype = torch.float32) -> bool:
     Unmeasured cases (ARM, no cpuinfo, other dtypes) keep torch's GEMM."""
     if not torch.backends.mkldnn.is_available():
         return False
-    vendor, flags = _cpu_info()
+    vendor, flags = cpu_info()
     if dtype == torch.float32:
         return torch.backends.mkl.is_available() and vendor not in ("", "GenuineIntel")
     if dtype == torch.bfloat16:
