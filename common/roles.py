@@ -1,4 +1,5 @@
-"""The role vocabulary every process shares, and the protocol version they all speak.
+"""The role vocabulary every process shares, the protocol version they all speak, and the
+capabilities a worker can announce.
 
 One definition: the router's registry, the role servers, the CLI and the Ray pools all name
 roles with `Role`; `common.wire.roles` converts them to and from the wire `WorkerRole`.
@@ -10,6 +11,9 @@ import enum
 
 # What a worker says in `WorkerInfo.protocol_version`; the router refuses any other.
 PROTOCOL_VERSION = "epd.v1"
+# What an encoder lists in `WorkerInfo.capabilities` when it takes uint8 patch codes as
+# `EncodeItem.pixel_values`; a router sends float32 values to one without it.
+PATCH_CODES = "patch-codes"
 
 
 class Role(enum.StrEnum):

@@ -26,7 +26,7 @@ from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
 from common.models.runner import model_identity
 from common.processing.content_hash import processor_settings
-from common.roles import PROTOCOL_VERSION
+from common.roles import PATCH_CODES, PROTOCOL_VERSION
 from common.server.lifecycle import ServerLifecycle
 from common.server.metrics import counter, gauge, requests_metrics, scrape_registry
 from common.server.role import AddServicer, RoleServer, checkpoint_path
@@ -258,7 +258,7 @@ async def serve(
         address=settings.reachable_address(server.address),
         model=identity,
         protocol_version=PROTOCOL_VERSION,
-        capabilities=["nixl"] if settings.nixl else [],
+        capabilities=[PATCH_CODES, *(["nixl"] if settings.nixl else [])],
         name=settings.name or f"encoder-{os.getpid()}",
     )
     server.register(settings.routers, info, server.servicer.load, settings.router_dns)

@@ -14,7 +14,9 @@ Of a video whose leading partitions the prefill worker caches, only the partitio
 them are encoded (`encode`'s `from_partition`); `encode_partitions` asks for some
 partitions of one item (for `router.overlap`). Either way only their patch rows are sent
 (`EncodeItem.partition_indices`), and the embedding names the span it holds
-(`ItemEmbedding.partition_start` / `partition_end`) for the prefill worker.
+(`ItemEmbedding.partition_start` / `partition_end`) for the prefill worker. Patch rows go
+as uint8 codes, or as float32 values to an encoder from before codes
+(`router.encode_request`, which also gives the hash each item is answered under).
 A whole item whose inline output the router kept (`router.embedding_cache`, setting
 `embedding_cache_mb`) is not sent to an encoder at all: its kept rows go to prefill.
 
@@ -37,7 +39,7 @@ import grpc
 
 from common.roles import Role
 from common.server.peers import PeerClient
-from common.wire.convert import fill_ref, inline_bytes
+from common.wire.convert import inline_bytes
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -46,15 +48,10 @@ from epd.v1 import (
 )
 from router.calls import Job, RouterError, WorkerCalls
 from router.embedding_cache import EmbeddingCache
+from router.encode_request import Sent, encode_request, takes_codes
 from router.workers import NoWorkerError, WorkerRecord
 
 logger = logging.getLogger(__name__)
-
-_MODALITY = {
-    "image": multimodal_pb2.MODALITY_IMAGE,
-    "video": multimodal_pb2.MODALITY_VIDEO,
-    "audio": multimodal_pb2.MODALITY_AUDIO,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +82,7 @@ class EncodeStage:
         self.affinity_slack = affinity_slack  # requests; 0: no affinity, least loaded only
         # Whole items' inline outputs, for items seen again (None: off).
         self.embeddings = EmbeddingCache(embedding_cache_bytes) if embedding_cache_bytes else None
+        self._values_warned: set[str] = set()  # encoders sent values: warned once each
 
     async def encode(
         self, job: Job, items: Sequence[int], from_partition: Mapping[int, int] | None = None
@@ -202,43 +200,29 @@ class EncodeStage:
         more elsewhere on UNAVAILABLE; of an item `i` in `chosen` just the consecutive
         partitions `chosen[i]`, sending only their patch rows. Raises RouterError (nothing
         left leased then)."""
-        prompt = job.prompt
-        request = encoder_service_pb2.EncodeRequest(request_id=job.request_id)
-        if job.cache_salt is not None:  # the tenant's: its encoder cache entries are its own
-            request.cache_salt = job.cache_salt
-        for i in items:
-            item = prompt.params.items[i]
-            pixels = prompt.pixel_values[i]
-            partitions = chosen.get(i, ())
-            if partitions:  # consecutive: one slice of the patch rows
-                lo, hi = item.partitions[partitions[0]], item.partitions[partitions[-1]]
-                pixels = pixels[lo.input_start : hi.input_end]
-            encode_item = request.items.add(
-                content_hash=item.content_hash,
-                modality=_MODALITY.get(str(item.modality), multimodal_pb2.MODALITY_UNSPECIFIED),
-                grid_thw=list(prompt.grid_thw[i]),
-                partition_indices=list(partitions),
-            )
-            fill_ref(encode_item.pixel_values, pixels)
-            for part in item.partitions:
-                encode_item.partitions.add(
-                    input_start=part.input_start,
-                    input_end=part.input_end,
-                    output_rows=part.output_rows,
-                    content_hash=part.content_hash,
-                )
-        encoder = ""
+        forms: dict[bool, Sent] = {}  # by whether the encoder takes codes, made once each
 
-        async def call(worker: WorkerRecord) -> encoder_service_pb2.EncodeResponse:
-            nonlocal encoder
+        async def call(
+            worker: WorkerRecord,
+        ) -> tuple[Sent, str, encoder_service_pb2.EncodeResponse]:
+            codes = takes_codes(worker.info)
+            sent = forms.get(codes)
+            if sent is None:
+                if codes:
+                    sent = encode_request(job, items, chosen, codes=True)
+                else:  # an encoder from before codes: values, off the loop (4x the bytes)
+                    self._warn_values(worker)
+                    sent = await asyncio.to_thread(encode_request, job, items, chosen, False)
+                forms[codes] = sent
             stub = encoder_service_pb2_grpc.EncoderServiceStub(self.channels.get(worker.address))
             response: encoder_service_pb2.EncodeResponse = await stub.Encode(
-                request, timeout=job.time_left("encode")
+                sent.request, timeout=job.time_left("encode")
             )
-            encoder = worker.address
-            return response
+            return sent, worker.address, response
 
-        response = await self.calls.with_retry(Role.ENCODER, "encode", call, first=first)
+        sent, encoder, response = await self.calls.with_retry(
+            Role.ENCODER, "encode", call, first=first
+        )
         leases = {
             ref.handle.lease_id: encoder
             for item in response.items
@@ -246,7 +230,7 @@ class EncodeStage:
             if ref.WhichOneof("data") == "handle" and ref.handle.lease_id
         }
         try:
-            return Encoded(self._check(job, items, response, chosen), leases)
+            return Encoded(self._check(job, items, response, chosen, sent.hashes), leases)
         except RouterError:
             self.channels.release_embeddings(leases)
             raise
@@ -257,7 +241,10 @@ class EncodeStage:
         items: Sequence[int],
         response: encoder_service_pb2.EncodeResponse,
         chosen: Mapping[int, Sequence[int]],
+        hashes: Mapping[int, bytes],
     ) -> list[multimodal_pb2.ItemEmbedding]:
+        """The answer's items as embeddings for prefill, each checked to be the one asked
+        for (named by `hashes[i]`, the hash it was sent under) with a row per placeholder."""
         if len(response.items) != len(items):
             raise RouterError(
                 grpc.StatusCode.INTERNAL,
@@ -268,9 +255,7 @@ class EncodeStage:
             item = job.prompt.params.items[i]
             partitions = chosen.get(i, ())
             rows = sum(item.partitions[p].output_rows for p in partitions) or item.length
-            if encoded.content_hash != item.content_hash or (
-                tuple(encoded.rows.shape[:1]) != (rows,)
-            ):
+            if encoded.content_hash != hashes[i] or (tuple(encoded.rows.shape[:1]) != (rows,)):
                 raise RouterError(
                     grpc.StatusCode.INTERNAL,
                     f"encoder output for item {i} does not match it (hash or "
@@ -282,6 +267,16 @@ class EncodeStage:
                 emb.partition_start, emb.partition_end = partitions[0], partitions[-1] + 1
             out.append(emb)
         return out
+
+    def _warn_values(self, worker: WorkerRecord) -> None:
+        if worker.address not in self._values_warned:
+            self._values_warned.add(worker.address)
+            logger.warning(
+                "encoder %s (%s) does not take patch codes (a version from before them): "
+                "sending it float32 values, four times the bytes, until it is upgraded",
+                worker.name,
+                worker.address,
+            )
 
     def check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
         """RouterError(RESOURCE_EXHAUSTED) when the inline bytes of `embeddings` exceed the

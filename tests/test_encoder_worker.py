@@ -22,6 +22,7 @@ import torch
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.tiny import default_checkpoint
 from common.processing.processor import ProcessedPrompt, Processor
+from common.roles import PATCH_CODES
 from common.server.role import RoleServer
 from common.server.rpc import channel, start_server, wait_healthy
 from common.settings.schema import SettingsError
@@ -543,6 +544,7 @@ async def test_registers_with_router_and_reports_cache(
         assert info.role == registry_service_pb2.WORKER_ROLE_ENCODER
         assert info.address == server.address and info.name == "enc-a"
         assert info.protocol_version == "epd.v1" and info.model.startswith("qwen3-vl/")
+        assert PATCH_CODES in info.capabilities  # a router sends it uint8 codes
         request = _request(_item(_image(processor, 50)))
         await stub.Encode(request, timeout=30)
         await stub.Encode(request, timeout=30)

@@ -1,0 +1,192 @@
+"""The router's `EncodeRequest` in the form its encoder takes (`router.encode_request`):
+uint8 patch codes for an encoder that lists `PATCH_CODES`, float32 values with the hashes
+made from them for one from before codes. Both forms are checked by the real encoder's
+`parse_request` and encoded by a real encoder worker to the same bits; the encode stage
+picks the form by the encoder's registration."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from common.models.qwen3_vl.config import Qwen3VLConfig
+from common.models.tiny import default_checkpoint
+from common.processing.content_hash import content_hash
+from common.processing.image import patch_values
+from common.processing.processor import ProcessedPrompt, Processor
+from common.roles import PATCH_CODES, Role
+from common.sampling import SamplingParams
+from common.server.peers import PeerClient
+from common.server.role import RoleServer
+from common.server.rpc import channel
+from common.wire.convert import tensor_from_ref
+from common.wire.roles import role_to_proto
+from encoder_worker import server as encoder_server
+from encoder_worker.requests import parse_request
+from encoder_worker.server import EncoderServicer, serve
+from encoder_worker.settings import EncoderSettings
+from epd.v1 import encoder_service_pb2, encoder_service_pb2_grpc, registry_service_pb2
+from router.calls import Job, WorkerCalls
+from router.encode import EncodeStage
+from router.encode_request import encode_request, takes_codes
+from router.registry import Registry
+from tests.cluster import cluster_credentials, cluster_security
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> Path:
+    return default_checkpoint("tiny")
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt: Path) -> Processor:
+    return Processor.from_pretrained(ckpt)
+
+
+@pytest.fixture
+async def encoder(ckpt: Path) -> AsyncIterator[RoleServer[EncoderServicer]]:
+    server = await serve(EncoderSettings(model=str(ckpt), nixl=False, security=cluster_security()))
+    yield server
+    await server.stop(0)
+
+
+def image_and_video(processor: Processor, seed: int) -> ProcessedPrompt:
+    rng = np.random.default_rng(seed)
+    image = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    clip = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(6)]
+    content = [
+        {"type": "image", "image": image},
+        {"type": "video", "video": clip, "fps": 2.0},
+        {"type": "text", "text": "What changes?"},
+    ]
+    return processor.process([{"role": "user", "content": content}])
+
+
+def job_of(prompt: ProcessedPrompt) -> Job:
+    return Job("r", prompt, SamplingParams(), None, time.monotonic() + 60)
+
+
+def test_codes_go_as_the_processor_made_them(processor: Processor) -> None:
+    prompt = image_and_video(processor, 1)
+    sent = encode_request(job_of(prompt), [0, 1], {}, codes=True)
+    for i, item in enumerate(sent.request.items):
+        meta = prompt.params.items[i]
+        assert torch.equal(tensor_from_ref(item.pixel_values), prompt.pixel_values[i])
+        assert item.content_hash == meta.content_hash == sent.hashes[i]
+        assert [p.content_hash for p in item.partitions] == [
+            p.content_hash for p in meta.partitions
+        ]
+
+
+def test_values_for_an_encoder_before_codes_pass_its_every_check(
+    ckpt: Path, processor: Processor
+) -> None:
+    """The values are the codes' `patch_values`, and every hash the encoder checks (the
+    image's, each partition's, the video's of its partitions) is the one it computes."""
+    prompt = image_and_video(processor, 2)
+    assert prompt.settings is not None
+    fingerprint = prompt.settings.fingerprint()
+    sent = encode_request(job_of(prompt), [0, 1], {}, codes=False)
+    vision = Qwen3VLConfig.from_file(ckpt).vision
+    jobs = parse_request(sent.request, vision, fingerprint)
+    for i, (item, job) in enumerate(zip(sent.request.items, jobs, strict=True)):
+        values = tensor_from_ref(item.pixel_values)
+        assert values.dtype == torch.float32
+        expected = patch_values(prompt.pixel_values[i].numpy(), prompt.settings)
+        assert np.array_equal(values.numpy(), expected)
+        assert job.content_hash == sent.hashes[i] != prompt.params.items[i].content_hash
+    image_unit, video_units = jobs[0].units, jobs[1].units
+    assert image_unit[0].key == content_hash(
+        fingerprint,
+        "image",
+        tensor_from_ref(sent.request.items[0].pixel_values),
+        prompt.grid_thw[0],
+    )
+    assert len(video_units) == len(prompt.params.items[1].partitions) == 3
+
+
+def test_values_of_some_partitions_key_them_as_the_whole_item_does(
+    ckpt: Path, processor: Processor
+) -> None:
+    """Of the video's last two partitions only: the encoder checks those two partitions'
+    hashes, which equal the ones it checks of the whole item, and echoes the item hash."""
+    prompt = image_and_video(processor, 3)
+    assert prompt.settings is not None
+    fingerprint = prompt.settings.fingerprint()
+    vision = Qwen3VLConfig.from_file(ckpt).vision
+    whole = encode_request(job_of(prompt), [1], {}, codes=False)
+    (whole_job,) = parse_request(whole.request, vision, fingerprint)
+    part = encode_request(job_of(prompt), [1], {1: range(1, 3)}, codes=False)
+    (job,) = parse_request(part.request, vision, fingerprint)
+    assert [u.key for u in job.units] == [u.key for u in whole_job.units[1:]]
+    assert job.content_hash == part.hashes[1] == prompt.params.items[1].content_hash
+
+
+async def test_both_forms_encode_to_the_same_rows(
+    encoder: RoleServer[EncoderServicer], processor: Processor
+) -> None:
+    """A real encoder worker: the values form's rows (main and deepstack) are the codes
+    form's, bit for bit, and each answer carries the hash its item was sent under."""
+    prompt = image_and_video(processor, 4)
+    ch = channel(encoder.address, credentials=cluster_credentials())
+    try:
+        stub = encoder_service_pb2_grpc.EncoderServiceStub(ch)
+        answers = {}
+        for codes in (True, False):
+            sent = encode_request(job_of(prompt), [0, 1], {}, codes=codes)
+            response: encoder_service_pb2.EncodeResponse = await stub.Encode(
+                sent.request, timeout=60
+            )
+            assert [it.content_hash for it in response.items] == [sent.hashes[0], sent.hashes[1]]
+            answers[codes] = [
+                [tensor_from_ref(ref) for ref in (it.rows, *it.deepstack)] for it in response.items
+            ]
+    finally:
+        await ch.close()
+    for with_codes, with_values in zip(answers[True], answers[False], strict=True):
+        assert len(with_codes) == len(with_values) > 1
+        for a, b in zip(with_codes, with_values, strict=True):
+            assert torch.equal(a, b)
+
+
+async def test_the_encode_stage_sends_values_to_an_encoder_without_the_capability(
+    encoder: RoleServer[EncoderServicer], processor: Processor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same encoder registered twice, as a new and as an old one: the stage sends codes
+    to the first and values to the second, and hands prefill the same embeddings."""
+    dtypes: list[torch.dtype] = []
+
+    def recording(request: encoder_service_pb2.EncodeRequest, *args: Any, **kw: Any) -> Any:
+        dtypes.extend(tensor_from_ref(it.pixel_values).dtype for it in request.items)
+        return parse_request(request, *args, **kw)
+
+    monkeypatch.setattr(encoder_server, "parse_request", recording)
+    prompt = image_and_video(processor, 5)
+    peers = PeerClient(credentials=cluster_credentials())
+    embeddings = {}
+    try:
+        for capabilities in ([PATCH_CODES], []):
+            registry = Registry(worker_timeout_s=1e9, heartbeat_interval_s=1.0)
+            info = registry_service_pb2.WorkerInfo(
+                role=role_to_proto(Role.ENCODER),
+                address=encoder.address,
+                model="m",
+                protocol_version="epd.v1",
+                name="encoder-0",
+                capabilities=capabilities,
+            )
+            assert takes_codes(info) == bool(capabilities)
+            registry.register(info)
+            stage = EncodeStage(WorkerCalls(registry), peers, max_inline_embedding_bytes=1 << 30)
+            encoded = await stage.encode(job_of(prompt), [0, 1])
+            embeddings[bool(capabilities)] = [emb.SerializeToString() for emb in encoded.embeddings]
+    finally:
+        await peers.close()
+    assert dtypes == [torch.uint8] * 2 + [torch.float32] * 2
+    assert embeddings[True] == embeddings[False]
