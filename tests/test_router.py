@@ -23,7 +23,7 @@ from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.processing.processor import Processor
-from common.roles import Role
+from common.roles import PATCH_CODES, Role
 from common.sampling import SamplingParams
 from common.server.rpc import channel, start_server
 from common.wire.kv import layout_from_proto
@@ -174,7 +174,9 @@ def worker_info(role: Role, address: str, **kw: Any) -> registry_service_pb2.Wor
     msg = registry_service_pb2.WorkerInfo(
         role=role_to_proto(role), address=address, model=MODEL, protocol_version="epd.v1"
     )
-    if role != Role.ENCODER:
+    if role == Role.ENCODER:  # a current encoder's (older ones take float32 values)
+        msg.capabilities.extend(kw.get("capabilities", [PATCH_CODES]))
+    else:
         msg.kv_layout.CopyFrom(
             kv_pb2.KvLayout(
                 model=MODEL,
