@@ -8,16 +8,36 @@ machine without them must not pass quietly. Local runs still skip, with the reas
 The skips are found by their reason (`pytest.importorskip("transformers")` names the module,
 the NIXL skips say "NIXL"), so a new test that skips the same way is covered without a
 marker. A module-level skip turns into a collection error, which stops the run at once.
+
+Also the module-scoped `ckpt` (the built-in tiny checkpoint) and `processor` fixtures most
+modules share; a module that needs another checkpoint defines its own `ckpt`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 
+from common.models.tiny import default_checkpoint
+from common.processing.processor import Processor
+
 pytest_plugins = ("pytester",)  # tests/test_strict_mode.py runs pytest on this file
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> Path:
+    """The built-in tiny checkpoint; a module that tests another defines its own `ckpt`."""
+    return default_checkpoint("tiny")
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt: Path) -> Processor:
+    """The processor of the module's `ckpt`."""
+    return Processor.from_pretrained(ckpt)
+
 
 STRICT_ENV = "EPD_STRICT"
 # Dependencies CI must have, as a skip reason names them (lower case).

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.tiny import default_checkpoint
 from common.processing.content_hash import content_hash
 from common.processing.image import patch_values
 from common.processing.processor import ProcessedPrompt, Processor
@@ -37,16 +36,6 @@ from router.encode import EncodeStage
 from router.encode_request import encode_request, takes_codes
 from router.registry import Registry
 from tests.cluster import cluster_credentials, cluster_security
-
-
-@pytest.fixture(scope="module")
-def ckpt() -> Path:
-    return default_checkpoint("tiny")
-
-
-@pytest.fixture(scope="module")
-def processor(ckpt: Path) -> Processor:
-    return Processor.from_pretrained(ckpt)
 
 
 @pytest.fixture

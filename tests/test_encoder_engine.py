@@ -33,11 +33,6 @@ from encoder_worker.server import load_tower
 from encoder_worker.settings import EncoderSettings
 
 
-@pytest.fixture(scope="module")
-def ckpt() -> Path:
-    return default_checkpoint("tiny")
-
-
 @functools.cache
 def pixel_settings() -> Any:
     ckpt = default_checkpoint("tiny")
@@ -47,11 +42,6 @@ def pixel_settings() -> Any:
 def make_engine(tower: VisionTower, cache: EncoderCache, **options: Any) -> EncoderEngine:
     """An engine that maps patch codes by the tiny checkpoint's processor settings."""
     return EncoderEngine(tower, cache, settings=pixel_settings(), **options)
-
-
-@pytest.fixture(scope="module")
-def processor(ckpt: Path) -> Processor:
-    return Processor.from_pretrained(ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from common.models.qwen3_vl.vision import VisionTower
-from common.models.tiny import default_checkpoint
 from common.processing.processor import ProcessedPrompt, Processor
 from common.roles import PATCH_CODES
 from common.server.role import RoleServer
@@ -44,16 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def ckpt() -> Path:
-    return default_checkpoint("tiny")
-
-
-@pytest.fixture(scope="module")
-def processor(ckpt: Path) -> Processor:
-    return Processor.from_pretrained(ckpt)
 
 
 @pytest.fixture(scope="module")

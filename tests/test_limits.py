@@ -23,7 +23,6 @@ from PIL import Image
 
 from common.errors import FieldError
 from common.handoff import check_request
-from common.models.tiny import default_checkpoint
 from common.multimodal.validation import MultimodalLayoutError
 from common.processing.chat import IM_START
 from common.processing.content_hash import content_hash, partitioned_content_hash
@@ -48,16 +47,6 @@ from router.settings import RouterSettings
 from tests.cluster import cluster_credentials, cluster_security
 
 # ------------------------------------------------------------------------------ helpers
-
-
-@pytest.fixture(scope="module")
-def ckpt() -> Path:
-    return default_checkpoint("tiny")
-
-
-@pytest.fixture(scope="module")
-def processor(ckpt: Path) -> Processor:
-    return Processor.from_pretrained(ckpt)
 
 
 def png(w: int, h: int, seed: int = 0, noise: bool = True) -> bytes:
