@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.models.malloc_settings import tune_malloc
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.qwen3_vl.vision import VisionTower
 from common.processing.image import as_patch_values
@@ -106,6 +107,7 @@ class EncoderEngine:
         max_batch_rows: int = 1 << 16,
         settings: ProcessorSettings | None = None,
     ) -> None:
+        tune_malloc()  # process-wide: freed activations stay in the heap (see the module)
         self.tower = tower
         self.settings = settings  # maps patch codes to the tower's values (None: no codes)
         self.cache = cache

@@ -7,7 +7,9 @@ the mmap threshold, which adapts to the largest block freed so far, never settle
 the sizes vary between prefill and decode; the next allocation then faults its pages in
 again and the kernel zeroes them. On one torch thread that cost about 8% of a 512-token
 prefill and 3% of a batch-32 decode step on the "small" checkpoint (the same code with and
-without these thresholds, in two processes, interleaved, medians of 21).
+without these thresholds, in two processes, interleaved, medians of 21), and about 6% of
+the "bench" vision tower's forward over one 448x448 image (478 -> 450 ms CPU). The LM
+runner and the encoder engine set them when they start.
 
 `tune_malloc` sets the mmap threshold to 32 MB (glibc's ceiling for it; larger blocks, such
 as the paged KV buffer, still get their own mapping) and the trim threshold to 256 MB, so
