@@ -25,7 +25,12 @@ def test_the_encoder_engine_tunes_malloc_when_it_starts(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[None] = []
-    monkeypatch.setattr(encoder_engine, "tune_malloc", lambda: calls.append(None) or True)
+
+    def record() -> bool:
+        calls.append(None)
+        return True
+
+    monkeypatch.setattr(encoder_engine, "tune_malloc", record)
     tower = load_tower(ckpt, EncoderSettings())[1]
     encoder_engine.EncoderEngine(tower, EncoderCache(1 << 20))
     assert len(calls) == 1
