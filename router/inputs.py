@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from common.errors import FieldError
-from common.processing.image import KeyedImage
+from common.processing.image import KeyedImage, check_aspect_ratio
 from common.processing.limits import (
     InputLimits,
     LimitError,
@@ -77,6 +77,8 @@ def open_image(
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
+    except Image.UnidentifiedImageError:
+        raise InputError(field, "is not a decodable image (not a format PIL reads)") from None
     except _DECODE_ERRORS as exc:
         raise InputError(field, f"is not a decodable image ({exc})") from None
     try:
@@ -87,6 +89,10 @@ def open_image(
             budget.add(image.width, image.height, field)
     except LimitError as exc:
         raise InputError(exc.field, exc.reason) from None
+    try:
+        check_aspect_ratio(image.height, image.width)
+    except ValueError as exc:  # a size the model's resize refuses
+        raise InputError(field, str(exc)) from None
     return image
 
 

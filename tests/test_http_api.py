@@ -161,20 +161,24 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
+async def fake_router(ckpt: Path, **settings: Any) -> FakeCluster:
+    """A router on free ports (HTTP API too) for fake workers; `settings` override these."""
+    base: dict[str, Any] = {
+        "model": str(ckpt),
+        "port": 0,
+        "http_port": 0,
+        "served_model_name": MODEL_ID,
+        "expected_model": "fake-model",
+        "worker_timeout_s": 60.0,
+        "grace_s": 0.0,
+        "security": cluster_security(),
+    }
+    return FakeCluster(await serve(RouterSettings(**(base | settings))))
+
+
 @pytest.fixture
 async def fake(ckpt: Path) -> AsyncIterator[FakeCluster]:
-    settings = RouterSettings(
-        model=str(ckpt),
-        port=0,
-        http_port=0,
-        served_model_name=MODEL_ID,
-        expected_model="fake-model",
-        worker_timeout_s=60.0,
-        grace_s=0.0,
-        max_queued_requests=0,
-        security=cluster_security(),
-    )
-    c = FakeCluster(await serve(settings))
+    c = await fake_router(ckpt, max_queued_requests=0)
     yield c
     await c.close()
 

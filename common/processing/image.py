@@ -87,15 +87,24 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+MAX_ASPECT_RATIO = 200  # the reference's bound on max(h, w) / min(h, w), images and frames
+
+
+def check_aspect_ratio(height: int, width: int) -> None:
+    """ValueError for a size the reference's resize refuses (no pixels, or a longer side
+    over `MAX_ASPECT_RATIO` times the shorter)."""
+    if min(height, width) < 1:
+        raise ValueError(f"image has no pixels: {height}x{width}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio must be below {MAX_ASPECT_RATIO}, got {height}x{width}")
+
+
 def smart_resize(
     height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
 ) -> tuple[int, int]:
     """Target `(height, width)`: multiples of `factor`, pixel count within the bounds, aspect
     ratio kept as closely as possible (the reference's rule, including its rounding)."""
-    if min(height, width) < 1:
-        raise ValueError(f"image has no pixels: {height}x{width}")
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio must be below 200, got {height}x{width}")
+    check_aspect_ratio(height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:

@@ -29,6 +29,7 @@ from PIL import Image
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import (
     ByteArray,
+    check_aspect_ratio,
     load_image,
     patch_codes,
     resize_rgb,
@@ -148,8 +149,7 @@ def smart_resize_video(
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio must be below 200, got {height}x{width}")
+    check_aspect_ratio(height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor

@@ -40,7 +40,7 @@ from common.server.rpc import RpcStatusError
 from epd.v1 import router_service_pb2
 from router.calls import RouterError
 from router.http.convert import chat_request, completion_request
-from router.http.errors import ApiError
+from router.http.errors import ApiError, validation_error
 from router.http.media import MediaPolicy
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
 from router.http.stream import Answer, events
@@ -65,14 +65,6 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param=exc.field)
     logger.exception("HTTP request failed")
     return ApiError(grpc.StatusCode.INTERNAL, "internal error")
-
-
-def _param(loc: tuple[Any, ...]) -> str:
-    """`("body", "messages", 0, "content")` -> `messages[0].content`."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
 
 
 def _caller(request: Request) -> Caller:
@@ -109,12 +101,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = _param(tuple(first.get("loc", ())))
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        return ApiError(code, message, param=param or None).response()
+        return validation_error(exc.errors()).response()
 
     def check_model(body: SamplingBody) -> None:
         if body.model != model_id:
@@ -245,28 +232,41 @@ class HttpServer:
 
 
 def _limit_body(app: Any, max_bytes: int) -> Any:
-    """ASGI middleware: a request body over `max_bytes` is answered 413 before it is read."""
+    """ASGI middleware: a request body over `max_bytes` is answered 413 before the app sees
+    it: by its Content-Length, or, sent without one (chunked), once the bytes read so far
+    pass the limit (the body is read here first, as the app would read all of it anyway)."""
+
+    async def too_large(scope: Any, receive: Any, send: Any) -> None:
+        error = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
+        error.status = 413
+        await error.response()(scope, receive, send)
 
     async def limited(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
         length = dict(scope.get("headers", ())).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > max_bytes:
-            error = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
-            error.status = 413
-            await error.response()(scope, receive, send)
+        if length is not None and length.isdigit():
+            # The HTTP server reads no more than the length says.
+            await (too_large if int(length) > max_bytes else app)(scope, receive, send)
             return
+        read: list[Any] = []
         seen = 0
-
-        async def counted() -> Any:
-            nonlocal seen
+        while True:
             message = await receive()
+            read.append(message)
+            if message["type"] != "http.request":
+                break  # the client went away: the app sees that too
             seen += len(message.get("body", b""))
             if seen > max_bytes:
-                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
-            return message
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
 
-        await app(scope, counted, send)
+        async def replay() -> Any:
+            return read.pop(0) if read else await receive()
+
+        await app(scope, replay, send)
 
     return limited

@@ -50,7 +50,30 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
     return msg
 
 
+def refuse_unsupported(body: SamplingBody) -> None:
+    """FieldError naming the first field that asks for what this server does not do
+    (log probabilities, tool calls, structured output, echo, best-of): refused, since an
+    answer without it would look like one with it to a client that does not check."""
+    if body.logprobs:
+        raise FieldError("logprobs", "log probabilities are not supported by this server")
+    if body.top_logprobs:
+        raise FieldError("top_logprobs", "log probabilities are not supported by this server")
+    if isinstance(body, ChatCompletionRequest):
+        for field, value in (("tools", body.tools), ("functions", body.functions)):
+            if value:
+                raise FieldError(field, "tool calls are not supported by this server")
+        fmt = body.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise FieldError("response_format", 'only {"type": "text"} is supported')
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise FieldError("echo", "echoing the prompt is not supported by this server")
+        if body.best_of not in (None, 1):
+            raise FieldError("best_of", "only 1 is supported (one completion per request)")
+
+
 def _request(body: SamplingBody, request_id: str) -> router_service_pb2.GenerateRequest:
+    refuse_unsupported(body)
     return router_service_pb2.GenerateRequest(
         request_id=request_id, sampling=sampling(body), stop=body.stop_strings
     )

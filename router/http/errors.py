@@ -1,10 +1,17 @@
 """Failures -> OpenAI's error body `{"error": {"message", "type", "param", "code"}}` and the
 HTTP status a client of OpenAI's API expects (the gRPC status the same failure gets on the
-gRPC front door, mapped)."""
+gRPC front door, mapped).
+
+`param` names the field as the HTTP body spells it (`messages[0].content[1].image_url.url`),
+both for the body's own validation (`validation_error`) and for what the router refuses later
+under the gRPC message's names (`ApiError.from_router`, `http_field`)."""
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -48,11 +55,14 @@ class ApiError(Exception):
         """From a RouterError's status and trailing metadata (`epd-field`, `retry-after-ms`)."""
         meta = dict(trailing)
         retry = meta.get("retry-after-ms")
-        field = meta.get("epd-field")  # a GenerateRequest field: sampling's are top-level here
+        field = meta.get("epd-field")  # a GenerateRequest field
+        param = http_field(field) if field else None
+        if field and param and param != field and message.startswith(field):
+            message = param + message[len(field) :]
         return cls(
             code,
             message,
-            param=field.removeprefix("sampling.") if field else None,
+            param=param,
             retry_after_s=int(retry) / 1000 if retry and retry.isdigit() else None,
         )
 
@@ -73,3 +83,75 @@ class ApiError(Exception):
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+# A GenerateRequest field path -> the HTTP body's name of it (sampling's are top-level there).
+_GRPC_TO_HTTP = (
+    (re.compile(r"^sampling\."), ""),
+    (re.compile(r"(content\[\d+\])\.image\.data"), r"\1.image_url.url"),
+    (re.compile(r"(content\[\d+\])\.video\.file"), r"\1.video_url.url"),
+    (re.compile(r"(content\[\d+\])\.(?:image|video)\.(uuid|fps)"), r"\1.\2"),
+)
+
+
+def http_field(field: str) -> str:
+    """`messages[0].content[1].image.data` -> `messages[0].content[1].image_url.url`."""
+    for pattern, replacement in _GRPC_TO_HTTP:
+        field = pattern.sub(replacement, field)
+    return field
+
+
+_PART_TAGS = frozenset({"text", "image_url", "video_url"})  # `schema.ContentPart`'s tags
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+    """The body's validation errors (pydantic's, through FastAPI) as one 400.
+
+    A field that may be a string or a list (`content`, `stop`) fails on both branches; the
+    error that got deepest into the input names what is wrong (a part's missing `url`, an
+    unknown part `type`), so it is the one reported; of errors equally deep, one that is not
+    about the value's type (a string that is not valid UTF-8); else both shapes are named."""
+    if not errors:
+        return ApiError(grpc.StatusCode.INVALID_ARGUMENT, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error") or first.get("msg")
+        where = first.get("loc", ())[-1:]
+        at = f" (at character {where[0]})" if where and isinstance(where[0], int) else ""
+        message = f"the body is not valid JSON: {detail}{at}"
+        return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    deepest = max(len(e.get("loc", ())) for e in errors)
+    tied = [e for e in errors if len(e.get("loc", ())) == deepest]
+    about_value = [e for e in tied if not str(e.get("type", "")).endswith("_type")]
+    if about_value or len(tied) == 1:
+        best = (about_value or tied)[0]
+        message = str(best.get("msg", "is invalid")).removeprefix("Value error, ")
+    else:  # the value is neither shape: name both
+        best = tied[0]
+        shapes = dict.fromkeys(str(e.get("msg", "")).removeprefix("Input ") for e in tied)
+        message = " or ".join(shapes)
+    param = _param(tuple(best.get("loc", ())))
+    return ApiError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{param}: {message}" if param else message,
+        param=param or None,
+    )
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """`("body", "messages", 0, "content", "list[...]", 0, "image_url", "image_url", "url")`
+    -> `messages[0].content[0].image_url.url`: the body's path, without the labels pydantic
+    puts in it for a union's branches (`str`, `list[...]`, a part's tag)."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    kept: list[Any] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, str) and (part == "str" or "[" in part):
+            continue  # a union branch's label
+        after_part = i > 0 and isinstance(parts[i - 1], int) and kept[-2:-1] == ["content"]
+        if after_part and part in _PART_TAGS and i + 1 < len(parts):
+            continue  # a content part's tag, before the part's own field
+        kept.append(part)
+    out = ""
+    for part in kept:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out

@@ -3,13 +3,37 @@
 Sampling follows OpenAI's defaults where they differ from the gRPC API's: `temperature`
 defaults to 1.0. `max_tokens` (or `max_completion_tokens`) unset: the router's default.
 `ignore_eos` is an extension (as in vLLM), sent with the `openai` client via `extra_body`.
+
+Every bound the wire's messages have is checked here, so a value they cannot carry is a 400
+naming its field, not a failure later: counts fit their protobuf integers, `temperature` a
+float32, and every string is valid UTF-8 (JSON can spell lone surrogates, protobuf strings
+cannot hold them). OpenAI fields for what this server does not do (`logprobs`, tools, a
+`response_format` other than text, `echo`, `best_of` above 1) are named so that asking for
+them is refused (`router.http.convert.refuse_unsupported`) rather than silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+UINT32_MAX = (1 << 32) - 1
+INT32_MAX = (1 << 31) - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"is not valid UTF-8 (a lone surrogate at character {exc.start})"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]  # a string the wire's protobuf strings can hold
 
 
 class _Body(BaseModel):
@@ -19,7 +43,7 @@ class _Body(BaseModel):
 class MediaUrl(_Body):
     """`{"url": ...}`: a data URL, or (when the router allows it) a file path or https URL."""
 
-    url: str
+    url: Text
     detail: str | None = None  # OpenAI's image detail; ignored
 
 
@@ -27,7 +51,7 @@ class TextContent(_Body):
     """`{"type": "text", "text": ...}`."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageContent(_Body):
@@ -35,7 +59,7 @@ class ImageContent(_Body):
 
     type: Literal["image_url"]
     image_url: MediaUrl
-    uuid: str | None = None  # caller-supplied identity of the item
+    uuid: Text | None = None  # caller-supplied identity of the item
 
 
 class VideoContent(_Body):
@@ -44,7 +68,7 @@ class VideoContent(_Body):
 
     type: Literal["video_url"]
     video_url: MediaUrl
-    uuid: str | None = None
+    uuid: Text | None = None
     fps: float | None = Field(default=None, gt=0)  # None: the router's default
 
 
@@ -55,7 +79,7 @@ class ChatMessage(_Body):
     """One message: its content a string or a list of parts."""
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    content: Text | list[ContentPart]
 
 
 class StreamOptions(_Body):
@@ -67,19 +91,22 @@ class StreamOptions(_Body):
 class SamplingBody(_Body):
     """The fields chat and text completions share."""
 
-    model: str
+    model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=FLOAT32_MAX)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    stop: Text | list[Text] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request
     ignore_eos: bool = False  # extension: keep generating past end-of-sequence
     user: str | None = None  # OpenAI's end-user id; ignored
+    # Not done by this server: refused when asked for (see the module docstring).
+    logprobs: bool | int | None = None  # chat: a bool; completions: a count
+    top_logprobs: int | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -93,9 +120,14 @@ class ChatCompletionRequest(SamplingBody):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Any] | None = None  # refused when not empty (no tool calls)
+    functions: list[Any] | None = None  # the older name of `tools`
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
 
 class CompletionRequest(SamplingBody):
     """`POST /v1/completions`: a plain-text prompt, no chat template."""
 
-    prompt: str
+    prompt: Text
+    echo: bool = False  # refused when true
+    best_of: int | None = None  # refused above 1

@@ -1,0 +1,233 @@
+"""Bad HTTP request bodies: each is a 400 (413 for an oversized body) whose `param` names the
+field as the body spells it, never a 500, and the router keeps answering.
+
+Found by sending malformed bodies to a deployment: before, a `max_tokens` past uint32, a
+`top_k` past int32 or a lone surrogate in a string failed when the protobuf message was
+built (500); a part missing its `url` was reported as `content.str: Input should be a valid
+string`; an image error named the gRPC field (`image.data`); `logprobs` and tools were
+silently ignored. Unit tests of the formatting first, then a router with fake workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import io
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pydantic
+import pytest
+from PIL import Image
+
+from common.errors import FieldError
+from router.http.convert import chat_request, completion_request
+from router.http.errors import ApiError, http_field, validation_error
+from router.http.media import MediaPolicy
+from router.http.schema import ChatCompletionRequest, CompletionRequest
+from tests.cluster import CLIENT_KEY
+from tests.test_http_api import WEATHER, add_workers, call, fake_router, url_of, user
+from tests.test_router import Cluster as FakeCluster
+
+MODEL = "tiny"
+TEXT_PART = {"type": "text", "text": "hi"}
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": WEATHER, **extra}
+
+
+def png_url(width: int, height: int) -> str:
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def refusal(body: dict[str, Any]) -> ApiError:
+    """What the API answers a body its schema refuses."""
+    with pytest.raises(pydantic.ValidationError) as err:
+        ChatCompletionRequest.model_validate(body)
+    # FastAPI's locations start with "body"; pydantic's own do not.
+    return validation_error([{**e, "loc": ("body", *e["loc"])} for e in err.value.errors()])
+
+
+def parts(*content: dict[str, Any]) -> dict[str, Any]:
+    """A chat body of one user message of these parts."""
+    return chat(messages=user(*content))
+
+
+C0, C1 = "messages[0].content[0]", "messages[0].content[1]"
+VIDEO = {"type": "video_url", "video_url": {"url": "x"}, "fps": 0}
+LONE = {"type": "image_url", "image_url": {"url": "\ud800"}}
+
+# Body -> (param, a piece of the message).
+SCHEMA_CASES: list[tuple[dict[str, Any], str, str]] = [
+    (chat(max_tokens=1 << 32), "max_tokens", "4294967295"),
+    (chat(max_completion_tokens=1 << 40), "max_completion_tokens", "4294967295"),
+    (chat(top_k=1 << 40), "top_k", "2147483647"),
+    (chat(temperature=1e300), "temperature", "less than or equal"),
+    (chat(stop=["\udc00"]), "stop[0]", "lone surrogate"),
+    (chat(stop=5), "stop", "valid string or"),
+    (chat(messages=[{"role": "user", "content": "\ud800"}]), "messages[0].content", "UTF-8"),
+    (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "valid list"),
+    (parts({"type": "text", "text": "a\ud800"}), f"{C0}.text", "surrogate"),
+    (parts({"type": "image_url", "image_url": {}}), f"{C0}.image_url.url", "required"),
+    (parts({"type": "text"}), f"{C0}.text", "required"),
+    (parts(VIDEO), f"{C0}.fps", "greater than 0"),
+    (parts({"type": "audio", "audio": "x"}), C0, "'audio'"),
+    (parts(TEXT_PART, LONE), f"{C1}.image_url.url", "UTF-8"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "says"), SCHEMA_CASES)
+def test_a_body_the_schema_refuses_names_its_field(
+    body: dict[str, Any], param: str, says: str
+) -> None:
+    error = refusal(body)
+    assert (error.status, error.param) == (400, param), str(error)
+    assert says in str(error) and str(error).startswith(f"{param}: ")
+    assert error.param is not None and ".str" not in error.param
+
+
+def test_invalid_json_is_named_as_such() -> None:
+    json_error = {
+        "type": "json_invalid",
+        "loc": ("body", 7),
+        "msg": "JSON decode error",
+        "ctx": {"error": "Expecting value"},
+    }
+    error = validation_error([json_error])
+    assert (error.status, error.param) == (400, None)
+    assert str(error) == "the body is not valid JSON: Expecting value (at character 7)"
+
+
+def test_the_widest_values_the_wire_carries_are_accepted() -> None:
+    body = ChatCompletionRequest.model_validate(chat(max_tokens=(1 << 32) - 1, top_k=(1 << 31) - 1))
+    request = chat_request(body, "r", MediaPolicy())
+    assert (request.sampling.max_tokens, request.sampling.top_k) == ((1 << 32) - 1, (1 << 31) - 1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_what_the_server_does_not_do_is_refused_not_ignored(
+    extra: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(FieldError) as err:
+        chat_request(ChatCompletionRequest.model_validate(chat(**extra)), "r", MediaPolicy())
+    assert err.value.field == param
+    allowed = chat(logprobs=False, tools=[], response_format={"type": "text"})
+    assert chat_request(ChatCompletionRequest.model_validate(allowed), "r", MediaPolicy())
+    for field, value in (("echo", True), ("best_of", 2), ("logprobs", 2)):
+        body = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", field: value})
+        with pytest.raises(FieldError) as err:
+            completion_request(body, "r")
+        assert err.value.field == field
+
+
+def test_grpc_field_names_become_the_bodys() -> None:
+    assert http_field("messages[2].content[1].image.data") == "messages[2].content[1].image_url.url"
+    assert http_field("messages[0].content[0].video.file") == "messages[0].content[0].video_url.url"
+    assert http_field("messages[0].content[3].video.fps") == "messages[0].content[3].fps"
+    assert http_field("sampling.max_tokens") == "max_tokens"
+    assert http_field("stop") == "stop"
+    error = ApiError.from_router(
+        __import__("grpc").StatusCode.INVALID_ARGUMENT,
+        "messages[0].content[0].image.data: is not a decodable image",
+        (("epd-field", "messages[0].content[0].image.data"),),
+    )
+    assert error.param == "messages[0].content[0].image_url.url"
+    assert str(error) == "messages[0].content[0].image_url.url: is not a decodable image"
+
+
+# ------------------------------------------------------------- a router with fake workers
+
+
+@pytest.fixture
+async def small_bodies(ckpt: Path) -> AsyncIterator[FakeCluster]:
+    """A router taking bodies of at most 1 MiB (`max_message_mb`), with fake workers."""
+    c = await fake_router(ckpt, max_message_mb=1)
+    await add_workers(c)
+    yield c
+    await c.close()
+
+
+NOT_AN_IMAGE = "data:image/png;base64," + base64.b64encode(b"hello").decode()
+LONE_SURROGATE_BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'
+
+
+def post_raw(url: str, data: bytes, *, chunked: bool = False) -> tuple[int, dict[str, Any]]:
+    """POST `data` to the chat endpoint (as one body, or in 64 KiB chunks without a
+    Content-Length); the status and JSON body."""
+    host = url.removeprefix("http://")
+    conn = http.client.HTTPConnection(host, timeout=30)
+    headers = {"Authorization": f"Bearer {CLIENT_KEY}", "Content-Type": "application/json"}
+    try:
+        if chunked:
+            pieces = (data[i : i + (1 << 16)] for i in range(0, len(data), 1 << 16))
+            conn.request("POST", "/v1/chat/completions", pieces, headers, encode_chunked=True)
+        else:
+            conn.request("POST", "/v1/chat/completions", data, headers)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+async def test_the_router_answers_400_naming_the_field_and_keeps_serving(
+    small_bodies: FakeCluster,
+) -> None:
+    url = url_of(small_bodies)
+    endpoint = f"{url}/v1/chat/completions"
+    cases: list[tuple[dict[str, Any] | bytes, str | None]] = [
+        (chat(max_tokens=10**12), "max_tokens"),
+        (chat(top_k=1 << 40), "top_k"),
+        (chat(temperature=1e300), "temperature"),
+        (chat(logprobs=True), "logprobs"),
+        (parts(image(NOT_AN_IMAGE)), f"{C0}.image_url.url"),
+        (parts(image(png_url(5000, 2)), TEXT_PART), f"{C0}.image_url.url"),
+        (LONE_SURROGATE_BODY, "messages[0].content"),
+        (b'{"model": "tiny", "messages": [', None),
+    ]
+    for body, param in cases:
+        if isinstance(body, bytes):
+            status, reply = await asyncio.to_thread(post_raw, url, body)
+        else:
+            status, _, reply = await asyncio.to_thread(call, endpoint, body, CLIENT_KEY)
+        assert (status, reply["error"]["param"]) == (400, param), (body, reply)
+        assert reply["error"]["type"] == "invalid_request_error"
+    aspect = await asyncio.to_thread(call, endpoint, parts(image(png_url(5000, 2))), CLIENT_KEY)
+    assert "aspect ratio" in aspect[2]["error"]["message"]
+    not_image = await asyncio.to_thread(call, endpoint, parts(image(NOT_AN_IMAGE)), CLIENT_KEY)
+    assert "object at 0x" not in not_image[2]["error"]["message"]  # no Python reprs
+    status, _, reply = await asyncio.to_thread(call, endpoint, chat(max_tokens=2), CLIENT_KEY)
+    assert status == 200 and reply["choices"][0]["message"]["content"] is not None
+
+
+async def test_a_body_over_the_limit_is_413_with_or_without_its_length(
+    small_bodies: FakeCluster,
+) -> None:
+    url = url_of(small_bodies)
+    big = json.dumps(chat(messages=user({"type": "text", "text": "x" * (2 << 20)}))).encode()
+    for chunked in (False, True):
+        status, reply = await asyncio.to_thread(post_raw, url, big, chunked=chunked)
+        assert status == 413, (chunked, reply)
+        assert "body over" in reply["error"]["message"]
+    small = json.dumps(chat(max_tokens=2)).encode()
+    assert (await asyncio.to_thread(post_raw, url, small, chunked=True))[0] == 200
