@@ -75,11 +75,14 @@ class KvLease:
         self.owned = True
 
 
-def check_resume(request: router_service_pb2.GenerateRequest, max_tokens: int) -> tuple[int, ...]:
+def check_resume(
+    request: router_service_pb2.GenerateRequest, max_tokens: int, vocab_size: int | None = None
+) -> tuple[int, ...]:
     """`request.resume_tokens` as a tuple, or InputError naming the field: fewer than
-    `max_tokens`, none negative, and not with stop strings (text a failed router held back
-    for a possible stop string never reached the client, so it could not be resumed
-    exactly). The decode worker checks them against its vocabulary and stop tokens."""
+    `max_tokens`, each in `[0, vocab_size)`, and not with stop strings (text a failed router
+    held back for a possible stop string never reached the client, so it could not be
+    resumed exactly). Checked before any worker is called; the decode worker checks them
+    again against its vocabulary and stop tokens."""
     tokens = tuple(request.resume_tokens)
     if not tokens:
         return ()
@@ -90,6 +93,8 @@ def check_resume(request: router_service_pb2.GenerateRequest, max_tokens: int) -
         )
     if min(tokens) < 0:
         raise InputError("resume_tokens", "token ids must not be negative")
+    if vocab_size is not None and max(tokens) >= vocab_size:
+        raise InputError("resume_tokens", f"token id {max(tokens)} is outside the vocab")
     if request.stop:
         raise InputError("resume_tokens", "a request with stop strings cannot be resumed")
     return tokens

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from common.errors import FieldError
+from common.multimodal.validation import MAX_UUID_CHARS
 from common.processing.image import KeyedImage, check_aspect_ratio
 from common.processing.limits import (
     InputLimits,
@@ -215,15 +216,14 @@ class _Reader:
             self.text(part.text, f"{where}.text")
             return TextPart(part.text)
         if kind == "image":
-            return ImagePart(
-                self.still(part.image.data, f"{where}.image.data"),
-                uuid=part.image.uuid if part.image.HasField("uuid") else None,
-            )
+            uuid = _uuid(part.image, f"{where}.image.uuid")
+            return ImagePart(self.still(part.image.data, f"{where}.image.data"), uuid=uuid)
         if kind == "video":
             return self.video(part.video, where)
         raise InputError(where, "has no text, image or video")
 
     def video(self, video: router_service_pb2.VideoInput, where: str) -> VideoPart | _FileVideo:
+        uuid = _uuid(video, f"{where}.video.uuid")
         if video.file and video.frames:
             raise InputError(f"{where}.video", "set exactly one of frames and file")
         if video.file:
@@ -234,8 +234,8 @@ class _Reader:
             check_video_frames(len(video.frames), self.limits, f"{where}.video.frames")
         except LimitError as exc:
             raise InputError(exc.field, exc.reason) from None
-        if not video.fps > 0:
-            raise InputError(f"{where}.video.fps", f"must be positive, got {video.fps}")
+        if not 0 < video.fps < float("inf"):
+            raise InputError(f"{where}.video.fps", f"must be positive and finite, got {video.fps}")
         fields = [f"{where}.video.frames[{k}]" for k in range(len(video.frames))]
         opened = [
             open_image(frame, field, self.limits, self.budget)
@@ -251,7 +251,6 @@ class _Reader:
         else:
             needed = [k for k, f in enumerate(frames) if f.image is not None]
             self.opened.extend((opened[k], fields[k]) for k in needed)
-        uuid = video.uuid if video.HasField("uuid") else None
         return VideoPart(opened if frames is None else frames, fps, uuid=uuid)
 
     def keyed_frames(
@@ -301,7 +300,7 @@ class _Reader:
             )
         except FieldError as exc:
             raise InputError(exc.field, exc.reason) from None
-        pending = _FileVideo(opened, video.uuid if video.HasField("uuid") else None)
+        pending = _FileVideo(opened, _uuid(video, f"{where}.video.uuid"))
         self.files.append(pending)
         try:
             for _ in opened.header.sample_times:
@@ -309,3 +308,13 @@ class _Reader:
         except LimitError as exc:
             raise InputError(exc.field, exc.reason) from None
         return pending
+
+
+def _uuid(media: Any, field: str) -> str | None:
+    """An image's or video's caller-supplied `uuid` (None: unset); InputError naming
+    `field` when it is longer than block keys may hash (`MAX_UUID_CHARS`)."""
+    if not media.HasField("uuid"):
+        return None
+    if len(media.uuid) > MAX_UUID_CHARS:
+        raise InputError(field, f"is over {MAX_UUID_CHARS} characters")
+    return str(media.uuid)

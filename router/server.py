@@ -72,6 +72,8 @@ from router.workers import CheckpointShape, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
+MAX_REQUEST_ID_CHARS = 256  # a caller's request id is logged and sent to every worker
+
 
 class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
     """`RouterService.Generate`: check, process, orchestrate (see the module docstring)."""
@@ -103,6 +105,10 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         tokenized, then prompt tokens + `max_tokens` against the context; no worker is
         called for a request refused here."""
         limits = self.settings.input_limits(self.processor.config.text.max_position_embeddings)
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InputError("request_id", f"is over {MAX_REQUEST_ID_CHARS} characters")
+        if request.HasField("prompt") and not request.prompt:
+            raise InputError("prompt", "is empty")
         try:
             sampling = sampling_from_proto(request.sampling, self.processor.generation)
         except FieldError as exc:  # sampling errors and multimodal layout errors alike
@@ -153,7 +159,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             try:
                 sampling, prompt = await asyncio.to_thread(self._prepare, request, cache_salt)
                 check_stop(request.stop)
-                resumed = check_resume(request, sampling.max_tokens)
+                vocab = self.processor.config.text.vocab_size
+                resumed = check_resume(request, sampling.max_tokens, vocab)
             except (InputError, FieldError) as exc:
                 logger.info("request %s rejected: %s", request_id, exc)
                 error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -98,6 +98,7 @@ def test_numpy_inputs_accepted() -> None:
         # hash size, uuid form
         ({"hashes": [H0, b"short"]}, "mm_hashes", 1),
         ({"uuids": ["a", ""]}, "mm_uuids", 1),
+        ({"uuids": ["a", "u" * 257]}, "mm_uuids", 1),  # every block key hashes it
         # position must be the first run's start
         ({"positions": [3, 10]}, "mm_positions", 0),
         # non-integer values

@@ -28,11 +28,12 @@ def test_resume_tokens_come_back_in_order() -> None:
         ([1] * 8, (), "leave none to generate (max_tokens=8)"),
         ([4, -1], (), "must not be negative"),
         ([4], ("END",), "stop strings cannot be resumed"),
+        ([4, 100], (), "token id 100 is outside the vocab"),
     ],
 )
 def test_bad_resume_tokens_are_refused_naming_the_field(
     tokens: list[int], stop: tuple[str, ...], reason: str
 ) -> None:
     with pytest.raises(InputError) as info:
-        check_resume(_request(tokens, stop), 8)
+        check_resume(_request(tokens, stop), 8, vocab_size=100)
     assert info.value.field == "resume_tokens" and reason in str(info.value)

@@ -36,6 +36,11 @@ class MultimodalLayoutError(FieldError):
         return self.field if self.item is None else f"{self.field} (item {self.item})"
 
 
+# Longest caller-supplied item identity: every block key of the item hashes it (router,
+# prefill and decode alike), so its length multiplies the cost of hashing the prompt.
+MAX_UUID_CHARS = 256
+
+
 def validate_flat(
     hashes: Sequence[bytes],
     positions: IntSequence,
@@ -63,6 +68,8 @@ def validate_flat(
     for i, uuid in enumerate(uuids or ()):
         if uuid is not None and (not isinstance(uuid, str) or not uuid):
             raise MultimodalLayoutError("mm_uuids", "must be a non-empty string or None", i)
+        if uuid is not None and len(uuid) > MAX_UUID_CHARS:
+            raise MultimodalLayoutError("mm_uuids", f"is over {MAX_UUID_CHARS} characters", i)
     run_fields = {
         "item_run_cu_offsets": item_run_cu_offsets,
         "run_positions": run_positions,

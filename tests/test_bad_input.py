@@ -1,11 +1,16 @@
-"""Bad HTTP request bodies: each is a 400 (413 for an oversized body) whose `param` names the
-field as the body spells it, never a 500, and the router keeps answering.
+"""Bad requests at both front doors: each is refused before any worker is called, with an
+error naming the field as the caller spells it (HTTP: a 400, or 413 for an oversized body,
+never a 500; gRPC: INVALID_ARGUMENT with `epd-field`), and the router keeps answering.
 
-Found by sending malformed bodies to a deployment: before, a `max_tokens` past uint32, a
-`top_k` past int32 or a lone surrogate in a string failed when the protobuf message was
-built (500); a part missing its `url` was reported as `content.str: Input should be a valid
+Found by sending malformed requests to a deployment. Before, over HTTP: a `max_tokens` past
+uint32, a `top_k` past int32 or a lone surrogate failed when the protobuf message was built
+(500); a part missing its `url` was reported as `content.str: Input should be a valid
 string`; an image error named the gRPC field (`image.data`); `logprobs` and tools were
-silently ignored. Unit tests of the formatting first, then a router with fake workers.
+silently ignored; a chunked body over the limit got FastAPI's own error shape. Over gRPC:
+a resume token outside the vocab and an empty `prompt` were refused only by a worker, after
+prefill ran; `fps = inf` was taken; a media `uuid` and a `request_id` had no length bound,
+and every block key of an item hashes its uuid (1 MiB of uuid: 1.4 s of hashing an 8k-token
+prompt, in the router and again in prefill and decode).
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pydantic
 import pytest
 from PIL import Image
 
 from common.errors import FieldError
+from common.server.credentials import bearer_metadata
+from epd.v1 import router_service_pb2, sampling_pb2
 from router.http.convert import chat_request, completion_request
 from router.http.errors import ApiError, http_field, validation_error
 from router.http.media import MediaPolicy
@@ -32,6 +40,9 @@ from router.http.schema import ChatCompletionRequest, CompletionRequest
 from tests.cluster import CLIENT_KEY
 from tests.test_http_api import WEATHER, add_workers, call, fake_router, url_of, user
 from tests.test_router import Cluster as FakeCluster
+from tests.test_router import FakeDecode, FakePrefill
+
+Fakes = tuple[FakeCluster, FakePrefill, FakeDecode]  # a router with HTTP, its fake workers
 
 MODEL = "tiny"
 TEXT_PART = {"type": "text", "text": "hi"}
@@ -160,11 +171,10 @@ def test_grpc_field_names_become_the_bodys() -> None:
 
 
 @pytest.fixture
-async def small_bodies(ckpt: Path) -> AsyncIterator[FakeCluster]:
-    """A router taking bodies of at most 1 MiB (`max_message_mb`), with fake workers."""
+async def small_bodies(ckpt: Path) -> AsyncIterator[Fakes]:
+    """A router taking bodies of at most 1 MiB (`max_message_mb`), and its fake workers."""
     c = await fake_router(ckpt, max_message_mb=1)
-    await add_workers(c)
-    yield c
+    yield (c, *await add_workers(c))
     await c.close()
 
 
@@ -191,9 +201,9 @@ def post_raw(url: str, data: bytes, *, chunked: bool = False) -> tuple[int, dict
 
 
 async def test_the_router_answers_400_naming_the_field_and_keeps_serving(
-    small_bodies: FakeCluster,
+    small_bodies: Fakes,
 ) -> None:
-    url = url_of(small_bodies)
+    url = url_of(small_bodies[0])
     endpoint = f"{url}/v1/chat/completions"
     cases: list[tuple[dict[str, Any] | bytes, str | None]] = [
         (chat(max_tokens=10**12), "max_tokens"),
@@ -221,9 +231,9 @@ async def test_the_router_answers_400_naming_the_field_and_keeps_serving(
 
 
 async def test_a_body_over_the_limit_is_413_with_or_without_its_length(
-    small_bodies: FakeCluster,
+    small_bodies: Fakes,
 ) -> None:
-    url = url_of(small_bodies)
+    url = url_of(small_bodies[0])
     big = json.dumps(chat(messages=user({"type": "text", "text": "x" * (2 << 20)}))).encode()
     for chunked in (False, True):
         status, reply = await asyncio.to_thread(post_raw, url, big, chunked=chunked)
@@ -231,3 +241,56 @@ async def test_a_body_over_the_limit_is_413_with_or_without_its_length(
         assert "body over" in reply["error"]["message"]
     small = json.dumps(chat(max_tokens=2)).encode()
     assert (await asyncio.to_thread(post_raw, url, small, chunked=True))[0] == 200
+
+
+def grpc_request(**fields: Any) -> router_service_pb2.GenerateRequest:
+    request = router_service_pb2.GenerateRequest(
+        messages=[router_service_pb2.ChatMessage(role="user")],
+        sampling=sampling_pb2.SamplingParams(max_tokens=4),
+    )
+    request.MergeFrom(router_service_pb2.GenerateRequest(**fields))
+    return request
+
+
+def grpc_part(**content: Any) -> router_service_pb2.GenerateRequest:
+    """A request whose one user message holds this part, then some text."""
+    request = grpc_request()
+    request.messages[0].content.add(**content)
+    request.messages[0].content.add(text="hi")
+    return request
+
+
+PNG = base64.b64decode(png_url(32, 32).partition(",")[2])
+GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
+    (grpc_request(resume_tokens=[10**6]), "resume_tokens"),
+    (grpc_request(prompt="", messages=[]), "prompt"),
+    (grpc_request(request_id="r" * 257), "request_id"),
+    (
+        grpc_part(image=router_service_pb2.ImageInput(data=PNG, uuid="u" * 257)),
+        "messages[0].content[0].image.uuid",
+    ),
+    (
+        grpc_part(video=router_service_pb2.VideoInput(frames=[PNG] * 2, fps=float("inf"))),
+        "messages[0].content[0].video.fps",
+    ),
+]
+
+
+async def test_grpc_requests_the_wire_carries_but_the_router_refuses(
+    small_bodies: Fakes,
+) -> None:
+    router, prefill, decode = small_bodies
+    stub = router.client._router
+    for request, field in GRPC_CASES:
+        call = stub.Generate(request, metadata=bearer_metadata(CLIENT_KEY))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert dict(err.value.trailing_metadata() or ())["epd-field"] == field
+        assert (err.value.details() or "").startswith(f"{field}: ")
+    assert prefill.requests == [] and decode.requests == []  # refused before any worker
+    ok = grpc_request(request_id="r" * 256, resume_tokens=[5])
+    ok.messages[0].content.add(text="hi")
+    async for chunk in stub.Generate(ok, metadata=bearer_metadata(CLIENT_KEY)):
+        assert chunk.token_ids or chunk.finish_reason
