@@ -72,7 +72,16 @@ from router.workers import CheckpointShape, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_CHARS = 256  # a caller's request id is logged and sent to every worker
+MAX_ID_CHARS = 256  # a caller's request id and cache salt (logged, sent to every worker)
+
+
+def check_ids(request: router_service_pb2.GenerateRequest) -> None:
+    """InputError naming `request_id` or `cache_salt` when it is over `MAX_ID_CHARS`: each
+    travels with the request to every worker, and the encoder hashes the salt into every
+    unit's cache key (without tenants it is the caller's own string)."""
+    for name in ("request_id", "cache_salt"):
+        if len(getattr(request, name)) > MAX_ID_CHARS:
+            raise InputError(name, f"is over {MAX_ID_CHARS} characters")
 
 
 class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
@@ -105,8 +114,6 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         tokenized, then prompt tokens + `max_tokens` against the context; no worker is
         called for a request refused here."""
         limits = self.settings.input_limits(self.processor.config.text.max_position_embeddings)
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InputError("request_id", f"is over {MAX_REQUEST_ID_CHARS} characters")
         if request.HasField("prompt") and not request.prompt:
             raise InputError("prompt", "is empty")
         try:
@@ -150,13 +157,14 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         Generate and the HTTP API (`router.http`) both run this."""
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
-        cache_salt = tenant_salt(
-            self.salt_key,
-            caller.tenant,
-            request.cache_salt if request.HasField("cache_salt") else None,
-        )
         async with self.lifecycle.track():
             try:
+                check_ids(request)
+                cache_salt = tenant_salt(
+                    self.salt_key,
+                    caller.tenant,
+                    request.cache_salt if request.HasField("cache_salt") else None,
+                )
                 sampling, prompt = await asyncio.to_thread(self._prepare, request, cache_salt)
                 check_stop(request.stop)
                 vocab = self.processor.config.text.vocab_size

@@ -265,6 +265,7 @@ GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
     (grpc_request(resume_tokens=[10**6]), "resume_tokens"),
     (grpc_request(prompt="", messages=[]), "prompt"),
     (grpc_request(request_id="r" * 257), "request_id"),
+    (grpc_request(cache_salt="s" * 257), "cache_salt"),
     (
         grpc_part(image=router_service_pb2.ImageInput(data=PNG, uuid="u" * 257)),
         "messages[0].content[0].image.uuid",
