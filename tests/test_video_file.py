@@ -196,6 +196,15 @@ def test_malformed_files_are_refused_naming_the_field(data, message):
     assert isinstance(err.value, FieldError)
 
 
+def test_a_stream_in_an_unknown_codec_is_refused_naming_the_field(mp4):
+    """Found by mutating files: a sample entry FFmpeg does not know leaves the stream
+    without a codec context (an AttributeError, an internal error, before)."""
+    unknown = mp4.replace(b"avc1", b"zzzz")
+    with pytest.raises(VideoFileError, match="codec this server cannot decode") as err:
+        open_video(unknown, fps=2.0, max_frames=8, field="messages[0].content[0].video.file")
+    assert err.value.field == "messages[0].content[0].video.file"
+
+
 def test_a_truncated_file_is_refused_or_gives_its_complete_frames(mp4):
     try:
         video = decode_video(mp4[: len(mp4) // 2], fps=2.0, max_frames=8)

@@ -220,7 +220,10 @@ def _header(
     if not container.streams.video:
         raise VideoFileError(field, "has no video stream")
     stream = container.streams.video[0]
-    width, height = stream.codec_context.width, stream.codec_context.height
+    codec = stream.codec_context  # None: a codec this build of FFmpeg does not know
+    if codec is None:
+        raise VideoFileError(field, "has a video stream in a codec this server cannot decode")
+    width, height = codec.width, codec.height
     if width < 1 or height < 1:
         raise VideoFileError(field, f"has no frame size in its header ({width}x{height})")
     if stream.duration and stream.time_base:
