@@ -64,7 +64,15 @@ class InputError(ValueError):
         self.field = field
 
 
-_DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Warning)
+# TypeError too: PIL raises it on some malformed TIFF tags (found by decoding mutated files).
+_DECODE_ERRORS = (
+    OSError,
+    ValueError,
+    TypeError,
+    SyntaxError,
+    Image.DecompressionBombError,
+    Warning,
+)
 
 
 def open_image(

@@ -20,6 +20,7 @@ import base64
 import http.client
 import io
 import json
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from router.http.convert import chat_request, completion_request
 from router.http.errors import ApiError, http_field, validation_error
 from router.http.media import MediaPolicy
 from router.http.schema import ChatCompletionRequest, CompletionRequest
+from router.inputs import InputError, decode_image
 from tests.cluster import CLIENT_KEY
 from tests.test_http_api import WEATHER, add_workers, call, fake_router, url_of, user
 from tests.test_router import Cluster as FakeCluster
@@ -165,6 +167,23 @@ def test_grpc_field_names_become_the_bodys() -> None:
     )
     assert error.param == "messages[0].content[0].image_url.url"
     assert str(error) == "messages[0].content[0].image_url.url: is not a decodable image"
+
+
+def test_a_tiff_whose_strip_offsets_are_fractions_is_not_a_decodable_image() -> None:
+    """Found by decoding mutated files: PIL raised TypeError for it, which the router's
+    decode errors did not include."""
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buf, "TIFF")
+    data = bytearray(buf.getvalue())
+    order = "<" if data[:2] == b"II" else ">"
+    (ifd,) = struct.unpack(order + "I", data[4:8])
+    (count,) = struct.unpack(order + "H", data[ifd : ifd + 2])
+    for entry in range(ifd + 2, ifd + 2 + 12 * count, 12):
+        if struct.unpack(order + "H", data[entry : entry + 2]) == (273,):  # StripOffsets
+            data[entry + 2 : entry + 4] = struct.pack(order + "H", 5)  # type RATIONAL
+    with pytest.raises(InputError, match="is not a decodable image") as err:
+        decode_image(bytes(data), "messages[0].content[0].image.data")
+    assert err.value.field == "messages[0].content[0].image.data"
 
 
 # ------------------------------------------------------------- a router with fake workers
