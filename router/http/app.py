@@ -24,8 +24,8 @@ import contextlib
 import logging
 import socket
 import uuid
-from collections.abc import AsyncGenerator, Callable, Iterator
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import grpc
 import uvicorn
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Chunks = AsyncGenerator[router_service_pb2.GenerateResponse, None]
+T = TypeVar("T")
 
 
 def api_error(exc: BaseException) -> ApiError:
@@ -112,51 +113,46 @@ def build_app(
             )
 
     async def answer(
-        body: SamplingBody, request: router_service_pb2.GenerateRequest, who: Caller, chat: bool
+        body: SamplingBody,
+        request: router_service_pb2.GenerateRequest,
+        who: Caller,
+        chat: bool,
+        raw: Request,
     ) -> Response:
+        """Run the request; until its response starts, a client that hangs up cancels it
+        (and what the workers hold for it), as a streamed response's does afterwards."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         result = Answer(prefix + request.request_id, model_id, chat)
         chunks = servicer.generate(request, who, None)
         try:
-            first = await anext(chunks)
-        except StopAsyncIteration:
-            first = None
-        except Exception as exc:
+            first = await _unless_gone(raw, _first(chunks))
+            if not body.stream:
+                return JSONResponse(await _unless_gone(raw, _all(result, first, chunks)))
+        except _ClientGone:
             await chunks.aclose()
-            raise api_error(exc) from None
-        if not body.stream:
-            try:
-                if first is not None:
-                    result.add(first)
-                async for chunk in chunks:
-                    result.add(chunk)
-            except Exception as exc:
-                raise api_error(exc) from None
-            finally:
-                await chunks.aclose()
-            return JSONResponse(result.final())
+            return Response(status_code=499)  # nobody reads it
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = events(result, _chain(first, chunks), include_usage, lambda e: api_error(e).body())
         return StreamingResponse(stream, media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, who: Who) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, who: Who, raw: Request) -> Response:
         check_model(body)
         request_id = uuid.uuid4().hex
         try:
             request = await asyncio.to_thread(chat_request, body, request_id, policy)
         except FieldError as exc:
             raise api_error(exc) from None
-        return await answer(body, request, who, chat=True)
+        return await answer(body, request, who, True, raw)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, who: Who) -> Response:
+    async def completions(body: CompletionRequest, who: Who, raw: Request) -> Response:
         check_model(body)
         try:
             request = completion_request(body, uuid.uuid4().hex)
         except FieldError as exc:
             raise api_error(exc) from None
-        return await answer(body, request, who, chat=False)
+        return await answer(body, request, who, False, raw)
 
     @app.get("/v1/models")
     async def models(_who: Who) -> dict[str, Any]:
@@ -169,6 +165,62 @@ def build_app(
         return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
 
     return app
+
+
+class _ClientGone(Exception):
+    """The HTTP client hung up before its response started."""
+
+
+async def _unless_gone(raw: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result, or `_ClientGone` (with `work` cancelled) once the client of `raw`
+    disconnects first (the body has been read: the next ASGI message is the disconnect)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(raw))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler cancelled: so is the work
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise _ClientGone
+    return task.result()
+
+
+async def _disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first(chunks: Chunks) -> router_service_pb2.GenerateResponse | None:
+    """The first chunk (None: none came); the API's error for a failure."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+    except Exception as exc:
+        await chunks.aclose()
+        raise api_error(exc) from None
+
+
+async def _all(
+    result: Answer, first: router_service_pb2.GenerateResponse | None, chunks: Chunks
+) -> dict[str, Any]:
+    """Every chunk added to `result` (from `first` on); its final body."""
+    try:
+        if first is not None:
+            result.add(first)
+        async for chunk in chunks:
+            result.add(chunk)
+    except Exception as exc:
+        raise api_error(exc) from None
+    finally:
+        await chunks.aclose()
+    return result.final()
 
 
 async def _chain(first: router_service_pb2.GenerateResponse | None, rest: Chunks) -> Chunks:

@@ -1,0 +1,95 @@
+"""An HTTP client that hangs up cancels its request: the router cancels the worker call in
+progress (prefill, or the decode stream), so nothing keeps computing or holding KV for an
+answer nobody will read. Before, a non-streamed request ran to its last token after its
+client left (found with a real deployment: `vllm:num_requests_running` stayed 1 for the
+seconds a 3000-token answer took), and a streamed one was cancelled only once its response
+had started (after the first token), not while it waited for prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import CLIENT_KEY
+from tests.test_http_api import MODEL_ID, WEATHER, add_workers, fake_router, url_of
+from tests.test_router import Cluster as FakeCluster
+from tests.test_router import FakeDecode, FakePrefill
+
+
+@pytest.fixture
+async def fakes(ckpt: Path) -> AsyncIterator[tuple[FakeCluster, FakePrefill, FakeDecode]]:
+    c = await fake_router(ckpt)
+    yield (c, *await add_workers(c))
+    await c.close()
+
+
+def send_then_hang_up(
+    url: str, stream: bool, wait: asyncio.Event, loop: asyncio.AbstractEventLoop
+) -> None:
+    """POST a chat, wait until `wait` is set (from `loop`), then close the socket unread."""
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+    body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 8, "stream": stream}
+    headers = {"Authorization": f"Bearer {CLIENT_KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    asyncio.run_coroutine_threadsafe(wait.wait(), loop).result(timeout=30)
+    assert conn.sock is not None
+    conn.sock.close()
+    conn.close()
+
+
+async def hang_up_while(fakes: FakeCluster, stream: bool, busy: asyncio.Event) -> None:
+    """Send a chat and hang up once `busy` (a fake worker is working on it) is set."""
+    loop = asyncio.get_running_loop()
+    await asyncio.to_thread(send_then_hang_up, url_of(fakes), stream, busy, loop)
+
+
+async def wait_for(event: asyncio.Event, what: str) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), 10)
+    except TimeoutError:
+        raise AssertionError(f"{what} was not cancelled after the client hung up") from None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_hanging_up_during_prefill_cancels_it(
+    fakes: tuple[FakeCluster, FakePrefill, FakeDecode], stream: bool
+) -> None:
+    router, prefill, decode = fakes
+    prefill.hang = True
+    called = asyncio.Event()
+
+    async def watch() -> None:
+        while not prefill.requests:
+            await asyncio.sleep(0.01)
+        called.set()
+
+    watcher = asyncio.create_task(watch())
+    await hang_up_while(router, stream, called)
+    await watcher
+    await wait_for(prefill.cancelled, "the prefill call")
+    assert decode.requests == []
+
+
+async def test_hanging_up_during_decode_cancels_the_stream(
+    fakes: tuple[FakeCluster, FakePrefill, FakeDecode],
+) -> None:
+    router, _, decode = fakes
+    decode.hang_after_first = True  # one token, then nothing: a long answer
+    called = asyncio.Event()
+
+    async def watch() -> None:
+        while not decode.requests:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # past its first chunk
+        called.set()
+
+    watcher = asyncio.create_task(watch())
+    await hang_up_while(router, False, called)
+    await watcher
+    await wait_for(decode.cancelled, "the decode stream")
