@@ -292,7 +292,11 @@ async def _start_http(running: RunningRouter, settings: RouterSettings, path: Pa
     # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them).
     app.mount("/metrics", asgi_app(running.servicer.orchestrator.metrics.registry))
     http = HttpServer(
-        app, settings.http_host, settings.http_port, settings.max_message_mb * 1024 * 1024
+        app,
+        settings.http_host,
+        settings.http_port,
+        settings.max_message_mb << 20,
+        settings.http_bodies_in_flight_mb << 20,
     )
     await http.start()
     running.cleanup.insert(0, http.stop)

@@ -117,6 +117,12 @@ class RouterSettings(ServerSettings):
     )
     http_fetch_timeout_s: float = setting(10.0, "longest one media URL fetch may take")
     http_fetch_max_bytes: int = setting(64 << 20, "largest media file one URL fetch may return")
+    http_bodies_in_flight_mb: int = setting(
+        1024,
+        "MiB of HTTP request bodies the router holds at once, summed over the requests being "
+        "read or answered; a request past it gets 429 with Retry-After unless no other body "
+        "is held (0: no bound)",
+    )
     decode_migrations: int = setting(
         2,
         "times one decode stream is resumed on another decode worker after the one serving it "
@@ -178,6 +184,7 @@ class RouterSettings(ServerSettings):
             "max_video_file_bytes",
             "max_video_seconds",
             "http_fetch_max_bytes",
+            "http_bodies_in_flight_mb",
             "processed_image_cache_mb",
             "embedding_cache_mb",
         ):

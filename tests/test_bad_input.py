@@ -20,6 +20,7 @@ import base64
 import http.client
 import io
 import json
+import socket
 import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -191,8 +192,9 @@ def test_a_tiff_whose_strip_offsets_are_fractions_is_not_a_decodable_image() -> 
 
 @pytest.fixture
 async def small_bodies(ckpt: Path) -> AsyncIterator[Fakes]:
-    """A router taking bodies of at most 1 MiB (`max_message_mb`), and its fake workers."""
-    c = await fake_router(ckpt, max_message_mb=1)
+    """A router taking bodies of at most 1 MiB (`max_message_mb`), holding at most 1 MiB of
+    them at once (`http_bodies_in_flight_mb`), and its fake workers."""
+    c = await fake_router(ckpt, max_message_mb=1, http_bodies_in_flight_mb=1)
     yield (c, *await add_workers(c))
     await c.close()
 
@@ -260,6 +262,39 @@ async def test_a_body_over_the_limit_is_413_with_or_without_its_length(
         assert "body over" in reply["error"]["message"]
     small = json.dumps(chat(max_tokens=2)).encode()
     assert (await asyncio.to_thread(post_raw, url, small, chunked=True))[0] == 200
+
+
+async def test_bodies_held_at_once_are_bounded(small_bodies: Fakes) -> None:
+    """A client that sends half its body and stalls holds that much; a second large body
+    that would pass the bound waits its turn (429, Retry-After); small ones still pass, and
+    the large one does once the first client has gone."""
+    url = url_of(small_bodies[0])
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stalled = socket.create_connection((host, int(port)))
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        f"Authorization: Bearer {CLIENT_KEY}\r\nContent-Type: application/json\r\n\r\n"
+    )
+    piece = b" " * (600 << 10)
+    stalled.sendall(head.encode() + f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+    large = json.dumps(chat(max_tokens=2, user="x" * (700 << 10))).encode()
+    small = json.dumps(chat(max_tokens=2)).encode()
+    try:
+        # The router reads the stalled client's bytes meanwhile (this event loop runs it):
+        # a large body sent before that would be taken, and the stalled one refused.
+        await asyncio.sleep(1.0)
+        status, reply = await asyncio.to_thread(post_raw, url, large)
+        assert status == 429, reply
+        assert reply["error"]["type"] == "rate_limit_error"
+        assert (await asyncio.to_thread(post_raw, url, small))[0] == 200
+    finally:
+        stalled.close()
+    for _ in range(100):
+        status, reply = await asyncio.to_thread(post_raw, url, large)
+        if status != 429:
+            break
+        await asyncio.sleep(0.05)
+    assert status == 200, reply
 
 
 def grpc_request(**fields: Any) -> router_service_pb2.GenerateRequest:

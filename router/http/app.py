@@ -244,9 +244,11 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """uvicorn serving an app on a port bound at `start`, in the running event loop."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: FastAPI, host: str, port: int, max_body_bytes: int, bodies_in_flight: int = 0
+    ) -> None:
         config = uvicorn.Config(
-            _limit_body(app, max_body_bytes),
+            _limit_body(app, max_body_bytes, bodies_in_flight),
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -283,42 +285,79 @@ class HttpServer:
         self._sock.close()
 
 
-def _limit_body(app: Any, max_bytes: int) -> Any:
+def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
     """ASGI middleware: a request body over `max_bytes` is answered 413 before the app sees
     it: by its Content-Length, or, sent without one (chunked), once the bytes read so far
-    pass the limit (the body is read here first, as the app would read all of it anyway)."""
+    pass the limit (the body is read here first, as the app would read all of it anyway).
 
-    async def too_large(scope: Any, receive: Any, send: Any) -> None:
-        error = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
-        error.status = 413
+    With `in_flight_bytes`, the bodies of the requests being read or answered may sum to at
+    most that many bytes (their media stay in memory until the answer ends): a request whose
+    body would pass it is answered 429 with Retry-After, unless no other body is held (so
+    one request up to `max_bytes` always gets through). Without it, many slow clients each
+    sending a large body could hold any amount of the router's memory."""
+    held = 0  # bytes of the bodies being read or answered now
+
+    async def refuse(scope: Any, receive: Any, send: Any, status: int) -> None:
+        if status == 413:
+            error = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
+            error.status = 413
+        else:
+            error = ApiError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "the router holds as many request bodies as it may; try again",
+                retry_after_s=1.0,
+            )
         await error.response()(scope, receive, send)
 
+    def take(size: int, mine: int) -> bool:
+        """Hold `size` more bytes of a body that holds `mine` already, if the budget allows
+        (always when no other body is held)."""
+        nonlocal held
+        if in_flight_bytes and held > mine and held + size > in_flight_bytes:
+            return False
+        held += size
+        return True
+
     async def limited(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal held
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
         length = dict(scope.get("headers", ())).get(b"content-length")
-        if length is not None and length.isdigit():
-            # The HTTP server reads no more than the length says.
-            await (too_large if int(length) > max_bytes else app)(scope, receive, send)
-            return
-        read: list[Any] = []
-        seen = 0
-        while True:
-            message = await receive()
-            read.append(message)
-            if message["type"] != "http.request":
-                break  # the client went away: the app sees that too
-            seen += len(message.get("body", b""))
-            if seen > max_bytes:
-                await too_large(scope, receive, send)
+        taken = 0
+        try:
+            if length is not None and length.isdigit():
+                # The HTTP server reads no more than the length says.
+                if int(length) > max_bytes:
+                    await refuse(scope, receive, send, 413)
+                elif not take(int(length), 0):
+                    await refuse(scope, receive, send, 429)
+                else:
+                    taken = int(length)
+                    await app(scope, receive, send)
                 return
-            if not message.get("more_body"):
-                break
+            read: list[Any] = []
+            while True:
+                message = await receive()
+                read.append(message)
+                if message["type"] != "http.request":
+                    break  # the client went away: the app sees that too
+                size = len(message.get("body", b""))
+                if taken + size > max_bytes:
+                    await refuse(scope, receive, send, 413)
+                    return
+                if not take(size, taken):
+                    await refuse(scope, receive, send, 429)
+                    return
+                taken += size
+                if not message.get("more_body"):
+                    break
 
-        async def replay() -> Any:
-            return read.pop(0) if read else await receive()
+            async def replay() -> Any:
+                return read.pop(0) if read else await receive()
 
-        await app(scope, replay, send)
+            await app(scope, replay, send)
+        finally:
+            held -= taken
 
     return limited
