@@ -297,6 +297,27 @@ async def test_bodies_held_at_once_are_bounded(small_bodies: Fakes) -> None:
     assert status == 200, reply
 
 
+async def test_a_body_without_a_key_is_refused_before_it_is_read(small_bodies: Fakes) -> None:
+    """401 as soon as the headers are in, the body unread: anonymous callers cannot hold
+    the router's body budget (the large body after it is taken)."""
+    url = url_of(small_bodies[0])
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    anonymous = socket.create_connection((host, int(port)), timeout=10)
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        "Content-Type: application/json\r\n\r\n"
+    )
+    piece = b" " * (600 << 10)
+    try:
+        anonymous.sendall(head.encode() + f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        reply = await asyncio.to_thread(anonymous.recv, 4096)  # the body was never finished
+        assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+        large = json.dumps(chat(max_tokens=2, user="x" * (700 << 10))).encode()
+        assert (await asyncio.to_thread(post_raw, url, large))[0] == 200
+    finally:
+        anonymous.close()
+
+
 def grpc_request(**fields: Any) -> router_service_pb2.GenerateRequest:
     request = router_service_pb2.GenerateRequest(
         messages=[router_service_pb2.ChatMessage(role="user")],

@@ -69,11 +69,15 @@ def api_error(exc: BaseException) -> ApiError:
 
 
 def _caller(request: Request) -> Caller:
-    """The authenticated caller (runs before the body is read: refusals come first)."""
-    auth: Authenticator | None = request.app.state.auth
+    """The authenticated caller (`_limit_body` has refused others before their body is
+    read: refusals come first)."""
+    return identify(request.app.state.auth, request.headers.get("authorization"))
+
+
+def identify(auth: Authenticator | None, header: str | None) -> Caller:
+    """The client an `Authorization` header names; ApiError (401, 403) for anyone else."""
     if auth is None:
         return ANONYMOUS
-    header = request.headers.get("authorization")
     found = auth.identify([(AUTHORIZATION, header)] if header else [])
     if found is None:
         raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "needs a valid API key (Bearer)")
@@ -290,6 +294,9 @@ def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
     it: by its Content-Length, or, sent without one (chunked), once the bytes read so far
     pass the limit (the body is read here first, as the app would read all of it anyway).
 
+    A POST from anyone but a client (no valid API key) is refused before its body is read,
+    so it neither costs the reading nor takes from the budget below.
+
     With `in_flight_bytes`, the bodies of the requests being read or answered may sum to at
     most that many bytes (their media stay in memory until the answer ends): a request whose
     body would pass it is answered 429 with Retry-After, unless no other body is held (so
@@ -323,6 +330,13 @@ def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
+        if scope.get("method") == "POST":  # a body: only a client may have one read
+            header = dict(scope.get("headers", ())).get(b"authorization")
+            try:
+                identify(app.state.auth, header.decode("latin-1") if header else None)
+            except ApiError as exc:
+                await exc.response()(scope, receive, send)
+                return
         length = dict(scope.get("headers", ())).get(b"content-length")
         taken = 0
         try:
