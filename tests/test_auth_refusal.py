@@ -1,0 +1,84 @@
+"""A call refused for its credentials is refused without reading its request: gRPC takes in
+a unary method's request whole before its handler runs, so a refusal of that kind first
+held up to `max_message_mb` for a caller without credentials (four anonymous 200 MB
+Generate calls took a router from 264 MB to 1.46 GB resident; now 279 MB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from common.server.auth import Authenticator
+from common.server.rpc import RunningServer, start_server
+from epd.v1 import router_service_pb2
+
+KEY_SECRET = "cluster-secret-for-this-test"
+GENERATE = "/epd.v1.RouterService/Generate"
+
+
+class Counting:
+    """A Generate behind a deserializer that counts the requests it decoded."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+        self.answered = 0
+
+    def deserialize(self, data: bytes) -> router_service_pb2.GenerateRequest:
+        self.decoded += 1
+        return router_service_pb2.GenerateRequest.FromString(data)
+
+    async def generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self.answered += 1
+        yield router_service_pb2.GenerateResponse(text="ok")
+
+    def add(self, server: Any) -> None:
+        handler = grpc.unary_stream_rpc_method_handler(
+            self.generate,
+            request_deserializer=self.deserialize,
+            response_serializer=router_service_pb2.GenerateResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("epd.v1.RouterService", {"Generate": handler}),)
+        )
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[RunningServer, Counting]]:
+    counting = Counting()
+    server = await start_server([counting.add], auth=Authenticator(KEY_SECRET))
+    yield server, counting
+    await server.stop(0)
+
+
+async def generate(address: str, request: Any, bearer: str | None) -> grpc.StatusCode:
+    metadata = (("authorization", f"Bearer {bearer}"),) if bearer else None
+    async with grpc.aio.insecure_channel(
+        address, options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as ch:
+        call = ch.unary_stream(
+            GENERATE,
+            request_serializer=router_service_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=router_service_pb2.GenerateResponse.FromString,
+        )(request, metadata=metadata, timeout=30)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_a_refused_call_is_not_read(served: tuple[RunningServer, Counting]) -> None:
+    server, counting = served
+    big = router_service_pb2.GenerateRequest(request_id="x", prompt="y" * (16 << 20))
+    for bearer in (None, "not-the-secret"):
+        assert await generate(server.address, big, bearer) == grpc.StatusCode.UNAUTHENTICATED
+    assert (counting.decoded, counting.answered) == (0, 0)
+    # The cluster bearer is a service: the router's Generate needs a client key, and that
+    # refusal (PERMISSION_DENIED) reads nothing either.
+    assert await generate(server.address, big, KEY_SECRET) == grpc.StatusCode.PERMISSION_DENIED
+    assert counting.decoded == 0
