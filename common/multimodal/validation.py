@@ -66,9 +66,11 @@ def validate_flat(
         if not isinstance(digest, bytes | bytearray) or len(digest) != HASH_BYTES:
             raise MultimodalLayoutError("mm_hashes", f"must be {HASH_BYTES} bytes", i)
     for i, uuid in enumerate(uuids or ()):
-        if uuid is not None and (not isinstance(uuid, str) or not uuid):
+        if uuid is None:
+            continue
+        if not isinstance(uuid, str) or not uuid:
             raise MultimodalLayoutError("mm_uuids", "must be a non-empty string or None", i)
-        if uuid is not None and len(uuid) > MAX_UUID_CHARS:
+        if len(uuid) > MAX_UUID_CHARS:
             raise MultimodalLayoutError("mm_uuids", f"is over {MAX_UUID_CHARS} characters", i)
     run_fields = {
         "item_run_cu_offsets": item_run_cu_offsets,

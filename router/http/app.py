@@ -330,14 +330,15 @@ def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
+        headers = dict(scope.get("headers", ()))
         if scope.get("method") == "POST":  # a body: only a client may have one read
-            header = dict(scope.get("headers", ())).get(b"authorization")
+            header = headers.get(b"authorization")
             try:
                 identify(app.state.auth, header.decode("latin-1") if header else None)
             except ApiError as exc:
                 await exc.response()(scope, receive, send)
                 return
-        length = dict(scope.get("headers", ())).get(b"content-length")
+        length = headers.get(b"content-length")
         taken = 0
         try:
             if length is not None and length.isdigit():

@@ -18,8 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from common.multimodal.validation import INT32_MAX
+
 UINT32_MAX = (1 << 32) - 1
-INT32_MAX = (1 << 31) - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
