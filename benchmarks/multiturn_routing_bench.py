@@ -51,17 +51,25 @@ from timing import process_cpu_seconds
 from common.models.tiny import default_checkpoint
 from common.sampling import SamplingParams
 from epd.client import Client, Result
+from epd.request import encode_image
 from tests.cluster import Cluster, start_cluster
 
 BLOCK = 16
 QUESTION = "Describe the picture carefully: every object, its colour and where it is. " * 6
 
 
-def first_turn(seed: int, size: int) -> list[dict[str, Any]]:
+def first_turn(seed: int, size: int, media: str, frames: int) -> list[dict[str, Any]]:
+    """A chat's first message: a fresh image (`media` "image"), a fresh `frames`-frame video
+    ("video", sent as PNG frames) or, by the seed's parity, either ("mixed"), then the
+    question."""
     rng = np.random.default_rng(seed)
-    picture = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
-    content = [{"type": "image", "image": picture}, {"type": "text", "text": QUESTION}]
-    return [{"role": "user", "content": content}]
+    if media == "video" or (media == "mixed" and seed % 2):
+        clip = rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
+        part = {"type": "video", "video": [encode_image(f) for f in clip], "fps": 2.0}
+    else:
+        picture = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+        part = {"type": "image", "image": picture}
+    return [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
 
 
 async def conversation(
@@ -70,10 +78,12 @@ async def conversation(
     turns: int,
     size: int,
     sampling: SamplingParams,
+    media: str = "image",
+    frames: int = 4,
     deadline: float = math.inf,
 ) -> list[Result]:
     """One chat's turns (none started after `deadline`, a `time.perf_counter()` value)."""
-    messages = first_turn(seed, size)
+    messages = first_turn(seed, size, media, frames)
     results = []
     for k in range(turns):
         if time.perf_counter() >= deadline:
@@ -97,7 +107,10 @@ async def one_round(
     sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     async with Client(cluster.address, api_key=cluster.client_key) as client:
         start = time.perf_counter()
-        chats = [conversation(client, s, args.turns, size, sampling) for s in seeds]
+        chats = [
+            conversation(client, s, args.turns, size, sampling, args.media, args.frames)
+            for s in seeds
+        ]
         done = await asyncio.gather(*chats)
         wall = time.perf_counter() - start
     return wall, list(done)
@@ -121,7 +134,10 @@ async def steady(
                 if time.perf_counter() >= deadline:
                     break
                 seed = base + 100 * i + j
-                chats.append(await conversation(client, seed, args.turns, size, sampling, deadline))
+                chat = conversation(
+                    client, seed, args.turns, size, sampling, args.media, args.frames, deadline
+                )
+                chats.append(await chat)
             return chats
 
         done = await asyncio.gather(*(user(i) for i in range(args.conversations)))
@@ -246,7 +262,7 @@ def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
     )
     print(
         f"\n{args.rounds} rounds ({how}) x {args.conversations} concurrent chats x "
-        f"{args.turns} turns ({size}px image, {args.tokens} tokens per answer, "
+        f"{args.turns} turns ({size}px {media_words(args)}, {args.tokens} tokens per answer, "
         f"{args.threads} thread(s) a worker, {args.prefill_blocks} KV blocks of {BLOCK} "
         "tokens a prefill worker):"
     )
@@ -293,6 +309,11 @@ def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
     )
 
 
+def media_words(args: argparse.Namespace) -> str:
+    video = f"{args.frames}-frame video"
+    return {"image": "image", "video": video, "mixed": f"image or {video}"}[args.media]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("bench", "tiny"), default="bench")
@@ -307,6 +328,13 @@ def main() -> None:
     )
     parser.add_argument("--duration-s", type=float, default=120.0, help="steady window")
     parser.add_argument("--stagger-s", type=float, default=2.0, help="steady: start offsets")
+    parser.add_argument(
+        "--media",
+        choices=("image", "video", "mixed"),
+        default="image",
+        help="what a chat's first turn carries (mixed: image and video chats alternate)",
+    )
+    parser.add_argument("--frames", type=int, default=4, help="frames of a video chat's video")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument(
         "--prefill-blocks",
