@@ -326,3 +326,15 @@ def _uuid(media: Any, field: str) -> str | None:
     if len(media.uuid) > MAX_UUID_CHARS:
         raise InputError(field, f"is over {MAX_UUID_CHARS} characters")
     return str(media.uuid)
+
+
+MAX_ID_CHARS = 256  # a caller's request id and cache salt (logged, sent to every worker)
+
+
+def check_ids(request: router_service_pb2.GenerateRequest) -> None:
+    """InputError naming `request_id` or `cache_salt` when it is over `MAX_ID_CHARS`: each
+    travels with the request to every worker, and the encoder hashes the salt into every
+    unit's cache key (without tenants it is the caller's own string)."""
+    for name in ("request_id", "cache_salt"):
+        if len(getattr(request, name)) > MAX_ID_CHARS:
+            raise InputError(name, f"is over {MAX_ID_CHARS} characters")

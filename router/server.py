@@ -62,7 +62,8 @@ from epd.v1 import (
 from router.admin import AdminServicer, Scaler
 from router.calls import Job, RouterError
 from router.decode import check_resume
-from router.inputs import InputError, messages_from_proto
+from router.held import HeldBytes, add_router_service, read_request
+from router.inputs import InputError, check_ids, messages_from_proto
 from router.orchestrator import Orchestrator
 from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
@@ -71,17 +72,6 @@ from router.tenants import tenant_salt
 from router.workers import CheckpointShape, WorkerRecord
 
 logger = logging.getLogger(__name__)
-
-MAX_ID_CHARS = 256  # a caller's request id and cache salt (logged, sent to every worker)
-
-
-def check_ids(request: router_service_pb2.GenerateRequest) -> None:
-    """InputError naming `request_id` or `cache_salt` when it is over `MAX_ID_CHARS`: each
-    travels with the request to every worker, and the encoder hashes the salt into every
-    unit's cache key (without tenants it is the caller's own string)."""
-    for name in ("request_id", "cache_salt"):
-        if len(getattr(request, name)) > MAX_ID_CHARS:
-            raise InputError(name, f"is over {MAX_ID_CHARS} characters")
 
 
 class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
@@ -103,6 +93,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.settings = settings
         self.auth = auth  # who is calling (None: insecure, no tenants)
         self.salt_key = salt_key  # the cluster key tenant salts are derived under
+        # Bytes of the requests both front doors hold now (`router.held`).
+        self.held = HeldBytes(settings.requests_in_flight_mb << 20, settings.max_message_mb << 20)
 
     def _prepare(
         self, request: router_service_pb2.GenerateRequest, cache_salt: str | None = None
@@ -199,9 +191,16 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             )
 
     async def Generate(
-        self, request: router_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, _requests: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
-        """Stream the answer to one chat (`generate`, as the authenticated caller)."""
+        """Stream the answer to one chat (`generate`, as the authenticated caller). The
+        request is read once `held` lets it be, and held until the answer ends
+        (RESOURCE_EXHAUSTED if it would pass `requests_in_flight_mb`): `router.held`."""
+        longest, left = self.settings.request_timeout_s, context.time_remaining()
+        sized = await read_request(
+            self.held, context, longest if left is None else min(left, longest)
+        )
+        request = sized.request
         try:
             caller = principal(self.auth, context)
             async for chunk in self.generate(request, caller, context.time_remaining()):
@@ -211,6 +210,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing_metadata)
         except RpcStatusError as exc:  # draining
             await context.abort(exc.code, exc.details)
+        finally:
+            self.held.give(sized.size)
 
 
 @dataclass(slots=True, eq=False)
@@ -296,7 +297,7 @@ async def _start_http(running: RunningRouter, settings: RouterSettings, path: Pa
         settings.http_host,
         settings.http_port,
         settings.max_message_mb << 20,
-        settings.http_bodies_in_flight_mb << 20,
+        running.servicer.held,
     )
     await http.start()
     running.cleanup.insert(0, http.stop)
@@ -362,7 +363,7 @@ async def serve(
     running = await RunningRouter.start(
         settings,
         RouterServicer(processor, orchestrator, lifecycle, settings, auth=auth, salt_key=salt_key),
-        router_service_pb2_grpc.add_RouterServiceServicer_to_server,
+        add_router_service,
         (
             service_name(router_service_pb2, "RouterService"),
             service_name(registry_service_pb2, "RegistryService"),

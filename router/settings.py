@@ -117,11 +117,13 @@ class RouterSettings(ServerSettings):
     )
     http_fetch_timeout_s: float = setting(10.0, "longest one media URL fetch may take")
     http_fetch_max_bytes: int = setting(64 << 20, "largest media file one URL fetch may return")
-    http_bodies_in_flight_mb: int = setting(
+    requests_in_flight_mb: int = setting(
         1024,
-        "MiB of HTTP request bodies the router holds at once, summed over the requests being "
-        "read or answered; a request past it gets 429 with Retry-After unless no other body "
-        "is held (0: no bound)",
+        "MiB of requests the router holds at once, summed over the HTTP bodies and gRPC "
+        "Generate requests being read or answered (their decoded media take a few times more); "
+        "one past it gets HTTP 429 with Retry-After or gRPC RESOURCE_EXHAUSTED with "
+        "retry-after-ms unless no other is held, and at most this / max_message_mb gRPC "
+        "requests (at least one) are being read at once (0: no bound)",
     )
     decode_migrations: int = setting(
         2,
@@ -184,7 +186,7 @@ class RouterSettings(ServerSettings):
             "max_video_file_bytes",
             "max_video_seconds",
             "http_fetch_max_bytes",
-            "http_bodies_in_flight_mb",
+            "requests_in_flight_mb",
             "processed_image_cache_mb",
             "embedding_cache_mb",
         ):

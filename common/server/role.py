@@ -45,7 +45,7 @@ from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.metrics import MetricsEndpoint
 from common.server.registrar import Registrations
-from common.server.rpc import RunningServer, start_server
+from common.server.rpc import CLIENT_STREAM_WINDOW, RunningServer, start_server
 from common.settings.base import ServerSettings
 from epd.v1 import registry_service_pb2
 
@@ -141,6 +141,7 @@ class RoleServer(RunningServer, Generic[S]):
                 auth=auth,
                 tls=server_tls(security, client_certs=not client_api),
                 name=_role_name(service_names),
+                stream_window_bytes=CLIENT_STREAM_WINDOW if client_api else None,
             )
             registry = metrics if metrics is not None else CollectorRegistry()
             ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, fds

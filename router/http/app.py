@@ -39,6 +39,7 @@ from common.server.credentials import AUTHORIZATION
 from common.server.rpc import RpcStatusError
 from epd.v1 import router_service_pb2
 from router.calls import RouterError
+from router.held import RETRY_AFTER_S, HeldBytes
 from router.http.convert import chat_request, completion_request
 from router.http.errors import ApiError, validation_error
 from router.http.media import MediaPolicy
@@ -249,10 +250,10 @@ class HttpServer:
     """uvicorn serving an app on a port bound at `start`, in the running event loop."""
 
     def __init__(
-        self, app: FastAPI, host: str, port: int, max_body_bytes: int, bodies_in_flight: int = 0
+        self, app: FastAPI, host: str, port: int, max_body_bytes: int, held: HeldBytes | None = None
     ) -> None:
         config = uvicorn.Config(
-            _limit_body(app, max_body_bytes, bodies_in_flight),
+            _limit_body(app, max_body_bytes, held or HeldBytes(0)),
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -289,7 +290,7 @@ class HttpServer:
         self._sock.close()
 
 
-def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
+def _limit_body(app: Any, max_bytes: int, held: HeldBytes) -> Any:
     """ASGI middleware: a request body over `max_bytes` is answered 413 before the app sees
     it: by its Content-Length, or, sent without one (chunked), once the bytes read so far
     pass the limit (the body is read here first, as the app would read all of it anyway).
@@ -297,12 +298,9 @@ def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
     A POST from anyone but a client (no valid API key) is refused before its body is read,
     so it neither costs the reading nor takes from the budget below.
 
-    With `in_flight_bytes`, the bodies of the requests being read or answered may sum to at
-    most that many bytes (their media stay in memory until the answer ends): a request whose
-    body would pass it is answered 429 with Retry-After, unless no other body is held (so
-    one request up to `max_bytes` always gets through). Without it, many slow clients each
-    sending a large body could hold any amount of the router's memory."""
-    held = 0  # bytes of the bodies being read or answered now
+    The bodies being read or answered are `held` (`router.held`, with the gRPC requests): a
+    request whose body would pass its bound is answered 429 with Retry-After, unless no other
+    request is held (so one request up to `max_bytes` always gets through)."""
 
     async def refuse(scope: Any, receive: Any, send: Any, status: int) -> None:
         if status == 413:
@@ -311,22 +309,13 @@ def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
         else:
             error = ApiError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "the router holds as many request bodies as it may; try again",
-                retry_after_s=1.0,
+                "the router holds as many requests' bytes as it may (requests_in_flight_mb); "
+                "try again",
+                retry_after_s=RETRY_AFTER_S,
             )
         await error.response()(scope, receive, send)
 
-    def take(size: int, mine: int) -> bool:
-        """Hold `size` more bytes of a body that holds `mine` already, if the budget allows
-        (always when no other body is held)."""
-        nonlocal held
-        if in_flight_bytes and held > mine and held + size > in_flight_bytes:
-            return False
-        held += size
-        return True
-
     async def limited(scope: Any, receive: Any, send: Any) -> None:
-        nonlocal held
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
@@ -345,7 +334,7 @@ def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
                 # The HTTP server reads no more than the length says.
                 if int(length) > max_bytes:
                     await refuse(scope, receive, send, 413)
-                elif not take(int(length), 0):
+                elif not held.take(int(length)):
                     await refuse(scope, receive, send, 429)
                 else:
                     taken = int(length)
@@ -361,7 +350,7 @@ def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
                 if taken + size > max_bytes:
                     await refuse(scope, receive, send, 413)
                     return
-                if not take(size, taken):
+                if not held.take(size, taken):
                     await refuse(scope, receive, send, 429)
                     return
                 taken += size
@@ -373,6 +362,6 @@ def _limit_body(app: Any, max_bytes: int, in_flight_bytes: int = 0) -> Any:
 
             await app(scope, replay, send)
         finally:
-            held -= taken
+            held.give(taken)
 
     return limited

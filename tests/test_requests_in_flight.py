@@ -1,0 +1,143 @@
+"""`[router] requests_in_flight_mb`: the bytes of requests the router holds at once, over
+gRPC and HTTP together (`router.held`). A request past the bound is refused with a back-off
+hint unless no other is held; once the holders are gone it is served."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from common.server.credentials import bearer_metadata
+from epd.v1 import router_service_pb2
+from router.held import HeldBytes
+from tests.cluster import CLIENT_KEY
+from tests.test_bad_input import chat, grpc_request, post_raw
+from tests.test_http_api import add_workers, fake_router, url_of
+from tests.test_router import Cluster as FakeCluster
+from tests.test_router import FakeDecode
+
+LARGE = "x" * (600 << 10)  # an HTTP body's padding: two of these pass the 1 MiB bound
+
+
+def noise_png(side: int = 460) -> bytes:
+    """A PNG of random pixels: about 620 KiB, two of which pass the 1 MiB bound."""
+    pixels = np.random.default_rng(side).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_request_past_the_bound_is_refused_unless_it_is_alone() -> None:
+    held = HeldBytes(100)
+    assert held.take(150)  # alone: taken, however large
+    assert not held.take(1)
+    held.give(150)
+    assert held.take(60) and held.take(40) and not held.take(1)
+    assert held.take(10, mine=100)  # nobody else holds any: the one holder may grow
+    assert HeldBytes(0).take(1 << 40)  # 0: no bound
+
+
+@pytest.fixture
+async def bounded(ckpt: Path) -> AsyncIterator[tuple[FakeCluster, FakeDecode]]:
+    c = await fake_router(ckpt, max_message_mb=1, requests_in_flight_mb=1)
+    _, decode = await add_workers(c)
+    yield c, decode
+    await c.close()
+
+
+async def test_grpc_requests_held_at_once_are_bounded_with_the_http_bodies(
+    bounded: tuple[FakeCluster, FakeDecode],
+) -> None:
+    router, decode = bounded
+    decode.hang_after_first = True  # a stream holds its request until it is cancelled
+    stub = router.client._router
+    metadata = bearer_metadata(CLIENT_KEY)
+    png = noise_png()
+    assert 600 << 10 < len(png) < 1 << 20
+
+    def large(name: str) -> grpc.aio.UnaryStreamCall:
+        request = grpc_request(request_id=name)
+        request.messages[0].content.add(image=router_service_pb2.ImageInput(data=png))
+        request.messages[0].content.add(text="what is it?")
+        return stub.Generate(request, metadata=metadata)
+
+    holder = large("holder")
+    await holder.read()  # its first chunk: the router holds the request now
+    second = large("second")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await second.read()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "requests_in_flight_mb" in (err.value.details() or "")
+    assert dict(err.value.trailing_metadata() or ())["retry-after-ms"] == "1000"
+    # The HTTP API counts against the same bound.
+    body = json.dumps(chat(max_tokens=2, user=LARGE)).encode()
+    status, reply = await asyncio.to_thread(post_raw, url_of(router), body)
+    assert status == 429 and reply["error"]["type"] == "rate_limit_error", reply
+    small = grpc_request(request_id="small")
+    small.messages[0].content.add(text="hi")
+    small_call = stub.Generate(small, metadata=metadata)
+    assert (await small_call.read()).token_ids  # small ones still pass
+    small_call.cancel()
+    holder.cancel()
+    for _ in range(100):  # the holder's bytes come back once the router sees it gone
+        if router.router.servicer.held.held == 0:
+            break
+        await asyncio.sleep(0.05)
+    third = large("third")
+    assert (await third.read()).token_ids
+    third.cancel()
+
+
+@pytest.fixture
+async def one_read(ckpt: Path) -> AsyncIterator[FakeCluster]:
+    """A router reading one request at a time (bound / max_message_mb = 1), each within a
+    second of its read beginning (`request_timeout_s`)."""
+    c = await fake_router(ckpt, max_message_mb=1, requests_in_flight_mb=1, request_timeout_s=1.0)
+    await add_workers(c)
+    yield c
+    await c.close()
+
+
+async def test_a_sender_that_stalls_gives_its_read_back(one_read: FakeCluster) -> None:
+    """A caller that opens Generate and sends nothing holds the one read until the
+    request's time is up (DEADLINE_EXCEEDED); a request behind it waits, then is served.
+    One that half-closes without a request is INVALID_ARGUMENT."""
+    channel = one_read.client._channels[0]
+    metadata = bearer_metadata(CLIENT_KEY)
+    raw = channel.stream_stream(
+        "/epd.v1.RouterService/Generate",
+        request_serializer=router_service_pb2.GenerateRequest.SerializeToString,
+        response_deserializer=router_service_pb2.GenerateResponse.FromString,
+    )
+    never = asyncio.Event()
+
+    async def nothing() -> AsyncIterator[router_service_pb2.GenerateRequest]:
+        await never.wait()
+        yield router_service_pb2.GenerateRequest()  # pragma: no cover
+
+    stalled = raw(nothing(), metadata=metadata)
+    await asyncio.sleep(0.2)  # its handler holds the read now
+    request = grpc_request(request_id="behind")
+    request.messages[0].content.add(text="hi")
+    behind = asyncio.ensure_future(
+        one_read.client._router.Generate(request, metadata=metadata).read()
+    )
+    await asyncio.sleep(0.3)
+    assert not behind.done()  # waits for the read
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stalled.read()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "did not arrive" in (err.value.details() or "")
+    assert (await asyncio.wait_for(behind, 10)).token_ids
+    empty = raw(iter(()), metadata=metadata)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await empty.read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
