@@ -280,6 +280,7 @@ async def _start_http(running: RunningRouter, settings: RouterSettings, path: Pa
         return
     from common.server.metrics import asgi_app
     from router.http.app import HttpServer, build_app
+    from router.http.connections import bounded_protocol
     from router.http.media import MediaPolicy
 
     policy = MediaPolicy(
@@ -298,6 +299,7 @@ async def _start_http(running: RunningRouter, settings: RouterSettings, path: Pa
         settings.http_port,
         settings.max_message_mb << 20,
         running.servicer.held,
+        bounded_protocol(settings.http_header_timeout_s, settings.http_max_connections),
     )
     await http.start()
     running.cleanup.insert(0, http.stop)

@@ -117,6 +117,17 @@ class RouterSettings(ServerSettings):
     )
     http_fetch_timeout_s: float = setting(10.0, "longest one media URL fetch may take")
     http_fetch_max_bytes: int = setting(64 << 20, "largest media file one URL fetch may return")
+    http_max_connections: int = setting(
+        1024,
+        "HTTP connections the router keeps open at once; one past it is closed as it opens "
+        "(each is a file descriptor the gRPC server and the workers' channels draw on too; "
+        "0: no cap)",
+    )
+    http_header_timeout_s: float = setting(
+        20.0,
+        "seconds an HTTP connection may take to send a whole request head, from its opening "
+        "or its previous answer, before the router closes it",
+    )
     requests_in_flight_mb: int = setting(
         1024,
         "MiB of requests the router holds at once, summed over the HTTP bodies and gRPC "
@@ -186,6 +197,7 @@ class RouterSettings(ServerSettings):
             "max_video_file_bytes",
             "max_video_seconds",
             "http_fetch_max_bytes",
+            "http_max_connections",
             "requests_in_flight_mb",
             "processed_image_cache_mb",
             "embedding_cache_mb",
@@ -196,6 +208,8 @@ class RouterSettings(ServerSettings):
             raise SettingsError("http_port: must be -1 (off), 0 (any free port) or a port")
         if self.max_video_frames < 1:
             raise SettingsError("max_video_frames: must be positive")
+        if not self.http_header_timeout_s > 0:
+            raise SettingsError("http_header_timeout_s: must be positive")
         if not self.video_file_fps > 0:
             raise SettingsError("video_file_fps: must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:

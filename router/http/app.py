@@ -32,6 +32,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.errors import FieldError
 from common.server.auth import ANONYMOUS, Authenticator, Caller, Need
@@ -250,10 +251,17 @@ class HttpServer:
     """uvicorn serving an app on a port bound at `start`, in the running event loop."""
 
     def __init__(
-        self, app: FastAPI, host: str, port: int, max_body_bytes: int, held: HeldBytes | None = None
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        max_body_bytes: int,
+        held: HeldBytes | None = None,
+        protocol: type[H11Protocol] = H11Protocol,
     ) -> None:
         config = uvicorn.Config(
             _limit_body(app, max_body_bytes, held or HeldBytes(0)),
+            http=protocol,  # HTTP/1.1 as uvicorn speaks it (`connections.bounded_protocol`)
             log_level="warning",
             access_log=False,
             lifespan="off",

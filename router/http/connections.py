@@ -1,0 +1,68 @@
+"""The HTTP connections the router keeps: at most `[router] http_max_connections`, each
+sending a whole request head within `http_header_timeout_s` of opening or of its last
+answer.
+
+uvicorn closes a connection that idles after an answer, but only while no byte arrives, and
+sets no time for the first request: a client that connects and sends nothing, or a header
+byte now and then, holds its socket for ever. Each one is a file descriptor of the router's
+process, which its gRPC server, its channels to the workers and its NIXL agent draw on too,
+so enough of them (one machine can open thousands) would leave the router unable to accept
+a worker's registration. Here a connection past the cap is answered 503 and closed as it
+opens, before it costs anything more, and one without a complete request head in time is
+closed then. A request whose head has arrived is the app's (its body is bounded by
+`router.held`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
+    b"Connection: close\r\n\r\n"
+)  # what a connection past the cap is told as it is closed
+
+
+def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol, closing connections past `max_connections` (0: no cap)
+    and those whose request head is `header_timeout_s` late."""
+
+    class Bounded(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if max_connections and len(self.connections) > max_connections:
+                transport.write(BUSY)  # best effort: the client may not be reading yet
+                transport.close()  # connection_lost follows and forgets it
+                return
+            self._expect_head()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._expect_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+        def _expect_head(self) -> None:
+            self._stop_waiting()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_late)
+
+        def _stop_waiting(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            # IDLE: no whole request head since the connection opened or its last answer.
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return Bounded

@@ -1,0 +1,102 @@
+"""`[router] http_header_timeout_s` and `http_max_connections` (`router.http.connections`):
+a connection that sends no whole request head in time is closed, as is one past the cap,
+while requests on the others are answered as ever."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_http_api import add_workers, call, fake_router, url_of
+from tests.test_router import Cluster as FakeCluster
+
+
+@pytest.fixture
+async def strict(ckpt: Path) -> AsyncIterator[FakeCluster]:
+    c = await fake_router(ckpt, http_header_timeout_s=0.5, http_max_connections=3)
+    await add_workers(c)
+    yield c
+    await c.close()
+
+
+def host_port(c: FakeCluster) -> tuple[str, int]:
+    host, port = url_of(c).removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+async def closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the router sent on `sock` before closing it within `seconds` (None: still
+    open)."""
+    sock.setblocking(False)
+    deadline = time.monotonic() + seconds
+    sent = b""
+    while time.monotonic() < deadline:
+        try:
+            more = sock.recv(1 << 16)
+            if more == b"":
+                return sent
+            sent += more
+        except BlockingIOError:
+            pass
+        except ConnectionResetError:
+            return sent
+        await asyncio.sleep(0.02)
+    return None
+
+
+async def test_a_connection_without_a_request_head_in_time_is_closed(
+    strict: FakeCluster,
+) -> None:
+    address = host_port(strict)
+    silent = socket.create_connection(address)
+    dribbling = socket.create_connection(address)
+    try:
+        for line in (b"GET /health HTTP/1.1\r\n", b"X-Slow: 1\r\n"):  # never a whole head
+            dribbling.sendall(line)
+            await asyncio.sleep(0.2)
+        assert await closed_within(silent, 1.0) == b""
+        assert await closed_within(dribbling, 1.0) is not None
+    finally:
+        silent.close()
+        dribbling.close()
+    # A client that sends its request at once is answered, twice on one connection (its
+    # wait for the second head starts after the first answer).
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        for _ in range(2):
+            await asyncio.sleep(0.3)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+    finally:
+        writer.close()
+
+
+async def test_a_connection_past_the_cap_is_closed_as_it_opens(strict: FakeCluster) -> None:
+    address = host_port(strict)
+    held = [socket.create_connection(address) for _ in range(3)]
+    try:
+        await asyncio.sleep(0.1)
+        with socket.create_connection(address) as extra:
+            told = await closed_within(extra, 0.3)  # well before the head timeout
+            assert told is not None and told.startswith(b"HTTP/1.1 503"), told
+    finally:
+        for sock in held:
+            sock.close()
+    for _ in range(50):  # the router sees them gone, then serves again
+        if (await asyncio.to_thread(call, f"{url_of(strict)}/health"))[0] == 200:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("/health never answered once the connections were gone")
