@@ -30,11 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from epd.v1 import router_service_pb2
 
 SERVICE = "epd.v1.RouterService"
 RETRY_AFTER_S = 1.0  # the back-off a refusal suggests
+CORRUPT = object()  # `read_request`: the bytes sent do not decode
 
 
 class HeldBytes:
@@ -73,7 +75,8 @@ async def read_request(
     """The call's Generate request, read once one of `held.reads` is free, its bytes then
     held (the caller gives them back when the answer ends). Aborts the call instead with
     DEADLINE_EXCEEDED when the request has not arrived `timeout_s` after its read began (a
-    stalled sender gives its read back), INVALID_ARGUMENT when it sent none,
+    stalled sender gives its read back), INVALID_ARGUMENT when it sent none or bytes that
+    do not decode (which escaped as UNKNOWN "Unexpected DecodeError" before),
     RESOURCE_EXHAUSTED (`retry-after-ms`) when holding it would pass the bound."""
     async with held.reads:
         try:
@@ -81,10 +84,16 @@ async def read_request(
                 sized = await context.read()
         except TimeoutError:
             sized = None
+        except DecodeError:
+            sized = CORRUPT
     if sized is None:
         await context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the request did not arrive within {timeout_s:.0f} s (request_timeout_s)",
+        )
+    if sized is CORRUPT:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, "the request is not a GenerateRequest (corrupt)"
         )
     if not isinstance(sized, Sized):  # the client half-closed without a request
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no GenerateRequest was sent")

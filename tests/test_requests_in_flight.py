@@ -141,3 +141,22 @@ async def test_a_sender_that_stalls_gives_its_read_back(one_read: FakeCluster) -
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await empty.read()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_bytes_that_are_no_request_are_invalid_and_give_the_read_back(
+    one_read: FakeCluster,
+) -> None:
+    metadata = bearer_metadata(CLIENT_KEY)
+    corrupt = one_read.client._channels[0].unary_stream(
+        "/epd.v1.RouterService/Generate",
+        request_serializer=bytes,
+        response_deserializer=router_service_pb2.GenerateResponse.FromString,
+    )
+    for data in (b"\xff\xff\xff", b"\x0a\x05abc"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await corrupt(data, metadata=metadata).read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "not a GenerateRequest" in (err.value.details() or "")
+    request = grpc_request(request_id="after")
+    request.messages[0].content.add(text="hi")
+    assert (await one_read.client._router.Generate(request, metadata=metadata).read()).token_ids
