@@ -45,6 +45,7 @@ class HeldBytes:
     def __init__(self, limit: int, max_request: int = 1) -> None:
         self.limit = limit
         self.held = 0  # bytes held now
+        self.refused = 0  # requests refused for the bound, ever (`epd:requests_refused_held`)
         # gRPC requests, each up to `max_request` bytes, that may be being read at once.
         self.reads = asyncio.Semaphore(max(1, limit // max_request) if limit else 1 << 30)
 
@@ -52,6 +53,7 @@ class HeldBytes:
         """Hold `size` more bytes for a request that holds `mine` already, if the bound
         allows; always when no other request holds any."""
         if self.limit and self.held > mine and self.held + size > self.limit:
+            self.refused += 1
             return False
         self.held += size
         return True

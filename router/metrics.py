@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from common.server.metrics import ScrapeCollector, counter, requests_metrics
+from common.server.metrics import ScrapeCollector, counter, gauge, requests_metrics
 from epd.v1 import router_service_pb2
 from router.admission import Admission
 from router.calls import WorkerCalls
 from router.embedding_cache import EmbeddingCache
+
+if TYPE_CHECKING:  # uvicorn is imported only when the HTTP API is served
+    from router.held import HeldBytes
+    from router.http.connections import ConnectionStats
 
 # vLLM's buckets, so dashboards built for vLLM read these too.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
@@ -134,6 +138,35 @@ class RouterMetrics:
                 0 if self._embeddings is None else self._embeddings.hits,
             ),
         ]
+
+    def watch(self, held: HeldBytes, connections: ConnectionStats | None = None) -> None:
+        """Serve the front doors' bounds too: the requests `held`, and the HTTP API's
+        `connections` (None: no HTTP API)."""
+
+        def scrape() -> list[Any]:
+            families = [
+                gauge("epd:requests_held_bytes", "Bytes of requests held now.", held.held),
+                counter(
+                    "epd:requests_refused_held",
+                    "Requests refused because holding them would pass requests_in_flight_mb.",
+                    held.refused,
+                ),
+            ]
+            if connections is not None:
+                closed = CounterMetricFamily(
+                    "epd:http_connections_closed",
+                    "HTTP connections the router closed, by reason (cap, header_timeout).",
+                    labels=["reason"],
+                )
+                closed.add_metric(["cap"], connections.closed_at_cap)
+                closed.add_metric(["header_timeout"], connections.closed_late)
+                families += [
+                    gauge("epd:http_connections", "HTTP connections open now.", connections.open),
+                    closed,
+                ]
+            return families
+
+        self.registry.register(ScrapeCollector(scrape))
 
     async def track(self, stream: AsyncIterator[Chunk], started: float) -> AsyncIterator[Chunk]:
         """Yield `stream`'s chunks, observing TTFT, inter-token latency and (when the stream

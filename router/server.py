@@ -35,7 +35,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -273,40 +272,6 @@ async def _health_loop(running: RunningRouter, period_s: float) -> None:
             await asyncio.wait_for(changed.wait(), period_s)
 
 
-async def _start_http(running: RunningRouter, settings: RouterSettings, path: Path) -> None:
-    """Serve the OpenAI-compatible HTTP API (`router.http`) unless `http_port` is -1; it
-    stops first among the cleanup steps."""
-    if settings.http_port < 0:
-        return
-    from common.server.metrics import asgi_app
-    from router.http.app import HttpServer, build_app
-    from router.http.connections import bounded_protocol
-    from router.http.media import MediaPolicy
-
-    policy = MediaPolicy(
-        media_dir=Path(settings.http_media_dir) if settings.http_media_dir else None,
-        fetch_urls=settings.http_fetch_urls,
-        fetch_timeout_s=settings.http_fetch_timeout_s,
-        max_bytes=settings.http_fetch_max_bytes,
-    )
-    model_id = settings.served_model_name or path.name
-    app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
-    # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them).
-    app.mount("/metrics", asgi_app(running.servicer.orchestrator.metrics.registry))
-    http = HttpServer(
-        app,
-        settings.http_host,
-        settings.http_port,
-        settings.max_message_mb << 20,
-        running.servicer.held,
-        bounded_protocol(settings.http_header_timeout_s, settings.http_max_connections),
-    )
-    await http.start()
-    running.cleanup.insert(0, http.stop)
-    running.http_address = http.address
-    logger.info("HTTP API (OpenAI-compatible) on http://%s serving %s", http.address, model_id)
-
-
 async def serve(
     settings: RouterSettings,
     *,
@@ -390,7 +355,12 @@ async def serve(
     running.tasks.append(asyncio.create_task(_expire_loop(registry, orchestrator, period)))
     running.tasks.append(asyncio.create_task(_health_loop(running, min(period, 0.1))))
     try:
-        await _start_http(running, settings, path)
+        if settings.http_port < 0:
+            orchestrator.metrics.watch(running.servicer.held)
+        else:
+            from router.http.serve import start_http  # FastAPI and uvicorn only when served
+
+            await start_http(running, settings, path)
     except BaseException:
         await running.stop(0)
         raise

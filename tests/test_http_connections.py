@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -61,6 +62,8 @@ async def test_a_connection_without_a_request_head_in_time_is_closed(
             await asyncio.sleep(0.2)
         assert await closed_within(silent, 1.0) == b""
         assert await closed_within(dribbling, 1.0) is not None
+        page = await asyncio.to_thread(metrics_page, url_of(strict))
+        assert 'epd:http_connections_closed_total{reason="header_timeout"} 2.0' in page
     finally:
         silent.close()
         dribbling.close()
@@ -100,3 +103,11 @@ async def test_a_connection_past_the_cap_is_closed_as_it_opens(strict: FakeClust
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("/health never answered once the connections were gone")
+    page = await asyncio.to_thread(metrics_page, url_of(strict))
+    assert 'epd:http_connections_closed_total{reason="cap"} 1.0' in page
+    assert "epd:http_connections 1.0" in page  # the scrape's own
+
+
+def metrics_page(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics/", timeout=10) as reply:
+        return str(reply.read().decode())

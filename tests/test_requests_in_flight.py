@@ -21,6 +21,7 @@ from router.held import HeldBytes
 from tests.cluster import CLIENT_KEY
 from tests.test_bad_input import chat, grpc_request, post_raw
 from tests.test_http_api import add_workers, fake_router, url_of
+from tests.test_http_connections import metrics_page
 from tests.test_router import Cluster as FakeCluster
 from tests.test_router import FakeDecode
 
@@ -63,12 +64,16 @@ async def test_grpc_requests_held_at_once_are_bounded_with_the_http_bodies(
     png = noise_png()
     assert 600 << 10 < len(png) < 1 << 20
 
-    def large(name: str) -> grpc.aio.UnaryStreamCall:
+    def large_request(name: str) -> router_service_pb2.GenerateRequest:
         request = grpc_request(request_id=name)
         request.messages[0].content.add(image=router_service_pb2.ImageInput(data=png))
         request.messages[0].content.add(text="what is it?")
-        return stub.Generate(request, metadata=metadata)
+        return request
 
+    def large(name: str) -> grpc.aio.UnaryStreamCall:
+        return stub.Generate(large_request(name), metadata=metadata)
+
+    holder_size = len(large_request("holder").SerializeToString())
     holder = large("holder")
     await holder.read()  # its first chunk: the router holds the request now
     second = large("second")
@@ -81,6 +86,9 @@ async def test_grpc_requests_held_at_once_are_bounded_with_the_http_bodies(
     body = json.dumps(chat(max_tokens=2, user=LARGE)).encode()
     status, reply = await asyncio.to_thread(post_raw, url_of(router), body)
     assert status == 429 and reply["error"]["type"] == "rate_limit_error", reply
+    page = await asyncio.to_thread(metrics_page, url_of(router))
+    assert "epd:requests_refused_held_total 2.0" in page  # the gRPC call and the HTTP body
+    assert f"epd:requests_held_bytes {float(holder_size)}" in page
     small = grpc_request(request_id="small")
     small.messages[0].content.add(text="hi")
     small_call = stub.Generate(small, metadata=metadata)

@@ -6,4 +6,6 @@ convert.py  a request body -> `GenerateRequest` (the gRPC front door's message)
 errors.py   RouterError / bad fields -> OpenAI's error body and HTTP status
 stream.py   `GenerateResponse` chunks -> chat.completion(.chunk) / text_completion JSON
 app.py      the endpoints, auth, and the uvicorn server started and stopped with the router
+connections which connections uvicorn keeps (a cap; a time for each request head)
+serve.py    the API started beside the router's gRPC server
 """

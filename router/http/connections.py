@@ -16,6 +16,7 @@ closed then. A request whose head has arrived is the app's (its body is bounded 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -27,16 +28,29 @@ BUSY = (
 )  # what a connection past the cap is told as it is closed
 
 
-def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+@dataclass(slots=True)
+class ConnectionStats:
+    """What the HTTP API's connections did (`epd:http_connections*`)."""
+
+    open: int = 0  # connections open now
+    closed_at_cap: int = 0  # closed as they opened, past `http_max_connections`
+    closed_late: int = 0  # closed without a whole request head in time
+
+
+def bounded_protocol(
+    header_timeout_s: float, max_connections: int, stats: ConnectionStats
+) -> type[H11Protocol]:
     """uvicorn's HTTP/1.1 protocol, closing connections past `max_connections` (0: no cap)
-    and those whose request head is `header_timeout_s` late."""
+    and those whose request head is `header_timeout_s` late, counted in `stats`."""
 
     class Bounded(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            stats.open = len(self.connections)
             if max_connections and len(self.connections) > max_connections:
+                stats.closed_at_cap += 1
                 transport.write(BUSY)  # best effort: the client may not be reading yet
                 transport.close()  # connection_lost follows and forgets it
                 return
@@ -49,6 +63,7 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()
             super().connection_lost(exc)
+            stats.open = len(self.connections)
 
         def _expect_head(self) -> None:
             self._stop_waiting()
@@ -63,6 +78,7 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             self._head_timer = None
             # IDLE: no whole request head since the connection opened or its last answer.
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                stats.closed_late += 1
                 self.transport.close()
 
     return Bounded

@@ -1,0 +1,51 @@
+"""Start the router's HTTP API (`router.http`) beside its gRPC server."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.server.metrics import asgi_app
+from router.http.app import HttpServer, build_app
+from router.http.connections import ConnectionStats, bounded_protocol
+from router.http.media import MediaPolicy
+from router.settings import RouterSettings
+
+if TYPE_CHECKING:
+    from router.server import RunningRouter
+
+logger = logging.getLogger(__name__)
+
+
+async def start_http(running: RunningRouter, settings: RouterSettings, path: Path) -> None:
+    """Serve the OpenAI-compatible HTTP API on `http_port` (not -1) for the started router
+    `running` (of checkpoint `path`); it stops first among the cleanup steps. Its bounds
+    (`router.held`, `router.http.connections`) are in the router's metrics."""
+    policy = MediaPolicy(
+        media_dir=Path(settings.http_media_dir) if settings.http_media_dir else None,
+        fetch_urls=settings.http_fetch_urls,
+        fetch_timeout_s=settings.http_fetch_timeout_s,
+        max_bytes=settings.http_fetch_max_bytes,
+    )
+    model_id = settings.served_model_name or path.name
+    app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
+    metrics = running.servicer.orchestrator.metrics
+    # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them).
+    app.mount("/metrics", asgi_app(metrics.registry))
+    connections = ConnectionStats()
+    metrics.watch(running.servicer.held, connections)
+    http = HttpServer(
+        app,
+        settings.http_host,
+        settings.http_port,
+        settings.max_message_mb << 20,
+        running.servicer.held,
+        bounded_protocol(
+            settings.http_header_timeout_s, settings.http_max_connections, connections
+        ),
+    )
+    await http.start()
+    running.cleanup.insert(0, http.stop)
+    running.http_address = http.address
+    logger.info("HTTP API (OpenAI-compatible) on http://%s serving %s", http.address, model_id)
