@@ -19,8 +19,10 @@ not, so a burst of large calls would all be in memory at once before any refusal
 Generate is served as a request-streaming method (the same bytes on the wire; clients call
 it as ever), and its handler reads the request only once one of `reads` is free: at most
 bound / `max_message_mb` requests (at least one) are being read at once. A request is read
-in the time its bytes take to arrive, so small ones hardly wait. Everything here runs on the
-router's event loop.
+in the time its bytes take to arrive, so small ones hardly wait. A call waiting for its read
+holds at most its receive window (`common.server.rpc.CLIENT_STREAM_WINDOW`, 4 MiB), and at
+most bound / window calls (at least one) may wait: one more is refused at once. Everything
+here runs on the router's event loop.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from common.server.rpc import CLIENT_STREAM_WINDOW
 from epd.v1 import router_service_pb2
 
 SERVICE = "epd.v1.RouterService"
@@ -42,12 +45,15 @@ CORRUPT = object()  # `read_request`: the bytes sent do not decode
 class HeldBytes:
     """Bytes of the requests being read or answered, at most `limit` (0: no bound)."""
 
-    def __init__(self, limit: int, max_request: int = 1) -> None:
+    def __init__(self, limit: int, max_request: int = 1, window: int = CLIENT_STREAM_WINDOW):
         self.limit = limit
         self.held = 0  # bytes held now
         self.refused = 0  # requests refused for the bound, ever (`epd:requests_refused_held`)
-        # gRPC requests, each up to `max_request` bytes, that may be being read at once.
+        # gRPC requests, each up to `max_request` bytes, that may be being read at once,
+        # and calls that may wait for a read, each holding up to `window` bytes meanwhile.
         self.reads = asyncio.Semaphore(max(1, limit // max_request) if limit else 1 << 30)
+        self.max_waiting = max(1, limit // window) if limit else 1 << 30
+        self.waiting = 0  # calls waiting for a read now
 
     def take(self, size: int, mine: int = 0) -> bool:
         """Hold `size` more bytes for a request that holds `mine` already, if the bound
@@ -79,15 +85,25 @@ async def read_request(
     DEADLINE_EXCEEDED when the request has not arrived `timeout_s` after its read began (a
     stalled sender gives its read back), INVALID_ARGUMENT when it sent none or bytes that
     do not decode (which escaped as UNKNOWN "Unexpected DecodeError" before),
-    RESOURCE_EXHAUSTED (`retry-after-ms`) when holding it would pass the bound."""
-    async with held.reads:
-        try:
-            async with asyncio.timeout(timeout_s):
-                sized = await context.read()
-        except TimeoutError:
-            sized = None
-        except DecodeError:
-            sized = CORRUPT
+    RESOURCE_EXHAUSTED (`retry-after-ms`) when holding it would pass the bound, or when
+    `held.max_waiting` calls wait for a read already."""
+    if held.reads.locked() and held.waiting >= held.max_waiting:
+        held.refused += 1
+        await _busy(context, "as many requests waiting to be read")
+    held.waiting += 1
+    try:
+        await held.reads.acquire()
+    finally:
+        held.waiting -= 1
+    try:
+        async with asyncio.timeout(timeout_s):
+            sized = await context.read()
+    except TimeoutError:
+        sized = None
+    except DecodeError:
+        sized = CORRUPT
+    finally:
+        held.reads.release()
     if sized is None:
         await context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -100,13 +116,17 @@ async def read_request(
     if not isinstance(sized, Sized):  # the client half-closed without a request
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no GenerateRequest was sent")
     if not held.take(sized.size):
-        await context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "the router holds as many requests' bytes as it may (requests_in_flight_mb); "
-            f"retry after {RETRY_AFTER_S:.1f} s",
-            trailing_metadata=(("retry-after-ms", str(round(RETRY_AFTER_S * 1000))),),
-        )
+        await _busy(context, "as many requests' bytes as it may")
     return sized
+
+
+async def _busy(context: grpc.aio.ServicerContext, holds: str) -> None:
+    """Abort the call with RESOURCE_EXHAUSTED: the router holds `holds`."""
+    await context.abort(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the router holds {holds} (requests_in_flight_mb); retry after {RETRY_AFTER_S:.1f} s",
+        trailing_metadata=(("retry-after-ms", str(round(RETRY_AFTER_S * 1000))),),
+    )
 
 
 def _decode(data: bytes) -> Sized:

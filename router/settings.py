@@ -133,8 +133,8 @@ class RouterSettings(ServerSettings):
         "MiB of requests the router holds at once, summed over the HTTP bodies and gRPC "
         "Generate requests being read or answered (their decoded media take a few times more); "
         "one past it gets HTTP 429 with Retry-After or gRPC RESOURCE_EXHAUSTED with "
-        "retry-after-ms unless no other is held, and at most this / max_message_mb gRPC "
-        "requests (at least one) are being read at once (0: no bound)",
+        "retry-after-ms unless no other is held; at most this / max_message_mb gRPC requests "
+        "(at least one) are being read at once, and this / 4 MiB wait to be (0: no bound)",
     )
     decode_migrations: int = setting(
         2,

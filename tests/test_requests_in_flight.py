@@ -116,8 +116,9 @@ async def one_read(ckpt: Path) -> AsyncIterator[FakeCluster]:
 
 async def test_a_sender_that_stalls_gives_its_read_back(one_read: FakeCluster) -> None:
     """A caller that opens Generate and sends nothing holds the one read until the
-    request's time is up (DEADLINE_EXCEEDED); a request behind it waits, then is served.
-    One that half-closes without a request is INVALID_ARGUMENT."""
+    request's time is up (DEADLINE_EXCEEDED); a request behind it waits, then is served,
+    and one more behind that is refused at once. One that half-closes without a request is
+    INVALID_ARGUMENT."""
     channel = one_read.client._channels[0]
     metadata = bearer_metadata(CLIENT_KEY)
     raw = channel.stream_stream(
@@ -140,6 +141,11 @@ async def test_a_sender_that_stalls_gives_its_read_back(one_read: FakeCluster) -
     )
     await asyncio.sleep(0.3)
     assert not behind.done()  # waits for the read
+    # One call may wait (bound / 4 MiB window, at least one): the next is refused at once.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await one_read.client._router.Generate(request, metadata=metadata).read()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waiting to be read" in (err.value.details() or "")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stalled.read()
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
