@@ -7,7 +7,8 @@ patch rows travel with it), so without a bound many clients, each sending a requ
 counts them all: the HTTP API takes a body's bytes as it reads them
 (`router.http.app._limit_body`), and Generate takes the size of the bytes its request was
 decoded from, which `add_router_service` hands it with the request (`Sized`; measuring the
-decoded message would serialize it again: 0.22 s for a 200 MB request).
+decoded message would serialize it again: 0.22 s for a 200 MB request). Once processed, a
+request holds its media's patch codes too (`holding_media`), often many times its bytes.
 
 A request that would pass the bound is refused (HTTP 429 with Retry-After, gRPC
 RESOURCE_EXHAUSTED with `retry-after-ms`) unless no other request is held, so one request of
@@ -28,14 +29,18 @@ here runs on the router's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from common.processing.prompt import ProcessedPrompt
 from common.server.rpc import CLIENT_STREAM_WINDOW
 from epd.v1 import router_service_pb2
+from router.calls import RouterError
 
 SERVICE = "epd.v1.RouterService"
 RETRY_AFTER_S = 1.0  # the back-off a refusal suggests
@@ -122,11 +127,35 @@ async def read_request(
 
 async def _busy(context: grpc.aio.ServicerContext, holds: str) -> None:
     """Abort the call with RESOURCE_EXHAUSTED: the router holds `holds`."""
-    await context.abort(
+    error = busy(holds)
+    await context.abort(error.code, str(error), trailing_metadata=error.trailing_metadata)
+
+
+def busy(holds: str) -> RouterError:
+    """RESOURCE_EXHAUSTED with a back-off hint: the router holds `holds`."""
+    error = RouterError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"the router holds {holds} (requests_in_flight_mb); retry after {RETRY_AFTER_S:.1f} s",
-        trailing_metadata=(("retry-after-ms", str(round(RETRY_AFTER_S * 1000))),),
     )
+    error.trailing_metadata = (("retry-after-ms", str(round(RETRY_AFTER_S * 1000))),)
+    return error
+
+
+@contextlib.contextmanager
+def holding_media(held: HeldBytes, prompt: ProcessedPrompt, holds: int) -> Iterator[None]:
+    """Hold the bytes of `prompt`'s patch codes (its media as the router keeps them, for
+    the encoder and for a prefill done again) while the block runs, for a request that
+    holds `holds` bytes already (its body or message); RouterError RESOURCE_EXHAUSTED when
+    the bound does not allow them. A compressed image's codes are many times its bytes (six
+    a pixel: an image is both frames of a temporal patch): a 4096x4096 JPEG of 270 KB is
+    100 MB of codes under the released processor's max_pixels."""
+    media = sum(codes.nbytes for codes in prompt.pixel_values)
+    if not held.take(media, holds):
+        raise busy("as many requests' media as it may")
+    try:
+        yield
+    finally:
+        held.give(media)
 
 
 def _decode(data: bytes) -> Sized:

@@ -61,7 +61,7 @@ from epd.v1 import (
 from router.admin import AdminServicer, Scaler
 from router.calls import Job, RouterError
 from router.decode import check_resume
-from router.held import HeldBytes, add_router_service, read_request
+from router.held import HeldBytes, add_router_service, holding_media, read_request
 from router.inputs import InputError, check_ids, messages_from_proto
 from router.orchestrator import Orchestrator
 from router.registry import Registry, RegistryServicer
@@ -140,12 +140,18 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         return sampling, prompt
 
     async def generate(
-        self, request: router_service_pb2.GenerateRequest, caller: Caller, client_left: float | None
+        self,
+        request: router_service_pb2.GenerateRequest,
+        caller: Caller,
+        client_left: float | None,
+        holds: int = 0,
     ) -> AsyncGenerator[router_service_pb2.GenerateResponse, None]:
         """Stream the answer to one chat for `caller` (its tenant salts the caches) within
         `client_left` seconds (None: `request_timeout_s`); see `Orchestrator.run` for what
-        the chunks hold. Raises RouterError, or RpcStatusError while draining. The gRPC
-        Generate and the HTTP API (`router.http`) both run this."""
+        the chunks hold. The request's processed media are held in `held` beside the `holds`
+        bytes it holds already (`router.held.holding_media`). Raises RouterError, or
+        RpcStatusError while draining. The gRPC Generate and the HTTP API (`router.http`)
+        both run this."""
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
         async with self.lifecycle.track():
@@ -165,29 +171,30 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 error.trailing_metadata = (("epd-field", exc.field),)
                 raise error from None
-            budget = self.settings.request_timeout_s
-            if client_left is not None:
-                budget = min(budget, client_left)
-            job = Job(
-                request_id=request_id,
-                prompt=prompt,
-                sampling=sampling,
-                cache_salt=cache_salt,
-                deadline=started + budget,
-                resumed=resumed,
-            )
-            tokens = 0
-            answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
-            async for chunk in self.orchestrator.metrics.track(answer, started):
-                tokens += len(chunk.token_ids)
-                yield chunk
-            logger.info(
-                "request %s: %d prompt tokens, %d generated in %.3f s",
-                request_id,
-                len(prompt.prompt_token_ids),
-                tokens,
-                time.monotonic() - started,
-            )
+            with holding_media(self.held, prompt, holds):
+                budget = self.settings.request_timeout_s
+                if client_left is not None:
+                    budget = min(budget, client_left)
+                job = Job(
+                    request_id=request_id,
+                    prompt=prompt,
+                    sampling=sampling,
+                    cache_salt=cache_salt,
+                    deadline=started + budget,
+                    resumed=resumed,
+                )
+                tokens = 0
+                answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
+                async for chunk in self.orchestrator.metrics.track(answer, started):
+                    tokens += len(chunk.token_ids)
+                    yield chunk
+                logger.info(
+                    "request %s: %d prompt tokens, %d generated in %.3f s",
+                    request_id,
+                    len(prompt.prompt_token_ids),
+                    tokens,
+                    time.monotonic() - started,
+                )
 
     async def Generate(
         self, _requests: Any, context: grpc.aio.ServicerContext
@@ -202,7 +209,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         request = sized.request
         try:
             caller = principal(self.auth, context)
-            async for chunk in self.generate(request, caller, context.time_remaining()):
+            left = context.time_remaining()
+            async for chunk in self.generate(request, caller, left, sized.size):
                 yield chunk
         except RouterError as exc:
             logger.info("request %s failed: %s %s", request.request_id, exc.code.name, exc)

@@ -5,6 +5,7 @@ hint unless no other is held; once the holders are gone it is served."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 from collections.abc import AsyncIterator
@@ -88,7 +89,8 @@ async def test_grpc_requests_held_at_once_are_bounded_with_the_http_bodies(
     assert status == 429 and reply["error"]["type"] == "rate_limit_error", reply
     page = await asyncio.to_thread(metrics_page, url_of(router))
     assert "epd:requests_refused_held_total 2.0" in page  # the gRPC call and the HTTP body
-    assert f"epd:requests_held_bytes {float(holder_size)}" in page
+    held = router.router.servicer.held.held  # its bytes and its image's codes
+    assert held > holder_size and f"epd:requests_held_bytes {float(held)}" in page
     small = grpc_request(request_id="small")
     small.messages[0].content.add(text="hi")
     small_call = stub.Generate(small, metadata=metadata)
@@ -174,3 +176,61 @@ async def test_bytes_that_are_no_request_are_invalid_and_give_the_read_back(
     request = grpc_request(request_id="after")
     request.messages[0].content.add(text="hi")
     assert (await one_read.client._router.Generate(request, metadata=metadata).read()).token_ids
+
+
+def solid_frames(first: int, n: int = 32, side: int = 256) -> list[bytes]:
+    """`n` one-colour PNG frames: about 24 KB sent, 98 KB of patch codes once processed."""
+    frames = []
+    for k in range(first, first + n):
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((side, side, 3), k, np.uint8)).save(buffer, format="PNG")
+        frames.append(buffer.getvalue())
+    return frames
+
+
+async def test_processed_media_count_against_the_bound_too(
+    bounded: tuple[FakeCluster, FakeDecode],
+) -> None:
+    """A request's patch codes are held beside its bytes: a compressed image or video is
+    many times larger once processed, so counting the wire alone would let small requests
+    hold far more than the bound."""
+    router, decode = bounded
+    decode.hang_after_first = True
+    held = router.router.servicer.held
+    held.limit = 150_000  # bytes: one video request's bytes and codes fit, two do not
+
+    def video_chat(first: int) -> router_service_pb2.GenerateRequest:
+        request = grpc_request(request_id=f"video{first}")
+        video = router_service_pb2.VideoInput(fps=2.0)
+        video.frames.extend(solid_frames(first))
+        request.messages[0].content.add(video=video)
+        request.messages[0].content.add(text="what happens?")
+        return request
+
+    first = video_chat(0)
+    assert first.ByteSize() < 40_000
+    stub, metadata = router.client._router, bearer_metadata(CLIENT_KEY)
+    holder = stub.Generate(first, metadata=metadata)
+    await holder.read()
+    assert held.held > 3 * first.ByteSize()  # its codes are held, not only its bytes
+    second = stub.Generate(video_chat(64), metadata=metadata)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await second.read()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "media" in (err.value.details() or "")
+    assert dict(err.value.trailing_metadata() or ())["retry-after-ms"] == "1000"
+    # Over HTTP the same: an image of a few KB whose codes do not fit is a 429.
+    picture = solid_frames(200, n=1, side=1024)[0]
+    url = {"url": "data:image/png;base64," + base64.b64encode(picture).decode()}
+    body = json.dumps(
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": url}]}])
+    ).encode()
+    assert len(body) < 10_000
+    status, reply = await asyncio.to_thread(post_raw, url_of(router), body)
+    assert status == 429 and "media" in reply["error"]["message"], reply
+    holder.cancel()
+    for _ in range(100):
+        if held.held == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert held.held == 0  # everything given back

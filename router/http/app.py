@@ -129,7 +129,8 @@ def build_app(
         (and what the workers hold for it), as a streamed response's does afterwards."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         result = Answer(prefix + request.request_id, model_id, chat)
-        chunks = servicer.generate(request, who, None)
+        # The bytes `_limit_body` holds for the body, beside which its media are held.
+        chunks = servicer.generate(request, who, None, raw.scope.get(HELD_KEY, 0))
         try:
             first = await _unless_gone(raw, _first(chunks))
             if not body.stream:
@@ -298,6 +299,9 @@ class HttpServer:
         self._sock.close()
 
 
+HELD_KEY = "epd.held_bytes"  # ASGI scope: the bytes `_limit_body` holds for the body
+
+
 def _limit_body(app: Any, max_bytes: int, held: HeldBytes) -> Any:
     """ASGI middleware: a request body over `max_bytes` is answered 413 before the app sees
     it: by its Content-Length, or, sent without one (chunked), once the bytes read so far
@@ -345,7 +349,7 @@ def _limit_body(app: Any, max_bytes: int, held: HeldBytes) -> Any:
                 elif not held.take(int(length)):
                     await refuse(scope, receive, send, 429)
                 else:
-                    taken = int(length)
+                    taken = scope[HELD_KEY] = int(length)
                     await app(scope, receive, send)
                 return
             read: list[Any] = []
@@ -368,6 +372,7 @@ def _limit_body(app: Any, max_bytes: int, held: HeldBytes) -> Any:
             async def replay() -> Any:
                 return read.pop(0) if read else await receive()
 
+            scope[HELD_KEY] = taken
             await app(scope, replay, send)
         finally:
             held.give(taken)
