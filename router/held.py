@@ -7,8 +7,9 @@ patch rows travel with it), so without a bound many clients, each sending a requ
 counts them all: the HTTP API takes a body's bytes as it reads them
 (`router.http.app._limit_body`), and Generate takes the size of the bytes its request was
 decoded from, which `add_router_service` hands it with the request (`Sized`; measuring the
-decoded message would serialize it again: 0.22 s for a 200 MB request). Once processed, a
-request holds its media's patch codes too (`holding_media`), often many times its bytes.
+decoded message would serialize it again: 0.22 s for a 200 MB request). A request's media
+count too (`MediaHold`), often many times its bytes: what they decode to, reserved from
+their headers before any is decoded, then, once processed, their patch codes.
 
 A request that would pass the bound is refused (HTTP 429 with Retry-After, gRPC
 RESOURCE_EXHAUSTED with `retry-after-ms`) unless no other request is held, so one request of
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -59,19 +61,23 @@ class HeldBytes:
         self.reads = asyncio.Semaphore(max(1, limit // max_request) if limit else 1 << 30)
         self.max_waiting = max(1, limit // window) if limit else 1 << 30
         self.waiting = 0  # calls waiting for a read now
+        self._lock = threading.Lock()  # `take` and `give`
 
     def take(self, size: int, mine: int = 0) -> bool:
         """Hold `size` more bytes for a request that holds `mine` already, if the bound
-        allows; always when no other request holds any."""
-        if self.limit and self.held > mine and self.held + size > self.limit:
-            self.refused += 1
-            return False
-        self.held += size
-        return True
+        allows; always when no other request holds any. (Any thread, as `give`: media are
+        reserved on the thread that reads them.)"""
+        with self._lock:
+            if self.limit and self.held > mine and self.held + size > self.limit:
+                self.refused += 1
+                return False
+            self.held += size
+            return True
 
     def give(self, size: int) -> None:
         """Stop holding `size` bytes."""
-        self.held -= size
+        with self._lock:
+            self.held -= size
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,21 +147,44 @@ def busy(holds: str) -> RouterError:
     return error
 
 
-@contextlib.contextmanager
-def holding_media(held: HeldBytes, prompt: ProcessedPrompt, holds: int) -> Iterator[None]:
-    """Hold the bytes of `prompt`'s patch codes (its media as the router keeps them, for
-    the encoder and for a prefill done again) while the block runs, for a request that
-    holds `holds` bytes already (its body or message); RouterError RESOURCE_EXHAUSTED when
-    the bound does not allow them. A compressed image's codes are many times its bytes (six
-    a pixel: an image is both frames of a temporal patch): a 4096x4096 JPEG of 270 KB is
-    100 MB of codes under the released processor's max_pixels."""
-    media = sum(codes.nbytes for codes in prompt.pixel_values)
-    if not held.take(media, holds):
-        raise busy("as many requests' media as it may")
-    try:
-        yield
-    finally:
-        held.give(media)
+class MediaHold:
+    """One request's media in `held`: reserved from their headers before they are decoded
+    (`reserve`, from the thread that reads them), then, once processed, the bytes of its
+    patch codes (`holding`: the media as the router keeps them, for the encoder and for a
+    prefill done again) until the answer ends. A compressed image is many times its bytes
+    either way: a 4096x4096 JPEG of 270 KB decodes to 67 MB, and is 100 MB of codes (six
+    bytes a pixel, an image being both frames of a temporal patch) under the released
+    processor's max_pixels."""
+
+    def __init__(self, held: HeldBytes, holds: int) -> None:
+        self.held = held
+        self.holds = holds  # the bytes the request holds already (its body or message)
+        self.reserved = 0
+
+    def reserve(self, decoded: int) -> None:
+        """Hold `decoded` bytes, or raise RouterError RESOURCE_EXHAUSTED (retry-after-ms)
+        when the bound does not allow them."""
+        if not self.held.take(decoded, self.holds):
+            raise busy("as many requests' media as it may")
+        self.reserved = decoded
+
+    def give_back(self) -> None:
+        """Give the reservation back (the request was refused before it was processed)."""
+        self.held.give(self.reserved)
+        self.reserved = 0
+
+    @contextlib.contextmanager
+    def holding(self, prompt: ProcessedPrompt) -> Iterator[None]:
+        """Hold `prompt`'s codes instead of the reservation while the block runs. The
+        difference is not refused: codes pass the reservation only for images made larger
+        (`min_pixels`), which are small."""
+        media = sum(codes.nbytes for codes in prompt.pixel_values)
+        self.held.give(self.reserved - media)
+        self.reserved = 0
+        try:
+            yield
+        finally:
+            self.held.give(media)
 
 
 def _decode(data: bytes) -> Sized:

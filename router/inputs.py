@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from PIL import Image
@@ -126,10 +127,13 @@ def messages_from_proto(
     limits: InputLimits | None = None,
     processor: Processor | None = None,
     cache_salt: str | None = None,
+    reserve: Callable[[int], object] | None = None,
 ) -> tuple[Message, ...]:
     """The typed chat, media decoded to PIL images; `InputError` naming the field.
 
-    Every limit is checked, for the whole request, before any image is decoded. With a
+    Every limit is checked, for the whole request, before any image is decoded; then
+    `reserve` (when given) is called with the bytes its media decode to, from their
+    headers, and may raise to refuse the request before anything is decoded. With a
     `processor` that has an `image_cache`, an image part becomes a `KeyedImage` (its bytes
     and their cache key), decoded only when the cache does not hold that key: bytes the
     processor has already processed were decodable then, so they are not decoded again.
@@ -148,6 +152,8 @@ def messages_from_proto(
                 for j, part in enumerate(message.content)
             ]
             chat.append((message.role, parts))
+        if reserve is not None and reader.budget.used:
+            reserve(reader.budget.used)
         for image, field in reader.opened:
             load_image(image, field)
         return tuple(

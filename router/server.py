@@ -61,7 +61,7 @@ from epd.v1 import (
 from router.admin import AdminServicer, Scaler
 from router.calls import Job, RouterError
 from router.decode import check_resume
-from router.held import HeldBytes, add_router_service, holding_media, read_request
+from router.held import HeldBytes, MediaHold, add_router_service, read_request
 from router.inputs import InputError, check_ids, messages_from_proto
 from router.orchestrator import Orchestrator
 from router.registry import Registry, RegistryServicer
@@ -96,7 +96,10 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.held = HeldBytes(settings.requests_in_flight_mb << 20, settings.max_message_mb << 20)
 
     def _prepare(
-        self, request: router_service_pb2.GenerateRequest, cache_salt: str | None = None
+        self,
+        request: router_service_pb2.GenerateRequest,
+        cache_salt: str | None = None,
+        media: MediaHold | None = None,
     ) -> tuple[Any, ProcessedPrompt]:
         """Check and process one request (a worker thread); InputError naming the field.
 
@@ -116,7 +119,13 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         messages = (
             []
             if request.HasField("prompt")
-            else messages_from_proto(request.messages, limits, self.processor, cache_salt)
+            else messages_from_proto(
+                request.messages,
+                limits,
+                self.processor,
+                cache_salt,
+                None if media is None else media.reserve,
+            )
         )
         allow_special = self.settings.allow_special_tokens_in_text
         try:
@@ -154,6 +163,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         both run this."""
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
+        media = MediaHold(self.held, holds)
         async with self.lifecycle.track():
             try:
                 check_ids(request)
@@ -162,16 +172,21 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     caller.tenant,
                     request.cache_salt if request.HasField("cache_salt") else None,
                 )
-                sampling, prompt = await asyncio.to_thread(self._prepare, request, cache_salt)
+                sampling, prompt = await asyncio.to_thread(
+                    self._prepare, request, cache_salt, media
+                )
                 check_stop(request.stop)
                 vocab = self.processor.config.text.vocab_size
                 resumed = check_resume(request, sampling.max_tokens, vocab)
-            except (InputError, FieldError) as exc:
+            except BaseException as exc:
+                media.give_back()
+                if not isinstance(exc, InputError | FieldError):
+                    raise
                 logger.info("request %s rejected: %s", request_id, exc)
                 error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 error.trailing_metadata = (("epd-field", exc.field),)
                 raise error from None
-            with holding_media(self.held, prompt, holds):
+            with media.holding(prompt):
                 budget = self.settings.request_timeout_s
                 if client_left is not None:
                     budget = min(budget, client_left)

@@ -131,7 +131,8 @@ class RouterSettings(ServerSettings):
     requests_in_flight_mb: int = setting(
         1024,
         "MiB of requests the router holds at once, summed over the HTTP bodies and gRPC "
-        "Generate requests being read or answered and the patch codes of their media; "
+        "Generate requests being read or answered and their media (reserved from the image "
+        "headers before decoding, then their patch codes); "
         "one past it gets HTTP 429 with Retry-After or gRPC RESOURCE_EXHAUSTED with "
         "retry-after-ms unless no other is held; at most this / max_message_mb gRPC requests "
         "(at least one) are being read at once, and this / 4 MiB wait to be (0: no bound)",

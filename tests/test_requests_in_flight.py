@@ -188,12 +188,13 @@ def solid_frames(first: int, n: int = 32, side: int = 256) -> list[bytes]:
     return frames
 
 
-async def test_processed_media_count_against_the_bound_too(
+async def test_media_count_against_the_bound_before_they_are_decoded(
     bounded: tuple[FakeCluster, FakeDecode],
 ) -> None:
-    """A request's patch codes are held beside its bytes: a compressed image or video is
-    many times larger once processed, so counting the wire alone would let small requests
-    hold far more than the bound."""
+    """A request's media are held beside its bytes (what they decode to, from their
+    headers, then their patch codes): a compressed image or video is many times larger
+    once read, so counting the wire alone would let small requests hold far more than the
+    bound."""
     router, decode = bounded
     decode.hang_after_first = True
     held = router.router.servicer.held
