@@ -164,7 +164,8 @@ class DecodeStage:
                         yield _chunk(response, detok)
                         if response.finish_reason != decode_service_pb2.FINISH_REASON_UNSPECIFIED:
                             return
-                    return
+                    # Ended without a finish reason: a broken stream, not a whole answer.
+                    raise ended_early()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if lease.owned and code == grpc.StatusCode.ABORTED:
@@ -212,6 +213,15 @@ class DecodeStage:
             again, holder = await prefill_again()
             request.kv.CopyFrom(again.kv)
             lease.renew(again, holder)
+
+
+# A decode stream that ends with status OK but no finish reason: handled as a stream that
+# broke (resumed on another worker, else UNAVAILABLE to the client), never passed on as an
+# answer that ended there.
+def ended_early() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, details="the decode stream ended without a finish reason"
+    )
 
 
 def _chunk(

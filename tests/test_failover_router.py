@@ -170,3 +170,44 @@ async def test_a_resumed_multimodal_stream_is_not_encoded_again_when_prefill_hol
     assert len(pre.requests) == 2  # prefilled again for the resumed stream
     assert enc.requests == []  # the image lies inside the cached prefix, both times
     assert [len(r.multimodal.embeddings) for r in pre.requests] == [0, 0]
+
+
+class EndingDecode(BreakingDecode):
+    """Ends a fresh stream after `break_after` tokens with status OK but no finish reason,
+    as no real worker should: a truncated answer that looks complete."""
+
+    async def Decode(self, request, context):
+        self.requests.append(request)
+        done = 1 + len(request.resume_tokens)
+        yield decode_service_pb2.DecodeResponse(blocks_pulled=3)
+        for sent, n in enumerate(range(done, request.sampling.max_tokens)):
+            if sent == self.break_after and not request.resume_tokens:
+                return
+            last = n == request.sampling.max_tokens - 1
+            yield decode_service_pb2.DecodeResponse(
+                token_ids=[100 + n],
+                finish_reason=decode_service_pb2.FINISH_REASON_LENGTH if last else 0,
+            )
+
+
+async def test_a_decode_stream_that_ends_without_a_finish_reason_is_resumed(cluster):
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, FakePrefill())
+    decoders = [EndingDecode(3) for _ in range(2)]
+    for decode in decoders:
+        await cluster.add(Role.DECODE, decode)
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    # Not a 4-token answer passed off as whole: resumed on the other worker, to the end.
+    assert result.token_ids == [FIRST, *range(101, 110)]
+    assert result.finish_reason == "length"
+    assert [len(d.requests) for d in decoders] == [1, 1]
+
+
+async def test_a_decode_stream_that_keeps_ending_early_is_an_error(cluster):
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, FakePrefill())
+    await cluster.add(Role.DECODE, EndingDecode(2))  # one worker: nowhere to resume
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE  # as for a stream that broke
+    assert "no decode worker left" in str(err.value)

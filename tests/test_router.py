@@ -154,11 +154,17 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
             if self.hang_before_first:
                 await asyncio.sleep(60)
             left = request.sampling.max_tokens - 1
-            # As the real worker: the tokens after the first one (never an echo of it).
-            yield decode_service_pb2.DecodeResponse(token_ids=[self.first_id], blocks_pulled=3)
+            # As the real worker: the tokens after the first one (never an echo of it), the
+            # last chunk with a finish reason.
+            done = left <= 1
+            yield decode_service_pb2.DecodeResponse(
+                token_ids=[self.first_id] if left >= 1 else [],
+                finish_reason=decode_service_pb2.FINISH_REASON_LENGTH if done else 0,
+                blocks_pulled=3,
+            )
             if self.hang_after_first:
                 await asyncio.sleep(60)
-            rest = [self.first_id + 1 + i for i in range(left - 1)]
+            rest = [] if done else [self.first_id + 1 + i for i in range(left - 1)]
             for at in range(0, len(rest), self.per_chunk):
                 last = at + self.per_chunk >= len(rest)
                 yield decode_service_pb2.DecodeResponse(
