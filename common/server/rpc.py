@@ -143,8 +143,8 @@ async def start_server(
     # so_reuseport 0: a second server on a taken port must fail, not silently share it.
     options = [*grpc_options(max_message_mb), ("grpc.so_reuseport", 0)]
     if stream_window_bytes is not None:
-        window = stream_window_bytes
-        options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window)]
+        options.append(("grpc.http2.bdp_probe", 0))
+        options.append(("grpc.http2.lookahead_bytes", stream_window_bytes))
     server = grpc.aio.server(options=options, interceptors=interceptors)
     for add in add_servicers:
         add(server)

@@ -40,7 +40,8 @@ from common.server.credentials import AUTHORIZATION
 from common.server.rpc import RpcStatusError
 from epd.v1 import router_service_pb2
 from router.calls import RouterError
-from router.held import RETRY_AFTER_S, HeldBytes
+from router.held import HeldBytes
+from router.held import busy as held_busy
 from router.http.convert import chat_request, completion_request
 from router.http.errors import ApiError, validation_error
 from router.http.media import MediaPolicy
@@ -318,13 +319,9 @@ def _limit_body(app: Any, max_bytes: int, held: HeldBytes) -> Any:
         if status == 413:
             error = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
             error.status = 413
-        else:
-            error = ApiError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "the router holds as many requests' bytes as it may (requests_in_flight_mb); "
-                "try again",
-                retry_after_s=RETRY_AFTER_S,
-            )
+        else:  # the refusal gRPC callers get, in OpenAI's shape
+            busy = held_busy("as many requests' bytes as it may")
+            error = ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
         await error.response()(scope, receive, send)
 
     async def limited(scope: Any, receive: Any, send: Any) -> None:
