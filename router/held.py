@@ -5,7 +5,7 @@ A request stays in memory until its answer ends (its media are decoded from it, 
 patch rows travel with it), so without a bound many clients, each sending a request up to
 `max_message_mb`, could together hold any amount of the router's memory. One `HeldBytes`
 counts them all: the HTTP API takes a body's bytes as it reads them
-(`router.http.app._limit_body`), and Generate takes the size of the bytes its request was
+(`router.http.body.limit_body`), and Generate takes the size of the bytes its request was
 decoded from, which `add_router_service` hands it with the request (`Sized`; measuring the
 decoded message would serialize it again: 0.22 s for a 200 MB request). A request's media
 count too (`MediaHold`), often many times its bytes: what they decode to, reserved from

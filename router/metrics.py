@@ -155,11 +155,13 @@ class RouterMetrics:
             if connections is not None:
                 closed = CounterMetricFamily(
                     "epd:http_connections_closed",
-                    "HTTP connections the router closed, by reason (cap, header_timeout).",
+                    "HTTP connections the router closed, by reason (cap, header_timeout, "
+                    "body_timeout).",
                     labels=["reason"],
                 )
                 closed.add_metric(["cap"], connections.closed_at_cap)
                 closed.add_metric(["header_timeout"], connections.closed_late)
+                closed.add_metric(["body_timeout"], connections.closed_body_late)
                 families += [
                     gauge("epd:http_connections", "HTTP connections open now.", connections.open),
                     closed,

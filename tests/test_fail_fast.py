@@ -124,12 +124,12 @@ async def test_second_http_api_on_a_taken_port_refuses() -> None:
 
     from router.http.app import HttpServer
 
-    first = HttpServer(FastAPI(), "127.0.0.1", 0, 1 << 20)
+    first = HttpServer(FastAPI(), "127.0.0.1", 0, 1 << 20, 5.0)
     await first.start()
     try:
         port = int(first.address.rsplit(":", 1)[1])
         with pytest.raises(RuntimeError, match=rf"127\.0\.0\.1:{port} .*http_port"):
-            HttpServer(FastAPI(), "127.0.0.1", port, 1 << 20)
+            HttpServer(FastAPI(), "127.0.0.1", port, 1 << 20, 5.0)
     finally:
         await first.stop()
 

@@ -1,10 +1,13 @@
 """`[router] http_header_timeout_s` and `http_max_connections` (`router.http.connections`):
 a connection that sends no whole request head in time is closed, as is one past the cap,
-while requests on the others are answered as ever."""
+while requests on the others are answered as ever. A body that does not arrive within
+`request_timeout_s` of its head is answered 408 and gives back what it held
+(`router.http.body`)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 import urllib.request
@@ -13,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_http_api import add_workers, call, fake_router, url_of
+from tests.cluster import CLIENT_KEY
+from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
 from tests.test_router import Cluster as FakeCluster
 
 
@@ -111,3 +115,39 @@ async def test_a_connection_past_the_cap_is_closed_as_it_opens(strict: FakeClust
 def metrics_page(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics/", timeout=10) as reply:
         return str(reply.read().decode())
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_answered_408(ckpt: Path) -> None:
+    c = await fake_router(ckpt, request_timeout_s=0.5)
+    try:
+        await add_workers(c)
+        held = c.router.servicer.held
+        body = json.dumps({"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {CLIENT_KEY}\r\n"
+        )
+        trickling, silent = (socket.create_connection(host_port(c)) for _ in range(2))
+        try:
+            # One announces far more than it sends; the other sends its chunked head only.
+            trickling.sendall(f"{head}Content-Length: 100000\r\n\r\n".encode() + body[:5])
+            silent.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+            await asyncio.sleep(0.2)
+            assert held.held == 100_000  # held as announced, from the head on
+            for sock in (trickling, silent):
+                told = await closed_within(sock, 3.0)  # answered, then closed
+                assert told is not None and told.startswith(b"HTTP/1.1 408"), told
+                assert b"request_timeout_s" in told
+            assert held.held == 0
+            page = await asyncio.to_thread(metrics_page, url_of(c))
+            assert 'epd:http_connections_closed_total{reason="body_timeout"} 2.0' in page
+        finally:
+            trickling.close()
+            silent.close()
+        # A body sent at once is served as ever.
+        status, _, reply = await asyncio.to_thread(
+            call, f"{url_of(c)}/v1/completions", json.loads(body), CLIENT_KEY
+        )
+        assert status == 200, reply
+    finally:
+        await c.close()

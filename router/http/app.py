@@ -35,13 +35,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.errors import FieldError
-from common.server.auth import ANONYMOUS, Authenticator, Caller, Need
-from common.server.credentials import AUTHORIZATION
+from common.server.auth import Authenticator, Caller
 from common.server.rpc import RpcStatusError
 from epd.v1 import router_service_pb2
 from router.calls import RouterError
 from router.held import HeldBytes
-from router.held import busy as held_busy
+from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
+from router.http.connections import ConnectionStats
 from router.http.convert import chat_request, completion_request
 from router.http.errors import ApiError, validation_error
 from router.http.media import MediaPolicy
@@ -72,21 +72,12 @@ def api_error(exc: BaseException) -> ApiError:
 
 
 def _caller(request: Request) -> Caller:
-    """The authenticated caller (`_limit_body` has refused others before their body is
-    read: refusals come first)."""
-    return identify(request.app.state.auth, request.headers.get("authorization"))
-
-
-def identify(auth: Authenticator | None, header: str | None) -> Caller:
-    """The client an `Authorization` header names; ApiError (401, 403) for anyone else."""
-    if auth is None:
-        return ANONYMOUS
-    found = auth.identify([(AUTHORIZATION, header)] if header else [])
-    if found is None:
-        raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "needs a valid API key (Bearer)")
-    if not found.satisfies(Need.CLIENT):
-        raise ApiError(grpc.StatusCode.PERMISSION_DENIED, "needs a client API key")
-    return found
+    """The authenticated caller: of a POST, the one `limit_body` identified before it read
+    the body (it refused others: refusals come first)."""
+    caller = request.scope.get(CALLER_KEY)
+    if caller is None:
+        caller = identify(request.app.state.auth, request.headers.get("authorization"))
+    return caller
 
 
 Who = Annotated[Caller, Depends(_caller)]
@@ -130,7 +121,7 @@ def build_app(
         (and what the workers hold for it), as a streamed response's does afterwards."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         result = Answer(prefix + request.request_id, model_id, chat)
-        # The bytes `_limit_body` holds for the body, beside which its media are held.
+        # The bytes `limit_body` holds for the body, beside which its media are held.
         chunks = servicer.generate(request, who, None, raw.scope.get(HELD_KEY, 0))
         try:
             first = await _unless_gone(raw, _first(chunks))
@@ -258,11 +249,22 @@ class HttpServer:
         host: str,
         port: int,
         max_body_bytes: int,
+        body_timeout_s: float,
         held: HeldBytes | None = None,
         protocol: type[H11Protocol] = H11Protocol,
+        connections: ConnectionStats | None = None,
     ) -> None:
+        """`app` on `host:port`, behind `router.http.body` (`max_body_bytes`,
+        `body_timeout_s`, `held`) and `protocol`, counting in `connections`."""
+        limited = limit_body(
+            app,
+            max_body_bytes,
+            held or HeldBytes(0),
+            body_timeout_s,
+            connections or ConnectionStats(),
+        )
         config = uvicorn.Config(
-            _limit_body(app, max_body_bytes, held or HeldBytes(0)),
+            limited,
             http=protocol,  # HTTP/1.1 as uvicorn speaks it (`connections.bounded_protocol`)
             log_level="warning",
             access_log=False,
@@ -298,80 +300,3 @@ class HttpServer:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         self._sock.close()
-
-
-HELD_KEY = "epd.held_bytes"  # ASGI scope: the bytes `_limit_body` holds for the body
-
-
-def _limit_body(app: Any, max_bytes: int, held: HeldBytes) -> Any:
-    """ASGI middleware: a request body over `max_bytes` is answered 413 before the app sees
-    it: by its Content-Length, or, sent without one (chunked), once the bytes read so far
-    pass the limit (the body is read here first, as the app would read all of it anyway).
-
-    A POST from anyone but a client (no valid API key) is refused before its body is read,
-    so it neither costs the reading nor takes from the budget below.
-
-    The bodies being read or answered are `held` (`router.held`, with the gRPC requests): a
-    request whose body would pass its bound is answered 429 with Retry-After, unless no other
-    request is held (so one request up to `max_bytes` always gets through)."""
-
-    async def refuse(scope: Any, receive: Any, send: Any, status: int) -> None:
-        if status == 413:
-            error = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
-            error.status = 413
-        else:  # the refusal gRPC callers get, in OpenAI's shape
-            busy = held_busy("as many requests' bytes as it may")
-            error = ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
-        await error.response()(scope, receive, send)
-
-    async def limited(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers", ()))
-        if scope.get("method") == "POST":  # a body: only a client may have one read
-            header = headers.get(b"authorization")
-            try:
-                identify(app.state.auth, header.decode("latin-1") if header else None)
-            except ApiError as exc:
-                await exc.response()(scope, receive, send)
-                return
-        length = headers.get(b"content-length")
-        taken = 0
-        try:
-            if length is not None and length.isdigit():
-                # The HTTP server reads no more than the length says.
-                if int(length) > max_bytes:
-                    await refuse(scope, receive, send, 413)
-                elif not held.take(int(length)):
-                    await refuse(scope, receive, send, 429)
-                else:
-                    taken = scope[HELD_KEY] = int(length)
-                    await app(scope, receive, send)
-                return
-            read: list[Any] = []
-            while True:
-                message = await receive()
-                read.append(message)
-                if message["type"] != "http.request":
-                    break  # the client went away: the app sees that too
-                size = len(message.get("body", b""))
-                if taken + size > max_bytes:
-                    await refuse(scope, receive, send, 413)
-                    return
-                if not held.take(size, taken):
-                    await refuse(scope, receive, send, 429)
-                    return
-                taken += size
-                if not message.get("more_body"):
-                    break
-
-            async def replay() -> Any:
-                return read.pop(0) if read else await receive()
-
-            scope[HELD_KEY] = taken
-            await app(scope, replay, send)
-        finally:
-            held.give(taken)
-
-    return limited

@@ -9,8 +9,8 @@ process, which its gRPC server, its channels to the workers and its NIXL agent d
 so enough of them (one machine can open thousands) would leave the router unable to accept
 a worker's registration. Here a connection past the cap is answered 503 and closed as it
 opens, before it costs anything more, and one without a complete request head in time is
-closed then. A request whose head has arrived is the app's (its body is bounded by
-`router.held`).
+closed then. A request whose head has arrived has `request_timeout_s` for its body
+(`router.http.body`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class ConnectionStats:
     open: int = 0  # connections open now
     closed_at_cap: int = 0  # closed as they opened, past `http_max_connections`
     closed_late: int = 0  # closed without a whole request head in time
+    closed_body_late: int = 0  # closed without a whole body in time (`router.http.body`)
 
 
 def bounded_protocol(

@@ -40,10 +40,12 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
         settings.http_host,
         settings.http_port,
         settings.max_message_mb << 20,
+        settings.request_timeout_s,
         running.servicer.held,
         bounded_protocol(
             settings.http_header_timeout_s, settings.http_max_connections, connections
         ),
+        connections,
     )
     await http.start()
     running.cleanup.insert(0, http.stop)

@@ -1,0 +1,135 @@
+"""Who may send the HTTP API a body, how large, how fast, and what it holds meanwhile.
+
+`limit_body` is ASGI middleware in front of the app. It reads a request's whole body before
+the app runs (the app would read all of it anyway) and replays it:
+
+- a POST from anyone but a client (no valid API key: `identify`) is refused before its
+  body is read, so it neither costs the reading nor takes from the budget below;
+- a body over `max_bytes` is answered 413: by its Content-Length before a byte of it is
+  read, or, sent without one (chunked), once the bytes read so far pass the limit;
+- the bodies being read or answered are held in `router.held` with the gRPC requests: one
+  that would pass its bound is answered 429 with Retry-After, unless no other request is
+  held (so one request up to `max_bytes` always gets through). A body with a Content-Length
+  is held from its head on, as the bytes it announces;
+- the whole body must arrive within `timeout_s` (`[router] request_timeout_s`, the time
+  gRPC gives a request's read) of its head, else it is answered 408 and the connection
+  closed: a client that announces a large body and trickles it, or sends none, would hold
+  its bytes of the budget, and a connection, for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from common.server.auth import ANONYMOUS, Authenticator, Caller, Need
+from common.server.credentials import AUTHORIZATION
+from router.held import HeldBytes
+from router.held import busy as held_busy
+from router.http.connections import ConnectionStats
+from router.http.errors import ApiError
+
+HELD_KEY = "epd.held_bytes"  # ASGI scope: the bytes `limit_body` holds for the body
+CALLER_KEY = "epd.caller"  # ASGI scope: who `limit_body` let send a body (POST)
+
+
+def identify(auth: Authenticator | None, header: str | None) -> Caller:
+    """The client an `Authorization` header names; ApiError (401, 403) for anyone else."""
+    if auth is None:
+        return ANONYMOUS
+    found = auth.identify([(AUTHORIZATION, header)] if header else [])
+    if found is None:
+        raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "needs a valid API key (Bearer)")
+    if not found.satisfies(Need.CLIENT):
+        raise ApiError(grpc.StatusCode.PERMISSION_DENIED, "needs a client API key")
+    return found
+
+
+class _Refused(Exception):
+    """The body is answered with `error` instead of reaching the app."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def limit_body(
+    app: Any, max_bytes: int, held: HeldBytes, timeout_s: float, stats: ConnectionStats
+) -> Any:
+    """`app` behind the bounds of this module's docstring (408s counted in `stats`)."""
+    too_large = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
+    too_large.status = 413
+    late = ApiError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"the request body did not arrive within {timeout_s:g} s (request_timeout_s)",
+    )
+    late.status = 408
+    busy = held_busy("as many requests' bytes as it may")
+    full = ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
+
+    async def read(receive: Any, announced: int | None, taken: list[int]) -> list[Any]:
+        """The request's ASGI messages up to the body's end (or the client's going), its
+        bytes added to `taken[0]` as held (all at once when `announced`)."""
+        if announced is not None:
+            if announced > max_bytes:
+                raise _Refused(too_large)
+            if not held.take(announced):
+                raise _Refused(full)
+            taken[0] = announced  # the HTTP server reads no more than the length says
+        messages: list[Any] = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages  # the client went away: the app sees that too
+            if announced is None:
+                size = len(message.get("body", b""))
+                if taken[0] + size > max_bytes:
+                    raise _Refused(too_large)
+                if not held.take(size, taken[0]):
+                    raise _Refused(full)
+                taken[0] += size
+            if not message.get("more_body"):
+                return messages
+
+    async def limited(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        length = headers.get(b"content-length")
+        taken = [0]
+        try:
+            try:
+                if scope.get("method") == "POST":  # a body: only a client may have one read
+                    header = headers.get(b"authorization")
+                    caller = identify(app.state.auth, header.decode("latin-1") if header else None)
+                    scope[CALLER_KEY] = caller
+                announced = int(length) if length is not None and length.isdigit() else None
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        messages = await read(receive, announced, taken)
+                except TimeoutError:
+                    raise _Refused(late) from None
+            except ApiError as exc:
+                await exc.response()(scope, receive, send)
+                return
+            except _Refused as refused:
+                response = refused.error.response()
+                if refused.error is late:  # the rest of the body may still come: not here
+                    response.headers["Connection"] = "close"
+                    stats.closed_body_late += 1
+                await response(scope, receive, send)
+                return
+
+            async def replay() -> Any:
+                return messages.pop(0) if messages else await receive()
+
+            scope[HELD_KEY] = taken[0]
+            await app(scope, replay, send)
+        finally:
+            held.give(taken[0])
+
+    return limited
