@@ -15,7 +15,7 @@ from PIL import Image
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.multimodal.params import Modality
-from common.processing.image import smart_resize
+from common.processing.image import smart_resize, to_rgb
 from common.processing.messages import (
     ImagePart,
     Message,
@@ -92,6 +92,17 @@ def test_image_matches_reference(processor: Processor, case: tuple[int, int, str
     assert values.dtype == torch.float32
     np.testing.assert_array_equal(values.numpy(), expected["pixel_values"])
     assert [list(prompt.grid_thw[0])] == expected["image_grid_thw"].tolist()
+
+
+def test_an_rgb_image_is_not_copied_to_be_made_rgb() -> None:
+    """Processing holds one decoded copy of an RGB image, not two (`to_rgb`); other modes
+    convert, transparency composited onto white."""
+    rgb = Image.new("RGB", (8, 4), (10, 20, 30))
+    assert to_rgb(rgb) is rgb
+    rgba = Image.new("RGBA", (8, 4), (10, 20, 30, 0))
+    assert to_rgb(rgba).mode == "RGB" and to_rgb(rgba).getpixel((0, 0)) == (255, 255, 255)
+    grey = Image.new("L", (8, 4), 7)
+    assert to_rgb(grey).getpixel((0, 0)) == (7, 7, 7)
 
 
 def test_smart_resize_matches_reference() -> None:

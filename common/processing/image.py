@@ -79,12 +79,14 @@ def load_image(source: ImageSource | Any) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency composited onto white (as the reference does)."""
+    """RGB, with any transparency composited onto white (as the reference does). An RGB
+    image is returned as it is: `convert` to its own mode copies it, and that copy (a
+    4096x4096 JPEG's is 67 MB) doubled what processing an image held at its peak."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 MAX_ASPECT_RATIO = 200  # the reference's bound on max(h, w) / min(h, w), images and frames
