@@ -4,7 +4,8 @@
     /path or file:///path          only inside `[router] http_media_dir` (default: refused)
     https://host/...               only with `[router] http_fetch_urls` (default: off); the
                                    host's addresses are resolved once and every one must be
-                                   public (private, loopback, link-local, reserved: refused);
+                                   public (private, loopback, link-local, reserved: refused;
+                                   for IPv6, the IPv4 address one embeds too: `is_public`);
                                    the connection goes to that checked address; no
                                    redirects; at most `http_fetch_max_bytes`, within
                                    `http_fetch_timeout_s`
@@ -78,15 +79,36 @@ def _local(path: str, field: str, policy: MediaPolicy) -> bytes:
     return target.read_bytes()
 
 
+# IPv6 prefixes that carry an IPv4 address in their last 32 bits, which a translator on the
+# way reaches: NAT64 (RFC 6052's well-known prefix, RFC 8215's local-use one).
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+
+
+def is_public(address: str) -> bool:
+    """Whether `address` is globally reachable, and so is any IPv4 address it embeds (a
+    mapped, IPv4-compatible, 6to4, Teredo or NAT64 address leads to that one: `::127.0.0.1`
+    and `64:ff9b::a00:1` are "global" to Python 3.11, but reach 127.0.0.1 and 10.0.0.1)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if not ip.is_global:
+        return False
+    if isinstance(ip, ipaddress.IPv4Address):
+        return True
+    embedded = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
+    if int(ip) >> 32 == 0 or any(ip in net for net in _NAT64):  # IPv4-compatible, NAT64
+        embedded.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return all(v4 is None or v4.is_global for v4 in embedded)
+
+
 def public_address(host: str, port: int, field: str) -> str:
-    """The first address `host` resolves to; FieldError unless every one is public."""
+    """The first address `host` resolves to; FieldError unless every one is public
+    (`is_public`)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         raise FieldError(field, f"cannot resolve {host}") from None
     addresses = [str(info[4][0]) for info in infos]
     for address in addresses:
-        if not ipaddress.ip_address(address.split("%")[0]).is_global:
+        if not is_public(address):
             raise FieldError(field, f"{host} resolves to a non-public address")
     if not addresses:
         raise FieldError(field, f"cannot resolve {host}")
