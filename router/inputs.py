@@ -83,12 +83,19 @@ def open_image(
     its decoded bytes against `budget`; `InputError` naming `field`. Nothing is decoded."""
     if not data:
         raise InputError(field, "is empty")
+    formats = limits.image_formats
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=formats)
     except Image.UnidentifiedImageError:
-        raise InputError(field, "is not a decodable image (not a format PIL reads)") from None
+        if formats is None:
+            raise InputError(field, "is not a decodable image (not a format PIL reads)") from None
+        raise InputError(
+            field,
+            f"is not an image in a format this server decodes ({', '.join(formats)}: "
+            "[router] image_formats)",
+        ) from None
     except _DECODE_ERRORS as exc:
         raise InputError(field, f"is not a decodable image ({exc})") from None
     try:

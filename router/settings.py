@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from common.processing.limits import InputLimits
+from PIL import Image
+
+from common.processing.limits import IMAGE_FORMATS, InputLimits
 from common.settings.base import ServerSettings
 from common.settings.schema import SettingsError, setting
 
@@ -95,6 +97,12 @@ class RouterSettings(ServerSettings):
         "frames per second a video file is sampled at when the request gives none (fps 0); "
         "at most max_video_frames, spread over the video when more (the processor then "
         "samples those frames as any frame list)",
+    )
+    image_formats: tuple[str, ...] = setting(
+        IMAGE_FORMATS,
+        "image file formats the router decodes, by PIL's names (comma-separated as a flag); "
+        "an image (or video frame) in another is refused from its first bytes, before any of "
+        "PIL's decoders for other formats sees it (EPS would run Ghostscript, when installed)",
     )
     http_host: str = setting("127.0.0.1", "address the OpenAI-compatible HTTP API listens on")
     http_port: int = setting(
@@ -213,6 +221,13 @@ class RouterSettings(ServerSettings):
             raise SettingsError("http_header_timeout_s: must be positive")
         if not self.video_file_fps > 0:
             raise SettingsError("video_file_fps: must be positive")
+        Image.init()  # every plugin PIL has registered
+        unknown = [f for f in self.image_formats if f not in Image.OPEN]
+        if unknown or not self.image_formats:
+            raise SettingsError(
+                f"image_formats: {', '.join(unknown) or 'empty'}: expected some of "
+                f"{', '.join(sorted(Image.OPEN))}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SettingsError("max_model_len: must be at least 2")
 
@@ -226,6 +241,7 @@ class RouterSettings(ServerSettings):
             max_video_file_bytes=self.max_video_file_bytes,
             max_video_seconds=self.max_video_seconds,
             video_file_fps=self.video_file_fps,
+            image_formats=self.image_formats,
             max_model_len=min(self.max_model_len or context, context),
         )
 

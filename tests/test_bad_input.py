@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import http.client
 import io
 import json
@@ -40,6 +41,7 @@ from router.http.errors import ApiError, http_field, validation_error
 from router.http.media import MediaPolicy
 from router.http.schema import ChatCompletionRequest, CompletionRequest
 from router.inputs import InputError, decode_image
+from router.settings import RouterSettings
 from tests.cluster import CLIENT_KEY
 from tests.test_http_api import WEATHER, add_workers, call, fake_router, url_of, user
 from tests.test_router import Cluster as FakeCluster
@@ -55,11 +57,11 @@ def chat(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": WEATHER, **extra}
 
 
-def png_url(width: int, height: int) -> str:
+def png_url(width: int, height: int, format: str = "PNG") -> str:
     buf = io.BytesIO()
     pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    Image.fromarray(pixels).save(buf, format=format)
+    return f"data:image/{format.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def image(url: str) -> dict[str, Any]:
@@ -170,6 +172,22 @@ def test_grpc_field_names_become_the_bodys() -> None:
     assert str(error) == "messages[0].content[0].image_url.url: is not a decodable image"
 
 
+def test_only_the_configured_image_formats_are_opened() -> None:
+    """`[router] image_formats`: an image in another format is refused by its first bytes,
+    naming its field; one an operator adds is decoded."""
+    data = base64.b64decode(png_url(8, 8, "TIFF").partition(",")[2])
+    field = "messages[0].content[0].image.data"
+    limits = RouterSettings(model="m").input_limits(1024)
+    with pytest.raises(InputError, match="image_formats") as err:
+        decode_image(data, field, limits)
+    assert err.value.field == field
+    tiff = dataclasses.replace(limits, image_formats=(*(limits.image_formats or ()), "TIFF"))
+    assert decode_image(data, field, tiff).size == (8, 8)
+    for name in ("PNG", "JPEG", "WEBP", "GIF", "BMP"):  # what clients send, by default
+        picture = base64.b64decode(png_url(8, 8, name).partition(",")[2])
+        assert decode_image(picture, field, limits).size == (8, 8)
+
+
 def test_a_tiff_whose_strip_offsets_are_fractions_is_not_a_decodable_image() -> None:
     """Found by decoding mutated files: PIL raised TypeError for it, which the router's
     decode errors did not include."""
@@ -233,6 +251,7 @@ async def test_the_router_answers_400_naming_the_field_and_keeps_serving(
         (chat(logprobs=True), "logprobs"),
         (parts(image(NOT_AN_IMAGE)), f"{C0}.image_url.url"),
         (parts(image(png_url(5000, 2)), TEXT_PART), f"{C0}.image_url.url"),
+        (parts(image(png_url(8, 8, "TIFF")), TEXT_PART), f"{C0}.image_url.url"),
         (LONE_SURROGATE_BODY, "messages[0].content"),
         (b'{"model": "tiny", "messages": [', None),
     ]
@@ -247,6 +266,11 @@ async def test_the_router_answers_400_naming_the_field_and_keeps_serving(
     assert "aspect ratio" in aspect[2]["error"]["message"]
     not_image = await asyncio.to_thread(call, endpoint, parts(image(NOT_AN_IMAGE)), CLIENT_KEY)
     assert "object at 0x" not in not_image[2]["error"]["message"]  # no Python reprs
+    tiff = await asyncio.to_thread(call, endpoint, parts(image(png_url(8, 8, "TIFF"))), CLIENT_KEY)
+    assert tiff[2]["error"]["message"].endswith(
+        "is not an image in a format this server decodes (PNG, JPEG, WEBP, GIF, BMP: "
+        "[router] image_formats)"
+    )
     status, _, reply = await asyncio.to_thread(call, endpoint, chat(max_tokens=2), CLIENT_KEY)
     assert status == 200 and reply["choices"][0]["message"]["content"] is not None
 

@@ -25,6 +25,11 @@ from common.errors import FieldError
 
 # PIL holds every RGB / RGBA pixel in 4 bytes, and every item is converted to RGB.
 DECODED_BYTES_PER_PIXEL = 4
+# The image formats the router decodes by default (`[router] image_formats`): those clients
+# send (`epd.request.IMAGE_SUFFIXES`, OpenAI's PNG, JPEG, WEBP and GIF), not every one PIL
+# has a decoder for (43 in Pillow 13: EPS runs Ghostscript, and FITS, PSD, SGI, DDS ... are
+# rarely asked of a model and each a decoder an attacker could aim at).
+IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
 
 class LimitError(FieldError):
@@ -42,6 +47,7 @@ class InputLimits:
     max_video_file_bytes: int | None = None  # bytes of one video container file
     max_video_seconds: float | None = None  # duration of one video file, from its header
     video_file_fps: float = 2.0  # rate a video file is sampled at when its request says 0
+    image_formats: tuple[str, ...] | None = None  # PIL formats an image may be in (None: any)
     max_model_len: int | None = None  # prompt tokens + max_tokens
 
 
