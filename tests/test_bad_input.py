@@ -137,6 +137,9 @@ def test_the_widest_values_the_wire_carries_are_accepted() -> None:
     [
         ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -148,7 +151,14 @@ def test_what_the_server_does_not_do_is_refused_not_ignored(
     with pytest.raises(FieldError) as err:
         chat_request(ChatCompletionRequest.model_validate(chat(**extra)), "r", MediaPolicy())
     assert err.value.field == param
-    allowed = chat(logprobs=False, tools=[], response_format={"type": "text"})
+    allowed = chat(
+        logprobs=False,
+        tools=[],
+        response_format={"type": "text"},
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+    )
     assert chat_request(ChatCompletionRequest.model_validate(allowed), "r", MediaPolicy())
     for field, value in (("echo", True), ("best_of", 2), ("logprobs", 2)):
         body = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", field: value})

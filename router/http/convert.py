@@ -52,12 +52,21 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
 
 def refuse_unsupported(body: SamplingBody) -> None:
     """FieldError naming the first field that asks for what this server does not do
-    (log probabilities, tool calls, structured output, echo, best-of): refused, since an
-    answer without it would look like one with it to a client that does not check."""
+    (log probabilities, penalties, logit bias, tool calls, structured output, echo,
+    best-of): refused, since an answer without it would look like one with it to a client
+    that does not check."""
     if body.logprobs:
         raise FieldError("logprobs", "log probabilities are not supported by this server")
     if body.top_logprobs:
         raise FieldError("top_logprobs", "log probabilities are not supported by this server")
+    for field, penalty in (
+        ("presence_penalty", body.presence_penalty),
+        ("frequency_penalty", body.frequency_penalty),
+    ):
+        if penalty:
+            raise FieldError(field, "penalties are not supported by this server (only 0)")
+    if body.logit_bias:
+        raise FieldError("logit_bias", "logit bias is not supported by this server")
     if isinstance(body, ChatCompletionRequest):
         for field, value in (("tools", body.tools), ("functions", body.functions)):
             if value:

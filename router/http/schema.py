@@ -9,7 +9,9 @@ naming its field, not a failure later: counts fit their protobuf integers, `temp
 float32, and every string is valid UTF-8 (JSON can spell lone surrogates, protobuf strings
 cannot hold them). OpenAI fields for what this server does not do (`logprobs`, tools, a
 `response_format` other than text, `echo`, `best_of` above 1) are named so that asking for
-them is refused (`router.http.convert.refuse_unsupported`) rather than silently ignored.
+them is refused (`router.http.convert.refuse_unsupported`) rather than silently ignored,
+and so are the penalties and `logit_bias` (0 and empty, what some clients always send, are
+accepted).
 """
 
 from __future__ import annotations
@@ -108,6 +110,9 @@ class SamplingBody(_Body):
     # Not done by this server: refused when asked for (see the module docstring).
     logprobs: bool | int | None = None  # chat: a bool; completions: a count
     top_logprobs: int | None = None
+    presence_penalty: float | None = None  # refused unless 0
+    frequency_penalty: float | None = None  # refused unless 0
+    logit_bias: dict[str, float] | None = None  # refused when not empty
 
     @property
     def stop_strings(self) -> list[str]:
