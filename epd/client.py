@@ -36,6 +36,9 @@ the caller decides whether to ask again.
 
 Failures raise `GenerateError` with the gRPC status code and the router's message
 (UNAUTHENTICATED: no or an unknown key; PERMISSION_DENIED: the key may not do that).
+A router that is full refuses a request with RESOURCE_EXHAUSTED and says when to try again
+(`retry-after-ms`); with `Client(..., max_retries=N)` such a request is sent again up to N
+times, each after that wait (within the request's timeout), before it fails.
 """
 
 from __future__ import annotations
@@ -155,11 +158,16 @@ class Client:
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         api_key: str | None = None,
         tls_ca_file: str | Path | None = None,
+        max_retries: int = 0,
     ) -> None:
         """`address`: the router, or several (a list, or one comma-separated string);
         `api_key`: presented on every call (None: $EPD_API_KEY or `epd serve`'s client
         key file, see the module docstring); `tls_ca_file`: dial TLS, verifying the routers
-        with this PEM CA (None: plaintext)."""
+        with this PEM CA (None: plaintext); `max_retries`: times a request the router
+        refused as full (RESOURCE_EXHAUSTED) is sent again after the wait it names."""
+        if max_retries < 0:
+            raise ValueError(f"max_retries must not be negative, got {max_retries}")
+        self.max_retries = max_retries
         limit = max_message_mb * 1024 * 1024
         self.addresses = router_list(address)  # every router, in the order given
         self.address = self.addresses[0]  # the first (Status asks this one)
@@ -179,6 +187,7 @@ class Client:
         self._turn = 0  # the router the next request starts on
         self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
         self.resumes = 0  # streams resumed on another router after their router failed
+        self.busy_retries = 0  # requests sent again after a RESOURCE_EXHAUSTED's wait
 
     async def __aenter__(self) -> Client:
         return self
@@ -225,7 +234,11 @@ class Client:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failures: list[str] = []
         received: list[int] = []  # tokens of the answer the caller has
-        for attempt, index in enumerate(self._order()):
+        busy = 0  # RESOURCE_EXHAUSTED refusals sent again
+        order = self._order()
+        attempt = 0
+        while attempt < len(order):
+            index = order[attempt]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             del request.resume_tokens[:]
             request.resume_tokens.extend(received)
@@ -237,6 +250,12 @@ class Client:
                 return
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or ""
+                wait = _retry_after_s(exc) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if wait is not None and self._may_wait(busy, received, wait, deadline):
+                    busy += 1
+                    self.busy_retries += 1
+                    await asyncio.sleep(wait)
+                    continue  # the same router, which said when
                 if len(self._routers) == 1:
                     raise GenerateError(code, details) from None
                 where = f"{self.addresses[index]}: {code.name} {details}".strip()
@@ -249,12 +268,22 @@ class Client:
                         self.resumes += 1
                     else:
                         self.retries += 1
+                attempt += 1
             finally:
                 call.cancel()
         raise GenerateError(
             grpc.StatusCode.UNAVAILABLE,
             f"every router failed: {'; '.join(failures)}",
         )
+
+    def _may_wait(
+        self, busy: int, received: list[int], wait: float, deadline: float | None
+    ) -> bool:
+        """Whether a refusal (RESOURCE_EXHAUSTED, `wait` s) is sent again: retries left,
+        no token received yet, and the wait ends before the deadline."""
+        if busy >= self.max_retries or received:
+            return False
+        return deadline is None or time.monotonic() + wait < deadline
 
     async def generate_text(
         self,
@@ -352,6 +381,14 @@ def generate_text(
             return await client.generate_text(messages, sampling, timeout_s=timeout_s, stop=stop)
 
     return asyncio.run(run())
+
+
+def _retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
+    """The wait a refusal names (`retry-after-ms`, seconds), None when it names none."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():
+            return int(value) / 1000
+    return None
 
 
 def _chunk(response: router_service_pb2.GenerateResponse) -> Chunk:

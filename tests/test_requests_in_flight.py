@@ -8,15 +8,18 @@ import asyncio
 import base64
 import io
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import grpc
 import numpy as np
 import pytest
 from PIL import Image
 
+from common.sampling import SamplingParams
 from common.server.credentials import bearer_metadata
+from epd.client import Chunk, Client, GenerateError
 from epd.v1 import router_service_pb2
 from router.held import HeldBytes
 from tests.cluster import CLIENT_KEY
@@ -104,6 +107,42 @@ async def test_grpc_requests_held_at_once_are_bounded_with_the_http_bodies(
     third = large("third")
     assert (await third.read()).token_ids
     third.cancel()
+
+
+async def test_a_client_with_retries_waits_as_the_refusal_says_then_is_served(
+    bounded: tuple[FakeCluster, FakeDecode],
+) -> None:
+    """`Client(max_retries=N)`: a request refused as RESOURCE_EXHAUSTED (`retry-after-ms`,
+    here 1 s) is sent again after that wait; without retries it fails at once."""
+    router, decode = bounded
+    decode.hang_after_first = True
+    png = noise_png()
+    parts = [{"type": "image", "image": png}, {"type": "text", "text": "what is it?"}]
+    chat_of = [{"role": "user", "content": parts}]
+    sampling = SamplingParams(max_tokens=2)
+    # A stream that holds its request until it is closed (the fake decode hangs after its
+    # first chunk, so the answer must be longer than that).
+    holder = cast(
+        AsyncGenerator[Chunk, None],
+        router.client.generate(chat_of, SamplingParams(max_tokens=16), request_id="holder"),
+    )
+    await anext(holder)  # the router holds its request now
+    address = router.router.address
+    async with Client(address, api_key=CLIENT_KEY) as plain:
+        with pytest.raises(GenerateError) as err:
+            await plain.generate_text(chat_of, sampling, timeout_s=30)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    async with Client(address, api_key=CLIENT_KEY, max_retries=3) as patient:
+        started = asyncio.get_running_loop().time()
+        waiting = asyncio.ensure_future(patient.generate_text(chat_of, sampling, timeout_s=30))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # refused, waiting out the second it was told
+        await holder.aclose()  # the holder goes: its bytes come back
+        assert (await waiting).token_ids
+        assert 1 <= patient.busy_retries <= 3
+        assert asyncio.get_running_loop().time() - started >= 1.0
+    with pytest.raises(ValueError, match="max_retries"):
+        Client(address, api_key=CLIENT_KEY, max_retries=-1)
 
 
 @pytest.fixture
