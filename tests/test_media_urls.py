@@ -1,0 +1,60 @@
+"""Media URLs of HTTP requests (`router.http.media`): data URLs always, local files only
+inside `http_media_dir`, https only when fetching is on and only from public addresses
+(with any IPv4 address an IPv6 one embeds public too)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from common.errors import FieldError
+from router.http.media import MediaPolicy, is_public, load, public_address
+
+
+def test_media_urls_are_refused_unless_allowed(tmp_path: Path) -> None:
+    for url in ("https://example.com/cat.png", "http://127.0.0.1/x.png", "/etc/passwd"):
+        with pytest.raises(FieldError) as err:
+            load(url, "f", MediaPolicy())
+        assert err.value.field == "f"
+    (tmp_path / "cat.png").write_bytes(b"png")
+    allowed = MediaPolicy(media_dir=tmp_path)
+    assert load(f"file://{tmp_path}/cat.png", "f", allowed) == b"png"
+    with pytest.raises(FieldError):
+        load(f"{tmp_path}/../cat.png", "f", allowed)
+    with pytest.raises(FieldError, match="non-public"):  # resolved, then refused
+        load("https://localhost/cat.png", "f", MediaPolicy(fetch_urls=True))
+
+
+@pytest.mark.parametrize(
+    ("address", "public"),
+    [
+        ("8.8.8.8", True),
+        ("2001:4860:4860::8888", True),
+        ("::ffff:8.8.8.8", True),
+        ("64:ff9b::808:808", True),  # NAT64 of 8.8.8.8
+        ("10.0.0.1", False),
+        ("100.64.0.1", False),  # shared address space (carrier NAT)
+        ("169.254.169.254", False),  # cloud metadata
+        ("::1", False),
+        ("fd00::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("::127.0.0.1", False),  # IPv4-compatible: Python 3.11 calls it global
+        ("64:ff9b::a00:1", False),  # NAT64 of 10.0.0.1: likewise
+        ("64:ff9b:1::a9fe:a9fe", False),  # local-use NAT64 of 169.254.169.254
+        ("2002:7f00:1::", False),  # 6to4 of 127.0.0.1
+        ("fe80::1%eth0", False),
+    ],
+)
+def test_a_fetched_host_must_be_public_with_any_ipv4_address_it_embeds(
+    address: str, public: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert is_public(address) is public
+    info = (socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM, 6, "")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(*info, (address, 443))])
+    if public:
+        assert public_address("cats.example", 443, "f") == address
+    else:
+        with pytest.raises(FieldError, match="non-public"):
+            public_address("cats.example", 443, "f")
