@@ -25,6 +25,12 @@ in the time its bytes take to arrive, so small ones hardly wait. A call waiting 
 holds at most its receive window (`common.server.rpc.CLIENT_STREAM_WINDOW`, 4 MiB), and at
 most bound / window calls (at least one) may wait: one more is refused at once. Everything
 here runs on the router's event loop.
+
+Tenants (`[router] tenant_share`, where the API keys name more than one): one tenant holds
+at most that share of the bytes and of the read slots (at least one), so a tenant that sends
+large requests slowly, or announces HTTP bodies it does not send, cannot take every read or
+all of the bound from the others. Its bytes past its share are refused as the bound's are,
+unless no other request of that tenant holds any; its reads past its share wait.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,34 +56,102 @@ CORRUPT = object()  # `read_request`: the bytes sent do not decode
 
 
 class HeldBytes:
-    """Bytes of the requests being read or answered, at most `limit` (0: no bound)."""
+    """Bytes of the requests being read or answered, at most `limit` (0: no bound), and
+    of each tenant at most `tenant_share` of it (1: no per-tenant bound)."""
 
-    def __init__(self, limit: int, max_request: int = 1, window: int = CLIENT_STREAM_WINDOW):
+    def __init__(
+        self,
+        limit: int,
+        max_request: int = 1,
+        window: int = CLIENT_STREAM_WINDOW,
+        tenant_share: float = 1.0,
+    ) -> None:
         self.limit = limit
         self.held = 0  # bytes held now
         self.refused = 0  # requests refused for the bound, ever (`epd:requests_refused_held`)
         # gRPC requests, each up to `max_request` bytes, that may be being read at once,
         # and calls that may wait for a read, each holding up to `window` bytes meanwhile.
-        self.reads = asyncio.Semaphore(max(1, limit // max_request) if limit else 1 << 30)
+        slots = max(1, limit // max_request) if limit else 1 << 30
+        self.reads = asyncio.Semaphore(slots)
         self.max_waiting = max(1, limit // window) if limit else 1 << 30
         self.waiting = 0  # calls waiting for a read now
+        # One tenant's bytes and read slots at most (0: no per-tenant bound).
+        self.tenant_limit = int(limit * tenant_share) if limit and tenant_share < 1 else 0
+        self.tenant_reads = max(1, int(slots * tenant_share)) if self.tenant_limit else 0
+        self.by_tenant: dict[str, int] = {}  # bytes held now per tenant (with a tenant limit)
+        self._reads_of: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # its slots, users
         self._lock = threading.Lock()  # `take` and `give`
 
-    def take(self, size: int, mine: int = 0) -> bool:
-        """Hold `size` more bytes for a request that holds `mine` already, if the bound
-        allows; always when no other request holds any. (Any thread, as `give`: media are
-        reserved on the thread that reads them.)"""
+    def take(self, size: int, mine: int = 0, tenant: str | None = None) -> bool:
+        """Hold `size` more bytes for a request of `tenant` that holds `mine` already, if
+        the bound allows (always when no other request holds any) and the tenant's share
+        does (always when no other request of the tenant holds any). (Any thread, as
+        `give`: media are reserved on the thread that reads them.)"""
         with self._lock:
             if self.limit and self.held > mine and self.held + size > self.limit:
                 self.refused += 1
                 return False
+            if self.tenant_limit and tenant is not None:
+                ours = self.by_tenant.get(tenant, 0)
+                if ours > mine and ours + size > self.tenant_limit:
+                    self.refused += 1
+                    return False
+                self.by_tenant[tenant] = ours + size
             self.held += size
             return True
 
-    def give(self, size: int) -> None:
-        """Stop holding `size` bytes."""
+    def give(self, size: int, tenant: str | None = None) -> None:
+        """Stop holding `size` bytes of `tenant`'s."""
         with self._lock:
             self.held -= size
+            if self.tenant_limit and tenant is not None:
+                left = self.by_tenant.get(tenant, 0) - size
+                if left:
+                    self.by_tenant[tenant] = left
+                else:
+                    self.by_tenant.pop(tenant, None)
+
+    @contextlib.asynccontextmanager
+    async def read_slot(self, tenant: str | None) -> AsyncIterator[None]:
+        """One of `reads` while the block runs, after one of `tenant`'s share of them (with
+        a tenant limit); waits for them, counted in `waiting`."""
+        share = None
+        if self.tenant_reads and tenant is not None:
+            share, users = self._reads_of.setdefault(
+                tenant, (asyncio.Semaphore(self.tenant_reads), [0])
+            )
+            users[0] += 1
+        self.waiting += 1
+        try:
+            if share is not None:
+                await share.acquire()
+            try:
+                await self.reads.acquire()
+            except BaseException:
+                if share is not None:
+                    share.release()
+                raise
+        except BaseException:
+            self._leave(tenant)
+            raise
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            self.reads.release()
+            if share is not None:
+                share.release()
+            self._leave(tenant)
+
+    def _leave(self, tenant: str | None) -> None:
+        """A call of `tenant` is done with its share of the reads (forgotten with its last)."""
+        if tenant is None or tenant not in self._reads_of:
+            return
+        users = self._reads_of[tenant][1]
+        users[0] -= 1
+        if not users[0]:
+            del self._reads_of[tenant]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +163,11 @@ class Sized:
 
 
 async def read_request(
-    held: HeldBytes, context: grpc.aio.ServicerContext, timeout_s: float
+    held: HeldBytes, context: grpc.aio.ServicerContext, timeout_s: float, tenant: str | None
 ) -> Sized:
-    """The call's Generate request, read once one of `held.reads` is free, its bytes then
-    held (the caller gives them back when the answer ends). Aborts the call instead with
+    """The call's Generate request, read once one of `held.reads` (and of `tenant`'s share
+    of them) is free, its bytes then held as `tenant`'s (the caller gives them back when the
+    answer ends). Aborts the call instead with
     DEADLINE_EXCEEDED when the request has not arrived `timeout_s` after its read began (a
     stalled sender gives its read back), INVALID_ARGUMENT when it sent none or bytes that
     do not decode (which escaped as UNKNOWN "Unexpected DecodeError" before),
@@ -101,20 +176,14 @@ async def read_request(
     if held.reads.locked() and held.waiting >= held.max_waiting:
         held.refused += 1
         await _busy(context, "as many requests waiting to be read")
-    held.waiting += 1
-    try:
-        await held.reads.acquire()
-    finally:
-        held.waiting -= 1
-    try:
-        async with asyncio.timeout(timeout_s):
-            sized = await context.read()
-    except TimeoutError:
-        sized = None
-    except DecodeError:
-        sized = CORRUPT
-    finally:
-        held.reads.release()
+    async with held.read_slot(tenant):
+        try:
+            async with asyncio.timeout(timeout_s):
+                sized = await context.read()
+        except TimeoutError:
+            sized = None
+        except DecodeError:
+            sized = CORRUPT
     if sized is None:
         await context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -126,7 +195,7 @@ async def read_request(
         )
     if not isinstance(sized, Sized):  # the client half-closed without a request
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no GenerateRequest was sent")
-    if not held.take(sized.size):
+    if not held.take(sized.size, tenant=tenant):
         await _busy(context, "as many requests' bytes as it may")
     return sized
 
@@ -141,7 +210,8 @@ def busy(holds: str) -> RouterError:
     """RESOURCE_EXHAUSTED with a back-off hint: the router holds `holds`."""
     error = RouterError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"the router holds {holds} (requests_in_flight_mb); retry after {RETRY_AFTER_S:.1f} s",
+        f"the router holds {holds} (requests_in_flight_mb, of which a tenant may hold "
+        f"tenant_share); retry after {RETRY_AFTER_S:.1f} s",
     )
     error.trailing_metadata = (("retry-after-ms", str(round(RETRY_AFTER_S * 1000))),)
     return error
@@ -156,21 +226,22 @@ class MediaHold:
     bytes a pixel, an image being both frames of a temporal patch) under the released
     processor's max_pixels."""
 
-    def __init__(self, held: HeldBytes, holds: int) -> None:
+    def __init__(self, held: HeldBytes, holds: int, tenant: str | None = None) -> None:
         self.held = held
         self.holds = holds  # the bytes the request holds already (its body or message)
+        self.tenant = tenant  # whose they are
         self.reserved = 0
 
     def reserve(self, decoded: int) -> None:
         """Hold `decoded` bytes, or raise RouterError RESOURCE_EXHAUSTED (retry-after-ms)
-        when the bound does not allow them."""
-        if not self.held.take(decoded, self.holds):
+        when the bound (or the tenant's share of it) does not allow them."""
+        if not self.held.take(decoded, self.holds, self.tenant):
             raise busy("as many requests' media as it may")
         self.reserved = decoded
 
     def give_back(self) -> None:
         """Give the reservation back (the request was refused before it was processed)."""
-        self.held.give(self.reserved)
+        self.held.give(self.reserved, self.tenant)
         self.reserved = 0
 
     @contextlib.contextmanager
@@ -179,12 +250,12 @@ class MediaHold:
         difference is not refused: codes pass the reservation only for images made larger
         (`min_pixels`), which are small."""
         media = sum(codes.nbytes for codes in prompt.pixel_values)
-        self.held.give(self.reserved - media)
+        self.held.give(self.reserved - media, self.tenant)
         self.reserved = 0
         try:
             yield
         finally:
-            self.held.give(media)
+            self.held.give(media, self.tenant)
 
 
 def _decode(data: bytes) -> Sized:

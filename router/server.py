@@ -93,7 +93,11 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.auth = auth  # who is calling (None: insecure, no tenants)
         self.salt_key = salt_key  # the cluster key tenant salts are derived under
         # Bytes of the requests both front doors hold now (`router.held`).
-        self.held = HeldBytes(settings.requests_in_flight_mb << 20, settings.max_message_mb << 20)
+        self.held = HeldBytes(
+            settings.requests_in_flight_mb << 20,
+            settings.max_message_mb << 20,
+            tenant_share=settings.tenant_share if auth is not None and auth.tenants > 1 else 1.0,
+        )
 
     def _prepare(
         self,
@@ -163,7 +167,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         both run this."""
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
-        media = MediaHold(self.held, holds)
+        media = MediaHold(self.held, holds, caller.tenant)
         async with self.lifecycle.track():
             try:
                 check_ids(request)
@@ -218,12 +222,12 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         request is read once `held` lets it be, and held until the answer ends
         (RESOURCE_EXHAUSTED if it would pass `requests_in_flight_mb`): `router.held`."""
         longest, left = self.settings.request_timeout_s, context.time_remaining()
+        caller = principal(self.auth, context)
         sized = await read_request(
-            self.held, context, longest if left is None else min(left, longest)
+            self.held, context, longest if left is None else min(left, longest), caller.tenant
         )
         request = sized.request
         try:
-            caller = principal(self.auth, context)
             left = context.time_remaining()
             async for chunk in self.generate(request, caller, left, sized.size):
                 yield chunk
@@ -233,7 +237,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         except RpcStatusError as exc:  # draining
             await context.abort(exc.code, exc.details)
         finally:
-            self.held.give(sized.size)
+            self.held.give(sized.size, caller.tenant)
 
 
 @dataclass(slots=True, eq=False)

@@ -98,6 +98,12 @@ class RouterSettings(ServerSettings):
         "at most max_video_frames, spread over the video when more (the processor then "
         "samples those frames as any frame list)",
     )
+    tenant_share: float = setting(
+        0.5,
+        "most of requests_in_flight_mb, and of the gRPC reads it allows, one tenant may hold "
+        "at once where the API keys name several tenants (past it: refused, or the read "
+        "waits, unless the tenant holds nothing else); 1: no per-tenant share",
+    )
     image_formats: tuple[str, ...] = setting(
         IMAGE_FORMATS,
         "image file formats the router decodes, by PIL's names (comma-separated as a flag); "
@@ -221,6 +227,8 @@ class RouterSettings(ServerSettings):
             raise SettingsError("http_header_timeout_s: must be positive")
         if not self.video_file_fps > 0:
             raise SettingsError("video_file_fps: must be positive")
+        if not 0 < self.tenant_share <= 1:
+            raise SettingsError("tenant_share: must be above 0 and at most 1")
         Image.init()  # every plugin PIL has registered
         unknown = [f for f in self.image_formats if f not in Image.OPEN]
         if unknown or not self.image_formats:

@@ -221,8 +221,8 @@ def test_a_tiff_whose_strip_offsets_are_fractions_is_not_a_decodable_image() -> 
 @pytest.fixture
 async def small_bodies(ckpt: Path) -> AsyncIterator[Fakes]:
     """A router taking bodies of at most 1 MiB (`max_message_mb`), holding at most 1 MiB of
-    them at once (`requests_in_flight_mb`), and its fake workers."""
-    c = await fake_router(ckpt, max_message_mb=1, requests_in_flight_mb=1)
+    them at once (`requests_in_flight_mb`; any tenant all of it), and its fake workers."""
+    c = await fake_router(ckpt, max_message_mb=1, requests_in_flight_mb=1, tenant_share=1.0)
     yield (c, *await add_workers(c))
     await c.close()
 

@@ -52,7 +52,8 @@ def test_a_request_past_the_bound_is_refused_unless_it_is_alone() -> None:
 
 @pytest.fixture
 async def bounded(ckpt: Path) -> AsyncIterator[tuple[FakeCluster, FakeDecode]]:
-    c = await fake_router(ckpt, max_message_mb=1, requests_in_flight_mb=1)
+    """A router holding at most 1 MiB of requests, any tenant all of it."""
+    c = await fake_router(ckpt, max_message_mb=1, requests_in_flight_mb=1, tenant_share=1.0)
     _, decode = await add_workers(c)
     yield c, decode
     await c.close()
@@ -155,25 +156,29 @@ async def one_read(ckpt: Path) -> AsyncIterator[FakeCluster]:
     await c.close()
 
 
+def raw_generate(c: FakeCluster) -> grpc.aio.StreamStreamMultiCallable:
+    """Generate as the router serves it (request-streaming), to send no request on."""
+    return c.client._channels[0].stream_stream(
+        "/epd.v1.RouterService/Generate",
+        request_serializer=router_service_pb2.GenerateRequest.SerializeToString,
+        response_deserializer=router_service_pb2.GenerateResponse.FromString,
+    )
+
+
+async def nothing_sent() -> AsyncIterator[router_service_pb2.GenerateRequest]:
+    """A request stream that never sends one (nor ends)."""
+    await asyncio.Event().wait()
+    yield router_service_pb2.GenerateRequest()  # pragma: no cover
+
+
 async def test_a_sender_that_stalls_gives_its_read_back(one_read: FakeCluster) -> None:
     """A caller that opens Generate and sends nothing holds the one read until the
     request's time is up (DEADLINE_EXCEEDED); a request behind it waits, then is served,
     and one more behind that is refused at once. One that half-closes without a request is
     INVALID_ARGUMENT."""
-    channel = one_read.client._channels[0]
     metadata = bearer_metadata(CLIENT_KEY)
-    raw = channel.stream_stream(
-        "/epd.v1.RouterService/Generate",
-        request_serializer=router_service_pb2.GenerateRequest.SerializeToString,
-        response_deserializer=router_service_pb2.GenerateResponse.FromString,
-    )
-    never = asyncio.Event()
-
-    async def nothing() -> AsyncIterator[router_service_pb2.GenerateRequest]:
-        await never.wait()
-        yield router_service_pb2.GenerateRequest()  # pragma: no cover
-
-    stalled = raw(nothing(), metadata=metadata)
+    raw = raw_generate(one_read)
+    stalled = raw(nothing_sent(), metadata=metadata)
     await asyncio.sleep(0.2)  # its handler holds the read now
     request = grpc_request(request_id="behind")
     request.messages[0].content.add(text="hi")

@@ -103,6 +103,7 @@ class Authenticator:
         self._cluster = key_digest(cluster_bearer) if cluster_bearer else None
         self._keys = tuple(api_keys)
         self.need = need  # method full name -> the principal it needs
+        self.tenants = len({key.tenant for key in self._keys})  # the keys' tenants
 
     @classmethod
     def from_settings(cls, security: SecuritySettings, *, api_keys: bool) -> Authenticator | None:

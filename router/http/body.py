@@ -8,9 +8,9 @@ the app runs (the app would read all of it anyway) and replays it:
 - a body over `max_bytes` is answered 413: by its Content-Length before a byte of it is
   read, or, sent without one (chunked), once the bytes read so far pass the limit;
 - the bodies being read or answered are held in `router.held` with the gRPC requests: one
-  that would pass its bound is answered 429 with Retry-After, unless no other request is
-  held (so one request up to `max_bytes` always gets through). A body with a Content-Length
-  is held from its head on, as the bytes it announces;
+  that would pass its bound (or its tenant's share of it) is answered 429 with Retry-After,
+  unless no other request is held (so one request up to `max_bytes` always gets through). A
+  body with a Content-Length is held from its head on, as the bytes it announces;
 - the whole body must arrive within `timeout_s` (`[router] request_timeout_s`, the time
   gRPC gives a request's read) of its head, else it is answered 408 and the connection
   closed: a client that announces a large body and trickles it, or sends none, would hold
@@ -69,13 +69,15 @@ def limit_body(
     busy = held_busy("as many requests' bytes as it may")
     full = ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
 
-    async def read(receive: Any, announced: int | None, taken: list[int]) -> list[Any]:
+    async def read(
+        receive: Any, announced: int | None, taken: list[int], tenant: str | None
+    ) -> list[Any]:
         """The request's ASGI messages up to the body's end (or the client's going), its
-        bytes added to `taken[0]` as held (all at once when `announced`)."""
+        bytes added to `taken[0]` as held as `tenant`'s (all at once when `announced`)."""
         if announced is not None:
             if announced > max_bytes:
                 raise _Refused(too_large)
-            if not held.take(announced):
+            if not held.take(announced, tenant=tenant):
                 raise _Refused(full)
             taken[0] = announced  # the HTTP server reads no more than the length says
         messages: list[Any] = []
@@ -88,7 +90,7 @@ def limit_body(
                 size = len(message.get("body", b""))
                 if taken[0] + size > max_bytes:
                     raise _Refused(too_large)
-                if not held.take(size, taken[0]):
+                if not held.take(size, taken[0], tenant):
                     raise _Refused(full)
                 taken[0] += size
             if not message.get("more_body"):
@@ -101,16 +103,18 @@ def limit_body(
         headers = dict(scope.get("headers", ()))
         length = headers.get(b"content-length")
         taken = [0]
+        tenant = None
         try:
             try:
                 if scope.get("method") == "POST":  # a body: only a client may have one read
                     header = headers.get(b"authorization")
                     caller = identify(app.state.auth, header.decode("latin-1") if header else None)
                     scope[CALLER_KEY] = caller
+                    tenant = caller.tenant
                 announced = int(length) if length is not None and length.isdigit() else None
                 try:
                     async with asyncio.timeout(timeout_s):
-                        messages = await read(receive, announced, taken)
+                        messages = await read(receive, announced, taken, tenant)
                 except TimeoutError:
                     raise _Refused(late) from None
             except ApiError as exc:
@@ -130,6 +134,6 @@ def limit_body(
             scope[HELD_KEY] = taken[0]
             await app(scope, replay, send)
         finally:
-            held.give(taken[0])
+            held.give(taken[0], tenant)
 
     return limited

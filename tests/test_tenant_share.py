@@ -1,0 +1,112 @@
+"""`[router] tenant_share`: where the API keys name several tenants, one tenant holds at most
+that share of `requests_in_flight_mb` and of the gRPC reads it allows (`router.held`), so a
+tenant that announces bodies it does not send, or opens calls it never sends a request on,
+cannot take the front doors from the others."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common.server.credentials import bearer_metadata
+from router.held import HeldBytes
+from tests.cluster import CLIENT_KEY, OTHER_KEY
+from tests.test_bad_input import grpc_request
+from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
+from tests.test_http_connections import host_port
+from tests.test_requests_in_flight import nothing_sent, raw_generate
+from tests.test_router import Cluster as FakeCluster
+
+
+def test_a_tenant_holds_at_most_its_share_unless_it_holds_nothing_else() -> None:
+    held = HeldBytes(100, tenant_share=0.5)
+    assert held.take(60, tenant="a")  # the tenant's only request: past its share, taken
+    assert not held.take(1, tenant="a")  # one more of it: refused
+    assert held.take(5, mine=60, tenant="a")  # the request holding all of a's may grow
+    assert held.take(30, tenant="b")  # another tenant: its own share
+    assert not held.take(10, tenant="b")  # the bound (100) refuses this one
+    held.give(65, tenant="a")
+    assert held.take(20, tenant="b") and not held.take(1, tenant="b")  # b at its 50
+    assert held.take(40, tenant="a") and held.by_tenant == {"a": 40, "b": 50}
+    held.give(40, tenant="a")
+    held.give(50, tenant="b")
+    assert held.held == 0 and held.by_tenant == {}
+    whole = HeldBytes(100)  # tenant_share 1: one tenant may hold all of it
+    assert whole.take(60, tenant="a") and whole.take(40, tenant="a") and not whole.by_tenant
+
+
+def completion(c: FakeCluster, key: str) -> tuple[int, object]:
+    body = {"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}
+    status, _, reply = call(f"{url_of(c)}/v1/completions", body, key)
+    return status, reply
+
+
+@pytest.fixture
+async def small(ckpt: Path) -> AsyncIterator[FakeCluster]:
+    """8 MiB of requests held at most, half of it by one tenant (the default share), four
+    gRPC reads at once (2 MiB requests of the 8 MiB bound), two of them by one tenant."""
+    c = await fake_router(ckpt, max_message_mb=2, requests_in_flight_mb=8, request_timeout_s=1.5)
+    await add_workers(c)
+    yield c
+    await c.close()
+
+
+async def test_a_tenant_announcing_bodies_it_does_not_send_leaves_the_others_theirs(
+    small: FakeCluster,
+) -> None:
+    held = small.router.servicer.held
+    assert (held.tenant_limit, held.tenant_reads) == (4 << 20, 2)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {CLIENT_KEY}\r\nContent-Length: {2 << 20}\r\n\r\n"
+    )
+    # Two bodies of tenant-a announced at the largest size, and trickled: its whole share.
+    stalled = [socket.create_connection(host_port(small)) for _ in range(2)]
+    try:
+        for sock in stalled:
+            sock.sendall(head.encode() + json.dumps({"model": MODEL_ID}).encode()[:5])
+        await asyncio.sleep(0.2)
+        assert held.by_tenant == {"tenant-a": 4 << 20}  # as announced
+        status, reply = await asyncio.to_thread(completion, small, CLIENT_KEY)
+        assert status == 429 and "tenant_share" in str(reply), reply  # tenant-a: its share
+        assert (await asyncio.to_thread(completion, small, OTHER_KEY))[0] == 200  # tenant-b
+    finally:
+        for sock in stalled:
+            sock.close()
+    for _ in range(100):  # tenant-a's bytes come back once the router sees it gone
+        if not held.by_tenant:
+            break
+        await asyncio.sleep(0.05)
+    assert (await asyncio.to_thread(completion, small, CLIENT_KEY))[0] == 200
+
+
+async def test_a_tenant_holding_its_reads_leaves_the_others_theirs(small: FakeCluster) -> None:
+    raw = raw_generate(small)
+    tenant_a, tenant_b = bearer_metadata(CLIENT_KEY), bearer_metadata(OTHER_KEY)
+    # Three calls of tenant-a that never send their request: two hold its two reads.
+    stalled = [raw(nothing_sent(), metadata=tenant_a) for _ in range(3)]
+    await asyncio.sleep(0.3)
+    request = grpc_request(request_id="b")
+    request.messages[0].content.add(text="hi")
+    b_answer = small.client._router.Generate(request, metadata=tenant_b)
+    assert (await asyncio.wait_for(b_answer.read(), 0.7)).token_ids  # a free read: served
+    b_answer.cancel()
+    a_request = grpc_request(request_id="a")
+    a_request.messages[0].content.add(text="hi")
+    a_answer = asyncio.ensure_future(
+        small.client._router.Generate(a_request, metadata=tenant_a).read()
+    )
+    await asyncio.sleep(0.3)
+    assert not a_answer.done()  # behind tenant-a's own reads, though two others are free
+    for call_ in stalled:  # each gives its read back when its request's time is up
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call_.read()
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert (await asyncio.wait_for(a_answer, 10)).token_ids
+    assert small.router.servicer.held._reads_of == {}  # no read held, none waiting
