@@ -26,7 +26,8 @@ holds at most its receive window (`common.server.rpc.CLIENT_STREAM_WINDOW`, 4 Mi
 most bound / window calls (at least one) may wait: one more is refused at once. Everything
 here runs on the router's event loop.
 
-Tenants (`[router] tenant_share`, where the API keys name more than one): one tenant holds
+Tenants (`[router] tenant_share`, where the API keys name more than one with client keys;
+`epd serve`'s own keys are one client tenant and an admin one): one tenant holds
 at most that share of the bytes and of the read slots (at least one), so a tenant that sends
 large requests slowly, or announces HTTP bodies it does not send, cannot take every read or
 all of the bound from the others. Its bytes past its share are refused as the bound's are,

@@ -96,7 +96,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.held = HeldBytes(
             settings.requests_in_flight_mb << 20,
             settings.max_message_mb << 20,
-            tenant_share=settings.tenant_share if auth is not None and auth.tenants > 1 else 1.0,
+            tenant_share=settings.tenant_share
+            if auth is not None and auth.client_tenants > 1
+            else 1.0,
         )
 
     def _prepare(

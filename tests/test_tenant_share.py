@@ -1,4 +1,4 @@
-"""`[router] tenant_share`: where the API keys name several tenants, one tenant holds at most
+"""`[router] tenant_share`: where the API keys name several client tenants, one holds at most
 that share of `requests_in_flight_mb` and of the gRPC reads it allows (`router.held`), so a
 tenant that announces bodies it does not send, or opens calls it never sends a request on,
 cannot take the front doors from the others."""
@@ -14,9 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.server.auth import Authenticator
 from common.server.credentials import bearer_metadata
+from common.settings.api_keys import ApiKey
 from router.held import HeldBytes
-from tests.cluster import CLIENT_KEY, OTHER_KEY
+from tests.cluster import CLIENT_KEY, OTHER_KEY, TEST_KEYS
 from tests.test_bad_input import grpc_request
 from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
 from tests.test_http_connections import host_port
@@ -39,6 +41,14 @@ def test_a_tenant_holds_at_most_its_share_unless_it_holds_nothing_else() -> None
     assert held.held == 0 and held.by_tenant == {}
     whole = HeldBytes(100)  # tenant_share 1: one tenant may hold all of it
     assert whole.take(60, tenant="a") and whole.take(40, tenant="a") and not whole.by_tenant
+
+
+def test_the_share_applies_where_several_tenants_have_client_keys() -> None:
+    """`epd serve`'s own keys (a client tenant and an admin one) are one client tenant: its
+    one client may hold all of the bound; the test deployment's keys have two."""
+    served = Authenticator(None, [ApiKey.of("c", "default"), ApiKey.of("a", "admin", True)])
+    assert served.client_tenants == 1
+    assert Authenticator(None, [ApiKey.of(k, t, a) for k, t, a in TEST_KEYS]).client_tenants == 2
 
 
 def completion(c: FakeCluster, key: str) -> tuple[int, object]:

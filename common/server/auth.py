@@ -103,7 +103,8 @@ class Authenticator:
         self._cluster = key_digest(cluster_bearer) if cluster_bearer else None
         self._keys = tuple(api_keys)
         self.need = need  # method full name -> the principal it needs
-        self.tenants = len({key.tenant for key in self._keys})  # the keys' tenants
+        # Tenants with a client key (not admin only: `epd serve` writes one of each).
+        self.client_tenants = len({key.tenant for key in self._keys if not key.admin})
 
     @classmethod
     def from_settings(cls, security: SecuritySettings, *, api_keys: bool) -> Authenticator | None:
