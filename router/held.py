@@ -31,7 +31,8 @@ Tenants (`[router] tenant_share`, where the API keys name more than one with cli
 at most that share of the bytes and of the read slots (at least one), so a tenant that sends
 large requests slowly, or announces HTTP bodies it does not send, cannot take every read or
 all of the bound from the others. Its bytes past its share are refused as the bound's are,
-unless no other request of that tenant holds any; its reads past its share wait.
+unless no other request of that tenant holds any; its reads past its share wait, in at
+most its share of the places to wait (past those: refused at once, as past all of them).
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class HeldBytes:
         # One tenant's bytes and read slots at most (0: no per-tenant bound).
         self.tenant_limit = int(limit * tenant_share) if limit and tenant_share < 1 else 0
         self.tenant_reads = max(1, int(slots * tenant_share)) if self.tenant_limit else 0
+        self.tenant_waiting = max(1, int(self.max_waiting * tenant_share))  # places to wait
         self.by_tenant: dict[str, int] = {}  # bytes held now per tenant (with a tenant limit)
-        self._reads_of: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # its slots, users
+        self._reads_of: dict[str, _TenantReads] = {}  # tenants with calls reading or waiting
         self._lock = threading.Lock()  # `take` and `give`
 
     def take(self, size: int, mine: int = 0, tenant: str | None = None) -> bool:
@@ -112,47 +114,68 @@ class HeldBytes:
                 else:
                     self.by_tenant.pop(tenant, None)
 
+    def no_place_to_wait(self, tenant: str | None) -> bool:
+        """Whether a call of `tenant` would have to wait for a read (all of `reads` taken,
+        or all of its share) with no place left to wait: `max_waiting` calls wait already,
+        or the tenant's share of those places."""
+        mine = self._reads_of.get(tenant) if tenant is not None else None
+        if not (self.reads.locked() or (mine is not None and mine.slots.locked())):
+            return False
+        if self.waiting >= self.max_waiting:
+            return True
+        return mine is not None and mine.waiting >= self.tenant_waiting
+
     @contextlib.asynccontextmanager
     async def read_slot(self, tenant: str | None) -> AsyncIterator[None]:
         """One of `reads` while the block runs, after one of `tenant`'s share of them (with
         a tenant limit); waits for them, counted in `waiting`."""
-        share = None
+        mine = None
         if self.tenant_reads and tenant is not None:
-            share, users = self._reads_of.setdefault(
-                tenant, (asyncio.Semaphore(self.tenant_reads), [0])
-            )
-            users[0] += 1
+            mine = self._reads_of.get(tenant)
+            if mine is None:
+                mine = self._reads_of[tenant] = _TenantReads(asyncio.Semaphore(self.tenant_reads))
+            mine.users += 1
+            mine.waiting += 1
         self.waiting += 1
         try:
-            if share is not None:
-                await share.acquire()
+            if mine is not None:
+                await mine.slots.acquire()
             try:
                 await self.reads.acquire()
             except BaseException:
-                if share is not None:
-                    share.release()
+                if mine is not None:
+                    mine.slots.release()
                 raise
         except BaseException:
-            self._leave(tenant)
+            self._leave(tenant, mine)
             raise
         finally:
             self.waiting -= 1
+            if mine is not None:
+                mine.waiting -= 1
         try:
             yield
         finally:
             self.reads.release()
-            if share is not None:
-                share.release()
-            self._leave(tenant)
+            if mine is not None:
+                mine.slots.release()
+            self._leave(tenant, mine)
 
-    def _leave(self, tenant: str | None) -> None:
+    def _leave(self, tenant: str | None, mine: _TenantReads | None) -> None:
         """A call of `tenant` is done with its share of the reads (forgotten with its last)."""
-        if tenant is None or tenant not in self._reads_of:
-            return
-        users = self._reads_of[tenant][1]
-        users[0] -= 1
-        if not users[0]:
-            del self._reads_of[tenant]
+        if tenant is not None and mine is not None:
+            mine.users -= 1
+            if not mine.users:
+                del self._reads_of[tenant]
+
+
+@dataclass(slots=True, eq=False)
+class _TenantReads:
+    """One tenant's share of the reads, while calls of it hold or wait for one."""
+
+    slots: asyncio.Semaphore  # `tenant_reads` of them
+    users: int = 0  # calls holding one or waiting for one
+    waiting: int = 0  # of those, the ones waiting
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +196,8 @@ async def read_request(
     stalled sender gives its read back), INVALID_ARGUMENT when it sent none or bytes that
     do not decode (which escaped as UNKNOWN "Unexpected DecodeError" before),
     RESOURCE_EXHAUSTED (`retry-after-ms`) when holding it would pass the bound, or when
-    `held.max_waiting` calls wait for a read already."""
-    if held.reads.locked() and held.waiting >= held.max_waiting:
+    it would wait for a read with no place left to wait (`held.no_place_to_wait`)."""
+    if held.no_place_to_wait(tenant):
         held.refused += 1
         await _busy(context, "as many requests waiting to be read")
     async with held.read_slot(tenant):

@@ -101,8 +101,9 @@ class RouterSettings(ServerSettings):
     tenant_share: float = setting(
         0.5,
         "most of requests_in_flight_mb, and of the gRPC reads it allows, one tenant may hold "
-        "at once where the API keys name several tenants with client keys (past it: refused, "
-        "or the read waits, unless the tenant holds nothing else); 1: no per-tenant share",
+        "at once, and of the calls waiting to be read, where the API keys name several "
+        "tenants with client keys (past it: refused, or the read waits, unless the tenant "
+        "holds nothing else); 1: no per-tenant share",
     )
     image_formats: tuple[str, ...] = setting(
         IMAGE_FORMATS,

@@ -99,8 +99,8 @@ async def test_a_tenant_announcing_bodies_it_does_not_send_leaves_the_others_the
 async def test_a_tenant_holding_its_reads_leaves_the_others_theirs(small: FakeCluster) -> None:
     raw = raw_generate(small)
     tenant_a, tenant_b = bearer_metadata(CLIENT_KEY), bearer_metadata(OTHER_KEY)
-    # Three calls of tenant-a that never send their request: two hold its two reads.
-    stalled = [raw(nothing_sent(), metadata=tenant_a) for _ in range(3)]
+    # Two calls of tenant-a that never send their request hold its two reads.
+    stalled = [raw(nothing_sent(), metadata=tenant_a) for _ in range(2)]
     await asyncio.sleep(0.3)
     request = grpc_request(request_id="b")
     request.messages[0].content.add(text="hi")
@@ -114,6 +114,14 @@ async def test_a_tenant_holding_its_reads_leaves_the_others_theirs(small: FakeCl
     )
     await asyncio.sleep(0.3)
     assert not a_answer.done()  # behind tenant-a's own reads, though two others are free
+    # It waits in tenant-a's one place to wait (half of the bound's 8 MiB / 4 MiB windows):
+    # one more is refused at once, though the router has another place.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await small.client._router.Generate(a_request, metadata=tenant_a).read()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waiting to be read" in (err.value.details() or "")
+    held = small.router.servicer.held
+    assert (held.max_waiting, held.tenant_waiting, held.waiting) == (2, 1, 1)
     for call_ in stalled:  # each gives its read back when its request's time is up
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call_.read()
