@@ -107,7 +107,8 @@ class RouterSettings(ServerSettings):
     )
     image_formats: tuple[str, ...] = setting(
         IMAGE_FORMATS,
-        "image file formats the router decodes, by PIL's names (comma-separated as a flag); "
+        "image file formats the router decodes, by PIL's names, any case (comma-separated as "
+        "a flag); "
         "an image (or video frame) in another is refused from its first bytes, before any of "
         "PIL's decoders for other formats sees it (EPS would run Ghostscript, when installed)",
     )
@@ -231,7 +232,7 @@ class RouterSettings(ServerSettings):
         if not 0 < self.tenant_share <= 1:
             raise SettingsError("tenant_share: must be above 0 and at most 1")
         Image.init()  # every plugin PIL has registered
-        unknown = [f for f in self.image_formats if f not in Image.OPEN]
+        unknown = [f for f in self.image_formats if f.upper() not in Image.OPEN]
         if unknown or not self.image_formats:
             raise SettingsError(
                 f"image_formats: {', '.join(unknown) or 'empty'}: expected some of "
@@ -250,7 +251,7 @@ class RouterSettings(ServerSettings):
             max_video_file_bytes=self.max_video_file_bytes,
             max_video_seconds=self.max_video_seconds,
             video_file_fps=self.video_file_fps,
-            image_formats=self.image_formats,
+            image_formats=tuple(f.upper() for f in self.image_formats),
             max_model_len=min(self.max_model_len or context, context),
         )
 
