@@ -107,6 +107,7 @@ class Ticket:
 
     need: Need  # blocks per role
     deadline: float  # the request's `time.monotonic()` deadline
+    tenant: str | None = None  # whose request (its share of the queue)
     workers: dict[Role, WorkerRecord] = field(default_factory=dict)  # reserved on, per role
     waited_s: float = 0.0  # time queued, requeues included
     requeues: int = 0  # times put back after a prefill worker's RESOURCE_EXHAUSTED
@@ -145,9 +146,13 @@ class Admission:
         poll_s: float = 0.1,
         retry_backoff_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        tenant_share: float = 1.0,
     ) -> None:
         self.registry = registry
         self.max_queued = max_queued  # most requests waiting at once
+        # Most of them one tenant's (`[router] tenant_share`; 0: no per-tenant share).
+        self.tenant_queued = max(1, int(max_queued * tenant_share)) if tenant_share < 1 else 0
+        self._queued_of: Counter[str] = Counter()  # requests waiting now, per tenant
         self.max_wait_s = max_wait_s  # longest a request waits in all
         self.poll_s = poll_s  # the head re-checks this often without a release
         self.retry_backoff_s = retry_backoff_s  # first pause of a requeued request
@@ -210,15 +215,21 @@ class Admission:
     # ------------------------------------------------------------------------ queue
 
     async def admit(
-        self, prompt_tokens: int, max_tokens: int, deadline: float, choose: Choose
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        deadline: float,
+        choose: Choose,
+        tenant: str | None = None,
     ) -> Ticket:
         """Reserve the request's blocks on a worker of each KV role, waiting in the queue
         when needed. Raises RouterError: UNAVAILABLE (no worker of a role), RESOURCE_EXHAUSTED
-        (never fits; `AdmissionRefused` past the queue), DEADLINE_EXCEEDED (while queued)."""
+        (never fits; `AdmissionRefused` past the queue, or past `tenant`'s share of it),
+        DEADLINE_EXCEEDED (while queued)."""
         self._live(Role.PREFILL)
         layout = self.registry.reference_layout
         assert layout is not None  # set by the first KV worker to register
-        ticket = Ticket(Need(prompt_tokens, max_tokens, layout.block_size), deadline)
+        ticket = Ticket(Need(prompt_tokens, max_tokens, layout.block_size), deadline, tenant)
         self._check_fits(ticket.need)
         if not self._queue and self._place(ticket, choose):
             self._admitted(ticket)
@@ -228,6 +239,15 @@ class Admission:
             raise AdmissionRefused(
                 f"admission queue full: {len(self._queue)} requests already wait for KV blocks "
                 f"(max_queued_requests={self.max_queued})",
+                self.retry_after_s(),
+            )
+        theirs = self._queued_of[tenant] if tenant is not None and self.tenant_queued else 0
+        if theirs and theirs >= self.tenant_queued:
+            self.refused["queue_full"] += 1
+            raise AdmissionRefused(
+                f"admission queue full for this tenant: {theirs} of its "
+                f"requests already wait for KV blocks (its tenant_share of "
+                f"max_queued_requests={self.max_queued})",
                 self.retry_after_s(),
             )
         await self._wait(_Waiter(ticket, choose))
@@ -309,6 +329,9 @@ class Admission:
         else:
             self._queue.append(waiter)
         self.peak = max(self.peak, len(self._queue))
+        tenant = ticket.tenant if self.tenant_queued else None
+        if tenant is not None:
+            self._queued_of[tenant] += 1
         start = self._clock()
         limit = start + max(0.0, self.max_wait_s - ticket.waited_s)
         try:
@@ -341,6 +364,10 @@ class Admission:
             raise
         finally:
             ticket.waited_s += self._clock() - start
+            if tenant is not None:
+                self._queued_of[tenant] -= 1
+                if not self._queued_of[tenant]:
+                    del self._queued_of[tenant]
             was_head = self._queue[0] is waiter
             self._queue.remove(waiter)
             if was_head:

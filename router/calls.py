@@ -62,6 +62,7 @@ class Job:
     cache_salt: str | None  # tenant salt for the prefix caches
     deadline: float  # `time.monotonic()` by which the request must be done
     resumed: tuple[int, ...] = ()  # tokens the client already has (`resume_tokens`)
+    tenant: str | None = None  # the caller's tenant (its share of the queue)
 
     def time_left(self, stage: str) -> float:
         """Seconds left; RouterError(DEADLINE_EXCEEDED) naming `stage` when none are."""

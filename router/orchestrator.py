@@ -122,6 +122,7 @@ class Orchestrator:
         max_queued_requests: int = 512,
         max_queue_wait_s: float = 60.0,
         embedding_cache_bytes: int = 0,
+        tenant_share: float = 1.0,
     ) -> None:
         self.registry = registry
         self.channels = channels  # worker channels and lease releases; the caller closes it
@@ -131,7 +132,10 @@ class Orchestrator:
         self.prefix = PrefixIndex(channels)
         self.routing = PrefillRouting(registry, self.prefix, cache_aware)
         self.admission = Admission(
-            registry, max_queued=max_queued_requests, max_wait_s=max_queue_wait_s
+            registry,
+            max_queued=max_queued_requests,
+            max_wait_s=max_queue_wait_s,
+            tenant_share=tenant_share,
         )
         self.encoder = EncodeStage(
             self.calls,
@@ -169,7 +173,11 @@ class Orchestrator:
         self.metrics.planning.labels("hash").observe(time.perf_counter() - planning)
         choose = self.routing.chooser(hashes)  # the route reuses its cached prefixes
         ticket = await self.admission.admit(
-            len(job.prompt.prompt_token_ids), job.sampling.max_tokens, job.deadline, choose
+            len(job.prompt.prompt_token_ids),
+            job.sampling.max_tokens,
+            job.deadline,
+            choose,
+            job.tenant,
         )
         try:
             prefill, holder = await self._prefill_admitted(job, handoff, choose, ticket)

@@ -96,9 +96,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.held = HeldBytes(
             settings.requests_in_flight_mb << 20,
             settings.max_message_mb << 20,
-            tenant_share=settings.tenant_share
-            if auth is not None and auth.client_tenants > 1
-            else 1.0,
+            tenant_share=settings.tenant_share_for(auth.client_tenants if auth else 0),
         )
 
     def _prepare(
@@ -203,6 +201,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     cache_salt=cache_salt,
                     deadline=started + budget,
                     resumed=resumed,
+                    tenant=caller.tenant,
                 )
                 tokens = 0
                 answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
@@ -349,6 +348,7 @@ async def serve(
         max_queued_requests=settings.max_queued_requests,
         max_queue_wait_s=settings.max_queue_wait_s,
         embedding_cache_bytes=settings.embedding_cache_mb << 20,
+        tenant_share=settings.tenant_share_for(auth.client_tenants if auth else 0),
     )
     registry.on_restart.append(lambda old: _forget_restarted(orchestrator, old))
     if settings.cache_aware_routing:

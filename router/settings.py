@@ -100,10 +100,10 @@ class RouterSettings(ServerSettings):
     )
     tenant_share: float = setting(
         0.5,
-        "most of requests_in_flight_mb, and of the gRPC reads it allows, one tenant may hold "
-        "at once, and of the calls waiting to be read, where the API keys name several "
-        "tenants with client keys (past it: refused, or the read waits, unless the tenant "
-        "holds nothing else); 1: no per-tenant share",
+        "most of requests_in_flight_mb, of the gRPC reads it allows and of the calls waiting "
+        "to be read, and of max_queued_requests, one tenant may hold or fill at once, where "
+        "the API keys name several tenants with client keys (past it: refused, or the read "
+        "waits, unless the tenant holds nothing else); 1: no per-tenant share",
     )
     image_formats: tuple[str, ...] = setting(
         IMAGE_FORMATS,
@@ -240,6 +240,11 @@ class RouterSettings(ServerSettings):
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SettingsError("max_model_len: must be at least 2")
+
+    def tenant_share_for(self, client_tenants: int) -> float:
+        """The share of the router's bounds one tenant may take: `tenant_share` where the
+        API keys name several tenants with client keys, else 1 (no per-tenant share)."""
+        return self.tenant_share if client_tenants > 1 else 1.0
 
     def input_limits(self, context: int) -> InputLimits:
         """The request limits, for a model of `context` positions."""

@@ -158,6 +158,33 @@ async def test_the_queue_is_bounded_by_count_and_the_refusal_names_the_limit() -
         adm.release(await t)
 
 
+async def test_one_tenant_fills_at_most_its_share_of_the_queue() -> None:
+    """`tenant_share`: with 4 places and a share of a half, tenant a waits in two of them;
+    its third is refused naming the share while tenant b still queues; a requeued request
+    counts while it waits again."""
+    adm = make(deployment(), max_queued=4, tenant_share=0.5)
+    held = await admit(adm, prompt=32)  # the pool is full: the rest wait
+
+    def of(tenant: str) -> Any:
+        return adm.admit(4, 1, time.monotonic() + FAR, pick(adm.registry), tenant)
+
+    a_waiting = [asyncio.create_task(of("a")) for _ in range(2)]
+    await settle()
+    with pytest.raises(AdmissionRefused) as err:
+        await of("a")
+    assert "tenant_share" in str(err.value) and err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    b_waiting = asyncio.create_task(of("b"))
+    await settle()
+    assert not b_waiting.done() and adm.stats().queued == 3 and adm.refused["queue_full"] == 1
+    adm.release(held)
+    tickets = [await t for t in (*a_waiting, b_waiting)]
+    assert [t.tenant for t in tickets] == ["a", "a", "b"] and not adm._queued_of
+    unshared = make(deployment(), max_queued=4)  # share 1: any tenant may fill the queue
+    assert unshared.tenant_queued == 0
+    for ticket in tickets:
+        adm.release(ticket)
+
+
 async def test_no_queue_refuses_at_once_what_does_not_fit() -> None:
     adm = make(deployment(), max_queued=0)
     held = await admit(adm, prompt=32)

@@ -10,6 +10,7 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -72,6 +73,15 @@ async def test_a_tenant_announcing_bodies_it_does_not_send_leaves_the_others_the
 ) -> None:
     held = small.router.servicer.held
     assert (held.tenant_limit, held.tenant_reads) == (4 << 20, 2)
+    admission = small.router.servicer.orchestrator.admission
+    assert admission.tenant_queued == 256  # half of max_queued_requests (512)
+    admit, tenants = admission.admit, []
+
+    async def admit_recording(*args: Any) -> Any:
+        tenants.append(args[4])  # whose share of the queue a request would wait in
+        return await admit(*args)
+
+    admission.admit = admit_recording  # type: ignore[method-assign,assignment]
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Authorization: Bearer {CLIENT_KEY}\r\nContent-Length: {2 << 20}\r\n\r\n"
@@ -94,6 +104,7 @@ async def test_a_tenant_announcing_bodies_it_does_not_send_leaves_the_others_the
             break
         await asyncio.sleep(0.05)
     assert (await asyncio.to_thread(completion, small, CLIENT_KEY))[0] == 200
+    assert tenants == ["tenant-b", "tenant-a"]  # the two requests admitted
 
 
 async def test_a_tenant_holding_its_reads_leaves_the_others_theirs(small: FakeCluster) -> None:
