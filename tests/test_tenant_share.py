@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,16 @@ def test_the_share_applies_where_several_tenants_have_client_keys() -> None:
     assert Authenticator(None, [ApiKey.of(k, t, a) for k, t, a in TEST_KEYS]).client_tenants == 2
 
 
+async def until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Return once `condition()` holds (the router runs on this event loop); fail after
+    `seconds`."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {seconds} s")
+
+
 def completion(c: FakeCluster, key: str) -> tuple[int, object]:
     body = {"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}
     status, _, reply = call(f"{url_of(c)}/v1/completions", body, key)
@@ -62,7 +72,7 @@ def completion(c: FakeCluster, key: str) -> tuple[int, object]:
 async def small(ckpt: Path) -> AsyncIterator[FakeCluster]:
     """8 MiB of requests held at most, half of it by one tenant (the default share), four
     gRPC reads at once (2 MiB requests of the 8 MiB bound), two of them by one tenant."""
-    c = await fake_router(ckpt, max_message_mb=2, requests_in_flight_mb=8, request_timeout_s=1.5)
+    c = await fake_router(ckpt, max_message_mb=2, requests_in_flight_mb=8, request_timeout_s=3.0)
     await add_workers(c)
     yield c
     await c.close()
@@ -91,8 +101,7 @@ async def test_a_tenant_announcing_bodies_it_does_not_send_leaves_the_others_the
     try:
         for sock in stalled:
             sock.sendall(head.encode() + json.dumps({"model": MODEL_ID}).encode()[:5])
-        await asyncio.sleep(0.2)
-        assert held.by_tenant == {"tenant-a": 4 << 20}  # as announced
+        await until(lambda: held.by_tenant == {"tenant-a": 4 << 20})  # as announced
         status, reply = await asyncio.to_thread(completion, small, CLIENT_KEY)
         assert status == 429 and "tenant_share" in str(reply), reply  # tenant-a: its share
         assert (await asyncio.to_thread(completion, small, OTHER_KEY))[0] == 200  # tenant-b
@@ -112,18 +121,20 @@ async def test_a_tenant_holding_its_reads_leaves_the_others_theirs(small: FakeCl
     tenant_a, tenant_b = bearer_metadata(CLIENT_KEY), bearer_metadata(OTHER_KEY)
     # Two calls of tenant-a that never send their request hold its two reads.
     stalled = [raw(nothing_sent(), metadata=tenant_a) for _ in range(2)]
-    await asyncio.sleep(0.3)
+    held = small.router.servicer.held
+    await until(lambda: "tenant-a" in held._reads_of and held._reads_of["tenant-a"].users == 2)
+    await until(lambda: held.waiting == 0)  # both read now
     request = grpc_request(request_id="b")
     request.messages[0].content.add(text="hi")
     b_answer = small.client._router.Generate(request, metadata=tenant_b)
-    assert (await asyncio.wait_for(b_answer.read(), 0.7)).token_ids  # a free read: served
+    assert (await asyncio.wait_for(b_answer.read(), 2.0)).token_ids  # a free read: served
     b_answer.cancel()
     a_request = grpc_request(request_id="a")
     a_request.messages[0].content.add(text="hi")
     a_answer = asyncio.ensure_future(
         small.client._router.Generate(a_request, metadata=tenant_a).read()
     )
-    await asyncio.sleep(0.3)
+    await until(lambda: held.waiting == 1)
     assert not a_answer.done()  # behind tenant-a's own reads, though two others are free
     # It waits in tenant-a's one place to wait (half of the bound's 8 MiB / 4 MiB windows):
     # one more is refused at once, though the router has another place.
@@ -131,7 +142,6 @@ async def test_a_tenant_holding_its_reads_leaves_the_others_theirs(small: FakeCl
         await small.client._router.Generate(a_request, metadata=tenant_a).read()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "waiting to be read" in (err.value.details() or "")
-    held = small.router.servicer.held
     assert (held.max_waiting, held.tenant_waiting, held.waiting) == (2, 1, 1)
     for call_ in stalled:  # each gives its read back when its request's time is up
         with pytest.raises(grpc.aio.AioRpcError) as err:
