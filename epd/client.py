@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -54,6 +53,7 @@ import grpc
 from common.sampling import SamplingParams
 from common.server.credentials import ChannelCredentials, bearer_metadata
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
+from epd.answers import Chunk, GenerateError, Result, chunk_of, retry_after_s
 from epd.request import (
     IMAGE_SUFFIXES,
     Messages,
@@ -65,12 +65,11 @@ from epd.request import (
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
-    decode_service_pb2,
-    router_service_pb2,
     router_service_pb2_grpc,
 )
 
-# The wire form lives in `epd.request`; its public names are importable from here too.
+# The wire form lives in `epd.request` and the answers' types in `epd.answers`; their
+# public names are importable from here too.
 __all__ = [
     "IMAGE_SUFFIXES",
     "Routers",
@@ -88,11 +87,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_MESSAGE_MB = 256
-_FINISH = {
-    decode_service_pb2.FINISH_REASON_STOP: "stop",
-    decode_service_pb2.FINISH_REASON_LENGTH: "length",
-    decode_service_pb2.FINISH_REASON_CANCELLED: "cancelled",
-}
 
 
 Routers = str | Sequence[str]  # one address, "a,b" comma-separated, or a list of them
@@ -105,46 +99,6 @@ def router_list(routers: Routers) -> list[str]:
     if not addresses:
         raise ValueError(f"router address: none given in {routers!r}")
     return addresses
-
-
-class GenerateError(Exception):
-    """A failed request: `code` is the gRPC status, `details` the router's message."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One piece of a streamed answer."""
-
-    text: str  # text of the new tokens (may be empty while a character is incomplete)
-    token_ids: tuple[int, ...]  # new token ids
-    finish_reason: str | None  # "stop", "length" or "cancelled" on the last chunk
-    prompt_tokens: int = 0  # tokens in the prompt (first chunk)
-    cached_tokens: int = 0  # prompt tokens served from a prefix cache (first chunk)
-    blocks_pulled: int = 0  # prompt KV blocks the decode worker pulled (first decode chunk)
-    blocks_reused: int = 0  # prompt KV blocks the decode worker already held (same)
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """A whole answer, with the stream's statistics and timings."""
-
-    text: str  # the answer
-    token_ids: list[int]  # every generated token, the stop token included
-    finish_reason: str | None  # why it ended
-    prompt_tokens: int  # tokens in the prompt
-    cached_tokens: int  # prompt tokens served from a prefix cache
-    blocks_pulled: int  # prompt KV blocks pulled by the decode worker
-    blocks_reused: int  # prompt KV blocks the decode worker already held
-    # Times count from the call, so they include building the request (PNG-encoding images
-    # and frames given as arrays or PIL images; bytes and files are sent as they are).
-    ttft_s: float  # seconds from the call to the first token
-    token_times_s: list[float]  # arrival time (from the call) of each chunk with tokens
-    total_s: float  # seconds from the call to the end of the stream
 
 
 class Client:
@@ -246,11 +200,11 @@ class Client:
             try:
                 async for response in call:
                     received.extend(response.token_ids)
-                    yield _chunk(response)
+                    yield chunk_of(response)
                 return
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or ""
-                wait = _retry_after_s(exc) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                wait = retry_after_s(exc) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
                 if wait is not None and self._may_wait(busy, received, wait, deadline):
                     busy += 1
                     self.busy_retries += 1
@@ -381,23 +335,3 @@ def generate_text(
             return await client.generate_text(messages, sampling, timeout_s=timeout_s, stop=stop)
 
     return asyncio.run(run())
-
-
-def _retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
-    """The wait a refusal names (`retry-after-ms`, seconds), None when it names none."""
-    for key, value in exc.trailing_metadata() or ():
-        if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():
-            return int(value) / 1000
-    return None
-
-
-def _chunk(response: router_service_pb2.GenerateResponse) -> Chunk:
-    return Chunk(
-        text=response.text,
-        token_ids=tuple(response.token_ids),
-        finish_reason=_FINISH.get(response.finish_reason),
-        prompt_tokens=response.prompt_tokens,
-        cached_tokens=response.cached_tokens,
-        blocks_pulled=response.blocks_pulled,
-        blocks_reused=response.blocks_reused,
-    )

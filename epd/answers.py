@@ -1,0 +1,77 @@
+"""What `epd.client` hands back: streamed chunks, whole results, failures (names importable
+from `epd.client`), and how a router's responses and refusals become them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from epd.v1 import decode_service_pb2, router_service_pb2
+
+_FINISH = {
+    decode_service_pb2.FINISH_REASON_STOP: "stop",
+    decode_service_pb2.FINISH_REASON_LENGTH: "length",
+    decode_service_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+class GenerateError(Exception):
+    """A failed request: `code` is the gRPC status, `details` the router's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One piece of a streamed answer."""
+
+    text: str  # text of the new tokens (may be empty while a character is incomplete)
+    token_ids: tuple[int, ...]  # new token ids
+    finish_reason: str | None  # "stop", "length" or "cancelled" on the last chunk
+    prompt_tokens: int = 0  # tokens in the prompt (first chunk)
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (first chunk)
+    blocks_pulled: int = 0  # prompt KV blocks the decode worker pulled (first decode chunk)
+    blocks_reused: int = 0  # prompt KV blocks the decode worker already held (same)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A whole answer, with the stream's statistics and timings."""
+
+    text: str  # the answer
+    token_ids: list[int]  # every generated token, the stop token included
+    finish_reason: str | None  # why it ended
+    prompt_tokens: int  # tokens in the prompt
+    cached_tokens: int  # prompt tokens served from a prefix cache
+    blocks_pulled: int  # prompt KV blocks pulled by the decode worker
+    blocks_reused: int  # prompt KV blocks the decode worker already held
+    # Times count from the call, so they include building the request (PNG-encoding images
+    # and frames given as arrays or PIL images; bytes and files are sent as they are).
+    ttft_s: float  # seconds from the call to the first token
+    token_times_s: list[float]  # arrival time (from the call) of each chunk with tokens
+    total_s: float  # seconds from the call to the end of the stream
+
+
+def retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
+    """The wait a refusal names (`retry-after-ms`, seconds), None when it names none."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():
+            return int(value) / 1000
+    return None
+
+
+def chunk_of(response: router_service_pb2.GenerateResponse) -> Chunk:
+    """One streamed Generate response as the client hands it on."""
+    return Chunk(
+        text=response.text,
+        token_ids=tuple(response.token_ids),
+        finish_reason=_FINISH.get(response.finish_reason),
+        prompt_tokens=response.prompt_tokens,
+        cached_tokens=response.cached_tokens,
+        blocks_pulled=response.blocks_pulled,
+        blocks_reused=response.blocks_reused,
+    )
