@@ -77,10 +77,13 @@ class HeldBytes:
         self.reads = asyncio.Semaphore(slots)
         self.max_waiting = max(1, limit // window) if limit else 1 << 30
         self.waiting = 0  # calls waiting for a read now
-        # One tenant's bytes and read slots at most (0: no per-tenant bound).
+        # One tenant's bytes and read slots at most (0: no per-tenant bound),
         self.tenant_limit = int(limit * tenant_share) if limit and tenant_share < 1 else 0
         self.tenant_reads = max(1, int(slots * tenant_share)) if self.tenant_limit else 0
-        self.tenant_waiting = max(1, int(self.max_waiting * tenant_share))  # places to wait
+        # and places to wait for a read.
+        self.tenant_waiting = (
+            max(1, int(self.max_waiting * tenant_share)) if self.tenant_limit else 0
+        )
         self.by_tenant: dict[str, int] = {}  # bytes held now per tenant (with a tenant limit)
         self._reads_of: dict[str, _TenantReads] = {}  # tenants with calls reading or waiting
         self._lock = threading.Lock()  # `take` and `give`
