@@ -16,20 +16,21 @@ decode worker's own wait for blocks and the safety net cover what the others hol
 
 Queue: one FIFO. A request is placed at once when nobody waits and each KV role has a worker
 with room; else it joins the tail, or is refused when `max_queued` already wait. Only the
-head is placed: each role's worker is picked by the caller's `choose(role, exclude)` among
-those with room (`exclude` are the rest) and reserved, then the next head is tried. The
-head wakes when a reservation is released and polls every `poll_s` (heartbeats, new
-workers). A request waits at most `max_wait_s` in all (refused past that) and never past its
-deadline (DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
+head is placed (with `tenant_share`, the first within its tenant's share: see
+`router.admission_tenants`): each role's worker is picked by the caller's `choose(role,
+exclude)` among those with room (`exclude`: the rest) and reserved, then the next head is
+tried. The head wakes when a reservation is released and polls every `poll_s`. A request
+waits at most `max_wait_s` in all (refused past that) and never past its deadline
+(DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
 
 Never fits: a request needing more blocks than the largest worker of a role has in all is
 refused at once (RESOURCE_EXHAUSTED naming the sizes, no back-off hint: waiting cannot help).
 
 Safety net: a prefill worker's RESOURCE_EXHAUSTED (its pool momentarily full of blocks the
 ledger does not see: another router's requests, a worker not yet heartbeated, leases the
-reaper has not yet expired) comes back as `KvPoolFull`; the caller
-hands the ticket to `requeue`, which releases its reservations and puts it back at the head
-after a back-off (doubling from `retry_backoff_s`, at most 1 s), then places it again.
+reaper has not yet expired) comes back as `KvPoolFull`; the caller hands the ticket to
+`requeue`, which releases its reservations and puts it back at the head after a back-off
+(doubling from `retry_backoff_s`, at most 1 s), then places it again.
 
 Back-off hint: the median wait of the last requests that queued (1 s before any), at least
 0.1 s and at most `max_wait_s`; in the message and as trailing metadata `retry-after-ms`.
@@ -55,7 +56,8 @@ import grpc
 
 from common.kv.allocator import blocks_for
 from common.roles import Role
-from router.calls import RouterError
+from router.admission_tenants import KV_ROLES, TenantShares
+from router.calls import Refused, RouterError
 from router.registry import Registry
 from router.workers import NoWorkerError, WorkerRecord
 
@@ -64,7 +66,6 @@ logger = logging.getLogger(__name__)
 WAIT_WINDOW = 1000  # admissions whose waits Status summarises
 MIN_RETRY_AFTER_S = 0.1  # smallest back-off hint
 MAX_RETRY_BACKOFF_S = 1.0  # longest pause before a requeued request is placed again
-ROLES = (Role.PREFILL, Role.DECODE)  # the roles whose KV blocks are reserved, in order
 
 # choose(role, exclude) -> a live, non-draining worker of `role` whose address is not in
 # `exclude` (the workers without room), e.g. `Registry.pick`.
@@ -84,17 +85,6 @@ class Need:
         if role == Role.PREFILL:
             return blocks_for(self.prompt_tokens, self.block_size)
         return blocks_for(self.prompt_tokens + self.max_tokens - 1, self.block_size)
-
-
-class AdmissionRefused(RouterError):
-    """RESOURCE_EXHAUSTED past the queue: the limit, and how long to back off."""
-
-    def __init__(self, limit: str, retry_after_s: float) -> None:
-        super().__init__(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit}; retry after {retry_after_s:.1f} s"
-        )
-        self.retry_after_s = retry_after_s
-        self.trailing_metadata = (("retry-after-ms", str(round(retry_after_s * 1000))),)
 
 
 class KvPoolFull(RouterError):
@@ -150,9 +140,8 @@ class Admission:
     ) -> None:
         self.registry = registry
         self.max_queued = max_queued  # most requests waiting at once
-        # Most of them one tenant's (`[router] tenant_share`; 0: no per-tenant share).
-        self.tenant_queued = max(1, int(max_queued * tenant_share)) if tenant_share < 1 else 0
-        self._queued_of: Counter[str] = Counter()  # requests waiting now, per tenant
+        # Each tenant's places in it and KV blocks (`[router] tenant_share`; 1: no share).
+        self.tenants = TenantShares(tenant_share, max_queued)
         self.max_wait_s = max_wait_s  # longest a request waits in all
         self.poll_s = poll_s  # the head re-checks this often without a release
         self.retry_backoff_s = retry_backoff_s  # first pause of a requeued request
@@ -192,6 +181,7 @@ class Admission:
             worker = ticket.workers.pop(r, None)
             if worker is not None:
                 self._unreserve(worker.address, ticket.need.blocks(r))
+                self.tenants.give(ticket.tenant, r, ticket.need.blocks(r))
                 released = True
         if released:
             self._kick()
@@ -224,7 +214,7 @@ class Admission:
     ) -> Ticket:
         """Reserve the request's blocks on a worker of each KV role, waiting in the queue
         when needed. Raises RouterError: UNAVAILABLE (no worker of a role), RESOURCE_EXHAUSTED
-        (never fits; `AdmissionRefused` past the queue, or past `tenant`'s share of it),
+        (never fits; `Refused` past the queue, or past `tenant`'s share of it),
         DEADLINE_EXCEEDED (while queued)."""
         self._live(Role.PREFILL)
         layout = self.registry.reference_layout
@@ -234,20 +224,14 @@ class Admission:
         if not self._queue and self._place(ticket, choose):
             self._admitted(ticket)
             return ticket
-        if len(self._queue) >= self.max_queued:
+        everyone = len(self._queue) >= self.max_queued
+        if everyone or self.tenants.queue_full(tenant):
             self.refused["queue_full"] += 1
-            raise AdmissionRefused(
-                f"admission queue full: {len(self._queue)} requests already wait for KV blocks "
-                f"(max_queued_requests={self.max_queued})",
-                self.retry_after_s(),
-            )
-        theirs = self._queued_of[tenant] if tenant is not None and self.tenant_queued else 0
-        if theirs and theirs >= self.tenant_queued:
-            self.refused["queue_full"] += 1
-            raise AdmissionRefused(
-                f"admission queue full for this tenant: {theirs} of its "
-                f"requests already wait for KV blocks (its tenant_share of "
-                f"max_queued_requests={self.max_queued})",
+            whose, share = ("", "") if everyone else (" for this tenant", "its tenant_share of ")
+            waiting = len(self._queue) if everyone else self.tenants.queued(tenant)
+            raise Refused(
+                f"admission queue full{whose}: {waiting} requests already wait for KV blocks "
+                f"({share}max_queued_requests={self.max_queued})",
                 self.retry_after_s(),
             )
         await self._wait(_Waiter(ticket, choose))
@@ -290,12 +274,15 @@ class Admission:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, str(NoWorkerError(role)))
         return live
 
+    def _capacities(self, role: Role) -> list[int | None]:
+        return [self.capacity(w) for w in self._live(role)]
+
     def _check_fits(self, need: Need) -> None:
-        for role in ROLES:
-            capacities = [self.capacity(w) for w in self._live(role)]
-            known = [c for c in capacities if c is not None]
-            if len(known) < len(capacities):
+        for role in KV_ROLES:
+            capacities = self._capacities(role)
+            if None in capacities:
                 continue  # a worker without a heartbeat yet may be larger
+            known = [c for c in capacities if c is not None]
             if need.blocks(role) > max(known):
                 self.refused["never_fits"] += 1
                 extra = f" + max_tokens {need.max_tokens}" if role == Role.DECODE else ""
@@ -307,19 +294,43 @@ class Admission:
                 )
 
     def _place(self, ticket: Ticket, choose: Choose) -> bool:
-        """Reserve on a worker with room for each role, or nothing and False."""
+        """Reserve on a worker with room for each role, or nothing and False (also while
+        the ticket's tenant is at its share of a role)."""
+        if self._over_share(ticket):
+            return False
         full: dict[Role, frozenset[str]] = {}
-        for role in ROLES:
+        for role in KV_ROLES:
             live = self._live(role)
             blocks = ticket.need.blocks(role)
             full[role] = frozenset(w.address for w in live if not self.has_room(w, blocks))
             if len(full[role]) == len(live):
                 return False
-        for role in ROLES:
+        for role in KV_ROLES:
             worker = choose(role, full[role])
             self._reserved[worker.address] += ticket.need.blocks(role)
+            self.tenants.take(ticket.tenant, role, ticket.need.blocks(role))
             ticket.workers[role] = worker
         return True
+
+    def _over_share(self, ticket: Ticket) -> Role | None:
+        """The first KV role on which the ticket would pass its tenant's share, if any."""
+        return self.tenants.over(ticket.tenant, ticket.need.blocks, self._role_capacity)
+
+    def _role_capacity(self, role: Role) -> int | None:
+        """KV blocks of `role`'s live workers in all (None: one has not heartbeated)."""
+        capacities = self._capacities(role)
+        return None if None in capacities else sum(c or 0 for c in capacities)
+
+    def _head(self) -> _Waiter | None:
+        """The waiter placed next: the first whose tenant is within its KV share (those at
+        theirs wait without holding up the rest), else the first."""
+        if not self._queue:
+            return None
+        if self.tenants.share is not None:
+            for waiter in self._queue:
+                if self._over_share(waiter.ticket) is None:
+                    return waiter
+        return self._queue[0]
 
     async def _wait(self, waiter: _Waiter, *, front: bool = False) -> None:
         """Queue `waiter` until it is placed; it leaves the queue however this ends."""
@@ -329,15 +340,13 @@ class Admission:
         else:
             self._queue.append(waiter)
         self.peak = max(self.peak, len(self._queue))
-        tenant = ticket.tenant if self.tenant_queued else None
-        if tenant is not None:
-            self._queued_of[tenant] += 1
+        self.tenants.enter(ticket.tenant)
         start = self._clock()
         limit = start + max(0.0, self.max_wait_s - ticket.waited_s)
         try:
             while True:
                 now = self._clock()
-                head = self._queue[0] is waiter
+                head = self._head() is waiter
                 if head and now >= waiter.not_before and self._place(ticket, waiter.choose):
                     return
                 if now >= ticket.deadline:
@@ -348,9 +357,16 @@ class Admission:
                     )
                 if now >= limit:
                     self.refused["queue_wait"] += 1
-                    raise AdmissionRefused(
-                        f"no KV blocks free for {ticket.waited_s + now - start:.1f} s in the "
-                        f"admission queue (max_queue_wait_s={self.max_wait_s:g})",
+                    waited = ticket.waited_s + now - start
+                    over = self._over_share(ticket)
+                    held = (
+                        "no KV blocks free"
+                        if over is None
+                        else f"this tenant at its tenant_share of the {over} workers' KV blocks"
+                    )
+                    raise Refused(
+                        f"{held} for {waited:.1f} s in the admission queue "
+                        f"(max_queue_wait_s={self.max_wait_s:g})",
                         self.retry_after_s(),
                     )
                 timeout = min(ticket.deadline, limit) - now
@@ -364,19 +380,15 @@ class Admission:
             raise
         finally:
             ticket.waited_s += self._clock() - start
-            if tenant is not None:
-                self._queued_of[tenant] -= 1
-                if not self._queued_of[tenant]:
-                    del self._queued_of[tenant]
-            was_head = self._queue[0] is waiter
+            self.tenants.leave(ticket.tenant)
             self._queue.remove(waiter)
-            if was_head:
-                self._kick()
+            self._kick()  # the next head (with shares, placing one may make another it)
 
     def _kick(self) -> None:
         """Wake the head of the queue: something it waits for may have changed."""
-        if self._queue:
-            self._queue[0].wake.set()
+        head = self._head()
+        if head is not None:
+            head.wake.set()
 
     def _admitted(self, ticket: Ticket) -> None:
         self.admitted += 1

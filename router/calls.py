@@ -52,6 +52,19 @@ class RouterError(Exception):
         self.stage = ""
 
 
+class Refused(RouterError):
+    """RESOURCE_EXHAUSTED for now: `limit` (what the router holds or queues) names the bound,
+    and the client is told how long to back off, in the message and as trailing metadata
+    `retry-after-ms` (the HTTP API's Retry-After, `epd.client`'s retries)."""
+
+    def __init__(self, limit: str, retry_after_s: float) -> None:
+        super().__init__(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit}; retry after {retry_after_s:.1f} s"
+        )
+        self.retry_after_s = retry_after_s
+        self.trailing_metadata = (("retry-after-ms", str(round(retry_after_s * 1000))),)
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """One checked request, ready to run."""

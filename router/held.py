@@ -50,7 +50,7 @@ from google.protobuf.message import DecodeError
 from common.processing.prompt import ProcessedPrompt
 from common.server.rpc import CLIENT_STREAM_WINDOW
 from epd.v1 import router_service_pb2
-from router.calls import RouterError
+from router.calls import Refused
 
 SERVICE = "epd.v1.RouterService"
 RETRY_AFTER_S = 1.0  # the back-off a refusal suggests
@@ -233,15 +233,13 @@ async def _busy(context: grpc.aio.ServicerContext, holds: str) -> None:
     await context.abort(error.code, str(error), trailing_metadata=error.trailing_metadata)
 
 
-def busy(holds: str) -> RouterError:
+def busy(holds: str) -> Refused:
     """RESOURCE_EXHAUSTED with a back-off hint: the router holds `holds`."""
-    error = RouterError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    return Refused(
         f"the router holds {holds} (requests_in_flight_mb, of which a tenant may hold "
-        f"tenant_share); retry after {RETRY_AFTER_S:.1f} s",
+        "tenant_share)",
+        RETRY_AFTER_S,
     )
-    error.trailing_metadata = (("retry-after-ms", str(round(RETRY_AFTER_S * 1000))),)
-    return error
 
 
 class MediaHold:

@@ -29,8 +29,8 @@ from epd.v1 import (
     router_service_pb2_grpc,
     tensor_pb2,
 )
-from router.admission import Admission, AdmissionRefused, Need, Ticket
-from router.calls import RouterError
+from router.admission import Admission, Need, Ticket
+from router.calls import Refused, RouterError
 from router.registry import Registry
 from router.server import serve
 from router.settings import RouterSettings
@@ -147,7 +147,7 @@ async def test_the_queue_is_bounded_by_count_and_the_refusal_names_the_limit() -
     held = await admit(adm, prompt=32)
     waiting = [asyncio.create_task(admit(adm, prompt=4)) for _ in range(2)]
     await settle()
-    with pytest.raises(AdmissionRefused) as err:
+    with pytest.raises(Refused) as err:
         await admit(adm, prompt=4)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queued_requests=2" in str(err.value) and "retry after" in str(err.value)
@@ -170,7 +170,7 @@ async def test_one_tenant_fills_at_most_its_share_of_the_queue() -> None:
 
     a_waiting = [asyncio.create_task(of("a")) for _ in range(2)]
     await settle()
-    with pytest.raises(AdmissionRefused) as err:
+    with pytest.raises(Refused) as err:
         await of("a")
     assert "tenant_share" in str(err.value) and err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     b_waiting = asyncio.create_task(of("b"))
@@ -178,9 +178,9 @@ async def test_one_tenant_fills_at_most_its_share_of_the_queue() -> None:
     assert not b_waiting.done() and adm.stats().queued == 3 and adm.refused["queue_full"] == 1
     adm.release(held)
     tickets = [await t for t in (*a_waiting, b_waiting)]
-    assert [t.tenant for t in tickets] == ["a", "a", "b"] and not adm._queued_of
+    assert [t.tenant for t in tickets] == ["a", "a", "b"] and adm.tenants.waiting == 0
     unshared = make(deployment(), max_queued=4)  # share 1: any tenant may fill the queue
-    assert unshared.tenant_queued == 0
+    assert unshared.tenants.queue_places == 0
     for ticket in tickets:
         adm.release(ticket)
 
@@ -188,7 +188,7 @@ async def test_one_tenant_fills_at_most_its_share_of_the_queue() -> None:
 async def test_no_queue_refuses_at_once_what_does_not_fit() -> None:
     adm = make(deployment(), max_queued=0)
     held = await admit(adm, prompt=32)
-    with pytest.raises(AdmissionRefused, match="max_queued_requests=0"):
+    with pytest.raises(Refused, match="max_queued_requests=0"):
         await admit(adm, prompt=4)
     adm.release(held)
     adm.release(await admit(adm, prompt=4))
@@ -198,7 +198,7 @@ async def test_the_wait_is_bounded_and_the_refused_request_holds_nothing() -> No
     adm = make(deployment(), max_wait_s=0.1)
     held = await admit(adm, prompt=32)
     started = time.monotonic()
-    with pytest.raises(AdmissionRefused) as err:
+    with pytest.raises(Refused) as err:
         await admit(adm, prompt=4)
     assert 0.1 <= time.monotonic() - started < 1.0
     assert "max_queue_wait_s=0.1" in str(err.value)
@@ -265,7 +265,7 @@ async def test_a_request_that_can_never_fit_is_refused_at_once(
     largest = 9 if role == "prefill" else 12
     assert f"needs {need} KV blocks of 4 tokens on a {role} worker" in str(err.value)
     assert f"the largest {role} worker has {largest} in all" in str(err.value)
-    assert not isinstance(err.value, AdmissionRefused)  # no back-off: it cannot help
+    assert not isinstance(err.value, Refused)  # no back-off: it cannot help
     assert adm.refused["never_fits"] == 1 and adm.stats().queued == 0
 
 

@@ -84,7 +84,7 @@ async def test_a_tenant_announcing_bodies_it_does_not_send_leaves_the_others_the
     held = small.router.servicer.held
     assert (held.tenant_limit, held.tenant_reads) == (4 << 20, 2)
     admission = small.router.servicer.orchestrator.admission
-    assert admission.tenant_queued == 256  # half of max_queued_requests (512)
+    assert admission.tenants.queue_places == 256  # half of max_queued_requests (512)
     admit, tenants = admission.admit, []
 
     async def admit_recording(*args: Any) -> Any:
