@@ -1,7 +1,8 @@
 """`[router] tenant_share`: where the API keys name several client tenants, one holds at most
 that share of `requests_in_flight_mb` and of the gRPC reads it allows (`router.held`), so a
 tenant that announces bodies it does not send, or opens calls it never sends a request on,
-cannot take the front doors from the others."""
+cannot take the front doors from the others; and of the KV blocks admitted requests reserve
+(`router.admission_tenants`, and `tests/test_admission_tenants.py`)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,22 @@ from typing import Any
 import grpc
 import pytest
 
+from common.processing.messages import messages_from_dicts
+from common.roles import Role
+from common.sampling import SamplingParams
 from common.server.auth import Authenticator
 from common.server.credentials import bearer_metadata
 from common.settings.api_keys import ApiKey
+from epd.client import Client
+from router.admission import Need
 from router.held import HeldBytes
+from router.workers import WorkerLoad
 from tests.cluster import CLIENT_KEY, OTHER_KEY, TEST_KEYS
 from tests.test_bad_input import grpc_request
 from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
 from tests.test_http_connections import host_port
 from tests.test_requests_in_flight import nothing_sent, raw_generate
+from tests.test_router import TEXT
 from tests.test_router import Cluster as FakeCluster
 
 
@@ -149,3 +157,36 @@ async def test_a_tenant_holding_its_reads_leaves_the_others_theirs(small: FakeCl
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert (await asyncio.wait_for(a_answer, 10)).token_ids
     assert small.router.servicer.held._reads_of == {}  # no read held, none waiting
+
+
+async def test_a_tenant_holding_its_share_of_the_kv_leaves_the_others_theirs(ckpt: Path) -> None:
+    """Workers with room for four requests: tenant-a's two requests hang in prefill holding
+    their KV reservations (its share); its third waits in the queue though two more fit,
+    and tenant-b's, sent after it, is admitted and reaches prefill."""
+    c = await fake_router(ckpt, request_timeout_s=10.0)
+    pre, _ = await add_workers(c)
+    other = Client(c.router.address, api_key=OTHER_KEY)
+    try:
+        orchestrator = c.router.servicer.orchestrator
+        prompt = orchestrator.processor.process(messages_from_dicts(TEXT))
+        need = Need(len(prompt.prompt_token_ids), 4, 16)
+        for w in c.router.registry.workers():  # four requests' blocks on each KV worker
+            w.load = WorkerLoad(kv_blocks_free=4 * need.blocks(Role.DECODE))
+        pre.hang = True
+        sampling = SamplingParams(max_tokens=4)
+        a_held = [asyncio.create_task(c.client.generate_text(TEXT, sampling)) for _ in range(2)]
+        await until(lambda: len(pre.requests) == 2)
+        a_third = asyncio.create_task(c.client.generate_text(TEXT, sampling))
+        admission = orchestrator.admission
+        await until(lambda: admission.stats().queued == 1)
+        b_call = asyncio.create_task(other.generate_text(TEXT, sampling))
+        await until(lambda: len(pre.requests) == 3)  # tenant-b's, past tenant-a's waiting
+        assert admission.stats().queued == 1 and not a_third.done()
+        assert admission.tenants.blocks("tenant-a", Role.DECODE) == 2 * need.blocks(Role.DECODE)
+        for task in (*a_held, a_third, b_call):
+            task.cancel()
+        await asyncio.gather(*a_held, a_third, b_call, return_exceptions=True)
+        await until(lambda: admission.stats().queued == 0 and not admission._reserved)
+    finally:
+        await other.close()
+        await c.close()
