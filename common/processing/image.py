@@ -81,11 +81,17 @@ def load_image(source: ImageSource | Any) -> Image.Image:
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency composited onto white (as the reference does). An RGB
     image is returned as it is: `convert` to its own mode copies it, and that copy (a
-    4096x4096 JPEG's is 67 MB) doubled what processing an image held at its peak."""
+    4096x4096 JPEG's is 67 MB) doubled what processing an image held at its peak.
+
+    Transparency is composited by pasting the RGBA image onto a white RGB one through its
+    own alpha: the same bytes as the reference's `alpha_composite` onto opaque white, then
+    RGB (every value and alpha pair is checked in the tests), with one image-sized buffer
+    of 3 bytes a pixel instead of three (4 + 4 + 3)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image if image.mode == "RGBA" else image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
+        rgb = Image.new("RGB", rgba.size, (255, 255, 255))
+        rgb.paste(rgba, (0, 0), rgba)
+        return rgb
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
