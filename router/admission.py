@@ -16,7 +16,7 @@ decode worker's own wait for blocks and the safety net cover what the others hol
 
 Queue: one FIFO. A request is placed at once when nobody waits and each KV role has a worker
 with room; else it joins the tail, or is refused when `max_queued` already wait. Only the
-head is placed (with `tenant_share`, the first within its tenant's share: see
+head is placed (with `tenant_share`, the first not over its tenant's share: see
 `router.admission_tenants`): each role's worker is picked by the caller's `choose(role,
 exclude)` among those with room (`exclude`: the rest) and reserved, then the next head is
 tried. The head wakes when a reservation is released and polls every `poll_s`. A request
@@ -294,10 +294,7 @@ class Admission:
                 )
 
     def _place(self, ticket: Ticket, choose: Choose) -> bool:
-        """Reserve on a worker with room for each role, or nothing and False (also while
-        the ticket's tenant is at its share of a role)."""
-        if self._over_share(ticket):
-            return False
+        """Reserve on a worker with room for each role, or nothing and False."""
         full: dict[Role, frozenset[str]] = {}
         for role in KV_ROLES:
             live = self._live(role)
@@ -313,7 +310,8 @@ class Admission:
         return True
 
     def _over_share(self, ticket: Ticket) -> Role | None:
-        """The first KV role on which the ticket would pass its tenant's share, if any."""
+        """The first KV role on which the ticket would pass its tenant's share while other
+        tenants wait, if any."""
         return self.tenants.over(ticket.tenant, ticket.need.blocks, self._role_capacity)
 
     def _role_capacity(self, role: Role) -> int | None:
@@ -322,8 +320,8 @@ class Admission:
         return None if None in capacities else sum(c or 0 for c in capacities)
 
     def _head(self) -> _Waiter | None:
-        """The waiter placed next: the first whose tenant is within its KV share (those at
-        theirs wait without holding up the rest), else the first."""
+        """The waiter placed next: the first not over its tenant's KV share (those over it
+        wait without holding up the rest), else the first."""
         if not self._queue:
             return None
         if self.tenants.share is not None:

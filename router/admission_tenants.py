@@ -1,14 +1,18 @@
 """What each tenant holds in admission (`router.admission`), where `[router] tenant_share`
 applies (the API keys name several client tenants; `RouterSettings.tenant_share_for`).
 
-Two bounds per tenant, both `share` of the router's:
+Two rules per tenant, both by `share` of the router's bounds:
 - places in the admission queue: at most `max(1, int(max_queued * share))` of its requests
   wait at once; one more is refused;
-- KV blocks reserved on each KV role's workers: a tenant is placed only while its blocks on
-  that role plus the request's stay within `share` of the role's capacity (the sum over its
-  live workers' heartbeated pools), unless it holds none there (so a request larger than a
-  share still runs, alone). A request over its tenant's share waits, and the queue places
-  the requests behind it meanwhile: one tenant's backlog does not hold up the others.
+- KV blocks reserved on each KV role's workers, where tenants compete for them: while
+  another tenant has a request waiting, a request is *over* its tenant's share when its
+  blocks on a role, with the tenant's already reserved there, would pass `share` of the
+  role's capacity (the sum over its live workers' heartbeated pools), unless the tenant
+  holds none there (so a request larger than a share still runs, alone). The queue places
+  the first waiter that is not over its share (the first, when all are), so one tenant's
+  backlog does not hold up the others' requests queued behind it. A tenant alone (no other
+  waiting) may take all of the KV (a share is an order among waiters, not a reservation),
+  and nothing placed is taken back.
 
 Capacity unknown (a worker without a heartbeat yet): no KV share is applied for that role,
 as the ledger does not account such a worker either. Plain state of the admission's loop.
@@ -62,6 +66,9 @@ class TenantShares:
             if not self._queued[t]:
                 del self._queued[t]
 
+    def _others_wait(self, tenant: str) -> bool:
+        return len(self._queued) > (tenant in self._queued)
+
     @property
     def waiting(self) -> int:
         """Tenants with requests waiting now."""
@@ -81,9 +88,9 @@ class TenantShares:
     ) -> Role | None:
         """The first KV role on which `blocks(role)` more would pass `tenant`'s share of
         `capacity(role)` (its workers' blocks in all; None: unknown, no share applied),
-        while it holds some there already; None if none."""
+        while it holds some there already and another tenant waits; None if none."""
         t = self._of(tenant)
-        if t is None or self.share is None:
+        if t is None or self.share is None or not self._others_wait(t):
             return None
         for role in KV_ROLES:
             held, total = self._blocks[role][t], capacity(role)

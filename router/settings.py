@@ -101,10 +101,11 @@ class RouterSettings(ServerSettings):
     tenant_share: float = setting(
         0.5,
         "most of requests_in_flight_mb, of the gRPC reads it allows and of the calls waiting "
-        "to be read, of max_queued_requests, and of each KV role's blocks admitted requests "
-        "reserve, one tenant may hold or fill at once, where the API keys name several "
-        "tenants with client keys (past it: refused, or the read or the request waits, "
-        "unless the tenant holds nothing else); 1: no per-tenant share",
+        "to be read, and of max_queued_requests, one tenant may hold or fill at once, where "
+        "the API keys name several tenants with client keys (past it: refused, or the read "
+        "waits, unless the tenant holds nothing else); while other tenants wait for KV "
+        "blocks, its requests past that share of a KV role's blocks are placed after "
+        "theirs; 1: no per-tenant share",
     )
     image_formats: tuple[str, ...] = setting(
         IMAGE_FORMATS,

@@ -159,10 +159,11 @@ async def test_a_tenant_holding_its_reads_leaves_the_others_theirs(small: FakeCl
     assert small.router.servicer.held._reads_of == {}  # no read held, none waiting
 
 
-async def test_a_tenant_holding_its_share_of_the_kv_leaves_the_others_theirs(ckpt: Path) -> None:
-    """Workers with room for four requests: tenant-a's two requests hang in prefill holding
-    their KV reservations (its share); its third waits in the queue though two more fit,
-    and tenant-b's, sent after it, is admitted and reaches prefill."""
+async def test_a_tenant_holding_the_kv_lets_another_go_first_when_blocks_free(ckpt: Path) -> None:
+    """Workers with room for four requests: tenant-a, alone, takes all four (they hang in
+    prefill holding their KV reservations); its fifth waits for room, and tenant-b's, sent
+    after it, waits behind it. When one of tenant-a's ends, tenant-b's is admitted first
+    (tenant-a would pass its share while tenant-b waits) and reaches prefill."""
     c = await fake_router(ckpt, request_timeout_s=10.0)
     pre, _ = await add_workers(c)
     other = Client(c.router.address, api_key=OTHER_KEY)
@@ -174,18 +175,23 @@ async def test_a_tenant_holding_its_share_of_the_kv_leaves_the_others_theirs(ckp
             w.load = WorkerLoad(kv_blocks_free=4 * need.blocks(Role.DECODE))
         pre.hang = True
         sampling = SamplingParams(max_tokens=4)
-        a_held = [asyncio.create_task(c.client.generate_text(TEXT, sampling)) for _ in range(2)]
-        await until(lambda: len(pre.requests) == 2)
-        a_third = asyncio.create_task(c.client.generate_text(TEXT, sampling))
+        a_held = [asyncio.create_task(c.client.generate_text(TEXT, sampling)) for _ in range(4)]
+        await until(lambda: len(pre.requests) == 4)
         admission = orchestrator.admission
+        assert admission.tenants.blocks("tenant-a", Role.DECODE) == 4 * need.blocks(Role.DECODE)
+        a_fifth = asyncio.create_task(c.client.generate_text(TEXT, sampling))
         await until(lambda: admission.stats().queued == 1)
         b_call = asyncio.create_task(other.generate_text(TEXT, sampling))
-        await until(lambda: len(pre.requests) == 3)  # tenant-b's, past tenant-a's waiting
-        assert admission.stats().queued == 1 and not a_third.done()
-        assert admission.tenants.blocks("tenant-a", Role.DECODE) == 2 * need.blocks(Role.DECODE)
-        for task in (*a_held, a_third, b_call):
+        await until(lambda: admission.stats().queued == 2)
+        a_held[0].cancel()
+        await until(lambda: len(pre.requests) == 5)  # tenant-b's, ahead of tenant-a's fifth
+        assert admission.stats().queued == 1 and not a_fifth.done()
+        salts = [r.cache_salt for r in pre.requests]  # each tenant's prompts salted its own
+        assert len(set(salts[:4])) == 1 and salts[4] != salts[0]  # the fifth is tenant-b's
+        assert admission.tenants.blocks("tenant-b", Role.DECODE) == need.blocks(Role.DECODE)
+        for task in (*a_held, a_fifth, b_call):
             task.cancel()
-        await asyncio.gather(*a_held, a_third, b_call, return_exceptions=True)
+        await asyncio.gather(*a_held, a_fifth, b_call, return_exceptions=True)
         await until(lambda: admission.stats().queued == 0 and not admission._reserved)
     finally:
         await other.close()
