@@ -35,7 +35,7 @@ reaper has not yet expired) comes back as `KvPoolFull`; the caller hands the tic
 Back-off hint: the median wait of the last requests that queued (1 s before any), at least
 0.1 s and at most `max_wait_s`; in the message and as trailing metadata `retry-after-ms`.
 
-Counters (Status now, Prometheus later): `admitted`, `refused` by reason, `requeued`,
+Counters (Status and metrics): `admitted`, `refused` by reason, `requeued`, `placed_ahead`,
 `expired`, `cancelled`, `peak`, and the waits of the last `WAIT_WINDOW` admissions.
 
 Plain in-process state driven from one asyncio loop, like the registry; not thread-safe.
@@ -153,6 +153,7 @@ class Admission:
         self.admitted = 0
         self.refused: Counter[str] = Counter()  # "queue_full", "queue_wait", "never_fits"
         self.requeued = 0
+        self.placed_ahead = 0  # placed before an earlier waiter over its tenant's share
         self.expired = 0  # deadline passed while queued
         self.cancelled = 0  # caller went away while queued
         self.peak = 0
@@ -346,6 +347,7 @@ class Admission:
                 now = self._clock()
                 head = self._head() is waiter
                 if head and now >= waiter.not_before and self._place(ticket, waiter.choose):
+                    self.placed_ahead += self._queue[0] is not waiter
                     return
                 if now >= ticket.deadline:
                     self.expired += 1

@@ -130,6 +130,12 @@ class RouterMetrics:
                 "Requests queued again after a prefill worker's RESOURCE_EXHAUSTED.",
                 admission.requeued,
             ),
+            counter(
+                "epd:admission_placed_ahead",
+                "Requests placed before an earlier waiter whose tenant was past its tenant_share "
+                "of the KV blocks while other tenants waited.",
+                admission.placed_ahead,
+            ),
             retries,
             counter(
                 "epd:embedding_cache_hits",

@@ -69,6 +69,7 @@ async def test_a_tenant_alone_takes_all_the_kv_and_past_its_share_lets_others_go
     adm.release(first)  # 8 free: a's first waiter would take a to 16 > 8 while b waits
     other: Ticket = await asyncio.wait_for(b_waiting, 1.0)
     assert other.tenant == "b" and not any(t.done() for t in a_waiting)
+    assert adm.placed_ahead == 1
     adm.release(second)
     third: Ticket = await asyncio.wait_for(a_waiting[0], 1.0)
     adm.release(other)
@@ -89,7 +90,7 @@ async def test_without_a_share_the_queue_is_first_come_first_placed() -> None:
     await settle()
     adm.release(first)
     third: Ticket = await asyncio.wait_for(a_waiting, 1.0)  # a's, queued first
-    assert not b_waiting.done()
+    assert not b_waiting.done() and adm.placed_ahead == 0
     adm.release(second)
     other: Ticket = await asyncio.wait_for(b_waiting, 1.0)
     for ticket in (third, other):

@@ -29,7 +29,7 @@ from router.workers import WorkerLoad
 from tests.cluster import CLIENT_KEY, OTHER_KEY, TEST_KEYS
 from tests.test_bad_input import grpc_request
 from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
-from tests.test_http_connections import host_port
+from tests.test_http_connections import host_port, metrics_page
 from tests.test_requests_in_flight import nothing_sent, raw_generate
 from tests.test_router import TEXT
 from tests.test_router import Cluster as FakeCluster
@@ -189,6 +189,8 @@ async def test_a_tenant_holding_the_kv_lets_another_go_first_when_blocks_free(ck
         salts = [r.cache_salt for r in pre.requests]  # each tenant's prompts salted its own
         assert len(set(salts[:4])) == 1 and salts[4] != salts[0]  # the fifth is tenant-b's
         assert admission.tenants.blocks("tenant-b", Role.DECODE) == need.blocks(Role.DECODE)
+        page = await asyncio.to_thread(metrics_page, url_of(c))
+        assert "epd:admission_placed_ahead_total 1.0" in page
         for task in (*a_held, a_fifth, b_call):
             task.cancel()
         await asyncio.gather(*a_held, a_fifth, b_call, return_exceptions=True)
