@@ -14,8 +14,9 @@ The work per batch does not grow with futures, tensors or log lines per unit: th
 operations are a constant number per encoding mode and per copied output segment
 (`encoder_worker.batch`), the cache is read and written a request or a segment at a time
 (`get_many`, `put_many`), one map per batch holds every unit's rows, and each request waits
-on one future of its own (so cancelling a request cancels nothing shared: the rows are still
-computed and cached). What is left per unit is a few dict and list operations.
+on one future of its own (so cancelling a request cancels nothing shared: rows another request
+waits for, or that the tower has begun, are still computed and cached; queued work no request
+waits for any more is dropped). What is left per unit is a few dict and list operations.
 
 `encode_now(requests)` runs the same selection, batches, forward and completion for several
 requests synchronously on the caller's thread, without the event loop (offline use, and what
@@ -95,7 +96,8 @@ class EncoderEngine:
     """Cache + batcher in front of one `VisionTower`.
 
     Counters for load reports and tests: `forward_calls` (tower.encode calls), `rows_encoded`
-    (output rows computed), `units_encoded`, `batches`; cache counters live on `cache`.
+    (output rows computed), `units_encoded`, `units_abandoned`, `batches`; cache counters
+    live on `cache`.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class EncoderEngine:
         self.forward_calls = 0  # tower.encode calls
         self.batches = 0  # batches run
         self.units_encoded = 0  # units computed (cache misses actually encoded)
+        self.units_abandoned = 0  # queued units dropped: every request waiting went away
         self.rows_encoded = 0  # output rows computed
         self._queue: list[_Pending] = []
         self._running: list[_Pending] = []  # the batch in the tower now
@@ -127,7 +130,8 @@ class EncoderEngine:
         """Rows of every job, from the cache or the tower; one entry per job, same order.
 
         Cache writes happen only for units actually encoded. Cancelling the caller does not
-        cancel the shared computation (its result is still cached).
+        cancel a computation another request waits for, or one the tower has begun (its
+        result is still cached); work queued for it alone is dropped (`_abandon`).
         """
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         selection = self._select(jobs, future)
@@ -135,7 +139,11 @@ class EncoderEngine:
             self._ensure_task()
             self._wakeup.set()
         if selection.waiter.remaining:
-            await future
+            try:
+                await future
+            except asyncio.CancelledError:
+                self._abandon(selection)
+                raise
         return self._outputs(jobs, selection)
 
     def encode_now(self, requests: Sequence[Sequence[ItemJob]]) -> list[list[ItemOutput]]:
@@ -189,6 +197,26 @@ class EncoderEngine:
         for entry in sources:
             entry.waiters.append(waiter)
         return _Selection(keys, found, sources, queued, waiter)
+
+    def _abandon(self, selection: _Selection) -> None:
+        """The request went away while it waited: it waits for nothing any more, and a
+        queued entry no request waits for leaves the queue, unencoded (so a caller that
+        sends requests and cancels them cannot queue the tower's work past what admission
+        lets it hold). An entry the tower has taken is computed and cached."""
+        waiter = selection.waiter
+        dropped = []
+        for entry in selection.sources:
+            entry.waiters = [w for w in entry.waiters if w is not waiter]
+            if not entry.waiters and any(e is entry for e in self._queue):
+                dropped.append(entry)
+        if not dropped:
+            return
+        self._queue = [e for e in self._queue if all(e is not d for d in dropped)]
+        for entry in dropped:
+            for unit in entry.units:
+                if self._inflight.get(unit.key) is entry:
+                    del self._inflight[unit.key]
+            self.units_abandoned += len(entry.units)
 
     def _enqueue(self, units: list[Unit], keys: list[bytes]) -> list[_Pending]:
         """Queue `units` (with these keys) as entries of at most `max_batch_rows` patch rows
@@ -268,6 +296,8 @@ class EncoderEngine:
                 continue
             if self.batch_window_s > 0:
                 await asyncio.sleep(self.batch_window_s)
+                if not self._queue:  # its requests went away meanwhile
+                    continue
             batch = self._running = self._take_batch()
             started = time.perf_counter()
             try:

@@ -66,6 +66,7 @@ class EncoderCounters:
     forward_calls: int  # vision-tower forwards
     batches: int  # batches the engine ran
     units_encoded: int  # items or partitions encoded
+    units_abandoned: int  # queued ones dropped: every request waiting for them went away
     rows_encoded: int  # patch rows encoded
 
 
@@ -166,6 +167,7 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
             forward_calls=engine.forward_calls,
             batches=engine.batches,
             units_encoded=engine.units_encoded,
+            units_abandoned=engine.units_abandoned,
             rows_encoded=engine.rows_encoded,
         )
 
@@ -193,6 +195,11 @@ def encoder_metrics(servicer: EncoderServicer) -> list[Any]:
         counter("epd:encoder_cache_evictions", "Encoder cache entries evicted.", c.cache_evictions),
         counter(
             "epd:encoder_units_encoded", "Items or partitions the tower encoded.", c.units_encoded
+        ),
+        counter(
+            "epd:encoder_units_abandoned",
+            "Queued items or partitions not encoded: every request waiting for them went away.",
+            c.units_abandoned,
         ),
     ]
 
