@@ -171,6 +171,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 hashes,
                 handoff.positions,
                 on_orphan=lambda done: self._release_orphan(done[0]),
+                drop_if_cancelled=True,  # not begun: the request went away before its turn
             )
         except MissingEmbeddingsError as exc:
             raise RpcStatusError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None

@@ -1,0 +1,109 @@
+"""A prefill whose RPC is cancelled before the model thread reaches it does not run
+(`ModelThread.call(drop_if_cancelled=True)`): a caller that sends prompts and cancels them
+cannot queue a prefill worker's compute; one already running finishes and its blocks go
+back (`on_orphan`). The model thread's rule is checked alone first."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from common.engine import Engine
+from common.models.model_thread import ModelThread
+from common.server.role import RoleServer
+from common.server.rpc import channel
+from epd.v1 import prefill_service_pb2_grpc
+from prefill_worker.server import serve as serve_prefill
+from prefill_worker.settings import PrefillSettings
+from tests.cluster import cluster_credentials, cluster_security
+from tests.test_kv_handoff import BLOCK, GREEDY, ckpt, engine, make_handoff, prefill_request, user
+
+__all__ = ["ckpt", "engine"]  # module fixtures shared with test_kv_handoff
+
+
+async def until(condition: Any, seconds: float = 10.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {seconds} s")
+
+
+async def test_a_call_not_begun_when_its_caller_is_cancelled_runs_only_if_it_must() -> None:
+    thread = ModelThread("test-drop")
+    gate = threading.Event()
+    ran: list[str] = []
+    orphans: list[None] = []
+    try:
+        busy = asyncio.ensure_future(thread.call(gate.wait, 10))
+        dropped = asyncio.ensure_future(
+            thread.call(ran.append, "dropped", on_orphan=orphans.append, drop_if_cancelled=True)
+        )
+        kept = asyncio.ensure_future(thread.call(ran.append, "kept", on_orphan=orphans.append))
+        await asyncio.sleep(0.05)
+        dropped.cancel()
+        kept.cancel()
+        await asyncio.gather(dropped, kept, return_exceptions=True)
+        gate.set()
+        await busy
+        await until(lambda: orphans)
+        assert ran == ["kept"] and orphans == [None] and thread.dropped == 1
+        started = threading.Event()
+
+        def begun() -> None:
+            started.set()
+            gate.wait(1)
+
+        running = asyncio.ensure_future(thread.call(begun, drop_if_cancelled=True))
+        await asyncio.to_thread(started.wait, 5)
+        running.cancel()  # begun: it runs to its end, and is not counted as dropped
+        await asyncio.gather(running, return_exceptions=True)
+        assert thread.dropped == 1
+    finally:
+        gate.set()
+        thread.close()
+
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def worker(ckpt: Path) -> AsyncIterator[RoleServer[Any]]:
+    server = await serve_prefill(
+        PrefillSettings(
+            model=str(ckpt), block_size=BLOCK, num_blocks=48, security=cluster_security()
+        )
+    )
+    yield server
+    await server.stop(0)
+
+
+async def test_a_prefill_cancelled_while_queued_is_not_computed(
+    worker: RoleServer[Any], engine: Engine
+) -> None:
+    servicer = worker.servicer
+    pool = servicer.runner.allocator.pool
+    tokens, params = make_handoff(engine, user("A question nobody waits for the answer to."))
+    gate = threading.Event()
+    busy = asyncio.ensure_future(servicer.model.call(gate.wait, 30))  # a long forward
+    async with channel(worker.address, credentials=cluster_credentials()) as ch:
+        stub = prefill_service_pb2_grpc.PrefillServiceStub(ch)
+        try:
+            call = stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+            queue = servicer.model._executor._work_queue
+            await until(lambda: queue.qsize() == 1)  # queued behind the long forward
+            call.cancel()
+            await until(lambda: servicer.model.dropped == 1)
+        finally:
+            gate.set()
+            await busy
+        assert servicer.requests == 0 and pool.num_used_blocks == 0
+        assert servicer.runner.allocator.cached_hashes() == []  # its prompt was never computed
+        reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+        assert reply.computed_tokens == len(tokens) and servicer.requests == 1
