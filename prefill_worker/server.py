@@ -41,6 +41,11 @@ def prefill_metrics(servicer: PrefillServicer) -> list[Any]:
         *requests_metrics(c.active, 0),
         *kv_pool_metrics(servicer.runner.allocator.pool),
         counter("epd:prefill_requests", "Prefill calls answered with a KV handle.", c.requests),
+        counter(
+            "epd:prefills_dropped",
+            "Prefills not computed: their call was cancelled before the model thread began it.",
+            servicer.model.dropped,
+        ),
         gauge("epd:kv_leases", "KV leases held for decode workers now.", c.leases),
         counter("epd:kv_leases_expired", "KV leases the reaper freed.", c.leases_expired),
         counter("epd:kv_leases_released", "KV leases released by ReleaseKv.", c.leases_released),

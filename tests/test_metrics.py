@@ -146,6 +146,7 @@ async def test_one_request_shows_up_in_every_scrape(dep: Deployment) -> None:
 
     assert one(prefill, "vllm:prefix_cache_queries_total") > 0
     assert one(prefill, "epd:prefill_requests_total") == 1
+    assert one(prefill, "epd:prefills_dropped_total") == 0
     assert 0 <= one(prefill, "vllm:kv_cache_usage_perc") <= 1
 
     assert one(decode, "epd:kv_blocks_pulled_total") > 0

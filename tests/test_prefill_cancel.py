@@ -19,6 +19,7 @@ from common.models.model_thread import ModelThread
 from common.server.role import RoleServer
 from common.server.rpc import channel
 from epd.v1 import prefill_service_pb2_grpc
+from prefill_worker.server import prefill_metrics
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
 from tests.cluster import cluster_credentials, cluster_security
@@ -84,6 +85,10 @@ async def worker(ckpt: Path) -> AsyncIterator[RoleServer[Any]]:
     await server.stop(0)
 
 
+def metrics(worker: RoleServer[Any]) -> list[Any]:
+    return prefill_metrics(worker.servicer)
+
+
 async def test_a_prefill_cancelled_while_queued_is_not_computed(
     worker: RoleServer[Any], engine: Engine
 ) -> None:
@@ -104,6 +109,9 @@ async def test_a_prefill_cancelled_while_queued_is_not_computed(
             gate.set()
             await busy
         assert servicer.requests == 0 and pool.num_used_blocks == 0
+        assert ("epd:prefills_dropped", 1) in [
+            (m.name, m.samples[0].value) for m in metrics(worker)
+        ]
         assert servicer.runner.allocator.cached_hashes() == []  # its prompt was never computed
         reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
         assert reply.computed_tokens == len(tokens) and servicer.requests == 1
