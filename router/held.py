@@ -50,7 +50,7 @@ from google.protobuf.message import DecodeError
 from common.processing.prompt import ProcessedPrompt
 from common.server.rpc import CLIENT_STREAM_WINDOW
 from epd.v1 import router_service_pb2
-from router.calls import Refused
+from router.calls import Refused, RouterError
 
 SERVICE = "epd.v1.RouterService"
 RETRY_AFTER_S = 1.0  # the back-off a refusal suggests
@@ -249,25 +249,40 @@ class MediaHold:
     prefill done again) until the answer ends. A compressed image is many times its bytes
     either way: a 4096x4096 JPEG of 270 KB decodes to 67 MB, and is 100 MB of codes (six
     bytes a pixel, an image being both frames of a temporal patch) under the released
-    processor's max_pixels."""
+    processor's max_pixels.
+
+    The processing thread cannot be interrupted: a request that goes away while its media
+    are processed gives its reservation back (`give_back`) while the thread may still be
+    about to reserve. A reservation after `give_back` is refused (CANCELLED), so the thread
+    holds nothing for a request nobody waits for (before, it held it for good: a router
+    whose clients cancel at that moment filled its bound and refused everyone)."""
 
     def __init__(self, held: HeldBytes, holds: int, tenant: str | None = None) -> None:
         self.held = held
         self.holds = holds  # the bytes the request holds already (its body or message)
         self.tenant = tenant  # whose they are
         self.reserved = 0
+        self._lock = threading.Lock()  # `reserve` (processing thread) vs `give_back` (loop)
+        self._given_back = False
 
     def reserve(self, decoded: int) -> None:
         """Hold `decoded` bytes, or raise RouterError RESOURCE_EXHAUSTED (retry-after-ms)
-        when the bound (or the tenant's share of it) does not allow them."""
-        if not self.held.take(decoded, self.holds, self.tenant):
-            raise busy("as many requests' media as it may")
-        self.reserved = decoded
+        when the bound (or the tenant's share of it) does not allow them, or CANCELLED once
+        the reservation was given back (the request went away)."""
+        with self._lock:
+            if self._given_back:
+                raise RouterError(grpc.StatusCode.CANCELLED, "the request went away")
+            if not self.held.take(decoded, self.holds, self.tenant):
+                raise busy("as many requests' media as it may")
+            self.reserved = decoded
 
     def give_back(self) -> None:
-        """Give the reservation back (the request was refused before it was processed)."""
-        self.held.give(self.reserved, self.tenant)
-        self.reserved = 0
+        """Give the reservation back (the request was refused, or went away, before it was
+        processed); any later `reserve` is refused."""
+        with self._lock:
+            self._given_back = True
+            self.held.give(self.reserved, self.tenant)
+            self.reserved = 0
 
     @contextlib.contextmanager
     def holding(self, prompt: ProcessedPrompt) -> Iterator[None]:
