@@ -310,10 +310,12 @@ class Admission:
             ticket.workers[role] = worker
         return True
 
-    def _over_share(self, ticket: Ticket) -> Role | None:
+    def _over_share(
+        self, ticket: Ticket, capacity: Callable[[Role], int | None] | None = None
+    ) -> Role | None:
         """The first KV role on which the ticket would pass its tenant's share while other
-        tenants wait, if any."""
-        return self.tenants.over(ticket.tenant, ticket.need.blocks, self._role_capacity)
+        tenants wait, if any (`capacity`: each role's, when the caller has it)."""
+        return self.tenants.over(ticket.tenant, ticket.need.blocks, capacity or self._role_capacity)
 
     def _role_capacity(self, role: Role) -> int | None:
         """KV blocks of `role`'s live workers in all (None: one has not heartbeated)."""
@@ -326,8 +328,9 @@ class Admission:
         if not self._queue:
             return None
         if self.tenants.share is not None:
+            capacity = {role: self._role_capacity(role) for role in KV_ROLES}.__getitem__
             for waiter in self._queue:
-                if self._over_share(waiter.ticket) is None:
+                if self._over_share(waiter.ticket, capacity) is None:
                     return waiter
         return self._queue[0]
 
