@@ -163,7 +163,8 @@ async def test_a_tenant_holding_the_kv_lets_another_go_first_when_blocks_free(ck
     """Workers with room for four requests: tenant-a, alone, takes all four (they hang in
     prefill holding their KV reservations); its fifth waits for room, and tenant-b's, sent
     after it, waits behind it. When one of tenant-a's ends, tenant-b's is admitted first
-    (tenant-a would pass its share while tenant-b waits) and reaches prefill."""
+    (tenant-a would pass its share while tenant-b waits) and reaches prefill. (Waits are
+    long: a busy machine slows the router's steps, not their order.)"""
     c = await fake_router(ckpt, request_timeout_s=10.0)
     pre, _ = await add_workers(c)
     other = Client(c.router.address, api_key=OTHER_KEY)
@@ -176,15 +177,15 @@ async def test_a_tenant_holding_the_kv_lets_another_go_first_when_blocks_free(ck
         pre.hang = True
         sampling = SamplingParams(max_tokens=4)
         a_held = [asyncio.create_task(c.client.generate_text(TEXT, sampling)) for _ in range(4)]
-        await until(lambda: len(pre.requests) == 4)
+        await until(lambda: len(pre.requests) == 4, 20)
         admission = orchestrator.admission
         assert admission.tenants.blocks("tenant-a", Role.DECODE) == 4 * need.blocks(Role.DECODE)
         a_fifth = asyncio.create_task(c.client.generate_text(TEXT, sampling))
-        await until(lambda: admission.stats().queued == 1)
+        await until(lambda: admission.stats().queued == 1, 20)
         b_call = asyncio.create_task(other.generate_text(TEXT, sampling))
-        await until(lambda: admission.stats().queued == 2)
+        await until(lambda: admission.stats().queued == 2, 20)
         a_held[0].cancel()
-        await until(lambda: len(pre.requests) == 5)  # tenant-b's, ahead of tenant-a's fifth
+        await until(lambda: len(pre.requests) == 5, 20)  # tenant-b's, ahead of tenant-a's fifth
         assert admission.stats().queued == 1 and not a_fifth.done()
         salts = [r.cache_salt for r in pre.requests]  # each tenant's prompts salted its own
         assert len(set(salts[:4])) == 1 and salts[4] != salts[0]  # the fifth is tenant-b's
@@ -194,7 +195,7 @@ async def test_a_tenant_holding_the_kv_lets_another_go_first_when_blocks_free(ck
         for task in (*a_held, a_fifth, b_call):
             task.cancel()
         await asyncio.gather(*a_held, a_fifth, b_call, return_exceptions=True)
-        await until(lambda: admission.stats().queued == 0 and not admission._reserved)
+        await until(lambda: admission.stats().queued == 0 and not admission._reserved, 20)
     finally:
         await other.close()
         await c.close()
