@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -15,14 +14,9 @@ from common.models.qwen3_vl.vision import VisionTower
 from common.processing.processor import Processor
 from encoder_worker.cache import EncoderCache
 from encoder_worker.engine import EncoderEngine
-from encoder_worker.server import load_tower
-from encoder_worker.settings import EncoderSettings
-from tests.test_encoder_engine import assert_as_alone, image_job, make_engine
+from tests.test_encoder_engine import assert_as_alone, image_job, make_engine, tower
 
-
-@pytest.fixture(scope="module")
-def tower(ckpt: Path) -> VisionTower:
-    return load_tower(ckpt, EncoderSettings())[1]
+__all__ = ["tower"]  # the module fixture shared with test_encoder_engine
 
 
 class Gate:

@@ -23,17 +23,18 @@ from prefill_worker.server import prefill_metrics
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
 from tests.cluster import cluster_credentials, cluster_security
-from tests.test_kv_handoff import BLOCK, GREEDY, ckpt, engine, make_handoff, prefill_request, user
+from tests.test_kv_handoff import (
+    BLOCK,
+    GREEDY,
+    ckpt,
+    engine,
+    eventually,
+    make_handoff,
+    prefill_request,
+    user,
+)
 
 __all__ = ["ckpt", "engine"]  # module fixtures shared with test_kv_handoff
-
-
-async def until(condition: Any, seconds: float = 10.0) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within {seconds} s")
 
 
 async def test_a_call_not_begun_when_its_caller_is_cancelled_runs_only_if_it_must() -> None:
@@ -53,7 +54,7 @@ async def test_a_call_not_begun_when_its_caller_is_cancelled_runs_only_if_it_mus
         await asyncio.gather(dropped, kept, return_exceptions=True)
         gate.set()
         await busy
-        await until(lambda: orphans)
+        await eventually(lambda: orphans)
         assert ran == ["kept"] and orphans == [None] and thread.dropped == 1
         started = threading.Event()
 
@@ -102,9 +103,9 @@ async def test_a_prefill_cancelled_while_queued_is_not_computed(
         try:
             call = stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
             queue = servicer.model._executor._work_queue
-            await until(lambda: queue.qsize() == 1)  # queued behind the long forward
+            await eventually(lambda: queue.qsize() == 1)  # queued behind the long forward
             call.cancel()
-            await until(lambda: servicer.model.dropped == 1)
+            await eventually(lambda: servicer.model.dropped == 1)
         finally:
             gate.set()
             await busy
