@@ -1,8 +1,9 @@
 """The router's OpenAI-compatible HTTP API (`router.http`), driven with the `openai` client.
 
-Two set-ups: a router in this event loop with fake workers (errors, admission's 429, health,
-stop strings: fast and exact), and one real deployment for the module (`tests.cluster`:
-answers equal the gRPC front door's, usage and cached tokens, the other endpoints).
+A router in this event loop with fake workers (errors, admission's 429, health, stop strings:
+fast and exact), and the request conversion and stop-string cutting without a server. The
+helpers here (`fake_router`, `add_workers`, `call`, ...) serve other HTTP tests;
+`tests.test_http_deployment` holds the tests against a real deployment.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import io
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,12 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
-from common.processing.processor import Processor
 from common.roles import Role
 from common.sampling import SamplingParams
 from common.server.rpc import channel
-from epd.client import Client
 from router.admission import Need
 from router.http.convert import chat_request
 from router.http.media import MediaPolicy
@@ -39,10 +37,9 @@ from router.server import serve
 from router.settings import RouterSettings
 from router.stop import StopStrings
 from router.workers import WorkerLoad
-from tests.cluster import CLIENT_KEY, Cluster, cluster_security, start_cluster
+from tests.cluster import CLIENT_KEY, cluster_security
 from tests.test_router import TEXT, FakeDecode, FakeEncoder, FakePrefill
 from tests.test_router import Cluster as FakeCluster
-from tests.test_video_file import make_video
 
 MODEL_ID = "tiny"  # the served model name both set-ups use
 
@@ -305,129 +302,3 @@ async def test_a_stop_string_inside_a_chunk_ends_its_tokens_there(fake: FakeClus
     )
     assert reply.choices[0].message.content == text[: text.find(stop)]
     assert reply.usage is not None and reply.usage.completion_tokens == k
-
-
-# -------------------------------------------------------------------- a real deployment
-
-
-@pytest.fixture(scope="module")
-def deployment(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = start_cluster(
-        ckpt,
-        tmp_path_factory.mktemp("http-logs"),
-        http=True,
-        router_args=("--served-model-name", MODEL_ID),
-    )
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-IMAGE_CHAT = user(
-    {"type": "image_url", "image_url": {"url": png_data_url(3)}},
-    {"type": "text", "text": "What is in the picture?"},
-)
-GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
-
-
-async def test_streamed_chat_equals_the_grpc_answer(deployment: Cluster) -> None:
-    assert deployment.http_url is not None
-    client = api(deployment.http_url)
-    stream = await client.chat.completions.create(
-        model=MODEL_ID,
-        messages=IMAGE_CHAT,
-        stream=True,
-        stream_options={"include_usage": True},
-        **GREEDY,
-    )
-    pieces, usage, finish = [], None, None
-    async for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            pieces.append(choice.delta.content or "")
-            finish = choice.finish_reason or finish
-    image = base64.b64decode(png_data_url(3).split(",", 1)[1])
-    grpc_chat = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image", "image": image},
-                {"type": "text", "text": "What is in the picture?"},
-            ],
-        }
-    ]
-    async with Client(deployment.address, api_key=deployment.client_key) as grpc_client:
-        expected = await grpc_client.generate_text(
-            grpc_chat, SamplingParams(max_tokens=6, ignore_eos=True)
-        )
-    assert "".join(pieces) == expected.text
-    assert finish == "length"
-    assert usage is not None and usage.completion_tokens == 6
-    assert usage.prompt_tokens == expected.prompt_tokens > 0
-
-
-async def test_usage_reports_cached_tokens_when_asked_again(deployment: Cluster) -> None:
-    assert deployment.http_url is not None
-    client = api(deployment.http_url)
-    chat = user(
-        {"type": "image_url", "image_url": {"url": png_data_url(9)}},
-        {"type": "text", "text": "Once more, describe it."},
-    )
-    first = await client.chat.completions.create(model=MODEL_ID, messages=chat, **GREEDY)
-    again = await client.chat.completions.create(model=MODEL_ID, messages=chat, **GREEDY)
-    assert first.usage is not None and again.usage is not None
-    assert first.usage.total_tokens == first.usage.prompt_tokens + 6
-    assert again.usage.prompt_tokens_details is not None
-    assert again.usage.prompt_tokens_details.cached_tokens > 0
-    assert again.choices[0].message.content == first.choices[0].message.content
-
-
-async def test_models_completions_and_health(deployment: Cluster) -> None:
-    assert deployment.http_url is not None
-    client = api(deployment.http_url)
-    models = await client.models.list()
-    assert [m.id for m in models.data] == [MODEL_ID]
-    done = await client.completions.create(
-        model=MODEL_ID, prompt="Once upon a time", temperature=0, max_tokens=4
-    )
-    assert done.usage is not None and done.usage.completion_tokens <= 4
-    assert done.choices[0].finish_reason in ("length", "stop")
-    # The prompt is tokenized as it is: no chat template around it.
-    plain = Processor.from_pretrained(deployment.model).process_text("Once upon a time")
-    assert done.usage.prompt_tokens == len(plain.prompt_token_ids)
-    # The router's Prometheus metrics are on the API port too, and count the requests.
-    with urllib.request.urlopen(f"{deployment.http_url}/metrics", timeout=10) as response:
-        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
-    e2e = families["vllm:e2e_request_latency_seconds"]
-    assert next(s.value for s in e2e.samples if s.name.endswith("_count")) >= 1
-    await wait_health(deployment.http_url, 200)
-
-
-async def test_an_mp4_data_url_streams_the_answer_to_its_frames(deployment: Cluster) -> None:
-    """A `video_url` mp4 through the HTTP API answers as the gRPC client sending the file."""
-    assert deployment.http_url is not None
-    clip = make_video()
-    url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
-    question = "What happens in the clip?"
-    messages: Any = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "video_url", "video_url": {"url": url}},
-                {"type": "text", "text": question},
-            ],
-        }
-    ]
-    stream = await api(deployment.http_url).chat.completions.create(
-        model=MODEL_ID, messages=messages, stream=True, **GREEDY
-    )
-    pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
-    video: dict[str, Any] = {"type": "video", "video": clip}
-    chat = [{"role": "user", "content": [video, {"type": "text", "text": question}]}]
-    async with Client(deployment.address, api_key=deployment.client_key) as grpc_client:
-        expected = await grpc_client.generate_text(
-            chat, SamplingParams(max_tokens=6, ignore_eos=True)
-        )
-    assert expected.prompt_tokens > 0 and "".join(pieces) == expected.text

@@ -1,8 +1,11 @@
-"""The router in-process against fake encoder / prefill / decode workers.
+"""The router in-process against fake encoder / prefill / decode workers: the fakes, and the
+plain text path.
 
 The fakes are real gRPC servers on 127.0.0.1 that record what they get and can be told to
-hang or fail, so the orchestration (E -> P -> D, pass-through of embeddings, lease release,
-cancellation, deadlines, retries) and the admin service are checked without any model.
+hang or fail; they, the router of these tests (`start_router`, the `ckpt` / `cluster` /
+`workers` fixtures) and the request helpers serve the `tests.test_router_*` modules (and
+others). Here: a text request goes prefill then decode with the lease taken over by decode,
+and the router's text is its detokenization of every token (deltas never split a character).
 The router uses the real processor of a tiny checkpoint.
 """
 
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import time
 from typing import Any
 
 import grpc
@@ -28,9 +30,8 @@ from common.sampling import SamplingParams
 from common.server.rpc import channel, start_server
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_to_proto
-from epd.client import Client, GenerateError, build_request
+from epd.client import Client
 from epd.v1 import (
-    admin_service_pb2,
     admin_service_pb2_grpc,
     decode_service_pb2,
     decode_service_pb2_grpc,
@@ -43,15 +44,12 @@ from epd.v1 import (
     registry_service_pb2_grpc,
     tensor_pb2,
 )
-from router.calls import Job
 from router.detokenize import IncrementalDetokenizer
 from router.server import RunningRouter, serve
 from router.settings import RouterSettings
 from router.tenants import tenant_salt
 from tests.cluster import (
     CLIENT_KEY,
-    OTHER_KEY,
-    admin_credentials,
     cluster_credentials,
     cluster_security,
 )
@@ -306,324 +304,6 @@ def prompt_hashes(cluster: Cluster, messages: Any) -> tuple[Any, list[bytes]]:
     return prompt, hashes
 
 
-async def test_prefill_goes_to_the_worker_caching_the_prefix_and_skips_covered_items(cluster):
-    enc, cold, dec = FakeEncoder(), FakePrefill(), FakeDecode()
-    warm = FakePrefill()
-    messages = chat({"type": "image", "image": png(3)}, {"type": "text", "text": "Again?"})
-    prompt, hashes = prompt_hashes(cluster, messages)
-    covered = 16 * min(len(hashes), (len(prompt.prompt_token_ids) - 1) // 16)
-    assert prompt.params.items[0].end <= covered
-    warm.cached = hashes
-    for role, servicer in ((Role.ENCODER, enc), (Role.PREFILL, cold), (Role.DECODE, dec)):
-        await cluster.add(role, servicer)
-    await cluster.add(Role.PREFILL, warm)
-    await asyncio.sleep(0.3)  # the router follows both workers' KV events
-    for _ in range(2):
-        await cluster.client.generate_text(messages, SamplingParams(max_tokens=2))
-    assert len(warm.requests) == 2 and cold.requests == []
-    assert enc.requests == []  # the image lies inside the cached prefix
-    assert len(warm.requests[0].multimodal.embeddings) == 0
-
-
-async def test_skipped_items_are_encoded_when_the_cache_moved_on(cluster):
-    enc, pre, dec = FakeEncoder(), FakePrefill(), FakeDecode()
-    messages = chat({"type": "image", "image": png(4)}, {"type": "text", "text": "Again?"})
-    _, pre.cached = prompt_hashes(cluster, messages)
-    pre.strict = True  # ... but it evicted them: it needs the embeddings
-    for role, servicer in ((Role.ENCODER, enc), (Role.PREFILL, pre), (Role.DECODE, dec)):
-        await cluster.add(role, servicer)
-    await asyncio.sleep(0.3)
-    result = await cluster.client.generate_text(messages, SamplingParams(max_tokens=2))
-    assert result.token_ids == [FIRST, 101]
-    assert len(pre.requests) == 2 and len(enc.requests) == 1
-    assert len(pre.requests[1].multimodal.embeddings) == 1
-
-
-async def test_image_embeddings_pass_through_to_prefill_only(cluster, workers):
-    enc, pre, dec = workers
-    result = await cluster.client.generate_text(IMAGE, SamplingParams(max_tokens=3))
-    assert result.token_ids == [FIRST, 101, 102]
-    (item,) = enc.requests[0].items
-    assert pre.requests[0].multimodal.items[0].grid_thw == item.grid_thw
-    assert pre.requests[0].multimodal.mm_hashes == [item.content_hash]
-    assert list(item.grid_thw) and item.pixel_values.shape[0] == int(np.prod(item.grid_thw))
-    emb = pre.requests[0].multimodal.embeddings[0]
-    assert emb.item_index == 0 and len(emb.deepstack) == 2
-    assert list(emb.rows.shape) == [pre.requests[0].multimodal.mm_lengths[0], 64]
-    assert dec.requests[0].multimodal.mm_hashes == [item.content_hash]
-    assert len(dec.requests[0].multimodal.embeddings) == 0  # decode never gets embeddings
-
-
-async def test_nixl_handles_pass_through_with_their_holder(cluster, workers):
-    enc, pre, _ = workers
-    enc.handles = True
-    encoder_address = (await cluster.admin.Status(admin_service_pb2.StatusRequest())).workers[0]
-    await cluster.client.generate_text(IMAGE, SamplingParams(max_tokens=2))
-    emb = pre.requests[0].multimodal.embeddings[0]
-    assert emb.rows.handle.lease_id == "emb-0-0"  # unchanged: prefill pulls from the encoder
-    assert dict(pre.requests[0].embedding_holders) == {
-        f"emb-0-{k}": encoder_address.info.address for k in range(3)
-    }
-    assert enc.released == []  # the prefill worker releases what it pulled
-
-
-async def test_embedding_leases_are_released_when_prefill_fails(cluster, workers):
-    enc, pre, _ = workers
-    enc.handles = True
-    pre.fail = grpc.StatusCode.INTERNAL
-    with pytest.raises(GenerateError) as err:
-        await cluster.client.generate_text(IMAGE)
-    assert err.value.code == grpc.StatusCode.INTERNAL
-    for _ in range(100):
-        if enc.released:
-            break
-        await asyncio.sleep(0.02)
-    assert sorted(enc.released) == ["emb-0-0", "emb-0-1", "emb-0-2"]
-
-
-@pytest.mark.parametrize(
-    ("messages", "sampling", "field"),
-    [
-        (chat({"type": "image", "image": b"not an image"}), None, "messages[0].content[0].image"),
-        (
-            chat({"type": "video", "video": [png(1), png(2, 32, 32)], "fps": 2.0}),
-            None,
-            "messages[0].content[0].video.frames",
-        ),
-        (TEXT, SamplingParams(max_tokens=2, top_k=0), None),
-    ],
-)
-async def test_malformed_input_is_invalid_argument(cluster, workers, messages, sampling, field):
-    enc, pre, _ = workers
-    if field is None:  # a sampling error: build a bad request by hand
-        request = build_request(messages, sampling)
-        request.sampling.temperature = -1.0
-        stub_call = cluster.client._router.Generate(request)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in stub_call:
-                pass
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "sampling" in info.value.details()
-    else:
-        with pytest.raises(GenerateError) as err:
-            await cluster.client.generate_text(messages)
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert field in err.value.details
-    assert enc.requests == [] and pre.requests == []
-    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
-    assert result.token_ids == [FIRST, 101]  # still serving
-
-
-async def test_messages_the_processor_refuses_are_invalid_argument(cluster, workers):
-    bad = [{"role": "user", "content": "hi"}, {"role": "system", "content": "too late"}]
-    with pytest.raises(GenerateError) as err:
-        await cluster.client.generate_text(bad)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "messages" in err.value.details
-
-
-async def test_limits_refuse_before_any_worker_is_called(cluster, workers):
-    enc, pre, dec = workers
-    huge = [{"role": "user", "content": [{"type": "text", "text": "x" * 1_200_000}]}]
-    attacks = {
-        "sampling.max_tokens": (IMAGE, SamplingParams(max_tokens=2**32 - 1)),
-        "messages[0].content[0].text": (huge, SamplingParams()),
-    }
-    for field, (messages, sampling) in attacks.items():
-        with pytest.raises(GenerateError) as err:
-            await cluster.client.generate_text(messages, sampling)
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details.startswith(field)
-    assert enc.requests == [] and pre.requests == [] and dec.requests == []
-
-
-async def test_no_workers_is_unavailable(cluster):
-    with pytest.raises(GenerateError) as err:
-        await cluster.client.generate_text(TEXT)
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "no prefill worker" in err.value.details
-
-
-async def test_first_token_eos_skips_decode_and_releases(cluster, workers, ckpt):
-    _, pre, dec = workers
-    pre.first = cluster.router.orchestrator.processor.eos_token_ids[0]
-    result = await cluster.client.generate_text(TEXT)
-    assert result.finish_reason == "stop" and len(result.token_ids) == 1
-    assert dec.requests == []
-    await asyncio.sleep(0.1)
-    assert pre.released == ["lease-1"]
-
-
-async def test_decode_failure_releases_the_lease(cluster, workers):
-    _, pre, dec = workers
-    dec.fail = grpc.StatusCode.FAILED_PRECONDITION
-    with pytest.raises(GenerateError) as err:
-        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
-    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "fake decode failure" in err.value.details
-    await asyncio.sleep(0.1)
-    assert pre.released == ["lease-1"]
-
-
-async def test_kv_refused_by_decode_is_prefilled_again(cluster, workers):
-    _, pre, dec = workers
-    dec.refuse_kv = 2
-    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
-    assert result.token_ids == [FIRST, 101, 102, 103]  # the client saw no error
-    assert len(pre.requests) == 3  # the first prefill and two more
-    # Each decode try got the newest handle and the first token already streamed.
-    assert [r.kv.lease_id for r in dec.requests] == ["lease-1", "lease-2", "lease-3"]
-    assert {r.first_token_id for r in dec.requests} == {FIRST}
-    await asyncio.sleep(0.1)
-    assert {"lease-1", "lease-2"} <= set(pre.released)
-
-
-async def test_kv_refused_past_the_reprefills_is_aborted(cluster, workers):
-    _, pre, dec = workers
-    dec.refuse_kv = 3
-    with pytest.raises(GenerateError) as err:
-        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
-    assert err.value.code == grpc.StatusCode.ABORTED
-    assert len(pre.requests) == 3
-
-
-async def test_unavailable_worker_is_retried_on_another(cluster, workers):
-    _, pre, _ = workers
-    pre.fail = grpc.StatusCode.UNAVAILABLE
-    other = FakePrefill()
-    await cluster.add(Role.PREFILL, other)
-    for _ in range(2):
-        result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
-        assert result.token_ids == [FIRST, 101]
-    assert len(other.requests) == 2
-
-
-async def test_cancel_during_prefill_cancels_the_prefill_call(cluster, workers):
-    _, pre, _ = workers
-    pre.hang = True
-    task = asyncio.create_task(cluster.client.generate_text(TEXT))
-    while not pre.requests:
-        await asyncio.sleep(0.01)
-    task.cancel()
-    await asyncio.wait_for(pre.cancelled.wait(), 5)
-
-
-async def test_cancel_before_decode_answers_releases_and_cancels(cluster, workers):
-    _, pre, dec = workers
-    dec.hang_before_first = True
-    task = asyncio.create_task(cluster.client.generate_text(TEXT))
-    while not dec.requests:
-        await asyncio.sleep(0.01)
-    task.cancel()
-    await asyncio.wait_for(dec.cancelled.wait(), 5)
-    for _ in range(100):
-        if pre.released:
-            break
-        await asyncio.sleep(0.02)
-    assert pre.released == ["lease-1"]
-
-
-async def test_closing_after_the_first_token_releases_the_lease(cluster, workers, ckpt):
-    # The client may go away while the router still sits at the first `yield`, before
-    # decode starts: the router owns the lease then and must release it.
-    _, pre, dec = workers
-    orchestrator = cluster.router.orchestrator
-    prompt = orchestrator.processor.process(messages_from_dicts(TEXT))
-    job = Job("r1", prompt, SamplingParams(max_tokens=4), None, time.monotonic() + 30)
-    stream = orchestrator.run(job)
-    first = await anext(stream)
-    assert list(first.token_ids) == [FIRST]
-    await stream.aclose()
-    for _ in range(100):
-        if pre.released:
-            break
-        await asyncio.sleep(0.02)
-    assert pre.released == ["lease-1"] and dec.requests == []
-
-
-async def test_cancel_mid_stream_cancels_decode(cluster, workers):
-    _, pre, dec = workers
-    dec.hang_after_first = True
-    stream = cluster.client.generate(TEXT, SamplingParams(max_tokens=8))
-    got = [await anext(stream), await anext(stream)]
-    assert got[1].token_ids == (101,)
-    await stream.aclose()
-    await asyncio.wait_for(dec.cancelled.wait(), 5)
-    assert pre.released == []  # the decode worker owns the lease by now
-
-
-async def test_deadline_cancels_in_flight_work(cluster, workers):
-    _, pre, _ = workers
-    pre.hang = True
-    with pytest.raises(GenerateError) as err:
-        await cluster.client.generate_text(TEXT, timeout_s=0.5)
-    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    await asyncio.wait_for(pre.cancelled.wait(), 5)
-
-
-async def test_admin_status_drain_and_scale(cluster, workers):
-    status = await cluster.admin.Status(admin_service_pb2.StatusRequest())
-    assert [w.info.role for w in status.workers] == [
-        registry_service_pb2.WORKER_ROLE_ENCODER,
-        registry_service_pb2.WORKER_ROLE_PREFILL,
-        registry_service_pb2.WORKER_ROLE_DECODE,
-    ]
-    assert status.model == MODEL
-    decode_address = status.workers[2].info.address
-    drained = await cluster.admin.Drain(admin_service_pb2.DrainRequest(address=decode_address))
-    assert drained.found
-    with pytest.raises(GenerateError) as err:
-        await cluster.client.generate_text(TEXT)
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE  # the only decode worker drains
-    status = await cluster.admin.Status(
-        admin_service_pb2.StatusRequest(role=registry_service_pb2.WORKER_ROLE_DECODE)
-    )
-    assert [w.draining for w in status.workers] == [True]
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await cluster.admin.Scale(
-            admin_service_pb2.ScaleRequest(role=registry_service_pb2.WORKER_ROLE_DECODE)
-        )
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "Ray" in info.value.details()
-
-
-async def test_scale_delegates_to_the_scaler(ckpt):
-    calls = []
-
-    async def scaler(role: Role, replicas: int) -> int:
-        calls.append((role, replicas))
-        return replicas
-
-    settings = RouterSettings(
-        model=str(ckpt),
-        port=0,
-        http_port=-1,
-        expected_model=MODEL,
-        grace_s=0.0,
-        security=cluster_security(),
-    )
-    router = await serve(settings, scaler=scaler)
-    try:
-        async with channel(router.address, credentials=admin_credentials()) as ch:
-            admin = admin_service_pb2_grpc.AdminServiceStub(ch)
-            reply = await admin.Scale(
-                admin_service_pb2.ScaleRequest(
-                    role=registry_service_pb2.WORKER_ROLE_PREFILL, replicas=3
-                )
-            )
-    finally:
-        await router.stop(0)
-    assert reply.replicas == 3 and calls == [(Role.PREFILL, 3)]
-
-
-async def test_mismatched_registration_is_failed_precondition(cluster, workers):
-    info = worker_info(Role.DECODE, "127.0.0.1:1", block_size=8)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await cluster.registry_stub.Register(registry_service_pb2.RegisterRequest(worker=info))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "block_size=8 (expected 16)" in err.value.details()
-
-
 # ------------------------------------------------------------------------------- text
 
 
@@ -641,25 +321,3 @@ def test_detokenizer_deltas_concatenate_to_the_full_text(ckpt):
     deltas = [detok.add([t]) for t in ids]
     assert "\ufffd" not in "".join(deltas)  # a split character is held back, never sent
     assert "".join(deltas) + detok.flush() == processor.decode(ids)
-
-
-async def test_an_image_seen_again_goes_to_prefill_with_its_kept_rows(cluster, workers):
-    """`embedding_cache_mb`: the second request with an image (new text after it) makes no
-    Encode call; the prefill worker gets the encoder's rows from the first. Another tenant's
-    request with the same image is encoded again (its cache salt keys its own entries), and
-    outputs behind NIXL handles are never kept."""
-    enc, pre, _ = workers
-    image = {"type": "image", "image": png(21)}
-    for question in ("What is it?", "And its colours?"):
-        await cluster.client.generate_text(chat(image, {"type": "text", "text": question}))
-    assert len(enc.requests) == 1 and len(pre.requests) == 2
-    first, second = (r.multimodal.embeddings for r in pre.requests)
-    assert second == first  # the same rows and deepstack, from the router's copy
-    async with Client(cluster.router.address, api_key=OTHER_KEY) as other:
-        await other.generate_text(chat(image, {"type": "text", "text": "What is it?"}))
-    assert len(enc.requests) == 2
-    enc.handles = True
-    for question in ("One?", "Two?"):
-        fresh = {"type": "image", "image": png(22)}
-        await cluster.client.generate_text(chat(fresh, {"type": "text", "text": question}))
-    assert len(enc.requests) == 4

@@ -1,0 +1,86 @@
+"""The router's admin and registry services, against the fake workers of `tests.test_router`.
+
+Pins: Status lists the workers by role, Drain takes a worker out of routing, Scale is
+UNIMPLEMENTED without a scaler and delegates to one, and a registration whose KV layout does
+not match is FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from common.roles import Role
+from common.server.rpc import channel
+from epd.client import GenerateError
+from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
+from router.server import serve
+from router.settings import RouterSettings
+from tests.cluster import admin_credentials, cluster_security
+from tests.test_router import MODEL, TEXT, worker_info
+from tests.test_router import ckpt as ckpt  # fixture
+from tests.test_router import cluster as cluster  # fixture
+from tests.test_router import workers as workers  # fixture
+
+
+async def test_admin_status_drain_and_scale(cluster, workers):
+    status = await cluster.admin.Status(admin_service_pb2.StatusRequest())
+    assert [w.info.role for w in status.workers] == [
+        registry_service_pb2.WORKER_ROLE_ENCODER,
+        registry_service_pb2.WORKER_ROLE_PREFILL,
+        registry_service_pb2.WORKER_ROLE_DECODE,
+    ]
+    assert status.model == MODEL
+    decode_address = status.workers[2].info.address
+    drained = await cluster.admin.Drain(admin_service_pb2.DrainRequest(address=decode_address))
+    assert drained.found
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE  # the only decode worker drains
+    status = await cluster.admin.Status(
+        admin_service_pb2.StatusRequest(role=registry_service_pb2.WORKER_ROLE_DECODE)
+    )
+    assert [w.draining for w in status.workers] == [True]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await cluster.admin.Scale(
+            admin_service_pb2.ScaleRequest(role=registry_service_pb2.WORKER_ROLE_DECODE)
+        )
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "Ray" in info.value.details()
+
+
+async def test_scale_delegates_to_the_scaler(ckpt):
+    calls = []
+
+    async def scaler(role: Role, replicas: int) -> int:
+        calls.append((role, replicas))
+        return replicas
+
+    settings = RouterSettings(
+        model=str(ckpt),
+        port=0,
+        http_port=-1,
+        expected_model=MODEL,
+        grace_s=0.0,
+        security=cluster_security(),
+    )
+    router = await serve(settings, scaler=scaler)
+    try:
+        async with channel(router.address, credentials=admin_credentials()) as ch:
+            admin = admin_service_pb2_grpc.AdminServiceStub(ch)
+            reply = await admin.Scale(
+                admin_service_pb2.ScaleRequest(
+                    role=registry_service_pb2.WORKER_ROLE_PREFILL, replicas=3
+                )
+            )
+    finally:
+        await router.stop(0)
+    assert reply.replicas == 3 and calls == [(Role.PREFILL, 3)]
+
+
+async def test_mismatched_registration_is_failed_precondition(cluster, workers):
+    info = worker_info(Role.DECODE, "127.0.0.1:1", block_size=8)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.registry_stub.Register(registry_service_pb2.RegisterRequest(worker=info))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_size=8 (expected 16)" in err.value.details()

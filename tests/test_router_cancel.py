@@ -1,0 +1,86 @@
+"""Cancellation and deadlines in the router, against the fake workers of `tests.test_router`.
+
+Pins: a client's cancel during prefill, before decode answers or mid-stream, and a deadline,
+cancel the in-flight worker call; the KV lease is released while the router owns it (closing
+after the first token included) and left to the decode worker once it took it over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from common.processing.messages import messages_from_dicts
+from common.sampling import SamplingParams
+from epd.client import GenerateError
+from router.calls import Job
+from tests.test_router import FIRST, TEXT
+from tests.test_router import ckpt as ckpt  # fixture
+from tests.test_router import cluster as cluster  # fixture
+from tests.test_router import workers as workers  # fixture
+
+
+async def test_cancel_during_prefill_cancels_the_prefill_call(cluster, workers):
+    _, pre, _ = workers
+    pre.hang = True
+    task = asyncio.create_task(cluster.client.generate_text(TEXT))
+    while not pre.requests:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.wait_for(pre.cancelled.wait(), 5)
+
+
+async def test_cancel_before_decode_answers_releases_and_cancels(cluster, workers):
+    _, pre, dec = workers
+    dec.hang_before_first = True
+    task = asyncio.create_task(cluster.client.generate_text(TEXT))
+    while not dec.requests:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.wait_for(dec.cancelled.wait(), 5)
+    for _ in range(100):
+        if pre.released:
+            break
+        await asyncio.sleep(0.02)
+    assert pre.released == ["lease-1"]
+
+
+async def test_closing_after_the_first_token_releases_the_lease(cluster, workers, ckpt):
+    # The client may go away while the router still sits at the first `yield`, before
+    # decode starts: the router owns the lease then and must release it.
+    _, pre, dec = workers
+    orchestrator = cluster.router.orchestrator
+    prompt = orchestrator.processor.process(messages_from_dicts(TEXT))
+    job = Job("r1", prompt, SamplingParams(max_tokens=4), None, time.monotonic() + 30)
+    stream = orchestrator.run(job)
+    first = await anext(stream)
+    assert list(first.token_ids) == [FIRST]
+    await stream.aclose()
+    for _ in range(100):
+        if pre.released:
+            break
+        await asyncio.sleep(0.02)
+    assert pre.released == ["lease-1"] and dec.requests == []
+
+
+async def test_cancel_mid_stream_cancels_decode(cluster, workers):
+    _, pre, dec = workers
+    dec.hang_after_first = True
+    stream = cluster.client.generate(TEXT, SamplingParams(max_tokens=8))
+    got = [await anext(stream), await anext(stream)]
+    assert got[1].token_ids == (101,)
+    await stream.aclose()
+    await asyncio.wait_for(dec.cancelled.wait(), 5)
+    assert pre.released == []  # the decode worker owns the lease by now
+
+
+async def test_deadline_cancels_in_flight_work(cluster, workers):
+    _, pre, _ = workers
+    pre.hang = True
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT, timeout_s=0.5)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(pre.cancelled.wait(), 5)

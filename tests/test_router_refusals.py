@@ -1,0 +1,81 @@
+"""Requests the router refuses, against the fake workers of `tests.test_router`.
+
+Pins: malformed media or sampling and messages the processor refuses are INVALID_ARGUMENT
+naming the field (the router still serves after), limits refuse before any worker is called,
+and a router without workers answers UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from common.sampling import SamplingParams
+from epd.client import GenerateError, build_request
+from tests.test_router import FIRST, IMAGE, TEXT, chat, png
+from tests.test_router import ckpt as ckpt  # fixture
+from tests.test_router import cluster as cluster  # fixture
+from tests.test_router import workers as workers  # fixture
+
+
+@pytest.mark.parametrize(
+    ("messages", "sampling", "field"),
+    [
+        (chat({"type": "image", "image": b"not an image"}), None, "messages[0].content[0].image"),
+        (
+            chat({"type": "video", "video": [png(1), png(2, 32, 32)], "fps": 2.0}),
+            None,
+            "messages[0].content[0].video.frames",
+        ),
+        (TEXT, SamplingParams(max_tokens=2, top_k=0), None),
+    ],
+)
+async def test_malformed_input_is_invalid_argument(cluster, workers, messages, sampling, field):
+    enc, pre, _ = workers
+    if field is None:  # a sampling error: build a bad request by hand
+        request = build_request(messages, sampling)
+        request.sampling.temperature = -1.0
+        stub_call = cluster.client._router.Generate(request)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub_call:
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling" in info.value.details()
+    else:
+        with pytest.raises(GenerateError) as err:
+            await cluster.client.generate_text(messages)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details
+    assert enc.requests == [] and pre.requests == []
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
+    assert result.token_ids == [FIRST, 101]  # still serving
+
+
+async def test_messages_the_processor_refuses_are_invalid_argument(cluster, workers):
+    bad = [{"role": "user", "content": "hi"}, {"role": "system", "content": "too late"}]
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(bad)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages" in err.value.details
+
+
+async def test_limits_refuse_before_any_worker_is_called(cluster, workers):
+    enc, pre, dec = workers
+    huge = [{"role": "user", "content": [{"type": "text", "text": "x" * 1_200_000}]}]
+    attacks = {
+        "sampling.max_tokens": (IMAGE, SamplingParams(max_tokens=2**32 - 1)),
+        "messages[0].content[0].text": (huge, SamplingParams()),
+    }
+    for field, (messages, sampling) in attacks.items():
+        with pytest.raises(GenerateError) as err:
+            await cluster.client.generate_text(messages, sampling)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details.startswith(field)
+    assert enc.requests == [] and pre.requests == [] and dec.requests == []
+
+
+async def test_no_workers_is_unavailable(cluster):
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no prefill worker" in err.value.details
