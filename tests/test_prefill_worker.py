@@ -1,5 +1,6 @@
-"""The prefill worker alone: validation, leases and their reaper, KV events, embeddings pulled
-by NIXL, settings and flags. In-process gRPC servers on 127.0.0.1 with real NIXL agents."""
+"""The prefill worker alone: validation, leases and their reaper, KV events, load reports.
+In-process gRPC servers on 127.0.0.1 with real NIXL agents. Embeddings pulled by NIXL are in
+tests/test_prefill_embeddings.py, settings and flags in tests/test_prefill_settings.py."""
 
 from __future__ import annotations
 
@@ -15,22 +16,15 @@ import pytest_asyncio
 
 from common.engine import Engine
 from common.kv.allocator import blocks_for
-from common.multimodal.params import MultimodalParams
 from common.server.role import RoleServer
-from common.server.rpc import channel, start_server
-from common.settings.security import SecuritySettings
-from common.transfer.agent import TransferAgent
-from common.wire.transfer import handle_for
+from common.server.rpc import channel
 from epd.v1 import (
-    encoder_service_pb2,
-    encoder_service_pb2_grpc,
     kv_pb2,
     multimodal_pb2,
     prefill_service_pb2,
     prefill_service_pb2_grpc,
     tensor_pb2,
 )
-from prefill_worker.__main__ import parse
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
 from tests.cluster import cluster_credentials, cluster_security
@@ -45,7 +39,6 @@ from tests.test_kv_handoff import (
     make_handoff,
     prefill_request,
     user,
-    vid_part,
 )
 
 __all__ = ["ckpt", "engine"]  # module fixtures shared with test_kv_handoff
@@ -303,92 +296,7 @@ async def test_kv_events_snapshot_then_live(
     await eventually(lambda: worker.servicer.hub.subscribers == 0)
 
 
-# ------------------------------------------------------------------------ embeddings
-
-
-def _by_handle(params: MultimodalParams, agent: TransferAgent) -> multimodal_pb2.MultimodalParams:
-    """The wire params with every embedding tensor held by a NIXL handle of `agent` (which
-    keeps the registered tensors alive)."""
-    from common.wire.convert import params_to_proto
-
-    msg = params_to_proto(params)
-    for emb in msg.embeddings:
-        source = params.embeddings[emb.item_index]
-        for ref, tensor in zip(
-            [emb.rows, *emb.deepstack], [source.rows, *source.deepstack], strict=True
-        ):
-            ref.handle.CopyFrom(handle_for(tensor.contiguous(), agent, lease_id="enc-lease"))
-    return msg
-
-
-class FakeEncoder(encoder_service_pb2_grpc.EncoderServiceServicer):
-    """Records ReleaseEmbeddings calls."""
-
-    def __init__(self) -> None:
-        self.released: list[str] = []
-
-    async def ReleaseEmbeddings(
-        self, request: encoder_service_pb2.ReleaseEmbeddingsRequest, context: Any
-    ) -> encoder_service_pb2.ReleaseEmbeddingsResponse:
-        self.released.extend(request.lease_ids)
-        return encoder_service_pb2.ReleaseEmbeddingsResponse(released=len(request.lease_ids))
-
-
-async def test_embeddings_pulled_by_nixl_give_the_inline_result(
-    worker: RoleServer[Any], stub: Any, engine: Engine
-) -> None:
-    await settle(worker, stub)
-    tokens, params = make_handoff(engine, user(vid_part(21, 4), "What is this?"))
-    inline = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
-    await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=inline.kv.lease_id))
-    worker.servicer.runner.allocator.pool.reset_prefix_cache()  # compute everything again
-    fake = FakeEncoder()
-    encoder_server = await start_server(
-        [lambda s: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(fake, s)]
-    )
-    try:
-        with TransferAgent("encoder") as encoder:
-            request = prefill_request(tokens, params, GREEDY)
-            request.multimodal.CopyFrom(_by_handle(params, encoder))
-            request.embedding_holders["enc-lease"] = encoder_server.address
-            assert request.multimodal.embeddings[0].rows.WhichOneof("data") == "handle"
-            pulled = await stub.Prefill(request, timeout=30)
-        await eventually(lambda: fake.released == ["enc-lease"])
-    finally:
-        await encoder_server.stop(0)
-    await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=pulled.kv.lease_id))
-    assert pulled.first_token_id == inline.first_token_id
-    assert pulled.cached_tokens == 0
-    assert list(pulled.kv.block_hashes) == list(inline.kv.block_hashes)
-
-
-async def test_embeddings_only_needed_past_the_cached_prefix(
-    worker: RoleServer[Any], stub: Any, engine: Engine
-) -> None:
-    await settle(worker, stub)
-    shared = "This long preamble about the clip is shared by both of the questions below."
-    first = user(vid_part(22, 4), shared, "Who is there?")
-    second = user(vid_part(22, 4), shared, "What colour dominates?")
-    tokens, params = make_handoff(engine, second)
-    bare = MultimodalParams(params.items, {}, params.mrope_position_delta)
-    # Video not cached yet: its embeddings are required.
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.Prefill(prefill_request(tokens, bare, GREEDY), timeout=30)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert worker.servicer.runner.allocator.pool.num_used_blocks == 0
-    t1, p1 = make_handoff(engine, first)
-    r1 = await stub.Prefill(prefill_request(t1, p1, GREEDY), timeout=30)
-    await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=r1.kv.lease_id))
-    # Now the whole video lies in the cached prefix: no embeddings needed.
-    with_emb = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
-    without = await stub.Prefill(prefill_request(tokens, bare, GREEDY), timeout=30)
-    for reply in (with_emb, without):
-        await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id))
-    assert without.cached_tokens >= params.items[0].end
-    assert without.first_token_id == with_emb.first_token_id
-
-
-# --------------------------------------------------------------------- load, settings
+# ---------------------------------------------------------------------------------- load
 
 
 async def test_load_reports_blocks_and_prefix_hits(
@@ -408,31 +316,3 @@ async def test_load_reports_blocks_and_prefix_hits(
     assert replies[1].cached_tokens == (len(tokens) - 1) // BLOCK * BLOCK
     for reply in replies:
         await stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id))
-
-
-async def test_flags_and_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = tmp_path / "prefill.toml"
-    config.write_text(
-        'block_size = 8\nlease_ttl_s = 2.5\nrouter_address = "127.0.0.1:9"\n'
-        '[security]\ncluster_token_file = "/run/epd/token"\n'
-    )
-    settings = parse(["--config", str(config), "--port", "5555", "--prefill-chunk", "64"])
-    assert settings == PrefillSettings(
-        block_size=8,
-        lease_ttl_s=2.5,
-        router_address="127.0.0.1:9",
-        port=5555,
-        prefill_chunk=64,
-        security=SecuritySettings(cluster_token_file="/run/epd/token"),
-    )
-    with pytest.raises(SystemExit) as done:
-        parse(["--help"])
-    assert done.value.code == 0
-    out = capsys.readouterr().out
-    for flag in ("--lease-ttl-s", "--router-address", "--num-blocks", "--config"):
-        assert flag in out
-
-
-async def test_unknown_dtype_is_an_error() -> None:
-    with pytest.raises(ValueError, match="dtype"):
-        _ = PrefillSettings(dtype="int4").torch_dtype

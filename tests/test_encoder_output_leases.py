@@ -1,0 +1,180 @@
+"""Tests for the encoder worker's outputs over NIXL: an output past the inline limit goes by
+handle and its lease is released once (or expires); outputs share one metadata snapshot and
+reuse the ranges released leases give back in the output arena; an output that does not fit
+the arena gets its own registered buffer, deregistered on release."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from common.models.qwen3_vl.vision import VisionTower
+from common.processing.processor import ProcessedPrompt, Processor
+from epd.v1 import encoder_service_pb2
+from tests.encoder_worker_helpers import Factory, _image, _item, _request, make_server, tower
+
+__all__ = ["make_server", "tower"]  # fixtures shared with the other encoder worker tests
+
+
+def _output_bytes(prompt: ProcessedPrompt, tower: VisionTower) -> int:
+    cfg = tower.config
+    tensors = 1 + len(cfg.deepstack_visual_indexes)  # rows + deepstack layers, float32
+    return prompt.params.items[0].length * cfg.out_hidden_size * 4 * tensors
+
+
+async def test_large_output_goes_over_nixl_and_is_released(
+    make_server: Factory, processor: Processor, tower: VisionTower
+) -> None:
+    transfer = pytest.importorskip("common.transfer.agent")
+    from common.wire.transfer import read_tensor
+
+    try:
+        reader = await asyncio.to_thread(transfer.TransferAgent, "reader")
+    except (ImportError, RuntimeError) as exc:
+        pytest.skip(f"NIXL unavailable: {exc}")
+    try:
+        small, large, other = (
+            _image(processor, 40),
+            _image(processor, 41, 128, 128),
+            _image(processor, 42, 128, 128),
+        )
+        limit = 4096
+        assert _output_bytes(small, tower) <= limit < _output_bytes(large, tower)
+        server, stub = await make_server(nixl=True, inline_limit_bytes=limit)
+        reply = await stub.Encode(_request(_item(small), _item(large)), timeout=60)
+        assert reply.items[0].rows.WhichOneof("data") == "inline_data"  # below the limit
+        item = reply.items[1]
+        refs = [item.rows, *item.deepstack]
+        assert all(ref.WhichOneof("data") == "handle" for ref in refs)
+        lease_ids = {ref.handle.lease_id for ref in refs}
+        assert len(lease_ids) == 1
+        pulled = [
+            await asyncio.to_thread(
+                read_tensor, ref.handle, torch.float32, tuple(ref.shape), reader
+            )
+            for ref in refs
+        ]
+        rows, deep = tower.encode(*large.vision_inputs())
+        torch.testing.assert_close(pulled[0], rows, rtol=1e-5, atol=1e-5)
+        for got, want in zip(pulled[1:], deep, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+        leases = server.servicer.leases if server.servicer else None
+        assert leases is not None and len(leases) == 1
+        release = encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=sorted(lease_ids))
+        assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 1
+        assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 0
+        assert len(leases) == 0
+        assert server.servicer is not None
+        counters = server.servicer.counters
+        assert counters.leases == 0 and counters.leases_released == 1
+
+        # A reader that never releases: the lease expires.
+        await stub.Encode(_request(_item(other)), timeout=60)
+        assert len(leases) == 1
+        leases.table.clock = lambda: time.monotonic() + 3600
+        assert leases.expire() == 1 and len(leases) == 0
+    finally:
+        await asyncio.to_thread(reader.close)
+
+
+async def _reader() -> Any:
+    transfer = pytest.importorskip("common.transfer.agent")
+    try:
+        return await asyncio.to_thread(transfer.TransferAgent, "reader")
+    except (ImportError, RuntimeError) as exc:
+        pytest.skip(f"NIXL unavailable: {exc}")
+
+
+async def test_outputs_share_one_snapshot_and_reuse_released_ranges(
+    make_server: Factory, processor: Processor, tower: VisionTower
+) -> None:
+    from common.wire.transfer import read_tensor
+
+    reader = await _reader()
+    try:
+        server, stub = await make_server(nixl=True, inline_limit_bytes=4096, output_pool_mb=1)
+        leases = server.servicer.leases if server.servicer else None
+        assert leases is not None
+        replies = [
+            await stub.Encode(_request(_item(_image(processor, seed, 128, 128))), timeout=60)
+            for seed in (80, 81)
+        ]
+        refs = [[item.rows, *item.deepstack] for r in replies for item in r.items]
+        handles = [ref.handle for group in refs for ref in group]
+        agent = await leases.agent()
+        assert agent is not None and leases.arena is not None
+        # One snapshot, taken once: the encoder's metadata did not change while serving.
+        assert {h.agent_metadata for h in handles} == {agent.metadata()}
+        # Each tensor lies in the arena, 64-byte aligned, the two leases apart.
+        base = leases.arena.buffer.data_ptr()
+        assert all(h.address % 64 == 0 and h.address >= base for h in handles)
+        assert len({h.address for h in handles}) == len(handles)
+        for group in refs:
+            for ref in group:
+                got = await asyncio.to_thread(
+                    read_tensor, ref.handle, torch.float32, tuple(ref.shape), reader
+                )
+                assert got.shape == tuple(ref.shape)
+        first = refs[0][0].handle
+        release = encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=[first.lease_id])
+        assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 1
+        # The next output takes the range the released lease gave back (the lowest free).
+        reply = await stub.Encode(_request(_item(_image(processor, 82, 128, 128))), timeout=60)
+        again = reply.items[0].rows.handle
+        assert again.address == first.address and again.lease_id != first.lease_id
+        assert again.agent_metadata == first.agent_metadata
+        prompt = _image(processor, 82, 128, 128)
+        rows, _ = tower.encode(*prompt.vision_inputs())
+        shape = tuple(reply.items[0].rows.shape)
+        got = await asyncio.to_thread(read_tensor, again, torch.float32, shape, reader)
+        torch.testing.assert_close(got, rows, rtol=1e-5, atol=1e-5)
+        assert server.servicer is not None and server.servicer.counters.leases_unpooled == 0
+        # Release the rest, so stopping the server need not wait for them to expire.
+        rest = sorted({h.lease_id for h in handles} | {again.lease_id})
+        await stub.ReleaseEmbeddings(
+            encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=rest), timeout=10
+        )
+    finally:
+        await asyncio.to_thread(reader.close)
+
+
+async def test_output_that_does_not_fit_gets_its_own_registered_buffer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from common.transfer.agent import TransferAgent
+    from common.wire.transfer import read_tensor
+    from encoder_worker.leases import OutputLeases
+
+    reader = await _reader()
+    leases = OutputLeases(30.0, pool_bytes=4096, agent_factory=lambda: TransferAgent("enc"))
+    try:
+        leases.start()
+        agent = await leases.agent()
+        assert agent is not None and leases.arena is not None
+        outputs = [torch.full((750,), float(k)) for k in range(4)]  # 3000 bytes each
+        pooled = leases.export(agent, [outputs[0]])
+        with caplog.at_level("INFO", logger="encoder_worker.leases"):
+            own = [leases.export(agent, [t]) for t in outputs[1:]]  # the arena is full
+        assert leases.unpooled == 3 and leases.exported == 4
+        warned = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and "does not fit the output arena" in warned[0].message
+        # Own buffers change the metadata: each lease's handles carry a fresh snapshot.
+        snapshots = {pooled[0].agent_metadata, *(h[0].agent_metadata for h in own)}
+        assert len(snapshots) == 4
+        for k, (handle,) in enumerate([pooled, *own]):
+            got = await asyncio.to_thread(read_tensor, handle, torch.float32, (750,), reader)
+            assert torch.equal(got, outputs[k])
+        # Freeing: the arena range goes back; own buffers are deregistered.
+        assert leases.release([h[0].lease_id for h in own]) == 3
+        assert all(agent.region_of(h[0].address, 3000) is None for h in own)
+        assert leases.release([pooled[0].lease_id]) == 1
+        assert leases.arena.allocator.free_ranges() == [(0, 4096)]
+        assert agent.region_of(pooled[0].address, 3000) is not None  # the arena stays
+    finally:
+        await leases.close()
+        await asyncio.to_thread(reader.close)
