@@ -1,18 +1,17 @@
 """Prefill -> decode over gRPC with the KV moving by real NIXL READs (UCX, host memory).
 
-Both workers run as in-process gRPC servers on 127.0.0.1 (their own NIXL agents), except
-`test_prefill_in_another_process`, which starts `python -m prefill_worker`. Every answer is
-compared token for token with the offline `Engine` on the same tiny checkpoint. The helpers
-here (`Cluster`, `make_handoff`, `run_prefill`, `run_decode`) are shared by the worker tests.
+Both workers run as in-process gRPC servers on 127.0.0.1 (their own NIXL agents). Text and
+image+video prompts, and four requests in flight on one decode worker, answer token for
+token as the offline `Engine` on the same tiny checkpoint, with the handle's blocks and
+hashes those of the prompt and the lease released after the pull. Block reuse and block
+edges are in tests/test_handoff_blocks.py, a prefill worker in its own process and router
+registration in tests/test_handoff_deployment.py. The helpers here (`Cluster`,
+`make_handoff`, `run_prefill`, `run_decode`) are shared by the worker tests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -31,12 +30,11 @@ from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
 from common.models.tiny import default_checkpoint
 from common.multimodal.params import MultimodalParams
-from common.roles import PROTOCOL_VERSION
 from common.sampling import SamplingParams
 from common.server.role import RoleServer
-from common.server.rpc import channel, start_server
+from common.server.rpc import channel
 from common.wire.convert import params_to_proto, sampling_to_proto
-from common.wire.kv import layout_from_proto, layout_to_proto
+from common.wire.kv import layout_from_proto
 from decode_worker.server import serve as serve_decode
 from decode_worker.settings import DecodeSettings
 from epd.v1 import (
@@ -44,8 +42,6 @@ from epd.v1 import (
     decode_service_pb2_grpc,
     prefill_service_pb2,
     prefill_service_pb2_grpc,
-    registry_service_pb2,
-    registry_service_pb2_grpc,
 )
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
@@ -55,7 +51,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 BLOCK = 8
 NUM_BLOCKS = 256
-ROOT = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------------------ prompts
 
@@ -278,46 +273,6 @@ async def test_prefill_then_decode_equals_engine(cluster: Cluster, name: str) ->
     await eventually(lambda: len(cluster.prefill.servicer.leases) == 0)
 
 
-async def test_same_video_new_question_pulls_only_missing_blocks(cluster: Cluster) -> None:
-    c = cluster
-    first_q = user(vid_part(7), "What happens first?")
-    second_q = user(vid_part(7), "And what happens at the very end of it?")
-    t1, p1 = make_handoff(c.engine, first_q)
-    t2, p2 = make_handoff(c.engine, second_q)
-    root = c.decode.servicer.runner.allocator.root
-    h1 = block_hashes(t1, BLOCK, p1, root=root)
-    h2 = block_hashes(t2, BLOCK, p2, root=root)
-    common = next(i for i, (a, b) in enumerate(zip(h1, h2, strict=False)) if a != b)
-    assert common >= 4  # the video spans several shared blocks
-
-    reply1, answer1 = await generate(c, first_q, GREEDY)
-    assert_same(answer1, c.expected(first_q, GREEDY))
-    assert reply1.cached_tokens == 0
-    decode_cache = set(c.decode.servicer.runner.allocator.cached_hashes())
-    assert set(h1) <= decode_cache  # every pulled full block entered decode's cache
-    before = c.decode.servicer.counters
-    pulled0, bytes0, reused0 = before.blocks_pulled, before.bytes_pulled, before.blocks_reused
-
-    reply2 = await run_prefill(c, t2, p2, GREEDY)
-    assert reply2.cached_tokens == common * BLOCK
-    assert reply2.computed_tokens == len(t2) - common * BLOCK
-    assert list(reply2.kv.block_hashes) == h2
-    answer2 = await run_decode(c, decode_request(t2, p2, GREEDY, reply2))
-    assert_same(answer2, c.expected(second_q, GREEDY))
-
-    lacked = [i for i, h in enumerate(h2) if h not in decode_cache]
-    want_pulled = len(lacked) + (1 if len(t2) % BLOCK else 0)  # + the partial last block
-    head = answer2.chunks[0]
-    assert head.blocks_reused == len(h2) - len(lacked)
-    assert head.blocks_pulled == want_pulled
-    counters = c.decode.servicer.counters
-    block_bytes = reply2.kv.layout.block_bytes
-    assert counters.blocks_pulled - pulled0 == want_pulled
-    assert counters.bytes_pulled - bytes0 == want_pulled * block_bytes
-    assert counters.blocks_reused - reused0 == len(h2) - len(lacked)
-    assert set(h2) <= set(c.decode.servicer.runner.allocator.cached_hashes())
-
-
 async def test_four_requests_in_flight_on_one_decode_worker(cluster: Cluster) -> None:
     c = cluster
     cases = [
@@ -349,120 +304,3 @@ async def test_four_requests_in_flight_on_one_decode_worker(cluster: Cluster) ->
     assert batcher.max_batch_seen >= 2
     assert batcher.steps - steps0 < sum(s.max_tokens for _, s in cases)  # steps were shared
     await eventually(lambda: c.decode.servicer.runner.allocator.pool.num_used_blocks == 0)
-
-
-@pytest.mark.slow
-async def test_prefill_in_another_process(cluster: Cluster, ckpt: Path, tmp_path: Path) -> None:
-    log = tmp_path / "prefill.log"
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "prefill_worker",
-            f"--model={ckpt}",
-            f"--block-size={BLOCK}",
-            "--num-blocks=64",
-            "--port=0",
-            f"--security-cluster-token-file={cluster_security().cluster_token_file}",
-            cwd=ROOT,
-            stdout=out,
-            stderr=out,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-    try:
-        address = None
-        deadline = time.monotonic() + 120
-        while address is None:
-            assert proc.returncode is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            found = re.search(r"prefill worker (\S+) serving", log.read_text())
-            address = found.group(1) if found else None
-            await asyncio.sleep(0.1)
-        messages = user(img_part(11), vid_part(12, 4), "Which came first?")
-        tokens, params = make_handoff(cluster.engine, messages)
-        async with channel(address, credentials=cluster_credentials()) as ch:
-            stub = prefill_service_pb2_grpc.PrefillServiceStub(ch)
-            reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=60)
-            assert reply.kv.agent_name.startswith(f"prefill-{proc.pid}-")
-            answer = await run_decode(cluster, decode_request(tokens, params, GREEDY, reply))
-            assert_same(answer, cluster.expected(messages, GREEDY))
-            assert answer.chunks[0].blocks_pulled == blocks_for(len(tokens), BLOCK)
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0, log.read_text()
-
-
-class FakeRegistry(registry_service_pb2_grpc.RegistryServiceServicer):
-    """Records registrations and heartbeats; asks for fast heartbeats."""
-
-    def __init__(self) -> None:
-        self.workers: list[registry_service_pb2.WorkerInfo] = []
-        self.loads: list[registry_service_pb2.WorkerLoad] = []
-
-    async def Register(
-        self, request: registry_service_pb2.RegisterRequest, context: Any
-    ) -> registry_service_pb2.RegisterResponse:
-        self.workers.append(request.worker)
-        return registry_service_pb2.RegisterResponse(
-            worker_id=f"w{len(self.workers)}", heartbeat_interval_ms=50
-        )
-
-    async def Heartbeat(
-        self, request: registry_service_pb2.HeartbeatRequest, context: Any
-    ) -> registry_service_pb2.HeartbeatResponse:
-        self.loads.append(request.load)
-        return registry_service_pb2.HeartbeatResponse(known=True)
-
-
-async def test_workers_register_their_layout_and_heartbeat(ckpt: Path) -> None:
-    fake = FakeRegistry()
-    router = await start_server(
-        [lambda s: registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(fake, s)]
-    )
-    common_kw: dict[str, Any] = {
-        "model": str(ckpt),
-        "block_size": BLOCK,
-        "num_blocks": 32,
-        "router_address": router.address,
-        "security": cluster_security(),
-    }
-    prefill = await serve_prefill(PrefillSettings(name="p0", **common_kw))
-    decode = await serve_decode(DecodeSettings(name="d0", **common_kw))
-    try:
-        await eventually(lambda: len(fake.workers) == 2 and len(fake.loads) >= 4)
-    finally:
-        await decode.stop(0)
-        await prefill.stop(0)
-        await router.stop(0)
-    by_role = {w.role: w for w in fake.workers}
-    p = by_role[registry_service_pb2.WORKER_ROLE_PREFILL]
-    d = by_role[registry_service_pb2.WORKER_ROLE_DECODE]
-    assert (p.address, p.name, d.address, d.name) == (prefill.address, "p0", decode.address, "d0")
-    assert p.kv_layout == d.kv_layout == layout_to_proto(prefill.servicer.runner.kv_layout)
-    assert p.model == d.model == p.kv_layout.model
-    assert p.protocol_version == d.protocol_version == PROTOCOL_VERSION
-    assert "nixl" in p.capabilities
-    assert all(load.kv_blocks_free + load.kv_blocks_used == 32 for load in fake.loads)
-
-
-@pytest.mark.parametrize("length", [5, 2 * BLOCK, 2 * BLOCK + 1, 3 * BLOCK - 1])
-async def test_raw_prompts_around_block_edges(cluster: Cluster, length: int) -> None:
-    """Shorter than a block (no hash, one partial block), exactly full blocks (no partial
-    block), and one token either side."""
-    c = cluster
-    tokens = [(37 * i + length) % 900 + 50 for i in range(length)]
-    params = MultimodalParams()
-    sampling = SamplingParams(max_tokens=9, ignore_eos=True)
-    e = c.engine
-    fresh = Engine(e.config, e.runner.model, e.vision, e.processor, block_size=BLOCK, num_blocks=64)
-    seq = fresh.prefill(tokens, params, sampling)
-    while seq.finish_reason is None:
-        fresh.decode_step([seq])
-    reply = await run_prefill(c, tokens, params, sampling)
-    assert len(reply.kv.block_hashes) == length // BLOCK
-    assert len(reply.kv.blocks) == blocks_for(length, BLOCK)
-    answer = await run_decode(c, decode_request(tokens, params, sampling, reply))
-    assert answer.token_ids == seq.output
-    head = answer.chunks[0]
-    assert head.blocks_pulled + head.blocks_reused == blocks_for(length, BLOCK)

@@ -1,0 +1,194 @@
+"""NIXL transfer handles and peer snapshots, read over UCX from a holder process
+(tests/nixl_holder_helpers.py): a tensor handle reads back the holder's tensor and refuses a
+dtype of the wrong size, `add_peer` is cached and never regresses to an earlier metadata
+snapshot, a read refused for a stale view of the holder reloads the handle's snapshot once
+(also after the holder re-registered reused memory), and a malformed handle is refused
+before `read_tensor` allocates anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+from common.transfer.agent import TransferAgent
+from common.transfer.types import TransferRefusedError
+from common.wire.transfer import read_tensor
+from epd.v1 import tensor_pb2
+from tests.nixl_holder_helpers import (
+    BIG_BYTES,
+    TENSOR_SHAPE,
+    _recv,
+    _send,
+    agent,
+    block_pattern,
+    holder,
+    known_tensor,
+    peer,
+)
+
+__all__ = ["agent", "holder", "peer"]  # module fixtures shared with test_nixl_transfer
+
+
+def test_tensor_handle_round_trip(
+    agent: TransferAgent, holder: tuple[Connection, dict[str, Any]]
+) -> None:
+    conn = holder[0]
+    _send(conn, cmd="tensor")
+    handle = tensor_pb2.TransferHandle.FromString(conn.recv_bytes())
+    assert handle.memory_kind == tensor_pb2.MEMORY_KIND_HOST
+    assert handle.lease_id == "lease-1"
+    assert handle.agent_name == holder[1]["name"]
+    assert handle.length == known_tensor().numel() * 4
+    out = read_tensor(handle, torch.float32, TENSOR_SHAPE, agent)
+    assert torch.equal(out, known_tensor())
+    # The fresh buffer was deregistered again.
+    assert agent.region_of(out.data_ptr(), 4) is None
+    with pytest.raises(ValueError, match="bytes but the handle holds"):
+        read_tensor(handle, torch.float16, TENSOR_SHAPE, agent)
+
+
+def test_add_peer_is_cached(
+    agent: TransferAgent, holder: tuple[Connection, dict[str, Any]], peer: str
+) -> None:
+    assert agent.add_peer(holder[1]["metadata"]) == peer == holder[1]["name"]
+    assert peer in agent.peers
+
+
+def _tensor_handle(holder: tuple[Connection, dict[str, Any]]) -> tensor_pb2.TransferHandle:
+    """A handle for a tensor the holder registers now, with the snapshot taken after."""
+    _send(holder[0], cmd="tensor")
+    return tensor_pb2.TransferHandle.FromString(holder[0].recv_bytes())
+
+
+def _regress(reader: TransferAgent, name: str, older: bytes) -> None:
+    """Leave NIXL knowing only the `older` snapshot of peer `name`: the state a reader is in
+    when an older snapshot won a race with the newer one (NIXL 1.5 merges the sections of
+    every snapshot loaded, so only forgetting the peer gets there)."""
+    reader._agent.remove_remote_agent(name)
+    reader._agent.add_remote_agent(older)
+
+
+@pytest.fixture
+def fresh() -> Iterator[TransferAgent]:
+    """A reader of its own, for tests that put its view of the holder out of date."""
+    a = TransferAgent("fresh")
+    yield a
+    a.close()
+
+
+def test_add_peer_never_regresses_to_an_earlier_snapshot(
+    fresh: TransferAgent, holder: tuple[Connection, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    older = holder[1]["metadata"]
+    newer = _tensor_handle(holder).agent_metadata
+    assert newer != older
+    loads: list[bytes] = []
+    real = fresh._agent.add_remote_agent
+
+    def counted(metadata: bytes) -> Any:
+        loads.append(metadata)
+        return real(metadata)
+
+    monkeypatch.setattr(fresh._agent, "add_remote_agent", counted)
+    name = holder[1]["name"]
+    assert fresh.add_peer(older) == fresh.add_peer(newer) == name
+    # Both seen: neither is loaded again, whatever order they come back in.
+    assert fresh.add_peer(older) == fresh.add_peer(newer) == name
+    assert loads == [older, newer]
+    assert fresh.add_peer(older, force=True) == name
+    assert loads == [older, newer, older]
+    assert fresh.peers == [name]
+
+
+def test_refused_read_reloads_the_handles_snapshot_once(
+    fresh: TransferAgent, holder: tuple[Connection, dict[str, Any]]
+) -> None:
+    handle = _tensor_handle(holder)
+    peer = fresh.add_peer(handle.agent_metadata)
+    _regress(fresh, peer, holder[1]["metadata"])  # lacks the tensor just registered
+    local = torch.zeros(handle.length, dtype=torch.uint8)
+    fresh.register(local)
+    remote = [(handle.address, handle.length)]
+    into = [(local.data_ptr(), handle.length)]
+    with pytest.raises(TransferRefusedError, match="NOT_FOUND"):
+        fresh.read(peer, remote, into, timeout_s=5)
+    assert not fresh.covers(peer, remote)
+    stats = fresh.read(peer, remote, into, timeout_s=5, peer_metadata=handle.agent_metadata)
+    assert stats.nbytes == handle.length
+    assert torch.equal(local.view(torch.float32).view(TENSOR_SHAPE), known_tensor())
+    assert fresh.covers(peer, remote)
+
+
+def test_read_tensor_refreshes_a_stale_view_of_the_holder(
+    fresh: TransferAgent, holder: tuple[Connection, dict[str, Any]]
+) -> None:
+    # The fallback path of an encoder: a buffer registered after a first snapshot was loaded.
+    fresh.add_peer(holder[1]["metadata"])
+    handle = _tensor_handle(holder)
+    peer = fresh.add_peer(handle.agent_metadata)
+    _regress(fresh, peer, holder[1]["metadata"])
+    # add_peer has seen the handle's bytes and skips them; read_tensor still gets there.
+    out = read_tensor(handle, torch.float32, TENSOR_SHAPE, fresh)
+    assert torch.equal(out, known_tensor())
+
+
+def test_read_tensor_follows_a_holder_that_reregistered_reused_memory(
+    fresh: TransferAgent, holder: tuple[Connection, dict[str, Any]]
+) -> None:
+    _send(holder[0], cmd="reuse")
+    reply = _recv(holder[0])
+    handle = tensor_pb2.TransferHandle.FromString(reply["handle"])
+    fresh.add_peer(reply["older"])
+    peer = fresh.add_peer(handle.agent_metadata)
+    # NIXL keeps the deregistered range, which shadows the new registration around it.
+    assert not fresh.covers(peer, [(handle.address, handle.length)])
+    out = read_tensor(handle, torch.uint8, (4096,), fresh)
+    assert torch.equal(out, block_pattern(3, 4096))
+
+
+_BAD_HANDLES = {
+    "garbage_metadata": (TransferRefusedError, "cannot load peer metadata"),
+    "other_name": (ValueError, "names agent"),
+    "past_the_registration": (TransferRefusedError, "outside the memory"),
+    "oversize_shape": (TransferRefusedError, "outside the memory"),
+    "overflowing_shape": (ValueError, "too large"),
+    "overflowing_address": (ValueError, "invalid"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_HANDLES))
+def test_bad_handle_is_refused_before_anything_is_allocated(
+    agent: TransferAgent,
+    holder: tuple[Connection, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    handle = _tensor_handle(holder)
+    shape: list[int] = list(TENSOR_SHAPE)
+    if case == "garbage_metadata":
+        handle.agent_metadata = b"not nixl metadata"
+    elif case == "other_name":
+        handle.agent_name = "someone-else"
+    elif case == "past_the_registration":
+        handle.address = holder[1]["big_addr"] + BIG_BYTES - handle.length // 2
+    elif case == "oversize_shape":
+        shape = [4, 1 << 36]  # 1 TiB of float32, "held" from the start of a 1 MiB buffer
+        handle.address, handle.length = holder[1]["big_addr"], 4 << 38
+    elif case == "overflowing_shape":
+        shape = [1 << 40, 1 << 40]
+        handle.length = 1 << 62
+    else:
+        handle.address = (1 << 64) - 64
+    error, message = _BAD_HANDLES[case]
+
+    def no_allocation(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("read_tensor allocated before the handle checked out")
+
+    monkeypatch.setattr(torch, "empty", no_allocation)
+    with pytest.raises(error, match=message):
+        read_tensor(handle, torch.float32, shape, agent)
