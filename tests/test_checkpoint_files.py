@@ -7,16 +7,14 @@ tokenizer saved by `save_pretrained` with a chat template of its own (a default 
 message the built-in layout does not have), and `max_new_tokens` in
 `generation_config.json`. epd's token ids are compared with the reference's
 `apply_chat_template` + placeholder expansion, and the Engine's greedy output with
-`generate`.
+`generate`. The unit tests of which file wins are in test_checkpoint_precedence.py.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,14 +24,8 @@ import torch
 from PIL import Image
 
 from common.engine import Engine
-from common.models import generation
-from common.models.generation import GenerationDefaults
-from common.models.qwen3_vl import processor_files
-from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.tiny import default_checkpoint
 from common.processing.processor import Processor
-from common.processing.template import find_chat_template
 from tests.model_fixtures import reference_model
 
 TEMPLATE = (
@@ -296,165 +288,3 @@ def test_engine_greedy_matches_reference_generate(hf: SimpleNamespace, case: str
             **media,
         )
     assert ours.token_ids == out[0, ids.shape[1] :].tolist()
-
-
-# ------------------------------------------------------------------- unit: precedence
-
-
-def _write(folder: Path, name: str, obj: object) -> None:
-    (folder / name).write_text(json.dumps(obj))
-
-
-@pytest.fixture
-def config() -> Qwen3VLConfig:
-    return Qwen3VLConfig.from_file(default_checkpoint())
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(processor_files, "_warned", set())
-
-
-def test_settings_precedence(tmp_path: Path, config: Qwen3VLConfig) -> None:
-    read = partial(processor_files.read_processor_settings, tmp_path, config)
-    v = config.vision
-    assert read() == ProcessorSettings(
-        patch_size=v.patch_size,
-        merge_size=v.spatial_merge_size,
-        temporal_patch_size=v.temporal_patch_size,
-    )
-    _write(
-        tmp_path,
-        "preprocessor_config.json",
-        {"size": {"shortest_edge": 100, "longest_edge": 200}, "max_pixels": 300},
-    )
-    assert (read().min_pixels, read().max_pixels) == (100, 300)  # explicit key over size
-    _write(tmp_path, "video_preprocessor_config.json", {"max_frames": 5, "fps": 1})
-    assert (read().video_max_frames, read().video_sample_fps) == (5, 1.0)
-    _write(
-        tmp_path,
-        "processor_config.json",
-        {
-            "image_processor": {"size": {"longest_edge": 400}},
-            "video_processor": {"max_frames": 7, "do_sample_frames": False},
-        },
-    )
-    s = read()
-    assert (s.min_pixels, s.max_pixels) == (100, 400)
-    assert (s.video_max_frames, s.video_sample_fps) == (7, None)
-
-
-def test_unset_values_and_older_size_keys(tmp_path: Path, config: Qwen3VLConfig) -> None:
-    _write(
-        tmp_path,
-        "preprocessor_config.json",
-        {
-            "min_pixels": None,
-            "max_pixels": None,
-            "size": {"min_pixels": 1000, "max_pixels": 9000},
-        },
-    )
-    s = processor_files.read_processor_settings(tmp_path, config)
-    assert (s.min_pixels, s.max_pixels) == (1000, 9000)
-
-
-def test_unknown_setting_warns_once(
-    tmp_path: Path, config: Qwen3VLConfig, caplog: pytest.LogCaptureFixture
-) -> None:
-    _write(
-        tmp_path,
-        "processor_config.json",
-        {
-            "image_processor": {"crop_to_fit": True, "do_resize": True, "resample": 2},
-            "video_processor": {"num_frames": 8, "image_mean": [0.1, 0.2, 0.3]},
-        },
-    )
-    with caplog.at_level(logging.WARNING, logger=processor_files.__name__):
-        processor_files.read_processor_settings(tmp_path, config)
-        processor_files.read_processor_settings(tmp_path, config)
-    messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 4, messages
-    for key in ("crop_to_fit", "resample", "num_frames", "image_mean"):
-        assert sum(key in m for m in messages) == 1, key
-    assert not any("do_resize" in m for m in messages)
-
-
-def test_builtin_checkpoint_reads_as_before(
-    config: Qwen3VLConfig, caplog: pytest.LogCaptureFixture
-) -> None:
-    folder = default_checkpoint()
-    with caplog.at_level(logging.WARNING):
-        processor = Processor.from_pretrained(folder)
-    assert processor.settings == ProcessorSettings.from_file(folder)
-    assert processor.template is None and not caplog.records
-
-
-def test_template_sources(tmp_path: Path) -> None:
-    assert find_chat_template(tmp_path) is None
-    _write(
-        tmp_path, "tokenizer_config.json", {"chat_template": [{"name": "default", "template": "b"}]}
-    )
-    assert find_chat_template(tmp_path) == "b"
-    _write(tmp_path, "processor_config.json", {"chat_template": "p"})
-    assert find_chat_template(tmp_path) == "p"
-    _write(tmp_path, "chat_template.json", {"chat_template": "j"})
-    assert find_chat_template(tmp_path) == "j"
-    (tmp_path / "chat_template.jinja").write_text("f")
-    assert find_chat_template(tmp_path) == "f"
-
-
-def test_template_errors_are_value_errors(tmp_path: Path) -> None:
-    folder = tmp_path / "ckpt"
-    shutil.copytree(default_checkpoint(), folder)
-    (folder / "chat_template.jinja").write_text("{{ raise_exception('no system, please') }}")
-    processor = Processor.from_pretrained(folder)
-    with pytest.raises(ValueError, match="no system, please"):
-        processor.process([{"role": "user", "content": "hi"}])
-    (folder / "chat_template.jinja").write_text("{% for m in messages %}<|image_pad|>{% endfor %}")
-    with pytest.raises(ValueError, match="outside"):
-        Processor.from_pretrained(folder).process([{"role": "user", "content": "hi"}])
-
-
-def test_generation_defaults(tmp_path: Path) -> None:
-    assert GenerationDefaults.from_folder(tmp_path).sampling() == generation.SamplingParams()
-    _write(
-        tmp_path,
-        "generation_config.json",
-        {
-            "do_sample": True,
-            "temperature": 0.7,
-            "top_p": 0.9,
-            "top_k": 20,
-            "max_new_tokens": 5,
-            "eos_token_id": 3,
-        },
-    )
-    defaults = GenerationDefaults.from_folder(tmp_path)
-    s = defaults.sampling()
-    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.7, 0.9, 20, 5)
-    assert defaults.eos_token_ids == (3,)
-    assert defaults.sampling(max_tokens=2, temperature=None).max_tokens == 2
-    _write(tmp_path, "generation_config.json", {"temperature": 0.7, "top_k": 20})
-    greedy = GenerationDefaults.from_folder(tmp_path).sampling()
-    assert greedy.is_greedy and greedy.top_k == 20
-
-
-def test_generation_eos_wins_over_config(tmp_path: Path) -> None:
-    folder = tmp_path / "ckpt"
-    shutil.copytree(default_checkpoint(), folder)
-    _write(folder, "generation_config.json", {"eos_token_id": [7, 9]})
-    assert Qwen3VLConfig.from_file(folder).eos_token_ids == (7, 9)
-    assert Qwen3VLConfig.from_file(folder / "config.json").eos_token_ids != (7, 9)
-
-
-def test_wire_sampling_takes_checkpoint_defaults() -> None:
-    from common.wire.convert import sampling_from_proto
-    from epd.v1 import sampling_pb2
-
-    defaults = GenerationDefaults(top_p=0.8, top_k=5, max_new_tokens=3)
-    unset = sampling_from_proto(sampling_pb2.SamplingParams(temperature=0.5), defaults)
-    assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.5, 0.8, 5, 3)
-    given = sampling_pb2.SamplingParams(temperature=0.5, top_p=0.5, top_k=2, max_tokens=9)
-    s = sampling_from_proto(given, defaults)
-    assert (s.top_p, s.top_k, s.max_tokens) == (0.5, 2, 9)
-    assert sampling_from_proto(sampling_pb2.SamplingParams()).max_tokens == 16
