@@ -1,0 +1,131 @@
+"""The router's admission control (`router.admission`) through a router with the fake
+workers of `tests.test_router`: the safety net on a full prefill pool (the request goes back
+in the queue), Status showing the queue, and the refusal's trailing `retry-after-ms`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import grpc
+import pytest
+
+from common.models.tiny import make_tiny_checkpoint
+from common.processing.messages import messages_from_dicts
+from common.roles import Role
+from common.sampling import SamplingParams
+from epd.client import build_request
+from epd.v1 import admin_service_pb2, registry_service_pb2, router_service_pb2_grpc
+from router.admission import Need
+from router.server import serve
+from router.settings import RouterSettings
+from router.workers import WorkerLoad
+from tests.cluster import CLIENT_KEY, cluster_security
+from tests.test_router import FIRST, TEXT, FakeDecode, FakePrefill
+from tests.test_router import Cluster as RouterCluster
+
+
+class ExhaustedPrefill(FakePrefill):
+    """A fake prefill worker whose pool is full for its first `full` calls."""
+
+    def __init__(self, full: int = 0) -> None:
+        super().__init__()
+        self.full = full
+
+    async def Prefill(self, request: Any, context: Any) -> Any:
+        if self.full:
+            self.full -= 1
+            self.requests.append(request)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "wanted 2 KV blocks, only 0")
+        return await super().Prefill(request, context)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: Any) -> Any:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+async def router(ckpt: Any) -> Any:
+    settings = RouterSettings(
+        model=str(ckpt),
+        port=0,
+        http_port=-1,
+        expected_model="fake-model",
+        worker_timeout_s=60.0,
+        grace_s=0.0,
+        max_queued_requests=1,
+        security=cluster_security(),
+    )
+    c = RouterCluster(await serve(settings))
+    yield c
+    await c.close()
+
+
+def give_capacity(c: RouterCluster, blocks: int) -> None:
+    """As if every KV worker had heartbeated a pool of `blocks`."""
+    for w in c.router.registry.workers():
+        w.load = WorkerLoad(kv_blocks_free=blocks)
+
+
+async def test_a_full_prefill_pool_puts_the_request_back_in_the_queue(router: Any) -> None:
+    pre = ExhaustedPrefill(full=2)
+    for role, servicer in ((Role.PREFILL, pre), (Role.DECODE, FakeDecode())):
+        await router.add(role, servicer)
+    result = await router.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert result.token_ids == [FIRST, 101, 102, 103]  # the client saw no error
+    assert len(pre.requests) == 3
+    status = await router.admin.Status(admin_service_pb2.StatusRequest())
+    assert (status.admitted_requests, status.requeued_requests, status.refused_requests) == (
+        1,
+        2,
+        0,
+    )
+    assert status.queued_requests == 0
+
+
+async def test_status_shows_the_queue_and_the_overflow_gets_a_retry_after(router: Any) -> None:
+    pre = FakePrefill()
+    for role, servicer in ((Role.PREFILL, pre), (Role.DECODE, FakeDecode())):
+        await router.add(role, servicer)
+    prompt = router.router.orchestrator.processor.process(messages_from_dicts(TEXT))
+    need = Need(len(prompt.prompt_token_ids), 4, 16)
+    give_capacity(router, need.blocks(Role.DECODE))  # one request at a time
+    pre.hang = True
+    sampling = SamplingParams(max_tokens=4)
+    first = asyncio.create_task(router.client.generate_text(TEXT, sampling))
+    while not pre.requests:
+        await asyncio.sleep(0.01)
+    second = asyncio.create_task(router.client.generate_text(TEXT, sampling))
+    status = await router.admin.Status(admin_service_pb2.StatusRequest())
+    while status.queued_requests < 1:
+        status = await router.admin.Status(admin_service_pb2.StatusRequest())
+    reserved = {w.info.role: w.router_reserved_kv_blocks for w in status.workers}
+    assert reserved == {
+        registry_service_pb2.WORKER_ROLE_PREFILL: need.blocks(Role.PREFILL),
+        registry_service_pb2.WORKER_ROLE_DECODE: need.blocks(Role.DECODE),
+    }
+    # The queue (max_queued_requests=1) is full: the third is refused, with a hint.
+    stub = router_service_pb2_grpc.RouterServiceStub(router.channel)
+    call = stub.Generate(
+        build_request(TEXT, sampling), metadata=(("authorization", f"Bearer {CLIENT_KEY}"),)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queued_requests=1" in err.value.details()
+    assert ("retry-after-ms", "1000") in list(err.value.trailing_metadata() or ())
+    first.cancel()  # frees its blocks: the second is admitted
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    while len(pre.requests) < 2:
+        await asyncio.sleep(0.01)
+    second.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await second
+    status = await router.admin.Status(admin_service_pb2.StatusRequest())
+    assert (status.queued_requests, status.queued_peak) == (0, 1)
+    assert (status.admitted_requests, status.refused_requests) == (2, 1)
+    assert status.queue_wait_max_s > 0

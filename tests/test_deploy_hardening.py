@@ -1,0 +1,150 @@
+"""Offline checks that the deploy/ manifests are hardened and sized: pods run as non-root
+without privileges; worker pods have a gRPC startup probe, a memory-backed /dev/shm and a
+read-only /models; every worker reads the cluster token from a Secret; NetworkPolicies open
+only the router's client port; the Ray dashboard is not exposed; and every `epd scale` the
+deploy docs show fits the RayCluster.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from typing import Any
+
+import pytest
+
+from cluster.settings import EpdSettings
+from common.settings.schema import from_mapping
+from tests.test_deploy import CONTAINERS, DEPLOY, DOCUMENTS, _ids, _pod_specs
+
+
+@pytest.mark.parametrize(
+    ("name", "doc"),
+    [(n, d) for n, d in DOCUMENTS if _pod_specs(d)],
+    ids=[n for n, d in DOCUMENTS if _pod_specs(d)],
+)
+def test_pods_run_as_non_root_without_privileges(name: str, doc: dict[str, Any]) -> None:
+    for pod in _pod_specs(doc):
+        context = pod.get("securityContext", {})
+        assert context.get("runAsNonRoot") is True and context.get("runAsUser", 0) > 0, name
+        for container in pod["containers"]:
+            own = container.get("securityContext", {})
+            assert own.get("allowPrivilegeEscalation", True) is False, name
+            assert "ALL" in own.get("capabilities", {}).get("drop", []), name
+
+
+WORKER_DEPLOYMENTS = [
+    (n, d)
+    for n, d in DOCUMENTS
+    if d["kind"] == "Deployment" and d["metadata"]["name"] != "epd-router"
+]
+
+
+def _shm_mounted(pod: dict[str, Any], container: dict[str, Any]) -> bool:
+    """`container` mounts a memory-backed emptyDir at /dev/shm."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if mount["mountPath"] == "/dev/shm":
+            return volumes[mount["name"]].get("emptyDir", {}).get("medium") == "Memory"
+    return False
+
+
+@pytest.mark.parametrize(("name", "doc"), WORKER_DEPLOYMENTS, ids=_ids(WORKER_DEPLOYMENTS))
+def test_worker_pods_have_a_startup_probe_shm_and_models(name: str, doc: dict[str, Any]) -> None:
+    (pod,) = _pod_specs(doc)
+    for container in pod["containers"]:
+        startup = container.get("startupProbe")
+        assert startup is not None and "grpc" in startup, f"{name}: no gRPC startupProbe"
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert startup["grpc"]["port"] in ports, name
+        # generous: model loading may take minutes before liveness starts counting
+        assert startup["failureThreshold"] * startup.get("periodSeconds", 10) >= 300, name
+        assert _shm_mounted(pod, container), f"{name}: no memory-backed /dev/shm"
+        models = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
+        assert len(models) == 1 and models[0].get("readOnly") is True, f"{name}: /models"
+    assert len(WORKER_DEPLOYMENTS) == 3
+
+
+def test_ray_worker_pods_have_shm() -> None:
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        assert all(_shm_mounted(pod, c) for c in pod["containers"]), group["groupName"]
+
+
+def test_every_worker_reads_the_cluster_token_from_a_secret() -> None:
+    for name, container, doc in CONTAINERS:
+        if "router" in name and doc["kind"] == "Deployment":
+            continue
+        mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+        assert "/var/run/epd/cluster-token" in mounts, name
+        pods = _pod_specs(doc)
+        secrets = {
+            v["secret"]["secretName"] for p in pods for v in p.get("volumes", []) if "secret" in v
+        }
+        assert "epd-cluster-token" in secrets, name
+
+
+def test_network_policies_open_only_the_router_client_port() -> None:
+    for folder, router in (("kubernetes", "router"), ("kuberay", "ray-head")):
+        docs = [d for n, d in DOCUMENTS if n.startswith(f"deploy/{folder}/")]
+        policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+        assert policies, folder
+        open_ports = []
+        for policy in policies:
+            selector = policy["spec"]["podSelector"]["matchLabels"]
+            assert selector["app.kubernetes.io/name"] == "epd"
+            for rule in policy["spec"]["ingress"]:
+                if "from" in rule:  # only the namespace's epd pods
+                    assert all(
+                        f["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "epd"}
+                        for f in rule["from"]
+                    )
+                else:  # from anywhere: must be the router's client port only
+                    assert selector.get("app.kubernetes.io/component") == router
+                    open_ports += [p["port"] for p in rule["ports"]]
+        assert open_ports == [50051], folder
+
+
+def test_ray_dashboard_is_not_exposed() -> None:
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert params.get("dashboard-host", "127.0.0.1") in ("127.0.0.1", "localhost")
+
+
+def _quantity(value: str | int) -> float:
+    """A Kubernetes CPU or count quantity ("4", "500m") as a number."""
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def test_kuberay_scale_commands_fit_the_raycluster() -> None:
+    """Every `epd scale` the deploy docs show fits the RayCluster: the pools' GPUs within the
+    GPU pods the cluster can have (maxReplicas with the autoscaler, else replicas), and
+    each worker's Ray CPU request (its threads, `cluster.placement`) within a pod's CPUs."""
+    from cluster.placement import CpuPlanner
+
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    (config,) = [d for _, d in DOCUMENTS if d["metadata"]["name"] == "epd-ray-config"]
+    settings = from_mapping(EpdSettings, tomllib.loads(config["data"]["epd.toml"]))
+    spec = cluster["spec"]
+    autoscaled = spec.get("enableInTreeAutoscaling", False)
+    (group,) = spec["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    requests = container["resources"]["requests"]
+    pod_gpus, pod_cpus = _quantity(requests["nvidia.com/gpu"]), _quantity(requests["cpu"])
+    pods = group["maxReplicas"] if autoscaled else group["replicas"]
+    gpus_per_worker = settings.pools.gpus_per_worker(pod_gpus * group["replicas"])
+    text = (DEPLOY / "README.md").read_text() + (DEPLOY / "kuberay" / "raycluster.yaml").read_text()
+    scales = re.findall(r"epd scale --role (\w+) --replicas (\d+)", text)
+    assert scales, "the deploy docs show no `epd scale`"
+    for role, replicas in scales:
+        pools = {**settings.pools.initial_replicas(), role: int(replicas)}
+        need = sum(pools.values()) * gpus_per_worker
+        assert need <= pods * pod_gpus, f"`epd scale --role {role} --replicas {replicas}`"
+    starting = sum(settings.pools.initial_replicas().values())
+    plan = CpuPlanner.for_cluster(
+        tuple(range(int(pod_cpus))), group["replicas"], starting, settings.pools.num_cpus
+    )
+    for threads in (settings.encoder.threads, settings.prefill.threads, settings.decode.threads):
+        assert plan.take("worker", threads)[1] <= pod_cpus
