@@ -44,7 +44,17 @@ def prefill_metrics(servicer: PrefillServicer) -> list[Any]:
         counter(
             "epd:prefills_dropped",
             "Prefills not computed: their call was cancelled before the model thread began it.",
-            servicer.model.dropped,
+            servicer.packer.dropped,
+        ),
+        counter(
+            "epd:prefill_packs",
+            "Packs computed: the prompts queued when the model was free, computed together.",
+            servicer.packer.packs,
+        ),
+        counter(
+            "epd:prefills_packed",
+            "Prompts computed together with others in one pack.",
+            servicer.packer.packed,
         ),
         gauge("epd:kv_leases", "KV leases held for decode workers now.", c.leases),
         counter("epd:kv_leases_expired", "KV leases the reaper freed.", c.leases_expired),
@@ -71,6 +81,7 @@ async def serve(
         lease_ttl_s=settings.lease_ttl_s,
         lease_ttl_per_lease_s=settings.lease_ttl_per_lease_s,
         embedding_pull_timeout_s=settings.embedding_pull_timeout_s,
+        pack_tokens=settings.pack_tokens,
     )
     server: RoleServer[PrefillServicer] = await RoleServer.start(
         settings,

@@ -40,15 +40,9 @@ from dataclasses import dataclass
 import grpc
 
 from common.handoff import build_handle, check_request
-from common.kv.allocator import blocks_for
 from common.kv.digest import cache_block_digests
 from common.kv.events import KvEventHub
-from common.models import batching
 from common.models.batching import MissingEmbeddingsError
-from common.models.qwen3_vl.rope import MropePositions
-from common.models.sequence import LmSequence
-from common.multimodal.params import MultimodalParams
-from common.sampling import SamplingParams
 from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.leases import Lease, LeaseTable
 from common.server.peers import PeerClient
@@ -61,6 +55,7 @@ from epd.v1 import (
     registry_service_pb2,
 )
 from prefill_worker.embeddings import EmbeddingPulls
+from prefill_worker.packing import PrefillPacker
 from prefill_worker.partitions import split_for_prefill
 
 logger = logging.getLogger(__name__)
@@ -106,6 +101,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         lease_ttl_per_lease_s: float = 0.0,
         embedding_pull_timeout_s: float = 30.0,
         release_timeout_s: float = 5.0,
+        pack_tokens: int = 0,
     ) -> None:
         self.runner = runner = parts.runner
         self.model = parts.model
@@ -121,6 +117,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         # Releases to encoders, presenting `credentials` (the cluster bearer).
         self._peers = PeerClient(release_timeout_s=release_timeout_s, credentials=credentials)
         self.embeddings = EmbeddingPulls(runner, agent, self._peers, embedding_pull_timeout_s)
+        # Prompts of concurrent Prefill calls, computed together on the model thread.
+        self.packer = PrefillPacker(runner, self.model, pack_tokens=pack_tokens)
         # gRPC address of this worker, put in handles for ReleaseKv; set once bound.
         self.holder_address = ""
         self.active = 0  # Prefill RPCs in flight
@@ -163,15 +161,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         hashes = allocator.hashes(tokens, prompt, cache_salt=salt, lora_id=lora)
         computing = time.perf_counter()
         try:
-            seq, digests = await self.model.call(
-                self._compute,
-                tokens,
-                params,
-                sampling,
-                hashes,
-                handoff.positions,
-                on_orphan=lambda done: self._release_orphan(done[0]),
-                drop_if_cancelled=True,  # not begun: the request went away before its turn
+            seq, digests = await self.packer.prefill(
+                tokens, params, sampling, hashes, handoff.positions
             )
         except MissingEmbeddingsError as exc:
             raise RpcStatusError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
@@ -210,28 +201,6 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             cached_tokens=seq.cached_tokens,
             computed_tokens=len(tokens) - seq.cached_tokens,
         )
-
-    def _compute(
-        self,
-        tokens: list[int],
-        params: MultimodalParams,
-        sampling: SamplingParams,
-        hashes: list[bytes] | None,
-        positions: MropePositions,
-    ) -> tuple[LmSequence, list[bytes]]:
-        """Model thread: prefill, and the digests of the prompt blocks' bytes (recorded by
-        the prefill for every block it computed or verified)."""
-        runner = self.runner
-        seq = batching.prefill(runner, tokens, params, sampling, hashes=hashes, positions=positions)
-        prompt_blocks = seq.blocks[: blocks_for(len(tokens), runner.block_size)]
-        known = [runner.allocator.digest_of(b) for b in prompt_blocks]
-        if any(d is None for d in known):  # not expected: prefill records every block
-            return seq, cache_block_digests(runner.kv, prompt_blocks)
-        return seq, [d for d in known if d is not None]
-
-    def _release_orphan(self, seq: LmSequence) -> None:
-        """A prefill finished after its RPC was cancelled: nobody will lease its blocks."""
-        self.model.submit(batching.release, self.runner, seq)
 
     async def close(self) -> None:
         """Shutdown, after gRPC stopped: stop the reaper, free every leased block, finish

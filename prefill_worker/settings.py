@@ -29,6 +29,13 @@ class PrefillSettings(KvWorkerSettings):
         "and new ones last longer",
     )
     prefill_chunk: int | None = setting(None, "tokens per prefill chunk (None: whole prompt)")
+    pack_tokens: int = setting(
+        256,
+        "while the prompts of queued Prefill calls hold more tokens than this, they are "
+        "computed in packs of at most this many tokens (in arrival order; a longer prompt "
+        "alone), each pack in one forward: more prefills per second under a backlog, at the "
+        "cost of each prompt waiting for its pack; 0: one prompt at a time",
+    )
     embedding_pull_timeout_s: float = setting(
         30.0, "longest NIXL pull of one embedding tensor from an encoder"
     )
@@ -38,3 +45,5 @@ class PrefillSettings(KvWorkerSettings):
         KvWorkerSettings.check(self)
         if self.threads < 0:
             raise SettingsError("threads: must not be negative")
+        if self.pack_tokens < 0:
+            raise SettingsError("pack_tokens: must not be negative")

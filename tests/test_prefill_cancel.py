@@ -1,7 +1,8 @@
-"""A prefill whose RPC is cancelled before the model thread reaches it does not run
-(`ModelThread.call(drop_if_cancelled=True)`): a caller that sends prompts and cancels them
-cannot queue a prefill worker's compute; one already running finishes and its blocks go
-back (`on_orphan`). The model thread's rule is checked alone first."""
+"""A prefill whose RPC is cancelled before the model thread reaches it does not run: a
+caller that sends prompts and cancels them cannot queue a prefill worker's compute. The
+packer's rule alone, with the cases of a prompt cancelled while or after it is computed,
+is in tests/test_prefill_packing.py; here it is checked through a real prefill worker,
+after the model thread's own rule for calls whose caller went away."""
 
 from __future__ import annotations
 
@@ -37,36 +38,23 @@ from tests.test_kv_handoff import (
 __all__ = ["ckpt", "engine"]  # module fixtures shared with test_kv_handoff
 
 
-async def test_a_call_not_begun_when_its_caller_is_cancelled_runs_only_if_it_must() -> None:
-    thread = ModelThread("test-drop")
+async def test_a_model_thread_call_whose_caller_went_away_still_runs_and_hands_on() -> None:
+    """The model thread's own rule (decode's imports, event subscriptions): a call cancelled
+    while queued still runs, and `on_orphan` receives its result."""
+    thread = ModelThread("test-orphan")
     gate = threading.Event()
     ran: list[str] = []
     orphans: list[None] = []
     try:
         busy = asyncio.ensure_future(thread.call(gate.wait, 10))
-        dropped = asyncio.ensure_future(
-            thread.call(ran.append, "dropped", on_orphan=orphans.append, drop_if_cancelled=True)
-        )
         kept = asyncio.ensure_future(thread.call(ran.append, "kept", on_orphan=orphans.append))
         await asyncio.sleep(0.05)
-        dropped.cancel()
         kept.cancel()
-        await asyncio.gather(dropped, kept, return_exceptions=True)
+        await asyncio.gather(kept, return_exceptions=True)
         gate.set()
         await busy
         await eventually(lambda: orphans)
-        assert ran == ["kept"] and orphans == [None] and thread.dropped == 1
-        started = threading.Event()
-
-        def begun() -> None:
-            started.set()
-            gate.wait(1)
-
-        running = asyncio.ensure_future(thread.call(begun, drop_if_cancelled=True))
-        await asyncio.to_thread(started.wait, 5)
-        running.cancel()  # begun: it runs to its end, and is not counted as dropped
-        await asyncio.gather(running, return_exceptions=True)
-        assert thread.dropped == 1
+        assert ran == ["kept"] and orphans == [None]
     finally:
         gate.set()
         thread.close()
@@ -105,7 +93,7 @@ async def test_a_prefill_cancelled_while_queued_is_not_computed(
             queue = servicer.model._executor._work_queue
             await eventually(lambda: queue.qsize() == 1)  # queued behind the long forward
             call.cancel()
-            await eventually(lambda: servicer.model.dropped == 1)
+            await eventually(lambda: servicer.packer.dropped == 1)
         finally:
             gate.set()
             await busy

@@ -23,21 +23,17 @@ class ModelThread:
     Servers await `call` so the event loop stays responsive while the model runs. A call
     whose awaiting task is cancelled still runs to completion on the thread (torch cannot be
     interrupted); `on_orphan(result)` then receives what it returned, so blocks it took can
-    be given back (schedule that with `submit`, it runs on this thread too). A call made
-    with `drop_if_cancelled` that has not started when its caller is cancelled does not run
-    at all (work for a request that went away, e.g. a prefill queued behind others).
+    be given back (schedule that with `submit`, it runs on this thread too).
     """
 
     def __init__(self, name: str = "epd-model") -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.dropped = 0  # `drop_if_cancelled` calls that did not run
 
     async def call(
         self,
         fn: Callable[..., T],
         *args: Any,
         on_orphan: Callable[[T], object] | None = None,
-        drop_if_cancelled: bool = False,
         **kwargs: Any,
     ) -> T:
         """Run `fn(*args, **kwargs)` on the model thread and return its result."""
@@ -46,9 +42,6 @@ class ModelThread:
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            if drop_if_cancelled and work.cancel():
-                self.dropped += 1
-                raise  # it had not started: nothing ran, nothing to give back
             if on_orphan is not None:
                 orphan = on_orphan
 
