@@ -36,7 +36,6 @@ from epd.v1 import (
     decode_service_pb2,
     encoder_service_pb2,
     encoder_service_pb2_grpc,
-    multimodal_pb2,
     prefill_service_pb2,
     router_service_pb2,
     tensor_pb2,
@@ -45,6 +44,7 @@ from router.inputs import InputError
 from router.server import RouterServicer
 from router.settings import RouterSettings
 from tests.cluster import cluster_credentials, cluster_security
+from tests.encoder_worker_helpers import _item
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -256,27 +256,6 @@ def _prompt(processor: Processor, seed: int, kind: str = "image") -> ProcessedPr
     return processor.process([{"role": "user", "content": [part]}])
 
 
-def _encode_item(
-    prompt: ProcessedPrompt, modality: Any = multimodal_pb2.MODALITY_IMAGE
-) -> encoder_service_pb2.EncodeItem:
-    meta = prompt.params.items[0]
-    return encoder_service_pb2.EncodeItem(
-        content_hash=meta.content_hash,
-        modality=modality,
-        pixel_values=tensor_to_ref(prompt.pixel_values[0]),
-        grid_thw=list(prompt.grid_thw[0]),
-        partitions=[
-            multimodal_pb2.ItemPartition(
-                input_start=p.input_start,
-                input_end=p.input_end,
-                output_rows=p.output_rows,
-                content_hash=p.content_hash,
-            )
-            for p in meta.partitions
-        ],
-    )
-
-
 async def _refused(stub: Any, item: encoder_service_pb2.EncodeItem) -> str:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Encode(encoder_service_pb2.EncodeRequest(items=[item]), timeout=30)
@@ -289,13 +268,13 @@ async def test_forged_hash_cannot_make_x_answer_like_y(
 ) -> None:
     server, stub = encoder
     x, y = _prompt(processor, 1), _prompt(processor, 2)
-    forged = _encode_item(y)
+    forged = _item(y)
     forged.content_hash = x.params.items[0].content_hash  # Y's pixels under X's hash
     assert "content_hash" in await _refused(stub, forged)
     engine = server.servicer.engine
     assert len(engine.cache) == 0 and engine.forward_calls == 0
     # The honest answer about X is X's, not Y's.
-    honest = encoder_service_pb2.EncodeRequest(items=[_encode_item(x), _encode_item(y)])
+    honest = encoder_service_pb2.EncodeRequest(items=[_item(x), _item(y)])
     reply = await stub.Encode(honest, timeout=30)
     rows_x, rows_y = (tensor_from_ref(item.rows) for item in reply.items)
     assert not torch.equal(rows_x, rows_y)
@@ -307,7 +286,7 @@ async def test_forged_partition_hash_and_unknown_modality_are_refused(
 ) -> None:
     server, stub = encoder
     v, w = _prompt(processor, 3, "video"), _prompt(processor, 4, "video")
-    forged = _encode_item(v, multimodal_pb2.MODALITY_VIDEO)
+    forged = _item(v)
     forged.partitions[1].content_hash = w.params.items[0].partitions[1].content_hash
     forged.partition_indices.extend([1])
     part = v.params.items[0].partitions[1]
@@ -315,7 +294,7 @@ async def test_forged_partition_hash_and_unknown_modality_are_refused(
     rows = v.pixel_values[0][part.input_start : part.input_end]
     forged.pixel_values.CopyFrom(tensor_to_ref(rows))
     assert "partitions[1].content_hash" in await _refused(stub, forged)
-    odd = _encode_item(_prompt(processor, 5))
+    odd = _item(_prompt(processor, 5))
     odd.modality = 9  # type: ignore[assignment]
     details = await _refused(stub, odd)
     assert "modality" in details and "9" in details
@@ -339,13 +318,13 @@ async def test_a_whole_video_under_another_videos_item_hash_is_refused(
         item.grid_thw,
         [p.content_hash for p in item.partitions],
     )
-    forged = _encode_item(v, multimodal_pb2.MODALITY_VIDEO)
+    forged = _item(v)
     forged.content_hash = w.params.items[0].content_hash
     details = await _refused(stub, forged)
     assert "content_hash" in details and "partitions[" not in details
     assert len(server.servicer.engine.cache) == 0
     reply = await stub.Encode(
-        encoder_service_pb2.EncodeRequest(items=[_encode_item(v, multimodal_pb2.MODALITY_VIDEO)]),
+        encoder_service_pb2.EncodeRequest(items=[_item(v)]),
         timeout=30,
     )
     assert reply.items[0].content_hash == item.content_hash
@@ -355,7 +334,7 @@ async def test_a_whole_video_under_another_videos_item_hash_is_refused(
         processor.settings.fingerprint(), "video", v.pixel_values[0], item.grid_thw
     )
     assert over_rows != item.content_hash
-    older = _encode_item(v, multimodal_pb2.MODALITY_VIDEO)
+    older = _item(v)
     older.content_hash = over_rows
     reply = await stub.Encode(encoder_service_pb2.EncodeRequest(items=[older]), timeout=30)
     assert reply.items[0].content_hash == over_rows
