@@ -106,7 +106,12 @@ class PrefillPacker:
         prompt = _Prompt(tokens, params, sampling, hashes, positions, loop.create_future())
         with self._lock:
             self._queue.append(prompt)
-        drain = self.model.submit(self._drain, loop)
+        try:
+            drain = self.model.submit(self._drain, loop)
+        except RuntimeError:  # the model thread is shut down: nothing will compute it
+            with self._lock:
+                self._queue.remove(prompt)
+            raise
         try:
             await asyncio.shield(prompt.done)
         except asyncio.CancelledError:
@@ -128,7 +133,8 @@ class PrefillPacker:
                 self._queue.remove(prompt)
                 self.dropped += 1
         if state is _State.DONE and prompt.result is not None:
-            self.model.submit(batching.release, self.runner, prompt.result[0])
+            with contextlib.suppress(RuntimeError):  # shut down: the pool goes with it
+                self.model.submit(batching.release, self.runner, prompt.result[0])
 
     # ----------------------------------------------------------------- model thread
 

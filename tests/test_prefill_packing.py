@@ -228,6 +228,17 @@ async def test_a_caller_that_goes_away_keeps_nothing(model: ModelThread) -> None
     assert packer.dropped == 1
 
 
+async def test_a_prompt_sent_after_the_model_thread_stopped_is_refused_not_queued() -> None:
+    runner, thread = fresh_runner(), ModelThread("test-stopped")
+    packer = PrefillPacker(runner, thread, pack_tokens=0)
+    thread.close()
+    tokens = [5, 6, 7]
+    hashes = runner.allocator.hashes(tokens, EMPTY)
+    with pytest.raises(RuntimeError):
+        await packer.prefill(tokens, EMPTY, FIRST, hashes, runner.positions(3, EMPTY))
+    assert packer._queue == [] and runner.allocator.pool.num_used_blocks == 0
+
+
 # ----------------------------------------------------------------- through a worker
 
 
