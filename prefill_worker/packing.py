@@ -18,9 +18,12 @@ computed one by one, the queue grows and every later prompt waits for it. So a w
 computes one prompt at a time until its backlog passes `pack_tokens`, and then packs until
 it is back under. With `pack_tokens` 0 every drain takes one prompt, as before packing.
 
-A prompt that cannot be admitted (no free blocks, embeddings missing past the cached
-prefix) fails alone; a forward that raises fails the prompts it computed, whose blocks go
-back (`batching.compute`).
+A prompt that shares a block not yet cached with an earlier prompt of its pack (the same
+system prompt or image, sent together) waits for the next pack, where it reuses that block
+instead of computing it again, as it would have one prompt at a time. A prompt that cannot
+be admitted (no free blocks, embeddings missing past the cached prefix) fails alone; a
+forward that raises fails the prompts it computed, whose blocks go back
+(`batching.compute`).
 
 Cancellation (the RPC went away): a prompt still queued leaves the queue and is never
 computed (`dropped`); one being computed finishes, and its blocks go back to the pool on the
@@ -139,31 +142,42 @@ class PrefillPacker:
     # ----------------------------------------------------------------- model thread
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Model thread: compute the prompts queued now, up to `pack_tokens`, in one pack."""
+        """Model thread: compute the queue's head in one pack (`_take`); prompts deferred by
+        `_compute` go back to the head of the queue, with a drain of their own."""
         with self._lock:
             pack = self._take()
             for prompt in pack:
                 prompt.state = _State.TAKEN
         if not pack:
             return
-        self.packs += 1
-        if len(pack) > 1:
-            self.packed += len(pack)
+        deferred: list[_Prompt] = []
         try:
-            self._compute(pack)
+            deferred = self._compute(pack)
         finally:
             with self._lock:
-                for prompt in pack:
+                back = [p for p in deferred if not p.cancelled]
+                for prompt in back:
+                    prompt.state = _State.QUEUED
+                self._queue[:0] = back
+                self.dropped += len(deferred) - len(back)  # went away before computed
+                done = [p for p in pack if all(p is not d for d in back)]
+                for prompt in done:
                     prompt.state = _State.DONE
-                    if prompt.result is None and prompt.error is None:  # _compute was cut off
+                    if prompt.result is None and prompt.error is None and not prompt.cancelled:
                         prompt.error = RuntimeError("the prefill was not computed")
-                orphans = [p for p in pack if p.cancelled and p.result is not None]
+                orphans = [p for p in done if p.cancelled and p.result is not None]
+            computed = len(pack) - len(deferred)
+            self.packs += 1
+            if computed > 1:
+                self.packed += computed
             for prompt in orphans:
                 assert prompt.result is not None
                 batching.release(self.runner, prompt.result[0])
-            for prompt in pack:
+            for prompt in done:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                     loop.call_soon_threadsafe(_resolve, prompt.done)
+            if back:
+                self.model.submit(self._drain, loop)
 
     def _take(self) -> list[_Prompt]:
         """The queue's head: one prompt while the queue holds at most `pack_tokens` prompt
@@ -180,12 +194,20 @@ class PrefillPacker:
         pack, self._queue = queue[: max(count, 1)], queue[max(count, 1) :]
         return pack
 
-    def _compute(self, pack: list[_Prompt]) -> None:
+    def _compute(self, pack: list[_Prompt]) -> list[_Prompt]:
         """Admit each prompt (one that cannot be admitted fails alone), compute the admitted
-        ones together, and set each prompt's result or error."""
+        ones together, and set each prompt's result or error. A prompt with a block that an
+        earlier prompt of the pack computes (a shared prefix not cached yet) is not admitted
+        but returned, deferred: computed after this pack, it reuses those blocks instead of
+        computing them a second time."""
         runner = self.runner
         admitted: list[tuple[_Prompt, batching.Admission]] = []
+        deferred: list[_Prompt] = []
+        computing: set[bytes] = set()  # hashes of the blocks this pack computes
         for prompt in pack:
+            if prompt.hashes and not computing.isdisjoint(prompt.hashes):
+                deferred.append(prompt)
+                continue
             try:
                 admission = batching.admit(
                     runner,
@@ -197,18 +219,22 @@ class PrefillPacker:
                 )
             except Exception as exc:
                 prompt.error = exc
-            else:
-                admitted.append((prompt, admission))
+                continue
+            admitted.append((prompt, admission))
+            if admission.hashes:
+                full = len(prompt.tokens) // runner.block_size
+                computing.update(admission.hashes[admission.cached : full])
         if not admitted:
-            return
+            return deferred
         try:
             seqs = batching.compute(runner, [a for _, a in admitted])
         except Exception as exc:  # every admission's blocks were given back
             for prompt, _ in admitted:
                 prompt.error = exc
-            return
+            return deferred
         for (prompt, _), seq in zip(admitted, seqs, strict=True):
             prompt.result = (seq, self._digests(seq, len(prompt.tokens)))
+        return deferred
 
     def _digests(self, seq: LmSequence, num_tokens: int) -> list[bytes]:
         """The digests of the prompt blocks' bytes (recorded by the prefill for every block

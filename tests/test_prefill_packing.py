@@ -84,9 +84,16 @@ def prompts(runner: LmRunner) -> list[tuple[list[int], MultimodalParams]]:
 async def pack_of(
     packer: PrefillPacker, items: list[tuple[list[int], MultimodalParams]]
 ) -> list[Any]:
-    """Prefill `items` through `packer`, all queued before the model thread is free."""
-    runner, gate = packer.runner, threading.Event()
-    busy = packer.model.submit(gate.wait, 10)
+    """Prefill `items` through `packer`, all queued before the model thread is free (it
+    first finishes what it had, such as drains with nothing left to take)."""
+    runner, gate, blocked = packer.runner, threading.Event(), threading.Event()
+
+    def hold() -> None:
+        blocked.set()
+        gate.wait(10)
+
+    busy = packer.model.submit(hold)
+    await asyncio.to_thread(blocked.wait, 10)
     calls = [
         asyncio.ensure_future(
             packer.prefill(t, p, FIRST, runner.allocator.hashes(t, p), runner.positions(len(t), p))
@@ -142,6 +149,31 @@ async def test_a_backlog_past_pack_tokens_is_packed_in_order(model: ModelThread)
     assert runner.allocator.pool.num_used_blocks == 0
 
 
+async def test_a_prompt_sharing_blocks_not_yet_cached_waits_for_the_next_pack(
+    model: ModelThread,
+) -> None:
+    runner = fresh_runner()
+    packer = PrefillPacker(runner, model, pack_tokens=30)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 400, (12,), generator=g).tolist()
+    other, last = (torch.randint(0, 400, (n,), generator=g).tolist() for n in (5, 21))
+    longer = [*shared, *torch.randint(0, 400, (6,), generator=g).tolist()]
+    # 12 + 12 + 5 fit 30 of the 50 queued, but the second prompt's blocks are the first's:
+    # it waits, and then reuses them (as one prompt at a time would), with `longer` after.
+    items = [(shared, EMPTY), (shared, EMPTY), (other, EMPTY), (last, EMPTY)]
+    first, again, third, fourth = await pack_of(packer, items)
+    assert packer.packed == 2  # the first and `other`; the copy waited
+    assert first[0].cached_tokens == 0 and again[0].cached_tokens == 8  # 2 of its 3 blocks
+    assert again[0].output == first[0].output and again[1] == first[1]
+    for seq, _ in (first, again, third, fourth):
+        batching.release(runner, seq)
+    (grown, _), (base, _) = await pack_of(packer, [(longer, EMPTY), (shared, EMPTY)])
+    assert grown.cached_tokens == 12 and base.cached_tokens == 8  # cached now: no wait
+    for seq in (grown, base):
+        batching.release(runner, seq)
+    assert runner.allocator.pool.num_used_blocks == 0
+
+
 async def test_a_prompt_that_cannot_be_admitted_fails_alone(model: ModelThread) -> None:
     runner = fresh_runner()
     packer = PrefillPacker(runner, model, pack_tokens=40)
@@ -185,10 +217,10 @@ async def test_a_caller_that_goes_away_keeps_nothing(model: ModelThread) -> None
     computing, go = threading.Event(), threading.Event()
     compute = packer._compute
 
-    def gated(pack: Any) -> None:
+    def gated(pack: Any) -> Any:
         computing.set()
         go.wait(10)
-        compute(pack)
+        return compute(pack)
 
     packer._compute = gated  # type: ignore[method-assign]
     gate = threading.Event()
