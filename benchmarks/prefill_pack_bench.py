@@ -5,8 +5,9 @@ decode; every worker `--threads` torch threads), the same code. Rounds alternate
 of the deployments, and only the one being measured runs (the others are stopped), as in
 `served.py`. Per round and deployment, two workloads, each on prompts no earlier run sent:
 
-- burst: `--bursts` times, `--burst` distinct text prompts (~`--words` words) sent at once,
-  4 new tokens each: the prefill worker finds many prompts queued;
+- burst: `--bursts` times, `--burst` distinct text prompts (~`--words` words, after
+  `--shared` words every prompt begins with, as a system prompt) sent at once, 4 new tokens
+  each: the prefill worker finds many prompts queued;
 - steady: `--served` requests at `--concurrency` in flight, each a distinct 224x224 image and
   ~30 words, `--tokens` new tokens (the served benchmark's distinct-image workload).
 
@@ -44,8 +45,10 @@ from tests.cluster import Cluster, start_cluster
 Row = tuple[float, float, float]  # req/s, TTFT p50 s, prefill CPU s per request
 
 
-def text_prompt(k: int, words: int) -> list[dict[str, Any]]:
-    text = f"Question {k}: " + " ".join(f"word{(k * 7 + i) % 97}" for i in range(words))
+def text_prompt(k: int, words: int, shared: int = 0) -> list[dict[str, Any]]:
+    """~`words` words of its own after `shared` words every prompt begins with."""
+    head = " ".join(f"rule{i % 89}" for i in range(shared))
+    text = f"{head} Question {k}: " + " ".join(f"word{(k * 7 + i) % 97}" for i in range(words))
     return [{"role": "user", "content": [{"type": "text", "text": text}]}]
 
 
@@ -55,7 +58,7 @@ async def burst(client: Client, cluster: Cluster, args: argparse.Namespace, seed
     ttfts: list[float] = []
     start = time.perf_counter()
     for _ in range(args.bursts):
-        prompts = [text_prompt(next(seeds), args.words) for _ in range(args.burst)]
+        prompts = [text_prompt(next(seeds), args.words, args.shared) for _ in range(args.burst)]
         results = await asyncio.gather(*(client.generate_text(p, sampling) for p in prompts))
         ttfts.extend(r.ttft_s for r in results)
     wall = time.perf_counter() - start
@@ -140,6 +143,9 @@ if __name__ == "__main__":
     parser.add_argument("--burst", type=int, default=32, help="prompts sent at once")
     parser.add_argument("--bursts", type=int, default=3, help="bursts per round")
     parser.add_argument("--words", type=int, default=12, help="words per burst prompt")
+    parser.add_argument(
+        "--shared", type=int, default=0, help="words every burst prompt begins with"
+    )
     parser.add_argument("--served", type=int, default=48, help="steady requests per round")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens, steady requests")
