@@ -16,12 +16,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from common.engine import Engine
@@ -37,9 +34,8 @@ from common.server.role import RoleServer
 from common.server.rpc import channel
 from epd.v1 import prefill_service_pb2_grpc
 from prefill_worker.packing import PrefillPacker
-from prefill_worker.server import serve as serve_prefill
-from prefill_worker.settings import PrefillSettings
-from tests.cluster import cluster_credentials, cluster_security
+from tests.cluster import cluster_credentials
+from tests.test_decode_batcher import model
 from tests.test_kv_handoff import (
     BLOCK,
     GREEDY,
@@ -52,8 +48,9 @@ from tests.test_kv_handoff import (
     user,
 )
 from tests.test_packed_prefill import _image_prompt
+from tests.test_prefill_cancel import worker
 
-__all__ = ["ckpt", "engine"]  # module fixtures shared with test_kv_handoff
+__all__ = ["ckpt", "engine", "model", "worker"]  # fixtures shared with those modules
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -65,13 +62,6 @@ EMPTY = MultimodalParams((), {}, 0)
 
 def fresh_runner() -> LmRunner:
     return LmRunner.from_pretrained(default_checkpoint("tiny"), block_size=4, num_blocks=256)
-
-
-@pytest.fixture
-def model() -> Iterator[ModelThread]:
-    thread = ModelThread("test-pack")
-    yield thread
-    thread.close()
 
 
 def prompts(runner: LmRunner) -> list[tuple[list[int], MultimodalParams]]:
@@ -272,17 +262,6 @@ async def test_a_prompt_sent_after_the_model_thread_stopped_is_refused_not_queue
 
 
 # ----------------------------------------------------------------- through a worker
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def worker(ckpt: Path) -> AsyncIterator[RoleServer[Any]]:
-    server = await serve_prefill(
-        PrefillSettings(
-            model=str(ckpt), block_size=BLOCK, num_blocks=96, security=cluster_security()
-        )
-    )
-    yield server
-    await server.stop(0)
 
 
 async def test_prefill_calls_sent_together_are_packed_and_answer_as_the_engine(
