@@ -1,16 +1,16 @@
-"""The pool manager and worker actor logic, without a Ray cluster.
+"""The pool manager logic, without a Ray cluster.
 
 Ray's part (placement, restarts) is exercised end to end in test_serve.py. Here the actor
 class is a stand-in with the same `.options(...).remote(...)` / `handle.method.remote()`
 shape, `ray.kill` is recorded, and the router side of a drain is a real gRPC AdminService
 fake on 127.0.0.1, so the order of a retirement (router drain → wait for the router's
 requests → worker drain → kill) and the settings each worker gets are checked exactly.
+The worker actor itself is tested in test_worker_actor.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +19,10 @@ import grpc
 import pytest
 
 import cluster.pools as pools
-import cluster.worker as worker
 from cluster.admin import RoleCount, role_counts
 from cluster.pools import PoolManager, drain_at_router
 from cluster.settings import EpdSettings, PoolSettings
-from cluster.worker import SERVER_MODULES, WorkerActor, WorkerDescription, reachable_address
+from cluster.worker import WorkerDescription
 from common.server.rpc import start_server
 from common.server.threads import CpuPlacement
 from common.wire.roles import role_from_proto, role_to_proto
@@ -157,13 +156,6 @@ def test_error_summary_is_the_root_cause() -> None:
     reason = "the router refused a worker: decode worker"
     refused = RuntimeError(f"cluster.pools.WorkerRefusedError: {reason}")
     assert pools.error_summary(refused) == reason
-
-
-def test_reachable_address_replaces_wildcards(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker, "_node_ip", lambda: "10.1.2.3")
-    assert reachable_address("0.0.0.0:50051") == "10.1.2.3:50051"
-    assert reachable_address("[::]:7000") == "10.1.2.3:7000"
-    assert reachable_address("127.0.0.1:50051") == "127.0.0.1:50051"
 
 
 async def test_scale_up_creates_named_actors_with_filled_in_settings(recorded: list[str]) -> None:
@@ -325,80 +317,3 @@ async def test_registered_counts_leave_out_draining_workers(
         assert await pools.registered_counts(stub) == {"encoder": 0, "prefill": 0, "decode": 0}
         reply = await stub.Status(admin_service_pb2.StatusRequest())
         assert role_counts(reply)["prefill"] == RoleCount(serving=0, draining=1)
-
-
-# ------------------------------------------------------------------------ worker actor
-
-
-@dataclass
-class FakeServer:
-    """What a role's `serve` returns (a `RoleServer`), reduced to what WorkerActor uses."""
-
-    settings: Any
-    log: list[str]
-    address: str = "127.0.0.1:4242"
-    leases: int = 2  # leases held for peers
-
-    def outstanding_leases(self) -> int:
-        return self.leases
-
-    async def drain(self, timeout_s: float) -> bool:
-        self.log.append("lifecycle-drain")
-        await self.stop(0)
-        return True
-
-    async def stop(self, grace_s: float | None = 5.0) -> None:
-        self.log.append("stop")
-
-
-SERVED: list[FakeServer] = []
-
-
-async def serve(settings: Any) -> FakeServer:
-    """Stand-in for a role's `serve`, found through `SERVER_MODULES`."""
-    server = FakeServer(settings, [])
-    SERVED.append(server)
-    return server
-
-
-async def _worker(monkeypatch: pytest.MonkeyPatch) -> WorkerActor:
-    monkeypatch.setitem(SERVER_MODULES, "prefill", __name__)
-    monkeypatch.setattr(worker, "_node_ip", lambda: "127.0.0.1")
-    monkeypatch.setattr(worker, "setup_logging", lambda level: None)  # keep pytest's logging
-    actor = WorkerActor.__new__(WorkerActor)
-    settings = EpdSettings().prefill
-    await actor.__init__("prefill", "epd-prefill-0", settings, "warning")  # type: ignore[misc]
-    return actor
-
-
-async def test_worker_actor_serves_and_describes_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    actor = await _worker(monkeypatch)
-    assert repr(actor) == "epd-prefill-0"
-    assert SERVED[-1].settings.host == "127.0.0.1"  # its node's IP: no host was given
-    description = await actor.describe()
-    assert dataclasses.astuple(description)[:3] == ("prefill", "epd-prefill-0", "127.0.0.1:4242")
-
-
-async def test_worker_drain_waits_for_leases_then_drains_then_stops(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    actor = await _worker(monkeypatch)
-    server = SERVED[-1]
-
-    async def release_later() -> None:
-        await asyncio.sleep(0.2)
-        server.log.append("leases released")
-        server.leases = 0
-
-    releaser = asyncio.create_task(release_later())
-    assert await actor.drain(timeout_s=5) is True
-    await releaser
-    assert server.log == ["leases released", "lifecycle-drain", "stop"]
-
-
-async def test_worker_drain_reports_leases_that_outlive_the_timeout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    actor = await _worker(monkeypatch)
-    assert await actor.drain(timeout_s=0.2) is False
-    assert SERVED[-1].log == ["lifecycle-drain", "stop"]
