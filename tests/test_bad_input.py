@@ -1,6 +1,10 @@
-"""Bad requests at both front doors: each is refused before any worker is called, with an
-error naming the field as the caller spells it (HTTP: a 400, or 413 for an oversized body,
-never a 500; gRPC: INVALID_ARGUMENT with `epd-field`), and the router keeps answering.
+"""Bad requests, refused before any worker is called with an error naming the field as the
+caller spells it: the HTTP API's schema and conversion (a 400, never a 500; a parameter the
+server does not implement is refused, not ignored; the router's gRPC field names become the
+body's) and the router's image decoding (only the configured formats, no crash on a mangled
+file). The same refusals from a running router, over HTTP and gRPC, are in
+tests/test_bad_input_router.py, which builds its requests with this module's helpers (as do
+tests/test_requests_in_flight.py and tests/test_tenant_share.py).
 
 Found by sending malformed requests to a deployment. Before, over HTTP: a `max_tokens` past
 uint32, a `top_k` past int32 or a lone surrogate failed when the protobuf message was built
@@ -15,25 +19,19 @@ prompt, in the router and again in prefill and decode).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import http.client
 import io
 import json
-import socket
 import struct
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pydantic
 import pytest
 from PIL import Image
 
 from common.errors import FieldError
-from common.server.credentials import bearer_metadata
 from epd.v1 import router_service_pb2, sampling_pb2
 from router.http.convert import chat_request, completion_request
 from router.http.errors import ApiError, http_field, validation_error
@@ -42,11 +40,7 @@ from router.http.schema import ChatCompletionRequest, CompletionRequest
 from router.inputs import InputError, decode_image
 from router.settings import RouterSettings
 from tests.cluster import CLIENT_KEY
-from tests.test_http_api import WEATHER, add_workers, call, fake_router, url_of, user
-from tests.test_router import Cluster as FakeCluster
-from tests.test_router import FakeDecode, FakePrefill
-
-Fakes = tuple[FakeCluster, FakePrefill, FakeDecode]  # a router with HTTP, its fake workers
+from tests.test_http_api import WEATHER, user
 
 MODEL = "tiny"
 TEXT_PART = {"type": "text", "text": "hi"}
@@ -61,10 +55,6 @@ def png_url(width: int, height: int, format: str = "PNG") -> str:
     pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(buf, format=format)
     return f"data:image/{format.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def image(url: str) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def refusal(body: dict[str, Any]) -> ApiError:
@@ -215,20 +205,7 @@ def test_a_tiff_whose_strip_offsets_are_fractions_is_not_a_decodable_image() -> 
     assert err.value.field == "messages[0].content[0].image.data"
 
 
-# ------------------------------------------------------------- a router with fake workers
-
-
-@pytest.fixture
-async def small_bodies(ckpt: Path) -> AsyncIterator[Fakes]:
-    """A router taking bodies of at most 1 MiB (`max_message_mb`), holding at most 1 MiB of
-    them at once (`requests_in_flight_mb`; any tenant all of it), and its fake workers."""
-    c = await fake_router(ckpt, max_message_mb=1, requests_in_flight_mb=1, tenant_share=1.0)
-    yield (c, *await add_workers(c))
-    await c.close()
-
-
-NOT_AN_IMAGE = "data:image/png;base64," + base64.b64encode(b"hello").decode()
-LONE_SURROGATE_BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'
+# ------------------- requests for a router (tests/test_bad_input_router.py and other modules)
 
 
 def post_raw(url: str, data: bytes, *, chunked: bool = False) -> tuple[int, dict[str, Any]]:
@@ -249,109 +226,6 @@ def post_raw(url: str, data: bytes, *, chunked: bool = False) -> tuple[int, dict
         conn.close()
 
 
-async def test_the_router_answers_400_naming_the_field_and_keeps_serving(
-    small_bodies: Fakes,
-) -> None:
-    url = url_of(small_bodies[0])
-    endpoint = f"{url}/v1/chat/completions"
-    cases: list[tuple[dict[str, Any] | bytes, str | None]] = [
-        (chat(max_tokens=10**12), "max_tokens"),
-        (chat(top_k=1 << 40), "top_k"),
-        (chat(temperature=1e300), "temperature"),
-        (chat(logprobs=True), "logprobs"),
-        (parts(image(NOT_AN_IMAGE)), f"{C0}.image_url.url"),
-        (parts(image(png_url(5000, 2)), TEXT_PART), f"{C0}.image_url.url"),
-        (parts(image(png_url(8, 8, "TIFF")), TEXT_PART), f"{C0}.image_url.url"),
-        (LONE_SURROGATE_BODY, "messages[0].content"),
-        (b'{"model": "tiny", "messages": [', None),
-    ]
-    for body, param in cases:
-        if isinstance(body, bytes):
-            status, reply = await asyncio.to_thread(post_raw, url, body)
-        else:
-            status, _, reply = await asyncio.to_thread(call, endpoint, body, CLIENT_KEY)
-        assert (status, reply["error"]["param"]) == (400, param), (body, reply)
-        assert reply["error"]["type"] == "invalid_request_error"
-    aspect = await asyncio.to_thread(call, endpoint, parts(image(png_url(5000, 2))), CLIENT_KEY)
-    assert "aspect ratio" in aspect[2]["error"]["message"]
-    not_image = await asyncio.to_thread(call, endpoint, parts(image(NOT_AN_IMAGE)), CLIENT_KEY)
-    assert "object at 0x" not in not_image[2]["error"]["message"]  # no Python reprs
-    tiff = await asyncio.to_thread(call, endpoint, parts(image(png_url(8, 8, "TIFF"))), CLIENT_KEY)
-    assert tiff[2]["error"]["message"].endswith(
-        "is not an image in a format this server decodes (PNG, JPEG, WEBP, GIF, BMP: "
-        "[router] image_formats)"
-    )
-    status, _, reply = await asyncio.to_thread(call, endpoint, chat(max_tokens=2), CLIENT_KEY)
-    assert status == 200 and reply["choices"][0]["message"]["content"] is not None
-
-
-async def test_a_body_over_the_limit_is_413_with_or_without_its_length(
-    small_bodies: Fakes,
-) -> None:
-    url = url_of(small_bodies[0])
-    big = json.dumps(chat(messages=user({"type": "text", "text": "x" * (2 << 20)}))).encode()
-    for chunked in (False, True):
-        status, reply = await asyncio.to_thread(post_raw, url, big, chunked=chunked)
-        assert status == 413, (chunked, reply)
-        assert "body over" in reply["error"]["message"]
-    small = json.dumps(chat(max_tokens=2)).encode()
-    assert (await asyncio.to_thread(post_raw, url, small, chunked=True))[0] == 200
-
-
-async def test_bodies_held_at_once_are_bounded(small_bodies: Fakes) -> None:
-    """A client that sends half its body and stalls holds that much; a second large body
-    that would pass the bound waits its turn (429, Retry-After); small ones still pass, and
-    the large one does once the first client has gone."""
-    url = url_of(small_bodies[0])
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    stalled = socket.create_connection((host, int(port)))
-    head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-        f"Authorization: Bearer {CLIENT_KEY}\r\nContent-Type: application/json\r\n\r\n"
-    )
-    piece = b" " * (600 << 10)
-    stalled.sendall(head.encode() + f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
-    large = json.dumps(chat(max_tokens=2, user="x" * (700 << 10))).encode()
-    small = json.dumps(chat(max_tokens=2)).encode()
-    try:
-        # The router reads the stalled client's bytes meanwhile (this event loop runs it):
-        # a large body sent before that would be taken, and the stalled one refused.
-        await asyncio.sleep(1.0)
-        status, reply = await asyncio.to_thread(post_raw, url, large)
-        assert status == 429, reply
-        assert reply["error"]["type"] == "rate_limit_error"
-        assert (await asyncio.to_thread(post_raw, url, small))[0] == 200
-    finally:
-        stalled.close()
-    for _ in range(100):
-        status, reply = await asyncio.to_thread(post_raw, url, large)
-        if status != 429:
-            break
-        await asyncio.sleep(0.05)
-    assert status == 200, reply
-
-
-async def test_a_body_without_a_key_is_refused_before_it_is_read(small_bodies: Fakes) -> None:
-    """401 as soon as the headers are in, the body unread: anonymous callers cannot hold
-    the router's body budget (the large body after it is taken)."""
-    url = url_of(small_bodies[0])
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    anonymous = socket.create_connection((host, int(port)), timeout=10)
-    head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-        "Content-Type: application/json\r\n\r\n"
-    )
-    piece = b" " * (600 << 10)
-    try:
-        anonymous.sendall(head.encode() + f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
-        reply = await asyncio.to_thread(anonymous.recv, 4096)  # the body was never finished
-        assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
-        large = json.dumps(chat(max_tokens=2, user="x" * (700 << 10))).encode()
-        assert (await asyncio.to_thread(post_raw, url, large))[0] == 200
-    finally:
-        anonymous.close()
-
-
 def grpc_request(**fields: Any) -> router_service_pb2.GenerateRequest:
     request = router_service_pb2.GenerateRequest(
         messages=[router_service_pb2.ChatMessage(role="user")],
@@ -359,49 +233,3 @@ def grpc_request(**fields: Any) -> router_service_pb2.GenerateRequest:
     )
     request.MergeFrom(router_service_pb2.GenerateRequest(**fields))
     return request
-
-
-def grpc_part(**content: Any) -> router_service_pb2.GenerateRequest:
-    """A request whose one user message holds this part, then some text."""
-    request = grpc_request()
-    request.messages[0].content.add(**content)
-    request.messages[0].content.add(text="hi")
-    return request
-
-
-PNG = base64.b64decode(png_url(32, 32).partition(",")[2])
-GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
-    (grpc_request(resume_tokens=[10**6]), "resume_tokens"),
-    (grpc_request(prompt="", messages=[]), "prompt"),
-    (grpc_request(request_id="r" * 257), "request_id"),
-    (grpc_request(cache_salt="s" * 257), "cache_salt"),
-    (
-        grpc_part(image=router_service_pb2.ImageInput(data=PNG, uuid="u" * 257)),
-        "messages[0].content[0].image.uuid",
-    ),
-    (
-        grpc_part(video=router_service_pb2.VideoInput(frames=[PNG] * 2, fps=float("inf"))),
-        "messages[0].content[0].video.fps",
-    ),
-]
-
-
-async def test_grpc_requests_the_wire_carries_but_the_router_refuses(
-    small_bodies: Fakes,
-) -> None:
-    router, prefill, decode = small_bodies
-    stub = router.client._router
-    for request, field in GRPC_CASES:
-        call = stub.Generate(request, metadata=bearer_metadata(CLIENT_KEY))
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                pass
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
-        assert dict(err.value.trailing_metadata() or ())["epd-field"] == field
-        assert (err.value.details() or "").startswith(f"{field}: ")
-    assert prefill.requests == [] and decode.requests == []  # refused before any worker
-    ok = grpc_request(request_id="r" * 256, resume_tokens=[5])
-    ok.messages[0].content.add(text="hi")
-    # At the bounds it is served: the tokens after the resumed one, to the finish.
-    chunks = [c async for c in stub.Generate(ok, metadata=bearer_metadata(CLIENT_KEY))]
-    assert sum(len(c.token_ids) for c in chunks) > 0 and chunks[-1].finish_reason
