@@ -183,15 +183,13 @@ class PrefillPacker:
         """The queue's head: one prompt while the queue holds at most `pack_tokens` prompt
         tokens; past that, prompts in arrival order while their tokens fit `pack_tokens`
         (at least one). Under the lock."""
-        queue = self._queue
-        count, tokens = 0, 0
+        queue, count = self._queue, 1
         if sum(len(p.tokens) for p in queue) > self.pack_tokens:
-            for prompt in queue:
-                tokens += len(prompt.tokens)
-                if count and tokens > self.pack_tokens:
-                    break
+            tokens = len(queue[0].tokens)
+            while count < len(queue) and tokens + len(queue[count].tokens) <= self.pack_tokens:
+                tokens += len(queue[count].tokens)
                 count += 1
-        pack, self._queue = queue[: max(count, 1)], queue[max(count, 1) :]
+        pack, self._queue = queue[:count], queue[count:]
         return pack
 
     def _compute(self, pack: list[_Prompt]) -> list[_Prompt]:

@@ -43,12 +43,12 @@ def prefill_metrics(servicer: PrefillServicer) -> list[Any]:
         counter("epd:prefill_requests", "Prefill calls answered with a KV handle.", c.requests),
         counter(
             "epd:prefills_dropped",
-            "Prefills not computed: their call was cancelled before the model thread began it.",
+            "Prefills not computed: their call was cancelled before the model thread took them.",
             servicer.packer.dropped,
         ),
         counter(
             "epd:prefill_packs",
-            "Packs computed: the prompts queued when the model was free, computed together.",
+            "Model-thread turns that computed prompts: one alone, or a pack of several.",
             servicer.packer.packs,
         ),
         counter(
