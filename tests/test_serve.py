@@ -34,6 +34,7 @@ from cluster.cli import build_parser, main
 from common.sampling import SamplingParams
 from common.settings.api_keys import default_api_key
 from epd.client import Client
+from tests.cluster import listening_pid
 
 pytestmark = pytest.mark.slow
 
@@ -358,30 +359,6 @@ async def test_scale_prefill_up_and_down_while_streams_run(
         assert all(tokens == reference[i] for tokens in got), f"stream {i} answers changed"
 
 
-def _listening_pid(port: int) -> int:
-    """The pid of the process listening on 127.0.0.1:`port` (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for row in f.readlines()[1:]:
-                cols = row.split()
-                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # LISTEN
-                    inodes.add(cols[9])
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:[") and target[8:-1] in inodes:
-                return int(pid)
-    raise AssertionError(f"nobody listens on port {port}")
-
-
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
 async def test_killed_decode_actor_is_restarted_and_registers_again(served: Served) -> None:
     decode = 3  # registry_service_pb2.WORKER_ROLE_DECODE
@@ -391,7 +368,7 @@ async def test_killed_decode_actor_is_restarted_and_registers_again(served: Serv
     status = await _status(served.address)
     (worker,) = _of_role(status, decode)
     old_address = worker.info.address
-    pid = _listening_pid(int(old_address.rsplit(":", 1)[1]))
+    pid = listening_pid(int(old_address.rsplit(":", 1)[1]))
     assert pid != served.process.pid
     os.kill(pid, signal.SIGKILL)
 
