@@ -15,7 +15,8 @@ of the code before the change, made with `git worktree add --detach /tmp/landed 
   `generate_batch` admits them; epd: `Engine.prefill_many`; ref: one batched `generate`).
 
 `--load N` adds N busy-loop processes for the whole run (to compare loaded vs quiet);
-`--threads N` gives each worker N torch threads (1 by default).
+`--threads N` gives each worker N torch threads (1 by default); `--cases "decode b=1,prefill"`
+runs only the cases whose names start so (more repeats of a few cases in the same time).
 
     .venv/bin/python benchmarks/engine_vs_landed.py [--landed /tmp/landed] [--repeats 5]
 """
@@ -286,6 +287,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per sample")
     parser.add_argument("--load", type=int, default=0, help="busy-loop processes meanwhile")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument(
+        "--cases", help="only the cases whose names start with one of these (comma-separated)"
+    )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -304,8 +308,10 @@ def main() -> None:
             for side in SIDES:
                 procs[side] = _spawn(side, args.landed, args.steps, args.threads)
             samples: dict[tuple[str, str], list[Pair]] = {}
+            wanted = tuple(args.cases.split(",")) if args.cases else ("",)
+            args.names = [name for name, _, _ in CASES if name.startswith(wanted)]
             for rep in range(args.repeats):
-                for name, _, _ in CASES:
+                for name in args.names:
                     for side in SIDES:
                         samples.setdefault((name, side), []).append(_ask(procs[side], name, rep))
             report(samples, args)
@@ -328,6 +334,8 @@ def report(samples: dict[tuple[str, str], list[Pair]], args: Any) -> None:
         head = f"{'case':30s}{'landed':>10s}{'epd':>10s}{'transf.':>10s}"
         print(f"{head}{'epd/landed':>12s}{'epd/transf.':>12s}")
         for name, unit, higher in CASES:
+            if name not in args.names:
+                continue
             med = {s: statistics.median(v[which] for v in samples[(name, s)]) for s in SIDES}
 
             def speedup(other: str, med: dict[str, float] = med, higher: bool = higher) -> float:

@@ -16,7 +16,9 @@ shared machine's background load changes far less than the wall time; what each 
 burns when idle is printed after the warm-up), the ratios, the
 mean share of prompt tokens prefill reused and of blocks decode reused in later turns, then
 per turn the p50 TTFT (router, encode, prefill) and decode time (after the first token),
-the share of a chat's time its first turn takes, and (rounds) the ceiling: the ratio
+the share of a chat's time its first turn takes, the mean chat time of each side and the
+bound on their ratio were cache-aware's later turns to reach their first token at once
+(their decoding, which routing does not change, kept), and (rounds) the ceiling: the ratio
 cache-aware would reach if its later turns took no time at all, since a round lasts at
 least its slowest first turn, which is a cold encode + prefill on either side.
 Goal: cache-aware >= 1.5x the requests/s of least-loaded.
@@ -166,6 +168,9 @@ class Side:
     reused: list[float] = field(default_factory=list)  # later turns: decode-reused share
     first_share: list[float] = field(default_factory=list)  # turn 0's share of a chat's time
     ceiling: list[float] = field(default_factory=list)  # requests/s if later turns were free
+    chat_s: list[float] = field(default_factory=list)  # each chat's time (its turns' total)
+    # Each chat's time were its later turns' TTFT zero (turn 0 and all decoding kept).
+    floor_s: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)  # deployment CPU seconds per request
     roles: list[dict[str, float]] = field(default_factory=list)  # the same, by role
     idle: float = 0.0  # deployment CPU seconds per second when it serves nothing
@@ -192,6 +197,8 @@ class Side:
                 r.blocks_reused / max(1, r.blocks_reused + r.blocks_pulled) for r in later
             )
             self.first_share.append(chat[0].total_s / sum(r.total_s for r in chat))
+            self.chat_s.append(sum(r.total_s for r in chat))
+            self.floor_s.append(chat[0].total_s + sum(r.total_s - r.ttft_s for r in later))
         if rounds:  # A round cannot end before its slowest first turn, whatever comes later.
             self.ceiling.append(len(results) / max(chat[0].total_s for chat in chats))
 
@@ -300,6 +307,13 @@ def report(args: argparse.Namespace, size: int, stats: dict[str, Side]) -> None:
         print(f"  {k:4d}  " + "".join(f"{c:>26s}" for c in cells))
     shares = ", ".join(f"{mean(s.first_share):.0%} ({n})" for n, s in stats.items())
     print(f"  turn 0 (a fresh image, cold on either side) takes {shares} of a chat's time")
+    print(
+        f"  mean chat time: cache-aware {mean(aware.chat_s):.2f} s, least-loaded "
+        f"{mean(plain.chat_s):.2f} s ({mean(plain.chat_s) / mean(aware.chat_s):.2f}x); with "
+        f"its later turns' TTFT zero (turn 0 and every answer's decoding kept, which routing "
+        f"does not change) cache-aware's would be {mean(aware.floor_s):.2f} s, at most "
+        f"{mean(plain.chat_s) / mean(aware.floor_s):.2f}x"
+    )
     if not aware.ceiling:
         return
     ceiling = med(aware.ceiling) / med(plain.rps)
