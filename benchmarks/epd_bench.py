@@ -194,6 +194,12 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224, help="image side (--served)")
     parser.add_argument("--requests", type=int, default=6, help="image requests per side")
     parser.add_argument("--tokens", type=int, default=24, help="tokens per request")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of the served requests (--served; 0: greedy)",
+    )
     parser.add_argument("--videos", type=int, default=4, help="videos for warm vs cold")
     parser.add_argument("--frames", type=int, default=16, help="frames per video")
     args = parser.parse_args()

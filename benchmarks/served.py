@@ -14,7 +14,8 @@ Images are PNG-encoded before the clock starts (the client does no image work wh
 timed). Every worker of both deployments gets `--threads` torch threads (the issue's rule:
 one thread per worker). `--stream-interval N` gives this checkout's decode workers that
 setting (tokens per streamed chunk; the baseline streams as its code does). `--load N` runs
-N busy-loop processes for the whole measurement (a machine busy with other work). Reports medians
+N busy-loop processes for the whole measurement (a machine busy with other work). `--temperature T`
+samples every request at temperature T (0, the default: greedy). Reports medians
 over rounds of req/s and TTFT p50, the CPU each process of the deployment spent per request
 (user + system, every thread) and the benchmark's own client (this process, sharing the
 machine), and the ratios repeated/distinct and this/baseline.
@@ -114,13 +115,16 @@ async def one_run(
 async def run_served(args: argparse.Namespace) -> None:
     n, size = args.served, args.image_size
     model = args.model or default_checkpoint(args.size)
-    sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=args.temperature)
     roots = {"this": ROOT}
     if args.baseline is not None:
         roots["baseline"] = args.baseline.resolve()
     seeds = itertools.count(1_000_000)
     print(f"checkpoint {model}; {n} requests x {size}px, {args.tokens} tokens,")
-    print(f"concurrency {args.concurrency}, {args.threads or 'all'} torch thread(s) a worker;")
+    print(
+        f"concurrency {args.concurrency}, {args.threads or 'all'} torch thread(s) a worker, "
+        f"temperature {args.temperature};"
+    )
     print(f"deployments: {roots}; this checkout's stream_interval {args.stream_interval}")
     print(f"{args.load} busy-loop process(es) meanwhile, load average {os.getloadavg()[0]:.1f}")
     results: dict[tuple[str, str], list[Run]] = {}
