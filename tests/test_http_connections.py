@@ -2,7 +2,7 @@
 a connection that sends no whole request head in time is closed, as is one past the cap,
 while requests on the others are answered as ever. A body that does not arrive within
 `request_timeout_s` of its head is answered 408 and gives back what it held
-(`router.http.body`)."""
+(`router.http.body`). Every connection sends without Nagle's delay."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 
+from router.http.app import HttpServer
+from router.http.connections import ConnectionStats, bounded_protocol
 from tests.cluster import CLIENT_KEY
 from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
 from tests.test_router import Cluster as FakeCluster
@@ -154,3 +157,35 @@ async def test_a_body_that_does_not_arrive_in_time_is_answered_408(ckpt: Path) -
         assert status == 200, reply
     finally:
         await c.close()
+
+
+async def test_every_connection_sends_without_nagle_delay() -> None:
+    """The listening socket is bound before uvicorn starts, without `IPPROTO_TCP` named, so
+    asyncio leaves Nagle on; the protocol turns it off, or a kept-alive client got a
+    stream's first events about 40 ms late, in one burst (`router.http.connections`)."""
+    app = FastAPI()
+
+    @app.get("/ping")
+    async def ping() -> dict[str, bool]:
+        return {"ok": True}
+
+    stats = ConnectionStats()
+    server = HttpServer(app, "127.0.0.1", 0, 1 << 20, 5.0, None, bounded_protocol(5.0, 0, stats))
+    await server.start()
+    try:
+        host, port = server.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(
+                b"HTTP/1.1 200"
+            )
+            connections = server._server.server_state.connections
+            assert len(connections) == 1
+            for protocol in connections:
+                sock = protocol.transport.get_extra_info("socket")
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        finally:
+            writer.close()
+    finally:
+        await server.stop()

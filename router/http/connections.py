@@ -11,11 +11,19 @@ a worker's registration. Here a connection past the cap is answered 503 and clos
 opens, before it costs anything more, and one without a complete request head in time is
 closed then. A request whose head has arrived has `request_timeout_s` for its body
 (`router.http.body`).
+
+Every connection sends without Nagle's delay (TCP_NODELAY). asyncio sets it only on sockets
+made with `IPPROTO_TCP` named, and the router's listening socket (bound before uvicorn
+starts, to learn a free port) is not: on a kept-alive connection, a streamed answer's first
+events then waited for the client's delayed ACK of the response head, about 40 ms, and
+reached an OpenAI client in one burst (TTFT 60-77 ms where the first token was ready at
+11-18 ms).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +57,9 @@ def bounded_protocol(
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             stats.open = len(self.connections)
             if max_connections and len(self.connections) > max_connections:
                 stats.closed_at_cap += 1
