@@ -16,7 +16,8 @@ rows promise nothing of the kind: they take their exponentials as -log(U) from t
 global generator, all in one block.
 
 Cost (`benchmarks/sampler_bench.py`): a row that filters nothing skips the filter; a row
-with a top_k ranks only its k best tokens; only a top_p without a top_k sorts the row.
+with a top_k ranks only its k best tokens; only a top_p without a top_k sorts the row (on
+CPU by a radix sort of the values' bits).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def apply_top_k_top_p(
 
     Rows that filter nothing are returned as they are. Rows with a top_k rank only their
     k best tokens (`_top_k_ranked`: about 70 µs less a row than sorting a 1536-token vocab
-    on CPU); the others sort the whole row. Either way a row's ranked logits, and so
-    every result, are the ones a stable sort of the whole row gives.
+    on CPU); the others sort the whole row (`_sorted_rows`). Either way a row's ranked
+    logits, and so every result, are the ones a stable sort of the whole row gives.
     """
     import torch
 
@@ -125,7 +126,7 @@ def apply_top_k_top_p(
         p_rows = torch.tensor([ps[r] for r in rows], dtype=logits.dtype, device=logits.device)
         ranked = _top_k_ranked(group, k) if k < vocab else None
         if ranked is None:
-            ranked = group.sort(dim=-1, descending=True, stable=True)
+            ranked = _sorted_rows(group)
         filtered = _filter_ranked(group, *ranked, k, p_rows)
         if index is None:
             return filtered
@@ -152,6 +153,27 @@ def _top_k_ranked(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     ids = ids.view(-1, k)
     ranked, order = logits.gather(1, ids).sort(dim=-1, descending=True, stable=True)
     return ranked, ids.gather(1, order)
+
+
+def _sorted_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row in descending order, ties to the lower id, with the ids: what
+    `sort(descending=True, stable=True)` gives. On CPU in float32 without NaN, by a radix
+    sort instead (2.5-3x faster there): each value's bits turned into a 32-bit key whose
+    ascending order is the values' descending one (-0.0 keyed as 0.0, which compares
+    equal), ordered by two stable passes of numpy's 16-bit radix sort, low half first."""
+    import numpy as np
+    import torch
+
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.isnan().any():
+        return logits.sort(dim=-1, descending=True, stable=True)
+    values = logits.numpy()
+    bits = (values + np.float32(0.0)).view(np.uint32)
+    key = np.where(bits >> 31 == 1, bits, ~bits & np.uint32(0x7FFFFFFF))
+    low = np.argsort((key & 0xFFFF).astype(np.uint16), axis=-1, kind="stable")
+    high = np.take_along_axis((key >> 16).astype(np.uint16), low, axis=-1)
+    order = np.take_along_axis(low, np.argsort(high, axis=-1, kind="stable"), axis=-1)
+    ranked = np.take_along_axis(values, order, axis=-1)
+    return torch.from_numpy(ranked), torch.from_numpy(order)
 
 
 def _filter_ranked(

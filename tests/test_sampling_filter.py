@@ -53,8 +53,9 @@ def reference_sample(
     return tokens
 
 
-# Values from a small set, so rows hold ties (at the top-k bound too) and -inf.
-VALUES = st.sampled_from([-math.inf, -2.0, -0.5, 0.0, 0.25, 0.5, 1.0, 3.0])
+# Values from a small set, so rows hold ties (at the top-k bound too), -0.0 beside 0.0 and
+# infinities.
+VALUES = st.sampled_from([-math.inf, -2.0, -0.5, -0.0, 0.0, 0.25, 0.5, 1.0, 3.0, math.inf])
 
 
 @st.composite
