@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from array import array
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -108,12 +109,18 @@ def apply_top_k_top_p(
     on CPU); the others sort the whole row (`_sorted_rows`). Either way a row's ranked
     logits, and so every result, are the ones a stable sort of the whole row gives.
     """
+    return _filtered(logits, top_k.tolist(), top_p.tolist())
+
+
+def _filtered(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`apply_top_k_top_p` with each row's top_k and top_p as Python numbers (top_p
+    values as float32 holds them: the Sampler's come through `array("f")`)."""
     import torch
 
     vocab = logits.shape[1]
-    ks = [k if 0 < k < vocab else vocab for k in top_k.tolist()]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
     # top_p == 1 is "off": float rounding must not drop tail tokens then.
-    ps = [p if p < 1.0 else math.inf for p in top_p.tolist()]
+    ps = [p if p < 1.0 else math.inf for p in top_p]
     groups: dict[int, list[int]] = {}  # rows that filter, by k
     for row, (k, p) in enumerate(zip(ks, ps, strict=True)):
         if k < vocab or p != math.inf:
@@ -238,10 +245,8 @@ class Sampler:
         picked = logits if index is None else logits[index]
         temperature = torch.tensor([params[i].temperature for i in rows], device=device)
         scaled = picked.float() / temperature[:, None]
-        if any(params[i].top_k > 1 or params[i].top_p < 1.0 for i in rows):
-            top_k = torch.tensor([params[i].top_k for i in rows], device=device)
-            top_p = torch.tensor([params[i].top_p for i in rows], device=device)
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        top_p = array("f", [params[i].top_p for i in rows]).tolist()  # float32, as a tensor's
+        scaled = _filtered(scaled, [params[i].top_k for i in rows], top_p)
         probs = scaled.softmax(dim=-1)
         seeded: list[tuple[int, int, int]] = []  # (row of `picked`, seed, position)
         for j, i in enumerate(rows):
