@@ -12,9 +12,13 @@ a lease, plus the prompt's digest and each block's bytes' digest, signed with th
 key (`common.handoff.build_handle`).
 
 Block ownership: the prompt's blocks move from the prefill sequence to a lease
-(`common.server.leases`). The lease holds them until `ReleaseKv(lease_id)` (the decode
-worker, after its pull) or until the reaper sees it expire; both release the blocks to the
-pool exactly once, and no block is freed or reused while its lease lives. Full prompt blocks
+(`common.server.leases`), under the id the caller chose (`PrefillRequest.lease_id`; else a
+random one). The lease holds them until `ReleaseKv(lease_id)` (the decode worker, after its
+pull, or the router, for a request that ended before decode took it) or until the reaper
+sees it expire; both release the blocks to the pool exactly once, and no block is freed or
+reused while its lease lives. A `ReleaseKv` that comes before its lease is made (the router's
+call ended without the answer) bars the id: the Prefill then gives its blocks back and
+answers CANCELLED instead of leasing them to nobody until the TTL. Full prompt blocks
 stay in the prefix cache afterwards (evictable). `ReleaseKv` answers whether the lease was
 still live: a decode worker uses what it READ only if it was. A lease lasts `lease_ttl_s`
 plus `lease_ttl_per_lease_s` for every lease already live, so a burst that backs decode up
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -43,8 +48,9 @@ from common.handoff import build_handle, check_request
 from common.kv.digest import cache_block_digests
 from common.kv.events import KvEventHub
 from common.models.batching import MissingEmbeddingsError
+from common.models.sequence import LmSequence
 from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
-from common.server.leases import Lease, LeaseTable
+from common.server.leases import Lease, LeaseIdError, LeaseTable
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
 from common.wire.convert import sampling_from_proto
@@ -146,6 +152,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
         check_request(self.runner, tokens, sampling, request)
+        lease_id = request.lease_id or uuid.uuid4().hex
+        self._check_lease_id(lease_id)
         started = time.perf_counter()
         # A video given only some partitions' rows is computed as its pieces; the hashes
         # and digest stay the whole prompt's (`prefill_worker.partitions`).
@@ -167,7 +175,17 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         except MissingEmbeddingsError as exc:
             raise RpcStatusError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         ttl_s = self.leases.ttl_s + self.lease_ttl_per_lease_s * len(self.leases)
-        lease = self.leases.add(LeasedBlocks(seq.blocks, digests), request.request_id, ttl_s)
+        try:  # no await inside: the blocks end up leased, or back in the pool
+            digest = allocator.prompt_digest(tokens, prompt, cache_salt=salt, lora_id=lora)
+            response = self._answer(seq, len(tokens), hashes, digests, digest, lease_id, ttl_s)
+            lease = self.leases.add(
+                LeasedBlocks(seq.blocks, digests), request.request_id, ttl_s, lease_id
+            )
+        except BaseException as exc:  # the id was released (or taken) while it computed
+            await self.model.call(allocator.release, seq.blocks)
+            if isinstance(exc, LeaseIdError):
+                raise _lease_id_status(exc) from None
+            raise
         self.requests += 1
         logger.debug(
             "request %s: %d tokens (%d cached), handoff and hashes %.1f ms, compute %.1f ms, "
@@ -180,27 +198,45 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             lease.lease_id,
             ttl_s,
         )
+        return response
+
+    def _answer(
+        self,
+        seq: LmSequence,
+        num_tokens: int,
+        hashes: list[bytes] | None,
+        block_digests: list[bytes],
+        prompt_digest: bytes,
+        lease_id: str,
+        ttl_s: float,
+    ) -> prefill_service_pb2.PrefillResponse:
+        """The answer to a computed prompt: its first token and its signed KV handle."""
         return prefill_service_pb2.PrefillResponse(
             first_token_id=seq.output[0],
             kv=build_handle(
                 self.runner,
                 seq.blocks,
                 hashes or [],
-                num_tokens=len(tokens),
-                prompt_digest=allocator.prompt_digest(
-                    tokens, prompt, cache_salt=salt, lora_id=lora
-                ),
-                block_digests=digests,
+                num_tokens=num_tokens,
+                prompt_digest=prompt_digest,
+                block_digests=block_digests,
                 agent=self.agent,
                 agent_metadata=self._metadata,
-                lease_id=lease.lease_id,
+                lease_id=lease_id,
                 lease_ttl_s=ttl_s,
                 holder_address=self.holder_address,
                 key=self.key,
             ),
             cached_tokens=seq.cached_tokens,
-            computed_tokens=len(tokens) - seq.cached_tokens,
+            computed_tokens=num_tokens - seq.cached_tokens,
         )
+
+    def _check_lease_id(self, lease_id: str) -> None:
+        """Refuse, before any work, a lease id the caller chose that cannot be used."""
+        try:
+            self.leases.check(lease_id)
+        except LeaseIdError as exc:
+            raise _lease_id_status(exc) from None
 
     async def close(self) -> None:
         """Shutdown, after gRPC stopped: stop the reaper, free every leased block, finish
@@ -215,7 +251,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     async def ReleaseKv(
         self, request: prefill_service_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> prefill_service_pb2.ReleaseKvResponse:
-        lease = self.leases.pop(request.lease_id)
+        lease = self.leases.pop_or_bar(request.lease_id)  # a Prefill computing it makes none
         if lease is None:
             return prefill_service_pb2.ReleaseKvResponse(released=False)
         # The answer needs only the pop: the lease was live until now, so the reader's READ
@@ -313,3 +349,14 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             prefix_lookups=pool.lookups,
             digest_mismatches=self.runner.allocator.digest_mismatches,
         )
+
+
+def _lease_id_status(exc: LeaseIdError) -> RpcStatusError:
+    """The answer to a Prefill whose `lease_id` cannot be used: malformed (INVALID_ARGUMENT),
+    live already (ALREADY_EXISTS), or released by the caller (CANCELLED: it gave the request
+    up, and the blocks went back to the pool)."""
+    code = {
+        "live": grpc.StatusCode.ALREADY_EXISTS,
+        "released": grpc.StatusCode.CANCELLED,
+    }.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT)
+    return RpcStatusError(code, f"lease_id: {exc}")

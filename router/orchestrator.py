@@ -42,10 +42,12 @@ Admission: the ticket's prefill reservation is released with the KV lease's owne
 decode worker's first chunk, or the router's ReleaseKv), its decode reservation when the
 stream ends; a stage retried on another worker moves its reservation there.
 
-Ownership of the KV lease: the decode worker takes it over with its first chunk (it has
-pulled the blocks by then). Until that chunk arrives the router owns it: if decode is
-never started, fails, or the client leaves or time runs out first, the router calls
-`PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it).
+Ownership of the KV lease: the router owns it from the Prefill call on, under an id it chose
+(`PeerClient.prefill`: a call that ends without its answer releases that id, and a lease
+released before it is made is never made), and the decode worker takes it over with its
+first chunk (it has pulled the blocks by then). Until that chunk arrives the router owns it:
+if decode is never started, fails, or the client leaves or time runs out first, the router
+calls `PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it).
 
 Failures (`router.calls`): a worker call that fails with UNAVAILABLE before any of its
 output was used is tried again on another worker of the role, up to `attempts` tries; with
@@ -84,7 +86,6 @@ from epd.v1 import (
     decode_service_pb2,
     multimodal_pb2,
     prefill_service_pb2,
-    prefill_service_pb2_grpc,
     router_service_pb2,
 )
 from router.admission import Admission, KvPoolFull, Ticket
@@ -366,10 +367,8 @@ class Orchestrator:
         async def call(worker: WorkerRecord) -> prefill_service_pb2.PrefillResponse:
             nonlocal holder
             self.admission.move(ticket, Role.PREFILL, worker)
-            stub = prefill_service_pb2_grpc.PrefillServiceStub(self.channels.get(worker.address))
-            response: prefill_service_pb2.PrefillResponse = await stub.Prefill(
-                request, timeout=job.time_left("prefill")
-            )
+            timeout = job.time_left("prefill")
+            response = await self.channels.prefill(worker.address, request, timeout)
             holder = worker.address
             return response
 

@@ -49,7 +49,7 @@ import grpc
 from common.sampling import SamplingParams
 from common.server.peers import PeerClient
 from common.wire.convert import sampling_to_proto
-from epd.v1 import multimodal_pb2, prefill_service_pb2, prefill_service_pb2_grpc
+from epd.v1 import multimodal_pb2, prefill_service_pb2
 from router.calls import Job, RouterError
 from router.encode import NOTHING, Encoded, EncodeStage
 from router.pieces import Piece, batched, cached_tokens, pieces_past, step_layout
@@ -147,12 +147,10 @@ class OverlappedPrefill:
         )
         if job.cache_salt is not None:
             request.cache_salt = job.cache_salt
-        stub = prefill_service_pb2_grpc.PrefillServiceStub(self.channels.get(worker.address))
         try:
             with self.registry.using(worker):
-                response: prefill_service_pb2.PrefillResponse = await stub.Prefill(
-                    request, timeout=job.time_left("prefill step")
-                )
+                timeout = job.time_left("prefill step")
+                response = await self.channels.prefill(worker.address, request, timeout)
         except (grpc.aio.AioRpcError, RouterError) as exc:
             logger.info(
                 "request %s: prefill step %d on %s failed, no more steps (%s)",

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import pytest_asyncio
 
@@ -19,7 +20,7 @@ from common.engine import Engine
 from common.models.model_thread import ModelThread
 from common.server.role import RoleServer
 from common.server.rpc import channel
-from epd.v1 import prefill_service_pb2_grpc
+from epd.v1 import prefill_service_pb2, prefill_service_pb2_grpc
 from prefill_worker.server import prefill_metrics
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
@@ -104,3 +105,67 @@ async def test_a_prefill_cancelled_while_queued_is_not_computed(
         assert servicer.runner.allocator.cached_hashes() == []  # its prompt was never computed
         reply = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
         assert reply.computed_tokens == len(tokens) and servicer.requests == 1
+
+
+async def test_a_lease_released_while_its_prompt_computes_is_never_made(
+    worker: RoleServer[Any], engine: Engine
+) -> None:
+    """The router releases the lease id it chose when its Prefill call ends without the
+    answer; a release that overtakes the answer bars the id: the prefill answers CANCELLED
+    and its blocks go back to the pool instead of pinning them until the lease's TTL."""
+    servicer = worker.servicer
+    pool = servicer.runner.allocator.pool
+    tokens, params = make_handoff(engine, user("Computed while its caller gave up."))
+    request = prefill_request(tokens, params, GREEDY)
+    request.lease_id = "router-chose-this"
+    held = (len(servicer.leases), pool.num_used_blocks)  # an earlier test's lease is live
+    gate = threading.Event()
+    busy = asyncio.ensure_future(servicer.model.call(gate.wait, 30))
+    async with channel(worker.address, credentials=cluster_credentials()) as ch:
+        stub = prefill_service_pb2_grpc.PrefillServiceStub(ch)
+        try:
+            call = stub.Prefill(request, timeout=30)
+            queue = servicer.model._executor._work_queue
+            await eventually(lambda: queue.qsize() == 1)  # its compute waits for the thread
+            release = prefill_service_pb2.ReleaseKvRequest(lease_id="router-chose-this")
+            assert not (await stub.ReleaseKv(release, timeout=10)).released  # not made yet
+        finally:
+            gate.set()
+            await busy
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.CANCELLED
+        assert "lease_id" in (refused.value.details() or "")
+        assert (len(servicer.leases), pool.num_used_blocks) == held
+        # Released first, asked for after: refused before any work.
+        requests = servicer.requests
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await stub.Prefill(request, timeout=30)
+        assert again.value.code() == grpc.StatusCode.CANCELLED and servicer.requests == requests
+
+
+async def test_a_lease_id_live_already_or_malformed_is_refused(
+    worker: RoleServer[Any], engine: Engine
+) -> None:
+    servicer = worker.servicer
+    pool = servicer.runner.allocator.pool
+    held = (len(servicer.leases), pool.num_used_blocks)
+    tokens, params = make_handoff(engine, user("Two callers, one lease id."))
+    request = prefill_request(tokens, params, GREEDY)
+    request.lease_id = "one-id"
+    async with channel(worker.address, credentials=cluster_credentials()) as ch:
+        stub = prefill_service_pb2_grpc.PrefillServiceStub(ch)
+        reply = await stub.Prefill(request, timeout=30)
+        assert reply.kv.lease_id == "one-id"
+        for lease_id, code in (
+            ("one-id", grpc.StatusCode.ALREADY_EXISTS),
+            ("no spaces", grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            request.lease_id = lease_id
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Prefill(request, timeout=30)
+            assert refused.value.code() == code and "lease_id" in (refused.value.details() or "")
+        release = prefill_service_pb2.ReleaseKvRequest(lease_id="one-id")
+        assert (await stub.ReleaseKv(release, timeout=10)).released
+    await servicer.settle_releases()
+    assert (len(servicer.leases), pool.num_used_blocks) == held

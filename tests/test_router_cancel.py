@@ -2,7 +2,8 @@
 
 Pins: a client's cancel during prefill, before decode answers or mid-stream, and a deadline,
 cancel the in-flight worker call; the KV lease is released while the router owns it (closing
-after the first token included) and left to the decode worker once it took it over.
+after the first token included, and during prefill by the lease id the router chose) and
+left to the decode worker once it took it over.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ async def test_cancel_during_prefill_cancels_the_prefill_call(cluster, workers):
         await asyncio.sleep(0.01)
     task.cancel()
     await asyncio.wait_for(pre.cancelled.wait(), 5)
+    # The lease the worker may have made before the cancel reached it is released by the
+    # id the router chose for it (a worker that has not made it yet never will).
+    chosen = pre.requests[0].lease_id
+    for _ in range(100):
+        if pre.released:
+            break
+        await asyncio.sleep(0.02)
+    assert chosen and pre.released == [chosen]
 
 
 async def test_cancel_before_decode_answers_releases_and_cancels(cluster, workers):
@@ -84,3 +93,8 @@ async def test_deadline_cancels_in_flight_work(cluster, workers):
         await cluster.client.generate_text(TEXT, timeout_s=0.5)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.wait_for(pre.cancelled.wait(), 5)
+    for _ in range(100):
+        if pre.released:
+            break
+        await asyncio.sleep(0.02)
+    assert pre.released == [pre.requests[0].lease_id]

@@ -10,6 +10,14 @@ or `pop_expired` (the reaper, once `ttl_s` passed: a reader that died never rele
 `pop_all` (shutdown). Whoever pops a lease owns what it holds and must free it exactly once;
 a lease is popped at most once, so nothing is freed twice and nothing leaks.
 
+Ids chosen by the caller: a caller that asks for a lease may name its id (`add(lease_id=)`),
+so that it can release the lease even when the answer carrying it never reaches it (its call
+cancelled or timed out after the lease was made). Such a release may come first:
+`pop_or_bar` of an id no live lease has bars it, and `add` refuses a barred id (`LeaseIdError`)
+for `ttl_s` after, so a lease released before it was made is never made. Barred ids are kept
+in arrival order and forgotten once `ttl_s` old, at most `MAX_BARRED` of them (beyond that
+the oldest go first: a lease made that late lives until its TTL, as without the bar).
+
 The reaper (`start_reaper`) is a task of the table's own: every `interval_s` it pops the
 expired leases and awaits `on_expire(lease)` for each, which frees what the lease held.
 `stop_reaper` cancels it. Touched only from the server's event loop (not thread-safe).
@@ -21,15 +29,35 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+MAX_BARRED: Final = 1 << 16  # ids released before their lease was made, remembered at most
+_LEASE_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class LeaseIdError(ValueError):
+    """A caller's lease id cannot be used: malformed, live already, or released before its
+    lease was made (`reason`: "malformed", "live", "released")."""
+
+    def __init__(self, lease_id: str, reason: str) -> None:
+        super().__init__(f"lease id {lease_id[:80]!r} is {reason}")
+        self.reason = reason
+
+
+def check_lease_id(lease_id: str) -> None:
+    """Raise LeaseIdError unless `lease_id` is 1 to 64 characters of [A-Za-z0-9_-]."""
+    if not _LEASE_ID.fullmatch(lease_id):
+        raise LeaseIdError(lease_id, "malformed (1 to 64 characters of [A-Za-z0-9_-])")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +82,7 @@ class LeaseTable(Generic[T]):
         self.ttl_s = ttl_s  # lifetime of a new lease
         self.clock = clock  # monotonic time source
         self._leases: dict[str, Lease[T]] = {}
+        self._barred: OrderedDict[str, float] = OrderedDict()  # id -> when it is forgotten
         self._reaper: asyncio.Task[None] | None = None
         self.expired = 0  # leases reaped since start
         self.released = 0  # leases popped by their reader since start
@@ -61,13 +90,54 @@ class LeaseTable(Generic[T]):
     def __len__(self) -> int:
         return len(self._leases)
 
-    def add(self, held: T, request_id: str = "", ttl_s: float | None = None) -> Lease[T]:
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self._leases
+
+    def add(
+        self,
+        held: T,
+        request_id: str = "",
+        ttl_s: float | None = None,
+        lease_id: str | None = None,
+    ) -> Lease[T]:
         """A new lease, owning `held` until it is popped; it lives `ttl_s` (default: the
-        table's `ttl_s`)."""
+        table's `ttl_s`). `lease_id`: the caller's choice (None: a random one); LeaseIdError
+        when it is malformed, live or barred (`check`), and then nothing is added."""
+        if lease_id is None:
+            lease_id = uuid.uuid4().hex
+        else:
+            self.check(lease_id)
         lifetime = self.ttl_s if ttl_s is None else ttl_s
-        lease = Lease(uuid.uuid4().hex, held, self.clock() + lifetime, request_id)
-        self._leases[lease.lease_id] = lease
+        lease = Lease(lease_id, held, self.clock() + lifetime, request_id)
+        self._leases[lease_id] = lease
         return lease
+
+    def check(self, lease_id: str) -> None:
+        """Raise LeaseIdError unless `add` would take `lease_id` now."""
+        check_lease_id(lease_id)
+        if lease_id in self._leases:
+            raise LeaseIdError(lease_id, "live")
+        self._forget_barred()
+        if lease_id in self._barred:
+            raise LeaseIdError(lease_id, "released")
+
+    def pop_or_bar(self, lease_id: str) -> Lease[T] | None:
+        """`pop`; when no lease is live under `lease_id`, bar the id instead: `add` refuses
+        it for `ttl_s` (the release of a lease not made yet, see the module docstring)."""
+        lease = self.pop(lease_id)
+        if lease is None and lease_id:
+            self._forget_barred()
+            self._barred[lease_id] = self.clock() + self.ttl_s
+            self._barred.move_to_end(lease_id)
+            while len(self._barred) > MAX_BARRED:
+                self._barred.popitem(last=False)
+        return lease
+
+    def _forget_barred(self) -> None:
+        now = self.clock()
+        barred = self._barred
+        while barred and next(iter(barred.values())) <= now:
+            barred.popitem(last=False)
 
     def pop(self, lease_id: str) -> Lease[T] | None:
         """Remove and return a lease not yet popped (None when unknown or already gone). A

@@ -1,12 +1,13 @@
 """Calls from one epd process to the workers it talks to: one channel per address, and
 fire-and-forget lease releases over them.
 
-Shared by the router (its calls to every worker, and the releases of leases a request left
-behind) and the KV workers (prefill releasing encoder embeddings it pulled, decode releasing
-the prefill KV lease it pulled). A release runs as a background task bounded by its own
-deadline, so a cancelled request still frees what it held; a failed release is logged, not
-raised (the holder's reaper frees the lease at its TTL). Releasing twice is harmless: holders
-ignore unknown lease ids.
+Shared by the router (its calls to every worker, its Prefill calls under lease ids of its
+own, and the releases of leases a request left behind) and the KV workers (prefill releasing
+encoder embeddings it pulled, decode releasing the prefill KV lease it pulled). A release
+runs as a background task bounded by its own deadline, so a cancelled request still frees
+what it held; a failed release is logged, not raised (the holder's reaper frees the lease at
+its TTL). Releasing twice is harmless: holders ignore unknown lease ids (a prefill worker
+remembers one for a while, so that a Prefill still computing under it makes no lease).
 
 Lifecycle: channels open on first use and live until `forget(address)` (a worker left),
 `reopen(address)` (a worker restarted there: the next call dials afresh instead of waiting
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Mapping, Sequence
 
 import grpc
@@ -35,6 +37,10 @@ from epd.v1 import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Prefill failures after which the worker may hold a lease its caller never learnt of: the
+# caller stopped waiting (a worker's own refusals are answered before any lease is made).
+_ANSWER_LOST = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class PeerClient:
@@ -83,6 +89,30 @@ class PeerClient:
             request = prefill_service_pb2.ReleaseKvRequest(lease_id=lease_id)
             call = stub.ReleaseKv(request, timeout=self.release_timeout_s)
             self._spawn(call, f"ReleaseKv({lease_id})", address)
+
+    async def prefill(
+        self, address: str, request: prefill_service_pb2.PrefillRequest, timeout: float | None
+    ) -> prefill_service_pb2.PrefillResponse:
+        """`PrefillService.Prefill(request)` on the worker at `address`, under a lease id of
+        this caller's (a fresh one set on `request`): if the call ends without its answer
+        (cancelled, or past its deadline), the lease the worker may have made meanwhile is
+        released in the background instead of pinning the prompt's blocks until its TTL
+        (the worker makes none if the release comes first). A worker from before caller
+        lease ids leases under its own id, which is then left to its TTL as before."""
+        request.lease_id = uuid.uuid4().hex
+        stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
+        try:
+            response: prefill_service_pb2.PrefillResponse = await stub.Prefill(
+                request, timeout=timeout
+            )
+        except asyncio.CancelledError:
+            self.release_kv(address, request.lease_id)
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _ANSWER_LOST:
+                self.release_kv(address, request.lease_id)
+            raise
+        return response
 
     def renew_kv(self, address: str, lease_id: str) -> None:
         """`PrefillService.RenewKv(lease_id)` on the prefill worker at `address`, in the

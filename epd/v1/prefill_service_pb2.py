@@ -27,7 +27,7 @@ from epd.v1 import multimodal_pb2 as epd_dot_v1_dot_multimodal__pb2
 from epd.v1 import sampling_pb2 as epd_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65pd/v1/prefill_service.proto\x12\x06\x65pd.v1\x1a\x0f\x65pd/v1/kv.proto\x1a\x17\x65pd/v1/multimodal.proto\x1a\x15\x65pd/v1/sampling.proto\"\xe2\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\nmultimodal\x18\x03 \x01(\x0b\x32\x18.epd.v1.MultimodalParams\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07lora_id\x18\x06 \x01(\tH\x01\x88\x01\x01\x12G\n\x11\x65mbedding_holders\x18\x07 \x03(\x0b\x32,.epd.v1.PrefillRequest.EmbeddingHoldersEntry\x1a\x37\n\x15\x45mbeddingHoldersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_cache_saltB\n\n\x08_lora_id\"w\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1c\n\x02kv\x18\x02 \x01(\x0b\x32\x10.epd.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\"?\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x19\n\x11mismatched_blocks\x18\x02 \x03(\r\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\"\n\x0eRenewKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"8\n\x0fRenewKvResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\x04\"+\n\x15StreamKvEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"9\n\x16StreamKvEventsResponse\x12\x1f\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x0f.epd.v1.KvEvent2\x9d\x02\n\x0ePrefillService\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponse\x12@\n\tReleaseKv\x12\x18.epd.v1.ReleaseKvRequest\x1a\x19.epd.v1.ReleaseKvResponse\x12:\n\x07RenewKv\x12\x16.epd.v1.RenewKvRequest\x1a\x17.epd.v1.RenewKvResponse\x12Q\n\x0eStreamKvEvents\x12\x1d.epd.v1.StreamKvEventsRequest\x1a\x1e.epd.v1.StreamKvEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65pd/v1/prefill_service.proto\x12\x06\x65pd.v1\x1a\x0f\x65pd/v1/kv.proto\x1a\x17\x65pd/v1/multimodal.proto\x1a\x15\x65pd/v1/sampling.proto\"\xf4\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\nmultimodal\x18\x03 \x01(\x0b\x32\x18.epd.v1.MultimodalParams\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07lora_id\x18\x06 \x01(\tH\x01\x88\x01\x01\x12G\n\x11\x65mbedding_holders\x18\x07 \x03(\x0b\x32,.epd.v1.PrefillRequest.EmbeddingHoldersEntry\x12\x10\n\x08lease_id\x18\x08 \x01(\t\x1a\x37\n\x15\x45mbeddingHoldersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_cache_saltB\n\n\x08_lora_id\"w\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1c\n\x02kv\x18\x02 \x01(\x0b\x32\x10.epd.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\"?\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x19\n\x11mismatched_blocks\x18\x02 \x03(\r\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\"\n\x0eRenewKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"8\n\x0fRenewKvResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\x04\"+\n\x15StreamKvEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"9\n\x16StreamKvEventsResponse\x12\x1f\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x0f.epd.v1.KvEvent2\x9d\x02\n\x0ePrefillService\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponse\x12@\n\tReleaseKv\x12\x18.epd.v1.ReleaseKvRequest\x1a\x19.epd.v1.ReleaseKvResponse\x12:\n\x07RenewKv\x12\x16.epd.v1.RenewKvRequest\x1a\x17.epd.v1.RenewKvResponse\x12Q\n\x0eStreamKvEvents\x12\x1d.epd.v1.StreamKvEventsRequest\x1a\x1e.epd.v1.StreamKvEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST_EMBEDDINGHOLDERSENTRY']._loaded_options = None
   _globals['_PREFILLREQUEST_EMBEDDINGHOLDERSENTRY']._serialized_options = b'8\001'
   _globals['_PREFILLREQUEST']._serialized_start=106
-  _globals['_PREFILLREQUEST']._serialized_end=460
-  _globals['_PREFILLREQUEST_EMBEDDINGHOLDERSENTRY']._serialized_start=378
-  _globals['_PREFILLREQUEST_EMBEDDINGHOLDERSENTRY']._serialized_end=433
-  _globals['_PREFILLRESPONSE']._serialized_start=462
-  _globals['_PREFILLRESPONSE']._serialized_end=581
-  _globals['_RELEASEKVREQUEST']._serialized_start=583
-  _globals['_RELEASEKVREQUEST']._serialized_end=646
-  _globals['_RELEASEKVRESPONSE']._serialized_start=648
-  _globals['_RELEASEKVRESPONSE']._serialized_end=685
-  _globals['_RENEWKVREQUEST']._serialized_start=687
-  _globals['_RENEWKVREQUEST']._serialized_end=721
-  _globals['_RENEWKVRESPONSE']._serialized_start=723
-  _globals['_RENEWKVRESPONSE']._serialized_end=779
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=781
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=824
-  _globals['_STREAMKVEVENTSRESPONSE']._serialized_start=826
-  _globals['_STREAMKVEVENTSRESPONSE']._serialized_end=883
-  _globals['_PREFILLSERVICE']._serialized_start=886
-  _globals['_PREFILLSERVICE']._serialized_end=1171
+  _globals['_PREFILLREQUEST']._serialized_end=478
+  _globals['_PREFILLREQUEST_EMBEDDINGHOLDERSENTRY']._serialized_start=396
+  _globals['_PREFILLREQUEST_EMBEDDINGHOLDERSENTRY']._serialized_end=451
+  _globals['_PREFILLRESPONSE']._serialized_start=480
+  _globals['_PREFILLRESPONSE']._serialized_end=599
+  _globals['_RELEASEKVREQUEST']._serialized_start=601
+  _globals['_RELEASEKVREQUEST']._serialized_end=664
+  _globals['_RELEASEKVRESPONSE']._serialized_start=666
+  _globals['_RELEASEKVRESPONSE']._serialized_end=703
+  _globals['_RENEWKVREQUEST']._serialized_start=705
+  _globals['_RENEWKVREQUEST']._serialized_end=739
+  _globals['_RENEWKVRESPONSE']._serialized_start=741
+  _globals['_RENEWKVRESPONSE']._serialized_end=797
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=799
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=842
+  _globals['_STREAMKVEVENTSRESPONSE']._serialized_start=844
+  _globals['_STREAMKVEVENTSRESPONSE']._serialized_end=901
+  _globals['_PREFILLSERVICE']._serialized_start=904
+  _globals['_PREFILLSERVICE']._serialized_end=1189
 # @@protoc_insertion_point(module_scope)

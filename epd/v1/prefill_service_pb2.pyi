@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "multimodal", "sampling", "cache_salt", "lora_id", "embedding_holders")
+    __slots__ = ("request_id", "prompt_token_ids", "multimodal", "sampling", "cache_salt", "lora_id", "embedding_holders", "lease_id")
     class EmbeddingHoldersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class PrefillRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     multimodal: _multimodal_pb2.MultimodalParams
@@ -32,7 +33,8 @@ class PrefillRequest(_message.Message):
     cache_salt: str
     lora_id: str
     embedding_holders: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., multimodal: _Optional[_Union[_multimodal_pb2.MultimodalParams, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., embedding_holders: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., multimodal: _Optional[_Union[_multimodal_pb2.MultimodalParams, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., embedding_holders: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "kv", "cached_tokens", "computed_tokens")

@@ -1,0 +1,65 @@
+"""`common.server.leases.LeaseTable` with lease ids its callers choose: a release that comes
+before the lease bars the id, so the lease is never made (what a router whose Prefill call
+was cancelled relies on); barred ids are forgotten after the TTL and bounded in number."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.server import leases
+from common.server.leases import LeaseIdError, LeaseTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_caller_chosen_id_names_the_lease() -> None:
+    table: LeaseTable[str] = LeaseTable(5.0)
+    lease = table.add("blocks", "r1", lease_id="mine-1")
+    assert lease.lease_id == "mine-1" and "mine-1" in table
+    assert table.pop_or_bar("mine-1") is lease and "mine-1" not in table
+    assert table.released == 1
+
+
+def test_a_release_before_the_lease_bars_its_id_for_the_ttl() -> None:
+    clock = Clock()
+    table: LeaseTable[str] = LeaseTable(5.0, clock)
+    assert table.pop_or_bar("early") is None  # nothing live: the id is barred instead
+    with pytest.raises(LeaseIdError) as refused:
+        table.add("blocks", "r1", lease_id="early")
+    assert refused.value.reason == "released" and len(table) == 0
+    clock.now += 4.9
+    with pytest.raises(LeaseIdError):
+        table.check("early")
+    clock.now += 0.2  # past the TTL: forgotten
+    assert table.add("blocks", "r1", lease_id="early").lease_id == "early"
+
+
+def test_live_and_malformed_ids_are_refused_and_nothing_is_added() -> None:
+    table: LeaseTable[str] = LeaseTable(5.0)
+    table.add("first", lease_id="dup")
+    with pytest.raises(LeaseIdError) as live:
+        table.add("second", lease_id="dup")
+    assert live.value.reason == "live" and table.pop("dup") is not None
+    for bad in ("", "x" * 65, "a b", "ünï", "id/1"):
+        with pytest.raises(LeaseIdError, match="malformed"):
+            table.add("blocks", lease_id=bad)
+    assert len(table) == 0
+    assert len(table.add("blocks").lease_id) == 32  # no id given: a random one
+
+
+def test_barred_ids_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(leases, "MAX_BARRED", 3)
+    table: LeaseTable[str] = LeaseTable(5.0)
+    for i in range(5):
+        table.pop_or_bar(f"id-{i}")
+    table.check("id-0")  # the two oldest were forgotten
+    table.check("id-1")
+    for i in (2, 3, 4):
+        with pytest.raises(LeaseIdError):
+            table.check(f"id-{i}")
