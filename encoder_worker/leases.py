@@ -18,7 +18,10 @@ frees expired ones): `export` (range taken or buffer registered, lease live) →
 (by the reader) or expiry (the reaper, `ttl_s` after export: a reader that died never
 releases) → the range goes back to the arena (the next export may overwrite it), or the own
 buffer is deregistered and dropped. Each lease is freed exactly once. A reader must finish
-its READ within `ttl_s`: after expiry its range may hold another output.
+its READ within `ttl_s`: after expiry its range may hold another output. A lease's id is
+random, or the caller's (`EncodeRequest.lease_key` and the item's index, so the router can
+release the leases of an answer it never got); `release` of an id not live bars it, and
+`export` refuses a barred id (`common.server.leases`), so such an output is never leased.
 
 The agent and arena are made on a background thread at `start()` (making a NIXL agent takes
 seconds); `agent()` waits for them. If NIXL is unavailable, `agent()` returns None and the
@@ -142,10 +145,14 @@ class OutputLeases:
         return await asyncio.shield(self._agent_task)
 
     def export(
-        self, agent: TransferAgent, tensors: Sequence[torch.Tensor]
+        self, agent: TransferAgent, tensors: Sequence[torch.Tensor], lease_id: str | None = None
     ) -> list[tensor_pb2.TransferHandle]:
         """Copy `tensors` under a new lease into a range of the arena, or into a registered
-        buffer of their own when none fits; a handle per tensor."""
+        buffer of their own when none fits; a handle per tensor. `lease_id`: the id the
+        caller chose (None: a random one); `LeaseIdError`, nothing taken, when the table
+        refuses it (malformed, live, or released already: `LeaseTable.check`)."""
+        if lease_id is not None:
+            self.table.check(lease_id)
         offsets = []
         total = 0
         for t in tensors:
@@ -161,7 +168,7 @@ class OutputLeases:
             views.append(view)
         # Own buffers change the metadata: one fresh snapshot for this lease's handles.
         metadata = self._metadata if held.offset is not None else agent.metadata()
-        lease = self.table.add(held)
+        lease = self.table.add(held, lease_id=lease_id)
         self.exported += 1
         return [handle_for(v, agent, lease.lease_id, metadata=metadata) for v in views]
 
@@ -192,10 +199,11 @@ class OutputLeases:
         return OutputBuffer(buffer, None, agent.register(buffer))
 
     def release(self, lease_ids: Sequence[str]) -> int:
-        """Free the given leases now; unknown or already freed ids are ignored."""
+        """Free the given leases now; an unknown or already freed id is barred instead (an
+        Encode still answering under it makes no lease: `LeaseTable.pop_or_bar`)."""
         freed = 0
         for lease_id in lease_ids:
-            lease = self.table.pop(lease_id)
+            lease = self.table.pop_or_bar(lease_id)
             if lease is not None:
                 self._free(lease)
                 freed += 1

@@ -27,6 +27,7 @@ from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
 from common.models.runner import model_identity
 from common.processing.content_hash import processor_settings
 from common.roles import PATCH_CODES, PROTOCOL_VERSION
+from common.server.leases import LeaseIdError, check_lease_id, refusal
 from common.server.lifecycle import ServerLifecycle
 from common.server.metrics import counter, gauge, requests_metrics, scrape_registry
 from common.server.role import AddServicer, RoleServer, checkpoint_path
@@ -103,9 +104,21 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
                 self.fingerprint,
                 exact_partitions=self.settings.exact_partitions,
             )
+            lease_ids = _lease_ids(request.lease_key, len(jobs))
             parsed = time.perf_counter()
             outputs = await self.engine.encode(jobs)
-            items = [await self._encoded(job, out) for job, out in zip(jobs, outputs, strict=True)]
+            leased: list[str] = []  # leases made for this answer, freed if it is not sent
+            try:
+                items = [
+                    await self._encoded(job, out, lease_id, leased)
+                    for job, out, lease_id in zip(jobs, outputs, lease_ids, strict=True)
+                ]
+            except BaseException as exc:
+                if self.leases is not None:
+                    self.leases.release(leased)
+                if isinstance(exc, LeaseIdError):  # released by the caller (it gave up), or live
+                    raise refusal(exc, "lease_key") from None
+                raise
             logger.debug(
                 "request %s: %d items, %d from cache; parse and verify %.1f ms, encode and "
                 "answer %.1f ms",
@@ -125,8 +138,10 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
         released = self.leases.release(request.lease_ids) if self.leases is not None else 0
         return encoder_service_pb2.ReleaseEmbeddingsResponse(released=released)
 
-    async def _encoded(self, job: ItemJob, out: ItemOutput) -> encoder_service_pb2.EncodedItem:
-        refs = await self._refs(out.rows)
+    async def _encoded(
+        self, job: ItemJob, out: ItemOutput, lease_id: str | None, leased: list[str]
+    ) -> encoder_service_pb2.EncodedItem:
+        refs = await self._refs(out.rows, lease_id, leased)
         return encoder_service_pb2.EncodedItem(
             content_hash=job.content_hash,
             rows=refs[0],
@@ -135,12 +150,17 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
             cache_hit=out.cache_hit,
         )
 
-    async def _refs(self, rows: EncodedRows) -> list[tensor_pb2.TensorRef]:
+    async def _refs(
+        self, rows: EncodedRows, lease_id: str | None, leased: list[str]
+    ) -> list[tensor_pb2.TensorRef]:
+        """The rows inline, or by handle under a lease (`lease_id`, None: a random id; the
+        lease's id is appended to `leased`)."""
         tensors = [rows.rows, *rows.deepstack]
         if rows.nbytes > self.settings.inline_limit_bytes and self.leases is not None:
             agent = await self.leases.agent()
             if agent is not None:
-                handles = self.leases.export(agent, tensors)
+                handles = self.leases.export(agent, tensors, lease_id)
+                leased.append(handles[0].lease_id)
                 return [
                     tensor_pb2.TensorRef(
                         dtype=element_type(t.dtype), shape=list(t.shape), handle=handle
@@ -183,7 +203,8 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
 
 
 def encoder_metrics(servicer: EncoderServicer) -> list[Any]:
-    """The encoder's metrics at scrape time (docs/metrics.md): requests, its cache."""
+    """The encoder's metrics at scrape time (docs/metrics.md): requests, its cache, its
+    output leases."""
     c = servicer.counters
     return [
         *requests_metrics(c.active, 0),
@@ -200,6 +221,12 @@ def encoder_metrics(servicer: EncoderServicer) -> list[Any]:
             "epd:encoder_units_abandoned",
             "Queued items or partitions not encoded: every request waiting for them went away.",
             c.units_abandoned,
+        ),
+        gauge("epd:encoder_output_leases", "Outputs held for readers over NIXL now.", c.leases),
+        counter(
+            "epd:encoder_output_leases_expired",
+            "Output leases the reaper freed: no reader released them.",
+            c.leases_expired,
         ),
     ]
 
@@ -271,3 +298,18 @@ async def serve(
     server.register(settings.routers, info, server.servicer.load, settings.router_dns)
     logger.info("encoder worker serving %s on %s (model %s)", path, server.address, identity)
     return server
+
+
+def _lease_ids(lease_key: str, items: int) -> list[str | None]:
+    """Per item of a request, the id its output lease is to have: "<lease_key>-<k>", or
+    None (the encoder picks) without a key. RpcStatusError INVALID_ARGUMENT naming
+    `lease_key` when it is malformed (1 to 48 characters of [A-Za-z0-9_-])."""
+    if not lease_key:
+        return [None] * items
+    try:
+        check_lease_id(lease_key)
+        if len(lease_key) > 48:
+            raise LeaseIdError(lease_key, "longer than 48 characters")
+    except LeaseIdError as exc:
+        raise refusal(exc, "lease_key") from None
+    return [f"{lease_key}-{k}" for k in range(items)]

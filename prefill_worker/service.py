@@ -50,7 +50,7 @@ from common.kv.events import KvEventHub
 from common.models.batching import MissingEmbeddingsError
 from common.models.sequence import LmSequence
 from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
-from common.server.leases import Lease, LeaseIdError, LeaseTable
+from common.server.leases import Lease, LeaseIdError, LeaseTable, refusal
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
 from common.wire.convert import sampling_from_proto
@@ -184,7 +184,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         except BaseException as exc:  # the id was released (or taken) while it computed
             await self.model.call(allocator.release, seq.blocks)
             if isinstance(exc, LeaseIdError):
-                raise _lease_id_status(exc) from None
+                raise refusal(exc, "lease_id") from None
             raise
         self.requests += 1
         logger.debug(
@@ -236,7 +236,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         try:
             self.leases.check(lease_id)
         except LeaseIdError as exc:
-            raise _lease_id_status(exc) from None
+            raise refusal(exc, "lease_id") from None
 
     async def close(self) -> None:
         """Shutdown, after gRPC stopped: stop the reaper, free every leased block, finish
@@ -349,14 +349,3 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             prefix_lookups=pool.lookups,
             digest_mismatches=self.runner.allocator.digest_mismatches,
         )
-
-
-def _lease_id_status(exc: LeaseIdError) -> RpcStatusError:
-    """The answer to a Prefill whose `lease_id` cannot be used: malformed (INVALID_ARGUMENT),
-    live already (ALREADY_EXISTS), or released by the caller (CANCELLED: it gave the request
-    up, and the blocks went back to the pool)."""
-    code = {
-        "live": grpc.StatusCode.ALREADY_EXISTS,
-        "released": grpc.StatusCode.CANCELLED,
-    }.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT)
-    return RpcStatusError(code, f"lease_id: {exc}")

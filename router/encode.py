@@ -24,7 +24,8 @@ Outputs come back as inline bytes or NIXL handles and pass on unchanged (a prefi
 pulls handle-held ones straight from the encoder). Each handle's lease is recorded with the
 address of the encoder that produced it, for `PrefillRequest.embedding_holders`; when the
 outputs are unusable, or one group fails or the request is cancelled, the leases already
-granted are released here.
+granted are released here, and those of an answer that never arrived by the lease key the
+router chose for the call (`PeerClient.encode`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from common.server.peers import PeerClient
 from common.wire.convert import inline_bytes
 from epd.v1 import (
     encoder_service_pb2,
-    encoder_service_pb2_grpc,
     multimodal_pb2,
     prefill_service_pb2,
 )
@@ -214,10 +214,8 @@ class EncodeStage:
                     self._warn_values(worker)
                     sent = await asyncio.to_thread(encode_request, job, items, chosen, False)
                 forms[codes] = sent
-            stub = encoder_service_pb2_grpc.EncoderServiceStub(self.channels.get(worker.address))
-            response: encoder_service_pb2.EncodeResponse = await stub.Encode(
-                sent.request, timeout=job.time_left("encode")
-            )
+            timeout = job.time_left("encode")
+            response = await self.channels.encode(worker.address, sent.request, timeout)
             return sent, worker.address, response
 
         sent, encoder, response = await self.calls.with_retry(

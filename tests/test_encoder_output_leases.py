@@ -178,3 +178,44 @@ async def test_output_that_does_not_fit_gets_its_own_registered_buffer(
     finally:
         await leases.close()
         await asyncio.to_thread(reader.close)
+
+
+async def test_outputs_lease_under_the_callers_key_and_a_released_key_makes_none(
+    make_server: Factory, processor: Processor
+) -> None:
+    """The router names a request's output leases (`lease_key`) so that it can release
+    those of an answer it never got; released first, they are never made."""
+    import grpc
+
+    pytest.importorskip("common.transfer.agent")
+    server, stub = await make_server(nixl=True, inline_limit_bytes=4096)
+    leases = server.servicer.leases if server.servicer else None
+    if leases is None or await leases.agent() is None:
+        pytest.skip("NIXL unavailable")
+    small, large = _image(processor, 50), _image(processor, 51, 128, 128)
+    request = _request(_item(small), _item(large))
+    request.lease_key = "router-key"
+    reply = await stub.Encode(request, timeout=60)
+    assert reply.items[1].rows.handle.lease_id == "router-key-1"  # item 1, by handle
+    release = encoder_service_pb2.ReleaseEmbeddingsRequest(
+        lease_ids=["router-key-0", "router-key-1"]  # the router knows the ids, not the sizes
+    )
+    assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 1
+    assert len(leases) == 0
+
+    # Released before the answer was made (the router's call ended without it): the
+    # encoder makes no lease under those ids, and answers CANCELLED.
+    request.lease_key = "given-up"
+    release = encoder_service_pb2.ReleaseEmbeddingsRequest(lease_ids=["given-up-0", "given-up-1"])
+    assert (await stub.ReleaseEmbeddings(release, timeout=10)).released == 0
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Encode(request, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.CANCELLED
+    assert "lease_key" in (refused.value.details() or "") and len(leases) == 0
+
+    for bad in ("has space", "k" * 49):
+        request.lease_key = bad
+        with pytest.raises(grpc.aio.AioRpcError) as malformed:
+            await stub.Encode(request, timeout=60)
+        assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lease_key" in (malformed.value.details() or "")

@@ -68,9 +68,17 @@ class FakeEncoder(encoder_service_pb2_grpc.EncoderServiceServicer):
         self.requests: list[encoder_service_pb2.EncodeRequest] = []
         self.released: list[str] = []
         self.handles = False  # answer with NIXL handles instead of inline rows
+        self.hang = False
+        self.cancelled = asyncio.Event()
 
     async def Encode(self, request, context):
         self.requests.append(request)
+        if self.hang:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
         out = encoder_service_pb2.EncodeResponse()
         for i, item in enumerate(request.items):
             rows = sum(p.output_rows for p in item.partitions) or int(np.prod(item.grid_thw)) // 4

@@ -18,7 +18,7 @@ from common.processing.messages import messages_from_dicts
 from common.sampling import SamplingParams
 from epd.client import GenerateError
 from router.calls import Job
-from tests.test_router import FIRST, TEXT
+from tests.test_router import FIRST, IMAGE, TEXT
 from tests.test_router import ckpt as ckpt  # fixture
 from tests.test_router import cluster as cluster  # fixture
 from tests.test_router import workers as workers  # fixture
@@ -40,6 +40,22 @@ async def test_cancel_during_prefill_cancels_the_prefill_call(cluster, workers):
             break
         await asyncio.sleep(0.02)
     assert chosen and pre.released == [chosen]
+
+
+async def test_cancel_during_encode_releases_the_leases_its_answer_would_hold(cluster, workers):
+    enc, _, _ = workers
+    enc.hang = True
+    task = asyncio.create_task(cluster.client.generate_text(IMAGE))
+    while not enc.requests:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.wait_for(enc.cancelled.wait(), 5)
+    key = enc.requests[0].lease_key  # chosen by the router: item k's lease is "<key>-k"
+    for _ in range(100):
+        if enc.released:
+            break
+        await asyncio.sleep(0.02)
+    assert key and enc.released == [f"{key}-0"]
 
 
 async def test_cancel_before_decode_answers_releases_and_cancels(cluster, workers):

@@ -37,6 +37,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
+import grpc
+
+from common.server.rpc import RpcStatusError
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -54,10 +58,21 @@ class LeaseIdError(ValueError):
         self.reason = reason
 
 
+def refusal(exc: LeaseIdError, field: str) -> RpcStatusError:
+    """The answer to a call whose caller-chosen lease id (in `field`) cannot be used:
+    released by the caller already (CANCELLED: it gave the call up), live already
+    (ALREADY_EXISTS) or malformed (INVALID_ARGUMENT)."""
+    code = {
+        "live": grpc.StatusCode.ALREADY_EXISTS,
+        "released": grpc.StatusCode.CANCELLED,
+    }.get(exc.reason, grpc.StatusCode.INVALID_ARGUMENT)
+    return RpcStatusError(code, f"{field}: {exc}")
+
+
 def check_lease_id(lease_id: str) -> None:
     """Raise LeaseIdError unless `lease_id` is 1 to 64 characters of [A-Za-z0-9_-]."""
     if not _LEASE_ID.fullmatch(lease_id):
-        raise LeaseIdError(lease_id, "malformed (1 to 64 characters of [A-Za-z0-9_-])")
+        raise LeaseIdError(lease_id, "malformed")
 
 
 @dataclass(frozen=True, slots=True)

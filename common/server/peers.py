@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -38,7 +39,9 @@ from epd.v1 import (
 
 logger = logging.getLogger(__name__)
 
-# Prefill failures after which the worker may hold a lease its caller never learnt of: the
+T = TypeVar("T")
+
+# Call failures after which the worker may hold a lease its caller never learnt of: the
 # caller stopped waiting (a worker's own refusals are answered before any lease is made).
 _ANSWER_LOST = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -101,18 +104,43 @@ class PeerClient:
         lease ids leases under its own id, which is then left to its TTL as before."""
         request.lease_id = uuid.uuid4().hex
         stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
+        call = stub.Prefill(request, timeout=timeout)
+        lease_id = request.lease_id
+        response: prefill_service_pb2.PrefillResponse = await self._unless_lost(
+            call, lambda: self.release_kv(address, lease_id)
+        )
+        return response
+
+    async def encode(
+        self, address: str, request: encoder_service_pb2.EncodeRequest, timeout: float | None
+    ) -> encoder_service_pb2.EncodeResponse:
+        """`EncoderService.Encode(request)` on the encoder at `address`, under a lease key of
+        this caller's (a fresh one set on `request`): as `prefill`, the output leases the
+        encoder may have made for an answer that never arrives are released in the
+        background (item k's is "<key>-<k>")."""
+        request.lease_key = uuid.uuid4().hex
+        stub = encoder_service_pb2_grpc.EncoderServiceStub(self.get(address))
+        call = stub.Encode(request, timeout=timeout)
+        ids = [f"{request.lease_key}-{k}" for k in range(len(request.items))]
+        response: encoder_service_pb2.EncodeResponse = await self._unless_lost(
+            call, lambda: self._release_embeddings_on(address, ids)
+        )
+        return response
+
+    @staticmethod
+    async def _unless_lost(call: Awaitable[T], release: Callable[[], None]) -> T:
+        """`await call`; `release()` first when it ends without its answer, so that what
+        the worker made for that answer is freed (the caller stopped waiting: a worker's
+        own refusals come before it makes anything)."""
         try:
-            response: prefill_service_pb2.PrefillResponse = await stub.Prefill(
-                request, timeout=timeout
-            )
+            return await call
         except asyncio.CancelledError:
-            self.release_kv(address, request.lease_id)
+            release()
             raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _ANSWER_LOST:
-                self.release_kv(address, request.lease_id)
+                release()
             raise
-        return response
 
     def renew_kv(self, address: str, lease_id: str) -> None:
         """`PrefillService.RenewKv(lease_id)` on the prefill worker at `address`, in the

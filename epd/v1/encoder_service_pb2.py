@@ -26,7 +26,7 @@ from epd.v1 import multimodal_pb2 as epd_dot_v1_dot_multimodal__pb2
 from epd.v1 import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65pd/v1/encoder_service.proto\x12\x06\x65pd.v1\x1a\x17\x65pd/v1/multimodal.proto\x1a\x13\x65pd/v1/tensor.proto\"\xc7\x01\n\nEncodeItem\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\"\n\x08modality\x18\x02 \x01(\x0e\x32\x10.epd.v1.Modality\x12\'\n\x0cpixel_values\x18\x03 \x01(\x0b\x32\x11.epd.v1.TensorRef\x12\x10\n\x08grid_thw\x18\x04 \x03(\x05\x12)\n\npartitions\x18\x05 \x03(\x0b\x32\x15.epd.v1.ItemPartition\x12\x19\n\x11partition_indices\x18\x06 \x03(\r\"n\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05items\x18\x02 \x03(\x0b\x32\x12.epd.v1.EncodeItem\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x98\x01\n\x0b\x45ncodedItem\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.epd.v1.TensorRef\x12$\n\tdeepstack\x18\x03 \x03(\x0b\x32\x11.epd.v1.TensorRef\x12\x19\n\x11partition_indices\x18\x04 \x03(\r\x12\x11\n\tcache_hit\x18\x05 \x01(\x08\"4\n\x0e\x45ncodeResponse\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.epd.v1.EncodedItem\"-\n\x18ReleaseEmbeddingsRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"-\n\x19ReleaseEmbeddingsResponse\x12\x10\n\x08released\x18\x01 \x01(\r2\xa3\x01\n\x0e\x45ncoderService\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse\x12X\n\x11ReleaseEmbeddings\x12 .epd.v1.ReleaseEmbeddingsRequest\x1a!.epd.v1.ReleaseEmbeddingsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65pd/v1/encoder_service.proto\x12\x06\x65pd.v1\x1a\x17\x65pd/v1/multimodal.proto\x1a\x13\x65pd/v1/tensor.proto\"\xc7\x01\n\nEncodeItem\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\"\n\x08modality\x18\x02 \x01(\x0e\x32\x10.epd.v1.Modality\x12\'\n\x0cpixel_values\x18\x03 \x01(\x0b\x32\x11.epd.v1.TensorRef\x12\x10\n\x08grid_thw\x18\x04 \x03(\x05\x12)\n\npartitions\x18\x05 \x03(\x0b\x32\x15.epd.v1.ItemPartition\x12\x19\n\x11partition_indices\x18\x06 \x03(\r\"\x81\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05items\x18\x02 \x03(\x0b\x32\x12.epd.v1.EncodeItem\x12\x17\n\ncache_salt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x11\n\tlease_key\x18\x04 \x01(\tB\r\n\x0b_cache_salt\"\x98\x01\n\x0b\x45ncodedItem\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.epd.v1.TensorRef\x12$\n\tdeepstack\x18\x03 \x03(\x0b\x32\x11.epd.v1.TensorRef\x12\x19\n\x11partition_indices\x18\x04 \x03(\r\x12\x11\n\tcache_hit\x18\x05 \x01(\x08\"4\n\x0e\x45ncodeResponse\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.epd.v1.EncodedItem\"-\n\x18ReleaseEmbeddingsRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"-\n\x19ReleaseEmbeddingsResponse\x12\x10\n\x08released\x18\x01 \x01(\r2\xa3\x01\n\x0e\x45ncoderService\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse\x12X\n\x11ReleaseEmbeddings\x12 .epd.v1.ReleaseEmbeddingsRequest\x1a!.epd.v1.ReleaseEmbeddingsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,16 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEITEM']._serialized_start=87
   _globals['_ENCODEITEM']._serialized_end=286
-  _globals['_ENCODEREQUEST']._serialized_start=288
-  _globals['_ENCODEREQUEST']._serialized_end=398
-  _globals['_ENCODEDITEM']._serialized_start=401
-  _globals['_ENCODEDITEM']._serialized_end=553
-  _globals['_ENCODERESPONSE']._serialized_start=555
-  _globals['_ENCODERESPONSE']._serialized_end=607
-  _globals['_RELEASEEMBEDDINGSREQUEST']._serialized_start=609
-  _globals['_RELEASEEMBEDDINGSREQUEST']._serialized_end=654
-  _globals['_RELEASEEMBEDDINGSRESPONSE']._serialized_start=656
-  _globals['_RELEASEEMBEDDINGSRESPONSE']._serialized_end=701
-  _globals['_ENCODERSERVICE']._serialized_start=704
-  _globals['_ENCODERSERVICE']._serialized_end=867
+  _globals['_ENCODEREQUEST']._serialized_start=289
+  _globals['_ENCODEREQUEST']._serialized_end=418
+  _globals['_ENCODEDITEM']._serialized_start=421
+  _globals['_ENCODEDITEM']._serialized_end=573
+  _globals['_ENCODERESPONSE']._serialized_start=575
+  _globals['_ENCODERESPONSE']._serialized_end=627
+  _globals['_RELEASEEMBEDDINGSREQUEST']._serialized_start=629
+  _globals['_RELEASEEMBEDDINGSREQUEST']._serialized_end=674
+  _globals['_RELEASEEMBEDDINGSRESPONSE']._serialized_start=676
+  _globals['_RELEASEEMBEDDINGSRESPONSE']._serialized_end=721
+  _globals['_ENCODERSERVICE']._serialized_start=724
+  _globals['_ENCODERSERVICE']._serialized_end=887
 # @@protoc_insertion_point(module_scope)

@@ -25,14 +25,16 @@ class EncodeItem(_message.Message):
     def __init__(self, content_hash: _Optional[bytes] = ..., modality: _Optional[_Union[_multimodal_pb2.Modality, str]] = ..., pixel_values: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., partitions: _Optional[_Iterable[_Union[_multimodal_pb2.ItemPartition, _Mapping]]] = ..., partition_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "items", "cache_salt")
+    __slots__ = ("request_id", "items", "cache_salt", "lease_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[EncodeItem]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lease_key: str
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., lease_key: _Optional[str] = ...) -> None: ...
 
 class EncodedItem(_message.Message):
     __slots__ = ("content_hash", "rows", "deepstack", "partition_indices", "cache_hit")
