@@ -7,6 +7,7 @@ while requests on the others are answered as ever. A body that does not arrive w
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import time
@@ -116,8 +117,20 @@ async def test_a_connection_past_the_cap_is_closed_as_it_opens(strict: FakeClust
 
 
 def metrics_page(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/metrics/", timeout=10) as reply:
-        return str(reply.read().decode())
+    """The router's metrics at `url`/metrics, answered there (no redirect: curl does not
+    follow one), as at /metrics/."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        reply = conn.getresponse()
+        assert reply.status == 200, (reply.status, reply.getheaders())
+        page = reply.read().decode()
+    finally:
+        conn.close()
+    with urllib.request.urlopen(f"{url}/metrics/", timeout=10) as slash:
+        assert "epd:http_connections" in slash.read().decode()
+    return page
 
 
 async def test_a_body_that_does_not_arrive_in_time_is_answered_408(ckpt: Path) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from starlette.routing import Route
 
 from common.server.metrics import asgi_app
 from router.http.app import HttpServer, build_app
@@ -31,8 +34,12 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
     model_id = settings.served_model_name or path.name
     app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
     metrics = running.servicer.orchestrator.metrics
-    # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them).
-    app.mount("/metrics", asgi_app(metrics.registry))
+    # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them):
+    # the route answers /metrics itself (a mount alone answers it with a 307 to /metrics/,
+    # an empty page for a client that does not follow redirects, such as curl).
+    page = asgi_app(metrics.registry)
+    app.router.routes.append(Route("/metrics", _AsgiEndpoint(page), methods=["GET"]))
+    app.mount("/metrics", page)
     connections = ConnectionStats()
     metrics.watch(running.servicer.held, connections)
     http = HttpServer(
@@ -51,3 +58,14 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
     running.cleanup.insert(0, http.stop)
     running.http_address = http.address
     logger.info("HTTP API (OpenAI-compatible) on http://%s serving %s", http.address, model_id)
+
+
+class _AsgiEndpoint:
+    """An ASGI app as a route's endpoint (Starlette calls an endpoint that is not a function
+    as an ASGI app, and a function as a request handler)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
