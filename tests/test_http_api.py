@@ -76,6 +76,18 @@ def call(url: str, body: Any = None, key: str | None = None) -> tuple[int, dict[
         return exc.code, {k.lower(): v for k, v in exc.headers.items()}, json.loads(exc.read())
 
 
+def raw_post(url: str, data: bytes) -> tuple[int, dict[str, str], Any]:
+    """POST `data` as it is (a client's key): status, headers, JSON body."""
+    request = urllib.request.Request(url, data=data, method="POST")
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {CLIENT_KEY}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, dict(reply.headers.items()), json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers.items()), json.loads(exc.read())
+
+
 def api(url: str, key: str = CLIENT_KEY) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
@@ -236,6 +248,12 @@ async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
     assert status == 401  # no key: refused before the body is looked at
     error = reply["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    # Bodies FastAPI cannot parse at all (not UTF-8; nested past the JSON parser's depth)
+    # and bodies that are not JSON: refused alike, in OpenAI's shape (no field to name).
+    for raw in (b'{"model": "\xff"}', b"[" * 100_000 + b"]" * 100_000, b'{"model": '):
+        status, _, reply = await asyncio.to_thread(raw_post, f"{url}/v1/chat/completions", raw)
+        assert status == 400 and set(reply["error"]) == {"message", "type", "param", "code"}
+        assert reply["error"]["message"].startswith("the body is not valid JSON"), reply
 
 
 async def test_a_full_queue_answers_429_with_retry_after(fake: FakeCluster) -> None:

@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import grpc
 import uvicorn
 from fastapi import Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.errors import FieldError
@@ -101,6 +103,16 @@ def build_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
         return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI's own 400 for a body it cannot parse at all (not UTF-8, nested past the
+        # JSON parser's depth) in OpenAI's shape, as every other refused body; the rest
+        # (404 for a path, 405 for a method) as FastAPI answers them.
+        if exc.status_code == 400:
+            message = "the body is not valid JSON: not UTF-8, or nested too deep to parse"
+            return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message).response()
+        return await http_exception_handler(request, exc)
 
     def check_model(body: SamplingBody) -> None:
         if body.model != model_id:
