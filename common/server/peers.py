@@ -1,13 +1,14 @@
 """Calls from one epd process to the workers it talks to: one channel per address, and
 fire-and-forget lease releases over them.
 
-Shared by the router (its calls to every worker, its Prefill calls under lease ids of its
-own, and the releases of leases a request left behind) and the KV workers (prefill releasing
-encoder embeddings it pulled, decode releasing the prefill KV lease it pulled). A release
-runs as a background task bounded by its own deadline, so a cancelled request still frees
-what it held; a failed release is logged, not raised (the holder's reaper frees the lease at
-its TTL). Releasing twice is harmless: holders ignore unknown lease ids (a prefill worker
-remembers one for a while, so that a Prefill still computing under it makes no lease).
+Shared by the router (its calls to every worker, its Prefill and Encode calls under lease
+ids of its own, and the releases of leases a request left behind) and the KV workers
+(prefill releasing encoder embeddings it pulled, decode releasing the prefill KV lease it
+pulled). A release runs as a background task bounded by its own deadline, so a cancelled
+request still frees what it held; a failed release is logged, not raised (the holder's
+reaper frees the lease at its TTL). Releasing twice is harmless: holders ignore unknown
+lease ids (they remember one for a lease TTL, so that a call still answering under it makes
+no lease).
 
 Lifecycle: channels open on first use and live until `forget(address)` (a worker left),
 `reopen(address)` (a worker restarted there: the next call dials afresh instead of waiting
