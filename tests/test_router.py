@@ -63,6 +63,15 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
+async def hang(cancelled: asyncio.Event) -> None:
+    """A fake worker's call that never answers: wait until it is cancelled, and say so."""
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
 class FakeEncoder(encoder_service_pb2_grpc.EncoderServiceServicer):
     def __init__(self) -> None:
         self.requests: list[encoder_service_pb2.EncodeRequest] = []
@@ -74,11 +83,7 @@ class FakeEncoder(encoder_service_pb2_grpc.EncoderServiceServicer):
     async def Encode(self, request, context):
         self.requests.append(request)
         if self.hang:
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
+            await hang(self.cancelled)
         out = encoder_service_pb2.EncodeResponse()
         for i, item in enumerate(request.items):
             rows = sum(p.output_rows for p in item.partitions) or int(np.prod(item.grid_thw)) // 4
@@ -119,11 +124,7 @@ class FakePrefill(prefill_service_pb2_grpc.PrefillServiceServicer):
         if self.strict and len(mm.embeddings) < len(mm.mm_hashes):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "carries no embeddings")
         if self.hang:
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
+            await hang(self.cancelled)
         lease = f"lease-{len(self.requests)}"
         kv = kv_pb2.KvHandle(lease_id=lease, holder_address=self.address, block_hashes=[b"h"])
         return prefill_service_pb2.PrefillResponse(first_token_id=self.first, kv=kv)

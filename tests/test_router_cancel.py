@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -24,53 +25,49 @@ from tests.test_router import cluster as cluster  # fixture
 from tests.test_router import workers as workers  # fixture
 
 
+async def cancel_once_received(cluster: Any, fake: Any, messages: Any) -> None:
+    """Send `messages`, cancel the call once `fake` (a hanging fake worker) has the request,
+    and return once the fake's call was cancelled in turn."""
+    task = asyncio.create_task(cluster.client.generate_text(messages))
+    while not fake.requests:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.wait_for(fake.cancelled.wait(), 5)
+
+
+async def released(fake: Any) -> list[str]:
+    """The lease ids `fake` was asked to release, once it was asked (the router releases in
+    the background; [] when nothing came within 2 s)."""
+    for _ in range(100):
+        if fake.released:
+            break
+        await asyncio.sleep(0.02)
+    return list(fake.released)
+
+
 async def test_cancel_during_prefill_cancels_the_prefill_call(cluster, workers):
     _, pre, _ = workers
     pre.hang = True
-    task = asyncio.create_task(cluster.client.generate_text(TEXT))
-    while not pre.requests:
-        await asyncio.sleep(0.01)
-    task.cancel()
-    await asyncio.wait_for(pre.cancelled.wait(), 5)
+    await cancel_once_received(cluster, pre, TEXT)
     # The lease the worker may have made before the cancel reached it is released by the
     # id the router chose for it (a worker that has not made it yet never will).
     chosen = pre.requests[0].lease_id
-    for _ in range(100):
-        if pre.released:
-            break
-        await asyncio.sleep(0.02)
-    assert chosen and pre.released == [chosen]
+    assert chosen and await released(pre) == [chosen]
 
 
 async def test_cancel_during_encode_releases_the_leases_its_answer_would_hold(cluster, workers):
     enc, _, _ = workers
     enc.hang = True
-    task = asyncio.create_task(cluster.client.generate_text(IMAGE))
-    while not enc.requests:
-        await asyncio.sleep(0.01)
-    task.cancel()
-    await asyncio.wait_for(enc.cancelled.wait(), 5)
+    await cancel_once_received(cluster, enc, IMAGE)
     key = enc.requests[0].lease_key  # chosen by the router: item k's lease is "<key>-k"
-    for _ in range(100):
-        if enc.released:
-            break
-        await asyncio.sleep(0.02)
-    assert key and enc.released == [f"{key}-0"]
+    assert key and await released(enc) == [f"{key}-0"]
 
 
 async def test_cancel_before_decode_answers_releases_and_cancels(cluster, workers):
     _, pre, dec = workers
     dec.hang_before_first = True
-    task = asyncio.create_task(cluster.client.generate_text(TEXT))
-    while not dec.requests:
-        await asyncio.sleep(0.01)
-    task.cancel()
-    await asyncio.wait_for(dec.cancelled.wait(), 5)
-    for _ in range(100):
-        if pre.released:
-            break
-        await asyncio.sleep(0.02)
-    assert pre.released == ["lease-1"]
+    await cancel_once_received(cluster, dec, TEXT)
+    assert await released(pre) == ["lease-1"]
 
 
 async def test_closing_after_the_first_token_releases_the_lease(cluster, workers, ckpt):
@@ -84,11 +81,7 @@ async def test_closing_after_the_first_token_releases_the_lease(cluster, workers
     first = await anext(stream)
     assert list(first.token_ids) == [FIRST]
     await stream.aclose()
-    for _ in range(100):
-        if pre.released:
-            break
-        await asyncio.sleep(0.02)
-    assert pre.released == ["lease-1"] and dec.requests == []
+    assert await released(pre) == ["lease-1"] and dec.requests == []
 
 
 async def test_cancel_mid_stream_cancels_decode(cluster, workers):
@@ -109,8 +102,4 @@ async def test_deadline_cancels_in_flight_work(cluster, workers):
         await cluster.client.generate_text(TEXT, timeout_s=0.5)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.wait_for(pre.cancelled.wait(), 5)
-    for _ in range(100):
-        if pre.released:
-            break
-        await asyncio.sleep(0.02)
-    assert pre.released == [pre.requests[0].lease_id]
+    assert await released(pre) == [pre.requests[0].lease_id]
