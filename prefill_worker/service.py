@@ -152,8 +152,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         tokens = list(request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling)
         check_request(self.runner, tokens, sampling, request)
+        if request.lease_id:  # the caller's: refused before any work if it cannot be used
+            try:
+                self.leases.check(request.lease_id)
+            except LeaseIdError as exc:
+                raise refusal(exc, "lease_id") from None
         lease_id = request.lease_id or uuid.uuid4().hex
-        self._check_lease_id(lease_id)
         started = time.perf_counter()
         # A video given only some partitions' rows is computed as its pieces; the hashes
         # and digest stay the whole prompt's (`prefill_worker.partitions`).
@@ -230,13 +234,6 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             cached_tokens=seq.cached_tokens,
             computed_tokens=num_tokens - seq.cached_tokens,
         )
-
-    def _check_lease_id(self, lease_id: str) -> None:
-        """Refuse, before any work, a lease id the caller chose that cannot be used."""
-        try:
-            self.leases.check(lease_id)
-        except LeaseIdError as exc:
-            raise refusal(exc, "lease_id") from None
 
     async def close(self) -> None:
         """Shutdown, after gRPC stopped: stop the reaper, free every leased block, finish
