@@ -20,9 +20,12 @@ quarter of it: about 15% of a 512-token prompt's attention (3% of its prefill), 
 values (bit-identical at 512 tokens in our measurements, else to rounding). Longer prompts
 gain nothing from it (the kernel skips blocks itself), shorter ones too little.
 
-Decode (`decode_attention`): one query per sequence over either contiguous per-sequence
+Decode (`DecodeAttention`): one query per sequence over either contiguous per-sequence
 K/V rows (`common.models.running_kv.RunningKv`, no copy per step) or, without them, a
-gather of each sequence's blocks from the paged buffer.
+gather of each sequence's blocks from the paged buffer. On a CPU in float32 it runs the C
+kernel of `common.models.native_kernels` (torch's kernel spends more time there in
+per-sequence call overhead than in the arithmetic); elsewhere, or where that kernel could
+not be built, `decode_attention` (torch's).
 
 Masks go in as additive biases (`text_ops.additive`: 0 where a key is attended, -inf where not),
 each made once and passed to every layer's call: `scaled_dot_product_attention` turns a
@@ -40,7 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.models.qwen3_vl.text_ops import additive
+from common.models.native_kernels import DecodeAttentionKernel, decode_attention_kernel
+from common.models.qwen3_vl.text_ops import additive, length_mask
 
 _KEY_BLOCK = 512  # keys per block of torch's CPU flash kernel (it skips whole blocks only)
 _SPLIT_ABOVE = 256  # fewer tokens gain too little from the split (measured)
@@ -178,6 +182,37 @@ def _lower_half_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.
     with torch.inference_mode(False):  # usable inside inference mode and outside it
         rows = torch.arange(n // 2, n, device=device).unsqueeze(1)
         return additive(torch.arange(n, device=device) <= rows, dtype)
+
+
+class DecodeAttention:
+    """The attention of one decode step, planned once and run per layer: sequence `b`'s
+    query over its first `lengths[b]` positions of the layer's `keys`, `values` `[B, KV,
+    span, D]`."""
+
+    def __init__(
+        self, seq_lens: torch.Tensor, lengths: list[int], span: int, dtype: torch.dtype
+    ) -> None:
+        """`seq_lens [B]` and `lengths` (the same, as a list) are the positions each
+        sequence attends to, at most `span`; `dtype` is the queries'."""
+        if min(lengths) < 1 or max(lengths) > span:
+            raise ValueError(
+                f"decode lengths must be in 1..{span}, got {min(lengths)}..{max(lengths)}"
+            )
+        every = min(lengths) == span
+        native = seq_lens.device.type == "cpu" and dtype == torch.float32
+        self.kernel = decode_attention_kernel() if native else None
+        # The kernel's lengths (None: all span), else torch's additive mask (None: no mask).
+        self.lengths = None if every else seq_lens.to(torch.int64).contiguous()
+        self.mask = None if every or self.kernel else length_mask(seq_lens, span, dtype)
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`[B, H * D]` of `q [B, H, D]` (see `decode_attention` for the rest)."""
+        if self.kernel is not None and DecodeAttentionKernel.usable(q, keys, values):
+            return self.kernel(q, keys, values, self.lengths)
+        mask = self.mask
+        if mask is None and self.lengths is not None:  # planned for the kernel, not taken
+            mask = length_mask(self.lengths, keys.shape[2], q.dtype)
+        return decode_attention(q, keys, values, mask)
 
 
 def decode_attention(

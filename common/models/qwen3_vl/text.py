@@ -10,8 +10,9 @@ MLP only for the rows whose hidden states are read (a prompt's last token, unles
 token's logits are asked for); its K/V it still computes for every row.
 
 Decode advances many sequences by one token each in a single forward: the linear layers run
-batched, attention reads each sequence's contiguous K/V rows (`common.models.running_kv`)
-or, without them, its blocks through a padded block table, under a length mask.
+batched, attention (`attention.DecodeAttention`) reads each sequence's contiguous K/V rows
+(`common.models.running_kv`) or, without them, its blocks through a padded block table, up
+to each sequence's own length.
 
 The KV buffer is one tensor `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`
 (block-major, so a block's layers are one contiguous range). The model only reads and
@@ -30,13 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan, decode_attention
+from common.models.qwen3_vl.attention import DecodeAttention, PrefillAttention, SegmentSpan
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
 from common.models.qwen3_vl.linear import Dense, use_packed
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
 from common.models.qwen3_vl.text_layer import LayerWeights
-from common.models.qwen3_vl.text_ops import length_mask, rms_norm, rotate, signed_sin
+from common.models.qwen3_vl.text_ops import rms_norm, rotate, signed_sin
 from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
 from common.models.running_kv import new_token_slots
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
@@ -349,7 +350,6 @@ class TextModel:
         heads = c.num_key_value_heads
         if rows is not None:
             span = longest
-            mask = None if min(lengths) == longest else length_mask(seq_lens, span, x.dtype)
             layer_rows = [r.unbind(1) for r in rows[:, :, :, :, :span].unbind(1)]
             slots = new_token_slots(rows, last)
             flat_rows = rows.view(-1, c.head_dim)
@@ -360,7 +360,7 @@ class TextModel:
             width = (longest + block_size - 1) // block_size
             flat = block_tables[:, :width].reshape(-1)
             span = width * block_size
-            mask = length_mask(seq_lens, span, x.dtype)
+        attention = DecodeAttention(seq_lens, lengths, span, x.dtype)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin_signed)
@@ -375,7 +375,7 @@ class TextModel:
                 keys = kv[:, i, 0].index_select(0, flat).view(batch, span, heads, -1)
                 values = kv[:, i, 1].index_select(0, flat).view(batch, span, heads, -1)
                 keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-            attn = decode_attention(q, keys, values, mask)
+            attn = attention(q, keys, values)
             x = self._finish_layer(layer, x, attn)
         if rows is not None:
             # Attention read only the rows, so the paged cache takes every layer's new K/V

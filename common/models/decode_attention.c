@@ -1,0 +1,90 @@
+/* Decode attention on the CPU, float32: one query row per sequence and query head over that
+ * sequence's K/V rows. Built and called by common/models/native_kernels.py, which says why. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* e^x for x <= 0 (a score minus its row's maximum), to about 2 ulp: x = n ln2 + r with
+ * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n put in the exponent bits.
+ * Written so that the compiler vectorizes the loops calling it (no libm call). */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) x = -87.0f;                     /* e^-87 ~ 1.6e-38: vanishes in the sum */
+    float n = __builtin_floorf(x * 1.44269504f + 0.5f);
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;  /* ln 2 in two parts */
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f
+              + r * (0.00833333377f + r * 0.00138888892f)))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One key head's group of G query rows over its first n positions: scores, softmax, and
+ * the weighted sum of values, into out[g * D + d]. p holds G * n floats. */
+#define GROUP(NAME, G_EXPR)                                                                  \
+    static void NAME(const float *q, int64_t q_sh, const float *k, int64_t k_st,            \
+                     const float *v, int64_t v_st, int n, int D, int Gdyn, float scale,      \
+                     float *p, float *out, int64_t out_sh) {                                 \
+        const int G = G_EXPR;                                                                \
+        for (int t = 0; t < n; t++) {                                                        \
+            const float *kt = k + t * k_st;                                                  \
+            float s[16];                                                                     \
+            for (int g = 0; g < G; g++) s[g] = 0.0f;                                         \
+            for (int d = 0; d < D; d++)                                                      \
+                for (int g = 0; g < G; g++) s[g] += q[g * q_sh + d] * kt[d];                 \
+            for (int g = 0; g < G; g++) p[g * n + t] = s[g] * scale;                         \
+        }                                                                                    \
+        for (int g = 0; g < G; g++) {                                                        \
+            float *pg = p + g * n, m = pg[0], sum = 0.0f;                                    \
+            for (int t = 1; t < n; t++) m = pg[t] > m ? pg[t] : m;                           \
+            for (int t = 0; t < n; t++) { pg[t] = exp_nonpositive(pg[t] - m); sum += pg[t]; }\
+            float inv = 1.0f / sum;                                                          \
+            for (int t = 0; t < n; t++) pg[t] *= inv;                                        \
+            float *o = out + g * out_sh;                                                     \
+            for (int d = 0; d < D; d++) o[d] = 0.0f;                                         \
+        }                                                                                    \
+        for (int t = 0; t < n; t++) {                                                        \
+            const float *vt = v + t * v_st;                                                  \
+            for (int g = 0; g < G; g++) {                                                    \
+                float w = p[g * n + t], *o = out + g * out_sh;                               \
+                for (int d = 0; d < D; d++) o[d] += w * vt[d];                               \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+GROUP(group1, 1)
+GROUP(group2, 2)
+GROUP(group4, 4)
+GROUP(group8, 8)
+GROUP(group_any, Gdyn)
+
+/* out [B, H * D] (contiguous) = attention of q [B, H, D] over k, v [B, KV, T, D] (any
+ * strides, last dimension contiguous) at positions below lens[b] (all T when lens is NULL).
+ * Returns 0; -1 when the work buffer could not be allocated, -2 when H is not a multiple of
+ * KV by at most 16. The caller checks the rest: 1 <= lens[b] <= T, the strides. */
+int epd_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, const float *k,
+                         int64_t k_sb, int64_t k_sh, int64_t k_st, const float *v,
+                         int64_t v_sb, int64_t v_sh, int64_t v_st, const int64_t *lens, int B,
+                         int H, int KV, int T, int D, float scale, float *out) {
+    if (KV <= 0 || H % KV != 0 || H / KV > 16) return -2;
+    const int G = H / KV;
+    float *p = malloc(sizeof(float) * (size_t)G * (size_t)T);
+    if (p == NULL) return -1;
+    for (int b = 0; b < B; b++) {
+        const int n = lens ? (int)lens[b] : T;
+        for (int h = 0; h < KV; h++) {
+            const float *qg = q + b * q_sb + (int64_t)h * G * q_sh;
+            const float *kb = k + b * k_sb + h * k_sh, *vb = v + b * v_sb + h * v_sh;
+            float *o = out + ((int64_t)b * H + (int64_t)h * G) * D;
+            switch (G) {
+            case 1: group1(qg, q_sh, kb, k_st, vb, v_st, n, D, G, scale, p, o, D); break;
+            case 2: group2(qg, q_sh, kb, k_st, vb, v_st, n, D, G, scale, p, o, D); break;
+            case 4: group4(qg, q_sh, kb, k_st, vb, v_st, n, D, G, scale, p, o, D); break;
+            case 8: group8(qg, q_sh, kb, k_st, vb, v_st, n, D, G, scale, p, o, D); break;
+            default: group_any(qg, q_sh, kb, k_st, vb, v_st, n, D, G, scale, p, o, D);
+            }
+        }
+    }
+    free(p);
+    return 0;
+}

@@ -1,0 +1,254 @@
+"""C kernels built on the machine that runs them and called through ctypes.
+
+One so far, `decode_attention.c`: attention of a decode step on the CPU in float32, one
+query row per sequence and query head over that sequence's K/V rows. torch's CPU flash
+kernel runs it as two small GEMM calls (scores, then values) per sequence and key head,
+each a few microseconds of call overhead for a few thousand multiply-adds: at batch 32 over
+131 positions (the `small` checkpoint, one thread) a layer's attention took about twice
+what reading its K and V from memory takes, and the decode step spent about 40% of its time
+there. The C kernel reads each sequence's K and V once per key head for the whole group of
+query heads that share it, with the softmax in between, near memory speed
+(`benchmarks/engine_vs_landed.py`; figures in docs/performance.md).
+
+Building: on first use, with the system's C compiler (`$CC`, else `cc`, else `gcc`), for
+this CPU (`-march=native`), into `$EPD_CACHE_DIR/kernels/` (default `~/.cache/epd`) under a
+name that hashes the source, the flags, the compiler's version and the CPU's flags, so a
+cache shared between machines never hands one CPU another's build. The compiler writes a
+temporary file that is renamed into place, so concurrent first uses are safe. About 0.3 s.
+Nothing is built or loaded with `EPD_NATIVE_KERNELS=0`, without a compiler, or when the
+build or load fails: callers then use torch's kernels (logged once, at warning when a build
+failed).
+
+Arithmetic: `-fassociative-math` and its companions let the compiler vectorize the dot
+products and sums; their order then depends on the head dimension and on the sequence's own
+length, never on the rest of the batch, so a sequence's outputs are the same bits whatever
+else is in the step. No `-ffinite-math-only`. The exponential is the kernel's own (about 2
+ulp), so its results differ from torch's kernel by rounding (both are within a few 1e-6 of a
+float64 computation in the tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from common.cpu import cpu_info
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-freciprocal-math",
+    "-shared",
+    "-fPIC",
+)
+MAX_GROUP = 16  # query heads per key head the kernel takes (its per-row accumulators)
+# With more than one torch thread, a call whose batch x key heads x positions x head dim is
+# at least this splits its batch across that many threads (about 0.1 ms of work: less would
+# not pay for the handoff).
+PARALLEL_WORK = 1 << 18
+
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_PTR = ctypes.c_void_p
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(source: Path, cache: Path) -> Path | None:
+    """The shared library of `source` for this machine, built unless already in `cache`;
+    None if there is no compiler or the build failed."""
+    cc = _compiler()
+    if cc is None:
+        logger.info("no C compiler found: decode attention uses torch's kernel")
+        return None
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("C compiler %s does not answer (%s): torch's kernels are used", cc, e)
+        return None
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
+        key.update(part)
+        key.update(b"\0")
+    key.update(" ".join(sorted(cpu_info()[1])).encode())
+    target = cache / f"{source.stem}-{key.hexdigest()[:24]}.so"
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            logger.warning(
+                "building %s failed: torch's kernels are used\n%s", source.name, done.stderr[-2000:]
+            )
+            return None
+        os.replace(tmp, target)
+        return target
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("building %s failed (%s): torch's kernels are used", source.name, e)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: `$EPD_CACHE_DIR/kernels` (default `~/.cache/epd`)."""
+    root = Path(os.environ.get("EPD_CACHE_DIR") or Path.home() / ".cache" / "epd")
+    return root / "kernels"
+
+
+class DecodeAttentionKernel:
+    """`decode_attention.c` loaded: call it with the tensors `DecodeAttention` plans."""
+
+    def __init__(self, library: Path) -> None:
+        self.library = library
+        fn = ctypes.CDLL(str(library)).epd_decode_attention  # ctypes drops the GIL in calls
+        fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR]
+        fn.argtypes += [_INT, _INT, _INT, _INT, _INT, ctypes.c_float, _PTR]
+        fn.restype = _INT
+        self._fn = fn
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`[B, H * D]`: each sequence's query heads `q [B, H, D]` over its first
+        `lengths[b]` positions (all of them when None) of `keys`, `values [B, KV, T, D]`.
+
+        The caller has checked what the C code relies on (`usable`, and `lengths` int64,
+        contiguous, in `1 .. T`). With more than one torch thread a large call splits the
+        batch across that many threads (`PARALLEL_WORK`)."""
+        batch, heads, dim = q.shape
+        out = torch.empty((batch, heads * dim), dtype=q.dtype)
+        parts = min(torch.get_num_threads(), batch)
+        if parts == 1 or batch * keys.shape[1] * keys.shape[2] * dim < PARALLEL_WORK:
+            self._run(q, keys, values, lengths, out)
+            return out
+        # Sequences are independent and each one's arithmetic is the same whichever call
+        # computes it, so a split batch gives the same bits; ctypes drops the GIL in calls.
+        cuts = [batch * i // parts for i in range(parts + 1)]
+        pieces = [
+            (q[a:b], keys[a:b], values[a:b], None if lengths is None else lengths[a:b], out[a:b])
+            for a, b in itertools.pairwise(cuts)
+        ]
+        others = [_pool(parts - 1).submit(self._run, *piece) for piece in pieces[1:]]
+        self._run(*pieces[0])
+        for done in others:
+            done.result()
+        return out
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """One C call over `q`'s sequences into `out [B, H * D]` (rows contiguous)."""
+        batch, heads, dim = q.shape
+        qs, ks, vs = q.stride(), keys.stride(), values.stride()
+        status = self._fn(
+            q.data_ptr(),
+            qs[0],
+            qs[1],
+            keys.data_ptr(),
+            ks[0],
+            ks[1],
+            ks[2],
+            values.data_ptr(),
+            vs[0],
+            vs[1],
+            vs[2],
+            None if lengths is None else lengths.data_ptr(),
+            batch,
+            heads,
+            keys.shape[1],
+            keys.shape[2],
+            dim,
+            dim**-0.5,
+            out.data_ptr(),
+        )
+        if status == -2:
+            raise ValueError(f"decode attention takes at most {MAX_GROUP} query heads per key head")
+        if status != 0:
+            raise MemoryError("decode attention could not allocate its work buffer")
+
+    @staticmethod
+    def usable(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether these tensors are ones the C code takes."""
+        tensors = (q, keys, values)
+        return (
+            all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and all(t.stride(-1) == 1 for t in tensors)
+            and q.dim() == 3
+            and keys.dim() == values.dim() == 4
+            and keys.shape == values.shape
+            and keys.shape[0] == q.shape[0]
+            and keys.shape[3] == q.shape[2]
+            and q.shape[1] % keys.shape[1] == 0
+            and q.shape[1] // keys.shape[1] <= MAX_GROUP
+        )
+
+
+_pool_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of `workers` threads for split kernel calls (made on first use)."""
+    with _pool_lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="epd-kernel")
+        return _pools[workers]
+
+
+@functools.cache
+def decode_attention_kernel() -> DecodeAttentionKernel | None:
+    """The decode-attention kernel for this process (built on first call), or None where
+    there is none (see the module docstring)."""
+    if os.environ.get("EPD_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        logger.info("EPD_NATIVE_KERNELS=0: decode attention uses torch's kernel")
+        return None
+    library = _build(SOURCE, cache_dir())
+    if library is None:
+        return None
+    try:
+        return DecodeAttentionKernel(library)
+    except (OSError, AttributeError) as e:
+        logger.warning("loading %s failed (%s): torch's kernels are used", library, e)
+        return None
