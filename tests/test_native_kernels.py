@@ -1,6 +1,6 @@
-"""The C decode-attention kernel (`common.models.native_kernels`): torch's attention to
-float rounding, a sequence's bits independent of the rest of the batch and of the thread
-count, the build cache, and the fallback when no kernel can be built."""
+"""The C kernels (`common.models.native_kernels`): decode attention and RMSNorm equal to
+torch's to float rounding, a sequence's attention bits independent of the rest of the batch
+and of the thread count, the build cache, and the fallback when nothing can be built."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.models import native_kernels
-from common.models.native_kernels import DecodeAttentionKernel, decode_attention_kernel
+from common.models import native_kernels as native
+from common.models.native_kernels import NativeKernels, native_kernels
 from common.models.qwen3_vl.attention import DecodeAttention, decode_attention
 from common.models.qwen3_vl.text_ops import length_mask
 
 
 @pytest.fixture(scope="module")
-def kernel() -> DecodeAttentionKernel:
-    built = decode_attention_kernel()
+def kernel() -> NativeKernels:
+    built = native_kernels()
     if built is None:
         pytest.skip("no C compiler here: the kernel is not built (torch's is used)")
     return built
@@ -50,69 +50,73 @@ def _case(
     span=st.integers(1, 300),
 )
 def test_kernel_is_torchs_attention_to_rounding(
-    kernel: DecodeAttentionKernel, seed: int, batch: int, kv: int, group: int, dim: int, span: int
+    kernel: NativeKernels, seed: int, batch: int, kv: int, group: int, dim: int, span: int
 ) -> None:
     q, k, v, lengths = _case(seed, batch, kv, group, dim, span)
-    assert DecodeAttentionKernel.usable(q, k, v)
+    assert NativeKernels.attention_takes(q, k, v)
     want = decode_attention(
         q.double(), k.double(), v.double(), length_mask(lengths, span, torch.float64)
     )
-    got = kernel(q, k, v, lengths)
+    got = kernel.decode_attention(q, k, v, lengths)
     torch_float = decode_attention(q, k, v, length_mask(lengths, span, torch.float32))
     # no further from float64 than torch's own float32 kernel is, give or take rounding
     assert (got.double() - want).abs().max() <= 2 * (torch_float.double() - want).abs().max() + 1e-6
 
 
 def test_a_sequences_output_is_the_same_bits_alone_split_or_threaded(
-    kernel: DecodeAttentionKernel,
+    kernel: NativeKernels,
 ) -> None:
     q, k, v, lengths = _case(7, 32, 2, 2, 64, 200)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        whole = kernel(q, k, v, lengths)
+        whole = kernel.decode_attention(q, k, v, lengths)
         torch.set_num_threads(3)  # splits the batch across 3 threads (large enough)
-        assert native_kernels.PARALLEL_WORK <= 32 * 2 * 200 * 64
-        split = kernel(q, k, v, lengths)
+        assert native.PARALLEL_WORK <= 32 * 2 * 200 * 64
+        split = kernel.decode_attention(q, k, v, lengths)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(whole, split)
     for b in (0, 5, 31):
         n = int(lengths[b])
-        alone = kernel(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None)
+        alone = kernel.decode_attention(
+            q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None
+        )
         assert torch.equal(alone, whole[b : b + 1])
 
 
-def test_all_positions_without_lengths(kernel: DecodeAttentionKernel) -> None:
+def test_all_positions_without_lengths(kernel: NativeKernels) -> None:
     q, k, v, _ = _case(3, 4, 2, 2, 64, 50)
     full = torch.full((4,), 50, dtype=torch.int64)
-    assert torch.equal(kernel(q, k, v, None), kernel(q, k, v, full))
+    assert torch.equal(
+        kernel.decode_attention(q, k, v, None), kernel.decode_attention(q, k, v, full)
+    )
 
 
-def test_too_many_query_heads_per_key_head_are_refused(kernel: DecodeAttentionKernel) -> None:
+def test_too_many_query_heads_per_key_head_are_refused(kernel: NativeKernels) -> None:
     q, k, v, _ = _case(1, 2, 1, 16, 16, 10)
     wide = torch.cat((q, q), dim=1)  # 32 query heads over 1 key head
-    assert not DecodeAttentionKernel.usable(wide, k, v)
+    assert not NativeKernels.attention_takes(wide, k, v)
     with pytest.raises(ValueError, match="query heads per key head"):
-        kernel(wide, k, v, None)
+        kernel.decode_attention(wide, k, v, None)
 
 
-def test_unusable_tensors_go_to_torch(kernel: DecodeAttentionKernel) -> None:
+def test_unusable_tensors_go_to_torch(kernel: NativeKernels) -> None:
     q, k, v, lengths = _case(2, 3, 2, 2, 64, 40)
-    assert not DecodeAttentionKernel.usable(q.double(), k.double(), v.double())
-    assert not DecodeAttentionKernel.usable(q, k.transpose(2, 3), v.transpose(2, 3))
+    assert not NativeKernels.attention_takes(q.double(), k.double(), v.double())
+    assert not NativeKernels.attention_takes(q, k.transpose(2, 3), v.transpose(2, 3))
     plan = DecodeAttention(lengths, lengths.tolist(), 40, torch.float64)
-    assert plan.kernel is None and plan.mask is not None
+    assert plan.kernels is None and plan.mask is not None
     want = decode_attention(q.double(), k.double(), v.double(), plan.mask)
     assert torch.equal(plan(q.double(), k.double(), v.double()), want)
 
 
 def test_a_plan_for_the_kernel_still_answers_tensors_it_does_not_take(
-    kernel: DecodeAttentionKernel,
+    kernel: NativeKernels,
 ) -> None:
     q, k, v, lengths = _case(4, 3, 2, 2, 64, 40)
     plan = DecodeAttention(lengths, lengths.tolist(), 40, torch.float32)
-    assert plan.kernel is kernel and plan.mask is None
+    assert plan.kernels is kernel and plan.mask is None
     odd = k.transpose(2, 3).contiguous().transpose(2, 3)  # last dimension strided
     got = plan(q, odd, v)  # torch's kernel, under the mask of the plan's lengths
     assert torch.equal(got, decode_attention(q, odd, v, length_mask(lengths, 40, torch.float32)))
@@ -125,16 +129,14 @@ def test_lengths_outside_the_span_are_refused() -> None:
         DecodeAttention(torch.tensor([4, 3]), [4, 3], 3, torch.float32)
 
 
-def test_the_build_is_cached_by_source_and_flags(
-    kernel: DecodeAttentionKernel, tmp_path: Path
-) -> None:
-    first = native_kernels._build(native_kernels.SOURCE, tmp_path)
+def test_the_build_is_cached_by_source_and_flags(kernel: NativeKernels, tmp_path: Path) -> None:
+    first = native._build(native.SOURCE, tmp_path)
     assert first is not None and first.is_file()
-    assert native_kernels._build(native_kernels.SOURCE, tmp_path) == first  # reused
-    changed = tmp_path / "src" / "decode_attention.c"
+    assert native._build(native.SOURCE, tmp_path) == first  # reused
+    changed = tmp_path / "src" / "cpu_kernels.c"
     changed.parent.mkdir()
-    changed.write_text(native_kernels.SOURCE.read_text() + "\n/* another build */\n")
-    other = native_kernels._build(changed, tmp_path)
+    changed.write_text(native.SOURCE.read_text() + "\n/* another build */\n")
+    other = native._build(changed, tmp_path)
     assert other is not None and other != first
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".so") == sorted(
         [first.name, other.name]
@@ -144,24 +146,66 @@ def test_the_build_is_cached_by_source_and_flags(
 def test_no_compiler_or_a_failed_build_falls_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    broken = tmp_path / "decode_attention.c"
+    broken = tmp_path / "cpu_kernels.c"
     broken.write_text("this is not C")
-    with caplog.at_level(logging.WARNING, logger=native_kernels.__name__):
-        assert native_kernels._build(broken, tmp_path / "cache") is None
-    assert "building decode_attention.c failed" in caplog.text
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native._build(broken, tmp_path / "cache") is None
+    assert "building cpu_kernels.c failed" in caplog.text
     assert not any((tmp_path / "cache").iterdir())  # the failed output was removed
     monkeypatch.setenv("CC", "")
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
-    assert native_kernels._build(native_kernels.SOURCE, tmp_path / "cache") is None
+    assert native._build(native.SOURCE, tmp_path / "cache") is None
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EPD_NATIVE_KERNELS", "0")
-    decode_attention_kernel.cache_clear()
+    native_kernels.cache_clear()
     try:
-        assert decode_attention_kernel() is None
+        assert native_kernels() is None
         plan = DecodeAttention(torch.tensor([2, 3]), [2, 3], 3, torch.float32)
-        assert plan.kernel is None and plan.mask is not None
+        assert plan.kernels is None and plan.mask is not None
     finally:
         monkeypatch.delenv("EPD_NATIVE_KERNELS")
-        decode_attention_kernel.cache_clear()
+        native_kernels.cache_clear()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    rows=st.integers(1, 40),
+    heads=st.sampled_from([0, 1, 3, 6]),  # 0: x is [rows, dim]
+    dim=st.sampled_from([1, 7, 16, 64, 256]),
+    per_head=st.booleans(),
+    view=st.booleans(),
+)
+def test_rms_norm_is_torchs_to_rounding(
+    kernel: NativeKernels,
+    seed: int,
+    rows: int,
+    heads: int,
+    dim: int,
+    per_head: bool,
+    view: bool,
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, dim) if heads == 0 else (rows, heads, dim)
+    base = torch.randn(rows, (max(heads, 1) + 2) * dim, generator=g) * 5
+    x = base[:, : max(heads, 1) * dim].view(shape) if view else torch.randn(shape, generator=g)
+    weight = torch.randn(shape[1:] if per_head and heads else (dim,), generator=g)
+    assert NativeKernels.rms_norm_takes(x, weight)
+    got = kernel.rms_norm(x, weight, 1e-6)
+    scale = torch.mean(x.double() ** 2, -1, keepdim=True).add(1e-6).rsqrt()
+    want = x.double() * scale * weight.double()
+    assert got.shape == x.shape and got.is_contiguous()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_takes_only_what_it_can_read(kernel: NativeKernels) -> None:
+    x, w = torch.randn(4, 3, 8), torch.randn(8)
+    assert NativeKernels.rms_norm_takes(x, w) and NativeKernels.rms_norm_takes(x, torch.randn(3, 8))
+    assert not NativeKernels.rms_norm_takes(x.double(), w.double())
+    assert not NativeKernels.rms_norm_takes(x.transpose(1, 2), w)  # last dim strided
+    assert not NativeKernels.rms_norm_takes(x, torch.randn(4))  # wrong width
+    assert not NativeKernels.rms_norm_takes(x, torch.randn(8, 2)[:, 0])  # weight strided
+    assert not NativeKernels.rms_norm_takes(torch.randn(8), w)  # 1-D
+    assert not NativeKernels.rms_norm_takes(torch.randn(2, 4, 3, 8), w)  # 4-D

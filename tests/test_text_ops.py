@@ -1,4 +1,6 @@
-"""`common.models.qwen3_vl.text_ops.rms_norm` computes the reference's RMSNorm bit for bit
+"""`common.models.qwen3_vl.text_ops.rms_norm` on torch's ops (where the C kernel of
+`common.models.native_kernels` is not built or not taken; that one is the same to float
+rounding, tests/test_native_kernels.py) computes the reference's RMSNorm bit for bit
 (transformers' Qwen3-VL arithmetic: float32 variance of squares, rsqrt of it plus eps,
 scale, weight times the result), for weights over the last dimension or broadcast over
 trailing ones (the fused q/k norm), contiguous or strided input; attention given the
@@ -11,7 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.models.qwen3_vl import text_ops
 from common.models.qwen3_vl.text_ops import additive, length_mask, rms_norm
+
+
+@pytest.fixture(autouse=True)
+def torch_ops_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rms_norm` as it runs without the C kernels."""
+    monkeypatch.setattr(text_ops, "native_kernels", lambda: None)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

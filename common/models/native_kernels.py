@@ -1,14 +1,18 @@
-"""C kernels built on the machine that runs them and called through ctypes.
+"""C kernels built on the machine that runs them and called through ctypes
+(`cpu_kernels.c`): the text model's float32 CPU operations that torch runs as many small
+calls, each with microseconds of overhead for little arithmetic.
 
-One so far, `decode_attention.c`: attention of a decode step on the CPU in float32, one
-query row per sequence and query head over that sequence's K/V rows. torch's CPU flash
-kernel runs it as two small GEMM calls (scores, then values) per sequence and key head,
-each a few microseconds of call overhead for a few thousand multiply-adds: at batch 32 over
-131 positions (the `small` checkpoint, one thread) a layer's attention took about twice
-what reading its K and V from memory takes, and the decode step spent about 40% of its time
-there. The C kernel reads each sequence's K and V once per key head for the whole group of
-query heads that share it, with the softmax in between, near memory speed
-(`benchmarks/engine_vs_landed.py`; figures in docs/performance.md).
+- Decode attention, one query row per sequence and query head over that sequence's K/V
+  rows. torch's CPU flash kernel runs it as two small GEMM calls (scores, then values) per
+  sequence and key head: at batch 32 over 131 positions (the `small` checkpoint, one thread)
+  a layer's attention took about twice what reading its K and V from memory takes, and the
+  decode step spent about 40% of its time there. The C kernel reads each sequence's K and V
+  once per key head for the whole group of query heads that share it, with the softmax in
+  between, near memory speed.
+- RMSNorm: torch's is five ops (square, mean, add, rsqrt, two products), 25 us on a row of
+  256 where the C call takes 11 us; a decode step of the `small` checkpoint runs 13.
+
+Figures: docs/performance.md ("Text-model CPU kernels").
 
 Building: on first use, with the system's C compiler (`$CC`, else `cc`, else `gcc`), for
 this CPU (`-march=native`), into `$EPD_CACHE_DIR/kernels/` (default `~/.cache/epd`) under a
@@ -48,7 +52,7 @@ from common.cpu import cpu_info
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = (
     "-O3",
     "-march=native",
@@ -83,7 +87,7 @@ def _build(source: Path, cache: Path) -> Path | None:
     None if there is no compiler or the build failed."""
     cc = _compiler()
     if cc is None:
-        logger.info("no C compiler found: decode attention uses torch's kernel")
+        logger.info("no C compiler found: the text model uses torch's kernels only")
         return None
     try:
         version = subprocess.run(
@@ -105,7 +109,7 @@ def _build(source: Path, cache: Path) -> Path | None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=120
+            [cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             logger.warning(
@@ -128,18 +132,23 @@ def cache_dir() -> Path:
     return root / "kernels"
 
 
-class DecodeAttentionKernel:
-    """`decode_attention.c` loaded: call it with the tensors `DecodeAttention` plans."""
+class NativeKernels:
+    """`cpu_kernels.c` loaded. Each call takes only what its `*_takes` check accepts."""
 
     def __init__(self, library: Path) -> None:
         self.library = library
-        fn = ctypes.CDLL(str(library)).epd_decode_attention  # ctypes drops the GIL in calls
-        fn.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR]
-        fn.argtypes += [_INT, _INT, _INT, _INT, _INT, ctypes.c_float, _PTR]
-        fn.restype = _INT
-        self._fn = fn
+        lib = ctypes.CDLL(str(library))  # ctypes drops the GIL during each call
+        attention = lib.epd_decode_attention
+        attention.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64]
+        attention.argtypes += [_PTR, _INT, _INT, _INT, _INT, _INT, ctypes.c_float, _PTR]
+        attention.restype = _INT
+        self._attention = attention
+        norm = lib.epd_rms_norm
+        norm.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_float, _PTR]
+        norm.restype = None
+        self._norm = norm
 
-    def __call__(
+    def decode_attention(
         self,
         q: torch.Tensor,
         keys: torch.Tensor,
@@ -149,14 +158,14 @@ class DecodeAttentionKernel:
         """`[B, H * D]`: each sequence's query heads `q [B, H, D]` over its first
         `lengths[b]` positions (all of them when None) of `keys`, `values [B, KV, T, D]`.
 
-        The caller has checked what the C code relies on (`usable`, and `lengths` int64,
+        The caller has checked what the C code relies on (`attention_takes`, and `lengths` int64,
         contiguous, in `1 .. T`). With more than one torch thread a large call splits the
         batch across that many threads (`PARALLEL_WORK`)."""
         batch, heads, dim = q.shape
         out = torch.empty((batch, heads * dim), dtype=q.dtype)
         parts = min(torch.get_num_threads(), batch)
         if parts == 1 or batch * keys.shape[1] * keys.shape[2] * dim < PARALLEL_WORK:
-            self._run(q, keys, values, lengths, out)
+            self._attend(q, keys, values, lengths, out)
             return out
         # Sequences are independent and each one's arithmetic is the same whichever call
         # computes it, so a split batch gives the same bits; ctypes drops the GIL in calls.
@@ -165,13 +174,13 @@ class DecodeAttentionKernel:
             (q[a:b], keys[a:b], values[a:b], None if lengths is None else lengths[a:b], out[a:b])
             for a, b in itertools.pairwise(cuts)
         ]
-        others = [_pool(parts - 1).submit(self._run, *piece) for piece in pieces[1:]]
-        self._run(*pieces[0])
+        others = [_pool(parts - 1).submit(self._attend, *piece) for piece in pieces[1:]]
+        self._attend(*pieces[0])
         for done in others:
             done.result()
         return out
 
-    def _run(
+    def _attend(
         self,
         q: torch.Tensor,
         keys: torch.Tensor,
@@ -182,7 +191,7 @@ class DecodeAttentionKernel:
         """One C call over `q`'s sequences into `out [B, H * D]` (rows contiguous)."""
         batch, heads, dim = q.shape
         qs, ks, vs = q.stride(), keys.stride(), values.stride()
-        status = self._fn(
+        status = self._attention(
             q.data_ptr(),
             qs[0],
             qs[1],
@@ -208,9 +217,48 @@ class DecodeAttentionKernel:
         if status != 0:
             raise MemoryError("decode attention could not allocate its work buffer")
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`x * (1 / sqrt(mean(x^2) + eps)) * weight` over the last dimension, as a new
+        contiguous tensor, for `x` and `weight` that `rms_norm_takes`."""
+        out = torch.empty(x.shape, dtype=x.dtype)
+        if x.dim() == 2:
+            rows, heads, dim = x.shape[0], 1, x.shape[1]
+            row_stride, head_stride = x.stride(0), 0
+        else:
+            rows, heads, dim = x.shape
+            row_stride, head_stride = x.stride(0), x.stride(1)
+        weight_stride = dim if weight.dim() == 2 else 0
+        self._norm(
+            x.data_ptr(),
+            rows,
+            heads,
+            dim,
+            row_stride,
+            head_stride,
+            weight.data_ptr(),
+            weight_stride,
+            eps,
+            out.data_ptr(),
+        )
+        return out
+
     @staticmethod
-    def usable(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether these tensors are ones the C code takes."""
+    def rms_norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `rms_norm` takes these: float32 CPU tensors, `x [n, d]` or `[n, m, d]`
+        with its last dimension contiguous, `weight [d]` or (for 3-D `x`) `[m, d]`,
+        contiguous."""
+        return (
+            x.dtype == weight.dtype == torch.float32
+            and x.device.type == weight.device.type == "cpu"
+            and x.dim() in (2, 3)
+            and x.stride(-1) == 1
+            and weight.is_contiguous()
+            and (weight.shape == x.shape[-1:] or (x.dim() == 3 and weight.shape == x.shape[1:]))
+        )
+
+    @staticmethod
+    def attention_takes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether `decode_attention` takes these tensors."""
         tensors = (q, keys, values)
         return (
             all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
@@ -238,17 +286,17 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 @functools.cache
-def decode_attention_kernel() -> DecodeAttentionKernel | None:
-    """The decode-attention kernel for this process (built on first call), or None where
-    there is none (see the module docstring)."""
+def native_kernels() -> NativeKernels | None:
+    """The kernels for this process (built on first call), or None where there are none
+    (see the module docstring)."""
     if os.environ.get("EPD_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        logger.info("EPD_NATIVE_KERNELS=0: decode attention uses torch's kernel")
+        logger.info("EPD_NATIVE_KERNELS=0: the text model uses torch's kernels only")
         return None
     library = _build(SOURCE, cache_dir())
     if library is None:
         return None
     try:
-        return DecodeAttentionKernel(library)
+        return NativeKernels(library)
     except (OSError, AttributeError) as e:
         logger.warning("loading %s failed (%s): torch's kernels are used", library, e)
         return None

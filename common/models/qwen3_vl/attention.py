@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.models.native_kernels import DecodeAttentionKernel, decode_attention_kernel
+from common.models.native_kernels import NativeKernels, native_kernels
 from common.models.qwen3_vl.text_ops import additive, length_mask
 
 _KEY_BLOCK = 512  # keys per block of torch's CPU flash kernel (it skips whole blocks only)
@@ -200,15 +200,15 @@ class DecodeAttention:
             )
         every = min(lengths) == span
         native = seq_lens.device.type == "cpu" and dtype == torch.float32
-        self.kernel = decode_attention_kernel() if native else None
+        self.kernels = native_kernels() if native else None
         # The kernel's lengths (None: all span), else torch's additive mask (None: no mask).
         self.lengths = None if every else seq_lens.to(torch.int64).contiguous()
-        self.mask = None if every or self.kernel else length_mask(seq_lens, span, dtype)
+        self.mask = None if every or self.kernels else length_mask(seq_lens, span, dtype)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """`[B, H * D]` of `q [B, H, D]` (see `decode_attention` for the rest)."""
-        if self.kernel is not None and DecodeAttentionKernel.usable(q, keys, values):
-            return self.kernel(q, keys, values, self.lengths)
+        if self.kernels is not None and NativeKernels.attention_takes(q, keys, values):
+            return self.kernels.decode_attention(q, keys, values, self.lengths)
         mask = self.mask
         if mask is None and self.lengths is not None:  # planned for the kernel, not taken
             mask = length_mask(self.lengths, keys.shape[2], q.dtype)

@@ -1,5 +1,7 @@
-/* Decode attention on the CPU, float32: one query row per sequence and query head over that
- * sequence's K/V rows. Built and called by common/models/native_kernels.py, which says why. */
+/* The text model's CPU kernels in float32 that torch runs as many small ops: decode attention
+ * (one query row per sequence and query head over that sequence's K/V rows) and RMSNorm.
+ * Built and called by common/models/native_kernels.py, which says why and how. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,4 +89,19 @@ int epd_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, const float
     }
     free(p);
     return 0;
+}
+
+/* out [n, m, d] (contiguous) = RMSNorm of x [n, m, d] (strides xs0, xs1, 1) over d, scaled by
+ * w [m, d] (row stride ws0; 0: one [d] row for all): x * (1 / sqrt(mean(x^2) + eps)) * w. */
+void epd_rms_norm(const float *x, int64_t n, int64_t m, int64_t d, int64_t xs0, int64_t xs1,
+                  const float *w, int64_t ws0, float eps, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t j = 0; j < m; j++) {
+            const float *row = x + i * xs0 + j * xs1, *wr = w + j * ws0;
+            float *o = out + (i * m + j) * d, squares = 0.0f;
+            for (int64_t k = 0; k < d; k++) squares += row[k] * row[k];
+            const float scale = 1.0f / sqrtf(squares / (float)d + eps);
+            for (int64_t k = 0; k < d; k++) o[k] = row[k] * scale * wr[k];
+        }
+    }
 }
