@@ -4,7 +4,9 @@ and of the thread count, the build cache, and the fallback when nothing can be b
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -152,9 +154,28 @@ def test_no_compiler_or_a_failed_build_falls_back(
         assert native._build(broken, tmp_path / "cache") is None
     assert "building cpu_kernels.c failed" in caplog.text
     assert not any((tmp_path / "cache").iterdir())  # the failed output was removed
+    assert native._build(tmp_path / "missing.c", tmp_path / "cache") is None
+    unwritable = tmp_path / "file"
+    unwritable.write_text("a file where the cache folder would be")
+    assert native._build(native.SOURCE, unwritable / "kernels") is None
     monkeypatch.setenv("CC", "")
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
     assert native._build(native.SOURCE, tmp_path / "cache") is None
+
+
+def _build_in(cache: str) -> str:
+    built = native._build(native.SOURCE, Path(cache))
+    return str(built)
+
+
+def test_concurrent_first_builds_agree(kernel: NativeKernels, tmp_path: Path) -> None:
+    """Workers starting together on an empty cache each build; one rename wins, every one
+    gets a whole library and no temporary file is left."""
+    with concurrent.futures.ProcessPoolExecutor(4, mp_context=mp.get_context("spawn")) as pool:
+        paths = list(pool.map(_build_in, [str(tmp_path)] * 4))
+    assert len(set(paths)) == 1 and paths[0] != "None"
+    assert [p.name for p in tmp_path.iterdir()] == [Path(paths[0]).name]
+    assert NativeKernels(Path(paths[0])).library == Path(paths[0])  # loads
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,30 +84,27 @@ def _compiler() -> str | None:
 
 def _build(source: Path, cache: Path) -> Path | None:
     """The shared library of `source` for this machine, built unless already in `cache`;
-    None if there is no compiler or the build failed."""
+    None (logged) if there is no compiler, or the source, the cache or the build fails."""
     cc = _compiler()
     if cc is None:
         logger.info("no C compiler found: the text model uses torch's kernels only")
         return None
+    tmp = None
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
         ).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("C compiler %s does not answer (%s): torch's kernels are used", cc, e)
-        return None
-    key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
-        key.update(part)
-        key.update(b"\0")
-    key.update(" ".join(sorted(cpu_info()[1])).encode())
-    target = cache / f"{source.stem}-{key.hexdigest()[:24]}.so"
-    if target.is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=cache)
-    os.close(fd)
-    try:
+        key = hashlib.sha256()
+        for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
+            key.update(part)
+            key.update(b"\0")
+        key.update(" ".join(sorted(cpu_info()[1])).encode())
+        target = cache / f"{source.stem}-{key.hexdigest()[:24]}.so"
+        if target.is_file():
+            return target
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=cache)
+        os.close(fd)
         done = subprocess.run(
             [cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
         )
@@ -116,13 +113,13 @@ def _build(source: Path, cache: Path) -> Path | None:
                 "building %s failed: torch's kernels are used\n%s", source.name, done.stderr[-2000:]
             )
             return None
-        os.replace(tmp, target)
+        os.replace(tmp, target)  # atomic: a concurrent build's rename of the same bytes wins
         return target
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("building %s failed (%s): torch's kernels are used", source.name, e)
         return None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
