@@ -124,6 +124,14 @@ def test_a_plan_for_the_kernel_still_answers_tensors_it_does_not_take(
     assert torch.equal(got, decode_attention(q, odd, v, length_mask(lengths, 40, torch.float32)))
 
 
+def test_keys_other_than_the_planned_span_are_refused(kernel: NativeKernels) -> None:
+    q, k, v, lengths = _case(5, 3, 2, 2, 16, 40)
+    plan = DecodeAttention(lengths, lengths.tolist(), 40, torch.float32)
+    short_k, short_v = k[:, :, :30], v[:, :, :30]  # the C code would read past them
+    with pytest.raises(ValueError, match="planned 40"):
+        plan(q, short_k, short_v)
+
+
 def test_lengths_outside_the_span_are_refused() -> None:
     with pytest.raises(ValueError, match="decode lengths"):
         DecodeAttention(torch.tensor([0, 3]), [0, 3], 3, torch.float32)

@@ -198,6 +198,7 @@ class DecodeAttention:
             raise ValueError(
                 f"decode lengths must be in 1..{span}, got {min(lengths)}..{max(lengths)}"
             )
+        self.span = span
         every = min(lengths) == span
         native = seq_lens.device.type == "cpu" and dtype == torch.float32
         self.kernels = native_kernels() if native else None
@@ -207,6 +208,8 @@ class DecodeAttention:
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """`[B, H * D]` of `q [B, H, D]` (see `decode_attention` for the rest)."""
+        if keys.shape[2] != self.span:  # the lengths were checked against it
+            raise ValueError(f"decode keys hold {keys.shape[2]} positions, planned {self.span}")
         if self.kernels is not None and NativeKernels.attention_takes(q, keys, values):
             return self.kernels.decode_attention(q, keys, values, self.lengths)
         mask = self.mask
