@@ -1,6 +1,7 @@
-"""The C kernels (`common.models.native_kernels`): decode attention and RMSNorm equal to
-torch's to float rounding, a sequence's attention bits independent of the rest of the batch
-and of the thread count, the build cache, and the fallback when nothing can be built."""
+"""The C kernels (`common.models.native_kernels`): decode attention, RMSNorm (alone and with
+RoPE) and silu(gate) * up equal to torch's to float rounding, a sequence's attention bits
+independent of the rest of the batch and of the thread count, the build cache, and the
+fallback when nothing can be built."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from common.models import native_kernels as native
 from common.models.native_kernels import NativeKernels, native_kernels
 from common.models.qwen3_vl.attention import DecodeAttention, decode_attention
-from common.models.qwen3_vl.text_ops import length_mask
+from common.models.qwen3_vl.text_ops import length_mask, rotate, signed_sin
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +239,68 @@ def test_rms_norm_takes_only_what_it_can_read(kernel: NativeKernels) -> None:
     assert not NativeKernels.rms_norm_takes(x, torch.randn(8, 2)[:, 0])  # weight strided
     assert not NativeKernels.rms_norm_takes(torch.randn(8), w)  # 1-D
     assert not NativeKernels.rms_norm_takes(torch.randn(2, 4, 3, 8), w)  # 4-D
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    rows=st.integers(1, 40),
+    heads=st.integers(1, 8),
+    dim=st.sampled_from([2, 16, 64, 128]),
+    unsqueezed=st.booleans(),
+)
+def test_rms_norm_rotate_is_torchs_to_rounding(
+    kernel: NativeKernels, seed: int, rows: int, heads: int, dim: int, unsqueezed: bool
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, (heads + 2) * dim, generator=g) * 3
+    x = qkv[:, : heads * dim].unflatten(-1, (heads, dim))  # strided, as the fused q/k heads
+    weight = torch.randn(heads, dim, generator=g)
+    angle = torch.randn(rows, dim, generator=g) * 4
+    cos, ssin = angle.cos(), signed_sin(angle.sin())
+    if unsqueezed:
+        cos, ssin = cos.unsqueeze(1), ssin.unsqueeze(1)
+    assert NativeKernels.rms_norm_rotate_takes(x, weight, cos, ssin)
+    got = kernel.rms_norm_rotate(x, weight, 1e-6, cos, ssin)
+    c, s = (t.double().view(rows, 1, dim) for t in (cos, ssin))
+    want = rotate(kernel.rms_norm(x, weight, 1e-6).double(), c, s)
+    assert got.shape == x.shape
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_rotate_takes_only_what_it_can_read() -> None:
+    x, w, t = torch.randn(4, 3, 8), torch.randn(3, 8), torch.randn(4, 1, 8)
+    assert NativeKernels.rms_norm_rotate_takes(x, w, t, t)
+    assert not NativeKernels.rms_norm_rotate_takes(torch.randn(4, 3, 7), torch.randn(7), t, t)
+    assert not NativeKernels.rms_norm_rotate_takes(x.view(12, 8), torch.randn(8), t, t)  # 2-D
+    assert not NativeKernels.rms_norm_rotate_takes(x, w, torch.randn(3, 1, 8), t)  # rows
+    assert not NativeKernels.rms_norm_rotate_takes(x, w, t, torch.randn(4, 2, 8)[:, :1])
+    assert not NativeKernels.rms_norm_rotate_takes(x, w, t.double(), t)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    rows=st.integers(1, 40),
+    width=st.integers(1, 300),
+    scale=st.sampled_from([1.0, 10.0, 100.0]),
+)
+def test_silu_mul_is_torchs_to_rounding(
+    kernel: NativeKernels, seed: int, rows: int, width: int, scale: float
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(rows, 2 * width + 3, generator=g)[:, : 2 * width] * scale  # strided
+    assert NativeKernels.silu_mul_takes(gate_up)
+    got = kernel.silu_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert got.shape == (rows, width) and torch.isfinite(got).all()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_silu_mul_takes_only_what_it_can_read() -> None:
+    assert NativeKernels.silu_mul_takes(torch.randn(3, 8))
+    assert not NativeKernels.silu_mul_takes(torch.randn(3, 7))
+    assert not NativeKernels.silu_mul_takes(torch.randn(8, 3).t())
+    assert not NativeKernels.silu_mul_takes(torch.randn(3, 8).double())
+    assert not NativeKernels.silu_mul_takes(torch.randn(2, 3, 8))

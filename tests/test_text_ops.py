@@ -87,3 +87,16 @@ def test_length_mask_is_the_bias_of_each_sequences_length() -> None:
         [0, 0, 0, inf, inf],
         [0, 0, 0, 0, 0],
     ]
+
+
+def test_norm_rotate_and_silu_mul_on_torchs_ops_are_the_two_steps() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 6, 64, generator=gen)
+    weight = torch.randn(6, 64, generator=gen)
+    angle = torch.randn(5, 1, 64, generator=gen)
+    cos, ssin = angle.cos(), text_ops.signed_sin(angle.sin())
+    want = text_ops.rotate(rms_norm(x, weight, 1e-6), cos, ssin)
+    assert torch.equal(text_ops.norm_rotate(x, weight, 1e-6, cos, ssin), want)
+    gate_up = torch.randn(5, 32, generator=gen)
+    gate, up = gate_up.clone().chunk(2, dim=-1)
+    assert torch.equal(text_ops.silu_mul(gate_up), F.silu(gate) * up)

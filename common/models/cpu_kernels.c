@@ -1,5 +1,6 @@
 /* The text model's CPU kernels in float32 that torch runs as many small ops: decode attention
- * (one query row per sequence and query head over that sequence's K/V rows) and RMSNorm.
+ * (one query row per sequence and query head over that sequence's K/V rows), RMSNorm, RMSNorm
+ * with rotate-half RoPE, and the MLP's silu(gate) * up.
  * Built and called by common/models/native_kernels.py, which says why and how. */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +29,7 @@ static inline float exp_nonpositive(float x) {
                      const float *v, int64_t v_st, int n, int D, int Gdyn, float scale,      \
                      float *p, float *out, int64_t out_sh) {                                 \
         const int G = G_EXPR;                                                                \
+        (void)Gdyn;                                                                          \
         for (int t = 0; t < n; t++) {                                                        \
             const float *kt = k + t * k_st;                                                  \
             float s[16];                                                                     \
@@ -102,6 +104,46 @@ void epd_rms_norm(const float *x, int64_t n, int64_t m, int64_t d, int64_t xs0, 
             for (int64_t k = 0; k < d; k++) squares += row[k] * row[k];
             const float scale = 1.0f / sqrtf(squares / (float)d + eps);
             for (int64_t k = 0; k < d; k++) o[k] = row[k] * scale * wr[k];
+        }
+    }
+}
+
+/* RMSNorm (as epd_rms_norm) then rotate-half RoPE, in one pass per row: with y the normed
+ * row, out[k] = y[k] * cos[k] + y[(k + d/2) % d] * ssin[k], where ssin is the sine with its
+ * first half negated (text_ops.signed_sin). cos and ssin are [n, d] tables, row stride cs0
+ * (the same for both), one row per token for all of its m heads. d is even and at most 1024. */
+int epd_rms_norm_rotate(const float *x, int64_t n, int64_t m, int64_t d, int64_t xs0,
+                        int64_t xs1, const float *w, int64_t ws0, float eps, const float *cos,
+                        const float *ssin, int64_t cs0, float *out) {
+    if (d % 2 != 0 || d > 1024) return -2;
+    const int64_t half = d / 2;
+    float y[1024];
+    for (int64_t i = 0; i < n; i++) {
+        const float *c = cos + i * cs0, *s = ssin + i * cs0;
+        for (int64_t j = 0; j < m; j++) {
+            const float *row = x + i * xs0 + j * xs1, *wr = w + j * ws0;
+            float *o = out + (i * m + j) * d, squares = 0.0f;
+            for (int64_t k = 0; k < d; k++) squares += row[k] * row[k];
+            const float scale = 1.0f / sqrtf(squares / (float)d + eps);
+            for (int64_t k = 0; k < d; k++) y[k] = row[k] * scale * wr[k];
+            for (int64_t k = 0; k < half; k++) o[k] = y[k] * c[k] + y[k + half] * s[k];
+            for (int64_t k = half; k < d; k++) o[k] = y[k] * c[k] + y[k - half] * s[k];
+        }
+    }
+    return 0;
+}
+
+/* out [n, f] (contiguous) = silu(gate) * up, where gate is x's first f columns and up its
+ * last f (x [n, 2f], row stride xs0): silu(g) = g / (1 + e^-g), computed from e^-|g| so
+ * that the exponential never overflows. */
+void epd_silu_mul(const float *x, int64_t n, int64_t f, int64_t xs0, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = x + i * xs0, *u = g + f;
+        float *o = out + i * f;
+        for (int64_t k = 0; k < f; k++) {
+            const float e = exp_nonpositive(g[k] > 0.0f ? -g[k] : g[k]); /* e^-|g| */
+            const float sig = g[k] > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[k] = g[k] * sig * u[k];
         }
     }
 }

@@ -10,7 +10,9 @@ calls, each with microseconds of overhead for little arithmetic.
   once per key head for the whole group of query heads that share it, with the softmax in
   between, near memory speed.
 - RMSNorm: torch's is five ops (square, mean, add, rsqrt, two products), 25 us on a row of
-  256 where the C call takes 11 us; a decode step of the `small` checkpoint runs 13.
+  256 where the C call takes 11 us; a decode step of the `small` checkpoint runs 13. The
+  q/k norm is fused with the rotate-half RoPE after it (four more ops), and the MLP's
+  `silu(gate) * up` is one pass (two ops, each a pass over the activations).
 
 Figures: docs/performance.md ("Text-model CPU kernels").
 
@@ -144,6 +146,15 @@ class NativeKernels:
         norm.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_float, _PTR]
         norm.restype = None
         self._norm = norm
+        norm_rotate = lib.epd_rms_norm_rotate
+        norm_rotate.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_float]
+        norm_rotate.argtypes += [_PTR, _PTR, _I64, _PTR]
+        norm_rotate.restype = _INT
+        self._norm_rotate = norm_rotate
+        silu_mul = lib.epd_silu_mul
+        silu_mul.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+        silu_mul.restype = None
+        self._silu_mul = silu_mul
 
     def decode_attention(
         self,
@@ -238,6 +249,75 @@ class NativeKernels:
             out.data_ptr(),
         )
         return out
+
+    def rms_norm_rotate(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """`text_ops.rotate(self.rms_norm(x, weight, eps), cos, signed_sin)` in one pass, for
+        tensors that `rms_norm_rotate_takes`."""
+        rows, heads, dim = x.shape
+        out = torch.empty(x.shape, dtype=x.dtype)
+        status = self._norm_rotate(
+            x.data_ptr(),
+            rows,
+            heads,
+            dim,
+            x.stride(0),
+            x.stride(1),
+            weight.data_ptr(),
+            dim if weight.dim() == 2 else 0,
+            eps,
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            cos.stride(0),
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise ValueError(f"RMSNorm with rotation takes an even head dim up to 1024, not {dim}")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of `gate_up [n, 2f]` (gate its first f columns), `[n, f]`,
+        for a tensor that `silu_mul_takes`."""
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), rows, width // 2, gate_up.stride(0), out.data_ptr())
+        return out
+
+    @staticmethod
+    def rms_norm_rotate_takes(
+        x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> bool:
+        """Whether `rms_norm_rotate` takes these: what `rms_norm_takes` for a 3-D `x [n, m,
+        d]` (d even, at most 1024), and float32 CPU tables `cos`, `signed_sin` `[n, 1, d]` or
+        `[n, d]` with contiguous rows at one stride."""
+        n, _, dim = x.shape if x.dim() == 3 else (0, 0, 0)
+        tables = (cos, signed_sin)
+        return (
+            x.dim() == 3
+            and dim % 2 == 0
+            and dim <= 1024
+            and NativeKernels.rms_norm_takes(x, weight)
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tables)
+            and all(t.shape in ((n, 1, dim), (n, dim)) and t.stride(-1) == 1 for t in tables)
+            and cos.stride(0) == signed_sin.stride(0)
+        )
+
+    @staticmethod
+    def silu_mul_takes(gate_up: torch.Tensor) -> bool:
+        """Whether `silu_mul` takes `gate_up`: a float32 CPU `[n, 2f]` with contiguous rows."""
+        return (
+            gate_up.dtype == torch.float32
+            and gate_up.device.type == "cpu"
+            and gate_up.dim() == 2
+            and gate_up.shape[1] % 2 == 0
+            and gate_up.stride(-1) == 1
+        )
 
     @staticmethod
     def rms_norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -29,7 +29,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from common.models.qwen3_vl.attention import DecodeAttention, PrefillAttention, SegmentSpan
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
@@ -37,7 +36,7 @@ from common.models.qwen3_vl.linear import Dense, use_packed
 from common.models.qwen3_vl.prefill_plan import PrefillRequest, plan_forwards
 from common.models.qwen3_vl.rope import axis_of_frequency, inverse_frequencies, rotary_cos_sin
 from common.models.qwen3_vl.text_layer import LayerWeights
-from common.models.qwen3_vl.text_ops import rms_norm, rotate, signed_sin
+from common.models.qwen3_vl.text_ops import norm_rotate, rms_norm, signed_sin, silu_mul
 from common.models.qwen3_vl.visual_rows import VisualInputs, packed_visual, visual_inputs
 from common.models.running_kv import new_token_slots
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata
@@ -138,8 +137,8 @@ class TextModel:
         c = self.config
         qkv = layer.qkv(h)
         split = self.q_size + self.kv_size
-        qk = rms_norm(qkv[:, :split].unflatten(-1, (-1, c.head_dim)), layer.qk_norm, c.rms_norm_eps)
-        qk = rotate(qk, cos, sin_signed)
+        heads_qk = qkv[:, :split].unflatten(-1, (-1, c.head_dim))
+        qk = norm_rotate(heads_qk, layer.qk_norm, c.rms_norm_eps, cos, sin_signed)
         heads = c.num_attention_heads
         return qk[:, :heads], qk[:, heads:], qkv[:, split:].unflatten(-1, (-1, c.head_dim))
 
@@ -151,8 +150,7 @@ class TextModel:
         a fresh activation-sized buffer per op)."""
         x += layer.o_proj(attn)
         h = rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        x += layer.down(F.silu(gate, inplace=True).mul_(up))
+        x += layer.down(silu_mul(layer.gate_up(h)))
         return x
 
     @staticmethod

@@ -29,6 +29,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.to(torch.float32), shape, eps=eps).to(x.dtype)
 
 
+def norm_rotate(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """`rotate(rms_norm(x, weight, eps), cos, signed_sin)`: the q/k heads' norm and RoPE, in
+    one pass of the C kernel where it takes them (float32 on the CPU; the same to rounding)."""
+    kernels = native_kernels()
+    if kernels is not None and kernels.rms_norm_rotate_takes(x, weight, cos, signed_sin):
+        return kernels.rms_norm_rotate(x, weight, eps, cos, signed_sin)
+    return rotate(rms_norm(x, weight, eps), cos, signed_sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of `gate_up [n, 2f]` (gate its first f columns), `[n, f]`: one pass
+    of the C kernel where it takes it (float32 on the CPU; the same to rounding), else
+    torch's two ops in place (`gate_up` is then overwritten)."""
+    kernels = native_kernels()
+    if kernels is not None and kernels.silu_mul_takes(gate_up):
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """`sin` with its first half negated, for `rotate` (once per forward)."""
     half = sin.shape[-1] // 2
