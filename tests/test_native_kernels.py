@@ -304,3 +304,48 @@ def test_silu_mul_takes_only_what_it_can_read() -> None:
     assert not NativeKernels.silu_mul_takes(torch.randn(8, 3).t())
     assert not NativeKernels.silu_mul_takes(torch.randn(3, 8).double())
     assert not NativeKernels.silu_mul_takes(torch.randn(2, 3, 8))
+
+
+def _bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal as bfloat16 values up to a unit or two in their last place (8 bits of mantissa:
+    the kernels sum in another order than torch, and each bfloat16 rounding can then flip)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    g, w = got.double(), want.double()
+    assert ((g - w).abs() <= w.abs() * 2**-7 + 1e-6).all()
+    assert (got == want).double().mean() > 0.9  # mostly the very same bits
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_bfloat16_rms_norm_rounds_as_torchs_ops(kernel: NativeKernels, heads: int) -> None:
+    g = torch.Generator().manual_seed(heads)
+    x = (torch.randn(33, heads, 128, generator=g) * 3).to(torch.bfloat16)
+    weight = torch.randn(heads, 128, generator=g).to(torch.bfloat16)
+    want = weight * torch.nn.functional.rms_norm(x.float(), (128,), eps=1e-6).to(torch.bfloat16)
+    _bf16_close(kernel.rms_norm(x, weight, 1e-6), want)
+    angle = torch.randn(33, 1, 128, generator=g)
+    cos, ssin = angle.cos().to(torch.bfloat16), signed_sin(angle.sin()).to(torch.bfloat16)
+    assert NativeKernels.rms_norm_rotate_takes(x, weight, cos, ssin)
+    _bf16_close(kernel.rms_norm_rotate(x, weight, 1e-6, cos, ssin), rotate(want, cos, ssin))
+
+
+def test_bfloat16_silu_mul_rounds_as_torchs_ops(kernel: NativeKernels) -> None:
+    g = torch.Generator().manual_seed(9)
+    gate_up = (torch.randn(17, 600, generator=g) * 4).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _bf16_close(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_bfloat16_decode_attention_is_torchs_to_its_precision(kernel: NativeKernels) -> None:
+    q, k, v, lengths = _case(11, 8, 2, 4, 64, 150)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    assert NativeKernels.attention_takes(q, k, v)
+    got = kernel.decode_attention(q, k, v, lengths)
+    mask = length_mask(lengths, 150, torch.float64)
+    exact = decode_attention(q.double(), k.double(), v.double(), mask)
+    torchs = decode_attention(q, k, v, length_mask(lengths, 150, torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    # no further from float64 than torch's own bfloat16 kernel, within a rounding of bfloat16
+    assert (got.double() - exact).abs().max() <= (torchs.double() - exact).abs().max() + 2**-8
+    assert NativeKernels.attention_takes(q, k, v) and not NativeKernels.attention_takes(
+        q, k.float(), v
+    )

@@ -1,6 +1,7 @@
 """C kernels built on the machine that runs them and called through ctypes
-(`cpu_kernels.c`): the text model's float32 CPU operations that torch runs as many small
-calls, each with microseconds of overhead for little arithmetic.
+(`cpu_kernels.c`): the text model's CPU operations that torch runs as many small calls,
+each with microseconds of overhead for little arithmetic, in float32 and bfloat16 (the
+latter computed in float32 and rounded where torch's bfloat16 ops round).
 
 - Decode attention, one query row per sequence and query head over that sequence's K/V
   rows. torch's CPU flash kernel runs it as two small GEMM calls (scores, then values) per
@@ -47,6 +48,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,7 +56,8 @@ from common.cpu import cpu_info
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")  # compiled; includes INCLUDES
+INCLUDES = (Path(__file__).with_name("cpu_kernels_body.h"),)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -72,8 +75,11 @@ MAX_GROUP = 16  # query heads per key head the kernel takes (its per-row accumul
 # not pay for the handoff).
 PARALLEL_WORK = 1 << 18
 
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # element types, symbol suffixes
+
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
+_FLOAT = ctypes.c_float
 _PTR = ctypes.c_void_p
 
 
@@ -84,9 +90,10 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(source: Path, cache: Path) -> Path | None:
-    """The shared library of `source` for this machine, built unless already in `cache`;
-    None (logged) if there is no compiler, or the source, the cache or the build fails."""
+def _build(source: Path, cache: Path, includes: tuple[Path, ...] = INCLUDES) -> Path | None:
+    """The shared library of `source` (which includes `includes`) for this machine, built
+    unless already in `cache`; None (logged) if there is no compiler, or a source, the cache
+    or the build fails."""
     cc = _compiler()
     if cc is None:
         logger.info("no C compiler found: the text model uses torch's kernels only")
@@ -97,7 +104,8 @@ def _build(source: Path, cache: Path) -> Path | None:
             [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
         ).stdout
         key = hashlib.sha256()
-        for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
+        sources = [path.read_bytes() for path in (source, *includes)]
+        for part in (*sources, " ".join(FLAGS).encode(), version.encode()):
             key.update(part)
             key.update(b"\0")
         key.update(" ".join(sorted(cpu_info()[1])).encode())
@@ -107,9 +115,9 @@ def _build(source: Path, cache: Path) -> Path | None:
         cache.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=cache)
         os.close(fd)
-        done = subprocess.run(
-            [cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
-        )
+        folders = sorted({f"-I{path.parent}" for path in includes})
+        command = [cc, *FLAGS, *folders, str(source), "-o", tmp, "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             logger.warning(
                 "building %s failed: torch's kernels are used\n%s", source.name, done.stderr[-2000:]
@@ -137,24 +145,27 @@ class NativeKernels:
     def __init__(self, library: Path) -> None:
         self.library = library
         lib = ctypes.CDLL(str(library))  # ctypes drops the GIL during each call
-        attention = lib.epd_decode_attention
-        attention.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64]
-        attention.argtypes += [_PTR, _INT, _INT, _INT, _INT, _INT, ctypes.c_float, _PTR]
-        attention.restype = _INT
-        self._attention = attention
-        norm = lib.epd_rms_norm
-        norm.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_float, _PTR]
-        norm.restype = None
-        self._norm = norm
-        norm_rotate = lib.epd_rms_norm_rotate
-        norm_rotate.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, ctypes.c_float]
-        norm_rotate.argtypes += [_PTR, _PTR, _I64, _PTR]
-        norm_rotate.restype = _INT
-        self._norm_rotate = norm_rotate
-        silu_mul = lib.epd_silu_mul
-        silu_mul.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
-        silu_mul.restype = None
-        self._silu_mul = silu_mul
+        self._attention: dict[torch.dtype, Any] = {}
+        self._norm: dict[torch.dtype, Any] = {}
+        self._norm_rotate: dict[torch.dtype, Any] = {}
+        self._silu_mul: dict[torch.dtype, Any] = {}
+        for dtype, suffix in DTYPES.items():
+            attention = getattr(lib, f"epd_decode_attention_{suffix}")
+            attention.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
+            attention.argtypes += [_I64, _PTR, _INT, _INT, _INT, _INT, _INT, _FLOAT, _PTR]
+            attention.restype = _INT
+            norm = getattr(lib, f"epd_rms_norm_{suffix}")
+            norm.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _FLOAT, _PTR]
+            norm.restype = None
+            norm_rotate = getattr(lib, f"epd_rms_norm_rotate_{suffix}")
+            norm_rotate.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _FLOAT]
+            norm_rotate.argtypes += [_PTR, _PTR, _I64, _PTR]
+            norm_rotate.restype = _INT
+            silu_mul = getattr(lib, f"epd_silu_mul_{suffix}")
+            silu_mul.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+            silu_mul.restype = None
+            self._attention[dtype], self._norm[dtype] = attention, norm
+            self._norm_rotate[dtype], self._silu_mul[dtype] = norm_rotate, silu_mul
 
     def decode_attention(
         self,
@@ -199,7 +210,7 @@ class NativeKernels:
         """One C call over `q`'s sequences into `out [B, H * D]` (rows contiguous)."""
         batch, heads, dim = q.shape
         qs, ks, vs = q.stride(), keys.stride(), values.stride()
-        status = self._attention(
+        status = self._attention[q.dtype](
             q.data_ptr(),
             qs[0],
             qs[1],
@@ -236,7 +247,7 @@ class NativeKernels:
             rows, heads, dim = x.shape
             row_stride, head_stride = x.stride(0), x.stride(1)
         weight_stride = dim if weight.dim() == 2 else 0
-        self._norm(
+        self._norm[x.dtype](
             x.data_ptr(),
             rows,
             heads,
@@ -262,7 +273,7 @@ class NativeKernels:
         tensors that `rms_norm_rotate_takes`."""
         rows, heads, dim = x.shape
         out = torch.empty(x.shape, dtype=x.dtype)
-        status = self._norm_rotate(
+        status = self._norm_rotate[x.dtype](
             x.data_ptr(),
             rows,
             heads,
@@ -286,7 +297,8 @@ class NativeKernels:
         for a tensor that `silu_mul_takes`."""
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-        self._silu_mul(gate_up.data_ptr(), rows, width // 2, gate_up.stride(0), out.data_ptr())
+        silu_mul = self._silu_mul[gate_up.dtype]
+        silu_mul(gate_up.data_ptr(), rows, width // 2, gate_up.stride(0), out.data_ptr())
         return out
 
     @staticmethod
@@ -294,8 +306,8 @@ class NativeKernels:
         x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> bool:
         """Whether `rms_norm_rotate` takes these: what `rms_norm_takes` for a 3-D `x [n, m,
-        d]` (d even, at most 1024), and float32 CPU tables `cos`, `signed_sin` `[n, 1, d]` or
-        `[n, d]` with contiguous rows at one stride."""
+        d]` (d even, at most 1024), and CPU tables `cos`, `signed_sin` of `x`'s dtype,
+        `[n, 1, d]` or `[n, d]`, with contiguous rows at one stride."""
         n, _, dim = x.shape if x.dim() == 3 else (0, 0, 0)
         tables = (cos, signed_sin)
         return (
@@ -303,16 +315,17 @@ class NativeKernels:
             and dim % 2 == 0
             and dim <= 1024
             and NativeKernels.rms_norm_takes(x, weight)
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tables)
+            and all(t.dtype == x.dtype and t.device.type == "cpu" for t in tables)
             and all(t.shape in ((n, 1, dim), (n, dim)) and t.stride(-1) == 1 for t in tables)
             and cos.stride(0) == signed_sin.stride(0)
         )
 
     @staticmethod
     def silu_mul_takes(gate_up: torch.Tensor) -> bool:
-        """Whether `silu_mul` takes `gate_up`: a float32 CPU `[n, 2f]` with contiguous rows."""
+        """Whether `silu_mul` takes `gate_up`: a float32 or bfloat16 CPU `[n, 2f]` with
+        contiguous rows."""
         return (
-            gate_up.dtype == torch.float32
+            gate_up.dtype in DTYPES
             and gate_up.device.type == "cpu"
             and gate_up.dim() == 2
             and gate_up.shape[1] % 2 == 0
@@ -321,11 +334,12 @@ class NativeKernels:
 
     @staticmethod
     def rms_norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether `rms_norm` takes these: float32 CPU tensors, `x [n, d]` or `[n, m, d]`
-        with its last dimension contiguous, `weight [d]` or (for 3-D `x`) `[m, d]`,
-        contiguous."""
+        """Whether `rms_norm` takes these: CPU tensors of one dtype (float32 or bfloat16),
+        `x [n, d]` or `[n, m, d]` with its last dimension contiguous, `weight [d]` or (for
+        3-D `x`) `[m, d]`, contiguous."""
         return (
-            x.dtype == weight.dtype == torch.float32
+            x.dtype == weight.dtype
+            and x.dtype in DTYPES
             and x.device.type == weight.device.type == "cpu"
             and x.dim() in (2, 3)
             and x.stride(-1) == 1
@@ -338,7 +352,8 @@ class NativeKernels:
         """Whether `decode_attention` takes these tensors."""
         tensors = (q, keys, values)
         return (
-            all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            all(t.device.type == "cpu" and t.dtype == q.dtype for t in tensors)
+            and q.dtype in DTYPES
             and all(t.stride(-1) == 1 for t in tensors)
             and q.dim() == 3
             and keys.dim() == values.dim() == 4

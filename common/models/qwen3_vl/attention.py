@@ -22,8 +22,8 @@ gain nothing from it (the kernel skips blocks itself), shorter ones too little.
 
 Decode (`DecodeAttention`): one query per sequence over either contiguous per-sequence
 K/V rows (`common.models.running_kv.RunningKv`, no copy per step) or, without them, a
-gather of each sequence's blocks from the paged buffer. On a CPU in float32 it runs the C
-kernel of `common.models.native_kernels` (torch's kernel spends more time there in
+gather of each sequence's blocks from the paged buffer. On a CPU (float32 or bfloat16) it
+runs the C kernel of `common.models.native_kernels` (torch's kernel spends more time there in
 per-sequence call overhead than in the arithmetic); elsewhere, or where that kernel could
 not be built, `decode_attention` (torch's).
 
@@ -200,7 +200,7 @@ class DecodeAttention:
             )
         self.span = span
         every = min(lengths) == span
-        native = seq_lens.device.type == "cpu" and dtype == torch.float32
+        native = seq_lens.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         self.kernels = native_kernels() if native else None
         # The kernel's lengths (None: all span), else torch's additive mask (None: no mask).
         self.lengths = None if every else seq_lens.to(torch.int64).contiguous()

@@ -14,15 +14,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The reference's RMSNorm over the last dimension (normalize in float32, cast, then
     scale by `weight`, which broadcasts over `x`'s trailing dimensions).
 
-    In float32 on the CPU it is the C kernel of `common.models.native_kernels` where that is
-    built (one call for what torch runs as five ops: 11 against 25 us on a row of 256; the
-    same to float rounding). Otherwise in float32 the cast is a no-op, so it is the
-    reference's own ops in place where they can be: the same bits as the reference and as
-    `F.rms_norm`, and at prefill's row counts a third faster than the latter."""
+    On the CPU (float32 or bfloat16) it is the C kernel of `common.models.native_kernels`
+    where that is built: one call for what torch runs as five ops (11 against 25 us on a
+    row of 256), the same to float rounding. Otherwise, in float32 the cast is a no-op, so
+    it is the reference's own ops in place where they can be: the same bits as the
+    reference and as `F.rms_norm`, and at prefill's row counts a third faster than the
+    latter."""
+    kernels = native_kernels()
+    if kernels is not None and kernels.rms_norm_takes(x, weight):
+        return kernels.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        kernels = native_kernels()
-        if kernels is not None and kernels.rms_norm_takes(x, weight):
-            return kernels.rms_norm(x, weight, eps)
         scale = torch.mean(x * x, -1, keepdim=True).add_(eps).rsqrt_()
         return (x * scale).mul_(weight)
     shape = (x.shape[-1],)
@@ -33,7 +34,7 @@ def norm_rotate(
     x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
 ) -> torch.Tensor:
     """`rotate(rms_norm(x, weight, eps), cos, signed_sin)`: the q/k heads' norm and RoPE, in
-    one pass of the C kernel where it takes them (float32 on the CPU; the same to rounding)."""
+    one pass of the C kernel where it takes them (on the CPU; the same to rounding)."""
     kernels = native_kernels()
     if kernels is not None and kernels.rms_norm_rotate_takes(x, weight, cos, signed_sin):
         return kernels.rms_norm_rotate(x, weight, eps, cos, signed_sin)
@@ -42,7 +43,7 @@ def norm_rotate(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of `gate_up [n, 2f]` (gate its first f columns), `[n, f]`: one pass
-    of the C kernel where it takes it (float32 on the CPU; the same to rounding), else
+    of the C kernel where it takes it (on the CPU; the same to rounding), else
     torch's two ops in place (`gate_up` is then overwritten)."""
     kernels = native_kernels()
     if kernels is not None and kernels.silu_mul_takes(gate_up):
