@@ -9,13 +9,12 @@ static inline __attribute__((always_inline)) void NAME(group)(
     const int G, float *p, float *acc) {
     for (int t = 0; t < n; t++) {
         const T *kt = k + t * k_st;
-        float s[16];
-        for (int g = 0; g < G; g++) s[g] = 0.0f;
-        for (int d = 0; d < D; d++) {
-            const float kd = LOAD(kt[d]);
-            for (int g = 0; g < G; g++) s[g] += qf[g * D + d] * kd;
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            float s = 0.0f;
+            for (int d = 0; d < D; d++) s += qg[d] * LOAD(kt[d]);
+            p[g * n + t] = s;
         }
-        for (int g = 0; g < G; g++) p[g * n + t] = s[g];
     }
     for (int g = 0; g < G; g++) {
         float *pg = p + g * n, m = pg[0], sum = 0.0f;

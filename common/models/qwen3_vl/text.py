@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.models.native_kernels import native_kernels
 from common.models.qwen3_vl.attention import DecodeAttention, PrefillAttention, SegmentSpan
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
 from common.models.qwen3_vl.linear import Dense, use_packed
@@ -88,6 +89,8 @@ class TextModel:
         self.freq_axis = axis_of_frequency(config.mrope_section, config.mrope_interleaved)
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
+        if self.embed_tokens.device.type == "cpu":
+            native_kernels()  # built (or found) at load rather than inside the first request
 
     @classmethod
     def from_weights(
