@@ -17,14 +17,15 @@ latter computed in float32 and rounded where torch's bfloat16 ops round).
 
 Figures: docs/performance.md ("Text-model CPU kernels").
 
-Building: on first use, with the system's C compiler (`$CC`, else `cc`, else `gcc`), for
-this CPU (`-march=native`), into `$EPD_CACHE_DIR/kernels/` (default `~/.cache/epd`) under a
-name that hashes the source, the flags, the compiler's version and the CPU's flags, so a
-cache shared between machines never hands one CPU another's build. The compiler writes a
-temporary file that is renamed into place, so concurrent first uses are safe. About 0.3 s.
-Nothing is built or loaded with `EPD_NATIVE_KERNELS=0`, without a compiler, or when the
-build or load fails: callers then use torch's kernels (logged once, at warning when a build
-failed).
+Building: on first use (a text model loading on a CPU asks), with the system's C compiler
+(`$CC`, else `cc`, else `gcc`), for this CPU (`-march=native`), into
+`$EPD_CACHE_DIR/kernels/` (default `~/.cache/epd`) under a name that hashes the sources
+(`cpu_kernels.c` and the body it includes once per element type), the flags, the compiler's
+version and the CPU's flags, so a cache shared between machines never hands one CPU
+another's build. The compiler writes a temporary file that is renamed into place, so
+concurrent first uses are safe. About 0.3 s. Nothing is built or loaded with
+`EPD_NATIVE_KERNELS=0`, without a compiler, or when the build or load fails: callers then
+use torch's kernels (logged once, at warning when a build failed).
 
 Arithmetic: `-fassociative-math` and its companions let the compiler vectorize the dot
 products and sums; their order then depends on the head dimension and on the sequence's own
