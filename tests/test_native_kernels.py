@@ -15,10 +15,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.engine import Engine
 from common.models import native_kernels as native
 from common.models.native_kernels import NativeKernels, native_kernels
+from common.models.qwen3_vl import attention as attention_module
+from common.models.qwen3_vl import text_ops as text_ops_module
 from common.models.qwen3_vl.attention import DecodeAttention, decode_attention
 from common.models.qwen3_vl.text_ops import length_mask, rotate, signed_sin
+from common.multimodal.params import MultimodalParams
+from common.sampling import SamplingParams
+from tests.model_fixtures import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +355,54 @@ def test_bfloat16_decode_attention_is_torchs_to_its_precision(kernel: NativeKern
     assert NativeKernels.attention_takes(q, k, v) and not NativeKernels.attention_takes(
         q, k.float(), v
     )
+
+
+def _use(kernels: NativeKernels | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the text model find `kernels` (None: torch's ops) where it looks them up."""
+    monkeypatch.setattr(attention_module, "native_kernels", lambda: kernels)
+    monkeypatch.setattr(text_ops_module, "native_kernels", lambda: kernels)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_the_engines_decode_with_and_without_the_kernels_agree(
+    kernel: NativeKernels,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    dtype: torch.dtype,
+    tolerance: float,
+) -> None:
+    """Through the real model (prefill with RMSNorm, RoPE and silu, decode attention over the
+    running rows of a batch with different lengths): the first decode step's logits with the
+    kernels equal torch's ops' to the dtype's rounding."""
+    engine = Engine.from_pretrained(
+        write_tiny_checkpoint(tmp_path / "ckpt", size="small"), dtype=dtype, num_blocks=256
+    )
+    empty = MultimodalParams((), {}, 0)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    model = engine.runner.model
+    original = model.logits
+
+    def first_step_logits(kernels: NativeKernels | None) -> torch.Tensor:
+        _use(kernels, monkeypatch)
+        seqs = [
+            engine.prefill([(7 * i + 3 * j) % 900 + 5 for j in range(40 + 9 * i)], empty, sampling)
+            for i in range(3)
+        ]
+        assert len({s.num_computed for s in seqs}) == 3  # the batch's lengths differ
+        captured: list[torch.Tensor] = []
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            captured.append(original(hidden))
+            return captured[-1]
+
+        monkeypatch.setattr(model, "logits", logits)
+        try:
+            engine.decode_step(seqs)
+        finally:
+            monkeypatch.setattr(model, "logits", original)
+        for seq in seqs:
+            engine.release(seq)
+        return captured[0].float()
+
+    want, got = first_step_logits(None), first_step_logits(kernel)
+    assert (got - want).abs().max() <= tolerance * want.abs().max()
