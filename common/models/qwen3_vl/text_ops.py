@@ -1,6 +1,8 @@
 """Elementwise helpers of the text model (`text.TextModel`; the vision tower rotates with
-`rotate` too), kept to the reference's arithmetic in as few ops as that allows. Projections
-are in `linear`."""
+`rotate` too), kept to the reference's arithmetic in as few ops as that allows. On the CPU
+`rms_norm`, `norm_rotate` and `silu_mul` are one call each to the C kernels of
+`common.models.native_kernels` where those are built, and torch's ops otherwise.
+Projections are in `linear`."""
 
 from __future__ import annotations
 
