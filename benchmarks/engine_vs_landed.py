@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from timing import busy_loops
+from timing import busy_loops, text_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("landed", "epd", "ref")
@@ -79,11 +79,6 @@ def _rate(work: float, durations: list[Pair] | Pair) -> Pair:
     )
 
 
-def _prompt(i: int, n: int) -> list[int]:
-    """Token ids of a distinct text prompt (ids below 1000: plain vocabulary)."""
-    return [(i * 131 + j * 7 + 3) % 1000 for j in range(n)]
-
-
 def _engine_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
     import torch
 
@@ -102,7 +97,7 @@ def _engine_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
 
     def decode(batch: int, rep: int, context: int = 100) -> Pair:
         seqs = [
-            engine.prefill(_prompt(rep * 64 + i, context), empty, many, use_prefix_cache=False)
+            engine.prefill(text_prompt(rep * 64 + i, context), empty, many, use_prefix_cache=False)
             for i in range(batch)
         ]
         times = []
@@ -116,7 +111,7 @@ def _engine_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
 
     def prefill_text(rep: int) -> Pair:
         start = Stamp()
-        seq = engine.prefill(_prompt(rep, 512), empty, one, use_prefix_cache=False)
+        seq = engine.prefill(text_prompt(rep, 512), empty, one, use_prefix_cache=False)
         elapsed = Stamp() - start
         engine.release(seq)
         return _rate(512, elapsed)
@@ -131,7 +126,7 @@ def _engine_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
         return _rate(len(processed.prompt_token_ids), elapsed)
 
     def short(rep: int) -> Pair:
-        prompts = [(_prompt(rep * 32 + i, 16), empty) for i in range(32)]
+        prompts = [(text_prompt(rep * 32 + i, 16), empty) for i in range(32)]
         start = Stamp()
         if hasattr(engine, "prefill_many"):
             seqs = engine.prefill_many(prompts, one, use_prefix_cache=False)
@@ -197,7 +192,7 @@ def _ref_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
 
     def decode(batch: int, rep: int, context: int = 100) -> Pair:
         clock = Clock()
-        prompts = [_prompt(rep * 64 + i, context) for i in range(batch)]
+        prompts = [text_prompt(rep * 64 + i, context) for i in range(batch)]
         generate(text_inputs(prompts), steps + 1, clock)
         gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)]
         return _rate(batch, gaps)
@@ -219,11 +214,11 @@ def _ref_cases(steps: int) -> dict[str, Callable[[int], Pair]]:
         "decode b=32": lambda rep: decode(32, rep),
         "decode b=32, 512 ctx": lambda rep: decode(32, rep, 512),
         "prefill 512 text": lambda rep: _rate(
-            512, timed(lambda: generate(text_inputs([_prompt(rep, 512)]), 1))
+            512, timed(lambda: generate(text_inputs([text_prompt(rep, 512)]), 1))
         ),
         "prefill 224^2 image": prefill_image,
         "32 x 16 tok, 1 new": lambda rep: timed(
-            lambda: generate(text_inputs([_prompt(rep * 32 + i, 16) for i in range(32)]), 1)
+            lambda: generate(text_inputs([text_prompt(rep * 32 + i, 16) for i in range(32)]), 1)
         ),
     }
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from timing import text_prompt
 
 import common.models.qwen3_vl.attention as attention
 import common.models.qwen3_vl.text_ops as text_ops
@@ -31,11 +32,6 @@ from common.multimodal.params import MultimodalParams
 from common.sampling import SamplingParams
 
 SIDES = ("torch", "C kernels")
-
-
-def _prompt(i: int, n: int) -> list[int]:
-    """Token ids of a distinct text prompt (ids below 1000: plain vocabulary)."""
-    return [(i * 131 + j * 7 + 3) % 1000 for j in range(n)]
 
 
 def _use(kernels: NativeKernels | None) -> None:
@@ -71,7 +67,9 @@ def main() -> None:
 
     def decode(batch: int, rep: int) -> float:
         seqs = [
-            engine.prefill(_prompt(rep * 64 + i, 100 + i % 3), empty, many, use_prefix_cache=False)
+            engine.prefill(
+                text_prompt(rep * 64 + i, 100 + i % 3), empty, many, use_prefix_cache=False
+            )
             for i in range(batch)
         ]
         engine.decode_step(seqs)  # the rows of the running batch are loaded
@@ -86,7 +84,7 @@ def main() -> None:
 
     def prefill(rep: int) -> float:
         start = time.process_time()
-        seq = engine.prefill(_prompt(rep, 512), empty, one, use_prefix_cache=False)
+        seq = engine.prefill(text_prompt(rep, 512), empty, one, use_prefix_cache=False)
         elapsed = time.process_time() - start
         engine.release(seq)
         return elapsed

@@ -67,6 +67,12 @@ def busy_loops(n: int) -> Iterator[None]:
             spinner.wait()
 
 
+def text_prompt(i: int, n: int) -> list[int]:
+    """Token ids of the `i`-th distinct `n`-token text prompt (ids below 1000: plain
+    vocabulary), the engine benchmarks' text prompts."""
+    return [(i * 131 + j * 7 + 3) % 1000 for j in range(n)]
+
+
 def image_question() -> list[dict[str, Any]]:
     """One 224x224 random image and a long question: the engine benchmarks' prompt."""
     rng = np.random.default_rng(0)
