@@ -202,8 +202,9 @@ class DecodeAttention:
         every = min(lengths) == span
         native = seq_lens.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         self.kernels = native_kernels() if native else None
-        # The kernel's lengths (None: all span), else torch's additive mask (None: no mask).
-        self.lengths = None if every else seq_lens.to(torch.int64).contiguous()
+        # The kernel's lengths, else torch's additive mask (None: every position attended).
+        kernel_lengths = not every and self.kernels is not None
+        self.lengths = seq_lens.to(torch.int64).contiguous() if kernel_lengths else None
         self.mask = None if every or self.kernels else length_mask(seq_lens, span, dtype)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -212,10 +213,9 @@ class DecodeAttention:
             raise ValueError(f"decode keys hold {keys.shape[2]} positions, planned {self.span}")
         if self.kernels is not None and NativeKernels.attention_takes(q, keys, values):
             return self.kernels.decode_attention(q, keys, values, self.lengths)
-        mask = self.mask
-        if mask is None and self.lengths is not None:  # planned for the kernel, not taken
-            mask = length_mask(self.lengths, keys.shape[2], q.dtype)
-        return decode_attention(q, keys, values, mask)
+        if self.mask is None and self.lengths is not None:  # planned for the kernel, not taken
+            self.mask = length_mask(self.lengths, self.span, q.dtype)
+        return decode_attention(q, keys, values, self.mask)
 
 
 def decode_attention(
