@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,6 +72,8 @@ from common.wire.convert import TensorResolver, embeddings_from_proto, params_fr
 from common.wire.kv import layout_from_proto, layout_to_proto
 from common.wire.transfer import KIND_TO_MEMORY, MEMORY_TO_KIND
 from epd.v1 import decode_service_pb2, kv_pb2, multimodal_pb2, prefill_service_pb2
+
+logger = logging.getLogger(__name__)
 
 # In the details of a prefill worker's UNAVAILABLE when an embedding's holder is gone (the
 # READ from the encoder failed): the router encodes the items again and retries prefill,
@@ -306,7 +309,7 @@ async def pull(
         try:
             stats, digests = await asyncio.shield(future)
         except asyncio.CancelledError:
-            future.add_done_callback(lambda _: on_orphan())
+            future.add_done_callback(functools.partial(_settled, on_orphan=on_orphan))
             raise
     mismatched = [
         i
@@ -314,6 +317,17 @@ async def pull(
         if not hmac.compare_digest(got, handle.block_digests[i])
     ]
     return Pulled(stats, mismatched)
+
+
+def _settled(read: asyncio.Future[object], *, on_orphan: Callable[[], object]) -> None:
+    """A READ whose caller went away has ended: its blocks go back (`on_orphan`), unless it
+    timed out and NIXL could not cancel it. Then it may still write them, so they stay
+    taken for good (quarantined), as the caller does when it is still there."""
+    failure = None if read.cancelled() else read.exception()  # retrieved, either way
+    if isinstance(failure, TransferTimeoutError) and not failure.cancelled:
+        logger.error("an orphaned KV READ timed out and could not be cancelled; quarantining")
+        return
+    on_orphan()
 
 
 def _read_and_digest(

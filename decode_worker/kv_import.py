@@ -20,7 +20,9 @@ enters its cache before the holder has confirmed: the stream's first chunk waits
 the call fails with ABORTED (the router prefills again; the client sees no error).
 
 A block whose bytes fail their digest fails `admit` with ABORTED (after the holder has been
-told which blocks, so it can recheck them); nothing pulled is used or cached.
+told which blocks, so it can recheck them); nothing pulled is used or cached. A block this
+worker caches is reused only while its bytes still have the digest recorded when it was
+pulled; one that changed is uncached and pulled again (`KvAllocator.plan_import`).
 
 Leases: once `admit` is called it owns releasing the handle's lease exactly once (the
 confirming `ReleaseKv`, or a background one on every other path), whatever happens.
@@ -50,6 +52,7 @@ import grpc
 from common.handoff import pull
 from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
+from common.kv.digest import cache_block_digests
 from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
@@ -201,9 +204,8 @@ class KvImporter:
                 on_orphan=lambda s: self.model.submit(self._abandon, s, hold),
             )
         except asyncio.CancelledError:
-            raise  # on_orphan gives the blocks back once the sequence is made
-        except BaseException:
-            await self.model.call(allocator.abort_import, plan)
+            # on_orphan gives the blocks back once the sequence is made; `_start` does if
+            # it fails.
             raise
         digests = list(handle.block_digests)
         return Imported(seq, plan, hashes, digests, hold, pulled.stats, confirmation)
@@ -241,6 +243,11 @@ class KvImporter:
 
     # ---------------------------------------------------------------- model thread
 
+    def _digests_now(self, block_ids: list[int]) -> list[bytes]:
+        """Model thread: the digests of these blocks' bytes now, so that a cached block is
+        reused only while its bytes are the ones pulled and verified (DESIGN §4)."""
+        return cache_block_digests(self.runner.kv, block_ids)
+
     def _start(
         self,
         plan: ImportPlan,
@@ -251,8 +258,15 @@ class KvImporter:
         generated: list[int],
     ) -> LmSequence:
         """The sequence owning the plan's blocks (computing the KV of resumed tokens), and
-        the hold on the pulled blocks."""
-        seq = self.runner.resume(tokens, sampling, plan.blocks, generated, mrope_delta=mrope_delta)
+        the hold on the pulled blocks. If that fails, the plan's blocks go back here, on the
+        model thread (the caller may have gone away meanwhile)."""
+        try:
+            seq = self.runner.resume(
+                tokens, sampling, plan.blocks, generated, mrope_delta=mrope_delta
+            )
+        except BaseException:
+            self.runner.allocator.abort_import(plan)
+            raise
         self.runner.allocator.pool.acquire(hold)
         if len(generated) > 1:
             self.counters.resumed += 1
@@ -313,6 +327,7 @@ class KvImporter:
                     hashes,
                     n,
                     total,
+                    self._digests_now,
                     on_orphan=lambda p: self.model.submit(allocator.abort_import, p),
                 )
             except NoFreeBlocksError:

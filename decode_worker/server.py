@@ -42,7 +42,9 @@ def decode_metrics(servicer: DecodeServicer) -> list[Any]:
         counter("epd:kv_pull_seconds", "Wall time spent in KV READs.", c.pull_seconds),
         counter("epd:kv_hash_mismatches", "KV handles refused: hashes differ.", c.hash_mismatches),
         counter(
-            "epd:kv_digest_failures", "Pulled blocks failing their digest.", c.digest_mismatches
+            "epd:kv_digest_failures",
+            "Pulled blocks failing their digest; cached ones found changed (pulled again).",
+            c.digest_mismatches + servicer.runner.allocator.digest_mismatches,
         ),
         counter("epd:kv_leases_lost", "Pulls discarded: lease not live.", c.leases_lost),
         counter("epd:kv_block_waits", "Requests that waited for free blocks.", c.block_waits),

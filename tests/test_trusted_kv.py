@@ -304,6 +304,30 @@ async def test_prefill_never_reuses_a_corrupted_cached_block(cluster: Cluster) -
     assert answer.token_ids == c.expected(messages, GREEDY).token_ids
 
 
+async def test_decode_never_reuses_a_corrupted_cached_block(cluster: Cluster) -> None:
+    c = cluster
+    messages = prompt(19)
+    tokens, params = make_handoff(c.engine, messages)
+    runner = c.decode.servicer.runner
+    first = await run_prefill(c, tokens, params, GREEDY)
+    await run_decode(c, decode_request(tokens, params, GREEDY, first))
+    full = len(tokens) // BLOCK
+    # The decode worker cached the pulled blocks once the lease was confirmed; one of them
+    # changes afterwards (a stray write, say).
+    await eventually(lambda: runner.allocator.pool.get(first.kv.block_hashes[1]) is not None)
+    victim = runner.allocator.pool.get(first.kv.block_hashes[1])
+    assert victim is not None
+    runner.kv.buffer[victim].view(-1)[3] += 1.0
+    mismatches = runner.allocator.digest_mismatches
+    again = await run_prefill(c, tokens, params, GREEDY)
+    answer = await run_decode(c, decode_request(tokens, params, GREEDY, again))
+    # Found changed before reuse: uncached, counted, and pulled again with the rest.
+    assert runner.allocator.digest_mismatches == mismatches + 1
+    assert answer.chunks[0].blocks_reused == full - 1
+    assert answer.chunks[0].blocks_pulled == blocks_for(len(tokens), BLOCK) - (full - 1)
+    assert answer.token_ids == c.expected(messages, GREEDY).token_ids
+
+
 # -------------------------------------------------------------- the partial block
 
 

@@ -7,7 +7,7 @@ model runner never takes or frees a block):
     cached_prefix(hashes, n)                -> cached prefix blocks a prefill may reuse
     allocate_prompt(cached, total)          -> those blocks acquired + fresh ones for `total`
     cache_prompt(blocks, hashes, n, reused) -> the newly computed full blocks enter the cache
-    plan_import(hashes, n, total) / finish_import / abort_import   (decode: KV pulled by NIXL)
+    plan_import(hashes, n, total, digests_now) / finish_import / abort_import (decode: pulled KV)
     release(blocks)
     record_digests / digest_of / check_prefix / uncache             (bytes bound to keys)
     cached_hashes() + listeners             -> snapshot + live events for the KV event hub
@@ -26,7 +26,8 @@ Digests (DESIGN §4): the digest of a block's bytes (`common.kv.digest`) is reco
 block id when the block is computed (or pulled and verified) and forgotten when the id is
 allocated again. Before a prefill reuses cached blocks, `check_prefix` compares their bytes'
 digests now with the recorded ones and uncaches the first block whose bytes changed, so a
-corrupted block is recomputed instead of served.
+corrupted block is recomputed instead of served; a decode worker's `plan_import` given
+`digests_now` does the same for every cached block it would reuse, which is pulled instead.
 
 Events: the pool calls the allocator with every change, which passes it to each of
 `listeners` on the same thread; `cached_hashes` is read from the pool itself, so a listener
@@ -158,18 +159,27 @@ class KvAllocator:
     # ------------------------------------------------------------------------- import
 
     def plan_import(
-        self, hashes: list[bytes] | None, num_tokens: int, total_tokens: int
+        self,
+        hashes: list[bytes] | None,
+        num_tokens: int,
+        total_tokens: int,
+        digests_now: Callable[[list[int]], Sequence[bytes]] | None = None,
     ) -> ImportPlan:
         """Take blocks for a prompt of `num_tokens` whose KV is pulled from a prefill worker.
 
         Full prompt blocks whose hash the pool caches are acquired (reused, not pulled);
         every other prompt block (the partial last one included) and the generation blocks
-        up to `total_tokens` slots are allocated. The caller owns the plan's blocks and must
-        pass the plan to `finish_import` (after the pull) or `abort_import`. Raises
-        `NoFreeBlocksError` with nothing taken.
+        up to `total_tokens` slots are allocated. With `digests_now` (block ids -> the
+        digests of their bytes now), a cached block whose bytes no longer have the digest
+        recorded for them is uncached and counted (`_drop_changed`) and pulled instead.
+        The caller owns the plan's blocks and must pass the plan to `finish_import` (after
+        the pull) or `abort_import`. Raises `NoFreeBlocksError` with nothing taken.
         """
         pool, bs = self.pool, self.block_size
         found = pool.find_cached(hashes or [])
+        if digests_now is not None:  # reuse only blocks whose bytes are still the ones pulled
+            changed = self._drop_changed([b for b in found if b is not None], digests_now)
+            found = [None if b in changed else b for b in found]
         hit_ids = [b for b in found if b is not None]
         pool.acquire(hit_ids)
         need = blocks_for(max(total_tokens, num_tokens), bs) - len(hit_ids)
@@ -225,13 +235,27 @@ class KvAllocator:
         recorded) is uncached and counted; it and the blocks after it are not returned."""
         for j, (block_id, now) in enumerate(zip(cached, digests_now, strict=True)):
             if self.digests.get(block_id) != now:
-                self.digest_mismatches += 1
-                logger.error(
-                    "cached KV block %d changed after it was computed; dropping it", block_id
-                )
-                self.uncache([block_id])
+                self._changed(block_id)
                 return cached[:j]
         return cached
+
+    def _drop_changed(
+        self, block_ids: list[int], digests_now: Callable[[list[int]], Sequence[bytes]]
+    ) -> set[int]:
+        """The cached `block_ids` whose bytes' digest now differs from the recorded one (or
+        has none recorded), each uncached and counted."""
+        if not block_ids:
+            return set()
+        now = digests_now(block_ids)
+        changed = {b for b, d in zip(block_ids, now, strict=True) if self.digests.get(b) != d}
+        for block_id in changed:
+            self._changed(block_id)
+        return changed
+
+    def _changed(self, block_id: int) -> None:
+        self.digest_mismatches += 1
+        logger.error("cached KV block %d changed after it was verified; dropping it", block_id)
+        self.uncache([block_id])
 
     def uncache(self, block_ids: Sequence[int]) -> None:
         """Take blocks out of the prefix cache (their bytes can no longer be trusted); held

@@ -1,0 +1,180 @@
+"""The decode side of a KV import when things go wrong at the worst moment (DESIGN §4): a
+caller that goes away while a READ runs, a READ that then cannot be cancelled, a sequence
+that fails to start after its caller left, and a cached block whose bytes changed before
+its reuse. Real allocator, KV buffer, digests and model thread; the transfer agent is a
+stand-in that fails as NIXL can (a READ that times out, cancelled or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from common.handoff import pull
+from common.kv.allocator import KvAllocator
+from common.kv.cache import KvCacheSpec, PagedKvCache
+from common.kv.digest import cache_block_digests
+from common.models.model_thread import ModelThread
+from common.sampling import SamplingParams
+from common.transfer.types import TransferStats, TransferTimeoutError
+from decode_worker.kv_import import DecodeCounters, KvImporter
+from epd.v1 import kv_pb2, tensor_pb2
+
+BLOCK_BYTES = 4 << 20  # three such blocks are past INLINE_PULL_BYTES: the READ runs off-loop
+
+
+class SlowAgent:
+    """A NIXL agent whose READ takes `seconds`, then raises `error` (None: succeeds)."""
+
+    peers = ("holder",)
+
+    def __init__(self, seconds: float, error: BaseException | None) -> None:
+        self.seconds, self.error = seconds, error
+
+    def add_peer(self, metadata: bytes) -> str:
+        return "holder"
+
+    def read(self, *args: Any, **kwargs: Any) -> TransferStats:
+        time.sleep(self.seconds)
+        if self.error is not None:
+            raise self.error
+        return TransferStats(1, 1, 1, 0.0)
+
+
+def big_blocks_runner(allocator: KvAllocator) -> Any:
+    """The parts of an `LmRunner` `pull` reads, with blocks too large to READ inline."""
+    kv = types.SimpleNamespace(
+        spec=types.SimpleNamespace(block_bytes=BLOCK_BYTES),
+        block_address=lambda b: (0x1000_0000 + b * BLOCK_BYTES, BLOCK_BYTES),
+    )
+    return types.SimpleNamespace(kv=kv, allocator=allocator)
+
+
+async def cancel_during_read(error: TransferTimeoutError) -> KvAllocator:
+    """Start a pull of three blocks whose READ ends in `error`, cancel the caller while it
+    runs, wait for the READ to end; the allocator (the caller's `on_orphan` aborts the
+    plan, as `KvImporter.admit` does)."""
+    allocator = KvAllocator.create(8, 16, b"r" * 32)
+    plan = allocator.plan_import(None, 40, 48)
+    handle = kv_pb2.KvHandle(
+        agent_name="holder",
+        agent_metadata=b"m",
+        memory_kind=tensor_pb2.MEMORY_KIND_HOST,
+        blocks=[
+            kv_pb2.KvBlockDescriptor(address=i * BLOCK_BYTES, length=BLOCK_BYTES) for i in range(3)
+        ],
+    )
+    task = asyncio.ensure_future(
+        pull(
+            SlowAgent(0.3, error),  # type: ignore[arg-type]
+            big_blocks_runner(allocator),
+            handle,
+            plan,
+            timeout_s=0.2,
+            on_orphan=lambda: allocator.abort_import(plan),
+        )
+    )
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.5)  # the READ ends meanwhile
+    return allocator
+
+
+@pytest.mark.asyncio
+async def test_orphaned_read_that_could_not_be_cancelled_keeps_its_blocks() -> None:
+    allocator = await cancel_during_read(TransferTimeoutError("timed out", cancelled=False))
+    # NIXL may still write those blocks: they are never handed out again.
+    assert allocator.pool.num_used_blocks == 3
+    assert not set(allocator.pool.allocate(3)) & {0, 1, 2}
+
+
+@pytest.mark.asyncio
+async def test_orphaned_read_that_was_cancelled_gives_its_blocks_back() -> None:
+    allocator = await cancel_during_read(TransferTimeoutError("timed out", cancelled=True))
+    assert allocator.pool.num_used_blocks == 0
+
+
+def small_kv() -> tuple[PagedKvCache, KvAllocator]:
+    spec = KvCacheSpec(1, 1, 8, 4, torch.float32, 8)
+    return PagedKvCache(spec), KvAllocator.create(8, 4, b"r" * 32)
+
+
+def test_import_plan_pulls_a_cached_block_whose_bytes_changed() -> None:
+    kv, allocator = small_kv()
+    hashes = [b"h0" * 16, b"h1" * 16]
+    plan = allocator.plan_import(hashes, 8, 9)
+    kv.buffer[plan.blocks[0]].fill_(1.0)
+    kv.buffer[plan.blocks[1]].fill_(2.0)  # pulled, verified: their digests recorded
+    allocator.finish_import(plan, hashes, cache_block_digests(kv, plan.blocks[:2]))
+    allocator.release(plan.blocks)
+    kv.buffer[plan.blocks[0]].view(-1)[0] = 9.0  # a stray write into a cached block
+
+    def digests_now(ids: list[int]) -> list[bytes]:
+        return cache_block_digests(kv, ids)
+
+    again = allocator.plan_import(hashes, 8, 9, digests_now)
+    assert again.reused == [1]  # the unchanged block only
+    assert again.pull == [0]
+    assert allocator.digest_mismatches == 1
+    assert allocator.pool.get(hashes[0]) is None  # uncached: never found again
+    allocator.abort_import(again)
+    allocator.pool.check_invariants()
+
+
+@pytest.mark.asyncio
+async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_blocks() -> None:
+    kv, allocator = small_kv()
+
+    def resume(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.3)
+        raise RuntimeError("the forward failed")
+
+    runner = types.SimpleNamespace(kv=kv, allocator=allocator, resume=resume)
+
+    class Peers:
+        def release_kv(self, *args: Any) -> None:
+            pass
+
+        async def confirm_release_kv(self, *args: Any) -> bool:
+            return True
+
+    async def never() -> None:
+        await asyncio.sleep(3600)
+
+    digest = cache_block_digests(kv, [0])[0]
+    handle = kv_pb2.KvHandle(
+        agent_name="holder",
+        agent_metadata=b"m",
+        memory_kind=tensor_pb2.MEMORY_KIND_HOST,
+        lease_id="L",
+        holder_address="h",
+        lease_ttl_ms=10_000,
+        blocks=[kv_pb2.KvBlockDescriptor(address=0, length=kv.spec.block_bytes)] * 2,
+        block_digests=[digest, digest],
+    )
+    model = ModelThread()
+    importer = KvImporter(
+        runner,  # type: ignore[arg-type]
+        model,
+        SlowAgent(0.0, None),  # type: ignore[arg-type]
+        Peers(),  # type: ignore[arg-type]
+        DecodeCounters(),
+        never,
+    )
+    task = asyncio.ensure_future(
+        importer.admit(handle, [1] * 6, None, [1], 0, SamplingParams(max_tokens=4), 1.0)
+    )
+    await asyncio.sleep(0.1)  # the sequence is being made on the model thread
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.5)
+    assert allocator.pool.num_used_blocks == 0
+    allocator.pool.check_invariants()
+    model.close()
