@@ -131,7 +131,8 @@ class EncoderEngine:
 
         Cache writes happen only for units actually encoded. Cancelling the caller does not
         cancel a computation another request waits for, or one the tower has begun (its
-        result is still cached); work queued for it alone is dropped (`_abandon`).
+        result is still cached); work queued for it alone is dropped (`_abandon`), as it is
+        when one of its batches failed (the request fails; its other work is not needed).
         """
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         selection = self._select(jobs, future)
@@ -141,7 +142,7 @@ class EncoderEngine:
         if selection.waiter.remaining:
             try:
                 await future
-            except asyncio.CancelledError:
+            except BaseException:
                 self._abandon(selection)
                 raise
         return self._outputs(jobs, selection)

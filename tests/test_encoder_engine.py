@@ -371,6 +371,29 @@ async def test_failed_forward_fails_its_requests_and_caches_nothing(
     await engine.close()
 
 
+async def test_a_failed_batch_drops_the_requests_work_still_queued(
+    processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs = [image_job(processor, 710), image_job(processor, 711)]
+    rows = jobs[0].units[0].input_rows
+    # One item a batch: the request's misses are two queued entries.
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.05, max_batch_rows=rows)
+    calls = []
+
+    def broken(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise RuntimeError("tower broke")
+
+    monkeypatch.setattr(engine.tower, "encode", broken)
+    with pytest.raises(RuntimeError, match="tower broke"):
+        await engine.encode(jobs)
+    await asyncio.sleep(0.2)  # past another batch window
+    # The second item was not encoded for a request that had already failed.
+    assert len(calls) == 1 and engine.units_abandoned == 1
+    assert not engine._queue and not engine._inflight and len(engine.cache) == 0
+    await engine.close()
+
+
 async def test_codes_and_older_routers_values_in_one_batch(
     processor: Processor, tower: VisionTower
 ) -> None:

@@ -157,6 +157,7 @@ _BAD_HANDLES = {
     "past_the_registration": (TransferRefusedError, "outside the memory"),
     "oversize_shape": (TransferRefusedError, "outside the memory"),
     "overflowing_shape": (ValueError, "too large"),
+    "empty_but_unlayable_shape": (ValueError, "too large"),
     "overflowing_address": (ValueError, "invalid"),
 }
 
@@ -182,6 +183,9 @@ def test_bad_handle_is_refused_before_anything_is_allocated(
     elif case == "overflowing_shape":
         shape = [1 << 40, 1 << 40]
         handle.length = 1 << 62
+    elif case == "empty_but_unlayable_shape":  # no bytes, but no strides for the rest
+        shape = [0, 1 << 62, 1 << 62]
+        handle.length = 0
     else:
         handle.address = (1 << 64) - 64
     error, message = _BAD_HANDLES[case]

@@ -171,6 +171,18 @@ def test_a_huge_frame_is_refused_from_the_header(no_decoding):
     assert time.perf_counter() - started < 1.0
 
 
+@pytest.mark.parametrize("fps", [5e-324, 1e-300, 1e-4, 2e4, float("nan"), float("inf"), 0.0])
+def test_a_frame_rate_out_of_range_is_refused(processor, mp4, fps):
+    # A subnormal rate overflowed the sampled frame count; 1e-300 wrote 300-digit
+    # timestamps into the prompt.
+    frames = [np.zeros((64, 64, 3), np.uint8)] * 4
+    with pytest.raises(ValueError, match="fps must be within"):
+        processor.process(video_chat(frames, fps=fps))
+    with pytest.raises(FieldError, match="sample rate") as err:
+        open_video(mp4, fps=fps, max_frames=768, field="f")
+    assert err.value.field == "f"
+
+
 def test_a_too_long_video_is_refused_from_the_header(no_decoding):
     # Two frames, 2000 s apart: a tiny file whose header says 2001 s.
     data = make_video("matroska", "ffv1", frames=2, size=(32, 32), rate=1, pts=[0, 2000])

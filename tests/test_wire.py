@@ -187,6 +187,14 @@ def test_tensor_ref_round_trip_dtypes() -> None:
     assert empty.shape == (0, 4)
 
 
+@pytest.mark.parametrize("shape", [[0, 2**62, 2**62], [2**62, 0, 4], [0, 2**63 - 1, 2]])
+def test_an_empty_tensor_too_large_to_lay_out_is_refused_naming_the_field(shape) -> None:
+    # Zero bytes of data agree with the shape; torch could not make its strides.
+    ref = tensor_pb2.TensorRef(dtype=tensor_pb2.ELEMENT_TYPE_UINT8, shape=shape, inline_data=b"")
+    with pytest.raises(MultimodalLayoutError, match=r"pixel_values: shape .* is too large"):
+        tensor_from_ref(ref, "pixel_values")
+
+
 def test_sampling_round_trip_and_defaults() -> None:
     from common.sampling import SamplingParams
     from common.wire.convert import sampling_from_proto, sampling_to_proto

@@ -36,6 +36,7 @@ from common.processing.image_cache import ProcessedImage, ProcessedImageCache
 from common.processing.video import (
     ProcessedVideo,
     VideoPlan,
+    check_fps,
     plan_video,
     resized_frames,
     video_timestamps,
@@ -101,8 +102,7 @@ def preprocess_keyed(
     the cache, or made from its frames (decoded here if they were not) and stored with its
     content hash (`content_hash` under `fingerprint`, as the processor hashes partitions).
     The frames must share one size (the router checks it from their headers)."""
-    if fps <= 0:
-        raise ValueError(f"video fps must be positive, got {fps}")
+    check_fps(fps)
     first = frames[0]
     width, height = (first.image or load_image(first.data)).size
     plan = plan_video(len(frames), fps, width, height, settings)

@@ -31,7 +31,7 @@ import numpy as np
 
 from common.errors import FieldError
 from common.processing.limits import LimitError
-from common.processing.video import TimedFrames
+from common.processing.video import TimedFrames, check_fps
 
 # Magic bytes -> the one demuxer allowed to read such a file.
 _MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header: mkv, webm
@@ -167,8 +167,10 @@ def open_video(
     """Open a video file and check its headers against the limits (None: unlimited);
     nothing is decoded. `LimitError` for a file over a limit, `VideoFileError` for one that
     is not a readable video, both naming `field`."""
-    if not fps > 0:
-        raise FieldError(field, f"sample rate must be positive, got {fps}")
+    try:
+        check_fps(fps)
+    except ValueError as exc:
+        raise FieldError(field, f"sample rate: {exc}") from None
     if max_frames < 1:
         raise FieldError(field, f"max_frames must be positive, got {max_frames}")
     if not data:

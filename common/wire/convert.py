@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Final
 
 import torch
 
@@ -26,6 +27,8 @@ from common.multimodal.validation import MultimodalLayoutError, validate_flat
 from common.sampling import SamplingParams
 from common.wire.sampling import sampling_to_proto as sampling_to_proto
 from epd.v1 import multimodal_pb2, sampling_pb2, tensor_pb2
+
+_MAX_INT64: Final = 2**63 - 1
 
 RUN_EXTENSION_VERSION = 1
 
@@ -87,6 +90,13 @@ def fill_ref(ref: tensor_pb2.TensorRef, tensor: torch.Tensor) -> tensor_pb2.Tens
     return ref
 
 
+def shape_fits(shape: tuple[int, ...] | list[int], itemsize: int) -> bool:
+    """Whether a tensor of `shape` (no negative dimension) can be made: its bytes, counting
+    a zero dimension as one (its strides still multiply the others), fit in int64. An empty
+    tensor whose other dimensions are huge would otherwise fail inside torch."""
+    return math.prod(max(d, 1) for d in shape) * itemsize <= _MAX_INT64
+
+
 def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.Tensor:
     """The tensor of an inline `TensorRef`; a transfer handle needs a transfer agent.
 
@@ -102,6 +112,8 @@ def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.T
     shape = tuple(int(d) for d in ref.shape)
     if any(d < 0 for d in shape):
         raise MultimodalLayoutError(field, f"negative dimension in shape {shape}")
+    if not shape_fits(shape, dtype.itemsize):
+        raise MultimodalLayoutError(field, f"shape {shape} is too large")
     itemsize = dtype.itemsize
     numel = math.prod(shape)
     data = ref.inline_data  # a copy on every read (upb): read once

@@ -25,6 +25,7 @@ from common.transfer.types import (
     TransferRefusedError,
     TransferTimeoutError,
 )
+from common.wire.convert import shape_fits
 from epd.v1 import tensor_pb2
 
 # The one map between the wire MemoryKind and NIXL's memory names (handles, KV handles).
@@ -160,11 +161,9 @@ def _checked_nbytes(
         raise ValueError("transfer handle carries no agent metadata")
     if any(dim < 0 for dim in shape):
         raise ValueError(f"negative dimension in shape {list(shape)}")
-    if any(dim > _MAX_INT64 for dim in shape):
-        raise ValueError(f"dimension too large in shape {list(shape)}")
+    if not shape_fits(shape, dtype.itemsize):
+        raise ValueError(f"shape {list(shape)} of {dtype} is too large")
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > _MAX_INT64:
-        raise ValueError(f"shape {list(shape)} of {dtype} is {nbytes} bytes: too large")
     if nbytes != handle.length:
         raise ValueError(
             f"shape {list(shape)} of {dtype} is {nbytes} bytes but the handle holds {handle.length}"
