@@ -122,7 +122,7 @@ class EpdSettings:
     log_level: str = setting("warning", "log level of the router and worker actors")
     security: SecuritySettings = field(
         default_factory=SecuritySettings,
-        metadata={"help": "every role's [security] (a role's own table is used when unset)"},
+        metadata={"help": "every role's [security]; a role's own table wins, setting by setting"},
     )
     router: RouterSettings = field(default_factory=RouterSettings, metadata={"help": "the router"})
     encoder: EncoderSettings = field(
@@ -198,27 +198,41 @@ class EpdSettings:
                 raise SettingsError(f"pools.{name}: must be positive")
 
     def with_model(self) -> EpdSettings:
-        """A copy where a top-level `model`, and a top-level `[security]` other than the
-        defaults, have been given to every role."""
-        shared: dict[str, Any] = {}
-        if self.model is not None:
-            shared["model"] = self.model
-        if self.security != SecuritySettings():
-            shared["security"] = self.security
-        if not shared:
+        """A copy where a top-level `model` has been given to every role, and the top-level
+        `[security]` fills in each setting a role's own table leaves unset (a role's own
+        TLS files or API keys are kept)."""
+        if self.model is None and self.security == SecuritySettings():
             return self
+
+        def shared(role: Any) -> Any:
+            model = {"model": self.model} if self.model is not None else {}
+            return dataclasses.replace(
+                role, security=_filled_in(role.security, self.security), **model
+            )
+
         return dataclasses.replace(
             self,
-            router=dataclasses.replace(self.router, **shared),
-            encoder=dataclasses.replace(self.encoder, **shared),
-            prefill=dataclasses.replace(self.prefill, **shared),
-            decode=dataclasses.replace(self.decode, **shared),
+            router=shared(self.router),
+            encoder=shared(self.encoder),
+            prefill=shared(self.prefill),
+            decode=shared(self.decode),
         )
 
     def role_settings(self) -> dict[str, Any]:
         """The settings of each worker role, by role name (the top-level model applied)."""
         full = self.with_model()
         return {"encoder": full.encoder, "prefill": full.prefill, "decode": full.decode}
+
+
+def _filled_in(own: SecuritySettings, top: SecuritySettings) -> SecuritySettings:
+    """`own` with every setting it leaves at its default taken from `top`."""
+    unset = SecuritySettings()
+    taken = {
+        f.name: getattr(top, f.name)
+        for f in dataclasses.fields(own)
+        if getattr(own, f.name) == getattr(unset, f.name)
+    }
+    return dataclasses.replace(own, **taken)
 
 
 # What a checkpoint folder must hold for every role to load it (weights are found by

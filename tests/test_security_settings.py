@@ -71,6 +71,28 @@ def test_top_level_security_reaches_every_role(tmp_path: Path) -> None:
     assert own.role_settings()["prefill"].security.insecure  # a role's own table, when unset
 
 
+def test_epd_serve_keeps_each_roles_own_tls_and_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The deployment's token (and keys) fill in what a role's own table leaves unset; they
+    # used to replace the whole table, so its TLS files were dropped without a word.
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    tls = {"tls_cert_file": "/tls/cert.pem", "tls_key_file": "/tls/key.pem"}
+    keys = {"api_keys_file": "/run/keys.toml"}
+    given = from_mapping(
+        EpdSettings, {"router": {"security": {**tls, **keys}}, "prefill": {"security": tls}}
+    )
+    full = with_api_keys(with_cluster_token(given)).with_model()
+    token = str(tmp_path / "epd" / "cluster_token")
+    for role in ("router", "prefill"):
+        security = getattr(full, role).security
+        assert (security.tls_cert_file, security.tls_key_file) == ("/tls/cert.pem", "/tls/key.pem")
+        assert security.cluster_token_file == token
+    assert full.router.security.api_keys_file == "/run/keys.toml"
+    assert full.decode.security.tls_cert_file is None
+    assert full.decode.security.cluster_token_file == token
+
+
 def test_epd_serve_makes_a_token_per_deployment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
