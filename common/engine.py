@@ -292,36 +292,42 @@ class Engine:
         batch = batching.Batch(self.runner)
         index_of: dict[LmSequence, int] = {}
         results: dict[int, GenerateResult] = {}
-        while waiting or batch.running:
-            admitted: list[batching.Admission] = []
-            indices: list[int] = []
-            try:
-                while waiting and len(batch.running) + len(admitted) < self.max_batch:
-                    index = waiting[0]
-                    if index not in processed:
-                        processed[index] = self.process(requests[index])
-                    prompt = processed[index]
-                    total = len(prompt.prompt_token_ids) + params[index].max_tokens
-                    busy = batch.running or admitted
-                    if busy and not self.runner.allocator.can_allocate(total):
-                        break  # wait for running sequences to free blocks
-                    admitted.append(
-                        self._admit(prompt.prompt_token_ids, self.encode(prompt), params[index])
-                    )
-                    waiting.popleft()
-                    del processed[index]
-                    indices.append(index)
-            except Exception:
-                batching.abandon(self.runner, admitted)
-                raise
-            if admitted:  # the new prompts' prefill, packed into as few forwards as fit
-                for seq, index in zip(
-                    batching.compute(self.runner, admitted), indices, strict=True
-                ):
-                    index_of[seq] = index
-                    batch.add(seq)
-            for seq in batch.step():
-                results[index_of.pop(seq)] = self._result(seq)
+        # Whatever fails (processing, encoding, a forward, a step), no block stays taken:
+        # `compute` gives back its admissions' blocks itself, the rest is released here.
+        try:
+            while waiting or batch.running:
+                admitted: list[batching.Admission] = []
+                indices: list[int] = []
+                try:
+                    while waiting and len(batch.running) + len(admitted) < self.max_batch:
+                        index = waiting[0]
+                        if index not in processed:
+                            processed[index] = self.process(requests[index])
+                        prompt = processed[index]
+                        total = len(prompt.prompt_token_ids) + params[index].max_tokens
+                        busy = batch.running or admitted
+                        if busy and not self.runner.allocator.can_allocate(total):
+                            break  # wait for running sequences to free blocks
+                        admitted.append(
+                            self._admit(prompt.prompt_token_ids, self.encode(prompt), params[index])
+                        )
+                        waiting.popleft()
+                        del processed[index]
+                        indices.append(index)
+                except BaseException:
+                    batching.abandon(self.runner, admitted)
+                    raise
+                if admitted:  # the new prompts' prefill, packed into as few forwards as fit
+                    for seq, index in zip(
+                        batching.compute(self.runner, admitted), indices, strict=True
+                    ):
+                        index_of[seq] = index
+                        batch.add(seq)
+                for seq in batch.step():
+                    results[index_of.pop(seq)] = self._result(seq)
+        except BaseException:
+            batch.release_all()
+            raise
         return [results[i] for i in range(len(requests))]
 
     def prompt_logits(

@@ -1,9 +1,10 @@
 """Per-request sampling parameters, the batch sampler and the stop rule.
 
-Sampling a row: greedy rows (temperature 0, or top_k 1) take the argmax of the raw
-logits. Other rows divide by the temperature, keep the top_k highest logits (0 = all),
-then keep the smallest set of the remaining tokens, highest probability first, whose
-probability reaches top_p (the top token always stays), and draw from what is left.
+Sampling a row: greedy rows (temperature below `GREEDY_TEMPERATURE`, 0 included, or top_k
+1) take the argmax of the raw logits. Other rows divide by the temperature, keep the top_k
+highest logits (0 = all), then keep the smallest set of the remaining tokens, highest
+probability first, whose probability reaches top_p (the top token always stays), and draw
+from what is left.
 
 The draw is an exponential race: token = argmax(p_i / q_i) with q_i ~ Exp(1), which picks
 token i with probability p_i. For a seeded request the `vocab` exponentials of the token at
@@ -34,12 +35,19 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length"]
 
+# Temperatures below this are greedy. Dividing float32 logits by a tinier one can overflow
+# (a logit of 5 over 1e-38 is inf, the softmax of inf is NaN, and the draw would pick token
+# 0 whatever the logits say), and by then the distribution is the argmax for any logit gap
+# above a few 1e-4 (a gap of 1e-3 makes the runner-up e^-100 times as likely). vLLM draws
+# the same line.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops. Validated on construction."""
 
-    # 0.0 means greedy; otherwise logits are divided by it before sampling.
+    # 0.0 (or below GREEDY_TEMPERATURE) means greedy; otherwise logits are divided by it.
     temperature: float = 0.0
     # Nucleus: keep the smallest top set whose probability reaches top_p (1.0 = off).
     top_p: float = 1.0
@@ -76,8 +84,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when the row takes the argmax (no randomness is drawn)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when the row takes the argmax (no randomness is drawn): a temperature
+        below `GREEDY_TEMPERATURE`, or top_k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _is_int(value: object) -> bool:

@@ -24,7 +24,10 @@ Per request:
    first token, which the caller already has: the first chunk carries `blocks_pulled` /
    `blocks_reused` (sent once the lease is confirmed) and the tokens sampled meanwhile
    (possibly none); the last carries `finish_reason`. When the first token already ends
-   the answer, the stream is one chunk with no tokens and the finish reason.
+   the answer, the stream is one chunk with no tokens and the finish reason. If a decode
+   step fails (`DecodeStepError`: the loop released the batch's blocks and goes on), the
+   stream ends with UNAVAILABLE after the tokens sampled before it, so the router resumes
+   the answer on another decode worker.
 
 `StreamDecodeKvEvents` streams this worker's prefix-cache changes exactly as prefill's
 `StreamKvEvents` does (`common.kv.events`): the router follows them to send a request to
@@ -52,7 +55,7 @@ import grpc
 from common.handoff import check_handle, check_request, read_handoff
 from common.kv.events import KvEventHub
 from common.models import batching
-from common.models.batching import Chunk, DecodeBatcher
+from common.models.decode_loop import Chunk, DecodeBatcher, DecodeStepError
 from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
@@ -234,6 +237,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                             token_ids=chunk.token_ids,
                             finish_reason=finish_reason_to_proto(chunk.finish_reason),
                         )
+                except DecodeStepError as exc:
+                    raise RpcStatusError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
                 finally:
                     if not finished:
                         self.batcher.cancel(entry)

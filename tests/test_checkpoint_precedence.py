@@ -161,6 +161,14 @@ def test_generation_defaults(tmp_path: Path) -> None:
     assert greedy.is_greedy and greedy.top_k == 20
 
 
+@pytest.mark.parametrize("raw", [{"do_sample": True}, {"do_sample": True, "temperature": None}])
+def test_do_sample_without_temperature_samples_at_one(tmp_path: Path, raw: dict) -> None:
+    """As transformers' `generate` does: sampling asked for, no temperature given."""
+    _write(tmp_path, "generation_config.json", {**raw, "top_p": 0.9})
+    s = GenerationDefaults.from_folder(tmp_path).sampling()
+    assert (s.temperature, s.top_p) == (1.0, 0.9) and not s.is_greedy
+
+
 def test_generation_eos_wins_over_config(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     shutil.copytree(default_checkpoint(), folder)

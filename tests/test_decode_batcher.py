@@ -1,4 +1,4 @@
-"""The decode worker's loop (`batching.DecodeBatcher`) on a real tiny runner and model
+"""The decode worker's loop (`decode_loop.DecodeBatcher`) on a real tiny runner and model
 thread, without servers: `drop` returns once the dropped sequence's blocks are back in the
 pool (what a stream refused after joining, e.g. for a lost lease, relies on), and `stop`
 sets every stream's `released`."""
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from common.models import batching
-from common.models.batching import DecodeBatcher
+from common.models.decode_loop import Chunk, DecodeBatcher, DecodeStepError
 from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
@@ -76,7 +76,7 @@ def test_stream_interval_groups_tokens_without_changing_them(
     tokens, in order, are the greedy answer decoded without it."""
     short = SamplingParams(max_tokens=11, ignore_eos=True)
 
-    async def stream(every: int) -> tuple[list[int], list[batching.Chunk]]:
+    async def stream(every: int) -> tuple[list[int], list[Chunk]]:
         batcher = DecodeBatcher(runner, model, stream_interval=every)
         batcher.start()
         s = prefilled(runner, 3, short)
@@ -100,3 +100,63 @@ def test_stream_interval_groups_tokens_without_changing_them(
 def test_stream_interval_must_be_positive(runner: LmRunner, model: ModelThread) -> None:
     with pytest.raises(ValueError, match="stream_interval"):
         DecodeBatcher(runner, model, stream_interval=0)
+
+
+def greedy_alone(runner: LmRunner, n: int, sampling: SamplingParams) -> list[int]:
+    """The tokens `prefilled(runner, n, sampling)` decodes to alone, by `Batch.step`."""
+    seq = prefilled(runner, n, sampling)
+    batch = batching.Batch(runner)
+    batch.add(seq)
+    while batch.running:
+        batch.step()
+    return seq.output
+
+
+def test_a_failed_step_fails_its_streams_and_the_loop_goes_on(
+    runner: LmRunner, model: ModelThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second step raises: both running streams get the tokens sampled before it, then
+    `DecodeStepError` (again on a later read: never a hang), their blocks are back in the
+    pool, and a stream that joins afterwards is served to the end, as if alone."""
+    short = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = greedy_alone(runner, 3, short)
+    real = runner.decode_step
+    calls = 0
+
+    def flaky(seqs: list[LmSequence]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise MemoryError("no room to grow the running KV")
+        real(seqs)
+
+    monkeypatch.setattr(runner, "decode_step", flaky)
+
+    async def run() -> tuple[list[list[int]], int, list[int], list[Chunk]]:
+        batcher = DecodeBatcher(runner, model)
+        batcher.start()
+        entries = [batcher.add(prefilled(runner, 1)), batcher.add(prefilled(runner, 2))]
+        before: list[list[int]] = []
+        for entry in entries:
+            before.append((await asyncio.wait_for(entry.next_chunk(), 10)).token_ids)
+            for _ in range(2):
+                with pytest.raises(DecodeStepError, match="MemoryError: no room"):
+                    await asyncio.wait_for(entry.next_chunk(), 10)
+            assert entry.released.is_set()
+        held = runner.allocator.pool.num_used_blocks
+        later = prefilled(runner, 3, short)
+        entry = batcher.add(later)
+        chunks = [await asyncio.wait_for(entry.next_chunk(), 10)]
+        while chunks[-1].finish_reason is None:
+            chunks.append(await asyncio.wait_for(entry.next_chunk(), 10))
+        await batcher.stop()
+        return before, held, later.output, chunks
+
+    before, held, output, chunks = asyncio.run(run())
+    assert [len(tokens) for tokens in before] == [1, 1]  # the first step's token each
+    assert held == 0
+    assert output == expected
+    assert [t for c in chunks for t in c.token_ids] == expected[1:]
+    assert chunks[-1].finish_reason == "length"
+    assert runner.allocator.pool.num_used_blocks == 0
+    runner.allocator.pool.check_invariants()

@@ -1,13 +1,16 @@
 """A decode stream's sender takes every step's tokens queued since its last message at once
-(`batching.Entry.next_chunk`): same tokens, same order, same finish reason, fewer messages
+(`decode_loop.Entry.next_chunk`): same tokens, same order, same finish reason, fewer messages
 when the sender is behind the loop; `Entry.ready` takes them without waiting (the stream's
-first message, once the lease is confirmed)."""
+first message, once the lease is confirmed); a stream a failed step ended gives its tokens,
+then raises `DecodeStepError` on every later read."""
 
 from __future__ import annotations
 
 import asyncio
 
-from common.models.batching import Chunk, Entry
+import pytest
+
+from common.models.decode_loop import Chunk, DecodeStepError, Entry
 from common.models.sequence import LmSequence
 from common.sampling import SamplingParams
 
@@ -68,3 +71,21 @@ def test_ready_takes_what_is_queued_without_waiting() -> None:
         "length",
         0,
     )
+
+
+def test_a_failed_stream_gives_its_tokens_then_raises_every_time() -> None:
+    async def run() -> Chunk:
+        entry = _entry()
+        entry.queue.put_nowait(Chunk([5], None))
+        entry.queue.put_nowait(Chunk([6], None))
+        entry.queue.put_nowait(DecodeStepError("decode step failed: MemoryError: x"))
+        first = await entry.next_chunk()
+        for _ in range(2):
+            with pytest.raises(DecodeStepError, match="MemoryError"):
+                await asyncio.wait_for(entry.next_chunk(), 5)
+        with pytest.raises(DecodeStepError):
+            entry.ready()
+        return first
+
+    first = asyncio.run(run())
+    assert (first.token_ids, first.finish_reason) == ([5, 6], None)

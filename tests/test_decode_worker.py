@@ -1,6 +1,7 @@
 """The decode worker: refusing handles (tampered hashes, foreign layouts, malformed), freeing
-blocks on cancel and deadline, the first-token-only path, a stream of token ids only that
-never repeats the first token; plus the runner's import plan without servers."""
+blocks on cancel and deadline, a failed decode step (UNAVAILABLE, the worker goes on), the
+first-token-only path, a stream of token ids only that never repeats the first token; plus
+the runner's import plan without servers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from common.engine import Engine
 from common.kv.allocator import blocks_for
 from common.kv.block_pool import NoFreeBlocksError
 from common.models.runner import LmRunner
+from common.models.sequence import LmSequence
 from common.sampling import SamplingParams
 from common.settings.security import SecuritySettings
 from decode_worker.__main__ import parse
@@ -188,6 +190,37 @@ async def test_cancelled_stream_frees_its_blocks(cluster: Cluster, how: str) -> 
     assert runner.allocator.pool.num_free_blocks == free
     runner.allocator.pool.check_invariants()
     # The prefill worker got its lease back too.
+    await eventually(lambda: len(c.prefill.servicer.leases) == 0)
+
+
+async def test_failed_decode_step_is_unavailable_and_the_worker_goes_on(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step that raises ends its streams with UNAVAILABLE (the router resumes them
+    elsewhere) and gives their blocks back; the next request is answered as usual."""
+    c = cluster
+    runner = c.decode.servicer.runner
+    real = runner.decode_step
+    failed: list[bool] = []
+
+    def fails_once(seqs: list[LmSequence]) -> None:
+        if not failed:
+            failed.append(True)
+            raise MemoryError("no room to grow the running KV")
+        real(seqs)
+
+    monkeypatch.setattr(runner, "decode_step", fails_once)
+    tokens, params = make_handoff(c.engine, TEXT)
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await run_decode(c, decode_request(tokens, params, GREEDY, reply))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode step failed: MemoryError: no room" in (info.value.details() or "")
+    await eventually(lambda: runner.allocator.pool.num_used_blocks == 0)
+    runner.allocator.pool.check_invariants()
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    answer = await run_decode(c, decode_request(tokens, params, GREEDY, reply))
+    assert answer.token_ids == c.expected(TEXT, GREEDY).token_ids
     await eventually(lambda: len(c.prefill.servicer.leases) == 0)
 
 

@@ -267,3 +267,36 @@ def test_batch_step_releases_finished_and_cancelled_sequences(setup):
     batch.release_all()
     assert pool.num_used_blocks == 0 and batch.running == []
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("where", ["process", "step"])
+def test_generate_batch_failure_releases_every_block(setup, monkeypatch, where):
+    """A failure while requests are running (a later malformed chat, a step that raises)
+    gives back the running sequences' blocks too, not only those admitted in that round:
+    the pool is all free afterwards and the engine serves the next batch."""
+    engine = fresh(setup[0], num_blocks=64, max_batch=2)
+    pool = engine.runner.allocator.pool
+    ok = CASES["text"][0]
+    requests = [ok, ok, [{"role": "nonsense-role", "content": 42}]]
+    sampling = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 30, 2)]
+    if where == "step":
+        requests = requests[:2]
+        sampling = sampling[:2]
+        real = engine.runner.decode_step
+        calls = 0
+
+        def flaky(seqs):
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise MemoryError("no room to grow the running KV")
+            real(seqs)
+
+        monkeypatch.setattr(engine.runner, "decode_step", flaky)
+    with pytest.raises(ValueError if where == "process" else MemoryError):
+        engine.generate_batch(requests, sampling)
+    assert pool.num_used_blocks == 0 and pool.num_free_blocks == pool.num_blocks
+    pool.check_invariants()
+    monkeypatch.undo()
+    want = fresh(setup[0]).generate(ok, sampling[1])
+    assert engine.generate(ok, sampling[1]).token_ids == want.token_ids

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.sampling import (
+    GREEDY_TEMPERATURE,
     Sampler,
     SamplingParams,
     StopChecker,
@@ -72,6 +73,21 @@ def test_top_k_one_is_greedy_even_when_hot():
     params = [SamplingParams(temperature=5.0, top_k=1, seed=i) for i in range(4)]
     for p in range(3):
         assert torch.equal(Sampler().sample(logits, params, [p] * 4), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-38, 1e-46, 1e-300])
+def test_a_tiny_temperature_is_greedy(temperature):
+    """Below `GREEDY_TEMPERATURE` a row takes the argmax, seeded or not: dividing the logits
+    by such a temperature overflowed to NaN probabilities, and the draw picked token 0."""
+    logits = torch.tensor([[1.0, 5.0, 2.0, -3.0], [-1e4, 3.0, 2.999, 1e4]])
+    params = [
+        SamplingParams(temperature=temperature, seed=0),
+        SamplingParams(temperature=temperature),
+    ]
+    assert all(p.is_greedy for p in params)
+    for position in range(10):
+        assert Sampler().sample(logits, params, [position] * 2).tolist() == [1, 3]
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).is_greedy
 
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant():

@@ -2,8 +2,9 @@
 
 What is read: `do_sample`, `temperature`, `top_p`, `top_k`, `max_new_tokens` and
 `eos_token_id` (an int or a list). As in `transformers`' `generate`, `do_sample: false` (or
-absent) means greedy whatever the temperature says; `top_p` / `top_k` are kept either way
-(greedy ignores them; a request that sets a temperature samples with them).
+absent) means greedy whatever the temperature says, and `do_sample: true` without a
+temperature (absent or null) samples at 1.0; `top_p` / `top_k` are kept either way (greedy
+ignores them; a request that sets a temperature samples with them).
 `max_new_tokens` is the default `max_tokens` of a request that leaves it unset; without it
 the default is `SamplingParams`' own. `eos_token_id` here wins over `config.json`'s (it is what the
 reference's `generate` stops on): `Qwen3VLConfig.from_file` of a folder applies it.
@@ -26,7 +27,7 @@ GENERATION_FILE = "generation_config.json"
 class GenerationDefaults:
     """A checkpoint's default sampling; None fields fall back to `SamplingParams`' own."""
 
-    temperature: float | None = None  # 0.0 when the file says do_sample false
+    temperature: float | None = None  # 0.0: do_sample false; 1.0: do_sample, no temperature
     top_p: float | None = None
     top_k: int | None = None
     max_new_tokens: int | None = None  # the default max_tokens
@@ -35,17 +36,16 @@ class GenerationDefaults:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GenerationDefaults:
         """Read the `generation_config.json` form (see the module docstring)."""
-        sample = bool(raw.get("do_sample", False))
-        temperature = raw.get("temperature")
+        temperature = 0.0  # greedy
+        if raw.get("do_sample", False):  # transformers samples at 1.0 when none is given
+            temperature = 1.0 if raw.get("temperature") is None else float(raw["temperature"])
         eos = raw.get("eos_token_id")
         eos_ids = (
             () if eos is None else tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
         )
         top_k = raw.get("top_k")
         return cls(
-            temperature=(float(temperature) if temperature is not None else None)
-            if sample
-            else 0.0,
+            temperature=temperature,
             top_p=float(raw["top_p"]) if raw.get("top_p") is not None else None,
             top_k=int(top_k) if top_k is not None else None,
             max_new_tokens=(
