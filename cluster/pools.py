@@ -212,14 +212,9 @@ class PoolManager:
             if self.router_stopped and member.name not in self.registered:
                 return  # still starting (e.g. Ctrl-C during start-up): no work to finish
             if not self.router_stopped:
-                description = await asyncio.wait_for(member.handle.describe.remote(), timeout_s)
-                routers = [self.router_address, *self.router_addresses]
-                await asyncio.gather(
-                    *(
-                        drain_at_router(r, description.address, timeout_s, self.credentials)
-                        for r in routers
-                    )
-                )
+                await self._drain_at_routers(member, timeout_s)
+            # Always the worker's own drain, whatever the routers said: it finishes the
+            # streams and leases it holds before the actor is killed.
             clean = await asyncio.wait_for(member.handle.drain.remote(timeout_s), timeout_s + 5)
             logger.info("%s drained (%s)", member.name, "clean" if clean else "timed out")
         except Exception:
@@ -228,6 +223,22 @@ class PoolManager:
             ray.kill(member.handle, no_restart=True)
             self.cpu.release(member.name)
             logger.info("%s (%s) stopped", member.name, role)
+
+    async def _drain_at_routers(self, member: _Member, timeout_s: float) -> None:
+        """Ask every router to stop sending `member` work and wait for what it sent; a router
+        that fails (down, or too slow) is logged and does not stop the others."""
+        description = await asyncio.wait_for(member.handle.describe.remote(), timeout_s)
+        routers = [self.router_address, *self.router_addresses]
+        outcomes = await asyncio.gather(
+            *(
+                drain_at_router(r, description.address, timeout_s, self.credentials)
+                for r in routers
+            ),
+            return_exceptions=True,
+        )
+        for router, outcome in zip(routers, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.warning("draining %s at router %s failed: %r", member.name, router, outcome)
 
     async def stop(self, *, router_stopped: bool = False) -> None:
         """Retire every worker and wait for all retirements to finish.

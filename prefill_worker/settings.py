@@ -47,3 +47,7 @@ class PrefillSettings(KvWorkerSettings):
             raise SettingsError("threads: must not be negative")
         if self.pack_tokens < 0:
             raise SettingsError("pack_tokens: must not be negative")
+        if self.lease_ttl_s <= 0:
+            raise SettingsError("lease_ttl_s: must be positive")
+        if self.lease_ttl_per_lease_s < 0:  # would shorten leases below lease_ttl_s
+            raise SettingsError("lease_ttl_per_lease_s: must not be negative")

@@ -250,6 +250,30 @@ async def test_a_failed_drain_still_ends_the_actor(recorded: list[str]) -> None:
     assert recorded[-1] == "kill epd-decode-0 True"
 
 
+async def test_a_router_that_fails_its_drain_leaves_the_worker_drained_by_the_others(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def one_router_down(router: str, worker: str, timeout_s: float, creds: Any) -> None:
+        if router == "127.0.0.1:50052":
+            raise ConnectionError("router unreachable")
+        recorded.append(f"router-drain {worker} at {router}")
+
+    monkeypatch.setattr(pools, "drain_at_router", one_router_down)
+    manager, _ = _manager(recorded)
+    manager.router_addresses = ("127.0.0.1:50052",)
+    await manager.scale("prefill", 1)
+    recorded.clear()
+    await manager.scale("prefill", 0)
+    await asyncio.gather(*manager._retiring)
+    # The other router drained it, and so did the worker itself, before the kill.
+    assert recorded == [
+        "describe epd-prefill-0",
+        "router-drain addr-epd-prefill-0 at 127.0.0.1:50051",
+        "drain epd-prefill-0",
+        "kill epd-prefill-0 True",
+    ]
+
+
 async def test_scale_refuses_bad_requests(recorded: list[str]) -> None:
     manager, _ = _manager(recorded, max_replicas=4)
     with pytest.raises(ValueError, match="unknown role"):

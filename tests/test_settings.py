@@ -63,6 +63,10 @@ def test_unknown_key_named_with_hint() -> None:
         ({"tags": 5}, "tags"),
         ({"host": 1}, "host"),
         ({"port": True}, "port"),
+        ({"port": 50062.9}, "port"),  # refused, not truncated
+        ({"port": float("inf")}, "port"),
+        ({"ratio": float("nan")}, "ratio"),  # nan passes every `> 0` check after
+        ({"ratio": "inf"}, "ratio"),
     ],
 )
 def test_bad_types_named(data: dict[str, object], key: str) -> None:
@@ -182,3 +186,17 @@ def test_router_drain_timeout_is_a_setting() -> None:
 
     assert RouterSettings().drain_timeout_s == 300.0
     assert parse(["--drain-timeout-s", "45", "--port", "0", "--insecure"]).drain_timeout_s == 45.0
+
+
+def test_prefill_lease_times_are_checked() -> None:
+    from common.settings.security import SecuritySettings
+    from prefill_worker.settings import PrefillSettings
+
+    insecure = SecuritySettings(insecure=True)
+    for bad, key in (
+        ({"lease_ttl_s": 0.0}, "lease_ttl_s"),
+        ({"lease_ttl_per_lease_s": -1.0}, "lease_ttl_per_lease_s"),
+    ):
+        with pytest.raises(SettingsError, match=key):
+            PrefillSettings(security=insecure, **bad).check()  # type: ignore[arg-type]
+    assert from_mapping(Top, {"port": 50062.0}).port == 50062  # a whole number is fine

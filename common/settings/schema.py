@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -75,7 +76,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise SettingsError(f"{key}: expected true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool):
+        # A fraction is refused, not truncated (port = 50062.9 is not port 50062).
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise SettingsError(f"{key}: expected an integer, got {value!r}")
         try:
             return int(value)
@@ -85,9 +87,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             raise SettingsError(f"{key}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise SettingsError(f"{key}: expected a number, got {value!r}") from None
+        # nan passes every `> 0` check and then breaks whatever it times (a lease TTL of nan
+        # is never reaped); no setting means "forever" by inf.
+        if not math.isfinite(number):
+            raise SettingsError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise SettingsError(f"{key}: expected a string, got {value!r}")
