@@ -24,7 +24,7 @@ waits at most `max_wait_s` in all (refused past that) and never past its deadlin
 (DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
 
 Never fits: a request needing more blocks than the largest worker of a role has in all is
-refused at once (RESOURCE_EXHAUSTED naming the sizes, no back-off hint: waiting cannot help).
+refused at once (`TooLarge`: RESOURCE_EXHAUSTED naming the sizes; waiting cannot help).
 
 Safety net: a prefill worker's RESOURCE_EXHAUSTED (its pool momentarily full of blocks the
 ledger does not see: another router's requests, a worker not yet heartbeated, leases the
@@ -57,7 +57,7 @@ import grpc
 from common.kv.allocator import blocks_for
 from common.roles import Role
 from router.admission_tenants import KV_ROLES, TenantShares
-from router.calls import Refused, RouterError
+from router.calls import Refused, RouterError, TooLarge
 from router.registry import Registry
 from router.workers import NoWorkerError, WorkerRecord
 
@@ -287,8 +287,7 @@ class Admission:
             if need.blocks(role) > max(known):
                 self.refused["never_fits"] += 1
                 extra = f" + max_tokens {need.max_tokens}" if role == Role.DECODE else ""
-                raise RouterError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise TooLarge(
                     f"the request needs {need.blocks(role)} KV blocks of {need.block_size} "
                     f"tokens on a {role} worker (prompt {need.prompt_tokens}{extra} tokens); "
                     f"the largest {role} worker has {max(known)} in all",

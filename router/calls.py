@@ -65,6 +65,15 @@ class Refused(RouterError):
         self.trailing_metadata = (("retry-after-ms", str(round(retry_after_s * 1000))),)
 
 
+class TooLarge(RouterError):
+    """RESOURCE_EXHAUSTED for good: the request needs more than the router or any worker
+    gives one request (`message` names the sizes and the limit), so sending it again cannot
+    help: no back-off hint, and the HTTP API answers 400, not 429 (which clients retry)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """One checked request, ready to run."""

@@ -32,6 +32,13 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         return new_text[len(prefix_text) :]
 
+    def skip(self, token_ids: Sequence[int]) -> None:
+        """Take tokens whose text the client already has (a stream resumed on this router):
+        added one by one, as the stream that sent them did, so what follows comes out as it
+        would have there (a character they end inside is sent whole with the next token)."""
+        for token_id in token_ids:
+            self.add([token_id])
+
     def flush(self) -> str:
         """Whatever text is still held back (an incomplete character at the very end)."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])

@@ -46,7 +46,7 @@ from epd.v1 import (
     multimodal_pb2,
     prefill_service_pb2,
 )
-from router.calls import Job, RouterError, WorkerCalls
+from router.calls import Job, RouterError, TooLarge, WorkerCalls
 from router.embedding_cache import EmbeddingCache
 from router.encode_request import Sent, encode_request, takes_codes
 from router.workers import NoWorkerError, WorkerRecord
@@ -277,12 +277,11 @@ class EncodeStage:
             )
 
     def check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
-        """RouterError(RESOURCE_EXHAUSTED) when the inline bytes of `embeddings` exceed the
-        router's limit for one request."""
+        """`TooLarge` (RESOURCE_EXHAUSTED for good) when the inline bytes of `embeddings`
+        exceed the router's limit for one request."""
         inline = sum(inline_bytes((emb.rows, *emb.deepstack)) for emb in embeddings)
         if inline > self.max_inline_embedding_bytes:
-            raise RouterError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise TooLarge(
                 f"request carries {inline} bytes of inline embeddings, more than the router's "
                 f"limit of {self.max_inline_embedding_bytes}",
             )

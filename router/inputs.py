@@ -44,6 +44,7 @@ from common.processing.limits import (
     check_video_frames,
 )
 from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
+from common.processing.video import MAX_FPS, MIN_FPS
 from common.processing.video_cache import frames_to_decode
 from common.processing.video_file import VideoFile, open_video
 from epd.v1 import router_service_pb2
@@ -255,8 +256,11 @@ class _Reader:
             check_video_frames(len(video.frames), self.limits, f"{where}.video.frames")
         except LimitError as exc:
             raise InputError(exc.field, exc.reason) from None
-        if not 0 < video.fps < float("inf"):
-            raise InputError(f"{where}.video.fps", f"must be positive and finite, got {video.fps}")
+        if not MIN_FPS <= video.fps <= MAX_FPS:
+            raise InputError(
+                f"{where}.video.fps",
+                f"must be from {MIN_FPS:g} to {MAX_FPS:g}, got {video.fps:g}",
+            )
         fields = [f"{where}.video.frames[{k}]" for k in range(len(video.frames))]
         opened = [
             open_image(frame, field, self.limits, self.budget)
@@ -303,8 +307,12 @@ class _Reader:
         return out
 
     def video_file(self, video: router_service_pb2.VideoInput, where: str) -> _FileVideo:
-        if not video.fps >= 0 or video.fps == float("inf"):
-            raise InputError(f"{where}.video.fps", f"must be positive or 0, got {video.fps}")
+        if video.fps != 0 and not MIN_FPS <= video.fps <= MAX_FPS:
+            raise InputError(
+                f"{where}.video.fps",
+                f"must be 0 (the router's video_file_fps) or from {MIN_FPS:g} to "
+                f"{MAX_FPS:g}, got {video.fps:g}",
+            )
         field = f"{where}.video.file"
         limits = self.limits
         try:
@@ -332,9 +340,10 @@ class _Reader:
 
 
 def _uuid(media: Any, field: str) -> str | None:
-    """An image's or video's caller-supplied `uuid` (None: unset); InputError naming
-    `field` when it is longer than block keys may hash (`MAX_UUID_CHARS`)."""
-    if not media.HasField("uuid"):
+    """An image's or video's caller-supplied `uuid` (None: unset or empty, as an empty uuid
+    on the wire means none); InputError naming `field` when it is longer than block keys may
+    hash (`MAX_UUID_CHARS`)."""
+    if not media.HasField("uuid") or not media.uuid:
         return None
     if len(media.uuid) > MAX_UUID_CHARS:
         raise InputError(field, f"is over {MAX_UUID_CHARS} characters")

@@ -190,10 +190,10 @@ class Orchestrator:
         finish = self.stop.check(job.sampling, first, 1)
         if job.resumed:  # the client has these: keep its first token, send what follows
             first, finish = job.resumed[0], None
-            detok.add(list(job.resumed))
+            detok.skip(job.resumed)
         chunk = router_service_pb2.GenerateResponse(
             token_ids=[first],
-            text=detok.add([first]),
+            text="" if job.resumed else detok.add([first]),  # a resumed one is not sent
             prompt_tokens=len(job.prompt.prompt_token_ids),
             cached_tokens=prefill.cached_tokens,
         )
@@ -293,8 +293,11 @@ class Orchestrator:
         failed: set[str],
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         planning = time.perf_counter()
-        worker = ticket.workers.get(Role.PREFILL)
-        if failed and (worker is None or worker.address in failed):
+        worker = ticket.workers.get(Role.PREFILL)  # None once released (a stream resumed)
+        if worker is not None and worker.address in failed:
+            worker = None
+        if worker is None and (failed or choose.hashes is not None):
+            # By cached prefix here (without hashes `_prefill` picks by load, at call time).
             try:
                 worker = choose(Role.PREFILL, frozenset(failed))
             except NoWorkerError:

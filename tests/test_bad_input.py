@@ -87,7 +87,7 @@ SCHEMA_CASES: list[tuple[dict[str, Any], str, str]] = [
     (parts({"type": "text", "text": "a\ud800"}), f"{C0}.text", "surrogate"),
     (parts({"type": "image_url", "image_url": {}}), f"{C0}.image_url.url", "required"),
     (parts({"type": "text"}), f"{C0}.text", "required"),
-    (parts(VIDEO), f"{C0}.fps", "greater than 0"),
+    (parts(VIDEO), f"{C0}.fps", "greater than or equal to 0.001"),
     (parts({"type": "audio", "audio": "x"}), C0, "'audio'"),
     (parts(TEXT_PART, LONE), f"{C1}.image_url.url", "UTF-8"),
 ]

@@ -20,12 +20,14 @@ from typing import Any
 import grpc
 import pytest
 
+from common.sampling import SamplingParams
 from common.server.credentials import bearer_metadata
 from epd.v1 import router_service_pb2
 from tests.cluster import CLIENT_KEY
 from tests.test_bad_input import (
     C0,
     TEXT_PART,
+    VIDEO,
     chat,
     grpc_request,
     parts,
@@ -33,8 +35,9 @@ from tests.test_bad_input import (
     post_raw,
 )
 from tests.test_http_api import add_workers, call, fake_router, url_of, user
+from tests.test_http_connections import closed_within
+from tests.test_router import TEXT, FakeDecode, FakePrefill
 from tests.test_router import Cluster as FakeCluster
-from tests.test_router import FakeDecode, FakePrefill
 
 Fakes = tuple[FakeCluster, FakePrefill, FakeDecode]  # a router with HTTP, its fake workers
 
@@ -70,6 +73,10 @@ async def test_the_router_answers_400_naming_the_field_and_keeps_serving(
         (parts(image(png_url(5000, 2)), TEXT_PART), f"{C0}.image_url.url"),
         (parts(image(png_url(8, 8, "TIFF")), TEXT_PART), f"{C0}.image_url.url"),
         (LONE_SURROGATE_BODY, "messages[0].content"),
+        (parts(image("http://[::1/cat.png"), TEXT_PART), f"{C0}.image_url.url"),  # unsplittable
+        # Refused before the wire's float32 would make it 0 (the default) or infinite.
+        (parts(VIDEO | {"video_url": {"url": NOT_AN_IMAGE}, "fps": 1e-300}), f"{C0}.fps"),
+        (parts(VIDEO | {"video_url": {"url": NOT_AN_IMAGE}, "fps": 1e300}), f"{C0}.fps"),
         (b'{"model": "tiny", "messages": [', None),
     ]
     for body, param in cases:
@@ -159,6 +166,36 @@ async def test_a_body_without_a_key_is_refused_before_it_is_read(small_bodies: F
         anonymous.close()
 
 
+async def test_a_body_on_any_method_but_post_is_refused_unread(small_bodies: Fakes) -> None:
+    """405 and the connection closed as soon as the head is in, key or not: the body is
+    neither read nor held, so sockets that announce one (and send nothing) cannot hold the
+    router's body budget from the clients of either front door."""
+    router = small_bodies[0]
+    url = url_of(router)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    socks = []
+    try:
+        for method, key in (("PUT", ""), ("GET", ""), ("DELETE", CLIENT_KEY)):
+            for framing in (f"Content-Length: {1 << 20}", "Transfer-Encoding: chunked"):
+                sock = socket.create_connection((host, int(port)), timeout=10)
+                socks.append(sock)
+                auth = f"Authorization: Bearer {key}\r\n" if key else ""
+                head = f"{method} /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{auth}{framing}"
+                sock.sendall(f"{head}\r\n\r\n".encode())
+                told = await closed_within(sock, 5.0)
+                assert told is not None and told.startswith(b"HTTP/1.1 405"), (method, told)
+                assert b"only a POST request may carry a body" in told
+        assert router.router.servicer.held.held == 0
+        large = json.dumps(chat(max_tokens=2, user="x" * (700 << 10))).encode()
+        assert (await asyncio.to_thread(post_raw, url, large))[0] == 200
+        text = await router.client.generate_text(TEXT, SamplingParams(max_tokens=2))
+        assert text.finish_reason == "length"
+        assert (await asyncio.to_thread(call, f"{url}/health"))[0] == 200  # no body: served
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def grpc_part(**content: Any) -> router_service_pb2.GenerateRequest:
     """A request whose one user message holds this part, then some text."""
     request = grpc_request()
@@ -177,9 +214,20 @@ GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
         grpc_part(image=router_service_pb2.ImageInput(data=PNG, uuid="u" * 257)),
         "messages[0].content[0].image.uuid",
     ),
-    (
-        grpc_part(video=router_service_pb2.VideoInput(frames=[PNG] * 2, fps=float("inf"))),
-        "messages[0].content[0].video.fps",
+    *(
+        (
+            grpc_part(video=router_service_pb2.VideoInput(frames=[PNG] * 2, fps=fps)),
+            "messages[0].content[0].video.fps",
+        )
+        # The wire's fps is a float32: 1e-40 is one of its subnormals.
+        for fps in (float("inf"), 1e-40, 1e-30, 9e-4, 10_010.0, 1e30)
+    ),
+    *(  # a file's fps: 0 is the router's default, past the same bounds refused
+        (
+            grpc_part(video=router_service_pb2.VideoInput(file=b"not read", fps=fps)),
+            "messages[0].content[0].video.fps",
+        )
+        for fps in (-1.0, 1e-40, 1e30)
     ),
 ]
 
@@ -203,3 +251,20 @@ async def test_grpc_requests_the_wire_carries_but_the_router_refuses(
     # At the bounds it is served: the tokens after the resumed one, to the finish.
     chunks = [c async for c in stub.Generate(ok, metadata=bearer_metadata(CLIENT_KEY))]
     assert sum(len(c.token_ids) for c in chunks) > 0 and chunks[-1].finish_reason
+
+
+async def test_an_empty_uuid_means_none(small_bodies: Fakes) -> None:
+    """An image's `uuid` of "" is no uuid (as on every wire of the design), at both front
+    doors: served, and no worker gets a uuid for it."""
+    router, prefill, _ = small_bodies
+    request = grpc_part(image=router_service_pb2.ImageInput(data=PNG, uuid=""))
+    metadata = bearer_metadata(CLIENT_KEY)
+    chunks = [c async for c in router.client._router.Generate(request, metadata=metadata)]
+    assert chunks[-1].finish_reason
+    url_part = {"type": "image_url", "image_url": {"url": png_url(32, 32)}, "uuid": ""}
+    endpoint = f"{url_of(router)}/v1/chat/completions"
+    status, _, reply = await asyncio.to_thread(
+        call, endpoint, parts(url_part, TEXT_PART), CLIENT_KEY
+    )
+    assert status == 200, reply
+    assert [list(r.multimodal.mm_uuids) for r in prefill.requests] == [[], []]

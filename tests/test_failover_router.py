@@ -2,7 +2,7 @@
 a decode stream that breaks mid-way resumes on another decode worker with `resume_tokens`;
 a prefill worker that fails is retried elsewhere with the items encoded again; embeddings
 lost with their encoder are encoded again for the same prefill worker; a role with no
-worker left fails with UNAVAILABLE naming it."""
+worker left fails with UNAVAILABLE naming it, also when a stream resuming needs it."""
 
 from __future__ import annotations
 
@@ -152,6 +152,32 @@ async def test_no_prefill_worker_left_is_unavailable_naming_the_role(cluster):
         await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "no prefill worker left" in err.value.details
+
+
+class LastPrefill(FakePrefill):
+    """Serves one call, then is drained (`drain`, as an operator's Drain would)."""
+
+    def __init__(self, drain) -> None:
+        super().__init__()
+        self.drain = drain
+
+    async def Prefill(self, request, context):
+        response = await super().Prefill(request, context)
+        self.drain(self.address)
+        return response
+
+
+async def test_a_broken_stream_with_no_prefill_worker_left_is_unavailable(cluster):
+    """Resuming needs a prefill (a fresh handle); with none left the client gets UNAVAILABLE
+    naming the role, as for a request that finds none, not an internal error."""
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, LastPrefill(cluster.router.registry.drain))
+    for _ in range(2):
+        await cluster.add(Role.DECODE, BreakingDecode(2, fresh_only=True))
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no prefill worker is registered and available" in err.value.details
 
 
 async def test_a_resumed_multimodal_stream_is_not_encoded_again_when_prefill_holds_it(cluster):

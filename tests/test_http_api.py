@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import openai
 import pytest
@@ -29,6 +30,7 @@ from common.processing.messages import messages_from_dicts
 from common.roles import Role
 from common.sampling import SamplingParams
 from common.server.rpc import channel
+from epd.client import GenerateError
 from router.admission import Need
 from router.http.convert import chat_request
 from router.http.media import MediaPolicy
@@ -276,6 +278,34 @@ async def test_a_full_queue_answers_429_with_retry_after(fake: FakeCluster) -> N
     assert status == 429, reply
     assert int(headers["retry-after"]) >= 1
     assert reply["error"]["type"] == "rate_limit_error"
+
+
+async def test_a_request_that_can_never_fit_is_400_not_429(ckpt: Path) -> None:
+    """Refusals that waiting cannot cure (more KV blocks than any worker has; more inline
+    embedding bytes than the router carries) are 400 invalid_request_error, which clients
+    do not retry, without Retry-After; gRPC keeps RESOURCE_EXHAUSTED."""
+    c = await fake_router(ckpt, max_inline_embedding_mb=0)
+    try:
+        await add_workers(c)
+        endpoint = f"{url_of(c)}/v1/chat/completions"
+
+        async def refusal(messages: list[Any], max_tokens: int) -> str:
+            body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens}
+            status, headers, reply = await asyncio.to_thread(call, endpoint, body, CLIENT_KEY)
+            assert (status, reply["error"]["type"]) == (400, "invalid_request_error"), reply
+            assert "retry-after" not in headers
+            return str(reply["error"]["message"])
+
+        image = {"type": "image_url", "image_url": {"url": png_data_url(1)}}
+        assert "inline embeddings" in await refusal(user(image), 4)
+        for w in c.router.registry.workers():
+            w.load = WorkerLoad(kv_blocks_free=4)  # 4 blocks of 16 tokens each
+        assert "KV blocks" in await refusal(WEATHER, 200)
+        with pytest.raises(GenerateError) as err:
+            await c.client.generate_text(WEATHER, SamplingParams(max_tokens=200))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await c.close()
 
 
 async def test_stop_strings_cut_the_text(fake: FakeCluster) -> None:

@@ -1,6 +1,7 @@
 """Media URLs of HTTP requests (`router.http.media`): data URLs always, local files only
 inside `http_media_dir`, https only when fetching is on and only from public addresses
-(with any IPv4 address an IPv6 one embeds public too)."""
+(with any IPv4 address an IPv6 one embeds public too). A URL that cannot even be parsed is
+refused naming its field, as any other (never a 500)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,24 @@ def test_media_urls_are_refused_unless_allowed(tmp_path: Path) -> None:
         load(f"{tmp_path}/../cat.png", "f", allowed)
     with pytest.raises(FieldError, match="non-public"):  # resolved, then refused
         load("https://localhost/cat.png", "f", MediaPolicy(fetch_urls=True))
+
+
+@pytest.mark.parametrize(
+    ("url", "policy"),
+    [
+        ("http://[::1/cat.png", MediaPolicy()),  # an IPv6 host without its "]"
+        ("https://[bad/cat.png", MediaPolicy(fetch_urls=True)),
+        ("https://example.com:99999/cat.png", MediaPolicy(fetch_urls=True)),  # a bad port
+        ("https://example.com:cat/cat.png", MediaPolicy(fetch_urls=True)),
+        ("https://" + "a" * 64 + ".example/cat.png", MediaPolicy(fetch_urls=True)),  # idna
+        ("/srv/media/cat\x00.png", MediaPolicy(media_dir=Path("/srv/media"))),  # NUL
+        ("file:///srv/media/cat%00.png", MediaPolicy(media_dir=Path("/srv/media"))),
+    ],
+)
+def test_a_malformed_url_is_a_field_error_not_a_crash(url: str, policy: MediaPolicy) -> None:
+    with pytest.raises(FieldError) as err:
+        load(url, "messages[0].content[0].image_url.url", policy)
+    assert err.value.field == "messages[0].content[0].image_url.url"
 
 
 @pytest.mark.parametrize(

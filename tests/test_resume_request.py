@@ -1,13 +1,23 @@
 """`GenerateRequest.resume_tokens` (a client resuming a stream on another router): the
-router's check names the field; a resumed stream sends only what follows the tokens."""
+router's check names the field; a resumed stream sends only what follows the tokens, and its
+text is what the uninterrupted stream would have sent after them, also when the tokens end
+inside a character (a router in this event loop with `tests.test_router`'s fake workers)."""
 
 from __future__ import annotations
 
 import pytest
 
-from epd.v1 import router_service_pb2
+from common.roles import Role
+from common.sampling import SamplingParams
+from epd.request import build_request
+from epd.v1 import decode_service_pb2, router_service_pb2
 from router.decode import check_resume
+from router.detokenize import IncrementalDetokenizer
 from router.inputs import InputError
+from tests import test_router
+from tests.test_router import TEXT, FakeDecode, FakeEncoder, FakePrefill
+
+ckpt = test_router.ckpt
 
 
 def _request(tokens: list[int], stop: tuple[str, ...] = ()) -> router_service_pb2.GenerateRequest:
@@ -37,3 +47,51 @@ def test_bad_resume_tokens_are_refused_naming_the_field(
     with pytest.raises(InputError) as info:
         check_resume(_request(tokens, stop), 8, vocab_size=100)
     assert info.value.field == "resume_tokens" and reason in str(info.value)
+
+
+class ScriptedDecode(FakeDecode):
+    """Streams `tokens` after the resumed ones, one a chunk, the last with a finish reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[int] = []
+
+    async def Decode(self, request, context):
+        self.requests.append(request)
+        yield decode_service_pb2.DecodeResponse(blocks_pulled=1)
+        for k, token in enumerate(self.tokens):
+            last = k == len(self.tokens) - 1
+            yield decode_service_pb2.DecodeResponse(
+                token_ids=[token],
+                finish_reason=decode_service_pb2.FINISH_REASON_LENGTH if last else 0,
+            )
+
+
+async def test_a_resumed_streams_text_is_the_uninterrupted_ones_at_every_split(ckpt) -> None:
+    """Resumed after each of its tokens (several end inside "é" or "猫"), the text the client
+    gets on the new router completes exactly the text it had (what the first router sent,
+    token by token) to the whole answer: no character lost, none sent twice, no U+FFFD."""
+    cluster = await test_router.start_router(ckpt)
+    try:
+        decode = ScriptedDecode()
+        await cluster.add(Role.ENCODER, FakeEncoder())
+        await cluster.add(Role.PREFILL, FakePrefill())
+        await cluster.add(Role.DECODE, decode)
+        decode_ids = cluster.router.orchestrator.processor.decode
+        answer = "a é 猫 b"
+        ids = cluster.router.orchestrator.processor.tokenizer.encode(answer).ids
+        assert decode_ids(ids) == answer and len(ids) > len(answer)  # characters split
+        for split in range(1, len(ids)):
+            first_router = IncrementalDetokenizer(decode_ids)
+            had = "".join(first_router.add([t]) for t in ids[:split])
+            decode.tokens = ids[split:]
+            request = build_request(TEXT, SamplingParams(max_tokens=len(ids) + 1))
+            request.resume_tokens.extend(ids[:split])
+            tokens, text = [], ""
+            async for chunk in cluster.client._router.Generate(request):
+                tokens += chunk.token_ids
+                text += chunk.text
+            assert tokens == ids[split:], split
+            assert had + text == answer, (split, had, text)
+    finally:
+        await cluster.close()

@@ -40,7 +40,7 @@ from common.errors import FieldError
 from common.server.auth import Authenticator, Caller
 from common.server.rpc import RpcStatusError
 from epd.v1 import router_service_pb2
-from router.calls import RouterError
+from router.calls import RouterError, TooLarge
 from router.held import HeldBytes
 from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
 from router.http.connections import ConnectionStats
@@ -64,7 +64,10 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RouterError):
-        return ApiError.from_router(exc.code, str(exc), exc.trailing_metadata)
+        error = ApiError.from_router(exc.code, str(exc), exc.trailing_metadata)
+        if isinstance(exc, TooLarge):  # not 429: a client would retry what never fits
+            error.status, error.type = 400, "invalid_request_error"
+        return error
     if isinstance(exc, RpcStatusError):
         return ApiError(exc.code, exc.details)
     if isinstance(exc, FieldError):

@@ -3,6 +3,9 @@
 `limit_body` is ASGI middleware in front of the app. It reads a request's whole body before
 the app runs (the app would read all of it anyway) and replays it:
 
+- only a POST may carry a body (every endpoint that takes one is a POST): any other
+  method announcing one (a Content-Length past 0, or Transfer-Encoding) is answered 405
+  and the connection closed, its body neither read nor held, whoever sent it;
 - a POST from anyone but a client (no valid API key: `identify`) is refused before its
   body is read, so it neither costs the reading nor takes from the budget below;
 - a body over `max_bytes` is answered 413: by its Content-Length before a byte of it is
@@ -33,6 +36,14 @@ from router.http.errors import ApiError
 
 HELD_KEY = "epd.held_bytes"  # ASGI scope: the bytes `limit_body` holds for the body
 CALLER_KEY = "epd.caller"  # ASGI scope: who `limit_body` let send a body (POST)
+
+
+def carries_body(headers: dict[bytes, bytes]) -> bool:
+    """Whether a request head announces a body: a Content-Length past 0, or chunked."""
+    if b"transfer-encoding" in headers:
+        return True
+    length = headers.get(b"content-length", b"0")
+    return not length.isdigit() or int(length) > 0
 
 
 def identify(auth: Authenticator | None, header: str | None) -> Caller:
@@ -66,6 +77,8 @@ def limit_body(
         f"the request body did not arrive within {timeout_s:g} s (request_timeout_s)",
     )
     late.status = 408
+    not_post = ApiError(grpc.StatusCode.INVALID_ARGUMENT, "only a POST request may carry a body")
+    not_post.status = 405
     busy = held_busy("as many requests' bytes as it may")
     full = ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
 
@@ -106,6 +119,8 @@ def limit_body(
         tenant = None
         try:
             try:
+                if scope.get("method") != "POST" and carries_body(headers):
+                    raise _Refused(not_post)  # not read: nobody's bytes to hold
                 if scope.get("method") == "POST":  # a body: only a client may have one read
                     header = headers.get(b"authorization")
                     caller = identify(app.state.auth, header.decode("latin-1") if header else None)
@@ -122,8 +137,9 @@ def limit_body(
                 return
             except _Refused as refused:
                 response = refused.error.response()
-                if refused.error is late:  # the rest of the body may still come: not here
-                    response.headers["Connection"] = "close"
+                if refused.error is late or refused.error is not_post:
+                    response.headers["Connection"] = "close"  # its body may still come
+                if refused.error is late:
                     stats.closed_body_late += 1
                 await response(scope, receive, send)
                 return

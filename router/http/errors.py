@@ -24,6 +24,7 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    # Full for now; a request that never fits (`router.calls.TooLarge`) is a 400 instead.
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),

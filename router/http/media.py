@@ -43,6 +43,16 @@ class MediaPolicy:
 
 def load(url: str, field: str, policy: MediaPolicy) -> bytes:
     """The file `url` names; FieldError(field) when it is malformed or not allowed."""
+    try:
+        return _load(url, field, policy)
+    except FieldError:
+        raise
+    except ValueError as exc:  # what urllib, the OS or the resolver cannot take (a bad
+        # IPv6 host or port, a NUL byte in a path, a host name too long to encode)
+        raise FieldError(field, f"is not a valid URL ({exc})") from None
+
+
+def _load(url: str, field: str, policy: MediaPolicy) -> bytes:
     if url.startswith("data:"):
         return _data_url(url, field)
     parsed = urllib.parse.urlsplit(url)

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from common.multimodal.validation import INT32_MAX
+from common.processing.video import MAX_FPS, MIN_FPS
 
 UINT32_MAX = (1 << 32) - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
@@ -72,7 +73,8 @@ class VideoContent(_Body):
     type: Literal["video_url"]
     video_url: MediaUrl
     uuid: Text | None = None
-    fps: float | None = Field(default=None, gt=0)  # None: the router's default
+    # None: the router's default. Bounded here, before the wire's float32 rounds it.
+    fps: float | None = Field(default=None, ge=MIN_FPS, le=MAX_FPS)
 
 
 ContentPart = Annotated[TextContent | ImageContent | VideoContent, Field(discriminator="type")]
