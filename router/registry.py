@@ -142,9 +142,12 @@ class Registry:
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
             layout = layout_from_proto(info.kv_layout)
             self._check_layout(role, info.address, layout)
+        drain_requested = False
         for old in [w for w in self._workers.values() if w.address == info.address]:
             del self._workers[old.worker_id]
             restarted = not info.instance_id or old.info.instance_id != info.instance_id
+            # The same process again (a heartbeat it missed): an operator's drain stands.
+            drain_requested |= old.drain_requested and not restarted
             logger.info(
                 "worker %s re-registered%s; old id %s dropped",
                 old.address,
@@ -168,6 +171,7 @@ class Registry:
             layout=layout,
             info=info,
             last_seen=self._clock(),
+            drain_requested=drain_requested,
         )
         self._workers[record.worker_id] = record
         self.refusals.pop(record.address, None)

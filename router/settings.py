@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from common.processing.limits import IMAGE_FORMATS, InputLimits
+from common.processing.video import MAX_FPS, MIN_FPS
 from common.settings.base import ServerSettings
 from common.settings.schema import SettingsError, setting
 
@@ -229,8 +230,13 @@ class RouterSettings(ServerSettings):
             raise SettingsError("max_video_frames: must be positive")
         if not self.http_header_timeout_s > 0:
             raise SettingsError("http_header_timeout_s: must be positive")
-        if not self.video_file_fps > 0:
-            raise SettingsError("video_file_fps: must be positive")
+        if not MIN_FPS <= self.video_file_fps <= MAX_FPS:
+            raise SettingsError(f"video_file_fps: must be from {MIN_FPS:g} to {MAX_FPS:g}")
+        if not self.heartbeat_interval_s > 0:
+            raise SettingsError("heartbeat_interval_s: must be positive")
+        if not self.worker_timeout_s > self.heartbeat_interval_s:
+            # Else a worker is dropped between two heartbeats it sends on time.
+            raise SettingsError("worker_timeout_s: must be longer than heartbeat_interval_s")
         if not 0 < self.tenant_share <= 1:
             raise SettingsError("tenant_share: must be above 0 and at most 1")
         Image.init()  # every plugin PIL has registered

@@ -14,15 +14,14 @@ from typing import Any
 import pytest
 
 from cluster.settings import EpdSettings
+from common.server.rpc import LIVENESS_SERVICE
 from common.settings.schema import from_mapping
 from tests.test_deploy import CONTAINERS, DEPLOY, DOCUMENTS, _ids, _pod_specs
 
+POD_DOCUMENTS = [(n, d) for n, d in DOCUMENTS if _pod_specs(d)]
 
-@pytest.mark.parametrize(
-    ("name", "doc"),
-    [(n, d) for n, d in DOCUMENTS if _pod_specs(d)],
-    ids=[n for n, d in DOCUMENTS if _pod_specs(d)],
-)
+
+@pytest.mark.parametrize(("name", "doc"), POD_DOCUMENTS, ids=_ids(POD_DOCUMENTS))
 def test_pods_run_as_non_root_without_privileges(name: str, doc: dict[str, Any]) -> None:
     for pod in _pod_specs(doc):
         context = pod.get("securityContext", {})
@@ -63,6 +62,17 @@ def test_worker_pods_have_a_startup_probe_shm_and_models(name: str, doc: dict[st
         models = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
         assert len(models) == 1 and models[0].get("readOnly") is True, f"{name}: /models"
     assert len(WORKER_DEPLOYMENTS) == 3
+
+
+@pytest.mark.parametrize(("name", "doc"), POD_DOCUMENTS, ids=_ids(POD_DOCUMENTS))
+def test_liveness_probes_ask_the_liveness_service(name: str, doc: dict[str, Any]) -> None:
+    # "" is readiness: a router with no worker of some role yet says NOT_SERVING there, and
+    # a liveness probe on it restarted the router while it waited for its workers.
+    for pod in _pod_specs(doc):
+        for container in pod["containers"]:
+            live = container.get("livenessProbe")
+            if live is not None and "grpc" in live:
+                assert live["grpc"].get("service") == LIVENESS_SERVICE, name
 
 
 def test_ray_worker_pods_have_shm() -> None:

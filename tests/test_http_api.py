@@ -29,7 +29,7 @@ from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.roles import Role
 from common.sampling import SamplingParams
-from common.server.rpc import channel
+from common.server.rpc import LIVENESS_SERVICE, channel
 from epd.client import GenerateError
 from router.admission import Need
 from router.http.convert import chat_request
@@ -214,6 +214,12 @@ async def test_health_needs_every_role(fake: FakeCluster) -> None:
     await wait_health(url_of(fake), 503)
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     assert await grpc_health(fake, not_serving) == not_serving
+    # Alive all the same: a liveness probe must not restart a router waiting for workers.
+    async with channel(fake.router.address) as ch:
+        alive = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE)
+        )
+    assert alive.status == health_pb2.HealthCheckResponse.SERVING
     await add_workers(fake)
     await wait_health(url_of(fake), 200)
     serving = health_pb2.HealthCheckResponse.SERVING

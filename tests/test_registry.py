@@ -183,6 +183,29 @@ def test_draining_workers_get_no_new_work(registry: Registry) -> None:
     assert [w.draining for w in registry.workers()] == [True, True]
 
 
+def test_an_operators_drain_survives_the_same_process_registering_again(
+    registry: Registry,
+) -> None:
+    same = info(Role.ENCODER, 1)
+    same.instance_id = "process-1"
+    other = registry.register(info(Role.ENCODER, 2))
+    registry.register(same)
+    assert registry.drain(same.address)
+    # A missed heartbeat makes the worker register again: still drained.
+    registry.register(same)
+    assert {w.address: w.draining for w in registry.workers(Role.ENCODER)} == {
+        other.address: False,
+        same.address: True,
+    }
+    assert {registry.pick(Role.ENCODER).address for _ in range(3)} == {other.address}
+    # A new process at that address starts undrained.
+    restarted = info(Role.ENCODER, 1)
+    restarted.instance_id = "process-2"
+    registry.register(restarted)
+    (again,) = [w for w in registry.workers(Role.ENCODER) if w.address == same.address]
+    assert not again.draining
+
+
 def test_pick_excludes_addresses(registry: Registry) -> None:
     a = registry.register(info(Role.PREFILL, 3))
     registry.register(info(Role.PREFILL, 4))

@@ -200,3 +200,18 @@ def test_prefill_lease_times_are_checked() -> None:
         with pytest.raises(SettingsError, match=key):
             PrefillSettings(security=insecure, **bad).check()  # type: ignore[arg-type]
     assert from_mapping(Top, {"port": 50062.0}).port == 50062  # a whole number is fine
+
+
+def test_router_heartbeat_times_are_checked() -> None:
+    from common.settings.security import SecuritySettings
+    from router.settings import RouterSettings
+
+    insecure = SecuritySettings(insecure=True)
+    for bad, key in (
+        ({"heartbeat_interval_s": 0.0}, "heartbeat_interval_s"),
+        # A worker would be dropped between two heartbeats it sends on time.
+        ({"heartbeat_interval_s": 2.0, "worker_timeout_s": 0.5}, "worker_timeout_s"),
+        ({"video_file_fps": 1e-9}, "video_file_fps"),
+    ):
+        with pytest.raises(SettingsError, match=key):
+            RouterSettings(security=insecure, **bad).check()  # type: ignore[arg-type]

@@ -43,6 +43,10 @@ DEFAULT_MAX_MESSAGE_MB = 256
 # sent that no handler asked for. At 1 ms of round trip it still moves 4 GB/s a call.
 CLIENT_STREAM_WINDOW = 4 << 20
 DRAINING_DETAILS = "draining"
+# The health name a liveness probe checks: SERVING from start to shutdown, whatever "" says.
+# "" follows readiness (a router with no worker of some role yet, a draining server), and a
+# liveness probe on it would restart a process that is only waiting.
+LIVENESS_SERVICE = "liveness"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -81,7 +85,8 @@ class RunningServer:
     stopped: bool = field(default=False)  # set once stop() has begun
 
     async def set_serving(self, serving: bool) -> None:
-        """Report SERVING or NOT_SERVING for "" and every service name."""
+        """Report SERVING or NOT_SERVING for "" and every service name (not for
+        `LIVENESS_SERVICE`, which says only that the process answers)."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -165,6 +170,7 @@ async def start_server(
     shown_host = f"[{host}]" if ":" in host else host
     running = RunningServer(server, health, f"{shown_host}:{bound}", tuple(service_names))
     await running.set_serving(True)
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     logger.info("gRPC server on %s (%s)", running.address, ", ".join(service_names) or "-")
     return running
 
