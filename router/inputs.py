@@ -36,6 +36,8 @@ from common.errors import FieldError
 from common.multimodal.validation import MAX_UUID_CHARS
 from common.processing.image import KeyedImage, check_aspect_ratio
 from common.processing.limits import (
+    MAX_FPS,
+    MIN_FPS,
     InputLimits,
     LimitError,
     MediaBudget,
@@ -44,7 +46,6 @@ from common.processing.limits import (
     check_video_frames,
 )
 from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
-from common.processing.video import MAX_FPS, MIN_FPS
 from common.processing.video_cache import frames_to_decode
 from common.processing.video_file import VideoFile, open_video
 from epd.v1 import router_service_pb2

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from common.processing.limits import IMAGE_FORMATS, InputLimits
-from common.processing.video import MAX_FPS, MIN_FPS
+from common.processing.limits import IMAGE_FORMATS, MAX_FPS, MIN_FPS, InputLimits
 from common.settings.base import ServerSettings
 from common.settings.schema import SettingsError, setting
 

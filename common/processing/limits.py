@@ -31,6 +31,19 @@ DECODED_BYTES_PER_PIXEL = 4
 # rarely asked of a model and each a decoder an attacker could aim at).
 IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
+# The frame rates a video may declare: below MIN_FPS its timestamps in the prompt grow
+# without bound (a rate of 1e-300 writes 300-digit seconds), and the frame count sampled
+# from it overflows; above MAX_FPS no camera records.
+MIN_FPS = 1e-3
+MAX_FPS = 1e4
+
+
+def check_fps(fps: float) -> float:
+    """`fps` when a video may declare it (MIN_FPS <= fps <= MAX_FPS), else ValueError."""
+    if not MIN_FPS <= fps <= MAX_FPS:  # NaN fails too
+        raise ValueError(f"video fps must be within [{MIN_FPS:g}, {MAX_FPS:g}], got {fps}")
+    return fps
+
 
 class LimitError(FieldError):
     """A request over one of the `InputLimits`; `field` names the request field."""

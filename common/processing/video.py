@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -35,19 +35,7 @@ from common.processing.image import (
     resize_rgb,
     to_rgb,
 )
-
-# The frame rates a video may declare: below MIN_FPS its timestamps in the prompt grow
-# without bound (a rate of 1e-300 writes 300-digit seconds), and the frame count sampled
-# from it overflows; above MAX_FPS no camera records.
-MIN_FPS: Final = 1e-3
-MAX_FPS: Final = 1e4
-
-
-def check_fps(fps: float) -> float:
-    """`fps` when a video may declare it (MIN_FPS <= fps <= MAX_FPS), else ValueError."""
-    if not MIN_FPS <= fps <= MAX_FPS:  # NaN fails too
-        raise ValueError(f"video fps must be within [{MIN_FPS:g}, {MAX_FPS:g}], got {fps}")
-    return fps
+from common.processing.limits import check_fps
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -33,10 +33,10 @@ from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.content_hash import content_hash
 from common.processing.image import KeyedImage, load_image, patch_codes
 from common.processing.image_cache import ProcessedImage, ProcessedImageCache
+from common.processing.limits import check_fps
 from common.processing.video import (
     ProcessedVideo,
     VideoPlan,
-    check_fps,
     plan_video,
     resized_frames,
     video_timestamps,

@@ -30,8 +30,8 @@ import av
 import numpy as np
 
 from common.errors import FieldError
-from common.processing.limits import LimitError
-from common.processing.video import TimedFrames, check_fps
+from common.processing.limits import LimitError, check_fps
+from common.processing.video import TimedFrames
 
 # Magic bytes -> the one demuxer allowed to read such a file.
 _MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header: mkv, webm

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from common.multimodal.validation import INT32_MAX
-from common.processing.video import MAX_FPS, MIN_FPS
+from common.processing.limits import MAX_FPS, MIN_FPS
 
 UINT32_MAX = (1 << 32) - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
