@@ -18,10 +18,12 @@ frees expired ones): `export` (range taken or buffer registered, lease live) →
 (by the reader) or expiry (the reaper, `ttl_s` after export: a reader that died never
 releases) → the range goes back to the arena (the next export may overwrite it), or the own
 buffer is deregistered and dropped. Each lease is freed exactly once. A reader must finish
-its READ within `ttl_s`: after expiry its range may hold another output. A lease's id is
-random, or the caller's (`EncodeRequest.lease_key` and the item's index, so the router can
-release the leases of an answer it never got); `release` of an id not live bars it, and
-`export` refuses a barred id (`common.server.leases`), so such an output is never leased.
+its READ within `ttl_s`: after expiry its range may hold another output, which the digest
+every handle carries (`common.wire.transfer.handle_for`) makes the reader's READ refuse.
+A lease's id is random, or the caller's (`EncodeRequest.lease_key` and the item's index,
+so the router can release the leases of an answer it never got); `release` of an id not
+live bars it, and `export` refuses a barred id (`common.server.leases`), so such an output
+is never leased.
 
 The agent and arena are made on a background thread at `start()` (making a NIXL agent takes
 seconds); `agent()` waits for them. If NIXL is unavailable, `agent()` returns None and the

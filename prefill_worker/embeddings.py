@@ -9,8 +9,10 @@ released on the encoder `PrefillRequest.embedding_holders` names for it, in the 
 lease without a holder address is left to expire there.
 
 Errors: what a handle claims is at fault (sizes, metadata NIXL cannot load, a range outside
-the holder's registered memory) is INVALID_ARGUMENT naming the field; only a holder that
-cannot be reached or fails the READ is UNAVAILABLE.
+the holder's registered memory) is INVALID_ARGUMENT naming the field; a holder that cannot
+be reached or fails the READ, and bytes READ that do not match the handle's digest (the
+lease ran out before the pull and the range holds another output now), are UNAVAILABLE with
+`EMBEDDINGS_LOST`: the router encodes the items again. Nothing read is used then.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common.transfer.agent import TransferAgent
-from common.wire.transfer import handle_for
+from common.wire.transfer import handle_for, tensor_digest
 
 # Tiny KV geometry: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], fp16.
 NUM_BLOCKS = 16
@@ -89,6 +89,7 @@ def holder_main(conn: Connection) -> None:
             pool[4096:].copy_(block_pattern(3, 4096))
             handle = handle_for(pool, agent, lease_id="lease-2")
             handle.address, handle.length = pool.data_ptr() + 4096, 4096
+            handle.digest = tensor_digest(pool[4096:])
             _send(conn, older=older, handle=handle.SerializeToString())
         elif cmd == "stop":
             agent.close()

@@ -31,7 +31,7 @@ from common.handoff import EMBEDDINGS_LOST
 from common.multimodal.validation import MultimodalLayoutError
 from common.server.rpc import RpcStatusError
 from common.transfer.agent import TransferAgent
-from common.transfer.types import TransferError, TransferRefusedError
+from common.transfer.types import TransferDigestError, TransferError, TransferRefusedError
 from common.wire.convert import element_type
 from common.wire.transfer import read_tensor
 from epd.v1 import tensor_pb2
@@ -235,6 +235,27 @@ def test_a_bad_handle_is_invalid_argument_naming_the_field(
     if case != "oversize":
         assert isinstance(info.value.__context__, TransferRefusedError)
     encoders[0].ask(cmd="release", lease_ids=[handle.lease_id])
+
+
+def test_a_range_reused_after_its_lease_ended_is_not_read_as_the_old_output(
+    encoders: list[Encoder], reader: TransferAgent
+) -> None:
+    # A's lease ends (released here; expiry frees it alike) while its handle still waits
+    # for a prefill worker; B's output lands in the range A held.
+    enc = encoders[0]
+    ((a, *_),) = enc.export([40])
+    assert enc.ask(cmd="release", lease_ids=[a.lease_id])["released"] == 1
+    ((b, *_),) = enc.export([50])
+    assert b.address == a.address and output_rows(40) == output_rows(50)
+    ref = _ref(a, [output_rows(40), HIDDEN])
+    with pytest.raises(TransferDigestError):  # the bytes are B's, not those A lent
+        read_tensor(ref.handle, torch.float32, tuple(ref.shape), reader, timeout_s=10)
+    with pytest.raises(RpcStatusError) as info:
+        _resolve(reader, ref, "embeddings.rows")
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert EMBEDDINGS_LOST in str(info.value)  # the router encodes the item again
+    assert torch.equal(_pull(b, output_rows(50), reader), output_tensor(0, 50, 0))
+    enc.ask(cmd="release", lease_ids=[b.lease_id])
 
 
 def test_a_dead_holder_is_unavailable(encoders: list[Encoder], reader: TransferAgent) -> None:

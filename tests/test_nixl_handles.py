@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from common.transfer.agent import TransferAgent
-from common.transfer.types import TransferRefusedError
-from common.wire.transfer import read_tensor
+from common.transfer.types import TransferDigestError, TransferRefusedError
+from common.wire.transfer import read_tensor, tensor_digest
 from epd.v1 import tensor_pb2
 from tests.nixl_holder_helpers import (
     BIG_BYTES,
@@ -50,6 +50,16 @@ def test_tensor_handle_round_trip(
     assert agent.region_of(out.data_ptr(), 4) is None
     with pytest.raises(ValueError, match="bytes but the handle holds"):
         read_tensor(handle, torch.float16, TENSOR_SHAPE, agent)
+    # The bytes are bound to the handle by their digest: a digest that differs from what
+    # the range holds fails the READ; a handle without one (an older holder) reads as before.
+    assert handle.digest == tensor_digest(known_tensor())
+    other = tensor_pb2.TransferHandle()
+    other.CopyFrom(handle)
+    other.digest = tensor_digest(known_tensor() + 1)
+    with pytest.raises(TransferDigestError):
+        read_tensor(other, torch.float32, TENSOR_SHAPE, agent)
+    other.ClearField("digest")
+    assert torch.equal(read_tensor(other, torch.float32, TENSOR_SHAPE, agent), known_tensor())
 
 
 def test_add_peer_is_cached(

@@ -27,6 +27,12 @@ class TransferRefusedError(TransferError):
     """
 
 
+class TransferDigestError(TransferError):
+    """A READ brought back bytes that are not those the holder lent (the handle's digest):
+    the range was reused after its lease ran out, or changed meanwhile. Nothing read may be
+    used; the reader asks for the tensor again."""
+
+
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not complete within its timeout.
 

@@ -4,6 +4,12 @@ Used for tensors too large to ship inline in a `TensorRef` (encoder embeddings):
 registers the tensor and puts a `TransferHandle` on the wire; the reader loads the holder's
 metadata and READs the bytes into a fresh local tensor. Only protobuf crosses the wire.
 
+Bytes are bound to the handle (DESIGN §4, as for KV blocks): the holder puts the digest of
+the tensor's bytes (`common.kv.digest`) in it, and the reader checks what it READ against
+that digest before returning it. A lease that ran out while the handle waited (a queued
+request, a slow pull) frees its range for the holder's next output; without the check, a
+READ of it succeeds and returns another request's rows.
+
 A reader trusts nothing a handle claims: sizes are checked, and the range is checked against
 what the holder's metadata says it registered, before anything is allocated. Handles reach
 readers in any order, each with the holder's snapshot of when it was made; a reader whose
@@ -12,16 +18,19 @@ view of the holder is older than the handle's reloads the handle's own snapshot 
 
 from __future__ import annotations
 
+import hmac
 import math
 from typing import Final
 
 import torch
 
+from common.kv.digest import block_digests
 from common.transfer.agent import TransferAgent
 from common.transfer.regions import tensor_memory
 from common.transfer.types import (
     DEVICE_MEMORY,
     HOST_MEMORY,
+    TransferDigestError,
     TransferRefusedError,
     TransferTimeoutError,
 )
@@ -73,7 +82,16 @@ def handle_for(
         device_id=device_id,
         memory_kind=MEMORY_TO_KIND[region.memory],
         lease_id=lease_id,
+        digest=tensor_digest(tensor),
     )
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """The digest of a contiguous tensor's bytes (`common.kv.digest`, on its device); empty
+    for a tensor without bytes."""
+    if not tensor.numel():
+        return b""
+    return block_digests(tensor.reshape(-1).view(torch.int8).view(1, -1))[0]
 
 
 def read_tensor(
@@ -96,8 +114,9 @@ def read_tensor(
     Raises ValueError if the handle is malformed, names another agent than its metadata, or
     disagrees with dtype and shape (sizes that overflow included); TransferRefusedError if
     the holder's metadata cannot be loaded or the range lies outside memory it registered;
-    and the errors of `TransferAgent.read` otherwise (TransferError, TransferTimeoutError:
-    the holder is unreachable, gone, or failed the READ).
+    the errors of `TransferAgent.read` otherwise (TransferError, TransferTimeoutError:
+    the holder is unreachable, gone, or failed the READ); and TransferDigestError when the
+    handle carries a digest and the bytes READ do not match it.
     """
     nbytes = _checked_nbytes(handle, dtype, shape)
     if nbytes == 0:
@@ -148,6 +167,11 @@ def read_tensor(
         agent.deregister(region)
         raise
     agent.deregister(region)
+    if handle.digest and not hmac.compare_digest(tensor_digest(out), handle.digest):
+        raise TransferDigestError(
+            f"the {nbytes} bytes READ at {handle.address:#x} from {peer!r} are not those it "
+            f"lent under lease {handle.lease_id!r} (it ran out, and the range was reused?)"
+        )
     return out
 
 

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/tensor.proto\x12\x06\x65pd.v1\"\xab\x01\n\x0eTransferHandle\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\'\n\x0bmemory_kind\x18\x06 \x01(\x0e\x32\x12.epd.v1.MemoryKind\x12\x10\n\x08lease_id\x18\x07 \x01(\t\"\x87\x01\n\tTensorRef\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.epd.v1.ElementType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x15\n\x0binline_data\x18\x03 \x01(\x0cH\x00\x12(\n\x06handle\x18\x04 \x01(\x0b\x32\x16.epd.v1.TransferHandleH\x00\x42\x06\n\x04\x64\x61ta*\xc2\x01\n\x0b\x45lementType\x12\x1c\n\x18\x45LEMENT_TYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45LEMENT_TYPE_FLOAT32\x10\x01\x12\x18\n\x14\x45LEMENT_TYPE_FLOAT16\x10\x02\x12\x19\n\x15\x45LEMENT_TYPE_BFLOAT16\x10\x03\x12\x16\n\x12\x45LEMENT_TYPE_INT64\x10\x04\x12\x16\n\x12\x45LEMENT_TYPE_INT32\x10\x05\x12\x16\n\x12\x45LEMENT_TYPE_UINT8\x10\x06*W\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_HOST\x10\x01\x12\x16\n\x12MEMORY_KIND_DEVICE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/tensor.proto\x12\x06\x65pd.v1\"\xbb\x01\n\x0eTransferHandle\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\'\n\x0bmemory_kind\x18\x06 \x01(\x0e\x32\x12.epd.v1.MemoryKind\x12\x10\n\x08lease_id\x18\x07 \x01(\t\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x0c\"\x87\x01\n\tTensorRef\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.epd.v1.ElementType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x15\n\x0binline_data\x18\x03 \x01(\x0cH\x00\x12(\n\x06handle\x18\x04 \x01(\x0b\x32\x16.epd.v1.TransferHandleH\x00\x42\x06\n\x04\x64\x61ta*\xc2\x01\n\x0b\x45lementType\x12\x1c\n\x18\x45LEMENT_TYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45LEMENT_TYPE_FLOAT32\x10\x01\x12\x18\n\x14\x45LEMENT_TYPE_FLOAT16\x10\x02\x12\x19\n\x15\x45LEMENT_TYPE_BFLOAT16\x10\x03\x12\x16\n\x12\x45LEMENT_TYPE_INT64\x10\x04\x12\x16\n\x12\x45LEMENT_TYPE_INT32\x10\x05\x12\x16\n\x12\x45LEMENT_TYPE_UINT8\x10\x06*W\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_HOST\x10\x01\x12\x16\n\x12MEMORY_KIND_DEVICE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ELEMENTTYPE']._serialized_start=344
-  _globals['_ELEMENTTYPE']._serialized_end=538
-  _globals['_MEMORYKIND']._serialized_start=540
-  _globals['_MEMORYKIND']._serialized_end=627
+  _globals['_ELEMENTTYPE']._serialized_start=360
+  _globals['_ELEMENTTYPE']._serialized_end=554
+  _globals['_MEMORYKIND']._serialized_start=556
+  _globals['_MEMORYKIND']._serialized_end=643
   _globals['_TRANSFERHANDLE']._serialized_start=32
-  _globals['_TRANSFERHANDLE']._serialized_end=203
-  _globals['_TENSORREF']._serialized_start=206
-  _globals['_TENSORREF']._serialized_end=341
+  _globals['_TRANSFERHANDLE']._serialized_end=219
+  _globals['_TENSORREF']._serialized_start=222
+  _globals['_TENSORREF']._serialized_end=357
 # @@protoc_insertion_point(module_scope)

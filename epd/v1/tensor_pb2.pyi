@@ -34,7 +34,7 @@ MEMORY_KIND_HOST: MemoryKind
 MEMORY_KIND_DEVICE: MemoryKind
 
 class TransferHandle(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "address", "length", "device_id", "memory_kind", "lease_id")
+    __slots__ = ("agent_metadata", "agent_name", "address", "length", "device_id", "memory_kind", "lease_id", "digest")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class TransferHandle(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
     address: int
@@ -49,7 +50,8 @@ class TransferHandle(_message.Message):
     device_id: int
     memory_kind: MemoryKind
     lease_id: str
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., lease_id: _Optional[str] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class TensorRef(_message.Message):
     __slots__ = ("dtype", "shape", "inline_data", "handle")
