@@ -391,10 +391,12 @@ def read_handoff(
 ) -> Handoff:
     """Decode and validate the multimodal half of a handoff against `runner`'s model.
 
-    The message is parsed once. The layout and the prompt (vocabulary, placeholders exactly
-    at the runs, positions) are checked before `resolve` pulls any embedding held by a
-    transfer handle; embedding widths after. Raises `MultimodalLayoutError` naming the field.
-    Blocking (NIXL pulls): call it from a worker thread in a server.
+    The message is parsed once. The layout, the prompt (vocabulary, placeholders exactly
+    at the runs, positions) and every embedding's declared shapes (the model's width and
+    deepstack depth) are checked before `resolve` pulls any embedding held by a transfer
+    handle: a pull allocates what the peer declared (DESIGN §7, limits before work). Raises
+    `MultimodalLayoutError` naming the field. Blocking (NIXL pulls): call it from a worker
+    thread in a server.
     """
     if not prompt_token_ids:
         raise MultimodalLayoutError("prompt_token_ids", "empty prompt")
@@ -402,7 +404,12 @@ def read_handoff(
     positions = runner.check_prompt(prompt_token_ids, layout)
     if not with_embeddings:
         return Handoff(layout, positions)
-    embeddings = embeddings_from_proto(multimodal, list(layout.items), resolve)
-    params = dataclasses.replace(layout, embeddings=embeddings)
-    runner.check_embeddings(params)
-    return Handoff(params, positions)
+    config = runner.config
+    embeddings = embeddings_from_proto(
+        multimodal,
+        list(layout.items),
+        resolve,
+        width=config.text.hidden_size,
+        depth=len(config.vision.deepstack_visual_indexes),
+    )
+    return Handoff(dataclasses.replace(layout, embeddings=embeddings), positions)

@@ -13,7 +13,8 @@ embeddings (the cached prefix moved on) fails the prefill as a missing item does
 (FAILED_PRECONDITION), and the router encodes again.
 
 Errors name the field (INVALID_ARGUMENT): a span outside the item's partitions, spans that
-overlap, spans for an item that cannot split, or an item given both whole and partial rows.
+overlap, spans for an item that cannot split, an item given both whole and partial rows, or
+whole rows for no item or for an item twice (as `embeddings_from_proto` refuses them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from common.multimodal.params import MultimodalItemMetadata, MultimodalParams
 from common.multimodal.partitions import partitions_item, splits_by_partition
 from common.multimodal.validation import MultimodalLayoutError
-from common.wire.convert import params_from_proto
+from common.wire.convert import embeddings_by_item, params_from_proto
 from epd.v1 import multimodal_pb2
 
 FIELD = "embeddings.partition_start"
@@ -43,7 +44,9 @@ def split_for_prefill(
     spans = _spans(msg.embeddings, whole.items)
     items: list[MultimodalItemMetadata] = []
     embeddings: list[tuple[int, multimodal_pb2.ItemEmbedding]] = []  # (new index, embedding)
-    whole_rows = {emb.item_index: emb for emb in msg.embeddings if emb.item_index not in spans}
+    whole_rows = embeddings_by_item(
+        (emb for emb in msg.embeddings if not emb.HasField("partition_start")), len(whole.items)
+    )
     for i, item in enumerate(whole.items):
         given = spans.get(i)
         if given is None:

@@ -134,3 +134,20 @@ def test_partition_spans_that_do_not_fit_are_refused_naming_the_field(
         with pytest.raises(MultimodalLayoutError) as err:
             split_for_prefill(msg)
         assert err.value.field == "embeddings.partition_start"
+
+
+@pytest.mark.parametrize("index", [0, 2])
+def test_whole_rows_for_no_item_or_an_item_twice_are_refused_beside_a_span(
+    prompt: ProcessedPrompt, index: int
+) -> None:
+    # Without a span `embeddings_from_proto` refuses these; with one the split must too,
+    # rather than keep one copy and leave the other's transfer handle unpulled.
+    params = prompt.params
+    image = params.items[0]
+    msg = params.to_proto()
+    with_rows(msg, 0, 0, 0, image.length)
+    with_rows(msg, index, 0, 0, image.length)  # the image again, or an item there is not
+    with_rows(msg, 1, 2, 4, 4)
+    with pytest.raises(MultimodalLayoutError, match="no such item or repeated") as err:
+        split_for_prefill(msg)
+    assert (err.value.field, err.value.item) == ("embeddings.item_index", index)

@@ -1,9 +1,11 @@
-"""Checks that a request's prompt and embeddings fit a model, before any block is taken.
+"""Checks that a request's prompt fits a model, before any block is taken.
 
 Each raises `MultimodalLayoutError` naming the offending field (and item), so a worker can
-reject the request with a precise message; `LmRunner.check_prompt` / `check_embeddings` are
-the entry points. `check_context` (prompt tokens + `max_tokens` within the context) is
-shared by the router and both KV workers, each calling it before any other work.
+reject the request with a precise message; `LmRunner.check_prompt` is the entry point (the
+embeddings' shapes are checked from the wire, before any is pulled:
+`common.wire.convert.embeddings_from_proto`). `check_context` (prompt tokens + `max_tokens`
+within the context) is shared by the router and both KV workers, each calling it before any
+other work.
 `check_prompt` returns the prompt's mRoPE positions it had to compute to check them, so a
 worker computes them once per request.
 """
@@ -45,19 +47,6 @@ def check_prompt(
         return prompt_positions(n, params.items, config.vision.spatial_merge_size)
     except ValueError as exc:
         raise MultimodalLayoutError("items.grid_thw", str(exc)) from None
-
-
-def check_embeddings(config: Qwen3VLConfig, params: MultimodalParams) -> None:
-    """Raise unless every attached embedding has the model's width and deepstack depth."""
-    width = config.text.hidden_size
-    deep = len(config.vision.deepstack_visual_indexes)
-    for index, emb in params.embeddings.items():
-        if emb.rows.ndim != 2 or emb.rows.shape[1] != width:
-            raise MultimodalLayoutError("embeddings.rows", f"rows must be [n, {width}]", index)
-        if len(emb.deepstack) != deep:
-            raise MultimodalLayoutError(
-                "embeddings.deepstack", f"{len(emb.deepstack)} layers, model has {deep}", index
-            )
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:

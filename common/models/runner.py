@@ -8,7 +8,6 @@ language model through an `LmRunner` too, so a prefill worker followed by a deco
 produces exactly the Engine's tokens:
 
     check_prompt(tokens, params)             -> mRoPE positions; MultimodalLayoutError if bad
-    check_embeddings(params)                 -> MultimodalLayoutError naming the field
     prefill(tokens, params, sampling, blocks, start) -> LmSequence (first token sampled)
     prefill_many(jobs)                       -> LmSequences (prompts packed into forwards)
     forward(blocks, tokens, positions, params, start) -> prompt logits (nothing sampled)
@@ -191,11 +190,6 @@ class LmRunner:
         """The prompt's mRoPE positions; raise `MultimodalLayoutError` naming the field unless
         the prompt fits this model (see `prompt_check.check_prompt`; embeddings unchecked)."""
         return prompt_check.check_prompt(self.config, prompt_token_ids, params)
-
-    def check_embeddings(self, params: MultimodalParams) -> None:
-        """Raise `MultimodalLayoutError` unless every attached embedding has the model's
-        width and deepstack depth."""
-        prompt_check.check_embeddings(self.config, params)
 
     def positions(self, num_tokens: int, params: MultimodalParams) -> MropePositions:
         """mRoPE positions of a prompt (see `rope.prompt_positions`)."""

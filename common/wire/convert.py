@@ -175,6 +175,8 @@ def params_to_proto(params: MultimodalParams) -> multimodal_pb2.MultimodalParams
     return msg
 
 
+# `resolve(ref, field)`: the tensor a transfer handle holds (a worker's NIXL pull), of the
+# ref's declared element type and shape (already checked when it is called).
 TensorResolver = Callable[[tensor_pb2.TensorRef, str], torch.Tensor]
 
 
@@ -270,17 +272,86 @@ def _item_from_proto(
     return item
 
 
+def embeddings_by_item(
+    embeddings: Iterable[multimodal_pb2.ItemEmbedding], count: int
+) -> dict[int, multimodal_pb2.ItemEmbedding]:
+    """`embeddings` (each of a whole item) by item index, for a message of `count` items.
+    Raises `MultimodalLayoutError` for an index with no item or one given twice: a dropped
+    duplicate's transfer handle would never be pulled nor its lease released."""
+    out: dict[int, multimodal_pb2.ItemEmbedding] = {}
+    for emb in embeddings:
+        index = emb.item_index
+        if index >= count or index in out:
+            raise MultimodalLayoutError("embeddings.item_index", "no such item or repeated", index)
+        out[index] = emb
+    return out
+
+
 def embeddings_from_proto(
     msg: multimodal_pb2.MultimodalParams,
     items: list[MultimodalItemMetadata],
     resolve: TensorResolver | None,
+    *,
+    width: int | None = None,
+    depth: int | None = None,
 ) -> dict[int, ItemEmbedding]:
     """The embeddings a message carries, by item index, checked against `items` (inline
     tensors decoded here, NIXL-held ones through `resolve`). Raises MultimodalLayoutError
-    naming the field."""
+    naming the field.
+
+    Every embedding's declared shapes and element types are checked from the wire fields
+    before any tensor is decoded or pulled (a pull allocates the declared shape): rows
+    `[item length, width]`, `depth` deepstack tensors each of the rows' shape, floating
+    element types. `width` and `depth` are the model's (`None`: any width, any depth).
+    """
+    given = embeddings_by_item(msg.embeddings, len(items))
+    for index, emb in given.items():
+        _check_declared(emb, items[index].length, width, depth)
 
     def tensor(ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
-        # Checked from the wire's element type, before anything is decoded or pulled.
+        if ref.WhichOneof("data") == "handle" and resolve is not None:
+            return resolve(ref, field)
+        return tensor_from_ref(ref, field)
+
+    return {
+        index: ItemEmbedding(
+            tensor(emb.rows, "embeddings.rows"),
+            tuple(tensor(d, "embeddings.deepstack") for d in emb.deepstack),
+        )
+        for index, emb in given.items()
+    }
+
+
+def _check_declared(
+    emb: multimodal_pb2.ItemEmbedding, length: int, width: int | None, depth: int | None
+) -> None:
+    """Raise `MultimodalLayoutError` unless `emb`'s wire shapes and element types fit an
+    item of `length` rows and a model of `width` and `depth` (see `embeddings_from_proto`)."""
+    index = emb.item_index
+    rows = tuple(emb.rows.shape)
+    if (
+        len(rows) != 2
+        or rows[0] != length
+        or rows[1] < 0
+        or (width is not None and rows[1] != width)
+    ):
+        want = f"[{length}, {'width' if width is None else width}]"
+        raise MultimodalLayoutError(
+            "embeddings.rows", f"shape {list(rows)}, the item needs {want}", index
+        )
+    if depth is not None and len(emb.deepstack) != depth:
+        raise MultimodalLayoutError(
+            "embeddings.deepstack", f"{len(emb.deepstack)} layers, the model has {depth}", index
+        )
+    for layer, ref in enumerate(emb.deepstack):
+        if tuple(ref.shape) != rows:
+            raise MultimodalLayoutError(
+                "embeddings.deepstack",
+                f"layer {layer} has shape {list(ref.shape)}, the rows {list(rows)}",
+                index,
+            )
+    refs = [("embeddings.rows", emb.rows)] + [("embeddings.deepstack", d) for d in emb.deepstack]
+    for field, ref in refs:
         if ref.dtype not in _EMBEDDING_TYPES:
             name = (
                 tensor_pb2.ElementType.Name(ref.dtype) if ref.dtype in _TORCH_DTYPES else ref.dtype
@@ -288,34 +359,6 @@ def embeddings_from_proto(
             raise MultimodalLayoutError(
                 field, f"element type {name} is not a floating type a model takes", index
             )
-        if ref.WhichOneof("data") == "handle" and resolve is not None:
-            return resolve(ref, field)
-        return tensor_from_ref(ref, field)
-
-    out: dict[int, ItemEmbedding] = {}
-    for emb in msg.embeddings:
-        index = emb.item_index
-        if index >= len(items) or index in out:
-            raise MultimodalLayoutError("embeddings.item_index", "no such item or repeated", index)
-        if tuple(emb.rows.shape[:1]) != (items[index].length,):
-            raise MultimodalLayoutError(
-                "embeddings.rows",
-                f"shape {tuple(emb.rows.shape)} does not match the item's "
-                f"{items[index].length} rows",
-                index,
-            )
-        rows = tensor(emb.rows, "embeddings.rows")
-        if rows.ndim != 2 or rows.shape[0] != items[index].length:
-            raise MultimodalLayoutError(
-                "embeddings.rows",
-                f"shape {tuple(rows.shape)} does not match the item's {items[index].length} rows",
-                index,
-            )
-        deepstack = tuple(tensor(d, "embeddings.deepstack") for d in emb.deepstack)
-        if any(d.shape != rows.shape for d in deepstack):
-            raise MultimodalLayoutError("embeddings.deepstack", "shape differs from rows", index)
-        out[index] = ItemEmbedding(rows, deepstack)
-    return out
 
 
 def sampling_from_proto(
