@@ -28,11 +28,12 @@ importable from here too.
 
 Several routers: `Client(["host1:50051", "host2:50051"])` (or one string "a,b", as
 $EPD_ROUTER may hold) spreads requests over them, each request starting on the next router
-in turn. A stream that fails with UNAVAILABLE before it delivered anything (the router died,
-drains or cannot be reached) is sent again, once to each other router; after that, or when a
-stream breaks after its first chunk, `GenerateError` says which routers were tried. A stream
-that broke mid-answer is not resumed on another router: the routers do not offer that, so
-the caller decides whether to ask again.
+in turn. A stream that fails with UNAVAILABLE (the router died, drains or cannot be reached)
+goes on at the next router, once at each: from the start if nothing had come, else resumed
+after the tokens received (`GenerateRequest.resume_tokens`); a request with `stop` strings
+is not resumed. When no router is left, `GenerateError` says which were tried. A stream
+that fails after its last chunk (the one with a finish reason) is not sent again: the
+caller already has the whole answer.
 
 Failures raise `GenerateError` with the gRPC status code and the router's message
 (UNAUTHENTICATED: no or an unknown key; PERMISSION_DENIED: the key may not do that).
@@ -180,7 +181,8 @@ class Client:
         With several routers, a stream whose router fails (UNAVAILABLE) goes on at the next
         one: from the start if no token had come, else resumed after the tokens received
         (`GenerateRequest.resume_tokens`; greedy and seeded answers are token for token the
-        same); a request with `stop` strings is not resumed (GenerateError)."""
+        same); a request with `stop` strings is not resumed (GenerateError). A failure after
+        the chunk with the finish reason ends the stream quietly: the answer is whole."""
         request = build_request(
             messages, sampling, request_id=request_id, cache_salt=cache_salt, stop=stop
         )
@@ -188,6 +190,7 @@ class Client:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failures: list[str] = []
         received: list[int] = []  # tokens of the answer the caller has
+        finished = False  # the caller has the chunk with the finish reason: the whole answer
         busy = 0  # RESOURCE_EXHAUSTED refusals sent again
         order = self._order()
         attempt = 0
@@ -200,9 +203,12 @@ class Client:
             try:
                 async for response in call:
                     received.extend(response.token_ids)
+                    finished = finished or bool(response.finish_reason)  # not UNSPECIFIED
                     yield chunk_of(response)
                 return
             except grpc.aio.AioRpcError as exc:
+                if finished:  # only the final status was lost (the router died after it)
+                    return
                 code, details = exc.code(), exc.details() or ""
                 wait = retry_after_s(exc) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
                 if wait is not None and self._may_wait(busy, received, wait, deadline):

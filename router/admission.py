@@ -2,10 +2,8 @@
 workers it will use; otherwise it waits in a bounded FIFO queue, and past the queue it is
 refused with RESOURCE_EXHAUSTED naming the limit and how long to back off.
 
-Need (`Need`): `blocks_for(prompt)` on a prefill worker, held from prefill until the decode
-worker has pulled them (its first chunk); `blocks_for(prompt + max_tokens - 1)` on a decode
-worker, held until the stream ends. That is what the workers allocate, before prefix reuse,
-so the estimate never falls short.
+Need (`router.admission_need`): the KV blocks a request holds on a worker of each KV role,
+what the workers allocate before prefix reuse, so the estimate never falls short.
 
 Ledger: heartbeats lag, so the router keeps its own reservations per worker. A worker's room
 is its capacity (`kv_blocks_used + kv_blocks_free` of its last heartbeat: the pool size,
@@ -19,12 +17,14 @@ with room; else it joins the tail, or is refused when `max_queued` already wait.
 head is placed (with `tenant_share`, the first not over its tenant's share: see
 `router.admission_tenants`): each role's worker is picked by the caller's `choose(role,
 exclude)` among those with room (`exclude`: the rest) and reserved, then the next head is
-tried. The head wakes when a reservation is released and polls every `poll_s`. A request
-waits at most `max_wait_s` in all (refused past that) and never past its deadline
-(DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
+tried. The head wakes when a reservation is released and polls every `poll_s`; a waiter
+woken that is no longer the head (a worker's capacity changed the order) wakes the one that
+is. A request waits at most `max_wait_s` in all (refused past that) and never past its
+deadline (DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
+With no live worker of a KV role, the head ends with UNAVAILABLE, and each next head in turn;
+releasing and moving reservations never fail for it.
 
-Never fits: a request needing more blocks than the largest worker of a role has in all is
-refused at once (`TooLarge`: RESOURCE_EXHAUSTED naming the sizes; waiting cannot help).
+Never fits (`Need.too_large`): refused at once with `TooLarge`, as waiting cannot help.
 
 Safety net: a prefill worker's RESOURCE_EXHAUSTED (its pool momentarily full of blocks the
 ledger does not see: another router's requests, a worker not yet heartbeated, leases the
@@ -54,10 +54,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.kv.allocator import blocks_for
 from common.roles import Role
+from router.admission_need import Need
 from router.admission_tenants import KV_ROLES, TenantShares
-from router.calls import Refused, RouterError, TooLarge
+from router.calls import Refused, RouterError
 from router.registry import Registry
 from router.workers import NoWorkerError, WorkerRecord
 
@@ -70,21 +70,6 @@ MAX_RETRY_BACKOFF_S = 1.0  # longest pause before a requeued request is placed a
 # choose(role, exclude) -> a live, non-draining worker of `role` whose address is not in
 # `exclude` (the workers without room), e.g. `Registry.pick`.
 Choose = Callable[[Role, frozenset[str]], WorkerRecord]
-
-
-@dataclass(frozen=True, slots=True)
-class Need:
-    """What one request holds on each KV role's worker."""
-
-    prompt_tokens: int  # tokens of the prompt
-    max_tokens: int  # most tokens it generates
-    block_size: int  # tokens per KV block (the deployment's)
-
-    def blocks(self, role: Role) -> int:
-        """KV blocks the request holds on a worker of `role` (see the module docstring)."""
-        if role == Role.PREFILL:
-            return blocks_for(self.prompt_tokens, self.block_size)
-        return blocks_for(self.prompt_tokens + self.max_tokens - 1, self.block_size)
 
 
 class KvPoolFull(RouterError):
@@ -269,29 +254,19 @@ class Admission:
             wait_max_s=waits[-1] if waits else 0.0,
         )
 
-    def _live(self, role: Role) -> list[WorkerRecord]:
+    def _live(self, role: Role, *, required: bool = True) -> list[WorkerRecord]:
+        """`role`'s live, non-draining workers; none: UNAVAILABLE where `required`."""
         live = [w for w in self.registry.workers(role) if not w.draining]
-        if not live:
+        if required and not live:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, str(NoWorkerError(role)))
         return live
 
-    def _capacities(self, role: Role) -> list[int | None]:
-        return [self.capacity(w) for w in self._live(role)]
-
     def _check_fits(self, need: Need) -> None:
         for role in KV_ROLES:
-            capacities = self._capacities(role)
-            if None in capacities:
-                continue  # a worker without a heartbeat yet may be larger
-            known = [c for c in capacities if c is not None]
-            if need.blocks(role) > max(known):
+            refusal = need.too_large(role, [self.capacity(w) for w in self._live(role)])
+            if refusal is not None:
                 self.refused["never_fits"] += 1
-                extra = f" + max_tokens {need.max_tokens}" if role == Role.DECODE else ""
-                raise TooLarge(
-                    f"the request needs {need.blocks(role)} KV blocks of {need.block_size} "
-                    f"tokens on a {role} worker (prompt {need.prompt_tokens}{extra} tokens); "
-                    f"the largest {role} worker has {max(known)} in all",
-                )
+                raise refusal
 
     def _place(self, ticket: Ticket, choose: Choose) -> bool:
         """Reserve on a worker with room for each role, or nothing and False."""
@@ -317,9 +292,11 @@ class Admission:
         return self.tenants.over(ticket.tenant, ticket.need.blocks, capacity or self._role_capacity)
 
     def _role_capacity(self, role: Role) -> int | None:
-        """KV blocks of `role`'s live workers in all (None: one has not heartbeated)."""
-        capacities = self._capacities(role)
-        return None if None in capacities else sum(c or 0 for c in capacities)
+        """KV blocks of `role`'s live workers in all (None: one has not heartbeated, or there
+        is none: no share applies, and the head's `_place` says UNAVAILABLE). Never raises,
+        as `_kick` (from `release`, `move`, a leaving waiter) relies on it."""
+        capacities = [self.capacity(w) for w in self._live(role, required=False)]
+        return None if not capacities or None in capacities else sum(c or 0 for c in capacities)
 
     def _head(self) -> _Waiter | None:
         """The waiter placed next: the first not over its tenant's KV share (those over it
@@ -351,6 +328,8 @@ class Admission:
                 if head and now >= waiter.not_before and self._place(ticket, waiter.choose):
                     self.placed_ahead += self._queue[0] is not waiter
                     return
+                if not head:
+                    self._kick()  # the head changed unkicked (a worker's capacity): pass it on
                 if now >= ticket.deadline:
                     self.expired += 1
                     raise RouterError(

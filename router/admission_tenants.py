@@ -14,8 +14,9 @@ Two rules per tenant, both by `share` of the router's bounds:
   waiting) may take all of the KV (a share is an order among waiters, not a reservation),
   and nothing placed is taken back.
 
-Capacity unknown (a worker without a heartbeat yet): no KV share is applied for that role,
-as the ledger does not account such a worker either. Plain state of the admission's loop.
+Capacity unknown (a worker without a heartbeat yet, or no live worker of the role): no KV
+share is applied for that role, as the ledger does not account such a worker either. Plain
+state of the admission's loop.
 """
 
 from __future__ import annotations

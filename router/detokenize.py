@@ -4,6 +4,12 @@ The router owns the text of a stream: the first token comes from the prefill wor
 the rest from the decode worker, and a byte-level BPE token may end inside a UTF-8
 character, so text is emitted only once the decoded tail is a complete character. The
 concatenation of every `add` plus `flush` equals `decode(all ids)` for byte-level BPE.
+
+Tokens are taken one at a time whatever the calls carry (a decode worker's chunk may hold
+several: `stream_interval`), so the text out after any token is the same however the tokens
+were grouped: a chunk whose last token ends inside a character still yields the characters
+before it. That is what lets another router `skip` a resumed stream's tokens and go on
+where this one stopped, and `router.stop` find a stop string in the chunk that holds it.
 """
 
 from __future__ import annotations
@@ -23,25 +29,31 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens whose text has been emitted
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Append tokens; return the new complete text (may be empty)."""
-        self._ids.extend(token_ids)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return new_text[len(prefix_text) :]
+        """Append tokens; return the new complete text (may be empty), the same as adding
+        them one by one would have returned in all."""
+        text = ""
+        for token_id in token_ids:
+            text += self._add_one(token_id)
+        return text
 
     def skip(self, token_ids: Sequence[int]) -> None:
-        """Take tokens whose text the client already has (a stream resumed on this router):
-        added one by one, as the stream that sent them did, so what follows comes out as it
-        would have there (a character they end inside is sent whole with the next token)."""
-        for token_id in token_ids:
-            self.add([token_id])
+        """Take tokens whose text the client already has (a stream resumed on this router),
+        so what follows comes out as it would have on the router that sent them (a character
+        they end inside is sent whole with the next token)."""
+        self.add(token_ids)
 
     def flush(self) -> str:
         """Whatever text is still held back (an incomplete character at the very end)."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def _add_one(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
         return new_text[len(prefix_text) :]

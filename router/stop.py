@@ -10,7 +10,9 @@ holds.
 A chunk may carry several tokens (a decode worker's `stream_interval`): the stopping chunk
 keeps its tokens up to the one that completes the stop string (the fewest whose text holds
 it), as a one-token stream would have ended there; the tokens after it are not part of the
-answer, in `token_ids` or the token count.
+answer, in `token_ids` or the token count. That search looks only in the stopping chunk's
+tokens: the detokenizer gives each chunk the text of every character its tokens complete,
+however they are chunked (`router.detokenize`), so no earlier chunk's tokens completed it.
 """
 
 from __future__ import annotations

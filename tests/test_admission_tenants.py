@@ -10,14 +10,17 @@ import asyncio
 import time
 from typing import Any
 
+import grpc
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.roles import Role
 from router.admission import Admission, Need, Ticket
 from router.admission_tenants import TenantShares
-from router.calls import Refused
-from tests.test_admission import FAR, deployment, make, pick, settle
+from router.calls import Refused, RouterError
+from router.workers import WorkerLoad
+from tests.test_admission import FAR, deployment, info, make, pick, settle
 
 
 def of(adm: Admission, tenant: str, prompt: int, max_tokens: int = 1) -> Any:
@@ -117,6 +120,58 @@ async def test_a_request_that_waits_past_the_queue_time_over_its_share_is_refuse
     assert "no KV blocks free" in b_err and "no KV blocks free" in c_err
     assert adm.refused["queue_wait"] == 3
     adm.release(held)
+
+
+async def test_with_no_live_worker_of_a_role_releases_work_and_waiters_end_unavailable() -> None:
+    """The only prefill worker drains while requests of three tenants wait (shares on, so
+    choosing the head needs the role's capacity): releasing and moving reservations still
+    work, a cancelled waiter ends cancelled, and the others end at once with UNAVAILABLE,
+    long before max_queue_wait_s."""
+    adm = make(deployment(prefill=(8,), decode=(8, 8)), tenant_share=0.5, max_wait_s=5.0)
+    held = await of(adm, "x", 32)  # all 8 prefill blocks
+    waiting = [asyncio.create_task(of(adm, t, 16)) for t in ("y", "z", "w")]
+    await settle()
+    assert adm.stats().queued == 3
+    adm.registry.drain("prefill-0:1")
+    waiting[2].cancel()  # leaves the queue, which kicks the next head
+    with pytest.raises(asyncio.CancelledError):  # not the kick's UNAVAILABLE
+        await waiting[2]
+    adm.move(held, Role.DECODE, adm.registry.workers(Role.DECODE)[1])
+    assert adm.reserved("decode-1:1") == 8 and adm.reserved("decode-0:1") == 0
+    adm.release(held)
+    assert not adm._reserved and adm.tenants._blocks == {Role.PREFILL: {}, Role.DECODE: {}}
+    started = time.monotonic()
+    results = await asyncio.gather(*waiting[:2], return_exceptions=True)
+    assert time.monotonic() - started < 1.0
+    for result in results:
+        assert isinstance(result, RouterError), result
+        assert result.code == grpc.StatusCode.UNAVAILABLE and "prefill" in str(result)
+    assert adm.stats().queued == 0 and adm.tenants.waiting == 0
+
+
+async def test_a_capacity_change_that_makes_another_waiter_the_head_wakes_it() -> None:
+    """x holds 4 prefill blocks and z 4 (all 8); x's next request waits, over x's share of
+    the 8 while y's waits, so y's is the head. A second prefill worker of 8 registers: x's
+    request is within its share of 16 now and becomes the head, with room on the new worker.
+    Nobody released anything; the old head, polling, passes the wake on, so both are placed
+    at once, not after max_queue_wait_s."""
+    registry = deployment(prefill=(8,), decode=(100,))
+    adm = make(registry, tenant_share=0.5, max_wait_s=5.0, poll_s=0.02)
+    held = [await of(adm, "x", 16), await of(adm, "z", 16)]
+    x_waiting = asyncio.create_task(of(adm, "x", 16))
+    await settle()
+    y_waiting = asyncio.create_task(of(adm, "y", 16))
+    await asyncio.sleep(0.1)  # x's waiter has seen y's is the head and sleeps to its limit
+    head = adm._head()
+    assert head is not None and head.ticket.tenant == "y"
+    record = registry.register(info(Role.PREFILL, "prefill-1:1"))
+    registry.heartbeat(record.worker_id, WorkerLoad(kv_blocks_free=8))
+    head = adm._head()
+    assert head is not None and head.ticket.tenant == "x"
+    placed = await asyncio.wait_for(asyncio.gather(x_waiting, y_waiting), 1.0)
+    assert {t.workers[Role.PREFILL].address for t in placed} == {"prefill-1:1"}
+    for ticket in [*held, *placed]:
+        adm.release(ticket)
 
 
 @settings(max_examples=60, deadline=None)

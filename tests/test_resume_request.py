@@ -1,7 +1,9 @@
 """`GenerateRequest.resume_tokens` (a client resuming a stream on another router): the
 router's check names the field; a resumed stream sends only what follows the tokens, and its
 text is what the uninterrupted stream would have sent after them, also when the tokens end
-inside a character (a router in this event loop with `tests.test_router`'s fake workers)."""
+inside a character, and whatever the chunks (several tokens each: a decode worker's
+`stream_interval`) either router sent (a router in this event loop with `tests.test_router`'s
+fake workers)."""
 
 from __future__ import annotations
 
@@ -50,27 +52,33 @@ def test_bad_resume_tokens_are_refused_naming_the_field(
 
 
 class ScriptedDecode(FakeDecode):
-    """Streams `tokens` after the resumed ones, one a chunk, the last with a finish reason."""
+    """Streams `tokens` after the resumed ones, `interval` a chunk, the last chunk with a
+    finish reason."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tokens: list[int] = []
+        self.interval = 1
 
     async def Decode(self, request, context):
         self.requests.append(request)
         yield decode_service_pb2.DecodeResponse(blocks_pulled=1)
-        for k, token in enumerate(self.tokens):
-            last = k == len(self.tokens) - 1
+        for k in range(0, len(self.tokens), self.interval):
+            last = k + self.interval >= len(self.tokens)
             yield decode_service_pb2.DecodeResponse(
-                token_ids=[token],
+                token_ids=self.tokens[k : k + self.interval],
                 finish_reason=decode_service_pb2.FINISH_REASON_LENGTH if last else 0,
             )
 
 
-async def test_a_resumed_streams_text_is_the_uninterrupted_ones_at_every_split(ckpt) -> None:
-    """Resumed after each of its tokens (several end inside "é" or "猫"), the text the client
-    gets on the new router completes exactly the text it had (what the first router sent,
-    token by token) to the whole answer: no character lost, none sent twice, no U+FFFD."""
+@pytest.mark.parametrize("interval", [1, 2, 3])
+async def test_a_resumed_streams_text_is_the_uninterrupted_ones_at_every_split(
+    ckpt, interval: int
+) -> None:
+    """Resumed after each chunk (the first token alone, then `interval` tokens a chunk;
+    several end inside "é" or "猫"), the text the client gets on the new router completes
+    exactly the text it had (what the first router sent, chunk by chunk) to the whole answer:
+    no character lost, none sent twice, no U+FFFD."""
     cluster = await test_router.start_router(ckpt)
     try:
         decode = ScriptedDecode()
@@ -81,9 +89,11 @@ async def test_a_resumed_streams_text_is_the_uninterrupted_ones_at_every_split(c
         answer = "a é 猫 b"
         ids = cluster.router.orchestrator.processor.tokenizer.encode(answer).ids
         assert decode_ids(ids) == answer and len(ids) > len(answer)  # characters split
-        for split in range(1, len(ids)):
+        decode.interval = interval
+        for split in range(1, len(ids), interval):
             first_router = IncrementalDetokenizer(decode_ids)
-            had = "".join(first_router.add([t]) for t in ids[:split])
+            chunks = [ids[:1]] + [ids[k : k + interval] for k in range(1, split, interval)]
+            had = "".join(first_router.add(chunk) for chunk in chunks)
             decode.tokens = ids[split:]
             request = build_request(TEXT, SamplingParams(max_tokens=len(ids) + 1))
             request.resume_tokens.extend(ids[:split])

@@ -1,0 +1,52 @@
+"""What one request holds on the KV workers (`Need`), for admission (`router.admission`),
+and the request that can never fit.
+
+Need: `blocks_for(prompt)` on a prefill worker, held from prefill until the decode worker
+has pulled them (its first chunk); `blocks_for(prompt + max_tokens - 1)` on a decode worker,
+held until the stream ends. That is what the workers allocate, before prefix reuse, so the
+estimate never falls short.
+
+Never fits: a request needing more blocks than the largest worker of a role has in all is
+refused at once (`TooLarge`: RESOURCE_EXHAUSTED naming the sizes; waiting cannot help). A
+worker that has not heartbeated its capacity yet may be larger: no such refusal for its role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.kv.allocator import blocks_for
+from common.roles import Role
+from router.calls import TooLarge
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What one request holds on each KV role's worker."""
+
+    prompt_tokens: int  # tokens of the prompt
+    max_tokens: int  # most tokens it generates
+    block_size: int  # tokens per KV block (the deployment's)
+
+    def blocks(self, role: Role) -> int:
+        """KV blocks the request holds on a worker of `role` (see the module docstring)."""
+        if role == Role.PREFILL:
+            return blocks_for(self.prompt_tokens, self.block_size)
+        return blocks_for(self.prompt_tokens + self.max_tokens - 1, self.block_size)
+
+    def too_large(self, role: Role, capacities: Sequence[int | None]) -> TooLarge | None:
+        """The refusal when the request needs more blocks on `role` than the largest of
+        `capacities` (its workers' pools; None: not heartbeated yet) holds; None where it
+        fits, or may (a capacity unknown, or none given)."""
+        if not capacities or None in capacities:
+            return None
+        largest = max(c for c in capacities if c is not None)
+        if self.blocks(role) <= largest:
+            return None
+        extra = f" + max_tokens {self.max_tokens}" if role == Role.DECODE else ""
+        return TooLarge(
+            f"the request needs {self.blocks(role)} KV blocks of {self.block_size} tokens on "
+            f"a {role} worker (prompt {self.prompt_tokens}{extra} tokens); the largest {role} "
+            f"worker has {largest} in all",
+        )

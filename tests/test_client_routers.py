@@ -1,0 +1,85 @@
+"""`epd.client.Client` over several routers, against fake routers in this event loop (real
+gRPC on local ports): a stream that breaks mid-answer goes on at the next router, resumed
+after the tokens received; one that breaks after its last chunk (the router died before
+its final status) is the whole answer, not sent again."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from common.sampling import SamplingParams
+from epd.client import Client
+from epd.v1 import decode_service_pb2, router_service_pb2, router_service_pb2_grpc
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def chunk(token_ids: list[int], text: str, last: bool = False) -> Any:
+    """A Generate response; the `last` one has finish reason LENGTH."""
+    finish = decode_service_pb2.FINISH_REASON_LENGTH if last else None
+    return router_service_pb2.GenerateResponse(token_ids=token_ids, text=text, finish_reason=finish)
+
+
+class FakeRouter(router_service_pb2_grpc.RouterServiceServicer):
+    """Streams `chunks` whatever the resumed tokens, then ends with `then` (None: OK);
+    records each request's resume tokens."""
+
+    def __init__(self, chunks: list[Any], then: grpc.StatusCode | None = None) -> None:
+        self.chunks = chunks
+        self.then = then
+        self.resumed: list[list[int]] = []
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self.resumed.append(list(request.resume_tokens))
+        for response in self.chunks:
+            yield response
+        if self.then is not None:
+            await context.abort(self.then, "Socket closed")
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Any]:
+    servers: list[grpc.aio.Server] = []
+
+    async def start(router: FakeRouter) -> str:
+        server = grpc.aio.server()
+        router_service_pb2_grpc.add_RouterServiceServicer_to_server(router, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        await server.stop(0)
+
+
+async def test_a_stream_broken_mid_answer_is_resumed_on_the_next_router(serve: Any) -> None:
+    first = FakeRouter([chunk([5], "he")], then=grpc.StatusCode.UNAVAILABLE)
+    second = FakeRouter([chunk([6], "llo", last=True)])
+    addresses = [await serve(first), await serve(second)]
+    async with Client(addresses, api_key="k") as client:
+        result = await client.generate_text(CHAT, SamplingParams(max_tokens=2))
+        assert (result.text, result.token_ids, result.finish_reason) == ("hello", [5, 6], "length")
+        assert client.resumes == 1
+    assert first.resumed == [[]] and second.resumed == [[5]]
+
+
+async def test_a_stream_broken_after_its_last_chunk_is_the_whole_answer(serve: Any) -> None:
+    """The router died after the chunk with the finish reason, before the final status:
+    the client has the whole answer, so it ends there; resuming it elsewhere with every
+    token would only be refused (nothing left to generate)."""
+    first = FakeRouter(
+        [chunk([5], "he"), chunk([6], "llo", last=True)], then=grpc.StatusCode.UNAVAILABLE
+    )
+    second = FakeRouter([chunk([9], "X", last=True)])
+    addresses = [await serve(first), await serve(second)]
+    async with Client(addresses, api_key="k") as client:
+        chunks = [c async for c in client.generate(CHAT, SamplingParams(max_tokens=2))]
+        assert [(c.text, c.finish_reason) for c in chunks] == [("he", None), ("llo", "length")]
+        assert client.resumes == 0 and client.retries == 0
+    assert second.resumed == []

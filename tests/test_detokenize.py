@@ -1,0 +1,72 @@
+"""The router's incremental detokenizer (`router.detokenize`) with a byte-level decode (one
+token a byte, so tokens end inside characters): the text out is the same however the tokens
+are grouped into calls (a decode worker's `stream_interval` sends several a chunk), and a
+stream resumed on another router (`skip`) goes on exactly where the first one stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from router.detokenize import IncrementalDetokenizer
+
+ANSWER = "xa é 猫 b🙂c"
+IDS = list(ANSWER.encode())
+
+
+def decode(ids: Sequence[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def chunked(ids: list[int], size: int) -> list[list[int]]:
+    """The first token alone (the prefill worker's), then chunks of `size` (the decode's)."""
+    return [ids[:1]] + [ids[k : k + size] for k in range(1, len(ids), size)]
+
+
+def one_by_one(ids: list[int]) -> list[str]:
+    """The text out after each token, added one at a time."""
+    detok = IncrementalDetokenizer(decode)
+    out = [""]
+    for token_id in ids:
+        out.append(out[-1] + detok.add([token_id]))
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_the_text_out_does_not_depend_on_how_tokens_are_grouped(size: int) -> None:
+    """After each chunk the text out is what one token a call would have given after the
+    same tokens: every complete character, also those before a token that ends inside one."""
+    want = one_by_one(IDS)
+    detok = IncrementalDetokenizer(decode)
+    text, seen = "", 0
+    for chunk in chunked(IDS, size):
+        text += detok.add(chunk)
+        seen += len(chunk)
+        assert text == want[seen], (size, seen)
+    assert text + detok.flush() == ANSWER
+
+
+def test_a_chunk_ending_inside_a_character_gives_the_characters_before_it() -> None:
+    detok = IncrementalDetokenizer(decode)
+    assert detok.add([ord("x"), ord("a"), 0xC3]) == "xa"  # "é" is C3 A9
+    assert detok.add([0xA9, ord("b")]) == "éb"
+    assert detok.flush() == ""
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_a_stream_resumed_after_any_chunk_goes_on_where_the_first_router_stopped(
+    size: int,
+) -> None:
+    """The first router sends the chunks up to some point and dies; the client resumes on
+    another, which `skip`s the tokens the client has and sends the rest: the client ends
+    with the whole answer, no character lost or sent twice."""
+    chunks = chunked(IDS, size)
+    for cut in range(1, len(chunks)):
+        first = IncrementalDetokenizer(decode)
+        had = "".join(first.add(chunk) for chunk in chunks[:cut])
+        resumed = [t for chunk in chunks[:cut] for t in chunk]
+        second = IncrementalDetokenizer(decode)
+        second.skip(resumed)
+        rest = "".join(second.add(chunk) for chunk in chunked(IDS[len(resumed) :], size))
+        assert had + rest + second.flush() == ANSWER, (size, cut, had, rest)

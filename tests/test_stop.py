@@ -1,0 +1,65 @@
+"""Stop strings (`router.stop.stop_at`) over the router's detokenizer with a byte-level
+decode (one token a byte, so tokens end inside characters), for any chunking of the tokens
+(a decode worker's `stream_interval`): the text ends before the stop string, and the tokens
+end at the one that completes it, as with one token a chunk, whatever the chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from epd.v1 import decode_service_pb2, router_service_pb2
+from router.detokenize import IncrementalDetokenizer
+from router.stop import stop_at
+
+LENGTH = decode_service_pb2.FINISH_REASON_LENGTH
+UNSPECIFIED = decode_service_pb2.FINISH_REASON_UNSPECIFIED
+ANSWER = "xabé猫c d🙂e"
+IDS = list(ANSWER.encode())
+
+
+def decode(ids: Sequence[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+async def stream(size: int, stops: Sequence[str]) -> tuple[str, list[int], int]:
+    """The answer's tokens, the first alone and then chunks of `size` with their text, the
+    last with finish reason LENGTH, through `stop_at`: its text, tokens and finish reason."""
+    detok = IncrementalDetokenizer(decode)
+    groups = [IDS[:1]] + [IDS[k : k + size] for k in range(1, len(IDS), size)]
+
+    async def chunks() -> AsyncIterator[router_service_pb2.GenerateResponse]:
+        for k, ids in enumerate(groups):
+            last = k == len(groups) - 1
+            text = detok.add(ids) + (detok.flush() if last else "")
+            yield router_service_pb2.GenerateResponse(
+                token_ids=ids,
+                text=text,
+                finish_reason=LENGTH if last else UNSPECIFIED,
+            )
+
+    text, tokens, finish = "", [], UNSPECIFIED
+    async for chunk in stop_at(chunks(), stops, decode):
+        text += chunk.text
+        tokens += chunk.token_ids
+        finish = chunk.finish_reason
+    return text, tokens, finish
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("stop", ["b", "ab", "é", "é猫", "猫c", " d", "🙂", "e"])
+async def test_a_stop_string_ends_text_and_tokens_at_the_same_place_whatever_the_chunks(
+    size: int, stop: str
+) -> None:
+    want = min(n for n in range(len(IDS) + 1) if stop in decode(IDS[:n]))
+    text, tokens, finish = await stream(size, [stop, "never"])
+    assert text == ANSWER[: ANSWER.find(stop)]
+    assert tokens == IDS[:want]
+    assert finish == decode_service_pb2.FINISH_REASON_STOP
+
+
+@pytest.mark.parametrize("size", [1, 3])
+async def test_without_a_stop_string_in_it_the_answer_is_whole(size: int) -> None:
+    text, tokens, finish = await stream(size, ["never"])
+    assert (text, tokens, finish) == (ANSWER, IDS, LENGTH)
