@@ -170,6 +170,32 @@ def test_no_weights_file_is_clear(tmp_path: Path) -> None:
         load_weights(tmp_path, Qwen3VLConfig.from_dict(tiny_reference_config_dict()))
 
 
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        # A model card may suggest YaRN to stretch the context: refused, not run as plain
+        # RoPE (it loaded and answered differently from the reference).
+        ({"rope_type": "yarn", "factor": 8.0}, "rope_type 'yarn' is not supported"),
+        ({"type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
+        # Loaded, then failed every forward.
+        ({"mrope_section": [4, 2, 1]}, "mrope_section .* summing to head_dim // 2"),
+        ({"mrope_section": [4, 4]}, "mrope_section .* must be 3 numbers"),
+    ],
+)
+def test_a_rotary_setting_the_model_does_not_compute_is_refused_at_load(
+    rope: dict[str, Any], message: str
+) -> None:
+    raw = tiny_reference_config_dict()
+    text = raw["text_config"]
+    params = dict(text.pop("rope_parameters", None) or {})
+    if "type" in rope:  # the older form: `rope_scaling` with `type`
+        del params["rope_type"]
+    params.update(rope)
+    text["rope_scaling" if "type" in rope else "rope_parameters"] = params
+    with pytest.raises(ValueError, match=message):
+        Qwen3VLConfig.from_dict(raw)
+
+
 def _digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 

@@ -135,6 +135,11 @@ def test_template_errors_are_value_errors(tmp_path: Path) -> None:
     (folder / "chat_template.jinja").write_text("{% for m in messages %}<|image_pad|>{% endfor %}")
     with pytest.raises(ValueError, match="outside"):
         Processor.from_pretrained(folder).process([{"role": "user", "content": "hi"}])
+    # What a template's own code raises is its failure too, not a crash (INTERNAL).
+    for source in ("{{ range(10**9) | list }}", "{{ 1 // 0 }}"):
+        (folder / "chat_template.jinja").write_text(source)
+        with pytest.raises(ValueError, match="chat template"):
+            Processor.from_pretrained(folder).process([{"role": "user", "content": "hi"}])
 
 
 def test_generation_defaults(tmp_path: Path) -> None:

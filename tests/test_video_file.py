@@ -183,6 +183,18 @@ def test_a_frame_rate_out_of_range_is_refused(processor, mp4, fps):
     assert err.value.field == "f"
 
 
+def test_a_file_declaring_a_rate_past_any_camera_is_refused_from_the_header(no_decoding):
+    # Frames are decoded in order up to the last sample: a 30 s file declaring 1000 fps had
+    # the router decode ~20,000 frames to keep a handful.
+    data = make_video("matroska", "ffv1", frames=3, size=(32, 32), rate=1000)
+    with pytest.raises(VideoFileError, match="1000 frames per second") as err:
+        open_video(data, fps=2.0, max_frames=768, field="f")
+    assert err.value.field == "f"
+    assert open_video(
+        make_video("matroska", "ffv1", frames=3, size=(32, 32), rate=240), fps=2.0, max_frames=768
+    )
+
+
 def test_a_too_long_video_is_refused_from_the_header(no_decoding):
     # Two frames, 2000 s apart: a tiny file whose header says 2001 s.
     data = make_video("matroska", "ffv1", frames=2, size=(32, 32), rate=1, pts=[0, 2000])

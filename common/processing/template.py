@@ -120,7 +120,8 @@ class ChatTemplate:
     ) -> list[Piece]:
         """The prompt as text, control-token and media pieces in order, like
         `common.processing.chat.render_chat`. Raises `ValueError` when the template fails
-        (its `raise_exception` included) or places media it was not given."""
+        (its `raise_exception` included, or an error its own code makes) or places media it
+        was not given."""
         from jinja2.exceptions import TemplateError
 
         texts: list[str] = []
@@ -134,8 +135,10 @@ class ChatTemplate:
                 documents=None,
                 **self._variables,
             )
-        except TemplateError as exc:
-            raise ValueError(f"chat template: {exc}") from exc
+        except (TemplateError, ArithmeticError, LookupError, RecursionError, TypeError) as exc:
+            # Whatever a template's own code raises (`range(10**9)` is an OverflowError in
+            # the sandbox) is the template's failure to render this request, not a crash.
+            raise ValueError(f"chat template: {exc!r}") from exc
         return self._pieces(rendered, texts, media)
 
     def _escape(self, text: str, texts: list[str]) -> str:

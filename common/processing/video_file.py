@@ -30,7 +30,7 @@ import av
 import numpy as np
 
 from common.errors import FieldError
-from common.processing.limits import LimitError, check_fps
+from common.processing.limits import MIN_FPS, LimitError, check_fps
 from common.processing.video import TimedFrames
 
 # Magic bytes -> the one demuxer allowed to read such a file.
@@ -40,8 +40,10 @@ _ISO_BOX_TYPES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")  # mp4, 
 # variable frame rates) before it is refused as lying about its length.
 _FRAME_SLACK = 1.5
 _FRAME_SLACK_MIN = 16
-# Assumed frame rate when the header gives none (bounds the frames decoded).
-_FALLBACK_RATE = 240.0
+# The fastest frame rate a file may declare, and the one assumed when it declares none.
+# Frames are decoded in order up to the last sample time, so duration x rate bounds the
+# work; a small file declaring 1000 fps would otherwise have the router decode every one.
+MAX_SOURCE_RATE = 240.0
 _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 
 
@@ -109,7 +111,7 @@ class VideoFile:
         # half the sampling interval, whatever rate the header claims).
         spacing = targets[1] - targets[0] if len(targets) > 1 else header.duration_s
         half = min(0.5 / header.rate if header.rate else 1e-3, 0.5 * spacing)
-        rate = header.rate or _FALLBACK_RATE
+        rate = header.rate or MAX_SOURCE_RATE
         budget = max(math.ceil(header.duration_s * rate * _FRAME_SLACK), _FRAME_SLACK_MIN)
         frames: list[np.ndarray] = []
         times: list[float] = []
@@ -237,6 +239,12 @@ def _header(
     if not duration > 0 or not math.isfinite(duration):
         raise VideoFileError(field, f"has a duration of {duration} s")
     rate = float(stream.average_rate) if stream.average_rate else None
+    if rate is not None and not MIN_FPS <= rate <= MAX_SOURCE_RATE:
+        raise VideoFileError(
+            field,
+            f"declares {rate:g} frames per second; a file may declare {MIN_FPS:g} to "
+            f"{MAX_SOURCE_RATE:g}",
+        )
     return VideoHeader(width, height, duration, rate, sample_times(duration, fps, max_frames))
 
 

@@ -37,6 +37,14 @@ class TextConfig:
     mrope_interleaved: bool = True
     attention_bias: bool = False
 
+    def __post_init__(self) -> None:
+        # Nothing else depends on it: a wrong one would load, then fail every forward.
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(
+                f"text_config mrope_section {list(self.mrope_section)} must be 3 numbers "
+                f"summing to head_dim // 2 = {self.head_dim // 2}"
+            )
+
     @property
     def num_kv_groups(self) -> int:
         """Query heads per KV head."""
@@ -187,9 +195,20 @@ class Qwen3VLConfig:
         return out
 
 
+# The rotary kinds the text model computes: plain (multimodal) RoPE. A checkpoint asking
+# for another (YaRN, dynamic NTK, linear scaling: what a model card may suggest to stretch
+# the context) is refused, not run as plain RoPE with other answers than the reference's.
+_ROPE_TYPES = ("default", "mrope")
+
+
 def _text_rope(text_raw: dict[str, Any]) -> dict[str, Any]:
     """Rope settings from either `rope_parameters` or the older `rope_scaling` form."""
     params = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ValueError(
+            f"text_config rope_type {kind!r} is not supported (only {', '.join(_ROPE_TYPES)})"
+        )
     theta = params.get("rope_theta", text_raw.get("rope_theta", 5_000_000.0))
     section = params.get("mrope_section", (24, 20, 20))
     return {
