@@ -63,3 +63,19 @@ def test_barred_ids_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) ->
     for i in (2, 3, 4):
         with pytest.raises(LeaseIdError):
             table.check(f"id-{i}")
+
+
+def test_a_renewal_gives_a_lease_the_lifetime_it_was_given() -> None:
+    # A prefill worker gives leases more time while many are live; a waiting decode
+    # worker renews every third of that time. Renewing to the table's shorter TTL let
+    # such a lease run out however often it was renewed.
+    clock = Clock()
+    table: LeaseTable[str] = LeaseTable(3.0, clock)
+    table.add("blocks", "r1", ttl_s=12.0, lease_id="long")
+    for _ in range(10):
+        clock.now += 4.0  # a third of its lifetime
+        renewed = table.renew("long")
+        assert renewed is not None and renewed.expires_at == clock.now + 12.0
+    assert table.pop_expired() == []
+    shorter = table.renew("long", ttl_s=1.0)
+    assert shorter is not None and shorter.expires_at == clock.now + 12.0  # never earlier

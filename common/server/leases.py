@@ -83,6 +83,7 @@ class Lease(Generic[T]):
     held: T  # what the lease keeps alive (block ids, a registered buffer); owned by it
     expires_at: float  # clock() time after which the reaper frees it
     request_id: str  # the request it was made for, for logs
+    ttl_s: float  # the lifetime it was given, which a renewal gives it again from then
 
 
 class LeaseTable(Generic[T]):
@@ -123,7 +124,7 @@ class LeaseTable(Generic[T]):
         else:
             self.check(lease_id)
         lifetime = self.ttl_s if ttl_s is None else ttl_s
-        lease = Lease(lease_id, held, self.clock() + lifetime, request_id)
+        lease = Lease(lease_id, held, self.clock() + lifetime, request_id, lifetime)
         self._leases[lease_id] = lease
         return lease
 
@@ -164,13 +165,14 @@ class LeaseTable(Generic[T]):
         return lease
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease[T] | None:
-        """Push a live lease's expiry to `ttl_s` (default: the table's) from now, never
-        earlier than it was; None (nothing changed) when it is unknown or already expired."""
+        """Push a live lease's expiry to `ttl_s` (default: the lifetime it was given, which
+        may exceed the table's) from now, never earlier than it was; None (nothing changed)
+        when it is unknown or already expired."""
         lease = self._leases.get(lease_id)
         now = self.clock()
         if lease is None or lease.expires_at <= now:
             return None
-        expires_at = max(lease.expires_at, now + (self.ttl_s if ttl_s is None else ttl_s))
+        expires_at = max(lease.expires_at, now + (lease.ttl_s if ttl_s is None else ttl_s))
         lease = dataclasses.replace(lease, expires_at=expires_at)
         self._leases[lease_id] = lease
         return lease
