@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.handoff import DECODE_STEP_FAILED
 from common.roles import Role
 from common.server.peers import PeerClient
 from epd.v1 import (
@@ -168,6 +169,13 @@ class DecodeStage:
                     raise ended_early()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
+                    if code == grpc.StatusCode.UNAVAILABLE and DECODE_STEP_FAILED in (
+                        exc.details() or ""
+                    ):
+                        # The worker failed one step and goes on serving: it may take the
+                        # stream again (the only place to, with one decode worker). The
+                        # retries below stay bounded by `reprefills` and `migrations`.
+                        tried.discard(worker.address)
                     if lease.owned and code == grpc.StatusCode.ABORTED:
                         if reprefills >= self.reprefills:
                             raise self.calls.error("decode", worker, exc) from None

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.handoff import EMBEDDINGS_LOST
+from common.handoff import DECODE_STEP_FAILED, EMBEDDINGS_LOST
 from common.roles import Role
 from common.sampling import SamplingParams
 from epd.client import GenerateError
@@ -103,6 +103,37 @@ async def test_a_broken_decode_stream_resumes_on_another_worker(cluster):
     # The prompt was prefilled again for a fresh handle under a new lease.
     assert [r.kv.lease_id for r in (broken, resumed)] == ["lease-1", "lease-2"]
     assert len(pre.requests) == 2
+
+
+class StepFailingDecode(BreakingDecode):
+    """A decode worker whose step fails once, `break_after` tokens into its first stream: it
+    ends that stream with UNAVAILABLE naming the failed step, as `DecodeStepError` does, and
+    serves every stream after (it did not die)."""
+
+    async def Decode(self, request, context):
+        if self.break_after is None:
+            async for response in super().Decode(request, context):
+                yield response
+            return
+        self.requests.append(request)
+        yield decode_service_pb2.DecodeResponse(blocks_pulled=3)
+        done = 1 + len(request.resume_tokens)
+        for n in range(done, done + self.break_after):
+            yield decode_service_pb2.DecodeResponse(token_ids=[100 + n])
+        self.break_after = None
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{DECODE_STEP_FAILED}: MemoryError: x")
+
+
+async def test_a_failed_step_resumes_on_the_same_worker_when_it_is_the_only_one(cluster):
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, FakePrefill())
+    decode = StepFailingDecode(3)
+    await cluster.add(Role.DECODE, decode)
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    # It was tried again although it had failed this stream: a failed step is not a dead
+    # worker. One uninterrupted answer: nothing repeated, nothing missing.
+    assert result.token_ids == [FIRST, *range(101, 110)]
+    assert [list(r.resume_tokens) for r in decode.requests] == [[], [101, 102, 103]]
 
 
 async def test_migrations_are_bounded(cluster):

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from common.handoff import DECODE_STEP_FAILED
 from common.models.batching import Batch
 from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
@@ -209,7 +210,7 @@ class DecodeBatcher:
         except Exception:
             logger.exception("releasing the blocks of a failed decode step failed")
         finally:  # even when stopped meanwhile: no stream may wait for a chunk forever
-            error = DecodeStepError(f"decode step failed: {type(exc).__name__}: {exc}")
+            error = DecodeStepError(f"{DECODE_STEP_FAILED}: {type(exc).__name__}: {exc}")
             for entry in entries:
                 entry.queue.put_nowait(error)
                 entry.released.set()
