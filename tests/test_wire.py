@@ -187,6 +187,16 @@ def test_tensor_ref_round_trip_dtypes() -> None:
     assert empty.shape == (0, 4)
 
 
+@pytest.mark.parametrize("grid", [[-4, -2, 2], [4, -2, -2], [2, 0, 4]])
+def test_a_grid_with_an_entry_below_one_is_refused_naming_the_field(grid) -> None:
+    # (-4, -2, 2) "holds" 4 tokens at merge 2, and positioning its frames never ended (the
+    # worker's memory filled); (2, 0, 4) divided by zero splitting partitions.
+    msg = params_to_proto(video_and_image())
+    msg.items[0].grid_thw[:] = grid
+    with pytest.raises(MultimodalLayoutError, match=r"items\.grid_thw \(item 0\)"):
+        params_from_proto(msg)
+
+
 @pytest.mark.parametrize("shape", [[0, 2**62, 2**62], [2**62, 0, 4], [0, 2**63 - 1, 2]])
 def test_an_empty_tensor_too_large_to_lay_out_is_refused_naming_the_field(shape) -> None:
     # Zero bytes of data agree with the shape; torch could not make its strides.

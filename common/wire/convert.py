@@ -248,6 +248,11 @@ def _item_from_proto(
         raise MultimodalLayoutError("items.modality", f"unknown modality {meta.modality}", index)
     if meta.grid_thw and len(meta.grid_thw) != 3:
         raise MultimodalLayoutError("items.grid_thw", "must have 3 entries or none", index)
+    if any(g < 1 for g in meta.grid_thw):
+        # (-4, -2, 2) "holds" 4 tokens, and positioning its frames never ended.
+        raise MultimodalLayoutError(
+            "items.grid_thw", f"{list(meta.grid_thw)}: every entry must be at least 1", index
+        )
     partitions = []
     for part in meta.partitions:
         if not (0 <= part.input_start <= part.input_end) or part.output_rows < 0:

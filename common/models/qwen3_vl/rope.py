@@ -42,6 +42,8 @@ def _frames(item: MultimodalItemMetadata, spatial_merge_size: int) -> list[tuple
     if item.grid_thw is None:
         raise ValueError("a multimodal item without grid_thw cannot be given mRoPE positions")
     t, h, w = (int(x) for x in item.grid_thw)
+    if min(t, h, w) < 1:  # also checked on the wire: frames of no rows never end
+        raise ValueError(f"grid_thw {item.grid_thw} has an entry below 1")
     if h % spatial_merge_size or w % spatial_merge_size:
         raise ValueError(f"grid_thw {item.grid_thw} not divisible by merge {spatial_merge_size}")
     rows, cols = h // spatial_merge_size, w // spatial_merge_size
