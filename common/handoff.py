@@ -29,10 +29,12 @@ then compares the handle's block hashes with the ones it recomputed from the han
 
 `pull` READs, in one NIXL transfer (adjacent blocks merged into one descriptor on both
 sides), the prompt blocks an `ImportPlan` lacks into the plan's own blocks, then digests
-them; small pulls run on the event loop's thread (see `INLINE_PULL_BYTES`), large ones on a
-worker thread. The plan's blocks stay owned by the caller throughout; if the awaiting task
-is cancelled while the READ runs, `on_orphan` is called once the READ has finished (NIXL may
-write the blocks until then), so the caller can give the blocks back only when it is safe.
+them, on a worker thread: a READ waits on its holder (up to the pull timeout when the
+holder stalls), which the event loop must not (every other stream, the decode loop and the
+health checks run on it). The plan's blocks stay owned by the caller throughout; if the
+awaiting task is cancelled while the READ runs, `on_orphan` is called once the READ has
+finished (NIXL may write the blocks until then), so the caller can give the blocks back
+only when it is safe.
 """
 
 from __future__ import annotations
@@ -83,11 +85,6 @@ EMBEDDINGS_LOST = "embeddings lost with their encoder; encode again"
 # (`common.models.decode_loop.DecodeStepError`): the worker goes on serving, so the router
 # may resume the stream on it too (with a single decode worker, the only place it can).
 DECODE_STEP_FAILED = "decode step failed"
-
-# Pulls up to this size READ on the event loop's own thread: a hop to a worker thread and
-# back costs a scheduler slice (milliseconds) on a busy host, more than the READ of a few
-# MiB itself; larger pulls go to a worker thread so the loop keeps serving streams.
-INLINE_PULL_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,15 +303,12 @@ async def pull(
         remote_device_id=handle.blocks[0].device_id,
         peer_metadata=handle.agent_metadata,
     )
-    if len(plan.pull) * runner.kv.spec.block_bytes <= INLINE_PULL_BYTES:
-        stats, digests = read()
-    else:
-        future = asyncio.get_running_loop().run_in_executor(None, read)
-        try:
-            stats, digests = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(functools.partial(_settled, on_orphan=on_orphan))
-            raise
+    future = asyncio.get_running_loop().run_in_executor(None, read)
+    try:
+        stats, digests = await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(functools.partial(_settled, on_orphan=on_orphan))
+        raise
     mismatched = [
         i
         for i, got in zip(plan.pull, digests, strict=True)

@@ -24,7 +24,7 @@ from common.transfer.types import TransferStats, TransferTimeoutError
 from decode_worker.kv_import import DecodeCounters, KvImporter
 from epd.v1 import kv_pb2, tensor_pb2
 
-BLOCK_BYTES = 4 << 20  # three such blocks are past INLINE_PULL_BYTES: the READ runs off-loop
+BLOCK_BYTES = 4 << 20
 
 
 class SlowAgent:

@@ -215,7 +215,17 @@ class LeaseTable(Generic[T]):
     async def _reap(self, on_expire: Callable[[Lease[T]], Awaitable[None]], period: float) -> None:
         while True:
             await asyncio.sleep(period)
-            for lease in self.pop_expired():
+            now = self.clock()
+            due = [lease.lease_id for lease in self._leases.values() if lease.expires_at <= now]
+            # One at a time: a lease stays in the table until its turn, so one released or
+            # renewed meanwhile is not freed, and stopping the reaper mid-way leaves the rest
+            # to `pop_all` (a worker's shutdown frees them) instead of losing them.
+            for lease_id in due:
+                lease = self._leases.get(lease_id)
+                if lease is None or lease.expires_at > now:
+                    continue
+                del self._leases[lease_id]
+                self.expired += 1
                 logger.warning(
                     "lease %s (request %s) expired unreleased", lease.lease_id, lease.request_id
                 )
