@@ -1,4 +1,5 @@
-"""Errors shared by every layer: a bad value in a named field.
+"""Errors shared by every layer: a bad value in a named field, and the words a status's
+details use where the caller acts on them.
 
 `FieldError` is the root of the family the servers map to INVALID_ARGUMENT with the field in
 the `epd-field` trailing metadata (`common.server.rpc`); `MultimodalLayoutError`
@@ -6,6 +7,11 @@ the `epd-field` trailing metadata (`common.server.rpc`); `MultimodalLayoutError`
 """
 
 from __future__ import annotations
+
+# In the details of a decode worker's UNAVAILABLE when one of its decode steps failed
+# (`common.models.decode_loop.DecodeStepError`): the worker goes on serving, so the router
+# may resume the stream on it too (with a single decode worker, the only place it can).
+DECODE_STEP_FAILED = "decode step failed"
 
 
 class FieldError(ValueError):

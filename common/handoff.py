@@ -81,10 +81,6 @@ logger = logging.getLogger(__name__)
 # READ from the encoder failed): the router encodes the items again and retries prefill,
 # keeping this (healthy) prefill worker.
 EMBEDDINGS_LOST = "embeddings lost with their encoder; encode again"
-# In the details of a decode worker's UNAVAILABLE when one of its decode steps failed
-# (`common.models.decode_loop.DecodeStepError`): the worker goes on serving, so the router
-# may resume the stream on it too (with a single decode worker, the only place it can).
-DECODE_STEP_FAILED = "decode step failed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.handoff import DECODE_STEP_FAILED
+from common.errors import DECODE_STEP_FAILED
 from common.roles import Role
 from common.server.peers import PeerClient
 from epd.v1 import (

@@ -11,7 +11,8 @@ import asyncio
 import grpc
 import pytest
 
-from common.handoff import DECODE_STEP_FAILED, EMBEDDINGS_LOST
+from common.errors import DECODE_STEP_FAILED
+from common.handoff import EMBEDDINGS_LOST
 from common.roles import Role
 from common.sampling import SamplingParams
 from epd.client import GenerateError

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from common.handoff import DECODE_STEP_FAILED
+from common.errors import DECODE_STEP_FAILED
 from common.models.batching import Batch
 from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
