@@ -49,6 +49,7 @@ from common.processing.messages import ImagePart, Message, Part, TextPart, Video
 from common.processing.video_cache import frames_to_decode
 from common.processing.video_file import VideoFile, open_video
 from epd.v1 import router_service_pb2
+from router.media_cost import MediaCost
 
 if TYPE_CHECKING:
     from common.processing.processor import Processor
@@ -202,6 +203,7 @@ class _Reader:
             processor if processor is not None and processor.image_cache is not None else None
         )
         self.budget = MediaBudget(limits)
+        self.cost = MediaCost(processor.settings if processor else None, limits, self.budget)
         self.text_bytes = 0  # UTF-8 bytes of the roles and text parts so far
         self.opened: list[tuple[Image.Image, str]] = []  # images to decode, with their fields
         self.files: list[_FileVideo] = []  # video files to decode (closed when done)
@@ -214,8 +216,17 @@ class _Reader:
             raise InputError(exc.field, exc.reason) from None
 
     def image(self, data: bytes, field: str) -> Image.Image:
-        image = open_image(data, field, self.limits, self.budget)
+        image = self._open_still(data, field)
         self.opened.append((image, field))
+        return image
+
+    def _open_still(self, data: bytes, field: str) -> Image.Image:
+        """An image part opened and checked, its processed size counted (`MediaCost`)."""
+        image = open_image(data, field, self.limits, self.budget)
+        try:
+            self.cost.image(image.width, image.height, field)
+        except LimitError as exc:
+            raise InputError(exc.field, exc.reason) from None
         return image
 
     def still(self, data: bytes, field: str) -> Image.Image | KeyedImage:
@@ -224,7 +235,7 @@ class _Reader:
         processor = self.processor
         if processor is None:
             return self.image(data, field)
-        image = open_image(data, field, self.limits, self.budget)
+        image = self._open_still(data, field)
         key = processor.image_key(data, self.salt)
         assert processor.image_cache is not None
         if key in processor.image_cache:
@@ -271,6 +282,10 @@ class _Reader:
         if len(sizes) != 1:
             raise InputError(f"{where}.video.frames", f"frames differ in size: {sorted(sizes)}")
         fps = float(video.fps)
+        try:
+            self.cost.video(len(opened), fps, *opened[0].size, f"{where}.video.frames")
+        except LimitError as exc:
+            raise InputError(exc.field, exc.reason) from None
         frames = self.keyed_frames(list(video.frames), opened, fps)
         if frames is None:  # no processed-partition cache: every frame is decoded
             self.opened.extend(zip(opened, fields, strict=True))
@@ -316,10 +331,11 @@ class _Reader:
             )
         field = f"{where}.video.file"
         limits = self.limits
+        fps = video.fps or limits.video_file_fps
         try:
             opened = open_video(
                 video.file,
-                fps=video.fps or limits.video_file_fps,
+                fps=fps,
                 max_frames=limits.max_video_frames or DEFAULT_MAX_VIDEO_FRAMES,
                 max_pixels=MAX_IMAGE_PIXELS
                 if limits.max_image_pixels is None
@@ -332,9 +348,12 @@ class _Reader:
             raise InputError(exc.field, exc.reason) from None
         pending = _FileVideo(opened, _uuid(video, f"{where}.video.uuid"))
         self.files.append(pending)
+        header = opened.header
         try:
-            for _ in opened.header.sample_times:
-                self.budget.add(opened.header.width, opened.header.height, field)
+            for _ in header.sample_times:
+                self.budget.add(header.width, header.height, field)
+            # The frames it gives: one per sample time, at the rate it was sampled at.
+            self.cost.video(len(header.sample_times), fps, header.width, header.height, field)
         except LimitError as exc:
             raise InputError(exc.field, exc.reason) from None
         return pending

@@ -26,6 +26,7 @@ from common.handoff import check_request
 from common.multimodal.validation import MultimodalLayoutError
 from common.processing.chat import IM_START
 from common.processing.content_hash import content_hash, partitioned_content_hash
+from common.processing.limits import InputLimits, MediaBudget
 from common.processing.processor import IMAGE_PAD, ProcessedPrompt, Processor
 from common.server.role import RoleServer
 from common.server.rpc import channel
@@ -41,6 +42,7 @@ from epd.v1 import (
     tensor_pb2,
 )
 from router.inputs import InputError
+from router.media_cost import MediaCost
 from router.server import RouterServicer
 from router.settings import RouterSettings
 from tests.cluster import cluster_credentials, cluster_security
@@ -127,6 +129,46 @@ def test_huge_png_video_frames_are_refused_from_headers_without_decoding(
     assert loads == [] and elapsed < 1.0  # nothing decoded
 
 
+def test_many_tiny_images_are_refused_from_their_headers_without_decoding(
+    prepare: Callable[..., Prepare], processor: Processor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each 1x1 PNG becomes a min_pixels image once processed: 200,000 of them (14 MiB on the
+    # wire) took 37 s and 2.6 GB of the router's memory before the context check refused them.
+    dot = png(1, 1)
+    loads: list[Image.Image] = []
+    original = Image.Image.load
+
+    def load(im: Image.Image) -> Any:
+        loads.append(im)
+        return original(im)
+
+    monkeypatch.setattr(Image.Image, "load", load)
+    context = processor.config.text.max_position_embeddings
+    cost = MediaCost(processor.settings, InputLimits(), MediaBudget(InputLimits()))
+    cost.image(1, 1, "image")
+    count = context // cost.tokens + 1
+    err = refused(prepare(), request(*[image(dot)] * count))
+    assert "media alone take" in str(err) and err.field.endswith(".image.data")
+    assert loads == []  # nothing decoded
+
+
+@pytest.mark.parametrize("sizes", [[(32, 32)], [(1, 1), (200, 60), (640, 480)]])
+def test_the_media_tokens_counted_from_headers_are_the_processors(
+    processor: Processor, sizes: list[tuple[int, int]]
+) -> None:
+    cost = MediaCost(processor.settings, InputLimits(), MediaBudget(InputLimits()))
+    content: list[dict[str, Any]] = []
+    for w, h in sizes:
+        cost.image(w, h, "image")
+        pixels = np.zeros((h, w, 3), dtype=np.uint8)
+        content.append({"type": "image", "image": pixels})
+    frames = [np.zeros((48, 80, 3), dtype=np.uint8)] * 6
+    cost.video(len(frames), 2.0, 80, 48, "video")
+    content.append({"type": "video", "video": frames, "fps": 2.0})
+    prompt = processor.process([{"role": "user", "content": content}])
+    assert cost.tokens == sum(item.length for item in prompt.params.items)
+
+
 def test_big_text_is_refused_before_tokenizing(
     prepare: Callable[..., Prepare], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -182,12 +224,21 @@ def test_video_frames_boundary(prepare: Callable[..., Prepare]) -> None:
     assert err.field == "messages[0].content[0].video.frames" and "max_video_frames" in str(err)
 
 
-def test_media_bytes_boundary(prepare: Callable[..., Prepare]) -> None:
+def test_media_bytes_boundary(prepare: Callable[..., Prepare], processor: Processor) -> None:
+    # The request's media bytes: their decoded pixels, and the patch codes processing will
+    # make of them (`router.media_cost`), both from headers.
     one = 32 * 32 * 4
-    limited = prepare(max_media_bytes=3 * one)
-    limited(request(image(png(32, 32)), video([png(32, 32, 1), png(32, 32, 2)])))
-    err = refused(limited, request(image(png(32, 32)), video([png(32, 33, 1), png(32, 32, 2)])))
-    assert err.field == "messages[0].content[1].video.frames[1]"
+    processed = MediaCost(processor.settings, InputLimits(), MediaBudget(InputLimits()))
+    processed.image(32, 32, "image")
+    image_only = one + processed.budget.used
+    processed.video(2, 2.0, 32, 32, "video")
+    limit = 3 * one + processed.budget.used
+    chat = request(image(png(32, 32)), video([png(32, 32, 1), png(32, 32, 2)]))
+    prepare(max_media_bytes=limit)(chat)
+    err = refused(prepare(max_media_bytes=limit - 1), chat)
+    assert err.field == "messages[0].content[1].video.frames"  # its processed frames
+    err = refused(prepare(max_media_bytes=image_only + one // 2), chat)
+    assert err.field == "messages[0].content[1].video.frames[0]"  # a decoded frame
 
 
 # ------------------------------------------------------------------ user text is text

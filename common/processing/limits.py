@@ -98,7 +98,8 @@ def check_video_frames(count: int, limits: InputLimits, field: str) -> None:
 
 
 class MediaBudget:
-    """Decoded pixel bytes of one request's media, summed from headers as items open."""
+    """Bytes one request's media take, summed from headers as items open: their decoded
+    pixels, and the patch codes processing will make of them (`router.media_cost`)."""
 
     def __init__(self, limits: InputLimits) -> None:
         self.limit = limits.max_media_bytes
@@ -106,7 +107,12 @@ class MediaBudget:
 
     def add(self, width: int, height: int, field: str) -> None:
         """Count one image or frame; refuse when the request's total passes the limit."""
-        self.used += decoded_bytes(width, height)
+        self.add_bytes(decoded_bytes(width, height), field)
+
+    def add_bytes(self, nbytes: int, field: str) -> None:
+        """Count `nbytes` more of the request's media (what processing them will make, say);
+        refuse when the total passes the limit."""
+        self.used += nbytes
         if self.limit is not None and self.used > self.limit:
             raise LimitError(
                 field,

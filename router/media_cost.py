@@ -1,0 +1,84 @@
+"""What a request's media will cost once processed, counted from their headers before any is
+decoded (DESIGN §7: limits come before work).
+
+A header's own size says little: the processor resizes every image up to its `min_pixels`
+(a 1x1 PNG of 69 bytes becomes 393 KB of patch codes with the released model's settings)
+and every video to its sampled frames at their resized size. `MediaCost` runs the same
+resize and sampling rules on the header sizes (`smart_resize`, `smart_resize_video`,
+`sample_frame_indices`: cheap functions of a few integers) and, per request,
+
+- adds the patch codes each item will make to the request's `MediaBudget` (so
+  `max_media_bytes` and the router's in-flight reservation bound the memory processing will
+  take, not only the decoded pixels), and
+- counts the prompt tokens the items will take, refusing the request once they reach the
+  model's context (`max_model_len`): a request of 100,000 tiny images is refused from its
+  headers, not after minutes of processing and tens of gigabytes.
+
+Counts are exact for images and for videos given as frames; for a video file the sample
+times of its header stand for its frames. Text and control tokens are not counted here
+(the processor's tokenizer counts those, after); media alone reaching the context is enough
+to refuse.
+"""
+
+from __future__ import annotations
+
+from common.models.qwen3_vl.preprocessor import ProcessorSettings
+from common.processing.image import smart_resize
+from common.processing.limits import InputLimits, LimitError, MediaBudget
+from common.processing.video import sample_frame_indices, smart_resize_video
+
+
+class MediaCost:
+    """The processed size of one request's media, counted as their headers are read."""
+
+    def __init__(
+        self, settings: ProcessorSettings | None, limits: InputLimits, budget: MediaBudget
+    ) -> None:
+        self.settings = settings  # the processor's resize rules (None: nothing counted)
+        self.limits = limits
+        self.budget = budget  # the request's media bytes, decoded and processed
+        self.tokens = 0  # prompt tokens of the media so far
+
+    def image(self, width: int, height: int, field: str) -> None:
+        """Count one image of `width` x `height` (its header's); `LimitError` naming
+        `field` past `max_media_bytes` or the context."""
+        s = self.settings
+        if s is None:
+            return
+        h, w = smart_resize(
+            height, width, factor=s.factor, min_pixels=s.min_pixels, max_pixels=s.max_pixels
+        )
+        self._add(h, w, 1, field)
+
+    def video(self, frames: int, fps: float, width: int, height: int, field: str) -> None:
+        """Count one video of `frames` frames (given, or its header's sample times) of
+        `width` x `height` at `fps`."""
+        s = self.settings
+        if s is None:
+            return
+        kept = len(sample_frame_indices(frames, fps, s))
+        h, w = smart_resize_video(
+            kept,
+            height,
+            width,
+            temporal_factor=s.temporal_patch_size,
+            factor=s.factor,
+            min_pixels=s.video_min_pixels,
+            max_pixels=s.video_max_pixels,
+        )
+        self._add(h, w, -(-kept // s.temporal_patch_size), field)
+
+    def _add(self, height: int, width: int, steps: int, field: str) -> None:
+        """`steps` temporal patches of `height` x `width` resized pixels."""
+        s = self.settings
+        assert s is not None
+        patch_bytes = height * width * len(s.image_mean) * s.temporal_patch_size
+        self.budget.add_bytes(steps * patch_bytes, field)
+        self.tokens += steps * (height // s.factor) * (width // s.factor)
+        context = self.limits.max_model_len
+        if context is not None and self.tokens >= context:
+            raise LimitError(
+                field,
+                f"the request's media alone take {self.tokens} prompt tokens once processed, "
+                f"more than the model's context of {context} tokens",
+            )
