@@ -78,7 +78,13 @@ class EmbeddingPulls:
             if decoding.done():
                 self._release(pulled, holders)
             else:  # cancelled while pulls run: release the leases once they are over
-                decoding.add_done_callback(lambda _: self._release(pulled, holders))
+
+                def over(pulls: asyncio.Future[Handoff]) -> None:
+                    if not pulls.cancelled():
+                        pulls.exception()  # retrieved: nobody waits for it any more
+                    self._release(pulled, holders)
+
+                decoding.add_done_callback(over)
 
     def _resolve(
         self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str], timeout_s: float
