@@ -274,6 +274,26 @@ def init_ray(settings: RaySettings, log_level: str = "warning") -> bool:
     return True
 
 
+def refuse_if_running(namespace: str) -> None:
+    """SettingsError naming `ray.namespace` when a deployment already runs in `namespace` of
+    the Ray cluster this process joined (`Deployment.start` refuses the same, later)."""
+    import ray
+
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+    except ValueError:  # no such actor
+        return
+    from common.settings.schema import SettingsError
+
+    raise SettingsError(_RUNNING.format(namespace=namespace))
+
+
+# A second deployment in a namespace is refused: one controller (its name) per namespace.
+_RUNNING = (
+    "ray.namespace: an epd deployment already runs in namespace {namespace!r} of this Ray "
+    "cluster; stop it, or set another --ray-namespace"
+)
+
 WAIT_REPORT_S = 10.0  # how often `epd serve` says how far start-up is
 
 
@@ -312,11 +332,7 @@ class Deployment:
         except ray.exceptions.ActorAlreadyExistsError:
             from common.settings.schema import SettingsError
 
-            raise SettingsError(
-                f"ray.namespace: an epd deployment already runs in namespace "
-                f"{settings.ray.namespace!r} of this Ray cluster; stop it, or set another "
-                "--ray-namespace"
-            ) from None
+            raise SettingsError(_RUNNING.format(namespace=settings.ray.namespace)) from None
         deployment = cls(settings, controller, started_ray)
         try:
             deployment.address = await controller.address.remote()

@@ -21,20 +21,36 @@ def cmd_serve(settings: Any) -> int:
     check_ports(settings)
     import logging
 
-    from cluster.deployment import init_ray
+    from cluster.deployment import init_ray, refuse_if_running
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     _prepare_checkpoint(settings)
-    settings = with_api_keys(with_cluster_token(settings))
     started = time.monotonic()
     if settings.ray.address:
         _say(f"joining the Ray cluster at {settings.ray.address}")
     else:
         _say("starting a local Ray cluster")
-    started_ray = init_ray(settings.ray, settings.log_level)
+    try:
+        started_ray = init_ray(settings.ray, settings.log_level)
+        # Only now the secrets: a serve refused here (no Ray cluster at that address, a
+        # deployment already running in the namespace) must not replace that deployment's
+        # token and keys, which its clients and restarting workers read.
+        refuse_if_running(settings.ray.namespace)
+    except BaseException:  # SIGTERM during Ray's start-up exits from inside ray.init too
+        _stop_ray()
+        raise
+    settings = with_api_keys(with_cluster_token(settings))
     return asyncio.run(_serve(settings, started_ray, started))
+
+
+def _stop_ray() -> None:
+    """Stop what this process started of Ray (nothing when it started nothing)."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
 
 
 def check_ports(settings: Any) -> None:

@@ -109,6 +109,30 @@ def test_epd_serve_makes_a_token_per_deployment(
     assert with_cluster_token(insecure) is insecure
 
 
+def test_a_refused_epd_serve_leaves_the_running_deployments_secrets_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second `epd serve` refused because a deployment already runs in its namespace used to
+    # write a new token and keys first: that deployment's clients got UNAUTHENTICATED, and
+    # its workers could not register again after a restart.
+    import cluster.deployment
+    from cluster import serve
+    from common.settings.schema import SettingsError
+
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    monkeypatch.setattr(serve, "_prepare_checkpoint", lambda settings: None)
+    monkeypatch.setattr(serve, "check_ports", lambda settings: None)
+    monkeypatch.setattr(cluster.deployment, "init_ray", lambda ray, log_level: False)
+
+    def running(namespace: str) -> None:
+        raise SettingsError(f"ray.namespace: a deployment already runs in {namespace!r}")
+
+    monkeypatch.setattr(cluster.deployment, "refuse_if_running", running)
+    with pytest.raises(SettingsError, match="already runs"):
+        serve.cmd_serve(EpdSettings())
+    assert not (tmp_path / "epd").exists() or not any((tmp_path / "epd").iterdir())
+
+
 def test_tenant_salts() -> None:
     key = b"k" * 32
     a, b = tenant_salt(key, "a", None), tenant_salt(key, "b", None)
