@@ -7,7 +7,10 @@ Lifecycle of a worker as the router sees it:
                  (a worker re-registering from the same address replaces its old record;
                  when its `instance_id` differs, the process restarted: the `on_restart`
                  listeners hear of the old record first, so its channel, KV-event
-                 subscription and prefix entries are dropped, not carried over)
+                 subscription and prefix entries are dropped, not carried over; a worker
+                 of the same name and role at another address replaces the old record
+                 too, which the `on_expire` listeners hear of: a restarted Ray actor's
+                 new port)
     Heartbeat -> refreshes liveness and load; an unknown id answers known=False so the
                  worker registers again
     draining  -> reported by the worker or asked for through AdminService.Drain; a draining
@@ -16,6 +19,7 @@ Lifecycle of a worker as the router sees it:
     expiry    -> a worker silent for longer than the timeout is hidden from `workers` and
                  `pick` at once; `expire` (the router's expiry loop) drops it and tells the
                  `on_expire` listeners, so whatever follows the worker is let go exactly once
+                 (as does a registration of the same name elsewhere, see Register)
 
 Compatibility: every worker must speak `PROTOCOL_VERSION` and serve the expected model
 identity (given, or adopted from the first worker to register). Prefill and decode workers
@@ -143,6 +147,20 @@ class Registry:
             layout = layout_from_proto(info.kv_layout)
             self._check_layout(role, info.address, layout)
         drain_requested = False
+        moved = [w for w in self._workers.values() if info.name and w.name == info.name]
+        for old in moved:
+            if old.address != info.address and old.role == role:
+                # The same named worker restarted at another address (Ray gives a restarted
+                # actor a new port): its old address is dead, let go as an expiry would.
+                del self._workers[old.worker_id]
+                logger.info(
+                    "worker %s registered again at %s; %s dropped",
+                    info.name,
+                    info.address,
+                    old.address,
+                )
+                for listener in self.on_expire:
+                    listener(old)
         for old in [w for w in self._workers.values() if w.address == info.address]:
             del self._workers[old.worker_id]
             restarted = not info.instance_id or old.info.instance_id != info.instance_id
@@ -238,7 +256,8 @@ class Registry:
 
     def expire(self) -> list[WorkerRecord]:
         """Drop and return the workers silent for longer than the timeout, after calling
-        each `on_expire` listener with each of them. The only place a record expires."""
+        each `on_expire` listener with each of them. The only place a silent record expires
+        (`register` drops one a same-named worker replaced)."""
         cutoff = self._cutoff()
         dead = [w for w in self._workers.values() if w.last_seen < cutoff]
         for record in dead:

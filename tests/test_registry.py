@@ -272,3 +272,26 @@ async def test_the_expire_loop_forgets_a_worker_a_lookup_saw_dead_first(
         loop.cancel()
     assert orchestrator.prefix.addresses == [dead.address]
     assert orchestrator.channels.addresses == [dead.address]
+
+
+def test_a_worker_of_the_same_name_at_a_new_address_replaces_the_old_record(
+    registry: Registry,
+) -> None:
+    # Ray restarts a killed actor under its name on a new port: the old address is dead, so
+    # it leaves routing now (and `epd status`), not after the heartbeat timeout.
+    gone: list[str] = []
+    registry.on_expire.append(lambda record: gone.append(record.address))
+    first = info(Role.PREFILL, 3)
+    first.name = "epd-prefill-0"
+    other = registry.register(info(Role.PREFILL, 5))
+    registry.register(first)
+    again = info(Role.PREFILL, 4)
+    again.name = "epd-prefill-0"
+    new = registry.register(again)
+    assert {w.address for w in registry.workers(Role.PREFILL)} == {other.address, new.address}
+    assert gone == [first.address]
+    # Another role may carry the name: not the same worker.
+    encoder = info(Role.ENCODER, 6)
+    encoder.name = "epd-prefill-0"
+    registry.register(encoder)
+    assert new in registry.workers(Role.PREFILL) and gone == [first.address]
