@@ -50,6 +50,9 @@ class RouterError(Exception):
         # The worker whose call failed and its stage ("" when no worker call did).
         self.address = ""
         self.stage = ""
+        # The prompt (with max_tokens) does not fit the model's context: the HTTP API's
+        # code `context_length_exceeded`. Not sent on gRPC (INVALID_ARGUMENT says it there).
+        self.context_exceeded = False
 
 
 class Refused(RouterError):

@@ -68,6 +68,10 @@ class InputError(ValueError):
         self.field = field
 
 
+class ContextTooLong(InputError):
+    """The prompt, or the prompt with `max_tokens`, does not fit the model's context."""
+
+
 # TypeError too: PIL raises it on some malformed TIFF tags (found by decoding mutated files).
 _DECODE_ERRORS = (
     OSError,

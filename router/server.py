@@ -62,7 +62,7 @@ from router.admin import AdminServicer, Scaler
 from router.calls import Job, RouterError
 from router.decode import check_resume
 from router.held import HeldBytes, MediaHold, add_router_service, read_request
-from router.inputs import InputError, check_ids, messages_from_proto
+from router.inputs import ContextTooLong, InputError, check_ids, messages_from_proto
 from router.orchestrator import Orchestrator
 from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
@@ -141,8 +141,6 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 prompt = self.processor.process(
                     messages, allow_special_tokens=allow_special, limits=limits
                 )
-            assert limits.max_model_len is not None
-            check_context(len(prompt.prompt_token_ids), sampling.max_tokens, limits.max_model_len)
         except InputError:
             raise
         except FieldError as exc:
@@ -150,6 +148,12 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             raise InputError(field, exc.reason) from None
         except (ValueError, TypeError) as exc:
             raise InputError("messages", str(exc)) from None
+        assert limits.max_model_len is not None
+        try:
+            check_context(len(prompt.prompt_token_ids), sampling.max_tokens, limits.max_model_len)
+        except FieldError as exc:
+            field = "messages" if exc.field == "prompt_token_ids" else exc.field
+            raise ContextTooLong(field, exc.reason) from None
         return sampling, prompt
 
     async def generate(
@@ -189,6 +193,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 logger.info("request %s rejected: %s", request_id, exc)
                 error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 error.trailing_metadata = (("epd-field", exc.field),)
+                error.context_exceeded = isinstance(exc, ContextTooLong)
                 raise error from None
             with media.holding(prompt):
                 budget = self.settings.request_timeout_s

@@ -4,6 +4,7 @@
                                 (server-sent chat.completion.chunk events) or not
     POST /v1/completions        a text prompt
     GET  /v1/models             the served model
+    GET  /v1/models/{model}     the served model's entry; 404 model_not_found for others
     GET  /health                200 when every role has a serving worker, else 503
 
 A request is converted to a `GenerateRequest` and runs through `RouterServicer.generate`,
@@ -45,7 +46,7 @@ from router.held import HeldBytes
 from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
 from router.http.connections import ConnectionStats
 from router.http.convert import chat_request, completion_request
-from router.http.errors import ApiError, validation_error
+from router.http.errors import ApiError, model_not_found, validation_error
 from router.http.media import MediaPolicy
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
 from router.http.stream import Answer, events
@@ -67,6 +68,8 @@ def api_error(exc: BaseException) -> ApiError:
         error = ApiError.from_router(exc.code, str(exc), exc.trailing_metadata)
         if isinstance(exc, TooLarge):  # not 429: a client would retry what never fits
             error.status, error.type = 400, "invalid_request_error"
+        if exc.context_exceeded:
+            error.code = "context_length_exceeded"
         return error
     if isinstance(exc, RpcStatusError):
         return ApiError(exc.code, exc.details)
@@ -119,11 +122,7 @@ def build_app(
 
     def check_model(body: SamplingBody) -> None:
         if body.model != model_id:
-            raise ApiError(
-                grpc.StatusCode.NOT_FOUND,
-                f"the model {body.model!r} does not exist (this server serves {model_id!r})",
-                param="model",
-            )
+            raise model_not_found(body.model, model_id, param="model")
 
     async def answer(
         body: SamplingBody,
@@ -168,10 +167,18 @@ def build_app(
             raise api_error(exc) from None
         return await answer(body, request, who, False, raw)
 
+    served = {"id": model_id, "object": "model", "created": 0, "owned_by": "epd"}
+
     @app.get("/v1/models")
     async def models(_who: Who) -> dict[str, Any]:
-        entry = {"id": model_id, "object": "model", "created": 0, "owned_by": "epd"}
-        return {"object": "list", "data": [entry]}
+        return {"object": "list", "data": [served]}
+
+    # `:path`: a served name may hold slashes (`org/model`), as Hugging Face ids do.
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, _who: Who) -> dict[str, Any]:
+        if model != model_id:
+            raise model_not_found(model, model_id)
+        return served
 
     @app.get("/health")
     async def health() -> Response:

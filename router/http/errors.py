@@ -37,21 +37,26 @@ class ApiError(Exception):
 
     def __init__(
         self,
-        code: grpc.StatusCode,
+        grpc_code: grpc.StatusCode,
         message: str,
         *,
         param: str | None = None,
         retry_after_s: float | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
     ) -> None:
+        """`grpc_code` picks the HTTP status, and the body's `type` and `code` unless
+        `error_type` or `code` name OpenAI's own (`model_not_found`, ...)."""
         super().__init__(message)
-        self.status, self.type = _STATUS.get(code, (500, "internal_error"))
-        self.code = code.name.lower()
+        self.status, self.type = _STATUS.get(grpc_code, (500, "internal_error"))
+        self.type = error_type or self.type
+        self.code = code or grpc_code.name.lower()  # OpenAI's code, else the gRPC status's
         self.param = param  # the request field at fault
         self.retry_after_s = retry_after_s  # 429: when to try again
 
     @classmethod
     def from_router(
-        cls, code: grpc.StatusCode, message: str, trailing: tuple[tuple[str, str], ...]
+        cls, grpc_code: grpc.StatusCode, message: str, trailing: tuple[tuple[str, str], ...]
     ) -> ApiError:
         """From a RouterError's status and trailing metadata (`epd-field`, `retry-after-ms`)."""
         meta = dict(trailing)
@@ -61,7 +66,7 @@ class ApiError(Exception):
         if field and param and param != field and message.startswith(field):
             message = param + message[len(field) :]
         return cls(
-            code,
+            grpc_code,
             message,
             param=param,
             retry_after_s=int(retry) / 1000 if retry and retry.isdigit() else None,
@@ -156,3 +161,15 @@ def _param(loc: tuple[Any, ...]) -> str:
     for part in kept:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
+
+
+def model_not_found(model: str, served: str, param: str | None = None) -> ApiError:
+    """OpenAI's 404 for a model this server does not serve (`served` is the one it does);
+    `param` names the request field that asked for it (None: the URL's path did)."""
+    return ApiError(
+        grpc.StatusCode.NOT_FOUND,
+        f"the model {model!r} does not exist (this server serves {served!r})",
+        param=param,
+        code="model_not_found",
+        error_type="invalid_request_error",
+    )

@@ -11,14 +11,15 @@ cannot hold them). OpenAI fields for what this server does not do (`logprobs`, t
 `response_format` other than text, `echo`, `best_of` above 1) are named so that asking for
 them is refused (`router.http.convert.refuse_unsupported`) rather than silently ignored,
 and so are the penalties and `logit_bias` (0 and empty, what some clients always send, are
-accepted).
+accepted). An explicit `null` for an optional field means it is unset (OpenAI's fields are
+nullable): `_Body._null_is_unset`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from common.multimodal.validation import INT32_MAX
 from common.processing.limits import MAX_FPS, MIN_FPS
@@ -42,6 +43,21 @@ Text = Annotated[str, AfterValidator(_utf8)]  # a string the wire's protobuf str
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit `null` for a field that has a default means the default, as OpenAI
+        reads its nullable fields (`"n": null`, `"stream": null`; clients that serialize
+        every field send them). A required field's `null` is still refused, naming it."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
 
 
 class MediaUrl(_Body):

@@ -1,0 +1,193 @@
+"""Where the HTTP API must answer as OpenAI's does, for clients written against it: `null`
+for an optional field means unset, `GET /v1/models/{model}` exists, and the error codes
+clients branch on (`model_not_found`, `context_length_exceeded`) are OpenAI's.
+
+A router with fake workers (`tests.test_http_api`), driven by raw JSON where the `openai`
+client would not send the body under test, and by the client elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from common.models.tiny import make_tiny_checkpoint
+from common.sampling import SamplingParams
+from epd.client import GenerateError
+from tests.cluster import CLIENT_KEY
+from tests.test_http_api import MODEL_ID, WEATHER, add_workers, api, call, fake_router, url_of
+from tests.test_router import Cluster as FakeCluster
+
+CONTEXT = 64  # the router's max_model_len here: small, so a prompt can overrun it
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+async def fake(ckpt: Path) -> AsyncIterator[FakeCluster]:
+    c = await fake_router(ckpt, max_queued_requests=0, max_model_len=CONTEXT)
+    await add_workers(c)
+    yield c
+    await c.close()
+
+
+def events(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    """POST a streamed chat (blocking): the status and the events' JSON, up to `[DONE]`."""
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST"
+    )
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {CLIENT_KEY}")
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        lines = reply.read().decode().splitlines()
+    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", data
+    return reply.status, [json.loads(event) for event in data[:-1]]
+
+
+async def post(c: FakeCluster, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    status, _, reply = await asyncio.to_thread(call, f"{url_of(c)}{path}", body, CLIENT_KEY)
+    return status, reply
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": None},
+        {"stream": None},
+        {"stream": True, "stream_options": {"include_usage": None}},
+        {"stream_options": None},
+        {"ignore_eos": None},
+        {"temperature": None, "top_p": None, "stop": None, "seed": None, "user": None},
+    ],
+)
+async def test_null_means_unset(fake: FakeCluster, extra: dict[str, Any]) -> None:
+    body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 3} | extra
+    if extra.get("stream"):  # an event stream, not JSON
+        status, chunks = await asyncio.to_thread(events, url_of(fake), body)
+        assert status == 200 and chunks
+        assert all(chunk.get("usage") is None for chunk in chunks)  # include_usage unset
+        return
+    status, reply = await post(fake, "/v1/chat/completions", body)
+    assert status == 200, reply
+    assert reply["object"] == "chat.completion" and len(reply["choices"]) == 1
+
+
+async def test_null_means_unset_in_completions(fake: FakeCluster) -> None:
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 3, "echo": None, "n": None}
+    status, reply = await post(fake, "/v1/completions", body)
+    assert status == 200, reply
+    assert reply["object"] == "text_completion"
+
+
+async def test_the_client_may_send_none(fake: FakeCluster) -> None:
+    reply = await api(url_of(fake)).chat.completions.create(
+        model=MODEL_ID,
+        messages=WEATHER,
+        max_tokens=3,
+        n=None,
+        stream=None,
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": "two"}, "n"),
+        ({"stream": "maybe"}, "stream"),
+        ({"ignore_eos": [1]}, "ignore_eos"),
+        ({"stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+        ({"messages": None}, "messages"),  # required: null is no default
+        ({"model": None}, "model"),
+    ],
+)
+async def test_wrong_types_are_still_refused(
+    fake: FakeCluster, extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": MODEL_ID, "messages": WEATHER} | extra
+    status, reply = await post(fake, "/v1/chat/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == param, reply
+    assert reply["error"]["message"].startswith(param), reply
+
+
+async def test_the_served_model_can_be_retrieved(fake: FakeCluster) -> None:
+    client = api(url_of(fake))
+    listed = (await client.models.list()).data
+    assert [m.id for m in listed] == [MODEL_ID]
+    assert await client.models.retrieve(MODEL_ID) == listed[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("gpt-4o")
+    error = missing.value.body
+    assert error == {  # the client unwraps {"error": ...}
+        "message": "the model 'gpt-4o' does not exist (this server serves 'tiny')",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "model_not_found",
+    }
+    with pytest.raises(openai.AuthenticationError):  # the list's auth
+        await api(url_of(fake), "not-a-key").models.retrieve(MODEL_ID)
+
+
+async def test_a_served_name_with_a_slash_can_be_retrieved(ckpt: Path) -> None:
+    c = await fake_router(ckpt, served_model_name="org/tiny")
+    try:
+        client = api(url_of(c))
+        assert (await client.models.retrieve("org/tiny")).id == "org/tiny"
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("org/other")
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_an_unknown_model_is_model_not_found(fake: FakeCluster, path: str) -> None:
+    body = {"model": "gpt-4o", "messages": WEATHER, "prompt": "Hello"}
+    status, reply = await post(fake, path, body)
+    assert status == 404
+    assert reply["error"] | {"message": ""} == {
+        "message": "",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+
+@pytest.mark.parametrize(
+    ("messages", "max_tokens", "param"),
+    [
+        (WEATHER, CONTEXT, "max_tokens"),  # the prompt takes some of the context
+        ([{"role": "user", "content": "word " * CONTEXT}], 3, "messages"),
+    ],
+)
+async def test_past_the_context_is_context_length_exceeded(
+    fake: FakeCluster, messages: list[Any], max_tokens: int, param: str
+) -> None:
+    body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens}
+    status, reply = await post(fake, "/v1/chat/completions", body)
+    assert status == 400, reply
+    error = reply["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        param,
+        "context_length_exceeded",
+    ), error
+    assert "context" in error["message"]
+    # Other refusals keep their code; gRPC keeps INVALID_ARGUMENT for this one.
+    status, reply = await post(fake, "/v1/chat/completions", body | {"temperature": -1})
+    assert (status, reply["error"]["code"]) == (400, "invalid_argument")
+    with pytest.raises(GenerateError) as err:
+        await fake.client.generate_text(messages, SamplingParams(max_tokens=max_tokens))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
