@@ -43,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from timing import measure
 
-from common.handoff import build_handle, pull
+from common.handoff import build_handle
 from common.kv.allocator import ImportPlan, KvAllocator
 from common.kv.digest import cache_block_digests
+from common.kv_pull import pull
 from common.models.runner import LmRunner
 from common.models.tiny import default_checkpoint
 from common.transfer.agent import TransferAgent

@@ -18,8 +18,8 @@ the bytes it pulled against `block_digests` before anything uses or caches them,
 confirms with the holder that the lease was live throughout the READ.
 
 On the decode worker: check the handle, plan the blocks (`KvAllocator.plan_import`), pull by
-NIXL READ and verify the digests, confirm the lease, then `KvAllocator.finish_import` (or
-`abort_import`).
+NIXL READ and verify the digests (`common.kv_pull`), confirm the lease, then
+`KvAllocator.finish_import` (or `abort_import`).
 
 `check_handle` refuses a handle that does not fit the handoff or this worker, before anything
 is allocated: a signature that does not verify is PERMISSION_DENIED, a different `KvLayout`
@@ -27,33 +27,24 @@ is allocated: a signature that does not verify is PERMISSION_DENIED, a different
 FAILED_PRECONDITION, a malformed handle INVALID_ARGUMENT naming the `kv.*` field. The caller
 then compares the handle's block hashes with the ones it recomputed from the handoff.
 
-`pull` READs, in one NIXL transfer (adjacent blocks merged into one descriptor on both
-sides), the prompt blocks an `ImportPlan` lacks into the plan's own blocks, then digests
-them, on a worker thread: a READ waits on its holder (up to the pull timeout when the
-holder stalls), which the event loop must not (every other stream, the decode loop and the
-health checks run on it). The plan's blocks stay owned by the caller throughout; if the
-awaiting task is cancelled while the READ runs, `on_orphan` is called once the READ has
-finished (NIXL may write the blocks until then), so the caller can give the blocks back
-only when it is safe.
+The READ itself and its digests are `common.kv_pull.pull`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import functools
 import hashlib
 import hmac
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 import msgpack
 
 from common.errors import FieldError
-from common.kv.allocator import ImportPlan, blocks_for
-from common.kv.digest import DIGEST_BYTES, cache_block_digests
+from common.kv.allocator import blocks_for
+from common.kv.digest import DIGEST_BYTES
 from common.models.prompt_check import check_context
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.runner import LmRunner
@@ -65,10 +56,6 @@ from common.transfer.agent import TransferAgent
 from common.transfer.types import (
     DEVICE_MEMORY,
     HOST_MEMORY,
-    TransferError,
-    TransferRefusedError,
-    TransferStats,
-    TransferTimeoutError,
 )
 from common.wire.convert import TensorResolver, embeddings_from_proto, params_from_proto
 from common.wire.kv import layout_from_proto, layout_to_proto
@@ -92,14 +79,6 @@ class Handoff:
 
 
 HANDLE_SIGNATURE_SCHEME = b"epd-kv-handle-v1"
-
-
-@dataclass(frozen=True, slots=True)
-class Pulled:
-    """What `pull` did: the READ's figures, and which pulled blocks failed their digest."""
-
-    stats: TransferStats | None  # None: nothing was missing, nothing READ
-    mismatched: list[int]  # indices into the prompt's blocks whose bytes differ from the handle
 
 
 def _invalid(field: str, message: str) -> RpcStatusError:
@@ -250,107 +229,6 @@ def check_handle(
         raise _invalid("kv.agent_metadata", "the holder's NIXL agent is missing")
     if not handle.lease_id or not handle.holder_address:
         raise _invalid("kv.lease_id", "a handle names its lease and holder address")
-
-
-async def pull(
-    agent: TransferAgent,
-    runner: LmRunner,
-    handle: kv_pb2.KvHandle,
-    plan: ImportPlan,
-    *,
-    timeout_s: float,
-    on_orphan: Callable[[], object],
-) -> Pulled:
-    """READ the plan's missing prompt blocks from the holder and check their digests.
-
-    Raises `RpcStatusError`: INVALID_ARGUMENT when the metadata cannot be loaded or names
-    another agent, FAILED_PRECONDITION when the holder refuses the READ (descriptors outside
-    its registered memory), UNAVAILABLE when the holder cannot be reached or the READ times
-    out (`TransferTimeoutError` is re-raised as is, for the caller's quarantine decision).
-    """
-    if not plan.pull:
-        return Pulled(None, [])
-    try:
-        if handle.agent_name in agent.peers:
-            peer = agent.add_peer(handle.agent_metadata)  # known: a cheap comparison
-        else:
-            try:
-                peer = await asyncio.to_thread(agent.add_peer, handle.agent_metadata)
-            except asyncio.CancelledError:
-                on_orphan()  # no READ was started: the blocks can go back now
-                raise
-    except (TransferError, ValueError) as exc:
-        raise _invalid("kv.agent_metadata", f"cannot be loaded: {exc}") from None
-    if peer != handle.agent_name:
-        raise _invalid("kv.agent_name", f"{handle.agent_name!r}, but its metadata is {peer!r}")
-    remote = [(handle.blocks[i].address, handle.blocks[i].length) for i in plan.pull]
-    local_ids = [plan.blocks[i] for i in plan.pull]
-    local = [runner.kv.block_address(b) for b in local_ids]
-    read = functools.partial(
-        _read_and_digest,
-        agent,
-        runner,
-        peer,
-        remote,
-        local,
-        local_ids,
-        timeout_s=timeout_s,
-        remote_memory=KIND_TO_MEMORY[handle.memory_kind],
-        remote_device_id=handle.blocks[0].device_id,
-        peer_metadata=handle.agent_metadata,
-    )
-    future = asyncio.get_running_loop().run_in_executor(None, read)
-    try:
-        stats, digests = await asyncio.shield(future)
-    except asyncio.CancelledError:
-        future.add_done_callback(functools.partial(_settled, on_orphan=on_orphan))
-        raise
-    mismatched = [
-        i
-        for i, got in zip(plan.pull, digests, strict=True)
-        if not hmac.compare_digest(got, handle.block_digests[i])
-    ]
-    return Pulled(stats, mismatched)
-
-
-def _settled(read: asyncio.Future[object], *, on_orphan: Callable[[], object]) -> None:
-    """A READ whose caller went away has ended: its blocks go back (`on_orphan`), unless it
-    timed out and NIXL could not cancel it. Then it may still write them, so they stay
-    taken for good (quarantined), as the caller does when it is still there."""
-    failure = None if read.cancelled() else read.exception()  # retrieved, either way
-    if isinstance(failure, TransferTimeoutError) and not failure.cancelled:
-        logger.error("an orphaned KV READ timed out and could not be cancelled; quarantining")
-        return
-    on_orphan()
-
-
-def _read_and_digest(
-    agent: TransferAgent,
-    runner: LmRunner,
-    peer: str,
-    remote: list[tuple[int, int]],
-    local: list[tuple[int, int]],
-    local_ids: list[int],
-    **read_options: object,
-) -> tuple[TransferStats, list[bytes]]:
-    """One READ, then the digests of the blocks it wrote (same thread: no hop between)."""
-    try:
-        stats = agent.read(peer, remote, local, **read_options)  # type: ignore[arg-type]
-    except TransferTimeoutError:
-        raise
-    except TransferRefusedError as exc:
-        raise RpcStatusError(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"kv.blocks: the holder's NIXL agent refused the READ: {exc}",
-        ) from None
-    except TransferError as exc:
-        # The holder is gone or failed the READ: its KV is unusable, like a lost lease, so
-        # the caller prefills again (ABORTED) rather than trying this handle elsewhere.
-        raise RpcStatusError(
-            grpc.StatusCode.ABORTED,
-            f"kv.blocks: the READ from the holder failed: {exc}; prefill again",
-        ) from None
-    return stats, cache_block_digests(runner.kv, local_ids)
 
 
 # -------------------------------------------------------------------------- both sides

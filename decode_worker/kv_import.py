@@ -49,10 +49,10 @@ from typing import NoReturn
 
 import grpc
 
-from common.handoff import pull
 from common.kv.allocator import ImportPlan
 from common.kv.block_pool import NoFreeBlocksError
 from common.kv.digest import cache_block_digests
+from common.kv_pull import pull
 from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
 from common.models.sequence import LmSequence

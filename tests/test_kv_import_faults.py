@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from common.handoff import pull
 from common.kv.allocator import KvAllocator
 from common.kv.cache import KvCacheSpec, PagedKvCache
 from common.kv.digest import cache_block_digests
+from common.kv_pull import pull
 from common.models.model_thread import ModelThread
 from common.sampling import SamplingParams
 from common.transfer.types import TransferStats, TransferTimeoutError
