@@ -61,6 +61,7 @@ from epd.v1 import (
 from router.admin import AdminServicer, Scaler
 from router.calls import Job, RouterError
 from router.decode import check_resume
+from router.departures import expire_loop, forget_restarted
 from router.held import HeldBytes, MediaHold, add_router_service, read_request
 from router.inputs import ContextTooLong, InputError, check_ids, messages_from_proto
 from router.orchestrator import Orchestrator
@@ -68,7 +69,7 @@ from router.registry import Registry, RegistryServicer
 from router.settings import RouterSettings
 from router.stop import check_stop, stop_at
 from router.tenants import tenant_salt
-from router.workers import CheckpointShape, WorkerRecord
+from router.workers import CheckpointShape
 
 logger = logging.getLogger(__name__)
 
@@ -263,32 +264,6 @@ class RunningRouter(RoleServer[RouterServicer]):
     http_address: str | None = field(default=None, kw_only=True)  # HTTP API (None: off)
 
 
-async def _expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: float) -> None:
-    """Drop silent workers every `period_s`, and forget the channel and KV-event subscription
-    of every worker that expired (whoever called `expire`) unless one registered again at its
-    address since."""
-    gone: list[str] = []
-    # A listener, not expire's return value: an expiry run elsewhere must not be missed, or
-    # the router would resubscribe to a dead address forever.
-    registry.on_expire.append(lambda record: gone.append(record.address))
-    while True:
-        await asyncio.sleep(period_s)
-        registry.expire()
-        addresses, gone[:] = dict.fromkeys(gone), []
-        for address in addresses:
-            if not any(w.address == address for w in registry.workers()):
-                orchestrator.prefix.forget(address)
-                await orchestrator.channels.forget(address)
-
-
-def _forget_restarted(orchestrator: Orchestrator, old: WorkerRecord) -> None:
-    """A new process registered at `old`'s address: drop what followed the old one (its
-    KV-event subscription and prefix entries: none of its blocks survived; its channel,
-    which may sit in reconnect back-off). The new record's `on_register` follows it anew."""
-    orchestrator.prefix.forget(old.address)
-    orchestrator.channels.reopen(old.address)
-
-
 async def _health_loop(running: RunningRouter, period_s: float) -> None:
     """gRPC health follows the registry: SERVING only while every role has a serving
     worker (and the router is not draining); checked at once when a worker registers."""
@@ -355,7 +330,7 @@ async def serve(
         embedding_cache_bytes=settings.embedding_cache_mb << 20,
         tenant_share=settings.tenant_share_for(auth.client_tenants if auth else 0),
     )
-    registry.on_restart.append(lambda old: _forget_restarted(orchestrator, old))
+    registry.on_restart.append(lambda old: forget_restarted(orchestrator, old))
     if settings.cache_aware_routing:
         registry.on_register.append(
             lambda w: orchestrator.prefix.track(w.address, w.role) if w.role in KV_ROLES else None
@@ -386,7 +361,7 @@ async def serve(
         metrics=orchestrator.metrics.registry,
     )
     period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
-    running.tasks.append(asyncio.create_task(_expire_loop(registry, orchestrator, period)))
+    running.tasks.append(asyncio.create_task(expire_loop(registry, orchestrator, period)))
     running.tasks.append(asyncio.create_task(_health_loop(running, min(period, 0.1))))
     try:
         if settings.http_port < 0:

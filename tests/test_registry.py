@@ -12,8 +12,8 @@ import pytest
 from common.roles import Role
 from common.wire.roles import role_to_proto
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
+from router.departures import expire_loop
 from router.registry import Registry
-from router.server import _expire_loop
 from router.workers import (
     CheckpointShape,
     NoWorkerError,
@@ -258,7 +258,7 @@ async def test_the_expire_loop_forgets_a_worker_a_lookup_saw_dead_first(
     orchestrator = SimpleNamespace(prefix=Forgets(), channels=AsyncForgets())
     dead = registry.register(info(Role.PREFILL, 3))
     live = registry.register(info(Role.PREFILL, 4))
-    loop = asyncio.create_task(_expire_loop(registry, orchestrator, 0.01))  # type: ignore[arg-type]
+    loop = asyncio.create_task(expire_loop(registry, orchestrator, 0.01))  # type: ignore[arg-type]
     try:
         await asyncio.sleep(0)  # the loop subscribes before its first sleep
         clock.now += 4.0

@@ -1,0 +1,37 @@
+"""What the router lets go of when workers leave: a silent worker's record (dropped by the
+registry's expiry, every `period_s`), and then its gRPC channel and KV-event subscription; a
+restarted worker's old channel and prefix entries (none of its blocks survived)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.orchestrator import Orchestrator
+from router.registry import Registry
+from router.workers import WorkerRecord
+
+
+async def expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: float) -> None:
+    """Drop silent workers every `period_s`, and forget the channel and KV-event subscription
+    of every worker that expired (whoever called `expire`) unless one registered again at its
+    address since."""
+    gone: list[str] = []
+    # A listener, not expire's return value: an expiry run elsewhere must not be missed, or
+    # the router would resubscribe to a dead address forever.
+    registry.on_expire.append(lambda record: gone.append(record.address))
+    while True:
+        await asyncio.sleep(period_s)
+        registry.expire()
+        addresses, gone[:] = dict.fromkeys(gone), []
+        for address in addresses:
+            if not any(w.address == address for w in registry.workers()):
+                orchestrator.prefix.forget(address)
+                await orchestrator.channels.forget(address)
+
+
+def forget_restarted(orchestrator: Orchestrator, old: WorkerRecord) -> None:
+    """A new process registered at `old`'s address: drop what followed the old one (its
+    KV-event subscription and prefix entries: none of its blocks survived; its channel,
+    which may sit in reconnect back-off). The new record's `on_register` follows it anew."""
+    orchestrator.prefix.forget(old.address)
+    orchestrator.channels.reopen(old.address)
