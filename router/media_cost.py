@@ -4,8 +4,8 @@ decoded (DESIGN §7: limits come before work).
 A header's own size says little: the processor resizes every image up to its `min_pixels`
 (a 1x1 PNG of 69 bytes becomes 393 KB of patch codes with the released model's settings)
 and every video to its sampled frames at their resized size. `MediaCost` runs the same
-resize and sampling rules on the header sizes (`smart_resize`, `smart_resize_video`,
-`sample_frame_indices`: cheap functions of a few integers) and, per request,
+resize and sampling rules on the header sizes (`smart_resize`, `plan_video`: cheap functions
+of a few integers) and, per request,
 
 - adds the patch codes each item will make to the request's `MediaBudget` (so
   `max_media_bytes` and the router's in-flight reservation bound the memory processing will
@@ -25,7 +25,7 @@ from __future__ import annotations
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import smart_resize
 from common.processing.limits import InputLimits, LimitError, MediaBudget
-from common.processing.video import sample_frame_indices, smart_resize_video
+from common.processing.video import plan_video
 
 
 class MediaCost:
@@ -52,21 +52,16 @@ class MediaCost:
 
     def video(self, frames: int, fps: float, width: int, height: int, field: str) -> None:
         """Count one video of `frames` frames (given, or its header's sample times) of
-        `width` x `height` at `fps`."""
+        `width` x `height` at `fps`; `LimitError` naming `field` as for `image`, or for a
+        frame shape the processor would refuse."""
         s = self.settings
         if s is None:
             return
-        kept = len(sample_frame_indices(frames, fps, s))
-        h, w = smart_resize_video(
-            kept,
-            height,
-            width,
-            temporal_factor=s.temporal_patch_size,
-            factor=s.factor,
-            min_pixels=s.video_min_pixels,
-            max_pixels=s.video_max_pixels,
-        )
-        self._add(h, w, -(-kept // s.temporal_patch_size), field)
+        try:
+            plan = plan_video(frames, fps, width, height, s)  # the processor's own plan
+        except ValueError as exc:  # a frame shape the video resize refuses
+            raise LimitError(field, str(exc)) from None
+        self._add(*plan.size, len(plan.padded) // s.temporal_patch_size, field)
 
     def _add(self, height: int, width: int, steps: int, field: str) -> None:
         """`steps` temporal patches of `height` x `width` resized pixels."""

@@ -26,7 +26,7 @@ from common.handoff import check_request
 from common.multimodal.validation import MultimodalLayoutError
 from common.processing.chat import IM_START
 from common.processing.content_hash import content_hash, partitioned_content_hash
-from common.processing.limits import InputLimits, MediaBudget
+from common.processing.limits import InputLimits, LimitError, MediaBudget
 from common.processing.processor import IMAGE_PAD, ProcessedPrompt, Processor
 from common.server.role import RoleServer
 from common.server.rpc import channel
@@ -108,19 +108,26 @@ def refused(prepare: Prepare, req: router_service_pb2.GenerateRequest) -> InputE
 # -------------------------------------------------------------------- amplification
 
 
-def test_huge_png_video_frames_are_refused_from_headers_without_decoding(
-    prepare: Callable[..., Prepare], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    frame = png(4096, 4096, noise=False)  # a few KiB each; 64 MiB each once decoded
-    frames = [frame] * 16
-    loads: list[Image.Image] = []
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[Image.Image]:
+    """Every image PIL decodes (`Image.load`) from now on in the test."""
+    seen: list[Image.Image] = []
     original = Image.Image.load
 
     def load(im: Image.Image) -> Any:
-        loads.append(im)
+        seen.append(im)
         return original(im)
 
     monkeypatch.setattr(Image.Image, "load", load)
+    return seen
+
+
+def test_huge_png_video_frames_are_refused_from_headers_without_decoding(
+    prepare: Callable[..., Prepare], loads: list[Image.Image]
+) -> None:
+    frame = png(4096, 4096, noise=False)  # a few KiB each; 64 MiB each once decoded
+    frames = [frame] * 16
+    loads.clear()  # saving the PNG decoded it; the request must decode nothing
     started = time.perf_counter()
     err = refused(prepare(), request(video(frames), text("what happens?")))
     elapsed = time.perf_counter() - started
@@ -130,19 +137,12 @@ def test_huge_png_video_frames_are_refused_from_headers_without_decoding(
 
 
 def test_many_tiny_images_are_refused_from_their_headers_without_decoding(
-    prepare: Callable[..., Prepare], processor: Processor, monkeypatch: pytest.MonkeyPatch
+    prepare: Callable[..., Prepare], processor: Processor, loads: list[Image.Image]
 ) -> None:
     # Each 1x1 PNG becomes a min_pixels image once processed: 200,000 of them (14 MiB on the
     # wire) took 37 s and 2.6 GB of the router's memory before the context check refused them.
     dot = png(1, 1)
-    loads: list[Image.Image] = []
-    original = Image.Image.load
-
-    def load(im: Image.Image) -> Any:
-        loads.append(im)
-        return original(im)
-
-    monkeypatch.setattr(Image.Image, "load", load)
+    loads.clear()  # saving the PNG decoded it; the request must decode nothing
     context = processor.config.text.max_position_embeddings
     cost = MediaCost(processor.settings, InputLimits(), MediaBudget(InputLimits()))
     cost.image(1, 1, "image")
@@ -167,6 +167,8 @@ def test_the_media_tokens_counted_from_headers_are_the_processors(
     content.append({"type": "video", "video": frames, "fps": 2.0})
     prompt = processor.process([{"role": "user", "content": content}])
     assert cost.tokens == sum(item.length for item in prompt.params.items)
+    with pytest.raises(LimitError, match="aspect ratio"):  # a shape the resize refuses
+        cost.video(4, 2.0, 1, 1000, "video")
 
 
 def test_big_text_is_refused_before_tokenizing(
