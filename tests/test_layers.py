@@ -37,7 +37,15 @@ COMMON_LAYERS: list[tuple[str, ...]] = [
     ("common.handoff", "common.kv_pull"),
 ]
 ROLES = ("encoder_worker", "prefill_worker", "decode_worker", "router")
-BINDINGS_ALLOWED = ("common.wire", "common.server", "common.handoff", "common.kv_pull", *ROLES, "epd", "cluster")
+BINDINGS_ALLOWED = (
+    "common.wire",
+    "common.server",
+    "common.handoff",
+    "common.kv_pull",
+    *ROLES,
+    "epd",
+    "cluster",
+)
 
 # Kept on purpose: `MultimodalParams.to_proto` / `from_proto` are public (issue 2); they
 # convert through the wire layer at call time and name the message type for mypy only.
