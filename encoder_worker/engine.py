@@ -6,9 +6,10 @@ the encoder cache at once. Its misses are queued together, as one `_Pending` ent
 none holds more than `max_batch_rows` patch rows); a unit already queued or being computed
 for another request is joined, not computed twice. A single batch task waits
 `batch_window_s` after the first queued entry, takes every entry queued by then (up to
-`max_batch_rows` patch rows, at least one entry), and runs the vision tower once per
-encoding mode (whole items batched together, or frame by frame for exact partitions) on a
-worker thread, so the event loop keeps serving health checks and other requests.
+`max_batch_rows` patch rows, at least one entry, one per request id), and runs the vision
+tower once per encoding mode (whole items batched together, or frame by frame for exact
+partitions) on a worker thread, so the event loop keeps serving health checks and other
+requests.
 
 The work per batch does not grow with futures, tensors or log lines per unit: the tensor
 operations are a constant number per encoding mode and per copied output segment
@@ -70,6 +71,7 @@ class _Pending:
     units: list[Unit]  # distinct keys, none cached or in flight when queued
     input_rows: int  # patch rows of all the units
     waiters: list[_Waiter]  # the request that queued it, and those that joined it
+    request_id: str = ""  # of the request that queued it ("": none given)
     result: dict[bytes, EncodedRows] | None = None  # once encoded: key -> rows, whole batch
 
 
@@ -126,8 +128,10 @@ class EncoderEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    async def encode(self, jobs: Sequence[ItemJob]) -> list[ItemOutput]:
+    async def encode(self, jobs: Sequence[ItemJob], request_id: str = "") -> list[ItemOutput]:
         """Rows of every job, from the cache or the tower; one entry per job, same order.
+        `request_id` (the caller's, "" for none): two calls with the same id are not batched
+        together (`_take_batch`).
 
         Cache writes happen only for units actually encoded. Cancelling the caller does not
         cancel a computation another request waits for, or one the tower has begun (its
@@ -135,7 +139,7 @@ class EncoderEngine:
         when one of its batches failed (the request fails; its other work is not needed).
         """
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        selection = self._select(jobs, future)
+        selection = self._select(jobs, future, request_id)
         if selection.queued:
             self._ensure_task()
             self._wakeup.set()
@@ -168,7 +172,9 @@ class EncoderEngine:
             self._complete(batch, segments)
         return [self._outputs(j, s) for j, s in zip(requests, selections, strict=True)]
 
-    def _select(self, jobs: Sequence[ItemJob], future: asyncio.Future[None] | None) -> _Selection:
+    def _select(
+        self, jobs: Sequence[ItemJob], future: asyncio.Future[None] | None, request_id: str = ""
+    ) -> _Selection:
         """Look the jobs' units up in the cache, join those in flight, queue the rest."""
         units = list(itertools.chain.from_iterable(map(_units, jobs)))
         keys = list(map(_key, units))
@@ -192,7 +198,7 @@ class EncoderEngine:
             joined = list(dict.fromkeys(inflight[k] for k in missing_keys if k in inflight))
             missing = [u for u in missing if u.key not in inflight]
             missing_keys = list(map(_key, missing))
-        queued = self._enqueue(missing, missing_keys) if missing else []
+        queued = self._enqueue(missing, missing_keys, request_id) if missing else []
         sources = joined + queued
         waiter = _Waiter(future, len(sources))
         for entry in sources:
@@ -219,12 +225,12 @@ class EncoderEngine:
                     del self._inflight[unit.key]
             self.units_abandoned += len(entry.units)
 
-    def _enqueue(self, units: list[Unit], keys: list[bytes]) -> list[_Pending]:
+    def _enqueue(self, units: list[Unit], keys: list[bytes], request_id: str) -> list[_Pending]:
         """Queue `units` (with these keys) as entries of at most `max_batch_rows` patch rows
         (a larger unit alone); the entries."""
         rows = sum(map(_input_rows, units))
         if rows <= self.max_batch_rows:
-            entry = _Pending(units, rows, [])
+            entry = _Pending(units, rows, [], request_id=request_id)
             self._inflight.update(dict.fromkeys(keys, entry))
             self._queue.append(entry)
             return [entry]
@@ -237,7 +243,7 @@ class EncoderEngine:
             rows += unit.input_rows
         entries = []
         for chunk in chunks:
-            entry = _Pending(chunk, sum(map(_input_rows, chunk)), [])
+            entry = _Pending(chunk, sum(map(_input_rows, chunk)), [], request_id=request_id)
             self._inflight.update(dict.fromkeys(map(_key, chunk), entry))
             entries.append(entry)
         self._queue.extend(entries)
@@ -318,15 +324,26 @@ class EncoderEngine:
                 self._wakeup.set()
 
     def _take_batch(self) -> list[_Pending]:
-        """Queued entries up to `max_batch_rows` patch rows (always at least one)."""
+        """Queued entries, in queue order, up to `max_batch_rows` patch rows (always at
+        least one), at most one per request id: a caller that sends one request's pieces
+        ahead (`router.overlap`: one `Encode` call encoding while the next waits) gets each
+        back as soon as it is encoded, rather than two together, later; the entries passed
+        over keep their place at the front of the queue."""
         rows = 0
-        count = 0
-        for entry in self._queue:
-            if count and rows + entry.input_rows > self.max_batch_rows:
+        batch: list[_Pending] = []
+        rest: list[_Pending] = []
+        ids: set[str] = set()
+        for i, entry in enumerate(self._queue):
+            if batch and rows + entry.input_rows > self.max_batch_rows:
+                rest.extend(self._queue[i:])
                 break
+            if entry.request_id and entry.request_id in ids:
+                rest.append(entry)
+                continue
+            ids.add(entry.request_id)
             rows += entry.input_rows
-            count += 1
-        batch, self._queue = self._queue[:count], self._queue[count:]
+            batch.append(entry)
+        self._queue = rest
         return batch
 
     def _forward(self, batch: list[_Pending]) -> list[Segment]:

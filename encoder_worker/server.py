@@ -106,7 +106,7 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
             )
             lease_ids = _lease_ids(request.lease_key, len(jobs))
             parsed = time.perf_counter()
-            outputs = await self.engine.encode(jobs)
+            outputs = await self.engine.encode(jobs, request.request_id)
             leased: list[str] = []  # leases made for this answer, freed if it is not sent
             try:
                 items = [

@@ -6,7 +6,8 @@ default).
              item, or a span of a partition-keyed video's partitions (small at both ends
              of the video, larger between); encoded in prompt order, one `Encode` call
              each, at most `DEPTH` in flight, so the encoder works on one piece while the
-             previous one travels and each arrives as soon as it is done
+             previous one travels and each arrives as soon as it is done (the encoder
+             batches no two calls of one request id together: `EncoderEngine._take_batch`)
     steps    a step is an ordinary `Prefill` of the prompt's tokens `[0, n)`, `n` the first
              placeholder of the first piece not yet arrived (the first step, the text
              before the first item, starts at once), with one sampled token; steps run one

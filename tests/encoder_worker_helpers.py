@@ -80,8 +80,10 @@ def _item(
     )
 
 
-def _request(*items: encoder_service_pb2.EncodeItem) -> encoder_service_pb2.EncodeRequest:
-    return encoder_service_pb2.EncodeRequest(request_id="t", items=list(items))
+def _request(
+    *items: encoder_service_pb2.EncodeItem, request_id: str = "t"
+) -> encoder_service_pb2.EncodeRequest:
+    return encoder_service_pb2.EncodeRequest(request_id=request_id, items=list(items))
 
 
 def _rows(item: encoder_service_pb2.EncodedItem) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -173,6 +173,34 @@ async def test_concurrent_requests_join_and_split_batches(
     assert_same(b[0].rows, a[3].rows)
 
 
+async def test_calls_of_one_request_are_not_batched_together(
+    processor: Processor, tower: VisionTower
+) -> None:
+    """Two calls with one request id (`router.overlap` sends a video's next piece while
+    one encodes) run in two batches, the first answered before the second is encoded;
+    other requests' calls queued meanwhile join the first batch, and calls without an id
+    batch as before."""
+    jobs = [[image_job(processor, 60 + k)] for k in range(4)]
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.05)
+    answered: list[str] = []
+
+    async def call(jobs: list[ItemJob], request_id: str, name: str) -> None:
+        await engine.encode(jobs, request_id)
+        answered.append(name)
+
+    await asyncio.gather(
+        call(jobs[0], "r1", "r1 first"),
+        call(jobs[1], "r1", "r1 second"),
+        call(jobs[2], "r2", "r2"),
+    )
+    assert engine.batches == 2
+    assert answered.index("r1 first") < answered.index("r1 second")
+    assert answered.index("r2") < answered.index("r1 second")  # in the first batch
+    await asyncio.gather(engine.encode(jobs[3]), engine.encode([image_job(processor, 70)]))
+    assert engine.batches == 3  # no ids: one batch
+    await engine.close()
+
+
 def test_shared_segment_counts_once_and_frees_with_its_last_unit() -> None:
     segment = EncodedRows.of(torch.zeros(6, 4), (torch.zeros(6, 4),))  # 192 bytes
     views = segment.stacked.split(2, dim=1)

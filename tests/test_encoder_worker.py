@@ -165,7 +165,8 @@ async def test_concurrent_requests_share_one_forward(
     server, stub = await make_server(batch_window_ms=200)
     calls = _count_forwards(server)
     prompts = [_image(processor, 20 + k) for k in range(3)]
-    requests = [_request(_item(p)) for p in prompts] + [_request(_item(prompts[0]))]
+    requests = [_request(_item(p), request_id=f"r{k}") for k, p in enumerate(prompts)]
+    requests.append(_request(_item(prompts[0]), request_id="r3"))
     replies = await asyncio.gather(*(stub.Encode(r, timeout=30) for r in requests))
     assert calls[0] == 1
     engine = _engine(server)
