@@ -32,7 +32,11 @@ class EncoderSettings(ModelWorkerSettings):
         "placed in (so readers load this encoder's metadata once); an output that does not "
         "fit gets a registered buffer of its own; 0: every output gets its own",
     )
-    batch_window_ms: float = setting(2.0, "wait this long to batch items of concurrent requests")
+    batch_window_ms: float = setting(
+        2.0,
+        "wait this long to batch items of concurrent requests (two calls with one request id"
+        " go in separate batches, in order)",
+    )
     max_batch_rows: int = setting(1 << 16, "patch rows per vision forward, at most")
     exact_partitions: bool = setting(
         True, "encode partitioned items frame by frame so partition rows are bit-exact"
