@@ -49,11 +49,12 @@ from epd.v1 import (
     router_service_pb2,
 )
 from router.admission import Admission, Ticket
-from router.calls import Job, WorkerCalls
+from router.calls import Job, RouterError, WorkerCalls
 from router.detokenize import IncrementalDetokenizer
 from router.inputs import InputError
 from router.metrics import RouterMetrics
 from router.registry import Registry
+from router.workers import WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,19 @@ class DecodeStage:
         self.migrations = migrations  # resumes of one stream after its decode worker failed
         self.metrics = metrics  # reprefills, migrations, tokens_recomputed
 
+    def _pick(self, tried: set[str], stepped: set[str]) -> WorkerRecord:
+        """The least loaded decode worker not in `tried`; when none is left, one of
+        `stepped` (tried workers that failed a step and serve on), which leave `tried`
+        and `stepped` then. Raises RouterError (UNAVAILABLE) when there is neither."""
+        try:
+            return self.calls.pick(Role.DECODE, tried)
+        except RouterError:
+            if not stepped:
+                raise
+        tried -= stepped
+        stepped.clear()
+        return self.calls.pick(Role.DECODE, tried)
+
     async def stream(
         self,
         job: Job,
@@ -137,6 +151,8 @@ class DecodeStage:
         handle in `request` (the caller releases it while `owned`); `resumed`: the tokens
         the client already has, first one included (`Job.resumed`). Raises RouterError."""
         tried: set[str] = set()
+        stepped: set[str] = set()  # tried, failed a step and serve on: the last resort
+        failed_steps: list[str] = []  # the worker of each failed step
         reprefills = 0
         migrations = 0
         streamed = list(resumed[1:])  # tokens after the first one already sent to the client
@@ -145,7 +161,7 @@ class DecodeStage:
             if reserved is not None and reserved.address not in tried:
                 worker = reserved
             else:
-                worker = self.calls.pick(Role.DECODE, tried)
+                worker = self._pick(tried, stepped)
                 self.admission.move(ticket, Role.DECODE, worker)
             tried.add(worker.address)
             del request.resume_tokens[:]
@@ -173,9 +189,14 @@ class DecodeStage:
                         exc.details() or ""
                     ):
                         # The worker failed one step and goes on serving: it may take the
-                        # stream again (the only place to, with one decode worker). The
-                        # retries below stay bounded by `reprefills` and `migrations`.
-                        tried.discard(worker.address)
+                        # stream again, but only when no other worker is left (`_pick`;
+                        # with one decode worker, the only place to). The retries below
+                        # stay bounded by `reprefills` and `migrations`, and the failed
+                        # steps themselves by `migrations`.
+                        if len(failed_steps) >= self.migrations:
+                            raise self.calls.error("decode", worker, exc) from None
+                        failed_steps.append(worker.address)
+                        stepped.add(worker.address)
                     if lease.owned and code == grpc.StatusCode.ABORTED:
                         if reprefills >= self.reprefills:
                             raise self.calls.error("decode", worker, exc) from None
@@ -206,7 +227,7 @@ class DecodeStage:
                         self.metrics.tokens_recomputed.inc(len(streamed))
                         logger.warning(
                             "request %s: decode stream on %s broke after %d tokens (%s); "
-                            "resuming on another decode worker",
+                            "resuming on a decode worker not tried yet, if there is one",
                             job.request_id,
                             worker.address,
                             1 + len(streamed),

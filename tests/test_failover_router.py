@@ -137,6 +137,45 @@ async def test_a_failed_step_resumes_on_the_same_worker_when_it_is_the_only_one(
     assert [list(r.resume_tokens) for r in decode.requests] == [[], [101, 102, 103]]
 
 
+class AlwaysStepFailingDecode(BreakingDecode):
+    """A decode worker whose every stream's step fails after one token (it serves on)."""
+
+    async def Decode(self, request, context):
+        self.requests.append(request)
+        yield decode_service_pb2.DecodeResponse(blocks_pulled=3)
+        yield decode_service_pb2.DecodeResponse(token_ids=[101 + len(request.resume_tokens)])
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{DECODE_STEP_FAILED}: MemoryError: x")
+
+
+async def test_a_failed_step_resumes_on_another_worker_when_there_is_one(cluster):
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, FakePrefill())
+    bad, good = AlwaysStepFailingDecode(None), BreakingDecode(None)
+    await cluster.add(Role.DECODE, bad)
+    await cluster.add(Role.DECODE, good)
+    for _ in range(3):
+        result = await cluster.client.generate_text(
+            TEXT, SamplingParams(max_tokens=10), timeout_s=20
+        )
+        assert result.token_ids == [FIRST, *range(101, 110)]
+    # Each stream that started on the failing worker went on on the healthy one, never
+    # back to the worker that had just failed it.
+    assert all(list(r.resume_tokens) == [] for r in bad.requests)
+    assert len(good.requests) == 3
+
+
+async def test_failed_steps_are_bounded_on_the_only_worker(cluster):
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, FakePrefill())
+    decode = AlwaysStepFailingDecode(None)
+    await cluster.add(Role.DECODE, decode)
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert DECODE_STEP_FAILED in err.value.details
+    assert len(decode.requests) == 3  # the first stream and two resumes
+
+
 async def test_migrations_are_bounded(cluster):
     await cluster.add(Role.ENCODER, FakeEncoder())
     await cluster.add(Role.PREFILL, FakePrefill())
