@@ -121,9 +121,11 @@ def test_parts_become_the_grpc_request() -> None:
             "seed": 7,
             "max_completion_tokens": 5,
             "stop": "\n",
+            "cache_salt": "end-user-7",
         }
     )
     request = chat_request(body, "r1", MediaPolicy())
+    assert request.cache_salt == "end-user-7"
     system, question = request.messages
     assert (system.role, system.content[0].text) == ("system", "Be brief.")
     image, video, text = question.content

@@ -100,6 +100,27 @@ async def test_usage_reports_cached_tokens_when_asked_again(deployment: Cluster)
     assert again.choices[0].message.content == first.choices[0].message.content
 
 
+async def test_a_cache_salt_in_the_body_splits_the_cache(deployment: Cluster) -> None:
+    """`cache_salt` (vLLM's extension) is the gRPC field's: two end users behind one key,
+    each with a salt of their own, do not see each other's prompts in `cached_tokens`."""
+    assert deployment.http_url is not None
+    client = api(deployment.http_url)
+    chat = user({"type": "text", "text": "A long shared system prompt, " * 8})
+
+    async def cached(salt: str | None) -> int:
+        extra = {"ignore_eos": True, **({"cache_salt": salt} if salt else {})}
+        done = await client.chat.completions.create(
+            model=MODEL_ID, messages=chat, temperature=0, max_tokens=2, extra_body=extra
+        )
+        assert done.usage is not None and done.usage.prompt_tokens_details is not None
+        return done.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert await cached("end-user-1") == 0
+    assert await cached("end-user-2") == 0  # not end-user-1's blocks
+    assert await cached("end-user-1") > 0
+    assert await cached(None) == 0  # the tenant's own cache, unsplit, is another
+
+
 async def test_models_completions_and_health(deployment: Cluster) -> None:
     assert deployment.http_url is not None
     client = api(deployment.http_url)

@@ -111,6 +111,8 @@ async def test_the_client_may_send_none(fake: FakeCluster) -> None:
         ({"stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
         ({"messages": None}, "messages"),  # required: null is no default
         ({"model": None}, "model"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": "s" * 257}, "cache_salt"),
     ],
 )
 async def test_wrong_types_are_still_refused(

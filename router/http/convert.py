@@ -83,9 +83,12 @@ def refuse_unsupported(body: SamplingBody) -> None:
 
 def _request(body: SamplingBody, request_id: str) -> router_service_pb2.GenerateRequest:
     refuse_unsupported(body)
-    return router_service_pb2.GenerateRequest(
+    request = router_service_pb2.GenerateRequest(
         request_id=request_id, sampling=sampling(body), stop=body.stop_strings
     )
+    if body.cache_salt is not None:
+        request.cache_salt = body.cache_salt
+    return request
 
 
 def chat_request(

@@ -2,7 +2,8 @@
 
 Sampling follows OpenAI's defaults where they differ from the gRPC API's: `temperature`
 defaults to 1.0. `max_tokens` (or `max_completion_tokens`) unset: the router's default.
-`ignore_eos` is an extension (as in vLLM), sent with the `openai` client via `extra_body`.
+`ignore_eos` and `cache_salt` are extensions (as in vLLM), sent with the `openai` client via
+`extra_body`; `cache_salt` is the gRPC API's (mixed into the tenant's: docs/security.md).
 
 Every bound the wire's messages have is checked here, so a value they cannot carry is a 400
 naming its field, not a failure later: counts fit their protobuf integers, `temperature` a
@@ -23,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from common.multimodal.validation import INT32_MAX
 from common.processing.limits import MAX_FPS, MIN_FPS
+from router.inputs import MAX_ID_CHARS
 
 UINT32_MAX = (1 << 32) - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
@@ -124,6 +126,8 @@ class SamplingBody(_Body):
     stop: Text | list[Text] | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request
     ignore_eos: bool = False  # extension: keep generating past end-of-sequence
+    # Extension (as in vLLM): splits the caller's cache further, as `GenerateRequest.cache_salt`.
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     user: str | None = None  # OpenAI's end-user id; ignored
     # Not done by this server: refused when asked for (see the module docstring).
     logprobs: bool | int | None = None  # chat: a bool; completions: a count
