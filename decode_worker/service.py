@@ -59,9 +59,8 @@ from common.models.decode_loop import Chunk, DecodeBatcher, DecodeStepError
 from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
-from common.wire.convert import sampling_from_proto
 from common.wire.kv import kv_event_to_proto
-from common.wire.sampling import finish_reason_to_proto
+from common.wire.sampling import finish_reason_to_proto, sampling_from_proto
 from decode_worker.kv_import import DecodeCounters, KvImporter, lease_lost
 from decode_worker.resume import resume_tokens
 from epd.v1 import (

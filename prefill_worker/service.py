@@ -53,8 +53,8 @@ from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.leases import Lease, LeaseIdError, LeaseTable, refusal
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, rpc_errors
-from common.wire.convert import sampling_from_proto
 from common.wire.kv import kv_event_to_proto
+from common.wire.sampling import sampling_from_proto
 from epd.v1 import (
     prefill_service_pb2,
     prefill_service_pb2_grpc,

@@ -80,8 +80,8 @@ from common.handoff import EMBEDDINGS_LOST
 from common.processing.processor import Processor
 from common.sampling import StopChecker
 from common.server.peers import PeerClient
-from common.wire.convert import params_to_proto, sampling_to_proto
-from common.wire.sampling import finish_reason_to_proto
+from common.wire.convert import params_to_proto
+from common.wire.sampling import finish_reason_to_proto, sampling_to_proto
 from epd.v1 import (
     decode_service_pb2,
     multimodal_pb2,

@@ -49,7 +49,7 @@ import grpc
 
 from common.sampling import SamplingParams
 from common.server.peers import PeerClient
-from common.wire.convert import sampling_to_proto
+from common.wire.sampling import sampling_to_proto
 from epd.v1 import multimodal_pb2, prefill_service_pb2
 from router.calls import Job, RouterError
 from router.encode import NOTHING, Encoded, EncodeStage

@@ -49,7 +49,7 @@ from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
 from common.server.role import AddServicer, RoleServer, checkpoint_path
 from common.server.rpc import RpcStatusError, service_name
-from common.wire.convert import sampling_from_proto
+from common.wire.sampling import sampling_from_proto
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,

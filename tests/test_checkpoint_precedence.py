@@ -183,7 +183,7 @@ def test_generation_eos_wins_over_config(tmp_path: Path) -> None:
 
 
 def test_wire_sampling_takes_checkpoint_defaults() -> None:
-    from common.wire.convert import sampling_from_proto
+    from common.wire.sampling import sampling_from_proto
     from epd.v1 import sampling_pb2
 
     defaults = GenerationDefaults(top_p=0.8, top_k=5, max_new_tokens=3)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from common.processing.messages import ImagePart, Message, TextPart, VideoPart
 from common.sampling import SamplingParams
-from common.wire.convert import sampling_from_proto
+from common.wire.sampling import sampling_from_proto
 from epd.client import build_request, encode_image
 from router.inputs import decode_image, messages_from_proto
 

@@ -33,8 +33,9 @@ from common.multimodal.params import MultimodalParams
 from common.sampling import SamplingParams
 from common.server.role import RoleServer
 from common.server.rpc import channel
-from common.wire.convert import params_to_proto, sampling_to_proto
+from common.wire.convert import params_to_proto
 from common.wire.kv import layout_from_proto
+from common.wire.sampling import sampling_to_proto
 from decode_worker.server import serve as serve_decode
 from decode_worker.settings import DecodeSettings
 from epd.v1 import (

@@ -144,6 +144,11 @@ def test_extension_still_parses_under_legacy_schema(legacy: ModuleType) -> None:
     assert params_from_proto(relayed).items == video_and_image().items
 
 
+def _move_cut(item: multimodal_pb2.MultimodalItemMetadata, cut: int) -> None:
+    """The cut between the item's two partitions moved to input row `cut`."""
+    item.partitions[0].input_end = item.partitions[1].input_start = cut
+
+
 def base_message() -> multimodal_pb2.MultimodalParams:
     return params_to_proto(video_and_image())
 
@@ -162,6 +167,10 @@ def base_message() -> multimodal_pb2.MultimodalParams:
         (lambda m: m.items[0].partitions[0].__setattr__("output_rows", 5), "items.partitions"),
         (lambda m: m.items[0].partitions[0].__setattr__("content_hash", b"x"), "items.partitions"),
         (lambda m: m.items[0].partitions[1].__setattr__("input_start", 17), "items.partitions"),
+        # Inputs past the grid's patch rows (split for prefill, 2**40 rows made a grid
+        # protobuf could not hold), or not on a frame of it.
+        (lambda m: m.items[0].partitions[1].__setattr__("input_end", 2**40), "items.partitions"),
+        (lambda m: _move_cut(m.items[0], 17), "items.partitions"),
         (lambda m: m.items[1].__setattr__("partition_keys", True), "items.partition_keys"),
         (lambda m: m.embeddings[0].rows.shape.__setitem__(0, 7), "embeddings.rows"),
         (lambda m: setattr(m.embeddings[1], "item_index", 5), "embeddings.item_index"),
@@ -207,7 +216,7 @@ def test_an_empty_tensor_too_large_to_lay_out_is_refused_naming_the_field(shape)
 
 def test_sampling_round_trip_and_defaults() -> None:
     from common.sampling import SamplingParams
-    from common.wire.convert import sampling_from_proto, sampling_to_proto
+    from common.wire.sampling import sampling_from_proto, sampling_to_proto
     from epd.v1 import sampling_pb2
 
     # float32 on the wire: these values are exact in binary
@@ -222,7 +231,8 @@ def test_sampling_round_trip_and_defaults() -> None:
 
 
 def test_non_multimodal_fields_raise_the_general_field_error() -> None:
-    from common.wire.convert import sampling_from_proto, torch_dtype
+    from common.wire.convert import torch_dtype
+    from common.wire.sampling import sampling_from_proto
     from epd.v1 import sampling_pb2
 
     with pytest.raises(FieldError) as info:

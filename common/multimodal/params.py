@@ -94,6 +94,7 @@ class MultimodalItemMetadata:
             [(p.input_start, p.input_end, p.output_rows, p.content_hash) for p in self.partitions],
             self.length,
             partition_keys=self.partition_keys,
+            grid=self.grid_thw,
         )
 
 

@@ -141,15 +141,19 @@ def validate_partitions(
     rows: int,
     *,
     partition_keys: bool,
+    grid: tuple[int, int, int] | None = None,
 ) -> None:
     """Check one item's partitions `(input_start, input_end, output_rows, content_hash)`
-    against its `rows` (the sum of its run lengths), and its `partition_keys` flag.
+    against its `rows` (the sum of its run lengths), its `partition_keys` flag and its patch
+    `grid` (t, h, w), when it has one.
 
     Partitions, when given, cover the input in order without gaps (each starts where the
     previous ended), each makes at least one row, their rows sum to the item's and each
-    hash is 32 bytes. `partition_keys` needs partitions: block keys then name them
-    (docs/block-hash.md), so a partition's hash and rows must be as sound as an item's.
-    Raises `MultimodalLayoutError` naming `items.partitions` or `items.partition_keys`.
+    hash is 32 bytes; with a grid they cover exactly its `t * h * w` patch rows from 0, each
+    a whole number of frames (`h * w` rows). `partition_keys` needs partitions: block keys
+    then name them (docs/block-hash.md), so a partition's hash and rows must be as sound as
+    an item's. Raises `MultimodalLayoutError` naming `items.partitions` or
+    `items.partition_keys`.
     """
     if partition_keys and not partitions:
         raise MultimodalLayoutError(
@@ -177,8 +181,21 @@ def validate_partitions(
                 f"partition {k}: content_hash must be {HASH_BYTES} bytes, got {len(digest)}",
                 item,
             )
+        if grid is not None and end % (grid[1] * grid[2]):
+            raise MultimodalLayoutError(
+                "items.partitions",
+                f"partition {k}: input end {end} is not on a frame of the grid {list(grid)}",
+                item,
+            )
         cursor = end
         total += out_rows
+    if grid is not None and (partitions[0][0] != 0 or cursor != grid[0] * grid[1] * grid[2]):
+        raise MultimodalLayoutError(
+            "items.partitions",
+            f"inputs [{partitions[0][0]}, {cursor}) are not the grid {list(grid)}'s "
+            f"{grid[0] * grid[1] * grid[2]} patch rows",
+            item,
+        )
     if total != rows:
         raise MultimodalLayoutError(
             "items.partitions", f"output rows sum to {total}, the item has {rows} rows", item

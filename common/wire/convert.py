@@ -3,7 +3,7 @@
 Everything that crosses a gRPC boundary passes through here, so validation happens once,
 at the edge: a malformed message raises `FieldError` (a `ValueError`) naming the wire field,
 `MultimodalLayoutError` (its subclass, naming the item too) for the multimodal fields, and
-the servers turn that into `INVALID_ARGUMENT`.
+the servers turn that into `INVALID_ARGUMENT`. Sampling's wire form is `common.wire.sampling`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Final
 import torch
 
 from common.errors import FieldError
-from common.models.generation import GenerationDefaults
 from common.multimodal.params import (
     ItemEmbedding,
     ItemPartition,
@@ -24,9 +23,7 @@ from common.multimodal.params import (
     MultimodalParams,
 )
 from common.multimodal.validation import MultimodalLayoutError, validate_flat
-from common.sampling import SamplingParams
-from common.wire.sampling import sampling_to_proto as sampling_to_proto
-from epd.v1 import multimodal_pb2, sampling_pb2, tensor_pb2
+from epd.v1 import multimodal_pb2, tensor_pb2
 
 _MAX_INT64: Final = 2**63 - 1
 
@@ -364,28 +361,3 @@ def _check_declared(
             raise MultimodalLayoutError(
                 field, f"element type {name} is not a floating type a model takes", index
             )
-
-
-def sampling_from_proto(
-    msg: sampling_pb2.SamplingParams, defaults: GenerationDefaults | None = None
-) -> SamplingParams:
-    """Checked `SamplingParams`; `max_tokens` 0 (unset on the wire) means the default.
-
-    With `defaults` (the checkpoint's `generation_config.json`), an unset `max_tokens`,
-    `top_p` or `top_k` takes the checkpoint's value (`max_new_tokens`, ...) before
-    `SamplingParams`' own; the temperature is always the request's (the wire cannot leave
-    it unset). Raises `FieldError` with field "sampling" for out-of-range values.
-    """
-    base = (defaults or GenerationDefaults()).sampling()
-    try:
-        return SamplingParams(
-            temperature=float(msg.temperature),
-            top_p=float(msg.top_p) if msg.HasField("top_p") else base.top_p,
-            top_k=int(msg.top_k) if msg.HasField("top_k") else base.top_k,
-            seed=int(msg.seed) if msg.HasField("seed") else None,
-            max_tokens=int(msg.max_tokens) or base.max_tokens,
-            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
-            ignore_eos=bool(msg.ignore_eos),
-        )
-    except ValueError as exc:
-        raise FieldError("sampling", str(exc)) from None

@@ -1,9 +1,12 @@
-"""Why generation ended, on the wire: the one map from `common.sampling.FinishReason` to
-`epd.v1.FinishReason`, used by the decode worker (its last chunk) and the router (an answer
-that ends at the prefill's first token)."""
+"""Sampling on the wire: `SamplingParams` to and from `epd.v1.SamplingParams`, and why
+generation ended: the one map from `common.sampling.FinishReason` to `epd.v1.FinishReason`,
+used by the decode worker (its last chunk) and the router (an answer that ends at the
+prefill's first token)."""
 
 from __future__ import annotations
 
+from common.errors import FieldError
+from common.models.generation import GenerationDefaults
 from common.sampling import FinishReason, SamplingParams
 from epd.v1 import decode_service_pb2, sampling_pb2
 
@@ -35,3 +38,28 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
     if params.seed is not None:
         msg.seed = params.seed
     return msg
+
+
+def sampling_from_proto(
+    msg: sampling_pb2.SamplingParams, defaults: GenerationDefaults | None = None
+) -> SamplingParams:
+    """Checked `SamplingParams`; `max_tokens` 0 (unset on the wire) means the default.
+
+    With `defaults` (the checkpoint's `generation_config.json`), an unset `max_tokens`,
+    `top_p` or `top_k` takes the checkpoint's value (`max_new_tokens`, ...) before
+    `SamplingParams`' own; the temperature is always the request's (the wire cannot leave
+    it unset). Raises `FieldError` with field "sampling" for out-of-range values.
+    """
+    base = (defaults or GenerationDefaults()).sampling()
+    try:
+        return SamplingParams(
+            temperature=float(msg.temperature),
+            top_p=float(msg.top_p) if msg.HasField("top_p") else base.top_p,
+            top_k=int(msg.top_k) if msg.HasField("top_k") else base.top_k,
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            max_tokens=int(msg.max_tokens) or base.max_tokens,
+            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+            ignore_eos=bool(msg.ignore_eos),
+        )
+    except ValueError as exc:
+        raise FieldError("sampling", str(exc)) from None
