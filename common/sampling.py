@@ -41,6 +41,7 @@ FinishReason = Literal["stop", "length"]
 # above a few 1e-4 (a gap of 1e-3 makes the runner-up e^-100 times as likely). vLLM draws
 # the same line.
 GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_TOKEN_IDS = 1024  # a request's stop tokens, each checked per sampled token
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +77,13 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         stop = tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stop):
-            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        if len(stop) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop)}"
+            )
+        for k, t in enumerate(stop):
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r} at index {k}")
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

@@ -289,6 +289,8 @@ def _pixels(
         raise MultimodalLayoutError("pixel_values", "missing", i)
     if ref.WhichOneof("data") != "inline_data":
         raise MultimodalLayoutError("pixel_values", "must be inline (no transfer handles)", i)
+    if len(ref.shape) != 2:  # checked before the tensor is made (a shape of millions)
+        raise MultimodalLayoutError("pixel_values", f"{len(ref.shape)} dimensions, not 2", i)
     try:
         pixels = tensor_from_ref(ref, "pixel_values")
     except MultimodalLayoutError as exc:
@@ -315,4 +317,6 @@ def _pixels(
         raise MultimodalLayoutError(
             "pixel_values", f"shape {tuple(pixels.shape)}, expected {allowed}", i
         )
+    if pixels.dtype == torch.float32 and not bool(torch.isfinite(pixels).all()):
+        raise MultimodalLayoutError("pixel_values", "holds NaN or infinite values", i)
     return pixels

@@ -14,6 +14,7 @@ import torch
 
 from common.models.qwen3_vl.vision import VisionTower
 from common.processing.processor import Processor
+from common.wire.convert import tensor_from_ref, tensor_to_ref
 from encoder_worker.cache import EncodedRows, EncoderCache
 from epd.v1 import encoder_service_pb2, multimodal_pb2
 from tests.encoder_worker_helpers import (
@@ -203,6 +204,12 @@ def _malformed(case: str, good: encoder_service_pb2.EncodeItem) -> encoder_servi
         item.partitions[2].content_hash = BAD_HASH
     elif case == "modality":
         item.modality = multimodal_pb2.MODALITY_AUDIO
+    elif case == "nan_pixels":  # float32 values (an older router's), one of them NaN
+        values = tensor_from_ref(item.pixel_values).float()
+        values[3, 5] = float("nan")
+        item.pixel_values.CopyFrom(tensor_to_ref(values))
+    elif case == "deep_pixels":  # refused by the count of dimensions, before any tensor
+        item.pixel_values.shape.extend([1] * 100_000)
     return item
 
 
@@ -220,6 +227,8 @@ def _malformed(case: str, good: encoder_service_pb2.EncodeItem) -> encoder_servi
         ("output_rows", "partitions[0].output_rows"),
         ("partition_hash", "partitions[2].content_hash"),
         ("modality", "modality"),
+        ("nan_pixels", "pixel_values"),
+        ("deep_pixels", "pixel_values"),
     ],
 )
 async def test_malformed_input_is_refused_and_caches_nothing(

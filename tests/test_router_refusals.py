@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from common.sampling import SamplingParams
+from common.server.rpc import MAX_DETAILS, clipped
 from epd.client import GenerateError, build_request
 from tests.test_router import FIRST, IMAGE, TEXT, chat, png
 from tests.test_router import ckpt as ckpt  # fixture
@@ -49,6 +50,27 @@ async def test_malformed_input_is_invalid_argument(cluster, workers, messages, s
     assert enc.requests == [] and pre.requests == []
     result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
     assert result.token_ids == [FIRST, 101]  # still serving
+
+
+@pytest.mark.parametrize("stop", [[5] * 20_000, [5] * 3000 + [-1]])
+async def test_a_long_stop_token_list_is_invalid_argument_naming_sampling(cluster, workers, stop):
+    # 20,000 ids once came back as RESOURCE_EXHAUSTED without a field: the details echoed
+    # the whole list and overflowed gRPC's trailers. The count is bounded, details clipped.
+    request = build_request(TEXT, SamplingParams(max_tokens=2))
+    request.sampling.stop_token_ids[:] = stop
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in cluster.client._router.Generate(request):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("sampling: stop_token_ids")
+    assert len(info.value.details()) <= 1024
+    assert ("epd-field", "sampling") in tuple(info.value.trailing_metadata() or ())
+
+
+def test_long_details_are_clipped_saying_how_long() -> None:
+    assert clipped("short") == "short"
+    long = clipped("x" * 5000)
+    assert len(long) <= MAX_DETAILS and long.endswith("... (5000 characters)")
 
 
 async def test_messages_the_processor_refuses_are_invalid_argument(cluster, workers):

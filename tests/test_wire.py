@@ -144,6 +144,12 @@ def test_extension_still_parses_under_legacy_schema(legacy: ModuleType) -> None:
     assert params_from_proto(relayed).items == video_and_image().items
 
 
+def _nan(rows: int, width: int) -> torch.Tensor:
+    out = torch.randn(rows, width)
+    out[rows // 2, width // 2] = float("nan")
+    return out
+
+
 def _move_cut(item: multimodal_pb2.MultimodalItemMetadata, cut: int) -> None:
     """The cut between the item's two partitions moved to input row `cut`."""
     item.partitions[0].input_end = item.partitions[1].input_start = cut
@@ -175,6 +181,15 @@ def base_message() -> multimodal_pb2.MultimodalParams:
         (lambda m: m.embeddings[0].rows.shape.__setitem__(0, 7), "embeddings.rows"),
         (lambda m: setattr(m.embeddings[1], "item_index", 5), "embeddings.item_index"),
         (lambda m: setattr(m.embeddings[1].rows, "dtype", 99), "embeddings.rows"),
+        # Values that are not finite: their KV would enter the prefix cache.
+        (lambda m: m.embeddings[0].rows.CopyFrom(tensor_to_ref(_nan(8, 6))), "embeddings.rows"),
+        (
+            lambda m: m.embeddings[0].deepstack[1].CopyFrom(tensor_to_ref(_nan(8, 6))),
+            "embeddings.deepstack",
+        ),
+        # A shape of a million dimensions is refused by its count, before it is made.
+        (lambda m: m.embeddings[0].rows.shape.extend([1] * 1_000_000), "embeddings.rows"),
+        (lambda m: m.embeddings[0].deepstack[0].shape.extend([1] * 10), "embeddings.deepstack"),
     ],
 )
 def test_malformed_wire_names_field(mutate: object, field: str) -> None:
@@ -183,6 +198,13 @@ def test_malformed_wire_names_field(mutate: object, field: str) -> None:
     with pytest.raises(MultimodalLayoutError) as info:
         params_from_proto(msg)
     assert info.value.field == field, str(info.value)
+
+
+def test_a_tensor_of_too_many_dimensions_is_refused_by_their_count() -> None:
+    ref = tensor_to_ref(torch.zeros(1))
+    ref.shape[:] = [1] * 5_000_000
+    with pytest.raises(MultimodalLayoutError, match="5000000 dimensions, at most 8"):
+        tensor_from_ref(ref, "pixel_values")
 
 
 def test_tensor_ref_round_trip_dtypes() -> None:

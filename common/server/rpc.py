@@ -285,8 +285,21 @@ def status_for(exc: BaseException) -> tuple[Any, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+MAX_DETAILS = 1024  # characters of an error's details sent (gRPC refuses >16 KiB trailers)
+
+
+def clipped(details: str, limit: int = MAX_DETAILS) -> str:
+    """`details` cut to `limit` characters, saying how long it was: an error that repeats a
+    caller's list would otherwise overflow the trailers and reach the caller as
+    RESOURCE_EXHAUSTED, without its field."""
+    if len(details) <= limit:
+        return details
+    return f"{details[: limit - 40]}... ({len(details)} characters)"
+
+
 async def _abort(context: Any, exc: Exception, where: str) -> None:
     code, details = status_for(exc)
+    details = clipped(details)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("%s failed", where)
     else:

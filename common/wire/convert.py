@@ -26,6 +26,7 @@ from common.multimodal.validation import MultimodalLayoutError, validate_flat
 from epd.v1 import multimodal_pb2, tensor_pb2
 
 _MAX_INT64: Final = 2**63 - 1
+MAX_DIMS: Final = 8  # dimensions of a tensor sent inline (pixel rows and embeddings have 2)
 
 RUN_EXTENSION_VERSION = 1
 
@@ -106,6 +107,8 @@ def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.T
         raise MultimodalLayoutError(field, exc.reason) from None
     if ref.WhichOneof("data") != "inline_data":
         raise MultimodalLayoutError(field, "holds a transfer handle, not inline data")
+    if len(ref.shape) > MAX_DIMS:  # before a tuple, a reshape and a message of millions
+        raise MultimodalLayoutError(field, f"{len(ref.shape)} dimensions, at most {MAX_DIMS}")
     shape = tuple(int(d) for d in ref.shape)
     if any(d < 0 for d in shape):
         raise MultimodalLayoutError(field, f"negative dimension in shape {shape}")
@@ -302,7 +305,9 @@ def embeddings_from_proto(
     naming the field.
 
     Every embedding's declared shapes and element types are checked from the wire fields
-    before any tensor is decoded or pulled (a pull allocates the declared shape): rows
+    before any tensor is decoded or pulled (a pull allocates the declared shape), and every
+    value is finite once it is (a caller's NaN would compute KV that enters the prefix
+    cache; finite junk is the sender's to answer for, DESIGN §7): rows
     `[item length, width]`, `depth` deepstack tensors each of the rows' shape, floating
     element types. `width` and `depth` are the model's (`None`: any width, any depth).
     """
@@ -310,15 +315,19 @@ def embeddings_from_proto(
     for index, emb in given.items():
         _check_declared(emb, items[index].length, width, depth)
 
-    def tensor(ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
+    def tensor(ref: tensor_pb2.TensorRef, field: str, index: int) -> torch.Tensor:
         if ref.WhichOneof("data") == "handle" and resolve is not None:
-            return resolve(ref, field)
-        return tensor_from_ref(ref, field)
+            out = resolve(ref, field)
+        else:
+            out = tensor_from_ref(ref, field)
+        if not bool(torch.isfinite(out).all()):  # their KV would enter the prefix cache
+            raise MultimodalLayoutError(field, "holds NaN or infinite values", index)
+        return out
 
     return {
         index: ItemEmbedding(
-            tensor(emb.rows, "embeddings.rows"),
-            tuple(tensor(d, "embeddings.deepstack") for d in emb.deepstack),
+            tensor(emb.rows, "embeddings.rows", index),
+            tuple(tensor(d, "embeddings.deepstack", index) for d in emb.deepstack),
         )
         for index, emb in given.items()
     }
@@ -330,13 +339,12 @@ def _check_declared(
     """Raise `MultimodalLayoutError` unless `emb`'s wire shapes and element types fit an
     item of `length` rows and a model of `width` and `depth` (see `embeddings_from_proto`)."""
     index = emb.item_index
+    if len(emb.rows.shape) != 2:
+        raise MultimodalLayoutError(
+            "embeddings.rows", f"{len(emb.rows.shape)} dimensions, the item needs 2", index
+        )
     rows = tuple(emb.rows.shape)
-    if (
-        len(rows) != 2
-        or rows[0] != length
-        or rows[1] < 0
-        or (width is not None and rows[1] != width)
-    ):
+    if rows[0] != length or rows[1] < 0 or (width is not None and rows[1] != width):
         want = f"[{length}, {'width' if width is None else width}]"
         raise MultimodalLayoutError(
             "embeddings.rows", f"shape {list(rows)}, the item needs {want}", index
@@ -346,10 +354,11 @@ def _check_declared(
             "embeddings.deepstack", f"{len(emb.deepstack)} layers, the model has {depth}", index
         )
     for layer, ref in enumerate(emb.deepstack):
-        if tuple(ref.shape) != rows:
+        if len(ref.shape) != 2 or tuple(ref.shape) != rows:
+            shape = list(ref.shape) if len(ref.shape) <= MAX_DIMS else f"{len(ref.shape)}-D"
             raise MultimodalLayoutError(
                 "embeddings.deepstack",
-                f"layer {layer} has shape {list(ref.shape)}, the rows {list(rows)}",
+                f"layer {layer} has shape {shape}, the rows {list(rows)}",
                 index,
             )
     refs = [("embeddings.rows", emb.rows)] + [("embeddings.deepstack", d) for d in emb.deepstack]
