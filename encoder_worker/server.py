@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -293,7 +292,7 @@ async def serve(
         model=identity,
         protocol_version=PROTOCOL_VERSION,
         capabilities=[PATCH_CODES, *(["nixl"] if settings.nixl else [])],
-        name=settings.name or f"encoder-{os.getpid()}",
+        name=settings.name,
     )
     server.register(settings.routers, info, server.servicer.load, settings.router_dns)
     logger.info("encoder worker serving %s on %s (model %s)", path, server.address, identity)

@@ -295,3 +295,32 @@ def test_a_worker_of_the_same_name_at_a_new_address_replaces_the_old_record(
     encoder.name = "epd-prefill-0"
     registry.register(encoder)
     assert new in registry.workers(Role.PREFILL) and gone == [first.address]
+
+
+def test_two_live_workers_of_one_name_do_not_evict_each_other(
+    registry: Registry, clock: Clock
+) -> None:
+    # Two processes configured with one name: the second replaces the first (it may be a
+    # restart); when the first, alive, registers again, it is refused naming the clash
+    # instead of evicting the second on every heartbeat.
+    a = info(Role.ENCODER, 7001)
+    b = info(Role.ENCODER, 7002)
+    a.name = b.name = "encoder"
+    a.instance_id, b.instance_id = "process-a", "process-b"
+    registry.register(a)
+    registry.register(b)
+    with pytest.raises(RegistrationRefused, match="worker names must be unique"):
+        registry.register(a)
+    assert [w.address for w in registry.workers(Role.ENCODER)] == [b.address]
+    # A new process at the old address (a restart, another instance) is taken.
+    c = info(Role.ENCODER, 7001)
+    c.name, c.instance_id = "encoder", "process-c"
+    registry.register(c)
+    assert [w.address for w in registry.workers(Role.ENCODER)] == [c.address]
+    # The process it replaced is refused while a dead worker would still count as alive,
+    # and taken after (its record would have expired by then).
+    with pytest.raises(RegistrationRefused):
+        registry.register(b)
+    clock.now += registry.worker_timeout_s
+    registry.register(b)
+    assert [w.address for w in registry.workers(Role.ENCODER)] == [b.address]

@@ -94,7 +94,9 @@ class WorkerSettings(ServerSettings):
         "host:port whose name resolves to every router (a Kubernetes headless Service): the "
         "worker registers with each address, looked up again every 10 s (None: the lists only)",
     )
-    name: str = setting("", "stable worker name for the router (actor or pod name)")
+    name: str = setting(
+        "", "stable worker name for the router (actor or pod name; unique within a role)"
+    )
 
     @property
     def routers(self) -> tuple[str, ...]:
