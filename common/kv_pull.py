@@ -5,7 +5,10 @@ handle first).
 sides), the prompt blocks an `ImportPlan` lacks into the plan's own blocks, then digests
 them, on a worker thread: a READ waits on its holder (up to the pull timeout when the
 holder stalls), which the event loop must not (every other stream, the decode loop and the
-health checks run on it). The plan's blocks stay owned by the caller throughout; if the
+health checks run on it). The threads are this module's own (`PULL_THREADS`), not the
+event loop's default executor (a handful of threads on a small machine, shared with other
+work, that a few stalled holders would fill), and a READ that waited for one has that
+much less of its timeout. The plan's blocks stay owned by the caller throughout; if the
 awaiting task is cancelled while the READ runs, `on_orphan` is called once the READ has
 finished (NIXL may write the blocks until then), so the caller can give the blocks back
 only when it is safe.
@@ -17,7 +20,9 @@ import asyncio
 import functools
 import hmac
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -37,6 +42,9 @@ from common.wire.transfer import KIND_TO_MEMORY
 from epd.v1 import kv_pb2
 
 logger = logging.getLogger(__name__)
+
+PULL_THREADS = 32  # READs in flight at once, per process (each mostly waits on its holder)
+_pulls = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-kv-pull")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +101,12 @@ async def pull(
         remote,
         local,
         local_ids,
-        timeout_s=timeout_s,
+        deadline=time.monotonic() + timeout_s,
         remote_memory=KIND_TO_MEMORY[handle.memory_kind],
         remote_device_id=handle.blocks[0].device_id,
         peer_metadata=handle.agent_metadata,
     )
-    future = asyncio.get_running_loop().run_in_executor(None, read)
+    future = asyncio.get_running_loop().run_in_executor(_pulls, read)
     try:
         stats, digests = await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -130,11 +138,17 @@ def _read_and_digest(
     remote: list[tuple[int, int]],
     local: list[tuple[int, int]],
     local_ids: list[int],
+    *,
+    deadline: float,
     **read_options: object,
 ) -> tuple[TransferStats, list[bytes]]:
-    """One READ, then the digests of the blocks it wrote (same thread: no hop between)."""
+    """One READ, then the digests of the blocks it wrote (same thread: no hop between),
+    given what is left until `deadline` (`time.monotonic`) as its timeout."""
+    left = deadline - time.monotonic()
+    if left <= 0:  # spent waiting for a thread: no READ was started
+        raise TransferTimeoutError("the KV pull timed out before its READ started", True)
     try:
-        stats = agent.read(peer, remote, local, **read_options)  # type: ignore[arg-type]
+        stats = agent.read(peer, remote, local, timeout_s=left, **read_options)  # type: ignore[arg-type]
     except TransferTimeoutError:
         raise
     except TransferRefusedError as exc:

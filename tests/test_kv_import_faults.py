@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
 
+from common import kv_pull
 from common.kv.allocator import KvAllocator
 from common.kv.cache import KvCacheSpec, PagedKvCache
 from common.kv.digest import cache_block_digests
@@ -178,3 +180,79 @@ async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_bloc
     assert allocator.pool.num_used_blocks == 0
     allocator.pool.check_invariants()
     model.close()
+
+
+async def timed_pull(
+    agent: Any, allocator: KvAllocator, timeout_s: float
+) -> tuple[float, BaseException | None]:
+    """One pull of one block through `agent`: seconds it took, and what it raised."""
+    plan = allocator.plan_import(None, 4, 8)
+    handle = kv_pb2.KvHandle(
+        agent_name="holder",
+        agent_metadata=b"m",
+        memory_kind=tensor_pb2.MEMORY_KIND_HOST,
+        blocks=[kv_pb2.KvBlockDescriptor(address=0, length=BLOCK_BYTES)],
+        block_digests=[b"d"],
+    )
+    start = time.monotonic()
+    try:
+        await pull(
+            agent,
+            big_blocks_runner(allocator),
+            handle,
+            plan,
+            timeout_s=timeout_s,
+            on_orphan=lambda: None,
+        )
+    except Exception as exc:
+        return time.monotonic() - start, exc
+    return time.monotonic() - start, None
+
+
+@pytest.fixture
+def fake_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_pull, "cache_block_digests", lambda kv, ids: [b"d"] * len(ids))
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_read_leaves_the_loop_and_healthy_pulls_free(fake_digests: None) -> None:
+    allocator = KvAllocator.create(64, 4, b"r" * 32)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.ensure_future(tick())
+    # More stalled READs than the event loop's default executor has threads on a small
+    # machine (min(32, cores + 4)): a healthy holder's pull does not queue behind them.
+    stalled = [
+        asyncio.ensure_future(timed_pull(SlowAgent(0.5, None), allocator, 5.0)) for _ in range(8)
+    ]
+    await asyncio.sleep(0.05)
+    healthy, error = await timed_pull(SlowAgent(0.0, None), allocator, 5.0)
+    assert error is None and healthy < 0.3
+    await asyncio.gather(*stalled)
+    ticker.cancel()
+    assert ticks >= 20  # the loop ran on through the 0.5 s READs
+
+
+@pytest.mark.asyncio
+async def test_time_spent_waiting_for_a_thread_counts_against_the_timeout(
+    fake_digests: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one = ThreadPoolExecutor(1)
+    monkeypatch.setattr(kv_pull, "_pulls", one)
+    allocator = KvAllocator.create(64, 4, b"r" * 32)
+    agent = SlowAgent(0.4, None)
+    first = asyncio.ensure_future(timed_pull(agent, allocator, 5.0))
+    await asyncio.sleep(0.05)
+    waited, error = await timed_pull(agent, allocator, 0.2)
+    # Its READ never started: timed out having waited for the only thread, cancelled
+    # (nothing can still write its blocks).
+    assert isinstance(error, TransferTimeoutError) and error.cancelled
+    assert waited < 0.6
+    assert (await first)[1] is None
+    one.shutdown()
