@@ -17,6 +17,7 @@ import torch
 
 from common import kv_pull
 from common.kv.allocator import KvAllocator
+from common.kv.block_pool import NoFreeBlocksError
 from common.kv.cache import KvCacheSpec, PagedKvCache
 from common.kv.digest import cache_block_digests
 from common.kv_pull import pull
@@ -256,3 +257,22 @@ async def test_time_spent_waiting_for_a_thread_counts_against_the_timeout(
     assert waited < 0.6
     assert (await first)[1] is None
     one.shutdown()
+
+
+def test_a_plan_that_waits_for_blocks_counts_its_lookups_once() -> None:
+    # A request waiting for free blocks plans again on every wake-up: the prefix-cache
+    # lookups (`vllm:prefix_cache_queries` / `_hits`) count the plan that got its blocks.
+    allocator = KvAllocator.create(6, 4, b"r" * 32)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    first = allocator.plan_import(hashes, 12, 12)
+    allocator.finish_import(first, hashes)
+    allocator.abort_import(first)  # its blocks stay cached, unreferenced
+    hog = allocator.pool.allocate(3)  # 3 of 6 left: the 3 cached
+    before = (allocator.pool.lookups, allocator.pool.hits)
+    for _ in range(3):  # the three hits, and 2 blocks more than are free
+        with pytest.raises(NoFreeBlocksError):
+            allocator.plan_import(hashes, 12, 20)
+    assert (allocator.pool.lookups, allocator.pool.hits) == before
+    allocator.pool.release(hog)
+    allocator.plan_import(hashes, 12, 20)
+    assert (allocator.pool.lookups, allocator.pool.hits) == (before[0] + 3, before[1] + 3)

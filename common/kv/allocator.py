@@ -173,10 +173,11 @@ class KvAllocator:
         digests of their bytes now), a cached block whose bytes no longer have the digest
         recorded for them is uncached and counted (`_drop_changed`) and pulled instead.
         The caller owns the plan's blocks and must pass the plan to `finish_import` (after
-        the pull) or `abort_import`. Raises `NoFreeBlocksError` with nothing taken.
+        the pull) or `abort_import`. Raises `NoFreeBlocksError` with nothing taken (and
+        nothing counted: a request that waits for blocks plans again).
         """
         pool, bs = self.pool, self.block_size
-        found = pool.find_cached(hashes or [])
+        found = pool.find_cached(hashes or [], count=False)
         if digests_now is not None:  # reuse only blocks whose bytes are still the ones pulled
             changed = self._drop_changed([b for b in found if b is not None], digests_now)
             found = [None if b in changed else b for b in found]
@@ -188,6 +189,7 @@ class KvAllocator:
         except Exception:
             pool.release(hit_ids)
             raise
+        pool.count_lookups(len(found), len(hit_ids))
         blocks = [b if b is not None else next(fresh) for b in found]
         blocks.extend(fresh)
         reused = [i for i, b in enumerate(found) if b is not None]

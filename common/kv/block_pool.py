@@ -153,13 +153,19 @@ class BlockPool:
         self.hits += len(out)
         return out
 
-    def find_cached(self, block_hashes: Sequence[bytes]) -> list[int | None]:
+    def find_cached(self, block_hashes: Sequence[bytes], *, count: bool = True) -> list[int | None]:
         """For each hash, the block caching it or None (not only a prefix: a pulled prompt
-        reuses any cached block). Takes no reference; counts like `find_cached_prefix`."""
+        reuses any cached block). Takes no reference; counts like `find_cached_prefix`
+        unless not `count` (the caller counts what it used: `count_lookups`)."""
         out = [self._hash_to_block.get(h) for h in block_hashes]
-        self.lookups += len(out)
-        self.hits += sum(b is not None for b in out)
+        if count:
+            self.count_lookups(len(out), sum(b is not None for b in out))
         return out
+
+    def count_lookups(self, asked: int, hit: int) -> None:
+        """Count `asked` hashes looked up, `hit` of them found."""
+        self.lookups += asked
+        self.hits += hit
 
     def get(self, block_hash: bytes) -> int | None:
         """The block caching `block_hash`, or None. Takes no reference and counts nothing."""
