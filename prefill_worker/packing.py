@@ -166,8 +166,8 @@ class PrefillPacker:
                     if prompt.result is None and prompt.error is None and not prompt.cancelled:
                         prompt.error = RuntimeError("the prefill was not computed")
                 orphans = [p for p in done if p.cancelled and p.result is not None]
-            computed = len(pack) - len(deferred)
-            self.packs += 1
+            computed = sum(p.result is not None for p in done)  # not the refused ones
+            self.packs += computed > 0
             if computed > 1:
                 self.packed += computed
             for prompt in orphans:
