@@ -10,6 +10,7 @@ counters `Admission` and `WorkerCalls` keep, at scrape time.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,7 @@ class RouterMetrics:
         self._admission = admission
         self._calls = calls
         self._embeddings = embeddings  # the encode stage's kept outputs (None: off)
-        self.in_flight = 0  # streams inside `track`
+        self.in_flight = 0  # requests inside `request`: from arrival (processing) to the end
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time from the request's arrival to its first token.",
@@ -176,11 +177,20 @@ class RouterMetrics:
 
         self.registry.register(ScrapeCollector(scrape))
 
+    @contextlib.asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        """Counts one request in flight (`vllm:num_requests_running`, with the admission
+        queue's `waiting` taken off) for as long as it runs, its processing included."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
     async def track(self, stream: AsyncIterator[Chunk], started: float) -> AsyncIterator[Chunk]:
         """Yield `stream`'s chunks, observing TTFT, inter-token latency and (when the stream
         ends normally) end-to-end latency from `started` (time.monotonic() at arrival).
         Closes `stream` (an async generator) when closed early."""
-        self.in_flight += 1
         last: float | None = None
         try:
             async for chunk in stream:
@@ -196,6 +206,5 @@ class RouterMetrics:
                 yield chunk
             self.e2e.observe(time.monotonic() - started)
         finally:
-            self.in_flight -= 1
             if isinstance(stream, AsyncGenerator):
                 await stream.aclose()

@@ -173,7 +173,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
         media = MediaHold(self.held, holds, caller.tenant)
-        async with self.lifecycle.track():
+        async with self.lifecycle.track(), self.orchestrator.metrics.request():
             try:
                 check_ids(request)
                 cache_salt = tenant_salt(

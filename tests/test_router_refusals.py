@@ -7,8 +7,13 @@ and a router without workers answers UNAVAILABLE.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import grpc
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.sampling import SamplingParams
 from common.server.rpc import MAX_DETAILS, clipped
@@ -101,3 +106,31 @@ async def test_no_workers_is_unavailable(cluster):
         await cluster.client.generate_text(TEXT)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "no prefill worker" in err.value.details
+
+
+async def test_a_request_being_processed_counts_as_running(cluster, workers):
+    # `vllm:num_requests_running` counts a request from its arrival: its processing (media
+    # decoded, hashed) is part of it, not a gap where it shows nowhere.
+    servicer = cluster.router.servicer
+    prepare, entered, release = servicer._prepare, threading.Event(), threading.Event()
+
+    def slow_prepare(*args):
+        entered.set()
+        release.wait(10)
+        return prepare(*args)
+
+    servicer._prepare = slow_prepare
+    try:
+        answer = asyncio.ensure_future(cluster.client.generate_text(TEXT))
+        assert await asyncio.to_thread(entered.wait, 10)
+        families = text_string_to_metric_families(
+            generate_latest(cluster.router.orchestrator.metrics.registry).decode()
+        )
+        running = {s.name: s.value for f in families for s in f.samples}
+        assert running["vllm:num_requests_running"] == 1
+        release.set()
+        await answer
+    finally:
+        release.set()
+        servicer._prepare = prepare
+    assert cluster.router.orchestrator.metrics.in_flight == 0
