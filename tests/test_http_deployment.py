@@ -134,8 +134,18 @@ async def test_models_completions_and_health(deployment: Cluster) -> None:
     # The prompt is tokenized as it is: no chat template around it.
     plain = Processor.from_pretrained(deployment.model).process_text("Once upon a time")
     assert done.usage.prompt_tokens == len(plain.prompt_token_ids)
-    # The router's Prometheus metrics are on the API port too, and count the requests.
-    with urllib.request.urlopen(f"{deployment.http_url}/metrics", timeout=10) as response:
+    # The router's Prometheus metrics are on the API port too, for an admin key (the page
+    # shows every tenant's traffic), and count the requests.
+    page = f"{deployment.http_url}/metrics"
+    for key, status in ((None, 401), (deployment.client_key, 403)):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(page, headers=headers), timeout=10)
+        assert refused.value.code == status
+    admin = urllib.request.Request(
+        page, headers={"Authorization": f"Bearer {deployment.admin_key}"}
+    )
+    with urllib.request.urlopen(admin, timeout=10) as response:
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
     e2e = families["vllm:e2e_request_latency_seconds"]
     assert next(s.value for s in e2e.samples if s.name.endswith("_count")) >= 1

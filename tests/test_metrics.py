@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.engine import Engine
 from common.models.tiny import make_tiny_checkpoint
 from common.sampling import SamplingParams
-from common.server.metrics import MetricsEndpoint, asgi_app, counter, scrape_registry
+from common.server.metrics import MetricsEndpoint, counter, scrape_registry
 from common.server.role import RoleServer
 from common.settings.base import ServerSettings
 from common.settings.schema import SettingsError
@@ -207,22 +207,6 @@ async def test_endpoint_serves_its_registry_and_frees_its_port() -> None:
         s.listen()
         with pytest.raises(SettingsError, match="metrics_port"):
             MetricsEndpoint.start(registry, "127.0.0.1", port)  # taken now
-
-
-async def test_asgi_app_serves_the_registry() -> None:
-    app = asgi_app(scrape_registry(lambda: [counter("epd:test_asgi", "A thing.", 5)]))
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "method": "GET", "path": "/", "query_string": b"", "headers": []}
-    await app(scope, receive, send)
-    assert sent[0]["status"] == 200
-    assert b"epd:test_asgi_total 5.0" in b"".join(m.get("body", b"") for m in sent)
 
 
 async def test_metrics_port_is_checked() -> None:

@@ -284,7 +284,17 @@ async def test_openai_client_streams_an_image_chat_with_cached_tokens_and_metric
     assert cached[1] > 0, cached
     base = served.http_url.removesuffix("/v1")
     metrics = await asyncio.to_thread(
-        lambda: urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        lambda: (
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{base}/metrics",
+                    headers={"Authorization": f"Bearer {default_api_key('admin_key')}"},
+                ),
+                timeout=10,
+            )
+            .read()
+            .decode()
+        )
     )
     families = {f.name: f for f in text_string_to_metric_families(metrics)}
     count = next(

@@ -6,8 +6,8 @@ so several servers in one process (tests, `epd serve` on one node) never collide
 the servicers already keep are not mirrored on the hot path: a `ScrapeCollector` reads them
 when `/metrics` is scraped. `MetricsEndpoint.start` serves a registry on `host:port` (port
 0: a free one) and logs `EPD_METRICS_ADDRESS=host:port`; whoever started it closes it
-(`RoleServer.stop` does, after gRPC). `asgi_app(registry)` is the same page for an ASGI
-front door (the router's HTTP API mounts it at `/metrics`).
+(`RoleServer.stop` does, after gRPC). The router's HTTP API serves its registry at
+`/metrics` for an admin key (`router.http.serve`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, make_asgi_app, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -27,6 +27,10 @@ from common.kv.block_pool import BlockPool
 from common.settings.schema import SettingsError
 
 logger = logging.getLogger(__name__)
+
+# No `*_created` sample beside each counter and histogram: nothing here documents or reads
+# them, and they double the page's series (process-wide, as prometheus_client sets it).
+disable_created_metrics()
 
 Scrape = Callable[[], Iterable[Any]]  # yields prometheus_client Metric families
 
@@ -111,8 +115,3 @@ class MetricsEndpoint:
             return
         await asyncio.to_thread(server.shutdown)
         server.server_close()
-
-
-def asgi_app(registry: CollectorRegistry) -> Any:
-    """An ASGI app serving `registry` in the Prometheus text format (mount at /metrics)."""
-    return make_asgi_app(registry=registry)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from starlette.routing import Route
+import grpc
+from fastapi import Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from common.server.metrics import asgi_app
+from common.server.auth import AUTHORIZATION, Need
 from router.http.app import HttpServer, build_app
 from router.http.connections import ConnectionStats, bounded_protocol
+from router.http.errors import ApiError
 from router.http.media import MediaPolicy
 from router.settings import RouterSettings
 
@@ -34,12 +36,21 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
     model_id = settings.served_model_name or path.name
     app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
     metrics = running.servicer.orchestrator.metrics
-    # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them):
-    # the route answers /metrics itself (a mount alone answers it with a 307 to /metrics/,
-    # an empty page for a client that does not follow redirects, such as curl).
-    page = asgi_app(metrics.registry)
-    app.router.routes.append(Route("/metrics", _AsgiEndpoint(page), methods=["GET"]))
-    app.mount("/metrics", page)
+    # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them),
+    # for an admin key: the API port faces clients, and the page shows every tenant's
+    # traffic (`metrics_port` serves it without a key, on `metrics_host`).
+    auth = running.auth
+
+    @app.get("/metrics")
+    async def metrics_page(request: Request) -> Response:
+        if auth is not None:
+            found = auth.identify([(AUTHORIZATION, request.headers.get("authorization", ""))])
+            if found is None:
+                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "needs a valid API key (Bearer)")
+            if not found.satisfies(Need.ADMIN):
+                raise ApiError(grpc.StatusCode.PERMISSION_DENIED, "needs an admin API key")
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     connections = ConnectionStats()
     metrics.watch(running.servicer.held, connections)
     http = HttpServer(
@@ -58,14 +69,3 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
     running.cleanup.insert(0, http.stop)
     running.http_address = http.address
     logger.info("HTTP API (OpenAI-compatible) on http://%s serving %s", http.address, model_id)
-
-
-class _AsgiEndpoint:
-    """An ASGI app as a route's endpoint (Starlette calls an endpoint that is not a function
-    as an ASGI app, and a function as a request handler)."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.app(scope, receive, send)
