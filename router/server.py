@@ -180,6 +180,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     self.salt_key,
                     caller.tenant,
                     request.cache_salt if request.HasField("cache_salt") else None,
+                    caller.cache_epoch,
                 )
                 sampling, prompt = await asyncio.to_thread(
                     self._prepare, request, cache_salt, media

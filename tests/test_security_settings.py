@@ -3,6 +3,8 @@ making a token and keys per deployment, the method -> principal policy and the t
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import stat
 from pathlib import Path
@@ -141,6 +143,39 @@ def test_tenant_salts() -> None:
     assert tenant_salt(key, "a", "") not in (a, tenant_salt(key, "b", ""))
     assert tenant_salt(b"x" * 32, "a", None) != a  # another deployment, other salts
     assert tenant_salt(None, None, "mine") == "mine"  # insecure: no tenants
+    # A tenant's cache epoch: a new one is a new cache, the same name notwithstanding, and
+    # no epoch keeps the salts of before (caches of running deployments stay theirs).
+    assert (
+        a
+        == "tenant:"
+        + hmac.new(key, b"\0\0\0\x12epd-tenant-salt-v1\0\0\0\x01a", hashlib.sha256).hexdigest()
+    )
+    again = tenant_salt(key, "a", None, "2026-12")
+    assert again not in (a, tenant_salt(key, "a", "2026-12"), tenant_salt(key, "a", None, "x"))
+    assert tenant_salt(key, "a", "s", "e") != tenant_salt(key, "a", "e", "s")
+
+
+def test_a_tenants_keys_share_one_cache_epoch(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    entry = '[[keys]]\nkey = "{key}"\ntenant = "{tenant}"\n{extra}\n'
+    path.write_text(
+        entry.format(key="k" * 16, tenant="acme", extra='cache_epoch = "2"')
+        + entry.format(key="l" * 16, tenant="acme", extra='cache_epoch = "2"')
+        + entry.format(key="m" * 16, tenant="ops", extra="")
+    )
+    keys = load_api_keys(path)
+    assert [k.cache_epoch for k in keys] == ["2", "2", ""]
+    caller = Authenticator(None, keys).identify([("authorization", "Bearer " + "l" * 16)])
+    assert caller == Caller("acme", cache_epoch="2")  # the router salts with it
+    path.write_text(
+        entry.format(key="k" * 16, tenant="acme", extra='cache_epoch = "2"')
+        + entry.format(key="l" * 16, tenant="acme", extra="")
+    )
+    with pytest.raises(SettingsError, match=r"keys\[1\]\.cache_epoch: differs"):
+        load_api_keys(path)
+    path.write_text(entry.format(key="k" * 16, tenant="acme", extra="cache_epoch = 2"))
+    with pytest.raises(SettingsError, match=r"keys\[0\]\.cache_epoch"):
+        load_api_keys(path)
 
 
 def test_every_method_maps_to_its_principal() -> None:

@@ -74,6 +74,7 @@ class Caller:
     tenant: str | None  # the API key's tenant; None for the cluster and anonymous callers
     admin: bool = False  # an admin key (or the cluster)
     cluster: bool = False  # presented the cluster bearer: another service of the deployment
+    cache_epoch: str = ""  # the tenant's (`ApiKey.cache_epoch`), salted into its caches
 
     def satisfies(self, need: Need) -> bool:
         """Whether this caller may call a method needing `need`."""
@@ -141,7 +142,7 @@ class Authenticator:
             found = CLUSTER
         for key in self._keys:  # every entry compared: time does not depend on which matched
             if hmac.compare_digest(digest, key.digest) and found is None:
-                found = Caller(key.tenant, admin=key.admin)
+                found = Caller(key.tenant, admin=key.admin, cache_epoch=key.cache_epoch)
         return found
 
     def principal(self, context: Any) -> Caller:

@@ -28,6 +28,7 @@ from common.settings.schema import SettingsError
 MIN_KEY_CHARS = 16
 # Largest keys file read.
 MAX_KEYS_FILE_BYTES = 1 << 20
+MAX_EPOCH_CHARS = 64  # a `cache_epoch`
 # Where `epd serve` writes the deployment's keys, under `state_dir(namespace)`.
 CLIENT_KEY_FILE = "client_key"
 ADMIN_KEY_FILE = "admin_key"
@@ -42,11 +43,12 @@ class ApiKey:
     digest: bytes  # sha256 of the key's UTF-8 bytes; the key itself is not kept
     tenant: str  # the tenant the key belongs to
     admin: bool  # may call AdminService
+    cache_epoch: str = ""  # salted into the tenant's caches: a new one leaves the old behind
 
     @classmethod
-    def of(cls, key: str, tenant: str, admin: bool = False) -> ApiKey:
+    def of(cls, key: str, tenant: str, admin: bool = False, cache_epoch: str = "") -> ApiKey:
         """The entry for a plain key."""
-        return cls(key_digest(key), tenant, admin)
+        return cls(key_digest(key), tenant, admin, cache_epoch)
 
 
 def key_digest(key: str) -> bytes:
@@ -81,18 +83,26 @@ def load_api_keys(path: str | Path) -> tuple[ApiKey, ...]:
     keys: list[ApiKey] = []
     for i, entry in enumerate(entries):
         at = f"{where}: keys[{i}]"
-        if not isinstance(entry, dict) or set(entry) - {"key", "tenant", "admin"}:
-            raise SettingsError(f"{at}: expected only key, tenant and admin")
+        if not isinstance(entry, dict) or set(entry) - {"key", "tenant", "admin", "cache_epoch"}:
+            raise SettingsError(f"{at}: expected only key, tenant, admin and cache_epoch")
         key, tenant, admin = entry.get("key"), entry.get("tenant"), entry.get("admin", False)
+        epoch = entry.get("cache_epoch", "")
         if not isinstance(key, str) or len(key) < MIN_KEY_CHARS:
             raise SettingsError(f"{at}.key: must be a string of at least {MIN_KEY_CHARS} chars")
         if not isinstance(tenant, str) or not tenant:
             raise SettingsError(f"{at}.tenant: must be a non-empty string")
         if not isinstance(admin, bool):
             raise SettingsError(f"{at}.admin: must be true or false")
-        parsed = ApiKey.of(key, tenant, admin)
+        if not isinstance(epoch, str) or len(epoch) > MAX_EPOCH_CHARS:
+            raise SettingsError(
+                f"{at}.cache_epoch: must be a string of at most {MAX_EPOCH_CHARS} characters"
+            )
+        parsed = ApiKey.of(key, tenant, admin, epoch)
         if any(k.digest == parsed.digest for k in keys):
             raise SettingsError(f"{at}.key: appears twice")
+        if any(k.tenant == tenant and k.cache_epoch != epoch for k in keys):
+            # The tenant's keys share its caches: one epoch for all of them.
+            raise SettingsError(f"{at}.cache_epoch: differs from tenant {tenant!r}'s other keys")
         keys.append(parsed)
     return tuple(keys)
 
