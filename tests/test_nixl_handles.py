@@ -8,6 +8,7 @@ before `read_tensor` allocates anything.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -15,8 +16,14 @@ from typing import Any
 import pytest
 import torch
 
+from common.transfer import agent as agent_module
 from common.transfer.agent import TransferAgent
-from common.transfer.types import TransferDigestError, TransferRefusedError
+from common.transfer.types import (
+    TransferDigestError,
+    TransferError,
+    TransferRefusedError,
+    TransferTimeoutError,
+)
 from common.wire.transfer import read_tensor, tensor_digest
 from epd.v1 import tensor_pb2
 from tests.nixl_holder_helpers import (
@@ -206,3 +213,37 @@ def test_bad_handle_is_refused_before_anything_is_allocated(
     monkeypatch.setattr(torch, "empty", no_allocation)
     with pytest.raises(error, match=message):
         read_tensor(handle, torch.float32, shape, agent)
+
+
+class _Handle:
+    """A transfer handle whose release NIXL refuses (`refuse`) or takes."""
+
+    def __init__(self, refuse: bool) -> None:
+        self.refuse = refuse
+
+    def release(self) -> None:
+        if self.refuse:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+
+
+@pytest.mark.parametrize("refuse", [True, False])
+def test_a_failed_read_nixl_will_not_release_is_one_to_quarantine(
+    monkeypatch: pytest.MonkeyPatch, refuse: bool
+) -> None:
+    # A READ that failed (not timed out) while NIXL kept its handle may still write the
+    # local ranges: it surfaces as a timeout that could not be cancelled, which every
+    # caller answers by keeping that memory; a released one is a plain TransferError.
+    def failing(*args: Any) -> None:
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(agent_module, "post_and_wait", failing)
+    agent = object.__new__(TransferAgent)
+    agent.name, agent._lock, agent._leaked = "test", threading.Lock(), []
+    handle = _Handle(refuse)
+    with pytest.raises(TransferError) as failed:
+        agent._post_and_wait(handle, "peer", 64, 1.0, 0.0)
+    if refuse:
+        assert isinstance(failed.value, TransferTimeoutError) and not failed.value.cancelled
+        assert agent._leaked == [handle]
+    else:
+        assert not isinstance(failed.value, TransferTimeoutError) and agent._leaked == []

@@ -8,6 +8,7 @@ each refused or reported, with the agent still usable afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from multiprocessing.connection import Connection
 from typing import Any
@@ -124,7 +125,7 @@ def test_merge_stops_at_local_registration_boundary(
         assert torch.equal(local.view(4, BLOCK_BYTES)[b], block_pattern(b))
 
 
-async def test_read_async_random_subset(
+async def test_a_read_on_a_worker_thread_random_subset(
     agent: TransferAgent, holder: tuple[Connection, dict[str, Any]], peer: str
 ) -> None:
     rng = random.Random(7)
@@ -134,7 +135,8 @@ async def test_read_async_random_subset(
     local = torch.zeros(NUM_BLOCKS * BLOCK_BYTES, dtype=torch.uint8)
     region = agent.register(local)
     try:
-        stats = await agent.read_async(
+        stats = await asyncio.to_thread(
+            agent.read,
             peer,
             [(base + b * BLOCK_BYTES, BLOCK_BYTES) for b in blocks],
             [(local.data_ptr() + s * BLOCK_BYTES, BLOCK_BYTES) for s in slots],

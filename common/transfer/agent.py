@@ -6,18 +6,18 @@ host DRAM between processes on CPU-only machines and device memory where there a
 
 Lifecycle: construct (creates the agent and its UCX backend) -> `register` the buffers peers
 may read or this process reads into -> send `metadata()` to peers (after registering: the
-metadata is a snapshot of the registrations) -> `add_peer` for each holder -> `read` /
-`read_async` -> `close()`. Snapshots may reach a reader in any order: `add_peer` loads each
-at most once, `refresh_peer` starts a peer over from one snapshot, and `read` given
-`peer_metadata` does that and retries once when NIXL refuses the remote ranges (the rules,
-and why NIXL needs them, are in `peers`).
+metadata is a snapshot of the registrations) -> `add_peer` for each holder -> `read` (it
+blocks: servers call it on worker threads) -> `close()`. Snapshots may reach a reader in
+any order: `add_peer` loads each at most once, `refresh_peer` starts a peer over from one
+snapshot, and `read` given `peer_metadata` does that and retries once when NIXL refuses the
+remote ranges (the rules, and why NIXL needs them, are in `peers`).
 
 Ownership: `register` keeps a reference to the tensor until `deregister` or `close`, so
 registered memory is never freed while NIXL may still touch it. The caller owns the tensor's
 contents. A holder must keep a range alive (lease) until the reader confirms its READ.
 
-Thread safety: all public methods may be called from several threads (servers call
-`read_async`, which runs `read` in a worker thread). Python-side state is guarded by a lock
+Thread safety: all public methods may be called from several threads (servers run `read`
+on worker threads). Python-side state is guarded by a lock
 and the nixl agent is created with NIXL_THREAD_SYNC_STRICT. Neither `close()` nor
 `deregister(region)` may race with a read in flight that touches the region; stop those reads
 first.
@@ -28,7 +28,6 @@ in `polling`, the peers' snapshots in `peers`, finding the NIXL package in `nixl
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -301,31 +300,6 @@ class TransferAgent:
         )
         return stats
 
-    async def read_async(
-        self,
-        peer: str,
-        remote: Ranges,
-        local: Ranges,
-        *,
-        timeout_s: float,
-        remote_memory: str = HOST_MEMORY,
-        remote_device_id: int = 0,
-        merge: bool = True,
-    ) -> TransferStats:
-        """`read` in a worker thread, so an asyncio server keeps serving meanwhile. Cancelling
-        the awaiting task does not stop the transfer: the thread runs it to completion or
-        timeout, so the local ranges must stay allocated until then."""
-        return await asyncio.to_thread(
-            self.read,
-            peer,
-            remote,
-            local,
-            timeout_s=timeout_s,
-            remote_memory=remote_memory,
-            remote_device_id=remote_device_id,
-            merge=merge,
-        )
-
     def _post_and_wait(
         self, handle: Any, peer: str, nbytes: int, timeout_s: float, started: float
     ) -> None:
@@ -336,7 +310,15 @@ class TransferAgent:
             exc.cancelled = self._release(handle, False)
             raise
         except BaseException as exc:
-            self._release(handle, False)
+            released = self._release(handle, False)
+            if isinstance(exc, Exception) and not released:
+                # NIXL kept a transfer it would not release: it may still write the local
+                # ranges, so the caller must keep them, as after a timeout it could not cancel.
+                raise TransferTimeoutError(
+                    f"READ of {nbytes} bytes from {peer!r} failed ({exc}) and could not be "
+                    "released",
+                    cancelled=False,
+                ) from exc
             if isinstance(exc, Exception) and not isinstance(exc, TransferError):
                 # The binding's own errors, e.g. NIXL_ERR_REMOTE_DISCONNECT from a dead peer.
                 raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed: {exc}") from exc
