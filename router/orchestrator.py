@@ -305,21 +305,24 @@ class Orchestrator:
                 raise
         route = self.routing.route(job, choose.hashes, worker, choose)
         self.metrics.planning.labels("route").observe(time.perf_counter() - planning)
-        self.metrics.items_skipped.inc(len(route.skip))
         every = range(len(job.prompt.params.items))
         to_encode = [i for i in every if i not in route.skip]
         encoding = time.perf_counter()
+        skipped_partitions = 0
         if self.overlap is not None:
             encoded = await self.overlap.encode(job, route, to_encode)
         else:
             past = partitions_past(job.prompt.params.items, to_encode, cached_tokens(route))
-            self.metrics.partitions_skipped.inc(sum(past.values()))
+            skipped_partitions = sum(past.values())
             encoded = await self.encoder.encode(job, to_encode, past)
         prefilling = time.perf_counter()
         try:
             try:
                 out = await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
                 log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
+                # Counted once the prefill took them so (its fallback encodes them all).
+                self.metrics.items_skipped.inc(len(route.skip))
+                self.metrics.partitions_skipped.inc(skipped_partitions)
                 return out
             except RouterError as exc:
                 spans = any(emb.HasField("partition_start") for emb in encoded.embeddings)

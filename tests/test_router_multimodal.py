@@ -52,6 +52,7 @@ async def test_prefill_goes_to_the_worker_caching_the_prefix_and_skips_covered_i
     assert len(warm.requests) == 2 and cold.requests == []
     assert enc.requests == []  # the image lies inside the cached prefix
     assert len(warm.requests[0].multimodal.embeddings) == 0
+    assert cluster.router.orchestrator.metrics.items_skipped._value.get() == 2
 
 
 async def test_skipped_items_are_encoded_when_the_cache_moved_on(cluster):
@@ -66,6 +67,8 @@ async def test_skipped_items_are_encoded_when_the_cache_moved_on(cluster):
     assert result.token_ids == [FIRST, 101]
     assert len(pre.requests) == 2 and len(enc.requests) == 1
     assert len(pre.requests[1].multimodal.embeddings) == 1
+    # Skipped at first, then encoded after all: not counted as skipped.
+    assert cluster.router.orchestrator.metrics.items_skipped._value.get() == 0
 
 
 async def test_image_embeddings_pass_through_to_prefill_only(cluster, workers):
