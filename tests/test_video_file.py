@@ -106,6 +106,19 @@ def test_a_file_is_sampled_at_the_rate_with_the_containers_times(fmt, codec, suf
 def test_a_rate_above_the_sources_keeps_every_frame_once(mp4):
     video = decode_video(mp4, fps=30.0, max_frames=768)
     assert video.times == tuple(k / 8 for k in range(16))
+    assert video.fps == 8.0  # the rate its frames come at, not the one asked for
+
+
+@pytest.mark.parametrize("fps", [1.0, 2.0, 4.0, 8.0])
+def test_a_rate_above_the_sources_drops_no_frame(processor, fps):
+    # 8 s at 1 frame a second, sampled at 1 to 8: the same 8 frames each time, and the
+    # processor keeps them all (it took a faster rate for a shorter video, and kept 4, 2,
+    # then 1 temporal patch of them).
+    slow = make_video(frames=8, rate=1)
+    video = decode_video(slow, fps=fps, max_frames=768)
+    assert video.times == tuple(float(k) for k in range(8))
+    prompt = processor.process(video_chat(video, fps=fps))
+    assert prompt.params.items[0].grid_thw == (4, 4, 4)
 
 
 def test_the_frame_cap_spreads_the_frames_over_the_duration(mp4):
@@ -113,7 +126,7 @@ def test_the_frame_cap_spreads_the_frames_over_the_duration(mp4):
     assert sample_times(2.0, 8.0, 4) == (0.0, 0.5, 1.0, 1.5)  # 16 wanted, 4 uniform
     assert sample_times(0.1, 2.0, 768) == (0.0,)  # a short video keeps its first frame
     video = decode_video(mp4, fps=8.0, max_frames=4)
-    assert video.times == (0.0, 0.5, 1.0, 1.5)
+    assert video.times == (0.0, 0.5, 1.0, 1.5) and video.fps == 2.0
     assert len(decode_video(mp4, fps=8.0, max_frames=3).times) == 3
 
 

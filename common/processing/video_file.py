@@ -144,7 +144,17 @@ class VideoFile:
                 break
         if not frames:
             raise VideoFileError(self.field, "has no decodable frames")
-        return TimedFrames(np.stack(frames), tuple(times), self.fps)
+        return TimedFrames(np.stack(frames), tuple(times), self._rate(len(frames)))
+
+    def _rate(self, kept: int) -> float:
+        """The rate `kept` frames stand for: the asked `fps` when each of its sample times
+        got a frame, else (a source slower than `fps`, or `max_frames` spreading them) as
+        many frames as the header's duration holds; the processor reads a video's length
+        as frames / rate, and would otherwise take it for shorter and drop frames."""
+        header = self.header
+        if kept == max(1, math.ceil(header.duration_s * self.fps - 1e-9)):
+            return self.fps
+        return max(kept / header.duration_s, MIN_FPS) if header.duration_s > 0 else self.fps
 
 
 def sample_times(duration_s: float, fps: float, max_frames: int) -> tuple[float, ...]:
