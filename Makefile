@@ -10,9 +10,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; run: make PYTHON=python3 ..." >&2; exit 1; }
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# A venv whose creation failed half-way (no python3.11-venv: no pip in it) is made again.
+	@test -x $(BIN)/pip || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch is pinned to the CPU build on disk; an unpinned torch would pull a CUDA build.
+	@# torch's version is pinned (which build: see the README); another would be installed.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)

@@ -16,7 +16,15 @@ import pytest
 from cluster.settings import EpdSettings
 from common.server.rpc import LIVENESS_SERVICE
 from common.settings.schema import from_mapping
-from tests.test_deploy import CONTAINERS, DEPLOY, DOCUMENTS, _ids, _pod_specs
+from tests.test_deploy import (
+    CONTAINERS,
+    DEPLOY,
+    DOCUMENTS,
+    _ids,
+    _parse_module_args,
+    _pod_specs,
+    _substitute,
+)
 
 POD_DOCUMENTS = [(n, d) for n, d in DOCUMENTS if _pod_specs(d)]
 
@@ -158,3 +166,35 @@ def test_kuberay_scale_commands_fit_the_raycluster() -> None:
     )
     for threads in (settings.encoder.threads, settings.prefill.threads, settings.decode.threads):
         assert plan.take("worker", threads)[1] <= pod_cpus
+
+
+def test_every_worker_runs_as_many_threads_as_its_pod_requests_cpus() -> None:
+    """A worker left at `threads` 0 takes every core of the node (in a pod too: no cgroup
+    quota is read), not the CPUs its pod requests: it oversubscribes the node."""
+    for name, container, _doc in CONTAINERS:
+        if container.get("command", [])[:2] != ["python", "-m"]:
+            continue
+        module = container["command"][2]
+        if module == "router":
+            continue
+        parsed = _parse_module_args(module, [_substitute(a, {}) for a in container["args"]])
+        cpus = _quantity(container["resources"]["requests"]["cpu"])
+        assert parsed.threads == cpus, f"{name}: {parsed.threads} threads, {cpus} CPUs"
+    (config,) = [d for _, d in DOCUMENTS if d["metadata"]["name"] == "epd-ray-config"]
+    settings = from_mapping(EpdSettings, tomllib.loads(config["data"]["epd.toml"]))
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    (worker,) = group["template"]["spec"]["containers"]
+    cpus = _quantity(worker["resources"]["requests"]["cpu"])
+    for role in (settings.encoder, settings.prefill, settings.decode):
+        assert role.threads == cpus
+
+
+def test_the_ray_head_has_time_to_drain() -> None:
+    """`epd serve` on the head drains on SIGTERM for up to `[pools] drain_timeout_s` + 30 s;
+    Kubernetes kills the pod after its grace period (30 s unless set)."""
+    (config,) = [d for _, d in DOCUMENTS if d["metadata"]["name"] == "epd-ray-config"]
+    settings = from_mapping(EpdSettings, tomllib.loads(config["data"]["epd.toml"]))
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    assert head.get("terminationGracePeriodSeconds", 30) > settings.pools.drain_timeout_s + 30

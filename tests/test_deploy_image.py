@@ -6,7 +6,11 @@ local state out of the build context while letting in everything the Dockerfile 
 from __future__ import annotations
 
 import re
+import stat
 import tomllib
+from pathlib import Path
+
+import pytest
 
 from tests.test_deploy import DEPLOY, ROOT
 
@@ -74,3 +78,25 @@ def test_dockerfile_pins_ray_within_pyproject() -> None:
         Requirement(d) for d in pyproject["project"]["dependencies"] if Requirement(d).name == "ray"
     ]
     assert ray.specifier.contains(version.group(1)), f"ray=={version.group(1)} is not {ray}"
+
+
+def test_the_pods_user_owns_the_cache_it_reads_and_writes() -> None:
+    # The checkpoint is baked as root; the pods run as 10001 and read it, and build the C
+    # kernels under the same cache. Without the chown every process failed at start
+    # (PermissionError reading the checkpoint) and the kernels were never built.
+    text = (DEPLOY / "Dockerfile").read_text()
+    cache = re.search(r"EPD_CACHE_DIR=(\S+)", text)
+    assert cache is not None
+    assert f"chown -R 10001:10001 {cache.group(1)}" in text
+    assert text.index("default_checkpoint()") < text.index("chown -R") < text.index("USER 10001")
+
+
+def test_a_checkpoint_made_once_is_readable_by_other_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from common.models.tiny import default_checkpoint
+
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    made = default_checkpoint("tiny")
+    assert stat.S_IMODE(made.stat().st_mode) & 0o055 == 0o055  # group and others: r-x
+    assert all(stat.S_IMODE(f.stat().st_mode) & 0o044 == 0o044 for f in made.iterdir())

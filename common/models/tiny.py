@@ -324,6 +324,12 @@ def default_checkpoint(size: Size = "tiny", *, seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{size}-{seed}-", dir=final.parent))
     try:
         make_tiny_checkpoint(tmp, seed=seed, size=size)
+        # mkdtemp makes the folder 0700 and safetensors its file 0600: readable by their
+        # maker only, and a checkpoint made once (an image build, as root) is read by other
+        # users (the pods' unprivileged one).
+        tmp.chmod(0o755)
+        for made in tmp.iterdir():
+            made.chmod(0o644)
         try:
             tmp.rename(final)
         except OSError:
