@@ -155,6 +155,12 @@ def _move_cut(item: multimodal_pb2.MultimodalItemMetadata, cut: int) -> None:
     item.partitions[0].input_end = item.partitions[1].input_start = cut
 
 
+def _move_rows(item: multimodal_pb2.MultimodalItemMetadata, rows: int) -> None:
+    """`rows` output rows moved from the item's first partition to its second."""
+    item.partitions[0].output_rows -= rows
+    item.partitions[1].output_rows += rows
+
+
 def base_message() -> multimodal_pb2.MultimodalParams:
     return params_to_proto(video_and_image())
 
@@ -177,6 +183,8 @@ def base_message() -> multimodal_pb2.MultimodalParams:
         # protobuf could not hold), or not on a frame of it.
         (lambda m: m.items[0].partitions[1].__setattr__("input_end", 2**40), "items.partitions"),
         (lambda m: _move_cut(m.items[0], 17), "items.partitions"),
+        # Rows moved between partitions (the sum kept): each would key the other's rows.
+        (lambda m: _move_rows(m.items[0], 1), "items.partitions"),
         (lambda m: m.items[1].__setattr__("partition_keys", True), "items.partition_keys"),
         (lambda m: m.embeddings[0].rows.shape.__setitem__(0, 7), "embeddings.rows"),
         (lambda m: setattr(m.embeddings[1], "item_index", 5), "embeddings.item_index"),

@@ -150,7 +150,7 @@ def validate_partitions(
     Partitions, when given, cover the input in order without gaps (each starts where the
     previous ended), each makes at least one row, their rows sum to the item's and each
     hash is 32 bytes; with a grid they cover exactly its `t * h * w` patch rows from 0, each
-    a whole number of frames (`h * w` rows). `partition_keys` needs partitions: block keys
+    a whole number of frames (`h * w` rows) making its share of the item's rows. `partition_keys` needs partitions: block keys
     then name them (docs/block-hash.md), so a partition's hash and rows must be as sound as
     an item's. Raises `MultimodalLayoutError` naming `items.partitions` or
     `items.partition_keys`.
@@ -185,6 +185,15 @@ def validate_partitions(
             raise MultimodalLayoutError(
                 "items.partitions",
                 f"partition {k}: input end {end} is not on a frame of the grid {list(grid)}",
+                item,
+            )
+        if grid is not None and out_rows * grid[0] * grid[1] * grid[2] != (end - start) * rows:
+            # Each partition's rows are its share of the item's, as its inputs are: a row
+            # count moved between partitions would key their hashes to each other's rows.
+            raise MultimodalLayoutError(
+                "items.partitions",
+                f"partition {k}: {out_rows} output rows for {end - start} of the grid's "
+                f"{grid[0] * grid[1] * grid[2]} input rows (the item has {rows})",
                 item,
             )
         cursor = end
