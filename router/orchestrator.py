@@ -264,10 +264,13 @@ class Orchestrator:
         only the encoder was lost, up to `calls.attempts` tries."""
         failed: set[str] = set()  # prefill workers that failed under this request
         tries = 0
+        overlap = True  # off once embeddings were lost: read each output as soon as it is in
         while True:
             tries += 1
             try:
-                return await self._encode_and_prefill_on(job, handoff, choose, ticket, failed)
+                return await self._encode_and_prefill_on(
+                    job, handoff, choose, ticket, failed, overlap
+                )
             except RouterError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE or exc.stage != "prefill":
                     raise
@@ -276,6 +279,8 @@ class Orchestrator:
                 lost_embeddings = EMBEDDINGS_LOST in str(exc)
                 if not lost_embeddings:
                     failed.add(exc.address)
+                else:  # outputs that waited for later pieces outlived their leases
+                    overlap = False
                 self.calls.retries["prefill"] += 1
                 logger.warning(
                     "request %s: %s; encoding again and prefilling %s",
@@ -291,6 +296,7 @@ class Orchestrator:
         choose: Chooser,
         ticket: Ticket,
         failed: set[str],
+        overlap: bool = True,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         planning = time.perf_counter()
         worker = ticket.workers.get(Role.PREFILL)  # None once released (a stream resumed)
@@ -308,12 +314,10 @@ class Orchestrator:
         every = range(len(job.prompt.params.items))
         to_encode = [i for i in every if i not in route.skip]
         encoding = time.perf_counter()
-        skipped_partitions = 0
-        if self.overlap is not None:
+        past = partitions_past(job.prompt.params.items, to_encode, cached_tokens(route))
+        if self.overlap is not None and overlap:  # skips the same partitions (`pieces_past`)
             encoded = await self.overlap.encode(job, route, to_encode)
         else:
-            past = partitions_past(job.prompt.params.items, to_encode, cached_tokens(route))
-            skipped_partitions = sum(past.values())
             encoded = await self.encoder.encode(job, to_encode, past)
         prefilling = time.perf_counter()
         try:
@@ -322,7 +326,7 @@ class Orchestrator:
                 log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
                 # Counted once the prefill took them so (its fallback encodes them all).
                 self.metrics.items_skipped.inc(len(route.skip))
-                self.metrics.partitions_skipped.inc(skipped_partitions)
+                self.metrics.partitions_skipped.inc(sum(past.values()))
                 return out
             except RouterError as exc:
                 spans = any(emb.HasField("partition_start") for emb in encoded.embeddings)

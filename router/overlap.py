@@ -29,10 +29,13 @@ So a long video's TTFT approaches max(encode, prefill) plus one piece's prefill,
 their sum. Exactness: a step's blocks hash and compute as inside the whole prompt
 (`router.pieces`); the worker checks the hashes as always.
 
-Best effort: a step that fails (a full pool, a worker gone, blocks evicted meanwhile) is
-logged and stepping stops; the final prefill computes what is missing, and if it finds an
+Best effort: a step that fails (a full pool, blocks evicted meanwhile, an embedding lost)
+is logged and stepping stops; the final prefill computes what is missing, and if it finds an
 item it needs without embeddings (FAILED_PRECONDITION) the caller encodes every item and
-prefills again. A piece that fails fails the job's encoding as `EncodeStage.encode` does.
+prefills again. A step whose worker is gone (UNAVAILABLE) fails the job's prefill at once,
+so the caller fails over without waiting for the rest of the video to be encoded. A piece
+that fails fails the job's encoding as `EncodeStage.encode` does; outputs lost with their
+encoder are encoded again without overlap (`Orchestrator`), read as soon as each is in.
 
 Leases: NIXL-held pieces are read by steps without being released (a step names no
 `embedding_holders`); the final prefill gets those of the embeddings it carries, the others
@@ -47,6 +50,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from common.handoff import EMBEDDINGS_LOST
 from common.sampling import SamplingParams
 from common.server.peers import PeerClient
 from common.wire.sampling import sampling_to_proto
@@ -153,6 +157,10 @@ class OverlappedPrefill:
                 timeout = job.time_left("prefill step")
                 response = await self.channels.prefill(worker.address, request, timeout)
         except (grpc.aio.AioRpcError, RouterError) as exc:
+            if isinstance(exc, grpc.aio.AioRpcError) and _worker_gone(exc):
+                # The worker is gone: fail over now (the caller cancels the pieces and
+                # encodes again for another), not after the video's last piece is encoded.
+                raise self.encoder.calls.error("prefill", worker, exc) from None
             logger.info(
                 "request %s: prefill step %d on %s failed, no more steps (%s)",
                 job.request_id,
@@ -201,3 +209,11 @@ class OverlappedPrefill:
     def _release_result(self, task: asyncio.Future[Encoded]) -> None:
         if not task.cancelled() and task.exception() is None:
             self.channels.release_embeddings(task.result().leases)
+
+
+def _worker_gone(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a step's error says its prefill worker cannot be reached (UNAVAILABLE), not
+    that an embedding's encoder lost it (`EMBEDDINGS_LOST`: the final prefill encodes again)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and EMBEDDINGS_LOST not in (
+        exc.details() or ""
+    )

@@ -150,10 +150,10 @@ def validate_partitions(
     Partitions, when given, cover the input in order without gaps (each starts where the
     previous ended), each makes at least one row, their rows sum to the item's and each
     hash is 32 bytes; with a grid they cover exactly its `t * h * w` patch rows from 0, each
-    a whole number of frames (`h * w` rows) making its share of the item's rows. `partition_keys` needs partitions: block keys
-    then name them (docs/block-hash.md), so a partition's hash and rows must be as sound as
-    an item's. Raises `MultimodalLayoutError` naming `items.partitions` or
-    `items.partition_keys`.
+    a whole number of frames (`h * w` rows) making its share of the item's rows.
+    `partition_keys` needs partitions: block keys then name them (docs/block-hash.md), so a
+    partition's hash and rows must be as sound as an item's. Raises `MultimodalLayoutError`
+    naming `items.partitions` or `items.partition_keys`.
     """
     if partition_keys and not partitions:
         raise MultimodalLayoutError(
