@@ -64,7 +64,10 @@ class EncodedRows:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the rows (main and deepstack)."""
+        """Bytes of the rows (main and deepstack); of a view with no owner, of all the memory
+        it keeps alive (its base's storage)."""
+        if self.owner is None:
+            return max(self.stacked.untyped_storage().nbytes(), self.stacked.nbytes)
         return self.stacked.numel() * self.stacked.element_size()
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from common.multimodal.validation import HASH_BYTES
 from common.roles import Role
 from common.server.peers import PeerClient
 from epd.v1 import (
@@ -32,6 +33,10 @@ from epd.v1 import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Hashes one worker may hold here: far past any real pool's blocks, so that a worker
+# announcing without end (a bug) costs the router a bounded ~250 MB, not all its memory.
+MAX_HASHES_PER_WORKER = 1 << 20
 
 
 class PrefixIndex:
@@ -169,8 +174,17 @@ class PrefixIndex:
         holders = self._holders
         for event in events:
             if event.kind == kv_pb2.KV_EVENT_KIND_STORED:
-                cached.update(event.block_hashes)
-                for h in event.block_hashes:
+                stored = [h for h in event.block_hashes if len(h) == HASH_BYTES]
+                if len(cached) + len(stored) > MAX_HASHES_PER_WORKER:
+                    logger.warning(
+                        "KV worker %s announced over %d cached blocks; its hints are dropped",
+                        address,
+                        MAX_HASHES_PER_WORKER,
+                    )
+                    self._reset(address)
+                    return
+                cached.update(stored)
+                for h in stored:
                     holders[h] = holders.get(h, 0) | bit
             elif event.kind == kv_pb2.KV_EVENT_KIND_REMOVED:
                 gone = cached.intersection(event.block_hashes)

@@ -48,16 +48,15 @@ import logging
 import operator
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-
-import grpc
 
 from common.kv.layout import KvLayout
 from common.roles import KV_ROLES, PROTOCOL_VERSION, Role
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_from_proto
-from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
+from epd.v1 import registry_service_pb2
 from router.workers import (
     CheckpointShape,
     NoWorkerError,
@@ -67,6 +66,8 @@ from router.workers import (
 )
 
 logger = logging.getLogger(__name__)
+MAX_REFUSALS = 256  # refused worker addresses remembered (and their reasons, cut to:)
+MAX_REFUSAL_CHARS = 1024
 _ROLE_ORDER = {role: k for k, role in enumerate(Role)}  # `workers()` lists roles in this order
 _address = operator.attrgetter("address")
 
@@ -110,7 +111,8 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.expected_model = expected_model  # None until given or adopted
         self.checkpoint_shape = checkpoint_shape
-        self.refusals: dict[str, str] = {}  # worker address -> why Register refused it (last)
+        # worker address -> why Register refused it (the last `MAX_REFUSALS` addresses)
+        self.refusals: OrderedDict[str, str] = OrderedDict()
         self.reference_layout: KvLayout | None = None  # first registered KV layout
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
@@ -126,6 +128,13 @@ class Registry:
         self.on_restart: list[Callable[[WorkerRecord], None]] = []
 
     # ------------------------------------------------------------------ registration
+
+    def refuse(self, address: str, why: str) -> None:
+        """Note why Register refused the worker at `address` (`epd status` shows it)."""
+        self.refusals[address[:MAX_REFUSAL_CHARS]] = why[:MAX_REFUSAL_CHARS]
+        self.refusals.move_to_end(address[:MAX_REFUSAL_CHARS])
+        while len(self.refusals) > MAX_REFUSALS:
+            self.refusals.popitem(last=False)
 
     def register(self, info: registry_service_pb2.WorkerInfo) -> WorkerRecord:
         """Check and record a worker. Raises ValueError for an incomplete registration and
@@ -369,35 +378,3 @@ class Registry:
     def active_requests(self) -> int:
         """Requests this router has in flight on any worker, counted per worker."""
         return sum(w.in_flight for w in self._workers.values())
-
-
-class RegistryServicer(registry_service_pb2_grpc.RegistryServiceServicer):
-    """`RegistryService` over a `Registry`: refusals become FAILED_PRECONDITION, incomplete
-    registrations INVALID_ARGUMENT."""
-
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-
-    async def Register(
-        self, request: registry_service_pb2.RegisterRequest, context: grpc.aio.ServicerContext
-    ) -> registry_service_pb2.RegisterResponse:
-        """Record the worker or refuse it."""
-        try:
-            record = self.registry.register(request.worker)
-        except RegistrationRefused as exc:
-            logger.warning("refused worker: %s", exc)
-            self.registry.refusals[request.worker.address] = str(exc)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return registry_service_pb2.RegisterResponse(
-            worker_id=record.worker_id,
-            heartbeat_interval_ms=max(1, round(self.registry.heartbeat_interval_s * 1000)),
-        )
-
-    async def Heartbeat(
-        self, request: registry_service_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
-    ) -> registry_service_pb2.HeartbeatResponse:
-        """Refresh liveness and load; known=False asks the worker to register again."""
-        known = self.registry.heartbeat(request.worker_id, WorkerLoad.from_proto(request.load))
-        return registry_service_pb2.HeartbeatResponse(known=known)

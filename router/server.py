@@ -65,7 +65,8 @@ from router.departures import expire_loop, forget_restarted
 from router.held import HeldBytes, MediaHold, add_router_service, read_request
 from router.inputs import ContextTooLong, InputError, check_ids, messages_from_proto
 from router.orchestrator import Orchestrator
-from router.registry import Registry, RegistryServicer
+from router.registry import Registry
+from router.registry_service import RegistryServicer
 from router.settings import RouterSettings
 from router.stop import check_stop, stop_at
 from router.tenants import tenant_salt
@@ -133,6 +134,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             )
         )
         allow_special = self.settings.allow_special_tokens_in_text
+        text_field = "prompt" if request.HasField("prompt") else "messages"  # what errors name
         try:
             if request.HasField("prompt"):
                 prompt = self.processor.process_text(
@@ -145,15 +147,15 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         except InputError:
             raise
         except FieldError as exc:
-            field = "messages" if exc.field == "prompt_token_ids" else exc.field
+            field = text_field if exc.field == "prompt_token_ids" else exc.field
             raise InputError(field, exc.reason) from None
         except (ValueError, TypeError) as exc:
-            raise InputError("messages", str(exc)) from None
+            raise InputError(text_field, str(exc)) from None
         assert limits.max_model_len is not None
         try:
             check_context(len(prompt.prompt_token_ids), sampling.max_tokens, limits.max_model_len)
         except FieldError as exc:
-            field = "messages" if exc.field == "prompt_token_ids" else exc.field
+            field = text_field if exc.field == "prompt_token_ids" else exc.field
             raise ContextTooLong(field, exc.reason) from None
         return sampling, prompt
 

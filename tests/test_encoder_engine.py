@@ -449,3 +449,10 @@ def test_codes_need_the_processor_settings(processor: Processor, tower: VisionTo
     with pytest.raises(ValueError, match="processor settings"):
         engine.encode_now([[image_job(processor, 72)]])
     assert len(engine.cache) == 0
+
+
+def test_a_view_without_owner_counts_the_memory_it_keeps_alive() -> None:
+    base = torch.zeros(3, 1000, 64)
+    view = EncodedRows(base[:, :1])  # no owner: it alone keeps `base` alive
+    assert view.nbytes == base.nbytes
+    assert EncodedRows(base.clone()).nbytes == base.nbytes

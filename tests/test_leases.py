@@ -104,3 +104,14 @@ async def test_stopping_the_reaper_mid_way_leaves_the_rest_to_shutdown() -> None
     # are still in the table for shutdown to free.
     assert sorted(lease.held for lease in table.pop_all()) == ["blocks-1", "blocks-2"]
     assert table.expired == 1 and freed == []
+
+
+def test_a_release_of_an_id_no_lease_could_have_bars_nothing() -> None:
+    # The barred ids are bounded by count; an id `add` would refuse anyway (too long, odd
+    # characters) is not kept, so a release cannot make one huge.
+    table: LeaseTable[str] = LeaseTable(5.0)
+    for bad in ("x" * 100_000, "a b", ""):
+        assert table.pop_or_bar(bad) is None
+    assert len(table._barred) == 0
+    table.pop_or_bar("fine-id")
+    assert list(table._barred) == ["fine-id"]

@@ -285,6 +285,17 @@ def test_special_tokens_in_text_through_the_router(
     assert _count(allowed.prompt_token_ids, im_start) == 4
 
 
+def test_a_raw_prompts_errors_name_the_prompt(prepare: Callable[..., Prepare]) -> None:
+    # A completions request has no `messages`: its placeholder and context errors name
+    # `prompt`, the field it sent.
+    forged = router_service_pb2.GenerateRequest(prompt=f"hi {IMAGE_PAD}")
+    forged.sampling.max_tokens = 2
+    assert refused(prepare(allow_special_tokens_in_text=True), forged).field == "prompt"
+    long = router_service_pb2.GenerateRequest(prompt="word " * 20)
+    long.sampling.max_tokens = 2
+    assert refused(prepare(max_model_len=8), long).field == "prompt"
+
+
 # ------------------------------------------------------------ encoder: no trusted hash
 
 

@@ -105,3 +105,22 @@ def test_a_forgotten_workers_bit_is_reused_without_its_blocks() -> None:
     assert prefix._bits == {ADDRESSES[1]: 1}
     assert prefix.cached_prefixes(HASHES[:3]) == {ADDRESSES[1]: 1}
     assert prefix.cached_prefixes([]) == {}
+
+
+def test_a_worker_announcing_without_end_is_dropped_not_held(monkeypatch) -> None:
+    # A worker's announcements are bounded: hashes of another length are not kept, and past
+    # the cap its blocks are forgotten (no hint) rather than growing the router's memory.
+    import router.prefix_index as module
+
+    monkeypatch.setattr(module, "MAX_HASHES_PER_WORKER", 8)
+    prefix = index()
+    address = ADDRESSES[0]
+    odd = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=[b"x" * 100_000])
+    prefix._apply(address, [odd])
+    assert prefix._hashes[address] == set() and prefix._holders == {}
+    stored = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=HASHES[:6])
+    prefix._apply(address, [stored])
+    assert len(prefix._hashes[address]) == 6
+    more = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=HASHES[6:])
+    prefix._apply(address, [more])
+    assert prefix._hashes[address] == set() and prefix._holders == {}

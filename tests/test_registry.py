@@ -324,3 +324,13 @@ def test_two_live_workers_of_one_name_do_not_evict_each_other(
     clock.now += registry.worker_timeout_s
     registry.register(b)
     assert [w.address for w in registry.workers(Role.ENCODER)] == [b.address]
+
+
+def test_refusals_are_remembered_for_the_last_workers_only(registry: Registry) -> None:
+    from router.registry import MAX_REFUSAL_CHARS, MAX_REFUSALS
+
+    for k in range(MAX_REFUSALS + 50):
+        registry.refuse(f"10.0.0.{k}:1", "x" * 5000)
+    assert len(registry.refusals) == MAX_REFUSALS
+    assert "10.0.0.0:1" not in registry.refusals  # the oldest went first
+    assert all(len(why) == MAX_REFUSAL_CHARS for why in registry.refusals.values())

@@ -141,7 +141,7 @@ class LeaseTable(Generic[T]):
         """`pop`; when no lease is live under `lease_id`, bar the id instead: `add` refuses
         it for `ttl_s` (the release of a lease not made yet, see the module docstring)."""
         lease = self.pop(lease_id)
-        if lease is None and lease_id:
+        if lease is None and _LEASE_ID.fullmatch(lease_id):  # no other id is ever leased
             self._forget_barred()
             self._barred[lease_id] = self.clock() + self.ttl_s
             self._barred.move_to_end(lease_id)
