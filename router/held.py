@@ -183,7 +183,7 @@ class _TenantReads:
 
 @dataclass(frozen=True, slots=True)
 class Sized:
-    """A Generate request and the size of the bytes it was decoded from."""
+    """A Generate request and the bytes it holds, as `_decode` counts them."""
 
     request: router_service_pb2.GenerateRequest
     size: int
@@ -298,8 +298,16 @@ class MediaHold:
             self.held.give(media, self.tenant)
 
 
+ELEMENT_BYTES = 64  # counted per message, content part and stop string of a decoded request
+
+
 def _decode(data: bytes) -> Sized:
-    return Sized(router_service_pb2.GenerateRequest.FromString(data), len(data))
+    """The request and what it holds decoded: its wire bytes plus `ELEMENT_BYTES` for each
+    repeated element (an empty message is 2 bytes on the wire and ~45 decoded)."""
+    request = router_service_pb2.GenerateRequest.FromString(data)
+    parts = sum(len(message.content) for message in request.messages)
+    elements = len(request.messages) + parts + len(request.stop)
+    return Sized(request, len(data) + ELEMENT_BYTES * elements)
 
 
 def add_router_service(servicer: Any, server: Any) -> None:

@@ -279,3 +279,17 @@ async def test_media_count_against_the_bound_before_they_are_decoded(
             break
         await asyncio.sleep(0.05)
     assert held.held == 0  # everything given back
+
+
+def test_a_request_of_many_empty_messages_counts_what_it_holds_decoded() -> None:
+    # 2 bytes a message on the wire, ~45 decoded: counted at the wire size alone, 1 GiB of
+    # `requests_in_flight_mb` held ~22 GiB of them.
+    from epd.v1 import router_service_pb2
+    from router.held import ELEMENT_BYTES, _decode
+
+    request = router_service_pb2.GenerateRequest()
+    for _ in range(10_000):
+        request.messages.add()
+    data = request.SerializeToString()
+    sized = _decode(data)
+    assert len(data) == 20_000 and sized.size == len(data) + 10_000 * ELEMENT_BYTES
