@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.byte_lru import ENTRY_BYTES
 from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
@@ -255,7 +256,7 @@ async def serve(
     identity = await asyncio.to_thread(model_identity, path, config)
     engine = EncoderEngine(
         tower,
-        EncoderCache(settings.cache_bytes),
+        EncoderCache(settings.cache_bytes, ENTRY_BYTES),
         batch_window_s=settings.batch_window_ms / 1000.0,
         max_batch_rows=settings.max_batch_rows,
         settings=pixel_settings,

@@ -20,7 +20,11 @@ class EncoderSettings(ModelWorkerSettings):
         "torch intra-op threads (0: auto; under `epd serve` the node's cores divided among the "
         "workers it places there, at least 1; alone, every core)",
     )
-    cache_bytes: int = setting(256 << 20, "encoder cache budget in bytes (LRU); 0 disables it")
+    cache_bytes: int = setting(
+        256 << 20,
+        "encoder cache budget in bytes (LRU; each entry counts 1 KiB of objects beside its "
+        "rows); 0 disables it",
+    )
     inline_limit_bytes: int = setting(
         1 << 20, "outputs of an item above this many bytes travel as a NIXL handle"
     )

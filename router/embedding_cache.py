@@ -43,8 +43,9 @@ class _Entry:
 class EmbeddingCache:
     """Whole-item inline encoder outputs by (content hash, cache salt, model identity)."""
 
-    def __init__(self, budget_bytes: int) -> None:
-        self._lru: ByteBudgetLru[_Entry] = ByteBudgetLru(budget_bytes)
+    def __init__(self, budget_bytes: int, entry_bytes: int = 0) -> None:
+        """`entry_bytes`: counted per kept output beside its bytes (`ByteBudgetLru`)."""
+        self._lru: ByteBudgetLru[_Entry] = ByteBudgetLru(budget_bytes, entry_bytes)
 
     @property
     def hits(self) -> int:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.byte_lru import ENTRY_BYTES
 from common.roles import Role
 from common.server.peers import PeerClient
 from common.wire.convert import inline_bytes
@@ -81,7 +82,9 @@ class EncodeStage:
         self.max_inline_embedding_bytes = max_inline_embedding_bytes
         self.affinity_slack = affinity_slack  # requests; 0: no affinity, least loaded only
         # Whole items' inline outputs, for items seen again (None: off).
-        self.embeddings = EmbeddingCache(embedding_cache_bytes) if embedding_cache_bytes else None
+        self.embeddings = (
+            EmbeddingCache(embedding_cache_bytes, ENTRY_BYTES) if embedding_cache_bytes else None
+        )
         self._values_warned: set[str] = set()  # encoders sent values: warned once each
 
     async def encode(

@@ -190,7 +190,8 @@ class RouterSettings(ServerSettings):
         "MiB of encoder outputs the router keeps (whole items that came back inline), keyed "
         "by content hash, cache salt and model, so an item seen again whose KV the prefill "
         "worker holds only in part (a repeated image, the text after it new) needs no Encode "
-        "call: the kept rows go to the prefill worker (0: off)",
+        "call: the kept rows go to the prefill worker (0: off; each output counts 1 KiB of "
+        "objects beside its bytes)",
     )
 
     def nth(self, index: int) -> RouterSettings:

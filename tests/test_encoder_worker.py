@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.byte_lru import ENTRY_BYTES
 from common.models.qwen3_vl.vision import VisionTower
 from common.processing.processor import Processor
 from common.wire.convert import tensor_from_ref, tensor_to_ref
@@ -126,6 +127,19 @@ def _entry(rows: int) -> EncodedRows:
     return EncodedRows.of(torch.zeros(rows, 4), (torch.zeros(rows, 4),))  # 32 bytes per row
 
 
+def test_entry_overhead_counts_toward_the_budget() -> None:
+    # Tiny rows cost more in objects than in bytes: a cache that serves traffic counts
+    # `entry_bytes` per entry, so 0-byte or 1-row entries cannot hold memory without bound.
+    cache = EncoderCache(budget_bytes=4 * (64 + 1024), entry_bytes=1024)
+    for k in range(10):
+        assert cache.put(bytes([k]), _entry(2))
+    assert len(cache) == 4 and cache.bytes_used == 4 * (64 + 1024)
+    for k in range(10):
+        cache.put(bytes([100 + k]), _entry(0))
+    assert len(cache) == 4  # counted at 1024 each, 0-byte entries evict as others do
+    assert not EncoderCache(budget_bytes=1000, entry_bytes=1024).put(b"x", _entry(0))
+
+
 def test_cache_lru_order_and_budget() -> None:
     cache = EncoderCache(budget_bytes=3 * 32 * 2)
     for key in (b"a", b"b", b"c"):
@@ -148,7 +162,8 @@ async def test_lru_eviction_in_the_worker(
     cfg = tower.config
     tensors = 1 + len(cfg.deepstack_visual_indexes)  # rows + deepstack layers, float32
     one_item = prompts[0].params.items[0].length * cfg.out_hidden_size * 4 * tensors
-    server, stub = await make_server(cache_bytes=2 * one_item)
+    # The worker counts each entry's objects beside its rows (`ENTRY_BYTES`).
+    server, stub = await make_server(cache_bytes=2 * (one_item + ENTRY_BYTES))
     for prompt in prompts:
         await stub.Encode(_request(_item(prompt)), timeout=30)
     cache = _engine(server).cache
