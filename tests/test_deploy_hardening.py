@@ -198,3 +198,22 @@ def test_the_ray_head_has_time_to_drain() -> None:
     (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
     assert head.get("terminationGracePeriodSeconds", 30) > settings.pools.drain_timeout_s + 30
+
+
+def test_the_routers_memory_limit_covers_what_its_settings_let_it_hold() -> None:
+    """The router holds up to `requests_in_flight_mb` of requests and its caches' budgets,
+    beside ~300 MiB at rest: a limit below that OOM-kills it under load, not at start."""
+    for name, container, _doc in CONTAINERS:
+        if container.get("command", [])[:3] != ["python", "-m", "router"]:
+            continue
+        parsed = _parse_module_args("router", [_substitute(a, {}) for a in container["args"]])
+        settings = parsed[0] if isinstance(parsed, tuple) else parsed
+        holds = (
+            settings.requests_in_flight_mb
+            + settings.processed_image_cache_mb
+            + settings.embedding_cache_mb
+        ) << 20
+        memory = str(container["resources"]["limits"]["memory"])
+        units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+        limit = int(memory[:-2]) * units[memory[-2:]] if memory[-2:] in units else int(memory)
+        assert limit >= holds + (1 << 30), f"{name}: {limit} bytes for {holds} held"
