@@ -126,10 +126,11 @@ class ByteBudgetLru(Generic[V]):
         """
         size = owner.nbytes
         each = self.entry_bytes
+        need = size + each * len(keys)  # what a new owner and its entries take
         with self._lock:
             stored = self._entries
             held = self._owners.get(id(owner))
-            if held is None and size + each * len(keys) > self.budget_bytes:
+            if held is None and need > self.budget_bytes:
                 return False
             if not stored.keys().isdisjoint(keys):  # replacing entries: drop the old ones
                 for key in keys:
@@ -137,7 +138,6 @@ class ByteBudgetLru(Generic[V]):
                     if old is not None:
                         self._drop(old)
                 held = self._owners.get(id(owner))
-            need = size + each * len(keys)
             while stored and held is None and self.bytes_used + need > self.budget_bytes:
                 _, evicted = stored.popitem(last=False)
                 self._drop(evicted)

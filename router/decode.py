@@ -152,7 +152,7 @@ class DecodeStage:
         the client already has, first one included (`Job.resumed`). Raises RouterError."""
         tried: set[str] = set()
         stepped: set[str] = set()  # tried, failed a step and serve on: the last resort
-        failed_steps: list[str] = []  # the worker of each failed step
+        failed_steps = 0
         reprefills = 0
         migrations = 0
         streamed = list(resumed[1:])  # tokens after the first one already sent to the client
@@ -193,9 +193,9 @@ class DecodeStage:
                         # with one decode worker, the only place to). The retries below
                         # stay bounded by `reprefills` and `migrations`, and the failed
                         # steps themselves by `migrations`.
-                        if len(failed_steps) >= self.migrations:
+                        if failed_steps >= self.migrations:
                             raise self.calls.error("decode", worker, exc) from None
-                        failed_steps.append(worker.address)
+                        failed_steps += 1
                         stepped.add(worker.address)
                     if lease.owned and code == grpc.StatusCode.ABORTED:
                         if reprefills >= self.reprefills:

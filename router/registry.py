@@ -131,8 +131,9 @@ class Registry:
 
     def refuse(self, address: str, why: str) -> None:
         """Note why Register refused the worker at `address` (`epd status` shows it)."""
-        self.refusals[address[:MAX_REFUSAL_CHARS]] = why[:MAX_REFUSAL_CHARS]
-        self.refusals.move_to_end(address[:MAX_REFUSAL_CHARS])
+        key = address[:MAX_REFUSAL_CHARS]
+        self.refusals[key] = why[:MAX_REFUSAL_CHARS]
+        self.refusals.move_to_end(key)
         while len(self.refusals) > MAX_REFUSALS:
             self.refusals.popitem(last=False)
 

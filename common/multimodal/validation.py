@@ -163,6 +163,7 @@ def validate_partitions(
         return
     cursor = partitions[0][0]
     total = 0
+    patches = 0 if grid is None else grid[0] * grid[1] * grid[2]  # the item's input rows
     for k, (start, end, out_rows, digest) in enumerate(partitions):
         if start != cursor or end <= start:
             raise MultimodalLayoutError(
@@ -187,22 +188,22 @@ def validate_partitions(
                 f"partition {k}: input end {end} is not on a frame of the grid {list(grid)}",
                 item,
             )
-        if grid is not None and out_rows * grid[0] * grid[1] * grid[2] != (end - start) * rows:
+        if grid is not None and out_rows * patches != (end - start) * rows:
             # Each partition's rows are its share of the item's, as its inputs are: a row
             # count moved between partitions would key their hashes to each other's rows.
             raise MultimodalLayoutError(
                 "items.partitions",
                 f"partition {k}: {out_rows} output rows for {end - start} of the grid's "
-                f"{grid[0] * grid[1] * grid[2]} input rows (the item has {rows})",
+                f"{patches} input rows (the item has {rows})",
                 item,
             )
         cursor = end
         total += out_rows
-    if grid is not None and (partitions[0][0] != 0 or cursor != grid[0] * grid[1] * grid[2]):
+    if grid is not None and (partitions[0][0] != 0 or cursor != patches):
         raise MultimodalLayoutError(
             "items.partitions",
             f"inputs [{partitions[0][0]}, {cursor}) are not the grid {list(grid)}'s "
-            f"{grid[0] * grid[1] * grid[2]} patch rows",
+            f"{patches} patch rows",
             item,
         )
     if total != rows:

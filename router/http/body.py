@@ -46,15 +46,17 @@ def carries_body(headers: dict[bytes, bytes]) -> bool:
     return not length.isdigit() or int(length) > 0
 
 
-def identify(auth: Authenticator | None, header: str | None) -> Caller:
-    """The client an `Authorization` header names; ApiError (401, 403) for anyone else."""
+def identify(auth: Authenticator | None, header: str | None, need: Need = Need.CLIENT) -> Caller:
+    """The caller an `Authorization` header names, who may do what needs `need` (a client
+    key, or an admin one); ApiError (401, 403) for anyone else."""
     if auth is None:
         return ANONYMOUS
     found = auth.identify([(AUTHORIZATION, header)] if header else [])
     if found is None:
         raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "needs a valid API key (Bearer)")
-    if not found.satisfies(Need.CLIENT):
-        raise ApiError(grpc.StatusCode.PERMISSION_DENIED, "needs a client API key")
+    if not found.satisfies(need):
+        key = "an admin" if need is Need.ADMIN else "a client"
+        raise ApiError(grpc.StatusCode.PERMISSION_DENIED, f"needs {key} API key")
     return found
 
 

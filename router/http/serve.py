@@ -6,14 +6,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc
 from fastapi import Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from common.server.auth import AUTHORIZATION, Need
+from common.server.auth import Need
 from router.http.app import HttpServer, build_app
+from router.http.body import identify
 from router.http.connections import ConnectionStats, bounded_protocol
-from router.http.errors import ApiError
 from router.http.media import MediaPolicy
 from router.settings import RouterSettings
 
@@ -36,19 +35,13 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
     model_id = settings.served_model_name or path.name
     app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
     metrics = running.servicer.orchestrator.metrics
+
     # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them),
     # for an admin key: the API port faces clients, and the page shows every tenant's
     # traffic (`metrics_port` serves it without a key, on `metrics_host`).
-    auth = running.auth
-
     @app.get("/metrics")
     async def metrics_page(request: Request) -> Response:
-        if auth is not None:
-            found = auth.identify([(AUTHORIZATION, request.headers.get("authorization", ""))])
-            if found is None:
-                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "needs a valid API key (Bearer)")
-            if not found.satisfies(Need.ADMIN):
-                raise ApiError(grpc.StatusCode.PERMISSION_DENIED, "needs an admin API key")
+        identify(running.auth, request.headers.get("authorization"), Need.ADMIN)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     connections = ConnectionStats()
