@@ -53,6 +53,7 @@ import grpc
 
 from common.sampling import SamplingParams
 from common.server.credentials import ChannelCredentials, bearer_metadata
+from common.server.rpc import keepalive_options
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
 from epd.answers import Chunk, GenerateError, Result, chunk_of, retry_after_s
 from epd.request import (
@@ -134,6 +135,7 @@ class Client:
         options = [
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
+            *keepalive_options(),  # a frozen router's streams fail over (resume) too
         ]
         self._channels = [credentials.open(a, options) for a in self.addresses]
         self._routers = [router_service_pb2_grpc.RouterServiceStub(c) for c in self._channels]

@@ -41,7 +41,7 @@ import grpc
 
 from common.errors import DECODE_STEP_FAILED
 from common.roles import Role
-from common.server.peers import PeerClient
+from common.server.peers import PeerClient, stream_uncut
 from epd.v1 import (
     decode_service_pb2,
     decode_service_pb2_grpc,
@@ -170,7 +170,7 @@ class DecodeStage:
             with self.registry.using(worker):
                 call = stub.Decode(request, timeout=job.time_left("decode"))
                 try:
-                    async for response in call:
+                    async for response in stream_uncut(call, worker.address):
                         if lease.owned:  # the decode worker has it once it answers
                             lease.owned = False
                             self.admission.release(ticket, Role.PREFILL)

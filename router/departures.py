@@ -1,6 +1,9 @@
 """What the router lets go of when workers leave: a silent worker's record (dropped by the
-registry's expiry, every `period_s`), and then its gRPC channel and KV-event subscription; a
-restarted worker's old channel and prefix entries (none of its blocks survived)."""
+registry's expiry, every `period_s`), and then its gRPC channel (with any other channel to an
+address no worker is registered at: a release sent after a worker left opens one) and
+KV-event subscription; a restarted worker's old channel and prefix entries (none of its
+blocks survived). Calls in flight on a dropped worker's channel end with UNAVAILABLE and are
+tried on another worker (`common.server.peers`)."""
 
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ async def expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: 
         await asyncio.sleep(period_s)
         registry.expire()
         addresses, gone[:] = dict.fromkeys(gone), []
+        live = {w.address for w in registry.workers()}
         for address in addresses:
-            if not any(w.address == address for w in registry.workers()):
+            if address not in live:
                 orchestrator.prefix.forget(address)
-                await orchestrator.channels.forget(address)
+        orchestrator.channels.keep_only(live)
 
 
 def forget_restarted(orchestrator: Orchestrator, old: WorkerRecord) -> None:
@@ -34,4 +38,4 @@ def forget_restarted(orchestrator: Orchestrator, old: WorkerRecord) -> None:
     KV-event subscription and prefix entries: none of its blocks survived; its channel,
     which may sit in reconnect back-off). The new record's `on_register` follows it anew."""
     orchestrator.prefix.forget(old.address)
-    orchestrator.channels.reopen(old.address)
+    orchestrator.channels.forget(old.address)

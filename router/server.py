@@ -317,6 +317,7 @@ async def serve(
         release_timeout_s=settings.release_timeout_s,
         max_message_mb=settings.max_message_mb,
         credentials=service_credentials(settings.security),
+        keepalive_s=settings.worker_keepalive_s,
     )
     orchestrator = Orchestrator(
         registry,

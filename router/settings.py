@@ -28,6 +28,12 @@ class RouterSettings(ServerSettings):
     worker_timeout_s: float = setting(
         5.0, "a worker whose last heartbeat is older than this is dropped"
     )
+    worker_keepalive_s: float = setting(
+        10.0,
+        "a worker that leaves an HTTP/2 ping unanswered this long, sent after this long of a "
+        "call, fails the router's calls on it, which are then tried on another worker (a "
+        "frozen process, a lost network path; a killed one fails them at once)",
+    )
     request_timeout_s: float = setting(
         300.0, "longest a request may run when the client sets no earlier deadline"
     )
@@ -238,6 +244,9 @@ class RouterSettings(ServerSettings):
         if not self.worker_timeout_s > self.heartbeat_interval_s:
             # Else a worker is dropped between two heartbeats it sends on time.
             raise SettingsError("worker_timeout_s: must be longer than heartbeat_interval_s")
+        if not 0.1 <= self.worker_keepalive_s <= 3600:
+            # Below 0.1 s a busy worker's pings could go unanswered; gRPC takes whole ms.
+            raise SettingsError("worker_keepalive_s: must be from 0.1 to 3600 seconds")
         if not 0 < self.tenant_share <= 1:
             raise SettingsError("tenant_share: must be above 0 and at most 1")
         Image.init()  # every plugin PIL has registered

@@ -4,6 +4,7 @@ least-loaded selection, driven with a fake clock (no network)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from types import SimpleNamespace
 from typing import Any
 
@@ -251,13 +252,18 @@ async def test_the_expire_loop_forgets_a_worker_a_lookup_saw_dead_first(
         def forget(self, address: str) -> None:
             self.addresses.append(address)
 
-    class AsyncForgets(Forgets):
-        async def forget(self, address: str) -> None:  # type: ignore[override]
-            self.addresses.append(address)
+    class Channels:
+        def __init__(self, open_: set[str]) -> None:
+            self.open = open_
 
-    orchestrator = SimpleNamespace(prefix=Forgets(), channels=AsyncForgets())
+        def keep_only(self, addresses: Collection[str]) -> None:
+            self.open &= set(addresses)
+
     dead = registry.register(info(Role.PREFILL, 3))
     live = registry.register(info(Role.PREFILL, 4))
+    # A release sent after some worker left opened a channel to its address again.
+    channels = Channels({dead.address, live.address, "127.0.0.1:9"})
+    orchestrator = SimpleNamespace(prefix=Forgets(), channels=channels)
     loop = asyncio.create_task(expire_loop(registry, orchestrator, 0.01))  # type: ignore[arg-type]
     try:
         await asyncio.sleep(0)  # the loop subscribes before its first sleep
@@ -265,13 +271,14 @@ async def test_the_expire_loop_forgets_a_worker_a_lookup_saw_dead_first(
         registry.heartbeat(live.worker_id, WorkerLoad())
         assert registry.pick(Role.PREFILL) is live  # a request sees `dead` gone first
         for _ in range(100):
-            if orchestrator.channels.addresses:
+            if orchestrator.prefix.addresses:
                 break
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.03)
     finally:
         loop.cancel()
     assert orchestrator.prefix.addresses == [dead.address]
-    assert orchestrator.channels.addresses == [dead.address]
+    assert channels.open == {live.address}  # none left to an address no worker holds
 
 
 def test_a_worker_of_the_same_name_at_a_new_address_replaces_the_old_record(

@@ -10,10 +10,15 @@ reaper frees the lease at its TTL). Releasing twice is harmless: holders ignore 
 lease ids (they remember one for a lease TTL, so that a call still answering under it makes
 no lease).
 
-Lifecycle: channels open on first use and live until `forget(address)` (a worker left),
-`reopen(address)` (a worker restarted there: the next call dials afresh instead of waiting
-out the old channel's reconnect back-off) or `close()`, which first waits for the releases
-in flight, then closes every channel.
+Lifecycle: channels open on first use and live until `forget(address)` (a worker left, or
+restarted there: the next call dials afresh instead of waiting out the old channel's
+reconnect back-off), `keep_only(addresses)` (those of the workers still registered: a
+release sent after a worker left must not leave a channel redialling a dead address) or
+`close()`, which first waits for the releases in flight, then closes every channel.
+A call whose channel is closed under it (its worker was dropped: silent, or frozen; a frozen
+peer also fails its calls by keepalive, `common.server.rpc.KEEPALIVE_S`) ends with UNAVAILABLE
+(`channel_cut`), which callers try elsewhere; never with a CancelledError its caller did not
+ask for, which ended a request with no answer to its client.
 Every channel presents the `credentials` given (the cluster bearer and, with TLS, this
 process's certificate: `common.server.auth.service_credentials`).
 Touched only from the owner's event loop.
@@ -24,13 +29,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Mapping,
+    Sequence,
+)
 from typing import TypeVar
 
 import grpc
 
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
-from common.server.rpc import DEFAULT_MAX_MESSAGE_MB, channel
+from common.server.rpc import DEFAULT_MAX_MESSAGE_MB, KEEPALIVE_S, channel
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -47,6 +60,46 @@ T = TypeVar("T")
 _ANSWER_LOST = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
+def caller_cancelled() -> bool:
+    """Whether the task running now is being cancelled: a CancelledError out of a call is
+    then its own; else the call's channel was closed under it (`channel_cut`)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
+def channel_cut(address: str) -> grpc.aio.AioRpcError:
+    """The error of a call whose channel was closed under it (its peer left): UNAVAILABLE,
+    which callers try on another peer."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"the channel to {address} was closed: the worker left",
+    )
+
+
+async def uncut(call: Awaitable[T], address: str) -> T:
+    """`await call`, a channel closed under it raising `channel_cut(address)`."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if caller_cancelled():
+            raise
+        raise channel_cut(address) from None
+
+
+async def stream_uncut(call: AsyncIterable[T], address: str) -> AsyncIterator[T]:
+    """The messages of a streaming `call`, a channel closed under it raising
+    `channel_cut(address)`."""
+    try:
+        async for message in call:
+            yield message
+    except asyncio.CancelledError:
+        if caller_cancelled():
+            raise
+        raise channel_cut(address) from None
+
+
 class PeerClient:
     """Channels to peers by address plus background lease releases (module docstring)."""
 
@@ -56,10 +109,12 @@ class PeerClient:
         release_timeout_s: float = 5.0,
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         credentials: ChannelCredentials = NO_CREDENTIALS,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self.release_timeout_s = release_timeout_s  # deadline of each release call
         self.max_message_mb = max_message_mb  # message limit of every channel
         self.credentials = credentials  # what every channel presents
+        self.keepalive_s = keepalive_s  # a peer silent this long after a ping fails its calls
         self._channels: dict[str, grpc.aio.Channel] = {}  # peer address -> channel
         self._tasks: set[asyncio.Task[None]] = set()  # releases in flight
 
@@ -68,22 +123,25 @@ class PeerClient:
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = channel(
-                address, max_message_mb=self.max_message_mb, credentials=self.credentials
+                address,
+                max_message_mb=self.max_message_mb,
+                credentials=self.credentials,
+                keepalive_s=self.keepalive_s,
             )
         return ch
 
-    async def forget(self, address: str) -> None:
-        """Close the channel to `address`, if open (the peer went away)."""
+    def forget(self, address: str) -> None:
+        """Drop the channel to `address` now (the worker left or restarted there: the next
+        `get` dials afresh) and close it in the background: its calls in flight end with
+        UNAVAILABLE (`uncut`), and are tried on another worker."""
         ch = self._channels.pop(address, None)
         if ch is not None:
-            await ch.close()
+            self._spawn(ch.close(), "closing the channel", address)
 
-    def reopen(self, address: str) -> None:
-        """Drop the channel to `address` now (the next `get` opens a new one) and close the
-        old one in the background: the process behind it restarted, calls on it are dead."""
-        ch = self._channels.pop(address, None)
-        if ch is not None:
-            self._spawn(ch.close(), "closing the old channel", address)
+    def keep_only(self, addresses: Collection[str]) -> None:
+        """`forget` every channel to an address not in `addresses`."""
+        for address in [a for a in self._channels if a not in addresses]:
+            self.forget(address)
 
     def release_kv(self, address: str, lease_id: str) -> None:
         """`PrefillService.ReleaseKv(lease_id)` on the prefill worker at `address`, in the
@@ -108,7 +166,7 @@ class PeerClient:
         call = stub.Prefill(request, timeout=timeout)
         lease_id = request.lease_id
         response: prefill_service_pb2.PrefillResponse = await self._unless_lost(
-            call, lambda: self.release_kv(address, lease_id)
+            call, address, lambda: self.release_kv(address, lease_id)
         )
         return response
 
@@ -124,22 +182,22 @@ class PeerClient:
         call = stub.Encode(request, timeout=timeout)
         ids = [f"{request.lease_key}-{k}" for k in range(len(request.items))]
         response: encoder_service_pb2.EncodeResponse = await self._unless_lost(
-            call, lambda: self._release_embeddings_on(address, ids)
+            call, address, lambda: self._release_embeddings_on(address, ids)
         )
         return response
 
     @staticmethod
-    async def _unless_lost(call: Awaitable[T], release: Callable[[], None]) -> T:
-        """`await call`; `release()` first when it ends without its answer, so that what
-        the worker made for that answer is freed (the caller stopped waiting: a worker's
-        own refusals come before it makes anything)."""
+    async def _unless_lost(call: Awaitable[T], address: str, release: Callable[[], None]) -> T:
+        """`await uncut(call, address)`; `release()` first when it ends without its answer,
+        so that what the worker made for that answer is freed (the caller stopped waiting,
+        or the channel closed: a worker's own refusals come before it makes anything)."""
         try:
-            return await call
+            return await uncut(call, address)
         except asyncio.CancelledError:
             release()
             raise
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _ANSWER_LOST:
+            if exc.code() in _ANSWER_LOST or exc.code() == grpc.StatusCode.UNAVAILABLE:
                 release()
             raise
 

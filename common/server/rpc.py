@@ -47,6 +47,12 @@ DRAINING_DETAILS = "draining"
 # "" follows readiness (a router with no worker of some role yet, a draining server), and a
 # liveness probe on it would restart a process that is only waiting.
 LIVENESS_SERVICE = "liveness"
+# Keepalive: a call whose peer stops answering (a frozen process, a lost network path; a
+# killed process resets its connections at once) fails with UNAVAILABLE once an HTTP/2 ping
+# sent after KEEPALIVE_S of the call goes unanswered for KEEPALIVE_S more, so that the
+# caller tries another peer (`router.calls`) instead of waiting out the call's deadline.
+# Pings are sent only while calls are open. Every epd server accepts them (any interval).
+KEEPALIVE_S = 10.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,6 +64,26 @@ def grpc_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", limit),
     ]
+
+
+def keepalive_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int]]:
+    """Channel/server options: ping the peer every `keepalive_s` while calls are open, data
+    or not, and fail those calls (UNAVAILABLE) when a ping goes unanswered that long."""
+    ms = max(1, round(keepalive_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.ping_timeout_ms", ms),  # gRPC >= 1.6x enforces this one, not the above
+        ("grpc.http2.max_pings_without_data", 0),  # else pings stop after 2 without data
+    ]
+
+
+# A server takes a peer's pings at any interval: gRPC's default answers a third ping within
+# 5 minutes without data with GOAWAY "too_many_pings", which would end a long call.
+_PING_POLICY = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),  # 0: never too many
+]
 
 
 def service_name(pb2_module: Any, service: str) -> str:
@@ -123,6 +149,7 @@ async def start_server(
     tls: grpc.ServerCredentials | None = None,
     name: str = "server",
     stream_window_bytes: int | None = None,
+    keepalive_s: float = KEEPALIVE_S,
 ) -> RunningServer:
     """Start a grpc.aio server serving the given servicers plus `grpc.health.v1` and
     server reflection (listing `service_names`, health and reflection itself).
@@ -137,6 +164,9 @@ async def start_server(
     let through) checks every call's credentials (`common.server.auth`); `tls` (None:
     plaintext) secures the port. `name` ("router", ...) is what the errors call the server.
 
+    `keepalive_s`: a client that leaves a ping unanswered this long, sent after this long
+    of a call, has its calls cancelled (`keepalive_options`).
+
     `stream_window_bytes` (None: gRPC's own, grown by bandwidth probing until a call's whole
     message fits) fixes each call's HTTP/2 receive window: a call whose handler has not
     asked for its request then holds at most that much of it here, while the sender waits.
@@ -146,7 +176,12 @@ async def start_server(
     """
     interceptors = [AuthInterceptor(auth)] if auth is not None else []
     # so_reuseport 0: a second server on a taken port must fail, not silently share it.
-    options = [*grpc_options(max_message_mb), ("grpc.so_reuseport", 0)]
+    options = [
+        *grpc_options(max_message_mb),
+        *keepalive_options(keepalive_s),  # a frozen client's calls end, not at their deadline
+        *_PING_POLICY,
+        ("grpc.so_reuseport", 0),
+    ]
     if stream_window_bytes is not None:
         options.append(("grpc.http2.bdp_probe", 0))
         options.append(("grpc.http2.lookahead_bytes", stream_window_bytes))
@@ -203,9 +238,11 @@ def channel(
     *,
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
     credentials: ChannelCredentials = NO_CREDENTIALS,
+    keepalive_s: float = KEEPALIVE_S,
 ) -> Any:
     """A grpc.aio channel to `address` with the shared message-size options, presenting
-    `credentials` (default: none, plaintext).
+    `credentials` (default: none, plaintext). Its calls fail with UNAVAILABLE when the peer
+    leaves a ping unanswered for `keepalive_s` (`keepalive_options`).
 
     The channel keeps its own connections (a local subchannel pool): a channel opened anew to
     a process that restarted at the same address must not inherit the dead connection's
@@ -215,6 +252,7 @@ def channel(
     """
     options: list[tuple[str, int]] = [
         *grpc_options(max_message_mb),
+        *keepalive_options(keepalive_s),
         ("grpc.use_local_subchannel_pool", 1),
     ]
     return credentials.open(address, options)
