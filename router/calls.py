@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -88,6 +89,9 @@ class Job:
     deadline: float  # `time.monotonic()` by which the request must be done
     resumed: tuple[int, ...] = ()  # tokens the client already has (`resume_tokens`)
     tenant: str | None = None  # the caller's tenant (its share of the queue)
+    # The router's own for this request: callers may reuse a request id (and so may two
+    # tenants), but an encoder keeps one call per id out of each batch (`encode_request`).
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     def time_left(self, stage: str) -> float:
         """Seconds left; RouterError(DEADLINE_EXCEEDED) naming `stage` when none are."""

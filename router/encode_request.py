@@ -57,7 +57,9 @@ def encode_request(
     prompt = job.prompt
     settings = None if codes else prompt.settings
     fingerprint = b"" if settings is None else settings.fingerprint()
-    request = encoder_service_pb2.EncodeRequest(request_id=job.request_id)
+    # Unique per request: an encoder batches at most one call per id (`router.overlap`'s
+    # pieces of one request share it), and a caller's own id may be anyone's.
+    request = encoder_service_pb2.EncodeRequest(request_id=f"{job.request_id}#{job.nonce}")
     if job.cache_salt is not None:  # the tenant's: its encoder cache entries are its own
         request.cache_salt = job.cache_salt
     hashes = {}

@@ -73,6 +73,18 @@ def test_codes_go_as_the_processor_made_them(processor: Processor) -> None:
         ]
 
 
+def test_each_request_has_an_encoder_request_id_of_its_own(processor: Processor) -> None:
+    # An encoder batches at most one call per request id (so that one request's overlap
+    # pieces come back one by one): two callers' requests that share an id must not lose
+    # their batching, nor one caller delay another's by guessing its id.
+    prompt = image_and_video(processor, 1)
+    first, second = job_of(prompt), job_of(prompt)  # both the caller's id "r"
+    ids = [encode_request(j, [0], {}, codes=True).request.request_id for j in (first, second)]
+    assert ids[0] != ids[1] and all(i.startswith("r#") for i in ids)
+    again = encode_request(first, [1], {}, codes=True).request.request_id  # another piece
+    assert again == ids[0]
+
+
 def test_values_for_an_encoder_before_codes_pass_its_every_check(
     ckpt: Path, processor: Processor
 ) -> None:
