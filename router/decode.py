@@ -192,8 +192,10 @@ class DecodeStage:
                         # stream again, but only when no other worker is left (`_pick`;
                         # with one decode worker, the only place to). The retries below
                         # stay bounded by `reprefills` and `migrations`, and the failed
-                        # steps themselves by `migrations`.
-                        if failed_steps >= self.migrations:
+                        # steps themselves by `migrations` (by the attempts of a call while
+                        # the router still holds the handle: nothing was streamed yet).
+                        limit = self.calls.attempts if lease.owned else self.migrations
+                        if failed_steps >= limit:
                             raise self.calls.error("decode", worker, exc) from None
                         failed_steps += 1
                         stepped.add(worker.address)

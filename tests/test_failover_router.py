@@ -176,6 +176,40 @@ async def test_failed_steps_are_bounded_on_the_only_worker(cluster):
     assert len(decode.requests) == 3  # the first stream and two resumes
 
 
+class FirstStepFailingDecode(BreakingDecode):
+    """A decode worker whose first stream fails its first step, before any answer (the
+    router still holds the KV handle), and that serves every stream after."""
+
+    async def Decode(self, request, context):
+        if not self.requests:
+            self.requests.append(request)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{DECODE_STEP_FAILED}: x")
+        async for response in super().Decode(request, context):
+            yield response
+
+
+async def test_a_first_step_failed_before_any_answer_is_tried_elsewhere_without_migrations(
+    ckpt,
+):
+    # No migrations allowed: no stream may resume. But nothing was streamed yet and the
+    # router still holds the handle, so another worker is tried as for any refusal.
+    cluster = await test_router.start_router(ckpt, embedding_cache_mb=0, decode_migrations=0)
+    try:
+        await cluster.add(Role.ENCODER, FakeEncoder())
+        await cluster.add(Role.PREFILL, FakePrefill())
+        failing, healthy = FirstStepFailingDecode(None), BreakingDecode(None)
+        await cluster.add(Role.DECODE, failing)
+        await cluster.add(Role.DECODE, healthy)
+        for _ in range(2):
+            result = await cluster.client.generate_text(
+                TEXT, SamplingParams(max_tokens=10), timeout_s=20
+            )
+            assert result.token_ids == [FIRST, *range(101, 110)]
+        assert len(failing.requests) >= 1 and healthy.requests
+    finally:
+        await cluster.close()
+
+
 async def test_migrations_are_bounded(cluster):
     await cluster.add(Role.ENCODER, FakeEncoder())
     await cluster.add(Role.PREFILL, FakePrefill())
