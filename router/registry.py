@@ -117,8 +117,8 @@ class Registry:
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
         # (role, name) -> the worker last dropped for a namesake at another address: its
-        # address, instance id and when
-        self._replaced: dict[tuple[Role, str], tuple[str, str, float]] = {}
+        # address and instance id
+        self._replaced: dict[tuple[Role, str], tuple[str, str]] = {}
         self._ticks = itertools.count(1)
         # Called with every newly registered worker (e.g. to follow its KV events).
         self.on_register: list[Callable[[WorkerRecord], None]] = []
@@ -163,21 +163,19 @@ class Registry:
         moved = [w for w in self._workers.values() if info.name and w.name == info.name]
         namesakes = [w for w in moved if w.role == role and w.address != info.address]
         dropped = self._replaced.get((role, info.name))
-        if namesakes and dropped is not None and info.instance_id:
-            address, instance, when = dropped
-            if (address, instance) == (info.address, info.instance_id) and (
-                self._clock() - when < self.worker_timeout_s
-            ):
-                # The very process dropped for a namesake moments ago is alive: two live
-                # workers share the name (they would evict each other on every heartbeat).
-                raise RegistrationRefused(
-                    f"{role} worker {info.address} registers as {info.name!r}, the name of "
-                    f"the live worker at {namesakes[0].address}: worker names must be unique"
-                )
+        live = [w for w in namesakes if w.last_seen >= self._cutoff()]
+        if live and dropped == (info.address, info.instance_id) and info.instance_id:
+            # The very process dropped for a namesake is alive, and so is the namesake: two
+            # live workers share the name (they would evict each other on every heartbeat,
+            # or, refused for a while only, whenever its retries outlast the while). It is
+            # refused for as long as the namesake lives.
+            raise RegistrationRefused(
+                f"{role} worker {info.address} registers as {info.name!r}, the name of "
+                f"the live worker at {live[0].address}: worker names must be unique"
+            )
         for old in moved:
             if old.address != info.address and old.role == role:
-                dropped = (old.address, old.info.instance_id, self._clock())
-                self._replaced[(role, info.name)] = dropped
+                self._replaced[(role, info.name)] = (old.address, old.info.instance_id)
                 # The same named worker restarted at another address (Ray gives a restarted
                 # actor a new port): its old address is dead, let go as an expiry would.
                 del self._workers[old.worker_id]

@@ -324,11 +324,18 @@ def test_two_live_workers_of_one_name_do_not_evict_each_other(
     c.name, c.instance_id = "encoder", "process-c"
     registry.register(c)
     assert [w.address for w in registry.workers(Role.ENCODER)] == [c.address]
-    # The process it replaced is refused while a dead worker would still count as alive,
-    # and taken after (its record would have expired by then).
-    with pytest.raises(RegistrationRefused):
-        registry.register(b)
-    clock.now += registry.worker_timeout_s
+    # The process it replaced is refused for as long as the namesake lives: its retries
+    # (every few seconds) never win the name back from a worker that heartbeats.
+    (namesake,) = registry.workers(Role.ENCODER)
+    for _ in range(10):
+        with pytest.raises(RegistrationRefused):
+            registry.register(b)
+        for _ in range(3):  # the namesake heartbeats; b retries after a while
+            clock.now += registry.worker_timeout_s * 0.5
+            assert registry.heartbeat(namesake.worker_id, WorkerLoad())
+    assert [w.address for w in registry.workers(Role.ENCODER)] == [c.address]
+    # Once the namesake is silent (dead), the name is taken.
+    clock.now += registry.worker_timeout_s * 1.5
     registry.register(b)
     assert [w.address for w in registry.workers(Role.ENCODER)] == [b.address]
 
