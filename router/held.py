@@ -298,16 +298,32 @@ class MediaHold:
             self.held.give(media, self.tenant)
 
 
-ELEMENT_BYTES = 64  # counted per message, content part and stop string of a decoded request
+ELEMENT_BYTES = 64  # per message, content part, stop string and video frame, decoded
+INT_BYTES = 8  # per resume token and stop token id, decoded (1 byte each on the wire)
+
+
+def decoded_bytes(request: router_service_pb2.GenerateRequest, per_part: int = 0) -> int:
+    """What the decoded `request` holds beside its wire bytes: `ELEMENT_BYTES` for each
+    message, content part, stop string and video frame (an empty one is 2 bytes on the wire
+    and ~45 decoded) and `INT_BYTES` for each resume token and stop token id; `per_part`
+    more for each message and content part (what a parsed HTTP body holds of them)."""
+    parts = frames = 0
+    for message in request.messages:
+        parts += len(message.content)
+        for part in message.content:
+            if part.HasField("video"):
+                frames += len(part.video.frames)
+    ints = len(request.resume_tokens) + len(request.sampling.stop_token_ids)
+    shaped = len(request.messages) + parts
+    return (
+        ELEMENT_BYTES * (shaped + len(request.stop) + frames) + INT_BYTES * ints + per_part * shaped
+    )
 
 
 def _decode(data: bytes) -> Sized:
-    """The request and what it holds decoded: its wire bytes plus `ELEMENT_BYTES` for each
-    repeated element (an empty message is 2 bytes on the wire and ~45 decoded)."""
+    """The request and what it holds decoded: its wire bytes plus `decoded_bytes`."""
     request = router_service_pb2.GenerateRequest.FromString(data)
-    parts = sum(len(message.content) for message in request.messages)
-    elements = len(request.messages) + parts + len(request.stop)
-    return Sized(request, len(data) + ELEMENT_BYTES * elements)
+    return Sized(request, len(data) + decoded_bytes(request))
 
 
 def add_router_service(servicer: Any, server: Any) -> None:

@@ -21,7 +21,7 @@ from common.sampling import SamplingParams
 from common.server.credentials import bearer_metadata
 from epd.client import Chunk, Client, GenerateError
 from epd.v1 import router_service_pb2
-from router.held import HeldBytes
+from router.held import HeldBytes, decoded_bytes
 from tests.cluster import CLIENT_KEY
 from tests.test_bad_input import chat, grpc_request, post_raw
 from tests.test_http_api import add_workers, fake_router, url_of
@@ -242,7 +242,6 @@ async def test_media_count_against_the_bound_before_they_are_decoded(
     router, decode = bounded
     decode.hang_after_first = True
     held = router.router.servicer.held
-    held.limit = 150_000  # bytes: one video request's bytes and codes fit, two do not
 
     def video_chat(first: int) -> router_service_pb2.GenerateRequest:
         request = grpc_request(request_id=f"video{first}")
@@ -252,6 +251,8 @@ async def test_media_count_against_the_bound_before_they_are_decoded(
         request.messages[0].content.add(text="what happens?")
         return request
 
+    # One video request's bytes and codes fit, two do not; the second's read does.
+    held.limit = 150_000 + decoded_bytes(video_chat(64))
     first = video_chat(0)
     assert first.ByteSize() < 40_000
     stub, metadata = router.client._router, bearer_metadata(CLIENT_KEY)
@@ -293,3 +294,44 @@ def test_a_request_of_many_empty_messages_counts_what_it_holds_decoded() -> None
     data = request.SerializeToString()
     sized = _decode(data)
     assert len(data) == 20_000 and sized.size == len(data) + 10_000 * ELEMENT_BYTES
+
+
+def test_video_frames_and_token_lists_count_what_they_hold_decoded() -> None:
+    # Empty frames are 2 bytes on the wire and small token ids 1 byte: counted at the wire
+    # size alone, a request held 8-14x its count (3.6 GiB from one 256 MiB message).
+    from router.held import ELEMENT_BYTES, INT_BYTES, _decode
+
+    request = router_service_pb2.GenerateRequest()
+    video = request.messages.add().content.add().video
+    video.frames.extend([b""] * 5_000)
+    request.resume_tokens.extend([1] * 3_000)
+    request.sampling.stop_token_ids.extend([2] * 2_000)
+    data = request.SerializeToString()
+    counted = _decode(data).size - len(data)
+    assert counted == ELEMENT_BYTES * (1 + 1 + 5_000) + INT_BYTES * 5_000
+
+
+async def test_an_http_body_counts_what_it_holds_parsed(
+    bounded: tuple[FakeCluster, FakeDecode],
+) -> None:
+    # 2,000 one-letter messages: ~60 KiB of JSON, ~1.3 MB parsed. Counted as its JSON, it
+    # passed the 1 MiB bound beside a held 620 KiB request.
+    router, decode = bounded
+    decode.hang_after_first = True
+    stub = router.client._router
+    request = grpc_request(request_id="holder")
+    request.messages[0].content.add(image=router_service_pb2.ImageInput(data=noise_png()))
+    holder = stub.Generate(request, metadata=bearer_metadata(CLIENT_KEY))
+    await holder.read()  # held now
+    body = chat(max_tokens=2)
+    body["messages"] = [{"role": "user", "content": "a"}] * 2_000
+    raw = json.dumps(body).encode()
+    assert len(raw) < 100 << 10
+    status, reply = await asyncio.to_thread(post_raw, url_of(router), raw)
+    assert status == 429 and reply["error"]["type"] == "rate_limit_error", reply
+    holder.cancel()
+    for _ in range(100):
+        if router.router.servicer.held.held == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert router.router.servicer.held.held == 0  # the refused body's bytes given back too

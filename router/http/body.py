@@ -17,12 +17,15 @@ the app runs (the app would read all of it anyway) and replays it:
 - the whole body must arrive within `timeout_s` (`[router] request_timeout_s`, the time
   gRPC gives a request's read) of its head, else it is answered 408 and the connection
   closed: a client that announces a large body and trickles it, or sends none, would hold
-  its bytes of the budget, and a connection, for ever.
+  its bytes of the budget, and a connection, for ever;
+- what the app makes of a body (the parsed JSON, the request built from it) it holds beside
+  the body's bytes (`BodyHold.more`, refused as above), until the response ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -34,8 +37,35 @@ from router.held import busy as held_busy
 from router.http.connections import ConnectionStats
 from router.http.errors import ApiError
 
-HELD_KEY = "epd.held_bytes"  # ASGI scope: the bytes `limit_body` holds for the body
+HELD_KEY = "epd.held"  # ASGI scope: the `BodyHold` of the request's body
 CALLER_KEY = "epd.caller"  # ASGI scope: who `limit_body` let send a body (POST)
+
+
+@dataclass(slots=True)
+class BodyHold:
+    """What `limit_body` holds in `held` for one request of `tenant`: its body's bytes, and
+    what the app adds (`more`); all given back when the response has ended."""
+
+    held: HeldBytes
+    tenant: str | None = None
+    bytes: int = 0
+
+    def take(self, size: int) -> bool:
+        """Hold `size` more bytes if `held` allows (its bound and the tenant's share)."""
+        if not self.held.take(size, self.bytes, self.tenant):
+            return False
+        self.bytes += size
+        return True
+
+    def more(self, size: int) -> None:
+        """`take`, or the 429 a body over the bound gets (ApiError)."""
+        if not self.take(size):
+            raise _busy()
+
+
+def _busy() -> ApiError:
+    busy = held_busy("as many requests' bytes as it may")
+    return ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
 
 
 def carries_body(headers: dict[bytes, bytes]) -> bool:
@@ -81,20 +111,16 @@ def limit_body(
     late.status = 408
     not_post = ApiError(grpc.StatusCode.INVALID_ARGUMENT, "only a POST request may carry a body")
     not_post.status = 405
-    busy = held_busy("as many requests' bytes as it may")
-    full = ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
+    full = _busy()
 
-    async def read(
-        receive: Any, announced: int | None, taken: list[int], tenant: str | None
-    ) -> list[Any]:
+    async def read(receive: Any, announced: int | None, hold: BodyHold) -> list[Any]:
         """The request's ASGI messages up to the body's end (or the client's going), its
-        bytes added to `taken[0]` as held as `tenant`'s (all at once when `announced`)."""
+        bytes held in `hold` (all at once when `announced`)."""
         if announced is not None:
             if announced > max_bytes:
                 raise _Refused(too_large)
-            if not held.take(announced, tenant=tenant):
+            if not hold.take(announced):  # the HTTP server reads no more than it says
                 raise _Refused(full)
-            taken[0] = announced  # the HTTP server reads no more than the length says
         messages: list[Any] = []
         while True:
             message = await receive()
@@ -103,11 +129,10 @@ def limit_body(
                 return messages  # the client went away: the app sees that too
             if announced is None:
                 size = len(message.get("body", b""))
-                if taken[0] + size > max_bytes:
+                if hold.bytes + size > max_bytes:
                     raise _Refused(too_large)
-                if not held.take(size, taken[0], tenant):
+                if not hold.take(size):
                     raise _Refused(full)
-                taken[0] += size
             if not message.get("more_body"):
                 return messages
 
@@ -117,8 +142,7 @@ def limit_body(
             return
         headers = dict(scope.get("headers", ()))
         length = headers.get(b"content-length")
-        taken = [0]
-        tenant = None
+        hold = BodyHold(held)
         try:
             try:
                 if scope.get("method") != "POST" and carries_body(headers):
@@ -127,11 +151,11 @@ def limit_body(
                     header = headers.get(b"authorization")
                     caller = identify(app.state.auth, header.decode("latin-1") if header else None)
                     scope[CALLER_KEY] = caller
-                    tenant = caller.tenant
+                    hold.tenant = caller.tenant
                 announced = int(length) if length is not None and length.isdigit() else None
                 try:
                     async with asyncio.timeout(timeout_s):
-                        messages = await read(receive, announced, taken, tenant)
+                        messages = await read(receive, announced, hold)
                 except TimeoutError:
                     raise _Refused(late) from None
             except ApiError as exc:
@@ -149,9 +173,9 @@ def limit_body(
             async def replay() -> Any:
                 return messages.pop(0) if messages else await receive()
 
-            scope[HELD_KEY] = taken[0]
+            scope[HELD_KEY] = hold
             await app(scope, replay, send)
         finally:
-            held.give(taken[0], tenant)
+            held.give(hold.bytes, hold.tenant)
 
     return limited
