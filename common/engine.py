@@ -99,6 +99,8 @@ class Engine:
         device: torch.device | str = "cpu",
         generation: GenerationDefaults | None = None,
     ) -> None:
+        if max_batch < 1:  # else `generate` would wait for ever to admit anything
+            raise ValueError(f"max_batch: must be at least 1, got {max_batch}")
         self.config = config
         self.vision = vision
         self.processor = processor

@@ -300,3 +300,11 @@ def test_generate_batch_failure_releases_every_block(setup, monkeypatch, where):
     monkeypatch.undo()
     want = fresh(setup[0]).generate(ok, sampling[1])
     assert engine.generate(ok, sampling[1]).token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("max_batch", [0, -1])
+def test_a_batch_of_no_sequences_is_refused_when_built(setup, max_batch):
+    # It admitted nothing and `generate` looped for ever.
+    engine, _ = setup
+    with pytest.raises(ValueError, match="max_batch"):
+        fresh(engine, max_batch=max_batch)
