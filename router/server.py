@@ -34,7 +34,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -106,8 +106,11 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         request: router_service_pb2.GenerateRequest,
         cache_salt: str | None = None,
         media: MediaHold | None = None,
+        fit_max_tokens: bool = False,
     ) -> tuple[Any, ProcessedPrompt]:
         """Check and process one request (a worker thread); InputError naming the field.
+        `fit_max_tokens`: the request's `max_tokens` is a default, not the caller's: it is
+        cut to the context the prompt leaves (at least 1) rather than refused past it.
 
         Every limit (`RouterSettings.input_limits`) is checked before the work it bounds:
         sampling first, text bytes and media headers before anything is decoded or
@@ -152,6 +155,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         except (ValueError, TypeError) as exc:
             raise InputError(text_field, str(exc)) from None
         assert limits.max_model_len is not None
+        left = limits.max_model_len - len(prompt.prompt_token_ids)
+        if fit_max_tokens and sampling.max_tokens > left:
+            sampling = replace(sampling, max_tokens=max(1, left))
         try:
             check_context(len(prompt.prompt_token_ids), sampling.max_tokens, limits.max_model_len)
         except FieldError as exc:
@@ -165,11 +171,14 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         caller: Caller,
         client_left: float | None,
         holds: int = 0,
+        fit_max_tokens: bool = False,
     ) -> AsyncGenerator[router_service_pb2.GenerateResponse, None]:
         """Stream the answer to one chat for `caller` (its tenant salts the caches) within
         `client_left` seconds (None: `request_timeout_s`); see `Orchestrator.run` for what
         the chunks hold. The request's processed media are held in `held` beside the `holds`
-        bytes it holds already (`router.held.holding_media`). Raises RouterError, or
+        bytes it holds already (`router.held.holding_media`); `fit_max_tokens`: its
+        `max_tokens` is the router's default, cut to the context left (`_prepare`). Raises
+        RouterError, or
         RpcStatusError while draining. The gRPC Generate and the HTTP API (`router.http`)
         both run this."""
         request_id = request.request_id or uuid.uuid4().hex
@@ -185,7 +194,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     caller.cache_epoch,
                 )
                 sampling, prompt = await asyncio.to_thread(
-                    self._prepare, request, cache_salt, media
+                    self._prepare, request, cache_salt, media, fit_max_tokens
                 )
                 check_stop(request.stop)
                 vocab = self.processor.config.text.vocab_size

@@ -125,6 +125,12 @@ class RouterSettings(ServerSettings):
     http_port: int = setting(
         8000, "port of the OpenAI-compatible HTTP API (0: pick a free one; -1: no HTTP API)"
     )
+    chat_max_tokens: int = setting(
+        1024,
+        "max_tokens of an HTTP chat completion that sets neither max_tokens nor "
+        "max_completion_tokens, cut to the context the prompt leaves (OpenAI's is all that "
+        "context, which every such request would reserve on a decode worker until it ends)",
+    )
     served_model_name: str | None = setting(
         None,
         "model id the HTTP API serves and lists at /v1/models (None: the checkpoint folder's "
@@ -231,6 +237,8 @@ class RouterSettings(ServerSettings):
         ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name}: must not be negative")
+        if self.chat_max_tokens < 1:
+            raise SettingsError("chat_max_tokens: must be at least 1")
         if not -1 <= self.http_port <= 65535:
             raise SettingsError("http_port: must be -1 (off), 0 (any free port) or a port")
         if self.max_video_frames < 1:

@@ -145,7 +145,16 @@ def build_app(
         hold = raw.scope.get(HELD_KEY)
         if hold is not None:
             hold.more(decoded_bytes(request, PARSED_PART_BYTES))
-        chunks = servicer.generate(request, who, None, hold.bytes if hold is not None else 0)
+        # A chat that sets no length runs to its end, as OpenAI's: up to `chat_max_tokens`
+        # (or the checkpoint's `max_new_tokens`, if less), or the context the prompt leaves.
+        # A completion's default is 16, as OpenAI's.
+        default = chat and not (body.max_tokens or body.max_completion_tokens)
+        if default:
+            most = servicer.processor.generation.max_new_tokens
+            chat_max = servicer.settings.chat_max_tokens
+            request.sampling.max_tokens = min(chat_max, most) if most else chat_max
+        held = hold.bytes if hold is not None else 0
+        chunks = servicer.generate(request, who, None, held, fit_max_tokens=default)
         try:
             first = await _unless_gone(raw, _first(chunks))
             if not body.stream:

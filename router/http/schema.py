@@ -1,7 +1,9 @@
 """Request bodies of the HTTP API, in OpenAI's shapes (unknown fields are ignored).
 
 Sampling follows OpenAI's defaults where they differ from the gRPC API's: `temperature`
-defaults to 1.0. `max_tokens` (or `max_completion_tokens`) unset: the router's default.
+defaults to 1.0. `max_tokens` (or `max_completion_tokens`) unset: a chat runs to its end, up to
+`[router] chat_max_tokens` (or the checkpoint's `max_new_tokens`, if less) or the context the
+prompt leaves (`router.http.app`); a completion gets the router's default (16, as OpenAI's).
 `ignore_eos` and `cache_salt` are extensions (as in vLLM), sent with the `openai` client via
 `extra_body`; `cache_salt` is the gRPC API's (mixed into the tenant's: docs/security.md).
 
