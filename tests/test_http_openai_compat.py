@@ -23,7 +23,16 @@ from common.models.tiny import make_tiny_checkpoint
 from common.sampling import SamplingParams
 from epd.client import GenerateError
 from tests.cluster import CLIENT_KEY
-from tests.test_http_api import MODEL_ID, WEATHER, add_workers, api, call, fake_router, url_of
+from tests.test_http_api import (
+    MODEL_ID,
+    WEATHER,
+    add_workers,
+    api,
+    call,
+    fake_router,
+    png_data_url,
+    url_of,
+)
 from tests.test_router import Cluster as FakeCluster
 
 CONTEXT = 64  # the router's max_model_len here: small, so a prompt can overrun it
@@ -221,3 +230,99 @@ async def test_a_chat_without_a_length_runs_to_the_context_it_has(ckpt: Path) ->
         assert status == 200 and reply["usage"]["completion_tokens"] == 16, reply
     finally:
         await c.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"min_p": 0.2}, "min_p"),
+        ({"min_tokens": 4}, "min_tokens"),
+        ({"bad_words": ["rain"]}, "bad_words"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ],
+)
+async def test_vllm_extensions_not_done_are_refused_not_ignored(
+    fake: FakeCluster, extra: dict[str, Any], param: str
+) -> None:
+    # They were dropped as unknown fields: an answer without them looked like one with them.
+    body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 3}
+    status, reply = await post(fake, "/v1/chat/completions", body | extra)
+    assert (status, reply["error"]["param"]) == (400, param), reply
+    neutral = {
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "min_tokens": 0,
+        "bad_words": [],
+        "include_stop_str_in_output": False,
+    }
+    status, reply = await post(fake, "/v1/chat/completions", body | {param: neutral[param]})
+    assert status == 200, reply
+
+
+async def test_completion_fields_not_done_are_refused(fake: FakeCluster) -> None:
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 3}
+    for extra, param in (({"suffix": "!"}, "suffix"), ({"logprobs": 0}, "logprobs")):
+        status, reply = await post(fake, "/v1/completions", body | extra)
+        assert (status, reply["error"]["param"]) == (400, param), reply
+
+
+async def test_stop_token_ids_and_any_int64_seed_are_taken(ckpt: Path) -> None:
+    c = await fake_router(ckpt, max_model_len=CONTEXT)
+    try:
+        _, decode = await add_workers(c)
+        body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 3}
+        status, reply = await post(c, "/v1/chat/completions", body | {"stop_token_ids": [7, 9]})
+        assert status == 200, reply
+        assert list(decode.requests[-1].sampling.stop_token_ids) == [7, 9]
+        status, reply = await post(c, "/v1/chat/completions", body | {"seed": -1})
+        assert status == 200 and not decode.requests[-1].sampling.HasField("seed")  # random
+        status, reply = await post(c, "/v1/chat/completions", body | {"seed": -5})
+        assert status == 200 and decode.requests[-1].sampling.seed == 2**63 - 5
+        status, reply = await post(c, "/v1/chat/completions", body | {"seed": 2**63})
+        assert (status, reply["error"]["param"]) == (400, "seed")
+    finally:
+        await c.close()
+
+
+async def test_data_urls_in_any_case_and_wrapped_base64_are_read(fake: FakeCluster) -> None:
+    url = png_data_url(3)
+    header, payload = url.split(",", 1)
+    wrapped = "\n".join(payload[i : i + 76] for i in range(0, len(payload), 76))
+    for form in (header.upper() + "," + payload, header + "," + wrapped):
+        image = {"type": "image_url", "image_url": {"url": form}}
+        messages = [{"role": "user", "content": [image, {"type": "text", "text": "what?"}]}]
+        body = {"model": MODEL_ID, "messages": messages, "max_tokens": 3}
+        status, reply = await post(fake, "/v1/chat/completions", body)
+        assert status == 200, reply
+    bad = {"type": "image_url", "image_url": {"url": header + ",not base64!"}}
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": [bad]}], "max_tokens": 3}
+    status, reply = await post(fake, "/v1/chat/completions", body)
+    assert status == 400 and "base64" in reply["error"]["message"], reply
+
+
+async def test_unknown_paths_methods_and_non_json_bodies_answer_in_openai_shape(
+    fake: FakeCluster,
+) -> None:
+    url = url_of(fake)
+    status, _, reply = await asyncio.to_thread(call, f"{url}/v1/nothing", {"a": 1}, CLIENT_KEY)
+    assert status == 404 and reply["error"]["type"] == "not_found_error", reply
+    status, headers, reply = await asyncio.to_thread(
+        call, f"{url}/v1/chat/completions", None, CLIENT_KEY
+    )
+    assert status == 405 and "error" in reply and "POST" in headers.get("allow", ""), reply
+
+    def form() -> tuple[int, Any]:
+        request = urllib.request.Request(
+            f"{url}/v1/chat/completions", data=b"model=x", method="POST"
+        )
+        request.add_header("Content-Type", "application/x-www-form-urlencoded")
+        request.add_header("Authorization", f"Bearer {CLIENT_KEY}")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, reply = await asyncio.to_thread(form)
+    assert status == 400 and "application/json" in reply["error"]["message"], reply

@@ -117,13 +117,23 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        # FastAPI's own 400 for a body it cannot parse at all (not UTF-8, nested past the
-        # JSON parser's depth) in OpenAI's shape, as every other refused body; the rest
-        # (404 for a path, 405 for a method) as FastAPI answers them.
+        # FastAPI's own refusals in OpenAI's shape, as every other: a 400 for a body it
+        # cannot parse at all (not UTF-8, nested past the JSON parser's depth), 404 for a
+        # path, 405 for a method (with its Allow header).
         if exc.status_code == 400:
             message = "the body is not valid JSON: not UTF-8, or nested too deep to parse"
             return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message).response()
-        return await http_exception_handler(request, exc)
+        if exc.status_code not in (404, 405):
+            return await http_exception_handler(request, exc)
+        if exc.status_code == 404:
+            error = ApiError(grpc.StatusCode.NOT_FOUND, f"no such endpoint: {request.url.path}")
+        else:
+            message = f"{request.method} is not allowed on {request.url.path}"
+            error = ApiError(grpc.StatusCode.INVALID_ARGUMENT, message)
+            error.status = 405
+        response = error.response()
+        response.headers.update(exc.headers or {})
+        return response
 
     def check_model(body: SamplingBody) -> None:
         if body.model != model_id:

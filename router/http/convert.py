@@ -17,7 +17,7 @@ from router.http.schema import (
 )
 
 # Fields a SamplingParams message names at the start of its ValueError.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids")
 
 
 def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
@@ -25,26 +25,33 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
     max_tokens = body.max_completion_tokens or body.max_tokens
     top_k = max(body.top_k or 0, 0)
     temperature = 1.0 if body.temperature is None else body.temperature
+    seed = body.seed
+    if seed is not None and seed < 0:  # vLLM's: -1 asks for a random seed
+        seed = None if seed == -1 else seed % 2**63
+    stop_ids = body.stop_token_ids or []
     try:
         SamplingParams(
             temperature=temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=top_k,
-            seed=body.seed,
+            seed=seed,
             max_tokens=max_tokens or SamplingParams().max_tokens,
+            stop_token_ids=tuple(stop_ids),
             ignore_eos=body.ignore_eos,
         )
     except ValueError as exc:
         text = str(exc)
         field = next((f for f in _SAMPLING_FIELDS if text.startswith(f)), "sampling")
         raise FieldError(field, text) from None
-    msg = sampling_pb2.SamplingParams(temperature=temperature, ignore_eos=body.ignore_eos)
+    msg = sampling_pb2.SamplingParams(
+        temperature=temperature, ignore_eos=body.ignore_eos, stop_token_ids=stop_ids
+    )
     if body.top_p is not None:
         msg.top_p = body.top_p
     if top_k:
         msg.top_k = top_k
-    if body.seed is not None:
-        msg.seed = body.seed
+    if seed is not None:
+        msg.seed = seed
     if max_tokens:
         msg.max_tokens = max_tokens
     return msg
@@ -55,7 +62,7 @@ def refuse_unsupported(body: SamplingBody) -> None:
     (log probabilities, penalties, logit bias, tool calls, structured output, echo,
     best-of): refused, since an answer without it would look like one with it to a client
     that does not check."""
-    if body.logprobs:
+    if body.logprobs is not None and body.logprobs is not False:  # a completion's 0 asks too
         raise FieldError("logprobs", "log probabilities are not supported by this server")
     if body.top_logprobs:
         raise FieldError("top_logprobs", "log probabilities are not supported by this server")
@@ -67,16 +74,30 @@ def refuse_unsupported(body: SamplingBody) -> None:
             raise FieldError(field, "penalties are not supported by this server (only 0)")
     if body.logit_bias:
         raise FieldError("logit_bias", "logit bias is not supported by this server")
+    neutral: tuple[tuple[str, float | None, float], ...] = (
+        ("repetition_penalty", body.repetition_penalty, 1.0),
+        ("min_p", body.min_p, 0.0),
+        ("min_tokens", body.min_tokens, 0),
+    )
+    for field, value, off in neutral:
+        if value is not None and value != off:
+            raise FieldError(field, f"is not supported by this server (only {off:g})")
+    if body.bad_words:
+        raise FieldError("bad_words", "is not supported by this server")
+    if body.include_stop_str_in_output:
+        raise FieldError("include_stop_str_in_output", "is not supported by this server")
     if isinstance(body, ChatCompletionRequest):
-        for field, value in (("tools", body.tools), ("functions", body.functions)):
-            if value:
-                raise FieldError(field, "tool calls are not supported by this server")
+        for name, tools in (("tools", body.tools), ("functions", body.functions)):
+            if tools:
+                raise FieldError(name, "tool calls are not supported by this server")
         fmt = body.response_format
         if fmt is not None and fmt.get("type", "text") != "text":
             raise FieldError("response_format", 'only {"type": "text"} is supported')
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise FieldError("echo", "echoing the prompt is not supported by this server")
+        if body.suffix:
+            raise FieldError("suffix", "a suffix is not supported by this server")
         if body.best_of not in (None, 1):
             raise FieldError("best_of", "only 1 is supported (one completion per request)")
 

@@ -126,6 +126,10 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         at = f" (at character {where[0]})" if where and isinstance(where[0], int) else ""
         message = f"the body is not valid JSON: {detail}{at}"
         return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "model_attributes_type":
+        # Not JSON at all (a form, or no Content-Type): FastAPI hands the app a string.
+        message = "the body must be a JSON object, sent as Content-Type: application/json"
+        return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message)
     deepest = max(len(e.get("loc", ())) for e in errors)
     tied = [e for e in errors if len(e.get("loc", ())) == deepest]
     about_value = [e for e in tied if not str(e.get("type", "")).endswith("_type")]

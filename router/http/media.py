@@ -53,7 +53,7 @@ def load(url: str, field: str, policy: MediaPolicy) -> bytes:
 
 
 def _load(url: str, field: str, policy: MediaPolicy) -> bytes:
-    if url.startswith("data:"):
+    if url[:5].lower() == "data:":  # a URL's scheme is case-insensitive
         return _data_url(url, field)
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme in ("http", "https"):
@@ -69,12 +69,19 @@ def _load(url: str, field: str, policy: MediaPolicy) -> bytes:
 
 def _data_url(url: str, field: str) -> bytes:
     header, comma, payload = url.partition(",")
-    if not comma or not header.endswith(";base64"):
+    if not comma or not header.lower().endswith(";base64"):
         raise FieldError(field, "expected a base64 data URL (data:<mime>;base64,...)")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise FieldError(field, "the data URL's payload is not valid base64") from None
+        pass
+    unwrapped = "".join(payload.split())  # base64 in lines (MIME wraps at 76 characters)
+    try:
+        if unwrapped != payload:
+            return base64.b64decode(unwrapped, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    raise FieldError(field, "the data URL's payload is not valid base64")
 
 
 def _local(path: str, field: str, policy: MediaPolicy) -> bytes:

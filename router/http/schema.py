@@ -26,6 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from common.multimodal.validation import INT32_MAX
 from common.processing.limits import MAX_FPS, MIN_FPS
+from common.sampling import MAX_STOP_TOKEN_IDS
 from router.inputs import MAX_ID_CHARS
 
 UINT32_MAX = (1 << 32) - 1
@@ -122,7 +123,9 @@ class SamplingBody(_Body):
     temperature: float | None = Field(default=None, ge=0, le=FLOAT32_MAX)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    # Any int64, as vLLM takes: -1 is unset (a random seed), another negative one is taken
+    # modulo 2**63 (`router.http.convert.sampling`).
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     stop: Text | list[Text] | None = None
@@ -137,6 +140,15 @@ class SamplingBody(_Body):
     presence_penalty: float | None = None  # refused unless 0
     frequency_penalty: float | None = None  # refused unless 0
     logit_bias: dict[str, float] | None = None  # refused when not empty
+    # vLLM's extensions: `stop_token_ids` is done; the others are refused unless neutral.
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
+    repetition_penalty: float | None = None  # refused unless 1
+    min_p: float | None = None  # refused unless 0
+    min_tokens: int | None = None  # refused unless 0
+    bad_words: list[str] | None = None  # refused when not empty
+    include_stop_str_in_output: bool = False  # refused when true
 
     @property
     def stop_strings(self) -> list[str]:
@@ -160,4 +172,5 @@ class CompletionRequest(SamplingBody):
 
     prompt: Text
     echo: bool = False  # refused when true
+    suffix: str | None = None  # refused when not empty
     best_of: int | None = None  # refused above 1
