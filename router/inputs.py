@@ -158,9 +158,9 @@ def messages_from_proto(
     try:
         chat: list[tuple[str, list[Part | _FileVideo]]] = []
         for i, message in enumerate(messages):
-            if not message.role:
-                raise InputError(f"messages[{i}].role", "is empty")
-            reader.text(message.role, f"messages[{i}].role")
+            if message.role not in ROLES:  # what the wire says; a template renders any
+                shown = repr(message.role[:32]) if message.role else "empty"
+                raise InputError(f"messages[{i}].role", f"is {shown}: expected {', '.join(ROLES)}")
             parts = [
                 reader.part(part, f"messages[{i}].content[{j}]")
                 for j, part in enumerate(message.content)
@@ -374,6 +374,7 @@ def _uuid(media: Any, field: str) -> str | None:
     return str(media.uuid)
 
 
+ROLES = ("system", "user", "assistant")  # a chat message's, as the wire names them
 MAX_ID_CHARS = 256  # a caller's request id and cache salt (logged, sent to every worker)
 
 

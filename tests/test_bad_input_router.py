@@ -210,6 +210,10 @@ GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
     (grpc_request(prompt="", messages=[]), "prompt"),
     (grpc_request(request_id="r" * 257), "request_id"),
     (grpc_request(cache_salt="s" * 257), "cache_salt"),
+    *(  # the wire's roles only: a template renders any string as one
+        (grpc_request(messages=[router_service_pb2.ChatMessage(role=role)]), "messages[1].role")
+        for role in ("", "bogus", "tool", "User")
+    ),
     (
         grpc_part(image=router_service_pb2.ImageInput(data=PNG, uuid="u" * 257)),
         "messages[0].content[0].image.uuid",

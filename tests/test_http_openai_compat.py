@@ -260,6 +260,13 @@ async def test_vllm_extensions_not_done_are_refused_not_ignored(
     assert status == 200, reply
 
 
+async def test_stream_options_without_a_stream_is_refused(fake: FakeCluster) -> None:
+    body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 3}
+    options = {"stream_options": {"include_usage": True}}
+    status, reply = await post(fake, "/v1/chat/completions", body | options)
+    assert (status, reply["error"]["param"]) == (400, "stream_options"), reply
+
+
 async def test_completion_fields_not_done_are_refused(fake: FakeCluster) -> None:
     body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 3}
     for extra, param in (({"suffix": "!"}, "suffix"), ({"logprobs": 0}, "logprobs")):

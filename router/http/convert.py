@@ -62,6 +62,8 @@ def refuse_unsupported(body: SamplingBody) -> None:
     (log probabilities, penalties, logit bias, tool calls, structured output, echo,
     best-of): refused, since an answer without it would look like one with it to a client
     that does not check."""
+    if body.stream_options is not None and not body.stream:  # as OpenAI answers it
+        raise FieldError("stream_options", "is only allowed when stream is true")
     if body.logprobs is not None and body.logprobs is not False:  # a completion's 0 asks too
         raise FieldError("logprobs", "log probabilities are not supported by this server")
     if body.top_logprobs:
