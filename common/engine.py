@@ -41,9 +41,12 @@ from typing import Any
 
 import torch
 
+from common.errors import FieldError
+from common.kv.allocator import blocks_for
 from common.kv.hashing import DEFAULT_ROOT
 from common.models import batching
 from common.models.generation import GenerationDefaults
+from common.models.prompt_check import check_context
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.qwen3_vl.text import LM_PREFIX, TextModel
@@ -271,6 +274,26 @@ class Engine:
             cached_tokens=seq.cached_tokens,
         )
 
+    def _checked(
+        self, index: int, prompt: ProcessedPrompt, sampling: SamplingParams
+    ) -> ProcessedPrompt:
+        """`prompt` (request `index`) if it and its `max_tokens` fit the model's context and
+        the KV pool, as a deployment checks them; else ValueError naming the request."""
+        tokens = len(prompt.prompt_token_ids)
+        try:
+            check_context(tokens, sampling.max_tokens, self.config.text.max_position_embeddings)
+        except FieldError as exc:
+            raise ValueError(f"request {index}: {exc}") from None
+        allocator = self.runner.allocator
+        need = blocks_for(tokens + sampling.max_tokens, allocator.block_size)
+        if need > allocator.pool.num_blocks:  # it would wait for ever, or fail mid-batch
+            raise ValueError(
+                f"request {index}: prompt of {tokens} tokens + max_tokens "
+                f"{sampling.max_tokens} needs {need} KV blocks; the pool has "
+                f"{allocator.pool.num_blocks}"
+            )
+        return prompt
+
     def generate(
         self, messages: Messages, sampling: SamplingParams | None = None
     ) -> GenerateResult:
@@ -304,7 +327,9 @@ class Engine:
                     while waiting and len(batch.running) + len(admitted) < self.max_batch:
                         index = waiting[0]
                         if index not in processed:
-                            processed[index] = self.process(requests[index])
+                            processed[index] = self._checked(
+                                index, self.process(requests[index]), params[index]
+                            )
                         prompt = processed[index]
                         total = len(prompt.prompt_token_ids) + params[index].max_tokens
                         busy = batch.running or admitted

@@ -308,3 +308,20 @@ def test_a_batch_of_no_sequences_is_refused_when_built(setup, max_batch):
     engine, _ = setup
     with pytest.raises(ValueError, match="max_batch"):
         fresh(engine, max_batch=max_batch)
+
+
+def test_a_request_past_the_context_or_the_pool_is_refused_naming_it(setup):
+    # A deployment refuses both; the engine generated past the context silently, and a
+    # request larger than its pool failed the whole batch after the others had decoded.
+    engine, _ = setup
+    small = fresh(engine, num_blocks=8)  # 8 x BLOCK tokens
+    ok = user("Hello there.")
+    context = engine.config.text.max_position_embeddings
+    with pytest.raises(ValueError, match="request 1: .*context"):
+        small.generate_batch(
+            [ok, ok], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=context)]
+        )
+    with pytest.raises(ValueError, match="request 0: .*KV blocks; the pool has 8"):
+        small.generate_batch([ok], SamplingParams(max_tokens=8 * BLOCK))
+    assert small.runner.allocator.pool.num_free_blocks == 8  # nothing kept
+    assert small.generate(ok, SamplingParams(max_tokens=3)).finish_reason == "length"
