@@ -175,7 +175,9 @@ class PrefixIndex:
         for event in events:
             if event.kind == kv_pb2.KV_EVENT_KIND_STORED:
                 stored = [h for h in event.block_hashes if len(h) == HASH_BYTES]
-                if len(cached) + len(stored) > MAX_HASHES_PER_WORKER:
+                if len(cached) + len(stored) > MAX_HASHES_PER_WORKER and (
+                    len(cached.union(stored)) > MAX_HASHES_PER_WORKER  # announced again: 0
+                ):
                     logger.warning(
                         "KV worker %s announced over %d cached blocks; its hints are dropped",
                         address,

@@ -121,6 +121,13 @@ def test_a_worker_announcing_without_end_is_dropped_not_held(monkeypatch) -> Non
     stored = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=HASHES[:6])
     prefix._apply(address, [stored])
     assert len(prefix._hashes[address]) == 6
-    more = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=HASHES[6:])
+    # Blocks it holds already, announced again (stored anew after an eviction race, or
+    # by another path), are not more of them: at the cap, nothing is dropped.
+    again = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=HASHES[:8])
+    prefix._apply(address, [again])
+    assert len(prefix._hashes[address]) == 8
+    prefix._apply(address, [again])
+    assert len(prefix._hashes[address]) == 8
+    more = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=HASHES[8:])
     prefix._apply(address, [more])
     assert prefix._hashes[address] == set() and prefix._holders == {}
