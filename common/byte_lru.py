@@ -138,10 +138,18 @@ class ByteBudgetLru(Generic[V]):
                     if old is not None:
                         self._drop(old)
                 held = self._owners.get(id(owner))
-            while stored and held is None and self.bytes_used + need > self.budget_bytes:
+            added = len(dict.fromkeys(keys))  # none stored now
+            while stored:  # room for the entries, and for the owner unless it is held
+                held = self._owners.get(id(owner))  # (evicting its last entry lets it go)
+                more = each * added + (0 if held is not None else size)
+                if self.bytes_used + more <= self.budget_bytes:
+                    break
                 _, evicted = stored.popitem(last=False)
                 self._drop(evicted)
                 self.evictions += 1
+            held = self._owners.get(id(owner))
+            if held is None and need > self.budget_bytes:
+                return False
             if held is None:
                 held = self._owners[id(owner)] = _Held(owner, size)
                 self.bytes_used += size

@@ -140,6 +140,19 @@ def test_entry_overhead_counts_toward_the_budget() -> None:
     assert not EncoderCache(budget_bytes=1000, entry_bytes=1024).put(b"x", _entry(0))
 
 
+def test_entries_added_to_a_held_owner_stay_within_the_budget() -> None:
+    # More units of a segment already stored: each entry's overhead still counts, and older
+    # entries make room for it (they skipped eviction, and the cache passed its budget).
+    owner = _entry(2)
+    views = [EncodedRows(owner.stacked, owner, 0, 2) for _ in range(6)]
+    cache = EncoderCache(budget_bytes=64 + 3 * 1024, entry_bytes=1024)
+    assert cache.put_many([b"a"], views[:1], owner)
+    for k in range(1, 6):
+        assert cache.put_many([bytes([k])], views[k : k + 1], owner)
+        assert cache.bytes_used <= cache.budget_bytes
+    assert len(cache) == 3 and cache.keys() == [bytes([3]), bytes([4]), bytes([5])]
+
+
 def test_cache_lru_order_and_budget() -> None:
     cache = EncoderCache(budget_bytes=3 * 32 * 2)
     for key in (b"a", b"b", b"c"):

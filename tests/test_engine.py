@@ -317,11 +317,11 @@ def test_a_request_past_the_context_or_the_pool_is_refused_naming_it(setup):
     small = fresh(engine, num_blocks=8)  # 8 x BLOCK tokens
     ok = user("Hello there.")
     context = engine.config.text.max_position_embeddings
-    with pytest.raises(ValueError, match="request 1: .*context"):
+    with pytest.raises(ValueError, match=r"request 1: .*context"):
         small.generate_batch(
             [ok, ok], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=context)]
         )
-    with pytest.raises(ValueError, match="request 0: .*KV blocks; the pool has 8"):
+    with pytest.raises(ValueError, match=r"request 0: .*KV blocks; the pool has 8"):
         small.generate_batch([ok], SamplingParams(max_tokens=8 * BLOCK))
     assert small.runner.allocator.pool.num_free_blocks == 8  # nothing kept
     assert small.generate(ok, SamplingParams(max_tokens=3)).finish_reason == "length"
