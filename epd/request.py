@@ -47,7 +47,9 @@ def build_request(
     if cache_salt is not None:
         request.cache_salt = cache_salt
     for i, message in enumerate(messages):
-        out = request.messages.add(role=str(message.get("role", "")))
+        role = str(message.get("role", ""))
+        # OpenAI's newer name of the system role, as the HTTP API reads it.
+        out = request.messages.add(role="system" if role == "developer" else role)
         content = message.get("content")
         if isinstance(content, str):
             out.content.add(text=content)

@@ -161,6 +161,7 @@ def messages_from_proto(
             if message.role not in ROLES:  # what the wire says; a template renders any
                 shown = repr(message.role[:32]) if message.role else "empty"
                 raise InputError(f"messages[{i}].role", f"is {shown}: expected {', '.join(ROLES)}")
+            reader.text(message.role, f"messages[{i}].role")  # counted as the prompt's text
             parts = [
                 reader.part(part, f"messages[{i}].content[{j}]")
                 for j, part in enumerate(message.content)

@@ -119,3 +119,12 @@ async def test_router_addresses_come_as_a_list_or_comma_separated() -> None:
         [0, 1, 2],
     ]
     await client.close()
+
+
+def test_a_developer_message_is_sent_as_the_system_role() -> None:
+    # OpenAI's newer name of the system role: the HTTP API reads it so, and the router's
+    # wire takes system, user and assistant only.
+    from epd.request import build_request
+
+    request = build_request([{"role": "developer", "content": "Be brief."}])
+    assert request.messages[0].role == "system"

@@ -77,3 +77,24 @@ def test_a_fetched_host_must_be_public_with_any_ipv4_address_it_embeds(
     else:
         with pytest.raises(FieldError, match="non-public"):
             public_address("cats.example", 443, "f")
+
+
+def test_base64_in_short_lines_costs_about_its_size() -> None:
+    # Lines of 2 characters: stripping them made an object per piece, 20x the payload (one
+    # 256 MiB body held ~5 GB, the event loop stalled meanwhile).
+    import base64
+    import tracemalloc
+
+    data = bytes(range(256)) * 12_000
+    encoded = base64.b64encode(data).decode()
+    wrapped = "\n".join(encoded[i : i + 2] for i in range(0, len(encoded), 2))
+    url = "data:image/png;base64," + wrapped
+    tracemalloc.start()
+    try:
+        assert load(url, "url", MediaPolicy()) == data
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(url), (peak, len(url))  # the payload, its bytes, them stripped
+    with pytest.raises(FieldError, match="base64"):
+        load("data:image/png;base64,QU\n\u00e9", "url", MediaPolicy())
