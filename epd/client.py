@@ -115,12 +115,18 @@ class Client:
         api_key: str | None = None,
         tls_ca_file: str | Path | None = None,
         max_retries: int = 0,
+        keepalive_s: float | None = None,
     ) -> None:
         """`address`: the router, or several (a list, or one comma-separated string);
         `api_key`: presented on every call (None: $EPD_API_KEY or `epd serve`'s client
         key file, see the module docstring); `tls_ca_file`: dial TLS, verifying the routers
         with this PEM CA (None: plaintext); `max_retries`: times a request the router
-        refused as full (RESOURCE_EXHAUSTED) is sent again after the wait it names."""
+        refused as full (RESOURCE_EXHAUSTED) is sent again after the wait it names;
+        `keepalive_s`: a router that leaves an HTTP/2 ping unanswered this long, sent after
+        this long of a call, fails the call, which goes on on the next router (a frozen
+        process, a lost network path). None: no pings, as routers from before they were
+        taken, and gRPC servers and proxies in general, answer a third ping without data
+        within 5 minutes by closing the connection ("too many pings")."""
         if max_retries < 0:
             raise ValueError(f"max_retries must not be negative, got {max_retries}")
         self.max_retries = max_retries
@@ -135,7 +141,7 @@ class Client:
         options = [
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
-            *keepalive_options(),  # a frozen router's streams fail over (resume) too
+            *(keepalive_options(keepalive_s) if keepalive_s is not None else ()),
         ]
         self._channels = [credentials.open(a, options) for a in self.addresses]
         self._routers = [router_service_pb2_grpc.RouterServiceStub(c) for c in self._channels]

@@ -206,3 +206,66 @@ async def test_a_dropped_workers_call_ends_with_unavailable_at_once() -> None:
     finally:
         await peers.close()
         await running.stop(0)
+
+
+HANGING_ROUTER = textwrap.dedent(
+    """
+    import asyncio
+    from common.server.rpc import start_server
+    from epd.v1 import router_service_pb2, router_service_pb2_grpc
+
+    class Router(router_service_pb2_grpc.RouterServiceServicer):
+        async def Generate(self, request, context):
+            yield router_service_pb2.GenerateResponse(token_ids=[5], text="he")
+            await asyncio.sleep(60)
+
+    async def main():
+        running = await start_server(
+            [lambda s: router_service_pb2_grpc.add_RouterServiceServicer_to_server(Router(), s)]
+        )
+        print(running.address, flush=True)
+        await running.wait_for_termination()
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_client_with_keepalive_resumes_a_frozen_routers_stream_on_the_next() -> None:
+    from common.sampling import SamplingParams
+    from epd.client import Client
+    from epd.v1 import decode_service_pb2, router_service_pb2, router_service_pb2_grpc
+
+    class Next(router_service_pb2_grpc.RouterServiceServicer):
+        def __init__(self) -> None:
+            self.resumed: list[list[int]] = []
+
+        async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+            self.resumed.append(list(request.resume_tokens))
+            yield router_service_pb2.GenerateResponse(
+                token_ids=[6], text="llo", finish_reason=decode_service_pb2.FINISH_REASON_LENGTH
+            )
+
+    second = Next()
+    running = await start_server(
+        [lambda s: router_service_pb2_grpc.add_RouterServiceServicer_to_server(second, s)]
+    )
+    first = _spawn(HANGING_ROUTER)
+    try:
+        assert first.stdout is not None
+        addresses = [first.stdout.readline().strip(), running.address]
+        chat = [{"role": "user", "content": "hi"}]
+        async with Client(addresses, api_key="k", keepalive_s=0.3) as client:
+            stream = client.generate(chat, SamplingParams(max_tokens=2), timeout_s=30)
+            tokens = list((await anext(stream)).token_ids)
+            os.kill(first.pid, signal.SIGSTOP)  # frozen after its first chunk
+            started = time.monotonic()
+            async for piece in stream:
+                tokens.extend(piece.token_ids)
+            assert time.monotonic() - started < 5  # not the 30 s deadline
+        assert tokens == [5, 6] and second.resumed == [[5]]
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        first.kill()
+        first.wait(10)
+        await running.stop(0)
