@@ -158,7 +158,9 @@ def main() -> None:
     warm = kv_pb2.KvHandle.FromString(parent.recv_bytes())
     plan = reader.allocator.plan_import(None, args.block_size, args.block_size)
     for _ in range(50):
-        loop.run_until_complete(pull(agent, reader, warm, plan, timeout_s=60, on_orphan=print))
+        loop.run_until_complete(
+            pull(agent, reader, warm, plan, timeout_s=60, on_orphan=print, on_quarantine=print)
+        )
     reader.allocator.abort_import(plan)
     for size_mib in args.sizes_mib:
         n = size_mib * MIB // block_bytes
@@ -179,7 +181,15 @@ def main() -> None:
             stats: list[Any] = []
 
             def decode_pull(plan: ImportPlan = plan, handle: kv_pb2.KvHandle = handle) -> None:
-                coro = pull(agent, reader, handle, plan, timeout_s=60, on_orphan=lambda: None)
+                coro = pull(
+                    agent,
+                    reader,
+                    handle,
+                    plan,
+                    timeout_s=60,
+                    on_orphan=lambda: None,
+                    on_quarantine=print,
+                )
                 pulled = loop.run_until_complete(coro)
                 if pulled.mismatched:
                     raise RuntimeError(f"blocks {pulled.mismatched} failed their digests")

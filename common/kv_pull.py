@@ -67,13 +67,18 @@ async def pull(
     *,
     timeout_s: float,
     on_orphan: Callable[[], object],
+    on_quarantine: Callable[[TransferTimeoutError], object],
 ) -> Pulled:
-    """READ the plan's missing prompt blocks from the holder and check their digests.
+    """READ the plan's missing prompt blocks from the holder and check their digests, within
+    `timeout_s` (the wait for one of the pull threads included).
 
     Raises `RpcStatusError`: INVALID_ARGUMENT when the metadata cannot be loaded or names
     another agent, FAILED_PRECONDITION when the holder refuses the READ (descriptors outside
-    its registered memory), UNAVAILABLE when the holder cannot be reached or the READ times
-    out (`TransferTimeoutError` is re-raised as is, for the caller's quarantine decision).
+    its registered memory), UNAVAILABLE when the holder cannot be reached; and
+    `TransferTimeoutError` as is when the READ (or the wait for a thread) timed out, for
+    the caller's quarantine decision. When the caller went away (cancelled), the blocks go
+    back once the READ is over (`on_orphan()`), or, after a timeout NIXL could not cancel,
+    `on_quarantine(error)` keeps them until `error.when_released`.
     """
     if not plan.pull:
         return Pulled(None, [])
@@ -106,11 +111,20 @@ async def pull(
         remote_device_id=handle.blocks[0].device_id,
         peer_metadata=handle.agent_metadata,
     )
-    future = asyncio.get_running_loop().run_in_executor(_pulls, read)
+    work = _pulls.submit(read)
+    future = asyncio.wrap_future(work)
     try:
-        stats, digests = await asyncio.shield(future)
+        try:
+            stats, digests = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except TimeoutError:
+            if work.cancel():  # still waiting for a thread: no READ was started
+                raise TransferTimeoutError(
+                    "the KV pull timed out waiting for a pull thread; no READ was started", True
+                ) from None
+            stats, digests = await asyncio.shield(future)  # its READ has its own deadline
     except asyncio.CancelledError:
-        future.add_done_callback(functools.partial(_settled, on_orphan=on_orphan))
+        settled = functools.partial(_settled, on_orphan=on_orphan, on_quarantine=on_quarantine)
+        future.add_done_callback(settled)
         raise
     mismatched = [
         i
@@ -120,13 +134,18 @@ async def pull(
     return Pulled(stats, mismatched)
 
 
-def _settled(read: asyncio.Future[object], *, on_orphan: Callable[[], object]) -> None:
+def _settled(
+    read: asyncio.Future[object],
+    *,
+    on_orphan: Callable[[], object],
+    on_quarantine: Callable[[TransferTimeoutError], object],
+) -> None:
     """A READ whose caller went away has ended: its blocks go back (`on_orphan`), unless it
-    timed out and NIXL could not cancel it. Then it may still write them, so they stay
-    taken for good (quarantined), as the caller does when it is still there."""
+    timed out and NIXL could not cancel it. Then it may still write them, so they are kept
+    until NIXL lets it go (`on_quarantine`), as the caller does when it is still there."""
     failure = None if read.cancelled() else read.exception()  # retrieved, either way
     if isinstance(failure, TransferTimeoutError) and not failure.cancelled:
-        logger.error("an orphaned KV READ timed out and could not be cancelled; quarantining")
+        on_quarantine(failure)
         return
     on_orphan()
 

@@ -33,7 +33,9 @@ settled (`confirmed` or `discard`), so they cannot be freed, and their ids hande
 before their digests are recorded and they are cached, even when the sequence ends first.
 On a failure or cancellation in `admit` every block taken goes back to the pool (after the
 READ has finished, if one is in flight), except after an uncancellable READ timeout: NIXL may
-still write those blocks, so they are quarantined (never handed out again).
+still write those blocks, so they are quarantined (`quarantined`, the
+`epd:kv_blocks_quarantined` gauge) until NIXL lets the READ go (`common.transfer.parked`).
+A READ that timed out is ABORTED (the router prefills again), not the request's deadline.
 """
 
 from __future__ import annotations
@@ -129,6 +131,25 @@ class KvImporter:
         self.counters = counters
         self.wait_freed = wait_freed  # returns once the decode loop next frees blocks
         self.renew_leases = renew_leases  # RenewKv while a request waits for blocks
+        # id(plan) -> blocks kept from the pool while NIXL may still write them
+        self.quarantined: dict[int, int] = {}
+
+    def _quarantine(self, plan: ImportPlan, error: TransferTimeoutError) -> None:
+        """Keep the plan's blocks from the pool while NIXL may still write them (a READ it
+        could not cancel), until it lets the READ go (event loop)."""
+        logger.error(
+            "a KV READ timed out and could not be cancelled; quarantining %d blocks until NIXL "
+            "releases it",
+            len(plan.blocks),
+        )
+        self.quarantined[id(plan)] = len(plan.blocks)
+        loop = asyncio.get_running_loop()
+        error.when_released(lambda: loop.call_soon_threadsafe(self._unquarantine, plan))
+
+    def _unquarantine(self, plan: ImportPlan) -> None:
+        """NIXL let the READ go: its blocks go back to the pool (event loop)."""
+        self.quarantined.pop(id(plan), None)
+        self.model.submit(self.runner.allocator.abort_import, plan)
 
     async def admit(
         self,
@@ -162,6 +183,7 @@ class KvImporter:
                 plan,
                 timeout_s=pull_timeout_s,
                 on_orphan=lambda: self.model.submit(allocator.abort_import, plan),
+                on_quarantine=lambda exc: self._quarantine(plan, exc),
             )
         except asyncio.CancelledError:
             release()
@@ -171,11 +193,13 @@ class KvImporter:
             if exc.cancelled:
                 await self.model.call(allocator.abort_import, plan)
             else:
-                logger.error(
-                    "KV READ timed out and could not be cancelled; quarantining %d blocks",
-                    len(plan.blocks),
-                )
-            raise
+                self._quarantine(plan, exc)
+            # The holder did not answer in time (frozen, or overloaded): not the request's
+            # own deadline, which the router keeps. Prefill again elsewhere.
+            raise RpcStatusError(
+                grpc.StatusCode.ABORTED,
+                f"kv: the READ from {handle.holder_address} timed out ({exc}); prefill again",
+            ) from None
         except BaseException:
             release()
             await self.model.call(allocator.abort_import, plan)

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.server.kv_worker import KvWorkerParts, kv_worker_info
-from common.server.metrics import counter, kv_pool_metrics, requests_metrics, scrape_registry
+from common.server.metrics import (
+    counter,
+    gauge,
+    kv_pool_metrics,
+    requests_metrics,
+    scrape_registry,
+)
 from common.server.role import AddServicer, RoleServer
 from common.server.rpc import service_name
 from decode_worker.service import DecodeServicer
@@ -48,6 +54,11 @@ def decode_metrics(servicer: DecodeServicer) -> list[Any]:
         ),
         counter("epd:kv_leases_lost", "Pulls discarded: lease not live.", c.leases_lost),
         counter("epd:kv_block_waits", "Requests that waited for free blocks.", c.block_waits),
+        gauge(
+            "epd:kv_blocks_quarantined",
+            "Blocks kept from the pool while a READ NIXL could not cancel may still write them.",
+            sum(servicer.importer.quarantined.values()),
+        ),
         counter("epd:decode_steps", "Batched decode forwards run.", batch.steps),
         counter("epd:decode_step_sequences", "Sequences decoded, over all steps.", batch.decoded),
         counter("epd:decode_step_seconds", "Wall time of the decode steps.", batch.step_seconds),

@@ -21,6 +21,7 @@ import asyncio
 import functools
 import logging
 import math
+import threading
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -32,7 +33,7 @@ from common.multimodal.validation import MultimodalLayoutError
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError
 from common.transfer.agent import TransferAgent
-from common.transfer.types import TransferError, TransferRefusedError
+from common.transfer.types import TransferDigestError, TransferError, TransferRefusedError
 from common.wire.convert import torch_dtype
 from common.wire.transfer import read_tensor
 from epd.v1 import multimodal_pb2, tensor_pb2
@@ -50,6 +51,9 @@ class EmbeddingPulls:
         self.agent = agent  # this worker's NIXL agent (the READ side)
         self.peers = peers  # releases to encoders
         self.timeout_s = timeout_s  # longest pull of one embedding tensor
+        # Tensors READ whose bytes were not those the encoder lent (refused; encoded again).
+        self.digest_failures = 0
+        self._lock = threading.Lock()  # counts from the pull threads
 
     async def read_handoff(
         self,
@@ -102,6 +106,13 @@ class EmbeddingPulls:
             )
         except TransferRefusedError as exc:
             raise MultimodalLayoutError(field, f"cannot pull embeddings: {exc}") from None
+        except TransferDigestError as exc:
+            with self._lock:
+                self.digest_failures += 1
+            raise RpcStatusError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{field}: {EMBEDDINGS_LOST} (the bytes READ were not those lent: {exc})",
+            ) from None
         except TransferError as exc:
             raise RpcStatusError(
                 grpc.StatusCode.UNAVAILABLE, f"{field}: {EMBEDDINGS_LOST} ({exc})"

@@ -64,6 +64,11 @@ def prefill_metrics(servicer: PrefillServicer) -> list[Any]:
             "Cached blocks found changed since computed (recomputed).",
             c.digest_mismatches,
         ),
+        counter(
+            "epd:embedding_digest_failures",
+            "Embeddings READ from encoders whose bytes were not those lent (encoded again).",
+            servicer.embeddings.digest_failures,
+        ),
     ]
 
 

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -198,10 +199,26 @@ def test_concurrent_pulls_from_two_encoders_all_succeed(
     assert all(enc.ask(cmd="counters")["live"] == 0 for enc in encoders[:2])
 
 
-def _resolve(reader: TransferAgent, ref: tensor_pb2.TensorRef, field: str) -> torch.Tensor:
+def _resolve(
+    reader: TransferAgent, ref: tensor_pb2.TensorRef, field: str, pulls: Any = None
+) -> torch.Tensor:
     """`EmbeddingPulls._resolve` as a prefill worker calls it (its agent, a CPU device)."""
-    pulls = cast(Any, SimpleNamespace(agent=reader, runner=SimpleNamespace(device="cpu")))
+    if pulls is None:
+        pulls = _pulls(reader)
     return EmbeddingPulls._resolve(pulls, ref, field, pulled=[], timeout_s=5)
+
+
+def _pulls(reader: TransferAgent) -> Any:
+    """The parts of `EmbeddingPulls` `_resolve` uses."""
+    return cast(
+        Any,
+        SimpleNamespace(
+            agent=reader,
+            runner=SimpleNamespace(device="cpu"),
+            digest_failures=0,
+            _lock=threading.Lock(),
+        ),
+    )
 
 
 def _ref(handle: tensor_pb2.TransferHandle, shape: list[int]) -> tensor_pb2.TensorRef:
@@ -250,10 +267,12 @@ def test_a_range_reused_after_its_lease_ended_is_not_read_as_the_old_output(
     ref = _ref(a, [output_rows(40), HIDDEN])
     with pytest.raises(TransferDigestError):  # the bytes are B's, not those A lent
         read_tensor(ref.handle, torch.float32, tuple(ref.shape), reader, timeout_s=10)
+    pulls = _pulls(reader)
     with pytest.raises(RpcStatusError) as info:
-        _resolve(reader, ref, "embeddings.rows")
+        _resolve(reader, ref, "embeddings.rows", pulls)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert EMBEDDINGS_LOST in str(info.value)  # the router encodes the item again
+    assert pulls.digest_failures == 1  # epd:embedding_digest_failures
     assert torch.equal(_pull(b, output_rows(50), reader), output_tensor(0, 50, 0))
     enc.ask(cmd="release", lease_ids=[b.lease_id])
 

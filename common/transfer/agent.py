@@ -33,12 +33,14 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Any, Final
 
 import numpy as np
 import torch
 
 from common.transfer.nixl import PROGRESS_DELAY_US, import_nixl, make_agent
+from common.transfer.parked import ParkedHandles
 from common.transfer.peers import PeerSnapshots
 from common.transfer.polling import post_and_wait
 from common.transfer.ranges import (
@@ -103,7 +105,7 @@ class TransferAgent:
         self._lock = threading.Lock()
         self._regions: list[RegisteredRegion] = []
         self._peers = PeerSnapshots(self._agent, self.name)  # peers, snapshots loaded
-        self._leaked: list[Any] = []  # xfer handles NIXL refused to release; retried later
+        self._parked = ParkedHandles(self.name)  # handles NIXL would not release yet
         self._closed = False
         logger.info("NIXL agent %s ready (UCX)", self.name)
 
@@ -254,6 +256,7 @@ class TransferAgent:
         else:
             r, loc = check_pairs(remote, local)
             requested = len(r)
+        self._parked.retry()  # (outside the lock: their futures' callbacks may take it)
         with self._lock:
             self._check_open()
             self._peers.check_known(peer)
@@ -265,7 +268,6 @@ class TransferAgent:
                 region_ids, local_memory, local_device = local_regions_of(
                     self._regions, loc, self.name
                 )
-            self._retry_leaked()
         if small:
             merged_r, merged_l = merge_for_read(r_list, l_list, ids if merge else None)
         else:
@@ -307,29 +309,33 @@ class TransferAgent:
         try:
             post_and_wait(self._agent, handle, peer, nbytes, timeout_s, started)
         except TransferTimeoutError as exc:
-            exc.cancelled = self._release(handle, False)
+            exc.released = self._release(handle, False)
+            exc.cancelled = exc.released is None
             raise
         except BaseException as exc:
-            released = self._release(handle, False)
-            if isinstance(exc, Exception) and not released:
+            parked = self._release(handle, False)
+            if isinstance(exc, Exception) and parked is not None:
                 # NIXL kept a transfer it would not release: it may still write the local
                 # ranges, so the caller must keep them, as after a timeout it could not cancel.
-                raise TransferTimeoutError(
+                error = TransferTimeoutError(
                     f"READ of {nbytes} bytes from {peer!r} failed ({exc}) and could not be "
                     "released",
                     cancelled=False,
-                ) from exc
+                )
+                error.released = parked
+                raise error from exc
             if isinstance(exc, Exception) and not isinstance(exc, TransferError):
                 # The binding's own errors, e.g. NIXL_ERR_REMOTE_DISCONNECT from a dead peer.
                 raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed: {exc}") from exc
             raise
         self._release(handle, True)
 
-    def _release(self, handle: Any, done: bool) -> bool:
-        """Release a transfer handle; park it if NIXL refuses. True if released."""
+    def _release(self, handle: Any, done: bool) -> Future[None] | None:
+        """Release a transfer handle: None, or, if NIXL refuses, the future `ParkedHandles`
+        sets once it lets the parked handle go."""
         try:
             handle.release()
-            return True
+            return None
         except Exception:
             # NIXL refuses to release a transfer it cannot cancel; keep it and retry later.
             logger.warning(
@@ -337,29 +343,17 @@ class TransferAgent:
                 self.name,
                 "a finished" if done else "an unfinished",
             )
-            with self._lock:
-                self._leaked.append(handle)
-            return False
-
-    def _retry_leaked(self) -> None:
-        """Release parked handles that NIXL now lets go. Caller holds the lock."""
-        still: list[Any] = []
-        for handle in self._leaked:
-            try:
-                handle.release()
-            except Exception:
-                still.append(handle)
-        self._leaked = still
+            return self._parked.park(handle)
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Forget peers, deregister every region, and drop tensor references. Idempotent."""
+        self._parked.close()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._retry_leaked()
             self._peers.remove_all()
             for region in self._regions:
                 try:

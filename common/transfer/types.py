@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Final
 
@@ -45,6 +47,17 @@ class TransferTimeoutError(TransferError, TimeoutError):
         super().__init__(message)
         # True when NIXL cancelled and released the transfer.
         self.cancelled = cancelled
+        # Not cancelled: set once NIXL lets the parked handle go at last (the local ranges
+        # may be reused then: `common.transfer.parked`); None when nothing was parked.
+        self.released: Future[None] | None = None
+
+    def when_released(self, free: Callable[[], object]) -> None:
+        """`free()` once the local ranges may be reused: now if the transfer was cancelled,
+        else when its parked handle is released (on another thread), if ever."""
+        if self.cancelled:
+            free()
+        elif self.released is not None:
+            self.released.add_done_callback(lambda _: free())
 
 
 class UnknownPeerError(TransferError, KeyError):

@@ -159,9 +159,9 @@ def read_tensor(
             peer_metadata=metadata,
         )
     except TransferTimeoutError as exc:
-        if exc.cancelled:
-            agent.deregister(region)
-        # Otherwise NIXL may still write `out`: the agent keeps it registered and alive.
+        # Not cancelled, NIXL may still write `out`: it stays registered (and alive) until
+        # NIXL lets the READ go (`common.transfer.parked`).
+        exc.when_released(lambda: agent.deregister(region))
         raise
     except BaseException:
         agent.deregister(region)

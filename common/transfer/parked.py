@@ -1,0 +1,86 @@
+"""Transfer handles NIXL would not release (a READ it could not cancel, or one that failed
+and was kept): parked, released again later, and each one's future set once NIXL lets it
+go, so that whoever kept the local memory for it (quarantined KV blocks, a registered
+tensor) frees it then rather than never.
+
+Retried on every `retry()` (the agent calls it before each READ) and every `retry_s` on a
+timer thread of its own while any handle is parked: memory kept for one comes back even
+when no READ follows (an idle worker, or one whose pool the kept blocks filled). Futures
+are set, and their callbacks run, on the retrying thread with no lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any, Final
+
+logger = logging.getLogger(__name__)
+
+RETRY_S: Final = 1.0  # how often parked handles are released again while any is parked
+
+
+class ParkedHandles:
+    """The handles one agent could not release (thread-safe)."""
+
+    def __init__(self, name: str, retry_s: float = RETRY_S) -> None:
+        self.name = name  # the agent's, for logs
+        self.retry_s = retry_s
+        self._lock = threading.Lock()
+        self._parked: list[tuple[Any, Future[None]]] = []
+        self._timer: threading.Timer | None = None
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._parked)
+
+    def park(self, handle: Any) -> Future[None]:
+        """Keep `handle`; the future is set once it is released."""
+        released: Future[None] = Future()
+        with self._lock:
+            self._parked.append((handle, released))
+            self._schedule()
+        return released
+
+    def retry(self) -> None:
+        """Release what NIXL now lets go, and set those handles' futures."""
+        with self._lock:
+            parked, self._parked = self._parked, []
+        freed, still = [], []
+        for handle, released in parked:
+            try:
+                handle.release()
+            except Exception:
+                still.append((handle, released))
+            else:
+                freed.append(released)
+        with self._lock:
+            self._parked.extend(still)
+            self._schedule()
+        if freed:
+            logger.info("%s released %d parked transfer handles", self.name, len(freed))
+        for released in freed:
+            released.set_result(None)
+
+    def close(self) -> None:
+        """Release what can be, then stop retrying (what is left stays parked for good)."""
+        self.retry()
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _schedule(self) -> None:
+        """Start the timer if handles wait and none runs (lock held)."""
+        if self._parked and self._timer is None and not self._closed:
+            self._timer = threading.Timer(self.retry_s, self._tick)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _tick(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.retry()
