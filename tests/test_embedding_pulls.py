@@ -292,3 +292,5 @@ def test_a_dead_holder_is_unavailable(encoders: list[Encoder], reader: TransferA
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "embeddings.rows" in str(info.value)
     assert EMBEDDINGS_LOST in str(info.value)  # the router encodes the item again
+    # The dead agent is forgotten, not kept loaded for good (a restart is another agent).
+    assert ref.handle.agent_name not in reader.peers

@@ -211,6 +211,9 @@ def test_stalled_or_failed_transfer(
     if state == "PROC":
         assert isinstance(info.value, TransferTimeoutError)
         assert info.value.cancelled  # never posted, so NIXL could release it
+    else:  # failed: forgotten, loaded again from its next handle (a restart is another agent)
+        assert peer not in agent.peers
+        assert agent.add_peer(holder[1]["metadata"]) == peer
     monkeypatch.undo()
     # The agent still works afterwards.
     stats = agent.read(

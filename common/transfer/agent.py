@@ -62,6 +62,7 @@ from common.transfer.types import (
     DEVICE_MEMORY,
     HOST_MEMORY,
     TransferError,
+    TransferRefusedError,
     TransferStats,
     TransferTimeoutError,
 )
@@ -283,8 +284,16 @@ class TransferAgent:
                 self._lock, local_descs, remote_descs, len(merged_r), peer, peer_metadata
             )
             self._post_and_wait(handle, peer, nbytes, timeout_s, started)
-        finally:
+        except TransferError as exc:
+            gone = not isinstance(exc, TransferRefusedError | TransferTimeoutError)
             self._peers.end_read(peer)
+            if gone:  # disconnected: forgotten (a restarted process is another agent)
+                self._peers.forget(self._lock, peer)
+            raise
+        except BaseException:
+            self._peers.end_read(peer)
+            raise
+        self._peers.end_read(peer)
         stats = TransferStats(
             nbytes=nbytes,
             descriptors=len(merged_r),

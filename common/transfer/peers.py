@@ -201,6 +201,22 @@ class PeerSnapshots:
         self.end_read(peer)  # a refresh waits for the others' READs only
         return self.refresh(lock, peer, metadata, prepare, then_reading=True)
 
+    def forget(self, lock: threading.Lock, peer: str) -> None:
+        """Make NIXL forget `peer` (its READ failed: it disconnected) once no READ of it is
+        in flight here, under `lock`: a peer that died would otherwise stay loaded for good
+        (a process restarted is another agent); one that did not is loaded again from its
+        next handle."""
+        with self._alone(peer, then_reading=False), lock:
+            if peer not in self._loaded:
+                return
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception:
+                logger.warning("could not forget peer %s", peer, exc_info=True)
+            for digest in self._loaded.pop(peer):
+                del self._owner[digest]
+            logger.info("%s: forgot peer %s (its READ failed)", self._own_name, peer)
+
     def remove_all(self) -> None:
         """Tell NIXL to forget every peer (disconnecting them) and forget them here."""
         for name in self._loaded:
