@@ -122,16 +122,18 @@ class ByteBudgetLru(Generic[V]):
         """`put` of every (key, entry) in order, for entries that all hold their memory in
         `owner` (each names it, or is it): room for the owner is made once, not per entry.
 
-        Returns False (and stores nothing) when the owner's memory alone exceeds the budget.
+        Returns False (and changes nothing) when the owner and these entries alone exceed the
+        whole budget.
         """
         size = owner.nbytes
         each = self.entry_bytes
-        need = size + each * len(keys)  # what a new owner and its entries take
         with self._lock:
             stored = self._entries
             held = self._owners.get(id(owner))
-            if held is None and need > self.budget_bytes:
-                return False
+            if size + each * len(keys) > self.budget_bytes and (
+                size + each * len(dict.fromkeys(keys)) > self.budget_bytes
+            ):
+                return False  # not even alone with its owner: nothing changes
             if not stored.keys().isdisjoint(keys):  # replacing entries: drop the old ones
                 for key in keys:
                     old = stored.pop(key, None)
@@ -148,8 +150,6 @@ class ByteBudgetLru(Generic[V]):
                 self._drop(evicted)
                 self.evictions += 1
             held = self._owners.get(id(owner))
-            if held is None and need > self.budget_bytes:
-                return False
             if held is None:
                 held = self._owners[id(owner)] = _Held(owner, size)
                 self.bytes_used += size

@@ -313,7 +313,12 @@ class Engine:
         if len(params) != len(requests):
             raise ValueError(f"{len(requests)} requests but {len(params)} sampling params")
         waiting = deque(range(len(requests)))
-        processed: dict[int, ProcessedPrompt] = {}
+        # Every request processed and checked before any forward: one that cannot be served
+        # fails the call before the others' work, not after it.
+        processed = {
+            i: self._checked(i, self.process(messages), params[i])
+            for i, messages in enumerate(requests)
+        }
         batch = batching.Batch(self.runner)
         index_of: dict[LmSequence, int] = {}
         results: dict[int, GenerateResult] = {}
@@ -326,10 +331,6 @@ class Engine:
                 try:
                     while waiting and len(batch.running) + len(admitted) < self.max_batch:
                         index = waiting[0]
-                        if index not in processed:
-                            processed[index] = self._checked(
-                                index, self.process(requests[index]), params[index]
-                            )
                         prompt = processed[index]
                         total = len(prompt.prompt_token_ids) + params[index].max_tokens
                         busy = batch.running or admitted

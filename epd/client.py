@@ -129,6 +129,8 @@ class Client:
         within 5 minutes by closing the connection ("too many pings")."""
         if max_retries < 0:
             raise ValueError(f"max_retries must not be negative, got {max_retries}")
+        if keepalive_s is not None and not keepalive_s >= 0.1:
+            raise ValueError(f"keepalive_s must be None or at least 0.1, got {keepalive_s}")
         self.max_retries = max_retries
         limit = max_message_mb * 1024 * 1024
         self.addresses = router_list(address)  # every router, in the order given

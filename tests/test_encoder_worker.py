@@ -151,6 +151,10 @@ def test_entries_added_to_a_held_owner_stay_within_the_budget() -> None:
         assert cache.put_many([bytes([k])], views[k : k + 1], owner)
         assert cache.bytes_used <= cache.budget_bytes
     assert len(cache) == 3 and cache.keys() == [bytes([3]), bytes([4]), bytes([5])]
+    # More of its units than the budget holds with it: refused, and nothing evicted for it.
+    more = [EncodedRows(owner.stacked, owner, 0, 2) for _ in range(4)]
+    assert not cache.put_many([bytes([10 + k]) for k in range(4)], more, owner)
+    assert cache.keys() == [bytes([3]), bytes([4]), bytes([5])] and cache.evictions == 3
 
 
 def test_cache_lru_order_and_budget() -> None:

@@ -323,5 +323,15 @@ def test_a_request_past_the_context_or_the_pool_is_refused_naming_it(setup):
         )
     with pytest.raises(ValueError, match=r"request 0: .*KV blocks; the pool has 8"):
         small.generate_batch([ok], SamplingParams(max_tokens=8 * BLOCK))
+    # Refused before any other request's work, however late in the batch it comes.
+    one = fresh(engine, num_blocks=8, max_batch=1)
+    steps = []
+    one.runner.decode_step = lambda seqs: steps.append(seqs)  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="request 2: "):
+        one.generate_batch(
+            [ok, ok, ok],
+            [SamplingParams(max_tokens=2)] * 2 + [SamplingParams(max_tokens=8 * BLOCK)],
+        )
+    assert steps == []
     assert small.runner.allocator.pool.num_free_blocks == 8  # nothing kept
     assert small.generate(ok, SamplingParams(max_tokens=3)).finish_reason == "length"

@@ -9,6 +9,7 @@ before `read_tensor` allocates anything.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -256,3 +257,32 @@ def test_a_failed_read_nixl_will_not_release_is_one_to_quarantine(
         agent._parked.close()
     else:
         assert not isinstance(failed.value, TransferTimeoutError) and len(agent._parked) == 0
+
+
+def test_a_failed_peer_is_forgotten_by_its_last_read_never_waiting_for_others() -> None:
+    # Forgetting waited for every other READ of the peer in flight, with no bound: a pull
+    # whose READ failed outlived its timeout while others kept the peer busy.
+    from common.transfer.peers import PeerSnapshots
+
+    class Nixl:
+        def __init__(self) -> None:
+            self.removed: list[str] = []
+
+        def add_remote_agent(self, metadata: bytes) -> bytes:
+            return b"holder"
+
+        def remove_remote_agent(self, name: str) -> None:
+            self.removed.append(name)
+
+    nixl = Nixl()
+    peers = PeerSnapshots(nixl, "reader")
+    lock = threading.Lock()
+    assert peers.load(b"m") == "holder"
+    peers.begin_read("holder")  # another thread's READ of it is in flight
+    started = time.monotonic()
+    peers.forget(lock, "holder")  # this READ failed: left to the last one
+    assert time.monotonic() - started < 0.1
+    assert "holder" in peers and nixl.removed == []
+    peers.end_read("holder")
+    peers.forget(lock, "holder")  # the last READ failed too: forgotten
+    assert "holder" not in peers and nixl.removed == ["holder"]

@@ -17,13 +17,14 @@ registered memory is never freed while NIXL may still touch it. The caller owns 
 contents. A holder must keep a range alive (lease) until the reader confirms its READ.
 
 Thread safety: all public methods may be called from several threads (servers run `read`
-on worker threads). Python-side state is guarded by a lock
-and the nixl agent is created with NIXL_THREAD_SYNC_STRICT. Neither `close()` nor
-`deregister(region)` may race with a read in flight that touches the region; stop those reads
-first.
+on worker threads). Python-side state is guarded by a lock and the nixl agent is created
+with NIXL_THREAD_SYNC_STRICT. Neither `close()` nor `deregister(region)` may race with a read
+in flight that touches the region; stop those reads first.
 
-Split: value types and errors live in `types`, region lookup in `regions`, transfer polling
-in `polling`, the peers' snapshots in `peers`, finding the NIXL package in `nixl`.
+Failures: a peer whose READ failed (disconnected) is forgotten, and loaded again from the
+`peer_metadata` of its next READ (`peers`); a handle NIXL would not release is parked until
+it does (`parked`). Value types and errors live in `types`, region lookup in `regions`,
+transfer polling in `polling`, finding the NIXL package in `nixl`.
 """
 
 from __future__ import annotations
@@ -192,15 +193,31 @@ class TransferAgent:
         return self._peers.refresh(self._lock, peer, agent_metadata, lambda: peer)
 
     def covers(
-        self, peer: str, remote: Ranges, *, remote_memory: str = HOST_MEMORY, device_id: int = 0
+        self,
+        peer: str,
+        remote: Ranges,
+        *,
+        remote_memory: str = HOST_MEMORY,
+        device_id: int = 0,
+        peer_metadata: bytes | None = None,
     ) -> bool:
         """Whether every remote range lies in memory `peer` registered, as far as the
-        snapshots loaded of it tell (nothing moves). UnknownPeerError for a peer never added."""
+        snapshots loaded of it tell (nothing moves). UnknownPeerError for a peer never added
+        (with `peer_metadata`, one forgotten since is loaded again first)."""
         ranges = desc_array(as_range_array(remote, "remote"), device_id)
         descs = self._agent.get_xfer_descs(ranges, remote_memory)
         with self._lock:
             self._check_open()
+            self._reload(peer, peer_metadata)
             return self._peers.covers(peer, descs)
+
+    def _reload(self, peer: str, metadata: bytes | None) -> None:
+        """Load `peer` again from `metadata` if it was forgotten since the caller loaded it
+        (another READ of it failed: `PeerSnapshots.forget`). Caller holds the lock."""
+        if metadata is None or peer in self._peers:
+            return
+        if self._peers.load(metadata) != peer:
+            raise ValueError(f"metadata for peer {peer!r} is another agent's")
 
     # -- transfers ---------------------------------------------------------------------
 
@@ -260,6 +277,7 @@ class TransferAgent:
         self._parked.retry()  # (outside the lock: their futures' callbacks may take it)
         with self._lock:
             self._check_open()
+            self._reload(peer, peer_metadata)
             self._peers.check_known(peer)
             if small:
                 ids, local_memory, local_device = local_regions_small(

@@ -202,20 +202,30 @@ class PeerSnapshots:
         return self.refresh(lock, peer, metadata, prepare, then_reading=True)
 
     def forget(self, lock: threading.Lock, peer: str) -> None:
-        """Make NIXL forget `peer` (its READ failed: it disconnected) once no READ of it is
-        in flight here, under `lock`: a peer that died would otherwise stay loaded for good
-        (a process restarted is another agent); one that did not is loaded again from its
-        next handle."""
-        with self._alone(peer, then_reading=False), lock:
-            if peer not in self._loaded:
+        """Make NIXL forget `peer` (its READ failed: it disconnected), under `lock`: a peer
+        that died would otherwise stay loaded for good (a process restarted is another
+        agent); one that did not is loaded again from its next handle. Left to the last of
+        the READs of `peer` in flight here (each that fails forgets it), so that it never
+        waits for another READ, nor pulls a peer from under one."""
+        with self._gate:
+            if peer in self._refreshing or self._reading.get(peer, 0):
                 return
-            try:
-                self._agent.remove_remote_agent(peer)
-            except Exception:
-                logger.warning("could not forget peer %s", peer, exc_info=True)
-            for digest in self._loaded.pop(peer):
-                del self._owner[digest]
-            logger.info("%s: forgot peer %s (its READ failed)", self._own_name, peer)
+            self._refreshing.add(peer)  # READs of it wait the moment this takes
+        try:
+            with lock:
+                if peer not in self._loaded:
+                    return
+                try:
+                    self._agent.remove_remote_agent(peer)
+                except Exception:
+                    logger.warning("could not forget peer %s", peer, exc_info=True)
+                for digest in self._loaded.pop(peer):
+                    del self._owner[digest]
+                logger.info("%s: forgot peer %s (its READ failed)", self._own_name, peer)
+        finally:
+            with self._gate:
+                self._refreshing.discard(peer)
+                self._gate.notify_all()
 
     def remove_all(self) -> None:
         """Tell NIXL to forget every peer (disconnecting them) and forget them here."""

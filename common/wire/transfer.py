@@ -137,7 +137,9 @@ def read_tensor(
     memory = KIND_TO_MEMORY[handle.memory_kind]
 
     def covered() -> bool:
-        return agent.covers(peer, remote, remote_memory=memory, device_id=handle.device_id)
+        return agent.covers(
+            peer, remote, remote_memory=memory, device_id=handle.device_id, peer_metadata=metadata
+        )
 
     if not covered():  # stale descriptors may shadow the range: start over from this one
         agent.refresh_peer(peer, metadata)
