@@ -155,6 +155,8 @@ class WorkerCalls:
                 try:
                     return await call(worker)
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.registry.suspect(worker)
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or tries >= limit:
                         raise self.error(stage, worker, exc) from None
                     self.retries[stage] += 1

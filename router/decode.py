@@ -185,6 +185,8 @@ class DecodeStage:
                     raise ended_early()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self.registry.suspect(worker)
                     if code == grpc.StatusCode.UNAVAILABLE and DECODE_STEP_FAILED in (
                         exc.details() or ""
                     ):

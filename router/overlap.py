@@ -160,6 +160,7 @@ class OverlappedPrefill:
             if isinstance(exc, grpc.aio.AioRpcError) and _worker_gone(exc):
                 # The worker is gone: fail over now (the caller cancels the pieces and
                 # encodes again for another), not after the video's last piece is encoded.
+                self.registry.suspect(worker)
                 raise self.encoder.calls.error("prefill", worker, exc) from None
             logger.info(
                 "request %s: prefill step %d on %s failed, no more steps (%s)",

@@ -255,7 +255,17 @@ class Registry:
         record.load = load
         record.in_flight_at_heartbeat = record.in_flight
         record.last_seen = self._clock()
+        record.suspect = False  # alive after all: its failed call was its own
         return True
+
+    def suspect(self, record: WorkerRecord) -> None:
+        """A call on `record` failed UNAVAILABLE: pick others first until it heartbeats
+        again. A killed or frozen worker stays listed until its heartbeats are missed for
+        `worker_timeout_s`, and its calls fail (at once, or after keepalive's pings): every
+        request would try it first meanwhile, a frozen one's waiting on a reconnect."""
+        if not record.suspect:
+            logger.info("%s worker %s suspect: a call on it failed", record.role, record.address)
+        record.suspect = True
 
     def drain(self, address: str) -> bool:
         """Give the worker at `address` no new work; False when none is registered there."""
@@ -344,10 +354,13 @@ class Registry:
         requests of the least loaded wins, so a cache hit never piles work on one worker.
         With `key` (instead of `affinity`), the key's rendezvous home among the candidates
         wins when within `slack` of the least loaded, else the least loaded does.
-        Raises `NoWorkerError`. Does not count the request: use `using`."""
+        A suspect worker (`suspect`) is picked only when no other candidate is left. Raises
+        `NoWorkerError`. Does not count the request: use `using`."""
         candidates = [w for w in self.workers(role) if not w.draining and w.address not in exclude]
         if not candidates:
             raise NoWorkerError(role)
+        trusted = [w for w in candidates if not w.suspect]
+        candidates = trusted or candidates  # a suspect one only when none other is left
         least = min(w.load_estimate for w in candidates)
         if key is not None:
             home = max(candidates, key=lambda w: (rendezvous_weight(key, w.name), w.address))

@@ -72,6 +72,9 @@ class WorkerRecord:
     in_flight_at_heartbeat: int = 0  # `in_flight` when the last heartbeat arrived
     drain_requested: bool = False  # AdminService.Drain asked for it
     last_pick: int = 0  # selection tick of the last pick (least recently picked wins ties)
+    # A call on it failed UNAVAILABLE since its last heartbeat (killed, frozen, unreachable):
+    # picked only when no other worker of its role is left (`Registry.pick`).
+    suspect: bool = False
 
     @property
     def draining(self) -> bool:

@@ -348,3 +348,19 @@ def test_refusals_are_remembered_for_the_last_workers_only(registry: Registry) -
     assert len(registry.refusals) == MAX_REFUSALS
     assert "10.0.0.0:1" not in registry.refusals  # the oldest went first
     assert all(len(why) == MAX_REFUSAL_CHARS for why in registry.refusals.values())
+
+
+def test_a_worker_whose_call_failed_is_picked_last_until_it_heartbeats(
+    registry: Registry, clock: Clock
+) -> None:
+    # Killed or frozen, it stays listed until its heartbeats are missed for the worker
+    # timeout, and with no request on it, it was the least loaded: every request tried it
+    # first meanwhile (a frozen one's calls waiting on a reconnect until it was dropped).
+    a = registry.register(info(Role.PREFILL, 3))
+    b = registry.register(info(Role.PREFILL, 4))
+    registry.suspect(a)
+    b.in_flight = 5  # busier, but trusted
+    assert all(registry.pick(Role.PREFILL) is b for _ in range(3))
+    assert registry.pick(Role.PREFILL, exclude=frozenset({b.address})) is a  # the last left
+    registry.heartbeat(a.worker_id, WorkerLoad())  # alive after all
+    assert registry.pick(Role.PREFILL) is a
