@@ -207,6 +207,11 @@ class DecodeStage:
                         reprefills += 1
                         self.metrics.reprefills.inc()
                         tried.discard(worker.address)
+                        # Its holder did not serve the KV (frozen, slow, changed bytes): the
+                        # prompt goes to another prefill worker, unless it heartbeats first.
+                        for held_on in self.registry.workers(Role.PREFILL):
+                            if held_on.address == lease.address:
+                                self.registry.suspect(held_on)
                         logger.warning(
                             "request %s: decode on %s refused the KV (%s); prefilling again",
                             job.request_id,

@@ -300,8 +300,8 @@ class Orchestrator:
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         planning = time.perf_counter()
         worker = ticket.workers.get(Role.PREFILL)  # None once released (a stream resumed)
-        if worker is not None and worker.address in failed:
-            worker = None
+        if worker is not None and (worker.address in failed or worker.suspect):
+            worker = None  # chosen again (a suspect one only when no other is left)
         if worker is None and (failed or choose.hashes is not None):
             # By cached prefix here (without hashes `_prefill` picks by load, at call time).
             try:

@@ -74,3 +74,15 @@ async def test_unavailable_worker_is_retried_on_another(cluster, workers):
         result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
         assert result.token_ids == [FIRST, 101]
     assert len(other.requests) == 2
+
+
+async def test_kv_refused_by_decode_is_prefilled_again_on_another_holder(cluster, workers):
+    # The holder did not serve its KV (frozen, slow, changed bytes): with cache-aware
+    # routing the prompt went back to it, the worker caching its prefix.
+    _, pre, dec = workers
+    other = FakePrefill()
+    await cluster.add(Role.PREFILL, other)
+    dec.refuse_kv = 1
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert result.token_ids == [FIRST, 101, 102, 103]
+    assert len(pre.requests) == len(other.requests) == 1  # one each: not the holder again
