@@ -326,7 +326,7 @@ def test_a_request_past_the_context_or_the_pool_is_refused_naming_it(setup):
     # Refused before any other request's work, however late in the batch it comes.
     one = fresh(engine, num_blocks=8, max_batch=1)
     steps = []
-    one.runner.decode_step = lambda seqs: steps.append(seqs)  # type: ignore[method-assign]
+    one.runner.decode_step = lambda seqs: steps.append(seqs)
     with pytest.raises(ValueError, match="request 2: "):
         one.generate_batch(
             [ok, ok, ok],

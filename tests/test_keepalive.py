@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -165,7 +165,7 @@ async def test_a_channel_closed_under_a_call_ends_it_with_unavailable() -> None:
 
 
 async def test_a_stream_closed_under_its_reader_ends_with_unavailable() -> None:
-    async def ticks(request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def ticks(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         for _ in range(300):
             yield b"tick"
             await asyncio.sleep(0.1)
@@ -240,7 +240,7 @@ async def test_a_client_with_keepalive_resumes_a_frozen_routers_stream_on_the_ne
         def __init__(self) -> None:
             self.resumed: list[list[int]] = []
 
-        async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        async def Generate(self, request, context):
             self.resumed.append(list(request.resume_tokens))
             yield router_service_pb2.GenerateResponse(
                 token_ids=[6], text="llo", finish_reason=decode_service_pb2.FINISH_REASON_LENGTH

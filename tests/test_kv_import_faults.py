@@ -198,6 +198,10 @@ async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_bloc
     model.close()
 
 
+async def never_freed() -> None:
+    await asyncio.sleep(3600)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("cancelled", [True, False])
 async def test_a_read_that_timed_out_is_aborted_for_a_prefill_again(cancelled: bool) -> None:
@@ -231,7 +235,7 @@ async def test_a_read_that_timed_out_is_aborted_for_a_prefill_again(cancelled: b
         SlowAgent(0.0, error),  # type: ignore[arg-type]
         Peers(),  # type: ignore[arg-type]
         DecodeCounters(),
-        asyncio.Event().wait,
+        never_freed,
     )
     try:
         with pytest.raises(RpcStatusError) as refused:
