@@ -212,8 +212,7 @@ class TransferAgent:
             return self._peers.covers(peer, descs)
 
     def _reload(self, peer: str, metadata: bytes | None) -> None:
-        """Load `peer` again from `metadata` if it was forgotten since the caller loaded it
-        (another READ of it failed: `PeerSnapshots.forget`). Caller holds the lock."""
+        """Load `peer` again from `metadata` if it was forgotten since (lock held)."""
         if metadata is None or peer in self._peers:
             return
         if self._peers.load(metadata) != peer:
@@ -303,10 +302,9 @@ class TransferAgent:
             )
             self._post_and_wait(handle, peer, nbytes, timeout_s, started)
         except TransferError as exc:
-            gone = not isinstance(exc, TransferRefusedError | TransferTimeoutError)
             self._peers.end_read(peer)
-            if gone:  # disconnected: forgotten (a restarted process is another agent)
-                self._peers.forget(self._lock, peer)
+            if not isinstance(exc, TransferRefusedError | TransferTimeoutError):
+                self._peers.forget(self._lock, peer)  # disconnected (a restart is another agent)
             raise
         except BaseException:
             self._peers.end_read(peer)
@@ -318,15 +316,7 @@ class TransferAgent:
             requested=requested,
             seconds=time.perf_counter() - started,
         )
-        logger.debug(
-            "%s read %d bytes from %s in %d descriptors (%d asked) in %.3f ms",
-            self.name,
-            stats.nbytes,
-            peer,
-            stats.descriptors,
-            stats.requested,
-            stats.seconds * 1e3,
-        )
+        logger.debug("%s read from %s: %s", self.name, peer, stats)
         return stats
 
     def _post_and_wait(
