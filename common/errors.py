@@ -12,6 +12,9 @@ from __future__ import annotations
 # (`common.models.decode_loop.DecodeStepError`): the worker goes on serving, so the router
 # may resume the stream on it too (with a single decode worker, the only place it can).
 DECODE_STEP_FAILED = "decode step failed"
+# In a KV pull's timeout when it never got to READ (the reader's own congestion, not the
+# holder's): the router then does not hold it against the holder.
+NO_READ_STARTED = "no READ was started"
 
 
 class FieldError(ValueError):

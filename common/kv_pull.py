@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.errors import NO_READ_STARTED
 from common.kv.allocator import ImportPlan
 from common.kv.digest import cache_block_digests
 from common.models.runner import LmRunner
@@ -119,7 +120,7 @@ async def pull(
         except TimeoutError:
             if work.cancel():  # still waiting for a thread: no READ was started
                 raise TransferTimeoutError(
-                    "the KV pull timed out waiting for a pull thread; no READ was started", True
+                    f"the KV pull timed out waiting for a pull thread: {NO_READ_STARTED}", True
                 ) from None
             stats, digests = await asyncio.shield(future)  # its READ has its own deadline
     except asyncio.CancelledError:
@@ -165,7 +166,7 @@ def _read_and_digest(
     given what is left until `deadline` (`time.monotonic`) as its timeout."""
     left = deadline - time.monotonic()
     if left <= 0:  # spent waiting for a thread: no READ was started
-        raise TransferTimeoutError("the KV pull timed out before its READ started", True)
+        raise TransferTimeoutError(f"the KV pull timed out: {NO_READ_STARTED}", True)
     try:
         stats = agent.read(peer, remote, local, timeout_s=left, **read_options)  # type: ignore[arg-type]
     except TransferTimeoutError:

@@ -18,6 +18,8 @@ from typing import TypeVar
 
 import grpc
 
+from common.errors import DECODE_STEP_FAILED
+from common.handoff import EMBEDDINGS_LOST
 from common.processing.processor import ProcessedPrompt
 from common.roles import Role
 from common.sampling import SamplingParams
@@ -38,6 +40,18 @@ _PASS_THROUGH = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.ABORTED,
 }
+
+
+def worker_failed(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a call's UNAVAILABLE says its worker cannot be reached or serve (killed,
+    frozen, draining), not that an encoder lost the embeddings it was to pull
+    (`EMBEDDINGS_LOST`) or that one decode step failed on a worker that serves on."""
+    details = exc.details() or ""
+    return (
+        exc.code() == grpc.StatusCode.UNAVAILABLE
+        and EMBEDDINGS_LOST not in details
+        and DECODE_STEP_FAILED not in details
+    )
 
 
 class RouterError(Exception):
@@ -155,7 +169,7 @@ class WorkerCalls:
                 try:
                     return await call(worker)
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    if worker_failed(exc):
                         self.registry.suspect(worker)
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or tries >= limit:
                         raise self.error(stage, worker, exc) from None

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.errors import DECODE_STEP_FAILED
+from common.errors import DECODE_STEP_FAILED, NO_READ_STARTED
 from common.roles import Role
 from common.server.peers import PeerClient, stream_uncut
 from epd.v1 import (
@@ -49,7 +49,7 @@ from epd.v1 import (
     router_service_pb2,
 )
 from router.admission import Admission, Ticket
-from router.calls import Job, RouterError, WorkerCalls
+from router.calls import Job, RouterError, WorkerCalls, worker_failed
 from router.detokenize import IncrementalDetokenizer
 from router.inputs import InputError
 from router.metrics import RouterMetrics
@@ -158,7 +158,7 @@ class DecodeStage:
         streamed = list(resumed[1:])  # tokens after the first one already sent to the client
         while True:
             reserved = ticket.workers.get(Role.DECODE)
-            if reserved is not None and reserved.address not in tried:
+            if reserved is not None and reserved.address not in tried and not reserved.suspect:
                 worker = reserved
             else:
                 worker = self._pick(tried, stepped)
@@ -185,7 +185,7 @@ class DecodeStage:
                     raise ended_early()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
-                    if code == grpc.StatusCode.UNAVAILABLE:
+                    if worker_failed(exc):
                         self.registry.suspect(worker)
                     if code == grpc.StatusCode.UNAVAILABLE and DECODE_STEP_FAILED in (
                         exc.details() or ""
@@ -209,8 +209,10 @@ class DecodeStage:
                         tried.discard(worker.address)
                         # Its holder did not serve the KV (frozen, slow, changed bytes): the
                         # prompt goes to another prefill worker, unless it heartbeats first.
+                        # (Not when the decode worker never got to READ: its own congestion.)
+                        holder_side = NO_READ_STARTED not in (exc.details() or "")
                         for held_on in self.registry.workers(Role.PREFILL):
-                            if held_on.address == lease.address:
+                            if holder_side and held_on.address == lease.address:
                                 self.registry.suspect(held_on)
                         logger.warning(
                             "request %s: decode on %s refused the KV (%s); prefilling again",

@@ -50,12 +50,11 @@ from collections.abc import Sequence
 
 import grpc
 
-from common.handoff import EMBEDDINGS_LOST
 from common.sampling import SamplingParams
 from common.server.peers import PeerClient
 from common.wire.sampling import sampling_to_proto
 from epd.v1 import multimodal_pb2, prefill_service_pb2
-from router.calls import Job, RouterError
+from router.calls import Job, RouterError, worker_failed
 from router.encode import NOTHING, Encoded, EncodeStage
 from router.pieces import Piece, batched, cached_tokens, pieces_past, step_layout
 from router.registry import Registry
@@ -157,7 +156,7 @@ class OverlappedPrefill:
                 timeout = job.time_left("prefill step")
                 response = await self.channels.prefill(worker.address, request, timeout)
         except (grpc.aio.AioRpcError, RouterError) as exc:
-            if isinstance(exc, grpc.aio.AioRpcError) and _worker_gone(exc):
+            if isinstance(exc, grpc.aio.AioRpcError) and worker_failed(exc):
                 # The worker is gone: fail over now (the caller cancels the pieces and
                 # encodes again for another), not after the video's last piece is encoded.
                 self.registry.suspect(worker)
@@ -210,11 +209,3 @@ class OverlappedPrefill:
     def _release_result(self, task: asyncio.Future[Encoded]) -> None:
         if not task.cancelled() and task.exception() is None:
             self.channels.release_embeddings(task.result().leases)
-
-
-def _worker_gone(exc: grpc.aio.AioRpcError) -> bool:
-    """Whether a step's error says its prefill worker cannot be reached (UNAVAILABLE), not
-    that an embedding's encoder lost it (`EMBEDDINGS_LOST`: the final prefill encodes again)."""
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and EMBEDDINGS_LOST not in (
-        exc.details() or ""
-    )

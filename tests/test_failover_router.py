@@ -248,6 +248,44 @@ async def test_embeddings_lost_with_their_encoder_are_encoded_again(cluster):
     assert len(pre.requests) == 2 and len(enc.requests) == 2
 
 
+async def test_a_worker_whose_embeddings_were_lost_stays_trusted(cluster):
+    # Its encoder lost them, not it: it keeps its prefix cache's traffic, and the retry
+    # stays on it (suspect, the retry and every later request went to the other one).
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    pre = FailingPrefill(1, f"multimodal.embeddings[0].rows: {EMBEDDINGS_LOST} (READ failed)")
+    other = FakePrefill()
+    await cluster.add(Role.PREFILL, pre)
+    await cluster.add(Role.PREFILL, other)
+    await cluster.add(Role.DECODE, FakeDecode())
+    result = await cluster.client.generate_text(IMAGE, SamplingParams(max_tokens=3))
+    assert result.token_ids == [FIRST, 101, 102]
+    registry = cluster.router.registry
+    assert not any(w.suspect for w in registry.workers(Role.PREFILL))
+
+
+async def test_a_reserved_decode_worker_turned_suspect_is_passed_over(cluster):
+    # Admission reserved it; a call on it failed before this request's decode (frozen):
+    # the request goes to another decode worker rather than wait on a reconnect.
+    registry = cluster.router.registry
+
+    class Marking(FakePrefill):
+        async def Prefill(self, request, context):
+            reserved = min(registry.workers(Role.DECODE), key=lambda w: w.address)
+            registry.suspect(reserved)  # the one the first request reserved (ties: address)
+            return await super().Prefill(request, context)
+
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, Marking())
+    decoders = {}
+    for _ in range(2):
+        decode = BreakingDecode(None)
+        decoders[await cluster.add(Role.DECODE, decode)] = decode
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert result.token_ids == [FIRST, 101, 102, 103]
+    low, high = sorted(decoders)
+    assert len(decoders[low].requests) == 0 and len(decoders[high].requests) == 1
+
+
 async def test_no_prefill_worker_left_is_unavailable_naming_the_role(cluster):
     await cluster.add(Role.ENCODER, FakeEncoder())
     for _ in range(2):
