@@ -145,6 +145,25 @@ def test_import_plan_pulls_a_cached_block_whose_bytes_changed() -> None:
     allocator.pool.check_invariants()
 
 
+async def never_freed() -> None:
+    """The decode loop's `wait_freed` of a worker that never frees a block."""
+    await asyncio.sleep(3600)
+
+
+def two_block_handle(kv: PagedKvCache, digest: bytes) -> kv_pb2.KvHandle:
+    """A handle of two blocks (both with `digest`) held by "holder" under lease "L"."""
+    return kv_pb2.KvHandle(
+        agent_name="holder",
+        agent_metadata=b"m",
+        memory_kind=tensor_pb2.MEMORY_KIND_HOST,
+        lease_id="L",
+        holder_address="h",
+        lease_ttl_ms=10_000,
+        blocks=[kv_pb2.KvBlockDescriptor(address=0, length=kv.spec.block_bytes)] * 2,
+        block_digests=[digest, digest],
+    )
+
+
 @pytest.mark.asyncio
 async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_blocks() -> None:
     kv, allocator = small_kv()
@@ -162,20 +181,7 @@ async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_bloc
         async def confirm_release_kv(self, *args: Any) -> bool:
             return True
 
-    async def never() -> None:
-        await asyncio.sleep(3600)
-
-    digest = cache_block_digests(kv, [0])[0]
-    handle = kv_pb2.KvHandle(
-        agent_name="holder",
-        agent_metadata=b"m",
-        memory_kind=tensor_pb2.MEMORY_KIND_HOST,
-        lease_id="L",
-        holder_address="h",
-        lease_ttl_ms=10_000,
-        blocks=[kv_pb2.KvBlockDescriptor(address=0, length=kv.spec.block_bytes)] * 2,
-        block_digests=[digest, digest],
-    )
+    handle = two_block_handle(kv, cache_block_digests(kv, [0])[0])
     model = ModelThread()
     importer = KvImporter(
         runner,  # type: ignore[arg-type]
@@ -183,7 +189,7 @@ async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_bloc
         SlowAgent(0.0, None),  # type: ignore[arg-type]
         Peers(),  # type: ignore[arg-type]
         DecodeCounters(),
-        never,
+        never_freed,
     )
     task = asyncio.ensure_future(
         importer.admit(handle, [1] * 6, None, [1], 0, SamplingParams(max_tokens=4), 1.0)
@@ -196,10 +202,6 @@ async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_bloc
     assert allocator.pool.num_used_blocks == 0
     allocator.pool.check_invariants()
     model.close()
-
-
-async def never_freed() -> None:
-    await asyncio.sleep(3600)
 
 
 @pytest.mark.asyncio
@@ -218,16 +220,7 @@ async def test_a_read_that_timed_out_is_aborted_for_a_prefill_again(cancelled: b
 
     error = TransferTimeoutError("READ timed out", cancelled=cancelled)
     error.released = None if cancelled else concurrent.futures.Future()
-    handle = kv_pb2.KvHandle(
-        agent_name="holder",
-        agent_metadata=b"m",
-        memory_kind=tensor_pb2.MEMORY_KIND_HOST,
-        lease_id="L",
-        holder_address="h",
-        lease_ttl_ms=10_000,
-        blocks=[kv_pb2.KvBlockDescriptor(address=0, length=kv.spec.block_bytes)] * 2,
-        block_digests=[b"d" * 32] * 2,
-    )
+    handle = two_block_handle(kv, b"d" * 32)
     model = ModelThread()
     importer = KvImporter(
         runner,  # type: ignore[arg-type]

@@ -157,13 +157,7 @@ class PeerSnapshots:
         """Make NIXL know only `metadata` of `peer`, alone (see the module docstring), then
         return `then()`; both under `lock`. A load NIXL refuses leaves `peer` unknown."""
         with self._alone(peer, then_reading=then_reading), lock:
-            if peer in self._loaded:
-                try:
-                    self._agent.remove_remote_agent(peer)
-                except Exception:
-                    logger.warning("could not forget peer %s", peer, exc_info=True)
-                for digest in self._loaded.pop(peer):
-                    del self._owner[digest]
+            self._unload(peer)
             name = self.load(metadata)
             if name != peer:
                 raise ValueError(f"metadata for peer {peer!r} is {name!r}'s")
@@ -213,19 +207,25 @@ class PeerSnapshots:
             self._refreshing.add(peer)  # READs of it wait the moment this takes
         try:
             with lock:
-                if peer not in self._loaded:
-                    return
-                try:
-                    self._agent.remove_remote_agent(peer)
-                except Exception:
-                    logger.warning("could not forget peer %s", peer, exc_info=True)
-                for digest in self._loaded.pop(peer):
-                    del self._owner[digest]
-                logger.info("%s: forgot peer %s (its READ failed)", self._own_name, peer)
+                if self._unload(peer):
+                    logger.info("%s: forgot peer %s (its READ failed)", self._own_name, peer)
         finally:
             with self._gate:
                 self._refreshing.discard(peer)
                 self._gate.notify_all()
+
+    def _unload(self, peer: str) -> bool:
+        """Make NIXL forget `peer`, and forget its snapshots here; whether it was loaded.
+        Caller holds the agent's lock, with no READ of `peer` in flight (`_alone`)."""
+        if peer not in self._loaded:
+            return False
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception:
+            logger.warning("could not forget peer %s", peer, exc_info=True)
+        for digest in self._loaded.pop(peer):
+            del self._owner[digest]
+        return True
 
     def remove_all(self) -> None:
         """Tell NIXL to forget every peer (disconnecting them) and forget them here."""
