@@ -156,7 +156,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
                 kv,
                 hits,
                 f"{w.seconds_since_heartbeat:.1f}s ago",
-                "draining" if w.draining else "serving",
+                "draining" if w.draining else "suspect" if w.suspect else "serving",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

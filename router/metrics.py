@@ -16,8 +16,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from common.roles import Role
 from common.server.metrics import ScrapeCollector, counter, gauge, requests_metrics
 from epd.v1 import router_service_pb2
 from router.admission import Admission
@@ -122,6 +123,15 @@ class RouterMetrics:
         )
         for stage in ("encode", "prefill", "decode"):
             retries.add_metric([stage], self._calls.retries[stage])
+        suspect = GaugeMetricFamily(
+            "epd:workers_suspect",
+            "Registered workers picked last, by role: a call on them failed UNAVAILABLE and no "
+            "heartbeat has cleared the mark since.",
+            labels=["role"],
+        )
+        for role in Role:
+            workers = self._calls.registry.workers(role)
+            suspect.add_metric([str(role)], sum(w.suspect for w in workers))
         return [
             *requests_metrics(max(self.in_flight - waiting, 0), waiting),
             counter("epd:admission_admitted", "Requests admitted.", admission.admitted),
@@ -138,6 +148,7 @@ class RouterMetrics:
                 admission.placed_ahead,
             ),
             retries,
+            suspect,
             counter(
                 "epd:embedding_cache_hits",
                 "Items sent to prefill with the encoder output the router kept for them "

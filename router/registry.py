@@ -254,18 +254,18 @@ class Registry:
             logger.info("worker %s reports draining", record.address)
         record.load = load
         record.in_flight_at_heartbeat = record.in_flight
-        record.last_seen = self._clock()
-        record.suspect = False  # alive after all: its failed call was its own
+        record.heard(self._clock())
         return True
 
     def suspect(self, record: WorkerRecord) -> None:
         """A call on `record` failed UNAVAILABLE: pick others first until it heartbeats
-        again. A killed or frozen worker stays listed until its heartbeats are missed for
+        again, or longer if it was suspected soon before (`WorkerRecord.mark_suspect`). A
+        killed or frozen worker stays listed until its heartbeats are missed for
         `worker_timeout_s`, and its calls fail (at once, or after keepalive's pings): every
         request would try it first meanwhile, a frozen one's waiting on a reconnect."""
         if not record.suspect:
             logger.info("%s worker %s suspect: a call on it failed", record.role, record.address)
-        record.suspect = True
+        record.mark_suspect(self._clock(), self.heartbeat_interval_s)
 
     def drain(self, address: str) -> bool:
         """Give the worker at `address` no new work; False when none is registered there."""

@@ -4,11 +4,17 @@ agree on, the load they report, and one record per registered worker (see router
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from common.kv.layout import KvLayout
 from common.roles import Role
 from epd.v1 import registry_service_pb2
+
+# A worker suspected again within this many seconds of its mark's clearing is held suspect
+# through its heartbeats, twice as long as the time before, up to `SUSPECT_HOLD_MAX_S`.
+SUSPECT_MEMORY_S = 60.0
+SUSPECT_HOLD_MAX_S = 60.0
 
 
 class RegistrationRefused(Exception):
@@ -75,6 +81,29 @@ class WorkerRecord:
     # A call on it failed UNAVAILABLE since its last heartbeat (killed, frozen, unreachable):
     # picked only when no other worker of its role is left (`Registry.pick`).
     suspect: bool = False
+    suspect_until: float = 0.0  # a heartbeat before then leaves it suspect
+    suspect_strikes: int = 0  # marks in a row, each soon after the last was cleared
+    suspect_cleared: float = -math.inf  # clock time the last mark was cleared
+
+    def mark_suspect(self, now: float, heartbeat_interval_s: float) -> None:
+        """A call on it failed UNAVAILABLE. A first failure lasts until the next heartbeat;
+        one within `SUSPECT_MEMORY_S` of the last mark's clearing (heartbeats arrive, calls
+        fail: a one-way partition, a wedged server beside a live registrar) lasts through
+        heartbeats for 2, 4, 8, ... heartbeat intervals, up to `SUSPECT_HOLD_MAX_S`."""
+        if self.suspect:
+            return
+        again = now - self.suspect_cleared < SUSPECT_MEMORY_S
+        self.suspect_strikes = self.suspect_strikes + 1 if again else 0
+        hold = heartbeat_interval_s * 2**self.suspect_strikes if self.suspect_strikes else 0.0
+        self.suspect_until = now + min(hold, SUSPECT_HOLD_MAX_S)
+        self.suspect = True
+
+    def heard(self, now: float) -> None:
+        """A heartbeat arrived: clear the suspect mark if it has been held long enough."""
+        self.last_seen = now
+        if self.suspect and now >= self.suspect_until:
+            self.suspect = False  # alive after all: its failed call was its own
+            self.suspect_cleared = now
 
     @property
     def draining(self) -> bool:

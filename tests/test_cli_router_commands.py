@@ -68,6 +68,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
                     ),
                     router_in_flight=1,
                     seconds_since_heartbeat=0.5,
+                    suspect=role == 3,
                 )
                 worker.load.active_requests = 1
                 worker.load.kv_blocks_used = 3
@@ -171,6 +172,7 @@ async def test_status_lists_every_worker(
     assert rows[0][5] == "-"  # encoders have no KV blocks
     assert rows[1][:6] == ["prefill", "w-2-0", "127.0.0.1:7020", "1", "1", "3/61"]
     assert rows[1][6] == "2/5"
+    assert [r[-1] for r in rows] == ["serving", "serving", "suspect"]  # a call on it failed
 
 
 async def test_scale_asks_the_router_and_waits_for_the_pool(

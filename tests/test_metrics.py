@@ -137,6 +137,7 @@ async def test_one_request_shows_up_in_every_scrape(dep: Deployment) -> None:
     assert one(router, "epd:admission_refused_total", reason="queue_full") == 0
     assert one(router, "epd:reprefills_total") == 0
     assert one(router, "epd:retries_total", stage="decode") == 0
+    assert one(router, "epd:workers_suspect", role="prefill") == 0
     assert one(router, "vllm:num_requests_running") == 0
     assert one(router, "vllm:num_requests_waiting") == 0
     assert one(router, "process_cpu_seconds_total") > 0  # every endpoint: process_* too

@@ -364,3 +364,36 @@ def test_a_worker_whose_call_failed_is_picked_last_until_it_heartbeats(
     assert registry.pick(Role.PREFILL, exclude=frozenset({b.address})) is a  # the last left
     registry.heartbeat(a.worker_id, WorkerLoad())  # alive after all
     assert registry.pick(Role.PREFILL) is a
+
+
+def test_a_worker_suspected_again_soon_after_a_heartbeat_stays_suspect_longer(
+    registry: Registry, clock: Clock
+) -> None:
+    # Heartbeats arrive but calls fail (a one-way partition, a wedged server beside a live
+    # registrar): each heartbeat cleared the mark, so one request a second failed over on it.
+    # A mark soon after the last was cleared outlasts the next heartbeats, twice as long each
+    # time; one long after starts over.
+    a = registry.register(info(Role.PREFILL, 3))
+    b = registry.register(info(Role.PREFILL, 4))
+    b.in_flight = 5  # busier, but trusted
+
+    def suspect_after(seconds: float) -> bool:
+        clock.now += seconds
+        registry.heartbeat(a.worker_id, WorkerLoad())
+        registry.heartbeat(b.worker_id, WorkerLoad())
+        return registry.pick(Role.PREFILL) is b
+
+    registry.suspect(a)
+    assert not suspect_after(1.0)  # a first failure: cleared by the next heartbeat, as before
+    registry.suspect(a)  # again, at once
+    assert suspect_after(1.0) and not suspect_after(1.0)  # held 2 heartbeats
+    registry.suspect(a)
+    assert [suspect_after(1.0) for _ in range(4)] == [True, True, True, False]  # 4
+    registry.suspect(a)
+    assert suspect_after(1.0)
+    assert a.suspect and a in registry.workers(Role.PREFILL)  # still listed: it heartbeats
+    clock.now += 60
+    registry.heartbeat(a.worker_id, WorkerLoad())  # cleared
+    clock.now += 600
+    registry.suspect(a)  # long after: a fresh first failure
+    assert not suspect_after(1.0)

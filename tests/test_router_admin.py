@@ -41,6 +41,13 @@ async def test_admin_status_drain_and_scale(cluster, workers):
         admin_service_pb2.StatusRequest(role=registry_service_pb2.WORKER_ROLE_DECODE)
     )
     assert [w.draining for w in status.workers] == [True]
+    assert [w.suspect for w in status.workers] == [False]
+    registry = cluster.router.registry
+    registry.suspect(registry.workers(Role.DECODE)[0])
+    status = await cluster.admin.Status(
+        admin_service_pb2.StatusRequest(role=registry_service_pb2.WORKER_ROLE_DECODE)
+    )
+    assert [w.suspect for w in status.workers] == [True]  # a call on it failed
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await cluster.admin.Scale(
             admin_service_pb2.ScaleRequest(role=registry_service_pb2.WORKER_ROLE_DECODE)

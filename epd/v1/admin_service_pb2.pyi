@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "info", "load", "router_in_flight", "seconds_since_heartbeat", "draining", "router_reserved_kv_blocks")
+    __slots__ = ("worker_id", "info", "load", "router_in_flight", "seconds_since_heartbeat", "draining", "router_reserved_kv_blocks", "suspect")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class WorkerStatus(_message.Message):
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     ROUTER_RESERVED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     info: _registry_service_pb2.WorkerInfo
     load: _registry_service_pb2.WorkerLoad
@@ -23,7 +24,8 @@ class WorkerStatus(_message.Message):
     seconds_since_heartbeat: float
     draining: bool
     router_reserved_kv_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[_registry_service_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_registry_service_pb2.WorkerLoad, _Mapping]] = ..., router_in_flight: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ..., router_reserved_kv_blocks: _Optional[int] = ...) -> None: ...
+    suspect: bool
+    def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[_registry_service_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_registry_service_pb2.WorkerLoad, _Mapping]] = ..., router_in_flight: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ..., router_reserved_kv_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("role",)
