@@ -222,6 +222,15 @@ async def test_health_needs_every_role(fake: FakeCluster) -> None:
             health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE)
         )
     assert alive.status == health_pb2.HealthCheckResponse.SERVING
+    # A request meanwhile is a 503 that says when to look again.
+    status, headers, reply = await asyncio.to_thread(
+        call,
+        f"{url_of(fake)}/v1/chat/completions",
+        {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 2},
+        CLIENT_KEY,
+    )
+    assert status == 503 and reply["error"]["type"] == "service_unavailable", reply
+    assert headers["retry-after"] == "1"
     await add_workers(fake)
     await wait_health(url_of(fake), 200)
     serving = health_pb2.HealthCheckResponse.SERVING

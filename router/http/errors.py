@@ -31,6 +31,8 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 
+UNAVAILABLE_RETRY_S = 1.0  # a 503's Retry-After when the router named no time
+
 
 class ApiError(Exception):
     """A failure the API answers with OpenAI's error body."""
@@ -84,10 +86,15 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        """The HTTP answer (429 carries `Retry-After`, whole seconds rounded up)."""
+        """The HTTP answer. A 429 carries `Retry-After` (whole seconds rounded up) when the
+        router said when; a 503 always does, `UNAVAILABLE_RETRY_S` unless told otherwise (a
+        worker registers or heartbeats within a second)."""
         headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        retry = self.retry_after_s
+        if retry is None and self.status == 503:
+            retry = UNAVAILABLE_RETRY_S
+        if retry is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(retry)))
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
