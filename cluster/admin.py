@@ -20,7 +20,13 @@ from typing import Any
 from cluster.console import say as _say
 
 
-async def _admin(args: argparse.Namespace) -> Any:
+def _routers(args: argparse.Namespace) -> list[str]:
+    """The routers `--address` ($EPD_ROUTER) lists, comma-separated."""
+    return [a.strip() for a in args.address.split(",") if a.strip()]
+
+
+async def _admin(args: argparse.Namespace, router: str | None = None) -> Any:
+    """(channel, AdminService stub) to `router`, by default the first one listed."""
     from pathlib import Path
 
     from common.server.credentials import ChannelCredentials
@@ -34,8 +40,7 @@ async def _admin(args: argparse.Namespace) -> Any:
         root_certificates=Path(ca).read_bytes() if ca else None,
         tls=ca is not None,
     )
-    first = args.address.split(",")[0].strip()  # $EPD_ROUTER may list several routers
-    ch = channel(first, credentials=credentials)
+    ch = channel(router or _routers(args)[0], credentials=credentials)
     return ch, admin_service_pb2_grpc.AdminServiceStub(ch)
 
 
@@ -169,33 +174,70 @@ async def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-async def cmd_drain(args: argparse.Namespace) -> int:
-    """AdminService.Drain: the router stops sending new work to the worker."""
+def _is_address(worker: str) -> bool:
+    """HOST:PORT, as opposed to a worker's name."""
+    host, _, port = worker.rpartition(":")
+    return bool(host) and port.isdigit()
+
+
+async def _on_every_router(args: argparse.Namespace, act: Any) -> int:
+    """`await act(stub, address)` for the worker `args.worker` (its address, or every
+    address registered under that name) on every router listed: each router keeps its own
+    registry. 0 when every router knew the worker, else 1."""
     from epd.v1 import admin_service_pb2
 
-    ch, stub = await _admin(args)
-    async with ch:
-        reply = await stub.Drain(admin_service_pb2.DrainRequest(address=args.worker), timeout=10)
-    if not reply.found:
-        _say(f"no registered worker at {args.worker}")
-        return 1
-    _say(f"{args.worker}: draining (no new work; in-flight work finishes)")
-    return 0
+    routers = _routers(args)
+    missing = 0
+    for router in routers:
+        where = f"{router}: " if len(routers) > 1 else ""
+        ch, stub = await _admin(args, router)
+        async with ch:
+            if _is_address(args.worker):
+                found = await act(stub, args.worker, f"{where}{args.worker}")
+            else:
+                reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+                named = sorted(
+                    {w.info.address for w in reply.workers if w.info.name == args.worker}
+                )
+                for address in named:
+                    await act(stub, address, f"{where}{args.worker} ({address})")
+                found = bool(named)
+        if not found:
+            kind = "at" if _is_address(args.worker) else "named"
+            _say(f"{where}no registered worker {kind} {args.worker}")
+            missing += 1
+    return 1 if missing else 0
+
+
+async def cmd_drain(args: argparse.Namespace) -> int:
+    """AdminService.Drain on every router: they stop sending new work to the worker."""
+    from epd.v1 import admin_service_pb2
+
+    async def drain(stub: Any, address: str, label: str) -> bool:
+        reply = await stub.Drain(admin_service_pb2.DrainRequest(address=address), timeout=10)
+        if reply.found:
+            _say(f"{label}: draining (no new work; in-flight work finishes)")
+        return bool(reply.found)
+
+    return await _on_every_router(args, drain)
 
 
 async def cmd_undrain(args: argparse.Namespace) -> int:
-    """AdminService.Undrain: the router routes new work to a drained worker again."""
+    """AdminService.Undrain on every router: they route new work to a drained worker again.
+    1 where the worker itself drains (retiring or stopping)."""
     from epd.v1 import admin_service_pb2
 
-    ch, stub = await _admin(args)
-    async with ch:
-        request = admin_service_pb2.UndrainRequest(address=args.worker)
-        reply = await stub.Undrain(request, timeout=10)
-    if not reply.found:
-        _say(f"no registered worker at {args.worker}")
-        return 1
-    if not reply.serving:
-        _say(f"{args.worker}: still draining: the worker itself drains (retiring or stopping)")
-        return 1
-    _say(f"{args.worker}: serving (gets new work again)")
-    return 0
+    still = 0
+
+    async def undrain(stub: Any, address: str, label: str) -> bool:
+        nonlocal still
+        reply = await stub.Undrain(admin_service_pb2.UndrainRequest(address=address), timeout=10)
+        if reply.found and not reply.serving:
+            _say(f"{label}: still draining: the worker itself drains (retiring or stopping)")
+            still += 1
+        elif reply.found:
+            _say(f"{label}: serving (gets new work again)")
+        return bool(reply.found)
+
+    rc = await _on_every_router(args, undrain)
+    return 1 if still else rc

@@ -4,8 +4,8 @@
     epd generate "prompt" [--image PATH] [--video FILE|DIR] [--fps F]  stream one answer
     epd scale --role prefill --replicas 3                              resize a pool
     epd status                                                         every worker and its load
-    epd drain HOST:PORT                                                stop routing to a worker
-    epd undrain HOST:PORT                                              route to it again
+    epd drain HOST:PORT|NAME                                           stop routing to a worker
+    epd undrain HOST:PORT|NAME                                         route to it again
     epd config --print-defaults | --check FILE | --markdown           the config file
     epd make-examples [DIR]                                            the tour's media files
 
@@ -44,14 +44,16 @@ queued now (peak: the most ever queued at once; refused: turned away with the qu
 Worker columns:
   ROLE          encoder, prefill or decode
   NAME          the worker's name (- when it has none)
-  ADDRESS       host:port it registered; what `epd drain` takes
+  ADDRESS       host:port it registered; `epd drain` takes it or the NAME
   LOAD          requests the worker itself reports in flight
   ROUTED        requests this router has sent to it and not yet seen finish
   KV USED/FREE  paged KV blocks in use / free (- for an encoder: it holds no KV)
   CACHE HITS    prefix (encoder: embedding) cache hits / lookups since the worker started
   SEEN          time since its last heartbeat
-  STATE         serving, or draining: no new work is routed to it (after `epd drain`, until
-                `epd undrain`; or retiring after a scale-down, until it leaves)
+  STATE         serving; suspect: a call on it failed and no heartbeat has cleared it since,
+                so it gets new work only when no other of its role is left; or draining: no
+                new work is routed to it (after `epd drain`, until `epd undrain`; or retiring
+                after a scale-down, until it leaves)
 
 The last line counts each role as `epd scale` does: serving workers, and draining ones apart."""
 
@@ -77,6 +79,12 @@ def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") 
         metavar="PEM",
         help="dial the router over TLS, verifying it with this CA (default: $EPD_TLS_CA_FILE)",
     )
+
+
+_WORKER_HELP = (
+    "the worker's registered HOST:PORT or its NAME (as `epd status` lists them); every "
+    "router --address lists is told"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,13 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     drain = commands.add_parser(
         "drain", allow_abbrev=False, help="stop routing new work to one worker"
     )
-    drain.add_argument("worker", metavar="HOST:PORT", help="the worker's registered address")
+    drain.add_argument("worker", metavar="WORKER", help=_WORKER_HELP)
     _router_flag(drain, "admin_key")
 
     undrain = commands.add_parser(
         "undrain", allow_abbrev=False, help="route new work to a drained worker again"
     )
-    undrain.add_argument("worker", metavar="HOST:PORT", help="the worker's registered address")
+    undrain.add_argument("worker", metavar="WORKER", help=_WORKER_HELP)
     _router_flag(undrain, "admin_key")
 
     examples = commands.add_parser(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import AsyncIterator
+from functools import partial
 
 import pytest
 
@@ -18,6 +19,8 @@ from router.admin import AdminServicer
 from router.registry import Registry
 from router.workers import WorkerLoad
 from tests.test_registry import MODEL, info
+
+add_admin = admin_service_pb2_grpc.add_AdminServiceServicer_to_server
 
 
 @pytest.fixture
@@ -155,3 +158,33 @@ async def test_scale_says_what_a_waiting_worker_waits_for(
         "decode: epd-decode-1 waits for Ray resources: asks CPU 1, GPU 1; free: CPU 0, GPU 0"
     )
     assert out[2] == "decode: still 1 worker serving after 0s"
+
+
+async def test_drain_and_undrain_reach_every_router_listed_by_address_or_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Each router keeps its own registry: a worker drained on the first router of
+    # $EPD_ROUTER alone still got the other routers' new work.
+    registries, servers = [], []
+    for _ in range(2):
+        registry = Registry(worker_timeout_s=60.0, heartbeat_interval_s=1.0, expected_model=MODEL)
+        for port in (7001, 7002):
+            registry.register(info(Role.PREFILL, port))
+        servicer = AdminServicer(registry, None)
+        servers.append(await start_server([partial(add_admin, servicer)], host="127.0.0.1"))
+        registries.append(registry)
+    routers = ",".join(s.address for s in servers)
+    try:
+        assert await cmd_drain(_args("drain", "prefill-7001", "--address", routers)) == 0
+        for registry in registries:
+            assert [w.address for w in registry.workers() if w.draining] == ["127.0.0.1:7001"]
+        assert await cmd_undrain(_args("undrain", "127.0.0.1:7001", "--address", routers)) == 0
+        assert not any(w.draining for r in registries for w in r.workers())
+        assert await cmd_drain(_args("drain", "nobody", "--address", routers)) == 1
+        assert not any(w.draining for r in registries for w in r.workers())  # nothing drained
+        out = capsys.readouterr().out
+        assert out.count("prefill-7001 (127.0.0.1:7001): draining") == 2  # one line a router
+        assert f"{servers[1].address}: no registered worker named nobody" in out
+    finally:
+        for server in servers:
+            await server.stop(0)
