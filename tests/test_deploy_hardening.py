@@ -217,3 +217,19 @@ def test_the_routers_memory_limit_covers_what_its_settings_let_it_hold() -> None
         units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
         limit = int(memory[:-2]) * units[memory[-2:]] if memory[-2:] in units else int(memory)
         assert limit >= holds + (1 << 30), f"{name}: {limit} bytes for {holds} held"
+
+
+def test_routers_wait_for_their_service_to_forget_them_before_draining() -> None:
+    """On deletion, Kubernetes sends SIGTERM while the Service still lists the pod for a few
+    seconds; a router that drained at once refused the requests still sent to it. A preStop
+    pause comes first, and the grace period covers it and the drain."""
+    for name, container, doc in CONTAINERS:
+        if container.get("command", [])[:3] != ["python", "-m", "router"]:
+            continue
+        pause = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pause[0] == "sleep" and int(pause[1]) >= 5, name
+        parsed = _parse_module_args("router", [_substitute(a, {}) for a in container["args"]])
+        settings = parsed[0] if isinstance(parsed, tuple) else parsed
+        (spec,) = _pod_specs(doc)
+        grace = spec.get("terminationGracePeriodSeconds", 30)
+        assert grace > int(pause[1]) + settings.drain_timeout_s, name
