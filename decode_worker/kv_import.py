@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -52,7 +50,6 @@ from typing import NoReturn
 import grpc
 
 from common.kv.allocator import ImportPlan
-from common.kv.block_pool import NoFreeBlocksError
 from common.kv.digest import cache_block_digests
 from common.kv_pull import pull
 from common.models.model_thread import ModelThread
@@ -63,6 +60,7 @@ from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError
 from common.transfer.agent import TransferAgent
 from common.transfer.types import TransferStats, TransferTimeoutError
+from decode_worker.block_wait import BlockWait
 from epd.v1 import kv_pb2
 
 logger = logging.getLogger(__name__)
@@ -129,8 +127,10 @@ class KvImporter:
         self.agent = agent  # READs into the runner's registered KV buffer
         self.peers = peers  # ReleaseKv / RenewKv to the holders
         self.counters = counters
-        self.wait_freed = wait_freed  # returns once the decode loop next frees blocks
-        self.renew_leases = renew_leases  # RenewKv while a request waits for blocks
+        # Plans the import, waiting for free blocks (renewing the lease) when the pool is full.
+        self.blocks = BlockWait(
+            runner.allocator, model, peers, counters, wait_freed, self._digests_now, renew_leases
+        )
         # id(plan) -> blocks kept from the pool while NIXL may still write them
         self.quarantined: dict[int, int] = {}
 
@@ -171,7 +171,7 @@ class KvImporter:
             self.peers.release_kv(handle.holder_address, handle.lease_id)
 
         try:
-            plan = await self._plan(hashes, len(tokens), total, handle)
+            plan = await self.blocks.plan(hashes, len(tokens), total, handle)
         except BaseException:
             release()
             raise
@@ -332,38 +332,3 @@ class KvImporter:
             f"kv.block_digests: {len(mismatched)} pulled block(s) do not match their digests; "
             "nothing pulled is used, prefill again",
         )
-
-    async def _plan(
-        self, hashes: list[bytes] | None, n: int, total: int, handle: kv_pb2.KvHandle
-    ) -> ImportPlan:
-        """`plan_import`, waiting for blocks to be freed when the pool is full (renewing the
-        handle's lease meanwhile, every third of its lifetime; the caller's deadline bounds
-        the wait); RESOURCE_EXHAUSTED (NoFreeBlocksError) when no block is in use, so none
-        will be freed (the request needs more than the whole pool)."""
-        allocator = self.runner.allocator
-        renew_every_s = max(handle.lease_ttl_ms / 3000, 0.05)
-        renewed = time.monotonic()
-        waited = False
-        while True:
-            try:
-                return await self.model.call(
-                    allocator.plan_import,
-                    hashes,
-                    n,
-                    total,
-                    self._digests_now,
-                    on_orphan=lambda p: self.model.submit(allocator.abort_import, p),
-                )
-            except NoFreeBlocksError:
-                if allocator.pool.num_used_blocks == 0:
-                    raise
-            if not waited:
-                waited = True
-                self.counters.block_waits += 1
-                logger.info("a request waits for free KV blocks (lease %s)", handle.lease_id)
-            if self.renew_leases and time.monotonic() - renewed >= renew_every_s:
-                renewed = time.monotonic()
-                self.counters.lease_renewals += 1
-                self.peers.renew_kv(handle.holder_address, handle.lease_id)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wait_freed(), renew_every_s)

@@ -201,16 +201,14 @@ class PeerClient:
                 release()
             raise
 
-    def renew_kv(self, address: str, lease_id: str) -> None:
-        """`PrefillService.RenewKv(lease_id)` on the prefill worker at `address`, in the
-        background (the reader is still waiting to pull)."""
-        if lease_id and address:
-            stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
-            call = stub.RenewKv(
-                prefill_service_pb2.RenewKvRequest(lease_id=lease_id),
-                timeout=self.release_timeout_s,
-            )
-            self._spawn(call, f"RenewKv({lease_id})", address)
+    async def renew_kv(self, address: str, lease_id: str) -> float | None:
+        """`PrefillService.RenewKv(lease_id)` on the prefill worker at `address` (a reader
+        still waiting to pull): seconds the lease has left, None when the holder says it is
+        gone. Raises grpc.aio.AioRpcError when the holder does not answer."""
+        stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
+        request = prefill_service_pb2.RenewKvRequest(lease_id=lease_id)
+        response = await uncut(stub.RenewKv(request, timeout=self.release_timeout_s), address)
+        return response.lease_ttl_ms / 1000 if response.renewed else None
 
     async def confirm_release_kv(
         self, address: str, lease_id: str, mismatched_blocks: Sequence[int] = ()

@@ -1,0 +1,132 @@
+"""Planning a KV import on a decode worker whose pool is full: wait for the decode loop to
+free blocks, keeping the handle's lease alive meanwhile (DESIGN §4).
+
+    plan(hashes, n, total, handle) -> ImportPlan (`KvAllocator.plan_import`), once the pool
+        has room; RESOURCE_EXHAUSTED (NoFreeBlocksError) at once for a request the whole
+        pool cannot hold, or when no block is in use (none will be freed); ABORTED when the
+        holder says the lease ended meanwhile (the router prefills again). The caller's
+        deadline bounds the wait.
+
+While it waits, the lease is renewed at once (the handle may have spent most of it on its
+way here), then every third of what the holder says is left. A holder that does not answer
+is no reason to stop: the confirmation after the READ says whether the lease held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from common.kv.allocator import ImportPlan, KvAllocator, blocks_for
+from common.kv.block_pool import NoFreeBlocksError
+from common.models.model_thread import ModelThread
+from common.server.peers import PeerClient
+from common.server.rpc import RpcStatusError
+from epd.v1 import kv_pb2
+
+if TYPE_CHECKING:
+    from decode_worker.kv_import import DecodeCounters
+
+logger = logging.getLogger(__name__)
+
+MIN_RENEW_S = 0.05  # the shortest wait between two renewals of a waiting request's lease
+
+
+class BlockWait:
+    """`plan` for one decode worker's importer; see the module docstring."""
+
+    def __init__(
+        self,
+        allocator: KvAllocator,
+        model: ModelThread,
+        peers: PeerClient,
+        counters: DecodeCounters,
+        wait_freed: Callable[[], Awaitable[None]],
+        digests_now: Callable[[list[int]], Sequence[bytes]],
+        renew_leases: bool = True,
+    ) -> None:
+        self.allocator = allocator  # called on `model` only
+        self.model = model
+        self.peers = peers  # RenewKv to the holders
+        self.counters = counters  # block_waits, lease_renewals
+        self.wait_freed = wait_freed  # returns once the decode loop next frees blocks
+        self.digests_now = digests_now  # model thread: block ids -> digests of their bytes
+        self.renew_leases = renew_leases  # RenewKv while a request waits for blocks
+
+    async def plan(
+        self, hashes: list[bytes] | None, n: int, total: int, handle: kv_pb2.KvHandle
+    ) -> ImportPlan:
+        """`plan_import`, waiting for blocks to be freed when the pool is full; the caller's
+        deadline bounds the wait. RESOURCE_EXHAUSTED (NoFreeBlocksError) when the request
+        needs more blocks than the pool has, or none is in use (none will be freed).
+
+        While it waits, the handle's lease is renewed at once (the handle may have spent
+        most of it on its way here), then every third of what the holder says is left; a
+        lease the holder says is gone ends the wait: ABORTED, prefill again."""
+        allocator = self.allocator
+        every_s = max(handle.lease_ttl_ms / 3000, MIN_RENEW_S)
+        renewal: asyncio.Task[float | None] | None = None
+        next_renewal = 0.0
+        waited = False
+        try:
+            while True:
+                try:
+                    return await self.model.call(
+                        allocator.plan_import,
+                        hashes,
+                        n,
+                        total,
+                        self.digests_now,
+                        on_orphan=lambda p: self.model.submit(allocator.abort_import, p),
+                    )
+                except NoFreeBlocksError:
+                    pool = allocator.pool
+                    never = blocks_for(max(total, n), allocator.block_size) > pool.num_blocks
+                    if never or pool.num_used_blocks == 0:
+                        raise
+                if not waited:
+                    waited = True
+                    self.counters.block_waits += 1
+                    logger.info("a request waits for free KV blocks (lease %s)", handle.lease_id)
+                if renewal is not None and renewal.done():
+                    every_s = self._renewed(renewal, handle, every_s)
+                    next_renewal, renewal = time.monotonic() + every_s, None
+                if self.renew_leases and renewal is None and time.monotonic() >= next_renewal:
+                    next_renewal = time.monotonic() + every_s
+                    self.counters.lease_renewals += 1
+                    renewal = asyncio.ensure_future(
+                        self.peers.renew_kv(handle.holder_address, handle.lease_id)
+                    )
+                freed = asyncio.ensure_future(self.wait_freed())
+                waits: set[asyncio.Future[Any]] = {freed} if renewal is None else {freed, renewal}
+                timeout = max(next_renewal - time.monotonic(), MIN_RENEW_S)
+                await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                freed.cancel()
+        finally:
+            if renewal is not None:
+                renewal.cancel()
+
+    @staticmethod
+    def _renewed(
+        renewal: asyncio.Task[float | None], handle: kv_pb2.KvHandle, every_s: float
+    ) -> float:
+        """The interval to the next renewal after `renewal`'s answer: a third of what is left;
+        `every_s` when the holder could not be reached (the confirmation after the READ tells).
+        Raises ABORTED when the holder says the lease is gone."""
+        try:
+            left = renewal.result()
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("RenewKv(%s) failed: %s", handle.lease_id, exc.code().name)
+            return every_s
+        if left is None:
+            raise RpcStatusError(
+                grpc.StatusCode.ABORTED,
+                "kv: the handle's lease ended while the request waited for free KV blocks; "
+                "prefill again",
+            )
+        return max(left / 3, MIN_RENEW_S)
