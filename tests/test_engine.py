@@ -18,7 +18,7 @@ from common.engine import Engine
 from common.kv.hashing import block_hashes
 from common.models import batching
 from common.models.tiny import make_tiny_checkpoint
-from common.multimodal.params import Modality
+from common.multimodal.params import Modality, MultimodalParams
 from common.processing.processor import ProcessedPrompt
 from common.sampling import SamplingParams
 
@@ -335,3 +335,18 @@ def test_a_request_past_the_context_or_the_pool_is_refused_naming_it(setup):
     assert steps == []
     assert small.runner.allocator.pool.num_free_blocks == 8  # nothing kept
     assert small.generate(ok, SamplingParams(max_tokens=3)).finish_reason == "length"
+
+
+def test_prefix_cache_hits_count_the_blocks_reused(setup):
+    # Hits were counted before the prefix was cut to keep the last token computed and before
+    # blocks whose bytes changed were dropped: a 16-token prompt seen twice reused 1 block of
+    # 8 and counted 2 hits (and the router's cache-aware figures and `epd status` with it).
+    engine = fresh(setup[0], num_blocks=64)
+    pool = engine.runner.allocator.pool
+    tokens = list(range(100, 100 + 2 * BLOCK))
+    for attempt in range(2):
+        before = (pool.lookups, pool.hits)
+        seq = engine.prefill(tokens, MultimodalParams((), {}, 0), SamplingParams(max_tokens=1))
+        assert seq.cached_tokens == attempt * BLOCK
+        assert (pool.lookups - before[0], pool.hits - before[1]) == (2, attempt)
+        engine.release(seq)

@@ -129,8 +129,10 @@ class KvAllocator:
     def cached_prefix(self, hashes: list[bytes] | None, num_tokens: int) -> list[int]:
         """The cached blocks a prefill of `num_tokens` reuses: the longest cached prefix of
         `hashes`, at most `(n - 1) // block_size` blocks so the last token is computed (its
-        logits give the first token). Takes no reference; counts the lookup."""
-        return self.pool.find_cached_prefix(hashes or [])[: (num_tokens - 1) // self.block_size]
+        logits give the first token). Takes no reference and counts nothing: the caller
+        counts the blocks it reuses (`pool.count_lookups`)."""
+        found = self.pool.find_cached_prefix(hashes or [], count=False)
+        return found[: (num_tokens - 1) // self.block_size]
 
     def allocate_prompt(self, cached: list[int], total_tokens: int) -> list[int]:
         """`cached` (acquired) followed by fresh blocks up to `total_tokens` slots, owned by

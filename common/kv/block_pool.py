@@ -136,11 +136,12 @@ class BlockPool:
 
     # ----------------------------------------------------------------------- prefix cache
 
-    def find_cached_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+    def find_cached_prefix(self, block_hashes: Sequence[bytes], *, count: bool = True) -> list[int]:
         """Block ids of the longest prefix of `block_hashes` that is cached.
 
         Takes no reference: `acquire` the result before any `allocate`. Counts each hash
-        asked about in `lookups` and each hit in `hits`.
+        asked about in `lookups` and each hit in `hits`, unless not `count` (the caller
+        counts what it used: `count_lookups`).
         """
         out: list[int] = []
         if self.enable_prefix_cache:
@@ -149,8 +150,8 @@ class BlockPool:
                 if block_id is None:
                     break
                 out.append(block_id)
-        self.lookups += len(block_hashes)
-        self.hits += len(out)
+        if count:
+            self.count_lookups(len(block_hashes), len(out))
         return out
 
     def find_cached(self, block_hashes: Sequence[bytes], *, count: bool = True) -> list[int | None]:

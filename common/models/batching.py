@@ -94,6 +94,7 @@ def admit(
                 "but carries no embeddings"
             )
     blocks = allocator.allocate_prompt(cached, total_tokens or n)
+    allocator.pool.count_lookups(len(hashes or ()), len(cached))  # counted once it is taken
     job = PrefillJob(tokens, params, sampling, blocks, start, positions, keep_logits)
     return Admission(job, hashes, len(cached), digests)
 
