@@ -275,6 +275,22 @@ async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
         assert reply["error"]["message"].startswith("the body is not valid JSON"), reply
 
 
+async def test_a_body_of_too_many_objects_is_refused_while_it_is_parsed(fake: FakeCluster) -> None:
+    # Validated on the event loop, two million one-letter messages (65 MB) held it for 8 s:
+    # every worker was dropped for missed heartbeats and other tenants' streams broke.
+    from router.http.parse import MAX_BODY_OBJECTS
+
+    url = url_of(fake)
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "a"}] * MAX_BODY_OBJECTS}
+    status, _, reply = await asyncio.to_thread(
+        raw_post, f"{url}/v1/chat/completions", json.dumps(body).encode()
+    )
+    assert status == 400 and "JSON objects" in reply["error"]["message"], reply
+    for empty in (b"", b"[]", b'"text"'):
+        status, _, reply = await asyncio.to_thread(raw_post, f"{url}/v1/chat/completions", empty)
+        assert status == 400 and "must be a JSON object" in reply["error"]["message"], reply
+
+
 async def test_a_full_queue_answers_429_with_retry_after(fake: FakeCluster) -> None:
     pre, _ = await add_workers(fake)
     prompt = fake.router.orchestrator.processor.process(messages_from_dicts(TEXT))

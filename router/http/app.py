@@ -32,7 +32,6 @@ import grpc
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -46,8 +45,9 @@ from router.held import HeldBytes, decoded_bytes
 from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
 from router.http.connections import ConnectionStats
 from router.http.convert import chat_request, completion_request
-from router.http.errors import ApiError, model_not_found, validation_error
+from router.http.errors import ApiError, model_not_found
 from router.http.media import MediaPolicy
+from router.http.parse import parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
 from router.http.stream import Answer, events
 
@@ -63,6 +63,7 @@ PARSED_PART_BYTES = 640
 
 Chunks = AsyncGenerator[router_service_pb2.GenerateResponse, None]
 T = TypeVar("T")
+B = TypeVar("B", bound=SamplingBody)
 
 
 def api_error(exc: BaseException) -> ApiError:
@@ -111,18 +112,10 @@ def build_app(
     async def _api_error(_request: Request, exc: ApiError) -> Response:
         return exc.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> Response:
-        return validation_error(exc.errors()).response()
-
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        # FastAPI's own refusals in OpenAI's shape, as every other: a 400 for a body it
-        # cannot parse at all (not UTF-8, nested past the JSON parser's depth), 404 for a
-        # path, 405 for a method (with its Allow header).
-        if exc.status_code == 400:
-            message = "the body is not valid JSON: not UTF-8, or nested too deep to parse"
-            return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message).response()
+        # FastAPI's own refusals in OpenAI's shape, as every other: 404 for a path, 405 for
+        # a method (with its Allow header). Bodies are parsed by `router.http.parse`.
         if exc.status_code not in (404, 405):
             return await http_exception_handler(request, exc)
         if exc.status_code == 404:
@@ -176,9 +169,17 @@ def build_app(
         stream = events(result, _chain(first, chunks), include_usage, lambda e: api_error(e).body())
         return StreamingResponse(stream, media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, who: Who, raw: Request) -> Response:
+    async def parsed(raw: Request, schema: type[B]) -> B:
+        """The body as `schema`, parsed and validated off the event loop (`router.http.parse`)."""
+        data = await raw.body()
+        content_type = raw.headers.get("content-type")
+        body = await asyncio.to_thread(parse_body, data, content_type, schema)
         check_model(body)
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(who: Who, raw: Request) -> Response:
+        body = await parsed(raw, ChatCompletionRequest)
         request_id = uuid.uuid4().hex
         try:
             request = await asyncio.to_thread(chat_request, body, request_id, policy)
@@ -187,8 +188,8 @@ def build_app(
         return await answer(body, request, who, True, raw)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, who: Who, raw: Request) -> Response:
-        check_model(body)
+    async def completions(who: Who, raw: Request) -> Response:
+        body = await parsed(raw, CompletionRequest)
         try:
             request = completion_request(body, uuid.uuid4().hex)
         except FieldError as exc:
