@@ -3,13 +3,15 @@
 `limit_body` is ASGI middleware in front of the app. It reads a request's whole body before
 the app runs (the app would read all of it anyway) and replays it:
 
+- a request whose head announces both a Content-Length and a Transfer-Encoding is answered
+  400 and the connection closed (which framing a proxy in front read is unknown);
 - only a POST may carry a body (every endpoint that takes one is a POST): any other
   method announcing one (a Content-Length past 0, or Transfer-Encoding) is answered 405
   and the connection closed, its body neither read nor held, whoever sent it;
 - a POST from anyone but a client (no valid API key: `identify`) is refused before its
   body is read, so it neither costs the reading nor takes from the budget below;
 - a body over `max_bytes` is answered 413: by its Content-Length before a byte of it is
-  read, or, sent without one (chunked), once the bytes read so far pass the limit;
+  read, and once the bytes read so far pass the limit, however it is framed;
 - the bodies being read or answered are held in `router.held` with the gRPC requests: one
   that would pass its bound (or its tenant's share of it) is answered 429 with Retry-After,
   unless no other request is held (so one request up to `max_bytes` always gets through). A
@@ -111,6 +113,10 @@ def limit_body(
     late.status = 408
     not_post = ApiError(grpc.StatusCode.INVALID_ARGUMENT, "only a POST request may carry a body")
     not_post.status = 405
+    framed_twice = ApiError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "a request may not carry both Content-Length and Transfer-Encoding",
+    )
     full = _busy()
 
     async def read(receive: Any, announced: int | None, hold: BodyHold) -> list[Any]:
@@ -122,17 +128,17 @@ def limit_body(
             if not hold.take(announced):  # the HTTP server reads no more than it says
                 raise _Refused(full)
         messages: list[Any] = []
+        received = 0  # the body's bytes so far, however it is framed
         while True:
             message = await receive()
             messages.append(message)
             if message["type"] != "http.request":
                 return messages  # the client went away: the app sees that too
-            if announced is None:
-                size = len(message.get("body", b""))
-                if hold.bytes + size > max_bytes:
-                    raise _Refused(too_large)
-                if not hold.take(size):
-                    raise _Refused(full)
+            received += len(message.get("body", b""))
+            if received > max_bytes or (announced is not None and received > announced):
+                raise _Refused(too_large)
+            if announced is None and not hold.take(received - hold.bytes):
+                raise _Refused(full)
             if not message.get("more_body"):
                 return messages
 
@@ -147,6 +153,8 @@ def limit_body(
             try:
                 if scope.get("method") != "POST" and carries_body(headers):
                     raise _Refused(not_post)  # not read: nobody's bytes to hold
+                if b"transfer-encoding" in headers and length is not None:
+                    raise _Refused(framed_twice)  # RFC 9112 6.3: framed one way or the other
                 if scope.get("method") == "POST":  # a body: only a client may have one read
                     header = headers.get(b"authorization")
                     caller = identify(app.state.auth, header.decode("latin-1") if header else None)
@@ -163,7 +171,7 @@ def limit_body(
                 return
             except _Refused as refused:
                 response = refused.error.response()
-                if refused.error is late or refused.error is not_post:
+                if refused.error in (late, not_post, framed_twice):
                     response.headers["Connection"] = "close"  # its body may still come
                 if refused.error is late:
                     stats.closed_body_late += 1
