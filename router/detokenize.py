@@ -10,6 +10,12 @@ several: `stream_interval`), so the text out after any token is the same however
 were grouped: a chunk whose last token ends inside a character still yields the characters
 before it. That is what lets another router `skip` a resumed stream's tokens and go on
 where this one stopped, and `router.stop` find a stop string in the chunk that holds it.
+
+Each token decodes a window of a few tokens: a token that adds no text (a special token)
+moves it on, and so does a run of more than `MAX_HELD_TOKENS` tokens that ends inside a
+character (invalid bytes, each a replacement character for good): 20,000 of either re-decoded
+a growing window, 10 to 18 s of the router's event loop. The one place the concatenation can
+differ from `decode(all)`: a character begun in the last bytes of such a run.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
+# Tokens held back while their text ends inside a character. A character is at most 4
+# bytes, so a longer run holds invalid bytes: it is let go with its replacement characters.
+MAX_HELD_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -53,7 +62,12 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
+        held = len(self._ids) - self._read
+        if new_text.endswith(REPLACEMENT) and held <= MAX_HELD_TOKENS:
+            return ""  # inside a character: wait for its other bytes
+        if len(new_text) < len(prefix_text) and held <= MAX_HELD_TOKENS:
             return ""
+        # Text, none (a special token), or a run too long to be one character's bytes:
+        # the window moves on, so each token costs the same however many came before.
         self._prefix, self._read = self._read, len(self._ids)
         return new_text[len(prefix_text) :]

@@ -70,3 +70,34 @@ def test_a_stream_resumed_after_any_chunk_goes_on_where_the_first_router_stopped
         second.skip(resumed)
         rest = "".join(second.add(chunk) for chunk in chunked(IDS[len(resumed) :], size))
         assert had + rest + second.flush() == ANSWER, (size, cut, had, rest)
+
+
+class Counting:
+    """`decode`, counting the tokens it is given (the detokenizer's work)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        self.tokens += len(ids)
+        return decode_eos(ids)
+
+
+EOS = 256  # a special token: no text
+
+
+def decode_eos(ids: Sequence[int]) -> str:
+    return decode([i for i in ids if i != EOS])
+
+
+@pytest.mark.parametrize("run", [[EOS], [0x80], [0xFF, 0x80, 0xC3]])
+def test_a_long_run_of_tokens_without_a_whole_character_costs_linear_work(run: list[int]) -> None:
+    # Special tokens (EOS with ignore_eos) add no text and invalid bytes end in U+FFFD, and
+    # the window decoded again grew with each: 20,000 such tokens took 10 to 18 s of the
+    # router's event loop, every other request waiting.
+    ids = [ord("a"), *run * 5000, *"é b".encode()]
+    counting = Counting()
+    detok = IncrementalDetokenizer(counting)
+    text = "".join(detok.add([i]) for i in ids) + detok.flush()
+    assert text == decode_eos(ids)
+    assert counting.tokens < 100 * len(ids)
