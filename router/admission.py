@@ -277,8 +277,13 @@ class Admission:
             full[role] = frozenset(w.address for w in live if not self.has_room(w, blocks))
             if len(full[role]) == len(live):
                 return False
-        for role in KV_ROLES:
-            worker = choose(role, full[role])
+        chosen: dict[Role, WorkerRecord] = {}
+        for role in KV_ROLES:  # every role's worker before any reservation
+            try:
+                chosen[role] = choose(role, full[role])
+            except NoWorkerError:  # gone since `_live` (its heartbeats just ran out)
+                return False
+        for role, worker in chosen.items():
             self._reserved[worker.address] += ticket.need.blocks(role)
             self.tenants.take(ticket.tenant, role, ticket.need.blocks(role))
             ticket.workers[role] = worker

@@ -123,6 +123,29 @@ async def test_a_request_that_can_never_fit_is_refused_at_once(
     assert adm.refused["never_fits"] == 1 and adm.stats().queued == 0
 
 
+async def test_a_worker_gone_between_the_room_check_and_the_pick_reserves_nothing() -> None:
+    # Expired between `_live` and the pick (the registry reads its clock each time): the
+    # prefill reservation was made, then the decode pick raised NoWorkerError, leaking the
+    # reservation and the tenant's blocks, and the client got UNKNOWN.
+    from router.workers import NoWorkerError
+
+    adm = make(deployment())
+    registry = adm.registry
+
+    def choose(role: Role, exclude: frozenset[str]) -> WorkerRecord:
+        if role is Role.DECODE:
+            raise NoWorkerError(role)  # it expired a moment ago
+        return registry.pick(role, exclude=exclude)
+
+    waiting = asyncio.ensure_future(adm.admit(9, 8, time.monotonic() + 0.3, choose, "a"))
+    await settle()
+    assert adm.reserved("prefill-0:1") == 0 and adm.stats().queued == 1  # waits for room
+    with pytest.raises(RouterError):
+        await waiting
+    assert adm.reserved("prefill-0:1") == 0 and adm.reserved("decode-0:1") == 0
+    assert not any(adm.tenants.blocks("a", role) for role in (Role.PREFILL, Role.DECODE))
+
+
 async def test_no_worker_of_a_role_is_unavailable() -> None:
     adm = make(deployment(decode=()))
     with pytest.raises(RouterError) as err:
