@@ -142,8 +142,10 @@ def messages_from_proto(
     processor: Processor | None = None,
     cache_salt: str | None = None,
     reserve: Callable[[int], object] | None = None,
+    ended: Callable[[], bool] | None = None,
 ) -> tuple[Message, ...]:
     """The typed chat, media decoded to PIL images; `InputError` naming the field.
+    `ended()`, asked while video files decode, stops them once the request has ended.
 
     Every limit is checked, for the whole request, before any image is decoded; then
     `reserve` (when given) is called with the bytes its media decode to, from their
@@ -172,7 +174,7 @@ def messages_from_proto(
         for image, field in reader.opened:
             load_image(image, field)
         return tuple(
-            Message(role, tuple(p.decode() if isinstance(p, _FileVideo) else p for p in parts))
+            Message(role, tuple(p.decode(ended) if isinstance(p, _FileVideo) else p for p in parts))
             for role, parts in chat
         )
     finally:
@@ -187,9 +189,9 @@ class _FileVideo:
         self.file = file
         self.uuid = uuid
 
-    def decode(self) -> VideoPart:
+    def decode(self, ended: Callable[[], bool] | None = None) -> VideoPart:
         try:
-            frames = self.file.decode()
+            frames = self.file.decode(ended)
         except FieldError as exc:
             raise InputError(exc.field, exc.reason) from None
         return VideoPart(frames, frames.fps, uuid=self.uuid)

@@ -31,9 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -107,10 +108,13 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         cache_salt: str | None = None,
         media: MediaHold | None = None,
         fit_max_tokens: bool = False,
+        ended: Callable[[], bool] | None = None,
     ) -> tuple[Any, ProcessedPrompt]:
         """Check and process one request (a worker thread); InputError naming the field.
         `fit_max_tokens`: the request's `max_tokens` is a default, not the caller's: it is
         cut to the context the prompt leaves (at least 1) rather than refused past it.
+        `ended()`: the request has ended (its caller left, its deadline passed): video
+        files stop decoding.
 
         Every limit (`RouterSettings.input_limits`) is checked before the work it bounds:
         sampling first, text bytes and media headers before anything is decoded or
@@ -134,6 +138,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 self.processor,
                 cache_salt,
                 None if media is None else media.reserve,
+                ended,
             )
         )
         allow_special = self.settings.allow_special_tokens_in_text
@@ -178,11 +183,17 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         the chunks hold. The request's processed media are held in `held` beside the `holds`
         bytes it holds already (`router.held.holding_media`); `fit_max_tokens`: its
         `max_tokens` is the router's default, cut to the context left (`_prepare`). Raises
-        RouterError, or
-        RpcStatusError while draining. The gRPC Generate and the HTTP API (`router.http`)
-        both run this."""
+        RouterError, or RpcStatusError while draining. The gRPC Generate and the HTTP API
+        (`router.http`) both run this."""
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
+        budget = self.settings.request_timeout_s
+        deadline = started + (budget if client_left is None else min(budget, client_left))
+        gone = threading.Event()  # set once this coroutine is done with `_prepare`'s thread
+
+        def ended() -> bool:
+            return gone.is_set() or time.monotonic() > deadline
+
         media = MediaHold(self.held, holds, caller.tenant)
         async with self.lifecycle.track(), self.orchestrator.metrics.request():
             try:
@@ -193,9 +204,12 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     request.cache_salt if request.HasField("cache_salt") else None,
                     caller.cache_epoch,
                 )
-                sampling, prompt = await asyncio.to_thread(
-                    self._prepare, request, cache_salt, media, fit_max_tokens
-                )
+                try:
+                    sampling, prompt = await asyncio.to_thread(
+                        self._prepare, request, cache_salt, media, fit_max_tokens, ended
+                    )
+                finally:
+                    gone.set()  # the caller left (cancelled) or it is over
                 check_stop(request.stop)
                 vocab = self.processor.config.text.vocab_size
                 resumed = check_resume(request, sampling.max_tokens, vocab)
@@ -203,21 +217,20 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 media.give_back()
                 if not isinstance(exc, InputError | FieldError):
                     raise
+                if time.monotonic() > deadline:  # passed while its media decoded
+                    raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
                 logger.info("request %s rejected: %s", request_id, exc)
                 error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 error.trailing_metadata = (("epd-field", exc.field),)
                 error.context_exceeded = isinstance(exc, ContextTooLong)
                 raise error from None
             with media.holding(prompt):
-                budget = self.settings.request_timeout_s
-                if client_left is not None:
-                    budget = min(budget, client_left)
                 job = Job(
                     request_id=request_id,
                     prompt=prompt,
                     sampling=sampling,
                     cache_salt=cache_salt,
-                    deadline=started + budget,
+                    deadline=deadline,
                     resumed=resumed,
                     tenant=caller.tenant,
                 )

@@ -121,6 +121,21 @@ def test_a_rate_above_the_sources_drops_no_frame(processor, fps):
     assert prompt.params.items[0].grid_thw == (4, 4, 4)
 
 
+def test_decoding_stops_once_the_request_has_ended(mp4):
+    # Frames decode in order up to the last sample time, on a thread nothing cancels: a
+    # small file of many frames kept a router thread busy after its client had gone.
+    asked = []
+
+    def ended() -> bool:
+        asked.append(True)
+        return len(asked) > 3
+
+    with pytest.raises(VideoFileError, match="still decoding when the request ended"):
+        open_video(mp4, fps=2.0, max_frames=768).decode(ended)
+    assert len(asked) == 4  # asked before each frame, stopped at the fourth
+    assert len(decode_video(mp4, fps=2.0, max_frames=768).times) == 4  # as ever without
+
+
 def test_the_frame_cap_spreads_the_frames_over_the_duration(mp4):
     assert sample_times(2.0, 2.0, 768) == (0.0, 0.5, 1.0, 1.5)
     assert sample_times(2.0, 8.0, 4) == (0.0, 0.5, 1.0, 1.5)  # 16 wanted, 4 uniform
@@ -317,6 +332,19 @@ async def test_a_malformed_file_is_invalid_argument_through_the_router(cluster, 
     assert result.token_ids == [FIRST, 101]
     (item,) = enc.requests[0].items
     assert item.grid_thw[0] == 2
+
+
+async def test_a_video_still_decoding_at_the_deadline_is_deadline_exceeded(cluster, workers, mp4):  # noqa: F811
+    from common.server.auth import ANONYMOUS
+    from router.calls import RouterError
+
+    chunks = cluster.router.servicer.generate(build_request(video_chat(mp4)), ANONYMOUS, 0.0)
+    with pytest.raises(RouterError) as err:
+        await anext(chunks)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "still decoding when the request ended" in str(err.value)
+    enc, pre, dec = workers
+    assert enc.requests == [] and pre.requests == [] and dec.requests == []
 
 
 # ------------------------------------------------------------------------ client and CLI

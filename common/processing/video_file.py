@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import av
@@ -89,18 +90,19 @@ class VideoFile:
         """Release the container (idempotent)."""
         self._container.close()
 
-    def decode(self) -> TimedFrames:
+    def decode(self, ended: Callable[[], bool] | None = None) -> TimedFrames:
         """Decode up to the last sample time and keep the frames nearest the sample times.
         `VideoFileError` naming the field on corrupt data or a stream that is not what its
-        header said."""
+        header said, or once `ended()` says the request it is for has ended (asked before
+        each frame: decoding is linear, and the thread it runs on is not cancelled)."""
         try:
-            return self._decode()
+            return self._decode(ended)
         except _DECODE_ERRORS as exc:
             raise VideoFileError(self.field, f"is not a decodable video ({exc})") from None
         finally:
             self.close()
 
-    def _decode(self) -> TimedFrames:
+    def _decode(self, ended: Callable[[], bool] | None) -> TimedFrames:
         header = self.header
         stream = self._container.streams.video[0]
         start = 0.0
@@ -118,6 +120,11 @@ class VideoFile:
         decoded = 0
         next_target = 0  # index of the first sample time no kept frame covers
         for frame in self._container.decode(stream):
+            if ended is not None and ended():
+                raise VideoFileError(
+                    self.field,
+                    "was still decoding when the request ended (client gone or deadline)",
+                )
             decoded += 1
             if decoded > budget:
                 raise VideoFileError(
