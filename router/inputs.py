@@ -72,6 +72,11 @@ class ContextTooLong(InputError):
     """The prompt, or the prompt with `max_tokens`, does not fit the model's context."""
 
 
+# A JPEG's scans (start-of-scan markers; entropy-coded data never holds one): encoders write
+# up to ~12, and libjpeg decodes each over the whole image, so a small file repeating one
+# took ~10 ms a scan at 4096x4096. The count is an upper bound (a thumbnail's count too).
+MAX_JPEG_SCANS = 100
+
 # TypeError too: PIL raises it on some malformed TIFF tags (found by decoding mutated files).
 _DECODE_ERRORS = (
     OSError,
@@ -117,6 +122,8 @@ def open_image(
         check_aspect_ratio(image.height, image.width)
     except ValueError as exc:  # a size the model's resize refuses
         raise InputError(field, str(exc)) from None
+    if image.format == "JPEG" and data.count(b"\xff\xda") > MAX_JPEG_SCANS:
+        raise InputError(field, f"is a JPEG of more than {MAX_JPEG_SCANS} scans")
     return image
 
 

@@ -205,6 +205,28 @@ def test_a_tiff_whose_strip_offsets_are_fractions_is_not_a_decodable_image() -> 
     assert err.value.field == "messages[0].content[0].image.data"
 
 
+def repeated_scan_jpeg(side: int, repeats: int) -> bytes:
+    """A progressive JPEG whose last scan comes `repeats` times: libjpeg only warns, and
+    decodes each one over the whole image (~10 ms a scan at 4096x4096, 33 bytes each)."""
+    buf = io.BytesIO()
+    Image.new("L", (side, side), 128).save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    start = data.rindex(b"\xff\xda")  # the last scan: its header and entropy-coded data
+    end = data.rindex(b"\xff\xd9")  # the end of the image
+    return data[:end] + data[start:end] * repeats + data[end:]
+
+
+def test_a_jpeg_of_more_scans_than_any_encoder_writes_is_refused_before_decoding() -> None:
+    from router.inputs import MAX_JPEG_SCANS
+
+    field = "messages[0].content[0].image.data"
+    limits = RouterSettings(model="m").input_limits(1024)
+    assert decode_image(repeated_scan_jpeg(64, 8), field, limits).size == (64, 64)
+    with pytest.raises(InputError, match="scans") as err:
+        decode_image(repeated_scan_jpeg(64, MAX_JPEG_SCANS), field, limits)
+    assert err.value.field == field
+
+
 # ------------------- requests for a router (tests/test_bad_input_router.py and other modules)
 
 
