@@ -71,6 +71,23 @@ def test_appended_frames_alone_are_decoded_and_the_prompt_is_exact(folder: Any) 
     assert decoded(salted) == 8
 
 
+def test_a_video_whose_patches_are_all_cached_decodes_no_frame(
+    folder: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its first frame was decoded whole on every request, to read its size.
+    from PIL import ImageFile
+
+    cached, _ = processors(folder)
+    frames = np.random.default_rng(4).integers(0, 256, (8, 64, 64, 3), dtype=np.uint8)
+    first = cached.process(messages_from_proto(chat(frames), processor=cached))
+    loads: list[Any] = []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda im: loads.append(im) or load(im))
+    again = cached.process(messages_from_proto(chat(frames), processor=cached))
+    assert loads == []
+    same(again, first)
+
+
 def test_a_resize_that_depends_on_the_frame_count_reuses_nothing_and_stays_exact(
     folder: Any,
 ) -> None:

@@ -25,9 +25,11 @@ entry gone meanwhile is decoded from the bytes the frame keeps.
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Sequence
 
 import numpy as np
+from PIL import Image
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.content_hash import content_hash
@@ -104,7 +106,8 @@ def preprocess_keyed(
     The frames must share one size (the router checks it from their headers)."""
     check_fps(fps)
     first = frames[0]
-    width, height = (first.image or load_image(first.data)).size
+    # Its size from its header: a video whose patches are all cached decodes no frame.
+    width, height = first.image.size if first.image else Image.open(io.BytesIO(first.data)).size
     plan = plan_video(len(frames), fps, width, height, settings)
     keys = patch_keys(plan, [f.key for f in frames], settings)
     parts: list[ProcessedImage] = []
