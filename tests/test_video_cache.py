@@ -82,7 +82,12 @@ def test_a_video_whose_patches_are_all_cached_decodes_no_frame(
     first = cached.process(messages_from_proto(chat(frames), processor=cached))
     loads: list[Any] = []
     load = ImageFile.ImageFile.load
-    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda im: loads.append(im) or load(im))
+
+    def counted(image: Any) -> Any:
+        loads.append(image)
+        return load(image)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counted)
     again = cached.process(messages_from_proto(chat(frames), processor=cached))
     assert loads == []
     same(again, first)
