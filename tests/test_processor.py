@@ -140,6 +140,24 @@ def test_image_sources_agree(processor: Processor, tmp_path: Path) -> None:
     assert via_url.params.hashes == prompts[0].params.hashes
 
 
+def test_an_image_is_turned_upright_by_its_exif_orientation(processor: Processor) -> None:
+    # A phone's portrait photo is stored landscape with Orientation 6 (turn 90 degrees
+    # clockwise to show); it was processed sideways. transformers' `load_image` turns it.
+    from PIL import ImageOps
+
+    stored = _image(40, 80, seed=6)  # 80 wide, 40 tall
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    stored.save(buffer, format="PNG", exif=exif.tobytes())
+    shown = ImageOps.exif_transpose(Image.open(io.BytesIO(buffer.getvalue())))
+    assert shown.size == (40, 80)
+    turned = processor.process(_user({"type": "image", "image": buffer.getvalue()}))
+    want = processor.process(_user({"type": "image", "image": shown}))
+    assert turned.params.items[0].grid_thw == want.params.items[0].grid_thw
+    assert torch.equal(turned.pixel_values[0], want.pixel_values[0])
+
+
 # --- video ------------------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 
@@ -76,6 +76,18 @@ def load_image(source: ImageSource | Any) -> Image.Image:
         raise TypeError(f"unsupported image source {type(source).__name__}")
     image.load()
     return image
+
+
+_ORIENTATION = 0x0112  # the EXIF tag: how to turn the stored pixels to show them
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image as it is meant to be shown: turned by its EXIF orientation, as browsers
+    and transformers' `load_image` do (a phone's portrait photo is stored landscape).
+    Images only: video frames keep their stored orientation, as their file's frames do."""
+    if image.getexif().get(_ORIENTATION, 1) == 1:
+        return image
+    return ImageOps.exif_transpose(image)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -231,8 +243,9 @@ def _byte_pairs(mean: tuple[float, ...], std: tuple[float, ...]) -> npt.NDArray[
 def preprocess_image(
     source: ImageSource | Any, settings: ProcessorSettings
 ) -> tuple[ByteArray, tuple[int, int, int]]:
-    """One image -> patch codes `(grid_h * grid_w, patch_dim)` uint8 and grid `(1, h, w)`."""
-    image = to_rgb(load_image(source))
+    """One image -> patch codes `(grid_h * grid_w, patch_dim)` uint8 and grid `(1, h, w)`,
+    turned upright first (`upright`)."""
+    image = to_rgb(upright(load_image(source)))
     width, height = image.size
     new_h, new_w = smart_resize(
         height,
