@@ -5,6 +5,7 @@ refused naming its field, as any other (never a 500)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from pathlib import Path
 
@@ -98,3 +99,53 @@ def test_base64_in_short_lines_costs_about_its_size() -> None:
     assert peak < 4 * len(url), (peak, len(url))  # the payload, its bytes, them stripped
     with pytest.raises(FieldError, match="base64"):
         load("data:image/png;base64,QU\n\u00e9", "url", MediaPolicy())
+
+
+@pytest.mark.parametrize("stage", ["head", "body"])
+def test_a_fetch_that_trickles_is_cut_at_fetch_timeout_s(
+    stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The timeout bounded each read, and the deadline was checked between reads of 64 KiB:
+    # a server sending a byte a second held one of the router's threads as long as it liked.
+    import ssl
+    import threading
+    import time
+
+    from router.http import media
+    from tests.test_tls import make_certificates
+
+    make_certificates(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    done = threading.Event()
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n"
+
+    def trickle() -> None:
+        conn, _ = server.accept()
+        with context.wrap_socket(conn, server_side=True) as tls:
+            tls.recv(1 << 16)
+            if stage == "body":
+                tls.sendall(head)
+            for byte in head if stage == "head" else b"x" * 30:
+                if done.wait(0.2):
+                    return
+                with contextlib.suppress(OSError):
+                    tls.sendall(bytes([byte]))
+
+    threading.Thread(target=trickle, daemon=True).start()
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    monkeypatch.setattr(media, "public_address", lambda host, port, field: "127.0.0.1")
+    started = time.monotonic()
+    try:
+        with pytest.raises(FieldError, match="took over 1"):
+            load(
+                f"https://localhost:{port}/cat.png",
+                "f",
+                MediaPolicy(fetch_urls=True, fetch_timeout_s=1.0),
+            )
+    finally:
+        done.set()
+        server.close()
+    assert time.monotonic() - started < 3.0

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import http.client
 import ipaddress
 import socket
 import ssl
-import time
+import threading
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,16 +145,40 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
         super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
         self._address = address
 
+    _twin: socket.socket | None = None  # the connection's own descriptor, for `abort`
+
     def connect(self) -> None:
         sock = socket.create_connection((self._address, self.port), self.timeout)
+        self._twin = sock.dup()  # TLS takes `sock` over (and detaches it)
         self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
+
+    def abort(self) -> None:
+        """From another thread: fail whatever read or handshake is blocked on it now."""
+        if self._twin is not None:
+            with contextlib.suppress(OSError):
+                self._twin.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        super().close()
+        if self._twin is not None:
+            self._twin.close()
 
 
 def _fetch(url: urllib.parse.SplitResult, field: str, policy: MediaPolicy) -> bytes:
     host, port = url.hostname or "", url.port or 443
     address = public_address(host, port, field)
-    deadline = time.monotonic() + policy.fetch_timeout_s
     conn = _PinnedHTTPS(host, address, port, policy.fetch_timeout_s)
+    # The whole fetch, not each read: a server trickling its head or body a byte at a time
+    # kept one of the router's threads for as long as it liked.
+    timed_out = threading.Event()
+
+    def abort() -> None:
+        timed_out.set()
+        conn.abort()
+
+    late = threading.Timer(policy.fetch_timeout_s, abort)
+    late.daemon = True
+    late.start()
     try:
         path = url.path or "/"
         conn.request("GET", path + (f"?{url.query}" if url.query else ""))
@@ -161,14 +186,17 @@ def _fetch(url: urllib.parse.SplitResult, field: str, policy: MediaPolicy) -> by
         if response.status != 200:
             raise FieldError(field, f"fetching it answered HTTP {response.status}")
         body = bytearray()
-        while chunk := response.read(1 << 16):
+        while chunk := response.read1(1 << 16):
             body += chunk
             if len(body) > policy.max_bytes:
                 raise FieldError(field, f"larger than {policy.max_bytes} bytes")
-            if time.monotonic() > deadline:
-                raise FieldError(field, f"fetching took over {policy.fetch_timeout_s} s")
+        if timed_out.is_set():  # cut short: what arrived is not the whole file
+            raise OSError("timed out")
         return bytes(body)
     except (OSError, http.client.HTTPException) as exc:
+        if timed_out.is_set():
+            raise FieldError(field, f"fetching took over {policy.fetch_timeout_s} s") from None
         raise FieldError(field, f"fetching failed: {exc}") from None
     finally:
+        late.cancel()
         conn.close()
