@@ -131,16 +131,20 @@ class WorkerCalls:
         except NoWorkerError as exc:
             if not tried:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            logger.warning("no %s worker left: %s failed", role, ", ".join(sorted(tried)))
             raise RouterError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no {role} worker left: {', '.join(sorted(tried))} failed and no other is "
-                "registered and available",
+                f"no {role} worker left: {len(tried)} failed and no other is registered and "
+                "available",
             ) from None
 
     def error(self, stage: str, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> RouterError:
-        """The client-facing error of a failed worker call."""
+        """The client-facing error of a failed worker call: the worker's address, which is
+        the operator's to know (docs/security.md), is in the log, not in the error."""
         code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
-        error = RouterError(code, f"{stage} on {worker.address} failed: {exc.details()}")
+        details = (exc.details() or "").replace(worker.address, f"the {worker.role} worker")
+        logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
+        error = RouterError(code, f"{stage} failed: {details}")
         error.address = worker.address
         error.stage = stage
         return error

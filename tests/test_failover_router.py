@@ -218,7 +218,9 @@ async def test_migrations_are_bounded(cluster):
     with pytest.raises(GenerateError) as err:
         await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "decode on" in err.value.details
+    assert err.value.details.startswith("decode failed")
+    # The workers' addresses are the operator's to know (docs/security.md), not a client's.
+    assert "127.0.0.1" not in err.value.details
 
 
 async def test_a_failed_prefill_is_retried_elsewhere_with_items_encoded_again(cluster):
@@ -295,6 +297,7 @@ async def test_no_prefill_worker_left_is_unavailable_naming_the_role(cluster):
         await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "no prefill worker left" in err.value.details
+    assert "127.0.0.1" not in err.value.details  # how many failed, not where
 
 
 class LastPrefill(FakePrefill):
