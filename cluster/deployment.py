@@ -9,6 +9,9 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
+import secrets
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -237,6 +240,21 @@ def cpu_planner(pools: PoolSettings) -> CpuPlanner:
 # ------------------------------------------------------------------------------ the driver
 
 
+def _token_auth() -> None:
+    """Ray's token authentication for a cluster started here, unless the environment sets
+    its own mode. Ray's servers listen on every interface: without a token, anyone who
+    reaches this host could join the cluster and run code as this user (read the cluster
+    token, scale the pools). Its processes inherit the token; nothing else learns it."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:  # imported before: its configuration read the environment then
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
+
+
 def init_ray(settings: RaySettings, log_level: str = "warning") -> bool:
     """Join the Ray cluster at `settings.address`, or start a local one; True if started here.
     Ray's start-up notices stay quiet below `log_level` debug (`cluster.logs`)."""
@@ -261,6 +279,7 @@ def init_ray(settings: RaySettings, log_level: str = "warning") -> bool:
                 "(`ray start --head`), or leave --address unset to start one here"
             ) from None
         return False
+    _token_auth()
     ray.init(
         address="local",  # always a new cluster, even when `ray start` left one running here
         num_cpus=settings.num_cpus,
