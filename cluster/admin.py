@@ -183,30 +183,42 @@ def _is_address(worker: str) -> bool:
 async def _on_every_router(args: argparse.Namespace, act: Any) -> int:
     """`await act(stub, address)` for the worker `args.worker` (its address, or every
     address registered under that name) on every router listed: each router keeps its own
-    registry. 0 when every router knew the worker, else 1."""
-    from epd.v1 import admin_service_pb2
+    registry. 0 when every router knew the worker, else 1; a router that cannot be told is
+    reported, and the others are told all the same."""
+    import grpc
 
     routers = _routers(args)
+    if len(routers) == 1:  # its failure is the command's (`epd: drain failed: ...`)
+        return await _on_router(args, act, routers[0], "")
     missing = 0
     for router in routers:
-        where = f"{router}: " if len(routers) > 1 else ""
-        ch, stub = await _admin(args, router)
-        async with ch:
-            if _is_address(args.worker):
-                found = await act(stub, args.worker, f"{where}{args.worker}")
-            else:
-                reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-                named = sorted(
-                    {w.info.address for w in reply.workers if w.info.name == args.worker}
-                )
-                for address in named:
-                    await act(stub, address, f"{where}{args.worker} ({address})")
-                found = bool(named)
-        if not found:
-            kind = "at" if _is_address(args.worker) else "named"
-            _say(f"{where}no registered worker {kind} {args.worker}")
+        try:
+            missing += await _on_router(args, act, router, f"{router}: ")
+        except grpc.aio.AioRpcError as exc:
+            _say(f"{router}: not told: {exc.code().name}: {exc.details()}")
             missing += 1
     return 1 if missing else 0
+
+
+async def _on_router(args: argparse.Namespace, act: Any, router: str, where: str) -> int:
+    """`_on_every_router` on one router: 1 when it does not know the worker."""
+    from epd.v1 import admin_service_pb2
+
+    ch, stub = await _admin(args, router)
+    async with ch:
+        if _is_address(args.worker):
+            found = await act(stub, args.worker, f"{where}{args.worker}")
+        else:
+            reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+            named = sorted({w.info.address for w in reply.workers if w.info.name == args.worker})
+            for address in named:
+                await act(stub, address, f"{where}{args.worker} ({address})")
+            found = bool(named)
+    if not found:
+        kind = "at" if _is_address(args.worker) else "named"
+        _say(f"{where}no registered worker {kind} {args.worker}")
+        return 1
+    return 0
 
 
 async def cmd_drain(args: argparse.Namespace) -> int:

@@ -185,6 +185,11 @@ async def test_drain_and_undrain_reach_every_router_listed_by_address_or_name(
         out = capsys.readouterr().out
         assert out.count("prefill-7001 (127.0.0.1:7001): draining") == 2  # one line a router
         assert f"{servers[1].address}: no registered worker named nobody" in out
+        # A router that is down is reported; the ones after it are told all the same.
+        await servers[0].stop(0)
+        assert await cmd_drain(_args("drain", "127.0.0.1:7002", "--address", routers)) == 1
+        assert [w.address for w in registries[1].workers() if w.draining] == ["127.0.0.1:7002"]
+        assert f"{servers[0].address}: not told: UNAVAILABLE" in capsys.readouterr().out
     finally:
         for server in servers:
             await server.stop(0)
