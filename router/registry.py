@@ -13,9 +13,9 @@ Lifecycle of a worker as the router sees it:
                  new port)
     Heartbeat -> refreshes liveness and load; an unknown id answers known=False so the
                  worker registers again
-    draining  -> reported by the worker or asked for through AdminService.Drain; a draining
-                 worker gets no new work, its in-flight work finishes; AdminService.Undrain
-                 undoes an asked-for drain (not one the worker reports)
+    draining  -> reported by the worker or asked for through AdminService.Drain (which stands
+                 while the same process re-registers, expired or not); a draining worker
+                 gets no new work; Undrain undoes an asked-for drain (not one it reports)
     expiry    -> a worker silent for longer than the timeout is hidden from `workers` and
                  `pick` at once; `expire` (the router's expiry loop) drops it and tells the
                  `on_expire` listeners, so whatever follows the worker is let go exactly once
@@ -36,8 +36,8 @@ home is the candidate with the highest `rendezvous_weight(key, name)`, so when a
 joins only the keys it now wins move to it, and when one leaves only its keys move. The
 home gets the job unless its load exceeds the least loaded's by more than the slack; then
 the least loaded does.
-What the registry records per worker (roles, layouts, loads, records) is in `router.workers`.
-The registry is plain in-process state driven from one asyncio loop; it is not thread-safe.
+What it records per worker is in `router.workers`. The registry is plain in-process state
+driven from one asyncio loop; it is not thread-safe.
 """
 
 from __future__ import annotations
@@ -119,6 +119,9 @@ class Registry:
         # (role, name) -> the worker last dropped for a namesake at another address: its
         # address and instance id
         self._replaced: dict[tuple[Role, str], tuple[str, str]] = {}
+        # (address, instance id) of processes an operator drained, dropped for silence since:
+        # the drain stands when the same process registers again
+        self._drained_gone: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._ticks = itertools.count(1)
         # Called with every newly registered worker (e.g. to follow its KV events).
         self.on_register: list[Callable[[WorkerRecord], None]] = []
@@ -159,7 +162,7 @@ class Registry:
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
             layout = layout_from_proto(info.kv_layout)
             self._check_layout(role, info.address, layout)
-        drain_requested = False
+        drain_requested = (info.address, info.instance_id) in self._drained_gone
         moved = [w for w in self._workers.values() if info.name and w.name == info.name]
         namesakes = [w for w in moved if w.role == role and w.address != info.address]
         dropped = self._replaced.get((role, info.name))
@@ -281,6 +284,8 @@ class Registry:
         """Undo `drain` for the worker at `address`: (found, serving). A worker that reports
         draining itself (retiring, stopping) stays draining: serving is False."""
         records = [r for r in self._workers.values() if r.address == address]
+        for gone in [k for k in self._drained_gone if k[0] == address]:
+            del self._drained_gone[gone]
         for record in records:
             record.drain_requested = False
             logger.info("undrained %s worker %s", record.role, address)
@@ -298,6 +303,10 @@ class Registry:
         dead = [w for w in self._workers.values() if w.last_seen < cutoff]
         for record in dead:
             del self._workers[record.worker_id]
+            if record.drain_requested and record.info.instance_id:
+                self._drained_gone[(record.address, record.info.instance_id)] = None
+                while len(self._drained_gone) > MAX_REFUSALS:
+                    self._drained_gone.popitem(last=False)
             if record.draining:  # it was leaving: a scale-down, a stop or `epd drain`
                 logger.info(
                     "retired %s worker %s (drained, then stopped)", record.role, record.address

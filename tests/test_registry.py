@@ -207,6 +207,27 @@ def test_an_operators_drain_survives_the_same_process_registering_again(
     assert not again.draining
 
 
+def test_an_operators_drain_survives_the_same_process_missing_its_heartbeats(
+    registry: Registry, clock: Clock
+) -> None:
+    # Dropped for silence (a long GC pause, a partition) and registering again, the process
+    # came back serving: the operator's drain was lost with its record.
+    same = info(Role.ENCODER, 1)
+    same.instance_id = "process-1"
+    registry.register(same)
+    registry.drain(same.address)
+    clock.now += 10
+    assert [w.address for w in registry.expire()] == [same.address]
+    registry.register(same)
+    assert [w.draining for w in registry.workers(Role.ENCODER)] == [True]
+    found, _ = registry.undrain(same.address)
+    assert found
+    clock.now += 10
+    registry.expire()
+    registry.register(same)  # undrained before it went: serving again
+    assert [w.draining for w in registry.workers(Role.ENCODER)] == [False]
+
+
 def test_pick_excludes_addresses(registry: Registry) -> None:
     a = registry.register(info(Role.PREFILL, 3))
     registry.register(info(Role.PREFILL, 4))
