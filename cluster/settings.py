@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.roles import WORKER_ROLES
+from common.settings.base import LOG_LEVELS
 from common.settings.schema import SettingsError, describe, setting, to_toml
 from common.settings.security import SecuritySettings
 from decode_worker.settings import DecodeSettings
@@ -34,6 +35,7 @@ from router.settings import RouterSettings
 
 # Worker role names, as TOML sections and `epd scale --role` choices.
 ROLES = tuple(str(role) for role in WORKER_ROLES)
+MIN_OBJECT_STORE_MB = 75  # Ray refuses a smaller object store when it starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,10 +191,25 @@ class EpdSettings:
                     f"pools.{name}_replicas: {n} is more than pools.max_replicas "
                     f"({pools.max_replicas})"
                 )
-        if pools.num_cpus is not None and pools.num_cpus < 0:
-            raise SettingsError("pools.num_cpus: must not be negative")
+        for name in ("num_cpus", "num_gpus"):
+            if (getattr(pools, name) or 0) < 0 or (getattr(self.ray, name) or 0) < 0:
+                where = "pools" if (getattr(pools, name) or 0) < 0 else "ray"
+                raise SettingsError(f"{where}.{name}: must not be negative")
+        if pools.max_restarts < -1:
+            raise SettingsError("pools.max_restarts: must be -1 (always), 0 (never) or more")
         if pools.routers < 1:
             raise SettingsError("pools.routers: must be at least 1")
+        for name in ("port", "http_port"):  # router n listens on the port + n
+            port = getattr(full.router, name)
+            if port > 0 and port + pools.routers - 1 > 65535:
+                raise SettingsError(
+                    f"router.{name}: {port} + {pools.routers - 1} (pools.routers - 1) is past "
+                    "port 65535"
+                )
+        if self.ray.object_store_mb < MIN_OBJECT_STORE_MB:
+            raise SettingsError(f"ray.object_store_mb: Ray needs at least {MIN_OBJECT_STORE_MB}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise SettingsError(f"log_level: expected one of {', '.join(LOG_LEVELS)}")
         for name in ("drain_timeout_s", "ready_timeout_s"):
             if getattr(pools, name) <= 0:
                 raise SettingsError(f"pools.{name}: must be positive")

@@ -215,3 +215,34 @@ def test_router_heartbeat_times_are_checked() -> None:
     ):
         with pytest.raises(SettingsError, match=key):
             RouterSettings(security=insecure, **bad).check()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("table", "key"),
+    [
+        ({"router": {"port": 70000}}, "router.port"),  # the router listened on 70000 - 65536
+        ({"router": {"port": 65535}, "pools": {"routers": 2}}, "router.port"),
+        ({"router": {"http_port": 65535}, "pools": {"routers": 2}}, "router.http_port"),
+        ({"encoder": {"port": 65536}}, "encoder.port"),
+        ({"log_level": "bogus"}, "log_level"),
+        ({"pools": {"max_restarts": -5}}, "pools.max_restarts"),
+        ({"pools": {"num_gpus": -1}}, "pools.num_gpus"),
+        ({"ray": {"object_store_mb": 1}}, "ray.object_store_mb"),
+    ],
+)
+def test_values_epd_serve_would_fail_on_are_refused_by_the_check(
+    table: dict[str, object], key: str
+) -> None:
+    # Each passed `epd config --check`, then failed in `epd serve` with a traceback (or, a
+    # port past 65535, listened elsewhere).
+    from cluster.settings import EpdSettings
+
+    with pytest.raises(SettingsError, match=re.escape(key)):
+        from_mapping(EpdSettings, table).check()
+
+
+def test_a_role_process_refuses_an_unknown_log_level() -> None:
+    from router.__main__ import parse
+
+    with pytest.raises(SystemExit):
+        parse(["--log-level", "bogus", "--port", "0", "--insecure"])

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 from common.server import threads
 from common.server.lifecycle import run_until_signal
 from common.server.role import RoleServer, freeze_startup_heap
-from common.settings.base import ServerSettings
+from common.settings.base import LOG_LEVELS, ServerSettings
 from common.settings.schema import SettingsError, add_flags, apply_flags, load, to_toml
 
 S = TypeVar("S", bound=ServerSettings)
@@ -31,7 +31,13 @@ def build_parser(settings_cls: type, prog: str, description: str) -> argparse.Ar
     """`--config`, `--log-level`, `--print-config` and one flag per field of `settings_cls`."""
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE.toml", help="settings file (TOML)")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="logging level (default: info)",
+    )
     parser.add_argument(
         "--print-config", action="store_true", help="print every setting's default as TOML"
     )

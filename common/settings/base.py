@@ -39,6 +39,10 @@ def torch_dtype(name: str, key: str = "dtype") -> torch.dtype:
     return dtype
 
 
+# Logging levels a `log_level` setting or `--log-level` flag may name (any case).
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """What every gRPC server of epd (router and workers) is started with."""
@@ -66,8 +70,8 @@ class ServerSettings:
 
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
-        if self.port < 0:
-            raise SettingsError("port: must not be negative")
+        if not 0 <= self.port <= 65535:
+            raise SettingsError("port: must be between 0 and 65535")
         if self.max_message_mb <= 0:
             raise SettingsError("max_message_mb: must be positive")
         if self.drain_timeout_s <= 0:
