@@ -66,6 +66,9 @@ def test_worker_pods_have_a_startup_probe_shm_and_models(name: str, doc: dict[st
         assert startup["grpc"]["port"] in ports, name
         # generous: model loading may take minutes before liveness starts counting
         assert startup["failureThreshold"] * startup.get("periodSeconds", 10) >= 300, name
+        # Readiness ("") waits for a router to accept the worker: a pod is not restarted
+        # while the routers are away.
+        assert startup["grpc"].get("service") == LIVENESS_SERVICE, name
         assert _shm_mounted(pod, container), f"{name}: no memory-backed /dev/shm"
         models = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
         assert len(models) == 1 and models[0].get("readOnly") is True, f"{name}: /models"

@@ -220,3 +220,44 @@ async def test_router_drops_a_restarted_workers_prefix_entries_and_channel(
     await _until(lambda: prefix.cached_prefix(address, [bytes([0]) * 32]) == 0)
     await asyncio.sleep(0.2)  # the old stream is gone: no stale event comes back
     assert prefix.cached_prefix(address, [bytes([0]) * 32]) == 0
+
+
+async def test_a_worker_is_ready_only_once_a_router_has_accepted_it() -> None:
+    # It said SERVING from its start: a pod no router takes (a rotated token, another
+    # model) looked Ready, and a rolling update swapped out every healthy pod for it.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from common.server.role import RoleServer
+    from common.server.rpc import LIVENESS_SERVICE, channel
+    from common.settings.security import SecuritySettings
+
+    settings = WorkerSettings(port=0, security=SecuritySettings(insecure=True))
+    server: RoleServer[object] = await RoleServer.start(
+        settings, object(), lambda servicer, s: None, ["epd.v1.Test"], lifecycle=ServerLifecycle()
+    )
+    port = free_port()
+    fake = FakeRegistry()
+    router = None
+    try:
+        server.register(f"127.0.0.1:{port}", _info(), registry_service_pb2.WorkerLoad)
+        async with channel(server.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            async def status(service: str = "") -> int:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                return int(reply.status)
+
+            serving = health_pb2.HealthCheckResponse.SERVING
+            await asyncio.sleep(0.2)
+            assert await status() != serving and await status("epd.v1.Test") != serving
+            assert await status(LIVENESS_SERVICE) == serving  # alive: not restarted for it
+            router = await _start_registry(fake, port)  # the router comes up
+            for _ in range(100):
+                if await status() == serving:
+                    break
+                await asyncio.sleep(0.05)
+            assert await status() == serving and fake.registered
+    finally:
+        await server.stop(0)
+        if router is not None:
+            await router.stop(0)

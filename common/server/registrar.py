@@ -52,8 +52,10 @@ class Registrar:
         retry_initial_s: float = 0.2,
         retry_max_s: float = 5.0,
         credentials: ChannelCredentials = NO_CREDENTIALS,
+        on_registered: Callable[[], None] | None = None,
     ) -> None:
         self.router_address = router_address
+        self.on_registered = on_registered  # called after each successful Register
         self.credentials = credentials  # presented on every call to the router
         self.worker_info = worker_info
         self.load_fn = load_fn
@@ -140,6 +142,8 @@ class Registrar:
         self.registrations += 1
         self._failing = False
         self._registered.set()
+        if self.on_registered is not None:
+            self.on_registered()
         logger.info(
             "registered with %s as %s (heartbeat %.2fs)",
             self.router_address,
@@ -191,8 +195,18 @@ class Registrations:
     ) -> None:
         """`options`: `Registrar`'s timing keywords (rpc_timeout_s, retry_initial_s, ...)."""
 
+        # Set once any router has accepted the worker (its readiness: `RoleServer.register`).
+        self.registered_once = asyncio.Event()
+
         def make(address: str) -> Registrar:
-            return Registrar(address, worker_info, load_fn, credentials=credentials, **options)
+            return Registrar(
+                address,
+                worker_info,
+                load_fn,
+                credentials=credentials,
+                on_registered=self.registered_once.set,
+                **options,
+            )
 
         self._make = make  # a registrar for one router address
         self.registrars = [self._make(a) for a in dict.fromkeys(router_addresses)]

@@ -4,7 +4,8 @@ ordered drain and stop they all share.
 A role's `serve(settings)` builds its typed servicer and calls `RoleServer.start`, which
 serves it (plus `grpc.health.v1` and any extra servicers) as the settings say and attaches
 the lifecycle; then the role starts its background work, `register`s with every router
-(workers) and returns the server. The caller owns it.
+(workers: ready, health "", only once a router has accepted it) and returns the server. The
+caller owns it.
 
 Drain (`drain`, or SIGTERM through `run_until_signal`): the lifecycle refuses new work and
 the registrations heartbeat `draining` to every router at once (so they stop routing here),
@@ -199,6 +200,18 @@ class RoleServer(RunningServer, Generic[S]):
         )
         self.lifecycle.on_drain.append(self.registrar.heartbeat_now)
         self.registrar.start()
+        self.tasks.append(asyncio.create_task(self._ready_once_registered(self.registrar)))
+
+    async def _ready_once_registered(self, registrar: Registrations) -> None:
+        """Readiness ("" and the service names) waits for a router to accept the worker: a
+        worker no router takes (a wrong token or model, no router reachable) is not ready,
+        so a rolling update keeps the pods it would replace. Liveness is not touched."""
+        if registrar.registered_once.is_set():
+            return
+        await self.set_serving(False)
+        await registrar.registered_once.wait()
+        if not (self.stopped or self.lifecycle.draining):
+            await self.set_serving(True)
 
     def outstanding_leases(self) -> int:
         """Leases this server still holds for peers (0 when its role holds none)."""
