@@ -52,6 +52,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from common.address import check_address
 from common.kv.layout import KvLayout
 from common.roles import KV_ROLES, PROTOCOL_VERSION, Role
 from common.wire.kv import layout_from_proto
@@ -78,21 +79,6 @@ def rendezvous_weight(key: bytes, name: str) -> int:
     digest = hashlib.blake2b(key, digest_size=8, person=b"epd-rendezvous")
     digest.update(name.encode())
     return int.from_bytes(digest.digest(), "big")
-
-
-def check_address(address: str, field: str = "worker.address") -> None:
-    """ValueError naming `field` unless `address` is host:port ([v6]:port) with a port in
-    1..65535 and a host free of spaces, slashes and other URL syntax."""
-    if not address:
-        raise ValueError(f"{field} is empty")
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        bad_host = not host or any(c not in "0123456789abcdefABCDEF:." for c in host)
-    else:
-        bad_host = not host or any(c.isspace() or c in "/@?#[]:\\" for c in host)
-    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{field}: {address!r} is not an address (host:port, port 1-65535)")
 
 
 class Registry:

@@ -30,7 +30,9 @@ class RegistryServicer(registry_service_pb2_grpc.RegistryServiceServicer):
             logger.warning("refused worker: %s", exc)
             self.registry.refuse(request.worker.address, str(exc))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ValueError as exc:
+        except ValueError as exc:  # an incomplete registration: refused as the others are
+            logger.warning("refused worker: %s", exc)
+            self.registry.refuse(request.worker.address or context.peer(), str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return registry_service_pb2.RegisterResponse(
             worker_id=record.worker_id,

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMON_LAYERS: list[tuple[str, ...]] = [
     (
         "common.errors",
+        "common.address",
         "common.roles",
         "common.settings",
         "common.sampling",

@@ -116,6 +116,17 @@ def test_routers_setting_lists_every_router_once() -> None:
         WorkerSettings(router_address="nope").check()
 
 
+def test_advertise_address_is_one_the_routers_take() -> None:
+    # One without a port started, and every router refused it at each registration.
+    with pytest.raises(SettingsError, match=r"advertise_address: '10\.0\.0\.5' is not an address"):
+        WorkerSettings(advertise_address="10.0.0.5").check()
+    # `$(POD_IP):50062` on an IPv6 pod: put in brackets, as the registry takes it.
+    v6 = WorkerSettings(advertise_address="fd00::1:50062")
+    v6.check()
+    assert v6.reachable_address("0.0.0.0:50062") == "[fd00::1]:50062"
+    assert WorkerSettings(advertise_address="10.0.0.5:1").reachable_address("x") == "10.0.0.5:1"
+
+
 # ------------------------------------------------------------------- epd serve --routers N
 
 

@@ -305,3 +305,37 @@ async def test_registrar_waits_for_router_to_appear() -> None:
         await registrar.stop()
         if router is not None:
             await router.stop(0)
+
+
+async def test_a_refused_registration_is_logged_with_its_reason_on_both_sides(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The worker logged only the status code, once; the router nothing at all for an
+    # incomplete registration (and `epd status` never listed it).
+    from router.registry import Registry
+    from router.registry_service import RegistryServicer
+
+    registry = Registry(worker_timeout_s=5.0, heartbeat_interval_s=1.0, expected_model="m")
+    router = await start_server(
+        [
+            lambda s: registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(
+                RegistryServicer(registry), s
+            )
+        ]
+    )
+    wrong = _info()
+    wrong.model = "another"
+    incomplete = _info()
+    incomplete.address = "10.0.0.5"  # no port
+    try:
+        for info, why in ((wrong, "serves model 'another'"), (incomplete, "is not an address")):
+            caplog.clear()
+            registrar = Registrar(router.address, info, registry_service_pb2.WorkerLoad)
+            registrar.start()
+            await _until(lambda why=why: any(why in r.getMessage() for r in caplog.records))
+            await registrar.stop()
+            worker_side = [r for r in caplog.records if r.name == "common.server.registrar"]
+            assert any(why in r.getMessage() for r in worker_side), why
+            assert any(why in reason for reason in registry.refusals.values()), why
+    finally:
+        await router.stop(0)

@@ -70,7 +70,7 @@ class Registrar:
         self._task: asyncio.Task[None] | None = None
         self._channel: Any = None
         self._stub: Any = None  # RegistryService stub on `_channel`, while running
-        self._failing = False  # inside an outage: log repeats at DEBUG
+        self._failing = ""  # the last failure, inside an outage: its repeats log at DEBUG
 
     def start(self) -> None:
         """Launch the background task (idempotent). Needs a running event loop."""
@@ -107,10 +107,15 @@ class Registrar:
         return True
 
     def _log_failure(self, what: str, exc: BaseException) -> None:
-        detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
-        level = logging.DEBUG if self._failing else logging.WARNING
+        """A warning with the router's reason (a refusal says why: the model, the layout, a
+        name in use); the same failure again only at debug level, another one warns again."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            detail = f"{exc.code().name}: {exc.details()}"
+        else:
+            detail = repr(exc)
+        level = logging.DEBUG if self._failing == detail else logging.WARNING
         logger.log(level, "%s with router %s failed: %s", what, self.router_address, detail)
-        self._failing = True
+        self._failing = detail
 
     async def _run(self) -> None:
         self._channel = channel(self.router_address, credentials=self.credentials)
@@ -140,7 +145,7 @@ class Registrar:
         if reply.heartbeat_interval_ms > 0:
             self.heartbeat_s = reply.heartbeat_interval_ms / 1000.0
         self.registrations += 1
-        self._failing = False
+        self._failing = ""
         self._registered.set()
         if self.on_registered is not None:
             self.on_registered()
@@ -162,7 +167,7 @@ class Registrar:
             timeout=self.rpc_timeout_s,
         )
         self.heartbeats += 1
-        self._failing = False
+        self._failing = ""
         if not reply.known:
             logger.info(
                 "router %s forgot worker %s; registering again", self.router_address, self.worker_id

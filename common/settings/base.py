@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.address import bracketed, check_address
 from common.settings.schema import SettingsError, setting
 from common.settings.security import SecuritySettings
 
@@ -121,10 +122,16 @@ class WorkerSettings(ServerSettings):
             host, sep, port = address.rpartition(":")
             if not host or not sep or not port.isdigit():
                 raise SettingsError(f"{key}: {address!r} is not host:port")
+        if self.advertise_address is not None:
+            try:  # what the routers would refuse it for, each time it registers
+                check_address(bracketed(self.advertise_address), "advertise_address")
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
 
     def reachable_address(self, bound: str) -> str:
-        """The address to register and hand to peers, for a server bound to `bound`."""
-        return self.advertise_address or bound
+        """The address to register and hand to peers, for a server bound to `bound` (a bare
+        IPv6 host put in brackets: `common.address.bracketed`)."""
+        return bracketed(self.advertise_address) if self.advertise_address else bound
 
 
 @dataclass(frozen=True, slots=True)

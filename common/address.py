@@ -1,0 +1,32 @@
+"""`host:port` addresses as workers register them and peers dial them.
+
+An IPv6 host is written in brackets (`[fd00::1]:50062`). A worker's own address made of a
+bare IPv6 host and a port (`$(POD_IP):50062` on an IPv6 pod gives `fd00::1:50062`) is put in
+brackets (`bracketed`); the registry refuses any other form it cannot dial (`check_address`).
+"""
+
+from __future__ import annotations
+
+
+def bracketed(address: str) -> str:
+    """`address` with a bare IPv6 host put in brackets: `fd00::1:50062` -> `[fd00::1]:50062`;
+    any other address as it is."""
+    host, sep, port = address.rpartition(":")
+    if sep and ":" in host and not host.startswith("[") and port.isdigit():
+        return f"[{host}]:{port}"
+    return address
+
+
+def check_address(address: str, field: str = "worker.address") -> None:
+    """ValueError naming `field` unless `address` is host:port ([v6]:port) with a port in
+    1..65535 and a host free of spaces, slashes and other URL syntax."""
+    if not address:
+        raise ValueError(f"{field} is empty")
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        bad_host = not host or any(c not in "0123456789abcdefABCDEF:." for c in host)
+    else:
+        bad_host = not host or any(c.isspace() or c in "/@?#[]:\\" for c in host)
+    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{field}: {address!r} is not an address (host:port, port 1-65535)")
