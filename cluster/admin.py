@@ -171,6 +171,10 @@ async def cmd_status(args: argparse.Namespace) -> int:
         _say("(no workers registered)")
     # The counts `epd scale` waits on: serving workers, draining ones apart.
     _say("; ".join(f"{role} {_counted(count)}" for role, count in role_counts(reply).items()))
+    for line in reply.waiting:  # started by the deployment, not placed by its cluster yet
+        _say(f"waiting: {line}")
+    for line in reply.refused_registrations:  # not in the table: the router refused them
+        _say(f"refused: {line}")
     return 0
 
 

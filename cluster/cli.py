@@ -55,7 +55,9 @@ Worker columns:
                 new work is routed to it (after `epd drain`, until `epd undrain`; or retiring
                 after a scale-down, until it leaves)
 
-The last line counts each role as `epd scale` does: serving workers, and draining ones apart."""
+Then a line counting each role as `epd scale` does (serving workers, draining ones apart),
+a `waiting:` line per worker the deployment started that its cluster has not placed yet, and
+a `refused:` line per worker whose registration the router refused, with the reason."""
 
 
 def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") -> None:

@@ -66,6 +66,9 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         waiting = getattr(self.scaler, "waiting", None)
         if waiting is not None:
             response.waiting.extend(await waiting())
+        response.refused_registrations.extend(
+            f"{address}: {why}" for address, why in self.registry.refusals.items()
+        )
         for w in self.registry.workers(role):
             response.workers.add(
                 worker_id=w.worker_id,

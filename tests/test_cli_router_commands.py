@@ -58,7 +58,12 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         self.scaled: list[tuple[int, int]] = []
 
     async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
-        response = admin_service_pb2.StatusResponse(model="tiny", active_requests=1)
+        response = admin_service_pb2.StatusResponse(
+            model="tiny",
+            active_requests=1,
+            waiting=["epd-decode-1 waits for Ray resources: asks CPU 4"],
+            refused_registrations=["127.0.0.1:9: encoder worker serves model 'other'"],
+        )
         for role, n in self.sizes.items():
             for i in range(n):
                 worker = response.workers.add(
@@ -167,7 +172,13 @@ async def test_status_lists_every_worker(
         "SEEN",
         "STATE",
     ]
-    rows = [line.split() for line in out[2:-1]]
+    # After the counts line: what the table cannot show (a worker waiting to be placed, one
+    # the router refused and so never listed).
+    assert out[-2:] == [
+        "waiting: epd-decode-1 waits for Ray resources: asks CPU 4",
+        "refused: 127.0.0.1:9: encoder worker serves model 'other'",
+    ]
+    rows = [line.split() for line in out[2:-3]]
     assert [r[0] for r in rows] == ["encoder", "prefill", "decode"]
     assert rows[0][5] == "-"  # encoders have no KV blocks
     assert rows[1][:6] == ["prefill", "w-2-0", "127.0.0.1:7020", "1", "1", "3/61"]

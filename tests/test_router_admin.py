@@ -91,3 +91,7 @@ async def test_mismatched_registration_is_failed_precondition(cluster, workers):
         await cluster.registry_stub.Register(registry_service_pb2.RegisterRequest(worker=info))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "block_size=8 (expected 16)" in err.value.details()
+    # `epd status` shows it: a refused worker is in no table of workers.
+    status = await cluster.admin.Status(admin_service_pb2.StatusRequest())
+    (refused,) = status.refused_registrations
+    assert refused.startswith("127.0.0.1:1: ") and "block_size=8 (expected 16)" in refused
