@@ -65,12 +65,13 @@ def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") 
         "--address",
         default=os.environ.get("EPD_ROUTER", DEFAULT_ROUTER),
         help="router address host:port, or several comma-separated (generate sends a request "
-        "that fails before its first token to the next; admin commands ask the first) "
-        "(default: $EPD_ROUTER or %(default)s)",
+        "that fails before its first token to the next; status and scale ask the first, drain "
+        "and undrain tell each) (default: $EPD_ROUTER or %(default)s)",
     )
     parser.add_argument(
         "--api-key",
         default=None,
+        type=str.strip,  # pasted with a newline, it is no valid header value
         metavar="KEY",
         help=f"API key (default: $EPD_API_KEY, else the {key_file} file `epd serve` wrote "
         "under $EPD_HOME/<namespace>, default ~/.epd/epd)",
@@ -81,6 +82,17 @@ def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") 
         metavar="PEM",
         help="dial the router over TLS, verifying it with this CA (default: $EPD_TLS_CA_FILE)",
     )
+
+
+def _count(text: str) -> int:
+    """A whole number, 0 or more (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
 
 
 _WORKER_HELP = (
@@ -172,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "scale", allow_abbrev=False, help="resize a worker pool (through the router)"
     )
     scale.add_argument("--role", required=True, choices=ROLES)
-    scale.add_argument("--replicas", required=True, type=int)
+    scale.add_argument("--replicas", required=True, type=_count)
     scale.add_argument(
         "--no-wait", action="store_true", help="return once asked, not when the pool has changed"
     )
@@ -290,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, grpc.aio.AioRpcError):
             parser.exit(1, f"epd: {args.command} failed: {exc.code().name}: {exc.details()}\n")
         if isinstance(exc, GenerateError):
+            parser.exit(1, f"epd: {args.command} failed: {exc}\n")
+        if isinstance(exc, OSError):  # a file it names (--tls-ca-file, an image) unreadable
             parser.exit(1, f"epd: {args.command} failed: {exc}\n")
         raise
 

@@ -141,6 +141,24 @@ def test_scale_needs_a_known_role() -> None:
         build_parser().parse_args(["scale", "--role", "router", "--replicas", "2"])
 
 
+def test_admin_commands_fail_in_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Each was a traceback: an unreadable CA file, a negative count (past the wire's
+    # uint32), a key from a file with its newline (no valid header value).
+    with pytest.raises(SystemExit) as exc:
+        main(["status", "--tls-ca-file", str(tmp_path / "none.pem"), "--address", "127.0.0.1:1"])
+    assert exc.value.code == 1 and "none.pem" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["scale", "--role", "prefill", "--replicas", "-1"])
+    assert exc.value.code == 2 and "-1 is negative" in capsys.readouterr().err
+    from common.settings.api_keys import default_api_key
+
+    monkeypatch.setenv("EPD_API_KEY", "epd-key\n")
+    assert default_api_key() == "epd-key"
+    assert build_parser().parse_args(["status", "--api-key", " k\n"]).api_key == "k"
+
+
 # ------------------------------------------------------------------------------ messages
 
 

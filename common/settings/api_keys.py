@@ -137,7 +137,7 @@ def state_dir(namespace: str = DEFAULT_NAMESPACE) -> Path:
 def default_api_key(kind: str = CLIENT_KEY_FILE) -> str | None:
     """The key a client uses when given none: $EPD_API_KEY, else the `kind` file (client_key
     or admin_key) `epd serve` wrote under `state_dir($EPD_NAMESPACE or "epd")`, else None."""
-    env = os.environ.get("EPD_API_KEY")
+    env = os.environ.get("EPD_API_KEY", "").strip()  # set from a file, it ends in a newline
     if env:
         return env
     path = state_dir(os.environ.get("EPD_NAMESPACE", DEFAULT_NAMESPACE)) / kind
