@@ -81,7 +81,8 @@ def state_dir(namespace: str) -> Path:
 
 def with_cluster_token(settings: Any) -> Any:
     """`settings` with a fresh cluster token file for this deployment, unless one is given
-    (top level or in every role) or `[security] insecure` is set; says where it went."""
+    (top level or in every role) or `[security] insecure` is set; says where it went. A
+    token file given to some roles only (one file) becomes every role's."""
     from common.settings.security import write_token_file
 
     security = settings.security
@@ -90,10 +91,14 @@ def with_cluster_token(settings: Any) -> Any:
         return settings
     if all(r.security.cluster_token_file or r.security.insecure for r in roles):
         return settings
-    path = write_token_file(state_dir(settings.ray.namespace) / "cluster_token")
-    _say(f"cluster token for this deployment written to {path} (readable by you only)")
+    given = sorted({r.security.cluster_token_file for r in roles} - {None})
+    if len(given) == 1:  # a role's own: every role's (a fresh one would split the deployment)
+        path = given[0]
+    else:
+        path = str(write_token_file(state_dir(settings.ray.namespace) / "cluster_token"))
+        _say(f"cluster token for this deployment written to {path} (readable by you only)")
     return dataclasses.replace(
-        settings, security=dataclasses.replace(security, cluster_token_file=str(path))
+        settings, security=dataclasses.replace(security, cluster_token_file=path)
     )
 
 

@@ -111,6 +111,18 @@ def test_epd_serve_makes_a_token_per_deployment(
     assert with_cluster_token(insecure) is insecure
 
 
+def test_a_token_given_to_one_role_is_every_roles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given in [router.security] only, the other roles got a fresh token of their own: the
+    # check passed, then no worker could register, and `epd serve` waited its 600 s.
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    given = from_mapping(EpdSettings, {"router": {"security": {"cluster_token_file": "/t"}}})
+    full = with_cluster_token(given).with_model()
+    assert {r.security.cluster_token_file for r in full.role_settings().values()} == {"/t"}
+    assert not (tmp_path / "epd" / "cluster_token").exists()
+
+
 def test_a_refused_epd_serve_leaves_the_running_deployments_secrets_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
