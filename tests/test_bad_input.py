@@ -80,6 +80,8 @@ SCHEMA_CASES: list[tuple[dict[str, Any], str, str]] = [
     (chat(max_completion_tokens=1 << 40), "max_completion_tokens", "4294967295"),
     (chat(top_k=1 << 40), "top_k", "2147483647"),
     (chat(temperature=1e300), "temperature", "less than or equal"),
+    (chat(temperature=float("nan")), "temperature", "finite number"),
+    (chat(top_p=1e-46), "top_p", "greater than or equal"),  # 0 as a float32
     (chat(stop=["\udc00"]), "stop[0]", "lone surrogate"),
     (chat(stop=5), "stop", "valid string or"),
     (chat(messages=[{"role": "user", "content": "\ud800"}]), "messages[0].content", "UTF-8"),
@@ -113,6 +115,19 @@ def test_invalid_json_is_named_as_such() -> None:
     error = validation_error([json_error])
     assert (error.status, error.param) == (400, None)
     assert str(error) == "the body is not valid JSON: Expecting value (at character 7)"
+
+
+def test_a_body_json_cannot_read_says_why() -> None:
+    from router.http.parse import parse_body
+
+    for data, says in (
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "digits"),  # past Python's int parsing
+        (b'{"model": "\xff"}', "utf-8"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
+    ):
+        with pytest.raises(ApiError) as err:
+            parse_body(data, "application/json", ChatCompletionRequest)
+        assert str(err.value).startswith("the body is not valid JSON") and says in str(err.value)
 
 
 def test_the_widest_values_the_wire_carries_are_accepted() -> None:

@@ -180,13 +180,15 @@ async def test_an_unknown_model_is_model_not_found(fake: FakeCluster, path: str)
     ("messages", "max_tokens", "param"),
     [
         (WEATHER, CONTEXT, "max_tokens"),  # the prompt takes some of the context
+        (WEATHER, CONTEXT, "max_completion_tokens"),  # named as the body named it
         ([{"role": "user", "content": "word " * CONTEXT}], 3, "messages"),
     ],
 )
 async def test_past_the_context_is_context_length_exceeded(
     fake: FakeCluster, messages: list[Any], max_tokens: int, param: str
 ) -> None:
-    body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens}
+    length = "max_completion_tokens" if param == "max_completion_tokens" else "max_tokens"
+    body = {"model": MODEL_ID, "messages": messages, length: max_tokens}
     status, reply = await post(fake, "/v1/chat/completions", body)
     assert status == 400, reply
     error = reply["error"]

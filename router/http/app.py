@@ -159,7 +159,14 @@ def build_app(
         held = hold.bytes if hold is not None else 0
         chunks = servicer.generate(request, who, None, held, fit_max_tokens=default)
         try:
-            first = await _unless_gone(raw, _first(chunks))
+            try:
+                first = await _unless_gone(raw, _first(chunks))
+            except ApiError as error:
+                sent = body.max_completion_tokens is not None and body.max_tokens is None
+                if error.param == "max_tokens" and sent:
+                    error.param = "max_completion_tokens"  # the name the body used
+                    error.args = (str(error).replace("max_tokens", error.param, 1),)
+                raise
             if not body.stream:
                 return JSONResponse(await _unless_gone(raw, _all(result, first, chunks)))
         except _ClientGone:

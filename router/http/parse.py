@@ -78,8 +78,11 @@ def parse_body(data: bytes, content_type: str | None, schema: type[B]) -> B:
     except json.JSONDecodeError as exc:
         error = {"type": "json_invalid", "loc": ("body", exc.pos), "ctx": {"error": exc.msg}}
         raise validation_error([error]) from None
-    except (ValueError, RecursionError):  # not UTF-8 (UnicodeDecodeError), nested too deep
-        message = "the body is not valid JSON: not UTF-8, or nested too deep to parse"
+    except RecursionError:
+        message = "the body is not valid JSON: nested too deep to parse"
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
+    except ValueError as exc:  # not UTF-8 (UnicodeDecodeError), an integer of 4300+ digits
+        message = f"the body is not valid JSON: {exc}"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
     if not isinstance(body, dict):
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, NOT_JSON)

@@ -31,6 +31,7 @@ from router.inputs import MAX_ID_CHARS
 
 UINT32_MAX = (1 << 32) - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 def _utf8(text: str) -> str:
@@ -120,8 +121,9 @@ class SamplingBody(_Body):
     model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(default=None, ge=0, le=FLOAT32_MAX)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
+    # Past 0 as a float32 too (a smaller value is 0 on the wire).
+    top_p: float | None = Field(default=None, ge=FLOAT32_TINY, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     # Any int64, as vLLM takes: -1 is unset (a random seed), another negative one is taken
     # modulo 2**63 (`router.http.convert.sampling`).
