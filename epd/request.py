@@ -5,6 +5,7 @@ Blocking file reads; no network."""
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import uuid
 from collections.abc import Mapping, Sequence
@@ -91,13 +92,13 @@ def video_input(source: Any, fps: Any, where: str = "video") -> router_service_p
         else:
             raise ValueError(f"{where}.video: no such file or folder: {path}")
     if isinstance(source, bytes | bytearray | memoryview):
-        rate = 0.0 if fps is None else float(fps)
+        rate = 0.0 if fps is None else _rate(fps, f"{where}.fps")
         if not rate >= 0:
             raise ValueError(f"{where}.fps: a video file's fps must be positive or 0, got {fps!r}")
         if len(source) == 0:
             raise ValueError(f"{where}.video: the video file is empty")
         return router_service_pb2.VideoInput(file=bytes(source), fps=rate)
-    if fps is None or not float(fps) > 0:
+    if fps is None or not _rate(fps, f"{where}.fps") > 0:
         raise ValueError(f"{where}.fps: a video needs a positive fps, got {fps!r}")
     if source is None or len(source) == 0:
         raise ValueError(f"{where}.video: no frames")
@@ -127,7 +128,10 @@ def encode_image(source: Any, where: str = "image") -> bytes:
     if isinstance(source, bytes | bytearray | memoryview):
         return bytes(source)
     if isinstance(source, str | Path):
-        return Path(source).read_bytes()
+        try:
+            return Path(source).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot read {source}: {exc.strerror or exc}") from None
     import numpy as np  # here, not at the top: `epd generate` starts without them
     from PIL import Image
 
@@ -150,4 +154,16 @@ def _data_url(value: Any, where: str) -> bytes:
     url = value.get("url") if isinstance(value, Mapping) else value
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
         raise ValueError(f"{where}.image_url: only base64 data URLs can be sent")
-    return base64.b64decode(url.split(";base64,", 1)[1])
+    payload = "".join(url.split(";base64,", 1)[1].split())  # wrapped lines are fine
+    try:  # validated, as the router's HTTP API reads it: junk is refused, not skipped
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"{where}.image_url: not valid base64 ({exc})") from None
+
+
+def _rate(fps: Any, where: str) -> float:
+    """`fps` as a number; ValueError naming `where` when it is none."""
+    try:
+        return float(fps)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: not a number: {fps!r}") from None

@@ -82,6 +82,10 @@ def test_chat_round_trips_through_the_router_edge():
         ({"type": "image", "image": 3.5}, "unsupported image source"),
         ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "data URLs"),
         ({"type": "audio"}, "unsupported content part type"),
+        # Each raised something else, naming no part.
+        ({"type": "image", "image": "/nonexistent.png"}, "cannot read /nonexistent.png"),
+        ({"type": "video", "video": [pixels(1)], "fps": "fast"}, "fps: not a number"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,a$b"}}, "base64"),
     ],
 )
 def test_unsendable_parts_name_the_part(part, message):
