@@ -191,3 +191,27 @@ async def test_the_encode_stage_sends_values_to_an_encoder_without_the_capabilit
         await peers.close()
     assert dtypes == [torch.uint8] * 2 + [torch.float32] * 2
     assert embeddings[True] == embeddings[False]
+
+
+def test_a_one_patch_video_is_encoded_one_way_whether_partitioned_or_not(
+    ckpt: Path, processor: Processor
+) -> None:
+    """A video of one temporal patch sent whole and as its one partition has one key (the
+    hash of the same rows and grid): both must be encoded in one mode, frame by frame, or
+    the cache would hand one the other's rows, which differ in their last bits."""
+    clip = [np.full((64, 64, 3), 40 * k, np.uint8) for k in range(2)]  # 2 frames: one patch
+    prompt = processor.process(
+        [{"role": "user", "content": [{"type": "video", "video": clip, "fps": 2.0}]}]
+    )
+    assert prompt.settings is not None and prompt.grid_thw[0][0] == 1
+    fingerprint = prompt.settings.fingerprint()
+    vision = Qwen3VLConfig.from_file(ckpt).vision
+    sent = encode_request(job_of(prompt), [0], {}, codes=False).request
+    (partitioned,) = parse_request(sent, vision, fingerprint)
+    item = sent.items[0]
+    rows = tensor_from_ref(item.pixel_values)
+    del item.partitions[:]  # as a router from before partitions sends it
+    item.content_hash = content_hash(fingerprint, "video", rows, tuple(item.grid_thw))
+    (whole,) = parse_request(sent, vision, fingerprint)
+    assert [u.key for u in whole.units] == [u.key for u in partitioned.units]
+    assert [u.per_frame for u in whole.units] == [u.per_frame for u in partitioned.units] == [True]
