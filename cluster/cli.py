@@ -84,6 +84,27 @@ def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") 
     )
 
 
+def _key_hint(args: argparse.Namespace) -> str:
+    """Where the command looked for its key, for an UNAUTHENTICATED answer."""
+    from common.settings.api_keys import (
+        ADMIN_KEY_FILE,
+        CLIENT_KEY_FILE,
+        DEFAULT_NAMESPACE,
+        state_dir,
+    )
+
+    if getattr(args, "api_key", None):
+        return " (the key given with --api-key)"
+    if os.environ.get("EPD_API_KEY", "").strip():
+        return " (the key in $EPD_API_KEY)"
+    kind = CLIENT_KEY_FILE if args.command == "generate" else ADMIN_KEY_FILE
+    path = state_dir(os.environ.get("EPD_NAMESPACE", DEFAULT_NAMESPACE)) / kind
+    return (
+        f" (no --api-key or $EPD_API_KEY; read {path}: set $EPD_NAMESPACE for another "
+        "namespace's `epd serve`)"
+    )
+
+
 def _count(text: str) -> int:
     """A whole number, 0 or more (argparse type)."""
     try:
@@ -300,7 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epd.client import GenerateError
 
         if isinstance(exc, grpc.aio.AioRpcError):
-            parser.exit(1, f"epd: {args.command} failed: {exc.code().name}: {exc.details()}\n")
+            hint = _key_hint(args) if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
+            parser.exit(
+                1, f"epd: {args.command} failed: {exc.code().name}: {exc.details()}{hint}\n"
+            )
         if isinstance(exc, GenerateError):
             parser.exit(1, f"epd: {args.command} failed: {exc}\n")
         if isinstance(exc, OSError):  # a file it names (--tls-ca-file, an image) unreadable

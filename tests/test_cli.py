@@ -231,3 +231,30 @@ def test_status_help_explains_every_column(capsys: pytest.CaptureFixture[str]) -
     for column in ("ROLE", "NAME", "ADDRESS", "LOAD", "ROUTED", "KV USED/FREE", "CACHE HITS"):
         assert f"  {column}  " in out
     assert "SEEN" in out and "STATE" in out
+
+
+def test_an_unauthenticated_command_says_where_it_looked_for_its_key(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # `epd serve --ray-namespace X` wrote the keys under X; `epd status` read the default
+    # namespace's and said only UNAUTHENTICATED.
+    import grpc
+
+    import cluster.cli
+
+    async def refused(args: object) -> int:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details="needs valid credentials",
+        )
+
+    monkeypatch.setattr(cluster.cli, "cmd_status", refused)
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    monkeypatch.delenv("EPD_API_KEY", raising=False)
+    monkeypatch.delenv("EPD_NAMESPACE", raising=False)
+    with pytest.raises(SystemExit):
+        main(["status"])
+    err = capsys.readouterr().err
+    assert str(tmp_path / "epd" / "admin_key") in err and "EPD_NAMESPACE" in err
