@@ -85,14 +85,14 @@ def check_resume(
     held back for a possible stop string never reached the client, so it could not be
     resumed exactly). Checked before any worker is called; the decode worker checks them
     again against its vocabulary and stop tokens."""
-    tokens = tuple(request.resume_tokens)
-    if not tokens:
+    count = len(request.resume_tokens)  # counted before copied: a request may hold millions
+    if not count:
         return ()
-    if len(tokens) >= max_tokens:
+    if count >= max_tokens:
         raise InputError(
-            "resume_tokens",
-            f"{len(tokens)} tokens leave none to generate (max_tokens={max_tokens})",
+            "resume_tokens", f"{count} tokens leave none to generate (max_tokens={max_tokens})"
         )
+    tokens = tuple(request.resume_tokens)
     if min(tokens) < 0:
         raise InputError("resume_tokens", "token ids must not be negative")
     if vocab_size is not None and max(tokens) >= vocab_size:

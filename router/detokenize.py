@@ -11,15 +11,20 @@ were grouped: a chunk whose last token ends inside a character still yields the 
 before it. That is what lets another router `skip` a resumed stream's tokens and go on
 where this one stopped, and `router.stop` find a stop string in the chunk that holds it.
 
-Each token decodes a window of a few tokens: a token that adds no text (a special token)
-moves it on, and so does a run of more than `MAX_HELD_TOKENS` tokens that ends inside a
-character (invalid bytes, each a replacement character for good): 20,000 of either re-decoded
-a growing window, 10 to 18 s of the router's event loop. The one place the concatenation can
-differ from `decode(all)`: a character begun in the last bytes of such a run.
+Given each token's bytes (`token_bytes`, a byte-level tokenizer's: Qwen's), the text is an
+incremental UTF-8 decoding of them: exact, whatever the tokens hold (a token may end one
+character and begin the next), and each token costs the same however many came before.
+Without them, each token decodes a window of tokens again: a token that adds no text (a
+special token) moves it on, and so does a run of more than `MAX_HELD_TOKENS` tokens that
+ends inside a character (invalid bytes, each a replacement character for good); 20,000 of
+either re-decoded a growing window, 10 to 18 s of the router's event loop. There the
+concatenation can differ from `decode(all)` in one place: a character begun in the last
+bytes of such a run.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
@@ -31,8 +36,12 @@ MAX_HELD_TOKENS = 8
 class IncrementalDetokenizer:
     """Text deltas of a growing token sequence (the read-offset scheme of vLLM)."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], token_bytes: Sequence[bytes] | None = None
+    ) -> None:
         self._decode = decode
+        self._bytes = token_bytes  # token id -> its bytes (None: decode windows of tokens)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._ids: list[int] = []
         self._prefix = 0  # start of the window that is decoded again for context
         self._read = 0  # tokens whose text has been emitted
@@ -40,6 +49,11 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the new complete text (may be empty), the same as adding
         them one by one would have returned in all."""
+        if self._bytes is not None:
+            table = self._bytes
+            size = len(table)  # an id past the vocabulary decodes to nothing, as decode's
+            data = b"".join(table[t] if 0 <= t < size else b"" for t in token_ids)
+            return self._utf8.decode(data)
         text = ""
         for token_id in token_ids:
             text += self._add_one(token_id)
@@ -53,6 +67,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever text is still held back (an incomplete character at the very end)."""
+        if self._bytes is not None:
+            return self._utf8.decode(b"", final=True)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)

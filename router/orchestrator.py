@@ -185,7 +185,7 @@ class Orchestrator:
         except BaseException:
             self.admission.release(ticket)
             raise
-        detok = IncrementalDetokenizer(self.processor.decode)
+        detok = IncrementalDetokenizer(self.processor.decode, self.processor.token_bytes)
         first = prefill.first_token_id
         finish = self.stop.check(job.sampling, first, 1)
         if job.resumed:  # the client has these: keep its first token, send what follows

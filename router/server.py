@@ -323,6 +323,7 @@ async def serve(
     processor = await asyncio.to_thread(
         Processor.from_pretrained, path, image_cache_bytes=settings.processed_image_cache_mb << 20
     )
+    await asyncio.to_thread(lambda: processor.token_bytes)  # built once, off the event loop
     text = processor.config.text
     expected = settings.expected_model or await asyncio.to_thread(
         model_identity, path, processor.config

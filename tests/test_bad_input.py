@@ -117,6 +117,18 @@ def test_invalid_json_is_named_as_such() -> None:
     assert str(error) == "the body is not valid JSON: Expecting value (at character 7)"
 
 
+def test_a_body_of_more_values_than_a_request_has_is_refused_before_parsing() -> None:
+    # An array of zeros has no object to count while it parses: `json.loads` held the GIL,
+    # and so the event loop, 6 s for 248 MiB.
+    from router.http.parse import parse_body
+
+    data = b'{"model": "m", "tools": [' + b"0," * 5000 + b'0], "messages": []}'
+    with pytest.raises(ApiError, match="more than 4096 commas"):
+        parse_body(data, "application/json", ChatCompletionRequest, max_commas=4096)
+    text = {"model": "m", "messages": [{"role": "user", "content": "," * 5000}], "n": 1}
+    assert parse_body(json.dumps(text).encode(), None, ChatCompletionRequest, 6000).n == 1
+
+
 def test_a_body_json_cannot_read_says_why() -> None:
     from router.http.parse import parse_body
 

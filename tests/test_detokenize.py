@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from router.detokenize import IncrementalDetokenizer
+from router.detokenize import REPLACEMENT, IncrementalDetokenizer
 
 ANSWER = "xa é 猫 b🙂c"
 IDS = list(ANSWER.encode())
@@ -101,3 +101,46 @@ def test_a_long_run_of_tokens_without_a_whole_character_costs_linear_work(run: l
     text = "".join(detok.add([i]) for i in ids) + detok.flush()
     assert text == decode_eos(ids)
     assert counting.tokens < 100 * len(ids)
+
+
+def test_the_tokens_bytes_of_a_byte_level_tokenizer_decode_as_decode_does() -> None:
+    # What the router's detokenizer reads instead of decoding windows of tokens again.
+    import random
+
+    from common.models.tiny import default_checkpoint
+    from common.processing.processor import Processor
+
+    processor = Processor.from_pretrained(default_checkpoint("tiny"))
+    table = processor.token_bytes
+    assert table is not None and len(table) == processor.tokenizer.get_vocab_size()
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randrange(len(table)) for _ in range(rng.randrange(1, 12))]
+        detok = IncrementalDetokenizer(processor.decode, table)
+        streamed = "".join(detok.add([i]) for i in ids) + detok.flush()
+        assert streamed == processor.decode(ids), ids
+
+
+# Tokens that each end one character and begin the next (BPE merges bytes across characters):
+# no token boundary is a character boundary, so a window never came clean.
+CHAIN = "一二三四五六七八九十" * 3
+CHAIN_BYTES = CHAIN.encode()
+# One byte, then three at a time: every boundary falls one byte into a character.
+CHAIN_TABLE = [CHAIN_BYTES[:1]] + [CHAIN_BYTES[k : k + 3] for k in range(1, len(CHAIN_BYTES), 3)]
+
+
+def test_with_the_tokens_bytes_text_is_exact_whatever_the_tokens_split() -> None:
+    ids = list(range(len(CHAIN_TABLE)))
+
+    def decode(tokens: Sequence[int]) -> str:
+        return b"".join(CHAIN_TABLE[t] for t in tokens).decode("utf-8", "replace")
+
+    for size in (1, 2, 5):
+        detok = IncrementalDetokenizer(decode, CHAIN_TABLE)
+        out = [detok.add(chunk) for chunk in chunked(ids, size)]
+        assert "".join(out) + detok.flush() == CHAIN
+        assert all(REPLACEMENT not in piece for piece in out)  # never a character cut
+    counting = Counting()
+    detok = IncrementalDetokenizer(counting, [bytes([b]) for b in range(256)] + [b""])
+    text = "".join(detok.add([i]) for i in [ord("a"), *[0x80, EOS] * 5000]) + detok.flush()
+    assert text == decode_eos([ord("a"), *[0x80] * 5000]) and counting.tokens == 0

@@ -105,3 +105,19 @@ async def test_a_resumed_streams_text_is_the_uninterrupted_ones_at_every_split(
             assert had + text == answer, (split, had, text)
     finally:
         await cluster.close()
+
+
+def test_too_many_resume_tokens_are_refused_by_their_count_before_any_is_copied() -> None:
+    # Checked on the event loop: 250 million tokens were made a tuple first (6.5 s).
+    import types
+
+    class Many:
+        def __len__(self) -> int:
+            return 250_000_000
+
+        def __iter__(self) -> None:
+            raise AssertionError("copied")
+
+    request = types.SimpleNamespace(resume_tokens=Many(), stop=[])
+    with pytest.raises(InputError, match="250000000 tokens leave none"):
+        check_resume(request, 8)  # type: ignore[arg-type]

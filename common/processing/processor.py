@@ -22,6 +22,7 @@ tokenizer splits at special tokens before anything else.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from common.processing.messages import (
 )
 from common.processing.prompt import ProcessedPrompt
 from common.processing.template import ChatTemplate, load_chat_template
+from common.processing.token_bytes import byte_level_table
 from common.processing.video import preprocess_video
 from common.processing.video_cache import is_keyed, preprocess_keyed
 
@@ -167,6 +169,12 @@ class Processor:
         if self.config.eos_token_ids:
             return self.config.eos_token_ids
         return tuple(t for t in (self.tokenizer.token_to_id("<|im_end|>"),) if t is not None)
+
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes] | None:
+        """Each token's bytes (`common.processing.token_bytes`), what incremental decoding
+        reads; None for a tokenizer that is not byte-level."""
+        return byte_level_table(self.tokenizer)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Token ids -> text."""

@@ -47,7 +47,7 @@ from router.http.connections import ConnectionStats
 from router.http.convert import chat_request, completion_request
 from router.http.errors import ApiError, model_not_found
 from router.http.media import MediaPolicy
-from router.http.parse import parse_body
+from router.http.parse import MAX_BODY_VALUES, parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
 from router.http.stream import Answer, events
 
@@ -180,7 +180,8 @@ def build_app(
         """The body as `schema`, parsed and validated off the event loop (`router.http.parse`)."""
         data = await raw.body()
         content_type = raw.headers.get("content-type")
-        body = await asyncio.to_thread(parse_body, data, content_type, schema)
+        commas = MAX_BODY_VALUES + servicer.settings.max_prompt_text_bytes  # text may be all
+        body = await asyncio.to_thread(parse_body, data, content_type, schema, commas)
         check_model(body)
         return body
 

@@ -5,8 +5,9 @@ the gRPC front door and the workers' heartbeats: a body of millions of tiny mess
 quarter of `max_message_mb`) took 8 s to validate there, dropped every worker for missed
 heartbeats and broke other tenants' streams. Here the endpoints take the raw body and
 `parse_body` runs in a worker thread, where the validators (Python, per object) let the
-loop run between them; and a body of more than `MAX_BODY_OBJECTS` JSON objects (messages,
-content parts, their URLs) is refused while it is being parsed, before any is validated.
+loop run between them; a body of more than `MAX_BODY_OBJECTS` JSON objects (messages,
+content parts, their URLs) is refused while it is being parsed, before any is validated;
+and one of more commas than its text and structure can hold, before it is parsed.
 
 Refusals read as FastAPI's did (`router.http.errors.validation_error`): a body that is not
 JSON names where it broke, one that is not sent as JSON says so, a field's error names it.
@@ -26,6 +27,10 @@ from router.http.errors import ApiError, validation_error
 # JSON objects a body may hold: a chat of thousands of messages with images holds ~3 per
 # message; validating each costs ~4 µs.
 MAX_BODY_OBJECTS = 1 << 16
+# Commas a body may hold beyond its text's bytes (`[router] max_prompt_text_bytes`, which
+# may all be commas): a bound on its values, counted before parsing. `json.loads` holds the
+# GIL throughout, whatever thread runs it: a 248 MiB array of zeros held the loop 6 s.
+MAX_BODY_VALUES = 1 << 20
 
 B = TypeVar("B", bound=BaseModel)
 
@@ -62,11 +67,18 @@ def _counting() -> Any:
     return hook
 
 
-def parse_body(data: bytes, content_type: str | None, schema: type[B]) -> B:
+def parse_body(
+    data: bytes, content_type: str | None, schema: type[B], max_commas: int = MAX_BODY_VALUES
+) -> B:
     """`data` as `schema`; ApiError (400) naming what is wrong. Blocking: run it in a
-    thread."""
+    thread. More than `max_commas` commas is refused before parsing (module docstring)."""
     if not data or not _is_json(content_type):
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, NOT_JSON)
+    if data.count(b",") > max_commas:
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the body holds more than {max_commas} commas: more values than a request has",
+        )
     try:
         body = json.loads(data, object_hook=_counting())
     except _TooManyObjects:
