@@ -158,6 +158,23 @@ def test_an_image_is_turned_upright_by_its_exif_orientation(processor: Processor
     assert torch.equal(turned.pixel_values[0], want.pixel_values[0])
 
 
+def test_an_image_whose_exif_is_mangled_keeps_its_stored_orientation(processor: Processor) -> None:
+    # Its pixels decode, its EXIF does not: turning it raised struct.error out of
+    # processing, an HTTP 500.
+    stored = Image.new("RGB", (64, 32), (10, 20, 30))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn to show
+    exif[0x010F] = "camera maker"
+    exif[0x8769] = {0x9003: "2020:01:01 00:00:00"}
+    buffer = io.BytesIO()
+    stored.save(buffer, format="JPEG", exif=exif.tobytes())
+    data = bytearray(buffer.getvalue())
+    data[data.index(b"Exif\x00\x00") + 6 + 11] = 2  # a tag number's low byte
+    mangled = processor.process(_user({"type": "image", "image": bytes(data)}))
+    plain = processor.process(_user({"type": "image", "image": stored}))
+    assert mangled.params.items[0].grid_thw == plain.params.items[0].grid_thw
+
+
 # --- video ------------------------------------------------------------------------------------
 
 

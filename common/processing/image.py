@@ -85,9 +85,12 @@ def upright(image: Image.Image) -> Image.Image:
     """The image as it is meant to be shown: turned by its EXIF orientation, as browsers
     and transformers' `load_image` do (a phone's portrait photo is stored landscape).
     Images only: video frames keep their stored orientation, as their file's frames do."""
-    if image.getexif().get(_ORIENTATION, 1) == 1:
+    try:
+        if image.getexif().get(_ORIENTATION, 1) == 1:
+            return image
+        return ImageOps.exif_transpose(image)
+    except Exception:  # malformed EXIF (struct.error, ...): metadata; the pixels decoded
         return image
-    return ImageOps.exif_transpose(image)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
