@@ -3,9 +3,20 @@
 An IPv6 host is written in brackets (`[fd00::1]:50062`). A worker's own address made of a
 bare IPv6 host and a port (`$(POD_IP):50062` on an IPv6 pod gives `fd00::1:50062`) is put in
 brackets (`bracketed`); the registry refuses any other form it cannot dial (`check_address`).
+Errors a client reads name no address (`without_addresses`).
 """
 
 from __future__ import annotations
+
+import re
+
+# An address in a message: gRPC's own (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:50062`), a
+# bracketed IPv6 one, or host:port.
+_ADDRESS = re.compile(
+    r"(?:ipv[46]|unix|dns):\S+"
+    r"|\[[0-9A-Fa-f:.%]+\]:\d{1,5}\b"
+    r"|\b[A-Za-z0-9][A-Za-z0-9_.-]*:\d{1,5}\b"
+)
 
 
 def bracketed(address: str) -> str:
@@ -30,3 +41,9 @@ def check_address(address: str, field: str = "worker.address") -> None:
         bad_host = not host or any(c.isspace() or c in "/@?#[]:\\" for c in host)
     if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{field}: {address!r} is not an address (host:port, port 1-65535)")
+
+
+def without_addresses(text: str, instead: str = "a worker") -> str:
+    """`text` with every network address in it replaced by `instead`: what a worker's or
+    gRPC's error says, for a client (the addresses are the operator's to know)."""
+    return _ADDRESS.sub(instead, text)

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import grpc
 
+from common.address import without_addresses
 from common.errors import DECODE_STEP_FAILED
 from common.handoff import EMBEDDINGS_LOST
 from common.processing.processor import ProcessedPrompt
@@ -142,7 +143,9 @@ class WorkerCalls:
         """The client-facing error of a failed worker call: the worker's address, which is
         the operator's to know (docs/security.md), is in the log, not in the error."""
         code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
-        details = (exc.details() or "").replace(worker.address, f"the {worker.role} worker")
+        details = without_addresses(
+            (exc.details() or "").replace(worker.address, f"the {worker.role} worker")
+        )
         logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
         error = RouterError(code, f"{stage} failed: {details}")
         error.address = worker.address

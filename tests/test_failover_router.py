@@ -383,3 +383,21 @@ async def test_a_decode_stream_that_keeps_ending_early_is_an_error(cluster):
         await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE  # as for a stream that broke
     assert "no decode worker left" in str(err.value)
+
+
+def test_no_address_reaches_a_client_in_a_workers_error() -> None:
+    # A decode worker's refusal named the prefill worker holding the KV, and gRPC's own
+    # text names the address it dialled (resolved, or encoded).
+    from common.address import without_addresses
+
+    for text in (
+        "kv.lease_id: the lease on 10.1.2.3:50062 was not live until the READ was confirmed",
+        "UNAVAILABLE: ipv4:127.0.0.1:1: Failed to connect to remote host",
+        "ipv6:%5B::1%5D:50062: Connection refused",
+        "the channel to [fd00::1]:50062 closed",
+        "epd-prefill-0.epd.svc.cluster.local:50062 went away",
+    ):
+        cleaned = without_addresses(text)
+        assert "a worker" in cleaned and not any(c.isdigit() for c in cleaned), cleaned
+    field = "messages[0].content[1].image.data: is not a decodable image (max_tokens=8)"
+    assert without_addresses(field) == field
