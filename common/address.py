@@ -8,6 +8,7 @@ Errors a client reads name no address (`without_addresses`).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 # An address in a message: gRPC's own (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:50062`), a
@@ -24,6 +25,10 @@ def bracketed(address: str) -> str:
     any other address as it is."""
     host, sep, port = address.rpartition(":")
     if sep and ":" in host and not host.startswith("[") and port.isdigit():
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:  # `fd00::1` alone is no host and port: left for the check
+            return address
         return f"[{host}]:{port}"
     return address
 

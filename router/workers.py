@@ -15,6 +15,7 @@ from epd.v1 import registry_service_pb2
 # through its heartbeats, twice as long as the time before, up to `SUSPECT_HOLD_MAX_S`.
 SUSPECT_MEMORY_S = 60.0
 SUSPECT_HOLD_MAX_S = 60.0
+MAX_STRIKES = 32  # 2 ** strikes stays a float (past 1023 it overflowed, every mark raised)
 
 
 class RegistrationRefused(Exception):
@@ -93,7 +94,7 @@ class WorkerRecord:
         if self.suspect:
             return
         again = now - self.suspect_cleared < SUSPECT_MEMORY_S
-        self.suspect_strikes = self.suspect_strikes + 1 if again else 0
+        self.suspect_strikes = min(self.suspect_strikes + 1, MAX_STRIKES) if again else 0
         hold = heartbeat_interval_s * 2**self.suspect_strikes if self.suspect_strikes else 0.0
         self.suspect_until = now + min(hold, SUSPECT_HOLD_MAX_S)
         self.suspect = True

@@ -361,7 +361,9 @@ class RenewingPeers:
         self.released.append((address, lease_id))
 
 
-def waiting_importer(peers: RenewingPeers) -> tuple[KvImporter, KvAllocator, ModelThread]:
+def waiting_importer(
+    peers: RenewingPeers, renew: bool = True
+) -> tuple[KvImporter, KvAllocator, ModelThread]:
     """An importer over a pool of 8 blocks, 7 of them held by another stream for good."""
     kv, allocator = small_kv()
     allocator.pool.allocate(7)
@@ -374,6 +376,7 @@ def waiting_importer(peers: RenewingPeers) -> tuple[KvImporter, KvAllocator, Mod
         peers,  # type: ignore[arg-type]
         DecodeCounters(),
         never_freed,
+        renew_leases=renew,
     )
     return importer, allocator, model
 
@@ -421,5 +424,34 @@ async def test_a_waiting_request_renews_at_once_and_stops_when_its_lease_is_gone
         assert rest[-1] < 1.0
         assert peers.released == [("h", "L")]
         assert allocator.pool.num_used_blocks == 7
+    finally:
+        model.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_waiting_without_renewals_waits_for_freed_blocks_only() -> None:
+    # With renew_leases off it planned again 20 times a second (each time digesting the
+    # cached blocks on the model thread) instead of waiting for the decode loop to free some.
+    peers = RenewingPeers()
+    importer, allocator, model = waiting_importer(peers, renew=False)
+    plans = []
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(allocator, name)
+
+        def plan_import(self, *args: Any, **kwargs: Any) -> Any:
+            plans.append(1)
+            return allocator.plan_import(*args, **kwargs)
+
+    importer.blocks.allocator = Counting()  # type: ignore[assignment]
+    handle = two_block_handle(importer.runner.kv, b"d" * 32)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(
+                importer.admit(handle, [1] * 6, None, [1], 0, SamplingParams(max_tokens=4), 1.0),
+                1.0,
+            )
+        assert len(plans) == 1 and not peers.renewed_at
     finally:
         model.close()

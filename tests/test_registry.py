@@ -418,3 +418,9 @@ def test_a_worker_suspected_again_soon_after_a_heartbeat_stays_suspect_longer(
     clock.now += 600
     registry.suspect(a)  # long after: a fresh first failure
     assert not suspect_after(1.0)
+    for _ in range(2000):  # 17 hours of heartbeats while calls fail: 2 ** strikes overflowed
+        registry.suspect(a)
+        clock.now += 60
+        registry.heartbeat(a.worker_id, WorkerLoad())
+    registry.suspect(a)
+    assert a.suspect

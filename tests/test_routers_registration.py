@@ -125,6 +125,9 @@ def test_advertise_address_is_one_the_routers_take() -> None:
     v6.check()
     assert v6.reachable_address("0.0.0.0:50062") == "[fd00::1]:50062"
     assert WorkerSettings(advertise_address="10.0.0.5:1").reachable_address("x") == "10.0.0.5:1"
+    for portless in ("fd00::1", "::1"):  # was taken for `[fd00:]:1`, `[:]:1`
+        with pytest.raises(SettingsError, match="advertise_address"):
+            WorkerSettings(advertise_address=portless).check()
 
 
 # ------------------------------------------------------------------- epd serve --routers N
