@@ -105,9 +105,9 @@ class BlockWait:
                 freed = asyncio.ensure_future(self.wait_freed())
                 waits: set[asyncio.Future[Any]] = {freed} if renewal is None else {freed, renewal}
                 # Not renewing: only freed blocks (or the caller's deadline) end the wait.
-                timeout = max(next_renewal - time.monotonic(), MIN_RENEW_S)
-                if not self.renew_leases:
-                    timeout = None
+                timeout = (
+                    max(next_renewal - time.monotonic(), MIN_RENEW_S) if self.renew_leases else None
+                )
                 await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 freed.cancel()
         finally:
