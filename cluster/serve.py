@@ -92,7 +92,14 @@ def with_cluster_token(settings: Any) -> Any:
     if all(r.security.cluster_token_file or r.security.insecure for r in roles):
         return settings
     given = sorted({r.security.cluster_token_file for r in roles} - {None})
-    if len(given) == 1:  # a role's own: every role's (a fresh one would split the deployment)
+    if len(given) > 1:
+        from common.settings.schema import SettingsError
+
+        raise SettingsError(
+            f"security.cluster_token_file: roles name different files ({', '.join(given)}) "
+            "and others none; every role needs the same token: set it once in [security]"
+        )
+    if given:  # a role's own: every role's (a fresh one would split the deployment)
         path = given[0]
     else:
         path = str(write_token_file(state_dir(settings.ray.namespace) / "cluster_token"))

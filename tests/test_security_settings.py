@@ -121,6 +121,16 @@ def test_a_token_given_to_one_role_is_every_roles(
     full = with_cluster_token(given).with_model()
     assert {r.security.cluster_token_file for r in full.role_settings().values()} == {"/t"}
     assert not (tmp_path / "epd" / "cluster_token").exists()
+    # Two files for two roles and none for the others: which would the others take?
+    split = from_mapping(
+        EpdSettings,
+        {
+            "router": {"security": {"cluster_token_file": "/t"}},
+            "prefill": {"security": {"cluster_token_file": "/u"}},
+        },
+    )
+    with pytest.raises(SettingsError, match="different files"):
+        with_cluster_token(split)
 
 
 def test_a_refused_epd_serve_leaves_the_running_deployments_secrets_alone(

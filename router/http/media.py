@@ -146,14 +146,19 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
         self._address = address
 
     _twin: socket.socket | None = None  # the connection's own descriptor, for `abort`
+    _aborted = False  # `abort` was called: a connection made after fails at once
 
     def connect(self) -> None:
         sock = socket.create_connection((self._address, self.port), self.timeout)
         self._twin = sock.dup()  # TLS takes `sock` over (and detaches it)
+        if self._aborted:  # the time ran out while it connected
+            self.abort()
         self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
 
     def abort(self) -> None:
-        """From another thread: fail whatever read or handshake is blocked on it now."""
+        """From any thread: fail whatever read or handshake is blocked on it now, or the
+        connection when it is made."""
+        self._aborted = True
         if self._twin is not None:
             with contextlib.suppress(OSError):
                 self._twin.shutdown(socket.SHUT_RDWR)
