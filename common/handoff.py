@@ -272,7 +272,7 @@ def read_handoff(
     """
     if not prompt_token_ids:
         raise MultimodalLayoutError("prompt_token_ids", "empty prompt")
-    layout = params_from_proto(multimodal, with_embeddings=False)
+    layout = params_from_proto(multimodal, with_embeddings=False, num_tokens=len(prompt_token_ids))
     positions = runner.check_prompt(prompt_token_ids, layout)
     if not with_embeddings:
         return Handoff(layout, positions)

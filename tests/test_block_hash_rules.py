@@ -114,3 +114,20 @@ def test_keys_by_span_follows_the_documented_rule(
     assert block_hashes(tokens, block_size, params) == documented_hashes(
         tokens, block_size, expected
     )
+
+
+def test_partition_keys_without_partitions_that_make_the_rows_hash_nothing() -> None:
+    # Built without validation (every entry point validates), its placeholders got no key
+    # at all: hashed as the text they stand in for, as another image's would be.
+    import dataclasses
+
+    import pytest
+
+    item = MultimodalItemMetadata(content_hash=b"h" * 32, runs=((2, 4),), partition_keys=True)
+    params = MultimodalParams((item,), {}, 0)
+    with pytest.raises(ValueError, match="partitions"):
+        block_hashes(list(range(8)), 4, params)
+    half = ItemPartition(0, 4, 2, b"p" * 32)
+    short = dataclasses.replace(item, partitions=(half,))  # 2 rows of 4
+    with pytest.raises(ValueError, match="partitions"):
+        block_hashes(list(range(8)), 4, MultimodalParams((short,), {}, 0))

@@ -161,6 +161,13 @@ def _move_rows(item: multimodal_pb2.MultimodalItemMetadata, rows: int) -> None:
     item.partitions[1].output_rows += rows
 
 
+def _image_keyed_by_partition(item: multimodal_pb2.MultimodalItemMetadata) -> None:
+    t, h, w = item.grid_thw
+    part = item.partitions.add(input_start=0, input_end=t * h * w, content_hash=b"p" * 32)
+    part.output_rows = t * h * w // 4
+    item.partition_keys = True
+
+
 def base_message() -> multimodal_pb2.MultimodalParams:
     return params_to_proto(video_and_image())
 
@@ -186,6 +193,8 @@ def base_message() -> multimodal_pb2.MultimodalParams:
         # Rows moved between partitions (the sum kept): each would key the other's rows.
         (lambda m: _move_rows(m.items[0], 1), "items.partitions"),
         (lambda m: m.items[1].__setattr__("partition_keys", True), "items.partition_keys"),
+        # Partition keys on an image (one partition of all its rows): the rule is a video's.
+        (lambda m: _image_keyed_by_partition(m.items[1]), "items.partition_keys"),
         (lambda m: m.embeddings[0].rows.shape.__setitem__(0, 7), "embeddings.rows"),
         (lambda m: setattr(m.embeddings[1], "item_index", 5), "embeddings.item_index"),
         (lambda m: setattr(m.embeddings[1].rows, "dtype", 99), "embeddings.rows"),
@@ -206,6 +215,29 @@ def test_malformed_wire_names_field(mutate: object, field: str) -> None:
     with pytest.raises(MultimodalLayoutError) as info:
         params_from_proto(msg)
     assert info.value.field == field, str(info.value)
+
+
+def test_counts_past_what_the_prompt_holds_are_refused_before_they_are_walked() -> None:
+    # A million partitions of a one-row item, or 300,000 items, were each walked in Python
+    # before anything compared them with the prompt (seconds of a decode worker's loop).
+    msg = base_message()
+    rows = sum(msg.run_lengths)
+    msg.items[1].partitions.add()
+    for _ in range(rows):
+        msg.items[1].partitions.append(msg.items[1].partitions[0])
+    with pytest.raises(MultimodalLayoutError) as info:
+        params_from_proto(msg)
+    assert info.value.field == "items.partitions" and "for an item of" in str(info.value)
+    msg = base_message()
+    t = msg.items[0].grid_thw[0]
+    msg.items[0].frame_timestamps.extend([0.0] * (t + 1))
+    with pytest.raises(MultimodalLayoutError) as info:
+        params_from_proto(msg)
+    assert info.value.field == "items.frame_timestamps"
+    msg = base_message()
+    with pytest.raises(MultimodalLayoutError) as info:
+        params_from_proto(msg, num_tokens=len(msg.mm_hashes) - 1)
+    assert info.value.field == "mm_hashes"
 
 
 def test_a_tensor_of_too_many_dimensions_is_refused_by_their_count() -> None:

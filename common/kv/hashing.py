@@ -217,8 +217,10 @@ def _pieces(item: MultimodalItemMetadata) -> list[tuple[int, int, bytes, int]]:
             pieces.append((start, start + length, item.content_hash, row))
             row += length
         return pieces
-    pieces = []
     parts = item.partitions
+    if sum(p.output_rows for p in parts) != item.length:  # unvalidated: no key, none wrong
+        raise ValueError("partition_keys on an item whose partitions do not make its rows")
+    pieces = []
     unit, p0 = 0, 0  # the first partition not yet wholly placed, and its first item row
     row = 0  # item row of the run's first placeholder
     for start, length in item.runs:

@@ -95,6 +95,7 @@ class MultimodalItemMetadata:
             self.length,
             partition_keys=self.partition_keys,
             grid=self.grid_thw,
+            video=self.modality is Modality.VIDEO,
         )
 
 

@@ -142,6 +142,7 @@ def validate_partitions(
     *,
     partition_keys: bool,
     grid: tuple[int, int, int] | None = None,
+    video: bool = False,
 ) -> None:
     """Check one item's partitions `(input_start, input_end, output_rows, content_hash)`
     against its `rows` (the sum of its run lengths), its `partition_keys` flag and its patch
@@ -151,14 +152,16 @@ def validate_partitions(
     previous ended), each makes at least one row, their rows sum to the item's and each
     hash is 32 bytes; with a grid they cover exactly its `t * h * w` patch rows from 0, each
     a whole number of frames (`h * w` rows) making its share of the item's rows.
-    `partition_keys` needs partitions: block keys then name them (docs/block-hash.md), so a
-    partition's hash and rows must be as sound as an item's. Raises `MultimodalLayoutError`
-    naming `items.partitions` or `items.partition_keys`.
+    `partition_keys` needs partitions and a `video` item: block keys then name them
+    (docs/block-hash.md), so a partition's hash and rows must be as sound as an item's.
+    Raises `MultimodalLayoutError` naming `items.partitions` or `items.partition_keys`.
     """
     if partition_keys and not partitions:
         raise MultimodalLayoutError(
             "items.partition_keys", "set on an item without partitions", item
         )
+    if partition_keys and not video:  # docs/block-hash.md: the rule holds for videos only
+        raise MultimodalLayoutError("items.partition_keys", "set on an item not a video", item)
     if not partitions:
         return
     cursor = partitions[0][0]

@@ -105,8 +105,10 @@ def tensor_from_ref(ref: tensor_pb2.TensorRef, field: str = "tensor") -> torch.T
         dtype = torch_dtype(ref.dtype, field)
     except FieldError as exc:
         raise MultimodalLayoutError(field, exc.reason) from None
-    if ref.WhichOneof("data") != "inline_data":
-        raise MultimodalLayoutError(field, "holds a transfer handle, not inline data")
+    kind = ref.WhichOneof("data")
+    if kind != "inline_data":
+        says = "holds no data" if kind is None else "holds a transfer handle, not inline data"
+        raise MultimodalLayoutError(field, says)
     if len(ref.shape) > MAX_DIMS:  # before a tuple, a reshape and a message of millions
         raise MultimodalLayoutError(field, f"{len(ref.shape)} dimensions, at most {MAX_DIMS}")
     shape = tuple(int(d) for d in ref.shape)
@@ -185,14 +187,20 @@ def params_from_proto(
     *,
     with_embeddings: bool = True,
     resolve: TensorResolver | None = None,
+    num_tokens: int | None = None,
 ) -> MultimodalParams:
     """Validate and decode the wire form. A message without the run extension (version 0)
-    decodes to the legacy contiguous layout. Raises `MultimodalLayoutError`.
+    decodes to the legacy contiguous layout. Raises `MultimodalLayoutError`. `num_tokens`
+    (the prompt's length, when the caller has it) bounds the items before any is read.
 
     Embeddings held inline are decoded here; ones held by a transfer handle are passed to
     `resolve(ref, field)` (a worker's NIXL pull), and are an error without it. The layout is
     validated before any tensor is pulled.
     """
+    if num_tokens is not None and len(msg.mm_hashes) > num_tokens:
+        raise MultimodalLayoutError(
+            "mm_hashes", f"{len(msg.mm_hashes)} items for a prompt of {num_tokens} tokens"
+        )
     has_runs = bool(msg.item_run_cu_offsets or msg.run_positions or msg.run_lengths)
     if msg.version > RUN_EXTENSION_VERSION:
         raise MultimodalLayoutError(
@@ -252,6 +260,19 @@ def _item_from_proto(
         # (-4, -2, 2) "holds" 4 tokens, and positioning its frames never ended.
         raise MultimodalLayoutError(
             "items.grid_thw", f"{list(meta.grid_thw)}: every entry must be at least 1", index
+        )
+    # Counts bounded before anything is built of them: a peer's message of a million
+    # partitions for an item of one row walked them all (seconds of a worker's event loop).
+    rows = sum(length for _, length in runs)
+    if len(meta.partitions) > rows:
+        raise MultimodalLayoutError(
+            "items.partitions", f"{len(meta.partitions)} for an item of {rows} rows", index
+        )
+    if meta.grid_thw and len(meta.frame_timestamps) > meta.grid_thw[0]:
+        raise MultimodalLayoutError(
+            "items.frame_timestamps",
+            f"{len(meta.frame_timestamps)} for {meta.grid_thw[0]} temporal patches",
+            index,
         )
     partitions = []
     for part in meta.partitions:
