@@ -4,6 +4,7 @@ of a cache, its wire form and its pinned root hash."""
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +226,20 @@ def test_layout_wire_round_trip_and_differences() -> None:
         "block_size=4 (expected 8)",
         f"block_bytes={layout.block_bytes} (expected {other.block_bytes})",
     ]
+
+
+def test_the_documented_root_recipe_gives_the_golden_root() -> None:
+    """docs/block-hash.md says how a deployment's root is made, for clients in other
+    languages: SHA-256 of msgpack([scheme, model, hex(msgpack(layout fields))])."""
+    import hashlib
+
+    import msgpack
+
+    fields = ["block-major/layer,kv,token,head,dim", 1, 16, 2, 2, 16]
+    layout = msgpack.packb(fields, use_bin_type=True).hex()
+    root = hashlib.sha256(
+        msgpack.packb(["epd-block-hash-v1", LAYOUT_MODEL, layout], use_bin_type=True)
+    ).hexdigest()
+    assert root == GOLDEN_ROOTS[torch.float32]
+    docs = Path(__file__).resolve().parent.parent / "docs" / "block-hash.md"
+    assert root in docs.read_text()
