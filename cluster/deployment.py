@@ -9,16 +9,12 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import os
-import secrets
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from cluster import logs
 from cluster.placement import CpuPlanner
 from cluster.pools import (
     CONTROLLER_NAME,
@@ -28,7 +24,8 @@ from cluster.pools import (
     error_summary,
     registered_counts,
 )
-from cluster.settings import ROLES, EpdSettings, PoolSettings, RaySettings
+from cluster.ray_start import RUNNING
+from cluster.settings import ROLES, EpdSettings, PoolSettings
 from cluster.worker import (
     LOOPBACK,
     SERVER_MODULES,
@@ -116,9 +113,21 @@ class Controller:
             credentials=self.credentials,
             cpu=cpu_planner(settings.pools),
         )
-        # Tell the pools which workers have registered: those drain when stopping.
+        # Tell the pools which workers have registered (those drain when stopping) and which
+        # an operator drained (those retire first); a retiring one drains here at once.
         registered = self.pools.registered
-        self.router.registry.on_register.append(lambda record: registered.add(record.name))
+        registry = self.router.registry
+        registry.on_register.append(lambda record: registered.add(record.name))
+        self.pools.drained = lambda name: any(
+            w.name == name and w.drain_requested for w in registry.workers()
+        )
+
+        def retiring(name: str) -> None:
+            for worker in registry.workers():
+                if worker.name == name:
+                    registry.drain(worker.address)
+
+        self.pools.retiring = retiring
         for role, replicas in settings.pools.initial_replicas().items():
             await self.pools.scale(role, replicas)
 
@@ -240,79 +249,6 @@ def cpu_planner(pools: PoolSettings) -> CpuPlanner:
 # ------------------------------------------------------------------------------ the driver
 
 
-def _token_auth() -> None:
-    """Ray's token authentication for a cluster started here, unless the environment sets
-    its own mode. Ray's servers listen on every interface: without a token, anyone who
-    reaches this host could join the cluster and run code as this user (read the cluster
-    token, scale the pools). Its processes inherit the token; nothing else learns it."""
-    if os.environ.get("RAY_AUTH_MODE"):
-        return
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    raylet = sys.modules.get("ray._raylet")
-    if raylet is not None:  # imported before: its configuration read the environment then
-        raylet.Config.initialize("")
-        raylet.AuthenticationTokenLoader.instance().reset_cache()
-
-
-def init_ray(settings: RaySettings, log_level: str = "warning") -> bool:
-    """Join the Ray cluster at `settings.address`, or start a local one; True if started here.
-    Ray's start-up notices stay quiet below `log_level` debug (`cluster.logs`)."""
-    logs.driver_env(log_level)
-    import ray
-
-    logs.quiet_driver(log_level)
-    quiet = {"logging_level": logging.DEBUG if logs.debug(log_level) else logging.WARNING}
-    if settings.address:
-        try:
-            ray.init(
-                address=settings.address,
-                namespace=settings.namespace,
-                log_to_driver=settings.log_to_driver,
-                **quiet,
-            )
-        except ConnectionError as exc:
-            from common.settings.schema import SettingsError
-
-            raise SettingsError(
-                f"ray.address: no Ray cluster at {settings.address!r} ({exc}); start one "
-                "(`ray start --head`), or leave --address unset to start one here"
-            ) from None
-        return False
-    _token_auth()
-    ray.init(
-        address="local",  # always a new cluster, even when `ray start` left one running here
-        num_cpus=settings.num_cpus,
-        num_gpus=settings.num_gpus,
-        namespace=settings.namespace,
-        include_dashboard=False,
-        object_store_memory=settings.object_store_mb * 1024 * 1024,
-        log_to_driver=settings.log_to_driver,
-        **quiet,
-    )
-    return True
-
-
-def refuse_if_running(namespace: str) -> None:
-    """SettingsError naming `ray.namespace` when a deployment already runs in `namespace` of
-    the Ray cluster this process joined (`Deployment.start` refuses the same, later)."""
-    import ray
-
-    try:
-        ray.get_actor(CONTROLLER_NAME, namespace=namespace)
-    except ValueError:  # no such actor
-        return
-    from common.settings.schema import SettingsError
-
-    raise SettingsError(_RUNNING.format(namespace=namespace))
-
-
-# A second deployment in a namespace is refused: one controller (its name) per namespace.
-_RUNNING = (
-    "ray.namespace: an epd deployment already runs in namespace {namespace!r} of this Ray "
-    "cluster; stop it, or set another --ray-namespace"
-)
-
 WAIT_REPORT_S = 10.0  # how often `epd serve` says how far start-up is
 
 
@@ -351,7 +287,7 @@ class Deployment:
         except ray.exceptions.ActorAlreadyExistsError:
             from common.settings.schema import SettingsError
 
-            raise SettingsError(_RUNNING.format(namespace=settings.ray.namespace)) from None
+            raise SettingsError(RUNNING.format(namespace=settings.ray.namespace)) from None
         deployment = cls(settings, controller, started_ray)
         try:
             deployment.address = await controller.address.remote()

@@ -38,7 +38,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,11 @@ class PoolManager:
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
         self.router_stopped = False  # set by stop() once the router is gone
+        # The deployment's view of its router (the controller sets both): whether an operator
+        # drained the worker of this name, and one retiring now (told before `scale` returns,
+        # so what `epd scale` counts right after is already true).
+        self.drained: Callable[[str], bool] = lambda name: False
+        self.retiring: Callable[[str], None] = lambda name: None
         # Workers that registered at least once (the controller adds them as the router
         # sees them); one that never did is stopped without a drain once the router is gone.
         self.registered: set[str] = set()
@@ -139,8 +144,9 @@ class PoolManager:
     async def scale(self, role: str, replicas: int) -> int:
         """Move `role`'s pool to `replicas` workers; returns the new size.
 
-        New workers are created at once and register as they come up; surplus workers (the
-        newest) retire in the background: drain, then exit. Does not wait for either.
+        New workers are created at once and register as they come up; surplus workers (those
+        an operator drained, then the newest) retire in the background: drain, then exit.
+        Does not wait for either.
         """
         if role not in self.pools:
             raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
@@ -151,7 +157,11 @@ class PoolManager:
             while len(pool.members) < replicas:
                 pool.members.append(self._create(pool))
             while len(pool.members) > replicas:
-                member = pool.members.pop()
+                # The newest, unless an operator drained one: that one leaves first.
+                drained = [m for m in pool.members if self.drained(m.name)]
+                member = drained[-1] if drained else pool.members[-1]
+                pool.members.remove(member)
+                self.retiring(member.name)
                 task = asyncio.create_task(self._retire(role, member), name=f"retire-{member.name}")
                 self._retiring.add(task)
                 task.add_done_callback(self._retiring.discard)

@@ -21,7 +21,7 @@ def cmd_serve(settings: Any) -> int:
     check_ports(settings)
     import logging
 
-    from cluster.deployment import init_ray, refuse_if_running
+    from cluster.ray_start import init_ray, refuse_if_running
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -222,6 +222,23 @@ async def test_scale_down_retires_newest_in_order_and_never_reuses_names(
     assert actors.handles[-1].name == "epd-prefill-3"
 
 
+async def test_scale_down_retires_the_workers_an_operator_drained_first(
+    recorded: list[str],
+) -> None:
+    # `epd drain epd-prefill-0`, then a scale to 1 retired the newest, epd-prefill-1: the
+    # pool kept its drained worker and served nothing, and `epd scale` said it was done.
+    manager, _ = _manager(recorded)
+    drained = {"epd-prefill-0"}
+    retiring: list[str] = []
+    manager.drained = drained.__contains__
+    manager.retiring = retiring.append
+    await manager.scale("prefill", 2)
+    assert await manager.scale("prefill", 1) == 1
+    assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-1"]
+    assert retiring == ["epd-prefill-0"]  # told before scale returns, not after a describe
+    await manager.stop()
+
+
 async def test_stop_after_the_router_is_gone_skips_the_router_drain(recorded: list[str]) -> None:
     manager, _ = _manager(recorded)
     await manager.scale("encoder", 3)

@@ -1,4 +1,4 @@
-"""The local Ray cluster `epd serve` starts (`cluster.deployment.init_ray`) takes only callers
+"""The local Ray cluster `epd serve` starts (`cluster.ray_start.init_ray`) takes only callers
 with its token: Ray's servers listen on every interface, and anyone who reached one could
 join the cluster and run code as the deployment's user (read its cluster token, scale its
 pools). Run in a child process, so that this one's environment and Ray stay untouched."""
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import os, grpc, ray
-from cluster.deployment import init_ray
+from cluster.ray_start import init_ray
 from cluster.settings import RaySettings
 init_ray(RaySettings(num_cpus=1, object_store_mb=100))
 from ray.core.generated import gcs_service_pb2 as pb, gcs_service_pb2_grpc as rpc

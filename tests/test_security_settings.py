@@ -139,19 +139,19 @@ def test_a_refused_epd_serve_leaves_the_running_deployments_secrets_alone(
     # A second `epd serve` refused because a deployment already runs in its namespace used to
     # write a new token and keys first: that deployment's clients got UNAUTHENTICATED, and
     # its workers could not register again after a restart.
-    import cluster.deployment
+    import cluster.ray_start
     from cluster import serve
     from common.settings.schema import SettingsError
 
     monkeypatch.setenv("EPD_HOME", str(tmp_path))
     monkeypatch.setattr(serve, "_prepare_checkpoint", lambda settings: None)
     monkeypatch.setattr(serve, "check_ports", lambda settings: None)
-    monkeypatch.setattr(cluster.deployment, "init_ray", lambda ray, log_level: False)
+    monkeypatch.setattr(cluster.ray_start, "init_ray", lambda ray, log_level: False)
 
     def running(namespace: str) -> None:
         raise SettingsError(f"ray.namespace: a deployment already runs in {namespace!r}")
 
-    monkeypatch.setattr(cluster.deployment, "refuse_if_running", running)
+    monkeypatch.setattr(cluster.ray_start, "refuse_if_running", running)
     with pytest.raises(SettingsError, match="already runs"):
         serve.cmd_serve(EpdSettings())
     assert not (tmp_path / "epd").exists() or not any((tmp_path / "epd").iterdir())
