@@ -46,10 +46,11 @@ def cmd_serve(settings: Any) -> int:
 
 
 def _stop_ray() -> None:
-    """Stop what this process started of Ray (nothing when it started nothing)."""
-    import ray
-
+    """Stop what this process started of Ray (nothing when it started nothing, or was
+    stopped while it imported Ray: a second import of a half-imported module fails)."""
     with contextlib.suppress(Exception):
+        import ray
+
         ray.shutdown()
 
 
