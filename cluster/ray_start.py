@@ -8,10 +8,14 @@ listen on every interface.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from cluster import logs
 from cluster.pools import CONTROLLER_NAME
@@ -31,6 +35,35 @@ def _token_auth() -> None:
     if raylet is not None:  # imported before: its configuration read the environment then
         raylet.Config.initialize("")
         raylet.AuthenticationTokenLoader.instance().reset_cache()
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM while the block runs are held until it ends, then raised as
+    KeyboardInterrupt (the caller then stops what it started). Ray's own SIGTERM handler,
+    which `ray.init` installs and which exits at once, is kept out meanwhile: a Ray stopped
+    half-way through its start left its dashboard and runtime-env agents running for good."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    before = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in _HELD}
+    utils = sys.modules.get("ray._private.utils")
+    ray_handler = getattr(utils, "set_sigterm_handler", None)
+    if ray_handler is not None:
+        utils.set_sigterm_handler = lambda handler: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if ray_handler is not None:
+            utils.set_sigterm_handler = ray_handler  # type: ignore[union-attr]
+        for number, handler in before.items():
+            signal.signal(number, handler)
+    if held:
+        raise KeyboardInterrupt(f"signal {held[0]} while Ray started")
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
 
 
 def init_ray(settings: RaySettings, log_level: str = "warning") -> bool:
@@ -58,16 +91,17 @@ def init_ray(settings: RaySettings, log_level: str = "warning") -> bool:
             ) from None
         return False
     _token_auth()
-    ray.init(
-        address="local",  # always a new cluster, even when `ray start` left one running here
-        num_cpus=settings.num_cpus,
-        num_gpus=settings.num_gpus,
-        namespace=settings.namespace,
-        include_dashboard=False,
-        object_store_memory=settings.object_store_mb * 1024 * 1024,
-        log_to_driver=settings.log_to_driver,
-        **quiet,
-    )
+    with signals_held():  # stopped half-way, Ray leaves agents running for good
+        ray.init(
+            address="local",  # always a new cluster, even when `ray start` left one running
+            num_cpus=settings.num_cpus,
+            num_gpus=settings.num_gpus,
+            namespace=settings.namespace,
+            include_dashboard=False,
+            object_store_memory=settings.object_store_mb * 1024 * 1024,
+            log_to_driver=settings.log_to_driver,
+            **quiet,
+        )
     return True
 
 

@@ -50,3 +50,23 @@ def test_a_caller_without_the_clusters_token_is_refused(tmp_path: Path) -> None:
     lines = done.stdout.splitlines()
     assert "stranger: UNAUTHENTICATED" in lines
     assert "insider nodes: 1" in lines and "task ran: True" in lines
+
+
+def test_a_signal_while_ray_starts_is_held_until_it_has() -> None:
+    # SIGINT or SIGTERM in the seconds `ray.init` took (Ray's own SIGTERM handler exits at
+    # once) left its dashboard and runtime-env agents running for good.
+    import os
+    import signal
+
+    import pytest
+
+    from cluster.ray_start import signals_held
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="while Ray started"), signals_held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        survived = True  # neither ended the block
+    assert survived and signal.getsignal(signal.SIGTERM) is before
+    with signals_held():  # no signal: nothing raised
+        pass
