@@ -227,8 +227,10 @@ class PoolManager:
             # streams and leases it holds before the actor is killed.
             clean = await asyncio.wait_for(member.handle.drain.remote(timeout_s), timeout_s + 5)
             logger.info("%s drained (%s)", member.name, "clean" if clean else "timed out")
-        except Exception:
-            logger.exception("draining %s failed; stopping it anyway", member.name)
+        except Exception as exc:  # it died retiring (killed, crashed): stopped all the same
+            logger.warning(
+                "draining %s failed (%s); stopping it anyway", member.name, error_summary(exc)
+            )
         finally:
             ray.kill(member.handle, no_restart=True)
             self.cpu.release(member.name)
