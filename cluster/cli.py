@@ -39,7 +39,8 @@ STATUS_HELP = """\
 Show the router's load, then one line per registered worker.
 
 The first line: the router's address, the model it serves, requests in flight, requests
-queued now (peak: the most ever queued at once; refused: turned away with the queue full).
+queued now (peak: the most ever queued at once; refused: turned away by admission: the queue
+full, a wait past max_queue_wait_s, or a request that never fits).
 
 Worker columns:
   ROLE          encoder, prefill or decode

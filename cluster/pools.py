@@ -17,7 +17,8 @@ Lifecycles, in the order they happen:
 - restart: worker actors are created with `max_restarts` (default -1: always), so Ray
   re-runs `__init__` after a crash; the new server registers again (new port, same name).
 - scale: `AdminService.Scale` → router → `PoolManager.scale`. Up: new actors, which register
-  as they come up. Down: the newest workers retire in the background (see `drain` below).
+  as they come up. Down: the workers an operator drained, then the newest, retire in the
+  background (see `drain` below); each is drained at the first router at once.
 - drain (one retiring worker): the router is told to stop routing to it (`AdminService.Drain`),
   the pool waits until the router has no request in flight on it, the worker waits until the
   leases it holds for peers are released (prefill KV blocks a decode worker has not pulled
