@@ -116,16 +116,17 @@ class Controller:
         # Tell the pools which workers have registered (those drain when stopping) and which
         # an operator drained (those retire first); a retiring one drains here at once.
         registered = self.pools.registered
-        registry = self.router.registry
-        registry.on_register.append(lambda record: registered.add(record.name))
+        self.router.registry.on_register.append(lambda record: registered.add(record.name))
+        registries = [r.registry for r in (self.router, *self.more_routers)]  # one a router
         self.pools.drained = lambda name: any(
-            w.name == name and w.drain_requested for w in registry.workers()
+            w.name == name and w.drain_requested for r in registries for w in r.workers()
         )
 
         def retiring(name: str) -> None:
-            for worker in registry.workers():
-                if worker.name == name:
-                    registry.drain(worker.address)
+            for registry in registries:
+                for worker in registry.workers():
+                    if worker.name == name:
+                        registry.drain(worker.address)
 
         self.pools.retiring = retiring
         for role, replicas in settings.pools.initial_replicas().items():

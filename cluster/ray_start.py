@@ -42,18 +42,31 @@ def signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM while the block runs are held until it ends, then raised as
     KeyboardInterrupt (the caller then stops what it started). Ray's own SIGTERM handler,
     which `ray.init` installs and which exits at once, is kept out meanwhile: a Ray stopped
-    half-way through its start left its dashboard and runtime-env agents running for good."""
+    half-way through its start left its dashboard and runtime-env agents running for good.
+    A start that fails after a signal is a stop too; a second signal ends the block at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held: list[int] = []
-    before = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in _HELD}
+
+    def hold(signum: int, _frame: object) -> None:
+        if held:  # a second signal: the start hangs, perhaps; let it go now
+            for number, handler in before.items():
+                signal.signal(number, handler)
+            raise KeyboardInterrupt(f"signal {signum} again while Ray started")
+        held.append(signum)
+
+    before = {s: signal.signal(s, hold) for s in _HELD}
     utils = sys.modules.get("ray._private.utils")
     ray_handler = getattr(utils, "set_sigterm_handler", None)
     if ray_handler is not None:
         utils.set_sigterm_handler = lambda handler: None  # type: ignore[union-attr]
     try:
         yield
+    except BaseException as exc:  # a start that failed after the signal is still a stop
+        if held and not isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt(f"signal {held[0]} while Ray started") from exc
+        raise
     finally:
         if ray_handler is not None:
             utils.set_sigterm_handler = ray_handler  # type: ignore[union-attr]

@@ -84,18 +84,24 @@ def with_cluster_token(settings: Any) -> Any:
     """`settings` with a fresh cluster token file for this deployment, unless one is given
     (top level or in every role) or `[security] insecure` is set; says where it went. A
     token file given to some roles only (one file) becomes every role's."""
+    from common.settings.schema import SettingsError
     from common.settings.security import write_token_file
 
     security = settings.security
     roles = (settings.router, settings.encoder, settings.prefill, settings.decode)
-    if security.insecure or security.cluster_token_file:
+    if security.insecure:
         return settings
-    if all(r.security.cluster_token_file or r.security.insecure for r in roles):
+    secure = [r for r in roles if not r.security.insecure]
+    named = {r.security.cluster_token_file or security.cluster_token_file for r in secure}
+    if len(_tokens(named - {None})) > 1:  # each role the token of its own file, or the top's
+        raise SettingsError(
+            "security.cluster_token_file: the roles' files hold different tokens; every role "
+            "needs the same one: set it once in [security]"
+        )
+    if None not in named:
         return settings
-    given = sorted({r.security.cluster_token_file for r in roles} - {None})
+    given = sorted(named - {None})
     if len(given) > 1:
-        from common.settings.schema import SettingsError
-
         raise SettingsError(
             f"security.cluster_token_file: roles name different files ({', '.join(given)}) "
             "and others none; every role needs the same token: set it once in [security]"
@@ -108,6 +114,15 @@ def with_cluster_token(settings: Any) -> Any:
     return dataclasses.replace(
         settings, security=dataclasses.replace(security, cluster_token_file=path)
     )
+
+
+def _tokens(paths: set[str]) -> set[str]:
+    """The tokens the files at `paths` hold (one unreadable is its role's check to name)."""
+    tokens = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            tokens.add(Path(path).read_text().strip())
+    return tokens
 
 
 def with_api_keys(settings: Any) -> Any:

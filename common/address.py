@@ -11,12 +11,16 @@ from __future__ import annotations
 import ipaddress
 import re
 
-# An address in a message: gRPC's own (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:50062`), a
-# bracketed IPv6 one, or host:port.
+# An address in a message, as gRPC and our workers write them: gRPC's own forms
+# (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:1`, `dns:host:port`), a bracketed IPv6 address, a
+# bare one with `::`, an IPv4 address, or a dotted host name with a port. Not any word before
+# `:digits` (a time, a ratio, `id:12345` are a client's own words).
 _ADDRESS = re.compile(
-    r"(?:ipv[46]|unix|dns):\S+"
-    r"|\[[0-9A-Fa-f:.%]+\]:\d{1,5}\b"
-    r"|\b[A-Za-z0-9][A-Za-z0-9_.-]*:\d{1,5}\b"
+    r"(?:ipv4|ipv6|dns|unix|unix-abstract):(?:\[[^\]\s]*\]|%5B\S*?%5D|[^\s:]+)(?::\d{1,5})?"
+    r"|\[[0-9A-Fa-f.%]*:[0-9A-Fa-f:.%]*\](?::\d{1,5})?"
+    r"|(?<![\w:.])[0-9A-Fa-f:]*::[0-9A-Fa-f:.]*[0-9A-Fa-f]"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b"
+    r"|\b[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+:\d{1,5}\b"
 )
 
 

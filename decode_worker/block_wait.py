@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_RENEW_S = 0.05  # the shortest wait between two renewals of a waiting request's lease
+UNRENEWED_LOOK_S = 1.0  # without renewals, how often a waiting request plans again
 
 
 class BlockWait:
@@ -105,8 +106,12 @@ class BlockWait:
                 freed = asyncio.ensure_future(self.wait_freed())
                 waits: set[asyncio.Future[Any]] = {freed} if renewal is None else {freed, renewal}
                 # Not renewing: only freed blocks (or the caller's deadline) end the wait.
+                # Not renewing: freed blocks, or a look every `UNRENEWED_LOOK_S` (blocks an
+                # import gives back, not the decode loop, wake no one).
                 timeout = (
-                    max(next_renewal - time.monotonic(), MIN_RENEW_S) if self.renew_leases else None
+                    max(next_renewal - time.monotonic(), MIN_RENEW_S)
+                    if self.renew_leases
+                    else UNRENEWED_LOOK_S
                 )
                 await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 freed.cancel()

@@ -144,3 +144,29 @@ def test_with_the_tokens_bytes_text_is_exact_whatever_the_tokens_split() -> None
     detok = IncrementalDetokenizer(counting, [bytes([b]) for b in range(256)] + [b""])
     text = "".join(detok.add([i]) for i in [ord("a"), *[0x80, EOS] * 5000]) + detok.flush()
     assert text == decode_eos([ord("a"), *[0x80] * 5000]) and counting.tokens == 0
+
+
+def test_added_tokens_decode_from_the_table_as_decode_reads_them() -> None:
+    # The ByteLevel decoder reads an added token through its byte alphabet when every
+    # character of it is in it ('café' is 'caf' and a lone byte; 'Ġhello' is ' hello').
+    import os
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from common.models.tiny import default_checkpoint
+    from common.processing.token_bytes import byte_level_table
+
+    tokenizer = Tokenizer.from_file(os.path.join(default_checkpoint("tiny"), "tokenizer.json"))
+    first = tokenizer.get_vocab_size()
+    added = ["café", "Ġhello", "<think>", "猫猫", "a b"]
+    tokenizer.add_tokens([AddedToken(t, special=False) for t in added])
+    tokenizer.add_special_tokens([AddedToken("<|spécial|>", special=True)])
+    table = byte_level_table(tokenizer)
+    assert table is not None
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    for token_id in range(first, tokenizer.get_vocab_size()):
+        detok = IncrementalDetokenizer(decode, table)
+        assert detok.add([token_id]) + detok.flush() == decode([token_id]), token_id

@@ -429,9 +429,10 @@ async def test_a_waiting_request_renews_at_once_and_stops_when_its_lease_is_gone
 
 
 @pytest.mark.asyncio
-async def test_a_request_waiting_without_renewals_waits_for_freed_blocks_only() -> None:
+async def test_a_request_waiting_without_renewals_plans_again_once_a_second() -> None:
     # With renew_leases off it planned again 20 times a second (each time digesting the
-    # cached blocks on the model thread) instead of waiting for the decode loop to free some.
+    # cached blocks on the model thread); now once a second, or when the decode loop frees
+    # blocks (an import that gives blocks back wakes no one, so it still looks).
     peers = RenewingPeers()
     importer, allocator, model = waiting_importer(peers, renew=False)
     plans = []
@@ -450,8 +451,8 @@ async def test_a_request_waiting_without_renewals_waits_for_freed_blocks_only() 
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(
                 importer.admit(handle, [1] * 6, None, [1], 0, SamplingParams(max_tokens=4), 1.0),
-                1.0,
+                2.5,
             )
-        assert len(plans) == 1 and not peers.renewed_at
+        assert 2 <= len(plans) <= 4 and not peers.renewed_at  # once a second, not 20 times
     finally:
         model.close()

@@ -65,8 +65,17 @@ def test_a_signal_while_ray_starts_is_held_until_it_has() -> None:
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt, match="while Ray started"), signals_held():
         os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)
-        survived = True  # neither ended the block
+        survived = True  # it did not end the block
     assert survived and signal.getsignal(signal.SIGTERM) is before
     with signals_held():  # no signal: nothing raised
         pass
+    # A start that fails after the signal is a stop all the same.
+    with pytest.raises(KeyboardInterrupt), signals_held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise RuntimeError("the node timed out during startup")
+    # A second signal does not wait for a start that may hang.
+    with pytest.raises(KeyboardInterrupt, match="again"), signals_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("not reached")
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.serve import with_api_keys, with_cluster_token
-from cluster.settings import EpdSettings
+from cluster.settings import ROLES, EpdSettings
 from common.server.auth import Authenticator, Caller, Need, need_for
 from common.settings.api_keys import default_api_key, load_api_keys
 from common.settings.schema import SettingsError, from_mapping
@@ -131,6 +131,16 @@ def test_a_token_given_to_one_role_is_every_roles(
     )
     with pytest.raises(SettingsError, match="different files"):
         with_cluster_token(split)
+    # Every role a file: the tokens they hold must be one, whatever the paths.
+    for name, token in (("a", "t1"), ("b", "t1"), ("c", "t2")):
+        (tmp_path / name).write_text(token + "\n")
+    every = {role: {"security": {"cluster_token_file": str(tmp_path / "a")}} for role in ROLES}
+    every["router"] = {"security": {"cluster_token_file": str(tmp_path / "b")}}  # same token
+    same = from_mapping(EpdSettings, every)
+    assert with_cluster_token(same) is same
+    every["decode"] = {"security": {"cluster_token_file": str(tmp_path / "c")}}  # another
+    with pytest.raises(SettingsError, match="hold different tokens"):
+        with_cluster_token(from_mapping(EpdSettings, every))
 
 
 def test_a_refused_epd_serve_leaves_the_running_deployments_secrets_alone(

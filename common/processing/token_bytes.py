@@ -3,8 +3,9 @@ concatenates and reads as UTF-8, replacing what is not (`router.detokenize` deco
 incrementally from them, exactly and in time linear in its tokens).
 
 A byte-level vocabulary spells each byte as one printable character (GPT-2's
-`bytes_to_unicode`); an added token is its content, and nothing when it is special (decode
-skips special tokens). Any other tokenizer, or a vocabulary entry outside that alphabet, has
+`bytes_to_unicode`); an added token is its content, read through that alphabet when every
+character of it is in it (as the ByteLevel decoder reads it), and nothing when it is special
+(decode skips special tokens). Any other tokenizer, or a vocabulary entry outside that alphabet, has
 no table: None.
 """
 
@@ -40,8 +41,15 @@ def byte_level_table(tokenizer: Any) -> list[bytes] | None:
     table: list[bytes] = []
     for token_id in range(tokenizer.get_vocab_size()):
         token = added.get(token_id)
-        if token is not None:
-            table.append(b"" if token.special else token.content.encode("utf-8"))
+        if token is not None and token.special:
+            table.append(b"")
+            continue
+        if token is not None:  # read through the byte alphabet when all of it is in it
+            content = token.content
+            if all(c in byte_of for c in content):
+                table.append(bytes(byte_of[c] for c in content))
+            else:
+                table.append(content.encode("utf-8"))
             continue
         text = tokenizer.id_to_token(token_id) or ""
         try:
