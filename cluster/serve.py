@@ -19,6 +19,7 @@ def cmd_serve(settings: Any) -> int:
     (or join) Ray, run the deployment until SIGINT/SIGTERM, then stop it cleanly."""
     settings.check()  # the same check as `epd config --check`; `epd` exits 2 with its line
     check_ports(settings)
+    token_file_for_all(settings)  # roles' tokens that differ: refused before Ray starts
     import logging
 
     from cluster.ray_start import init_ray, refuse_if_running
@@ -83,32 +84,17 @@ def state_dir(namespace: str) -> Path:
 def with_cluster_token(settings: Any) -> Any:
     """`settings` with a fresh cluster token file for this deployment, unless one is given
     (top level or in every role) or `[security] insecure` is set; says where it went. A
-    token file given to some roles only (one file) becomes every role's."""
-    from common.settings.schema import SettingsError
+    token file given to some roles only becomes every role's (`token_file_for_all`)."""
     from common.settings.security import write_token_file
 
     security = settings.security
-    roles = (settings.router, settings.encoder, settings.prefill, settings.decode)
-    if security.insecure:
+    if security.insecure or security.cluster_token_file:
+        token_file_for_all(settings)  # roles of their own files: the tokens must agree
         return settings
-    secure = [r for r in roles if not r.security.insecure]
-    named = {r.security.cluster_token_file or security.cluster_token_file for r in secure}
-    if len(_tokens(named - {None})) > 1:  # each role the token of its own file, or the top's
-        raise SettingsError(
-            "security.cluster_token_file: the roles' files hold different tokens; every role "
-            "needs the same one: set it once in [security]"
-        )
-    if None not in named:
-        return settings
-    given = sorted(named - {None})
-    if len(given) > 1:
-        raise SettingsError(
-            f"security.cluster_token_file: roles name different files ({', '.join(given)}) "
-            "and others none; every role needs the same token: set it once in [security]"
-        )
-    if given:  # a role's own: every role's (a fresh one would split the deployment)
-        path = given[0]
-    else:
+    path = token_file_for_all(settings)
+    if path is None:
+        if all(r.security.cluster_token_file or r.security.insecure for r in _roles(settings)):
+            return settings  # every role names its own
         path = str(write_token_file(state_dir(settings.ray.namespace) / "cluster_token"))
         _say(f"cluster token for this deployment written to {path} (readable by you only)")
     return dataclasses.replace(
@@ -116,13 +102,40 @@ def with_cluster_token(settings: Any) -> Any:
     )
 
 
-def _tokens(paths: set[str]) -> set[str]:
-    """The tokens the files at `paths` hold (one unreadable is its role's check to name)."""
-    tokens = set()
-    for path in paths:
-        with contextlib.suppress(OSError):
-            tokens.add(Path(path).read_text().strip())
-    return tokens
+def _roles(settings: Any) -> tuple[Any, ...]:
+    return (settings.router, settings.encoder, settings.prefill, settings.decode)
+
+
+def token_file_for_all(settings: Any) -> str | None:
+    """The token file the roles that name none take: the top level's, or the one file some
+    roles name (None: none is named). SettingsError when the secure roles would hold
+    different tokens: files whose tokens differ, or several files for roles that name none
+    (unless they all hold one token). Reads the files as the roles will (`cluster_key`); one
+    it cannot read is its role's check to name. `epd serve` calls it before Ray starts."""
+    from common.settings.schema import SettingsError
+
+    if settings.security.insecure:
+        return None
+    secure = [r for r in _roles(settings.with_model()) if not r.security.insecure]
+    keys = set()
+    for role in secure:
+        with contextlib.suppress(SettingsError):
+            keys.add(role.security.cluster_key())
+    if len(keys) > 1:
+        raise SettingsError(
+            "security.cluster_token_file: the roles' files hold different tokens; every role "
+            "needs the same one: set it once in [security]"
+        )
+    if settings.security.cluster_token_file:
+        return str(settings.security.cluster_token_file)
+    own = [r.security.cluster_token_file for r in _roles(settings) if not r.security.insecure]
+    named = sorted(set(own) - {None})
+    if len(named) > 1 and None in own and len(keys) != 1:
+        raise SettingsError(
+            f"security.cluster_token_file: roles name different files ({', '.join(named)}) "
+            "and others none; every role needs the same token: set it once in [security]"
+        )
+    return named[0] if named and None in own else None
 
 
 def with_api_keys(settings: Any) -> Any:

@@ -11,17 +11,56 @@ from __future__ import annotations
 import ipaddress
 import re
 
-# An address in a message, as gRPC and our workers write them: gRPC's own forms
-# (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:1`, `dns:host:port`), a bracketed IPv6 address, a
-# bare one with `::`, an IPv4 address, or a dotted host name with a port. Not any word before
-# `:digits` (a time, a ratio, `id:12345` are a client's own words).
+# An address in a message, as gRPC, the OS and our workers write them (each candidate is
+# checked in `_address`): gRPC's own forms (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:1`,
+# `dns:host:port`), a DNS error's `name=`, a bracketed IPv6 address with its port, a bare IPv6
+# one (with `::`, or all 8 groups; a zone), an IPv4 one (a Python `('10.0.0.5', 50062)` whole),
+# `localhost`, a dotted or hyphenated host name with a port. Not any word before `:digits`:
+# a time, a ratio, `id:12345`, `c10::Error`, `file.cpp:44` are a client's or a library's.
 _ADDRESS = re.compile(
-    r"(?:ipv4|ipv6|dns|unix|unix-abstract):(?:\[[^\]\s]*\]|%5B\S*?%5D|[^\s:]+)(?::\d{1,5})?"
-    r"|\[[0-9A-Fa-f.%]*:[0-9A-Fa-f:.%]*\](?::\d{1,5})?"
-    r"|(?<![\w:.])[0-9A-Fa-f:]*::[0-9A-Fa-f:.]*[0-9A-Fa-f]"
-    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b"
-    r"|\b[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+:\d{1,5}\b"
+    r"(?P<grpc>(?:ipv4|ipv6|dns|unix|unix-abstract):"
+    r"(?:\[[^\]\s]*\]|%5B\S*?%5D|[^\s:]+)(?::\d{1,5})?)"
+    r"|(?P<dns>name=[^\s]+)"
+    r"|(?P<bracket>\[[0-9A-Fa-f.:]+(?:%[\w.-]+)?\]:\d{1,5})"
+    r"|(?P<tuple>\('[0-9A-Fa-f.:]+',\s*\d{1,5}\))"
+    r"|(?P<v6>(?<![\w:.\[])(?:[0-9A-Fa-f:]*::[0-9A-Fa-f:.]*[0-9A-Fa-f]|(?:[0-9A-Fa-f]{1,4}:){7}"
+    r"[0-9A-Fa-f]{1,4}(?::\d{1,5})?)(?:%[\w.-]+)?(?![\w:]))"
+    r"|(?P<v4>\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b)"
+    r"|(?P<host>\b(?:localhost|[A-Za-z][A-Za-z0-9-]*(?:\.[A-Za-z0-9-]+)+\.?|[A-Za-z][A-Za-z0-9]*"
+    r"(?:-[A-Za-z0-9]+)+):\d{1,5}\b)"
 )
+# Source files in a library's error (`CUDAException.cpp:44`), not hosts.
+_FILE_SUFFIXES = frozenset(
+    {"c", "cc", "cpp", "cu", "h", "hpp", "json", "proto", "py", "pyx", "rs", "safetensors", "so"}
+    | {"toml", "txt", "yaml", "yml"}
+)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
+def _address(match: re.Match[str], instead: str) -> str:
+    """`instead` for a candidate that is an address, the text as it is otherwise."""
+    text, kind = match.group(0), match.lastgroup
+    if kind == "bracket":
+        keep = not _is_ip(text[1 : text.rindex("]")])
+    elif kind == "tuple":
+        keep = not _is_ip(text.split("'")[1])
+    elif kind == "v6":  # with its port, or without
+        host, _, port = text.rpartition(":")
+        keep = not (_is_ip(text) or (port.isdigit() and _is_ip(host)))
+    elif kind == "v4":
+        keep = not _is_ip(text.split(":")[0])
+    elif kind == "host":
+        keep = text.rsplit(":", 1)[0].rsplit(".", 1)[-1].lower() in _FILE_SUFFIXES
+    else:
+        keep = False
+    return text if keep else instead
 
 
 def bracketed(address: str) -> str:
@@ -55,4 +94,4 @@ def check_address(address: str, field: str = "worker.address") -> None:
 def without_addresses(text: str, instead: str = "a worker") -> str:
     """`text` with every network address in it replaced by `instead`: what a worker's or
     gRPC's error says, for a client (the addresses are the operator's to know)."""
-    return _ADDRESS.sub(instead, text)
+    return _ADDRESS.sub(lambda match: _address(match, instead), text)

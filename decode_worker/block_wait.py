@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_RENEW_S = 0.05  # the shortest wait between two renewals of a waiting request's lease
-UNRENEWED_LOOK_S = 1.0  # without renewals, how often a waiting request plans again
+LOOK_S = 1.0  # how often a waiting request plans again, whatever woke it or not
 
 
 class BlockWait:
@@ -105,14 +105,11 @@ class BlockWait:
                     )
                 freed = asyncio.ensure_future(self.wait_freed())
                 waits: set[asyncio.Future[Any]] = {freed} if renewal is None else {freed, renewal}
-                # Not renewing: only freed blocks (or the caller's deadline) end the wait.
-                # Not renewing: freed blocks, or a look every `UNRENEWED_LOOK_S` (blocks an
-                # import gives back, not the decode loop, wake no one).
-                timeout = (
-                    max(next_renewal - time.monotonic(), MIN_RENEW_S)
-                    if self.renew_leases
-                    else UNRENEWED_LOOK_S
-                )
+                # Freed blocks, the next renewal, or a look every `LOOK_S`: blocks an import
+                # gives back (not the decode loop) wake no one.
+                timeout = LOOK_S
+                if self.renew_leases:
+                    timeout = min(max(next_renewal - time.monotonic(), MIN_RENEW_S), LOOK_S)
                 await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 freed.cancel()
         finally:

@@ -132,7 +132,8 @@ def test_a_token_given_to_one_role_is_every_roles(
     with pytest.raises(SettingsError, match="different files"):
         with_cluster_token(split)
     # Every role a file: the tokens they hold must be one, whatever the paths.
-    for name, token in (("a", "t1"), ("b", "t1"), ("c", "t2")):
+    one, other = "t" * 40, "t" * 40 + "\u00a0"  # a no-break space is no whitespace to strip
+    for name, token in (("a", one), ("b", one), ("c", other)):
         (tmp_path / name).write_text(token + "\n")
     every = {role: {"security": {"cluster_token_file": str(tmp_path / "a")}} for role in ROLES}
     every["router"] = {"security": {"cluster_token_file": str(tmp_path / "b")}}  # same token
@@ -141,6 +142,13 @@ def test_a_token_given_to_one_role_is_every_roles(
     every["decode"] = {"security": {"cluster_token_file": str(tmp_path / "c")}}  # another
     with pytest.raises(SettingsError, match="hold different tokens"):
         with_cluster_token(from_mapping(EpdSettings, every))
+    # Two files of one token, and roles naming none: they take the first.
+    two = {
+        "router": {"security": {"cluster_token_file": str(tmp_path / "a")}},
+        "prefill": {"security": {"cluster_token_file": str(tmp_path / "b")}},
+    }
+    shared = with_cluster_token(from_mapping(EpdSettings, two))
+    assert shared.security.cluster_token_file == str(tmp_path / "a")
 
 
 def test_a_refused_epd_serve_leaves_the_running_deployments_secrets_alone(
