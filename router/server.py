@@ -35,13 +35,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from common.errors import FieldError
-from common.models.prompt_check import check_context
 from common.models.runner import model_identity
 from common.processing.processor import ProcessedPrompt, Processor
 from common.roles import KV_ROLES
@@ -50,7 +49,6 @@ from common.server.lifecycle import ServerLifecycle
 from common.server.peers import PeerClient
 from common.server.role import AddServicer, RoleServer, checkpoint_path
 from common.server.rpc import RpcStatusError, service_name
-from common.wire.sampling import sampling_from_proto
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -64,8 +62,9 @@ from router.calls import Job, RouterError
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
 from router.held import HeldBytes, MediaHold, add_router_service, read_request
-from router.inputs import ContextTooLong, InputError, check_ids, messages_from_proto
+from router.inputs import ContextTooLong, InputError, check_ids
 from router.orchestrator import Orchestrator
+from router.prepare import prepare_request
 from router.registry import Registry
 from router.registry_service import RegistryServicer
 from router.settings import RouterSettings
@@ -110,65 +109,10 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         fit_max_tokens: bool = False,
         ended: Callable[[], bool] | None = None,
     ) -> tuple[Any, ProcessedPrompt]:
-        """Check and process one request (a worker thread); InputError naming the field.
-        `fit_max_tokens`: the request's `max_tokens` is a default, not the caller's: it is
-        cut to the context the prompt leaves (at least 1) rather than refused past it.
-        `ended()`: the request has ended (its caller left, its deadline passed): video
-        files stop decoding.
-
-        Every limit (`RouterSettings.input_limits`) is checked before the work it bounds:
-        sampling first, text bytes and media headers before anything is decoded or
-        tokenized, then prompt tokens + `max_tokens` against the context; no worker is
-        called for a request refused here."""
-        limits = self.settings.input_limits(self.processor.config.text.max_position_embeddings)
-        if request.HasField("prompt") and not request.prompt:
-            raise InputError("prompt", "is empty")
-        try:
-            sampling = sampling_from_proto(request.sampling, self.processor.generation)
-        except FieldError as exc:  # sampling errors and multimodal layout errors alike
-            raise InputError(exc.field, exc.reason) from None
-        if request.HasField("prompt") and request.messages:
-            raise InputError("prompt", "give either messages or a prompt, not both")
-        messages = (
-            []
-            if request.HasField("prompt")
-            else messages_from_proto(
-                request.messages,
-                limits,
-                self.processor,
-                cache_salt,
-                None if media is None else media.reserve,
-                ended,
-            )
+        """`router.prepare.prepare_request` with this router's settings and processor."""
+        return prepare_request(
+            self.settings, self.processor, request, cache_salt, media, fit_max_tokens, ended
         )
-        allow_special = self.settings.allow_special_tokens_in_text
-        text_field = "prompt" if request.HasField("prompt") else "messages"  # what errors name
-        try:
-            if request.HasField("prompt"):
-                prompt = self.processor.process_text(
-                    request.prompt, allow_special_tokens=allow_special, limits=limits
-                )
-            else:
-                prompt = self.processor.process(
-                    messages, allow_special_tokens=allow_special, limits=limits
-                )
-        except InputError:
-            raise
-        except FieldError as exc:
-            field = text_field if exc.field == "prompt_token_ids" else exc.field
-            raise InputError(field, exc.reason) from None
-        except (ValueError, TypeError) as exc:
-            raise InputError(text_field, str(exc)) from None
-        assert limits.max_model_len is not None
-        left = limits.max_model_len - len(prompt.prompt_token_ids)
-        if fit_max_tokens and sampling.max_tokens > left:
-            sampling = replace(sampling, max_tokens=max(1, left))
-        try:
-            check_context(len(prompt.prompt_token_ids), sampling.max_tokens, limits.max_model_len)
-        except FieldError as exc:
-            field = text_field if exc.field == "prompt_token_ids" else exc.field
-            raise ContextTooLong(field, exc.reason) from None
-        return sampling, prompt
 
     async def generate(
         self,
