@@ -164,6 +164,14 @@ def two_block_handle(kv: PagedKvCache, digest: bytes) -> kv_pb2.KvHandle:
     )
 
 
+def importer_of(runner: Any, agent: Any, peers: Any, *, renew: bool = True) -> KvImporter:
+    """A `KvImporter` over these stand-ins, on a model thread of its own (`model`), whose
+    decode loop never frees a block."""
+    return KvImporter(
+        runner, ModelThread(), agent, peers, DecodeCounters(), never_freed, renew_leases=renew
+    )
+
+
 @pytest.mark.asyncio
 async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_blocks() -> None:
     kv, allocator = small_kv()
@@ -182,15 +190,8 @@ async def test_sequence_that_fails_to_start_after_its_caller_left_frees_its_bloc
             return True
 
     handle = two_block_handle(kv, cache_block_digests(kv, [0])[0])
-    model = ModelThread()
-    importer = KvImporter(
-        runner,  # type: ignore[arg-type]
-        model,
-        SlowAgent(0.0, None),  # type: ignore[arg-type]
-        Peers(),  # type: ignore[arg-type]
-        DecodeCounters(),
-        never_freed,
-    )
+    importer = importer_of(runner, SlowAgent(0.0, None), Peers())
+    model = importer.model
     task = asyncio.ensure_future(
         importer.admit(handle, [1] * 6, None, [1], 0, SamplingParams(max_tokens=4), 1.0)
     )
@@ -221,15 +222,8 @@ async def test_a_read_that_timed_out_is_aborted_for_a_prefill_again(cancelled: b
     error = TransferTimeoutError("READ timed out", cancelled=cancelled)
     error.released = None if cancelled else concurrent.futures.Future()
     handle = two_block_handle(kv, b"d" * 32)
-    model = ModelThread()
-    importer = KvImporter(
-        runner,  # type: ignore[arg-type]
-        model,
-        SlowAgent(0.0, error),  # type: ignore[arg-type]
-        Peers(),  # type: ignore[arg-type]
-        DecodeCounters(),
-        never_freed,
-    )
+    importer = importer_of(runner, SlowAgent(0.0, error), Peers())
+    model = importer.model
     try:
         with pytest.raises(RpcStatusError) as refused:
             await importer.admit(handle, [1] * 6, None, [1], 0, SamplingParams(max_tokens=4), 1.0)
@@ -368,17 +362,8 @@ def waiting_importer(
     kv, allocator = small_kv()
     allocator.pool.allocate(7)
     runner = types.SimpleNamespace(kv=kv, allocator=allocator)
-    model = ModelThread()
-    importer = KvImporter(
-        runner,  # type: ignore[arg-type]
-        model,
-        SlowAgent(0.0, None),  # type: ignore[arg-type]
-        peers,  # type: ignore[arg-type]
-        DecodeCounters(),
-        never_freed,
-        renew_leases=renew,
-    )
-    return importer, allocator, model
+    importer = importer_of(runner, SlowAgent(0.0, None), peers, renew=renew)
+    return importer, allocator, importer.model
 
 
 @pytest.mark.asyncio
