@@ -286,3 +286,39 @@ def test_a_failed_peer_is_forgotten_by_its_last_read_never_waiting_for_others() 
     peers.end_read("holder")
     peers.forget(lock, "holder")  # the last READ failed too: forgotten
     assert "holder" not in peers and nixl.removed == ["holder"]
+
+
+def test_peers_idle_past_the_limit_are_forgotten_when_a_new_one_is_loaded() -> None:
+    # A decode worker kept every prefill worker it ever pulled from loaded in NIXL: each
+    # scale-up or restart is a new agent, and nothing forgot the ones gone.
+    from common.transfer.peers import IDLE_S, PeerSnapshots
+
+    class Nixl:
+        def __init__(self) -> None:
+            self.removed: list[str] = []
+
+        def add_remote_agent(self, metadata: bytes) -> bytes:
+            return metadata.split(b":")[0]
+
+        def remove_remote_agent(self, name: str) -> None:
+            self.removed.append(name)
+
+    now = [0.0]
+    nixl = Nixl()
+    peers = PeerSnapshots(nixl, "reader", clock=lambda: now[0])
+    for name in (b"gone", b"busy", b"used"):
+        peers.load(name + b":1")
+    peers.begin_read("busy")  # a READ in flight is never pulled from under
+    now[0] = IDLE_S + 1
+    peers.load(b"used:1")  # a known snapshot again: a use
+    peers.load(b"used:2")  # a known peer's new snapshot forgets nobody
+    assert nixl.removed == []
+    now[0] = 2 * IDLE_S
+    peers.load(b"new:1")
+    assert nixl.removed == ["gone"]
+    assert peers.names() == ["busy", "used", "new"]
+    peers.end_read("busy")
+    now[0] = 4 * IDLE_S
+    assert peers.load(b"gone:1") == "gone"  # a forgotten peer still there loads again
+    assert sorted(nixl.removed) == ["busy", "gone", "new", "used"]
+    assert peers.names() == ["gone"]

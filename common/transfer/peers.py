@@ -16,7 +16,10 @@ to a snapshot it loaded earlier than the current one. `refresh`: when NIXL refus
 snapshots loaded say, NIXL forgets the peer and loads the one snapshot the caller trusts
 (the handle's own), while no READ of that peer is prepared or in flight in this agent (a
 gate: READs wait during a refresh, a refresh waits for READs to finish). A READ refused is
-retried once that way (`prepare_read`).
+retried once that way (`prepare_read`). `load` of a new peer also forgets the peers not
+loaded nor read for `IDLE_S` (workers scaled away or restarted: another process is another
+agent, so a decode worker met every prefill worker it ever pulled from); one forgotten that
+is still there is loaded again from its next handle's snapshot, as after a failed READ.
 
 Thread safety: `load`, `covers`, `names` and `check_known` run under the agent's lock.
 `begin_read` / `end_read` / `refresh` / `prepare_read` take the gate themselves and the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,6 +50,9 @@ logger = logging.getLogger(__name__)
 # takes a new snapshot only when it registers more memory, so this is years of fallbacks.
 _REMEMBERED: Final = 4096
 
+# A peer neither loaded nor read for this long is forgotten when a new one is loaded.
+IDLE_S: Final = 600.0
+
 
 T = TypeVar("T")
 
@@ -57,7 +64,11 @@ def _digest(metadata: bytes) -> bytes:
 class PeerSnapshots:
     """The peers one nixl agent loaded and, per peer, the digests of the snapshots loaded."""
 
-    def __init__(self, agent: Any, own_name: str) -> None:
+    def __init__(
+        self, agent: Any, own_name: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
+        self._used: dict[str, float] = {}  # peer name -> when it was last loaded or read
         self._agent = agent  # the nixl agent (binding object) they are loaded into
         self._own_name = own_name  # that agent's name: its own metadata is refused
         self._owner: dict[bytes, str] = {}  # snapshot digest -> peer name
@@ -89,6 +100,7 @@ class PeerSnapshots:
         digest = _digest(metadata)
         name = self._owner.get(digest)
         if name is not None and not force:
+            self._used[name] = self._clock()
             return name
         try:
             raw_name = self._agent.add_remote_agent(metadata)
@@ -99,6 +111,9 @@ class PeerSnapshots:
         name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
         if name == self._own_name:
             raise ValueError("add_peer was given this agent's own metadata")
+        self._used[name] = self._clock()
+        if name not in self._loaded:
+            self._forget_idle()
         if digest not in self._owner:
             seen = self._loaded.setdefault(name, deque())
             seen.append(digest)
@@ -107,6 +122,27 @@ class PeerSnapshots:
                 del self._owner[seen.popleft()]
         logger.debug("%s loaded %s snapshot of %s", self._own_name, "a" if force else "a new", name)
         return name
+
+    def _forget_idle(self) -> None:
+        """Forget the peers idle for `IDLE_S`, none with a READ in flight (lock held)."""
+        cutoff = self._clock() - IDLE_S
+        with self._gate:
+            idle = [
+                peer
+                for peer in self._loaded
+                if self._used.get(peer, cutoff) <= cutoff
+                and not self._reading.get(peer)
+                and peer not in self._refreshing
+            ]
+            self._refreshing.update(idle)  # READs of them wait the moment this takes
+        try:
+            for peer in idle:
+                self._unload(peer)
+                logger.info("%s: forgot peer %s (idle %.0f s)", self._own_name, peer, IDLE_S)
+        finally:
+            with self._gate:
+                self._refreshing.difference_update(idle)
+                self._gate.notify_all()
 
     def covers(self, peer: str, remote_descs: Any) -> bool:
         """Whether NIXL knows `peer` registered every remote descriptor (nothing moves)."""
@@ -119,6 +155,7 @@ class PeerSnapshots:
             while peer in self._refreshing:
                 self._gate.wait()
             self._reading[peer] = self._reading.get(peer, 0) + 1
+            self._used[peer] = self._clock()
 
     def end_read(self, peer: str) -> None:
         """The READ counted by `begin_read` is done (released or parked)."""
@@ -225,6 +262,7 @@ class PeerSnapshots:
             logger.warning("could not forget peer %s", peer, exc_info=True)
         for digest in self._loaded.pop(peer):
             del self._owner[digest]
+        self._used.pop(peer, None)
         return True
 
     def remove_all(self) -> None:
@@ -236,6 +274,7 @@ class PeerSnapshots:
                 logger.warning("could not remove peer %s", name, exc_info=True)
         self._loaded.clear()
         self._owner.clear()
+        self._used.clear()
 
 
 def _refused_read(exc: Exception, descriptors: int, peer: str) -> TransferError:
