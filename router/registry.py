@@ -68,6 +68,9 @@ from router.workers import (
 
 logger = logging.getLogger(__name__)
 MAX_REFUSALS = 256  # refused worker addresses remembered (and their reasons, cut to:)
+# A refused worker asks again every few seconds (its registrar's backoff is capped at 5 s):
+# a refusal not repeated for this long is of a worker that gave up or went away.
+REFUSAL_SHOWN_S = 60.0
 MAX_REFUSAL_CHARS = 1024
 _ROLE_ORDER = {role: k for k, role in enumerate(Role)}  # `workers()` lists roles in this order
 _address = operator.attrgetter("address")
@@ -99,6 +102,7 @@ class Registry:
         self.checkpoint_shape = checkpoint_shape
         # worker address -> why Register refused it (the last `MAX_REFUSALS` addresses)
         self.refusals: OrderedDict[str, str] = OrderedDict()
+        self._refused_at: dict[str, float] = {}  # address -> when last refused
         self.reference_layout: KvLayout | None = None  # first registered KV layout
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
@@ -123,8 +127,17 @@ class Registry:
         key = address[:MAX_REFUSAL_CHARS]
         self.refusals[key] = why[:MAX_REFUSAL_CHARS]
         self.refusals.move_to_end(key)
+        self._refused_at[key] = self._clock()
         while len(self.refusals) > MAX_REFUSALS:
-            self.refusals.popitem(last=False)
+            del self._refused_at[self.refusals.popitem(last=False)[0]]
+
+    def recent_refusals(self) -> list[tuple[str, str]]:
+        """(address, why) of the refusals repeated in the last `REFUSAL_SHOWN_S`, oldest
+        first; older ones are forgotten."""
+        cutoff = self._clock() - REFUSAL_SHOWN_S
+        while self.refusals and self._refused_at[next(iter(self.refusals))] < cutoff:
+            del self._refused_at[self.refusals.popitem(last=False)[0]]
+        return list(self.refusals.items())
 
     def register(self, info: registry_service_pb2.WorkerInfo) -> WorkerRecord:
         """Check and record a worker. Raises ValueError for an incomplete registration and
@@ -208,6 +221,7 @@ class Registry:
         )
         self._workers[record.worker_id] = record
         self.refusals.pop(record.address, None)
+        self._refused_at.pop(record.address, None)
         logger.info("registered %s worker %s at %s", role, record.name, record.address)
         for listener in self.on_register:
             listener(record)

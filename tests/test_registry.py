@@ -371,6 +371,26 @@ def test_refusals_are_remembered_for_the_last_workers_only(registry: Registry) -
     assert all(len(why) == MAX_REFUSAL_CHARS for why in registry.refusals.values())
 
 
+def test_status_shows_refusals_while_the_worker_keeps_asking(
+    registry: Registry, clock: Clock
+) -> None:
+    # A refused worker that gave up or went away was listed by `epd status` for good.
+    from router.registry import REFUSAL_SHOWN_S
+
+    registry.refuse("10.0.0.1:1", "wrong model")
+    registry.refuse("10.0.0.2:1", "wrong layout")
+    clock.now += REFUSAL_SHOWN_S / 2
+    registry.refuse("10.0.0.1:1", "wrong model")  # it asked again
+    assert registry.recent_refusals() == [
+        ("10.0.0.2:1", "wrong layout"),
+        ("10.0.0.1:1", "wrong model"),
+    ]
+    clock.now += REFUSAL_SHOWN_S / 2 + 1
+    assert registry.recent_refusals() == [("10.0.0.1:1", "wrong model")]
+    clock.now += REFUSAL_SHOWN_S
+    assert registry.recent_refusals() == [] and not registry.refusals
+
+
 def test_a_worker_whose_call_failed_is_picked_last_until_it_heartbeats(
     registry: Registry, clock: Clock
 ) -> None:
