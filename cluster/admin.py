@@ -149,7 +149,12 @@ async def cmd_status(args: argparse.Namespace) -> int:
     rows = [(*header, "SEEN", "STATE")]
     for w in reply.workers:
         load = w.load
-        kv = "-" if w.info.role == 1 else f"{load.kv_blocks_used}/{load.kv_blocks_free}"
+        if w.info.role == 1:
+            kv = "-"  # the encoder holds no KV
+        elif load.kv_blocks_used + load.kv_blocks_free == 0:
+            kv = "?"  # no heartbeat yet: its pool is not known
+        else:
+            kv = f"{load.kv_blocks_used}/{load.kv_blocks_free}"
         hits = f"{load.cache_hits}/{load.cache_lookups}"
         rows.append(
             (

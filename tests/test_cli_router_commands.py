@@ -76,8 +76,9 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
                     suspect=role == 3,
                 )
                 worker.load.active_requests = 1
-                worker.load.kv_blocks_used = 3
-                worker.load.kv_blocks_free = 61
+                if role != 3:  # the decode worker has not heartbeated yet
+                    worker.load.kv_blocks_used = 3
+                    worker.load.kv_blocks_free = 61
                 worker.load.cache_hits = 2
                 worker.load.cache_lookups = 5
         return response
@@ -183,6 +184,7 @@ async def test_status_lists_every_worker(
     assert rows[0][5] == "-"  # encoders have no KV blocks
     assert rows[1][:6] == ["prefill", "w-2-0", "127.0.0.1:7020", "1", "1", "3/61"]
     assert rows[1][6] == "2/5"
+    assert rows[2][5] == "?"  # no heartbeat yet: not a full pool of 0 blocks
     assert [r[-1] for r in rows] == ["serving", "serving", "suspect"]  # a call on it failed
 
 

@@ -279,6 +279,30 @@ async def test_registrar_registers_heartbeats_and_reregisters() -> None:
         await router.stop(0)
 
 
+async def test_registrar_sends_its_load_as_soon_as_it_registers() -> None:
+    # The first heartbeat waited a whole interval: till then the router's admission had no
+    # KV capacity for the worker (it placed requests there unaccounted) and `epd status`
+    # showed its KV as 0/0.
+    class SlowHeartbeats(FakeRegistry):
+        async def Register(self, request: Any, context: Any) -> Any:
+            reply = await super().Register(request, context)
+            reply.heartbeat_interval_ms = 60_000
+            return reply
+
+    fake = SlowHeartbeats()
+    router = await _start_registry(fake)
+    load = registry_service_pb2.WorkerLoad(kv_blocks_free=64)
+    registrar = Registrar(router.address, _info(), lambda: load)
+    try:
+        registrar.start()
+        await registrar.wait_registered(5)
+        await _until(lambda: len(fake.loads) == 1, timeout_s=2.0)
+        assert fake.loads[0].kv_blocks_free == 64
+    finally:
+        await registrar.stop()
+        await router.stop(0)
+
+
 async def test_registrar_waits_for_router_to_appear() -> None:
     probe_server = await start_server([])
     port = int(probe_server.address.rsplit(":", 1)[1])

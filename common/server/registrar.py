@@ -4,7 +4,8 @@ router in a `Registrations`: each router keeps its own registry, so each registr
 and fails on its own.
 
 Lifecycle of a `Registrar`: `start()` launches a background task that registers (retrying
-with capped backoff while the router is unreachable or refuses), then heartbeats every
+with capped backoff while the router is unreachable or refuses), heartbeats its load at once
+(the router's admission accounts a worker's KV only from a heartbeat), then every
 `heartbeat_interval_ms` the router asked for. A heartbeat answered `known=False`, or one that
 fails (router restarted, network), sends the worker back to registering. The task logs
 failures — the first of an outage at WARNING, repeats at DEBUG — and never raises. `stop()`
@@ -126,7 +127,8 @@ class Registrar:
                 if self.worker_id is None:
                     await self._register(stub)
                     backoff = self.retry_initial_s
-                await asyncio.sleep(self.heartbeat_s)
+                else:  # just registered: the load goes at once (admission counts KV from it)
+                    await asyncio.sleep(self.heartbeat_s)
                 await self._heartbeat(stub)
             except asyncio.CancelledError:
                 raise
