@@ -29,8 +29,10 @@ Never fits (`Need.too_large`): refused at once with `TooLarge`, as waiting canno
 Safety net: a prefill worker's RESOURCE_EXHAUSTED (its pool momentarily full of blocks the
 ledger does not see: another router's requests, a worker not yet heartbeated, leases the
 reaper has not yet expired) comes back as `KvPoolFull`; the caller hands the ticket to
-`requeue`, which releases its reservations and puts it back at the head after a back-off
-(doubling from `retry_backoff_s`, at most 1 s), then places it again.
+`requeue`, which releases its reservations and puts it back at the head: placed at once on
+a prefill worker that has not refused it, if one has room, else after a back-off (doubling
+from `retry_backoff_s`, at most 1 s) on any: the ledger cannot see what fills the pool that
+refused, so only another worker or time can help.
 
 Back-off hint: the median wait of the last requests that queued (1 s before any), at least
 0.1 s and at most `max_wait_s`; in the message and as trailing metadata `retry-after-ms`.
@@ -49,7 +51,7 @@ import logging
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -86,6 +88,7 @@ class Ticket:
     workers: dict[Role, WorkerRecord] = field(default_factory=dict)  # reserved on, per role
     waited_s: float = 0.0  # time queued, requeues included
     requeues: int = 0  # times put back after a prefill worker's RESOURCE_EXHAUSTED
+    refused_by: set[str] = field(default_factory=set)  # the prefill workers that did
 
 
 @dataclass(slots=True, eq=False)
@@ -166,6 +169,7 @@ class Admission:
         for r in roles:
             worker = ticket.workers.pop(r, None)
             if worker is not None:
+                worker.placed -= 1
                 self._unreserve(worker.address, ticket.need.blocks(r))
                 self.tenants.give(ticket.tenant, r, ticket.need.blocks(r))
                 released = True
@@ -180,6 +184,8 @@ class Admission:
             return
         self._unreserve(old.address, ticket.need.blocks(role))
         self._reserved[worker.address] += ticket.need.blocks(role)
+        old.placed -= 1
+        worker.placed += 1
         ticket.workers[role] = worker
         self._kick()
 
@@ -226,8 +232,12 @@ class Admission:
 
     async def requeue(self, ticket: Ticket, choose: Choose) -> None:
         """A prefill worker refused the ticket's prompt for a full pool: release its
-        reservations and place it again from the head of the queue after a back-off.
-        Raises like `admit`'s wait."""
+        reservations and place it again from the head of the queue, at once on a prefill
+        worker that has not refused it, else after a back-off (the pool that refused may
+        have room by then). Raises like `admit`'s wait."""
+        refused = ticket.workers.get(Role.PREFILL)
+        if refused is not None:
+            ticket.refused_by.add(refused.address)
         self.release(ticket)
         self._check_fits(ticket.need)  # a capacity heartbeated since may rule it out
         ticket.requeues += 1
@@ -268,13 +278,16 @@ class Admission:
                 self.refused["never_fits"] += 1
                 raise refusal
 
-    def _place(self, ticket: Ticket, choose: Choose) -> bool:
-        """Reserve on a worker with room for each role, or nothing and False."""
+    def _place(self, ticket: Ticket, choose: Choose, avoid: Collection[str] = frozenset()) -> bool:
+        """Reserve on a worker with room for each role, none of the prefill workers in
+        `avoid`, or nothing and False."""
         full: dict[Role, frozenset[str]] = {}
         for role in KV_ROLES:
             live = self._live(role)
             blocks = ticket.need.blocks(role)
             full[role] = frozenset(w.address for w in live if not self.has_room(w, blocks))
+            if role == Role.PREFILL:
+                full[role] |= {w.address for w in live if w.address in avoid}
             if len(full[role]) == len(live):
                 return False
         chosen: dict[Role, WorkerRecord] = {}
@@ -284,6 +297,7 @@ class Admission:
             except NoWorkerError:  # gone since `_live` (its heartbeats just ran out)
                 return False
         for role, worker in chosen.items():
+            worker.placed += 1  # load from now on (`WorkerRecord.load_estimate`)
             self._reserved[worker.address] += ticket.need.blocks(role)
             self.tenants.take(ticket.tenant, role, ticket.need.blocks(role))
             ticket.workers[role] = worker
@@ -330,7 +344,8 @@ class Admission:
             while True:
                 now = self._clock()
                 head = self._head() is waiter
-                if head and now >= waiter.not_before and self._place(ticket, waiter.choose):
+                avoid = ticket.refused_by if now < waiter.not_before else frozenset()
+                if head and self._place(ticket, waiter.choose, avoid):
                     self.placed_ahead += self._queue[0] is not waiter
                     return
                 if not head:

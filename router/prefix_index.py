@@ -138,6 +138,13 @@ class PrefixIndex:
                     self._reset(address)
                     return
                 logger.debug("KV events of %s: %s; resubscribing", address, exc.code().name)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # `forget` or `close`
+                # The channel was closed under the stream (`PeerClient.keep_only`): grpc
+                # cancels its calls, and the worker's hashes would stay, never followed.
+                logger.debug("KV events of %s: channel closed; resubscribing", address)
             finally:
                 call.cancel()
             self._reset(address)

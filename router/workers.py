@@ -77,6 +77,9 @@ class WorkerRecord:
     load: WorkerLoad = field(default_factory=WorkerLoad)  # last reported load
     in_flight: int = 0  # requests this router has on the worker now
     in_flight_at_heartbeat: int = 0  # `in_flight` when the last heartbeat arrived
+    # Requests admission placed here whose reservation stands: started or not (a decode is
+    # placed when its request is admitted, and starts after encode and prefill).
+    placed: int = 0
     drain_requested: bool = False  # AdminService.Drain asked for it
     last_pick: int = 0  # selection tick of the last pick (least recently picked wins ties)
     # A call on it failed UNAVAILABLE since its last heartbeat (killed, frozen, unreachable):
@@ -113,8 +116,9 @@ class WorkerRecord:
 
     @property
     def load_estimate(self) -> int:
-        """Requests the worker has: this router's in-flight count (exact, current) plus what
+        """Requests the worker has: this router's (in flight, or placed by admission and yet
+        to start: a burst admitted at once must not all see the same idle worker) plus what
         the last heartbeat reported beyond this router's requests at that time (other
         routers' work, or queued work), so a request is not counted twice."""
         others = max(0, self.load.active_requests - self.in_flight_at_heartbeat)
-        return self.in_flight + others
+        return max(self.in_flight, self.placed) + others

@@ -213,3 +213,31 @@ def test_fifo_and_the_ledger_hold_for_any_needs(needs: list[int], releases: Any)
         assert adm.refused["never_fits"] == len(needs) - len(fits)
 
     asyncio.run(scenario())
+
+
+async def test_requests_placed_but_not_started_count_as_load() -> None:
+    # A burst sharing a cached prefix all went to the worker caching it: admission places a
+    # request's prefill and decode workers long before their calls start (and count), so
+    # every request of the burst saw the same idle loads and the slack never applied.
+    from router.prefix_index import PrefixIndex
+    from router.routing import Chooser
+
+    registry = deployment(prefill=(1000,) * 3, decode=(1000,) * 3)
+    prefix = PrefixIndex(channels=None)  # type: ignore[arg-type]  # never subscribes
+    hashes = [bytes([k]) * 32 for k in range(4)]
+    stored = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=hashes)
+    prefix._apply("prefill-0:1", [stored])
+    prefix._apply("decode-0:1", [stored])
+    adm = make(registry)
+    tickets = [
+        await adm.admit(16, 4, time.monotonic() + FAR, Chooser(registry, prefix, hashes))
+        for _ in range(12)
+    ]
+    for role in (Role.PREFILL, Role.DECODE):
+        placed = [w.placed for w in registry.workers(role)]
+        assert sum(placed) == 12 and max(placed) - min(placed) <= 2 + 1  # the slack
+        assert registry.workers(role)[0].placed == max(placed)  # the cache still draws
+    adm.move(tickets[0], Role.DECODE, registry.workers(Role.DECODE)[2])
+    for ticket in tickets:
+        adm.release(ticket)
+    assert all(w.placed == 0 and w.load_estimate == 0 for w in registry.workers())

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from common.roles import Role
 from router.admission import Ticket
 from router.calls import Refused, RouterError
 from tests.test_admission import FAR, admit, deployment, make, pick, settle
@@ -176,3 +177,26 @@ async def test_a_deadline_while_queued_is_deadline_exceeded_and_holds_nothing() 
     assert adm.stats().queued == 0 and adm.expired == 1 and adm.stats().refused == 0
     adm.release(held)
     assert adm.reserved("prefill-0:1") == 0
+
+
+async def test_a_requeued_request_goes_at_once_to_a_worker_that_did_not_refuse_it() -> None:
+    # It went back to the worker that refused it (its cached prefix drew it there) until
+    # `max_queue_wait_s`, and its back-off at the head held up every request behind it.
+    adm = make(deployment(prefill=(8, 8)), retry_backoff_s=0.6)
+    registry = adm.registry
+
+    def refuser_first(role: Any, exclude: frozenset[str]) -> Any:
+        prefer = [w for w in registry.workers(role) if w.address not in exclude]
+        return min(prefer, key=lambda w: w.address)  # prefill-0 caches the prompt
+
+    ticket = await adm.admit(8, 1, time.monotonic() + FAR, refuser_first)
+    assert ticket.workers[Role.PREFILL].address == "prefill-0:1"
+    started = time.monotonic()
+    await adm.requeue(ticket, refuser_first)  # prefill-0's pool was full after all
+    assert time.monotonic() - started < 0.3  # no back-off: prefill-1 had room
+    assert ticket.workers[Role.PREFILL].address == "prefill-1:1"
+    await adm.requeue(ticket, refuser_first)  # both refused: the back-off (1 s), then either
+    assert time.monotonic() - started >= 1.0
+    assert ticket.workers[Role.PREFILL].address == "prefill-0:1"
+    adm.release(ticket)
+    assert adm.reserved("prefill-0:1") == adm.reserved("prefill-1:1") == 0

@@ -131,3 +131,54 @@ def test_a_worker_announcing_without_end_is_dropped_not_held(monkeypatch) -> Non
     more = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=HASHES[8:])
     prefix._apply(address, [more])
     assert prefix._hashes[address] == set() and prefix._holders == {}
+
+
+async def test_a_stream_cut_by_its_channel_closing_is_followed_again() -> None:
+    # Closing a worker's channel (`PeerClient.keep_only`) cancels its calls: the follower
+    # ended as cancelled, keeping the worker's last hashes for good, never resubscribing.
+    import asyncio
+
+    import grpc
+
+    from common.roles import Role
+    from common.server.peers import PeerClient
+    from epd.v1 import prefill_service_pb2, prefill_service_pb2_grpc
+
+    hashes = [bytes([k]) * 32 for k in range(4)]
+    subscribed = asyncio.Event()
+    subscriptions = 0
+
+    class Worker(prefill_service_pb2_grpc.PrefillServiceServicer):
+        async def StreamKvEvents(self, request: object, context: object) -> object:
+            nonlocal subscriptions
+            subscriptions += 1
+            stored = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=hashes)
+            yield prefill_service_pb2.StreamKvEventsResponse(events=[stored])
+            subscribed.set()
+            await asyncio.sleep(60)
+
+    server = grpc.aio.server()
+    prefill_service_pb2_grpc.add_PrefillServiceServicer_to_server(Worker(), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    peers = PeerClient()
+    index = PrefixIndex(peers, retry_s=0.05)
+    try:
+        index.track(address, Role.PREFILL)
+        await asyncio.wait_for(subscribed.wait(), 10)
+        subscribed.clear()
+        peers.keep_only(set())
+        await asyncio.wait_for(subscribed.wait(), 10)
+        assert subscriptions == 2 and not index._tasks[address].done()
+        for _ in range(100):  # the snapshot it sent is applied
+            if index.cached_prefix(address, hashes) == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert index.cached_prefix(address, hashes) == 4
+        index.forget(address)  # its own cancellation still ends it
+        await asyncio.sleep(0.1)
+        assert address not in index._tasks and subscriptions == 2
+    finally:
+        await index.close()
+        await peers.close()
+        await server.stop(0)
