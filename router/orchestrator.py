@@ -77,6 +77,7 @@ from collections.abc import AsyncIterator, Awaitable
 import grpc
 
 from common.handoff import EMBEDDINGS_LOST
+from common.kv.block_pool import KV_POOL_FULL
 from common.processing.processor import Processor
 from common.sampling import StopChecker
 from common.server.peers import PeerClient
@@ -387,7 +388,7 @@ class Orchestrator:
                 Role.PREFILL, "prefill", call, first=first, exclude=failed, attempts=1
             )
         except RouterError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and KV_POOL_FULL in str(exc):
                 raise KvPoolFull(exc.code, str(exc)) from None
             raise
         return response, holder

@@ -11,11 +11,13 @@ from typing import Any
 import grpc
 import pytest
 
+from common.kv.block_pool import NoFreeBlocksError
 from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.roles import Role
 from common.sampling import SamplingParams
-from epd.client import build_request
+from common.server.rpc import status_for
+from epd.client import GenerateError, build_request
 from epd.v1 import admin_service_pb2, registry_service_pb2, router_service_pb2_grpc
 from router.admission import Need
 from router.server import serve
@@ -27,17 +29,19 @@ from tests.test_router import Cluster as RouterCluster
 
 
 class ExhaustedPrefill(FakePrefill):
-    """A fake prefill worker whose pool is full for its first `full` calls."""
+    """A fake prefill worker whose pool is full for its first `full` calls (as the worker
+    says it: `status_for(NoFreeBlocksError)`), or, with `details`, refusing each call so."""
 
-    def __init__(self, full: int = 0) -> None:
+    def __init__(self, full: int = 0, details: str | None = None) -> None:
         super().__init__()
         self.full = full
+        self.details = details or status_for(NoFreeBlocksError(2, 0))[1]
 
     async def Prefill(self, request: Any, context: Any) -> Any:
         if self.full:
             self.full -= 1
             self.requests.append(request)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "wanted 2 KV blocks, only 0")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.details)
         return await super().Prefill(request, context)
 
 
@@ -83,6 +87,22 @@ async def test_a_full_prefill_pool_puts_the_request_back_in_the_queue(router: An
         0,
     )
     assert status.queued_requests == 0
+
+
+async def test_another_resource_exhausted_from_prefill_is_not_queued_again(router: Any) -> None:
+    # Every RESOURCE_EXHAUSTED of a prefill worker was taken for a full pool: one that can
+    # never succeed (a message past gRPC's size limit) was queued again for 60 s, then
+    # reported as "no KV blocks free".
+    too_big = "Received message larger than max (4194405 vs. 4194304)"
+    pre = ExhaustedPrefill(full=5, details=too_big)
+    for role, servicer in ((Role.PREFILL, pre), (Role.DECODE, FakeDecode())):
+        await router.add(role, servicer)
+    with pytest.raises(GenerateError) as err:
+        await router.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in str(err.value) and len(pre.requests) == 1
+    status = await router.admin.Status(admin_service_pb2.StatusRequest())
+    assert status.requeued_requests == 0 and status.queued_requests == 0
 
 
 async def test_status_shows_the_queue_and_the_overflow_gets_a_retry_after(router: Any) -> None:

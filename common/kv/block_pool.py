@@ -45,6 +45,11 @@ from typing import Literal
 KvEventKind = Literal["stored", "removed", "cleared"]
 
 
+# Opens the details of a worker's RESOURCE_EXHAUSTED for its pool (`NoFreeBlocksError`): the
+# router requeues those alone; the others (a message past gRPC's size limit) never succeed.
+KV_POOL_FULL = "KV pool full"
+
+
 class NoFreeBlocksError(RuntimeError):
     """`allocate` asked for more blocks than are free or evictable; nothing changed."""
 

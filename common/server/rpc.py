@@ -31,7 +31,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from common.errors import FieldError
-from common.kv.block_pool import NoFreeBlocksError
+from common.kv.block_pool import KV_POOL_FULL, NoFreeBlocksError
 from common.server.auth import Authenticator, AuthInterceptor
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.settings.schema import SettingsError
@@ -310,14 +310,15 @@ def status_for(exc: BaseException) -> tuple[Any, str]:
 
     RpcStatusError → its code; FieldError (MultimodalLayoutError is one) / SettingsError /
     ValueError → INVALID_ARGUMENT (the message names the field); NoFreeBlocksError →
-    RESOURCE_EXHAUSTED; TimeoutError → DEADLINE_EXCEEDED; anything else → INTERNAL.
+    RESOURCE_EXHAUSTED, its details opening with `KV_POOL_FULL`; TimeoutError →
+    DEADLINE_EXCEEDED; anything else → INTERNAL.
     """
     if isinstance(exc, RpcStatusError):
         return exc.code, exc.details
     if isinstance(exc, FieldError | SettingsError | ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, NoFreeBlocksError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{KV_POOL_FULL}: {exc}"
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
