@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -293,3 +295,45 @@ def test_a_cached_block_never_outlives_the_blocks_before_it(num_blocks, ops):
         for x in cached:
             parent = x[1:-1]  # the path without its last block
             assert not parent or bytes([len(parent), *parent]) in cached, f"{x!r} without parent"
+
+
+async def test_a_kv_event_subscriber_too_far_behind_is_cut_off(monkeypatch: Any) -> None:
+    # Each subscriber's queue of live events had no bound: a router reading slower than the
+    # pool changes grew the worker's memory without end. Now its stream ends, and it
+    # subscribes again from a fresh snapshot.
+    import asyncio
+
+    import grpc
+
+    from common.kv import events
+    from common.server.kv_worker import stream_kv_events
+    from common.server.rpc import RpcStatusError
+
+    monkeypatch.setattr(events, "MAX_QUEUED_EVENTS", 4)
+
+    class Allocator:
+        def __init__(self) -> None:
+            self.listeners: list[Any] = []
+
+        def cached_hashes(self) -> list[bytes]:
+            return [b"a"]
+
+    class Model:  # the model thread, run inline
+        async def call(self, fn: Any, *args: Any, on_orphan: Any = None) -> Any:
+            return fn(*args)
+
+    hub = events.KvEventHub(Allocator())  # type: ignore[arg-type]
+    stream = stream_kv_events(hub, Model(), "slow")  # type: ignore[arg-type]
+    (snapshot,) = await stream.__anext__()
+    assert snapshot.event.block_hashes == (b"a",)
+    for i in range(3):
+        hub.on_event(KvEvent("stored", (bytes([i]),)))
+    await asyncio.sleep(0.01)
+    assert [e.sequence for e in await stream.__anext__()] == [1, 2, 3]  # within the bound
+    for i in range(10):
+        hub.on_event(KvEvent("stored", (bytes([i]),)))
+    await asyncio.sleep(0.01)
+    with pytest.raises(RpcStatusError) as err:
+        await stream.__anext__()
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "subscribe again" in err.value.details and hub.subscribers == 0

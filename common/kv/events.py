@@ -31,12 +31,26 @@ class NumberedKvEvent:
     sequence: int  # number of the last event included (1, 2, ...; a snapshot repeats it)
 
 
+# Live events one subscriber may have queued. A subscriber that reads slower than the pool
+# changes (a starved or stuck router) would otherwise grow the worker's memory without end;
+# past this its stream ends and it subscribes again, from a fresh snapshot.
+MAX_QUEUED_EVENTS = 65536
+
+
 @dataclass(eq=False, slots=True)
 class Subscription:
     """One StreamKvEvents stream's queue of live events."""
 
     loop: asyncio.AbstractEventLoop  # the loop that owns `queue`
     queue: asyncio.Queue[NumberedKvEvent] = field(default_factory=asyncio.Queue)
+    overflowed: bool = False  # `MAX_QUEUED_EVENTS` were waiting: later events were dropped
+
+    def offer(self, event: NumberedKvEvent) -> None:
+        """Queue `event` (on `loop`) unless the subscriber fell too far behind."""
+        if self.overflowed or self.queue.qsize() >= MAX_QUEUED_EVENTS:
+            self.overflowed = True
+            return
+        self.queue.put_nowait(event)
 
 
 class KvEventHub:
@@ -56,7 +70,7 @@ class KvEventHub:
             numbered = NumberedKvEvent(event, self.sequence)
             subs = list(self._subs)
         for sub in subs:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, numbered)
+            sub.loop.call_soon_threadsafe(sub.offer, numbered)
 
     def subscribe(self, sub: Subscription) -> NumberedKvEvent:
         """Add a subscriber and return the snapshot event: "stored" with every cached hash

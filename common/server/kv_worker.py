@@ -15,7 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from common.kv.events import KvEventHub, NumberedKvEvent, Subscription
+import grpc
+
+from common.kv.events import MAX_QUEUED_EVENTS, KvEventHub, NumberedKvEvent, Subscription
 from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
 from common.roles import PROTOCOL_VERSION
@@ -23,6 +25,7 @@ from common.server.auth import service_credentials
 from common.server.credentials import ChannelCredentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.role import Cleanup, checkpoint_path
+from common.server.rpc import RpcStatusError
 from common.settings.base import KvWorkerSettings
 from common.transfer.agent import TransferAgent
 from common.wire.kv import layout_to_proto
@@ -119,14 +122,21 @@ async def stream_kv_events(
 ) -> AsyncIterator[list[NumberedKvEvent]]:
     """A worker's KV event stream for one subscriber: first `[snapshot]` (taken on the
     model thread, see `KvEventHub.subscribe`), then each batch of the live events queued
-    since the last one, in sequence order. Never ends by itself; closing the generator
-    (the RPC is cancelled) unsubscribes."""
+    since the last one, in sequence order. Ends only with RESOURCE_EXHAUSTED when the
+    subscriber fell `MAX_QUEUED_EVENTS` behind (events were dropped: it subscribes again);
+    closing the generator (the RPC is cancelled) unsubscribes."""
     sub = Subscription(asyncio.get_running_loop())
     snapshot = await model.call(hub.subscribe, sub, on_orphan=lambda _: hub.unsubscribe(sub))
     logger.info("KV event subscriber %r joined", subscriber)
     try:
         yield [snapshot]
         while True:
+            if sub.overflowed:
+                raise RpcStatusError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"KV event subscriber {subscriber!r} fell {MAX_QUEUED_EVENTS} events "
+                    "behind; subscribe again",
+                )
             events = [await sub.queue.get()]
             while not sub.queue.empty():
                 events.append(sub.queue.get_nowait())
