@@ -276,8 +276,8 @@ class _Reader:
             raise InputError(f"{where}.video", "set exactly one of frames and file")
         if video.file:
             return self.video_file(video, where)
-        if not video.frames:
-            raise InputError(f"{where}.video.frames", "is empty")
+        if not video.frames:  # (an empty `file` reads as none)
+            raise InputError(f"{where}.video", "has neither frames nor a file (or it is empty)")
         try:
             check_video_frames(len(video.frames), self.limits, f"{where}.video.frames")
         except LimitError as exc:

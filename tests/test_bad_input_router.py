@@ -233,6 +233,8 @@ GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
         )
         for fps in (-1.0, 1e-40, 1e30)
     ),
+    # An empty file reads as none: it was blamed on `frames`, which the caller never set.
+    (grpc_part(video=router_service_pb2.VideoInput(file=b"")), "messages[0].content[0].video"),
 ]
 
 

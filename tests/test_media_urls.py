@@ -101,6 +101,26 @@ def test_base64_in_short_lines_costs_about_its_size() -> None:
         load("data:image/png;base64,QU\n\u00e9", "url", MediaPolicy())
 
 
+def test_data_urls_unpadded_or_url_safe_are_read_and_an_empty_one_is_refused() -> None:
+    # Encoders that write base64url, or drop the padding, were refused; an empty data URL
+    # of a video was blamed on `video.frames`, a field the HTTP API does not have.
+    import base64
+
+    data = bytes([251, 255, 191, 0])  # "+/" in standard base64, "-_" in base64url
+    for encoded in (
+        base64.b64encode(data),
+        base64.urlsafe_b64encode(data),
+        base64.urlsafe_b64encode(data).rstrip(b"="),
+    ):
+        assert load("data:image/png;base64," + encoded.decode(), "url", MediaPolicy()) == data
+    for bad in ("QQ=Q", "Q", "Q!=="):
+        with pytest.raises(FieldError, match="not valid base64"):
+            load("data:image/png;base64," + bad, "url", MediaPolicy())
+    with pytest.raises(FieldError, match="names an empty file") as err:
+        load("data:video/mp4;base64,", "messages[0].content[0].video_url.url", MediaPolicy())
+    assert err.value.field == "messages[0].content[0].video_url.url"
+
+
 @pytest.mark.parametrize("stage", ["head", "body"])
 def test_a_fetch_that_trickles_is_cut_at_fetch_timeout_s(
     stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -6,6 +6,9 @@ before a single frame is decoded (DESIGN §7, limits come before work):
 - the container kind, from its magic bytes: ISO base media (mp4, mov) or Matroska (mkv,
   webm), opened with that demuxer only, so no other demuxer (playlists, concat lists that
   open further files) ever reads the bytes;
+- of an mp4, the frames its boxes declare (`max_seconds` at `MAX_SOURCE_RATE`), before
+  FFmpeg indexes them; then the file is opened without probing its streams (no frame of
+  any is decoded) and with at most `MAX_STREAMS` streams;
 - the first video stream's width x height (`max_pixels`) and duration (`max_seconds`).
 
 `VideoFile.decode` then samples the stream at `fps`: one frame per `1 / fps` seconds (the
@@ -31,6 +34,7 @@ import av
 import numpy as np
 
 from common.errors import FieldError
+from common.processing.iso_boxes import TooManyBoxes, declared_frames
 from common.processing.limits import MIN_FPS, LimitError, check_fps
 from common.processing.video import TimedFrames
 
@@ -46,6 +50,16 @@ _FRAME_SLACK_MIN = 16
 # work; a small file declaring 1000 fps would otherwise have the router decode every one.
 MAX_SOURCE_RATE = 240.0
 _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
+# Opening reads the headers only: FFmpeg's stream probing would otherwise decode the first
+# frames of every stream before any limit is checked (20 streams of 8192x8192 in a 4 MB
+# file: 25 s and 6 GB), and a file may hold at most `MAX_STREAMS` streams.
+MAX_STREAMS = 16
+_OPEN_OPTIONS = {
+    "probesize": "32",
+    "analyzeduration": "0",
+    "fpsprobesize": "0",
+    "max_streams": str(MAX_STREAMS),
+}
 
 
 class VideoFileError(FieldError):
@@ -97,6 +111,8 @@ class VideoFile:
         each frame: decoding is linear, and the thread it runs on is not cancelled)."""
         try:
             return self._decode(ended)
+        except FieldError:
+            raise  # already names the field and says what is wrong
         except _DECODE_ERRORS as exc:
             raise VideoFileError(self.field, f"is not a decodable video ({exc})") from None
         finally:
@@ -199,8 +215,10 @@ def open_video(
             field, f"video file of {len(data)} bytes exceeds max_video_file_bytes = {max_bytes}"
         )
     kind = container_format(data, field)
+    if kind == "mov":
+        _check_declared_frames(data, max_seconds, field)
     try:
-        container = av.open(io.BytesIO(data), mode="r", format=kind)
+        container = av.open(io.BytesIO(data), mode="r", format=kind, options=_OPEN_OPTIONS)
     except _DECODE_ERRORS as exc:
         raise VideoFileError(field, f"is not a readable video file ({exc})") from None
     try:
@@ -263,6 +281,24 @@ def _header(
             f"{MAX_SOURCE_RATE:g}",
         )
     return VideoHeader(width, height, duration, rate, sample_times(duration, fps, max_frames))
+
+
+def _check_declared_frames(data: bytes, max_seconds: float | None, field: str) -> None:
+    """Refuse an mp4 whose boxes declare more frames than `max_seconds` of video can hold
+    (FFmpeg indexes every one as it opens the file: `common.processing.iso_boxes`)."""
+    try:
+        declared = declared_frames(data)
+    except TooManyBoxes as exc:
+        raise VideoFileError(field, str(exc)) from None
+    if max_seconds is None:
+        return
+    most = max(math.ceil(max_seconds * MAX_SOURCE_RATE * _FRAME_SLACK), _FRAME_SLACK_MIN)
+    if declared > most:
+        raise LimitError(
+            field,
+            f"declares {declared} frames; max_video_seconds = {max_seconds:g} at up to "
+            f"{MAX_SOURCE_RATE:g} frames per second holds at most {most}",
+        )
 
 
 def _check_header(

@@ -45,12 +45,15 @@ class MediaPolicy:
 def load(url: str, field: str, policy: MediaPolicy) -> bytes:
     """The file `url` names; FieldError(field) when it is malformed or not allowed."""
     try:
-        return _load(url, field, policy)
+        data = _load(url, field, policy)
     except FieldError:
         raise
     except ValueError as exc:  # what urllib, the OS or the resolver cannot take (a bad
         # IPv6 host or port, a NUL byte in a path, a host name too long to encode)
         raise FieldError(field, f"is not a valid URL ({exc})") from None
+    if not data:
+        raise FieldError(field, "names an empty file")
+    return data
 
 
 def _load(url: str, field: str, policy: MediaPolicy) -> bytes:
@@ -71,6 +74,7 @@ def _load(url: str, field: str, policy: MediaPolicy) -> bytes:
 # What base64 in lines may hold between its characters: stripped in one bytes pass (split
 # made an object of every piece between them, 20x the payload for 2-character lines).
 _LINE_SPACE = b" \t\r\n"
+_URL_SAFE = bytes.maketrans(b"-_", b"+/")  # base64url's two letters, as standard base64's
 
 
 def _data_url(url: str, field: str) -> bytes:
@@ -82,9 +86,9 @@ def _data_url(url: str, field: str) -> bytes:
     except (binascii.Error, ValueError):
         pass
     try:
-        unwrapped = payload.encode("ascii").translate(None, _LINE_SPACE)
-        if len(unwrapped) != len(payload):
-            return base64.b64decode(unwrapped, validate=True)
+        # Wrapped in lines, unpadded, or in the URL-safe alphabet: what encoders write.
+        text = payload.encode("ascii").translate(_URL_SAFE, _LINE_SPACE).rstrip(b"=")
+        return base64.b64decode(text + b"=" * (-len(text) % 4), validate=True)
     except (binascii.Error, ValueError):  # UnicodeEncodeError is one
         pass
     raise FieldError(field, "the data URL's payload is not valid base64")
