@@ -103,3 +103,18 @@ def test_a_decoding_error_naming_the_field_is_not_wrapped_again() -> None:
         open_video(data, fps=2.0, max_frames=8, field="f").decode(lambda: True)
     ended = "f: was still decoding when the request ended (client gone or deadline)"
     assert str(err.value) == ended
+
+
+def test_a_file_whose_sampling_means_decoding_too_much_is_refused_from_the_header() -> None:
+    # Two sample times 599 s apart in a file declaring 240 fps: every frame in between is
+    # decoded (in order) to reach the second; at 4096x4096 that was 77 minutes of a router
+    # thread, for a 4.7 MB file.
+    from common.processing.video_file import MAX_DECODED_PIXELS
+
+    data = make_video("matroska", "ffv1", frames=2, size=(1024, 1024), rate=240, pts=[0, 143_760])
+    with pytest.raises(LimitError, match="decoding 143761 frames of 1024x1024") as err:
+        open_video(data, fps=1 / 599, max_frames=8, field="f")
+    assert err.value.field == "f"
+    assert 143_761 * 1024 * 1024 > MAX_DECODED_PIXELS
+    video = open_video(data, fps=1 / 600, max_frames=8)  # one sample, at 0 s: one frame
+    assert video.decode().times == (0.0,)

@@ -9,6 +9,7 @@ before a single frame is decoded (DESIGN §7, limits come before work):
 - of an mp4, the frames its boxes declare (`max_seconds` at `MAX_SOURCE_RATE`), before
   FFmpeg indexes them; then the file is opened without probing its streams (no frame of
   any is decoded) and with at most `MAX_STREAMS` streams;
+- the pixels decoded to reach its last sample time (`MAX_DECODED_PIXELS`);
 - the first video stream's width x height (`max_pixels`) and duration (`max_seconds`).
 
 `VideoFile.decode` then samples the stream at `fps`: one frame per `1 / fps` seconds (the
@@ -54,6 +55,11 @@ _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 # frames of every stream before any limit is checked (20 streams of 8192x8192 in a 4 MB
 # file: 25 s and 6 GB), and a file may hold at most `MAX_STREAMS` streams.
 MAX_STREAMS = 16
+# Pixels a file may have decoded to reach its last sample time (frames are decoded in order,
+# kept or not): about 12 minutes of 1080p at 30 frames per second, half a minute of one core
+# here. A 4 MB file of 600 s at 240 fps, sampled twice, held a router thread for its request's
+# whole timeout (4096x4096: 77 minutes of decoding).
+MAX_DECODED_PIXELS = 5 * 10**10
 _OPEN_OPTIONS = {
     "probesize": "32",
     "analyzeduration": "0",
@@ -224,6 +230,7 @@ def open_video(
     try:
         header = _header(container, fps, max_frames, field)
         _check_header(header, max_pixels, max_seconds, field)
+        _check_decoding(header, field)
     except BaseException:
         container.close()
         raise
@@ -298,6 +305,21 @@ def _check_declared_frames(data: bytes, max_seconds: float | None, field: str) -
             field,
             f"declares {declared} frames; max_video_seconds = {max_seconds:g} at up to "
             f"{MAX_SOURCE_RATE:g} frames per second holds at most {most}",
+        )
+
+
+def _check_decoding(header: VideoHeader, field: str) -> None:
+    """Refuse a file whose frames up to its last sample time, at the rate its header says,
+    hold more than `MAX_DECODED_PIXELS` (the frames past that rate are refused as they
+    decode: `VideoFile._decode`'s budget)."""
+    frames = math.ceil(header.sample_times[-1] * (header.rate or MAX_SOURCE_RATE)) + 1
+    pixels = frames * header.width * header.height
+    if pixels > MAX_DECODED_PIXELS:
+        raise LimitError(
+            field,
+            f"sampling it means decoding {frames} frames of {header.width}x{header.height} "
+            f"to reach {header.sample_times[-1]:.1f} s, past {MAX_DECODED_PIXELS:.2g} pixels; "
+            "send fewer seconds, a lower resolution or its frames",
         )
 
 
