@@ -24,6 +24,11 @@ class GenerateError(Exception):
         self.code = code
         self.details = details
 
+    def __reduce__(self) -> tuple[type[GenerateError], tuple[grpc.StatusCode, str]]:
+        # Pickled (a process pool's worker raising it) as its two arguments: the default
+        # gives `__init__` the message alone, and the pool broke unpickling it.
+        return (type(self), (self.code, self.details))
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:

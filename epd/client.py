@@ -136,7 +136,7 @@ class Client:
         self.addresses = router_list(address)  # every router, in the order given
         self.address = self.addresses[0]  # the first (Status asks this one)
         credentials = ChannelCredentials(
-            api_key if api_key is not None else default_api_key(CLIENT_KEY_FILE),
+            _key(api_key) if api_key is not None else default_api_key(CLIENT_KEY_FILE),
             root_certificates=Path(tls_ca_file).read_bytes() if tls_ca_file else None,
             tls=tls_ca_file is not None,
         )
@@ -180,10 +180,13 @@ class Client:
         request_id: str = "",
         cache_salt: str | None = None,
         api_key: str | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
     ) -> AsyncIterator[Chunk]:
-        """Stream the answer to a chat. Leaving the loop early (break, cancellation) cancels
-        the request on the router, which frees what the workers hold for it. `api_key`
+        """Stream the answer to a chat. Closing the stream cancels the request on the
+        router, which frees what the workers hold for it: cancelling the task, or leaving
+        `async for chunk in client.generate(...)` early, closes it at once; a stream kept in
+        a variable is closed by `await stream.aclose()` (or `contextlib.aclosing`), else
+        only when it is garbage-collected, and the router generates on meanwhile. `api_key`
         overrides the client's key for this request; the answer ends before the first of
         the `stop` strings (finish reason "stop"). Raises `GenerateError`; `ValueError` for
         messages that cannot be sent.
@@ -196,7 +199,7 @@ class Client:
         request = build_request(
             messages, sampling, request_id=request_id, cache_salt=cache_salt, stop=stop
         )
-        metadata = bearer_metadata(api_key) if api_key is not None else None
+        metadata = bearer_metadata(_key(api_key)) if api_key is not None else None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failures: list[str] = []
         received: list[int] = []  # tokens of the answer the caller has
@@ -264,7 +267,7 @@ class Client:
         request_id: str = "",
         cache_salt: str | None = None,
         api_key: str | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
     ) -> Result:
         """The whole answer to a chat, with timings (`api_key`, `stop`: as in `generate`)."""
         start = time.perf_counter()
@@ -324,7 +327,7 @@ async def generate(
     timeout_s: float | None = None,
     api_key: str | None = None,
     tls_ca_file: str | Path | None = None,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
 ) -> AsyncIterator[Chunk]:
     """`Client.generate` on a connection of its own, closed when the stream ends."""
     async with Client(address, api_key=api_key, tls_ca_file=tls_ca_file) as client:
@@ -340,7 +343,7 @@ def generate_text(
     timeout_s: float | None = None,
     api_key: str | None = None,
     tls_ca_file: str | Path | None = None,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
 ) -> Result:
     """Blocking: the whole answer to one chat (runs its own event loop; do not call it from
     inside one, use `Client.generate_text` there). `api_key`, `tls_ca_file`: as `Client`'s;
@@ -351,3 +354,13 @@ def generate_text(
             return await client.generate_text(messages, sampling, timeout_s=timeout_s, stop=stop)
 
     return asyncio.run(run())
+
+
+def _key(api_key: str) -> str:
+    """`api_key` as sent: stripped, as the key files and $EPD_API_KEY are (a key read with
+    `open(...).read()` ends in a newline); ValueError naming it when no header can carry it
+    (gRPC failed the call INTERNAL "Invalid metadata", naming nothing)."""
+    key = api_key.strip()
+    if not key or not key.isascii() or not key.isprintable():
+        raise ValueError("api_key: must be non-empty printable ASCII")
+    return key

@@ -36,18 +36,23 @@ def build_request(
     *,
     request_id: str = "",
     cache_salt: str | None = None,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
 ) -> router_service_pb2.GenerateRequest:
-    """The `GenerateRequest` of a chat; media encoded for the wire. ValueError naming the
-    part that cannot be sent."""
+    """The `GenerateRequest` of a chat; media encoded for the wire. `stop`: a string or
+    strings ending the answer (not included), as OpenAI's. ValueError naming the part that
+    cannot be sent."""
     request = router_service_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
         sampling=sampling_to_proto(sampling or SamplingParams()),
-        stop=list(stop),
+        stop=[stop] if isinstance(stop, str) else list(stop),
     )
     if cache_salt is not None:
         request.cache_salt = cache_salt
+    if isinstance(messages, str | bytes | Mapping):
+        raise ValueError(f"messages: expected a list of messages, got a {type(messages).__name__}")
     for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}]: expected a message (a dict), got {message!r:.60}")
         role = str(message.get("role", ""))
         # OpenAI's newer name of the system role, as the HTTP API reads it.
         out = request.messages.add(role="system" if role == "developer" else role)
@@ -55,16 +60,26 @@ def build_request(
         if isinstance(content, str):
             out.content.add(text=content)
             continue
+        if content is not None and not isinstance(content, list | tuple):
+            raise ValueError(
+                f"messages[{i}].content: expected a string or a list of parts, got a "
+                f"{type(content).__name__}"
+            )
         for j, part in enumerate(content or ()):
             _add_part(out, part, f"messages[{i}].content[{j}]")
     return request
 
 
 def _add_part(out: router_service_pb2.ChatMessage, part: Mapping[str, Any], where: str) -> None:
+    if not isinstance(part, Mapping):
+        raise ValueError(f"{where}: expected a part (a dict with a 'type'), got {part!r:.60}")
     kind = part.get("type")
     uid = part.get("uuid")
     if kind == "text":
-        out.content.add(text=str(part.get("text", "")))
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}.text: expected a string, got {type(text).__name__}")
+        out.content.add(text=text)
     elif kind in ("image", "image_url"):
         source = part.get("image") if kind == "image" else _data_url(part.get("image_url"), where)
         image = router_service_pb2.ImageInput(data=encode_image(source, f"{where}.image"))

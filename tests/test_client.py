@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 
+import grpc
 import numpy as np
 import pytest
 from PIL import Image
@@ -103,6 +104,49 @@ def test_stop_strings_travel_in_the_request():
     request = build_request([{"role": "user", "content": "hi"}], stop=["\n\n", "END"])
     assert list(request.stop) == ["\n\n", "END"]
     assert list(build_request([{"role": "user", "content": "hi"}]).stop) == []
+    # One string is one stop string, as OpenAI's (it was one per character: the answer was
+    # cut at its first "e" for stop="<end>").
+    assert list(build_request([{"role": "user", "content": "hi"}], stop="<end>").stop) == ["<end>"]
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ({"role": "user", "content": "hi"}, "messages: expected a list"),
+        (["hello"], r"messages\[0\]: expected a message"),
+        ([{"role": "user", "content": {"type": "text", "text": "hi"}}], r"\[0\].content: expected"),
+        ([{"role": "user", "content": ["hi"]}], r"content\[0\]: expected a part"),
+        ([{"role": "user", "content": [{"type": "text", "text": None}]}], r"\[0\].text: expected"),
+    ],
+)
+def test_messages_of_the_wrong_shape_are_refused_naming_where(messages, message):
+    # They raised AttributeError naming nothing, or sent None as the text "None".
+    with pytest.raises(ValueError, match=message):
+        build_request(messages)
+
+
+async def test_an_api_key_is_stripped_and_one_no_header_can_carry_is_refused() -> None:
+    import pickle
+
+    from epd.answers import GenerateError
+    from epd.client import Client
+
+    client = Client("127.0.0.1:1", api_key="key\n")  # read from a file with its newline
+    try:
+        with pytest.raises(ValueError, match="api_key"):
+            async for _ in client.generate([{"role": "user", "content": "hi"}], api_key="k\u00e9"):
+                pass
+    finally:
+        await client.close()
+    with pytest.raises(ValueError, match="api_key"):
+        Client("127.0.0.1:1", api_key=" ")
+    # A process pool's worker raising it: unpickling it broke the pool.
+    error = pickle.loads(pickle.dumps(GenerateError(grpc.StatusCode.UNAVAILABLE, "gone")))
+    assert (error.code, error.details, str(error)) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "gone",
+        "UNAVAILABLE: gone",
+    )
 
 
 async def test_router_addresses_come_as_a_list_or_comma_separated() -> None:
