@@ -142,6 +142,12 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         async with self.lifecycle.track(), self.orchestrator.metrics.request():
             try:
                 check_ids(request)
+                # What needs no media first (limits come before work); resume_tokens again
+                # below, against max_tokens as fitted to the prompt.
+                check_stop(request.stop)
+                vocab = self.processor.config.text.vocab_size
+                if request.sampling.max_tokens:
+                    check_resume(request, request.sampling.max_tokens, vocab)
                 cache_salt = tenant_salt(
                     self.salt_key,
                     caller.tenant,
@@ -154,8 +160,6 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     )
                 finally:
                     gone.set()  # the caller left (cancelled) or it is over
-                check_stop(request.stop)
-                vocab = self.processor.config.text.vocab_size
                 resumed = check_resume(request, sampling.max_tokens, vocab)
             except BaseException as exc:
                 media.give_back()

@@ -274,3 +274,33 @@ async def test_an_empty_uuid_means_none(small_bodies: Fakes) -> None:
     )
     assert status == 200, reply
     assert [list(r.multimodal.mm_uuids) for r in prefill.requests] == [[], []]
+
+
+async def test_stop_strings_and_resume_tokens_are_refused_before_the_media_is_read(
+    small_bodies: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # They were checked after every image and frame was decoded and processed (and the
+    # processed-media caches filled, for a request then refused).
+    router, _, _ = small_bodies
+    servicer = router.router.servicer
+
+    def never(*args: object) -> None:
+        raise AssertionError("the media was read")
+
+    monkeypatch.setattr(servicer, "_prepare", never)
+    stub = router.client._router
+    image = grpc_part(image=router_service_pb2.ImageInput(data=PNG))
+    bad_stop = router_service_pb2.GenerateRequest()
+    bad_stop.CopyFrom(image)
+    bad_stop.stop.append("")
+    resumed = router_service_pb2.GenerateRequest()
+    resumed.CopyFrom(image)
+    resumed.sampling.max_tokens = 2
+    resumed.resume_tokens.extend([1, 2])
+    for request, field in ((bad_stop, "stop"), (resumed, "resume_tokens")):
+        call = stub.Generate(request, metadata=bearer_metadata(CLIENT_KEY))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert dict(err.value.trailing_metadata() or ())["epd-field"] == field
