@@ -28,8 +28,9 @@ importable from here too.
 
 Several routers: `Client(["host1:50051", "host2:50051"])` (or one string "a,b", as
 $EPD_ROUTER may hold) spreads requests over them, each request starting on the next router
-in turn. A stream that fails with UNAVAILABLE (the router died, drains or cannot be reached)
-goes on at the next router, once at each: from the start if nothing had come, else resumed
+in turn. A stream that fails with UNAVAILABLE (the router died, drains or cannot be reached;
+one not connected within `CONNECT_S` while others are left counts so) goes on at the next
+router, once at each: from the start if nothing had come, else resumed
 after the tokens received (`GenerateRequest.resume_tokens`); a request with `stop` strings
 is not resumed. When no router is left, `GenerateError` says which were tried. A stream
 that fails after its last chunk (the one with a finish reason) is not sent again: the
@@ -210,6 +211,12 @@ class Client:
         while attempt < len(order):
             index = order[attempt]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if attempt + 1 < len(order) and not await _connects(self._channels[index], left):
+                failures.append(f"{self.addresses[index]}: did not connect in {CONNECT_S:g} s")
+                self.resumes += bool(received)
+                self.retries += not received
+                attempt += 1
+                continue
             del request.resume_tokens[:]
             request.resume_tokens.extend(received)
             call = self._routers[index].Generate(request, timeout=left, metadata=metadata)
@@ -354,6 +361,27 @@ def generate_text(
             return await client.generate_text(messages, sampling, timeout_s=timeout_s, stop=stop)
 
     return asyncio.run(run())
+
+
+# What a router that is not connected yet gets to connect in, while others are left to try:
+# one that accepts the connection and never answers (a frozen process, a black-holed
+# backend) took each request starting on it for its whole timeout (DEADLINE_EXCEEDED).
+CONNECT_S = 2.0
+
+
+async def _connects(channel: grpc.aio.Channel, left: float | None) -> bool:
+    """Whether `channel` is connected, or becomes so or fails to (a refused connection: the
+    call then fails at once, UNAVAILABLE) within `CONNECT_S` (at most `left`)."""
+    done = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+    state = channel.get_state(try_to_connect=True)
+    end = time.monotonic() + (CONNECT_S if left is None else min(CONNECT_S, left))
+    while state not in done:
+        try:
+            await asyncio.wait_for(channel.wait_for_state_change(state), end - time.monotonic())
+        except TimeoutError:
+            return False
+        state = channel.get_state(try_to_connect=True)
+    return True
 
 
 def _key(api_key: str) -> str:

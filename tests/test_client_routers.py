@@ -83,3 +83,38 @@ async def test_a_stream_broken_after_its_last_chunk_is_the_whole_answer(serve: A
         assert [(c.text, c.finish_reason) for c in chunks] == [("he", None), ("llo", "length")]
         assert client.resumes == 0 and client.retries == 0
     assert second.resumed == []
+
+
+async def test_a_router_that_accepts_and_never_answers_is_skipped(serve: Any) -> None:
+    # Failover was on UNAVAILABLE only: a router that takes the connection and never speaks
+    # (frozen, black-holed) held each request starting on it for its whole timeout, which
+    # then failed DEADLINE_EXCEEDED with a live router beside it.
+    import asyncio
+    import socket
+    import time
+
+    from epd import client as client_module
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nobody answers
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    live = FakeRouter([chunk([6], "ok", last=True)])
+    addresses = [
+        f"127.0.0.1:{silent.getsockname()[1]}",
+        f"127.0.0.1:{closed.getsockname()[1]}",
+        await serve(live),
+    ]
+    try:
+        async with Client(addresses, api_key="k") as client:
+            started = time.monotonic()
+            result = await asyncio.wait_for(
+                client.generate_text(CHAT, SamplingParams(max_tokens=1), timeout_s=30), 30
+            )
+            took = time.monotonic() - started
+            assert result.text == "ok" and client.retries == 2
+            assert client_module.CONNECT_S <= took < 2 * client_module.CONNECT_S  # refused: at once
+    finally:
+        silent.close()
+        closed.close()
