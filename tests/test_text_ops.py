@@ -100,3 +100,49 @@ def test_norm_rotate_and_silu_mul_on_torchs_ops_are_the_two_steps() -> None:
     gate_up = torch.randn(5, 32, generator=gen)
     gate, up = gate_up.clone().chunk(2, dim=-1)
     assert torch.equal(text_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("wanted", [None, 3])
+def test_a_long_segment_with_a_cached_prefix_runs_in_slices_to_the_same_values(
+    monkeypatch: pytest.MonkeyPatch, wanted: int | None
+) -> None:
+    # Its offset-causal mask was made whole: [tokens, tokens] for a long prompt that reused
+    # one cached block (1.5 GB at 16k tokens). Past MASK_ELEMENTS its queries run in slices.
+    from common.models.qwen3_vl import attention
+    from common.models.qwen3_vl.attention import PrefillAttention, SegmentSpan
+
+    torch.manual_seed(0)
+    block, start, length, heads, kv, dim = 4, 12, 28, 4, 2, 8
+    end = start + length
+    table = torch.randperm(12)[: end // block]
+    layer_k, layer_v = torch.randn(12, block, kv, dim), torch.randn(12, block, kv, dim)
+    q = torch.randn(length, heads, dim)
+    fresh = slice(start, end)  # the forward's own K/V, also in the paged buffer
+    keys = layer_k[table].flatten(0, 1)
+    values = layer_v[table].flatten(0, 1)
+    outputs = length if wanted is None else wanted
+    span = SegmentSpan(offset=0, start=start, length=length, block_table=table, outputs=outputs)
+    args = (q, keys[fresh], values[fresh], layer_k, layer_v)
+
+    whole = PrefillAttention([span], block, torch.float32)
+    assert whole.masks  # made once, whole
+    expected = whole(*args, wanted_only=wanted is not None)
+    monkeypatch.setattr(attention, "MASK_ELEMENTS", 3 * end)  # slices of 3 queries
+    sliced = PrefillAttention([span], block, torch.float32)
+    assert not sliced.masks
+    got = sliced(*args, wanted_only=wanted is not None)
+    assert got.shape == expected.shape == (outputs, heads * dim)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    # And both are attention over every key up to each query's position, in float64.
+    rows = torch.arange(start, end)[length - outputs :]
+    reference = torch.stack(
+        [
+            F.scaled_dot_product_attention(
+                q[r - start].double().unsqueeze(1),
+                keys[: r + 1].double().repeat_interleave(heads // kv, 1).transpose(0, 1),
+                values[: r + 1].double().repeat_interleave(heads // kv, 1).transpose(0, 1),
+            ).flatten()
+            for r in rows.tolist()
+        ]
+    )
+    torch.testing.assert_close(got.double(), reference, rtol=0, atol=1e-5)

@@ -10,7 +10,8 @@ segment is a slice `[start, end)` of one sequence's prompt) along one axis. A se
 no cached prefix attends to its own fresh K/V with `is_causal`; segments of equal length
 that all start at 0 run as one batched call; a segment with earlier tokens in the cache
 (a reused prefix, or an earlier chunk) reads its keys from the paged buffer with an
-offset-causal mask. Each segment's attention is computed exactly as if it were alone.
+offset-causal mask, made once per forward, or, past `MASK_ELEMENTS`, per slice of its
+queries in each layer. Each segment's attention is computed exactly as if it were alone.
 
 Causal attention over 257 to 512 fresh tokens (`causal_attention`) runs as two calls on
 CPU: torch's flash kernel there skips only whole 512-key blocks above the diagonal, so
@@ -48,6 +49,11 @@ from common.models.qwen3_vl.text_ops import additive, length_mask
 
 _KEY_BLOCK = 512  # keys per block of torch's CPU flash kernel (it skips whole blocks only)
 _SPLIT_ABOVE = 256  # fewer tokens gain too little from the split (measured)
+# Mask elements (queries x keys) a segment with a cached prefix may have at once. Past it, its
+# queries run in slices, each over the keys up to its last query with a mask made per layer:
+# one mask for the whole segment grew as the prompt's square (a 16k-token prompt reusing one
+# cached block held 1.5 GB of mask; 256k tokens would hold 256 GB).
+MASK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +85,9 @@ class PrefillAttention:
         self.all_wanted = all(s.outputs == s.length for s in self.spans)
         # Offset-causal biases of the segments with a cached prefix ([n, end], `additive`).
         self.masks: dict[int, torch.Tensor] = {}
+        self.dtype = dtype
         for j, s in enumerate(self.spans):
-            if s.start > 0:
+            if s.start > 0 and s.length * s.end <= MASK_ELEMENTS:
                 device = s.block_table.device
                 q_pos = torch.arange(s.start, s.end, device=device).unsqueeze(1)
                 self.masks[j] = additive(torch.arange(s.end, device=device) <= q_pos, dtype)
@@ -136,8 +143,12 @@ class PrefillAttention:
                 used = s.block_table[: (s.end + self.block_size - 1) // self.block_size]
                 keys = layer_k.index_select(0, used).flatten(0, 1)[: s.end]
                 values = layer_v.index_select(0, used).flatten(0, 1)[: s.end]
-            mask = self._mask(j, s, first)
             keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+            if s.start > 0 and j not in self.masks:
+                out = self._sliced(query, keys, values, s, first)
+                outs.append(out[0].transpose(0, 1).reshape(s.length - first, -1))
+                continue
+            mask = self._mask(j, s, first)
             if mask is None and first == 0 and s.start == 0:
                 out = causal_attention(query, keys, values)
             else:
@@ -146,6 +157,35 @@ class PrefillAttention:
                 )
             outs.append(out[0].transpose(0, 1).reshape(s.length - first, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _sliced(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        s: SegmentSpan,
+        first: int,
+    ) -> torch.Tensor:
+        """Segment `s`'s queries from its row `first` on (`query [1, H, rows, D]`) over its
+        keys (`[1, KV, end, D]`), in slices of at most `MASK_ELEMENTS` mask elements."""
+        rows = max(1, MASK_ELEMENTS // s.end)
+        device = query.device
+        parts = []
+        for a in range(first, s.length, rows):
+            b = min(a + rows, s.length)
+            stop = s.start + b  # keys up to the slice's last query
+            q_pos = torch.arange(s.start + a, stop, device=device).unsqueeze(1)
+            bias = additive(torch.arange(stop, device=device) <= q_pos, self.dtype)
+            parts.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, a - first : b - first],
+                    keys[:, :, :stop],
+                    values[:, :, :stop],
+                    attn_mask=bias,
+                    enable_gqa=True,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _mask(self, j: int, s: SegmentSpan, first: int) -> torch.Tensor | None:
         """The mask of segment `j`'s queries from its row `first` on (None: causal from the
