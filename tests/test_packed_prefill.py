@@ -268,6 +268,38 @@ def test_decode_without_rows_gathers_blocks_and_agrees(runner):
     assert all(len(out) == 6 for out in outputs[0])
 
 
+def test_rows_past_their_memory_budget_gather_blocks_and_the_buffer_shrinks(runner, monkeypatch):
+    # Rows are batch x the longest sequence: one long sequence among short ones reserved its
+    # length for every row, many times the whole pool, and kept it after it left.
+    g = torch.Generator().manual_seed(5)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def run(lengths: list[int]) -> list[list[int]]:
+        prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in lengths]
+        seqs = [
+            runner.prefill(p, EMPTY, sampling, blocks=runner.allocator.allocate_prompt([], 4 + n))
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+        for _ in range(3):
+            runner.decode_step(seqs)
+        for s in seqs:
+            runner.allocator.release(s.blocks)
+        return [s.output for s in seqs]
+
+    runner.running.clear()
+    monkeypatch.setattr(runner.running, "budget", 3 * 1024)  # three rows of 1024 fit
+    state = g.get_state()
+    with_rows = run([600, 5, 9])
+    assert runner.running.buffer.shape[4] == 1024  # 600 tokens: 1024 slots a row
+    run([5, 9])
+    assert runner.running.buffer.shape[4] == 256  # four times too large: cut down
+    monkeypatch.setattr(runner.running, "budget", 3 * 1024 - 1)  # three rows of 1024 pass it
+    loads = runner.running.loads
+    g.set_state(state)
+    assert run([600, 5, 9]) == with_rows  # the same answers, from gathered blocks
+    assert runner.running.loads == loads and runner.running.buffer.shape[0] == 0
+
+
 def test_rows_past_a_sequences_length_hold_no_garbage(runner, monkeypatch):
     """Attention masks a shorter row's tail, but a masked NaN still poisons the weighted sum
     (0 * NaN): the rows' buffer must be allocated zeroed. Poison every allocation the

@@ -333,16 +333,20 @@ class LmRunner:
         """Feed each unfinished sequence its newest token and sample the next, in one forward.
 
         With `contiguous_decode`, attention reads the sequences' contiguous rows in
-        `self.running` (filled from the paged cache the first time a sequence decodes; see
-        `common.models.running_kv`), in the rows' order; sequences are sampled independently,
-        so the order changes nothing. Without it, attention gathers their blocks.
+        `self.running` (filled from the paged cache the first time a sequence decodes, and
+        within its memory budget; see `common.models.running_kv`), in the rows' order;
+        sequences are sampled independently, so the order changes nothing. Without it, or
+        past the budget, attention gathers their blocks.
         """
         live = [s for s in seqs if s.finish_reason is None]
         if not live:
             self.running.clear()
             return
-        if self.contiguous_decode:
+        rows = self.contiguous_decode and self.running.fits(live)  # else blocks are gathered
+        if rows:
             live = self.running.arrange(live)
+        else:
+            self.running.clear()
         computed = [s.num_computed for s in live]
         size = self.block_size
         # The block of each new token's slot (position `computed`); the whole tables only
@@ -357,7 +361,7 @@ class LmRunner:
                 f"a sequence has no KV block for its token at position {short}"
             ) from None
         tables = None
-        if not self.contiguous_decode:
+        if not rows:
             width = max(len(s.blocks) for s in live)
             flat = array("q")
             for s in live:
@@ -374,13 +378,13 @@ class LmRunner:
                     self.device
                 ),
                 seq_lens.to(self.device),
-                rows=self.running.view() if self.contiguous_decode else None,
+                rows=self.running.view() if rows else None,
                 slot_blocks=slot_blocks.to(self.device),
             )
         except BaseException:
             self.running.clear()  # rows may hold a partly written step
             raise
-        if self.contiguous_decode:
+        if rows:
             self.running.advanced()
         tokens = self.sampler.sample(
             logits, [s.sampling for s in live], [n + 1 for n in computed]

@@ -19,7 +19,11 @@ are not in a step are dropped at that step, so a row never outlives its sequence
 more than one step and is never read after they are freed. Rows stay packed at `0 .. B - 1`:
 dropping one moves the last row into its place (one sequence's copy, on leave only).
 
-Memory: up to the batch's sequences x the longest length, in addition to the paged cache.
+Memory: the batch's sequences x the longest length (rounded up to a power of two), in
+addition to the paged cache, at most `BUDGET_OF_POOL` times the pool's token slots: a step
+whose rows would pass that gathers blocks instead (`fits`; one long sequence among short
+ones reserved its length for every row: 32 rows of 8192 slots beside a pool of 19,200). The
+buffer grows by doubling and shrinks once four times larger than the batch needs.
 Not thread-safe; owned by one `LmRunner` (its callers serialize every call).
 """
 
@@ -33,6 +37,7 @@ from common.kv.cache import PagedKvCache
 from common.models.sequence import LmSequence
 
 _MIN_CAPACITY = 256  # token slots per row at first; doubled as sequences grow
+BUDGET_OF_POOL = 2  # the rows' token slots at most, in the paged pool's (see the docstring)
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +59,12 @@ class RunningKv:
         )
         self._rows: list[_Row] = []  # row i's sequence, rows packed at 0 .. len - 1
         self.loads = 0  # rows filled from the paged cache (a count for tests and benchmarks)
+        self.budget = BUDGET_OF_POOL * spec.num_blocks * spec.block_size  # token slots
+
+    def fits(self, seqs: list[LmSequence]) -> bool:
+        """Whether rows for `seqs` (at least one) stay within `budget`."""
+        rows, capacity = self._size(len(seqs), max(s.num_computed + 1 for s in seqs))
+        return rows * capacity <= self.budget
 
     def arrange(self, seqs: list[LmSequence]) -> list[LmSequence]:
         """Make rows `0 .. len(seqs) - 1` hold exactly `seqs`' K/V (their `num_computed`
@@ -103,14 +114,25 @@ class RunningKv:
             self._rows[r] = moved
         self._rows.pop()
 
-    def _reserve(self, rows: int, tokens: int) -> None:
+    def _size(self, rows: int, tokens: int) -> tuple[int, int]:
+        """The buffer's (rows, capacity) for `rows` sequences of up to `tokens` positions:
+        each doubled as needed, cut down once four times what is needed."""
         have_rows, capacity = self.buffer.shape[0], self.buffer.shape[4]
-        if rows <= have_rows and tokens <= capacity:
+        need = _MIN_CAPACITY
+        while need < tokens:
+            need *= 2
+        if capacity < need or capacity >= 4 * need:
+            capacity = need
+        if have_rows < rows:
+            have_rows = max(rows, 2 * have_rows)
+        elif have_rows >= 4 * max(rows, 2):
+            have_rows = rows
+        return have_rows, capacity
+
+    def _reserve(self, rows: int, tokens: int) -> None:
+        new_rows, new_capacity = self._size(rows, tokens)
+        if (new_rows, new_capacity) == (self.buffer.shape[0], self.buffer.shape[4]):
             return
-        new_rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
-        new_capacity = capacity
-        while new_capacity < tokens:
-            new_capacity = max(_MIN_CAPACITY, 2 * new_capacity)
         buffer = self.buffer.new_zeros((new_rows, *self._shape, new_capacity, self.buffer.shape[5]))
         for r, row in enumerate(self._rows):
             buffer[r, :, :, :, : row.length].copy_(self.buffer[r, :, :, :, : row.length])
