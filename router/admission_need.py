@@ -50,3 +50,16 @@ class Need:
             f"a {role} worker (prompt {self.prompt_tokens}{extra} tokens); the largest {role} "
             f"worker has {largest} in all",
         )
+
+
+def fit_to_decode(
+    max_tokens: int, prompt_tokens: int, block_size: int, capacities: Sequence[int | None]
+) -> int:
+    """A default `max_tokens` (the caller set none) cut to what the largest of the decode
+    workers' pools (`capacities`, in blocks; None: not heartbeated) holds beside the prompt,
+    at least 1: a chat that sets no length is answered as far as it fits, not refused for a
+    length it never asked for. Unchanged where a capacity is unknown."""
+    if not capacities or None in capacities:
+        return max_tokens
+    slots = max(c for c in capacities if c is not None) * block_size
+    return max(1, min(max_tokens, slots - prompt_tokens + 1))

@@ -230,6 +230,20 @@ async def test_a_chat_without_a_length_runs_to_the_context_it_has(ckpt: Path) ->
         assert (status, reply["error"]["code"]) == (400, "context_length_exceeded")
         status, reply = await post(c, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi"})
         assert status == 200 and reply["usage"]["completion_tokens"] == 16, reply
+        # Nor past what the largest decode worker holds: it was refused for needing more
+        # KV blocks "for max_tokens 40", which the client never sent.
+        from common.roles import Role
+        from router.workers import WorkerLoad
+
+        registry = c.router.registry
+        assert registry.reference_layout is not None
+        block = registry.reference_layout.block_size
+        for worker in registry.workers(Role.DECODE):
+            worker.load = WorkerLoad(kv_blocks_free=2)
+        status, reply = await post(c, "/v1/chat/completions", short)
+        assert status == 200, reply
+        prompt = reply["usage"]["prompt_tokens"]
+        assert decode.requests[-1].sampling.max_tokens == 2 * block - prompt + 1 < 40
     finally:
         await c.close()
 
