@@ -198,6 +198,8 @@ async def test_past_the_context_is_context_length_exceeded(
         "context_length_exceeded",
     ), error
     assert "context" in error["message"]
+    if param == "max_completion_tokens":  # the name the body used, throughout
+        assert "max_tokens" not in error["message"].replace("max_completion_tokens", ""), error
     # Other refusals keep their code; gRPC keeps INVALID_ARGUMENT for this one.
     status, reply = await post(fake, "/v1/chat/completions", body | {"temperature": -1})
     assert (status, reply["error"]["code"]) == (400, "invalid_argument")
@@ -256,6 +258,21 @@ async def test_a_chat_without_a_length_runs_to_the_context_it_has(ckpt: Path) ->
         ({"min_tokens": 4}, "min_tokens"),
         ({"bad_words": ["rain"]}, "bad_words"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        # These came back 200 with plain text (a review): a forced tool, audio out, guided
+        # decoding, a different prompt than asked.
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"function_call": {"name": "f"}}, "function_call"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_choice": ["a", "b"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"use_beam_search": True}, "use_beam_search"),
     ],
 )
 async def test_vllm_extensions_not_done_are_refused_not_ignored(
@@ -271,6 +288,18 @@ async def test_vllm_extensions_not_done_are_refused_not_ignored(
         "min_tokens": 0,
         "bad_words": [],
         "include_stop_str_in_output": False,
+        "tool_choice": "auto",
+        "function_call": "none",
+        "modalities": ["text"],
+        "audio": None,
+        "prediction": None,
+        "guided_json": None,
+        "guided_choice": None,
+        "structured_outputs": None,
+        "continue_final_message": False,
+        "add_generation_prompt": True,
+        "prompt_logprobs": None,
+        "use_beam_search": False,
     }
     status, reply = await post(fake, "/v1/chat/completions", body | {param: neutral[param]})
     assert status == 200, reply
@@ -349,3 +378,18 @@ async def test_unknown_paths_methods_and_non_json_bodies_answer_in_openai_shape(
 
     status, reply = await asyncio.to_thread(form)
     assert status == 400 and "application/json" in reply["error"]["message"], reply
+
+
+async def test_top_p_0_keeps_the_likeliest_token_only(fake: FakeCluster) -> None:
+    # OpenAI takes top_p 0; it was refused with FLOAT32_TINY spelled out in the message.
+    from router.http.convert import sampling
+    from router.http.schema import FLOAT32_TINY, ChatCompletionRequest
+
+    for top_p in (0.0, 1e-46):  # 1e-46: 0 as a float32
+        body = {"model": MODEL_ID, "messages": WEATHER, "top_p": top_p}
+        assert sampling(ChatCompletionRequest.model_validate(body)).top_p == pytest.approx(
+            FLOAT32_TINY
+        )
+    body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 3, "top_p": 0}
+    status, reply = await post(fake, "/v1/chat/completions", body)
+    assert status == 200, reply

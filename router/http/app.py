@@ -165,7 +165,7 @@ def build_app(
                 sent = body.max_completion_tokens is not None and body.max_tokens is None
                 if error.param == "max_tokens" and sent:
                     error.param = "max_completion_tokens"  # the name the body used
-                    error.args = (str(error).replace("max_tokens", error.param, 1),)
+                    error.args = (str(error).replace("max_tokens", error.param),)
                 raise
             if not body.stream:
                 return JSONResponse(await _unless_gone(raw, _all(result, first, chunks)))

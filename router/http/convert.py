@@ -9,6 +9,7 @@ from common.sampling import SamplingParams
 from epd.v1 import router_service_pb2, sampling_pb2
 from router.http.media import MediaPolicy, load
 from router.http.schema import (
+    FLOAT32_TINY,
     ChatCompletionRequest,
     CompletionRequest,
     ImageContent,
@@ -29,10 +30,11 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
     if seed is not None and seed < 0:  # vLLM's: -1 asks for a random seed
         seed = None if seed == -1 else seed % 2**63
     stop_ids = body.stop_token_ids or []
+    top_p = None if body.top_p is None else max(body.top_p, FLOAT32_TINY)  # 0 is 0 on the wire
     try:
         SamplingParams(
             temperature=temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            top_p=1.0 if top_p is None else top_p,
             top_k=top_k,
             seed=seed,
             max_tokens=max_tokens or SamplingParams().max_tokens,
@@ -46,8 +48,8 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
     msg = sampling_pb2.SamplingParams(
         temperature=temperature, ignore_eos=body.ignore_eos, stop_token_ids=stop_ids
     )
-    if body.top_p is not None:
-        msg.top_p = body.top_p
+    if top_p is not None:
+        msg.top_p = top_p
     if top_k:
         msg.top_k = top_k
     if seed is not None:
@@ -88,13 +90,15 @@ def refuse_unsupported(body: SamplingBody) -> None:
         raise FieldError("bad_words", "is not supported by this server")
     if body.include_stop_str_in_output:
         raise FieldError("include_stop_str_in_output", "is not supported by this server")
+    if body.prompt_logprobs is not None:
+        raise FieldError("prompt_logprobs", "log probabilities are not supported by this server")
+    if body.use_beam_search:
+        raise FieldError("use_beam_search", "beam search is not supported by this server")
+    for name in GUIDED:
+        if getattr(body, name) is not None:
+            raise FieldError(name, "structured output is not supported by this server")
     if isinstance(body, ChatCompletionRequest):
-        for name, tools in (("tools", body.tools), ("functions", body.functions)):
-            if tools:
-                raise FieldError(name, "tool calls are not supported by this server")
-        fmt = body.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise FieldError("response_format", 'only {"type": "text"} is supported')
+        _refuse_unsupported_chat(body)
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise FieldError("echo", "echoing the prompt is not supported by this server")
@@ -102,6 +106,32 @@ def refuse_unsupported(body: SamplingBody) -> None:
             raise FieldError("suffix", "a suffix is not supported by this server")
         if body.best_of not in (None, 1):
             raise FieldError("best_of", "only 1 is supported (one completion per request)")
+
+
+def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
+    """`refuse_unsupported`'s fields of a chat only."""
+    for name, tools in (("tools", body.tools), ("functions", body.functions)):
+        if tools:
+            raise FieldError(name, "tool calls are not supported by this server")
+    for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
+        if choice not in (None, "none", "auto"):
+            raise FieldError(name, 'tool calls are not supported by this server ("none" or "auto")')
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise FieldError("response_format", 'only {"type": "text"} is supported')
+    if body.modalities not in (None, ["text"]):
+        raise FieldError("modalities", 'only ["text"] is supported')
+    for name in ("audio", "prediction"):
+        if getattr(body, name) is not None:
+            raise FieldError(name, "is not supported by this server")
+    if body.continue_final_message:
+        raise FieldError("continue_final_message", "is not supported by this server")
+    if not body.add_generation_prompt:
+        raise FieldError("add_generation_prompt", "only true is supported")
+
+
+# vLLM's guided decoding (structured output): refused when set.
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def _request(body: SamplingBody, request_id: str) -> router_service_pb2.GenerateRequest:

@@ -122,8 +122,9 @@ class SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
-    # Past 0 as a float32 too (a smaller value is 0 on the wire).
-    top_p: float | None = Field(default=None, ge=FLOAT32_TINY, le=1, allow_inf_nan=False)
+    # 0 (as OpenAI takes it) keeps the likeliest token only: sent as the smallest float32
+    # past 0 (`router.http.convert.sampling`), which does the same.
+    top_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     # Any int64, as vLLM takes: -1 is unset (a random seed), another negative one is taken
     # modulo 2**63 (`router.http.convert.sampling`).
@@ -151,6 +152,13 @@ class SamplingBody(_Body):
     min_tokens: int | None = None  # refused unless 0
     bad_words: list[str] | None = None  # refused when not empty
     include_stop_str_in_output: bool = False  # refused when true
+    prompt_logprobs: int | None = None  # refused when set
+    use_beam_search: bool = False  # refused when true
+    guided_json: Any = None  # guided decoding (structured output): refused when set
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -167,6 +175,15 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[Any] | None = None  # refused when not empty (no tool calls)
     functions: list[Any] | None = None  # the older name of `tools`
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # Refused unless neutral (`router.http.convert.refuse_unsupported`): a forced tool call,
+    # audio out, predicted output; vLLM's chat-template switches.
+    tool_choice: Any = None  # "none" or "auto" only
+    function_call: Any = None  # the older name of `tool_choice`
+    modalities: list[str] | None = None  # ["text"] only
+    audio: Any = None
+    prediction: Any = None
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
 
 class CompletionRequest(SamplingBody):
