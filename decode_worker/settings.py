@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import KvWorkerSettings
-from common.settings.schema import SettingsError, setting
+from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +36,7 @@ class DecodeSettings(KvWorkerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         KvWorkerSettings.check(self)
-        if self.threads < 0:
-            raise SettingsError("threads: must not be negative")
-        if self.max_batch <= 0:
-            raise SettingsError("max_batch: must be positive")
+        check_not_negative(self, "threads")
+        check_positive(self, "max_batch", "pull_timeout_s", "release_timeout_s")
         if self.stream_interval < 1:
             raise SettingsError("stream_interval: must be at least 1")
-        for name in ("pull_timeout_s", "release_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"{name}: must be positive")

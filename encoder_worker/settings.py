@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import ModelWorkerSettings
-from common.settings.schema import SettingsError, setting
+from common.settings.schema import check_not_negative, check_positive, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,18 +49,12 @@ class EncoderSettings(ModelWorkerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         ModelWorkerSettings.check(self)
-        for name in (
+        check_not_negative(
+            self,
             "threads",
             "cache_bytes",
             "inline_limit_bytes",
-            "max_batch_rows",
             "output_pool_mb",
-        ):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"{name}: must not be negative")
-        if self.max_batch_rows == 0:
-            raise SettingsError("max_batch_rows: must be positive")
-        if self.lease_ttl_s <= 0:
-            raise SettingsError("lease_ttl_s: must be positive")
-        if self.batch_window_ms < 0:
-            raise SettingsError("batch_window_ms: must not be negative")
+            "batch_window_ms",
+        )
+        check_positive(self, "max_batch_rows", "lease_ttl_s")

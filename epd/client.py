@@ -386,9 +386,10 @@ async def _connects(channel: grpc.aio.Channel, left: float | None) -> bool:
 
 def _key(api_key: str) -> str:
     """`api_key` as sent: stripped, as the key files and $EPD_API_KEY are (a key read with
-    `open(...).read()` ends in a newline); ValueError naming it when no header can carry it
-    (gRPC failed the call INTERNAL "Invalid metadata", naming nothing)."""
+    `open(...).read()` ends in a newline; "": none is presented); ValueError naming it when
+    no header can carry it (gRPC failed the call INTERNAL "Invalid metadata", naming
+    nothing)."""
     key = api_key.strip()
-    if not key or not key.isascii() or not key.isprintable():
-        raise ValueError("api_key: must be non-empty printable ASCII")
+    if not key.isascii() or not key.isprintable():
+        raise ValueError("api_key: must be printable ASCII")
     return key

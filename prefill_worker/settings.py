@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import KvWorkerSettings
-from common.settings.schema import SettingsError, setting
+from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +43,8 @@ class PrefillSettings(KvWorkerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         KvWorkerSettings.check(self)
-        if self.threads < 0:
-            raise SettingsError("threads: must not be negative")
-        if self.pack_tokens < 0:
-            raise SettingsError("pack_tokens: must not be negative")
-        if self.lease_ttl_s <= 0:
-            raise SettingsError("lease_ttl_s: must be positive")
-        if self.lease_ttl_per_lease_s < 0:  # would shorten leases below lease_ttl_s
-            raise SettingsError("lease_ttl_per_lease_s: must not be negative")
+        # (a negative lease_ttl_per_lease_s would shorten leases below lease_ttl_s)
+        check_not_negative(self, "threads", "pack_tokens", "lease_ttl_per_lease_s")
+        check_positive(self, "lease_ttl_s", "embedding_pull_timeout_s")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise SettingsError("prefill_chunk: must be at least 1, or unset (whole prompts)")

@@ -9,7 +9,7 @@ from PIL import Image
 
 from common.processing.limits import IMAGE_FORMATS, MAX_FPS, MIN_FPS, InputLimits
 from common.settings.base import ServerSettings
-from common.settings.schema import SettingsError, setting
+from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +221,8 @@ class RouterSettings(ServerSettings):
         API keys file unless insecure."""
         ServerSettings.check(self)
         self.security.check(api_keys=True)
-        for name in (
+        check_not_negative(
+            self,
             "max_queued_requests",
             "max_queue_wait_s",
             "max_prompt_text_bytes",
@@ -234,9 +235,13 @@ class RouterSettings(ServerSettings):
             "requests_in_flight_mb",
             "processed_image_cache_mb",
             "embedding_cache_mb",
-        ):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"{name}: must not be negative")
+            "max_inline_embedding_mb",
+            "encoder_affinity_slack",
+            "decode_migrations",
+            "kv_reprefills",
+            "grace_s",
+        )
+        check_positive(self, "request_timeout_s", "release_timeout_s", "http_fetch_timeout_s")
         if self.chat_max_tokens < 1:
             raise SettingsError("chat_max_tokens: must be at least 1")
         if not -1 <= self.http_port <= 65535:

@@ -139,7 +139,7 @@ async def test_an_api_key_is_stripped_and_one_no_header_can_carry_is_refused() -
     finally:
         await client.close()
     with pytest.raises(ValueError, match="api_key"):
-        Client("127.0.0.1:1", api_key=" ")
+        Client("127.0.0.1:1", api_key="k\te y")
     # A process pool's worker raising it: unpickling it broke the pool.
     error = pickle.loads(pickle.dumps(GenerateError(grpc.StatusCode.UNAVAILABLE, "gone")))
     assert (error.code, error.details, str(error)) == (

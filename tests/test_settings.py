@@ -246,3 +246,47 @@ def test_a_role_process_refuses_an_unknown_log_level() -> None:
 
     with pytest.raises(SystemExit):
         parse(["--log-level", "bogus", "--port", "0", "--insecure"])
+
+
+# Numeric settings where -1 means something (every other one refuses -1 and NaN).
+MEANS_SOMETHING_AT_MINUS_1 = {("RouterSettings", "http_port")}  # -1: no HTTP API
+
+
+@pytest.mark.parametrize("role", ["router", "encoder", "prefill", "decode"])
+def test_every_numeric_setting_refuses_negative_and_nan(role: str) -> None:
+    # A negative request_timeout_s failed every request DEADLINE_EXCEEDED, prefill_chunk 0
+    # every request INVALID_ARGUMENT (blamed on the client), and NaN passed every `< 0`.
+    import dataclasses
+
+    from common.models.tiny import default_checkpoint
+    from common.settings.schema import SettingsError
+    from common.settings.security import SecuritySettings
+    from decode_worker.settings import DecodeSettings
+    from encoder_worker.settings import EncoderSettings
+    from prefill_worker.settings import PrefillSettings
+    from router.settings import RouterSettings
+
+    cls = {
+        "router": RouterSettings,
+        "encoder": EncoderSettings,
+        "prefill": PrefillSettings,
+        "decode": DecodeSettings,
+    }[role]
+    base = cls(model=str(default_checkpoint("tiny")), security=SecuritySettings(insecure=True))
+    base.check()
+    accepted = []
+    for f in dataclasses.fields(cls):
+        if f.type not in ("int", "float", "int | None", "float | None"):
+            continue
+        for bad in (-1, float("nan")) if "float" in str(f.type) else (-1,):
+            try:
+                dataclasses.replace(base, **{f.name: bad}).check()
+            except SettingsError as exc:
+                assert str(exc).startswith(f.name), exc
+            else:
+                if (cls.__name__, f.name) not in MEANS_SOMETHING_AT_MINUS_1:
+                    accepted.append(f"{f.name}={bad}")
+    assert accepted == []
+    if role == "prefill":
+        with pytest.raises(SettingsError, match="prefill_chunk"):
+            dataclasses.replace(base, prefill_chunk=0).check()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.address import bracketed, check_address
-from common.settings.schema import SettingsError, setting
+from common.settings.schema import SettingsError, check_positive, setting
 from common.settings.security import SecuritySettings
 
 if TYPE_CHECKING:
@@ -73,10 +73,7 @@ class ServerSettings:
         """Raise SettingsError naming the first unusable field."""
         if not 0 <= self.port <= 65535:
             raise SettingsError("port: must be between 0 and 65535")
-        if self.max_message_mb <= 0:
-            raise SettingsError("max_message_mb: must be positive")
-        if self.drain_timeout_s <= 0:
-            raise SettingsError("drain_timeout_s: must be positive")
+        check_positive(self, "max_message_mb", "drain_timeout_s")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise SettingsError("metrics_port: must be between 0 and 65535")
 
@@ -177,7 +174,5 @@ class KvWorkerSettings(ModelWorkerSettings):
 
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
-        for name in ("block_size", "num_blocks"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"{name}: must be positive")
+        check_positive(self, "block_size", "num_blocks")
         ModelWorkerSettings.check(self)

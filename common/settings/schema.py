@@ -34,6 +34,20 @@ class SettingsError(ValueError):
     """A settings file or flag that cannot be used; the message names the key."""
 
 
+def check_positive(settings: object, *names: str) -> None:
+    """SettingsError naming the first of `names` not above 0 (NaN included)."""
+    for name in names:
+        if not getattr(settings, name) > 0:
+            raise SettingsError(f"{name}: must be positive")
+
+
+def check_not_negative(settings: object, *names: str) -> None:
+    """SettingsError naming the first of `names` below 0 (or NaN)."""
+    for name in names:
+        if not getattr(settings, name) >= 0:
+            raise SettingsError(f"{name}: must not be negative")
+
+
 def setting(default: Any, help: str) -> Any:
     """A settings field with its default and one-line documentation."""
     if isinstance(default, list | dict | set):
