@@ -170,6 +170,8 @@ class WorkerCalls:
         limit = self.attempts if attempts is None else attempts
         while True:
             worker = first if first is not None and not tries else self.pick(role, tried)
+            if tries:  # counted once another worker is found to try (`pick` may raise)
+                self.retries[stage] += 1
             tried.add(worker.address)
             tries += 1
             with self.registry.using(worker):
@@ -180,7 +182,6 @@ class WorkerCalls:
                         self.registry.suspect(worker)
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or tries >= limit:
                         raise self.error(stage, worker, exc) from None
-                    self.retries[stage] += 1
                     logger.warning(
                         "%s on %s failed (%s); trying another", stage, worker.address, exc.code()
                     )

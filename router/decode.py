@@ -156,6 +156,7 @@ class DecodeStage:
         reprefills = 0
         migrations = 0
         streamed = list(resumed[1:])  # tokens after the first one already sent to the client
+        retrying = migrating = False  # counted once another worker is found (`_pick` raises)
         while True:
             reserved = ticket.workers.get(Role.DECODE)
             if reserved is not None and reserved.address not in tried and not reserved.suspect:
@@ -163,6 +164,12 @@ class DecodeStage:
             else:
                 worker = self._pick(tried, stepped)
                 self.admission.move(ticket, Role.DECODE, worker)
+            if retrying:
+                self.calls.retries["decode"] += 1
+            if migrating:
+                self.metrics.migrations.inc()
+                self.metrics.tokens_recomputed.inc(len(streamed))
+            retrying = migrating = False
             tried.add(worker.address)
             del request.resume_tokens[:]
             request.resume_tokens.extend(streamed)
@@ -225,7 +232,7 @@ class DecodeStage:
                     elif lease.owned:
                         if len(tried) >= self.calls.attempts:
                             raise self.calls.error("decode", worker, exc) from None
-                        self.calls.retries["decode"] += 1
+                        retrying = True
                         logger.warning(
                             "decode on %s failed (%s); trying another", worker.address, code
                         )
@@ -234,8 +241,7 @@ class DecodeStage:
                         if migrations >= self.migrations:
                             raise self.calls.error("decode", worker, exc) from None
                         migrations += 1
-                        self.metrics.migrations.inc()
-                        self.metrics.tokens_recomputed.inc(len(streamed))
+                        migrating = True
                         logger.warning(
                             "request %s: decode stream on %s broke after %d tokens (%s); "
                             "resuming on a decode worker not tried yet, if there is one",

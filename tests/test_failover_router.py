@@ -104,6 +104,25 @@ async def test_a_broken_decode_stream_resumes_on_another_worker(cluster):
     # The prompt was prefilled again for a fresh handle under a new lease.
     assert [r.kv.lease_id for r in (broken, resumed)] == ["lease-1", "lease-2"]
     assert len(pre.requests) == 2
+    metrics = cluster.router.orchestrator.metrics
+    assert metrics.migrations._value.get() == 1
+    assert metrics.tokens_recomputed._value.get() == 3
+
+
+async def test_a_stream_with_no_worker_to_resume_on_counts_no_migration(cluster):
+    # The counters went up before another worker was looked for: with the only decode
+    # worker gone, the dashboard showed streams migrated and tokens recomputed while every
+    # client got UNAVAILABLE.
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    await cluster.add(Role.PREFILL, FakePrefill())
+    await cluster.add(Role.DECODE, BreakingDecode(3, fresh_only=True))
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    metrics = cluster.router.orchestrator.metrics
+    assert metrics.migrations._value.get() == 0
+    assert metrics.tokens_recomputed._value.get() == 0
+    assert cluster.router.orchestrator.calls.retries["decode"] == 0
 
 
 class StepFailingDecode(BreakingDecode):
