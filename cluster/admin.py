@@ -21,23 +21,29 @@ from cluster.console import say as _say
 
 
 def _routers(args: argparse.Namespace) -> list[str]:
-    """The routers `--address` ($EPD_ROUTER) lists, comma-separated."""
-    return [a.strip() for a in args.address.split(",") if a.strip()]
+    """The routers `--address` ($EPD_ROUTER) lists, comma-separated; SettingsError when
+    none (an empty $EPD_ROUTER, a stray comma: `drain` told no router and said nothing)."""
+    from common.settings.schema import SettingsError
+
+    routers = [a.strip() for a in args.address.split(",") if a.strip()]
+    if not routers:
+        raise SettingsError(f"--address: no router address given in {args.address!r}")
+    return routers
 
 
 async def _admin(args: argparse.Namespace, router: str | None = None) -> Any:
     """(channel, AdminService stub) to `router`, by default the first one listed."""
-    from pathlib import Path
 
-    from common.server.credentials import ChannelCredentials
+    from common.server.credentials import ChannelCredentials, checked_key, read_ca
     from common.server.rpc import channel
     from common.settings.api_keys import ADMIN_KEY_FILE, default_api_key
     from epd.v1 import admin_service_pb2_grpc
 
     ca = getattr(args, "tls_ca_file", None)
+    given = getattr(args, "api_key", None)
     credentials = ChannelCredentials(
-        getattr(args, "api_key", None) or default_api_key(ADMIN_KEY_FILE),
-        root_certificates=Path(ca).read_bytes() if ca else None,
+        checked_key(given, "--api-key") if given else default_api_key(ADMIN_KEY_FILE),
+        root_certificates=read_ca(ca, "--tls-ca-file") if ca else None,
         tls=ca is not None,
     )
     ch = channel(router or _routers(args)[0], credentials=credentials)

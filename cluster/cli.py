@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument(
         "--no-wait", action="store_true", help="return once asked, not when the pool has changed"
     )
-    scale.add_argument("--timeout", type=float, default=300.0, help="longest wait, seconds")
+    scale.add_argument("--timeout", type=_seconds, default=300.0, help="longest wait, seconds")
     _router_flag(scale, "admin_key")
 
     status = commands.add_parser(
@@ -330,7 +330,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.exit(1, f"epd: {args.command} failed: {exc}\n")
         if isinstance(exc, OSError):  # a file it names (--tls-ca-file, an image) unreadable
             parser.exit(1, f"epd: {args.command} failed: {exc}\n")
+        if isinstance(exc, ValueError):  # an argument the library refuses, naming it
+            parser.exit(2, f"epd: error: {exc}\n")
         raise
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type: `nan` never timed out)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:

@@ -53,7 +53,7 @@ from pathlib import Path
 import grpc
 
 from common.sampling import SamplingParams
-from common.server.credentials import ChannelCredentials, bearer_metadata
+from common.server.credentials import ChannelCredentials, bearer_metadata, checked_key, read_ca
 from common.server.rpc import keepalive_options
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
 from epd.answers import Chunk, GenerateError, Result, chunk_of, retry_after_s
@@ -137,8 +137,8 @@ class Client:
         self.addresses = router_list(address)  # every router, in the order given
         self.address = self.addresses[0]  # the first (Status asks this one)
         credentials = ChannelCredentials(
-            _key(api_key) if api_key is not None else default_api_key(CLIENT_KEY_FILE),
-            root_certificates=Path(tls_ca_file).read_bytes() if tls_ca_file else None,
+            checked_key(api_key) if api_key is not None else default_api_key(CLIENT_KEY_FILE),
+            root_certificates=read_ca(tls_ca_file) if tls_ca_file else None,
             tls=tls_ca_file is not None,
         )
         options = [
@@ -200,7 +200,7 @@ class Client:
         request = build_request(
             messages, sampling, request_id=request_id, cache_salt=cache_salt, stop=stop
         )
-        metadata = bearer_metadata(_key(api_key)) if api_key is not None else None
+        metadata = bearer_metadata(checked_key(api_key)) if api_key is not None else None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failures: list[str] = []
         received: list[int] = []  # tokens of the answer the caller has
@@ -382,14 +382,3 @@ async def _connects(channel: grpc.aio.Channel, left: float | None) -> bool:
             return False
         state = channel.get_state(try_to_connect=True)
     return True
-
-
-def _key(api_key: str) -> str:
-    """`api_key` as sent: stripped, as the key files and $EPD_API_KEY are (a key read with
-    `open(...).read()` ends in a newline; "": none is presented); ValueError naming it when
-    no header can carry it (gRPC failed the call INTERNAL "Invalid metadata", naming
-    nothing)."""
-    key = api_key.strip()
-    if not key.isascii() or not key.isprintable():
-        raise ValueError("api_key: must be printable ASCII")
-    return key

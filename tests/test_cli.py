@@ -159,6 +159,42 @@ def test_admin_commands_fail_in_one_line_not_a_traceback(
     assert build_parser().parse_args(["status", "--api-key", " k\n"]).api_key == "k"
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # An empty $EPD_ROUTER or a stray comma: IndexError tracebacks, and drain/undrain
+        # told no router and exited 0 with no output.
+        (["status", "--address", ""], "--address: no router address given"),
+        (["drain", "decode", "--address", " , "], "--address: no router address given"),
+        (["undrain", "decode", "--address", ","], "--address: no router address given"),
+        (["generate", "hi", "--address", ""], "router address: none given"),
+        # A key no header can carry: a gRPC traceback, or INTERNAL naming nothing.
+        (["status", "--address", "127.0.0.1:1", "--api-key", "k\u00e9y"], "--api-key"),
+        (["generate", "hi", "--address", "127.0.0.1:1", "--api-key", "k\ty"], "api_key"),
+        (["scale", "--role", "decode", "--replicas", "1", "--timeout", "nan"], "--timeout"),
+    ],
+)
+def test_cli_arguments_no_router_could_use_are_one_line_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_a_ca_file_that_is_no_ca_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # gRPC said only "Failed to create security handshaker", after C-core log lines.
+    ca = tmp_path / "hostname"
+    ca.write_text("not a certificate\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["status", "--tls-ca-file", str(ca), "--address", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{ca} holds no PEM certificate" in err, err
+
+
 # ------------------------------------------------------------------------------ messages
 
 

@@ -12,11 +12,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 AUTHORIZATION = "authorization"  # the metadata key (gRPC metadata keys are lower case)
+
+
+def checked_key(key: str, field: str = "api_key") -> str:
+    """An API key as presented: stripped, as the key files and $EPD_API_KEY are (a key read
+    with `open(...).read()` ends in a newline; "": none); ValueError naming `field` when no
+    header can carry it (gRPC failed the call INTERNAL "Invalid metadata", naming nothing)."""
+    stripped = key.strip()
+    if not stripped.isascii() or not stripped.isprintable():
+        raise ValueError(f"{field}: must be printable ASCII")
+    return stripped
+
+
+def read_ca(path: str | Path, field: str = "tls_ca_file") -> bytes:
+    """The PEM certificates of the CA file at `path`; ValueError naming `field` and the
+    file when it holds none (gRPC said only "Failed to create security handshaker")."""
+    data = Path(path).read_bytes()
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise ValueError(f"{field}: {path} holds no PEM certificate")
+    return data
 
 
 def bearer_metadata(secret: str) -> tuple[tuple[str, str], ...]:

@@ -139,6 +139,8 @@ def default_api_key(kind: str = CLIENT_KEY_FILE) -> str | None:
     or admin_key) `epd serve` wrote under `state_dir($EPD_NAMESPACE or "epd")`, else None."""
     env = os.environ.get("EPD_API_KEY", "").strip()  # set from a file, it ends in a newline
     if env:
+        if not env.isascii() or not env.isprintable():  # no header could carry it
+            raise SettingsError("$EPD_API_KEY: must be printable ASCII")
         return env
     path = state_dir(os.environ.get("EPD_NAMESPACE", DEFAULT_NAMESPACE)) / kind
     try:
