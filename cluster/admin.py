@@ -145,7 +145,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     model = reply.model or "-"
     # queued: requests waiting in the router for KV blocks (admission control).
     _say(
-        f"router {args.address}  model {model}  requests in flight {reply.active_requests}  "
+        f"router {_routers(args)[0]}  model {model}  requests in flight {reply.active_requests}  "
         f"queued {reply.queued_requests} (peak {reply.queued_peak}, refused "
         f"{reply.refused_requests})"
     )

@@ -33,11 +33,18 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
     `Admission` (queue figures in Status; zeros without one)."""
 
     def __init__(
-        self, registry: Registry, scaler: Scaler | None = None, admission: Admission | None = None
+        self,
+        registry: Registry,
+        scaler: Scaler | None = None,
+        admission: Admission | None = None,
+        requests: Callable[[], int] | None = None,
     ) -> None:
         self.registry = registry
         self.scaler = scaler
         self.admission = admission
+        # Requests in the router, arrival to end (None: its calls on workers are counted,
+        # a request on two encoders at once twice).
+        self.requests = requests
 
     async def Status(
         self, request: admin_service_pb2.StatusRequest, context: grpc.aio.ServicerContext
@@ -56,6 +63,8 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         )
         if self.admission is not None:
             queue = self.admission.stats()
+            if self.requests is not None:  # as `vllm:num_requests_running`: not the queued
+                response.active_requests = max(0, self.requests() - queue.queued)
             response.queued_requests = queue.queued
             response.queued_peak = queue.peak
             response.admitted_requests = queue.admitted

@@ -341,7 +341,10 @@ async def serve(
                 RegistryServicer(registry), s
             ),
             lambda s: admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
-                AdminServicer(registry, scaler, orchestrator.admission), s
+                AdminServicer(
+                    registry, scaler, orchestrator.admission, lambda: orchestrator.metrics.in_flight
+                ),
+                s,
             ),
             *extra_servicers,
         ],

@@ -95,3 +95,17 @@ async def test_mismatched_registration_is_failed_precondition(cluster, workers):
     status = await cluster.admin.Status(admin_service_pb2.StatusRequest())
     (refused,) = status.refused_registrations
     assert refused.startswith("127.0.0.1:1: ") and "block_size=8 (expected 16)" in refused
+
+
+async def test_status_counts_requests_not_their_calls_on_workers() -> None:
+    # It summed each worker's calls: one request on two encoders at once showed as two.
+    from router.admin import AdminServicer
+    from tests.test_admission import deployment, make
+
+    registry = deployment()
+    for worker in registry.workers():
+        worker.in_flight = 1  # one request's calls: its prefill and its decode
+    servicer = AdminServicer(registry, None, make(registry), lambda: 1)
+    reply = await servicer.Status(admin_service_pb2.StatusRequest(), None)
+    assert reply.active_requests == 1
+    assert AdminServicer(registry).registry.active_requests == 2  # what it said before
