@@ -25,7 +25,7 @@ from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
 from common.models.runner import model_identity
-from common.processing.content_hash import processor_settings
+from common.processing.content_hash import processor_settings, settings_digest
 from common.roles import PATCH_CODES, PROTOCOL_VERSION
 from common.server.leases import LeaseIdError, check_lease_id, refusal
 from common.server.lifecycle import ServerLifecycle
@@ -294,6 +294,7 @@ async def serve(
         protocol_version=PROTOCOL_VERSION,
         capabilities=[PATCH_CODES, *(["nixl"] if settings.nixl else [])],
         name=settings.name,
+        processor=settings_digest(pixel_settings),
     )
     server.register(settings.routers, info, server.servicer.load, settings.router_dns)
     logger.info("encoder worker serving %s on %s (model %s)", path, server.address, identity)

@@ -76,7 +76,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         if waiting is not None:
             response.waiting.extend(await waiting())
         response.refused_registrations.extend(
-            f"{address}: {why}" for address, why in self.registry.recent_refusals()
+            f"{address}: {why}" for address, why in self.registry.refusals.recent()
         )
         for w in self.registry.workers(role):
             response.workers.add(

@@ -58,6 +58,7 @@ from common.roles import KV_ROLES, PROTOCOL_VERSION, Role
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_from_proto
 from epd.v1 import registry_service_pb2
+from router.refusals import MAX_REFUSALS, Refusals
 from router.workers import (
     CheckpointShape,
     NoWorkerError,
@@ -67,11 +68,6 @@ from router.workers import (
 )
 
 logger = logging.getLogger(__name__)
-MAX_REFUSALS = 256  # refused worker addresses remembered (and their reasons, cut to:)
-# A refused worker asks again every few seconds (its registrar's backoff is capped at 5 s):
-# a refusal not repeated for this long is of a worker that gave up or went away.
-REFUSAL_SHOWN_S = 60.0
-MAX_REFUSAL_CHARS = 1024
 _ROLE_ORDER = {role: k for k, role in enumerate(Role)}  # `workers()` lists roles in this order
 _address = operator.attrgetter("address")
 
@@ -93,16 +89,16 @@ class Registry:
         worker_timeout_s: float,
         heartbeat_interval_s: float,
         expected_model: str | None = None,
+        expected_processor: str = "",
         checkpoint_shape: CheckpointShape | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.worker_timeout_s = worker_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.expected_model = expected_model  # None until given or adopted
+        self.expected_processor = expected_processor  # encoders' `processor` ("": any)
         self.checkpoint_shape = checkpoint_shape
-        # worker address -> why Register refused it (the last `MAX_REFUSALS` addresses)
-        self.refusals: OrderedDict[str, str] = OrderedDict()
-        self._refused_at: dict[str, float] = {}  # address -> when last refused
+        self.refusals = Refusals(clock)  # worker address -> why Register refused it
         self.reference_layout: KvLayout | None = None  # first registered KV layout
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
@@ -124,20 +120,7 @@ class Registry:
 
     def refuse(self, address: str, why: str) -> None:
         """Note why Register refused the worker at `address` (`epd status` shows it)."""
-        key = address[:MAX_REFUSAL_CHARS]
-        self.refusals[key] = why[:MAX_REFUSAL_CHARS]
-        self.refusals.move_to_end(key)
-        self._refused_at[key] = self._clock()
-        while len(self.refusals) > MAX_REFUSALS:
-            del self._refused_at[self.refusals.popitem(last=False)[0]]
-
-    def recent_refusals(self) -> list[tuple[str, str]]:
-        """(address, why) of the refusals repeated in the last `REFUSAL_SHOWN_S`, oldest
-        first; older ones are forgotten."""
-        cutoff = self._clock() - REFUSAL_SHOWN_S
-        while self.refusals and self._refused_at[next(iter(self.refusals))] < cutoff:
-            del self._refused_at[self.refusals.popitem(last=False)[0]]
-        return list(self.refusals.items())
+        self.refusals.note(address, why)
 
     def register(self, info: registry_service_pb2.WorkerInfo) -> WorkerRecord:
         """Check and record a worker. Raises ValueError for an incomplete registration and
@@ -154,6 +137,12 @@ class Registry:
             raise RegistrationRefused(
                 f"{role} worker {info.address} serves model {info.model!r}; this deployment "
                 f"serves {self.expected_model!r}"
+            )
+        theirs, ours = info.processor, self.expected_processor
+        if role == Role.ENCODER and theirs and ours and theirs != ours:
+            raise RegistrationRefused(
+                f"encoder worker {info.address} processes media with other settings "
+                f"({theirs}; this router's: {ours}): it would refuse every content hash"
             )
         layout = None
         if role in KV_ROLES:
@@ -220,8 +209,7 @@ class Registry:
             drain_requested=drain_requested,
         )
         self._workers[record.worker_id] = record
-        self.refusals.pop(record.address, None)
-        self._refused_at.pop(record.address, None)
+        self.refusals.forget(record.address)
         logger.info("registered %s worker %s at %s", role, record.name, record.address)
         for listener in self.on_register:
             listener(record)
@@ -305,7 +293,7 @@ class Registry:
             del self._workers[record.worker_id]
             if record.drain_requested and record.info.instance_id:
                 self._drained_gone[(record.address, record.info.instance_id)] = None
-                while len(self._drained_gone) > MAX_REFUSALS:
+                while len(self._drained_gone) > MAX_REFUSALS:  # (as many as refusals)
                     self._drained_gone.popitem(last=False)
             if record.draining:  # it was leaving: a scale-down, a stop or `epd drain`
                 logger.info(

@@ -42,6 +42,7 @@ import grpc
 
 from common.errors import FieldError
 from common.models.runner import model_identity
+from common.processing.content_hash import settings_digest
 from common.processing.processor import ProcessedPrompt, Processor
 from common.roles import KV_ROLES, Role
 from common.sampling import SamplingParams
@@ -295,6 +296,7 @@ async def serve(
         worker_timeout_s=settings.worker_timeout_s,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         expected_model=expected,
+        expected_processor=settings_digest(processor.settings),
         checkpoint_shape=CheckpointShape(
             text.num_hidden_layers, text.num_key_value_heads, text.head_dim
         ),

@@ -4,6 +4,7 @@ least-loaded selection, driven with a fake clock (no network)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Collection
 from types import SimpleNamespace
 from typing import Any
@@ -362,7 +363,7 @@ def test_two_live_workers_of_one_name_do_not_evict_each_other(
 
 
 def test_refusals_are_remembered_for_the_last_workers_only(registry: Registry) -> None:
-    from router.registry import MAX_REFUSAL_CHARS, MAX_REFUSALS
+    from router.refusals import MAX_REFUSAL_CHARS, MAX_REFUSALS
 
     for k in range(MAX_REFUSALS + 50):
         registry.refuse(f"10.0.0.{k}:1", "x" * 5000)
@@ -375,20 +376,20 @@ def test_status_shows_refusals_while_the_worker_keeps_asking(
     registry: Registry, clock: Clock
 ) -> None:
     # A refused worker that gave up or went away was listed by `epd status` for good.
-    from router.registry import REFUSAL_SHOWN_S
+    from router.refusals import REFUSAL_SHOWN_S
 
     registry.refuse("10.0.0.1:1", "wrong model")
     registry.refuse("10.0.0.2:1", "wrong layout")
     clock.now += REFUSAL_SHOWN_S / 2
     registry.refuse("10.0.0.1:1", "wrong model")  # it asked again
-    assert registry.recent_refusals() == [
+    assert registry.refusals.recent() == [
         ("10.0.0.2:1", "wrong layout"),
         ("10.0.0.1:1", "wrong model"),
     ]
     clock.now += REFUSAL_SHOWN_S / 2 + 1
-    assert registry.recent_refusals() == [("10.0.0.1:1", "wrong model")]
+    assert registry.refusals.recent() == [("10.0.0.1:1", "wrong model")]
     clock.now += REFUSAL_SHOWN_S
-    assert registry.recent_refusals() == [] and not registry.refusals
+    assert registry.refusals.recent() == [] and not registry.refusals
 
 
 def test_a_worker_whose_call_failed_is_picked_last_until_it_heartbeats(
@@ -444,3 +445,34 @@ def test_a_worker_suspected_again_soon_after_a_heartbeat_stays_suspect_longer(
         registry.heartbeat(a.worker_id, WorkerLoad())
     registry.suspect(a)
     assert a.suspect
+
+
+def test_an_encoder_with_other_processing_settings_is_refused_at_registration(clock) -> None:
+    # Same model identity, another preprocessor_config.json (max_pixels raised on one side):
+    # it registered, then refused every item it was sent as the client's INVALID_ARGUMENT.
+    registry = Registry(
+        worker_timeout_s=3.0, heartbeat_interval_s=1.0, expected_processor="ours", clock=clock
+    )
+    other = info(Role.ENCODER, 7001)
+    other.processor = "theirs"
+    with pytest.raises(RegistrationRefused, match="processes media with other settings"):
+        registry.register(other)
+    assert registry.workers() == []
+    same, unknown = info(Role.ENCODER, 7002), info(Role.ENCODER, 7003)
+    same.processor = "ours"
+    registry.register(same)
+    registry.register(unknown)  # an encoder from before the field: not compared
+    assert len(registry.workers(Role.ENCODER)) == 2
+
+
+def test_the_router_and_an_encoder_of_one_checkpoint_agree_on_its_settings() -> None:
+    from common.models.tiny import default_checkpoint
+    from common.processing.content_hash import processor_settings, settings_digest
+    from common.processing.processor import Processor
+
+    path = default_checkpoint("tiny")
+    router_side = Processor.from_pretrained(path).settings
+    encoder_side = processor_settings(path, Processor.from_pretrained(path).config)
+    assert settings_digest(router_side) == settings_digest(encoder_side)
+    changed = dataclasses.replace(encoder_side, max_pixels=encoder_side.max_pixels * 2)
+    assert settings_digest(changed) != settings_digest(router_side)

@@ -1,0 +1,47 @@
+"""Why the registry refused the workers it refused, for `epd status` (`Registry.refusals`).
+
+A refused worker asks again every few seconds (its registrar's back-off is capped at 5 s), so
+a refusal not repeated for `REFUSAL_SHOWN_S` is of a worker that gave up or went away: it
+is no longer shown. At most `MAX_REFUSALS` addresses are kept, each reason cut to
+`MAX_REFUSAL_CHARS`; a worker that registers is forgotten here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+MAX_REFUSALS = 256  # refused worker addresses remembered (and their reasons, cut to:)
+MAX_REFUSAL_CHARS = 1024
+REFUSAL_SHOWN_S = 60.0
+
+
+class Refusals(OrderedDict[str, str]):
+    """Worker address -> why Register refused it, the least recently refused first."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        super().__init__()
+        self._clock = clock
+        self._when: dict[str, float] = {}  # address -> when last refused
+
+    def note(self, address: str, why: str) -> None:
+        """Register refused the worker at `address` for `why`."""
+        key = address[:MAX_REFUSAL_CHARS]
+        self[key] = why[:MAX_REFUSAL_CHARS]
+        self.move_to_end(key)
+        self._when[key] = self._clock()
+        while len(self) > MAX_REFUSALS:
+            del self._when[self.popitem(last=False)[0]]
+
+    def forget(self, address: str) -> None:
+        """The worker at `address` registered."""
+        self.pop(address, None)
+        self._when.pop(address, None)
+
+    def recent(self) -> list[tuple[str, str]]:
+        """(address, why) of the refusals repeated in the last `REFUSAL_SHOWN_S`, oldest
+        first; older ones are forgotten."""
+        cutoff = self._clock() - REFUSAL_SHOWN_S
+        while self and self._when[next(iter(self))] < cutoff:
+            del self._when[self.popitem(last=False)[0]]
+        return list(self.items())
