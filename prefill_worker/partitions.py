@@ -33,16 +33,18 @@ FIELD = "embeddings.partition_start"
 
 def split_for_prefill(
     msg: multimodal_pb2.MultimodalParams,
-) -> tuple[MultimodalParams | None, multimodal_pb2.MultimodalParams]:
-    """`(whole layout, message to compute)`: `(None, msg)` when no embedding names
-    partitions; else the validated whole layout (no embeddings) and `msg` with each item
+) -> tuple[MultimodalParams | None, multimodal_pb2.MultimodalParams, list[int] | None]:
+    """`(whole layout, message to compute, origins)`: `(None, msg, None)` when no embedding
+    names partitions; else the validated whole layout (no embeddings), `msg` with each item
     that has partition embeddings placed as its pieces, embeddings moved to them (see the
-    module docstring). Raises `MultimodalLayoutError` naming the field."""
+    module docstring), and each piece's item index in `msg` (`origins[piece]`: errors about
+    a piece name the caller's item). Raises `MultimodalLayoutError` naming the field."""
     if not any(emb.HasField("partition_start") for emb in msg.embeddings):
-        return None, msg
+        return None, msg, None
     whole = params_from_proto(msg, with_embeddings=False)
     spans = _spans(msg.embeddings, whole.items)
     items: list[MultimodalItemMetadata] = []
+    origins: list[int] = []  # per piece, its item's index
     embeddings: list[tuple[int, multimodal_pb2.ItemEmbedding]] = []  # (new index, embedding)
     whole_rows = embeddings_by_item(
         (emb for emb in msg.embeddings if not emb.HasField("partition_start")), len(whole.items)
@@ -53,18 +55,20 @@ def split_for_prefill(
             if i in whole_rows:
                 embeddings.append((len(items), whole_rows[i]))
             items.append(item)
+            origins.append(i)
             continue
         for start, stop, emb in _pieces(given, len(item.partitions)):
             if emb is not None:
                 embeddings.append((len(items), emb))
             items.append(partitions_item(item, start, stop))
+            origins.append(i)
     out = MultimodalParams.from_items(
         items, mrope_position_delta=whole.mrope_position_delta
     ).to_proto()
     for index, emb in embeddings:
         moved = out.embeddings.add(item_index=index, rows=emb.rows)
         moved.deepstack.extend(emb.deepstack)
-    return whole, out
+    return whole, out, origins
 
 
 def _spans(

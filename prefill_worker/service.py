@@ -49,6 +49,7 @@ from common.kv.digest import cache_block_digests
 from common.kv.events import KvEventHub
 from common.models.batching import MissingEmbeddingsError
 from common.models.sequence import LmSequence
+from common.multimodal.validation import MultimodalLayoutError
 from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.leases import Lease, LeaseIdError, LeaseTable, refusal
 from common.server.peers import PeerClient
@@ -161,10 +162,15 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         started = time.perf_counter()
         # A video given only some partitions' rows is computed as its pieces; the hashes
         # and digest stay the whole prompt's (`prefill_worker.partitions`).
-        whole, multimodal = split_for_prefill(request.multimodal)
-        handoff = await self.embeddings.read_handoff(
-            tokens, multimodal, request.embedding_holders, time_left_s
-        )
+        whole, multimodal, origins = split_for_prefill(request.multimodal)
+        try:
+            handoff = await self.embeddings.read_handoff(
+                tokens, multimodal, request.embedding_holders, time_left_s
+            )
+        except MultimodalLayoutError as exc:
+            if origins is None or exc.item is None:
+                raise
+            raise MultimodalLayoutError(exc.field, exc.reason, origins[exc.item]) from None
         params = handoff.params
         prompt = params if whole is None else whole
         salt = request.cache_salt if request.HasField("cache_salt") else None

@@ -87,8 +87,8 @@ def test_a_video_given_some_partitions_hashes_places_and_digests_as_the_whole_pr
     msg = params.to_proto()
     rows = sum(p.output_rows for p in video.partitions[2:])
     given = with_rows(msg, 1, 2, 4, rows)
-    whole, split = split_for_prefill(msg)
-    assert whole is not None
+    whole, split, origins = split_for_prefill(msg)
+    assert whole is not None and origins == [0, 1, 1]  # each piece's item
     assert prompt_digest(tokens, whole) == prompt_digest(tokens, params)
     pieces = params_from_proto(split, with_embeddings=True)
     # The image, then the video's partitions [0, 2) (no rows) and [2, 4) (the rows given).
@@ -107,7 +107,7 @@ def test_a_video_given_some_partitions_hashes_places_and_digests_as_the_whole_pr
     assert torch.equal(split_positions.positions, whole_positions.positions)
     # Without partition rows the message is taken as it is.
     plain = params.to_proto()
-    assert split_for_prefill(plain) == (None, plain)
+    assert split_for_prefill(plain) == (None, plain, None)
 
 
 def test_partition_spans_that_do_not_fit_are_refused_naming_the_field(
