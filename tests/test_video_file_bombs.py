@@ -118,3 +118,35 @@ def test_a_file_whose_sampling_means_decoding_too_much_is_refused_from_the_heade
     assert MAX_DECODED_PIXELS < 143_761 * 1024 * 1024
     video = open_video(data, fps=1 / 600, max_frames=8)  # one sample, at 0 s: one frame
     assert video.decode().times == (0.0,)
+
+
+@pytest.mark.parametrize(("rotation", "left_column"), [(0, 255), (90, 0), (-90, 255), (180, 0)])
+def test_a_rotated_stream_is_decoded_upright(rotation: int, left_column: int) -> None:
+    # Phones store portrait video landscape with a display rotation: it reached the model
+    # on its side, its grid's height and width swapped from what every player shows.
+    from fractions import Fraction
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=2)
+        stream.width, stream.height, stream.pix_fmt = 128, 64, "yuv420p"
+        stream.set_display_rotation(rotation)
+        pixels = np.zeros((64, 128, 3), np.uint8)
+        pixels[:, :64] = 255  # the left half white
+        for k in range(2):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            frame.pts, frame.time_base = k, Fraction(1, 2)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    video = open_video(buf.getvalue(), fps=2.0, max_frames=8).decode()
+    turned = rotation % 180 != 0
+    assert video.frames.shape[1:3] == ((128, 64) if turned else (64, 128))
+    # Turned counterclockwise by 90: the white left half is now the bottom half.
+    first = video.frames[0]
+    if turned:
+        top, bottom = int(first[8, 32, 0]), int(first[-8, 32, 0])
+        assert (top, bottom) == ((0, 255) if rotation == 90 else (255, 0)), (top, bottom)
+    else:
+        assert abs(int(first[32, 8, 0]) - left_column) <= 8

@@ -17,8 +17,9 @@ frame nearest each sample time, never one frame twice), or, when that is more th
 `max_frames`, `max_frames` times spread uniformly over the duration. Decoding stops at the
 last sample time and refuses a stream that holds far more frames than its header says. Each
 kept frame is converted to RGB and keeps its time, from the container's presentation
-timestamps relative to the stream's start: `TimedFrames`, which the processor turns into
-the `<t seconds>` text between a video's runs.
+timestamps relative to the stream's start, and is turned upright by the stream's display
+rotation: `TimedFrames`, which the processor turns into the `<t seconds>` text between a
+video's runs.
 
 Every refusal is a `FieldError` naming the caller's field (`LimitError` for a limit,
 `VideoFileError` for a file that is not a readable video).
@@ -163,7 +164,7 @@ class VideoFile:
             t = frame.time - start
             if t + half < targets[next_target]:
                 continue
-            frames.append(frame.to_ndarray(format="rgb24"))
+            frames.append(_upright(frame))
             times.append(t)
             # The frame covers every sample time up to `half` after it (a source slower than
             # `fps` skips some), so no frame is kept twice.
@@ -184,6 +185,15 @@ class VideoFile:
         if kept == max(1, math.ceil(header.duration_s * self.fps - 1e-9)):
             return self.fps
         return max(kept / header.duration_s, MIN_FPS) if header.duration_s > 0 else self.fps
+
+
+def _upright(frame: av.VideoFrame) -> np.ndarray:
+    """The frame's RGB pixels as players show them: turned by its display matrix's rotation
+    (a phone's portrait video is stored landscape with a 90 degree turn), as images are by
+    their EXIF orientation."""
+    pixels = frame.to_ndarray(format="rgb24")
+    turns = round((frame.rotation or 0) / 90) % 4  # counterclockwise, as the matrix says
+    return np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels
 
 
 def sample_times(duration_s: float, fps: float, max_frames: int) -> tuple[float, ...]:
