@@ -267,6 +267,7 @@ async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
     assert status == 401  # no key: refused before the body is looked at
     error = reply["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "invalid_api_key"  # OpenAI's code (it was "unauthenticated")
     # Bodies FastAPI cannot parse at all (not UTF-8; nested past the JSON parser's depth)
     # and bodies that are not JSON: refused alike, in OpenAI's shape (no field to name).
     for raw in (b'{"model": "\xff"}', b"[" * 100_000 + b"]" * 100_000, b'{"model": '):
@@ -311,6 +312,7 @@ async def test_a_full_queue_answers_429_with_retry_after(fake: FakeCluster) -> N
     assert status == 429, reply
     assert int(headers["retry-after"]) >= 1
     assert reply["error"]["type"] == "rate_limit_error"
+    assert reply["error"]["code"] == "rate_limit_exceeded"  # OpenAI's code
 
 
 async def test_a_request_that_can_never_fit_is_400_not_429(ckpt: Path) -> None:
@@ -327,6 +329,7 @@ async def test_a_request_that_can_never_fit_is_400_not_429(ckpt: Path) -> None:
             status, headers, reply = await asyncio.to_thread(call, endpoint, body, CLIENT_KEY)
             assert (status, reply["error"]["type"]) == (400, "invalid_request_error"), reply
             assert "retry-after" not in headers
+            assert reply["error"]["code"] != "rate_limit_exceeded"  # nothing to wait for
             return str(reply["error"]["message"])
 
         image = {"type": "image_url", "image_url": {"url": png_data_url(1)}}

@@ -31,6 +31,13 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 
+# OpenAI's `code` where it has one for the status (clients branch on these); else the gRPC
+# status's name.
+_CODES = {
+    grpc.StatusCode.UNAUTHENTICATED: "invalid_api_key",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "rate_limit_exceeded",
+}
+
 UNAVAILABLE_RETRY_S = 1.0  # a 503's Retry-After when the router named no time
 
 
@@ -52,7 +59,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.type = _STATUS.get(grpc_code, (500, "internal_error"))
         self.type = error_type or self.type
-        self.code = code or grpc_code.name.lower()  # OpenAI's code, else the gRPC status's
+        self.code = code or _CODES.get(grpc_code) or grpc_code.name.lower()
         self.param = param  # the request field at fault
         self.retry_after_s = retry_after_s  # 429: when to try again
 
