@@ -2,9 +2,12 @@
 
 The layout is Qwen3-VL's (ChatML):
 
-    [<|im_start|>system\\n{system}<|im_end|>\\n]      only when the first message is system
-    <|im_start|>{role}\\n{content}<|im_end|>\\n        per message
+    <|im_start|>{role}\\n{content}<|im_end|>\\n        per message, system ones too
     <|im_start|>assistant\\n                          generation prompt
+
+A system message may come anywhere, and several may (OpenAI's API takes them so: agent
+frameworks add a developer message after the system one); a later one is a turn of its own,
+as Qwen3's template renders it.
 
 Inside `content`, text parts are concatenated as they are and each image or video part
 stays a piece of its own; the processor expands it into its placeholder tokens (see
@@ -39,10 +42,7 @@ Piece = str | Control | MediaPart
 
 def render_chat(messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[Piece]:
     """The prompt as text, control-token and media pieces in order (adjacent text is
-    joined).
-
-    Raises `ValueError` when a system message is not the first one.
-    """
+    joined). Raises `ValueError` for a content part it cannot render."""
     pieces: list[Piece] = []
 
     def emit(piece: Piece) -> None:
@@ -52,8 +52,6 @@ def render_chat(messages: Sequence[Message], *, add_generation_prompt: bool = Tr
             pieces.append(piece)
 
     for number, message in enumerate(messages):
-        if message.role == "system" and number != 0:
-            raise ValueError("a system message may only come first")
         emit(Control(IM_START))
         emit(f"{message.role}\n")
         for part in message.content:
