@@ -146,10 +146,10 @@ class Client:
             ("grpc.max_receive_message_length", limit),
             *(keepalive_options(keepalive_s) if keepalive_s is not None else ()),
         ]
-        self._channels = [credentials.open(a, options) for a in self.addresses]
-        self._routers = [router_service_pb2_grpc.RouterServiceStub(c) for c in self._channels]
-        self._router = self._routers[0]  # the first router's stub (tests send raw requests)
-        self._admin = admin_service_pb2_grpc.AdminServiceStub(self._channels[0])
+        # Opened at first use, in the loop using them (one made outside a loop failed there).
+        self._open = lambda: [credentials.open(a, options) for a in self.addresses]
+        self._opened: list[grpc.aio.Channel] | None = None
+        self._stubs: list[router_service_pb2_grpc.RouterServiceStub] = []
         self._turn = 0  # the router the next request starts on
         self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
         self.resumes = 0  # streams resumed on another router after their router failed
@@ -161,10 +161,28 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def _channels(self) -> list[grpc.aio.Channel]:
+        """One channel per router, opened at first use."""
+        if self._opened is None:
+            self._opened = self._open()
+            self._stubs = [router_service_pb2_grpc.RouterServiceStub(c) for c in self._opened]
+        return self._opened
+
+    @property
+    def _routers(self) -> list[router_service_pb2_grpc.RouterServiceStub]:
+        _ = self._channels  # opened
+        return self._stubs
+
+    @property
+    def _router(self) -> router_service_pb2_grpc.RouterServiceStub:  # (tests send raw requests)
+        return self._routers[0]
+
     async def close(self) -> None:
         """Close the channels; running streams are cancelled."""
-        for ch in self._channels:
+        for ch in self._opened or ():
             await ch.close()
+        self._opened = None
 
     def _order(self) -> list[int]:
         """Router indices for the next request: the next router in turn, then the rest."""
@@ -318,7 +336,8 @@ class Client:
         """The router's AdminService.Status (every worker with its last load); needs an
         admin key (PERMISSION_DENIED otherwise)."""
         try:
-            response: admin_service_pb2.StatusResponse = await self._admin.Status(
+            admin = admin_service_pb2_grpc.AdminServiceStub(self._channels[0])
+            response: admin_service_pb2.StatusResponse = await admin.Status(
                 admin_service_pb2.StatusRequest(), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as exc:

@@ -176,3 +176,24 @@ def test_a_developer_message_is_sent_as_the_system_role() -> None:
 
     request = build_request([{"role": "developer", "content": "Be brief."}])
     assert request.messages[0].role == "system"
+
+
+def test_a_client_made_outside_a_loop_works_inside_one() -> None:
+    # Its channels were opened in __init__, bound to no running loop: under asyncio.run it
+    # failed with a raw RuntimeError ("attached to a different loop").
+    import asyncio
+
+    from epd.answers import GenerateError
+    from epd.client import Client
+
+    client = Client("127.0.0.1:1", api_key="k")  # a module-level client, as users write
+
+    async def main() -> GenerateError:
+        try:
+            with pytest.raises(GenerateError) as err:
+                await client.generate_text([{"role": "user", "content": "hi"}], timeout_s=2)
+            return err.value
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()).code == grpc.StatusCode.UNAVAILABLE  # nothing listens there
