@@ -4,6 +4,7 @@ from `epd.client`), and how a router's responses and refusals become them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -17,17 +18,34 @@ _FINISH = {
 
 
 class GenerateError(Exception):
-    """A failed request: `code` is the gRPC status, `details` the router's message."""
+    """A failed request: `code` is the gRPC status, `details` the router's message; `field`
+    the request field at fault and `retry_after_s` the wait a refusal names, where the
+    router said (its `epd-field` and `retry-after-ms` trailing metadata)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        field: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.field = field
+        self.retry_after_s = retry_after_s
 
-    def __reduce__(self) -> tuple[type[GenerateError], tuple[grpc.StatusCode, str]]:
-        # Pickled (a process pool's worker raising it) as its two arguments: the default
-        # gives `__init__` the message alone, and the pool broke unpickling it.
-        return (type(self), (self.code, self.details))
+    @classmethod
+    def of(cls, exc: grpc.aio.AioRpcError, details: str | None = None) -> GenerateError:
+        """The error of a failed call (`details`: instead of the router's message)."""
+        field = dict(exc.trailing_metadata() or ()).get("epd-field")
+        text = (exc.details() or "") if details is None else details
+        return cls(exc.code(), text, field if isinstance(field, str) else None, retry_after_s(exc))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (a process pool's worker raising it) with its arguments: the default gives
+        # `__init__` the message alone, and the pool broke unpickling it.
+        return (type(self), (self.code, self.details, self.field, self.retry_after_s))
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,11 +255,11 @@ class Client:
                     await asyncio.sleep(wait)
                     continue  # the same router, which said when
                 if len(self._routers) == 1:
-                    raise GenerateError(code, details) from None
+                    raise GenerateError.of(exc) from None
                 where = f"{self.addresses[index]}: {code.name} {details}".strip()
                 if code != grpc.StatusCode.UNAVAILABLE or (received and stop):
                     after = f" after {len(received)} tokens (not resumed)" if received else ""
-                    raise GenerateError(code, f"router {where}{after}") from None
+                    raise GenerateError.of(exc, f"router {where}{after}") from None
                 failures.append(where)
                 if attempt + 1 < len(self._routers):
                     if received:
@@ -341,7 +341,7 @@ class Client:
                 admin_service_pb2.StatusRequest(), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as exc:
-            raise GenerateError(exc.code(), exc.details() or "") from None
+            raise GenerateError.of(exc) from None
         return response
 
 

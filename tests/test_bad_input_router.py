@@ -22,6 +22,7 @@ import pytest
 
 from common.sampling import SamplingParams
 from common.server.credentials import bearer_metadata
+from epd.client import GenerateError
 from epd.v1 import router_service_pb2
 from tests.cluster import CLIENT_KEY
 from tests.test_bad_input import (
@@ -304,3 +305,7 @@ async def test_stop_strings_and_resume_tokens_are_refused_before_the_media_is_re
                 pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert dict(err.value.trailing_metadata() or ())["epd-field"] == field
+    # The client says which field too (it dropped the router's `epd-field`).
+    with pytest.raises(GenerateError) as refused:
+        await router.client.generate_text(TEXT, SamplingParams(max_tokens=2), stop=[""])
+    assert (refused.value.field, refused.value.retry_after_s) == ("stop", None)
