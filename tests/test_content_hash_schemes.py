@@ -178,3 +178,12 @@ def test_other_pixel_dtypes_are_refused_naming_the_field(dtype: torch.dtype) -> 
     image.pixel_values.CopyFrom(tensor_to_ref(_rows(14).to(dtype)))
     with pytest.raises(MultimodalLayoutError, match="pixel_values"):
         _parse(image)
+
+
+def test_the_hash_header_is_made_once_per_grid_and_shape() -> None:
+    # Its cache went to another function by an edit: 10.6 us per header instead of 0.13,
+    # about 4% of hashing each video partition.
+    from common.processing import content_hash
+
+    assert hasattr(content_hash._header, "cache_info")
+    assert not hasattr(content_hash.settings_digest, "cache_info")

@@ -74,13 +74,13 @@ def processor_settings(folder: str | Path, config: Qwen3VLConfig) -> ProcessorSe
     return read_processor_settings(folder, config)
 
 
-@functools.lru_cache(maxsize=4096)  # a few grids and shapes recur; json costs more than hashing
 def settings_digest(settings: ProcessorSettings) -> str:
     """A short digest of the settings every content hash covers (`fingerprint`): what an
     encoder registers and the router compares with its own (`WorkerInfo.processor`)."""
     return hashlib.blake2b(settings.fingerprint(), digest_size=16).hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)  # a few grids and shapes recur; json costs more than hashing
 def _header(modality: str, grid: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     return json.dumps(
         {"modality": modality, "grid_thw": list(grid), "dtype": str(dtype), "shape": list(shape)},
