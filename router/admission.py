@@ -74,10 +74,6 @@ MAX_RETRY_BACKOFF_S = 1.0  # longest pause before a requeued request is placed a
 Choose = Callable[[Role, frozenset[str]], WorkerRecord]
 
 
-class KvPoolFull(RouterError):
-    """A prefill worker answered RESOURCE_EXHAUSTED: its pool was full at that moment."""
-
-
 @dataclass(slots=True, eq=False)
 class Ticket:
     """An admitted request's reservations; `Admission.release` them (idempotent)."""
@@ -230,14 +226,15 @@ class Admission:
         self._admitted(ticket)
         return ticket
 
-    async def requeue(self, ticket: Ticket, choose: Choose) -> None:
-        """A prefill worker refused the ticket's prompt for a full pool: release its
-        reservations and place it again from the head of the queue, at once on a prefill
-        worker that has not refused it, else after a back-off (the pool that refused may
-        have room by then). Raises like `admit`'s wait."""
-        refused = ticket.workers.get(Role.PREFILL)
-        if refused is not None:
-            ticket.refused_by.add(refused.address)
+    async def requeue(self, ticket: Ticket, choose: Choose, refused: str = "") -> None:
+        """The prefill worker at `refused` refused the ticket's prompt for a full pool:
+        release its reservations and place it again from the head of the queue, at once on
+        a prefill worker that has not refused it, else after a back-off (the pool that
+        refused may have room by then). Raises like `admit`'s wait."""
+        reserved = ticket.workers.get(Role.PREFILL)
+        refused = refused or (reserved.address if reserved is not None else "")
+        if refused:
+            ticket.refused_by.add(refused)
         self.release(ticket)
         self._check_fits(ticket.need)  # a capacity heartbeated since may rule it out
         ticket.requeues += 1
@@ -345,7 +342,8 @@ class Admission:
                 now = self._clock()
                 head = self._head() is waiter
                 avoid = ticket.refused_by if now < waiter.not_before else frozenset()
-                if head and self._place(ticket, waiter.choose, avoid):
+                early = not avoid and now < waiter.not_before  # nothing to avoid: back off
+                if head and not early and self._place(ticket, waiter.choose, avoid):
                     self.placed_ahead += self._queue[0] is not waiter
                     return
                 if not head:

@@ -71,6 +71,17 @@ class RouterError(Exception):
         self.context_exceeded = False
 
 
+class KvPoolFull(RouterError):
+    """A prefill worker (`address`) answered RESOURCE_EXHAUSTED: its pool was full then
+    (`router.admission` queues the request again)."""
+
+    @classmethod
+    def of(cls, exc: RouterError) -> KvPoolFull:
+        full = cls(exc.code, str(exc))
+        full.address, full.stage = exc.address, exc.stage
+        return full
+
+
 class Refused(RouterError):
     """RESOURCE_EXHAUSTED for now: `limit` (what the router holds or queues) names the bound,
     and the client is told how long to back off, in the message and as trailing metadata

@@ -10,10 +10,10 @@
                that cached prefix need no encoding, and of a partition-keyed video only
                the partitions past it are encoded and sent (`router.pieces.pieces_past`;
                the prefill worker takes the video as its pieces, `prefill_worker.partitions`)
-      overlap  with `overlap_prefill`, items are encoded piece by piece (a video by
-               spans of partitions) and the prefill worker computes the prompt up to the first piece
-               not yet encoded as each arrives (`router.overlap`); prefill below reuses
-               those blocks and needs no embeddings of the items inside them
+      overlap  with `overlap_prefill`, items are encoded piece by piece (a video by spans
+               of partitions) and the prefill worker computes the prompt up to the first
+               piece not yet encoded as each arrives (`router.overlap`); prefill below
+               reuses those blocks and needs no embeddings of the items inside them
       encode   the other items -> each to its content hash's encoder unless that one is
                much busier than the least loaded (`router.encode`); inline bytes and
                NIXL handles pass through unchanged, so a prefill worker pulls large
@@ -33,14 +33,12 @@
 Text: the router owns it. Workers send token ids only; one incremental detokenizer per job
 (`router.detokenize`) turns the whole answer, first token included, into text deltas.
 
-Embedding leases (NIXL-held encoder outputs): the request tells the prefill worker which
-encoder holds each (`embedding_holders`) and the prefill worker releases them once pulled;
-if prefill is never reached or fails, the router releases them (a second release of the
-same lease is ignored by the encoder).
+Embedding leases (NIXL-held encoder outputs): the prefill worker releases them once pulled
+(`embedding_holders` names their encoders); the router, if prefill is never reached or fails.
 
-Admission: the ticket's prefill reservation is released with the KV lease's ownership (the
-decode worker's first chunk, or the router's ReleaseKv), its decode reservation when the
-stream ends; a stage retried on another worker moves its reservation there.
+Admission: the ticket's prefill reservation goes with the KV lease's ownership (the decode
+worker's first chunk, or the router's ReleaseKv), its decode one when the stream ends; a
+stage retried on another worker moves its reservation there.
 
 Ownership of the KV lease: the router owns it from the Prefill call on, under an id it chose
 (`PeerClient.prefill`: a call that ends without its answer releases that id, and a lease
@@ -56,15 +54,13 @@ failed prefill is retried with its items encoded again (the failed worker may ha
 their embedding leases already); when it failed because an embedding's encoder is gone
 (`common.handoff.EMBEDDINGS_LOST`), on the same prefill worker.
 
-Deadlines: every worker call gets the time left until the job's deadline; cancellation of
-the caller cancels the in-flight call (unary calls through task cancellation, the decode
-stream explicitly), so workers free what they hold.
+Deadlines: every worker call gets the time left until the job's deadline; a caller that
+cancels cancels the call in flight, so workers free what they hold.
 
 Trusted KV: a decode worker that finds the pulled KV unusable (a block failed its digest,
 the lease was not live throughout the READ, or the holder is gone) answers ABORTED before
-its first chunk; the
-router then prefills again (any prefill worker; the first token already sent is kept, as
-the KV of the prompt does not depend on it) and decodes with the new handle, up to
+its first chunk; the router then prefills again (any prefill worker; the first token sent
+is kept: the prompt's KV does not depend on it) and decodes with the new handle, up to
 `reprefills` times, so the client sees no error.
 """
 
@@ -77,7 +73,7 @@ from collections.abc import AsyncIterator, Awaitable
 import grpc
 
 from common.handoff import EMBEDDINGS_LOST
-from common.kv.block_pool import KV_POOL_FULL
+from common.kv.block_pool import pool_full
 from common.processing.processor import Processor
 from common.sampling import StopChecker
 from common.server.peers import PeerClient
@@ -89,8 +85,8 @@ from epd.v1 import (
     prefill_service_pb2,
     router_service_pb2,
 )
-from router.admission import Admission, KvPoolFull, Ticket
-from router.calls import Job, RouterError, WorkerCalls
+from router.admission import Admission, Ticket
+from router.calls import Job, KvPoolFull, RouterError, WorkerCalls
 from router.decode import DecodeStage, KvLease
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage, log_stages
@@ -249,8 +245,9 @@ class Orchestrator:
                 return await self._encode_and_prefill(job, handoff, choose, ticket)
             except KvPoolFull as exc:
                 logger.info("request %s: %s; queued again", job.request_id, exc)
+                refused = exc.address
             choose = self.routing.chooser(choose.hashes)  # the caches moved meanwhile
-            await self.admission.requeue(ticket, choose)
+            await self.admission.requeue(ticket, choose, refused)
 
     async def _encode_and_prefill(
         self,
@@ -270,7 +267,7 @@ class Orchestrator:
             tries += 1
             try:
                 return await self._encode_and_prefill_on(
-                    job, handoff, choose, ticket, failed, overlap
+                    job, handoff, choose, ticket, failed, overlap, retry=tries > 1
                 )
             except RouterError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE or exc.stage != "prefill":
@@ -282,7 +279,6 @@ class Orchestrator:
                     failed.add(exc.address)
                 else:  # outputs that waited for later pieces outlived their leases
                     overlap = False
-                self.calls.retries["prefill"] += 1
                 logger.warning(
                     "request %s: %s; encoding again and prefilling %s",
                     job.request_id,
@@ -298,6 +294,7 @@ class Orchestrator:
         ticket: Ticket,
         failed: set[str],
         overlap: bool = True,
+        retry: bool = False,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         planning = time.perf_counter()
         worker = ticket.workers.get(Role.PREFILL)  # None once released (a stream resumed)
@@ -323,7 +320,9 @@ class Orchestrator:
         prefilling = time.perf_counter()
         try:
             try:
-                out = await self._prefill(job, handoff, encoded, route.worker, ticket, failed)
+                out = await self._prefill(
+                    job, handoff, encoded, route.worker, ticket, failed, retry
+                )
                 log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
                 # Counted once the prefill took them so (its fallback encodes them all).
                 self.metrics.items_skipped.inc(len(route.skip))
@@ -358,9 +357,11 @@ class Orchestrator:
         first: WorkerRecord | None,
         ticket: Ticket,
         failed: set[str],
+        retry: bool = False,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         """One Prefill call (on `first`, or the best worker not in `failed`): retrying it
-        is the caller's, with the items encoded again. Raises RouterError."""
+        is the caller's, with the items encoded again (`retry`: this call is that retry,
+        counted once it has a worker). Raises RouterError."""
         multimodal = multimodal_pb2.MultimodalParams()
         multimodal.CopyFrom(handoff)
         multimodal.embeddings.extend(encoded.embeddings)
@@ -377,6 +378,8 @@ class Orchestrator:
 
         async def call(worker: WorkerRecord) -> prefill_service_pb2.PrefillResponse:
             nonlocal holder
+            if retry:
+                self.calls.retries["prefill"] += 1
             self.admission.move(ticket, Role.PREFILL, worker)
             timeout = job.time_left("prefill")
             response = await self.channels.prefill(worker.address, request, timeout)
@@ -388,8 +391,8 @@ class Orchestrator:
                 Role.PREFILL, "prefill", call, first=first, exclude=failed, attempts=1
             )
         except RouterError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and KV_POOL_FULL in str(exc):
-                raise KvPoolFull(exc.code, str(exc)) from None
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and pool_full(str(exc)):
+                raise KvPoolFull.of(exc) from None
             raise
         return response, holder
 

@@ -200,3 +200,24 @@ async def test_a_requeued_request_goes_at_once_to_a_worker_that_did_not_refuse_i
     assert ticket.workers[Role.PREFILL].address == "prefill-0:1"
     adm.release(ticket)
     assert adm.reserved("prefill-0:1") == adm.reserved("prefill-1:1") == 0
+
+
+async def test_a_requeue_naming_nothing_to_avoid_still_backs_off() -> None:
+    # A resumed stream's prefill holds no reservation: its requeue knew no worker to avoid
+    # and was placed again at once, on the full worker, with no back-off at all.
+    adm = make(deployment(prefill=(8, 8)), retry_backoff_s=0.3)
+    ticket = await adm.admit(8, 1, time.monotonic() + FAR, pick(adm.registry))
+    adm.release(ticket, Role.PREFILL)  # as after the decode worker took the KV lease
+    started = time.monotonic()
+    await adm.requeue(ticket, pick(adm.registry))
+    assert time.monotonic() - started >= 0.3
+    adm.release(ticket)
+    # Told which worker refused (`KvPoolFull.address`), it goes to the other at once.
+    ticket = await adm.admit(8, 1, time.monotonic() + FAR, pick(adm.registry))
+    adm.release(ticket, Role.PREFILL)
+    refused = adm.registry.workers(Role.PREFILL)[0].address
+    started = time.monotonic()
+    await adm.requeue(ticket, pick(adm.registry), refused)
+    assert time.monotonic() - started < 0.2
+    assert ticket.workers[Role.PREFILL].address != refused
+    adm.release(ticket)

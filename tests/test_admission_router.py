@@ -73,8 +73,12 @@ def give_capacity(c: RouterCluster, blocks: int) -> None:
         w.load = WorkerLoad(kv_blocks_free=blocks)
 
 
-async def test_a_full_prefill_pool_puts_the_request_back_in_the_queue(router: Any) -> None:
-    pre = ExhaustedPrefill(full=2)
+@pytest.mark.parametrize("legacy", [False, True])
+async def test_a_full_prefill_pool_puts_the_request_back_in_the_queue(
+    router: Any, legacy: bool
+) -> None:
+    # `legacy`: a prefill worker from before KV_POOL_FULL says only NoFreeBlocksError's text.
+    pre = ExhaustedPrefill(full=2, details=str(NoFreeBlocksError(2, 0)) if legacy else None)
     for role, servicer in ((Role.PREFILL, pre), (Role.DECODE, FakeDecode())):
         await router.add(role, servicer)
     result = await router.client.generate_text(TEXT, SamplingParams(max_tokens=4))

@@ -317,6 +317,8 @@ async def test_no_prefill_worker_left_is_unavailable_naming_the_role(cluster):
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "no prefill worker left" in err.value.details
     assert "127.0.0.1" not in err.value.details  # how many failed, not where
+    # Two calls, one retry: the third was never made (there was no worker to make it on).
+    assert cluster.router.orchestrator.calls.retries["prefill"] == 1
 
 
 class LastPrefill(FakePrefill):

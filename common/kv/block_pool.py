@@ -50,6 +50,12 @@ KvEventKind = Literal["stored", "removed", "cleared"]
 KV_POOL_FULL = "KV pool full"
 
 
+def pool_full(details: str) -> bool:
+    """Whether a worker's RESOURCE_EXHAUSTED `details` say its pool was full (a worker from
+    before `KV_POOL_FULL` says only `NoFreeBlocksError`'s message)."""
+    return KV_POOL_FULL in details or ("wanted" in details and "KV blocks, only" in details)
+
+
 class NoFreeBlocksError(RuntimeError):
     """`allocate` asked for more blocks than are free or evictable; nothing changed."""
 
