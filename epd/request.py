@@ -39,12 +39,12 @@ def build_request(
     stop: str | Sequence[str] = (),
 ) -> router_service_pb2.GenerateRequest:
     """The `GenerateRequest` of a chat; media encoded for the wire. `stop`: a string or
-    strings ending the answer (not included), as OpenAI's. ValueError naming the part that
-    cannot be sent."""
+    strings ending the answer (not included), as OpenAI's ("": none). ValueError naming the
+    part that cannot be sent."""
     request = router_service_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
         sampling=sampling_to_proto(sampling or SamplingParams()),
-        stop=[stop] if isinstance(stop, str) else list(stop),
+        stop=([stop] if stop else []) if isinstance(stop, str) else list(stop),
     )
     if cache_salt is not None:
         request.cache_salt = cache_salt

@@ -45,21 +45,33 @@ class Need:
         if self.blocks(role) <= largest:
             return None
         extra = f" + max_tokens {self.max_tokens}" if role == Role.DECODE else ""
+        extra = "" if self.max_tokens == 1 else extra  # the prompt alone is too large
         return TooLarge(
             f"the request needs {self.blocks(role)} KV blocks of {self.block_size} tokens on "
             f"a {role} worker (prompt {self.prompt_tokens}{extra} tokens); the largest {role} "
             f"worker has {largest} in all",
+            context=True,
         )
 
 
 def fit_to_decode(
-    max_tokens: int, prompt_tokens: int, block_size: int, capacities: Sequence[int | None]
+    max_tokens: int,
+    prompt_tokens: int,
+    block_size: int,
+    capacities: Sequence[int | None],
+    rooms: Sequence[int],
 ) -> int:
-    """A default `max_tokens` (the caller set none) cut to what the largest of the decode
-    workers' pools (`capacities`, in blocks; None: not heartbeated) holds beside the prompt,
-    at least 1: a chat that sets no length is answered as far as it fits, not refused for a
-    length it never asked for. Unchanged where a capacity is unknown."""
+    """A default `max_tokens` (the caller set none) cut to what a decode worker holds beside
+    the prompt, at least 1: a chat that sets no length is answered as far as it fits, not
+    refused for a length it never asked for. `capacities`: the decode workers' pools (None:
+    not heartbeated: unchanged then); `rooms`: their blocks not reserved now. Cut to the
+    most room now where the prompt fits there (a length that needs the whole pool would
+    wait at the head of the admission queue for it to empty, holding up everyone behind),
+    else to the largest pool."""
     if not capacities or None in capacities:
         return max_tokens
-    slots = max(c for c in capacities if c is not None) * block_size
-    return max(1, min(max_tokens, slots - prompt_tokens + 1))
+    for blocks in (max(rooms, default=0), max(c for c in capacities if c is not None)):
+        left = blocks * block_size - prompt_tokens + 1
+        if left >= 1:
+            return min(max_tokens, left)
+    return 1

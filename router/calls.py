@@ -100,8 +100,11 @@ class TooLarge(RouterError):
     gives one request (`message` names the sizes and the limit), so sending it again cannot
     help: no back-off hint, and the HTTP API answers 400, not 429 (which clients retry)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, context: bool = False) -> None:
         super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        # The prompt and its length need more KV blocks than a worker has: the HTTP API's
+        # `context_length_exceeded` (a shorter history helps; with inline bytes it does not).
+        self.kv_context = context
 
 
 @dataclass(frozen=True, slots=True)

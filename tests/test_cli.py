@@ -294,3 +294,13 @@ def test_an_unauthenticated_command_says_where_it_looked_for_its_key(
         main(["status"])
     err = capsys.readouterr().err
     assert str(tmp_path / "epd" / "admin_key") in err and "EPD_NAMESPACE" in err
+
+
+def test_every_pem_certificate_form_gRPC_takes_is_a_ca_file(tmp_path: Path) -> None:
+    # The check took only "BEGIN CERTIFICATE": RHEL's bundles hold TRUSTED CERTIFICATEs.
+    from common.server.credentials import read_ca
+
+    for kind in ("CERTIFICATE", "TRUSTED CERTIFICATE", "X509 CERTIFICATE"):
+        ca = tmp_path / "ca.pem"
+        ca.write_text(f"# a bundle\n-----BEGIN {kind}-----\nMII=\n-----END {kind}-----\n")
+        assert read_ca(ca) == ca.read_bytes()

@@ -107,6 +107,7 @@ def test_stop_strings_travel_in_the_request():
     # One string is one stop string, as OpenAI's (it was one per character: the answer was
     # cut at its first "e" for stop="<end>").
     assert list(build_request([{"role": "user", "content": "hi"}], stop="<end>").stop) == ["<end>"]
+    assert list(build_request([{"role": "user", "content": "hi"}], stop="").stop) == []
 
 
 @pytest.mark.parametrize(

@@ -324,19 +324,19 @@ async def test_a_request_that_can_never_fit_is_400_not_429(ckpt: Path) -> None:
         await add_workers(c)
         endpoint = f"{url_of(c)}/v1/chat/completions"
 
-        async def refusal(messages: list[Any], max_tokens: int) -> str:
+        async def refusal(messages: list[Any], max_tokens: int, code: str) -> str:
             body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens}
             status, headers, reply = await asyncio.to_thread(call, endpoint, body, CLIENT_KEY)
             assert (status, reply["error"]["type"]) == (400, "invalid_request_error"), reply
             assert "retry-after" not in headers
-            assert reply["error"]["code"] != "rate_limit_exceeded"  # nothing to wait for
+            assert reply["error"]["code"] == code  # not rate_limit_exceeded: nothing to wait for
             return str(reply["error"]["message"])
 
         image = {"type": "image_url", "image_url": {"url": png_data_url(1)}}
-        assert "inline embeddings" in await refusal(user(image), 4)
+        assert "inline embeddings" in await refusal(user(image), 4, "invalid_argument")
         for w in c.router.registry.workers():
             w.load = WorkerLoad(kv_blocks_free=4)  # 4 blocks of 16 tokens each
-        assert "KV blocks" in await refusal(WEATHER, 200)
+        assert "KV blocks" in await refusal(WEATHER, 200, "context_length_exceeded")
         with pytest.raises(GenerateError) as err:
             await c.client.generate_text(WEATHER, SamplingParams(max_tokens=200))
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

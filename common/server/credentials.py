@@ -34,7 +34,7 @@ def read_ca(path: str | Path, field: str = "tls_ca_file") -> bytes:
     """The PEM certificates of the CA file at `path`; ValueError naming `field` and the
     file when it holds none (gRPC said only "Failed to create security handshaker")."""
     data = Path(path).read_bytes()
-    if b"-----BEGIN CERTIFICATE-----" not in data:
+    if b"CERTIFICATE-----" not in data:  # BEGIN CERTIFICATE, TRUSTED or X509 CERTIFICATE
         raise ValueError(f"{field}: {path} holds no PEM certificate")
     return data
 

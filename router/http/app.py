@@ -74,7 +74,7 @@ def api_error(exc: BaseException) -> ApiError:
         error = ApiError.from_router(exc.code, str(exc), exc.trailing_metadata)
         if isinstance(exc, TooLarge):  # not 429: a client would retry what never fits
             error.status, error.type = 400, "invalid_request_error"
-            error.code = "context_length_exceeded"  # prompt + length past what workers hold
+            error.code = "context_length_exceeded" if exc.kv_context else "invalid_argument"
         if exc.context_exceeded:
             error.code = "context_length_exceeded"
         return error
