@@ -356,6 +356,7 @@ class _Reader:
                 else min(limits.max_image_pixels, MAX_IMAGE_PIXELS),
                 max_bytes=limits.max_video_file_bytes,
                 max_seconds=limits.max_video_seconds,
+                max_decoded_pixels=limits.max_video_decoded_pixels,
                 field=field,
             )
         except FieldError as exc:

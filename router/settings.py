@@ -99,6 +99,12 @@ class RouterSettings(ServerSettings):
     max_video_seconds: float = setting(
         600.0, "longest video file, by its header's duration, checked before any frame is decoded"
     )
+    max_video_decoded_pixels: int = setting(
+        10**11,
+        "most pixels decoded from one video file: frames decode in order up to the last one "
+        "kept, kept or not (checked from the header where it states a frame rate, and while "
+        "decoding); about 13 minutes of 1080p at 60 fps, some 70 s of one CPU core",
+    )
     video_file_fps: float = setting(
         2.0,
         "frames per second a video file is sampled at when the request gives none (fps 0); "
@@ -230,6 +236,7 @@ class RouterSettings(ServerSettings):
             "max_media_bytes",
             "max_video_file_bytes",
             "max_video_seconds",
+            "max_video_decoded_pixels",
             "http_fetch_max_bytes",
             "http_max_connections",
             "requests_in_flight_mb",
@@ -286,6 +293,7 @@ class RouterSettings(ServerSettings):
             max_media_bytes=self.max_media_bytes,
             max_video_file_bytes=self.max_video_file_bytes,
             max_video_seconds=self.max_video_seconds,
+            max_video_decoded_pixels=self.max_video_decoded_pixels,
             video_file_fps=self.video_file_fps,
             image_formats=tuple(f.upper() for f in self.image_formats),
             max_model_len=min(self.max_model_len or context, context),

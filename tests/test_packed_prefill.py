@@ -300,6 +300,26 @@ def test_rows_past_their_memory_budget_gather_blocks_and_the_buffer_shrinks(runn
     assert runner.running.loads == loads and runner.running.buffer.shape[0] == 0
 
 
+def test_a_batch_within_the_budget_loads_each_row_once(runner, monkeypatch):
+    # Growth doubled the rows past the budget: from half the budget on, each join cleared
+    # the rows (a gathered step) and the next step loaded every sequence again.
+    runner.running.clear()
+    monkeypatch.setattr(runner.running, "budget", 12 * 256)  # 12 rows of 256 slots
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    seqs = []
+    loads = []
+    for _ in range(12):
+        blocks = runner.allocator.allocate_prompt([], 24)
+        seqs.append(runner.prefill(list(range(1, 9)), EMPTY, sampling, blocks=blocks))
+        before = runner.running.loads
+        runner.decode_step(seqs)
+        loads.append(runner.running.loads - before)
+    assert loads == [1] * 12  # only the sequence that joined
+    for s in seqs:
+        runner.allocator.release(s.blocks)
+    runner.running.clear()
+
+
 def test_rows_past_a_sequences_length_hold_no_garbage(runner, monkeypatch):
     """Attention masks a shorter row's tail, but a masked NaN still poisons the weighted sum
     (0 * NaN): the rows' buffer must be allocated zeroed. Poison every allocation the

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Any
 
 import av
 import numpy as np
 import pytest
 
+from common.errors import FieldError
 from common.processing import video_file
-from common.processing.iso_boxes import MAX_BOXES, TooManyBoxes, declared_frames
+from common.processing.iso_boxes import MAX_BOXES, check_mp4, declared
 from common.processing.limits import LimitError
 from common.processing.video_file import MAX_STREAMS, VideoFileError, open_video
 from tests.test_video_file import make_video
@@ -27,34 +29,71 @@ def declaring(data: bytes, count: int) -> bytes:
     return bytes(out)
 
 
-def test_an_mp4_declaring_more_frames_than_its_duration_allows_is_refused_unopened(
+def box(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", 8 + len(body)) + kind + body
+
+
+def test_an_mp4_declaring_more_samples_than_its_bytes_hold_is_refused_unopened(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # FFmpeg indexes every frame an mp4 declares as it opens it: a 2.6 KB file declaring
+    # FFmpeg indexes every sample an mp4 declares as it opens it: a 2.6 KB file declaring
     # 60 million frames (its duration 1 s) took 2.1 GB of the router, and was accepted.
+    # Then, past a first fix: the same bomb in a moov box whose size runs past the file's
+    # end (FFmpeg cuts it to fit; the walk stopped), in an audio track, or compressed.
     one = make_video("mp4", "mpeg4", frames=1, rate=1)
-    assert declared_frames(one) == 1
+    assert declared(one).video_frames == 1
     bomb = declaring(one, 60_000_000)
-    assert declared_frames(bomb) == 60_000_000
+    moov = bomb.find(b"moov") - 4
+    past_end = bytearray(bomb)
+    struct.pack_into(">I", past_end, moov, struct.unpack_from(">I", bomb, moov)[0] + 1000)
+    audio = bytearray(bomb)
+    at = audio.find(b"vide")
+    audio[at : at + 4] = b"soun"
+    compressed = one[:moov] + box(b"moov", box(b"cmov", bytes(32)))
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("FFmpeg was given the file")
 
     monkeypatch.setattr(video_file.av, "open", never)
-    with pytest.raises(LimitError, match="declares 60000000 frames") as err:
-        open_video(bomb, fps=2.0, max_frames=8, max_seconds=600.0, field="f")
-    assert err.value.field == "f"
+    for data, says in (
+        (bomb, "declares 60000000 samples"),
+        (bytes(past_end), "declares 60000000 samples"),
+        (bytes(audio), "declares 60000000 samples"),
+        (compressed, "compressed movie header"),
+    ):
+        with pytest.raises(FieldError, match=says) as err:
+            open_video(data, fps=2.0, max_frames=8, max_seconds=600.0, field="f")
+        assert err.value.field == "f"
 
 
-def test_fragment_runs_count_towards_the_declared_frames() -> None:
-    def box(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", 8 + len(body)) + kind + body
+def test_an_mp4_whose_video_declares_more_than_max_video_seconds_is_refused() -> None:
+    # Within its bytes (one byte a sample) but past 600 s at 240 frames a second.
+    def table(kind: bytes, samples: int) -> bytes:
+        hdlr = box(b"hdlr", bytes(8) + kind + bytes(12))
+        stsz = box(b"stsz", struct.pack(">III", 0, 1, samples))
+        return box(b"trak", box(b"mdia", hdlr + box(b"minf", box(b"stbl", stsz))))
 
+    data = (
+        box(b"ftyp", b"isom") + box(b"moov", table(b"vide", 300_000)) + box(b"mdat", bytes(310_000))
+    )
+    with pytest.raises(LimitError, match="declares 300000 frames; max_video_seconds = 600"):
+        check_mp4(data, 600.0, 240.0, 1.5, "f")
+    check_mp4(data, 1000.0, 240.0, 1.5, "f")  # longer allowed: fine
+    audio = (
+        box(b"ftyp", b"isom") + box(b"moov", table(b"soun", 300_000)) + box(b"mdat", bytes(310_000))
+    )
+    check_mp4(audio, 600.0, 240.0, 1.5, "f")  # sound samples: bounded by the bytes only
+
+
+def test_fragment_runs_count_and_too_many_boxes_are_refused() -> None:
     run = box(b"trun", struct.pack(">II", 0, 5_000_000))  # flags 0: no per-sample fields
     fragment = box(b"moof", box(b"mfhd", bytes(8)) + box(b"traf", run + run))
-    assert declared_frames(box(b"ftyp", b"isom") + fragment * 3) == 30_000_000
-    with pytest.raises(TooManyBoxes):
-        declared_frames(box(b"free", b"") * (MAX_BOXES + 1))
+    data = box(b"ftyp", b"isom") + fragment * 3
+    assert declared(data).video_frames == 30_000_000
+    with pytest.raises(FieldError, match="30000000 samples in fragments"):
+        check_mp4(data, None, 240.0, 1.5, "f")
+    with pytest.raises(FieldError, match="boxes"):
+        check_mp4(box(b"free", b"") * (MAX_BOXES + 1), None, 240.0, 1.5, "f")
 
 
 def test_a_file_of_many_streams_opens_at_most_max_streams() -> None:
@@ -105,23 +144,43 @@ def test_a_decoding_error_naming_the_field_is_not_wrapped_again() -> None:
     assert str(err.value) == ended
 
 
-def test_a_file_whose_sampling_means_decoding_too_much_is_refused_from_the_header() -> None:
+def test_a_file_whose_sampling_means_decoding_too_much_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Two sample times 599 s apart in a file declaring 240 fps: every frame in between is
     # decoded (in order) to reach the second; at 4096x4096 that was 77 minutes of a router
-    # thread, for a 4.7 MB file.
-    from common.processing.video_file import MAX_DECODED_PIXELS
-
+    # thread, for a 4.7 MB file. Refused from the header where it states a rate.
     data = make_video("matroska", "ffv1", frames=2, size=(1024, 1024), rate=240, pts=[0, 143_760])
+    limit = 10**11
     with pytest.raises(LimitError, match="decoding 143761 frames of 1024x1024") as err:
-        open_video(data, fps=1 / 599, max_frames=8, field="f")
-    assert err.value.field == "f"
-    assert MAX_DECODED_PIXELS < 143_761 * 1024 * 1024
-    video = open_video(data, fps=1 / 600, max_frames=8)  # one sample, at 0 s: one frame
-    assert video.decode().times == (0.0,)
+        open_video(data, fps=1 / 599, max_frames=8, max_decoded_pixels=limit, field="f")
+    assert err.value.field == "f" and limit < 143_761 * 1024 * 1024
+    video = open_video(data, fps=1 / 600, max_frames=8, max_decoded_pixels=limit)
+    assert video.decode().times == (0.0,)  # one sample, at 0 s: one frame
+    # A header stating no rate (a Matroska track without DefaultDuration) was taken for
+    # 240 fps and refused whatever its real rate: now the pixels are counted as decoded.
+    monkeypatch.setattr(video_file, "_check_decoding", lambda *args: None)
+    many = make_video(frames=16, size=(64, 64), rate=8)
+    with pytest.raises(LimitError, match="passed max_video_decoded_pixels = 12288") as err:
+        open_video(many, fps=8.0, max_frames=16, max_decoded_pixels=3 * 64 * 64).decode()
+    assert "4 frames of 64x64" in str(err.value)
 
 
-@pytest.mark.parametrize(("rotation", "left_column"), [(0, 255), (90, 0), (-90, 255), (180, 0)])
-def test_a_rotated_stream_is_decoded_upright(rotation: int, left_column: int) -> None:
+@pytest.mark.parametrize(
+    ("turn", "shape", "quadrants"),
+    [
+        ({}, (64, 128), [[1, 0], [0, 0]]),
+        ({"rotation": -90}, (128, 64), [[0, 1], [0, 0]]),  # a phone's portrait video
+        ({"rotation": 90}, (128, 64), [[0, 0], [1, 0]]),
+        ({"rotation": 180}, (64, 128), [[0, 0], [0, 1]]),
+        ({"hflip": True}, (64, 128), [[0, 1], [0, 0]]),  # was turned upside down
+        ({"vflip": True}, (64, 128), [[0, 0], [1, 0]]),  # was left as stored
+        ({"matrix": [0] * 9}, (64, 128), [[1, 0], [0, 0]]),  # degenerate: was turned 90
+    ],
+)
+def test_a_stream_is_decoded_as_its_display_matrix_shows_it(
+    turn: dict[str, Any], shape: tuple[int, int], quadrants: list[list[int]]
+) -> None:
     # Phones store portrait video landscape with a display rotation: it reached the model
     # on its side, its grid's height and width swapped from what every player shows.
     from fractions import Fraction
@@ -130,9 +189,14 @@ def test_a_rotated_stream_is_decoded_upright(rotation: int, left_column: int) ->
     with av.open(buf, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=2)
         stream.width, stream.height, stream.pix_fmt = 128, 64, "yuv420p"
-        stream.set_display_rotation(rotation)
+        if "matrix" in turn:
+            stream.set_display_matrix(turn["matrix"])
+        elif turn:
+            stream.set_display_rotation(
+                turn.get("rotation", 0), **{k: v for k, v in turn.items() if k != "rotation"}
+            )
         pixels = np.zeros((64, 128, 3), np.uint8)
-        pixels[:, :64] = 255  # the left half white
+        pixels[:32, :64] = 255  # the top-left quadrant white
         for k in range(2):
             frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
             frame.pts, frame.time_base = k, Fraction(1, 2)
@@ -140,13 +204,11 @@ def test_a_rotated_stream_is_decoded_upright(rotation: int, left_column: int) ->
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    video = open_video(buf.getvalue(), fps=2.0, max_frames=8).decode()
-    turned = rotation % 180 != 0
-    assert video.frames.shape[1:3] == ((128, 64) if turned else (64, 128))
-    # Turned counterclockwise by 90: the white left half is now the bottom half.
-    first = video.frames[0]
-    if turned:
-        top, bottom = int(first[8, 32, 0]), int(first[-8, 32, 0])
-        assert (top, bottom) == ((0, 255) if rotation == 90 else (255, 0)), (top, bottom)
-    else:
-        assert abs(int(first[32, 8, 0]) - left_column) <= 8
+    first = open_video(buf.getvalue(), fps=2.0, max_frames=8).decode().frames[0]
+    assert first.shape[:2] == shape
+    h, w = shape
+    seen = [
+        [int(first[h // 4 + i * h // 2, w // 4 + j * w // 2, 0] > 128) for j in (0, 1)]
+        for i in (0, 1)
+    ]
+    assert seen == quadrants

@@ -123,8 +123,8 @@ class RunningKv:
             need *= 2
         if capacity < need or capacity >= 4 * need:
             capacity = need
-        if have_rows < rows:
-            have_rows = max(rows, 2 * have_rows)
+        if have_rows < rows:  # doubled, but not past the budget for a batch that fits it
+            have_rows = max(rows, min(2 * have_rows, self.budget // capacity))
         elif have_rows >= 4 * max(rows, 2):
             have_rows = rows
         return have_rows, capacity

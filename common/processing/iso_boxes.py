@@ -1,79 +1,145 @@
-"""How many frames an ISO base media file (mp4, mov) declares, read from its boxes before
-FFmpeg sees the bytes.
+"""What an ISO base media file (mp4, mov) declares in its sample tables, read from its boxes
+before FFmpeg sees the bytes, and the refusals that follow (`check_mp4`).
 
-FFmpeg's mov demuxer builds an index entry for every video sample the file declares while
-it opens the file, before any header can be checked. A sample table with one constant size
-(`stsz` with a sample size) or a fragment's run without per-sample fields (`trun`) declares
-any count in a few bytes: a 2.6 KB file declaring 60 million frames took 2.1 GB to open.
-`declared_frames` reads those counts so the caller can refuse such a file first.
+FFmpeg's mov demuxer builds an index entry for every sample of every track the file
+declares while it opens the file, before any header can be checked. A sample table with one
+constant size (`stsz` with a sample size) or a fragment's run without per-sample fields
+(`trun`) declares any count in a few bytes: a 2.6 KB file declaring 60 million frames took
+2.1 GB to open. So, before FFmpeg:
+- every track's samples (`stsz`/`stz2`), and every fragment run's (`trun`), must fit in the
+  file's bytes (a sample is at least one byte, `max(sample size, 1)` where the table gives
+  one); a video track's must fit `max_seconds` at `MAX_SOURCE_RATE` too;
+- a compressed movie header (`cmov`, which FFmpeg inflates and this walk cannot read) and
+  more than `MAX_TRACKS` tracks are refused.
 
-Boxes read: `moov/trak/mdia/hdlr` (is the track video?) and `.../minf/stbl/stsz|stz2` (its
-sample count), and `moof/traf/trun` (each run's sample count; a fragment names its track
-by id only, so every track's runs are counted). Nothing else is interpreted; a malformed
-box ends the walk (FFmpeg then refuses the file, or reads what it can).
+Boxes are read as FFmpeg reads them: a child running past its parent's end is cut to it
+(FFmpeg parses it so), a size of 0 runs to the parent's end, a size of 1 is followed by a
+64-bit one. Boxes read: `moov/trak/mdia/hdlr` (is the track video?), `.../minf/stbl/stsz|
+stz2` (its samples), `moof/traf/trun` (a fragment's; a fragment names its track by id only,
+so all runs are counted together), `cmov` anywhere in `moov`.
 """
 
 from __future__ import annotations
 
+import math
 import struct
+from dataclasses import dataclass, field
 from typing import Final
+
+from common.errors import FieldError
+from common.processing.limits import LimitError
 
 # Boxes whose children are boxes, on the paths read here.
 _CONTAINERS: Final = frozenset({b"moov", b"trak", b"mdia", b"minf", b"stbl", b"moof", b"traf"})
-# Boxes visited at most: a legitimate file has tens (hundreds when fragmented); a file of
-# millions of empty boxes is refused rather than walked.
-MAX_BOXES: Final = 100_000
+# Boxes visited at most: a fragment per frame of a 10-minute 60 fps video with sound is some
+# 400,000; a file of millions of empty boxes is refused rather than walked.
+MAX_BOXES: Final = 1_000_000
+MAX_TRACKS: Final = 16  # as `common.processing.video_file.MAX_STREAMS`
 
 
-class TooManyBoxes(ValueError):
-    """The file holds more than `MAX_BOXES` boxes on the paths walked."""
+@dataclass(slots=True)
+class Table:
+    """One track's sample table."""
+
+    video: bool  # its `hdlr` says vide
+    samples: int  # its `stsz`/`stz2` count
+    size: int  # the constant sample size (0: one per sample, each in the table)
 
 
-def declared_frames(data: bytes) -> int:
-    """The most video samples any one track's sample table declares, plus every fragment
-    run's samples. Raises `TooManyBoxes`."""
-    walk = _Walk(data)
-    walk.boxes(0, len(data), None)
-    return max(walk.track_samples, default=0) + walk.run_samples
+@dataclass(slots=True)
+class Declared:
+    """What the boxes declare."""
+
+    tables: list[Table] = field(default_factory=list)
+    run_samples: int = 0  # every fragment run's count, summed
+    compressed: bool = False  # a `cmov` box
+    boxes: int = 0  # boxes visited
+
+    @property
+    def video_frames(self) -> int:
+        """The most frames a video track declares, plus the fragments' samples."""
+        return max((t.samples for t in self.tables if t.video), default=0) + self.run_samples
 
 
-class _Walk:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.visited = 0
-        self.track_samples: list[int] = []  # per video track: its sample table's count
-        self.run_samples = 0  # every fragment run's count, summed
-        self._video = False  # the track being walked is video (its `hdlr` came first)
-        self._count = 0  # its sample table's count
+def declared(data: bytes) -> Declared:
+    """Walk the boxes of `data`; ValueError past `MAX_BOXES`."""
+    out = Declared()
+    _walk(data, 0, len(data), None, out, None)
+    return out
 
-    def boxes(self, start: int, end: int, parent: bytes | None) -> None:
-        data = self.data
-        at = start
-        while at + 8 <= end:
-            self.visited += 1
-            if self.visited > MAX_BOXES:
-                raise TooManyBoxes(f"holds more than {MAX_BOXES} boxes")
-            size, kind = struct.unpack_from(">I4s", data, at)
-            header = 8
-            if size == 1 and at + 16 <= end:  # a 64-bit size follows
-                size = struct.unpack_from(">Q", data, at + 8)[0]
-                header = 16
-            elif size == 0:  # to the end of the enclosing box
-                size = end - at
-            if size < header or at + size > end:
-                return  # malformed: FFmpeg judges the rest
-            body = at + header
-            if kind == b"trak":
-                self._video, self._count = False, 0
-                self.boxes(body, at + size, kind)
-                if self._video:
-                    self.track_samples.append(self._count)
-            elif kind in _CONTAINERS:
-                self.boxes(body, at + size, kind)
-            elif kind == b"hdlr" and parent == b"mdia" and body + 12 <= at + size:
-                self._video = data[body + 8 : body + 12] == b"vide"
-            elif kind in (b"stsz", b"stz2") and parent == b"stbl" and body + 12 <= at + size:
-                self._count = struct.unpack_from(">I", data, body + 8)[0]
-            elif kind == b"trun" and parent == b"traf" and body + 8 <= at + size:
-                self.run_samples += struct.unpack_from(">I", data, body + 4)[0]
-            at += size
+
+def check_mp4(
+    data: bytes, max_seconds: float | None, max_rate: float, slack: float, field_name: str
+) -> None:
+    """Refuse (`FieldError`, `LimitError` naming `field_name`) an mp4 whose boxes declare more
+    than its bytes, or its video more than `max_seconds` at `max_rate` frames a second (times
+    `slack`), can hold; or one FFmpeg would read otherwise than this walk (see the module
+    docstring)."""
+    try:
+        found = declared(data)
+    except ValueError as exc:
+        raise FieldError(field_name, str(exc)) from None
+    if found.compressed:
+        raise FieldError(field_name, "has a compressed movie header (cmov), not supported")
+    if len(found.tables) > MAX_TRACKS:
+        raise FieldError(field_name, f"holds more than {MAX_TRACKS} tracks")
+    for table in found.tables:
+        if table.samples * max(table.size, 1) > len(data):
+            raise FieldError(
+                field_name,
+                f"declares {table.samples} samples of a track, more than its "
+                f"{len(data)} bytes hold",
+            )
+    if found.run_samples > len(data):
+        raise FieldError(
+            field_name,
+            f"declares {found.run_samples} samples in fragments, more than its {len(data)} "
+            "bytes hold",
+        )
+    if max_seconds is None:
+        return
+    most = max(math.ceil(max_seconds * max_rate * slack), 16)
+    if found.video_frames > most:
+        raise LimitError(
+            field_name,
+            f"declares {found.video_frames} frames; max_video_seconds = {max_seconds:g} at up "
+            f"to {max_rate:g} frames per second holds at most {most}",
+        )
+
+
+def _walk(
+    data: bytes, start: int, end: int, parent: bytes | None, out: Declared, trak: Table | None
+) -> None:
+    at = start
+    while at + 8 <= end:
+        out.boxes += 1
+        if out.boxes > MAX_BOXES:
+            raise ValueError(f"holds more than {MAX_BOXES} boxes")
+        size, kind = struct.unpack_from(">I4s", data, at)
+        header = 8
+        if size == 1 and at + 16 <= end:  # a 64-bit size follows
+            size = struct.unpack_from(">Q", data, at + 8)[0]
+            header = 16
+        elif size == 0:  # to the end of the enclosing box
+            size = end - at
+        if size < header:
+            return  # FFmpeg stops here too
+        stop = min(at + size, end)  # cut to the parent, as FFmpeg does
+        body = at + header
+        if kind == b"trak":
+            table = Table(video=False, samples=0, size=0)
+            _walk(data, body, stop, kind, out, table)
+            out.tables.append(table)
+        elif kind in _CONTAINERS:
+            _walk(data, body, stop, kind, out, trak)
+        elif kind == b"cmov":
+            out.compressed = True
+        elif trak is not None and kind == b"hdlr" and parent == b"mdia" and body + 12 <= stop:
+            trak.video = data[body + 8 : body + 12] == b"vide"
+        elif trak is not None and kind == b"stsz" and parent == b"stbl" and body + 12 <= stop:
+            trak.size, trak.samples = struct.unpack_from(">II", data, body + 4)
+        elif trak is not None and kind == b"stz2" and parent == b"stbl" and body + 12 <= stop:
+            trak.size, trak.samples = 0, struct.unpack_from(">I", data, body + 8)[0]
+        elif kind == b"trun" and parent == b"traf" and body + 8 <= stop:
+            out.run_samples += struct.unpack_from(">I", data, body + 4)[0]
+        at = stop

@@ -59,6 +59,7 @@ class InputLimits:
     max_media_bytes: int | None = None  # decoded pixel bytes of all images and frames
     max_video_file_bytes: int | None = None  # bytes of one video container file
     max_video_seconds: float | None = None  # duration of one video file, from its header
+    max_video_decoded_pixels: int | None = None  # pixels decoded from one video file
     video_file_fps: float = 2.0  # rate a video file is sampled at when its request says 0
     image_formats: tuple[str, ...] | None = None  # PIL formats an image may be in (None: any)
     max_model_len: int | None = None  # prompt tokens + max_tokens

@@ -6,10 +6,14 @@ before a single frame is decoded (DESIGN §7, limits come before work):
 - the container kind, from its magic bytes: ISO base media (mp4, mov) or Matroska (mkv,
   webm), opened with that demuxer only, so no other demuxer (playlists, concat lists that
   open further files) ever reads the bytes;
-- of an mp4, the frames its boxes declare (`max_seconds` at `MAX_SOURCE_RATE`), before
-  FFmpeg indexes them; then the file is opened without probing its streams (no frame of
-  any is decoded) and with at most `MAX_STREAMS` streams;
-- the pixels decoded to reach its last sample time (`MAX_DECODED_PIXELS`);
+- of an mp4, the samples its boxes declare, before FFmpeg indexes them
+  (`common.processing.iso_boxes.check_mp4`: within its bytes, and its video within
+  `max_seconds` at `MAX_SOURCE_RATE`); then the file is opened without probing its streams
+  (no frame of any is decoded) and with at most `MAX_STREAMS` streams;
+- the pixels decoded to reach its last sample time (`max_decoded_pixels`: frames decode in
+  order, kept or not; a 4 MB file of 600 s at 240 fps sampled twice held a router thread
+  for its request's whole timeout), from the header where it states a rate, and while
+  decoding;
 - the first video stream's width x height (`max_pixels`) and duration (`max_seconds`).
 
 `VideoFile.decode` then samples the stream at `fps`: one frame per `1 / fps` seconds (the
@@ -18,7 +22,7 @@ frame nearest each sample time, never one frame twice), or, when that is more th
 last sample time and refuses a stream that holds far more frames than its header says. Each
 kept frame is converted to RGB and keeps its time, from the container's presentation
 timestamps relative to the stream's start, and is turned upright by the stream's display
-rotation: `TimedFrames`, which the processor turns into the `<t seconds>` text between a
+matrix: `TimedFrames`, which the processor turns into the `<t seconds>` text between a
 video's runs.
 
 Every refusal is a `FieldError` naming the caller's field (`LimitError` for a limit,
@@ -31,12 +35,13 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import av
 import numpy as np
 
 from common.errors import FieldError
-from common.processing.iso_boxes import TooManyBoxes, declared_frames
+from common.processing.iso_boxes import MAX_TRACKS, check_mp4
 from common.processing.limits import MIN_FPS, LimitError, check_fps
 from common.processing.video import TimedFrames
 
@@ -55,12 +60,7 @@ _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 # Opening reads the headers only: FFmpeg's stream probing would otherwise decode the first
 # frames of every stream before any limit is checked (20 streams of 8192x8192 in a 4 MB
 # file: 25 s and 6 GB), and a file may hold at most `MAX_STREAMS` streams.
-MAX_STREAMS = 16
-# Pixels a file may have decoded to reach its last sample time (frames are decoded in order,
-# kept or not): about 12 minutes of 1080p at 30 frames per second, half a minute of one core
-# here. A 4 MB file of 600 s at 240 fps, sampled twice, held a router thread for its request's
-# whole timeout (4096x4096: 77 minutes of decoding).
-MAX_DECODED_PIXELS = 5 * 10**10
+MAX_STREAMS = MAX_TRACKS
 _OPEN_OPTIONS = {
     "probesize": "32",
     "analyzeduration": "0",
@@ -100,12 +100,18 @@ class VideoFile:
     PyAV container: `decode` closes it (so does `close`)."""
 
     def __init__(
-        self, container: av.container.InputContainer, header: VideoHeader, fps: float, field: str
+        self,
+        container: av.container.InputContainer,
+        header: VideoHeader,
+        fps: float,
+        field: str,
+        max_decoded_pixels: int | None = None,
     ) -> None:
         self._container = container
         self.header = header
         self.fps = fps  # rate the frames are sampled at
         self.field = field  # the request field errors name
+        self.max_decoded_pixels = max_decoded_pixels  # None: unlimited
 
     def close(self) -> None:
         """Release the container (idempotent)."""
@@ -141,6 +147,7 @@ class VideoFile:
         frames: list[np.ndarray] = []
         times: list[float] = []
         decoded = 0
+        limit = self.max_decoded_pixels
         next_target = 0  # index of the first sample time no kept frame covers
         for frame in self._container.decode(stream):
             if ended is not None and ended():
@@ -149,6 +156,13 @@ class VideoFile:
                     "was still decoding when the request ended (client gone or deadline)",
                 )
             decoded += 1
+            if limit is not None and decoded * header.width * header.height > limit:
+                raise LimitError(
+                    self.field,
+                    f"decoding it to {header.sample_times[-1]:.1f} s passed "
+                    f"max_video_decoded_pixels = {limit} ({decoded} frames of "
+                    f"{header.width}x{header.height})",
+                )
             if decoded > budget:
                 raise VideoFileError(
                     self.field, f"holds more frames than its header's {header.duration_s:.3f} s"
@@ -188,12 +202,33 @@ class VideoFile:
 
 
 def _upright(frame: av.VideoFrame) -> np.ndarray:
-    """The frame's RGB pixels as players show them: turned by its display matrix's rotation
-    (a phone's portrait video is stored landscape with a 90 degree turn), as images are by
-    their EXIF orientation."""
+    """The frame's RGB pixels as players show them: turned and flipped by its display matrix
+    as FFmpeg's own autorotate does (a phone's portrait video is stored landscape with a
+    quarter turn), as images are by their EXIF orientation. A turn other than a quarter
+    one, or a degenerate matrix, leaves the frame as stored."""
     pixels = frame.to_ndarray(format="rgb24")
-    turns = round((frame.rotation or 0) / 90) % 4  # counterclockwise, as the matrix says
-    return np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels
+    sides: Any = frame.side_data  # (a container of SideData, whatever its stub says)
+    matrix = next((s for s in sides if s.type.name == "DISPLAYMATRIX"), None)
+    rotation = frame.rotation  # counterclockwise degrees; int(NaN) for a degenerate matrix
+    if matrix is None or not -360 <= rotation <= 360:
+        return pixels
+    m = np.frombuffer(bytes(matrix), dtype=np.int32)
+    theta = -float(rotation)  # clockwise, into [0, 360)
+    theta -= 360 * math.floor(theta / 360 + 0.9 / 360)
+    hflip = vflip = False
+    if abs(theta - 90) < 1:
+        pixels, vflip = np.rot90(pixels, -1), m[3] > 0
+    elif abs(theta - 180) < 1:
+        hflip, vflip = m[0] < 0, m[4] < 0
+    elif abs(theta - 270) < 1:
+        pixels, vflip = np.rot90(pixels, 1), m[3] < 0
+    elif abs(theta) < 1:
+        vflip = m[4] < 0
+    if hflip:
+        pixels = pixels[:, ::-1]
+    if vflip:
+        pixels = pixels[::-1]
+    return np.ascontiguousarray(pixels)
 
 
 def sample_times(duration_s: float, fps: float, max_frames: int) -> tuple[float, ...]:
@@ -213,6 +248,7 @@ def open_video(
     max_pixels: int | None = None,
     max_bytes: int | None = None,
     max_seconds: float | None = None,
+    max_decoded_pixels: int | None = None,
     field: str = "video.file",
 ) -> VideoFile:
     """Open a video file and check its headers against the limits (None: unlimited);
@@ -232,7 +268,7 @@ def open_video(
         )
     kind = container_format(data, field)
     if kind == "mov":
-        _check_declared_frames(data, max_seconds, field)
+        check_mp4(data, max_seconds, MAX_SOURCE_RATE, _FRAME_SLACK, field)
     try:
         container = av.open(io.BytesIO(data), mode="r", format=kind, options=_OPEN_OPTIONS)
     except _DECODE_ERRORS as exc:
@@ -240,11 +276,11 @@ def open_video(
     try:
         header = _header(container, fps, max_frames, field)
         _check_header(header, max_pixels, max_seconds, field)
-        _check_decoding(header, field)
+        _check_decoding(header, max_decoded_pixels, field)
     except BaseException:
         container.close()
         raise
-    return VideoFile(container, header, fps, field)
+    return VideoFile(container, header, fps, field, max_decoded_pixels)
 
 
 def decode_video(
@@ -255,6 +291,7 @@ def decode_video(
     max_pixels: int | None = None,
     max_bytes: int | None = None,
     max_seconds: float | None = None,
+    max_decoded_pixels: int | None = None,
     field: str = "video.file",
 ) -> TimedFrames:
     """`open_video`, then `VideoFile.decode`: the sampled frames `(T, H, W, 3)` uint8 with
@@ -266,6 +303,7 @@ def decode_video(
         max_pixels=max_pixels,
         max_bytes=max_bytes,
         max_seconds=max_seconds,
+        max_decoded_pixels=max_decoded_pixels,
         field=field,
     ).decode()
 
@@ -300,36 +338,18 @@ def _header(
     return VideoHeader(width, height, duration, rate, sample_times(duration, fps, max_frames))
 
 
-def _check_declared_frames(data: bytes, max_seconds: float | None, field: str) -> None:
-    """Refuse an mp4 whose boxes declare more frames than `max_seconds` of video can hold
-    (FFmpeg indexes every one as it opens the file: `common.processing.iso_boxes`)."""
-    try:
-        declared = declared_frames(data)
-    except TooManyBoxes as exc:
-        raise VideoFileError(field, str(exc)) from None
-    if max_seconds is None:
+def _check_decoding(header: VideoHeader, limit: int | None, field: str) -> None:
+    """Refuse a file whose frames up to its last sample time, at the rate its header states,
+    hold more than `limit` pixels (a header with no rate: counted while decoding)."""
+    if limit is None or header.rate is None:
         return
-    most = max(math.ceil(max_seconds * MAX_SOURCE_RATE * _FRAME_SLACK), _FRAME_SLACK_MIN)
-    if declared > most:
-        raise LimitError(
-            field,
-            f"declares {declared} frames; max_video_seconds = {max_seconds:g} at up to "
-            f"{MAX_SOURCE_RATE:g} frames per second holds at most {most}",
-        )
-
-
-def _check_decoding(header: VideoHeader, field: str) -> None:
-    """Refuse a file whose frames up to its last sample time, at the rate its header says,
-    hold more than `MAX_DECODED_PIXELS` (the frames past that rate are refused as they
-    decode: `VideoFile._decode`'s budget)."""
-    frames = math.ceil(header.sample_times[-1] * (header.rate or MAX_SOURCE_RATE)) + 1
-    pixels = frames * header.width * header.height
-    if pixels > MAX_DECODED_PIXELS:
+    frames = math.ceil(header.sample_times[-1] * header.rate) + 1
+    if frames * header.width * header.height > limit:
         raise LimitError(
             field,
             f"sampling it means decoding {frames} frames of {header.width}x{header.height} "
-            f"to reach {header.sample_times[-1]:.1f} s, past {MAX_DECODED_PIXELS:.2g} pixels; "
-            "send fewer seconds, a lower resolution or its frames",
+            f"to reach {header.sample_times[-1]:.1f} s, past max_video_decoded_pixels = "
+            f"{limit}; send fewer seconds, a lower resolution or its frames",
         )
 
 
