@@ -55,23 +55,15 @@ class Need:
 
 
 def fit_to_decode(
-    max_tokens: int,
-    prompt_tokens: int,
-    block_size: int,
-    capacities: Sequence[int | None],
-    rooms: Sequence[int],
+    max_tokens: int, prompt_tokens: int, block_size: int, capacities: Sequence[int | None]
 ) -> int:
-    """A default `max_tokens` (the caller set none) cut to what a decode worker holds beside
-    the prompt, at least 1: a chat that sets no length is answered as far as it fits, not
-    refused for a length it never asked for. `capacities`: the decode workers' pools (None:
-    not heartbeated: unchanged then); `rooms`: their blocks not reserved now. Cut to the
-    most room now where the prompt fits there (a length that needs the whole pool would
-    wait at the head of the admission queue for it to empty, holding up everyone behind),
-    else to the largest pool."""
+    """A default `max_tokens` (the caller set none) cut to what the largest of the decode
+    workers' pools (`capacities`, in blocks; None: not heartbeated: unchanged then) holds
+    beside the prompt, at least 1: a chat that sets no length is answered as far as it can
+    be, not refused for a length it never asked for. Not cut to the room free now: under
+    load that would cut ordinary answers short, where waiting for blocks serves them whole
+    (one that needs the whole pool waits for it, as an asked-for length would)."""
     if not capacities or None in capacities:
         return max_tokens
-    for blocks in (max(rooms, default=0), max(c for c in capacities if c is not None)):
-        left = blocks * block_size - prompt_tokens + 1
-        if left >= 1:
-            return min(max_tokens, left)
-    return 1
+    largest = max(c for c in capacities if c is not None)
+    return max(1, min(max_tokens, largest * block_size - prompt_tokens + 1))

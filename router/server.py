@@ -123,12 +123,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         layout = admission.registry.reference_layout
         if layout is None:
             return sampling
-        workers = [w for w in admission.registry.workers(Role.DECODE) if not w.draining]
-        capacities = [admission.capacity(w) for w in workers]
-        rooms = [(admission.capacity(w) or 0) - admission.reserved(w.address) for w in workers]
-        fitted = fit_to_decode(
-            sampling.max_tokens, prompt_tokens, layout.block_size, capacities, rooms
-        )
+        workers = admission.registry.workers(Role.DECODE)
+        capacities = [admission.capacity(w) for w in workers if not w.draining]
+        fitted = fit_to_decode(sampling.max_tokens, prompt_tokens, layout.block_size, capacities)
         return replace(sampling, max_tokens=fitted)
 
     async def generate(
