@@ -79,11 +79,16 @@ def test_long_details_are_clipped_saying_how_long() -> None:
 
 
 async def test_messages_the_processor_refuses_are_invalid_argument(cluster, workers):
-    bad = [{"role": "user", "content": "hi"}, {"role": "system", "content": "too late"}]
+    import numpy as np
+
+    # A video whose frames differ in size (a system message after the first was refused
+    # here too, until the template took it as a turn of its own).
+    frames = [np.zeros((32, 32, 3), np.uint8), np.zeros((40, 32, 3), np.uint8)]
+    bad = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 1.0}]}]
     with pytest.raises(GenerateError) as err:
         await cluster.client.generate_text(bad)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "messages" in err.value.details
+    assert "messages" in err.value.details and "differ in size" in err.value.details
 
 
 async def test_limits_refuse_before_any_worker_is_called(cluster, workers):
