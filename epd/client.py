@@ -65,6 +65,7 @@ from epd.request import (
     frame_files,
     video_input,
 )
+from epd.routers import CONNECT_S, Routers, connects, router_list
 from epd.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -90,18 +91,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_MESSAGE_MB = 256
-
-
-Routers = str | Sequence[str]  # one address, "a,b" comma-separated, or a list of them
-
-
-def router_list(routers: Routers) -> list[str]:
-    """The router addresses in `routers`, each once, in order; ValueError when none."""
-    items = routers.split(",") if isinstance(routers, str) else list(routers)
-    addresses = list(dict.fromkeys(a.strip() for a in items if a.strip()))
-    if not addresses:
-        raise ValueError(f"router address: none given in {routers!r}")
-    return addresses
 
 
 class Client:
@@ -149,6 +138,7 @@ class Client:
         # Opened at first use, in the loop using them (one made outside a loop failed there).
         self._open = lambda: [credentials.open(a, options) for a in self.addresses]
         self._opened: list[grpc.aio.Channel] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop they were opened in
         self._stubs: list[router_service_pb2_grpc.RouterServiceStub] = []
         self._turn = 0  # the router the next request starts on
         self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
@@ -163,8 +153,14 @@ class Client:
 
     @property
     def _channels(self) -> list[grpc.aio.Channel]:
-        """One channel per router, opened at first use."""
-        if self._opened is None:
+        """One channel per router, opened at first use in each event loop (a second
+        `asyncio.run` found the first one's closed loop under them)."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if self._opened is None or self._loop is not loop:
+            self._loop = loop
             self._opened = self._open()
             self._stubs = [router_service_pb2_grpc.RouterServiceStub(c) for c in self._opened]
         return self._opened
@@ -229,7 +225,7 @@ class Client:
         while attempt < len(order):
             index = order[attempt]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if attempt + 1 < len(order) and not await _connects(self._channels[index], left):
+            if attempt + 1 < len(order) and not await connects(self._channels[index], left):
                 failures.append(f"{self.addresses[index]}: did not connect in {CONNECT_S:g} s")
                 self.resumes += bool(received)
                 self.retries += not received
@@ -380,24 +376,3 @@ def generate_text(
             return await client.generate_text(messages, sampling, timeout_s=timeout_s, stop=stop)
 
     return asyncio.run(run())
-
-
-# What a router that is not connected yet gets to connect in, while others are left to try:
-# one that accepts the connection and never answers (a frozen process, a black-holed
-# backend) took each request starting on it for its whole timeout (DEADLINE_EXCEEDED).
-CONNECT_S = 2.0
-
-
-async def _connects(channel: grpc.aio.Channel, left: float | None) -> bool:
-    """Whether `channel` is connected, or becomes so or fails to (a refused connection: the
-    call then fails at once, UNAVAILABLE) within `CONNECT_S` (at most `left`)."""
-    done = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
-    state = channel.get_state(try_to_connect=True)
-    end = time.monotonic() + (CONNECT_S if left is None else min(CONNECT_S, left))
-    while state not in done:
-        try:
-            await asyncio.wait_for(channel.wait_for_state_change(state), end - time.monotonic())
-        except TimeoutError:
-            return False
-        state = channel.get_state(try_to_connect=True)
-    return True

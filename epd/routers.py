@@ -1,0 +1,40 @@
+"""Which routers a client tries, and when one counts as unreachable (`epd.client`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+
+Routers = str | Sequence[str]  # one address, "a,b" comma-separated, or a list of them
+
+# What a router that is not connected yet gets to connect in, while others are left to try:
+# one that accepts the connection and never answers (a frozen process, a black-holed
+# backend) took each request starting on it for its whole timeout (DEADLINE_EXCEEDED).
+CONNECT_S = 2.0
+
+
+def router_list(routers: Routers) -> list[str]:
+    """The router addresses in `routers`, each once, in order; ValueError when none."""
+    items = routers.split(",") if isinstance(routers, str) else list(routers)
+    addresses = list(dict.fromkeys(a.strip() for a in items if a.strip()))
+    if not addresses:
+        raise ValueError(f"router address: none given in {routers!r}")
+    return addresses
+
+
+async def connects(channel: grpc.aio.Channel, left: float | None) -> bool:
+    """Whether `channel` is connected, or becomes so or fails to (a refused connection: the
+    call then fails at once, UNAVAILABLE) within `CONNECT_S` (at most `left`)."""
+    done = (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+    state = channel.get_state(try_to_connect=True)
+    end = time.monotonic() + (CONNECT_S if left is None else min(CONNECT_S, left))
+    while state not in done:
+        try:
+            await asyncio.wait_for(channel.wait_for_state_change(state), end - time.monotonic())
+        except TimeoutError:
+            return False
+        state = channel.get_state(try_to_connect=True)
+    return True
