@@ -90,7 +90,7 @@ def test_fragment_runs_count_and_too_many_boxes_are_refused() -> None:
     fragment = box(b"moof", box(b"mfhd", bytes(8)) + box(b"traf", run + run))
     data = box(b"ftyp", b"isom") + fragment * 3
     assert declared(data).video_frames == 30_000_000
-    with pytest.raises(FieldError, match="30000000 samples in fragments"):
+    with pytest.raises(FieldError, match="declares 30000000 samples"):
         check_mp4(data, None, 240.0, 1.5, "f")
     with pytest.raises(FieldError, match="boxes"):
         check_mp4(box(b"free", b"") * (MAX_BOXES + 1), None, 240.0, 1.5, "f")
@@ -130,9 +130,10 @@ def test_files_are_opened_without_probing_their_streams(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(video_file.av, "open", spy)
     open_video(data, fps=2.0, max_frames=8).close()
-    assert opened == [
-        {"probesize": "32", "analyzeduration": "0", "fpsprobesize": "0", "max_streams": "16"}
-    ]
+    (options,) = opened
+    assert options["probesize"] == "32" and options["analyzeduration"] == "0"
+    assert options["fpsprobesize"] == "0" and options["max_streams"] == "16"
+    assert options["ignore_editlist"] == "1"  # K edits made K copies of the index
 
 
 def test_a_decoding_error_naming_the_field_is_not_wrapped_again() -> None:
@@ -176,6 +177,11 @@ def test_a_file_whose_sampling_means_decoding_too_much_is_refused(
         ({"hflip": True}, (64, 128), [[0, 1], [0, 0]]),  # was turned upside down
         ({"vflip": True}, (64, 128), [[0, 0], [1, 0]]),  # was left as stored
         ({"matrix": [0] * 9}, (64, 128), [[1, 0], [0, 0]]),  # degenerate: was turned 90
+        # A quarter turn and a flip: a transpose, as FFmpeg's autorotate (was 180 off).
+        ({"rotation": 90, "hflip": True}, (128, 64), [[0, 0], [0, 1]]),
+        ({"rotation": 90, "vflip": True}, (128, 64), [[1, 0], [0, 0]]),
+        ({"rotation": -90, "hflip": True}, (128, 64), [[1, 0], [0, 0]]),
+        ({"rotation": -90, "vflip": True}, (128, 64), [[0, 0], [0, 1]]),
     ],
 )
 def test_a_stream_is_decoded_as_its_display_matrix_shows_it(
@@ -212,3 +218,32 @@ def test_a_stream_is_decoded_as_its_display_matrix_shows_it(
         for i in (0, 1)
     ]
     assert seen == quadrants
+
+
+def test_sample_tables_count_wherever_ffmpeg_reads_them() -> None:
+    # A review bypassed the structural walk: FFmpeg reads a table wherever it meets one,
+    # parses a moov renamed hoov or free, reads fields past a box too short for them, and
+    # sums every track (16 tracks of a file's bytes each: 46 s and 2.4 GB to open).
+    stsz = box(b"stsz", struct.pack(">III", 0, 1, 60_000_000))
+    short = box(b"stsz", b"") + struct.pack(">III", 0, 1, 60_000_000)  # fields past its end
+    pad = box(b"mdat", bytes(4096))
+    for header in (
+        box(b"moov", box(b"udta", stsz)),  # not in stbl
+        box(b"hoov", box(b"trak", stsz)),  # a renamed moov
+        box(b"moov", box(b"trak", short)),
+        box(
+            b"moov",
+            b"".join(box(b"trak", box(b"stsz", struct.pack(">III", 0, 1, 3000))) for _ in range(2)),
+        ),
+    ):
+        data = box(b"ftyp", b"isom") + header + pad
+        with pytest.raises(FieldError, match="samples, more than its"):
+            check_mp4(data, None, 240.0, 1.5, "f")
+    # Uncompressed sound is indexed by chunk: samples per chunk times chunks.
+    chunks = box(b"stsc", struct.pack(">IIIII", 0, 1, 1, 100_000, 1)) + box(
+        b"stco", struct.pack(">II", 0, 100) + bytes(400)
+    )
+    with pytest.raises(FieldError, match="declares 10000000 samples"):
+        check_mp4(box(b"ftyp", b"isom") + box(b"moov", chunks) + pad, None, 240.0, 1.5, "f")
+    # Tables inside mdat are data, not read: a video's bytes may spell anything.
+    check_mp4(box(b"ftyp", b"isom") + box(b"mdat", stsz * 4), None, 240.0, 1.5, "f")

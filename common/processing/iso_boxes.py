@@ -6,11 +6,15 @@ declares while it opens the file, before any header can be checked. A sample tab
 constant size (`stsz` with a sample size) or a fragment's run without per-sample fields
 (`trun`) declares any count in a few bytes: a 2.6 KB file declaring 60 million frames took
 2.1 GB to open. So, before FFmpeg:
-- every track's samples (`stsz`/`stz2`), and every fragment run's (`trun`), must fit in the
-  file's bytes (a sample is at least one byte, `max(sample size, 1)` where the table gives
-  one); a video track's must fit `max_seconds` at `MAX_SOURCE_RATE` too;
-- a compressed movie header (`cmov`, which FFmpeg inflates and this walk cannot read) and
-  more than `MAX_TRACKS` tracks are refused.
+- the samples every table declares, summed over every track and fragment run (`stsz`,
+  `stz2`, `trun`), and the samples chunk tables make (`stsc` samples per chunk times the
+  `stco`/`co64` chunks: uncompressed sound is indexed by chunk) must fit in the file's
+  bytes (a sample is at least one byte). These are found by type anywhere outside `mdat`
+  (`scan_tables`), as FFmpeg finds them; a video track's frames, by the structural walk
+  (`declared`), must fit `max_seconds` at `MAX_SOURCE_RATE` too;
+- a compressed movie header (`cmov`, which FFmpeg inflates and no scan here reads) and more
+  than `MAX_TRACKS` tracks are refused.
+Edit lists, which multiply the index, are ignored at the open (`video_file`'s options).
 
 Boxes are read as FFmpeg reads them: a child running past its parent's end is cut to it
 (FFmpeg parses it so), a size of 0 runs to the parent's end, a size of 1 is followed by a
@@ -79,22 +83,17 @@ def check_mp4(
         found = declared(data)
     except ValueError as exc:
         raise FieldError(field_name, str(exc)) from None
-    if found.compressed:
+    tables = scan_tables(data)
+    if found.compressed or tables.get(b"cmov"):
         raise FieldError(field_name, "has a compressed movie header (cmov), not supported")
-    if len(found.tables) > MAX_TRACKS:
+    if max(len(found.tables), tables.get(b"trak", 0)) > MAX_TRACKS:
         raise FieldError(field_name, f"holds more than {MAX_TRACKS} tracks")
-    for table in found.tables:
-        if table.samples * max(table.size, 1) > len(data):
-            raise FieldError(
-                field_name,
-                f"declares {table.samples} samples of a track, more than its "
-                f"{len(data)} bytes hold",
-            )
-    if found.run_samples > len(data):
+    samples = tables.get(b"stsz", 0) + tables.get(b"stz2", 0) + tables.get(b"trun", 0)
+    chunk_samples = tables.get(b"stsc", 0) * (tables.get(b"stco", 0) + tables.get(b"co64", 0))
+    if max(samples, chunk_samples) > len(data):
         raise FieldError(
             field_name,
-            f"declares {found.run_samples} samples in fragments, more than its {len(data)} "
-            "bytes hold",
+            f"declares {max(samples, chunk_samples)} samples, more than its {len(data)} bytes hold",
         )
     if max_seconds is None:
         return
@@ -105,6 +104,63 @@ def check_mp4(
             f"declares {found.video_frames} frames; max_video_seconds = {max_seconds:g} at up "
             f"to {max_rate:g} frames per second holds at most {most}",
         )
+
+
+# Where each table box keeps the count read (after its 4CC): `stsz`, `stz2` and `trun` their
+# samples, `stco`/`co64` their chunks, `stsc` (per entry) the samples of a chunk.
+_COUNT_AT: Final = {b"stsz": 12, b"stz2": 12, b"trun": 8, b"stco": 8, b"co64": 8}
+
+
+def scan_tables(data: bytes) -> dict[bytes, int]:
+    """Sample tables found by their type anywhere outside the `mdat` boxes, wherever they
+    sit and whatever sizes their boxes claim (FFmpeg reads a table wherever it meets one,
+    parses a moov renamed `free` or `hoov`, and reads a table's fields past a box too short
+    for them): the summed counts of `_COUNT_AT`'s, the largest samples per chunk of any
+    `stsc` entry (b"stsc"), and how many `trak` and `cmov` boxes there are."""
+    found: dict[bytes, int] = {}
+    for start, end in _outside_mdat(data):
+        region = data[start:end]
+        for kind in (*_COUNT_AT, b"stsc", b"trak", b"cmov"):
+            at = region.find(kind)
+            while at >= 0:
+                if kind in _COUNT_AT:
+                    value = _u32(region, at + _COUNT_AT[kind])
+                    found[kind] = found.get(kind, 0) + value
+                elif kind == b"stsc":
+                    entries = min(_u32(region, at + 8), max(0, len(region) - at - 12) // 12)
+                    most = max((_u32(region, at + 16 + 12 * i) for i in range(entries)), default=0)
+                    found[kind] = max(found.get(kind, 0), most)
+                else:
+                    found[kind] = found.get(kind, 0) + 1
+                at = region.find(kind, at + 4)
+    return found
+
+
+def _u32(data: bytes, at: int) -> int:
+    """The big-endian uint32 at `at`, 0 past the end."""
+    return struct.unpack_from(">I", data, at)[0] if at + 4 <= len(data) else 0
+
+
+def _outside_mdat(data: bytes) -> list[tuple[int, int]]:
+    """The byte ranges of the top-level boxes other than `mdat` (FFmpeg reads no box inside
+    one), sizes read as `_walk` reads them."""
+    out = []
+    at, end = 0, len(data)
+    while at + 8 <= end:
+        size, kind = struct.unpack_from(">I4s", data, at)
+        header = 8
+        if size == 1 and at + 16 <= end:
+            size, header = struct.unpack_from(">Q", data, at + 8)[0], 16
+        elif size == 0:
+            size = end - at
+        if size < header:
+            out.append((at, end))  # unreadable from here: scan the rest
+            break
+        stop = min(at + size, end)
+        if kind != b"mdat":
+            out.append((at, stop))
+        at = stop
+    return out
 
 
 def _walk(

@@ -66,6 +66,9 @@ _OPEN_OPTIONS = {
     "analyzeduration": "0",
     "fpsprobesize": "0",
     "max_streams": str(MAX_STREAMS),
+    # An mp4's edit lists copy every sample each edit covers into its index: K edits, K
+    # times the samples. Its frames' own times are used instead (other demuxers ignore it).
+    "ignore_editlist": "1",
 }
 
 
@@ -209,19 +212,21 @@ def _upright(frame: av.VideoFrame) -> np.ndarray:
     pixels = frame.to_ndarray(format="rgb24")
     sides: Any = frame.side_data  # (a container of SideData, whatever its stub says)
     matrix = next((s for s in sides if s.type.name == "DISPLAYMATRIX"), None)
-    rotation = frame.rotation  # counterclockwise degrees; int(NaN) for a degenerate matrix
-    if matrix is None or not -360 <= rotation <= 360:
+    if matrix is None:
         return pixels
-    m = np.frombuffer(bytes(matrix), dtype=np.int32)
-    theta = -float(rotation)  # clockwise, into [0, 360)
+    m = np.frombuffer(bytes(matrix), dtype=np.int32).astype(np.float64)
+    scale0, scale1 = math.hypot(m[0], m[3]), math.hypot(m[1], m[4])
+    if not scale0 or not scale1:
+        return pixels  # degenerate
+    theta = float(round(math.degrees(math.atan2(m[1] / scale1, m[0] / scale0))))  # clockwise
     theta -= 360 * math.floor(theta / 360 + 0.9 / 360)
     hflip = vflip = False
-    if abs(theta - 90) < 1:
-        pixels, vflip = np.rot90(pixels, -1), m[3] > 0
+    if abs(theta - 90) < 1:  # clockwise, or with a flip the transpose
+        pixels = np.rot90(pixels, 1)[::-1] if m[3] > 0 else np.rot90(pixels, -1)
     elif abs(theta - 180) < 1:
         hflip, vflip = m[0] < 0, m[4] < 0
-    elif abs(theta - 270) < 1:
-        pixels, vflip = np.rot90(pixels, 1), m[3] < 0
+    elif abs(theta - 270) < 1:  # counterclockwise, or with a flip the anti-transpose
+        pixels = np.rot90(pixels, -1)[::-1] if m[3] < 0 else np.rot90(pixels, 1)
     elif abs(theta) < 1:
         vflip = m[4] < 0
     if hflip:
