@@ -7,14 +7,15 @@ constant size (`stsz` with a sample size) or a fragment's run without per-sample
 (`trun`) declares any count in a few bytes: a 2.6 KB file declaring 60 million frames took
 2.1 GB to open. So, before FFmpeg:
 - the samples every table declares, summed over every track and fragment run (`stsz`,
-  `stz2`, `trun`), and the samples chunk tables make (`stsc` samples per chunk times the
-  `stco`/`co64` chunks: uncompressed sound is indexed by chunk) must fit in the file's
-  bytes (a sample is at least one byte). These are found by type anywhere outside `mdat`
-  (`scan_tables`), as FFmpeg finds them; a video track's frames, by the structural walk
-  (`declared`), must fit `max_seconds` at `MAX_SOURCE_RATE` too;
-- a compressed movie header (`cmov`, which FFmpeg inflates and no scan here reads) and more
-  than `MAX_TRACKS` tracks are refused.
-Edit lists, which multiply the index, are ignored at the open (`video_file`'s options).
+  `stz2`, `trun`), and the samples of any one chunk (`stsc`: uncompressed sound is indexed
+  by chunk) must fit in the file's bytes (a sample is at least one byte). These are found
+  by type anywhere outside `mdat` (`scan_tables`), as FFmpeg finds them; a video track's
+  frames, by the structural walk (`declared`), must fit `max_seconds` at `MAX_SOURCE_RATE`;
+- a compressed movie header (`cmov`, which FFmpeg inflates and no scan here reads), more
+  than `MAX_TRACKS` tracks and more than `MAX_EDITS` edit-list entries (each copies the
+  index entries it covers) are refused.
+What this leaves: samples bound by bytes still cost FFmpeg some 24 bytes of index each, and
+sound chunks are bounded one by one, not their sum.
 
 Boxes are read as FFmpeg reads them: a child running past its parent's end is cut to it
 (FFmpeg parses it so), a size of 0 runs to the parent's end, a size of 1 is followed by a
@@ -89,12 +90,15 @@ def check_mp4(
     if max(len(found.tables), tables.get(b"trak", 0)) > MAX_TRACKS:
         raise FieldError(field_name, f"holds more than {MAX_TRACKS} tracks")
     samples = tables.get(b"stsz", 0) + tables.get(b"stz2", 0) + tables.get(b"trun", 0)
-    chunk_samples = tables.get(b"stsc", 0) * (tables.get(b"stco", 0) + tables.get(b"co64", 0))
-    if max(samples, chunk_samples) > len(data):
+    # One chunk cannot hold more samples than the file's bytes (uncompressed sound is indexed
+    # by chunk, in pieces of a thousand samples or so).
+    most_declared = max(samples, tables.get(b"stsc", 0))
+    if most_declared > len(data):
         raise FieldError(
-            field_name,
-            f"declares {max(samples, chunk_samples)} samples, more than its {len(data)} bytes hold",
+            field_name, f"declares {most_declared} samples, more than its {len(data)} bytes hold"
         )
+    if tables.get(b"elst", 0) > MAX_EDITS:
+        raise FieldError(field_name, f"has more than {MAX_EDITS} edit-list entries")
     if max_seconds is None:
         return
     most = max(math.ceil(max_seconds * max_rate * slack), 16)
@@ -107,8 +111,10 @@ def check_mp4(
 
 
 # Where each table box keeps the count read (after its 4CC): `stsz`, `stz2` and `trun` their
-# samples, `stco`/`co64` their chunks, `stsc` (per entry) the samples of a chunk.
-_COUNT_AT: Final = {b"stsz": 12, b"stz2": 12, b"trun": 8, b"stco": 8, b"co64": 8}
+# samples, `stco`/`co64` their chunks, `elst` its edits; `stsc` (per entry) the samples of a
+# chunk (the largest is kept).
+_COUNT_AT: Final = {b"stsz": 12, b"stz2": 12, b"trun": 8, b"stco": 8, b"co64": 8, b"elst": 8}
+MAX_EDITS: Final = 64  # edit-list entries in all: each copies the samples it covers
 
 
 def scan_tables(data: bytes) -> dict[bytes, int]:
@@ -116,24 +122,37 @@ def scan_tables(data: bytes) -> dict[bytes, int]:
     sit and whatever sizes their boxes claim (FFmpeg reads a table wherever it meets one,
     parses a moov renamed `free` or `hoov`, and reads a table's fields past a box too short
     for them): the summed counts of `_COUNT_AT`'s, the largest samples per chunk of any
-    `stsc` entry (b"stsc"), and how many `trak` and `cmov` boxes there are."""
+    `stsc` entry (b"stsc"), and how many `trak` and `cmov` boxes there are. A type counts
+    only where it starts a box: its size field before it fits the bytes left (text such as
+    a title reading "Elephant trunk" has letters there, a size past any header)."""
     found: dict[bytes, int] = {}
     for start, end in _outside_mdat(data):
         region = data[start:end]
         for kind in (*_COUNT_AT, b"stsc", b"trak", b"cmov"):
             at = region.find(kind)
             while at >= 0:
-                if kind in _COUNT_AT:
-                    value = _u32(region, at + _COUNT_AT[kind])
-                    found[kind] = found.get(kind, 0) + value
-                elif kind == b"stsc":
-                    entries = min(_u32(region, at + 8), max(0, len(region) - at - 12) // 12)
-                    most = max((_u32(region, at + 16 + 12 * i) for i in range(entries)), default=0)
-                    found[kind] = max(found.get(kind, 0), most)
-                else:
-                    found[kind] = found.get(kind, 0) + 1
+                size = _u32(region, at - 4) if at >= 4 else -1
+                boxed = size in (0, 1) or 8 <= size <= len(region) - at + 4
+                if boxed and not _text(region, at):
+                    found[kind] = _counted(found.get(kind, 0), kind, region, at)
                 at = region.find(kind, at + 4)
     return found
+
+
+def _text(region: bytes, at: int) -> bool:
+    """Whether the bytes at `at` are a metadata value's text: inside a `data` box's body
+    (its 8-byte type and locale, often zeros, then the text: a title "truncated take")."""
+    return region[at - 12 : at - 8] == b"data" and _u32(region, at - 16) > 16
+
+
+def _counted(total: int, kind: bytes, region: bytes, at: int) -> int:
+    """`total` with the box of `kind` at `at` (its 4CC) counted in (see `scan_tables`)."""
+    if kind in _COUNT_AT:
+        return total + _u32(region, at + _COUNT_AT[kind])
+    if kind == b"stsc":
+        entries = min(_u32(region, at + 8), max(0, len(region) - at - 12) // 12)
+        return max(total, *(_u32(region, at + 16 + 12 * i) for i in range(entries)), 0)
+    return total + 1
 
 
 def _u32(data: bytes, at: int) -> int:

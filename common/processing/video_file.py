@@ -66,10 +66,11 @@ _OPEN_OPTIONS = {
     "analyzeduration": "0",
     "fpsprobesize": "0",
     "max_streams": str(MAX_STREAMS),
-    # An mp4's edit lists copy every sample each edit covers into its index: K edits, K
-    # times the samples. Its frames' own times are used instead (other demuxers ignore it).
-    "ignore_editlist": "1",
 }
+# A stream whose frame size only its first frames tell (MPEG-4 Part 2 beside sound): opened
+# again with probing bounded, and decoders refusing frames past the pixel limit.
+_SIZE_PROBE_OPTIONS = {**_OPEN_OPTIONS, "probesize": str(1 << 20), "analyzeduration": "1000000"}
+_PROBE_MAX_PIXELS = 1 << 26  # the decoders' frame limit then, where the caller gives none
 
 
 class VideoFileError(FieldError):
@@ -276,6 +277,11 @@ def open_video(
         check_mp4(data, max_seconds, MAX_SOURCE_RATE, _FRAME_SLACK, field)
     try:
         container = av.open(io.BytesIO(data), mode="r", format=kind, options=_OPEN_OPTIONS)
+        if _unsized(container):
+            container.close()
+            most = max_pixels or _PROBE_MAX_PIXELS
+            bounded = {**_SIZE_PROBE_OPTIONS, "max_pixels": str(most)}
+            container = av.open(io.BytesIO(data), mode="r", format=kind, options=bounded)
     except _DECODE_ERRORS as exc:
         raise VideoFileError(field, f"is not a readable video file ({exc})") from None
     try:
@@ -311,6 +317,13 @@ def decode_video(
         max_decoded_pixels=max_decoded_pixels,
         field=field,
     ).decode()
+
+
+def _unsized(container: av.container.InputContainer) -> bool:
+    """Whether the first video stream's header gives no frame size."""
+    video = container.streams.video
+    codec = video[0].codec_context if video else None
+    return codec is not None and (codec.width < 1 or codec.height < 1)
 
 
 def _header(
