@@ -165,8 +165,7 @@ class Admission:
         for r in roles:
             worker = ticket.workers.pop(r, None)
             if worker is not None:
-                worker.placed -= 1
-                self._unreserve(worker.address, ticket.need.blocks(r))
+                self._unreserve(worker, ticket.need.blocks(r))
                 self.tenants.give(ticket.tenant, r, ticket.need.blocks(r))
                 released = True
         if released:
@@ -178,17 +177,21 @@ class Admission:
         old = ticket.workers.get(role)
         if old is None or old.address == worker.address:
             return
-        self._unreserve(old.address, ticket.need.blocks(role))
-        self._reserved[worker.address] += ticket.need.blocks(role)
-        old.placed -= 1
-        worker.placed += 1
+        self._unreserve(old, ticket.need.blocks(role))
+        self._reserve(worker, ticket.need.blocks(role))
         ticket.workers[role] = worker
         self._kick()
 
-    def _unreserve(self, address: str, blocks: int) -> None:
-        self._reserved[address] -= blocks
-        if self._reserved[address] <= 0:
-            del self._reserved[address]
+    def _reserve(self, worker: WorkerRecord, blocks: int) -> None:
+        """One request's `blocks` on `worker`, its load from now on (`placed`)."""
+        worker.placed += 1
+        self._reserved[worker.address] += blocks
+
+    def _unreserve(self, worker: WorkerRecord, blocks: int) -> None:
+        worker.placed -= 1
+        self._reserved[worker.address] -= blocks
+        if self._reserved[worker.address] <= 0:
+            del self._reserved[worker.address]
 
     # ------------------------------------------------------------------------ queue
 
@@ -294,8 +297,7 @@ class Admission:
             except NoWorkerError:  # gone since `_live` (its heartbeats just ran out)
                 return False
         for role, worker in chosen.items():
-            worker.placed += 1  # load from now on (`WorkerRecord.load_estimate`)
-            self._reserved[worker.address] += ticket.need.blocks(role)
+            self._reserve(worker, ticket.need.blocks(role))
             self.tenants.take(ticket.tenant, role, ticket.need.blocks(role))
             ticket.workers[role] = worker
         return True
