@@ -47,12 +47,10 @@ first chunk (it has pulled the blocks by then). Until that chunk arrives the rou
 if decode is never started, fails, or the client leaves or time runs out first, the router
 calls `PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it).
 
-Failures (`router.calls`): a worker call that fails with UNAVAILABLE before any of its
-output was used is tried again on another worker of the role, up to `attempts` tries; with
-no untried worker of the role left the request fails with UNAVAILABLE naming the role. A
-failed prefill is retried with its items encoded again (the failed worker may have released
-their embedding leases already); when it failed because an embedding's encoder is gone
-(`common.handoff.EMBEDDINGS_LOST`), on the same prefill worker.
+Failures (`router.calls`): a worker call failing UNAVAILABLE before its output was used is
+tried on another worker of the role, up to `attempts` tries, then fails UNAVAILABLE naming
+the role. A failed prefill is retried with its items encoded again (their leases may be
+gone); on the same worker when an embedding's encoder is gone (`EMBEDDINGS_LOST`).
 
 Deadlines: every worker call gets the time left until the job's deadline; a caller that
 cancels cancels the call in flight, so workers free what they hold.

@@ -239,19 +239,26 @@ GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
 ]
 
 
+async def refused_naming(stub: Any, request: Any, field: str) -> str:
+    """Send `request`; assert it is refused INVALID_ARGUMENT naming `field` (`epd-field`),
+    and return the details."""
+    call = stub.Generate(request, metadata=bearer_metadata(CLIENT_KEY))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+    assert dict(err.value.trailing_metadata() or ())["epd-field"] == field
+    return err.value.details() or ""
+
+
 async def test_grpc_requests_the_wire_carries_but_the_router_refuses(
     small_bodies: Fakes,
 ) -> None:
     router, prefill, decode = small_bodies
     stub = router.client._router
     for request, field in GRPC_CASES:
-        call = stub.Generate(request, metadata=bearer_metadata(CLIENT_KEY))
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                pass
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
-        assert dict(err.value.trailing_metadata() or ())["epd-field"] == field
-        assert (err.value.details() or "").startswith(f"{field}: ")
+        details = await refused_naming(stub, request, field)
+        assert details.startswith(f"{field}: ")
     assert prefill.requests == [] and decode.requests == []  # refused before any worker
     ok = grpc_request(request_id="r" * 256, resume_tokens=[5])
     ok.messages[0].content.add(text="hi")
@@ -299,12 +306,7 @@ async def test_stop_strings_and_resume_tokens_are_refused_before_the_media_is_re
     resumed.sampling.max_tokens = 2
     resumed.resume_tokens.extend([1, 2])
     for request, field in ((bad_stop, "stop"), (resumed, "resume_tokens")):
-        call = stub.Generate(request, metadata=bearer_metadata(CLIENT_KEY))
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                pass
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
-        assert dict(err.value.trailing_metadata() or ())["epd-field"] == field
+        await refused_naming(stub, request, field)
     # The client says which field too (it dropped the router's `epd-field`).
     with pytest.raises(GenerateError) as refused:
         await router.client.generate_text(TEXT, SamplingParams(max_tokens=2), stop=[""])
