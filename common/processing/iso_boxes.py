@@ -17,17 +17,17 @@ constant size (`stsz` with a sample size) or a fragment's run without per-sample
 What this leaves: samples bound by bytes still cost FFmpeg some 24 bytes of index each, and
 sound chunks are bounded one by one, not their sum.
 
-Boxes are read as FFmpeg reads them: a child running past its parent's end is cut to it
-(FFmpeg parses it so), a size of 0 runs to the parent's end, a size of 1 is followed by a
-64-bit one. Boxes read: `moov/trak/mdia/hdlr` (is the track video?), `.../minf/stbl/stsz|
-stz2` (its samples), `moof/traf/trun` (a fragment's; a fragment names its track by id only,
-so all runs are counted together), `cmov` anywhere in `moov`.
+Boxes are read as FFmpeg reads them (`_boxes`). The structural walk reads
+`moov/trak/mdia/hdlr` (is the track video?), `.../minf/stbl/stsz|stz2` (its samples) and
+`moof/traf/trun` (a fragment's; a fragment names its track by id only, so all runs are
+counted together).
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -48,7 +48,6 @@ class Table:
 
     video: bool  # its `hdlr` says vide
     samples: int  # its `stsz`/`stz2` count
-    size: int  # the constant sample size (0: one per sample, each in the table)
 
 
 @dataclass(slots=True)
@@ -57,7 +56,6 @@ class Declared:
 
     tables: list[Table] = field(default_factory=list)
     run_samples: int = 0  # every fragment run's count, summed
-    compressed: bool = False  # a `cmov` box
     boxes: int = 0  # boxes visited
 
     @property
@@ -85,9 +83,9 @@ def check_mp4(
     except ValueError as exc:
         raise FieldError(field_name, str(exc)) from None
     tables = scan_tables(data)
-    if found.compressed or tables.get(b"cmov"):
+    if tables.get(b"cmov"):
         raise FieldError(field_name, "has a compressed movie header (cmov), not supported")
-    if max(len(found.tables), tables.get(b"trak", 0)) > MAX_TRACKS:
+    if tables.get(b"trak", 0) > MAX_TRACKS:
         raise FieldError(field_name, f"holds more than {MAX_TRACKS} tracks")
     samples = tables.get(b"stsz", 0) + tables.get(b"stz2", 0) + tables.get(b"trun", 0)
     # One chunk cannot hold more samples than the file's bytes (uncompressed sound is indexed
@@ -162,9 +160,15 @@ def _u32(data: bytes, at: int) -> int:
 
 def _outside_mdat(data: bytes) -> list[tuple[int, int]]:
     """The byte ranges of the top-level boxes other than `mdat` (FFmpeg reads no box inside
-    one), sizes read as `_walk` reads them."""
-    out = []
-    at, end = 0, len(data)
+    one); from an unreadable size on, the rest."""
+    return [(at, stop) for kind, at, _, stop in _boxes(data, 0, len(data)) if kind != b"mdat"]
+
+
+def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int, int]]:
+    """(type, start, body, stop) of each box in `data[start:end]`, read as FFmpeg reads
+    them: a size of 1 is followed by a 64-bit one, 0 runs to `end`, a box past `end` is cut
+    to it. An unreadable size ends them, as (b"", its start, its start, `end`)."""
+    at = start
     while at + 8 <= end:
         size, kind = struct.unpack_from(">I4s", data, at)
         header = 8
@@ -173,48 +177,29 @@ def _outside_mdat(data: bytes) -> list[tuple[int, int]]:
         elif size == 0:
             size = end - at
         if size < header:
-            out.append((at, end))  # unreadable from here: scan the rest
-            break
+            yield b"", at, at, end
+            return
         stop = min(at + size, end)
-        if kind != b"mdat":
-            out.append((at, stop))
+        yield kind, at, at + header, stop
         at = stop
-    return out
 
 
 def _walk(
     data: bytes, start: int, end: int, parent: bytes | None, out: Declared, trak: Table | None
 ) -> None:
-    at = start
-    while at + 8 <= end:
+    for kind, _, body, stop in _boxes(data, start, end):
         out.boxes += 1
         if out.boxes > MAX_BOXES:
             raise ValueError(f"holds more than {MAX_BOXES} boxes")
-        size, kind = struct.unpack_from(">I4s", data, at)
-        header = 8
-        if size == 1 and at + 16 <= end:  # a 64-bit size follows
-            size = struct.unpack_from(">Q", data, at + 8)[0]
-            header = 16
-        elif size == 0:  # to the end of the enclosing box
-            size = end - at
-        if size < header:
-            return  # FFmpeg stops here too
-        stop = min(at + size, end)  # cut to the parent, as FFmpeg does
-        body = at + header
         if kind == b"trak":
-            table = Table(video=False, samples=0, size=0)
+            table = Table(video=False, samples=0)
             _walk(data, body, stop, kind, out, table)
             out.tables.append(table)
         elif kind in _CONTAINERS:
             _walk(data, body, stop, kind, out, trak)
-        elif kind == b"cmov":
-            out.compressed = True
         elif trak is not None and kind == b"hdlr" and parent == b"mdia" and body + 12 <= stop:
             trak.video = data[body + 8 : body + 12] == b"vide"
-        elif trak is not None and kind == b"stsz" and parent == b"stbl" and body + 12 <= stop:
-            trak.size, trak.samples = struct.unpack_from(">II", data, body + 4)
-        elif trak is not None and kind == b"stz2" and parent == b"stbl" and body + 12 <= stop:
-            trak.size, trak.samples = 0, struct.unpack_from(">I", data, body + 8)[0]
-        elif kind == b"trun" and parent == b"traf" and body + 8 <= stop:
-            out.run_samples += struct.unpack_from(">I", data, body + 4)[0]
-        at = stop
+        elif trak is not None and kind in (b"stsz", b"stz2") and parent == b"stbl":
+            trak.samples = _u32(data, body + 8)
+        elif kind == b"trun" and parent == b"traf":
+            out.run_samples += _u32(data, body + 4)
