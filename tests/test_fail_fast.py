@@ -242,7 +242,7 @@ async def test_a_refused_worker_is_remembered_with_its_reason() -> None:
     from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
     from router.registry import Registry
     from router.registry_service import RegistryServicer
-    from tests.test_registry import MODEL, info
+    from tests.registry_helpers import MODEL, info
 
     registry = Registry(worker_timeout_s=60.0, heartbeat_interval_s=1.0, expected_model=MODEL)
     servicer = RegistryServicer(registry)

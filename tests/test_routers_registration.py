@@ -18,8 +18,8 @@ from epd.v1 import registry_service_pb2
 from router.registry import Registry
 from router.workers import WorkerRecord
 from tests.cluster import free_port
+from tests.registry_helpers import MODEL, info
 from tests.test_pools import recorded as recorded  # the fakes' shared log (a fixture)
-from tests.test_registry import MODEL, info
 from tests.test_router import Cluster as RouterCluster
 from tests.test_router import FakePrefill
 from tests.test_router import ckpt as ckpt  # fixtures: a router with fake workers

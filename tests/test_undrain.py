@@ -18,7 +18,7 @@ from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 from router.admin import AdminServicer
 from router.registry import Registry
 from router.workers import WorkerLoad
-from tests.test_registry import MODEL, info
+from tests.registry_helpers import MODEL, info
 
 add_admin = admin_service_pb2_grpc.add_AdminServiceServicer_to_server
 
