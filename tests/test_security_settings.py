@@ -273,6 +273,9 @@ def test_epd_serve_writes_the_deployments_keys(
         ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\nadmin = 1\n', "admin"),
         ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\nrole = "x"\n', "only"),
         ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\n' * 2, "twice"),
+        # A client's bearer secret is stripped: a stored key with spaces never matched.
+        ('[[keys]]\nkey = " a-long-enough-key-1"\ntenant = "t"\n', r"keys\[0\]\.key.*spaces"),
+        ('[[keys]]\nkey = "a-long-enough\\tkey-1"\ntenant = "t"\n', r"keys\[0\]\.key.*spaces"),
     ],
 )
 def test_bad_api_keys_files_name_the_entry(tmp_path: Path, text: str, message: str) -> None:
@@ -281,6 +284,25 @@ def test_bad_api_keys_files_name_the_entry(tmp_path: Path, text: str, message: s
     with pytest.raises(SettingsError, match=message) as info:
         load_api_keys(path)
     assert "security.api_keys_file" in str(info.value)
+
+
+def test_secret_files_open_to_others_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys, token = tmp_path / "keys.toml", tmp_path / "token"
+    keys.write_text('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\n')
+    token.write_text("x" * 40)
+    settings = SecuritySettings(cluster_token_file=str(token))
+    for mode in (0o600, 0o400, 0o440):  # 0440: a Kubernetes secret volume with an fsGroup
+        keys.chmod(mode), token.chmod(mode)
+        with caplog.at_level(logging.WARNING):
+            load_api_keys(keys), settings.cluster_key()
+        assert "open to other users" not in caplog.text
+    keys.chmod(0o644), token.chmod(0o604)
+    with caplog.at_level(logging.WARNING):
+        load_api_keys(keys), settings.cluster_key()
+    assert "security.api_keys_file" in caplog.text and "mode 644" in caplog.text
+    assert "security.cluster_token_file" in caplog.text and "mode 604" in caplog.text
 
 
 def test_tls_files_go_together() -> None:

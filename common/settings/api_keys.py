@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.settings.schema import SettingsError
+from common.settings.security import warn_if_others_may_read
 
 # Shortest key accepted, in characters.
 MIN_KEY_CHARS = 16
@@ -73,6 +74,7 @@ def load_api_keys(path: str | Path) -> tuple[ApiKey, ...]:
         raise SettingsError(f"{where}: cannot read {target}: {exc.strerror}") from None
     if len(raw) > MAX_KEYS_FILE_BYTES:
         raise SettingsError(f"{where}: {target} is larger than {MAX_KEYS_FILE_BYTES} bytes")
+    warn_if_others_may_read(where, target)
     try:
         data = tomllib.loads(raw.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
@@ -89,6 +91,9 @@ def load_api_keys(path: str | Path) -> tuple[ApiKey, ...]:
         epoch = entry.get("cache_epoch", "")
         if not isinstance(key, str) or len(key) < MIN_KEY_CHARS:
             raise SettingsError(f"{at}.key: must be a string of at least {MIN_KEY_CHARS} chars")
+        if not key.isprintable() or any(c.isspace() for c in key):
+            # A client's `Bearer KEY` is stripped of spaces: such a key could never match.
+            raise SettingsError(f"{at}.key: must not hold spaces or control characters")
         if not isinstance(tenant, str) or not tenant:
             raise SettingsError(f"{at}.tenant: must be a non-empty string")
         if not isinstance(admin, bool):

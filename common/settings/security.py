@@ -120,6 +120,7 @@ class SecuritySettings:
                 raw = f.read(MAX_TOKEN_BYTES + 1)
         except OSError as exc:
             raise SettingsError(f"{key}: cannot read {path}: {exc.strerror}") from None
+        warn_if_others_may_read(key, path)
         token = raw.strip()
         if len(raw) > MAX_TOKEN_BYTES:
             raise SettingsError(f"{key}: {path} is larger than {MAX_TOKEN_BYTES} bytes")
@@ -135,6 +136,24 @@ class TlsFiles:
     cert_chain: bytes  # this process's certificate chain
     private_key: bytes  # its private key
     ca: bytes | None  # CA bundle verifying peers; None: peers are not asked for certificates
+
+
+def warn_if_others_may_read(key: str, path: Path) -> None:
+    """Log a warning naming `key` when the secret file at `path` is open to every user of the
+    machine (the docs say: readable by its owner only; its group is left alone, as a
+    Kubernetes secret volume with an `fsGroup` is group-readable)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # the read that follows or preceded says why
+    if mode & 0o007:
+        logger.warning(
+            "%s: %s is open to other users (mode %03o); make it readable by its owner only "
+            "(chmod 600)",
+            key,
+            path,
+            mode & 0o777,
+        )
 
 
 def _read(key: str, path: str) -> bytes:
