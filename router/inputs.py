@@ -390,9 +390,18 @@ MAX_ID_CHARS = 256  # a caller's request id and cache salt (logged, sent to ever
 
 
 def check_ids(request: router_service_pb2.GenerateRequest) -> None:
-    """InputError naming `request_id` or `cache_salt` when it is over `MAX_ID_CHARS`: each
-    travels with the request to every worker, and the encoder hashes the salt into every
-    unit's cache key (without tenants it is the caller's own string)."""
+    """InputError naming `request_id` or `cache_salt` when it is over `MAX_ID_CHARS` or holds
+    a character that does not print (a line break would forge lines of every log it is
+    written to): each travels with the request to every worker, and the encoder hashes the
+    salt into every unit's cache key (without tenants it is the caller's own string)."""
     for name in ("request_id", "cache_salt"):
-        if len(getattr(request, name)) > MAX_ID_CHARS:
+        value = getattr(request, name)
+        if len(value) > MAX_ID_CHARS:
             raise InputError(name, f"is over {MAX_ID_CHARS} characters")
+        if not value.isprintable():
+            raise InputError(name, "holds a line break or another character that does not print")
+
+
+def shown_id(request_id: str) -> str:
+    """A caller's request id as a log line may show it: escaped unless it prints."""
+    return request_id if request_id.isprintable() else ascii(request_id)

@@ -65,7 +65,7 @@ from router.calls import Job, RouterError
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
 from router.held import HeldBytes, MediaHold, add_router_service, read_request
-from router.inputs import ContextTooLong, InputError, check_ids
+from router.inputs import ContextTooLong, InputError, check_ids, shown_id
 from router.orchestrator import Orchestrator
 from router.prepare import prepare_request
 from router.registry import Registry
@@ -143,7 +143,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         `max_tokens` is the router's default, cut to the context left (`_prepare`). Raises
         RouterError, or RpcStatusError while draining. The gRPC Generate and the HTTP API
         (`router.http`) both run this."""
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = shown_id(request.request_id) or uuid.uuid4().hex  # refused unless it prints
         started = time.monotonic()
         budget = self.settings.request_timeout_s
         deadline = started + (budget if client_left is None else min(budget, client_left))
@@ -183,7 +183,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     raise
                 if time.monotonic() > deadline:  # passed while its media decoded
                     raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
-                logger.info("request %s rejected: %s", request_id, exc)
+                logger.info("request %s (%s) rejected: %s", request_id, caller.tenant, exc)
                 error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 error.trailing_metadata = (("epd-field", exc.field),)
                 error.context_exceeded = isinstance(exc, ContextTooLong)
@@ -204,8 +204,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     tokens += len(chunk.token_ids)
                     yield chunk
                 logger.info(
-                    "request %s: %d prompt tokens, %d generated in %.3f s",
+                    "request %s (%s): %d prompt tokens, %d generated in %.3f s",
                     request_id,
+                    caller.tenant,
                     len(prompt.prompt_token_ids),
                     tokens,
                     time.monotonic() - started,
@@ -228,7 +229,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             async for chunk in self.generate(request, caller, left, sized.size):
                 yield chunk
         except RouterError as exc:
-            logger.info("request %s failed: %s %s", request.request_id, exc.code.name, exc)
+            shown = shown_id(request.request_id)
+            logger.info("request %s (%s) failed: %s %s", shown, caller.tenant, exc.code.name, exc)
             await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing_metadata)
         except RpcStatusError as exc:  # draining
             await context.abort(exc.code, exc.details)

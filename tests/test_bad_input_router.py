@@ -211,6 +211,9 @@ GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
     (grpc_request(prompt="", messages=[]), "prompt"),
     (grpc_request(request_id="r" * 257), "request_id"),
     (grpc_request(cache_salt="s" * 257), "cache_salt"),
+    # Logged by every process it reaches: a line break forged log lines.
+    (grpc_request(request_id="x\n2030-01-01 INFO router.server: forged"), "request_id"),
+    (grpc_request(cache_salt="s\x1b[2J"), "cache_salt"),
     *(  # the wire's roles only: a template renders any string as one
         (grpc_request(messages=[router_service_pb2.ChatMessage(role=role)]), "messages[1].role")
         for role in ("", "bogus", "tool", "User")
