@@ -68,6 +68,7 @@ from router.held import HeldBytes, MediaHold, add_router_service, read_request
 from router.inputs import ContextTooLong, InputError, check_ids, shown_id
 from router.orchestrator import Orchestrator
 from router.prepare import prepare_request
+from router.prepare_threads import PrepareThreads, has_media
 from router.registry import Registry
 from router.registry_service import RegistryServicer
 from router.settings import RouterSettings
@@ -97,12 +98,12 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.settings = settings
         self.auth = auth  # who is calling (None: insecure, no tenants)
         self.salt_key = salt_key  # the cluster key tenant salts are derived under
+        share = settings.tenant_share_for(auth.client_tenants if auth else 0)
         # Bytes of the requests both front doors hold now (`router.held`).
         self.held = HeldBytes(
-            settings.requests_in_flight_mb << 20,
-            settings.max_message_mb << 20,
-            tenant_share=settings.tenant_share_for(auth.client_tenants if auth else 0),
+            settings.requests_in_flight_mb << 20, settings.max_message_mb << 20, tenant_share=share
         )
+        self.prepare_threads = PrepareThreads(share)  # the threads requests are prepared on
 
     def _prepare(
         self,
@@ -169,8 +170,15 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     caller.cache_epoch,
                 )
                 try:
-                    sampling, prompt = await asyncio.to_thread(
-                        self._prepare, request, cache_salt, media, fit_max_tokens, ended
+                    sampling, prompt = await self.prepare_threads.run(
+                        has_media(request),
+                        caller.tenant,
+                        self._prepare,
+                        request,
+                        cache_salt,
+                        media,
+                        fit_max_tokens,
+                        ended,
                     )
                 finally:
                     gone.set()  # the caller left (cancelled) or it is over
@@ -330,9 +338,12 @@ async def serve(
             lambda w: orchestrator.prefix.track(w.address, w.role) if w.role in KV_ROLES else None
         )
     lifecycle = ServerLifecycle()
+    servicer = RouterServicer(
+        processor, orchestrator, lifecycle, settings, auth=auth, salt_key=salt_key
+    )
     running = await RunningRouter.start(
         settings,
-        RouterServicer(processor, orchestrator, lifecycle, settings, auth=auth, salt_key=salt_key),
+        servicer,
         add_router_service,
         (
             service_name(router_service_pb2, "RouterService"),
@@ -352,7 +363,7 @@ async def serve(
             ),
             *extra_servicers,
         ],
-        cleanup=[orchestrator.close, peers.close],
+        cleanup=[orchestrator.close, peers.close, servicer.prepare_threads.close],
         auth=auth,
         client_api=True,
         metrics=orchestrator.metrics.registry,

@@ -169,3 +169,35 @@ def test_a_fetch_that_trickles_is_cut_at_fetch_timeout_s(
         done.set()
         server.close()
     assert time.monotonic() - started < 3.0
+
+
+def test_a_requests_media_are_held_as_read_and_bounded_in_all(tmp_path: Path) -> None:
+    # A 2 KB body naming one 50 MB file twenty times took a router from 0.3 to 1.4 GB with
+    # `requests_in_flight_mb` at 64: nothing read from a URL was counted.
+    from router.http.convert import chat_request
+    from router.http.schema import ChatCompletionRequest
+
+    (tmp_path / "big.png").write_bytes(b"x" * (3 << 20))
+    part = {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/big.png"}}
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": [part] * 5}]}
+    )
+    policy = MediaPolicy(media_dir=tmp_path, max_request_bytes=8 << 20)
+    held: list[int] = []
+    with pytest.raises(FieldError) as err:
+        chat_request(body, "r", policy, held.append)
+    assert err.value.field == "messages[0].content[2].image_url.url"  # 9 MiB > 8
+    assert "max_message_mb" in str(err.value) and held == [3 << 20] * 2
+
+    class Busy(Exception):
+        pass
+
+    def refuse_the_second(size: int) -> None:
+        if held:
+            raise Busy  # the 429 of `requests_in_flight_mb`
+        held.append(size)
+
+    held.clear()
+    with pytest.raises(Busy):
+        chat_request(body, "r", MediaPolicy(media_dir=tmp_path), refuse_the_second)
+    assert held == [3 << 20]

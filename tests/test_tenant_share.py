@@ -199,3 +199,30 @@ async def test_a_tenant_holding_the_kv_lets_another_go_first_when_blocks_free(ck
     finally:
         await other.close()
         await c.close()
+
+
+async def test_media_read_from_urls_count_in_the_tenants_share(ckpt: Path, tmp_path: Path) -> None:
+    (tmp_path / "one.png").write_bytes(b"x" * (1 << 20))
+    c = await fake_router(
+        ckpt, max_message_mb=2, requests_in_flight_mb=8, http_media_dir=str(tmp_path)
+    )
+    await add_workers(c)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {CLIENT_KEY}\r\nContent-Length: {2 << 20}\r\n\r\n"
+    )
+    part = {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/one.png"}}
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": [part, part]}]}
+    url = f"{url_of(c)}/v1/chat/completions"
+    stalled = socket.create_connection(host_port(c))  # half of tenant-a's 4 MiB
+    try:
+        stalled.sendall(head.encode())
+        held = c.router.servicer.held
+        await until(lambda: held.by_tenant == {"tenant-a": 2 << 20})
+        # Its body is small; the file it names twice takes it past its share at the second.
+        status, _, reply = await asyncio.to_thread(call, url, body, CLIENT_KEY)
+        assert status == 429 and "tenant_share" in str(reply), reply
+        assert held.by_tenant == {"tenant-a": 2 << 20}  # what it read given back
+    finally:
+        stalled.close()
+        await c.close()

@@ -44,12 +44,13 @@ from router.calls import RouterError, TooLarge
 from router.held import HeldBytes, decoded_bytes
 from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
 from router.http.connections import ConnectionStats
-from router.http.convert import chat_request, completion_request
+from router.http.convert import chat_request, completion_request, names_media
 from router.http.errors import ApiError, model_not_found
 from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
 from router.http.stream import Answer, events
+from router.prepare_threads import LIGHT_BODY_BYTES
 
 if TYPE_CHECKING:
     from router.server import RouterServicer
@@ -177,28 +178,36 @@ def build_app(
         stream = events(result, _chain(first, chunks), include_usage, lambda e: api_error(e).body())
         return StreamingResponse(stream, media_type="text/event-stream")
 
-    async def parsed(raw: Request, schema: type[B]) -> B:
+    threads = servicer.prepare_threads  # off the event loop, within a tenant's share
+
+    async def parsed(raw: Request, schema: type[B], who: Caller) -> B:
         """The body as `schema`, parsed and validated off the event loop (`router.http.parse`)."""
         data = await raw.body()
         content_type = raw.headers.get("content-type")
         commas = MAX_BODY_VALUES + servicer.settings.max_prompt_text_bytes  # text may be all
-        body = await asyncio.to_thread(parse_body, data, content_type, schema, commas)
+        heavy = len(data) > LIGHT_BODY_BYTES
+        body = await threads.run(heavy, who.tenant, parse_body, data, content_type, schema, commas)
         check_model(body)
         return body
 
     @app.post("/v1/chat/completions")
     async def chat_completions(who: Who, raw: Request) -> Response:
-        body = await parsed(raw, ChatCompletionRequest)
+        body = await parsed(raw, ChatCompletionRequest, who)
         request_id = uuid.uuid4().hex
+        hold = raw.scope.get(HELD_KEY)
+        held = hold.more if hold is not None else lambda size: None
+        media = names_media(body)
         try:
-            request = await asyncio.to_thread(chat_request, body, request_id, policy)
+            request = await threads.run(
+                media, who.tenant, chat_request, body, request_id, policy, held
+            )
         except FieldError as exc:
             raise api_error(exc) from None
         return await answer(body, request, who, True, raw)
 
     @app.post("/v1/completions")
     async def completions(who: Who, raw: Request) -> Response:
-        body = await parsed(raw, CompletionRequest)
+        body = await parsed(raw, CompletionRequest, who)
         try:
             request = completion_request(body, uuid.uuid4().hex)
         except FieldError as exc:

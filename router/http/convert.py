@@ -4,6 +4,8 @@ media are read here). Field errors name the body's field as OpenAI clients know 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from common.errors import FieldError
 from common.sampling import SamplingParams
 from epd.v1 import router_service_pb2, sampling_pb2
@@ -144,11 +146,41 @@ def _request(body: SamplingBody, request_id: str) -> router_service_pb2.Generate
     return request
 
 
+def names_media(body: ChatCompletionRequest) -> bool:
+    """Whether a message of `body` holds an image or a video part (its URL is read by
+    `chat_request`: a file, a fetch, or a data URL decoded)."""
+    return any(
+        not isinstance(part, TextContent)
+        for message in body.messages
+        if not isinstance(message.content, str)
+        for part in message.content
+    )
+
+
 def chat_request(
-    body: ChatCompletionRequest, request_id: str, policy: MediaPolicy
+    body: ChatCompletionRequest,
+    request_id: str,
+    policy: MediaPolicy,
+    hold: Callable[[int], None] = lambda size: None,
 ) -> router_service_pb2.GenerateRequest:
-    """`POST /v1/chat/completions` -> GenerateRequest (media read under `policy`)."""
+    """`POST /v1/chat/completions` -> GenerateRequest (media read under `policy`). Each
+    medium's bytes, once read, are given to `hold` before the next is read (which raises
+    to refuse them), and FieldError names the part whose bytes take the request's media past
+    `policy.max_request_bytes`, as they would a gRPC request past `max_message_mb`: a body
+    of a few bytes may name the same file of `policy.max_bytes` again and again."""
     request = _request(body, request_id)
+    loaded = 0
+
+    def read(url: str, field: str) -> bytes:
+        nonlocal loaded
+        data = load(url, field, policy)
+        loaded += len(data)
+        if loaded > policy.max_request_bytes:
+            mib = policy.max_request_bytes >> 20
+            raise FieldError(field, f"takes the request's media past {mib} MiB (max_message_mb)")
+        hold(len(data))
+        return data
+
     for m, message in enumerate(body.messages):
         out = request.messages.add(role="system" if message.role == "developer" else message.role)
         if isinstance(message.content, str):
@@ -160,15 +192,14 @@ def chat_request(
                 out.content.add(text=part.text)
             elif isinstance(part, ImageContent):
                 image = router_service_pb2.ImageInput(
-                    data=load(part.image_url.url, f"{where}.image_url.url", policy)
+                    data=read(part.image_url.url, f"{where}.image_url.url")
                 )
                 if part.uuid is not None:
                     image.uuid = part.uuid
                 out.content.add(image=image)
             else:
                 video = router_service_pb2.VideoInput(
-                    file=load(part.video_url.url, f"{where}.video_url.url", policy),
-                    fps=part.fps or 0.0,
+                    file=read(part.video_url.url, f"{where}.video_url.url"), fps=part.fps or 0.0
                 )
                 if part.uuid is not None:
                     video.uuid = part.uuid

@@ -40,6 +40,7 @@ class MediaPolicy:
     fetch_urls: bool = False  # https URLs fetched by the router
     fetch_timeout_s: float = 10.0  # whole fetch, connect to last byte
     max_bytes: int = 64 << 20  # largest file from a path or URL
+    max_request_bytes: int = 256 << 20  # one request's media in all (`max_message_mb`)
 
 
 def load(url: str, field: str, policy: MediaPolicy) -> bytes:

@@ -31,6 +31,7 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
         fetch_urls=settings.http_fetch_urls,
         fetch_timeout_s=settings.http_fetch_timeout_s,
         max_bytes=settings.http_fetch_max_bytes,
+        max_request_bytes=settings.max_message_mb << 20,  # what a gRPC request could carry
     )
     model_id = settings.served_model_name or path.name
     app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
