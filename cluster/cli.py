@@ -378,8 +378,9 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.markdown:
         sys.stdout.write(reference_markdown())
         return 0
+    settings = load(EpdSettings, args.check)  # its errors name the file
     try:
-        load(EpdSettings, args.check).check()  # the same check `epd serve` runs first
+        settings.check()  # the same check `epd serve` runs first
     except SettingsError as exc:
         raise SettingsError(f"{args.check}: {exc}") from None
     _say(f"{args.check}: ok")

@@ -26,7 +26,7 @@ from typing import Any
 
 from common.roles import WORKER_ROLES
 from common.settings.base import LOG_LEVELS
-from common.settings.schema import SettingsError, describe, setting, to_toml
+from common.settings.schema import SettingsError, check_positive, describe, setting, to_toml
 from common.settings.security import SecuritySettings
 from decode_worker.settings import DecodeSettings
 from encoder_worker.settings import EncoderSettings
@@ -199,8 +199,8 @@ class EpdSettings:
             raise SettingsError("pools.max_restarts: must be -1 (always), 0 (never) or more")
         if pools.routers < 1:
             raise SettingsError("pools.routers: must be at least 1")
-        for name in ("port", "http_port"):  # router n listens on the port + n
-            port = getattr(full.router, name)
+        for name in ("port", "http_port", "metrics_port"):  # router n: on the port + n
+            port = getattr(full.router, name) or 0
             if port > 0 and port + pools.routers - 1 > 65535:
                 raise SettingsError(
                     f"router.{name}: {port} + {pools.routers - 1} (pools.routers - 1) is past "
@@ -210,9 +210,10 @@ class EpdSettings:
             raise SettingsError(f"ray.object_store_mb: Ray needs at least {MIN_OBJECT_STORE_MB}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise SettingsError(f"log_level: expected one of {', '.join(LOG_LEVELS)}")
-        for name in ("drain_timeout_s", "ready_timeout_s"):
-            if getattr(pools, name) <= 0:
-                raise SettingsError(f"pools.{name}: must be positive")
+        try:
+            check_positive(pools, "drain_timeout_s", "ready_timeout_s")
+        except SettingsError as exc:
+            raise SettingsError(f"pools.{exc}") from None
 
     def with_model(self) -> EpdSettings:
         """A copy where a top-level `model` has been given to every role, and the top-level

@@ -22,7 +22,20 @@ def router_list(routers: Routers) -> list[str]:
     addresses = list(dict.fromkeys(a.strip() for a in items if a.strip()))
     if not addresses:
         raise ValueError(f"router address: none given in {routers!r}")
+    for address in addresses:
+        check_port(address)
     return addresses
+
+
+def check_port(address: str) -> None:
+    """ValueError unless the port of `address` (host:port, or a gRPC target whose last part
+    is one) is 1-65535: gRPC dials an empty port as 443 and takes one past 65535 modulo
+    65536, another server's."""
+    _, sep, port = address.rpartition(":")
+    if not sep or address.endswith("]"):
+        raise ValueError(f"router address {address!r}: no port (host:port)")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"router address {address!r}: the port must be 1-65535")
 
 
 async def connects(channel: grpc.aio.Channel, left: float | None) -> bool:

@@ -195,7 +195,11 @@ class RouterSettings(ServerSettings):
         "longest a request waits in that queue (in all, requeues after a full prefill pool "
         "included) before it is refused with RESOURCE_EXHAUSTED and a back-off hint",
     )
-    grace_s: float = setting(5.0, "grace period for in-flight requests on shutdown")
+    grace_s: float = setting(
+        5.0,
+        "ignored (kept so files that set it still load): in-flight requests get "
+        "drain_timeout_s on shutdown ([pools] drain_timeout_s under `epd serve`)",
+    )
     processed_image_cache_mb: int = setting(
         256,
         "MiB of patch rows the router keeps for images and video temporal patches it "
@@ -214,12 +218,14 @@ class RouterSettings(ServerSettings):
 
     def nth(self, index: int) -> RouterSettings:
         """The settings of router `index` (0: these) of several started together
-        (`epd serve --routers N`): `port` and `http_port` plus `index`, except 0 (a free
-        port each) and -1 (no HTTP API)."""
+        (`epd serve --routers N`): `port`, `http_port` and `metrics_port` plus `index`,
+        except 0 (a free port each), -1 (no HTTP API) and None (no metrics endpoint)."""
+        metrics = self.metrics_port
         return dataclasses.replace(
             self,
             port=self.port + index if self.port > 0 else self.port,
             http_port=self.http_port + index if self.http_port > 0 else self.http_port,
+            metrics_port=metrics + index if metrics is not None and metrics > 0 else metrics,
         )
 
     def check(self) -> None:
@@ -248,19 +254,23 @@ class RouterSettings(ServerSettings):
             "kv_reprefills",
             "grace_s",
         )
-        check_positive(self, "request_timeout_s", "release_timeout_s", "http_fetch_timeout_s")
+        check_positive(
+            self,
+            "request_timeout_s",
+            "release_timeout_s",
+            "http_fetch_timeout_s",
+            "http_header_timeout_s",
+            "heartbeat_interval_s",
+            "worker_timeout_s",
+        )
         if self.chat_max_tokens < 1:
             raise SettingsError("chat_max_tokens: must be at least 1")
         if not -1 <= self.http_port <= 65535:
             raise SettingsError("http_port: must be -1 (off), 0 (any free port) or a port")
         if self.max_video_frames < 1:
             raise SettingsError("max_video_frames: must be positive")
-        if not self.http_header_timeout_s > 0:
-            raise SettingsError("http_header_timeout_s: must be positive")
         if not MIN_FPS <= self.video_file_fps <= MAX_FPS:
             raise SettingsError(f"video_file_fps: must be from {MIN_FPS:g} to {MAX_FPS:g}")
-        if not self.heartbeat_interval_s > 0:
-            raise SettingsError("heartbeat_interval_s: must be positive")
         if not self.worker_timeout_s > self.heartbeat_interval_s:
             # Else a worker is dropped between two heartbeats it sends on time.
             raise SettingsError("worker_timeout_s: must be longer than heartbeat_interval_s")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 
 import grpc
 import numpy as np
@@ -158,6 +159,14 @@ async def test_router_addresses_come_as_a_list_or_comma_separated() -> None:
     assert router_list(["b:2", "a:1"]) == ["b:2", "a:1"]
     with pytest.raises(ValueError, match="router address: none given"):
         router_list(" , ")
+    # gRPC dialed an empty port as 443 and one past 65535 modulo 65536: another server.
+    for bad in ("h:99999", "h:", "h:0", "h", "[::1]"):
+        with pytest.raises(ValueError, match=f"router address '{re.escape(bad)}'"):
+            router_list(bad)
+    assert router_list("[::1]:50051,dns:///router.local:50051") == [
+        "[::1]:50051",
+        "dns:///router.local:50051",
+    ]
     client = Client("a:1,b:2,c:3", api_key="k")
     assert client.address == "a:1" and client.addresses == ["a:1", "b:2", "c:3"]
     # Each request starts on the next router in turn, then tries the others in order.

@@ -110,10 +110,18 @@ def test_routers_setting_lists_every_router_once() -> None:
     both = WorkerSettings(router_address="a:1", router_addresses=("b:2", "a:1", "c:3"))
     assert both.routers == ("a:1", "b:2", "c:3")
     both.check()
-    with pytest.raises(SettingsError, match="router_addresses: 'b' is not host:port"):
+    with pytest.raises(SettingsError, match=r"router_addresses: 'b' is not an address \(host:port"):
         WorkerSettings(router_addresses=("b",)).check()
     with pytest.raises(SettingsError, match="router_address: "):
         WorkerSettings(router_address="nope").check()
+    # gRPC took a port past 65535 modulo 65536: 116348 registered with another router.
+    for bad in ("127.0.0.1:116348", "127.0.0.1:0", "127.0.0.1:"):
+        with pytest.raises(SettingsError, match="port 1-65535"):
+            WorkerSettings(router_address=bad).check()
+    from common.settings.schema import from_mapping
+
+    listed = from_mapping(WorkerSettings, {"router_addresses": "a:1, b:2,"})  # as a flag gives
+    assert listed.routers == ("a:1", "b:2")
 
 
 def test_advertise_address_is_one_the_routers_take() -> None:
@@ -141,14 +149,14 @@ def test_serve_routers_flag_and_consecutive_ports() -> None:
     assert settings.pools.routers == 3
     with pytest.raises(SettingsError, match=r"pools\.routers: must be at least 1"):
         load_settings(build_parser().parse_args(["serve", "--routers", "0"])).check()
-    base = RouterSettings(port=50051, http_port=8000)
-    assert [(r.port, r.http_port) for r in map(base.nth, range(3))] == [
-        (50051, 8000),
-        (50052, 8001),
-        (50053, 8002),
+    base = RouterSettings(port=50051, http_port=8000, metrics_port=9400)
+    assert [(r.port, r.http_port, r.metrics_port) for r in map(base.nth, range(3))] == [
+        (50051, 8000, 9400),
+        (50052, 8001, 9401),  # a fixed metrics port was every router's: the second failed
+        (50053, 8002, 9402),
     ]
     free = RouterSettings(port=0, http_port=-1).nth(2)
-    assert (free.port, free.http_port) == (0, -1)
+    assert (free.port, free.http_port, free.metrics_port) == (0, -1, None)
 
 
 async def test_pool_workers_register_with_every_router_and_drain_at_each(
@@ -201,7 +209,7 @@ async def test_routers_found_through_dns_are_registered_with_and_let_go() -> Non
         await found.stop()
         await listed.stop()
         await router.stop(0)
-    with pytest.raises(SettingsError, match="router_dns: 'x' is not host:port"):
+    with pytest.raises(SettingsError, match=r"router_dns: 'x' is not an address \(host:port"):
         WorkerSettings(router_dns="x").check()
 
 

@@ -81,6 +81,13 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("port = = 1")
     with pytest.raises(SettingsError, match="not valid TOML"):
         load(Top, bad)
+    # A folder (a Kubernetes ConfigMap mounted whole) and bytes that are not UTF-8 were
+    # tracebacks of `python -m <role>`.
+    with pytest.raises(SettingsError, match=f"settings file {tmp_path} cannot be read"):
+        load(Top, tmp_path)
+    bad.write_bytes(b"\xff\xfe port = 1")
+    with pytest.raises(SettingsError, match="not UTF-8"):
+        load(Top, bad)
 
 
 def test_flags_override_file_values() -> None:
@@ -253,7 +260,7 @@ MEANS_SOMETHING_AT_MINUS_1 = {("RouterSettings", "http_port")}  # -1: no HTTP AP
 
 
 @pytest.mark.parametrize("role", ["router", "encoder", "prefill", "decode"])
-def test_every_numeric_setting_refuses_negative_and_nan(role: str) -> None:
+def test_every_numeric_setting_refuses_negative_nan_and_overflow(role: str) -> None:
     # A negative request_timeout_s failed every request DEADLINE_EXCEEDED, prefill_chunk 0
     # every request INVALID_ARGUMENT (blamed on the client), and NaN passed every `< 0`.
     import dataclasses
@@ -278,7 +285,10 @@ def test_every_numeric_setting_refuses_negative_and_nan(role: str) -> None:
     for f in dataclasses.fields(cls):
         if f.type not in ("int", "float", "int | None", "float | None"):
             continue
-        for bad in (-1, float("nan")) if "float" in str(f.type) else (-1,):
+        bads: tuple[float, ...] = (-1, float("nan")) if "float" in str(f.type) else (-1,)
+        if f.name.endswith("_s"):  # 1e10 s overflowed gRPC's deadlines: every call failed
+            bads += (1e10, float("inf"))
+        for bad in bads:
             try:
                 dataclasses.replace(base, **{f.name: bad}).check()
             except SettingsError as exc:
@@ -287,6 +297,8 @@ def test_every_numeric_setting_refuses_negative_and_nan(role: str) -> None:
                 if (cls.__name__, f.name) not in MEANS_SOMETHING_AT_MINUS_1:
                     accepted.append(f"{f.name}={bad}")
     assert accepted == []
+    with pytest.raises(SettingsError, match="max_message_mb"):  # a C int in gRPC's options
+        dataclasses.replace(base, max_message_mb=2048).check()
     if role == "prefill":
         with pytest.raises(SettingsError, match="prefill_chunk"):
             dataclasses.replace(base, prefill_chunk=0).check()

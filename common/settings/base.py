@@ -42,6 +42,7 @@ def torch_dtype(name: str, key: str = "dtype") -> torch.dtype:
 
 # Logging levels a `log_level` setting or `--log-level` flag may name (any case).
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MAX_MESSAGE_MB = 2047  # `max_message_mb` in bytes must fit a C int (gRPC's options)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,8 @@ class ServerSettings:
     drain_timeout_s: float = setting(
         300.0,
         "on SIGTERM: seconds in-flight work (streams, leases held for peers) may take to "
-        "finish before it is cancelled",
+        "finish before it is cancelled (`python -m <role>`; under `epd serve`, "
+        "[pools] drain_timeout_s)",
     )
     metrics_host: str = setting("127.0.0.1", "address the Prometheus /metrics endpoint listens on")
     metrics_port: int | None = setting(
@@ -74,6 +76,8 @@ class ServerSettings:
         if not 0 <= self.port <= 65535:
             raise SettingsError("port: must be between 0 and 65535")
         check_positive(self, "max_message_mb", "drain_timeout_s")
+        if self.max_message_mb > MAX_MESSAGE_MB:  # gRPC takes the bytes as a C int
+            raise SettingsError(f"max_message_mb: must be at most {MAX_MESSAGE_MB}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise SettingsError("metrics_port: must be between 0 and 65535")
 
@@ -116,9 +120,10 @@ class WorkerSettings(ServerSettings):
             for a in self.routers
         ]
         for key, address in named:
-            host, sep, port = address.rpartition(":")
-            if not host or not sep or not port.isdigit():
-                raise SettingsError(f"{key}: {address!r} is not host:port")
+            try:  # a port past 65535 was taken modulo 65536 by gRPC: another router's
+                check_address(address, key)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         if self.advertise_address is not None:
             try:  # what the routers would refuse it for, each time it registers
                 check_address(bracketed(self.advertise_address), "advertise_address")

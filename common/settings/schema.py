@@ -34,18 +34,32 @@ class SettingsError(ValueError):
     """A settings file or flag that cannot be used; the message names the key."""
 
 
+# The longest a seconds setting (`*_s`) may be: gRPC keeps deadlines in int64 nanoseconds, so
+# a `request_timeout_s` of 1e10 ("never") overflowed and every call ended as it began.
+MAX_SECONDS = 1e7  # 115 days
+
+
 def check_positive(settings: object, *names: str) -> None:
-    """SettingsError naming the first of `names` not above 0 (NaN included)."""
+    """SettingsError naming the first of `names` not above 0 (NaN included), or, for a
+    seconds setting, past `MAX_SECONDS` (infinity included)."""
     for name in names:
         if not getattr(settings, name) > 0:
             raise SettingsError(f"{name}: must be positive")
+        _check_seconds(settings, name)
 
 
 def check_not_negative(settings: object, *names: str) -> None:
-    """SettingsError naming the first of `names` below 0 (or NaN)."""
+    """SettingsError naming the first of `names` below 0 (or NaN), or, for a seconds
+    setting, past `MAX_SECONDS`."""
     for name in names:
         if not getattr(settings, name) >= 0:
             raise SettingsError(f"{name}: must not be negative")
+        _check_seconds(settings, name)
+
+
+def _check_seconds(settings: object, name: str) -> None:
+    if name.endswith("_s") and not getattr(settings, name) <= MAX_SECONDS:
+        raise SettingsError(f"{name}: must be at most {MAX_SECONDS:.0e} s (115 days)")
 
 
 def setting(default: Any, help: str) -> Any:
@@ -79,7 +93,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is tuple:
         (item_tp, *_rest) = typing.get_args(tp)
         if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
+            value = [v.strip() for v in value.split(",") if v.strip()]  # "a:1, b:2"
         if not isinstance(value, list | tuple):
             raise SettingsError(f"{key}: expected a list, got {type(value).__name__}")
         return tuple(_coerce(v, item_tp, key) for v in value)
@@ -142,6 +156,10 @@ def load(cls: type[T], path: str | Path | None) -> T:
         raise SettingsError(f"settings file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"settings file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise SettingsError(f"settings file {path} is not UTF-8 text") from None
+    except OSError as exc:  # a folder (a ConfigMap mounted whole), unreadable
+        raise SettingsError(f"settings file {path} cannot be read: {exc.strerror}") from None
     try:
         return from_mapping(cls, data)
     except SettingsError as exc:

@@ -39,6 +39,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from common.errors import FieldError
 from common.server.auth import Authenticator, Caller
 from common.server.rpc import RpcStatusError
+from common.settings.schema import SettingsError
 from epd.v1 import router_service_pb2
 from router.calls import RouterError, TooLarge
 from router.held import HeldBytes, decoded_bytes
@@ -345,9 +346,9 @@ class HttpServer:
         try:
             self._sock = socket.create_server((host.strip("[]"), port), family=family)
         except OSError as exc:
-            raise RuntimeError(
-                f"HTTP API: cannot listen on {host}:{port} ({exc.strerror}); set [router] "
-                "http_port (0: any free port, -1: no HTTP API)"
+            raise SettingsError(
+                f"http_port: the HTTP API cannot listen on {host}:{port} ({exc.strerror}); "
+                "0: any free port, -1: no HTTP API"
             ) from None
         self._sock.setblocking(False)
         bound_host, bound_port = self._sock.getsockname()[:2]
