@@ -174,6 +174,7 @@ class DecodeStage:
             del request.resume_tokens[:]
             request.resume_tokens.extend(streamed)
             stub = decode_service_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
+            finished = None  # the chunk with the finish reason
             with self.registry.using(worker):
                 call = stub.Decode(request, timeout=job.time_left("decode"))
                 try:
@@ -185,11 +186,12 @@ class DecodeStage:
                         if resuming and not response.token_ids and not response.finish_reason:
                             continue  # the resumed worker's first chunk: nothing new
                         streamed.extend(response.token_ids)
-                        yield _chunk(response, detok)
                         if response.finish_reason != decode_service_pb2.FINISH_REASON_UNSPECIFIED:
-                            return
-                    # Ended without a finish reason: a broken stream, not a whole answer.
-                    raise ended_early()
+                            finished = _chunk(response, detok)
+                            break
+                        yield _chunk(response, detok)
+                    else:  # ended without a finish reason: a broken stream, not a whole answer
+                        raise ended_early()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if worker_failed(exc):
@@ -252,6 +254,12 @@ class DecodeStage:
                         )
                 finally:
                     call.cancel()
+            if finished is not None:
+                # The workers are done with it: a client that reads the last chunks slowly
+                # (or not at all) must not keep its KV reservation from other requests.
+                self.admission.release(ticket)
+                yield finished
+                return
             # Refused or broken: a fresh handle under a new lease for the next worker.
             if lease.owned:
                 self.channels.release_kv(lease.address, lease.lease_id)

@@ -153,3 +153,28 @@ async def test_status_shows_the_queue_and_the_overflow_gets_a_retry_after(router
     assert (status.queued_requests, status.queued_peak) == (0, 1)
     assert (status.admitted_requests, status.refused_requests) == (2, 1)
     assert status.queue_wait_max_s > 0
+
+
+async def test_a_finished_answer_frees_its_reservation_before_the_client_takes_it(
+    router: Any,
+) -> None:
+    # An HTTP client that stopped reading held its request's KV reservation past the
+    # deadline, the decode worker long done (42% of a pool, 429s for everyone else).
+    from common.server.auth import Caller
+
+    for role, servicer in ((Role.PREFILL, FakePrefill()), (Role.DECODE, FakeDecode())):
+        await router.add(role, servicer)
+    give_capacity(router, 1000)
+    admission = router.router.orchestrator.admission
+    request = build_request(TEXT, SamplingParams(max_tokens=4))
+    answer = router.router.servicer.generate(request, Caller("tenant-a"), None)
+    chunks = []
+    async for chunk in answer:  # read up to the last chunk, then stop reading
+        chunks.append(chunk)
+        if chunk.finish_reason:
+            break
+        assert admission._reserved and sum(admission._reserved.values()) > 0  # decoding
+    assert [t for c in chunks for t in c.token_ids] == [FIRST, 101, 102, 103]
+    assert not any(admission._reserved.values())  # given back before the last chunk
+    assert all(w.placed == 0 for w in router.router.registry.workers())
+    await answer.aclose()

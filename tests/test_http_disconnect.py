@@ -93,3 +93,35 @@ async def test_hanging_up_during_decode_cancels_the_stream(
     await hang_up_while(router, False, called)
     await watcher
     await wait_for(decode.cancelled, "the decode stream")
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])  # starlette listens for a disconnect below 2.4
+async def test_a_stream_nobody_reads_ends_at_its_time(spec: str) -> None:
+    # A client that kept its connection open and read nothing held the answer (its held
+    # bytes, the router's drain) for as long as it liked, past `request_timeout_s`.
+    from router.http.stream import TimedStream
+
+    closed = asyncio.Event()
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            for _ in range(1000):
+                yield "data: x\n\n"
+        finally:
+            closed.set()
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if len(sent) > 3:
+            await asyncio.Event().wait()  # the socket's buffers are full: nobody reads
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    response = TimedStream(body(), 0.3, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"spec_version": spec}}
+    await asyncio.wait_for(response(scope, receive, send), 5)
+    assert closed.is_set() and len(sent) == 4

@@ -32,7 +32,7 @@ import grpc
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -50,7 +50,7 @@ from router.http.errors import ApiError, model_not_found
 from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
-from router.http.stream import Answer, events
+from router.http.stream import Answer, TimedStream, events
 from router.prepare_threads import LIGHT_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -177,7 +177,8 @@ def build_app(
             return Response(status_code=499)  # nobody reads it
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = events(result, _chain(first, chunks), include_usage, lambda e: api_error(e).body())
-        return StreamingResponse(stream, media_type="text/event-stream")
+        seconds = servicer.settings.request_timeout_s  # the answer's, as for its workers
+        return TimedStream(stream, seconds, media_type="text/event-stream")
 
     threads = servicer.prepare_threads  # off the event loop, within a tenant's share
 

@@ -7,13 +7,19 @@ one the finish reason; `Answer` folds them into the usage and the finish reason.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import StreamingResponse
+
 from epd.v1 import decode_service_pb2, router_service_pb2
+
+logger = logging.getLogger(__name__)
 
 _FINISH = {
     decode_service_pb2.FINISH_REASON_STOP: "stop",
@@ -113,6 +119,32 @@ async def events(
     except Exception as exc:
         yield sse(on_error(exc))
         return
+    finally:
+        if isinstance(chunks, AsyncGenerator):  # closed with this one (`TimedStream`)
+            await chunks.aclose()
     if include_usage:
         yield sse(answer.usage_chunk())
     yield sse("[DONE]")
+
+
+class TimedStream(StreamingResponse):
+    """A streamed response that ends within `seconds`, sent or not: a client that stops
+    reading holds its connection, its held bytes and the router's drain only so long (its
+    KV reservation goes back when the workers are done, `router.decode`). Past it, the
+    stream's generator is closed and so is the connection (uvicorn closes a response the
+    app left unfinished)."""
+
+    def __init__(self, content: AsyncIterator[str], seconds: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.seconds = seconds
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with asyncio.timeout(self.seconds):
+                await super().__call__(scope, receive, send)
+        except TimeoutError:
+            if isinstance(self.body_iterator, AsyncGenerator):  # its request's `finally`s
+                await self.body_iterator.aclose()
+            logger.info(
+                "an answer was not taken within %.0f s: its connection is closed", self.seconds
+            )
