@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--fps",
         type=float,
-        default=2.0,
-        help="frames per second of a --video folder; the rate a --video file is sampled at",
+        default=None,
+        help="the rate a --video file is sampled at (default: the router's [router] "
+        "video_file_fps); frames per second of a --video folder (default 2)",
     )
     generate.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     generate.add_argument(
@@ -327,7 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 1, f"epd: {args.command} failed: {exc.code().name}: {exc.details()}{hint}\n"
             )
         if isinstance(exc, GenerateError):
-            parser.exit(1, f"epd: {args.command} failed: {exc}\n")
+            hint = _key_hint(args) if exc.code == grpc.StatusCode.UNAUTHENTICATED else ""
+            parser.exit(1, f"epd: {args.command} failed: {exc}{hint}\n")
         if isinstance(exc, OSError):  # a file it names (--tls-ca-file, an image) unreadable
             parser.exit(1, f"epd: {args.command} failed: {exc}\n")
         if isinstance(exc, ValueError):  # an argument the library refuses, naming it

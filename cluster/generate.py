@@ -23,25 +23,32 @@ def frame_files(folder: str | Path) -> list[Path]:
     return files(folder, where="--video")
 
 
+FOLDER_FPS = 2.0  # the frame rate of a --video folder given no --fps
+
+
 def build_messages(
     prompt: str,
     images: Sequence[str | Path] = (),
     videos: Sequence[str | Path] = (),
     *,
-    fps: float = 2.0,
+    fps: float | None = None,
     system: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The chat for one user turn: images, then videos (each a video file or a frames
-    folder), then text."""
+    """The chat for one user turn: images, then videos (each a video file, sampled at `fps`
+    or else the router's `video_file_fps`, or a frames folder at `fps` or else
+    `FOLDER_FPS`), then text."""
     content: list[dict[str, Any]] = []
     for image in images:
         content.append({"type": "image", "image": Path(image).read_bytes()})
     for video in videos:
         if Path(video).is_file():
-            content.append({"type": "video", "video": Path(video).read_bytes(), "fps": fps})
+            part: dict[str, Any] = {"type": "video", "video": Path(video).read_bytes()}
+            if fps is not None:
+                part["fps"] = fps
+            content.append(part)
             continue
         frames = [p.read_bytes() for p in frame_files(video)]
-        content.append({"type": "video", "video": frames, "fps": fps})
+        content.append({"type": "video", "video": frames, "fps": fps or FOLDER_FPS})
     content.append({"type": "text", "text": prompt})
     messages: list[dict[str, Any]] = []
     if system is not None:
@@ -56,7 +63,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
     from epd.client import generate
 
     try:
-        if not args.fps > 0:  # also NaN
+        if args.fps is not None and not args.fps > 0:  # also NaN
             raise ValueError(f"--fps: must be positive, got {args.fps:g}")
         messages = build_messages(
             args.prompt, args.image, args.video, fps=args.fps, system=args.system

@@ -296,6 +296,17 @@ def test_an_unauthenticated_command_says_where_it_looked_for_its_key(
     err = capsys.readouterr().err
     assert str(tmp_path / "epd" / "admin_key") in err and "EPD_NAMESPACE" in err
 
+    async def refused_generate(args: object) -> int:  # epd.client's error, said without
+        from epd.client import GenerateError
+
+        raise GenerateError(grpc.StatusCode.UNAUTHENTICATED, "needs valid credentials")
+
+    monkeypatch.setattr(cluster.cli, "cmd_generate", refused_generate)
+    with pytest.raises(SystemExit):
+        main(["generate", "hi"])
+    err = capsys.readouterr().err
+    assert str(tmp_path / "epd" / "client_key") in err and "EPD_NAMESPACE" in err
+
 
 def test_every_pem_certificate_form_gRPC_takes_is_a_ca_file(tmp_path: Path) -> None:
     # The check took only "BEGIN CERTIFICATE": RHEL's bundles hold TRUSTED CERTIFICATEs.

@@ -394,3 +394,7 @@ def test_the_cli_sends_a_video_file_with_its_sample_rate(tmp_path, mp4, frames_d
     assert clip == {"type": "video", "video": mp4, "fps": 2.0}
     assert len(folder["video"]) == 3
     assert sent_video(clip["video"], fps=clip["fps"]).file == mp4
+    # Without --fps a file goes without a rate (the router's `video_file_fps` applies: the
+    # CLI's 2.0 hid it), and a folder at 2 frames a second.
+    clip, folder, _ = build_messages("what happens?", [], [path, frames_dir])[0]["content"]
+    assert "fps" not in clip and folder["fps"] == 2.0
