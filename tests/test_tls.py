@@ -146,3 +146,20 @@ async def test_plaintext_and_certificate_less_callers_are_refused(tls: TlsDeploy
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_bad_certificate_or_key_is_named_not_blamed_on_the_port(tmp_path: Path) -> None:
+    # gRPC logged "Invalid private key." and the server said its port "cannot be bound".
+    from common.settings.schema import SettingsError
+
+    good = make_certificates(tmp_path)
+    assert good.tls_files() is not None
+    (tmp_path / "other").mkdir()
+    other = make_certificates(tmp_path / "other")
+    for bad, named in (
+        (dataclasses.replace(good, tls_key_file=other.tls_key_file), "tls_key_file"),  # another
+        (dataclasses.replace(good, tls_cert_file=str(good.cluster_token_file)), "tls_cert_file"),
+        (dataclasses.replace(good, tls_ca_file=str(good.cluster_token_file)), "tls_ca_file"),
+    ):
+        with pytest.raises(SettingsError, match=named):
+            bad.tls_files()

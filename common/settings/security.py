@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,11 +94,29 @@ class SecuritySettings:
         naming the file that cannot be read."""
         if not self.tls_cert_file or not self.tls_key_file:
             return None
-        return TlsFiles(
+        files = TlsFiles(
             cert_chain=_read("security.tls_cert_file", self.tls_cert_file),
             private_key=_read("security.tls_key_file", self.tls_key_file),
             ca=_read("security.tls_ca_file", self.tls_ca_file) if self.tls_ca_file else None,
         )
+        # gRPC only logs why it refuses them, and the server then reported its port as the
+        # one that "cannot be bound".
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except ssl.SSLError as exc:
+            raise SettingsError(
+                "security.tls_cert_file, security.tls_key_file: not a PEM certificate chain "
+                f"and the private key that goes with it ({exc.reason or exc})"
+            ) from None
+        if self.tls_ca_file:
+            try:
+                context.load_verify_locations(cafile=self.tls_ca_file)
+            except ssl.SSLError as exc:
+                raise SettingsError(
+                    f"security.tls_ca_file: not PEM certificates ({exc.reason or exc})"
+                ) from None
+        return files
 
     def cluster_key(self, role: str = "server") -> bytes | None:
         """The 32-byte key derived from the cluster token; None when `insecure`.
