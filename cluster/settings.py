@@ -124,7 +124,10 @@ class EpdSettings:
     log_level: str = setting("warning", "log level of the router and worker actors")
     security: SecuritySettings = field(
         default_factory=SecuritySettings,
-        metadata={"help": "every role's [security]; a role's own table wins, setting by setting"},
+        metadata={
+            "help": "every role's [security]; a role's own table wins, setting by setting, "
+            "where it sets a value other than the default (a role cannot set one back)"
+        },
     )
     router: RouterSettings = field(default_factory=RouterSettings, metadata={"help": "the router"})
     encoder: EncoderSettings = field(
