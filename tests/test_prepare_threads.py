@@ -33,7 +33,7 @@ def blocking(gate: threading.Event, started: list[str]) -> Any:
 
 async def test_a_tenant_runs_at_most_its_share_of_the_threads() -> None:
     threads = PrepareThreads(tenant_share=0.5, threads=4)
-    gate, started = threading.Event(), []
+    gate, started = threading.Event(), list[str]()
     work = blocking(gate, started)
     try:
         a = [asyncio.ensure_future(threads.run(True, "a", work, f"a{i}")) for i in range(3)]
@@ -55,7 +55,7 @@ async def test_a_tenant_runs_at_most_its_share_of_the_threads() -> None:
 async def test_a_share_is_held_until_the_work_ends_though_its_caller_left() -> None:
     # A client that hangs up and sends again would otherwise get a thread more each time.
     threads = PrepareThreads(tenant_share=0.25, threads=4)  # one thread a tenant
-    gate, started = threading.Event(), []
+    gate, started = threading.Event(), list[str]()
     work = blocking(gate, started)
     try:
         first = asyncio.ensure_future(threads.run(True, "a", work, "a0"))

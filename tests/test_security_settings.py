@@ -294,11 +294,13 @@ def test_secret_files_open_to_others_are_warned_about(
     token.write_text("x" * 40)
     settings = SecuritySettings(cluster_token_file=str(token))
     for mode in (0o600, 0o400, 0o440):  # 0440: a Kubernetes secret volume with an fsGroup
-        keys.chmod(mode), token.chmod(mode)
+        keys.chmod(mode)
+        token.chmod(mode)
         with caplog.at_level(logging.WARNING):
             load_api_keys(keys), settings.cluster_key()
         assert "open to other users" not in caplog.text
-    keys.chmod(0o644), token.chmod(0o604)
+    keys.chmod(0o644)
+    token.chmod(0o604)
     with caplog.at_level(logging.WARNING):
         load_api_keys(keys), settings.cluster_key()
     assert "security.api_keys_file" in caplog.text and "mode 644" in caplog.text
