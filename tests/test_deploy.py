@@ -7,6 +7,10 @@
   or the `epd` console script) and their flags parse with the real argparse parsers; the
   embedded epd.toml loads as `EpdSettings`; Services select pods that exist and target
   ports the containers declare.
+- Every secret file a process is told to read (`[security] *_file`) is a key of a Secret
+  mounted at that folder, the key the README's `kubectl create secret` makes; workers find
+  the routers through the headless Service only; the README's `epd drain` reaches every
+  router of plain mode.
 
 The image (Dockerfile, .dockerignore) is checked in `tests.test_deploy_image`, the pods'
 hardening and sizing in `tests.test_deploy_hardening`; both use the helpers here.
@@ -14,6 +18,7 @@ hardening and sizing in `tests.test_deploy_hardening`; both use the helpers here
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -188,6 +193,9 @@ def test_container_command_is_a_real_entry_point(
             settings = settings[0]
         if module.endswith("_worker"):
             assert settings.router_dns == "epd-router-pods:50051"  # every router
+            # ... and only those: an address more (epd-router, the Service) is a router
+            # it registers with at random, or one that does not exist
+            assert settings.routers == (), f"{name}: routers {settings.routers}"
             assert settings.host == "0.0.0.0"
             assert settings.advertise_address == f"10.0.0.7:{settings.port}"
             ports = {p["containerPort"] for p in container["ports"]}
@@ -278,3 +286,92 @@ def test_service_selects_pods_and_ports_exist(name: str, doc: dict[str, Any]) ->
         target = port.get("targetPort", port["port"])
         known = {p.get("name") for p in ports} | {p["containerPort"] for p in ports}
         assert target in known, f"{name}: targetPort {target} not declared by the pods"
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def _readme_secret_keys() -> dict[str, set[str]]:
+    """The keys each `kubectl create secret generic NAME ...` of deploy/README.md makes."""
+    made: dict[str, set[str]] = {}
+    text = (DEPLOY / "README.md").read_text()
+    for secret, flags in re.findall(r"kubectl create secret generic ([\w.-]+)([^\n#]*)", text):
+        keys = made.setdefault(secret, set())
+        keys.update(re.findall(r"--from-literal=([\w.-]+)=", flags))
+        for key, source in re.findall(r"--from-file=(?:([\w.-]+)=)?(\S+)", flags):
+            keys.add(key or Path(source).name)
+    return made
+
+
+def _secret_key_at(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file `container` sees at `path`."""
+    folder, file = str(Path(path).parent), Path(path).name
+    for mount in container.get("volumeMounts", []):
+        if mount["mountPath"].rstrip("/") == folder and not mount.get("subPath"):
+            volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+            assert "secret" in volume, f"{path}: {folder} is not a Secret"
+            assert mount.get("readOnly") is True, f"{path}: {folder} is writable"
+            items = {i["path"]: i["key"] for i in volume["secret"].get("items", [])}
+            assert not items or file in items, f"{path}: no such item in {folder}"
+            return volume["secret"]["secretName"], items.get(file, file)
+    raise AssertionError(f"{path}: no Secret is mounted at {folder}")
+
+
+def _security_of(container: dict[str, Any], doc: dict[str, Any]) -> Any:
+    """The `[security]` settings `container`'s epd processes run with."""
+    command = container.get("command", [])
+    if command[:2] == ["python", "-m"]:
+        env = {e["name"]: "x" for e in container.get("env", [])}
+        argv = [_substitute(a, env) for a in [*command[3:], *container.get("args", [])]]
+        settings = _parse_module_args(command[2], argv)
+        return (settings[0] if isinstance(settings, tuple) else settings).security
+    # Ray mode: the head's `epd serve` reads the ConfigMap; its actors on the worker pods
+    # run with the same settings.
+    (config,) = [d for _, d in DOCUMENTS if d["metadata"]["name"] == "epd-ray-config"]
+    return from_mapping(EpdSettings, tomllib.loads(config["data"]["epd.toml"])).security
+
+
+@pytest.mark.parametrize(("name", "container", "doc"), CONTAINERS, ids=[c[0] for c in CONTAINERS])
+def test_every_secret_file_is_a_key_of_a_mounted_secret_the_readme_creates(
+    name: str, container: dict[str, Any], doc: dict[str, Any]
+) -> None:
+    # A path that is not mountPath/<key> (a misspelt key, a mount moved) is a process that
+    # refuses to start: CrashLoopBackOff, which no schema check sees.
+    made = _readme_secret_keys()
+    assert made, "deploy/README.md creates no Secret"
+    pod = next(p for p in _pod_specs(doc) if container in p["containers"])
+    security = _security_of(container, doc)
+    assert security.cluster_token_file and not security.insecure, name
+    router = container.get("command", [])[2:3] == ["router"] or "ray-head" in name
+    assert bool(security.api_keys_file) or not router, f"{name}: no API keys"
+    for field in dataclasses.fields(security):
+        path = getattr(security, field.name)
+        if not field.name.endswith("_file") or not path:
+            continue
+        if field.name == "api_keys_file" and not router:
+            continue  # read by the router only (on the Ray head in Ray mode)
+        secret, key = _secret_key_at(pod, container, path)
+        assert secret in made, f"{name}: {field.name} from Secret {secret}, never created"
+        assert key in made[secret], f"{name}: {field.name} reads key {key!r} of {secret}"
+
+
+def test_the_readme_drains_a_worker_at_every_router() -> None:
+    """Plain mode runs several routers, each with its own registry: an `epd drain` sent
+    through the Service reaches one of them, and the others keep routing to the worker."""
+    (router,) = [
+        d
+        for _, d in DOCUMENTS
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "epd-router"
+    ]
+    replicas = router["spec"]["replicas"]
+    commands = []
+    for line in (DEPLOY / "README.md").read_text().splitlines():
+        if line.startswith(("epd drain ", "epd status ")):
+            commands.append(build_parser().parse_args(shlex.split(line, comments=True)[1:]))
+    drains = [c for c in commands if c.command == "drain"]
+    assert drains, "deploy/README.md shows no `epd drain`"
+    for drain in drains:
+        addresses = drain.address.split(",")
+        assert len(set(addresses)) == replicas, f"`epd drain --address {drain.address}`"
+        asked = {c.address for c in commands if c.command == "status"}
+        assert set(addresses) <= asked, "`epd status` asks the first router only: ask each"

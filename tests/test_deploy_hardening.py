@@ -1,8 +1,10 @@
 """Offline checks that the deploy/ manifests are hardened and sized: pods run as non-root
-without privileges; worker pods have a gRPC startup probe, a memory-backed /dev/shm and a
-read-only /models; every worker reads the cluster token from a Secret; NetworkPolicies open
-only the router's client port; the Ray dashboard is not exposed; and every `epd scale` the
-deploy docs show fits the RayCluster.
+without privileges; every gRPC Deployment has a startup probe, and the probes ask the right
+health service over a transport the kubelet speaks; worker pods have a memory-backed
+/dev/shm and a read-only /models; every worker reads the cluster token from a Secret;
+NetworkPolicies open only the router's client port; Ray requires its token and its
+dashboard is not exposed; pods outlive their drain and hold what their settings let them;
+and every `epd scale` the deploy docs show fits the RayCluster.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tests.test_deploy import (
     _ids,
     _parse_module_args,
     _pod_specs,
+    _security_of,
     _substitute,
 )
 
@@ -57,22 +60,61 @@ def _shm_mounted(pod: dict[str, Any], container: dict[str, Any]) -> bool:
 
 
 @pytest.mark.parametrize(("name", "doc"), WORKER_DEPLOYMENTS, ids=_ids(WORKER_DEPLOYMENTS))
-def test_worker_pods_have_a_startup_probe_shm_and_models(name: str, doc: dict[str, Any]) -> None:
+def test_worker_pods_have_shm_and_models(name: str, doc: dict[str, Any]) -> None:
     (pod,) = _pod_specs(doc)
     for container in pod["containers"]:
-        startup = container.get("startupProbe")
-        assert startup is not None and "grpc" in startup, f"{name}: no gRPC startupProbe"
-        ports = {p["containerPort"] for p in container["ports"]}
-        assert startup["grpc"]["port"] in ports, name
-        # generous: model loading may take minutes before liveness starts counting
-        assert startup["failureThreshold"] * startup.get("periodSeconds", 10) >= 300, name
-        # Readiness ("") waits for a router to accept the worker: a pod is not restarted
-        # while the routers are away.
-        assert startup["grpc"].get("service") == LIVENESS_SERVICE, name
         assert _shm_mounted(pod, container), f"{name}: no memory-backed /dev/shm"
         models = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
         assert len(models) == 1 and models[0].get("readOnly") is True, f"{name}: /models"
     assert len(WORKER_DEPLOYMENTS) == 3
+
+
+DEPLOYMENTS = [(n, d) for n, d in DOCUMENTS if d["kind"] == "Deployment"]
+
+
+@pytest.mark.parametrize(("name", "doc"), DEPLOYMENTS, ids=_ids(DEPLOYMENTS))
+def test_every_grpc_container_has_a_startup_probe(name: str, doc: dict[str, Any]) -> None:
+    # The router had none: before its port opens it hashes every weight file (about a second
+    # per GB), and its liveness probe killed it after 60 s, again at every restart.
+    (pod,) = _pod_specs(doc)
+    serving = [c for c in pod["containers"] if any(p.get("name") == "grpc" for p in c["ports"])]
+    assert serving, name
+    for container in serving:
+        startup = container.get("startupProbe")
+        assert startup is not None and "grpc" in startup, f"{name}: no gRPC startupProbe"
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert startup["grpc"]["port"] in ports, name
+        # generous: loading (or hashing) a model may take minutes before liveness counts
+        assert startup["failureThreshold"] * startup.get("periodSeconds", 10) >= 300, name
+        # Readiness ("") waits for routers or workers: a pod is not restarted for that.
+        assert startup["grpc"].get("service") == LIVENESS_SERVICE, name
+
+
+@pytest.mark.parametrize(("name", "doc"), POD_DOCUMENTS, ids=_ids(POD_DOCUMENTS))
+def test_readiness_probes_ask_the_readiness_service(name: str, doc: dict[str, Any]) -> None:
+    # `liveness` says SERVING from start to shutdown: a readiness probe asking it made a
+    # worker Ready before any router accepted it, and a router with no workers.
+    for pod in _pod_specs(doc):
+        for container in pod["containers"]:
+            ready = container.get("readinessProbe")
+            if ready is not None and "grpc" in ready:
+                assert ready["grpc"].get("service", "") == "", name
+
+
+@pytest.mark.parametrize(("name", "doc"), POD_DOCUMENTS, ids=_ids(POD_DOCUMENTS))
+def test_a_process_serving_tls_has_no_kubelet_grpc_probe(name: str, doc: dict[str, Any]) -> None:
+    """The kubelet's `grpc:` probes speak plaintext only; a process with a TLS certificate
+    speaks only TLS on its port, health included: every such probe fails and the pod is
+    restarted. TLS needs `exec:` probes that speak it (deploy/README.md, "TLS and the
+    probes")."""
+    for pod in _pod_specs(doc):
+        for container in pod["containers"]:
+            command = container.get("command", [])
+            if command[:2] != ["python", "-m"] and "epd serve" not in str(container):
+                continue
+            if _security_of(container, doc).tls_cert_file:
+                for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    assert "grpc" not in container.get(kind, {}), f"{name}: {kind} over TLS"
 
 
 @pytest.mark.parametrize(("name", "doc"), POD_DOCUMENTS, ids=_ids(POD_DOCUMENTS))
@@ -125,6 +167,23 @@ def test_network_policies_open_only_the_router_client_port() -> None:
                     assert selector.get("app.kubernetes.io/component") == router
                     open_ports += [p["port"] for p in rule["ports"]]
         assert open_ports == [50051], folder
+
+
+def test_ray_requires_its_token() -> None:
+    """Ray's servers on the pod IPs (GCS, Ray Client, the dashboard agent, which takes job
+    submissions) let anyone who reaches a pod run code on the head unless Ray's token auth
+    is on: KubeRay's `authOptions` (v1.5.1+) turns it on, for Ray 2.52 or newer."""
+    (cluster,) = [d for _, d in DOCUMENTS if d["kind"] == "RayCluster"]
+    assert cluster["spec"].get("authOptions", {}).get("mode") == "token"
+    ray_version = cluster["spec"]["rayVersion"]
+    assert tuple(int(p) for p in ray_version.split(".")[:2]) >= (2, 52), ray_version
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    image = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE)
+    assert image is not None and image.group(1) == ray_version, "image's Ray != rayVersion"
+    for pod in _pod_specs(cluster):  # none turns it off again
+        for container in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env.get("RAY_AUTH_MODE", "token") == "token", container["name"]
 
 
 def test_ray_dashboard_is_not_exposed() -> None:
@@ -205,12 +264,26 @@ def test_the_ray_head_has_time_to_drain() -> None:
 
 def test_the_routers_memory_limit_covers_what_its_settings_let_it_hold() -> None:
     """The router holds up to `requests_in_flight_mb` of requests and its caches' budgets,
-    beside ~300 MiB at rest: a limit below that OOM-kills it under load, not at start."""
-    for name, container, _doc in CONTAINERS:
-        if container.get("command", [])[:3] != ["python", "-m", "router"]:
+    beside ~300 MiB at rest: a limit below that OOM-kills it under load, not at start.
+    The margin: 1 GiB for the router's process (at rest, and a request's transient copies);
+    on the Ray head 3 GiB more for Ray's head processes (GCS, raylet, dashboard and its
+    agent, log monitor, runtime-env agent) and the `epd serve` driver, which imports torch,
+    beside the Controller actor the router runs in. An OOM-killed head takes the whole Ray
+    cluster down."""
+    checked = []
+    for name, container, doc in CONTAINERS:
+        command = container.get("command", [])
+        if command[:3] == ["python", "-m", "router"]:
+            argv = [_substitute(a, {}) for a in container["args"]]
+            parsed = _parse_module_args("router", argv)
+            settings = parsed[0] if isinstance(parsed, tuple) else parsed
+            margin = 1 << 30
+        elif "epd serve" in " ".join(container.get("args", [])):
+            (config,) = [d for _, d in DOCUMENTS if d["metadata"]["name"] == "epd-ray-config"]
+            settings = from_mapping(EpdSettings, tomllib.loads(config["data"]["epd.toml"])).router
+            margin = (1 << 30) + (3 << 30)
+        else:
             continue
-        parsed = _parse_module_args("router", [_substitute(a, {}) for a in container["args"]])
-        settings = parsed[0] if isinstance(parsed, tuple) else parsed
         holds = (
             settings.requests_in_flight_mb
             + settings.processed_image_cache_mb
@@ -219,7 +292,9 @@ def test_the_routers_memory_limit_covers_what_its_settings_let_it_hold() -> None
         memory = str(container["resources"]["limits"]["memory"])
         units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
         limit = int(memory[:-2]) * units[memory[-2:]] if memory[-2:] in units else int(memory)
-        assert limit >= holds + (1 << 30), f"{name}: {limit} bytes for {holds} held"
+        assert limit >= holds + margin, f"{name}: {limit} bytes for {holds} held"
+        checked.append(doc["kind"])
+    assert sorted(checked) == ["Deployment", "RayCluster"]
 
 
 def test_routers_wait_for_their_service_to_forget_them_before_draining() -> None:
@@ -236,3 +311,27 @@ def test_routers_wait_for_their_service_to_forget_them_before_draining() -> None
         (spec,) = _pod_specs(doc)
         grace = spec.get("terminationGracePeriodSeconds", 30)
         assert grace > int(pause[1]) + settings.drain_timeout_s, name
+
+
+# Seconds a process needs after its drain ends: the ordered stop (registrations, gRPC,
+# background loops, the role's cleanup: NIXL agent, model thread, ...).
+STOP_MARGIN_S = 10
+
+
+@pytest.mark.parametrize(("name", "doc"), DEPLOYMENTS, ids=_ids(DEPLOYMENTS))
+def test_every_deployment_outlives_its_drain(name: str, doc: dict[str, Any]) -> None:
+    """On SIGTERM a process drains for up to `drain_timeout_s`, after its preStop pause;
+    Kubernetes SIGKILLs it at the grace period's end, mid-drain if that comes first: the
+    work in flight is cut off, and the routers learn it from failed calls."""
+    (pod,) = _pod_specs(doc)
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    for container in pod["containers"]:
+        command = container["command"]
+        parsed = _parse_module_args(command[2], [_substitute(a, {}) for a in container["args"]])
+        settings = parsed[0] if isinstance(parsed, tuple) else parsed
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {})
+        pause = int(pre_stop["command"][1]) if pre_stop.get("command", [""])[0] == "sleep" else 0
+        need = pause + settings.drain_timeout_s + STOP_MARGIN_S
+        assert grace >= need, (
+            f"{name}: grace {grace} s < {need} s (drain {settings.drain_timeout_s})"
+        )

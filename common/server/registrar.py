@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,10 @@ from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 1.0
+# A router that has not accepted the worker (registered it, or answered a heartbeat as known)
+# for this many heartbeat intervals, beyond one RPC deadline, no longer counts as accepting it
+# (`Registrar.accepting`): one failed heartbeat, re-registered at once, does not count.
+STALE_HEARTBEATS = 3
 
 
 class Registrar:
@@ -40,7 +45,8 @@ class Registrar:
 
     `load_fn` is called (in the event loop, so keep it cheap) before every heartbeat; if it
     raises, an empty load is sent. Counters `registrations` and `heartbeats` are for tests
-    and metrics. `worker_id` is None while not registered.
+    and metrics. `worker_id` is None while not registered; `accepted_at` is when the router
+    last accepted the worker (`accepting`).
     """
 
     def __init__(
@@ -67,6 +73,8 @@ class Registrar:
         self.heartbeat_s = DEFAULT_HEARTBEAT_S  # from the last RegisterResponse
         self.registrations = 0  # successful Register calls
         self.heartbeats = 0  # heartbeats the router answered
+        # time.monotonic() of the last Register or heartbeat answered known (None: never)
+        self.accepted_at: float | None = None
         self._registered = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._channel: Any = None
@@ -83,6 +91,13 @@ class Registrar:
         await asyncio.wait_for(self._registered.wait(), timeout_s)
         assert self.worker_id is not None
         return self.worker_id
+
+    def accepting(self, now: float) -> bool:
+        """Whether the router accepts the worker at `now` (time.monotonic()): it registered
+        the worker, or answered a heartbeat as known, within `STALE_HEARTBEATS` heartbeat
+        intervals plus one RPC deadline (an answer may take that long)."""
+        stale_s = STALE_HEARTBEATS * self.heartbeat_s + self.rpc_timeout_s
+        return self.accepted_at is not None and now - self.accepted_at <= stale_s
 
     async def stop(self) -> None:
         """Cancel the task and close the channel (idempotent)."""
@@ -147,6 +162,7 @@ class Registrar:
         if reply.heartbeat_interval_ms > 0:
             self.heartbeat_s = reply.heartbeat_interval_ms / 1000.0
         self.registrations += 1
+        self.accepted_at = time.monotonic()
         self._failing = ""
         self._registered.set()
         if self.on_registered is not None:
@@ -170,7 +186,9 @@ class Registrar:
         )
         self.heartbeats += 1
         self._failing = ""
-        if not reply.known:
+        if reply.known:
+            self.accepted_at = time.monotonic()
+        else:
             logger.info(
                 "router %s forgot worker %s; registering again", self.router_address, self.worker_id
             )
@@ -187,7 +205,9 @@ class Registrations:
     router, e.g. a Kubernetes headless Service), one per address the name resolves to,
     re-resolved every `resolve_s`: a router that appears is registered with, one that
     left the answer is let go (a failed lookup changes nothing). `start`, `heartbeat_now`
-    and `stop` act on all of them."""
+    and `stop` act on all of them. `accepted()` says whether some router accepts the worker
+    now (its readiness: `RoleServer.register`); `registered` is set on every acceptance by
+    Register, for whoever waits on it to clear it."""
 
     def __init__(
         self,
@@ -202,8 +222,8 @@ class Registrations:
     ) -> None:
         """`options`: `Registrar`'s timing keywords (rpc_timeout_s, retry_initial_s, ...)."""
 
-        # Set once any router has accepted the worker (its readiness: `RoleServer.register`).
-        self.registered_once = asyncio.Event()
+        # Set whenever a router registers the worker (a waiter clears it before waiting).
+        self.registered = asyncio.Event()
 
         def make(address: str) -> Registrar:
             return Registrar(
@@ -211,7 +231,7 @@ class Registrations:
                 worker_info,
                 load_fn,
                 credentials=credentials,
-                on_registered=self.registered_once.set,
+                on_registered=self.registered.set,
                 **options,
             )
 
@@ -233,6 +253,11 @@ class Registrations:
             registrar.start()
         if self.discover and self._task is None:
             self._task = asyncio.create_task(self._follow(self.discover), name="epd-routers")
+
+    def accepted(self) -> bool:
+        """Whether some router known now accepts the worker (`Registrar.accepting`)."""
+        now = time.monotonic()
+        return any(r.accepting(now) for r in self.registrars)
 
     async def wait_registered(self, timeout_s: float = 10.0) -> list[str]:
         """The worker id each router known now gave, once they all registered the worker;

@@ -4,7 +4,7 @@ ordered drain and stop they all share.
 A role's `serve(settings)` builds its typed servicer and calls `RoleServer.start`, which
 serves it (plus `grpc.health.v1` and any extra servicers) as the settings say and attaches
 the lifecycle; then the role starts its background work, `register`s with every router
-(workers: ready, health "", only once a router has accepted it) and returns the server. The
+(workers: ready, health "", only while a router accepts it) and returns the server. The
 caller owns it.
 
 Drain (`drain`, or SIGTERM through `run_until_signal`): the lifecycle refuses new work and
@@ -30,6 +30,7 @@ server presents to others (registration, peers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import uuid
@@ -56,6 +57,7 @@ S = TypeVar("S")
 R = TypeVar("R", bound="RoleServer[Any]")
 Cleanup = Callable[[], Awaitable[None]]
 AddServicer = Callable[[Any], None]  # e.g. `lambda s: add_XServicer_to_server(impl, s)`
+READINESS_CHECK_S = 1.0  # how often a worker's readiness looks at its registrations
 
 
 def freeze_startup_heap() -> None:
@@ -183,12 +185,14 @@ class RoleServer(RunningServer, Generic[S]):
         info: registry_service_pb2.WorkerInfo,
         load: Callable[[], registry_service_pb2.WorkerLoad],
         discover: str | None = None,
+        **options: float,
     ) -> None:
         """Start registering with every router in `routers` (`WorkerSettings.routers`; one
         address or none also do) and every address `discover` resolves to (`router_dns`);
         `load` is called for every heartbeat. The registration carries a fresh
-        `instance_id` (this process start). Draining heartbeats at once; `stop` stops the
-        registrations first."""
+        `instance_id` (this process start). Readiness follows the registrations from now
+        (`_ready_while_accepted`). Draining heartbeats at once; `stop` stops the
+        registrations first. `options`: `Registrar`'s timing keywords (tests)."""
         addresses = [routers] if isinstance(routers, str) else list(routers or ())
         if not (addresses or discover) or self.registrar is not None:
             return
@@ -196,22 +200,40 @@ class RoleServer(RunningServer, Generic[S]):
         sent.CopyFrom(info)
         sent.instance_id = sent.instance_id or uuid.uuid4().hex
         self.registrar = Registrations(
-            addresses, sent, load, credentials=self.credentials, discover=discover
+            addresses, sent, load, credentials=self.credentials, discover=discover, **options
         )
         self.lifecycle.on_drain.append(self.registrar.heartbeat_now)
         self.registrar.start()
-        self.tasks.append(asyncio.create_task(self._ready_once_registered(self.registrar)))
+        self.tasks.append(asyncio.create_task(self._ready_while_accepted(self.registrar)))
 
-    async def _ready_once_registered(self, registrar: Registrations) -> None:
-        """Readiness ("" and the service names) waits for a router to accept the worker: a
-        worker no router takes (a wrong token or model, no router reachable) is not ready,
-        so a rolling update keeps the pods it would replace. Liveness is not touched."""
-        if registrar.registered_once.is_set():
-            return
-        await self.set_serving(False)
-        await registrar.registered_once.wait()
-        if not (self.stopped or self.lifecycle.draining):
-            await self.set_serving(True)
+    async def _ready_while_accepted(self, registrar: Registrations) -> None:
+        """Readiness ("" and the service names) follows the registrations: SERVING while
+        some router accepts the worker (`Registrations.accepted`: registered it, or answered
+        a heartbeat, within the last few heartbeats), NOT_SERVING before the first
+        acceptance and once every router has refused it or been unreachable for longer (a
+        rotated token, another model or protocol, no router left), SERVING again on the next
+        acceptance. So a rolling update keeps the pods it would replace while no router
+        takes the new ones. Liveness is not touched; draining ends it (NOT_SERVING)."""
+        serving: bool | None = None
+        while not (self.stopped or self.lifecycle.draining):
+            registrar.registered.clear()
+            accepted = registrar.accepted()
+            if accepted != serving:
+                if serving is not None:
+                    logger.log(
+                        logging.INFO if accepted else logging.WARNING,
+                        "%s: %s",
+                        self.address,
+                        "a router accepts this worker again: ready"
+                        if accepted
+                        else "no router has accepted this worker lately: not ready",
+                    )
+                await self.set_serving(accepted)
+                serving = accepted
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(registrar.registered.wait(), READINESS_CHECK_S)
+        if serving and self.lifecycle.draining:  # drain began while SERVING was being set
+            await self.set_serving(False)
 
     def outstanding_leases(self) -> int:
         """Leases this server still holds for peers (0 when its role holds none)."""
