@@ -199,9 +199,16 @@ async def _on_every_router(args: argparse.Namespace, act: Any) -> int:
     """`await act(stub, address)` for the worker `args.worker` (its address, or every
     address registered under that name) on every router listed: each router keeps its own
     registry. 0 when every router knew the worker, else 1; a router that cannot be told is
-    reported, and the others are told all the same."""
+    reported, and the others are told all the same. SettingsError naming WORKER when it is
+    empty or blank: a name "" would match every worker registered without one."""
     import grpc
 
+    from common.settings.schema import SettingsError
+
+    if not args.worker.strip():
+        raise SettingsError(
+            f"WORKER: {args.worker!r} is empty; give a worker's NAME or HOST:PORT (`epd status`)"
+        )
     routers = _routers(args)
     if len(routers) == 1:  # its failure is the command's (`epd: drain failed: ...`)
         return await _on_router(args, act, routers[0], "")
@@ -225,7 +232,9 @@ async def _on_router(args: argparse.Namespace, act: Any, router: str, where: str
             found = await act(stub, args.worker, f"{where}{args.worker}")
         else:
             reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-            named = sorted({w.info.address for w in reply.workers if w.info.name == args.worker})
+            # Never a worker registered without a name: its name "" is no worker's NAME.
+            of_name = [w for w in reply.workers if w.info.name and w.info.name == args.worker]
+            named = sorted({w.info.address for w in of_name})
             for address in named:
                 await act(stub, address, f"{where}{args.worker} ({address})")
             found = bool(named)

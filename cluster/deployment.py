@@ -10,8 +10,8 @@ import contextlib
 import importlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -39,6 +39,9 @@ from common.server.rpc import channel
 from common.server.threads import available_cores
 from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2_grpc
+
+if TYPE_CHECKING:
+    from router.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -113,22 +116,7 @@ class Controller:
             credentials=self.credentials,
             cpu=cpu_planner(settings.pools),
         )
-        # Tell the pools which workers have registered (those drain when stopping) and which
-        # an operator drained (those retire first); a retiring one drains here at once.
-        registered = self.pools.registered
-        self.router.registry.on_register.append(lambda record: registered.add(record.name))
-        registries = [r.registry for r in (self.router, *self.more_routers)]  # one a router
-        self.pools.drained = lambda name: any(
-            w.name == name and w.drain_requested for r in registries for w in r.workers()
-        )
-
-        def retiring(name: str) -> None:
-            for registry in registries:
-                for worker in registry.workers():
-                    if worker.name == name:
-                        registry.drain(worker.address)
-
-        self.pools.retiring = retiring
+        follow_registries(self.pools, [r.registry for r in (self.router, *self.more_routers)])
         for role, replicas in settings.pools.initial_replicas().items():
             await self.pools.scale(role, replicas)
 
@@ -227,6 +215,23 @@ class Controller:
         timeout_s = self.settings.pools.drain_timeout_s
         await asyncio.gather(*(r.drain(timeout_s) for r in [self.router, *self.more_routers]))
         await self.pools.stop(router_stopped=True)
+
+
+def follow_registries(pools: PoolManager, registries: Sequence[Registry]) -> None:
+    """Tie the pools to the routers' registries (the first router's first): the pools hear
+    which workers registered (those drain when stopping; one that never did is stopped at
+    once) and which an operator drained (those retire first, restarted or not), and a
+    worker they retire is held out of rotation at every router at once, whatever an undrain
+    or its registering again says (`Registry.retire`)."""
+    registered = pools.registered
+    registries[0].on_register.append(lambda record: registered.add(record.name))
+    pools.drained = lambda name: any(r.drained_by_operator(name) for r in registries)
+
+    def retiring(name: str) -> None:
+        for registry in registries:
+            registry.retire(name)
+
+    pools.retiring = retiring
 
 
 def cpu_planner(pools: PoolSettings) -> CpuPlanner:
@@ -339,3 +344,13 @@ class Deployment:
         if self.started_ray:
             on_step("stopping the local Ray cluster")
             ray.shutdown()
+
+    def kill(self) -> None:
+        """Stop now, without a drain (a signal during `stop`): kill the Controller (its
+        router, and the worker actors it owns, end with it) and shut down our Ray (the local
+        cluster `epd serve` started; a joined one is only left)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.controller, no_restart=True)
+        ray.shutdown()

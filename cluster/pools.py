@@ -17,8 +17,10 @@ Lifecycles, in the order they happen:
 - restart: worker actors are created with `max_restarts` (default -1: always), so Ray
   re-runs `__init__` after a crash; the new server registers again (new port, same name).
 - scale: `AdminService.Scale` → router → `PoolManager.scale`. Up: new actors, which register
-  as they come up. Down: the workers an operator drained, then the newest, retire in the
-  background (see `drain` below); each is drained at the first router at once.
+  as they come up. Down: the workers an operator drained (restarted since or not), then the
+  newest, retire in the background (see `drain` below); each is held out of rotation at
+  every router at once (`Registry.retire`: no undrain puts it back). One that never
+  registered (still loading its model) is killed at once.
 - drain (one retiring worker): the router is told to stop routing to it (`AdminService.Drain`),
   the pool waits until the router has no request in flight on it, the worker waits until the
   leases it holds for peers are released (prefill KV blocks a decode worker has not pulled
@@ -27,7 +29,8 @@ Lifecycles, in the order they happen:
 - stop (SIGINT/SIGTERM to `epd serve`): the router drains first (no new requests, running
   ones finish on the workers they use) and stops; then every worker retires as above
   (without the router step), and the driver shuts down the Ray it started (a joined cluster
-  is left running).
+  is left running). A second signal meanwhile cuts the drain: the controller is killed
+  (its workers end with it) and Ray shut down at once (`cluster.serve`).
 
 Ray's own objects carry only settings dataclasses and plain values between these actors; all
 serving traffic is gRPC.
@@ -119,9 +122,10 @@ class PoolManager:
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
         self.router_stopped = False  # set by stop() once the router is gone
-        # The deployment's view of its router (the controller sets both): whether an operator
-        # drained the worker of this name, and one retiring now (told before `scale` returns,
-        # so what `epd scale` counts right after is already true).
+        # The deployment's view of its routers (the controller sets both,
+        # `cluster.deployment.follow_registries`): whether an operator drained the worker of
+        # this name, and one retiring now, held out of rotation at once (told before `scale`
+        # returns, so what `epd scale` counts right after is already true).
         self.drained: Callable[[str], bool] = lambda name: False
         self.retiring: Callable[[str], None] = lambda name: None
         # Workers that registered at least once (the controller adds them as the router
@@ -220,8 +224,11 @@ class PoolManager:
 
         timeout_s = self.settings.drain_timeout_s
         try:
-            if self.router_stopped and member.name not in self.registered:
-                return  # still starting (e.g. Ctrl-C during start-up): no work to finish
+            if member.name not in self.registered:
+                # Still starting (loading its model; Ctrl-C during start-up): no work to
+                # finish, and describe() would wait for its start-up, holding its CPUs and
+                # GPUs. Were it to register meanwhile, it registers retiring (`retiring`).
+                return
             if not self.router_stopped:
                 await self._drain_at_routers(member, timeout_s)
             # Always the worker's own drain, whatever the routers said: it finishes the

@@ -1,5 +1,6 @@
 """`epd serve`: start (or join) Ray, run a deployment until SIGINT/SIGTERM, then stop it,
-saying what happens on the console."""
+saying what happens on the console. A signal during the stop (which waits up to the drain
+timeout) forces it: the drain is cut, and the exit status is 130."""
 
 from __future__ import annotations
 
@@ -185,20 +186,50 @@ def _prepare_checkpoint(settings: Any) -> None:
     _say(f"checkpoint {path} ready in {time.monotonic() - t0:.1f}s")
 
 
+class StopSignals:
+    """SIGINT/SIGTERM to `epd serve`: the first asks for a stop (`stop`); one while it stops
+    (`stop` set) forces it (`force`): an operator at a terminal waiting on a long drain has a
+    way out other than kill -9, which leaves Ray's agents running."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.force = asyncio.Event()
+
+    def __call__(self) -> None:
+        (self.force if self.stop.is_set() else self.stop).set()
+
+
 async def _serve(settings: Any, started_ray: bool, started: float) -> int:
+    loop = asyncio.get_running_loop()
+    signals = StopSignals()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signals)
+    started_deployment: list[Any] = []
+    try:
+        code = await _run(settings, started_ray, started, signals.stop, started_deployment)
+    finally:
+        forced = await _stop(started_deployment, started_ray, signals)
+    return 130 if forced else code
+
+
+async def _run(
+    settings: Any,
+    started_ray: bool,
+    started: float,
+    stop: asyncio.Event,
+    started_deployment: list[Any],
+) -> int:
+    """Start the deployment (appended to `started_deployment`) and serve until `stop`; the
+    exit code."""
     from cluster.deployment import Deployment
     from cluster.pools import WorkerRefusedError, WorkerStartError, error_summary
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    deployment: Deployment | None = None
     code = 0
     try:
         deployment = await _until(stop, Deployment.start(settings, started_ray=started_ray))
         if deployment is None:
             return 130
+        started_deployment.append(deployment)
         _say(f"router listening on {deployment.address}")
         for more in deployment.addresses[1:]:  # `--routers N`: every worker joins each
             _say(f"router listening on {more}")
@@ -226,15 +257,30 @@ async def _serve(settings: Any, started_ray: bool, started: float) -> int:
     except (TimeoutError, WorkerStartError) as exc:
         _say(f"not ready: {error_summary(exc)}")
         return 1
-    finally:
-        _say("stopping ...")
-        if deployment is not None:
-            await deployment.stop(on_step=_say)
-        elif started_ray:
-            import ray
 
-            ray.shutdown()
-        _say("stopped")
+
+async def _stop(started_deployment: list[Any], started_ray: bool, signals: StopSignals) -> bool:
+    """Stop what `_run` started; True when a signal during the stop forced it."""
+    signals.stop.set()  # a signal from now on forces the stop
+    _say("stopping ...")
+    forced = False
+    if started_deployment:
+        deployment = started_deployment[0]
+
+        async def stopped() -> bool:
+            await deployment.stop(on_step=_say)
+            return True
+
+        if await _until(signals.force, stopped()) is None:
+            _say("stopping now: the drain is cut (in-flight requests fail)")
+            deployment.kill()
+            forced = True
+    elif started_ray:
+        import ray
+
+        ray.shutdown()
+    _say("stopped")
+    return forced
 
 
 async def _until(stop: asyncio.Event, work: Any) -> Any:

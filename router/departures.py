@@ -17,13 +17,19 @@ from router.workers import WorkerRecord
 async def expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: float) -> None:
     """Drop silent workers every `period_s`, and forget the channel and KV-event subscription
     of every worker that expired (whoever called `expire`) unless one registered again at its
-    address since."""
+    address since. A wake-up later than a heartbeat interval is a stall of this loop, whose
+    time the registry does not count as silence (`Registry.excuse`): the heartbeats of that
+    while wait unread, and a pass would drop every worker at once, breaking every call."""
     gone: list[str] = []
     # A listener, not expire's return value: an expiry run elsewhere must not be missed, or
     # the router would resubscribe to a dead address forever.
     registry.on_expire.append(lambda record: gone.append(record.address))
     while True:
+        asleep = registry.clock()
         await asyncio.sleep(period_s)
+        late = registry.clock() - asleep - period_s
+        if late > registry.heartbeat_interval_s:
+            registry.excuse(late)
         registry.expire()
         addresses, gone[:] = dict.fromkeys(gone), []
         live = {w.address for w in registry.workers()}

@@ -13,13 +13,16 @@ Lifecycle of a worker as the router sees it:
                  new port)
     Heartbeat -> refreshes liveness and load; an unknown id answers known=False so the
                  worker registers again
-    draining  -> reported by the worker or asked for through AdminService.Drain (which stands
-                 while the same process re-registers, expired or not); a draining worker
-                 gets no new work; Undrain undoes an asked-for drain (not one it reports)
+    draining  -> reported by the worker, asked for through AdminService.Drain, or a
+                 retirement (`retire`, the deployment's scale-down); the last two are held
+                 under the worker's name while it registers again, restarted or not
+                 (`router.drains`); a draining worker gets no new work; Undrain undoes an
+                 asked-for drain (not one it reports, nor a retirement)
     expiry    -> a worker silent for longer than the timeout is hidden from `workers` and
                  `pick` at once; `expire` (the router's expiry loop) drops it and tells the
                  `on_expire` listeners, so whatever follows the worker is let go exactly once
-                 (as does a registration of the same name elsewhere, see Register)
+                 (as does a registration of the same name elsewhere, see Register); a stall
+                 of the router's own loop is not the workers' silence (`excuse`)
 
 Compatibility: every worker must speak `PROTOCOL_VERSION` and serve the expected model
 identity (given, or adopted from the first worker to register). Prefill and decode workers
@@ -48,7 +51,6 @@ import logging
 import operator
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -58,7 +60,8 @@ from common.roles import KV_ROLES, PROTOCOL_VERSION, Role
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_from_proto
 from epd.v1 import registry_service_pb2
-from router.refusals import MAX_REFUSALS, Refusals
+from router.drains import Holds
+from router.refusals import Refusals
 from router.workers import (
     CheckpointShape,
     NoWorkerError,
@@ -100,14 +103,12 @@ class Registry:
         self.checkpoint_shape = checkpoint_shape
         self.refusals = Refusals(clock)  # worker address -> why Register refused it
         self.reference_layout: KvLayout | None = None  # first registered KV layout
-        self._clock = clock
+        self.clock = clock  # the registry's time (time.monotonic; tests pass a fake)
         self._workers: dict[str, WorkerRecord] = {}
         # (role, name) -> the worker last dropped for a namesake at another address: its
         # address and instance id
         self._replaced: dict[tuple[Role, str], tuple[str, str]] = {}
-        # (address, instance id) of processes an operator drained, dropped for silence since:
-        # the drain stands when the same process registers again
-        self._drained_gone: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.holds = Holds()  # operators' drains and retirements, by worker name
         self._ticks = itertools.count(1)
         # Called with every newly registered worker (e.g. to follow its KV events).
         self.on_register: list[Callable[[WorkerRecord], None]] = []
@@ -150,7 +151,6 @@ class Registry:
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
             layout = layout_from_proto(info.kv_layout)
             self._check_layout(role, info.address, layout)
-        drain_requested = (info.address, info.instance_id) in self._drained_gone
         moved = [w for w in self._workers.values() if info.name and w.name == info.name]
         namesakes = [w for w in moved if w.role == role and w.address != info.address]
         dropped = self._replaced.get((role, info.name))
@@ -181,8 +181,6 @@ class Registry:
         for old in [w for w in self._workers.values() if w.address == info.address]:
             del self._workers[old.worker_id]
             restarted = not info.instance_id or old.info.instance_id != info.instance_id
-            # The same process again (a heartbeat it missed): an operator's drain stands.
-            drain_requested |= old.drain_requested and not restarted
             logger.info(
                 "worker %s re-registered%s; old id %s dropped",
                 old.address,
@@ -205,9 +203,9 @@ class Registry:
             model=info.model,
             layout=layout,
             info=info,
-            last_seen=self._clock(),
-            drain_requested=drain_requested,
+            last_seen=self.clock(),
         )
+        self.holds.apply(record)  # an operator's drain, a retirement: they stand
         self._workers[record.worker_id] = record
         self.refusals.forget(record.address)
         logger.info("registered %s worker %s at %s", role, record.name, record.address)
@@ -245,7 +243,7 @@ class Registry:
             logger.info("worker %s reports draining", record.address)
         record.load = load
         record.in_flight_at_heartbeat = record.in_flight
-        record.heard(self._clock())
+        record.heard(self.clock())
         return True
 
     def suspect(self, record: WorkerRecord) -> None:
@@ -256,28 +254,43 @@ class Registry:
         request would try it first meanwhile, a frozen one's waiting on a reconnect."""
         if not record.suspect:
             logger.info("%s worker %s suspect: a call on it failed", record.role, record.address)
-        record.mark_suspect(self._clock(), self.heartbeat_interval_s)
+        record.mark_suspect(self.clock(), self.heartbeat_interval_s)
 
     def drain(self, address: str) -> bool:
-        """Give the worker at `address` no new work; False when none is registered there."""
-        found = False
-        for record in self._workers.values():
-            if record.address == address:
-                record.drain_requested = True
-                found = True
-                logger.info("draining %s worker %s", record.role, address)
-        return found
+        """Give the worker at `address` no new work, it and its name's later registrations
+        (`router.drains`) until `undrain`; False when none is registered there."""
+        records = [r for r in self._workers.values() if r.address == address]
+        self.holds.drain(records)
+        for record in records:
+            logger.info("draining %s worker %s (%s)", record.role, address, record.name)
+        return bool(records)
 
     def undrain(self, address: str) -> tuple[bool, bool]:
-        """Undo `drain` for the worker at `address`: (found, serving). A worker that reports
-        draining itself (retiring, stopping) stays draining: serving is False."""
+        """Undo `drain` for the worker at `address`: (found, serving). One that reports
+        draining (stopping) or that the deployment retires stays draining: serving False."""
         records = [r for r in self._workers.values() if r.address == address]
-        for gone in [k for k in self._drained_gone if k[0] == address]:
-            del self._drained_gone[gone]
+        self.holds.undrain(address, records)
         for record in records:
-            record.drain_requested = False
             logger.info("undrained %s worker %s", record.role, address)
         return bool(records), any(not r.draining for r in records)
+
+    def retire(self, name: str) -> None:
+        """The deployment retires the worker `name` (a scale-down): no new work for it, now
+        and whenever it registers again; nothing undoes it (it leaves)."""
+        self.holds.retire(name, self._workers.values())
+        logger.info("retiring worker %s", name)
+
+    def drained_by_operator(self, name: str) -> bool:
+        """Whether an operator drained a worker of this name and has not undrained it."""
+        return self.holds.drained(name)
+
+    def excuse(self, stalled_s: float) -> None:
+        """The router's own loop stalled for `stalled_s` (GC, CPU starvation, SIGSTOP): the
+        heartbeats of that while wait unread, so it counts as no worker's silence."""
+        logger.warning("router loop stalled %.1f s: not counted as workers' silence", stalled_s)
+        now = self.clock()
+        for record in self._workers.values():
+            record.last_seen = min(now, record.last_seen + stalled_s)
 
     def remove(self, worker_id: str) -> None:
         """Forget a worker (it stopped)."""
@@ -291,10 +304,6 @@ class Registry:
         dead = [w for w in self._workers.values() if w.last_seen < cutoff]
         for record in dead:
             del self._workers[record.worker_id]
-            if record.drain_requested and record.info.instance_id:
-                self._drained_gone[(record.address, record.info.instance_id)] = None
-                while len(self._drained_gone) > MAX_REFUSALS:  # (as many as refusals)
-                    self._drained_gone.popitem(last=False)
             if record.draining:  # it was leaving: a scale-down, a stop or `epd drain`
                 logger.info(
                     "retired %s worker %s (drained, then stopped)", record.role, record.address
@@ -304,7 +313,7 @@ class Registry:
                     "dropped %s worker %s: no heartbeat for %.1f s",
                     record.role,
                     record.address,
-                    self._clock() - record.last_seen,
+                    self.clock() - record.last_seen,
                 )
             for listener in self.on_expire:
                 listener(record)
@@ -312,7 +321,7 @@ class Registry:
 
     def _cutoff(self) -> float:
         """Workers last seen before this clock time count as dead."""
-        return self._clock() - self.worker_timeout_s
+        return self.clock() - self.worker_timeout_s
 
     # --------------------------------------------------------------------- selection
 
@@ -334,7 +343,7 @@ class Registry:
 
     def seconds_since(self, record: WorkerRecord) -> float:
         """Seconds since the worker's last register or heartbeat."""
-        return max(0.0, self._clock() - record.last_seen)
+        return max(0.0, self.clock() - record.last_seen)
 
     def pick(
         self,

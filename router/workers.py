@@ -80,7 +80,8 @@ class WorkerRecord:
     # Requests admission placed here whose reservation stands: started or not (a decode is
     # placed when its request is admitted, and starts after encode and prefill).
     placed: int = 0
-    drain_requested: bool = False  # AdminService.Drain asked for it
+    drain_requested: bool = False  # AdminService.Drain asked for it (Undrain undoes it)
+    retiring: bool = False  # the deployment retires it (`Registry.retire`): nothing undoes it
     last_pick: int = 0  # selection tick of the last pick (least recently picked wins ties)
     # A call on it failed UNAVAILABLE since its last heartbeat (killed, frozen, unreachable):
     # picked only when no other worker of its role is left (`Registry.pick`).
@@ -111,8 +112,9 @@ class WorkerRecord:
 
     @property
     def draining(self) -> bool:
-        """No new work: the worker reported draining, or an operator asked for it."""
-        return self.drain_requested or self.load.draining
+        """No new work: the worker reported draining, an operator asked for it, or the
+        deployment retires it."""
+        return self.drain_requested or self.retiring or self.load.draining
 
     @property
     def load_estimate(self) -> int:

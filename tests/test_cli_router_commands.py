@@ -220,3 +220,14 @@ def test_commands_report_an_unreachable_router(capsys: pytest.CaptureFixture[str
         main(["status", "--address", "127.0.0.1:1"])
     assert exc.value.code == 1
     assert "status failed: UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_drain_of_an_empty_worker_is_refused_naming_the_argument(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for command in ("drain", "undrain"):
+        with pytest.raises(SystemExit) as exc:
+            main([command, " ", "--address", "127.0.0.1:1"])  # refused before any call
+        assert exc.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("epd: error: WORKER: ")

@@ -206,6 +206,7 @@ async def test_scale_down_retires_newest_in_order_and_never_reuses_names(
 ) -> None:
     manager, actors = _manager(recorded)
     await manager.scale("prefill", 3)
+    manager.registered |= {"epd-prefill-1", "epd-prefill-2"}  # (one that never did: killed)
     recorded.clear()
     assert await manager.scale("prefill", 1) == 1  # returns before the retirements finish
     assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-0"]
@@ -258,6 +259,7 @@ async def test_stop_after_the_router_is_gone_skips_the_router_drain(recorded: li
 async def test_a_failed_drain_still_ends_the_actor(recorded: list[str]) -> None:
     manager, actors = _manager(recorded)
     await manager.scale("decode", 1)
+    manager.registered.add("epd-decode-0")
 
     async def broken(timeout_s: float) -> bool:
         raise RuntimeError("actor died")
@@ -279,6 +281,7 @@ async def test_a_router_that_fails_its_drain_leaves_the_worker_drained_by_the_ot
     manager, _ = _manager(recorded)
     manager.router_addresses = ("127.0.0.1:50052",)
     await manager.scale("prefill", 1)
+    manager.registered.add("epd-prefill-0")
     recorded.clear()
     await manager.scale("prefill", 0)
     await asyncio.gather(*manager._retiring)

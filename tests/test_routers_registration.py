@@ -180,6 +180,7 @@ async def test_pool_workers_register_with_every_router_and_drain_at_each(
         actor_class=actors,
     )
     await manager.scale("decode", 1)
+    manager.registered.add("epd-decode-0")  # (one that never registered is stopped at once)
     assert actors.handles[0].settings.routers == ("127.0.0.1:50051", "127.0.0.1:50052")
     await manager.scale("decode", 0)
     await manager.stop()

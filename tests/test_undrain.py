@@ -14,6 +14,7 @@ from cluster.admin import RoleCount, cmd_drain, cmd_scale, cmd_status, cmd_undra
 from cluster.cli import build_parser
 from common.roles import Role
 from common.server.rpc import start_server
+from common.settings.schema import SettingsError
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 from router.admin import AdminServicer
 from router.registry import Registry
@@ -75,6 +76,33 @@ async def test_a_worker_draining_itself_stays_draining(
     assert await cmd_undrain(_args("undrain", record.address, "--address", address)) == 1
     assert "still draining: the worker itself drains" in capsys.readouterr().out
     assert record.draining
+
+
+async def test_undrain_of_a_retiring_worker_says_still_draining(
+    admin: tuple[str, Registry, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A scale-down retires it; before the worker drains itself, only the router holds it
+    # out: undrain said "serving" and routed new work to a worker being removed.
+    address, registry, _ = admin
+    registry.retire("prefill-7002")  # what the deployment's controller does first
+    assert await cmd_undrain(_args("undrain", "prefill-7002", "--address", address)) == 1
+    assert "still draining: the worker itself drains" in capsys.readouterr().out
+    assert {registry.pick(Role.PREFILL).address for _ in range(3)} == {"127.0.0.1:7001"}
+
+
+async def test_an_empty_worker_is_refused_and_never_matches_an_unnamed_one(
+    admin: tuple[str, Registry, list[int]],
+) -> None:
+    # `epd drain ""` drained every worker registered without a name.
+    address, registry, _ = admin
+    unnamed = info(Role.PREFILL, 7003)
+    unnamed.name = ""
+    registry.register(unnamed)
+    for command in (cmd_drain, cmd_undrain):
+        for worker in ("", "  "):
+            with pytest.raises(SettingsError, match=r"^WORKER: "):
+                await command(_args(command.__name__[4:], worker, "--address", address))
+    assert not any(w.draining for w in registry.workers())
 
 
 async def test_status_and_scale_count_serving_and_draining_alike(

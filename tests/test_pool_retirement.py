@@ -1,0 +1,60 @@
+"""Retirements in the pool manager against a real router registry (no Ray: the stand-in
+actors of test_pools): which worker a scale-down retires once an operator's drained worker
+restarted, the retiring worker's hold at the router, and a worker that never registered."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.deployment import follow_registries
+from common.roles import Role
+from router.registry import Registry
+from tests.registry_helpers import MODEL, info
+from tests.test_pools import _manager, _Method
+from tests.test_pools import recorded as recorded  # fixture: ray.kill and router drains logged
+
+
+def _register(registry: Registry, port: int, name: str, instance: str) -> str:
+    msg = info(Role.PREFILL, port)
+    msg.name, msg.instance_id = name, instance
+    return registry.register(msg).address
+
+
+async def test_scale_down_retires_a_drained_worker_first_after_it_restarted(
+    recorded: list[str],
+) -> None:
+    # `epd drain epd-prefill-0`, then Ray restarted that actor on a new port: it came back
+    # serving, and a scale to 1 retired epd-prefill-1 instead.
+    manager, _ = _manager(recorded)
+    registry = Registry(worker_timeout_s=60.0, heartbeat_interval_s=1.0, expected_model=MODEL)
+    follow_registries(manager, [registry])
+    await manager.scale("prefill", 2)
+    drained = _register(registry, 7000, "epd-prefill-0", "process-1")
+    _register(registry, 7001, "epd-prefill-1", "process-2")
+    assert manager.registered == {"epd-prefill-0", "epd-prefill-1"}
+    registry.drain(drained)
+    restarted = _register(registry, 7002, "epd-prefill-0", "process-3")
+    assert await manager.scale("prefill", 1) == 1
+    assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-1"]
+    # Retiring, it is out of rotation at once, and an undrain does not put it back.
+    assert registry.undrain(restarted) == (True, False)
+    assert [w.name for w in registry.workers() if not w.draining] == ["epd-prefill-1"]
+    await manager.stop()
+
+
+async def test_a_worker_that_never_registered_is_stopped_at_once(recorded: list[str]) -> None:
+    # Created by one scale and retired by the next while still loading its model: its
+    # retirement waited the whole drain timeout on describe(), holding its CPUs and GPUs.
+    manager, actors = _manager(recorded)  # drain_timeout_s: 300 s
+    await manager.scale("prefill", 2)
+    manager.registered.add("epd-prefill-0")
+
+    async def loading() -> None:
+        await asyncio.sleep(3600)
+
+    actors.handles[1].describe = _Method(loading)
+    recorded.clear()
+    assert await manager.scale("prefill", 1) == 1
+    await asyncio.wait_for(asyncio.gather(*manager._retiring), 5)
+    assert recorded == ["kill epd-prefill-1 True"]
+    await manager.stop()

@@ -1,0 +1,120 @@
+"""The registry's holds that outlast a worker's record, and its expiry after the router's own
+loop stalled: an operator's drain kept under the worker's name across its restarts, a
+retiring worker that no undrain puts back, and heartbeats that waited unread while the
+router stalled (fake clock, no network)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from common.roles import Role
+from epd.v1 import registry_service_pb2
+from router.departures import expire_loop
+from router.registry import Registry
+from router.workers import WorkerLoad, WorkerRecord
+from tests.registry_helpers import Clock, info
+from tests.registry_helpers import clock as clock  # fixtures: a fake clock, a registry on it
+from tests.registry_helpers import registry as registry
+
+
+def named(role: Role, port: int, name: str, instance: str) -> registry_service_pb2.WorkerInfo:
+    msg = info(role, port)
+    msg.name, msg.instance_id = name, instance
+    return msg
+
+
+def _orchestrator() -> SimpleNamespace:
+    return SimpleNamespace(
+        prefix=SimpleNamespace(forget=lambda address: None),
+        channels=SimpleNamespace(keep_only=lambda addresses: None),
+    )
+
+
+async def test_a_router_that_stalled_keeps_the_workers_whose_heartbeats_waited(
+    registry: Registry, clock: Clock
+) -> None:
+    # The router's loop stopped longer than the worker timeout (GC, CPU starvation,
+    # SIGSTOP): on waking, its expiry ran before the heartbeats waiting in the sockets and
+    # dropped every worker at once, breaking every request in flight.
+    gone: list[WorkerRecord] = []
+    registry.on_expire.append(gone.append)
+    a = registry.register(info(Role.PREFILL, 3))
+    b = registry.register(info(Role.DECODE, 4))
+    loop = asyncio.create_task(expire_loop(registry, _orchestrator(), 0.01))  # type: ignore[arg-type]
+    try:
+        await asyncio.sleep(0)  # the loop notes the time and sleeps
+        clock.now += 7.0  # the router stalls 7 s (worker timeout: 3 s)
+        await asyncio.sleep(0.05)  # it wakes late, and passes run before the heartbeats
+        assert gone == []
+        assert {w.worker_id for w in registry.workers()} == {a.worker_id, b.worker_id}
+        assert registry.heartbeat(a.worker_id, WorkerLoad())  # a waiting heartbeat, read
+        # Running on time again, a worker that stays silent is dropped after the timeout.
+        for _ in range(8):
+            clock.now += 0.5  # late by less than a heartbeat interval: no stall
+            assert registry.heartbeat(a.worker_id, WorkerLoad())
+            await asyncio.sleep(0.03)
+    finally:
+        loop.cancel()
+    assert gone == [b]
+
+
+def test_an_operators_drain_stands_when_the_worker_restarts_under_its_name(
+    registry: Registry, clock: Clock
+) -> None:
+    # Ray restarts a crashed actor under its name on a new port: the drain (most likely put
+    # on because something was wrong with that worker) was dropped and it came back serving.
+    other = registry.register(info(Role.PREFILL, 5))
+    first = registry.register(named(Role.PREFILL, 3, "epd-prefill-1", "process-1"))
+    assert registry.drain(first.address)
+    moved = registry.register(named(Role.PREFILL, 4, "epd-prefill-1", "process-2"))
+    assert moved.draining and registry.drained_by_operator("epd-prefill-1")
+    assert {registry.pick(Role.PREFILL).address for _ in range(3)} == {other.address}
+    # A new process at the same address, and one that comes back after being dropped for
+    # silence, stay drained too.
+    assert registry.register(named(Role.PREFILL, 4, "epd-prefill-1", "process-3")).draining
+    clock.now += 10
+    registry.expire()
+    back = registry.register(named(Role.PREFILL, 6, "epd-prefill-1", "process-4"))
+    assert back.draining
+    # Only Undrain clears it, for the worker's later restarts too.
+    assert registry.undrain(back.address) == (True, True)
+    assert not registry.drained_by_operator("epd-prefill-1")
+    assert not registry.register(named(Role.PREFILL, 7, "epd-prefill-1", "process-5")).draining
+    # The name is the worker's in its role: an encoder of that name is another worker.
+    registry.drain("127.0.0.1:7")
+    assert not registry.register(named(Role.ENCODER, 8, "epd-prefill-1", "process-6")).draining
+
+
+def test_undrain_of_a_worker_that_left_clears_its_drain(registry: Registry, clock: Clock) -> None:
+    first = registry.register(named(Role.DECODE, 3, "epd-decode-0", "process-1"))
+    registry.drain(first.address)
+    clock.now += 10
+    registry.expire()
+    assert registry.undrain(first.address) == (False, False)  # gone, but undrained
+    assert not registry.register(named(Role.DECODE, 4, "epd-decode-0", "process-2")).draining
+
+
+def test_a_retiring_worker_stays_out_of_rotation_whatever_undrain_says(
+    registry: Registry,
+) -> None:
+    # A scale-down's first phase holds the worker out only through the router: undrain put
+    # it back in rotation, `epd status` called it serving, and its retirement waited the
+    # whole drain timeout for requests that kept coming.
+    other = registry.register(info(Role.DECODE, 5))
+    leaving = registry.register(named(Role.DECODE, 3, "epd-decode-1", "process-1"))
+    registry.retire("epd-decode-1")
+    assert leaving.draining and not registry.drained_by_operator("epd-decode-1")
+    assert registry.undrain(leaving.address) == (True, False)  # found, still draining
+    assert leaving.draining
+    assert {registry.pick(Role.DECODE).address for _ in range(3)} == {other.address}
+    # Registering again (a missed heartbeat, a restart) does not make it serve.
+    assert registry.register(named(Role.DECODE, 3, "epd-decode-1", "process-1")).draining
+    assert registry.register(named(Role.DECODE, 4, "epd-decode-1", "process-2")).draining
+
+
+def test_a_worker_retired_before_it_registered_registers_retiring(registry: Registry) -> None:
+    # A scale-down retired a worker still loading its model: once up, it must take no work.
+    registry.retire("epd-prefill-2")
+    assert registry.register(named(Role.PREFILL, 3, "epd-prefill-2", "process-1")).draining
+    assert not registry.register(named(Role.PREFILL, 4, "epd-prefill-3", "process-2")).draining
