@@ -22,12 +22,20 @@ from cluster.console import say as _say
 
 def _routers(args: argparse.Namespace) -> list[str]:
     """The routers `--address` ($EPD_ROUTER) lists, comma-separated; SettingsError when
-    none (an empty $EPD_ROUTER, a stray comma: `drain` told no router and said nothing)."""
+    none (an empty $EPD_ROUTER, a stray comma: `drain` told no router and said nothing) or
+    a port is not 1-65535 (gRPC dialed 99999 as 34463, an empty one as 443)."""
     from common.settings.schema import SettingsError
+
+    from epd.routers import check_port
 
     routers = [a.strip() for a in args.address.split(",") if a.strip()]
     if not routers:
         raise SettingsError(f"--address: no router address given in {args.address!r}")
+    for router in routers:
+        try:
+            check_port(router)
+        except ValueError as exc:
+            raise SettingsError(f"--address: {exc}") from None
     return routers
 
 

@@ -169,6 +169,10 @@ def test_admin_commands_fail_in_one_line_not_a_traceback(
         (["drain", "decode", "--address", " , "], "--address: no router address given"),
         (["undrain", "decode", "--address", ","], "--address: no router address given"),
         (["generate", "hi", "--address", ""], "router address: none given"),
+        # gRPC dialed 99999 as 34463 (another server's port) and an empty port as 443.
+        (["status", "--address", "127.0.0.1:99999"], "the port must be 1-65535"),
+        (["drain", "decode", "--address", "a:1,127.0.0.1:"], "the port must be 1-65535"),
+        (["generate", "hi", "--address", "127.0.0.1:99999"], "the port must be 1-65535"),
         # A key no header can carry: a gRPC traceback, or INTERNAL naming nothing.
         (["status", "--address", "127.0.0.1:1", "--api-key", "k\u00e9y"], "--api-key"),
         (["generate", "hi", "--address", "127.0.0.1:1", "--api-key", "k\ty"], "api_key"),
