@@ -25,7 +25,6 @@ def _routers(args: argparse.Namespace) -> list[str]:
     none (an empty $EPD_ROUTER, a stray comma: `drain` told no router and said nothing) or
     a port is not 1-65535 (gRPC dialed 99999 as 34463, an empty one as 443)."""
     from common.settings.schema import SettingsError
-
     from epd.routers import check_port
 
     routers = [a.strip() for a in args.address.split(",") if a.strip()]
