@@ -71,6 +71,7 @@ from router.prepare import prepare_request
 from router.prepare_threads import PrepareThreads, has_media
 from router.registry import Registry
 from router.registry_service import RegistryServicer
+from router.returns import Returns
 from router.settings import RouterSettings
 from router.stop import check_stop, stop_at
 from router.tenants import tenant_salt
@@ -104,6 +105,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             settings.requests_in_flight_mb << 20, settings.max_message_mb << 20, tenant_share=share
         )
         self.prepare_threads = PrepareThreads(share)  # the threads requests are prepared on
+        # Requests wait out the restart of a role's last worker (`router.returns`).
+        self.returns = Returns(orchestrator.registry, settings.max_queue_wait_s)
 
     def _prepare(
         self,
@@ -207,6 +210,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     tenant=caller.tenant,
                 )
                 tokens = 0
+                encoder = (Role.ENCODER,) if prompt.params.items else ()
+                await self.returns.wait((*encoder, *KV_ROLES), deadline)  # a restart, if any
                 answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
                 async for chunk in self.orchestrator.metrics.track(answer, started):
                     tokens += len(chunk.token_ids)

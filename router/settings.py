@@ -193,7 +193,8 @@ class RouterSettings(ServerSettings):
     max_queue_wait_s: float = setting(
         60.0,
         "longest a request waits in that queue (in all, requeues after a full prefill pool "
-        "included) before it is refused with RESOURCE_EXHAUSTED and a back-off hint",
+        "included) before it is refused with RESOURCE_EXHAUSTED and a back-off hint; also "
+        "the longest it waits for a role's last worker to come back from a restart",
     )
     grace_s: float = setting(
         5.0,

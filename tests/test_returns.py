@@ -1,0 +1,97 @@
+"""Requests wait out the restart of a role's last worker (`router.returns`): when the only
+decode worker was killed and came back 16 s later, every request meanwhile failed at once
+(91 of them), though `request_timeout_s` was 300 s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from common.roles import Role
+from common.sampling import SamplingParams
+from router.returns import RESTART_WINDOW_S, Returns
+from router.workers import WorkerLoad
+from tests.registry_helpers import Clock, info
+from tests.registry_helpers import clock as clock  # fixtures: a fake clock, a registry on it
+from tests.registry_helpers import registry as registry
+from tests.test_router import FIRST, TEXT, FakeDecode, FakePrefill, start_router
+
+
+def test_a_role_is_restarting_only_when_it_lost_a_worker_lately(registry, clock: Clock) -> None:
+    returns = Returns(registry, max_wait_s=5.0)
+    assert not returns.restarting(Role.DECODE)  # never had one: not restarting
+    gone = registry.register(info(Role.DECODE, 3))
+    assert not returns.restarting(Role.DECODE)
+    clock.now += registry.worker_timeout_s + 1
+    registry.expire()  # dropped for silence
+    assert returns.restarting(Role.DECODE)
+    back = registry.register(info(Role.DECODE, 4))  # registered again, on another port
+    assert not returns.restarting(Role.DECODE)
+    clock.now += registry.worker_timeout_s + 1
+    registry.expire()
+    clock.now += RESTART_WINDOW_S
+    assert not returns.restarting(Role.DECODE)  # lost too long ago: not coming back
+    drained = registry.register(info(Role.PREFILL, 5))
+    registry.drain(drained.address)
+    clock.now += registry.worker_timeout_s + 1
+    registry.expire()
+    assert not returns.restarting(Role.PREFILL)  # it left on purpose
+    assert gone.address != back.address
+
+
+def test_a_suspect_worker_counts_as_gone_only_once_it_is_silent(registry, clock: Clock) -> None:
+    returns = Returns(registry, max_wait_s=5.0)
+    worker = registry.register(info(Role.DECODE, 3))
+    registry.suspect(worker)  # a call failed: wedged, or dead
+    assert not returns.restarting(Role.DECODE)
+    clock.now += 3 * registry.heartbeat_interval_s  # and no heartbeat since: dead
+    assert returns.restarting(Role.DECODE)
+    registry.heartbeat(worker.worker_id, WorkerLoad())
+    assert not returns.restarting(Role.DECODE)
+
+
+async def test_the_wait_ends_at_a_registration_or_the_bound(registry, clock: Clock) -> None:
+    returns = Returns(registry, max_wait_s=0.3)
+    registry.register(info(Role.DECODE, 3))
+    clock.now += registry.worker_timeout_s + 1
+    registry.expire()
+    started = time.monotonic()
+    await returns.wait([Role.DECODE], time.monotonic() + 10)  # nobody comes back: the bound
+    assert 0.25 < time.monotonic() - started < 2 and returns.waited == 1
+
+    async def come_back() -> None:
+        await asyncio.sleep(0.2)
+        registry.register(info(Role.DECODE, 4))
+
+    returns.max_wait_s = 10
+    back = asyncio.create_task(come_back())
+    started = time.monotonic()
+    await returns.wait([Role.DECODE], time.monotonic() + 1.0)
+    assert 0.15 < time.monotonic() - started < 0.9
+    await back
+    started = time.monotonic()
+    await returns.wait([Role.DECODE, Role.PREFILL], started + 10)  # prefill never had one
+    assert time.monotonic() - started < 0.1
+
+
+async def test_a_request_waits_for_the_decode_worker_that_restarts(ckpt) -> None:
+    cluster = await start_router(ckpt)
+    try:
+        await cluster.add(Role.PREFILL, FakePrefill())
+        await cluster.add(Role.DECODE, FakeDecode())
+        registry = cluster.router.registry
+        for worker in registry.workers(Role.DECODE):
+            worker.last_seen -= registry.worker_timeout_s + 1  # killed: its heartbeats stop
+        registry.expire()
+        assert registry.workers(Role.DECODE) == []
+        answer = asyncio.create_task(
+            cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3))
+        )
+        await asyncio.sleep(0.5)
+        assert not answer.done()  # waiting, not failed UNAVAILABLE at once
+        await cluster.add(Role.DECODE, FakeDecode())  # back, on another port
+        result = await asyncio.wait_for(answer, 10)
+        assert result.token_ids == [FIRST, 101, 102]
+        assert cluster.router.servicer.returns.waited == 1
+    finally:
+        await cluster.close()
