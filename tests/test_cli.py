@@ -104,6 +104,9 @@ def test_serve_flags_cover_every_section() -> None:
             r"pools\.prefil_replicas .*did you mean pools\.prefill_replicas",
         ),
         ("[router]\nport = 'x'\n", r"router\.port"),
+        # A fixed worker port with 2 replicas: `epd serve` failed after 50 s of starting.
+        ("[pools]\nprefill_replicas = 2\n[prefill]\nport = 6123\n", r"prefill\.port: a fixed"),
+        ("[pools]\ndecode_replicas = 2\n[decode]\nmetrics_port = 9500\n", r"decode\.metrics_port"),
         ("[gpu]\nx = 1\n", r"unknown setting gpu"),
     ],
 )
