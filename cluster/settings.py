@@ -194,10 +194,10 @@ class EpdSettings:
                     f"pools.{name}_replicas: {n} is more than pools.max_replicas "
                     f"({pools.max_replicas})"
                 )
-            for port in ("port", "metrics_port"):  # replicas of one host would share it
-                if n > 1 and (getattr(getattr(full, name), port) or 0) > 0:
+            for key in ("port", "metrics_port"):  # replicas of one host would share it
+                if n > 1 and (getattr(getattr(full, name), key) or 0) > 0:
                     raise SettingsError(
-                        f"{name}.{port}: a fixed port takes one worker, and "
+                        f"{name}.{key}: a fixed port takes one worker, and "
                         f"pools.{name}_replicas is {n} (0: a free port each)"
                     )
         for name in ("num_cpus", "num_gpus"):
