@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,6 +28,17 @@ from router.embedding_cache import EmbeddingCache
 if TYPE_CHECKING:  # uvicorn is imported only when the HTTP API is served
     from router.held import HeldBytes
     from router.http.connections import ConnectionStats
+    from router.prepare_threads import PrepareThreads
+    from router.returns import Returns
+
+
+class FrontDoor(Protocol):
+    """What `RouterMetrics.watch` reads of the router's servicer."""
+
+    held: HeldBytes
+    prepare_threads: PrepareThreads
+    returns: Returns
+
 
 # vLLM's buckets, so dashboards built for vLLM read these too.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
@@ -157,17 +168,32 @@ class RouterMetrics:
             ),
         ]
 
-    def watch(self, held: HeldBytes, connections: ConnectionStats | None = None) -> None:
-        """Serve the front doors' bounds too: the requests `held`, and the HTTP API's
-        `connections` (None: no HTTP API)."""
+    def watch(self, front: FrontDoor, connections: ConnectionStats | None = None) -> None:
+        """Serve the front doors' bounds too: the requests `front.held`, its preparation
+        threads and restart waits, and the HTTP API's `connections` (None: no HTTP API)."""
+        held = front.held
 
         def scrape() -> list[Any]:
+            pending = GaugeMetricFamily(
+                "epd:prepare_pending",
+                "Requests being prepared (media fetched and decoded, text tokenized) or "
+                "queued for a preparation thread, by pool (heavy: media; light: text).",
+                labels=["pool"],
+            )
+            for pool, n in front.prepare_threads.pending.items():
+                pending.add_metric([pool], n)
             families = [
                 gauge("epd:requests_held_bytes", "Bytes of requests held now.", held.held),
                 counter(
                     "epd:requests_refused_held",
                     "Requests refused because holding them would pass requests_in_flight_mb.",
                     held.refused,
+                ),
+                pending,
+                counter(
+                    "epd:requests_waited_for_worker",
+                    "Requests that waited for a role's last worker to come back from a restart.",
+                    front.returns.waited,
                 ),
             ]
             if connections is not None:

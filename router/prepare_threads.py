@@ -62,6 +62,8 @@ class PrepareThreads:
         self.light = ThreadPoolExecutor(LIGHT_THREADS, thread_name_prefix="epd-prepare-light")
         self.tenant_threads = max(1, int(self.threads * tenant_share)) if tenant_share < 1 else 0
         self._of: dict[str, _TenantThreads] = {}  # tenants with work running or waiting
+        # Work on each pool's threads or queued for them (`epd:prepare_pending`).
+        self.pending = {"heavy": 0, "light": 0}
 
     async def run(self, heavy: bool, tenant: str | None, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` on a thread of `heavy` (within `tenant`'s share) or of `light`, with
@@ -69,16 +71,26 @@ class PrepareThreads:
         returns, also when the caller stopped waiting before: a client that hangs up and
         sends again does not get more threads than its share."""
         call = functools.partial(contextvars.copy_context().run, fn, *args)
-        if not heavy:
-            return await asyncio.wrap_future(self.light.submit(call))
-        release = await self._take(tenant)
+        loop = asyncio.get_running_loop()
+        pool = "heavy" if heavy else "light"
+        self.pending[pool] += 1  # waiting for its tenant's share counts too
         try:
-            work = self.heavy.submit(call)
+            release = await self._take(tenant) if heavy else _nothing
         except BaseException:
+            self.pending[pool] -= 1
+            raise
+        try:
+            work = (self.heavy if heavy else self.light).submit(call)
+        except BaseException:
+            self.pending[pool] -= 1
             release()
             raise
-        loop = asyncio.get_running_loop()
-        work.add_done_callback(lambda _: loop.call_soon_threadsafe(release))
+
+        def done(_: object) -> None:
+            self.pending[pool] -= 1
+            release()
+
+        work.add_done_callback(lambda _: loop.call_soon_threadsafe(done, None))
         return await asyncio.wrap_future(work)
 
     def busy(self, tenant: str) -> int:
@@ -117,6 +129,10 @@ class PrepareThreads:
         """Stop both pools; work not started is dropped, work running finishes alone."""
         self.heavy.shutdown(wait=False, cancel_futures=True)
         self.light.shutdown(wait=False, cancel_futures=True)
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass(slots=True, eq=False)

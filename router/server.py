@@ -378,7 +378,7 @@ async def serve(
     running.tasks.append(asyncio.create_task(_health_loop(running, min(period, 0.1))))
     try:
         if settings.http_port < 0:
-            orchestrator.metrics.watch(running.servicer.held)
+            orchestrator.metrics.watch(running.servicer)
         else:
             from router.http.serve import start_http  # FastAPI and uvicorn only when served
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 import router.server
 from common.server.credentials import bearer_metadata
@@ -123,6 +124,9 @@ async def test_a_tenants_slow_media_leave_other_requests_their_threads(slow_medi
     # Tenant a fills the pool with more media requests than it has threads.
     slow = [send(CLIENT_KEY, True) for _ in range(8)]
     await until(lambda: threads.busy("tenant-a") == threads.tenant_threads, 10)
+    await until(lambda: threads.pending["heavy"] == 8, 10)  # its others wait for its share
+    page = generate_latest(c.router.orchestrator.metrics.registry).decode()
+    assert 'epd:prepare_pending{pool="heavy"} 8.0' in page
     # Text requests of either tenant, over HTTP and gRPC, are served meanwhile.
     assert await asyncio.wait_for(send(OTHER_KEY, False), 10) == 200
     assert await asyncio.wait_for(send(CLIENT_KEY, False), 10) == 200

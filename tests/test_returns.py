@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from prometheus_client import generate_latest
+
 from common.roles import Role
 from common.sampling import SamplingParams
 from router.returns import RESTART_WINDOW_S, Returns
@@ -93,5 +95,7 @@ async def test_a_request_waits_for_the_decode_worker_that_restarts(ckpt) -> None
         result = await asyncio.wait_for(answer, 10)
         assert result.token_ids == [FIRST, 101, 102]
         assert cluster.router.servicer.returns.waited == 1
+        page = generate_latest(cluster.router.orchestrator.metrics.registry).decode()
+        assert "epd:requests_waited_for_worker_total 1.0" in page
     finally:
         await cluster.close()

@@ -46,7 +46,7 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     connections = ConnectionStats()
-    metrics.watch(running.servicer.held, connections)
+    metrics.watch(running.servicer, connections)
     http = HttpServer(
         app,
         settings.http_host,
