@@ -8,18 +8,25 @@ tried on another worker (`common.server.peers`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from router.orchestrator import Orchestrator
 from router.registry import Registry
 from router.workers import WorkerRecord
 
+logger = logging.getLogger(__name__)
+# A wake-up of the expiry loop this much late counts as the router's stall, up to
+# `worker_timeout_s` since each worker's last heartbeat (`Registry.excuse`).
+LATE_S = 0.05
+
 
 async def expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: float) -> None:
     """Drop silent workers every `period_s`, and forget the channel and KV-event subscription
     of every worker that expired (whoever called `expire`) unless one registered again at its
-    address since. A wake-up later than a heartbeat interval is a stall of this loop, whose
-    time the registry does not count as silence (`Registry.excuse`): the heartbeats of that
-    while wait unread, and a pass would drop every worker at once, breaking every call."""
+    address since. A late wake-up is a stall of this loop, whose time the registry does not
+    count as silence (`Registry.excuse`): the heartbeats of that while wait unread, and a
+    pass would drop every worker at once, breaking every call (with a heartbeat of 3 s and a
+    timeout of 5 s, a stall under a heartbeat interval dropped some)."""
     gone: list[str] = []
     # A listener, not expire's return value: an expiry run elsewhere must not be missed, or
     # the router would resubscribe to a dead address forever.
@@ -28,7 +35,9 @@ async def expire_loop(registry: Registry, orchestrator: Orchestrator, period_s: 
         asleep = registry.clock()
         await asyncio.sleep(period_s)
         late = registry.clock() - asleep - period_s
-        if late > registry.heartbeat_interval_s:
+        if late > LATE_S:  # any lateness: a worker may be one interval from its timeout
+            if late > registry.heartbeat_interval_s:
+                logger.warning("router loop stalled %.1f s: not counted as workers' silence", late)
             registry.excuse(late)
         registry.expire()
         addresses, gone[:] = dict.fromkeys(gone), []

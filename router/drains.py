@@ -47,10 +47,13 @@ class Holds:
         record.retiring = record.name in self._retiring
 
     def drain(self, records: Iterable[WorkerRecord]) -> None:
-        """An operator drained `records` (those at one address)."""
+        """An operator drained `records` (those at one address). A retiring worker's drain
+        (a scale-down's own) is not held as an operator's: `retire` holds it, and each one
+        filed here pushed an operator's drain nearer the `MAX_HELD` bound."""
         for record in records:
             record.drain_requested = True
-            _hold(self._drained, (record.role, record.name), record.address)
+            if record.name not in self._retiring:
+                _hold(self._drained, (record.role, record.name), record.address)
 
     def undrain(self, address: str, records: Iterable[WorkerRecord]) -> None:
         """An operator undrained `address`: `records` (those registered there) and the

@@ -286,11 +286,13 @@ class Registry:
 
     def excuse(self, stalled_s: float) -> None:
         """The router's own loop stalled for `stalled_s` (GC, CPU starvation, SIGSTOP): the
-        heartbeats of that while wait unread, so it counts as no worker's silence."""
-        logger.warning("router loop stalled %.1f s: not counted as workers' silence", stalled_s)
-        now = self.clock()
-        for record in self._workers.values():
-            record.last_seen = min(now, record.last_seen + stalled_s)
+        heartbeats of that while wait unread, so it counts as no worker's silence: since a
+        worker's last heartbeat, at most the longer of this stall and `worker_timeout_s` (a
+        dead one is still dropped when every pass runs late)."""
+        now, most = self.clock(), max(stalled_s, self.worker_timeout_s)
+        for r in self._workers.values():
+            shift = min(stalled_s, most - r.excused, now - r.last_seen)
+            r.last_seen, r.excused = r.last_seen + max(0.0, shift), r.excused + max(0.0, shift)
 
     def remove(self, worker_id: str) -> None:
         """Forget a worker (it stopped)."""
@@ -313,7 +315,7 @@ class Registry:
                     "dropped %s worker %s: no heartbeat for %.1f s",
                     record.role,
                     record.address,
-                    self.clock() - record.last_seen,
+                    self.clock() - record.last_seen + record.excused,
                 )
             for listener in self.on_expire:
                 listener(record)

@@ -73,7 +73,8 @@ class WorkerRecord:
     model: str  # model identity it serves
     layout: KvLayout | None  # KV layout (prefill and decode only)
     info: registry_service_pb2.WorkerInfo  # the registration as sent, echoed by Status
-    last_seen: float  # clock time of the last register or heartbeat
+    last_seen: float  # clock time of the last register or heartbeat, plus `excused`
+    excused: float = 0.0  # seconds of the router's stalls added to last_seen since (`excuse`)
     load: WorkerLoad = field(default_factory=WorkerLoad)  # last reported load
     in_flight: int = 0  # requests this router has on the worker now
     in_flight_at_heartbeat: int = 0  # `in_flight` when the last heartbeat arrived
@@ -106,6 +107,7 @@ class WorkerRecord:
     def heard(self, now: float) -> None:
         """A heartbeat arrived: clear the suspect mark if it has been held long enough."""
         self.last_seen = now
+        self.excused = 0.0
         if self.suspect and now >= self.suspect_until:
             self.suspect = False  # alive after all: its failed call was its own
             self.suspect_cleared = now

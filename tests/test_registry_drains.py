@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import Any
 
 from common.roles import Role
 from epd.v1 import registry_service_pb2
@@ -57,6 +58,47 @@ async def test_a_router_that_stalled_keeps_the_workers_whose_heartbeats_waited(
     finally:
         loop.cancel()
     assert gone == [b]
+
+
+async def test_a_stall_shorter_than_a_heartbeat_interval_is_excused_too(clock: Clock) -> None:
+    # With a heartbeat of 3 s and a timeout of 5 s, a worker may be 3 s from its timeout
+    # when the loop sleeps: a stall of 2.9 s (not "past a heartbeat interval") dropped it.
+    registry = Registry(worker_timeout_s=5.0, heartbeat_interval_s=3.0, clock=clock)
+    gone: list[WorkerRecord] = []
+    registry.on_expire.append(gone.append)
+    registry.register(info(Role.PREFILL, 3))
+    clock.now += 2.9  # its next heartbeat is due in 0.1 s
+    loop = asyncio.create_task(expire_loop(registry, _orchestrator(), 0.01))  # type: ignore[arg-type]
+    try:
+        await asyncio.sleep(0)
+        clock.now += 2.9  # the router stalls: that heartbeat waits unread
+        await asyncio.sleep(0.05)
+    finally:
+        loop.cancel()
+    assert gone == []
+
+
+async def test_a_dead_worker_is_dropped_though_every_pass_runs_late(
+    registry: Registry, clock: Clock, caplog: Any
+) -> None:
+    # Each late pass excused its lateness again: a dead worker stayed routable 54 s with a
+    # 5 s timeout (passes 8 s late), and its drop said "no heartbeat for 6.0 s".
+    gone: list[WorkerRecord] = []
+    registry.on_expire.append(gone.append)
+    dead = registry.register(info(Role.DECODE, 4))  # timeout 3 s
+    start = clock.now
+    loop = asyncio.create_task(expire_loop(registry, _orchestrator(), 0.01))  # type: ignore[arg-type]
+    try:
+        for _ in range(20):
+            await asyncio.sleep(0)
+            clock.now += 2.0  # every pass 2 s late
+            await asyncio.sleep(0.02)
+            if gone:
+                break
+    finally:
+        loop.cancel()
+    assert gone == [dead] and clock.now - start <= 2 * registry.worker_timeout_s + 2.0
+    assert f"no heartbeat for {clock.now - start:.1f} s" in caplog.text
 
 
 def test_an_operators_drain_stands_when_the_worker_restarts_under_its_name(
@@ -118,3 +160,19 @@ def test_a_worker_retired_before_it_registered_registers_retiring(registry: Regi
     registry.retire("epd-prefill-2")
     assert registry.register(named(Role.PREFILL, 3, "epd-prefill-2", "process-1")).draining
     assert not registry.register(named(Role.PREFILL, 4, "epd-prefill-3", "process-2")).draining
+
+
+def test_retirements_do_not_push_an_operators_drain_out(registry: Registry) -> None:
+    # A scale-down's own Drain of each retiring worker was filed as an operator's: after
+    # 256 retirements the operator's drain was forgotten (the worker came back serving from
+    # a restart, and a scale-down kept it).
+    from router.drains import MAX_HELD
+
+    drained = registry.register(named(Role.PREFILL, 3, "epd-prefill-0", "p0"))
+    registry.drain(drained.address)
+    for k in range(MAX_HELD + 10):
+        leaving = registry.register(named(Role.DECODE, 100 + k, f"epd-decode-{k}", f"d{k}"))
+        registry.retire(leaving.name)
+        registry.drain(leaving.address)  # the pool's drain at the router
+        registry.remove(leaving.worker_id)
+    assert registry.drained_by_operator("epd-prefill-0")
