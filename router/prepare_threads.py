@@ -9,12 +9,14 @@ wait behind them: a one-token text request of another tenant took 84 s. So there
 pools:
 
 - `heavy` (`min(32, cores + 4)` threads) takes what may be slow: a request with media, the
-  conversion of an HTTP body that names media, the parsing of a large body. Where
-  `[router] tenant_share` applies, one tenant has at most that share of its threads (at
-  least one) busy at once; its other work waits for its own share, so another tenant's
-  takes the next free thread.
+  conversion of an HTTP body that names media, the parsing of a large body.
 - `light` (`LIGHT_THREADS`) takes the rest: text-only requests and small bodies, which never
   wait behind a decode.
+
+Where `[router] tenant_share` applies, one tenant has at most that share of each pool's
+threads (at least one) busy at once; its other work waits for its own share, so another
+tenant's takes the next free thread (a tenant's 32 text prompts of 1 MiB, 0.6-2 s each to
+tokenize, held a one-token prompt of another 30 s when only `heavy` was shared).
 
 A cancelled caller stops waiting at once; work already on a thread runs on (the preparation
 asks its `ended` callback between items and frames, `router.prepare`).
@@ -23,6 +25,7 @@ asks its `ended` callback between items and frames, `router.prepare`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import os
@@ -58,29 +61,37 @@ class PrepareThreads:
 
     def __init__(self, tenant_share: float = 1.0, threads: int | None = None) -> None:
         self.threads = threads or heavy_threads()
-        self.heavy = ThreadPoolExecutor(self.threads, thread_name_prefix="epd-prepare")
-        self.light = ThreadPoolExecutor(LIGHT_THREADS, thread_name_prefix="epd-prepare-light")
-        self.tenant_threads = max(1, int(self.threads * tenant_share)) if tenant_share < 1 else 0
-        self._of: dict[str, _TenantThreads] = {}  # tenants with work running or waiting
+        self.pools = {
+            "heavy": ThreadPoolExecutor(self.threads, thread_name_prefix="epd-prepare"),
+            "light": ThreadPoolExecutor(LIGHT_THREADS, thread_name_prefix="epd-prepare-light"),
+        }
+        # One tenant's threads of each pool at most (0: no share).
+        self.shares = {
+            "heavy": max(1, int(self.threads * tenant_share)) if tenant_share < 1 else 0,
+            "light": max(1, int(LIGHT_THREADS * tenant_share)) if tenant_share < 1 else 0,
+        }
+        self.tenant_threads = self.shares["heavy"]
+        # (pool, tenant) of work running or waiting for the tenant's share
+        self._of: dict[tuple[str, str], _TenantThreads] = {}
         # Work on each pool's threads or queued for them (`epd:prepare_pending`).
         self.pending = {"heavy": 0, "light": 0}
 
     async def run(self, heavy: bool, tenant: str | None, fn: Callable[..., T], *args: object) -> T:
-        """`fn(*args)` on a thread of `heavy` (within `tenant`'s share) or of `light`, with
-        this task's context variables, as `asyncio.to_thread`. A share is held until `fn`
-        returns, also when the caller stopped waiting before: a client that hangs up and
-        sends again does not get more threads than its share."""
+        """`fn(*args)` on a thread of `heavy` or of `light`, within `tenant`'s share of it,
+        with this task's context variables, as `asyncio.to_thread`. A share is held until
+        `fn` returns, also when the caller stopped waiting before: a client that hangs up
+        and sends again does not get more threads than its share."""
         call = functools.partial(contextvars.copy_context().run, fn, *args)
         loop = asyncio.get_running_loop()
         pool = "heavy" if heavy else "light"
         self.pending[pool] += 1  # waiting for its tenant's share counts too
         try:
-            release = await self._take(tenant) if heavy else _nothing
+            release = await self._take(pool, tenant)
         except BaseException:
             self.pending[pool] -= 1
             raise
         try:
-            work = (self.heavy if heavy else self.light).submit(call)
+            work = self.pools[pool].submit(call)
         except BaseException:
             self.pending[pool] -= 1
             release()
@@ -90,45 +101,51 @@ class PrepareThreads:
             self.pending[pool] -= 1
             release()
 
-        work.add_done_callback(lambda _: loop.call_soon_threadsafe(done, None))
+        def finished(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed first (process exit)
+                loop.call_soon_threadsafe(done, None)
+
+        work.add_done_callback(finished)
         return await asyncio.wrap_future(work)
 
-    def busy(self, tenant: str) -> int:
-        """Threads of `heavy` that `tenant`'s work holds now (with a share; else 0)."""
-        mine = self._of.get(tenant)
+    def busy(self, tenant: str, pool: str = "heavy") -> int:
+        """Threads of `pool` that `tenant`'s work holds now (with a share; else 0)."""
+        mine = self._of.get((pool, tenant))
         return mine.running if mine is not None else 0
 
-    async def _take(self, tenant: str | None) -> Callable[[], None]:
-        """One of `tenant`'s share of `heavy` (waiting for it); returns what gives it back."""
-        if not self.tenant_threads or tenant is None:
-            return lambda: None
-        mine = self._of.get(tenant)
+    async def _take(self, pool: str, tenant: str | None) -> Callable[[], None]:
+        """One of `tenant`'s share of `pool` (waiting for it); returns what gives it back."""
+        share = self.shares[pool]
+        if not share or tenant is None:
+            return _nothing
+        key = (pool, tenant)
+        mine = self._of.get(key)
         if mine is None:
-            mine = self._of[tenant] = _TenantThreads(asyncio.Semaphore(self.tenant_threads))
+            mine = self._of[key] = _TenantThreads(asyncio.Semaphore(share))
         mine.users += 1
         try:
             await mine.slots.acquire()
         except BaseException:
-            self._leave(tenant, mine)
+            self._leave(key, mine)
             raise
         mine.running += 1
 
         def release() -> None:
             mine.running -= 1
             mine.slots.release()
-            self._leave(tenant, mine)
+            self._leave(key, mine)
 
         return release
 
-    def _leave(self, tenant: str, mine: _TenantThreads) -> None:
+    def _leave(self, key: tuple[str, str], mine: _TenantThreads) -> None:
         mine.users -= 1
         if not mine.users:
-            del self._of[tenant]
+            del self._of[key]
 
     async def close(self) -> None:
         """Stop both pools; work not started is dropped, work running finishes alone."""
-        self.heavy.shutdown(wait=False, cancel_futures=True)
-        self.light.shutdown(wait=False, cancel_futures=True)
+        for pool in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _nothing() -> None:

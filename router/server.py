@@ -147,7 +147,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         `max_tokens` is the router's default, cut to the context left (`_prepare`). Raises
         RouterError, or RpcStatusError while draining. The gRPC Generate and the HTTP API
         (`router.http`) both run this."""
-        request_id = shown_id(request.request_id) or uuid.uuid4().hex  # refused unless it prints
+        request_id = shown_id(request.request_id) or uuid.uuid4().hex  # escaped ones are refused
         started = time.monotonic()
         budget = self.settings.request_timeout_s
         deadline = started + (budget if client_left is None else min(budget, client_left))

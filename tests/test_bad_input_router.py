@@ -214,6 +214,7 @@ GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
     # Logged by every process it reaches: a line break forged log lines.
     (grpc_request(request_id="x\n2030-01-01 INFO router.server: forged"), "request_id"),
     (grpc_request(cache_salt="s\x1b[2J"), "cache_salt"),
+    (grpc_request(request_id="x\u2028forged"), "request_id"),
     *(  # the wire's roles only: a template renders any string as one
         (grpc_request(messages=[router_service_pb2.ChatMessage(role=role)]), "messages[1].role")
         for role in ("", "bogus", "tool", "User")
@@ -263,7 +264,11 @@ async def test_grpc_requests_the_wire_carries_but_the_router_refuses(
         details = await refused_naming(stub, request, field)
         assert details.startswith(f"{field}: ")
     assert prefill.requests == [] and decode.requests == []  # refused before any worker
-    ok = grpc_request(request_id="r" * 256, resume_tokens=[5])
+    # Real text's spaces, joiners and marks pass (a Persian salt with a zero-width
+    # non-joiner was refused as "not printable"); so does a tab.
+    persian = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"
+    salt = persian + " \u00a0\u3000\U0001f469\u200d\U0001f4bb\u00ad\u200f\t"
+    ok = grpc_request(request_id="r" * 255 + "\u200d", resume_tokens=[5], cache_salt=salt)
     ok.messages[0].content.add(text="hi")
     # At the bounds it is served: the tokens after the resumed one, to the finish.
     chunks = [c async for c in stub.Generate(ok, metadata=bearer_metadata(CLIENT_KEY))]

@@ -201,3 +201,24 @@ def test_a_requests_media_are_held_as_read_and_bounded_in_all(tmp_path: Path) ->
     with pytest.raises(Busy):
         chat_request(body, "r", MediaPolicy(media_dir=tmp_path), refuse_the_second)
     assert held == [3 << 20]
+
+
+def test_no_medium_is_read_past_the_requests_deadline(tmp_path: Path) -> None:
+    # Fetches of http_fetch_timeout_s each held a thread for as many URLs as a body named,
+    # past the request's own time and after its client left.
+    import time
+
+    from router.http.convert import chat_request
+    from router.http.errors import ApiError
+    from router.http.schema import ChatCompletionRequest
+
+    (tmp_path / "cat.png").write_bytes(b"png")
+    part = {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/cat.png"}}
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": [part] * 3}]}
+    )
+    held: list[int] = []
+    with pytest.raises(ApiError) as err:
+        chat_request(body, "r", MediaPolicy(media_dir=tmp_path), held.append, time.monotonic())
+    assert err.value.status == 504 and held == []
+    assert "messages[0].content[0].image_url.url" in str(err.value)

@@ -53,6 +53,27 @@ async def test_a_tenant_runs_at_most_its_share_of_the_threads() -> None:
         await threads.close()
 
 
+async def test_a_tenant_runs_at_most_its_share_of_the_text_threads_too() -> None:
+    # A tenant's 32 text prompts of 1 MiB (0.6-2 s each to tokenize) held a one-token
+    # prompt of another tenant 30 s when only the media threads were shared.
+    threads = PrepareThreads(tenant_share=0.5, threads=4)
+    gate, started = threading.Event(), list[str]()
+    work = blocking(gate, started)
+    try:
+        a = [asyncio.ensure_future(threads.run(False, "a", work, f"a{i}")) for i in range(4)]
+        await until(lambda: len(started) == 2)  # half of the 4 text threads
+        await asyncio.sleep(0.05)
+        assert len(started) == 2 and threads.busy("a", "light") == 2
+        b = asyncio.ensure_future(threads.run(False, "b", work, "b0"))
+        await until(lambda: "b0" in started)
+        gate.set()
+        assert await asyncio.gather(*a, b) == ["a0", "a1", "a2", "a3", "b0"]
+        assert threads._of == {}
+    finally:
+        gate.set()
+        await threads.close()
+
+
 async def test_a_share_is_held_until_the_work_ends_though_its_caller_left() -> None:
     # A client that hangs up and sends again would otherwise get a thread more each time.
     threads = PrepareThreads(tenant_share=0.25, threads=4)  # one thread a tenant

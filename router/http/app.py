@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -199,9 +200,10 @@ def build_app(
         hold = raw.scope.get(HELD_KEY)
         held = hold.more if hold is not None else lambda size: None
         media = names_media(body)
+        deadline = time.monotonic() + servicer.settings.request_timeout_s
         try:
             request = await threads.run(
-                media, who.tenant, chat_request, body, request_id, policy, held
+                media, who.tenant, chat_request, body, request_id, policy, held, deadline
             )
         except FieldError as exc:
             raise api_error(exc) from None

@@ -4,11 +4,16 @@ media are read here). Field errors name the body's field as OpenAI clients know 
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
+
+import grpc
 
 from common.errors import FieldError
 from common.sampling import SamplingParams
 from epd.v1 import router_service_pb2, sampling_pb2
+from router.http.errors import ApiError
 from router.http.media import MediaPolicy, load
 from router.http.schema import (
     FLOAT32_TINY,
@@ -162,17 +167,26 @@ def chat_request(
     request_id: str,
     policy: MediaPolicy,
     hold: Callable[[int], None] = lambda size: None,
+    deadline: float = math.inf,
 ) -> router_service_pb2.GenerateRequest:
     """`POST /v1/chat/completions` -> GenerateRequest (media read under `policy`). Each
     medium's bytes, once read, are given to `hold` before the next is read (which raises
     to refuse them), and FieldError names the part whose bytes take the request's media past
     `policy.max_request_bytes`, as they would a gRPC request past `max_message_mb`: a body
-    of a few bytes may name the same file of `policy.max_bytes` again and again."""
+    of a few bytes may name the same file of `policy.max_bytes` again and again. No medium
+    is read past `deadline` (time.monotonic; ApiError DEADLINE_EXCEEDED): fetches of
+    `http_fetch_timeout_s` each held a thread for as many of them as a body named."""
     request = _request(body, request_id)
     loaded = 0
 
     def read(url: str, field: str) -> bytes:
         nonlocal loaded
+        if time.monotonic() > deadline:
+            raise ApiError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{field}: not read: the request's time (request_timeout_s) ran out reading "
+                "its media",
+            )
         data = load(url, field, policy)
         loaded += len(data)
         if loaded > policy.max_request_bytes:

@@ -148,3 +148,21 @@ class TimedStream(StreamingResponse):
             logger.info(
                 "an answer was not taken within %.0f s: its connection is closed", self.seconds
             )
+            _CUT.left += 1  # uvicorn's error line about it is ours to drop
+
+
+class _Cut(logging.Filter):
+    """Drops uvicorn's "ASGI callable returned without completing response." error once for
+    each answer `TimedStream` cut (on purpose: logged above at INFO), not for another."""
+
+    left = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.left and record.getMessage().startswith("ASGI callable returned without"):
+            self.left -= 1
+            return False
+        return True
+
+
+_CUT = _Cut()
+logging.getLogger("uvicorn.error").addFilter(_CUT)
