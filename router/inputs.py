@@ -386,31 +386,3 @@ def _uuid(media: Any, field: str) -> str | None:
 
 
 ROLES = ("system", "user", "assistant")  # a chat message's, as the wire names them
-MAX_ID_CHARS = 256  # a caller's request id and cache salt (logged, sent to every worker)
-
-
-def check_ids(request: router_service_pb2.GenerateRequest) -> None:
-    """InputError naming `request_id` or `cache_salt` when it is over `MAX_ID_CHARS` or holds
-    a line break or control character (a line break would forge lines of every log it is
-    written to): each travels with the request to every worker, and the encoder hashes the
-    salt into every unit's cache key (without tenants it is the caller's own string)."""
-    for name in ("request_id", "cache_salt"):
-        value = getattr(request, name)
-        if len(value) > MAX_ID_CHARS:
-            raise InputError(name, f"is over {MAX_ID_CHARS} characters")
-        if _breaks_lines(value):
-            raise InputError(name, "holds a line break or a control character")
-
-
-def _breaks_lines(text: str) -> bool:
-    """Whether `text` holds a control character (tab aside) or a line or paragraph
-    separator: what could start a forged line of a log. (Spaces, joiners, marks and other
-    format characters of real text pass: `str.isprintable` refused a Persian salt.)"""
-    return any(
-        (c < " " and c != "\t") or "\x7f" <= c <= "\x9f" or c in "\u2028\u2029" for c in text
-    )
-
-
-def shown_id(request_id: str) -> str:
-    """A caller's request id as a log line may show it: escaped if it could break a line."""
-    return ascii(request_id) if _breaks_lines(request_id) else request_id

@@ -65,7 +65,8 @@ from router.calls import Job, RouterError
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
 from router.held import HeldBytes, MediaHold, add_router_service, read_request
-from router.inputs import ContextTooLong, InputError, check_ids, shown_id
+from router.ids import check_ids, shown_id
+from router.inputs import ContextTooLong, InputError
 from router.orchestrator import Orchestrator
 from router.prepare import prepare_request
 from router.prepare_threads import PrepareThreads, has_media

@@ -27,7 +27,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from common.multimodal.validation import INT32_MAX
 from common.processing.limits import MAX_FPS, MIN_FPS
 from common.sampling import MAX_STOP_TOKEN_IDS
-from router.inputs import MAX_ID_CHARS
+from router.ids import MAX_ID_CHARS
 
 UINT32_MAX = (1 << 32) - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
