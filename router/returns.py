@@ -31,29 +31,34 @@ SILENT_HEARTBEATS = 2  # a suspect worker silent for this many intervals: gone, 
 class Returns:
     """Who is restarting, and the wait for them (module docstring)."""
 
-    def __init__(self, registry: Registry, max_wait_s: float) -> None:
-        self.registry = registry
+    def __init__(self, max_wait_s: float, registry: Registry | None = None) -> None:
         self.max_wait_s = max_wait_s
         self.lost: dict[Role, float] = {}  # role -> registry time its last loss
         self.waited = 0  # requests that waited for a worker, ever
+        self.registry: Registry | None = None
+        if registry is not None:
+            self.follow(registry)
+
+    def follow(self, registry: Registry) -> None:
+        """Watch `registry`'s workers (none watched: no role is restarting)."""
+        self.registry = registry
         registry.on_expire.append(self._lost)
 
     def _lost(self, record: WorkerRecord) -> None:
-        if not record.draining:  # a drained one left on purpose
+        if not record.draining and self.registry is not None:  # a drained one left on purpose
             self.lost[record.role] = self.registry.clock()
-
-    def _gone(self, worker: WorkerRecord) -> bool:
-        silent = self.registry.clock() - worker.last_seen
-        return worker.suspect and silent > SILENT_HEARTBEATS * self.registry.heartbeat_interval_s
 
     def restarting(self, role: Role) -> bool:
         """Whether `role` has no worker a request could use, and lost one lately."""
-        workers = [w for w in self.registry.workers(role) if not w.draining]
-        if any(not self._gone(w) for w in workers):
+        registry = self.registry
+        if registry is None:
+            return False
+        now, silent_s = registry.clock(), SILENT_HEARTBEATS * registry.heartbeat_interval_s
+        workers = [w for w in registry.workers(role) if not w.draining]
+        if any(not (w.suspect and now - w.last_seen > silent_s) for w in workers):
             return False
         left = self.lost.get(role)
-        recently = left is not None and self.registry.clock() - left < RESTART_WINDOW_S
-        return recently or bool(workers)
+        return (left is not None and now - left < RESTART_WINDOW_S) or bool(workers)
 
     async def wait(self, roles: Iterable[Role], deadline: float) -> None:
         """Return once none of `roles` is restarting, or at `deadline` (time.monotonic) or

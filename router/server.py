@@ -107,7 +107,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         )
         self.prepare_threads = PrepareThreads(share)  # the threads requests are prepared on
         # Requests wait out the restart of a role's last worker (`router.returns`).
-        self.returns = Returns(orchestrator.registry, settings.max_queue_wait_s)
+        self.returns = Returns(settings.max_queue_wait_s)  # following the registry: `serve`
 
     def _prepare(
         self,
@@ -347,6 +347,7 @@ async def serve(
     servicer = RouterServicer(
         processor, orchestrator, lifecycle, settings, auth=auth, salt_key=salt_key
     )
+    servicer.returns.follow(registry)
     running = await RunningRouter.start(
         settings,
         servicer,

@@ -20,7 +20,7 @@ from tests.test_router import FIRST, TEXT, FakeDecode, FakePrefill, start_router
 
 
 def test_a_role_is_restarting_only_when_it_lost_a_worker_lately(registry, clock: Clock) -> None:
-    returns = Returns(registry, max_wait_s=5.0)
+    returns = Returns(5.0, registry)
     assert not returns.restarting(Role.DECODE)  # never had one: not restarting
     gone = registry.register(info(Role.DECODE, 3))
     assert not returns.restarting(Role.DECODE)
@@ -42,7 +42,7 @@ def test_a_role_is_restarting_only_when_it_lost_a_worker_lately(registry, clock:
 
 
 def test_a_suspect_worker_counts_as_gone_only_once_it_is_silent(registry, clock: Clock) -> None:
-    returns = Returns(registry, max_wait_s=5.0)
+    returns = Returns(5.0, registry)
     worker = registry.register(info(Role.DECODE, 3))
     registry.suspect(worker)  # a call failed: wedged, or dead
     assert not returns.restarting(Role.DECODE)
@@ -53,7 +53,7 @@ def test_a_suspect_worker_counts_as_gone_only_once_it_is_silent(registry, clock:
 
 
 async def test_the_wait_ends_at_a_registration_or_the_bound(registry, clock: Clock) -> None:
-    returns = Returns(registry, max_wait_s=0.3)
+    returns = Returns(0.3, registry)
     registry.register(info(Role.DECODE, 3))
     clock.now += registry.worker_timeout_s + 1
     registry.expire()
