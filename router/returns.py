@@ -3,39 +3,50 @@
 When the last worker of a role went (killed, crashed: Ray restarts the actor, Kubernetes
 the pod, and it registers again under its name), every request failed at once until it was
 back: 91 requests in the 16 s one decode worker took, though `request_timeout_s` was 300 s.
-Now a request that finds no worker of a role it needs that it could use (none registered
-and serving, or each one suspect and silent: a call failed on it and its heartbeats
-stopped) waits for one, polling, for at most `max_queue_wait_s` and its deadline, provided
-a worker of that role was lost within `RESTART_WINDOW_S` (dropped for silence, not drained)
-or is suspect and silent now. Then it goes on as before: served, or refused UNAVAILABLE
-naming the role. A role that never had a worker, or lost its last one longer ago, is not
-restarting: its requests fail at once, as before. Requests already running on the worker
-that died are not held (their calls fail; a decode stream resumes where another is).
+Now a request that finds no prefill or decode worker it could use (none registered and
+serving, or each one suspect and silent: a call failed on it and its heartbeats stopped)
+waits for one, provided a worker of that role was lost within `RESTART_WINDOW_S` (dropped
+for silence, not drained) or is suspect and silent now. It waits until a worker registers
+or heartbeats, for at most `max_queue_wait_s`, and never within `DEADLINE_MARGIN_S` of its
+deadline (a client with a short one still gets UNAVAILABLE, which it may take to another
+router, not DEADLINE_EXCEEDED); at most `max_waiting` requests wait at once, and none while
+the router drains. Then it goes on as before: served, or refused UNAVAILABLE naming the
+role. A role that never had a worker, or lost its last one longer ago, is not restarting:
+its requests fail at once, as before. The encoder is not waited for: a request may not need
+one (its items cached), and an encode fails over as before. Requests already running on the
+worker that died are not held (their calls fail; a decode stream resumes where another is).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from common.roles import Role
 from router.registry import Registry
 from router.workers import WorkerRecord
 
 RESTART_WINDOW_S = 120.0  # a role that lost its last worker this recently is restarting
-POLL_S = 0.05  # how often a waiting request looks again
+CHECK_S = 0.5  # how often waiting requests look again without news (a heartbeat clears a mark)
+DEADLINE_MARGIN_S = 1.0  # a request stops waiting this long before its deadline
 SILENT_HEARTBEATS = 2  # a suspect worker silent for this many intervals: gone, not wedged
 
 
 class Returns:
     """Who is restarting, and the wait for them (module docstring)."""
 
-    def __init__(self, max_wait_s: float, registry: Registry | None = None) -> None:
+    def __init__(
+        self, max_wait_s: float, registry: Registry | None = None, max_waiting: int = 512
+    ) -> None:
         self.max_wait_s = max_wait_s
+        self.max_waiting = max_waiting  # requests waiting at once, at most
         self.lost: dict[Role, float] = {}  # role -> registry time its last loss
         self.waited = 0  # requests that waited for a worker, ever
+        self.waiting = 0  # requests waiting now
         self.registry: Registry | None = None
+        self._arrived = asyncio.Event()  # set when a worker registers (then a new one)
         if registry is not None:
             self.follow(registry)
 
@@ -43,6 +54,12 @@ class Returns:
         """Watch `registry`'s workers (none watched: no role is restarting)."""
         self.registry = registry
         registry.on_expire.append(self._lost)
+        registry.on_register.append(self._arrival)
+
+    def _arrival(self, record: WorkerRecord) -> None:
+        """A worker registered: wake every waiter; later ones wait for the next."""
+        self._arrived.set()
+        self._arrived = asyncio.Event()
 
     def _lost(self, record: WorkerRecord) -> None:
         if not record.draining and self.registry is not None:  # a drained one left on purpose
@@ -60,13 +77,24 @@ class Returns:
         left = self.lost.get(role)
         return (left is not None and now - left < RESTART_WINDOW_S) or bool(workers)
 
-    async def wait(self, roles: Iterable[Role], deadline: float) -> None:
-        """Return once none of `roles` is restarting, or at `deadline` (time.monotonic) or
-        `max_wait_s` from now, whichever comes first."""
+    async def wait(
+        self, roles: Iterable[Role], deadline: float, stop: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Return once none of `roles` is restarting, `DEADLINE_MARGIN_S` before `deadline`
+        (time.monotonic), `max_wait_s` from now, or once `stop()` (the router drains),
+        whichever comes first; at once when `max_waiting` requests wait already."""
         needed = tuple(roles)
-        if not any(map(self.restarting, needed)):
+        if not any(map(self.restarting, needed)) or self.waiting >= self.max_waiting:
             return
         self.waited += 1
-        until = min(deadline, time.monotonic() + self.max_wait_s)
-        while time.monotonic() < until and any(map(self.restarting, needed)):
-            await asyncio.sleep(POLL_S)
+        self.waiting += 1
+        until = min(deadline - DEADLINE_MARGIN_S, time.monotonic() + self.max_wait_s)
+        try:
+            while not stop() and any(map(self.restarting, needed)):
+                left = until - time.monotonic()
+                if left <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), min(left, CHECK_S))
+        finally:
+            self.waiting -= 1

@@ -107,7 +107,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         )
         self.prepare_threads = PrepareThreads(share)  # the threads requests are prepared on
         # Requests wait out the restart of a role's last worker (`router.returns`).
-        self.returns = Returns(settings.max_queue_wait_s)  # following the registry: `serve`
+        # (following the registry once `serve` has one)
+        self.returns = Returns(settings.max_queue_wait_s, max_waiting=settings.max_queued_requests)
 
     def _prepare(
         self,
@@ -211,8 +212,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     tenant=caller.tenant,
                 )
                 tokens = 0
-                encoder = (Role.ENCODER,) if prompt.params.items else ()
-                await self.returns.wait((*encoder, *KV_ROLES), deadline)  # a restart, if any
+                lifecycle = self.lifecycle
+                await self.returns.wait(KV_ROLES, deadline, lambda: lifecycle.draining)
                 answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
                 async for chunk in self.orchestrator.metrics.track(answer, started):
                     tokens += len(chunk.token_ids)

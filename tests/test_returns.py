@@ -68,12 +68,46 @@ async def test_the_wait_ends_at_a_registration_or_the_bound(registry, clock: Clo
     returns.max_wait_s = 10
     back = asyncio.create_task(come_back())
     started = time.monotonic()
-    await returns.wait([Role.DECODE], time.monotonic() + 1.0)
+    await returns.wait([Role.DECODE], time.monotonic() + 3.0)
     assert 0.15 < time.monotonic() - started < 0.9
     await back
     started = time.monotonic()
     await returns.wait([Role.DECODE, Role.PREFILL], started + 10)  # prefill never had one
     assert time.monotonic() - started < 0.1
+
+
+async def test_the_wait_is_bounded_in_count_by_the_deadline_and_by_a_drain(
+    registry, clock: Clock
+) -> None:
+    # Requests waiting skipped admission: 1000 of them waited with max_queued_requests 8,
+    # each polling every 50 ms; a client's short deadline came back DEADLINE_EXCEEDED (no
+    # failover) instead of UNAVAILABLE; a draining router waited its whole drain.
+    returns = Returns(10.0, registry, max_waiting=3)
+    registry.register(info(Role.DECODE, 3))
+    clock.now += registry.worker_timeout_s + 1
+    registry.expire()
+
+    def waiter() -> asyncio.Task[None]:
+        return asyncio.create_task(returns.wait([Role.DECODE], time.monotonic() + 30))
+
+    waiters = [waiter(), waiter()]
+    draining = False
+    drained = asyncio.create_task(
+        returns.wait([Role.DECODE], time.monotonic() + 30, lambda: draining)
+    )
+    await asyncio.sleep(0.05)
+    assert returns.waiting == 3
+    draining = True
+    await asyncio.wait_for(drained, 2)  # seen at its next look (CHECK_S)
+    started = time.monotonic()
+    await returns.wait([Role.DECODE], started + 0.5)  # a deadline within the margin: at once
+    waiters.append(waiter())
+    await asyncio.sleep(0.05)
+    await returns.wait([Role.DECODE], started + 30)  # a fourth: past max_waiting, at once
+    assert time.monotonic() - started < 0.2 and returns.waiting == 3
+    registry.register(info(Role.DECODE, 4))  # back: the waiters go at once, not polled
+    await asyncio.wait_for(asyncio.gather(*waiters), 0.2)
+    assert returns.waiting == 0
 
 
 async def test_a_request_waits_for_the_decode_worker_that_restarts(ckpt) -> None:
