@@ -46,12 +46,16 @@ class Need:
             return None
         extra = f" + max_tokens {self.max_tokens}" if role == Role.DECODE else ""
         extra = "" if self.max_tokens == 1 else extra  # the prompt alone is too large
-        return TooLarge(
+        refusal = TooLarge(
             f"the request needs {self.blocks(role)} KV blocks of {self.block_size} tokens on "
             f"a {role} worker (prompt {self.prompt_tokens}{extra} tokens); the largest {role} "
             f"worker has {largest} in all",
             context=True,
         )
+        # What to make smaller: the tokens asked for where they count, else the prompt.
+        field = "sampling.max_tokens" if extra else "messages"
+        refusal.trailing_metadata = (("epd-field", field),)
+        return refusal
 
 
 def fit_to_decode(

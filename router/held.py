@@ -211,6 +211,8 @@ async def read_request(
             sized = None
         except DecodeError:
             sized = CORRUPT
+    if context.done():  # the client's deadline passed: gRPC ended the call, nothing to say
+        raise asyncio.CancelledError
     if sized is None:
         await context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -23,12 +23,16 @@ def check_ids(request: router_service_pb2.GenerateRequest) -> None:
 
 
 def _breaks_lines(text: str) -> bool:
-    """Whether `text` holds a control character (tab aside) or a line or paragraph
-    separator: what could start a forged line of a log. (Spaces, joiners, marks and other
-    format characters of real text pass: `str.isprintable` refused a Persian salt.)"""
-    return any(
-        (c < " " and c != "\t") or "\x7f" <= c <= "\x9f" or c in "\u2028\u2029" for c in text
-    )
+    """Whether `text` holds a control character (tab aside), a line or paragraph separator
+    or a bidirectional override: what could forge or reorder a line of a log. (Spaces,
+    joiners, marks and other format characters of real text pass: `str.isprintable`
+    refused a Persian salt.)"""
+    return any((c < " " and c != "\t") or "\x7f" <= c <= "\x9f" or c in _FORGERS for c in text)
+
+
+# Line and paragraph separators, and the bidirectional embeddings, overrides and isolates,
+# which make a log line read in another order (U+202E).
+_FORGERS = frozenset("\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
 def shown_id(request_id: str) -> str:

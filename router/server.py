@@ -239,14 +239,18 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             self.held, context, longest if left is None else min(left, longest), caller.tenant
         )
         request = sized.request
+        request.request_id = request.request_id or uuid.uuid4().hex  # one id in every log line
         try:
             left = context.time_remaining()
             async for chunk in self.generate(request, caller, left, sized.size):
+                if context.done():  # past the client's deadline: gRPC ended the call
+                    return
                 yield chunk
         except RouterError as exc:
             shown = shown_id(request.request_id)
             logger.info("request %s (%s) failed: %s %s", shown, caller.tenant, exc.code.name, exc)
-            await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing_metadata)
+            if not context.done():  # else writing to it fails, logged at ERROR by gRPC
+                await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing_metadata)
         except RpcStatusError as exc:  # draining
             await context.abort(exc.code, exc.details)
         finally:

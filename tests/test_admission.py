@@ -104,11 +104,11 @@ async def test_a_request_that_fits_is_admitted_at_once_and_reserved_on_both_role
 
 
 @pytest.mark.parametrize(
-    ("prompt", "max_tokens", "role", "need"),
-    [(40, 1, "prefill", 10), (20, 30, "decode", 13)],
+    ("prompt", "max_tokens", "role", "need", "field"),
+    [(40, 1, "prefill", 10, "messages"), (20, 30, "decode", 13, "sampling.max_tokens")],
 )
 async def test_a_request_that_can_never_fit_is_refused_at_once(
-    prompt: int, max_tokens: int, role: str, need: int
+    prompt: int, max_tokens: int, role: str, need: int, field: str
 ) -> None:
     adm = make(deployment(prefill=(8, 9), decode=(12,)))
     started = time.monotonic()
@@ -120,6 +120,7 @@ async def test_a_request_that_can_never_fit_is_refused_at_once(
     assert f"needs {need} KV blocks of 4 tokens on a {role} worker" in str(err.value)
     assert f"the largest {role} worker has {largest} in all" in str(err.value)
     assert not isinstance(err.value, Refused)  # no back-off: it cannot help
+    assert err.value.trailing_metadata == (("epd-field", field),)  # the only refusal naming none
     assert adm.refused["never_fits"] == 1 and adm.stats().queued == 0
 
 

@@ -215,6 +215,7 @@ GRPC_CASES: list[tuple[router_service_pb2.GenerateRequest, str]] = [
     (grpc_request(request_id="x\n2030-01-01 INFO router.server: forged"), "request_id"),
     (grpc_request(cache_salt="s\x1b[2J"), "cache_salt"),
     (grpc_request(request_id="x\u2028forged"), "request_id"),
+    (grpc_request(request_id="x\u202edegrof"), "request_id"),  # read right to left
     *(  # the wire's roles only: a template renders any string as one
         (grpc_request(messages=[router_service_pb2.ChatMessage(role=role)]), "messages[1].role")
         for role in ("", "bogus", "tool", "User")

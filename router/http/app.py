@@ -142,6 +142,7 @@ def build_app(
         who: Caller,
         chat: bool,
         raw: Request,
+        deadline: float | None = None,
     ) -> Response:
         """Run the request; until its response starts, a client that hangs up cancels it
         (and what the workers hold for it), as a streamed response's does afterwards."""
@@ -161,7 +162,8 @@ def build_app(
             chat_max = servicer.settings.chat_max_tokens
             request.sampling.max_tokens = min(chat_max, most) if most else chat_max
         held = hold.bytes if hold is not None else 0
-        chunks = servicer.generate(request, who, None, held, fit_max_tokens=default)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        chunks = servicer.generate(request, who, left, held, fit_max_tokens=default)
         try:
             try:
                 first = await _unless_gone(raw, _first(chunks))
@@ -207,7 +209,7 @@ def build_app(
             )
         except FieldError as exc:
             raise api_error(exc) from None
-        return await answer(body, request, who, True, raw)
+        return await answer(body, request, who, True, raw, deadline)  # one budget in all
 
     @app.post("/v1/completions")
     async def completions(who: Who, raw: Request) -> Response:
