@@ -154,8 +154,8 @@ def _nothing() -> None:
 
 @dataclass(slots=True, eq=False)
 class _TenantThreads:
-    """One tenant's share of `heavy`, while work of it runs or waits."""
+    """One tenant's share of a pool, while work of it runs or waits."""
 
-    slots: asyncio.Semaphore  # `tenant_threads` of them
+    slots: asyncio.Semaphore  # the pool's share of them
     users: int = 0  # calls running or waiting
     running: int = 0  # of those, the ones on a thread

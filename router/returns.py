@@ -7,7 +7,8 @@ Now a request that finds no prefill or decode worker it could use (none register
 serving, or each one suspect and silent: a call failed on it and its heartbeats stopped)
 waits for one, provided a worker of that role was lost within `RESTART_WINDOW_S` (dropped
 for silence, not drained) or is suspect and silent now. It waits until a worker registers
-or heartbeats, for at most `max_queue_wait_s`, and never within `DEADLINE_MARGIN_S` of its
+(looking again every `CHECK_S` for a heartbeat that clears a mark), for at most
+`max_queue_wait_s`, and never within `DEADLINE_MARGIN_S` of its
 deadline (a client with a short one still gets UNAVAILABLE, which it may take to another
 router, not DEADLINE_EXCEEDED); at most `max_waiting` requests wait at once, and none while
 the router drains. Then it goes on as before: served, or refused UNAVAILABLE naming the
