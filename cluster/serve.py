@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -73,6 +74,15 @@ def check_ports(settings: Any) -> None:
                 f"{key}: {host}:{port} is in use (another epd serve or router?); "
                 "set a free port, or 0 for any"
             )
+
+
+def try_line(address: str, namespace: str) -> str:
+    """The command `epd serve` suggests once ready; in another namespace than the default,
+    with the `EPD_NAMESPACE` its key is found under (without it: UNAUTHENTICATED)."""
+    from common.settings.api_keys import DEFAULT_NAMESPACE
+
+    env = f"EPD_NAMESPACE={shlex.quote(namespace)} " if namespace != DEFAULT_NAMESPACE else ""
+    return f'try: {env}epd generate "Describe the image." --image IMG --address {address}'
 
 
 def state_dir(namespace: str) -> Path:
@@ -242,7 +252,7 @@ async def _run(
             return 130
         counts = ", ".join(f"{n} {role}" for role, n in ready.items())
         _say(f"ready in {time.monotonic() - started:.1f}s: {counts} registered")
-        _say(f'try: epd generate "Describe the image." --image IMG --address {deployment.address}')
+        _say(try_line(deployment.address, settings.ray.namespace))
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 5.0)

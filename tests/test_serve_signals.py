@@ -77,3 +77,13 @@ async def test_a_second_signal_during_the_stop_cuts_the_drain_and_exits_130(
     out = capsys.readouterr().out
     assert "stopping now: the drain is cut" in out
     assert out.rstrip().endswith("stopped")
+
+
+def test_the_suggested_command_finds_the_key_of_another_namespace() -> None:
+    # With `[ray] namespace = "s28cfg"`, the printed `epd generate` read the default
+    # namespace's key and failed UNAUTHENTICATED.
+    from cluster.serve import try_line
+
+    assert try_line("127.0.0.1:50051", "epd").startswith("try: epd generate ")
+    assert try_line("127.0.0.1:50051", "s28cfg").startswith("try: EPD_NAMESPACE=s28cfg epd ")
+    assert "EPD_NAMESPACE='a b' " in try_line("127.0.0.1:50051", "a b")
