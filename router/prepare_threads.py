@@ -70,7 +70,6 @@ class PrepareThreads:
             "heavy": max(1, int(self.threads * tenant_share)) if tenant_share < 1 else 0,
             "light": max(1, int(LIGHT_THREADS * tenant_share)) if tenant_share < 1 else 0,
         }
-        self.tenant_threads = self.shares["heavy"]
         # (pool, tenant) of work running or waiting for the tenant's share
         self._of: dict[tuple[str, str], _TenantThreads] = {}
         # Work on each pool's threads or queued for them (`epd:prepare_pending`).

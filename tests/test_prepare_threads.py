@@ -32,43 +32,26 @@ def blocking(gate: threading.Event, started: list[str]) -> Any:
     return work
 
 
-async def test_a_tenant_runs_at_most_its_share_of_the_threads() -> None:
-    threads = PrepareThreads(tenant_share=0.5, threads=4)
+@pytest.mark.parametrize("heavy", [True, False])
+async def test_a_tenant_runs_at_most_its_share_of_each_pool(heavy: bool) -> None:
+    # Media threads; and text threads too: a tenant's 32 text prompts of 1 MiB (0.6-2 s
+    # each to tokenize) held a one-token prompt of another 30 s when only media were shared.
+    threads = PrepareThreads(tenant_share=0.5, threads=4)  # 2 of 4 threads in each pool
+    pool = "heavy" if heavy else "light"
     gate, started = threading.Event(), list[str]()
     work = blocking(gate, started)
     try:
-        a = [asyncio.ensure_future(threads.run(True, "a", work, f"a{i}")) for i in range(3)]
+        a = [asyncio.ensure_future(threads.run(heavy, "a", work, f"a{i}")) for i in range(3)]
         await until(lambda: len(started) == 2)
         await asyncio.sleep(0.05)
-        assert sorted(started) == ["a0", "a1"] and threads.busy("a") == 2  # a2 waits
-        b = asyncio.ensure_future(threads.run(True, "b", work, "b0"))
-        light = await threads.run(False, "a", lambda: "text")  # never behind the heavy pool
-        assert light == "text"
+        assert sorted(started) == ["a0", "a1"] and threads.busy("a", pool) == 2  # a2 waits
+        b = asyncio.ensure_future(threads.run(heavy, "b", work, "b0"))
+        other = await threads.run(not heavy, "a", lambda: "other")  # the other pool: free
+        assert other == "other"
         await until(lambda: "b0" in started)  # another tenant: the next free thread
         gate.set()
         assert await asyncio.gather(*a, b) == ["a0", "a1", "a2", "b0"]
         assert threads._of == {}  # forgotten with their last work
-    finally:
-        gate.set()
-        await threads.close()
-
-
-async def test_a_tenant_runs_at_most_its_share_of_the_text_threads_too() -> None:
-    # A tenant's 32 text prompts of 1 MiB (0.6-2 s each to tokenize) held a one-token
-    # prompt of another tenant 30 s when only the media threads were shared.
-    threads = PrepareThreads(tenant_share=0.5, threads=4)
-    gate, started = threading.Event(), list[str]()
-    work = blocking(gate, started)
-    try:
-        a = [asyncio.ensure_future(threads.run(False, "a", work, f"a{i}")) for i in range(4)]
-        await until(lambda: len(started) == 2)  # half of the 4 text threads
-        await asyncio.sleep(0.05)
-        assert len(started) == 2 and threads.busy("a", "light") == 2
-        b = asyncio.ensure_future(threads.run(False, "b", work, "b0"))
-        await until(lambda: "b0" in started)
-        gate.set()
-        assert await asyncio.gather(*a, b) == ["a0", "a1", "a2", "a3", "b0"]
-        assert threads._of == {}
     finally:
         gate.set()
         await threads.close()
@@ -144,7 +127,7 @@ async def test_a_tenants_slow_media_leave_other_requests_their_threads(slow_medi
 
     # Tenant a fills the pool with more media requests than it has threads.
     slow = [send(CLIENT_KEY, True) for _ in range(8)]
-    await until(lambda: threads.busy("tenant-a") == threads.tenant_threads, 10)
+    await until(lambda: threads.busy("tenant-a") == threads.shares["heavy"], 10)
     await until(lambda: threads.pending["heavy"] == 8, 10)  # its others wait for its share
     page = generate_latest(c.router.orchestrator.metrics.registry).decode()
     assert 'epd:prepare_pending{pool="heavy"} 8.0' in page
