@@ -202,12 +202,14 @@ def _is_address(worker: str) -> bool:
     return bool(host) and port.isdigit()
 
 
-async def _on_every_router(args: argparse.Namespace, act: Any) -> int:
-    """`await act(stub, address)` for the worker `args.worker` (its address, or every
+async def _on_every_router(args: argparse.Namespace, act: Any, away: Any = None) -> int:
+    """`await act(stub, address, label)` for the worker `args.worker` (its address, or every
     address registered under that name) on every router listed: each router keeps its own
-    registry. 0 when every router knew the worker, else 1; a router that cannot be told is
-    reported, and the others are told all the same. SettingsError naming WORKER when it is
-    empty or blank: a name "" would match every worker registered without one."""
+    registry; `await away(stub, name, label)` where no worker of that name is registered
+    (True when the router still knew it). 0 when every router knew the worker, else 1; a
+    router that cannot be told is reported, and the others are told all the same.
+    SettingsError naming WORKER when it is empty or blank: a name "" would match every
+    worker registered without one."""
     import grpc
 
     from common.settings.schema import SettingsError
@@ -218,18 +220,18 @@ async def _on_every_router(args: argparse.Namespace, act: Any) -> int:
         )
     routers = _routers(args)
     if len(routers) == 1:  # its failure is the command's (`epd: drain failed: ...`)
-        return await _on_router(args, act, routers[0], "")
+        return await _on_router(args, act, away, routers[0], "")
     missing = 0
     for router in routers:
         try:
-            missing += await _on_router(args, act, router, f"{router}: ")
+            missing += await _on_router(args, act, away, router, f"{router}: ")
         except grpc.aio.AioRpcError as exc:
             _say(f"{router}: not told: {exc.code().name}: {exc.details()}")
             missing += 1
     return 1 if missing else 0
 
 
-async def _on_router(args: argparse.Namespace, act: Any, router: str, where: str) -> int:
+async def _on_router(args: argparse.Namespace, act: Any, away: Any, router: str, where: str) -> int:
     """`_on_every_router` on one router: 1 when it does not know the worker."""
     from epd.v1 import admin_service_pb2
 
@@ -245,6 +247,8 @@ async def _on_router(args: argparse.Namespace, act: Any, router: str, where: str
             for address in named:
                 await act(stub, address, f"{where}{args.worker} ({address})")
             found = bool(named)
+            if not found and away is not None:
+                found = await away(stub, args.worker, f"{where}{args.worker}")
     if not found:
         kind = "at" if _is_address(args.worker) else "named"
         _say(f"{where}no registered worker {kind} {args.worker}")
@@ -272,15 +276,24 @@ async def cmd_undrain(args: argparse.Namespace) -> int:
 
     still = 0
 
-    async def undrain(stub: Any, address: str, label: str) -> bool:
+    async def told(reply: Any, label: str) -> bool:
         nonlocal still
-        reply = await stub.Undrain(admin_service_pb2.UndrainRequest(address=address), timeout=10)
         if reply.found and not reply.serving:
             _say(f"{label}: still draining: the worker itself drains (retiring or stopping)")
             still += 1
         elif reply.found:
             _say(f"{label}: serving (gets new work again)")
-        return bool(reply.found)
+        elif reply.lifted_away:
+            _say(f"{label}: not registered now; it gets new work when it registers again")
+        return bool(reply.found or reply.lifted_away)
 
-    rc = await _on_every_router(args, undrain)
+    async def undrain(stub: Any, address: str, label: str) -> bool:
+        request = admin_service_pb2.UndrainRequest(address=address)
+        return await told(await stub.Undrain(request, timeout=10), label)
+
+    async def undrain_away(stub: Any, name: str, label: str) -> bool:
+        request = admin_service_pb2.UndrainRequest(name=name)
+        return await told(await stub.Undrain(request, timeout=10), label)
+
+    rc = await _on_every_router(args, undrain, undrain_away)
     return 1 if still else rc

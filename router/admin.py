@@ -122,8 +122,12 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
     async def Undrain(
         self, request: admin_service_pb2.UndrainRequest, context: grpc.aio.ServicerContext
     ) -> admin_service_pb2.UndrainResponse:
-        """Route new work to the worker at `address` again (undoes Drain)."""
-        if not request.address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: is empty")
-        found, serving = self.registry.undrain(request.address)
-        return admin_service_pb2.UndrainResponse(found=found, serving=serving)
+        """Route new work to the worker at `address`, or of `name`, again (undoes Drain)."""
+        if not request.address and not request.name.strip():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "address: is empty (and so is name)"
+            )
+        found, serving, lifted_away = self.registry.undrain(request.address, request.name)
+        return admin_service_pb2.UndrainResponse(
+            found=found, serving=serving, lifted_away=lifted_away
+        )

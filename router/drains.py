@@ -5,7 +5,7 @@ under the worker's name so that it stands when the worker registers again:
   it was last registered at. It stands when the worker registers again, at that address or
   another: Ray restarts a crashed actor under its name on a new port, and a worker dropped
   for silence registers again; the drain was most likely put on because something was wrong
-  with that worker. Only Undrain (of that address) clears it.
+  with that worker. Only Undrain (of that address, or of that name) clears it.
 - a retirement (the deployment's scale-down), under the worker's name (a deployment's actor
   names are unique across roles and never reused). Nothing clears it: the worker leaves.
   Undrain leaves it draining, and a worker retired before it registered (still loading its
@@ -55,15 +55,24 @@ class Holds:
             if record.name not in self._retiring:
                 _hold(self._drained, (record.role, record.name), record.address)
 
-    def undrain(self, address: str, records: Iterable[WorkerRecord]) -> None:
-        """An operator undrained `address`: `records` (those registered there) and the
-        names last registered there (gone since, perhaps restarting) serve again, unless
-        retiring."""
+    def undrain(self, records: Iterable[WorkerRecord], address: str = "", name: str = "") -> bool:
+        """An operator undrained the worker at `address`, or of `name`: `records` (those
+        registered so) and the drains held for that name or for names last registered at
+        that address (gone since, perhaps restarting) serve again, unless retiring. True
+        when a drain held for no registered worker was lifted."""
+        registered = set()
         for record in records:
             record.drain_requested = False
+            registered.add((record.role, record.name))
             self._drained.pop((record.role, record.name), None)
-        for key in [key for key, last in self._drained.items() if last == address]:
+        away = [
+            key
+            for key, last in self._drained.items()
+            if (address and last == address) or (name and key[1] == name)
+        ]
+        for key in away:
             del self._drained[key]
+        return bool(set(away) - registered)
 
     def retire(self, name: str, records: Iterable[WorkerRecord]) -> None:
         """The deployment retires the worker `name`; `records` are every registered one."""

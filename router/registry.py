@@ -265,14 +265,22 @@ class Registry:
             logger.info("draining %s worker %s (%s)", record.role, address, record.name)
         return bool(records)
 
-    def undrain(self, address: str) -> tuple[bool, bool]:
-        """Undo `drain` for the worker at `address`: (found, serving). One that reports
-        draining (stopping) or that the deployment retires stays draining: serving False."""
-        records = [r for r in self._workers.values() if r.address == address]
-        self.holds.undrain(address, records)
+    def undrain(self, address: str = "", name: str = "") -> tuple[bool, bool, bool]:
+        """Undo `drain` for the worker at `address`, or registered under `name` when no
+        address is given: (found, serving, lifted_away). One that reports draining
+        (stopping) or that the deployment retires stays draining: serving False.
+        lifted_away: a drain held for a worker not registered now (restarting) was lifted."""
+
+        def chosen(r: WorkerRecord) -> bool:
+            return r.address == address if address else bool(name) and r.name == name
+
+        records = [r for r in self._workers.values() if chosen(r)]
+        lifted_away = self.holds.undrain(records, address=address, name="" if address else name)
         for record in records:
-            logger.info("undrained %s worker %s", record.role, address)
-        return bool(records), any(not r.draining for r in records)
+            logger.info("undrained %s worker %s", record.role, record.address)
+        if lifted_away:
+            logger.info("lifted the drain held for %s (not registered now)", address or name)
+        return bool(records), any(not r.draining for r in records), lifted_away
 
     def retire(self, name: str) -> None:
         """The deployment retires the worker `name` (a scale-down): no new work for it, now

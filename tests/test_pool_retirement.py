@@ -37,7 +37,7 @@ async def test_scale_down_retires_a_drained_worker_first_after_it_restarted(
     assert await manager.scale("prefill", 1) == 1
     assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-1"]
     # Retiring, it is out of rotation at once, and an undrain does not put it back.
-    assert registry.undrain(restarted) == (True, False)
+    assert registry.undrain(restarted) == (True, False, False)
     assert [w.name for w in registry.workers() if not w.draining] == ["epd-prefill-1"]
     await manager.stop()
 

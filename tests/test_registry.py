@@ -166,7 +166,7 @@ def test_an_operators_drain_survives_the_same_process_missing_its_heartbeats(
     assert [w.address for w in registry.expire()] == [same.address]
     registry.register(same)
     assert [w.draining for w in registry.workers(Role.ENCODER)] == [True]
-    found, _ = registry.undrain(same.address)
+    found, _, _ = registry.undrain(same.address)
     assert found
     clock.now += 10
     registry.expire()

@@ -120,7 +120,7 @@ def test_an_operators_drain_stands_when_the_worker_restarts_under_its_name(
     back = registry.register(named(Role.PREFILL, 6, "epd-prefill-1", "process-4"))
     assert back.draining
     # Only Undrain clears it, for the worker's later restarts too.
-    assert registry.undrain(back.address) == (True, True)
+    assert registry.undrain(back.address) == (True, True, False)
     assert not registry.drained_by_operator("epd-prefill-1")
     assert not registry.register(named(Role.PREFILL, 7, "epd-prefill-1", "process-5")).draining
     # The name is the worker's in its role: an encoder of that name is another worker.
@@ -133,8 +133,23 @@ def test_undrain_of_a_worker_that_left_clears_its_drain(registry: Registry, cloc
     registry.drain(first.address)
     clock.now += 10
     registry.expire()
-    assert registry.undrain(first.address) == (False, False)  # gone, but undrained
+    assert registry.undrain(first.address) == (False, False, True)  # gone, but undrained
     assert not registry.register(named(Role.DECODE, 4, "epd-decode-0", "process-2")).draining
+
+
+def test_undrain_by_name_lifts_the_drain_of_a_worker_that_is_away(
+    registry: Registry, clock: Clock
+) -> None:
+    # Drained, then killed: while Ray restarts it, no worker of its name is registered, and
+    # an undrain by name found nothing to tell: it came back drained.
+    first = registry.register(named(Role.DECODE, 3, "epd-decode-0", "process-1"))
+    registry.drain(first.address)
+    clock.now += 10
+    registry.expire()
+    assert registry.undrain(name="epd-decode-1") == (False, False, False)  # another name
+    assert registry.undrain(name="epd-decode-0") == (False, False, True)
+    assert not registry.register(named(Role.DECODE, 4, "epd-decode-0", "process-2")).draining
+    assert registry.undrain(name="epd-decode-0") == (True, True, False)  # nothing held now
 
 
 def test_a_retiring_worker_stays_out_of_rotation_whatever_undrain_says(
@@ -147,7 +162,7 @@ def test_a_retiring_worker_stays_out_of_rotation_whatever_undrain_says(
     leaving = registry.register(named(Role.DECODE, 3, "epd-decode-1", "process-1"))
     registry.retire("epd-decode-1")
     assert leaving.draining and not registry.drained_by_operator("epd-decode-1")
-    assert registry.undrain(leaving.address) == (True, False)  # found, still draining
+    assert registry.undrain(leaving.address) == (True, False, False)  # found, still draining
     assert leaving.draining
     assert {registry.pick(Role.DECODE).address for _ in range(3)} == {other.address}
     # Registering again (a missed heartbeat, a restart) does not make it serve.

@@ -66,6 +66,27 @@ async def test_undrain_routes_to_a_drained_worker_again(
     assert "no registered worker at 127.0.0.1:1" in out
 
 
+async def test_undrain_of_a_worker_away_lifts_its_drain_by_address_or_name(
+    admin: tuple[str, Registry, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Drained, then killed: while it restarts it is not registered. Undrain by address did
+    # lift the drain but said "no registered worker" and exited 1; by name it did nothing,
+    # and the worker came back drained.
+    address, registry, _ = admin
+    for worker in ("127.0.0.1:7001", "prefill-7001"):
+        assert await cmd_drain(_args("drain", worker, "--address", address)) == 0
+        (record,) = [w for w in registry.workers() if w.address == "127.0.0.1:7001"]
+        registry.remove(record.worker_id)  # killed; Ray restarts it
+        assert await cmd_undrain(_args("undrain", worker, "--address", address)) == 0
+        assert f"{worker}: not registered now; it gets new work when it registers again" in (
+            capsys.readouterr().out
+        )
+        assert not registry.register(info(Role.PREFILL, 7001)).draining
+    assert await cmd_undrain(_args("undrain", "prefill-7001", "--address", address)) == 0
+    assert await cmd_undrain(_args("undrain", "prefill-9", "--address", address)) == 1
+    assert "no registered worker named prefill-9" in capsys.readouterr().out
+
+
 async def test_a_worker_draining_itself_stays_draining(
     admin: tuple[str, Registry, list[int]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -88,15 +88,19 @@ class DrainResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class UndrainRequest(_message.Message):
-    __slots__ = ("address",)
+    __slots__ = ("address", "name")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     address: str
-    def __init__(self, address: _Optional[str] = ...) -> None: ...
+    name: str
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class UndrainResponse(_message.Message):
-    __slots__ = ("found", "serving")
+    __slots__ = ("found", "serving", "lifted_away")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    LIFTED_AWAY_FIELD_NUMBER: _ClassVar[int]
     found: bool
     serving: bool
-    def __init__(self, found: _Optional[bool] = ..., serving: _Optional[bool] = ...) -> None: ...
+    lifted_away: bool
+    def __init__(self, found: _Optional[bool] = ..., serving: _Optional[bool] = ..., lifted_away: _Optional[bool] = ...) -> None: ...
