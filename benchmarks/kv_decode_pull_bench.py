@@ -4,7 +4,7 @@ Two processes on one machine (NIXL over UCX, host memory), both `LmRunner`s of t
 checkpoint (default: the "bench" tiny size, bf16, 16-token blocks = 128 KiB per block). The
 holder builds real `KvHandle`s with the prefill worker's own code (`PrefillServicer`, one
 descriptor per block into its registered block-major buffer); the reader pulls them with
-the decode worker's own code (`KvAllocator.plan_import` + `common.handoff.pull`:
+the decode worker's own code (`KvAllocator.plan_import` + `common.kv_pull.pull`:
 ranges from the handle, adjacent blocks merged, READ on a worker thread, then the pulled
 blocks' digests checked against the handle's). Per size and holder block pattern:
 

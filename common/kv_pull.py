@@ -75,7 +75,8 @@ async def pull(
 
     Raises `RpcStatusError`: INVALID_ARGUMENT when the metadata cannot be loaded or names
     another agent, FAILED_PRECONDITION when the holder refuses the READ (descriptors outside
-    its registered memory), UNAVAILABLE when the holder cannot be reached; and
+    its registered memory), ABORTED when the holder cannot be reached or fails the READ (its
+    KV is unusable, like a lost lease: the router prefills again); and
     `TransferTimeoutError` as is when the READ (or the wait for a thread) timed out, for
     the caller's quarantine decision. When the caller went away (cancelled), the blocks go
     back once the READ is over (`on_orphan()`), or, after a timeout NIXL could not cancel,
@@ -160,7 +161,9 @@ def _read_and_digest(
     local_ids: list[int],
     *,
     deadline: float,
-    **read_options: object,
+    remote_memory: str,
+    remote_device_id: int,
+    peer_metadata: bytes,
 ) -> tuple[TransferStats, list[bytes]]:
     """One READ, then the digests of the blocks it wrote (same thread: no hop between),
     given what is left until `deadline` (`time.monotonic`) as its timeout."""
@@ -168,7 +171,15 @@ def _read_and_digest(
     if left <= 0:  # spent waiting for a thread: no READ was started
         raise TransferTimeoutError(f"the KV pull timed out: {NO_READ_STARTED}", True)
     try:
-        stats = agent.read(peer, remote, local, timeout_s=left, **read_options)  # type: ignore[arg-type]
+        stats = agent.read(
+            peer,
+            remote,
+            local,
+            timeout_s=left,
+            remote_memory=remote_memory,
+            remote_device_id=remote_device_id,
+            peer_metadata=peer_metadata,
+        )
     except TransferTimeoutError:
         raise
     except TransferRefusedError as exc:

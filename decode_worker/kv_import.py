@@ -2,7 +2,7 @@
 
     admit(handle, ...)  -> Imported: blocks taken (`KvAllocator.plan_import`; while the pool
                            is full, wait for blocks to be freed and keep the lease alive with
-                           `RenewKv`), the missing ones READ by NIXL (`common.handoff.pull`)
+                           `RenewKv`), the missing ones READ by NIXL (`common.kv_pull.pull`)
                            and their bytes checked against the handle's `block_digests`, the
                            holder asked to confirm the lease (`ReleaseKv`, in the background),
                            and the sequence made (it owns the plan's blocks)
@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -71,8 +72,8 @@ class DecodeCounters:
     """What the decode worker did since start (tests, heartbeats, logs)."""
 
     requests: int = 0  # Decode streams admitted (past validation)
-    blocks_pulled: int = 0  # prompt blocks READ from prefill workers (lease confirmed)
-    bytes_pulled: int = 0  # bytes READ from prefill workers (lease confirmed)
+    blocks_pulled: int = 0  # prompt blocks READ from prefill workers and used (lease confirmed)
+    bytes_pulled: int = 0  # bytes READ from prefill workers: every READ, used or not
     blocks_reused: int = 0  # full prompt blocks found in this worker's prefix cache
     hash_mismatches: int = 0  # handles refused because their hashes differ
     digest_mismatches: int = 0  # pulled blocks whose bytes failed their digest (re-prefilled)
@@ -81,7 +82,7 @@ class DecodeCounters:
     block_waits: int = 0  # requests that waited for free blocks before their pull
     resumed: int = 0  # streams resumed from another decode worker's tokens (resume_tokens)
     tokens_recomputed: int = 0  # KV of resumed tokens computed here
-    pull_seconds: float = 0.0  # wall time spent in READs
+    pull_seconds: float = 0.0  # wall time spent in READs, timed-out ones included
 
 
 @dataclass(slots=True)
@@ -175,6 +176,7 @@ class KvImporter:
         except BaseException:
             release()
             raise
+        started = time.monotonic()
         try:
             pulled = await pull(
                 self.agent,
@@ -189,6 +191,7 @@ class KvImporter:
             release()
             raise  # on_orphan gives the blocks back once the READ is over
         except TransferTimeoutError as exc:
+            self.counters.pull_seconds += time.monotonic() - started
             release()
             if exc.cancelled:
                 await self.model.call(allocator.abort_import, plan)
@@ -204,6 +207,9 @@ class KvImporter:
             release()
             await self.model.call(allocator.abort_import, plan)
             raise
+        if pulled.stats is not None:  # the network's view: every READ, whatever comes of it
+            self.counters.bytes_pulled += pulled.stats.nbytes
+            self.counters.pull_seconds += pulled.stats.seconds
         if pulled.mismatched:
             await self._refuse(handle, plan, pulled.mismatched)
         confirmation: asyncio.Future[bool] | None = None
@@ -250,9 +256,6 @@ class KvImporter:
         self.model.submit(self._finish, imported)
         c.blocks_pulled += len(imported.plan.pull)
         c.blocks_reused += len(imported.plan.reused)
-        if imported.stats is not None:
-            c.bytes_pulled += imported.stats.nbytes
-            c.pull_seconds += imported.stats.seconds
         return True
 
     def discard(self, imported: Imported) -> concurrent.futures.Future[None] | None:

@@ -42,10 +42,14 @@ def decode_metrics(servicer: DecodeServicer) -> list[Any]:
         *requests_metrics(running, max(servicer.active - running, 0)),
         *kv_pool_metrics(servicer.runner.allocator.pool),
         counter("epd:decode_requests", "Decode streams admitted.", c.requests),
-        counter("epd:kv_blocks_pulled", "Prompt KV blocks READ from prefill.", c.blocks_pulled),
+        counter(
+            "epd:kv_blocks_pulled",
+            "Prompt KV blocks READ from prefill and used (lease confirmed).",
+            c.blocks_pulled,
+        ),
         counter("epd:kv_blocks_reused", "Full prompt blocks found here.", c.blocks_reused),
-        counter("epd:kv_bytes_pulled", "Bytes READ from prefill workers.", c.bytes_pulled),
-        counter("epd:kv_pull_seconds", "Wall time spent in KV READs.", c.pull_seconds),
+        counter("epd:kv_bytes_pulled", "Bytes READ from prefill, used or not.", c.bytes_pulled),
+        counter("epd:kv_pull_seconds", "Wall time in KV READs, timed out or not.", c.pull_seconds),
         counter("epd:kv_hash_mismatches", "KV handles refused: hashes differ.", c.hash_mismatches),
         counter(
             "epd:kv_digest_failures",

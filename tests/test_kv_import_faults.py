@@ -229,6 +229,7 @@ async def test_a_read_that_timed_out_is_aborted_for_a_prefill_again(cancelled: b
             await importer.admit(handle, [1] * 6, None, [1], 0, SamplingParams(max_tokens=4), 1.0)
         assert refused.value.code == grpc.StatusCode.ABORTED
         assert "prefill again" in refused.value.details and len(released) == 1
+        assert importer.counters.pull_seconds > 0  # the time it took counts, as READ time
         if not cancelled:
             assert sum(importer.quarantined.values()) == allocator.pool.num_used_blocks > 0
             assert error.released is not None

@@ -122,6 +122,7 @@ async def test_lease_gone_after_steps_ran_is_aborted_and_leaves_nothing(
     request = await prefilled(c, user(img_part(301), "And this one, briefly?"))
     cached, free = allocator.cached_hashes(), allocator.pool.num_free_blocks
     lost = servicer.counters.leases_lost
+    pulled, read = servicer.counters.blocks_pulled, servicer.counters.bytes_pulled
     steps = servicer.batcher.steps
     call = c.decode_stub.Decode(request, timeout=60)
     reader = asyncio.create_task(call.read())
@@ -135,6 +136,8 @@ async def test_lease_gone_after_steps_ran_is_aborted_and_leaves_nothing(
     assert info.value.code() == grpc.StatusCode.ABORTED
     assert "kv.lease_id" in (info.value.details() or "")
     assert servicer.counters.leases_lost == lost + 1
+    # Its READ counts in the network's figures (bytes, seconds), not as blocks used.
+    assert servicer.counters.bytes_pulled > read and servicer.counters.blocks_pulled == pulled
     assert allocator.cached_hashes() == cached
     assert allocator.pool.num_free_blocks == free
     allocator.pool.check_invariants()
