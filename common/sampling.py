@@ -44,6 +44,14 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_TOKEN_IDS = 1024  # a request's stop tokens, each checked per sampled token
 
 
+class SamplingError(ValueError):
+    """A `SamplingParams` value out of range; `field` names it (e.g. "top_p")."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops. Validated on construction."""
@@ -66,27 +74,36 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+            raise SamplingError(
+                "temperature", f"temperature must be a finite number >= 0, got {t!r}"
+            )
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+            raise SamplingError("top_p", f"top_p must be in (0, 1], got {p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+            raise SamplingError("top_k", f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+            raise SamplingError(
+                "seed", f"seed must be None or an int in [0, 2**63), got {self.seed!r}"
+            )
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            raise SamplingError(
+                "max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
+            )
         stop = tuple(self.stop_token_ids)
         if len(stop) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(
-                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop)}"
+            raise SamplingError(
+                "stop_token_ids",
+                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop)}",
             )
         for k, t in enumerate(stop):
             if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r} at index {k}")
+                raise SamplingError(
+                    "stop_token_ids", f"stop_token_ids must be ints >= 0, got {t!r} at index {k}"
+                )
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise SamplingError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def is_greedy(self) -> bool:

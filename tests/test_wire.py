@@ -287,9 +287,16 @@ def test_sampling_round_trip_and_defaults() -> None:
     )
     assert sampling_from_proto(sampling_to_proto(params)) == params
     assert sampling_from_proto(sampling_pb2.SamplingParams()) == SamplingParams()
-    with pytest.raises(FieldError) as info:
-        sampling_from_proto(sampling_pb2.SamplingParams(temperature=-1.0))
-    assert info.value.field == "sampling"
+    # Each names the field at fault, not the whole message (a client could not tell which).
+    for bad, field in [
+        (sampling_pb2.SamplingParams(temperature=-1.0), "sampling.temperature"),
+        (sampling_pb2.SamplingParams(top_p=2.0), "sampling.top_p"),
+        (sampling_pb2.SamplingParams(seed=2**63), "sampling.seed"),
+        (sampling_pb2.SamplingParams(stop_token_ids=[1] * 1025), "sampling.stop_token_ids"),
+    ]:
+        with pytest.raises(FieldError) as info:
+            sampling_from_proto(bad)
+        assert info.value.field == field
 
 
 def test_non_multimodal_fields_raise_the_general_field_error() -> None:
@@ -297,9 +304,16 @@ def test_non_multimodal_fields_raise_the_general_field_error() -> None:
     from common.wire.sampling import sampling_from_proto
     from epd.v1 import sampling_pb2
 
-    with pytest.raises(FieldError) as info:
-        sampling_from_proto(sampling_pb2.SamplingParams(temperature=-1.0))
-    assert info.value.field == "sampling"
+    # Each names the field at fault, not the whole message (a client could not tell which).
+    for bad, field in [
+        (sampling_pb2.SamplingParams(temperature=-1.0), "sampling.temperature"),
+        (sampling_pb2.SamplingParams(top_p=2.0), "sampling.top_p"),
+        (sampling_pb2.SamplingParams(seed=2**63), "sampling.seed"),
+        (sampling_pb2.SamplingParams(stop_token_ids=[1] * 1025), "sampling.stop_token_ids"),
+    ]:
+        with pytest.raises(FieldError) as info:
+            sampling_from_proto(bad)
+        assert info.value.field == field
     assert not isinstance(info.value, MultimodalLayoutError)
     with pytest.raises(FieldError, match=r"kv_layout\.dtype: unknown element type 99") as info:
         torch_dtype(99, "kv_layout.dtype")

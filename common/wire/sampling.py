@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from common.errors import FieldError
 from common.models.generation import GenerationDefaults
-from common.sampling import FinishReason, SamplingParams
+from common.sampling import FinishReason, SamplingError, SamplingParams
 from epd.v1 import decode_service_pb2, sampling_pb2
 
 _FINISH: dict[FinishReason, decode_service_pb2.FinishReason] = {
@@ -48,7 +48,8 @@ def sampling_from_proto(
     With `defaults` (the checkpoint's `generation_config.json`), an unset `max_tokens`,
     `top_p` or `top_k` takes the checkpoint's value (`max_new_tokens`, ...) before
     `SamplingParams`' own; the temperature is always the request's (the wire cannot leave
-    it unset). Raises `FieldError` with field "sampling" for out-of-range values.
+    it unset). Raises `FieldError` naming the field (e.g. "sampling.top_p") for
+    out-of-range values.
     """
     base = (defaults or GenerationDefaults()).sampling()
     try:
@@ -61,5 +62,5 @@ def sampling_from_proto(
             stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
             ignore_eos=bool(msg.ignore_eos),
         )
-    except ValueError as exc:
-        raise FieldError("sampling", str(exc)) from None
+    except SamplingError as exc:
+        raise FieldError(f"sampling.{exc.field}", str(exc)) from None
