@@ -61,7 +61,7 @@ def decode_metrics(servicer: DecodeServicer) -> list[Any]:
         gauge(
             "epd:kv_blocks_quarantined",
             "Blocks kept from the pool while a READ NIXL could not cancel may still write them.",
-            sum(servicer.importer.quarantined.values()),
+            sum(list(servicer.importer.quarantined.values())),  # a snapshot (metrics thread)
         ),
         counter("epd:decode_steps", "Batched decode forwards run.", batch.steps),
         counter("epd:decode_step_sequences", "Sequences decoded, over all steps.", batch.decoded),

@@ -43,9 +43,47 @@ class FrontDoor(Protocol):
 # vLLM's buckets, so dashboards built for vLLM read these too.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
 TTFT_BUCKETS += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+# Below vLLM's lowest too (only `le` values added): a small model's gaps and whole answers
+# all fell in the first bucket, and every quantile read as that bucket's bound.
+ITL_BUCKETS = [
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+]
 ITL_BUCKETS += [5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0]
+E2E_BUCKETS = [
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+]
 E2E_BUCKETS += [60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 PLANNING_BUCKETS = [1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.1]
 
@@ -140,9 +178,20 @@ class RouterMetrics:
             "heartbeat has cleared the mark since.",
             labels=["role"],
         )
+        workers = GaugeMetricFamily(
+            "epd:workers",
+            "Registered live workers, by role and state: serving, suspect (picked last) or "
+            "draining (no new work).",
+            labels=["role", "state"],
+        )
         for role in Role:
-            workers = self._calls.registry.workers(role)
-            suspect.add_metric([str(role)], sum(w.suspect for w in workers))
+            records = self._calls.registry.workers(role)
+            suspect.add_metric([str(role)], sum(w.suspect for w in records))
+            draining = sum(w.draining for w in records)
+            flagged = sum(w.suspect and not w.draining for w in records)
+            workers.add_metric([str(role), "serving"], len(records) - draining - flagged)
+            workers.add_metric([str(role), "suspect"], flagged)
+            workers.add_metric([str(role), "draining"], draining)
         return [
             *requests_metrics(max(self.in_flight - waiting, 0), waiting),
             counter("epd:admission_admitted", "Requests admitted.", admission.admitted),
@@ -160,6 +209,7 @@ class RouterMetrics:
             ),
             retries,
             suspect,
+            workers,
             counter(
                 "epd:embedding_cache_hits",
                 "Items sent to prefill with the encoder output the router kept for them "
@@ -186,7 +236,8 @@ class RouterMetrics:
                 gauge("epd:requests_held_bytes", "Bytes of requests held now.", held.held),
                 counter(
                     "epd:requests_refused_held",
-                    "Requests refused because holding them would pass requests_in_flight_mb.",
+                    "Requests refused because holding them would pass requests_in_flight_mb, "
+                    "or with no place left to wait to be read.",
                     held.refused,
                 ),
                 pending,

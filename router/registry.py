@@ -340,10 +340,13 @@ class Registry:
         a silent worker is left out here but dropped only by `expire`, whose listeners must
         hear of it."""
         cutoff = self._cutoff()
+        # A snapshot first: the metrics thread calls this while the loop registers workers
+        # (iterating the dict itself failed that scrape: "changed size during iteration").
+        every = list(self._workers.values())
         if role is not None:  # on every request's path: one role, ordered by address
-            chosen = [w for w in self._workers.values() if w.last_seen >= cutoff and w.role == role]
+            chosen = [w for w in every if w.last_seen >= cutoff and w.role == role]
             return sorted(chosen, key=_address)
-        chosen = [w for w in self._workers.values() if w.last_seen >= cutoff]
+        chosen = [w for w in every if w.last_seen >= cutoff]
         return sorted(chosen, key=lambda w: (_ROLE_ORDER[w.role], w.address))
 
     def ready(self) -> bool:

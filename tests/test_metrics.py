@@ -138,6 +138,12 @@ async def test_one_request_shows_up_in_every_scrape(dep: Deployment) -> None:
     assert one(router, "epd:reprefills_total") == 0
     assert one(router, "epd:retries_total", stage="decode") == 0
     assert one(router, "epd:workers_suspect", role="prefill") == 0
+    for role in ("encoder", "prefill", "decode"):
+        assert one(router, "epd:workers", role=role, state="serving") == 1
+        assert one(router, "epd:workers", role=role, state="draining") == 0
+    # Below vLLM's lowest buckets too: a small model's gaps all fell in the first.
+    assert ("vllm:inter_token_latency_seconds_bucket", (("le", "0.001"),)) in router
+    assert ("vllm:e2e_request_latency_seconds_bucket", (("le", "0.025"),)) in router
     assert one(router, "vllm:num_requests_running") == 0
     assert one(router, "vllm:num_requests_waiting") == 0
     assert one(router, "process_cpu_seconds_total") > 0  # every endpoint: process_* too
@@ -162,6 +168,19 @@ async def test_one_request_shows_up_in_every_scrape(dep: Deployment) -> None:
     assert one(decode, "epd:decode_step_sequences_total") == steps  # each step it alone
     wall = one(decode, "epd:decode_step_seconds_total")
     assert 0 < one(decode, "epd:decode_step_cpu_seconds_total") <= wall + 1e-3
+
+
+async def test_workers_by_state_show_a_role_with_none_serving(dep: Deployment) -> None:
+    # Every decode worker drained: /health said 503, the metrics page said nothing.
+    address = dep.decode.address
+    assert dep.router.registry.drain(address)
+    try:
+        router = await scrape(dep.router)
+        assert one(router, "epd:workers", role="decode", state="serving") == 0
+        assert one(router, "epd:workers", role="decode", state="draining") == 1
+    finally:
+        dep.router.registry.undrain(address)
+    assert one(await scrape(dep.router), "epd:workers", role="decode", state="serving") == 1
 
 
 async def test_a_repeated_request_hits_the_caches(dep: Deployment) -> None:

@@ -4,6 +4,9 @@ least-loaded selection, driven with a fake clock (no network)."""
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
+import time
 from collections.abc import Collection
 from types import SimpleNamespace
 
@@ -304,3 +307,39 @@ def test_two_live_workers_of_one_name_do_not_evict_each_other(
     clock.now += registry.worker_timeout_s * 1.5
     registry.register(b)
     assert [w.address for w in registry.workers(Role.ENCODER)] == [b.address]
+
+
+def test_a_scrape_thread_reads_the_workers_while_the_loop_registers(registry: Registry) -> None:
+    # The metrics thread lists the workers at scrape time while the event loop registers
+    # and drops them: iterating the dict itself failed a scrape now and then ("dictionary
+    # changed size during iteration"). Thread switches forced often to make it show.
+    for port in range(40):
+        registry.register(info(Role.PREFILL, 30000 + port))
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                for role in Role:
+                    registry.workers(role)
+                registry.workers()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=scrape)
+    thread.start()
+    try:
+        end = time.monotonic() + 1.5
+        i = 0
+        while time.monotonic() < end:
+            record = registry.register(info(Role.DECODE, 40000 + i % 50))
+            registry.remove(record.worker_id)
+            i += 1
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
