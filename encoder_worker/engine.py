@@ -276,6 +276,10 @@ class EncoderEngine:
             start = end
         return outputs
 
+    def waiting_requests(self) -> int:
+        """Requests with units queued for the tower, not in it yet (a snapshot: any thread)."""
+        return len({id(w) for entry in list(self._queue) for w in list(entry.waiters)})
+
     async def close(self) -> None:
         """Stop the batch task; queued requests fail with CancelledError."""
         task, self._task = self._task, None

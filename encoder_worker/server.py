@@ -205,9 +205,9 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
 def encoder_metrics(servicer: EncoderServicer) -> list[Any]:
     """The encoder's metrics at scrape time (docs/metrics.md): requests, its cache, its
     output leases."""
-    c = servicer.counters
+    c, waiting = servicer.counters, servicer.engine.waiting_requests()
     return [
-        *requests_metrics(c.active, 0),
+        *requests_metrics(max(c.active - waiting, 0), waiting),
         counter(
             "epd:encoder_cache_queries", "Items looked up in the encoder cache.", c.cache_lookups
         ),

@@ -93,6 +93,12 @@ class PrefillPacker:
         self._lock = threading.Lock()  # guards `_queue` and every prompt's state
         self._queue: list[_Prompt] = []
 
+    @property
+    def waiting(self) -> int:
+        """Prompts queued for the model thread, not taken yet (any thread)."""
+        with self._lock:
+            return len(self._queue)
+
     async def prefill(
         self,
         tokens: list[int],

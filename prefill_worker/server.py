@@ -36,9 +36,9 @@ PREFILL_SERVICE = service_name(prefill_service_pb2, "PrefillService")
 def prefill_metrics(servicer: PrefillServicer) -> list[Any]:
     """The prefill worker's metrics at scrape time (docs/metrics.md): requests, the pool,
     the KV leases it holds for decode workers."""
-    c = servicer.counters
+    c, waiting = servicer.counters, servicer.packer.waiting
     return [
-        *requests_metrics(c.active, 0),
+        *requests_metrics(max(c.active - waiting, 0), waiting),
         *kv_pool_metrics(servicer.runner.allocator.pool),
         counter("epd:prefill_requests", "Prefill calls answered with a KV handle.", c.requests),
         counter(

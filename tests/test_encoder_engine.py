@@ -368,8 +368,10 @@ async def test_cancelled_request_leaves_the_joined_one_its_rows(
     first = asyncio.ensure_future(engine.encode([job]))
     second = asyncio.ensure_future(engine.encode([job]))
     await asyncio.sleep(0)
+    assert engine.waiting_requests() == 2  # both wait for the one queued unit
     first.cancel()
     (out,) = await second
+    assert engine.waiting_requests() == 0
     assert first.cancelled() and engine.units_encoded == 1 and job.units[0].key in engine.cache
     assert_as_alone(tower, job, out.rows)
     await engine.close()

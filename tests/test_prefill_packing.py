@@ -90,7 +90,7 @@ async def pack_of(
         )
         for t, p in items
     ]
-    await eventually(lambda: len(packer._queue) == len(items))
+    await eventually(lambda: packer.waiting == len(items))  # what the metrics page shows
     gate.set()
     busy.result(10)
     return await asyncio.gather(*calls, return_exceptions=True)
