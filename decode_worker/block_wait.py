@@ -7,6 +7,12 @@ free blocks, keeping the handle's lease alive meanwhile (DESIGN §4).
         holder says the lease ended meanwhile (the router prefills again). The caller's
         deadline bounds the wait.
 
+Waiting requests are served in arrival order: once one waits, a later request waits behind
+it, and only the first plans again when blocks are freed (a steady flow of small requests
+took each freed block before an older large one found enough free at once, until its
+deadline). The router's admission is first come first served too, but not across routers,
+nor for a tenant placed ahead, nor for direct callers.
+
 While it waits, the lease is renewed at once (the handle may have spent most of it on its
 way here), then every third of what the holder says is left. A holder that does not answer
 is no reason to stop: the confirmation after the READ says whether the lease held.
@@ -17,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from common.kv.allocator import ImportPlan, KvAllocator, blocks_for
-from common.kv.block_pool import NoFreeBlocksError
+from common.kv.block_pool import NoFreeBlocksError, PoolTooSmallError
 from common.models.model_thread import ModelThread
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError
@@ -58,6 +65,8 @@ class BlockWait:
         self.wait_freed = wait_freed  # returns once the decode loop next frees blocks
         self.digests_now = digests_now  # model thread: block ids -> digests of their bytes
         self.renew_leases = renew_leases  # RenewKv while a request waits for blocks
+        # Waiting requests in arrival order, each by the event set when it comes first.
+        self._queue: deque[asyncio.Event] = deque()
 
     async def plan(
         self, hashes: list[bytes] | None, n: int, total: int, handle: kv_pb2.KvHandle
@@ -70,30 +79,37 @@ class BlockWait:
         most of it on its way here), then every third of what the holder says is left; a
         lease the holder says is gone ends the wait: ABORTED, prefill again."""
         allocator = self.allocator
+        pool = allocator.pool
+        need = blocks_for(max(total, n), allocator.block_size)
+        if need > pool.num_blocks:
+            field = (
+                "sampling.max_tokens" if n <= pool.num_blocks * allocator.block_size else "prompt"
+            )
+            raise PoolTooSmallError(need, pool.num_blocks, field)
         every_s = max(handle.lease_ttl_ms / 3000, MIN_RENEW_S)
         renewal: asyncio.Task[float | None] | None = None
         next_renewal = 0.0
-        waited = False
+        turn: asyncio.Event | None = None  # set while it waits: its place in the queue
         try:
             while True:
-                try:
-                    return await self.model.call(
-                        allocator.plan_import,
-                        hashes,
-                        n,
-                        total,
-                        self.digests_now,
-                        on_orphan=lambda p: self.model.submit(allocator.abort_import, p),
-                    )
-                except NoFreeBlocksError:
-                    pool = allocator.pool
-                    never = blocks_for(max(total, n), allocator.block_size) > pool.num_blocks
-                    if never or pool.num_used_blocks == 0:
-                        raise
-                if not waited:
-                    waited = True
-                    self.counters.block_waits += 1
-                    logger.info("a request waits for free KV blocks (lease %s)", handle.lease_id)
+                if turn is None and self._queue:  # others wait: behind them
+                    turn = self._queue_up(handle)
+                first = turn is None or self._queue[0] is turn
+                if first:
+                    try:
+                        return await self.model.call(
+                            allocator.plan_import,
+                            hashes,
+                            n,
+                            total,
+                            self.digests_now,
+                            on_orphan=lambda p: self.model.submit(allocator.abort_import, p),
+                        )
+                    except NoFreeBlocksError:
+                        if pool.num_used_blocks == 0:  # none will be freed
+                            raise
+                    if turn is None:
+                        turn = self._queue_up(handle)
                 if renewal is not None and renewal.done():
                     every_s = self._renewed(renewal, handle, every_s)
                     next_renewal, renewal = time.monotonic() + every_s, None
@@ -103,18 +119,34 @@ class BlockWait:
                     renewal = asyncio.ensure_future(
                         self.peers.renew_kv(handle.holder_address, handle.lease_id)
                     )
-                freed = asyncio.ensure_future(self.wait_freed())
-                waits: set[asyncio.Future[Any]] = {freed} if renewal is None else {freed, renewal}
-                # Freed blocks, the next renewal, or a look every `LOOK_S`: blocks an import
-                # gives back (not the decode loop) wake no one.
+                # The first waits for freed blocks, the others for their turn; each for the
+                # next renewal too, or a look every `LOOK_S` (blocks an import gives back,
+                # not the decode loop, wake no one).
+                assert turn is not None  # in the queue once a plan failed
+                woken = asyncio.ensure_future(self.wait_freed() if first else turn.wait())
+                waits: set[asyncio.Future[Any]] = {woken} if renewal is None else {woken, renewal}
                 timeout = LOOK_S
                 if self.renew_leases:
                     timeout = min(max(next_renewal - time.monotonic(), MIN_RENEW_S), LOOK_S)
                 await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                freed.cancel()
+                woken.cancel()
         finally:
             if renewal is not None:
                 renewal.cancel()
+            if turn is not None:  # planned, failed or gone: the next in line plans now
+                if self._queue[0] is turn and len(self._queue) > 1:
+                    self._queue[1].set()
+                self._queue.remove(turn)
+
+    def _queue_up(self, handle: kv_pb2.KvHandle) -> asyncio.Event:
+        """A place at the end of the queue of waiting requests (counted, logged)."""
+        turn = asyncio.Event()
+        if not self._queue:
+            turn.set()  # first in line
+        self._queue.append(turn)
+        self.counters.block_waits += 1
+        logger.info("a request waits for free KV blocks (lease %s)", handle.lease_id)
+        return turn
 
     @staticmethod
     def _renewed(

@@ -67,6 +67,19 @@ class NoFreeBlocksError(RuntimeError):
         self.free = free
 
 
+class PoolTooSmallError(NoFreeBlocksError):
+    """A request needs more blocks than the whole pool has: it never fits on this worker
+    (said apart from a pool that is full for now; the router's capacity check refuses it
+    up front once it knows the workers' pools)."""
+
+    def __init__(self, wanted: int, num_blocks: int, field: str) -> None:
+        super().__init__(wanted, num_blocks)
+        self.args = (
+            f"wanted {wanted} KV blocks, more than this worker's whole pool ({num_blocks}, "
+            f"its num_blocks setting): {field} asks for too many tokens",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class KvEvent:
     """A change to the set of cached block hashes, for the router's prefix index."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from common.kv.allocator import blocks_for
+from common.kv.block_pool import PoolTooSmallError
 from common.kv.digest import cache_block_digests
 from common.models.qwen3_vl.rope import MropePositions
 from common.models.runner import LmRunner, PrefillJob
@@ -83,6 +84,11 @@ def admit(
     if n == 0:
         raise ValueError("empty prompt")
     allocator = runner.allocator
+    need = blocks_for(total_tokens or n, allocator.block_size)
+    if need > allocator.pool.num_blocks:
+        alone = blocks_for(n, allocator.block_size) > allocator.pool.num_blocks
+        field = "prompt" if alone else "sampling.max_tokens"
+        raise PoolTooSmallError(need, allocator.pool.num_blocks, field)
     cached = allocator.cached_prefix(hashes, n)
     if cached:  # reuse only blocks whose bytes are still the ones computed
         cached = allocator.check_prefix(cached, cache_block_digests(runner.kv, cached))

@@ -1,0 +1,126 @@
+"""The decode worker's wait for free KV blocks (`decode_worker.block_wait`), over a fake
+allocator whose free blocks the test sets: waiting requests are planned in arrival order,
+and a request the whole pool cannot hold is refused at once, naming the setting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from common.kv.allocator import blocks_for
+from common.kv.block_pool import KV_POOL_FULL, NoFreeBlocksError, PoolTooSmallError
+from common.server.rpc import status_for
+from decode_worker.block_wait import BlockWait
+from epd.v1 import kv_pb2
+
+BLOCK = 8
+
+
+class Allocator:
+    """`plan_import` takes `blocks_for(total)` blocks while that many are free."""
+
+    block_size = BLOCK
+
+    def __init__(self, num_blocks: int, free: int) -> None:
+        self.pool = self  # num_blocks, num_used_blocks
+        self.num_blocks = num_blocks
+        self.free = free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return max(self.num_blocks - self.free, 0)
+
+    def plan_import(self, hashes: Any, n: int, total: int, digests_now: Any) -> int:
+        need = blocks_for(total, BLOCK)
+        if need > self.free:
+            raise NoFreeBlocksError(need, self.free)
+        self.free -= need
+        return need
+
+    def abort_import(self, plan: Any) -> None:
+        raise AssertionError("nothing is orphaned here")
+
+
+class Model:
+    """The model thread, run inline."""
+
+    async def call(self, fn: Callable[..., Any], *args: Any, on_orphan: Any = None) -> Any:
+        return fn(*args)
+
+
+def waiting(allocator: Allocator, freed: asyncio.Event) -> BlockWait:
+    async def wait_freed() -> None:
+        await freed.wait()
+        freed.clear()
+
+    counters = SimpleNamespace(block_waits=0, lease_renewals=0)
+    return BlockWait(
+        allocator,  # type: ignore[arg-type]
+        Model(),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        counters,  # type: ignore[arg-type]
+        wait_freed,
+        lambda ids: [],
+        renew_leases=False,
+    )
+
+
+HANDLE = kv_pb2.KvHandle(lease_id="l", lease_ttl_ms=60_000)
+
+
+async def test_a_large_request_waiting_first_is_planned_before_later_small_ones() -> None:
+    # Small requests that came later took each freed block before an older one needing 16
+    # of the 20 ever found enough free at once: it waited until its deadline.
+    allocator, freed = Allocator(num_blocks=20, free=2), asyncio.Event()
+    wait = waiting(allocator, freed)
+    order: list[str] = []
+
+    async def request(name: str, blocks: int) -> None:
+        await wait.plan(None, 4, blocks * BLOCK, HANDLE)
+        order.append(name)
+
+    big = asyncio.create_task(request("big", 16))
+    await asyncio.sleep(0.01)
+    small = []
+    for i in range(6):  # the decode loop frees 3 blocks, and a small request arrives
+        allocator.free += 3
+        freed.set()
+        small.append(asyncio.create_task(request(f"small{i}", 3)))
+        await asyncio.sleep(0.01)
+    allocator.free += 18  # the rest finish
+    freed.set()
+    await asyncio.wait_for(asyncio.gather(big, *small), 10)
+    assert order == ["big", *(f"small{i}" for i in range(6))]
+    assert wait.counters.block_waits == 7 and not wait._queue
+
+
+async def test_a_waiter_that_goes_away_lets_the_next_one_plan() -> None:
+    allocator, freed = Allocator(num_blocks=20, free=0), asyncio.Event()
+    wait = waiting(allocator, freed)
+    first = asyncio.create_task(wait.plan(None, 4, 16 * BLOCK, HANDLE))
+    await asyncio.sleep(0.01)
+    second = asyncio.create_task(wait.plan(None, 4, 2 * BLOCK, HANDLE))
+    await asyncio.sleep(0.01)
+    allocator.free = 2
+    first.cancel()  # its client went away: the one behind it plans now, not at the next free
+    assert await asyncio.wait_for(second, 0.5) == 2
+    assert first.cancelled() and not wait._queue
+
+
+@pytest.mark.parametrize(("prompt", "field"), [(4, "sampling.max_tokens"), (200, "prompt")])
+async def test_a_request_the_whole_pool_cannot_hold_is_refused_at_once(
+    prompt: int, field: str
+) -> None:
+    # It read "KV pool full: wanted 9 KV blocks, only 6 free", as a pool full for now.
+    wait = waiting(Allocator(num_blocks=6, free=6), asyncio.Event())
+    with pytest.raises(PoolTooSmallError) as refused:
+        await wait.plan(None, prompt, 9 * BLOCK if prompt < 9 * BLOCK else prompt, HANDLE)
+    code, details = status_for(refused.value)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # as before, for the router's handling
+    assert details.startswith(KV_POOL_FULL)
+    assert "whole pool (6, its num_blocks setting)" in details and field in details
