@@ -25,7 +25,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.admin import cmd_drain, cmd_scale, cmd_status, cmd_undrain
 from cluster.console import say as _say
@@ -33,6 +33,9 @@ from cluster.generate import build_messages as build_messages
 from cluster.generate import cmd_generate
 from cluster.generate import frame_files as frame_files
 from cluster.serve import cmd_serve
+
+if TYPE_CHECKING:
+    from cluster.settings import EpdSettings
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 STATUS_HELP = """\
@@ -89,19 +92,20 @@ def _key_hint(args: argparse.Namespace) -> str:
     """Where the command looked for its key, for an UNAUTHENTICATED answer."""
     from common.settings.api_keys import (
         ADMIN_KEY_FILE,
+        API_KEY_VAR,
         CLIENT_KEY_FILE,
-        DEFAULT_NAMESPACE,
-        state_dir,
+        NAMESPACE_VAR,
+        env_api_key,
+        key_file,
     )
 
     if getattr(args, "api_key", None):
         return " (the key given with --api-key)"
-    if os.environ.get("EPD_API_KEY", "").strip():
-        return " (the key in $EPD_API_KEY)"
-    kind = CLIENT_KEY_FILE if args.command == "generate" else ADMIN_KEY_FILE
-    path = state_dir(os.environ.get("EPD_NAMESPACE", DEFAULT_NAMESPACE)) / kind
+    if env_api_key():
+        return f" (the key in ${API_KEY_VAR})"
+    path = key_file(CLIENT_KEY_FILE if args.command == "generate" else ADMIN_KEY_FILE)
     return (
-        f" (no --api-key or $EPD_API_KEY; read {path}: set $EPD_NAMESPACE for another "
+        f" (no --api-key or ${API_KEY_VAR}; read {path}: set ${NAMESPACE_VAR} for another "
         "namespace's `epd serve`)"
     )
 
@@ -280,7 +284,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             )
 
 
-def load_settings(args: argparse.Namespace) -> Any:
+def load_settings(args: argparse.Namespace) -> EpdSettings:
     """`EpdSettings` from the defaults, `--config`, then the flags (SettingsError if bad)."""
     from cluster.settings import EpdSettings
     from common.settings.schema import apply_flags, load

@@ -54,7 +54,7 @@ from cluster.worker import WorkerActor
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.rpc import channel
 from common.server.threads import available_cores
-from common.settings.base import ModelWorkerSettings, WorkerSettings
+from common.settings.base import ModelWorkerSettings
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class PoolManager:
 
     def __init__(
         self,
-        role_settings: dict[str, Any],
+        role_settings: dict[str, ModelWorkerSettings],
         pools: PoolSettings,
         *,
         router_address: str,
@@ -207,13 +207,13 @@ class PoolManager:
                     lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
         return lines
 
-    def _worker_settings(self, role: str, name: str) -> WorkerSettings:
+    def _worker_settings(self, role: str, name: str) -> ModelWorkerSettings:
         """The role's settings with this deployment's router and identity filled in (the
         host is filled in by the actor, on its own node)."""
-        base: WorkerSettings = self.role_settings[role]
+        base = self.role_settings[role]
         changes: dict[str, Any] = {"router_address": self.router_address, "name": name}
         changes["router_addresses"] = self.router_addresses
-        if isinstance(base, ModelWorkerSettings) and self.use_gpus and base.device == "cpu":
+        if self.use_gpus and base.device == "cpu":
             # Ray gave the actor its GPU(s) through CUDA_VISIBLE_DEVICES: "cuda" is the first.
             changes["device"] = "cuda"
         return dataclasses.replace(base, **changes)

@@ -10,13 +10,20 @@ import dataclasses
 import shlex
 import signal
 import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 from cluster.console import say as _say
 
+if TYPE_CHECKING:
+    from cluster.deployment import Deployment
+    from cluster.settings import EpdSettings
+    from common.settings.base import ServerSettings
 
-def cmd_serve(settings: Any) -> int:
+T = TypeVar("T")
+
+
+def cmd_serve(settings: EpdSettings) -> int:
     """Check the settings (SettingsError naming the key, before anything starts), start
     (or join) Ray, run the deployment until SIGINT/SIGTERM, then stop it cleanly."""
     settings.check()  # the same check as `epd config --check`; `epd` exits 2 with its line
@@ -57,7 +64,7 @@ def _stop_ray() -> None:
         ray.shutdown()
 
 
-def check_ports(settings: Any) -> None:
+def check_ports(settings: EpdSettings) -> None:
     """SettingsError naming `router.port` or `router.http_port` when that fixed port is
     taken on this node (where the router's actor runs), before Ray starts: a second
     `epd serve` on the same ports fails at once with one line."""
@@ -79,23 +86,17 @@ def check_ports(settings: Any) -> None:
 def try_line(address: str, namespace: str) -> str:
     """The command `epd serve` suggests once ready; in another namespace than the default,
     with the `EPD_NAMESPACE` its key is found under (without it: UNAUTHENTICATED)."""
-    from common.settings.api_keys import DEFAULT_NAMESPACE
+    from common.settings.api_keys import DEFAULT_NAMESPACE, NAMESPACE_VAR
 
-    env = f"EPD_NAMESPACE={shlex.quote(namespace)} " if namespace != DEFAULT_NAMESPACE else ""
+    env = f"{NAMESPACE_VAR}={shlex.quote(namespace)} " if namespace != DEFAULT_NAMESPACE else ""
     return f'try: {env}epd generate "Describe the image." --image IMG --address {address}'
 
 
-def state_dir(namespace: str) -> Path:
-    """Where `epd serve` keeps a deployment's secrets: $EPD_HOME (default ~/.epd)/<namespace>."""
-    from common.settings.api_keys import state_dir as home
-
-    return home(namespace)
-
-
-def with_cluster_token(settings: Any) -> Any:
+def with_cluster_token(settings: EpdSettings) -> EpdSettings:
     """`settings` with a fresh cluster token file for this deployment, unless one is given
     (top level or in every role) or `[security] insecure` is set; says where it went. A
     token file given to some roles only becomes every role's (`token_file_for_all`)."""
+    from common.settings.api_keys import state_dir
     from common.settings.security import write_token_file
 
     security = settings.security
@@ -113,11 +114,11 @@ def with_cluster_token(settings: Any) -> Any:
     )
 
 
-def _roles(settings: Any) -> tuple[Any, ...]:
+def _roles(settings: EpdSettings) -> tuple[ServerSettings, ...]:
     return (settings.router, settings.encoder, settings.prefill, settings.decode)
 
 
-def token_file_for_all(settings: Any) -> str | None:
+def token_file_for_all(settings: EpdSettings) -> str | None:
     """The token file the roles that name none take: the top level's, or the one file some
     roles name (None: none is named). SettingsError when the secure roles would hold
     different tokens: files whose tokens differ, or several files for roles that name none
@@ -140,7 +141,7 @@ def token_file_for_all(settings: Any) -> str | None:
     if settings.security.cluster_token_file:
         return str(settings.security.cluster_token_file)
     own = [r.security.cluster_token_file for r in _roles(settings) if not r.security.insecure]
-    named = sorted(set(own) - {None})
+    named = sorted({f for f in own if f is not None})
     if len(named) > 1 and None in own and len(keys) != 1:
         raise SettingsError(
             f"security.cluster_token_file: roles name different files ({', '.join(named)}) "
@@ -149,7 +150,7 @@ def token_file_for_all(settings: Any) -> str | None:
     return named[0] if named and None in own else None
 
 
-def with_api_keys(settings: Any) -> Any:
+def with_api_keys(settings: EpdSettings) -> EpdSettings:
     """`settings` with a fresh API keys file for this deployment (one client key, tenant
     "default"; one admin key, tenant "admin"), unless one is given (top level or the
     router's) or `[security] insecure` is set. The keys also go, one per file, to
@@ -161,13 +162,15 @@ def with_api_keys(settings: Any) -> Any:
     top, router = settings.security, settings.router.security
     if top.insecure or router.insecure or top.api_keys_file or router.api_keys_file:
         return settings
-    folder = state_dir(settings.ray.namespace)
+    namespace = settings.ray.namespace
+    folder = api_keys.state_dir(namespace)
     client, admin = api_keys.new_api_key(), api_keys.new_api_key()
     path = api_keys.write_api_keys_file(
         folder / api_keys.API_KEYS_FILE, [(client, "default", False), (admin, "admin", True)]
     )
-    api_keys.write_key_file(folder / api_keys.CLIENT_KEY_FILE, client)
-    api_keys.write_key_file(folder / api_keys.ADMIN_KEY_FILE, admin)
+    # Where the clients read them (`api_keys.key_file`), in this namespace.
+    api_keys.write_key_file(api_keys.key_file(api_keys.CLIENT_KEY_FILE, namespace), client)
+    api_keys.write_key_file(api_keys.key_file(api_keys.ADMIN_KEY_FILE, namespace), admin)
     _say(
         f"API keys for this deployment written to {folder}: {api_keys.CLIENT_KEY_FILE} "
         f"(epd generate, epd.client), {api_keys.ADMIN_KEY_FILE} (epd status, scale, drain, undrain)"
@@ -180,7 +183,7 @@ def with_api_keys(settings: Any) -> Any:
     return dataclasses.replace(settings, router=dataclasses.replace(settings.router, security=own))
 
 
-def _prepare_checkpoint(settings: Any) -> None:
+def _prepare_checkpoint(settings: EpdSettings) -> None:
     """Make the built-in tiny checkpoint now (with a progress line) when a role will need it."""
     from common.models.tiny import default_checkpoint
 
@@ -209,12 +212,12 @@ class StopSignals:
         (self.force if self.stop.is_set() else self.stop).set()
 
 
-async def _serve(settings: Any, started_ray: bool, started: float) -> int:
+async def _serve(settings: EpdSettings, started_ray: bool, started: float) -> int:
     loop = asyncio.get_running_loop()
     signals = StopSignals()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals)
-    started_deployment: list[Any] = []
+    started_deployment: list[Deployment] = []
     try:
         code = await _run(settings, started_ray, started, signals.stop, started_deployment)
     finally:
@@ -223,11 +226,11 @@ async def _serve(settings: Any, started_ray: bool, started: float) -> int:
 
 
 async def _run(
-    settings: Any,
+    settings: EpdSettings,
     started_ray: bool,
     started: float,
     stop: asyncio.Event,
-    started_deployment: list[Any],
+    started_deployment: list[Deployment],
 ) -> int:
     """Start the deployment (appended to `started_deployment`) and serve until `stop`; the
     exit code."""
@@ -269,7 +272,9 @@ async def _run(
         return 1
 
 
-async def _stop(started_deployment: list[Any], started_ray: bool, signals: StopSignals) -> bool:
+async def _stop(
+    started_deployment: list[Deployment], started_ray: bool, signals: StopSignals
+) -> bool:
     """Stop what `_run` started; True when a signal during the stop forced it."""
     signals.stop.set()  # a signal from now on forces the stop
     _say("stopping ...")
@@ -293,7 +298,7 @@ async def _stop(started_deployment: list[Any], started_ray: bool, signals: StopS
     return forced
 
 
-async def _until(stop: asyncio.Event, work: Any) -> Any:
+async def _until(stop: asyncio.Event, work: Awaitable[T]) -> T | None:
     """Await `work` unless `stop` is set first (then cancel it and return None)."""
     task = asyncio.ensure_future(work)
     waiter = asyncio.ensure_future(stop.wait())

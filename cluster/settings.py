@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.roles import WORKER_ROLES
-from common.settings.base import LOG_LEVELS
+from common.settings.base import LOG_LEVELS, ModelWorkerSettings
 from common.settings.schema import SettingsError, check_positive, describe, setting, to_toml
 from common.settings.security import SecuritySettings
 from decode_worker.settings import DecodeSettings
@@ -245,7 +245,7 @@ class EpdSettings:
             decode=shared(self.decode),
         )
 
-    def role_settings(self) -> dict[str, Any]:
+    def role_settings(self) -> dict[str, ModelWorkerSettings]:
         """The settings of each worker role, by role name (the top-level model applied)."""
         full = self.with_model()
         return {"encoder": full.encoder, "prefill": full.prefill, "decode": full.decode}

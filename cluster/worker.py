@@ -67,7 +67,6 @@ class WorkerDescription:
     name: str  # stable actor name, e.g. "epd-prefill-1"
     address: str  # gRPC address the server listens on and registered
     pid: int  # the actor's process id (changes when Ray restarts it)
-    node_ip: str  # the Ray node it runs on
 
 
 class WorkerActor:
@@ -109,8 +108,8 @@ class WorkerActor:
         return str(getattr(self, "name", "epd-worker"))
 
     async def describe(self) -> WorkerDescription:
-        """Role, name, address, pid and node of this worker."""
-        return WorkerDescription(self.role, self.name, self.server.address, os.getpid(), _node_ip())
+        """Role, name, address and pid of this worker."""
+        return WorkerDescription(self.role, self.name, self.server.address, os.getpid())
 
     async def drain(self, timeout_s: float) -> bool:
         """Finish outstanding work (up to `timeout_s`), then stop the server and exit serving.

@@ -17,7 +17,7 @@ whenever a batch slot and enough KV blocks are free, the prompts admitted togeth
 prefilled together (packed into forwards, `batching.compute`), and every `Batch.step`
 decodes all running sequences in one forward and releases the finished ones.
 
-Prefix reuse: the prompt's full blocks are hashed with `common.block_hash.block_hashes` (the
+Prefix reuse: the prompt's full blocks are hashed with `common.kv.hashing.block_hashes` (the
 same function router, prefill and decode use, from its default root); the longest
 cached prefix is acquired from the `BlockPool`, only the rest is computed, and the newly
 computed full prompt blocks are cached afterwards. At least the last prompt token is always

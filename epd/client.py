@@ -54,7 +54,7 @@ import grpc
 
 from common.sampling import SamplingParams
 from common.server.credentials import ChannelCredentials, bearer_metadata, checked_key, read_ca
-from common.server.rpc import keepalive_options
+from common.server.rpc import DEFAULT_MAX_MESSAGE_MB, channel
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
 from epd.answers import Chunk, GenerateError, Result, chunk_of, retry_after_s
 from epd.request import (
@@ -90,8 +90,6 @@ __all__ = [
     "video_input",
 ]
 
-DEFAULT_MAX_MESSAGE_MB = 256
-
 
 class Client:
     """Connections to one or more routers, reused across requests (module docstring). Close
@@ -122,7 +120,6 @@ class Client:
         if keepalive_s is not None and not keepalive_s >= 0.1:
             raise ValueError(f"keepalive_s must be None or at least 0.1, got {keepalive_s}")
         self.max_retries = max_retries
-        limit = max_message_mb * 1024 * 1024
         self.addresses = router_list(address)  # every router, in the order given
         self.address = self.addresses[0]  # the first (Status asks this one)
         credentials = ChannelCredentials(
@@ -130,13 +127,14 @@ class Client:
             root_certificates=read_ca(tls_ca_file) if tls_ca_file else None,
             tls=tls_ca_file is not None,
         )
-        options = [
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-            *(keepalive_options(keepalive_s) if keepalive_s is not None else ()),
+        # Opened at first use, in the loop using them (one made outside a loop failed there),
+        # each with its own connections (`rpc.channel`): a restarted router is dialled afresh.
+        self._open = lambda: [
+            channel(
+                a, max_message_mb=max_message_mb, credentials=credentials, keepalive_s=keepalive_s
+            )
+            for a in self.addresses
         ]
-        # Opened at first use, in the loop using them (one made outside a loop failed there).
-        self._open = lambda: [credentials.open(a, options) for a in self.addresses]
         self._opened: list[grpc.aio.Channel] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop they were opened in
         self._stubs: list[router_service_pb2_grpc.RouterServiceStub] = []

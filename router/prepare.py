@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from common.errors import FieldError
 from common.models.prompt_check import check_context
 from common.processing.processor import ProcessedPrompt, Processor
+from common.sampling import SamplingParams
 from common.wire.sampling import sampling_from_proto
 from epd.v1 import router_service_pb2
 from router.held import MediaHold
@@ -26,7 +26,7 @@ def prepare_request(
     media: MediaHold | None = None,
     fit_max_tokens: bool = False,
     ended: Callable[[], bool] | None = None,
-) -> tuple[Any, ProcessedPrompt]:
+) -> tuple[SamplingParams, ProcessedPrompt]:
     """Check and process one request (blocking: a worker thread); InputError naming the
     field. `fit_max_tokens`: the request's `max_tokens` is a default, not the caller's: it is
     cut to the context the prompt leaves (at least 1) rather than refused past it.

@@ -117,7 +117,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         media: MediaHold | None = None,
         fit_max_tokens: bool = False,
         ended: Callable[[], bool] | None = None,
-    ) -> tuple[Any, ProcessedPrompt]:
+    ) -> tuple[SamplingParams, ProcessedPrompt]:
         """`router.prepare.prepare_request` with this router's settings and processor."""
         return prepare_request(
             self.settings, self.processor, request, cache_salt, media, fit_max_tokens, ended
@@ -145,7 +145,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         """Stream the answer to one chat for `caller` (its tenant salts the caches) within
         `client_left` seconds (None: `request_timeout_s`); see `Orchestrator.run` for what
         the chunks hold. The request's processed media are held in `held` beside the `holds`
-        bytes it holds already (`router.held.holding_media`); `fit_max_tokens`: its
+        bytes it holds already (`router.held.MediaHold.holding`); `fit_max_tokens`: its
         `max_tokens` is the router's default, cut to the context left (`_prepare`). Raises
         RouterError, or RpcStatusError while draining. The gRPC Generate and the HTTP API
         (`router.http`) both run this."""

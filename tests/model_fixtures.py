@@ -1,4 +1,5 @@
-"""Shared tiny-model helpers for tests (vision, processor, checkpoint, language model).
+"""Shared tiny-model helpers for tests (vision, processor, checkpoint, language model), and
+the prompt factories the end-to-end tests share (`image`, `video`, `user`).
 
 Import these from test modules and wrap them in fixtures there, e.g.
 
@@ -14,10 +15,31 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig, VisionConfig
 from common.models.tiny import SPECIAL_TOKENS, make_tiny_checkpoint, train_tokenizer
+
+
+def image(seed: int, width: int = 64, height: int = 48) -> Image.Image:
+    """A random RGB image, the same for the same arguments."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def video(seed: int, frames: int = 8, size: int = 64) -> np.ndarray:
+    """Random `(frames, size, size, 3)` uint8 frames, the same for the same arguments."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
+
+
+def user(*parts: Any) -> list[Any]:
+    """A chat of one user message of `parts`: a str is a text part, a dict a part as it is.
+    (list[Any]: the openai client's typed message params take it too.)"""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return [{"role": "user", "content": content}]
 
 
 def tiny_token_ids() -> dict[str, int]:

@@ -225,7 +225,7 @@ def test_same_placeholders_different_media_never_collide() -> None:
 def test_deterministic_across_processes_and_hash_seeds() -> None:
     script = (
         "import numpy as np\n"
-        "from common.block_hash import block_hashes\n"
+        "from common.kv.hashing import block_hashes\n"
         "from common.multimodal import MultimodalParams\n"
         "p = MultimodalParams.from_flat([b'\\xaa' * 32], [3], [9], ['u'], [0, 3],"
         " [3, 10, 20], [3, 4, 2])\n"

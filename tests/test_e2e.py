@@ -11,9 +11,7 @@ import asyncio
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
-from PIL import Image
 
 from common.engine import Engine
 from common.kv.hashing import block_hashes
@@ -27,6 +25,7 @@ from common.wire.kv import layout_from_proto
 from epd.client import Client, GenerateError, build_request
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 from tests.cluster import Cluster, start_cluster
+from tests.model_fixtures import image, user, video
 from tests.test_video_file import make_video
 
 pytestmark = pytest.mark.slow
@@ -58,21 +57,6 @@ def cluster(ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(ckpt):
     return Engine.from_pretrained(ckpt, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_batch=8)
-
-
-def image(seed: int, width: int = 64, height: int = 48) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def video(seed: int, frames: int = 8, size: int = 64) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
-
-
-def user(*parts: Any) -> list[dict[str, Any]]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
-    return [{"role": "user", "content": content}]
 
 
 def vid(seed: int, frames: int = 8) -> dict[str, Any]:

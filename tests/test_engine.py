@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from common.engine import Engine
 from common.kv.hashing import block_hashes
@@ -21,25 +19,11 @@ from common.models.tiny import make_tiny_checkpoint
 from common.multimodal.params import Modality, MultimodalParams
 from common.processing.processor import ProcessedPrompt
 from common.sampling import SamplingParams
+from tests.model_fixtures import image, user, video
 
 transformers = pytest.importorskip("transformers")
 
 BLOCK = 8
-
-
-def image(seed: int, width: int, height: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def video(seed: int, frames: int = 8, size: int = 64) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
-
-
-def user(*parts: Any) -> list[dict[str, Any]]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
-    return [{"role": "user", "content": content}]
 
 
 def img_part(seed: int, w: int = 64, h: int = 48) -> dict[str, Any]:

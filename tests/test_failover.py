@@ -16,10 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from common.engine import Engine
 from common.models.tiny import make_tiny_checkpoint
@@ -29,6 +27,7 @@ from common.server.rpc import channel
 from epd.client import Client
 from epd.v1 import decode_service_pb2, decode_service_pb2_grpc, registry_service_pb2
 from tests.cluster import Cluster, kill, start_cluster
+from tests.model_fixtures import image, user, video
 
 pytestmark = pytest.mark.slow
 
@@ -38,20 +37,12 @@ NUM_BLOCKS = 512
 MAX_TOKENS = (160, 32, 32)  # per wave
 
 
-def user(*parts: Any) -> list[dict[str, Any]]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
-    return [{"role": "user", "content": content}]
-
-
 def img(seed: int) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    return {"type": "image", "image": Image.fromarray(rng.integers(0, 256, (48, 64, 3), np.uint8))}
+    return {"type": "image", "image": image(seed)}
 
 
 def vid(seed: int, frames: int = 6) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    video = rng.integers(0, 256, (frames, 64, 64, 3), dtype=np.uint8)
-    return {"type": "video", "video": video, "fps": 2.0}
+    return {"type": "video", "video": video(seed, frames), "fps": 2.0}
 
 
 def requests(wave: int) -> list[tuple[list[dict[str, Any]], SamplingParams]]:

@@ -40,6 +40,7 @@ from router.settings import RouterSettings
 from router.stop import StopStrings
 from router.workers import WorkerLoad
 from tests.cluster import CLIENT_KEY, cluster_security
+from tests.model_fixtures import user
 from tests.test_router import TEXT, FakeDecode, FakeEncoder, FakePrefill
 from tests.test_router import Cluster as FakeCluster
 
@@ -51,10 +52,6 @@ def png_data_url(seed: int, w: int = 64, h: int = 48) -> str:
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def user(*parts: dict[str, Any]) -> list[Any]:
-    return [{"role": "user", "content": list(parts)}]
 
 
 WEATHER = user({"type": "text", "text": "Describe the weather."})

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import pytest_asyncio
-from PIL import Image
 
 from common.engine import Engine, GenerateResult
 from common.handoff import handle_signature
@@ -47,6 +45,7 @@ from epd.v1 import (
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
 from tests.cluster import cluster_credentials, cluster_security
+from tests.model_fixtures import image, user, video
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -54,21 +53,6 @@ BLOCK = 8
 NUM_BLOCKS = 256
 
 # ------------------------------------------------------------------------------ prompts
-
-
-def image(seed: int, width: int = 64, height: int = 48) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def video(seed: int, frames: int = 8, size: int = 64) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8)
-
-
-def user(*parts: Any) -> list[dict[str, Any]]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
-    return [{"role": "user", "content": content}]
 
 
 def img_part(seed: int) -> dict[str, Any]:

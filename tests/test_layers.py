@@ -29,7 +29,7 @@ COMMON_LAYERS: list[tuple[str, ...]] = [
     ),
     ("common.multimodal",),
     ("common.transfer",),
-    ("common.kv", "common.block_hash"),
+    ("common.kv",),
     ("common.models",),
     ("common.processing",),
     ("common.engine",),

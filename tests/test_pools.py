@@ -58,7 +58,7 @@ class FakeHandle:
 
     async def _describe(self) -> WorkerDescription:
         self.log.append(f"describe {self.name}")
-        return WorkerDescription(self.role, self.name, f"addr-{self.name}", 1, "127.0.0.1")
+        return WorkerDescription(self.role, self.name, f"addr-{self.name}", 1)
 
     async def _drain(self, timeout_s: float) -> bool:
         self.log.append(f"drain {self.name}")

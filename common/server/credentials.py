@@ -54,12 +54,6 @@ class ChannelCredentials:
     certificate_chain: bytes | None = None  # PEM client certificate, for mutual TLS
     tls: bool = False  # dial TLS (set whenever any certificate material is given)
 
-    def with_bearer(self, bearer: str | None) -> ChannelCredentials:
-        """The same TLS with another bearer."""
-        return ChannelCredentials(
-            bearer, self.root_certificates, self.private_key, self.certificate_chain, self.tls
-        )
-
     def open(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
         """A grpc.aio channel to `address` presenting these credentials."""
         interceptors = _interceptors(self.bearer) if self.bearer else None

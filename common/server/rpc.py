@@ -238,11 +238,11 @@ def channel(
     *,
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
     credentials: ChannelCredentials = NO_CREDENTIALS,
-    keepalive_s: float = KEEPALIVE_S,
-) -> Any:
+    keepalive_s: float | None = KEEPALIVE_S,
+) -> grpc.aio.Channel:
     """A grpc.aio channel to `address` with the shared message-size options, presenting
     `credentials` (default: none, plaintext). Its calls fail with UNAVAILABLE when the peer
-    leaves a ping unanswered for `keepalive_s` (`keepalive_options`).
+    leaves a ping unanswered for `keepalive_s` (`keepalive_options`; None: no pings).
 
     The channel keeps its own connections (a local subchannel pool): a channel opened anew to
     a process that restarted at the same address must not inherit the dead connection's
@@ -252,7 +252,7 @@ def channel(
     """
     options: list[tuple[str, int]] = [
         *grpc_options(max_message_mb),
-        *keepalive_options(keepalive_s),
+        *(keepalive_options(keepalive_s) if keepalive_s is not None else ()),
         ("grpc.use_local_subchannel_pool", 1),
     ]
     return credentials.open(address, options)
@@ -292,9 +292,9 @@ async def wait_healthy(
 class RpcStatusError(Exception):
     """Raise from a handler to answer with an explicit status code and details."""
 
-    def __init__(self, code: Any, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
-        self.code = code  # grpc.StatusCode
+        self.code = code
         self.details = details
 
 
@@ -305,7 +305,7 @@ class WorkerDrainingError(RpcStatusError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, DRAINING_DETAILS)
 
 
-def status_for(exc: BaseException) -> tuple[Any, str]:
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The (grpc.StatusCode, details) an exception escaping a handler maps to.
 
     RpcStatusError → its code; FieldError (MultimodalLayoutError is one) / SettingsError /

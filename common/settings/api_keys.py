@@ -35,6 +35,9 @@ CLIENT_KEY_FILE = "client_key"
 ADMIN_KEY_FILE = "admin_key"
 API_KEYS_FILE = "api_keys.toml"
 DEFAULT_NAMESPACE = "epd"  # `[ray] namespace`'s default
+# The environment a client reads: its key, and the namespace whose key files it reads.
+API_KEY_VAR = "EPD_API_KEY"
+NAMESPACE_VAR = "EPD_NAMESPACE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,16 +142,29 @@ def state_dir(namespace: str = DEFAULT_NAMESPACE) -> Path:
     return Path(os.environ.get("EPD_HOME", "~/.epd")).expanduser() / namespace
 
 
+def key_file(kind: str = CLIENT_KEY_FILE, namespace: str | None = None) -> Path:
+    """The `kind` key file (CLIENT_KEY_FILE or ADMIN_KEY_FILE) of `namespace`'s deployment:
+    where `epd serve` writes it, and where a client given no key reads it. None: the
+    client's namespace, $EPD_NAMESPACE, else DEFAULT_NAMESPACE."""
+    if namespace is None:
+        namespace = os.environ.get(NAMESPACE_VAR, DEFAULT_NAMESPACE)
+    return state_dir(namespace) / kind
+
+
+def env_api_key() -> str:
+    """$EPD_API_KEY, stripped (set from a file, it ends in a newline); "": none."""
+    return os.environ.get(API_KEY_VAR, "").strip()
+
+
 def default_api_key(kind: str = CLIENT_KEY_FILE) -> str | None:
-    """The key a client uses when given none: $EPD_API_KEY, else the `kind` file (client_key
-    or admin_key) `epd serve` wrote under `state_dir($EPD_NAMESPACE or "epd")`, else None."""
-    env = os.environ.get("EPD_API_KEY", "").strip()  # set from a file, it ends in a newline
+    """The key a client uses when given none: $EPD_API_KEY, else the one in its `kind` key
+    file (`key_file`), else None."""
+    env = env_api_key()
     if env:
         if not env.isascii() or not env.isprintable():  # no header could carry it
-            raise SettingsError("$EPD_API_KEY: must be printable ASCII")
+            raise SettingsError(f"${API_KEY_VAR}: must be printable ASCII")
         return env
-    path = state_dir(os.environ.get("EPD_NAMESPACE", DEFAULT_NAMESPACE)) / kind
     try:
-        return path.read_text().strip() or None
+        return key_file(kind).read_text().strip() or None
     except OSError:
         return None

@@ -66,11 +66,6 @@ class ServerSettings:
         default_factory=SecuritySettings, metadata={"help": "cluster token, API keys, TLS"}
     )
 
-    @property
-    def max_message_bytes(self) -> int:
-        """`max_message_mb` in bytes, for gRPC channel and server options."""
-        return self.max_message_mb * 1024 * 1024
-
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         if not 0 <= self.port <= 65535:

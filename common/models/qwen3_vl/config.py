@@ -45,11 +45,6 @@ class TextConfig:
                 f"summing to head_dim // 2 = {self.head_dim // 2}"
             )
 
-    @property
-    def num_kv_groups(self) -> int:
-        """Query heads per KV head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
 
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
