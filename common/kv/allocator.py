@@ -14,7 +14,7 @@ model runner never takes or frees a block):
 
 Block hashes: every hash chains from `root`: a worker's `layout_root(kv_layout)` (model
 identity + KV layout), so two workers exchange or reuse blocks only when model and layout
-agree; the offline Engine, whose cache is private, uses `block_hash.DEFAULT_ROOT`. A prompt
+agree; the offline Engine, whose cache is private, uses `common.kv.hashing.DEFAULT_ROOT`. A prompt
 whose layout cannot be hashed is *uncacheable* (`hashes` returns None): it is computed,
 never cached, never offered for transfer by hash.
 

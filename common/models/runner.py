@@ -17,7 +17,7 @@ produces exactly the Engine's tokens:
 Why the runner carries the allocator: the KV buffer and the pool over it are sized by the
 same `num_blocks`, and the hash root follows from the runner's `kv_layout`, so building them
 together keeps one object for every worker (and the Engine) to hold; no runner method uses
-it. The root is `layout_root(kv_layout)` on workers, `block_hash.DEFAULT_ROOT` (passed as
+it. The root is `layout_root(kv_layout)` on workers, `common.kv.hashing.DEFAULT_ROOT` (passed as
 `root`) for the offline Engine, whose cache is private.
 
 Not thread-safe: callers serialize every call (the workers run all of them on one executor

@@ -61,7 +61,6 @@ class ProcessedVideo:
     patches: ByteArray  # (grid_t * grid_h * grid_w, patch_dim) uint8 codes, time-major
     grid_thw: tuple[int, int, int]  # (temporal patches, patch rows, patch columns)
     timestamps: tuple[float, ...]  # seconds per temporal patch (mean of first/last frame)
-    frame_indices: tuple[int, ...]  # source frames used, after padding to the temporal patch
     # Content hash of each temporal patch, where known already (the processed-partition
     # cache, `common.processing.video_cache`); () : the processor hashes them.
     partition_hashes: tuple[bytes, ...] = ()
@@ -194,9 +193,7 @@ def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> Pr
     plan = plan_video(len(images), fps, width, height, settings)
     pixels = resized_frames([images[i] for i in plan.indices], plan.size)
     patches, grid = patch_codes(pixels, settings)
-    return ProcessedVideo(
-        patches, grid, video_timestamps(plan, fps, settings, frame_times), plan.padded
-    )
+    return ProcessedVideo(patches, grid, video_timestamps(plan, fps, settings, frame_times))
 
 
 def resized_frames(images: Sequence[Image.Image], size: tuple[int, int]) -> ByteArray:

@@ -126,6 +126,5 @@ def preprocess_keyed(
         np.concatenate([p.patches for p in parts]),
         (len(parts), grid_h, grid_w),
         video_timestamps(plan, fps, settings, None),
-        plan.padded,
         tuple(p.content_hash for p in parts),
     )
