@@ -5,7 +5,8 @@
     POST /v1/completions        a text prompt
     GET  /v1/models             the served model
     GET  /v1/models/{model}     the served model's entry; 404 model_not_found for others
-    GET  /health                200 when every role has a serving worker, else 503
+    GET  /health                200 when every role has a serving worker, else 503 (HEAD
+                                too)
 
 A request is converted to a `GenerateRequest` and runs through `RouterServicer.generate`,
 the code the gRPC Generate runs, in-process: the same checks, limits, admission and tenants.
@@ -109,7 +110,11 @@ def build_app(
     auth: Authenticator | None,
 ) -> FastAPI:
     """The API over `servicer` serving `model_id`; `ready()` decides /health."""
-    app = FastAPI(title="epd", docs_url=None, redoc_url=None, openapi_url=None)
+    # No redirect to the path with(out) its trailing slash: it was a bare 307 to a Location
+    # built from the Host header, which a following client re-sent the body and key to.
+    app = FastAPI(
+        title="epd", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
+    )
     app.state.auth = auth
 
     @app.exception_handler(ApiError)
@@ -233,7 +238,7 @@ def build_app(
             raise model_not_found(model, model_id)
         return served
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> Response:
         ok = ready() and not servicer.lifecycle.draining
         return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)

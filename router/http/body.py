@@ -5,11 +5,16 @@ the app runs (the app would read all of it anyway) and replays it:
 
 - a request whose head announces both a Content-Length and a Transfer-Encoding is answered
   400 and the connection closed (which framing a proxy in front read is unknown);
+- a head with more than one `Authorization` or `Content-Type` header is answered 400,
+  whatever the method: which one a proxy in front checked is unknown (and the endpoints
+  read the first, a dict of the head the last);
 - only a POST may carry a body (every endpoint that takes one is a POST): any other
   method announcing one (a Content-Length past 0, or Transfer-Encoding) is answered 405
   and the connection closed, its body neither read nor held, whoever sent it;
 - a POST from anyone but a client (no valid API key: `identify`) is refused before its
   body is read, so it neither costs the reading nor takes from the budget below;
+- a POST whose body is compressed (a `Content-Encoding` but `identity`) is answered 415
+  before it is read: the server reads JSON as sent;
 - a body over `max_bytes` is answered 413: by its Content-Length before a byte of it is
   read, and once the bytes read so far pass the limit, however it is framed;
 - the bodies being read or answered are held in `router.held` with the gRPC requests: one
@@ -22,6 +27,10 @@ the app runs (the app would read all of it anyway) and replays it:
   its bytes of the budget, and a connection, for ever;
 - what the app makes of a body (the parsed JSON, the request built from it) it holds beside
   the body's bytes (`BodyHold.more`, refused as above), until the response ends.
+
+Every refusal here of a request that carries a body closes the connection after the answer
+(`Connection: close`): the body is unread, or read in part, and draining it (up to the
+Content-Length the head announced, any size) would cost what the refusal saved.
 """
 
 from __future__ import annotations
@@ -68,6 +77,27 @@ class BodyHold:
 def _busy() -> ApiError:
     busy = held_busy("as many requests' bytes as it may")
     return ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
+
+
+# Headers a request may carry once: two are read differently by different readers.
+SINGLE_HEADERS = (b"authorization", b"content-type")
+
+
+def named_twice(raw: Any) -> str | None:
+    """The first of `SINGLE_HEADERS` that the ASGI head `raw` names more than once."""
+    names = [name for name, _ in raw if name in SINGLE_HEADERS]
+    return next((n.decode() for n in SINGLE_HEADERS if names.count(n) > 1), None)
+
+
+def compressed(raw: Any) -> str | None:
+    """The content coding the ASGI head `raw` announces, other than `identity`."""
+    codings = (
+        coding.strip().lower()
+        for name, value in raw
+        if name == b"content-encoding"
+        for coding in value.decode("latin-1").split(",")
+    )
+    return next((c for c in codings if c not in ("", "identity")), None)
 
 
 def carries_body(headers: dict[bytes, bytes]) -> bool:
@@ -146,7 +176,8 @@ def limit_body(
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", ()))
+        raw = scope.get("headers", ())
+        headers = dict(raw)
         length = headers.get(b"content-length")
         hold = BodyHold(held)
         try:
@@ -155,25 +186,36 @@ def limit_body(
                     raise _Refused(not_post)  # not read: nobody's bytes to hold
                 if b"transfer-encoding" in headers and length is not None:
                     raise _Refused(framed_twice)  # RFC 9112 6.3: framed one way or the other
+                twice = named_twice(raw)
+                if twice is not None:
+                    message = f"the request carries more than one {twice.title()} header"
+                    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message)
                 if scope.get("method") == "POST":  # a body: only a client may have one read
                     header = headers.get(b"authorization")
                     caller = identify(app.state.auth, header.decode("latin-1") if header else None)
                     scope[CALLER_KEY] = caller
                     hold.tenant = caller.tenant
+                    coding = compressed(raw)
+                    if coding is not None:
+                        unsupported = ApiError(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Content-Encoding {coding} is not supported: send the body "
+                            "uncompressed",
+                        )
+                        unsupported.status = 415
+                        raise unsupported
                 announced = int(length) if length is not None and length.isdigit() else None
                 try:
                     async with asyncio.timeout(timeout_s):
                         messages = await read(receive, announced, hold)
                 except TimeoutError:
                     raise _Refused(late) from None
-            except ApiError as exc:
-                await exc.response()(scope, receive, send)
-                return
-            except _Refused as refused:
-                response = refused.error.response()
-                if refused.error in (late, not_post, framed_twice):
-                    response.headers["Connection"] = "close"  # its body may still come
-                if refused.error is late:
+            except (ApiError, _Refused) as exc:
+                error = exc.error if isinstance(exc, _Refused) else exc
+                response = error.response()
+                if carries_body(headers):  # unread, or read in part: not drained (docstring)
+                    response.headers["Connection"] = "close"
+                if error is late:
                     stats.closed_body_late += 1
                 await response(scope, receive, send)
                 return

@@ -30,6 +30,12 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop
 
 def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
     """The body's sampling as the wire message (checked here, so errors name the field)."""
+    both = (body.max_tokens, body.max_completion_tokens)
+    if None not in both and both[0] != both[1]:  # which one is meant is unknown
+        raise FieldError(
+            "max_completion_tokens",
+            f"is {both[1]} but max_tokens is {both[0]}: send one of them (or the same in both)",
+        )
     max_tokens = body.max_completion_tokens or body.max_tokens
     top_k = max(body.top_k or 0, 0)
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -68,9 +74,9 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
 
 def refuse_unsupported(body: SamplingBody) -> None:
     """FieldError naming the first field that asks for what this server does not do
-    (log probabilities, penalties, logit bias, tool calls, structured output, echo,
-    best-of): refused, since an answer without it would look like one with it to a client
-    that does not check."""
+    (log probabilities, penalties, logit bias, tool calls, structured output, web search,
+    moderation, storing, echo, best-of): refused, since an answer without it would look
+    like one with it to a client that does not check."""
     if body.stream_options is not None and not body.stream:  # as OpenAI answers it
         raise FieldError("stream_options", "is only allowed when stream is true")
     if body.logprobs is not None and body.logprobs is not False:  # a completion's 0 asks too
@@ -123,14 +129,18 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
         if choice not in (None, "none", "auto"):
             raise FieldError(name, 'tool calls are not supported by this server ("none" or "auto")')
-    fmt = body.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
+    fmt = body.response_format  # no type, or text with a schema: which is meant is unknown
+    if fmt is not None and (
+        fmt.get("type") != "text" or any(v is not None for k, v in fmt.items() if k != "type")
+    ):
         raise FieldError("response_format", 'only {"type": "text"} is supported')
     if body.modalities not in (None, ["text"]):
         raise FieldError("modalities", 'only ["text"] is supported')
-    for name in ("audio", "prediction"):
+    for name in ("audio", "prediction", "web_search_options", "moderation"):
         if getattr(body, name) is not None:
             raise FieldError(name, "is not supported by this server")
+    if body.store:
+        raise FieldError("store", "only false is supported (nothing is stored to fetch later)")
     if body.continue_final_message:
         raise FieldError("continue_final_message", "is not supported by this server")
     if not body.add_generation_prompt:

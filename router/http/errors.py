@@ -57,7 +57,7 @@ class ApiError(Exception):
         """`grpc_code` picks the HTTP status, and the body's `type` and `code` unless
         `error_type` or `code` name OpenAI's own (`model_not_found`, ...)."""
         super().__init__(message)
-        self.status, self.type = _STATUS.get(grpc_code, (500, "internal_error"))
+        self.status, self.type = _STATUS.get(grpc_code, (500, "server_error"))  # OpenAI's
         self.type = error_type or self.type
         self.code = code or _CODES.get(grpc_code) or grpc_code.name.lower()
         self.param = param  # the request field at fault
@@ -122,6 +122,9 @@ def http_field(field: str) -> str:
 
 
 _PART_TAGS = frozenset({"text", "image_url", "video_url"})  # `schema.ContentPart`'s tags
+# A union branch's label in pydantic's error locations (`bool | int`), besides those with
+# brackets (`function-after[_utf8(), str]`); no field of the body has these names.
+_UNION_LABELS = frozenset({"str", "bool", "int", "float"})
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
@@ -169,7 +172,7 @@ def _param(loc: tuple[Any, ...]) -> str:
     parts = list(loc[1:] if loc and loc[0] == "body" else loc)
     kept: list[Any] = []
     for i, part in enumerate(parts):
-        if isinstance(part, str) and (part == "str" or "[" in part):
+        if isinstance(part, str) and (part in _UNION_LABELS or "[" in part):
             continue  # a union branch's label
         after_part = i > 0 and isinstance(parts[i - 1], int) and kept[-2:-1] == ["content"]
         if after_part and part in _PART_TAGS and i + 1 < len(parts):

@@ -11,10 +11,14 @@ and one of more commas than its text and structure can hold, before it is parsed
 
 Refusals read as FastAPI's did (`router.http.errors.validation_error`): a body that is not
 JSON names where it broke, one that is not sent as JSON says so, a field's error names it.
+JSON is read as JSON has it, not as Python's `json` would: a key named twice in an object is
+refused by its path (`_Objects`), `NaN` and `Infinity` are not JSON, and a charset other than
+UTF-8 (or the UTF-16 and UTF-32 `json.loads` detects) is answered 415, not read as UTF-8.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from email.message import Message
 from typing import Any, TypeVar
@@ -35,36 +39,108 @@ MAX_BODY_VALUES = 1 << 20
 B = TypeVar("B", bound=BaseModel)
 
 NOT_JSON = "the body must be a JSON object, sent as Content-Type: application/json"
+# What `json.loads` reads (`codecs.lookup` names; ASCII is UTF-8).
+JSON_CHARSETS = frozenset(
+    ("utf-8", "ascii", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be")
+)
 
 
 class _TooManyObjects(Exception):
     """The body holds more than `MAX_BODY_OBJECTS` objects."""
 
 
+class _NotJson(ValueError):
+    """What `json.loads` reads but JSON does not have (NaN, Infinity)."""
+
+
+def _media_type(content_type: str) -> Message:
+    message = Message()
+    message["content-type"] = content_type
+    return message
+
+
 def _is_json(content_type: str | None) -> bool:
     """No Content-Type, `application/json` or `application/*+json` (as FastAPI reads it)."""
     if not content_type:
         return True
-    message = Message()
-    message["content-type"] = content_type
+    message = _media_type(content_type)
     subtype = message.get_content_subtype()
     return message.get_content_maintype() == "application" and (
         subtype == "json" or subtype.endswith("+json")
     )
 
 
-def _counting() -> Any:
-    """A `json.loads` object hook that refuses the object past `MAX_BODY_OBJECTS`."""
-    seen = 0
+def _unreadable_charset(content_type: str | None) -> str | None:
+    """The charset `content_type` names, if `json.loads` cannot read it (it reads UTF-8,
+    UTF-16 and UTF-32 only, whatever the header says: a Latin-1 body was read as UTF-8)."""
+    charset = _media_type(content_type).get_param("charset") if content_type else None
+    if not isinstance(charset, str):
+        return None
+    try:
+        name = codecs.lookup(charset).name
+    except LookupError:
+        return charset
+    return None if name in JSON_CHARSETS else charset
 
-    def hook(obj: dict[str, Any]) -> dict[str, Any]:
-        nonlocal seen
-        seen += 1
-        if seen > MAX_BODY_OBJECTS:
+
+class _Twice(dict[str, Any]):
+    """A JSON object that names `key` more than once (its last value kept, as `json` does)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, pairs: list[tuple[str, Any]], key: str) -> None:
+        super().__init__(pairs)
+        self.key = key
+
+
+class _Objects:
+    """A `json.loads` object_pairs_hook: refuses the object past `MAX_BODY_OBJECTS`, and
+    marks one that names a key twice (`_Twice`), so `parse_body` can refuse it by its path.
+    Which value of such a key is meant is unknown: a proxy in front that reads the first
+    (as Go's and Java's decoders do) would check another model, prompt or limit than the
+    router serves, which keeps the last."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.twice = False  # some object names a key twice
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        self.seen += 1
+        if self.seen > MAX_BODY_OBJECTS:
             raise _TooManyObjects
-        return obj
+        obj = dict(pairs)
+        if len(obj) == len(pairs):
+            return obj
+        self.twice = True
+        keys: set[str] = set()
+        for key, _ in pairs:
+            if key in keys:
+                return _Twice(pairs, key)
+            keys.add(key)
+        raise AssertionError("no key is named twice")
 
-    return hook
+
+def _twice_at(body: Any) -> str:
+    """The path (`messages[0].content[1].type`, as `router.http.errors` names fields) of the
+    first key, in the body's order, that an object of `body` names twice."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _Twice):
+            return f"{path}.{value.key}" if path else value.key
+        if isinstance(value, dict):
+            items = [(f"{path}.{k}" if path else k, v) for k, v in value.items()]
+        elif isinstance(value, list):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            continue
+        stack.extend(reversed(items))
+    raise AssertionError("no object names a key twice")
+
+
+def _not_a_json_value(name: str) -> Any:
+    """`json.loads`'s `parse_constant`: NaN and Infinity are Python's, not JSON's."""
+    raise _NotJson(f"{name} is not a JSON value")
 
 
 def parse_body(
@@ -74,13 +150,22 @@ def parse_body(
     thread. More than `max_commas` commas is refused before parsing (module docstring)."""
     if not data or not _is_json(content_type):
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, NOT_JSON)
+    charset = _unreadable_charset(content_type)
+    if charset is not None:
+        unsupported = ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"charset {charset} is not supported: send the body as UTF-8",
+        )
+        unsupported.status = 415
+        raise unsupported
     if data.count(b",") > max_commas:
         raise ApiError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the body holds more than {max_commas} commas: more values than a request has",
         )
+    objects = _Objects()
     try:
-        body = json.loads(data, object_hook=_counting())
+        body = json.loads(data, object_pairs_hook=objects, parse_constant=_not_a_json_value)
     except _TooManyObjects:
         raise ApiError(
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -93,9 +178,16 @@ def parse_body(
     except RecursionError:
         message = "the body is not valid JSON: nested too deep to parse"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
-    except ValueError as exc:  # not UTF-8 (UnicodeDecodeError), an integer of 4300+ digits
+    except UnicodeDecodeError as exc:
+        message = f"the body is not valid JSON: {exc}: send it as UTF-8"
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
+    except ValueError as exc:  # NaN or Infinity (`_NotJson`), an integer of 4300+ digits
         message = f"the body is not valid JSON: {exc}"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
+    if objects.twice:
+        where = _twice_at(body)
+        message = f"the body names {where!r} twice"
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=where)
     if not isinstance(body, dict):
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, NOT_JSON)
     try:

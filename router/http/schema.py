@@ -15,14 +15,22 @@ cannot hold them). OpenAI fields for what this server does not do (`logprobs`, t
 them is refused (`router.http.convert.refuse_unsupported`) rather than silently ignored,
 and so are the penalties and `logit_bias` (0 and empty, what some clients always send, are
 accepted). An explicit `null` for an optional field means it is unset (OpenAI's fields are
-nullable): `_Body._null_is_unset`.
+nullable): `_Body._null_is_unset`. The fields this server accepts and ignores, each with
+why, are `ACCEPTED_AND_IGNORED`.
+
+Types are JSON's, strictly (`_Body`): a boolean or an integer is not read from a string or
+from the other (`"stream": "yes"` or `"max_tokens": true` is a 400 naming the field, as
+OpenAI answers, not a stream or a 1-token answer). A float field takes a JSON integer, and an
+integer field a whole number written as a float (`3.0`, which Python clients send for a
+computed count; pydantic's lax mode and vLLM take it too): `Int`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from common.multimodal.validation import INT32_MAX
 from common.processing.limits import MAX_FPS, MIN_FPS
@@ -47,8 +55,38 @@ def _utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_utf8)]  # a string the wire's protobuf strings can hold
 
 
+def _whole(value: Any) -> Any:
+    if not isinstance(value, float):
+        return value
+    if not value.is_integer():
+        raise PydanticCustomError(
+            "int_from_float", "Input should be a valid integer, got a number with a fractional part"
+        )
+    return int(value)
+
+
+Int = Annotated[int, BeforeValidator(_whole)]  # a JSON integer, or a whole number as `3.0`
+
+# OpenAI's fields this server accepts and ignores, with why: none changes the answer's text.
+# (What would change it, or claims something the answer does not do, is refused instead.)
+ACCEPTED_AND_IGNORED: dict[str, str] = {
+    "user": "an end-user id for OpenAI's abuse monitoring; `cache_salt` splits caches here",
+    "metadata": "tags for OpenAI's stored completions and dashboards; nothing is stored",
+    "service_tier": "OpenAI's billing and latency tier; this server has one",
+    "reasoning_effort": "the served model has no reasoning mode to configure",
+    "verbosity": "a hint to OpenAI's reasoning models; the served model has none",
+    "prompt_cache_key": "OpenAI's cache routing hint; the router routes by prefix itself",
+    "prompt_cache_retention": "likewise; the KV cache here keeps blocks by its own policy",
+    "prompt_cache_options": "likewise",
+    "parallel_tool_calls": "tool calls are refused (`tools`), so there are none to run",
+    "messages[].name": "a speaker's name; the chat template has no place for it",
+    "image_url.detail": "one of auto, low, high (checked); an image's resolution is its own",
+}
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields: ignored (`ACCEPTED_AND_IGNORED`). Strict: JSON's types (the docstring).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -70,7 +108,9 @@ class MediaUrl(_Body):
     """`{"url": ...}`: a data URL, or (when the router allows it) a file path or https URL."""
 
     url: Text
-    detail: str | None = None  # OpenAI's image detail; ignored
+    # OpenAI's image detail: checked, not used (the image is read at its own resolution,
+    # within the checkpoint's pixel bounds, whatever it says).
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class TextContent(_Body):
@@ -106,7 +146,7 @@ class ChatMessage(_Body):
     """One message: its content a string or a list of parts."""
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: Text | list[ContentPart]
+    content: Text | Annotated[list[ContentPart], Field(min_length=1)]  # as OpenAI: no []
 
 
 class StreamOptions(_Body):
@@ -125,34 +165,35 @@ class SamplingBody(_Body):
     # 0 (as OpenAI takes it) keeps the likeliest token only: sent as the smallest float32
     # past 0 (`router.http.convert.sampling`), which does the same.
     top_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
+    top_k: Int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     # Any int64, as vLLM takes: -1 is unset (a random seed), another negative one is taken
     # modulo 2**63 (`router.http.convert.sampling`).
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    # Both set: they must agree (`router.http.convert.sampling`).
+    max_tokens: Int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: Int | None = Field(default=None, ge=1, le=UINT32_MAX)
     stop: Text | list[Text] | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request
+    n: Int = Field(default=1, ge=1, le=1)  # one choice per request
     ignore_eos: bool = False  # extension: keep generating past end-of-sequence
     # Extension (as in vLLM): splits the caller's cache further, as `GenerateRequest.cache_salt`.
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     user: str | None = None  # OpenAI's end-user id; ignored
     # Not done by this server: refused when asked for (see the module docstring).
-    logprobs: bool | int | None = None  # chat: a bool; completions: a count
-    top_logprobs: int | None = None
+    logprobs: bool | Int | None = None  # chat: a bool; completions: a count
+    top_logprobs: Int | None = None
     presence_penalty: float | None = None  # refused unless 0
     frequency_penalty: float | None = None  # refused unless 0
     logit_bias: dict[str, float] | None = None  # refused when not empty
     # vLLM's extensions: `stop_token_ids` is done; the others are refused unless neutral.
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+    stop_token_ids: list[Annotated[Int, Field(ge=0, le=INT32_MAX)]] | None = Field(
         default=None, max_length=MAX_STOP_TOKEN_IDS
     )
     repetition_penalty: float | None = None  # refused unless 1
     min_p: float | None = None  # refused unless 0
-    min_tokens: int | None = None  # refused unless 0
+    min_tokens: Int | None = None  # refused unless 0
     bad_words: list[str] | None = None  # refused when not empty
     include_stop_str_in_output: bool = False  # refused when true
-    prompt_logprobs: int | None = None  # refused when set
+    prompt_logprobs: Int | None = None  # refused when set
     use_beam_search: bool = False  # refused when true
     guided_json: Any = None  # guided decoding (structured output): refused when set
     guided_regex: Any = None
@@ -182,6 +223,11 @@ class ChatCompletionRequest(SamplingBody):
     modalities: list[str] | None = None  # ["text"] only
     audio: Any = None
     prediction: Any = None
+    # OpenAI's: asked for, they would not be done, and the answer would not say so (a web
+    # search, a moderation pass; a stored completion there is no endpoint to fetch).
+    web_search_options: Any = None  # refused when set (`{}` asks for a search too)
+    moderation: Any = None  # refused when set
+    store: bool = False  # refused when true
     continue_final_message: bool = False
     add_generation_prompt: bool = True
 
@@ -192,4 +238,4 @@ class CompletionRequest(SamplingBody):
     prompt: Text
     echo: bool = False  # refused when true
     suffix: str | None = None  # refused when not empty
-    best_of: int | None = None  # refused above 1
+    best_of: Int | None = None  # refused above 1
