@@ -231,9 +231,19 @@ class Client:
                 continue
             del request.resume_tokens[:]
             request.resume_tokens.extend(received)
+            resuming = len(received)  # the first chunk must say it took them
             call = self._routers[index].Generate(request, timeout=left, metadata=metadata)
             try:
                 async for response in call:
+                    if resuming and response.resumed_tokens != resuming:
+                        # A router older than `resume_tokens` answers from the start: the
+                        # caller would read the answer's beginning twice.
+                        raise GenerateError(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"router {self.addresses[index]} does not resume streams (older "
+                            f"than this client): the answer stops after {resuming} tokens",
+                        )
+                    resuming = 0
                     received.extend(response.token_ids)
                     finished = finished or bool(response.finish_reason)  # not UNSPECIFIED
                     yield chunk_of(response)

@@ -218,7 +218,9 @@ class Orchestrator:
             stream = self.decode.stream(
                 job, request, lease, detok, ticket, prefill_again, resumed=job.resumed
             )
+            echo = len(job.resumed)  # a resumed stream's first chunk says so
             async for out in stream:
+                out.resumed_tokens, echo = echo, 0
                 yield out
         finally:
             # Also when the client goes away at a `yield`, before decode ever starts.

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from common.sampling import SamplingParams
+from epd.answers import GenerateError
 from epd.client import Client
 from epd.v1 import decode_service_pb2, router_service_pb2, router_service_pb2_grpc
 
@@ -28,14 +29,19 @@ class FakeRouter(router_service_pb2_grpc.RouterServiceServicer):
     """Streams `chunks` whatever the resumed tokens, then ends with `then` (None: OK);
     records each request's resume tokens."""
 
-    def __init__(self, chunks: list[Any], then: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self, chunks: list[Any], then: grpc.StatusCode | None = None, resumes: bool = True
+    ) -> None:
         self.chunks = chunks
         self.then = then
+        self.resumes = resumes  # False: a router older than `resume_tokens` (ignores them)
         self.resumed: list[list[int]] = []
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.resumed.append(list(request.resume_tokens))
-        for response in self.chunks:
+        for i, response in enumerate(self.chunks):
+            if i == 0 and request.resume_tokens and self.resumes:
+                response.resumed_tokens = len(request.resume_tokens)
             yield response
         if self.then is not None:
             await context.abort(self.then, "Socket closed")
@@ -67,6 +73,21 @@ async def test_a_stream_broken_mid_answer_is_resumed_on_the_next_router(serve: A
         assert (result.text, result.token_ids, result.finish_reason) == ("hello", [5, 6], "length")
         assert client.resumes == 1
     assert first.resumed == [[]] and second.resumed == [[5]]
+
+
+async def test_a_router_that_does_not_resume_is_not_joined_to_the_stream(serve: Any) -> None:
+    # A router from before `resume_tokens` streams the answer from its start: joined on, the
+    # caller read "he" twice ("hehello").
+    first = FakeRouter([chunk([5], "he")], then=grpc.StatusCode.UNAVAILABLE)
+    old = FakeRouter([chunk([5], "he"), chunk([6], "llo", last=True)], resumes=False)
+    addresses = [await serve(first), await serve(old)]
+    texts: list[str] = []
+    async with Client(addresses, api_key="k") as client:
+        with pytest.raises(GenerateError) as err:
+            async for piece in client.generate(CHAT, SamplingParams(max_tokens=2)):
+                texts.append(piece.text)
+    assert texts == ["he"] and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "does not resume streams" in err.value.details
 
 
 async def test_a_stream_broken_after_its_last_chunk_is_the_whole_answer(serve: Any) -> None:

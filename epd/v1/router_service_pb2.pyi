@@ -65,7 +65,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., prompt: _Optional[str] = ..., resume_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "cached_tokens", "blocks_pulled", "blocks_reused")
+    __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "cached_tokens", "blocks_pulled", "blocks_reused", "resumed_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class GenerateResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _decode_service_pb2.FinishReason
@@ -80,4 +81,5 @@ class GenerateResponse(_message.Message):
     cached_tokens: int
     blocks_pulled: int
     blocks_reused: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_decode_service_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_decode_service_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
