@@ -28,9 +28,14 @@ the app runs (the app would read all of it anyway) and replays it:
 - what the app makes of a body (the parsed JSON, the request built from it) it holds beside
   the body's bytes (`BodyHold.more`, refused as above), until the response ends.
 
-Every refusal here of a request that carries a body closes the connection after the answer
-(`Connection: close`): the body is unread, or read in part, and draining it (up to the
-Content-Length the head announced, any size) would cost what the refusal saved.
+A refusal of a request that carries a body reads and drops what is left of it first, at most
+`DRAIN_BYTES` within `DRAIN_S`, none more once the client pauses `DRAIN_IDLE_S` (nginx's
+lingering close, bounded): clients that send their
+whole body before reading (Python's http.client, httpx) read the refusal, not a reset
+connection (a 413 closed at once reached them as BrokenPipeError). Past those bounds, for
+a larger announced body, or when the client waits for `100-continue`, the connection is closed after the answer
+(`Connection: close`): draining a body of any announced size would cost what the refusal
+saved. A refusal for framing or lateness (405, 400 framed twice, 408) closes it at once.
 """
 
 from __future__ import annotations
@@ -79,6 +84,34 @@ def _busy() -> ApiError:
     return ApiError.from_router(busy.code, str(busy), busy.trailing_metadata)
 
 
+DRAIN_BYTES = 16 << 20  # most of a refused request's body read and dropped before answering
+DRAIN_S = 5.0  # and within this long
+DRAIN_IDLE_S = 0.5  # nor once the client sends nothing for this long
+
+
+async def drained(receive: Any, headers: dict[bytes, bytes]) -> bool:
+    """Read and drop the rest of a refused request's body (module docstring): True when it
+    ended within `DRAIN_BYTES` and `DRAIN_S` (the connection may serve another request)."""
+    if headers.get(b"expect", b"").lower() == b"100-continue":
+        return False  # it sends no body before our answer: none is invited
+    length = headers.get(b"content-length", b"")
+    if length.isdigit() and int(length) > DRAIN_BYTES:
+        return False
+    got = 0
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            while got <= DRAIN_BYTES:
+                message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
+                if message["type"] != "http.request":
+                    return False  # the client went away
+                got += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    return True
+    except TimeoutError:
+        pass
+    return False
+
+
 # Headers a request may carry once: two are read differently by different readers.
 SINGLE_HEADERS = (b"authorization", b"content-type")
 
@@ -125,9 +158,10 @@ def identify(auth: Authenticator | None, header: str | None, need: Need = Need.C
 class _Refused(Exception):
     """The body is answered with `error` instead of reaching the app."""
 
-    def __init__(self, error: ApiError) -> None:
+    def __init__(self, error: ApiError, ended: bool = False) -> None:
         super().__init__(str(error))
         self.error = error
+        self.ended = ended  # the body's last message was read already
 
 
 def limit_body(
@@ -165,10 +199,11 @@ def limit_body(
             if message["type"] != "http.request":
                 return messages  # the client went away: the app sees that too
             received += len(message.get("body", b""))
+            ended = not message.get("more_body")
             if received > max_bytes or (announced is not None and received > announced):
-                raise _Refused(too_large)
+                raise _Refused(too_large, ended)
             if announced is None and not hold.take(received - hold.bytes):
-                raise _Refused(full)
+                raise _Refused(full, ended)
             if not message.get("more_body"):
                 return messages
 
@@ -213,8 +248,11 @@ def limit_body(
             except (ApiError, _Refused) as exc:
                 error = exc.error if isinstance(exc, _Refused) else exc
                 response = error.response()
-                if carries_body(headers):  # unread, or read in part: not drained (docstring)
-                    response.headers["Connection"] = "close"
+                ended = isinstance(exc, _Refused) and exc.ended
+                if carries_body(headers) and not ended:  # unread, or read in part
+                    closing = error in (late, not_post, framed_twice)
+                    if closing or not await drained(receive, headers):
+                        response.headers["Connection"] = "close"
                 if error is late:
                     stats.closed_body_late += 1
                 await response(scope, receive, send)
