@@ -363,3 +363,17 @@ async def test_a_refused_registration_is_logged_with_its_reason_on_both_sides(
             assert any(why in reason for reason in registry.refusals.values()), why
     finally:
         await router.stop(0)
+
+
+def test_a_failed_calls_log_line_names_its_request() -> None:
+    # Worker lines named the handler alone: nothing tied them to the router's line for the
+    # request. The id is the caller's: escaped, so it cannot forge a line.
+    from types import SimpleNamespace
+
+    from common.server.rpc import _where
+
+    request = SimpleNamespace(request_id="r-1\nINFO forged")
+    assert _where("DecodeServicer.Decode", (None, request, None)) == (
+        "DecodeServicer.Decode (request r-1\\nINFO forged)"
+    )
+    assert _where("Probe.call", (None, b"raw", None)) == "Probe.call"
