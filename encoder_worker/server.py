@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from common.byte_lru import ENTRY_BYTES
+from common.models.identity import load_identified
 from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
 from common.models.qwen3_vl.vision import VisionTower
-from common.models.qwen3_vl.weights import VISUAL_PREFIX, load_weights
-from common.models.runner import model_identity
+from common.models.qwen3_vl.weights import VISUAL_PREFIX
 from common.processing.content_hash import processor_settings, settings_digest
 from common.roles import PATCH_CODES, PROTOCOL_VERSION
 from common.server.leases import LeaseIdError, check_lease_id, refusal
@@ -231,13 +231,15 @@ def encoder_metrics(servicer: EncoderServicer) -> list[Any]:
     ]
 
 
-def load_tower(path: Path, settings: EncoderSettings) -> tuple[Qwen3VLConfig, VisionTower]:
-    """Read the config and only the vision tower's weights (blocking)."""
+def load_tower(path: Path, settings: EncoderSettings) -> tuple[Qwen3VLConfig, VisionTower, str]:
+    """Read the config and only the vision tower's weights, and the checkpoint's identity
+    (blocking; `common.models.identity.load_identified`)."""
     config = Qwen3VLConfig.from_file(path)
-    tensors = load_weights(
+    tensors, identity = load_identified(
         path, config, dtype=settings.torch_dtype, prefix=(VISUAL_PREFIX,), device=settings.device
     )
-    return config, VisionTower.from_weights(config, tensors, packed_weights=settings.packed_weights)
+    tower = VisionTower.from_weights(config, tensors, packed_weights=settings.packed_weights)
+    return config, tower, identity
 
 
 async def serve(
@@ -250,10 +252,9 @@ async def serve(
     """
     settings.check()
     path = await asyncio.to_thread(checkpoint_path, settings.model)
-    config, tower = await asyncio.to_thread(load_tower, path, settings)
+    config, tower, identity = await asyncio.to_thread(load_tower, path, settings)
     pixel_settings = await asyncio.to_thread(processor_settings, path, config)
     fingerprint = pixel_settings.fingerprint()
-    identity = await asyncio.to_thread(model_identity, path, config)
     engine = EncoderEngine(
         tower,
         EncoderCache(settings.cache_bytes, ENTRY_BYTES),

@@ -41,7 +41,7 @@ from typing import Any
 import grpc
 
 from common.errors import FieldError
-from common.models.runner import model_identity
+from common.models.identity import model_identity
 from common.processing.content_hash import settings_digest
 from common.processing.processor import ProcessedPrompt, Processor
 from common.roles import KV_ROLES, Role

@@ -26,8 +26,6 @@ thread), because the KV buffer and the pool are shared by all requests.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from array import array
 from collections.abc import Sequence
@@ -40,20 +38,18 @@ from common.kv.allocator import KvAllocator
 from common.kv.cache import KvCacheSpec, PagedKvCache
 from common.kv.layout import KvLayout, layout_root
 from common.models import prompt_check
+from common.models.identity import load_identified
 from common.models.malloc_settings import tune_malloc
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.prefill_plan import PrefillRequest
 from common.models.qwen3_vl.rope import MropePositions, decode_positions, prompt_positions
 from common.models.qwen3_vl.text import LM_HEAD, LM_PREFIX, Segment, TextModel
-from common.models.qwen3_vl.weights import load_weights, weight_files
 from common.models.running_kv import RunningKv
 from common.models.sequence import LmSequence
 from common.multimodal.params import MultimodalParams
 from common.sampling import Sampler, SamplingParams, StopChecker
 
 logger = logging.getLogger(__name__)
-
-_DIGEST_CHUNK = 8 << 20
 
 #: Tokens per packed prefill forward by default: enough for 32 short prompts in one forward.
 DEFAULT_PREFILL_BUDGET = 2048
@@ -66,21 +62,6 @@ def _long(values: Sequence[int] | array[int]) -> torch.Tensor:
     if not buffer:  # frombuffer refuses an empty buffer
         return torch.zeros(0, dtype=torch.long)
     return torch.frombuffer(buffer, dtype=torch.long)
-
-
-def model_identity(path: str | Path, config: Qwen3VLConfig) -> str:
-    """`qwen3-vl/<digest>`: SHA-256 of the canonical config and every weight file's bytes.
-
-    Identical on every machine holding the same checkpoint. Reads each weight file once
-    (about a second per GB); done once per worker start.
-    """
-    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
-    for file in sorted(set(weight_files(path).values())):
-        digest.update(file.name.encode())
-        with file.open("rb") as f:
-            while chunk := f.read(_DIGEST_CHUNK):
-                digest.update(chunk)
-    return f"qwen3-vl/{digest.hexdigest()[:32]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,13 +150,13 @@ class LmRunner:
         """Load the language model of a Hugging Face-format Qwen3-VL checkpoint folder
         (`packed_weights`: see `linear.Dense`)."""
         config = Qwen3VLConfig.from_file(path)
-        tensors = load_weights(
+        tensors, identity = load_identified(
             path, config, dtype=dtype, prefix=(LM_PREFIX, LM_HEAD), device=device
         )
         return cls(
             config,
             TextModel.from_weights(config, tensors, packed_weights=packed_weights),
-            identity=model_identity(path, config),
+            identity=identity,
             block_size=block_size,
             num_blocks=num_blocks,
             prefill_chunk=prefill_chunk,

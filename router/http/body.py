@@ -33,9 +33,10 @@ A refusal of a request that carries a body reads and drops what is left of it fi
 lingering close, bounded): clients that send their
 whole body before reading (Python's http.client, httpx) read the refusal, not a reset
 connection (a 413 closed at once reached them as BrokenPipeError). Past those bounds, for
-a larger announced body, or when the client waits for `100-continue`, the connection is closed after the answer
-(`Connection: close`): draining a body of any announced size would cost what the refusal
-saved. A refusal for framing or lateness (405, 400 framed twice, 408) closes it at once.
+a larger announced body, or when the client waits for `100-continue`, the connection is
+closed after the answer (`Connection: close`): draining a body of any announced size would
+cost what the refusal saved. A refusal for framing or lateness (405, 400 framed twice,
+408) closes it at once.
 """
 
 from __future__ import annotations

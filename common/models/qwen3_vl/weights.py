@@ -9,7 +9,8 @@ embeddings are tied).
 `load_weights` checks the whole checkpoint against `expected_weight_shapes` from the
 safetensors headers alone (no tensor is read for the check) and fails with one error that
 names every missing, misshaped or unexpected tensor; only then does it read the tensors the
-caller asked for.
+caller asked for, into memory of their own (never views of the files: they may change
+afterwards). `common.models.identity` names what was loaded.
 """
 
 from __future__ import annotations
@@ -152,7 +153,10 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
-        files = {name: folder / str(file) for name, file in weight_map.items()}
+        for file in set(weight_map.values()):
+            if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                raise CheckpointError(f"{index}: weight_map names {file!r}, not a file here")
+        files = {name: folder / file for name, file in weight_map.items()}
         for path in sorted(set(files.values())):
             if not path.is_file():
                 raise CheckpointError(f"{index} lists {path.name}, which does not exist")
@@ -164,15 +168,27 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+# The safetensors dtypes of learned weights (cast to the worker's dtype at load); an integer
+# or bool tensor loaded as is and changed the model without a word.
+FLOAT_DTYPES = frozenset(("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"))
+
+
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape as the safetensors headers state it (no tensor is read)."""
+    """Every tensor's shape as the safetensors headers state it (no tensor is read); a
+    tensor stored as anything but a float is refused, naming it."""
     files = weight_files(folder)
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 if files.get(name) == path:
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    part = f.get_slice(name)
+                    if part.get_dtype() not in FLOAT_DTYPES:
+                        raise CheckpointError(
+                            f"{path}: tensor {name} is stored as {part.get_dtype()}, not as a "
+                            f"float ({', '.join(sorted(FLOAT_DTYPES))})"
+                        )
+                    shapes[name] = tuple(part.get_shape())
     missing_in_shards = sorted(set(files) - set(shapes))
     if missing_in_shards:
         raise CheckpointError(
@@ -239,8 +255,11 @@ def load_weights(
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in names:
                 tensor = f.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
+                target = dtype if dtype is not None else tensor.dtype
+                # Owned bytes: on the CPU `get_tensor` is a view of the file's mapping, so a
+                # file rewritten in place changed a running worker's weights under its old
+                # identity, and one truncated killed it (SIGBUS).
+                tensor = tensor.to(target, copy=tensor.device.type == "cpu")
                 tensors[name] = tensor
                 nbytes += tensor.numel() * tensor.element_size()
         if len(shards) > 1:  # progress for a sharded (large) checkpoint, one line a shard

@@ -1,0 +1,126 @@
+"""A worker computes with the weights its identity names (`common.models.identity`): loaded
+weights own their bytes, a checkpoint changed while it loads is refused, the identity
+covers which file each tensor comes from, and a weight stored as an integer is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import common.models.identity as identity
+from common.models.identity import load_identified, model_identity
+from common.models.qwen3_vl.config import Qwen3VLConfig
+from common.models.qwen3_vl.weights import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    load_weights,
+    save_weights,
+)
+from common.models.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two tiny checkpoints of the same shapes (seeds 0 and 1)."""
+    root = tmp_path_factory.mktemp("ckpts")
+    return make_tiny_checkpoint(root / "a", seed=0), make_tiny_checkpoint(root / "b", seed=1)
+
+
+def copy_of(folder: Path, to: Path) -> Path:
+    shutil.copytree(folder, to)
+    return to
+
+
+def test_loaded_weights_do_not_follow_the_file(ckpts: tuple[Path, Path], tmp_path: Path) -> None:
+    # On the CPU the loaded tensors were views of the file's mapping: `cp new old` over a
+    # running worker's checkpoint moved its logits by up to 0.66 under its old identity.
+    folder, other = copy_of(ckpts[0], tmp_path / "a"), ckpts[1]
+    config = Qwen3VLConfig.from_file(folder)
+    tensors = load_weights(folder, config)
+    kept = {name: t.clone() for name, t in tensors.items()}
+    new = (other / SINGLE_FILE).read_bytes()
+    assert len(new) == (folder / SINGLE_FILE).stat().st_size  # rewritten in place, same inode
+    with (folder / SINGLE_FILE).open("r+b") as f:
+        f.write(new)
+    assert all(torch.equal(tensors[name], kept[name]) for name in kept)
+
+
+def test_a_checkpoint_changed_while_it_loads_is_refused(
+    ckpts: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Replaced between the load and the hash, a worker reported the new checkpoint's identity
+    # and computed with the old one's weights.
+    folder, other = copy_of(ckpts[0], tmp_path / "a"), ckpts[1]
+    config = Qwen3VLConfig.from_file(folder)
+    load = identity.load_weights
+
+    def load_then_replace(*args: Any, **kwargs: Any) -> Any:
+        tensors = load(*args, **kwargs)
+        shutil.copyfile(other / SINGLE_FILE, tmp_path / "new")
+        os.replace(tmp_path / "new", folder / SINGLE_FILE)  # an update landing now
+        return tensors
+
+    monkeypatch.setattr(identity, "load_weights", load_then_replace)
+    with pytest.raises(CheckpointError, match="changed while it was loaded"):
+        load_identified(folder, config)
+    monkeypatch.undo()
+    tensors, name = load_identified(folder, config)  # once complete, it loads
+    assert name == model_identity(ckpts[1], config) and tensors
+
+
+def test_the_identity_covers_which_shard_each_tensor_comes_from(
+    ckpts: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # A shard may hold a second copy of a tensor the index maps elsewhere: two indexes over
+    # the same shards loaded different models under one identity.
+    config = Qwen3VLConfig.from_file(ckpts[0])
+    tensors = load_file(str(ckpts[0] / SINGLE_FILE))
+    first = save_weights(tmp_path / "a", tensors, max_shard_bytes=256 * 1024)
+    assert len(first) > 3
+    index = json.loads((tmp_path / "a" / INDEX_FILE).read_text())
+    shards = list(index["weight_map"].values())
+    # A tensor of a shard that holds others too: both indexes list the same shards.
+    name = next(n for n, f in index["weight_map"].items() if shards.count(f) > 1)
+    last = next(p for p in first if p.name != index["weight_map"][name] and p.name in shards)
+    extra = load_file(str(last))
+    extra[name] = torch.randn_like(tensors[name])
+    save_file(extra, str(last), metadata={"format": "pt"})
+    other = copy_of(tmp_path / "a", tmp_path / "b")
+    index["weight_map"][name] = last.name
+    (other / INDEX_FILE).write_text(json.dumps(index))
+    assert set(index["weight_map"].values()) == set(shards)  # the same files, mapped anew
+    a, b = load_weights(tmp_path / "a", config), load_weights(other, config)
+    assert not torch.equal(a[name], b[name])
+    assert model_identity(tmp_path / "a", config) != model_identity(other, config)
+
+
+def test_an_index_naming_a_file_outside_the_folder_is_refused(
+    ckpts: tuple[Path, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "a"
+    save_weights(folder, load_file(str(ckpts[0] / SINGLE_FILE)), max_shard_bytes=256 * 1024)
+    index = json.loads((folder / INDEX_FILE).read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../outside.safetensors"
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="not a file here"):
+        load_weights(folder, Qwen3VLConfig.from_file(ckpts[0]))
+
+
+def test_a_weight_stored_as_an_integer_is_refused(ckpts: tuple[Path, Path], tmp_path: Path) -> None:
+    # A uint8 final norm loaded as is and answered other text, with no word at start.
+    folder = copy_of(ckpts[0], tmp_path / "a")
+    tensors = load_file(str(folder / SINGLE_FILE))
+    norm = "model.language_model.norm.weight"
+    tensors[norm] = tensors[norm].to(torch.uint8)
+    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor {norm} is stored as U8, not as a float"):
+        load_weights(folder, Qwen3VLConfig.from_file(folder))
