@@ -42,6 +42,7 @@ import grpc
 
 from common.errors import FieldError
 from common.models.identity import model_identity
+from common.models.qwen3_vl.weights import check_checkpoint
 from common.processing.content_hash import settings_digest
 from common.processing.processor import ProcessedPrompt, Processor
 from common.roles import KV_ROLES, Role
@@ -309,6 +310,9 @@ async def serve(
         Processor.from_pretrained, path, image_cache_bytes=settings.processed_image_cache_mb << 20
     )
     await asyncio.to_thread(lambda: processor.token_bytes)  # built once, off the event loop
+    # Its headers (no tensor read): a router that started on weights no worker can load
+    # served UNAVAILABLE for good where nothing restarts it (Kubernetes).
+    await asyncio.to_thread(check_checkpoint, path, processor.config)
     text = processor.config.text
     expected = settings.expected_model or await asyncio.to_thread(
         model_identity, path, processor.config

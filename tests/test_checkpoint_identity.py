@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -122,5 +123,25 @@ def test_a_weight_stored_as_an_integer_is_refused(ckpts: tuple[Path, Path], tmp_
     norm = "model.language_model.norm.weight"
     tensors[norm] = tensors[norm].to(torch.uint8)
     save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=f"tensor {norm} is stored as U8, not as a float"):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"tensor {norm} is stored as U8, not as a float")
+    ):
         load_weights(folder, Qwen3VLConfig.from_file(folder))
+
+
+async def test_a_router_refuses_weights_no_worker_can_load(
+    ckpts: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # It hashed them and started; every worker refused them, and a router nothing restarts
+    # (Kubernetes) answered UNAVAILABLE for good.
+    from router.server import serve
+    from router.settings import RouterSettings
+    from tests.cluster import cluster_security
+
+    folder = copy_of(ckpts[0], tmp_path / "a")
+    tensors = load_file(str(folder / SINGLE_FILE))
+    del tensors["model.language_model.norm.weight"]
+    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    settings = RouterSettings(model=str(folder), port=0, security=cluster_security())
+    with pytest.raises(CheckpointError, match=r"missing 1: model\.language_model\.norm\.weight"):
+        await serve(settings)
