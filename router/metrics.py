@@ -24,6 +24,7 @@ from epd.v1 import router_service_pb2
 from router.admission import Admission
 from router.calls import WorkerCalls
 from router.embedding_cache import EmbeddingCache
+from router.outcomes import OUTCOMES
 
 if TYPE_CHECKING:  # uvicorn is imported only when the HTTP API is served
     from router.held import HeldBytes
@@ -113,6 +114,15 @@ class RouterMetrics:
             buckets=ITL_BUCKETS,
             registry=registry,
         )
+        self.finished = Counter(
+            "epd:requests_finished",
+            "Requests ended, by outcome: stop, length, cancelled, deadline, invalid, refused, "
+            "unavailable, error (router.outcomes).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in OUTCOMES:
+            self.finished.labels(outcome)  # every series from the start, at 0
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Time from arrival to the last token, of requests that finished.",

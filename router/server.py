@@ -29,7 +29,6 @@ event subscriptions, then the peer client: lease releases in flight finish, chan
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -65,10 +64,12 @@ from router.admission_need import fit_to_decode
 from router.calls import Job, RouterError
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
+from router.health import health_loop
 from router.held import HeldBytes, MediaHold, add_router_service, read_request
 from router.ids import check_ids, shown_id
 from router.inputs import ContextTooLong, InputError
 from router.orchestrator import Orchestrator
+from router.outcomes import Outcome
 from router.prepare import prepare_request
 from router.prepare_threads import PrepareThreads, has_media
 from router.registry import Registry
@@ -160,6 +161,32 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             return gone.is_set() or time.monotonic() > deadline
 
         media = MediaHold(self.held, holds, caller.tenant)
+        outcome = Outcome(request_id, caller.tenant, started)
+        try:
+            async for chunk in self._generate(
+                request, caller, outcome, media, deadline, ended, gone, fit_max_tokens
+            ):
+                outcome.saw(chunk)
+                yield chunk
+        except BaseException as exc:
+            outcome.failed(exc)
+            raise
+        finally:
+            self.orchestrator.metrics.finished.labels(outcome.outcome).inc()
+            outcome.log()
+
+    async def _generate(
+        self,
+        request: router_service_pb2.GenerateRequest,
+        caller: Caller,
+        outcome: Outcome,
+        media: MediaHold,
+        deadline: float,
+        ended: Callable[[], bool],
+        gone: threading.Event,
+        fit_max_tokens: bool,
+    ) -> AsyncGenerator[router_service_pb2.GenerateResponse, None]:
+        """`generate`'s work, `outcome` filled as it goes."""
         async with self.lifecycle.track(), self.orchestrator.metrics.request():
             try:
                 check_ids(request)
@@ -197,14 +224,14 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     raise
                 if time.monotonic() > deadline:  # passed while its media decoded
                     raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
-                logger.info("request %s (%s) rejected: %s", request_id, caller.tenant, exc)
                 error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 error.trailing_metadata = (("epd-field", exc.field),)
                 error.context_exceeded = isinstance(exc, ContextTooLong)
                 raise error from None
+            outcome.prompt_tokens = len(prompt.prompt_token_ids)
             with media.holding(prompt):
                 job = Job(
-                    request_id=request_id,
+                    request_id=outcome.request_id,
                     prompt=prompt,
                     sampling=sampling,
                     cache_salt=cache_salt,
@@ -212,21 +239,11 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     resumed=resumed,
                     tenant=caller.tenant,
                 )
-                tokens = 0
                 lifecycle = self.lifecycle
                 await self.returns.wait(KV_ROLES, deadline, lambda: lifecycle.draining)
                 answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
-                async for chunk in self.orchestrator.metrics.track(answer, started):
-                    tokens += len(chunk.token_ids)
+                async for chunk in self.orchestrator.metrics.track(answer, outcome.started):
                     yield chunk
-                logger.info(
-                    "request %s (%s): %d prompt tokens, %d generated in %.3f s",
-                    request_id,
-                    caller.tenant,
-                    len(prompt.prompt_token_ids),
-                    tokens,
-                    time.monotonic() - started,
-                )
 
     async def Generate(
         self, _requests: Any, context: grpc.aio.ServicerContext
@@ -247,9 +264,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 if context.done():  # past the client's deadline: gRPC ended the call
                     return
                 yield chunk
-        except RouterError as exc:
-            shown = shown_id(request.request_id)
-            logger.info("request %s (%s) failed: %s %s", shown, caller.tenant, exc.code.name, exc)
+        except RouterError as exc:  # logged by `generate`
             if not context.done():  # else writing to it fails, logged at ERROR by gRPC
                 await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing_metadata)
         except RpcStatusError as exc:  # draining
@@ -273,22 +288,6 @@ class RunningRouter(RoleServer[RouterServicer]):
         return self.servicer.orchestrator.registry
 
     http_address: str | None = field(default=None, kw_only=True)  # HTTP API (None: off)
-
-
-async def _health_loop(running: RunningRouter, period_s: float) -> None:
-    """gRPC health follows the registry: SERVING only while every role has a serving
-    worker (and the router is not draining); checked at once when a worker registers."""
-    changed = asyncio.Event()
-    running.registry.on_register.append(lambda _worker: changed.set())
-    serving: bool | None = None
-    while True:
-        now = running.registry.ready() and not running.lifecycle.draining
-        if now != serving and not running.lifecycle.draining:
-            await running.set_serving(now)
-        serving = now
-        changed.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), period_s)
 
 
 async def serve(
@@ -386,7 +385,8 @@ async def serve(
     )
     period = max(0.05, min(settings.heartbeat_interval_s, settings.worker_timeout_s / 2))
     running.tasks.append(asyncio.create_task(expire_loop(registry, orchestrator, period)))
-    running.tasks.append(asyncio.create_task(_health_loop(running, min(period, 0.1))))
+    health = health_loop(running.registry, running.lifecycle, running.set_serving, min(period, 0.1))
+    running.tasks.append(asyncio.create_task(health))
     try:
         if settings.http_port < 0:
             orchestrator.metrics.watch(running.servicer)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import logging
 import socket
 import urllib.request
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from decode_worker.server import serve as serve_decode
 from decode_worker.settings import DecodeSettings
 from encoder_worker.server import serve as serve_encoder
 from encoder_worker.settings import EncoderSettings
+from epd.answers import GenerateError
 from epd.client import Client
 from prefill_worker.server import serve as serve_prefill
 from prefill_worker.settings import PrefillSettings
@@ -181,6 +183,45 @@ async def test_workers_by_state_show_a_role_with_none_serving(dep: Deployment) -
     finally:
         dep.router.registry.undrain(address)
     assert one(await scrape(dep.router), "epd:workers", role="decode", state="serving") == 1
+
+
+async def test_each_request_is_counted_and_logged_once_by_how_it_ended(
+    dep: Deployment, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Nothing counted how requests ended (300 refused and 41 cancelled moved no metric), a
+    # cancelled one left no log line, and a refused gRPC one left two.
+    caplog.set_level(logging.INFO, logger="router.server")
+    before = await scrape(dep.router)
+    async with Client(dep.router.address, api_key=CLIENT_KEY) as client:
+        await client.generate_text(chat(1), GREEDY, timeout_s=60, request_id="m-done")
+        with pytest.raises(GenerateError):
+            too_long = "x" * 300  # a stop string past 256 characters
+            await client.generate_text(chat(2), GREEDY, request_id="m-bad", stop=too_long)
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = client.generate(chat(3), long, timeout_s=60, request_id="m-gone")
+        async for _ in stream:
+            break  # the first chunk, then the client goes
+        await stream.aclose()
+
+    def counted(samples: Samples, outcome: str) -> float:
+        name = "epd:requests_finished_total"
+        return one(samples, name, outcome=outcome) - one(before, name, outcome=outcome)
+
+    for _ in range(100):
+        after = await scrape(dep.router)
+        if counted(after, "cancelled") >= 1:
+            break
+        await asyncio.sleep(0.1)
+    assert {o: counted(after, o) for o in ("length", "invalid", "cancelled", "error")} == {
+        "length": 1,
+        "invalid": 1,
+        "cancelled": 1,
+        "error": 0,
+    }
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.server"]
+    for rid, how in (("m-done", "length:"), ("m-bad", "invalid after"), ("m-gone", "cancelled")):
+        mine = [line for line in lines if f"request {rid} " in line]
+        assert len(mine) == 1 and how in mine[0], (rid, mine)
 
 
 async def test_a_repeated_request_hits_the_caches(dep: Deployment) -> None:

@@ -1,0 +1,123 @@
+"""How each request ended: counted once (`epd:requests_finished{outcome}`) and logged once
+(one INFO line per request, whatever the front door).
+
+Before, only answers that finished and refusals of bad input were logged (the latter twice
+over gRPC), and no metric counted how requests ended: a cancelled or timed-out request left
+no trace, and an error rate could not be read off the metrics page.
+
+Outcomes, a fixed set (a label value each):
+
+    stop, length  the answer finished (its finish reason)
+    cancelled     the client went away (cancelled, hung up, its own deadline passed)
+    deadline      the router's deadline passed (`request_timeout_s`, or the client's)
+    invalid       refused for its input (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE)
+    refused       refused for load (RESOURCE_EXHAUSTED: queue, tenant share, held bytes)
+    unavailable   no worker, or the router drains (UNAVAILABLE)
+    error         anything else (INTERNAL: a bug)
+
+Requests refused before they are read (no credentials, a body over the limit) are not
+requests here: the authentication and HTTP layers answer them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from common.server.rpc import RpcStatusError
+from epd.v1 import decode_service_pb2, router_service_pb2
+from router.calls import RouterError
+
+logger = logging.getLogger("router.server")  # the router's request log, as before
+
+OUTCOMES = (
+    "stop",
+    "length",
+    "cancelled",
+    "deadline",
+    "invalid",
+    "refused",
+    "unavailable",
+    "error",
+)
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.FAILED_PRECONDITION: "invalid",
+    grpc.StatusCode.OUT_OF_RANGE: "invalid",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "refused",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.CANCELLED: "cancelled",
+}
+
+
+_FINISH = {
+    decode_service_pb2.FINISH_REASON_LENGTH: "length",
+    decode_service_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request's course, filled as it runs; `ended` says how it ended."""
+
+    request_id: str  # as shown in logs (escaped)
+    tenant: str | None  # None: the deployment runs without tenants
+    started: float  # time.monotonic() at arrival
+    prompt_tokens: int = 0  # once processed
+    tokens: int = 0  # generated, streamed to the client
+    finish: str = ""  # the last chunk's finish reason ("stop", "length"), once seen
+    failure: str = ""  # an outcome of the module docstring, when it did not finish
+    detail: str = ""  # the error, for the log line
+
+    def saw(self, chunk: router_service_pb2.GenerateResponse) -> None:
+        """A chunk went to the client."""
+        self.tokens += len(chunk.token_ids)
+        if chunk.finish_reason:
+            self.finish = _FINISH.get(chunk.finish_reason, "stop")
+
+    def failed(self, exc: BaseException) -> None:
+        """The request ends with `exc` (raised on, or the generator closed)."""
+        if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            self.failure = "cancelled"
+        elif isinstance(exc, RouterError | RpcStatusError):
+            self.failure = _BY_CODE.get(exc.code, "error")
+            self.detail = f"{exc.code.name} {exc}"
+        else:
+            self.failure = "error"
+            self.detail = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def outcome(self) -> str:
+        """How it ended (one of `OUTCOMES`); a stream closed before its finish reason was
+        left by its client."""
+        return self.failure or self.finish or "cancelled"
+
+    def log(self) -> None:
+        """The request's one INFO line."""
+        took = time.monotonic() - self.started
+        if not self.failure and self.finish:
+            logger.info(
+                "request %s (%s) %s: %d prompt tokens, %d generated in %.3f s",
+                self.request_id,
+                self.tenant,
+                self.outcome,
+                self.prompt_tokens,
+                self.tokens,
+                took,
+            )
+            return
+        logger.info(
+            "request %s (%s) %s after %d tokens in %.3f s%s",
+            self.request_id,
+            self.tenant,
+            self.outcome,
+            self.tokens,
+            took,
+            f": {self.detail}" if self.detail else "",
+        )
