@@ -25,9 +25,9 @@ computed (its logits give the first token), and a cached block is never written.
 
 Block ownership: a sequence owns one reference on each of its blocks from `prefill` until
 `release` (done by the batch in `generate*` when it finishes). Blocks for the whole request
-(prompt + `max_tokens`) are taken at admission, so decode never runs out of blocks
-mid-request. The language model's parts are reached through `engine.runner` (`.model`,
-`.kv`, `.allocator.pool`, `.sampler`, ...).
+(`kv_slots`: the prompt and every generated token but the last) are taken at admission, so
+decode never runs out of blocks mid-request. The language model's parts are reached
+through `engine.runner` (`.model`, `.kv`, `.allocator.pool`, `.sampler`, ...).
 """
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ class GenerateResult:
 # The Engine's `KvLayout.model`. Its prefix cache is private to the process, so its block
 # hashes chain from `DEFAULT_ROOT` (as `block_hashes` does by default), not a layout root.
 ENGINE_IDENTITY = "qwen3-vl/offline-engine"
+
+
+def kv_slots(prompt_tokens: int, sampling: SamplingParams) -> int:
+    """KV slots a request writes: its prompt and every generated token but the last (never
+    fed back), as the decode worker and the router's admission count them."""
+    return prompt_tokens + sampling.max_tokens - 1
 
 
 class Engine:
@@ -238,7 +244,7 @@ class Engine:
         use_prefix_cache: bool = True,
         keep_logits: bool = False,
     ) -> batching.Admission:
-        """Take blocks for prompt + `max_tokens` (see `batching.admit`)."""
+        """Take blocks for the request's `kv_slots` (see `batching.admit`)."""
         allocator = self.runner.allocator
         hashes = allocator.hashes(prompt_token_ids, params) if use_prefix_cache else None
         return batching.admit(
@@ -247,7 +253,7 @@ class Engine:
             params,
             sampling,
             hashes=hashes,
-            total_tokens=len(prompt_token_ids) + sampling.max_tokens,
+            total_tokens=kv_slots(len(prompt_token_ids), sampling),
             keep_logits=keep_logits,
             digests=use_prefix_cache,  # the Engine's blocks go nowhere: digests only guard reuse
         )
@@ -285,7 +291,7 @@ class Engine:
         except FieldError as exc:
             raise ValueError(f"request {index}: {exc}") from None
         allocator = self.runner.allocator
-        need = blocks_for(tokens + sampling.max_tokens, allocator.block_size)
+        need = blocks_for(kv_slots(tokens, sampling), allocator.block_size)
         if need > allocator.pool.num_blocks:  # it would wait for ever, or fail mid-batch
             raise ValueError(
                 f"request {index}: prompt of {tokens} tokens + max_tokens "
@@ -332,7 +338,7 @@ class Engine:
                     while waiting and len(batch.running) + len(admitted) < self.max_batch:
                         index = waiting[0]
                         prompt = processed[index]
-                        total = len(prompt.prompt_token_ids) + params[index].max_tokens
+                        total = kv_slots(len(prompt.prompt_token_ids), params[index])
                         busy = batch.running or admitted
                         if busy and not self.runner.allocator.can_allocate(total):
                             break  # wait for running sequences to free blocks

@@ -321,6 +321,21 @@ def test_a_request_past_the_context_or_the_pool_is_refused_naming_it(setup):
     assert small.generate(ok, SamplingParams(max_tokens=3)).finish_reason == "length"
 
 
+def test_a_pool_that_holds_every_slot_a_request_writes_serves_it(setup):
+    # The engine took a slot for the last sampled token too, which is never fed back: a
+    # pool that held the request whole refused it whenever prompt + max_tokens was one past
+    # a block boundary (the workers and the router count it as here).
+    engine, _ = setup
+    ok = user("Hello there.")
+    n = len(engine.process(ok).prompt_token_ids)
+    max_tokens = BLOCK - (n % BLOCK) + 1 + BLOCK  # n + max_tokens one past a boundary
+    exact = fresh(engine, num_blocks=(n + max_tokens - 1) // BLOCK)
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    got = exact.generate(ok, sampling)
+    assert got.token_ids == fresh(engine).generate(ok, sampling).token_ids
+    assert exact.runner.allocator.pool.num_used_blocks == 0
+
+
 def test_prefix_cache_hits_count_the_blocks_reused(setup):
     # Hits were counted before the prefix was cut to keep the last token computed and before
     # blocks whose bytes changed were dropped: a 16-token prompt seen twice reused 1 block of
