@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import NoReturn
 
 import grpc
 
@@ -56,7 +57,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
             try:
                 role = role_from_proto(request.role)
             except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: {exc}")
+                await _invalid(context, "role", str(exc))
         response = admin_service_pb2.StatusResponse(
             model=self.registry.expected_model or "",
             active_requests=self.registry.active_requests,
@@ -100,7 +101,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         try:
             role = role_from_proto(request.role)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: {exc}")
+            await _invalid(context, "role", str(exc))
         if self.scaler is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_SCALER)
             raise AssertionError("unreachable")  # abort raises; this keeps mypy honest
@@ -116,7 +117,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
     ) -> admin_service_pb2.DrainResponse:
         """Route no new work to the worker at `address`."""
         if not request.address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: is empty")
+            await _invalid(context, "address", "is empty")
         return admin_service_pb2.DrainResponse(found=self.registry.drain(request.address))
 
     async def Undrain(
@@ -124,10 +125,18 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
     ) -> admin_service_pb2.UndrainResponse:
         """Route new work to the worker at `address`, or of `name`, again (undoes Drain)."""
         if not request.address and not request.name.strip():
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "address: is empty (and so is name)"
-            )
+            await _invalid(context, "address", "is empty (and so is name)")
         found, serving, lifted_away = self.registry.undrain(request.address, request.name)
         return admin_service_pb2.UndrainResponse(
             found=found, serving=serving, lifted_away=lifted_away
         )
+
+
+async def _invalid(context: grpc.aio.ServicerContext, field: str, message: str) -> NoReturn:
+    """Abort with INVALID_ARGUMENT "field: message", the field in `epd-field` too."""
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{field}: {message}",
+        trailing_metadata=(("epd-field", field),),
+    )
+    raise AssertionError("unreachable")  # abort raises; this keeps mypy honest

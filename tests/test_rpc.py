@@ -16,6 +16,7 @@ from common.roles import PROTOCOL_VERSION
 from common.server.lifecycle import LifecycleState, ServerLifecycle
 from common.server.registrar import Registrar
 from common.server.rpc import (
+    RpcStatusError,
     RunningServer,
     channel,
     rpc_errors,
@@ -35,6 +36,7 @@ ERRORS: dict[bytes, Exception] = {
     b"blocks": NoFreeBlocksError(8, 2),
     b"timeout": TimeoutError("pull timed out"),
     b"bug": KeyError("oops"),
+    b"named": RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT, "kv.blocks[2].length: too long"),
 }
 
 
@@ -110,6 +112,7 @@ async def _health(ch: Any, service: str = "") -> int:
         (b"blocks", grpc.StatusCode.RESOURCE_EXHAUSTED, "KV blocks"),
         (b"timeout", grpc.StatusCode.DEADLINE_EXCEEDED, "pull timed out"),
         (b"bug", grpc.StatusCode.INTERNAL, "KeyError"),
+        (b"named", grpc.StatusCode.INVALID_ARGUMENT, "too long"),
     ],
 )
 async def test_error_mapping(probe: Any, request_bytes: bytes, code: Any, needle: str) -> None:
@@ -120,6 +123,8 @@ async def test_error_mapping(probe: Any, request_bytes: bytes, code: Any, needle
     assert needle in info.value.details()
     if request_bytes == b"layout":
         assert ("epd-field", "run_lengths") in tuple(info.value.trailing_metadata())
+    if request_bytes == b"named":  # an RpcStatusError whose details lead with the field
+        assert ("epd-field", "kv.blocks[2].length") in tuple(info.value.trailing_metadata())
     # The server survived and still answers.
     assert await _call(ch)(b"x", timeout=5) == b"ok:x"
 

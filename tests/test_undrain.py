@@ -8,6 +8,7 @@ import argparse
 from collections.abc import AsyncIterator
 from functools import partial
 
+import grpc
 import pytest
 
 from cluster.admin import RoleCount, cmd_drain, cmd_scale, cmd_status, cmd_undrain, role_counts
@@ -242,3 +243,19 @@ async def test_drain_and_undrain_reach_every_router_listed_by_address_or_name(
     finally:
         for server in servers:
             await server.stop(0)
+
+
+async def test_an_admin_refusal_names_its_field(admin: tuple[str, Registry, list[int]]) -> None:
+    # The field was in the text only: a client reading `epd-field` found none.
+    address, _, _ = admin
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = admin_service_pb2_grpc.AdminServiceStub(channel)
+        for call, field in (
+            (stub.Undrain(admin_service_pb2.UndrainRequest()), "address"),
+            (stub.Status(admin_service_pb2.StatusRequest(role=99)), "role"),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (refused.value.details() or "").startswith(f"{field}: ")
+            assert ("epd-field", field) in tuple(refused.value.trailing_metadata() or ())

@@ -19,6 +19,7 @@ import errno
 import functools
 import inspect
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -356,9 +357,17 @@ async def _abort(context: Any, exc: Exception, where: str) -> None:
         logger.exception("%s failed", where)
     else:
         logger.info("%s: %s %s", where, code.name, details)
-    if isinstance(exc, FieldError):  # any field error names its field, multimodal or not
-        context.set_trailing_metadata((("epd-field", exc.field),))
+    field = exc.field if isinstance(exc, FieldError) else None  # multimodal or not
+    if field is None and code == grpc.StatusCode.INVALID_ARGUMENT:
+        named = _NAMED.match(details)  # "kv: missing", "lease_id: ...": the field leads
+        field = named.group(1) if named else None
+    if field is not None:
+        context.set_trailing_metadata((("epd-field", field),))
     await context.abort(code, details)
+
+
+# A field path leading an INVALID_ARGUMENT's details: "kv.blocks[3].length: ...".
+_NAMED = re.compile(r"([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*): ")
 
 
 def rpc_errors(fn: F) -> F:
