@@ -202,6 +202,14 @@ class PrefixIndex:
             elif event.kind == kv_pb2.KV_EVENT_KIND_CLEARED:
                 self._drop(bit, cached)
                 cached.clear()
+            else:  # a kind from a newer worker: what it changed is unknown, so forget all
+                logger.warning(
+                    "KV worker %s sent an event of unknown kind %d; its hints are dropped",
+                    address,
+                    event.kind,
+                )
+                self._reset(address)
+                return
 
     async def close(self) -> None:
         """Stop following every worker."""

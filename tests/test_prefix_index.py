@@ -133,6 +133,15 @@ def test_a_worker_announcing_without_end_is_dropped_not_held(monkeypatch) -> Non
     assert prefix._hashes[address] == set() and prefix._holders == {}
 
 
+def test_an_event_of_a_kind_this_router_does_not_know_drops_the_workers_hints() -> None:
+    # From a newer worker: skipped without a word, it left that worker's hints stale.
+    prefix = index()
+    address = ADDRESSES[0]
+    stored = kv_pb2.KvEvent(kind=kv_pb2.KV_EVENT_KIND_STORED, block_hashes=HASHES[:3])
+    prefix._apply(address, [stored, kv_pb2.KvEvent(kind=9, block_hashes=HASHES[:1])])  # type: ignore[arg-type]
+    assert prefix._hashes[address] == set() and prefix.cached_prefixes(HASHES[:3]) == {}
+
+
 async def test_a_stream_cut_by_its_channel_closing_is_followed_again() -> None:
     # Closing a worker's channel (`PeerClient.keep_only`) cancels its calls: the follower
     # ended as cancelled, keeping the worker's last hashes for good, never resubscribing.

@@ -8,8 +8,10 @@ cluster bearer (`SecuritySettings.cluster_bearer`) and the digests of the API ke
     method                                    needs      satisfied by
     /grpc.health.v1.Health/*                  open       anyone (Kubernetes probes)
     /grpc.reflection.v1alpha.ServerReflection/*
-                                              open       anyone (describes only the public
-                                                         epd.v1 protocol, never state)
+                                              open       anyone (schemas, never state: the
+                                                         served services, and any other
+                                                         public schema loaded in the
+                                                         process, e.g. Ray's)
     /epd.v1.RouterService/*                   client     any API key (its tenant is the caller)
     /epd.v1.AdminService/*                    admin      an admin API key, or the cluster
     everything else (Register, Heartbeat,     cluster    the cluster bearer only
