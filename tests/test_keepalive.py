@@ -243,7 +243,10 @@ async def test_a_client_with_keepalive_resumes_a_frozen_routers_stream_on_the_ne
         async def Generate(self, request, context):
             self.resumed.append(list(request.resume_tokens))
             yield router_service_pb2.GenerateResponse(
-                token_ids=[6], text="llo", finish_reason=decode_service_pb2.FINISH_REASON_LENGTH
+                token_ids=[6],
+                text="llo",
+                finish_reason=decode_service_pb2.FINISH_REASON_LENGTH,
+                resumed_tokens=len(request.resume_tokens),  # as a router that resumes says
             )
 
     second = Next()
