@@ -41,7 +41,7 @@ from common.kv.hashing import block_hashes
 from common.kv.layout import layout_root
 from common.models.tiny import default_checkpoint
 from common.processing.processor import Processor
-from common.roles import Role
+from common.roles import SIGNED_KV, Role
 from common.sampling import SamplingParams
 from common.server.role import freeze_startup_heap
 from common.wire.kv import layout_from_proto
@@ -221,6 +221,7 @@ def planning(model: Path, args: argparse.Namespace, size: int) -> None:
             model="bench",
             protocol_version="epd.v1",
             name=f"prefill-{port}",
+            capabilities=[SIGNED_KV],
         )
         info.kv_layout.CopyFrom(layout)
         registry.register(info)

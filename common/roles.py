@@ -14,6 +14,11 @@ PROTOCOL_VERSION = "epd.v1"
 # What an encoder lists in `WorkerInfo.capabilities` when it takes uint8 patch codes as
 # `EncodeItem.pixel_values`; a router sends float32 values to one without it.
 PATCH_CODES = "patch-codes"
+# What a prefill and a decode worker list: their KV handles carry, and they check, block
+# digests and the cluster's signature (trusted KV, DESIGN §4). A router refuses a KV worker
+# without it: handles of a prefill worker from before were refused by every decode worker
+# (every request failed, INTERNAL), and a decode worker from before took unsigned ones.
+SIGNED_KV = "signed-kv"
 
 
 class Role(enum.StrEnum):

@@ -56,7 +56,7 @@ from contextlib import contextmanager
 
 from common.address import check_address
 from common.kv.layout import KvLayout
-from common.roles import KV_ROLES, PROTOCOL_VERSION, Role
+from common.roles import KV_ROLES, PROTOCOL_VERSION, SIGNED_KV, Role
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_from_proto
 from epd.v1 import registry_service_pb2
@@ -147,6 +147,11 @@ class Registry:
             )
         layout = None
         if role in KV_ROLES:
+            if SIGNED_KV not in info.capabilities:
+                raise RegistrationRefused(
+                    f"{role} worker {info.address} does not sign or check KV handles (no "
+                    f"{SIGNED_KV!r} capability: a version from before trusted KV); upgrade it"
+                )
             if not info.HasField("kv_layout"):
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
             layout = layout_from_proto(info.kv_layout)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from common.roles import Role
+from common.roles import SIGNED_KV, Role
 from common.wire.roles import role_to_proto
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
 from router.registry import Registry
@@ -49,6 +49,7 @@ def info(role: Role, port: int, **overrides) -> registry_service_pb2.WorkerInfo:
     )
     if role != Role.ENCODER:
         msg.kv_layout.CopyFrom(overrides.pop("kv_layout", layout()))
+        msg.capabilities.extend(overrides.pop("capabilities", [SIGNED_KV]))
     return msg
 
 

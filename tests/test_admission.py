@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.roles import Role
+from common.roles import SIGNED_KV, Role
 from common.wire.roles import role_to_proto
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
 from router.admission import Admission, Need, Ticket
@@ -31,7 +31,11 @@ FAR = 1e9  # a deadline that never comes
 
 def info(role: Role, address: str) -> registry_service_pb2.WorkerInfo:
     msg = registry_service_pb2.WorkerInfo(
-        role=role_to_proto(role), address=address, model=MODEL, protocol_version="epd.v1"
+        role=role_to_proto(role),
+        address=address,
+        model=MODEL,
+        protocol_version="epd.v1",
+        capabilities=[SIGNED_KV],
     )
     msg.kv_layout.CopyFrom(
         kv_pb2.KvLayout(

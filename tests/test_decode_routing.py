@@ -19,7 +19,7 @@ from PIL import Image
 from common.engine import Engine
 from common.kv.hashing import block_hashes
 from common.models.tiny import make_tiny_checkpoint
-from common.roles import Role
+from common.roles import SIGNED_KV, Role
 from common.sampling import SamplingParams
 from common.server.auth import service_credentials
 from common.server.rpc import channel
@@ -51,6 +51,7 @@ def kv_info(role: Role, port: int) -> registry_service_pb2.WorkerInfo:
         model="m",
         protocol_version="epd.v1",
         name=f"{role}-{port}",
+        capabilities=[SIGNED_KV],
     )
     info.kv_layout.CopyFrom(
         kv_pb2.KvLayout(

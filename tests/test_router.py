@@ -25,7 +25,7 @@ from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.processing.processor import Processor
-from common.roles import PATCH_CODES, Role
+from common.roles import PATCH_CODES, SIGNED_KV, Role
 from common.sampling import SamplingParams
 from common.server.rpc import channel, start_server
 from common.wire.kv import layout_from_proto
@@ -190,6 +190,7 @@ def worker_info(role: Role, address: str, **kw: Any) -> registry_service_pb2.Wor
     if role == Role.ENCODER:  # a current encoder's (older ones take float32 values)
         msg.capabilities.extend(kw.get("capabilities", [PATCH_CODES]))
     else:
+        msg.capabilities.append(SIGNED_KV)
         msg.kv_layout.CopyFrom(
             kv_pb2.KvLayout(
                 model=MODEL,

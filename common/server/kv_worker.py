@@ -20,7 +20,7 @@ import grpc
 from common.kv.events import MAX_QUEUED_EVENTS, KvEventHub, NumberedKvEvent, Subscription
 from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
-from common.roles import PROTOCOL_VERSION
+from common.roles import PROTOCOL_VERSION, SIGNED_KV
 from common.server.auth import service_credentials
 from common.server.credentials import ChannelCredentials
 from common.server.lifecycle import ServerLifecycle
@@ -97,7 +97,7 @@ def kv_worker_info(
         model=runner.identity,
         kv_layout=layout_to_proto(runner.kv_layout),
         protocol_version=PROTOCOL_VERSION,
-        capabilities=["nixl"],
+        capabilities=["nixl", SIGNED_KV],
         name=name,
     )
 
