@@ -30,3 +30,9 @@ class FieldError(ValueError):
     def where(self) -> str:
         """What the message blames: the field (subclasses may add more)."""
         return self.field
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be served: a file that cannot be read or parsed, a
+    value out of range, or weights that do not match the config. The message names the file
+    (and the key or tensor); each role's `main` exits 2 with it as one line."""

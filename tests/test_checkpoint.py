@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.errors import CheckpointError
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.weights import (
     INDEX_FILE,
-    CheckpointError,
     expected_weight_shapes,
     load_weights,
     save_weights,
@@ -176,7 +176,7 @@ def test_no_weights_file_is_clear(tmp_path: Path) -> None:
         # A model card may suggest YaRN to stretch the context: refused, not run as plain
         # RoPE (it loaded and answered differently from the reference).
         ({"rope_type": "yarn", "factor": 8.0}, "rope_type 'yarn' is not supported"),
-        ({"type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
+        ({"type": "dynamic", "factor": 2.0}, "rope_scaling.type 'dynamic' is not supported"),
         # Loaded, then failed every forward.
         ({"mrope_section": [4, 2, 1]}, "mrope_section .* summing to head_dim // 2"),
         ({"mrope_section": [4, 4]}, "mrope_section .* must be 3 numbers"),

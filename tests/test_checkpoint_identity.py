@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import common.models.identity as identity
+from common.errors import CheckpointError
 from common.models.identity import load_identified, model_identity
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.weights import (
     INDEX_FILE,
     SINGLE_FILE,
-    CheckpointError,
     load_weights,
     save_weights,
 )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import CheckpointError
 from common.models import generation
 from common.models.generation import GenerationDefaults
 from common.models.qwen3_vl import processor_files
@@ -125,21 +126,33 @@ def test_template_sources(tmp_path: Path) -> None:
     assert find_chat_template(tmp_path) == "f"
 
 
-def test_template_errors_are_value_errors(tmp_path: Path) -> None:
+_CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        ("{{ raise_exception('no hi, please') }}", "no hi, please"),
+        ("<|image_pad|>", "outside"),
+        # What a template's own code raises is its failure too, not a crash (INTERNAL).
+        ("{{ range(10**9) | list }}", "chat template"),
+        ("{{ 1 // 0 }}", "chat template"),
+    ],
+)
+def test_template_errors_are_value_errors(tmp_path: Path, failure: str, message: str) -> None:
     folder = tmp_path / "ckpt"
     shutil.copytree(default_checkpoint(), folder)
-    (folder / "chat_template.jinja").write_text("{{ raise_exception('no system, please') }}")
+    # Failing on every chat: refused at load, naming the file (it would fail every request).
+    (folder / "chat_template.jinja").write_text(failure + _CHATML)
+    with pytest.raises(CheckpointError, match=rf"chat_template\.jinja: .*{message}"):
+        Processor.from_pretrained(folder)
+    # Failing on one request: that request's ValueError.
+    source = "{% if messages[-1].content == 'hi' %}" + failure + "{% endif %}" + _CHATML
+    (folder / "chat_template.jinja").write_text(source)
     processor = Processor.from_pretrained(folder)
-    with pytest.raises(ValueError, match="no system, please"):
+    processor.process([{"role": "user", "content": "hello"}])
+    with pytest.raises(ValueError, match=message):
         processor.process([{"role": "user", "content": "hi"}])
-    (folder / "chat_template.jinja").write_text("{% for m in messages %}<|image_pad|>{% endfor %}")
-    with pytest.raises(ValueError, match="outside"):
-        Processor.from_pretrained(folder).process([{"role": "user", "content": "hi"}])
-    # What a template's own code raises is its failure too, not a crash (INTERNAL).
-    for source in ("{{ range(10**9) | list }}", "{{ 1 // 0 }}"):
-        (folder / "chat_template.jinja").write_text(source)
-        with pytest.raises(ValueError, match="chat template"):
-            Processor.from_pretrained(folder).process([{"role": "user", "content": "hi"}])
 
 
 def test_generation_defaults(tmp_path: Path) -> None:

@@ -9,16 +9,18 @@ ignores them; a request that sets a temperature samples with them).
 the default is `SamplingParams`' own. `eos_token_id` here wins over `config.json`'s (it is what the
 reference's `generate` stops on): `Qwen3VLConfig.from_file` of a folder applies it.
 Other keys are ignored (they steer the reference's search, not what epd implements).
+The values read are checked at load, as `SamplingParams` would check them: a file that
+would make every request fail is refused at start, naming the file and the key.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.sampling import SamplingParams
+from common.models.checkpoint_files import JsonObject, read_checkpoint_object
+from common.sampling import SamplingError, SamplingParams
 
 GENERATION_FILE = "generation_config.json"
 
@@ -34,36 +36,38 @@ class GenerationDefaults:
     eos_token_ids: tuple[int, ...] = ()  # empty: use config.json's
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> GenerationDefaults:
-        """Read the `generation_config.json` form (see the module docstring)."""
+    def from_dict(cls, raw: object, *, file: str = GENERATION_FILE) -> GenerationDefaults:
+        """Read the `generation_config.json` form (see the module docstring). Raises
+        `CheckpointError` naming the file and the key for a value of the wrong JSON type or
+        one `SamplingParams` refuses (checked here, at load, not on every request)."""
+        g = JsonObject(raw, file)
         temperature = 0.0  # greedy
-        if raw.get("do_sample", False):  # transformers samples at 1.0 when none is given
-            temperature = 1.0 if raw.get("temperature") is None else float(raw["temperature"])
-        eos = raw.get("eos_token_id")
-        eos_ids = (
-            () if eos is None else tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
-        )
-        top_k = raw.get("top_k")
-        return cls(
+        given = g.number("temperature", 1.0, positive=False)
+        if g.boolean("do_sample", False):  # transformers samples at 1.0 when none is given
+            temperature = given
+        top_p = g.number("top_p", 1.0) if g.present("top_p") else None
+        top_k = g.integer("top_k", minimum=0) if g.present("top_k") else None
+        max_new = g.integer("max_new_tokens", minimum=1) if g.present("max_new_tokens") else None
+        defaults = cls(
             temperature=temperature,
-            top_p=float(raw["top_p"]) if raw.get("top_p") is not None else None,
-            top_k=int(top_k) if top_k is not None else None,
-            max_new_tokens=(
-                int(raw["max_new_tokens"]) if raw.get("max_new_tokens") is not None else None
-            ),
-            eos_token_ids=eos_ids,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new,
+            eos_token_ids=g.integers("eos_token_id", (), minimum=0),
         )
+        try:
+            defaults.sampling()
+        except SamplingError as exc:
+            key = {"max_tokens": "max_new_tokens"}.get(exc.field, exc.field)
+            raise g.error(key, f"is refused: {exc}") from None
+        return defaults
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> GenerationDefaults:
         """The folder's `generation_config.json`, or no defaults when it has none."""
         path = Path(folder) / GENERATION_FILE
-        if not path.is_file():
-            return cls()
-        raw = json.loads(path.read_text())
-        if not isinstance(raw, dict):
-            raise ValueError(f"{GENERATION_FILE} must hold a JSON object")
-        return cls.from_dict(raw)
+        raw = read_checkpoint_object(path)
+        return cls() if raw is None else cls.from_dict(raw, file=str(path))
 
     def sampling(self, **overrides: Any) -> SamplingParams:
         """`SamplingParams` with these defaults, then `overrides` (a request's own values;

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from common.errors import CheckpointError
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.weights import (
     INDEX_FILE,
-    CheckpointError,
     load_weights,
     weight_files,
 )

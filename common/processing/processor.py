@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from common.errors import CheckpointError
+from common.models.checkpoint_files import read_tokenizer
 from common.models.generation import GenerationDefaults
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.preprocessor import ProcessorSettings, partition_keys_exact
@@ -113,13 +115,12 @@ class Processor:
         # every image is preprocessed every time.
         self.image_cache = image_cache
         vision = config.vision
-        if (settings.patch_size, settings.merge_size, settings.temporal_patch_size) != (
-            vision.patch_size,
-            vision.spatial_merge_size,
-            vision.temporal_patch_size,
-        ):
-            raise ValueError(
-                "preprocessor patch/merge/temporal sizes differ from the vision config"
+        sizes = (settings.patch_size, settings.merge_size, settings.temporal_patch_size)
+        ours = (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
+        if sizes != ours:
+            raise CheckpointError(
+                f"preprocessor patch/merge/temporal sizes {sizes} differ from the vision "
+                f"config's {ours} (preprocessor_config.json, config.json)"
             )
         for token, expected in (
             (IMAGE_PAD, config.image_token_id),
@@ -129,7 +130,9 @@ class Processor:
         ):
             actual = tokenizer.token_to_id(token)
             if actual != expected:
-                raise ValueError(f"tokenizer id of {token} is {actual}, config says {expected}")
+                raise CheckpointError(
+                    f"tokenizer.json: id of {token} is {actual}, config.json says {expected}"
+                )
         self._fingerprint = settings.fingerprint()
         # The same tokenizer, reading special tokens in text as plain text (user text); a
         # copy rather than a toggled flag, so concurrent `process` calls stay independent.
@@ -145,7 +148,7 @@ class Processor:
         bytes of patch rows (`image_cache`)."""
         folder = Path(folder)
         config = Qwen3VLConfig.from_file(folder)
-        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tokenizer = read_tokenizer(folder / "tokenizer.json")
         settings = processor_settings(folder, config)
         template = load_chat_template(folder, tokenizer)
         cache = ProcessedImageCache(image_cache_bytes) if image_cache_bytes > 0 else None

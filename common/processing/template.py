@@ -30,7 +30,9 @@ content is passed as a string when it is one text part, as the list form otherwi
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -38,12 +40,17 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from common.errors import CheckpointError
+from common.models.checkpoint_files import read_checkpoint_object, read_checkpoint_text
 from common.multimodal.params import Modality
 from common.processing.chat import Control, Piece
 from common.processing.messages import ImagePart, MediaPart, Message, TextPart, VideoPart
+from common.processing.template_sandbox import BoundedSandbox, RenderBudget, budget, new_budget
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_JSON = "chat_template.json"
+logger = logging.getLogger(__name__)
+
 _KEY_FILES = ("processor_config.json", "tokenizer_config.json")
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 _MEDIA = {
@@ -52,23 +59,44 @@ _MEDIA = {
 }
 _BARE_PADS = ("<|image_pad|>", "<|video_pad|>")
 
+# The chats rendered once at load, text only then with an image: a template that fails on
+# the first, leaves out its user text or takes longer than CHECK_SECONDS would fail (or
+# stall) every request.
+CHECK_SECONDS = 10.0
+CHECK_USER_TEXT = "Describe this image."
+_CHECK_SYSTEM = Message("system", (TextPart("You are a helpful assistant."),))
+_CHECK_ANSWER = (
+    Message("assistant", (TextPart("A cat on a mat."),)),
+    Message("user", (TextPart("Thanks."),)),
+)
+CHECK_CHATS = (
+    (_CHECK_SYSTEM, Message("user", (TextPart(CHECK_USER_TEXT),)), *_CHECK_ANSWER),
+    (
+        _CHECK_SYSTEM,
+        Message("user", (ImagePart(data=b""), TextPart(CHECK_USER_TEXT))),
+        *_CHECK_ANSWER,
+    ),
+)
+
 
 def find_chat_template(folder: str | Path) -> str | None:
     """The checkpoint's chat template source, or None (see the module docstring)."""
-    folder = Path(folder)
-    if (folder / TEMPLATE_FILE).is_file():
-        return (folder / TEMPLATE_FILE).read_text()
+    found = _find_template(Path(folder))
+    return None if found is None else found[0]
+
+
+def _find_template(folder: Path) -> tuple[str, str] | None:
+    """The template source and where it was found (a path, and the key in a JSON file)."""
+    if (folder / TEMPLATE_FILE).exists():
+        return read_checkpoint_text(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE)
     for name in (TEMPLATE_JSON, *_KEY_FILES):
-        path = folder / name
-        if not path.is_file():
-            continue
-        raw = json.loads(path.read_text())
-        template = raw.get("chat_template") if isinstance(raw, dict) else None
+        raw = read_checkpoint_object(folder / name)
+        template = None if raw is None else raw.get("chat_template")
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         if isinstance(template, str) and template:
-            return template
+            return template, f"{folder / name}: chat_template"
     return None
 
 
@@ -82,13 +110,15 @@ class ChatTemplate:
         added_tokens: Iterable[str] = (),
         special_tokens: Iterable[str] = (),
         variables: Mapping[str, str] | None = None,
+        origin: str = "chat template",
     ) -> None:
         """`added_tokens`: the tokenizer's added tokens, cut out of the output as
         `Control`s (the `<|vision_start|>` + pad runs are matched first).
         `special_tokens`: those hidden from the template when typed in user text (the
-        tokenizer's special ones). `variables`: template variables such as `eos_token`."""
+        tokenizer's special ones). `variables`: template variables such as `eos_token`.
+        `origin`: where the source was found, named by errors. Raises `CheckpointError`
+        when the source does not compile."""
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
@@ -99,13 +129,17 @@ class ChatTemplate:
         def strftime_now(fmt: str) -> str:
             return datetime.now().strftime(fmt)
 
-        env = ImmutableSandboxedEnvironment(
+        env = BoundedSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
-        self._template = env.from_string(source)
+        self.origin = origin
+        try:
+            self._template = env.from_string(source)
+        except (TemplateError, RecursionError, MemoryError) as exc:
+            raise CheckpointError(f"{origin}: does not compile: {exc!r}") from None
         self._variables = dict(variables or {})
         hidden = sorted({*special_tokens, *_BARE_PADS, _MARK_OPEN, _MARK_CLOSE}, key=len)
         self._hide = re.compile("|".join(re.escape(t) for t in reversed(hidden) if t))
@@ -116,30 +150,85 @@ class ChatTemplate:
         self._splitter = re.compile("(" + "|".join(alternatives) + ")")
 
     def render(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        limits: RenderBudget | None = None,
     ) -> list[Piece]:
         """The prompt as text, control-token and media pieces in order, like
         `common.processing.chat.render_chat`. Raises `ValueError` when the template fails
         (its `raise_exception` included, or an error its own code makes) or places media it
-        was not given."""
+        was not given. `limits`: what the render may spend (default: `new_budget()`)."""
         from jinja2.exceptions import TemplateError
 
         texts: list[str] = []
         media: dict[Modality, list[MediaPart]] = {Modality.IMAGE: [], Modality.VIDEO: []}
         dicts = [self._message_dict(m, texts, media) for m in messages]
         try:
-            rendered = self._template.render(
-                messages=dicts,
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self._variables,
-            )
-        except (TemplateError, ArithmeticError, LookupError, RecursionError, TypeError) as exc:
+            with budget(limits):  # bounded time, loop steps and repetition (template_sandbox)
+                rendered = self._template.render(
+                    messages=dicts,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=None,
+                    documents=None,
+                    **self._variables,
+                )
+        except (
+            TemplateError,
+            ArithmeticError,
+            LookupError,
+            RecursionError,
+            TypeError,
+            MemoryError,
+        ) as exc:
             # Whatever a template's own code raises (`range(10**9)` is an OverflowError in
             # the sandbox) is the template's failure to render this request, not a crash.
             raise ValueError(f"chat template: {exc!r}") from exc
         return self._pieces(rendered, texts, media)
+
+    def check(self, timeout_s: float = CHECK_SECONDS) -> None:
+        """Render `CHECK_CHATS` once, as at load; raise `CheckpointError` naming `origin`
+        when the template fails on the text chat, leaves out its user text, or the renders
+        take over `timeout_s`. Failing only on the chat with an image (a text-only
+        template) is warned about: image requests will be refused, text ones served.
+
+        The renders run in a daemon thread so that one whose loops the sandbox cannot stop
+        (see `common.processing.template_sandbox`) still fails the check in time; it is
+        told to stop and left behind."""
+        outcome: list[list[Piece] | Exception] = []
+
+        def run() -> None:
+            for chat in CHECK_CHATS:
+                try:
+                    outcome.append(self.render(chat, limits=limits))
+                except Exception as exc:  # handed to the caller below
+                    outcome.append(exc)
+
+        limits = new_budget(timeout_s)
+        thread = threading.Thread(target=run, name="chat-template-check", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive() or len(outcome) < len(CHECK_CHATS):
+            limits.stop = True
+            raise CheckpointError(
+                f"{self.origin}: rendering a short test chat took more than {timeout_s:g} s"
+            )
+        text_only, with_image = outcome
+        if isinstance(text_only, Exception):
+            raise CheckpointError(f"{self.origin}: fails on a short test chat: {text_only}")
+        text = "".join(p for p in text_only if isinstance(p, str))
+        if CHECK_USER_TEXT not in text:
+            raise CheckpointError(
+                f"{self.origin}: renders a short test chat without its user text "
+                f"(rendered {text[:80]!r})"
+            )
+        if isinstance(with_image, Exception):
+            logger.warning(
+                "%s: fails on a chat with an image (%s); requests with images will be refused",
+                self.origin,
+                with_image,
+            )
 
     def _escape(self, text: str, texts: list[str]) -> str:
         """`text` with each special token (and marker character) replaced by a marker."""
@@ -201,19 +290,20 @@ class ChatTemplate:
 
 
 def load_chat_template(folder: str | Path, tokenizer: Tokenizer) -> ChatTemplate | None:
-    """The checkpoint's chat template compiled for `tokenizer`, or None when it has none.
+    """The checkpoint's chat template compiled for `tokenizer` and checked (`check`), or
+    None when it has none. Raises `CheckpointError` naming the file that holds it.
 
     Template variables `bos_token`, `eos_token`, `pad_token`, `unk_token` come from
     `tokenizer_config.json` when it names them as strings.
     """
     folder = Path(folder)
-    source = find_chat_template(folder)
-    if source is None:
+    found = _find_template(folder)
+    if found is None:
         return None
+    source, origin = found
     variables: dict[str, str] = {}
-    config_path = folder / "tokenizer_config.json"
-    if config_path.is_file():
-        raw = json.loads(config_path.read_text())
+    raw = read_checkpoint_object(folder / "tokenizer_config.json")
+    if raw is not None:
         for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
             value = raw.get(key)
             if isinstance(value, dict):
@@ -221,9 +311,12 @@ def load_chat_template(folder: str | Path, tokenizer: Tokenizer) -> ChatTemplate
             if isinstance(value, str):
                 variables[key] = value
     added = list(tokenizer.get_added_tokens_decoder().values())
-    return ChatTemplate(
+    template = ChatTemplate(
         source,
         added_tokens=[t.content for t in added],
         special_tokens=[t.content for t in added if t.special],
         variables=variables,
+        origin=origin,
     )
+    template.check()
+    return template

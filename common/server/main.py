@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from common.errors import CheckpointError
 from common.server import threads
 from common.server.lifecycle import run_until_signal
 from common.server.role import RoleServer, freeze_startup_heap
@@ -98,15 +99,16 @@ class RoleMain(Generic[S]):
 
     def main(self, argv: Sequence[str] | None = None) -> int:
         """Parse, configure logging, serve until a signal, drain, stop. A setting found
-        unusable only when serving starts (a port in use, an unreadable token file) exits 2
-        with one line naming it."""
+        unusable only when serving starts (a port in use, an unreadable token file) or a
+        checkpoint that cannot be served (`CheckpointError`: a file unreadable, a value out
+        of range, weights that do not match) exits 2 with one line naming it."""
         settings, args = self.parse_args(argv)
         configure_logging(args.log_level)
         try:
             if hasattr(settings, "threads"):  # workers: torch threads before the model loads
                 threads.apply(threads.resolve(settings.threads), self.prog)
             asyncio.run(self._serve_until_signal(settings))
-        except SettingsError as exc:
+        except (SettingsError, CheckpointError) as exc:
             self.parser().exit(2, f"{self.prog}: error: {exc}\n")
         return 0
 

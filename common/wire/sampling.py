@@ -51,8 +51,10 @@ def sampling_from_proto(
     it unset). Raises `FieldError` naming the field (e.g. "sampling.top_p") for
     out-of-range values.
     """
-    base = (defaults or GenerationDefaults()).sampling()
     try:
+        # Inside the try: a default the checkpoint sets out of range (refused at load by
+        # `GenerationDefaults.from_dict`, but one built otherwise is not) is a FieldError.
+        base = (defaults or GenerationDefaults()).sampling()
         return SamplingParams(
             temperature=float(msg.temperature),
             top_p=float(msg.top_p) if msg.HasField("top_p") else base.top_p,

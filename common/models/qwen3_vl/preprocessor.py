@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from common.models.checkpoint_files import read_checkpoint_json
+
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -74,7 +76,7 @@ class ProcessorSettings:
         path = Path(path)
         if path.is_dir():
             path = path / PREPROCESSOR_FILE
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_checkpoint_json(path))
 
     def to_dict(self) -> dict[str, Any]:
         """The `preprocessor_config.json` form, with the reference's keys added so its image

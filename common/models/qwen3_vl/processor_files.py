@@ -21,12 +21,13 @@ is logged once per (file, key) as a warning naming it: a setting is never droppe
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from common.errors import CheckpointError
+from common.models.checkpoint_files import read_checkpoint_object
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.preprocessor import PREPROCESSOR_FILE, ProcessorSettings
 
@@ -72,7 +73,8 @@ _warned: set[tuple[str, str]] = set()
 def read_processor_settings(folder: str | Path, config: Qwen3VLConfig) -> ProcessorSettings:
     """The checkpoint's processor settings (see the module docstring for the precedence).
 
-    Raises `ValueError` when a value cannot be read as its setting's type.
+    Raises `CheckpointError` naming the file when one cannot be read, or a value cannot be
+    read as its setting's type.
     """
     folder = Path(folder)
     v = config.vision
@@ -103,12 +105,7 @@ def read_processor_settings(folder: str | Path, config: Qwen3VLConfig) -> Proces
 
 
 def _load(path: Path) -> Mapping[str, Any]:
-    if not path.is_file():
-        return {}
-    raw = json.loads(path.read_text())
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path.name} must hold a JSON object")
-    return raw
+    return read_checkpoint_object(path) or {}
 
 
 def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -126,7 +123,7 @@ def _image_values(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
         if key == "size" or (value is None and key != "video_sample_fps"):
             continue  # None: unset (our own video_sample_fps None keeps every frame)
         if key in _OWN_FIELDS:
-            out[key] = _coerce(key, value)
+            out[key] = _coerce(name, key, value)
         else:
             _check_accepted(name, key, value)
     return out
@@ -149,11 +146,11 @@ def _video_values(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
         if key in ("size", "do_sample_frames") or value is None:
             continue
         if key in renamed:
-            out[renamed[key]] = _coerce(renamed[key], value)
+            out[renamed[key]] = _coerce(name, renamed[key], value)
         elif key in (*_SIZES, "image_mean", "image_std") or (
             key in _OWN_FIELDS and key.startswith("video_")
         ):
-            out[key] = _coerce(key, value)
+            out[key] = _coerce(name, key, value)
         else:
             _check_accepted(name, key, value)
     if raw.get("do_sample_frames") is False:
@@ -175,7 +172,7 @@ def _pixel_bounds(size: Mapping[str, Any], name: str, low: str, high: str) -> di
     return out
 
 
-def _coerce(key: str, value: Any) -> Any:
+def _coerce(name: str, key: str, value: Any) -> Any:
     try:
         if key in ("image_mean", "image_std"):
             return tuple(float(x) for x in value)
@@ -187,7 +184,7 @@ def _coerce(key: str, value: Any) -> Any:
             return value
         return int(value)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"processor setting {key}={value!r} is not a valid value") from exc
+        raise CheckpointError(f"{name}: setting {key}={value!r} is not a valid value") from exc
 
 
 def _check_accepted(name: str, key: str, value: Any) -> None:

@@ -26,6 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.errors import CheckpointError
+from common.models.checkpoint_files import read_checkpoint_object
 from common.models.qwen3_vl.config import Qwen3VLConfig
 
 logger = logging.getLogger(__name__)
@@ -40,10 +42,6 @@ LM_HEAD = "lm_head.weight"
 # Extra tensors some exporters write that carry no learned state (rotary inverse
 # frequencies are recomputed from the config); they are skipped, never an error.
 _HARMLESS_EXTRA = re.compile(r"(^|\.)(inv_freq|original_inv_freq)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder does not match the model config (missing, misshaped, extra)."""
 
 
 def expected_weight_shapes(config: Qwen3VLConfig) -> dict[str, tuple[int, ...]]:
@@ -150,7 +148,7 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
     folder = Path(folder)
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = (read_checkpoint_object(index) or {}).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
         for file in set(weight_map.values()):

@@ -1,0 +1,359 @@
+"""A checkpoint's small files are read strictly: a value that would load a silently different
+model, or fail every request, is refused at start with a `CheckpointError` naming the file
+and the key; an unreadable file (bad JSON, a FIFO, /dev/zero, too large) names its path;
+the chat template is rendered once at load; each role's `main` exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.errors import CheckpointError, FieldError
+from common.models.checkpoint_files import read_checkpoint_json, read_checkpoint_text
+from common.models.generation import GenerationDefaults
+from common.models.qwen3_vl.config import Qwen3VLConfig
+from common.models.tiny import default_checkpoint
+from common.processing.processor import Processor
+from common.processing.template import ChatTemplate
+from common.server.main import RoleMain
+from common.settings.base import ServerSettings
+from common.wire.sampling import sampling_from_proto
+from epd.v1 import sampling_pb2
+
+Raw = dict[str, Any]
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """A copy of the tiny checkpoint to break."""
+    out = tmp_path / "ckpt"
+    shutil.copytree(default_checkpoint(), out)
+    return out
+
+
+def _config(folder: Path) -> Raw:
+    raw: Raw = json.loads((folder / "config.json").read_text())
+    return raw
+
+
+def _set(path: str, value: Any) -> Callable[[Raw], None]:
+    def edit(raw: Raw) -> None:
+        *parents, last = path.split(".")
+        for key in parents:
+            raw = raw[key]
+        if value is _DELETE:
+            del raw[last]
+        else:
+            raw[last] = value
+
+    return edit
+
+
+_DELETE = object()
+_ROPE = "text_config.rope_parameters"
+
+# (edit of the tiny config.json, the key the error must name, what it must say)
+BAD_CONFIGS = [
+    ("tie_word_embeddings", "false", "must be true or false"),  # bool("false") was True
+    ("text_config.attention_bias", "false", "must be true or false"),
+    (f"{_ROPE}.mrope_interleaved", "false", "must be true or false"),
+    ("text_config.rms_norm_eps", math.nan, "finite number > 0"),
+    ("text_config.rms_norm_eps", -1.0, "finite number > 0"),
+    (f"{_ROPE}.rope_theta", math.nan, "finite number > 0"),
+    (f"{_ROPE}.rope_theta", -1.0, "finite number > 0"),
+    (f"{_ROPE}.mrope_section", [10, -1, -1], "integer >= 0"),
+    ("text_config.hidden_size", 64.9, "must be an integer"),  # int() made it 64
+    ("text_config.hidden_size", "64", "must be an integer"),
+    ("text_config.hidden_size", 0, "integer >= 1"),
+    ("text_config.vocab_size", _DELETE, "is missing"),
+    ("text_config.num_hidden_layers", -1, "integer >= 1"),
+    ("text_config.max_position_embeddings", 0, "integer >= 2"),
+    ("text_config.num_key_value_heads", 3, "3 must divide num_attention_heads 4"),
+    ("text_config.num_key_value_heads", 0, "integer >= 1"),
+    ("text_config.vocab_size", 100, "outside the vocabulary"),  # image_token_id 1143
+    ("eos_token_id", [1000000], "outside the vocabulary"),
+    ("eos_token_id", "<|im_end|>", "must be an integer"),
+    ("vision_config.deepstack_visual_indexes", [0, 99], "99 is not a block in \\[0, 3\\)"),
+    ("vision_config.num_heads", 3, "must divide hidden_size"),
+    ("vision_config.depth", 0, "integer >= 1"),
+    ("vision_config.num_position_embeddings", 250, "must be a square"),
+    ("vision_config.out_hidden_size", 32, "must equal text_config.hidden_size"),
+    ("model_type", "llama", "is not 'qwen3_vl'"),
+    ("text_config", "oops", "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD_CONFIGS)
+def test_a_bad_config_value_is_refused_naming_the_file_and_key(
+    folder: Path, key: str, value: Any, message: str
+) -> None:
+    raw = _config(folder)
+    _set(key, value)(raw)
+    (folder / "config.json").write_text(json.dumps(raw))
+    named = "image_token_id" if key == "text_config.vocab_size" and value == 100 else key
+    with pytest.raises(CheckpointError, match=rf"config\.json: {named}\b.*{message}"):
+        Qwen3VLConfig.from_file(folder)
+    with pytest.raises(CheckpointError, match=r"config\.json: "):
+        Processor.from_pretrained(folder)  # what the router and the Engine load
+
+
+def test_a_whole_float_is_its_integer(folder: Path) -> None:
+    raw = _config(folder)
+    raw["text_config"]["hidden_size"] = 64.0
+    assert Qwen3VLConfig.from_dict(raw) == Qwen3VLConfig.from_dict(_config(folder))
+
+
+# Qwen/Qwen3-VL-2B-Instruct's config.json as published (transformers 4.57 layout: rope
+# under `rope_scaling`, an integer `rope_theta`, `dtype`, the vision `model_type` qwen3_vl).
+REAL_2B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "image_token_id": 151655,
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "dtype": "bfloat16",
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "mrope_interleaved": True,
+            "mrope_section": [24, 20, 20],
+            "rope_type": "default",
+        },
+        "rope_theta": 5000000,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "vocab_size": 151936,
+    },
+    "tie_word_embeddings": True,
+    "transformers_version": "4.57.0.dev0",
+    "video_token_id": 151656,
+    "vision_config": {
+        "deepstack_visual_indexes": [5, 11, 17],
+        "depth": 24,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1024,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": 4096,
+        "model_type": "qwen3_vl",
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 2048,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 151653,
+    "vision_start_token_id": 151652,
+}
+
+
+def test_real_config_files_load_without_a_warning(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import transformers
+
+    caplog.set_level(logging.WARNING)
+    config = Qwen3VLConfig.from_dict(REAL_2B)
+    assert (config.text.rope_theta, config.text.mrope_section) == (5e6, (24, 20, 20))
+    assert config.tie_word_embeddings and config.eos_token_ids == (151645,)
+    # Everything transformers 5 writes (to_dict, not only the diff save_pretrained keeps).
+    full = transformers.Qwen3VLConfig(**_config(folder)).to_dict()
+    assert Qwen3VLConfig.from_dict(full) == Qwen3VLConfig.from_dict(_config(folder))
+    assert [r.message for r in caplog.records] == []
+
+
+def test_an_unknown_key_is_warned_once_naming_file_and_key(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = _config(folder)
+    raw["text_config"].update(use_sliding_window=True, sliding_window=128)
+    (folder / "config.json").write_text(json.dumps(raw))
+    caplog.set_level(logging.WARNING)
+    Qwen3VLConfig.from_file(folder)
+    Qwen3VLConfig.from_file(folder)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    for key in ("text_config.use_sliding_window", "text_config.sliding_window"):
+        assert any("config.json" in line and key in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "config.json",
+        "generation_config.json",
+        "preprocessor_config.json",
+        "tokenizer_config.json",
+        "chat_template.json",
+        "tokenizer.json",
+    ],
+)
+def test_a_file_that_is_not_json_is_named(folder: Path, name: str) -> None:
+    (folder / name).write_text('{"a": ')
+    with pytest.raises(CheckpointError, match=rf"{name}: not "):
+        Processor.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "chat_template.jinja"])
+def test_a_file_that_is_not_a_regular_file_is_refused_at_once(folder: Path, name: str) -> None:
+    (folder / name).unlink(missing_ok=True)
+    if name == "tokenizer.json":
+        os.mkfifo(folder / name)  # opening it waited for a writer for good
+    else:
+        (folder / name).symlink_to("/dev/zero")  # read until MemoryError
+    with pytest.raises(CheckpointError, match=rf"{name}: not a regular file"):
+        Processor.from_pretrained(folder)
+
+
+def test_a_file_past_the_size_cap_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"pad": "x" * 100}))
+    assert read_checkpoint_json(path)["pad"] == "x" * 100
+    with pytest.raises(CheckpointError, match=r"config\.json: \d+ bytes, more than 64"):
+        read_checkpoint_text(path, limit=64)
+
+
+def test_generation_defaults_are_checked_at_load(folder: Path) -> None:
+    bad = {"temperature": math.nan, "do_sample": True, "max_new_tokens": -3, "top_p": 7}
+    (folder / "generation_config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: temperature"):
+        Processor.from_pretrained(folder)
+    for raw, key in (
+        ({"top_p": 7}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"top_k": -1}, "top_k"),
+        ({"do_sample": "true"}, "do_sample"),
+        ({"eos_token_id": [1, "x"]}, "eos_token_id"),
+    ):
+        with pytest.raises(CheckpointError, match=rf"generation_config\.json: {key}"):
+            GenerationDefaults.from_dict(raw)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 5000}))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id 5000"):
+        Qwen3VLConfig.from_file(folder)
+
+
+def test_a_bad_default_never_escapes_sampling_from_proto_as_a_sampling_error() -> None:
+    defaults = GenerationDefaults(temperature=math.nan)  # built past from_dict's check
+    with pytest.raises(FieldError, match=r"sampling\.temperature"):
+        sampling_from_proto(sampling_pb2.SamplingParams(temperature=0.0), defaults)
+
+
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'text' %}{{ p.text }}{% else %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+BAD_TEMPLATES = [
+    ("{{ raise_exception('never') }}", "fails on a short test chat: .*never"),
+    ("{{ messages.nope.deeper }}", "fails on a short test chat"),
+    ("{{ messages|attr('__class__') }}", "without its user text"),
+    ("{{ '{0.__class__}'.format(messages) }}", "without its user text"),
+    ("{{ 'x' * 3000000000 }}" + _CHATML, "repeats past"),
+    ("{{ 2 ** 10000000 }}" + _CHATML, "integer past"),
+    (
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        "loops exceed",
+    ),
+    ("{% if %}", "does not compile"),
+]
+
+
+@pytest.mark.parametrize(("source", "message"), BAD_TEMPLATES)
+def test_a_template_that_fails_every_chat_is_refused_at_load(
+    folder: Path, source: str, message: str
+) -> None:
+    (folder / "chat_template.jinja").write_text(source)
+    with pytest.raises(CheckpointError, match=rf"chat_template\.jinja: .*{message}"):
+        Processor.from_pretrained(folder)
+
+
+def test_a_template_found_in_a_json_file_is_named_with_its_key(folder: Path) -> None:
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: chat_template: does"):
+        Processor.from_pretrained(folder)
+
+
+def test_a_render_the_sandbox_cannot_stop_fails_the_check_in_time() -> None:
+    # No call, lookup or range inside the loops: only the check's timeout stops it.
+    source = "{% set s = 'x' * 3000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}"
+    with pytest.raises(CheckpointError, match=r"took more than 0\.05 s"):
+        ChatTemplate(source, origin="chat_template.jinja").check(timeout_s=0.05)
+
+
+def test_a_text_only_template_loads_with_a_warning(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    caplog.set_level(logging.WARNING)
+    Processor.from_pretrained(folder).process([{"role": "user", "content": "hi"}])
+    assert any("fails on a chat with an image" in r.getMessage() for r in caplog.records)
+
+
+def test_a_memory_error_while_rendering_is_a_value_error(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (folder / "chat_template.jinja").write_text(_CHATML)
+    processor = Processor.from_pretrained(folder)
+    assert processor.template is not None
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> str:
+        raise MemoryError
+
+    monkeypatch.setattr(processor.template._template, "render", out_of_memory)
+    with pytest.raises(ValueError, match="chat template: MemoryError"):
+        processor.process([{"role": "user", "content": "hi"}])
+
+
+def test_a_role_main_exits_2_with_one_line_on_a_checkpoint_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async def serve(settings: ServerSettings) -> Any:
+        raise CheckpointError("/m/config.json: text_config.vocab_size is missing")
+
+    entry = RoleMain(ServerSettings, serve, "python -m role", "a role")
+    with pytest.raises(SystemExit) as exited:
+        entry.main([])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "python -m role: error: /m/config.json: text_config.vocab_size is missing\n"
+
+
+def test_the_router_names_the_config_file_it_cannot_read(
+    folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from router.__main__ import main
+
+    (folder / "config.json").write_text('{"vocab_size": ')
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", str(folder), "--insecure", "--port", "0"])
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "config.json: not valid JSON" in lines[0], lines
