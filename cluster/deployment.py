@@ -150,6 +150,16 @@ class Controller:
         # One describe() per worker resolves once its actor is up, or fails with the error
         # its __init__ raised (Ray does not restart an actor whose creation task failed).
         probes: dict[str, asyncio.Future[Any]] = {}
+        try:
+            return await self._until_registered(probes, deadline, timeout_s)
+        finally:  # the failures not raised are retrieved (asyncio logged each, a traceback)
+            for probe in probes.values():
+                probe.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _until_registered(
+        self, probes: dict[str, asyncio.Future[Any]], deadline: float, timeout_s: float
+    ) -> dict[str, int]:
+        """`wait_ready`'s loop, its probes kept in `probes`."""
         while True:
             wanted = self.pools.replicas()
             for role in ROLES:
