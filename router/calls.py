@@ -4,7 +4,11 @@ selection, in-flight counting and retries on UNAVAILABLE.
 A call that fails with UNAVAILABLE (the worker died, its stream was removed, or it drains)
 is tried again on another worker of the role not yet tried, up to `attempts` tries in all;
 each retry is counted per stage (`retries`, the `epd:retries` metric) and logged. When no
-untried worker of the role is left the request fails with UNAVAILABLE naming the role."""
+untried worker of the role is left the request fails with UNAVAILABLE naming the role.
+`WorkerCalls.with_retry` is that loop for encode; prefill and decode keep their own, as each
+retry does more than call again (prefill encodes the items again, `Orchestrator.
+_encode_and_prefill`; decode resumes the stream or prefills again, `DecodeStage.stream`),
+and count their retries in the same `retries`."""
 
 from __future__ import annotations
 

@@ -267,7 +267,7 @@ class Orchestrator:
             tries += 1
             try:
                 return await self._encode_and_prefill_on(
-                    job, handoff, choose, ticket, failed, overlap, retry=tries > 1
+                    job, handoff, choose, ticket, failed, overlap, count_retry=tries > 1
                 )
             except RouterError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE or exc.stage != "prefill":
@@ -294,7 +294,7 @@ class Orchestrator:
         ticket: Ticket,
         failed: set[str],
         overlap: bool = True,
-        retry: bool = False,
+        count_retry: bool = False,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         planning = time.perf_counter()
         worker = ticket.workers.get(Role.PREFILL)  # None once released (a stream resumed)
@@ -321,7 +321,7 @@ class Orchestrator:
         try:
             try:
                 out = await self._prefill(
-                    job, handoff, encoded, route.worker, ticket, failed, retry
+                    job, handoff, encoded, route.worker, ticket, failed, count_retry
                 )
                 log_stages(job, encoded, prefilling - encoding, prefilling, out[0])
                 # Counted once the prefill took them so (its fallback encodes them all).
@@ -357,10 +357,10 @@ class Orchestrator:
         first: WorkerRecord | None,
         ticket: Ticket,
         failed: set[str],
-        retry: bool = False,
+        count_retry: bool = False,
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         """One Prefill call (on `first`, or the best worker not in `failed`): retrying it
-        is the caller's, with the items encoded again (`retry`: this call is that retry,
+        is the caller's, with the items encoded again (`count_retry`: this call is that retry,
         counted once it has a worker). Raises RouterError."""
         multimodal = multimodal_pb2.MultimodalParams()
         multimodal.CopyFrom(handoff)
@@ -378,7 +378,7 @@ class Orchestrator:
 
         async def call(worker: WorkerRecord) -> prefill_service_pb2.PrefillResponse:
             nonlocal holder
-            if retry:
+            if count_retry:
                 self.calls.retries["prefill"] += 1
             self.admission.move(ticket, Role.PREFILL, worker)
             timeout = job.time_left("prefill")
