@@ -37,6 +37,7 @@ from common.multimodal.validation import MAX_UUID_CHARS
 from common.processing.image import KeyedImage, check_aspect_ratio
 from common.processing.limits import (
     MAX_FPS,
+    MAX_IMAGE_PIXELS,
     MIN_FPS,
     InputLimits,
     LimitError,
@@ -54,8 +55,6 @@ from router.media_cost import MediaCost
 if TYPE_CHECKING:
     from common.processing.processor import Processor
 
-# A decompression bomb is refused rather than decoded (when no limit is set).
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 # Frames one video file may give when no max_video_frames is set.
 DEFAULT_MAX_VIDEO_FRAMES = 768
 
@@ -108,12 +107,19 @@ def open_image(
             f"is not an image in a format this server decodes ({', '.join(formats)}: "
             "[router] image_formats)",
         ) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # PIL's own bound, checked as it opens: above max_image_pixels, whose cap is lower.
+        raise InputError(field, f"has more pixels than max_image_pixels allows ({exc})") from None
     except _DECODE_ERRORS as exc:
         raise InputError(field, f"is not a decodable image ({exc})") from None
     try:
         check_image_header(image, limits, field)
-        if image.width * image.height > MAX_IMAGE_PIXELS:
-            raise InputError(field, f"image of {image.width}x{image.height} is too large")
+        if image.width * image.height > MAX_IMAGE_PIXELS:  # with no max_image_pixels given
+            raise InputError(
+                field,
+                f"image of {image.width}x{image.height} is past the {MAX_IMAGE_PIXELS} pixels "
+                "a server decodes",
+            )
         if budget is not None:
             budget.add(image.width, image.height, field)
     except LimitError as exc:

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from common.processing.limits import IMAGE_FORMATS, MAX_FPS, MIN_FPS, InputLimits
+from common.processing.limits import (
+    IMAGE_FORMATS,
+    MAX_FPS,
+    MAX_IMAGE_PIXELS,
+    MIN_FPS,
+    InputLimits,
+)
 from common.settings.base import ServerSettings
 from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
 
@@ -84,7 +90,8 @@ class RouterSettings(ServerSettings):
     max_image_pixels: int = setting(
         16384 * 32 * 32,
         "most width x height of one image or video frame, read from its header before "
-        "decoding (the default is the released processor's max_pixels, 4096 x 4096)",
+        "decoding (the default is the released processor's max_pixels, 4096 x 4096; at most "
+        "67108864, 8192 x 8192)",
     )
     max_video_frames: int = setting(768, "most frames one video may send")
     max_media_bytes: int = setting(
@@ -270,6 +277,11 @@ class RouterSettings(ServerSettings):
             raise SettingsError("http_port: must be -1 (off), 0 (any free port) or a port")
         if self.max_video_frames < 1:
             raise SettingsError("max_video_frames: must be positive")
+        if self.max_image_pixels > MAX_IMAGE_PIXELS:  # else capped there, silently
+            raise SettingsError(
+                f"max_image_pixels: at most {MAX_IMAGE_PIXELS} (8192 x 8192, the most a "
+                f"router decodes), got {self.max_image_pixels}"
+            )
         if not MIN_FPS <= self.video_file_fps <= MAX_FPS:
             raise SettingsError(f"video_file_fps: must be from {MIN_FPS:g} to {MAX_FPS:g}")
         if not self.worker_timeout_s > self.heartbeat_interval_s:

@@ -218,6 +218,21 @@ def test_image_pixels_boundary(prepare: Callable[..., Prepare]) -> None:
     assert err.field == "messages[0].content[0].video.frames[1]"
 
 
+def test_an_image_past_pils_bomb_bound_names_the_setting() -> None:
+    # PIL's decompression-bomb check runs as the image opens, before the header check: a
+    # valid image past it was refused as "not a decodable image".
+    from common.processing.limits import InputLimits
+    from router.inputs import open_image
+
+    header = png(64, 64)
+    with (
+        pytest.raises(InputError, match="max_image_pixels allows"),
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setattr(Image, "MAX_IMAGE_PIXELS", 32 * 32)  # PIL's bound, brought down
+        open_image(header, "image", InputLimits(max_image_pixels=64 * 64))
+
+
 def test_video_frames_boundary(prepare: Callable[..., Prepare]) -> None:
     frames = [png(32, 32, seed=k) for k in range(5)]
     limited = prepare(max_video_frames=4)

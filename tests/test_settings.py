@@ -219,6 +219,8 @@ def test_router_heartbeat_times_are_checked() -> None:
         # A worker would be dropped between two heartbeats it sends on time.
         ({"heartbeat_interval_s": 2.0, "worker_timeout_s": 0.5}, "worker_timeout_s"),
         ({"video_file_fps": 1e-9}, "video_file_fps"),
+        # Capped at 64 Mi silently: a 99 M-pixel image was "not a decodable image".
+        ({"max_image_pixels": 100_000_000}, "max_image_pixels: at most 67108864"),
     ):
         with pytest.raises(SettingsError, match=key):
             RouterSettings(security=insecure, **bad).check()  # type: ignore[arg-type]

@@ -36,6 +36,9 @@ IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 # from it overflows; above MAX_FPS no camera records.
 MIN_FPS = 1e-3
 MAX_FPS = 1e4
+# The most pixels of one image or video frame a server decodes, whatever max_image_pixels
+# says (8192 x 8192; PIL's own decompression-bomb bound is higher).
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
 def check_fps(fps: float) -> float:
