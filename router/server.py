@@ -309,9 +309,10 @@ async def serve(
         Processor.from_pretrained, path, image_cache_bytes=settings.processed_image_cache_mb << 20
     )
     await asyncio.to_thread(lambda: processor.token_bytes)  # built once, off the event loop
-    # Its headers (no tensor read): a router that started on weights no worker can load
-    # served UNAVAILABLE for good where nothing restarts it (Kubernetes).
-    await asyncio.to_thread(check_checkpoint, path, processor.config)
+    if not settings.expected_model:  # else it may hold no weights (tokenizer and config)
+        # Its headers (no tensor read): a router that started on weights no worker can load
+        # served UNAVAILABLE for good where nothing restarts it (Kubernetes).
+        await asyncio.to_thread(check_checkpoint, path, processor.config)
     text = processor.config.text
     expected = settings.expected_model or await asyncio.to_thread(
         model_identity, path, processor.config

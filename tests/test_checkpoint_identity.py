@@ -77,6 +77,38 @@ def test_a_checkpoint_changed_while_it_loads_is_refused(
     assert name == model_identity(ckpts[1], config) and tensors
 
 
+def test_the_identity_of_a_checkpoint_stays_what_it_was() -> None:
+    # Routers and workers of two versions must agree on it (a rolling upgrade; a pinned
+    # --expected-model): a change to the scheme changes every identity, so it is deliberate.
+    from common.models.tiny import default_checkpoint
+
+    folder = default_checkpoint("tiny")
+    config = Qwen3VLConfig.from_file(folder)
+    assert model_identity(folder, config) == "qwen3-vl/cc9bebb07129822c696ef7c1ccd5077f"
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_put_back_is_caught(
+    ckpts: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `cp -p` over the file between the load and the hash keeps size, inode and mtime.
+    folder, other = copy_of(ckpts[0], tmp_path / "a"), ckpts[1]
+    config = Qwen3VLConfig.from_file(folder)
+    load = identity.load_weights
+
+    def load_then_rewrite(*args: Any, **kwargs: Any) -> Any:
+        tensors = load(*args, **kwargs)
+        target = folder / SINGLE_FILE
+        st = target.stat()
+        with target.open("r+b") as f:
+            f.write((other / SINGLE_FILE).read_bytes())
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return tensors
+
+    monkeypatch.setattr(identity, "load_weights", load_then_rewrite)
+    with pytest.raises(CheckpointError, match="changed while it was loaded"):
+        load_identified(folder, config)
+
+
 def test_the_identity_covers_which_shard_each_tensor_comes_from(
     ckpts: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -145,3 +177,21 @@ async def test_a_router_refuses_weights_no_worker_can_load(
     settings = RouterSettings(model=str(folder), port=0, security=cluster_security())
     with pytest.raises(CheckpointError, match=r"missing 1: model\.language_model\.norm\.weight"):
         await serve(settings)
+
+
+async def test_a_router_told_the_model_needs_no_weights(
+    ckpts: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # With --expected-model the router reads only the tokenizer and config (deploy/README):
+    # the weights' check refused such a folder, and the router restarted in a loop.
+    from router.server import serve
+    from router.settings import RouterSettings
+    from tests.cluster import cluster_security
+
+    folder = copy_of(ckpts[0], tmp_path / "a")
+    (folder / SINGLE_FILE).unlink()
+    settings = RouterSettings(
+        model=str(folder), expected_model="qwen3-vl/x", port=0, security=cluster_security()
+    )
+    router = await serve(settings)
+    await router.stop(0)

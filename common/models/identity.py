@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from common.errors import CheckpointError
 from common.models.qwen3_vl.config import Qwen3VLConfig
@@ -40,9 +41,11 @@ def model_identity(path: str | Path, config: Qwen3VLConfig) -> str:
     file once (about a second per GB); done once per process start."""
     files = weight_files(path)
     digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
-    # Which file each tensor comes from: a shard may hold a second copy of a tensor that
-    # the index maps elsewhere, and two indexes over the same shards are two models.
-    digest.update(json.dumps(sorted((name, file.name) for name, file in files.items())).encode())
+    if _copies_elsewhere(files):
+        # Which file each tensor comes from, when the bytes do not say: a shard holds a
+        # second copy of a tensor the index maps elsewhere, and two indexes over the same
+        # shards are two models. (Not otherwise: every other checkpoint keeps its identity.)
+        digest.update(json.dumps(sorted((n, file.name) for n, file in files.items())).encode())
     for file in sorted(set(files.values())):
         digest.update(file.name.encode())
         with file.open("rb") as f:
@@ -51,9 +54,19 @@ def model_identity(path: str | Path, config: Qwen3VLConfig) -> str:
     return f"qwen3-vl/{digest.hexdigest()[:32]}"
 
 
-def file_stamps(path: str | Path) -> list[tuple[str, int, int, int, int]]:
-    """(name, device, inode, size, mtime ns) of the config, the index and every weight file,
-    symlinks followed (a Hugging Face snapshot links its files into a blob store)."""
+def _copies_elsewhere(files: dict[str, Path]) -> bool:
+    """Whether a shard holds a tensor the index reads from another shard (headers only)."""
+    for file in set(files.values()):
+        with safe_open(str(file), framework="pt") as f:
+            if any(files.get(name, file) != file for name in f.keys()):  # noqa: SIM118
+                return True
+    return False
+
+
+def file_stamps(path: str | Path) -> list[tuple[str, int, int, int, int, int]]:
+    """(name, device, inode, size, mtime ns, ctime ns) of the config, the index and every
+    weight file, symlinks followed (a Hugging Face snapshot links its files into a blob
+    store)."""
     folder = Path(path)
     files = sorted({folder / CONFIG_FILE, *weight_files(folder).values()})
     if (folder / INDEX_FILE).is_file():
@@ -61,7 +74,8 @@ def file_stamps(path: str | Path) -> list[tuple[str, int, int, int, int]]:
     stamps = []
     for file in files:
         st = os.stat(file)
-        stamps.append((file.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        # ctime too: the kernel sets it on every write, and a copy may put the mtime back.
+        stamps.append((file.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return stamps
 
 
