@@ -211,7 +211,7 @@ class Engine:
     ) -> LmSequence:
         """Compute a prompt (reusing cached prefix blocks) and sample its first token.
 
-        The returned sequence owns blocks for prompt + `max_tokens`; pass it to
+        The returned sequence owns blocks for its `kv_slots`; pass it to
         `decode_step`, then `release`. With `keep_logits` it also holds the logits of every
         computed prompt token. Raises `NoFreeBlocksError` when the pool cannot hold them.
         """

@@ -50,6 +50,7 @@ from typing import NoReturn
 
 import grpc
 
+from common.errors import NO_READ_STARTED
 from common.kv.allocator import ImportPlan
 from common.kv.digest import cache_block_digests
 from common.kv_pull import pull
@@ -191,7 +192,8 @@ class KvImporter:
             release()
             raise  # on_orphan gives the blocks back once the READ is over
         except TransferTimeoutError as exc:
-            self.counters.pull_seconds += time.monotonic() - started
+            if NO_READ_STARTED not in str(exc):  # a READ's time, not a wait for a thread
+                self.counters.pull_seconds += time.monotonic() - started
             release()
             if exc.cancelled:
                 await self.model.call(allocator.abort_import, plan)
