@@ -9,14 +9,17 @@ Outcomes, a fixed set (a label value each):
 
     stop, length  the answer finished (its finish reason)
     cancelled     the client went away (cancelled, hung up, its own deadline passed)
-    deadline      the router's deadline passed (`request_timeout_s`, or the client's)
+    deadline      the router's deadline passed (`request_timeout_s`)
     invalid       refused for its input (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE)
     refused       refused for load (RESOURCE_EXHAUSTED: queue, tenant share, held bytes)
     unavailable   no worker, or the router drains (UNAVAILABLE)
     error         anything else (INTERNAL: a bug)
 
-Requests refused before they are read (no credentials, a body over the limit) are not
-requests here: the authentication and HTTP layers answer them.
+Requests refused before they reach `RouterServicer.generate` count too (`refused_before`):
+a body the HTTP API refuses (its JSON, types, fields, model, the bytes held), a gRPC
+request refused before it is read (the bytes held). Not counted: callers refused their
+credentials, and framing errors the HTTP layer answers before any endpoint. A client's own
+deadline reaches the router as a cancellation: `cancelled`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -47,6 +51,7 @@ OUTCOMES = (
 
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.NOT_FOUND: "invalid",  # another model (HTTP 404)
     grpc.StatusCode.FAILED_PRECONDITION: "invalid",
     grpc.StatusCode.OUT_OF_RANGE: "invalid",
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
@@ -121,3 +126,11 @@ class Outcome:
             took,
             f": {self.detail}" if self.detail else "",
         )
+
+
+def refused_before(finished: Any, tenant: str | None, code: grpc.StatusCode, detail: str) -> None:
+    """A request refused before `generate` ran it: counted in `finished` (the metric) by
+    outcome, and its one INFO line (it has no id yet)."""
+    outcome = _BY_CODE.get(code, "error")
+    finished.labels(outcome).inc()
+    logger.info("a request (%s) %s before it ran: %s %s", tenant, outcome, code.name, detail)

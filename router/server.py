@@ -69,7 +69,7 @@ from router.held import HeldBytes, MediaHold, add_router_service, read_request
 from router.ids import check_ids, shown_id
 from router.inputs import ContextTooLong, InputError
 from router.orchestrator import Orchestrator
-from router.outcomes import Outcome
+from router.outcomes import Outcome, refused_before
 from router.prepare import prepare_request
 from router.prepare_threads import PrepareThreads, has_media
 from router.registry import Registry
@@ -253,9 +253,14 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         (RESOURCE_EXHAUSTED if it would pass `requests_in_flight_mb`): `router.held`."""
         longest, left = self.settings.request_timeout_s, context.time_remaining()
         caller = principal(self.auth, context)
-        sized = await read_request(
-            self.held, context, longest if left is None else min(left, longest), caller.tenant
-        )
+        try:
+            sized = await read_request(
+                self.held, context, longest if left is None else min(left, longest), caller.tenant
+            )
+        except grpc.aio.AbortError:  # refused before it was read (the bytes held, corrupt)
+            finished = self.orchestrator.metrics.finished
+            refused_before(finished, caller.tenant, context.code(), context.details() or "")
+            raise
         request = sized.request
         request.request_id = request.request_id or uuid.uuid4().hex  # one id in every log line
         try:

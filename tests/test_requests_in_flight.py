@@ -93,6 +93,8 @@ async def test_grpc_requests_held_at_once_are_bounded_with_the_http_bodies(
     assert status == 429 and reply["error"]["type"] == "rate_limit_error", reply
     page = await asyncio.to_thread(metrics_page, url_of(router))
     assert "epd:requests_refused_held_total 2.0" in page  # the gRPC call and the HTTP body
+    # Each a request that ended refused, though none reached `generate`.
+    assert 'epd:requests_finished_total{outcome="refused"} 2.0' in page
     held = router.router.servicer.held.held  # its bytes and its image's codes
     assert held > holder_size and f"epd:requests_held_bytes {float(held)}" in page
     small = grpc_request(request_id="small")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -53,6 +54,7 @@ from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
 from router.http.stream import Answer, TimedStream, events
+from router.outcomes import refused_before
 from router.prepare_threads import LIGHT_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -116,6 +118,8 @@ def build_app(
         title="epd", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
     )
     app.state.auth = auth
+    finished = servicer.orchestrator.metrics.finished  # how requests end (router.outcomes)
+    app.state.refused = functools.partial(refused_before, finished)  # limit_body's refusals
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> Response:
@@ -153,11 +157,10 @@ def build_app(
         (and what the workers hold for it), as a streamed response's does afterwards."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         result = Answer(prefix + request.request_id, model_id, chat)
-        # Held until the response ends: the body's bytes, and the parsed body and request
-        # made of them (429 beyond the bound), beside which its media are held.
+        # Held until the response ends (taken by the endpoint): the body's bytes, and the
+        # parsed body and request made of them (429 beyond the bound), beside which its
+        # media are held.
         hold = raw.scope.get(HELD_KEY)
-        if hold is not None:
-            hold.more(decoded_bytes(request, PARSED_PART_BYTES))
         # A chat that sets no length runs to its end, as OpenAI's: up to `chat_max_tokens`
         # (or the checkpoint's `max_new_tokens`, if less), or the context the prompt leaves.
         # A completion's default is 16, as OpenAI's.
@@ -200,29 +203,40 @@ def build_app(
         check_model(body)
         return body
 
+    @contextlib.contextmanager
+    def counted(who: Caller) -> Iterator[None]:
+        """A refusal before `generate` runs the request, counted and logged as its end
+        (`router.outcomes.refused_before`; `generate` counts the rest)."""
+        try:
+            yield
+        except (ApiError, FieldError) as exc:
+            error = api_error(exc)
+            refused_before(finished, who.tenant, error.grpc_code, str(error))
+            raise error from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(who: Who, raw: Request) -> Response:
-        body = await parsed(raw, ChatCompletionRequest, who)
-        request_id = uuid.uuid4().hex
-        hold = raw.scope.get(HELD_KEY)
-        held = hold.more if hold is not None else lambda size: None
-        media = names_media(body)
-        deadline = time.monotonic() + servicer.settings.request_timeout_s
-        try:
+        with counted(who):
+            body = await parsed(raw, ChatCompletionRequest, who)
+            request_id = uuid.uuid4().hex
+            hold = raw.scope.get(HELD_KEY)
+            held = hold.more if hold is not None else lambda size: None
+            media = names_media(body)
+            deadline = time.monotonic() + servicer.settings.request_timeout_s
             request = await threads.run(
                 media, who.tenant, chat_request, body, request_id, policy, held, deadline
             )
-        except FieldError as exc:
-            raise api_error(exc) from None
+            held(decoded_bytes(request, PARSED_PART_BYTES))  # held until the response ends
         return await answer(body, request, who, True, raw, deadline)  # one budget in all
 
     @app.post("/v1/completions")
     async def completions(who: Who, raw: Request) -> Response:
-        body = await parsed(raw, CompletionRequest, who)
-        try:
+        with counted(who):
+            body = await parsed(raw, CompletionRequest, who)
             request = completion_request(body, uuid.uuid4().hex)
-        except FieldError as exc:
-            raise api_error(exc) from None
+            hold = raw.scope.get(HELD_KEY)
+            if hold is not None:
+                hold.more(decoded_bytes(request, PARSED_PART_BYTES))
         return await answer(body, request, who, False, raw)
 
     served = {"id": model_id, "object": "model", "created": 0, "owned_by": "epd"}

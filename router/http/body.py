@@ -12,7 +12,8 @@ the app runs (the app would read all of it anyway) and replays it:
   method announcing one (a Content-Length past 0, or Transfer-Encoding) is answered 405
   and the connection closed, its body neither read nor held, whoever sent it;
 - a POST from anyone but a client (no valid API key: `identify`) is refused before its
-  body is read, so it neither costs the reading nor takes from the budget below;
+  body is read, so it takes nothing from the budget below (at most 256 KiB of it is read
+  and dropped, see the end);
 - a POST whose body is compressed (a `Content-Encoding` but `identity`) is answered 415
   before it is read: the server reads JSON as sent;
 - a body over `max_bytes` is answered 413: by its Content-Length before a byte of it is
@@ -28,15 +29,16 @@ the app runs (the app would read all of it anyway) and replays it:
 - what the app makes of a body (the parsed JSON, the request built from it) it holds beside
   the body's bytes (`BodyHold.more`, refused as above), until the response ends.
 
-A refusal of a request that carries a body reads and drops what is left of it first, at most
-`DRAIN_BYTES` within `DRAIN_S`, none more once the client pauses `DRAIN_IDLE_S` (nginx's
-lingering close, bounded): clients that send their
-whole body before reading (Python's http.client, httpx) read the refusal, not a reset
-connection (a 413 closed at once reached them as BrokenPipeError). Past those bounds, for
-a larger announced body, or when the client waits for `100-continue`, the connection is
-closed after the answer (`Connection: close`): draining a body of any announced size would
-cost what the refusal saved. A refusal for framing or lateness (405, 400 framed twice,
-408) closes it at once.
+A refusal of a request that carries a body reads and drops what is left of it first (no
+longer held in the budget above), at most `DRAIN_BYTES` (`DRAIN_ANONYMOUS_BYTES` for a
+caller refused its credentials) within `DRAIN_S`, none more once the client pauses
+`DRAIN_IDLE_S` (nginx's lingering close, bounded): clients that send their whole body
+before reading (Python's http.client, httpx) read the refusal, not a reset connection (a
+413 closed at once reached them as BrokenPipeError). Past those bounds, for a larger
+announced body, or when the client waits for `100-continue`, the connection is closed after
+the answer (`Connection: close`): draining a body of any announced size would cost what the
+refusal saved. A refusal for framing or lateness (405, 400 framed twice, 408) closes it at
+once.
 """
 
 from __future__ import annotations
@@ -86,22 +88,25 @@ def _busy() -> ApiError:
 
 
 DRAIN_BYTES = 16 << 20  # most of a refused request's body read and dropped before answering
+# ... of a caller refused its credentials: enough for a misconfigured client's request to read
+# its 401, not a free 16 MiB read for anyone (gRPC reads none of such a caller's request).
+DRAIN_ANONYMOUS_BYTES = 256 << 10
 DRAIN_S = 5.0  # and within this long
 DRAIN_IDLE_S = 0.5  # nor once the client sends nothing for this long
 
 
-async def drained(receive: Any, headers: dict[bytes, bytes]) -> bool:
+async def drained(receive: Any, headers: dict[bytes, bytes], most: int = DRAIN_BYTES) -> bool:
     """Read and drop the rest of a refused request's body (module docstring): True when it
-    ended within `DRAIN_BYTES` and `DRAIN_S` (the connection may serve another request)."""
+    ended within `most` bytes and `DRAIN_S` (the connection may serve another request)."""
     if headers.get(b"expect", b"").lower() == b"100-continue":
         return False  # it sends no body before our answer: none is invited
     length = headers.get(b"content-length", b"")
-    if length.isdigit() and int(length) > DRAIN_BYTES:
+    if length.isdigit() and int(length) > most:
         return False
     got = 0
     try:
         async with asyncio.timeout(DRAIN_S):
-            while got <= DRAIN_BYTES:
+            while got <= most:
                 message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
                 if message["type"] != "http.request":
                     return False  # the client went away
@@ -249,10 +254,16 @@ def limit_body(
             except (ApiError, _Refused) as exc:
                 error = exc.error if isinstance(exc, _Refused) else exc
                 response = error.response()
+                count = getattr(app.state, "refused", None)
+                if CALLER_KEY in scope and count is not None:  # an accepted caller's request
+                    count(scope[CALLER_KEY].tenant, error.grpc_code, str(error))
                 ended = isinstance(exc, _Refused) and exc.ended
                 if carries_body(headers) and not ended:  # unread, or read in part
+                    held.give(hold.bytes, hold.tenant)  # dropped: none held while draining
+                    hold.bytes = 0
                     closing = error in (late, not_post, framed_twice)
-                    if closing or not await drained(receive, headers):
+                    most = DRAIN_BYTES if CALLER_KEY in scope else DRAIN_ANONYMOUS_BYTES
+                    if closing or not await drained(receive, headers, most):
                         response.headers["Connection"] = "close"
                 if error is late:
                     stats.closed_body_late += 1

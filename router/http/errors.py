@@ -57,6 +57,7 @@ class ApiError(Exception):
         """`grpc_code` picks the HTTP status, and the body's `type` and `code` unless
         `error_type` or `code` name OpenAI's own (`model_not_found`, ...)."""
         super().__init__(message)
+        self.grpc_code = grpc_code  # the status it stands for (what a gRPC call would get)
         self.status, self.type = _STATUS.get(grpc_code, (500, "server_error"))  # OpenAI's
         self.type = error_type or self.type
         self.code = code or _CODES.get(grpc_code) or grpc_code.name.lower()

@@ -39,6 +39,7 @@ MAX_BODY_VALUES = 1 << 20
 B = TypeVar("B", bound=BaseModel)
 
 NOT_JSON = "the body must be a JSON object, sent as Content-Type: application/json"
+MAX_SHOWN_PATH = 200  # characters of a caller's key path an error repeats
 # What `json.loads` reads (`codecs.lookup` names; ASCII is UTF-8).
 JSON_CHARSETS = frozenset(
     ("utf-8", "ascii", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be")
@@ -185,8 +186,9 @@ def parse_body(
         message = f"the body is not valid JSON: {exc}"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
     if objects.twice:
-        where = _twice_at(body)
-        message = f"the body names {where!r} twice"
+        # The caller's key: escaped (a lone surrogate could not be encoded: a 500) and cut.
+        where = ascii(_twice_at(body))[1:-1][:MAX_SHOWN_PATH]
+        message = f"the body names '{where}' twice"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=where)
     if not isinstance(body, dict):
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, NOT_JSON)
