@@ -126,7 +126,8 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         """Route new work to the worker at `address`, or of `name`, again (undoes Drain)."""
         if not request.address and not request.name.strip():
             await _invalid(context, "address", "is empty (and so is name)")
-        found, serving, lifted_away = self.registry.undrain(request.address, request.name)
+        name = request.name.strip()
+        found, serving, lifted_away = self.registry.undrain(request.address, name)
         return admin_service_pb2.UndrainResponse(
             found=found, serving=serving, lifted_away=lifted_away
         )

@@ -319,3 +319,14 @@ def test_the_encoder_cache_key_is_tenant_separated() -> None:
     a, b = salted_key(key, "tenant:a"), salted_key(key, "tenant:b")
     assert len(a) == 32 and len({key, a, b}) == 3
     assert salted_key(key, "tenant:a") == a
+
+
+def test_two_authorization_entries_identify_no_one(tmp_path: Path) -> None:
+    # The first was read: a proxy that checked the other one (or added its own) disagreed
+    # with the server about who called. The HTTP API refuses two headers the same way.
+    path = tmp_path / "keys.toml"
+    path.write_text('[[keys]]\nkey = "{}"\ntenant = "acme"\n'.format("k" * 16))
+    auth = Authenticator(None, load_api_keys(path))
+    good, bad = ("authorization", "Bearer " + "k" * 16), ("authorization", "Bearer nobody-at-all")
+    assert auth.identify([good]) == Caller("acme")
+    assert auth.identify([good, bad]) is None and auth.identify([bad, good]) is None

@@ -171,12 +171,14 @@ def principal(auth: Authenticator | None, context: Any) -> Caller:
 
 
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
-    for key, value in metadata or ():
-        if key == AUTHORIZATION:
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            scheme, _, secret = text.partition(" ")
-            return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
-    return None
+    """The bearer secret of the one `authorization` entry; None for none, or for two (which
+    one a proxy in front checked is unknown, as the HTTP API says of two headers)."""
+    found = [value for key, value in metadata or () if key == AUTHORIZATION]
+    if len(found) != 1:
+        return None
+    text = found[0].decode() if isinstance(found[0], bytes) else str(found[0])
+    scheme, _, secret = text.partition(" ")
+    return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
