@@ -10,12 +10,13 @@ free blocks, keeping the handle's lease alive meanwhile (DESIGN §4).
 Waiting requests are served in arrival order: once one waits, a later request waits behind
 it, and only the first plans again when blocks are freed (a steady flow of small requests
 took each freed block before an older large one found enough free at once, until its
-deadline). The first keeps that priority for `HEAD_PRIORITY_S`: long enough for the
-streams running to free what it lacks, unless one holds its blocks for long; then the
-others plan as blocks are freed, as it does (they waited behind a request that could not
-fit, with most of the pool free, until its deadline). The router's admission is first come
-first served too, but not across routers, nor for a tenant placed ahead, nor for direct
-callers.
+deadline). As in vLLM's scheduler, the first waits for the running streams to free what it
+lacks, however long they take (each ends by its max_tokens), and the others wait behind it,
+even where they would fit now: a later version let them plan once the first had waited
+3 s, and a large request behind a steady flow of small ones was never planned again
+whenever streams ran longer than that. A request the whole pool cannot hold is refused at
+once (`PoolTooSmallError`), never queued. The router's admission is first come first
+served too, but not across routers, nor for a tenant placed ahead, nor for direct callers.
 
 While it waits, the lease is renewed at once (the handle may have spent most of it on its
 way here), then every third of what the holder says is left. A holder that does not answer
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 MIN_RENEW_S = 0.05  # the shortest wait between two renewals of a waiting request's lease
 LOOK_S = 1.0  # how often a waiting request plans again, whatever woke it or not
-HEAD_PRIORITY_S = 3.0  # how long the first waiting request plans alone (module docstring)
 
 
 class BlockWait:
@@ -72,7 +72,6 @@ class BlockWait:
         self.renew_leases = renew_leases  # RenewKv while a request waits for blocks
         # Waiting requests in arrival order, each by the event set when it comes first.
         self._queue: deque[asyncio.Event] = deque()
-        self._head_since = 0.0  # time.monotonic() when the first in the queue became first
 
     async def plan(
         self, hashes: list[bytes] | None, n: int, total: int, handle: kv_pb2.KvHandle
@@ -99,9 +98,9 @@ class BlockWait:
         woken: asyncio.Future[Any] | None = None
         try:
             while True:
-                if turn is None and self._in_order():  # others wait: behind them
+                if turn is None and self._queue:  # others wait: behind them
                     turn = self._queue_up(handle)
-                first = turn is None or self._queue[0] is turn or not self._in_order()
+                first = turn is None or self._queue[0] is turn
                 if first:
                     try:
                         return await self.model.call(
@@ -144,20 +143,13 @@ class BlockWait:
             if turn is not None:  # planned, failed or gone: the next in line plans now
                 if self._queue[0] is turn and len(self._queue) > 1:
                     self._queue[1].set()
-                    self._head_since = time.monotonic()
                 self._queue.remove(turn)
-
-    def _in_order(self) -> bool:
-        """Whether requests wait in order now: some wait, and the first has been first for
-        less than `HEAD_PRIORITY_S`."""
-        return bool(self._queue) and time.monotonic() - self._head_since < HEAD_PRIORITY_S
 
     def _queue_up(self, handle: kv_pb2.KvHandle) -> asyncio.Event:
         """A place at the end of the queue of waiting requests (counted, logged)."""
         turn = asyncio.Event()
         if not self._queue:
             turn.set()  # first in line
-            self._head_since = time.monotonic()
         self._queue.append(turn)
         self.counters.block_waits += 1
         logger.info("a request waits for free KV blocks (lease %s)", handle.lease_id)

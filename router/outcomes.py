@@ -8,8 +8,10 @@ no trace, and an error rate could not be read off the metrics page.
 Outcomes, a fixed set (a label value each):
 
     stop, length  the answer finished (its finish reason)
-    cancelled     the client went away (cancelled, hung up, its own deadline passed)
-    deadline      the router's deadline passed (`request_timeout_s`)
+    cancelled     the client went away (cancelled, hung up, its own deadline passed once
+                  the request ran)
+    deadline      a deadline passed: the router's (`request_timeout_s`), or the client's
+                  before its request was read
     invalid       refused for its input (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE)
     refused       refused for load (RESOURCE_EXHAUSTED: queue, tenant share, held bytes)
     unavailable   no worker, or the router drains (UNAVAILABLE)
@@ -18,8 +20,8 @@ Outcomes, a fixed set (a label value each):
 Requests refused before they reach `RouterServicer.generate` count too (`refused_before`):
 a body the HTTP API refuses (its JSON, types, fields, model, the bytes held), a gRPC
 request refused before it is read (the bytes held). Not counted: callers refused their
-credentials, and framing errors the HTTP layer answers before any endpoint. A client's own
-deadline reaches the router as a cancellation: `cancelled`.
+credentials, framing errors the HTTP layer answers before any endpoint, and requests to
+other paths.
 """
 
 from __future__ import annotations

@@ -126,29 +126,6 @@ async def test_a_request_the_whole_pool_cannot_hold_is_refused_at_once(
     assert "whole pool (6, its num_blocks setting)" in details and field in details
 
 
-async def test_later_requests_plan_once_the_first_has_had_its_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A first that cannot fit while a long stream holds 6 of 20 blocks held every later
-    # request until its own deadline (300 s), with most of the pool free.
-    import decode_worker.block_wait as block_wait
-
-    monkeypatch.setattr(block_wait, "HEAD_PRIORITY_S", 0.2)
-    monkeypatch.setattr(block_wait, "LOOK_S", 0.05)
-    allocator, freed = Allocator(num_blocks=20, free=14), asyncio.Event()
-    wait = waiting(allocator, freed)
-    big = asyncio.create_task(wait.plan(None, 4, 16 * BLOCK, HANDLE))
-    await asyncio.sleep(0.01)
-    small = asyncio.create_task(wait.plan(None, 4, 2 * BLOCK, HANDLE))
-    await asyncio.sleep(0.1)
-    assert not small.done()  # behind the first, for its time
-    assert await asyncio.wait_for(small, 1.0) == 2  # then as blocks allow
-    assert not big.done()
-    big.cancel()
-    await asyncio.gather(big, return_exceptions=True)
-    assert not wait._queue
-
-
 async def test_a_waiter_that_goes_away_leaves_no_task_behind() -> None:
     # Its wait for a turn that would never come was left pending, one task per request.
     allocator, freed = Allocator(num_blocks=20, free=0), asyncio.Event()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -384,3 +385,31 @@ async def test_a_key_named_twice_is_refused_over_http(router: FakeCluster) -> No
     )
     assert (status, reply["error"]["param"]) == (400, "model"), reply
     assert reply["error"]["message"] == "the body names 'model' twice"
+
+
+async def test_a_client_gone_while_sending_its_body_is_counted_not_a_traceback(
+    router: FakeCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A keyed client hanging up mid-body raised ClientDisconnect into uvicorn: an ERROR
+    # "Exception in ASGI application" with a traceback, and no count.
+    caplog.set_level(logging.INFO)
+    metrics = router.router.servicer.orchestrator.metrics.finished
+    cancelled, invalid = metrics.labels("cancelled"), metrics.labels("invalid")
+    before = cancelled._value.get(), invalid._value.get()
+    host, port = url_of(router).removeprefix("http://").rsplit(":", 1)
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"{POST}\r\n{KEY}\r\nContent-Length: 1000\r\nHost: x\r\n\r\n".encode() + b"{")
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    for _ in range(50):
+        if cancelled._value.get() > before[0]:
+            break
+        await asyncio.sleep(0.05)
+    assert cancelled._value.get() == before[0] + 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # A body refused on a path that runs no request is not a request (it was "invalid").
+    body = b" " * (2 << 20)
+    head = f"POST /health HTTP/1.1\r\n{KEY}\r\nContent-Length: {len(body)}"
+    assert (await exchange(router, head, body))[0] == 413
+    assert invalid._value.get() == before[1]

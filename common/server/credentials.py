@@ -137,7 +137,9 @@ class _BlockingBearer(
         self.bearer = bearer
 
     def _details(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), *bearer_metadata(self.bearer)]
+        metadata = list(details.metadata or ())
+        if not any(k == AUTHORIZATION for k, _ in metadata):  # a call's own key wins, as async
+            metadata.extend(bearer_metadata(self.bearer))
         return _SyncDetails(
             details.method,
             details.timeout,

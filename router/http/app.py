@@ -37,6 +37,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.errors import FieldError
@@ -124,6 +125,10 @@ def build_app(
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> Response:
         return exc.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_request: Request, _exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody reads it (an ERROR traceback before)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -213,6 +218,10 @@ def build_app(
             error = api_error(exc)
             refused_before(finished, who.tenant, error.grpc_code, str(error))
             raise error from None
+        except ClientDisconnect:  # gone while sending its body: answered 499 (`_gone`)
+            gone = "the client went away while sending its body"
+            refused_before(finished, who.tenant, grpc.StatusCode.CANCELLED, gone)
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat_completions(who: Who, raw: Request) -> Response:

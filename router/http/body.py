@@ -57,6 +57,9 @@ from router.http.connections import ConnectionStats
 from router.http.errors import ApiError
 
 HELD_KEY = "epd.held"  # ASGI scope: the `BodyHold` of the request's body
+# The endpoints that run requests: a refusal here of a request to them counts as one
+# (`router.outcomes`).
+COUNTED_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 CALLER_KEY = "epd.caller"  # ASGI scope: who `limit_body` let send a body (POST)
 
 
@@ -255,7 +258,8 @@ def limit_body(
                 error = exc.error if isinstance(exc, _Refused) else exc
                 response = error.response()
                 count = getattr(app.state, "refused", None)
-                if CALLER_KEY in scope and count is not None:  # an accepted caller's request
+                counted = scope.get("path") in COUNTED_PATHS  # a request to run, not /health
+                if CALLER_KEY in scope and count is not None and counted:  # accepted caller
                     count(scope[CALLER_KEY].tenant, error.grpc_code, str(error))
                 ended = isinstance(exc, _Refused) and exc.ended
                 if carries_body(headers) and not ended:  # unread, or read in part
