@@ -357,3 +357,36 @@ def test_the_router_names_the_config_file_it_cannot_read(
     assert exited.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "config.json: not valid JSON" in lines[0], lines
+
+
+def test_a_renders_time_is_the_cpu_time_of_its_thread() -> None:
+    # On wall-clock time, 16 legitimate 0.7 s renders at once (one GIL) were refused as out
+    # of time, as the caller's invalid input. Waiting (here, sleeping) spends none of it;
+    # the budget made in one thread counts the thread that renders.
+    import threading
+    import time
+
+    from jinja2.exceptions import SecurityError
+
+    from common.processing.template_sandbox import new_budget
+
+    limits = new_budget(0.05)
+    outcome: list[BaseException | None] = []
+
+    def render() -> None:
+        try:
+            for _ in range(3):
+                limits.step()
+                time.sleep(0.05)  # 0.15 s of wall time, about none of CPU
+            outcome.append(None)
+            end = time.thread_time() + 0.2
+            while time.thread_time() < end:
+                pass
+            limits.step()
+        except SecurityError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=render)
+    thread.start()
+    thread.join()
+    assert outcome[0] is None and isinstance(outcome[1], SecurityError)

@@ -260,12 +260,20 @@ class ChatTemplate:
         self, rendered: str, texts: list[str], media: dict[Modality, list[MediaPart]]
     ) -> list[Piece]:
         pieces: list[Piece] = []
+        text: list[str] = []  # text since the last other piece, joined once (+= was quadratic)
         used = dict.fromkeys(media, 0)
 
+        def flush() -> None:
+            joined = "".join(text)
+            if joined:
+                pieces.append(joined)
+            text.clear()
+
         def emit(piece: Piece) -> None:
-            if isinstance(piece, str) and pieces and isinstance(pieces[-1], str):
-                pieces[-1] += piece
-            elif piece != "":
+            if isinstance(piece, str):
+                text.append(piece)
+            else:
+                flush()
                 pieces.append(piece)
 
         for k, chunk in enumerate(self._splitter.split(rendered)):
@@ -283,6 +291,7 @@ class ChatTemplate:
                 raise ValueError(f"chat template places {chunk} outside <|vision_start|>..end")
             else:
                 emit(Control(chunk))
+        flush()
         for kind, parts in media.items():
             if used[kind] != len(parts):
                 raise ValueError(f"chat template placed {used[kind]} of {len(parts)} {kind}s")
