@@ -390,3 +390,34 @@ def test_a_renders_time_is_the_cpu_time_of_its_thread() -> None:
     thread.start()
     thread.join()
     assert outcome[0] is None and isinstance(outcome[1], SecurityError)
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"image_mean": [0.5, float("nan"), 0.5]}, "image_mean"),
+        ({"image_std": [0.5, 0, 0.5]}, "image_std"),
+        ({"patch_size": 16.7}, "patch_size"),
+        ({"min_pixels": True}, "min_pixels"),
+        ({"max_pixels": -5}, "max_pixels"),
+        ({"min_pixels": 4096, "max_pixels": 1024}, "min_pixels"),
+        ({"size": {"shortest_edge": "big"}}, "size.shortest_edge"),
+        ({"image_mean": [0.5, 0.5]}, "image_mean"),
+    ],
+)
+def test_a_preprocessor_setting_no_image_could_use_is_refused_naming_it(
+    tmp_path: Path, values: dict[str, Any], named: str
+) -> None:
+    # A NaN mean or a zero std started cleanly and every image request answered token 0;
+    # a size of "big" was a traceback (exit 1); 16.7 was read as 16, true as 1.
+    from common.models.qwen3_vl.processor_files import read_processor_settings
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(default_checkpoint(), folder)
+    path = folder / "preprocessor_config.json"
+    raw = json.loads(path.read_text())
+    raw.update(values)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=named.replace(".", r"\.")) as refused:
+        read_processor_settings(folder, Qwen3VLConfig.from_file(folder))
+    assert "preprocessor_config.json" in str(refused.value)

@@ -8,14 +8,41 @@ picture processed under different settings never shares a hash.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from common.errors import CheckpointError
 from common.models.checkpoint_files import read_checkpoint_json
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
+# Settings that count something (pixels, patches, frames), and the (low, high) pairs.
+_COUNTS = (
+    "patch_size",
+    "merge_size",
+    "temporal_patch_size",
+    "min_pixels",
+    "max_pixels",
+    "video_min_pixels",
+    "video_max_pixels",
+    "video_min_frames",
+    "video_max_frames",
+)
+_BOUNDS = (
+    ("min_pixels", "max_pixels"),
+    ("video_min_pixels", "video_max_pixels"),
+    ("video_min_frames", "video_max_frames"),
+)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _refuse(key: str, why: str) -> NoReturn:
+    raise CheckpointError(f"{PREPROCESSOR_FILE}: {key} {why}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +74,27 @@ class ProcessorSettings:
     # video that shares leading frames with a cached one reuses their blocks (see
     # `partition_keys_exact`). Changes no pixels, so it is not in the fingerprint.
     video_partition_keys: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse what no image could be processed with (`CheckpointError` naming the key): a
+        NaN mean or a zero std started cleanly, and every image request answered token 0."""
+        for key in _COUNTS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _refuse(key, f"must be a whole number >= 1, got {value!r}")
+        for low, high in _BOUNDS:
+            if getattr(self, low) > getattr(self, high):
+                _refuse(low, f"{getattr(self, low)} is past {high} {getattr(self, high)}")
+        for key in ("image_mean", "image_std"):
+            values = getattr(self, key)
+            if len(values) != 3 or not all(_finite(v) for v in values):
+                _refuse(key, f"must be 3 finite numbers (one per channel), got {values!r}")
+        if not all(v > 0 for v in self.image_std):
+            _refuse("image_std", f"must be above 0, got {self.image_std!r}")
+        for key in ("video_sample_fps", "video_default_fps"):
+            value = getattr(self, key)
+            if value is not None and not (_finite(value) and value > 0):
+                _refuse(key, f"must be a finite number above 0, got {value!r}")
 
     @property
     def factor(self) -> int:

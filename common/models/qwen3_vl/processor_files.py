@@ -164,9 +164,9 @@ def _pixel_bounds(size: Mapping[str, Any], name: str, low: str, high: str) -> di
         if value is None:
             continue
         if key in ("shortest_edge", "min_pixels"):  # min/max_pixels: older checkpoints
-            out[low] = int(value)
+            out[low] = _coerce(name, f"size.{key}", value)
         elif key in ("longest_edge", "max_pixels"):
-            out[high] = int(value)
+            out[high] = _coerce(name, f"size.{key}", value)
         else:
             _warn(name, f"size.{key}", "is not understood (epd reads shortest/longest_edge)")
     return out
@@ -175,6 +175,8 @@ def _pixel_bounds(size: Mapping[str, Any], name: str, low: str, high: str) -> di
 def _coerce(name: str, key: str, value: Any) -> Any:
     try:
         if key in ("image_mean", "image_std"):
+            if isinstance(value, str) or any(isinstance(x, bool | str) for x in value):
+                raise TypeError(f"must be numbers, got {value!r}")
             return tuple(float(x) for x in value)
         if key == "video_sample_fps" or key == "video_default_fps":
             return None if value is None else float(value)
@@ -182,9 +184,14 @@ def _coerce(name: str, key: str, value: Any) -> Any:
             if not isinstance(value, bool):
                 raise TypeError(f"must be true or false, got {value!r}")
             return value
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole:  # 16.7 was read as 16, true as 1
+            raise TypeError(f"must be a whole number, got {value!r}")
         return int(value)
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{name}: setting {key}={value!r} is not a valid value") from exc
+        raise CheckpointError(
+            f"{name}: setting {key}={value!r} is not a valid value ({exc})"
+        ) from exc
 
 
 def _check_accepted(name: str, key: str, value: Any) -> None:
