@@ -421,3 +421,31 @@ def test_a_preprocessor_setting_no_image_could_use_is_refused_naming_it(
     with pytest.raises(CheckpointError, match=named.replace(".", r"\.")) as refused:
         read_processor_settings(folder, Qwen3VLConfig.from_file(folder))
     assert "preprocessor_config.json" in str(refused.value)
+
+
+def test_a_quantized_checkpoint_is_refused_in_one_short_line(tmp_path: Path) -> None:
+    # Its config was warned about as ignored, then the weights check listed every scale
+    # tensor (15 KB on one line); FP8 weights without scales started.
+    raw = json.loads((default_checkpoint() / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(
+        CheckpointError, match="quantization_config a quantized checkpoint \\(fp8\\)"
+    ):
+        Qwen3VLConfig.from_dict(raw, file="config.json")
+
+
+def test_a_weights_refusal_lists_some_names_and_counts_the_rest(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from common.models.qwen3_vl.weights import check_checkpoint
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(default_checkpoint(), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for k in range(40):
+        tensors[f"model.language_model.layers.0.mlp.scale_{k}"] = torch.ones(1)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"unexpected 40: .*, and 30 more") as refused:
+        check_checkpoint(folder, Qwen3VLConfig.from_file(folder))
+    assert len(str(refused.value)) < 1200

@@ -118,6 +118,14 @@ class Qwen3VLConfig:
         if model_type != MODEL_TYPE:
             raise top.error("model_type", f"{model_type!r} is not {MODEL_TYPE!r}")
         t, v = top.section("text_config"), top.section("vision_config")
+        quantized = top.get("quantization_config") or t.get("quantization_config")
+        if quantized:  # the weights' scales are not read: every product would be wrong
+            method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+            raise top.error(
+                "quantization_config",
+                f"a quantized checkpoint ({method or 'unknown method'}) is not supported: "
+                "serve its bfloat16 release",
+            )
         t.get("model_type")
         v.get("model_type")
         text = _read_text(t)

@@ -202,21 +202,27 @@ def check_checkpoint(folder: str | Path, config: Qwen3VLConfig) -> None:
     problems: list[str] = []
     missing = sorted(set(expected) - set(found))
     if missing:
-        problems.append(f"missing {len(missing)}: {', '.join(missing)}")
+        problems.append(f"missing {len(missing)}: {_some(missing)}")
     misshaped = sorted(
         f"{n} (expected {list(expected[n])}, found {list(found[n])})"
         for n in set(expected) & set(found)
         if expected[n] != found[n]
     )
     if misshaped:
-        problems.append(f"misshaped {len(misshaped)}: {', '.join(misshaped)}")
+        problems.append(f"misshaped {len(misshaped)}: {_some(misshaped)}")
     unexpected = sorted(n for n in set(found) - set(expected) if not _is_harmless_extra(n, config))
     if unexpected:
-        problems.append(f"unexpected {len(unexpected)}: {', '.join(unexpected)}")
+        problems.append(f"unexpected {len(unexpected)}: {_some(unexpected)}")
     if problems:
         raise CheckpointError(
             f"checkpoint {folder} does not match its config: " + "; ".join(problems)
         )
+
+
+def _some(names: list[str], shown: int = 10) -> str:
+    """The first `shown` names, and how many more (an FP8 checkpoint's scales made 15 KB)."""
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _is_harmless_extra(name: str, config: Qwen3VLConfig) -> bool:
