@@ -449,3 +449,15 @@ def test_a_weights_refusal_lists_some_names_and_counts_the_rest(tmp_path: Path) 
     with pytest.raises(CheckpointError, match=r"unexpected 40: .*, and 30 more") as refused:
         check_checkpoint(folder, Qwen3VLConfig.from_file(folder))
     assert len(str(refused.value)) < 1200
+
+
+def test_a_generation_setting_epd_does_not_apply_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # repetition_penalty 1.3 was dropped without a word: answers differ from transformers'.
+    raw = {"do_sample": True, "temperature": 0.7, "repetition_penalty": 1.3, "num_beams": 1}
+    raw |= {"bos_token_id": 1, "transformers_version": "4.56.0"}
+    with caplog.at_level(logging.WARNING):
+        GenerationDefaults.from_dict(raw, file="gen-warned.json")
+    warned = [r.getMessage() for r in caplog.records if "gen-warned.json" in r.getMessage()]
+    assert len(warned) == 1 and "repetition_penalty" in warned[0]  # not the neutral num_beams

@@ -19,10 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.models.checkpoint_files import JsonObject, read_checkpoint_object
+from common.models.checkpoint_files import JsonObject, read_checkpoint_object, warn_once
 from common.sampling import SamplingError, SamplingParams
 
 GENERATION_FILE = "generation_config.json"
+# Keys transformers writes that change no answer (ids of tokens epd never generates).
+# Keys whose value here is what epd does without them (the released files carry some).
+_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "num_beams": 1,
+    "length_penalty": 1.0,
+}
+_BOOKKEEPING = frozenset(
+    ("bos_token_id", "pad_token_id", "transformers_version", "_from_model_config")
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +72,10 @@ class GenerationDefaults:
         except SamplingError as exc:
             key = {"max_tokens": "max_new_tokens"}.get(exc.field, exc.field)
             raise g.error(key, f"is refused: {exc}") from None
+        for key in g.unread(_BOOKKEEPING):  # e.g. repetition_penalty: answers differ from HF's
+            if key in _NEUTRAL and raw[key] == _NEUTRAL[key]:  # type: ignore[index]
+                continue  # what epd does anyway
+            warn_once(file, key, "is not understood by epd and is ignored")
         return defaults
 
     @classmethod
