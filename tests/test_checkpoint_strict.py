@@ -455,8 +455,8 @@ def test_a_generation_setting_epd_does_not_apply_is_warned_about(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # repetition_penalty 1.3 was dropped without a word: answers differ from transformers'.
-    raw = {"do_sample": True, "temperature": 0.7, "repetition_penalty": 1.3, "num_beams": 1}
-    raw |= {"bos_token_id": 1, "transformers_version": "4.56.0"}
+    raw: dict[str, Any] = {"do_sample": True, "temperature": 0.7, "repetition_penalty": 1.3}
+    raw |= {"num_beams": 1, "bos_token_id": 1, "transformers_version": "4.56.0"}
     with caplog.at_level(logging.WARNING):
         GenerationDefaults.from_dict(raw, file="gen-warned.json")
     warned = [r.getMessage() for r in caplog.records if "gen-warned.json" in r.getMessage()]

@@ -223,7 +223,7 @@ def test_router_heartbeat_times_are_checked() -> None:
         ({"max_image_pixels": 100_000_000}, "max_image_pixels: at most 67108864"),
     ):
         with pytest.raises(SettingsError, match=key):
-            RouterSettings(security=insecure, **bad).check()  # type: ignore[arg-type]
+            RouterSettings(security=insecure, **bad).check()
 
 
 @pytest.mark.parametrize(
