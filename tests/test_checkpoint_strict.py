@@ -400,7 +400,6 @@ def test_a_renders_time_is_the_cpu_time_of_its_thread() -> None:
         ({"patch_size": 16.7}, "patch_size"),
         ({"min_pixels": True}, "min_pixels"),
         ({"max_pixels": -5}, "max_pixels"),
-        ({"min_pixels": 4096, "max_pixels": 1024}, "min_pixels"),
         ({"size": {"shortest_edge": "big"}}, "size.shortest_edge"),
         ({"image_mean": [0.5, 0.5]}, "image_mean"),
     ],
@@ -457,7 +456,29 @@ def test_a_generation_setting_epd_does_not_apply_is_warned_about(
     # repetition_penalty 1.3 was dropped without a word: answers differ from transformers'.
     raw: dict[str, Any] = {"do_sample": True, "temperature": 0.7, "repetition_penalty": 1.3}
     raw |= {"num_beams": 1, "bos_token_id": 1, "transformers_version": "4.56.0"}
+    raw |= {"use_cache": True, "output_attentions": False}  # what transformers 5 writes
     with caplog.at_level(logging.WARNING):
         GenerationDefaults.from_dict(raw, file="gen-warned.json")
     warned = [r.getMessage() for r in caplog.records if "gen-warned.json" in r.getMessage()]
     assert len(warned) == 1 and "repetition_penalty" in warned[0]  # not the neutral num_beams
+
+
+def test_a_preprocessor_file_setting_only_a_small_max_pixels_loads(tmp_path: Path) -> None:
+    # It was refused as "min_pixels 65536 is past max_pixels 50176", blaming epd's own
+    # default; transformers serves the same file.
+    from common.models.qwen3_vl.processor_files import read_processor_settings
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(default_checkpoint(), folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"max_pixels": 50176}))
+    settings = read_processor_settings(folder, Qwen3VLConfig.from_file(folder))
+    assert settings.max_pixels == 50176
+    # A bad value is refused naming the files it was read from.
+    (folder / "preprocessor_config.json").unlink()
+    (folder / "processor_config.json").write_text(
+        json.dumps({"image_processor": {"image_std": [0.5, 0, 0.5]}})
+    )
+    with pytest.raises(
+        CheckpointError, match=r"processor_config\.json:image_processor\).*image_std"
+    ):
+        read_processor_settings(folder, Qwen3VLConfig.from_file(folder))

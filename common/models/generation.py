@@ -33,7 +33,16 @@ _NEUTRAL = {
     "length_penalty": 1.0,
 }
 _BOOKKEEPING = frozenset(
-    ("bos_token_id", "pad_token_id", "transformers_version", "_from_model_config")
+    (
+        "bos_token_id",
+        "pad_token_id",
+        "transformers_version",
+        "_from_model_config",
+        # transformers 5 writes these into a fine-tune's file; none changes an answer
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+    )
 )
 
 

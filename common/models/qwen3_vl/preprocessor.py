@@ -18,7 +18,9 @@ from common.errors import CheckpointError
 from common.models.checkpoint_files import read_checkpoint_json
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
-# Settings that count something (pixels, patches, frames), and the (low, high) pairs.
+# Settings that count something (pixels, patches, frames). A low bound past its high one is
+# not refused: a file setting only max_pixels below epd's default min_pixels is served by
+# transformers, and the resize honours the high bound first.
 _COUNTS = (
     "patch_size",
     "merge_size",
@@ -30,11 +32,6 @@ _COUNTS = (
     "video_min_frames",
     "video_max_frames",
 )
-_BOUNDS = (
-    ("min_pixels", "max_pixels"),
-    ("video_min_pixels", "video_max_pixels"),
-    ("video_min_frames", "video_max_frames"),
-)
 
 
 def _finite(value: object) -> bool:
@@ -42,7 +39,7 @@ def _finite(value: object) -> bool:
 
 
 def _refuse(key: str, why: str) -> NoReturn:
-    raise CheckpointError(f"{PREPROCESSOR_FILE}: {key} {why}")
+    raise CheckpointError(f"processor setting {key} {why}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +79,6 @@ class ProcessorSettings:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _refuse(key, f"must be a whole number >= 1, got {value!r}")
-        for low, high in _BOUNDS:
-            if getattr(self, low) > getattr(self, high):
-                _refuse(low, f"{getattr(self, low)} is past {high} {getattr(self, high)}")
         for key in ("image_mean", "image_std"):
             values = getattr(self, key)
             if len(values) != 3 or not all(_finite(v) for v in values):

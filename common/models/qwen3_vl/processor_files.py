@@ -101,7 +101,11 @@ def read_processor_settings(folder: str | Path, config: Qwen3VLConfig) -> Proces
     for key, (name, value) in video_norm.items():
         if value != values.get(key, ProcessorSettings.__dataclass_fields__[key].default):
             _warn(name, key, "differs from the image processor's; epd uses the image one")
-    return ProcessorSettings(**values)
+    try:
+        return ProcessorSettings(**values)
+    except CheckpointError as exc:  # it names the setting; these name where it was read
+        read = [name for name, _, raw in sources if raw] or ["no processor file: defaults"]
+        raise CheckpointError(f"{folder} ({', '.join(read)}): {exc}") from None
 
 
 def _load(path: Path) -> Mapping[str, Any]:
