@@ -68,6 +68,7 @@ from router.workers import (
     RegistrationRefused,
     WorkerLoad,
     WorkerRecord,
+    check_layout,
 )
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class Registry:
             if not info.HasField("kv_layout"):
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
             layout = layout_from_proto(info.kv_layout)
-            self._check_layout(role, info.address, layout)
+            check_layout(role, info.address, layout, self.checkpoint_shape, self.reference_layout)
         moved = [w for w in self._workers.values() if info.name and w.name == info.name]
         namesakes = [w for w in moved if w.role == role and w.address != info.address]
         dropped = self._replaced.get((role, info.name))
@@ -217,27 +218,6 @@ class Registry:
         for listener in self.on_register:
             listener(record)
         return record
-
-    def _check_layout(self, role: Role, address: str, layout: KvLayout) -> None:
-        shape = self.checkpoint_shape
-        if shape is not None:
-            wrong = [
-                f"{name}={getattr(layout, name)} (checkpoint has {getattr(shape, name)})"
-                for name in ("num_layers", "num_kv_heads", "head_dim")
-                if getattr(layout, name) != getattr(shape, name)
-            ]
-            if wrong:
-                raise RegistrationRefused(
-                    f"{role} worker {address} has a KV layout that does not match the "
-                    f"checkpoint: {', '.join(wrong)}"
-                )
-        if self.reference_layout is not None:
-            wrong = layout.differences(self.reference_layout)
-            if wrong:
-                raise RegistrationRefused(
-                    f"{role} worker {address} has a KV layout that differs from the "
-                    f"deployment's: {', '.join(wrong)}"
-                )
 
     def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         """Refresh a worker's liveness and load; False when the id is unknown."""

@@ -39,6 +39,35 @@ class CheckpointShape:
     head_dim: int  # head dimension
 
 
+def check_layout(
+    role: Role,
+    address: str,
+    layout: KvLayout,
+    shape: CheckpointShape | None,
+    reference: KvLayout | None,
+) -> None:
+    """RegistrationRefused unless a KV worker's `layout` fits the checkpoint's `shape` and
+    the deployment's `reference` layout (the first KV worker's), where known."""
+    if shape is not None:
+        wrong = [
+            f"{name}={getattr(layout, name)} (checkpoint has {getattr(shape, name)})"
+            for name in ("num_layers", "num_kv_heads", "head_dim")
+            if getattr(layout, name) != getattr(shape, name)
+        ]
+        if wrong:
+            raise RegistrationRefused(
+                f"{role} worker {address} has a KV layout that does not match the "
+                f"checkpoint: {', '.join(wrong)}"
+            )
+    if reference is not None:
+        wrong = layout.differences(reference)
+        if wrong:
+            raise RegistrationRefused(
+                f"{role} worker {address} has a KV layout that differs from the "
+                f"deployment's: {', '.join(wrong)}"
+            )
+
+
 @dataclass(slots=True)
 class WorkerLoad:
     """A worker's load as of its last heartbeat."""
