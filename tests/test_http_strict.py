@@ -413,3 +413,16 @@ async def test_a_client_gone_while_sending_its_body_is_counted_not_a_traceback(
     head = f"POST /health HTTP/1.1\r\n{KEY}\r\nContent-Length: {len(body)}"
     assert (await exchange(router, head, body))[0] == 413
     assert invalid._value.get() == before[1]
+
+
+def test_chunks_carry_the_null_fields_openai_documents() -> None:
+    # With include_usage every chunk before the usage one says "usage": null, and every
+    # choice "logprobs": null (completions' had no such key, streamed chats' neither).
+    from router.http.stream import Answer
+
+    for chat_api in (True, False):
+        answer = Answer("id-1", "tiny", chat_api)
+        with_usage = answer.delta("hi", None, True, usage=True)
+        assert with_usage["usage"] is None and with_usage["choices"][0]["logprobs"] is None
+        assert "usage" not in answer.delta("hi", None, False)
+        assert answer.final()["choices"][0]["logprobs"] is None

@@ -73,20 +73,31 @@ class Answer:
                 "logprobs": None,
             }
         else:
-            choice = {"index": 0, "text": self.text, "finish_reason": self.finish_reason}
+            choice = {
+                "index": 0,
+                "text": self.text,
+                "finish_reason": self.finish_reason,
+                "logprobs": None,
+            }
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": self.usage()}
 
-    def delta(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-        """One streamed chunk carrying `text`."""
+    def delta(
+        self, text: str, finish: str | None, first: bool, usage: bool = False
+    ) -> dict[str, Any]:
+        """One streamed chunk carrying `text` (`usage`: the stream ends with a usage chunk,
+        and every chunk before it says `"usage": null`, as OpenAI's)."""
         if self.chat:
             delta: dict[str, Any] = {"content": text}
             if first:
                 delta["role"] = "assistant"
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice]}
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            obj = "chat.completion.chunk"
+        else:
+            choice, obj = {"index": 0, "text": text}, "text_completion"
+        choice |= {"logprobs": None, "finish_reason": finish}
+        out = {**self._head(obj), "choices": [choice]}
+        return out | {"usage": None} if usage else out
 
     def usage_chunk(self) -> dict[str, Any]:
         """`stream_options.include_usage`: the last chunk, no choices."""
@@ -114,7 +125,7 @@ async def events(
             answer.add(chunk)
             finish = answer.finish_reason if chunk.finish_reason else None
             if chunk.text or finish is not None or first:
-                yield sse(answer.delta(chunk.text, finish, first))
+                yield sse(answer.delta(chunk.text, finish, first, include_usage))
                 first = False
     except Exception as exc:
         yield sse(on_error(exc))
