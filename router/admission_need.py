@@ -14,11 +14,16 @@ worker that has not heartbeated its capacity yet may be larger: no such refusal 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from common.kv.allocator import blocks_for
 from common.roles import Role
 from router.calls import TooLarge
+
+if TYPE_CHECKING:  # admission imports this module
+    from common.sampling import SamplingParams
+    from router.admission import Admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +76,17 @@ def fit_to_decode(
         return max_tokens
     largest = max(c for c in capacities if c is not None)
     return max(1, min(max_tokens, largest * block_size - prompt_tokens + 1))
+
+
+def fitted_to_decode(
+    admission: Admission, sampling: SamplingParams, prompt_tokens: int
+) -> SamplingParams:
+    """`sampling` with its default `max_tokens` cut to the largest serving decode worker's
+    pool, as `fit_to_decode` says (unchanged before any KV worker registered)."""
+    layout = admission.registry.reference_layout
+    if layout is None:
+        return sampling
+    workers = admission.registry.workers(Role.DECODE)
+    capacities = [admission.capacity(w) for w in workers if not w.draining]
+    fitted = fit_to_decode(sampling.max_tokens, prompt_tokens, layout.block_size, capacities)
+    return replace(sampling, max_tokens=fitted)

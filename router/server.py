@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -44,7 +44,7 @@ from common.models.identity import model_identity
 from common.models.qwen3_vl.weights import check_checkpoint
 from common.processing.content_hash import settings_digest
 from common.processing.processor import ProcessedPrompt, Processor
-from common.roles import KV_ROLES, Role
+from common.roles import KV_ROLES
 from common.sampling import SamplingParams
 from common.server.auth import Authenticator, Caller, principal, service_credentials
 from common.server.lifecycle import ServerLifecycle
@@ -60,7 +60,7 @@ from epd.v1 import (
     router_service_pb2_grpc,
 )
 from router.admin import AdminServicer, Scaler
-from router.admission_need import fit_to_decode
+from router.admission_need import fitted_to_decode
 from router.calls import Job, RouterError
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
@@ -124,17 +124,6 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         return prepare_request(
             self.settings, self.processor, request, cache_salt, media, fit_max_tokens, ended
         )
-
-    def _fit_to_decode(self, sampling: SamplingParams, prompt_tokens: int) -> SamplingParams:
-        """`sampling` with its default `max_tokens` cut to the largest decode pool."""
-        admission = self.orchestrator.admission
-        layout = admission.registry.reference_layout
-        if layout is None:
-            return sampling
-        workers = admission.registry.workers(Role.DECODE)
-        capacities = [admission.capacity(w) for w in workers if not w.draining]
-        fitted = fit_to_decode(sampling.max_tokens, prompt_tokens, layout.block_size, capacities)
-        return replace(sampling, max_tokens=fitted)
 
     async def generate(
         self,
@@ -216,7 +205,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 finally:
                     gone.set()  # the caller left (cancelled) or it is over
                 if fit_max_tokens:  # a default: cut to the decode pool too
-                    sampling = self._fit_to_decode(sampling, len(prompt.prompt_token_ids))
+                    admission = self.orchestrator.admission
+                    sampling = fitted_to_decode(admission, sampling, len(prompt.prompt_token_ids))
                 resumed = check_resume(request, sampling.max_tokens, vocab)
             except BaseException as exc:
                 media.give_back()
