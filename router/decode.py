@@ -124,18 +124,25 @@ class DecodeStage:
         self.migrations = migrations  # resumes of one stream after its decode worker failed
         self.metrics = metrics  # reprefills, migrations, tokens_recomputed
 
-    def _pick(self, tried: set[str], stepped: set[str]) -> WorkerRecord:
-        """The least loaded decode worker not in `tried`; when none is left, one of
-        `stepped` (tried workers that failed a step and serve on), which leave `tried`
-        and `stepped` then. Raises RouterError (UNAVAILABLE) when there is neither."""
+    def _pick(self, tried: set[str], stepped: set[str], need: int = 0) -> WorkerRecord:
+        """The least loaded decode worker not in `tried` whose pool holds `need` blocks (as
+        far as its heartbeats say: a stream moved to a smaller one failed mid-answer though
+        a larger one served); when none is left, one of `stepped` (tried workers that failed
+        a step and serve on), which leave `tried` and `stepped` then. Raises RouterError
+        (UNAVAILABLE) when there is neither."""
+        small = {
+            w.address
+            for w in self.registry.workers(Role.DECODE)
+            if (capacity := self.admission.capacity(w)) is not None and capacity < need
+        }
         try:
-            return self.calls.pick(Role.DECODE, tried)
+            return self.calls.pick(Role.DECODE, tried | small)
         except RouterError:
             if not stepped:
                 raise
         tried -= stepped
         stepped.clear()
-        return self.calls.pick(Role.DECODE, tried)
+        return self.calls.pick(Role.DECODE, tried | small)
 
     async def stream(
         self,
@@ -162,7 +169,7 @@ class DecodeStage:
             if reserved is not None and reserved.address not in tried and not reserved.suspect:
                 worker = reserved
             else:
-                worker = self._pick(tried, stepped)
+                worker = self._pick(tried, stepped, ticket.need.blocks(Role.DECODE))
                 self.admission.move(ticket, Role.DECODE, worker)
             if retrying:
                 self.calls.retries["decode"] += 1

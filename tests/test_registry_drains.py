@@ -191,3 +191,24 @@ def test_retirements_do_not_push_an_operators_drain_out(registry: Registry) -> N
         registry.drain(leaving.address)  # the pool's drain at the router
         registry.remove(leaving.worker_id)
     assert registry.drained_by_operator("epd-prefill-0")
+
+
+def test_a_decode_retry_skips_a_worker_whose_pool_cannot_hold_the_request(
+    registry: Registry,
+) -> None:
+    # A stream moved off its failed decode worker went to the least loaded one, a pool too
+    # small for it, and failed mid-answer though a larger decode worker served.
+    from router.admission import Admission
+    from router.calls import WorkerCalls
+    from router.decode import DecodeStage
+    from router.workers import WorkerLoad
+
+    failed = registry.register(info(Role.DECODE, 3))
+    small = registry.register(info(Role.DECODE, 4))
+    large = registry.register(info(Role.DECODE, 5))
+    registry.heartbeat(small.worker_id, WorkerLoad(kv_blocks_free=8))
+    registry.heartbeat(large.worker_id, WorkerLoad(kv_blocks_free=64, active_requests=3))
+    admission = Admission(registry, max_queued=8, max_wait_s=1.0)
+    stage = DecodeStage(registry, WorkerCalls(registry), None, admission, None)  # type: ignore[arg-type]
+    assert stage._pick({failed.address}, set(), need=20) is large
+    assert stage._pick({failed.address}, set(), need=4) is small  # it holds that: least loaded
