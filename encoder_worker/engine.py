@@ -95,12 +95,8 @@ class ItemOutput:
 
 
 class EncoderEngine:
-    """Cache + batcher in front of one `VisionTower`.
-
-    Counters for load reports and tests: `forward_calls` (tower.encode calls), `rows_encoded`
-    (output rows computed), `units_encoded`, `units_abandoned`, `batches`; cache counters
-    live on `cache`.
-    """
+    """Cache + batcher in front of one `VisionTower` (the module docstring). Its counters
+    (load reports, tests) are commented in `__init__`; the cache's live on `cache`."""
 
     def __init__(
         self,
