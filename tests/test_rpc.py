@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -382,3 +383,28 @@ def test_a_failed_calls_log_line_names_its_request() -> None:
         "DecodeServicer.Decode (request r-1\\nINFO forged)"
     )
     assert _where("Probe.call", (None, b"raw", None)) == "Probe.call"
+
+
+async def test_a_draining_workers_failed_heartbeat_is_not_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An orderly `epd serve` stop drains the workers, then stops the routers first: each
+    # worker logged a WARNING that its heartbeat failed. A serving worker still warns.
+    for draining, level in ((True, logging.DEBUG), (False, logging.WARNING)):
+        fake = FakeRegistry()
+        router = await _start_registry(fake)
+        load = registry_service_pb2.WorkerLoad(draining=draining)
+        registrar = Registrar(router.address, _info(), lambda load=load: load)
+        registrar.start()
+        try:
+            await registrar.wait_registered(5)
+            await _until(lambda fake=fake: bool(fake.loads))
+            fake.fail_heartbeats = 1_000  # every one from now (the loop's own too)
+            caplog.clear()
+            caplog.set_level(logging.DEBUG, logger="common.server.registrar")
+            assert not await registrar.heartbeat_now()
+            failed = [r for r in caplog.records if "heartbeat with router" in r.getMessage()]
+            assert failed and failed[0].levelno == level, draining  # the rest: debug anyway
+        finally:
+            await registrar.stop()
+            await router.stop(0)

@@ -73,6 +73,7 @@ class Registrar:
         self.heartbeat_s = DEFAULT_HEARTBEAT_S  # from the last RegisterResponse
         self.registrations = 0  # successful Register calls
         self.heartbeats = 0  # heartbeats the router answered
+        self._draining = False  # the last load sent said the worker drains
         # time.monotonic() of the last Register or heartbeat answered known (None: never)
         self.accepted_at: float | None = None
         self._registered = asyncio.Event()
@@ -129,7 +130,9 @@ class Registrar:
             detail = f"{exc.code().name}: {exc.details()}"
         else:
             detail = repr(exc)
-        level = logging.DEBUG if self._failing == detail else logging.WARNING
+        # Debug too while this worker drains: an orderly stop stops its routers first.
+        quiet = self._failing == detail or self._draining
+        level = logging.DEBUG if quiet else logging.WARNING
         logger.log(level, "%s with router %s failed: %s", what, self.router_address, detail)
         self._failing = detail
 
@@ -180,6 +183,7 @@ class Registrar:
         except Exception:
             logger.exception("load_fn failed; sending an empty load")
             load = registry_service_pb2.WorkerLoad()
+        self._draining = load.draining
         reply = await stub.Heartbeat(
             registry_service_pb2.HeartbeatRequest(worker_id=self.worker_id, load=load),
             timeout=self.rpc_timeout_s,
