@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -394,7 +396,7 @@ async def test_a_draining_workers_failed_heartbeat_is_not_a_warning(
         fake = FakeRegistry()
         router = await _start_registry(fake)
         load = registry_service_pb2.WorkerLoad(draining=draining)
-        registrar = Registrar(router.address, _info(), lambda load=load: load)
+        registrar = Registrar(router.address, _info(), functools.partial(copy.copy, load))
         registrar.start()
         try:
             await registrar.wait_registered(5)
