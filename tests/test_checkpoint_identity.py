@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,22 +55,39 @@ def test_loaded_weights_do_not_follow_the_file(ckpts: tuple[Path, Path], tmp_pat
     assert all(torch.equal(tensors[name], kept[name]) for name in kept)
 
 
+def replace_file(target: Path, new: Path) -> None:
+    """An update landing whole: a new file renamed over the old one (a new inode)."""
+    shutil.copyfile(new, target.with_suffix(".new"))
+    os.replace(target.with_suffix(".new"), target)
+
+
+def rewrite_keeping_mtime(target: Path, new: Path) -> None:
+    """`cp -p` over the file: written in place, size, inode and mtime kept."""
+    st = target.stat()
+    with target.open("r+b") as f:
+        f.write(new.read_bytes())
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("change", [replace_file, rewrite_keeping_mtime])
 def test_a_checkpoint_changed_while_it_loads_is_refused(
-    ckpts: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ckpts: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: Callable[[Path, Path], None],
 ) -> None:
-    # Replaced between the load and the hash, a worker reported the new checkpoint's identity
-    # and computed with the old one's weights.
+    # Changed between the load and the hash, a worker reported the new checkpoint's identity
+    # and computed with the old one's weights (`cp -p` keeps the mtime: ctime catches it).
     folder, other = copy_of(ckpts[0], tmp_path / "a"), ckpts[1]
     config = Qwen3VLConfig.from_file(folder)
     load = identity.load_weights
 
-    def load_then_replace(*args: Any, **kwargs: Any) -> Any:
+    def load_then_change(*args: Any, **kwargs: Any) -> Any:
         tensors = load(*args, **kwargs)
-        shutil.copyfile(other / SINGLE_FILE, tmp_path / "new")
-        os.replace(tmp_path / "new", folder / SINGLE_FILE)  # an update landing now
+        change(folder / SINGLE_FILE, other / SINGLE_FILE)
         return tensors
 
-    monkeypatch.setattr(identity, "load_weights", load_then_replace)
+    monkeypatch.setattr(identity, "load_weights", load_then_change)
     with pytest.raises(CheckpointError, match="changed while it was loaded"):
         load_identified(folder, config)
     monkeypatch.undo()
@@ -85,28 +103,6 @@ def test_the_identity_of_a_checkpoint_stays_what_it_was() -> None:
     folder = default_checkpoint("tiny")
     config = Qwen3VLConfig.from_file(folder)
     assert model_identity(folder, config) == "qwen3-vl/cc9bebb07129822c696ef7c1ccd5077f"
-
-
-def test_a_file_rewritten_in_place_with_its_mtime_put_back_is_caught(
-    ckpts: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # `cp -p` over the file between the load and the hash keeps size, inode and mtime.
-    folder, other = copy_of(ckpts[0], tmp_path / "a"), ckpts[1]
-    config = Qwen3VLConfig.from_file(folder)
-    load = identity.load_weights
-
-    def load_then_rewrite(*args: Any, **kwargs: Any) -> Any:
-        tensors = load(*args, **kwargs)
-        target = folder / SINGLE_FILE
-        st = target.stat()
-        with target.open("r+b") as f:
-            f.write((other / SINGLE_FILE).read_bytes())
-        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
-        return tensors
-
-    monkeypatch.setattr(identity, "load_weights", load_then_rewrite)
-    with pytest.raises(CheckpointError, match="changed while it was loaded"):
-        load_identified(folder, config)
 
 
 def test_the_identity_covers_which_shard_each_tensor_comes_from(
