@@ -68,7 +68,7 @@ def check_ports(settings: EpdSettings) -> None:
     """SettingsError naming `router.port` or `router.http_port` when that fixed port is
     taken on this node (where the router's actor runs), before Ray starts: a second
     `epd serve` on the same ports fails at once with one line."""
-    from common.server.rpc import bind_problem
+    from common.server.bind import bind_problem
     from common.settings.schema import SettingsError
 
     router = settings.router

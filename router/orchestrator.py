@@ -215,11 +215,10 @@ class Orchestrator:
             def prefill_again() -> Awaitable[tuple[prefill_service_pb2.PrefillResponse, str]]:
                 return self._prefill_admitted(job, handoff, self.routing.chooser(hashes), ticket)
 
-            stream = self.decode.stream(
-                job, request, lease, detok, ticket, prefill_again, resumed=job.resumed
-            )
             echo = len(job.resumed)  # a resumed stream's first chunk says so
-            async for out in stream:
+            async for out in self.decode.stream(
+                job, request, lease, detok, ticket, prefill_again, resumed=job.resumed
+            ):
                 out.resumed_tokens, echo = echo, 0
                 yield out
         finally:

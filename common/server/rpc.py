@@ -15,12 +15,10 @@ and TLS are `common.server.auth` and `common.server.credentials`; nothing here p
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import inspect
 import logging
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from common.errors import FieldError
 from common.kv.block_pool import KV_POOL_FULL, NoFreeBlocksError
 from common.server.auth import Authenticator, AuthInterceptor
+from common.server.bind import bind_error
 from common.server.corrupt import CorruptRequests
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.settings.schema import SettingsError
@@ -205,7 +204,7 @@ async def start_server(
     except RuntimeError:  # grpc says only "Failed to bind"; older versions return 0
         bound = 0
     if bound == 0:
-        raise SettingsError(_bind_error(name, host, port))
+        raise SettingsError(bind_error(name, host, port))
     await server.start()
     shown_host = f"[{host}]" if ":" in host else host
     running = RunningServer(server, health, f"{shown_host}:{bound}", tuple(service_names))
@@ -213,29 +212,6 @@ async def start_server(
     await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     logger.info("gRPC server on %s (%s)", running.address, ", ".join(service_names) or "-")
     return running
-
-
-def bind_problem(host: str, port: int) -> str | None:
-    """Why a TCP server could not listen on `host:port` now: "in use", another OSError's
-    text, or None when a plain bind succeeds (the port is not reserved by it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host.strip("[]"), port))
-    except OSError as exc:
-        return "in use" if exc.errno == errno.EADDRINUSE else str(exc.strerror or exc)
-    return None
-
-
-def _bind_error(name: str, host: str, port: int) -> str:
-    """One line saying why `host:port` cannot be bound, naming the `port` setting."""
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    problem = bind_problem(host, port)  # grpc does not say why; a plain bind does
-    if problem == "in use":
-        return f"{name} port {shown} is in use; set `port` to a free one (0: any free port)"
-    why = f"cannot be bound ({problem})" if problem else "cannot be bound"
-    return f"{name} port {shown} {why}; check `host` and `port`"
 
 
 def channel(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import socket
 import time
 import uuid
@@ -42,15 +41,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.errors import FieldError
 from common.server.auth import Authenticator, Caller
-from common.server.rpc import RpcStatusError
 from common.settings.schema import SettingsError
 from epd.v1 import router_service_pb2
-from router.calls import RouterError, TooLarge
 from router.held import HeldBytes, decoded_bytes
 from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
 from router.http.connections import ConnectionStats
 from router.http.convert import chat_request, completion_request, names_media
-from router.http.errors import ApiError, model_not_found
+from router.http.errors import ApiError, api_error, model_not_found
 from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
@@ -61,7 +58,6 @@ from router.prepare_threads import LIGHT_BODY_BYTES
 if TYPE_CHECKING:
     from router.server import RouterServicer
 
-logger = logging.getLogger(__name__)
 
 # What a parsed body holds per message and content part (pydantic objects) beside the
 # `GenerateRequest` made of it: measured ~650 B for a one-letter message, against ~30 B of
@@ -71,26 +67,6 @@ PARSED_PART_BYTES = 640
 Chunks = AsyncGenerator[router_service_pb2.GenerateResponse, None]
 T = TypeVar("T")
 B = TypeVar("B", bound=SamplingBody)
-
-
-def api_error(exc: BaseException) -> ApiError:
-    """Any failure of a request as the API answers it."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, RouterError):
-        error = ApiError.from_router(exc.code, str(exc), exc.trailing_metadata)
-        if isinstance(exc, TooLarge):  # not 429: a client would retry what never fits
-            error.status, error.type = 400, "invalid_request_error"
-            error.code = "context_length_exceeded" if exc.kv_context else "invalid_argument"
-        if exc.context_exceeded:
-            error.code = "context_length_exceeded"
-        return error
-    if isinstance(exc, RpcStatusError):
-        return ApiError(exc.code, exc.details)
-    if isinstance(exc, FieldError):
-        return ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param=exc.field)
-    logger.exception("HTTP request failed")
-    return ApiError(grpc.StatusCode.INTERNAL, "internal error")
 
 
 def _caller(request: Request) -> Caller:

@@ -8,6 +8,7 @@ under the gRPC message's names (`ApiError.from_router`, `http_field`)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -15,6 +16,12 @@ from typing import Any
 
 import grpc
 from fastapi.responses import JSONResponse
+
+from common.errors import FieldError
+from common.server.rpc import RpcStatusError
+from router.calls import RouterError, TooLarge
+
+logger = logging.getLogger(__name__)
 
 # gRPC status -> (HTTP status, OpenAI error type)
 _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -195,3 +202,23 @@ def model_not_found(model: str, served: str, param: str | None = None) -> ApiErr
         code="model_not_found",
         error_type="invalid_request_error",
     )
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """Any failure of a request as the API answers it."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RouterError):
+        error = ApiError.from_router(exc.code, str(exc), exc.trailing_metadata)
+        if isinstance(exc, TooLarge):  # not 429: a client would retry what never fits
+            error.status, error.type = 400, "invalid_request_error"
+            error.code = "context_length_exceeded" if exc.kv_context else "invalid_argument"
+        if exc.context_exceeded:
+            error.code = "context_length_exceeded"
+        return error
+    if isinstance(exc, RpcStatusError):
+        return ApiError(exc.code, exc.details)
+    if isinstance(exc, FieldError):
+        return ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param=exc.field)
+    logger.exception("HTTP request failed")
+    return ApiError(grpc.StatusCode.INTERNAL, "internal error")
