@@ -68,12 +68,16 @@ def write_secrets(folder: Path) -> SecuritySettings:
 
 def cluster_security() -> SecuritySettings:
     """`[security]` for servers a test starts in its own process: one cluster token file and
-    one API keys file (`TEST_KEYS`) per test session (in a fresh temporary folder)."""
+    one API keys file (`TEST_KEYS`) per test session (in a fresh temporary folder, removed
+    when the session's process exits)."""
     global _SESSION_DIR
     if _SESSION_DIR is None:
+        import atexit
+        import shutil
         import tempfile
 
         _SESSION_DIR = Path(tempfile.mkdtemp(prefix="epd-test-"))
+        atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
         write_secrets(_SESSION_DIR)
     return SecuritySettings(
         cluster_token_file=str(_SESSION_DIR / "cluster_token"),
