@@ -211,7 +211,8 @@ class Controller:
         for role in ROLES:
             for name, handle in self.pools.members(role):
                 try:
-                    out.append(await asyncio.wait_for(handle.describe.remote(), 10))
+                    async with asyncio.timeout(10):
+                        out.append(await handle.describe.remote())
                 except Exception:
                     logger.info("%s did not describe itself", name)
         return out
@@ -335,7 +336,8 @@ class Deployment:
     async def alive(self) -> bool:
         """False once the Controller actor has died."""
         try:
-            await asyncio.wait_for(self.controller.address.remote(), 30)
+            async with asyncio.timeout(30):
+                await self.controller.address.remote()
             return True
         except Exception:
             return False
@@ -346,9 +348,8 @@ class Deployment:
 
         on_step("draining workers and stopping the router")
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self.controller.shutdown.remote(), self.settings.pools.drain_timeout_s + 30
-            )
+            async with asyncio.timeout(self.settings.pools.drain_timeout_s + 30):
+                await self.controller.shutdown.remote()
         with contextlib.suppress(Exception):
             ray.kill(self.controller, no_restart=True)
         if self.started_ray:

@@ -233,7 +233,8 @@ class PoolManager:
                 await self._drain_at_routers(member, timeout_s)
             # Always the worker's own drain, whatever the routers said: it finishes the
             # streams and leases it holds before the actor is killed.
-            clean = await asyncio.wait_for(member.handle.drain.remote(timeout_s), timeout_s + 5)
+            async with asyncio.timeout(timeout_s + 5):
+                clean = await member.handle.drain.remote(timeout_s)
             logger.info("%s drained (%s)", member.name, "clean" if clean else "timed out")
         except Exception as exc:  # it died retiring (killed, crashed): stopped all the same
             logger.warning(
@@ -247,7 +248,8 @@ class PoolManager:
     async def _drain_at_routers(self, member: _Member, timeout_s: float) -> None:
         """Ask every router to stop sending `member` work and wait for what it sent; a router
         that fails (down, or too slow) is logged and does not stop the others."""
-        description = await asyncio.wait_for(member.handle.describe.remote(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            description = await member.handle.describe.remote()
         routers = [self.router_address, *self.router_addresses]
         outcomes = await asyncio.gather(
             *(

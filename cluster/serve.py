@@ -258,7 +258,8 @@ async def _run(
         _say(try_line(deployment.address, settings.ray.namespace))
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 5.0)
+                async with asyncio.timeout(5.0):
+                    await stop.wait()
             if not stop.is_set() and not await deployment.alive():
                 _say("the controller actor died; stopping")
                 code = 1

@@ -117,7 +117,8 @@ async def pull(
     future = asyncio.wrap_future(work)
     try:
         try:
-            stats, digests = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                stats, digests = await asyncio.shield(future)
         except TimeoutError:
             if work.cancel():  # still waiting for a thread: no READ was started
                 raise TransferTimeoutError(

@@ -46,7 +46,8 @@ async def connects(channel: grpc.aio.Channel, left: float | None) -> bool:
     end = time.monotonic() + (CONNECT_S if left is None else min(CONNECT_S, left))
     while state not in done:
         try:
-            await asyncio.wait_for(channel.wait_for_state_change(state), end - time.monotonic())
+            async with asyncio.timeout(end - time.monotonic()):
+                await channel.wait_for_state_change(state)
         except TimeoutError:
             return False
         state = channel.get_state(try_to_connect=True)

@@ -375,7 +375,8 @@ class Admission:
                     timeout = min(timeout, max(waiter.not_before - now, self.poll_s))
                 waiter.wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter.wake.wait(), timeout)
+                    async with asyncio.timeout(timeout):
+                        await waiter.wake.wait()
         except asyncio.CancelledError:
             self.cancelled += 1
             raise

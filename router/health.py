@@ -29,4 +29,5 @@ async def health_loop(
         serving = now
         changed.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), period_s)
+            async with asyncio.timeout(period_s):
+                await changed.wait()

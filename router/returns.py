@@ -96,6 +96,7 @@ class Returns:
                 if left <= 0:
                     return
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._arrived.wait(), min(left, CHECK_S))
+                    async with asyncio.timeout(min(left, CHECK_S)):
+                        await self._arrived.wait()
         finally:
             self.waiting -= 1

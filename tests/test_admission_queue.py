@@ -126,6 +126,30 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_frees_its_place() -> None
     adm.release(ticket)
 
 
+@pytest.mark.parametrize("steps", range(2))
+async def test_a_waiter_cancelled_as_its_room_frees_is_cancelled_and_holds_nothing(
+    steps: int,
+) -> None:
+    """The caller goes away in the loop steps between the release that wakes its waiter and
+    the waiter's own step: it must not be admitted (Python 3.11's `asyncio.wait_for` dropped
+    such a cancellation, and the request ran on to its deadline holding its blocks)."""
+    adm = make(deployment(), poll_s=10.0)
+    held = await admit(adm, prompt=32)
+    waiter = asyncio.create_task(admit(adm, prompt=4))
+    await settle()
+    adm.release(held)  # wakes the waiter
+    for _ in range(steps):
+        await asyncio.sleep(0)
+    admitted = waiter.done()  # before the caller left: the caller holds the ticket
+    waiter.cancel()
+    if admitted:
+        adm.release(waiter.result())
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    assert adm.stats().queued == 0 and adm.reserved("prefill-0:1") == 0
+
+
 async def test_a_cancelled_head_wakes_the_next_one() -> None:
     adm = make(deployment(), poll_s=10.0)  # only the kick can wake it in time
     held = await admit(adm, prompt=16)  # half the pool

@@ -89,7 +89,8 @@ class Registrar:
 
     async def wait_registered(self, timeout_s: float = 10.0) -> str:
         """The worker id once registered; TimeoutError after `timeout_s`."""
-        await asyncio.wait_for(self._registered.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._registered.wait()
         assert self.worker_id is not None
         return self.worker_id
 

@@ -231,7 +231,8 @@ class RoleServer(RunningServer, Generic[S]):
                 await self.set_serving(accepted)
                 serving = accepted
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(registrar.registered.wait(), READINESS_CHECK_S)
+                async with asyncio.timeout(READINESS_CHECK_S):
+                    await registrar.registered.wait()
         if serving and self.lifecycle.draining:  # drain began while SERVING was being set
             await self.set_serving(False)
 

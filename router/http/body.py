@@ -110,7 +110,8 @@ async def drained(receive: Any, headers: dict[bytes, bytes], most: int = DRAIN_B
     try:
         async with asyncio.timeout(DRAIN_S):
             while got <= most:
-                message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
+                async with asyncio.timeout(DRAIN_IDLE_S):
+                    message = await receive()
                 if message["type"] != "http.request":
                     return False  # the client went away
                 got += len(message.get("body", b""))
