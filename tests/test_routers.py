@@ -42,7 +42,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
         ckpt,
         tmp_path_factory.mktemp("logs"),
         routers=2,
-        prefill_args=("--port", str(free_port())),  # a restart comes back at this address
+        prefill_args=(
+            *("--port", str(free_port())),  # a restart comes back at this address
+            # A killed router's prefilled requests leave leases nobody pulls: they expire
+            # before the teardown's drain would wait out the default 30 s.
+            *("--lease-ttl-s", "4", "--lease-ttl-per-lease-s", "0"),
+        ),
         router_args=("--worker-timeout-s", "60"),  # the restart, not expiry, replaces it
     )
     yield c
