@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
+import pytest_asyncio
 
 from common.models.tiny import make_tiny_checkpoint
 from common.sampling import SamplingParams
@@ -37,13 +38,16 @@ from tests.test_router import Cluster as FakeCluster
 
 CONTEXT = 64  # the router's max_model_len here: small, so a prompt can overrun it
 
+# One router for the module's tests that only send requests (`fake`), on one event loop.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fake(ckpt: Path) -> AsyncIterator[FakeCluster]:
     c = await fake_router(ckpt, max_queued_requests=0, max_model_len=CONTEXT)
     await add_workers(c)
