@@ -9,10 +9,13 @@ had started (after the first token), not while it waited for prefill.
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.client
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +128,59 @@ async def test_a_stream_nobody_reads_ends_at_its_time(spec: str) -> None:
     scope = {"type": "http", "asgi": {"spec_version": spec}}
     await asyncio.wait_for(response(scope, receive, send), 5)
     assert closed.is_set() and len(sent) == 4
+
+
+async def test_hanging_up_while_media_urls_are_fetched_stops_the_fetches(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The router fetched every URL a gone client named (up to request_timeout_s), holding
+    # one of its tenant's threads throughout; others of the tenant waited behind it.
+    from router.http import media
+    from tests.test_http_api import png_data_url
+
+    png = base64.b64decode(png_data_url(1).split(",", 1)[1])
+    fetched: list[str] = []
+    started, release = threading.Event(), threading.Event()
+
+    def slow_fetch(url: Any, field: str, policy: Any, gone: Any = None) -> bytes:
+        fetched.append(url.path)
+        started.set()
+        release.wait(30)  # a slow host
+        return png
+
+    monkeypatch.setattr(media, "_fetch", slow_fetch)
+    c = await fake_router(ckpt, http_fetch_urls=True)
+    try:
+        await add_workers(c)
+        images = [
+            {"type": "image_url", "image_url": {"url": f"https://example.com/{i}.png"}}
+            for i in range(3)
+        ]
+        body = {"model": MODEL_ID, "messages": [{"role": "user", "content": images}]}
+        finished = c.router.servicer.orchestrator.metrics.finished.labels("cancelled")
+        threads = c.router.servicer.prepare_threads
+
+        def send_then_hang_up() -> None:
+            conn = http.client.HTTPConnection(url_of(c).removeprefix("http://"), timeout=30)
+            headers = {"Authorization": f"Bearer {CLIENT_KEY}"}
+            headers["Content-Type"] = "application/json"
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+            assert started.wait(30)
+            assert conn.sock is not None
+            conn.sock.close()
+
+        await asyncio.to_thread(send_then_hang_up)
+        for _ in range(500):  # the router sees the client gone while the fetch is under way
+            if finished._value.get() == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert finished._value.get() == 1
+        release.set()
+        for _ in range(100):
+            if threads.pending["heavy"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert threads.pending["heavy"] == 0 and fetched == ["/0.png"]  # no more fetched
+    finally:
+        release.set()
+        await c.close()

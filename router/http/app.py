@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
@@ -42,6 +43,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from common.errors import FieldError
 from common.server.auth import Authenticator, Caller
 from common.settings.schema import SettingsError
+from common.tasks import cancel_and_wait
 from epd.v1 import router_service_pb2
 from router.held import HeldBytes, decoded_bytes
 from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
@@ -208,9 +210,16 @@ def build_app(
             held = hold.more if hold is not None else lambda size: None
             media = names_media(body)
             deadline = time.monotonic() + servicer.settings.request_timeout_s
-            request = await threads.run(
-                media, who.tenant, chat_request, body, request_id, policy, held, deadline
-            )
+            gone = threading.Event()  # the client hung up: no more of its media are read
+            args = (body, request_id, policy, held, deadline, gone.is_set)
+            try:
+                request = await _unless_gone(
+                    raw, threads.run(media, who.tenant, chat_request, *args), gone.set
+                )
+            except _ClientGone:
+                left = "the client went away while its media were read"
+                refused_before(finished, who.tenant, grpc.StatusCode.CANCELLED, left)
+                return Response(status_code=499)  # nobody reads it
             held(decoded_bytes(request, PARSED_PART_BYTES))  # held until the response ends
         return await answer(body, request, who, True, raw, deadline)  # one budget in all
 
@@ -249,9 +258,12 @@ class _ClientGone(Exception):
     """The HTTP client hung up before its response started."""
 
 
-async def _unless_gone(raw: Request, work: Coroutine[Any, Any, T]) -> T:
-    """`work`'s result, or `_ClientGone` (with `work` cancelled) once the client of `raw`
-    disconnects first (the body has been read: the next ASGI message is the disconnect)."""
+async def _unless_gone(
+    raw: Request, work: Coroutine[Any, Any, T], on_gone: Callable[[], None] = lambda: None
+) -> T:
+    """`work`'s result, or `_ClientGone` (with `work` cancelled, after `on_gone()`: work on
+    a thread is not stopped by a cancel) once the client of `raw` disconnects first (the
+    body has been read: the next ASGI message is the disconnect)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(raw))
     try:
@@ -262,9 +274,8 @@ async def _unless_gone(raw: Request, work: Coroutine[Any, Any, T]) -> T:
         raise
     gone.cancel()
     if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        on_gone()
+        await cancel_and_wait(task)
         raise _ClientGone
     return task.result()
 

@@ -178,6 +178,7 @@ def chat_request(
     policy: MediaPolicy,
     hold: Callable[[int], None] = lambda size: None,
     deadline: float = math.inf,
+    gone: Callable[[], bool] = lambda: False,
 ) -> router_service_pb2.GenerateRequest:
     """`POST /v1/chat/completions` -> GenerateRequest (media read under `policy`). Each
     medium's bytes, once read, are given to `hold` before the next is read (which raises
@@ -185,7 +186,9 @@ def chat_request(
     `policy.max_request_bytes`, as they would a gRPC request past `max_message_mb`: a body
     of a few bytes may name the same file of `policy.max_bytes` again and again. No medium
     is read past `deadline` (time.monotonic; ApiError DEADLINE_EXCEEDED): fetches of
-    `http_fetch_timeout_s` each held a thread for as many of them as a body named."""
+    `http_fetch_timeout_s` each held a thread for as many of them as a body named. Nor once
+    `gone()` (the client hung up; ApiError CANCELLED), and a fetch under way stops at its
+    next chunk: a gone client's URLs were all fetched, holding its tenant's threads."""
     request = _request(body, request_id)
     loaded = 0
 
@@ -197,7 +200,9 @@ def chat_request(
                 f"{field}: not read: the request's time (request_timeout_s) ran out reading "
                 "its media",
             )
-        data = load(url, field, policy)
+        if gone():
+            raise ApiError(grpc.StatusCode.CANCELLED, f"{field}: not read: the client went away")
+        data = load(url, field, policy, gone)
         loaded += len(data)
         if loaded > policy.max_request_bytes:
             mib = policy.max_request_bytes >> 20

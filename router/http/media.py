@@ -26,10 +26,14 @@ import socket
 import ssl
 import threading
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from common.errors import FieldError
+from router.http.errors import ApiError
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +47,13 @@ class MediaPolicy:
     max_request_bytes: int = 256 << 20  # one request's media in all (`max_message_mb`)
 
 
-def load(url: str, field: str, policy: MediaPolicy) -> bytes:
-    """The file `url` names; FieldError(field) when it is malformed or not allowed."""
+def load(
+    url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool] = lambda: False
+) -> bytes:
+    """The file `url` names; FieldError(field) when it is malformed or not allowed. A fetch
+    stops between chunks once `gone()` (ApiError CANCELLED)."""
     try:
-        data = _load(url, field, policy)
+        data = _load(url, field, policy, gone)
     except FieldError:
         raise
     except ValueError as exc:  # what urllib, the OS or the resolver cannot take (a bad
@@ -57,7 +64,7 @@ def load(url: str, field: str, policy: MediaPolicy) -> bytes:
     return data
 
 
-def _load(url: str, field: str, policy: MediaPolicy) -> bytes:
+def _load(url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool]) -> bytes:
     if url[:5].lower() == "data:":  # a URL's scheme is case-insensitive
         return _data_url(url, field)
     parsed = urllib.parse.urlsplit(url)
@@ -66,7 +73,7 @@ def _load(url: str, field: str, policy: MediaPolicy) -> bytes:
             raise FieldError(field, "fetching media URLs is off (send a data URL)")
         if parsed.scheme != "https":
             raise FieldError(field, "only https URLs are fetched")
-        return _fetch(parsed, field, policy)
+        return _fetch(parsed, field, policy, gone)
     if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
         return _local(urllib.parse.unquote(parsed.path), field, policy)
     raise FieldError(field, "expected a data URL (data:<mime>;base64,...)")
@@ -174,7 +181,12 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
             self._twin.close()
 
 
-def _fetch(url: urllib.parse.SplitResult, field: str, policy: MediaPolicy) -> bytes:
+def _fetch(
+    url: urllib.parse.SplitResult,
+    field: str,
+    policy: MediaPolicy,
+    gone: Callable[[], bool] = lambda: False,
+) -> bytes:
     host, port = url.hostname or "", url.port or 443
     address = public_address(host, port, field)
     conn = _PinnedHTTPS(host, address, port, policy.fetch_timeout_s)
@@ -197,6 +209,8 @@ def _fetch(url: urllib.parse.SplitResult, field: str, policy: MediaPolicy) -> by
             raise FieldError(field, f"fetching it answered HTTP {response.status}")
         body = bytearray()
         while chunk := response.read1(1 << 16):
+            if gone():
+                raise ApiError(grpc.StatusCode.CANCELLED, f"{field}: the client went away")
             body += chunk
             if len(body) > policy.max_bytes:
                 raise FieldError(field, f"larger than {policy.max_bytes} bytes")
