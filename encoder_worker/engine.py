@@ -31,7 +31,6 @@ the forward itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import operator
@@ -45,6 +44,7 @@ from common.models.malloc_settings import tune_malloc
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.qwen3_vl.vision import VisionTower
 from common.processing.image import as_patch_values
+from common.tasks import cancel_and_wait
 from encoder_worker.batch import Segment, join, mode_inputs, split_output
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.requests import ItemJob, Unit
@@ -279,10 +279,7 @@ class EncoderEngine:
     async def close(self) -> None:
         """Stop the batch task; queued requests fail with CancelledError."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         for entry in self._queue + self._running:
             for waiter in entry.waiters:
                 if waiter.future is not None:

@@ -34,7 +34,6 @@ server falls back to inline outputs. `export`, `release` and `expire` run on the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from common.server.leases import Lease, LeaseTable
+from common.tasks import outcome
 from common.transfer.agent import TransferAgent
 from common.transfer.regions import RegisteredRegion
 from common.wire.transfer import handle_for
@@ -238,8 +238,7 @@ class OutputLeases:
         await self.table.stop_reaper()
         agent = None
         if self._agent_task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                agent = await self._agent_task
+            agent = await outcome(self._agent_task)
         rest = self.table.pop_all()
         if rest:
             logger.warning("closing with %d unreleased output lease(s)", len(rest))

@@ -26,6 +26,7 @@ COMMON_LAYERS: list[tuple[str, ...]] = [
         "common.sampling",
         "common.byte_lru",
         "common.cpu",
+        "common.tasks",
     ),
     ("common.multimodal",),
     ("common.transfer",),

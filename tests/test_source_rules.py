@@ -11,7 +11,11 @@ awaits in the caller's task and keeps the cancellation.
 from __future__ import annotations
 
 import ast
+import asyncio
 
+import pytest
+
+from common.tasks import cancel_and_wait, outcome
 from tests.test_layers import _sources
 
 
@@ -30,6 +34,19 @@ def _wait_fors(tree: ast.AST) -> list[int]:
     return lines
 
 
+def _suppressed_cancels(tree: ast.AST) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "suppress"
+        and any(
+            isinstance(arg, ast.Attribute) and arg.attr == "CancelledError" for arg in node.args
+        )
+    ]
+
+
 def test_the_rule_sees_both_spellings() -> None:
     source = "import asyncio\nfrom asyncio import wait_for\nawait asyncio.wait_for(x, 1)\n"
     assert _wait_fors(ast.parse(source)) == [2, 3]
@@ -42,3 +59,49 @@ def test_no_asyncio_wait_for_in_the_code() -> None:
         for line in _wait_fors(ast.parse(path.read_text()))
     ]
     assert found == [], "use `async with asyncio.timeout(...)` (see this module's docstring)"
+
+
+def test_no_suppressed_cancellation_in_the_code() -> None:
+    source = "with contextlib.suppress(asyncio.CancelledError):\n    await task\n"
+    assert _suppressed_cancels(ast.parse(source)) == [1]
+    found = [
+        f"{path.name}:{line}"
+        for path in _sources()
+        for line in _suppressed_cancels(ast.parse(path.read_text()))
+    ]
+    assert found == [], "use common.tasks.cancel_and_wait or outcome"
+
+
+async def test_cancel_and_wait_ends_the_task_and_keeps_the_callers_cancellation() -> None:
+    never = asyncio.Event()
+    task = asyncio.create_task(never.wait())
+    await asyncio.sleep(0)
+    await cancel_and_wait(task)  # the task's cancellation: swallowed
+    assert task.cancelled()
+    await cancel_and_wait(None)
+
+    async def stubborn() -> None:  # takes a while to end once cancelled
+        try:
+            await never.wait()
+        finally:
+            await asyncio.sleep(0.05)
+
+    inner = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(cancel_and_wait(inner))
+    await asyncio.sleep(0.01)
+    stopping.cancel()  # the caller is cancelled while it waits: that is raised
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    assert stopping.cancelled()
+
+
+async def test_outcome_is_the_result_or_none_when_the_task_was_cancelled() -> None:
+    async def value() -> int:
+        return 7
+
+    assert await outcome(asyncio.create_task(value())) == 7
+    cancelled = asyncio.create_task(asyncio.Event().wait())
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    assert await outcome(cancelled) is None

@@ -15,7 +15,6 @@ batch, never the worker.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from common.models.model_thread import ModelThread
 from common.models.runner import LmRunner
 from common.models.sequence import LmSequence
 from common.sampling import FinishReason
+from common.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +156,7 @@ class DecodeBatcher:
     async def stop(self) -> None:
         """Stop the loop and release every running sequence's blocks."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         joining, self._joining = self._joining, []
         entries, self._entries = self._entries, []
         if entries:

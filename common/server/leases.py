@@ -26,7 +26,6 @@ expired leases and awaits `on_expire(lease)` for each, which frees what the leas
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import re
@@ -40,6 +39,7 @@ from typing import Final, Generic, TypeVar
 import grpc
 
 from common.server.rpc import RpcStatusError
+from common.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -207,10 +207,7 @@ class LeaseTable(Generic[T]):
     async def stop_reaper(self) -> None:
         """Cancel the reaper and wait for it (idempotent)."""
         task, self._reaper = self._reaper, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _reap(self, on_expire: Callable[[Lease[T]], Awaitable[None]], period: float) -> None:
         while True:

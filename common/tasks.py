@@ -1,0 +1,33 @@
+"""Waiting for a task without losing the caller's own cancellation.
+
+`with contextlib.suppress(asyncio.CancelledError): await task` swallows two cancellations
+alike: the task's (meant) and the caller's, if it is cancelled meanwhile (a stop cancelled
+while it waits for its loop to end then went on as if nothing had happened). These tell them
+apart by the caller's `Task.cancelling()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+async def outcome(task: asyncio.Future[T]) -> T | None:
+    """`task`'s result, or None if it was cancelled; the caller's cancellation is raised."""
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+        return None
+
+
+async def cancel_and_wait(task: asyncio.Future[Any] | None) -> None:
+    """Cancel `task` (None: nothing) and wait until it has ended; its own error, if it
+    raised one other than the cancellation, is raised."""
+    if task is not None:
+        task.cancel()
+        await outcome(task)
