@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -59,7 +59,7 @@ class BlockWait:
         model: ModelThread,
         peers: PeerClient,
         counters: DecodeCounters,
-        wait_freed: Callable[[], Awaitable[None]],
+        freed: Callable[[], asyncio.Event],
         digests_now: Callable[[list[int]], Sequence[bytes]],
         renew_leases: bool = True,
     ) -> None:
@@ -67,7 +67,8 @@ class BlockWait:
         self.model = model
         self.peers = peers  # RenewKv to the holders
         self.counters = counters  # block_waits, lease_renewals
-        self.wait_freed = wait_freed  # returns once the decode loop next frees blocks
+        # The event the decode loop sets when it next frees blocks (a new one after each).
+        self.freed = freed
         self.digests_now = digests_now  # model thread: block ids -> digests of their bytes
         self.renew_leases = renew_leases  # RenewKv while a request waits for blocks
         # Waiting requests in arrival order, each by the event set when it comes first.
@@ -102,6 +103,10 @@ class BlockWait:
                     turn = self._queue_up(handle)
                 first = turn is None or self._queue[0] is turn
                 if first:
+                    # Taken before the plan looks at the pool: a free the decode loop makes
+                    # after the plan failed sets this one (taken after, it was missed and the
+                    # request slept `LOOK_S` beside free blocks).
+                    freed = self.freed()
                     try:
                         return await self.model.call(
                             allocator.plan_import,
@@ -129,7 +134,7 @@ class BlockWait:
                 # next renewal too, or a look every `LOOK_S` (blocks an import gives back,
                 # not the decode loop, wake no one).
                 assert turn is not None  # in the queue once a plan failed
-                woken = asyncio.ensure_future(self.wait_freed() if first else turn.wait())
+                woken = asyncio.ensure_future(freed.wait() if first else turn.wait())
                 waits: set[asyncio.Future[Any]] = {woken} if renewal is None else {woken, renewal}
                 timeout = LOOK_S
                 if self.renew_leases:

@@ -44,7 +44,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -120,7 +120,7 @@ class KvImporter:
         agent: TransferAgent,
         peers: PeerClient,
         counters: DecodeCounters,
-        wait_freed: Callable[[], Awaitable[None]],
+        freed: Callable[[], asyncio.Event],
         *,
         renew_leases: bool = True,
     ) -> None:
@@ -131,7 +131,7 @@ class KvImporter:
         self.counters = counters
         # Plans the import, waiting for free blocks (renewing the lease) when the pool is full.
         self.blocks = BlockWait(
-            runner.allocator, model, peers, counters, wait_freed, self._digests_now, renew_leases
+            runner.allocator, model, peers, counters, freed, self._digests_now, renew_leases
         )
         # id(plan) -> blocks kept from the pool while NIXL may still write them
         self.quarantined: dict[int, int] = {}

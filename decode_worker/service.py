@@ -109,7 +109,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             agent,
             self._peers,
             self.counters,
-            self.batcher.wait_freed,
+            self.batcher.freed,
             renew_leases=renew_leases,
         )
         # Prefix-cache changes for the router's decode routing (`StreamDecodeKvEvents`).

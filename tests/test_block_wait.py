@@ -53,18 +53,29 @@ class Model:
         return fn(*args)
 
 
-def waiting(allocator: Allocator, freed: asyncio.Event) -> BlockWait:
-    async def wait_freed() -> None:
-        await freed.wait()
-        freed.clear()
+class Frees:
+    """The decode loop's signal of freed blocks, as `DecodeBatcher` keeps it: `set` sets the
+    current event and makes a new one."""
 
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def current(self) -> asyncio.Event:
+        return self.event
+
+    def set(self) -> None:
+        event, self.event = self.event, asyncio.Event()
+        event.set()
+
+
+def waiting(allocator: Allocator, freed: Frees, model: Model | None = None) -> BlockWait:
     counters = SimpleNamespace(block_waits=0, lease_renewals=0)
     return BlockWait(
         allocator,  # type: ignore[arg-type]
-        Model(),  # type: ignore[arg-type]
+        model or Model(),  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         counters,  # type: ignore[arg-type]
-        wait_freed,
+        freed.current,
         lambda ids: [],
         renew_leases=False,
     )
@@ -76,7 +87,7 @@ HANDLE = kv_pb2.KvHandle(lease_id="l", lease_ttl_ms=60_000)
 async def test_a_large_request_waiting_first_is_planned_before_later_small_ones() -> None:
     # Small requests that came later took each freed block before an older one needing 16
     # of the 20 ever found enough free at once: it waited until its deadline.
-    allocator, freed = Allocator(num_blocks=20, free=2), asyncio.Event()
+    allocator, freed = Allocator(num_blocks=20, free=2), Frees()
     wait = waiting(allocator, freed)
     order: list[str] = []
 
@@ -100,7 +111,7 @@ async def test_a_large_request_waiting_first_is_planned_before_later_small_ones(
 
 
 async def test_a_waiter_that_goes_away_lets_the_next_one_plan() -> None:
-    allocator, freed = Allocator(num_blocks=20, free=0), asyncio.Event()
+    allocator, freed = Allocator(num_blocks=20, free=0), Frees()
     wait = waiting(allocator, freed)
     first = asyncio.create_task(wait.plan(None, 4, 16 * BLOCK, HANDLE))
     await asyncio.sleep(0.01)
@@ -117,7 +128,7 @@ async def test_a_request_the_whole_pool_cannot_hold_is_refused_at_once(
     prompt: int, field: str
 ) -> None:
     # It read "KV pool full: wanted 9 KV blocks, only 6 free", as a pool full for now.
-    wait = waiting(Allocator(num_blocks=6, free=6), asyncio.Event())
+    wait = waiting(Allocator(num_blocks=6, free=6), Frees())
     with pytest.raises(PoolTooSmallError) as refused:
         await wait.plan(None, prompt, 9 * BLOCK if prompt < 9 * BLOCK else prompt, HANDLE)
     code, details = status_for(refused.value)
@@ -128,7 +139,7 @@ async def test_a_request_the_whole_pool_cannot_hold_is_refused_at_once(
 
 async def test_a_waiter_that_goes_away_leaves_no_task_behind() -> None:
     # Its wait for a turn that would never come was left pending, one task per request.
-    allocator, freed = Allocator(num_blocks=20, free=0), asyncio.Event()
+    allocator, freed = Allocator(num_blocks=20, free=0), Frees()
     wait = waiting(allocator, freed)
     before = len(asyncio.all_tasks())
     head = asyncio.create_task(wait.plan(None, 4, 16 * BLOCK, HANDLE))
@@ -139,3 +150,26 @@ async def test_a_waiter_that_goes_away_leaves_no_task_behind() -> None:
     await asyncio.gather(head, *queued, return_exceptions=True)
     await asyncio.sleep(0.01)
     assert len(asyncio.all_tasks()) == before and not wait._queue
+
+
+async def test_blocks_freed_just_after_a_failed_plan_wake_the_waiting_request() -> None:
+    # The decode step queued on the model thread right behind the failing plan freed blocks,
+    # and the loop said so before the request began to wait: it took the signal only then,
+    # missed it and slept `LOOK_S` (1 s) beside the free blocks (variance review).
+    allocator, freed = Allocator(num_blocks=8, free=1), Frees()
+
+    class StepBehindThePlan(Model):
+        stepped = False
+
+        async def call(self, fn: Callable[..., Any], *args: Any, on_orphan: Any = None) -> Any:
+            try:
+                return fn(*args)
+            finally:
+                if not self.stepped:  # the decode step after the first plan frees 3 blocks
+                    self.stepped = True
+                    allocator.free += 3
+                    freed.set()
+
+    wait = waiting(allocator, freed, StepBehindThePlan())
+    assert await asyncio.wait_for(wait.plan(None, 4, 3 * BLOCK, HANDLE), 0.5) == 3
+    assert wait.counters.block_waits == 1 and not wait._queue

@@ -145,9 +145,9 @@ def test_import_plan_pulls_a_cached_block_whose_bytes_changed() -> None:
     allocator.pool.check_invariants()
 
 
-async def never_freed() -> None:
-    """The decode loop's `wait_freed` of a worker that never frees a block."""
-    await asyncio.sleep(3600)
+def never_freed() -> asyncio.Event:
+    """The decode loop's `freed` of a worker that never frees a block."""
+    return asyncio.Event()
 
 
 def two_block_handle(kv: PagedKvCache, digest: bytes) -> kv_pb2.KvHandle:

@@ -149,9 +149,10 @@ class DecodeBatcher:
         self.cancel(entry)
         await entry.released.wait()
 
-    async def wait_freed(self) -> None:
-        """Return after the loop next gives blocks back to the pool."""
-        await self._freed.wait()
+    def freed(self) -> asyncio.Event:
+        """The event set when the loop next gives blocks back to the pool (each free sets
+        the current one and makes a new one): take it before looking at the pool."""
+        return self._freed
 
     async def stop(self) -> None:
         """Stop the loop and release every running sequence's blocks."""
