@@ -6,6 +6,7 @@ import asyncio
 import copy
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -337,6 +338,28 @@ async def test_registrar_waits_for_router_to_appear() -> None:
         await registrar.stop()
         if router is not None:
             await router.stop(0)
+
+
+async def test_a_worker_registers_again_within_a_second_of_its_router_coming_back() -> None:
+    # gRPC's reconnect back-off grows to 120 s while a router is down (and the registrar's
+    # own to 5 s): after a 4 s outage workers came back seconds late (a restarted router had
+    # no encoder or decode worker meanwhile); after a few minutes' outage, up to two minutes.
+    fake = FakeRegistry()
+    router = await _start_registry(fake)
+    port = int(router.address.rsplit(":", 1)[1])
+    registrar = Registrar(router.address, _info(), registry_service_pb2.WorkerLoad)  # defaults
+    registrar.start()
+    try:
+        await registrar.wait_registered(5)
+        await router.stop(0)
+        await asyncio.sleep(4.0)  # down: every retry fails
+        router = await _start_registry(fake, port=port)
+        back = time.monotonic()
+        await _until(lambda: registrar.registrations == 2, 10)
+        assert time.monotonic() - back < 1.5
+    finally:
+        await registrar.stop()
+        await router.stop(0)
 
 
 async def test_a_refused_registration_is_logged_with_its_reason_on_both_sides(

@@ -4,8 +4,8 @@ router in a `Registrations`: each router keeps its own registry, so each registr
 and fails on its own.
 
 Lifecycle of a `Registrar`: `start()` launches a background task that registers (retrying
-with capped backoff while the router is unreachable or refuses), heartbeats its load at once
-(the router's admission accounts a worker's KV only from a heartbeat), then every
+with a backoff capped at 1 s while the router is unreachable or refuses), heartbeats its load
+at once (the router's admission accounts a worker's KV only from a heartbeat), then every
 `heartbeat_interval_ms` the router asked for. A heartbeat answered `known=False`, or one that
 fails (router restarted, network), sends the worker back to registering. The task logs
 failures — the first of an outage at WARNING, repeats at DEBUG — and never raises. `stop()`
@@ -57,7 +57,7 @@ class Registrar:
         *,
         rpc_timeout_s: float = 5.0,
         retry_initial_s: float = 0.2,
-        retry_max_s: float = 5.0,
+        retry_max_s: float = 1.0,
         credentials: ChannelCredentials = NO_CREDENTIALS,
         on_registered: Callable[[], None] | None = None,
     ) -> None:

@@ -67,6 +67,12 @@ def grpc_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str
     ]
 
 
+# A channel's waits between attempts to reconnect to a peer that went away: the first, and
+# the longest (a connection attempt a second to a dead peer costs little).
+RECONNECT_FIRST_S = 0.25
+RECONNECT_MAX_S = 1.0
+
+
 def keepalive_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int]]:
     """Channel/server options: ping the peer every `keepalive_s` while calls are open, data
     or not, and fail those calls (UNAVAILABLE) when a ping goes unanswered that long."""
@@ -229,12 +235,18 @@ def channel(
     a process that restarted at the same address must not inherit the dead connection's
     reconnect back-off from gRPC's process-wide pool.
 
+    It tries to reconnect to a peer that went away at least every `RECONNECT_MAX_S` (gRPC's
+    own back-off grows to 120 s: a router down a few minutes got its workers back, and a
+    client its answers, up to two minutes after it was serving again).
+
     The caller closes it (`await ch.close()`, or `async with channel(...) as ch`).
     """
     options: list[tuple[str, int]] = [
         *grpc_options(max_message_mb),
         *(keepalive_options(keepalive_s) if keepalive_s is not None else ()),
         ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.initial_reconnect_backoff_ms", round(RECONNECT_FIRST_S * 1000)),
+        ("grpc.max_reconnect_backoff_ms", round(RECONNECT_MAX_S * 1000)),
     ]
     return credentials.open(address, options)
 
