@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -350,15 +351,32 @@ async def test_handoff_whose_partial_last_block_differs_is_refused(cluster: Clus
     assert answer.token_ids == c.expected(messages, GREEDY).token_ids
 
 
-async def test_cancelled_during_the_confirmation_frees_everything(cluster: Cluster) -> None:
+async def test_cancelled_during_the_confirmation_frees_everything(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     c = cluster
     runner = c.decode.servicer.runner
     await eventually(lambda: runner.allocator.pool.num_used_blocks == 0)
     tokens, params = make_handoff(c.engine, prompt(18))
     reply = await run_prefill(c, tokens, params, GREEDY)
+    # The confirmation of the READ waits until the request is cancelled (cancelled at once,
+    # as this test was, the call never reached the READ: the lease ran out its TTL instead).
+    peers = c.decode.servicer.importer.peers
+    confirm, asked, gate = peers.confirm_release_kv, asyncio.Event(), asyncio.Event()
+
+    async def held_confirm(*args: Any) -> Any:
+        asked.set()
+        await gate.wait()
+        return await confirm(*args)
+
+    monkeypatch.setattr(peers, "confirm_release_kv", held_confirm)
+    leases = c.prefill.servicer.leases
+    released, expired = leases.released, leases.expired
     call = c.decode_stub.Decode(decode_request(tokens, params, GREEDY, reply), timeout=60)
-    await asyncio.sleep(0)
+    await asyncio.wait_for(asked.wait(), 10)  # READ, and its confirmation under way
     call.cancel()
+    gate.set()
     await eventually(lambda: runner.allocator.pool.num_used_blocks == 0)
     runner.allocator.pool.check_invariants()
-    await eventually(lambda: reply.kv.lease_id not in c.prefill.servicer.leases._leases)
+    await eventually(lambda: reply.kv.lease_id not in leases._leases, timeout_s=2)
+    assert (leases.released, leases.expired) == (released + 1, expired)  # not run out
