@@ -23,11 +23,11 @@ async def health_loop(
     registry.on_register.append(lambda _worker: changed.set())
     serving: bool | None = None
     while True:
+        changed.clear()  # before the look: a registration during `set_serving` is seen next
         now = registry.ready() and not lifecycle.draining
         if now != serving and not lifecycle.draining:
             await set_serving(now)
         serving = now
-        changed.clear()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(period_s):
                 await changed.wait()
