@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+import pytest_asyncio
 
 from common.errors import FieldError
 from router.http.convert import chat_request, completion_request
@@ -31,6 +32,9 @@ from tests.test_http_api import MODEL_ID, fake_router, png_data_url, url_of
 from tests.test_router import Cluster as FakeCluster
 
 HI = '[{"role": "user", "content": "hi"}]'
+
+# The async tests share one router (`router`): they run on the module's event loop.
+ON_ROUTER = pytest.mark.asyncio(loop_scope="module")
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -203,8 +207,9 @@ def test_an_internal_error_is_openais_server_error() -> None:
 # ------------------------------------------------------------------------- the request head
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def router(ckpt: Path) -> AsyncIterator[FakeCluster]:
+    """One router for the module's tests of the request head (on the module's loop)."""
     c = await fake_router(ckpt, max_message_mb=1)  # no workers: refusals come first
     yield c
     await c.close()
@@ -245,6 +250,7 @@ BODY = json.dumps(chat(max_tokens=2)).encode()
         f"{POST}\r\n{KEY}\r\nContent-Type: text/plain\r\nContent-Length: {len(BODY)}",
     ],
 )
+@ON_ROUTER
 async def test_a_header_sent_twice_is_refused_on_every_method(
     router: FakeCluster, head: str
 ) -> None:
@@ -256,6 +262,7 @@ async def test_a_header_sent_twice_is_refused_on_every_method(
     assert "connection" not in headers  # a POST's body, sent whole, was read and dropped
 
 
+@ON_ROUTER
 async def test_a_compressed_body_is_415_before_it_is_read(router: FakeCluster) -> None:
     head = f"{POST}\r\n{KEY}\r\nContent-Encoding: gzip\r\nContent-Length: {len(BODY)}"
     status, headers, reply = await exchange(router, head, BODY)
@@ -278,6 +285,7 @@ async def test_a_compressed_body_is_415_before_it_is_read(router: FakeCluster) -
         (f"{POST}\r\nAuthorization: Bearer bad\r\nTransfer-Encoding: chunked", 401),
     ],
 )
+@ON_ROUTER
 async def test_a_refusal_before_a_body_that_does_not_come_closes_the_connection(
     router: FakeCluster, head: str, status: int
 ) -> None:
@@ -295,6 +303,7 @@ async def test_a_refusal_before_a_body_that_does_not_come_closes_the_connection(
         ("Bearer bad", 200 << 10, 401),  # within DRAIN_ANONYMOUS_BYTES
     ],
 )
+@ON_ROUTER
 async def test_a_refused_body_sent_whole_is_read_before_the_answer(
     router: FakeCluster, key: str, size: int, status: int
 ) -> None:
@@ -307,6 +316,7 @@ async def test_a_refused_body_sent_whole_is_read_before_the_answer(
     assert "connection" not in headers  # it may serve the next request
 
 
+@ON_ROUTER
 async def test_a_caller_without_credentials_gets_no_large_body_read(router: FakeCluster) -> None:
     # Every refused body was read up to 16 MiB: twenty keyless 16 MiB posts cost the router
     # 28 ms of CPU each. gRPC reads nothing of such a caller's request.
@@ -316,6 +326,7 @@ async def test_a_caller_without_credentials_gets_no_large_body_read(router: Fake
     assert headers.get("connection") == "close"
 
 
+@ON_ROUTER
 async def test_a_body_refused_before_it_runs_is_counted_as_a_request(router: FakeCluster) -> None:
     # Counting lived in `generate` alone: a body the API refused moved no metric.
     finished = router.router.servicer.orchestrator.metrics.finished.labels("invalid")
@@ -327,6 +338,7 @@ async def test_a_body_refused_before_it_runs_is_counted_as_a_request(router: Fak
     assert finished._value.get() == before + 1
 
 
+@ON_ROUTER
 async def test_a_key_named_twice_is_shown_escaped_and_cut(router: FakeCluster) -> None:
     # A lone surrogate in it could not be encoded in the answer: a 500 and a traceback.
     for key, shown in (("\\ud800", "\\ud800"), ("k" * 100_000, "k" * 200)):
@@ -337,6 +349,7 @@ async def test_a_key_named_twice_is_shown_escaped_and_cut(router: FakeCluster) -
         assert reply["error"]["param"] == shown and len(reply["error"]["message"]) < 300
 
 
+@ON_ROUTER
 async def test_a_refusal_of_a_request_without_a_body_keeps_the_connection(
     router: FakeCluster,
 ) -> None:
@@ -351,6 +364,7 @@ async def test_a_refusal_of_a_request_without_a_body_keeps_the_connection(
         (f"GET /health/ HTTP/1.1\r\n{KEY}", b""),
     ],
 )
+@ON_ROUTER
 async def test_a_trailing_slash_is_an_openai_404_not_a_redirect(
     router: FakeCluster, head: str, body: bytes
 ) -> None:
@@ -361,6 +375,7 @@ async def test_a_trailing_slash_is_an_openai_404_not_a_redirect(
     assert reply["error"]["type"] == "not_found_error", reply
 
 
+@ON_ROUTER
 async def test_head_health_is_answered_as_get(router: FakeCluster) -> None:
     host, port = url_of(router).removeprefix("http://").rsplit(":", 1)
 
@@ -378,6 +393,7 @@ async def test_head_health_is_answered_as_get(router: FakeCluster) -> None:
     assert await asyncio.to_thread(ask, "HEAD") == (got, b"")
 
 
+@ON_ROUTER
 async def test_a_key_named_twice_is_refused_over_http(router: FakeCluster) -> None:
     data = f'{{"model": "nope", "model": "{MODEL_ID}", "messages": {HI}}}'.encode()
     status, _, reply = await exchange(
@@ -387,6 +403,7 @@ async def test_a_key_named_twice_is_refused_over_http(router: FakeCluster) -> No
     assert reply["error"]["message"] == "the body names 'model' twice"
 
 
+@ON_ROUTER
 async def test_a_client_gone_while_sending_its_body_is_counted_not_a_traceback(
     router: FakeCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
