@@ -106,7 +106,9 @@ async def test_a_stream_broken_after_its_last_chunk_is_the_whole_answer(serve: A
     assert second.resumed == []
 
 
-async def test_a_router_that_accepts_and_never_answers_is_skipped(serve: Any) -> None:
+async def test_a_router_that_accepts_and_never_answers_is_skipped(
+    serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Failover was on UNAVAILABLE only: a router that takes the connection and never speaks
     # (frozen, black-holed) held each request starting on it for its whole timeout, which
     # then failed DEADLINE_EXCEEDED with a live router beside it.
@@ -116,6 +118,7 @@ async def test_a_router_that_accepts_and_never_answers_is_skipped(serve: Any) ->
 
     from epd import routers
 
+    monkeypatch.setattr(routers, "CONNECT_S", 0.5)  # the silent router's wait (2 s)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # the kernel accepts; nobody answers
