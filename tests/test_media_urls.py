@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from common.errors import FieldError
@@ -121,40 +124,46 @@ def test_data_urls_unpadded_or_url_safe_are_read_and_an_empty_one_is_refused() -
     assert err.value.field == "messages[0].content[0].video_url.url"
 
 
-@pytest.mark.parametrize("stage", ["head", "body"])
-def test_a_fetch_that_trickles_is_cut_at_fetch_timeout_s(
-    stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The timeout bounded each read, and the deadline was checked between reads of 64 KiB:
-    # a server sending a byte a second held one of the router's threads as long as it liked.
+def trickling_host(tmp_path: Path, stage: str, done: threading.Event) -> int:
+    """The port of a TLS host (for "localhost", its CA in tmp_path/ca.pem) that sends its
+    answer's head ("head") or body ("body") a byte every 0.2 s until `done`."""
     import ssl
-    import threading
-    import time
 
-    from router.http import media
     from tests.test_tls import make_certificates
 
     make_certificates(tmp_path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
     server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    done = threading.Event()
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n"
 
     def trickle() -> None:
-        conn, _ = server.accept()
-        with context.wrap_socket(conn, server_side=True) as tls:
-            tls.recv(1 << 16)
-            if stage == "body":
-                tls.sendall(head)
-            for byte in head if stage == "head" else b"x" * 30:
-                if done.wait(0.2):
-                    return
-                with contextlib.suppress(OSError):
-                    tls.sendall(bytes([byte]))
+        with server:
+            conn, _ = server.accept()
+            with context.wrap_socket(conn, server_side=True) as tls:
+                tls.recv(1 << 16)
+                if stage == "body":
+                    tls.sendall(head)
+                for byte in head if stage == "head" else b"x" * 30:
+                    if done.wait(0.2):
+                        return
+                    with contextlib.suppress(OSError):
+                        tls.sendall(bytes([byte]))
 
     threading.Thread(target=trickle, daemon=True).start()
+    return int(server.getsockname()[1])
+
+
+@pytest.mark.parametrize("stage", ["head", "body"])
+def test_a_fetch_that_trickles_is_cut_at_fetch_timeout_s(
+    stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The timeout bounded each read, and the deadline was checked between reads of 64 KiB:
+    # a server sending a byte a second held one of the router's threads as long as it liked.
+    from router.http import media
+
+    done = threading.Event()
+    port = trickling_host(tmp_path, stage, done)
     monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
     monkeypatch.setattr(media, "public_address", lambda host, port, field: "127.0.0.1")
     started = time.monotonic()
@@ -167,8 +176,39 @@ def test_a_fetch_that_trickles_is_cut_at_fetch_timeout_s(
             )
     finally:
         done.set()
-        server.close()
     assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("stage", ["head", "body"])
+def test_a_fetch_from_a_stalled_host_ends_once_the_client_is_gone(
+    stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The client's leaving was checked between chunks only: a host that stalled held the
+    # tenant's thread to http_fetch_timeout_s for a client that had left (review of the fix).
+    from router.http import media
+    from router.http.errors import ApiError
+
+    done = threading.Event()
+    port = trickling_host(tmp_path, stage, done)
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    monkeypatch.setattr(media, "public_address", lambda host, port, field: "127.0.0.1")
+    started = time.monotonic()
+    left = threading.Event()
+    leaves = threading.Timer(0.5, left.set)  # the client leaves at 0.5 s; the host stalls on
+    leaves.start()
+    try:
+        with pytest.raises(ApiError, match="the client went away") as err:
+            load(
+                f"https://localhost:{port}/cat.png",
+                "f",
+                MediaPolicy(fetch_urls=True, fetch_timeout_s=30.0),
+                gone=left.is_set,
+            )
+    finally:
+        leaves.cancel()
+        done.set()
+    assert err.value.grpc_code == grpc.StatusCode.CANCELLED
+    assert time.monotonic() - started < 2.0
 
 
 def test_a_requests_media_are_held_as_read_and_bounded_in_all(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import ipaddress
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ def _load(url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool]) -
 # What base64 in lines may hold between its characters: stripped in one bytes pass (split
 # made an object of every piece between them, 20x the payload for 2-character lines).
 _LINE_SPACE = b" \t\r\n"
+WATCH_S = 0.05  # how often a fetch's watcher looks at its time and whether its client left
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")  # base64url's two letters, as standard base64's
 
 
@@ -190,17 +192,23 @@ def _fetch(
     host, port = url.hostname or "", url.port or 443
     address = public_address(host, port, field)
     conn = _PinnedHTTPS(host, address, port, policy.fetch_timeout_s)
-    # The whole fetch, not each read: a server trickling its head or body a byte at a time
-    # kept one of the router's threads for as long as it liked.
-    timed_out = threading.Event()
+    # The whole fetch is timed, not each read (a server trickling its head or body a byte at
+    # a time kept one of the router's threads for as long as it liked), and it is cut once
+    # the client is gone (a stalled host held the thread to the timeout for nobody).
+    end = time.monotonic() + policy.fetch_timeout_s
+    timed_out, done = threading.Event(), threading.Event()
 
-    def abort() -> None:
-        timed_out.set()
-        conn.abort()
+    def watch() -> None:
+        while not done.wait(WATCH_S):
+            late = time.monotonic() >= end
+            if late or gone():
+                if late:
+                    timed_out.set()
+                conn.abort()
+                return
 
-    late = threading.Timer(policy.fetch_timeout_s, abort)
-    late.daemon = True
-    late.start()
+    threading.Thread(target=watch, name="epd-fetch-watch", daemon=True).start()
+    left = ApiError(grpc.StatusCode.CANCELLED, f"{field}: the client went away")
     try:
         path = url.path or "/"
         conn.request("GET", path + (f"?{url.query}" if url.query else ""))
@@ -209,18 +217,18 @@ def _fetch(
             raise FieldError(field, f"fetching it answered HTTP {response.status}")
         body = bytearray()
         while chunk := response.read1(1 << 16):
-            if gone():
-                raise ApiError(grpc.StatusCode.CANCELLED, f"{field}: the client went away")
             body += chunk
             if len(body) > policy.max_bytes:
                 raise FieldError(field, f"larger than {policy.max_bytes} bytes")
-        if timed_out.is_set():  # cut short: what arrived is not the whole file
-            raise OSError("timed out")
+        if timed_out.is_set() or gone():  # cut short: what arrived is not the whole file
+            raise OSError("cut short")
         return bytes(body)
     except (OSError, http.client.HTTPException) as exc:
         if timed_out.is_set():
             raise FieldError(field, f"fetching took over {policy.fetch_timeout_s} s") from None
+        if gone():
+            raise left from None
         raise FieldError(field, f"fetching failed: {exc}") from None
     finally:
-        late.cancel()
+        done.set()
         conn.close()
