@@ -15,12 +15,14 @@ T = TypeVar("T")
 
 
 async def outcome(task: asyncio.Future[T]) -> T | None:
-    """`task`'s result, or None if it was cancelled; the caller's cancellation is raised."""
+    """`task`'s result, or None if it was cancelled; a cancellation of the caller while it
+    waits is raised (one delivered before, to a caller cleaning up after it, is not)."""
+    current = asyncio.current_task()
+    before = current.cancelling() if current is not None else 0
     try:
         return await task
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
+        if current is not None and current.cancelling() > before:
             raise
         return None
 

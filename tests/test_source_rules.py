@@ -96,6 +96,27 @@ async def test_cancel_and_wait_ends_the_task_and_keeps_the_callers_cancellation(
     assert stopping.cancelled()
 
 
+async def test_a_caller_cleaning_up_after_its_own_cancellation_can_still_wait() -> None:
+    # In a `finally` after the caller was cancelled, a stop went on with the old suppress;
+    # it must not raise the cancellation already delivered (review of this fix).
+    steps: list[str] = []
+
+    async def server() -> None:
+        background = asyncio.create_task(asyncio.Event().wait())
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await cancel_and_wait(background)
+            steps.append("stopped")
+
+    task = asyncio.create_task(server())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps == ["stopped"]
+
+
 async def test_outcome_is_the_result_or_none_when_the_task_was_cancelled() -> None:
     async def value() -> int:
         return 7
