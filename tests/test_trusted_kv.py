@@ -375,6 +375,7 @@ async def test_cancelled_during_the_confirmation_frees_everything(
     call = c.decode_stub.Decode(decode_request(tokens, params, GREEDY, reply), timeout=60)
     await asyncio.wait_for(asked.wait(), 10)  # READ, and its confirmation under way
     call.cancel()
+    await eventually(lambda: c.decode.servicer.active == 0)  # the worker saw it go
     gate.set()
     await eventually(lambda: runner.allocator.pool.num_used_blocks == 0)
     runner.allocator.pool.check_invariants()
