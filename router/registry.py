@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 import operator
 import time
 import uuid
@@ -320,11 +321,11 @@ class Registry:
 
     # --------------------------------------------------------------------- selection
 
-    def workers(self, role: Role | None = None) -> list[WorkerRecord]:
+    def workers(self, role: Role | None = None, timed_out: bool = False) -> list[WorkerRecord]:
         """Live workers (of `role`, or all), ordered by role then address. Changes nothing:
-        a silent worker is left out here but dropped only by `expire`, whose listeners must
-        hear of it."""
-        cutoff = self._cutoff()
+        a silent worker is left out here (kept with `timed_out`) but dropped only by
+        `expire`, whose listeners must hear of it."""
+        cutoff = -math.inf if timed_out else self._cutoff()
         # A snapshot first: the metrics thread calls this while the loop registers workers
         # (iterating the dict itself failed that scrape: "changed size during iteration").
         every = list(self._workers.values())

@@ -67,13 +67,20 @@ class Returns:
             self.lost[record.role] = self.registry.clock()
 
     def restarting(self, role: Role) -> bool:
-        """Whether `role` has no worker a request could use, and lost one lately."""
+        """Whether `role` has no worker a request could use, and lost one lately (one silent
+        past the timeout counts as lost before the expiry pass drops it: in between, waiting
+        requests were let go to fail UNAVAILABLE, and new ones failed at once)."""
         registry = self.registry
         if registry is None:
             return False
         now, silent_s = registry.clock(), SILENT_HEARTBEATS * registry.heartbeat_interval_s
-        workers = [w for w in registry.workers(role) if not w.draining]
-        if any(not (w.suspect and now - w.last_seen > silent_s) for w in workers):
+
+        def gone(w: WorkerRecord) -> bool:
+            silent = now - w.last_seen
+            return silent > registry.worker_timeout_s or (w.suspect and silent > silent_s)
+
+        workers = [w for w in registry.workers(role, timed_out=True) if not w.draining]
+        if not all(map(gone, workers)):
             return False
         left = self.lost.get(role)
         return (left is not None and now - left < RESTART_WINDOW_S) or bool(workers)

@@ -52,6 +52,25 @@ def test_a_suspect_worker_counts_as_gone_only_once_it_is_silent(registry, clock:
     assert not returns.restarting(Role.DECODE)
 
 
+def test_a_worker_silent_past_its_timeout_is_lost_before_the_expiry_pass(
+    registry, clock: Clock
+) -> None:
+    # Hidden from `workers` at its timeout but marked lost only by the next expiry pass (up
+    # to a second later): in between, the role was not restarting, so waiting requests were
+    # let go to fail UNAVAILABLE and new ones failed at once (recovery review: 3 of 3 kills).
+    returns = Returns(5.0, registry)
+    for port, suspect in ((3, True), (4, False)):  # a call failed on it, or none did
+        worker = registry.register(info(Role.DECODE, port))
+        if suspect:
+            registry.suspect(worker)
+        clock.now += registry.worker_timeout_s + 0.1  # silent past the timeout
+        assert registry.workers(Role.DECODE) == []
+        assert returns.restarting(Role.DECODE)  # before any `expire`
+        registry.expire()
+        assert returns.restarting(Role.DECODE)
+        returns.lost.clear()
+
+
 async def test_the_wait_ends_at_a_registration_or_the_bound(registry, clock: Clock) -> None:
     returns = Returns(0.3, registry)
     registry.register(info(Role.DECODE, 3))
