@@ -277,7 +277,7 @@ def start_cluster(
     # registering until it listens); its log line confirms the address it bound.
     cluster = Cluster(f"127.0.0.1:{free_port()}", model, log_dir, block_size, security=security)
     try:
-        cluster.procs["router"] = _spawn(
+        cluster.commands["router"] = (  # `respawn("router")` comes back at the same address
             "router",
             [
                 *common,
@@ -295,9 +295,8 @@ def start_cluster(
                 "0" if http else "-1",
                 *router_args,
             ],
-            router_log,
-            root,
         )
+        cluster.procs["router"] = _spawn(*cluster.commands["router"], router_log, root)
         _spawn_more_routers(cluster, routers)
         deadline = time.monotonic() + timeout_s
         kv = ["--block-size", str(block_size), "--num-blocks", str(num_blocks)]
