@@ -35,7 +35,7 @@ from tests.encoder_worker_helpers import (
     make_server,
     tower,
 )
-from tests.test_rpc import FakeRegistry
+from tests.test_registrar import FakeRegistry
 
 __all__ = ["make_server", "tower"]  # fixtures shared with the other encoder worker tests
 

@@ -20,12 +20,12 @@ from router.workers import WorkerRecord
 from tests.cluster import free_port
 from tests.registry_helpers import MODEL, info
 from tests.test_pools import recorded as recorded  # the fakes' shared log (a fixture)
+from tests.test_registrar import FakeRegistry, _info, _start_registry, _until
 from tests.test_router import Cluster as RouterCluster
 from tests.test_router import FakePrefill
 from tests.test_router import ckpt as ckpt  # fixtures: a router with fake workers
 from tests.test_router import cluster as cluster
 from tests.test_router import worker_info as router_worker_info
-from tests.test_rpc import FakeRegistry, _info, _start_registry, _until
 
 
 async def test_one_registration_per_router_each_on_its_own() -> None:

@@ -22,7 +22,7 @@ from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 from router.registry import Registry
 from router.registry_service import RegistryServicer
 from tests.cluster import free_port
-from tests.test_rpc import FakeRegistry, _info, _start_registry
+from tests.test_registrar import FakeRegistry, _info, _start_registry
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
