@@ -211,6 +211,43 @@ def test_a_fetch_from_a_stalled_host_ends_once_the_client_is_gone(
     assert time.monotonic() - started < 2.0
 
 
+def test_a_connect_the_host_never_answers_ends_once_the_client_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The connection was twinned for `abort` only once connected: a connect to a host that
+    # drops its SYNs held the thread to http_fetch_timeout_s for a client long gone.
+    from router.http import media
+    from router.http.errors import ApiError
+
+    host = socket.socket()
+    host.bind(("127.0.0.1", 0))
+    host.listen(0)  # its accept queue filled below: the kernel drops further SYNs
+    port = host.getsockname()[1]
+    fillers = [socket.socket() for _ in range(3)]
+    for filler in fillers:
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+    monkeypatch.setattr(media, "public_address", lambda host, port, field: "127.0.0.1")
+    url = f"https://localhost:{port}/cat.png"
+    left = threading.Event()
+    leaves = threading.Timer(0.5, left.set)
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        leaves.start()
+        with pytest.raises(ApiError, match="the client went away"):
+            load(url, "f", MediaPolicy(fetch_urls=True, fetch_timeout_s=30.0), gone=left.is_set)
+        assert time.monotonic() - started < 2.0
+        # Its time running out while it connects still says so (not "fetching failed").
+        with pytest.raises(FieldError, match=r"took over 0\.5 s"):
+            load(url, "f", MediaPolicy(fetch_urls=True, fetch_timeout_s=0.5))
+    finally:
+        leaves.cancel()
+        for sock in (*fillers, host):
+            sock.close()
+
+
 def test_a_requests_media_are_held_as_read_and_bounded_in_all(tmp_path: Path) -> None:
     # A 2 KB body naming one 50 MB file twenty times took a router from 0.3 to 1.4 GB with
     # `requests_in_flight_mb` at 64: nothing read from a URL was counted.

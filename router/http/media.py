@@ -163,9 +163,20 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
     _aborted = False  # `abort` was called: a connection made after fails at once
 
     def connect(self) -> None:
-        sock = socket.create_connection((self._address, self.port), self.timeout)
-        self._twin = sock.dup()  # TLS takes `sock` over (and detaches it)
-        if self._aborted:  # the time ran out while it connected
+        family = socket.AF_INET6 if ":" in self._address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        # Twinned before connecting, so `abort` ends a connect to a host that never answers
+        # too (TLS takes `sock` over and detaches it; the twin stays ours).
+        self._twin = sock.dup()
+        try:
+            if self._aborted:
+                raise OSError("aborted before it connected")
+            sock.settimeout(self.timeout)
+            sock.connect((self._address, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        if self._aborted:  # while it connected, before the twin could end it
             self.abort()
         self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
 
@@ -224,7 +235,7 @@ def _fetch(
             raise OSError("cut short")
         return bytes(body)
     except (OSError, http.client.HTTPException) as exc:
-        if timed_out.is_set():
+        if timed_out.is_set() or time.monotonic() >= end:  # the socket's own timeout, first
             raise FieldError(field, f"fetching took over {policy.fetch_timeout_s} s") from None
         if gone():
             raise left from None
