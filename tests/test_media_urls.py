@@ -124,11 +124,15 @@ def test_data_urls_unpadded_or_url_safe_are_read_and_an_empty_one_is_refused() -
     assert err.value.field == "messages[0].content[0].video_url.url"
 
 
-def trickling_host(tmp_path: Path, stage: str, done: threading.Event) -> int:
-    """The port of a TLS host (for "localhost", its CA in tmp_path/ca.pem) that sends its
-    answer's head ("head") or body ("body") a byte every 0.2 s until `done`."""
+def trickling_host(
+    tmp_path: Path, stage: str, done: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """The URL of a TLS host (trusted for "localhost" through SSL_CERT_FILE, and taken as
+    public) that sends its answer's head ("head") or body ("body") a byte every 0.2 s until
+    `done`."""
     import ssl
 
+    from router.http import media
     from tests.test_tls import make_certificates
 
     make_certificates(tmp_path)
@@ -151,7 +155,9 @@ def trickling_host(tmp_path: Path, stage: str, done: threading.Event) -> int:
                         tls.sendall(bytes([byte]))
 
     threading.Thread(target=trickle, daemon=True).start()
-    return int(server.getsockname()[1])
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    monkeypatch.setattr(media, "public_address", lambda host, port, field: "127.0.0.1")
+    return f"https://localhost:{server.getsockname()[1]}/cat.png"
 
 
 @pytest.mark.parametrize("stage", ["head", "body"])
@@ -160,20 +166,12 @@ def test_a_fetch_that_trickles_is_cut_at_fetch_timeout_s(
 ) -> None:
     # The timeout bounded each read, and the deadline was checked between reads of 64 KiB:
     # a server sending a byte a second held one of the router's threads as long as it liked.
-    from router.http import media
-
     done = threading.Event()
-    port = trickling_host(tmp_path, stage, done)
-    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
-    monkeypatch.setattr(media, "public_address", lambda host, port, field: "127.0.0.1")
+    url = trickling_host(tmp_path, stage, done, monkeypatch)
     started = time.monotonic()
     try:
         with pytest.raises(FieldError, match="took over 1"):
-            load(
-                f"https://localhost:{port}/cat.png",
-                "f",
-                MediaPolicy(fetch_urls=True, fetch_timeout_s=1.0),
-            )
+            load(url, "f", MediaPolicy(fetch_urls=True, fetch_timeout_s=1.0))
     finally:
         done.set()
     assert time.monotonic() - started < 3.0
@@ -185,25 +183,17 @@ def test_a_fetch_from_a_stalled_host_ends_once_the_client_is_gone(
 ) -> None:
     # The client's leaving was checked between chunks only: a host that stalled held the
     # tenant's thread to http_fetch_timeout_s for a client that had left (review of the fix).
-    from router.http import media
     from router.http.errors import ApiError
 
     done = threading.Event()
-    port = trickling_host(tmp_path, stage, done)
-    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
-    monkeypatch.setattr(media, "public_address", lambda host, port, field: "127.0.0.1")
+    url = trickling_host(tmp_path, stage, done, monkeypatch)
     started = time.monotonic()
     left = threading.Event()
     leaves = threading.Timer(0.5, left.set)  # the client leaves at 0.5 s; the host stalls on
     leaves.start()
     try:
         with pytest.raises(ApiError, match="the client went away") as err:
-            load(
-                f"https://localhost:{port}/cat.png",
-                "f",
-                MediaPolicy(fetch_urls=True, fetch_timeout_s=30.0),
-                gone=left.is_set,
-            )
+            load(url, "f", MediaPolicy(fetch_urls=True, fetch_timeout_s=30.0), gone=left.is_set)
     finally:
         leaves.cancel()
         done.set()
