@@ -187,8 +187,8 @@ def chat_request(
     of a few bytes may name the same file of `policy.max_bytes` again and again. No medium
     is read past `deadline` (time.monotonic; ApiError DEADLINE_EXCEEDED): fetches of
     `http_fetch_timeout_s` each held a thread for as many of them as a body named. Nor once
-    `gone()` (the client hung up; ApiError CANCELLED), and a fetch under way stops at its
-    next chunk: a gone client's URLs were all fetched, holding its tenant's threads."""
+    `gone()` (the client hung up; ApiError CANCELLED), and a fetch under way is cut: a gone
+    client's URLs were all fetched, holding its tenant's threads."""
     request = _request(body, request_id)
     loaded = 0
 

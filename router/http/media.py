@@ -52,7 +52,7 @@ def load(
     url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool] = lambda: False
 ) -> bytes:
     """The file `url` names; FieldError(field) when it is malformed or not allowed. A fetch
-    stops between chunks once `gone()` (ApiError CANCELLED)."""
+    is cut once `gone()` (ApiError CANCELLED)."""
     try:
         data = _load(url, field, policy, gone)
     except FieldError:
@@ -83,7 +83,6 @@ def _load(url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool]) -
 # What base64 in lines may hold between its characters: stripped in one bytes pass (split
 # made an object of every piece between them, 20x the payload for 2-character lines).
 _LINE_SPACE = b" \t\r\n"
-WATCH_S = 0.05  # how often a fetch's watcher looks at its time and whether its client left
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")  # base64url's two letters, as standard base64's
 
 
@@ -194,6 +193,9 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
             self._twin.close()
 
 
+WATCH_S = 0.05  # how often a fetch's watcher looks at its time and whether its client left
+
+
 def _fetch(
     url: urllib.parse.SplitResult,
     field: str,
@@ -219,7 +221,6 @@ def _fetch(
                 return
 
     threading.Thread(target=watch, name="epd-fetch-watch", daemon=True).start()
-    left = ApiError(grpc.StatusCode.CANCELLED, f"{field}: the client went away")
     try:
         path = url.path or "/"
         conn.request("GET", path + (f"?{url.query}" if url.query else ""))
@@ -238,7 +239,7 @@ def _fetch(
         if timed_out.is_set() or time.monotonic() >= end:  # the socket's own timeout, first
             raise FieldError(field, f"fetching took over {policy.fetch_timeout_s} s") from None
         if gone():
-            raise left from None
+            raise ApiError(grpc.StatusCode.CANCELLED, f"{field}: the client went away") from None
         raise FieldError(field, f"fetching failed: {exc}") from None
     finally:
         done.set()
