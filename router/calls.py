@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+CONNECT_FAILED = "failed to connect to all addresses"  # gRPC core's: no connection made
+
 # Worker failures the client caused or should see as they are; others become INTERNAL.
 _PASS_THROUGH = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -57,6 +59,14 @@ def worker_failed(exc: grpc.aio.AioRpcError) -> bool:
         and EMBEDDINGS_LOST not in details
         and DECODE_STEP_FAILED not in details
     )
+
+
+def suspect_if_failed(registry: Registry, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> None:
+    """Mark `worker` suspect when `exc` says it failed (`worker_failed`), and unreachable
+    when no connection to its address could be made (refused, reset, closed before the
+    handshake ended: the process is gone or not yet back; a wedged one still connects)."""
+    if worker_failed(exc):
+        registry.suspect(worker, unreachable=CONNECT_FAILED in (exc.details() or ""))
 
 
 class RouterError(Exception):
@@ -196,8 +206,7 @@ class WorkerCalls:
                 try:
                     return await call(worker)
                 except grpc.aio.AioRpcError as exc:
-                    if worker_failed(exc):
-                        self.registry.suspect(worker)
+                    suspect_if_failed(self.registry, worker, exc)
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or tries >= limit:
                         raise self.error(stage, worker, exc) from None
                     logger.warning(

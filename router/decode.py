@@ -49,7 +49,7 @@ from epd.v1 import (
     router_service_pb2,
 )
 from router.admission import Admission, Ticket
-from router.calls import Job, RouterError, WorkerCalls, worker_failed
+from router.calls import Job, RouterError, WorkerCalls, suspect_if_failed
 from router.detokenize import IncrementalDetokenizer
 from router.inputs import InputError
 from router.metrics import RouterMetrics
@@ -201,8 +201,7 @@ class DecodeStage:
                         raise ended_early()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
-                    if worker_failed(exc):
-                        self.registry.suspect(worker)
+                    suspect_if_failed(self.registry, worker, exc)
                     if code == grpc.StatusCode.UNAVAILABLE and DECODE_STEP_FAILED in (
                         exc.details() or ""
                     ):

@@ -54,7 +54,7 @@ from common.sampling import SamplingParams
 from common.server.peers import PeerClient
 from common.wire.sampling import sampling_to_proto
 from epd.v1 import multimodal_pb2, prefill_service_pb2
-from router.calls import Job, RouterError, worker_failed
+from router.calls import Job, RouterError, suspect_if_failed, worker_failed
 from router.encode import NOTHING, Encoded, EncodeStage
 from router.pieces import Piece, batched, cached_tokens, pieces_past, step_layout
 from router.registry import Registry
@@ -159,7 +159,7 @@ class OverlappedPrefill:
             if isinstance(exc, grpc.aio.AioRpcError) and worker_failed(exc):
                 # The worker is gone: fail over now (the caller cancels the pieces and
                 # encodes again for another), not after the video's last piece is encoded.
-                self.registry.suspect(worker)
+                suspect_if_failed(self.registry, worker, exc)
                 raise self.encoder.calls.error("prefill", worker, exc) from None
             logger.info(
                 "request %s: prefill step %d on %s failed, no more steps (%s)",

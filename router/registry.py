@@ -232,15 +232,17 @@ class Registry:
         record.heard(self.clock())
         return True
 
-    def suspect(self, record: WorkerRecord) -> None:
+    def suspect(self, record: WorkerRecord, unreachable: bool = False) -> None:
         """A call on `record` failed UNAVAILABLE: pick others first until it heartbeats
         again, or longer if it was suspected soon before (`WorkerRecord.mark_suspect`). A
         killed or frozen worker stays listed until its heartbeats are missed for
         `worker_timeout_s`, and its calls fail (at once, or after keepalive's pings): every
-        request would try it first meanwhile, a frozen one's waiting on a reconnect."""
+        request would try it first meanwhile, a frozen one's waiting on a reconnect.
+        `unreachable`: no connection to it could be made (`WorkerRecord.unreachable`)."""
         if not record.suspect:
             logger.info("%s worker %s suspect: a call on it failed", record.role, record.address)
         record.mark_suspect(self.clock(), self.heartbeat_interval_s)
+        record.unreachable = record.unreachable or unreachable
 
     def drain(self, address: str) -> bool:
         """Give the worker at `address` no new work, it and its name's later registrations

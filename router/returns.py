@@ -3,19 +3,23 @@
 When the last worker of a role went (killed, crashed: Ray restarts the actor, Kubernetes
 the pod, and it registers again under its name), every request failed at once until it was
 back: 91 requests in the 16 s one decode worker took, though `request_timeout_s` was 300 s.
-Now a request that finds no prefill or decode worker it could use (none registered and
-serving, or each one suspect and silent: a call failed on it and its heartbeats stopped)
-waits for one, provided a worker of that role was lost within `RESTART_WINDOW_S` (dropped
-for silence, not drained) or is suspect and silent now. It waits until a worker registers
-(looking again every `CHECK_S` for a heartbeat that clears a mark), for at most
-`max_queue_wait_s`, and never within `DEADLINE_MARGIN_S` of its
+Now a request that finds no worker of a role it needs that it could use (none registered
+and serving, or each one gone: a call on it could not connect, or failed and its
+heartbeats stopped) waits for one, provided a worker of that role was lost within
+`RESTART_WINDOW_S` (dropped for silence, not drained) or is gone now. It waits until a
+worker registers (looking again every `CHECK_S` for a heartbeat that clears a mark), for at
+most `max_queue_wait_s`, and never within `DEADLINE_MARGIN_S` of its
 deadline (a client with a short one still gets UNAVAILABLE, which it may take to another
 router, not DEADLINE_EXCEEDED); at most `max_waiting` requests wait at once, and none while
 the router drains. Then it goes on as before: served, or refused UNAVAILABLE naming the
 role. A role that never had a worker, or lost its last one longer ago, is not restarting:
-its requests fail at once, as before. The encoder is not waited for: a request may not need
-one (its items cached), and an encode fails over as before. Requests already running on the
-worker that died are not held (their calls fail; a decode stream resumes where another is).
+its requests fail at once, as before. Every request waits for prefill and decode, and one
+with media items for an encoder as well (before, every image request failed at once
+through an encoder's 5 s restart), before admission: a waiting request holds no KV
+reservation. One whose items the caches hold waits for the encoder too (whether it needs
+one is known only once a prefill worker is chosen); only while no encoder is left. Requests
+already running on the worker that died are not held (their calls fail; a decode stream
+resumes where another is).
 """
 
 from __future__ import annotations
@@ -35,13 +39,23 @@ DEADLINE_MARGIN_S = 1.0  # a request stops waiting this long before its deadline
 SILENT_HEARTBEATS = 2  # a suspect worker silent for this many intervals: gone, not wedged
 
 
+def needed(media: bool) -> tuple[Role, ...]:
+    """The roles a request waits for: prefill and decode, and an encoder if it has `media`."""
+    return (Role.PREFILL, Role.DECODE, Role.ENCODER) if media else (Role.PREFILL, Role.DECODE)
+
+
 class Returns:
     """Who is restarting, and the wait for them (module docstring)."""
 
     def __init__(
-        self, max_wait_s: float, registry: Registry | None = None, max_waiting: int = 512
+        self,
+        max_wait_s: float,
+        registry: Registry | None = None,
+        max_waiting: int = 512,
+        stop: Callable[[], bool] = lambda: False,
     ) -> None:
         self.max_wait_s = max_wait_s
+        self.stop = stop  # no request waits once this says so (the router drains)
         self.max_waiting = max_waiting  # requests waiting at once, at most
         self.lost: dict[Role, float] = {}  # role -> registry time its last loss
         self.waited = 0  # requests that waited for a worker, ever
@@ -69,7 +83,9 @@ class Returns:
     def restarting(self, role: Role) -> bool:
         """Whether `role` has no worker a request could use, and lost one lately (one silent
         past the timeout counts as lost before the expiry pass drops it: in between, waiting
-        requests were let go to fail UNAVAILABLE, and new ones failed at once)."""
+        requests were let go to fail UNAVAILABLE, and new ones failed at once; one that
+        could not be connected to, at once: for two heartbeats after a kill, requests
+        failed at once)."""
         registry = self.registry
         if registry is None:
             return False
@@ -77,7 +93,8 @@ class Returns:
 
         def gone(w: WorkerRecord) -> bool:
             silent = now - w.last_seen
-            return silent > registry.worker_timeout_s or (w.suspect and silent > silent_s)
+            timed_out = silent > registry.worker_timeout_s
+            return timed_out or w.unreachable or (w.suspect and silent > silent_s)
 
         workers = [w for w in registry.workers(role, timed_out=True) if not w.draining]
         if not all(map(gone, workers)):
@@ -86,12 +103,14 @@ class Returns:
         return (left is not None and now - left < RESTART_WINDOW_S) or bool(workers)
 
     async def wait(
-        self, roles: Iterable[Role], deadline: float, stop: Callable[[], bool] = lambda: False
+        self, roles: Iterable[Role], deadline: float, stop: Callable[[], bool] | None = None
     ) -> None:
         """Return once none of `roles` is restarting, `DEADLINE_MARGIN_S` before `deadline`
-        (time.monotonic), `max_wait_s` from now, or once `stop()` (the router drains),
-        whichever comes first; at once when `max_waiting` requests wait already."""
+        (time.monotonic), `max_wait_s` from now, or once `stop()` (default `self.stop`: the
+        router drains), whichever comes first; at once when `max_waiting` requests wait
+        already."""
         needed = tuple(roles)
+        stop = stop or self.stop
         if not any(map(self.restarting, needed)) or self.waiting >= self.max_waiting:
             return
         self.waited += 1

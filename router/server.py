@@ -74,7 +74,7 @@ from router.prepare import prepare_request
 from router.prepare_threads import PrepareThreads, has_media
 from router.registry import Registry
 from router.registry_service import RegistryServicer
-from router.returns import Returns
+from router.returns import Returns, needed
 from router.settings import RouterSettings
 from router.stop import check_stop, stop_at
 from router.tenants import tenant_salt
@@ -108,9 +108,13 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             settings.requests_in_flight_mb << 20, settings.max_message_mb << 20, tenant_share=share
         )
         self.prepare_threads = PrepareThreads(share)  # the threads requests are prepared on
-        # Requests wait out the restart of a role's last worker (`router.returns`).
-        # (following the registry once `serve` has one)
-        self.returns = Returns(settings.max_queue_wait_s, max_waiting=settings.max_queued_requests)
+        # Requests wait out the restart of a role's last worker (`router.returns`), once
+        # `serve` has it follow the registry.
+        self.returns = Returns(
+            settings.max_queue_wait_s,
+            max_waiting=settings.max_queued_requests,
+            stop=lambda: self.lifecycle.draining,
+        )
 
     def _prepare(
         self,
@@ -229,8 +233,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     resumed=resumed,
                     tenant=caller.tenant,
                 )
-                lifecycle = self.lifecycle
-                await self.returns.wait(KV_ROLES, deadline, lambda: lifecycle.draining)
+                await self.returns.wait(needed(bool(prompt.params.items)), deadline)
                 answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
                 async for chunk in self.orchestrator.metrics.track(answer, outcome.started):
                     yield chunk

@@ -119,6 +119,10 @@ class WorkerRecord:
     suspect_until: float = 0.0  # a heartbeat before then leaves it suspect
     suspect_strikes: int = 0  # marks in a row, each soon after the last was cleared
     suspect_cleared: float = -math.inf  # clock time the last mark was cleared
+    # A call could not connect to it (refused, reset, closed) since its last heartbeat: not wedged
+    # but gone, so requests wait for its restart at once (`router.returns`), not once its
+    # heartbeats are missed.
+    unreachable: bool = False
 
     def mark_suspect(self, now: float, heartbeat_interval_s: float) -> None:
         """A call on it failed UNAVAILABLE. A first failure lasts until the next heartbeat;
@@ -137,6 +141,7 @@ class WorkerRecord:
         """A heartbeat arrived: clear the suspect mark if it has been held long enough."""
         self.last_seen = now
         self.excused = 0.0
+        self.unreachable = False
         if self.suspect and now >= self.suspect_until:
             self.suspect = False  # alive after all: its failed call was its own
             self.suspect_cleared = now

@@ -7,16 +7,29 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
+import pytest
+from grpc.aio import Metadata
 from prometheus_client import generate_latest
 
 from common.roles import Role
 from common.sampling import SamplingParams
+from epd.answers import GenerateError
+from router.calls import suspect_if_failed
 from router.returns import RESTART_WINDOW_S, Returns
 from router.workers import WorkerLoad
 from tests.registry_helpers import Clock, info
 from tests.registry_helpers import clock as clock  # fixtures: a fake clock, a registry on it
 from tests.registry_helpers import registry as registry
-from tests.test_router import FIRST, TEXT, FakeDecode, FakePrefill, start_router
+from tests.test_router import (
+    FIRST,
+    IMAGE,
+    TEXT,
+    FakeDecode,
+    FakeEncoder,
+    FakePrefill,
+    start_router,
+)
 
 
 def test_a_role_is_restarting_only_when_it_lost_a_worker_lately(registry, clock: Clock) -> None:
@@ -50,6 +63,33 @@ def test_a_suspect_worker_counts_as_gone_only_once_it_is_silent(registry, clock:
     assert returns.restarting(Role.DECODE)
     registry.heartbeat(worker.worker_id, WorkerLoad())
     assert not returns.restarting(Role.DECODE)
+
+
+async def test_a_worker_that_cannot_be_connected_to_is_gone_at_once(registry, clock: Clock) -> None:
+    # A killed worker refuses connections at once, but counted as gone only after two
+    # heartbeats of silence: meanwhile requests failed at once instead of waiting for it.
+    # (A connect reset, as after a local server's stop, says the same.)
+    returns = Returns(5.0, registry)
+    worker = registry.register(info(Role.DECODE, 3))
+    suspect_if_failed(registry, worker, await failed_call("127.0.0.1:1"))  # nothing there
+    assert worker.suspect and worker.unreachable
+    assert returns.restarting(Role.DECODE)  # no heartbeat missed yet
+    registry.heartbeat(worker.worker_id, WorkerLoad())  # it was back after all
+    assert not worker.unreachable and not returns.restarting(Role.DECODE)
+    other = registry.register(info(Role.DECODE, 4))
+    wedged = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(), "keepalive")
+    suspect_if_failed(registry, other, wedged)  # a call failed some other way: suspect only
+    assert other.suspect and not other.unreachable
+
+
+async def failed_call(address: str) -> grpc.aio.AioRpcError:
+    """The error of a call to `address` (where nothing listens)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        try:
+            await ch.unary_unary("/x.Y/Z")(b"", timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+    raise AssertionError("the call succeeded")
 
 
 def test_a_worker_silent_past_its_timeout_is_lost_before_the_expiry_pass(
@@ -150,5 +190,61 @@ async def test_a_request_waits_for_the_decode_worker_that_restarts(ckpt) -> None
         assert cluster.router.servicer.returns.waited == 1
         page = generate_latest(cluster.router.orchestrator.metrics.registry).decode()
         assert "epd:requests_waited_for_worker_total 1.0" in page
+    finally:
+        await cluster.close()
+
+
+async def test_an_image_request_waits_for_the_encoder_that_restarts(ckpt) -> None:
+    # Only prefill and decode were waited for: with one encoder, every image request during
+    # its 5 s restart failed at once (recovery review). A text request does not wait for it.
+    cluster = await start_router(ckpt)
+    try:
+        await cluster.add(Role.ENCODER, FakeEncoder())
+        await cluster.add(Role.PREFILL, FakePrefill())
+        await cluster.add(Role.DECODE, FakeDecode())
+        registry = cluster.router.registry
+        for worker in registry.workers(Role.ENCODER):
+            worker.last_seen -= registry.worker_timeout_s + 1  # killed: its heartbeats stop
+        registry.expire()
+        text = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
+        assert text.token_ids == [FIRST, 101]  # needs no encoder: served at once
+        answer = asyncio.create_task(
+            cluster.client.generate_text(IMAGE, SamplingParams(max_tokens=2))
+        )
+        await asyncio.sleep(0.5)
+        assert not answer.done()  # waiting, not failed UNAVAILABLE at once
+        encoder = FakeEncoder()
+        await cluster.add(Role.ENCODER, encoder)  # back, on another port
+        result = await asyncio.wait_for(answer, 10)
+        assert result.token_ids == [FIRST, 101] and len(encoder.requests) == 1
+        assert cluster.router.servicer.returns.waited == 1
+    finally:
+        await cluster.close()
+
+
+async def test_requests_after_a_failed_connect_wait_for_the_worker(ckpt) -> None:
+    # The decode worker's server is gone (killed: connections refused or reset). The
+    # request that finds out fails (one or two: a call on the connection the kill cut fails
+    # "Socket closed", which says nothing of a restart); the next ones wait for the worker's
+    # return instead of failing at once for two heartbeat intervals.
+    cluster = await start_router(ckpt)
+    try:
+        await cluster.add(Role.PREFILL, FakePrefill())
+        await cluster.add(Role.DECODE, FakeDecode())
+        (worker,) = cluster.router.registry.workers(Role.DECODE)
+        await cluster.servers[-1].stop(0)
+        for _ in range(3):
+            with pytest.raises(GenerateError, match="UNAVAILABLE"):
+                await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
+            if worker.unreachable:
+                break
+        assert worker.unreachable
+        answer = asyncio.create_task(
+            cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
+        )
+        await asyncio.sleep(0.5)
+        assert not answer.done()  # waiting
+        await cluster.add(Role.DECODE, FakeDecode())
+        assert (await asyncio.wait_for(answer, 10)).token_ids == [FIRST, 101]
     finally:
         await cluster.close()
