@@ -163,9 +163,9 @@ class RouterSettings(ServerSettings):
     http_fetch_max_bytes: int = setting(64 << 20, "largest media file one URL fetch may return")
     http_max_connections: int = setting(
         1024,
-        "HTTP connections the router keeps open at once; one past it is closed as it opens "
-        "(each is a file descriptor the gRPC server and the workers' channels draw on too; "
-        "0: no cap)",
+        "HTTP connections the router keeps open at once; one past it is answered 503 with "
+        "Retry-After: 1 and closed as it opens (each is a file descriptor the gRPC server "
+        "and the workers' channels draw on too; 0: no cap)",
     )
     http_header_timeout_s: float = setting(
         20.0,

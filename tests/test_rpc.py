@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.kv.block_pool import NoFreeBlocksError
 from common.multimodal.validation import MultimodalLayoutError
+from common.server import rpc
 from common.server.lifecycle import LifecycleState, ServerLifecycle
+from common.server.role import MAX_OPEN_FILES
 from common.server.rpc import (
     RpcStatusError,
     RunningServer,
@@ -213,3 +220,53 @@ def test_a_failed_calls_log_line_names_its_request() -> None:
         "DecodeServicer.Decode (request r-1\\nINFO forged)"
     )
     assert _where("Probe.call", (None, b"raw", None)) == "Probe.call"
+
+
+def _closed_within(socks: list[socket.socket], seconds: float) -> list[int]:
+    """The indexes of `socks` the server closed within `seconds`."""
+    closed: set[int] = set()
+    until = time.monotonic() + seconds
+    while time.monotonic() < until and len(closed) < len(socks):
+        ready, _, _ = select.select(
+            [s for i, s in enumerate(socks) if i not in closed], [], [], 0.05
+        )
+        for sock in ready:
+            try:
+                data = sock.recv(4096)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                closed.add(socks.index(sock))
+    return sorted(closed)
+
+
+async def test_connections_past_the_cap_are_closed_as_they_open(monkeypatch) -> None:
+    # A connection needs no credentials and holds a file descriptor: 120 silent ones took
+    # down a router at 128 descriptors (overload review). Past the cap they are closed at
+    # once, and one that never finishes its handshake goes after HANDSHAKE_S.
+    monkeypatch.setattr(rpc, "HANDSHAKE_S", 1.0)
+    running = await start_server([], max_connections=3)
+    host, port = running.address.rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port))) for _ in range(5)]
+    try:
+        assert await asyncio.to_thread(_closed_within, socks, 0.5) == [3, 4]
+        started = time.monotonic()
+        assert await asyncio.to_thread(_closed_within, socks[:3], 3.0) == [0, 1, 2]
+        assert time.monotonic() - started < 2.0  # the handshake's time, not gRPC's minute
+        await wait_healthy(running.address, timeout_s=2)  # room again: served
+    finally:
+        for sock in socks:
+            sock.close()
+        await running.stop(0)
+
+
+def test_a_server_raises_its_soft_limit_on_open_files() -> None:
+    # At many systems' default of 1024 the connection caps (1024 each) were never reached.
+    script = (
+        "import resource; from common.server.role import raise_open_files_limit as r;"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1];"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)); print(r(), hard)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    raised, hard = map(int, out.stdout.split())
+    assert raised == min(hard if hard >= 0 else MAX_OPEN_FILES, MAX_OPEN_FILES) and raised > 64

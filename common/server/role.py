@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import resource
 import uuid
 from collections.abc import Awaitable, Callable, Sequence, Sized
 from dataclasses import dataclass, field
@@ -58,6 +59,22 @@ R = TypeVar("R", bound="RoleServer[Any]")
 Cleanup = Callable[[], Awaitable[None]]
 AddServicer = Callable[[Any], None]  # e.g. `lambda s: add_XServicer_to_server(impl, s)`
 READINESS_CHECK_S = 1.0  # how often a worker's readiness looks at its registrations
+# A server raises its process's soft limit on open files to the hard one, up to this: the
+# connections its ports keep (`grpc_max_connections`, the router's `http_max_connections`)
+# and its channels are file descriptors, and a soft limit of 1024 (many systems' default)
+# would be reached before those caps.
+MAX_OPEN_FILES = 1 << 20
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on open files (module constant); returns the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # not allowed here: keep the old one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    return soft
 
 
 def freeze_startup_heap() -> None:
@@ -131,6 +148,7 @@ class RoleServer(RunningServer, Generic[S]):
         what the role built for it) and the error propagates.
         """
         security = settings.security
+        raise_open_files_limit()
         try:
             settings.check()
             if auth == "settings":
@@ -145,6 +163,7 @@ class RoleServer(RunningServer, Generic[S]):
                 tls=server_tls(security, client_certs=not client_api),
                 name=_role_name(service_names),
                 stream_window_bytes=CLIENT_STREAM_WINDOW if client_api else None,
+                max_connections=settings.grpc_max_connections,
             )
             registry = metrics if metrics is not None else CollectorRegistry()
             ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, fds

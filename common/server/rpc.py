@@ -54,6 +54,7 @@ LIVENESS_SERVICE = "liveness"
 # caller tries another peer (`router.calls`) instead of waiting out the call's deadline.
 # Pings are sent only while calls are open. Every epd server accepts them (any interval).
 KEEPALIVE_S = 10.0
+HANDSHAKE_S = 10.0  # a connection's time to finish its handshake (silent ones held ~60 s)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -157,6 +158,7 @@ async def start_server(
     name: str = "server",
     stream_window_bytes: int | None = None,
     keepalive_s: float = KEEPALIVE_S,
+    max_connections: int = 0,
 ) -> RunningServer:
     """Start a grpc.aio server serving the given servicers plus `grpc.health.v1` and
     server reflection (listing `service_names`, health and reflection itself).
@@ -180,6 +182,10 @@ async def start_server(
     The router's client port sets it (`router.held`): of sixteen 12.6 MB calls, two read and
     fourteen waiting, the server held 246 MB with the probed window and 131 MB with a 4 MiB
     one; a 100 MiB request took 302 ms against 323 ms over loopback.
+
+    `max_connections` (0: no cap): one past it is closed as it opens. Each is a descriptor,
+    and needs no credentials (those are per call): 120 silent ones took down a router at 128
+    descriptors, health, metrics and heartbeats included. Handshakes get `HANDSHAKE_S`.
     """
     # Credentials first: a caller without them learns nothing of what it sent.
     interceptors: list[grpc.aio.ServerInterceptor] = [CorruptRequests()]
@@ -191,7 +197,10 @@ async def start_server(
         *keepalive_options(keepalive_s),  # a frozen client's calls end, not at their deadline
         *_PING_POLICY,
         ("grpc.so_reuseport", 0),
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
     ]
+    if max_connections:
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
     if stream_window_bytes is not None:
         options.append(("grpc.http2.bdp_probe", 0))
         options.append(("grpc.http2.lookahead_bytes", stream_window_bytes))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.address import bracketed, check_address
-from common.settings.schema import SettingsError, check_positive, setting
+from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
 from common.settings.security import SecuritySettings
 
 if TYPE_CHECKING:
@@ -52,6 +52,11 @@ class ServerSettings:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(0, "port to listen on (0: pick a free one)")
     max_message_mb: int = setting(256, "largest gRPC message in or out, in MiB")
+    grpc_max_connections: int = setting(
+        1024,
+        "gRPC connections the server keeps open at once; one past it is closed as it opens "
+        "(each is a file descriptor; a connection needs no credentials; 0: no cap)",
+    )
     drain_timeout_s: float = setting(
         300.0,
         "on SIGTERM: seconds in-flight work (streams, leases held for peers) may take to "
@@ -71,6 +76,7 @@ class ServerSettings:
         if not 0 <= self.port <= 65535:
             raise SettingsError("port: must be between 0 and 65535")
         check_positive(self, "max_message_mb", "drain_timeout_s")
+        check_not_negative(self, "grpc_max_connections")
         if self.max_message_mb > MAX_MESSAGE_MB:  # gRPC takes the bytes as a C int
             raise SettingsError(f"max_message_mb: must be at most {MAX_MESSAGE_MB}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
