@@ -12,6 +12,7 @@ import asyncio
 import base64
 import io
 import json
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -232,6 +233,23 @@ async def test_health_needs_every_role(fake: FakeCluster) -> None:
     await wait_health(url_of(fake), 200)
     serving = health_pb2.HealthCheckResponse.SERVING
     assert await grpc_health(fake, serving) == serving
+
+
+async def test_the_caller_is_identified_on_the_event_loop(fake: FakeCluster, monkeypatch) -> None:
+    # A plain-function dependency runs on FastAPI's thread pool: a thread hop per request,
+    # and a 60-request burst grew the router by 36 threads (overload review).
+    import router.http.app as app_module
+
+    threads = []
+    identify = app_module.identify
+
+    def recorded(*args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return identify(*args)
+
+    monkeypatch.setattr(app_module, "identify", recorded)
+    status, _, _ = await asyncio.to_thread(call, f"{url_of(fake)}/v1/models", None, CLIENT_KEY)
+    assert status == 200 and threads == [threading.get_ident()]
 
 
 async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
