@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
+import os
 import shlex
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from cluster.console import say as _say
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from common.settings.base import ServerSettings
 
 T = TypeVar("T")
+LOCK_FILE = "serve.lock"  # in $EPD_HOME/<namespace>, held by the running `epd serve`
 
 
 def cmd_serve(settings: EpdSettings) -> int:
@@ -29,6 +32,42 @@ def cmd_serve(settings: EpdSettings) -> int:
     settings.check()  # the same check as `epd config --check`; `epd` exits 2 with its line
     check_ports(settings)
     token_file_for_all(settings)  # roles' tokens that differ: refused before Ray starts
+    with holding_namespace(settings.ray.namespace):
+        return _start_and_serve(settings)
+
+
+@contextlib.contextmanager
+def holding_namespace(namespace: str) -> Iterator[None]:
+    """Hold `$EPD_HOME/<namespace>/serve.lock` while the block runs (released at exit, a
+    kill included). A second `epd serve` of the namespace on this machine started its own
+    Ray cluster, where `refuse_if_running` saw nothing, and wrote its token and keys over
+    the first one's: that one's clients and admins were locked out, and its restarted
+    workers read the new token and were refused by their own router. SettingsError naming
+    `ray.namespace` when another process holds it."""
+    from common.settings.api_keys import state_dir
+    from common.settings.schema import SettingsError
+
+    folder = state_dir(namespace)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise SettingsError(
+                f"ray.namespace: an epd serve of namespace {namespace!r} runs on this machine "
+                f"(pid {holder}; it keeps its token and keys in {folder}); stop it, or set "
+                "another --ray-namespace (or $EPD_HOME)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
+def _start_and_serve(settings: EpdSettings) -> int:
     import logging
 
     from cluster.ray_start import init_ray, refuse_if_running

@@ -172,7 +172,38 @@ def test_a_refused_epd_serve_leaves_the_running_deployments_secrets_alone(
     monkeypatch.setattr(cluster.ray_start, "refuse_if_running", running)
     with pytest.raises(SettingsError, match="already runs"):
         serve.cmd_serve(EpdSettings())
-    assert not (tmp_path / "epd").exists() or not any((tmp_path / "epd").iterdir())
+    assert [p.name for p in (tmp_path / "epd").iterdir()] == [serve.LOCK_FILE]
+
+
+def test_a_second_epd_serve_of_a_namespace_on_this_machine_is_refused_before_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each local `epd serve` starts its own Ray cluster, where `refuse_if_running` sees no
+    # other deployment: the second one wrote its token and keys over the first one's, whose
+    # clients were then refused, and whose restarted workers read the new token and were
+    # refused by their own router (new-user review).
+    import cluster.ray_start
+    from cluster import serve
+    from common.settings.schema import SettingsError
+
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    monkeypatch.setattr(serve, "check_ports", lambda settings: None)
+
+    def no_ray(ray: object, log_level: str) -> bool:
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(cluster.ray_start, "init_ray", no_ray)
+    first = with_api_keys(with_cluster_token(EpdSettings()))  # the running one's secrets
+    secrets = {p.name: p.read_bytes() for p in (tmp_path / "epd").iterdir()}
+    with serve.holding_namespace("epd"):
+        with pytest.raises(SettingsError, match=r"ray.namespace: an epd serve .* \(pid \d+"):
+            serve.cmd_serve(EpdSettings())
+        with serve.holding_namespace("other"):  # another namespace is another folder
+            pass
+    after = {p.name: p.read_bytes() for p in (tmp_path / "epd").iterdir() if p.name in secrets}
+    assert after == secrets and first.security.cluster_token_file is not None
+    with serve.holding_namespace("epd"):  # released with its holder
+        pass
 
 
 def test_tenant_salts() -> None:
