@@ -130,9 +130,15 @@ def test_files_are_opened_without_probing_their_streams(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(video_file.av, "open", spy)
     open_video(data, fps=2.0, max_frames=8).close()
-    (options,) = opened
-    assert options["probesize"] == "32" and options["analyzeduration"] == "0"
-    assert options["fpsprobesize"] == "0" and options["max_streams"] == "16"
+    open_video(data, fps=2.0, max_frames=8, max_pixels=1 << 20).close()
+    unlimited, limited = opened
+    assert unlimited["probesize"] == "32" and unlimited["analyzeduration"] == "0"
+    assert unlimited["fpsprobesize"] == "0" and unlimited["max_streams"] == "16"
+    # Opening still decodes the first stream's first frame: the decoders refuse one past
+    # the pixel limit (an 8000x8000 h264 frame cost 0.13 s and 150 MB before its refusal;
+    # video review), or past the probe's own limit where the caller sets none.
+    assert limited["max_pixels"] == str(1 << 20)
+    assert unlimited["max_pixels"] == str(video_file._PROBE_MAX_PIXELS)
 
 
 def test_a_decoding_error_naming_the_field_is_not_wrapped_again() -> None:
