@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.roles import WORKER_ROLES
+from common.settings.api_keys import load_api_keys
 from common.settings.base import LOG_LEVELS, ModelWorkerSettings
 from common.settings.schema import SettingsError, check_positive, describe, setting, to_toml
 from common.settings.security import SecuritySettings
@@ -181,6 +182,7 @@ class EpdSettings:
             )
             try:
                 relaxed.check()
+                read_secrets(settings.security, api_keys=role == "router")
             except SettingsError as exc:
                 raise SettingsError(f"{role}.{exc}") from None
             if self.model is None and settings.model is not None:
@@ -265,6 +267,19 @@ def _filled_in(own: SecuritySettings, top: SecuritySettings) -> SecuritySettings
 # What a checkpoint folder must hold for every role to load it (weights are found by
 # the loader, which names what it misses).
 MODEL_FILES = ("config.json", "tokenizer.json")
+
+
+def read_secrets(security: SecuritySettings, *, api_keys: bool = False) -> None:
+    """Read the token, TLS and (`api_keys`: the router's) API keys files `security` names,
+    as the role will, SettingsError naming the one that fails (`epd serve` refused a
+    missing keys file only after Ray had started, with a 20-line traceback)."""
+    if security.insecure:
+        return
+    if security.cluster_token_file:
+        security.cluster_key()
+    security.tls_files()
+    if api_keys and security.api_keys_file:
+        load_api_keys(security.api_keys_file)
 
 
 def check_model_folder(key: str, model: str) -> None:

@@ -14,7 +14,7 @@ from common.processing.limits import (
     MIN_FPS,
     InputLimits,
 )
-from common.settings.base import ServerSettings
+from common.settings.base import ServerSettings, check_distinct_ports
 from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
 
 
@@ -240,6 +240,7 @@ class RouterSettings(ServerSettings):
         """Raise SettingsError naming the first unusable field; the router also needs the
         API keys file unless insecure."""
         ServerSettings.check(self)
+        check_distinct_ports(self, "port", "http_port", "metrics_port")
         self.security.check(api_keys=True)
         check_not_negative(
             self,

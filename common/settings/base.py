@@ -45,6 +45,20 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_MESSAGE_MB = 2047  # `max_message_mb` in bytes must fit a C int (gRPC's options)
 
 
+def check_distinct_ports(settings: object, *names: str) -> None:
+    """SettingsError naming the later of two `names` that fix the same port (the server
+    would fail to listen on it only once started: under `epd serve`, after Ray's start)."""
+    seen: dict[int, str] = {}
+    for name in names:
+        port = getattr(settings, name)
+        if port is not None and port > 0:
+            if port in seen:
+                raise SettingsError(
+                    f"{name}: {port} is also set as {seen[port]}; they cannot share it"
+                )
+            seen[port] = name
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """What every gRPC server of epd (router and workers) is started with."""
@@ -81,6 +95,7 @@ class ServerSettings:
             raise SettingsError(f"max_message_mb: must be at most {MAX_MESSAGE_MB}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise SettingsError("metrics_port: must be between 0 and 65535")
+        check_distinct_ports(self, "port", "metrics_port")
 
 
 @dataclass(frozen=True, slots=True)
