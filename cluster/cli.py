@@ -104,6 +104,12 @@ def _key_hint(args: argparse.Namespace) -> str:
     if env_api_key():
         return f" (the key in ${API_KEY_VAR})"
     path = key_file(CLIENT_KEY_FILE if args.command == "generate" else ADMIN_KEY_FILE)
+    if not path.exists():  # "read X" suggested a file that was read (serve writes none
+        # when given a keys file)
+        return (
+            f" (no --api-key or ${API_KEY_VAR}, and no key file at {path}: give --api-key, "
+            f"or set ${NAMESPACE_VAR} to another namespace's `epd serve`)"
+        )
     return (
         f" (no --api-key or ${API_KEY_VAR}; read {path}: set ${NAMESPACE_VAR} for another "
         "namespace's `epd serve`)"

@@ -136,10 +136,10 @@ class Controller:
         """Every router's address (the first is `address`)."""
         return list(self.router_addresses)
 
-    async def http_address(self) -> str | None:
-        """The router's HTTP API address, as clients dial it (None: off)."""
-        http = self.router.http_address
-        return reachable_address(http) if http else None
+    async def http_addresses(self) -> list[str]:
+        """Every router's HTTP API address, as clients dial it (none: off)."""
+        routers = (self.router, *self.more_routers)
+        return [reachable_address(r.http_address) for r in routers if r.http_address]
 
     async def wait_ready(self, timeout_s: float) -> dict[str, int]:
         """Wait until every pool has as many registered workers as it should.
@@ -281,7 +281,7 @@ class Deployment:
         self.started_ray = started_ray
         self.address = ""  # router address, set by start
         self.addresses: list[str] = []  # every router's address (`address` first), by start
-        self.http_address: str | None = None  # router's HTTP API address, set by start
+        self.http_addresses: list[str] = []  # every router's HTTP API address, by start
 
     @classmethod
     async def start(cls, settings: EpdSettings, *, started_ray: bool) -> Deployment:
@@ -309,7 +309,7 @@ class Deployment:
         try:
             deployment.address = await controller.address.remote()
             deployment.addresses = list(await controller.addresses.remote())
-            deployment.http_address = await controller.http_address.remote()
+            deployment.http_addresses = list(await controller.http_addresses.remote())
         except ray.exceptions.RayActorError as exc:
             raise WorkerStartError(f"the router failed to start: {error_summary(exc)}") from None
         return deployment

@@ -122,13 +122,32 @@ def check_ports(settings: EpdSettings) -> None:
             )
 
 
-def try_line(address: str, namespace: str) -> str:
-    """The command `epd serve` suggests once ready; in another namespace than the default,
-    with the `EPD_NAMESPACE` its key is found under (without it: UNAUTHENTICATED)."""
+def try_line(addresses: list[str], settings: EpdSettings) -> str:
+    """The command `epd serve` suggests once ready: to every router; in another namespace
+    than the default, with the `EPD_NAMESPACE` its key is found under (without it:
+    UNAUTHENTICATED); with `--api-key` when the keys file is the operator's (serve wrote no
+    key file) and `--tls-ca-file` when the router serves TLS (without them it failed as
+    printed, "Socket closed")."""
     from common.settings.api_keys import DEFAULT_NAMESPACE, NAMESPACE_VAR
 
+    namespace = settings.ray.namespace
     env = f"{NAMESPACE_VAR}={shlex.quote(namespace)} " if namespace != DEFAULT_NAMESPACE else ""
-    return f'try: {env}epd generate "Describe the image." --image IMG --address {address}'
+    security = settings.with_model().router.security
+    flags = ""
+    if security.tls_cert_file:
+        flags += f" --tls-ca-file {shlex.quote(security.tls_ca_file or 'CA.pem')}"
+    if not security.insecure and security.api_keys_file and not _wrote_keys(settings):
+        flags += " --api-key KEY"
+    command = f'epd generate "Describe the image." --image IMG --address {",".join(addresses)}'
+    return f"try: {env}{command}{flags}"
+
+
+def _wrote_keys(settings: EpdSettings) -> bool:
+    """Whether `with_api_keys` wrote the router's keys file (the client key beside it)."""
+    from common.settings.api_keys import API_KEYS_FILE, state_dir
+
+    path = settings.with_model().router.security.api_keys_file
+    return path == str(state_dir(settings.ray.namespace) / API_KEYS_FILE)
 
 
 def with_cluster_token(settings: EpdSettings) -> EpdSettings:
@@ -285,8 +304,8 @@ async def _run(
         _say(f"router listening on {deployment.address}")
         for more in deployment.addresses[1:]:  # `--routers N`: every worker joins each
             _say(f"router listening on {more}")
-        if deployment.http_address:
-            _say(f"OpenAI-compatible HTTP API on http://{deployment.http_address}/v1")
+        for http in deployment.http_addresses:  # one per router
+            _say(f"OpenAI-compatible HTTP API on http://{http}/v1")
         pools = settings.pools.initial_replicas()
         _say("waiting for " + ", ".join(f"{n} {role}" for role, n in pools.items()) + " ...")
         ready = await _until(stop, deployment.wait_ready(settings.pools.ready_timeout_s, _say))
@@ -294,7 +313,7 @@ async def _run(
             return 130
         counts = ", ".join(f"{n} {role}" for role, n in ready.items())
         _say(f"ready in {time.monotonic() - started:.1f}s: {counts} registered")
-        _say(try_line(deployment.address, settings.ray.namespace))
+        _say(try_line(deployment.addresses, settings))
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5.0):

@@ -302,6 +302,13 @@ def test_an_unauthenticated_command_says_where_it_looked_for_its_key(
         main(["status"])
     err = capsys.readouterr().err
     assert str(tmp_path / "epd" / "admin_key") in err and "EPD_NAMESPACE" in err
+    # No such file (serve given a keys file writes none): it says so, and --api-key first.
+    assert f"no key file at {tmp_path / 'epd' / 'admin_key'}: give --api-key" in err
+    (tmp_path / "epd").mkdir()
+    (tmp_path / "epd" / "admin_key").write_text("k" * 32)
+    with pytest.raises(SystemExit):
+        main(["status"])
+    assert f"read {tmp_path / 'epd' / 'admin_key'}: set $EPD_NAMESPACE" in capsys.readouterr().err
 
     async def refused_generate(args: object) -> int:  # epd.client's error, said without
         from epd.client import GenerateError

@@ -12,15 +12,17 @@ import pytest
 
 import cluster.deployment
 from cluster.serve import StopSignals, _serve
-from cluster.settings import EpdSettings
+from cluster.settings import EpdSettings, RaySettings
+from common.settings.schema import from_mapping
 
 
 class FakeDeployment:
     """Starts at once, is ready at once, and drains until cancelled (long streams)."""
 
-    address, addresses, http_address = "127.0.0.1:1", ["127.0.0.1:1"], None
+    address, addresses = "127.0.0.1:1", ["127.0.0.1:1"]
 
     def __init__(self) -> None:
+        self.http_addresses: list[str] = []
         self.log: list[str] = []
         self.stopping = asyncio.Event()
 
@@ -84,6 +86,26 @@ def test_the_suggested_command_finds_the_key_of_another_namespace() -> None:
     # namespace's key and failed UNAUTHENTICATED.
     from cluster.serve import try_line
 
-    assert try_line("127.0.0.1:50051", "epd").startswith("try: epd generate ")
-    assert try_line("127.0.0.1:50051", "s28cfg").startswith("try: EPD_NAMESPACE=s28cfg epd ")
-    assert "EPD_NAMESPACE='a b' " in try_line("127.0.0.1:50051", "a b")
+    def line(namespace: str) -> str:
+        return try_line(["127.0.0.1:50051"], EpdSettings(ray=RaySettings(namespace=namespace)))
+
+    assert line("epd").startswith("try: epd generate ")
+    assert line("epd").endswith("--address 127.0.0.1:50051")
+    assert line("s28cfg").startswith("try: EPD_NAMESPACE=s28cfg epd ")
+    assert "EPD_NAMESPACE='a b' " in line("a b")
+
+
+def test_the_suggested_command_names_every_router_the_ca_and_the_key_it_needs(
+    tmp_path, monkeypatch
+) -> None:
+    # With docs/security.md's own keys file and TLS, the printed command failed as printed
+    # ("Socket closed", then UNAUTHENTICATED); with `--routers 2` it named one router.
+    from cluster.serve import try_line, with_api_keys, with_cluster_token
+
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    tls = {"tls_cert_file": "/t/cert.pem", "tls_key_file": "/t/key.pem", "tls_ca_file": "/t/ca"}
+    own = from_mapping(EpdSettings, {"security": {**tls, "api_keys_file": "/t/keys.toml"}})
+    line = try_line(["127.0.0.1:1", "127.0.0.1:2"], with_cluster_token(own))
+    assert line.endswith("--address 127.0.0.1:1,127.0.0.1:2 --tls-ca-file /t/ca --api-key KEY")
+    written = with_api_keys(with_cluster_token(EpdSettings()))  # serve's own keys: found
+    assert try_line(["127.0.0.1:1"], written).endswith("--address 127.0.0.1:1")
