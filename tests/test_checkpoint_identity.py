@@ -170,7 +170,7 @@ async def test_a_router_refuses_weights_no_worker_can_load(
     tensors = load_file(str(folder / SINGLE_FILE))
     del tensors["model.language_model.norm.weight"]
     save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
-    settings = RouterSettings(model=str(folder), port=0, security=cluster_security())
+    settings = RouterSettings(model=str(folder), port=0, http_port=-1, security=cluster_security())
     with pytest.raises(CheckpointError, match=r"missing 1: model\.language_model\.norm\.weight"):
         await serve(settings)
 
@@ -187,7 +187,11 @@ async def test_a_router_told_the_model_needs_no_weights(
     folder = copy_of(ckpts[0], tmp_path / "a")
     (folder / SINGLE_FILE).unlink()
     settings = RouterSettings(
-        model=str(folder), expected_model="qwen3-vl/x", port=0, security=cluster_security()
+        model=str(folder),
+        expected_model="qwen3-vl/x",
+        port=0,
+        http_port=-1,  # not the default 8000: another server may hold it
+        security=cluster_security(),
     )
     router = await serve(settings)
     await router.stop(0)

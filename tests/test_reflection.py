@@ -35,7 +35,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def router(ckpt: Path) -> AsyncIterator[RunningRouter]:
     server = await serve_router(
-        RouterSettings(model=str(ckpt), port=0, security=cluster_security())
+        RouterSettings(model=str(ckpt), port=0, http_port=-1, security=cluster_security())
     )
     yield server
     await server.stop(0)
