@@ -33,7 +33,8 @@ from common.sampling import SamplingParams
 from common.server.rpc import LIVENESS_SERVICE, channel
 from epd.client import GenerateError
 from router.admission import Need
-from router.http.convert import chat_request
+from router.http.convert import as_sent, chat_request
+from router.http.errors import ApiError
 from router.http.media import MediaPolicy
 from router.http.schema import ChatCompletionRequest
 from router.server import serve
@@ -93,6 +94,33 @@ def api(url: str, key: str = CLIENT_KEY) -> openai.AsyncOpenAI:
 
 
 # ----------------------------------------------------------- request conversion (no server)
+
+
+def test_a_field_is_named_as_the_body_spells_it() -> None:
+    # A string content is one text part on the wire: "messages[1].content[0].text: ..."
+    # named a path the body did not have (new-user review).
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL_ID,
+            "max_completion_tokens": 5,
+            "messages": [{"role": "system", "content": "Be brief."}, *user("Hi.")],
+        }
+    )
+
+    def named(field: str) -> tuple[str | None, str]:
+        error = ApiError.from_router(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{field}: too long", (("epd-field", field),)
+        )
+        as_sent(error, body)
+        return error.param, str(error)
+
+    assert named("messages[0].content[0].text") == (
+        "messages[0].content",
+        "messages[0].content: too long",
+    )
+    assert named("messages[1].content[0].text")[0] == "messages[1].content[0].text"  # parts
+    assert named("max_tokens") == ("max_completion_tokens", "max_completion_tokens: too long")
+    assert named("messages[7].content[0].text")[0] == "messages[7].content[0].text"
 
 
 def test_parts_become_the_grpc_request() -> None:

@@ -48,7 +48,7 @@ from epd.v1 import router_service_pb2
 from router.held import HeldBytes, decoded_bytes
 from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
 from router.http.connections import ConnectionStats
-from router.http.convert import chat_request, completion_request, names_media
+from router.http.convert import as_sent, chat_request, completion_request, names_media
 from router.http.errors import ApiError, api_error, model_not_found
 from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
@@ -161,10 +161,7 @@ def build_app(
             try:
                 first = await _unless_gone(raw, _first(chunks))
             except ApiError as error:
-                sent = body.max_completion_tokens is not None and body.max_tokens is None
-                if error.param == "max_tokens" and sent:
-                    error.param = "max_completion_tokens"  # the name the body used
-                    error.args = (str(error).replace("max_tokens", error.param),)
+                as_sent(error, body)  # the field as the body spells it
                 raise
             if not body.stream:
                 return JSONResponse(await _unless_gone(raw, _all(result, first, chunks)))

@@ -243,3 +243,25 @@ def completion_request(
     request = _request(body, request_id)
     request.prompt = body.prompt
     return request
+
+
+def as_sent(error: ApiError, body: SamplingBody) -> None:
+    """Name `error`'s field as `body` spells it: `max_completion_tokens` where the body set
+    that and not `max_tokens`; `messages[m].content` where that content is a string (the
+    router names its one text part `messages[m].content[0].text`, a path the body lacks)."""
+    param = error.param
+    if param is None:
+        return
+    sent = param
+    if param == "max_tokens":
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            sent = "max_completion_tokens"
+    elif isinstance(body, ChatCompletionRequest) and param.endswith(".content[0].text"):
+        head = param[: -len("[0].text")]  # messages[m].content
+        m = head.removeprefix("messages[").removesuffix("].content")
+        messages = body.messages
+        if m.isdigit() and int(m) < len(messages) and isinstance(messages[int(m)].content, str):
+            sent = head
+    if sent != param:
+        error.param = sent
+        error.args = (str(error).replace(param, sent),)
