@@ -156,7 +156,10 @@ class PoolManager:
         if role not in self.pools:
             raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
         if not 0 <= replicas <= self.settings.max_replicas:
-            raise ValueError(f"replicas must be in [0, {self.settings.max_replicas}]")
+            raise ValueError(
+                f"replicas must be in [0, {self.settings.max_replicas}] "
+                "([pools] max_replicas, --pools-max-replicas)"
+            )
         pool = self.pools[role]
         async with pool.lock:
             while len(pool.members) < replicas:

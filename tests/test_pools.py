@@ -298,7 +298,7 @@ async def test_scale_refuses_bad_requests(recorded: list[str]) -> None:
     manager, _ = _manager(recorded, max_replicas=4)
     with pytest.raises(ValueError, match="unknown role"):
         await manager.scale("router", 1)
-    with pytest.raises(ValueError, match=r"replicas must be in \[0, 4\]"):
+    with pytest.raises(ValueError, match=r"replicas must be in \[0, 4\] \(\[pools\] max_replicas"):
         await manager.scale("decode", 5)
 
 
