@@ -255,9 +255,12 @@ async def test_servers_have_their_own_registries() -> None:
     assert b.get_sample_value("epd:test_thing_total") == 2
 
 
-async def test_endpoint_serves_its_registry_and_frees_its_port() -> None:
+async def test_endpoint_serves_its_registry_and_frees_its_port(caplog) -> None:
     registry = scrape_registry(lambda: [counter("epd:test_thing", "A thing.", 3)])
-    endpoint = MetricsEndpoint.start(registry, "127.0.0.1", 0)
+    with caplog.at_level(logging.INFO, "common.server.metrics"):
+        endpoint = MetricsEndpoint.start(registry, "127.0.0.1", 0, "prefill epd-prefill-1")
+    # Whose it is: several workers' free ports were told apart only by scraping each.
+    assert f"EPD_METRICS_ADDRESS={endpoint.address} (prefill epd-prefill-1)" in caplog.text
     text = await asyncio.to_thread(fetch, endpoint.address)
     assert "epd:test_thing_total 3.0" in text
     await endpoint.close()

@@ -96,16 +96,20 @@ class MetricsEndpoint:
     _thread: threading.Thread
 
     @classmethod
-    def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
+    def start(
+        cls, registry: CollectorRegistry, host: str, port: int, whose: str = ""
+    ) -> MetricsEndpoint:
         """Serve `registry` on `host:port` (0: a free port); SettingsError naming
-        `metrics_port` when it cannot listen there (say, two workers given one port)."""
+        `metrics_port` when it cannot listen there (say, two workers given one port).
+        `whose` ("prefill epd-prefill-0"): said after the address in the log line, so that
+        several workers' free ports can be told apart."""
         try:
             server, thread = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
             raise SettingsError(f"metrics_port: cannot listen on {host}:{port}: {exc}") from None
         shown = f"[{host}]" if ":" in host else host
         endpoint = cls(registry, f"{shown}:{server.server_port}", server, thread)
-        logger.info("EPD_METRICS_ADDRESS=%s", endpoint.address)
+        logger.info("EPD_METRICS_ADDRESS=%s%s", endpoint.address, f" ({whose})" if whose else "")
         return endpoint
 
     async def close(self) -> None:

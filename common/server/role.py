@@ -170,8 +170,9 @@ class RoleServer(RunningServer, Generic[S]):
             endpoint = None
             if settings.metrics_port is not None:
                 try:
+                    whose = f"{_role_name(service_names)} {getattr(settings, 'name', '')}"
                     endpoint = MetricsEndpoint.start(
-                        registry, settings.metrics_host, settings.metrics_port
+                        registry, settings.metrics_host, settings.metrics_port, whose.strip()
                     )
                 except BaseException:
                     await running.stop(0)
