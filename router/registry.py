@@ -339,8 +339,12 @@ class Registry:
 
     def ready(self) -> bool:
         """Whether every role (encoder, prefill, decode) has a registered, serving worker."""
+        return not self.unready()
+
+    def unready(self) -> list[Role]:
+        """The roles (encoder, prefill, decode) without a registered, serving worker."""
         live = {w.role for w in self.workers() if not w.draining}
-        return all(role in live for role in (Role.ENCODER, Role.PREFILL, Role.DECODE))
+        return [role for role in (Role.ENCODER, Role.PREFILL, Role.DECODE) if role not in live]
 
     def seconds_since(self, record: WorkerRecord) -> float:
         """Seconds since the worker's last register or heartbeat."""

@@ -240,6 +240,10 @@ async def grpc_health(c: FakeCluster, want: int) -> int:
 
 async def test_health_needs_every_role(fake: FakeCluster) -> None:
     await wait_health(url_of(fake), 503)
+    # It says which roles lack a serving worker (it said only "unavailable").
+    _, _, why = await asyncio.to_thread(call, f"{url_of(fake)}/health")
+    missing = ["encoder", "prefill", "decode"]
+    assert why == {"status": "unavailable", "draining": False, "missing": missing}
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     assert await grpc_health(fake, not_serving) == not_serving
     # Alive all the same: a liveness probe must not restart a router waiting for workers.

@@ -5,8 +5,8 @@
     POST /v1/completions        a text prompt
     GET  /v1/models             the served model
     GET  /v1/models/{model}     the served model's entry; 404 model_not_found for others
-    GET  /health                200 when every role has a serving worker, else 503 (HEAD
-                                too)
+    GET  /health                200 when every role has a serving worker, else 503 naming
+                                the roles without one (HEAD too)
 
 A request is converted to a `GenerateRequest` and runs through `RouterServicer.generate`,
 the code the gRPC Generate runs, in-process: the same checks, limits, admission and tenants.
@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import grpc
@@ -89,10 +89,11 @@ def build_app(
     servicer: RouterServicer,
     model_id: str,
     policy: MediaPolicy,
-    ready: Callable[[], bool],
+    unready: Callable[[], Sequence[object]],
     auth: Authenticator | None,
 ) -> FastAPI:
-    """The API over `servicer` serving `model_id`; `ready()` decides /health."""
+    """The API over `servicer` serving `model_id`; `unready()` (the roles without a serving
+    worker) decides /health."""
     # No redirect to the path with(out) its trailing slash: it was a bare 307 to a Location
     # built from the Host header, which a following client re-sent the body and key to.
     app = FastAPI(
@@ -247,8 +248,12 @@ def build_app(
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> Response:
-        ok = ready() and not servicer.lifecycle.draining
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+        missing, draining = unready(), servicer.lifecycle.draining
+        if not missing and not draining:
+            return JSONResponse({"status": "ok"})
+        # Why, as `epd status` would tell: the roles without a serving worker, a drain.
+        why = {"status": "unavailable", "draining": draining, "missing": [str(r) for r in missing]}
+        return JSONResponse(why, 503)
 
     return app
 

@@ -34,7 +34,7 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
         max_request_bytes=settings.max_message_mb << 20,  # what a gRPC request could carry
     )
     model_id = settings.served_model_name or path.name
-    app = build_app(running.servicer, model_id, policy, running.registry.ready, running.auth)
+    app = build_app(running.servicer, model_id, policy, running.registry.unready, running.auth)
     metrics = running.servicer.orchestrator.metrics
 
     # The router's Prometheus metrics, at /metrics on the API port too (as vLLM serves them),
