@@ -54,7 +54,8 @@ import grpc
 
 from common.sampling import SamplingParams
 from common.server.credentials import ChannelCredentials, bearer_metadata, checked_key, read_ca
-from common.server.rpc import DEFAULT_MAX_MESSAGE_MB, channel
+from common.server.rpc import channel
+from common.server.transport import DEFAULT_MAX_MESSAGE_MB
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
 from epd.answers import Chunk, GenerateError, Result, chunk_of, retry_after_s
 from epd.request import (

@@ -2,7 +2,7 @@
 their deadline, and never with a CancelledError the caller did not ask for.
 
 A frozen process (SIGSTOP: its kernel still holds the connection) is the case TCP does not
-see: only an unanswered HTTP/2 ping does (`common.server.rpc.keepalive_options`). The
+see: only an unanswered HTTP/2 ping does (`common.server.transport.keepalive_options`). The
 router drops a silent worker and closes its channel; calls still in flight on it must not
 end as cancelled (`common.server.peers.uncut`), which gave the client no answer at all.
 """

@@ -16,7 +16,7 @@ reconnect back-off), `keep_only(addresses)` (those of the workers still register
 release sent after a worker left must not leave a channel redialling a dead address) or
 `close()`, which first waits for the releases in flight, then closes every channel.
 A call whose channel is closed under it (its worker was dropped: silent, or frozen; a frozen
-peer also fails its calls by keepalive, `common.server.rpc.KEEPALIVE_S`) ends with UNAVAILABLE
+peer also fails its calls by keepalive, `common.server.transport.KEEPALIVE_S`) ends with UNAVAILABLE
 (`channel_cut`), which callers try elsewhere; never with a CancelledError its caller did not
 ask for, which ended a request with no answer to its client.
 Every channel presents the `credentials` given (the cluster bearer and, with TLS, this
@@ -43,7 +43,8 @@ from typing import TypeVar
 import grpc
 
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
-from common.server.rpc import DEFAULT_MAX_MESSAGE_MB, KEEPALIVE_S, channel
+from common.server.rpc import channel
+from common.server.transport import DEFAULT_MAX_MESSAGE_MB, KEEPALIVE_S
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,

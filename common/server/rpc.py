@@ -35,11 +35,16 @@ from common.server.auth import Authenticator, AuthInterceptor
 from common.server.bind import bind_error
 from common.server.corrupt import CorruptRequests
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
+from common.server.transport import (
+    DEFAULT_MAX_MESSAGE_MB,
+    KEEPALIVE_S,
+    channel_options,
+    server_options,
+)
 from common.settings.schema import SettingsError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MESSAGE_MB = 256
 # A client-facing port's receive window per call (`start_server`): what a caller can have
 # sent that no handler asked for. At 1 ms of round trip it still moves 4 GB/s a call.
 CLIENT_STREAM_WINDOW = 4 << 20
@@ -48,50 +53,8 @@ DRAINING_DETAILS = "draining"
 # "" follows readiness (a router with no worker of some role yet, a draining server), and a
 # liveness probe on it would restart a process that is only waiting.
 LIVENESS_SERVICE = "liveness"
-# Keepalive: a call whose peer stops answering (a frozen process, a lost network path; a
-# killed process resets its connections at once) fails with UNAVAILABLE once an HTTP/2 ping
-# sent after KEEPALIVE_S of the call goes unanswered for KEEPALIVE_S more, so that the
-# caller tries another peer (`router.calls`) instead of waiting out the call's deadline.
-# Pings are sent only while calls are open. Every epd server accepts them (any interval).
-KEEPALIVE_S = 10.0
-HANDSHAKE_S = 10.0  # a connection's time to finish its handshake (silent ones held ~60 s)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def grpc_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
-    """Channel/server options shared by both ends: message size limits in both directions."""
-    limit = max_message_mb * 1024 * 1024
-    return [
-        ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", limit),
-    ]
-
-
-# A channel's waits between attempts to reconnect to a peer that went away: the first, and
-# the longest (a connection attempt a second to a dead peer costs little).
-RECONNECT_FIRST_S = 0.25
-RECONNECT_MAX_S = 1.0
-
-
-def keepalive_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int]]:
-    """Channel/server options: ping the peer every `keepalive_s` while calls are open, data
-    or not, and fail those calls (UNAVAILABLE) when a ping goes unanswered that long."""
-    ms = max(1, round(keepalive_s * 1000))
-    return [
-        ("grpc.keepalive_time_ms", ms),
-        ("grpc.keepalive_timeout_ms", ms),
-        ("grpc.http2.ping_timeout_ms", ms),  # gRPC >= 1.6x enforces this one, not the above
-        ("grpc.http2.max_pings_without_data", 0),  # else pings stop after 2 without data
-    ]
-
-
-# A server takes a peer's pings at any interval: gRPC's default answers a third ping within
-# 5 minutes without data with GOAWAY "too_many_pings", which would end a long call.
-_PING_POLICY = [
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-    ("grpc.http2.max_ping_strikes", 0),  # 0: never too many
-]
 
 
 def service_name(pb2_module: Any, service: str) -> str:
@@ -174,7 +137,7 @@ async def start_server(
     plaintext) secures the port. `name` ("router", ...) is what the errors call the server.
 
     `keepalive_s`: a client that leaves a ping unanswered this long, sent after this long
-    of a call, has its calls cancelled (`keepalive_options`).
+    of a call, has its calls cancelled (`common.server.transport`).
 
     `stream_window_bytes` (None: gRPC's own, grown by bandwidth probing until a call's whole
     message fits) fixes each call's HTTP/2 receive window: a call whose handler has not
@@ -183,27 +146,14 @@ async def start_server(
     fourteen waiting, the server held 246 MB with the probed window and 131 MB with a 4 MiB
     one; a 100 MiB request took 302 ms against 323 ms over loopback.
 
-    `max_connections` (0: no cap): one past it is closed as it opens. Each is a descriptor,
-    and needs no credentials (those are per call): 120 silent ones took down a router at 128
-    descriptors, health, metrics and heartbeats included. Handshakes get `HANDSHAKE_S`.
+    `max_connections` (0: no cap): the connections kept at once (`common.server.transport`,
+    with the handshake and idle bounds).
     """
     # Credentials first: a caller without them learns nothing of what it sent.
     interceptors: list[grpc.aio.ServerInterceptor] = [CorruptRequests()]
     if auth is not None:
         interceptors.insert(0, AuthInterceptor(auth))
-    # so_reuseport 0: a second server on a taken port must fail, not silently share it.
-    options = [
-        *grpc_options(max_message_mb),
-        *keepalive_options(keepalive_s),  # a frozen client's calls end, not at their deadline
-        *_PING_POLICY,
-        ("grpc.so_reuseport", 0),
-        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
-    ]
-    if max_connections:
-        options.append(("grpc.max_allowed_incoming_connections", max_connections))
-    if stream_window_bytes is not None:
-        options.append(("grpc.http2.bdp_probe", 0))
-        options.append(("grpc.http2.lookahead_bytes", stream_window_bytes))
+    options = server_options(max_message_mb, keepalive_s, max_connections, stream_window_bytes)
     server = grpc.aio.server(options=options, interceptors=interceptors)
     for add in add_servicers:
         add(server)
@@ -238,25 +188,12 @@ def channel(
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to `address` with the shared message-size options, presenting
     `credentials` (default: none, plaintext). Its calls fail with UNAVAILABLE when the peer
-    leaves a ping unanswered for `keepalive_s` (`keepalive_options`; None: no pings).
-
-    The channel keeps its own connections (a local subchannel pool): a channel opened anew to
-    a process that restarted at the same address must not inherit the dead connection's
-    reconnect back-off from gRPC's process-wide pool.
-
-    It tries to reconnect to a peer that went away at least every `RECONNECT_MAX_S` (gRPC's
-    own back-off grows to 120 s: a router down a few minutes got its workers back, and a
-    client its answers, up to two minutes after it was serving again).
+    leaves a ping unanswered for `keepalive_s` (None: no pings); its own connections, and a
+    peer that went away retried at least every second (`common.server.transport`).
 
     The caller closes it (`await ch.close()`, or `async with channel(...) as ch`).
     """
-    options: list[tuple[str, int]] = [
-        *grpc_options(max_message_mb),
-        *(keepalive_options(keepalive_s) if keepalive_s is not None else ()),
-        ("grpc.use_local_subchannel_pool", 1),
-        ("grpc.initial_reconnect_backoff_ms", round(RECONNECT_FIRST_S * 1000)),
-        ("grpc.max_reconnect_backoff_ms", round(RECONNECT_MAX_S * 1000)),
-    ]
+    options = channel_options(max_message_mb, keepalive_s)
     return credentials.open(address, options)
 
 
