@@ -48,23 +48,34 @@ def holding_namespace(namespace: str) -> Iterator[None]:
     from common.settings.schema import SettingsError
 
     folder = state_dir(namespace)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    lock = folder / LOCK_FILE
+    unheld = "; a second epd serve of this namespace on this machine would not be refused"
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise SettingsError(
-                f"ray.namespace: an epd serve of namespace {namespace!r} runs on this machine "
-                f"(pid {holder}; it keeps its token and keys in {folder}); stop it, or set "
-                "another --ray-namespace (or $EPD_HOME)"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:  # a read-only home: a deployment that writes nothing there runs
+        _say(f"warning: cannot hold {lock} ({exc.strerror}){unheld} (set $EPD_HOME)")
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                raise SettingsError(
+                    f"ray.namespace: an epd serve of namespace {namespace!r} runs on this "
+                    f"machine (pid {holder}; it keeps its token and keys in {folder}); stop it, "
+                    "or set another --ray-namespace (or $EPD_HOME)"
+                ) from None
+            except OSError as exc:  # a filesystem without locks (some FUSE and 9p mounts)
+                _say(f"warning: cannot lock {lock} ({exc.strerror}){unheld}")
+            else:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
-        os.close(fd)  # the lock goes with it
+        if fd is not None:
+            os.close(fd)  # the lock goes with it
 
 
 def _start_and_serve(settings: EpdSettings) -> int:

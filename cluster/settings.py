@@ -219,6 +219,12 @@ class EpdSettings:
                 )
         if self.ray.object_store_mb < MIN_OBJECT_STORE_MB:
             raise SettingsError(f"ray.object_store_mb: Ray needs at least {MIN_OBJECT_STORE_MB}")
+        namespace = self.ray.namespace  # also a folder: $EPD_HOME/<namespace>
+        if namespace in ("", ".", "..") or any(c in namespace for c in "/\\\0"):
+            raise SettingsError(
+                f"ray.namespace: {namespace!r} must be a plain name (it names the folder "
+                "$EPD_HOME/<namespace>: no '/', '\\', '.' or '..')"
+            )
         if self.log_level.lower() not in LOG_LEVELS:
             raise SettingsError(f"log_level: expected one of {', '.join(LOG_LEVELS)}")
         try:

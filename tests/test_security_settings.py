@@ -206,6 +206,42 @@ def test_a_second_epd_serve_of_a_namespace_on_this_machine_is_refused_before_ray
         pass
 
 
+def test_the_namespace_lock_is_skipped_with_a_warning_where_it_cannot_be_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A read-only $EPD_HOME, or a filesystem without locks, failed `epd serve --insecure`
+    # (which writes nothing there) with a bare errno (own-fix review).
+    import errno
+    import fcntl
+
+    from cluster import serve
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("EPD_HOME", str(tmp_path / "file"))  # not a folder
+    with serve.holding_namespace("epd"):
+        pass
+    assert "warning: cannot hold" in capsys.readouterr().out
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with serve.holding_namespace("epd"):
+        pass
+    assert "warning: cannot lock" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("namespace", ["", ".", "..", "../../x", "a/b", "a\\b"])
+def test_a_namespace_is_a_plain_name(namespace: str) -> None:
+    # It names the folder $EPD_HOME/<namespace>: "../../x" put the lock (and keys) outside.
+    from cluster.settings import RaySettings
+    from common.settings.schema import SettingsError
+
+    with pytest.raises(SettingsError, match=r"ray\.namespace: .* must be a plain name"):
+        EpdSettings(ray=RaySettings(namespace=namespace)).check()
+
+
 def test_tenant_salts() -> None:
     key = b"k" * 32
     a, b = tenant_salt(key, "a", None), tenant_salt(key, "b", None)
