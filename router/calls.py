@@ -35,7 +35,13 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-CONNECT_FAILED = "failed to connect to all addresses"  # gRPC core's: no connection made
+# gRPC core's words for a connection that could not be made, or was cut under a call (a
+# killed process resets its connections; a frozen one leaves them open until keepalive).
+CONNECTION_LOST = (
+    "failed to connect to all addresses",
+    "Connection reset by peer",
+    "Socket closed",
+)
 
 # Worker failures the client caused or should see as they are; others become INTERNAL.
 _PASS_THROUGH = {
@@ -63,10 +69,13 @@ def worker_failed(exc: grpc.aio.AioRpcError) -> bool:
 
 def suspect_if_failed(registry: Registry, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> None:
     """Mark `worker` suspect when `exc` says it failed (`worker_failed`), and unreachable
-    when no connection to its address could be made (refused, reset, closed before the
-    handshake ended: the process is gone or not yet back; a wedged one still connects)."""
+    when its connection was lost (`CONNECTION_LOST`: the process is gone or not yet back; a
+    wedged one keeps its connections). Requests arriving after a kill passed the restart
+    wait until their own calls found the worker gone: the first failure is usually a call
+    in flight, cut, not a connect refused. A live worker's next heartbeat clears the mark."""
     if worker_failed(exc):
-        registry.suspect(worker, unreachable=CONNECT_FAILED in (exc.details() or ""))
+        details = exc.details() or ""
+        registry.suspect(worker, unreachable=any(lost in details for lost in CONNECTION_LOST))
 
 
 class RouterError(Exception):

@@ -238,7 +238,7 @@ class Registry:
         killed or frozen worker stays listed until its heartbeats are missed for
         `worker_timeout_s`, and its calls fail (at once, or after keepalive's pings): every
         request would try it first meanwhile, a frozen one's waiting on a reconnect.
-        `unreachable`: no connection to it could be made (`WorkerRecord.unreachable`)."""
+        `unreachable`: its connection was lost (`WorkerRecord.unreachable`)."""
         if not record.suspect:
             logger.info("%s worker %s suspect: a call on it failed", record.role, record.address)
         record.mark_suspect(self.clock(), self.heartbeat_interval_s)

@@ -4,7 +4,7 @@ When the last worker of a role went (killed, crashed: Ray restarts the actor, Ku
 the pod, and it registers again under its name), every request failed at once until it was
 back: 91 requests in the 16 s one decode worker took, though `request_timeout_s` was 300 s.
 Now a request that finds no worker of a role it needs that it could use (none registered
-and serving, or each one gone: a call on it could not connect, or failed and its
+and serving, or each one gone: a call on it lost its connection, or failed and its
 heartbeats stopped) waits for one, provided a worker of that role was lost within
 `RESTART_WINDOW_S` (dropped for silence, not drained) or is gone now. It waits until a
 worker registers (looking again every `CHECK_S` for a heartbeat that clears a mark), for at

@@ -119,9 +119,9 @@ class WorkerRecord:
     suspect_until: float = 0.0  # a heartbeat before then leaves it suspect
     suspect_strikes: int = 0  # marks in a row, each soon after the last was cleared
     suspect_cleared: float = -math.inf  # clock time the last mark was cleared
-    # A call could not connect to it (refused, reset, closed) since its last heartbeat: not wedged
-    # but gone, so requests wait for its restart at once (`router.returns`), not once its
-    # heartbeats are missed.
+    # Its connection was lost under a call (could not be made, or was cut) since its last
+    # heartbeat: not wedged but gone, so requests wait for its restart at once
+    # (`router.returns`), not once its heartbeats are missed.
     unreachable: bool = False
 
     def mark_suspect(self, now: float, heartbeat_interval_s: float) -> None:
