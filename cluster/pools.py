@@ -65,6 +65,13 @@ CONTROLLER_NAME = "epd-controller"
 # ------------------------------------------------------------------------------ the pools
 
 
+def _amount(resource: str, value: float) -> str:
+    """`resource value` as Ray counts it; memory (bytes) in MiB."""
+    if resource == "memory":
+        return f"memory {value / (1 << 20):.0f} MiB"
+    return f"{resource} {value:g}"
+
+
 @dataclass(slots=True)
 class _Member:
     """One worker actor of a pool, as the pool manager tracks it."""
@@ -182,16 +189,19 @@ class PoolManager:
         pool.next_index += 1
         settings = self._worker_settings(pool.role, name)
         placement, num_cpus = self.cpu.take(name, getattr(settings, "threads", 0))
+        memory = self.settings.memory_per_worker(settings.model)
         handle = self._actor_class.options(
             name=name,
             namespace=self.namespace,
             num_cpus=num_cpus,
             num_gpus=self.gpus_per_worker,
+            memory=memory,
             max_restarts=self.settings.max_restarts,
             max_concurrency=1000,
         ).remote(pool.role, name, settings, self.log_level, self.worker_host, placement)
         logger.info("started %s", name)
-        return _Member(name, handle, {"CPU": num_cpus, "GPU": self.gpus_per_worker})
+        request = {"CPU": num_cpus, "GPU": self.gpus_per_worker, "memory": float(memory)}
+        return _Member(name, handle, request)
 
     def waiting(self) -> list[str]:
         """One line per worker actor Ray has not placed yet (`pending_actor_names`) whose
@@ -205,8 +215,8 @@ class PoolManager:
             for m in pool.members:
                 short = any(v > free.get(k, 0.0) for k, v in m.request.items())
                 if m.name in pending and short:
-                    asks = ", ".join(f"{k} {v:g}" for k, v in m.request.items() if v)
-                    has = ", ".join(f"{k} {free.get(k, 0.0):g}" for k in m.request)
+                    asks = ", ".join(_amount(k, v) for k, v in m.request.items() if v)
+                    has = ", ".join(_amount(k, free.get(k, 0.0)) for k in m.request)
                     lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
         return lines
 

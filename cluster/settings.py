@@ -39,6 +39,11 @@ ROLES = tuple(str(role) for role in WORKER_ROLES)
 MIN_OBJECT_STORE_MB = 75  # Ray refuses a smaller object store when it starts
 
 
+# A worker process of the built-in tiny model: Python, torch, gRPC, NIXL (about 370-420 MB
+# resident, measured with `ps`); a checkpoint's weights come on top.
+BASE_WORKER_MB = 448
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
     """How many workers each pool runs and what each worker actor asks Ray for."""
@@ -56,6 +61,12 @@ class PoolSettings:
         None,
         "CPUs per worker actor asked of Ray (None: the worker's threads, or 0 for an auto-threads "
         "worker that shares its node's cores with the others; see cluster/placement.py)",
+    )
+    memory_mb: int | None = setting(
+        None,
+        "memory per worker actor asked of Ray, in MiB: a worker past what the nodes have free "
+        "waits for Ray resources, instead of starting and running the node out of memory "
+        f"(None: {BASE_WORKER_MB} MiB plus the checkpoint's weight files; 0: none)",
     )
     max_restarts: int = setting(
         -1, "times Ray restarts a crashed worker actor (-1: always, 0: never)"
@@ -84,6 +95,14 @@ class PoolSettings:
             return 1.0
         # Share: e.g. 3 workers on 1 GPU ask for 0.33 each (Ray packs fractions on one GPU).
         return math.floor(cluster_gpus / workers * 100) / 100
+
+    def memory_per_worker(self, model: str | None) -> int:
+        """Bytes of memory each worker actor of a role serving `model` (None: the built-in
+        tiny one, whose weights are a few MiB) asks Ray for (`memory_mb`)."""
+        if self.memory_mb is not None:
+            return self.memory_mb << 20
+        weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if model else 0
+        return (BASE_WORKER_MB << 20) + weights
 
     def initial_replicas(self) -> dict[str, int]:
         """Workers per role at start-up."""
@@ -206,6 +225,8 @@ class EpdSettings:
             if (getattr(pools, name) or 0) < 0 or (getattr(self.ray, name) or 0) < 0:
                 where = "pools" if (getattr(pools, name) or 0) < 0 else "ray"
                 raise SettingsError(f"{where}.{name}: must not be negative")
+        if (pools.memory_mb or 0) < 0:
+            raise SettingsError("pools.memory_mb: must not be negative (0: ask for none)")
         if pools.max_restarts < -1:
             raise SettingsError("pools.max_restarts: must be -1 (always), 0 (never) or more")
         if pools.routers < 1:

@@ -155,10 +155,16 @@ async def test_waiting_names_the_workers_ray_cannot_place(monkeypatch: pytest.Mo
     # Ray has placed neither yet; 1 CPU is free: the encoder (2 CPUs asked) and the decode
     # worker (4) both wait for resources.
     monkeypatch.setattr(pools, "pending_actor_names", lambda: {"epd-encoder-0", "epd-decode-0"})
-    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 1.0})
+    gib = float(1 << 30)
+    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 1.0, "memory": gib})
     assert manager.waiting() == [
-        "epd-encoder-0 waits for Ray resources: asks CPU 2; free: CPU 1, GPU 0",
-        "epd-decode-0 waits for Ray resources: asks CPU 4; free: CPU 1, GPU 0",
+        "epd-encoder-0 waits for Ray resources: asks CPU 2, memory 448 MiB; "
+        "free: CPU 1, GPU 0, memory 1024 MiB",
+        "epd-decode-0 waits for Ray resources: asks CPU 4, memory 448 MiB; "
+        "free: CPU 1, GPU 0, memory 1024 MiB",
     ]
-    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 2.0, "memory": gib})
     assert [line.split()[0] for line in manager.waiting()] == ["epd-decode-0"]  # 2 CPUs fit
+    # Memory, too: 64 workers of about 400 MB each would have run 24 GB out of memory.
+    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 8.0, "memory": gib / 4})
+    assert [line.split()[0] for line in manager.waiting()] == ["epd-encoder-0", "epd-decode-0"]

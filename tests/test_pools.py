@@ -169,6 +169,7 @@ async def test_scale_up_creates_named_actors_with_filled_in_settings(recorded: l
     assert handle.host == "127.0.0.1"
     assert handle.settings.device == "cpu"
     assert handle.options["num_cpus"] == 0.5 and handle.options["num_gpus"] == 0
+    assert handle.options["memory"] == 448 << 20  # the tiny model's: no weights to add
     assert handle.options["max_restarts"] == 7
     assert handle.options["name"] == "epd-prefill-0" and handle.options["namespace"] == "epd-test"
     assert manager.replicas() == {"encoder": 0, "prefill": 3, "decode": 0}
@@ -361,3 +362,15 @@ async def test_registered_counts_leave_out_draining_workers(
         assert await pools.registered_counts(stub) == {"encoder": 0, "prefill": 0, "decode": 0}
         reply = await stub.Status(admin_service_pb2.StatusRequest())
         assert role_counts(reply)["prefill"] == RoleCount(serving=0, draining=1)
+
+
+def test_each_worker_asks_ray_for_its_memory(tmp_path) -> None:
+    # Nothing bounded a scale-up on CPU but max_replicas (64): workers past the cores ask
+    # for no CPU, so Ray placed them all, about 400 MB each (pools review).
+    from cluster.settings import BASE_WORKER_MB, PoolSettings
+
+    (tmp_path / "model.safetensors").write_bytes(bytes(3 << 20))
+    assert PoolSettings().memory_per_worker(str(tmp_path)) == (BASE_WORKER_MB + 3) << 20
+    assert PoolSettings().memory_per_worker(None) == BASE_WORKER_MB << 20
+    assert PoolSettings(memory_mb=0).memory_per_worker(str(tmp_path)) == 0
+    assert PoolSettings(memory_mb=100).memory_per_worker(None) == 100 << 20
