@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from common.errors import FieldError
 from common.multimodal.params import (
     ItemPartition,
+    Modality,
     MultimodalItemMetadata,
     MultimodalParams,
     runs_from_mask,
@@ -155,6 +156,23 @@ def test_check_placeholders() -> None:
     missing[3] = 1  # a run position holding text
     with pytest.raises(MultimodalLayoutError, match="token 3"):
         params.check_placeholders(missing, {7, 8})
+
+
+def test_each_item_holds_its_own_modalitys_placeholder() -> None:
+    # Either id was taken at any run: an image's run of video placeholders (design review).
+    image = MultimodalItemMetadata(H0, ((2, 3), (8, 2)), modality=Modality.IMAGE)
+    video = MultimodalItemMetadata(H1, ((10, 4),), modality=Modality.VIDEO)
+    params = MultimodalParams.from_items([image, video])
+    ids = {Modality.IMAGE: 7, Modality.VIDEO: 8}
+    tokens = np.array([1, 1, 7, 7, 7, 1, 1, 1, 7, 7, 8, 8, 8, 8, 1])
+    params.check_placeholders(tokens, {7, 8}, ids)
+    swapped = tokens.copy()
+    swapped[9] = 8  # the image's second run ends in a video placeholder
+    params.check_placeholders(swapped, {7, 8})  # without the modalities: taken
+    with pytest.raises(MultimodalLayoutError, match=r"token 9 .* item 0's run .* image"):
+        params.check_placeholders(swapped, {7, 8}, ids)
+    legacy = MultimodalParams.from_items([MultimodalItemMetadata(H0, ((2, 3), (8, 2)))])
+    legacy.check_placeholders(np.array([1, 1, 8, 8, 8, 1, 1, 1, 8, 8]), {7, 8}, ids)  # unsaid
 
 
 def test_from_items_validates() -> None:

@@ -19,7 +19,7 @@ import torch
 from common.errors import FieldError
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.rope import MropePositions, prompt_positions
-from common.multimodal.params import MultimodalParams
+from common.multimodal.params import Modality, MultimodalParams
 from common.multimodal.validation import MultimodalLayoutError
 
 
@@ -40,9 +40,8 @@ def check_prompt(
         raise MultimodalLayoutError(
             "prompt_token_ids", f"token {i} (id {int(tokens[i])}) outside vocab [0, {vocab})"
         )
-    params.check_placeholders(
-        prompt_token_ids, sorted({config.image_token_id, config.video_token_id})
-    )
+    by_modality = {Modality.IMAGE: config.image_token_id, Modality.VIDEO: config.video_token_id}
+    params.check_placeholders(prompt_token_ids, sorted(set(by_modality.values())), by_modality)
     try:
         return prompt_positions(n, params.items, config.vision.spatial_merge_size)
     except ValueError as exc:

@@ -242,10 +242,15 @@ class MultimodalParams:
                 )
 
     def check_placeholders(
-        self, token_ids: IntSequence, placeholder_ids: Sequence[int] | set[int]
+        self,
+        token_ids: IntSequence,
+        placeholder_ids: Sequence[int] | set[int],
+        by_modality: Mapping[Modality, int] | None = None,
     ) -> None:
         """Raise `MultimodalLayoutError` unless the prompt's placeholder tokens (ids in
-        `placeholder_ids`) sit exactly at the runs' positions.
+        `placeholder_ids`) sit exactly at the runs' positions, and, with `by_modality`, each
+        item that names its modality holds that modality's id (an image's run of video
+        placeholders was taken).
 
         Block keys name each run's first row; the token ids pin where runs end. A prompt
         whose placeholder ids and runs disagree could share a block hash with a different
@@ -265,6 +270,17 @@ class MultimodalParams:
             raise MultimodalLayoutError(
                 "prompt_token_ids", f"token {i} (id {int(tokens[i])}) {what}"
             )
+        for index, item in enumerate(self.items):
+            wanted = by_modality.get(item.modality) if by_modality and item.modality else None
+            for start, length in item.runs if wanted is not None else ():
+                odd = np.flatnonzero(tokens[start : start + length] != wanted)
+                if odd.size:
+                    i = start + int(odd[0])
+                    raise MultimodalLayoutError(
+                        "prompt_token_ids",
+                        f"token {i} (id {int(tokens[i])}) lies in item {index}'s run but is "
+                        f"not the {item.modality} placeholder id {wanted}",
+                    )
 
     def to_proto(self) -> multimodal_pb2.MultimodalParams:
         """The `epd.v1.MultimodalParams` wire form (see `common.wire`)."""
