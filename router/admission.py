@@ -268,7 +268,8 @@ class Admission:
         """`role`'s live, non-draining workers; none: UNAVAILABLE where `required`."""
         live = [w for w in self.registry.workers(role) if not w.draining]
         if required and not live:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(NoWorkerError(role)))
+            refused = self.registry.refusals.of(str(role))
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(NoWorkerError(role, refused)))
         return live
 
     def _check_fits(self, need: Need) -> None:

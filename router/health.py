@@ -24,7 +24,7 @@ async def health_loop(
     serving: bool | None = None
     while True:
         changed.clear()  # before the look: a registration during `set_serving` is seen next
-        now = registry.ready() and not lifecycle.draining
+        now = not registry.unready() and not lifecycle.draining
         if now != serving and not lifecycle.draining:
             await set_serving(now)
         serving = now

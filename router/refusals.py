@@ -23,25 +23,35 @@ class Refusals(OrderedDict[str, str]):
         super().__init__()
         self._clock = clock
         self._when: dict[str, float] = {}  # address -> when last refused
+        self._role: dict[str, str] = {}  # address -> the role it asked to serve
 
-    def note(self, address: str, why: str) -> None:
-        """Register refused the worker at `address` for `why`."""
+    def note(self, address: str, why: str, role: str = "") -> None:
+        """Register refused the worker at `address`, of `role`, for `why`."""
         key = address[:MAX_REFUSAL_CHARS]
         self[key] = why[:MAX_REFUSAL_CHARS]
         self.move_to_end(key)
         self._when[key] = self._clock()
+        self._role[key] = role
         while len(self) > MAX_REFUSALS:
-            del self._when[self.popitem(last=False)[0]]
+            self._drop(self.popitem(last=False)[0])
 
     def forget(self, address: str) -> None:
         """The worker at `address` registered."""
         self.pop(address, None)
+        self._drop(address)
+
+    def of(self, role: str) -> int:
+        """How many workers of `role` were refused lately (`recent`)."""
+        return sum(self._role.get(address) == role for address, _ in self.recent())
+
+    def _drop(self, address: str) -> None:
         self._when.pop(address, None)
+        self._role.pop(address, None)
 
     def recent(self) -> list[tuple[str, str]]:
         """(address, why) of the refusals repeated in the last `REFUSAL_SHOWN_S`, oldest
         first; older ones are forgotten."""
         cutoff = self._clock() - REFUSAL_SHOWN_S
         while self and self._when[next(iter(self))] < cutoff:
-            del self._when[self.popitem(last=False)[0]]
+            self._drop(self.popitem(last=False)[0])
         return list(self.items())

@@ -121,9 +121,9 @@ class Registry:
 
     # ------------------------------------------------------------------ registration
 
-    def refuse(self, address: str, why: str) -> None:
-        """Note why Register refused the worker at `address` (`epd status` shows it)."""
-        self.refusals.note(address, why)
+    def refuse(self, address: str, why: str, role: str = "") -> None:
+        """Note why Register refused the `role` worker at `address` (for `epd status`)."""
+        self.refusals.note(address, why, role)
 
     def register(self, info: registry_service_pb2.WorkerInfo) -> WorkerRecord:
         """Check and record a worker. Raises ValueError for an incomplete registration and
@@ -151,8 +151,9 @@ class Registry:
         if role in KV_ROLES:
             if SIGNED_KV not in info.capabilities:
                 raise RegistrationRefused(
-                    f"{role} worker {info.address} does not sign or check KV handles (no "
-                    f"{SIGNED_KV!r} capability: a version from before trusted KV); upgrade it"
+                    f"{role} worker {info.address} does not say it signs and checks KV "
+                    f"handles (no {SIGNED_KV!r} capability: a version older than this "
+                    "router's floor, docs/compatibility.md); upgrade workers before routers"
                 )
             if not info.HasField("kv_layout"):
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
@@ -337,10 +338,6 @@ class Registry:
         chosen = [w for w in every if w.last_seen >= cutoff]
         return sorted(chosen, key=lambda w: (_ROLE_ORDER[w.role], w.address))
 
-    def ready(self) -> bool:
-        """Whether every role (encoder, prefill, decode) has a registered, serving worker."""
-        return not self.unready()
-
     def unready(self) -> list[Role]:
         """The roles (encoder, prefill, decode) without a registered, serving worker."""
         live = {w.role for w in self.workers() if not w.draining}
@@ -369,7 +366,7 @@ class Registry:
         `NoWorkerError`. Does not count the request: use `using`."""
         candidates = [w for w in self.workers(role) if not w.draining and w.address not in exclude]
         if not candidates:
-            raise NoWorkerError(role)
+            raise NoWorkerError(role, self.refusals.of(str(role)))
         trusted = [w for w in candidates if not w.suspect]
         candidates = trusted or candidates  # a suspect one only when none other is left
         least = min(w.load_estimate for w in candidates)

@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from common.wire.roles import role_from_proto
 from epd.v1 import registry_service_pb2, registry_service_pb2_grpc
 from router.registry import Registry
 from router.workers import RegistrationRefused, WorkerLoad
@@ -28,7 +29,8 @@ class RegistryServicer(registry_service_pb2_grpc.RegistryServiceServicer):
             record = self.registry.register(request.worker)
         except RegistrationRefused as exc:
             logger.warning("refused worker: %s", exc)
-            self.registry.refuse(request.worker.address, str(exc))
+            role = str(role_from_proto(request.worker.role))  # parsed before any refusal
+            self.registry.refuse(request.worker.address, str(exc), role)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:  # an incomplete registration: refused as the others are
             logger.warning("refused worker: %s", exc)

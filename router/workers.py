@@ -25,8 +25,10 @@ class RegistrationRefused(Exception):
 class NoWorkerError(Exception):
     """No live, non-draining worker of a role (UNAVAILABLE on the wire)."""
 
-    def __init__(self, role: Role) -> None:
-        super().__init__(f"no {role} worker is registered and available")
+    def __init__(self, role: Role, refused: int = 0) -> None:
+        # Refused ones (a version mismatch, another model): clients saw only "no worker".
+        why = f" ({refused} refused at registration: `epd status` says why)" if refused else ""
+        super().__init__(f"no {role} worker is registered and available{why}")
         self.role = role
 
 

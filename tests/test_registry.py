@@ -44,8 +44,8 @@ def test_register_and_pick(registry: Registry) -> None:
         ({"model": "other"}, "serves model 'other'"),
         ({"kv_layout": layout(num_layers=3)}, r"num_layers=3 \(checkpoint has 2\)"),
         ({"kv_layout": layout(head_dim=8)}, r"head_dim=8 \(checkpoint has 16\)"),
-        # From before trusted KV: its handles failed every request at a decode worker.
-        ({"capabilities": ["nixl"]}, "does not sign or check KV handles"),
+        # Without the signed-kv label (before d53a527, some of which sign without saying so).
+        ({"capabilities": ["nixl"]}, "upgrade workers before routers"),
     ],
 )
 def test_mismatch_is_refused(registry: Registry, overrides: dict, message: str) -> None:

@@ -46,6 +46,26 @@ def test_status_shows_refusals_while_the_worker_keeps_asking(
     assert registry.refusals.recent() == [] and not registry.refusals
 
 
+def test_a_request_without_a_worker_says_how_many_were_refused(
+    registry: Registry, clock: Clock
+) -> None:
+    # Workers of a version the router refuses: clients saw only "no prefill worker is
+    # registered and available", with no hint that any had tried (upgrade review).
+    from router.refusals import REFUSAL_SHOWN_S
+    from router.workers import NoWorkerError
+
+    registry.refuse("10.0.0.1:1", "too old", "prefill")
+    registry.refuse("10.0.0.2:1", "too old", "prefill")
+    registry.refuse("10.0.0.3:1", "too old", "decode")
+    with pytest.raises(NoWorkerError, match=r"available \(2 refused at registration"):
+        registry.pick(Role.PREFILL)
+    with pytest.raises(NoWorkerError, match=r"available$"):
+        registry.pick(Role.ENCODER)
+    clock.now += REFUSAL_SHOWN_S + 1  # they went away
+    with pytest.raises(NoWorkerError, match=r"available$"):
+        registry.pick(Role.PREFILL)
+
+
 def test_a_worker_whose_call_failed_is_picked_last_until_it_heartbeats(
     registry: Registry, clock: Clock
 ) -> None:

@@ -95,6 +95,7 @@ async def test_mismatched_registration_is_failed_precondition(cluster, workers):
     status = await cluster.admin.Status(admin_service_pb2.StatusRequest())
     (refused,) = status.refused_registrations
     assert refused.startswith("127.0.0.1:1: ") and "block_size=8 (expected 16)" in refused
+    assert cluster.router.registry.refusals.of("decode") == 1  # counted as a decode worker's
 
 
 async def test_status_counts_requests_not_their_calls_on_workers() -> None:
