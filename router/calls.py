@@ -18,7 +18,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -30,6 +30,9 @@ from common.roles import Role
 from common.sampling import SamplingParams
 from router.registry import Registry
 from router.workers import NoWorkerError, WorkerRecord
+
+if TYPE_CHECKING:
+    from router.returns import Returns
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +163,7 @@ class WorkerCalls:
         self.registry = registry
         self.attempts = attempts  # tries of one stage, on different workers
         self.retries: Counter[str] = Counter()  # calls tried again, per stage (metrics)
+        self.returns: Returns | None = None  # the wait for a restarting role (set by `serve`)
 
     def pick(self, role: Role, tried: Collection[str]) -> WorkerRecord:
         """The least loaded worker of `role` not yet tried; RouterError(UNAVAILABLE) naming
@@ -175,6 +179,18 @@ class WorkerCalls:
                 f"no {role} worker left: {len(tried)} failed and no other is registered and "
                 "available",
             ) from None
+
+    async def wait_for_return(self, role: Role, tried: set[str], deadline: float) -> bool:
+        """When every worker of `role` is gone and it restarts (`router.returns`), wait for
+        one, then take out of `tried` the addresses a fresh registration holds (a worker back
+        at its address); whether one is there. A request whose own call found its worker
+        killed failed though the worker came back seconds later (1-8 a kill)."""
+        if self.returns is None or not self.returns.restarting(role):
+            return False
+        await self.returns.wait((role,), deadline)
+        back = {w.address for w in self.registry.workers(role) if not w.suspect}
+        tried -= back
+        return bool(back)
 
     def error(self, stage: str, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> RouterError:
         """The client-facing error of a failed worker call: the worker's address, which is
@@ -198,15 +214,27 @@ class WorkerCalls:
         first: WorkerRecord | None = None,
         exclude: Collection[str] = (),
         attempts: int | None = None,
+        deadline: float | None = None,
     ) -> T:
         """`call(worker)` on `first` (or the least loaded worker of `role` not in
         `exclude`), counted in flight; on UNAVAILABLE again on another worker, up to
-        `attempts` tries (default `self.attempts`). Raises RouterError."""
+        `attempts` tries (default `self.attempts`), or, with a `deadline` and none left,
+        on one back from a restart (`wait_for_return`). Raises RouterError."""
         tried: set[str] = set(exclude)
         tries = 0
         limit = self.attempts if attempts is None else attempts
         while True:
-            worker = first if first is not None and not tries else self.pick(role, tried)
+            if first is not None and not tries:
+                worker = first
+            else:
+                try:
+                    worker = self.pick(role, tried)
+                except RouterError:
+                    if not tries or deadline is None:
+                        raise
+                    if not await self.wait_for_return(role, tried, deadline):
+                        raise
+                    worker = self.pick(role, tried)
             if tries:  # counted once another worker is found to try (`pick` may raise)
                 self.retries[stage] += 1
             tried.add(worker.address)

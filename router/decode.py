@@ -169,7 +169,13 @@ class DecodeStage:
             if reserved is not None and reserved.address not in tried and not reserved.suspect:
                 worker = reserved
             else:
-                worker = self._pick(tried, stepped, ticket.need.blocks(Role.DECODE))
+                need = ticket.need.blocks(Role.DECODE)
+                try:
+                    worker = self._pick(tried, stepped, need)
+                except RouterError:  # none left: one back from a restart, if it restarts
+                    if not await self.calls.wait_for_return(Role.DECODE, tried, job.deadline):
+                        raise
+                    worker = self._pick(tried, stepped, need)
                 self.admission.move(ticket, Role.DECODE, worker)
             if retrying:
                 self.calls.retries["decode"] += 1

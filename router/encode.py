@@ -222,7 +222,7 @@ class EncodeStage:
             return sent, worker.address, response
 
         sent, encoder, response = await self.calls.with_retry(
-            Role.ENCODER, "encode", call, first=first
+            Role.ENCODER, "encode", call, first=first, deadline=job.deadline
         )
         leases = {
             ref.handle.lease_id: encoder

@@ -48,9 +48,9 @@ if decode is never started, fails, or the client leaves or time runs out first, 
 calls `PrefillService.ReleaseKv` (in the background, so a cancelled request still frees it).
 
 Failures (`router.calls`): a worker call failing UNAVAILABLE before its output was used is
-tried on another worker of the role, up to `attempts` tries, then fails UNAVAILABLE naming
-the role. A failed prefill is retried with its items encoded again (their leases may be
-gone); on the same worker when an embedding's encoder is gone (`EMBEDDINGS_LOST`).
+tried on another worker of the role (or, none left, one back from a restart), up to
+`attempts` tries, then fails UNAVAILABLE naming the role. A failed prefill is retried with
+its items encoded again; on the same worker when an embedding's encoder is gone.
 
 Deadlines: every worker call gets the time left until the job's deadline; a caller that
 cancels cancels the call in flight, so workers free what they hold.
@@ -77,12 +77,7 @@ from common.sampling import StopChecker
 from common.server.peers import PeerClient
 from common.wire.convert import params_to_proto
 from common.wire.sampling import finish_reason_to_proto, sampling_to_proto
-from epd.v1 import (
-    decode_service_pb2,
-    multimodal_pb2,
-    prefill_service_pb2,
-    router_service_pb2,
-)
+from epd.v1 import decode_service_pb2, multimodal_pb2, prefill_service_pb2, router_service_pb2
 from router.admission import Admission, Ticket
 from router.calls import Job, KvPoolFull, RouterError, WorkerCalls
 from router.decode import DecodeStage, KvLease
@@ -257,8 +252,8 @@ class Orchestrator:
     ) -> tuple[prefill_service_pb2.PrefillResponse, str]:
         """Encode and prefill; a prefill worker that fails with UNAVAILABLE (dead, or an
         embedding's encoder is: `EMBEDDINGS_LOST`) is retried with the items encoded again
-        (its embedding leases may be released already), on another prefill worker unless
-        only the encoder was lost, up to `calls.attempts` tries."""
+        (its embedding leases may be released already), on another prefill worker (or one
+        back from a restart) unless only the encoder was lost, up to `calls.attempts` tries."""
         failed: set[str] = set()  # prefill workers that failed under this request
         tries = 0
         overlap = True  # off once embeddings were lost: read each output as soon as it is in
@@ -276,6 +271,7 @@ class Orchestrator:
                 lost_embeddings = EMBEDDINGS_LOST in str(exc)
                 if not lost_embeddings:
                     failed.add(exc.address)
+                    await self.calls.wait_for_return(Role.PREFILL, failed, job.deadline)
                 else:  # outputs that waited for later pieces outlived their leases
                     overlap = False
                 logger.warning(

@@ -108,13 +108,13 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             settings.requests_in_flight_mb << 20, settings.max_message_mb << 20, tenant_share=share
         )
         self.prepare_threads = PrepareThreads(share)  # the threads requests are prepared on
-        # Requests wait out the restart of a role's last worker (`router.returns`), once
-        # `serve` has it follow the registry.
+        # Waits for a restarting role's workers (`router.returns`; follows `serve`'s registry).
         self.returns = Returns(
             settings.max_queue_wait_s,
             max_waiting=settings.max_queued_requests,
             stop=lambda: self.lifecycle.draining,
         )
+        orchestrator.calls.returns = self.returns  # and calls that found their worker gone
 
     def _prepare(
         self,

@@ -14,7 +14,6 @@ from prometheus_client import generate_latest
 
 from common.roles import Role
 from common.sampling import SamplingParams
-from epd.answers import GenerateError
 from router.calls import suspect_if_failed
 from router.returns import RESTART_WINDOW_S, Returns
 from router.workers import WorkerLoad
@@ -231,28 +230,29 @@ async def test_an_image_request_waits_for_the_encoder_that_restarts(ckpt) -> Non
         await cluster.close()
 
 
-async def test_requests_after_a_failed_connect_wait_for_the_worker(ckpt) -> None:
-    # The decode worker's server is gone (killed: connections refused or reset). The
-    # request that finds out fails; the next ones wait for the worker's return instead of
-    # failing at once for two heartbeat intervals.
+@pytest.mark.parametrize("role", [Role.ENCODER, Role.PREFILL, Role.DECODE])
+async def test_a_request_whose_worker_is_killed_waits_for_its_return(ckpt, role: Role) -> None:
+    # The role's only worker is gone (killed: connections refused or reset). The request
+    # whose own call found out failed, though the worker was back seconds later (1-8 per
+    # kill, kill review), and so did the next ones for two heartbeat intervals: each waits.
+    fakes = {Role.ENCODER: FakeEncoder, Role.PREFILL: FakePrefill, Role.DECODE: FakeDecode}
     cluster = await start_router(ckpt)
     try:
-        await cluster.add(Role.PREFILL, FakePrefill())
-        await cluster.add(Role.DECODE, FakeDecode())
-        (worker,) = cluster.router.registry.workers(Role.DECODE)
-        await cluster.servers[-1].stop(0)
-        for _ in range(3):
-            with pytest.raises(GenerateError, match="UNAVAILABLE"):
-                await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
-            if worker.unreachable:
-                break
-        assert worker.unreachable
-        answer = asyncio.create_task(
-            cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
-        )
+        for each in (Role.ENCODER, Role.PREFILL, Role.DECODE):
+            await cluster.add(each, fakes[each]())
+        killed = cluster.servers[[Role.ENCODER, Role.PREFILL, Role.DECODE].index(role)]
+        await killed.stop(0)
+        chat = IMAGE if role == Role.ENCODER else TEXT
+        answers = [
+            asyncio.create_task(cluster.client.generate_text(chat, SamplingParams(max_tokens=2)))
+            for _ in range(3)
+        ]
         await asyncio.sleep(0.5)
-        assert not answer.done()  # waiting
-        await cluster.add(Role.DECODE, FakeDecode())
-        assert (await asyncio.wait_for(answer, 10)).token_ids == [FIRST, 101]
+        assert not any(a.done() for a in answers)  # waiting, not failed UNAVAILABLE
+        (worker,) = cluster.router.registry.workers(role, timed_out=True)
+        assert worker.unreachable
+        await cluster.add(role, fakes[role]())  # back, on another port
+        for answer in answers:
+            assert (await asyncio.wait_for(answer, 10)).token_ids == [FIRST, 101]
     finally:
         await cluster.close()
