@@ -189,7 +189,7 @@ class PoolManager:
         pool.next_index += 1
         settings = self._worker_settings(pool.role, name)
         placement, num_cpus = self.cpu.take(name, getattr(settings, "threads", 0))
-        memory = self.settings.memory_per_worker(settings.model)
+        memory = self.settings.memory_per_worker(settings.model, settings.device)
         handle = self._actor_class.options(
             name=name,
             namespace=self.namespace,

@@ -66,7 +66,8 @@ class PoolSettings:
         None,
         "memory per worker actor asked of Ray, in MiB: a worker past what the nodes have free "
         "waits for Ray resources, instead of starting and running the node out of memory "
-        f"(None: {BASE_WORKER_MB} MiB plus the checkpoint's weight files; 0: none)",
+        f"(None: {BASE_WORKER_MB} MiB, plus the checkpoint's weight files for a CPU worker; "
+        "0: none)",
     )
     max_restarts: int = setting(
         -1, "times Ray restarts a crashed worker actor (-1: always, 0: never)"
@@ -96,12 +97,16 @@ class PoolSettings:
         # Share: e.g. 3 workers on 1 GPU ask for 0.33 each (Ray packs fractions on one GPU).
         return math.floor(cluster_gpus / workers * 100) / 100
 
-    def memory_per_worker(self, model: str | None) -> int:
+    def memory_per_worker(self, model: str | None, device: str = "cpu") -> int:
         """Bytes of memory each worker actor of a role serving `model` (None: the built-in
-        tiny one, whose weights are a few MiB) asks Ray for (`memory_mb`)."""
+        tiny one, whose weights are a few MiB) on `device` asks Ray for (`memory_mb`): the
+        weights count on CPU only (on a GPU they are in its memory), all of them (a role
+        loads a part: an upper bound)."""
         if self.memory_mb is not None:
             return self.memory_mb << 20
-        weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if model else 0
+        weights = 0
+        if model is not None and device == "cpu":
+            weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
         return (BASE_WORKER_MB << 20) + weights
 
     def initial_replicas(self) -> dict[str, int]:
@@ -201,7 +206,8 @@ class EpdSettings:
             )
             try:
                 relaxed.check()
-                read_secrets(settings.security, api_keys=role == "router")
+                if role == "router":  # it runs here (the workers may run on other nodes)
+                    read_secrets(settings.security)
             except SettingsError as exc:
                 raise SettingsError(f"{role}.{exc}") from None
             if self.model is None and settings.model is not None:
@@ -296,16 +302,17 @@ def _filled_in(own: SecuritySettings, top: SecuritySettings) -> SecuritySettings
 MODEL_FILES = ("config.json", "tokenizer.json")
 
 
-def read_secrets(security: SecuritySettings, *, api_keys: bool = False) -> None:
-    """Read the token, TLS and (`api_keys`: the router's) API keys files `security` names,
-    as the role will, SettingsError naming the one that fails (`epd serve` refused a
-    missing keys file only after Ray had started, with a 20-line traceback)."""
+def read_secrets(security: SecuritySettings) -> None:
+    """Read the token, TLS and API keys files the router's `security` names, as the router
+    will (on this node, in `epd serve`'s controller), SettingsError naming the one that
+    fails (`epd serve` refused a missing keys file only after Ray had started, with a
+    20-line traceback)."""
     if security.insecure:
         return
     if security.cluster_token_file:
         security.cluster_key()
     security.tls_files()
-    if api_keys and security.api_keys_file:
+    if security.api_keys_file:
         load_api_keys(security.api_keys_file)
 
 

@@ -372,5 +372,6 @@ def test_each_worker_asks_ray_for_its_memory(tmp_path) -> None:
     (tmp_path / "model.safetensors").write_bytes(bytes(3 << 20))
     assert PoolSettings().memory_per_worker(str(tmp_path)) == (BASE_WORKER_MB + 3) << 20
     assert PoolSettings().memory_per_worker(None) == BASE_WORKER_MB << 20
+    assert PoolSettings().memory_per_worker(str(tmp_path), "cuda") == BASE_WORKER_MB << 20
     assert PoolSettings(memory_mb=0).memory_per_worker(str(tmp_path)) == 0
     assert PoolSettings(memory_mb=100).memory_per_worker(None) == 100 << 20
