@@ -147,7 +147,7 @@ async def start_server(
     one; a 100 MiB request took 302 ms against 323 ms over loopback.
 
     `max_connections` (0: no cap): the connections kept at once (`common.server.transport`,
-    with the handshake and idle bounds).
+    with the handshake's time limit).
     """
     # Credentials first: a caller without them learns nothing of what it sent.
     interceptors: list[grpc.aio.ServerInterceptor] = [CorruptRequests()]

@@ -11,12 +11,15 @@ gRPC's default answers a third ping within 5 minutes without data with GOAWAY
 
 Connections: a connection needs no credentials (those are per call) and each is a file
 descriptor: 120 silent ones took down a router at 128 descriptors, its health, metrics and
-workers' heartbeats included. A server keeps at most `max_connections` (one past it is
-closed as it opens), gives each `HANDSHAKE_S` to finish its handshake, and closes one with
-no call for `IDLE_S` (one past its handshake that sent nothing more held its place for
-good; a client reconnects at its next call, a worker heartbeats every second). A cap is no
-defence against one source opening connection after connection: that is the network's in
-front (a load balancer's or firewall's limit per source).
+workers' heartbeats included. A server gives each connection `HANDSHAKE_S` to finish its
+handshake, and its process's soft limit on open files is raised to the hard one
+(`common.server.role`), so silent connections must number in the tens of thousands.
+`max_connections` caps them (0, the default: no cap): a cap keeps the descriptors, but one
+source that holds that many connections (a handshake, then nothing) shuts every other
+client, worker and probe out of the port, so it is for a process whose file limit cannot be
+raised. Limiting each source is the network's job in front (a load balancer's or
+firewall's limit per source). No idle connection is closed: a server's idle close raced
+calls starting as it closed, which failed or hung to their deadlines (own-fix review).
 
 Reconnects: a channel tries to reconnect to a peer that went away at least every
 `RECONNECT_MAX_S` (gRPC's own back-off grows to 120 s: a router down a few minutes got its
@@ -28,7 +31,6 @@ from __future__ import annotations
 DEFAULT_MAX_MESSAGE_MB = 256
 KEEPALIVE_S = 10.0
 HANDSHAKE_S = 10.0  # a connection's time to finish its handshake (silent ones held ~60 s)
-IDLE_S = 60.0  # a connection with no call this long is closed
 # A channel's waits between attempts to reconnect to a peer that went away: the first, and
 # the longest (a connection attempt a second to a dead peer costs little).
 RECONNECT_FIRST_S = 0.25
@@ -74,7 +76,6 @@ def server_options(
         ("grpc.http2.max_ping_strikes", 0),  # 0: never too many
         ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
         ("grpc.server_handshake_timeout_ms", round(HANDSHAKE_S * 1000)),
-        ("grpc.max_connection_idle_ms", round(IDLE_S * 1000)),
     ]
     if max_connections:
         options.append(("grpc.max_allowed_incoming_connections", max_connections))

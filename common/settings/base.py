@@ -67,9 +67,11 @@ class ServerSettings:
     port: int = setting(0, "port to listen on (0: pick a free one)")
     max_message_mb: int = setting(256, "largest gRPC message in or out, in MiB")
     grpc_max_connections: int = setting(
-        1024,
+        0,
         "gRPC connections the server keeps open at once; one past it is closed as it opens "
-        "(each is a file descriptor; a connection needs no credentials; 0: no cap)",
+        "(0: no cap). Each is a file descriptor and needs no credentials; the process raises "
+        "its open-files limit, so set this only where that limit stays low: a source holding "
+        "that many connections shuts everyone else out",
     )
     drain_timeout_s: float = setting(
         300.0,
