@@ -13,7 +13,9 @@ deadline (a client with a short one still gets UNAVAILABLE, which it may take to
 router, not DEADLINE_EXCEEDED); at most `max_waiting` requests wait at once, and none while
 the router drains. Then it goes on as before: served, or refused UNAVAILABLE naming the
 role. A role that never had a worker, or lost its last one longer ago, is not restarting:
-its requests fail at once, as before. Every request waits for prefill and decode, and one
+its requests fail at once, as before; except in a router's first `STARTUP_S`, when its
+workers (restarted with it, or still registered with the process it replaced) are still to
+register. Every request waits for prefill and decode, and one
 with media items for an encoder as well (before, every image request failed at once
 through an encoder's 5 s restart), before admission: a waiting request holds no KV
 reservation. One whose items the caches hold waits for the encoder too (whether it needs
@@ -28,12 +30,19 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from common.roles import Role
 from router.registry import Registry
+
+if TYPE_CHECKING:
+    from router.calls import WorkerCalls
 from router.workers import WorkerRecord
 
 RESTART_WINDOW_S = 120.0  # a role that lost its last worker this recently is restarting
+# A router this new counts every role without a worker as restarting: a restarted router
+# answered before its workers registered again (within a second), and refused those requests.
+STARTUP_S = 2.0
 CHECK_S = 0.5  # how often waiting requests look again without news (a heartbeat clears a mark)
 DEADLINE_MARGIN_S = 1.0  # a request stops waiting this long before its deadline
 SILENT_HEARTBEATS = 2  # a suspect worker silent for this many intervals: gone, not wedged
@@ -61,13 +70,19 @@ class Returns:
         self.waited = 0  # requests that waited for a worker, ever
         self.waiting = 0  # requests waiting now
         self.registry: Registry | None = None
+        self.started = -STARTUP_S  # registry time `follow` began (none: long ago)
         self._arrived = asyncio.Event()  # set when a worker registers (then a new one)
         if registry is not None:
             self.follow(registry)
 
-    def follow(self, registry: Registry) -> None:
-        """Watch `registry`'s workers (none watched: no role is restarting)."""
+    def follow(self, registry: Registry, calls: WorkerCalls | None = None) -> None:
+        """Watch `registry`'s workers (none watched: no role is restarting), from now: the
+        router's start (`STARTUP_S`); `calls` then wait through this for a worker back from a
+        restart (`WorkerCalls.wait_for_return`)."""
         self.registry = registry
+        if calls is not None:
+            calls.returns = self
+        self.started = registry.clock()
         registry.on_expire.append(self._lost)
         registry.on_register.append(self._arrival)
 
@@ -100,7 +115,8 @@ class Returns:
         if not all(map(gone, workers)):
             return False
         left = self.lost.get(role)
-        return (left is not None and now - left < RESTART_WINDOW_S) or bool(workers)
+        lately = left is not None and now - left < RESTART_WINDOW_S
+        return lately or bool(workers) or now - self.started < STARTUP_S
 
     async def wait(
         self, roles: Iterable[Role], deadline: float, stop: Callable[[], bool] | None = None

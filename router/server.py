@@ -114,7 +114,6 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             max_waiting=settings.max_queued_requests,
             stop=lambda: self.lifecycle.draining,
         )
-        orchestrator.calls.returns = self.returns  # and calls that found their worker gone
 
     def _prepare(
         self,
@@ -354,7 +353,7 @@ async def serve(
     servicer = RouterServicer(
         processor, orchestrator, lifecycle, settings, auth=auth, salt_key=salt_key
     )
-    servicer.returns.follow(registry)
+    servicer.returns.follow(registry, orchestrator.calls)
     running = await RunningRouter.start(
         settings,
         servicer,
