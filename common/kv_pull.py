@@ -73,10 +73,10 @@ async def pull(
     """READ the plan's missing prompt blocks from the holder and check their digests, within
     `timeout_s` (the wait for one of the pull threads included).
 
-    Raises `RpcStatusError`: INVALID_ARGUMENT when the metadata cannot be loaded or names
-    another agent, FAILED_PRECONDITION when the holder refuses the READ (descriptors outside
-    its registered memory), ABORTED when the holder cannot be reached or fails the READ (its
-    KV is unusable, like a lost lease: the router prefills again); and
+    Raises `RpcStatusError`: INVALID_ARGUMENT when the metadata is refused or names another
+    agent, FAILED_PRECONDITION when the holder refuses the READ (descriptors outside its
+    registered memory), ABORTED when the holder (or its agent) cannot be reached or fails
+    the READ (its KV is unusable, like a lost lease: the router prefills again); and
     `TransferTimeoutError` as is when the READ (or the wait for a thread) timed out, for
     the caller's quarantine decision. When the caller went away (cancelled), the blocks go
     back once the READ is over (`on_orphan()`), or, after a timeout NIXL could not cancel,
@@ -93,8 +93,13 @@ async def pull(
             except asyncio.CancelledError:
                 on_orphan()  # no READ was started: the blocks can go back now
                 raise
-    except (TransferError, ValueError) as exc:
+    except (TransferRefusedError, ValueError) as exc:  # the handle's metadata is bad
         raise _invalid("kv.agent_metadata", f"cannot be loaded: {exc}") from None
+    except TransferError as exc:  # its agent cannot be reached (the holder died): as a READ
+        raise RpcStatusError(
+            grpc.StatusCode.ABORTED,
+            f"kv.agent_metadata: the holder's NIXL agent cannot be reached: {exc}; prefill again",
+        ) from None
     if peer != handle.agent_name:
         raise _invalid("kv.agent_name", f"{handle.agent_name!r}, but its metadata is {peer!r}")
     remote = [(handle.blocks[i].address, handle.blocks[i].length) for i in plan.pull]

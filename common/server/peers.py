@@ -223,7 +223,11 @@ class PeerClient:
             lease_id=lease_id, mismatched_blocks=mismatched_blocks
         )
         try:
-            response = await stub.ReleaseKv(request, timeout=self.release_timeout_s)
+            # Waits for the channel (a holder back at its address after a restart, while the
+            # channel's reconnect back-off runs: failing at once, the pulled KV was refused
+            # and prefilled again, every request of the next second; kill review).
+            call = stub.ReleaseKv(request, timeout=self.release_timeout_s, wait_for_ready=True)
+            response = await call
         except grpc.aio.AioRpcError as exc:
             logger.warning("ReleaseKv(%s) on %s failed: %s", lease_id, address, exc.code().name)
             return False
