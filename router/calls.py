@@ -32,6 +32,7 @@ from router.registry import Registry
 from router.workers import NoWorkerError, WorkerRecord
 
 if TYPE_CHECKING:
+    from common.server.peers import PeerClient
     from router.returns import Returns
 
 logger = logging.getLogger(__name__)
@@ -70,15 +71,25 @@ def worker_failed(exc: grpc.aio.AioRpcError) -> bool:
     )
 
 
-def suspect_if_failed(registry: Registry, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> None:
+def suspect_if_failed(
+    registry: Registry,
+    worker: WorkerRecord,
+    exc: grpc.aio.AioRpcError,
+    channel: grpc.aio.Channel | None = None,
+) -> None:
     """Mark `worker` suspect when `exc` says it failed (`worker_failed`), and unreachable
     when its connection was lost (`CONNECTION_LOST`: the process is gone or not yet back; a
-    wedged one keeps its connections). Requests arriving after a kill passed the restart
-    wait until their own calls found the worker gone: the first failure is usually a call
-    in flight, cut, not a connect refused. A live worker's next heartbeat clears the mark."""
+    wedged one keeps its connections) and `channel`, the call's, is not connected now (a
+    live worker may answer UNAVAILABLE in those words, relaying a peer's failure). Requests
+    arriving after a kill passed the restart wait until their own calls found the worker
+    gone: the first failure is usually a call in flight, cut, not a connect refused. A
+    live worker's next heartbeat clears the mark."""
     if worker_failed(exc):
         details = exc.details() or ""
-        registry.suspect(worker, unreachable=any(lost in details for lost in CONNECTION_LOST))
+        lost = any(words in details for words in CONNECTION_LOST)
+        if lost and channel is not None:
+            lost = channel.get_state() != grpc.ChannelConnectivity.READY
+        registry.suspect(worker, unreachable=lost)
 
 
 class RouterError(Exception):
@@ -159,8 +170,11 @@ class Job:
 class WorkerCalls:
     """Picks workers from the registry and runs calls on them (see `with_retry`)."""
 
-    def __init__(self, registry: Registry, attempts: int = 3) -> None:
+    def __init__(
+        self, registry: Registry, attempts: int = 3, channels: PeerClient | None = None
+    ) -> None:
         self.registry = registry
+        self.channels = channels  # the workers' channels (None: not looked at on a failure)
         self.attempts = attempts  # tries of one stage, on different workers
         self.retries: Counter[str] = Counter()  # calls tried again, per stage (metrics)
         self.returns: Returns | None = None  # the wait for a restarting role (set by `serve`)
@@ -243,7 +257,8 @@ class WorkerCalls:
                 try:
                     return await call(worker)
                 except grpc.aio.AioRpcError as exc:
-                    suspect_if_failed(self.registry, worker, exc)
+                    channel = self.channels.get(worker.address) if self.channels else None
+                    suspect_if_failed(self.registry, worker, exc, channel)
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or tries >= limit:
                         raise self.error(stage, worker, exc) from None
                     logger.warning(

@@ -186,7 +186,8 @@ class DecodeStage:
             tried.add(worker.address)
             del request.resume_tokens[:]
             request.resume_tokens.extend(streamed)
-            stub = decode_service_pb2_grpc.DecodeServiceStub(self.channels.get(worker.address))
+            stub_channel = self.channels.get(worker.address)
+            stub = decode_service_pb2_grpc.DecodeServiceStub(stub_channel)
             finished = None  # the chunk with the finish reason
             with self.registry.using(worker):
                 call = stub.Decode(request, timeout=job.time_left("decode"))
@@ -207,7 +208,7 @@ class DecodeStage:
                         raise ended_early()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
-                    suspect_if_failed(self.registry, worker, exc)
+                    suspect_if_failed(self.registry, worker, exc, stub_channel)
                     if code == grpc.StatusCode.UNAVAILABLE and DECODE_STEP_FAILED in (
                         exc.details() or ""
                     ):

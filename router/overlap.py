@@ -159,7 +159,7 @@ class OverlappedPrefill:
             if isinstance(exc, grpc.aio.AioRpcError) and worker_failed(exc):
                 # The worker is gone: fail over now (the caller cancels the pieces and
                 # encodes again for another), not after the video's last piece is encoded.
-                suspect_if_failed(self.registry, worker, exc)
+                suspect_if_failed(self.registry, worker, exc, self.channels.get(worker.address))
                 raise self.encoder.calls.error("prefill", worker, exc) from None
             logger.info(
                 "request %s: prefill step %d on %s failed, no more steps (%s)",

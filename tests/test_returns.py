@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 
 from common.roles import Role
 from common.sampling import SamplingParams
+from common.server.rpc import start_server
 from router.calls import suspect_if_failed
 from router.returns import RESTART_WINDOW_S, STARTUP_S, Returns
 from router.workers import WorkerLoad
@@ -92,6 +93,25 @@ async def test_a_worker_that_cannot_be_connected_to_is_gone_at_once(registry, cl
         grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(), cut),
     )
     assert other.unreachable
+
+
+async def test_a_live_worker_relaying_a_lost_connection_is_not_unreachable(registry) -> None:
+    # A live worker may answer UNAVAILABLE in those words (a peer's failure it relays, or a
+    # fake's): counted as gone, the role's only worker made every request wait out the
+    # queue's 60 s for a restart that never came. Its channel, connected, says otherwise.
+    worker = registry.register(info(Role.PREFILL, 3))
+    cut = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(), "Socket closed")
+    running = await start_server([])
+    try:
+        async with grpc.aio.insecure_channel(running.address) as ch:
+            await ch.channel_ready()
+            suspect_if_failed(registry, worker, cut, ch)
+            assert worker.suspect and not worker.unreachable
+        async with grpc.aio.insecure_channel("127.0.0.1:1") as ch:  # nothing listens there
+            suspect_if_failed(registry, worker, cut, ch)
+            assert worker.unreachable
+    finally:
+        await running.stop(0)
 
 
 async def failed_call(address: str) -> grpc.aio.AioRpcError:
