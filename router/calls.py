@@ -210,9 +210,10 @@ class WorkerCalls:
         """The client-facing error of a failed worker call: the worker's address, which is
         the operator's to know (docs/security.md), is in the log, not in the error."""
         code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
-        details = without_addresses(
-            (exc.details() or "").replace(worker.address, f"the {worker.role} worker")
-        )
+        said = exc.details() or ""
+        for named in (f"ipv4:{worker.address}", f"ipv6:{worker.address}", worker.address):
+            said = said.replace(named, f"the {worker.role} worker")  # ("a worker prefill ...")
+        details = without_addresses(said)
         logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
         error = RouterError(code, f"{stage} failed: {details}")
         error.address = worker.address

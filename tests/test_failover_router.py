@@ -362,3 +362,23 @@ def test_no_address_reaches_a_client_in_a_workers_error() -> None:
     ):
         cleaned = without_addresses(text)
         assert "a worker" in cleaned and "50062" not in cleaned and "prefill" not in cleaned
+
+
+def test_a_failed_calls_error_names_the_worker_once() -> None:
+    # gRPC names the address it dialled as "ipv4:host:port": the error read "a worker
+    # prefill worker" (kill review).
+    from grpc.aio import Metadata
+
+    from router.calls import WorkerCalls
+    from router.registry import Registry
+    from tests.registry_helpers import Clock, info
+
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=Clock())
+    worker = registry.register(info(Role.PREFILL, 7))
+    said = f"failed to connect to all addresses; last error: UNKNOWN: ipv4:{worker.address}: x"
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(), said)
+    error = WorkerCalls(registry).error("prefill", worker, exc)
+    assert str(error) == (
+        "prefill failed: failed to connect to all addresses; last error: UNKNOWN: "
+        "the prefill worker: x"
+    )
