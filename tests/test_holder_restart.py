@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import types
 
 import grpc
@@ -14,6 +15,7 @@ import pytest
 from common import kv_pull
 from common.server.peers import PeerClient
 from common.server.rpc import RpcStatusError, start_server
+from common.server.transport import RECONNECT_MAX_S
 from common.transfer.types import TransferError, TransferRefusedError
 from epd.v1 import prefill_service_pb2, prefill_service_pb2_grpc
 
@@ -51,6 +53,9 @@ async def test_a_confirmation_waits_out_the_channels_reconnect_back_off() -> Non
         assert await peers.confirm_release_kv(address, "lease-1")
         await restarting
         await (await back).stop(0)
+        started = time.monotonic()  # gone for good: refused within the back-off's wait
+        assert not await peers.confirm_release_kv(address, "lease-2")
+        assert time.monotonic() - started < 2 * RECONNECT_MAX_S + 0.5
     finally:
         await peers.close()
 

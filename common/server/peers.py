@@ -44,7 +44,7 @@ import grpc
 
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.rpc import channel
-from common.server.transport import DEFAULT_MAX_MESSAGE_MB, KEEPALIVE_S
+from common.server.transport import DEFAULT_MAX_MESSAGE_MB, KEEPALIVE_S, RECONNECT_MAX_S
 from epd.v1 import (
     encoder_service_pb2,
     encoder_service_pb2_grpc,
@@ -223,11 +223,17 @@ class PeerClient:
             lease_id=lease_id, mismatched_blocks=mismatched_blocks
         )
         try:
-            # Waits for the channel (a holder back at its address after a restart, while the
-            # channel's reconnect back-off runs: failing at once, the pulled KV was refused
-            # and prefilled again, every request of the next second; kill review).
-            call = stub.ReleaseKv(request, timeout=self.release_timeout_s, wait_for_ready=True)
-            response = await call
+            try:
+                response = await stub.ReleaseKv(request, timeout=self.release_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                # Once more, waiting out the channel's reconnect back-off (a holder back at
+                # its address after a restart: failing at once, the pulled KV was refused and
+                # prefilled again, every request of the next second), but not for the whole
+                # call's time (a holder gone for good: the KV refused 5 s late).
+                wait = min(self.release_timeout_s, 2 * RECONNECT_MAX_S)
+                response = await stub.ReleaseKv(request, timeout=wait, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             logger.warning("ReleaseKv(%s) on %s failed: %s", lease_id, address, exc.code().name)
             return False
