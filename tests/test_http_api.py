@@ -12,7 +12,6 @@ import asyncio
 import base64
 import io
 import json
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -33,8 +32,7 @@ from common.sampling import SamplingParams
 from common.server.rpc import LIVENESS_SERVICE, channel
 from epd.client import GenerateError
 from router.admission import Need
-from router.http.convert import as_sent, chat_request
-from router.http.errors import ApiError
+from router.http.convert import chat_request
 from router.http.media import MediaPolicy
 from router.http.schema import ChatCompletionRequest
 from router.server import serve
@@ -94,33 +92,6 @@ def api(url: str, key: str = CLIENT_KEY) -> openai.AsyncOpenAI:
 
 
 # ----------------------------------------------------------- request conversion (no server)
-
-
-def test_a_field_is_named_as_the_body_spells_it() -> None:
-    # A string content is one text part on the wire: "messages[1].content[0].text: ..."
-    # named a path the body did not have (new-user review).
-    body = ChatCompletionRequest.model_validate(
-        {
-            "model": MODEL_ID,
-            "max_completion_tokens": 5,
-            "messages": [{"role": "system", "content": "Be brief."}, *user("Hi.")],
-        }
-    )
-
-    def named(field: str) -> tuple[str | None, str]:
-        error = ApiError.from_router(
-            grpc.StatusCode.INVALID_ARGUMENT, f"{field}: too long", (("epd-field", field),)
-        )
-        as_sent(error, body)
-        return error.param, str(error)
-
-    assert named("messages[0].content[0].text") == (
-        "messages[0].content",
-        "messages[0].content: too long",
-    )
-    assert named("messages[1].content[0].text")[0] == "messages[1].content[0].text"  # parts
-    assert named("max_tokens") == ("max_completion_tokens", "max_completion_tokens: too long")
-    assert named("messages[7].content[0].text")[0] == "messages[7].content[0].text"
 
 
 def test_parts_become_the_grpc_request() -> None:
@@ -265,23 +236,6 @@ async def test_health_needs_every_role(fake: FakeCluster) -> None:
     await wait_health(url_of(fake), 200)
     serving = health_pb2.HealthCheckResponse.SERVING
     assert await grpc_health(fake, serving) == serving
-
-
-async def test_the_caller_is_identified_on_the_event_loop(fake: FakeCluster, monkeypatch) -> None:
-    # A plain-function dependency runs on FastAPI's thread pool: a thread hop per request,
-    # and a 60-request burst grew the router by 36 threads (overload review).
-    import router.http.app as app_module
-
-    threads = []
-    identify = app_module.identify
-
-    def recorded(*args: Any) -> Any:
-        threads.append(threading.get_ident())
-        return identify(*args)
-
-    monkeypatch.setattr(app_module, "identify", recorded)
-    status, _, _ = await asyncio.to_thread(call, f"{url_of(fake)}/v1/models", None, CLIENT_KEY)
-    assert status == 200 and threads == [threading.get_ident()]
 
 
 async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:

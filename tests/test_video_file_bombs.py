@@ -17,6 +17,7 @@ from common.processing.iso_boxes import MAX_BOXES, check_mp4, declared
 from common.processing.limits import LimitError
 from common.processing.video_file import MAX_STREAMS, VideoFileError, open_video
 from tests.test_video_file import make_video
+from tests.test_video_file import no_decoding as no_decoding  # a fixture
 
 
 def declaring(data: bytes, count: int) -> bytes:
@@ -263,3 +264,12 @@ def test_sample_tables_count_wherever_ffmpeg_reads_them() -> None:
     check_mp4(box(b"ftyp", b"isom") + box(b"moov", tagged) + pad, None, 240.0, 1.5, "f")
     # Tables inside mdat are data, not read: a video's bytes may spell anything.
     check_mp4(box(b"ftyp", b"isom") + box(b"mdat", stsz * 4), None, 240.0, 1.5, "f")
+
+
+def test_a_huge_h264_frame_is_refused_with_its_size(no_decoding: None) -> None:
+    # The decoders refuse a frame past the limit as the file opens (an 8000x8000 h264 one
+    # cost 0.13 s and 150 MB before its refusal); h264's still reports the size.
+    data = make_video("mp4", "libx264", frames=1, size=(2048, 2048))
+    with pytest.raises(LimitError, match="max_image_pixels") as err:
+        open_video(data, fps=2.0, max_frames=8, max_pixels=1 << 20, field="f")
+    assert err.value.field == "f" and "2048x2048" in str(err.value)
