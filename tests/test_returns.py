@@ -16,6 +16,7 @@ from common.roles import Role
 from common.sampling import SamplingParams
 from common.server.rpc import start_server
 from router.calls import suspect_if_failed
+from router.registry import Registry
 from router.returns import RESTART_WINDOW_S, STARTUP_S, Returns
 from router.workers import WorkerLoad
 from tests.registry_helpers import Clock, info
@@ -202,15 +203,20 @@ async def test_the_wait_is_bounded_in_count_by_the_deadline_and_by_a_drain(
     assert returns.waiting == 0
 
 
+def silence(registry: Registry, role: Role) -> None:
+    """`role`'s workers killed: their heartbeats stopped past the timeout, and dropped."""
+    for worker in registry.workers(role):
+        worker.last_seen -= registry.worker_timeout_s + 1
+    registry.expire()
+
+
 async def test_a_request_waits_for_the_decode_worker_that_restarts(ckpt) -> None:
     cluster = await start_router(ckpt)
     try:
         await cluster.add(Role.PREFILL, FakePrefill())
         await cluster.add(Role.DECODE, FakeDecode())
         registry = cluster.router.registry
-        for worker in registry.workers(Role.DECODE):
-            worker.last_seen -= registry.worker_timeout_s + 1  # killed: its heartbeats stop
-        registry.expire()
+        silence(registry, Role.DECODE)
         assert registry.workers(Role.DECODE) == []
         answer = asyncio.create_task(
             cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3))
@@ -235,10 +241,7 @@ async def test_an_image_request_waits_for_the_encoder_that_restarts(ckpt) -> Non
         await cluster.add(Role.ENCODER, FakeEncoder())
         await cluster.add(Role.PREFILL, FakePrefill())
         await cluster.add(Role.DECODE, FakeDecode())
-        registry = cluster.router.registry
-        for worker in registry.workers(Role.ENCODER):
-            worker.last_seen -= registry.worker_timeout_s + 1  # killed: its heartbeats stop
-        registry.expire()
+        silence(cluster.router.registry, Role.ENCODER)
         text = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=2))
         assert text.token_ids == [FIRST, 101]  # needs no encoder: served at once
         answer = asyncio.create_task(
