@@ -12,6 +12,7 @@ and count their retries in the same `retries`."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -194,17 +195,22 @@ class WorkerCalls:
                 "available",
             ) from None
 
-    async def wait_for_return(self, role: Role, tried: set[str], deadline: float) -> bool:
-        """When every worker of `role` is gone and it restarts (`router.returns`), wait for
-        one, then take out of `tried` the addresses a fresh registration holds (a worker back
-        at its address); whether one is there. A request whose own call found its worker
-        killed failed though the worker came back seconds later (1-8 a kill)."""
-        if self.returns is None or not self.returns.restarting(role):
-            return False
+    async def pick_or_return(
+        self, role: Role, tried: set[str], deadline: float, pick: Callable[[], WorkerRecord]
+    ) -> WorkerRecord:
+        """`pick()`; when it finds none (RouterError) because every worker of `role` is gone
+        and it restarts (`router.returns`), wait for one, take out of `tried` the addresses a
+        fresh registration holds (a worker back at its address) and `pick()` again. A
+        request whose own call found its worker killed failed though the worker came back
+        seconds later (1-8 a kill)."""
+        try:
+            return pick()
+        except RouterError:
+            if self.returns is None or not self.returns.restarting(role):
+                raise
         await self.returns.wait((role,), deadline)
-        back = {w.address for w in self.registry.workers(role) if not w.suspect}
-        tried -= back
-        return bool(back)
+        tried -= {w.address for w in self.registry.workers(role) if not w.suspect}
+        return pick()
 
     def error(self, stage: str, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> RouterError:
         """The client-facing error of a failed worker call: the worker's address, which is
@@ -234,22 +240,18 @@ class WorkerCalls:
         """`call(worker)` on `first` (or the least loaded worker of `role` not in
         `exclude`), counted in flight; on UNAVAILABLE again on another worker, up to
         `attempts` tries (default `self.attempts`), or, with a `deadline` and none left,
-        on one back from a restart (`wait_for_return`). Raises RouterError."""
+        on one back from a restart (`pick_or_return`). Raises RouterError."""
         tried: set[str] = set(exclude)
         tries = 0
         limit = self.attempts if attempts is None else attempts
         while True:
             if first is not None and not tries:
                 worker = first
+            elif tries and deadline is not None:
+                pick = functools.partial(self.pick, role, tried)
+                worker = await self.pick_or_return(role, tried, deadline, pick)
             else:
-                try:
-                    worker = self.pick(role, tried)
-                except RouterError:
-                    if not tries or deadline is None:
-                        raise
-                    if not await self.wait_for_return(role, tried, deadline):
-                        raise
-                    worker = self.pick(role, tried)
+                worker = self.pick(role, tried)
             if tries:  # counted once another worker is found to try (`pick` may raise)
                 self.retries[stage] += 1
             tried.add(worker.address)

@@ -33,6 +33,7 @@ Counted in the router's metrics (`epd:decode_migrations`: streams resumed,
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -170,12 +171,10 @@ class DecodeStage:
                 worker = reserved
             else:
                 need = ticket.need.blocks(Role.DECODE)
-                try:
-                    worker = self._pick(tried, stepped, need)
-                except RouterError:  # none left: one back from a restart, if it restarts
-                    if not await self.calls.wait_for_return(Role.DECODE, tried, job.deadline):
-                        raise
-                    worker = self._pick(tried, stepped, need)
+                pick = functools.partial(self._pick, tried, stepped, need)  # none left: one
+                worker = await self.calls.pick_or_return(  # back from a restart
+                    Role.DECODE, tried, job.deadline, pick
+                )
                 self.admission.move(ticket, Role.DECODE, worker)
             if retrying:
                 self.calls.retries["decode"] += 1
@@ -186,8 +185,8 @@ class DecodeStage:
             tried.add(worker.address)
             del request.resume_tokens[:]
             request.resume_tokens.extend(streamed)
-            stub_channel = self.channels.get(worker.address)
-            stub = decode_service_pb2_grpc.DecodeServiceStub(stub_channel)
+            channel = self.channels.get(worker.address)
+            stub = decode_service_pb2_grpc.DecodeServiceStub(channel)
             finished = None  # the chunk with the finish reason
             with self.registry.using(worker):
                 call = stub.Decode(request, timeout=job.time_left("decode"))
@@ -208,7 +207,7 @@ class DecodeStage:
                         raise ended_early()
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
-                    suspect_if_failed(self.registry, worker, exc, stub_channel)
+                    suspect_if_failed(self.registry, worker, exc, channel)
                     if code == grpc.StatusCode.UNAVAILABLE and DECODE_STEP_FAILED in (
                         exc.details() or ""
                     ):

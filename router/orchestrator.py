@@ -64,6 +64,7 @@ is kept: the prompt's KV does not depend on it) and decodes with the new handle,
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -270,8 +271,9 @@ class Orchestrator:
                     raise
                 lost_embeddings = EMBEDDINGS_LOST in str(exc)
                 if not lost_embeddings:
-                    failed.add(exc.address)
-                    await self.calls.wait_for_return(Role.PREFILL, failed, job.deadline)
+                    failed.add(exc.address)  # none left: wait for one back from a restart
+                    pick = functools.partial(self.calls.pick, Role.PREFILL, failed)
+                    await self.calls.pick_or_return(Role.PREFILL, failed, job.deadline, pick)
                 else:  # outputs that waited for later pieces outlived their leases
                     overlap = False
                 logger.warning(

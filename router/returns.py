@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from common.roles import Role
+from common.roles import KV_ROLES, Role
 from router.registry import Registry
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ SILENT_HEARTBEATS = 2  # a suspect worker silent for this many intervals: gone, 
 
 def needed(media: bool) -> tuple[Role, ...]:
     """The roles a request waits for: prefill and decode, and an encoder if it has `media`."""
-    return (Role.PREFILL, Role.DECODE, Role.ENCODER) if media else (Role.PREFILL, Role.DECODE)
+    return (*KV_ROLES, Role.ENCODER) if media else KV_ROLES
 
 
 class Returns:
@@ -78,7 +78,7 @@ class Returns:
     def follow(self, registry: Registry, calls: WorkerCalls | None = None) -> None:
         """Watch `registry`'s workers (none watched: no role is restarting), from now: the
         router's start (`STARTUP_S`); `calls` then wait through this for a worker back from a
-        restart (`WorkerCalls.wait_for_return`)."""
+        restart (`WorkerCalls.pick_or_return`)."""
         self.registry = registry
         if calls is not None:
             calls.returns = self
