@@ -10,12 +10,14 @@ the NIXL skips say "NIXL"), so a new test that skips the same way is covered wit
 marker. A module-level skip turns into a collection error, which stops the run at once.
 
 Also the module-scoped `ckpt` (the built-in tiny checkpoint) and `processor` fixtures most
-modules share; a module that needs another checkpoint defines its own `ckpt`.
+modules share (a module that needs another checkpoint defines its own `ckpt`), and
+`ckpt_copy`, a copy of the tiny checkpoint for a test to break.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Generator
 from pathlib import Path
 
@@ -37,6 +39,14 @@ def ckpt() -> Path:
 def processor(ckpt: Path) -> Processor:
     """The processor of the module's `ckpt`."""
     return Processor.from_pretrained(ckpt)
+
+
+@pytest.fixture
+def ckpt_copy(tmp_path: Path) -> Path:
+    """A copy of the built-in tiny checkpoint, for a test to break."""
+    out = tmp_path / "ckpt"
+    shutil.copytree(default_checkpoint(), out)
+    return out
 
 
 STRICT_ENV = "EPD_STRICT"
