@@ -3,8 +3,8 @@ entries, one `cat` per mode and copied output segments split into per-unit views
 exactly the rows of the equivalent hand-made tower calls, and the rows of each item encoded
 alone (bit for bit for frame-by-frame partitions), in the three shapes of
 `benchmarks/encoder_input_bench.py`, through `encode` and `encode_now`, with cache hits,
-in-flight joins, duplicates, partitions, small segments and `max_batch_rows` splits; the
-cache counts a shared segment's bytes once; cancellation and a failed forward. The units
+in-flight joins, duplicates, partitions, small segments and `max_batch_rows` splits;
+cancellation and a failed forward (the cache itself: tests/test_encoder_cache.py). The units
 hold the processor's uint8 patch codes, as the router sends them; the engine maps them to
 the tower's values (a mix with float32 values from an older router is tested too)."""
 
@@ -25,7 +25,6 @@ from common.processing.content_hash import content_hash, processor_settings
 from common.processing.image import as_patch_values
 from common.processing.processor import Processor
 from encoder_worker import batch
-from encoder_worker.batch import join
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.engine import EncoderEngine
 from encoder_worker.requests import ItemJob, Unit
@@ -201,24 +200,6 @@ async def test_calls_of_one_request_are_not_batched_together(
     await engine.close()
 
 
-def test_shared_segment_counts_once_and_frees_with_its_last_unit() -> None:
-    segment = EncodedRows.of(torch.zeros(6, 4), (torch.zeros(6, 4),))  # 192 bytes
-    views = segment.stacked.split(2, dim=1)
-    units = [EncodedRows(views[k], segment) for k in range(3)]
-    cache = EncoderCache(budget_bytes=300)
-    for k, unit in enumerate(units):
-        assert cache.put(bytes([k]), unit)
-    assert cache.bytes_used == segment.nbytes == 192
-    assert cache.put(b"own", EncodedRows.of(torch.zeros(1, 4), (torch.zeros(1, 4),)))  # 32
-    assert cache.bytes_used == 224
-    # 96 more bytes do not fit: evicting units 0 and 1 frees nothing (unit 2 still holds
-    # the segment), evicting unit 2 frees its 192 bytes.
-    assert cache.put(b"new", EncodedRows.of(torch.zeros(3, 4), (torch.zeros(3, 4),)))
-    assert cache.keys() == [b"own", b"new"] and cache.evictions == 3
-    assert cache.bytes_used == 32 + 96
-    assert not cache.put(b"big", EncodedRows.of(torch.zeros(10, 4), (torch.zeros(10, 4),)))
-
-
 # ------------------------------------------------- encode_now, hits, joins, segments
 
 
@@ -307,44 +288,6 @@ def test_small_segments_bound_what_a_cached_unit_keeps(
     assert len(owners) > 2  # several segments per mode
     assert all(o.nbytes <= 2 * largest * width for o in owners.values())
     assert engine.cache.bytes_used == sum(o.nbytes for o in owners.values())
-
-
-def test_join_is_a_view_only_for_neighbours() -> None:
-    segment = EncodedRows.of(torch.arange(24.0).view(6, 4), (torch.zeros(6, 4),))
-    views = segment.stacked.split([1, 2, 3], dim=1)
-    bounds = ((0, 1), (1, 3), (3, 6))
-    parts = [EncodedRows(v, segment, *b) for v, b in zip(views, bounds, strict=True)]
-    whole = join(parts)
-    assert torch.equal(whole.stacked, segment.stacked)
-    assert whole.stacked.data_ptr() == segment.stacked.data_ptr()  # no copy
-    tail = join(parts[1:])
-    assert (tail.start, tail.stop) == (1, 6)
-    assert torch.equal(tail.stacked, segment.stacked[:, 1:])
-    skipped = join([parts[0], parts[2]])  # not neighbours: a copy
-    assert torch.equal(skipped.stacked, torch.cat([views[0], views[2]], dim=1))
-    assert skipped.owner is None
-
-
-def test_get_many_and_put_many_keep_lru_and_owner_accounting() -> None:
-    segment = EncodedRows.of(torch.zeros(6, 4), (torch.zeros(6, 4),))  # 192 bytes
-    views = segment.stacked.split(2, dim=1)
-    units = [EncodedRows(v, segment, 2 * k, 2 * k + 2) for k, v in enumerate(views)]
-    cache = EncoderCache(budget_bytes=300)
-    assert cache.put(b"old", EncodedRows.of(torch.zeros(2, 4), (torch.zeros(2, 4),)))  # 64
-    assert cache.put_many([b"a", b"b", b"c"], units, segment)
-    assert cache.bytes_used == 64 + 192 and cache.keys() == [b"old", b"a", b"b", b"c"]
-    found = cache.get_many([b"b", b"x", b"old"])
-    assert found == [units[1], None, cache.get(b"old")]
-    assert (cache.hits, cache.lookups) == (3, 4)
-    assert cache.keys() == [b"a", b"c", b"b", b"old"]
-    # A second segment evicts from the LRU end until it fits: all of the first segment's
-    # units go (its bytes only when the last one does), "old" stays.
-    second = EncodedRows.of(torch.zeros(3, 4), (torch.zeros(3, 4),))  # 96 bytes
-    assert cache.put_many([b"d"], [second], second)
-    assert cache.keys() == [b"old", b"d"] and cache.bytes_used == 64 + 96
-    assert cache.evictions == 3
-    big = EncodedRows.of(torch.zeros(10, 4), (torch.zeros(10, 4),))
-    assert not cache.put_many([b"e"], [big], big) and b"e" not in cache
 
 
 async def test_encode_now_refuses_while_encode_has_work_queued(
@@ -451,10 +394,3 @@ def test_codes_need_the_processor_settings(processor: Processor, tower: VisionTo
     with pytest.raises(ValueError, match="processor settings"):
         engine.encode_now([[image_job(processor, 72)]])
     assert len(engine.cache) == 0
-
-
-def test_a_view_without_owner_counts_the_memory_it_keeps_alive() -> None:
-    base = torch.zeros(3, 1000, 64)
-    view = EncodedRows(base[:, :1])  # no owner: it alone keeps `base` alive
-    assert view.nbytes == base.nbytes
-    assert EncodedRows(base.clone()).nbytes == base.nbytes
