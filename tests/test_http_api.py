@@ -130,7 +130,15 @@ def test_parts_become_the_grpc_request() -> None:
     assert (video.video.file, video.video.fps, list(video.video.frames)) == (mp4, 2.0, [])
     assert text.text == "What changes?"
     s = request.sampling
-    assert (s.temperature, s.HasField("top_k"), s.seed, s.max_tokens) == (0.0, False, 7, 5)
+    # top_k -1 (vLLM's "off") is sent as off (0), not left unset for the checkpoint's
+    assert (s.temperature, s.HasField("top_k"), s.top_k, s.seed, s.max_tokens) == (
+        0.0,
+        True,
+        0,
+        7,
+        5,
+    )
+    assert not s.HasField("top_p")  # unset: the checkpoint's
     assert list(request.stop) == ["\n"]
 
 

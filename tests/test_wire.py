@@ -299,6 +299,23 @@ def test_sampling_round_trip_and_defaults() -> None:
         assert info.value.field == field
 
 
+def test_filters_turned_off_are_sent_off_not_left_to_the_checkpoint() -> None:
+    # A client's SamplingParams is what it asked for: top_p 1.0 and top_k 0 (off) were left
+    # unset on the wire, so the router put the checkpoint's generation_config values in
+    # (a Qwen3-VL Instruct's top_k 20, top_p 0.8) and a client could not turn them off.
+    from common.models.generation import GenerationDefaults
+    from common.sampling import SamplingParams
+    from common.wire.sampling import sampling_from_proto, sampling_to_proto
+    from epd.v1 import sampling_pb2
+
+    checkpoint = GenerationDefaults(top_p=0.8, top_k=20)
+    off = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+    assert sampling_from_proto(sampling_to_proto(off), checkpoint) == off
+    # Only a wire message that leaves them unset takes the checkpoint's.
+    unset = sampling_from_proto(sampling_pb2.SamplingParams(temperature=1.0), checkpoint)
+    assert (unset.top_p, unset.top_k) == (0.8, 20)
+
+
 def test_non_multimodal_fields_raise_the_general_field_error() -> None:
     from common.wire.convert import torch_dtype
     from common.wire.sampling import sampling_from_proto

@@ -24,17 +24,17 @@ def finish_reason_to_proto(reason: FinishReason | None) -> decode_service_pb2.Fi
 
 
 def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
-    """The wire form of `SamplingParams` (the inverse of `sampling_from_proto`)."""
+    """The wire form of `SamplingParams` (the inverse of `sampling_from_proto`). Every value
+    is what was asked for and is sent, `top_p` 1.0 and `top_k` 0 (off) included: left unset,
+    the router would take the checkpoint's instead."""
     msg = sampling_pb2.SamplingParams(
         temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
         max_tokens=params.max_tokens,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
     )
-    if params.top_p != 1.0:
-        msg.top_p = params.top_p
-    if params.top_k:
-        msg.top_k = params.top_k
     if params.seed is not None:
         msg.seed = params.seed
     return msg

@@ -37,7 +37,7 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
             f"is {both[1]} but max_tokens is {both[0]}: send one of them (or the same in both)",
         )
     max_tokens = body.max_completion_tokens or body.max_tokens
-    top_k = max(body.top_k or 0, 0)
+    top_k = None if body.top_k is None else max(body.top_k, 0)  # -1 or 0: off (sent as 0)
     temperature = 1.0 if body.temperature is None else body.temperature
     seed = body.seed
     if seed is not None and seed < 0:  # vLLM's: -1 asks for a random seed
@@ -48,7 +48,7 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
         SamplingParams(
             temperature=temperature,
             top_p=1.0 if top_p is None else top_p,
-            top_k=top_k,
+            top_k=top_k or 0,
             seed=seed,
             max_tokens=max_tokens or SamplingParams().max_tokens,
             stop_token_ids=tuple(stop_ids),
@@ -63,7 +63,7 @@ def sampling(body: SamplingBody) -> sampling_pb2.SamplingParams:
     )
     if top_p is not None:
         msg.top_p = top_p
-    if top_k:
+    if top_k is not None:
         msg.top_k = top_k
     if seed is not None:
         msg.seed = seed
