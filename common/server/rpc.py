@@ -35,6 +35,7 @@ from common.server.auth import Authenticator, AuthInterceptor
 from common.server.bind import bind_error
 from common.server.corrupt import CorruptRequests
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
+from common.server.open_calls import OpenCallLimits
 from common.server.transport import (
     DEFAULT_MAX_MESSAGE_MB,
     KEEPALIVE_S,
@@ -135,6 +136,7 @@ async def start_server(
     other bind failure raises SettingsError naming `port` too. `auth` (None: every call is
     let through) checks every call's credentials (`common.server.auth`); `tls` (None:
     plaintext) secures the port. `name` ("router", ...) is what the errors call the server.
+    Health and reflection, open to anyone, run within `common.server.open_calls`' bounds.
 
     `keepalive_s`: a client that leaves a ping unanswered this long, sent after this long
     of a call, has its calls cancelled (`common.server.transport`).
@@ -150,7 +152,7 @@ async def start_server(
     with the handshake's time limit).
     """
     # Credentials first: a caller without them learns nothing of what it sent.
-    interceptors: list[grpc.aio.ServerInterceptor] = [CorruptRequests()]
+    interceptors: list[grpc.aio.ServerInterceptor] = [OpenCallLimits(), CorruptRequests()]
     if auth is not None:
         interceptors.insert(0, AuthInterceptor(auth))
     options = server_options(max_message_mb, keepalive_s, max_connections, stream_window_bytes)

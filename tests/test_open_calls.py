@@ -1,0 +1,115 @@
+"""The methods anyone may call (health, reflection) within bounds (`common.server.open_calls`):
+an anonymous caller could make a server read and keep up to `max_message_mb` per call
+(security review, s32: a router at 4.9 GB resident, its loop stalled for seconds)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from common.server import open_calls
+from common.server.auth import Authenticator
+from common.server.rpc import LIVENESS_SERVICE, RunningServer, channel, start_server
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+BIG = "x" * (1 << 20)  # a service name or symbol far past OPEN_MESSAGE_BYTES
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunningServer]:
+    monkeypatch.setattr(open_calls, "OPEN_CALLS", 3)
+    monkeypatch.setattr(open_calls, "READ_S", 0.5)
+    running = await start_server(
+        [], max_message_mb=16, auth=Authenticator("the-cluster-bearer-of-this-test")
+    )
+    yield running
+    await running.stop(0)
+
+
+async def check(ch: grpc.aio.Channel, service: str) -> health_pb2.HealthCheckResponse:
+    return await health_pb2_grpc.HealthStub(ch).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=10
+    )
+
+
+async def test_open_methods_answer_anyone_as_before(server: RunningServer) -> None:
+    async with channel(server.address) as ch:  # no credentials
+        assert (await check(ch, LIVENESS_SERVICE)).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await check(ch, "no-such-service")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+        first = await watch.read()
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        asks = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+        ]
+        asks.append(
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.health.v1.Health")
+        )
+        replies = [r async for r in stub.ServerReflectionInfo(iter(asks), timeout=10)]
+        assert len(replies) == 2
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert "grpc.health.v1.Health" in names
+        assert replies[1].file_descriptor_response.file_descriptor_proto
+
+
+async def test_a_large_request_is_refused_before_it_is_parsed_or_kept(
+    server: RunningServer,
+) -> None:
+    async with channel(server.address) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await check(ch, BIG)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most 65536" in (info.value.details() or "")
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=BIG))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await watch.read()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        big = reflection_pb2.ServerReflectionRequest(file_containing_symbol=BIG)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [r async for r in stub.ServerReflectionInfo(iter([big]), timeout=10)]
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not server.health._server_watchers.get(BIG)  # no Watch kept its name
+
+
+async def test_open_calls_past_the_limit_are_refused_until_one_ends(server: RunningServer) -> None:
+    async with channel(server.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        watches = [stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(3)]
+        for watch in watches:
+            await watch.read()  # each one running
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await check(ch, "")
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        watches[0].cancel()
+        for _ in range(50):  # the server sees the cancellation shortly
+            await asyncio.sleep(0.02)
+            try:
+                assert (await check(ch, "")).status == health_pb2.HealthCheckResponse.SERVING
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        else:
+            pytest.fail("a health check was still refused after a Watch ended")
+        for watch in watches[1:]:
+            watch.cancel()
+
+
+async def test_a_caller_that_sends_no_request_is_ended(server: RunningServer) -> None:
+    async with channel(server.address) as ch:
+        call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(call.read(), 10)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "no request within 0.5 s" in (info.value.details() or "")
