@@ -18,11 +18,11 @@ def check_ids(request: router_service_pb2.GenerateRequest) -> None:
         value = getattr(request, name)
         if len(value) > MAX_ID_CHARS:
             raise InputError(name, f"is over {MAX_ID_CHARS} characters")
-        if _breaks_lines(value):
+        if breaks_lines(value):
             raise InputError(name, "holds a line break or a control character")
 
 
-def _breaks_lines(text: str) -> bool:
+def breaks_lines(text: str) -> bool:
     """Whether `text` holds a control character (tab aside), a line or paragraph separator
     or a bidirectional override: what could forge or reorder a line of a log. (Spaces,
     joiners, marks and other format characters of real text pass: `str.isprintable`
@@ -37,4 +37,21 @@ _FORGERS = frozenset("\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u20
 
 def shown_id(request_id: str) -> str:
     """A caller's request id as a log line may show it: escaped if it could break a line."""
-    return ascii(request_id) if _breaks_lines(request_id) else request_id
+    return ascii(request_id) if breaks_lines(request_id) else request_id
+
+
+def shown_text(text: str, limit: int = 200) -> str:
+    """Anything a caller sent, as an error or a log line may repeat it: cut to `limit`
+    characters (saying how many there were) and, in quotes, escaped if it could break a
+    line (a field's value repeated whole wrote forged log lines, and a 16 MiB one grew the
+    log by as much)."""
+    cut = text if len(text) <= limit else text[:limit]
+    quoted = ascii(cut) if breaks_lines(cut) else repr(cut)
+    return quoted if cut is text else f"{quoted}... ({len(text)} characters)"
+
+
+def loggable(text: str, limit: int) -> str:
+    """A message that may repeat what a caller sent (an error's), for an answer or a log
+    line: cut to `limit` characters and escaped, without quotes, if it could break a line."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
+    return ascii(cut)[1:-1] if breaks_lines(cut) else cut

@@ -37,6 +37,7 @@ import grpc
 from common.server.rpc import RpcStatusError
 from epd.v1 import decode_service_pb2, router_service_pb2
 from router.calls import RouterError
+from router.ids import loggable
 
 logger = logging.getLogger("router.server")  # the router's request log, as before
 
@@ -135,4 +136,5 @@ def refused_before(finished: Any, tenant: str | None, code: grpc.StatusCode, det
     outcome, and its one INFO line (it has no id yet)."""
     outcome = _BY_CODE.get(code, "error")
     finished.labels(outcome).inc()
-    logger.info("a request (%s) %s before it ran: %s %s", tenant, outcome, code.name, detail)
+    shown = loggable(detail, 1000)  # the error may repeat what the caller sent
+    logger.info("a request (%s) %s before it ran: %s %s", tenant, outcome, code.name, shown)

@@ -17,7 +17,7 @@ import pytest
 
 from common.errors import FieldError
 from router.http.convert import chat_request, completion_request
-from router.http.errors import ApiError
+from router.http.errors import ApiError, model_not_found
 from router.http.media import MediaPolicy
 from router.http.parse import parse_body
 from router.http.schema import ACCEPTED_AND_IGNORED, ChatCompletionRequest, CompletionRequest
@@ -204,3 +204,19 @@ def test_chunks_carry_the_null_fields_openai_documents() -> None:
         assert with_usage["usage"] is None and with_usage["choices"][0]["logprobs"] is None
         assert "usage" not in answer.delta("hi", None, False)
         assert answer.final()["choices"][0]["logprobs"] is None
+
+
+def test_what_a_caller_sent_is_repeated_escaped_and_cut() -> None:
+    # An unknown part type was repeated whole and unescaped: a "\n" in it wrote forged
+    # lines into the router's log, and a 16 MiB one grew the log (and the answer) by 16 MiB
+    # (security review, s32). The same for a model name the server does not serve.
+    forged = "x\n2026-12-06 16:00:00,000 INFO router.server: FORGED" + "y" * 100_000
+    part = {"type": forged, "text": "hi"}
+    error = refused(json.dumps(chat(messages=[{"role": "user", "content": [part]}])))
+    message = str(error.body()["error"]["message"])
+    assert error.body()["error"]["param"] == "messages[0].content[0]"
+    assert "\n" not in message and "FORGED" in message and len(message) < 1000
+    assert f"{len(forged)} characters" in message and "expected" in message
+    wrong = model_not_found("m\n" + "z" * 100_000, MODEL_ID, param="model")
+    shown = str(wrong.body()["error"]["message"])
+    assert "\n" not in shown and len(shown) < 1000 and "100002 characters" in shown

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from common.errors import FieldError
 from common.server.rpc import RpcStatusError
 from router.calls import RouterError, TooLarge
+from router.ids import loggable, shown_text
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ def http_field(field: str) -> str:
 
 
 _PART_TAGS = frozenset({"text", "image_url", "video_url"})  # `schema.ContentPart`'s tags
+MAX_MESSAGE = 1000  # characters of a validation message repeated (pydantic's may quote input)
 # A union branch's label in pydantic's error locations (`bool | int`), besides those with
 # brackets (`function-after[_utf8(), str]`); no field of the body has these names.
 _UNION_LABELS = frozenset({"str", "bool", "int", "float"})
@@ -165,7 +167,13 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         best = tied[0]
         shapes = dict.fromkeys(str(e.get("msg", "")).removeprefix("Input ") for e in tied)
         message = " or ".join(shapes)
+    if best.get("type") == "union_tag_invalid":  # pydantic repeats the tag as sent
+        tag = str((best.get("ctx") or {}).get("tag", ""))
+        message = (
+            f"unknown part type {shown_text(tag)}; expected 'text', 'image_url' or 'video_url'"
+        )
     param = _param(tuple(best.get("loc", ())))
+    message = loggable(message, MAX_MESSAGE)
     return ApiError(
         grpc.StatusCode.INVALID_ARGUMENT,
         f"{param}: {message}" if param else message,
@@ -197,7 +205,7 @@ def model_not_found(model: str, served: str, param: str | None = None) -> ApiErr
     `param` names the request field that asked for it (None: the URL's path did)."""
     return ApiError(
         grpc.StatusCode.NOT_FOUND,
-        f"the model {model!r} does not exist (this server serves {served!r})",
+        f"the model {shown_text(model)} does not exist (this server serves {served!r})",
         param=param,
         code="model_not_found",
         error_type="invalid_request_error",
