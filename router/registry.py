@@ -4,7 +4,8 @@ Lifecycle of a worker as the router sees it:
 
     Register  -> checked against the deployment (protocol, model, KV layout); refused with
                  FAILED_PRECONDITION on a mismatch, else recorded under a fresh worker id
-                 (a worker re-registering from the same address replaces its old record;
+                 (a worker re-registering from the same address replaces its old record,
+                 refused while a live worker of another role holds the address;
                  when its `instance_id` differs, the process restarted: the `on_restart`
                  listeners hear of the old record first, so its channel, KV-event
                  subscription and prefix entries are dropped, not carried over; a worker
@@ -162,7 +163,8 @@ class Registry:
         moved = [w for w in self._workers.values() if info.name and w.name == info.name]
         namesakes = [w for w in moved if w.role == role and w.address != info.address]
         dropped = self._replaced.get((role, info.name))
-        live = [w for w in namesakes if w.last_seen >= self._cutoff()]
+        cutoff = self._cutoff()
+        live = [w for w in namesakes if w.last_seen >= cutoff]
         if live and dropped == (info.address, info.instance_id) and info.instance_id:
             # The very process dropped for a namesake is alive, and so is the namesake: two
             # live workers share the name (they would evict each other on every heartbeat,
@@ -172,29 +174,26 @@ class Registry:
                 f"{role} worker {info.address} registers as {info.name!r}, the name of "
                 f"the live worker at {live[0].address}: worker names must be unique"
             )
+        taken = [w for w in self._workers.values() if w.address == info.address]
+        if other := [w for w in taken if w.role != role and w.last_seen >= cutoff]:
+            raise RegistrationRefused(  # whoever has the token could keep a worker out
+                f"{role} worker at {info.address}: the address of the live "
+                f"{other[0].role} worker {other[0].name!r}"
+            )
         for old in moved:
             if old.address != info.address and old.role == role:
                 self._replaced[(role, info.name)] = (old.address, old.info.instance_id)
                 # The same named worker restarted at another address (Ray gives a restarted
                 # actor a new port): its old address is dead, let go as an expiry would.
                 del self._workers[old.worker_id]
-                logger.info(
-                    "worker %s registered again at %s; %s dropped",
-                    info.name,
-                    info.address,
-                    old.address,
-                )
+                logger.info("worker %s registered again at %s", info.name, info.address)
                 for listener in self.on_expire:
                     listener(old)
-        for old in [w for w in self._workers.values() if w.address == info.address]:
+        for old in taken:
             del self._workers[old.worker_id]
             restarted = not info.instance_id or old.info.instance_id != info.instance_id
-            logger.info(
-                "worker %s re-registered%s; old id %s dropped",
-                old.address,
-                " after a restart" if restarted else "",
-                old.worker_id,
-            )
+            again = " after a restart" if restarted else ""
+            logger.info("worker %s re-registered%s", old.address, again)
             if restarted:
                 for restart_listener in self.on_restart:
                     restart_listener(old)
@@ -304,9 +303,7 @@ class Registry:
         for record in dead:
             del self._workers[record.worker_id]
             if record.draining:  # it was leaving: a scale-down, a stop or `epd drain`
-                logger.info(
-                    "retired %s worker %s (drained, then stopped)", record.role, record.address
-                )
+                logger.info("retired %s worker %s (drained, stopped)", record.role, record.address)
             else:
                 logger.warning(
                     "dropped %s worker %s: no heartbeat for %.1f s",

@@ -275,6 +275,22 @@ def test_a_worker_of_the_same_name_at_a_new_address_replaces_the_old_record(
     assert new in registry.workers(Role.PREFILL) and gone == [first.address]
 
 
+def test_a_registration_at_a_live_workers_address_in_another_role_is_refused(
+    registry: Registry, clock: Clock
+) -> None:
+    # Any holder of the cluster token could register an encoder at the prefill's address:
+    # the prefill's record was dropped and requests found no prefill worker until its next
+    # registration (security review, s32). One process serves one role.
+    prefill = registry.register(info(Role.PREFILL, 9))
+    with pytest.raises(RegistrationRefused, match="the address of the live prefill worker"):
+        registry.register(info(Role.ENCODER, 9))
+    assert registry.workers() == [prefill]
+    # Once that worker is gone (silent past the timeout), the address is free for any role.
+    clock.now += registry.worker_timeout_s + 1
+    encoder = registry.register(info(Role.ENCODER, 9))
+    assert registry.workers() == [encoder]
+
+
 def test_two_live_workers_of_one_name_do_not_evict_each_other(
     registry: Registry, clock: Clock
 ) -> None:

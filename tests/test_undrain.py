@@ -176,7 +176,7 @@ def test_a_drained_worker_that_goes_silent_is_retired_not_lost(
     with caplog.at_level("INFO", logger="router.registry"):
         assert len(registry.expire()) == 2
     levels = {r.getMessage(): r.levelname for r in caplog.records}
-    assert levels["retired decode worker 127.0.0.1:7001 (drained, then stopped)"] == "INFO"
+    assert levels["retired decode worker 127.0.0.1:7001 (drained, stopped)"] == "INFO"
     assert levels["dropped decode worker 127.0.0.1:7002: no heartbeat for 10.0 s"] == "WARNING"
 
 
