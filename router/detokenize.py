@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.processing.processor import Processor
 
 REPLACEMENT = "\ufffd"
 # Tokens held back while their text ends inside a character. A character is at most 4
@@ -45,6 +49,14 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix = 0  # start of the window that is decoded again for context
         self._read = 0  # tokens whose text has been emitted
+
+    @classmethod
+    def of_answer(cls, processor: Processor, resumed: Sequence[int] = ()) -> IncrementalDetokenizer:
+        """The detokenizer of an answer in `processor`'s tokens, past the `resumed` tokens
+        its client already has (`skip`)."""
+        detok = cls(processor.decode, processor.token_bytes)
+        detok.skip(resumed)
+        return detok
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the new complete text (may be empty), the same as adding

@@ -176,12 +176,11 @@ class Orchestrator:
         except BaseException:
             self.admission.release(ticket)
             raise
-        detok = IncrementalDetokenizer(self.processor.decode, self.processor.token_bytes)
+        detok = IncrementalDetokenizer.of_answer(self.processor, job.resumed)
         first = prefill.first_token_id
         finish = self.stop.check(job.sampling, first, 1)
         if job.resumed:  # the client has these: keep its first token, send what follows
             first, finish = job.resumed[0], None
-            detok.skip(job.resumed)
         chunk = router_service_pb2.GenerateResponse(
             token_ids=[first],
             text="" if job.resumed else detok.add([first]),  # a resumed one is not sent

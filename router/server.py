@@ -64,6 +64,7 @@ from router.admission_need import fitted_to_decode
 from router.calls import Job, RouterError
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
+from router.detokenize import IncrementalDetokenizer
 from router.health import health_loop
 from router.held import HeldBytes, MediaHold, add_router_service, read_request
 from router.ids import check_ids, shown_id
@@ -188,12 +189,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 vocab = self.processor.config.text.vocab_size
                 if request.sampling.max_tokens:
                     check_resume(request, request.sampling.max_tokens, vocab)
-                cache_salt = tenant_salt(
-                    self.salt_key,
-                    caller.tenant,
-                    request.cache_salt if request.HasField("cache_salt") else None,
-                    caller.cache_epoch,
-                )
+                salt = request.cache_salt if request.HasField("cache_salt") else None
+                cache_salt = tenant_salt(self.salt_key, caller.tenant, salt, caller.cache_epoch)
                 try:
                     sampling, prompt = await self.prepare_threads.run(
                         has_media(request),
@@ -233,7 +230,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     tenant=caller.tenant,
                 )
                 await self.returns.wait(needed(bool(prompt.params.items)), deadline)
-                answer = stop_at(self.orchestrator.run(job), request.stop, self.processor.decode)
+                detok = IncrementalDetokenizer.of_answer(self.processor, resumed)
+                answer = stop_at(self.orchestrator.run(job), request.stop, detok)
                 async for chunk in self.orchestrator.metrics.track(answer, outcome.started):
                     yield chunk
 

@@ -7,20 +7,23 @@ text holds one, it sends the text before it with finish reason STOP and closes t
 orchestrator's stream, whose `finally` cancels the decode call and releases what the request
 holds.
 
-A chunk may carry several tokens (a decode worker's `stream_interval`): the stopping chunk
-keeps its tokens up to the one that completes the stop string (the fewest whose text holds
-it), as a one-token stream would have ended there; the tokens after it are not part of the
-answer, in `token_ids` or the token count. That search looks only in the stopping chunk's
-tokens: the detokenizer gives each chunk the text of every character its tokens complete,
-however they are chunked (`router.detokenize`), so no earlier chunk's tokens completed it.
+A chunk may carry several tokens (a decode worker's `stream_interval`): its tokens are
+looked at one at a time, each with the text it completes (a detokenizer of the answer's
+own, `router.detokenize`), so the answer ends where a one-token stream's would, whatever
+the chunks: at the token that completes the first stop string to be complete, before that
+string; the tokens after it are not part of the answer, in `token_ids` or the token count.
+(Cutting a chunk's whole text at the stop string that begins first, and its tokens by
+decoding prefixes of them, gave another answer when a chunk completed two stop strings,
+and found a U+FFFD stop string inside a character a prefix ended in.)
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from common.errors import FieldError
 from epd.v1 import decode_service_pb2, router_service_pb2
+from router.detokenize import IncrementalDetokenizer
 
 MAX_STOP_STRINGS = 16  # most stop strings one request may name
 MAX_STOP_CHARS = 256  # longest stop string
@@ -65,51 +68,36 @@ class StopStrings:
         return out
 
 
-def completing(
-    token_ids: Sequence[int],
-    known: int,
-    stops: Sequence[str],
-    decode: Callable[[Sequence[int]], str],
-) -> int:
-    """The fewest leading tokens of `token_ids` (more than `known`, whose text holds none of
-    `stops`) whose text holds one, by binary search; all of them if none does."""
-    lo, hi = known + 1, len(token_ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        text = decode(token_ids[:mid])
-        if any(s in text for s in stops):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
-
-
 async def stop_at(
     chunks: AsyncIterator[router_service_pb2.GenerateResponse],
     stops: Sequence[str],
-    decode: Callable[[Sequence[int]], str],
+    detok: IncrementalDetokenizer,
 ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
     """`chunks` cut at the first stop string (the module docstring); unchanged without any.
-    `decode` is the detokenizer's (token ids -> text of the whole answer so far)."""
+    `detok`: a detokenizer of its own for the answer, past the tokens a resumed stream's
+    client has (`IncrementalDetokenizer.skip`), as the orchestrator's is."""
     if not stops:
         async for chunk in chunks:
             yield chunk
         return
     cutter = StopStrings(stops)
-    answer: list[int] = []  # every token so far
     try:
         async for chunk in chunks:
-            known = len(answer)
-            answer.extend(chunk.token_ids)
-            chunk.text = cutter.add(chunk.text)
+            text = ""
+            for k, token_id in enumerate(chunk.token_ids):
+                text += cutter.add(detok.add([token_id]))
+                if cutter.stopped:
+                    del chunk.token_ids[k + 1 :]
+                    break
+            ended = chunk.finish_reason != decode_service_pb2.FINISH_REASON_UNSPECIFIED
+            if ended and not cutter.stopped:
+                text += cutter.add(detok.flush())
+                text += "" if cutter.stopped else cutter.flush()
+            chunk.text = text
             if cutter.stopped:
-                if len(chunk.token_ids) > 1:
-                    del chunk.token_ids[completing(answer, known, cutter.stops, decode) - known :]
                 chunk.finish_reason = decode_service_pb2.FINISH_REASON_STOP
                 yield chunk
                 return
-            if chunk.finish_reason != decode_service_pb2.FINISH_REASON_UNSPECIFIED:
-                chunk.text += cutter.flush()
             yield chunk
     finally:
         aclose = getattr(chunks, "aclose", None)
