@@ -66,7 +66,8 @@ class SamplingParams:
     seed: int | None = None
     # Most tokens to generate (the prefill's first token included).
     max_tokens: int = 16
-    # Tokens that end the request (reported as "stop"; the token is kept in the output).
+    # Tokens that end the request (reported as "stop"; the token is kept in the output's
+    # token ids, and the router shows no text of it, as vLLM does not).
     stop_token_ids: tuple[int, ...] = ()
     # Keep generating past the model's end-of-sequence token.
     ignore_eos: bool = False

@@ -25,11 +25,12 @@ bytes of such a run.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from common.processing.processor import Processor
+    from common.sampling import SamplingParams
 
 REPLACEMENT = "\ufffd"
 # Tokens held back while their text ends inside a character. A character is at most 4
@@ -41,26 +42,36 @@ class IncrementalDetokenizer:
     """Text deltas of a growing token sequence (the read-offset scheme of vLLM)."""
 
     def __init__(
-        self, decode: Callable[[Sequence[int]], str], token_bytes: Sequence[bytes] | None = None
+        self,
+        decode: Callable[[Sequence[int]], str],
+        token_bytes: Sequence[bytes] | None = None,
+        silent: Collection[int] = (),
     ) -> None:
         self._decode = decode
         self._bytes = token_bytes  # token id -> its bytes (None: decode windows of tokens)
+        # Tokens whose text is not shown: a request's stop tokens, as in vLLM (the one that
+        # ended the answer stays in its token ids and counts).
+        self._silent = frozenset(silent)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._ids: list[int] = []
         self._prefix = 0  # start of the window that is decoded again for context
         self._read = 0  # tokens whose text has been emitted
 
     @classmethod
-    def of_answer(cls, processor: Processor, resumed: Sequence[int] = ()) -> IncrementalDetokenizer:
+    def of_answer(
+        cls, processor: Processor, sampling: SamplingParams, resumed: Sequence[int] = ()
+    ) -> IncrementalDetokenizer:
         """The detokenizer of an answer in `processor`'s tokens, past the `resumed` tokens
-        its client already has (`skip`)."""
-        detok = cls(processor.decode, processor.token_bytes)
+        its client already has (`skip`); `sampling`'s stop tokens show no text."""
+        detok = cls(processor.decode, processor.token_bytes, sampling.stop_token_ids)
         detok.skip(resumed)
         return detok
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the new complete text (may be empty), the same as adding
         them one by one would have returned in all."""
+        if self._silent:
+            token_ids = [t for t in token_ids if t not in self._silent]
         if self._bytes is not None:
             table = self._bytes
             size = len(table)  # an id past the vocabulary decodes to nothing, as decode's

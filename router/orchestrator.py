@@ -176,7 +176,7 @@ class Orchestrator:
         except BaseException:
             self.admission.release(ticket)
             raise
-        detok = IncrementalDetokenizer.of_answer(self.processor, job.resumed)
+        detok = IncrementalDetokenizer.of_answer(self.processor, job.sampling, job.resumed)
         first = prefill.first_token_id
         finish = self.stop.check(job.sampling, first, 1)
         if job.resumed:  # the client has these: keep its first token, send what follows

@@ -230,7 +230,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     tenant=caller.tenant,
                 )
                 await self.returns.wait(needed(bool(prompt.params.items)), deadline)
-                detok = IncrementalDetokenizer.of_answer(self.processor, resumed)
+                detok = IncrementalDetokenizer.of_answer(self.processor, sampling, resumed)
                 answer = stop_at(self.orchestrator.run(job), request.stop, detok)
                 async for chunk in self.orchestrator.metrics.track(answer, outcome.started):
                     yield chunk

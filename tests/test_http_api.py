@@ -37,7 +37,6 @@ from router.http.media import MediaPolicy
 from router.http.schema import ChatCompletionRequest
 from router.server import serve
 from router.settings import RouterSettings
-from router.stop import StopStrings
 from router.workers import WorkerLoad
 from tests.cluster import CLIENT_KEY, cluster_security
 from tests.model_fixtures import user
@@ -140,20 +139,6 @@ def test_parts_become_the_grpc_request() -> None:
     )
     assert not s.HasField("top_p")  # unset: the checkpoint's
     assert list(request.stop) == ["\n"]
-
-
-@pytest.mark.parametrize("size", [1, 2, 3, 100])
-def test_stop_strings_are_found_across_chunks(size: int) -> None:
-    text = "The cat sat. The END. After"
-    cutter = StopStrings(["END", "zzz"])
-    out = ""
-    for i in range(0, len(text), size):
-        out += cutter.add(text[i : i + size])
-        if cutter.stopped:
-            break
-    assert (out, cutter.stopped) == ("The cat sat. The ", True)
-    plain = StopStrings(["zz"])
-    assert plain.add("fiz") == "fi" and plain.add("") == "" and plain.flush() == "z"
 
 
 # ------------------------------------------------------------- a router with fake workers
@@ -351,47 +336,3 @@ async def test_a_request_that_can_never_fit_is_400_not_429(ckpt: Path) -> None:
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         await c.close()
-
-
-async def test_stop_strings_cut_the_text(fake: FakeCluster) -> None:
-    await add_workers(fake)
-    client = api(url_of(fake))
-    full = await client.chat.completions.create(model=MODEL_ID, messages=WEATHER, max_tokens=8)
-    text = full.choices[0].message.content or ""
-    assert full.choices[0].finish_reason == "length" and len(text) >= 4
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    cut = await client.chat.completions.create(
-        model=MODEL_ID, messages=WEATHER, max_tokens=8, stop=[stop, "never-there"]
-    )
-    assert cut.choices[0].message.content == text[: text.find(stop)]
-    assert cut.choices[0].finish_reason == "stop"
-    pieces = []
-    stream = await client.chat.completions.create(
-        model=MODEL_ID, messages=WEATHER, max_tokens=8, stop=stop, stream=True
-    )
-    async for chunk in stream:
-        pieces.append(chunk.choices[0].delta.content or "")
-    assert "".join(pieces) == text[: text.find(stop)]
-
-
-async def test_a_stop_string_inside_a_chunk_ends_its_tokens_there(fake: FakeCluster) -> None:
-    """Decode sends 4 tokens a chunk: the answer's tokens end at the one that completes the
-    stop string, as with one token a chunk, in the HTTP usage and the gRPC token ids."""
-    _, decode = await add_workers(fake)
-    decode.first_id = 64  # the tiny tokenizer's "a": the answer goes on "bcdefgh..."
-    twelve = SamplingParams(max_tokens=12)
-    full = await fake.client.generate_text(WEATHER, twelve)
-    tokens, text = full.token_ids, full.text
-    assert text[-11:] == "abcdefghijk"
-    k = 8  # a stop string that token 8 ("g", third chunk's second token) completes
-    stop = "fg"
-    decode.per_chunk = 4
-    cut = await fake.client.generate_text(WEATHER, twelve, stop=[stop])
-    assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
-    assert cut.token_ids == tokens[:k]
-    client = api(url_of(fake))
-    reply = await client.chat.completions.create(
-        model=MODEL_ID, messages=WEATHER, max_tokens=12, stop=stop
-    )
-    assert reply.choices[0].message.content == text[: text.find(stop)]
-    assert reply.usage is not None and reply.usage.completion_tokens == k

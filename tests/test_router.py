@@ -172,11 +172,17 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
             if self.hang_after_first:
                 await asyncio.sleep(60)
             rest = [] if done else [self.first_id + 1 + i for i in range(left - 1)]
+            stops = [k for k, t in enumerate(rest) if t in request.sampling.stop_token_ids]
+            rest = rest[: stops[0] + 1] if stops else rest  # a stop token ends the answer
+            finish = (
+                decode_service_pb2.FINISH_REASON_STOP
+                if stops
+                else decode_service_pb2.FINISH_REASON_LENGTH
+            )
             for at in range(0, len(rest), self.per_chunk):
                 last = at + self.per_chunk >= len(rest)
                 yield decode_service_pb2.DecodeResponse(
-                    token_ids=rest[at : at + self.per_chunk],
-                    finish_reason=decode_service_pb2.FINISH_REASON_LENGTH if last else 0,
+                    token_ids=rest[at : at + self.per_chunk], finish_reason=finish if last else 0
                 )
         except asyncio.CancelledError:
             self.cancelled.set()
