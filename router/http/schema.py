@@ -67,6 +67,21 @@ def _whole(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_whole)]  # a JSON integer, or a whole number as `3.0`
 
+
+# Bounds named as they are: pydantic's own messages print 2**63 as 9223372036854776000 and
+# the largest float32 in 39 digits.
+def _int64(value: int) -> int:
+    if not -(2**63) <= value < 2**63:
+        raise ValueError("must be a 64-bit signed integer (from -2**63 to 2**63 - 1)")
+    return value
+
+
+def _float32(value: float) -> float:
+    if value > FLOAT32_MAX:
+        raise ValueError("must be a finite float32 (at most about 3.4e38)")
+    return value
+
+
 # OpenAI's fields this server accepts and ignores, with why: none changes the answer's text.
 # (What would change it, or claims something the answer does not do, is refused instead.)
 ACCEPTED_AND_IGNORED: dict[str, str] = {
@@ -161,14 +176,16 @@ class SamplingBody(_Body):
     model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(default=None, ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
+    temperature: (
+        Annotated[float, Field(ge=0, allow_inf_nan=False), AfterValidator(_float32)] | None
+    ) = None
     # 0 (as OpenAI takes it) keeps the likeliest token only: sent as the smallest float32
     # past 0 (`router.http.convert.sampling`), which does the same.
     top_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     top_k: Int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     # Any int64, as vLLM takes: -1 is unset (a random seed), another negative one is taken
     # modulo 2**63 (`router.http.convert.sampling`).
-    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    seed: Annotated[Int, AfterValidator(_int64)] | None = None
     # Both set: they must agree (`router.http.convert.sampling`).
     max_tokens: Int | None = Field(default=None, ge=1, le=UINT32_MAX)
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=UINT32_MAX)
