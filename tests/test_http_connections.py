@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +19,12 @@ import pytest
 from fastapi import FastAPI
 
 from router.http.app import HttpServer
-from router.http.connections import ConnectionStats, bounded_protocol
+from router.http.connections import (
+    INVALID_EVERY_S,
+    INVALID_REQUESTS,
+    ConnectionStats,
+    bounded_protocol,
+)
 from tests.cluster import ADMIN_KEY, CLIENT_KEY
 from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
 from tests.test_router import Cluster as FakeCluster
@@ -226,3 +232,32 @@ async def test_a_body_framed_both_by_length_and_chunked_is_refused(ckpt: Path) -
         assert c.router.servicer.held.held == 0
     finally:
         await c.close()
+
+
+async def test_garbage_connections_are_logged_once_in_a_while(
+    strict: FakeCluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # uvicorn logged a WARNING for each connection whose bytes are not HTTP: callers who
+    # need no key grew the router's log by a line each (leaks review, s32).
+    now = [1000.0]
+    monkeypatch.setattr(INVALID_REQUESTS, "clock", lambda: now[0])
+    monkeypatch.setattr(INVALID_REQUESTS, "last", -INVALID_EVERY_S)
+    caplog.set_level(logging.WARNING, logger="uvicorn.error")
+
+    async def garbage() -> None:
+        sock = socket.create_connection(host_port(strict))
+        try:
+            sock.sendall(b"\x16\x03\x01 not HTTP at all\r\n\r\n")
+            assert await closed_within(sock, 5) is not None
+        finally:
+            sock.close()
+
+    def invalid() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "Invalid HTTP request" in r.getMessage()]
+
+    for _ in range(5):
+        await garbage()
+    assert invalid() == ["Invalid HTTP request received."]
+    now[0] += INVALID_EVERY_S
+    await garbage()
+    assert invalid()[1:] == ["Invalid HTTP request received. (4 more since)"]
