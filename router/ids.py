@@ -27,7 +27,16 @@ def breaks_lines(text: str) -> bool:
     or a bidirectional override: what could forge or reorder a line of a log. (Spaces,
     joiners, marks and other format characters of real text pass: `str.isprintable`
     refused a Persian salt.)"""
-    return any((c < " " and c != "\t") or "\x7f" <= c <= "\x9f" or c in _FORGERS for c in text)
+    return any(_forges(c) for c in text)
+
+
+def _forges(c: str) -> bool:
+    return (c < " " and c != "\t") or "\x7f" <= c <= "\x9f" or c in _FORGERS
+
+
+def escaped(text: str) -> str:
+    """`text` with what `breaks_lines` finds escaped (`\\n`, `\\u202e`), the rest as it is."""
+    return "".join(ascii(c)[1:-1] if _forges(c) else c for c in text)
 
 
 # Line and paragraph separators, and the bidirectional embeddings, overrides and isolates,
@@ -42,16 +51,15 @@ def shown_id(request_id: str) -> str:
 
 def shown_text(text: str, limit: int = 200) -> str:
     """Anything a caller sent, as an error or a log line may repeat it: cut to `limit`
-    characters (saying how many there were) and, in quotes, escaped if it could break a
-    line (a field's value repeated whole wrote forged log lines, and a 16 MiB one grew the
-    log by as much)."""
+    characters (saying how many there were), in quotes, what could break a line escaped
+    (a field's value repeated whole wrote forged log lines, and a 16 MiB one grew the log
+    by as much)."""
     cut = text if len(text) <= limit else text[:limit]
-    quoted = ascii(cut) if breaks_lines(cut) else repr(cut)
+    quoted = repr(cut)  # which escapes every character `str.isprintable` refuses
     return quoted if cut is text else f"{quoted}... ({len(text)} characters)"
 
 
 def loggable(text: str, limit: int) -> str:
     """A message that may repeat what a caller sent (an error's), for an answer or a log
     line: cut to `limit` characters and escaped, without quotes, if it could break a line."""
-    cut = text if len(text) <= limit else text[:limit] + "..."
-    return ascii(cut)[1:-1] if breaks_lines(cut) else cut
+    return escaped(text if len(text) <= limit else text[:limit] + "...")

@@ -220,3 +220,13 @@ def test_what_a_caller_sent_is_repeated_escaped_and_cut() -> None:
     wrong = model_not_found("m\n" + "z" * 100_000, MODEL_ID, param="model")
     shown = str(wrong.body()["error"]["message"])
     assert "\n" not in shown and len(shown) < 1000 and "100002 characters" in shown
+
+
+def test_text_in_other_scripts_is_repeated_as_it_is() -> None:
+    # Escaping a whole message for one line break made CJK text unreadable (own-fix review).
+    from router.ids import loggable, shown_text
+
+    assert loggable("字段 名字\n无效\u202e", 100) == "字段 名字\\n无效\\u202e"
+    assert shown_text("模型\n") == "'模型\\n'"
+    wrong = model_not_found("模型", MODEL_ID)
+    assert "'模型'" in str(wrong.body()["error"]["message"])

@@ -24,8 +24,9 @@ BIG = "x" * (1 << 20)  # a service name or symbol far past OPEN_MESSAGE_BYTES
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunningServer]:
-    monkeypatch.setattr(open_calls, "OPEN_CALLS", 3)
-    monkeypatch.setattr(open_calls, "READ_S", 0.5)
+    monkeypatch.setattr(open_calls, "STREAMS_PER_SOURCE", 3)
+    monkeypatch.setattr(open_calls, "READS_PER_SOURCE", 2)
+    monkeypatch.setattr(open_calls, "FIRST_MESSAGE_S", 0.5)
     running = await start_server(
         [], max_message_mb=16, auth=Authenticator("the-cluster-bearer-of-this-test")
     )
@@ -83,33 +84,65 @@ async def test_a_large_request_is_refused_before_it_is_parsed_or_kept(
     assert not server.health._server_watchers.get(BIG)  # no Watch kept its name
 
 
-async def test_open_calls_past_the_limit_are_refused_until_one_ends(server: RunningServer) -> None:
+async def test_streams_past_a_sources_limit_are_refused_and_checks_still_answered(
+    server: RunningServer,
+) -> None:
     async with channel(server.address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         watches = [stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(3)]
         for watch in watches:
             await watch.read()  # each one running
+        extra = stub.Watch(health_pb2.HealthCheckRequest(service=""))
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await check(ch, "")
+            await extra.read()
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # A health check is no stream: a source's open Watch calls do not shut it out.
+        assert (await check(ch, "")).status == health_pb2.HealthCheckResponse.SERVING
         watches[0].cancel()
         for _ in range(50):  # the server sees the cancellation shortly
             await asyncio.sleep(0.02)
+            again = stub.Watch(health_pb2.HealthCheckRequest(service=""))
             try:
-                assert (await check(ch, "")).status == health_pb2.HealthCheckResponse.SERVING
+                await again.read()
+                again.cancel()
                 break
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         else:
-            pytest.fail("a health check was still refused after a Watch ended")
+            pytest.fail("a Watch was still refused after one ended")
         for watch in watches[1:]:
             watch.cancel()
+
+
+async def test_idle_reflection_streams_take_no_turn_of_a_health_check(
+    server: RunningServer,
+) -> None:
+    # Reflection streams waiting for their next message held every read turn, and each
+    # health check waited for one (own-fix review): they have turns of their own.
+    async with channel(server.address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        idle = [stub.ServerReflectionInfo() for _ in range(2)]
+        for call in idle:
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            await call.read()  # answered; now waiting for a next request, past 0.5 s
+        await asyncio.sleep(0.7)
+        assert (await check(ch, "")).status == health_pb2.HealthCheckResponse.SERVING
+        third = stub.ServerReflectionInfo()  # its source's stream turns are taken
+        await third.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await third.read()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in idle:  # an idle stream still answers its next request
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            assert (await call.read()).list_services_response.service
+            await call.done_writing()
 
 
 async def test_a_caller_that_sends_no_request_is_ended(server: RunningServer) -> None:
     async with channel(server.address) as ch:
         call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo()
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await asyncio.wait_for(call.read(), 10)
+            async with asyncio.timeout(10):
+                await call.read()
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "no request within 0.5 s" in (info.value.details() or "")

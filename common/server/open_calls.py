@@ -7,22 +7,28 @@ four anonymous Watch calls with 64 MiB service names took a router from 374 MB t
 resident, and two threads sending 200 MiB health checks to 4.9 GB, stalling its event loop
 for up to 3 s (security review, s32). A caller needs no credentials for these, so nothing
 else bounds them. Here each open method runs as a request-streaming handler, which reads
-nothing until asked, and:
+nothing until asked, and, per source (the caller's host: one caller cannot take another's
+turns, so a kubelet's probes are answered whatever a stranger does):
 
-- at most `OPEN_READS` of its messages are read at once per server (a read waits up to
-  `READ_WAIT_S` for a turn), and a caller that sends none within `READ_S` is ended: what
-  gRPC holds for unread calls is bounded by their flow-control windows;
-- a message past `OPEN_MESSAGE_BYTES` (a health service name, a reflection symbol, are a
-  few dozen bytes) is refused, INVALID_ARGUMENT, before it is parsed;
-- at most `OPEN_CALLS` run at once (a Watch or a reflection stream stays open); past that,
-  RESOURCE_EXHAUSTED.
+- at most `READS_PER_SOURCE` of its requests are read at once, and as many messages of its
+  reflection streams (past that, RESOURCE_EXHAUSTED at once): what a source makes a server
+  buffer is twice that many `max_message_mb` at most, and reflection streams waiting for
+  their next message take no turn of a health check's;
+- a call's first message must arrive within `FIRST_MESSAGE_S` (health clients send theirs
+  with the call); a reflection stream waits for its next one as long as it stays open;
+- a message past `OPEN_MESSAGE_BYTES` (a health service name, a reflection symbol: a few
+  dozen bytes) is refused, INVALID_ARGUMENT, before it is parsed, and so never kept;
+- at most `STREAMS_PER_SOURCE` Watch and reflection streams stay open at once (past that,
+  RESOURCE_EXHAUSTED); a health check is not one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -31,25 +37,33 @@ from google.protobuf.message import DecodeError
 from common.server.auth import Need, need_for
 
 OPEN_MESSAGE_BYTES = 64 << 10
-OPEN_READS = 4
-OPEN_CALLS = 64
-READ_WAIT_S = 1.0
-READ_S = 10.0
+READS_PER_SOURCE = 4
+STREAMS_PER_SOURCE = 16
+FIRST_MESSAGE_S = 5.0
+
+
+def source_of(peer: str) -> str:
+    """The caller's host from gRPC's peer string ("ipv4:10.0.0.7:52344", "ipv6:[::1]:5000",
+    "unix:/path"): its calls share one source's turns."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0] or rest
+    return peer
 
 
 class OpenCallLimits(grpc.aio.ServerInterceptor):
     """Runs each open method's handler within the module docstring's bounds."""
 
     def __init__(
-        self,
-        is_open: Callable[[str], bool] = lambda method: need_for(method) is Need.OPEN,
+        self, is_open: Callable[[str], bool] = lambda method: need_for(method) is Need.OPEN
     ) -> None:
         self.is_open = is_open
-        self.calls = OPEN_CALLS
         self.message_bytes = OPEN_MESSAGE_BYTES
-        self.read_s = READ_S
-        self.active = 0  # open calls running
-        self._reads = asyncio.Semaphore(OPEN_READS)
+        self.reads_per_source = READS_PER_SOURCE
+        self.streams_per_source = STREAMS_PER_SOURCE
+        self.first_message_s = FIRST_MESSAGE_S
+        self.reading: Counter[str] = Counter()  # source -> messages being read
+        self.streams: Counter[str] = Counter()  # source -> long-lived calls open
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
@@ -71,14 +85,16 @@ class OpenCallLimits(grpc.aio.ServerInterceptor):
         raw: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        if self.active >= self.calls:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{method}: {self.calls} calls of open methods are running; try again later",
-            )
-        self.active += 1
-        try:
-            requests = self._requests(handler.request_deserializer, method, raw, context)
+        source = source_of(context.peer() or "")
+        streaming = handler.response_streaming or handler.request_streaming
+        with self._counted(self.streams, source) if streaming else _nothing():
+            if streaming and self.streams[source] > self.streams_per_source:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{method}: {self.streams_per_source} streams of open methods from one "
+                    "source are open; close one first",
+                )
+            requests = self._requests(handler, method, source, raw, context)
             if handler.request_streaming:
                 run = handler.stream_stream or handler.stream_unary
                 answer = run(requests, context)
@@ -96,37 +112,39 @@ class OpenCallLimits(grpc.aio.ServerInterceptor):
                 message = await answer
                 if message is not None:
                     await context.write(message)
-        finally:
-            self.active -= 1
 
     async def _requests(
         self,
-        parse: Callable[[bytes], Any] | None,
+        handler: grpc.RpcMethodHandler,
         method: str,
+        source: str,
         raw: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[Any]:
-        """The call's messages, each read in turn (module docstring), checked for size and
-        parsed (`parse` None: a unary handler that parses its bytes itself, as
-        `common.server.corrupt` makes them)."""
-        messages = aiter(raw)
+        """The call's messages, each read in its source's turn (module docstring), checked
+        for size and parsed (no deserializer: a unary handler that parses its bytes itself,
+        as `common.server.corrupt` makes them). `raw` is iterated only to read (an iterator
+        gRPC made that nobody awaited is a RuntimeWarning)."""
+        parse = handler.request_deserializer
+        turns = f"{source} streams" if handler.request_streaming else source
+        first = True
         while True:
-            try:
-                await asyncio.wait_for(self._reads.acquire(), READ_WAIT_S)
-            except TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{method}: too many requests of open methods are being read; try again",
-                )
-            try:
-                data = await asyncio.wait_for(anext(messages, None), self.read_s)
-            except TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"{method}: no request within {self.read_s:g} s",
-                )
-            finally:
-                self._reads.release()
+            with self._counted(self.reading, turns):
+                if self.reading[turns] > self.reads_per_source:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{method}: {self.reads_per_source} requests of open methods from one "
+                        "source are being read; try again",
+                    )
+                try:
+                    async with asyncio.timeout(self.first_message_s if first else None):
+                        data = await anext(raw, None)
+                except TimeoutError:
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"{method}: no request within {self.first_message_s:g} s",
+                    )
+            first = False
             if data is None:
                 return
             if len(data) > self.message_bytes:
@@ -143,3 +161,19 @@ class OpenCallLimits(grpc.aio.ServerInterceptor):
                         f"{method}: the request does not parse: {exc}",
                     )
             yield data
+
+    @staticmethod
+    @contextmanager
+    def _counted(counts: Counter[str], source: str) -> Iterator[None]:
+        counts[source] += 1
+        try:
+            yield
+        finally:
+            counts[source] -= 1
+            if counts[source] <= 0:
+                del counts[source]
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
