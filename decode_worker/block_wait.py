@@ -97,6 +97,7 @@ class BlockWait:
         next_renewal = 0.0
         turn: asyncio.Event | None = None  # set while it waits: its place in the queue
         woken: asyncio.Future[Any] | None = None
+        emptied = False  # a plan failed with no block in use
         try:
             while True:
                 if turn is None and self._queue:  # others wait: behind them
@@ -117,8 +118,13 @@ class BlockWait:
                             on_orphan=lambda p: self.model.submit(allocator.abort_import, p),
                         )
                     except NoFreeBlocksError:
-                        if pool.num_used_blocks == 0:  # none will be freed
-                            raise
+                        # None in use: none will be freed, unless the decode loop freed the
+                        # last ones since the plan failed (on the model thread): plan again.
+                        if pool.num_used_blocks == 0:
+                            if emptied:
+                                raise
+                            emptied = True
+                            continue
                     if turn is None:
                         turn = self._queue_up(handle)
                 if renewal is not None and renewal.done():

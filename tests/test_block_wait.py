@@ -173,3 +173,36 @@ async def test_blocks_freed_just_after_a_failed_plan_wake_the_waiting_request() 
     wait = waiting(allocator, freed, StepBehindThePlan())
     assert await asyncio.wait_for(wait.plan(None, 4, 3 * BLOCK, HANDLE), 0.5) == 3
     assert wait.counters.block_waits == 1 and not wait._queue
+
+
+async def test_blocks_freed_between_a_failed_plan_and_its_check_are_planned_again() -> None:
+    # The plan fails on the model thread; the decode loop frees the last stream's blocks
+    # before the failure reaches the event loop. "None in use, none will be freed" was
+    # decided there and refused a request the empty pool holds (multi-router review).
+    class Racing(Model):
+        def __init__(self, allocator: Allocator) -> None:
+            self.allocator = allocator
+
+        async def call(self, fn: Callable[..., Any], *args: Any, on_orphan: Any = None) -> Any:
+            try:
+                return fn(*args)
+            except NoFreeBlocksError:
+                self.allocator.free = self.allocator.num_blocks  # the stream ended meanwhile
+                raise
+
+    allocator = Allocator(num_blocks=48, free=25)
+    wait = waiting(allocator, Frees(), Racing(allocator))
+    async with asyncio.timeout(5):
+        assert await wait.plan(None, 200, 26 * BLOCK, HANDLE) == 26
+    # A pool that holds nothing the decode loop frees and still cannot plan is refused, as
+    # before (planned a second time, not waited on).
+
+    class Stuck(Allocator):
+        @property
+        def num_used_blocks(self) -> int:
+            return 0
+
+    stuck = Stuck(num_blocks=48, free=20)
+    with pytest.raises(NoFreeBlocksError):
+        async with asyncio.timeout(5):
+            await waiting(stuck, Frees()).plan(None, 200, 26 * BLOCK, HANDLE)
