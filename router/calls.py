@@ -26,6 +26,7 @@ import grpc
 from common.address import without_addresses
 from common.errors import DECODE_STEP_FAILED
 from common.handoff import EMBEDDINGS_LOST
+from common.kv.block_pool import pool_full
 from common.processing.processor import ProcessedPrompt
 from common.roles import Role
 from common.sampling import SamplingParams
@@ -47,6 +48,9 @@ CONNECTION_LOST = (
     "Connection reset by peer",
     "Socket closed",
 )
+
+# The back-off a worker's full KV pool is passed on with (its blocks are in use for now).
+POOL_FULL_RETRY_S = 1.0
 
 # Worker failures the client caused or should see as they are; others become INTERNAL.
 _PASS_THROUGH = {
@@ -221,7 +225,10 @@ class WorkerCalls:
             said = said.replace(named, f"the {worker.role} worker")  # ("a worker prefill ...")
         details = without_addresses(said)
         logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
-        error = RouterError(code, f"{stage} failed: {details}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and pool_full(said):  # blocks in use now
+            error: RouterError = Refused(f"{stage} failed: {details}", POOL_FULL_RETRY_S)
+        else:
+            error = RouterError(code, f"{stage} failed: {details}")
         error.address = worker.address
         error.stage = stage
         return error

@@ -382,3 +382,26 @@ def test_a_failed_calls_error_names_the_worker_once() -> None:
         "prefill failed: failed to connect to all addresses; last error: UNKNOWN: "
         "the prefill worker: x"
     )
+
+
+def test_a_workers_full_kv_pool_is_passed_on_with_a_back_off_hint() -> None:
+    # A decode worker's "KV pool full" (blocks in use for now) reached the client as a
+    # RESOURCE_EXHAUSTED without retry-after-ms, which says "for good": epd.client did not
+    # send it again, and the HTTP API answered 429 without Retry-After (multi-router review).
+    from grpc.aio import Metadata
+
+    from common.kv.block_pool import KV_POOL_FULL
+    from router.calls import WorkerCalls
+    from router.registry import Registry
+    from tests.registry_helpers import Clock, info
+
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=Clock())
+    worker = registry.register(info(Role.DECODE, 7))
+    full = f"{KV_POOL_FULL}: wanted 26 KV blocks, only 25 free"
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), full)
+    error = WorkerCalls(registry).error("decode", worker, exc)
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(error.trailing_metadata)["retry-after-ms"] == "1000"
+    big = "Received message larger than max (300 vs. 256)"  # never fits: no hint
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), big)
+    assert WorkerCalls(registry).error("decode", worker, exc).trailing_metadata == ()
