@@ -390,7 +390,7 @@ def test_a_workers_full_kv_pool_is_passed_on_with_a_back_off_hint() -> None:
     # send it again, and the HTTP API answered 429 without Retry-After (multi-router review).
     from grpc.aio import Metadata
 
-    from common.kv.block_pool import KV_POOL_FULL
+    from common.kv.block_pool import KV_POOL_FULL, PoolTooSmallError
     from router.calls import WorkerCalls
     from router.registry import Registry
     from tests.registry_helpers import Clock, info
@@ -402,6 +402,12 @@ def test_a_workers_full_kv_pool_is_passed_on_with_a_back_off_hint() -> None:
     error = WorkerCalls(registry).error("decode", worker, exc)
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert dict(error.trailing_metadata)["retry-after-ms"] == "1000"
-    big = "Received message larger than max (300 vs. 256)"  # never fits: no hint
-    exc = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), big)
-    assert WorkerCalls(registry).error("decode", worker, exc).trailing_metadata == ()
+    # What never fits gets no hint: a message past gRPC's limit, a request past the pool.
+    for never in (
+        "Received message larger than max (300 vs. 256)",
+        f"{KV_POOL_FULL}: {PoolTooSmallError(40, 32, 'sampling.max_tokens')}",
+    ):
+        exc = grpc.aio.AioRpcError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), never
+        )
+        assert WorkerCalls(registry).error("decode", worker, exc).trailing_metadata == ()

@@ -48,11 +48,15 @@ KvEventKind = Literal["stored", "removed", "cleared"]
 # Opens the details of a worker's RESOURCE_EXHAUSTED for its pool (`NoFreeBlocksError`): the
 # router requeues those alone; the others (a message past gRPC's size limit) never succeed.
 KV_POOL_FULL = "KV pool full"
+WHOLE_POOL = "more than this worker's whole pool"  # what `PoolTooSmallError` says
 
 
 def pool_full(details: str) -> bool:
-    """Whether a worker's RESOURCE_EXHAUSTED `details` say its pool was full (a worker from
-    before `KV_POOL_FULL` says only `NoFreeBlocksError`'s message)."""
+    """Whether a worker's RESOURCE_EXHAUSTED `details` say its pool was full for now (a worker
+    from before `KV_POOL_FULL` says only `NoFreeBlocksError`'s message), not that the request
+    never fits it (`PoolTooSmallError`: sending it again cannot help)."""
+    if WHOLE_POOL in details:
+        return False
     return KV_POOL_FULL in details or ("wanted" in details and "KV blocks, only" in details)
 
 
@@ -75,7 +79,7 @@ class PoolTooSmallError(NoFreeBlocksError):
     def __init__(self, wanted: int, num_blocks: int, field: str) -> None:
         super().__init__(wanted, num_blocks)
         self.args = (
-            f"wanted {wanted} KV blocks, more than this worker's whole pool ({num_blocks}, "
+            f"wanted {wanted} KV blocks, {WHOLE_POOL} ({num_blocks}, "
             f"its num_blocks setting): {field} asks for too many tokens",
         )
 
