@@ -26,7 +26,9 @@ BIG = "x" * (1 << 20)  # a service name or symbol far past OPEN_MESSAGE_BYTES
 async def server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunningServer]:
     monkeypatch.setattr(open_calls, "STREAMS_PER_SOURCE", 3)
     monkeypatch.setattr(open_calls, "READS_PER_SOURCE", 2)
+    monkeypatch.setattr(open_calls, "STREAM_READS_PER_SOURCE", 2)
     monkeypatch.setattr(open_calls, "FIRST_MESSAGE_S", 0.5)
+    monkeypatch.setattr(open_calls, "NEXT_MESSAGE_S", 1.5)
     running = await start_server(
         [], max_message_mb=16, auth=Authenticator("the-cluster-bearer-of-this-test")
     )
@@ -146,3 +148,17 @@ async def test_a_caller_that_sends_no_request_is_ended(server: RunningServer) ->
                 await call.read()
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "no request within 0.5 s" in (info.value.details() or "")
+
+
+async def test_a_stream_that_sends_no_next_request_in_time_is_ended(server: RunningServer) -> None:
+    # A stream trickling a large next message held its source's turn, and what it had sent,
+    # for as long as it liked (own-fix review 2): a user's think-time, no longer.
+    async with channel(server.address) as ch:
+        call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo()
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        await call.read()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async with asyncio.timeout(10):
+                await call.read()
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "no request within 1.5 s" in (info.value.details() or "")

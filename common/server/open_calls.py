@@ -10,12 +10,14 @@ else bounds them. Here each open method runs as a request-streaming handler, whi
 nothing until asked, and, per source (the caller's host: one caller cannot take another's
 turns, so a kubelet's probes are answered whatever a stranger does):
 
-- at most `READS_PER_SOURCE` of its requests are read at once, and as many messages of its
-  reflection streams (past that, RESOURCE_EXHAUSTED at once): what a source makes a server
-  buffer is twice that many `max_message_mb` at most, and reflection streams waiting for
+- at most `READS_PER_SOURCE` of its health requests are read at once, and
+  `STREAM_READS_PER_SOURCE` messages of its reflection streams (past that,
+  RESOURCE_EXHAUSTED at once): what one source makes a server buffer is at most that many
+  `max_message_mb` (5: 1.25 GiB at the default 256 MiB), and reflection streams waiting for
   their next message take no turn of a health check's;
 - a call's first message must arrive within `FIRST_MESSAGE_S` (health clients send theirs
-  with the call); a reflection stream waits for its next one as long as it stays open;
+  with the call), a reflection stream's next one within `NEXT_MESSAGE_S` (a user's
+  think-time; a stream trickling a large message holds its turn no longer);
 - a message past `OPEN_MESSAGE_BYTES` (a health service name, a reflection symbol: a few
   dozen bytes) is refused, INVALID_ARGUMENT, before it is parsed, and so never kept;
 - at most `STREAMS_PER_SOURCE` Watch and reflection streams stay open at once (past that,
@@ -38,8 +40,10 @@ from common.server.auth import Need, need_for
 
 OPEN_MESSAGE_BYTES = 64 << 10
 READS_PER_SOURCE = 4
+STREAM_READS_PER_SOURCE = 1
 STREAMS_PER_SOURCE = 16
 FIRST_MESSAGE_S = 5.0
+NEXT_MESSAGE_S = 60.0
 
 
 def source_of(peer: str) -> str:
@@ -60,8 +64,10 @@ class OpenCallLimits(grpc.aio.ServerInterceptor):
         self.is_open = is_open
         self.message_bytes = OPEN_MESSAGE_BYTES
         self.reads_per_source = READS_PER_SOURCE
+        self.stream_reads_per_source = STREAM_READS_PER_SOURCE
         self.streams_per_source = STREAMS_PER_SOURCE
         self.first_message_s = FIRST_MESSAGE_S
+        self.next_message_s = NEXT_MESSAGE_S
         self.reading: Counter[str] = Counter()  # source -> messages being read
         self.streams: Counter[str] = Counter()  # source -> long-lived calls open
 
@@ -126,25 +132,27 @@ class OpenCallLimits(grpc.aio.ServerInterceptor):
         as `common.server.corrupt` makes them). `raw` is iterated only to read (an iterator
         gRPC made that nobody awaited is a RuntimeWarning)."""
         parse = handler.request_deserializer
-        turns = f"{source} streams" if handler.request_streaming else source
-        first = True
+        streaming = handler.request_streaming
+        turns = f"{source} streams" if streaming else source
+        most = self.stream_reads_per_source if streaming else self.reads_per_source
+        wait_s = self.first_message_s
         while True:
             with self._counted(self.reading, turns):
-                if self.reading[turns] > self.reads_per_source:
+                if self.reading[turns] > most:
                     await context.abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{method}: {self.reads_per_source} requests of open methods from one "
-                        "source are being read; try again",
+                        f"{method}: {most} requests of open methods from one source are "
+                        "being read; try again",
                     )
                 try:
-                    async with asyncio.timeout(self.first_message_s if first else None):
+                    async with asyncio.timeout(wait_s):
                         data = await anext(raw, None)
                 except TimeoutError:
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"{method}: no request within {self.first_message_s:g} s",
+                        f"{method}: no request within {wait_s:g} s",
                     )
-            first = False
+            wait_s = self.next_message_s
             if data is None:
                 return
             if len(data) > self.message_bytes:
