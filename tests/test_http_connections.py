@@ -261,3 +261,15 @@ async def test_garbage_connections_are_logged_once_in_a_while(
     now[0] += INVALID_EVERY_S
     await garbage()
     assert invalid()[1:] == ["Invalid HTTP request received. (4 more since)"]
+    # A request to upgrade the connection (h2c, WebSocket) wrote two lines of its own.
+    for _ in range(5):
+        sock = socket.create_connection(host_port(strict))
+        try:
+            sock.sendall(
+                b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+            )
+            await closed_within(sock, 2)
+        finally:
+            sock.close()
+    upgrades = [r for r in caplog.records if "upgrade" in r.getMessage().lower()]
+    assert len(upgrades) <= 1

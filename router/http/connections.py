@@ -19,8 +19,9 @@ events then waited for the client's delayed ACK of the response head, about 40 m
 reached an OpenAI client in one burst (TTFT 60-77 ms where the first token was ready at
 11-18 ms).
 
-uvicorn logs a WARNING for each connection whose bytes are not HTTP, from callers who need no
-key: one line each grew the router's log with every garbage connection. At most one a
+uvicorn logs a WARNING for each connection whose bytes are not HTTP, and two for each request
+asking to upgrade the connection (h2c, WebSocket), from callers who need no key: a line or
+two each grew the router's log with every such connection. At most one of them a
 `INVALID_EVERY_S` is logged now, saying how many were dropped since.
 """
 
@@ -42,11 +43,16 @@ BUSY = (
 )  # what a connection past the cap is told as it is closed
 
 
-INVALID_EVERY_S = 10.0  # one "Invalid HTTP request received." line at most this often
+INVALID_EVERY_S = 10.0  # one of uvicorn's `_INVALID` lines at most this often
+_INVALID = (  # uvicorn's warnings about a connection, whoever sent it
+    "Invalid HTTP request received",
+    "Unsupported upgrade request",
+    "No supported WebSocket library detected",
+)
 
 
 class _InvalidRequests(logging.Filter):
-    """Lets one of uvicorn's invalid-request warnings through per `INVALID_EVERY_S`."""
+    """Lets one of uvicorn's `_INVALID` warnings through per `INVALID_EVERY_S`."""
 
     def __init__(self, clock: Any = time.monotonic) -> None:
         super().__init__()
@@ -55,7 +61,7 @@ class _InvalidRequests(logging.Filter):
         self.dropped = 0  # since the last one logged
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.getMessage().startswith("Invalid HTTP request received"):
+        if not record.getMessage().startswith(_INVALID):
             return True
         now = self.clock()
         if now - self.last < INVALID_EVERY_S:
