@@ -272,3 +272,15 @@ def test_a_server_raises_its_soft_limit_on_open_files() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     raised, hard = map(int, out.stdout.split())
     assert raised == min(hard if hard >= 0 else MAX_OPEN_FILES, MAX_OPEN_FILES) and raised > 64
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+async def test_an_ipv6_host_is_bound_and_shown_in_brackets(host: str) -> None:
+    # "::" could not be bound (gRPC read ":::port"), and "[::1]" was shown "[[::1]]:port"
+    # (own-fix review 2).
+    running = await start_server([], host=host)
+    try:
+        assert running.address.startswith("[::1]:")
+        await wait_healthy(running.address, timeout_s=10)
+    finally:
+        await running.stop(0)

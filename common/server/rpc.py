@@ -165,7 +165,9 @@ async def start_server(
     reflection.enable_server_reflection(
         [*service_names, health_name, reflection.SERVICE_NAME], server
     )
-    target = f"{host}:{port}"
+    bare = host.strip("[]")  # "::1" or "[::1]": an IPv6 address is bound in brackets
+    shown_host = f"[{bare}]" if ":" in bare else bare
+    target = f"{shown_host}:{port}"
     try:
         bound = server.add_secure_port(target, tls) if tls else server.add_insecure_port(target)
     except RuntimeError:  # grpc says only "Failed to bind"; older versions return 0
@@ -173,7 +175,6 @@ async def start_server(
     if bound == 0:
         raise SettingsError(bind_error(name, host, port))
     await server.start()
-    shown_host = f"[{host}]" if ":" in host else host
     running = RunningServer(server, health, f"{shown_host}:{bound}", tuple(service_names))
     await running.set_serving(True)
     await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
