@@ -125,6 +125,7 @@ class BlockWait:
                                 raise
                             emptied = True
                             continue
+                        emptied = False  # blocks in use: this plan waits for them
                     if turn is None:
                         turn = self._queue_up(handle)
                 if renewal is not None and renewal.done():
