@@ -212,6 +212,11 @@ class EpdSettings:
                 raise SettingsError(f"{role}.{exc}") from None
             if self.model is None and settings.model is not None:
                 check_model_folder(f"{role}.model", settings.model)
+        # Embeddings and KV differ by dtype, and the caches key them by the KV's: one dtype.
+        dtypes = {role: getattr(self, role).dtype for role in ROLES}
+        if len(set(dtypes.values())) > 1:
+            said = ", ".join(f"{role}.dtype ({dtype})" for role, dtype in dtypes.items())
+            raise SettingsError(f"{said} must be equal")
         pools = self.pools
         for name, n in pools.initial_replicas().items():
             if n < 0:

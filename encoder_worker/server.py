@@ -296,6 +296,7 @@ async def serve(
         capabilities=[PATCH_CODES, *(["nixl"] if settings.nixl else [])],
         name=settings.name,
         processor=settings_digest(pixel_settings),
+        dtype=settings.dtype,
     )
     server.register(settings.routers, info, server.servicer.load, settings.router_dns)
     logger.info("encoder worker serving %s on %s (model %s)", path, server.address, identity)

@@ -25,11 +25,11 @@ Lifecycle of a worker as the router sees it:
                  (as does a registration of the same name elsewhere, see Register); a stall
                  of the router's own loop is not the workers' silence (`excuse`)
 
-Compatibility: every worker must speak `PROTOCOL_VERSION` and serve the expected model
-identity (given, or adopted from the first worker to register). Prefill and decode workers
-exchange KV blocks, so their `KvLayout`s must agree field by field: the layout of the first
-one to register becomes the reference, and the fields the checkpoint fixes (layers, KV
-heads, head dim) are checked against the checkpoint config when the router has it.
+Compatibility: every worker must speak `PROTOCOL_VERSION`, serve the expected model identity
+(given, or adopted from the first worker to register) and compute in one dtype (the first
+said, `check_dtype`). Prefill and decode workers exchange KV blocks, so their `KvLayout`s
+must agree field by field with the first one's, and with the checkpoint's layers, KV heads
+and head dim when the router has it. What is adopted is kept for the router's life.
 
 Selection picks, among live non-draining workers of a role, the one with the smallest load
 estimate (see `WorkerRecord.load_estimate`); ties go to the worker picked least recently.
@@ -46,7 +46,6 @@ driven from one asyncio loop; it is not thread-safe.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import math
@@ -70,20 +69,14 @@ from router.workers import (
     RegistrationRefused,
     WorkerLoad,
     WorkerRecord,
+    check_dtype,
     check_layout,
+    rendezvous_weight,
 )
 
 logger = logging.getLogger(__name__)
 _ROLE_ORDER = {role: k for k, role in enumerate(Role)}  # `workers()` lists roles in this order
 _address = operator.attrgetter("address")
-
-
-def rendezvous_weight(key: bytes, name: str) -> int:
-    """The weight of worker `name` for `key` in rendezvous hashing: stable across processes
-    and routers (no Python `hash`), uniform over 64 bits."""
-    digest = hashlib.blake2b(key, digest_size=8, person=b"epd-rendezvous")
-    digest.update(name.encode())
-    return int.from_bytes(digest.digest(), "big")
 
 
 class Registry:
@@ -106,16 +99,16 @@ class Registry:
         self.checkpoint_shape = checkpoint_shape
         self.refusals = Refusals(clock)  # worker address -> why Register refused it
         self.reference_layout: KvLayout | None = None  # first registered KV layout
+        self.dtype: str | None = None  # the deployment's (`check_dtype`): the first one said
         self.clock = clock  # the registry's time (time.monotonic; tests pass a fake)
         self._workers: dict[str, WorkerRecord] = {}
-        # (role, name) -> the worker last dropped for a namesake at another address: its
-        # address and instance id
+        # (role, name) -> address and instance id of the one last dropped for a namesake
         self._replaced: dict[tuple[Role, str], tuple[str, str]] = {}
         self.holds = Holds()  # operators' drains and retirements, by worker name
         self._ticks = itertools.count(1)
-        # Called with every newly registered worker (e.g. to follow its KV events).
+        # Called with every newly registered worker (to follow its KV events), and with
+        # every one `expire` drops (to stop following them).
         self.on_register: list[Callable[[WorkerRecord], None]] = []
-        # Called with every worker `expire` drops (e.g. to stop following its KV events).
         self.on_expire: list[Callable[[WorkerRecord], None]] = []
         # Called with the old record when another process registers at its address.
         self.on_restart: list[Callable[[WorkerRecord], None]] = []
@@ -160,6 +153,8 @@ class Registry:
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
             layout = layout_from_proto(info.kv_layout)
             check_layout(role, info.address, layout, self.checkpoint_shape, self.reference_layout)
+        dtype = info.dtype or (layout.dtype_name if layout is not None else "")
+        check_dtype(role, info.address, dtype, self.dtype)
         moved = [w for w in self._workers.values() if info.name and w.name == info.name]
         namesakes = [w for w in moved if w.role == role and w.address != info.address]
         dropped = self._replaced.get((role, info.name))
@@ -202,6 +197,7 @@ class Registry:
             logger.info("adopted model identity %r from %s", info.model, info.address)
         if layout is not None and self.reference_layout is None:
             self.reference_layout = layout
+        self.dtype = self.dtype or dtype or None
         record = WorkerRecord(
             worker_id=uuid.uuid4().hex,
             role=role,

@@ -4,6 +4,7 @@ agree on, the load they report, and one record per registered worker (see router
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field, fields
 
@@ -68,6 +69,27 @@ def check_layout(
                 f"{role} worker {address} has a KV layout that differs from the "
                 f"deployment's: {', '.join(wrong)}"
             )
+
+
+def rendezvous_weight(key: bytes, name: str) -> int:
+    """The weight of worker `name` for `key` in rendezvous hashing (`Registry.pick`): stable
+    across processes and routers (no Python `hash`), uniform over 64 bits."""
+    digest = hashlib.blake2b(key, digest_size=8, person=b"epd-rendezvous")
+    digest.update(name.encode())
+    return int.from_bytes(digest.digest(), "big")
+
+
+def check_dtype(role: Role, address: str, dtype: str, deployment: str | None) -> None:
+    """RegistrationRefused unless a worker computes in the deployment's dtype (adopted from
+    the first worker to say one; "" and None: not compared). An encoder's embeddings, and
+    the KV computed from them, differ by dtype, and the prefix caches key KV by the KV
+    workers' dtype only: encoders in float32 and in bfloat16 gave one request two answers,
+    and whichever came first was cached for both (configs review, s32)."""
+    if dtype and deployment and dtype != deployment:
+        raise RegistrationRefused(
+            f"{role} worker {address} computes in {dtype}; this deployment's workers compute "
+            f"in {deployment} (every encoder, prefill and decode worker must use one dtype)"
+        )
 
 
 @dataclass(slots=True)

@@ -50,6 +50,7 @@ def info(role: Role, port: int, **overrides) -> registry_service_pb2.WorkerInfo:
     if role != Role.ENCODER:
         msg.kv_layout.CopyFrom(overrides.pop("kv_layout", layout()))
         msg.capabilities.extend(overrides.pop("capabilities", [SIGNED_KV]))
+    msg.dtype = overrides.pop("dtype", "")
     return msg
 
 

@@ -19,10 +19,10 @@ from common.sampling import SamplingParams
 from common.server.rpc import start_server
 from epd.client import GenerateError
 from epd.v1 import encoder_service_pb2_grpc, registry_service_pb2
-from router.registry import Registry, rendezvous_weight
+from router.registry import Registry
 from router.server import serve
 from router.settings import RouterSettings
-from router.workers import WorkerLoad
+from router.workers import WorkerLoad, rendezvous_weight
 from tests.cluster import cluster_security
 from tests.test_router import (
     MODEL,

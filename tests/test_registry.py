@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.roles import Role
-from epd.v1 import registry_service_pb2
+from epd.v1 import registry_service_pb2, tensor_pb2
 from router.departures import expire_loop
 from router.registry import Registry
 from router.workers import (
@@ -60,6 +60,29 @@ def test_kv_layout_must_match_the_first_kv_worker(registry: Registry) -> None:
         registry.register(info(Role.DECODE, 3, kv_layout=layout(block_size=8, block_bytes=4096)))
     registry.register(info(Role.DECODE, 4))  # a matching one is fine
     assert [w.address for w in registry.workers(Role.DECODE)] == ["127.0.0.1:4"]
+
+
+def test_every_worker_computes_in_the_deployments_dtype(clock: Clock) -> None:
+    # Encoders in float32 and in bfloat16 were both taken: one request got two answers, and
+    # whichever came first was cached for both (configs review, s32).
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=clock)
+    registry.register(info(Role.ENCODER, 1, dtype="bfloat16"))
+    with pytest.raises(RegistrationRefused, match=r"computes in float32; .* compute in bfloat16"):
+        registry.register(info(Role.ENCODER, 2, dtype="float32"))
+    # A KV worker's dtype is its layout's.
+    with pytest.raises(RegistrationRefused, match=r"prefill worker .* computes in float32"):
+        registry.register(info(Role.PREFILL, 3))
+    bf16 = layout(dtype=tensor_pb2.ELEMENT_TYPE_BFLOAT16, block_bytes=4096)
+    registry.register(info(Role.PREFILL, 4, kv_layout=bf16))
+    registry.register(info(Role.ENCODER, 5))  # an older encoder says none: not compared
+    assert {w.address for w in registry.workers()} == {"127.0.0.1:1", "127.0.0.1:4", "127.0.0.1:5"}
+
+
+def test_a_kv_layout_refusal_names_the_dtype(registry: Registry) -> None:
+    registry.register(info(Role.PREFILL, 2))
+    bf16 = layout(dtype=tensor_pb2.ELEMENT_TYPE_BFLOAT16, block_bytes=4096)
+    with pytest.raises(RegistrationRefused, match=r"dtype=bfloat16 \(expected float32\)"):
+        registry.register(info(Role.DECODE, 3, kv_layout=bf16))
 
 
 def test_model_is_adopted_from_the_first_worker_when_not_given(clock: Clock) -> None:

@@ -175,6 +175,19 @@ def test_epd_settings_refuse_different_block_sizes(tmp_path: Path) -> None:
     assert settings.prefill.block_size == settings.decode.block_size == 32
 
 
+def test_epd_settings_refuse_different_dtypes(tmp_path: Path) -> None:
+    # An encoder in another dtype than prefill and decode: its embeddings, and the KV made
+    # from them, differ, and the prefix caches key KV by the KV workers' dtype only.
+    from cluster.settings import EpdSettings
+
+    path = tmp_path / "epd.toml"
+    path.write_text('[prefill]\ndtype = "bfloat16"\n[decode]\ndtype = "bfloat16"\n')
+    with pytest.raises(SettingsError, match=r"encoder\.dtype \(float32\).*must be equal"):
+        load(EpdSettings, path).check()
+    path.write_text('[encoder]\ndtype = "bfloat16"\n' + path.read_text())
+    load(EpdSettings, path).check()
+
+
 @pytest.mark.parametrize("role", ["encoder", "prefill", "decode"])
 def test_unknown_dtype_is_one_settings_error(role: str) -> None:
     from cluster.settings import EpdSettings

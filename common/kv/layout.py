@@ -45,6 +45,11 @@ class KvLayout:
     layout: str  # byte layout name (`common.kv.cache.KV_LAYOUT`)
     block_bytes: int  # bytes per block (follows from the rest; compared, not hashed)
 
+    @property
+    def dtype_name(self) -> str:
+        """The cache's dtype by name ("bfloat16"), as the dtype settings say it."""
+        return dtype_name(self.dtype)
+
     @classmethod
     def of(cls, model: str, spec: KvCacheSpec) -> KvLayout:
         """The layout of a worker serving `model` with a cache shaped by `spec`."""
@@ -55,12 +60,23 @@ class KvLayout:
         return cls(model, dtype, *(getattr(spec, name) for name in _FROM_SPEC))
 
     def differences(self, other: KvLayout) -> list[str]:
-        """'field=mine (expected theirs)' for every field that differs; [] when equal."""
+        """'field=mine (expected theirs)' for every field that differs; [] when equal (the
+        dtype by name)."""
+        shown = {"dtype": dtype_name}
         return [
-            f"{f.name}={getattr(self, f.name)!r} (expected {getattr(other, f.name)!r})"
+            f"{f.name}={shown.get(f.name, repr)(getattr(self, f.name))} "
+            f"(expected {shown.get(f.name, repr)(getattr(other, f.name))})"
             for f in fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
         ]
+
+
+def dtype_name(element_type: int) -> str:
+    """The name of a wire ElementType number among `ELEMENT_TYPES` ("bfloat16")."""
+    for dtype, number in ELEMENT_TYPES.items():
+        if number == element_type:
+            return str(dtype).removeprefix("torch.")
+    return f"element type {element_type}"
 
 
 def layout_root(layout: KvLayout) -> bytes:

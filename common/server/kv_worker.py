@@ -99,6 +99,7 @@ def kv_worker_info(
         protocol_version=PROTOCOL_VERSION,
         capabilities=["nixl", SIGNED_KV],
         name=name,
+        dtype=runner.kv_layout.dtype_name,
     )
 
 

@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import kv_pb2 as epd_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65pd/v1/registry_service.proto\x12\x06\x65pd.v1\x1a\x0f\x65pd/v1/kv.proto\"\xd9\x01\n\nWorkerInfo\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.epd.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\tkv_layout\x18\x04 \x01(\x0b\x32\x10.epd.v1.KvLayout\x12\x18\n\x10protocol_version\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x11\n\tprocessor\x18\t \x01(\t\"\x92\x01\n\nWorkerLoad\x12\x17\n\x0f\x61\x63tive_requests\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x12\n\ncache_hits\x18\x04 \x01(\x04\x12\x15\n\rcache_lookups\x18\x05 \x01(\x04\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"5\n\x0fRegisterRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.epd.v1.WorkerInfo\"D\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"G\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x04load\x18\x02 \x01(\x0b\x32\x12.epd.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_ENCODER\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\x92\x01\n\x0fRegistryService\x12=\n\x08Register\x12\x17.epd.v1.RegisterRequest\x1a\x18.epd.v1.RegisterResponse\x12@\n\tHeartbeat\x12\x18.epd.v1.HeartbeatRequest\x1a\x19.epd.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65pd/v1/registry_service.proto\x12\x06\x65pd.v1\x1a\x0f\x65pd/v1/kv.proto\"\xe8\x01\n\nWorkerInfo\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.epd.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\tkv_layout\x18\x04 \x01(\x0b\x32\x10.epd.v1.KvLayout\x12\x18\n\x10protocol_version\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x11\n\tprocessor\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\"\x92\x01\n\nWorkerLoad\x12\x17\n\x0f\x61\x63tive_requests\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x12\n\ncache_hits\x18\x04 \x01(\x04\x12\x15\n\rcache_lookups\x18\x05 \x01(\x04\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\"5\n\x0fRegisterRequest\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.epd.v1.WorkerInfo\"D\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"G\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x04load\x18\x02 \x01(\x0b\x32\x12.epd.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_ENCODER\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\x92\x01\n\x0fRegistryService\x12=\n\x08Register\x12\x17.epd.v1.RegisterRequest\x1a\x18.epd.v1.RegisterResponse\x12@\n\tHeartbeat\x12\x18.epd.v1.HeartbeatRequest\x1a\x19.epd.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.registry_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=661
-  _globals['_WORKERROLE']._serialized_end=776
+  _globals['_WORKERROLE']._serialized_start=676
+  _globals['_WORKERROLE']._serialized_end=791
   _globals['_WORKERINFO']._serialized_start=59
-  _globals['_WORKERINFO']._serialized_end=276
-  _globals['_WORKERLOAD']._serialized_start=279
-  _globals['_WORKERLOAD']._serialized_end=425
-  _globals['_REGISTERREQUEST']._serialized_start=427
-  _globals['_REGISTERREQUEST']._serialized_end=480
-  _globals['_REGISTERRESPONSE']._serialized_start=482
-  _globals['_REGISTERRESPONSE']._serialized_end=550
-  _globals['_HEARTBEATREQUEST']._serialized_start=552
-  _globals['_HEARTBEATREQUEST']._serialized_end=623
-  _globals['_HEARTBEATRESPONSE']._serialized_start=625
-  _globals['_HEARTBEATRESPONSE']._serialized_end=659
-  _globals['_REGISTRYSERVICE']._serialized_start=779
-  _globals['_REGISTRYSERVICE']._serialized_end=925
+  _globals['_WORKERINFO']._serialized_end=291
+  _globals['_WORKERLOAD']._serialized_start=294
+  _globals['_WORKERLOAD']._serialized_end=440
+  _globals['_REGISTERREQUEST']._serialized_start=442
+  _globals['_REGISTERREQUEST']._serialized_end=495
+  _globals['_REGISTERRESPONSE']._serialized_start=497
+  _globals['_REGISTERRESPONSE']._serialized_end=565
+  _globals['_HEARTBEATREQUEST']._serialized_start=567
+  _globals['_HEARTBEATREQUEST']._serialized_end=638
+  _globals['_HEARTBEATRESPONSE']._serialized_start=640
+  _globals['_HEARTBEATRESPONSE']._serialized_end=674
+  _globals['_REGISTRYSERVICE']._serialized_start=794
+  _globals['_REGISTRYSERVICE']._serialized_end=940
 # @@protoc_insertion_point(module_scope)

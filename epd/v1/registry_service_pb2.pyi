@@ -20,7 +20,7 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "address", "model", "kv_layout", "protocol_version", "capabilities", "name", "instance_id", "processor")
+    __slots__ = ("role", "address", "model", "kv_layout", "protocol_version", "capabilities", "name", "instance_id", "processor", "dtype")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WorkerInfo(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROCESSOR_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     address: str
     model: str
@@ -39,7 +40,8 @@ class WorkerInfo(_message.Message):
     name: str
     instance_id: str
     processor: str
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., protocol_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., instance_id: _Optional[str] = ..., processor: _Optional[str] = ...) -> None: ...
+    dtype: str
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KvLayout, _Mapping]] = ..., protocol_version: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., instance_id: _Optional[str] = ..., processor: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("active_requests", "kv_blocks_used", "kv_blocks_free", "cache_hits", "cache_lookups", "draining")
