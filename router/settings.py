@@ -293,6 +293,11 @@ class RouterSettings(ServerSettings):
             raise SettingsError("worker_keepalive_s: must be from 0.1 to 3600 seconds")
         if not 0 < self.tenant_share <= 1:
             raise SettingsError("tenant_share: must be above 0 and at most 1")
+        if self.overlap_prefill and not self.cache_aware_routing:  # started silently
+            raise SettingsError(
+                "overlap_prefill: needs cache_aware_routing (the request's prefill would go "
+                "to another worker than the one that prefilled its start)"
+            )
         Image.init()  # every plugin PIL has registered
         unknown = [f for f in self.image_formats if f.upper() not in Image.OPEN]
         if unknown or not self.image_formats:

@@ -234,6 +234,7 @@ def test_router_heartbeat_times_are_checked() -> None:
         ({"video_file_fps": 1e-9}, "video_file_fps"),
         # Capped at 64 Mi silently: a 99 M-pixel image was "not a decodable image".
         ({"max_image_pixels": 100_000_000}, "max_image_pixels: at most 67108864"),
+        ({"overlap_prefill": True, "cache_aware_routing": False}, "overlap_prefill: needs"),
     ):
         with pytest.raises(SettingsError, match=key):
             RouterSettings(security=insecure, **bad).check()
