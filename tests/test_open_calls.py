@@ -25,7 +25,6 @@ BIG = "x" * (1 << 20)  # a service name or symbol far past OPEN_MESSAGE_BYTES
 @pytest_asyncio.fixture(loop_scope="module")
 async def server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RunningServer]:
     monkeypatch.setattr(open_calls, "STREAMS_PER_SOURCE", 3)
-    monkeypatch.setattr(open_calls, "READS_PER_SOURCE", 2)
     monkeypatch.setattr(open_calls, "STREAM_READS_PER_SOURCE", 2)
     monkeypatch.setattr(open_calls, "FIRST_MESSAGE_S", 0.5)
     monkeypatch.setattr(open_calls, "NEXT_MESSAGE_S", 1.5)
@@ -91,9 +90,10 @@ async def test_streams_past_a_sources_limit_are_refused_and_checks_still_answere
 ) -> None:
     async with channel(server.address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        watches = [stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(3)]
-        for watch in watches:
-            await watch.read()  # each one running
+        watches = []
+        for _ in range(3):  # one after the other: each one's request read, then running
+            watches.append(stub.Watch(health_pb2.HealthCheckRequest(service="")))
+            await watches[-1].read()
         extra = stub.Watch(health_pb2.HealthCheckRequest(service=""))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await extra.read()
