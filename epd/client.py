@@ -30,17 +30,16 @@ Several routers: `Client(["host1:50051", "host2:50051"])` (or one string "a,b", 
 $EPD_ROUTER may hold) spreads requests over them, each request starting on the next router
 in turn. A stream that fails with UNAVAILABLE (the router died, drains or cannot be reached;
 one not connected within `CONNECT_S` while others are left counts so) goes on at the next
-router, once at each: from the start if nothing had come, else resumed
-after the tokens received (`GenerateRequest.resume_tokens`); a request with `stop` strings
-is not resumed. When no router is left, `GenerateError` says which were tried. A stream
-that fails after its last chunk (the one with a finish reason) is not sent again: the
-caller already has the whole answer.
+router, once at each: from the start if nothing had come, else resumed after the tokens
+received (`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed.
+When no router is left, `GenerateError` says which were tried. A stream that fails after
+its last chunk (the one with a finish reason) is not sent again: the caller has it whole.
 
 Failures raise `GenerateError` with the gRPC status code and the router's message
 (UNAUTHENTICATED: no or an unknown key; PERMISSION_DENIED: the key may not do that).
 A router that is full refuses a request with RESOURCE_EXHAUSTED and says when to try again
-(`retry-after-ms`); with `Client(..., max_retries=N)` such a request is sent again up to N
-times, each after that wait (within the request's timeout), before it fails.
+(`retry-after-ms`); with `Client(..., max_retries=N)` such a request, or a stream's resume,
+is sent again up to N times, each after that wait (within the request's timeout).
 """
 
 from __future__ import annotations
@@ -121,15 +120,15 @@ class Client:
         if keepalive_s is not None and not keepalive_s >= 0.1:
             raise ValueError(f"keepalive_s must be None or at least 0.1, got {keepalive_s}")
         self.max_retries = max_retries
+        self.max_bytes = max_message_mb << 20  # what one request may take (`build_request`)
         self.addresses = router_list(address)  # every router, in the order given
         self.address = self.addresses[0]  # the first (Status asks this one)
         credentials = ChannelCredentials(
             checked_key(api_key) if api_key is not None else default_api_key(CLIENT_KEY_FILE),
             root_certificates=read_ca(tls_ca_file) if tls_ca_file else None,
-            tls=tls_ca_file is not None,
+            tls=bool(tls_ca_file),  # "" (an empty $EPD_TLS_CA_FILE): plaintext, as None
         )
-        # Opened at first use, in the loop using them (one made outside a loop failed there),
-        # each with its own connections (`rpc.channel`): a restarted router is dialled afresh.
+        # Opened at first use, in the loop using them, each with its own connections.
         self._open = lambda: [
             channel(
                 a, max_message_mb=max_message_mb, credentials=credentials, keepalive_s=keepalive_s
@@ -174,7 +173,7 @@ class Client:
         return self._routers[0]
 
     async def close(self) -> None:
-        """Close the channels; running streams are cancelled."""
+        """Close the channels; running streams end with GenerateError (CANCELLED)."""
         for ch in self._opened or ():
             await ch.close()
         self._opened = None
@@ -211,7 +210,12 @@ class Client:
         same); a request with `stop` strings is not resumed (GenerateError). A failure after
         the chunk with the finish reason ends the stream quietly: the answer is whole."""
         request = build_request(
-            messages, sampling, request_id=request_id, cache_salt=cache_salt, stop=stop
+            messages,
+            sampling,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            stop=stop,
+            max_bytes=self.max_bytes,
         )
         metadata = bearer_metadata(checked_key(api_key)) if api_key is not None else None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -249,12 +253,21 @@ class Client:
                     finished = finished or bool(response.finish_reason)  # not UNSPECIFIED
                     yield chunk_of(response)
                 return
+            except asyncio.CancelledError:  # the caller's, or gRPC's for a closed channel
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise
+                raise GenerateError(
+                    grpc.StatusCode.CANCELLED, "the client was closed while the stream ran"
+                ) from None
             except grpc.aio.AioRpcError as exc:
                 if finished:  # only the final status was lost (the router died after it)
                     return
                 code, details = exc.code(), exc.details() or ""
                 wait = retry_after_s(exc) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-                if wait is not None and self._may_wait(busy, received, wait, deadline):
+                if wait is not None and self._may_wait(
+                    busy, bool(received and stop), wait, deadline
+                ):
                     busy += 1
                     self.busy_retries += 1
                     await asyncio.sleep(wait)
@@ -279,12 +292,12 @@ class Client:
             f"every router failed: {'; '.join(failures)}",
         )
 
-    def _may_wait(
-        self, busy: int, received: list[int], wait: float, deadline: float | None
-    ) -> bool:
-        """Whether a refusal (RESOURCE_EXHAUSTED, `wait` s) is sent again: retries left,
-        no token received yet, and the wait ends before the deadline."""
-        if busy >= self.max_retries or received:
+    def _may_wait(self, busy: int, unresumable: bool, wait: float, deadline: float | None) -> bool:
+        """Whether a refusal (RESOURCE_EXHAUSTED, `wait` s) is sent again: retries left, the
+        request sent as it was or resumed after the tokens received (a resume refused on
+        failover failed whatever `max_retries`), not `unresumable` (with stop strings and
+        tokens), and the wait ends before the deadline."""
+        if busy >= self.max_retries or unresumable:
             return False
         return deadline is None or time.monotonic() + wait < deadline
 

@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from common.sampling import SamplingParams
+from common.server.transport import DEFAULT_MAX_MESSAGE_MB
 from common.wire.sampling import sampling_to_proto
 from epd.v1 import router_service_pb2
+
+# The most bytes a request may take by default (a client's `max_message_mb`): a file past it
+# is refused before it is read (a 600 MB file given by mistake took 1.8 GB for 13 s before
+# gRPC refused the message without naming the part; client review, s32).
+MAX_BYTES = DEFAULT_MAX_MESSAGE_MB << 20
 
 # Files of a frames folder that are frames.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
@@ -37,10 +43,12 @@ def build_request(
     request_id: str = "",
     cache_salt: str | None = None,
     stop: str | Sequence[str] = (),
+    max_bytes: int = MAX_BYTES,
 ) -> router_service_pb2.GenerateRequest:
     """The `GenerateRequest` of a chat; media encoded for the wire. `stop`: a string or
     strings ending the answer (not included), as OpenAI's ("": none). ValueError naming the
-    part that cannot be sent."""
+    part that cannot be sent; a file, or the whole request, past `max_bytes` (the gRPC
+    message size limit) among them."""
     request = router_service_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex,
         sampling=sampling_to_proto(sampling or SamplingParams()),
@@ -66,11 +74,16 @@ def build_request(
                 f"{type(content).__name__}"
             )
         for j, part in enumerate(content or ()):
-            _add_part(out, part, f"messages[{i}].content[{j}]")
+            _add_part(out, part, f"messages[{i}].content[{j}]", max_bytes)
+    size = request.ByteSize()
+    if size > max_bytes:
+        raise ValueError(f"messages: the request takes {_mib(size)}, {_past(max_bytes)}")
     return request
 
 
-def _add_part(out: router_service_pb2.ChatMessage, part: Mapping[str, Any], where: str) -> None:
+def _add_part(
+    out: router_service_pb2.ChatMessage, part: Mapping[str, Any], where: str, max_bytes: int
+) -> None:
     if not isinstance(part, Mapping):
         raise ValueError(f"{where}: expected a part (a dict with a 'type'), got {part!r:.60}")
     kind = part.get("type")
@@ -82,12 +95,13 @@ def _add_part(out: router_service_pb2.ChatMessage, part: Mapping[str, Any], wher
         out.content.add(text=text)
     elif kind in ("image", "image_url"):
         source = part.get("image") if kind == "image" else _data_url(part.get("image_url"), where)
-        image = router_service_pb2.ImageInput(data=encode_image(source, f"{where}.image"))
+        data = encode_image(source, f"{where}.image", max_bytes=max_bytes)
+        image = router_service_pb2.ImageInput(data=data)
         if uid is not None:
             image.uuid = str(uid)
         out.content.add(image=image)
     elif kind == "video":
-        video = video_input(part.get("video"), part.get("fps"), where)
+        video = video_input(part.get("video"), part.get("fps"), where, max_bytes=max_bytes)
         if uid is not None:
             video.uuid = str(uid)
         out.content.add(video=video)
@@ -95,7 +109,9 @@ def _add_part(out: router_service_pb2.ChatMessage, part: Mapping[str, Any], wher
         raise ValueError(f"{where}: unsupported content part type {kind!r}")
 
 
-def video_input(source: Any, fps: Any, where: str = "video") -> router_service_pb2.VideoInput:
+def video_input(
+    source: Any, fps: Any, where: str = "video", *, max_bytes: int = MAX_BYTES
+) -> router_service_pb2.VideoInput:
     """The wire form of a video (see the module docstring): a file's bytes with the rate to
     sample it at (0: the router's default), or encoded frames with their rate."""
     if isinstance(source, str | Path):
@@ -103,9 +119,12 @@ def video_input(source: Any, fps: Any, where: str = "video") -> router_service_p
         if path.is_dir():
             source = frame_files(path, f"{where}.video")
         elif path.is_file():
-            source = path.read_bytes()
+            source = _read(path, f"{where}.video", max_bytes)
         else:
             raise ValueError(f"{where}.video: no such file or folder: {path}")
+    shape = getattr(source, "shape", None)  # an array: (T, H, W, C) only
+    if shape is not None and len(shape) != 4:
+        raise ValueError(f"{where}.video: a video array must be (T, H, W, C), got {shape}")
     if isinstance(source, bytes | bytearray | memoryview):
         rate = 0.0 if fps is None else _rate(fps, f"{where}.fps")
         if not rate >= 0:
@@ -118,7 +137,10 @@ def video_input(source: Any, fps: Any, where: str = "video") -> router_service_p
     if source is None or len(source) == 0:
         raise ValueError(f"{where}.video: no frames")
     return router_service_pb2.VideoInput(
-        frames=[encode_image(f, f"{where}.video[{k}]") for k, f in enumerate(source)],
+        frames=[
+            encode_image(f, f"{where}.video[{k}]", max_bytes=max_bytes)
+            for k, f in enumerate(source)
+        ],
         fps=float(fps),
     )
 
@@ -138,15 +160,12 @@ def frame_files(folder: str | Path, where: str = "video") -> list[Path]:
 PNG_LEVEL = 1  # zlib level of the PNG an image or frame given as pixels is sent as
 
 
-def encode_image(source: Any, where: str = "image") -> bytes:
+def encode_image(source: Any, where: str = "image", *, max_bytes: int = MAX_BYTES) -> bytes:
     """Encoded file bytes of an image source (bytes as given, a path's bytes, PNG else)."""
     if isinstance(source, bytes | bytearray | memoryview):
         return bytes(source)
     if isinstance(source, str | Path):
-        try:
-            return Path(source).read_bytes()
-        except OSError as exc:
-            raise ValueError(f"{where}: cannot read {source}: {exc.strerror or exc}") from None
+        return _read(Path(source), where, max_bytes)
     import numpy as np  # here, not at the top: `epd generate` starts without them
     from PIL import Image
 
@@ -163,6 +182,26 @@ def encode_image(source: Any, where: str = "image") -> bytes:
         source.save(buffer, format="PNG", compress_level=PNG_LEVEL)
         return buffer.getvalue()
     raise ValueError(f"{where}: unsupported image source {type(source).__name__}")
+
+
+def _read(path: Path, where: str, max_bytes: int) -> bytes:
+    """A file's bytes; ValueError naming `where` when it cannot be read or is past
+    `max_bytes` (found from its size, before it is read)."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ValueError(f"{where}: {path} takes {_mib(size)}, {_past(max_bytes)}")
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
+
+
+def _past(max_bytes: int) -> str:
+    return f"more than a request may ({_mib(max_bytes)}, the client's max_message_mb)"
 
 
 def _data_url(value: Any, where: str) -> bytes:

@@ -88,6 +88,8 @@ def test_chat_round_trips_through_the_router_edge():
         ({"type": "image", "image": "/nonexistent.png"}, "cannot read /nonexistent.png"),
         ({"type": "video", "video": [pixels(1)], "fps": "fast"}, "fps: not a number"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,a$b"}}, "base64"),
+        # An image given as a video was sent as H grey frames of W x 3 pixels.
+        ({"type": "video", "video": np.zeros((4, 4, 3), np.uint8), "fps": 2}, r"\(T, H, W, C\)"),
     ],
 )
 def test_unsendable_parts_name_the_part(part, message):
@@ -207,3 +209,23 @@ def test_a_client_made_outside_a_loop_works_inside_one() -> None:
     for _ in range(2):  # not closed in between
         assert asyncio.run(main()).code == grpc.StatusCode.UNAVAILABLE  # nothing listens
     asyncio.run(client.close())
+
+
+def test_a_file_past_the_message_limit_is_refused_before_it_is_read(tmp_path):
+    # A 600 MB file given by mistake was read whole and copied (1.8 GB for 13 s) before
+    # gRPC refused the message, naming no part (client review).
+    big = tmp_path / "big.mp4"
+    with big.open("wb") as out:  # sparse: 3 MiB that take no disk
+        out.truncate(3 << 20)
+    chat = [{"role": "user", "content": [{"type": "video", "video": str(big)}]}]
+    with pytest.raises(ValueError, match=r"content\[0\]\.video: .*3\.0 MiB, more than"):
+        build_request(chat, max_bytes=2 << 20)
+    image = [{"role": "user", "content": [{"type": "image", "image": big}]}]
+    with pytest.raises(ValueError, match=r"content\[0\]\.image: .*3\.0 MiB"):
+        build_request(image, max_bytes=2 << 20)
+    # Parts under the limit whose sum is past it: the request, before gRPC says it.
+    half = tmp_path / "half.png"
+    half.write_bytes(b"x" * (3 << 19))
+    two = [{"role": "user", "content": [{"type": "image", "image": half}] * 2}]
+    with pytest.raises(ValueError, match=r"messages: the request takes 3\.0 MiB"):
+        build_request(two, max_bytes=2 << 20)

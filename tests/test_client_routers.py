@@ -5,6 +5,7 @@ its final status) is the whole answer, not sent again."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -142,3 +143,73 @@ async def test_a_router_that_accepts_and_never_answers_is_skipped(
     finally:
         silent.close()
         closed.close()
+
+
+class BusyOnce(FakeRouter):
+    """Refuses its first call as full (`retry-after-ms` 50), then streams `chunks`."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        super().__init__(chunks)
+        self.refused = 0
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        if not self.refused:
+            self.refused += 1
+            self.resumed.append(list(request.resume_tokens))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "admission queue full; retry after 0.1 s",
+                trailing_metadata=(("retry-after-ms", "50"),),
+            )
+        async for response in super().Generate(request, context):
+            yield response
+
+
+async def test_a_resume_refused_as_full_waits_and_goes_on(serve: Any) -> None:
+    # On failover the surviving router is the busiest: a resume it refused as full failed
+    # the stream whatever `max_retries`, though a resume repeats nothing (client review).
+    first = FakeRouter([chunk([5], "he")], then=grpc.StatusCode.UNAVAILABLE)
+    second = BusyOnce([chunk([6], "llo", last=True)])
+    addresses = [await serve(first), await serve(second)]
+    async with Client(addresses, api_key="k", max_retries=2) as client:
+        result = await client.generate_text(CHAT, SamplingParams(max_tokens=2))
+        assert (result.text, result.token_ids) == ("hello", [5, 6])
+        assert (client.resumes, client.busy_retries) == (1, 1)
+    assert second.resumed == [[5], [5]]
+    # With stop strings a stream is not resumed, so neither is it sent again.
+    first.chunks, second.refused = [chunk([5], "he")], 0
+    async with Client(addresses, api_key="k", max_retries=2) as client:
+        with pytest.raises(GenerateError, match="not resumed"):
+            await client.generate_text(CHAT, SamplingParams(max_tokens=2), stop="zz")
+
+
+async def test_closing_the_client_mid_stream_is_a_generate_error(serve: Any) -> None:
+    # gRPC cancels the calls of a closed channel: the reading task got a bare
+    # CancelledError, not the GenerateError promised, though nobody cancelled it.
+    class Slow(FakeRouter):
+        async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+            yield chunk([5], "he")
+            await asyncio.sleep(30)
+
+    client = Client([await serve(Slow([]))], api_key="k")
+    started = asyncio.Event()
+
+    async def read() -> None:
+        async for _ in client.generate(CHAT, SamplingParams(max_tokens=2)):
+            started.set()
+
+    task = asyncio.create_task(read())
+    async with asyncio.timeout(10):
+        await started.wait()
+    await client.close()
+    with pytest.raises(GenerateError, match="client was closed") as info:
+        await task
+    assert info.value.code == grpc.StatusCode.CANCELLED and not task.cancelled()
+
+
+async def test_an_empty_tls_ca_file_is_plaintext(serve: Any) -> None:
+    # An empty $EPD_TLS_CA_FILE turned TLS on (with the system's CAs) against a plaintext
+    # router: every call failed (client review).
+    address = await serve(FakeRouter([chunk([5], "hi", last=True)]))
+    async with Client(address, api_key="k", tls_ca_file="") as client:
+        assert (await client.generate_text(CHAT, SamplingParams(max_tokens=1))).text == "hi"
