@@ -81,15 +81,17 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
             raise SamplingError("top_p", f"top_p must be in (0, 1], got {p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise SamplingError("top_k", f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:  # the wire's int32
+            raise SamplingError(
+                "top_k", f"top_k must be an int in [0, 2**31) (0 = off), got {self.top_k!r}"
+            )
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise SamplingError(
                 "seed", f"seed must be None or an int in [0, 2**63), got {self.seed!r}"
             )
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens < 2**32:  # uint32
             raise SamplingError(
-                "max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
+                "max_tokens", f"max_tokens must be an int in [1, 2**32), got {self.max_tokens!r}"
             )
         stop = tuple(self.stop_token_ids)
         if len(stop) > MAX_STOP_TOKEN_IDS:
@@ -98,9 +100,10 @@ class SamplingParams:
                 f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop)}",
             )
         for k, t in enumerate(stop):
-            if not _is_int(t) or t < 0:
+            if not _is_int(t) or not 0 <= t < 2**31:
                 raise SamplingError(
-                    "stop_token_ids", f"stop_token_ids must be ints >= 0, got {t!r} at index {k}"
+                    "stop_token_ids",
+                    f"stop_token_ids must be ints in [0, 2**31), got {t!r} at index {k}",
                 )
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):

@@ -8,7 +8,7 @@ import base64
 import binascii
 import io
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +49,17 @@ def build_request(
     strings ending the answer (not included), as OpenAI's ("": none). ValueError naming the
     part that cannot be sent; a file, or the whole request, past `max_bytes` (the gRPC
     message size limit) among them."""
+    stops = ([stop] if stop else []) if isinstance(stop, str) else stop
+    if not isinstance(stops, list | tuple) or not all(isinstance(t, str) for t in stops):
+        raise ValueError(f"stop: expected a string or a list of strings, got {stop!r:.60}")
     request = router_service_pb2.GenerateRequest(
-        request_id=request_id or uuid.uuid4().hex,
+        request_id=_text(request_id, "request_id") or uuid.uuid4().hex,
         sampling=sampling_to_proto(sampling or SamplingParams()),
-        stop=([stop] if stop else []) if isinstance(stop, str) else list(stop),
+        stop=[_text(t, f"stop[{k}]") for k, t in enumerate(stops)],
     )
     if cache_salt is not None:
-        request.cache_salt = cache_salt
-    if isinstance(messages, str | bytes | Mapping):
+        request.cache_salt = _text(cache_salt, "cache_salt")
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Iterable):
         raise ValueError(f"messages: expected a list of messages, got a {type(messages).__name__}")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -66,7 +69,7 @@ def build_request(
         out = request.messages.add(role="system" if role == "developer" else role)
         content = message.get("content")
         if isinstance(content, str):
-            out.content.add(text=content)
+            out.content.add(text=_text(content, f"messages[{i}].content"))
             continue
         if content is not None and not isinstance(content, list | tuple):
             raise ValueError(
@@ -92,7 +95,7 @@ def _add_part(
         text = part.get("text", "")
         if not isinstance(text, str):
             raise ValueError(f"{where}.text: expected a string, got {type(text).__name__}")
-        out.content.add(text=text)
+        out.content.add(text=_text(text, f"{where}.text"))
     elif kind in ("image", "image_url"):
         source = part.get("image") if kind == "image" else _data_url(part.get("image_url"), where)
         data = encode_image(source, f"{where}.image", max_bytes=max_bytes)
@@ -125,6 +128,11 @@ def video_input(
     shape = getattr(source, "shape", None)  # an array: (T, H, W, C) only
     if shape is not None and len(shape) != 4:
         raise ValueError(f"{where}.video: a video array must be (T, H, W, C), got {shape}")
+    if shape is None and not isinstance(source, bytes | bytearray | memoryview | list | tuple):
+        raise ValueError(
+            f"{where}.video: expected a file (a path or its bytes), a folder or list of frames "
+            f"or a (T, H, W, C) array, got a {type(source).__name__}"
+        )
     if isinstance(source, bytes | bytearray | memoryview):
         rate = 0.0 if fps is None else _rate(fps, f"{where}.fps")
         if not rate >= 0:
@@ -169,19 +177,34 @@ def encode_image(source: Any, where: str = "image", *, max_bytes: int = MAX_BYTE
     import numpy as np  # here, not at the top: `epd generate` starts without them
     from PIL import Image
 
-    if isinstance(source, np.ndarray):
-        if source.dtype != np.uint8 or source.ndim not in (2, 3):
-            raise ValueError(f"{where}: arrays must be (H, W[, C]) uint8, got {source.shape}")
-        squeeze = source.ndim == 3 and source.shape[-1] == 1
-        source = Image.fromarray(source[..., 0] if squeeze else source)
-    if isinstance(source, Image.Image):
-        # Lossless, and fast: zlib level 1 took a quarter of the CPU of PIL's default (6) on
-        # a smooth 448x448 image (7.4 against 29.0 ms) for 1.5x the bytes, and the same on
-        # noise; a video given as frames pays this per frame. Bytes are sent as given.
-        buffer = io.BytesIO()
-        source.save(buffer, format="PNG", compress_level=PNG_LEVEL)
-        return buffer.getvalue()
+    try:  # PIL's own errors (5 channels, an empty array, mode F) name no part
+        if isinstance(source, np.ndarray):
+            if source.dtype != np.uint8 or source.ndim not in (2, 3):
+                raise ValueError(f"arrays must be (H, W[, C]) uint8, got {source.shape}")
+            squeeze = source.ndim == 3 and source.shape[-1] == 1
+            source = Image.fromarray(source[..., 0] if squeeze else source)
+        if isinstance(source, Image.Image):
+            # Lossless, and fast: zlib level 1 took a quarter of the CPU of PIL's default
+            # (6) on a smooth 448x448 image (7.4 against 29.0 ms) for 1.5x the bytes, and the
+            # same on noise; a video given as frames pays this per frame.
+            buffer = io.BytesIO()
+            source.save(buffer, format="PNG", compress_level=PNG_LEVEL)
+            return buffer.getvalue()
+    except (TypeError, ValueError, OSError) as exc:
+        raise ValueError(f"{where}: cannot be sent as an image: {exc}") from None
     raise ValueError(f"{where}: unsupported image source {type(source).__name__}")
+
+
+def _text(value: Any, where: str) -> str:
+    """`value`, a string the wire can carry (UTF-8: no lone surrogate); ValueError naming
+    `where` otherwise."""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a string, got a {type(value).__name__}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text ({exc.reason} at {exc.start})") from None
+    return value
 
 
 def _read(path: Path, where: str, max_bytes: int) -> bytes:

@@ -229,3 +229,45 @@ def test_a_file_past_the_message_limit_is_refused_before_it_is_read(tmp_path):
     two = [{"role": "user", "content": [{"type": "image", "image": half}] * 2}]
     with pytest.raises(ValueError, match=r"messages: the request takes 3\.0 MiB"):
         build_request(two, max_bytes=2 << 20)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # Each raised TypeError, OSError or a ValueError naming nothing (client review).
+        (
+            {"part": {"type": "image", "image": np.zeros((2, 2, 5), np.uint8)}},
+            r"\[0\]\.image: cannot",
+        ),
+        (
+            {"part": {"type": "image", "image": np.zeros((0, 4, 3), np.uint8)}},
+            r"\[0\]\.image: cannot",
+        ),
+        ({"part": {"type": "image", "image": Image.new("F", (2, 2))}}, r"\[0\]\.image: cannot"),
+        ({"part": {"type": "video", "video": 5, "fps": 2}}, r"\[0\]\.video: expected a file"),
+        ({"part": {"type": "video", "video": {"a": 1}, "fps": 2}}, r"\.video: expected a file"),
+        ({"part": {"type": "text", "text": "a\ud800"}}, r"\[0\]\.text: not UTF-8"),
+        ({"messages": None}, "messages: expected a list"),
+        ({"stop": 5}, "stop: expected a string or a list"),
+        ({"cache_salt": 5}, "cache_salt: expected a string"),
+    ],
+)
+def test_wrong_inputs_are_value_errors_naming_where(kwargs, message):
+    part = kwargs.pop("part", {"type": "text", "text": "hi"})
+    messages = kwargs.pop("messages", [{"role": "user", "content": [part]}])
+    with pytest.raises(ValueError, match=message):
+        build_request(messages, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"max_tokens": 2**33}, "max_tokens"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"stop_token_ids": (2**40,)}, "stop_token_ids"),
+    ],
+)
+def test_sampling_past_the_wires_integers_names_the_field(sampling, field):
+    # protobuf said "Value out of range: 8589934592", naming no field.
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**sampling)
