@@ -271,3 +271,23 @@ def test_sampling_past_the_wires_integers_names_the_field(sampling, field):
     # protobuf said "Value out of range: 8589934592", naming no field.
     with pytest.raises(ValueError, match=field):
         SamplingParams(**sampling)
+
+
+def test_a_key_file_no_header_can_carry_or_a_ca_file_unread_is_named(tmp_path, monkeypatch):
+    # Every call failed INTERNAL "Invalid metadata" (a key file with a non-ASCII byte), or
+    # Client() raised UnicodeDecodeError / FileNotFoundError naming no setting (client review).
+    from common.settings.schema import SettingsError
+    from epd.client import Client
+
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    monkeypatch.delenv("EPD_API_KEY", raising=False)
+    monkeypatch.delenv("EPD_NAMESPACE", raising=False)
+    (tmp_path / "epd").mkdir()
+    key = tmp_path / "epd" / "client_key"
+    for data, message in ((b"k\xc3\xa9y\n", "must be printable ASCII"), (b"k\xffy", "not UTF-8")):
+        key.write_bytes(data)
+        with pytest.raises(SettingsError, match=f"client_key: {message}"):
+            Client("127.0.0.1:1")
+    key.write_bytes(b"good-key\n")
+    with pytest.raises(ValueError, match=r"tls_ca_file: cannot read /nope\.pem"):
+        Client("127.0.0.1:1", tls_ca_file="/nope.pem")

@@ -33,7 +33,10 @@ def checked_key(key: str, field: str = "api_key") -> str:
 def read_ca(path: str | Path, field: str = "tls_ca_file") -> bytes:
     """The PEM certificates of the CA file at `path`; ValueError naming `field` and the
     file when it holds none (gRPC said only "Failed to create security handshaker")."""
-    data = Path(path).read_bytes()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot read {path}: {exc.strerror or exc}") from None
     if b"CERTIFICATE-----" not in data:  # BEGIN CERTIFICATE, TRUSTED or X509 CERTIFICATE
         raise ValueError(f"{field}: {path} holds no PEM certificate")
     return data

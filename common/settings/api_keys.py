@@ -164,7 +164,13 @@ def default_api_key(kind: str = CLIENT_KEY_FILE) -> str | None:
         if not env.isascii() or not env.isprintable():  # no header could carry it
             raise SettingsError(f"${API_KEY_VAR}: must be printable ASCII")
         return env
+    path = key_file(kind)
     try:
-        return key_file(kind).read_text().strip() or None
+        key = path.read_bytes().decode().strip()
     except OSError:
         return None
+    except UnicodeDecodeError:
+        raise SettingsError(f"{path}: not UTF-8 text") from None
+    if not key.isascii() or not key.isprintable():  # no header could carry it
+        raise SettingsError(f"{path}: must be printable ASCII")
+    return key or None
