@@ -3,6 +3,8 @@ from `epd.client`), and how a router's responses and refusals become them."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,4 +99,36 @@ def chunk_of(response: router_service_pb2.GenerateResponse) -> Chunk:
         cached_tokens=response.cached_tokens,
         blocks_pulled=response.blocks_pulled,
         blocks_reused=response.blocks_reused,
+    )
+
+
+async def collected(chunks: AsyncIterator[Chunk]) -> Result:
+    """The whole answer of a stream of chunks, with its timings from now."""
+    start = time.perf_counter()
+    text: list[str] = []
+    tokens: list[int] = []
+    times: list[float] = []
+    stats = dict.fromkeys(("prompt", "cached", "pulled", "reused"), 0)
+    finish = None
+    async for chunk in chunks:
+        if chunk.token_ids:
+            times.append(time.perf_counter() - start)
+        text.append(chunk.text)
+        tokens.extend(chunk.token_ids)
+        stats["prompt"] = stats["prompt"] or chunk.prompt_tokens
+        stats["cached"] = stats["cached"] or chunk.cached_tokens
+        stats["pulled"] = stats["pulled"] or chunk.blocks_pulled
+        stats["reused"] = stats["reused"] or chunk.blocks_reused
+        finish = chunk.finish_reason or finish
+    return Result(
+        text="".join(text),
+        token_ids=tokens,
+        finish_reason=finish,
+        prompt_tokens=stats["prompt"],
+        cached_tokens=stats["cached"],
+        blocks_pulled=stats["pulled"],
+        blocks_reused=stats["reused"],
+        ttft_s=times[0] if times else float("nan"),
+        token_times_s=times,
+        total_s=time.perf_counter() - start,
     )

@@ -56,7 +56,7 @@ from common.server.credentials import ChannelCredentials, bearer_metadata, check
 from common.server.rpc import channel
 from common.server.transport import DEFAULT_MAX_MESSAGE_MB
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
-from epd.answers import Chunk, GenerateError, Result, chunk_of, retry_after_s
+from epd.answers import Chunk, GenerateError, Result, chunk_of, collected, retry_after_s
 from epd.request import (
     IMAGE_SUFFIXES,
     Messages,
@@ -89,6 +89,9 @@ __all__ = [
     "generate_text",
     "video_input",
 ]
+
+
+CLOSED = "the client was closed while the stream ran"
 
 
 class Client:
@@ -139,6 +142,7 @@ class Client:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop they were opened in
         self._stubs: list[router_service_pb2_grpc.RouterServiceStub] = []
         self._turn = 0  # the router the next request starts on
+        self._closes = 0  # `close` calls
         self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
         self.resumes = 0  # streams resumed on another router after their router failed
         self.busy_retries = 0  # requests sent again after a RESOURCE_EXHAUSTED's wait
@@ -174,6 +178,7 @@ class Client:
 
     async def close(self) -> None:
         """Close the channels; running streams end with GenerateError (CANCELLED)."""
+        self._closes += 1  # a stream waiting to send again stops (`_closed_since`)
         for ch in self._opened or ():
             await ch.close()
         self._opened = None
@@ -224,8 +229,10 @@ class Client:
         finished = False  # the caller has the chunk with the finish reason: the whole answer
         busy = 0  # RESOURCE_EXHAUSTED refusals sent again
         order = self._order()
-        attempt = 0
+        attempt, closes = 0, self._closes
         while attempt < len(order):
+            if self._closes != closes:  # closed while it waited to send again: not reopened
+                raise GenerateError(grpc.StatusCode.CANCELLED, CLOSED)
             index = order[attempt]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if attempt + 1 < len(order) and not await connects(self._channels[index], left):
@@ -257,9 +264,7 @@ class Client:
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
                     raise
-                raise GenerateError(
-                    grpc.StatusCode.CANCELLED, "the client was closed while the stream ran"
-                ) from None
+                raise GenerateError(grpc.StatusCode.CANCELLED, CLOSED) from None
             except grpc.aio.AioRpcError as exc:
                 if finished:  # only the final status was lost (the router died after it)
                     return
@@ -313,13 +318,7 @@ class Client:
         stop: str | Sequence[str] = (),
     ) -> Result:
         """The whole answer to a chat, with timings (`api_key`, `stop`: as in `generate`)."""
-        start = time.perf_counter()
-        text: list[str] = []
-        tokens: list[int] = []
-        times: list[float] = []
-        stats = dict.fromkeys(("prompt", "cached", "pulled", "reused"), 0)
-        finish = None
-        async for chunk in self.generate(
+        stream = self.generate(
             messages,
             sampling,
             timeout_s=timeout_s,
@@ -327,28 +326,8 @@ class Client:
             cache_salt=cache_salt,
             api_key=api_key,
             stop=stop,
-        ):
-            if chunk.token_ids:
-                times.append(time.perf_counter() - start)
-            text.append(chunk.text)
-            tokens.extend(chunk.token_ids)
-            stats["prompt"] = stats["prompt"] or chunk.prompt_tokens
-            stats["cached"] = stats["cached"] or chunk.cached_tokens
-            stats["pulled"] = stats["pulled"] or chunk.blocks_pulled
-            stats["reused"] = stats["reused"] or chunk.blocks_reused
-            finish = chunk.finish_reason or finish
-        return Result(
-            text="".join(text),
-            token_ids=tokens,
-            finish_reason=finish,
-            prompt_tokens=stats["prompt"],
-            cached_tokens=stats["cached"],
-            blocks_pulled=stats["pulled"],
-            blocks_reused=stats["reused"],
-            ttft_s=times[0] if times else float("nan"),
-            token_times_s=times,
-            total_s=time.perf_counter() - start,
         )
+        return await collected(stream)
 
     async def status(self, *, timeout_s: float = 10.0) -> admin_service_pb2.StatusResponse:
         """The router's AdminService.Status (every worker with its last load); needs an

@@ -50,10 +50,11 @@ def build_request(
     part that cannot be sent; a file, or the whole request, past `max_bytes` (the gRPC
     message size limit) among them."""
     stops = ([stop] if stop else []) if isinstance(stop, str) else stop
-    if not isinstance(stops, list | tuple) or not all(isinstance(t, str) for t in stops):
+    if isinstance(stops, bytes | Mapping) or not isinstance(stops, Iterable):
         raise ValueError(f"stop: expected a string or a list of strings, got {stop!r:.60}")
+    stops = list(stops)
     request = router_service_pb2.GenerateRequest(
-        request_id=_text(request_id, "request_id") or uuid.uuid4().hex,
+        request_id=_text(request_id or "", "request_id") or uuid.uuid4().hex,
         sampling=sampling_to_proto(sampling or SamplingParams()),
         stop=[_text(t, f"stop[{k}]") for k, t in enumerate(stops)],
     )
@@ -76,8 +77,8 @@ def build_request(
                 f"messages[{i}].content: expected a string or a list of parts, got a "
                 f"{type(content).__name__}"
             )
-        for j, part in enumerate(content or ()):
-            _add_part(out, part, f"messages[{i}].content[{j}]", max_bytes)
+        for j, part in enumerate(content or ()):  # each within what the others left
+            _add_part(out, part, f"messages[{i}].content[{j}]", max_bytes - request.ByteSize())
     size = request.ByteSize()
     if size > max_bytes:
         raise ValueError(f"messages: the request takes {_mib(size)}, {_past(max_bytes)}")
@@ -125,14 +126,6 @@ def video_input(
             source = _read(path, f"{where}.video", max_bytes)
         else:
             raise ValueError(f"{where}.video: no such file or folder: {path}")
-    shape = getattr(source, "shape", None)  # an array: (T, H, W, C) only
-    if shape is not None and len(shape) != 4:
-        raise ValueError(f"{where}.video: a video array must be (T, H, W, C), got {shape}")
-    if shape is None and not isinstance(source, bytes | bytearray | memoryview | list | tuple):
-        raise ValueError(
-            f"{where}.video: expected a file (a path or its bytes), a folder or list of frames "
-            f"or a (T, H, W, C) array, got a {type(source).__name__}"
-        )
     if isinstance(source, bytes | bytearray | memoryview):
         rate = 0.0 if fps is None else _rate(fps, f"{where}.fps")
         if not rate >= 0:
@@ -140,6 +133,24 @@ def video_input(
         if len(source) == 0:
             raise ValueError(f"{where}.video: the video file is empty")
         return router_service_pb2.VideoInput(file=bytes(source), fps=rate)
+    shape = getattr(source, "shape", None)  # an array: (T, H, W, C) only
+    if shape is not None and len(shape) != 4:
+        raise ValueError(
+            f"{where}.video: a video array must be (T, H, W, C) (a grey one (T, H, W, 1)), "
+            f"got {shape}"
+        )
+    if shape is None and not isinstance(source, list | tuple):
+        raise ValueError(
+            f"{where}.video: expected a file (a path or its bytes), a folder or list of frames "
+            f"or a (T, H, W, C) array, got a {type(source).__name__}"
+        )
+    files = [Path(f) for f in source if isinstance(f, str | Path)] if shape is None else []
+    if files:  # frame files: their sizes together first, none read before
+        size = sum(_size(f, f"{where}.video") for f in files)
+        if size > max_bytes:
+            raise ValueError(
+                f"{where}.video: {len(files)} frame files take {_mib(size)}, {_past(max_bytes)}"
+            )
     if fps is None or not _rate(fps, f"{where}.fps") > 0:
         raise ValueError(f"{where}.fps: a video needs a positive fps, got {fps!r}")
     if source is None or len(source) == 0:
@@ -210,11 +221,18 @@ def _text(value: Any, where: str) -> str:
 def _read(path: Path, where: str, max_bytes: int) -> bytes:
     """A file's bytes; ValueError naming `where` when it cannot be read or is past
     `max_bytes` (found from its size, before it is read)."""
+    size = _size(path, where)
+    if size > max_bytes:
+        raise ValueError(f"{where}: {path} takes {_mib(size)}, {_past(max_bytes)}")
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise ValueError(f"{where}: {path} takes {_mib(size)}, {_past(max_bytes)}")
         return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _size(path: Path, where: str) -> int:
+    try:
+        return path.stat().st_size
     except OSError as exc:
         raise ValueError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
 
@@ -224,7 +242,7 @@ def _mib(size: int) -> str:
 
 
 def _past(max_bytes: int) -> str:
-    return f"more than a request may ({_mib(max_bytes)}, the client's max_message_mb)"
+    return f"more than the {_mib(max_bytes)} the request has left of max_message_mb"
 
 
 def _data_url(value: Any, where: str) -> bytes:

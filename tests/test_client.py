@@ -223,12 +223,20 @@ def test_a_file_past_the_message_limit_is_refused_before_it_is_read(tmp_path):
     image = [{"role": "user", "content": [{"type": "image", "image": big}]}]
     with pytest.raises(ValueError, match=r"content\[0\]\.image: .*3\.0 MiB"):
         build_request(image, max_bytes=2 << 20)
-    # Parts under the limit whose sum is past it: the request, before gRPC says it.
+    # Parts under the limit whose sum is past it: the first part past what is left, unread;
+    # a frames folder by the sum of its files.
     half = tmp_path / "half.png"
     half.write_bytes(b"x" * (3 << 19))
     two = [{"role": "user", "content": [{"type": "image", "image": half}] * 2}]
-    with pytest.raises(ValueError, match=r"messages: the request takes 3\.0 MiB"):
+    with pytest.raises(ValueError, match=r"content\[1\]\.image: .*1\.5 MiB, more than the 0\.5"):
         build_request(two, max_bytes=2 << 20)
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for k in range(3):
+        (frames / f"{k}.png").write_bytes(b"x" * (3 << 19))
+    video = [{"role": "user", "content": [{"type": "video", "video": str(frames), "fps": 1}]}]
+    with pytest.raises(ValueError, match=r"\.video: 3 frame files take 4\.5 MiB"):
+        build_request(video, max_bytes=2 << 20)
 
 
 @pytest.mark.parametrize(
@@ -291,3 +299,23 @@ def test_a_key_file_no_header_can_carry_or_a_ca_file_unread_is_named(tmp_path, m
     key.write_bytes(b"good-key\n")
     with pytest.raises(ValueError, match=r"tls_ca_file: cannot read /nope\.pem"):
         Client("127.0.0.1:1", tls_ca_file="/nope.pem")
+
+
+def test_inputs_taken_before_are_still_taken():
+    # Own-fix review 3: the new checks refused a video file given as a memoryview, a request
+    # id of None, stop strings as any iterable, and a key file that begins with a BOM.
+    video = {"type": "video", "video": memoryview(b"\x00\x00\x00\x18ftypmp42"), "fps": 1}
+    request = build_request([{"role": "user", "content": [video]}], request_id=None, stop={"a"})
+    assert request.messages[0].content[0].video.file.startswith(b"\x00") and request.request_id
+    assert list(build_request([{"role": "user", "content": "hi"}], stop=iter(["x"])).stop) == ["x"]
+
+
+def test_a_key_file_saved_with_a_bom_is_read(tmp_path, monkeypatch):
+    from common.settings.api_keys import default_api_key
+
+    monkeypatch.setenv("EPD_HOME", str(tmp_path))
+    monkeypatch.delenv("EPD_API_KEY", raising=False)
+    monkeypatch.delenv("EPD_NAMESPACE", raising=False)
+    (tmp_path / "epd").mkdir()
+    (tmp_path / "epd" / "client_key").write_bytes(b"\xef\xbb\xbfthe-key\r\n")
+    assert default_api_key() == "the-key"

@@ -213,3 +213,22 @@ async def test_an_empty_tls_ca_file_is_plaintext(serve: Any) -> None:
     address = await serve(FakeRouter([chunk([5], "hi", last=True)]))
     async with Client(address, api_key="k", tls_ca_file="") as client:
         assert (await client.generate_text(CHAT, SamplingParams(max_tokens=1))).text == "hi"
+
+
+async def test_closing_the_client_while_a_stream_waits_to_send_again_ends_it(serve: Any) -> None:
+    # A stream waiting out a refusal's back-off reopened the channels close() had closed,
+    # sent again and finished (own-fix review 3).
+    busy = BusyOnce([chunk([5], "hi", last=True)])
+    client = Client([await serve(busy)], api_key="k", max_retries=3)
+
+    async def read() -> None:
+        await client.generate_text(CHAT, SamplingParams(max_tokens=1))
+
+    task = asyncio.create_task(read())
+    async with asyncio.timeout(10):
+        while not busy.refused:
+            await asyncio.sleep(0.005)
+    await client.close()
+    with pytest.raises(GenerateError, match="client was closed"):
+        await task
+    assert busy.resumed == [[]]  # not sent again

@@ -166,7 +166,7 @@ def default_api_key(kind: str = CLIENT_KEY_FILE) -> str | None:
         return env
     path = key_file(kind)
     try:
-        key = path.read_bytes().decode().strip()
+        key = path.read_bytes().decode("utf-8-sig").strip()  # a BOM (Notepad) is no key
     except OSError:
         return None
     except UnicodeDecodeError:
