@@ -144,6 +144,7 @@ class EncodeStage:
         model = self.calls.registry.expected_model
         if self.embeddings is None or model is None:
             return {}, {}
+        model += f"/{self.calls.registry.dtype_now()}"  # another dtype's rows are others
         kept: dict[int, multimodal_pb2.ItemEmbedding] = {}
         keys: dict[int, bytes] = {}
         for i in items:

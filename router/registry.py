@@ -72,6 +72,7 @@ from router.workers import (
     check_dtype,
     check_layout,
     rendezvous_weight,
+    said_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,6 @@ class Registry:
         self.checkpoint_shape = checkpoint_shape
         self.refusals = Refusals(clock)  # worker address -> why Register refused it
         self.reference_layout: KvLayout | None = None  # first registered KV layout
-        self.dtype: str | None = None  # the deployment's (`check_dtype`): the first one said
         self.clock = clock  # the registry's time (time.monotonic; tests pass a fake)
         self._workers: dict[str, WorkerRecord] = {}
         # (role, name) -> address and instance id of the one last dropped for a namesake
@@ -153,8 +153,7 @@ class Registry:
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
             layout = layout_from_proto(info.kv_layout)
             check_layout(role, info.address, layout, self.checkpoint_shape, self.reference_layout)
-        dtype = info.dtype or (layout.dtype_name if layout is not None else "")
-        check_dtype(role, info.address, dtype, self.dtype)
+        check_dtype(role, info.address, said_dtype(info, layout), self.dtype_now(info.address))
         moved = [w for w in self._workers.values() if info.name and w.name == info.name]
         namesakes = [w for w in moved if w.role == role and w.address != info.address]
         dropped = self._replaced.get((role, info.name))
@@ -197,7 +196,6 @@ class Registry:
             logger.info("adopted model identity %r from %s", info.model, info.address)
         if layout is not None and self.reference_layout is None:
             self.reference_layout = layout
-        self.dtype = self.dtype or dtype or None
         record = WorkerRecord(
             worker_id=uuid.uuid4().hex,
             role=role,
@@ -215,6 +213,15 @@ class Registry:
         for listener in self.on_register:
             listener(record)
         return record
+
+    def dtype_now(self, besides: str = "") -> str | None:
+        """The deployment's dtype (`check_dtype`): the live workers' (but the one at
+        `besides`), else the first KV layout's (kept, as that layout), else None."""
+        cutoff = self._cutoff()
+        for w in self._workers.values():
+            if w.address != besides and w.last_seen >= cutoff and said_dtype(w.info, w.layout):
+                return said_dtype(w.info, w.layout)
+        return self.reference_layout.dtype_name if self.reference_layout else None
 
     def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         """Refresh a worker's liveness and load; False when the id is unknown."""

@@ -79,16 +79,22 @@ def rendezvous_weight(key: bytes, name: str) -> int:
     return int.from_bytes(digest.digest(), "big")
 
 
+def said_dtype(info: registry_service_pb2.WorkerInfo, layout: KvLayout | None) -> str:
+    """The dtype a worker computes in, as it registered ("": an older encoder's, unsaid)."""
+    return info.dtype or (layout.dtype_name if layout is not None else "")
+
+
 def check_dtype(role: Role, address: str, dtype: str, deployment: str | None) -> None:
-    """RegistrationRefused unless a worker computes in the deployment's dtype (adopted from
-    the first worker to say one; "" and None: not compared). An encoder's embeddings, and
-    the KV computed from them, differ by dtype, and the prefix caches key KV by the KV
-    workers' dtype only: encoders in float32 and in bfloat16 gave one request two answers,
-    and whichever came first was cached for both (configs review, s32)."""
+    """RegistrationRefused unless a worker computes in the deployment's dtype
+    (`Registry.dtype_now`; "" and None: not compared). An encoder's embeddings, and the KV
+    computed from them, differ by dtype, and the prefix caches key KV by the KV workers'
+    dtype only: encoders in float32 and in bfloat16 gave one request two answers, and
+    whichever came first was cached for both (configs review, s32)."""
     if dtype and deployment and dtype != deployment:
         raise RegistrationRefused(
             f"{role} worker {address} computes in {dtype}; this deployment's workers compute "
-            f"in {deployment} (every encoder, prefill and decode worker must use one dtype)"
+            f"in {deployment} (every encoder, prefill and decode worker must use one dtype; "
+            "a router keeps its first KV worker's until it restarts)"
         )
 
 

@@ -66,3 +66,24 @@ def test_the_budget_drops_the_least_recently_used() -> None:
     assert cache.put(c, embedding())
     assert cache.get(b, 0) is None and cache.get(a, 0) is not None
     assert not cache.put(cache.key(HASH, None, "m"), embedding(nbytes=1024))  # over budget
+
+
+def test_the_router_keys_kept_outputs_by_the_deployments_dtype_too() -> None:
+    # A deployment whose workers all left and came back in another dtype (one dtype a
+    # deployment, `Registry.dtype_now`) must not be given the other dtype's kept rows.
+    from types import SimpleNamespace
+
+    from router.encode import EncodeStage
+
+    registry = SimpleNamespace(expected_model="m", dtype_now=lambda: "float32")
+    stage = EncodeStage(SimpleNamespace(registry=registry), None, 1 << 20, 2, 1 << 20)  # type: ignore[arg-type]
+    job = SimpleNamespace(
+        cache_salt=None,
+        prompt=SimpleNamespace(params=SimpleNamespace(items=[SimpleNamespace(content_hash=HASH)])),
+    )
+    kept, keys = stage._kept(job, [0], {})  # type: ignore[arg-type]
+    assert not kept
+    assert stage.embeddings is not None and stage.embeddings.put(keys[0], embedding())
+    assert 0 in stage._kept(job, [0], {})[0]  # type: ignore[arg-type]
+    registry.dtype_now = lambda: "bfloat16"
+    assert stage._kept(job, [0], {}) == ({}, {0: EmbeddingCache.key(HASH, None, "m/bfloat16")})  # type: ignore[arg-type]

@@ -78,6 +78,21 @@ def test_every_worker_computes_in_the_deployments_dtype(clock: Clock) -> None:
     assert {w.address for w in registry.workers()} == {"127.0.0.1:1", "127.0.0.1:4", "127.0.0.1:5"}
 
 
+def test_a_stray_encoders_dtype_goes_with_it(clock: Clock) -> None:
+    # The first dtype said was kept for the router's life: one stray encoder of another
+    # dtype, gone since, kept every rightly configured worker out (own-fix review 3).
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=clock)
+    registry.register(info(Role.ENCODER, 1, dtype="bfloat16"))
+    clock.now += 10  # it stopped heartbeating
+    registry.register(info(Role.PREFILL, 2))  # float32, as the deployment is meant to be
+    registry.register(info(Role.ENCODER, 3, dtype="float32"))
+    assert registry.dtype_now() == "float32"
+    # A KV layout is kept for the router's life, and its dtype with it.
+    clock.now += 10
+    with pytest.raises(RegistrationRefused, match="keeps its first KV worker's until it restarts"):
+        registry.register(info(Role.ENCODER, 4, dtype="bfloat16"))
+
+
 def test_a_kv_layout_refusal_names_the_dtype(registry: Registry) -> None:
     registry.register(info(Role.PREFILL, 2))
     bf16 = layout(dtype=tensor_pb2.ELEMENT_TYPE_BFLOAT16, block_bytes=4096)
