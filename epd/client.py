@@ -235,7 +235,11 @@ class Client:
                 raise GenerateError(grpc.StatusCode.CANCELLED, CLOSED)
             index = order[attempt]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if attempt + 1 < len(order) and not await connects(self._channels[index], left):
+            try:
+                gone = attempt + 1 < len(order) and not await connects(self._channels[index], left)
+            except grpc.aio.UsageError:  # "Channel is closed": close() while it connected
+                raise GenerateError(grpc.StatusCode.CANCELLED, CLOSED) from None
+            if gone:
                 failures.append(f"{self.addresses[index]}: did not connect in {CONNECT_S:g} s")
                 self.resumes += bool(received)
                 self.retries += not received

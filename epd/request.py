@@ -49,12 +49,13 @@ def build_request(
     strings ending the answer (not included), as OpenAI's ("": none). ValueError naming the
     part that cannot be sent; a file, or the whole request, past `max_bytes` (the gRPC
     message size limit) among them."""
-    stops = ([stop] if stop else []) if isinstance(stop, str) else stop
+    stops = ([stop] if stop else []) if isinstance(stop, str) or stop is None else stop
     if isinstance(stops, bytes | Mapping) or not isinstance(stops, Iterable):
         raise ValueError(f"stop: expected a string or a list of strings, got {stop!r:.60}")
     stops = list(stops)
     request = router_service_pb2.GenerateRequest(
-        request_id=_text(request_id or "", "request_id") or uuid.uuid4().hex,
+        request_id=_text("" if request_id is None else request_id, "request_id")
+        or uuid.uuid4().hex,
         sampling=sampling_to_proto(sampling or SamplingParams()),
         stop=[_text(t, f"stop[{k}]") for k, t in enumerate(stops)],
     )
@@ -62,6 +63,7 @@ def build_request(
         request.cache_salt = _text(cache_salt, "cache_salt")
     if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Iterable):
         raise ValueError(f"messages: expected a list of messages, got a {type(messages).__name__}")
+    used = 0  # bytes of the parts so far (one ByteSize a request, not one a part: quadratic)
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ValueError(f"messages[{i}]: expected a message (a dict), got {message!r:.60}")
@@ -78,7 +80,8 @@ def build_request(
                 f"{type(content).__name__}"
             )
         for j, part in enumerate(content or ()):  # each within what the others left
-            _add_part(out, part, f"messages[{i}].content[{j}]", max_bytes - request.ByteSize())
+            _add_part(out, part, f"messages[{i}].content[{j}]", max_bytes - used)
+            used += out.content[-1].ByteSize()
     size = request.ByteSize()
     if size > max_bytes:
         raise ValueError(f"messages: the request takes {_mib(size)}, {_past(max_bytes)}")
@@ -241,8 +244,10 @@ def _mib(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB"
 
 
-def _past(max_bytes: int) -> str:
-    return f"more than the {_mib(max_bytes)} the request has left of max_message_mb"
+def _past(left: int) -> str:
+    if left <= 0:
+        return "and the parts before it take all of the request's max_message_mb"
+    return f"more than the {_mib(left)} the request has left of max_message_mb"
 
 
 def _data_url(value: Any, where: str) -> bytes:

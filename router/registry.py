@@ -215,11 +215,11 @@ class Registry:
         return record
 
     def dtype_now(self, besides: str = "") -> str | None:
-        """The deployment's dtype (`check_dtype`): the live workers' (but the one at
-        `besides`), else the first KV layout's (kept, as that layout), else None."""
-        cutoff = self._cutoff()
+        """The deployment's dtype (`check_dtype`): the registered workers' (but the one at
+        `besides`; a silent one until `expire` drops it, as a heartbeat may revive it),
+        else the first KV layout's (kept, as that layout), else None."""
         for w in self._workers.values():
-            if w.address != besides and w.last_seen >= cutoff and said_dtype(w.info, w.layout):
+            if w.address != besides and said_dtype(w.info, w.layout):
                 return said_dtype(w.info, w.layout)
         return self.reference_layout.dtype_name if self.reference_layout else None
 

@@ -308,6 +308,9 @@ def test_inputs_taken_before_are_still_taken():
     request = build_request([{"role": "user", "content": [video]}], request_id=None, stop={"a"})
     assert request.messages[0].content[0].video.file.startswith(b"\x00") and request.request_id
     assert list(build_request([{"role": "user", "content": "hi"}], stop=iter(["x"])).stop) == ["x"]
+    assert list(build_request([{"role": "user", "content": "hi"}], stop=None).stop) == []
+    with pytest.raises(ValueError, match="request_id: expected a string"):
+        build_request([{"role": "user", "content": "hi"}], request_id=0)  # not a random id
 
 
 def test_a_key_file_saved_with_a_bom_is_read(tmp_path, monkeypatch):

@@ -232,3 +232,27 @@ async def test_closing_the_client_while_a_stream_waits_to_send_again_ends_it(ser
     with pytest.raises(GenerateError, match="client was closed"):
         await task
     assert busy.resumed == [[]]  # not sent again
+
+
+async def test_closing_the_client_while_a_stream_connects_ends_it(serve: Any) -> None:
+    # close() while the stream waited for its first router to connect: gRPC's bare
+    # UsageError "Channel is closed", not GenerateError (own-fix review 4).
+    good = FakeRouter([chunk([5], "hi", last=True)])
+    held: list[Any] = []
+
+    async def hold(reader: Any, writer: Any) -> None:  # accepts, never speaks HTTP/2
+        held.append(writer)
+        await asyncio.sleep(30)
+
+    hole = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = hole.sockets[0].getsockname()[1]
+    client = Client([f"127.0.0.1:{port}", await serve(good)], api_key="k")
+    task = asyncio.create_task(client.generate_text(CHAT, SamplingParams(max_tokens=1)))
+    async with asyncio.timeout(10):
+        while not held:
+            await asyncio.sleep(0.01)
+    await client.close()
+    with pytest.raises(GenerateError, match="client was closed"):
+        await task
+    assert good.resumed == []
+    hole.close()

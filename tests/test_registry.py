@@ -83,12 +83,16 @@ def test_a_stray_encoders_dtype_goes_with_it(clock: Clock) -> None:
     # dtype, gone since, kept every rightly configured worker out (own-fix review 3).
     registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=clock)
     registry.register(info(Role.ENCODER, 1, dtype="bfloat16"))
-    clock.now += 10  # it stopped heartbeating
+    clock.now += 10  # it stopped heartbeating: kept out only while it is registered (a
+    with pytest.raises(RegistrationRefused):  # heartbeat would revive it), until expired
+        registry.register(info(Role.PREFILL, 2))
+    registry.expire()
     registry.register(info(Role.PREFILL, 2))  # float32, as the deployment is meant to be
     registry.register(info(Role.ENCODER, 3, dtype="float32"))
     assert registry.dtype_now() == "float32"
     # A KV layout is kept for the router's life, and its dtype with it.
     clock.now += 10
+    registry.expire()
     with pytest.raises(RegistrationRefused, match="keeps its first KV worker's until it restarts"):
         registry.register(info(Role.ENCODER, 4, dtype="bfloat16"))
 
