@@ -73,6 +73,7 @@ def build_request(
         content = message.get("content")
         if isinstance(content, str):
             out.content.add(text=_text(content, f"messages[{i}].content"))
+            used += out.content[-1].ByteSize()
             continue
         if content is not None and not isinstance(content, list | tuple):
             raise ValueError(
@@ -84,7 +85,10 @@ def build_request(
             used += out.content[-1].ByteSize()
     size = request.ByteSize()
     if size > max_bytes:
-        raise ValueError(f"messages: the request takes {_mib(size)}, {_past(max_bytes)}")
+        limit = _mib(max_bytes)
+        raise ValueError(
+            f"messages: the request takes {_mib(size)}, more than max_message_mb ({limit})"
+        )
     return request
 
 

@@ -26,7 +26,7 @@ import grpc
 from common.address import without_addresses
 from common.errors import DECODE_STEP_FAILED
 from common.handoff import EMBEDDINGS_LOST
-from common.kv.block_pool import pool_full
+from common.kv.block_pool import WHOLE_POOL, pool_full
 from common.processing.processor import ProcessedPrompt
 from common.roles import Role
 from common.sampling import SamplingParams
@@ -225,10 +225,11 @@ class WorkerCalls:
             said = said.replace(named, f"the {worker.role} worker")  # ("a worker prefill ...")
         details = without_addresses(said)
         logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
+        error: RouterError = RouterError(code, f"{stage} failed: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and pool_full(said):  # blocks in use now
-            error: RouterError = Refused(f"{stage} failed: {details}", POOL_FULL_RETRY_S)
-        else:
-            error = RouterError(code, f"{stage} failed: {details}")
+            error = Refused(f"{stage} failed: {details}", POOL_FULL_RETRY_S)
+        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # never fits (HTTP: 400, not a 429)
+            error = TooLarge(f"{stage} failed: {details}", context=WHOLE_POOL in said)
         error.address = worker.address
         error.stage = stage
         return error

@@ -237,6 +237,11 @@ def test_a_file_past_the_message_limit_is_refused_before_it_is_read(tmp_path):
     video = [{"role": "user", "content": [{"type": "video", "video": str(frames), "fps": 1}]}]
     with pytest.raises(ValueError, match=r"\.video: 3 frame files take 4\.5 MiB"):
         build_request(video, max_bytes=2 << 20)
+    # A message of plain text counts too (own-fix review 5: it was skipped).
+    text_first = [{"role": "user", "content": "x" * (1 << 20)}, image[0]]
+    text_first[1] = {"role": "user", "content": [{"type": "image", "image": half}]}
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\]\.image: .*1\.5 MiB"):
+        build_request(text_first, max_bytes=2 << 20)
 
 
 @pytest.mark.parametrize(

@@ -392,6 +392,7 @@ def test_a_workers_full_kv_pool_is_passed_on_with_a_back_off_hint() -> None:
 
     from common.kv.block_pool import KV_POOL_FULL, PoolTooSmallError
     from router.calls import WorkerCalls
+    from router.http.errors import api_error
     from router.registry import Registry
     from tests.registry_helpers import Clock, info
 
@@ -410,4 +411,6 @@ def test_a_workers_full_kv_pool_is_passed_on_with_a_back_off_hint() -> None:
         exc = grpc.aio.AioRpcError(
             grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), never
         )
-        assert WorkerCalls(registry).error("decode", worker, exc).trailing_metadata == ()
+        error = WorkerCalls(registry).error("decode", worker, exc)
+        # for good: the HTTP API's 400, not a 429 the openai client would send again
+        assert error.trailing_metadata == () and api_error(error).status == 400

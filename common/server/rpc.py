@@ -30,7 +30,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from common.errors import FieldError
-from common.kv.block_pool import KV_POOL_FULL, NoFreeBlocksError
+from common.kv.block_pool import KV_POOL_FULL, NoFreeBlocksError, PoolTooSmallError
 from common.server.auth import Authenticator, AuthInterceptor
 from common.server.bind import bind_error
 from common.server.corrupt import CorruptRequests
@@ -252,13 +252,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
     RpcStatusError → its code; FieldError (MultimodalLayoutError is one) / SettingsError /
     ValueError → INVALID_ARGUMENT (the message names the field); NoFreeBlocksError →
-    RESOURCE_EXHAUSTED, its details opening with `KV_POOL_FULL`; TimeoutError →
+    RESOURCE_EXHAUSTED, its details opening with `KV_POOL_FULL` (not `PoolTooSmallError`'s,
+    which never fits); TimeoutError →
     DEADLINE_EXCEEDED; anything else → INTERNAL.
     """
     if isinstance(exc, RpcStatusError):
         return exc.code, exc.details
     if isinstance(exc, FieldError | SettingsError | ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, PoolTooSmallError):  # never fits this worker: not "full" for now
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, NoFreeBlocksError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{KV_POOL_FULL}: {exc}"
     if isinstance(exc, TimeoutError):
