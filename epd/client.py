@@ -28,7 +28,7 @@ importable from here too.
 
 Several routers: `Client(["host1:50051", "host2:50051"])` (or one string "a,b", as
 $EPD_ROUTER may hold) spreads requests over them, each request starting on the next router
-in turn. A stream that fails with UNAVAILABLE (the router died, drains or cannot be reached;
+in turn (one that did not connect within the last `DOWN_S` last). A stream that fails with UNAVAILABLE (the router died, drains or cannot be reached;
 one not connected within `CONNECT_S` while others are left counts so) goes on at the next
 router, once at each: from the start if nothing had come, else resumed after the tokens
 received (`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed.
@@ -92,6 +92,7 @@ __all__ = [
 
 
 CLOSED = "the client was closed while the stream ran"
+DOWN_S = 30.0  # a router that did not connect is tried last for this long
 
 
 class Client:
@@ -143,6 +144,7 @@ class Client:
         self._stubs: list[router_service_pb2_grpc.RouterServiceStub] = []
         self._turn = 0  # the router the next request starts on
         self._closes = 0  # `close` calls
+        self._down_until: dict[int, float] = {}  # router index -> put last until then
         self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
         self.resumes = 0  # streams resumed on another router after their router failed
         self.busy_retries = 0  # requests sent again after a RESOURCE_EXHAUSTED's wait
@@ -184,10 +186,14 @@ class Client:
         self._opened = None
 
     def _order(self) -> list[int]:
-        """Router indices for the next request: the next router in turn, then the rest."""
+        """Router indices for the next request: the next router in turn, then the rest; a
+        router that did not connect within the last `DOWN_S` goes last (a black-holed one
+        cost every other request its `CONNECT_S`; client review)."""
         start, n = self._turn, len(self._routers)
         self._turn = (start + 1) % n
-        return [(start + k) % n for k in range(n)]
+        now = time.monotonic()
+        turn = [(start + k) % n for k in range(n)]
+        return sorted(turn, key=lambda i: self._down_until.get(i, 0.0) > now)
 
     async def generate(
         self,
@@ -241,6 +247,7 @@ class Client:
                 raise GenerateError(grpc.StatusCode.CANCELLED, CLOSED) from None
             if gone:
                 failures.append(f"{self.addresses[index]}: did not connect in {CONNECT_S:g} s")
+                self._down_until[index] = time.monotonic() + DOWN_S
                 self.resumes += bool(received)
                 self.retries += not received
                 attempt += 1

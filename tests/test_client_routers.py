@@ -256,3 +256,22 @@ async def test_closing_the_client_while_a_stream_connects_ends_it(serve: Any) ->
         await task
     assert good.resumed == []
     hole.close()
+
+
+async def test_a_router_that_did_not_connect_is_tried_last_for_a_while(
+    serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A black-holed router in the list cost every other request (the ones starting on it)
+    # its whole connect wait, for as long as the Client lived (client review).
+    import epd.routers
+
+    monkeypatch.setattr(epd.routers, "CONNECT_S", 0.3)
+    good = FakeRouter([chunk([5], "hi", last=True)])
+    hole = await asyncio.start_server(lambda r, w: asyncio.sleep(30), "127.0.0.1", 0)
+    port = hole.sockets[0].getsockname()[1]
+    async with Client([f"127.0.0.1:{port}", await serve(good)], api_key="k") as client:
+        for _ in range(4):  # requests 1 and 3 start on the black hole in turn
+            result = await client.generate_text(CHAT, SamplingParams(max_tokens=1))
+            assert result.text == "hi"
+        assert client.retries == 1  # only the first waited for it
+    hole.close()
