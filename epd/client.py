@@ -28,10 +28,11 @@ importable from here too.
 
 Several routers: `Client(["host1:50051", "host2:50051"])` (or one string "a,b", as
 $EPD_ROUTER may hold) spreads requests over them, each request starting on the next router
-in turn (one that did not connect within the last `DOWN_S` last). A stream that fails with UNAVAILABLE (the router died, drains or cannot be reached;
-one not connected within `CONNECT_S` while others are left counts so) goes on at the next
-router, once at each: from the start if nothing had come, else resumed after the tokens
-received (`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed.
+in turn (one that did not connect within the last `DOWN_S` last). A stream that fails with
+UNAVAILABLE (the router died, drains or cannot be reached; one not connected within
+`CONNECT_S` while others are left counts so) goes on at the next router, once at each:
+from the start if nothing had come, else resumed after the tokens received
+(`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed.
 When no router is left, `GenerateError` says which were tried. A stream that fails after
 its last chunk (the one with a finish reason) is not sent again: the caller has it whole.
 
