@@ -230,8 +230,10 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     tenant=caller.tenant,
                 )
                 await self.returns.wait(needed(bool(prompt.params.items)), deadline)
-                detok = IncrementalDetokenizer.of_answer(self.processor, sampling, resumed)
-                answer = stop_at(self.orchestrator.run(job), request.stop, detok)
+                answer = self.orchestrator.run(job)
+                if request.stop:  # its own detokenizer, made only when there is a stop string
+                    detok = IncrementalDetokenizer.of_answer(self.processor, sampling, resumed)
+                    answer = stop_at(answer, request.stop, detok)
                 async for chunk in self.orchestrator.metrics.track(answer, outcome.started):
                     yield chunk
 

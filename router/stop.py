@@ -73,13 +73,9 @@ async def stop_at(
     stops: Sequence[str],
     detok: IncrementalDetokenizer,
 ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
-    """`chunks` cut at the first stop string (the module docstring); unchanged without any.
+    """`chunks` cut at the first of `stops` (some; the module docstring).
     `detok`: a detokenizer of its own for the answer, past the tokens a resumed stream's
     client has (`IncrementalDetokenizer.skip`), as the orchestrator's is."""
-    if not stops:
-        async for chunk in chunks:
-            yield chunk
-        return
     cutter = StopStrings(stops)
     try:
         async for chunk in chunks:

@@ -30,7 +30,7 @@ import asyncio
 import inspect
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import grpc
@@ -93,7 +93,7 @@ class OpenCallLimits(grpc.aio.ServerInterceptor):
     ) -> None:
         source = source_of(context.peer() or "")
         streaming = handler.response_streaming or handler.request_streaming
-        with self._counted(self.streams, source) if streaming else _nothing():
+        with self._counted(self.streams, source) if streaming else nullcontext():
             if streaming and self.streams[source] > self.streams_per_source:
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -180,8 +180,3 @@ class OpenCallLimits(grpc.aio.ServerInterceptor):
             counts[source] -= 1
             if counts[source] <= 0:
                 del counts[source]
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
