@@ -15,6 +15,7 @@ from common.roles import Role
 from common.sampling import SamplingParams
 from epd.client import GenerateError
 from epd.v1 import decode_service_pb2
+from router.calls import RouterError
 from tests import test_router
 from tests.test_router import (
     FIRST,
@@ -364,9 +365,9 @@ def test_no_address_reaches_a_client_in_a_workers_error() -> None:
         assert "a worker" in cleaned and "50062" not in cleaned and "prefill" not in cleaned
 
 
-def test_a_failed_calls_error_names_the_worker_once() -> None:
-    # gRPC names the address it dialled as "ipv4:host:port": the error read "a worker
-    # prefill worker" (kill review).
+def worker_error(role: Role, code: grpc.StatusCode, said: str) -> RouterError:
+    """The client-facing error `WorkerCalls.error` makes of a `role` worker's call that
+    failed with `code` and details `said` (the worker's address is in `said` as {address})."""
     from grpc.aio import Metadata
 
     from router.calls import WorkerCalls
@@ -374,10 +375,16 @@ def test_a_failed_calls_error_names_the_worker_once() -> None:
     from tests.registry_helpers import Clock, info
 
     registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=Clock())
-    worker = registry.register(info(Role.PREFILL, 7))
-    said = f"failed to connect to all addresses; last error: UNKNOWN: ipv4:{worker.address}: x"
-    exc = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(), said)
-    error = WorkerCalls(registry).error("prefill", worker, exc)
+    worker = registry.register(info(role, 7))
+    exc = grpc.aio.AioRpcError(code, Metadata(), Metadata(), said.format(address=worker.address))
+    return WorkerCalls(registry).error(str(role), worker, exc)
+
+
+def test_a_failed_calls_error_names_the_worker_once() -> None:
+    # gRPC names the address it dialled as "ipv4:host:port": the error read "a worker
+    # prefill worker" (kill review).
+    said = "failed to connect to all addresses; last error: UNKNOWN: ipv4:{address}: x"
+    error = worker_error(Role.PREFILL, grpc.StatusCode.UNAVAILABLE, said)
     assert str(error) == (
         "prefill failed: failed to connect to all addresses; last error: UNKNOWN: "
         "the prefill worker: x"
@@ -388,19 +395,12 @@ def test_a_workers_full_kv_pool_is_passed_on_with_a_back_off_hint() -> None:
     # A decode worker's "KV pool full" (blocks in use for now) reached the client as a
     # RESOURCE_EXHAUSTED without retry-after-ms, which says "for good": epd.client did not
     # send it again, and the HTTP API answered 429 without Retry-After (multi-router review).
-    from grpc.aio import Metadata
-
     from common.kv.block_pool import KV_POOL_FULL, PoolTooSmallError
-    from router.calls import WorkerCalls
     from router.http.errors import api_error
-    from router.registry import Registry
-    from tests.registry_helpers import Clock, info
 
-    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=Clock())
-    worker = registry.register(info(Role.DECODE, 7))
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
     full = f"{KV_POOL_FULL}: wanted 26 KV blocks, only 25 free"
-    exc = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), full)
-    error = WorkerCalls(registry).error("decode", worker, exc)
+    error = worker_error(Role.DECODE, exhausted, full)
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert dict(error.trailing_metadata)["retry-after-ms"] == "1000"
     # What never fits gets no hint: a message past gRPC's limit, a request past the pool.
@@ -408,9 +408,6 @@ def test_a_workers_full_kv_pool_is_passed_on_with_a_back_off_hint() -> None:
         "Received message larger than max (300 vs. 256)",
         f"{KV_POOL_FULL}: {PoolTooSmallError(40, 32, 'sampling.max_tokens')}",
     ):
-        exc = grpc.aio.AioRpcError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(), never
-        )
-        error = WorkerCalls(registry).error("decode", worker, exc)
+        error = worker_error(Role.DECODE, exhausted, never)
         # for good: the HTTP API's 400, not a 429 the openai client would send again
         assert error.trailing_metadata == () and api_error(error).status == 400
