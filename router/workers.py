@@ -67,7 +67,8 @@ def check_layout(
         if wrong:
             raise RegistrationRefused(
                 f"{role} worker {address} has a KV layout that differs from the "
-                f"deployment's: {', '.join(wrong)}"
+                f"deployment's: {', '.join(wrong)} (every prefill and decode worker must use "
+                "one; a router keeps its first KV worker's until it restarts)"
             )
 
 

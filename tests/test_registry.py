@@ -56,7 +56,8 @@ def test_mismatch_is_refused(registry: Registry, overrides: dict, message: str) 
 
 def test_kv_layout_must_match_the_first_kv_worker(registry: Registry) -> None:
     registry.register(info(Role.PREFILL, 2))
-    with pytest.raises(RegistrationRefused, match=r"block_size=8 \(expected 16\)"):
+    refused = r"block_size=8 \(expected 16\).*keeps its first KV worker's until it restarts"
+    with pytest.raises(RegistrationRefused, match=refused):
         registry.register(info(Role.DECODE, 3, kv_layout=layout(block_size=8, block_bytes=4096)))
     registry.register(info(Role.DECODE, 4))  # a matching one is fine
     assert [w.address for w in registry.workers(Role.DECODE)] == ["127.0.0.1:4"]
