@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from common.kv.cache import KvCacheSpec
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig, VisionConfig
 from common.models.tiny import SPECIAL_TOKENS, make_tiny_checkpoint, train_tokenizer
 
@@ -40,6 +41,19 @@ def user(*parts: Any) -> list[Any]:
     (list[Any]: the openai client's typed message params take it too.)"""
     content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
     return [{"role": "user", "content": content}]
+
+
+def kv_buffer(text: TextConfig, num_blocks: int, block_size: int) -> torch.Tensor:
+    """A zeroed float32 paged KV buffer for a model of `text` (`common.kv.cache`'s layout)."""
+    spec = KvCacheSpec(
+        text.num_hidden_layers,
+        text.num_key_value_heads,
+        text.head_dim,
+        block_size,
+        torch.float32,
+        num_blocks,
+    )
+    return torch.zeros(spec.shape)
 
 
 def tiny_token_ids() -> dict[str, int]:

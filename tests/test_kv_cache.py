@@ -1,5 +1,6 @@
-"""PagedKvCache: byte layout, block addresses, scatter writes and gathers; the KvLayout
-of a cache, its wire form and its pinned root hash."""
+"""PagedKvCache: byte layout, block addresses, where a token's K/V live (`token_slots`; the
+model's own writes there: tests/test_text_model.py); the KvLayout of a cache, its wire
+form and its pinned root hash."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.kv.cache import KV_LAYOUT, KvCacheSpec, PagedKvCache, slot_ids
+from common.kv.cache import KV_LAYOUT, KvCacheSpec, PagedKvCache, token_slots
 from common.kv.layout import ELEMENT_TYPES, KvLayout, layout_root
 from common.wire.convert import element_type
 from common.wire.kv import layout_from_proto, layout_to_proto
@@ -25,14 +26,6 @@ def make_spec(
     num_blocks: int = 8,
 ) -> KvCacheSpec:
     return KvCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype, num_blocks)
-
-
-def rand_kv(n: int, spec: KvCacheSpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (n, spec.num_kv_heads, spec.head_dim)
-    return torch.randn(shape, generator=g).to(spec.dtype), torch.randn(shape, generator=g).to(
-        spec.dtype
-    )
 
 
 def test_spec_sizes_and_layout():
@@ -59,10 +52,7 @@ def test_buffer_is_one_contiguous_block_major_tensor():
     assert cache.buffer.shape == spec.shape and cache.buffer.is_contiguous()
     assert cache.buffer.device.type == "cpu"
     assert cache.buffer.numel() * cache.buffer.element_size() == spec.total_bytes
-    k, v = cache.layer_view(1)
-    assert k.shape == v.shape == (8, 4, 2, 4)
-    assert k.data_ptr() == cache.buffer[0, 1, 0].data_ptr()  # a view, not a copy
-    assert v.data_ptr() == k.data_ptr() + 4 * 2 * 4 * spec.itemsize
+    assert not cache.buffer.any()
 
 
 @pytest.mark.parametrize("block_id", [0, 3, 7])
@@ -98,96 +88,15 @@ def test_merged_descriptors_join_adjacent_ids():
         cache.block_address(8)
 
 
-def test_slot_ids_1d_and_2d():
+def test_token_slots_1d_and_2d():
     table = torch.tensor([5, 2, 7])
-    assert slot_ids(table, torch.tensor([0, 3, 4, 9]), 4).tolist() == [20, 23, 8, 29]
+    blocks, offsets = token_slots(table, torch.tensor([0, 3, 4, 9]), 4)
+    assert blocks.tolist() == [5, 5, 2, 7] and offsets.tolist() == [0, 3, 0, 1]
     tables = torch.tensor([[5, 2, 0], [1, 6, 3]])
-    assert slot_ids(tables, torch.tensor([5, 10]), 4).tolist() == [9, 14]
-
-
-@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
-@pytest.mark.parametrize("chunks", [[10], [3, 7], [1, 1, 1, 7], [4, 4, 2]])
-def test_write_then_gather_round_trips(block_size, chunks):
-    spec = make_spec(block_size=block_size, num_blocks=12)
-    cache = PagedKvCache(spec)
-    n = sum(chunks)
-    n_blocks = -(-n // block_size)
-    table = torch.randperm(12, generator=torch.Generator().manual_seed(1))[:n_blocks]
-    k, v = rand_kv(n, spec)
-    start = 0
-    for size in chunks:
-        cache.write(1, table, start, k[start : start + size], v[start : start + size])
-        start += size
-    gk, gv = cache.gather(1, table, n)
-    assert torch.equal(gk, k) and torch.equal(gv, v)
-    # Layer 0 and untouched blocks stay zero.
-    assert not cache.buffer[:, 0].any()
-    unused = sorted(set(range(12)) - set(table.tolist()))
-    assert not cache.buffer[unused].any()
-
-
-def test_write_lands_in_the_right_slot():
-    spec = make_spec()
-    cache = PagedKvCache(spec)
-    k, v = rand_kv(2, spec)
-    cache.write(0, torch.tensor([6, 3]), 3, k, v)  # positions 3 and 4
-    assert torch.equal(cache.buffer[6, 0, 0, 3], k[0])
-    assert torch.equal(cache.buffer[3, 0, 0, 0], k[1])
-    assert torch.equal(cache.buffer[3, 0, 1, 0], v[1])
-
-
-def test_write_casts_and_checks():
-    spec = make_spec(dtype=torch.bfloat16)
-    cache = PagedKvCache(spec)
-    k, v = rand_kv(3, make_spec())
-    cache.write(0, torch.tensor([1]), 0, k, v)
-    assert torch.equal(cache.gather(0, torch.tensor([1]), 3)[0], k.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="need 2"):
-        cache.write(0, torch.tensor([1]), 2, k, v)
-    with pytest.raises(ValueError, match=r"\[n, 2, 4\]"):
-        cache.write(0, torch.tensor([1]), 0, k[:, :1], v[:, :1])
-    with pytest.raises(IndexError):
-        cache.layer_view(2)
-
-
-def test_write_decode_batch_matches_per_sequence_writes():
-    spec = make_spec()
-    batched, single = PagedKvCache(spec), PagedKvCache(spec)
-    tables = torch.tensor([[1, 4], [2, 0], [7, 5]])
-    positions = torch.tensor([5, 0, 7])
-    k, v = rand_kv(3, spec)
-    batched.write_decode(1, slot_ids(tables, positions, spec.block_size), k, v)
-    for i in range(3):
-        single.write(1, tables[i], int(positions[i]), k[i : i + 1], v[i : i + 1])
-    assert torch.equal(batched.buffer, single.buffer)
-    with pytest.raises(IndexError):
-        batched.write_decode(0, torch.tensor([8 * 4]), k[:1], v[:1])
-    with pytest.raises(ValueError, match="slot ids"):
-        batched.write_decode(0, torch.tensor([1, 2]), k[:1], v[:1])
-
-
-def test_gather_batch_pads_with_block_rows():
-    spec = make_spec()
-    cache = PagedKvCache(spec)
-    k, v = rand_kv(6, spec)
-    cache.write(0, torch.tensor([3, 1]), 0, k, v)
-    cache.write(0, torch.tensor([5]), 0, k[:2], v[:2])
-    bk, bv = cache.gather_batch(0, torch.tensor([[3, 1], [5, 0]]))
-    assert bk.shape == (2, 8, 2, 4)
-    assert torch.equal(bk[0, :6], k) and torch.equal(bv[0, :6], v)
-    assert torch.equal(bk[1, :2], k[:2])
-
-
-def test_copy_block_and_copy_blocks():
-    spec = make_spec()
-    cache = PagedKvCache(spec)
-    cache.buffer.copy_(torch.randn(spec.shape))
-    before = cache.buffer.clone()
-    cache.copy_block(2, 6)
-    assert torch.equal(cache.buffer[6], before[2])
-    cache.copy_blocks([0, 1], [4, 5])
-    assert torch.equal(cache.buffer[4:6], before[0:2])
-    assert torch.equal(cache.buffer[:4], before[:4]) and torch.equal(cache.buffer[7], before[7])
+    blocks, offsets = token_slots(tables, torch.tensor([5, 10]), 4)  # row b in its table
+    assert blocks.tolist() == [2, 3] and offsets.tolist() == [1, 2]
+    with pytest.raises(ValueError, match="token_slots"):
+        token_slots(tables, torch.tensor([5]), 4)
 
 
 # ------------------------------------------------------------------------- KV layout

@@ -21,6 +21,7 @@ from common.models.runner import LmRunner, PrefillJob
 from common.models.tiny import default_checkpoint
 from common.multimodal.params import ItemEmbedding, MultimodalItemMetadata, MultimodalParams
 from common.sampling import SamplingParams
+from tests.model_fixtures import kv_buffer
 
 BLOCK = 4
 TOL = 1e-5  # the chunked-vs-whole prefill tolerance of tests/test_text_model.py
@@ -86,7 +87,7 @@ def test_packed_prefill_equals_each_alone(runner, chunk, budget):
     model = runner.model
     requests = _requests(runner)
     tables = _tables(requests)
-    kv = torch.zeros(model.kv_shape(128, BLOCK))
+    kv = kv_buffer(model.config, 128, BLOCK)
     # The cached prefix of the last prompt: computed into its blocks beforehand.
     tokens, _, start = requests[-1]
     prefix = torch.tensor(tokens)
@@ -126,7 +127,7 @@ def test_last_token_logits_equal_the_last_row_of_all_logits(runner, picks, chunk
     model = runner.model
     requests = [_requests(runner)[i] for i in picks]
     tables = _tables(requests)
-    kv = torch.zeros(model.kv_shape(128, BLOCK))
+    kv = kv_buffer(model.config, 128, BLOCK)
     for (tokens, _, start), table in zip(requests, tables, strict=True):
         if start:  # the cached prefix, computed into its blocks beforehand
             prefix = torch.tensor(tokens[:start])

@@ -19,6 +19,7 @@ from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig, VisionConfi
 from common.models.qwen3_vl.rope import decode_positions, prompt_positions
 from common.models.qwen3_vl.text import TextModel
 from common.multimodal.params import ItemEmbedding, Modality, MultimodalItemMetadata
+from tests.model_fixtures import kv_buffer
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,7 +205,7 @@ def ref_logits(ref, case: Case, extra: Sequence[int] = ()) -> torch.Tensor:
 
 
 def new_kv(model: TextModel, num_blocks: int = 64) -> torch.Tensor:
-    return torch.zeros(model.kv_shape(num_blocks, BLOCK))
+    return kv_buffer(model.config, num_blocks, BLOCK)
 
 
 def our_prefill(model: TextModel, case: Case, kv, table, **kw) -> torch.Tensor:
@@ -303,6 +304,31 @@ def test_decode_matches_reference(models):
         extra.append(int(logits[0].argmax()))
     want = ref_logits(ref, case, extra[:-1])[n:]
     assert (torch.stack(steps) - want).abs().max().item() <= 1e-4
+
+
+def test_kv_lands_at_each_tokens_block_and_offset(models):
+    # The model's own writes (prefill, then a decode step without and with contiguous
+    # rows): position p's K/V of every layer at block table[p // BLOCK], slot p % BLOCK, and
+    # nothing anywhere else; the same values whichever blocks the table names.
+    _, _, model = models
+    case = build_case(CASES["text"], seed=7)  # 21 tokens: blocks of 8, 8 and 5
+    n = len(case.token_ids)
+    kvs = {}
+    for table in ([0, 1, 2], [9, 4, 6]):
+        kv = new_kv(model, 12)
+        our_prefill(model, case, kv, torch.tensor(table))
+        length = torch.tensor([n + 1])  # one step: the new token at position n
+        pos = decode_positions(length - 1, torch.tensor([0]))
+        model.decode(kv, torch.tensor([table]), torch.tensor([7]), pos, length)
+        kvs[tuple(table)] = kv
+    first, second = kvs[(0, 1, 2)], kvs[(9, 4, 6)]
+    written = torch.zeros(second.shape[0], second.shape[3], dtype=torch.bool)
+    for p in range(n + 1):
+        block, offset = (9, 4, 6)[p // BLOCK], p % BLOCK
+        assert second[block, :, :, offset].abs().sum() > 0
+        assert torch.equal(second[block, :, :, offset], first[(0, 1, 2)[p // BLOCK], :, :, offset])
+        written[block, offset] = True
+    assert not second.permute(0, 3, 1, 2, 4, 5)[~written].any()
 
 
 def test_batched_decode_equals_alone(models):

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.kv.allocator import blocks_for
 from common.models.native_kernels import NativeKernels, native_kernels
 from common.models.qwen3_vl.text_ops import additive, length_mask
 
@@ -140,7 +141,7 @@ class PrefillAttention:
             if s.start == 0:
                 keys, values = k[rows], v[rows]
             else:
-                used = s.block_table[: (s.end + self.block_size - 1) // self.block_size]
+                used = s.block_table[: blocks_for(s.end, self.block_size)]
                 keys = layer_k.index_select(0, used).flatten(0, 1)[: s.end]
                 values = layer_v.index_select(0, used).flatten(0, 1)[: s.end]
             keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)

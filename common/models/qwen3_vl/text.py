@@ -14,9 +14,9 @@ batched, attention (`attention.DecodeAttention`) reads each sequence's contiguou
 (`common.models.running_kv`) or, without them, its blocks through a padded block table, up
 to each sequence's own length.
 
-The KV buffer is one tensor `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`
-(block-major, so a block's layers are one contiguous range). The model only reads and
-writes the slots its block tables name; allocation belongs to the caller.
+The KV buffer is `common.kv.cache`'s (block-major: `[num_blocks, num_layers, 2, block_size,
+kv_heads, head_dim]`); the model reads and writes a token's K/V at its `token_slots`, the
+slots its block table names, and allocation belongs to the caller.
 
 Numerics follow the reference (`transformers` Qwen3-VL text model): RMSNorm in float32 then
 cast, q/k RMSNorm per head before RoPE, rotate-half RoPE with interleaved mRoPE frequencies.
@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.kv.allocator import blocks_for
+from common.kv.cache import token_slots
 from common.models.native_kernels import native_kernels
 from common.models.qwen3_vl.attention import DecodeAttention, PrefillAttention, SegmentSpan
 from common.models.qwen3_vl.config import Qwen3VLConfig, TextConfig
@@ -119,11 +121,6 @@ class TextModel:
         """Device of the weights."""
         return self.embed_tokens.device
 
-    def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of the paged KV buffer this model reads and writes."""
-        c = self.config
-        return (num_blocks, c.num_hidden_layers, 2, block_size, c.num_key_value_heads, c.head_dim)
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head."""
         return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
@@ -155,12 +152,6 @@ class TextModel:
         h = rms_norm(x, layer.post_norm, self.config.rms_norm_eps)
         x += layer.down(silu_mul(layer.gate_up(h)))
         return x
-
-    @staticmethod
-    def _slots(
-        block_table: torch.Tensor, positions: torch.Tensor, block_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return block_table[positions // block_size], positions % block_size
 
     # ---------------------------------------------------------------------------- prefill
 
@@ -198,7 +189,7 @@ class TextModel:
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.freq_axis, x.dtype)
         cos, sin_signed = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)
         slots = [
-            self._slots(
+            token_slots(
                 s.block_table, torch.arange(s.start, s.end, device=s.block_table.device), block_size
             )
             for s in spans
@@ -343,9 +334,9 @@ class TextModel:
         if slot_blocks is None:
             if block_tables is None:
                 raise ValueError("decode needs block_tables or slot_blocks")
-            index = torch.arange(batch, device=block_tables.device)
-            slot_blocks = block_tables[index, last // block_size]
-        offsets = last % block_size
+            slot_blocks, offsets = token_slots(block_tables, last, block_size)
+        else:
+            offsets = last % block_size
         lengths = seq_lens.tolist()
         longest = max(lengths)
         heads = c.num_key_value_heads
@@ -358,7 +349,7 @@ class TextModel:
         else:  # keep only as many blocks as the longest sequence needs
             if block_tables is None:
                 raise ValueError("decode without rows needs block_tables")
-            width = (longest + block_size - 1) // block_size
+            width = blocks_for(longest, block_size)
             flat = block_tables[:, :width].reshape(-1)
             span = width * block_size
         attention = DecodeAttention(seq_lens, lengths, span, x.dtype)
