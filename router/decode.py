@@ -9,7 +9,8 @@
                same handle to another decode worker
       migrated UNAVAILABLE after the first chunk (the worker died or its stream was
                removed; the lease was handed over and is gone): the stream resumes on a
-               decode worker not yet tried, up to `migrations` times
+               decode worker not yet tried (else on one that failed a step and serves on,
+               or one back from a restart), up to `migrations` times
 
 A migration keeps what the router already has: the handoff and sampling (in the request)
 and the tokens streamed so far. It prefills the prompt again (`prefill_again`: the prefill
@@ -24,7 +25,7 @@ sees one stream: no token repeated or missing, and no empty chunk from the new w
 A client resumes the same way across routers (`GenerateRequest.resume_tokens`, checked by
 `check_resume`): when its router dies mid-stream it sends the request to another router
 with the tokens it has; that router prefills the prompt, keeps the client's first token in
-place of its own, and streams on from the next one (`stream(..., streamed=...)`).
+place of its own, and streams on from the next one (`stream(..., resumed=...)`).
 
 Counted in the router's metrics (`epd:decode_migrations`: streams resumed,
 `epd:decode_tokens_recomputed`: resume tokens whose KV a new decode worker computed,

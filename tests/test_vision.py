@@ -13,6 +13,7 @@ from PIL import Image
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import load_weights
+from common.processing.image import as_patch_values
 from common.processing.processor import Processor
 from tests.model_fixtures import reference_model, write_tiny_checkpoint
 
@@ -134,8 +135,13 @@ def test_processor_output_encodes_to_item_lengths(ckpt: Path, tower: VisionTower
     # The video's partitions encode to exactly its rows, partition by partition.
     video = prompt.params.items[1]
     video_rows, _ = tower.encode(*prompt.vision_inputs([1]))
-    part_pixels, part_grid = prompt.partition_inputs(1, [1])
-    part_rows, _ = tower.encode(part_pixels, part_grid)
+    part = video.partitions[1]  # its patch rows, sliced as the router sends them
+    _, h, w = prompt.grid_thw[1]
+    codes = prompt.pixel_values[1][part.input_start : part.input_end]
+    assert prompt.settings is not None
+    frames = (part.input_end - part.input_start) // (h * w)
+    part_grid = torch.tensor([[frames, h, w]])
+    part_rows, _ = tower.encode(as_patch_values(codes, prompt.settings), part_grid)
     first = video.partitions[0].output_rows
     torch.testing.assert_close(
         part_rows, video_rows[first : first + video.partitions[1].output_rows], rtol=0, atol=1e-6

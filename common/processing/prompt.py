@@ -48,25 +48,6 @@ class ProcessedPrompt:
             raise ValueError("no items to encode")
         return self._values(torch.cat(pixels)), torch.tensor(grids, dtype=torch.int64)
 
-    def partition_inputs(
-        self, item: int, partitions: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Patch rows (values) and grids of some partitions of one item (each its own grid
-        row)."""
-        meta = self.params.items[item]
-        _, h, w = self.grid_thw[item]
-        parts = meta.partitions
-        if not parts:
-            if list(partitions) != [0]:
-                raise ValueError(f"item {item} has a single partition")
-            return self.vision_inputs([item])
-        rows = [
-            self.pixel_values[item][parts[p].input_start : parts[p].input_end] for p in partitions
-        ]
-        grids = [(parts[p].input_end - parts[p].input_start) // (h * w) for p in partitions]
-        values = self._values(torch.cat(rows))
-        return values, torch.tensor([(g, h, w) for g in grids], dtype=torch.int64)
-
     def _values(self, pixels: torch.Tensor) -> torch.Tensor:
         if self.settings is None:
             if pixels.dtype == torch.uint8:
