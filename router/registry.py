@@ -154,8 +154,8 @@ class Registry:
             layout = layout_from_proto(info.kv_layout)
             check_layout(role, info.address, layout, self.checkpoint_shape, self.reference_layout)
         check_dtype(role, info.address, said_dtype(info, layout), self.dtype_now(info.address))
-        moved = [w for w in self._workers.values() if info.name and w.name == info.name]
-        namesakes = [w for w in moved if w.role == role and w.address != info.address]
+        same_name = [w for w in self._workers.values() if info.name and w.name == info.name]
+        namesakes = [w for w in same_name if w.role == role and w.address != info.address]
         dropped = self._replaced.get((role, info.name))
         cutoff = self._cutoff()
         live = [w for w in namesakes if w.last_seen >= cutoff]
@@ -174,15 +174,14 @@ class Registry:
                 f"{role} worker at {info.address}: the address of the live "
                 f"{other[0].role} worker {other[0].name!r}"
             )
-        for old in moved:
-            if old.address != info.address and old.role == role:
-                self._replaced[(role, info.name)] = (old.address, old.info.instance_id)
-                # The same named worker restarted at another address (Ray gives a restarted
-                # actor a new port): its old address is dead, let go as an expiry would.
-                del self._workers[old.worker_id]
-                logger.info("worker %s registered again at %s", info.name, info.address)
-                for listener in self.on_expire:
-                    listener(old)
+        for old in namesakes:
+            self._replaced[(role, info.name)] = (old.address, old.info.instance_id)
+            # The same named worker restarted at another address (Ray gives a restarted
+            # actor a new port): its old address is dead, let go as an expiry would.
+            del self._workers[old.worker_id]
+            logger.info("worker %s registered again at %s", info.name, info.address)
+            for listener in self.on_expire:
+                listener(old)
         for old in taken:
             del self._workers[old.worker_id]
             restarted = not info.instance_id or old.info.instance_id != info.instance_id

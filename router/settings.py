@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from PIL import Image
@@ -16,6 +17,8 @@ from common.processing.limits import (
 )
 from common.settings.base import ServerSettings, check_distinct_ports
 from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +296,11 @@ class RouterSettings(ServerSettings):
             raise SettingsError("worker_keepalive_s: must be from 0.1 to 3600 seconds")
         if not 0 < self.tenant_share <= 1:
             raise SettingsError("tenant_share: must be above 0 and at most 1")
+        if self.grace_s != 5.0:
+            logger.warning(
+                "grace_s is ignored: in-flight requests get drain_timeout_s on shutdown "
+                "([pools] drain_timeout_s under `epd serve`)"
+            )
         if self.overlap_prefill and not self.cache_aware_routing:  # started silently
             raise SettingsError(
                 "overlap_prefill: needs cache_aware_routing (the request's prefill would go "

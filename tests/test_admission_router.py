@@ -58,7 +58,6 @@ async def router(ckpt: Any) -> Any:
         http_port=-1,
         expected_model="fake-model",
         worker_timeout_s=60.0,
-        grace_s=0.0,
         max_queued_requests=1,
         security=cluster_security(),
     )

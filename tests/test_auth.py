@@ -96,7 +96,6 @@ async def dep(ckpt: Path) -> AsyncIterator[Deployment]:
             port=0,
             http_port=-1,
             heartbeat_interval_s=0.1,
-            grace_s=0.0,
             security=security,
         ),
         scaler=scaler,
@@ -323,7 +322,7 @@ async def test_insecure_turns_auth_off_and_says_so(
     ckpt: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     settings = RouterSettings(
-        model=str(ckpt), port=0, http_port=-1, grace_s=0.0, security=SecuritySettings(insecure=True)
+        model=str(ckpt), port=0, http_port=-1, security=SecuritySettings(insecure=True)
     )
     with caplog.at_level(logging.WARNING):
         router = await serve_router(settings)

@@ -81,7 +81,6 @@ async def start(ckpt: Any, slack: int = 2) -> AffinityCluster:
         http_port=-1,
         expected_model=MODEL,
         worker_timeout_s=60.0,
-        grace_s=0.0,
         encoder_affinity_slack=slack,
         embedding_cache_mb=0,  # every request reaches an encoder: these tests count them
         security=cluster_security(),

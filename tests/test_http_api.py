@@ -158,7 +158,6 @@ async def fake_router(ckpt: Path, **settings: Any) -> FakeCluster:
         "served_model_name": MODEL_ID,
         "expected_model": "fake-model",
         "worker_timeout_s": 60.0,
-        "grace_s": 0.0,
         "security": cluster_security(),
     }
     return FakeCluster(await serve(RouterSettings(**(base | settings))))

@@ -71,7 +71,6 @@ async def dep(ckpt: Path) -> AsyncIterator[Deployment]:
             port=0,
             http_port=-1,  # not the default 8000: another server may hold it
             heartbeat_interval_s=0.1,
-            grace_s=0.0,
             security=security,
             **metrics,
         )

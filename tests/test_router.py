@@ -255,7 +255,6 @@ async def start_router(ckpt: Any, **overrides: Any) -> Cluster:
         http_port=-1,
         expected_model=MODEL,
         worker_timeout_s=60.0,
-        grace_s=0.0,
         security=cluster_security(),
         **overrides,
     )

@@ -68,7 +68,6 @@ async def test_scale_delegates_to_the_scaler(ckpt):
         port=0,
         http_port=-1,
         expected_model=MODEL,
-        grace_s=0.0,
         security=cluster_security(),
     )
     router = await serve(settings, scaler=scaler)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -238,6 +239,20 @@ def test_router_heartbeat_times_are_checked() -> None:
     ):
         with pytest.raises(SettingsError, match=key):
             RouterSettings(security=insecure, **bad).check()
+
+
+def test_a_router_says_grace_s_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    # Kept so that files setting it still load, but it no longer does anything: an operator
+    # who sets it is told (style review, s33).
+    from common.settings.security import SecuritySettings
+    from router.settings import RouterSettings
+
+    insecure = SecuritySettings(insecure=True)
+    with caplog.at_level(logging.WARNING, logger="router.settings"):
+        RouterSettings(security=insecure).check()
+        assert not caplog.records
+        RouterSettings(security=insecure, grace_s=1.0).check()
+    assert "grace_s is ignored" in caplog.text
 
 
 @pytest.mark.parametrize(

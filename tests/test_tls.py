@@ -102,7 +102,7 @@ async def tls(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TlsDepl
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
     security = make_certificates(tmp_path_factory.mktemp("tls"))
     router = await serve_router(
-        RouterSettings(model=str(ckpt), port=0, http_port=-1, grace_s=0.0, security=security)
+        RouterSettings(model=str(ckpt), port=0, http_port=-1, security=security)
     )
     encoder = await serve_encoder(
         EncoderSettings(model=str(ckpt), router_address=router.address, security=security)

@@ -119,3 +119,4 @@ class MetricsEndpoint:
             return
         await asyncio.to_thread(server.shutdown)
         server.server_close()
+        await asyncio.to_thread(self._thread.join)  # its serve_forever has returned
