@@ -242,13 +242,7 @@ class EpdSettings:
             raise SettingsError("pools.max_restarts: must be -1 (always), 0 (never) or more")
         if pools.routers < 1:
             raise SettingsError("pools.routers: must be at least 1")
-        for name in ("port", "http_port", "metrics_port"):  # router n: on the port + n
-            port = getattr(full.router, name) or 0
-            if port > 0 and port + pools.routers - 1 > 65535:
-                raise SettingsError(
-                    f"router.{name}: {port} + {pools.routers - 1} (pools.routers - 1) is past "
-                    "port 65535"
-                )
+        full.router.check_copies(pools.routers)
         if self.ray.object_store_mb < MIN_OBJECT_STORE_MB:
             raise SettingsError(f"ray.object_store_mb: Ray needs at least {MIN_OBJECT_STORE_MB}")
         namespace = self.ray.namespace  # also a folder: $EPD_HOME/<namespace>

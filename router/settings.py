@@ -239,6 +239,28 @@ class RouterSettings(ServerSettings):
             metrics_port=metrics + index if metrics is not None and metrics > 0 else metrics,
         )
 
+    def check_copies(self, count: int) -> None:
+        """SettingsError unless `count` routers (`nth`; `epd serve`'s `pools.routers`) can
+        listen on their ports: past 65535, or one router's port on another's (else caught
+        only when the second router starts, after Ray did), named as `router.<key>`."""
+        spans: dict[str, tuple[int, int]] = {}
+        for name in ("port", "http_port", "metrics_port"):
+            port = getattr(self, name) or 0
+            last = port + count - 1
+            if port <= 0:  # a free port each, or none
+                continue
+            if last > 65535:
+                raise SettingsError(
+                    f"router.{name}: {port} + {count - 1} (pools.routers - 1) is past port 65535"
+                )
+            for other, (lo, hi) in spans.items():
+                if port <= hi and lo <= last:
+                    raise SettingsError(
+                        f"router.{name}: {port}..{last} overlaps router.{other} {lo}..{hi} "
+                        f"with pools.routers = {count} (router n listens on each port + n)"
+                    )
+            spans[name] = (port, last)
+
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field; the router also needs the
         API keys file unless insecure."""

@@ -261,6 +261,15 @@ def test_a_router_says_grace_s_is_ignored(caplog: pytest.LogCaptureFixture) -> N
         ({"router": {"port": 70000}}, "router.port"),  # the router listened on 70000 - 65536
         ({"router": {"port": 65535}, "pools": {"routers": 2}}, "router.port"),
         ({"router": {"http_port": 65535}, "pools": {"routers": 2}}, "router.http_port"),
+        # Router 1's gRPC port was router 0's HTTP port: caught after Ray started (docswalk).
+        (
+            {"router": {"port": 20140, "http_port": 20141}, "pools": {"routers": 2}},
+            "router.http_port: 20141..20142 overlaps router.port 20140..20141",
+        ),
+        (
+            {"router": {"port": 20140, "metrics_port": 20130}, "pools": {"routers": 11}},
+            "router.metrics_port: 20130..20140 overlaps router.port",
+        ),
         ({"encoder": {"port": 65536}}, "encoder.port"),
         ({"log_level": "bogus"}, "log_level"),
         ({"pools": {"max_restarts": -5}}, "pools.max_restarts"),
@@ -277,6 +286,16 @@ def test_values_epd_serve_would_fail_on_are_refused_by_the_check(
 
     with pytest.raises(SettingsError, match=re.escape(key)):
         from_mapping(EpdSettings, table).check()
+
+
+def test_several_routers_on_ports_apart_are_fine() -> None:
+    from cluster.settings import EpdSettings
+
+    table = {"router": {"port": 20140, "http_port": 20142, "metrics_port": 0}}
+    from_mapping(EpdSettings, {**table, "pools": {"routers": 2}}).check()
+    from_mapping(
+        EpdSettings, {"router": {"port": 0, "http_port": 1}, "pools": {"routers": 9}}
+    ).check()
 
 
 def test_a_role_process_refuses_an_unknown_log_level() -> None:
