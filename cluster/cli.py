@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the rate a --video file is sampled at (default: the router's [router] "
         "video_file_fps); frames per second of a --video folder (default 2)",
     )
-    generate.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    generate.add_argument("--max-tokens", type=int, default=64, help="most tokens (default 64)")
     generate.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="end before TEXT (repeatable)"
     )

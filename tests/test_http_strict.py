@@ -146,6 +146,10 @@ def test_json_numbers_still_fit_number_fields() -> None:
         ({"response_format": {}}, "response_format"),  # was read as text
         ({"response_format": {"type": "text", "json_schema": {"name": "x"}}}, "response_format"),
         ({"max_tokens": 3, "max_completion_tokens": 5}, "max_completion_tokens"),
+        # vLLM's chat takes these too (echo: the last message said again); they were dropped
+        # as unknown fields, a 200 without them (docswalk review, s33).
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
     ],
 )
 def test_what_is_asked_for_and_not_done_is_refused(extra: dict[str, Any], param: str) -> None:
@@ -163,6 +167,7 @@ def test_neutral_values_and_the_ignored_fields_are_accepted() -> None:
     image = {"type": "image_url", "image_url": {"url": png_data_url(1), "detail": "low"}}
     messages = [{"role": "user", "content": [image], "name": "ann"}]
     extra: dict[str, Any] = {"store": False, "web_search_options": None, "moderation": None}
+    extra |= {"echo": False, "best_of": 1}
     extra |= ignored
     extra |= {"response_format": {"type": "text"}, "max_tokens": 4, "max_completion_tokens": 4}
     body = parse_body(

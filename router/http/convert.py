@@ -110,15 +110,14 @@ def refuse_unsupported(body: SamplingBody) -> None:
     for name in GUIDED:
         if getattr(body, name) is not None:
             raise FieldError(name, "structured output is not supported by this server")
+    if body.echo:
+        raise FieldError("echo", "echoing the prompt is not supported by this server")
+    if body.best_of not in (None, 1):
+        raise FieldError("best_of", "only 1 is supported (one completion per request)")
     if isinstance(body, ChatCompletionRequest):
         _refuse_unsupported_chat(body)
-    if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise FieldError("echo", "echoing the prompt is not supported by this server")
-        if body.suffix:
-            raise FieldError("suffix", "a suffix is not supported by this server")
-        if body.best_of not in (None, 1):
-            raise FieldError("best_of", "only 1 is supported (one completion per request)")
+    if isinstance(body, CompletionRequest) and body.suffix:
+        raise FieldError("suffix", "a suffix is not supported by this server")
 
 
 def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:

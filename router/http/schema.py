@@ -29,7 +29,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from common.multimodal.validation import INT32_MAX
@@ -193,8 +201,15 @@ class SamplingBody(_Body):
     n: Int = Field(default=1, ge=1, le=1)  # one choice per request
     ignore_eos: bool = False  # extension: keep generating past end-of-sequence
     # Extension (as in vLLM): splits the caller's cache further, as `GenerateRequest.cache_salt`.
-    cache_salt: Text | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    cache_salt: (
+        Annotated[
+            str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(_utf8)
+        ]
+        | None
+    ) = None
     user: str | None = None  # OpenAI's end-user id; ignored
+    echo: bool = False  # refused when true (chat: vLLM's, the last message said again)
+    best_of: Int | None = None  # refused above 1
     # Not done by this server: refused when asked for (see the module docstring).
     logprobs: bool | Int | None = None  # chat: a bool; completions: a count
     top_logprobs: Int | None = None
@@ -253,6 +268,4 @@ class CompletionRequest(SamplingBody):
     """`POST /v1/completions`: a plain-text prompt, no chat template."""
 
     prompt: Text
-    echo: bool = False  # refused when true
     suffix: str | None = None  # refused when not empty
-    best_of: Int | None = None  # refused above 1
