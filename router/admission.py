@@ -133,8 +133,7 @@ class Admission:
         self._reserved: Counter[str] = Counter()  # blocks reserved per worker address
         self._queue: deque[_Waiter] = deque()
         self._waits: deque[float] = deque(maxlen=WAIT_WINDOW)  # seconds, per admission
-        # Counters: a hook for metrics.
-        self.admitted = 0
+        self.admitted = 0  # counters (metrics) from here on
         self.refused: Counter[str] = Counter()  # "queue_full", "queue_wait", "never_fits"
         self.requeued = 0
         self.placed_ahead = 0  # placed before an earlier waiter over its tenant's share
@@ -266,10 +265,11 @@ class Admission:
 
     def _live(self, role: Role, *, required: bool = True) -> list[WorkerRecord]:
         """`role`'s live, non-draining workers; none: UNAVAILABLE where `required`."""
-        live = [w for w in self.registry.workers(role) if not w.draining]
+        workers = self.registry.workers(role)
+        live = [w for w in workers if not w.draining]
         if required and not live:
-            refused = self.registry.refusals.of(str(role))
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(NoWorkerError(role, refused)))
+            refusal = NoWorkerError(role, self.registry.refusals.of(str(role)), workers)
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(refusal))
         return live
 
     def _check_fits(self, need: Need) -> None:

@@ -365,7 +365,7 @@ class Registry:
         `NoWorkerError`. Does not count the request: use `using`."""
         candidates = [w for w in self.workers(role) if not w.draining and w.address not in exclude]
         if not candidates:
-            raise NoWorkerError(role, self.refusals.of(str(role)))
+            raise NoWorkerError(role, self.refusals.of(str(role)), self.workers(role))
         trusted = [w for w in candidates if not w.suspect]
         candidates = trusted or candidates  # a suspect one only when none other is left
         least = min(w.load_estimate for w in candidates)

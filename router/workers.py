@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from common.kv.layout import KvLayout
@@ -26,9 +27,12 @@ class RegistrationRefused(Exception):
 class NoWorkerError(Exception):
     """No live, non-draining worker of a role (UNAVAILABLE on the wire)."""
 
-    def __init__(self, role: Role, refused: int = 0) -> None:
-        # Refused ones (a version mismatch, another model): clients saw only "no worker".
+    def __init__(self, role: Role, refused: int = 0, workers: Sequence[WorkerRecord] = ()) -> None:
+        # Refused ones (a version mismatch, another model) and draining ones (`workers`, the
+        # role's registered ones): clients saw only "no worker", though `epd status` listed it.
         why = f" ({refused} refused at registration: `epd status` says why)" if refused else ""
+        if draining := sum(w.draining for w in workers):
+            why += f" ({draining} draining: `epd undrain` takes it back)"
         super().__init__(f"no {role} worker is registered and available{why}")
         self.role = role
 

@@ -66,6 +66,17 @@ def test_a_request_without_a_worker_says_how_many_were_refused(
         registry.pick(Role.PREFILL)
 
 
+def test_a_request_without_a_worker_says_how_many_drain(registry: Registry) -> None:
+    # "no decode worker is registered and available" though `epd status` listed it as
+    # registered (and draining): the operator was not pointed at `epd undrain` (docswalk).
+    from router.workers import NoWorkerError
+
+    worker = registry.register(info(Role.DECODE, 3))
+    registry.drain(worker.address)
+    with pytest.raises(NoWorkerError, match=r"available \(1 draining: `epd undrain`"):
+        registry.pick(Role.DECODE)
+
+
 def test_a_worker_whose_call_failed_is_picked_last_until_it_heartbeats(
     registry: Registry, clock: Clock
 ) -> None:

@@ -235,6 +235,7 @@ class RoleServer(RunningServer, Generic[S]):
         acceptance. So a rolling update keeps the pods it would replace while no router
         takes the new ones. Liveness is not touched; draining ends it (NOT_SERVING)."""
         serving: bool | None = None
+        ever = False  # accepted once: "again" from then on
         while not (self.stopped or self.lifecycle.draining):
             registrar.registered.clear()
             accepted = registrar.accepted()
@@ -244,12 +245,13 @@ class RoleServer(RunningServer, Generic[S]):
                         logging.INFO if accepted else logging.WARNING,
                         "%s: %s",
                         self.address,
-                        "a router accepts this worker again: ready"
+                        f"a router accepts this worker{' again' if ever else ''}: ready"
                         if accepted
                         else "no router has accepted this worker lately: not ready",
                     )
                 await self.set_serving(accepted)
                 serving = accepted
+                ever = ever or accepted
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(READINESS_CHECK_S):
                     await registrar.registered.wait()
