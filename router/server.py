@@ -136,15 +136,16 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         client_left: float | None,
         holds: int = 0,
         fit_max_tokens: bool = False,
+        arrived: float | None = None,
     ) -> AsyncGenerator[router_service_pb2.GenerateResponse, None]:
         """Stream the answer to one chat for `caller` (its tenant salts the caches) within
         `client_left` seconds (None: `request_timeout_s`); see `Orchestrator.run` for what
         the chunks hold. The request's processed media are held in `held` beside the `holds`
         bytes it holds already (`router.held.MediaHold.holding`); `fit_max_tokens`: its
-        `max_tokens` is the router's default, cut to the context left (`_prepare`). Raises
-        RouterError, or RpcStatusError while draining. The gRPC Generate and the HTTP API
-        (`router.http`) both run this."""
-        request_id = shown_id(request.request_id) or uuid.uuid4().hex  # escaped ones are refused
+        `max_tokens` is the router's default, cut to the context left (`_prepare`); `arrived`
+        (time.monotonic()): TTFT's start, before an HTTP body was read. Raises RouterError,
+        or RpcStatusError while draining. The gRPC Generate and the HTTP API run this."""
+        request_id = shown_id(request.request_id) or uuid.uuid4().hex  # as logs show it
         started = time.monotonic()
         budget = self.settings.request_timeout_s
         deadline = started + (budget if client_left is None else min(budget, client_left))
@@ -154,7 +155,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             return gone.is_set() or time.monotonic() > deadline
 
         media = MediaHold(self.held, holds, caller.tenant)
-        outcome = Outcome(request_id, caller.tenant, started)
+        outcome = Outcome(request_id, caller.tenant, started if arrived is None else arrived)
         try:
             async for chunk in self._generate(
                 request, caller, outcome, media, deadline, ended, gone, fit_max_tokens
