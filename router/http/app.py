@@ -137,10 +137,12 @@ def build_app(
         who: Caller,
         chat: bool,
         raw: Request,
+        arrived: float,
         deadline: float | None = None,
     ) -> Response:
-        """Run the request; until its response starts, a client that hangs up cancels it
-        (and what the workers hold for it), as a streamed response's does afterwards."""
+        """Run the request (which came at `arrived`, time.monotonic()); until its response
+        starts, a client that hangs up cancels it (and what the workers hold for it), as a
+        streamed response's does afterwards."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         result = Answer(prefix + request.request_id, model_id, chat)
         # Held until the response ends (taken by the endpoint): the body's bytes, and the
@@ -157,7 +159,7 @@ def build_app(
             request.sampling.max_tokens = min(chat_max, most) if most else chat_max
         held = hold.bytes if hold is not None else 0
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        chunks = servicer.generate(request, who, left, held, fit_max_tokens=default)
+        chunks = servicer.generate(request, who, left, held, default, arrived)
         try:
             try:
                 first = await _unless_gone(raw, _first(chunks))
@@ -203,6 +205,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(who: Who, raw: Request) -> Response:
+        arrived = time.monotonic()  # TTFT counts reading its body, parsing it and its media
         with counted(who):
             body = await parsed(raw, ChatCompletionRequest, who)
             request_id = uuid.uuid4().hex
@@ -221,17 +224,18 @@ def build_app(
                 refused_before(finished, who.tenant, grpc.StatusCode.CANCELLED, left)
                 return Response(status_code=499)  # nobody reads it
             held(decoded_bytes(request, PARSED_PART_BYTES))  # held until the response ends
-        return await answer(body, request, who, True, raw, deadline)  # one budget in all
+        return await answer(body, request, who, True, raw, arrived, deadline)  # one budget
 
     @app.post("/v1/completions")
     async def completions(who: Who, raw: Request) -> Response:
+        arrived = time.monotonic()
         with counted(who):
             body = await parsed(raw, CompletionRequest, who)
             request = completion_request(body, uuid.uuid4().hex)
             hold = raw.scope.get(HELD_KEY)
             if hold is not None:
                 hold.more(decoded_bytes(request, PARSED_PART_BYTES))
-        return await answer(body, request, who, False, raw)
+        return await answer(body, request, who, False, raw, arrived)
 
     served = {"id": model_id, "object": "model", "created": 0, "owned_by": "epd"}
 
