@@ -273,6 +273,30 @@ async def test_endpoint_serves_its_registry_and_frees_its_port(caplog) -> None:
             MetricsEndpoint.start(registry, "127.0.0.1", port)  # taken now
 
 
+async def test_silent_connections_hold_a_bounded_number_of_threads(monkeypatch) -> None:
+    # 400 silent connections held a worker's 370 threads, each until its peer closed it
+    # (metrics review, s33): at most MAX_SCRAPERS at once, each closed once idle.
+    import common.server.metrics as metrics
+
+    monkeypatch.setattr(metrics, "MAX_SCRAPERS", 2)
+    monkeypatch.setattr(metrics._Scrape, "timeout", 0.5)
+    registry = scrape_registry(lambda: [counter("epd:test_thing", "A thing.", 3)])
+    endpoint = MetricsEndpoint.start(registry, "127.0.0.1", 0)
+    host, port = endpoint.address.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+    try:
+        assert silent[2].recv(1) == b""  # one past the cap: closed as it opens
+        await asyncio.sleep(0.1)
+        for s in silent[:2]:
+            assert s.recv(1) == b""  # closed by the server once idle (else a 5 s timeout)
+        text = await asyncio.to_thread(fetch, endpoint.address)  # their slots are free
+        assert "epd:test_thing_total 3.0" in text
+    finally:
+        for s in silent:
+            s.close()
+        await endpoint.close()
+
+
 async def test_metrics_port_is_checked() -> None:
     assert ServerSettings().metrics_port is None  # off unless asked for
     with pytest.raises(SettingsError, match="metrics_port"):

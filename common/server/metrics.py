@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -86,6 +89,61 @@ def kv_pool_metrics(pool: BlockPool) -> list[Any]:
     ]
 
 
+# A `/metrics` endpoint serves at most this many connections at once (one past it is closed
+# as it opens), each closed after this long without a byte: the port needs no credentials,
+# and 400 silent connections held a worker's 370 threads (metrics review, s33).
+MAX_SCRAPERS = 32
+SCRAPE_IDLE_S = 10.0
+
+
+class _Scrapes(ThreadingMixIn, WSGIServer):
+    """A thread per connection, `MAX_SCRAPERS` at most; daemon threads (none left to join)."""
+
+    daemon_threads = True
+
+    def __init__(self, family: socket.AddressFamily, address: tuple[str, int]) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_SCRAPERS)
+        self.address_family = family  # IPv4 or IPv6, as `host` is
+        super().__init__(address, _Scrape)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: nothing else gives the slot back
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class _Scrape(WSGIRequestHandler):
+    """One connection: silent (no access log), closed after `SCRAPE_IDLE_S` idle."""
+
+    timeout = SCRAPE_IDLE_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _serve(
+    registry: CollectorRegistry, host: str, port: int
+) -> tuple[WSGIServer, threading.Thread]:
+    """`/metrics` of `registry` on `host:port`, from a daemon thread."""
+    family, *_ = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server = _Scrapes(family, (host, port))
+    server.set_app(make_wsgi_app(registry))
+    thread = threading.Thread(target=server.serve_forever, name="epd-metrics", daemon=True)
+    thread.start()
+    return server, thread
+
+
 @dataclass(slots=True, eq=False)
 class MetricsEndpoint:
     """A running `/metrics` HTTP server (a daemon thread) for one registry."""
@@ -104,7 +162,7 @@ class MetricsEndpoint:
         `whose` ("prefill epd-prefill-0"): said after the address in the log line, so that
         several workers' free ports can be told apart."""
         try:
-            server, thread = start_http_server(port, addr=host, registry=registry)
+            server, thread = _serve(registry, host, port)
         except OSError as exc:
             raise SettingsError(f"metrics_port: cannot listen on {host}:{port}: {exc}") from None
         shown = f"[{host}]" if ":" in host else host
