@@ -4,7 +4,8 @@ selection, in-flight counting and retries on UNAVAILABLE.
 A call that fails with UNAVAILABLE (the worker died, its stream was removed, or it drains)
 is tried again on another worker of the role not yet tried, up to `attempts` tries in all;
 each retry is counted per stage (`retries`, the `epd:retries` metric) and logged. When no
-untried worker of the role is left the request fails with UNAVAILABLE naming the role.
+untried worker of the role is left the request fails with UNAVAILABLE naming the role,
+unless, with a deadline, one comes back from a restart in time (`pick_or_return`).
 `WorkerCalls.with_retry` is that loop for encode; prefill and decode keep their own, as each
 retry does more than call again (prefill encodes the items again, `Orchestrator.
 _encode_and_prefill`; decode resumes the stream or prefills again, `DecodeStage.stream`),
@@ -186,14 +187,13 @@ class WorkerCalls:
 
     def pick(self, role: Role, tried: Collection[str]) -> WorkerRecord:
         """The least loaded worker of `role` not yet tried; RouterError(UNAVAILABLE) naming
-        the role (and the workers tried) when there is none."""
+        the role (and how many were tried) when there is none."""
         try:
             return self.registry.pick(role, exclude=frozenset(tried))
         except NoWorkerError as exc:
             if not tried:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-            logger.warning("no %s worker left: %s failed", role, ", ".join(sorted(tried)))
-            raise RouterError(
+            raise RouterError(  # logged by the caller (the request's line), or waited out
                 grpc.StatusCode.UNAVAILABLE,
                 f"no {role} worker left: {len(tried)} failed and no other is registered and "
                 "available",
@@ -212,6 +212,8 @@ class WorkerCalls:
         except RouterError:
             if self.returns is None or not self.returns.restarting(role):
                 raise
+        failed = ", ".join(sorted(tried))
+        logger.info("no %s worker left to try (%s failed); waiting for one back", role, failed)
         await self.returns.wait((role,), deadline)
         tried -= {w.address for w in self.registry.workers(role) if not w.suspect}
         return pick()
@@ -273,5 +275,5 @@ class WorkerCalls:
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or tries >= limit:
                         raise self.error(stage, worker, exc) from None
                     logger.warning(
-                        "%s on %s failed (%s); trying another", stage, worker.address, exc.code()
+                        "%s on %s failed (%s); trying again", stage, worker.address, exc.code()
                     )

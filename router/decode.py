@@ -249,7 +249,7 @@ class DecodeStage:
                             raise self.calls.error("decode", worker, exc) from None
                         retrying = True
                         logger.warning(
-                            "decode on %s failed (%s); trying another", worker.address, code
+                            "decode on %s failed (%s); trying again", worker.address, code
                         )
                         continue  # the same handle, another worker
                     else:

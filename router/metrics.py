@@ -177,7 +177,8 @@ class RouterMetrics:
             refused.add_metric([reason], admission.refused[reason])
         retries = CounterMetricFamily(
             "epd:retries",
-            "Stage calls tried again on another worker after UNAVAILABLE, by stage.",
+            "Stage calls tried again after UNAVAILABLE (on another worker, or one back from a "
+            "restart), by stage.",
             labels=["stage"],
         )
         for stage in ("encode", "prefill", "decode"):

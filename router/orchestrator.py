@@ -276,10 +276,10 @@ class Orchestrator:
                 else:  # outputs that waited for later pieces outlived their leases
                     overlap = False
                 logger.warning(
-                    "request %s: %s; encoding again and prefilling %s",
+                    "request %s: %s; prefilling again%s (media not cached encoded again)",
                     job.request_id,
                     exc,
-                    "again" if lost_embeddings else "on another worker",
+                    "" if lost_embeddings else " (on another worker, or one back from a restart)",
                 )
 
     async def _encode_and_prefill_on(
