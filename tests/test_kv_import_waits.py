@@ -90,8 +90,10 @@ async def test_a_waiting_request_renews_at_once_and_stops_when_its_lease_is_gone
         assert refused.value.code == grpc.StatusCode.ABORTED
         assert "lease" in refused.value.details and "prefill again" in refused.value.details
         first, *rest = [t - started for t in peers.renewed_at]
-        assert first < 0.2 and len(rest) == 2  # at once, then every third of 0.3 s
-        assert rest[-1] < 1.0
+        # At once (the bug: after a third of the 10 s TTL; the bound leaves room for a busy
+        # machine's model thread, 0.63 s seen at load 33), then every third of 0.3 s.
+        assert first < 1.5 and len(rest) == 2
+        assert rest[-1] - first < 1.0
         assert peers.released == [("h", "L")]
         assert allocator.pool.num_used_blocks == 7
     finally:

@@ -92,7 +92,9 @@ async def test_cancel_mid_stream_cancels_decode(cluster, workers):
     assert got[1].token_ids == (101,)
     await stream.aclose()
     await asyncio.wait_for(dec.cancelled.wait(), 5)
-    assert pre.released == []  # the decode worker owns the lease by now
+    # The decode worker owns the lease by now. (Checked at once, this passed with the
+    # hand-over removed: the router's wrong release comes in the background; flaky review.)
+    assert await released(pre) == []
 
 
 async def test_deadline_cancels_in_flight_work(cluster, workers):
