@@ -83,6 +83,17 @@ def test_a_renewal_gives_a_lease_the_lifetime_it_was_given() -> None:
     assert shorter is not None and shorter.expires_at == clock.now + 12.0  # never earlier
 
 
+def test_an_expired_lease_not_yet_reaped_is_not_renewed() -> None:
+    # Revived, it would keep blocks the reaper was about to free, for a reader the holder
+    # already gave up on; no test held it (flaky review, s33).
+    clock = Clock()
+    table: LeaseTable[str] = LeaseTable(1.0, clock)
+    table.add("blocks", "r", lease_id="a")
+    clock.now += 2.0
+    assert table.renew("a") is None
+    assert [lease.lease_id for lease in table.pop_expired()] == ["a"]
+
+
 async def test_stopping_the_reaper_mid_way_leaves_the_rest_to_shutdown() -> None:
     # The reaper used to take every expired lease out of the table at once, then free them
     # one by one: stopped in between, the rest were lost to the worker's shutdown.
