@@ -18,6 +18,7 @@ logs. `stop` sends SIGTERM (workers first, so they drain), then kills what is le
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -214,10 +215,27 @@ def listening_pid(port: int) -> int:
 
 
 def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free on 127.0.0.1 now, below the range the kernel picks port-0 binds from:
+    the process given it binds it only seconds later, and meanwhile no worker, client or
+    UCX listener of the machine (each binding port 0) can take it (flaky review, s33)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10_000, low) if low > 10_001 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken: another
+                continue
+            return int(sock.getsockname()[1])
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for port 0 (Linux: 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _spawn(module: str, args: list[str], log: Path, root: Path = ROOT) -> subprocess.Popen[bytes]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
 from collections.abc import Generator
 from pathlib import Path
 
@@ -58,6 +59,13 @@ def pytest_configure(config: pytest.Config) -> None:
     and 850 MB of locked pytest folders on one machine)."""
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupt)
+    if "RAY_TMPDIR" not in os.environ:
+        # The Ray clusters tests start (`epd serve`, init_ray; their children inherit it)
+        # keep their session folders here, removed after the run, not under /tmp/ray for
+        # good (one per run; flaky review, s33). Short: Ray's sockets live under it.
+        folder = tempfile.mkdtemp(prefix="epdray-")
+        os.environ["RAY_TMPDIR"] = folder
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 def _interrupt(signum: int, _frame: object) -> None:

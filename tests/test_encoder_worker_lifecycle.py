@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from common.settings.schema import SettingsError
 from encoder_worker.settings import EncoderSettings
 from epd.v1 import encoder_service_pb2_grpc, registry_service_pb2, registry_service_pb2_grpc
 from tests.cluster import cluster_credentials, cluster_security
+from tests.cluster import free_port as cluster_free_port
 from tests.encoder_worker_helpers import (
     Factory,
     _image,
@@ -105,10 +105,7 @@ def test_settings_are_checked() -> None:
 
 @pytest.fixture
 def free_port() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    yield port
+    yield cluster_free_port()
 
 
 @pytest.mark.slow

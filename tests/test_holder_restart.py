@@ -5,7 +5,6 @@ their KV and failed, 24 and 17 in two runs of four)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 import types
 
@@ -18,17 +17,12 @@ from common.server.rpc import RpcStatusError, start_server
 from common.server.transport import RECONNECT_MAX_S
 from common.transfer.types import TransferError, TransferRefusedError
 from epd.v1 import prefill_service_pb2, prefill_service_pb2_grpc
+from tests.cluster import free_port
 
 
 class Holder(prefill_service_pb2_grpc.PrefillServiceServicer):
     async def ReleaseKv(self, request, context):
         return prefill_service_pb2.ReleaseKvResponse(released=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_a_confirmation_waits_out_the_channels_reconnect_back_off() -> None:

@@ -5,6 +5,7 @@ pools). Run in a child process, so that this one's environment and Ray stay unto
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,13 +39,15 @@ ray.shutdown()
 
 def test_a_caller_without_the_clusters_token_is_refused(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    if "RAY_TMPDIR" in os.environ:  # its session folder goes with the run's (conftest)
+        env["RAY_TMPDIR"] = os.environ["RAY_TMPDIR"]
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # 8 s alone, 59 s on a loaded machine
     )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
