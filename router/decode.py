@@ -266,7 +266,8 @@ class DecodeStage:
                             exc.details(),
                         )
                 finally:
-                    call.cancel()
+                    if finished is None:  # else the worker ends it with its status: a cancel
+                        call.cancel()  # racing that logged an ERROR there (raypools review)
             if finished is not None:
                 # The workers are done with it: a client that reads the last chunks slowly
                 # (or not at all) must not keep its KV reservation from other requests.

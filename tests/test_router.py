@@ -148,6 +148,7 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
         self.refuse_kv = 0  # answer this many calls ABORTED, as when the KV fails its checks
         self.per_chunk = 1  # tokens a chunk carries after the first (a worker's stream_interval)
         self.first_id = 101  # the answer's second token; each later one is one more
+        self.linger_s = 0.0  # between the last chunk and the status (a busy worker)
         self.cancelled = asyncio.Event()
 
     async def Decode(self, request, context):
@@ -184,6 +185,7 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
                 yield decode_service_pb2.DecodeResponse(
                     token_ids=rest[at : at + self.per_chunk], finish_reason=finish if last else 0
                 )
+            await asyncio.sleep(self.linger_s)
         except asyncio.CancelledError:
             self.cancelled.set()
             raise

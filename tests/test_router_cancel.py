@@ -97,6 +97,18 @@ async def test_cancel_mid_stream_cancels_decode(cluster, workers):
     assert await released(pre) == []
 
 
+async def test_a_finished_stream_is_left_to_end_with_its_status(cluster, workers):
+    # The router cancelled the decode call on the chunk with the finish reason, racing the
+    # worker's OK status: once in ~500 streams the worker logged an ERROR with a traceback
+    # (raypools review, s33).
+    _, _, dec = workers
+    dec.linger_s = 0.3
+    answer = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert answer.finish_reason == "length"
+    await asyncio.sleep(0.6)
+    assert not dec.cancelled.is_set()
+
+
 async def test_deadline_cancels_in_flight_work(cluster, workers):
     _, pre, _ = workers
     pre.hang = True
