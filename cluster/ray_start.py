@@ -98,9 +98,15 @@ def init_ray(settings: RaySettings, log_level: str = "warning") -> bool:
         except ConnectionError as exc:
             from common.settings.schema import SettingsError
 
+            token = ""  # Ray turns its token authentication on by itself for `auto` only
+            if settings.address != "auto" and not os.environ.get("RAY_AUTH_MODE"):
+                token = (  # (raypools review)
+                    ", or it takes Ray's token only: set RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN "
+                    "or RAY_AUTH_TOKEN_PATH unless it is in ~/.ray/auth_token)"
+                )
             raise SettingsError(
-                f"ray.address: no Ray cluster at {settings.address!r} ({exc}); start one "
-                "(`ray start --head`), or leave --address unset to start one here"
+                f"ray.address: no Ray cluster at {settings.address!r} answered ({exc}){token}; "
+                "start one (`ray start --head`), or leave --address unset to start one here"
             ) from None
         return False
     _token_auth()

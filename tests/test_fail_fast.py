@@ -236,6 +236,14 @@ def test_serve_address_auto_without_ray_is_one_line(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ray.address: no Ray cluster at 'auto'" in err, err
+    assert "RAY_AUTH_MODE" not in err  # Ray loads a token itself for `auto`
+    # Another address: a cluster that takes Ray's token only answers as if there were none,
+    # and Ray does not send one there unless told (raypools review, s33).
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(SystemExit):
+        main(["serve", "--address", "10.0.0.1:6379", "--insecure", "--router-port=0", *NO_HTTP])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "set RAY_AUTH_MODE=token" in err, err
 
 
 @pytest.mark.parametrize("fps", ["0", "-1", "nan"])
