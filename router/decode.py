@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -159,31 +159,17 @@ class DecodeStage:
         """The chunks after the first token, to the finish reason. `lease` follows the
         handle in `request` (the caller releases it while `owned`); `resumed`: the tokens
         the client already has, first one included (`Job.resumed`). Raises RouterError."""
-        tried: set[str] = set()
-        stepped: set[str] = set()  # tried, failed a step and serve on: the last resort
-        failed_steps = 0
-        reprefills = 0
-        migrations = 0
+        tries = _Tries()
         streamed = list(resumed[1:])  # tokens after the first one already sent to the client
-        retrying = migrating = False  # counted once another worker is found (`_pick` raises)
         while True:
-            reserved = ticket.workers.get(Role.DECODE)
-            if reserved is not None and reserved.address not in tried and not reserved.suspect:
-                worker = reserved
-            else:
-                need = ticket.need.blocks(Role.DECODE)
-                pick = functools.partial(self._pick, tried, stepped, need)  # none left: one
-                worker = await self.calls.pick_or_return(  # back from a restart
-                    Role.DECODE, tried, job.deadline, pick
-                )
-                self.admission.move(ticket, Role.DECODE, worker)
-            if retrying:
+            worker = await self._next_worker(job, ticket, tries)
+            if tries.retrying:
                 self.calls.retries["decode"] += 1
-            if migrating:
+            if tries.migrating:
                 self.metrics.migrations.inc()
                 self.metrics.tokens_recomputed.inc(len(streamed))
-            retrying = migrating = False
-            tried.add(worker.address)
+            tries.retrying = tries.migrating = False
+            tries.tried.add(worker.address)
             del request.resume_tokens[:]
             request.resume_tokens.extend(streamed)
             channel = self.channels.get(worker.address)
@@ -196,7 +182,7 @@ class DecodeStage:
                         if lease.owned:  # the decode worker has it once it answers
                             lease.owned = False
                             self.admission.release(ticket, Role.PREFILL)
-                        resuming = migrations or resumed
+                        resuming = tries.migrations or resumed
                         if resuming and not response.token_ids and not response.finish_reason:
                             continue  # the resumed worker's first chunk: nothing new
                         streamed.extend(response.token_ids)
@@ -207,64 +193,9 @@ class DecodeStage:
                     else:  # ended without a finish reason: a broken stream, not a whole answer
                         raise ended_early()
                 except grpc.aio.AioRpcError as exc:
-                    code = exc.code()
                     suspect_if_failed(self.registry, worker, exc, channel)
-                    if code == grpc.StatusCode.UNAVAILABLE and DECODE_STEP_FAILED in (
-                        exc.details() or ""
-                    ):
-                        # The worker failed one step and goes on serving: it may take the
-                        # stream again, but only when no other worker is left (`_pick`;
-                        # with one decode worker, the only place to). The retries below
-                        # stay bounded by `reprefills` and `migrations`, and the failed
-                        # steps themselves by `migrations` (by the attempts of a call while
-                        # the router still holds the handle: nothing was streamed yet).
-                        limit = self.calls.attempts if lease.owned else self.migrations
-                        if failed_steps >= limit:
-                            raise self.calls.error("decode", worker, exc) from None
-                        failed_steps += 1
-                        stepped.add(worker.address)
-                    if lease.owned and code == grpc.StatusCode.ABORTED:
-                        if reprefills >= self.reprefills:
-                            raise self.calls.error("decode", worker, exc) from None
-                        reprefills += 1
-                        self.metrics.reprefills.inc()
-                        tried.discard(worker.address)
-                        # Its holder did not serve the KV (frozen, slow, changed bytes): the
-                        # prompt goes to another prefill worker, unless it heartbeats first.
-                        # (Not when the decode worker never got to READ: its own congestion.)
-                        holder_side = NO_READ_STARTED not in (exc.details() or "")
-                        for held_on in self.registry.workers(Role.PREFILL):
-                            if holder_side and held_on.address == lease.address:
-                                self.registry.suspect(held_on)
-                        logger.warning(
-                            "request %s: decode on %s refused the KV (%s); prefilling again",
-                            job.request_id,
-                            worker.address,
-                            exc.details(),
-                        )
-                    elif code != grpc.StatusCode.UNAVAILABLE:
-                        raise self.calls.error("decode", worker, exc) from None
-                    elif lease.owned:
-                        if len(tried) >= self.calls.attempts:
-                            raise self.calls.error("decode", worker, exc) from None
-                        retrying = True
-                        logger.warning(
-                            "decode on %s failed (%s); trying again", worker.address, code
-                        )
-                        continue  # the same handle, another worker
-                    else:
-                        if migrations >= self.migrations:
-                            raise self.calls.error("decode", worker, exc) from None
-                        migrations += 1
-                        migrating = True
-                        logger.warning(
-                            "request %s: decode stream on %s broke after %d tokens (%s); "
-                            "resuming on a decode worker not tried yet, if there is one",
-                            job.request_id,
-                            worker.address,
-                            1 + len(streamed),
-                            exc.details(),
-                        )
+                    if self._same_handle_again(exc, job, worker, lease, tries, len(streamed)):
+                        continue
                 finally:
                     if finished is None:  # else the worker ends it with its status: a cancel
                         call.cancel()  # racing that logged an ERROR there (raypools review)
@@ -281,6 +212,99 @@ class DecodeStage:
             again, holder = await prefill_again()
             request.kv.CopyFrom(again.kv)
             lease.renew(again, holder)
+
+    async def _next_worker(self, job: Job, ticket: Ticket, tries: _Tries) -> WorkerRecord:
+        """The ticket's decode worker while it is untried and trusted, else another
+        (`_pick`; none left: one back from a restart), moved onto the ticket."""
+        reserved = ticket.workers.get(Role.DECODE)
+        if reserved is not None and reserved.address not in tries.tried and not reserved.suspect:
+            return reserved
+        need = ticket.need.blocks(Role.DECODE)
+        pick = functools.partial(self._pick, tries.tried, tries.stepped, need)
+        worker = await self.calls.pick_or_return(Role.DECODE, tries.tried, job.deadline, pick)
+        self.admission.move(ticket, Role.DECODE, worker)
+        return worker
+
+    def _same_handle_again(
+        self,
+        exc: grpc.aio.AioRpcError,
+        job: Job,
+        worker: WorkerRecord,
+        lease: KvLease,
+        tries: _Tries,
+        streamed: int,
+    ) -> bool:
+        """After `worker`'s stream failed with `exc`: True to send the same handle to
+        another worker (the router still owns the lease: nothing was streamed), False for a
+        fresh handle first (the KV refused: prefill again; the stream broke after its first
+        chunk: resume). Raises RouterError when that kind of try is spent, or for a failure
+        no other worker can help (the worker's error, passed on)."""
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE and DECODE_STEP_FAILED in (exc.details() or ""):
+            # The worker failed one step and goes on serving: it may take the stream again,
+            # but only when no other worker is left (`_pick`; with one decode worker, the
+            # only place to). The retries below stay bounded by `reprefills` and
+            # `migrations`, and the failed steps themselves by `migrations` (by the attempts
+            # of a call while the router still holds the handle: nothing was streamed yet).
+            limit = self.calls.attempts if lease.owned else self.migrations
+            if tries.failed_steps >= limit:
+                raise self.calls.error("decode", worker, exc) from None
+            tries.failed_steps += 1
+            tries.stepped.add(worker.address)
+        if lease.owned and code == grpc.StatusCode.ABORTED:
+            if tries.reprefills >= self.reprefills:
+                raise self.calls.error("decode", worker, exc) from None
+            tries.reprefills += 1
+            self.metrics.reprefills.inc()
+            tries.tried.discard(worker.address)
+            # Its holder did not serve the KV (frozen, slow, changed bytes): the prompt goes
+            # to another prefill worker, unless it heartbeats first. (Not when the decode
+            # worker never got to READ: its own congestion.)
+            if NO_READ_STARTED not in (exc.details() or ""):
+                for held_on in self.registry.workers(Role.PREFILL):
+                    if held_on.address == lease.address:
+                        self.registry.suspect(held_on)
+            logger.warning(
+                "request %s: decode on %s refused the KV (%s); prefilling again",
+                job.request_id,
+                worker.address,
+                exc.details(),
+            )
+            return False
+        if code != grpc.StatusCode.UNAVAILABLE:
+            raise self.calls.error("decode", worker, exc) from None
+        if lease.owned:
+            if len(tries.tried) >= self.calls.attempts:
+                raise self.calls.error("decode", worker, exc) from None
+            tries.retrying = True
+            logger.warning("decode on %s failed (%s); trying again", worker.address, code)
+            return True  # the same handle, another worker
+        if tries.migrations >= self.migrations:
+            raise self.calls.error("decode", worker, exc) from None
+        tries.migrations += 1
+        tries.migrating = True
+        logger.warning(
+            "request %s: decode stream on %s broke after %d tokens (%s); "
+            "resuming on a decode worker not tried yet, if there is one",
+            job.request_id,
+            worker.address,
+            1 + streamed,
+            exc.details(),
+        )
+        return False
+
+
+@dataclass(slots=True)
+class _Tries:
+    """One stream's tries so far; each kind is bounded (`DecodeStage._same_handle_again`)."""
+
+    tried: set[str] = field(default_factory=set)  # decode workers tried
+    stepped: set[str] = field(default_factory=set)  # tried, failed a step, serve on: last resort
+    failed_steps: int = 0
+    reprefills: int = 0  # prefills again after a worker refused the KV
+    migrations: int = 0  # resumes after a stream broke
+    retrying: bool = False  # counted once another worker is found (`_pick` may raise)
+    migrating: bool = False
 
 
 # A decode stream that ends with status OK but no finish reason: handled as a stream that
