@@ -175,7 +175,7 @@ def decode_request(
     return decode_service_pb2.DecodeRequest(
         request_id=rid,
         prompt_token_ids=list(tokens),
-        multimodal=params_to_proto(params.without_embeddings()),
+        multimodal=params_to_proto(MultimodalParams(params.items, {}, params.mrope_position_delta)),
         sampling=sampling_to_proto(sampling),
         first_token_id=reply.first_token_id,
         kv=reply.kv,

@@ -43,7 +43,6 @@ def test_valid_runs_build_items() -> None:
     assert params.items[1].runs == ((10, 4),)
     assert params.items[0].uuid == "a" and params.items[1].uuid is None
     assert params.lengths == [5, 4] and params.positions == [2, 10]
-    assert params.run_row_offsets.tolist() == [0, 3, 0]
     assert params.run_items.tolist() == [0, 0, 1]
 
 

@@ -214,14 +214,6 @@ class MultimodalParams:
         counts = np.diff(self.item_run_cu_offsets)
         return np.repeat(np.arange(len(self.items), dtype=np.int64), counts)
 
-    @cached_property
-    def run_row_offsets(self) -> IntArray:
-        """Item-local row index of each run's first token: rows placed by earlier runs."""
-        cu = self.item_run_cu_offsets
-        lengths = self.run_lengths
-        prior = np.cumsum(lengths) - lengths  # rows before each run, across all items
-        return prior - prior[cu[:-1]][self.run_items] if len(lengths) else prior
-
     def placeholder_mask(self, num_tokens: int) -> npt.NDArray[np.bool_]:
         """Boolean mask over the prompt marking every placeholder token of every item."""
         self.check_fits(num_tokens)
@@ -294,10 +286,6 @@ class MultimodalParams:
         from common.wire.convert import params_from_proto
 
         return params_from_proto(msg)
-
-    def without_embeddings(self) -> MultimodalParams:
-        """The same layout with no embeddings attached."""
-        return MultimodalParams(self.items, {}, self.mrope_position_delta)
 
 
 def runs_from_mask(
