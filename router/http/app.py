@@ -46,7 +46,7 @@ from common.settings.schema import SettingsError
 from common.tasks import cancel_and_wait
 from epd.v1 import router_service_pb2
 from router.held import HeldBytes, decoded_bytes
-from router.http.body import CALLER_KEY, HELD_KEY, identify, limit_body
+from router.http.body import ARRIVED_KEY, CALLER_KEY, HELD_KEY, identify, limit_body
 from router.http.connections import ConnectionStats
 from router.http.convert import as_sent, chat_request, completion_request, names_media
 from router.http.errors import ApiError, api_error, model_not_found
@@ -205,7 +205,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(who: Who, raw: Request) -> Response:
-        arrived = time.monotonic()  # TTFT counts reading its body, parsing it and its media
+        arrived = raw.scope.get(ARRIVED_KEY, time.monotonic())  # TTFT counts the body's upload
         with counted(who):
             body = await parsed(raw, ChatCompletionRequest, who)
             request_id = uuid.uuid4().hex
@@ -228,7 +228,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(who: Who, raw: Request) -> Response:
-        arrived = time.monotonic()
+        arrived = raw.scope.get(ARRIVED_KEY, time.monotonic())
         with counted(who):
             body = await parsed(raw, CompletionRequest, who)
             request = completion_request(body, uuid.uuid4().hex)

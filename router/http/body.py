@@ -44,6 +44,7 @@ once.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ HELD_KEY = "epd.held"  # ASGI scope: the `BodyHold` of the request's body
 # (`router.outcomes`).
 COUNTED_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 CALLER_KEY = "epd.caller"  # ASGI scope: who `limit_body` let send a body (POST)
+ARRIVED_KEY = "epd.arrived"  # ASGI scope: time.monotonic() once the request's head was read
 
 
 @dataclass(slots=True)
@@ -221,6 +223,7 @@ def limit_body(
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
+        scope[ARRIVED_KEY] = time.monotonic()  # TTFT's start: its body's upload counts
         raw = scope.get("headers", ())
         headers = dict(raw)
         length = headers.get(b"content-length")
