@@ -29,10 +29,13 @@ class NoWorkerError(Exception):
 
     def __init__(self, role: Role, refused: int = 0, workers: Sequence[WorkerRecord] = ()) -> None:
         # Refused ones (a version mismatch, another model) and draining ones (`workers`, the
-        # role's registered ones): clients saw only "no worker", though `epd status` listed it.
+        # role's registered ones; an operator's drain apart from a stop or a retirement, which
+        # undrain cannot undo): clients saw only "no worker", though `epd status` listed them.
         why = f" ({refused} refused at registration: `epd status` says why)" if refused else ""
-        if draining := sum(w.draining for w in workers):
-            why += f" ({draining} draining: `epd undrain` takes it back)"
+        if drained := sum(w.drain_requested for w in workers if w.draining):
+            why += f" ({drained} drained: `epd undrain` takes it back)"
+        if leaving := sum(not w.drain_requested for w in workers if w.draining):
+            why += f" ({leaving} stopping or retired)"
         super().__init__(f"no {role} worker is registered and available{why}")
         self.role = role
 

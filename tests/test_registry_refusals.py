@@ -73,7 +73,13 @@ def test_a_request_without_a_worker_says_how_many_drain(registry: Registry) -> N
 
     worker = registry.register(info(Role.DECODE, 3))
     registry.drain(worker.address)
-    with pytest.raises(NoWorkerError, match=r"available \(1 draining: `epd undrain`"):
+    with pytest.raises(NoWorkerError, match=r"available \(1 drained: `epd undrain` takes") as e:
+        registry.pick(Role.DECODE)
+    assert "stopping" not in str(e.value)
+    # One the deployment retires (or that stops) is not the operator's to take back.
+    registry.undrain(worker.address)
+    registry.retire(worker.name)
+    with pytest.raises(NoWorkerError, match=r"available \(1 stopping or retired\)$"):
         registry.pick(Role.DECODE)
 
 
