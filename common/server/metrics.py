@@ -13,6 +13,7 @@ when `/metrics` is scraped. `MetricsEndpoint.start` serves a registry on `host:p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -90,10 +91,11 @@ def kv_pool_metrics(pool: BlockPool) -> list[Any]:
 
 
 # A `/metrics` endpoint serves at most this many connections at once (one past it is closed
-# as it opens), each closed after this long without a byte: the port needs no credentials,
-# and 400 silent connections held a worker's 370 threads (metrics review, s33).
+# as it opens), each for at most this long, whatever it sends: the port needs no
+# credentials, and 400 silent connections held a worker's 370 threads (metrics review, s33);
+# a per-read timeout let a client trickling a byte at a time keep its place (own-fix review).
 MAX_SCRAPERS = 32
-SCRAPE_IDLE_S = 10.0
+SCRAPE_S = 10.0
 
 
 class _Scrapes(ThreadingMixIn, WSGIServer):
@@ -124,9 +126,24 @@ class _Scrapes(ThreadingMixIn, WSGIServer):
 
 
 class _Scrape(WSGIRequestHandler):
-    """One connection: silent (no access log), closed after `SCRAPE_IDLE_S` idle."""
+    """One connection: silent (no access log), cut `limit_s` after it opened (a blocked read
+    or write then ends as the client's hang-up, which wsgiref passes over quietly)."""
 
-    timeout = SCRAPE_IDLE_S
+    limit_s = SCRAPE_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.cut = threading.Timer(self.limit_s, self._cut)
+        self.cut.daemon = True
+        self.cut.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self.cut.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
