@@ -48,12 +48,16 @@ _FORGERS = frozenset("\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u20
 
 def shown_id(request_id: str) -> str:
     """A caller's request id as log lines and workers show it: as it is when it is one word
-    (letters, digits, `-_.:/@+=#`), else quoted and escaped. A tenant's id "x (tenant-b)
-    length: ..." made its request's log line read as another tenant's (metrics review)."""
-    return request_id if _ONE_WORD.fullmatch(request_id) else ascii(request_id)
+    (letters, digits, `-_.:/@+=#`), else quoted, what does not print escaped (other scripts
+    stay readable). A tenant's id "x (tenant-b) length: ..." made its request's log line
+    read as another tenant's (metrics review)."""
+    plain = _ONE_WORD.fullmatch(request_id) and not _BLANK_LETTERS.intersection(request_id)
+    return request_id if plain else repr(request_id)
 
 
 _ONE_WORD = re.compile(r"[\w\-.:/@+=#]*")
+# Letters that print as blanks (Hangul fillers): "a\u3164b" reads as two words.
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0")
 
 
 def shown_text(text: str, limit: int = 200) -> str:

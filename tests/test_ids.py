@@ -34,3 +34,5 @@ def test_an_id_of_several_words_cannot_pass_for_another_tenants_line(
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith(f"request {forged!r} (tenant-a) length:"), line
     assert shown_id("a\u202eb") == "'a\\u202eb'"  # and what could reorder a line, escaped
+    assert shown_id("سلام دنیا") == "'سلام دنیا'"  # other scripts stay readable (own-fix)
+    assert shown_id("a\u3164b") == "'a\u3164b'"  # a letter that prints blank: two words
