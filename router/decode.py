@@ -34,6 +34,7 @@ Counted in the router's metrics (`epd:decode_migrations`: streams resumed,
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -59,6 +60,11 @@ from router.registry import Registry
 from router.workers import WorkerRecord
 
 logger = logging.getLogger(__name__)
+
+# A decode call whose stream reached its finish reason ends with the worker's status; one
+# that has not within this long is cancelled (cancelled at once, it raced that status and
+# the worker logged an ERROR: raypools review; left alone, it could stay until its deadline).
+FINISHED_CALL_S = 2.0
 
 # Prefill the job's prompt again (admitted, encoded where needed): response and holder.
 PrefillAgain = Callable[[], Awaitable[tuple[prefill_service_pb2.PrefillResponse, str]]]
@@ -125,6 +131,7 @@ class DecodeStage:
         self.reprefills = reprefills  # prefills again after decode refused the KV (ABORTED)
         self.migrations = migrations  # resumes of one stream after its decode worker failed
         self.metrics = metrics  # reprefills, migrations, tokens_recomputed
+        self._ending: set[asyncio.Task[None]] = set()  # finished calls' waits for a status
 
     def _pick(self, tried: set[str], stepped: set[str], need: int = 0) -> WorkerRecord:
         """The least loaded decode worker not in `tried` whose pool holds `need` blocks (as
@@ -197,8 +204,12 @@ class DecodeStage:
                     if self._same_handle_again(exc, job, worker, lease, tries, len(streamed)):
                         continue
                 finally:
-                    if finished is None:  # else the worker ends it with its status: a cancel
-                        call.cancel()  # racing that logged an ERROR there (raypools review)
+                    if finished is None:
+                        call.cancel()
+                    else:
+                        task = asyncio.get_running_loop().create_task(_let_end(call))
+                        self._ending.add(task)
+                        task.add_done_callback(self._ending.discard)
             if finished is not None:
                 # The workers are done with it: a client that reads the last chunks slowly
                 # (or not at all) must not keep its KV reservation from other requests.
@@ -305,6 +316,15 @@ class _Tries:
     migrations: int = 0  # resumes after a stream broke
     retrying: bool = False  # counted once another worker is found (`_pick` may raise)
     migrating: bool = False
+
+
+async def _let_end(call: grpc.aio.UnaryStreamCall) -> None:
+    """Wait for a finished call's status; cancel it past `FINISHED_CALL_S`."""
+    try:
+        async with asyncio.timeout(FINISHED_CALL_S):
+            await call.code()
+    except TimeoutError:
+        call.cancel()
 
 
 # A decode stream that ends with status OK but no finish reason: handled as a stream that

@@ -109,6 +109,20 @@ async def test_a_finished_stream_is_left_to_end_with_its_status(cluster, workers
     assert not dec.cancelled.is_set()
 
 
+async def test_a_finished_stream_without_its_status_is_cancelled_in_time(
+    cluster, workers, monkeypatch
+):
+    # Left alone, it held a call (and the worker's stream) until the request's deadline.
+    import router.decode
+
+    monkeypatch.setattr(router.decode, "FINISHED_CALL_S", 0.3)
+    _, _, dec = workers
+    dec.linger_s = 30.0
+    answer = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4))
+    assert answer.finish_reason == "length"
+    await asyncio.wait_for(dec.cancelled.wait(), 3)
+
+
 async def test_deadline_cancels_in_flight_work(cluster, workers):
     _, pre, _ = workers
     pre.hang = True
