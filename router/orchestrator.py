@@ -276,10 +276,11 @@ class Orchestrator:
                 else:  # outputs that waited for later pieces outlived their leases
                     overlap = False
                 logger.warning(
-                    "request %s: %s; prefilling again%s (media not cached encoded again)",
+                    "request %s: %s; prefilling again%s%s",
                     job.request_id,
                     exc,
                     "" if lost_embeddings else " (on another worker, or one back from a restart)",
+                    ", media not cached encoded again" if job.prompt.params.items else "",
                 )
 
     async def _encode_and_prefill_on(

@@ -286,7 +286,6 @@ class RouterSettings(ServerSettings):
             "encoder_affinity_slack",
             "decode_migrations",
             "kv_reprefills",
-            "grace_s",
         )
         check_positive(
             self,

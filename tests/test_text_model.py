@@ -307,9 +307,10 @@ def test_decode_matches_reference(models):
 
 
 def test_kv_lands_at_each_tokens_block_and_offset(models):
-    # The model's own writes (prefill, then a decode step without and with contiguous
-    # rows): position p's K/V of every layer at block table[p // BLOCK], slot p % BLOCK, and
-    # nothing anywhere else; the same values whichever blocks the table names.
+    # The model's own writes (prefill, then a decode step reading the blocks; the runner's
+    # step with contiguous rows is held by test_packed_prefill's running rows): position
+    # p's K/V of every layer at block table[p // BLOCK], slot p % BLOCK, and nothing
+    # anywhere else; the same values whichever blocks the table names.
     _, _, model = models
     case = build_case(CASES["text"], seed=7)  # 21 tokens: blocks of 8, 8 and 5
     n = len(case.token_ids)

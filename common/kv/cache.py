@@ -17,7 +17,7 @@ descriptor (`merged_descriptors`). A layer-major layout would instead cut a bloc
 `num_layers` small descriptors, which NIXL moves several times slower.
 
 Token position `p` of a sequence whose block table is `bt` lives in block `bt[p // S]` at
-slot offset `p % S`; its *flat slot id* is `bt[p // S] * S + p % S`.
+slot offset `p % S` (`token_slots`).
 
 This module stores and moves bytes only. Which blocks a sequence owns, and who frees them,
 is the `BlockPool`'s business: the cache never allocates or frees a block id.
