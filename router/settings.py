@@ -286,6 +286,7 @@ class RouterSettings(ServerSettings):
             "encoder_affinity_slack",
             "decode_migrations",
             "kv_reprefills",
+            "grace_s",  # ignored, but a number like the others
         )
         check_positive(
             self,
