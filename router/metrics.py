@@ -262,12 +262,13 @@ class RouterMetrics:
                 closed = CounterMetricFamily(
                     "epd:http_connections_closed",
                     "HTTP connections the router closed, by reason (cap, header_timeout, "
-                    "body_timeout).",
+                    "body_timeout, unread).",
                     labels=["reason"],
                 )
                 closed.add_metric(["cap"], connections.closed_at_cap)
                 closed.add_metric(["header_timeout"], connections.closed_late)
                 closed.add_metric(["body_timeout"], connections.closed_body_late)
+                closed.add_metric(["unread"], connections.closed_unread)
                 families += [
                     gauge("epd:http_connections", "HTTP connections open now.", connections.open),
                     closed,

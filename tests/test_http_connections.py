@@ -7,6 +7,7 @@ while requests on the others are answered as ever. A body that does not arrive w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import logging
@@ -119,6 +120,31 @@ async def test_a_connection_past_the_cap_is_closed_as_it_opens(strict: FakeClust
     page = await asyncio.to_thread(metrics_page, url_of(strict))
     assert 'epd:http_connections_closed_total{reason="cap"} 1.0' in page
     assert "epd:http_connections 1.0" in page  # the scrape's own
+
+
+async def test_a_connection_whose_answers_go_unread_is_closed(strict: FakeCluster) -> None:
+    # Requests pipelined without reading an answer: once the buffers filled, uvicorn waited
+    # to write for ever and the head timer never ran again (held 68 s and on, from a caller
+    # without a key; httpattack review, s33).
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(host_port(strict))
+    request = f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_KEY}\r\n\r\n"
+    sock.settimeout(0.5)
+    try:
+        with contextlib.suppress(TimeoutError):  # the router stopped reading: it waits to write
+            for _ in range(2000):
+                sock.sendall(request.encode() * 8)
+                await asyncio.sleep(0)
+        for _ in range(100):  # http_header_timeout_s 0.5 of unread answers, then closed
+            page = await asyncio.to_thread(metrics_page, url_of(strict))
+            if 'epd:http_connections_closed_total{reason="unread"} 1.0' in page:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the connection was not closed")
+    finally:
+        sock.close()
 
 
 def metrics_page(url: str) -> str:

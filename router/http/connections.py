@@ -10,7 +10,9 @@ so enough of them (one machine can open thousands) would leave the router unable
 a worker's registration. Here a connection past the cap is answered 503 and closed as it
 opens, before it costs anything more, and one without a complete request head in time is
 closed then. A request whose head has arrived has `request_timeout_s` for its body
-(`router.http.body`).
+(`router.http.body`). A connection whose answers wait, its buffers full, for a client that
+reads nothing of them for `http_header_timeout_s` is closed too: pipelining requests and
+reading none of the answers held one for good, the head timer never running again.
 
 Every connection sends without Nagle's delay (TCP_NODELAY). asyncio sets it only on sockets
 made with `IPPROTO_TCP` named, and the router's listening socket (bound before uvicorn
@@ -85,6 +87,7 @@ class ConnectionStats:
     closed_at_cap: int = 0  # closed as they opened, past `http_max_connections`
     closed_late: int = 0  # closed without a whole request head in time
     closed_body_late: int = 0  # closed without a whole body in time (`router.http.body`)
+    closed_unread: int = 0  # closed with answers the client had read nothing of in time
 
 
 def bounded_protocol(
@@ -95,6 +98,7 @@ def bounded_protocol(
 
     class Bounded(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _read_timer: asyncio.TimerHandle | None = None  # while writing is paused
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -115,8 +119,27 @@ def bounded_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()
+            if self._read_timer is not None:
+                self._read_timer.cancel()
             super().connection_lost(exc)
             stats.open = len(self.connections)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._read_timer is None:
+                self._read_timer = self.loop.call_later(header_timeout_s, self._unread)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _unread(self) -> None:
+            self._read_timer = None
+            if not self.transport.is_closing():
+                stats.closed_unread += 1
+                self.transport.abort()  # close() would wait to send what nobody reads
 
         def _expect_head(self) -> None:
             self._stop_waiting()
