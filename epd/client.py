@@ -219,8 +219,8 @@ class Client:
         With several routers, a stream whose router fails (UNAVAILABLE) goes on at the next
         one: from the start if no token had come, else resumed after the tokens received
         (`GenerateRequest.resume_tokens`; greedy and seeded answers are token for token the
-        same); a request with `stop` strings is not resumed (GenerateError). A failure after
-        the chunk with the finish reason ends the stream quietly: the answer is whole."""
+        same in float32); a request with `stop` strings is not resumed (GenerateError). A
+        failure after the chunk with the finish reason ends the stream quietly."""
         request = build_request(
             messages,
             sampling,
