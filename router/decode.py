@@ -44,6 +44,7 @@ import grpc
 
 from common.errors import DECODE_STEP_FAILED, NO_READ_STARTED
 from common.roles import Role
+from common.sampling import SamplingParams, StopChecker
 from common.server.peers import PeerClient, stream_uncut
 from epd.v1 import (
     decode_service_pb2,
@@ -86,13 +87,18 @@ class KvLease:
 
 
 def check_resume(
-    request: router_service_pb2.GenerateRequest, max_tokens: int, vocab_size: int | None = None
+    request: router_service_pb2.GenerateRequest,
+    max_tokens: int,
+    vocab_size: int | None = None,
+    ends: tuple[StopChecker, SamplingParams] | None = None,
 ) -> tuple[int, ...]:
     """`request.resume_tokens` as a tuple, or InputError naming the field: fewer than
-    `max_tokens`, each in `[0, vocab_size)`, and not with stop strings (text a failed router
-    held back for a possible stop string never reached the client, so it could not be
-    resumed exactly). Checked before any worker is called; the decode worker checks them
-    again against its vocabulary and stop tokens."""
+    `max_tokens`, each in `[0, vocab_size)`, none ending the answer (by `ends`: the model's
+    stop checker and the request's sampling; else found only once the request was encoded
+    and prefilled, by the decode worker, and reported as its failure), and not with stop
+    strings (text a failed router held back for a possible stop string never reached the
+    client, so it could not be resumed exactly). Checked before any worker is called; the
+    decode worker checks them again."""
     count = len(request.resume_tokens)  # counted before copied: a request may hold millions
     if not count:
         return ()
@@ -107,6 +113,11 @@ def check_resume(
         raise InputError("resume_tokens", f"token id {max(tokens)} is outside the vocab")
     if request.stop:
         raise InputError("resume_tokens", "a request with stop strings cannot be resumed")
+    if ends is not None:
+        stop, sampling = ends
+        for i, token in enumerate(tokens):
+            if stop.check(sampling, token, i + 1) is not None:
+                raise InputError("resume_tokens", f"the answer already ended at token {i}")
     return tokens
 
 

@@ -104,10 +104,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         self.auth = auth  # who is calling (None: insecure, no tenants)
         self.salt_key = salt_key  # the cluster key tenant salts are derived under
         share = settings.tenant_share_for(auth.client_tenants if auth else 0)
-        # Bytes of the requests both front doors hold now (`router.held`).
-        self.held = HeldBytes(
-            settings.requests_in_flight_mb << 20, settings.max_message_mb << 20, tenant_share=share
-        )
+        most, largest = settings.requests_in_flight_mb << 20, settings.max_message_mb << 20
+        self.held = HeldBytes(most, largest, tenant_share=share)  # both front doors' requests
         self.prepare_threads = PrepareThreads(share)  # the threads requests are prepared on
         # Waits for a restarting role's workers (`router.returns`; follows `serve`'s registry).
         self.returns = Returns(
@@ -208,7 +206,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 if fit_max_tokens:  # a default: cut to the decode pool too
                     admission = self.orchestrator.admission
                     sampling = fitted_to_decode(admission, sampling, len(prompt.prompt_token_ids))
-                resumed = check_resume(request, sampling.max_tokens, vocab)
+                ends = (self.orchestrator.stop, sampling)
+                resumed = check_resume(request, sampling.max_tokens, vocab, ends)
             except BaseException as exc:
                 media.give_back()
                 if not isinstance(exc, InputError | FieldError):

@@ -7,6 +7,7 @@ fake workers)."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from common.roles import Role
@@ -121,3 +122,40 @@ def test_too_many_resume_tokens_are_refused_by_their_count_before_any_is_copied(
     request = types.SimpleNamespace(resume_tokens=Many(), stop=[])
     with pytest.raises(InputError, match="250000000 tokens leave none"):
         check_resume(request, 8)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tokens", [[4, 7], [7], [4, 9]])
+def test_resume_tokens_that_already_end_the_answer_are_refused_up_front(
+    tokens: list[int],
+) -> None:
+    # Refused only by the decode worker, after the prompt was encoded and prefilled, as its
+    # failure ("decode failed: ...", no epd-field); and a first token that ended the answer
+    # was taken (nodeclient review, s33). 7: an EOS; 9: a stop token of the request's.
+    from common.sampling import StopChecker
+
+    ends = (StopChecker(frozenset({7})), SamplingParams(max_tokens=8, stop_token_ids=[9]))
+    with pytest.raises(InputError) as info:
+        check_resume(_request(tokens), 8, vocab_size=100, ends=ends)
+    assert info.value.field == "resume_tokens"
+    assert f"already ended at token {len(tokens) - 1}" in str(info.value)
+    assert check_resume(_request([4, 5]), 8, vocab_size=100, ends=ends) == (4, 5)
+
+
+async def test_a_router_refuses_a_resume_that_already_ended_before_any_worker(ckpt) -> None:
+    cluster = await test_router.start_router(ckpt)
+    try:
+        prefill = FakePrefill()
+        await cluster.add(Role.ENCODER, FakeEncoder())
+        await cluster.add(Role.PREFILL, prefill)
+        await cluster.add(Role.DECODE, FakeDecode())
+        eos = cluster.router.orchestrator.processor.eos_token_ids[0]
+        request = build_request(TEXT, SamplingParams(max_tokens=8))
+        request.resume_tokens.extend([4, eos])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in cluster.client._router.Generate(request):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ("epd-field", "resume_tokens") in tuple(info.value.trailing_metadata() or ())
+        assert prefill.requests == []
+    finally:
+        await cluster.close()
