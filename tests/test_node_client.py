@@ -2,7 +2,8 @@
 another language with nothing but the .proto files.
 
 The test installs `@grpc/grpc-js` and `@grpc/proto-loader` from the npm registry into a
-temporary folder, loads protos/epd/v1/router_service.proto at run time, sends a text chat
+temporary folder and runs docs/clients.md's script: it loads
+protos/epd/v1/router_service.proto at run time, sends a text chat
 with the deployment's client key and compares the token ids with the Python client's. It
 skips, naming the reason, where `node` or `npm` is absent or the npm registry cannot be
 reached.
@@ -27,35 +28,19 @@ from tests.cluster import Cluster, start_cluster
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("@grpc/grpc-js", "@grpc/proto-loader")
+PACKAGES = ("@grpc/grpc-js@^1.14", "@grpc/proto-loader@^0.8")  # as docs/clients.md says
 PROMPT = "Say something about the sea."
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
-# argv: proto root, router address, API key, prompt, max tokens. Prints the token ids as JSON.
-SCRIPT = """
-const path = require("path");
-const grpc = require("@grpc/grpc-js");
-const loader = require("@grpc/proto-loader");
-const [protoRoot, address, key, prompt, maxTokens] = process.argv.slice(2);
-const definition = loader.loadSync(path.join(protoRoot, "epd/v1/router_service.proto"), {
-  keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true,
-  includeDirs: [protoRoot],
-});
-const epd = grpc.loadPackageDefinition(definition).epd.v1;
-const client = new epd.RouterService(address, grpc.credentials.createInsecure());
-const metadata = new grpc.Metadata();
-metadata.add("authorization", `Bearer ${key}`);
-const request = {
-  request_id: "node-1",
-  messages: [{ role: "user", content: [{ text: prompt }] }],
-  sampling: { temperature: 0, max_tokens: Number(maxTokens), ignore_eos: true },
-};
-const ids = [];
-const call = client.Generate(request, metadata, { deadline: Date.now() + 60000 });
-call.on("data", (response) => ids.push(...response.token_ids));
-call.on("error", (err) => { console.error(`${err.code} ${err.details}`); process.exit(1); });
-call.on("end", () => { console.log(JSON.stringify(ids)); client.close(); });
-"""
+DOC = ROOT / "docs" / "clients.md"
+MARK = "<!-- tests/test_node_client.py runs the next block -->"
+
+
+def doc_script() -> str:
+    """docs/clients.md's Node.js client (argv: proto root, router address, API key, prompt,
+    max tokens; prints the token ids as JSON), so that the page cannot go stale."""
+    after = DOC.read_text().split(MARK, 1)[1]
+    return after.split("```js\n", 1)[1].split("```", 1)[0]
 
 
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -79,7 +64,7 @@ def node_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [npm, "install", "--prefix", str(folder), "--no-audit", "--no-fund", *PACKAGES], 180
     )
     assert install.returncode == 0, install.stderr
-    (folder / "generate.js").write_text(SCRIPT)
+    (folder / "generate.js").write_text(doc_script())
     return folder
 
 
