@@ -133,7 +133,7 @@ def test_resume_tokens_that_already_end_the_answer_are_refused_up_front(
     # was taken (nodeclient review, s33). 7: an EOS; 9: a stop token of the request's.
     from common.sampling import StopChecker
 
-    ends = (StopChecker(frozenset({7})), SamplingParams(max_tokens=8, stop_token_ids=[9]))
+    ends = (StopChecker(frozenset({7})), SamplingParams(max_tokens=8, stop_token_ids=(9,)))
     with pytest.raises(InputError) as info:
         check_resume(_request(tokens), 8, vocab_size=100, ends=ends)
     assert info.value.field == "resume_tokens"

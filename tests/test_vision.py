@@ -139,8 +139,8 @@ def test_processor_output_encodes_to_item_lengths(ckpt: Path, tower: VisionTower
     _, h, w = prompt.grid_thw[1]
     codes = prompt.pixel_values[1][part.input_start : part.input_end]
     assert prompt.settings is not None
-    frames = (part.input_end - part.input_start) // (h * w)
-    part_grid = torch.tensor([[frames, h, w]])
+    temporal = (part.input_end - part.input_start) // (h * w)
+    part_grid = torch.tensor([[temporal, h, w]])
     part_rows, _ = tower.encode(as_patch_values(codes, prompt.settings), part_grid)
     first = video.partitions[0].output_rows
     torch.testing.assert_close(
