@@ -343,3 +343,14 @@ class StopChecker:
     ) -> FinishReason | None:
         """See `finish_reason`."""
         return finish_reason(params, token_id, num_output_tokens, self.eos_token_ids)
+
+    def first_end(self, params: SamplingParams, tokens: Sequence[int]) -> int | None:
+        """The index of the first of `tokens` that ends an answer under `params` (a stop
+        token, or an EOS unless `ignore_eos`; `max_tokens` aside), else None. Set lookups:
+        a resume of 262k tokens against 1024 stop ids took 2.8 s token by token."""
+        ending = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ending.update(self.eos_token_ids)
+        if ending.isdisjoint(tokens):
+            return None
+        return next(i for i, token in enumerate(tokens) if token in ending)

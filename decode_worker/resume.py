@@ -33,14 +33,16 @@ def resume_tokens(
             f"generate under max_tokens {sampling.max_tokens}",
         )
     vocab = runner.config.text.vocab_size
-    for i, token in enumerate([request.first_token_id, *resume]):
-        if not 0 <= token < vocab:
-            raise RpcStatusError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"resume_tokens: {token} outside the vocab"
-            )
-        if runner.stop.check(sampling, token, i + 1) is not None:
-            raise RpcStatusError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"resume_tokens: the answer already ended at token {i} ({token})",
-            )
+    tokens = [request.first_token_id, *resume]
+    if not 0 <= min(tokens) <= max(tokens) < vocab:
+        wrong = next(t for t in tokens if not 0 <= t < vocab)
+        raise RpcStatusError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"resume_tokens: {wrong} outside the vocab"
+        )
+    at = runner.stop.first_end(sampling, tokens)
+    if at is not None:
+        raise RpcStatusError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"resume_tokens: the answer already ended at token {at} ({tokens[at]})",
+        )
     return resume

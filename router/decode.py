@@ -113,11 +113,8 @@ def check_resume(
         raise InputError("resume_tokens", f"token id {max(tokens)} is outside the vocab")
     if request.stop:
         raise InputError("resume_tokens", "a request with stop strings cannot be resumed")
-    if ends is not None:
-        stop, sampling = ends
-        for i, token in enumerate(tokens):
-            if stop.check(sampling, token, i + 1) is not None:
-                raise InputError("resume_tokens", f"the answer already ended at token {i}")
+    if ends is not None and (at := ends[0].first_end(ends[1], tokens)) is not None:
+        raise InputError("resume_tokens", f"the answer already ended at token {at}")
     return tokens
 
 
