@@ -15,14 +15,18 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import uvicorn
+import uvicorn.server
 from fastapi import FastAPI
 
 from router.http.app import HttpServer
 from router.http.connections import (
     INVALID_EVERY_S,
     INVALID_REQUESTS,
+    MIN_READ_BYTES,
     ConnectionStats,
     bounded_protocol,
 )
@@ -145,6 +149,89 @@ async def test_a_connection_whose_answers_go_unread_is_closed(strict: FakeCluste
             raise AssertionError("the connection was not closed")
     finally:
         sock.close()
+
+
+class WaitingTransport:
+    """A transport whose unsent bytes the test sets (`buffer`); it records a close and an
+    abort (the cut)."""
+
+    def __init__(self) -> None:
+        self.buffer = 0
+        self.closing = self.aborted = False
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffer
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.closing = self.aborted = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def waiting_connection(timeout_s: float) -> tuple[Any, WaitingTransport, ConnectionStats]:
+    """A `bounded_protocol` connection on a `WaitingTransport`, its head timer stopped (a
+    request being answered)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        pass
+
+    config = uvicorn.Config(app=app, log_level="error")
+    config.load()
+    stats = ConnectionStats()
+    protocol: Any = bounded_protocol(timeout_s, 0, stats)(
+        config=config, server_state=uvicorn.server.ServerState(), app_state={}
+    )
+    transport = WaitingTransport()
+    protocol.connection_made(transport)
+    protocol._stop_waiting()
+    return protocol, transport, stats
+
+
+async def test_answers_that_wait_for_a_client_reading_none_of_them_are_cut() -> None:
+    # Pipelined requests whose answers nobody read held a connection for good without a
+    # key (httpattack review, s33); a client that reads, slowly, is not cut (own-fix 2).
+    protocol, transport, stats = waiting_connection(0.1)
+    transport.buffer = 200_000
+    protocol.pause_writing()  # the buffers are full: the answers wait
+    for _ in range(6):
+        await asyncio.sleep(0.05)
+        transport.buffer -= MIN_READ_BYTES  # read: slowly, but read
+    assert not transport.aborted
+    await asyncio.sleep(0.25)  # then nothing
+    assert transport.aborted and stats.closed_unread == 1
+
+
+async def test_a_late_head_with_answers_unsent_is_cut_not_closed() -> None:
+    # Below the high-water mark writing is never paused; a close() would then wait for
+    # good to send what nobody takes, the connection keeping its place under the cap
+    # (own-fix review 2). Likewise after uvicorn's own keep-alive close.
+    protocol, transport, stats = waiting_connection(0.05)
+    transport.buffer = 5_000
+    protocol.on_response_complete()  # answered: the next head is awaited
+    await asyncio.sleep(0.15)
+    assert transport.aborted and stats.closed_late == 1
+    protocol, transport, stats = waiting_connection(0.05)
+    transport.buffer = 5_000
+    protocol.on_response_complete()
+    transport.close()  # uvicorn's keep-alive timeout
+    await asyncio.sleep(0.15)
+    assert transport.aborted and stats.closed_unread == 1
 
 
 def metrics_page(url: str) -> str:

@@ -10,9 +10,11 @@ so enough of them (one machine can open thousands) would leave the router unable
 a worker's registration. Here a connection past the cap is answered 503 and closed as it
 opens, before it costs anything more, and one without a complete request head in time is
 closed then. A request whose head has arrived has `request_timeout_s` for its body
-(`router.http.body`). A connection whose answers wait, its buffers full, for a client that
-reads nothing of them for `http_header_timeout_s` is closed too: pipelining requests and
-reading none of the answers held one for good, the head timer never running again.
+(`router.http.body`). A connection whose answers wait for a client that reads (almost)
+none of them is cut too: once its buffers are full, when less than `MIN_READ_BYTES` of them
+went in `http_header_timeout_s`, and when its head is late with answers still unsent (a
+close would wait to send them for good). Pipelining requests and reading none of the
+answers held a connection for good without a key, the head timer never running again.
 
 Every connection sends without Nagle's delay (TCP_NODELAY). asyncio sets it only on sockets
 made with `IPPROTO_TCP` named, and the router's listening socket (bound before uvicorn
@@ -38,6 +40,8 @@ from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+MIN_READ_BYTES = 4096  # of a connection's waiting answers, read per `http_header_timeout_s`
 
 BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
@@ -87,7 +91,7 @@ class ConnectionStats:
     closed_at_cap: int = 0  # closed as they opened, past `http_max_connections`
     closed_late: int = 0  # closed without a whole request head in time
     closed_body_late: int = 0  # closed without a whole body in time (`router.http.body`)
-    closed_unread: int = 0  # closed with answers the client had read nothing of in time
+    closed_unread: int = 0  # cut with answers the client read (almost) none of in time
 
 
 def bounded_protocol(
@@ -99,6 +103,7 @@ def bounded_protocol(
     class Bounded(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
         _read_timer: asyncio.TimerHandle | None = None  # while writing is paused
+        _unsent = 0  # bytes waiting to be sent when `_read_timer` was set
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -127,7 +132,7 @@ def bounded_protocol(
         def pause_writing(self) -> None:
             super().pause_writing()
             if self._read_timer is None:
-                self._read_timer = self.loop.call_later(header_timeout_s, self._unread)
+                self._expect_reads()
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -135,11 +140,20 @@ def bounded_protocol(
                 self._read_timer.cancel()
                 self._read_timer = None
 
+        def _expect_reads(self) -> None:
+            self._unsent = self.transport.get_write_buffer_size()
+            self._read_timer = self.loop.call_later(header_timeout_s, self._unread)
+
         def _unread(self) -> None:
             self._read_timer = None
-            if not self.transport.is_closing():
-                stats.closed_unread += 1
-                self.transport.abort()  # close() would wait to send what nobody reads
+            if self._unsent - self.transport.get_write_buffer_size() >= MIN_READ_BYTES:
+                self._expect_reads()  # it reads, slowly: writing stays paused meanwhile
+                return
+            self._cut()
+
+        def _cut(self) -> None:
+            stats.closed_unread += 1
+            self.transport.abort()  # close() would wait to send what nobody reads
 
         def _expect_head(self) -> None:
             self._stop_waiting()
@@ -152,9 +166,17 @@ def bounded_protocol(
 
         def _head_late(self) -> None:
             self._head_timer = None
+            unsent = self.transport.get_write_buffer_size()
+            if self.transport.is_closing():  # closed (by uvicorn's keep-alive timeout too)
+                if unsent:
+                    self._cut()  # its close waits to send answers nobody takes
+                return
             # IDLE: no whole request head since the connection opened or its last answer.
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self.conn.their_state is h11.IDLE:
                 stats.closed_late += 1
-                self.transport.close()
+                if unsent:  # nor has the client taken the last answer: close() would wait
+                    self.transport.abort()
+                else:
+                    self.transport.close()
 
     return Bounded
