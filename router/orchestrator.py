@@ -119,7 +119,7 @@ class Orchestrator:
         self.registry = registry
         self.channels = channels  # worker channels and lease releases; the caller closes it
         self.processor = processor
-        self.stop = StopChecker(frozenset(processor.eos_token_ids))
+        self.stop = StopChecker(frozenset(processor.config.eos_token_ids))  # as the workers
         self.calls = WorkerCalls(registry, attempts, channels)
         self.prefix = PrefixIndex(channels)
         self.routing = PrefillRouting(registry, self.prefix, cache_aware)

@@ -148,7 +148,7 @@ async def test_a_router_refuses_a_resume_that_already_ended_before_any_worker(ck
         await cluster.add(Role.ENCODER, FakeEncoder())
         await cluster.add(Role.PREFILL, prefill)
         await cluster.add(Role.DECODE, FakeDecode())
-        eos = cluster.router.orchestrator.processor.eos_token_ids[0]
+        eos = cluster.router.orchestrator.processor.config.eos_token_ids[0]
         request = build_request(TEXT, SamplingParams(max_tokens=8))
         request.resume_tokens.extend([4, eos])
         with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -24,7 +24,7 @@ from tests.test_router import workers as workers  # fixture
 
 async def test_first_token_eos_skips_decode_and_releases(cluster, workers, ckpt):
     _, pre, dec = workers
-    pre.first = cluster.router.orchestrator.processor.eos_token_ids[0]
+    pre.first = cluster.router.orchestrator.processor.config.eos_token_ids[0]
     result = await cluster.client.generate_text(TEXT)
     assert result.finish_reason == "stop" and len(result.token_ids) == 1
     assert dec.requests == []

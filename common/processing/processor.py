@@ -166,13 +166,6 @@ class Processor:
         the cache salt `salt` (a tenant's; None: none)."""
         return image_key(self._fingerprint, data, salt)
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """Token ids that end generation (from config/generation settings)."""
-        if self.config.eos_token_ids:
-            return self.config.eos_token_ids
-        return tuple(t for t in (self.tokenizer.token_to_id("<|im_end|>"),) if t is not None)
-
     @functools.cached_property
     def token_bytes(self) -> list[bytes] | None:
         """Each token's bytes (`common.processing.token_bytes`), what incremental decoding
