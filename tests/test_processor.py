@@ -364,4 +364,4 @@ def test_tokenizing_a_long_prompt_lets_other_threads_run(processor: Processor) -
         done.set()
         ticker.join()
     assert len(prompt.prompt_token_ids) >= 1_000_000
-    assert max(gaps) < max(0.5, took / 3), (max(gaps), took)
+    assert max(gaps) < max(0.1, took / 4), (max(gaps), took)  # encode's: the whole call
