@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from common.byte_lru import ByteBudgetLru
 from common.roles import Role
 from common.server.metrics import ScrapeCollector, counter, gauge, requests_metrics
 from epd.v1 import router_service_pb2
@@ -95,12 +96,17 @@ class RouterMetrics:
     """The router's instruments and its registry (module docstring)."""
 
     def __init__(
-        self, admission: Admission, calls: WorkerCalls, embeddings: EmbeddingCache | None = None
+        self,
+        admission: Admission,
+        calls: WorkerCalls,
+        embeddings: EmbeddingCache | None = None,
+        images: ByteBudgetLru[Any] | None = None,
     ) -> None:
         self.registry = registry = CollectorRegistry()
         self._admission = admission
         self._calls = calls
         self._embeddings = embeddings  # the encode stage's kept outputs (None: off)
+        self._images = images  # the processor's processed images (None: off)
         self.in_flight = 0  # requests inside `request`: from arrival (processing) to the end
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -226,6 +232,17 @@ class RouterMetrics:
                 "Items sent to prefill with the encoder output the router kept for them "
                 "(embedding_cache_mb), without an Encode call.",
                 0 if self._embeddings is None else self._embeddings.hits,
+            ),
+            gauge(  # caches that fill up to their budgets look like a leak unless shown
+                "epd:embedding_cache_bytes",
+                "Bytes of the encoder outputs the router keeps (up to embedding_cache_mb).",
+                0 if self._embeddings is None else self._embeddings.bytes_used,
+            ),
+            gauge(
+                "epd:processed_image_cache_bytes",
+                "Bytes of the processed images and video patches the router keeps (up to "
+                "processed_image_cache_mb).",
+                0 if self._images is None else self._images.bytes_used,
             ),
         ]
 

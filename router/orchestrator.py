@@ -136,9 +136,9 @@ class Orchestrator:
             affinity_slack=encoder_affinity_slack,
             embedding_cache_bytes=embedding_cache_bytes,
         )
-        self.metrics = RouterMetrics(
-            self.admission, self.calls, self.encoder.embeddings
-        )  # the router's registry
+        self.metrics = RouterMetrics(  # the router's registry
+            self.admission, self.calls, self.encoder.embeddings, processor.image_cache
+        )
         self.decode = DecodeStage(
             registry,
             self.calls,

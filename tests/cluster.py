@@ -305,8 +305,6 @@ def start_cluster(
                 str(heartbeat_interval_s),
                 "--worker-timeout-s",
                 str(max(5.0, 20 * heartbeat_interval_s)),
-                "--grace-s",
-                "1",
                 "--security-api-keys-file",
                 str(security.api_keys_file),
                 "--http-port",

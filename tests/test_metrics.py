@@ -330,6 +330,10 @@ async def test_a_repeated_image_with_new_text_needs_no_encode_call(
     router, encoder = await scrape(dep.router), await scrape(dep.encoder)
     hits = "epd:embedding_cache_hits_total"
     assert one(router, hits) == one(before[0], hits) + 1
+    # What the two caches hold, so that a router's memory filling them is not taken for a
+    # leak (soak review, s33).
+    assert one(router, "epd:embedding_cache_bytes") > 0
+    assert one(router, "epd:processed_image_cache_bytes") > 0
     queries = "epd:encoder_cache_queries_total"
     assert one(encoder, queries) == one(before[1], queries)  # no Encode call
     assert result.cached_tokens > 0  # the image's leading blocks came from the prefix cache
