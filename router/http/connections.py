@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,7 @@ def bounded_protocol(
         _head_timer: asyncio.TimerHandle | None = None
         _read_timer: asyncio.TimerHandle | None = None  # while writing is paused
         _unsent = 0  # bytes waiting to be sent when `_read_timer` was set
+        _acked_then: int | None = None  # TCP's count of bytes acknowledged then
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -147,27 +149,37 @@ def bounded_protocol(
                 if self._head_timer is None:  # it ran while the answers waited
                     self._expect_head()
 
-        def _taken(self) -> int:
-            """A count that grows by the bytes the client takes: TCP_INFO's tcpi_bytes_acked
-            (Linux 4.1 on), else minus what waits in the transport (which moves only once
-            the kernel's send buffer drained a third: a steady 96 KiB/s reader looked like
-            none; own-fix review 3)."""
+        def _acked(self) -> int | None:
+            """TCP's count of the bytes the client acknowledged (`tcpi_bytes_acked`, Linux
+            4.1 on), None where there is none."""
+            if not sys.platform.startswith("linux"):  # another `struct tcp_info`
+                return None
             sock = self.transport.get_extra_info("socket")
             try:
                 info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
             except (AttributeError, OSError, ValueError):
-                info = b""
-            if len(info) >= BYTES_ACKED + 8:
-                return int.from_bytes(info[BYTES_ACKED : BYTES_ACKED + 8], "little")
-            return -self.transport.get_write_buffer_size()
+                return None
+            if len(info) < BYTES_ACKED + 8:  # an older kernel's, shorter
+                return None
+            return int.from_bytes(info[BYTES_ACKED : BYTES_ACKED + 8], sys.byteorder)
 
         def _expect_reads(self) -> None:
-            self._unsent = self._taken()
+            self._acked_then = self._acked()
+            self._unsent = self.transport.get_write_buffer_size()
             self._read_timer = self.loop.call_later(header_timeout_s, self._unread)
+
+        def _taken(self) -> int:
+            """Bytes the client took since `_expect_reads`: by TCP's count where there is
+            one (asyncio's buffer moves only once the kernel's send buffer drained a third:
+            a steady 96 KiB/s reader looked like none; own-fix review 3), never less than
+            what left asyncio's buffer (a stack that leaves the count at 0; own-fix 4)."""
+            drained = self._unsent - self.transport.get_write_buffer_size()
+            acked, then = self._acked(), self._acked_then
+            return drained if acked is None or then is None else max(drained, acked - then)
 
         def _unread(self) -> None:
             self._read_timer = None
-            if self._taken() - self._unsent >= MIN_READ_BYTES:
+            if self._taken() >= MIN_READ_BYTES:
                 if self.flow.write_paused or self.transport.get_write_buffer_size():
                     self._expect_reads()  # it reads, slowly: its answers still wait
                 elif self._head_timer is None:
