@@ -29,6 +29,7 @@ from router.http.connections import (
     INVALID_EVERY_S,
     INVALID_REQUESTS,
     MIN_READ_BYTES,
+    TCP_INFO_BYTES,
     ConnectionStats,
     bounded_protocol,
 )
@@ -247,6 +248,31 @@ async def test_reading_counts_what_tcp_acknowledged_and_what_left_the_buffer() -
     assert not transport.aborted
     await asyncio.sleep(0.5)  # then neither moves
     assert transport.aborted and stats.closed_unread == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's TCP_INFO")
+def test_tcp_info_holds_the_bytes_acknowledged_where_read() -> None:
+    # The offset the router reads (`BYTES_ACKED`) against a real connection: what the peer
+    # took is acknowledged there, and never counts more than was sent.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+        with sender, receiver:
+            before = tcp_acked(sender)
+            sender.sendall(b"x" * 100_000)
+            got = 0
+            while got < 100_000:
+                got += len(receiver.recv(65536))
+            for _ in range(100):  # the last ACK may trail the last byte read
+                if tcp_acked(sender) - before >= 100_000:
+                    break
+                time.sleep(0.01)
+            assert tcp_acked(sender) - before == 100_000
+
+
+def tcp_acked(sock: socket.socket) -> int:
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+    return int.from_bytes(info[BYTES_ACKED : BYTES_ACKED + 8], sys.byteorder)
 
 
 async def test_a_late_head_with_answers_unsent_waits_for_them_to_be_taken() -> None:
