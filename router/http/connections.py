@@ -108,7 +108,7 @@ def bounded_protocol(
 
     class Bounded(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
-        _read_timer: asyncio.TimerHandle | None = None  # while writing is paused
+        _read_timer: asyncio.TimerHandle | None = None  # while answers wait (`_expect_reads`)
         _unsent = 0  # bytes waiting to be sent when `_read_timer` was set
         _acked_then: int | None = None  # TCP's count of bytes acknowledged then
 
