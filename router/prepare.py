@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from common.errors import FieldError
 from common.models.prompt_check import check_context
+from common.processing.image_cache import ImageStore
 from common.processing.processor import ProcessedPrompt, Processor
 from common.sampling import SamplingParams
 from common.wire.sampling import sampling_from_proto
@@ -26,12 +27,14 @@ def prepare_request(
     media: MediaHold | None = None,
     fit_max_tokens: bool = False,
     ended: Callable[[], bool] | None = None,
+    store: ImageStore | None = None,
 ) -> tuple[SamplingParams, ProcessedPrompt]:
     """Check and process one request (blocking: a worker thread); InputError naming the
     field. `fit_max_tokens`: the request's `max_tokens` is a default, not the caller's: it is
     cut to the context the prompt leaves (at least 1) rather than refused past it.
     `ended()`: the request has ended (its caller left, its deadline passed): video
-    files stop decoding.
+    files stop decoding. `store`: where processed images are looked up and stored (the
+    router's `StagedImages`, kept once the request is answered; None: the processor's cache).
 
     Every limit (`RouterSettings.input_limits`) is checked before the work it bounds:
     sampling first, text bytes and media headers before anything is decoded or
@@ -66,7 +69,9 @@ def prepare_request(
                 request.prompt, allow_special_tokens=allow_special, limits=limits
             )
         else:
-            prompt = processor.process(messages, allow_special_tokens=allow_special, limits=limits)
+            prompt = processor.process(
+                messages, allow_special_tokens=allow_special, limits=limits, store=store
+            )
     except InputError:
         raise
     except FieldError as exc:

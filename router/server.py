@@ -43,6 +43,7 @@ from common.errors import FieldError
 from common.models.identity import model_identity
 from common.models.qwen3_vl.weights import check_checkpoint
 from common.processing.content_hash import settings_digest
+from common.processing.image_cache import StagedImages
 from common.processing.processor import ProcessedPrompt, Processor
 from common.roles import KV_ROLES
 from common.sampling import SamplingParams
@@ -114,18 +115,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             stop=lambda: self.lifecycle.draining,
         )
 
-    def _prepare(
-        self,
-        request: router_service_pb2.GenerateRequest,
-        cache_salt: str | None = None,
-        media: MediaHold | None = None,
-        fit_max_tokens: bool = False,
-        ended: Callable[[], bool] | None = None,
-    ) -> tuple[SamplingParams, ProcessedPrompt]:
-        """`router.prepare.prepare_request` with this router's settings and processor."""
-        return prepare_request(
-            self.settings, self.processor, request, cache_salt, media, fit_max_tokens, ended
-        )
+    def _prepare(self, *args: Any) -> tuple[SamplingParams, ProcessedPrompt]:
+        """`router.prepare.prepare_request(settings, processor, *args)`, with this router's."""
+        return prepare_request(self.settings, self.processor, *args)
 
     async def generate(
         self,
@@ -190,6 +182,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     check_resume(request, request.sampling.max_tokens, vocab)
                 salt = request.cache_salt if request.HasField("cache_salt") else None
                 cache_salt = tenant_salt(self.salt_key, caller.tenant, salt, caller.cache_epoch)
+                # What it processes is cached once it is answered: a refusal changes no cache.
+                cache = self.processor.image_cache
+                staged = None if cache is None else StagedImages(cache)
                 try:
                     sampling, prompt = await self.prepare_threads.run(
                         has_media(request),
@@ -200,6 +195,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                         media,
                         fit_max_tokens,
                         ended,
+                        staged,
                     )
                 finally:
                     gone.set()  # the caller left (cancelled) or it is over
@@ -235,6 +231,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     detok = IncrementalDetokenizer.of_answer(self.processor, sampling, resumed)
                     answer = stop_at(answer, request.stop, detok)
                 async for chunk in self.orchestrator.metrics.track(answer, outcome.started):
+                    if staged is not None:
+                        staged.keep()
                     yield chunk
 
     async def Generate(

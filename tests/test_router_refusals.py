@@ -140,3 +140,27 @@ async def test_a_request_being_processed_counts_as_running(cluster, workers):
         release.set()
         servicer._prepare = prepare
     assert cluster.router.orchestrator.metrics.in_flight == 0
+
+
+async def test_a_request_refused_after_its_media_were_processed_changes_no_cache(
+    cluster, workers
+):
+    # Past the context, or needing more KV blocks than a worker has, is found once the
+    # media are processed (the prompt's length needs them): such refusals filled the
+    # processed-image cache with every image and video patch they made (media review).
+    cache = cluster.router.servicer.processor.image_cache
+    video = {"type": "video", "video": [png(7), png(8), png(9), png(10)], "fps": 2.0}
+    messages = chat({"type": "image", "image": png(6)}, video, {"type": "text", "text": "?"})
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(messages, SamplingParams(max_tokens=1 << 20))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for w in cluster.router.registry.workers():  # as if each KV worker had 2 blocks
+        w.load.kv_blocks_free = 2
+    with pytest.raises(GenerateError) as err:
+        await cluster.client.generate_text(messages, SamplingParams(max_tokens=2))
+    assert "KV blocks" in err.value.details
+    assert (len(cache), cache.bytes_used) == (0, 0)
+    for w in cluster.router.registry.workers():
+        w.load.kv_blocks_free = 0  # unknown again
+    await cluster.client.generate_text(messages, SamplingParams(max_tokens=2))
+    assert len(cache) == 3 and cache.bytes_used > 0  # the image and two temporal patches

@@ -12,6 +12,11 @@ cryptographic digest of every byte. The router adds the request's cache salt (de
 the tenant) to the key, so one tenant cannot learn from a faster answer that another sent
 the same image (DESIGN §7), as the encoder and KV caches are salted.
 
+A request's processing stores what it made through a `StagedImages`, kept only once the
+router answers it: a request refused after its media were processed (past the context,
+needing more KV blocks than a worker has, text spelling placeholder tokens, frames of
+different sizes) leaves the cache as it was (bad input changes no cache).
+
 The same cache holds a video's processed temporal patches (`common.processing.video_cache`,
 keys of their own domain tag over the frames' image keys), one budget for both.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -62,3 +68,41 @@ def image_key(fingerprint: bytes, data: bytes, salt: str | None = None) -> bytes
 class ProcessedImageCache(ByteBudgetLru[ProcessedImage]):
     """LRU map `image_key` -> `ProcessedImage` under a byte budget of patch rows
     (`common.byte_lru.ByteBudgetLru`; see the module docstring)."""
+
+
+class ImageStore(Protocol):
+    """Where processing looks up and stores processed images: the cache, or one request's
+    `StagedImages` over it."""
+
+    def __contains__(self, key: bytes) -> bool: ...
+
+    def get(self, key: bytes) -> ProcessedImage | None: ...
+
+    def put(self, key: bytes, entry: ProcessedImage) -> bool: ...
+
+
+class StagedImages:
+    """One request's view of `cache`: it reads the cache and what the request made itself;
+    what it made enters the cache at `keep` (once the request is answered), never if the
+    request is refused. Used by one request at a time."""
+
+    def __init__(self, cache: ProcessedImageCache) -> None:
+        self.cache = cache
+        self._made: dict[bytes, ProcessedImage] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._made or key in self.cache
+
+    def get(self, key: bytes) -> ProcessedImage | None:
+        made = self._made.get(key)
+        return made if made is not None else self.cache.get(key)
+
+    def put(self, key: bytes, entry: ProcessedImage) -> bool:
+        self._made[key] = entry
+        return True
+
+    def keep(self) -> None:
+        """Store what the request made in the cache (no-op once done)."""
+        for key, entry in self._made.items():
+            self.cache.put(key, entry)
+        self._made.clear()

@@ -53,7 +53,7 @@ from common.processing.content_hash import (
     video_partitions,
 )
 from common.processing.image import ByteArray, KeyedImage, preprocess_image
-from common.processing.image_cache import ProcessedImage, ProcessedImageCache, image_key
+from common.processing.image_cache import ImageStore, ProcessedImage, ProcessedImageCache, image_key
 from common.processing.limits import InputLimits, check_text_bytes
 from common.processing.messages import (
     ChatDicts,
@@ -185,6 +185,7 @@ class Processor:
         add_generation_prompt: bool = True,
         allow_special_tokens: bool = False,
         limits: InputLimits | None = None,
+        store: ImageStore | None = None,
     ) -> ProcessedPrompt:
         """Render, preprocess and tokenise a chat request.
 
@@ -198,6 +199,8 @@ class Processor:
         indexes or (with `allow_special_tokens`) text that spells out placeholder tokens;
         `LimitError` (a `ValueError` naming the field) when the text is over
         `limits.max_text_bytes`, checked before anything is tokenized or preprocessed.
+        Processed images are looked up in and stored to `store` (None: `image_cache`; the
+        router's `StagedImages` keeps them only for a request it answers).
         """
         chat = messages_from_dicts(messages)
         if limits is not None:
@@ -211,6 +214,7 @@ class Processor:
             slots, {Modality.IMAGE: len(images), Modality.VIDEO: len(videos)}
         )
         sides = {Modality.IMAGE: images, Modality.VIDEO: videos}
+        cache = self.image_cache if store is None else store
         media: list[_Media] = []
         segments: list[str | Control] = []
         for piece in pieces:
@@ -219,7 +223,7 @@ class Processor:
                 continue
             index = payload_index[len(media)]
             data = piece.payload if piece.payload is not None else sides[piece.modality][index]
-            item = self._preprocess(piece, data, index)
+            item = self._preprocess(piece, data, index, cache)
             media.append(item)
             segments.extend(self._placeholders(item))
         text = "".join(s if isinstance(s, str) else s.token * s.count for s in segments)
@@ -270,9 +274,11 @@ class Processor:
         flush()
         return ids
 
-    def _preprocess(self, slot: MediaPart, data: Any, payload_index: int) -> _Media:
+    def _preprocess(
+        self, slot: MediaPart, data: Any, payload_index: int, cache: ImageStore | None
+    ) -> _Media:
         if isinstance(slot, ImagePart):
-            image = self._image(data)
+            image = self._image(data, cache)
             return _Media(
                 slot.modality,
                 payload_index,
@@ -286,7 +292,6 @@ class Processor:
         if fps is None:
             fps = self.settings.video_default_fps
             logger.warning("video %d has no fps; assuming %.1f", payload_index, fps)
-        cache = self.image_cache
         if cache is not None and is_keyed(data):  # frames keyed by the router's reader
             video = preprocess_keyed(data, fps, self.settings, cache, self._fingerprint)
         else:
@@ -301,10 +306,9 @@ class Processor:
             partition_hashes=video.partition_hashes,
         )
 
-    def _image(self, data: Any) -> ProcessedImage:
-        """One image preprocessed and hashed; from `image_cache` when it holds the encoded
-        bytes' key (a `KeyedImage`'s, or that of plain bytes), and stored there otherwise."""
-        cache = self.image_cache
+    def _image(self, data: Any, cache: ImageStore | None) -> ProcessedImage:
+        """One image preprocessed and hashed; from `cache` when it holds the encoded bytes'
+        key (a `KeyedImage`'s, or that of plain bytes), and stored there otherwise."""
         key = None
         if cache is not None:
             if isinstance(data, KeyedImage):

@@ -34,7 +34,7 @@ from PIL import Image
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.content_hash import content_hash
 from common.processing.image import KeyedImage, load_image, patch_codes
-from common.processing.image_cache import ProcessedImage, ProcessedImageCache
+from common.processing.image_cache import ImageStore, ProcessedImage
 from common.processing.limits import check_fps
 from common.processing.video import (
     ProcessedVideo,
@@ -74,7 +74,7 @@ def frames_to_decode(
     width: int,
     height: int,
     settings: ProcessorSettings,
-    cache: ProcessedImageCache,
+    cache: ImageStore,
 ) -> set[int]:
     """Indexes of the frames a video's processing needs decoded: those of its temporal
     patches the cache does not hold (frames it does not sample are never needed)."""
@@ -97,7 +97,7 @@ def preprocess_keyed(
     frames: Sequence[KeyedImage],
     fps: float,
     settings: ProcessorSettings,
-    cache: ProcessedImageCache,
+    cache: ImageStore,
     fingerprint: bytes,
 ) -> ProcessedVideo:
     """`preprocess_video` of frames keyed by their encoded bytes: each temporal patch from
