@@ -6,10 +6,10 @@ media payload is decoded (a payload PIL cannot open is an error naming its field
 normalised (proto3 zeros mean "default").
 
 Limits come before work (`common.processing.limits.InputLimits`, from the router's
-settings): text bytes are counted before anything is tokenized; a video's frame count is
-checked before any frame is opened; every image and frame is opened lazily, its header's
-size checked, and the decoded bytes of the whole request summed from the headers, before
-any of them is decoded. A video may come as a container file (`VideoInput.file`: mp4, webm,
+settings): text bytes are counted before anything is tokenized; a video's frame count
+before any frame is opened; every image and frame is opened lazily, its header's size
+checked, and what the request's media take decoded summed from the headers, before any is
+decoded. A video may come as a container file (`VideoInput.file`: mp4, webm,
 mkv), opened by `common.processing.video_file.open_video`: its bytes, frame size and
 duration are checked from its headers, and the frames it will give counted in the same
 budget, before anything is decoded; it is sampled at the request's `fps` (0: the router's
@@ -34,7 +34,7 @@ from PIL import Image
 
 from common.errors import FieldError
 from common.multimodal.validation import MAX_UUID_CHARS
-from common.processing.image import KeyedImage, check_aspect_ratio
+from common.processing.image import KeyedImage, check_aspect_ratio, peak_bytes_per_pixel
 from common.processing.limits import (
     MAX_FPS,
     MAX_IMAGE_PIXELS,
@@ -91,7 +91,9 @@ def open_image(
     data: bytes, field: str, limits: InputLimits, budget: MediaBudget | None = None
 ) -> Image.Image:
     """Open one encoded image lazily (PIL reads only its header) and check its size, and
-    its decoded bytes against `budget`; `InputError` naming `field`. Nothing is decoded."""
+    its decoded bytes against `budget` (at the peak of decoding it, `peak_bytes_per_pixel`;
+    a video frame's EXIF turn counted too, though frames are not turned); `InputError`
+    naming `field`. Nothing is decoded."""
     if not data:
         raise InputError(field, "is empty")
     formats = limits.image_formats
@@ -121,7 +123,7 @@ def open_image(
                 "a server decodes",
             )
         if budget is not None:
-            budget.add(image.width, image.height, field)
+            budget.add(image.width, image.height, field, peak_bytes_per_pixel(image))
     except LimitError as exc:
         raise InputError(exc.field, exc.reason) from None
     try:

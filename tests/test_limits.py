@@ -24,7 +24,7 @@ from common.processing.processor import IMAGE_PAD, ProcessedPrompt, Processor
 from epd.v1 import (
     router_service_pb2,
 )
-from router.inputs import InputError
+from router.inputs import InputError, open_image
 from router.media_cost import MediaCost
 from router.server import RouterServicer
 from router.settings import RouterSettings
@@ -237,6 +237,40 @@ def test_media_bytes_boundary(prepare: Callable[..., Prepare], processor: Proces
     assert err.field == "messages[0].content[1].video.frames"  # its processed frames
     err = refused(prepare(max_media_bytes=image_only + one // 2), chat)
     assert err.field == "messages[0].content[1].video.frames[0]"  # a decoded frame
+
+
+def encoded(mode: str, fmt: str, orientation: int = 1, transparency: bool = False) -> bytes:
+    buf = io.BytesIO()
+    image = Image.new(mode, (32, 24))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    extra: dict[str, Any] = {"transparency": 0} if transparency else {}
+    image.save(buf, format=fmt, exif=exif.tobytes(), **extra)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("data", "per_pixel"),
+    [
+        (encoded("RGB", "PNG"), 4),
+        (encoded("RGBA", "PNG"), 8),  # + the RGB canvas transparency is composited on
+        (encoded("P", "PNG", transparency=True), 8),
+        (encoded("RGB", "JPEG", orientation=6), 8),  # + the turned copy
+        (encoded("RGB", "WEBP"), 16),  # Pillow's WebP decoder: two RGBA canvases more
+        (encoded("RGBA", "WEBP", orientation=8), 24),
+    ],
+)
+def test_an_image_counts_what_decoding_it_takes_at_its_peak(data: bytes, per_pixel: int) -> None:
+    # A 140-byte WebP declaring 4096x4096 reserved 64 MiB and took 256 MB to decode; six
+    # at once took a router from 420 to 1063 MB within a bound that believed 384 MiB
+    # (media review). Counted from the header, before anything is decoded.
+    budget = MediaBudget(InputLimits())
+    open_image(data, "image", InputLimits(), budget)
+    assert budget.used == 32 * 24 * per_pixel
+    tight = MediaBudget(InputLimits(max_media_bytes=32 * 24 * per_pixel - 1))
+    with pytest.raises(InputError, match="max_media_bytes") as err:
+        open_image(data, "messages[0].content[0].image.data", InputLimits(), tight)
+    assert err.value.field == "messages[0].content[0].image.data"
 
 
 # ------------------------------------------------------------------ user text is text

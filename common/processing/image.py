@@ -93,6 +93,30 @@ def upright(image: Image.Image) -> Image.Image:
         return image
 
 
+# Pillow decodes every WebP, a still one too, through its animation decoder: two RGBA
+# canvases beside the decoded image, about 16 bytes a pixel at the peak (4 for others).
+WEBP_BYTES_PER_PIXEL = 16
+
+
+def peak_bytes_per_pixel(image: Image.Image) -> int:
+    """Bytes a pixel of an opened, not yet decoded image takes at most while decoding it
+    and making it RGB and upright: 4 (16 for WebP), plus the image-sized copy compositing
+    transparency makes (`to_rgb`) and the one an EXIF turn makes (`upright`), while the
+    decoded image is still held. From the header alone: a PNG's EXIF stored after its
+    pixels is not seen (reading it decodes them)."""
+    per_pixel = WEBP_BYTES_PER_PIXEL if image.format == "WEBP" else 4
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        per_pixel += 4
+    if image.info.get("exif"):
+        try:
+            exif = Image.Exif()
+            exif.load(image.info["exif"])
+            per_pixel += 4 * (exif.get(_ORIENTATION, 1) != 1)
+        except Exception:  # malformed EXIF: `upright` leaves such an image as it is
+            pass
+    return per_pixel
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency composited onto white (as the reference does). An RGB
     image is returned as it is: `convert` to its own mode copies it, and that copy (a

@@ -23,7 +23,8 @@ from PIL import Image
 
 from common.errors import FieldError
 
-# PIL holds every RGB / RGBA pixel in 4 bytes, and every item is converted to RGB.
+# PIL holds every RGB / RGBA pixel in 4 bytes, and every item is converted to RGB (an
+# image may take more while it decodes: `common.processing.image.peak_bytes_per_pixel`).
 DECODED_BYTES_PER_PIXEL = 4
 # The image formats the router decodes by default (`[router] image_formats`): those clients
 # send (`epd.request.IMAGE_SUFFIXES`, OpenAI's PNG, JPEG, WEBP and GIF), not every one PIL
@@ -77,11 +78,6 @@ def check_text_bytes(used: int, limits: InputLimits, field: str) -> None:
         )
 
 
-def decoded_bytes(width: int, height: int) -> int:
-    """Bytes an image of this size takes once decoded and converted to RGB."""
-    return width * height * DECODED_BYTES_PER_PIXEL
-
-
 def check_image_header(image: Image.Image, limits: InputLimits, field: str) -> None:
     """Refuse an opened, not yet decoded image whose header size exceeds the pixel limit."""
     pixels = image.width * image.height
@@ -109,9 +105,13 @@ class MediaBudget:
         self.limit = limits.max_media_bytes
         self.used = 0  # bytes of the items added so far
 
-    def add(self, width: int, height: int, field: str) -> None:
-        """Count one image or frame; refuse when the request's total passes the limit."""
-        self.add_bytes(decoded_bytes(width, height), field)
+    def add(
+        self, width: int, height: int, field: str, per_pixel: int = DECODED_BYTES_PER_PIXEL
+    ) -> None:
+        """Count one image or frame of `per_pixel` bytes a pixel once decoded (an image's:
+        `common.processing.image.peak_bytes_per_pixel`); refuse when the request's total
+        passes the limit."""
+        self.add_bytes(width * height * per_pixel, field)
 
     def add_bytes(self, nbytes: int, field: str) -> None:
         """Count `nbytes` more of the request's media (what processing them will make, say);
