@@ -26,8 +26,12 @@ def test_media_urls_are_refused_unless_allowed(tmp_path: Path) -> None:
     (tmp_path / "cat.png").write_bytes(b"png")
     allowed = MediaPolicy(media_dir=tmp_path)
     assert load(f"file://{tmp_path}/cat.png", "f", allowed) == b"png"
-    with pytest.raises(FieldError):
+    assert load(f"file://localhost{tmp_path}/cat.png", "f", allowed) == b"png"
+    with pytest.raises(FieldError) as err:
         load(f"{tmp_path}/../cat.png", "f", allowed)
+    assert str(tmp_path) not in str(err.value)  # where the server keeps media is its own
+    with pytest.raises(FieldError, match="another host"):  # was read as the local path
+        load(f"file://otherhost{tmp_path}/cat.png", "f", allowed)
     with pytest.raises(FieldError, match="non-public"):  # resolved, then refused
         load("https://localhost/cat.png", "f", MediaPolicy(fetch_urls=True))
 

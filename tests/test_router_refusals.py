@@ -142,9 +142,7 @@ async def test_a_request_being_processed_counts_as_running(cluster, workers):
     assert cluster.router.orchestrator.metrics.in_flight == 0
 
 
-async def test_a_request_refused_after_its_media_were_processed_changes_no_cache(
-    cluster, workers
-):
+async def test_a_request_refused_after_its_media_were_processed_changes_no_cache(cluster, workers):
     # Past the context, or needing more KV blocks than a worker has, is found once the
     # media are processed (the prompt's length needs them): such refusals filled the
     # processed-image cache with every image and video patch they made (media review).

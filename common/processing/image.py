@@ -143,7 +143,7 @@ def check_aspect_ratio(height: int, width: int) -> None:
     if min(height, width) < 1:
         raise ValueError(f"image has no pixels: {height}x{width}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio must be below {MAX_ASPECT_RATIO}, got {height}x{width}")
+        raise ValueError(f"aspect ratio must be at most {MAX_ASPECT_RATIO}, got {height}x{width}")
 
 
 def smart_resize(

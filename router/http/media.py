@@ -76,6 +76,8 @@ def _load(url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool]) -
             raise FieldError(field, "only https URLs are fetched")
         return _fetch(parsed, field, policy, gone)
     if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
+        if parsed.netloc.lower() not in ("", "localhost"):  # RFC 8089: a file elsewhere
+            raise FieldError(field, "names a file on another host (file:///path is local)")
         return _local(urllib.parse.unquote(parsed.path), field, policy)
     raise FieldError(field, "expected a data URL (data:<mime>;base64,...)")
 
@@ -108,11 +110,13 @@ def _local(path: str, field: str, policy: MediaPolicy) -> bytes:
         raise FieldError(field, "local files are refused (no [router] http_media_dir)")
     root = policy.media_dir.resolve()
     target = Path(path).resolve()
-    if not target.is_relative_to(root) or not target.is_file():
-        raise FieldError(field, f"no such file under {root}")
-    if target.stat().st_size > policy.max_bytes:
+    if not target.is_relative_to(root) or not target.is_file():  # the folder is not named:
+        raise FieldError(field, "no such file under http_media_dir")  # a client's business
+    with target.open("rb") as file:
+        data = file.read(policy.max_bytes + 1)  # a file growing meanwhile: no more than this
+    if len(data) > policy.max_bytes:
         raise FieldError(field, f"file larger than {policy.max_bytes} bytes")
-    return target.read_bytes()
+    return data
 
 
 # IPv6 prefixes that carry an IPv4 address in their last 32 bits, which a translator on the
