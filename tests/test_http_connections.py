@@ -29,6 +29,7 @@ from router.http.connections import (
     INVALID_EVERY_S,
     INVALID_REQUESTS,
     MIN_READ_BYTES,
+    READ_PERIODS,
     TCP_INFO_BYTES,
     ConnectionStats,
     bounded_protocol,
@@ -225,7 +226,22 @@ async def test_answers_that_wait_for_a_client_reading_none_of_them_are_cut() -> 
         await asyncio.sleep(0.05)
         transport.buffer -= MIN_READ_BYTES  # read: slowly, but read
     assert not transport.aborted
-    await asyncio.sleep(0.5)  # then nothing
+    await asyncio.sleep(0.2 * (READ_PERIODS + 2))  # then nothing
+    assert transport.aborted and stats.closed_unread == 1
+
+
+async def test_reading_acknowledged_in_bursts_is_reading() -> None:
+    # A client's kernel opens a closed window once its reader freed about half its
+    # receive buffer: a steady 2 KiB/s reader's bytes were acknowledged 64-128 KiB at a
+    # time, seconds apart, and one period without any cut it (own-fix review 5).
+    protocol, transport, stats = waiting_connection(0.1)
+    transport.buffer, transport.acked = 500_000, 1_000
+    protocol.pause_writing()
+    for _ in range(4):
+        transport.acked += 2 * READ_PERIODS * MIN_READ_BYTES  # a burst, then 3 quiet periods
+        await asyncio.sleep(0.3)
+    assert not transport.aborted and stats.closed_unread == 0
+    await asyncio.sleep(0.1 * (READ_PERIODS + 3))  # then nothing at all
     assert transport.aborted and stats.closed_unread == 1
 
 
@@ -246,7 +262,7 @@ async def test_reading_counts_what_tcp_acknowledged_and_what_left_the_buffer() -
         await asyncio.sleep(0.05)
         transport.buffer -= MIN_READ_BYTES
     assert not transport.aborted
-    await asyncio.sleep(0.5)  # then neither moves
+    await asyncio.sleep(0.2 * (READ_PERIODS + 2))  # then neither moves
     assert transport.aborted and stats.closed_unread == 1
 
 
@@ -295,7 +311,7 @@ async def test_a_late_head_with_answers_unsent_waits_for_them_to_be_taken() -> N
         protocol.on_response_complete()
         if closed_by_uvicorn:
             transport.close()
-        await asyncio.sleep(0.25)  # head late, then nothing taken
+        await asyncio.sleep(0.05 * (READ_PERIODS + 4))  # head late, then nothing taken
         assert transport.aborted and stats.closed_unread == 1
 
 

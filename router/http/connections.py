@@ -13,10 +13,14 @@ closed then. A request whose head has arrived has `request_timeout_s` for its bo
 (`router.http.body`). A connection whose answers wait for a client that takes (almost)
 none of them is cut too: while its buffers are full, or its head is late (or uvicorn closed
 it) with answers still unsent, it must take `MIN_READ_BYTES` of them (as TCP acknowledges
-them) per `http_header_timeout_s`. Pipelining requests and reading none of the answers held
-a connection for good without a key, the head timer never running again, and a close()
-waits for good to send what nobody takes; a late head with answers unsent is no cut by
-itself, as a slow client may still be taking the last one.
+them) per `http_header_timeout_s`, on average over the last `READ_PERIODS` of them.
+Pipelining requests and reading none of the answers held a connection for good without a
+key, the head timer never running again, and a close() waits for good to send what nobody
+takes; a late head with answers unsent is no cut by itself, as a slow client may still be
+taking the last one. Over several periods, as TCP acknowledges in bursts: a client's kernel
+opens a closed window only once its reader freed about half its receive buffer, 64-128 KiB
+with seconds between, so a client reading a steady 2 KiB/s went a whole period with nothing
+acknowledged, and was cut (own-fix review 5).
 
 Every connection sends without Nagle's delay (TCP_NODELAY). asyncio sets it only on sockets
 made with `IPPROTO_TCP` named, and the router's listening socket (bound before uvicorn
@@ -45,6 +49,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MIN_READ_BYTES = 4096  # of a connection's waiting answers, read per `http_header_timeout_s`
+READ_PERIODS = 4  # ... on average over this many of them
 # Linux's `struct tcp_info`: the bytes asked for, and where its u64 tcpi_bytes_acked lies.
 TCP_INFO_BYTES = 232
 BYTES_ACKED = 120
@@ -111,6 +116,7 @@ def bounded_protocol(
         _read_timer: asyncio.TimerHandle | None = None  # while answers wait (`_expect_reads`)
         _unsent = 0  # bytes waiting to be sent when `_read_timer` was set
         _acked_then: int | None = None  # TCP's count of bytes acknowledged then
+        _taken_before: tuple[int, ...] = ()  # bytes taken in the periods before (at most 3)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -146,6 +152,7 @@ def bounded_protocol(
             if self._read_timer is not None:
                 self._read_timer.cancel()
                 self._read_timer = None
+                self._taken_before = ()
                 if self._head_timer is None:  # it ran while the answers waited
                     self._expect_head()
 
@@ -179,11 +186,15 @@ def bounded_protocol(
 
         def _unread(self) -> None:
             self._read_timer = None
-            if self._taken() >= MIN_READ_BYTES:
+            taken = (*self._taken_before, self._taken())
+            if len(taken) < READ_PERIODS or sum(taken) >= READ_PERIODS * MIN_READ_BYTES:
                 if self.flow.write_paused or self.transport.get_write_buffer_size():
-                    self._expect_reads()  # it reads, slowly: its answers still wait
-                elif self._head_timer is None:
-                    self._expect_head()
+                    self._taken_before = taken[1 - READ_PERIODS :]
+                    self._expect_reads()  # it reads, slowly (or not yet): answers still wait
+                else:
+                    self._taken_before = ()
+                    if self._head_timer is None:
+                        self._expect_head()
                 return
             self._cut()
 
