@@ -6,8 +6,8 @@ patch rows travel with it), so without a bound many clients, each sending a requ
 `max_message_mb`, could together hold any amount of the router's memory. One `HeldBytes`
 counts them all: the HTTP API takes a body's bytes as it reads them
 (`router.http.body.limit_body`), and Generate takes the size of the bytes its request was
-decoded from, which `add_router_service` hands it with the request (`Sized`; measuring the
-decoded message would serialize it again: 0.22 s for a 200 MB request). A request's media
+decoded from (`Sized`, from `decode_request`; measuring the decoded message would serialize
+it again: 0.22 s for a 200 MB request). A request's media
 count too (`MediaHold`), often many times its bytes: what they decode to, reserved from
 their headers before any is decoded, then, once processed, their patch codes.
 
@@ -24,7 +24,7 @@ bound / `max_message_mb` requests (at least one) are being read at once. A reque
 in the time its bytes take to arrive, so small ones hardly wait. A call waiting for its read
 holds at most its receive window (`common.server.rpc.CLIENT_STREAM_WINDOW`, 4 MiB), and at
 most bound / window calls (at least one) may wait: one more is refused at once. Everything
-here runs on the router's event loop.
+here runs on the router's event loop, but decoding a request's bytes (`decode_request`).
 
 Tenants (`[router] tenant_share`, where the API keys name more than one with client keys;
 `epd serve`'s own keys are one client tenant and an admin one): one tenant holds
@@ -47,10 +47,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from common.errors import FieldError
 from common.processing.prompt import ProcessedPrompt
+from common.sampling import MAX_STOP_TOKEN_IDS
 from common.server.rpc import CLIENT_STREAM_WINDOW
+from common.wire.counts import check_counts
 from epd.v1 import router_service_pb2
 from router.calls import Refused, RouterError
+from router.stop import MAX_STOP_STRINGS
 
 SERVICE = "epd.v1.RouterService"
 RETRY_AFTER_S = 1.0  # the back-off a refusal suggests
@@ -183,21 +187,26 @@ class _TenantReads:
 
 @dataclass(frozen=True, slots=True)
 class Sized:
-    """A Generate request and the bytes it holds, as `_decode` counts them."""
+    """A Generate request and the bytes it holds, as `decode_request` counts them."""
 
     request: router_service_pb2.GenerateRequest
     size: int
 
 
 async def read_request(
-    held: HeldBytes, context: grpc.aio.ServicerContext, timeout_s: float, tenant: str | None
+    held: HeldBytes,
+    context: grpc.aio.ServicerContext,
+    timeout_s: float,
+    tenant: str | None,
+    max_model_len: int,
 ) -> Sized:
     """The call's Generate request, read once one of `held.reads` (and of `tenant`'s share
     of them) is free, its bytes then held as `tenant`'s (the caller gives them back when the
     answer ends). Aborts the call instead with
     DEADLINE_EXCEEDED when the request has not arrived `timeout_s` after its read began (a
     stalled sender gives its read back), INVALID_ARGUMENT when it sent none or bytes that
-    do not decode (which escaped as UNKNOWN "Unexpected DecodeError" before),
+    do not decode (which escaped as UNKNOWN "Unexpected DecodeError" before) or hold more
+    elements than a request may (`decode_request`, on a thread, naming the field),
     RESOURCE_EXHAUSTED (`retry-after-ms`) when holding it would pass the bound, or when
     it would wait for a read with no place left to wait (`held.no_place_to_wait`)."""
     if held.no_place_to_wait(tenant):
@@ -206,11 +215,20 @@ async def read_request(
     async with held.read_slot(tenant):
         try:
             async with asyncio.timeout(timeout_s):
-                sized = await context.read()
+                sized = await context.read()  # the bytes (`add_router_service`)
         except TimeoutError:
             sized = None
-        except DecodeError:
-            sized = CORRUPT
+        if isinstance(sized, bytes):
+            try:
+                sized = await asyncio.to_thread(decode_request, sized, max_model_len)
+            except DecodeError:
+                sized = CORRUPT
+            except FieldError as exc:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    str(exc),
+                    trailing_metadata=(("epd-field", exc.field),),
+                )
     if context.done():  # the client's deadline passed: gRPC ended the call, nothing to say
         raise asyncio.CancelledError
     if sized is None:
@@ -322,8 +340,24 @@ def decoded_bytes(request: router_service_pb2.GenerateRequest, per_part: int = 0
     )
 
 
-def _decode(data: bytes) -> Sized:
-    """The request and what it holds decoded: its wire bytes plus `decoded_bytes`."""
+# The most messages, content parts and video frames a Generate holds, each in all (the HTTP
+# API's bound on a body's objects), and the most fields in all (each message's role, ...).
+MAX_ELEMENTS = 1 << 16
+MAX_FIELDS = 8 * MAX_ELEMENTS
+
+
+def decode_request(data: bytes, max_model_len: int) -> Sized:
+    """The request and what it holds decoded: its wire bytes plus `decoded_bytes`. Its
+    element counts are checked from its bytes first (`common.wire.counts`; FieldError
+    naming the field): parsing and counting 524k empty messages of 1 MiB held the router's
+    event loop 1.4 s (stalls review). Run it on a thread: it may take a second or so."""
+    bounds = {
+        "stop": MAX_STOP_STRINGS,
+        "sampling.stop_token_ids": MAX_STOP_TOKEN_IDS,
+        "resume_tokens": max_model_len,
+    }
+    descriptor = router_service_pb2.GenerateRequest.DESCRIPTOR
+    check_counts(data, descriptor, bounds, MAX_ELEMENTS, MAX_FIELDS)
     request = router_service_pb2.GenerateRequest.FromString(data)
     return Sized(request, len(data) + decoded_bytes(request))
 
@@ -331,11 +365,12 @@ def _decode(data: bytes) -> Sized:
 def add_router_service(servicer: Any, server: Any) -> None:
     """RouterService on `server`, as the generated `add_RouterServiceServicer_to_server`
     adds it but request-streaming: `servicer.Generate(requests, context)` reads its one
-    request, a `Sized`, with `context.read()` when it chooses."""
+    request's bytes with `context.read()` when it chooses (`read_request`), decoded then
+    off the event loop."""
     handlers = {
         "Generate": grpc.stream_stream_rpc_method_handler(
             servicer.Generate,
-            request_deserializer=_decode,
+            request_deserializer=None,
             response_serializer=router_service_pb2.GenerateResponse.SerializeToString,
         )
     }

@@ -244,9 +244,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         longest, left = self.settings.request_timeout_s, context.time_remaining()
         caller = principal(self.auth, context)
         try:
-            sized = await read_request(
-                self.held, context, longest if left is None else min(left, longest), caller.tenant
-            )
+            within = longest if left is None else min(left, longest)
+            max_model_len = self.processor.config.text.max_position_embeddings
+            sized = await read_request(self.held, context, within, caller.tenant, max_model_len)
         except grpc.aio.AbortError:  # refused before it was read (the bytes held, corrupt)
             finished = self.orchestrator.metrics.finished
             refused_before(finished, caller.tenant, context.code(), context.details() or "")

@@ -288,29 +288,29 @@ def test_a_request_of_many_empty_messages_counts_what_it_holds_decoded() -> None
     # 2 bytes a message on the wire, ~45 decoded: counted at the wire size alone, 1 GiB of
     # `requests_in_flight_mb` held ~22 GiB of them.
     from epd.v1 import router_service_pb2
-    from router.held import ELEMENT_BYTES, _decode
+    from router.held import ELEMENT_BYTES, decode_request
 
     request = router_service_pb2.GenerateRequest()
     for _ in range(10_000):
         request.messages.add()
     data = request.SerializeToString()
-    sized = _decode(data)
+    sized = decode_request(data, 32768)
     assert len(data) == 20_000 and sized.size == len(data) + 10_000 * ELEMENT_BYTES
 
 
 def test_video_frames_and_token_lists_count_what_they_hold_decoded() -> None:
     # Empty frames are 2 bytes on the wire and small token ids 1 byte: counted at the wire
     # size alone, a request held 8-14x its count (3.6 GiB from one 256 MiB message).
-    from router.held import ELEMENT_BYTES, INT_BYTES, _decode
+    from router.held import ELEMENT_BYTES, INT_BYTES, decode_request
 
     request = router_service_pb2.GenerateRequest()
     video = request.messages.add().content.add().video
     video.frames.extend([b""] * 5_000)
     request.resume_tokens.extend([1] * 3_000)
-    request.sampling.stop_token_ids.extend([2] * 2_000)
+    request.sampling.stop_token_ids.extend([2] * 1_000)
     data = request.SerializeToString()
-    counted = _decode(data).size - len(data)
-    assert counted == ELEMENT_BYTES * (1 + 1 + 5_000) + INT_BYTES * 5_000
+    counted = decode_request(data, 32768).size - len(data)
+    assert counted == ELEMENT_BYTES * (1 + 1 + 5_000) + INT_BYTES * 4_000
 
 
 async def test_an_http_body_counts_what_it_holds_parsed(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -67,7 +68,8 @@ async def test_a_long_stop_token_list_is_invalid_argument_naming_sampling(cluste
         async for _ in cluster.client._router.Generate(request):
             pass
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert info.value.details().startswith("sampling.stop_token_ids: stop_token_ids")
+    assert info.value.details().startswith("sampling.stop_token_ids: ")  # counted from bytes
+    assert "1024" in info.value.details()
     assert len(info.value.details()) <= 1024
     trailers = tuple(info.value.trailing_metadata() or ())
     assert ("epd-field", "sampling.stop_token_ids") in trailers
@@ -162,3 +164,47 @@ async def test_a_request_refused_after_its_media_were_processed_changes_no_cache
         w.load.kv_blocks_free = 0  # unknown again
     await cluster.client.generate_text(messages, SamplingParams(max_tokens=2))
     assert len(cache) == 3 and cache.bytes_used > 0  # the image and two temporal patches
+
+
+@pytest.mark.parametrize("shape", ["messages", "parts", "stop"])
+async def test_a_request_of_many_tiny_elements_is_refused_without_holding_the_loop(
+    cluster, workers, shape
+):
+    # 2 bytes an element on the wire: 524k empty messages in 1 MiB held the router's event
+    # loop 1.4 s (parsed and counted there), 100 MiB of them 144 s, every worker's
+    # heartbeat failing meanwhile (stalls review). Counted from the bytes, off the loop.
+    element = {"messages": b"\x12\x00", "parts": b"\x12\x00", "stop": b"\x2a\x00"}[shape]
+    body = element * (1 << 19)
+    if shape == "parts":  # one message of them all
+        inner = b"\x0a\x04user" + body
+        body = b"\x12" + _varint(len(inner)) + inner
+    gaps = []
+
+    async def tick() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - before)
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        channel = cluster.client._channels[0]  # its key; the request sent as raw bytes
+        call = channel.unary_stream("/epd.v1.RouterService/Generate")(body)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+    finally:
+        ticker.cancel()
+    field = {"messages": "messages", "parts": "messages[0].content", "stop": "stop"}[shape]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field}: more than ")
+    assert ("epd-field", field) in tuple(info.value.trailing_metadata() or ())
+    assert max(gaps, default=0.0) < 0.5, gaps
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out) + bytes([n])
