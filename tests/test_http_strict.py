@@ -10,6 +10,7 @@ the head's checks are in tests/test_http_head.py.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import grpc
@@ -19,7 +20,7 @@ from common.errors import FieldError
 from router.http.convert import chat_request, completion_request
 from router.http.errors import ApiError, model_not_found
 from router.http.media import MediaPolicy
-from router.http.parse import parse_body
+from router.http.parse import MAX_BODY_STRINGS, parse_body
 from router.http.schema import ACCEPTED_AND_IGNORED, ChatCompletionRequest, CompletionRequest
 from tests.test_http_api import MODEL_ID, png_data_url
 
@@ -73,6 +74,22 @@ def test_nan_and_infinity_are_not_json(constant: str) -> None:
     error = refused(f'{{"model": "{MODEL_ID}", "messages": {HI}, "temperature": {constant}}}')
     assert (error.status, error.param) == (400, None)
     assert str(error) == f"the body is not valid JSON: {constant} is not a JSON value"
+
+
+def test_long_numbers_and_objects_of_many_keys_are_refused_before_they_hold_the_loop() -> None:
+    # `json.loads` converts digits and reads an object's keys in C, GIL held, whatever
+    # thread runs it: 250 MiB of 4299-digit integers in an ignored field stalled the router
+    # 8.5 s and was answered 200; one object of 2M keys held it 1.7-2.5 s (stalls review).
+    for number in ("1" * 65, "0." + "1" * 63, "1e" + "0" * 63):
+        error = refused(f'{{"model": "{MODEL_ID}", "messages": {HI}, "junk": [{number}]}}')
+        assert "a number of more than 64 characters" in str(error), str(error)
+    keys = ", ".join(f'"{i}": 1' for i in range(MAX_BODY_STRINGS + 1))
+    started = time.process_time()
+    error = refused(f'{{"model": "{MODEL_ID}", "messages": {HI}, "junk": {{{keys}}}}}')
+    assert f"more than {MAX_BODY_STRINGS} strings" in str(error)
+    assert time.process_time() - started < 0.1  # counted, not parsed
+    quoted = json.dumps(chat(messages=[{"role": "user", "content": '"' * 600_000}]))
+    assert parse_body(quoted.encode(), None, ChatCompletionRequest)  # escaped: text, not keys
 
 
 def test_a_charset_json_cannot_read_is_refused_saying_send_utf8() -> None:

@@ -203,21 +203,26 @@ def limit_body(
                 raise _Refused(too_large)
             if not hold.take(announced):  # the HTTP server reads no more than it says
                 raise _Refused(full)
-        messages: list[Any] = []
+        # The body's pieces, replayed as one message: a body sent in 100k small writes was
+        # 100k messages, replayed by list.pop(0) in one task step, 1.0 s (stalls review).
+        pieces: list[bytes] = []
         received = 0  # the body's bytes so far, however it is framed
         while True:
             message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                return messages  # the client went away: the app sees that too
-            received += len(message.get("body", b""))
+            if message["type"] != "http.request":  # the client went away: the app sees it
+                return [
+                    {"type": "http.request", "body": b"".join(pieces), "more_body": True},
+                    message,
+                ]
+            pieces.append(message.get("body", b""))
+            received += len(pieces[-1])
             ended = not message.get("more_body")
             if received > max_bytes or (announced is not None and received > announced):
                 raise _Refused(too_large, ended)
             if announced is None and not hold.take(received - hold.bytes):
                 raise _Refused(full, ended)
-            if not message.get("more_body"):
-                return messages
+            if ended:
+                return [{"type": "http.request", "body": b"".join(pieces), "more_body": False}]
 
     async def limited(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -278,8 +283,10 @@ def limit_body(
                 await response(scope, receive, send)
                 return
 
+            messages.reverse()
+
             async def replay() -> Any:
-                return messages.pop(0) if messages else await receive()
+                return messages.pop() if messages else await receive()
 
             scope[HELD_KEY] = hold
             await app(scope, replay, send)

@@ -35,6 +35,15 @@ MAX_BODY_OBJECTS = 1 << 16
 # may all be commas): a bound on its values, counted before parsing. `json.loads` holds the
 # GIL throughout, whatever thread runs it: a 248 MiB array of zeros held the loop 6 s.
 MAX_BODY_VALUES = 1 << 20
+# Strings a body may hold (keys and values; counted as its quotes, escaped ones not, before
+# parsing): an object's keys are all read before the hook sees it, GIL held: one object of
+# 2M keys (22 MiB, e.g. `logit_bias` or an ignored field) held the loop 1.7-2.5 s. A
+# message or part object holds up to 6 (`{"role": "user", "name": "a", "content": "hi"}`).
+MAX_BODY_STRINGS = 6 * MAX_BODY_OBJECTS
+# Characters of a number: no field needs more (a seed is below 2^64, 20 digits), and
+# `json.loads` converts digits to an int in C, GIL held: a body of 4299-digit integers
+# stalled the router 8.5 s at 250 MiB, and was answered 200 (an ignored field's).
+MAX_NUMBER_CHARS = 64
 
 B = TypeVar("B", bound=BaseModel)
 
@@ -144,6 +153,21 @@ def _not_a_json_value(name: str) -> Any:
     raise _NotJson(f"{name} is not a JSON value")
 
 
+def _int(text: str) -> int:
+    """`json.loads`'s `parse_int`: a number of at most `MAX_NUMBER_CHARS` (a Python call
+    per number also lets go of the GIL between them)."""
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _NotJson(f"a number of more than {MAX_NUMBER_CHARS} characters")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    """`json.loads`'s `parse_float`, bounded as `_int`."""
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _NotJson(f"a number of more than {MAX_NUMBER_CHARS} characters")
+    return float(text)
+
+
 def parse_body(
     data: bytes, content_type: str | None, schema: type[B], max_commas: int = MAX_BODY_VALUES
 ) -> B:
@@ -164,9 +188,20 @@ def parse_body(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the body holds more than {max_commas} commas: more values than a request has",
         )
+    if data.count(b'"') - data.count(b'\\"') > 2 * MAX_BODY_STRINGS:
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the body holds more than {MAX_BODY_STRINGS} strings (keys and values)",
+        )
     objects = _Objects()
     try:
-        body = json.loads(data, object_pairs_hook=objects, parse_constant=_not_a_json_value)
+        body = json.loads(
+            data,
+            object_pairs_hook=objects,
+            parse_constant=_not_a_json_value,
+            parse_int=_int,
+            parse_float=_float,
+        )
     except _TooManyObjects:
         raise ApiError(
             grpc.StatusCode.INVALID_ARGUMENT,
