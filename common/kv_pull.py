@@ -79,8 +79,8 @@ async def pull(
     the READ (its KV is unusable, like a lost lease: the router prefills again); and
     `TransferTimeoutError` as is when the READ (or the wait for a thread) timed out, for
     the caller's quarantine decision. When the caller went away (cancelled), the blocks go
-    back once the READ is over (`on_orphan()`), or, after a timeout NIXL could not cancel,
-    `on_quarantine(error)` keeps them until `error.when_released`.
+    back once the READ is over (`on_orphan()`), or, after a READ that timed out (it may
+    still write them), `on_quarantine(error)` keeps them until `error.when_released`.
     """
     if not plan.pull:
         return Pulled(None, [])
@@ -149,8 +149,8 @@ def _settled(
     on_quarantine: Callable[[TransferTimeoutError], object],
 ) -> None:
     """A READ whose caller went away has ended: its blocks go back (`on_orphan`), unless it
-    timed out and NIXL could not cancel it. Then it may still write them, so they are kept
-    until NIXL lets it go (`on_quarantine`), as the caller does when it is still there."""
+    timed out: it may still write them, so they are kept until it has ended and been let
+    go (`on_quarantine`), as the caller does when it is still there."""
     failure = None if read.cancelled() else read.exception()  # retrieved, either way
     if isinstance(failure, TransferTimeoutError) and not failure.cancelled:
         on_quarantine(failure)

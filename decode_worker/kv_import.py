@@ -137,8 +137,8 @@ class KvImporter:
         self.quarantined: dict[int, int] = {}
 
     def _quarantine(self, plan: ImportPlan, error: TransferTimeoutError) -> None:
-        """Keep the plan's blocks from the pool while NIXL may still write them (a READ it
-        could not cancel), until it lets the READ go (event loop)."""
+        """Keep the plan's blocks from the pool while NIXL may still write them (a READ that
+        timed out), until the READ has ended and been let go (event loop)."""
         logger.error(
             "a KV READ timed out and could not be cancelled; quarantining %d blocks until NIXL "
             "releases it",

@@ -60,7 +60,7 @@ def decode_metrics(servicer: DecodeServicer) -> list[Any]:
         counter("epd:kv_block_waits", "Requests that waited for free blocks.", c.block_waits),
         gauge(
             "epd:kv_blocks_quarantined",
-            "Blocks kept from the pool while a READ NIXL could not cancel may still write them.",
+            "Blocks kept from the pool while a READ that timed out may still write them.",
             sum(list(servicer.importer.quarantined.values())),  # a snapshot (metrics thread)
         ),
         counter("epd:decode_steps", "Batched decode forwards run.", batch.steps),

@@ -2,10 +2,13 @@
 half, pulling the embeddings encoders hold by NIXL, then release those encoder leases.
 
 `EmbeddingPulls.read_handoff` runs `common.handoff.read_handoff` on a worker thread (NIXL
-pulls block) with a resolver that READs each `TransferHandle` into this worker's device and
-notes its lease. Once the pulls are over (also when the request fails, and, for a cancelled
-request, only once the thread has finished: NIXL may still be writing), every lease pulled is
-released on the encoder `PrefillRequest.embedding_holders` names for it, in the background; a
+pulls block; this module's own `PULL_THREADS`, as `common.kv_pull`'s: the event loop's
+default executor has six threads on a two-core machine, which six stalled encoders would
+hold up to the pull timeout, and everything else run there with them) with a resolver
+that READs each `TransferHandle` into this worker's device and notes its lease. Once the
+pulls are over (also when the request fails, and, for a cancelled request, only once the
+thread has finished: NIXL may still be writing), every lease pulled is released on the
+encoder `PrefillRequest.embedding_holders` names for it, in the background; a
 lease without a holder address is left to expire there.
 
 Errors: what a handle claims is at fault (sizes, metadata NIXL cannot load, a range outside
@@ -23,6 +26,7 @@ import logging
 import math
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -39,6 +43,9 @@ from common.wire.transfer import read_tensor
 from epd.v1 import multimodal_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
+
+PULL_THREADS = 32  # handoffs being read at once, per process (each mostly waits on encoders)
+_pulls = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-embedding-pull")
 
 
 class EmbeddingPulls:
@@ -66,7 +73,7 @@ class EmbeddingPulls:
         pulled: list[str] = []  # embedding leases pulled from encoders
         timeout_s = max(min(self.timeout_s, time_left_s or math.inf), 1e-3)
         decoding = asyncio.get_running_loop().run_in_executor(
-            None,
+            _pulls,
             functools.partial(
                 read_handoff,
                 self.runner,

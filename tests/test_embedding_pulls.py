@@ -294,3 +294,28 @@ def test_a_dead_holder_is_unavailable(encoders: list[Encoder], reader: TransferA
     assert EMBEDDINGS_LOST in str(info.value)  # the router encodes the item again
     # The dead agent is forgotten, not kept loaded for good (a restart is another agent).
     assert ref.handle.agent_name not in reader.peers
+
+
+async def test_stalled_pulls_leave_the_loops_default_threads_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The pulls ran on the event loop's default executor: six threads on a two-core
+    # machine, which six stalled encoders held up to the pull timeout, and with them every
+    # `asyncio.to_thread` of the worker (races review). They have threads of their own.
+    import prefill_worker.embeddings as embeddings
+
+    release = threading.Event()
+    monkeypatch.setattr(embeddings, "read_handoff", lambda *a, **k: release.wait(10))
+    peers = SimpleNamespace(release_embeddings=lambda known: None)
+    pulls = EmbeddingPulls(cast(Any, None), cast(Any, None), cast(Any, peers), 30.0)
+    stalled = [
+        asyncio.ensure_future(pulls.read_handoff([], cast(Any, None), {}, None))
+        for _ in range(min(32, (os.cpu_count() or 1) + 4) + 2)  # more than the default's
+    ]
+    await asyncio.sleep(0.1)  # each pull on its thread
+    try:
+        async with asyncio.timeout(5):
+            assert await asyncio.to_thread(lambda: 7) == 7
+    finally:
+        release.set()
+        await asyncio.gather(*stalled)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.transfer import agent as agent_module
+from common.transfer import polling
 from common.transfer.agent import TransferAgent
 from common.transfer.parked import ParkedHandles
 from common.transfer.types import (
@@ -238,25 +238,23 @@ def test_a_failed_read_nixl_will_not_release_is_one_to_quarantine(
     def failing(*args: Any) -> None:
         raise RuntimeError("NIXL_ERR_BACKEND")
 
-    monkeypatch.setattr(agent_module, "post_and_wait", failing)
-    agent = object.__new__(TransferAgent)
-    agent.name, agent._lock = "test", threading.Lock()
-    agent._parked = ParkedHandles("test", retry_s=0.05)
+    monkeypatch.setattr(polling, "post_and_wait", failing)
+    parked = ParkedHandles("test", retry_s=0.05)
     handle = _Handle(refuse)
     with pytest.raises(TransferError) as failed:
-        agent._post_and_wait(handle, "peer", 64, 1.0, 0.0)
+        polling.run_read(None, parked, handle, "peer", 64, 1.0, 0.0)
     if refuse:
         error = failed.value
         assert isinstance(error, TransferTimeoutError) and not error.cancelled
-        assert len(agent._parked) == 1
+        assert len(parked) == 1
         freed = threading.Event()
         error.when_released(freed.set)
         assert not freed.wait(0.2)  # NIXL still keeps it: the memory stays kept
         handle.refuse = False  # NIXL lets it go: the timer's retry releases it, no READ needed
-        assert freed.wait(5) and len(agent._parked) == 0
-        agent._parked.close()
+        assert freed.wait(5) and len(parked) == 0
+        parked.close()
     else:
-        assert not isinstance(failed.value, TransferTimeoutError) and len(agent._parked) == 0
+        assert not isinstance(failed.value, TransferTimeoutError) and len(parked) == 0
 
 
 def test_a_failed_peer_is_forgotten_by_its_last_read_never_waiting_for_others() -> None:

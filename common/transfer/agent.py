@@ -34,8 +34,7 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import Future
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 import torch
@@ -43,7 +42,7 @@ import torch
 from common.transfer.nixl import PROGRESS_DELAY_US, import_nixl, make_agent
 from common.transfer.parked import ParkedHandles
 from common.transfer.peers import PeerSnapshots
-from common.transfer.polling import post_and_wait
+from common.transfer.polling import run_read
 from common.transfer.ranges import (
     Ranges,
     as_range_array,
@@ -69,6 +68,9 @@ from common.transfer.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Registered tensors of closed agents whose parked READs may still write into them.
+_KEPT: list[torch.Tensor] = []
 
 
 # Reads with at most this many ranges (given as sequences) take the plain-Python path.
@@ -300,7 +302,7 @@ class TransferAgent:
             handle = self._peers.prepare_read(
                 self._lock, local_descs, remote_descs, len(merged_r), peer, peer_metadata
             )
-            self._post_and_wait(handle, peer, nbytes, timeout_s, started)
+            run_read(self._agent, self._parked, handle, peer, nbytes, timeout_s, started)
         except TransferError as exc:
             self._peers.end_read(peer)
             if not isinstance(exc, TransferRefusedError | TransferTimeoutError):
@@ -319,58 +321,24 @@ class TransferAgent:
         logger.debug("%s read from %s: %s", self.name, peer, stats)
         return stats
 
-    def _post_and_wait(
-        self, handle: Any, peer: str, nbytes: int, timeout_s: float, started: float
-    ) -> None:
-        """Post a prepared transfer and poll it (`post_and_wait`); always releases the handle."""
-        try:
-            post_and_wait(self._agent, handle, peer, nbytes, timeout_s, started)
-        except TransferTimeoutError as exc:
-            exc.released = self._release(handle, False)
-            exc.cancelled = exc.released is None
-            raise
-        except BaseException as exc:
-            parked = self._release(handle, False)
-            if isinstance(exc, Exception) and parked is not None:
-                # NIXL kept a transfer it would not release: it may still write the local
-                # ranges, so the caller must keep them, as after a timeout it could not cancel.
-                error = TransferTimeoutError(
-                    f"READ of {nbytes} bytes from {peer!r} failed ({exc}) and could not be "
-                    "released",
-                    cancelled=False,
-                )
-                error.released = parked
-                raise error from exc
-            if isinstance(exc, Exception) and not isinstance(exc, TransferError):
-                # The binding's own errors, e.g. NIXL_ERR_REMOTE_DISCONNECT from a dead peer.
-                raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed: {exc}") from exc
-            raise
-        self._release(handle, True)
-
-    def _release(self, handle: Any, done: bool) -> Future[None] | None:
-        """Release a transfer handle: None, or, if NIXL refuses, the future `ParkedHandles`
-        sets once it lets the parked handle go."""
-        try:
-            handle.release()
-            return None
-        except Exception:
-            # NIXL refuses to release a transfer it cannot cancel; keep it and retry later.
-            logger.warning(
-                "%s could not release %s transfer handle; will retry",
-                self.name,
-                "a finished" if done else "an unfinished",
-            )
-            return self._parked.park(handle)
-
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Forget peers, deregister every region, and drop tensor references. Idempotent."""
+        """Forget peers, deregister every region, and drop tensor references (but where a
+        READ that timed out may still write: those stay alive for the process's life, a
+        late write landing in freed heap corrupted it; races review). Idempotent."""
         self._parked.close()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            if len(self._parked):
+                logger.warning(
+                    "%s closed with %d READs that may still write: their memory is kept",
+                    self.name,
+                    len(self._parked),
+                )
+                _KEPT.extend(region.tensor for region in self._regions)
             self._peers.remove_all()
             for region in self._regions:
                 try:

@@ -1,7 +1,10 @@
-"""Transfer handles NIXL would not release (a READ it could not cancel, or one that failed
-and was kept): parked, released again later, and each one's future set once NIXL lets it
-go, so that whoever kept the local memory for it (quarantined KV blocks, a registered
-tensor) frees it then rather than never.
+"""Transfer handles not released yet: a READ that timed out, parked until it ends (NIXL's
+release of one in flight says it cancelled it, but over TCP the holder's bytes still land
+once it gets going again, into memory by then another request's: a second request's
+verified, cached KV blocks were overwritten so; races review), and one NIXL would not
+release. Each is released once it may be, and its future set then, so that whoever kept
+the local memory for it (quarantined KV blocks, a registered tensor) frees it then rather
+than never, or too early. A READ whose holder stays frozen stays parked, its memory kept.
 
 Retried on every `retry()` (the agent calls it before each READ) and every `retry_s` on a
 timer thread of its own while any handle is parked: memory kept for one comes back even
@@ -13,12 +16,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final
 
 logger = logging.getLogger(__name__)
 
 RETRY_S: Final = 1.0  # how often parked handles are released again while any is parked
+# A handle, its future, and whether its transfer has ended (None: no need to ask).
+_Parked = tuple[Any, Future[None], Callable[[], bool] | None]
 
 
 class ParkedHandles:
@@ -28,7 +34,7 @@ class ParkedHandles:
         self.name = name  # the agent's, for logs
         self.retry_s = retry_s
         self._lock = threading.Lock()
-        self._parked: list[tuple[Any, Future[None]]] = []
+        self._parked: list[_Parked] = []
         self._timer: threading.Timer | None = None
         self._closed = False
 
@@ -36,11 +42,12 @@ class ParkedHandles:
         with self._lock:
             return len(self._parked)
 
-    def park(self, handle: Any) -> Future[None]:
-        """Keep `handle`; the future is set once it is released."""
+    def park(self, handle: Any, ended: Callable[[], bool] | None = None) -> Future[None]:
+        """Keep `handle` until `ended()` (its transfer will write no more; not asked if
+        None), then release it; the future is set once it is released."""
         released: Future[None] = Future()
         with self._lock:
-            self._parked.append((handle, released))
+            self._parked.append((handle, released, ended))
             self._schedule()
         return released
 
@@ -48,12 +55,16 @@ class ParkedHandles:
         """Release what NIXL now lets go, and set those handles' futures."""
         with self._lock:
             parked, self._parked = self._parked, []
-        freed, still = [], []
-        for handle, released in parked:
+        freed: list[Future[None]] = []
+        still: list[_Parked] = []
+        for handle, released, ended in parked:
+            if ended is not None and not _has_ended(ended):
+                still.append((handle, released, ended))
+                continue
             try:
                 handle.release()
             except Exception:
-                still.append((handle, released))
+                still.append((handle, released, None))  # ended: only its release is left
             else:
                 freed.append(released)
         with self._lock:
@@ -84,3 +95,11 @@ class ParkedHandles:
         with self._lock:
             self._timer = None
         self.retry()
+
+
+def _has_ended(ended: Callable[[], bool]) -> bool:
+    """`ended()`, where an error asking (the transfer failed, its peer gone) is an end."""
+    try:
+        return ended()
+    except Exception:
+        return True

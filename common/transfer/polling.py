@@ -1,12 +1,18 @@
-"""Waiting for one posted NIXL transfer: spin briefly, then poll with back-off until the
-transfer is done, fails, or its deadline passes. Releasing the handle is the caller's job."""
+"""One NIXL READ posted and waited for (`post_and_wait`: spin briefly, then poll with back-off
+until the transfer is done, fails, or its deadline passes), then its handle released once
+it may be (`run_read`): at once when it ended, else parked (`common.transfer.parked`)."""
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future
 from typing import Any, Final
 
+from common.transfer.parked import ParkedHandles
 from common.transfer.types import TransferError, TransferTimeoutError
+
+logger = logging.getLogger(__name__)
 
 # Waiting for a transfer: spin on the status this long first (small transfers finish within
 # microseconds, and a sleep on a busy machine can cost a whole scheduler slice), then sleep
@@ -42,3 +48,54 @@ def post_and_wait(
         state = agent.check_xfer_state(handle)
     if state != "DONE":
         raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed (state {state})")
+
+
+def run_read(
+    nixl: Any,
+    parked: ParkedHandles,
+    handle: Any,
+    peer: str,
+    nbytes: int,
+    timeout_s: float,
+    started: float,
+) -> None:
+    """Post a prepared READ on the nixl agent `nixl` and wait for it (`post_and_wait`); its
+    handle is released, or parked in `parked` where it may not be yet (the error raised
+    then is a `TransferTimeoutError` whose `released` is set once it is let go)."""
+    try:
+        post_and_wait(nixl, handle, peer, nbytes, timeout_s, started)
+    except TransferTimeoutError as exc:
+        # Not released now: NIXL would say it cancelled the READ, but over TCP the holder's
+        # bytes still land once it gets going again, into memory the caller would have
+        # given another request (races review). Kept until it ends.
+        exc.released = parked.park(handle, lambda: nixl.check_xfer_state(handle) != "PROC")
+        exc.cancelled = False
+        raise
+    except BaseException as exc:
+        kept = _release(parked, handle, False)
+        if isinstance(exc, Exception) and kept is not None:
+            # NIXL kept a transfer it would not release: it may still write the local
+            # ranges, so the caller must keep them, as after a timeout.
+            error = TransferTimeoutError(
+                f"READ of {nbytes} bytes from {peer!r} failed ({exc}) and could not be released",
+                cancelled=False,
+            )
+            error.released = kept
+            raise error from exc
+        if isinstance(exc, Exception) and not isinstance(exc, TransferError):
+            # The binding's own errors, e.g. NIXL_ERR_REMOTE_DISCONNECT from a dead peer.
+            raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed: {exc}") from exc
+        raise
+    _release(parked, handle, True)
+
+
+def _release(parked: ParkedHandles, handle: Any, done: bool) -> Future[None] | None:
+    """Release a transfer handle: None, or, if NIXL refuses, the future `parked` sets once
+    it lets the handle go."""
+    try:
+        handle.release()
+        return None
+    except Exception:  # NIXL refuses to release a transfer it cannot cancel: retried later
+        which = "a finished" if done else "an unfinished"
+        logger.warning("%s could not release %s transfer handle; will retry", parked.name, which)
+        return parked.park(handle)

@@ -38,14 +38,16 @@ class TransferDigestError(TransferError):
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not complete within its timeout.
 
-    `cancelled` is True when NIXL released (cancelled) the handle. When False the handle is
-    parked and retried later, and the transfer may still write the local ranges: keep that
-    memory allocated and registered.
+    `cancelled` is True when nothing can write the local ranges any more (no READ was
+    started). When False the transfer may still write them, whatever NIXL says of a
+    release (over TCP a frozen holder's bytes land once it gets going again): its handle
+    is parked until it ends (`released`), and that memory must stay allocated and
+    registered until then.
     """
 
     def __init__(self, message: str, cancelled: bool = False) -> None:
         super().__init__(message)
-        # True when NIXL cancelled and released the transfer.
+        # True when nothing can write the local ranges any more (no READ was started).
         self.cancelled = cancelled
         # Not cancelled: set once NIXL lets the parked handle go at last (the local ranges
         # may be reused then: `common.transfer.parked`); None when nothing was parked.
