@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import io
 import json
 import socket
@@ -32,6 +33,7 @@ from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.roles import Role
 from common.sampling import SamplingParams
+from common.server.lifecycle import LifecycleState
 from common.server.rpc import LIVENESS_SERVICE, channel
 from epd.client import GenerateError
 from router.admission import Need
@@ -231,6 +233,33 @@ async def test_health_needs_every_role(fake: FakeCluster) -> None:
     await wait_health(url_of(fake), 200)
     serving = health_pb2.HealthCheckResponse.SERVING
     assert await grpc_health(fake, serving) == serving
+
+
+async def test_a_draining_router_asks_each_client_to_close_its_connection(
+    fake: FakeCluster,
+) -> None:
+    # A kept-alive connection came back to a draining router with each request, each one
+    # answered 503, as long as its longest running answer lasted (up to drain_timeout_s),
+    # while a load balancer had other routers ready for a new connection (deploy review).
+    host, port = url_of(fake).removeprefix("http://").rsplit(":", 1)
+
+    def twice() -> list[tuple[int, str | None]]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            answers = []
+            for _ in range(2):
+                conn.request("GET", "/health")
+                reply = conn.getresponse()
+                reply.read()
+                answers.append((reply.status, reply.getheader("connection")))
+                fake.router.servicer.lifecycle.state = LifecycleState.DRAINING
+            return answers
+        finally:
+            conn.close()
+
+    await add_workers(fake)
+    await wait_health(url_of(fake), 200)
+    assert await asyncio.to_thread(twice) == [(200, None), (503, "close")]
 
 
 async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:

@@ -29,6 +29,11 @@ events then waited for the client's delayed ACK of the response head, about 40 m
 reached an OpenAI client in one burst (TTFT 60-77 ms where the first token was ready at
 11-18 ms).
 
+A draining router asks each client to close its connection with its answer
+(`CloseWhileDraining`): a kept-alive connection came back to it with each request, each
+answered 503, as long as its longest running answer lasted (up to `drain_timeout_s`),
+while a load balancer had other routers ready for a new connection (deploy review).
+
 uvicorn logs a WARNING for each connection whose bytes are not HTTP, and two for each request
 asking to upgrade the connection (h2c, WebSocket), from callers who need no key: a line or
 two each grew the router's log with every such connection. At most one of them a
@@ -42,6 +47,7 @@ import logging
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +109,27 @@ class ConnectionStats:
     closed_late: int = 0  # closed without a whole request head in time
     closed_body_late: int = 0  # closed without a whole body in time (`router.http.body`)
     closed_unread: int = 0  # cut with answers the client read (almost) none of in time
+
+
+class CloseWhileDraining:
+    """ASGI middleware: while `draining()`, every answer says `Connection: close`."""
+
+    def __init__(self, app: Any, draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.draining = draining
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.draining():
+            await self.app(scope, receive, send)
+            return
+
+        async def closing(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
+                message = {**message, "headers": [*kept, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, closing)
 
 
 def bounded_protocol(
