@@ -32,7 +32,9 @@ in turn (one that did not connect within the last `DOWN_S` last). A stream that 
 UNAVAILABLE (the router died, drains or cannot be reached; one not connected within
 `CONNECT_S` while others are left counts so) goes on at the next router, once at each:
 from the start if nothing had come, else resumed after the tokens received
-(`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed.
+(`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed. One
+refused "draining" before anything started is first sent again on a new connection to the
+same address (behind a load balancer, another router).
 When no router is left, `GenerateError` says which were tried. A stream that fails after
 its last chunk (the one with a finish reason) is not sent again: the caller has it whole.
 
@@ -54,28 +56,16 @@ import grpc
 
 from common.sampling import SamplingParams
 from common.server.credentials import ChannelCredentials, bearer_metadata, checked_key, read_ca
-from common.server.rpc import channel
+from common.server.rpc import DRAINING_DETAILS, channel
 from common.server.transport import DEFAULT_MAX_MESSAGE_MB
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
 from epd.answers import Chunk, GenerateError, Result, chunk_of, collected, retry_after_s
-from epd.request import (
-    IMAGE_SUFFIXES,
-    Messages,
-    build_request,
-    encode_image,
-    frame_files,
-    video_input,
-)
+from epd.request import IMAGE_SUFFIXES, Messages, build_request, encode_image, frame_files
+from epd.request import video_input as video_input
 from epd.routers import CONNECT_S, Routers, connects, router_list
-from epd.v1 import (
-    admin_service_pb2,
-    admin_service_pb2_grpc,
-    router_service_pb2_grpc,
-)
+from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, router_service_pb2_grpc
 
-# The wire form lives in `epd.request` and the answers' types in `epd.answers`; their
-# public names are importable from here too.
-__all__ = [
+__all__ = [  # `epd.request`'s and `epd.answers`' public names too
     "IMAGE_SUFFIXES",
     "Routers",
     "Chunk",
@@ -94,6 +84,7 @@ __all__ = [
 
 CLOSED = "the client was closed while the stream ran"
 DOWN_S = 30.0  # a router that did not connect is tried last for this long
+DRAINED_GRACE_S = 3600.0  # a connection left by `_reopen` closes at the latest after this
 
 
 class Client:
@@ -134,12 +125,11 @@ class Client:
             tls=bool(tls_ca_file),  # "" (an empty $EPD_TLS_CA_FILE): plaintext, as None
         )
         # Opened at first use, in the loop using them, each with its own connections.
-        self._open = lambda: [
-            channel(
-                a, max_message_mb=max_message_mb, credentials=credentials, keepalive_s=keepalive_s
-            )
-            for a in self.addresses
-        ]
+        self._open_one = lambda a: channel(
+            a, max_message_mb=max_message_mb, credentials=credentials, keepalive_s=keepalive_s
+        )
+        self._open = lambda: [self._open_one(a) for a in self.addresses]
+        self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}  # left by `_reopen`
         self._opened: list[grpc.aio.Channel] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop they were opened in
         self._stubs: list[router_service_pb2_grpc.RouterServiceStub] = []
@@ -185,6 +175,20 @@ class Client:
         for ch in self._opened or ():
             await ch.close()
         self._opened = None
+        for old in list(self._closing.values()):
+            await old.close()
+
+    def _reopen(self, index: int) -> None:
+        """A new connection to router `index` for the calls to come: a load balancer sends
+        it elsewhere, not the one kept to a draining router (each request on which was
+        refused "draining" while its longest answer ran; deploy review). The old one
+        closes once its calls end."""
+        assert self._opened is not None
+        old, self._opened[index] = self._opened[index], self._open_one(self.addresses[index])
+        self._stubs[index] = router_service_pb2_grpc.RouterServiceStub(self._opened[index])
+        task = asyncio.ensure_future(old.close(grace=DRAINED_GRACE_S))
+        self._closing[task] = old
+        task.add_done_callback(self._closing.pop)
 
     def _order(self) -> list[int]:
         """Router indices for the next request: the next router in turn, then the rest; a
@@ -236,7 +240,7 @@ class Client:
         finished = False  # the caller has the chunk with the finish reason: the whole answer
         busy = 0  # RESOURCE_EXHAUSTED refusals sent again
         order = self._order()
-        attempt, closes = 0, self._closes
+        attempt, closes, reopened = 0, self._closes, False
         while attempt < len(order):
             if self._closes != closes:  # closed while it waited to send again: not reopened
                 raise GenerateError(grpc.StatusCode.CANCELLED, CLOSED)
@@ -289,6 +293,11 @@ class Client:
                     self.busy_retries += 1
                     await asyncio.sleep(wait)
                     continue  # the same router, which said when
+                drained = code == grpc.StatusCode.UNAVAILABLE and details == DRAINING_DETAILS
+                if drained and not received and not reopened:  # nothing started: sent again
+                    reopened = True
+                    self._reopen(index)  # on a new connection
+                    continue
                 if len(self._routers) == 1:
                     raise GenerateError.of(exc) from None
                 where = f"{self.addresses[index]}: {code.name} {details}".strip()

@@ -275,3 +275,50 @@ async def test_a_router_that_did_not_connect_is_tried_last_for_a_while(
             assert result.text == "hi"
         assert client.retries == 1  # only the first waited for it
     hole.close()
+
+
+class Draining(router_service_pb2_grpc.RouterServiceServicer):
+    """A router that drains: every request refused UNAVAILABLE "draining"."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self.calls += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        yield  # a stream
+
+
+async def test_a_request_a_draining_router_refused_goes_on_a_new_connection(serve: Any) -> None:
+    # Behind a load balancer (one address), the connection kept to a draining router took
+    # each request to it, refused "draining" while its longest answer ran, though other
+    # routers were ready (deploy review). A new connection goes to another.
+    draining, ready = Draining(), FakeRouter([chunk([7], "ok", last=True)])
+    targets = [await serve(draining), await serve(ready)]
+    connections: list[str] = []
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        target = targets[min(len(connections), 1)]  # the first to the draining router
+        connections.append(target)
+        host, port = target.rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    balancer = await asyncio.start_server(accept, "127.0.0.1", 0)
+    try:
+        address = f"127.0.0.1:{balancer.sockets[0].getsockname()[1]}"
+        async with Client(address, api_key="k") as client:
+            result = await client.generate_text(CHAT, SamplingParams(max_tokens=2))
+        assert (result.text, draining.calls, connections) == ("ok", 1, targets)
+    finally:
+        balancer.close()
