@@ -467,3 +467,49 @@ async def test_garbage_connections_are_logged_once_in_a_while(
             sock.close()
     upgrades = [r for r in caplog.records if "upgrade" in r.getMessage().lower()]
     assert len(upgrades) <= 1
+
+
+async def test_a_body_in_many_tiny_chunks_is_refused_without_holding_the_loop(
+    strict: FakeCluster,
+) -> None:
+    # h11 and uvicorn take ~18 µs of the event loop a chunk: a 256 KiB read of 1-byte chunks
+    # held it 0.9 s, a body of 2M of them 28 s (stalls review). Refused as malformed.
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {CLIENT_KEY}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - before)
+
+    ticker = asyncio.ensure_future(tick())
+    sock = socket.create_connection(host_port(strict))
+    try:
+        sock.sendall(head.encode() + b"1\r\n{\r\n" * 40_000)  # 240 KB: one read or a few
+        sent = await closed_within(sock, 5)
+    finally:
+        sock.close()
+        ticker.cancel()
+    assert sent is not None and sent.startswith(b"HTTP/1.1 400"), sent
+    assert max(gaps) < 0.3, max(gaps)
+    # A body in pieces of a usual size is read as ever.
+    body = json.dumps({"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}).encode()
+    status, _ = await asyncio.to_thread(chunked_post, strict, body, 8)
+    assert status == 200
+
+
+def chunked_post(c: FakeCluster, body: bytes, pieces: int) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(*host_port(c), timeout=10)
+    try:
+        size = -(-len(body) // pieces)
+        parts = (body[i : i + size] for i in range(0, len(body), size))
+        headers = {"Authorization": f"Bearer {CLIENT_KEY}", "Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", body=parts, headers=headers, encode_chunked=True)
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    finally:
+        conn.close()
