@@ -121,6 +121,25 @@ async def test_a_cache_salt_in_the_body_splits_the_cache(deployment: Cluster) ->
     assert await cached(None) == 0  # the tenant's own cache, unsplit, is another
 
 
+async def test_tenants_over_http_never_share_cached_blocks(deployment: Cluster) -> None:
+    # Each key's tenant salts the caches over HTTP as over gRPC: with every HTTP caller
+    # given one tenant, every test here passed all the same (invariants review).
+    assert deployment.http_url is not None
+    chat = user({"type": "text", "text": "A long prompt two tenants both send, " * 8})
+
+    async def cached(key: str) -> int:
+        done = await api(deployment.http_url or "", key).chat.completions.create(
+            model=MODEL_ID, messages=chat, **{**GREEDY, "max_tokens": 2}
+        )
+        assert done.usage is not None and done.usage.prompt_tokens_details is not None
+        return done.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert await cached(deployment.client_key) == 0
+    assert await cached(deployment.other_key) == 0  # not tenant-a's blocks
+    assert await cached(deployment.client_key) > 0
+    assert await cached(deployment.other_key) > 0  # its own, now
+
+
 async def test_models_completions_and_health(deployment: Cluster) -> None:
     assert deployment.http_url is not None
     client = api(deployment.http_url)
