@@ -6,6 +6,7 @@ sets every stream's `released`."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -160,3 +161,20 @@ def test_a_failed_step_fails_its_streams_and_the_loop_goes_on(
     assert chunks[-1].finish_reason == "length"
     assert runner.allocator.pool.num_used_blocks == 0
     runner.allocator.pool.check_invariants()
+
+
+def test_a_submitted_call_that_fails_is_logged(
+    model: ModelThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Cleanups are submitted without anyone waiting (pulled KV cached, blocks given back):
+    # one that raised said nothing (races review).
+    def cache_pulled_blocks() -> None:
+        raise RuntimeError("the pool is gone")
+
+    with caplog.at_level("ERROR", logger="common.models.model_thread"):
+        model.submit(cache_pulled_blocks).exception(timeout=5)
+        for _ in range(100):
+            if caplog.records:
+                break
+            time.sleep(0.01)
+    assert "cache_pulled_blocks failed" in caplog.text and "the pool is gone" in caplog.text

@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class ModelThread:
@@ -53,9 +56,18 @@ class ModelThread:
             raise
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """Queue `fn(*args)` without waiting (cleanup from callbacks)."""
-        return self._executor.submit(fn, *args)
+        """Queue `fn(*args)` without waiting (cleanup from callbacks); what it raises is
+        logged (nobody may wait for it: pulled KV left uncached said nothing; races review)."""
+        work = self._executor.submit(fn, *args)
+        work.add_done_callback(functools.partial(_log_failure, fn))
+        return work
 
     def close(self) -> None:
         """Finish queued calls and stop the thread."""
         self._executor.shutdown(wait=True)
+
+
+def _log_failure(fn: Callable[..., object], work: concurrent.futures.Future[Any]) -> None:
+    if not work.cancelled() and (error := work.exception()) is not None:
+        name = getattr(fn, "__qualname__", repr(fn))
+        logger.error("model thread call %s failed", name, exc_info=error)
