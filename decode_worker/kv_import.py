@@ -32,9 +32,10 @@ sequence. The pulled blocks carry one more reference (`Imported.hold`) until the
 settled (`confirmed` or `discard`), so they cannot be freed, and their ids handed out again,
 before their digests are recorded and they are cached, even when the sequence ends first.
 On a failure or cancellation in `admit` every block taken goes back to the pool (after the
-READ has finished, if one is in flight), except after an uncancellable READ timeout: NIXL may
-still write those blocks, so they are quarantined (`quarantined`, the
-`epd:kv_blocks_quarantined` gauge) until NIXL lets the READ go (`common.transfer.parked`).
+READ has finished, if one is in flight), except after a READ that timed out: it may still
+write those blocks (over TCP a frozen holder's bytes land once it gets going), so they are
+quarantined (`quarantined`, the `epd:kv_blocks_quarantined` gauge) until the READ has ended
+and been let go (`common.transfer.parked`).
 A READ that timed out is ABORTED (the router prefills again), not the request's deadline.
 """
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -140,8 +142,8 @@ class KvImporter:
         """Keep the plan's blocks from the pool while NIXL may still write them (a READ that
         timed out), until the READ has ended and been let go (event loop)."""
         logger.error(
-            "a KV READ timed out and could not be cancelled; quarantining %d blocks until NIXL "
-            "releases it",
+            "a KV READ timed out and may still write its %d blocks: quarantined until it ends "
+            "(its holder answers or disconnects)",
             len(plan.blocks),
         )
         self.quarantined[id(plan)] = len(plan.blocks)
@@ -149,9 +151,11 @@ class KvImporter:
         error.when_released(lambda: loop.call_soon_threadsafe(self._unquarantine, plan))
 
     def _unquarantine(self, plan: ImportPlan) -> None:
-        """NIXL let the READ go: its blocks go back to the pool (event loop)."""
+        """The READ ended and was let go: its blocks go back to the pool (event loop), but
+        once the model thread has stopped (the worker is closing)."""
         self.quarantined.pop(id(plan), None)
-        self.model.submit(self.runner.allocator.abort_import, plan)
+        with contextlib.suppress(RuntimeError):  # "cannot schedule new futures after shutdown"
+            self.model.submit(self.runner.allocator.abort_import, plan)
 
     async def admit(
         self,

@@ -25,6 +25,7 @@ import functools
 import logging
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,22 +72,22 @@ class EmbeddingPulls:
     ) -> Handoff:
         """The checked handoff with its embeddings, pulled; releases what was pulled."""
         pulled: list[str] = []  # embedding leases pulled from encoders
-        timeout_s = max(min(self.timeout_s, time_left_s or math.inf), 1e-3)
-        decoding = asyncio.get_running_loop().run_in_executor(
-            _pulls,
-            functools.partial(
-                read_handoff,
-                self.runner,
-                tokens,
-                multimodal,
-                with_embeddings=True,
-                resolve=functools.partial(self._resolve, pulled=pulled, timeout_s=timeout_s),
-            ),
+        # One deadline for its pulls, from now: one that waited for a thread has that much
+        # less, and one whose request is gone never starts (ownfix review).
+        deadline = time.monotonic() + max(min(self.timeout_s, time_left_s or math.inf), 1e-3)
+        work = _pulls.submit(
+            read_handoff,
+            self.runner,
+            tokens,
+            multimodal,
+            with_embeddings=True,
+            resolve=functools.partial(self._resolve, pulled=pulled, deadline=deadline),
         )
+        decoding = asyncio.wrap_future(work)
         try:
             return await asyncio.shield(decoding)
         finally:
-            if decoding.done():
+            if decoding.done() or work.cancel():  # over, or never started
                 self._release(pulled, holders)
             else:  # cancelled while pulls run: release the leases once they are over
 
@@ -98,10 +99,16 @@ class EmbeddingPulls:
                 decoding.add_done_callback(over)
 
     def _resolve(
-        self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str], timeout_s: float
+        self, ref: tensor_pb2.TensorRef, field: str, *, pulled: list[str], deadline: float
     ) -> torch.Tensor:
-        """Pull an embedding held by a NIXL handle (worker thread); note its lease."""
+        """Pull an embedding held by a NIXL handle by `deadline` (`time.monotonic()`; worker
+        thread); note its lease."""
         dtype = torch_dtype(ref.dtype, field)
+        timeout_s = deadline - time.monotonic()
+        if timeout_s <= 0:
+            raise RpcStatusError(
+                grpc.StatusCode.UNAVAILABLE, f"{field}: {EMBEDDINGS_LOST} (no time left to pull it)"
+            )
         try:
             tensor = read_tensor(
                 ref.handle,

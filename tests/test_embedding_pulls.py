@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -205,7 +206,7 @@ def _resolve(
     """`EmbeddingPulls._resolve` as a prefill worker calls it (its agent, a CPU device)."""
     if pulls is None:
         pulls = _pulls(reader)
-    return EmbeddingPulls._resolve(pulls, ref, field, pulled=[], timeout_s=5)
+    return EmbeddingPulls._resolve(pulls, ref, field, pulled=[], deadline=time.monotonic() + 5)
 
 
 def _pulls(reader: TransferAgent) -> Any:
@@ -319,3 +320,34 @@ async def test_stalled_pulls_leave_the_loops_default_threads_free(
     finally:
         release.set()
         await asyncio.gather(*stalled)
+
+
+async def test_a_pull_whose_request_went_away_while_it_waited_never_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Queued behind stalled pulls, a handoff whose request had gone still ran later, each
+    # with a full timeout of its own (ownfix review): one not started is cancelled, and a
+    # pull's time counts from the request, not from when a thread took it.
+    import prefill_worker.embeddings as embeddings
+
+    release, started = threading.Event(), []
+
+    def stalled(*args: Any, **kwargs: Any) -> None:
+        started.append(kwargs["resolve"].keywords["deadline"] - time.monotonic())
+        release.wait(10)
+
+    monkeypatch.setattr(embeddings, "read_handoff", stalled)
+    monkeypatch.setattr(embeddings, "_pulls", ThreadPoolExecutor(2))
+    peers = SimpleNamespace(release_embeddings=lambda known: None)
+    pulls = EmbeddingPulls(cast(Any, None), cast(Any, None), cast(Any, peers), 30.0)
+    calls = [
+        asyncio.ensure_future(pulls.read_handoff([], cast(Any, None), {}, None)) for _ in range(4)
+    ]
+    await asyncio.sleep(0.2)
+    for call in calls:
+        call.cancel()
+    await asyncio.sleep(0.1)
+    release.set()
+    await asyncio.sleep(0.2)
+    assert len(started) == 2  # the two queued ones never started
+    embeddings._pulls.shutdown(wait=True)

@@ -228,33 +228,61 @@ class _Handle:
             raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
 
 
-@pytest.mark.parametrize("refuse", [True, False])
-def test_a_failed_read_nixl_will_not_release_is_one_to_quarantine(
-    monkeypatch: pytest.MonkeyPatch, refuse: bool
+class _Nixl:
+    """The agent's state calls: `state` for every handle, or `error` raised."""
+
+    def __init__(self) -> None:
+        self.state = "PROC"
+        self.error: Exception | None = None
+
+    def check_xfer_state(self, handle: Any) -> str:
+        if self.error is not None:
+            raise self.error
+        return self.state
+
+
+@pytest.mark.parametrize(
+    ("failure", "kept"),
+    [
+        (TransferError("READ failed (state ERR)"), "refused"),  # NIXL keeps its handle
+        (TransferError("READ failed (state ERR)"), "no"),
+        (RuntimeError("NIXL_ERR_NOT_FOUND: remote agent was invalidated"), "until ended"),
+        (RuntimeError("nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT"), "no"),
+    ],
+)
+def test_a_read_that_may_still_write_is_one_to_quarantine(
+    monkeypatch: pytest.MonkeyPatch, failure: Exception, kept: str
 ) -> None:
-    # A READ that failed (not timed out) while NIXL kept its handle may still write the
-    # local ranges: it surfaces as a timeout that could not be cancelled, which every
-    # caller answers by keeping that memory; a released one is a plain TransferError.
+    # A READ that failed while NIXL kept its handle, or whose state could not be asked
+    # (its peer unloaded here, the agent closing: over TCP its bytes may still land; ownfix
+    # review), may still write the local ranges: it surfaces as a timeout not cancelled,
+    # which every caller answers by keeping that memory until `released`. One that ended
+    # (its state, or its peer disconnected) and was let go is a plain TransferError.
     def failing(*args: Any) -> None:
-        raise RuntimeError("NIXL_ERR_BACKEND")
+        raise failure
 
     monkeypatch.setattr(polling, "post_and_wait", failing)
-    parked = ParkedHandles("test", retry_s=0.05)
-    handle = _Handle(refuse)
+    parked, nixl = ParkedHandles("test", retry_s=0.05), _Nixl()
+    handle = _Handle(kept == "refused")
     with pytest.raises(TransferError) as failed:
-        polling.run_read(None, parked, handle, "peer", 64, 1.0, 0.0)
-    if refuse:
-        error = failed.value
-        assert isinstance(error, TransferTimeoutError) and not error.cancelled
-        assert len(parked) == 1
-        freed = threading.Event()
-        error.when_released(freed.set)
+        polling.run_read(nixl, parked, handle, "peer", 64, 1.0, 0.0)
+    if kept == "no":
+        assert not isinstance(failed.value, TransferTimeoutError) and len(parked) == 0
+        return
+    error = failed.value
+    assert isinstance(error, TransferTimeoutError) and not error.cancelled
+    assert len(parked) == 1
+    freed = threading.Event()
+    error.when_released(freed.set)
+    if kept == "until ended":
+        nixl.error = RuntimeError("NIXL_ERR_NOT_FOUND")  # asking says nothing: kept
+        assert not freed.wait(0.3)
+        nixl.error, nixl.state = None, "ERR"  # it ended
+    else:
         assert not freed.wait(0.2)  # NIXL still keeps it: the memory stays kept
         handle.refuse = False  # NIXL lets it go: the timer's retry releases it, no READ needed
-        assert freed.wait(5) and len(parked) == 0
-        parked.close()
-    else:
-        assert not isinstance(failed.value, TransferTimeoutError) and len(parked) == 0
+    assert freed.wait(5) and len(parked) == 0
+    parked.close()
 
 
 def test_a_failed_peer_is_forgotten_by_its_last_read_never_waiting_for_others() -> None:
@@ -320,3 +348,29 @@ def test_peers_idle_past_the_limit_are_forgotten_when_a_new_one_is_loaded() -> N
     assert peers.load(b"gone:1") == "gone"  # a forgotten peer still there loads again
     assert sorted(nixl.removed) == ["busy", "gone", "new", "used"]
     assert peers.names() == ["gone"]
+
+
+def test_close_counts_the_handles_another_thread_is_retrying() -> None:
+    # `retry` holds the parked handles apart while it asks about them: a close meanwhile
+    # counted none, freed the memory, and the late bytes crashed the process (ownfix review).
+    parked = ParkedHandles("test", retry_s=60)
+    asking, answer = threading.Event(), threading.Event()
+
+    def ended() -> bool:
+        asking.set()
+        answer.wait(5)
+        return False
+
+    parked.park(_Handle(False), ended)
+    retrying = threading.Thread(target=parked.retry)
+    retrying.start()
+    assert asking.wait(5)
+    left: list[int] = []
+    closing = threading.Thread(target=lambda: left.append(parked.close()))
+    closing.start()
+    time.sleep(0.1)
+    assert not left  # it waits for the retry
+    answer.set()
+    closing.join(5)
+    retrying.join(5)
+    assert left == [1]

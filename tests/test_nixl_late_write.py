@@ -5,7 +5,8 @@ still land once it gets going again. The agent called such a READ cancelled and 
 gave the memory to the next request: a second request's verified, cached KV blocks were
 then overwritten by the first one's holder, and a prefill worker's next tensor held another
 request's embeddings (races review). Pins: a timed-out READ is not cancelled; its handle is
-kept until the transfer ends, and `released` is set only then, after which nothing lands.
+kept until the transfer ends, and its peer loaded (a refresh refused), and `released` is set
+only then, after which nothing lands.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from common.transfer.agent import TransferAgent
-from common.transfer.types import TransferTimeoutError
+from common.transfer.types import TransferRefusedError, TransferTimeoutError
 from tests.nixl_holder_helpers import BIG_BYTES, _recv, _send, holder_main
 
 
@@ -51,6 +52,13 @@ def test_a_read_that_timed_out_is_kept_until_it_ends(monkeypatch: pytest.MonkeyP
                 reader.read(peer, remote, into, timeout_s=0.5)
             released = err.value.released
             assert not err.value.cancelled and released is not None
+            # Its peer stays loaded: unloaded, NIXL would call the READ over while the
+            # holder's bytes still land (ownfix review). Forgetting it is left to a later
+            # failure; a refresh is refused.
+            reader._peers.forget(reader._lock, peer)
+            assert peer in reader.peers
+            with pytest.raises(TransferRefusedError, match="may still write"):
+                reader.refresh_peer(peer, info["metadata"])
             time.sleep(1.5)  # parked handles are tried every second: this one is unfinished
             assert not released.done()
         finally:

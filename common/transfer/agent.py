@@ -22,8 +22,9 @@ with NIXL_THREAD_SYNC_STRICT. Neither `close()` nor `deregister(region)` may rac
 in flight that touches the region; stop those reads first.
 
 Failures: a peer whose READ failed (disconnected) is forgotten, and loaded again from the
-`peer_metadata` of its next READ (`peers`); a handle NIXL would not release is parked until
-it does (`parked`). Value types and errors live in `types`, region lookup in `regions`,
+`peer_metadata` of its next READ (`peers`); a READ that timed out (or may otherwise still be
+writing) is parked until it has ended, its peer kept loaded, and one NIXL would not release
+until it does (`parked`). Value types and errors live in `types`, region lookup in `regions`,
 transfer polling in `polling`, finding the NIXL package in `nixl`.
 """
 
@@ -109,7 +110,7 @@ class TransferAgent:
         self._lock = threading.Lock()
         self._regions: list[RegisteredRegion] = []
         self._peers = PeerSnapshots(self._agent, self.name)  # peers, snapshots loaded
-        self._parked = ParkedHandles(self.name)  # handles NIXL would not release yet
+        self._parked = ParkedHandles(self.name)  # READs not released yet (`parked`)
         self._closed = False
         logger.info("NIXL agent %s ready (UCX)", self.name)
 
@@ -254,8 +255,9 @@ class TransferAgent:
         READ, the peer is refreshed from it (`refresh_peer`) and the READ prepared again.
 
         Raises ValueError for malformed ranges, UnknownPeerError for a peer never added,
-        TransferTimeoutError after `timeout_s` (the handle is released or, if NIXL refuses
-        to cancel, parked and released later; the local bytes are then undefined),
+        TransferTimeoutError after `timeout_s`, or when the READ broke off and may still be
+        writing (the handle is parked until the READ has ended: the caller keeps the local
+        memory until the error's `released` is set; its bytes are undefined),
         TransferRefusedError if NIXL refuses the ranges (after the retry), and TransferError
         if the transfer fails (a disconnected peer, a failed READ).
         """
@@ -304,8 +306,11 @@ class TransferAgent:
             )
             run_read(self._agent, self._parked, handle, peer, nbytes, timeout_s, started)
         except TransferError as exc:
-            self._peers.end_read(peer)
-            if not isinstance(exc, TransferRefusedError | TransferTimeoutError):
+            released = exc.released if isinstance(exc, TransferTimeoutError) else None
+            self._peers.end_read(peer, parked=released is not None)
+            if released is not None:  # it may still write: `peer` is kept until it ends
+                released.add_done_callback(lambda _: self._peers.unpark(peer))
+            elif not isinstance(exc, TransferRefusedError | TransferTimeoutError):
                 self._peers.forget(self._lock, peer)  # disconnected (a restart is another agent)
             raise
         except BaseException:
@@ -327,16 +332,16 @@ class TransferAgent:
         """Forget peers, deregister every region, and drop tensor references (but where a
         READ that timed out may still write: those stay alive for the process's life, a
         late write landing in freed heap corrupted it; races review). Idempotent."""
-        self._parked.close()
+        left = self._parked.close()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if len(self._parked):
+            if left:
                 logger.warning(
                     "%s closed with %d READs that may still write: their memory is kept",
                     self.name,
-                    len(self._parked),
+                    left,
                 )
                 _KEPT.extend(region.tensor for region in self._regions)
             self._peers.remove_all()

@@ -19,7 +19,10 @@ gate: READs wait during a refresh, a refresh waits for READs to finish). A READ 
 retried once that way (`prepare_read`). `load` of a new peer also forgets the peers not
 loaded nor read for `IDLE_S` (workers scaled away or restarted: another process is another
 agent, so a decode worker met every prefill worker it ever pulled from); one forgotten that
-is still there is loaded again from its next handle's snapshot, as after a failed READ.
+is still there is loaded again from its next handle's snapshot, as after a failed READ. A
+peer with a READ that timed out and is parked (`end_read(parked=True)` until `unpark`) is
+never forgotten nor refreshed (a refresh is refused): NIXL would then call the READ over,
+but over TCP a frozen holder's bytes still land once it gets going (ownfix review).
 
 Thread safety: `load`, `covers`, `names` and `check_known` run under the agent's lock.
 `begin_read` / `end_read` / `refresh` / `prepare_read` take the gate themselves and the
@@ -75,6 +78,7 @@ class PeerSnapshots:
         self._loaded: dict[str, deque[bytes]] = {}  # peer name -> its digests, oldest first
         self._gate = threading.Condition()  # guards the two below
         self._reading: dict[str, int] = {}  # peer -> READs prepared or in flight
+        self._parked: dict[str, int] = {}  # peer -> READs timed out, parked until they end
         self._refreshing: set[str] = set()  # peers being refreshed now
 
     def __contains__(self, name: object) -> bool:
@@ -132,6 +136,7 @@ class PeerSnapshots:
                 for peer in self._loaded
                 if self._used.get(peer, cutoff) <= cutoff
                 and not self._reading.get(peer)
+                and not self._parked.get(peer)
                 and peer not in self._refreshing
             ]
             self._refreshing.update(idle)  # READs of them wait the moment this takes
@@ -157,12 +162,23 @@ class PeerSnapshots:
             self._reading[peer] = self._reading.get(peer, 0) + 1
             self._used[peer] = self._clock()
 
-    def end_read(self, peer: str) -> None:
-        """The READ counted by `begin_read` is done (released or parked)."""
+    def end_read(self, peer: str, parked: bool = False) -> None:
+        """The READ counted by `begin_read` is done: released, or `parked` (timed out, it
+        may still write: counted against `peer` until `unpark`)."""
         with self._gate:
             left = self._reading.pop(peer) - 1
             if left:
                 self._reading[peer] = left
+            if parked:
+                self._parked[peer] = self._parked.get(peer, 0) + 1
+            self._gate.notify_all()
+
+    def unpark(self, peer: str) -> None:
+        """A READ `end_read` parked has ended and been let go."""
+        with self._gate:
+            left = self._parked.pop(peer, 1) - 1
+            if left:
+                self._parked[peer] = left
             self._gate.notify_all()
 
     @contextmanager
@@ -172,6 +188,11 @@ class PeerSnapshots:
         with self._gate:
             while peer in self._refreshing or self._reading.get(peer, 0):
                 self._gate.wait()
+            if self._parked.get(peer):  # they may never end: not waited for, not pulled from
+                raise TransferRefusedError(
+                    f"peer {peer!r} has READs that timed out and may still write: it is not "
+                    "loaded again until they end"
+                )
             self._refreshing.add(peer)
         try:
             yield
@@ -239,7 +260,7 @@ class PeerSnapshots:
         the READs of `peer` in flight here (each that fails forgets it), so that it never
         waits for another READ, nor pulls a peer from under one."""
         with self._gate:
-            if peer in self._refreshing or self._reading.get(peer, 0):
+            if peer in self._refreshing or self._reading.get(peer, 0) or self._parked.get(peer):
                 return
             self._refreshing.add(peer)  # READs of it wait the moment this takes
         try:

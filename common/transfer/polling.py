@@ -62,18 +62,34 @@ def run_read(
     """Post a prepared READ on the nixl agent `nixl` and wait for it (`post_and_wait`); its
     handle is released, or parked in `parked` where it may not be yet (the error raised
     then is a `TransferTimeoutError` whose `released` is set once it is let go)."""
+
+    def ended() -> bool:  # the transfer writes no more: it is over, or its peer is gone
+        try:
+            return bool(nixl.check_xfer_state(handle) != "PROC")
+        except Exception as exc:  # its peer unloaded here, the agent closing: says nothing
+            return _disconnected(exc)
+
     try:
         post_and_wait(nixl, handle, peer, nbytes, timeout_s, started)
     except TransferTimeoutError as exc:
         # Not released now: NIXL would say it cancelled the READ, but over TCP the holder's
         # bytes still land once it gets going again, into memory the caller would have
         # given another request (races review). Kept until it ends.
-        exc.released = parked.park(handle, lambda: nixl.check_xfer_state(handle) != "PROC")
+        exc.released = parked.park(handle, ended)
         exc.cancelled = False
         raise
-    except BaseException as exc:
+    except Exception as exc:
+        if not isinstance(exc, TransferError) and not _disconnected(exc):
+            # Asking its state failed (its peer was unloaded, the agent closes): it may
+            # still be writing, as after a timeout (ownfix review).
+            error = TransferTimeoutError(
+                f"READ of {nbytes} bytes from {peer!r} broke off ({exc}); kept until it ends",
+                cancelled=False,
+            )
+            error.released = parked.park(handle, ended)
+            raise error from exc
         kept = _release(parked, handle, False)
-        if isinstance(exc, Exception) and kept is not None:
+        if kept is not None:
             # NIXL kept a transfer it would not release: it may still write the local
             # ranges, so the caller must keep them, as after a timeout.
             error = TransferTimeoutError(
@@ -82,11 +98,19 @@ def run_read(
             )
             error.released = kept
             raise error from exc
-        if isinstance(exc, Exception) and not isinstance(exc, TransferError):
+        if not isinstance(exc, TransferError):
             # The binding's own errors, e.g. NIXL_ERR_REMOTE_DISCONNECT from a dead peer.
             raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed: {exc}") from exc
         raise
+    except BaseException:  # interrupted while it may be writing: kept until it ends
+        parked.park(handle, ended)
+        raise
     _release(parked, handle, True)
+
+
+def _disconnected(exc: Exception) -> bool:
+    """Whether NIXL's error says the peer disconnected (the transfer can write no more)."""
+    return "disconnect" in f"{type(exc).__name__} {exc}".lower()
 
 
 def _release(parked: ParkedHandles, handle: Any, done: bool) -> Future[None] | None:

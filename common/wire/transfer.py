@@ -161,8 +161,8 @@ def read_tensor(
             peer_metadata=metadata,
         )
     except TransferTimeoutError as exc:
-        # Not cancelled, NIXL may still write `out`: it stays registered (and alive) until
-        # NIXL lets the READ go (`common.transfer.parked`).
+        # The READ may still write `out`: it stays registered (and alive) until the READ
+        # has ended and been let go (`common.transfer.parked`).
         exc.when_released(lambda: agent.deregister(region))
         raise
     except BaseException:
