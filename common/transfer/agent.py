@@ -332,7 +332,7 @@ class TransferAgent:
         """Forget peers, deregister every region, and drop tensor references (but where a
         READ that timed out may still write: those stay alive for the process's life, a
         late write landing in freed heap corrupted it; races review). Idempotent."""
-        left = self._parked.close()
+        left = max(self._parked.close(), self._peers.reading())  # in flight: may park too
         with self._lock:
             if self._closed:
                 return

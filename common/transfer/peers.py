@@ -173,6 +173,11 @@ class PeerSnapshots:
                 self._parked[peer] = self._parked.get(peer, 0) + 1
             self._gate.notify_all()
 
+    def reading(self) -> int:
+        """READs of any peer prepared, in flight or parked here now."""
+        with self._gate:
+            return sum(self._reading.values()) + sum(self._parked.values())
+
     def unpark(self, peer: str) -> None:
         """A READ `end_read` parked has ended and been let go."""
         with self._gate:
