@@ -47,6 +47,7 @@ def test_a_read_that_timed_out_is_kept_until_it_ends(monkeypatch: pytest.MonkeyP
         reader.read(peer, remote, into, timeout_s=30)  # connected, and the holder's bytes are 5s
         local.zero_()
         os.kill(info["pid"], signal.SIGSTOP)
+        stopped(info["pid"])
         try:
             with pytest.raises(TransferTimeoutError) as err:
                 reader.read(peer, remote, into, timeout_s=0.5)
@@ -76,3 +77,13 @@ def test_a_read_that_timed_out_is_kept_until_it_ends(monkeypatch: pytest.MonkeyP
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+def stopped(pid: int) -> None:
+    """Once process `pid` is stopped (its state in /proc), else fail."""
+    for _ in range(500):
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    pytest.fail(f"process {pid} did not stop")
