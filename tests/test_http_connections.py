@@ -487,19 +487,27 @@ async def test_a_body_in_many_tiny_chunks_is_refused_without_holding_the_loop(
             gaps.append(time.monotonic() - before)
 
     ticker = asyncio.ensure_future(tick())
-    sock = socket.create_connection(host_port(strict))
     try:
-        sock.sendall(head.encode() + b"1\r\n{\r\n" * 40_000)  # 240 KB: one read or a few
-        sent = await closed_within(sock, 5)
+        # Tiny chunks, and tiny chunks after a body's bytes that once paid for them (per
+        # body, 1 MiB bought 2048 more: ownfix review).
+        for first in (b"", b"100000\r\n" + b"x" * 0x100000 + b"\r\n"):
+            sock = socket.create_connection(host_port(strict))
+            try:
+                sock.sendall(head.encode() + first + b"1\r\n{\r\n" * 40_000)  # in a read or a few
+                sent = await closed_within(sock, 5)
+            finally:
+                sock.close()
+            assert sent is not None and sent.startswith(b"HTTP/1.1 400"), sent
+            assert b"too many small pieces" in sent
     finally:
-        sock.close()
         ticker.cancel()
-    assert sent is not None and sent.startswith(b"HTTP/1.1 400"), sent
     assert max(gaps) < 0.3, max(gaps)
-    # A body in pieces of a usual size is read as ever.
-    body = json.dumps({"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}).encode()
-    status, _ = await asyncio.to_thread(chunked_post, strict, body, 8)
-    assert status == 200
+    # A body in pieces of a usual size is read as ever, and in small ones written as a
+    # JSON encoder yields them (`iterencode`: a piece per token).
+    body = json.dumps({"model": MODEL_ID, "prompt": "hi " * 300, "max_tokens": 2}).encode()
+    for pieces in (8, 400):
+        status, _ = await asyncio.to_thread(chunked_post, strict, body, pieces)
+        assert status == 200
 
 
 def chunked_post(c: FakeCluster, body: bytes, pieces: int) -> tuple[int, bytes]:

@@ -88,6 +88,9 @@ def test_long_numbers_and_objects_of_many_keys_are_refused_before_they_hold_the_
     error = refused(f'{{"model": "{MODEL_ID}", "messages": {HI}, "junk": {{{keys}}}}}')
     assert f"more than {MAX_BODY_STRINGS} strings" in str(error)
     assert time.process_time() - started < 0.1  # counted, not parsed
+    slashed = json.dumps({f"{i}\\": None for i in range(MAX_BODY_STRINGS)})  # keys end in `\\"`
+    error = refused(f'{{"model": "{MODEL_ID}", "messages": {HI}, "junk": {slashed}}}')
+    assert f"more than {MAX_BODY_STRINGS} strings" in str(error)  # each counted, not undone
     quoted = json.dumps(chat(messages=[{"role": "user", "content": '"' * 600_000}]))
     assert parse_body(quoted.encode(), None, ChatCompletionRequest)  # escaped: text, not keys
 

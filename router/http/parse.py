@@ -188,7 +188,8 @@ def parse_body(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the body holds more than {max_commas} commas: more values than a request has",
         )
-    if data.count(b'"') - data.count(b'\\"') > 2 * MAX_BODY_STRINGS:
+    quotes = data.count(b'"') - data.count(b'\\"') + data.count(b'\\\\"')  # `\\"` ends one
+    if quotes > 2 * MAX_BODY_STRINGS:
         raise ApiError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the body holds more than {MAX_BODY_STRINGS} strings (keys and values)",
