@@ -32,9 +32,8 @@ in turn (one that did not connect within the last `DOWN_S` last). A stream that 
 UNAVAILABLE (the router died, drains or cannot be reached; one not connected within
 `CONNECT_S` while others are left counts so) goes on at the next router, once at each:
 from the start if nothing had come, else resumed after the tokens received
-(`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed. One
-refused "draining" before anything started is first sent again on a new connection to the
-same address (behind a load balancer, another router).
+(`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed. With one
+address, one refused "draining" is sent once more on a new connection (a load balancer's).
 When no router is left, `GenerateError` says which were tried. A stream that fails after
 its last chunk (the one with a finish reason) is not sent again: the caller has it whole.
 
@@ -178,12 +177,12 @@ class Client:
         for old in list(self._closing.values()):
             await old.close()
 
-    def _reopen(self, index: int) -> None:
-        """A new connection to router `index` for the calls to come: a load balancer sends
-        it elsewhere, not the one kept to a draining router (each request on which was
-        refused "draining" while its longest answer ran; deploy review). The old one
-        closes once its calls end."""
-        assert self._opened is not None
+    def _reopen(self, index: int, used: grpc.aio.Channel) -> None:
+        """A new connection to `index` (a load balancer sends it elsewhere; on the one kept
+        a draining router refused each request; deploy review); the old one, `used` (unless
+        closed or reopened since), closes once its calls end."""
+        if self._opened is None or self._opened[index] is not used:
+            return
         old, self._opened[index] = self._opened[index], self._open_one(self.addresses[index])
         self._stubs[index] = router_service_pb2_grpc.RouterServiceStub(self._opened[index])
         task = asyncio.ensure_future(old.close(grace=DRAINED_GRACE_S))
@@ -260,6 +259,7 @@ class Client:
             del request.resume_tokens[:]
             request.resume_tokens.extend(received)
             resuming = len(received)  # the first chunk must say it took them
+            used = self._channels[index]  # the connection it goes on (`_reopen`)
             call = self._routers[index].Generate(request, timeout=left, metadata=metadata)
             try:
                 async for response in call:
@@ -294,9 +294,9 @@ class Client:
                     await asyncio.sleep(wait)
                     continue  # the same router, which said when
                 drained = code == grpc.StatusCode.UNAVAILABLE and details == DRAINING_DETAILS
-                if drained and not received and not reopened:  # nothing started: sent again
-                    reopened = True
-                    self._reopen(index)  # on a new connection
+                if drained and not received and not reopened and len(self._routers) == 1:
+                    reopened = True  # nothing started: on a new connection, a load balancer's
+                    self._reopen(index, used)
                     continue
                 if len(self._routers) == 1:
                     raise GenerateError.of(exc) from None
