@@ -245,8 +245,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         caller = principal(self.auth, context)
         try:
             within = longest if left is None else min(left, longest)
-            max_model_len = self.processor.config.text.max_position_embeddings
-            sized = await read_request(self.held, context, within, caller.tenant, max_model_len)
+            positions = self.processor.config.text.max_position_embeddings
+            most = min(self.settings.max_model_len or positions, positions)  # resume tokens
+            sized = await read_request(self.held, context, within, caller.tenant, most)
         except grpc.aio.AbortError:  # refused before it was read (the bytes held, corrupt)
             finished = self.orchestrator.metrics.finished
             refused_before(finished, caller.tenant, context.code(), context.details() or "")
