@@ -358,7 +358,7 @@ def decoded_bytes(request: router_service_pb2.GenerateRequest, per_part: int = 0
 # The most messages, content parts and video frames a Generate holds, each in all (the HTTP
 # API's bound on a body's objects), and the most fields in all (each message's role, ...).
 MAX_ELEMENTS = 1 << 16
-MAX_FIELDS = 8 * MAX_ELEMENTS
+MAX_FIELDS = 5 * MAX_ELEMENTS
 
 
 def decode_request(data: bytes, max_model_len: int) -> Sized:

@@ -10,14 +10,17 @@ the message's descriptor: it counts each field's occurrences (a packed field's e
 from its bytes, in C) under the field's path, a singular field's too (a field sent again
 is parsed again), descends into sub-messages, and raises `FieldError` naming the field
 once a path passes its bound, or the fields read pass a bound of their own, before walking
-further: its cost is bounded, whatever the message's size. Unknown fields count under
-`#<number>` and are not descended into; groups (wire types 3 and 4, unused by proto3) and a
-length past the end are `DecodeError`s, as the parser would find them.
+further: its cost is bounded, whatever the message's size. Unknown fields are not counted nor
+descended into (the parser keeps each whole), only read against the bound on fields in all;
+a length past the end is a `DecodeError`, as the parser finds it, and so is a group (wire
+types 3 and 4, which proto3 has not), which a parser would keep as an unknown field.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
@@ -51,15 +54,22 @@ def check_counts(
     return walk.counts
 
 
+_VARINT = re.compile(rb"[\x80-\xff]{0,9}[\x00-\x7f]")  # one varint, up to 10 bytes
+_MESSAGE, _PACKED, _ONE = 0, 1, 2  # what a length-delimited occurrence of a field holds
+
+
 class _Walk:
     def __init__(
         self, data: memoryview, bounds: Mapping[str, int], default: int, most: int
     ) -> None:
         self.data = data
+        self.raw = data.obj if isinstance(data.obj, bytes) else bytes(data)  # for `_VARINT`
         self.bounds = bounds
         self.default = default
         self.left = most  # fields the walk may still read
         self.counts: dict[str, int] = {}
+        # path -> field number -> (key, name, what it holds, sub-message, repeated, width)
+        self._plans: dict[str, dict[int, tuple[str, str, int, Any, bool, int]]] = {}
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
         data = self.data
@@ -73,58 +83,76 @@ class _Walk:
             shift += 7
         raise DecodeError("a varint runs past its message or 10 bytes")
 
-    def count(self, path: str, shown: str, n: int) -> None:
-        """Count `n` more of `path` (`shown`: as errors name it)."""
-        total = self.counts[path] = self.counts.get(path, 0) + n
-        bound = self.bounds.get(path, self.default)
+    def count(self, key: str, shown: str, name: str, n: int) -> None:
+        """Count `n` more of `key` (`shown` + `name`: as errors name it)."""
+        total = self.counts[key] = self.counts.get(key, 0) + n
+        bound = self.bounds.get(key, self.default)
         if total > bound:
-            raise FieldError(shown, f"more than {bound} elements in the request")
+            raise FieldError(f"{shown}{name}", f"more than {bound} elements in the request")
+
+    def plan(self, descriptor: Descriptor, path: str) -> dict[int, tuple[Any, ...]]:
+        plan = self._plans.get(path)
+        if plan is None:
+            plan = self._plans[path] = {}
+            for number, field in descriptor.fields_by_number.items():
+                kind = _MESSAGE if field.type == FieldDescriptor.TYPE_MESSAGE else _PACKED
+                kind = _ONE if field.type in _DELIMITED else kind
+                width = _FIXED.get(field.type, 0)
+                sub = field.message_type
+                plan[number] = (
+                    f"{path}{field.name}",
+                    field.name,
+                    kind,
+                    sub,
+                    field.is_repeated,
+                    width,
+                )
+        return plan
 
     def message(self, pos: int, end: int, descriptor: Descriptor, path: str, shown: str) -> None:
-        fields = descriptor.fields_by_number
-        seen: dict[int, int] = {}  # each field's occurrences in this message so far
+        plan, data = self.plan(descriptor, path), self.data
+        seen: dict[int, int] = {}  # each message field's occurrences in this message so far
         while pos < end:
             self.left -= 1
             if self.left < 0:
                 raise FieldError(shown.rstrip(".") or "request", "holds too many fields in all")
-            tag, pos = self.varint(pos, end)
+            if data[pos] < 0x80:  # one-byte varints: the common case, without a call
+                tag, pos = data[pos], pos + 1
+            else:
+                tag, pos = self.varint(pos, end)
             number, wire = tag >> 3, tag & 7
-            field = fields.get(number)
-            name = field.name if field is not None else f"#{number}"
-            key, index = f"{path}{name}", seen.get(number, 0)
-            seen[number] = index + 1
-            if wire == 0:
-                _, pos = self.varint(pos, end)
-            elif wire in (1, 5):
+            if wire == 0:  # its value: skipped in C
+                skipped = _VARINT.match(self.raw, pos, end)
+                if skipped is None:
+                    raise DecodeError("a varint runs past its message or 10 bytes")
+                pos = skipped.end()
+            elif wire == 1 or wire == 5:
                 pos += 8 if wire == 1 else 4
             elif wire == 2:
-                length, pos = self.varint(pos, end)
+                if pos < end and data[pos] < 0x80:
+                    length, pos = data[pos], pos + 1
+                else:
+                    length, pos = self.varint(pos, end)
                 start, pos = pos, pos + length
-                nested = pos <= end and field is not None
-                if nested and self._nested(field, start, pos, key, shown, index):
-                    continue
             else:
                 raise DecodeError(f"wire type {wire} (a group) in {shown or 'the message'}")
             if pos > end:
-                raise DecodeError(f"{shown}{name}: runs past the end of its message")
-            self.count(key, f"{shown}{name}", 1)
-
-    def _nested(
-        self, field: FieldDescriptor, start: int, end: int, key: str, shown: str, index: int
-    ) -> bool:
-        """Count a length-delimited `field` that holds elements of its own (a sub-message,
-        walked, the `index`th of its field in its message; a packed scalar field) and True,
-        else False (a string or bytes: one element)."""
-        named = f"{shown}{field.name}"
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
-            self.count(key, named, 1)
-            inner = f"{named}[{index}]." if field.is_repeated else f"{named}."
-            self.message(start, end, field.message_type, f"{key}.", inner)
-            return True
-        if field.type in _DELIMITED:
-            return False
-        width = _FIXED.get(field.type)
-        chunk = self.data[start:end]
-        n = len(chunk) // width if width else len(bytes(chunk).translate(None, _HIGH))
-        self.count(key, named, n)
-        return True
+                raise DecodeError(f"{shown}field {number}: runs past the end of its message")
+            known = plan.get(number)
+            if known is None:  # unknown: the parser keeps it whole; counted in `left` only
+                continue
+            key, name, kind, sub, repeated, width = known
+            if wire != 2 or kind == _ONE:
+                self.count(key, shown, name, 1)
+            elif kind == _MESSAGE:
+                index = seen[number] = seen.get(number, -1) + 1
+                self.count(key, shown, name, 1)
+                inner = f"{shown}{name}[{index}]." if repeated else f"{shown}{name}."
+                self.message(start, pos, sub, f"{key}.", inner)
+            elif width:
+                self.count(key, shown, name, (pos - start) // width)
+            else:  # packed varints: one at least per 10 bytes, refused before any copy
+                floor = -(-(pos - start) // 10)
+                if self.counts.get(key, 0) + floor > self.bounds.get(key, self.default):
+                    self.count(key, shown, name, floor)
+                self.count(key, shown, name, len(bytes(data[start:pos]).translate(None, _HIGH)))
