@@ -239,12 +239,15 @@ def test_media_bytes_boundary(prepare: Callable[..., Prepare], processor: Proces
     assert err.field == "messages[0].content[1].video.frames[0]"  # a decoded frame
 
 
-def encoded(mode: str, fmt: str, orientation: int = 1, transparency: bool = False) -> bytes:
+def encoded(
+    mode: str, fmt: str, orientation: int = 1, transparency: bool = False, progressive: bool = False
+) -> bytes:
     buf = io.BytesIO()
     image = Image.new(mode, (32, 24))
     exif = Image.Exif()
     exif[0x0112] = orientation
     extra: dict[str, Any] = {"transparency": 0} if transparency else {}
+    extra.update({"progressive": True} if progressive else {})
     image.save(buf, format=fmt, exif=exif.tobytes(), **extra)
     return buf.getvalue()
 
@@ -254,7 +257,10 @@ def encoded(mode: str, fmt: str, orientation: int = 1, transparency: bool = Fals
     [
         (encoded("RGB", "PNG"), 4),
         (encoded("RGBA", "PNG"), 8),  # + the RGB canvas transparency is composited on
-        (encoded("P", "PNG", transparency=True), 8),
+        (encoded("P", "PNG", transparency=True), 12),  # + its RGBA copy
+        (encoded("P", "PNG"), 8),  # + its RGB copy
+        (encoded("LA", "PNG"), 12),
+        (encoded("RGB", "JPEG", progressive=True), 10),  # + 2 a band: libjpeg's coefficients
         (encoded("RGB", "JPEG", orientation=6), 8),  # + the turned copy
         (encoded("RGB", "WEBP"), 16),  # Pillow's WebP decoder: two RGBA canvases more
         (encoded("RGBA", "WEBP", orientation=8), 24),

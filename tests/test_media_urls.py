@@ -32,6 +32,9 @@ def test_media_urls_are_refused_unless_allowed(tmp_path: Path) -> None:
     assert str(tmp_path) not in str(err.value)  # where the server keeps media is its own
     with pytest.raises(FieldError, match="another host"):  # was read as the local path
         load(f"file://otherhost{tmp_path}/cat.png", "f", allowed)
+    with pytest.raises(FieldError) as err:  # an OSError: a 500 and a traceback naming it
+        load(f"file://{tmp_path}/{'a' * 5000}.png", "f", allowed)
+    assert str(tmp_path) not in str(err.value)
     with pytest.raises(FieldError, match="non-public"):  # resolved, then refused
         load("https://localhost/cat.png", "f", MediaPolicy(fetch_urls=True))
 

@@ -100,13 +100,20 @@ WEBP_BYTES_PER_PIXEL = 16
 
 def peak_bytes_per_pixel(image: Image.Image) -> int:
     """Bytes a pixel of an opened, not yet decoded image takes at most while decoding it
-    and making it RGB and upright: 4 (16 for WebP), plus the image-sized copy compositing
-    transparency makes (`to_rgb`) and the one an EXIF turn makes (`upright`), while the
-    decoded image is still held. From the header alone: a PNG's EXIF stored after its
+    and making it RGB and upright: 4 (16 for WebP), plus the image-sized copies `to_rgb`
+    makes (the white canvas transparency is composited on, and an RGBA or RGB copy of an
+    image in another mode), a progressive JPEG's coefficients (2 bytes a band: libjpeg
+    holds them all until the last scan) and the copy an EXIF turn makes (`upright`), while
+    the decoded image is still held. From the header alone: a PNG's EXIF stored after its
     pixels is not seen (reading it decodes them)."""
     per_pixel = WEBP_BYTES_PER_PIXEL if image.format == "WEBP" else 4
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        per_pixel += 4
+    bands = image.getbands()
+    if "A" in bands or image.info.get("transparency") is not None:
+        per_pixel += 4 + 4 * (image.mode != "RGBA")  # the canvas, and the RGBA copy
+    elif image.mode != "RGB":
+        per_pixel += 4  # the RGB copy
+    if image.format == "JPEG" and (image.info.get("progressive") or image.info.get("progression")):
+        per_pixel += 2 * len(bands)
     if image.info.get("exif"):
         try:
             exif = Image.Exif()

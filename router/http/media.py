@@ -109,11 +109,14 @@ def _local(path: str, field: str, policy: MediaPolicy) -> bytes:
     if policy.media_dir is None:
         raise FieldError(field, "local files are refused (no [router] http_media_dir)")
     root = policy.media_dir.resolve()
-    target = Path(path).resolve()
-    if not target.is_relative_to(root) or not target.is_file():  # the folder is not named:
-        raise FieldError(field, "no such file under http_media_dir")  # a client's business
-    with target.open("rb") as file:
-        data = file.read(policy.max_bytes + 1)  # a file growing meanwhile: no more than this
+    try:  # the folder is never named: it is no client's business
+        target = Path(path).resolve()
+        if not target.is_relative_to(root) or not target.is_file():
+            raise FieldError(field, "no such file under http_media_dir")
+        with target.open("rb") as file:
+            data = file.read(policy.max_bytes + 1)  # one growing meanwhile: no more than this
+    except OSError as exc:  # a name too long, no permission, gone meanwhile: a 500 before
+        raise FieldError(field, f"cannot be read under http_media_dir ({exc.strerror})") from None
     if len(data) > policy.max_bytes:
         raise FieldError(field, f"file larger than {policy.max_bytes} bytes")
     return data
