@@ -34,7 +34,7 @@ from PIL import Image
 
 from common.errors import FieldError
 from common.multimodal.validation import MAX_UUID_CHARS
-from common.processing.image import KeyedImage, check_aspect_ratio, peak_bytes_per_pixel
+from common.processing.image import KeyedImage, bytes_per_pixel, check_aspect_ratio, release_decoder
 from common.processing.limits import (
     MAX_FPS,
     MAX_IMAGE_PIXELS,
@@ -91,7 +91,7 @@ def open_image(
     data: bytes, field: str, limits: InputLimits, budget: MediaBudget | None = None
 ) -> Image.Image:
     """Open one encoded image lazily (PIL reads only its header) and check its size, and
-    its decoded bytes against `budget` (at the peak of decoding it, `peak_bytes_per_pixel`;
+    its decoded bytes against `budget` (at the peak of decoding it, `bytes_per_pixel`;
     a video frame's EXIF turn counted too, though frames are not turned); `InputError`
     naming `field`. Nothing is decoded."""
     if not data:
@@ -123,7 +123,7 @@ def open_image(
                 "a server decodes",
             )
         if budget is not None:
-            budget.add(image.width, image.height, field, peak_bytes_per_pixel(image))
+            budget.add(image.width, image.height, field, *bytes_per_pixel(image))
     except LimitError as exc:
         raise InputError(exc.field, exc.reason) from None
     try:
@@ -136,13 +136,15 @@ def open_image(
 
 
 def load_image(image: Image.Image, field: str) -> Image.Image:
-    """Decode an image `open_image` opened; `InputError` naming `field` when it cannot."""
+    """Decode an image `open_image` opened, its decoder let go; `InputError` naming `field`
+    when it cannot."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image.load()
     except _DECODE_ERRORS as exc:
         raise InputError(field, f"is not a decodable image ({exc})") from None
+    release_decoder(image)
     return image
 
 
@@ -184,8 +186,8 @@ def messages_from_proto(
                 for j, part in enumerate(message.content)
             ]
             chat.append((message.role, parts))
-        if reserve is not None and reader.budget.used:
-            reserve(reader.budget.used)
+        if reserve is not None and reader.budget.total:
+            reserve(reader.budget.total)
         for image, field in reader.opened:
             load_image(image, field)
         return tuple(

@@ -100,10 +100,10 @@ class RouterSettings(ServerSettings):
     max_media_bytes: int = setting(
         512 << 20,
         "most bytes one request's media may take: decoded pixels (4 per pixel; an image's "
-        "at the peak of decoding it: 16 for WebP, 2 more a band for a progressive JPEG, 4 "
-        "more for each copy conversion makes and for an EXIF turn) and the patch codes "
-        "processing makes of them, summed over all images and frames, from their headers "
-        "before any is decoded",
+        "at the peak of decoding it: 2 more a band for a progressive JPEG, 4 more for each "
+        "copy conversion makes and for an EXIF turn; and once, the largest WebP's decoder, "
+        "12 a pixel) and the patch codes processing makes of them, summed over all images "
+        "and frames, from their headers before any is decoded",
     )
     max_video_file_bytes: int = setting(
         256 << 20, "most bytes of one video file (mp4, webm, mkv), checked before it is opened"

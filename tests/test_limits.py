@@ -24,7 +24,7 @@ from common.processing.processor import IMAGE_PAD, ProcessedPrompt, Processor
 from epd.v1 import (
     router_service_pb2,
 )
-from router.inputs import InputError, open_image
+from router.inputs import InputError, load_image, open_image
 from router.media_cost import MediaCost
 from router.server import RouterServicer
 from router.settings import RouterSettings
@@ -272,11 +272,22 @@ def test_an_image_counts_what_decoding_it_takes_at_its_peak(data: bytes, per_pix
     # (media review). Counted from the header, before anything is decoded.
     budget = MediaBudget(InputLimits())
     open_image(data, "image", InputLimits(), budget)
-    assert budget.used == 32 * 24 * per_pixel
+    assert budget.total == 32 * 24 * per_pixel
     tight = MediaBudget(InputLimits(max_media_bytes=32 * 24 * per_pixel - 1))
     with pytest.raises(InputError, match="max_media_bytes") as err:
         open_image(data, "messages[0].content[0].image.data", InputLimits(), tight)
     assert err.value.field == "messages[0].content[0].image.data"
+
+
+def test_a_webp_decoder_counts_once_and_is_let_go_once_decoded() -> None:
+    # Pillow keeps a WebP's decoder (12 bytes a pixel) with the decoded image: counted for
+    # each, a 768-frame WebP video of 320x240 was refused where its JPEG was taken (ownfix
+    # review). One decodes at a time, and each is let go once decoded.
+    budget = MediaBudget(InputLimits())
+    frames = [open_image(encoded("RGB", "WEBP"), "f", InputLimits(), budget) for _ in range(5)]
+    assert budget.total == 32 * 24 * (5 * 4 + 12)
+    loaded = load_image(frames[0], "f")
+    assert getattr(loaded, "_decoder", None) is None and loaded.getpixel((1, 1)) == (0, 0, 0)
 
 
 # ------------------------------------------------------------------ user text is text

@@ -94,19 +94,31 @@ def upright(image: Image.Image) -> Image.Image:
 
 
 # Pillow decodes every WebP, a still one too, through its animation decoder: two RGBA
-# canvases beside the decoded image, about 16 bytes a pixel at the peak (4 for others).
-WEBP_BYTES_PER_PIXEL = 16
+# canvases and the frame's bytes beside the decoded image, 12 bytes a pixel more while it
+# decodes, and kept with it unless let go (`release_decoder`).
+WEBP_DECODER_BYTES_PER_PIXEL = 12
 
 
-def peak_bytes_per_pixel(image: Image.Image) -> int:
+def release_decoder(image: Image.Image) -> None:
+    """Let go of what a decoded WebP's decoder holds (12 bytes a pixel: a 768-frame WebP
+    video held three times its pixels; ownfix review). Pillow's attributes: nothing if
+    they are gone."""
+    if image.format == "WEBP" and getattr(image, "_decoder", None) is not None:
+        image._decoder = None  # type: ignore[attr-defined]
+        image.fp = None  # type: ignore[attr-defined]
+
+
+def bytes_per_pixel(image: Image.Image) -> tuple[int, int]:
     """Bytes a pixel of an opened, not yet decoded image takes at most while decoding it
-    and making it RGB and upright: 4 (16 for WebP), plus the image-sized copies `to_rgb`
+    and making it RGB and upright, and those its decoder holds beside it while it decodes
+    (WebP's, until `release_decoder`; 0 for others). The first: 4, plus the image-sized
+    copies `to_rgb`
     makes (the white canvas transparency is composited on, and an RGBA or RGB copy of an
     image in another mode), a progressive JPEG's coefficients (2 bytes a band: libjpeg
     holds them all until the last scan) and the copy an EXIF turn makes (`upright`), while
     the decoded image is still held. From the header alone: a PNG's EXIF stored after its
     pixels is not seen (reading it decodes them)."""
-    per_pixel = WEBP_BYTES_PER_PIXEL if image.format == "WEBP" else 4
+    per_pixel = 4
     bands = image.getbands()
     if "A" in bands or image.info.get("transparency") is not None:
         per_pixel += 4 + 4 * (image.mode != "RGBA")  # the canvas, and the RGBA copy
@@ -121,7 +133,7 @@ def peak_bytes_per_pixel(image: Image.Image) -> int:
             per_pixel += 4 * (exif.get(_ORIENTATION, 1) != 1)
         except Exception:  # malformed EXIF: `upright` leaves such an image as it is
             pass
-    return per_pixel
+    return per_pixel, WEBP_DECODER_BYTES_PER_PIXEL if image.format == "WEBP" else 0
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

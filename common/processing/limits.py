@@ -24,7 +24,7 @@ from PIL import Image
 from common.errors import FieldError
 
 # PIL holds every RGB / RGBA pixel in 4 bytes, and every item is converted to RGB (an
-# image may take more while it decodes: `common.processing.image.peak_bytes_per_pixel`).
+# image may take more while it decodes: `common.processing.image.bytes_per_pixel`).
 DECODED_BYTES_PER_PIXEL = 4
 # The image formats the router decodes by default (`[router] image_formats`): those clients
 # send (`epd.request.IMAGE_SUFFIXES`, OpenAI's PNG, JPEG, WEBP and GIF), not every one PIL
@@ -104,22 +104,36 @@ class MediaBudget:
     def __init__(self, limits: InputLimits) -> None:
         self.limit = limits.max_media_bytes
         self.used = 0  # bytes of the items added so far
+        self.transient = 0  # the most one item's decoder holds beside it while it decodes
+
+    @property
+    def total(self) -> int:
+        """What the request's media take at most: their bytes, and one decoder's (items
+        are decoded one at a time)."""
+        return self.used + self.transient
 
     def add(
-        self, width: int, height: int, field: str, per_pixel: int = DECODED_BYTES_PER_PIXEL
+        self,
+        width: int,
+        height: int,
+        field: str,
+        per_pixel: int = DECODED_BYTES_PER_PIXEL,
+        decoder_per_pixel: int = 0,
     ) -> None:
-        """Count one image or frame of `per_pixel` bytes a pixel once decoded (an image's:
-        `common.processing.image.peak_bytes_per_pixel`); refuse when the request's total
-        passes the limit."""
+        """Count one image or frame of `per_pixel` bytes a pixel once decoded, whose decoder
+        holds `decoder_per_pixel` more while it decodes (an image's:
+        `common.processing.image.bytes_per_pixel`); refuse
+        when the request's total passes the limit."""
+        self.transient = max(self.transient, width * height * decoder_per_pixel)
         self.add_bytes(width * height * per_pixel, field)
 
     def add_bytes(self, nbytes: int, field: str) -> None:
         """Count `nbytes` more of the request's media (what processing them will make, say);
         refuse when the total passes the limit."""
         self.used += nbytes
-        if self.limit is not None and self.used > self.limit:
+        if self.limit is not None and self.total > self.limit:
             raise LimitError(
                 field,
-                f"decoded media of the request reach {self.used} bytes, more than "
+                f"decoded media of the request reach {self.total} bytes, more than "
                 f"max_media_bytes = {self.limit}",
             )
