@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.processing.image_cache import ProcessedImageCache
+from common.processing.image_cache import ProcessedImageCache, StagedImages
 from common.processing.processor import ProcessedPrompt, Processor
 from epd.request import video_input
 from epd.v1 import router_service_pb2
@@ -105,3 +105,18 @@ def test_a_resize_that_depends_on_the_frame_count_reuses_nothing_and_stays_exact
     second = cached.process(messages)
     assert first.grid_thw[0][1:] != second.grid_thw[0][1:]
     same(second, plain.process(messages_from_proto(chat(frames))))
+
+
+def test_stored_patches_share_the_prompts_rows(folder: Any) -> None:
+    # Each temporal patch made was stored as a copy of the rows the prompt holds: a request
+    # held both until its first token (staged; ownfix review), and the cache both after.
+    cached, _ = processors(folder)
+    frames = np.random.default_rng(5).integers(0, 256, (8, 64, 64, 3), dtype=np.uint8)
+    store = StagedImages(cached.image_cache)
+    prompt = cached.process(messages_from_proto(chat(frames), processor=cached), store=store)
+    store.keep()
+    (rows,) = prompt.pixel_values
+    keys = cached.image_cache.keys()  # a list, least recently used first
+    stored = [cached.image_cache.get(k) for k in keys]
+    assert len(stored) == 4 and all(np.shares_memory(s.patches, rows.numpy()) for s in stored)
+    assert cached.image_cache.bytes_used < 2 * rows.numel()  # the rows once, not per patch

@@ -49,6 +49,9 @@ class ProcessedImage:
     patches: npt.NDArray[np.uint8]  # (grid_h * grid_w, patch_dim) patch codes
     grid: tuple[int, int, int]  # (1, grid_h, grid_w)
     content_hash: bytes  # `common.processing.content_hash` of the codes, as the processor's
+    # What holds the codes' memory when they are a view of it (a video's rows, which its
+    # temporal patches share): the cache counts it once (`common.byte_lru`). None: `patches`.
+    owner: npt.NDArray[np.uint8] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -111,6 +111,7 @@ def preprocess_keyed(
     plan = plan_video(len(frames), fps, width, height, settings)
     keys = patch_keys(plan, [f.key for f in frames], settings)
     parts: list[ProcessedImage] = []
+    made: list[int] = []  # the parts made here, stored once the video's rows are joined
     for group, key in zip(plan.groups(settings.temporal_patch_size), keys, strict=True):
         part = cache.get(key)
         if part is None:
@@ -119,11 +120,18 @@ def preprocess_keyed(
                 raise ValueError("video frames differ in size")
             rows, grid = patch_codes(resized_frames(images, plan.size), settings)
             part = ProcessedImage(rows, grid, content_hash(fingerprint, "video", rows, grid))
-            cache.put(key, part)
+            made.append(len(parts))
         parts.append(part)
     _, grid_h, grid_w = parts[0].grid
+    joined = np.concatenate([p.patches for p in parts])
+    # Stored as views of the joined rows, which the prompt holds: not a second copy of
+    # them (a staged request held both until its first token; ownfix review).
+    ends = np.cumsum([len(p.patches) for p in parts])
+    for k in made:
+        view = joined[ends[k] - len(parts[k].patches) : ends[k]]
+        cache.put(keys[k], ProcessedImage(view, parts[k].grid, parts[k].content_hash, joined))
     return ProcessedVideo(
-        np.concatenate([p.patches for p in parts]),
+        joined,
         (len(parts), grid_h, grid_w),
         video_timestamps(plan, fps, settings, None),
         tuple(p.content_hash for p in parts),
