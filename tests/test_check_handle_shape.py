@@ -7,6 +7,7 @@ not INVALID_ARGUMENT naming the field)."""
 from __future__ import annotations
 
 import types
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -45,13 +46,13 @@ def good(num_tokens: int = 10) -> kv_pb2.KvHandle:
 
 def refused(h: kv_pb2.KvHandle) -> str:
     with pytest.raises(RpcStatusError) as info:
-        check_handle(h, RUNNER, 10, prompt_digest=b"d" * 32, key=None)
+        check_handle(h, cast(Any, RUNNER), 10, prompt_digest=b"d" * 32, key=None)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     return str(info.value)
 
 
 def test_a_good_handle_passes() -> None:
-    check_handle(good(), RUNNER, 10, prompt_digest=b"d" * 32, key=None)
+    check_handle(good(), cast(Any, RUNNER), 10, prompt_digest=b"d" * 32, key=None)
 
 
 def test_a_descriptor_of_other_than_one_block_is_refused() -> None:

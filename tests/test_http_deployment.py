@@ -125,7 +125,7 @@ async def test_tenants_over_http_never_share_cached_blocks(deployment: Cluster) 
     # Each key's tenant salts the caches over HTTP as over gRPC: with every HTTP caller
     # given one tenant, every test here passed all the same (invariants review).
     assert deployment.http_url is not None
-    chat = user({"type": "text", "text": "A long prompt two tenants both send, " * 8})
+    chat = user({"type": "text", "text": "Zebras! A long prompt two tenants both send, " * 8})
 
     async def cached(key: str) -> int:
         done = await api(deployment.http_url or "", key).chat.completions.create(

@@ -111,12 +111,14 @@ def test_stored_patches_share_the_prompts_rows(folder: Any) -> None:
     # Each temporal patch made was stored as a copy of the rows the prompt holds: a request
     # held both until its first token (staged; ownfix review), and the cache both after.
     cached, _ = processors(folder)
+    cache = cached.image_cache
+    assert cache is not None
     frames = np.random.default_rng(5).integers(0, 256, (8, 64, 64, 3), dtype=np.uint8)
-    store = StagedImages(cached.image_cache)
+    store = StagedImages(cache)
     prompt = cached.process(messages_from_proto(chat(frames), processor=cached), store=store)
     store.keep()
     (rows,) = prompt.pixel_values
-    keys = cached.image_cache.keys()  # a list, least recently used first
-    stored = [cached.image_cache.get(k) for k in keys]
-    assert len(stored) == 4 and all(np.shares_memory(s.patches, rows.numpy()) for s in stored)
-    assert cached.image_cache.bytes_used < 2 * rows.numel()  # the rows once, not per patch
+    stored = [cache.get(k) for k in cache.keys()]  # noqa: SIM118 (a list, not a dict)
+    assert len(stored) == 4
+    assert all(s is not None and np.shares_memory(s.patches, rows.numpy()) for s in stored)
+    assert cache.bytes_used < 2 * rows.numel()  # the rows once, not per patch
