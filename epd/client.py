@@ -294,18 +294,18 @@ class Client:
                     await asyncio.sleep(wait)
                     continue  # the same router, which said when
                 drained = code == grpc.StatusCode.UNAVAILABLE and details == DRAINING_DETAILS
-                if drained and not received and not reopened and len(self._routers) == 1:
+                if drained and not received and not reopened and len(self.addresses) == 1:
                     reopened = True  # nothing started: on a new connection, a load balancer's
                     self._reopen(index, used)
                     continue
-                if len(self._routers) == 1:
+                if len(self.addresses) == 1:
                     raise GenerateError.of(exc) from None
                 where = f"{self.addresses[index]}: {code.name} {details}".strip()
                 if code != grpc.StatusCode.UNAVAILABLE or (received and stop):
                     after = f" after {len(received)} tokens (not resumed)" if received else ""
                     raise GenerateError.of(exc, f"router {where}{after}") from None
                 failures.append(where)
-                if attempt + 1 < len(self._routers):
+                if attempt + 1 < len(self.addresses):
                     if received:
                         self.resumes += 1
                     else:
