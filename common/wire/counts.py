@@ -49,7 +49,7 @@ def check_counts(
     packed field's elements not counted there: they cost no walking); occurrences are
     counted over the whole message, sub-messages' summed. `DecodeError` when the bytes are
     not protobuf wire format. Returns the counts, by path."""
-    walk = _Walk(memoryview(data), bounds, default, most)
+    walk = _Walk(bytes(data), bounds, default, most)
     walk.message(0, len(data), descriptor, "", "")
     return walk.counts
 
@@ -59,11 +59,8 @@ _MESSAGE, _PACKED, _ONE = 0, 1, 2  # what a length-delimited occurrence of a fie
 
 
 class _Walk:
-    def __init__(
-        self, data: memoryview, bounds: Mapping[str, int], default: int, most: int
-    ) -> None:
+    def __init__(self, data: bytes, bounds: Mapping[str, int], default: int, most: int) -> None:
         self.data = data
-        self.raw = data.obj if isinstance(data.obj, bytes) else bytes(data)  # for `_VARINT`
         self.bounds = bounds
         self.default = default
         self.left = most  # fields the walk may still read
@@ -72,16 +69,17 @@ class _Walk:
         self._plans: dict[str, dict[int, tuple[str, str, int, Any, bool, int]]] = {}
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
+        """A tag's or a length's varint: at most 5 bytes (more: a parser refuses it too)."""
         data = self.data
         value = shift = 0
-        while pos < end and shift < 64:
+        while pos < end and shift < 35:
             byte = data[pos]
             pos += 1
             value |= (byte & 0x7F) << shift
             if byte < 0x80:
                 return value, pos
             shift += 7
-        raise DecodeError("a varint runs past its message or 10 bytes")
+        raise DecodeError("a tag or a length runs past its message or 5 bytes")
 
     def count(self, key: str, shown: str, name: str, n: int) -> None:
         """Count `n` more of `key` (`shown` + `name`: as errors name it)."""
@@ -122,9 +120,9 @@ class _Walk:
                 tag, pos = self.varint(pos, end)
             number, wire = tag >> 3, tag & 7
             if wire == 0:  # its value: skipped in C
-                skipped = _VARINT.match(self.raw, pos, end)
+                skipped = _VARINT.match(data, pos, end)
                 if skipped is None:
-                    raise DecodeError("a varint runs past its message or 10 bytes")
+                    raise DecodeError("a tag or a length runs past its message or 5 bytes")
                 pos = skipped.end()
             elif wire == 1 or wire == 5:
                 pos += 8 if wire == 1 else 4
