@@ -122,3 +122,21 @@ def test_stored_patches_share_the_prompts_rows(folder: Any) -> None:
     assert len(stored) == 4
     assert all(s is not None and np.shares_memory(s.patches, rows.numpy()) for s in stored)
     assert cache.bytes_used < 2 * rows.numel()  # the rows once, not per patch
+
+
+def test_one_new_patch_does_not_push_its_videos_other_patches_out(folder: Any) -> None:
+    # A new patch stored as a view of the whole joined video kept, and counted, the whole
+    # video again: in a cache of 1.5 videos, the video with its last frame changed evicted
+    # every patch of the video (ownfix review B2).
+    base = Processor.from_pretrained(folder)
+    parts = (base.tokenizer, base.config, base.settings, base.template, base.generation)
+    frames = np.random.default_rng(9).integers(0, 256, (16, 64, 64, 3), dtype=np.uint8)
+    (rows,) = Processor(*parts).process(messages_from_proto(chat(frames))).pixel_values
+    cached = Processor(*parts, ProcessedImageCache(int(1.5 * rows.numel()) + (64 << 10)))
+    cached.process(messages_from_proto(chat(frames), processor=cached))
+    changed = frames.copy()
+    changed[-1] ^= 1
+    again = messages_from_proto(chat(changed), processor=cached)
+    assert decoded(again) == 2  # the last patch's frames
+    cached.process(again)
+    assert decoded(messages_from_proto(chat(frames), processor=cached)) == 0

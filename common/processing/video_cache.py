@@ -124,12 +124,19 @@ def preprocess_keyed(
         parts.append(part)
     _, grid_h, grid_w = parts[0].grid
     joined = np.concatenate([p.patches for p in parts])
-    # Stored as views of the joined rows, which the prompt holds: not a second copy of
-    # them (a staged request held both until its first token; ownfix review).
+    # Stored as views of the joined rows, which the prompt holds, where most of them are
+    # new: not a second copy of them (a staged request held both until its first token).
+    # Where most came from the cache, copies of the new ones: a view would keep, and the
+    # cache count, the whole video again for one new patch, and evict its others to fit
+    # it (ownfix reviews).
     ends = np.cumsum([len(p.patches) for p in parts])
+    shared = 2 * sum(len(parts[k].patches) for k in made) >= len(joined)
     for k in made:
-        view = joined[ends[k] - len(parts[k].patches) : ends[k]]
-        cache.put(keys[k], ProcessedImage(view, parts[k].grid, parts[k].content_hash, joined))
+        part = parts[k]
+        if shared:
+            rows = joined[ends[k] - len(part.patches) : ends[k]]
+            part = ProcessedImage(rows, part.grid, part.content_hash, joined)
+        cache.put(keys[k], part)
     return ProcessedVideo(
         joined,
         (len(parts), grid_h, grid_w),
