@@ -248,6 +248,7 @@ class _Nixl:
         (TransferError("READ failed (state ERR)"), "no"),
         (RuntimeError("NIXL_ERR_NOT_FOUND: remote agent was invalidated"), "until ended"),
         (RuntimeError("nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT"), "no"),
+        (RuntimeError("nixlBackendError: NIXL_ERR_BACKEND"), "no"),  # failed: over
     ],
 )
 def test_a_read_that_may_still_write_is_one_to_quarantine(

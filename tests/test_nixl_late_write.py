@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from common.transfer.agent import TransferAgent
-from common.transfer.types import TransferRefusedError, TransferTimeoutError
+from common.transfer.types import TransferError, TransferRefusedError, TransferTimeoutError
 from tests.nixl_holder_helpers import BIG_BYTES, _recv, _send, holder_main
 
 
@@ -58,8 +58,19 @@ def test_a_read_that_timed_out_is_kept_until_it_ends(monkeypatch: pytest.MonkeyP
             # failure; a refresh is refused.
             reader._peers.forget(reader._lock, peer)
             assert peer in reader.peers
-            with pytest.raises(TransferRefusedError, match="may still write"):
+            with pytest.raises(TransferError, match="may still write") as refused:
                 reader.refresh_peer(peer, info["metadata"])
+            assert not isinstance(refused.value, TransferRefusedError)  # no caller's fault
+            outside = [(info["big_addr"] + (64 << 20), 4096)]  # NIXL refuses: a refresh
+            with pytest.raises(TransferError, match="may still write"):
+                reader.read(
+                    peer,
+                    outside,
+                    [(local.data_ptr(), 4096)],
+                    timeout_s=0.5,
+                    peer_metadata=info["metadata"],
+                )
+            assert reader._peers.reading() == 1  # the parked READ alone: counts kept
             time.sleep(1.5)  # parked handles are tried every second: this one is unfinished
             assert not released.done()
         finally:

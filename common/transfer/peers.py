@@ -194,7 +194,9 @@ class PeerSnapshots:
             while peer in self._refreshing or self._reading.get(peer, 0):
                 self._gate.wait()
             if self._parked.get(peer):  # they may never end: not waited for, not pulled from
-                raise TransferRefusedError(
+                if then_reading:  # the caller's READ, which `prepare_read` stopped counting
+                    self._reading[peer] = self._reading.get(peer, 0) + 1  # it ends it itself
+                raise TransferError(  # not the caller's fault: lost, as a holder gone
                     f"peer {peer!r} has READs that timed out and may still write: it is not "
                     "loaded again until they end"
                 )

@@ -63,11 +63,11 @@ def run_read(
     handle is released, or parked in `parked` where it may not be yet (the error raised
     then is a `TransferTimeoutError` whose `released` is set once it is let go)."""
 
-    def ended() -> bool:  # the transfer writes no more: it is over, or its peer is gone
+    def ended() -> bool:  # the transfer writes no more: it is over, failed, or its peer gone
         try:
             return bool(nixl.check_xfer_state(handle) != "PROC")
-        except Exception as exc:  # its peer unloaded here, the agent closing: says nothing
-            return _disconnected(exc)
+        except Exception as exc:  # but its peer unloaded here (the agent closing): unknown
+            return not _unknown(exc)
 
     try:
         post_and_wait(nixl, handle, peer, nbytes, timeout_s, started)
@@ -79,9 +79,9 @@ def run_read(
         exc.cancelled = False
         raise
     except Exception as exc:
-        if not isinstance(exc, TransferError) and not _disconnected(exc):
-            # Asking its state failed (its peer was unloaded, the agent closes): it may
-            # still be writing, as after a timeout (ownfix review).
+        if not isinstance(exc, TransferError) and _unknown(exc):
+            # Its peer was unloaded here (the agent closes): it may still be writing, as
+            # after a timeout (ownfix review).
             error = TransferTimeoutError(
                 f"READ of {nbytes} bytes from {peer!r} broke off ({exc}); kept until it ends",
                 cancelled=False,
@@ -108,9 +108,12 @@ def run_read(
     _release(parked, handle, True)
 
 
-def _disconnected(exc: Exception) -> bool:
-    """Whether NIXL's error says the peer disconnected (the transfer can write no more)."""
-    return "disconnect" in f"{type(exc).__name__} {exc}".lower()
+def _unknown(exc: Exception) -> bool:
+    """Whether NIXL's error says it no longer knows the transfer's peer (NIXL_ERR_NOT_FOUND:
+    unloaded here, "invalidated ... during transfer"): the transfer may still be writing.
+    Its other errors (a disconnect, a backend failure, a cancel) end it."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "not_found" in text or "notfound" in text or "invalidated" in text
 
 
 def _release(parked: ParkedHandles, handle: Any, done: bool) -> Future[None] | None:
