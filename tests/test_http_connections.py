@@ -473,7 +473,8 @@ async def test_a_body_in_many_tiny_chunks_is_refused_without_holding_the_loop(
     strict: FakeCluster,
 ) -> None:
     # h11 and uvicorn take ~18 µs of the event loop a chunk: a 256 KiB read of 1-byte chunks
-    # held it 0.9 s, a body of 2M of them 28 s (stalls review). Refused as malformed.
+    # held it 0.9 s, a body of 2M of them 28 s (stalls review). Handed to h11 in slices, and
+    # past 65,536 chunks (plus one a 512 bytes) refused as malformed.
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Authorization: Bearer {CLIENT_KEY}\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -488,12 +489,11 @@ async def test_a_body_in_many_tiny_chunks_is_refused_without_holding_the_loop(
 
     ticker = asyncio.ensure_future(tick())
     try:
-        # Tiny chunks, and tiny chunks after a body's bytes that once paid for them (per
-        # body, 1 MiB bought 2048 more: ownfix review).
+        # Tiny chunks, and tiny chunks after bytes that pay for 2,048 of them.
         for first in (b"", b"100000\r\n" + b"x" * 0x100000 + b"\r\n"):
             sock = socket.create_connection(host_port(strict))
             try:
-                sock.sendall(head.encode() + first + b"1\r\n{\r\n" * 40_000)  # in a read or a few
+                sock.sendall(head.encode() + first + b"1\r\n{\r\n" * 70_000)  # in a read or a few
                 sent = await closed_within(sock, 5)
             finally:
                 sock.close()
@@ -504,8 +504,8 @@ async def test_a_body_in_many_tiny_chunks_is_refused_without_holding_the_loop(
     assert max(gaps) < 0.3, max(gaps)
     # A body in pieces of a usual size is read as ever, and in small ones written as a
     # JSON encoder yields them (`iterencode`: a piece per token).
-    body = json.dumps({"model": MODEL_ID, "prompt": "hi " * 300, "max_tokens": 2}).encode()
-    for pieces in (8, 400):
+    body = json.dumps({"model": MODEL_ID, "prompt": "hi " * 2000, "max_tokens": 2}).encode()
+    for pieces in (8, 5000):  # 5000 arrive in a read or two: once refused (ownfix review)
         status, _ = await asyncio.to_thread(chunked_post, strict, body, pieces)
         assert status == 200
 

@@ -29,10 +29,12 @@ events then waited for the client's delayed ACK of the response head, about 40 m
 reached an OpenAI client in one burst (TTFT 60-77 ms where the first token was ready at
 11-18 ms).
 
-A request body that arrives with more than `FREE_PIECES` pieces (chunks) in one read, plus
-one a `MIN_PIECE_BYTES` of it, is refused as malformed (400, connection closed;
-`_counting`): h11 takes the pieces one by one on the event loop, and 1-byte chunks held it
-0.9 s per 256 KiB read (stalls review).
+h11 takes a body's chunks one by one on the event loop: a 256 KiB read of 1-byte chunks held
+it 0.9 s (stalls review). A read of many line ends is handed to h11 `SLICE_BYTES` at a time,
+a loop turn each (`data_received`), and a body of more than `FREE_PIECES` chunks plus one a
+`MIN_PIECE_BYTES` of it is refused as malformed (400, connection closed; `_counting`),
+bounding what one costs: a bound per read refused a JSON encoder's small pieces when they
+arrived together, as under load (ownfix review).
 
 A draining router asks each client to close its connection with its answer
 (`CloseWhileDraining`): a kept-alive connection came back to it with each request, each
@@ -61,10 +63,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MIN_READ_BYTES = 4096  # of a connection's waiting answers, read per `http_header_timeout_s`
 READ_PERIODS = 4  # ... on average over this many of them
-# A request body's pieces (chunks) in one read: FREE_PIECES, and one more per this many
-# bytes of the read (`_counting`).
-FREE_PIECES = 2048  # at ~18 µs a piece, at most ~50 ms of the loop a read
+# A request body's pieces (chunks): FREE_PIECES, and one more per MIN_PIECE_BYTES of it.
+FREE_PIECES = 1 << 16
 MIN_PIECE_BYTES = 512
+# A read of more line ends than this goes to h11 in slices of SLICE_BYTES (at 6 bytes and
+# ~18 µs a 1-byte chunk, ~25 ms of the loop a slice).
+SLICE_LINES = 1024
+SLICE_BYTES = 8 << 10
 SMALL_PIECES = "a request body sent in too many small pieces (send pieces of 512 bytes or more)"
 # Linux's `struct tcp_info`: the bytes asked for, and where its u64 tcpi_bytes_acked lies.
 TCP_INFO_BYTES = 232
@@ -142,20 +147,19 @@ class CloseWhileDraining:
         await self.app(scope, receive, closing)
 
 
-def _counting(next_event: Callable[[], Any], read: list[int]) -> Callable[[], Any]:
-    """h11's `next_event`, refusing a request body whose pieces in one socket read (`read`:
-    its pieces so far and bytes, which `data_received` sets) pass `FREE_PIECES` plus one a
-    `MIN_PIECE_BYTES`, as malformed (uvicorn answers 400 and closes the connection): h11 and
-    uvicorn take ~18 µs of the event loop a piece, and a 256 KiB read of 1-byte chunks held
-    it 0.9 s (stalls review). Per read, not per body: bytes sent first paid for tiny chunks
-    later (ownfix review), and a client writing small pieces slowly costs nothing at once."""
+def _counting(next_event: Callable[[], Any], body: list[int]) -> Callable[[], Any]:
+    """h11's `next_event`, refusing a request body (`body`: its pieces so far and bytes)
+    past `FREE_PIECES` plus one a `MIN_PIECE_BYTES`, as malformed: uvicorn answers 400 and
+    closes the connection."""
 
     def counted() -> Any:
         event = next_event()
         if isinstance(event, h11.Data):
-            read[0] += 1
-            if read[0] > FREE_PIECES + read[1] // MIN_PIECE_BYTES:
+            body[0], body[1] = body[0] + 1, body[1] + len(event.data)
+            if body[0] > FREE_PIECES + body[1] // MIN_PIECE_BYTES:
                 raise h11.RemoteProtocolError(SMALL_PIECES)
+        elif isinstance(event, h11.Request):
+            body[0] = body[1] = 0
         return event
 
     return counted
@@ -173,10 +177,11 @@ def bounded_protocol(
         _unsent = 0  # bytes waiting to be sent when `_read_timer` was set
         _acked_then: int | None = None  # TCP's count of bytes acknowledged then
         _taken_before: tuple[int, ...] = ()  # bytes taken in the periods before (at most 3)
-        _read: list[int]  # the pieces and bytes of the read being handled (`_counting`)
+        _body: list[int]  # the pieces and bytes of the request body so far (`_counting`)
+        _pending = b""  # what was read and not yet handed to h11 (`data_received`)
 
         def connection_made(self, transport: Any) -> None:
-            self._read = [0, 0]
+            self._body = [0, 0]
             super().connection_made(transport)
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -187,15 +192,31 @@ def bounded_protocol(
                 transport.write(BUSY)  # best effort: the client may not be reading yet
                 transport.close()  # connection_lost follows and forgets it
                 return
-            self.conn.next_event = _counting(self.conn.next_event, self._read)  # type: ignore[method-assign]
+            self.conn.next_event = _counting(self.conn.next_event, self._body)  # type: ignore[method-assign]
             self._expect_head()
 
         def data_received(self, data: bytes) -> None:
-            self._read[:] = [0, len(data)]
-            super().data_received(data)
+            if not self._pending and data.count(b"\r\n") <= SLICE_LINES:
+                super().data_received(data)
+                return
+            if not self._pending:  # slices to come: nothing more is read meanwhile
+                self.transport.pause_reading()
+                self.loop.call_soon(self._slice)
+            self._pending += data
+
+        def _slice(self) -> None:
+            if self.transport.is_closing():
+                self._pending = b""
+                return
+            piece, self._pending = self._pending[:SLICE_BYTES], self._pending[SLICE_BYTES:]
+            super().data_received(piece)
+            if self._pending:
+                self.loop.call_soon(self._slice)
+            elif not self.flow.read_paused and not self.transport.is_closing():
+                self.transport.resume_reading()
 
         def send_400_response(self, msg: str) -> None:
-            small = self._read[0] > FREE_PIECES + self._read[1] // MIN_PIECE_BYTES
+            small = self._body[0] > FREE_PIECES + self._body[1] // MIN_PIECE_BYTES
             super().send_400_response(SMALL_PIECES if small else msg)  # uvicorn's says nothing
 
         def on_response_complete(self) -> None:
