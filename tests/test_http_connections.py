@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import http.client
 import json
 import logging
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import uvicorn
 import uvicorn.server
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from router.http.app import HttpServer
 from router.http.connections import (
@@ -521,3 +522,99 @@ def chunked_post(c: FakeCluster, body: bytes, pieces: int) -> tuple[int, bytes]:
         return reply.status, reply.read()
     finally:
         conn.close()
+
+
+def _slicing_server() -> tuple[HttpServer, list[int]]:
+    app = FastAPI()
+    app.state.auth = None  # `limit_body`: no keys
+
+    @app.post("/slow")
+    async def slow(request: Request) -> dict[str, int]:
+        body = await request.body()
+        await asyncio.sleep(0.5)
+        return {"n": len(body)}
+
+    @app.post("/sha")
+    async def sha(request: Request) -> dict[str, Any]:
+        body = await request.body()
+        return {"n": len(body), "h": hashlib.sha256(body).hexdigest()}
+
+    most = [0]
+
+    class Probe(bounded_protocol(5.0, 0, ConnectionStats())):  # type: ignore[misc]
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            most[0] = max(most[0], len(self._pending))
+
+    return HttpServer(app, "127.0.0.1", 0, 64 << 20, 30.0, None, Probe), most
+
+
+def _answers_of(sock: socket.socket, n: int) -> bytes:
+    sock.settimeout(30)
+    got = b""
+    while got.count(b"HTTP/1.1 ") < n or not got.endswith(b"}"):
+        more = sock.recv(1 << 20)
+        if not more:
+            break
+        got += more
+    return got
+
+
+async def test_a_pipelined_body_of_tiny_chunks_is_not_taken_in_one_go() -> None:
+    # h11 buffered what the slices brought while the first request's answer was pending
+    # (PAUSED), and uvicorn handed it all on at its end: 21k 1-byte chunks, 0.33 s (ownfix
+    # review D).
+    server, _ = _slicing_server()
+    await server.start()
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - before)
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        host, port = server.address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        try:
+            first = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+            second = (
+                b"POST /sha HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"1\r\n \r\n" * 40_000
+                + b"0\r\n\r\n"
+            )
+            sock.sendall(first + second)
+            got = await asyncio.to_thread(_answers_of, sock, 2)
+        finally:
+            sock.close()
+        assert got.count(b"HTTP/1.1 200") == 2, got[-200:]
+    finally:
+        ticker.cancel()
+        await server.stop()
+    assert max(gaps) < 0.3, max(gaps)
+
+
+async def test_bytes_read_while_slices_wait_are_not_read_on() -> None:
+    # uvicorn resumed reading (its answer to a pipelined request complete) while a read's
+    # slices waited: the rest of the connection was read at once, 8 KiB handed on a turn
+    # and the rest copied each time (30 MB: 29 MB held, 9 s; ownfix review D).
+    server, most = _slicing_server()
+    await server.start()
+    try:
+        host, port = server.address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        body = b"[\r\n" + b" 1,\r\n" * 2_000_000 + b" 1\r\n]"
+        first = b"POST /sha HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+        second = b"POST /sha HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+        try:
+            sending = asyncio.ensure_future(asyncio.to_thread(sock.sendall, first + second + body))
+            got = await asyncio.to_thread(_answers_of, sock, 2)
+            await sending
+        finally:
+            sock.close()
+        assert hashlib.sha256(body).hexdigest().encode() in got, got[-200:]
+    finally:
+        await server.stop()
+    assert most[0] <= 2 * 256 * 1024, most[0]  # a read, and one more at most
