@@ -618,3 +618,22 @@ async def test_bytes_read_while_slices_wait_are_not_read_on() -> None:
     finally:
         await server.stop()
     assert most[0] <= 2 * 256 * 1024, most[0]  # a read, and one more at most
+
+
+async def test_what_follows_a_connection_close_request_is_not_read() -> None:
+    # A read that carried more after a `Connection: close` request was handed on to h11,
+    # which refused it: a 400 went out instead of that request's answer (ownfix review E).
+    server, _ = _slicing_server()
+    await server.start()
+    try:
+        host, port = server.address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        try:
+            request = b"POST /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            sock.sendall(request + b"Content-Length: 2\r\n\r\n{}" + b"\r\n" * 20_000)
+            got = await asyncio.to_thread(_answers_of, sock, 1)
+        finally:
+            sock.close()
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+    finally:
+        await server.stop()

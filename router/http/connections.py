@@ -239,6 +239,9 @@ def bounded_protocol(
             if self.transport.is_closing():
                 self._pending = bytearray()
                 return
+            if self.conn.their_state is h11.MUST_CLOSE:  # what follows is not read (uvicorn
+                self._pending.clear()  # reads none of it either; h11 refused it with a 400)
+                return
             if self.flow.read_paused or self.conn.their_state is h11.DONE:
                 return  # uvicorn's pause (a body unread: `_Flow` goes on), or a request
                 # read whose answer is not complete (pipelined: `on_response_complete`)
