@@ -36,6 +36,7 @@ from router.http.connections import (
     bounded_protocol,
 )
 from tests.cluster import ADMIN_KEY, CLIENT_KEY
+from tests.loop_gaps import loop_gaps
 from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
 from tests.test_router import Cluster as FakeCluster
 
@@ -480,16 +481,7 @@ async def test_a_body_in_many_tiny_chunks_is_refused_without_holding_the_loop(
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Authorization: Bearer {CLIENT_KEY}\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
-    gaps: list[float] = []
-
-    async def tick() -> None:
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(0.01)
-            gaps.append(time.monotonic() - before)
-
-    ticker = asyncio.ensure_future(tick())
-    try:
+    async with loop_gaps() as gaps:
         # Tiny chunks, and tiny chunks after bytes that pay for 2,048 of them.
         for first in (b"", b"100000\r\n" + b"x" * 0x100000 + b"\r\n"):
             sock = socket.create_connection(host_port(strict))
@@ -500,8 +492,6 @@ async def test_a_body_in_many_tiny_chunks_is_refused_without_holding_the_loop(
                 sock.close()
             assert sent is not None and sent.startswith(b"HTTP/1.1 400"), sent
             assert b"too many small pieces" in sent
-    finally:
-        ticker.cancel()
     assert max(gaps) < 0.3, max(gaps)
     # A body in pieces of a usual size is read as ever, and in small ones written as a
     # JSON encoder yields them (`iterencode`: a piece per token).
@@ -566,32 +556,23 @@ async def test_a_pipelined_body_of_tiny_chunks_is_not_taken_in_one_go() -> None:
     # review D).
     server, _ = _slicing_server()
     await server.start()
-    gaps: list[float] = []
-
-    async def tick() -> None:
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(0.005)
-            gaps.append(time.monotonic() - before)
-
-    ticker = asyncio.ensure_future(tick())
     try:
         host, port = server.address.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)))
-        try:
-            first = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
-            second = (
-                b"POST /sha HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                + b"1\r\n \r\n" * 40_000
-                + b"0\r\n\r\n"
-            )
-            sock.sendall(first + second)
-            got = await asyncio.to_thread(_answers_of, sock, 2)
-        finally:
-            sock.close()
+        async with loop_gaps(0.005) as gaps:
+            try:
+                first = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+                second = (
+                    b"POST /sha HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    + b"1\r\n \r\n" * 40_000
+                    + b"0\r\n\r\n"
+                )
+                sock.sendall(first + second)
+                got = await asyncio.to_thread(_answers_of, sock, 2)
+            finally:
+                sock.close()
         assert got.count(b"HTTP/1.1 200") == 2, got[-200:]
     finally:
-        ticker.cancel()
         await server.stop()
     assert max(gaps) < 0.3, max(gaps)
 

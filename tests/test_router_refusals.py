@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.sampling import SamplingParams
 from common.server.rpc import MAX_DETAILS, clipped
 from epd.client import GenerateError, build_request
+from tests.loop_gaps import loop_gaps
 from tests.test_router import FIRST, IMAGE, TEXT, chat, png
 from tests.test_router import ckpt as ckpt  # fixture
 from tests.test_router import cluster as cluster  # fixture
@@ -178,23 +178,12 @@ async def test_a_request_of_many_tiny_elements_is_refused_without_holding_the_lo
     if shape == "parts":  # one message of them all
         inner = b"\x0a\x04user" + body
         body = b"\x12" + _varint(len(inner)) + inner
-    gaps = []
-
-    async def tick() -> None:
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(0.01)
-            gaps.append(time.monotonic() - before)
-
-    ticker = asyncio.ensure_future(tick())
-    try:
+    async with loop_gaps() as gaps:
         channel = cluster.client._channels[0]  # its key; the request sent as raw bytes
         call = channel.unary_stream("/epd.v1.RouterService/Generate")(body)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in call:
                 pass
-    finally:
-        ticker.cancel()
     field = {"messages": "messages", "parts": "messages[0].content", "stop": "stop"}[shape]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(f"{field}: more than ")
