@@ -122,7 +122,7 @@ class _Walk:
             if wire == 0:  # its value: skipped in C
                 skipped = _VARINT.match(data, pos, end)
                 if skipped is None:
-                    raise DecodeError("a tag or a length runs past its message or 5 bytes")
+                    raise DecodeError("a value runs past its message or 10 bytes")
                 pos = skipped.end()
             elif wire == 1 or wire == 5:
                 pos += 8 if wire == 1 else 4
@@ -153,4 +153,4 @@ class _Walk:
                 floor = -(-(pos - start) // 10)
                 if self.counts.get(key, 0) + floor > self.bounds.get(key, self.default):
                     self.count(key, shown, name, floor)
-                self.count(key, shown, name, len(bytes(data[start:pos]).translate(None, _HIGH)))
+                self.count(key, shown, name, len(data[start:pos].translate(None, _HIGH)))

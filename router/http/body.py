@@ -283,10 +283,8 @@ def limit_body(
                 await response(scope, receive, send)
                 return
 
-            messages.reverse()
-
-            async def replay() -> Any:
-                return messages.pop() if messages else await receive()
+            async def replay() -> Any:  # one or two messages (`read`)
+                return messages.pop(0) if messages else await receive()
 
             scope[HELD_KEY] = hold
             await app(scope, replay, send)

@@ -237,7 +237,7 @@ def bounded_protocol(
         def _slice(self) -> None:
             self._slicing = False
             if self.transport.is_closing():
-                self._pending = bytearray()
+                self._pending.clear()
                 return
             if self.conn.their_state is h11.MUST_CLOSE:  # what follows is not read (uvicorn
                 self._pending.clear()  # reads none of it either; h11 refused it with a 400)
