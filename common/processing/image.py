@@ -33,6 +33,7 @@ import torch
 from PIL import Image, ImageOps
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
+from common.processing.limits import DECODED_BYTES_PER_PIXEL
 
 FloatArray = npt.NDArray[np.float32]
 ByteArray = npt.NDArray[np.uint8]
@@ -109,31 +110,34 @@ def release_decoder(image: Image.Image) -> None:
 
 
 def bytes_per_pixel(image: Image.Image) -> tuple[int, int]:
-    """Bytes a pixel of an opened, not yet decoded image takes at most while decoding it
-    and making it RGB and upright, and those its decoder holds beside it while it decodes
-    (WebP's, until `release_decoder`; 0 for others). The first: 4, plus the image-sized
-    copies `to_rgb`
-    makes (the white canvas transparency is composited on, and an RGBA or RGB copy of an
-    image in another mode), a progressive JPEG's coefficients (2 bytes a band: libjpeg
-    holds them all until the last scan) and the copy an EXIF turn makes (`upright`), while
-    the decoded image is still held. From the header alone: a PNG's EXIF stored after its
-    pixels is not seen (reading it decodes them)."""
-    per_pixel = 4
+    """Bytes a pixel of an opened, not yet decoded image takes once decoded (4), and the
+    most it takes beside that for a while, one image at a time: while it decodes (a
+    progressive JPEG's coefficients, 2 bytes a band: libjpeg holds them all until the last
+    scan; WebP's decoder, until `release_decoder`), or while it is made upright and RGB
+    (the copy an EXIF turn makes, `upright`; the white canvas transparency is composited
+    on and an RGBA or RGB copy of an image in another mode, `to_rgb`). A request's images
+    are decoded, then processed, one after another: the second number is counted once a
+    request, at its largest (`MediaBudget.add`). From the header alone: a PNG's EXIF
+    stored after its pixels is not seen (reading it decodes them)."""
     bands = image.getbands()
-    if "A" in bands or image.info.get("transparency") is not None:
-        per_pixel += 4 + 4 * (image.mode != "RGBA")  # the canvas, and the RGBA copy
-    elif image.mode != "RGB":
-        per_pixel += 4  # the RGB copy
+    decoding = 0
     if image.format == "JPEG" and (image.info.get("progressive") or image.info.get("progression")):
-        per_pixel += 2 * len(bands)
+        decoding = 2 * len(bands)
+    elif image.format == "WEBP":
+        decoding = WEBP_DECODER_BYTES_PER_PIXEL
+    processing = 0
+    if "A" in bands or image.info.get("transparency") is not None:
+        processing += 4 + 4 * (image.mode != "RGBA")  # the canvas, and the RGBA copy
+    elif image.mode != "RGB":
+        processing += 4  # the RGB copy
     if image.info.get("exif"):
         try:
             exif = Image.Exif()
             exif.load(image.info["exif"])
-            per_pixel += 4 * (exif.get(_ORIENTATION, 1) != 1)
+            processing += 4 * (exif.get(_ORIENTATION, 1) != 1)
         except Exception:  # malformed EXIF: `upright` leaves such an image as it is
             pass
-    return per_pixel, WEBP_DECODER_BYTES_PER_PIXEL if image.format == "WEBP" else 0
+    return DECODED_BYTES_PER_PIXEL, max(decoding, processing)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -99,17 +99,18 @@ def check_video_frames(count: int, limits: InputLimits, field: str) -> None:
 
 class MediaBudget:
     """Bytes one request's media take, summed from headers as items open: their decoded
-    pixels, and the patch codes processing will make of them (`router.media_cost`)."""
+    pixels, and the patch codes processing will make of them (`router.media_cost`), and
+    the most one item takes beside those while it is decoded or processed."""
 
     def __init__(self, limits: InputLimits) -> None:
         self.limit = limits.max_media_bytes
         self.used = 0  # bytes of the items added so far
-        self.transient = 0  # the most one item's decoder holds beside it while it decodes
+        self.transient = 0  # the most one item takes for a while, beside what is kept
 
     @property
     def total(self) -> int:
-        """What the request's media take at most: their bytes, and one decoder's (items
-        are decoded one at a time)."""
+        """What the request's media take at most: their bytes, and one item's transient
+        bytes (items are decoded, then processed, one at a time)."""
         return self.used + self.transient
 
     def add(
@@ -118,13 +119,13 @@ class MediaBudget:
         height: int,
         field: str,
         per_pixel: int = DECODED_BYTES_PER_PIXEL,
-        decoder_per_pixel: int = 0,
+        transient_per_pixel: int = 0,
     ) -> None:
-        """Count one image or frame of `per_pixel` bytes a pixel once decoded, whose decoder
-        holds `decoder_per_pixel` more while it decodes (an image's:
-        `common.processing.image.bytes_per_pixel`); refuse
-        when the request's total passes the limit."""
-        self.transient = max(self.transient, width * height * decoder_per_pixel)
+        """Count one image or frame of `per_pixel` bytes a pixel once decoded, which takes
+        `transient_per_pixel` more for a while (an image's:
+        `common.processing.image.bytes_per_pixel`); refuse when the request's total
+        passes the limit."""
+        self.transient = max(self.transient, width * height * transient_per_pixel)
         self.add_bytes(width * height * per_pixel, field)
 
     def add_bytes(self, nbytes: int, field: str) -> None:
