@@ -35,3 +35,11 @@ def test_qwen_tokens_split_the_same() -> None:
     tokens |= {"</think>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>"}
     text = "a<|im_start|>b<|im_end|><<|<think></think><|image_pad|><|vision_start|>" * 3
     assert re.split(f"({longest_of(tokens)})", text) == re.split(f"({flat(tokens)})", text)
+
+
+def test_a_long_token_is_one_literal_not_a_group_a_character() -> None:
+    # A group a character nested as deep as the token is long: a 500-character added token
+    # raised RecursionError as its checkpoint loaded (s34diff review).
+    tokens = {"<" + "x" * 5000 + ">", "<y>", "<" + "x" * 4000 + "z>"}
+    text = "a" + "<" + "x" * 5000 + ">" + "<y><" + "x" * 4000 + "z>" + "<" + "x" * 4999
+    assert re.split(f"({longest_of(tokens)})", text) == re.split(f"({flat(tokens)})", text)

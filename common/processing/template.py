@@ -343,10 +343,20 @@ def longest_of(strings: Iterable[str]) -> str:
             node[""] = {}  # a string ends here
 
     def pattern(node: dict[str, Any]) -> str:
-        longer = [re.escape(c) + pattern(child) for c, child in sorted(node.items()) if c]
+        longer = [re.escape(c) + chain(child) for c, child in sorted(node.items()) if c]
         if not longer:
             return ""
         group = "(?:" + "|".join(longer) + ")"
         return group + "?" if "" in node else group  # longer first, then ending here
+
+    def chain(node: dict[str, Any]) -> str:
+        # A run of nodes with one way on is one literal, not a group each: nested groups as
+        # deep as a token is long hit the regex compiler's and Python's recursion limits
+        # (a 500-character added token stopped a checkpoint loading; s34diff review).
+        literal = ""
+        while len(node) == 1 and "" not in node:
+            ((char, node),) = node.items()
+            literal += re.escape(char)
+        return literal + pattern(node)
 
     return pattern(tree) or "(?!)"  # none: a regex that matches nothing
