@@ -132,7 +132,7 @@ def test_role_name_for_messages() -> None:
 async def test_second_http_api_on_a_taken_port_refuses() -> None:
     from fastapi import FastAPI
 
-    from router.http.app import HttpServer
+    from router.http.server import HttpServer
 
     first = HttpServer(FastAPI(), "127.0.0.1", 0, 1 << 20, 5.0)
     await first.start()

@@ -253,13 +253,16 @@ async def test_a_draining_router_asks_each_client_to_close_its_connection(
                 reply.read()
                 answers.append((reply.status, reply.getheader("connection")))
                 fake.router.servicer.lifecycle.state = LifecycleState.DRAINING
-            return answers
+            conn.close()  # a refusal before the body is read too (s34diff review: a 401)
+            conn.request("POST", "/v1/completions", b"{}", {"Authorization": "Bearer nope"})
+            reply = conn.getresponse()
+            return [*answers, (reply.status, reply.getheader("connection"))]
         finally:
             conn.close()
 
     await add_workers(fake)
     await wait_health(url_of(fake), 200)
-    assert await asyncio.to_thread(twice) == [(200, None), (503, "close")]
+    assert await asyncio.to_thread(twice) == [(200, None), (503, "close"), (401, "close")]
 
 
 async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:

@@ -24,7 +24,6 @@ import uvicorn
 import uvicorn.server
 from fastapi import FastAPI, Request
 
-from router.http.app import HttpServer
 from router.http.connections import (
     BYTES_ACKED,
     INVALID_EVERY_S,
@@ -35,6 +34,7 @@ from router.http.connections import (
     ConnectionStats,
     bounded_protocol,
 )
+from router.http.server import HttpServer
 from tests.cluster import ADMIN_KEY, CLIENT_KEY
 from tests.loop_gaps import loop_gaps
 from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of

@@ -14,9 +14,10 @@ Authentication is the gRPC front door's: `Authorization: Bearer KEY` names an AP
 tenant salts the caches (`[security] insecure`: no keys, no tenants). Failures come back in
 OpenAI's error shape (`router.http.errors`).
 
-Lifecycle: `HttpServer.start` binds the port and serves until `stop` (the router stops it
-first among its cleanup steps, after gRPC). Requests count in the router's lifecycle, so a
-draining router refuses new ones (503) and lets running ones finish.
+Lifecycle: `router.http.server.HttpServer.start` binds the port and serves until `stop`
+(the router stops it first among its cleanup steps, after gRPC). Requests count in the
+router's lifecycle, so a draining router refuses new ones (503) and lets running ones
+finish.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import socket
 import threading
 import time
 import uuid
@@ -32,22 +32,18 @@ from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Seque
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import grpc
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.errors import FieldError
 from common.server.auth import Authenticator, Caller
-from common.settings.schema import SettingsError
 from common.tasks import cancel_and_wait
 from epd.v1 import router_service_pb2
-from router.held import HeldBytes, decoded_bytes
-from router.http.body import ARRIVED_KEY, CALLER_KEY, HELD_KEY, identify, limit_body
-from router.http.connections import ConnectionStats
+from router.held import decoded_bytes
+from router.http.body import ARRIVED_KEY, CALLER_KEY, HELD_KEY, identify
 from router.http.convert import as_sent, chat_request, completion_request, names_media
 from router.http.errors import ApiError, api_error, model_not_found
 from router.http.media import MediaPolicy
@@ -328,73 +324,3 @@ async def _chain(first: router_service_pb2.GenerateResponse | None, rest: Chunks
             yield chunk
     finally:
         await rest.aclose()
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the router's process owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-class HttpServer:
-    """uvicorn serving an app on a port bound at `start`, in the running event loop."""
-
-    def __init__(
-        self,
-        app: FastAPI,
-        host: str,
-        port: int,
-        max_body_bytes: int,
-        body_timeout_s: float,
-        held: HeldBytes | None = None,
-        protocol: type[H11Protocol] = H11Protocol,
-        connections: ConnectionStats | None = None,
-    ) -> None:
-        """`app` on `host:port`, behind `router.http.body` (`max_body_bytes`,
-        `body_timeout_s`, `held`) and `protocol`, counting in `connections`."""
-        limited = limit_body(
-            app,
-            max_body_bytes,
-            held or HeldBytes(0),
-            body_timeout_s,
-            connections or ConnectionStats(),
-        )
-        config = uvicorn.Config(
-            limited,
-            http=protocol,  # HTTP/1.1 as uvicorn speaks it (`connections.bounded_protocol`)
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=1,
-        )
-        self._server = _Server(config)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            self._sock = socket.create_server((host.strip("[]"), port), family=family)
-        except OSError as exc:
-            raise SettingsError(
-                f"http_port: the HTTP API cannot listen on {host}:{port} ({exc.strerror}); "
-                "0: any free port, -1: no HTTP API"
-            ) from None
-        self._sock.setblocking(False)
-        bound_host, bound_port = self._sock.getsockname()[:2]
-        bound_host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-        self.address = f"{bound_host}:{bound_port}"  # host:port actually bound
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        """Serve until `stop`; returns once uvicorn listens."""
-        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
-        while not self._server.started and not self._task.done():
-            await asyncio.sleep(0.01)
-        if self._task.done():
-            self._task.result()  # raises what stopped it
-
-    async def stop(self) -> None:
-        """Stop serving (open streams get a second), then close the socket."""
-        self._server.should_exit = True
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._sock.close()

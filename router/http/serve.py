@@ -10,10 +10,11 @@ from fastapi import Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.server.auth import Need
-from router.http.app import HttpServer, build_app
+from router.http.app import build_app
 from router.http.body import identify
-from router.http.connections import CloseWhileDraining, ConnectionStats, bounded_protocol
+from router.http.connections import ConnectionStats, bounded_protocol
 from router.http.media import MediaPolicy
+from router.http.server import HttpServer
 from router.settings import RouterSettings
 
 if TYPE_CHECKING:
@@ -45,7 +46,6 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
         identify(running.auth, request.headers.get("authorization"), Need.ADMIN)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(CloseWhileDraining, draining=lambda: running.lifecycle.draining)
     connections = ConnectionStats()
     metrics.watch(running.servicer, connections)
     http = HttpServer(
@@ -59,6 +59,7 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
             settings.http_header_timeout_s, settings.http_max_connections, connections
         ),
         connections,
+        draining=lambda: running.lifecycle.draining,
     )
     await http.start()
     running.cleanup.insert(0, http.stop)
