@@ -265,14 +265,16 @@ def test_a_read_that_may_still_write_is_one_to_quarantine(
     monkeypatch.setattr(polling, "post_and_wait", failing)
     parked, nixl = ParkedHandles("test", retry_s=0.05), _Nixl()
     handle = _Handle(kept == "refused")
+    parks: list[Any] = []
     with pytest.raises(TransferError) as failed:
-        polling.run_read(nixl, parked, handle, "peer", 64, 1.0, 0.0)
+        polling.run_read(nixl, parked, handle, "peer", 64, 1.0, 0.0, parks.append)
     if kept == "no":
         assert not isinstance(failed.value, TransferTimeoutError) and len(parked) == 0
+        assert parks == []
         return
     error = failed.value
     assert isinstance(error, TransferTimeoutError) and not error.cancelled
-    assert len(parked) == 1
+    assert len(parked) == 1 and parks == [error.released]
     freed = threading.Event()
     error.when_released(freed.set)
     if kept == "until ended":

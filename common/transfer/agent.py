@@ -35,6 +35,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Final
 
 import numpy as np
@@ -299,22 +300,24 @@ class TransferAgent:
         )
         local_descs = self._agent.get_xfer_descs(desc_array(merged_l, local_device), local_memory)
         nbytes = int(merged_l[:, 1].sum())
+        parked: list[Future[None]] = []  # a READ that may still write: `peer` kept till it ends
         self._peers.begin_read(peer)
         try:
+            self._check_open()  # again, counted: `close` either sees this READ or refuses it
             handle = self._peers.prepare_read(
                 self._lock, local_descs, remote_descs, len(merged_r), peer, peer_metadata
             )
-            run_read(self._agent, self._parked, handle, peer, nbytes, timeout_s, started)
-        except TransferError as exc:
-            released = exc.released if isinstance(exc, TransferTimeoutError) else None
-            self._peers.end_read(peer, parked=released is not None)
-            if released is not None:  # it may still write: `peer` is kept until it ends
-                released.add_done_callback(lambda _: self._peers.unpark(peer))
-            elif not isinstance(exc, TransferRefusedError | TransferTimeoutError):
+            run_read(
+                self._agent, self._parked, handle, peer, nbytes, timeout_s, started, parked.append
+            )
+        except BaseException as exc:
+            self._peers.end_read(peer, parked=bool(parked))
+            if parked:
+                parked[0].add_done_callback(lambda _: self._peers.unpark(peer))
+            elif isinstance(exc, TransferError) and not isinstance(
+                exc, TransferRefusedError | TransferTimeoutError
+            ):
                 self._peers.forget(self._lock, peer)  # disconnected (a restart is another agent)
-            raise
-        except BaseException:
-            self._peers.end_read(peer)
             raise
         self._peers.end_read(peer)
         stats = TransferStats(
@@ -332,11 +335,12 @@ class TransferAgent:
         """Forget peers, deregister every region, and drop tensor references (but where a
         READ that timed out may still write: those stay alive for the process's life, a
         late write landing in freed heap corrupted it; races review). Idempotent."""
-        left = max(self._parked.close(), self._peers.reading())  # in flight: may park too
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # first: a READ not yet counted now never starts (`read`)
+        left = max(self._parked.close(), self._peers.reading())  # in flight: may park too
+        with self._lock:
             if left:
                 logger.warning(
                     "%s closed with %d READs that may still write: their memory is kept",

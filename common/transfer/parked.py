@@ -54,10 +54,11 @@ class ParkedHandles:
 
     def retry(self) -> None:
         """Release what NIXL now lets go, and set those handles' futures (at once if
-        another thread is doing so)."""
+        another thread is doing so; none once closed: the agent's NIXL is gone)."""
         if self._retrying.acquire(blocking=False):
             try:
-                self._retry()
+                if not self._closed:  # a tick that fired as `close` ran (s35 review)
+                    self._retry()
             finally:
                 self._retrying.release()
 

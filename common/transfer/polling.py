@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final
 
@@ -58,10 +59,17 @@ def run_read(
     nbytes: int,
     timeout_s: float,
     started: float,
+    on_park: Callable[[Future[None]], object],
 ) -> None:
     """Post a prepared READ on the nixl agent `nixl` and wait for it (`post_and_wait`); its
-    handle is released, or parked in `parked` where it may not be yet (the error raised
-    then is a `TransferTimeoutError` whose `released` is set once it is let go)."""
+    handle is released, or parked in `parked` where it may not be yet: it may still write,
+    and `on_park` is given the future set once it is let go (the error raised then, but
+    for an interruption, is a `TransferTimeoutError` whose `released` is that future)."""
+
+    def park(ended: Callable[[], bool] | None) -> Future[None]:
+        released = parked.park(handle, ended)
+        on_park(released)
+        return released
 
     def ended() -> bool:  # the transfer writes no more: it is over, failed, or its peer gone
         try:
@@ -75,7 +83,7 @@ def run_read(
         # Not released now: NIXL would say it cancelled the READ, but over TCP the holder's
         # bytes still land once it gets going again, into memory the caller would have
         # given another request (races review). Kept until it ends.
-        exc.released = parked.park(handle, ended)
+        exc.released = park(ended)
         exc.cancelled = False
         raise
     except Exception as exc:
@@ -86,10 +94,11 @@ def run_read(
                 f"READ of {nbytes} bytes from {peer!r} broke off ({exc}); kept until it ends",
                 cancelled=False,
             )
-            error.released = parked.park(handle, ended)
+            error.released = park(ended)
             raise error from exc
         kept = _release(parked, handle, False)
         if kept is not None:
+            on_park(kept)
             # NIXL kept a transfer it would not release: it may still write the local
             # ranges, so the caller must keep them, as after a timeout.
             error = TransferTimeoutError(
@@ -103,7 +112,7 @@ def run_read(
             raise TransferError(f"READ of {nbytes} bytes from {peer!r} failed: {exc}") from exc
         raise
     except BaseException:  # interrupted while it may be writing: kept until it ends
-        parked.park(handle, ended)
+        park(ended)
         raise
     _release(parked, handle, True)
 
