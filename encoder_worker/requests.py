@@ -181,10 +181,11 @@ def _parse_item(
         item_hash, _ = _verify(
             fingerprint, modality, pixels, (t, h, w), item_hash, "content_hash", i
         )
-        # A video of one temporal patch has its one partition's key: it is encoded as that
-        # partition is, or the cache would hand one the other's rows (their last bits differ).
-        one_patch_video = exact and modality is Modality.VIDEO and t == 1
-        unit = Unit(item_hash, pixels, (t, h, w), one_patch_video, total // vision.merge_unit)
+        # A video's key is also that of one partition of the same rows (of its one temporal
+        # patch, or any caller's partition spanning them all): it is encoded as partitions
+        # are, or the cache would hand one the other's rows (their last bits may differ).
+        per_frame = exact and modality is Modality.VIDEO
+        unit = Unit(item_hash, pixels, (t, h, w), per_frame, total // vision.merge_unit)
         return ItemJob(item_hash, indices, (unit,))
     # Partition p's rows, checked against its claimed hash; with the whole item's rows every
     # partition is, and the item's hash is that of their hashes.

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
-from common.processing.content_hash import content_hash
+from common.processing.content_hash import content_hash, partitioned_content_hash
 from common.processing.image import patch_values
 from common.processing.processor import ProcessedPrompt, Processor
 from common.roles import PATCH_CODES, Role
@@ -215,3 +215,36 @@ def test_a_one_patch_video_is_encoded_one_way_whether_partitioned_or_not(
     (whole,) = parse_request(sent, vision, fingerprint)
     assert [u.key for u in whole.units] == [u.key for u in partitioned.units]
     assert [u.per_frame for u in whole.units] == [u.per_frame for u in partitioned.units] == [True]
+
+
+def test_a_video_sent_whole_is_encoded_as_one_partition_spanning_it(
+    ckpt: Path, processor: Processor
+) -> None:
+    """A video of two temporal patches sent whole, and one partition spanning both (a
+    caller may send one), have one key: the cache held whichever came first, made frame by
+    frame or whole (partition review). Both are encoded frame by frame."""
+    clip = [np.full((64, 64, 3), 40 * k, np.uint8) for k in range(4)]  # 4 frames: 2 patches
+    prompt = processor.process(
+        [{"role": "user", "content": [{"type": "video", "video": clip, "fps": 2.0}]}]
+    )
+    assert prompt.settings is not None and prompt.grid_thw[0][0] == 2
+    fingerprint = prompt.settings.fingerprint()
+    vision = Qwen3VLConfig.from_file(ckpt).vision
+    sent = encode_request(job_of(prompt), [0], {}, codes=False).request
+    item = sent.items[0]
+    rows = tensor_from_ref(item.pixel_values)
+    grid = tuple(item.grid_thw)
+    whole_key = content_hash(fingerprint, "video", rows, grid)
+    del item.partitions[:]
+    item.content_hash = whole_key
+    (whole,) = parse_request(sent, vision, fingerprint)
+    item.partitions.add(
+        input_start=0,
+        input_end=rows.shape[0],
+        output_rows=rows.shape[0] // 4,
+        content_hash=whole_key,
+    )
+    item.content_hash = partitioned_content_hash(fingerprint, "video", rows, grid, [whole_key])
+    (spanning,) = parse_request(sent, vision, fingerprint)
+    assert [u.key for u in whole.units] == [u.key for u in spanning.units] == [whole_key]
+    assert [u.per_frame for u in whole.units] == [u.per_frame for u in spanning.units] == [True]
