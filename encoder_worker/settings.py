@@ -43,7 +43,10 @@ class EncoderSettings(ModelWorkerSettings):
     )
     max_batch_rows: int = setting(1 << 16, "patch rows per vision forward, at most")
     exact_partitions: bool = setting(
-        True, "encode partitioned items frame by frame so partition rows are bit-exact"
+        True,
+        "encode videos and partitioned items frame by frame so partition rows are bit-exact "
+        "however they are batched; off: partition keys are exact only where the kernels give "
+        "the same bits in any batch (docs/block-hash.md)",
     )
 
     def check(self) -> None:
