@@ -111,6 +111,7 @@ class Orchestrator:
         cache_aware: bool = True,
         overlap_prefill: bool = False,
         encoder_affinity_slack: int = 2,
+        kv_affinity_slack: int = 2,
         max_queued_requests: int = 512,
         max_queue_wait_s: float = 60.0,
         embedding_cache_bytes: int = 0,
@@ -122,7 +123,7 @@ class Orchestrator:
         self.stop = StopChecker(frozenset(processor.config.eos_token_ids))  # as the workers
         self.calls = WorkerCalls(registry, attempts, channels)
         self.prefix = PrefixIndex(channels)
-        self.routing = PrefillRouting(registry, self.prefix, cache_aware)
+        self.routing = PrefillRouting(registry, self.prefix, cache_aware, kv_affinity_slack)
         self.admission = Admission(
             registry,
             max_queued=max_queued_requests,

@@ -31,10 +31,13 @@ class PrefillRoute:
 class PrefillRouting:
     """Cache-aware choice of prefill workers (see the module docstring)."""
 
-    def __init__(self, registry: Registry, prefix: PrefixIndex, cache_aware: bool) -> None:
+    def __init__(
+        self, registry: Registry, prefix: PrefixIndex, cache_aware: bool, slack: int = 2
+    ) -> None:
         self.registry = registry
         self.prefix = prefix  # cached prefixes per prefill worker, from their KV events
         self.cache_aware = cache_aware  # False: no hashes, the least loaded worker
+        self.slack = slack  # requests beyond the least loaded a cached prefix may add
 
     def hashes(self, job: Job) -> list[bytes] | None:
         """The prompt's block hashes for cache-aware routing (None: not cache aware, or no
@@ -61,7 +64,7 @@ class PrefillRouting:
         """Admission's worker choice: prefill and decode each by cached prefix among the
         least loaded (when cache aware; else by load); never a worker in `exclude` (no
         room)."""
-        return Chooser(self.registry, self.prefix, hashes)
+        return Chooser(self.registry, self.prefix, hashes, self.slack)
 
     def route(
         self,
@@ -95,10 +98,17 @@ class Chooser:
     and the addresses to exclude. Every worker's cached prefix of `hashes` is looked up
     once, at the first call, and serves every later call (the other role, a retry)."""
 
-    def __init__(self, registry: Registry, prefix: PrefixIndex, hashes: list[bytes] | None):
+    def __init__(
+        self,
+        registry: Registry,
+        prefix: PrefixIndex,
+        hashes: list[bytes] | None,
+        slack: int = 2,
+    ):
         self.registry = registry
         self.prefix = prefix
         self.hashes = hashes  # None: by load alone
+        self.slack = slack  # `Registry.pick`'s
         self._prefixes: dict[str, int] | None = None
 
     def cached_blocks(self, worker: WorkerRecord) -> int:
@@ -112,4 +122,6 @@ class Chooser:
     def __call__(self, role: Role, exclude: frozenset[str]) -> WorkerRecord:
         if self.hashes is None:
             return self.registry.pick(role, exclude=exclude)
-        return self.registry.pick(role, exclude=exclude, affinity=self.cached_blocks)
+        return self.registry.pick(
+            role, exclude=exclude, affinity=self.cached_blocks, slack=self.slack
+        )

@@ -336,6 +336,7 @@ async def serve(
         cache_aware=settings.cache_aware_routing,
         overlap_prefill=settings.overlap_prefill,
         encoder_affinity_slack=settings.encoder_affinity_slack,
+        kv_affinity_slack=settings.kv_affinity_slack,
         reprefills=settings.kv_reprefills,
         migrations=settings.decode_migrations,
         max_queued_requests=settings.max_queued_requests,

@@ -77,6 +77,13 @@ class RouterSettings(ServerSettings):
         "its encoder cache hits) unless that encoder has more than this many requests beyond "
         "the least loaded one; 0: no affinity, each request to the least loaded encoder",
     )
+    kv_affinity_slack: int = setting(
+        2,
+        "send a request's prefill and its decode each to the worker caching the longest "
+        "prefix of its prompt among those with at most this many requests beyond the least "
+        "loaded one (with cache_aware_routing); 0: the least loaded, a cached prefix only "
+        "breaking ties",
+    )
     allow_special_tokens_in_text: bool = setting(
         False,
         "read special tokens typed in message text (e.g. <|im_start|>) as control tokens; "
@@ -286,6 +293,7 @@ class RouterSettings(ServerSettings):
             "embedding_cache_mb",
             "max_inline_embedding_mb",
             "encoder_affinity_slack",
+            "kv_affinity_slack",
             "decode_migrations",
             "kv_reprefills",
             "grace_s",  # ignored, but a number like the others

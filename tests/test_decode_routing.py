@@ -89,6 +89,14 @@ def test_decode_goes_to_the_longest_cached_prefix_among_the_least_loaded() -> No
         assert choose(Role.DECODE, frozenset()) is b
         with registry.using(b):
             assert choose(Role.DECODE, frozenset()) is a
+    # The slack is a setting (kv_affinity_slack): 4 keeps b at 3 beyond a; 0, a tie only.
+    wide = PrefillRouting(registry, prefix, cache_aware=True, slack=4).chooser(hashes)
+    narrow = PrefillRouting(registry, prefix, cache_aware=True, slack=0).chooser(hashes)
+    with registry.using(b):
+        assert narrow(Role.DECODE, frozenset()) is a
+        with registry.using(b), registry.using(b):
+            assert wide(Role.DECODE, frozenset()) is b
+    assert narrow(Role.DECODE, frozenset()) is b
     # Not cache aware (no hashes): by load alone, alternating between equals.
     by_load = PrefillRouting(registry, prefix, cache_aware=False).chooser(None)
     assert {by_load(Role.DECODE, frozenset()).address for _ in range(2)} == {a.address, b.address}
