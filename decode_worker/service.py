@@ -210,8 +210,17 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                             await asyncio.wrap_future(gone)
                         raise lease_lost(handle)
                     # Sent at once, so the caller learns that this worker has the KV (and
-                    # the lease is released) now, with the tokens stepped meanwhile.
-                    head = entry.ready() or Chunk([], None)
+                    # the lease is released) now, with the tokens stepped meanwhile; before
+                    # a step's failure too, or the caller would hand the released lease to
+                    # another worker and suspect its holder (kvimport review).
+                    try:
+                        head = entry.ready() or Chunk([], None)
+                    except DecodeStepError:
+                        yield decode_service_pb2.DecodeResponse(
+                            blocks_pulled=len(imported.plan.pull),
+                            blocks_reused=len(imported.plan.reused),
+                        )
+                        raise
                     finished = head.finish_reason is not None
                     logger.debug(
                         "request %s: checks and hashes %.1f ms, admit (%d blocks pulled, %d "

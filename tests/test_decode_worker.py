@@ -224,6 +224,51 @@ async def test_failed_decode_step_is_unavailable_and_the_worker_goes_on(
     await eventually(lambda: len(c.prefill.servicer.leases) == 0)
 
 
+async def test_a_step_failed_while_the_lease_is_confirmed_says_the_kv_was_taken_first(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that fails while the lease's release is confirmed ended the stream before its
+    first chunk: the router read the lease as still its own, handed it to another worker
+    (ABORTED kv.lease_id) and suspected the holder (kvimport review). The chunk saying the
+    KV was taken comes first."""
+    import asyncio
+
+    c = cluster
+    runner = c.decode.servicer.runner
+    peers = c.decode.servicer.importer.peers
+    confirm, go, failed = peers.confirm_release_kv, asyncio.Event(), list[bool]()
+
+    async def confirmed_late(*args: object) -> object:
+        answer = await confirm(*args)  # released on the holder
+        await go.wait()
+        return answer
+
+    def fails(seqs: list[LmSequence]) -> None:
+        failed.append(True)
+        raise MemoryError("no room to grow the running KV")
+
+    monkeypatch.setattr(peers, "confirm_release_kv", confirmed_late)
+    monkeypatch.setattr(runner, "decode_step", fails)
+    tokens, params = make_handoff(c.engine, TEXT)
+    reply = await run_prefill(c, tokens, params, GREEDY)
+    chunks: list[decode_service_pb2.DecodeResponse] = []
+
+    async def stream() -> None:
+        request = decode_request(tokens, params, GREEDY, reply)
+        async for chunk in c.decode_stub.Decode(request, timeout=60):
+            chunks.append(chunk)
+
+    streaming = asyncio.create_task(stream())
+    await eventually(lambda: bool(failed))
+    go.set()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await streaming
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(chunks) == 1 and chunks[0].blocks_pulled > 0 and not chunks[0].token_ids
+    await eventually(lambda: runner.allocator.pool.num_used_blocks == 0)
+    await eventually(lambda: len(c.prefill.servicer.leases) == 0)
+
+
 async def test_first_token_that_ends_the_answer_pulls_nothing(cluster: Cluster) -> None:
     c = cluster
     one = SamplingParams(max_tokens=1)
