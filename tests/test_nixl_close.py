@@ -124,3 +124,55 @@ def test_a_retry_due_as_the_handles_close_asks_nothing_after() -> None:
     assert parked.close() == 1 and asked == [1]
     parked.retry()
     assert asked == [1]
+
+
+class _RefuseOnce:
+    """NIXL refusing the first READ prepared (a stale snapshot of the holder)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner, self.refused = inner, False
+
+    def initialize_xfer(self, *args: Any) -> Any:
+        if not self.refused:
+            self.refused = True
+            raise RuntimeError("NIXL_ERR_NOT_FOUND (stale snapshot)")
+        return self._inner.initialize_xfer(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_read_refreshed_as_the_agent_closes_is_counted_or_refused(
+    reader: tuple[TransferAgent, str],
+    holder: tuple[Connection, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A READ refused once is not counted while its peer is refreshed: a close then counted
+    # none and let its memory go, and the READ was posted after (ownfix review).
+    agent, peer = reader
+    into = torch.zeros(4096, dtype=torch.uint8)
+    agent.register(into)
+    remote, local = _ranges(holder, into)
+    monkeypatch.setattr(agent._peers, "_agent", _RefuseOnce(agent._peers._agent))
+    counted, go_on, seen = threading.Event(), threading.Event(), list[int]()
+    reading, refresh = agent._peers.reading, agent._peers.refresh
+
+    def reading_then_wait() -> int:  # the close, paused once it has counted
+        seen.append(reading())
+        counted.set()
+        go_on.wait(10)
+        return seen[-1]
+
+    def closing_during_refresh(*args: Any, **kwargs: Any) -> Any:
+        threading.Thread(target=agent.close, daemon=True).start()
+        assert counted.wait(10)
+        return refresh(*args, **kwargs)
+
+    monkeypatch.setattr(agent._peers, "reading", reading_then_wait)
+    monkeypatch.setattr(agent._peers, "refresh", closing_during_refresh)
+    posted: list[Any] = []
+    monkeypatch.setattr(polling, "post_and_wait", lambda *args: posted.append(args))
+    with pytest.raises(RuntimeError, match="is closed"):
+        agent.read(peer, remote, local, timeout_s=10, peer_metadata=holder[1]["metadata"])
+    go_on.set()
+    assert seen == [0] and posted == []

@@ -307,6 +307,9 @@ class TransferAgent:
             handle = self._peers.prepare_read(
                 self._lock, local_descs, remote_descs, len(merged_r), peer, peer_metadata
             )
+            if self._closed:  # a refresh left it uncounted a while: `close` may not see it
+                handle.release()  # prepared, never posted (ownfix review)
+                self._check_open()
             run_read(
                 self._agent, self._parked, handle, peer, nbytes, timeout_s, started, parked.append
             )
