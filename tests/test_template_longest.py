@@ -43,3 +43,11 @@ def test_a_long_token_is_one_literal_not_a_group_a_character() -> None:
     tokens = {"<" + "x" * 5000 + ">", "<y>", "<" + "x" * 4000 + "z>"}
     text = "a" + "<" + "x" * 5000 + ">" + "<y><" + "x" * 4000 + "z>" + "<" + "x" * 4999
     assert re.split(f"({longest_of(tokens)})", text) == re.split(f"({flat(tokens)})", text)
+
+
+def test_tokens_nested_past_what_the_regex_compiler_takes_are_matched_flat() -> None:
+    # 600 tokens each a prefix of the next nest a group each: re.compile raised
+    # RecursionError (ownfix review); past a depth the flat alternation is used.
+    for tokens in ({"x" * i for i in range(1, 601)}, {"<" + "x" * i + "a" for i in range(600)}):
+        text = "y" + "x" * 700 + "<" + "x" * 300 + "a<xa"
+        assert re.split(f"({longest_of(tokens)})", text) == re.split(f"({flat(tokens)})", text)

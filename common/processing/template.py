@@ -329,18 +329,23 @@ def load_chat_template(folder: str | Path, tokenizer: Tokenizer) -> ChatTemplate
     return template
 
 
+# Groups nested deeper than this the regex compiler refuses (RecursionError near 500 in
+# Python 3.11), as Python would refuse `longest_of`'s own recursion.
+MAX_NESTING = 200
+
+
 def longest_of(strings: Iterable[str]) -> str:
     """A regex matching the longest of `strings` that starts where it is tried, as their
     alternation longest first does, but as a tree of their common prefixes: tried at every
     character of a user's text, the flat alternation compared each of a checkpoint's dozens
     of special tokens in turn, GIL held (1 MiB of "<" took 0.7 s; stalls review)."""
+    unique = {s for s in strings if s}
     tree: dict[str, Any] = {}
-    for string in strings:
-        if string:
-            node = tree
-            for char in string:
-                node = node.setdefault(char, {})
-            node[""] = {}  # a string ends here
+    for string in unique:
+        node = tree
+        for char in string:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a string ends here
 
     def pattern(node: dict[str, Any]) -> str:
         longer = [re.escape(c) + chain(child) for c, child in sorted(node.items()) if c]
@@ -359,4 +364,17 @@ def longest_of(strings: Iterable[str]) -> str:
             literal += re.escape(char)
         return literal + pattern(node)
 
+    def depth(node: dict[str, Any]) -> int:  # groups `pattern` nests along its deepest path
+        most, todo = 0, [(node, 0)]
+        while todo:
+            node, deep = todo.pop()
+            while len(node) == 1 and "" not in node:
+                node = next(iter(node.values()))
+            if node:
+                most = max(most, deep + 1)
+                todo.extend((child, deep + 1) for c, child in node.items() if c)
+        return most
+
+    if depth(tree) > MAX_NESTING:  # a checkpoint's odd tokens: the flat alternation, as slow
+        return "|".join(re.escape(s) for s in sorted(unique, key=len, reverse=True))
     return pattern(tree) or "(?!)"  # none: a regex that matches nothing
