@@ -87,9 +87,10 @@ def run_read(
         exc.cancelled = False
         raise
     except Exception as exc:
-        if not isinstance(exc, TransferError) and _unknown(exc):
-            # Its peer was unloaded here (the agent closes): it may still be writing, as
-            # after a timeout (ownfix review).
+        if (not isinstance(exc, TransferError) and _unknown(exc)) or not ended():
+            # Its peer was unloaded here (the agent closes), or it is still under way
+            # however it failed: it may still be writing, as after a timeout (ownfix and
+            # kvimport reviews).
             error = TransferTimeoutError(
                 f"READ of {nbytes} bytes from {peer!r} broke off ({exc}); kept until it ends",
                 cancelled=False,
