@@ -162,6 +162,8 @@ def _parse_item(
         raise MultimodalLayoutError("modality", f"unknown modality {item.modality}", i)
     if len(item.grid_thw) != 3:
         raise MultimodalLayoutError("grid_thw", f"expected 3 values, got {len(item.grid_thw)}", i)
+    if item.partitions and modality is not Modality.VIDEO:  # its key would be the whole's
+        raise MultimodalLayoutError("partitions", f"only a video's are; this is {modality}", i)
     t, h, w = (int(v) for v in item.grid_thw)
     merge = vision.spatial_merge_size
     if t < 1 or h < 1 or w < 1 or h % merge or w % merge:

@@ -188,10 +188,14 @@ class PrefixIndex:
                 # Only new hashes count (announced again: none), in the event's own time: a
                 # copy of `cached` per event made a 36-byte event cost 0.13 s at the bound,
                 # and a registered worker held the loop 26 s with 8 KB (s35 routing review).
-                if len(event.block_hashes) > MAX_HASHES_PER_WORKER or (
-                    len(cached) + len(event.block_hashes) > MAX_HASHES_PER_WORKER
-                    and len(cached) + len(set(event.block_hashes).difference(cached))
-                    > MAX_HASHES_PER_WORKER
+                stored = (
+                    [h for h in event.block_hashes if len(h) == HASH_BYTES]
+                    if len(event.block_hashes) <= MAX_HASHES_PER_WORKER
+                    else None  # past the bound alone: not even listed
+                )
+                if stored is None or (
+                    len(cached) + len(stored) > MAX_HASHES_PER_WORKER
+                    and len(cached) + len(set(stored).difference(cached)) > MAX_HASHES_PER_WORKER
                 ):
                     logger.warning(
                         "KV worker %s announced over %d cached blocks; its hints are dropped",
@@ -200,7 +204,6 @@ class PrefixIndex:
                     )
                     self._reset(address)
                     return
-                stored = [h for h in event.block_hashes if len(h) == HASH_BYTES]
                 cached.update(stored)
                 for h in stored:
                     holders[h] = holders.get(h, 0) | bit

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from common.models.qwen3_vl.config import Qwen3VLConfig
+from common.multimodal.validation import MultimodalLayoutError
 from common.processing.content_hash import content_hash, partitioned_content_hash
 from common.processing.image import patch_values
 from common.processing.processor import ProcessedPrompt, Processor
@@ -248,3 +249,26 @@ def test_a_video_sent_whole_is_encoded_as_one_partition_spanning_it(
     (spanning,) = parse_request(sent, vision, fingerprint)
     assert [u.key for u in whole.units] == [u.key for u in spanning.units] == [whole_key]
     assert [u.per_frame for u in whole.units] == [u.per_frame for u in spanning.units] == [True]
+
+
+def test_an_image_sent_with_partitions_is_refused(ckpt: Path, processor: Processor) -> None:
+    """One partition spanning an image has the image's key, and was encoded frame by frame
+    where the image whole is not: the cache held whichever came first (ownfix review).
+    Only a video's items are partitioned."""
+    pixels = np.full((64, 64, 3), 90, np.uint8)
+    prompt = processor.process([{"role": "user", "content": [{"type": "image", "image": pixels}]}])
+    assert prompt.settings is not None
+    fingerprint = prompt.settings.fingerprint()
+    vision = Qwen3VLConfig.from_file(ckpt).vision
+    sent = encode_request(job_of(prompt), [0], {}, codes=False).request
+    item = sent.items[0]
+    rows = tensor_from_ref(item.pixel_values)
+    item.partitions.add(
+        input_start=0,
+        input_end=rows.shape[0],
+        output_rows=rows.shape[0] // 4,
+        content_hash=item.content_hash,
+    )
+    with pytest.raises(MultimodalLayoutError) as refused:
+        parse_request(sent, vision, fingerprint)
+    assert refused.value.field == "partitions"

@@ -289,6 +289,11 @@ def test_a_webp_decoder_counts_once_and_is_let_go_once_decoded() -> None:
     assert budget.total == 32 * 24 * (5 * 4 + 12)
     loaded = load_image(frames[0], "f")
     assert getattr(loaded, "_decoder", None) is None and loaded.getpixel((1, 1)) == (0, 0, 0)
+    # Decoded by the processor (its cache let the image go after the router's check), too:
+    # it is turned and made RGB after, counted as the decoder gone (ownfix review).
+    from common.processing.image import load_image as processor_load
+
+    assert getattr(processor_load(encoded("RGB", "WEBP")), "_decoder", None) is None
 
 
 @pytest.mark.parametrize(

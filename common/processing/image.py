@@ -76,6 +76,7 @@ def load_image(source: ImageSource | Any) -> Image.Image:
     else:
         raise TypeError(f"unsupported image source {type(source).__name__}")
     image.load()
+    release_decoder(image)  # before it is turned and made RGB (`bytes_per_pixel`)
     return image
 
 
