@@ -48,7 +48,7 @@ from common.processing.limits import (
 )
 from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
 from common.processing.video_cache import frames_to_decode
-from common.processing.video_file import VideoFile, open_video
+from common.processing.video_file import DECODER_BYTES_PER_PIXEL, VideoFile, open_video
 from epd.v1 import router_service_pb2
 from router.media_cost import MediaCost
 
@@ -379,6 +379,8 @@ class _Reader:
                 self.budget.add(header.width, header.height, field)
             # The frames it gives: one per sample time, at the rate it was sampled at.
             self.cost.video(len(header.sample_times), fps, header.width, header.height, field)
+            # And while it decodes, what FFmpeg holds (gone before it is processed).
+            self.budget.add(header.width, header.height, field, 0, DECODER_BYTES_PER_PIXEL)
         except LimitError as exc:
             raise InputError(exc.field, exc.reason) from None
         return pending

@@ -24,8 +24,12 @@ from __future__ import annotations
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import smart_resize
-from common.processing.limits import InputLimits, LimitError, MediaBudget
+from common.processing.limits import DECODED_BYTES_PER_PIXEL, InputLimits, LimitError, MediaBudget
 from common.processing.video import plan_video
+
+# What resizing one image or frame takes for a while, a resized pixel: the resized image
+# (4) and its pixels as an array (3).
+RESIZED_BYTES_PER_PIXEL = 7
 
 
 class MediaCost:
@@ -49,6 +53,8 @@ class MediaCost:
             height, width, factor=s.factor, min_pixels=s.min_pixels, max_pixels=s.max_pixels
         )
         self._add(h, w, 1, field)
+        # Beside what making it RGB left (its own transient, `MediaBudget.add`).
+        self.budget.briefly(RESIZED_BYTES_PER_PIXEL * h * w, field)
 
     def video(self, frames: int, fps: float, width: int, height: int, field: str) -> None:
         """Count one video of `frames` frames (given, or its header's sample times) of
@@ -62,6 +68,11 @@ class MediaCost:
         except ValueError as exc:  # a frame shape the video resize refuses
             raise LimitError(field, str(exc)) from None
         self._add(*plan.size, len(plan.padded) // s.temporal_patch_size, field)
+        # Its resized frames, stacked (3 bytes a pixel), and one frame at a time made an
+        # image (of a decoded file's array), RGB and resized.
+        h, w = plan.size
+        one = DECODED_BYTES_PER_PIXEL * width * height + RESIZED_BYTES_PER_PIXEL * h * w
+        self.budget.briefly(len(plan.indices) * h * w * 3 + one, field)
 
     def _add(self, height: int, width: int, steps: int, field: str) -> None:
         """`steps` temporal patches of `height` x `width` resized pixels."""

@@ -106,11 +106,12 @@ class RouterSettings(ServerSettings):
     max_video_frames: int = setting(768, "most frames one video may send")
     max_media_bytes: int = setting(
         512 << 20,
-        "most bytes one request's media may take: decoded pixels (4 per pixel; an image's "
-        "at the peak of decoding it: 2 more a band for a progressive JPEG, 4 more for each "
-        "copy conversion makes and for an EXIF turn; and once, the largest WebP's decoder, "
-        "12 a pixel) and the patch codes processing makes of them, summed over all images "
-        "and frames, from their headers before any is decoded",
+        "most bytes one request's media may take: decoded pixels (4 per pixel) and the patch "
+        "codes processing makes of them, summed over all images and frames, and once the "
+        "most one image takes beside those for a while (a progressive JPEG's coefficients, "
+        "2 a band, or WebP's decoder, 12 a pixel, while it decodes; its EXIF turn and RGB "
+        "copies, 4 a pixel each, and its resized copies, 7 a resized pixel, while it is "
+        "processed), from their headers before any is decoded",
     )
     max_video_file_bytes: int = setting(
         256 << 20, "most bytes of one video file (mp4, webm, mkv), checked before it is opened"

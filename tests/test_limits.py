@@ -224,13 +224,14 @@ def test_video_frames_boundary(prepare: Callable[..., Prepare]) -> None:
 
 def test_media_bytes_boundary(prepare: Callable[..., Prepare], processor: Processor) -> None:
     # The request's media bytes: their decoded pixels, and the patch codes processing will
-    # make of them (`router.media_cost`), both from headers.
+    # make of them (`router.media_cost`) with what processing takes for a while, all from
+    # headers.
     one = 32 * 32 * 4
     processed = MediaCost(processor.settings, InputLimits(), MediaBudget(InputLimits()))
     processed.image(32, 32, "image")
-    image_only = one + processed.budget.used
+    image_only = one + processed.budget.total
     processed.video(2, 2.0, 32, 32, "video")
-    limit = 3 * one + processed.budget.used
+    limit = 3 * one + processed.budget.total
     chat = request(image(png(32, 32)), video([png(32, 32, 1), png(32, 32, 2)]))
     prepare(max_media_bytes=limit)(chat)
     err = refused(prepare(max_media_bytes=limit - 1), chat)

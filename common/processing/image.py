@@ -204,7 +204,9 @@ def patch_codes(
     `(grid_t, grid_h, grid_w)`.
 
     T is padded to a multiple of `temporal_patch_size` by repeating the last frame (an image
-    becomes `temporal_patch_size` identical frames).
+    becomes `temporal_patch_size` identical frames). Each time slot of the codes is written
+    from a view of its frames: the padded frames are never made (an image's were twice its
+    resized pixels, beside them and the codes).
     """
     tp, p, m = settings.temporal_patch_size, settings.patch_size, settings.merge_size
     t, h, w, c = frames.shape
@@ -212,13 +214,16 @@ def patch_codes(
         raise ValueError(f"frames have {c} channels, the settings {len(settings.image_mean)}")
     if h % (p * m) or w % (p * m):
         raise ValueError(f"frame size {h}x{w} is not a multiple of {p * m}")
-    if pad := -t % tp:
-        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-        t += pad
-    gt, gh, gw = t // tp, h // p, w // p
-    blocks = frames.reshape(gt, tp, gh // m, m, p, gw // m, m, p, c)
-    # -> (gt, block_row, block_col, in_row, in_col, channel, time, pixel_row, pixel_col)
-    ordered = np.ascontiguousarray(blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7))
+    gt, gh, gw = -(-t // tp), h // p, w // p
+    # (gt, block_row, block_col, in_row, in_col, channel, time, pixel_row, pixel_col)
+    ordered = np.empty((gt, gh // m, gw // m, m, m, c, tp, p, p), dtype=frames.dtype)
+    for k in range(tp):
+        slot = frames[k::tp]  # time slot k of each patch that has it; the last frame after
+        for start, chosen in ((0, slot), (len(slot), frames[-1:])):
+            n = len(chosen) if start == 0 else gt - start
+            if n:
+                blocks = chosen[:n].reshape(n, gh // m, m, p, gw // m, m, p, c)
+                ordered[start : start + n, ..., k, :, :] = blocks.transpose(0, 1, 4, 2, 5, 7, 3, 6)
     return ordered.reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
 
 
@@ -306,4 +311,5 @@ def preprocess_image(
         max_pixels=settings.max_pixels,
     )
     pixels = resize_rgb(image, new_h, new_w)
+    del image  # an RGB copy made of it: not held beside the codes
     return patch_codes(pixels[None], settings)

@@ -106,6 +106,7 @@ class MediaBudget:
         self.limit = limits.max_media_bytes
         self.used = 0  # bytes of the items added so far
         self.transient = 0  # the most one item takes for a while, beside what is kept
+        self._item = 0  # what the item added last takes for a while (`add`)
 
     @property
     def total(self) -> int:
@@ -125,8 +126,15 @@ class MediaBudget:
         `transient_per_pixel` more for a while (an image's:
         `common.processing.image.bytes_per_pixel`); refuse when the request's total
         passes the limit."""
-        self.transient = max(self.transient, width * height * transient_per_pixel)
+        self._item = width * height * transient_per_pixel
+        self.transient = max(self.transient, self._item)
         self.add_bytes(width * height * per_pixel, field)
+
+    def briefly(self, nbytes: int, field: str) -> None:
+        """Count `nbytes` more that the item added last takes for a while (while it is
+        processed: `router.media_cost`); refuse when the request's total passes the limit."""
+        self.transient = max(self.transient, self._item + nbytes)
+        self.add_bytes(0, field)
 
     def add_bytes(self, nbytes: int, field: str) -> None:
         """Count `nbytes` more of the request's media (what processing them will make, say);

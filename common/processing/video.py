@@ -19,7 +19,7 @@ with torchvision, so resized video pixels may differ from it in the last bits).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,16 +164,38 @@ def smart_resize_video(
     return h_bar, w_bar
 
 
-def _frames_as_images(frames: Any) -> list[Image.Image]:
-    if isinstance(frames, TimedFrames):
-        frames = frames.frames
-    if isinstance(frames, np.ndarray):
-        if frames.ndim != 4 or frames.shape[-1] not in (1, 3, 4):
-            raise ValueError(f"video array must be (T, H, W, C), got {frames.shape}")
-        return [load_image(np.ascontiguousarray(f, dtype=np.uint8)) for f in frames]
-    if isinstance(frames, Sequence) and not isinstance(frames, str | bytes):
-        return [load_image(f) for f in frames]
-    raise TypeError(f"video must be a list of frames or a (T, H, W, C) array, got {type(frames)}")
+class _Frames:
+    """A video's frames as images, each made when asked for: of an array, only the frames
+    sampled are made images, one at a time (all of them at once held the video twice more
+    beside the array; ownfix review)."""
+
+    def __init__(self, frames: Any) -> None:
+        if isinstance(frames, TimedFrames):
+            frames = frames.frames
+        if isinstance(frames, np.ndarray):
+            if frames.ndim != 4 or frames.shape[-1] not in (1, 3, 4):
+                raise ValueError(f"video array must be (T, H, W, C), got {frames.shape}")
+        elif isinstance(frames, Sequence) and not isinstance(frames, str | bytes):
+            frames = [load_image(f) for f in frames]
+        else:
+            raise TypeError(
+                f"video must be a list of frames or a (T, H, W, C) array, got {type(frames)}"
+            )
+        self._frames = frames
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def size(self, i: int) -> tuple[int, int]:
+        """Frame `i`'s (width, height)."""
+        frame = self._frames[i]
+        return (frame.shape[1], frame.shape[0]) if isinstance(frame, np.ndarray) else frame.size
+
+    def __getitem__(self, i: int) -> Image.Image:
+        frame = self._frames[i]
+        if isinstance(frame, np.ndarray):
+            return load_image(np.ascontiguousarray(frame, dtype=np.uint8))
+        return frame
 
 
 def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> ProcessedVideo:
@@ -184,21 +206,33 @@ def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> Pr
     if isinstance(frames, TimedFrames):
         fps, frame_times = frames.fps, frames.times
     check_fps(fps)
-    images = _frames_as_images(frames)
+    images = _Frames(frames)
     indices = sample_frame_indices(len(images), fps, settings)
-    sizes = {images[i].size for i in indices}
+    sizes = {images.size(i) for i in indices}
     if len(sizes) != 1:
         raise ValueError(f"video frames differ in size: {sorted(sizes)}")
     ((width, height),) = sizes
     plan = plan_video(len(images), fps, width, height, settings)
-    pixels = resized_frames([images[i] for i in plan.indices], plan.size)
+    pixels = resized_frames((images[i] for i in plan.indices), plan.size, len(plan.indices))
     patches, grid = patch_codes(pixels, settings)
     return ProcessedVideo(patches, grid, video_timestamps(plan, fps, settings, frame_times))
 
 
-def resized_frames(images: Sequence[Image.Image], size: tuple[int, int]) -> ByteArray:
-    """Frames as RGB, resized to `size` `(height, width)`, stacked `(T, H, W, 3)` uint8."""
-    return np.stack([resize_rgb(to_rgb(im), size[0], size[1]) for im in images])
+def resized_frames(
+    images: Sequence[Image.Image] | Iterable[Image.Image],
+    size: tuple[int, int],
+    count: int | None = None,
+) -> ByteArray:
+    """Frames as RGB, resized to `size` `(height, width)`, stacked `(T, H, W, 3)` uint8, in
+    place (no list of them beside the stack); `count`: how many `images` gives, where it
+    is no sequence (made one at a time)."""
+    if count is None:
+        assert isinstance(images, Sequence)
+        count = len(images)
+    out = np.empty((count, size[0], size[1], 3), dtype=np.uint8)
+    for k, image in enumerate(images):
+        out[k] = resize_rgb(to_rgb(image), size[0], size[1])
+    return out
 
 
 def video_timestamps(
