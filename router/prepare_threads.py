@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from common.models.malloc_settings import MEDIA, tune_malloc
 from epd.v1 import router_service_pb2
 
 T = TypeVar("T")
@@ -60,6 +61,7 @@ class PrepareThreads:
     """The `heavy` and `light` pools (module docstring); `tenant_share` 1: no share."""
 
     def __init__(self, tenant_share: float = 1.0, threads: int | None = None) -> None:
+        tune_malloc(MEDIA)  # freed media go back to the kernel (before the threads' arenas)
         self.threads = threads or heavy_threads()
         self.pools = {
             "heavy": ThreadPoolExecutor(self.threads, thread_name_prefix="epd-prepare"),
