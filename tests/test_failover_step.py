@@ -1,0 +1,53 @@
+"""A decode step that fails after the worker said it took the KV (its first chunk): the router
+prefills again and goes on on a decode worker with a fresh lease; it never hands the lease
+the failing worker took to another, nor suspects the prefill worker that held it (kvimport
+review: a step failing while the lease's release was confirmed ended the stream before that
+chunk, and the router did both)."""
+
+from __future__ import annotations
+
+import grpc
+
+from common.errors import DECODE_STEP_FAILED
+from common.roles import Role
+from common.sampling import SamplingParams
+from epd.v1 import decode_service_pb2
+from tests.test_failover_router import BreakingDecode, cluster
+from tests.test_router import FIRST, TEXT, FakeEncoder, FakePrefill, ckpt
+
+__all__ = ["ckpt", "cluster"]  # fixtures
+
+
+class TakenThenStepFailingDecode(BreakingDecode):
+    """A decode worker whose stream, the first of those `failed` is shared by, says it took
+    the KV, then fails its step."""
+
+    def __init__(self, failed: list[str]) -> None:
+        super().__init__(None)
+        self.failed = failed  # lease ids of the streams failed
+
+    async def Decode(self, request, context):
+        if not self.failed:
+            self.requests.append(request)
+            self.failed.append(request.kv.lease_id)
+            yield decode_service_pb2.DecodeResponse(blocks_pulled=3)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{DECODE_STEP_FAILED}: x")
+        async for response in super().Decode(request, context):
+            yield response
+
+
+async def test_a_step_failed_after_the_kv_was_taken_prefills_again(cluster) -> None:
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    prefill = FakePrefill()
+    await cluster.add(Role.PREFILL, prefill)
+    failed: list[str] = []
+    workers = [TakenThenStepFailingDecode(failed) for _ in range(2)]
+    for worker in workers:
+        await cluster.add(Role.DECODE, worker)
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=10), timeout_s=20)
+    assert result.token_ids == [FIRST, *range(101, 110)]
+    leases = [r.kv.lease_id for w in workers for r in w.requests]
+    assert len(failed) == 1 and len(prefill.requests) == 2
+    assert len(leases) == 2 and len(set(leases)) == 2  # the taken lease not handed on
+    (holder,) = cluster.router.orchestrator.registry.workers(Role.PREFILL)
+    assert not holder.suspect
