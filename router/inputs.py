@@ -48,7 +48,7 @@ from common.processing.limits import (
 )
 from common.processing.messages import ImagePart, Message, Part, TextPart, VideoPart
 from common.processing.video_cache import frames_to_decode
-from common.processing.video_file import DECODER_BYTES_PER_PIXEL, VideoFile, open_video
+from common.processing.video_file import VideoFile, open_video
 from epd.v1 import router_service_pb2
 from router.media_cost import MediaCost
 
@@ -373,14 +373,8 @@ class _Reader:
             raise InputError(exc.field, exc.reason) from None
         pending = _FileVideo(opened, _uuid(video, f"{where}.video.uuid"))
         self.files.append(pending)
-        header = opened.header
         try:
-            for _ in header.sample_times:
-                self.budget.add(header.width, header.height, field)
-            # The frames it gives: one per sample time, at the rate it was sampled at.
-            self.cost.video(len(header.sample_times), fps, header.width, header.height, field)
-            # And while it decodes, what FFmpeg holds (gone before it is processed).
-            self.budget.add(header.width, header.height, field, 0, DECODER_BYTES_PER_PIXEL)
+            self.cost.video_file(opened.header, fps, field)
         except LimitError as exc:
             raise InputError(exc.field, exc.reason) from None
         return pending

@@ -26,6 +26,11 @@ from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import smart_resize
 from common.processing.limits import DECODED_BYTES_PER_PIXEL, InputLimits, LimitError, MediaBudget
 from common.processing.video import plan_video
+from common.processing.video_file import (
+    DECODER_BYTES_PER_PIXEL,
+    FRAME_BYTES_PER_PIXEL,
+    VideoHeader,
+)
 
 # What resizing one image or frame takes for a while, a resized pixel: the resized image
 # (4) and its pixels as an array (3).
@@ -56,10 +61,13 @@ class MediaCost:
         # Beside what making it RGB left (its own transient, `MediaBudget.add`).
         self.budget.briefly(RESIZED_BYTES_PER_PIXEL * h * w, field)
 
-    def video(self, frames: int, fps: float, width: int, height: int, field: str) -> None:
+    def video(
+        self, frames: int, fps: float, width: int, height: int, field: str, alone: bool = False
+    ) -> None:
         """Count one video of `frames` frames (given, or its header's sample times) of
-        `width` x `height` at `fps`; `LimitError` naming `field` as for `image`, or for a
-        frame shape the processor would refuse."""
+        `width` x `height` at `fps`, processed beside what its last frame took for a while
+        (frames given as images) or `alone` (a file's); `LimitError` naming `field` as for
+        `image`, or for a frame shape the processor would refuse."""
         s = self.settings
         if s is None:
             return
@@ -72,7 +80,16 @@ class MediaCost:
         # image (of a decoded file's array), RGB and resized.
         h, w = plan.size
         one = DECODED_BYTES_PER_PIXEL * width * height + RESIZED_BYTES_PER_PIXEL * h * w
-        self.budget.briefly(len(plan.indices) * h * w * 3 + one, field)
+        self.budget.briefly(len(plan.indices) * h * w * 3 + one, field, alone)
+
+    def video_file(self, header: VideoHeader, fps: float, field: str) -> None:
+        """Count a video file from its header, sampled at `fps`: a decoded frame (RGB) a
+        sample time, what FFmpeg holds while it decodes (gone before it is processed), and
+        the frames as `video` counts them, at the rate they were sampled at."""
+        width, height, count = header.width, header.height, len(header.sample_times)
+        self.budget.add_bytes(count * width * height * FRAME_BYTES_PER_PIXEL, field)
+        self.budget.briefly(width * height * DECODER_BYTES_PER_PIXEL, field, alone=True)
+        self.video(count, fps, width, height, field, alone=True)
 
     def _add(self, height: int, width: int, steps: int, field: str) -> None:
         """`steps` temporal patches of `height` x `width` resized pixels."""

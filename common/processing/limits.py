@@ -130,10 +130,11 @@ class MediaBudget:
         self.transient = max(self.transient, self._item)
         self.add_bytes(width * height * per_pixel, field)
 
-    def briefly(self, nbytes: int, field: str) -> None:
+    def briefly(self, nbytes: int, field: str, alone: bool = False) -> None:
         """Count `nbytes` more that the item added last takes for a while (while it is
-        processed: `router.media_cost`); refuse when the request's total passes the limit."""
-        self.transient = max(self.transient, self._item + nbytes)
+        processed: `router.media_cost`), or that an item takes `alone` (nothing else of it
+        held then); refuse when the request's total passes the limit."""
+        self.transient = max(self.transient, nbytes if alone else self._item + nbytes)
         self.add_bytes(0, field)
 
     def add_bytes(self, nbytes: int, field: str) -> None:

@@ -61,9 +61,11 @@ _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 # frames of every stream before any limit is checked (20 streams of 8192x8192 in a 4 MB
 # file: 25 s and 6 GB), and a file may hold at most `MAX_STREAMS` streams.
 MAX_STREAMS = MAX_TRACKS
-# What FFmpeg holds while a file decodes (reference and output frames, in YUV), a pixel of
-# one frame: 14.4 MB measured for a 1280x720 H.264 file, ~16 bytes a pixel.
-DECODER_BYTES_PER_PIXEL = 16
+# A kept frame's pixels (RGB, 3 bytes each), and what FFmpeg and the conversion to RGB hold
+# while a file decodes, a pixel of one frame: 43-45 bytes measured for a 1080p H.264 file
+# alone, 30-32 for a 720p one, ~70 for that 720p one read and processed by a router.
+FRAME_BYTES_PER_PIXEL = 3
+DECODER_BYTES_PER_PIXEL = 64
 
 _OPEN_OPTIONS = {
     "probesize": "32",
@@ -190,7 +192,7 @@ class VideoFile:
                 continue
             pixels = _upright(frame)
             if frames is None:
-                frames = np.empty((len(targets), *pixels.shape), dtype=np.uint8)
+                frames = self._frames_for(len(targets), pixels.shape)
             elif pixels.shape != frames.shape[1:]:
                 raise VideoFileError(self.field, "turns its frames differently as it plays")
             frames[len(times)] = pixels
@@ -204,6 +206,16 @@ class VideoFile:
         if frames is None:
             raise VideoFileError(self.field, "has no decodable frames")
         return TimedFrames(frames[: len(times)], tuple(times), self._rate(len(times)))
+
+    def _frames_for(self, count: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Room for `count` frames of `shape`, or `VideoFileError` where there is none
+        (a caller with no media budget, a host that does not overcommit memory)."""
+        try:
+            return np.empty((count, *shape), dtype=np.uint8)
+        except MemoryError:
+            raise VideoFileError(
+                self.field, f"decodes to {count} frames of {shape}: more than fits in memory here"
+            ) from None
 
     def _rate(self, kept: int) -> float:
         """The rate `kept` frames stand for: the asked `fps` when each of its sample times
