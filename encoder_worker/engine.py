@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.models.malloc_settings import tune_malloc
+from common.models.malloc_settings import tune_malloc, wait_or_release
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.models.qwen3_vl.vision import VisionTower
 from common.processing.image import as_patch_values
@@ -293,8 +293,11 @@ class EncoderEngine:
             self._task = asyncio.create_task(self._batch_loop(), name="epd-encoder-batcher")
 
     async def _batch_loop(self) -> None:
+        ran = False  # a batch ran since freed memory was last given back (idle)
         while True:
-            await self._wakeup.wait()
+            if not await wait_or_release(self._wakeup, ran):
+                ran = False
+                continue
             self._wakeup.clear()
             if not self._queue:
                 continue
@@ -311,12 +314,10 @@ class EncoderEngine:
                 self._fail(batch, exc)
             else:
                 self._complete(batch, segments)
-                logger.debug(
-                    "encoded %d requests in %.1f ms",
-                    len(batch),
-                    1e3 * (time.perf_counter() - started),
-                )
+                took_ms = 1e3 * (time.perf_counter() - started)
+                logger.debug("encoded %d requests in %.1f ms", len(batch), took_ms)
             self._running = []
+            ran = True
             if self._queue:
                 self._wakeup.set()
 

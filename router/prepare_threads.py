@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from common.models.malloc_settings import MEDIA, tune_malloc
+from common.models.malloc_settings import IDLE_RELEASE_S, MEDIA, release_free_memory, tune_malloc
 from epd.v1 import router_service_pb2
 
 T = TypeVar("T")
@@ -76,6 +76,7 @@ class PrepareThreads:
         self._of: dict[tuple[str, str], _TenantThreads] = {}
         # Work on each pool's threads or queued for them (`epd:prepare_pending`).
         self.pending = {"heavy": 0, "light": 0}
+        self._idle: asyncio.TimerHandle | None = None  # `heavy` idle: memory given back then
 
     async def run(self, heavy: bool, tenant: str | None, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` on a thread of `heavy` or of `light`, within `tenant`'s share of it,
@@ -101,6 +102,10 @@ class PrepareThreads:
         def done(_: object) -> None:
             self.pending[pool] -= 1
             release()
+            if pool == "heavy" and not self.pending[pool]:
+                if self._idle is not None:
+                    self._idle.cancel()
+                self._idle = loop.call_later(IDLE_RELEASE_S, self._release_if_idle, loop)
 
         def finished(_: object) -> None:
             with contextlib.suppress(RuntimeError):  # the loop closed first (process exit)
@@ -108,6 +113,13 @@ class PrepareThreads:
 
         work.add_done_callback(finished)
         return await asyncio.wrap_future(work)
+
+    def _release_if_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """What media requests freed, given back once `heavy` stayed idle a while: the heap's
+        holes under what lives on are kept by malloc's own trim (`release_free_memory`)."""
+        self._idle = None
+        if not self.pending["heavy"]:
+            loop.run_in_executor(None, release_free_memory)
 
     def busy(self, tenant: str, pool: str = "heavy") -> int:
         """Threads of `pool` that `tenant`'s work holds now (with a share; else 0)."""
@@ -145,6 +157,8 @@ class PrepareThreads:
 
     async def close(self) -> None:
         """Stop both pools; work not started is dropped, work running finishes alone."""
+        if self._idle is not None:
+            self._idle.cancel()
         for pool in self.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
 

@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 
 from common.models.malloc_settings import tune_malloc
+from common.models.qwen3_vl.vision import VisionTower
+from common.processing.processor import Processor
 from encoder_worker import engine as encoder_engine
 from encoder_worker.cache import EncoderCache
 from encoder_worker.server import load_tower
 from encoder_worker.settings import EncoderSettings
+from tests.test_encoder_engine import tower
+
+__all__ = ["tower"]  # a fixture
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
@@ -151,3 +156,63 @@ def test_a_router_gives_back_what_a_burst_of_photos_took(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     kept, reserved = (int(v) for v in done.stdout.split())
     assert kept < 0.25 * reserved, (kept, reserved)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_forwards_win_over_media_in_a_process_that_runs_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Tests run routers and model runners in one process: whichever came first stayed, so
+    # forwards ran 10-15% slower under MEDIA, and tune_malloc said True (ownfix review).
+    from common.models import malloc_settings
+    from common.models.malloc_settings import FORWARDS, MEDIA
+
+    monkeypatch.setattr(malloc_settings, "_tuned", None)
+    assert tune_malloc(MEDIA)
+    assert tune_malloc(FORWARDS) and malloc_settings._tuned == FORWARDS
+    assert not tune_malloc(MEDIA) and malloc_settings._tuned == FORWARDS
+    assert tune_malloc()
+
+
+async def test_the_preparing_threads_give_memory_back_once_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    from router import prepare_threads
+
+    released: list[None] = []
+    monkeypatch.setattr(prepare_threads, "release_free_memory", lambda: released.append(None))
+    monkeypatch.setattr(prepare_threads, "IDLE_RELEASE_S", 0.05)
+    threads = prepare_threads.PrepareThreads()
+    try:
+        await threads.run(False, None, sum, [1, 2])  # light work frees no media
+        await asyncio.sleep(0.3)
+        assert released == []
+        await threads.run(True, None, sum, [1, 2])
+        await asyncio.sleep(0.3)
+        assert len(released) == 1
+    finally:
+        await threads.close()
+
+
+async def test_memory_is_given_back_once_the_encoder_is_idle(
+    processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    # The cache's entries, which live on, pin the heap's holes a burst's batches freed: an
+    # encoder rested 0.9-1.0 GB beyond its cache after bursts (workermem review).
+    from common.models import malloc_settings
+    from tests.test_encoder_engine import make_engine, shape_jobs
+
+    released: list[None] = []
+    monkeypatch.setattr(malloc_settings, "release_free_memory", lambda: released.append(None))
+    monkeypatch.setattr(malloc_settings, "IDLE_RELEASE_S", 0.05)
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.0)
+    await asyncio.sleep(0.2)
+    assert released == []  # nothing ran: nothing to give back
+    await engine.encode(shape_jobs(processor, "contiguous", 2))
+    await asyncio.sleep(0.3)
+    assert len(released) == 1  # once a batch ran and it stayed idle, not again while idle
+    await engine.close()
