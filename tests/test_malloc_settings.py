@@ -91,8 +91,7 @@ def test_threads_share_few_malloc_arenas(tmp_path: Path) -> None:
 
 
 REST_SCRIPT = """
-import io
-from concurrent.futures import ThreadPoolExecutor
+import asyncio, io
 import numpy as np
 from PIL import Image
 from common.models.tiny import default_checkpoint
@@ -102,7 +101,7 @@ from epd.v1 import router_service_pb2
 from router.inputs import messages_from_proto
 from router.prepare_threads import PrepareThreads
 
-PrepareThreads()  # as a router starts
+threads = PrepareThreads()  # as a router starts
 processor = Processor.from_pretrained(default_checkpoint("tiny"))
 rng = np.random.default_rng(0)
 photos = []
@@ -127,12 +126,16 @@ def answer(k):
     processor.process(messages_from_proto(request.messages, limits, reserve=reserved.append))
     return reserved[0]
 
-answer(0)
-start = resident()
-with ThreadPoolExecutor(6) as pool:
-    for _ in range(3):  # bursts of six requests of four photos
-        reserved = sum(pool.map(answer, range(6)))
-print(resident() - start, reserved)
+async def main():
+    answer(0)
+    start = resident()
+    for _ in range(3):  # bursts of six requests of four photos, on the router's threads
+        runs = [threads.run(True, None, answer, k) for k in range(6)]
+        reserved = sum(await asyncio.gather(*runs))
+    await asyncio.sleep(1.0)  # idle: what they freed is given back
+    print(resident() - start, reserved)
+
+asyncio.run(main())
 """
 
 
@@ -140,7 +143,7 @@ print(resident() - start, reserved)
 def test_a_router_gives_back_what_a_burst_of_photos_took(tmp_path: Path) -> None:
     # Under glibc's adaptive mmap threshold a router kept 0.6-1.4 GB after bursts of photos
     # (here 323 MB after one of 302 MB reserved), and peaked at twice its in-flight bound
-    # above idle (burstmem review). With the MEDIA profile: 3 MB.
+    # above idle (burstmem review). With the MEDIA profile and the trim once idle: ~0.
     import subprocess
     import sys
 
