@@ -26,11 +26,7 @@ from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import smart_resize
 from common.processing.limits import DECODED_BYTES_PER_PIXEL, InputLimits, LimitError, MediaBudget
 from common.processing.video import plan_video
-from common.processing.video_file import (
-    DECODER_BYTES_PER_PIXEL,
-    FRAME_BYTES_PER_PIXEL,
-    VideoHeader,
-)
+from common.processing.video_file import FRAME_BYTES_PER_PIXEL, VideoHeader, decoder_bytes
 
 # What resizing one image or frame takes for a while, a resized pixel: the resized image
 # (4) and its pixels as an array (3).
@@ -93,7 +89,7 @@ class MediaCost:
         the frames as `video` counts them, at the rate they were sampled at."""
         width, height, count = header.width, header.height, len(header.sample_times)
         self.budget.add_bytes(count * width * height * FRAME_BYTES_PER_PIXEL, field)
-        self.budget.briefly(width * height * DECODER_BYTES_PER_PIXEL, field, alone=True)
+        self.budget.briefly(decoder_bytes(header), field, alone=True)
         self.video(count, fps, width, height, field, alone=True)
 
     def _add(self, height: int, width: int, steps: int, field: str) -> None:

@@ -110,7 +110,8 @@ class RouterSettings(ServerSettings):
         "video file's frames) and the patch codes processing makes of them, summed over all "
         "images and frames, and once the most one item takes beside those for a while (a "
         "progressive JPEG's coefficients, 2 a band, WebP's decoder, 12 a pixel, or FFmpeg's "
-        "buffers, 64 a pixel of one frame, while it decodes; an EXIF turn and RGB copies, 4 a "
+        "buffers, 20 frames in the stream's own format, while it decodes; an EXIF turn and "
+        "RGB copies, 4 a "
         "pixel each, and the resized copies, 7 a resized pixel, while it is processed), from "
         "their headers before any is decoded",
     )

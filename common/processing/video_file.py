@@ -35,12 +35,12 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import av
 import numpy as np
 
 from common.errors import FieldError
+from common.processing.frame_turn import upright_frame
 from common.processing.iso_boxes import MAX_TRACKS, check_mp4
 from common.processing.limits import MIN_FPS, LimitError, check_fps
 from common.processing.video import TimedFrames
@@ -61,11 +61,14 @@ _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 # frames of every stream before any limit is checked (20 streams of 8192x8192 in a 4 MB
 # file: 25 s and 6 GB), and a file may hold at most `MAX_STREAMS` streams.
 MAX_STREAMS = MAX_TRACKS
-# A kept frame's pixels (RGB, 3 bytes each), and what FFmpeg and the conversion to RGB hold
-# while a file decodes, a pixel of one frame: measured 4 bytes for a 720p H.264 file, 12
-# for a 1080p one, 10-16 for 4K ones (ownfix review).
+# A kept frame's pixels (RGB, 3 bytes each). While a file decodes, FFmpeg holds up to 16
+# reference frames and a few more in the stream's own format, and the conversion to RGB
+# 8 bytes a pixel of one frame (`decoder_bytes`): a 4K file of 16 references in 10-bit
+# 4:4:4 took 1.1 GB where 20 bytes a pixel of any format were counted (ownfix review).
 FRAME_BYTES_PER_PIXEL = 3
-DECODER_BYTES_PER_PIXEL = 20
+DECODER_FRAMES = 20
+CONVERSION_BYTES_PER_PIXEL = 8
+ASSUMED_FORMAT = "yuv420p"  # where a header names none: checked as the first frame decodes
 
 _OPEN_OPTIONS = {
     "probesize": "32",
@@ -103,6 +106,19 @@ class VideoHeader:
     duration_s: float  # length of the video stream in seconds
     rate: float | None  # average frames per second, None when the header has none
     sample_times: tuple[float, ...]  # seconds (from the stream's start) of the frames to keep
+    pixel_format: str = ASSUMED_FORMAT  # the decoder's, FFmpeg's name
+
+
+def pixel_bytes(name: str) -> float:
+    """Bytes a pixel of a frame in FFmpeg's pixel format `name` takes (1.5 for yuv420p)."""
+    frame = av.VideoFrame(256, 256, name)
+    return sum(plane.buffer_size for plane in frame.planes) / (256 * 256)
+
+
+def decoder_bytes(header: VideoHeader) -> int:
+    """What decoding the file holds besides its kept frames, from its header."""
+    per_pixel = DECODER_FRAMES * pixel_bytes(header.pixel_format) + CONVERSION_BYTES_PER_PIXEL
+    return math.ceil(header.width * header.height * per_pixel)
 
 
 class VideoFile:
@@ -158,7 +174,6 @@ class VideoFile:
         # stacked held each twice (ownfix review).
         frames: np.ndarray | None = None
         times: list[float] = []
-        matrices = _Matrices()
         decoded = 0
         limit = self.max_decoded_pixels
         next_target = 0  # index of the first sample time no kept frame covers
@@ -188,10 +203,12 @@ class VideoFile:
                     f"frame size changes from {header.width}x{header.height} to "
                     f"{frame.width}x{frame.height}",
                 )
+            if decoded == 1 and frame.format.name != header.pixel_format:
+                _check_format(frame.format.name, header, self.field)
             t = frame.time - start
             if t + half < targets[next_target]:
                 continue
-            pixels = _upright(frame, matrices)
+            pixels = upright_frame(frame)
             if frames is None:
                 frames = self._frames_for(len(targets), pixels.shape)
             elif pixels.shape != frames.shape[1:]:
@@ -227,56 +244,6 @@ class VideoFile:
         if kept == max(1, math.ceil(header.duration_s * self.fps - 1e-9)):
             return self.fps
         return max(kept / header.duration_s, MIN_FPS) if header.duration_s > 0 else self.fps
-
-
-class _Matrices:
-    """Each frame's display matrix, read from its side data only when its rotation differs
-    from the frame's before: PyAV ties a frame to its side data in a reference cycle, and
-    every kept frame's decoded buffers (1.4 MB at 720p) stayed until a full collection (a
-    60 s file peaked 1.26x what it reserved; ownfix review)."""
-
-    def __init__(self) -> None:
-        self._rotation: float | None = None
-        self._matrix: bytes | None = None
-
-    def of(self, frame: av.VideoFrame) -> bytes | None:
-        rotation = frame.rotation
-        if rotation != self._rotation:
-            sides: Any = frame.side_data  # (a container of SideData, whatever its stub says)
-            found = next((s for s in sides if s.type.name == "DISPLAYMATRIX"), None)
-            self._rotation, self._matrix = rotation, None if found is None else bytes(found)
-        return self._matrix
-
-
-def _upright(frame: av.VideoFrame, matrices: _Matrices) -> np.ndarray:
-    """The frame's RGB pixels as players show them: turned and flipped by its display matrix
-    as FFmpeg's own autorotate does (a phone's portrait video is stored landscape with a
-    quarter turn), as images are by their EXIF orientation. A turn other than a quarter
-    one, or a degenerate matrix, leaves the frame as stored."""
-    pixels = frame.to_ndarray(format="rgb24")
-    matrix = matrices.of(frame)
-    if matrix is None:
-        return pixels
-    m = np.frombuffer(matrix, dtype=np.int32).astype(np.float64)
-    scale0, scale1 = math.hypot(m[0], m[3]), math.hypot(m[1], m[4])
-    if not scale0 or not scale1:
-        return pixels  # degenerate
-    theta = float(round(math.degrees(math.atan2(m[1] / scale1, m[0] / scale0))))  # clockwise
-    theta -= 360 * math.floor(theta / 360 + 0.9 / 360)
-    hflip = vflip = False
-    if abs(theta - 90) < 1:  # clockwise, or with a flip the transpose
-        pixels = np.rot90(pixels, 1)[::-1] if m[3] > 0 else np.rot90(pixels, -1)
-    elif abs(theta - 180) < 1:
-        hflip, vflip = m[0] < 0, m[4] < 0
-    elif abs(theta - 270) < 1:  # counterclockwise, or with a flip the anti-transpose
-        pixels = np.rot90(pixels, -1)[::-1] if m[3] < 0 else np.rot90(pixels, 1)
-    elif abs(theta) < 1:
-        vflip = m[4] < 0
-    if hflip:
-        pixels = pixels[:, ::-1]
-    if vflip:
-        pixels = pixels[::-1]
-    return np.ascontiguousarray(pixels)
 
 
 def sample_times(duration_s: float, fps: float, max_frames: int) -> tuple[float, ...]:
@@ -405,7 +372,20 @@ def _header(
             f"declares {rate:g} frames per second; a file may declare {MIN_FPS:g} to "
             f"{MAX_SOURCE_RATE:g}",
         )
-    return VideoHeader(width, height, duration, rate, sample_times(duration, fps, max_frames))
+    times = sample_times(duration, fps, max_frames)
+    pixel_format = codec.format.name if codec.format is not None else ASSUMED_FORMAT
+    return VideoHeader(width, height, duration, rate, times, pixel_format)
+
+
+def _check_format(name: str, header: VideoHeader, field: str) -> None:
+    """Refuse frames whose pixel format takes more than the one its header's decoding was
+    counted for (`decoder_bytes`)."""
+    if pixel_bytes(name) > pixel_bytes(header.pixel_format):
+        raise VideoFileError(
+            field,
+            f"decodes to {name} frames, wider than the {header.pixel_format} its request's "
+            "memory was counted for",
+        )
 
 
 def _check_decoding(header: VideoHeader, limit: int | None, field: str) -> None:
