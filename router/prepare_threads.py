@@ -77,6 +77,7 @@ class PrepareThreads:
         # Work on each pool's threads or queued for them (`epd:prepare_pending`).
         self.pending = {"heavy": 0, "light": 0}
         self._idle: asyncio.TimerHandle | None = None  # `heavy` idle: memory given back then
+        self._closed = False
 
     async def run(self, heavy: bool, tenant: str | None, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` on a thread of `heavy` or of `light`, within `tenant`'s share of it,
@@ -102,7 +103,7 @@ class PrepareThreads:
         def done(_: object) -> None:
             self.pending[pool] -= 1
             release()
-            if pool == "heavy" and not self.pending[pool]:
+            if pool == "heavy" and not self.pending[pool] and not self._closed:
                 if self._idle is not None:
                     self._idle.cancel()
                 self._idle = loop.call_later(IDLE_RELEASE_S, self._release_if_idle, loop)
@@ -157,6 +158,7 @@ class PrepareThreads:
 
     async def close(self) -> None:
         """Stop both pools; work not started is dropped, work running finishes alone."""
+        self._closed = True
         if self._idle is not None:
             self._idle.cancel()
         for pool in self.pools.values():

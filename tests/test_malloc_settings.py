@@ -181,6 +181,7 @@ async def test_the_preparing_threads_give_memory_back_once_idle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import asyncio
+    import time
 
     from router import prepare_threads
 
@@ -193,6 +194,12 @@ async def test_the_preparing_threads_give_memory_back_once_idle(
         await asyncio.sleep(0.3)
         assert released == []
         await threads.run(True, None, sum, [1, 2])
+        await asyncio.sleep(0.3)
+        assert len(released) == 1
+        running = asyncio.ensure_future(threads.run(True, None, time.sleep, 0.2))
+        await asyncio.sleep(0.05)
+        await threads.close()  # work running as it closes: no trim after (ownfix review)
+        await running
         await asyncio.sleep(0.3)
         assert len(released) == 1
     finally:

@@ -98,7 +98,7 @@ def tune_malloc(profile: MallocProfile = FORWARDS) -> bool:
     return ok
 
 
-_trim: Callable[[int], int] | None = None
+_trim: Callable[[int], int] | None = None  # malloc_trim, or a no-op where there is none
 
 
 def release_free_memory() -> bool:
@@ -115,11 +115,16 @@ def release_free_memory() -> bool:
         except (OSError, AttributeError):
             trim = None
         if trim is None:
-            return False
-        trim.argtypes = (ctypes.c_size_t,)
-        trim.restype = ctypes.c_int
-        _trim = trim
+            _trim = _none  # looked up once (ldconfig runs for it)
+        else:
+            trim.argtypes = (ctypes.c_size_t,)
+            trim.restype = ctypes.c_int
+            _trim = trim
     return bool(_trim(0))
+
+
+def _none(pad: int) -> int:
+    return 0
 
 
 # Seconds idle after which what was freed is given back (`wait_or_release`).
