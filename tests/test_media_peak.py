@@ -137,3 +137,37 @@ def test_resizing_holds_the_resized_pixels_once() -> None:
         tracemalloc.stop()
     assert pixels.shape == (1504, 2016, 3)
     assert peak < 1.3 * pixels.nbytes, (peak, pixels.nbytes)
+
+
+def test_typical_requests_fit_the_default_budget_and_wide_4k_files_do_not() -> None:
+    # With the released model's processing and the router's defaults (counted from headers
+    # only): what a phone or camera sends is taken; a 4K file in 10-bit 4:4:4, whose
+    # decoder took 1.1 GB, is refused (ownfix reviews B to D measured each against its peak).
+    from common.processing.limits import LimitError, MediaBudget
+    from common.processing.video_file import VideoHeader
+    from router.media_cost import MediaCost
+    from router.settings import RouterSettings
+
+    limits = RouterSettings().input_limits(262144)
+
+    def counted(images: int = 0, video: tuple[int, int, float, str] | None = None) -> bool:
+        cost = MediaCost(ProcessorSettings(), limits, MediaBudget(limits))
+        try:
+            for _ in range(images):  # 12 MP photos
+                cost.budget.add(4032, 3024, "image")
+                cost.image(4032, 3024, "image")
+            if video is not None:
+                width, height, seconds, pixel_format = video
+                times = tuple(k / 2 for k in range(int(seconds * 2)))  # 2 fps
+                header = VideoHeader(width, height, seconds, 30.0, times, pixel_format)
+                cost.video_file(header, 2.0, "video")
+        except LimitError:
+            return False
+        return True
+
+    assert counted(images=4)
+    assert counted(video=(1920, 1080, 10.0, "yuv420p"))
+    assert counted(video=(3840, 2160, 2.0, "yuv420p"))
+    assert counted(images=2, video=(1280, 720, 10.0, "yuv420p"))
+    assert not counted(video=(3840, 2160, 2.0, "yuv444p10le"))
+    assert not counted(images=8)
