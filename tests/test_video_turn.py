@@ -15,7 +15,13 @@ import pytest
 from av.bitstream import BitStreamFilterContext
 
 from common.processing.frame_turn import _display_matrix, upright_frame
-from common.processing.video_file import VideoHeader, decoder_bytes, open_video, pixel_bytes
+from common.processing.video_file import (
+    VideoFileError,
+    VideoHeader,
+    decoder_bytes,
+    open_video,
+    pixel_bytes,
+)
 
 ORIENT = "h264_metadata=display_orientation=insert"
 
@@ -88,3 +94,41 @@ def test_the_decoder_is_counted_in_the_streams_own_pixel_format() -> None:
     four_k = (3840, 2160, 2.0, 30.0, (0.0, 0.5, 1.0, 1.5))
     assert decoder_bytes(VideoHeader(*four_k, "yuv444p10le")) > 512 << 20
     assert decoder_bytes(VideoHeader(*four_k, "yuv420p")) < 320 << 20
+
+
+def _raw_h264(pix_fmt: str, frames: int, start: int) -> bytes:
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="h264") as opened:
+        container: Any = opened
+        stream = container.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 256, 144, pix_fmt
+        stream.options = {"preset": "ultrafast", "x264-params": "bframes=0:keyint=1000"}
+        for k in range(start, start + frames):
+            frame = av.VideoFrame.from_ndarray(np.full((144, 256, 3), k, np.uint8), "rgb24")
+            frame.pts, frame.time_base = k, Fraction(1, 30)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def test_a_stream_that_turns_wider_mid_way_is_refused() -> None:
+    # Its header and first frames say yuv420p, then its own parameters switch to 10-bit
+    # 4:4:4: checked on the first frame only, a 4K one took 2.3x what it reserved.
+    joined = _raw_h264("yuv420p", 2, 0) + _raw_h264("yuv444p10le", 30, 2)
+    source: Any = av.open(io.BytesIO(joined), format="h264")
+    out = io.BytesIO()
+    with av.open(out, "w", format="matroska") as container:
+        video = source.streams.video[0]
+        stream = container.add_stream_from_template(video)
+        for k, packet in enumerate(p for p in source.demux(video) if p.size):
+            packet.time_base = Fraction(1, 1000)
+            packet.pts = packet.dts = round(k * 1000 / 30)
+            packet.stream = stream
+            container.mux(packet)
+    opened = open_video(out.getvalue(), fps=30.0, max_frames=64, field="video")
+    assert opened.header.pixel_format == "yuv420p"
+    with pytest.raises(VideoFileError, match="yuv444p10le") as refused:
+        opened.decode()
+    assert refused.value.field == "video"

@@ -31,6 +31,7 @@ Every refusal is a `FieldError` naming the caller's field (`LimitError` for a li
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from collections.abc import Callable
@@ -109,9 +110,14 @@ class VideoHeader:
     pixel_format: str = ASSUMED_FORMAT  # the decoder's, FFmpeg's name
 
 
+@functools.cache
 def pixel_bytes(name: str) -> float:
-    """Bytes a pixel of a frame in FFmpeg's pixel format `name` takes (1.5 for yuv420p)."""
-    frame = av.VideoFrame(256, 256, name)
+    """Bytes a pixel of a frame in FFmpeg's pixel format `name` takes (1.5 for yuv420p);
+    16, more than any software format, for one no frame can be made in (a hardware one)."""
+    try:
+        frame = av.VideoFrame(256, 256, name)
+    except (av.FFmpegError, ValueError, TypeError):  # (PyAV's ArgumentError is a ValueError)
+        return 16.0
     return sum(plane.buffer_size for plane in frame.planes) / (256 * 256)
 
 
@@ -175,6 +181,7 @@ class VideoFile:
         frames: np.ndarray | None = None
         times: list[float] = []
         decoded = 0
+        checked = header.pixel_format  # the last frame format checked
         limit = self.max_decoded_pixels
         next_target = 0  # index of the first sample time no kept frame covers
         for frame in self._container.decode(stream):
@@ -203,8 +210,9 @@ class VideoFile:
                     f"frame size changes from {header.width}x{header.height} to "
                     f"{frame.width}x{frame.height}",
                 )
-            if decoded == 1 and frame.format.name != header.pixel_format:
-                _check_format(frame.format.name, header, self.field)
+            if frame.format.name != checked:  # every change: an in-band one too (ownfix E)
+                checked = frame.format.name
+                _check_format(checked, header, self.field)
             t = frame.time - start
             if t + half < targets[next_target]:
                 continue
