@@ -113,7 +113,8 @@ class VideoHeader:
 @functools.cache
 def pixel_bytes(name: str) -> float:
     """Bytes a pixel of a frame in FFmpeg's pixel format `name` takes (1.5 for yuv420p);
-    16, more than any software format, for one no frame can be made in (a hardware one)."""
+    16, as much as the widest software format (32-bit float RGBA), for one no frame can be
+    made in (a hardware one)."""
     try:
         frame = av.VideoFrame(256, 256, name)
     except (av.FFmpegError, ValueError, TypeError):  # (PyAV's ArgumentError is a ValueError)
