@@ -45,6 +45,7 @@ import ctypes.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,7 @@ def tune_malloc(profile: MallocProfile = FORWARDS) -> bool:
     if _tuned == FORWARDS:
         logger.info("malloc is tuned for model forwards; %s not applied", profile)
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = _libc("mallopt")
     if mallopt is None:
         logger.debug("no mallopt in the C library: malloc thresholds left as they are")
         return False
@@ -109,11 +106,7 @@ def release_free_memory() -> bool:
     no-op where the C library has no `malloc_trim`."""
     global _trim
     if _trim is None:
-        name = ctypes.util.find_library("c")
-        try:
-            trim = ctypes.CDLL(name).malloc_trim if name else None
-        except (OSError, AttributeError):
-            trim = None
+        trim = _libc("malloc_trim")
         if trim is None:
             _trim = _none  # looked up once (ldconfig runs for it)
         else:
@@ -121,6 +114,15 @@ def release_free_memory() -> bool:
             trim.restype = ctypes.c_int
             _trim = trim
     return bool(_trim(0))
+
+
+def _libc(name: str) -> Any:
+    """The C library's function `name`, None where there is none (not glibc)."""
+    library = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(library), name) if library else None
+    except (OSError, AttributeError):
+        return None
 
 
 def _none(pad: int) -> int:
