@@ -26,7 +26,8 @@ from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import smart_resize
 from common.processing.limits import DECODED_BYTES_PER_PIXEL, InputLimits, LimitError, MediaBudget
 from common.processing.video import plan_video
-from common.processing.video_file import FRAME_BYTES_PER_PIXEL, VideoHeader, decoder_bytes
+from common.processing.video_file import VideoHeader
+from common.processing.video_memory import FRAME_BYTES_PER_PIXEL, decoder_bytes
 
 # What resizing one image or frame takes for a while, a resized pixel: the resized image
 # (4) and its pixels as an array (3).

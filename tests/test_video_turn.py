@@ -1,6 +1,6 @@
 """A video file's frames turned by their own display matrix, read without holding the frame
 (`common.processing.frame_turn`), and the decoder's memory counted in the stream's own pixel
-format (`common.processing.video_file.decoder_bytes`; ownfix reviews C and D)."""
+format (`common.processing.video_memory.decoder_bytes`; ownfix reviews C and D)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,8 @@ import pytest
 from av.bitstream import BitStreamFilterContext
 
 from common.processing.frame_turn import _display_matrix, upright_frame
-from common.processing.video_file import (
-    VideoFileError,
-    VideoHeader,
-    decoder_bytes,
-    open_video,
-    pixel_bytes,
-)
+from common.processing.video_file import VideoFileError, VideoHeader, open_video
+from common.processing.video_memory import decoder_bytes, pixel_bytes
 
 ORIENT = "h264_metadata=display_orientation=insert"
 

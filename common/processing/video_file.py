@@ -31,11 +31,11 @@ Every refusal is a `FieldError` naming the caller's field (`LimitError` for a li
 
 from __future__ import annotations
 
-import functools
 import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import av
 import numpy as np
@@ -45,6 +45,7 @@ from common.processing.frame_turn import upright_frame
 from common.processing.iso_boxes import MAX_TRACKS, check_mp4
 from common.processing.limits import MIN_FPS, LimitError, check_fps
 from common.processing.video import TimedFrames
+from common.processing.video_memory import ASSUMED_FORMAT, pixel_bytes
 
 # Magic bytes -> the one demuxer allowed to read such a file.
 _MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header: mkv, webm
@@ -62,14 +63,6 @@ _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 # frames of every stream before any limit is checked (20 streams of 8192x8192 in a 4 MB
 # file: 25 s and 6 GB), and a file may hold at most `MAX_STREAMS` streams.
 MAX_STREAMS = MAX_TRACKS
-# A kept frame's pixels (RGB, 3 bytes each). While a file decodes, FFmpeg holds up to 16
-# reference frames and a few more in the stream's own format, and the conversion to RGB
-# 8 bytes a pixel of one frame (`decoder_bytes`): a 4K file of 16 references in 10-bit
-# 4:4:4 took 1.1 GB where 20 bytes a pixel of any format were counted (ownfix review).
-FRAME_BYTES_PER_PIXEL = 3
-DECODER_FRAMES = 20
-CONVERSION_BYTES_PER_PIXEL = 8
-ASSUMED_FORMAT = "yuv420p"  # where a header names none: checked as the first frame decodes
 
 _OPEN_OPTIONS = {
     "probesize": "32",
@@ -108,24 +101,6 @@ class VideoHeader:
     rate: float | None  # average frames per second, None when the header has none
     sample_times: tuple[float, ...]  # seconds (from the stream's start) of the frames to keep
     pixel_format: str = ASSUMED_FORMAT  # the decoder's, FFmpeg's name
-
-
-@functools.cache
-def pixel_bytes(name: str) -> float:
-    """Bytes a pixel of a frame in FFmpeg's pixel format `name` takes (1.5 for yuv420p);
-    16, as much as the widest software format (32-bit float RGBA), for one no frame can be
-    made in (a hardware one)."""
-    try:
-        frame = av.VideoFrame(256, 256, name)
-    except (av.FFmpegError, ValueError, TypeError):  # (PyAV's ArgumentError is a ValueError)
-        return 16.0
-    return sum(plane.buffer_size for plane in frame.planes) / (256 * 256)
-
-
-def decoder_bytes(header: VideoHeader) -> int:
-    """What decoding the file holds besides its kept frames, from its header."""
-    per_pixel = DECODER_FRAMES * pixel_bytes(header.pixel_format) + CONVERSION_BYTES_PER_PIXEL
-    return math.ceil(header.width * header.height * per_pixel)
 
 
 class VideoFile:
@@ -322,29 +297,10 @@ def open_video(
     return VideoFile(container, header, fps, field, max_decoded_pixels)
 
 
-def decode_video(
-    data: bytes,
-    *,
-    fps: float,
-    max_frames: int,
-    max_pixels: int | None = None,
-    max_bytes: int | None = None,
-    max_seconds: float | None = None,
-    max_decoded_pixels: int | None = None,
-    field: str = "video.file",
-) -> TimedFrames:
-    """`open_video`, then `VideoFile.decode`: the sampled frames `(T, H, W, 3)` uint8 with
-    their times in seconds."""
-    return open_video(
-        data,
-        fps=fps,
-        max_frames=max_frames,
-        max_pixels=max_pixels,
-        max_bytes=max_bytes,
-        max_seconds=max_seconds,
-        max_decoded_pixels=max_decoded_pixels,
-        field=field,
-    ).decode()
+def decode_video(data: bytes, **options: Any) -> TimedFrames:
+    """`open_video(data, **options)`, then `VideoFile.decode`: the sampled frames
+    `(T, H, W, 3)` uint8 with their times in seconds."""
+    return open_video(data, **options).decode()
 
 
 def _unsized(container: av.container.InputContainer) -> bool:
