@@ -19,6 +19,11 @@ PATCH_CODES = "patch-codes"
 # without it: handles of a prefill worker from before were refused by every decode worker
 # (every request failed, INTERNAL), and a decode worker from before took unsigned ones.
 SIGNED_KV = "signed-kv"
+# What an encoder lists: the handles it lends its outputs under carry their bytes' digest, so
+# a reader that comes after the lease ran out (its range since reused) is refused, not fed
+# another request's rows. A router refuses an encoder without it (one from before 955e247
+# lent digest-less handles; readers now refuse those too).
+EMBEDDING_DIGESTS = "embedding-digests"
 
 
 class Role(enum.StrEnum):

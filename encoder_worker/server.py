@@ -26,7 +26,7 @@ from common.models.qwen3_vl.config import Qwen3VLConfig, VisionConfig
 from common.models.qwen3_vl.vision import VisionTower
 from common.models.qwen3_vl.weights import VISUAL_PREFIX
 from common.processing.content_hash import processor_settings, settings_digest
-from common.roles import PATCH_CODES, PROTOCOL_VERSION
+from common.roles import EMBEDDING_DIGESTS, PATCH_CODES, PROTOCOL_VERSION
 from common.server.leases import LeaseIdError, check_lease_id, refusal
 from common.server.lifecycle import ServerLifecycle
 from common.server.metrics import counter, gauge, requests_metrics, scrape_registry
@@ -293,7 +293,7 @@ async def serve(
         address=settings.reachable_address(server.address),
         model=identity,
         protocol_version=PROTOCOL_VERSION,
-        capabilities=[PATCH_CODES, *(["nixl"] if settings.nixl else [])],
+        capabilities=[PATCH_CODES, EMBEDDING_DIGESTS, *(["nixl"] if settings.nixl else [])],
         name=settings.name,
         processor=settings_digest(pixel_settings),
         dtype=settings.dtype,

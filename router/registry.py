@@ -57,7 +57,7 @@ from contextlib import contextmanager
 
 from common.address import check_address
 from common.kv.layout import KvLayout
-from common.roles import KV_ROLES, PROTOCOL_VERSION, SIGNED_KV, Role
+from common.roles import KV_ROLES, PROTOCOL_VERSION, Role
 from common.wire.kv import layout_from_proto
 from common.wire.roles import role_from_proto
 from epd.v1 import registry_service_pb2
@@ -69,6 +69,7 @@ from router.workers import (
     RegistrationRefused,
     WorkerLoad,
     WorkerRecord,
+    check_capabilities,
     check_dtype,
     check_layout,
     rendezvous_weight,
@@ -135,6 +136,7 @@ class Registry:
                 f"{role} worker {info.address} serves model {info.model!r}; this deployment "
                 f"serves {self.expected_model!r}"
             )
+        check_capabilities(role, info)
         theirs, ours = info.processor, self.expected_processor
         if role == Role.ENCODER and theirs and ours and theirs != ours:
             raise RegistrationRefused(
@@ -143,12 +145,6 @@ class Registry:
             )
         layout = None
         if role in KV_ROLES:
-            if SIGNED_KV not in info.capabilities:
-                raise RegistrationRefused(
-                    f"{role} worker {info.address} does not say it signs and checks KV "
-                    f"handles (no {SIGNED_KV!r} capability: a version older than this "
-                    "router's floor, docs/compatibility.md); upgrade workers before routers"
-                )
             if not info.HasField("kv_layout"):
                 raise ValueError(f"worker.kv_layout is missing; a {role} worker must send it")
             layout = layout_from_proto(info.kv_layout)

@@ -20,7 +20,7 @@ from common.multimodal.validation import MultimodalLayoutError
 from common.processing.content_hash import content_hash, partitioned_content_hash
 from common.processing.image import patch_values
 from common.processing.processor import ProcessedPrompt, Processor
-from common.roles import PATCH_CODES, Role
+from common.roles import EMBEDDING_DIGESTS, PATCH_CODES, Role
 from common.sampling import SamplingParams
 from common.server.peers import PeerClient
 from common.server.role import RoleServer
@@ -173,7 +173,7 @@ async def test_the_encode_stage_sends_values_to_an_encoder_without_the_capabilit
     peers = PeerClient(credentials=cluster_credentials())
     embeddings = {}
     try:
-        for capabilities in ([PATCH_CODES], []):
+        for capabilities in ([PATCH_CODES, EMBEDDING_DIGESTS], [EMBEDDING_DIGESTS]):
             registry = Registry(worker_timeout_s=1e9, heartbeat_interval_s=1.0)
             info = registry_service_pb2.WorkerInfo(
                 role=role_to_proto(Role.ENCODER),
@@ -183,11 +183,13 @@ async def test_the_encode_stage_sends_values_to_an_encoder_without_the_capabilit
                 name="encoder-0",
                 capabilities=capabilities,
             )
-            assert takes_codes(info) == bool(capabilities)
+            assert takes_codes(info) == (PATCH_CODES in capabilities)
             registry.register(info)
             stage = EncodeStage(WorkerCalls(registry), peers, max_inline_embedding_bytes=1 << 30)
             encoded = await stage.encode(job_of(prompt), [0, 1])
-            embeddings[bool(capabilities)] = [emb.SerializeToString() for emb in encoded.embeddings]
+            embeddings[PATCH_CODES in capabilities] = [
+                emb.SerializeToString() for emb in encoded.embeddings
+            ]
     finally:
         await peers.close()
     assert dtypes == [torch.uint8] * 2 + [torch.float32] * 2

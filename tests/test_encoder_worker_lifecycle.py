@@ -19,7 +19,7 @@ import torch
 
 from common.models.qwen3_vl.vision import VisionTower
 from common.processing.processor import Processor
-from common.roles import PATCH_CODES
+from common.roles import EMBEDDING_DIGESTS, PATCH_CODES
 from common.server.rpc import channel, start_server, wait_healthy
 from common.settings.schema import SettingsError
 from encoder_worker.settings import EncoderSettings
@@ -58,6 +58,7 @@ async def test_registers_with_router_and_reports_cache(
         assert info.address == server.address and info.name == "enc-a"
         assert info.protocol_version == "epd.v1" and info.model.startswith("qwen3-vl/")
         assert PATCH_CODES in info.capabilities  # a router sends it uint8 codes
+        assert EMBEDDING_DIGESTS in info.capabilities  # a router refuses it otherwise
         request = _request(_item(_image(processor, 50)))
         await stub.Encode(request, timeout=30)
         await stub.Encode(request, timeout=30)

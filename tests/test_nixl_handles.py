@@ -44,7 +44,9 @@ __all__ = ["agent", "holder", "peer"]  # module fixtures shared with test_nixl_t
 
 
 def test_tensor_handle_round_trip(
-    agent: TransferAgent, holder: tuple[Connection, dict[str, Any]]
+    agent: TransferAgent,
+    holder: tuple[Connection, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     conn = holder[0]
     _send(conn, cmd="tensor")
@@ -60,7 +62,8 @@ def test_tensor_handle_round_trip(
     with pytest.raises(ValueError, match="bytes but the handle holds"):
         read_tensor(handle, torch.float16, TENSOR_SHAPE, agent)
     # The bytes are bound to the handle by their digest: a digest that differs from what
-    # the range holds fails the READ; a handle without one (an older holder) reads as before.
+    # the range holds fails the READ; a handle without one (a holder from before 955e247) is
+    # refused before anything is READ: nothing would tell a reused range from the one lent.
     assert handle.digest == tensor_digest(known_tensor())
     other = tensor_pb2.TransferHandle()
     other.CopyFrom(handle)
@@ -68,7 +71,11 @@ def test_tensor_handle_round_trip(
     with pytest.raises(TransferDigestError):
         read_tensor(other, torch.float32, TENSOR_SHAPE, agent)
     other.ClearField("digest")
-    assert torch.equal(read_tensor(other, torch.float32, TENSOR_SHAPE, agent), known_tensor())
+    registered = []
+    monkeypatch.setattr(agent, "register", registered.append)
+    with pytest.raises(ValueError, match="no digest"):
+        read_tensor(other, torch.float32, TENSOR_SHAPE, agent)
+    assert registered == []  # refused before a buffer was made and registered for a READ
 
 
 def test_add_peer_is_cached(

@@ -25,7 +25,7 @@ from common.kv.layout import layout_root
 from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.processing.processor import Processor
-from common.roles import PATCH_CODES, SIGNED_KV, Role
+from common.roles import EMBEDDING_DIGESTS, PATCH_CODES, SIGNED_KV, Role
 from common.sampling import SamplingParams
 from common.server.rpc import channel, start_server
 from common.wire.kv import layout_from_proto
@@ -196,7 +196,7 @@ def worker_info(role: Role, address: str, **kw: Any) -> registry_service_pb2.Wor
         role=role_to_proto(role), address=address, model=MODEL, protocol_version="epd.v1"
     )
     if role == Role.ENCODER:  # a current encoder's (older ones take float32 values)
-        msg.capabilities.extend(kw.get("capabilities", [PATCH_CODES]))
+        msg.capabilities.extend(kw.get("capabilities", [PATCH_CODES, EMBEDDING_DIGESTS]))
     else:
         msg.capabilities.append(SIGNED_KV)
         msg.kv_layout.CopyFrom(

@@ -116,11 +116,13 @@ def read_tensor(
     the holder's metadata cannot be loaded or the range lies outside memory it registered;
     the errors of `TransferAgent.read` otherwise (TransferError, TransferTimeoutError:
     the holder is unreachable, gone, or failed the READ); and TransferDigestError when the
-    handle carries a digest and the bytes READ do not match it.
+    bytes READ do not match the handle's digest (a handle without one is refused, ValueError).
     """
     nbytes = _checked_nbytes(handle, dtype, shape)
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
+    if not handle.digest:  # nothing would tell a reused range's bytes from those lent
+        raise ValueError("transfer handle carries no digest of the bytes it lends")
     metadata = handle.agent_metadata
     try:
         peer = agent.add_peer(metadata)
@@ -169,7 +171,7 @@ def read_tensor(
         agent.deregister(region)
         raise
     agent.deregister(region)
-    if handle.digest and not hmac.compare_digest(tensor_digest(out), handle.digest):
+    if not hmac.compare_digest(tensor_digest(out), handle.digest):
         raise TransferDigestError(
             f"the {nbytes} bytes READ at {handle.address:#x} from {peer!r} are not those it "
             f"lent under lease {handle.lease_id!r} (it ran out, and the range was reused?)"
