@@ -185,19 +185,16 @@ class VisionTower(nn.Module):
         if self.side * self.side != config.num_position_embeddings:
             raise ValueError("vision num_position_embeddings must be a perfect square")
         self.patch_embed = PatchEmbed(config)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        # Given its weight, the embedding skips its random init (under the meta device that
+        # init imports torch._dynamo, as `_fresh_inv_freq` says).
+        positions, width = config.num_position_embeddings, config.hidden_size
+        self.pos_embed = nn.Embedding(positions, width, _weight=torch.empty(positions, width))
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(config, postshuffle_norm=True) for _ in config.deepstack_visual_indexes
         )
-        head_dim = config.hidden_size // config.num_heads
-        # Axial rope: a quarter of the head's dims per axis, repeated so the halves rotate
-        # (row, col) pairs over the whole head.
-        quarter = head_dim // 2
-        inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
-        )
+        inv_freq = self._fresh_inv_freq(torch.get_default_device())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod
@@ -247,10 +244,13 @@ class VisionTower(nn.Module):
         return tower.eval()
 
     def _fresh_inv_freq(self, device: torch.device) -> torch.Tensor:
+        # Axial rope: a quarter of the head's dims per axis, repeated so the halves rotate
+        # (row, col) pairs over the whole head. Made on the CPU and moved: made under the
+        # meta device it would import torch._dynamo (~1.8 s of every encoder's start).
         head_dim = self.config.hidden_size // self.config.num_heads
         quarter = head_dim // 2
-        exponent = torch.arange(0, quarter, 2, dtype=torch.float32, device=device) / quarter
-        return 1.0 / (self.config.rope_theta**exponent)
+        exponent = torch.arange(0, quarter, 2, dtype=torch.float32, device="cpu") / quarter
+        return (1.0 / (self.config.rope_theta**exponent)).to(device)
 
     @property
     def dtype(self) -> torch.dtype:
