@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import ModelWorkerSettings
-from common.settings.schema import check_not_negative, check_positive, setting
+from common.settings.schema import check_lease_ttl, check_not_negative, check_positive, setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,4 +60,5 @@ class EncoderSettings(ModelWorkerSettings):
             "output_pool_mb",
             "batch_window_ms",
         )
-        check_positive(self, "max_batch_rows", "lease_ttl_s")
+        check_positive(self, "max_batch_rows")
+        check_lease_ttl(self)

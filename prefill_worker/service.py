@@ -22,7 +22,9 @@ answers CANCELLED instead of leasing them to nobody until the TTL. Full prompt b
 stay in the prefix cache afterwards (evictable). `ReleaseKv` answers whether the lease was
 still live: a decode worker uses what it READ only if it was. A lease lasts `lease_ttl_s`
 plus `lease_ttl_per_lease_s` for every lease already live, so a burst that backs decode up
-gets longer leases; a reader still waiting to pull extends a live lease with `RenewKv`.
+gets longer leases, up to `MAX_LEASE_GROWTH` times `lease_ttl_s` (leases on one cached
+prefix are not bounded by the pool, and a lease left by a decode worker that died pins its
+blocks that long); a reader still waiting to pull extends a live lease with `RenewKv`.
 Blocks a decode worker reports as failing their digest are digested again here; one whose
 bytes changed since it was computed leaves the prefix cache. A request asking for a LoRA
 adapter or for more than the model's context is refused before anything
@@ -66,6 +68,8 @@ from prefill_worker.packing import PrefillPacker
 from prefill_worker.partitions import split_for_prefill
 
 logger = logging.getLogger(__name__)
+# A lease lasts at most this many times `lease_ttl_s`, however many are live (module doc).
+MAX_LEASE_GROWTH = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +189,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         except MissingEmbeddingsError as exc:
             raise RpcStatusError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         ttl_s = self.leases.ttl_s + self.lease_ttl_per_lease_s * len(self.leases)
+        ttl_s = min(ttl_s, MAX_LEASE_GROWTH * self.leases.ttl_s)
         try:  # no await inside: the blocks end up leased, or back in the pool
             digest = allocator.prompt_digest(tokens, prompt, cache_salt=salt, lora_id=lora)
             response = self._answer(seq, len(tokens), hashes, digests, digest, lease_id, ttl_s)

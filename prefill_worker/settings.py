@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import KvWorkerSettings
-from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
+from common.settings.schema import (
+    SettingsError,
+    check_lease_ttl,
+    check_not_negative,
+    check_positive,
+    setting,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +32,7 @@ class PrefillSettings(KvWorkerSettings):
     lease_ttl_per_lease_s: float = setting(
         0.5,
         "more lease time per lease already live: when decode falls behind, leases queue up "
-        "and new ones last longer",
+        "and new ones last longer (at most 10 times lease_ttl_s)",
     )
     prefill_chunk: int | None = setting(None, "tokens per prefill chunk (None: whole prompt)")
     pack_tokens: int = setting(
@@ -45,6 +51,7 @@ class PrefillSettings(KvWorkerSettings):
         KvWorkerSettings.check(self)
         # (a negative lease_ttl_per_lease_s would shorten leases below lease_ttl_s)
         check_not_negative(self, "threads", "pack_tokens", "lease_ttl_per_lease_s")
-        check_positive(self, "lease_ttl_s", "embedding_pull_timeout_s")
+        check_positive(self, "embedding_pull_timeout_s")
+        check_lease_ttl(self)
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise SettingsError("prefill_chunk: must be at least 1, or unset (whole prompts)")

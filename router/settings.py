@@ -33,7 +33,9 @@ class RouterSettings(ServerSettings):
     model: str | None = setting(
         None, "checkpoint folder the router processes inputs for (None: the built-in tiny model)"
     )
-    heartbeat_interval_s: float = setting(1.0, "how often workers are told to heartbeat")
+    heartbeat_interval_s: float = setting(
+        1.0, "how often workers are told to heartbeat (0.05 to 3600 s)"
+    )
     worker_timeout_s: float = setting(
         5.0, "a worker whose last heartbeat is older than this is dropped"
     )
@@ -323,6 +325,10 @@ class RouterSettings(ServerSettings):
             )
         if not MIN_FPS <= self.video_file_fps <= MAX_FPS:
             raise SettingsError(f"video_file_fps: must be from {MIN_FPS:g} to {MAX_FPS:g}")
+        if not 0.05 <= self.heartbeat_interval_s <= 3600:
+            # Below, every worker is asked for a heartbeat every few ms (a flood with many);
+            # past 2^32 ms the answer to Register cannot carry it (workers looped registering).
+            raise SettingsError("heartbeat_interval_s: must be from 0.05 to 3600 seconds")
         if not self.worker_timeout_s > self.heartbeat_interval_s:
             # Else a worker is dropped between two heartbeats it sends on time.
             raise SettingsError("worker_timeout_s: must be longer than heartbeat_interval_s")

@@ -98,6 +98,8 @@ def test_settings_are_checked() -> None:
     secure = cluster_security()
     with pytest.raises(SettingsError, match="lease_ttl_s"):
         EncoderSettings(lease_ttl_s=0, security=secure).check()
+    with pytest.raises(SettingsError, match="lease_ttl_s: must be at least"):
+        EncoderSettings(lease_ttl_s=0.01, security=secure).check()
     with pytest.raises(SettingsError, match="output_pool_mb"):
         EncoderSettings(output_pool_mb=-1, security=secure).check()
     with pytest.raises(SettingsError, match=r"security\.cluster_token_file"):

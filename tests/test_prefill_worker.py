@@ -26,6 +26,7 @@ from epd.v1 import (
     tensor_pb2,
 )
 from prefill_worker.server import serve as serve_prefill
+from prefill_worker.service import MAX_LEASE_GROWTH
 from prefill_worker.settings import PrefillSettings
 from tests.cluster import cluster_credentials, cluster_security
 from tests.test_kv_handoff import (
@@ -253,6 +254,23 @@ async def test_unreleased_lease_is_reaped_after_ttl(
     release = prefill_service_pb2.ReleaseKvRequest(lease_id=reply.kv.lease_id)
     assert not (await stub.ReleaseKv(release)).released
     pool.check_invariants()
+
+
+async def test_a_lease_grows_with_those_live_up_to_ten_times_its_ttl(
+    worker: RoleServer[Any], stub: Any, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Unbounded, 2,000 leases on one cached prefix made the next last 30 + 1,000 s: a decode
+    # worker that died then pinned its blocks ~17 minutes (clocks review, s36).
+    await settle(worker, stub)
+    monkeypatch.setattr(worker.servicer, "lease_ttl_per_lease_s", TTL_S / 4)
+    tokens, params = make_handoff(engine, user("Leases that grow with the backlog?"))
+    first = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    second = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    assert (first.kv.lease_ttl_ms, second.kv.lease_ttl_ms) == (600, 750)  # + 1/4 per live one
+    monkeypatch.setattr(worker.servicer, "lease_ttl_per_lease_s", 1000.0)
+    third = await stub.Prefill(prefill_request(tokens, params, GREEDY), timeout=30)
+    assert third.kv.lease_ttl_ms == int(MAX_LEASE_GROWTH * TTL_S * 1000)
+    await settle(worker, stub)
 
 
 # ------------------------------------------------------------------------- KV events

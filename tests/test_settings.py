@@ -216,6 +216,9 @@ def test_prefill_lease_times_are_checked() -> None:
     insecure = SecuritySettings(insecure=True)
     for bad, key in (
         ({"lease_ttl_s": 0.0}, "lease_ttl_s"),
+        # 1 ms: every lease ended before decode read it, every request ABORTED naming no
+        # setting (clocks review, s36).
+        ({"lease_ttl_s": 0.001}, "lease_ttl_s: must be at least 0.1 s"),
         ({"lease_ttl_per_lease_s": -1.0}, "lease_ttl_per_lease_s"),
     ):
         with pytest.raises(SettingsError, match=key):
@@ -230,6 +233,10 @@ def test_router_heartbeat_times_are_checked() -> None:
     insecure = SecuritySettings(insecure=True)
     for bad, key in (
         ({"heartbeat_interval_s": 0.0}, "heartbeat_interval_s"),
+        # Every worker asked for a heartbeat every ms; past 2^32 ms, the answer to Register
+        # overflowed and workers looped registering (clocks review, s36).
+        ({"heartbeat_interval_s": 0.001}, "heartbeat_interval_s: must be from 0.05 to 3600"),
+        ({"heartbeat_interval_s": 5e6, "worker_timeout_s": 1e7}, "heartbeat_interval_s"),
         # A worker would be dropped between two heartbeats it sends on time.
         ({"heartbeat_interval_s": 2.0, "worker_timeout_s": 0.5}, "worker_timeout_s"),
         ({"video_file_fps": 1e-9}, "video_file_fps"),

@@ -39,6 +39,22 @@ class SettingsError(ValueError):
 MAX_SECONDS = 1e7  # 115 days
 
 
+# The shortest lease a holder may lend bytes under: one shorter ends before a reader can pull
+# (a prefill lease of 1 ms failed every request, ABORTED, naming no setting: clocks review).
+MIN_LEASE_TTL_S = 0.1
+
+
+def check_lease_ttl(settings: object, name: str = "lease_ttl_s") -> None:
+    """SettingsError unless `name` is a usable lease lifetime (`MIN_LEASE_TTL_S` to
+    `MAX_SECONDS`)."""
+    check_positive(settings, name)
+    if getattr(settings, name) < MIN_LEASE_TTL_S:
+        raise SettingsError(
+            f"{name}: must be at least {MIN_LEASE_TTL_S:g} s (a lease shorter than a hand-off "
+            "ends before its reader can pull what it lends)"
+        )
+
+
 def check_positive(settings: object, *names: str) -> None:
     """SettingsError naming the first of `names` not above 0 (NaN included), or, for a
     seconds setting, past `MAX_SECONDS` (infinity included)."""
