@@ -59,7 +59,14 @@ from common.server.rpc import DRAINING_DETAILS, channel
 from common.server.transport import DEFAULT_MAX_MESSAGE_MB
 from common.settings.api_keys import CLIENT_KEY_FILE, default_api_key
 from epd.answers import Chunk, GenerateError, Result, chunk_of, collected, retry_after_s
-from epd.request import IMAGE_SUFFIXES, Messages, build_request, encode_image, frame_files
+from epd.request import (
+    IMAGE_SUFFIXES,
+    Messages,
+    build_request,
+    checked_timeout,
+    encode_image,
+    frame_files,
+)
 from epd.request import video_input as video_input
 from epd.routers import CONNECT_S, Routers, connects, router_list
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, router_service_pb2_grpc
@@ -216,14 +223,10 @@ class Client:
         a variable is closed by `await stream.aclose()` (or `contextlib.aclosing`), else
         only when it is garbage-collected, and the router generates on meanwhile. `api_key`
         overrides the client's key for this request; the answer ends before the first of
-        the `stop` strings (finish reason "stop"). Raises `GenerateError`; `ValueError` for
-        messages that cannot be sent.
-
-        With several routers, a stream whose router fails (UNAVAILABLE) goes on at the next
-        one: from the start if no token had come, else resumed after the tokens received
-        (`GenerateRequest.resume_tokens`; greedy and seeded answers are token for token the
-        same in float32); a request with `stop` strings is not resumed (GenerateError). A
-        failure after the chunk with the finish reason ends the stream quietly."""
+        the `stop` strings (finish reason "stop"); `timeout_s`: None or infinity for none.
+        Raises `GenerateError`; `ValueError` for messages that cannot be sent or a timeout
+        that is not a positive number. Several routers: the module doc (a resumed answer is
+        token for token the same where greedy or seeded, in float32)."""
         request = build_request(
             messages,
             sampling,
@@ -233,6 +236,7 @@ class Client:
             max_bytes=self.max_bytes,
         )
         metadata = bearer_metadata(checked_key(api_key)) if api_key is not None else None
+        timeout_s = checked_timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failures: list[str] = []
         received: list[int] = []  # tokens of the answer the caller has

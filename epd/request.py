@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 from common.sampling import SamplingParams
 from common.server.transport import DEFAULT_MAX_MESSAGE_MB
+from common.settings.schema import MAX_SECONDS
 from common.wire.sampling import sampling_to_proto
 from epd.v1 import router_service_pb2
 
@@ -169,6 +171,20 @@ def video_input(
         ],
         fps=float(fps),
     )
+
+
+def checked_timeout(timeout_s: float | None) -> float | None:
+    """A request's `timeout_s` as sent: None or infinity (no limit) give None, a longer one
+    than `MAX_SECONDS` that (gRPC keeps deadlines in int64 nanoseconds: 1e12 s ended every
+    call at once, DEADLINE_EXCEEDED, as if the router had timed out). ValueError naming it
+    for one that is not a positive number (NaN, 0, negative)."""
+    if timeout_s is None or timeout_s == math.inf:
+        return None
+    if not timeout_s > 0:
+        raise ValueError(
+            f"timeout_s: must be a positive number of seconds or None, got {timeout_s}"
+        )
+    return min(float(timeout_s), MAX_SECONDS)
 
 
 def frame_files(folder: str | Path, where: str = "video") -> list[Path]:

@@ -153,6 +153,30 @@ async def test_an_api_key_is_stripped_and_one_no_header_can_carry_is_refused() -
     )
 
 
+@pytest.mark.parametrize("bad", [0.0, -5.0, float("nan")])
+async def test_a_timeout_that_is_not_positive_is_refused_naming_it(bad: float) -> None:
+    # Each was sent, and ended at once as DEADLINE_EXCEEDED, as if the router had timed out
+    # (clocks review, s36).
+    from epd.client import Client
+
+    client = Client("127.0.0.1:1", api_key="k")
+    try:
+        with pytest.raises(ValueError, match="timeout_s: must be a positive number"):
+            await client.generate_text([{"role": "user", "content": "hi"}], timeout_s=bad)
+    finally:
+        await client.close()
+
+
+def test_an_endless_or_huge_timeout_is_sent_as_one_grpc_can_carry() -> None:
+    # 1e12 s overflowed gRPC's int64 nanoseconds: DEADLINE_EXCEEDED at once (clocks review).
+    from common.settings.schema import MAX_SECONDS
+    from epd.request import checked_timeout
+
+    assert checked_timeout(None) is None and checked_timeout(float("inf")) is None
+    assert checked_timeout(1e12) == MAX_SECONDS
+    assert checked_timeout(2.5) == 2.5
+
+
 async def test_router_addresses_come_as_a_list_or_comma_separated() -> None:
     from epd.client import Client, router_list
 
