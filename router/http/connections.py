@@ -131,19 +131,22 @@ class ConnectionStats:
 
 
 class CloseWhileDraining:
-    """ASGI middleware: while `draining()`, every answer says `Connection: close`."""
+    """ASGI middleware: every answer that starts while `draining()` says `Connection:
+    close`, those of requests that came before the drain included (decided as the request
+    came, a keep-alive client whose answer was under way at SIGTERM sent its next request
+    on the same connection, and got 503 where it would have reached another router)."""
 
     def __init__(self, app: Any, draining: Callable[[], bool]) -> None:
         self.app = app
         self.draining = draining
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.draining():
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
 
         async def closing(message: Any) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start" and self.draining():
                 kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
                 message = {**message, "headers": [*kept, (b"connection", b"close")]}
             await send(message)
