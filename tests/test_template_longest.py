@@ -10,7 +10,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.processing.template import longest_of
+from common.processing.template import MAX_NESTING, longest_of
 
 ALPHABET = "<|>ab\\.*"  # regex metacharacters among them
 
@@ -51,3 +51,13 @@ def test_tokens_nested_past_what_the_regex_compiler_takes_are_matched_flat() -> 
     for tokens in ({"x" * i for i in range(1, 601)}, {"<" + "x" * i + "a" for i in range(600)}):
         text = "y" + "x" * 700 + "<" + "x" * 300 + "a<xa"
         assert re.split(f"({longest_of(tokens)})", text) == re.split(f"({flat(tokens)})", text)
+
+
+def test_tokens_nested_as_deep_as_taken_compile_from_a_deep_caller() -> None:
+    # At 200 groups, the regex compiler's own recursion ran out 400 frames deep (s35diff).
+    tokens = {"x" * i for i in range(1, MAX_NESTING + 1)}
+
+    def deep(frames: int) -> re.Pattern[str]:
+        return deep(frames - 1) if frames else re.compile(longest_of(tokens))
+
+    assert deep(400).match("x" * (MAX_NESTING + 5))[0] == "x" * MAX_NESTING

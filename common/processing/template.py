@@ -329,9 +329,11 @@ def load_chat_template(folder: str | Path, tokenizer: Tokenizer) -> ChatTemplate
     return template
 
 
-# Groups nested deeper than this the regex compiler refuses (RecursionError near 500 in
-# Python 3.11), as Python would refuse `longest_of`'s own recursion.
-MAX_NESTING = 200
+# Groups nested deeper than this are matched flat: the regex compiler takes ~3 frames of
+# Python's stack a group (RecursionError near 300 groups from a shallow caller, at 200 from
+# one 400 frames deep; s35diff review), and `longest_of`'s own recursion one. Real tokens
+# nest a few deep.
+MAX_NESTING = 100
 
 
 def longest_of(strings: Iterable[str]) -> str:
