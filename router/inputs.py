@@ -246,6 +246,7 @@ class _Reader:
 
     def _open_still(self, data: bytes, field: str) -> Image.Image:
         """An image part opened and checked, its processed size counted (`MediaCost`)."""
+        self.budget.begin()
         image = open_image(data, field, self.limits, self.budget)
         try:
             self.cost.image(image.width, image.height, field)
@@ -298,6 +299,7 @@ class _Reader:
                 f"must be from {MIN_FPS:g} to {MAX_FPS:g}, got {video.fps:g}",
             )
         fields = [f"{where}.video.frames[{k}]" for k in range(len(video.frames))]
+        self.budget.begin()
         opened = [
             open_image(frame, field, self.limits, self.budget)
             for frame, field in zip(video.frames, fields, strict=True)

@@ -320,6 +320,21 @@ def test_what_one_image_takes_for_a_while_counts_once_a_request(data: bytes) -> 
     assert budget.transient == one.transient > 0
 
 
+def test_a_videos_frames_count_the_most_one_frame_takes_for_a_while() -> None:
+    # Frames with transparency before a plain last one: the last frame's transient alone
+    # was counted for the video's processing (s35diff review, s36).
+    budget = MediaBudget(InputLimits())
+    budget.begin()
+    budget.add(100, 100, "frames[0]", 4, 8)  # made RGB: 8 bytes a pixel for a while
+    budget.add(100, 100, "frames[1]", 4, 0)  # plain RGB
+    budget.briefly(1000, "frames")  # processing the video beside its frames' most
+    assert budget.transient == 100 * 100 * 8 + 1000
+    budget.begin()  # the next item's own
+    budget.add(10, 10, "image", 4, 0)
+    budget.briefly(10, "image")
+    assert budget.transient == 100 * 100 * 8 + 1000  # the request's most stays
+
+
 # ------------------------------------------------------------------ user text is text
 
 

@@ -106,13 +106,18 @@ class MediaBudget:
         self.limit = limits.max_media_bytes
         self.used = 0  # bytes of the items added so far
         self.transient = 0  # the most one item takes for a while, beside what is kept
-        self._item = 0  # what the item added last takes for a while (`add`)
+        self._item = 0  # what the item begun last takes for a while (`begin`, `add`)
 
     @property
     def total(self) -> int:
         """What the request's media take at most: their bytes, and one item's transient
         bytes (items are decoded, then processed, one at a time)."""
         return self.used + self.transient
+
+    def begin(self) -> None:
+        """An item begins: what its images or frames take for a while (`add`) is counted
+        apart from what the items before took."""
+        self._item = 0
 
     def add(
         self,
@@ -124,14 +129,16 @@ class MediaBudget:
     ) -> None:
         """Count one image or frame of `per_pixel` bytes a pixel once decoded, which takes
         `transient_per_pixel` more for a while (an image's:
-        `common.processing.image.bytes_per_pixel`); refuse when the request's total
-        passes the limit."""
-        self._item = width * height * transient_per_pixel
+        `common.processing.image.bytes_per_pixel`), the item's most so far; refuse when
+        the request's total passes the limit. (A video's frames each take it while made
+        RGB: the last frame's alone under-counted frames with transparency before a plain
+        one by up to 4 bytes a pixel; s35diff review.)"""
+        self._item = max(self._item, width * height * transient_per_pixel)
         self.transient = max(self.transient, self._item)
         self.add_bytes(width * height * per_pixel, field)
 
     def briefly(self, nbytes: int, field: str, alone: bool = False) -> None:
-        """Count `nbytes` more that the item added last takes for a while (while it is
+        """Count `nbytes` more that the item begun last takes for a while (while it is
         processed: `router.media_cost`), or that an item takes `alone` (nothing else of it
         held then); refuse when the request's total passes the limit."""
         self.transient = max(self.transient, nbytes if alone else self._item + nbytes)
