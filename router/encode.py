@@ -15,8 +15,7 @@ them are encoded (`encode`'s `from_partition`); `encode_partitions` asks for som
 partitions of one item (for `router.overlap`). Either way only their patch rows are sent
 (`EncodeItem.partition_indices`), and the embedding names the span it holds
 (`ItemEmbedding.partition_start` / `partition_end`) for the prefill worker. Patch rows go
-as uint8 codes, or as float32 values to an encoder from before codes
-(`router.encode_request`, which also gives the hash each item is answered under).
+as uint8 codes (`router.encode_request`).
 A whole item whose inline output the router kept (`router.embedding_cache`, setting
 `embedding_cache_mb`) is not sent to an encoder at all: its kept rows go to prefill.
 
@@ -49,7 +48,7 @@ from epd.v1 import (
 )
 from router.calls import Job, RouterError, TooLarge, WorkerCalls
 from router.embedding_cache import EmbeddingCache
-from router.encode_request import Sent, encode_request, takes_codes
+from router.encode_request import encode_request
 from router.workers import NoWorkerError, WorkerRecord
 
 logger = logging.getLogger(__name__)
@@ -85,7 +84,6 @@ class EncodeStage:
         self.embeddings = (
             EmbeddingCache(embedding_cache_bytes, ENTRY_BYTES) if embedding_cache_bytes else None
         )
-        self._values_warned: set[str] = set()  # encoders sent values: warned once each
 
     async def encode(
         self, job: Job, items: Sequence[int], from_partition: Mapping[int, int] | None = None
@@ -204,25 +202,13 @@ class EncodeStage:
         more elsewhere on UNAVAILABLE; of an item `i` in `chosen` just the consecutive
         partitions `chosen[i]`, sending only their patch rows. Raises RouterError (nothing
         left leased then)."""
-        forms: dict[bool, Sent] = {}  # by whether the encoder takes codes, made once each
+        request = encode_request(job, items, chosen)
 
-        async def call(
-            worker: WorkerRecord,
-        ) -> tuple[Sent, str, encoder_service_pb2.EncodeResponse]:
-            codes = takes_codes(worker.info)
-            sent = forms.get(codes)
-            if sent is None:
-                if codes:
-                    sent = encode_request(job, items, chosen, codes=True)
-                else:  # an encoder from before codes: values, off the loop (4x the bytes)
-                    self._warn_values(worker)
-                    sent = await asyncio.to_thread(encode_request, job, items, chosen, False)
-                forms[codes] = sent
+        async def call(worker: WorkerRecord) -> tuple[str, encoder_service_pb2.EncodeResponse]:
             timeout = job.time_left("encode")
-            response = await self.channels.encode(worker.address, sent.request, timeout)
-            return sent, worker.address, response
+            return worker.address, await self.channels.encode(worker.address, request, timeout)
 
-        sent, encoder, response = await self.calls.with_retry(
+        encoder, response = await self.calls.with_retry(
             Role.ENCODER, "encode", call, first=first, deadline=job.deadline
         )
         leases = {
@@ -232,7 +218,7 @@ class EncodeStage:
             if ref.WhichOneof("data") == "handle" and ref.handle.lease_id
         }
         try:
-            return Encoded(self._check(job, items, response, chosen, sent.hashes), leases)
+            return Encoded(self._check(job, items, response, chosen), leases)
         except RouterError:
             self.channels.release_embeddings(leases)
             raise
@@ -243,10 +229,9 @@ class EncodeStage:
         items: Sequence[int],
         response: encoder_service_pb2.EncodeResponse,
         chosen: Mapping[int, Sequence[int]],
-        hashes: Mapping[int, bytes],
     ) -> list[multimodal_pb2.ItemEmbedding]:
         """The answer's items as embeddings for prefill, each checked to be the one asked
-        for (named by `hashes[i]`, the hash it was sent under) with a row per placeholder."""
+        for (named by its content hash) with a row per placeholder."""
         if len(response.items) != len(items):
             raise RouterError(
                 grpc.StatusCode.INTERNAL,
@@ -257,7 +242,9 @@ class EncodeStage:
             item = job.prompt.params.items[i]
             partitions = chosen.get(i, ())
             rows = sum(item.partitions[p].output_rows for p in partitions) or item.length
-            if encoded.content_hash != hashes[i] or (tuple(encoded.rows.shape[:1]) != (rows,)):
+            if encoded.content_hash != item.content_hash or (
+                tuple(encoded.rows.shape[:1]) != (rows,)
+            ):
                 raise RouterError(
                     grpc.StatusCode.INTERNAL,
                     f"encoder output for item {i} does not match it (hash or "
@@ -269,16 +256,6 @@ class EncodeStage:
                 emb.partition_start, emb.partition_end = partitions[0], partitions[-1] + 1
             out.append(emb)
         return out
-
-    def _warn_values(self, worker: WorkerRecord) -> None:
-        if worker.address not in self._values_warned:
-            self._values_warned.add(worker.address)
-            logger.warning(
-                "encoder %s (%s) does not take patch codes (a version from before them): "
-                "sending it float32 values, four times the bytes, until it is upgraded",
-                worker.name,
-                worker.address,
-            )
 
     def check_inline(self, embeddings: Iterable[multimodal_pb2.ItemEmbedding]) -> None:
         """`TooLarge` (RESOURCE_EXHAUSTED for good) when the inline bytes of `embeddings`

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,24 +17,18 @@ import torch
 from common.models.qwen3_vl.config import Qwen3VLConfig
 from common.multimodal.validation import MultimodalLayoutError
 from common.processing.content_hash import content_hash, partitioned_content_hash
-from common.processing.image import patch_values
+from common.processing.image import as_patch_values, patch_values
 from common.processing.processor import ProcessedPrompt, Processor
-from common.roles import EMBEDDING_DIGESTS, PATCH_CODES, Role
 from common.sampling import SamplingParams
-from common.server.peers import PeerClient
 from common.server.role import RoleServer
 from common.server.rpc import channel
-from common.wire.convert import tensor_from_ref
-from common.wire.roles import role_to_proto
-from encoder_worker import server as encoder_server
+from common.wire.convert import fill_ref, tensor_from_ref
 from encoder_worker.requests import parse_request
 from encoder_worker.server import EncoderServicer, serve
 from encoder_worker.settings import EncoderSettings
-from epd.v1 import encoder_service_pb2, encoder_service_pb2_grpc, registry_service_pb2
-from router.calls import Job, WorkerCalls
-from router.encode import EncodeStage
-from router.encode_request import encode_request, takes_codes
-from router.registry import Registry
+from epd.v1 import encoder_service_pb2, encoder_service_pb2_grpc
+from router.calls import Job
+from router.encode_request import encode_request
 from tests.cluster import cluster_credentials, cluster_security
 
 
@@ -62,13 +55,54 @@ def job_of(prompt: ProcessedPrompt) -> Job:
     return Job("r", prompt, SamplingParams(), None, time.monotonic() + 60)
 
 
+def old_router_request(
+    prompt: ProcessedPrompt, items: list[int], chosen: dict[int, range] | None = None
+) -> tuple[encoder_service_pb2.EncodeRequest, dict[int, bytes]]:
+    """What a router from before patch codes sends (encoders still take it): each item's
+    rows as float32 values, and the hashes made of those values (each sent partition's, and
+    the item's when its whole rows are sent; of only some partitions the item's is echoed);
+    with the hash each item is answered under."""
+    chosen = chosen or {}
+    settings = prompt.settings
+    assert settings is not None
+    fingerprint = settings.fingerprint()
+    request = encode_request(job_of(prompt), items, chosen)
+    hashes = {}
+    for sent, i in zip(request.items, items, strict=True):
+        item, grid, modality = (
+            prompt.params.items[i],
+            prompt.grid_thw[i],
+            str(prompt.params.items[i].modality),
+        )
+        values = as_patch_values(tensor_from_ref(sent.pixel_values), settings)
+        parts = chosen.get(i) or range(len(item.partitions))
+        offset = item.partitions[parts[0]].input_start if i in chosen else 0
+        for p in parts:
+            part = item.partitions[p]
+            rows = values[part.input_start - offset : part.input_end - offset]
+            frames = (part.input_end - part.input_start) // (grid[1] * grid[2])
+            sent.partitions[p].content_hash = content_hash(
+                fingerprint, modality, rows, (frames, grid[1], grid[2])
+            )
+        if i not in chosen:
+            part_hashes = [part.content_hash for part in sent.partitions]
+            sent.content_hash = (
+                partitioned_content_hash(fingerprint, modality, values, grid, part_hashes)
+                if item.partitions
+                else content_hash(fingerprint, modality, values, grid)
+            )
+        hashes[i] = sent.content_hash
+        fill_ref(sent.pixel_values, values)
+    return request, hashes
+
+
 def test_codes_go_as_the_processor_made_them(processor: Processor) -> None:
     prompt = image_and_video(processor, 1)
-    sent = encode_request(job_of(prompt), [0, 1], {}, codes=True)
-    for i, item in enumerate(sent.request.items):
+    sent = encode_request(job_of(prompt), [0, 1], {})
+    for i, item in enumerate(sent.items):
         meta = prompt.params.items[i]
         assert torch.equal(tensor_from_ref(item.pixel_values), prompt.pixel_values[i])
-        assert item.content_hash == meta.content_hash == sent.hashes[i]
+        assert item.content_hash == meta.content_hash
         assert [p.content_hash for p in item.partitions] == [
             p.content_hash for p in meta.partitions
         ]
@@ -80,13 +114,13 @@ def test_each_request_has_an_encoder_request_id_of_its_own(processor: Processor)
     # their batching, nor one caller delay another's by guessing its id.
     prompt = image_and_video(processor, 1)
     first, second = job_of(prompt), job_of(prompt)  # both the caller's id "r"
-    ids = [encode_request(j, [0], {}, codes=True).request.request_id for j in (first, second)]
+    ids = [encode_request(j, [0], {}).request_id for j in (first, second)]
     assert ids[0] != ids[1] and all(i.startswith("r#") for i in ids)
-    again = encode_request(first, [1], {}, codes=True).request.request_id  # another piece
+    again = encode_request(first, [1], {}).request_id  # another piece
     assert again == ids[0]
 
 
-def test_values_for_an_encoder_before_codes_pass_its_every_check(
+def test_an_old_routers_values_pass_an_encoders_every_check(
     ckpt: Path, processor: Processor
 ) -> None:
     """The values are the codes' `patch_values`, and every hash the encoder checks (the
@@ -94,26 +128,23 @@ def test_values_for_an_encoder_before_codes_pass_its_every_check(
     prompt = image_and_video(processor, 2)
     assert prompt.settings is not None
     fingerprint = prompt.settings.fingerprint()
-    sent = encode_request(job_of(prompt), [0, 1], {}, codes=False)
+    request, hashes = old_router_request(prompt, [0, 1])
     vision = Qwen3VLConfig.from_file(ckpt).vision
-    jobs = parse_request(sent.request, vision, fingerprint)
-    for i, (item, job) in enumerate(zip(sent.request.items, jobs, strict=True)):
+    jobs = parse_request(request, vision, fingerprint)
+    for i, (item, job) in enumerate(zip(request.items, jobs, strict=True)):
         values = tensor_from_ref(item.pixel_values)
         assert values.dtype == torch.float32
         expected = patch_values(prompt.pixel_values[i].numpy(), prompt.settings)
         assert np.array_equal(values.numpy(), expected)
-        assert job.content_hash == sent.hashes[i] != prompt.params.items[i].content_hash
+        assert job.content_hash == hashes[i] != prompt.params.items[i].content_hash
     image_unit, video_units = jobs[0].units, jobs[1].units
     assert image_unit[0].key == content_hash(
-        fingerprint,
-        "image",
-        tensor_from_ref(sent.request.items[0].pixel_values),
-        prompt.grid_thw[0],
+        fingerprint, "image", tensor_from_ref(request.items[0].pixel_values), prompt.grid_thw[0]
     )
     assert len(video_units) == len(prompt.params.items[1].partitions) == 3
 
 
-def test_values_of_some_partitions_key_them_as_the_whole_item_does(
+def test_an_old_routers_values_of_some_partitions_key_them_as_the_whole_item_does(
     ckpt: Path, processor: Processor
 ) -> None:
     """Of the video's last two partitions only: the encoder checks those two partitions'
@@ -122,15 +153,15 @@ def test_values_of_some_partitions_key_them_as_the_whole_item_does(
     assert prompt.settings is not None
     fingerprint = prompt.settings.fingerprint()
     vision = Qwen3VLConfig.from_file(ckpt).vision
-    whole = encode_request(job_of(prompt), [1], {}, codes=False)
-    (whole_job,) = parse_request(whole.request, vision, fingerprint)
-    part = encode_request(job_of(prompt), [1], {1: range(1, 3)}, codes=False)
-    (job,) = parse_request(part.request, vision, fingerprint)
+    whole, _ = old_router_request(prompt, [1])
+    (whole_job,) = parse_request(whole, vision, fingerprint)
+    part, hashes = old_router_request(prompt, [1], {1: range(1, 3)})
+    (job,) = parse_request(part, vision, fingerprint)
     assert [u.key for u in job.units] == [u.key for u in whole_job.units[1:]]
-    assert job.content_hash == part.hashes[1] == prompt.params.items[1].content_hash
+    assert job.content_hash == hashes[1] == prompt.params.items[1].content_hash
 
 
-async def test_both_forms_encode_to_the_same_rows(
+async def test_an_old_routers_values_encode_to_the_rows_of_codes(
     encoder: RoleServer[EncoderServicer], processor: Processor
 ) -> None:
     """A real encoder worker: the values form's rows (main and deepstack) are the codes
@@ -141,11 +172,13 @@ async def test_both_forms_encode_to_the_same_rows(
         stub = encoder_service_pb2_grpc.EncoderServiceStub(ch)
         answers = {}
         for codes in (True, False):
-            sent = encode_request(job_of(prompt), [0, 1], {}, codes=codes)
-            response: encoder_service_pb2.EncodeResponse = await stub.Encode(
-                sent.request, timeout=60
-            )
-            assert [it.content_hash for it in response.items] == [sent.hashes[0], sent.hashes[1]]
+            if codes:
+                request = encode_request(job_of(prompt), [0, 1], {})
+                hashes = {i: prompt.params.items[i].content_hash for i in (0, 1)}
+            else:
+                request, hashes = old_router_request(prompt, [0, 1])
+            response: encoder_service_pb2.EncodeResponse = await stub.Encode(request, timeout=60)
+            assert [it.content_hash for it in response.items] == [hashes[0], hashes[1]]
             answers[codes] = [
                 [tensor_from_ref(ref) for ref in (it.rows, *it.deepstack)] for it in response.items
             ]
@@ -155,45 +188,6 @@ async def test_both_forms_encode_to_the_same_rows(
         assert len(with_codes) == len(with_values) > 1
         for a, b in zip(with_codes, with_values, strict=True):
             assert torch.equal(a, b)
-
-
-async def test_the_encode_stage_sends_values_to_an_encoder_without_the_capability(
-    encoder: RoleServer[EncoderServicer], processor: Processor, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same encoder registered twice, as a new and as an old one: the stage sends codes
-    to the first and values to the second, and hands prefill the same embeddings."""
-    dtypes: list[torch.dtype] = []
-
-    def recording(request: encoder_service_pb2.EncodeRequest, *args: Any, **kw: Any) -> Any:
-        dtypes.extend(tensor_from_ref(it.pixel_values).dtype for it in request.items)
-        return parse_request(request, *args, **kw)
-
-    monkeypatch.setattr(encoder_server, "parse_request", recording)
-    prompt = image_and_video(processor, 5)
-    peers = PeerClient(credentials=cluster_credentials())
-    embeddings = {}
-    try:
-        for capabilities in ([PATCH_CODES, EMBEDDING_DIGESTS], [EMBEDDING_DIGESTS]):
-            registry = Registry(worker_timeout_s=1e9, heartbeat_interval_s=1.0)
-            info = registry_service_pb2.WorkerInfo(
-                role=role_to_proto(Role.ENCODER),
-                address=encoder.address,
-                model="m",
-                protocol_version="epd.v1",
-                name="encoder-0",
-                capabilities=capabilities,
-            )
-            assert takes_codes(info) == (PATCH_CODES in capabilities)
-            registry.register(info)
-            stage = EncodeStage(WorkerCalls(registry), peers, max_inline_embedding_bytes=1 << 30)
-            encoded = await stage.encode(job_of(prompt), [0, 1])
-            embeddings[PATCH_CODES in capabilities] = [
-                emb.SerializeToString() for emb in encoded.embeddings
-            ]
-    finally:
-        await peers.close()
-    assert dtypes == [torch.uint8] * 2 + [torch.float32] * 2
-    assert embeddings[True] == embeddings[False]
 
 
 def test_a_one_patch_video_is_encoded_one_way_whether_partitioned_or_not(
@@ -209,7 +203,7 @@ def test_a_one_patch_video_is_encoded_one_way_whether_partitioned_or_not(
     assert prompt.settings is not None and prompt.grid_thw[0][0] == 1
     fingerprint = prompt.settings.fingerprint()
     vision = Qwen3VLConfig.from_file(ckpt).vision
-    sent = encode_request(job_of(prompt), [0], {}, codes=False).request
+    sent, _ = old_router_request(prompt, [0])
     (partitioned,) = parse_request(sent, vision, fingerprint)
     item = sent.items[0]
     rows = tensor_from_ref(item.pixel_values)
@@ -233,7 +227,7 @@ def test_a_video_sent_whole_is_encoded_as_one_partition_spanning_it(
     assert prompt.settings is not None and prompt.grid_thw[0][0] == 2
     fingerprint = prompt.settings.fingerprint()
     vision = Qwen3VLConfig.from_file(ckpt).vision
-    sent = encode_request(job_of(prompt), [0], {}, codes=False).request
+    sent, _ = old_router_request(prompt, [0])
     item = sent.items[0]
     rows = tensor_from_ref(item.pixel_values)
     grid = tuple(item.grid_thw)
@@ -262,7 +256,7 @@ def test_an_image_sent_with_partitions_is_refused(ckpt: Path, processor: Process
     assert prompt.settings is not None
     fingerprint = prompt.settings.fingerprint()
     vision = Qwen3VLConfig.from_file(ckpt).vision
-    sent = encode_request(job_of(prompt), [0], {}, codes=False).request
+    sent, _ = old_router_request(prompt, [0])
     item = sent.items[0]
     rows = tensor_from_ref(item.pixel_values)
     item.partitions.add(
