@@ -71,3 +71,38 @@ def test_descriptors_on_two_devices_are_refused() -> None:
     h = good()
     h.blocks[0].device_id = 1
     assert "kv.blocks" in refused(h)
+
+
+def test_too_many_digests_are_refused() -> None:
+    # Without this check (and the two below) every test passed (mutation review, s36).
+    h = good()
+    h.block_digests.append(DIGEST)
+    assert "kv.block_digests" in refused(h)
+
+
+def test_an_unknown_memory_kind_is_refused() -> None:
+    h = good()
+    h.memory_kind = cast(Any, 99)
+    assert "kv.memory_kind" in refused(h)
+
+
+async def test_an_agent_name_not_its_metadatas_is_refused_before_any_read() -> None:
+    # The name is whom the lease is confirmed with: a handle naming one agent and carrying
+    # another's metadata must not be READ from the other.
+    from common.kv.allocator import ImportPlan
+    from common.kv_pull import pull
+
+    agent = types.SimpleNamespace(peers={"a"}, add_peer=lambda metadata: "someone-else")
+    plan = ImportPlan(blocks=[0, 1, 2], pull=[0, 1, 2], reused=[])
+    with pytest.raises(RpcStatusError) as info:
+        await pull(
+            cast(Any, agent),
+            cast(Any, None),
+            good(),
+            plan,
+            timeout_s=1.0,
+            on_orphan=lambda: None,
+            on_quarantine=lambda e: None,
+        )
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "kv.agent_name" in str(info.value)

@@ -268,3 +268,21 @@ def test_an_image_sent_with_partitions_is_refused(ckpt: Path, processor: Process
     with pytest.raises(MultimodalLayoutError) as refused:
         parse_request(sent, vision, fingerprint)
     assert refused.value.field == "partitions"
+
+
+def test_a_wrong_item_hash_of_a_whole_partitioned_video_is_refused(
+    ckpt: Path, processor: Processor
+) -> None:
+    # Of a video sent whole with its partitions, the item's hash is checked against the
+    # partitions' too, never echoed unchecked: nothing pinned it (mutation review, s36).
+    prompt = image_and_video(processor, 3)
+    assert prompt.settings is not None
+    fingerprint = prompt.settings.fingerprint()
+    vision = Qwen3VLConfig.from_file(ckpt).vision
+    sent = encode_request(job_of(prompt), [1], {})
+    assert sent.items[0].partitions  # the video, all its rows, with partitions
+    parse_request(sent, vision, fingerprint)  # as sent: taken
+    sent.items[0].content_hash = b"\x11" * 32
+    with pytest.raises(MultimodalLayoutError) as refused:
+        parse_request(sent, vision, fingerprint)
+    assert refused.value.field == "content_hash"

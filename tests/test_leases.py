@@ -126,3 +126,30 @@ def test_a_release_of_an_id_no_lease_could_have_bars_nothing() -> None:
     assert len(table._barred) == 0
     table.pop_or_bar("fine-id")
     assert list(table._barred) == ["fine-id"]
+
+
+async def test_a_lease_made_under_a_due_ones_id_while_the_reaper_runs_is_kept() -> None:
+    # The reaper frees due leases one at a time, awaiting each: a lease released meanwhile
+    # and made anew under its id (ids are the caller's) must not be freed with the old
+    # one's turn. Nothing pinned it (mutation review, s36).
+    clock = Clock()
+    table: LeaseTable[str] = LeaseTable(1.0, clock)
+    table.add("a", lease_id="a")
+    table.add("b", lease_id="b")
+    clock.now += 1.0  # both due
+    freed: list[str] = []
+    made = asyncio.Event()
+
+    async def on_expire(lease: leases.Lease[str]) -> None:
+        freed.append(lease.held)
+        if lease.held == "a":  # b's reader releases it; a new lease takes its id
+            assert table.pop("b") is not None
+            table.add("b2", lease_id="b")
+            made.set()
+
+    table.start_reaper(on_expire, interval_s=0.01)
+    async with asyncio.timeout(2):
+        await made.wait()
+    await asyncio.sleep(0.05)
+    await table.stop_reaper()
+    assert freed == ["a"] and "b" in table  # the new lease "b" lives on

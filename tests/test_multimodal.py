@@ -99,8 +99,10 @@ def test_numpy_inputs_accepted() -> None:
         ({"hashes": [H0, b"short"]}, "mm_hashes", 1),
         ({"uuids": ["a", ""]}, "mm_uuids", 1),
         ({"uuids": ["a", "u" * 257]}, "mm_uuids", 1),  # every block key hashes it
-        # position must be the first run's start
+        # position must be the first run's start: after it, or before it (that case
+        # unpinned, mutation review, s36)
         ({"positions": [3, 10]}, "mm_positions", 0),
+        ({"positions": [1, 10]}, "mm_positions", 0),
         # non-integer values
         ({"run_positions": [2.0, 8.0, 10.0]}, "run_positions", None),
     ],

@@ -50,6 +50,17 @@ def test_what_no_full_block_hash_covers_changes_the_prompt_digest(tokens, one, o
     assert prompt_digest(tokens, one) != prompt_digest(tokens, other)
 
 
+def test_every_run_of_an_item_in_the_partial_block_counts_in_the_prompt_digest() -> None:
+    # One video item of 3 rows: its first run at 1 (a full block), the rest in the partial
+    # block, split two ways. With only the first run digested every test passed (mutation
+    # review, s36).
+    tokens = [1, PAD, 3, 4, 5, 6, 7, 8, PAD, PAD]
+    one = MultimodalItemMetadata(A, ((1, 1), (8, 2)), Modality.VIDEO)
+    other = MultimodalItemMetadata(A, ((1, 1), (8, 1), (9, 1)), Modality.VIDEO)
+    assert block_hashes(tokens, BS, params(one)) == block_hashes(tokens, BS, params(other))
+    assert prompt_digest(tokens, params(one)) != prompt_digest(tokens, params(other))
+
+
 def test_salt_and_lora_change_the_prompt_digest_of_a_prompt_shorter_than_a_block() -> None:
     short = [1, 2, 3]
     assert block_hashes(short, BS) == []

@@ -12,6 +12,7 @@ The router uses the real processor of a tiny checkpoint.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 from typing import Any
 
@@ -252,13 +253,15 @@ class Cluster:
 async def start_router(ckpt: Any, **overrides: Any) -> Cluster:
     """The router of these tests (settings `overrides` on top), no workers yet."""
     settings = RouterSettings(
-        model=str(ckpt),
-        port=0,
-        http_port=-1,
-        expected_model=MODEL,
-        worker_timeout_s=60.0,
-        security=cluster_security(),
-        **overrides,
+        **{
+            "model": str(ckpt),
+            "port": 0,
+            "http_port": -1,
+            "expected_model": MODEL,
+            "worker_timeout_s": 60.0,
+            "security": cluster_security(),
+        }
+        | overrides
     )
     return Cluster(await serve(settings))
 
@@ -320,6 +323,28 @@ def prompt_hashes(cluster: Cluster, messages: Any) -> tuple[Any, list[bytes]]:
         prompt.prompt_token_ids, 16, prompt.params, cache_salt=salt, root=layout_root(layout)
     )
     return prompt, hashes
+
+
+async def test_a_tenants_cache_epoch_salts_everything_it_sends(ckpt, tmp_path) -> None:
+    # A new epoch is how an operator leaves a tenant's caches behind (its name given to
+    # someone else): with the router salting without it every test passed (mutation review).
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[[keys]]\nkey = "{CLIENT_KEY}"\ntenant = "tenant-a"\ncache_epoch = "7"\n')
+    keys.chmod(0o600)
+    security = dataclasses.replace(cluster_security(), api_keys_file=str(keys))
+    cluster = await start_router(ckpt, security=security)
+    try:
+        enc, pre = FakeEncoder(), FakePrefill()
+        await cluster.add(Role.ENCODER, enc)
+        await cluster.add(Role.PREFILL, pre)
+        await cluster.add(Role.DECODE, FakeDecode())
+        await cluster.client.generate_text(IMAGE, SamplingParams(max_tokens=2))
+    finally:
+        await cluster.close()
+    key = cluster_security().cluster_key()
+    want = tenant_salt(key, "tenant-a", None, "7")
+    assert want != tenant_salt(key, "tenant-a", None)
+    assert pre.requests[-1].cache_salt == want and enc.requests[-1].cache_salt == want
 
 
 # ------------------------------------------------------------------------------- text

@@ -214,8 +214,9 @@ class LeaseTable(Generic[T]):
             await asyncio.sleep(period)
             now = self.clock()
             due = [lease.lease_id for lease in self._leases.values() if lease.expires_at <= now]
-            # One at a time: a lease stays in the table until its turn, so one released or
-            # renewed meanwhile is not freed, and stopping the reaper mid-way leaves the rest
+            # One at a time: a lease stays in the table until its turn, so one released
+            # meanwhile, or made anew under a released one's id (a caller-chosen id), is not
+            # freed, and stopping the reaper mid-way leaves the rest
             # to `pop_all` (a worker's shutdown frees them) instead of losing them.
             for lease_id in due:
                 lease = self._leases.get(lease_id)
