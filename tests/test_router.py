@@ -252,17 +252,15 @@ class Cluster:
 
 async def start_router(ckpt: Any, **overrides: Any) -> Cluster:
     """The router of these tests (settings `overrides` on top), no workers yet."""
-    settings = RouterSettings(
-        **{
-            "model": str(ckpt),
-            "port": 0,
-            "http_port": -1,
-            "expected_model": MODEL,
-            "worker_timeout_s": 60.0,
-            "security": cluster_security(),
-        }
-        | overrides
-    )
+    base: dict[str, Any] = {
+        "model": str(ckpt),
+        "port": 0,
+        "http_port": -1,
+        "expected_model": MODEL,
+        "worker_timeout_s": 60.0,
+        "security": cluster_security(),
+    }
+    settings = RouterSettings(**(base | overrides))
     return Cluster(await serve(settings))
 
 
