@@ -12,7 +12,7 @@ import enum
 # What a worker says in `WorkerInfo.protocol_version`; the router refuses any other.
 PROTOCOL_VERSION = "epd.v1"
 # What an encoder lists in `WorkerInfo.capabilities` when it takes uint8 patch codes as
-# `EncodeItem.pixel_values`; a router sends float32 values to one without it.
+# `EncodeItem.pixel_values` (every router sends them; it refuses an encoder without it).
 PATCH_CODES = "patch-codes"
 # What a prefill and a decode worker list: their KV handles carry, and they check, block
 # digests and the cluster's signature (trusted KV, DESIGN §4). A router refuses a KV worker

@@ -40,7 +40,7 @@ from common.server.rpc import RpcStatusError
 from common.transfer.agent import TransferAgent
 from common.transfer.types import TransferDigestError, TransferError, TransferRefusedError
 from common.wire.convert import torch_dtype
-from common.wire.transfer import read_tensor
+from common.wire.transfer import HandleWithoutDigestError, read_tensor
 from epd.v1 import multimodal_pb2, tensor_pb2
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,13 @@ class EmbeddingPulls:
             )
         except TransferRefusedError as exc:
             raise MultimodalLayoutError(field, f"cannot pull embeddings: {exc}") from None
+        except HandleWithoutDigestError:  # not the caller's doing: an encoder too old
+            raise RpcStatusError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{field}: the encoder that lent it sent no digest of the bytes (a version "
+                "from before this prefill worker's floor): upgrade encoders before prefill "
+                "workers (docs/compatibility.md)",
+            ) from None
         except TransferDigestError as exc:
             with self._lock:
                 self.digest_failures += 1

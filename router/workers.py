@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from common.kv.layout import KvLayout
-from common.roles import EMBEDDING_DIGESTS, KV_ROLES, SIGNED_KV, Role
+from common.roles import EMBEDDING_DIGESTS, KV_ROLES, PATCH_CODES, SIGNED_KV, Role
 from epd.v1 import registry_service_pb2
 
 # A worker suspected again within this many seconds of its mark's clearing is held suspect
@@ -90,16 +90,21 @@ def rendezvous_weight(key: bytes, name: str) -> int:
 def check_capabilities(role: Role, info: registry_service_pb2.WorkerInfo) -> None:
     """RegistrationRefused unless a worker says it binds the bytes it lends to its handles:
     a KV worker signs and checks KV handles (`SIGNED_KV`), an encoder's handles carry their
-    bytes' digest (`EMBEDDING_DIGESTS`). Versions from before either are refused
+    bytes' digest (`EMBEDDING_DIGESTS`), and it takes the uint8 patch codes every router
+    sends (`PATCH_CODES`, older than digests). Versions from before are refused
     (docs/compatibility.md)."""
-    needed = SIGNED_KV if role in KV_ROLES else EMBEDDING_DIGESTS
-    what = "signs and checks KV handles" if role in KV_ROLES else "its handles carry digests"
-    if needed not in info.capabilities:
-        raise RegistrationRefused(
-            f"{role} worker {info.address} does not say {what} (no {needed!r} capability: a "
-            "version older than this router's floor, docs/compatibility.md); upgrade workers "
-            "before routers"
-        )
+    needed = (
+        {SIGNED_KV: "signs and checks KV handles"}
+        if role in KV_ROLES
+        else {PATCH_CODES: "takes patch codes", EMBEDDING_DIGESTS: "its handles carry digests"}
+    )
+    for capability, what in needed.items():
+        if capability not in info.capabilities:
+            raise RegistrationRefused(
+                f"{role} worker {info.address} does not say {what} (no {capability!r} "
+                "capability: a version older than this router's floor, docs/compatibility.md); "
+                "upgrade workers before routers"
+            )
 
 
 def said_dtype(info: registry_service_pb2.WorkerInfo, layout: KvLayout | None) -> str:

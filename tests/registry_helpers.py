@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from common.roles import EMBEDDING_DIGESTS, SIGNED_KV, Role
+from common.roles import EMBEDDING_DIGESTS, PATCH_CODES, SIGNED_KV, Role
 from common.wire.roles import role_to_proto
 from epd.v1 import kv_pb2, registry_service_pb2, tensor_pb2
 from router.registry import Registry
@@ -47,8 +47,8 @@ def info(role: Role, port: int, **overrides) -> registry_service_pb2.WorkerInfo:
         protocol_version=overrides.pop("protocol_version", "epd.v1"),
         name=f"{role}-{port}",
     )
-    needed = EMBEDDING_DIGESTS if role == Role.ENCODER else SIGNED_KV
-    msg.capabilities.extend(overrides.pop("capabilities", [needed]))
+    needed = [PATCH_CODES, EMBEDDING_DIGESTS] if role == Role.ENCODER else [SIGNED_KV]
+    msg.capabilities.extend(overrides.pop("capabilities", needed))
     if role != Role.ENCODER:
         msg.kv_layout.CopyFrom(overrides.pop("kv_layout", layout()))
     msg.dtype = overrides.pop("dtype", "")

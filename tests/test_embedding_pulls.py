@@ -255,6 +255,23 @@ def test_a_bad_handle_is_invalid_argument_naming_the_field(
     encoders[0].ask(cmd="release", lease_ids=[handle.lease_id])
 
 
+def test_a_handle_without_a_digest_names_the_encoder_not_the_caller(
+    encoders: list[Encoder], reader: TransferAgent
+) -> None:
+    # An encoder from before digests, behind a router that still takes it: INVALID_ARGUMENT
+    # blamed a field the client never sent, and the client took it as its own fault
+    # (ownfix review, s36). Nothing is READ.
+    (handles,) = encoders[0].export([100])
+    bare = tensor_pb2.TransferHandle()
+    bare.CopyFrom(handles[1])
+    bare.ClearField("digest")
+    with pytest.raises(RpcStatusError) as info:
+        _resolve(reader, _ref(bare, [output_rows(100), HIDDEN]), "embeddings[0].deepstack")
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "embeddings[0].deepstack" in str(info.value) and "upgrade encoders" in str(info.value)
+    encoders[0].ask(cmd="release", lease_ids=[handles[1].lease_id])
+
+
 def test_a_range_reused_after_its_lease_ended_is_not_read_as_the_old_output(
     encoders: list[Encoder], reader: TransferAgent
 ) -> None:

@@ -18,7 +18,7 @@ import pytest
 from common.kv.hashing import block_hashes
 from common.models.qwen3_vl.preprocessor import ProcessorSettings, partition_keys_exact
 from common.processing.processor import ProcessedPrompt, Processor
-from common.roles import EMBEDDING_DIGESTS, Role
+from common.roles import EMBEDDING_DIGESTS, PATCH_CODES, Role
 from common.sampling import SamplingParams
 from common.wire.roles import role_to_proto
 from epd.v1 import registry_service_pb2
@@ -165,7 +165,7 @@ def test_a_video_with_frames_appended_meets_the_same_encoder(processor: Processo
                 model="m",
                 protocol_version="epd.v1",
                 name=f"encoder-{port}",
-                capabilities=[EMBEDDING_DIGESTS],
+                capabilities=[PATCH_CODES, EMBEDDING_DIGESTS],
             )
         )
     stage = EncodeStage(WorkerCalls(registry), channels=None, max_inline_embedding_bytes=0)  # type: ignore[arg-type]

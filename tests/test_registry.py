@@ -61,7 +61,10 @@ def test_an_encoder_whose_handles_carry_no_digest_is_refused(registry: Registry)
     with pytest.raises(RegistrationRefused, match="no 'embedding-digests' capability"):
         registry.register(info(Role.ENCODER, 1, capabilities=["patch-codes", "nixl"]))
     assert registry.workers() == []
-    registry.register(info(Role.ENCODER, 2))  # a current one says so
+    # Every router sends patch codes: one that does not take them is refused too.
+    with pytest.raises(RegistrationRefused, match="no 'patch-codes' capability"):
+        registry.register(info(Role.ENCODER, 3, capabilities=["embedding-digests"]))
+    registry.register(info(Role.ENCODER, 2))  # a current one says both
 
 
 def test_kv_layout_must_match_the_first_kv_worker(registry: Registry) -> None:

@@ -94,6 +94,10 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     return block_digests(tensor.reshape(-1).view(torch.int8).view(1, -1))[0]
 
 
+class HandleWithoutDigestError(ValueError):
+    """A handle that lends bytes without their digest: its holder predates digests."""
+
+
 def read_tensor(
     handle: tensor_pb2.TransferHandle,
     dtype: torch.dtype,
@@ -116,13 +120,14 @@ def read_tensor(
     the holder's metadata cannot be loaded or the range lies outside memory it registered;
     the errors of `TransferAgent.read` otherwise (TransferError, TransferTimeoutError:
     the holder is unreachable, gone, or failed the READ); and TransferDigestError when the
-    bytes READ do not match the handle's digest (a handle without one is refused, ValueError).
+    bytes READ do not match the handle's digest (a handle without one is refused before any
+    READ: `HandleWithoutDigestError`, a ValueError).
     """
     nbytes = _checked_nbytes(handle, dtype, shape)
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     if not handle.digest:  # nothing would tell a reused range's bytes from those lent
-        raise ValueError("transfer handle carries no digest of the bytes it lends")
+        raise HandleWithoutDigestError("transfer handle carries no digest of the bytes it lends")
     metadata = handle.agent_metadata
     try:
         peer = agent.add_peer(metadata)
