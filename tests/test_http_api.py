@@ -275,35 +275,6 @@ async def test_affinity_slacks_reach_the_routing_they_set(ckpt: Path) -> None:
         await fake.close()
 
 
-async def test_an_answer_that_starts_after_the_drain_began_says_close() -> None:
-    # Decided as the request came: one under way at SIGTERM answered without it, and the
-    # keep-alive client's next request on that connection got a 503 (s35diff review, s36).
-    from router.http.connections import CloseWhileDraining
-
-    draining = False
-    sent: list[dict[str, Any]] = []
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"a", b"1")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    async def late_answer(scope: Any, receive: Any, send: Any) -> None:
-        nonlocal draining
-        draining = True  # SIGTERM while the answer was being made
-        await app(scope, receive, send)
-
-    wrapped = CloseWhileDraining(late_answer, lambda: draining)
-    await wrapped({"type": "http"}, None, send)
-    assert sent[0]["headers"] == [(b"a", b"1"), (b"connection", b"close")]
-    sent.clear()
-    draining = False
-    await CloseWhileDraining(app, lambda: draining)({"type": "http"}, None, send)
-    assert sent[0]["headers"] == [(b"a", b"1")]  # not draining: as the app said
-
-
 async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
     await add_workers(fake)
     url = url_of(fake)

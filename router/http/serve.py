@@ -62,6 +62,7 @@ async def start_http(running: RunningRouter, settings: RouterSettings, path: Pat
         draining=lambda: running.lifecycle.draining,
     )
     await http.start()
+    running.lifecycle.on_drain.append(http.close_after_answers)
     running.cleanup.insert(0, http.stop)
     running.http_address = http.address
     logger.info("HTTP API (OpenAI-compatible) on http://%s serving %s", http.address, model_id)

@@ -83,6 +83,16 @@ class HttpServer:
         if self._task.done():
             self._task.result()  # raises what stopped it
 
+    async def close_after_answers(self) -> None:
+        """The drain began: every connection whose answer is under way closes once it has
+        ended. A streamed answer's head went out before the drain, without `Connection:
+        close` (`CloseWhileDraining`): kept alive, its client's next request on it got 503
+        where a new connection would reach another router (ownfix review)."""
+        for connection in self._server.server_state.connections:
+            cycle = getattr(connection, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                cycle.keep_alive = False  # uvicorn closes it once the answer is sent
+
     async def stop(self) -> None:
         """Stop serving (open streams get a second), then close the socket."""
         self._server.should_exit = True
