@@ -360,7 +360,7 @@ class Client:
         try:
             admin = admin_service_pb2_grpc.AdminServiceStub(self._channels[0])
             response: admin_service_pb2.StatusResponse = await admin.Status(
-                admin_service_pb2.StatusRequest(), timeout=timeout_s
+                admin_service_pb2.StatusRequest(), timeout=checked_timeout(timeout_s)
             )
         except grpc.aio.AioRpcError as exc:
             raise GenerateError.of(exc) from None
