@@ -67,7 +67,7 @@ class MediaCost:
         self, frames: int, fps: float, width: int, height: int, field: str, alone: bool = False
     ) -> None:
         """Count one video of `frames` frames (given, or its header's sample times) of
-        `width` x `height` at `fps`, processed beside what its last frame took for a while
+        `width` x `height` at `fps`, processed beside the most one frame took for a while
         (frames given as images) or `alone` (a file's); `LimitError` naming `field` as for
         `image`, or for a frame shape the processor would refuse."""
         s = self.settings

@@ -124,11 +124,14 @@ def test_many_tiny_images_are_refused_from_their_headers_without_decoding(
     # wire) took 37 s and 2.6 GB of the router's memory before the context check refused them.
     dot = png(1, 1)
     loads.clear()  # saving the PNG decoded it; the request must decode nothing
-    context = processor.config.text.max_position_embeddings
+    # A router's max_model_len below the checkpoint's context (which it defaults to) keeps
+    # the request at 2,049 images: opening 32,769 PNG headers took 11 s of the suite.
+    context = 2048
+    assert RouterSettings().input_limits(context * 16).max_model_len == context * 16
     cost = MediaCost(processor.settings, InputLimits(), MediaBudget(InputLimits()))
     cost.image(1, 1, "image")
     count = context // cost.tokens + 1
-    err = refused(prepare(), request(*[image(dot)] * count))
+    err = refused(prepare(max_model_len=context), request(*[image(dot)] * count))
     assert "media alone take" in str(err) and err.field.endswith(".image.data")
     assert loads == []  # nothing decoded
 
@@ -333,6 +336,37 @@ def test_a_videos_frames_count_the_most_one_frame_takes_for_a_while() -> None:
     budget.add(10, 10, "image", 4, 0)
     budget.briefly(10, "image")
     assert budget.transient == 100 * 100 * 8 + 1000  # the request's most stays
+
+
+@pytest.mark.parametrize("big", ["image", "frames"])
+def test_what_an_item_takes_for_a_while_is_its_own_in_any_order(
+    processor: Processor, big: str
+) -> None:
+    # Each item begins its own count: without it, a big plain item after a small one with
+    # transparency was counted with the other's RGB conversion, and a request reserved
+    # more in one order than in the other (ownfix review, s36).
+    from epd.request import build_request
+    from router.inputs import messages_from_proto
+
+    rgba = io.BytesIO()
+    Image.new("RGBA", (96, 96)).save(rgba, "PNG")  # more for a while than it keeps
+    rng = np.random.default_rng(3)
+    plain = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(plain, "PNG")
+    part: dict[str, Any] = (
+        {"type": "image", "image": plain.getvalue()}
+        if big == "image"
+        else {"type": "video", "video": [plain.getvalue()] * 2, "fps": 2.0}
+    )
+
+    def reserved(*parts: dict[str, Any]) -> int:
+        got: list[int] = []
+        request = build_request([{"role": "user", "content": [*parts]}])
+        messages_from_proto(request.messages, processor=processor, reserve=got.append)
+        return got[0]
+
+    small = {"type": "image", "image": rgba.getvalue()}
+    assert reserved(small, part) == reserved(part, small)
 
 
 # ------------------------------------------------------------------ user text is text
