@@ -1,8 +1,8 @@
-"""The router's `EncodeRequest` in the form its encoder takes (`router.encode_request`):
-uint8 patch codes for an encoder that lists `PATCH_CODES`, float32 values with the hashes
-made from them for one from before codes. Both forms are checked by the real encoder's
-`parse_request` and encoded by a real encoder worker to the same bits; the encode stage
-picks the form by the encoder's registration."""
+"""The router's `EncodeRequest` (`router.encode_request`): uint8 patch codes named by their
+content hashes, checked by the real encoder's `parse_request`. Encoders still take what a
+router from before codes sent (float32 values and the hashes made of them,
+`old_router_request`): checked the same and encoded by a real encoder worker to the same
+bits."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def test_tensor_handle_round_trip(
     with pytest.raises(TransferDigestError):
         read_tensor(other, torch.float32, TENSOR_SHAPE, agent)
     other.ClearField("digest")
-    registered = []
+    registered: list[Any] = []
     monkeypatch.setattr(agent, "register", registered.append)
     with pytest.raises(ValueError, match="no digest"):
         read_tensor(other, torch.float32, TENSOR_SHAPE, agent)

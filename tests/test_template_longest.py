@@ -60,4 +60,5 @@ def test_tokens_nested_as_deep_as_taken_compile_from_a_deep_caller() -> None:
     def deep(frames: int) -> re.Pattern[str]:
         return deep(frames - 1) if frames else re.compile(longest_of(tokens))
 
-    assert deep(400).match("x" * (MAX_NESTING + 5))[0] == "x" * MAX_NESTING
+    matched = deep(400).match("x" * (MAX_NESTING + 5))
+    assert matched is not None and matched[0] == "x" * MAX_NESTING
