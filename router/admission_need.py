@@ -3,8 +3,9 @@ and the request that can never fit.
 
 Need: `blocks_for(prompt)` on a prefill worker, held from prefill until the decode worker
 has pulled them (its first chunk); `blocks_for(prompt + max_tokens - 1)` on a decode worker,
-held until the stream ends. That is what the workers allocate, before prefix reuse, so the
-estimate never falls short.
+held until the stream ends, none for an answer of one token (prefill makes it; no decode
+runs). That is what the workers allocate, before prefix reuse, so the estimate never falls
+short.
 
 Never fits: a request needing more blocks than the largest worker of a role has in all is
 refused at once (`TooLarge`: RESOURCE_EXHAUSTED naming the sizes; waiting cannot help). A
@@ -38,6 +39,8 @@ class Need:
         """KV blocks the request holds on a worker of `role` (see the module docstring)."""
         if role == Role.PREFILL:
             return blocks_for(self.prompt_tokens, self.block_size)
+        if self.max_tokens == 1:  # the prefill worker's token is the answer
+            return 0
         return blocks_for(self.prompt_tokens + self.max_tokens - 1, self.block_size)
 
     def too_large(self, role: Role, capacities: Sequence[int | None]) -> TooLarge | None:
@@ -50,7 +53,6 @@ class Need:
         if self.blocks(role) <= largest:
             return None
         extra = f" + max_tokens {self.max_tokens}" if role == Role.DECODE else ""
-        extra = "" if self.max_tokens == 1 else extra  # the prompt alone is too large
         refusal = TooLarge(
             f"the request needs {self.blocks(role)} KV blocks of {self.block_size} tokens on "
             f"a {role} worker (prompt {self.prompt_tokens}{extra} tokens); the largest {role} "

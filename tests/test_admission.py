@@ -93,6 +93,9 @@ def test_need_is_what_the_workers_allocate() -> None:
     assert need.blocks(Role.PREFILL) == 3  # 9 prompt slots
     assert need.blocks(Role.DECODE) == 3  # 9 + 3 slots: the last token is never written
     assert Need(9, 5, 4).blocks(Role.DECODE) == 4
+    # One token is prefill's alone: a prompt larger than every decode pool was refused
+    # (edges review, s36), and decode blocks were held for it while it prefilled.
+    assert Need(9, 1, 4).blocks(Role.DECODE) == 0
 
 
 async def test_a_request_that_fits_is_admitted_at_once_and_reserved_on_both_roles() -> None:
@@ -126,6 +129,15 @@ async def test_a_request_that_can_never_fit_is_refused_at_once(
     assert not isinstance(err.value, Refused)  # no back-off: it cannot help
     assert err.value.trailing_metadata == (("epd-field", field),)  # the only refusal naming none
     assert adm.refused["never_fits"] == 1 and adm.stats().queued == 0
+
+
+async def test_one_token_fits_any_decode_pool_and_two_do_not() -> None:
+    adm = make(deployment(prefill=(20,), decode=(12,)))  # 80 and 48 tokens
+    ticket = await admit(adm, prompt=60, max_tokens=1)
+    assert adm.reserved("prefill-0:1") == 15 and adm.reserved("decode-0:1") == 0
+    adm.release(ticket)
+    with pytest.raises(RouterError, match="needs 16 KV blocks of 4 tokens on a decode worker"):
+        await admit(adm, prompt=60, max_tokens=2)
 
 
 async def test_a_worker_gone_between_the_room_check_and_the_pick_reserves_nothing() -> None:

@@ -23,9 +23,10 @@ from router.workers import WorkerLoad
 from tests.test_admission import FAR, deployment, info, make, pick, settle
 
 
-def of(adm: Admission, tenant: str, prompt: int, max_tokens: int = 1) -> Any:
-    """`admit` of `prompt` tokens for `tenant` (blocks of 4 tokens)."""
-    return adm.admit(prompt, max_tokens, time.monotonic() + FAR, pick(adm.registry), tenant)
+def of(adm: Admission, tenant: str, tokens: int) -> Any:
+    """`admit` for `tenant` of a request holding `tokens` tokens' blocks (of 4) on each role:
+    a prompt one token short, and two tokens asked (one token alone needs no decode)."""
+    return adm.admit(tokens - 1, 2, time.monotonic() + FAR, pick(adm.registry), tenant)
 
 
 def test_a_tenant_is_over_its_share_only_while_another_waits_and_it_holds_some() -> None:
