@@ -104,6 +104,7 @@ class MediaCost:
         if context is not None and self.tokens >= context:
             raise LimitError(
                 field,
-                f"the request's media alone take {self.tokens} prompt tokens once processed, "
-                f"more than the model's context of {context} tokens",
+                f"the request's media alone take {self.tokens} prompt tokens once processed; "
+                f"the model's context is {context} tokens, and the prompt's text and at least "
+                "one generated token must fit too",
             )

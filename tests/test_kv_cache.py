@@ -46,6 +46,14 @@ def test_spec_rejects_bad_sizes(field):
         KvCacheSpec(1, 1, 1, 1, "float32", 1)
 
 
+def test_a_pool_the_device_cannot_hold_is_refused_naming_num_blocks():
+    # torch's own words (an allocator traceback) named no setting (edges review, s36).
+    from common.kv.cache import KvPoolTooLarge
+
+    with pytest.raises(KvPoolTooLarge, match=r"num_blocks: a KV pool of 1000000000000 blocks"):
+        PagedKvCache(make_spec(num_blocks=10**12))  # 256 TiB
+
+
 def test_buffer_is_one_contiguous_block_major_tensor():
     spec = make_spec()
     cache = PagedKvCache(spec)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.settings.schema import SettingsError
+
 #: Dimension order of the buffer, outermost first (see the module docstring).
 KV_LAYOUT = "block-major/layer,kv,token,head,dim"
 
@@ -109,6 +111,11 @@ class KvCacheSpec:
         )
 
 
+class KvPoolTooLarge(SettingsError):
+    """A KV pool the device cannot hold (its message names `num_blocks`): a worker started
+    with it exits with that one line."""
+
+
 class PagedKvCache:
     """Owns the KV buffer described by a `KvCacheSpec`, and gives its blocks' addresses.
 
@@ -122,7 +129,14 @@ class PagedKvCache:
         # Where the buffer lives (host memory by default).
         self.device = torch.device(device)
         # The one contiguous block-major buffer; zero-filled so unused slots are defined.
-        self.buffer = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
+        try:
+            self.buffer = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
+        except RuntimeError as exc:  # torch's own words named no setting (edges review)
+            raise KvPoolTooLarge(
+                f"num_blocks: a KV pool of {spec.num_blocks} blocks of {spec.block_size} "
+                f"tokens ({spec.total_bytes / 2**30:.1f} GiB) cannot be allocated on "
+                f"{self.device}: lower num_blocks (or block_size)"
+            ) from exc
 
     # ---------------------------------------------------------------------------- addresses
 
