@@ -120,9 +120,11 @@ class EmbeddingPulls:
             )
         except TransferRefusedError as exc:
             raise MultimodalLayoutError(field, f"cannot pull embeddings: {exc}") from None
-        except HandleWithoutDigestError:  # not the caller's doing: an encoder too old
+        except HandleWithoutDigestError:  # the deployment's doing, not the caller's
+            # INTERNAL: FAILED_PRECONDITION would have the router send the items again and
+            # HTTP clients a 400 (ownfix review B).
             raise RpcStatusError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.INTERNAL,
                 f"{field}: the encoder that lent it sent no digest of the bytes (a version "
                 "from before this prefill worker's floor): upgrade encoders before prefill "
                 "workers (docs/compatibility.md)",
