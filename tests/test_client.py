@@ -212,6 +212,33 @@ async def test_a_request_is_sent_with_its_timeout_as_checked(given: float, sent:
     assert timeout is None if sent is None else timeout is not None and 0 < timeout <= sent
 
 
+@pytest.mark.parametrize(("given", "sent"), [(float("inf"), None), (1e12, 1e7)])
+async def test_status_is_asked_with_its_timeout_as_checked(
+    given: float, sent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import epd.client
+    from epd.v1 import admin_service_pb2
+
+    seen: list[float | None] = []
+
+    class Admin:
+        def __init__(self, channel: Any) -> None:
+            pass
+
+        async def Status(self, request: Any, timeout: Any = None) -> Any:
+            seen.append(timeout)
+            return admin_service_pb2.StatusResponse()
+
+    monkeypatch.setattr(epd.client.admin_service_pb2_grpc, "AdminServiceStub", Admin)
+    client = epd.client.Client("127.0.0.1:1", api_key="k")
+    try:
+        await client.status(timeout_s=given)
+    finally:
+        await client.close()
+    (timeout,) = seen
+    assert timeout is None if sent is None else timeout is not None and 0 < timeout <= sent
+
+
 def test_an_endless_or_huge_timeout_is_sent_as_one_grpc_can_carry() -> None:
     # 1e12 s overflowed gRPC's int64 nanoseconds: DEADLINE_EXCEEDED at once (clocks review).
     from common.settings.schema import MAX_SECONDS
