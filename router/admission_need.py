@@ -59,8 +59,9 @@ class Need:
             f"worker has {largest} in all",
             context=True,
         )
-        # What to make smaller: the tokens asked for where they count, else the prompt.
-        field = "sampling.max_tokens" if extra else "messages"
+        # What to make smaller: the prompt where it alone is too large, else the tokens asked.
+        alone = blocks_for(self.prompt_tokens, self.block_size) > largest
+        field = "messages" if role == Role.PREFILL or alone else "sampling.max_tokens"
         refusal.trailing_metadata = (("epd-field", field),)
         return refusal
 
@@ -70,14 +71,17 @@ def fit_to_decode(
 ) -> int:
     """A default `max_tokens` (the caller set none) cut to what the largest of the decode
     workers' pools (`capacities`, in blocks; None: not heartbeated: unchanged then) holds
-    beside the prompt, at least 1: a chat that sets no length is answered as far as it can
-    be, not refused for a length it never asked for. Not cut to the room free now: under
-    load that would cut ordinary answers short, where waiting for blocks serves them whole
-    (one that needs the whole pool waits for it, as an asked-for length would)."""
+    beside the prompt: a chat that sets no length is answered as far as it can be, not
+    refused for a length it never asked for. Not cut to the room free now: under load that
+    would cut ordinary answers short, where waiting for blocks serves them whole (one that
+    needs the whole pool waits for it, as an asked-for length would). A prompt that alone
+    passes every pool keeps its length, and is refused naming `messages` (`Need.too_large`):
+    cut to one token, it was answered by prefill alone with that token (ownfix review B)."""
     if not capacities or None in capacities:
         return max_tokens
     largest = max(c for c in capacities if c is not None)
-    return max(1, min(max_tokens, largest * block_size - prompt_tokens + 1))
+    room = largest * block_size - prompt_tokens + 1
+    return max_tokens if room < 1 else min(max_tokens, room)
 
 
 def fitted_to_decode(

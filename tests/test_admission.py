@@ -132,12 +132,18 @@ async def test_a_request_that_can_never_fit_is_refused_at_once(
 
 
 async def test_one_token_fits_any_decode_pool_and_two_do_not() -> None:
+    from router.admission_need import fit_to_decode
+
     adm = make(deployment(prefill=(20,), decode=(12,)))  # 80 and 48 tokens
     ticket = await admit(adm, prompt=60, max_tokens=1)
     assert adm.reserved("prefill-0:1") == 15 and adm.reserved("decode-0:1") == 0
     adm.release(ticket)
     with pytest.raises(RouterError, match="needs 16 KV blocks of 4 tokens on a decode worker"):
         await admit(adm, prompt=60, max_tokens=2)
+    # The prompt alone passes the decode pool: a default length is not cut to one token.
+    with pytest.raises(RouterError) as err:
+        await admit(adm, prompt=60, max_tokens=fit_to_decode(16, 60, 4, [12]))
+    assert err.value.trailing_metadata == (("epd-field", "messages"),)
 
 
 async def test_a_worker_gone_between_the_room_check_and_the_pick_reserves_nothing() -> None:
@@ -269,4 +275,6 @@ def test_a_default_length_is_cut_to_the_largest_pool() -> None:
     assert fit_to_decode(1024, 100, block, [None, 64]) == 1024  # not heard of yet
     assert fit_to_decode(1024, 100, block, [128, 64]) == 1024  # fits: unchanged
     assert fit_to_decode(1024, 500, block, [64, 40]) == 64 * block - 500 + 1
-    assert fit_to_decode(1024, 5000, block, [64, 64]) == 1  # the prompt alone: refused later
+    # The prompt alone passes every pool: kept, and refused naming `messages` (cut to one
+    # token, prefill alone answered it with that token: ownfix review B).
+    assert fit_to_decode(1024, 5000, block, [64, 64]) == 1024
