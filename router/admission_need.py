@@ -52,6 +52,10 @@ class Need:
         largest = max(c for c in capacities if c is not None)
         if self.blocks(role) <= largest:
             return None
+        # The prompt where it leaves no room for a token of decode's, else the length asked.
+        alone = (
+            role == Role.PREFILL or blocks_for(self.prompt_tokens + 1, self.block_size) > largest
+        )
         extra = f" + max_tokens {self.max_tokens}" if role == Role.DECODE else ""
         refusal = TooLarge(
             f"the request needs {self.blocks(role)} KV blocks of {self.block_size} tokens on "
@@ -59,9 +63,7 @@ class Need:
             f"worker has {largest} in all",
             context=True,
         )
-        # What to make smaller: the prompt where it alone is too large, else the tokens asked.
-        alone = blocks_for(self.prompt_tokens, self.block_size) > largest
-        field = "messages" if role == Role.PREFILL or alone else "sampling.max_tokens"
+        field = "messages" if alone else "sampling.max_tokens"
         refusal.trailing_metadata = (("epd-field", field),)
         return refusal
 
@@ -74,14 +76,15 @@ def fit_to_decode(
     beside the prompt: a chat that sets no length is answered as far as it can be, not
     refused for a length it never asked for. Not cut to the room free now: under load that
     would cut ordinary answers short, where waiting for blocks serves them whole (one that
-    needs the whole pool waits for it, as an asked-for length would). A prompt that alone
-    passes every pool keeps its length, and is refused naming `messages` (`Need.too_large`):
-    cut to one token, it was answered by prefill alone with that token (ownfix review B)."""
+    needs the whole pool waits for it, as an asked-for length would). A prompt that leaves
+    no pool room for a token of decode's keeps its length, and is refused naming `messages`
+    (`Need.too_large`): cut to one token, it was answered by prefill alone with that token
+    (ownfix review B)."""
     if not capacities or None in capacities:
         return max_tokens
     largest = max(c for c in capacities if c is not None)
-    room = largest * block_size - prompt_tokens + 1
-    return max_tokens if room < 1 else min(max_tokens, room)
+    room = largest * block_size - prompt_tokens + 1  # the prefill's token and decode's
+    return max_tokens if room <= 1 else min(max_tokens, room)
 
 
 def fitted_to_decode(

@@ -158,8 +158,9 @@ class RouterSettings(ServerSettings):
     chat_max_tokens: int = setting(
         1024,
         "max_tokens of an HTTP chat completion that sets neither max_tokens nor "
-        "max_completion_tokens, cut to the context the prompt leaves (OpenAI's is all that "
-        "context, which every such request would reserve on a decode worker until it ends)",
+        "max_completion_tokens, cut to the context the prompt leaves and to what the largest "
+        "decode worker's pool holds beside it (OpenAI's is all that context, which every such "
+        "request would reserve on a decode worker until it ends)",
     )
     served_model_name: str | None = setting(
         None,

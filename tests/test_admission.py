@@ -140,10 +140,13 @@ async def test_one_token_fits_any_decode_pool_and_two_do_not() -> None:
     adm.release(ticket)
     with pytest.raises(RouterError, match="needs 16 KV blocks of 4 tokens on a decode worker"):
         await admit(adm, prompt=60, max_tokens=2)
-    # The prompt alone passes the decode pool: a default length is not cut to one token.
-    with pytest.raises(RouterError) as err:
-        await admit(adm, prompt=60, max_tokens=fit_to_decode(16, 60, 4, [12]))
-    assert err.value.trailing_metadata == (("epd-field", "messages"),)
+    # The prompt leaves no room for a token of decode's (past the pool, or filling it): a
+    # default length is not cut to one token; the prompt is what to make smaller.
+    for prompt in (60, 48):
+        with pytest.raises(RouterError) as err:
+            await admit(adm, prompt=prompt, max_tokens=fit_to_decode(16, prompt, 4, [12]))
+        assert err.value.trailing_metadata == (("epd-field", "messages"),)
+    assert fit_to_decode(16, 47, 4, [12]) == 2  # room for one token of decode's
 
 
 async def test_a_worker_gone_between_the_room_check_and_the_pick_reserves_nothing() -> None:

@@ -19,6 +19,17 @@ from tests.test_http_api import ckpt as ckpt  # fixture
 from tests.test_router import FakeDecode, FakeEncoder, FakePrefill
 
 
+def until(sock: socket.socket, mark: bytes, got: bytes = b"") -> bytes:
+    """What `sock` sends until `mark` is in `got` and it; AssertionError if it closes first
+    (a loop on `recv` spun for good on a closed connection: ownfix review C)."""
+    more = b""
+    while mark not in got + more:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before {mark!r}: {(got + more)[-300:]!r}"
+        more += chunk
+    return more
+
+
 async def test_an_answer_that_starts_after_the_drain_began_says_close() -> None:
     # Decided as the request came: one under way at SIGTERM answered without it, and the
     # keep-alive client's next request on that connection got a 503 (s35diff review, s36).
@@ -70,8 +81,7 @@ async def test_a_stream_under_way_when_the_drain_begins_closes_its_connection_af
             sock.sendall(request)
             got = sock.recv(65536)  # the head and the first event
             asyncio.run_coroutine_threadsafe(drained(), loop).result(10)
-            while b"[DONE]" not in got:
-                got += sock.recv(65536)
+            got += until(sock, b"[DONE]", got)
             try:  # the next request on it: kept alive, it is answered
                 sock.sendall(request)
                 while chunk := sock.recv(65536):
@@ -142,9 +152,7 @@ async def test_the_routers_drain_closes_a_connection_whose_stream_was_under_way(
     def opened(max_tokens: int) -> socket.socket:
         sock = socket.create_connection((host, int(port)), timeout=10)
         sock.sendall(_post(max_tokens))
-        got = b""
-        while b"data:" not in got:
-            got += sock.recv(65536)
+        until(sock, b"data:")
         return sock
 
     drain: asyncio.Future[bool] | None = None
@@ -160,9 +168,7 @@ async def test_the_routers_drain_closes_a_connection_whose_stream_was_under_way(
         dec.gates[4].set()
 
         def rest() -> bytes:
-            got = b""
-            while b"[DONE]" not in got:
-                got += sock.recv(65536)
+            got = until(sock, b"[DONE]")
             try:
                 sock.sendall(_post(4))
                 while chunk := sock.recv(65536):
