@@ -317,16 +317,13 @@ class Client:
                 attempt += 1
             finally:
                 call.cancel()
-        raise GenerateError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"every router failed: {'; '.join(failures)}",
-        )
+        failed = "; ".join(failures)
+        raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"every router failed: {failed}")
 
     def _may_wait(self, busy: int, unresumable: bool, wait: float, deadline: float | None) -> bool:
-        """Whether a refusal (RESOURCE_EXHAUSTED, `wait` s) is sent again: retries left, the
-        request sent as it was or resumed after the tokens received (a resume refused on
-        failover failed whatever `max_retries`), not `unresumable` (with stop strings and
-        tokens), and the wait ends before the deadline."""
+        """Whether a refusal (RESOURCE_EXHAUSTED, `wait` s) is sent again (as it was, or
+        resumed after the tokens received): retries left, not `unresumable` (stop strings
+        and tokens), and the wait ends before the deadline."""
         if busy >= self.max_retries or unresumable:
             return False
         return deadline is None or time.monotonic() + wait < deadline

@@ -265,16 +265,6 @@ async def test_a_draining_router_asks_each_client_to_close_its_connection(
     assert await asyncio.to_thread(twice) == [(200, None), (503, "close"), (401, "close")]
 
 
-async def test_affinity_slacks_reach_the_routing_they_set(ckpt: Path) -> None:
-    # Their wiring could be cut without a test failing: they would set nothing (s35diff).
-    fake = await fake_router(ckpt, kv_affinity_slack=0, encoder_affinity_slack=5)
-    try:
-        orchestrator = fake.router.servicer.orchestrator
-        assert (orchestrator.routing.slack, orchestrator.encoder.affinity_slack) == (0, 5)
-    finally:
-        await fake.close()
-
-
 async def test_errors_come_in_openai_shape(fake: FakeCluster) -> None:
     await add_workers(fake)
     url = url_of(fake)

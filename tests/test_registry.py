@@ -54,19 +54,6 @@ def test_mismatch_is_refused(registry: Registry, overrides: dict, message: str) 
     assert registry.workers() == []
 
 
-def test_an_encoder_whose_handles_carry_no_digest_is_refused(registry: Registry) -> None:
-    # One from before 955e247 lent digest-less handles: a prefill worker that pulled after
-    # the lease ran out READ another request's rows, computed KV from them and cached it
-    # (clocks review, s36: 6 of 14 answers wrong with the prefill worker held past the lease).
-    with pytest.raises(RegistrationRefused, match="no 'embedding-digests' capability"):
-        registry.register(info(Role.ENCODER, 1, capabilities=["patch-codes", "nixl"]))
-    assert registry.workers() == []
-    # Every router sends patch codes: one that does not take them is refused too.
-    with pytest.raises(RegistrationRefused, match="no 'patch-codes' capability"):
-        registry.register(info(Role.ENCODER, 3, capabilities=["embedding-digests"]))
-    registry.register(info(Role.ENCODER, 2))  # a current one says both
-
-
 def test_kv_layout_must_match_the_first_kv_worker(registry: Registry) -> None:
     registry.register(info(Role.PREFILL, 2))
     refused = r"block_size=8 \(expected 16\).*keeps its first KV worker's until it restarts"

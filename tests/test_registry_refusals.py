@@ -167,3 +167,16 @@ def test_the_router_and_an_encoder_of_one_checkpoint_agree_on_its_settings() -> 
     assert settings_digest(router_side) == settings_digest(encoder_side)
     changed = dataclasses.replace(encoder_side, max_pixels=encoder_side.max_pixels * 2)
     assert settings_digest(changed) != settings_digest(router_side)
+
+
+def test_an_encoder_whose_handles_carry_no_digest_is_refused(registry: Registry) -> None:
+    # One from before 955e247 lent digest-less handles: a prefill worker that pulled after
+    # the lease ran out READ another request's rows, computed KV from them and cached it
+    # (clocks review, s36: 6 of 14 answers wrong with the prefill worker held past the lease).
+    with pytest.raises(RegistrationRefused, match="no 'embedding-digests' capability"):
+        registry.register(info(Role.ENCODER, 1, capabilities=["patch-codes", "nixl"]))
+    assert registry.workers() == []
+    # Every router sends patch codes: one that does not take them is refused too.
+    with pytest.raises(RegistrationRefused, match="no 'patch-codes' capability"):
+        registry.register(info(Role.ENCODER, 3, capabilities=["embedding-digests"]))
+    registry.register(info(Role.ENCODER, 2))  # a current one says both

@@ -323,6 +323,17 @@ def prompt_hashes(cluster: Cluster, messages: Any) -> tuple[Any, list[bytes]]:
     return prompt, hashes
 
 
+async def test_affinity_slacks_reach_the_routing_they_set(ckpt) -> None:
+    # Their wiring could be cut without a test failing: they would set nothing (s35diff).
+    cluster = await start_router(ckpt, kv_affinity_slack=0, encoder_affinity_slack=5)
+    try:
+        orchestrator = cluster.router.orchestrator
+        assert orchestrator is not None
+        assert (orchestrator.routing.slack, orchestrator.encoder.affinity_slack) == (0, 5)
+    finally:
+        await cluster.close()
+
+
 async def test_a_tenants_cache_epoch_salts_everything_it_sends(ckpt, tmp_path) -> None:
     # A new epoch is how an operator leaves a tenant's caches behind (its name given to
     # someone else): with the router salting without it every test passed (mutation review).
