@@ -28,8 +28,8 @@ importable from here too.
 
 Several routers: `Client(["host1:50051", "host2:50051"])` (or one string "a,b", as
 $EPD_ROUTER may hold) spreads requests over them, each request starting on the next router
-in turn (one that did not connect within the last `DOWN_S` last). A stream that fails with
-UNAVAILABLE (the router died, drains or cannot be reached; one not connected within
+in turn (one that did not connect within the last `DOWN_S`, `epd.routers`, last). A stream
+that fails with UNAVAILABLE (the router died, drains or cannot be reached; one not connected within
 `CONNECT_S` while others are left counts so) goes on at the next router, once at each:
 from the start if nothing had come, else resumed after the tokens received
 (`GenerateRequest.resume_tokens`); a request with `stop` strings is not resumed. With one
@@ -68,7 +68,7 @@ from epd.request import (
     frame_files,
 )
 from epd.request import video_input as video_input
-from epd.routers import CONNECT_S, Routers, connects, router_list
+from epd.routers import CONNECT_S, Routers, Turns, connects, router_list
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, router_service_pb2_grpc
 
 __all__ = [  # `epd.request`'s and `epd.answers`' public names too
@@ -89,7 +89,6 @@ __all__ = [  # `epd.request`'s and `epd.answers`' public names too
 
 
 CLOSED = "the client was closed while the stream ran"
-DOWN_S = 30.0  # a router that did not connect is tried last for this long
 DRAINED_GRACE_S = 3600.0  # a connection left by `_reopen` closes at the latest after this
 
 
@@ -139,9 +138,8 @@ class Client:
         self._opened: list[grpc.aio.Channel] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop they were opened in
         self._stubs: list[router_service_pb2_grpc.RouterServiceStub] = []
-        self._turn = 0  # the router the next request starts on
+        self._turns = Turns(len(self.addresses))  # the router each request starts on
         self._closes = 0  # `close` calls
-        self._down_until: dict[int, float] = {}  # router index -> put last until then
         self.retries = 0  # requests sent again to another router (pre-first-chunk failures)
         self.resumes = 0  # streams resumed on another router after their router failed
         self.busy_retries = 0  # requests sent again after a RESOURCE_EXHAUSTED's wait
@@ -196,16 +194,6 @@ class Client:
         self._closing[task] = old
         task.add_done_callback(self._closing.pop)
 
-    def _order(self) -> list[int]:
-        """Router indices for the next request: the next router in turn, then the rest; a
-        router that did not connect within the last `DOWN_S` goes last (a black-holed one
-        cost every other request its `CONNECT_S`; client review)."""
-        start, n = self._turn, len(self._routers)
-        self._turn = (start + 1) % n
-        now = time.monotonic()
-        turn = [(start + k) % n for k in range(n)]
-        return sorted(turn, key=lambda i: self._down_until.get(i, 0.0) > now)
-
     async def generate(
         self,
         messages: Messages,
@@ -242,7 +230,7 @@ class Client:
         received: list[int] = []  # tokens of the answer the caller has
         finished = False  # the caller has the chunk with the finish reason: the whole answer
         busy = 0  # RESOURCE_EXHAUSTED refusals sent again
-        order = self._order()
+        order = self._turns.order()
         attempt, closes, reopened = 0, self._closes, False
         while attempt < len(order):
             if self._closes != closes:  # closed while it waited to send again: not reopened
@@ -255,7 +243,7 @@ class Client:
                 raise GenerateError(grpc.StatusCode.CANCELLED, CLOSED) from None
             if gone:
                 failures.append(f"{self.addresses[index]}: did not connect in {CONNECT_S:g} s")
-                self._down_until[index] = time.monotonic() + DOWN_S
+                self._turns.down(index)
                 self.resumes += bool(received)
                 self.retries += not received
                 attempt += 1

@@ -1,4 +1,5 @@
-"""Which routers a client tries, and when one counts as unreachable (`epd.client`)."""
+"""Which routers a client tries, in what order, and when one counts as unreachable
+(`epd.client`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,30 @@ Routers = str | Sequence[str]  # one address, "a,b" comma-separated, or a list o
 # one that accepts the connection and never answers (a frozen process, a black-holed
 # backend) took each request starting on it for its whole timeout (DEADLINE_EXCEEDED).
 CONNECT_S = 2.0
+DOWN_S = 30.0  # a router that did not connect is tried last for this long
+
+
+class Turns:
+    """The order a client tries its `count` routers in, request by request."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._next = 0  # the router the next request starts on
+        self._down_until: dict[int, float] = {}  # router index -> put last until then
+
+    def order(self) -> list[int]:
+        """Router indices for the next request: the next router in turn, then the rest; a
+        router that did not connect within the last `DOWN_S` goes last (a black-holed one
+        cost every other request its `CONNECT_S`; client review)."""
+        start, n = self._next, self.count
+        self._next = (start + 1) % n
+        now = time.monotonic()
+        turn = [(start + k) % n for k in range(n)]
+        return sorted(turn, key=lambda i: self._down_until.get(i, 0.0) > now)
+
+    def down(self, index: int) -> None:
+        """Router `index` did not connect: tried last for `DOWN_S`."""
+        self._down_until[index] = time.monotonic() + DOWN_S
 
 
 def router_list(routers: Routers) -> list[str]:

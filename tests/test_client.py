@@ -172,7 +172,7 @@ async def test_router_addresses_come_as_a_list_or_comma_separated() -> None:
     client = Client("a:1,b:2,c:3", api_key="k")
     assert client.address == "a:1" and client.addresses == ["a:1", "b:2", "c:3"]
     # Each request starts on the next router in turn, then tries the others in order.
-    assert [client._order() for _ in range(4)] == [
+    assert [client._turns.order() for _ in range(4)] == [
         [0, 1, 2],
         [1, 2, 0],
         [2, 0, 1],
