@@ -18,6 +18,7 @@ from common.processing.limits import LimitError
 from common.processing.video_file import MAX_STREAMS, VideoFileError, open_video
 from tests.test_video_file import make_video
 from tests.test_video_file import no_decoding as no_decoding  # a fixture
+from tests.video_helpers import mux_frames
 
 
 def declaring(data: bytes, count: int) -> bytes:
@@ -209,13 +210,7 @@ def test_a_stream_is_decoded_as_its_display_matrix_shows_it(
             )
         pixels = np.zeros((64, 128, 3), np.uint8)
         pixels[:32, :64] = 255  # the top-left quadrant white
-        for k in range(2):
-            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-            frame.pts, frame.time_base = k, Fraction(1, 2)
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+        mux_frames(container, stream, [pixels] * 2, Fraction(1, 2))
     first = open_video(buf.getvalue(), fps=2.0, max_frames=8).decode().frames[0]
     assert first.shape[:2] == shape
     h, w = shape

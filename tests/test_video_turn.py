@@ -17,6 +17,7 @@ from av.bitstream import BitStreamFilterContext
 from common.processing.frame_turn import _display_matrix, upright_frame
 from common.processing.video_file import VideoFileError, VideoHeader, open_video
 from common.processing.video_memory import decoder_bytes, pixel_bytes
+from tests.video_helpers import mux_frames
 
 ORIENT = "h264_metadata=display_orientation=insert"
 
@@ -30,13 +31,7 @@ def _encoded(pix_fmt: str = "yuv420p", frames: int = 8, size: tuple[int, int] = 
         stream.options = {"bframes": "0", "x264-params": "keyint=1"}
         pixels = np.zeros((height, width, 3), np.uint8)
         pixels[: height // 2, : width // 2] = 255  # the top-left quadrant white
-        for k in range(frames):
-            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-            frame.pts, frame.time_base = k, Fraction(1, 2)
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+        mux_frames(container, stream, [pixels] * frames, Fraction(1, 2))
     return buf.getvalue()
 
 
@@ -98,13 +93,8 @@ def _raw_h264(pix_fmt: str, frames: int, start: int) -> bytes:
         stream = container.add_stream("libx264", rate=30)
         stream.width, stream.height, stream.pix_fmt = 256, 144, pix_fmt
         stream.options = {"preset": "ultrafast", "x264-params": "bframes=0:keyint=1000"}
-        for k in range(start, start + frames):
-            frame = av.VideoFrame.from_ndarray(np.full((144, 256, 3), k, np.uint8), "rgb24")
-            frame.pts, frame.time_base = k, Fraction(1, 30)
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+        pictures = (np.full((144, 256, 3), k, np.uint8) for k in range(start, start + frames))
+        mux_frames(container, stream, pictures, Fraction(1, 30), first=start)
     return buf.getvalue()
 
 
