@@ -174,10 +174,10 @@ def video_input(
 
 
 def checked_timeout(timeout_s: float | None) -> float | None:
-    """A request's `timeout_s` as sent: None or infinity (no limit) give None, a longer one
-    than `MAX_SECONDS` that (gRPC keeps deadlines in int64 nanoseconds: 1e12 s ended every
-    call at once, DEADLINE_EXCEEDED, as if the router had timed out). ValueError naming it
-    for one that is not a positive number (NaN, 0, negative)."""
+    """A request's `timeout_s` as sent: None for None or infinity (no limit), at most
+    `MAX_SECONDS` (gRPC keeps deadlines in int64 nanoseconds: 1e12 s ended every call at
+    once, DEADLINE_EXCEEDED, as if the router had timed out). ValueError naming it for one
+    that is not a positive number (NaN, 0, negative)."""
     if timeout_s is None or timeout_s == math.inf:
         return None
     if not timeout_s > 0:

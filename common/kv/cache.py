@@ -132,10 +132,11 @@ class PagedKvCache:
         try:
             self.buffer = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
         except RuntimeError as exc:  # torch's own words named no setting (edges review)
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
             raise KvPoolTooLarge(
                 f"num_blocks: a KV pool of {spec.num_blocks} blocks of {spec.block_size} "
                 f"tokens ({spec.total_bytes / 2**30:.1f} GiB) cannot be allocated on "
-                f"{self.device}: lower num_blocks (or block_size)"
+                f"{self.device} ({why}): lower num_blocks (or block_size)"
             ) from exc
 
     # ---------------------------------------------------------------------------- addresses
