@@ -2,8 +2,7 @@
 workers it will use; otherwise it waits in a bounded FIFO queue, and past the queue it is
 refused with RESOURCE_EXHAUSTED naming the limit and how long to back off.
 
-Need (`router.admission_need`): the KV blocks a request holds on a worker of each KV role,
-what the workers allocate before prefix reuse, so the estimate never falls short.
+Need (`router.admission_need`): the KV blocks a request holds on each KV role's worker.
 
 Ledger: heartbeats lag, so the router keeps its own reservations per worker. A worker's room
 is its capacity (`kv_blocks_used + kv_blocks_free` of its last heartbeat: the pool size,
@@ -124,8 +123,7 @@ class Admission:
     ) -> None:
         self.registry = registry
         self.max_queued = max_queued  # most requests waiting at once
-        # Each tenant's places in it and KV blocks (`[router] tenant_share`; 1: no share).
-        self.tenants = TenantShares(tenant_share, max_queued)
+        self.tenants = TenantShares(tenant_share, max_queued)  # places and blocks per tenant
         self.max_wait_s = max_wait_s  # longest a request waits in all
         self.poll_s = poll_s  # the head re-checks this often without a release
         self.retry_backoff_s = retry_backoff_s  # first pause of a requeued request
@@ -201,15 +199,17 @@ class Admission:
         deadline: float,
         choose: Choose,
         tenant: str | None = None,
+        prompt_field: str = "messages",
     ) -> Ticket:
         """Reserve the request's blocks on a worker of each KV role, waiting in the queue
         when needed. Raises RouterError: UNAVAILABLE (no worker of a role), RESOURCE_EXHAUSTED
-        (never fits; `Refused` past the queue, or past `tenant`'s share of it),
-        DEADLINE_EXCEEDED (while queued)."""
+        (never fits, naming `prompt_field` where the prompt alone does not; `Refused` past
+        the queue, or past `tenant`'s share of it), DEADLINE_EXCEEDED (while queued)."""
         self._live(Role.PREFILL)
-        layout = self.registry.reference_layout
-        assert layout is not None  # set by the first KV worker to register
-        ticket = Ticket(Need(prompt_tokens, max_tokens, layout.block_size), deadline, tenant)
+        layout = self.registry.reference_layout  # set by the first KV worker to register
+        assert layout is not None
+        need = Need(prompt_tokens, max_tokens, layout.block_size, prompt_field)
+        ticket = Ticket(need, deadline, tenant)
         self._check_fits(ticket.need)
         if not self._queue and self._place(ticket, choose):
             self._admitted(ticket)

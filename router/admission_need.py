@@ -8,8 +8,9 @@ runs). That is what the workers allocate, before prefix reuse, so the estimate n
 short.
 
 Never fits: a request needing more blocks than the largest worker of a role has in all is
-refused at once (`TooLarge`: RESOURCE_EXHAUSTED naming the sizes; waiting cannot help). A
-worker that has not heartbeated its capacity yet may be larger: no such refusal for its role.
+refused at once (`TooLarge`: RESOURCE_EXHAUSTED naming the sizes; waiting cannot help),
+naming `sampling.max_tokens`, or the prompt's field where no length would fit. A worker that
+has not heartbeated its capacity yet may be larger: no such refusal for its role.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Need:
     prompt_tokens: int  # tokens of the prompt
     max_tokens: int  # most tokens it generates
     block_size: int  # tokens per KV block (the deployment's)
+    prompt_field: str = "messages"  # the request field the prompt came in (`prompt`)
 
     def blocks(self, role: Role) -> int:
         """KV blocks the request holds on a worker of `role` (see the module docstring)."""
@@ -56,14 +58,19 @@ class Need:
         alone = (
             role == Role.PREFILL or blocks_for(self.prompt_tokens + 1, self.block_size) > largest
         )
-        extra = f" + max_tokens {self.max_tokens}" if role == Role.DECODE else ""
+        if alone:  # no length would fit: name none (it may be a default the caller never sent)
+            blocks = blocks_for(self.prompt_tokens + (role == Role.DECODE), self.block_size)
+            what = f"its prompt of {self.prompt_tokens} tokens"
+            what += " and one generated token" if role == Role.DECODE else ""
+        else:
+            blocks = self.blocks(role)
+            what = f"its prompt of {self.prompt_tokens} tokens and max_tokens {self.max_tokens}"
         refusal = TooLarge(
-            f"the request needs {self.blocks(role)} KV blocks of {self.block_size} tokens on "
-            f"a {role} worker (prompt {self.prompt_tokens}{extra} tokens); the largest {role} "
-            f"worker has {largest} in all",
+            f"the request needs {blocks} KV blocks of {self.block_size} tokens on a {role} "
+            f"worker for {what}; the largest {role} worker has {largest} in all",
             context=True,
         )
-        field = "messages" if alone else "sampling.max_tokens"
+        field = self.prompt_field if alone else "sampling.max_tokens"
         refusal.trailing_metadata = (("epd-field", field),)
         return refusal
 

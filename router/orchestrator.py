@@ -171,6 +171,7 @@ class Orchestrator:
             job.deadline,
             choose,
             job.tenant,
+            job.prompt_field,
         )
         try:
             prefill, holder = await self._prefill_admitted(job, handoff, choose, ticket)

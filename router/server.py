@@ -224,6 +224,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     deadline=deadline,
                     resumed=resumed,
                     tenant=caller.tenant,
+                    prompt_field="prompt" if request.HasField("prompt") else "messages",
                 )
                 await self.returns.wait(needed(bool(prompt.params.items)), deadline)
                 answer = self.orchestrator.run(job)

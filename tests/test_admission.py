@@ -124,7 +124,9 @@ async def test_a_request_that_can_never_fit_is_refused_at_once(
     assert time.monotonic() - started < 0.05
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     largest = 9 if role == "prefill" else 12
-    assert f"needs {need} KV blocks of 4 tokens on a {role} worker" in str(err.value)
+    assert f"needs {need} KV blocks of 4 tokens on a {role} worker for its prompt of" in str(
+        err.value
+    )
     assert f"the largest {role} worker has {largest} in all" in str(err.value)
     assert not isinstance(err.value, Refused)  # no back-off: it cannot help
     assert err.value.trailing_metadata == (("epd-field", field),)  # the only refusal naming none
@@ -141,12 +143,29 @@ async def test_one_token_fits_any_decode_pool_and_two_do_not() -> None:
     with pytest.raises(RouterError, match="needs 16 KV blocks of 4 tokens on a decode worker"):
         await admit(adm, prompt=60, max_tokens=2)
     # The prompt leaves no room for a token of decode's (past the pool, or filling it): a
-    # default length is not cut to one token; the prompt is what to make smaller.
+    # default length is not cut to one token; the prompt is what to make smaller, and the
+    # refusal names no length (it would be a default the caller never sent).
     for prompt in (60, 48):
         with pytest.raises(RouterError) as err:
             await admit(adm, prompt=prompt, max_tokens=fit_to_decode(16, prompt, 4, [12]))
         assert err.value.trailing_metadata == (("epd-field", "messages"),)
+        assert "max_tokens" not in str(err.value)
+        blocks = (prompt + 1 + 3) // 4
+        assert (
+            f"needs {blocks} KV blocks of 4 tokens on a decode worker for its prompt of "
+            f"{prompt} tokens and one generated token; the largest decode worker has 12"
+            in str(err.value)
+        )
     assert fit_to_decode(16, 47, 4, [12]) == 2  # room for one token of decode's
+
+
+async def test_the_refusal_of_a_prompt_names_the_field_it_came_in() -> None:
+    adm = make(deployment(prefill=(20,), decode=(12,)))
+    for role_full, prompt in (("decode", 48), ("prefill", 81)):
+        with pytest.raises(RouterError) as err:
+            await adm.admit(prompt, 16, FAR, pick(adm.registry), prompt_field="prompt")
+        assert err.value.trailing_metadata == (("epd-field", "prompt"),), role_full
+        assert f"on a {role_full} worker for its prompt of {prompt} tokens" in str(err.value)
 
 
 async def test_a_worker_gone_between_the_room_check_and_the_pick_reserves_nothing() -> None:

@@ -252,6 +252,12 @@ async def test_a_chat_without_a_length_runs_to_the_context_it_has(ckpt: Path) ->
         assert status == 200, reply
         prompt = reply["usage"]["prompt_tokens"]
         assert decode.requests[-1].sampling.max_tokens == 2 * block - prompt + 1 < 40
+        # A prompt that leaves decode no room is refused naming the field it came in, and
+        # no length: it named `messages` and the default for a completion's `prompt`.
+        body = {"model": MODEL_ID, "prompt": "word " * 2 * block}
+        status, reply = await post(c, "/v1/completions", body)
+        assert (status, reply["error"]["param"]) == (400, "prompt"), reply
+        assert "max_tokens" not in reply["error"]["message"], reply
     finally:
         await c.close()
 
