@@ -246,8 +246,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         caller = principal(self.auth, context)
         try:
             within = longest if left is None else min(left, longest)
-            positions = self.processor.config.text.max_position_embeddings
-            most = min(self.settings.max_model_len or positions, positions)  # resume tokens
+            most = self.settings.model_len(self.processor.config.text.max_position_embeddings)
             sized = await read_request(self.held, context, within, caller.tenant, most)
         except grpc.aio.AbortError:  # refused before it was read (the bytes held, corrupt)
             finished = self.orchestrator.metrics.finished
@@ -293,11 +292,9 @@ async def serve(
     extra_servicers: Sequence[AddServicer] = (),
     scaler: Scaler | None = None,
 ) -> RunningRouter:
-    """Start the router; returns once it listens (the caller stops it).
-
-    `extra_servicers` are `add_*Servicer_to_server`-style callables served on the same port
-    (e.g. by `epd serve`); `scaler` backs AdminService.Scale (None: UNIMPLEMENTED).
-    """
+    """Start the router; returns once it listens (the caller stops it). `extra_servicers` are
+    `add_*Servicer_to_server`-style callables served on the same port (e.g. by `epd serve`);
+    `scaler` backs AdminService.Scale (None: UNIMPLEMENTED)."""
     settings.check()  # refuse to start without the secrets security needs, before any work
     auth = Authenticator.from_settings(settings.security, api_keys=True)
     salt_key = settings.security.cluster_key("router")
@@ -311,6 +308,8 @@ async def serve(
         # served UNAVAILABLE for good where nothing restarts it (Kubernetes).
         await asyncio.to_thread(check_checkpoint, path, processor.config)
     text = processor.config.text
+    if (asked := settings.max_model_len or 0) > (most := text.max_position_embeddings):
+        logger.warning("max_model_len %d: capped to the checkpoint's %d positions", asked, most)
     expected = settings.expected_model or await asyncio.to_thread(
         model_identity, path, processor.config
     )

@@ -97,7 +97,7 @@ class RouterSettings(ServerSettings):
     max_model_len: int | None = setting(
         None,
         "most prompt tokens + max_tokens of one request (None: max_position_embeddings of "
-        "the checkpoint's config; larger values are capped to it)",
+        "the checkpoint's config; larger values are capped to it, said at start)",
     )
     max_image_pixels: int = setting(
         16384 * 32 * 32,
@@ -363,6 +363,10 @@ class RouterSettings(ServerSettings):
         API keys name several tenants with client keys, else 1 (no per-tenant share)."""
         return self.tenant_share if client_tenants > 1 else 1.0
 
+    def model_len(self, positions: int) -> int:
+        """The most tokens one request takes on a checkpoint of `positions`."""
+        return min(self.max_model_len or positions, positions)
+
     def input_limits(self, context: int) -> InputLimits:
         """The request limits, for a model of `context` positions."""
         return InputLimits(
@@ -375,7 +379,7 @@ class RouterSettings(ServerSettings):
             max_video_decoded_pixels=self.max_video_decoded_pixels,
             video_file_fps=self.video_file_fps,
             image_formats=tuple(f.upper() for f in self.image_formats),
-            max_model_len=min(self.max_model_len or context, context),
+            max_model_len=self.model_len(context),
         )
 
     @property

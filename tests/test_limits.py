@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -377,3 +378,22 @@ def test_a_raw_prompts_errors_name_the_prompt(prepare: Callable[..., Prepare]) -
     long = router_service_pb2.GenerateRequest(prompt="word " * 20)
     long.sampling.max_tokens = 2
     assert refused(prepare(max_model_len=8), long).field == "prompt"
+
+
+async def test_a_max_model_len_past_the_checkpoint_is_capped_and_said(
+    ckpt: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It was capped silently: an operator who set 1,000,000 saw nothing say it was not so.
+    from tests.test_http_api import fake_router
+
+    asked = 10**6
+    c = await fake_router(ckpt, max_model_len=asked, http_port=-1)
+    try:
+        positions = c.router.servicer.processor.config.text.max_position_embeddings
+        assert positions < asked
+        assert c.router.servicer.settings.model_len(positions) == positions
+        said = [r.getMessage() for r in caplog.records if r.name == "router.server"]
+        assert f"max_model_len {asked}: capped to the checkpoint's {positions} positions" in said
+    finally:
+        await c.close()
+    assert RouterSettings(max_model_len=8).model_len(positions) == 8
