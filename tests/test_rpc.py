@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import select
 import socket
 import subprocess
@@ -220,6 +221,34 @@ def test_a_failed_calls_log_line_names_its_request() -> None:
         "DecodeServicer.Decode (request r-1\\nINFO forged)"
     )
     assert _where("Probe.call", (None, b"raw", None)) == "Probe.call"
+
+
+async def test_an_internal_error_a_handler_named_is_logged_without_a_stack(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A prefill worker's refusal of a digest-less embedding (an encoder too old) logged a
+    # stack per request; a bug (any other exception) keeps its stack.
+    from types import SimpleNamespace
+
+    from common.server.rpc import _abort
+
+    async def abort(code: grpc.StatusCode, details: str) -> None:
+        aborted.append((code, details))
+
+    aborted: list[tuple[grpc.StatusCode, str]] = []
+    context = SimpleNamespace(abort=abort, set_trailing_metadata=lambda _: None)
+    named = RpcStatusError(grpc.StatusCode.INTERNAL, "x: upgrade encoders first")
+    with caplog.at_level(logging.INFO, logger="common.server.rpc"):
+        for exc in (named, KeyError("bug")):
+            try:  # as `rpc_errors` calls it: in the handler's except
+                raise exc
+            except Exception as raised:
+                await _abort(context, raised, "Prefill.call")
+    first, second = caplog.records[-2:]
+    assert (first.levelno, first.exc_info) == (logging.ERROR, None)
+    assert first.getMessage() == "Prefill.call: INTERNAL x: upgrade encoders first"
+    assert second.levelno == logging.ERROR and second.exc_info is not None
+    assert [code for code, _ in aborted] == [grpc.StatusCode.INTERNAL] * 2
 
 
 def _closed_within(socks: list[socket.socket], seconds: float) -> list[int]:

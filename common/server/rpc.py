@@ -293,8 +293,10 @@ def _where(qualname: str, args: tuple[Any, ...]) -> str:
 async def _abort(context: Any, exc: Exception, where: str) -> None:
     code, details = status_for(exc)
     details = clipped(details)
-    if code == grpc.StatusCode.INTERNAL:
-        logger.exception("%s failed", where)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, RpcStatusError):
+        logger.exception("%s failed", where)  # a bug: its stack
+    elif code == grpc.StatusCode.INTERNAL:  # one the handler named: its words say it all
+        logger.error("%s: %s %s", where, code.name, details)
     else:
         logger.info("%s: %s %s", where, code.name, details)
     field = exc.field if isinstance(exc, FieldError) else None  # multimodal or not
