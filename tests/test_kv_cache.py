@@ -54,6 +54,23 @@ def test_a_pool_the_device_cannot_hold_is_refused_naming_num_blocks():
         PagedKvCache(make_spec(num_blocks=10**12))  # 256 TiB
 
 
+def test_a_host_pool_past_the_memory_free_is_refused_before_it_is_touched(monkeypatch):
+    # torch.zeros on the host touches every page: a pool the allocator let through but the
+    # memory could not hold was killed by the kernel, with no line (ownfix review B, s36).
+    import common.kv.cache as cache
+
+    spec = make_spec()
+    monkeypatch.setattr(cache, "host_bytes_free", lambda: spec.total_bytes - 1)
+    with pytest.raises(cache.KvPoolTooLarge, match=r"num_blocks: .* of host memory free\)"):
+        PagedKvCache(spec)
+    monkeypatch.setattr(cache, "host_bytes_free", lambda: spec.total_bytes)
+    assert PagedKvCache(spec).buffer.numel() * 4 == spec.total_bytes
+    monkeypatch.undo()
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert 0 < (cache.host_bytes_free() or 0) <= total  # read off this machine
+
+
 def test_buffer_is_one_contiguous_block_major_tensor():
     spec = make_spec()
     cache = PagedKvCache(spec)

@@ -115,6 +115,33 @@ class KvPoolTooLarge(SettingsError):
     """A KV pool the device cannot hold (its message names `num_blocks`): a worker started
     with it exits with that one line."""
 
+    @classmethod
+    def of(cls, spec: KvCacheSpec, device: torch.device, why: str) -> KvPoolTooLarge:
+        return cls(
+            f"num_blocks: a KV pool of {spec.num_blocks} blocks of {spec.block_size} tokens "
+            f"({spec.total_bytes / 2**30:.1f} GiB) cannot be allocated on {device} ({why}): "
+            "lower num_blocks (or block_size)"
+        )
+
+
+def host_bytes_free() -> int | None:
+    """Host memory an allocation may take: the kernel's MemAvailable, or this container's
+    cgroup memory limit where smaller (the whole limit: some of what it uses may be cache the
+    kernel drops); None where neither can be read."""
+    sizes = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            sizes += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit, encoding="ascii") as f:
+                sizes.append(int(f.read().strip()))  # "max" (no limit): ValueError
+        except (OSError, ValueError):
+            pass
+    return min(sizes) if sizes else None
+
 
 class PagedKvCache:
     """Owns the KV buffer described by a `KvCacheSpec`, and gives its blocks' addresses.
@@ -129,15 +156,17 @@ class PagedKvCache:
         # Where the buffer lives (host memory by default).
         self.device = torch.device(device)
         # The one contiguous block-major buffer; zero-filled so unused slots are defined.
+        # On the host, zeroing touches every page: a pool past the memory free was killed
+        # by the kernel (no line said why) where the allocator had let it through.
+        free = host_bytes_free() if self.device.type == "cpu" else None
+        if free is not None and spec.total_bytes > free:
+            free_gib = f"{free / 2**30:.1f} GiB of host memory free"
+            raise KvPoolTooLarge.of(spec, self.device, free_gib)
         try:
             self.buffer = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
         except RuntimeError as exc:  # torch's own words named no setting (edges review)
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
-            raise KvPoolTooLarge(
-                f"num_blocks: a KV pool of {spec.num_blocks} blocks of {spec.block_size} "
-                f"tokens ({spec.total_bytes / 2**30:.1f} GiB) cannot be allocated on "
-                f"{self.device} ({why}): lower num_blocks (or block_size)"
-            ) from exc
+            raise KvPoolTooLarge.of(spec, self.device, why) from exc
 
     # ---------------------------------------------------------------------------- addresses
 
