@@ -6,7 +6,8 @@
       refused  ABORTED before the first chunk (the pulled KV was unusable): prefill again
                and decode with the new handle, up to `reprefills` times
       retried  UNAVAILABLE before the first chunk (the router still owns the lease): the
-               same handle to another decode worker
+               same handle to another decode worker, or a fresh one where the lease's TTL
+               has passed since its handle came (its holder may have let the blocks go)
       migrated UNAVAILABLE after the first chunk (the worker died or its stream was
                removed; the lease was handed over and is gone): the stream resumes on a
                decode worker not yet tried (else on one that failed a step and serves on,
@@ -37,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -78,12 +81,29 @@ class KvLease:
     lease_id: str  # from the KvHandle
     address: str  # prefill worker holding the blocks
     owned: bool = True  # False once the decode worker has taken it over (first chunk)
+    # time.monotonic() past which its holder may have let it go: the handle's TTL from when
+    # it came (a decode worker waiting for blocks may have renewed it since); inf: none said.
+    ends: float = math.inf
+
+    @classmethod
+    def of(cls, response: prefill_service_pb2.PrefillResponse, holder: str) -> KvLease:
+        """The lease of a prefill's answer, owned by the router until a decode worker takes
+        it (`holder`: where the prefill ran, unless the handle names its holder)."""
+        lease = cls("", "")
+        lease.renew(response, holder)
+        return lease
 
     def renew(self, response: prefill_service_pb2.PrefillResponse, holder: str) -> None:
         """A new prefill's lease, owned by the router until a decode worker takes it."""
         self.lease_id = response.kv.lease_id
         self.address = response.kv.holder_address or holder
         self.owned = True
+        ttl_s = response.kv.lease_ttl_ms / 1000
+        self.ends = time.monotonic() + ttl_s if ttl_s else math.inf
+
+    def ran_out(self) -> bool:
+        """Whether the lease's TTL has passed since its handle came."""
+        return time.monotonic() >= self.ends
 
 
 def check_resume(
@@ -279,7 +299,7 @@ class DecodeStage:
             # Its holder did not serve the KV (frozen, slow, changed bytes): the prompt goes
             # to another prefill worker, unless it heartbeats first. (Not when the decode
             # worker never got to READ: its own congestion.)
-            if NO_READ_STARTED not in (exc.details() or ""):
+            if NO_READ_STARTED not in (exc.details() or "") and not lease.ran_out():
                 for held_on in self.registry.workers(Role.PREFILL):
                     if held_on.address == lease.address:
                         self.registry.suspect(held_on)
@@ -296,6 +316,9 @@ class DecodeStage:
             if len(tries.tried) >= self.calls.attempts:
                 raise self.calls.error("decode", worker, exc) from None
             tries.retrying = True
+            if lease.ran_out():  # its holder may have let the blocks go: a fresh handle
+                logger.warning("decode on %s failed (%s); prefilling again", worker.address, code)
+                return False
             logger.warning("decode on %s failed (%s); trying again", worker.address, code)
             return True  # the same handle, another worker
         if tries.migrations >= self.migrations:

@@ -189,7 +189,7 @@ class Orchestrator:
             prompt_tokens=len(job.prompt.prompt_token_ids),
             cached_tokens=prefill.cached_tokens,
         )
-        lease = KvLease(prefill.kv.lease_id, prefill.kv.holder_address or holder)
+        lease = KvLease.of(prefill, holder)
         try:
             if finish is not None:
                 chunk.text += detok.flush()

@@ -6,7 +6,10 @@ chunk, and the router did both)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+import pytest
 
 from common.errors import DECODE_STEP_FAILED
 from common.roles import Role
@@ -51,3 +54,56 @@ async def test_a_step_failed_after_the_kv_was_taken_prefills_again(cluster) -> N
     assert len(leases) == 2 and len(set(leases)) == 2  # the taken lease not handed on
     (holder,) = cluster.router.orchestrator.registry.workers(Role.PREFILL)
     assert not holder.suspect
+
+
+class LateFailingDecode(BreakingDecode):
+    """A decode worker whose call, the first of those `failed` is shared by, fails with
+    `code` before any chunk, `after_s` after it came (a worker frozen, then lost)."""
+
+    def __init__(self, failed: list[str], code: grpc.StatusCode, after_s: float) -> None:
+        super().__init__(None)
+        self.failed, self.code, self.after_s = failed, code, after_s
+
+    async def Decode(self, request, context):
+        if not self.failed:
+            self.requests.append(request)
+            self.failed.append(request.kv.lease_id)
+            await asyncio.sleep(self.after_s)
+            await context.abort(self.code, "kv.lease_id: the lease was not live")
+        async for response in super().Decode(request, context):
+            yield response
+
+
+@pytest.mark.parametrize("ttl_ms", [200, 60_000])
+async def test_a_handle_whose_lease_ran_out_is_not_handed_on(cluster, ttl_ms: int) -> None:
+    # A decode worker lost before its first chunk, past the lease's TTL: the router sent
+    # the same handle on (clocks review, s36), for a READ of blocks the holder may have
+    # given to another prompt, refused only by their digests; now a fresh prefill first.
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    prefill = FakePrefill()
+    prefill.lease_ttl_ms = ttl_ms
+    await cluster.add(Role.PREFILL, prefill)
+    failed: list[str] = []
+    workers = [LateFailingDecode(failed, grpc.StatusCode.UNAVAILABLE, 0.4) for _ in range(2)]
+    for worker in workers:
+        await cluster.add(Role.DECODE, worker)
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4), timeout_s=20)
+    assert result.token_ids == [FIRST, 101, 102, 103]
+    leases = [r.kv.lease_id for w in workers for r in w.requests]
+    ran_out = ttl_ms < 400
+    assert len(prefill.requests) == (2 if ran_out else 1)
+    assert len(set(leases)) == (2 if ran_out else 1)  # a live one is handed on as it was
+
+
+async def test_a_lease_refused_after_it_ran_out_does_not_make_its_holder_suspect(cluster) -> None:
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    prefill = FakePrefill()
+    prefill.lease_ttl_ms = 200
+    await cluster.add(Role.PREFILL, prefill)
+    failed: list[str] = []
+    for _ in range(2):
+        await cluster.add(Role.DECODE, LateFailingDecode(failed, grpc.StatusCode.ABORTED, 0.4))
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4), timeout_s=20)
+    assert result.token_ids == [FIRST, 101, 102, 103] and len(prefill.requests) == 2
+    (holder,) = cluster.router.orchestrator.registry.workers(Role.PREFILL)
+    assert not holder.suspect  # it let the lease go when it was due: nothing wrong with it

@@ -116,6 +116,7 @@ class FakePrefill(prefill_service_pb2_grpc.PrefillServiceServicer):
         self.first = FIRST
         self.cached: list[bytes] = []  # hashes announced by StreamKvEvents
         self.strict = False  # refuse items without embeddings, as after an eviction
+        self.lease_ttl_ms = 0  # the handles' (0: none said)
 
     async def Prefill(self, request, context):
         self.requests.append(request)
@@ -128,6 +129,7 @@ class FakePrefill(prefill_service_pb2_grpc.PrefillServiceServicer):
             await hang(self.cancelled)
         lease = f"lease-{len(self.requests)}"
         kv = kv_pb2.KvHandle(lease_id=lease, holder_address=self.address, block_hashes=[b"h"])
+        kv.lease_ttl_ms = self.lease_ttl_ms
         return prefill_service_pb2.PrefillResponse(first_token_id=self.first, kv=kv)
 
     async def ReleaseKv(self, request, context):
