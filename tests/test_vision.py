@@ -202,3 +202,29 @@ def test_frame_tables_are_reused_and_follow_the_weights(ckpt: Path, config: Qwen
     changed, _ = tower.encode(pixels, grid)
     assert not torch.equal(changed, first)
     assert torch.equal(changed, other.encode(pixels, grid)[0])
+
+
+def test_a_tower_is_built_defined_and_without_the_compiler(ckpt: Path) -> None:
+    # The position table was `torch.empty` when built directly (whatever memory held); and
+    # building under the meta device ran the embedding's random init through torch's
+    # reference ops, which import torch._dynamo: 1.9 s of every encoder's start (s36).
+    import subprocess
+    import sys
+
+    config = Qwen3VLConfig.from_file(ckpt).vision
+    torch.full((config.num_position_embeddings, config.hidden_size), 7.0)  # memory to reuse
+    tables = [VisionTower(config).pos_embed.weight.detach() for _ in range(2)]
+    assert torch.equal(*tables) and not tables[0].any()
+    code = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from common.models.qwen3_vl.config import Qwen3VLConfig\n"
+        "from common.models.qwen3_vl.weights import load_weights\n"
+        "from common.models.qwen3_vl.vision import VisionTower\n"
+        f"ckpt = Path({str(ckpt)!r})\n"
+        "config = Qwen3VLConfig.from_file(ckpt)\n"
+        "VisionTower.from_weights(config, load_weights(ckpt, config, prefix='model.visual.'))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -186,9 +186,10 @@ class VisionTower(nn.Module):
             raise ValueError("vision num_position_embeddings must be a perfect square")
         self.patch_embed = PatchEmbed(config)
         # Given its weight, the embedding skips its random init (under the meta device that
-        # init imports torch._dynamo, as `_fresh_inv_freq` says).
+        # init imports torch._dynamo, as `_fresh_inv_freq` says); zeros, not `empty`: a tower
+        # built outside `from_weights` holds defined values (the s36diff review, s37).
         positions, width = config.num_position_embeddings, config.hidden_size
-        self.pos_embed = nn.Embedding(positions, width, _weight=torch.empty(positions, width))
+        self.pos_embed = nn.Embedding(positions, width, _weight=torch.zeros(positions, width))
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
