@@ -29,7 +29,9 @@ class EncoderSettings(ModelWorkerSettings):
         1 << 20, "outputs of an item above this many bytes travel as a NIXL handle"
     )
     nixl: bool = setting(True, "offer large outputs over NIXL (else always inline)")
-    lease_ttl_s: float = setting(30.0, "seconds a NIXL output stays readable unless released")
+    lease_ttl_s: float = setting(
+        30.0, "seconds a NIXL output stays readable unless released (at least 0.1)"
+    )
     output_pool_mb: int = setting(
         256,
         "MiB of device memory registered with NIXL once, at start, that large outputs are "

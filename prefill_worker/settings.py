@@ -27,7 +27,9 @@ class PrefillSettings(KvWorkerSettings):
         "workers it places there, at least 1; alone, every core)",
     )
     lease_ttl_s: float = setting(
-        30.0, "how long a prompt's blocks stay pinned for a decode worker that never releases"
+        30.0,
+        "how long a prompt's blocks stay pinned for a decode worker that never releases (at "
+        "least 0.1)",
     )
     lease_ttl_per_lease_s: float = setting(
         0.5,

@@ -160,7 +160,8 @@ class RouterSettings(ServerSettings):
         "max_tokens of an HTTP chat completion that sets neither max_tokens nor "
         "max_completion_tokens, cut to the context the prompt leaves and to what the largest "
         "decode worker's pool holds beside it (OpenAI's is all that context, which every such "
-        "request would reserve on a decode worker until it ends)",
+        "request would reserve on a decode worker until it ends); a prompt that leaves that "
+        "pool no room for a token is refused naming messages",
     )
     served_model_name: str | None = setting(
         None,
