@@ -50,7 +50,11 @@ def shown_id(request_id: str) -> str:
     """A caller's request id as log lines and workers show it: as it is when it is one word
     (letters, digits, `-_.:/@+=#`), else quoted, what does not print escaped (other scripts
     stay readable). A tenant's id "x (tenant-b) length: ..." made its request's log line
-    read as another tenant's (metrics review)."""
+    read as another tenant's (metrics review). One too long for `check_ids` is cut (it is
+    logged before that check refuses it: a 50 MiB id held the router's loop for a second and
+    grew its log by as much: fuzz review)."""
+    if len(request_id) > MAX_ID_CHARS:
+        return shown_text(request_id, MAX_ID_CHARS)
     plain = _ONE_WORD.fullmatch(request_id) and not _BLANK_LETTERS.intersection(request_id)
     return request_id if plain else repr(request_id)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -274,6 +275,18 @@ async def test_grpc_requests_the_wire_carries_but_the_router_refuses(
     # At the bounds it is served: the tokens after the resumed one, to the finish.
     chunks = [c async for c in stub.Generate(ok, metadata=bearer_metadata(CLIENT_KEY))]
     assert sum(len(c.token_ids) for c in chunks) > 0 and chunks[-1].finish_reason
+
+
+async def test_a_long_request_id_is_refused_without_being_logged_whole(
+    small_bodies: Fakes, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Logged whole before it was checked: a 50 MiB id held the router's loop for a second
+    # and grew its log by as much (fuzz review, s37).
+    request = grpc_request(request_id="x" * 900_000)
+    request.messages[0].content.add(text="hi")
+    with caplog.at_level(logging.DEBUG):
+        await refused_naming(small_bodies[0].client._router, request, "request_id")
+    assert caplog.records and max(len(r.getMessage()) for r in caplog.records) < 2000
 
 
 async def test_an_empty_uuid_means_none(small_bodies: Fakes) -> None:

@@ -36,3 +36,9 @@ def test_an_id_of_several_words_cannot_pass_for_another_tenants_line(
     assert shown_id("a\u202eb") == "'a\\u202eb'"  # and what could reorder a line, escaped
     assert shown_id("سلام دنیا") == "'سلام دنیا'"  # other scripts stay readable (own-fix)
     assert shown_id("a\u3164b") == "'a\u3164b'"  # a letter that prints blank: two words
+
+
+def test_an_id_too_long_to_be_served_is_shown_cut() -> None:
+    shown = shown_id("x" * 10**6)
+    assert len(shown) < 300 and shown.endswith("... (1000000 characters)")
+    assert shown_id("x" * 256) == "x" * 256  # the longest served is shown whole
