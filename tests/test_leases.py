@@ -28,6 +28,18 @@ def test_a_caller_chosen_id_names_the_lease() -> None:
     assert table.released == 1
 
 
+def test_a_peers_request_id_is_kept_for_logs_cut_and_escaped() -> None:
+    # Written raw into the expiry line: a line break split it, 100 k characters grew the log
+    # by as much (fuzz review, s37; the router refuses such ids, a peer need not).
+    from common.server.rpc import logged
+
+    table: LeaseTable[str] = LeaseTable(5.0)
+    lease = table.add("blocks", "r\nINFO forged" + "x" * 100_000)
+    assert lease.request_id.startswith("r\\nINFO forged") and lease.request_id.endswith("...")
+    assert len(lease.request_id) < 220 and "\n" not in lease.request_id
+    assert logged("r-1") == "r-1" and logged("\u202e") == "\\u202e"
+
+
 def test_a_release_before_the_lease_bars_its_id_for_the_ttl() -> None:
     clock = Clock()
     table: LeaseTable[str] = LeaseTable(5.0, clock)

@@ -25,7 +25,7 @@ from common.server.auth import service_credentials
 from common.server.credentials import ChannelCredentials
 from common.server.lifecycle import ServerLifecycle
 from common.server.role import Cleanup, checkpoint_path
-from common.server.rpc import RpcStatusError
+from common.server.rpc import RpcStatusError, logged
 from common.settings.base import KvWorkerSettings
 from common.transfer.agent import TransferAgent
 from common.wire.kv import layout_to_proto
@@ -128,6 +128,7 @@ async def stream_kv_events(
     closing the generator (the RPC is cancelled) unsubscribes."""
     sub = Subscription(asyncio.get_running_loop())
     snapshot = await model.call(hub.subscribe, sub, on_orphan=lambda _: hub.unsubscribe(sub))
+    subscriber = logged(subscriber)  # a peer's name, for logs only
     logger.info("KV event subscriber %r joined", subscriber)
     try:
         yield [snapshot]

@@ -38,7 +38,7 @@ from typing import Final, Generic, TypeVar
 
 import grpc
 
-from common.server.rpc import RpcStatusError
+from common.server.rpc import RpcStatusError, logged
 from common.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class LeaseTable(Generic[T]):
         else:
             self.check(lease_id)
         lifetime = self.ttl_s if ttl_s is None else ttl_s
-        lease = Lease(lease_id, held, self.clock() + lifetime, request_id, lifetime)
+        lease = Lease(lease_id, held, self.clock() + lifetime, logged(request_id), lifetime)
         self._leases[lease_id] = lease
         return lease
 

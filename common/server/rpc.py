@@ -281,13 +281,20 @@ def clipped(details: str, limit: int = MAX_DETAILS) -> str:
     return f"{details[: limit - 40]}... ({len(details)} characters)"
 
 
+def logged(name: str, limit: int = 200) -> str:
+    """A name a peer sent (a request id, a subscriber), as a log line shows it: cut to
+    `limit` characters, what is not printable ASCII escaped, so it cannot forge a line or
+    grow the log by its size."""
+    return ascii(name[:limit])[1:-1] + ("..." if len(name) > limit else "")
+
+
 def _where(qualname: str, args: tuple[Any, ...]) -> str:
     """The handler and, where its request carries one, the request id (escaped: it is the
     caller's), so a worker's line matches the router's for that request."""
     request_id = getattr(args[-2], "request_id", "") if len(args) >= 2 else ""
     if not isinstance(request_id, str) or not request_id:
         return qualname
-    return f"{qualname} (request {ascii(request_id[:200])[1:-1]})"
+    return f"{qualname} (request {logged(request_id)})"
 
 
 async def _abort(context: Any, exc: Exception, where: str) -> None:
