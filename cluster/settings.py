@@ -208,8 +208,9 @@ class EpdSettings:
                 relaxed.check()
                 if role == "router":  # it runs here (the workers may run on other nodes)
                     read_secrets(settings.security)
-            except SettingsError as exc:
-                raise SettingsError(f"{role}.{exc}") from None
+            except SettingsError as exc:  # [security] is one table, not the role's
+                shared = str(exc).startswith("security.")
+                raise SettingsError(str(exc) if shared else f"{role}.{exc}") from None
             if self.model is None and settings.model is not None:
                 check_model_folder(f"{role}.model", settings.model)
         # Embeddings and KV differ by dtype, and the caches key them by the KV's: one dtype.

@@ -91,6 +91,9 @@ class ServerSettings:
         """Raise SettingsError naming the first unusable field."""
         if not 0 <= self.port <= 65535:
             raise SettingsError("port: must be between 0 and 65535")
+        for name in ("host", "metrics_host"):  # "" failed to bind only once started
+            if not getattr(self, name).strip():
+                raise SettingsError(f"{name}: is empty: give an address (127.0.0.1, 0.0.0.0, ::)")
         check_positive(self, "max_message_mb", "drain_timeout_s")
         check_not_negative(self, "grpc_max_connections")
         if self.max_message_mb > MAX_MESSAGE_MB:  # gRPC takes the bytes as a C int
