@@ -218,14 +218,20 @@ class Controller:
         return out
 
     async def shutdown(self) -> None:
-        """Drain the router (no new requests; running ones finish), then retire every worker.
+        """Drain the routers (no new requests; running ones finish), retire every worker,
+        then stop the routers.
 
-        The router goes first so that no request starts on a worker that is about to leave;
-        its in-flight requests still have every worker they need while it drains.
+        The routers drain first so that no request starts on a worker that is about to
+        leave; their in-flight requests still have every worker they need meanwhile. They
+        stop last: stopped first, every worker logged a failed heartbeat as it retired.
         """
         timeout_s = self.settings.pools.drain_timeout_s
-        await asyncio.gather(*(r.drain(timeout_s) for r in [self.router, *self.more_routers]))
-        await self.pools.stop(router_stopped=True)
+        routers = [self.router, *self.more_routers]
+        await asyncio.gather(*(r.lifecycle.drain(timeout_s, stop=False) for r in routers))
+        try:
+            await self.pools.stop(router_stopped=True)  # nothing left on them to wait for
+        finally:
+            await asyncio.gather(*(r.stop(0) for r in routers))
 
 
 def follow_registries(pools: PoolManager, registries: Sequence[Registry]) -> None:

@@ -194,6 +194,19 @@ async def test_drain_timeout_cancels(probe: Any) -> None:
     assert await call.code() != grpc.StatusCode.OK
 
 
+async def test_a_drain_that_leaves_the_stop_to_its_caller_keeps_answering(probe: Any) -> None:
+    # `epd serve` drains its routers, retires the workers, then stops the routers: stopped
+    # with the drain, every retiring worker warned of a failed heartbeat (docsdrift, s37).
+    impl, running, ch = probe
+    assert await impl.lifecycle.drain(timeout_s=1, stop=False) is True
+    assert impl.lifecycle.state == LifecycleState.DRAINING
+    assert await _health(ch) == health_pb2.HealthCheckResponse.NOT_SERVING  # still answers
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _call(ch)(b"late", timeout=5)
+    assert info.value.details() == "draining"  # and still takes no work
+    await running.stop(0)
+
+
 async def test_wait_healthy_times_out() -> None:
     running = await start_server([])
     address = running.address

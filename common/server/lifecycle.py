@@ -106,9 +106,10 @@ class ServerLifecycle:
             await asyncio.sleep(poll_s)
             await self._idle.wait()
 
-    async def drain(self, timeout_s: float = 300.0) -> bool:
+    async def drain(self, timeout_s: float = 300.0, *, stop: bool = True) -> bool:
         """Stop taking work, run `on_drain`, wait up to `timeout_s` for in-flight RPCs and
-        `holds`, stop the server.
+        `holds`, stop the server (`stop` False: the caller stops it later; meanwhile what
+        is not work, such as registrations and heartbeats, is still answered).
 
         Returns True when every tracked RPC finished in time (False: the rest were cancelled
         by the server stop). Calling it again after it finished returns True at once.
@@ -136,6 +137,8 @@ class ServerLifecycle:
                 self.held(),
             )
             clean = False
+        if not stop:
+            return clean
         if self.running is not None:
             # Only untracked RPCs (health watches, releases) can remain: short grace.
             await self.running.stop(grace_s=0.5 if clean else 0.0)
