@@ -330,12 +330,7 @@ class Orchestrator:
             except RouterError as exc:
                 spans = any(emb.HasField("partition_start") for emb in encoded.embeddings)
                 every_item_carried = len(encoded.embeddings) == len(every) and not spans
-                # A prefill worker from before partition spans takes their rows for the
-                # whole item's and refuses them (INVALID_ARGUMENT): encoding all serves it.
-                again = (grpc.StatusCode.FAILED_PRECONDITION,) + (
-                    (grpc.StatusCode.INVALID_ARGUMENT,) if spans else ()
-                )
-                if every_item_carried or exc.code not in again:
+                if every_item_carried or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 logger.info(
                     "request %s: prefix cache moved on (%s); encoding all", job.request_id, exc
