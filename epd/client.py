@@ -256,12 +256,14 @@ class Client:
             try:
                 async for response in call:
                     if resuming and response.resumed_tokens != resuming:
-                        # A router older than `resume_tokens` answers from the start: the
-                        # caller would read the answer's beginning twice.
+                        # A router older than `resume_tokens` answers from the start, one
+                        # older than `resumed_tokens` resumes without saying so: the caller
+                        # would read the answer's beginning twice, or cannot tell it won't.
                         raise GenerateError(
                             grpc.StatusCode.FAILED_PRECONDITION,
-                            f"router {self.addresses[index]} does not resume streams (older "
-                            f"than this client): the answer stops after {resuming} tokens",
+                            f"router {self.addresses[index]} did not say it resumed the "
+                            f"stream (older than this client): the answer stops after "
+                            f"{resuming} tokens",
                         )
                     resuming = 0
                     received.extend(response.token_ids)

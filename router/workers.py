@@ -94,9 +94,9 @@ def check_capabilities(role: Role, info: registry_service_pb2.WorkerInfo) -> Non
     sends (`PATCH_CODES`, older than digests). Versions from before are refused
     (docs/compatibility.md)."""
     needed = (
-        {SIGNED_KV: "signs and checks KV handles"}
+        {SIGNED_KV: "it signs and checks KV handles"}
         if role in KV_ROLES
-        else {PATCH_CODES: "takes patch codes", EMBEDDING_DIGESTS: "its handles carry digests"}
+        else {PATCH_CODES: "it takes patch codes", EMBEDDING_DIGESTS: "its handles carry digests"}
     )
     for capability, what in needed.items():
         if capability not in info.capabilities:

@@ -160,8 +160,7 @@ class PeerClient:
         this caller's (a fresh one set on `request`): if the call ends without its answer
         (cancelled, or past its deadline), the lease the worker may have made meanwhile is
         released in the background instead of pinning the prompt's blocks until its TTL
-        (the worker makes none if the release comes first). A worker from before caller
-        lease ids leases under its own id, which is then left to its TTL as before."""
+        (the worker makes none if the release comes first)."""
         request.lease_id = uuid.uuid4().hex
         stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
         call = stub.Prefill(request, timeout=timeout)
