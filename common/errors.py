@@ -15,6 +15,9 @@ DECODE_STEP_FAILED = "decode step failed"
 # In a KV pull's timeout when it never got to READ (the reader's own congestion, not the
 # holder's): the router then does not hold it against the holder.
 NO_READ_STARTED = "no READ was started"
+# In a decode worker's ABORTED when the holder did not serve a READ in time (frozen or
+# overloaded): the router holds that against the holder, even past the lease's TTL.
+READ_TIMED_OUT = "READ timed out"
 
 
 class FieldError(ValueError):

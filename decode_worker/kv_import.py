@@ -52,7 +52,7 @@ from typing import NoReturn
 
 import grpc
 
-from common.errors import NO_READ_STARTED
+from common.errors import NO_READ_STARTED, READ_TIMED_OUT
 from common.kv.allocator import ImportPlan
 from common.kv.digest import cache_block_digests
 from common.kv_pull import pull
@@ -207,7 +207,7 @@ class KvImporter:
             # own deadline, which the router keeps. Prefill again elsewhere.
             raise RpcStatusError(
                 grpc.StatusCode.ABORTED,
-                f"kv: the READ from {handle.holder_address} timed out ({exc}); prefill again",
+                f"kv: the {READ_TIMED_OUT} on {handle.holder_address} ({exc}); prefill again",
             ) from None
         except BaseException:
             release()

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.errors import DECODE_STEP_FAILED
+from common.errors import DECODE_STEP_FAILED, READ_TIMED_OUT
 from common.roles import Role
 from common.sampling import SamplingParams
 from epd.v1 import decode_service_pb2
@@ -107,3 +107,38 @@ async def test_a_lease_refused_after_it_ran_out_does_not_make_its_holder_suspect
     assert result.token_ids == [FIRST, 101, 102, 103] and len(prefill.requests) == 2
     (holder,) = cluster.router.orchestrator.registry.workers(Role.PREFILL)
     assert not holder.suspect  # it let the lease go when it was due: nothing wrong with it
+
+
+class FrozenHolderDecode(BreakingDecode):
+    """READs from the holders in `frozen` time out after `after_s`; others are served."""
+
+    def __init__(self, frozen: list[str], after_s: float) -> None:
+        super().__init__(None)
+        self.frozen, self.after_s = frozen, after_s
+
+    async def Decode(self, request, context):
+        if request.kv.holder_address in self.frozen:
+            self.requests.append(request)
+            await asyncio.sleep(self.after_s)
+            message = f"kv: the {READ_TIMED_OUT} on {request.kv.holder_address}; prefill again"
+            await context.abort(grpc.StatusCode.ABORTED, message)
+        async for response in super().Decode(request, context):
+            yield response
+
+
+async def test_a_holder_whose_read_timed_out_is_suspect_even_past_the_ttl(cluster) -> None:
+    # A READ's timeout (30 s by default) comes back past a lease's TTL (30 s): taken for a
+    # lease let go when due, the frozen holder was prefilled on again until the request
+    # failed (ownfix review A, s37).
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    frozen, good = FakePrefill(), FakePrefill()
+    frozen.lease_ttl_ms = good.lease_ttl_ms = 200
+    await cluster.add(Role.PREFILL, frozen)  # the only one: the first prefill is its
+    await cluster.add(Role.DECODE, FrozenHolderDecode([frozen.address], 0.6))
+    sampling = SamplingParams(max_tokens=4)
+    answer = asyncio.ensure_future(cluster.client.generate_text(TEXT, sampling, timeout_s=20))
+    while not frozen.requests:
+        await asyncio.sleep(0.01)
+    await cluster.add(Role.PREFILL, good)  # there for the prefill again
+    assert (await answer).token_ids == [FIRST, 101, 102, 103]
+    assert len(frozen.requests) == 1 and len(good.requests) == 1
