@@ -223,15 +223,19 @@ class Controller:
 
         The routers drain first so that no request starts on a worker that is about to
         leave; their in-flight requests still have every worker they need meanwhile. They
-        stop last: stopped first, every worker logged a failed heartbeat as it retired.
+        stop last: stopped first, every worker logged a failed heartbeat as it retired. A
+        drain that runs out of time stops them at once (their streams cancelled: each
+        worker's drain would wait for those as long again).
         """
         timeout_s = self.settings.pools.drain_timeout_s
         routers = [self.router, *self.more_routers]
-        await asyncio.gather(*(r.lifecycle.drain(timeout_s, stop=False) for r in routers))
+        drains = await asyncio.gather(*(r.lifecycle.drain(timeout_s, stop=False) for r in routers))
+        if not all(drains):
+            await asyncio.gather(*(r.stop(0) for r in routers))
         try:
             await self.pools.stop(router_stopped=True)  # nothing left on them to wait for
-        finally:
-            await asyncio.gather(*(r.stop(0) for r in routers))
+        finally:  # a short grace for what a drain does not track (health watches, releases)
+            await asyncio.gather(*(r.stop(0.5) for r in routers))
 
 
 def follow_registries(pools: PoolManager, registries: Sequence[Registry]) -> None:

@@ -58,3 +58,35 @@ async def test_a_worker_that_never_registered_is_stopped_at_once(recorded: list[
     await asyncio.wait_for(asyncio.gather(*manager._retiring), 5)
     assert recorded == ["kill epd-prefill-1 True"]
     await manager.stop()
+
+
+async def test_the_routers_stop_after_the_workers_retire_unless_their_drain_ran_out() -> None:
+    # Stopped with their drain, every retiring worker logged a failed heartbeat (docsdrift,
+    # s37); a drain out of time still stops them first (their streams cancelled), or each
+    # worker's drain waited for those as long again (ownfix review A).
+    from types import SimpleNamespace
+
+    from cluster.deployment import Controller
+
+    order: list[object] = []
+    clean = [True, False]  # each drain's outcome, in turn
+
+    async def drain(timeout_s: float, *, stop: bool) -> bool:
+        order.append(("drain", stop))
+        return clean.pop(0)
+
+    async def stop_router(grace_s: float) -> None:
+        order.append(("stop", grace_s))
+
+    async def stop_pools(*, router_stopped: bool) -> None:
+        order.append(("pools", router_stopped))
+
+    controller = Controller.__new__(Controller)
+    controller.settings = SimpleNamespace(pools=SimpleNamespace(drain_timeout_s=1.0))  # type: ignore[assignment]
+    controller.router = SimpleNamespace(lifecycle=SimpleNamespace(drain=drain), stop=stop_router)
+    controller.more_routers = []
+    controller.pools = SimpleNamespace(stop=stop_pools)  # type: ignore[assignment]
+    for first in ([], [("stop", 0)]):
+        order.clear()
+        await controller.shutdown()
+        assert order == [("drain", False), *first, ("pools", True), ("stop", 0.5)]

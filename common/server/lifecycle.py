@@ -131,8 +131,9 @@ class ServerLifecycle:
             clean = True
         except TimeoutError:
             logger.warning(
-                "drain timeout after %.1fs; cancelling %d RPCs (%d held)",
+                "drain timeout after %.1fs; %s %d RPCs (%d held)",
                 timeout_s,
+                "cancelling" if stop else "the stop cancels",
                 self.active,
                 self.held(),
             )
