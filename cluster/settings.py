@@ -208,9 +208,8 @@ class EpdSettings:
                 relaxed.check()
                 if role == "router":  # it runs here (the workers may run on other nodes)
                     read_secrets(settings.security)
-            except SettingsError as exc:  # [security] is one table, not the role's
-                shared = str(exc).startswith("security.")
-                raise SettingsError(str(exc) if shared else f"{role}.{exc}") from None
+            except SettingsError as exc:
+                raise SettingsError(self._named(role, str(exc))) from None
             if self.model is None and settings.model is not None:
                 check_model_folder(f"{role}.model", settings.model)
         # Embeddings and KV differ by dtype, and the caches key them by the KV's: one dtype.
@@ -258,6 +257,17 @@ class EpdSettings:
             check_positive(pools, "drain_timeout_s", "ready_timeout_s")
         except SettingsError as exc:
             raise SettingsError(f"pools.{exc}") from None
+
+    def _named(self, role: str, message: str) -> str:
+        """A role's SettingsError `message` named by the table its key is in: the role's,
+        or `[security]` for a security key the role's own table leaves unset."""
+        key = message.partition(":")[0].removeprefix("security.")
+        own = getattr(self, role).security
+        if message.startswith("security.") and getattr(own, key, None) == getattr(
+            SecuritySettings(), key, None
+        ):
+            return message
+        return f"{role}.{message}"
 
     def with_model(self) -> EpdSettings:
         """A copy where a top-level `model` has been given to every role, and the top-level

@@ -285,8 +285,10 @@ def test_a_router_says_grace_s_is_ignored(caplog: pytest.LogCaptureFixture) -> N
         # Bound nothing once started ("router port :20297 cannot be bound": docsdrift, s37).
         ({"router": {"host": ""}}, "router.host: is empty"),
         ({"decode": {"metrics_host": " "}}, "decode.metrics_host: is empty"),
+        ({"router": {"http_host": ""}}, "router.http_host: is empty"),  # bound 0.0.0.0
         # One [security] table: it was named `router.security.` (docsdrift).
         ({"security": {"tls_key_file": "k.pem"}}, "security.tls_key_file:"),
+        ({"decode": {"security": {"tls_key_file": "k.pem"}}}, "decode.security.tls_key_file:"),
     ],
 )
 def test_values_epd_serve_would_fail_on_are_refused_by_the_check(

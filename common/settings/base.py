@@ -15,7 +15,7 @@ Subclasses append their own fields (so a role's TOML table lists the shared keys
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from common.address import bracketed, check_address
@@ -91,7 +91,8 @@ class ServerSettings:
         """Raise SettingsError naming the first unusable field."""
         if not 0 <= self.port <= 65535:
             raise SettingsError("port: must be between 0 and 65535")
-        for name in ("host", "metrics_host"):  # "" failed to bind only once started
+        # "" failed to bind once started (gRPC), or bound every interface (HTTP).
+        for name in (f.name for f in fields(self) if f.name.endswith("host")):
             if not getattr(self, name).strip():
                 raise SettingsError(f"{name}: is empty: give an address (127.0.0.1, 0.0.0.0, ::)")
         check_positive(self, "max_message_mb", "drain_timeout_s")
