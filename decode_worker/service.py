@@ -58,7 +58,7 @@ from common.models import batching
 from common.models.decode_loop import Chunk, DecodeBatcher, DecodeStepError
 from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.peers import PeerClient
-from common.server.rpc import RpcStatusError, rpc_errors
+from common.server.rpc import RpcStatusError, logged, rpc_errors
 from common.wire.kv import kv_event_to_proto
 from common.wire.sampling import finish_reason_to_proto, sampling_from_proto
 from decode_worker.kv_import import DecodeCounters, KvImporter, lease_lost
@@ -225,7 +225,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     logger.debug(
                         "request %s: checks and hashes %.1f ms, admit (%d blocks pulled, %d "
                         "reused) %.1f ms, joined and confirmed %.1f ms",
-                        request.request_id,
+                        logged(request.request_id),
                         (admitting - started) * 1000,
                         len(imported.plan.pull),
                         len(imported.plan.reused),

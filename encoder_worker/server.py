@@ -31,7 +31,7 @@ from common.server.leases import LeaseIdError, check_lease_id, refusal
 from common.server.lifecycle import ServerLifecycle
 from common.server.metrics import counter, gauge, requests_metrics, scrape_registry
 from common.server.role import AddServicer, RoleServer, checkpoint_path
-from common.server.rpc import rpc_errors, service_name
+from common.server.rpc import logged, rpc_errors, service_name
 from common.wire.convert import element_type, tensor_to_ref
 from encoder_worker.cache import EncodedRows, EncoderCache
 from encoder_worker.engine import EncoderEngine, ItemOutput
@@ -122,7 +122,7 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
             logger.debug(
                 "request %s: %d items, %d from cache; parse and verify %.1f ms, encode and "
                 "answer %.1f ms",
-                request.request_id,
+                logged(request.request_id),
                 len(items),
                 sum(out.cache_hit for out in outputs),
                 (parsed - started) * 1000,

@@ -55,7 +55,7 @@ from common.multimodal.validation import MultimodalLayoutError
 from common.server.kv_worker import KvWorkerParts, kv_load, stream_kv_events
 from common.server.leases import Lease, LeaseIdError, LeaseTable, refusal
 from common.server.peers import PeerClient
-from common.server.rpc import RpcStatusError, rpc_errors
+from common.server.rpc import RpcStatusError, logged, rpc_errors
 from common.wire.kv import kv_event_to_proto
 from common.wire.sampling import sampling_from_proto
 from epd.v1 import (
@@ -205,7 +205,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         logger.debug(
             "request %s: %d tokens (%d cached), handoff and hashes %.1f ms, compute %.1f ms, "
             "lease %s for %.1f s",
-            request.request_id,
+            logged(request.request_id),
             len(tokens),
             seq.cached_tokens,
             (computing - started) * 1000,

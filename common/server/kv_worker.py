@@ -129,14 +129,14 @@ async def stream_kv_events(
     sub = Subscription(asyncio.get_running_loop())
     snapshot = await model.call(hub.subscribe, sub, on_orphan=lambda _: hub.unsubscribe(sub))
     subscriber = logged(subscriber)  # a peer's name, for logs only
-    logger.info("KV event subscriber %r joined", subscriber)
+    logger.info("KV event subscriber %s joined", subscriber)
     try:
         yield [snapshot]
         while True:
             if sub.overflowed:
                 raise RpcStatusError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"KV event subscriber {subscriber!r} fell {MAX_QUEUED_EVENTS} events "
+                    f"KV event subscriber {subscriber} fell {MAX_QUEUED_EVENTS} events "
                     "behind; subscribe again",
                 )
             events = [await sub.queue.get()]
