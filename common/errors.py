@@ -15,9 +15,11 @@ DECODE_STEP_FAILED = "decode step failed"
 # In a KV pull's timeout when it never got to READ (the reader's own congestion, not the
 # holder's): the router then does not hold it against the holder.
 NO_READ_STARTED = "no READ was started"
-# In a decode worker's ABORTED when the holder did not serve a READ in time (frozen or
-# overloaded): the router holds that against the holder, even past the lease's TTL.
-READ_TIMED_OUT = "READ timed out"
+# In a decode worker's ABORTED when the holder itself said the lease was gone (released,
+# expired): no fault of the holder's, which the router then does not suspect. Any other
+# refusal of pulled KV (a READ that failed or timed out, bytes that changed under a live
+# lease, a holder that did not answer) is held against the holder.
+LEASE_NOT_LIVE = "was not live"
 
 
 class FieldError(ValueError):

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from common.errors import LEASE_NOT_LIVE
 from common.kv.allocator import ImportPlan, KvAllocator, blocks_for
 from common.kv.block_pool import NoFreeBlocksError, PoolTooSmallError
 from common.models.model_thread import ModelThread
@@ -182,7 +183,7 @@ class BlockWait:
         if left is None:
             raise RpcStatusError(
                 grpc.StatusCode.ABORTED,
-                "kv: the handle's lease ended while the request waited for free KV blocks; "
-                "prefill again",
+                f"kv: the handle's lease {LEASE_NOT_LIVE} once the request had waited for free "
+                "KV blocks; prefill again",
             )
         return max(left / 3, MIN_RENEW_S)

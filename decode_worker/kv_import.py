@@ -20,7 +20,10 @@ enters its cache before the holder has confirmed: the stream's first chunk waits
 the call fails with ABORTED (the router prefills again; the client sees no error).
 
 A block whose bytes fail their digest fails `admit` with ABORTED (after the holder has been
-told which blocks, so it can recheck them); nothing pulled is used or cached. A block this
+told which blocks, so it can recheck them); nothing pulled is used or cached. Where the holder
+says the lease was gone (run out, or released by a decode worker that died before its first
+chunk, its handle sent on), that is the ABORTED of a lease lost, not a digest failure: the
+router does not suspect a holder for it. A block this
 worker caches is reused only while its bytes still have the digest recorded when it was
 pulled; one that changed is uncached and pulled again (`KvAllocator.plan_import`).
 
@@ -52,7 +55,7 @@ from typing import NoReturn
 
 import grpc
 
-from common.errors import NO_READ_STARTED, READ_TIMED_OUT
+from common.errors import LEASE_NOT_LIVE, NO_READ_STARTED
 from common.kv.allocator import ImportPlan
 from common.kv.digest import cache_block_digests
 from common.kv_pull import pull
@@ -99,16 +102,22 @@ class Imported:
     hold: list[int]  # one more reference on each pulled block, until settled
     stats: TransferStats | None  # the READ's figures; None: nothing was missing
     # The confirming ReleaseKv (True: the lease was live); None: nothing READ, released.
-    confirmation: asyncio.Future[bool] | None
+    confirmation: asyncio.Future[bool | None] | None
     settled: bool = False  # `confirmed` cached the pulled blocks, or `discard` gave them up
 
 
-def lease_lost(handle: kv_pb2.KvHandle) -> RpcStatusError:
-    """ABORTED: the holder did not confirm the lease; the router prefills again."""
+def lease_lost(handle: kv_pb2.KvHandle, said: bool | None) -> RpcStatusError:
+    """ABORTED: the holder did not confirm the lease (`said` False: it said the lease was
+    gone; None: it did not answer); the router prefills again."""
+    why = (
+        f"{LEASE_NOT_LIVE} until the READ was confirmed"
+        if said is False
+        else "could not be confirmed (the holder did not answer)"
+    )
     return RpcStatusError(
         grpc.StatusCode.ABORTED,
-        f"kv.lease_id: the lease on {handle.holder_address} was not live until the READ was "
-        "confirmed; nothing pulled is used, prefill again",
+        f"kv.lease_id: the lease on {handle.holder_address} {why}; nothing pulled is used, "
+        "prefill again",
     )
 
 
@@ -207,7 +216,7 @@ class KvImporter:
             # own deadline, which the router keeps. Prefill again elsewhere.
             raise RpcStatusError(
                 grpc.StatusCode.ABORTED,
-                f"kv: the {READ_TIMED_OUT} on {handle.holder_address} ({exc}); prefill again",
+                f"kv: the READ from {handle.holder_address} timed out ({exc}); prefill again",
             ) from None
         except BaseException:
             release()
@@ -218,7 +227,7 @@ class KvImporter:
             self.counters.pull_seconds += pulled.stats.seconds
         if pulled.mismatched:
             await self._refuse(handle, plan, pulled.mismatched)
-        confirmation: asyncio.Future[bool] | None = None
+        confirmation: asyncio.Future[bool | None] | None = None
         if pulled.stats is None:
             release()  # nothing READ: no byte read under the lease is used
         else:
@@ -246,18 +255,18 @@ class KvImporter:
         digests = list(handle.block_digests)
         return Imported(seq, plan, hashes, digests, hold, pulled.stats, confirmation)
 
-    async def confirmed(self, imported: Imported) -> bool:
+    async def confirmed(self, imported: Imported) -> bool | None:
         """Wait for the holder's answer. True: the lease was live throughout the READ; the
         pulled blocks' digests are recorded and the full ones cached (on the model thread,
-        before any call queued after this one). False: it was not (counted); the caller
-        drops the sequence and calls `discard`."""
-        live = True
+        before any call queued after this one). False: the holder said it was not; None: it
+        did not answer (either counted); the caller drops the sequence and calls `discard`."""
+        live: bool | None = True
         if imported.confirmation is not None:
             live = await asyncio.shield(imported.confirmation)
         c = self.counters
         if not live:
             c.leases_lost += 1
-            return False
+            return live
         imported.settled = True
         self.model.submit(self._finish, imported)
         c.blocks_pulled += len(imported.plan.pull)
@@ -326,16 +335,23 @@ class KvImporter:
         self, handle: kv_pb2.KvHandle, plan: ImportPlan, mismatched: list[int]
     ) -> NoReturn:
         """Pulled blocks failed their digests: tell the holder which (it rechecks them),
-        give every block back, raise ABORTED."""
-        self.counters.digest_mismatches += len(mismatched)
+        give every block back, raise ABORTED: the lease lost where the holder says it was
+        gone (its blocks free to change: not corruption, nor the holder's fault), else the
+        digests (counted)."""
         try:
-            await self.peers.confirm_release_kv(handle.holder_address, handle.lease_id, mismatched)
+            live = await self.peers.confirm_release_kv(
+                handle.holder_address, handle.lease_id, mismatched
+            )
         except asyncio.CancelledError:
             # A second release of a lease is harmless; this one may not have been sent.
             self.peers.release_kv(handle.holder_address, handle.lease_id)
             raise
         finally:
             await self.model.call(self.runner.allocator.abort_import, plan)
+        if live is False:
+            self.counters.leases_lost += 1
+            raise lease_lost(handle, live)
+        self.counters.digest_mismatches += len(mismatched)
         raise RpcStatusError(
             grpc.StatusCode.ABORTED,
             f"kv.block_digests: {len(mismatched)} pulled block(s) do not match their digests; "

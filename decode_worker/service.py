@@ -202,13 +202,14 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 joined = True
                 finished = False
                 try:
-                    if not await self.importer.confirmed(imported):
+                    live = await self.importer.confirmed(imported)
+                    if not live:
                         # Nothing computed from the pulled bytes has left this worker.
                         await self.batcher.drop(entry)
                         gone = self.importer.discard(imported)
                         if gone is not None:
                             await asyncio.wrap_future(gone)
-                        raise lease_lost(handle)
+                        raise lease_lost(handle, live)
                     # Sent at once, so the caller learns that this worker has the KV (and
                     # the lease is released) now, with the tokens stepped meanwhile; before
                     # a step's failure too, or the caller would hand the released lease to

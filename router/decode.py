@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.errors import DECODE_STEP_FAILED, NO_READ_STARTED, READ_TIMED_OUT
+from common.errors import DECODE_STEP_FAILED, LEASE_NOT_LIVE, NO_READ_STARTED
 from common.roles import Role
 from common.sampling import SamplingParams, StopChecker
 from common.server.peers import PeerClient, stream_uncut
@@ -298,11 +298,11 @@ class DecodeStage:
             tries.tried.discard(worker.address)
             # Its holder did not serve the KV (frozen, slow, changed bytes): the prompt goes
             # to another prefill worker, unless it heartbeats first. Not when the decode
-            # worker never got to READ (its own congestion), nor for a refusal other than
-            # a READ's timeout once the lease ran out (the holder let it go when due).
+            # worker never got to READ (its own congestion), nor when the holder said the
+            # lease was gone (run out, or released by a decode worker that took it and died
+            # before its first chunk: this worker was sent the same handle).
             details = exc.details() or ""
-            held_against = READ_TIMED_OUT in details or not lease.ran_out()
-            if NO_READ_STARTED not in details and held_against:
+            if NO_READ_STARTED not in details and LEASE_NOT_LIVE not in details:
                 for held_on in self.registry.workers(Role.PREFILL):
                     if held_on.address == lease.address:
                         self.registry.suspect(held_on)

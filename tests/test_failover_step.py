@@ -11,7 +11,7 @@ import asyncio
 import grpc
 import pytest
 
-from common.errors import DECODE_STEP_FAILED, READ_TIMED_OUT
+from common.errors import DECODE_STEP_FAILED
 from common.roles import Role
 from common.sampling import SamplingParams
 from epd.v1 import decode_service_pb2
@@ -63,13 +63,14 @@ class LateFailingDecode(BreakingDecode):
     def __init__(self, failed: list[str], code: grpc.StatusCode, after_s: float) -> None:
         super().__init__(None)
         self.failed, self.code, self.after_s = failed, code, after_s
+        self.message = "kv.lease_id: the lease was not live"
 
     async def Decode(self, request, context):
         if not self.failed:
             self.requests.append(request)
             self.failed.append(request.kv.lease_id)
             await asyncio.sleep(self.after_s)
-            await context.abort(self.code, "kv.lease_id: the lease was not live")
+            await context.abort(self.code, self.message)
         async for response in super().Decode(request, context):
             yield response
 
@@ -120,7 +121,7 @@ class FrozenHolderDecode(BreakingDecode):
         if request.kv.holder_address in self.frozen:
             self.requests.append(request)
             await asyncio.sleep(self.after_s)
-            message = f"kv: the {READ_TIMED_OUT} on {request.kv.holder_address}; prefill again"
+            message = f"kv: the READ from {request.kv.holder_address} timed out; prefill again"
             await context.abort(grpc.StatusCode.ABORTED, message)
         async for response in super().Decode(request, context):
             yield response
@@ -142,3 +143,28 @@ async def test_a_holder_whose_read_timed_out_is_suspect_even_past_the_ttl(cluste
     await cluster.add(Role.PREFILL, good)  # there for the prefill again
     assert (await answer).token_ids == [FIRST, 101, 102, 103]
     assert len(frozen.requests) == 1 and len(good.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "kv.block_digests: 1 pulled block(s) do not match their digests; prefill again",
+        "kv: the READ from the holder failed (x); prefill again",
+    ],
+)
+async def test_a_refusal_a_lapsed_lease_does_not_explain_is_held_against_the_holder(
+    cluster, said: str
+) -> None:
+    # Past the TTL only a timeout was (ownfix review B): bytes that changed while the holder
+    # says the lease was live, or a READ that failed, sent the prompt back to it.
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    prefill = FakePrefill()
+    prefill.lease_ttl_ms = 200
+    await cluster.add(Role.PREFILL, prefill)
+    refusing = LateFailingDecode([], grpc.StatusCode.ABORTED, 0.4)
+    refusing.message = said
+    await cluster.add(Role.DECODE, refusing)
+    result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4), timeout_s=20)
+    assert result.token_ids == [FIRST, 101, 102, 103]
+    (holder,) = cluster.router.orchestrator.registry.workers(Role.PREFILL)
+    assert holder.suspect

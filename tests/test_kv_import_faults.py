@@ -337,3 +337,15 @@ def test_a_plan_that_waits_for_blocks_counts_its_lookups_once() -> None:
     allocator.pool.release(hog)
     allocator.plan_import(hashes, 12, 20)
     assert (allocator.pool.lookups, allocator.pool.hits) == (before[0] + 3, before[1] + 3)
+
+
+def test_a_lease_the_holder_said_was_gone_is_told_from_one_it_did_not_confirm() -> None:
+    # The router suspects the holder unless it said the lease was gone: a frozen holder
+    # (no answer) must not read as one that let its lease go (chaos review, s37).
+    from common.errors import LEASE_NOT_LIVE
+    from decode_worker.kv_import import lease_lost
+    from epd.v1 import kv_pb2
+
+    handle = kv_pb2.KvHandle(holder_address="h:1", lease_id="l")
+    assert LEASE_NOT_LIVE in lease_lost(handle, False).details
+    assert LEASE_NOT_LIVE not in lease_lost(handle, None).details

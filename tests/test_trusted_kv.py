@@ -18,6 +18,7 @@ import pytest_asyncio
 import torch
 
 from common.engine import Engine
+from common.errors import LEASE_NOT_LIVE
 from common.kv.allocator import blocks_for
 from common.transfer.agent import TransferAgent
 from epd.v1 import decode_service_pb2, prefill_service_pb2
@@ -224,10 +225,15 @@ async def test_expired_lease_whose_blocks_were_reused_is_not_served(cluster: Clu
         t, p = make_handoff(c.engine, user(f"filler {len(fillers)} " * 12))
         fillers.append(await run_prefill(c, t, p, GREEDY))
     before = state(c)
+    mismatches = c.decode.servicer.counters.digest_mismatches
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await run_decode(c, decode_request(tokens, params, GREEDY, reply))
     assert info.value.code() == grpc.StatusCode.ABORTED
     assert state(c)[:2] == before[:2]
+    # The holder says the lease was gone: no corruption counted, nor the holder blamed (its
+    # words keep the router from suspecting it: chaos review, s37).
+    assert LEASE_NOT_LIVE in (info.value.details() or "")
+    assert c.decode.servicer.counters.digest_mismatches == mismatches
     for f in fillers:
         await c.prefill_stub.ReleaseKv(prefill_service_pb2.ReleaseKvRequest(lease_id=f.kv.lease_id))
     await assert_honest_answer_reuses_nothing(c, messages)

@@ -212,11 +212,12 @@ class PeerClient:
 
     async def confirm_release_kv(
         self, address: str, lease_id: str, mismatched_blocks: Sequence[int] = ()
-    ) -> bool:
+    ) -> bool | None:
         """`ReleaseKv(lease_id)` on the prefill worker at `address`, awaited: True when the
         holder says the lease was live until now (bytes read under it are valid); False when
-        it was not, or the holder cannot be reached. `mismatched_blocks` names the handle's
-        blocks whose pulled bytes failed their digest (the holder re-checks them)."""
+        it says it was not; None when the holder cannot be reached. `mismatched_blocks` names
+        the handle's blocks whose pulled bytes failed their digest (the holder re-checks
+        them)."""
         stub = prefill_service_pb2_grpc.PrefillServiceStub(self.get(address))
         request = prefill_service_pb2.ReleaseKvRequest(
             lease_id=lease_id, mismatched_blocks=mismatched_blocks
@@ -235,7 +236,7 @@ class PeerClient:
                 response = await stub.ReleaseKv(request, timeout=wait, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             logger.warning("ReleaseKv(%s) on %s failed: %s", lease_id, address, exc.code().name)
-            return False
+            return None
         return bool(response.released)
 
     def release_embeddings(self, holders: Mapping[str, str]) -> None:
