@@ -259,12 +259,13 @@ class EpdSettings:
             raise SettingsError(f"pools.{exc}") from None
 
     def _named(self, role: str, message: str) -> str:
-        """A role's SettingsError `message` named by the table its key is in: the role's,
-        or `[security]` for a security key the role's own table leaves unset."""
-        key = message.partition(":")[0].removeprefix("security.")
-        own = getattr(self, role).security
-        if message.startswith("security.") and getattr(own, key, None) == getattr(
-            SecuritySettings(), key, None
+        """A role's SettingsError `message` named by the table its keys are in: the role's,
+        or `[security]` for security keys (any the message names, a partner's too) the
+        role's own table leaves unset."""
+        own, unset = getattr(self, role).security, SecuritySettings()
+        named = [f.name for f in dataclasses.fields(unset) if f.name in message]
+        if message.startswith("security.") and all(
+            getattr(own, key) == getattr(unset, key) for key in named
         ):
             return message
         return f"{role}.{message}"

@@ -289,6 +289,8 @@ def test_a_router_says_grace_s_is_ignored(caplog: pytest.LogCaptureFixture) -> N
         # One [security] table: it was named `router.security.` (docsdrift).
         ({"security": {"tls_key_file": "k.pem"}}, "security.tls_key_file:"),
         ({"decode": {"security": {"tls_key_file": "k.pem"}}}, "decode.security.tls_key_file:"),
+        # A key missing beside its partner in the role's table: the role's (ownfix B).
+        ({"decode": {"security": {"tls_cert_file": "c.pem"}}}, "decode.security.tls_key_file:"),
     ],
 )
 def test_values_epd_serve_would_fail_on_are_refused_by_the_check(
