@@ -372,9 +372,9 @@ def reference_markdown() -> str:
         "setting is also a flag of `epd serve` (shown), applied over the file. Unknown keys are",
         "an error naming them. `epd config --print-defaults` prints the same defaults as a",
         "commented TOML file; `epd config --check FILE` loads a file and reports the first error.",
-        "The worker and router sections are the same tables `python -m <role> --config` reads;",
-        "under `epd serve` the pool manager fills in each worker's `router_address`, `name` and",
-        "`host` (see `[ray] worker_host`), and `device` = `cuda` when the Ray cluster has GPUs.",
+        "Worker and router sections hold what `python -m <role> --config` reads at its file's top",
+        "level; under `epd serve` the pool manager fills in each worker's `router_address`, `name`",
+        "and `host` (see `[ray] worker_host`), and `device` = `cuda` where Ray has GPUs.",
     ]
     section = None
     for key, default, help_text in describe(EpdSettings):
