@@ -8,7 +8,8 @@
                            and the sequence made (it owns the plan's blocks)
     confirmed(imported) -> the holder's answer: True, the lease was live throughout the READ,
                            and the pulled full blocks enter this worker's prefix cache; False,
-                           it was not (the caller drops the sequence and fails with ABORTED)
+                           it was not, None, no answer (the caller drops the sequence and
+                           fails with ABORTED, saying which)
     discard(imported)   -> give up an import not confirmed (its blocks are never cached)
 
 Why the confirmation runs in the background: it is a round trip to a prefill worker busy with

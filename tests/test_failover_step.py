@@ -96,7 +96,7 @@ async def test_a_handle_whose_lease_ran_out_is_not_handed_on(cluster, ttl_ms: in
     assert len(set(leases)) == (2 if ran_out else 1)  # a live one is handed on as it was
 
 
-async def test_a_lease_refused_after_it_ran_out_does_not_make_its_holder_suspect(cluster) -> None:
+async def test_a_lease_its_holder_said_was_gone_does_not_make_it_suspect(cluster) -> None:
     await cluster.add(Role.ENCODER, FakeEncoder())
     prefill = FakePrefill()
     prefill.lease_ttl_ms = 200

@@ -34,7 +34,7 @@ async def test_a_confirmation_waits_out_the_channels_reconnect_back_off() -> Non
     address = f"127.0.0.1:{port}"
     peers = PeerClient(release_timeout_s=5.0)
     try:
-        assert not await peers.confirm_release_kv(address, "lease-0")  # down: the back-off
+        assert await peers.confirm_release_kv(address, "lease-0") is None  # down: the back-off
         back = asyncio.get_running_loop().create_future()
 
         async def restart() -> None:
@@ -48,7 +48,7 @@ async def test_a_confirmation_waits_out_the_channels_reconnect_back_off() -> Non
         await restarting
         await (await back).stop(0)
         started = time.monotonic()  # gone for good: refused within the back-off's wait
-        assert not await peers.confirm_release_kv(address, "lease-2")
+        assert await peers.confirm_release_kv(address, "lease-2") is None  # not "gone"
         assert time.monotonic() - started < 2 * RECONNECT_MAX_S + 0.5
     finally:
         await peers.close()

@@ -349,3 +349,37 @@ def test_a_lease_the_holder_said_was_gone_is_told_from_one_it_did_not_confirm() 
     handle = kv_pb2.KvHandle(holder_address="h:1", lease_id="l")
     assert LEASE_NOT_LIVE in lease_lost(handle, False).details
     assert LEASE_NOT_LIVE not in lease_lost(handle, None).details
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("said", [True, False, None])
+async def test_blocks_failing_their_digests_are_corruption_only_under_a_live_lease(
+    said: bool | None,
+) -> None:
+    # A lease the holder says was gone lets its blocks change: a lost lease, not corruption,
+    # and not held against the holder; a holder that does not answer is (chaos, s37).
+    from common.errors import LEASE_NOT_LIVE
+
+    kv, allocator = small_kv()
+    runner = types.SimpleNamespace(kv=kv, allocator=allocator)
+
+    class Peers:
+        def release_kv(self, *args: Any) -> None:
+            pass
+
+        async def confirm_release_kv(self, *args: Any) -> bool | None:
+            return said
+
+    handle = two_block_handle(kv, b"d" * 32)  # not what the READ brings
+    importer = importer_of(runner, SlowAgent(0.0, None), Peers())
+    try:
+        with pytest.raises(RpcStatusError) as refused:
+            await importer.admit(handle, [1] * 6, None, [1], 0, SamplingParams(max_tokens=4), 1.0)
+        assert refused.value.code == grpc.StatusCode.ABORTED
+        gone = said is False
+        assert (LEASE_NOT_LIVE in refused.value.details) == gone
+        assert (importer.counters.digest_mismatches == 0) == gone
+        assert importer.counters.leases_lost == int(gone)
+        assert allocator.pool.num_used_blocks == 0 and not allocator.cached_hashes()
+    finally:
+        importer.model.close()
