@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from email.message import Message
 from typing import Any, TypeVar
 
@@ -60,7 +61,30 @@ class _TooManyObjects(Exception):
 
 
 class _NotJson(ValueError):
-    """What `json.loads` reads but JSON does not have (NaN, Infinity)."""
+    """What `json.loads` reads but JSON does not have (NaN, Infinity), or a number past
+    `MAX_NUMBER_CHARS`; `token` is its text, for `_where` to find."""
+
+    def __init__(self, message: str, token: str) -> None:
+        super().__init__(message)
+        self.token = token
+
+
+# A JSON string (escapes and all), or a run of text outside strings.
+_STRING_OR_ELSE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+', re.DOTALL)
+
+
+def _where(data: bytes, token: str) -> int | None:
+    """The character (as `json.JSONDecodeError.pos` counts them) where `token` first stands
+    outside a string of the JSON text `data`: where `json.loads` raised `_NotJson`, which it
+    does not say (its hooks are given the token alone). Runs only on that refusal."""
+    text = data.decode(json.detect_encoding(data), "surrogatepass")
+    for match in _STRING_OR_ELSE.finditer(text):
+        if match.group().startswith('"'):
+            continue
+        at = match.group().find(token)
+        if at >= 0:
+            return match.start() + at
+    return None
 
 
 def _media_type(content_type: str) -> Message:
@@ -150,7 +174,7 @@ def _twice_at(body: Any) -> str:
 
 def _not_a_json_value(name: str) -> Any:
     """`json.loads`'s `parse_constant`: NaN and Infinity are Python's, not JSON's."""
-    raise _NotJson(f"{name} is not a JSON value")
+    raise _NotJson(f"{name} is not a JSON value", name)
 
 
 def _unescaped_quotes(data: bytes) -> int:
@@ -164,14 +188,14 @@ def _int(text: str) -> int:
     """`json.loads`'s `parse_int`: a number of at most `MAX_NUMBER_CHARS` (a Python call
     per number also lets go of the GIL between them)."""
     if len(text) > MAX_NUMBER_CHARS:
-        raise _NotJson(f"a number of more than {MAX_NUMBER_CHARS} characters")
+        raise _NotJson(f"a number of more than {MAX_NUMBER_CHARS} characters", text)
     return int(text)
 
 
 def _float(text: str) -> float:
     """`json.loads`'s `parse_float`, bounded as `_int`."""
     if len(text) > MAX_NUMBER_CHARS:
-        raise _NotJson(f"a number of more than {MAX_NUMBER_CHARS} characters")
+        raise _NotJson(f"a number of more than {MAX_NUMBER_CHARS} characters", text)
     return float(text)
 
 
@@ -224,7 +248,10 @@ def parse_body(
     except UnicodeDecodeError as exc:
         message = f"the body is not valid JSON: {exc}: send it as UTF-8"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
-    except ValueError as exc:  # NaN or Infinity (`_NotJson`), an integer of 4300+ digits
+    except _NotJson as exc:
+        error = {"type": "json_invalid", "loc": ("body", _where(data, exc.token))}
+        raise validation_error([{**error, "ctx": {"error": str(exc)}}]) from None
+    except ValueError as exc:  # none known: `_int` and `_float` bound the digits
         message = f"the body is not valid JSON: {exc}"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
     if objects.twice:
