@@ -15,11 +15,13 @@ has not heartbeated its capacity yet may be larger: no such refusal for its role
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from common.kv.allocator import blocks_for
+from common.kv.block_pool import WHOLE_POOL
 from common.roles import Role
 from router.calls import TooLarge
 
@@ -73,6 +75,24 @@ class Need:
         field = self.prompt_field if alone else "sampling.max_tokens"
         refusal.trailing_metadata = (("epd-field", field),)
         return refusal
+
+    def as_admission_would(self, error: TooLarge) -> TooLarge:
+        """A KV worker's own refusal of a request its whole pool cannot hold, as admission
+        words it for that pool (`too_large`: the prompt's field or `sampling.max_tokens`
+        named, which the worker's words did not): admission let it through because the
+        worker had not heartbeated its pool yet. Any other refusal as it is."""
+        said = _WORKER_WHOLE_POOL.search(str(error))
+        if said is None or error.stage not in (Role.PREFILL, Role.DECODE):
+            return error
+        refusal = self.too_large(Role(error.stage), [int(said.group(1))])
+        if refusal is None:  # the worker counts otherwise (an older one): its words
+            return error
+        refusal.address, refusal.stage = error.address, error.stage
+        return refusal
+
+
+# What a KV worker's `PoolTooSmallError` says, its pool's blocks in all captured.
+_WORKER_WHOLE_POOL = re.compile(re.escape(WHOLE_POOL) + r" \((\d+), its num_blocks setting\)")
 
 
 def fit_to_decode(

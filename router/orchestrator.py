@@ -80,7 +80,7 @@ from common.wire.convert import params_to_proto
 from common.wire.sampling import finish_reason_to_proto, sampling_to_proto
 from epd.v1 import decode_service_pb2, multimodal_pb2, prefill_service_pb2, router_service_pb2
 from router.admission import Admission, Ticket
-from router.calls import Job, KvPoolFull, RouterError, WorkerCalls
+from router.calls import Job, KvPoolFull, RouterError, TooLarge, WorkerCalls
 from router.decode import DecodeStage, KvLease
 from router.detokenize import IncrementalDetokenizer
 from router.encode import Encoded, EncodeStage, log_stages
@@ -218,6 +218,8 @@ class Orchestrator:
             ):
                 out.resumed_tokens, echo = echo, 0
                 yield out
+        except TooLarge as exc:  # a decode worker's own: its pool was not heartbeated yet
+            raise ticket.need.as_admission_would(exc) from None
         finally:
             # Also when the client goes away at a `yield`, before decode ever starts.
             if lease.owned:
@@ -239,6 +241,8 @@ class Orchestrator:
         while True:
             try:
                 return await self._encode_and_prefill(job, handoff, choose, ticket)
+            except TooLarge as exc:  # the worker's own: its pool was not heartbeated yet
+                raise ticket.need.as_admission_would(exc) from None
             except KvPoolFull as exc:
                 logger.info("request %s: %s; queued again", job.request_id, exc)
                 refused = exc.address

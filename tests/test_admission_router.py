@@ -11,7 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from common.kv.block_pool import NoFreeBlocksError
+from common.kv.allocator import blocks_for
+from common.kv.block_pool import NoFreeBlocksError, PoolTooSmallError
 from common.models.tiny import make_tiny_checkpoint
 from common.processing.messages import messages_from_dicts
 from common.roles import Role
@@ -177,3 +178,43 @@ async def test_a_finished_answer_frees_its_reservation_before_the_client_takes_i
     assert not any(admission._reserved.values())  # given back before the last chunk
     assert all(w.placed == 0 for w in router.router.registry.workers())
     await answer.aclose()
+
+
+class WholePoolDecode(FakeDecode):
+    """A fake decode worker that refuses every call as one whose whole pool of `blocks`
+    cannot hold it says it (`status_for(PoolTooSmallError)`)."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    async def Decode(self, request: Any, context: Any) -> Any:
+        error = PoolTooSmallError(self.blocks + 1, self.blocks, "sampling.max_tokens")
+        await context.abort(*status_for(error))
+        yield  # a stream
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+async def test_a_workers_own_never_fits_names_the_field_as_admission_would(
+    router: Any, role: Role
+) -> None:
+    # A KV worker refuses a request its whole pool cannot hold itself until it has
+    # heartbeated its pool (admission cannot check before): that refusal reached the client
+    # naming no field, and "prompt asks for too many tokens" for a chat (ownfix review A).
+    chat = [{"role": "user", "content": "hello " * 40}]
+    prompt = router.router.orchestrator.processor.process(messages_from_dicts(chat))
+    tokens = len(prompt.prompt_token_ids)
+    blocks = blocks_for(tokens, 16) - 1 if role == Role.PREFILL else blocks_for(tokens + 1, 16)
+    assert blocks > 0
+    refused = status_for(PoolTooSmallError(blocks + 1, blocks, "prompt"))[1]
+    prefill = ExhaustedPrefill(full=1, details=refused) if role == Role.PREFILL else FakePrefill()
+    decode = WholePoolDecode(blocks) if role == Role.DECODE else FakeDecode()
+    for worker_role, servicer in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+        await router.add(worker_role, servicer)
+    with pytest.raises(GenerateError) as err:
+        await router.client.generate_text(chat, SamplingParams(max_tokens=16 * blocks))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    field = "messages" if role == Role.PREFILL else "sampling.max_tokens"
+    assert err.value.field == field, str(err.value)
+    assert f"the largest {role} worker has {blocks} in all" in str(err.value)
+    assert "asks for too many tokens" not in str(err.value)
