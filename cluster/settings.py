@@ -28,7 +28,7 @@ from common.roles import WORKER_ROLES
 from common.settings.api_keys import load_api_keys
 from common.settings.base import LOG_LEVELS, ModelWorkerSettings
 from common.settings.schema import SettingsError, check_positive, describe, setting, to_toml
-from common.settings.security import SecuritySettings
+from common.settings.security import SecuritySettings, named_by_table
 from decode_worker.settings import DecodeSettings
 from encoder_worker.settings import EncoderSettings
 from prefill_worker.settings import PrefillSettings
@@ -209,7 +209,9 @@ class EpdSettings:
                 if role == "router":  # it runs here (the workers may run on other nodes)
                     read_secrets(settings.security)
             except SettingsError as exc:
-                raise SettingsError(self._named(role, str(exc))) from None
+                raise SettingsError(
+                    named_by_table(role, str(exc), getattr(self, role).security, self.security)
+                ) from None
             if self.model is None and settings.model is not None:
                 check_model_folder(f"{role}.model", settings.model)
         # Embeddings and KV differ by dtype, and the caches key them by the KV's: one dtype.
@@ -257,18 +259,6 @@ class EpdSettings:
             check_positive(pools, "drain_timeout_s", "ready_timeout_s")
         except SettingsError as exc:
             raise SettingsError(f"pools.{exc}") from None
-
-    def _named(self, role: str, message: str) -> str:
-        """A role's SettingsError `message` named by the table its keys are in: the role's,
-        or `[security]` for security keys (any the message names, a partner's too) the
-        role's own table leaves unset."""
-        own, unset = getattr(self, role).security, SecuritySettings()
-        named = [f.name for f in dataclasses.fields(unset) if f.name in message]
-        if message.startswith("security.") and all(
-            getattr(own, key) == getattr(unset, key) for key in named
-        ):
-            return message
-        return f"{role}.{message}"
 
     def with_model(self) -> EpdSettings:
         """A copy where a top-level `model` has been given to every role, and the top-level

@@ -13,6 +13,7 @@ from cluster.settings import EpdSettings
 from common.server.role import _role_name
 from common.server.rpc import start_server, wait_healthy
 from common.settings.schema import SettingsError, load
+from common.settings.security import SecuritySettings, named_by_table
 from decode_worker.settings import DecodeSettings
 
 
@@ -288,3 +289,33 @@ async def test_a_refused_worker_is_remembered_with_its_reason() -> None:
             assert registry.refusals == {}  # it came back with the right settings
     finally:
         await server.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("own", "shared", "named"),
+    [
+        # Both files the role's own: both keys its table's (the second was `security.`'s).
+        (
+            ("c.pem", "k.pem"),
+            ("", ""),
+            "router.security.tls_cert_file, router.security.tls_key_file",
+        ),
+        ((None, None), ("c.pem", "k.pem"), "security.tls_cert_file, security.tls_key_file"),
+        # Each key where it is set (both were named the role's).
+        ((None, "k.pem"), ("c.pem", None), "security.tls_cert_file, router.security.tls_key_file"),
+    ],
+)
+def test_a_two_key_security_error_names_each_key_by_its_table(
+    own: tuple[str | None, str | None], shared: tuple[str | None, str | None], named: str
+) -> None:
+    # ownfix review C (s37): a bad certificate and key named the second by the first's table.
+    message = "security.tls_cert_file, security.tls_key_file: not a PEM certificate chain"
+    tables = [SecuritySettings(tls_cert_file=c, tls_key_file=k) for c, k in (own, shared)]
+    assert named_by_table("router", message, *tables) == named + message[message.index(":") :]
+
+
+def test_a_missing_partner_is_named_by_the_table_that_sets_the_other() -> None:
+    message = "security.tls_key_file: tls_cert_file and tls_key_file go together"
+    own = SecuritySettings(tls_cert_file="c.pem")
+    assert named_by_table("decode", message, own, SecuritySettings()).startswith("decode.security")
+    assert named_by_table("decode", message, SecuritySettings(), own).startswith("security.")

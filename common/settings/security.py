@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import secrets
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from common.settings.schema import SettingsError, setting
@@ -155,6 +156,25 @@ class TlsFiles:
     cert_chain: bytes  # this process's certificate chain
     private_key: bytes  # its private key
     ca: bytes | None  # CA bundle verifying peers; None: peers are not asked for certificates
+
+
+def named_by_table(role: str, message: str, own: SecuritySettings, shared: SecuritySettings) -> str:
+    """A `role`'s SettingsError `message`, each `security.<key>` it names named by the table
+    that sets that key: the role's own (`own`: `[<role>.security]`), or `shared`
+    (`[security]`); a key neither sets (a missing partner) by the role's where the role's
+    sets another key the message names."""
+    if not message.startswith("security."):
+        return f"{role}.{message}"
+    unset = SecuritySettings()
+    names = {f.name for f in fields(unset)} & set(re.findall(r"\w+", message))
+    sets = {k for k in names if getattr(own, k) != getattr(unset, k)}
+
+    def table(key: str) -> str:
+        if key in sets or (sets and getattr(shared, key, None) == getattr(unset, key, None)):
+            return f"{role}.security.{key}"
+        return f"security.{key}"
+
+    return re.sub(r"\bsecurity\.(\w+)", lambda m: table(m[1]), message)
 
 
 def warn_if_others_may_read(key: str, path: Path) -> None:
