@@ -25,9 +25,10 @@ so the router can release the leases of an answer it never got); `release` of an
 live bars it, and `export` refuses a barred id (`common.server.leases`), so such an output
 is never leased.
 
-The agent and arena are made on a background thread at `start()` (making a NIXL agent takes
-seconds); `agent()` waits for them. If NIXL is unavailable, `agent()` returns None and the
-server falls back to inline outputs. `export`, `release` and `expire` run on the event loop
+The agent and arena are made on a thread at `start()`; `agent()` waits for them, which the
+server does before it serves (making an agent, UCX moves the program break: not beside
+requests, `encoder_worker.server.serve`). If NIXL is unavailable, `agent()` returns None and
+the server falls back to inline outputs. `export`, `release` and `expire` run on the event loop
 (so does every use of the arena's allocator).
 """
 
@@ -107,7 +108,8 @@ class OutputLeases:
         return self.table.expired
 
     def start(self) -> None:
-        """Begin creating the agent and arena in the background; start the table's reaper."""
+        """Begin making the agent and arena on a thread (`agent()` waits for them); start the
+        table's reaper."""
         if self._agent_task is None:
             self._agent_task = asyncio.create_task(self._make_agent(), name="epd-nixl-agent")
         self.table.start_reaper(self._on_expire)

@@ -275,6 +275,18 @@ async def serve(
             await leases.close(wait_s=settings.lease_ttl_s)
 
     servicer = EncoderServicer(engine, leases, lifecycle, config.vision, settings, fingerprint)
+    if leases is not None:
+        # The NIXL agent, before anything is served: making it, UCX hooks and tests the calls
+        # that move the program break (brk, sbrk); made beside requests (it was, after the
+        # server started), it moved the break under glibc's heap on another thread, which
+        # aborted the process ("break adjusted to free malloc space": chaos review, s37;
+        # `scripts/ucx_hooks_race.py`).
+        leases.start()
+        try:
+            await leases.agent()
+        except BaseException:  # cancelled: `RoleServer.start` would have run `close`
+            await close()
+            raise
     server: RoleServer[EncoderServicer] = await RoleServer.start(
         settings,
         servicer,
@@ -286,8 +298,6 @@ async def serve(
         cleanup=[close],
         metrics=scrape_registry(lambda: encoder_metrics(servicer)),
     )
-    if leases is not None:
-        leases.start()
     info = registry_service_pb2.WorkerInfo(
         role=registry_service_pb2.WORKER_ROLE_ENCODER,
         address=settings.reachable_address(server.address),

@@ -219,3 +219,33 @@ async def test_outputs_lease_under_the_callers_key_and_a_released_key_makes_none
             await stub.Encode(request, timeout=60)
         assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "lease_key" in (malformed.value.details() or "")
+
+
+async def test_the_agent_is_made_before_the_encoder_serves(
+    make_server: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Making a NIXL agent, UCX moves the program break to test its hooks: made after the
+    # server started (it was), that ran beside requests and aborted an encoder in glibc
+    # (chaos review, s37; `scripts/ucx_hooks_race.py` shows the race).
+    from common.server.role import RoleServer
+    from encoder_worker import leases
+
+    events: list[str] = []
+    made = leases.TransferAgent
+
+    def agent(name: str) -> Any:
+        events.append("agent")
+        return made(name)
+
+    start = RoleServer.start.__func__  # type: ignore[attr-defined]
+
+    async def started(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        events.append("serving")
+        return await start(cls, *args, **kwargs)
+
+    monkeypatch.setattr(leases, "TransferAgent", agent)
+    monkeypatch.setattr(RoleServer, "start", classmethod(started))
+    server, _ = await make_server(nixl=True)
+    assert events == ["agent", "serving"]
+    assert server.servicer is not None and server.servicer.leases is not None
+    assert server.servicer.leases.arena is not None  # registered before serving too
