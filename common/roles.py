@@ -36,5 +36,5 @@ class Role(enum.StrEnum):
 
 # Every worker role, in request order (encode, prefill, decode).
 WORKER_ROLES: tuple[Role, ...] = tuple(Role)
-# The roles that hold paged KV and must agree on its layout.
-KV_ROLES = frozenset({Role.PREFILL, Role.DECODE})
+# The roles that hold paged KV and must agree on its layout, in request order.
+KV_ROLES: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)

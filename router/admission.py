@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.roles import Role
+from common.roles import KV_ROLES, Role
 from router.admission_need import Need
-from router.admission_tenants import KV_ROLES, TenantShares
+from router.admission_tenants import TenantShares
 from router.calls import Refused, RouterError
 from router.registry import Registry
 from router.workers import NoWorkerError, WorkerRecord

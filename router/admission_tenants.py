@@ -24,9 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from common.roles import Role
-
-KV_ROLES = (Role.PREFILL, Role.DECODE)  # the roles whose KV blocks admission reserves
+from common.roles import KV_ROLES, Role
 
 
 class TenantShares:

@@ -50,7 +50,7 @@ SILENT_HEARTBEATS = 2  # a suspect worker silent for this many intervals: gone, 
 
 def needed(media: bool) -> tuple[Role, ...]:
     """The roles a request waits for: prefill and decode, and an encoder if it has `media`."""
-    return (*KV_ROLES, Role.ENCODER) if media else tuple(KV_ROLES)
+    return (*KV_ROLES, Role.ENCODER) if media else KV_ROLES
 
 
 class Returns:

@@ -249,8 +249,10 @@ def parse_body(
         message = f"the body is not valid JSON: {exc}: send it as UTF-8"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
     except _NotJson as exc:
-        error = {"type": "json_invalid", "loc": ("body", _where(data, exc.token))}
-        raise validation_error([{**error, "ctx": {"error": str(exc)}}]) from None
+        at = _where(data, exc.token)
+        loc = ("body",) if at is None else ("body", at)
+        error = {"type": "json_invalid", "loc": loc, "ctx": {"error": str(exc)}}
+        raise validation_error([error]) from None
     except ValueError as exc:  # none known: `_int` and `_float` bound the digits
         message = f"the body is not valid JSON: {exc}"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
