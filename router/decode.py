@@ -6,8 +6,10 @@
       refused  ABORTED before the first chunk (the pulled KV was unusable): prefill again
                and decode with the new handle, up to `reprefills` times
       retried  UNAVAILABLE before the first chunk (the router still owns the lease): the
-               same handle to another decode worker, or a fresh one where the lease's TTL
-               has passed since its handle came (its holder may have let the blocks go)
+               same handle to another decode worker
+      lapsed   a handle is sent only while its lease's TTL has not passed since it came
+               (its holder may have let the blocks go): past it, a fresh one first, within
+               the `reprefills` a request has (a worker that came back late, a slow reader)
       migrated UNAVAILABLE after the first chunk (the worker died or its stream was
                removed; the lease was handed over and is gone): the stream resumes on a
                decode worker not yet tried (else on one that failed a step and serves on,
@@ -198,6 +200,18 @@ class DecodeStage:
         streamed = list(resumed[1:])  # tokens after the first one already sent to the client
         while True:
             worker = await self._next_worker(job, ticket, tries)
+            if lease.owned and lease.ran_out() and tries.reprefills < self.reprefills:
+                # Past its TTL (a decode worker came back late, or the client read the
+                # first token slowly): its holder may have let the blocks go; a fresh handle
+                # costs a prefill where a READ the holder refuses costs that and the READ.
+                tries.reprefills += 1
+                self.metrics.reprefills.inc()
+                logger.warning("request %s: KV lease ran out; prefilling again", job.request_id)
+                self.channels.release_kv(lease.address, lease.lease_id)
+                lease.owned = False
+                again, holder = await prefill_again()
+                request.kv.CopyFrom(again.kv)
+                lease.renew(again, holder)
             if tries.retrying:
                 self.calls.retries["decode"] += 1
             if tries.migrating:
@@ -319,11 +333,8 @@ class DecodeStage:
             if len(tries.tried) >= self.calls.attempts:
                 raise self.calls.error("decode", worker, exc) from None
             tries.retrying = True
-            if lease.ran_out():  # its holder may have let the blocks go: a fresh handle
-                logger.warning("decode on %s failed (%s); prefilling again", worker.address, code)
-                return False
             logger.warning("decode on %s failed (%s); trying again", worker.address, code)
-            return True  # the same handle, another worker
+            return True  # the same handle (unless its lease ran out: `stream`), another worker
         if tries.migrations >= self.migrations:
             raise self.calls.error("decode", worker, exc) from None
         tries.migrations += 1

@@ -145,7 +145,8 @@ class RouterMetrics:
         )
         self.reprefills = Counter(
             "epd:reprefills",
-            "Prefills run again because decode refused the KV (ABORTED).",
+            "Prefills run again because decode refused the KV (ABORTED), or its lease's TTL "
+            "passed before it was sent.",
             registry=registry,
         )
         self.migrations = Counter(

@@ -16,7 +16,7 @@ from common.roles import Role
 from common.sampling import SamplingParams
 from epd.v1 import decode_service_pb2
 from tests.test_failover_router import BreakingDecode, cluster
-from tests.test_router import FIRST, TEXT, FakeEncoder, FakePrefill, ckpt
+from tests.test_router import FIRST, TEXT, FakeDecode, FakeEncoder, FakePrefill, ckpt
 
 __all__ = ["ckpt", "cluster"]  # fixtures
 
@@ -96,18 +96,50 @@ async def test_a_handle_whose_lease_ran_out_is_not_handed_on(cluster, ttl_ms: in
     assert len(set(leases)) == (2 if ran_out else 1)  # a live one is handed on as it was
 
 
-async def test_a_lease_its_holder_said_was_gone_does_not_make_it_suspect(cluster) -> None:
+@pytest.mark.parametrize(("ttl_ms", "after_s"), [(200, 0.4), (60_000, 0.05)])
+async def test_a_lease_its_holder_said_was_gone_does_not_make_it_suspect(
+    cluster, ttl_ms: int, after_s: float
+) -> None:
+    # Gone well before its TTL too: a lease a decode worker released, then died, its handle
+    # sent on (a rule sparing the holder only past the TTL passed with 200 ms alone: s37diff).
     await cluster.add(Role.ENCODER, FakeEncoder())
     prefill = FakePrefill()
-    prefill.lease_ttl_ms = 200
+    prefill.lease_ttl_ms = ttl_ms
     await cluster.add(Role.PREFILL, prefill)
     failed: list[str] = []
     for _ in range(2):
-        await cluster.add(Role.DECODE, LateFailingDecode(failed, grpc.StatusCode.ABORTED, 0.4))
+        await cluster.add(Role.DECODE, LateFailingDecode(failed, grpc.StatusCode.ABORTED, after_s))
     result = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=4), timeout_s=20)
     assert result.token_ids == [FIRST, 101, 102, 103] and len(prefill.requests) == 2
     (holder,) = cluster.router.orchestrator.registry.workers(Role.PREFILL)
     assert not holder.suspect  # it let the lease go when it was due: nothing wrong with it
+
+
+async def test_a_handle_whose_lease_ran_out_while_waiting_for_a_worker_is_not_sent(
+    cluster,
+) -> None:
+    # The lease's TTL was checked when the first decode worker failed, before the router
+    # waited for one to come back, and the handle went out 0.8 s past its TTL (s37diff).
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    prefill = FakePrefill()
+    prefill.lease_ttl_ms = 300
+    await cluster.add(Role.PREFILL, prefill)
+    await cluster.add(Role.DECODE, FakeDecode())
+    await cluster.servers[-1].stop(0)  # killed: its calls fail UNAVAILABLE at once
+    answer = asyncio.create_task(
+        cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3), timeout_s=20)
+    )
+    while not prefill.requests:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.6)  # past the TTL, the router waiting for a decode worker
+    back = FakeDecode()
+    await cluster.add(Role.DECODE, back)
+    result = await answer
+    assert result.token_ids == [FIRST, 101, 102]
+    assert [r.kv.lease_id for r in back.requests] == ["lease-2"]  # a fresh handle
+    assert prefill.released[:1] == ["lease-1"]  # the lapsed one given back
+    reprefills = cluster.router.orchestrator.metrics.reprefills
+    assert reprefills._value.get() == 1
 
 
 class FrozenHolderDecode(BreakingDecode):
