@@ -319,3 +319,12 @@ def test_a_missing_partner_is_named_by_the_table_that_sets_the_other() -> None:
     own = SecuritySettings(tls_cert_file="c.pem")
     assert named_by_table("decode", message, own, SecuritySettings()).startswith("decode.security")
     assert named_by_table("decode", message, SecuritySettings(), own).startswith("security.")
+
+
+def test_a_path_holding_another_keys_name_does_not_name_the_table() -> None:
+    # `cannot read /no/api_keys_file` took the router's own api_keys_file as the error's
+    # (s37diff review).
+    message = "security.cluster_token_file: cannot read /no/api_keys_file"
+    shared = SecuritySettings(cluster_token_file="/no/api_keys_file")
+    own = SecuritySettings(api_keys_file="keys.toml")
+    assert named_by_table("router", message, own, shared) == message

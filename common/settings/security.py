@@ -166,7 +166,11 @@ def named_by_table(role: str, message: str, own: SecuritySettings, shared: Secur
     if not message.startswith("security."):
         return f"{role}.{message}"
     unset = SecuritySettings()
-    names = {f.name for f in fields(unset)} & set(re.findall(r"\w+", message))
+    said = message  # the keys it names, not the values it repeats (a path may hold a name)
+    for value in {getattr(t, f.name) for t in (own, shared) for f in fields(unset)}:
+        if isinstance(value, str) and value:
+            said = said.replace(value, " ")
+    names = {f.name for f in fields(unset)} & set(re.findall(r"\w+", said))
     sets = {k for k in names if getattr(own, k) != getattr(unset, k)}
 
     def table(key: str) -> str:
