@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.host_memory import host_bytes_free
 from common.settings.schema import SettingsError
 
 #: Dimension order of the buffer, outermost first (see the module docstring).
@@ -122,25 +123,6 @@ class KvPoolTooLarge(SettingsError):
             f"({spec.total_bytes / 2**30:.1f} GiB) cannot be allocated on {device} ({why}): "
             "lower num_blocks (or block_size)"
         )
-
-
-def host_bytes_free() -> int | None:
-    """Host memory an allocation may take: the kernel's MemAvailable, or this container's
-    cgroup memory limit where smaller (the whole limit: some of what it uses may be cache the
-    kernel drops); None where neither can be read."""
-    sizes = []
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            sizes += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(limit, encoding="ascii") as f:
-                sizes.append(int(f.read().strip()))  # "max" (no limit): ValueError
-        except (OSError, ValueError):
-            pass
-    return min(sizes) if sizes else None
 
 
 class PagedKvCache:
