@@ -233,7 +233,7 @@ class Controller:
         if not all(drains):
             await asyncio.gather(*(r.stop(0) for r in routers))
         try:
-            await self.pools.stop(router_stopped=True)  # nothing left on them to wait for
+            await self.pools.stop(routers_drained=True)  # nothing left on them to wait for
         finally:  # a short grace for what a drain does not track (health watches, releases)
             await asyncio.gather(*(r.stop(0.5) for r in routers))
 

@@ -128,7 +128,7 @@ class PoolManager:
         self.use_gpus = self.gpus_per_worker > 0
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
-        self.router_stopped = False  # set by stop() once the router is gone
+        self.routers_drained = False  # set by stop(): the routers take no new work
         # The deployment's view of its routers (the controller sets both,
         # `cluster.deployment.follow_registries`): whether an operator drained the worker of
         # this name, and one retiring now, held out of rotation at once (told before `scale`
@@ -242,7 +242,7 @@ class PoolManager:
                 # finish, and describe() would wait for its start-up, holding its CPUs and
                 # GPUs. Were it to register meanwhile, it registers retiring (`retiring`).
                 return
-            if not self.router_stopped:
+            if not self.routers_drained:
                 await self._drain_at_routers(member, timeout_s)
             # Always the worker's own drain, whatever the routers said: it finishes the
             # streams and leases it holds before the actor is killed.
@@ -275,12 +275,13 @@ class PoolManager:
             if isinstance(outcome, BaseException):
                 logger.warning("draining %s at router %s failed: %r", member.name, router, outcome)
 
-    async def stop(self, *, router_stopped: bool = False) -> None:
+    async def stop(self, *, routers_drained: bool = False) -> None:
         """Retire every worker and wait for all retirements to finish.
 
-        `router_stopped`: the router no longer answers, so skip its drain step.
+        `routers_drained`: every router is drained (it sends no worker new work; it may
+        still answer heartbeats) or stopped, so the drain step at the routers is skipped.
         """
-        self.router_stopped = router_stopped
+        self.routers_drained = routers_drained
         for role in ROLES:
             await self.scale(role, 0)
         if self._retiring:

@@ -78,8 +78,8 @@ async def test_the_routers_stop_after_the_workers_retire_unless_their_drain_ran_
     async def stop_router(grace_s: float) -> None:
         order.append(("stop", grace_s))
 
-    async def stop_pools(*, router_stopped: bool) -> None:
-        order.append(("pools", router_stopped))
+    async def stop_pools(*, routers_drained: bool) -> None:
+        order.append(("pools", routers_drained))
 
     controller = Controller.__new__(Controller)
     controller.settings = SimpleNamespace(pools=SimpleNamespace(drain_timeout_s=1.0))  # type: ignore[assignment]

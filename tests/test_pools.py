@@ -246,7 +246,7 @@ async def test_stop_after_the_router_is_gone_skips_the_router_drain(recorded: li
     await manager.scale("encoder", 3)
     manager.registered |= {"epd-encoder-0", "epd-encoder-1"}  # epd-encoder-2 still starts
     recorded.clear()
-    await manager.stop(router_stopped=True)
+    await manager.stop(routers_drained=True)
     assert sorted(recorded) == [
         "drain epd-encoder-0",
         "drain epd-encoder-1",

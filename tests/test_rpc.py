@@ -204,6 +204,15 @@ async def test_a_drain_that_leaves_the_stop_to_its_caller_keeps_answering(probe:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _call(ch)(b"late", timeout=5)
     assert info.value.details() == "draining"  # and still takes no work
+    # Drained again, it does not drain again (its hooks ran twice: s37diff): it stops.
+    hooks: list[int] = []
+
+    async def hook() -> None:
+        hooks.append(1)
+
+    impl.lifecycle.on_drain.append(hook)
+    assert await impl.lifecycle.drain(timeout_s=1) is True
+    assert impl.lifecycle.state == LifecycleState.STOPPED and not hooks
     await running.stop(0)
 
 
