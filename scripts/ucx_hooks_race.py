@@ -3,15 +3,17 @@ that move the program break (brk, sbrk) and tests the hooks by moving the break;
 growing glibc's main heap meanwhile then finds the break below the heap's top, and glibc
 aborts the process ("break adjusted to free malloc space", or a segfault later).
 
-    python scripts/ucx_hooks_race.py [RUNS]
+    python scripts/ucx_hooks_race.py [RUNS] [--after]
 
 runs RUNS fresh processes (default 100) in which the main thread mallocs and frees (the
 main arena, growing and trimming the break) while another thread makes an agent, and
-prints how many died. Seen here (2 cores): 2 of the first 25 died (one abort with that
-message, one SIGSEGV). An encoder made its agent so, after it began serving, and a
-restarted one aborted with that message under load (chaos review, session 37); every
-worker now makes its agent before its server starts (`encoder_worker.server.serve`,
-`common.server.kv_worker.KvWorkerParts.make`).
+prints how many died; with `--after`, the agent is made first, then the same churn runs
+(the hooks installed, nothing beside their making). Seen here (2 cores): 3 of 100 died
+beside the making (one abort with that message, two SIGSEGV); after it, 0 of 100.
+
+An encoder made its agent so, after it began serving, and a restarted one aborted with that
+message under load (chaos review, session 37); every worker now makes its agent before its
+server starts (`encoder_worker.server.serve`, `common.server.kv_worker.KvWorkerParts.make`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import sys
 import threading
 
 
-def one(seed: int) -> None:
-    """The race, once, in this process (exits 0 if it lived)."""
+def one(seed: int, after: bool) -> None:
+    """The race, once, in this process (exits 0 if it lived); `after`: no race, the agent
+    made before the churn."""
     from common.transfer.agent import TransferAgent
 
     libc = ctypes.CDLL("libc.so.6")
@@ -39,8 +42,12 @@ def one(seed: int) -> None:
 
     thread = threading.Thread(target=make)
     thread.start()
+    if after:
+        thread.join()
     rng = random.Random(seed)
-    while not made.is_set():
+    rounds = 0
+    while rounds < 50 if after else not made.is_set():
+        rounds += 1
         # Below the mmap threshold: the main arena's, growing the break, trimmed after.
         held = [libc.malloc(rng.randrange(1024, 120_000)) for _ in range(200)]
         for pointer in held:
@@ -49,10 +56,10 @@ def one(seed: int) -> None:
     thread.join()
 
 
-def main(runs: int) -> int:
+def main(runs: int, after: bool) -> int:
     died = 0
     for seed in range(runs):
-        code = [sys.executable, __file__, "--one", str(seed)]
+        code = [sys.executable, __file__, "--one", str(seed), *(["--after"] if after else [])]
         done = subprocess.run(code, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             died += 1
@@ -63,7 +70,9 @@ def main(runs: int) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--one"]:
-        one(int(sys.argv[2]))
+    after = "--after" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--after"]
+    if args[:1] == ["--one"]:
+        one(int(args[1]), after)
     else:
-        sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 100))
+        sys.exit(main(int(args[0]) if args else 100, after))
