@@ -65,6 +65,45 @@ def test_packed_rows_round_alike_at_any_row_count() -> None:
             assert torch.equal(layer(x[:rows])[:2], first)
 
 
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_past_64_are_computed_padded_to_a_bucket_with_the_same_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # oneDNN keeps a primitive per row count: a prefill worker's prompts of every length
+    # held ~0.5 GB of them, and churned up to 2 GB of heap (memgrow review, s38).
+    if dtype == torch.bfloat16 and not BF16_PACKS:
+        pytest.skip("oneDNN packs no bfloat16 weights on this CPU")
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(192, 128, generator=gen).to(dtype)
+    packed = onednn_packed(weight)
+    assert packed is not None
+    x = torch.randn(700, 128, generator=gen).to(dtype)
+    seen: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    with torch.inference_mode():
+        rows_tried = (2, 64, 65, 100, 300, 700)
+        wants = [real(x[:rows], packed, None, "none", [], "") for rows in rows_tried]
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+        for rows, want in zip(rows_tried, wants, strict=True):
+            got = linear.onednn_linear(x[:rows], packed, None)
+            assert got.shape == (rows, 192) and torch.equal(got, want), rows
+    assert seen == [2, 64, 68, 100, 304, 704]
+
+
+def test_row_buckets_are_few_and_close() -> None:
+    buckets = {linear.bucket_rows(rows) for rows in range(1, 8193)}
+    assert len(buckets) == 64 + 7 * 16  # exact to 64, then 16 per power of two
+    for rows in range(1, 8193):
+        padded = linear.bucket_rows(rows)
+        assert rows <= padded <= rows * 17 / 16 and (rows > 64 or padded == rows)
+
+
 def test_one_copy_without_packing_or_where_it_cannot_be_made() -> None:
     weight = torch.randn(64, 32)
     x = torch.randn(5, 32)

@@ -86,9 +86,34 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+# Rows oneDNN is given as they are; past them, padded up to one of 2**ROW_BUCKETS_LOG2 sizes
+# per power of two (at most 1/16 more rows). oneDNN makes a primitive per row count and
+# keeps it (ideep's per-thread cache and its own, 1024 each, ~0.3-0.8 MB a primitive): a
+# prefill worker's row counts are its prompts' lengths, and every new one held ~0.5 GB more
+# until both caches were full, then churned them, leaving up to 2 GB of freed heap resident
+# (memgrow review, s38). Decode batches (`max_batch` 32) stay exact.
+EXACT_ROWS = 64
+ROW_BUCKETS_LOG2 = 4
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count oneDNN computes `rows` rows at (see `EXACT_ROWS`)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 1 - ROW_BUCKETS_LOG2)  # 1/16 of its power of two
+    return -(-rows // step) * step
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x [n, in] @ W.T (+ bias)` by oneDNN, `packed` being `onednn_packed(W)`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """`x [n, in] @ W.T (+ bias)` by oneDNN, `packed` being `onednn_packed(W)`; rows past
+    `EXACT_ROWS` padded with zeros to `bucket_rows` (a packed row rounds alike whatever the
+    row count: the same values)."""
+    rows = x.shape[0]
+    padded = bucket_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out if padded == rows else out[:rows]
 
 
 @dataclass(frozen=True, slots=True)
