@@ -67,7 +67,7 @@ def test_packed_rows_round_alike_at_any_row_count() -> None:
 
 @onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_past_64_are_computed_padded_to_a_bucket_with_the_same_bits(
+def test_rows_past_64_are_computed_padded_to_a_bucket_and_in_chunks_with_the_same_bits(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # oneDNN keeps a primitive per row count: a prefill worker's prompts of every length
@@ -78,7 +78,7 @@ def test_rows_past_64_are_computed_padded_to_a_bucket_with_the_same_bits(
     weight = torch.randn(192, 128, generator=gen).to(dtype)
     packed = onednn_packed(weight)
     assert packed is not None
-    x = torch.randn(700, 128, generator=gen).to(dtype)
+    x = torch.randn(5000, 128, generator=gen).to(dtype)
     seen: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -87,19 +87,19 @@ def test_rows_past_64_are_computed_padded_to_a_bucket_with_the_same_bits(
         return real(x, *args)
 
     with torch.inference_mode():
-        rows_tried = (2, 64, 65, 100, 300, 700)
+        rows_tried = (2, 64, 65, 100, 300, 700, 5000)
         wants = [real(x[:rows], packed, None, "none", [], "") for rows in rows_tried]
         monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
         for rows, want in zip(rows_tried, wants, strict=True):
             got = linear.onednn_linear(x[:rows], packed, None)
             assert got.shape == (rows, 192) and torch.equal(got, want), rows
-    assert seen == [2, 64, 68, 100, 304, 704]
+    assert seen == [2, 64, 68, 100, 304, 704, 2048, 2048, 928]  # 5000: 2048 at a time
 
 
 def test_row_buckets_are_few_and_close() -> None:
-    buckets = {linear.bucket_rows(rows) for rows in range(1, 8193)}
-    assert len(buckets) == 64 + 7 * 16  # exact to 64, then 16 per power of two
-    for rows in range(1, 8193):
+    buckets = {linear.bucket_rows(rows) for rows in range(1, linear.CHUNK_ROWS + 1)}
+    assert len(buckets) == 64 + 5 * 16  # exact to 64, then 16 per power of two to 2048
+    for rows in range(1, linear.CHUNK_ROWS + 1):
         padded = linear.bucket_rows(rows)
         assert rows <= padded <= rows * 17 / 16 and (rows > 64 or padded == rows)
 

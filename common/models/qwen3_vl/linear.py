@@ -87,17 +87,19 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 # Rows oneDNN is given as they are; past them, padded up to one of 2**ROW_BUCKETS_LOG2 sizes
-# per power of two (at most 1/16 more rows). oneDNN makes a primitive per row count and
-# keeps it (ideep's per-thread cache and its own, 1024 each, ~0.3-0.8 MB a primitive): a
-# prefill worker's row counts are its prompts' lengths, and every new one held ~0.5 GB more
-# until both caches were full, then churned them, leaving up to 2 GB of freed heap resident
-# (memgrow review, s38). Decode batches (`max_batch` 32) stay exact.
+# per power of two (at most 1/16 more rows), and past `CHUNK_ROWS`, computed that many at a
+# time. oneDNN makes a primitive per row count and keeps it (ideep's per-thread cache and its
+# own, 1024 each, ~0.3-0.8 MB a primitive): a prefill worker's row counts are its prompts'
+# lengths, and every new one held ~0.5 GB more until both caches were full, then churned
+# them, leaving up to 2 GB of freed heap resident (memgrow review, s38). Now 144 row counts
+# at most, whatever the lengths; decode batches (`max_batch` 32) stay exact.
 EXACT_ROWS = 64
 ROW_BUCKETS_LOG2 = 4
+CHUNK_ROWS = 2048
 
 
 def bucket_rows(rows: int) -> int:
-    """The row count oneDNN computes `rows` rows at (see `EXACT_ROWS`)."""
+    """The row count oneDNN computes `rows` rows (at most `CHUNK_ROWS`) at."""
     if rows <= EXACT_ROWS:
         return rows
     step = 1 << (rows.bit_length() - 1 - ROW_BUCKETS_LOG2)  # 1/16 of its power of two
@@ -105,10 +107,15 @@ def bucket_rows(rows: int) -> int:
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x [n, in] @ W.T (+ bias)` by oneDNN, `packed` being `onednn_packed(W)`; rows past
-    `EXACT_ROWS` padded with zeros to `bucket_rows` (a packed row rounds alike whatever the
-    row count: the same values)."""
+    """`x [n, in] @ W.T (+ bias)` by oneDNN, `packed` being `onednn_packed(W)`, at the row
+    counts the comment above says (a packed row rounds alike whatever the row count: the
+    same values as one call)."""
     rows = x.shape[0]
+    if rows > CHUNK_ROWS:
+        pieces = [
+            onednn_linear(x[i : i + CHUNK_ROWS], packed, bias) for i in range(0, rows, CHUNK_ROWS)
+        ]
+        return torch.cat(pieces)
     padded = bucket_rows(rows)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
