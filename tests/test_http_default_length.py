@@ -65,3 +65,27 @@ async def test_a_chat_without_a_length_runs_to_the_context_it_has(ckpt: Path) ->
         assert "max_tokens" not in reply["error"]["message"], reply
     finally:
         await c.close()
+
+
+async def test_a_default_length_a_decode_workers_own_refusal_names_says_it_is_one(
+    ckpt: Path,
+) -> None:
+    # Before a decode worker has heartbeated its pool, the default is not cut to it and the
+    # worker refuses the chat itself; reworded as admission would, that named "max_tokens
+    # 40", which the client never sent (ownfixD review).
+    from common.roles import Role
+    from tests.test_admission_router import WholePoolDecode
+    from tests.test_router import FakeEncoder, FakePrefill
+
+    c = await fake_router(ckpt, chat_max_tokens=40)
+    try:
+        await c.add(Role.ENCODER, FakeEncoder())
+        await c.add(Role.PREFILL, FakePrefill())
+        await c.add(Role.DECODE, WholePoolDecode(2))  # 2 blocks: the prompt and a few tokens
+        status, reply = await post(
+            c, "/v1/chat/completions", {"model": MODEL_ID, "messages": WEATHER}
+        )
+        assert (status, reply["error"]["param"]) == (400, "max_tokens"), reply
+        assert "max_tokens 40 (the default: the request set none)" in reply["error"]["message"]
+    finally:
+        await c.close()
