@@ -83,6 +83,15 @@ def test_nan_and_infinity_are_not_json(constant: str) -> None:
     )
 
 
+def test_a_constants_place_is_found_past_escaped_quotes_and_backslashes() -> None:
+    # Found by a scan that skips strings as `json` reads them: a regex over them kept state
+    # per escape, and a body of escapes held the router's loop 35 s (ownfixD review).
+    body = r'{"model": "m", "a\"NaN": "\\", "b": "x\"NaN\\", "c": "' + "\\n" * 5000
+    body += r'", "temperature": NaN}'
+    error = refused(body)
+    assert str(error).endswith(f"NaN is not a JSON value (at character {body.rindex('NaN')})")
+
+
 def test_long_numbers_and_objects_of_many_keys_are_refused_before_they_hold_the_loop() -> None:
     # `json.loads` converts digits and reads an object's keys in C, GIL held, whatever
     # thread runs it: 250 MiB of 4299-digit integers in an ignored field stalled the router
