@@ -328,3 +328,16 @@ def test_a_path_holding_another_keys_name_does_not_name_the_table() -> None:
     shared = SecuritySettings(cluster_token_file="/no/api_keys_file")
     own = SecuritySettings(api_keys_file="keys.toml")
     assert named_by_table("router", message, own, shared) == message
+
+
+def test_only_the_keys_leading_an_error_are_renamed() -> None:
+    # A path holding "security.token" was shown as "router.security.token", and a value
+    # ("file") inside a key's name hid that key (ownfixD review).
+    message = "security.cluster_token_file: cannot read /etc/epd/security.token"
+    own = SecuritySettings(cluster_token_file="/etc/epd/security.token")
+    named = named_by_table("router", message, own, SecuritySettings())
+    assert named == "router." + message
+    message = "security.tls_cert_file, security.tls_key_file: not a PEM certificate chain"
+    own = SecuritySettings(tls_cert_file="c.pem", tls_key_file="file")
+    named = named_by_table("router", message, own, SecuritySettings())
+    assert named.startswith("router.security.tls_cert_file, router.security.tls_key_file:")

@@ -166,10 +166,11 @@ def named_by_table(role: str, message: str, own: SecuritySettings, shared: Secur
     if not message.startswith("security."):
         return f"{role}.{message}"
     unset = SecuritySettings()
+    head, colon, reason = message.partition(": ")  # "security.<key>[, ...]: why"
     said = message  # the keys it names, not the values it repeats (a path may hold a name)
     for value in {getattr(t, f.name) for t in (own, shared) for f in fields(unset)}:
         if isinstance(value, str) and value:
-            said = said.replace(value, " ")
+            said = re.sub(rf"(?<!\w){re.escape(value)}(?!\w)", " ", said)
     names = {f.name for f in fields(unset)} & set(re.findall(r"\w+", said))
     sets = {k for k in names if getattr(own, k) != getattr(unset, k)}
 
@@ -178,7 +179,8 @@ def named_by_table(role: str, message: str, own: SecuritySettings, shared: Secur
             return f"{role}.security.{key}"
         return f"security.{key}"
 
-    return re.sub(r"\bsecurity\.(\w+)", lambda m: table(m[1]), message)
+    # The keys it names lead it; what follows (a path, say) is left as it is.
+    return re.sub(r"\bsecurity\.(\w+)", lambda m: table(m[1]), head) + colon + reason
 
 
 def warn_if_others_may_read(key: str, path: Path) -> None:
