@@ -216,6 +216,27 @@ async def test_a_drain_that_leaves_the_stop_to_its_caller_keeps_answering(probe:
     await running.stop(0)
 
 
+async def test_two_drains_at_once_drain_once() -> None:
+    # A controller's drain(stop=False) and a signal's drain() together ran the hooks
+    # twice (ownfixD review); a cancelled caller does not stop the drain either.
+    lifecycle = ServerLifecycle()
+    ran: list[int] = []
+
+    async def hook() -> None:
+        ran.append(1)
+        await asyncio.sleep(0.2)
+
+    lifecycle.on_drain.append(hook)
+    first = asyncio.create_task(lifecycle.drain(5, stop=False))
+    await asyncio.sleep(0.05)
+    cancelled = asyncio.create_task(lifecycle.drain(5))
+    second = asyncio.create_task(lifecycle.drain(5))
+    await asyncio.sleep(0.05)
+    cancelled.cancel()
+    assert await first is True and await second is True
+    assert ran == [1] and lifecycle.state == LifecycleState.STOPPED
+
+
 async def test_wait_healthy_times_out() -> None:
     running = await start_server([])
     address = running.address

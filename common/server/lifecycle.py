@@ -61,7 +61,7 @@ class ServerLifecycle:
         self.on_drain: list[Callable[[], Awaitable[object]]] = []
         # Counts of untracked work a drain also waits for (e.g. leases peers still pull).
         self.holds: list[Callable[[], int]] = []
-        self._drained: bool | None = None  # a finished drain's outcome (stopped or not)
+        self._drain_task: asyncio.Future[bool] | None = None  # the drain, once begun
 
     @property
     def draining(self) -> bool:
@@ -113,22 +113,24 @@ class ServerLifecycle:
         is not work, such as registrations and heartbeats, is still answered).
 
         Returns True when every tracked RPC finished in time (False: the rest were cancelled
-        by the server stop). Calling it again after it stopped returns True at once; after
-        a drain with `stop` False, it does not drain again: it returns that drain's outcome,
-        stopping the server unless `stop` is False again.
+        by the server stop). The drain runs once: a call while it runs, or after it, waits
+        for it and returns its outcome (stopping the server unless `stop` is False), and
+        one after the server stopped returns True at once. A caller cancelled meanwhile
+        leaves the drain running.
         """
         if self.state == LifecycleState.STOPPED:
             return True
-        if self._drained is None:
-            self._drained = await self._drain(timeout_s, stop)
-        if not stop:
-            return self._drained
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain(timeout_s, stop))
+        clean = await asyncio.shield(self._drain_task)
+        if not stop or self.state == LifecycleState.STOPPED:
+            return clean
         if self.running is not None:
             # Only untracked RPCs (health watches, releases) can remain: short grace.
-            await self.running.stop(grace_s=0.5 if self._drained else 0.0)
+            await self.running.stop(grace_s=0.5 if clean else 0.0)
         self.state = LifecycleState.STOPPED
         logger.info("stopped")
-        return self._drained
+        return clean
 
     async def _drain(self, timeout_s: float, stop: bool) -> bool:
         """`drain`'s drain: no new work, the hooks, in-flight work waited for."""
