@@ -4,11 +4,11 @@ cgroup v2 or v1) leaves less under its limit. A KV pool larger than that is refu
 it is zeroed (`common.kv.cache.PagedKvCache`): zeroing touches every page, and the kernel
 killed such a pool's process with no line saying why.
 
-What a cgroup leaves is its limit less what it uses, not counting its page cache (the
-kernel drops that first). The process's cgroup comes from `/proc/self/cgroup`, read under
-the cgroup mount: the root files alone hold the host's value where the process has no
-cgroup namespace (a runner's, a systemd unit's, a Slurm job's), and a limit may be set on a
-parent (a pod's, where each container sets none).
+What a cgroup leaves is its limit less what it uses, not counting the page cache the kernel
+may drop first (shared memory, counted in that cache, stays). The process's cgroup comes
+from `/proc/self/cgroup`, read under the cgroup mount: the root files alone hold the host's
+value where the process has no cgroup namespace (a runner's, a systemd unit's, a Slurm
+job's), and a limit may be set on a parent (a pod's, where each container sets none).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def _cgroup_room(proc: Path, cgroups: Path) -> int | None:
             continue
         _, controllers, path = parts
         if controllers == "":  # v2: one hierarchy
-            files = ("memory.max", "memory.current", "file")
+            files = ("memory.max", "memory.current", "file", "shmem")
             mount = cgroups / "unified" if (cgroups / "unified").is_dir() else cgroups
         elif "memory" in controllers.split(","):  # v1: the memory controller's
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache", "total_shmem")
             mount = cgroups / "memory"
         else:
             continue
@@ -71,9 +71,12 @@ def _cgroup_room(proc: Path, cgroups: Path) -> int | None:
     return min(rooms) if rooms else None
 
 
-def _room(folder: Path, limit_file: str, usage_file: str, cache_key: str) -> int | None:
-    """`folder`'s cgroup limit less its use without page cache; None: no limit, or none
-    readable there ("max" in v2)."""
+def _room(
+    folder: Path, limit_file: str, usage_file: str, cache_key: str, shmem_key: str
+) -> int | None:
+    """`folder`'s cgroup limit less its use without the page cache the kernel may drop
+    (shared memory, /dev/shm's, counts in the cache but stays: a Ray object store's);
+    None: no limit, or none readable there ("max" in v2)."""
     try:
         limit = int((folder / limit_file).read_text(encoding="ascii"))
     except (OSError, ValueError):
@@ -82,8 +85,10 @@ def _room(folder: Path, limit_file: str, usage_file: str, cache_key: str) -> int
         return None
     try:
         used = int((folder / usage_file).read_text(encoding="ascii"))
-        stat = (folder / "memory.stat").read_text(encoding="ascii").splitlines()
-        cache = next((int(v) for k, _, v in (s.partition(" ") for s in stat) if k == cache_key), 0)
+        stat = dict(
+            line.split(" ", 1) for line in (folder / "memory.stat").read_text().splitlines()
+        )
+        droppable = int(stat.get(cache_key, 0)) - int(stat.get(shmem_key, 0))
     except (OSError, ValueError):
         return limit  # the limit alone is known: the most it may leave
-    return max(0, limit - max(0, used - cache))
+    return max(0, limit - max(0, used - max(0, droppable)))

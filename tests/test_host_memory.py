@@ -41,10 +41,14 @@ def test_v2_the_process_cgroup_less_what_it_uses_without_cache(tmp_path: Path) -
         "memory.max": "max\n",
         "pod/box/memory.max": f"{8 * GIB}\n",
         "pod/box/memory.current": f"{3 * GIB}\n",
-        "pod/box/memory.stat": f"anon {2 * GIB}\nfile {1 * GIB}\n",
+        "pod/box/memory.stat": f"anon {2 * GIB}\nfile {1 * GIB}\nshmem 0\n",
     }
     proc, cgroups = fake(tmp_path, "0::/pod/box\n", files)
     assert host_bytes_free(proc, cgroups) == 6 * GIB  # 8 less 2 used (1 of cache)
+    # Shared memory (/dev/shm: a Ray object store) counts in `file` but is not dropped.
+    files["pod/box/memory.stat"] = f"anon {1 * GIB}\nfile {2 * GIB}\nshmem {2 * GIB}\n"
+    proc, cgroups = fake(tmp_path / "shm", "0::/pod/box\n", files)
+    assert host_bytes_free(proc, cgroups) == 5 * GIB  # 8 less 3 used, none droppable
 
 
 def test_v2_a_parents_limit_counts(tmp_path: Path) -> None:
@@ -64,7 +68,7 @@ def test_v1_the_memory_controllers_cgroup(tmp_path: Path) -> None:
         "memory/memory.limit_in_bytes": "9223372036854771712\n",
         "memory/api/job/memory.limit_in_bytes": f"{24 * GIB}\n",
         "memory/api/job/memory.usage_in_bytes": f"{10 * GIB}\n",
-        "memory/api/job/memory.stat": f"cache 1\ntotal_cache {4 * GIB}\n",
+        "memory/api/job/memory.stat": f"cache 1\ntotal_cache {5 * GIB}\ntotal_shmem {GIB}\n",
     }
     cgroup = "9:name=systemd:/\n4:memory:/api/job\n0::/\n"
     proc, cgroups = fake(tmp_path, cgroup, files)
