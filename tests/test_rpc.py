@@ -237,6 +237,38 @@ async def test_two_drains_at_once_drain_once() -> None:
     assert ran == [1] and lifecycle.state == LifecycleState.STOPPED
 
 
+class SlowStop:
+    """A running server whose health fails once and whose stop takes a while (a fake)."""
+
+    def __init__(self) -> None:
+        self.health_failures = 1
+        self.stopped = False
+
+    async def set_serving(self, serving: bool) -> None:
+        if self.health_failures:
+            self.health_failures -= 1
+            raise RuntimeError("health is gone")
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await asyncio.sleep(0.2)
+        self.stopped = True
+
+
+async def test_every_drain_returns_once_the_server_stopped_and_a_failed_health_does_not_stick() -> (
+    None
+):
+    # A second caller returned, STOPPED, while the first was still stopping the server; a
+    # failure setting health NOT_SERVING was kept, and every later drain raised it
+    # (ownfixE review).
+    lifecycle = ServerLifecycle()
+    running = SlowStop()
+    lifecycle.attach(running)  # type: ignore[arg-type]
+    first = asyncio.create_task(lifecycle.drain(5))
+    second = asyncio.create_task(lifecycle.drain(5))
+    assert await second is True and running.stopped
+    assert await first is True and lifecycle.state == LifecycleState.STOPPED
+
+
 async def test_wait_healthy_times_out() -> None:
     running = await start_server([])
     address = running.address

@@ -62,6 +62,7 @@ class ServerLifecycle:
         # Counts of untracked work a drain also waits for (e.g. leases peers still pull).
         self.holds: list[Callable[[], int]] = []
         self._drain_task: asyncio.Future[bool] | None = None  # the drain, once begun
+        self._stop_task: asyncio.Future[None] | None = None  # the server's stop after it
 
     @property
     def draining(self) -> bool:
@@ -113,30 +114,41 @@ class ServerLifecycle:
         is not work, such as registrations and heartbeats, is still answered).
 
         Returns True when every tracked RPC finished in time (False: the rest were cancelled
-        by the server stop). The drain runs once: a call while it runs, or after it, waits
-        for it and returns its outcome (stopping the server unless `stop` is False), and
-        one after the server stopped returns True at once. A caller cancelled meanwhile
-        leaves the drain running.
+        by the server stop). The drain runs once, within the first call's `timeout_s`: a
+        call while it runs, or after it, waits for it and returns its outcome (stopping the
+        server unless `stop` is False; the stop also runs once, every such call returning
+        once it is done), and one after the server stopped returns True at once. A caller
+        cancelled meanwhile leaves the drain running; a drain that failed is run again by
+        the next call.
         """
         if self.state == LifecycleState.STOPPED:
             return True
-        if self._drain_task is None:
-            self._drain_task = asyncio.ensure_future(self._drain(timeout_s, stop))
-        clean = await asyncio.shield(self._drain_task)
-        if not stop or self.state == LifecycleState.STOPPED:
+        task = self._drain_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._drain_task = asyncio.ensure_future(self._drain(timeout_s, stop))
+        clean = await asyncio.shield(task)
+        if not stop:
             return clean
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop(clean))
+        await asyncio.shield(self._stop_task)
+        return clean
+
+    async def _stop(self, clean: bool) -> None:
         if self.running is not None:
             # Only untracked RPCs (health watches, releases) can remain: short grace.
             await self.running.stop(grace_s=0.5 if clean else 0.0)
         self.state = LifecycleState.STOPPED
         logger.info("stopped")
-        return clean
 
     async def _drain(self, timeout_s: float, stop: bool) -> bool:
         """`drain`'s drain: no new work, the hooks, in-flight work waited for."""
         self.state = LifecycleState.DRAINING
         if self.running is not None:
-            await self.running.set_serving(False)
+            try:
+                await self.running.set_serving(False)
+            except Exception:  # health says SERVING a while longer; no work is taken
+                logger.exception("setting health NOT_SERVING failed")
         logger.info("draining: %d in flight, %d held", self.active, self.held())
         try:
             async with asyncio.timeout(timeout_s):
