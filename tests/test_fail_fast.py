@@ -341,3 +341,11 @@ def test_only_the_keys_leading_an_error_are_renamed() -> None:
     own = SecuritySettings(tls_cert_file="c.pem", tls_key_file="file")
     named = named_by_table("router", message, own, SecuritySettings())
     assert named.startswith("router.security.tls_cert_file, router.security.tls_key_file:")
+
+
+def test_a_value_spelled_as_its_key_does_not_hide_the_key() -> None:
+    # A token file named "cluster_token_file" hid the key it was the value of (ownfixE).
+    message = "security.cluster_token_file: cannot read cluster_token_file"
+    own = SecuritySettings(cluster_token_file="cluster_token_file")
+    named = named_by_table("router", message, own, SecuritySettings())
+    assert named == "router." + message

@@ -167,11 +167,11 @@ def named_by_table(role: str, message: str, own: SecuritySettings, shared: Secur
         return f"{role}.{message}"
     unset = SecuritySettings()
     head, colon, reason = message.partition(": ")  # "security.<key>[, ...]: why"
-    said = message  # the keys it names, not the values it repeats (a path may hold a name)
+    said = reason  # the keys it names, not the values it repeats (a path may hold a name)
     for value in {getattr(t, f.name) for t in (own, shared) for f in fields(unset)}:
         if isinstance(value, str) and value:
             said = re.sub(rf"(?<!\w){re.escape(value)}(?!\w)", " ", said)
-    names = {f.name for f in fields(unset)} & set(re.findall(r"\w+", said))
+    names = {f.name for f in fields(unset)} & set(re.findall(r"\w+", f"{head} {said}"))
     sets = {k for k in names if getattr(own, k) != getattr(unset, k)}
 
     def table(key: str) -> str:

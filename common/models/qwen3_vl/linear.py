@@ -111,11 +111,14 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     counts the comment above says (a packed row rounds alike whatever the row count: the
     same values as one call)."""
     rows = x.shape[0]
-    if rows > CHUNK_ROWS:
-        pieces = [
-            onednn_linear(x[i : i + CHUNK_ROWS], packed, bias) for i in range(0, rows, CHUNK_ROWS)
-        ]
-        return torch.cat(pieces)
+    if rows > CHUNK_ROWS:  # into one output (a cat of the pieces held it twice)
+        first = onednn_linear(x[:CHUNK_ROWS], packed, bias)
+        out = first.new_empty(rows, first.shape[1])
+        out[:CHUNK_ROWS] = first
+        del first
+        for i in range(CHUNK_ROWS, rows, CHUNK_ROWS):
+            out[i : i + CHUNK_ROWS] = onednn_linear(x[i : i + CHUNK_ROWS], packed, bias)
+        return out
     padded = bucket_rows(rows)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
