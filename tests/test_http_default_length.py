@@ -5,12 +5,17 @@ the field it came in. A router with fake workers (`tests.test_http_api`)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from common.models.tiny import make_tiny_checkpoint
-from tests.test_http_api import MODEL_ID, WEATHER, add_workers, fake_router
+from tests.cluster import CLIENT_KEY
+from tests.test_http_api import MODEL_ID, WEATHER, add_workers, fake_router, url_of
 from tests.test_http_openai_compat import CONTEXT, post
 
 
@@ -87,5 +92,26 @@ async def test_a_default_length_a_decode_workers_own_refusal_names_says_it_is_on
         )
         assert (status, reply["error"]["param"]) == (400, "max_tokens"), reply
         assert "max_tokens 40 (the default: the request set none)" in reply["error"]["message"]
+        # Named as the body spells it, after the first chunk too (it was `max_tokens` for a
+        # body that sent `max_completion_tokens`: ownfixE review), streamed or not.
+        sent = {"model": MODEL_ID, "messages": WEATHER, "max_completion_tokens": 40}
+        status, reply = await post(c, "/v1/chat/completions", sent)
+        assert (status, reply["error"]["param"]) == (400, "max_completion_tokens"), reply
+        assert "max_completion_tokens 40;" in reply["error"]["message"], reply
+        last = await asyncio.to_thread(last_event, url_of(c), sent | {"stream": True})
+        assert last["error"]["param"] == "max_completion_tokens", last
     finally:
         await c.close()
+
+
+def last_event(url: str, body: dict[str, Any]) -> Any:
+    """POST a streamed chat (blocking): its last event's JSON."""
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST"
+    )
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {CLIENT_KEY}")
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        lines = reply.read().decode().splitlines()
+    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    return json.loads([d for d in data if d != "[DONE]"][-1])

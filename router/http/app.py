@@ -156,19 +156,24 @@ def build_app(
         held = hold.bytes if hold is not None else 0
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         chunks = servicer.generate(request, who, left, held, default, arrived)
+
+        def sent(exc: BaseException) -> ApiError:
+            error = exc if isinstance(exc, ApiError) else api_error(exc)
+            as_sent(error, body)  # the field as the body spells it
+            return error
+
         try:
             try:
                 first = await _unless_gone(raw, _first(chunks))
+                if not body.stream:
+                    return JSONResponse(await _unless_gone(raw, _all(result, first, chunks)))
             except ApiError as error:
-                as_sent(error, body)  # the field as the body spells it
-                raise
-            if not body.stream:
-                return JSONResponse(await _unless_gone(raw, _all(result, first, chunks)))
+                raise sent(error) from None
         except _ClientGone:
             await chunks.aclose()
             return Response(status_code=499)  # nobody reads it
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        stream = events(result, _chain(first, chunks), include_usage, lambda e: api_error(e).body())
+        stream = events(result, _chain(first, chunks), include_usage, lambda e: sent(e).body())
         seconds = servicer.settings.request_timeout_s  # the answer's, as for its workers
         return TimedStream(stream, seconds, media_type="text/event-stream")
 
