@@ -149,12 +149,17 @@ class OutputLeases:
         return await asyncio.shield(self._agent_task)
 
     def export(
-        self, agent: TransferAgent, tensors: Sequence[torch.Tensor], lease_id: str | None = None
+        self,
+        agent: TransferAgent,
+        tensors: Sequence[torch.Tensor],
+        lease_id: str | None = None,
+        request_id: str = "",
     ) -> list[tensor_pb2.TransferHandle]:
         """Copy `tensors` under a new lease into a range of the arena, or into a registered
         buffer of their own when none fits; a handle per tensor. `lease_id`: the id the
         caller chose (None: a random one); `LeaseIdError`, nothing taken, when the table
-        refuses it (malformed, live, or released already: `LeaseTable.check`)."""
+        refuses it (malformed, live, or released already: `LeaseTable.check`).
+        `request_id`: the request the lease is for (its expiry's log line names it)."""
         if lease_id is not None:
             self.table.check(lease_id)
         offsets = []
@@ -172,7 +177,7 @@ class OutputLeases:
             views.append(view)
         # Own buffers change the metadata: one fresh snapshot for this lease's handles.
         metadata = self._metadata if held.offset is not None else agent.metadata()
-        lease = self.table.add(held, lease_id=lease_id)
+        lease = self.table.add(held, request_id, lease_id=lease_id)
         self.exported += 1
         return [handle_for(v, agent, lease.lease_id, metadata=metadata) for v in views]
 

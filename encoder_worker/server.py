@@ -110,7 +110,7 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
             leased: list[str] = []  # leases made for this answer, freed if it is not sent
             try:
                 items = [
-                    await self._encoded(job, out, lease_id, leased)
+                    await self._encoded(job, out, lease_id, leased, request.request_id)
                     for job, out, lease_id in zip(jobs, outputs, lease_ids, strict=True)
                 ]
             except BaseException as exc:
@@ -139,9 +139,14 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
         return encoder_service_pb2.ReleaseEmbeddingsResponse(released=released)
 
     async def _encoded(
-        self, job: ItemJob, out: ItemOutput, lease_id: str | None, leased: list[str]
+        self,
+        job: ItemJob,
+        out: ItemOutput,
+        lease_id: str | None,
+        leased: list[str],
+        request_id: str = "",
     ) -> encoder_service_pb2.EncodedItem:
-        refs = await self._refs(out.rows, lease_id, leased)
+        refs = await self._refs(out.rows, lease_id, leased, request_id)
         return encoder_service_pb2.EncodedItem(
             content_hash=job.content_hash,
             rows=refs[0],
@@ -151,15 +156,15 @@ class EncoderServicer(encoder_service_pb2_grpc.EncoderServiceServicer):
         )
 
     async def _refs(
-        self, rows: EncodedRows, lease_id: str | None, leased: list[str]
+        self, rows: EncodedRows, lease_id: str | None, leased: list[str], request_id: str = ""
     ) -> list[tensor_pb2.TensorRef]:
         """The rows inline, or by handle under a lease (`lease_id`, None: a random id; the
-        lease's id is appended to `leased`)."""
+        lease's id is appended to `leased`; `request_id`: what its expiry's log line says)."""
         tensors = [rows.rows, *rows.deepstack]
         if rows.nbytes > self.settings.inline_limit_bytes and self.leases is not None:
             agent = await self.leases.agent()
             if agent is not None:
-                handles = self.leases.export(agent, tensors, lease_id)
+                handles = self.leases.export(agent, tensors, lease_id, request_id)
                 leased.append(handles[0].lease_id)
                 return [
                     tensor_pb2.TensorRef(

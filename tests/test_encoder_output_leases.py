@@ -73,9 +73,11 @@ async def test_large_output_goes_over_nixl_and_is_released(
         counters = server.servicer.counters
         assert counters.leases == 0 and counters.leases_released == 1
 
-        # A reader that never releases: the lease expires.
-        await stub.Encode(_request(_item(other)), timeout=60)
+        # A reader that never releases: the lease expires (its log line names the request:
+        # it said "(request )", chaos review s38).
+        await stub.Encode(_request(_item(other), request_id="r-other"), timeout=60)
         assert len(leases) == 1
+        assert [lease.request_id for lease in leases.table._leases.values()] == ["r-other"]
         leases.table.clock = lambda: time.monotonic() + 3600
         assert leases.expire() == 1 and len(leases) == 0
     finally:
