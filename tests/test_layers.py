@@ -26,6 +26,7 @@ COMMON_LAYERS: list[tuple[str, ...]] = [
         "common.sampling",
         "common.byte_lru",
         "common.cpu",
+        "common.host_memory",
         "common.tasks",
     ),
     ("common.multimodal",),
