@@ -269,6 +269,31 @@ async def test_every_drain_returns_once_the_server_stopped_and_a_failed_health_d
     assert await first is True and lifecycle.state == LifecycleState.STOPPED
 
 
+async def test_a_stop_that_failed_is_run_again_and_a_drain_from_within_it_returns() -> None:
+    # A failed stop was kept: every later drain raised it and never stopped the server; a
+    # drain called by a step of the stop waited for that stop (ownfixF review).
+    lifecycle = ServerLifecycle()
+    running = SlowStop()
+    running.health_failures = 0
+    calls: list[str] = []
+    real_stop = running.stop
+
+    async def stop(grace_s: float | None = None) -> None:
+        calls.append("stop")
+        if len(calls) == 1:
+            raise RuntimeError("stop step failed")
+        assert await lifecycle.drain(5) is True  # from within the stop: at once
+        await real_stop(grace_s)
+
+    running.stop = stop  # type: ignore[method-assign]
+    lifecycle.attach(running)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="stop step failed"):
+        await lifecycle.drain(5)
+    assert await asyncio.wait_for(lifecycle.drain(5), 5) is True
+    assert calls == ["stop", "stop"] and running.stopped
+    assert lifecycle.state == LifecycleState.STOPPED
+
+
 async def test_wait_healthy_times_out() -> None:
     running = await start_server([])
     address = running.address

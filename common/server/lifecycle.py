@@ -16,7 +16,7 @@ import enum
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from common.server.rpc import WorkerDrainingError
 
@@ -118,19 +118,21 @@ class ServerLifecycle:
         call while it runs, or after it, waits for it and returns its outcome (stopping the
         server unless `stop` is False; the stop also runs once, every such call returning
         once it is done), and one after the server stopped returns True at once. A caller
-        cancelled meanwhile leaves the drain running; a drain that failed is run again by
-        the next call.
+        cancelled meanwhile leaves the drain running; a drain or stop that failed (or was
+        cancelled) is run again by the next call. Called from within the stop (a cleanup
+        step), it returns at once.
         """
         if self.state == LifecycleState.STOPPED:
             return True
-        task = self._drain_task
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = self._drain_task = asyncio.ensure_future(self._drain(timeout_s, stop))
-        clean = await asyncio.shield(task)
-        if not stop:
+        if _to_start(self._drain_task):
+            self._drain_task = asyncio.ensure_future(self._drain(timeout_s, stop))
+        assert self._drain_task is not None
+        clean = await asyncio.shield(self._drain_task)
+        if not stop or asyncio.current_task() is self._stop_task:
             return clean
-        if self._stop_task is None:
+        if _to_start(self._stop_task):
             self._stop_task = asyncio.ensure_future(self._stop(clean))
+        assert self._stop_task is not None
         await asyncio.shield(self._stop_task)
         return clean
 
@@ -169,6 +171,11 @@ class ServerLifecycle:
             )
             clean = False
         return clean
+
+
+def _to_start(task: asyncio.Future[Any] | None) -> bool:
+    """Whether `task` is to be (re)started: never started, or ended failed or cancelled."""
+    return task is None or (task.done() and (task.cancelled() or task.exception() is not None))
 
 
 async def run_until_signal(
