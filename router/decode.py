@@ -207,11 +207,7 @@ class DecodeStage:
                 tries.reprefills += 1
                 self.metrics.reprefills.inc()
                 logger.warning("request %s: KV lease ran out; prefilling again", job.request_id)
-                self.channels.release_kv(lease.address, lease.lease_id)
-                lease.owned = False
-                again, holder = await prefill_again()
-                request.kv.CopyFrom(again.kv)
-                lease.renew(again, holder)
+                await self._fresh_handle(request, lease, prefill_again)
             if tries.retrying:
                 self.calls.retries["decode"] += 1
             if tries.migrating:
@@ -259,12 +255,18 @@ class DecodeStage:
                 yield finished
                 return
             # Refused or broken: a fresh handle under a new lease for the next worker.
-            if lease.owned:
-                self.channels.release_kv(lease.address, lease.lease_id)
-                lease.owned = False
-            again, holder = await prefill_again()
-            request.kv.CopyFrom(again.kv)
-            lease.renew(again, holder)
+            await self._fresh_handle(request, lease, prefill_again)
+
+    async def _fresh_handle(
+        self, request: decode_service_pb2.DecodeRequest, lease: KvLease, prefill: PrefillAgain
+    ) -> None:
+        """The lease given back (if owned), the prompt prefilled: `request`, `lease` anew."""
+        if lease.owned:
+            self.channels.release_kv(lease.address, lease.lease_id)
+            lease.owned = False
+        again, holder = await prefill()
+        request.kv.CopyFrom(again.kv)
+        lease.renew(again, holder)
 
     async def _next_worker(self, job: Job, ticket: Ticket, tries: _Tries) -> WorkerRecord:
         """The ticket's decode worker while it is untried and trusted, else another
