@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from common.models.tiny import make_tiny_checkpoint
-from tests.cluster import CLIENT_KEY
 from tests.test_http_api import MODEL_ID, WEATHER, add_workers, fake_router, url_of
-from tests.test_http_openai_compat import CONTEXT, post
+from tests.test_http_openai_compat import CONTEXT, event_data, post
 
 
 @pytest.fixture(scope="module")
@@ -98,20 +95,8 @@ async def test_a_default_length_a_decode_workers_own_refusal_names_says_it_is_on
         status, reply = await post(c, "/v1/chat/completions", sent)
         assert (status, reply["error"]["param"]) == (400, "max_completion_tokens"), reply
         assert "max_completion_tokens 40;" in reply["error"]["message"], reply
-        last = await asyncio.to_thread(last_event, url_of(c), sent | {"stream": True})
+        _, data = await asyncio.to_thread(event_data, url_of(c), sent | {"stream": True})
+        last = json.loads(data[-1])  # an error ends the stream (no `[DONE]`)
         assert last["error"]["param"] == "max_completion_tokens", last
     finally:
         await c.close()
-
-
-def last_event(url: str, body: dict[str, Any]) -> Any:
-    """POST a streamed chat (blocking): its last event's JSON."""
-    request = urllib.request.Request(
-        f"{url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST"
-    )
-    request.add_header("Content-Type", "application/json")
-    request.add_header("Authorization", f"Bearer {CLIENT_KEY}")
-    with urllib.request.urlopen(request, timeout=30) as reply:
-        lines = reply.read().decode().splitlines()
-    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-    return json.loads([d for d in data if d != "[DONE]"][-1])

@@ -55,8 +55,8 @@ async def fake(ckpt: Path) -> AsyncIterator[FakeCluster]:
     await c.close()
 
 
-def events(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
-    """POST a streamed chat (blocking): the status and the events' JSON, up to `[DONE]`."""
+def event_data(url: str, body: dict[str, Any]) -> tuple[int, list[str]]:
+    """POST a streamed chat (blocking): the status and every event's data, as sent."""
     request = urllib.request.Request(
         f"{url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST"
     )
@@ -64,9 +64,16 @@ def events(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
     request.add_header("Authorization", f"Bearer {CLIENT_KEY}")
     with urllib.request.urlopen(request, timeout=30) as reply:
         lines = reply.read().decode().splitlines()
-    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    return reply.status, [
+        line.removeprefix("data: ") for line in lines if line.startswith("data: ")
+    ]
+
+
+def events(url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    """POST a streamed chat (blocking): the status and the events' JSON, up to `[DONE]`."""
+    status, data = event_data(url, body)
     assert data[-1] == "[DONE]", data
-    return reply.status, [json.loads(event) for event in data[:-1]]
+    return status, [json.loads(event) for event in data[:-1]]
 
 
 async def post(c: FakeCluster, path: str, body: dict[str, Any]) -> tuple[int, Any]:
