@@ -158,7 +158,7 @@ def build_app(
         chunks = servicer.generate(request, who, left, held, default, arrived)
 
         def sent(exc: BaseException) -> ApiError:
-            error = exc if isinstance(exc, ApiError) else api_error(exc)
+            error = api_error(exc)
             as_sent(error, body)  # the field as the body spells it
             return error
 
