@@ -20,8 +20,9 @@ tried. The head wakes when a reservation is released and polls every `poll_s`; a
 woken that is no longer the head (a worker's capacity changed the order) wakes the one that
 is. A request waits at most `max_wait_s` in all (refused past that) and never past its
 deadline (DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
-With no live worker of a KV role, the head ends with UNAVAILABLE, and each next head in turn;
-releasing and moving reservations never fail for it.
+With no live worker of a KV role it needs (`Need.roles`: a one-token answer needs no decode
+worker), the head ends with UNAVAILABLE, and each next head in turn; releasing and moving
+reservations never fail for it.
 
 Never fits (`Need.too_large`): refused at once with `TooLarge`, as waiting cannot help.
 
@@ -273,7 +274,7 @@ class Admission:
         return live
 
     def _check_fits(self, need: Need) -> None:
-        for role in KV_ROLES:
+        for role in need.roles:
             refusal = need.too_large(role, [self.capacity(w) for w in self._live(role)])
             if refusal is not None:
                 self.refused["never_fits"] += 1
@@ -283,7 +284,7 @@ class Admission:
         """Reserve on a worker with room for each role, none of the prefill workers in
         `avoid`, or nothing and False."""
         full: dict[Role, frozenset[str]] = {}
-        for role in KV_ROLES:
+        for role in ticket.need.roles:
             live = self._live(role)
             blocks = ticket.need.blocks(role)
             full[role] = frozenset(w.address for w in live if not self.has_room(w, blocks))
@@ -292,7 +293,7 @@ class Admission:
             if len(full[role]) == len(live):
                 return False
         chosen: dict[Role, WorkerRecord] = {}
-        for role in KV_ROLES:  # every role's worker before any reservation
+        for role in ticket.need.roles:  # every role's worker before any reservation
             try:
                 chosen[role] = choose(role, full[role])
             except NoWorkerError:  # gone since `_live` (its heartbeats just ran out)

@@ -3,9 +3,9 @@ and the request that can never fit.
 
 Need: `blocks_for(prompt)` on a prefill worker, held from prefill until the decode worker
 has pulled them (its first chunk); `blocks_for(prompt + max_tokens - 1)` on a decode worker,
-held until the stream ends, none for an answer of one token (prefill makes it; no decode
-runs). That is what the workers allocate, before prefix reuse, so the estimate never falls
-short.
+held until the stream ends; no decode worker at all for an answer of one token (prefill
+makes it; no decode runs: `Need.roles`). That is what the workers allocate, before prefix
+reuse, so the estimate never falls short.
 
 Never fits: a request needing more blocks than the largest worker of a role has in all is
 refused at once (`TooLarge`: RESOURCE_EXHAUSTED naming the sizes; waiting cannot help),
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from common.kv.allocator import blocks_for
 from common.kv.block_pool import WHOLE_POOL
-from common.roles import Role
+from common.roles import KV_ROLES, Role
 from router.calls import TooLarge
 
 if TYPE_CHECKING:  # admission imports this module
@@ -38,6 +38,12 @@ class Need:
     max_tokens: int  # most tokens it generates
     block_size: int  # tokens per KV block (the deployment's)
     prompt_field: str = "messages"  # the request field the prompt came in (`prompt`)
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The KV roles whose worker the request is placed on: a one-token answer is the
+        prefill worker's alone, and is served while no decode worker is up."""
+        return KV_ROLES if self.max_tokens > 1 else (Role.PREFILL,)
 
     def blocks(self, role: Role) -> int:
         """KV blocks the request holds on a worker of `role` (see the module docstring)."""

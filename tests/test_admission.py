@@ -194,9 +194,23 @@ async def test_a_worker_gone_between_the_room_check_and_the_pick_reserves_nothin
 async def test_no_worker_of_a_role_is_unavailable() -> None:
     adm = make(deployment(decode=()))
     with pytest.raises(RouterError) as err:
-        await admit(adm, prompt=4)
+        await admit(adm, prompt=4, max_tokens=2)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "no decode worker" in str(err.value)
+
+
+async def test_a_one_token_answer_needs_no_decode_worker() -> None:
+    # Prefill's token is the answer: it was refused with no decode worker up, and counted
+    # as placed on one (its load for the pick) while it prefilled.
+    registry = deployment(decode=(8,))
+    adm = make(registry)
+    ticket = await admit(adm, prompt=4, max_tokens=1)
+    assert set(ticket.workers) == {Role.PREFILL}
+    assert [w.placed for w in registry.workers(Role.DECODE)] == [0]
+    adm.release(ticket)
+    adm = make(deployment(decode=()))
+    ticket = await admit(adm, prompt=4, max_tokens=1)
+    assert adm.reserved("prefill-0:1") == 1
 
 
 async def test_workers_without_a_heartbeat_are_not_accounted() -> None:
@@ -215,7 +229,7 @@ async def test_choose_sees_only_workers_with_room() -> None:
         seen.append(exclude)
         return adm.registry.pick(role, exclude=exclude)
 
-    ticket = await adm.admit(24, 1, time.monotonic() + FAR, choose)  # 6 blocks
+    ticket = await adm.admit(24, 2, time.monotonic() + FAR, choose)  # 6 blocks, 7 on decode
     assert seen == [frozenset({"prefill-0:1"}), frozenset()]
     assert ticket.workers[Role.PREFILL].address == "prefill-1:1"
     adm.move(ticket, Role.PREFILL, adm.registry.workers(Role.PREFILL)[0])  # a retry

@@ -218,3 +218,15 @@ async def test_a_workers_own_never_fits_names_the_field_as_admission_would(
     assert err.value.field == field, str(err.value)
     assert f"the largest {role} worker has {blocks} in all" in str(err.value)
     assert "asks for too many tokens" not in str(err.value)
+
+
+async def test_a_one_token_answer_is_served_while_no_decode_worker_is_up(router: Any) -> None:
+    # Prefill's token is the whole answer, yet admission required a live decode worker
+    # (UNAVAILABLE "no decode worker") and counted the request as placed on one.
+    await router.add(Role.PREFILL, FakePrefill())
+    result = await router.client.generate_text(TEXT, SamplingParams(max_tokens=1))
+    assert result.token_ids == [FIRST] and result.finish_reason == "length"
+    with pytest.raises(GenerateError) as err:
+        await router.client.generate_text(TEXT, SamplingParams(max_tokens=2))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no decode worker" in str(err.value)
