@@ -85,15 +85,15 @@ class TenantShares:
         blocks: Callable[[Role], int],
         capacity: Callable[[Role], int | None],
     ) -> Role | None:
-        """The first KV role on which `blocks(role)` more would pass `tenant`'s share of
+        """The first KV role on which `blocks(role)` more (some) would pass `tenant`'s share of
         `capacity(role)` (its workers' blocks in all; None: unknown, no share applied),
         while it holds some there already and another tenant waits; None if none."""
         t = self._of(tenant)
         if t is None or self.share is None or not self._others_wait(t):
             return None
-        for role in KV_ROLES:
-            held, total = self._blocks[role][t], capacity(role)
-            if held and total is not None and held + blocks(role) > self.share * total:
+        for role in KV_ROLES:  # one needing none of a role's (a one-token answer) passes none
+            held, total, more = self._blocks[role][t], capacity(role), blocks(role)
+            if more and held and total is not None and held + more > self.share * total:
                 return role
         return None
 

@@ -44,6 +44,10 @@ def test_a_tenant_is_over_its_share_only_while_another_waits_and_it_holds_some()
     assert shares.over("a", blocks, lambda role: None) is None  # capacity unknown: no share
     assert shares.over("b", blocks, capacity) is None  # b holds nothing: any request
     assert shares.over(None, blocks, capacity) is None
+    shares.take("a", Role.DECODE, 4)  # past its decode share (a pool that shrank)
+    one_token = {Role.PREFILL: 1, Role.DECODE: 0}.__getitem__  # needs no decode blocks
+    assert shares.over("a", one_token, capacity) is None
+    shares.give("a", Role.DECODE, 4)
     shares.leave("b")
     shares.leave("a")
     assert shares.waiting == 0 and shares.over("a", blocks, capacity) is None
