@@ -20,9 +20,8 @@ tried. The head wakes when a reservation is released and polls every `poll_s`; a
 woken that is no longer the head (a worker's capacity changed the order) wakes the one that
 is. A request waits at most `max_wait_s` in all (refused past that) and never past its
 deadline (DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
-With no live worker of a KV role it needs (`Need.roles`: a one-token answer needs no decode
-worker), the head ends with UNAVAILABLE, and each next head in turn; releasing and moving
-reservations never fail for it.
+With no live worker of a KV role it needs (`Need.roles`: not decode for one token), the head
+ends with UNAVAILABLE, and each next head in turn; releasing and moving never fail for it.
 
 Never fits (`Need.too_large`): refused at once with `TooLarge`, as waiting cannot help.
 
