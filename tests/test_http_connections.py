@@ -8,35 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import http.client
 import json
 import logging
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import uvicorn
-import uvicorn.server
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from router.http.connections import (
-    BYTES_ACKED,
     INVALID_EVERY_S,
     INVALID_REQUESTS,
-    MIN_READ_BYTES,
-    READ_PERIODS,
-    TCP_INFO_BYTES,
     ConnectionStats,
     bounded_protocol,
 )
 from router.http.server import HttpServer
 from tests.cluster import ADMIN_KEY, CLIENT_KEY
-from tests.loop_gaps import loop_gaps
 from tests.test_http_api import MODEL_ID, add_workers, call, fake_router, url_of
 from tests.test_router import Cluster as FakeCluster
 
@@ -155,166 +145,6 @@ async def test_a_connection_whose_answers_go_unread_is_closed(strict: FakeCluste
             raise AssertionError("the connection was not closed")
     finally:
         sock.close()
-
-
-class WaitingTransport:
-    """A transport whose unsent bytes the test sets (`buffer`); it records a close and an
-    abort (the cut)."""
-
-    def __init__(self) -> None:
-        self.buffer = 0
-        self.closing = self.aborted = False
-        self.acked: int | None = None  # TCP's count of bytes acknowledged (None: no socket)
-
-    def get_write_buffer_size(self) -> int:
-        return self.buffer
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = self.aborted = True
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        if name == "socket" and self.acked is not None:
-            return self  # as a socket, for TCP_INFO
-        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
-
-    def getsockopt(self, level: int, option: int, size: int) -> bytes:
-        assert (level, option) == (socket.IPPROTO_TCP, socket.TCP_INFO)
-        info = bytearray(size)
-        info[BYTES_ACKED : BYTES_ACKED + 8] = (self.acked or 0).to_bytes(8, sys.byteorder)
-        return bytes(info)
-
-    def write(self, data: bytes) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-def waiting_connection(timeout_s: float) -> tuple[Any, WaitingTransport, ConnectionStats]:
-    """A `bounded_protocol` connection on a `WaitingTransport`, its head timer stopped (a
-    request being answered)."""
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        pass
-
-    config = uvicorn.Config(app=app, log_level="error")
-    config.load()
-    stats = ConnectionStats()
-    protocol: Any = bounded_protocol(timeout_s, 0, stats)(
-        config=config, server_state=uvicorn.server.ServerState(), app_state={}
-    )
-    transport = WaitingTransport()
-    protocol.connection_made(transport)
-    protocol._stop_waiting()
-    return protocol, transport, stats
-
-
-async def test_answers_that_wait_for_a_client_reading_none_of_them_are_cut() -> None:
-    # Pipelined requests whose answers nobody read held a connection for good without a
-    # key (httpattack review, s33); a client that reads, slowly, is not cut (own-fix 2).
-    protocol, transport, stats = waiting_connection(0.2)  # 4 reads a period: room for load
-    transport.buffer = 200_000
-    protocol.pause_writing()  # the buffers are full: the answers wait
-    for _ in range(12):
-        await asyncio.sleep(0.05)
-        transport.buffer -= MIN_READ_BYTES  # read: slowly, but read
-    assert not transport.aborted
-    await asyncio.sleep(0.2 * (READ_PERIODS + 2))  # then nothing
-    assert transport.aborted and stats.closed_unread == 1
-
-
-async def test_reading_acknowledged_in_bursts_is_reading() -> None:
-    # A client's kernel opens a closed window once its reader freed about half its
-    # receive buffer: a steady 2 KiB/s reader's bytes were acknowledged 64-128 KiB at a
-    # time, seconds apart, and one period without any cut it (own-fix review 5).
-    protocol, transport, stats = waiting_connection(0.1)
-    transport.buffer, transport.acked = 500_000, 1_000
-    protocol.pause_writing()
-    for _ in range(4):
-        transport.acked += 2 * READ_PERIODS * MIN_READ_BYTES  # a burst, then 3 quiet periods
-        await asyncio.sleep(0.3)
-    assert not transport.aborted and stats.closed_unread == 0
-    await asyncio.sleep(0.1 * (READ_PERIODS + 3))  # then nothing at all
-    assert transport.aborted and stats.closed_unread == 1
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's TCP_INFO")
-async def test_reading_counts_what_tcp_acknowledged_and_what_left_the_buffer() -> None:
-    # asyncio's buffer moves only once the kernel's send buffer drained a third: a steady
-    # 96 KiB/s reader looked like none and was cut (own-fix review 3); and a stack that
-    # leaves TCP's count at 0 must not make every reader look like none (own-fix 4).
-    protocol, transport, stats = waiting_connection(0.2)
-    transport.buffer, transport.acked = 200_000, 1_000
-    protocol.pause_writing()
-    for _ in range(12):  # acknowledged, the buffer unmoved
-        await asyncio.sleep(0.05)
-        transport.acked += MIN_READ_BYTES
-    assert not transport.aborted
-    transport.acked = 0  # a count left at 0: the buffer's drain still counts
-    for _ in range(12):
-        await asyncio.sleep(0.05)
-        transport.buffer -= MIN_READ_BYTES
-    assert not transport.aborted
-    await asyncio.sleep(0.2 * (READ_PERIODS + 2))  # then neither moves
-    assert transport.aborted and stats.closed_unread == 1
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's TCP_INFO")
-def test_tcp_info_holds_the_bytes_acknowledged_where_read() -> None:
-    # The offset the router reads (`BYTES_ACKED`) against a real connection: what the peer
-    # took is acknowledged there, and never counts more than was sent.
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        sender = socket.create_connection(server.getsockname())
-        receiver, _ = server.accept()
-        with sender, receiver:
-            before = tcp_acked(sender)
-            sender.sendall(b"x" * 100_000)
-            got = 0
-            while got < 100_000:
-                got += len(receiver.recv(65536))
-            for _ in range(100):  # the last ACK may trail the last byte read
-                if tcp_acked(sender) - before >= 100_000:
-                    break
-                time.sleep(0.01)
-            assert tcp_acked(sender) - before == 100_000
-
-
-def tcp_acked(sock: socket.socket) -> int:
-    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
-    return int.from_bytes(info[BYTES_ACKED : BYTES_ACKED + 8], sys.byteorder)
-
-
-async def test_a_late_head_with_answers_unsent_waits_for_them_to_be_taken() -> None:
-    # Below the high-water mark writing is never paused; a close() then waited for good to
-    # send what nobody takes, the connection keeping its place under the cap (own-fix
-    # review 2). But an answer still being taken is no reason to cut (the head timer starts
-    # when it is handed to the transport: a 10 KiB/s reader lost half of one; own-fix 3).
-    protocol, transport, stats = waiting_connection(0.2)
-    transport.buffer = 10 * MIN_READ_BYTES
-    protocol.on_response_complete()  # answered: the next head is awaited
-    while transport.buffer:
-        await asyncio.sleep(0.05)
-        transport.buffer -= MIN_READ_BYTES  # taken, slowly
-    await asyncio.sleep(0.7)  # then no head: closed as late, not cut
-    assert transport.closing and not transport.aborted
-    assert stats.closed_late == 1 and stats.closed_unread == 0
-    for closed_by_uvicorn in (False, True):  # its keep-alive timeout closes it
-        protocol, transport, stats = waiting_connection(0.05)
-        transport.buffer = 5_000
-        protocol.on_response_complete()
-        if closed_by_uvicorn:
-            transport.close()
-        await asyncio.sleep(0.05 * (READ_PERIODS + 4))  # head late, then nothing taken
-        assert transport.aborted and stats.closed_unread == 1
 
 
 def metrics_page(url: str) -> str:
@@ -469,152 +299,3 @@ async def test_garbage_connections_are_logged_once_in_a_while(
             sock.close()
     upgrades = [r for r in caplog.records if "upgrade" in r.getMessage().lower()]
     assert len(upgrades) <= 1
-
-
-async def test_a_body_in_many_tiny_chunks_is_refused_without_holding_the_loop(
-    strict: FakeCluster,
-) -> None:
-    # h11 and uvicorn take ~18 µs of the event loop a chunk: a 256 KiB read of 1-byte chunks
-    # held it 0.9 s, a body of 2M of them 28 s (stalls review). Handed to h11 in slices, and
-    # past 65,536 chunks (plus one a 512 bytes) refused as malformed.
-    head = (
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {CLIENT_KEY}\r\nTransfer-Encoding: chunked\r\n\r\n"
-    )
-    async with loop_gaps() as gaps:
-        # Tiny chunks, and tiny chunks after bytes that pay for 2,048 of them.
-        for first in (b"", b"100000\r\n" + b"x" * 0x100000 + b"\r\n"):
-            sock = socket.create_connection(host_port(strict))
-            try:
-                sock.sendall(head.encode() + first + b"1\r\n{\r\n" * 70_000)  # in a read or a few
-                sent = await closed_within(sock, 5)
-            finally:
-                sock.close()
-            assert sent is not None and sent.startswith(b"HTTP/1.1 400"), sent
-            assert b"too many small pieces" in sent
-    assert max(gaps) < 0.3, max(gaps)
-    # A body in pieces of a usual size is read as ever, and in small ones written as a
-    # JSON encoder yields them (`iterencode`: a piece per token).
-    body = json.dumps({"model": MODEL_ID, "prompt": "hi " * 2000, "max_tokens": 2}).encode()
-    for pieces in (8, 5000):  # 5000 arrive in a read or two: once refused (ownfix review)
-        status, _ = await asyncio.to_thread(chunked_post, strict, body, pieces)
-        assert status == 200
-
-
-def chunked_post(c: FakeCluster, body: bytes, pieces: int) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(*host_port(c), timeout=10)
-    try:
-        size = -(-len(body) // pieces)
-        parts = (body[i : i + size] for i in range(0, len(body), size))
-        headers = {"Authorization": f"Bearer {CLIENT_KEY}", "Content-Type": "application/json"}
-        conn.request("POST", "/v1/completions", body=parts, headers=headers, encode_chunked=True)
-        reply = conn.getresponse()
-        return reply.status, reply.read()
-    finally:
-        conn.close()
-
-
-def _slicing_server() -> tuple[HttpServer, list[int]]:
-    app = FastAPI()
-    app.state.auth = None  # `limit_body`: no keys
-
-    @app.post("/slow")
-    async def slow(request: Request) -> dict[str, int]:
-        body = await request.body()
-        await asyncio.sleep(0.5)
-        return {"n": len(body)}
-
-    @app.post("/sha")
-    async def sha(request: Request) -> dict[str, Any]:
-        body = await request.body()
-        return {"n": len(body), "h": hashlib.sha256(body).hexdigest()}
-
-    most = [0]
-
-    class Probe(bounded_protocol(5.0, 0, ConnectionStats())):  # type: ignore[misc]
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            most[0] = max(most[0], len(self._pending))
-
-    return HttpServer(app, "127.0.0.1", 0, 64 << 20, 30.0, None, Probe), most
-
-
-def _answers_of(sock: socket.socket, n: int) -> bytes:
-    sock.settimeout(30)
-    got = b""
-    while got.count(b"HTTP/1.1 ") < n or not got.endswith(b"}"):
-        more = sock.recv(1 << 20)
-        if not more:
-            break
-        got += more
-    return got
-
-
-async def test_a_pipelined_body_of_tiny_chunks_is_not_taken_in_one_go() -> None:
-    # h11 buffered what the slices brought while the first request's answer was pending
-    # (PAUSED), and uvicorn handed it all on at its end: 21k 1-byte chunks, 0.33 s (ownfix
-    # review D).
-    server, _ = _slicing_server()
-    await server.start()
-    try:
-        host, port = server.address.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)))
-        async with loop_gaps(0.005) as gaps:
-            try:
-                first = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
-                second = (
-                    b"POST /sha HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                    + b"1\r\n \r\n" * 40_000
-                    + b"0\r\n\r\n"
-                )
-                sock.sendall(first + second)
-                got = await asyncio.to_thread(_answers_of, sock, 2)
-            finally:
-                sock.close()
-        assert got.count(b"HTTP/1.1 200") == 2, got[-200:]
-    finally:
-        await server.stop()
-    assert max(gaps) < 0.3, max(gaps)
-
-
-async def test_bytes_read_while_slices_wait_are_not_read_on() -> None:
-    # uvicorn resumed reading (its answer to a pipelined request complete) while a read's
-    # slices waited: the rest of the connection was read at once, 8 KiB handed on a turn
-    # and the rest copied each time (30 MB: 29 MB held, 9 s; ownfix review D).
-    server, most = _slicing_server()
-    await server.start()
-    try:
-        host, port = server.address.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)))
-        body = b"[\r\n" + b" 1,\r\n" * 2_000_000 + b" 1\r\n]"
-        first = b"POST /sha HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
-        second = b"POST /sha HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
-        try:
-            sending = asyncio.ensure_future(asyncio.to_thread(sock.sendall, first + second + body))
-            got = await asyncio.to_thread(_answers_of, sock, 2)
-            await sending
-        finally:
-            sock.close()
-        assert hashlib.sha256(body).hexdigest().encode() in got, got[-200:]
-    finally:
-        await server.stop()
-    assert most[0] <= 2 * 256 * 1024, most[0]  # a read, and one more at most
-
-
-async def test_what_follows_a_connection_close_request_is_not_read() -> None:
-    # A read that carried more after a `Connection: close` request was handed on to h11,
-    # which refused it: a 400 went out instead of that request's answer (ownfix review E).
-    server, _ = _slicing_server()
-    await server.start()
-    try:
-        host, port = server.address.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)))
-        try:
-            request = b"POST /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-            sock.sendall(request + b"Content-Length: 2\r\n\r\n{}" + b"\r\n" * 20_000)
-            got = await asyncio.to_thread(_answers_of, sock, 1)
-        finally:
-            sock.close()
-        assert got.startswith(b"HTTP/1.1 200"), got[:200]
-    finally:
-        await server.stop()
