@@ -1,0 +1,91 @@
+"""A worker's failed call as the client sees it (`router.calls.WorkerCalls.error`): no
+worker's address in its words (`common.address.without_addresses`), the worker named once by
+its role, and a full KV pool passed on with a back-off hint where waiting can help."""
+
+from __future__ import annotations
+
+import grpc
+
+from common.roles import Role
+from router.calls import RouterError
+
+
+def test_no_address_reaches_a_client_in_a_workers_error() -> None:
+    # A decode worker's refusal named the prefill worker holding the KV, and gRPC's own
+    # text names the address it dialled (resolved, or encoded).
+    from common.address import without_addresses
+
+    for text in (
+        "kv.lease_id: the lease on 10.1.2.3:50062 was not live until the READ was confirmed",
+        "UNAVAILABLE: ipv4:127.0.0.1:1: Failed to connect to remote host",
+        "ipv6:%5B::1%5D:50062: Connection refused",
+        "the channel to [fd00::1]:50062 closed",
+        "epd-prefill-0.epd.svc.cluster.local:50062 went away",
+    ):
+        cleaned = without_addresses(text)
+        assert "a worker" in cleaned and not any(c.isdigit() for c in cleaned), cleaned
+    for kept in (  # a client's own words, its fields, a library's text stay as they are
+        "messages[0].content[1].image.data: is not a decodable image (max_tokens=8)",
+        "stop at 2024-05-01T10:00:00Z, retry after 12:30, a 16:9 frame, id:12345, 'Answer:1'",
+        "c10::Error at CUDAException.cpp:44, arr[::2], rows [0:3], version 2.35:1",
+    ):
+        assert without_addresses(kept) == kept
+    for text in (  # bare, port-less, zoned, full, DNS names and an OS error's tuple
+        "the holder fd00::1:50062 left",
+        "peer 10.0.0.5 left",
+        "[fe80::1%eth0]:50062 closed",
+        "2600:1f18:4a3:6900:8c15:4b2a:96d1:3e0f:50062 gone",
+        "DNS resolution failed for epd-prefill-0:50062: qtype=A name=epd-prefill-0",
+        "localhost:50062 refused",
+        "connect(('10.0.0.5', 50062)) failed",
+    ):
+        cleaned = without_addresses(text)
+        assert "a worker" in cleaned and "50062" not in cleaned and "prefill" not in cleaned
+
+
+def worker_error(role: Role, code: grpc.StatusCode, said: str) -> RouterError:
+    """The client-facing error `WorkerCalls.error` makes of a `role` worker's call that
+    failed with `code` and details `said` (the worker's address is in `said` as {address})."""
+    from grpc.aio import Metadata
+
+    from router.calls import WorkerCalls
+    from router.registry import Registry
+    from tests.registry_helpers import Clock, info
+
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=Clock())
+    worker = registry.register(info(role, 7))
+    exc = grpc.aio.AioRpcError(code, Metadata(), Metadata(), said.format(address=worker.address))
+    return WorkerCalls(registry).error(str(role), worker, exc)
+
+
+def test_a_failed_calls_error_names_the_worker_once() -> None:
+    # gRPC names the address it dialled as "ipv4:host:port": the error read "a worker
+    # prefill worker" (kill review).
+    said = "failed to connect to all addresses; last error: UNKNOWN: ipv4:{address}: x"
+    error = worker_error(Role.PREFILL, grpc.StatusCode.UNAVAILABLE, said)
+    assert str(error) == (
+        "prefill failed: failed to connect to all addresses; last error: UNKNOWN: "
+        "the prefill worker: x"
+    )
+
+
+def test_a_workers_full_kv_pool_is_passed_on_with_a_back_off_hint() -> None:
+    # A decode worker's "KV pool full" (blocks in use for now) reached the client as a
+    # RESOURCE_EXHAUSTED without retry-after-ms, which says "for good": epd.client did not
+    # send it again, and the HTTP API answered 429 without Retry-After (multi-router review).
+    from common.kv.block_pool import KV_POOL_FULL, PoolTooSmallError
+    from router.http.errors import api_error
+
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    full = f"{KV_POOL_FULL}: wanted 26 KV blocks, only 25 free"
+    error = worker_error(Role.DECODE, exhausted, full)
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(error.trailing_metadata)["retry-after-ms"] == "1000"
+    # What never fits gets no hint: a message past gRPC's limit, a request past the pool.
+    for never in (
+        "Received message larger than max (300 vs. 256)",
+        f"{KV_POOL_FULL}: {PoolTooSmallError(40, 32, 'sampling.max_tokens')}",
+    ):
+        error = worker_error(Role.DECODE, exhausted, never)
+        # for good: the HTTP API's 400, not a 429 the openai client would send again
+        assert error.trailing_metadata == () and api_error(error).status == 400
