@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP API (`router.http`), driven with the `openai` client.
 
-A router in this event loop with fake workers (errors, admission's 429, health, stop strings:
-fast and exact), and the request conversion and stop-string cutting without a server. The
+A router in this event loop with fake workers (errors, health, stop strings: fast and
+exact; admission's 429 and 400 in `tests.test_http_admission`), and the request conversion
+and stop-string cutting without a server. The
 helpers here (`fake_router`, `add_workers`, `call`, ...) serve other HTTP tests;
 `tests.test_http_deployment` holds the tests against a real deployment.
 """
@@ -22,7 +23,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import openai
 import pytest
@@ -30,23 +30,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from common.models.tiny import make_tiny_checkpoint
-from common.processing.messages import messages_from_dicts
 from common.roles import Role
-from common.sampling import SamplingParams
 from common.server.lifecycle import LifecycleState
 from common.server.rpc import LIVENESS_SERVICE, channel
-from epd.client import GenerateError
-from router.admission import Need
 from router.http.convert import chat_request
 from router.http.media import MediaPolicy
 from router.http.schema import ChatCompletionRequest
 from router.server import serve
 from router.settings import RouterSettings
-from router.workers import WorkerLoad
 from tests.cluster import CLIENT_KEY, cluster_security
 from tests.model_fixtures import user
-from tests.test_router import TEXT, FakeDecode, FakeEncoder, FakePrefill
 from tests.test_router import Cluster as FakeCluster
+from tests.test_router import FakeDecode, FakeEncoder, FakePrefill
 
 MODEL_ID = "tiny"  # the served model name both set-ups use
 
@@ -359,55 +354,3 @@ async def test_ttft_counts_an_http_bodys_upload_and_media_from_its_head(
     registry = fake.router.orchestrator.metrics.registry
     ttft = registry.get_sample_value("vllm:time_to_first_token_seconds_sum")
     assert ttft is not None and ttft >= 0.6
-
-
-async def test_a_full_queue_answers_429_with_retry_after(fake: FakeCluster) -> None:
-    pre, _ = await add_workers(fake)
-    prompt = fake.router.orchestrator.processor.process(messages_from_dicts(TEXT))
-    need = Need(len(prompt.prompt_token_ids), 4, 16)
-    for w in fake.router.registry.workers():  # room for one request at a time
-        w.load = WorkerLoad(kv_blocks_free=need.blocks(Role.DECODE))
-    pre.hang = True
-    first = asyncio.create_task(fake.client.generate_text(TEXT, SamplingParams(max_tokens=4)))
-    while not pre.requests:
-        await asyncio.sleep(0.01)
-    status, headers, reply = await asyncio.to_thread(
-        call,
-        f"{url_of(fake)}/v1/chat/completions",
-        {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 4},
-        CLIENT_KEY,
-    )
-    first.cancel()
-    assert status == 429, reply
-    assert int(headers["retry-after"]) >= 1
-    assert reply["error"]["type"] == "rate_limit_error"
-    assert reply["error"]["code"] == "rate_limit_exceeded"  # OpenAI's code
-
-
-async def test_a_request_that_can_never_fit_is_400_not_429(ckpt: Path) -> None:
-    """Refusals that waiting cannot cure (more KV blocks than any worker has; more inline
-    embedding bytes than the router carries) are 400 invalid_request_error, which clients
-    do not retry, without Retry-After; gRPC keeps RESOURCE_EXHAUSTED."""
-    c = await fake_router(ckpt, max_inline_embedding_mb=0)
-    try:
-        await add_workers(c)
-        endpoint = f"{url_of(c)}/v1/chat/completions"
-
-        async def refusal(messages: list[Any], max_tokens: int, code: str) -> str:
-            body = {"model": MODEL_ID, "messages": messages, "max_tokens": max_tokens}
-            status, headers, reply = await asyncio.to_thread(call, endpoint, body, CLIENT_KEY)
-            assert (status, reply["error"]["type"]) == (400, "invalid_request_error"), reply
-            assert "retry-after" not in headers
-            assert reply["error"]["code"] == code  # not rate_limit_exceeded: nothing to wait for
-            return str(reply["error"]["message"])
-
-        image = {"type": "image_url", "image_url": {"url": png_data_url(1)}}
-        assert "inline embeddings" in await refusal(user(image), 4, "invalid_argument")
-        for w in c.router.registry.workers():
-            w.load = WorkerLoad(kv_blocks_free=4)  # 4 blocks of 16 tokens each
-        assert "KV blocks" in await refusal(WEATHER, 200, "context_length_exceeded")
-        with pytest.raises(GenerateError) as err:
-            await c.client.generate_text(WEATHER, SamplingParams(max_tokens=200))
-        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    finally:
-        await c.close()
