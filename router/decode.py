@@ -208,6 +208,7 @@ class DecodeStage:
                 self.metrics.reprefills.inc()
                 logger.warning("request %s: KV lease ran out; prefilling again", job.request_id)
                 await self._fresh_handle(request, lease, prefill_again)
+                continue  # a prefill pool's refusal re-placed the ticket: its decode worker too
             if tries.retrying:
                 self.calls.retries["decode"] += 1
             if tries.migrating:

@@ -12,8 +12,10 @@ import grpc
 import pytest
 
 from common.errors import DECODE_STEP_FAILED
+from common.kv.block_pool import NoFreeBlocksError
 from common.roles import Role
 from common.sampling import SamplingParams
+from common.server.rpc import status_for
 from epd.v1 import decode_service_pb2
 from tests.test_failover_router import BreakingDecode, cluster
 from tests.test_router import FIRST, TEXT, FakeDecode, FakeEncoder, FakePrefill, ckpt
@@ -140,6 +142,45 @@ async def test_a_handle_whose_lease_ran_out_while_waiting_for_a_worker_is_not_se
     assert prefill.released[:1] == ["lease-1"]  # the lapsed one given back
     reprefills = cluster.router.orchestrator.metrics.reprefills
     assert reprefills._value.get() == 1
+
+
+async def test_a_lapsed_lease_prefilled_again_decodes_where_the_ticket_was_placed_again(
+    cluster,
+) -> None:
+    # The re-prefill for a lapsed lease ran after the decode worker was picked: when the
+    # prefill pool refused it once, admission placed the ticket again, its decode blocks on
+    # another worker, and the stream still went to the first pick (s38diff F1).
+    registry = cluster.router.orchestrator.registry
+    admission = cluster.router.orchestrator.admission
+    extra, back = FakeDecode(), FakeDecode()
+
+    class FullOnce(FakePrefill):
+        async def Prefill(self, request, context):
+            if len(self.requests) == 1:  # the lapsed lease's re-prefill: the pool is full
+                self.requests.append(request)
+                await cluster.add(Role.DECODE, extra)  # registered meanwhile, idle
+                for worker in registry.workers(Role.DECODE):
+                    if worker.address == back_at[0]:
+                        admission._reserve(worker, 0)  # busier: the pick prefers `extra`
+                await context.abort(*status_for(NoFreeBlocksError(2, 0)))
+            return await super().Prefill(request, context)
+
+    await cluster.add(Role.ENCODER, FakeEncoder())
+    prefill = FullOnce()
+    prefill.lease_ttl_ms = 300
+    await cluster.add(Role.PREFILL, prefill)
+    await cluster.add(Role.DECODE, FakeDecode())
+    await cluster.servers[-1].stop(0)  # killed: its calls fail UNAVAILABLE at once
+    answer = asyncio.create_task(
+        cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3), timeout_s=20)
+    )
+    while not prefill.requests:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.6)  # past the TTL, the router waiting for a decode worker
+    back_at = [await cluster.add(Role.DECODE, back)]
+    result = await answer
+    assert result.token_ids == [FIRST, 101, 102]
+    assert (len(extra.requests), len(back.requests)) == (1, 0)  # where the blocks are reserved
 
 
 class FrozenHolderDecode(BreakingDecode):
