@@ -74,11 +74,12 @@ def test_rows_past_64_are_computed_padded_to_a_bucket_and_in_chunks_with_the_sam
     # held ~0.5 GB of them, and churned up to 2 GB of heap (memgrow review, s38).
     if dtype == torch.bfloat16 and not BF16_PACKS:
         pytest.skip("oneDNN packs no bfloat16 weights on this CPU")
+    # A wide input: at 128 a float32 one-row chunk tail (2049 rows) rounded alike by chance.
     gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(192, 128, generator=gen).to(dtype)
+    weight = torch.randn(192, 2048, generator=gen).to(dtype)
     packed = onednn_packed(weight)
     assert packed is not None
-    x = torch.randn(5000, 128, generator=gen).to(dtype)
+    x = torch.randn(5000, 2048, generator=gen).to(dtype)
     seen: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -87,13 +88,14 @@ def test_rows_past_64_are_computed_padded_to_a_bucket_and_in_chunks_with_the_sam
         return real(x, *args)
 
     with torch.inference_mode():
-        rows_tried = (2, 64, 65, 100, 300, 700, 5000)
+        rows_tried = (2, 64, 65, 100, 300, 700, 2049, 5000)
         wants = [real(x[:rows], packed, None, "none", [], "") for rows in rows_tried]
         monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
         for rows, want in zip(rows_tried, wants, strict=True):
             got = linear.onednn_linear(x[:rows], packed, None)
             assert got.shape == (rows, 192) and torch.equal(got, want), rows
-    assert seen == [2, 64, 68, 100, 304, 704, 2048, 2048, 928]  # 5000: 2048 at a time
+    # 2049: a one-row tail computed at two rows; 5000: 2048 at a time
+    assert seen == [2, 64, 68, 100, 304, 704, 2048, 2, 2048, 2048, 928]
 
 
 def test_row_buckets_are_few_and_close() -> None:

@@ -5,7 +5,8 @@
 GEMM, or, where packing is on, oneDNN's linear on the weight packed once at load (CPU,
 float32 or bfloat16, a torch with oneDNN). In float32 one row stays on MKL's GEMM (faster
 there) and the packed kernel takes two or more; in bfloat16 it takes every row count. A
-packed row rounds alike whatever the row count. The packed copy doubles the weights' memory.
+packed row rounds alike whatever the row count (in float32, from two rows up: oneDNN's
+one-row kernel rounds otherwise). The packed copy doubles the weights' memory.
 
 Which kernel is faster depends on the CPU and the dtype (`packing_pays`), measured per call
 on the project's 2-core machines, one thread:
@@ -108,18 +109,30 @@ def bucket_rows(rows: int) -> int:
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x [n, in] @ W.T (+ bias)` by oneDNN, `packed` being `onednn_packed(W)`, at the row
-    counts the comment above says (a packed row rounds alike whatever the row count: the
-    same values as one call)."""
+    counts the comment above says (a packed row rounds alike whatever the row count, from
+    two rows on: the same values as one call)."""
+    assert x.dim() == 2, "onednn_linear takes [rows, in]"  # padding and chunks are by row
     rows = x.shape[0]
-    if rows > CHUNK_ROWS:  # into one output (a cat of the pieces held it twice)
-        first = onednn_linear(x[:CHUNK_ROWS], packed, bias)
-        out = first.new_empty(rows, first.shape[1])
-        out[:CHUNK_ROWS] = first
-        del first
-        for i in range(CHUNK_ROWS, rows, CHUNK_ROWS):
-            out[i : i + CHUNK_ROWS] = onednn_linear(x[i : i + CHUNK_ROWS], packed, bias)
-        return out
-    padded = bucket_rows(rows)
+    if rows <= CHUNK_ROWS:
+        return _bucketed(x, packed, bias)
+    # Into one output (a cat of the pieces held it twice); a one-row tail at two rows, as in
+    # float32 oneDNN's one-row kernel rounds otherwise (s38diff review).
+    first = _bucketed(x[:CHUNK_ROWS], packed, bias)
+    out = first.new_empty(rows, first.shape[1])
+    out[:CHUNK_ROWS] = first
+    del first
+    for i in range(CHUNK_ROWS, rows, CHUNK_ROWS):
+        out[i : i + CHUNK_ROWS] = _bucketed(x[i : i + CHUNK_ROWS], packed, bias, at_least=2)
+    return out
+
+
+def _bucketed(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, at_least: int = 1
+) -> torch.Tensor:
+    """oneDNN's linear over `x`'s rows (at most `CHUNK_ROWS`), padded to `bucket_rows` and
+    to `at_least` rows."""
+    rows = x.shape[0]
+    padded = max(bucket_rows(rows), at_least)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
     out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
