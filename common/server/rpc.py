@@ -80,7 +80,7 @@ class RunningServer:
     health: HealthServicer  # grpc.health.v1 servicer; "" and every service name are listed
     address: str  # "host:port" actually bound (port 0 resolved)
     service_names: tuple[str, ...]  # health names besides "", e.g. "epd.v1.EncoderService"
-    stopped: bool = field(default=False)  # set once stop() has begun
+    stopped: bool = field(default=False)  # set once stop() has begun (unset: `shutdown` failed)
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING for "" and every service name (not for
@@ -101,9 +101,15 @@ class RunningServer:
         await self.shutdown(grace_s)
 
     async def shutdown(self, grace_s: float | None) -> None:
-        """Health NOT_SERVING, then the gRPC server stops (no idempotence check: see stop)."""
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        """Health NOT_SERVING, then the gRPC server stops (no idempotence check: see stop).
+        One that raised (or was cancelled) leaves `stopped` unset: the server may still
+        serve, and the next `stop` (a lifecycle's next drain) runs it again."""
+        try:
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace_s)
+        except BaseException:
+            self.stopped = False
+            raise
 
     async def wait_for_termination(self) -> None:
         """Return once the server has stopped."""
