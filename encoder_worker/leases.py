@@ -120,7 +120,13 @@ class OutputLeases:
         except Exception as exc:
             logger.warning("NIXL unavailable, large outputs go inline: %s", exc)
             return None
-        self.arena, self._metadata = await asyncio.to_thread(self._make_arena, agent)
+        try:
+            self.arena, self._metadata = await asyncio.to_thread(self._make_arena, agent)
+        except Exception as exc:  # its snapshot: the agent is closed, not left made (s38diff)
+            logger.warning("NIXL agent unusable, large outputs go inline: %s", exc)
+            await asyncio.to_thread(agent.close)
+            self.arena = None
+            return None
         self._agent = agent
         return agent
 

@@ -251,3 +251,35 @@ async def test_the_agent_is_made_before_the_encoder_serves(
     assert events == ["agent", "serving"]
     assert server.servicer is not None and server.servicer.leases is not None
     assert server.servicer.leases.arena is not None  # registered before serving too
+
+
+async def test_an_agent_whose_snapshot_fails_is_closed_and_outputs_go_inline(
+    make_server: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Made, then its metadata snapshot raised: the agent was never closed, and the encoder
+    # failed to start (s38diff review). Now as when no agent can be made: outputs inline.
+    from encoder_worker import leases
+
+    closed: list[str] = []
+    made = leases.TransferAgent
+
+    class Unusable:
+        def __init__(self, name: str) -> None:
+            self.real = made(name)
+            self.name = name
+
+        def register(self, buffer: Any) -> Any:
+            return self.real.register(buffer)
+
+        def metadata(self) -> bytes:
+            raise RuntimeError("no snapshot")
+
+        def close(self) -> None:
+            closed.append(self.name)
+            self.real.close()
+
+    monkeypatch.setattr(leases, "TransferAgent", Unusable)
+    server, _ = await make_server(nixl=True)
+    assert server.servicer.leases is not None
+    assert await server.servicer.leases.agent() is None and server.servicer.leases.arena is None
+    assert len(closed) == 1
