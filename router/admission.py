@@ -2,7 +2,8 @@
 workers it will use; otherwise it waits in a bounded FIFO queue, and past the queue it is
 refused with RESOURCE_EXHAUSTED naming the limit and how long to back off.
 
-Need (`router.admission_need`): the KV blocks a request holds on each KV role's worker.
+Need (`router.admission_need`): the KV blocks a request holds on each KV role's worker; one
+that can never fit is refused at once with `TooLarge` (`Need.too_large`): waiting cannot help.
 
 Ledger: heartbeats lag, so the router keeps its own reservations per worker. A worker's room
 is its capacity (`kv_blocks_used + kv_blocks_free` of its last heartbeat: the pool size,
@@ -22,8 +23,6 @@ is. A request waits at most `max_wait_s` in all (refused past that) and never pa
 deadline (DEADLINE_EXCEEDED); a cancelled waiter leaves at once. A waiter holds nothing.
 With no live worker of a KV role it needs (`Need.roles`: not decode for one token), the head
 ends with UNAVAILABLE, and each next head in turn; releasing and moving never fail for it.
-
-Never fits (`Need.too_large`): refused at once with `TooLarge`, as waiting cannot help.
 
 Safety net: a prefill worker's RESOURCE_EXHAUSTED (its pool momentarily full of blocks the
 ledger does not see: another router's requests, a worker not yet heartbeated, leases the
@@ -200,15 +199,16 @@ class Admission:
         choose: Choose,
         tenant: str | None = None,
         prompt_field: str = "messages",
+        default_length: bool = False,
     ) -> Ticket:
-        """Reserve the request's blocks on a worker of each KV role, waiting in the queue
-        when needed. Raises RouterError: UNAVAILABLE (no worker of a role), RESOURCE_EXHAUSTED
-        (never fits, naming `prompt_field` where the prompt alone does not; `Refused` past
-        the queue, or past `tenant`'s share of it), DEADLINE_EXCEEDED (while queued)."""
+        """Reserve the request's blocks on a worker of each KV role it needs, waiting in the
+        queue when needed. Raises RouterError: UNAVAILABLE (no worker of a role),
+        RESOURCE_EXHAUSTED (never fits: `Need.too_large`; `Refused` past the queue, or past
+        `tenant`'s share of it), DEADLINE_EXCEEDED (while queued)."""
         self._live(Role.PREFILL)
         layout = self.registry.reference_layout  # set by the first KV worker to register
         assert layout is not None
-        need = Need(prompt_tokens, max_tokens, layout.block_size, prompt_field)
+        need = Need(prompt_tokens, max_tokens, layout.block_size, prompt_field, default_length)
         ticket = Ticket(need, deadline, tenant)
         self._check_fits(ticket.need)
         if not self._queue and self._place(ticket, choose):

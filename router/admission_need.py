@@ -38,6 +38,7 @@ class Need:
     max_tokens: int  # most tokens it generates
     block_size: int  # tokens per KV block (the deployment's)
     prompt_field: str = "messages"  # the request field the prompt came in (`prompt`)
+    default_length: bool = False  # `max_tokens` is the router's default: the request set none
 
     @property
     def roles(self) -> tuple[Role, ...]:
@@ -53,13 +54,11 @@ class Need:
             return 0
         return blocks_for(self.prompt_tokens + self.max_tokens - 1, self.block_size)
 
-    def too_large(
-        self, role: Role, capacities: Sequence[int | None], default_length: bool = False
-    ) -> TooLarge | None:
+    def too_large(self, role: Role, capacities: Sequence[int | None]) -> TooLarge | None:
         """The refusal when the request needs more blocks on `role` than the largest of
         `capacities` (its workers' pools; None: not heartbeated yet) holds; None where it
-        fits, or may (a capacity unknown, or none given). `default_length`: `max_tokens` is
-        the router's default (said so, where the refusal names it)."""
+        fits, or may (a capacity unknown, or none given). A default length is said to be one
+        where the refusal names it."""
         if not capacities or None in capacities:
             return None
         largest = max(c for c in capacities if c is not None)
@@ -76,7 +75,7 @@ class Need:
         else:
             blocks = self.blocks(role)
             what = f"its prompt of {self.prompt_tokens} tokens and max_tokens {self.max_tokens}"
-            what += " (the default: the request set none)" if default_length else ""
+            what += " (the default: the request set none)" if self.default_length else ""
         refusal = TooLarge(
             f"the request needs {blocks} KV blocks of {self.block_size} tokens on a {role} "
             f"worker for {what}; the largest {role} worker has {largest} in all",
@@ -86,17 +85,17 @@ class Need:
         refusal.trailing_metadata = (("epd-field", field),)
         return refusal
 
-    def as_admission_would(self, error: TooLarge, default_length: bool = False) -> TooLarge:
+    def as_admission_would(self, error: TooLarge) -> TooLarge:
         """A KV worker's own refusal of a request its whole pool cannot hold, as admission
         words it for that pool (`too_large`: the prompt's field or `sampling.max_tokens`
         named, which the worker's words did not): admission let it through because the
-        worker had not heartbeated its pool yet. Any other refusal as it is.
-        `default_length`: the length is the router's default, which admission would have
-        cut to the pool had it known it (`fit_to_decode`); the refusal says it is one."""
+        worker had not heartbeated its pool yet. Any other refusal as it is. A default
+        length (a chat's, which admission would have cut to the pool had it known it:
+        `fit_to_decode`) is said to be one."""
         said = _WORKER_WHOLE_POOL.search(str(error))
-        if said is None or error.stage not in (Role.PREFILL, Role.DECODE):
+        if said is None or error.stage not in KV_ROLES:
             return error
-        refusal = self.too_large(Role(error.stage), [int(said.group(1))], default_length)
+        refusal = self.too_large(Role(error.stage), [int(said.group(1))])
         if refusal is None:  # the worker counts otherwise (an older one): its words
             return error
         refusal.address, refusal.stage = error.address, error.stage

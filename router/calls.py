@@ -162,7 +162,7 @@ class Job:
     resumed: tuple[int, ...] = ()  # tokens the client already has (`resume_tokens`)
     tenant: str | None = None  # the caller's tenant (its share of the queue)
     prompt_field: str = "messages"  # the request's field the prompt is in (or `prompt`)
-    default_length: bool = False  # `sampling.max_tokens` is the router's default, not sent
+    default_length: bool = False  # `sampling.max_tokens` is the router's default: none sent
     # The router's own for this request: callers may reuse a request id (and so may two
     # tenants), but an encoder keeps one call per id out of each batch (`encode_request`).
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:16])

@@ -172,6 +172,7 @@ class Orchestrator:
             choose,
             job.tenant,
             job.prompt_field,
+            job.default_length,
         )
         try:
             prefill, holder = await self._prefill_admitted(job, handoff, choose, ticket)
@@ -219,7 +220,7 @@ class Orchestrator:
                 out.resumed_tokens, echo = echo, 0
                 yield out
         except TooLarge as exc:  # a decode worker's own: its pool was not heartbeated yet
-            raise ticket.need.as_admission_would(exc, job.default_length) from None
+            raise ticket.need.as_admission_would(exc) from None
         finally:
             # Also when the client goes away at a `yield`, before decode ever starts.
             if lease.owned:
@@ -242,7 +243,7 @@ class Orchestrator:
             try:
                 return await self._encode_and_prefill(job, handoff, choose, ticket)
             except TooLarge as exc:  # the worker's own: its pool was not heartbeated yet
-                raise ticket.need.as_admission_would(exc, job.default_length) from None
+                raise ticket.need.as_admission_would(exc) from None
             except KvPoolFull as exc:
                 logger.info("request %s: %s; queued again", job.request_id, exc)
                 refused = exc.address

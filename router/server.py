@@ -225,7 +225,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     resumed=resumed,
                     tenant=caller.tenant,
                     prompt_field="prompt" if request.HasField("prompt") else "messages",
-                    default_length=fit_max_tokens,
+                    default_length=fit_max_tokens or not request.sampling.max_tokens,
                 )
                 await self.returns.wait(needed(bool(prompt.params.items)), deadline)
                 answer = self.orchestrator.run(job)

@@ -65,6 +65,16 @@ async def test_a_chat_without_a_length_runs_to_the_context_it_has(ckpt: Path) ->
         status, reply = await post(c, "/v1/completions", body)
         assert (status, reply["error"]["param"]) == (400, "prompt"), reply
         assert "max_tokens" not in reply["error"]["message"], reply
+        # A completion's default (16, OpenAI's) is not cut, and its refusal says it is a
+        # default: it read "max_tokens 16", which the client never sent (s38diff review).
+        for words in range(2 * block, 0, -1):  # a prompt leaving decode 2-14 tokens of room
+            body = {"model": MODEL_ID, "prompt": "word " * words}
+            status, reply = await post(c, "/v1/completions", body | {"max_tokens": 1})
+            if status == 200 and 2 <= 2 * block - reply["usage"]["prompt_tokens"] < 15:
+                break
+        status, reply = await post(c, "/v1/completions", body)
+        assert (status, reply["error"]["param"]) == (400, "max_tokens"), reply
+        assert "max_tokens 16 (the default: the request set none)" in reply["error"]["message"]
     finally:
         await c.close()
 
