@@ -57,12 +57,19 @@ async def _admin(args: argparse.Namespace, router: str | None = None) -> Any:
     return ch, admin_service_pb2_grpc.AdminServiceStub(ch)
 
 
-@dataclass(frozen=True, slots=True)
+# What `epd scale` says when workers an operator drained keep a pool short.
+DRAINED_STAY = (
+    "a worker drained with `epd drain` stays in its pool, serving nothing: `epd undrain` it"
+)
+
+
+@dataclass(slots=True)
 class RoleCount:
     """Registered workers of one role, as `scale` and `status` count them (module docstring)."""
 
     serving: int = 0  # registered, not draining: they get new work
     draining: int = 0  # registered, draining: no new work, leaving or drained by an operator
+    drained: int = 0  # of those, drained by an operator (`epd drain`): they stay in the pool
 
 
 def role_counts(reply: Any) -> dict[str, RoleCount]:
@@ -70,15 +77,18 @@ def role_counts(reply: Any) -> dict[str, RoleCount]:
     from common.roles import WORKER_ROLES
     from common.wire.roles import role_from_proto
 
-    serving = dict.fromkeys((str(r) for r in WORKER_ROLES), 0)
-    draining = dict(serving)
+    counts = {str(r): RoleCount() for r in WORKER_ROLES}
     for worker in reply.workers:
         try:
-            role = role_from_proto(worker.info.role)
+            count = counts[role_from_proto(worker.info.role)]
         except ValueError:
             continue  # a role this CLI does not know
-        (draining if worker.draining else serving)[role] += 1
-    return {role: RoleCount(serving[role], draining[role]) for role in serving}
+        if worker.draining:
+            count.draining += 1
+            count.drained += worker.drained
+        else:
+            count.serving += 1
+    return counts
 
 
 async def registered_counts(stub: Any) -> dict[str, int]:
@@ -115,18 +125,27 @@ async def cmd_scale(args: argparse.Namespace) -> int:
         while True:
             status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
             now = role_counts(status)[args.role]
-            if now.serving == reply.replicas and now.draining <= before.draining:
+            # Workers drained with `epd drain` stay in the pool, serving nothing: said at once.
+            if now.serving == reply.replicas - now.drained and now.draining <= before.draining:
                 took = time.monotonic() - t0
-                _say(f"{args.role}: {_workers(reply.replicas)} serving ({took:.1f}s)")
-                return 0
+                _say(f"{args.role}: {_counted(now)} ({took:.1f}s)")
+                if not now.drained:
+                    return 0
+                _say(f"  {DRAINED_STAY}")
+                return 1
             waiting = [w for w in status.waiting if f"-{args.role}-" in w]
             if waiting and waiting != said:  # e.g. Ray has no CPU or GPU left for a worker
                 _say(f"{args.role}: " + "; ".join(waiting))
                 said = waiting
+            failed = [w for w in status.failed_starts if f"-{args.role}-" in w]
+            if failed:  # out of the pool: waiting cannot help (scaling again starts others)
+                _say(f"{args.role}: " + "; ".join(failed))
+                _say(f"{args.role}: {_counted(now)}; `epd scale` again starts others")
+                return 1
             if time.monotonic() - t0 > args.timeout:
                 _say(f"{args.role}: still {_counted(now)} after {args.timeout:.0f}s")
-                if now.draining:
-                    _say("  a worker drained with `epd drain` stays in its pool: `epd undrain` it")
+                if now.drained:
+                    _say(f"  {DRAINED_STAY}")
                 return 1
             await asyncio.sleep(0.2)
 
@@ -191,6 +210,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
     _say("; ".join(f"{role} {_counted(count)}" for role, count in role_counts(reply).items()))
     for line in reply.waiting:  # started by the deployment, not placed by its cluster yet
         _say(f"waiting: {line}")
+    for line in reply.failed_starts:  # started by the deployment, out of its pool since
+        _say(f"failed: {line}")
     for line in reply.refused_registrations:  # not in the table: the router refused them
         _say(f"refused: {line}")
     return 0

@@ -60,8 +60,9 @@ Worker columns:
                 after a scale-down, until it leaves)
 
 Then a line counting each role as `epd scale` does (serving workers, draining ones apart),
-a `waiting:` line per worker the deployment started that its cluster has not placed yet, and
-a `refused:` line per worker whose registration the router refused, with the reason."""
+a `waiting:` line per worker the deployment started that its cluster has not placed yet, a
+`failed:` line per worker whose start raised since its pool was last scaled (it left the
+pool), and a `refused:` line per worker whose registration the router refused, with why."""
 
 
 def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") -> None:
@@ -221,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument(
         "--no-wait", action="store_true", help="return once asked, not when the pool has changed"
     )
-    scale.add_argument("--timeout", type=_seconds, default=300.0, help="longest wait, seconds")
+    scale.add_argument("--timeout", type=_seconds, default=300.0, help="longest wait, s (300)")
     _router_flag(scale, "admin_key")
 
     status = commands.add_parser(

@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 
 
 class _Scaler:
-    """The router's scaler (`router.admin.Scaler`), with `waiting` for AdminService.Status:
-    the workers Ray has not placed yet, asked at most every 2 s (a GCS call, off the loop)."""
+    """The router's scaler (`router.admin.Scaler`), with `waiting` for AdminService.Status
+    (the workers Ray has not placed yet, asked at most every 2 s: a GCS call, off the loop)
+    and `failed` (the workers whose start raised)."""
 
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
@@ -64,6 +65,10 @@ class _Scaler:
             self._asked = time.monotonic()
             self._waiting = await asyncio.to_thread(pools.waiting)
         return list(self._waiting)
+
+    async def failed(self) -> list[str]:
+        pools = getattr(self.controller, "pools", None)
+        return pools.failures() if pools is not None else []
 
 
 class Controller:
@@ -144,32 +149,14 @@ class Controller:
     async def wait_ready(self, timeout_s: float) -> dict[str, int]:
         """Wait until every pool has as many registered workers as it should.
 
-        Returns the registered count per role; TimeoutError after `timeout_s`.
+        Returns the registered count per role; WorkerStartError once a worker's start
+        raised (`PoolManager.failures`), TimeoutError after `timeout_s`.
         """
         deadline = time.monotonic() + timeout_s
-        # One describe() per worker resolves once its actor is up, or fails with the error
-        # its __init__ raised (Ray does not restart an actor whose creation task failed).
-        probes: dict[str, asyncio.Future[Any]] = {}
-        try:
-            return await self._until_registered(probes, deadline, timeout_s)
-        finally:  # the failures not raised are retrieved (asyncio logged each, a traceback)
-            for probe in probes.values():
-                probe.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    async def _until_registered(
-        self, probes: dict[str, asyncio.Future[Any]], deadline: float, timeout_s: float
-    ) -> dict[str, int]:
-        """`wait_ready`'s loop, its probes kept in `probes`."""
         while True:
             wanted = self.pools.replicas()
-            for role in ROLES:
-                for name, handle in self.pools.members(role):
-                    if name not in probes:
-                        probes[name] = asyncio.ensure_future(handle.describe.remote())
-            for name, probe in probes.items():
-                if probe.done() and probe.exception() is not None:
-                    cause = error_summary(probe.exception())
-                    raise WorkerStartError(f"{name} failed to start: {cause}")
+            for failure in self.pools.failures():  # Ray does not restart such an actor
+                raise WorkerStartError(failure)
             for reason in self.router.registry.refusals.values():
                 # Refused for its settings (model, protocol, KV layout): retrying cannot help.
                 raise WorkerRefusedError(f"the router refused a worker: {reason}")

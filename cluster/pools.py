@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "epd-controller"
+START_RETRY_S = 1.0  # between asks whether a worker that died while starting has started
 
 
 # ------------------------------------------------------------------------------ the pools
@@ -89,6 +91,7 @@ class _Pool:
     members: list[_Member] = field(default_factory=list)
     next_index: int = 0  # suffix of the next actor name; never reused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    failed: dict[str, str] = field(default_factory=dict)  # since the last scale: name -> cause
 
 
 class PoolManager:
@@ -128,6 +131,7 @@ class PoolManager:
         self.use_gpus = self.gpus_per_worker > 0
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
+        self._starting: set[asyncio.Task[None]] = set()  # `_watch_start`, one a new worker
         self.routers_drained = False  # set by stop(): the routers take no new work
         # The deployment's view of its routers (the controller sets both,
         # `cluster.deployment.follow_registries`): whether an operator drained the worker of
@@ -169,8 +173,13 @@ class PoolManager:
             )
         pool = self.pools[role]
         async with pool.lock:
+            pool.failed.clear()  # a new attempt: the workers that failed before are gone
             while len(pool.members) < replicas:
-                pool.members.append(self._create(pool))
+                member = self._create(pool)
+                pool.members.append(member)
+                task = asyncio.create_task(self._watch_start(pool, member), name=member.name)
+                self._starting.add(task)
+                task.add_done_callback(self._starting.discard)
             while len(pool.members) > replicas:
                 # The newest, unless an operator drained one: that one leaves first.
                 drained = [m for m in pool.members if self.drained(m.name)]
@@ -202,6 +211,44 @@ class PoolManager:
         logger.info("started %s", name)
         request = {"CPU": num_cpus, "GPU": self.gpus_per_worker, "memory": float(memory)}
         return _Member(name, handle, request)
+
+    async def _watch_start(self, pool: _Pool, member: _Member) -> None:
+        """Wait until `member`'s actor has started. One whose start raised leaves its pool
+        (Ray does not restart an actor whose creation task failed: kept, it was a member
+        that never served, and scaling to the same size started none), its cause kept in
+        `pool.failed` (`failures`) until the pool is scaled again; scaling again starts
+        another. One that died while starting (a crash, not an error) Ray restarts."""
+        import ray
+
+        while True:
+            try:
+                await member.handle.__ray_ready__.remote()
+                return
+            except ray.exceptions.RayActorError as exc:
+                if exc.actor_init_failed:
+                    cause = error_summary(exc)
+                    break
+            except Exception:  # an error of the call itself: asked again below
+                logger.debug("%s: waiting for its start failed", member.name, exc_info=True)
+            if member not in pool.members:  # retired meanwhile
+                return
+            await asyncio.sleep(START_RETRY_S)
+        async with pool.lock:
+            if member not in pool.members:
+                return
+            pool.members.remove(member)
+            pool.failed[member.name] = cause
+        logger.error("%s failed to start: %s", member.name, cause)
+        ray.kill(member.handle, no_restart=True)
+        self.cpu.release(member.name)
+
+    def failures(self) -> list[str]:
+        """One line per worker whose start failed since its pool was last scaled."""
+        return [
+            f"{name} failed to start: {cause}"
+            for pool in self.pools.values()
+            for name, cause in pool.failed.items()
+        ]
 
     def waiting(self) -> list[str]:
         """One line per worker actor Ray has not placed yet (`pending_actor_names`) whose
@@ -282,6 +329,8 @@ class PoolManager:
         still answer heartbeats) or stopped, so the drain step at the routers is skipped.
         """
         self.routers_drained = routers_drained
+        for task in self._starting:
+            task.cancel()
         for role in ROLES:
             await self.scale(role, 0)
         if self._retiring:
@@ -327,9 +376,14 @@ class WorkerRefusedError(WorkerStartError):
 
 
 def error_summary(exc: BaseException | None) -> str:
-    """The last line of a (Ray) error: the exception that started it all."""
+    """The last line of a (Ray) error: the exception that started it all, named without
+    its module ("SettingsError: ..."; ours, WorkerStartError, not at all)."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else repr(exc)
+    last = _MODULE.sub("", lines[-1]) if lines else repr(exc)
     for cls in (WorkerRefusedError, WorkerStartError):
-        last = last.removeprefix(f"{__name__}.{cls.__name__}: ")
+        last = last.removeprefix(f"{cls.__name__}: ")
     return last
+
+
+# A dotted module path before an exception's class name, as a traceback's last line has it.
+_MODULE = re.compile(r"^(?:[a-z_][a-z0-9_]*\.)+(?=[A-Z]\w*: )")

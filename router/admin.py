@@ -2,8 +2,9 @@
 
 Scaling is not the router's job: it delegates to a pluggable async `Scaler` given to
 `router.server.serve` (the Ray deployment plugs one in). Without one, Scale answers
-UNIMPLEMENTED. A scaler may also have an async `waiting()` method: lines about workers it
-started that are not up yet (what they wait for), which Status reports.
+UNIMPLEMENTED. A scaler may also have async `waiting()` and `failed()` methods: lines about
+workers it started that are not up yet (what they wait for) and whose start failed (why),
+which Status reports.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
             response.requeued_requests = queue.requeued
             response.queue_wait_p50_s = queue.wait_p50_s
             response.queue_wait_max_s = queue.wait_max_s
-        waiting = getattr(self.scaler, "waiting", None)
-        if waiting is not None:
-            response.waiting.extend(await waiting())
+        for field, lines in (("waiting", "waiting"), ("failed_starts", "failed")):
+            told = getattr(self.scaler, lines, None)
+            if told is not None:
+                getattr(response, field).extend(await told())
         response.refused_registrations.extend(
             f"{address}: {why}" for address, why in self.registry.refusals.recent()
         )
@@ -87,6 +89,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
                 router_in_flight=w.in_flight,
                 seconds_since_heartbeat=self.registry.seconds_since(w),
                 draining=w.draining,
+                drained=self.registry.drained_by_operator(w.name) and not w.retiring,
                 suspect=w.suspect,
                 router_reserved_kv_blocks=(
                     self.admission.reserved(w.address) if self.admission is not None else 0

@@ -56,6 +56,8 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
     def __init__(self) -> None:
         self.sizes: dict[Any, int] = {1: 1, 2: 1, 3: 1}  # wire role -> pool size
         self.scaled: list[tuple[int, int]] = []
+        self.failed = ["epd-encoder-3 failed to start: SettingsError: port 9 is in use"]
+        self.starts_fail = False  # a Scale's new workers fail to start
 
     async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
         response = admin_service_pb2.StatusResponse(
@@ -63,6 +65,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
             active_requests=1,
             waiting=["epd-decode-1 waits for Ray resources: asks CPU 4"],
             refused_registrations=["127.0.0.1:9: encoder worker serves model 'other'"],
+            failed_starts=self.failed,
         )
         for role, n in self.sizes.items():
             for i in range(n):
@@ -85,7 +88,10 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
 
     async def Scale(self, request: Any, context: Any) -> admin_service_pb2.ScaleResponse:
         self.scaled.append((request.role, request.replicas))
-        self.sizes[request.role] = request.replicas
+        if self.starts_fail:
+            self.failed = [f"epd-prefill-{n} failed to start: boom" for n in range(2, 4)]
+        else:
+            self.sizes[request.role] = request.replicas
         return admin_service_pb2.ScaleResponse(replicas=request.replicas)
 
     async def Drain(self, request: Any, context: Any) -> admin_service_pb2.DrainResponse:
@@ -174,12 +180,13 @@ async def test_status_lists_every_worker(
         "STATE",
     ]
     # After the counts line: what the table cannot show (a worker waiting to be placed, one
-    # the router refused and so never listed).
-    assert out[-2:] == [
+    # whose start failed, one the router refused and so never listed).
+    assert out[-3:] == [
         "waiting: epd-decode-1 waits for Ray resources: asks CPU 4",
+        "failed: epd-encoder-3 failed to start: SettingsError: port 9 is in use",
         "refused: 127.0.0.1:9: encoder worker serves model 'other'",
     ]
-    rows = [line.split() for line in out[2:-3]]
+    rows = [line.split() for line in out[2:-4]]
     assert [r[0] for r in rows] == ["encoder", "prefill", "decode"]
     assert rows[0][5] == "-"  # encoders have no KV blocks
     assert rows[1][:6] == ["prefill", "w-2-0", "127.0.0.1:7020", "1", "1", "3/61"]
@@ -200,6 +207,24 @@ async def test_scale_asks_the_router_and_waits_for_the_pool(
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "prefill: 1 worker serving -> 3 workers"
     assert out[1].startswith("prefill: 3 workers serving")
+
+
+async def test_scale_stops_waiting_at_a_worker_that_failed_to_start(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It waited the whole timeout and said only "still 1 worker serving"; the reason was
+    # in `epd serve`'s console alone (walkthrough review, s39).
+    address, _, admin = router
+    admin.starts_fail = True
+    args = build_parser().parse_args(
+        ["scale", "--role", "prefill", "--replicas", "3", "--address", address]
+    )
+    assert await cmd_scale(args) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == [
+        "prefill: epd-prefill-2 failed to start: boom; epd-prefill-3 failed to start: boom",
+        "prefill: 1 worker serving; `epd scale` again starts others",
+    ]
 
 
 async def test_drain_reports_unknown_workers(

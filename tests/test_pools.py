@@ -51,10 +51,16 @@ class FakeHandle:
     drain_clean: bool = True
     host: str | None = None  # the listen host the actor is told (None: its node's IP)
     placement: CpuPlacement | None = None  # threads and cores the actor is told
+    start_error: BaseException | None = None  # what its start raises (None: it starts)
 
     def __post_init__(self) -> None:
         self.describe = _Method(self._describe)
         self.drain = _Method(self._drain)
+        self.__ray_ready__ = _Method(self._ready)  # Ray's: returns once __init__ has
+
+    async def _ready(self) -> None:
+        if self.start_error is not None:
+            raise self.start_error
 
     async def _describe(self) -> WorkerDescription:
         self.log.append(f"describe {self.name}")
@@ -152,6 +158,8 @@ def test_error_summary_is_the_root_cause() -> None:
     assert pools.error_summary(RuntimeError(ray_style)) == (
         "epd-prefill-0 failed to start: FileNotFoundError: /m"
     )
+    said = "common.settings.schema.SettingsError: port 127.0.0.1:1 is in use"
+    assert pools.error_summary(RuntimeError(said)) == "SettingsError: port 127.0.0.1:1 is in use"
     assert pools.error_summary(RuntimeError("")) == "RuntimeError('')"
     reason = "the router refused a worker: decode worker"
     refused = RuntimeError(f"cluster.pools.WorkerRefusedError: {reason}")

@@ -5,16 +5,25 @@ registered directly)."""
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 
 import grpc
 import pytest
 
-from cluster.admin import RoleCount, cmd_drain, cmd_scale, cmd_status, cmd_undrain, role_counts
+from cluster.admin import (
+    DRAINED_STAY,
+    RoleCount,
+    cmd_drain,
+    cmd_scale,
+    cmd_status,
+    cmd_undrain,
+    role_counts,
+)
 from cluster.cli import build_parser
 from common.roles import Role
-from common.server.rpc import start_server
+from common.server.rpc import channel, start_server
 from common.settings.schema import SettingsError
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 from router.admin import AdminServicer
@@ -137,17 +146,34 @@ async def test_status_and_scale_count_serving_and_draining_alike(
     assert last == (
         "encoder 0 workers serving; prefill 1 worker serving, 1 draining; decode 0 workers serving"
     )
-    # The pool keeps the drained worker: asking for 2 finds 1 serving and says why.
-    argv = ("scale", "--role", "prefill", "--replicas", "2", "--timeout", "0.5")
+    # The pool keeps the drained worker: asking for 2 finds 1 serving and says why, at
+    # once (it waited the whole timeout, 300 s by default: walkthrough review, s39).
+    argv = ("scale", "--role", "prefill", "--replicas", "2", "--timeout", "60")
+    started = time.monotonic()
     assert await cmd_scale(_args(*argv, "--address", address)) == 1
+    assert time.monotonic() - started < 10
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "prefill: 1 worker serving, 1 draining -> 2 workers"
-    assert out[1] == "prefill: still 1 worker serving, 1 draining after 0s"
-    assert "`epd undrain` it" in out[2]
+    assert out[1].startswith("prefill: 1 worker serving, 1 draining (")
+    assert out[2] == f"  {DRAINED_STAY}" and "`epd undrain` it" in out[2]
     registry.undrain("127.0.0.1:7001")
     assert await cmd_scale(_args(*argv, "--address", address)) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("prefill: 2 workers serving (")
     assert scaled == [2, 2]
+
+
+async def test_only_an_operators_drain_counts_as_drained(
+    admin: tuple[str, Registry, list[int]],
+) -> None:
+    # A retiring worker drains on its way out; one an operator drained stays in its pool.
+    address, registry, _ = admin
+    registry.drain("127.0.0.1:7001")
+    registry.drain("127.0.0.1:7002")
+    registry.retire("prefill-7002")
+    async with channel(address) as ch:
+        stub = admin_service_pb2_grpc.AdminServiceStub(ch)
+        reply = await stub.Status(admin_service_pb2.StatusRequest())
+    assert role_counts(reply)["prefill"] == RoleCount(serving=0, draining=2, drained=1)
 
 
 def test_role_counts_of_a_status_reply() -> None:

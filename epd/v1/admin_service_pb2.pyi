@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "info", "load", "router_in_flight", "seconds_since_heartbeat", "draining", "router_reserved_kv_blocks", "suspect")
+    __slots__ = ("worker_id", "info", "load", "router_in_flight", "seconds_since_heartbeat", "draining", "router_reserved_kv_blocks", "suspect", "drained")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     ROUTER_RESERVED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     info: _registry_service_pb2.WorkerInfo
     load: _registry_service_pb2.WorkerLoad
@@ -25,7 +26,8 @@ class WorkerStatus(_message.Message):
     draining: bool
     router_reserved_kv_blocks: int
     suspect: bool
-    def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[_registry_service_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_registry_service_pb2.WorkerLoad, _Mapping]] = ..., router_in_flight: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ..., router_reserved_kv_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ...) -> None: ...
+    drained: bool
+    def __init__(self, worker_id: _Optional[str] = ..., info: _Optional[_Union[_registry_service_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_registry_service_pb2.WorkerLoad, _Mapping]] = ..., router_in_flight: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ..., router_reserved_kv_blocks: _Optional[int] = ..., suspect: _Optional[bool] = ..., drained: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("role",)
@@ -34,7 +36,7 @@ class StatusRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_registry_service_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "model", "active_requests", "queued_requests", "queued_peak", "admitted_requests", "refused_requests", "requeued_requests", "queue_wait_p50_s", "queue_wait_max_s", "waiting", "refused_registrations")
+    __slots__ = ("workers", "model", "active_requests", "queued_requests", "queued_peak", "admitted_requests", "refused_requests", "requeued_requests", "queue_wait_p50_s", "queue_wait_max_s", "waiting", "refused_registrations", "failed_starts")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +49,7 @@ class StatusResponse(_message.Message):
     QUEUE_WAIT_MAX_S_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_STARTS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     model: str
     active_requests: int
@@ -59,7 +62,8 @@ class StatusResponse(_message.Message):
     queue_wait_max_s: float
     waiting: _containers.RepeatedScalarFieldContainer[str]
     refused_registrations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., queued_peak: _Optional[int] = ..., admitted_requests: _Optional[int] = ..., refused_requests: _Optional[int] = ..., requeued_requests: _Optional[int] = ..., queue_wait_p50_s: _Optional[float] = ..., queue_wait_max_s: _Optional[float] = ..., waiting: _Optional[_Iterable[str]] = ..., refused_registrations: _Optional[_Iterable[str]] = ...) -> None: ...
+    failed_starts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., queued_peak: _Optional[int] = ..., admitted_requests: _Optional[int] = ..., refused_requests: _Optional[int] = ..., requeued_requests: _Optional[int] = ..., queue_wait_p50_s: _Optional[float] = ..., queue_wait_max_s: _Optional[float] = ..., waiting: _Optional[_Iterable[str]] = ..., refused_registrations: _Optional[_Iterable[str]] = ..., failed_starts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("role", "replicas")

@@ -1,0 +1,96 @@
+"""A worker actor whose start raised (Ray does not restart an actor whose creation task
+failed): it leaves its pool, its cause is told (`PoolManager.failures`, which AdminService
+Status, `epd scale`, `epd status` and `epd serve`'s start-up report), and scaling again
+starts another; one that died while starting stays, for Ray to restart. Over the stand-in
+actors of `tests.test_pools` (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import RayActorError
+
+import cluster.pools as pools
+from cluster.deployment import Controller, _Scaler
+from cluster.placement import CpuPlanner
+from cluster.pools import WorkerStartError
+from common.server.credentials import NO_CREDENTIALS
+from tests.test_pools import _manager
+from tests.test_pools import recorded as recorded  # fixture: what the fakes did
+
+CAUSE = "SettingsError: prefill port 127.0.0.1:47220 is in use; set port to a free one"
+RAISED = RayActorError(
+    error_msg="The actor died because of an error raised in its creation task, "
+    f"ray::epd-prefill-1:WorkerActor.__init__() (pid=1, ip=127.0.0.1)\n  File ...\n{CAUSE}",
+    actor_init_failed=True,
+)
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def test_a_worker_whose_start_raised_leaves_its_pool_and_scaling_again_replaces_it(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It stayed a member that never served: `epd scale` to the same size started none, and
+    # only `epd serve`'s console said why (walkthrough review, s39).
+    manager, actors = _manager(recorded)
+    released: list[str] = []
+    monkeypatch.setattr(CpuPlanner, "release", lambda planner, name: released.append(name))
+    await manager.scale("prefill", 1)
+    await manager.scale("prefill", 2)
+    actors.handles[-1].start_error = RAISED
+    await settle()
+    assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-0"]
+    assert manager.failures() == [f"epd-prefill-1 failed to start: {CAUSE}"]
+    assert "kill epd-prefill-1 True" in recorded and released == ["epd-prefill-1"]
+    scaler = _Scaler(SimpleNamespace(pools=manager))  # type: ignore[arg-type]
+    assert await scaler.failed() == manager.failures()  # what Status reports
+    assert await manager.scale("prefill", 2) == 2  # again: another, and the failure is past
+    await settle()
+    assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-0", "epd-prefill-2"]
+    assert manager.failures() == []
+
+
+async def test_a_worker_that_died_while_starting_stays_for_ray_to_restart(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pools, "START_RETRY_S", 0.01)
+    manager, actors = _manager(recorded)
+    await manager.scale("decode", 1)
+    actors.handles[-1].start_error = RayActorError(error_msg="died", actor_init_failed=False)
+    await asyncio.sleep(0.05)
+    actors.handles[-1].start_error = None  # restarted, and up
+    await asyncio.sleep(0.05)
+    assert manager.replicas()["decode"] == 1 and manager.failures() == []
+    assert not [line for line in recorded if line.startswith("kill")]
+    assert not manager._starting  # the watch ended once it started
+
+
+async def test_epd_serve_start_up_ends_at_a_failed_start(recorded: list[str]) -> None:
+    manager, actors = _manager(recorded)
+    await manager.scale("prefill", 2)
+    actors.handles[-1].start_error = RAISED
+    await settle()
+    controller = Controller.__new__(Controller)  # its fields, not its actor's start
+    controller.pools = manager
+    controller.router = SimpleNamespace(registry=SimpleNamespace(refusals={}))
+    controller.router_address = "127.0.0.1:1"
+    controller.credentials = NO_CREDENTIALS
+    with pytest.raises(WorkerStartError, match=f"epd-prefill-1 failed to start: {CAUSE}"):
+        await controller.wait_ready(10)
+
+
+async def test_stop_ends_the_watches_of_workers_still_starting(recorded: list[str]) -> None:
+    manager, actors = _manager(recorded)
+    await manager.scale("encoder", 1)
+    never = asyncio.get_running_loop().create_future()
+    actors.handles[-1].__ray_ready__.fn = lambda: never  # Ray has not placed it
+    await settle()
+    await manager.stop(routers_drained=True)
+    await settle()
+    assert not manager._starting
