@@ -180,17 +180,41 @@ class Controller:
 
     async def progress(self) -> str:
         """How far start-up is, for `epd serve` while it waits: workers registered per
-        pool, then the workers Ray has not placed yet with what they ask for; the others
-        are loading their model."""
+        pool, then the workers Ray has not placed yet with what they ask for, and those up
+        whose calls to a router fail (a TLS handshake, a token it refuses: they cannot
+        register); the others are loading their model."""
         wanted = self.pools.replicas()
         have = self.registered
         short = [f"{role} {have.get(role, 0)}/{n}" for role, n in wanted.items()]
         waiting = await asyncio.to_thread(self.pools.waiting)
         done = sum(min(have.get(role, 0), n) for role, n in wanted.items())
         line = f"{done} of {sum(wanted.values())} workers registered ({', '.join(short)})"
-        if waiting:
-            return "; ".join([line, *waiting])
-        return f"{line}; the rest load their model" if done < sum(wanted.values()) else line
+        if done == sum(wanted.values()):
+            return line
+        unregistered = [role for role, n in wanted.items() if have.get(role, 0) < n]
+        failing = await self._failing(unregistered)
+        if waiting or failing:
+            return "; ".join([line, *waiting, *failing])
+        return f"{line}; the rest load their model"
+
+    async def _failing(self, roles: list[str]) -> list[str]:
+        """ "name cannot register: why" for the workers of `roles` that are up (a second to
+        answer: those still loading do not) and whose calls to a router fail."""
+
+        async def failing(handle: Any) -> tuple[str, ...]:
+            try:
+                async with asyncio.timeout(3.0):
+                    return tuple((await handle.describe.remote()).failing)
+            except Exception:  # loading its model still, or gone
+                return ()
+
+        members = [m for role in roles for m in self.pools.members(role)]
+        said = await asyncio.gather(*(failing(handle) for _, handle in members))
+        who: dict[str, list[str]] = {}  # why -> the workers it stops (one line each why)
+        for (name, _), whys in zip(members, said, strict=True):
+            for why in whys:
+                who.setdefault(why[:300], []).append(name)
+        return [f"{', '.join(names)} cannot register: {why}" for why, names in who.items()]
 
     async def workers(self) -> list[WorkerDescription]:
         """Every live worker actor's description (skips ones that do not answer)."""

@@ -67,6 +67,7 @@ class WorkerDescription:
     name: str  # stable actor name, e.g. "epd-prefill-1"
     address: str  # gRPC address the server listens on and registered
     pid: int  # the actor's process id (changes when Ray restarts it)
+    failing: tuple[str, ...] = ()  # "router: failure" per router its calls last failed on
 
 
 class WorkerActor:
@@ -108,8 +109,10 @@ class WorkerActor:
         return str(getattr(self, "name", "epd-worker"))
 
     async def describe(self) -> WorkerDescription:
-        """Role, name, address and pid of this worker."""
-        return WorkerDescription(self.role, self.name, self.server.address, os.getpid())
+        """Role, name, address, pid and registration failures of this worker."""
+        registrar = self.server.registrar
+        failing = tuple(registrar.failing()) if registrar is not None else ()
+        return WorkerDescription(self.role, self.name, self.server.address, os.getpid(), failing)
 
     async def drain(self, timeout_s: float) -> bool:
         """Finish outstanding work (up to `timeout_s`), then stop the server and exit serving.

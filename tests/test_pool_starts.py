@@ -16,6 +16,7 @@ import cluster.pools as pools
 from cluster.deployment import Controller, _Scaler
 from cluster.placement import CpuPlanner
 from cluster.pools import WorkerStartError
+from cluster.worker import WorkerDescription
 from common.server.credentials import NO_CREDENTIALS
 from tests.test_pools import _manager
 from tests.test_pools import recorded as recorded  # fixture: what the fakes did
@@ -94,3 +95,36 @@ async def test_stop_ends_the_watches_of_workers_still_starting(recorded: list[st
     await manager.stop(routers_drained=True)
     await settle()
     assert not manager._starting
+
+
+async def test_epd_serve_start_up_names_a_worker_that_cannot_register(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "the rest load their model" for 600 s while a worker's every call to the router
+    # failed its TLS handshake; only the worker's log said so (walkthrough review, s39).
+    manager, actors = _manager(recorded)
+    monkeypatch.setattr(manager, "waiting", list)  # Ray placed them all
+    await manager.scale("prefill", 1)
+    await manager.scale("decode", 1)
+    refused = "127.0.0.1:1: UNAVAILABLE: Ssl handshake failed: CERTIFICATE_VERIFY_FAILED"
+
+    async def failing() -> WorkerDescription:
+        return WorkerDescription("prefill", "epd-prefill-0", "addr", 1, (refused,))
+
+    def loading() -> asyncio.Future[WorkerDescription]:  # answers once loaded: not yet
+        return asyncio.get_running_loop().create_future()
+
+    actors.handles[0].describe.fn = failing
+    actors.handles[1].describe.fn = loading
+    await manager.scale("prefill", 2)  # another, failing alike: named on the same line
+    actors.handles[2].describe.fn = failing
+    controller = Controller.__new__(Controller)
+    controller.pools = manager
+    controller.registered = {}
+    progress = await asyncio.wait_for(controller.progress(), 5)
+    assert progress == (
+        "0 of 3 workers registered (encoder 0/0, prefill 0/2, decode 0/1); "
+        f"epd-prefill-0, epd-prefill-1 cannot register: {refused}"
+    )
+    actors.handles[0].describe.fn = actors.handles[2].describe.fn = loading
+    assert (await controller.progress()).endswith("; the rest load their model")

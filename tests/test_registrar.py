@@ -147,8 +147,10 @@ async def test_registrar_waits_for_router_to_appear() -> None:
         await asyncio.sleep(0.2)
         assert registrar.registrations == 0
         assert registrar._task is not None and not registrar._task.done()
+        assert registrar.failing.startswith("UNAVAILABLE: ")  # what `epd serve` tells
         router = await _start_registry(fake, port=port)
         assert await registrar.wait_registered(5) == "w1"
+        assert registrar.failing == ""
     finally:
         await registrar.stop()
         if router is not None:

@@ -101,6 +101,11 @@ class Registrar:
         stale_s = STALE_HEARTBEATS * self.heartbeat_s + self.rpc_timeout_s
         return self.accepted_at is not None and now - self.accepted_at <= stale_s
 
+    @property
+    def failing(self) -> str:
+        """The last failure to register or heartbeat ("" since the router last answered)."""
+        return self._failing
+
     async def stop(self) -> None:
         """Cancel the task and close the channel (idempotent)."""
         task, self._task = self._task, None
@@ -263,6 +268,11 @@ class Registrations:
         """Whether some router known now accepts the worker (`Registrar.accepting`)."""
         now = time.monotonic()
         return any(r.accepting(now) for r in self.registrars)
+
+    def failing(self) -> list[str]:
+        """ "router: failure" for each router known now that last failed the worker's calls
+        (unreachable, a TLS handshake, a token it refuses)."""
+        return [f"{r.router_address}: {r.failing}" for r in self.registrars if r.failing]
 
     async def wait_registered(self, timeout_s: float = 10.0) -> list[str]:
         """The worker id each router known now gave, once they all registered the worker;

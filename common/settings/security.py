@@ -51,8 +51,9 @@ class SecuritySettings:
     tls_key_file: str | None = setting(None, "PEM private key of tls_cert_file")
     tls_ca_file: str | None = setting(
         None,
-        "PEM CA bundle that verifies peers' certificates; with it, services require client "
-        "certificates from each other (mutual TLS); the router's port does not",
+        "PEM CA bundle that verifies peers' certificates (unset: the system's public roots; "
+        "a private CA needs it); with it, services require client certificates from each "
+        "other (mutual TLS); the router's port does not",
     )
     insecure: bool = setting(
         False,
