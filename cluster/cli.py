@@ -32,6 +32,7 @@ from cluster.console import say as _say
 from cluster.generate import build_messages as build_messages
 from cluster.generate import cmd_generate
 from cluster.generate import frame_files as frame_files
+from cluster.hints import failure_hint
 from cluster.serve import cmd_serve
 
 if TYPE_CHECKING:
@@ -86,34 +87,6 @@ def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") 
         default=os.environ.get("EPD_TLS_CA_FILE"),
         metavar="PEM",
         help="dial the router over TLS, verifying it with this CA (default: $EPD_TLS_CA_FILE)",
-    )
-
-
-def _key_hint(args: argparse.Namespace) -> str:
-    """Where the command looked for its key, for an UNAUTHENTICATED answer."""
-    from common.settings.api_keys import (
-        ADMIN_KEY_FILE,
-        API_KEY_VAR,
-        CLIENT_KEY_FILE,
-        NAMESPACE_VAR,
-        env_api_key,
-        key_file,
-    )
-
-    if getattr(args, "api_key", None):
-        return " (the key given with --api-key)"
-    if env_api_key():
-        return f" (the key in ${API_KEY_VAR})"
-    path = key_file(CLIENT_KEY_FILE if args.command == "generate" else ADMIN_KEY_FILE)
-    if not path.exists():  # "read X" suggested a file that was read (serve writes none
-        # when given a keys file)
-        return (
-            f" (no --api-key or ${API_KEY_VAR}, and no key file at {path}: give --api-key, "
-            f"or set ${NAMESPACE_VAR} to another namespace's `epd serve`)"
-        )
-    return (
-        f" (no --api-key or ${API_KEY_VAR}; read {path}: set ${NAMESPACE_VAR} for another "
-        "namespace's `epd serve`)"
     )
 
 
@@ -334,12 +307,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epd.client import GenerateError
 
         if isinstance(exc, grpc.aio.AioRpcError):
-            hint = _key_hint(args) if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
+            hint = failure_hint(args, exc.code(), exc.details() or "")
             parser.exit(
                 1, f"epd: {args.command} failed: {exc.code().name}: {exc.details()}{hint}\n"
             )
         if isinstance(exc, GenerateError):
-            hint = _key_hint(args) if exc.code == grpc.StatusCode.UNAUTHENTICATED else ""
+            hint = failure_hint(args, exc.code, str(exc))
             parser.exit(1, f"epd: {args.command} failed: {exc}{hint}\n")
         if isinstance(exc, OSError):  # a file it names (--tls-ca-file, an image) unreadable
             parser.exit(1, f"epd: {args.command} failed: {exc}\n")

@@ -7,6 +7,7 @@ port, are refused.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import ipaddress
@@ -163,3 +164,18 @@ async def test_a_bad_certificate_or_key_is_named_not_blamed_on_the_port(tmp_path
     ):
         with pytest.raises(SettingsError, match=named):
             bad.tls_files()
+
+
+async def test_epd_commands_without_the_ca_are_told_to_give_it(
+    tls: TlsDeployment, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "UNAVAILABLE: ... Socket closed" said nothing of TLS (walkthrough review, s39).
+    from cluster.cli import main
+
+    monkeypatch.delenv("EPD_TLS_CA_FILE", raising=False)
+    argv = ["status", "--address", tls.router.address, "--api-key", ADMIN_KEY]
+    with pytest.raises(SystemExit) as exc:
+        await asyncio.to_thread(main, argv)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "give --tls-ca-file" in err, err

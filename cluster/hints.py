@@ -1,0 +1,47 @@
+"""What the `epd` commands suggest when a call to the router fails: where they looked for
+the key (UNAUTHENTICATED), or TLS (a router serving TLS closes a plaintext connection)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def failure_hint(args: argparse.Namespace, code: Any, details: str) -> str:
+    """What to try, for a call that failed with `code`: the key (UNAUTHENTICATED), or TLS (a
+    router serving TLS closes a plaintext connection: "Socket closed")."""
+    import grpc
+
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return _key_hint(args)
+    if code == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details and not args.tls_ca_file:
+        return " (a router serving TLS closes plaintext connections: give --tls-ca-file)"
+    return ""
+
+
+def _key_hint(args: argparse.Namespace) -> str:
+    """Where the command looked for its key, for an UNAUTHENTICATED answer."""
+    from common.settings.api_keys import (
+        ADMIN_KEY_FILE,
+        API_KEY_VAR,
+        CLIENT_KEY_FILE,
+        NAMESPACE_VAR,
+        env_api_key,
+        key_file,
+    )
+
+    if getattr(args, "api_key", None):
+        return " (the key given with --api-key)"
+    if env_api_key():
+        return f" (the key in ${API_KEY_VAR})"
+    path = key_file(CLIENT_KEY_FILE if args.command == "generate" else ADMIN_KEY_FILE)
+    if not path.exists():  # "read X" suggested a file that was read (serve writes none
+        # when given a keys file)
+        return (
+            f" (no --api-key or ${API_KEY_VAR}, and no key file at {path}: give --api-key, "
+            f"or set ${NAMESPACE_VAR} to another namespace's `epd serve`)"
+        )
+    return (
+        f" (no --api-key or ${API_KEY_VAR}; read {path}: set ${NAMESPACE_VAR} for another "
+        "namespace's `epd serve`)"
+    )
