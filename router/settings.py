@@ -170,8 +170,8 @@ class RouterSettings(ServerSettings):
     )
     http_media_dir: str | None = setting(
         None,
-        "folder whose files HTTP requests may name as media (a path or file:// URL inside it; "
-        "None: local files are refused)",
+        "folder whose files HTTP requests may name as media (a path inside it, absolute or "
+        "relative to it, or a file:// URL; None: local files are refused)",
     )
     http_fetch_urls: bool = setting(
         False,

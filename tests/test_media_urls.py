@@ -37,6 +37,17 @@ def test_media_urls_are_refused_unless_allowed(tmp_path: Path) -> None:
     assert str(tmp_path) not in str(err.value)
     with pytest.raises(FieldError, match="non-public"):  # resolved, then refused
         load("https://localhost/cat.png", "f", MediaPolicy(fetch_urls=True))
+    # A relative path is inside the folder (it was refused as "expected a data URL":
+    # walkthrough review, s39), and never out of it; without a folder, it is no URL.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "dog.png").write_bytes(b"dog")
+    assert load("cat.png", "f", allowed) == b"png"
+    assert load("sub/dog.png", "f", allowed) == load("sub/../sub/dog.png", "f", allowed)
+    for outside in ("../cat.png", "sub/../../cat.png"):
+        with pytest.raises(FieldError, match="no such file under http_media_dir"):
+            load(outside, "f", allowed)
+    with pytest.raises(FieldError, match="expected a data URL"):
+        load("cat.png", "f", MediaPolicy())
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,8 @@ def _load(url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool]) -
         if parsed.netloc.lower() not in ("", "localhost"):  # RFC 8089: a file elsewhere
             raise FieldError(field, "names a file on another host (file:///path is local)")
         return _local(urllib.parse.unquote(parsed.path), field, policy)
+    if not parsed.scheme and policy.media_dir is not None:  # a path relative to the folder
+        return _local(str(policy.media_dir / urllib.parse.unquote(parsed.path)), field, policy)
     raise FieldError(field, "expected a data URL (data:<mime>;base64,...)")
 
 
