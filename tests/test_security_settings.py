@@ -338,7 +338,7 @@ def test_epd_serve_writes_the_deployments_keys(
         ('[[keys]]\nkey = "short"\ntenant = "t"\n', r"keys\[0\]\.key"),
         ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = ""\n', r"keys\[0\]\.tenant"),
         ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\nadmin = 1\n', "admin"),
-        ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\nrole = "x"\n', "only"),
+        ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\nadmn = true\n', r"\.admn: unknown"),
         ('[[keys]]\nkey = "a-long-enough-key-1"\ntenant = "t"\n' * 2, "twice"),
         # A client's bearer secret is stripped: a stored key with spaces never matched.
         ('[[keys]]\nkey = " a-long-enough-key-1"\ntenant = "t"\n', r"keys\[0\]\.key.*spaces"),

@@ -88,8 +88,13 @@ def load_api_keys(path: str | Path) -> tuple[ApiKey, ...]:
     keys: list[ApiKey] = []
     for i, entry in enumerate(entries):
         at = f"{where}: keys[{i}]"
-        if not isinstance(entry, dict) or set(entry) - {"key", "tenant", "admin", "cache_epoch"}:
-            raise SettingsError(f"{at}: expected only key, tenant, admin and cache_epoch")
+        if not isinstance(entry, dict):
+            raise SettingsError(f"{at}: expected a table of key, tenant, admin and cache_epoch")
+        unknown = sorted(set(entry) - {"key", "tenant", "admin", "cache_epoch"})
+        if unknown:  # a typo (`admn`) is named, with what is expected
+            raise SettingsError(
+                f"{at}.{unknown[0]}: unknown; expected only key, tenant, admin and cache_epoch"
+            )
         key, tenant, admin = entry.get("key"), entry.get("tenant"), entry.get("admin", False)
         epoch = entry.get("cache_epoch", "")
         if not isinstance(key, str) or len(key) < MIN_KEY_CHARS:
