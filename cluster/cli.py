@@ -233,7 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     action.add_argument(
         "--print-defaults", action="store_true", help="every setting with its default (TOML)"
     )
-    action.add_argument("--check", metavar="FILE.toml", help="load FILE and report errors")
+    action.add_argument(
+        "--check",
+        metavar="FILE.toml",
+        help="load FILE and report errors (reading the files it names: token, keys, TLS)",
+    )
     action.add_argument(
         "--markdown", action="store_true", help="the reference table of docs/config.md"
     )
@@ -301,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"epd: error: {exc}\n")
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (`epd status | head -1`): nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
+        return 1
     except Exception as exc:
         import grpc
 

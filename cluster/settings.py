@@ -81,8 +81,8 @@ class PoolSettings:
     routers: int = setting(
         1,
         "routers `epd serve` starts (in its controller actor), each with its own registry; "
-        "ports consecutive from router.port and router.http_port (0: each a free one); every "
-        "worker registers with all of them",
+        "ports consecutive from router.port, router.http_port and router.metrics_port (0: "
+        "each a free one); every worker registers with all of them",
     )
 
     def gpus_per_worker(self, cluster_gpus: float) -> float:

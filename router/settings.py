@@ -131,7 +131,7 @@ class RouterSettings(ServerSettings):
     )
     video_file_fps: float = setting(
         2.0,
-        "frames per second a video file is sampled at when the request gives none (fps 0); "
+        "frames per second a video file is sampled at when the request gives no fps; "
         "at most max_video_frames, spread over the video when more (the processor then "
         "samples those frames as any frame list)",
     )
