@@ -212,6 +212,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         _say(f"waiting: {line}")
     for line in reply.failed_starts:  # started by the deployment, out of its pool since
         _say(f"failed: {line}")
+    for line in reply.dropped_workers:  # not in the table: silent past the timeout
+        _say(f"dropped: {line}")
     for line in reply.refused_registrations:  # not in the table: the router refused them
         _say(f"refused: {line}")
     return 0

@@ -63,7 +63,8 @@ Worker columns:
 Then a line counting each role as `epd scale` does (serving workers, draining ones apart),
 a `waiting:` line per worker the deployment started that its cluster has not placed yet, a
 `failed:` line per worker whose start raised since its pool was last scaled (it left the
-pool), and a `refused:` line per worker whose registration the router refused, with why."""
+pool), a `dropped:` line per worker the router dropped lately for its silence (until it
+registers again), and a `refused:` line per worker whose registration the router refused."""
 
 
 def _router_flag(parser: argparse.ArgumentParser, key_file: str = "client_key") -> None:

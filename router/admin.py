@@ -10,6 +10,7 @@ which Status reports.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
@@ -20,6 +21,7 @@ from common.wire.roles import role_from_proto
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
 from router.admission import Admission
 from router.registry import Registry
+from router.workers import WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,44 @@ logger = logging.getLogger(__name__)
 Scaler = Callable[[Role, int], Awaitable[int]]
 
 NO_SCALER = "scaling needs `epd serve` on Ray"
+MAX_DROPPED = 16  # workers `Dropped` keeps
+DROPPED_FOR_S = 3600.0  # seconds it keeps each
+
+
+class Dropped:
+    """The workers `registry` dropped lately for their silence (not those that drained and
+    left, nor one a namesake replaced), until one of that role and name registers again:
+    Status lists them, as the table of registered workers cannot (which worker went quiet
+    was in the router's log alone: walkthrough review, s39)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        # (role, name) -> (address, seconds silent, when dropped), the oldest first
+        self._dropped: OrderedDict[tuple[str, str], tuple[str, float, float]] = OrderedDict()
+        registry.on_expire.append(self._note)
+        registry.on_register.append(self._back)
+
+    def _note(self, record: WorkerRecord) -> None:
+        if record.draining:  # it left as asked (a scale-down, a stop, `epd drain`)
+            return
+        key = (str(record.role), record.name)
+        now = self.registry.clock()
+        self._dropped[key] = (record.address, self.registry.seconds_since(record), now)
+        self._dropped.move_to_end(key)
+        while len(self._dropped) > MAX_DROPPED:
+            self._dropped.popitem(last=False)
+
+    def _back(self, record: WorkerRecord) -> None:
+        self._dropped.pop((str(record.role), record.name), None)
+
+    def lines(self) -> list[str]:
+        now = self.registry.clock()
+        return [
+            f"{role} {name} {address}: no heartbeat for {silent:.1f} s, dropped "
+            f"{now - when:.0f} s ago"
+            for (role, name), (address, silent, when) in self._dropped.items()
+            if now - when <= DROPPED_FOR_S
+        ]
 
 
 class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
@@ -42,6 +82,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         requests: Callable[[], int] | None = None,
     ) -> None:
         self.registry = registry
+        self.dropped = Dropped(registry)
         self.scaler = scaler
         self.admission = admission
         # Requests in the router, arrival to end (None: its calls on workers are counted,
@@ -81,6 +122,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         response.refused_registrations.extend(
             f"{address}: {why}" for address, why in self.registry.refusals.recent()
         )
+        response.dropped_workers.extend(self.dropped.lines())
         for w in self.registry.workers(role):
             response.workers.add(
                 worker_id=w.worker_id,

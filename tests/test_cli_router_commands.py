@@ -66,6 +66,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
             waiting=["epd-decode-1 waits for Ray resources: asks CPU 4"],
             refused_registrations=["127.0.0.1:9: encoder worker serves model 'other'"],
             failed_starts=self.failed,
+            dropped_workers=["decode w-3-1 127.0.0.1:7031: no heartbeat for 5 s, dropped 9 s ago"],
         )
         for role, n in self.sizes.items():
             for i in range(n):
@@ -180,13 +181,14 @@ async def test_status_lists_every_worker(
         "STATE",
     ]
     # After the counts line: what the table cannot show (a worker waiting to be placed, one
-    # whose start failed, one the router refused and so never listed).
-    assert out[-3:] == [
+    # whose start failed, one gone silent, one the router refused and so never listed).
+    assert out[-4:] == [
         "waiting: epd-decode-1 waits for Ray resources: asks CPU 4",
         "failed: epd-encoder-3 failed to start: SettingsError: port 9 is in use",
+        "dropped: decode w-3-1 127.0.0.1:7031: no heartbeat for 5 s, dropped 9 s ago",
         "refused: 127.0.0.1:9: encoder worker serves model 'other'",
     ]
-    rows = [line.split() for line in out[2:-4]]
+    rows = [line.split() for line in out[2:-5]]
     assert [r[0] for r in rows] == ["encoder", "prefill", "decode"]
     assert rows[0][5] == "-"  # encoders have no KV blocks
     assert rows[1][:6] == ["prefill", "w-2-0", "127.0.0.1:7020", "1", "1", "3/61"]

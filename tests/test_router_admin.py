@@ -109,3 +109,34 @@ async def test_status_counts_requests_not_their_calls_on_workers() -> None:
     reply = await servicer.Status(admin_service_pb2.StatusRequest(), None)
     assert reply.active_requests == 1
     assert AdminServicer(registry).registry.active_requests == 2  # what it said before
+
+
+async def test_status_names_the_workers_dropped_for_their_silence() -> None:
+    # A frozen or dead worker left the table without a word: which one, only the router's
+    # log said (walkthrough review, s39). One that drained and left is no news.
+    from router.admin import DROPPED_FOR_S, AdminServicer
+    from router.registry import Registry
+    from tests.registry_helpers import info
+
+    now = [100.0]
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=lambda: now[0])
+    servicer = AdminServicer(registry)
+    silent = info(Role.DECODE, 7001)
+    registry.register(silent)
+    leaving = registry.register(info(Role.PREFILL, 7002))
+    registry.drain(leaving.address)
+    now[0] += 5.0
+    registry.expire()
+    now[0] += 2.0
+    reply = await servicer.Status(admin_service_pb2.StatusRequest(), None)
+    assert list(reply.dropped_workers) == [
+        f"decode {silent.name} {silent.address}: no heartbeat for 5.0 s, dropped 2 s ago"
+    ]
+    registry.register(silent)  # back (SIGCONT, a restart under its name)
+    reply = await servicer.Status(admin_service_pb2.StatusRequest(), None)
+    assert list(reply.dropped_workers) == []
+    now[0] += 5.0
+    registry.expire()
+    now[0] += DROPPED_FOR_S + 1  # long ago: no longer news
+    reply = await servicer.Status(admin_service_pb2.StatusRequest(), None)
+    assert list(reply.dropped_workers) == []

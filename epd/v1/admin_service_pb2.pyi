@@ -36,7 +36,7 @@ class StatusRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_registry_service_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("workers", "model", "active_requests", "queued_requests", "queued_peak", "admitted_requests", "refused_requests", "requeued_requests", "queue_wait_p50_s", "queue_wait_max_s", "waiting", "refused_registrations", "failed_starts")
+    __slots__ = ("workers", "model", "active_requests", "queued_requests", "queued_peak", "admitted_requests", "refused_requests", "requeued_requests", "queue_wait_p50_s", "queue_wait_max_s", "waiting", "refused_registrations", "failed_starts", "dropped_workers")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class StatusResponse(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     REFUSED_REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
     FAILED_STARTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     model: str
     active_requests: int
@@ -63,7 +64,8 @@ class StatusResponse(_message.Message):
     waiting: _containers.RepeatedScalarFieldContainer[str]
     refused_registrations: _containers.RepeatedScalarFieldContainer[str]
     failed_starts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., queued_peak: _Optional[int] = ..., admitted_requests: _Optional[int] = ..., refused_requests: _Optional[int] = ..., requeued_requests: _Optional[int] = ..., queue_wait_p50_s: _Optional[float] = ..., queue_wait_max_s: _Optional[float] = ..., waiting: _Optional[_Iterable[str]] = ..., refused_registrations: _Optional[_Iterable[str]] = ..., failed_starts: _Optional[_Iterable[str]] = ...) -> None: ...
+    dropped_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., queued_peak: _Optional[int] = ..., admitted_requests: _Optional[int] = ..., refused_requests: _Optional[int] = ..., requeued_requests: _Optional[int] = ..., queue_wait_p50_s: _Optional[float] = ..., queue_wait_max_s: _Optional[float] = ..., waiting: _Optional[_Iterable[str]] = ..., refused_registrations: _Optional[_Iterable[str]] = ..., failed_starts: _Optional[_Iterable[str]] = ..., dropped_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("role", "replicas")
