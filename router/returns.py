@@ -87,9 +87,12 @@ class Returns:
         registry.on_register.append(self._arrival)
 
     def _arrival(self, record: WorkerRecord) -> None:
-        """A worker registered: wake every waiter; later ones wait for the next."""
+        """A worker registered: wake every waiter; later ones wait for the next. Its role's
+        loss is over: were the role emptied on purpose later (a scale to 0), requests must
+        not wait for a return (they waited `max_wait_s` each: raypools review, s39)."""
         self._arrived.set()
         self._arrived = asyncio.Event()
+        self.lost.pop(record.role, None)
 
     def _lost(self, record: WorkerRecord) -> None:
         if not record.draining and self.registry is not None:  # a drained one left on purpose

@@ -57,6 +57,15 @@ def test_a_role_is_restarting_only_when_it_lost_a_worker_lately(registry, clock:
     registry.expire()
     assert not returns.restarting(Role.PREFILL)  # it left on purpose
     assert gone.address != back.address
+    # Lost, back under its name, then retired (a scale to 0): nothing to wait for.
+    lost = registry.register(info(Role.ENCODER, 6))
+    clock.now += registry.worker_timeout_s + 1
+    registry.expire()
+    again = registry.register(info(Role.ENCODER, 7))
+    registry.drain(again.address)
+    clock.now += registry.worker_timeout_s + 1
+    registry.expire()
+    assert not returns.restarting(Role.ENCODER) and lost.role == Role.ENCODER
 
 
 def test_a_suspect_worker_counts_as_gone_only_once_it_is_silent(registry, clock: Clock) -> None:
