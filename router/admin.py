@@ -131,7 +131,7 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
                 router_in_flight=w.in_flight,
                 seconds_since_heartbeat=self.registry.seconds_since(w),
                 draining=w.draining,
-                drained=self.registry.drained_by_operator(w.name) and not w.retiring,
+                drained=w.operator_drained,
                 suspect=w.suspect,
                 router_reserved_kv_blocks=(
                     self.admission.reserved(w.address) if self.admission is not None else 0

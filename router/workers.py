@@ -32,9 +32,9 @@ class NoWorkerError(Exception):
         # role's registered ones; an operator's drain apart from a stop or a retirement, which
         # undrain cannot undo): clients saw only "no worker", though `epd status` listed them.
         why = f" ({refused} refused at registration: `epd status` says why)" if refused else ""
-        if drained := sum(w.drain_requested for w in workers if w.draining):
+        if drained := sum(w.operator_drained for w in workers):
             why += f" ({drained} drained: `epd undrain` takes it back)"
-        if leaving := sum(not w.drain_requested for w in workers if w.draining):
+        if leaving := sum(w.draining and not w.operator_drained for w in workers):
             why += f" ({leaving} stopping or retired)"
         super().__init__(f"no {role} worker is registered and available{why}")
         self.role = role
@@ -209,6 +209,13 @@ class WorkerRecord:
         """No new work: the worker reported draining, an operator asked for it, or the
         deployment retires it."""
         return self.drain_requested or self.retiring or self.load.draining
+
+    @property
+    def operator_drained(self) -> bool:
+        """Draining only as an operator asked (AdminService.Drain), which Undrain takes back:
+        not a worker the deployment retires (its scale-down asks for a drain too) nor one
+        draining itself (stopping)."""
+        return self.drain_requested and not (self.retiring or self.load.draining)
 
     @property
     def load_estimate(self) -> int:

@@ -81,6 +81,11 @@ def test_a_request_without_a_worker_says_how_many_drain(registry: Registry) -> N
     registry.retire(worker.name)
     with pytest.raises(NoWorkerError, match=r"available \(1 stopping or retired\)$"):
         registry.pick(Role.DECODE)
+    # A retirement asks every router for a drain too: still not the operator's (it said
+    # "1 drained: `epd undrain` takes it back", and undrain refused: raypools review, s39).
+    registry.drain(worker.address)
+    with pytest.raises(NoWorkerError, match=r"available \(1 stopping or retired\)$"):
+        registry.pick(Role.DECODE)
 
 
 def test_a_worker_whose_call_failed_is_picked_last_until_it_heartbeats(
