@@ -342,13 +342,17 @@ class Deployment:
         until then, `on_wait` gets a progress line (`Controller.progress`)."""
         ready = asyncio.ensure_future(self.controller.wait_ready.remote(timeout_s))
         started = time.monotonic()
-        while True:
-            done, _ = await asyncio.wait({ready}, timeout=WAIT_REPORT_S)
-            if done:
-                return dict(ready.result())
-            with contextlib.suppress(Exception):
-                progress = await self.controller.progress.remote()
-                on_wait(f"still waiting ({time.monotonic() - started:.0f}s): {progress}")
+        try:
+            while True:
+                done, _ = await asyncio.wait({ready}, timeout=WAIT_REPORT_S)
+                if done:
+                    return dict(ready.result())
+                with contextlib.suppress(Exception):
+                    progress = await self.controller.progress.remote()
+                    on_wait(f"still waiting ({time.monotonic() - started:.0f}s): {progress}")
+        finally:  # stopped meanwhile: its outcome is no news (a traceback at exit: raypools)
+            ready.cancel()
+            ready.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def workers(self) -> list[WorkerDescription]:
         """Every worker actor's description."""

@@ -7,6 +7,7 @@ actors of `tests.test_pools` (no Ray)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -128,3 +129,31 @@ async def test_epd_serve_start_up_names_a_worker_that_cannot_register(
     )
     actors.handles[0].describe.fn = actors.handles[2].describe.fn = loading
     assert (await controller.progress()).endswith("; the rest load their model")
+
+
+async def test_epd_serve_stopped_while_waiting_leaves_no_unretrieved_failure() -> None:
+    # Stopped during start-up, the controller's wait failed later, unread: asyncio printed
+    # "Task exception was never retrieved" with a worker's "failed to start" (raypools
+    # review, s39), as though one had.
+    from cluster.deployment import Deployment
+
+    unretrieved: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
+
+    async def fails_later() -> dict[str, int]:
+        await asyncio.sleep(0.2)
+        raise WorkerStartError("epd-encoder-0 failed to start: cancelled before it ran")
+
+    deployment = Deployment.__new__(Deployment)  # its fields, not Ray's
+    deployment.controller = SimpleNamespace(
+        wait_ready=SimpleNamespace(remote=lambda timeout_s: fails_later())
+    )
+    waiting = asyncio.ensure_future(deployment.wait_ready(10))
+    await asyncio.sleep(0.05)
+    waiting.cancel()  # SIGTERM
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.sleep(0.3)
+    gc.collect()
+    await asyncio.sleep(0)
+    assert unretrieved == []
