@@ -262,8 +262,9 @@ class PoolManager:
             for m in pool.members:
                 short = any(v > free.get(k, 0.0) for k, v in m.request.items())
                 if m.name in pending and short:
-                    asks = ", ".join(_amount(k, v) for k, v in m.request.items() if v)
-                    has = ", ".join(_amount(k, free.get(k, 0.0)) for k in m.request)
+                    asked = {k: v for k, v in m.request.items() if v}  # not a GPU it needs not
+                    asks = ", ".join(_amount(k, v) for k, v in asked.items())
+                    has = ", ".join(_amount(k, free.get(k, 0.0)) for k in asked)
                     lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
         return lines
 

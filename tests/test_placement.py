@@ -157,11 +157,11 @@ async def test_waiting_names_the_workers_ray_cannot_place(monkeypatch: pytest.Mo
     monkeypatch.setattr(pools, "pending_actor_names", lambda: {"epd-encoder-0", "epd-decode-0"})
     gib = float(1 << 30)
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 1.0, "memory": gib})
-    assert manager.waiting() == [
+    assert manager.waiting() == [  # no "GPU 0" free for a worker that asks for none
         "epd-encoder-0 waits for Ray resources: asks CPU 2, memory 448 MiB; "
-        "free: CPU 1, GPU 0, memory 1024 MiB",
+        "free: CPU 1, memory 1024 MiB",
         "epd-decode-0 waits for Ray resources: asks CPU 4, memory 448 MiB; "
-        "free: CPU 1, GPU 0, memory 1024 MiB",
+        "free: CPU 1, memory 1024 MiB",
     ]
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 2.0, "memory": gib})
     assert [line.split()[0] for line in manager.waiting()] == ["epd-decode-0"]  # 2 CPUs fit
