@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,6 +36,7 @@ class FakeServer:
     log: list[str]
     address: str = "127.0.0.1:4242"
     leases: int = 2  # leases held for peers
+    registrar: Any = None  # registrations (none: it registers with no router)
 
     def outstanding_leases(self) -> int:
         return self.leases
@@ -74,6 +76,10 @@ async def test_worker_actor_serves_and_describes_itself(monkeypatch: pytest.Monk
     assert SERVED[-1].settings.host == "127.0.0.1"  # its node's IP: no host was given
     description = await actor.describe()
     assert dataclasses.astuple(description)[:3] == ("prefill", "epd-prefill-0", "127.0.0.1:4242")
+    assert description.failing == ()  # no router to fail on
+    refused = "127.0.0.1:1: UNAUTHENTICATED: bad cluster token"
+    SERVED[-1].registrar = SimpleNamespace(failing=lambda: [refused])
+    assert (await actor.describe()).failing == (refused,)  # what `epd serve` says of it
 
 
 async def test_worker_drain_waits_for_leases_then_drains_then_stops(
