@@ -30,6 +30,12 @@ if TYPE_CHECKING:  # admission imports this module
     from router.admission import Admission
 
 
+def kv_roles(max_tokens: int) -> tuple[Role, ...]:
+    """The KV roles a request of `max_tokens` needs a worker of: a one-token answer is the
+    prefill worker's alone, and is served while no decode worker is up."""
+    return KV_ROLES if max_tokens > 1 else (Role.PREFILL,)
+
+
 @dataclass(frozen=True, slots=True)
 class Need:
     """What one request holds on each KV role's worker."""
@@ -42,9 +48,8 @@ class Need:
 
     @property
     def roles(self) -> tuple[Role, ...]:
-        """The KV roles whose worker the request is placed on: a one-token answer is the
-        prefill worker's alone, and is served while no decode worker is up."""
-        return KV_ROLES if self.max_tokens > 1 else (Role.PREFILL,)
+        """The KV roles whose worker the request is placed on (`kv_roles`)."""
+        return kv_roles(self.max_tokens)
 
     def blocks(self, role: Role) -> int:
         """KV blocks the request holds on a worker of `role` (see the module docstring)."""

@@ -15,13 +15,13 @@ the router drains. Then it goes on as before: served, or refused UNAVAILABLE nam
 role. A role that never had a worker, or lost its last one longer ago, is not restarting:
 its requests fail at once, as before; except in a router's first `STARTUP_S`, when its
 workers (restarted with it, or still registered with the process it replaced) are still to
-register. Every request waits for prefill and decode, and one
-with media items for an encoder as well (before, every image request failed at once
-through an encoder's 5 s restart), before admission: a waiting request holds no KV
-reservation. One whose items the caches hold waits for the encoder too (whether it needs
-one is known only once a prefill worker is chosen); only while no encoder is left. Requests
-already running on the worker that died are not held (their calls fail; a decode stream
-resumes where another is).
+register. Every request waits for prefill and decode (a one-token answer for prefill
+alone: `kv_roles`), and one with media items for an encoder as well (before, every image
+request failed at once through an encoder's 5 s restart), before admission: a waiting
+request holds no KV reservation. One whose items the caches hold waits for the encoder
+too (whether it needs one is known only once a prefill worker is chosen); only while no
+encoder is left. Requests already running on the worker that died are not held (their
+calls fail; a decode stream resumes where another is).
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from common.roles import KV_ROLES, Role
+from common.roles import Role
+from router.admission_need import kv_roles
 from router.registry import Registry
 
 if TYPE_CHECKING:
-    from router.calls import WorkerCalls
+    from router.calls import Job, WorkerCalls
 from router.workers import WorkerRecord
 
 RESTART_WINDOW_S = 120.0  # a role that lost its last worker this recently is restarting
@@ -48,9 +49,11 @@ DEADLINE_MARGIN_S = 1.0  # a request stops waiting this long before its deadline
 SILENT_HEARTBEATS = 2  # a suspect worker silent for this many intervals: gone, not wedged
 
 
-def needed(media: bool) -> tuple[Role, ...]:
-    """The roles a request waits for: prefill and decode, and an encoder if it has `media`."""
-    return (*KV_ROLES, Role.ENCODER) if media else KV_ROLES
+def needed(job: Job) -> tuple[Role, ...]:
+    """The roles `job` waits for: prefill, decode unless its answer is one token
+    (`kv_roles`), and an encoder if it has media items."""
+    kv = kv_roles(job.sampling.max_tokens)
+    return (*kv, Role.ENCODER) if job.prompt.params.items else kv
 
 
 class Returns:

@@ -227,7 +227,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     prompt_field="prompt" if request.HasField("prompt") else "messages",
                     default_length=fit_max_tokens or not request.sampling.max_tokens,
                 )
-                await self.returns.wait(needed(bool(prompt.params.items)), deadline)
+                await self.returns.wait(needed(job), deadline)
                 answer = self.orchestrator.run(job)
                 if request.stop:  # its own detokenizer, made only when there is a stop string
                     detok = IncrementalDetokenizer.of_answer(self.processor, sampling, resumed)

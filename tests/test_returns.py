@@ -232,6 +232,10 @@ async def test_a_request_waits_for_the_decode_worker_that_restarts(ckpt) -> None
         )
         await asyncio.sleep(0.5)
         assert not answer.done()  # waiting, not failed UNAVAILABLE at once
+        # One token is prefill's alone: served at once (it waited for decode: ownfixG, s39).
+        started = time.monotonic()
+        one = await cluster.client.generate_text(TEXT, SamplingParams(max_tokens=1))
+        assert one.token_ids == [FIRST] and time.monotonic() - started < 1.0
         await cluster.add(Role.DECODE, FakeDecode())  # back, on another port
         result = await asyncio.wait_for(answer, 10)
         assert result.token_ids == [FIRST, 101, 102]
