@@ -88,11 +88,12 @@ class Controller:
         self.settings = settings
         self.registered: dict[str, int] = {}  # per role, as `wait_ready` last counted
         router_module = importlib.import_module(SERVER_MODULES["router"])
-        self.router = await router_module.serve(settings.router, scaler=_Scaler(self))
+        scaler = _Scaler(self)  # every router's: each tells what waits and what failed
+        self.router = await router_module.serve(settings.router, scaler=scaler)
         self.router_address = reachable_address(self.router.address)
         # `pools.routers` > 1: more routers here, each its own registry; workers join all.
         self.more_routers = [
-            await router_module.serve(settings.router.nth(i), scaler=self._scale)
+            await router_module.serve(settings.router.nth(i), scaler=scaler)
             for i in range(1, settings.pools.routers)
         ]
         freeze_startup_heap()  # the routers' processors, registries and settings
