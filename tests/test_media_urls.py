@@ -46,8 +46,12 @@ def test_media_urls_are_refused_unless_allowed(tmp_path: Path) -> None:
     for outside in ("../cat.png", "sub/../../cat.png"):
         with pytest.raises(FieldError, match="no such file under http_media_dir"):
             load(outside, "f", allowed)
+    assert load("file:sub/dog.png", "f", allowed) == b"dog"  # the folder's, not the cwd's
+    for nothing in ("cat.png", ""):
+        with pytest.raises(FieldError, match="expected a data URL"):
+            load(nothing, "f", MediaPolicy())
     with pytest.raises(FieldError, match="expected a data URL"):
-        load("cat.png", "f", MediaPolicy())
+        load("", "f", allowed)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Media URLs of HTTP requests -> file bytes, under the router's settings.
 
     data:<mime>;base64,<payload>   always (the payload is the file)
-    /path or file:///path          only inside `[router] http_media_dir` (default: refused)
+    /path or file:///path          only inside `[router] http_media_dir` (default: refused);
+    path, file:path                a path relative to that folder, inside it
     https://host/...               only with `[router] http_fetch_urls` (default: off); the
                                    host's addresses are resolved once and every one must be
                                    public (private, loopback, link-local, reserved: refused;
@@ -75,12 +76,14 @@ def _load(url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool]) -
         if parsed.scheme != "https":
             raise FieldError(field, "only https URLs are fetched")
         return _fetch(parsed, field, policy, gone)
-    if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
+    bare = not parsed.scheme and bool(url)  # a path: absolute, or with a folder, relative
+    if parsed.scheme == "file" or (bare and (url.startswith("/") or policy.media_dir)):
         if parsed.netloc.lower() not in ("", "localhost"):  # RFC 8089: a file elsewhere
             raise FieldError(field, "names a file on another host (file:///path is local)")
-        return _local(urllib.parse.unquote(parsed.path), field, policy)
-    if not parsed.scheme and policy.media_dir is not None:  # a path relative to the folder
-        return _local(str(policy.media_dir / urllib.parse.unquote(parsed.path)), field, policy)
+        local = urllib.parse.unquote(parsed.path)
+        if policy.media_dir is not None and not local.startswith("/"):  # inside the folder
+            local = str(policy.media_dir / local)
+        return _local(local, field, policy)
     raise FieldError(field, "expected a data URL (data:<mime>;base64,...)")
 
 
