@@ -144,8 +144,8 @@ async def cmd_scale(args: argparse.Namespace) -> int:
                 return 1
             if time.monotonic() - t0 > args.timeout:
                 _say(f"{args.role}: still {_counted(now)} after {args.timeout:.0f}s")
-                if now.drained:
-                    _say(f"  {DRAINED_STAY}")
+                if now.drained or now.draining:  # a router from before `drained` tells none
+                    _say(f"  {DRAINED_STAY}" + ("" if now.drained else " (if one is)"))
                 return 1
             await asyncio.sleep(0.2)
 

@@ -14,8 +14,9 @@ def failure_hint(args: argparse.Namespace, code: Any, details: str) -> str:
 
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return _key_hint(args)
-    if code == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details and not args.tls_ca_file:
-        return " (a router serving TLS closes plaintext connections: give --tls-ca-file)"
+    plaintext = getattr(args, "tls_ca_file", None) is None  # `serve` and `config` have none
+    if code == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details and plaintext:
+        return " (if the router serves TLS, it closes plaintext connections: give --tls-ca-file)"
     return ""
 
 

@@ -179,3 +179,17 @@ async def test_epd_commands_without_the_ca_are_told_to_give_it(
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert "UNAVAILABLE" in err and "give --tls-ca-file" in err, err
+
+
+def test_the_tls_hint_is_hedged_and_needs_no_tls_flag() -> None:
+    # `serve` and `config` have no --tls-ca-file: reading it raised inside the error
+    # handler; a plaintext server that closes is no TLS router (ownfixG review).
+    import argparse
+
+    from cluster.hints import failure_hint
+
+    for args in (argparse.Namespace(command="serve"), argparse.Namespace(tls_ca_file=None)):
+        hint = failure_hint(args, grpc.StatusCode.UNAVAILABLE, "ipv4:1.2.3.4:1: Socket closed")
+        assert hint.startswith(" (if the router serves TLS")
+    given = argparse.Namespace(tls_ca_file="ca.pem")
+    assert failure_hint(given, grpc.StatusCode.UNAVAILABLE, "Socket closed") == ""

@@ -28,7 +28,7 @@ from common.settings.schema import SettingsError
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 from router.admin import AdminServicer
 from router.registry import Registry
-from router.workers import WorkerLoad
+from router.workers import WorkerLoad, WorkerRecord
 from tests.registry_helpers import MODEL, info
 
 add_admin = admin_service_pb2_grpc.add_AdminServiceServicer_to_server
@@ -137,7 +137,9 @@ async def test_an_empty_worker_is_refused_and_never_matches_an_unnamed_one(
 
 
 async def test_status_and_scale_count_serving_and_draining_alike(
-    admin: tuple[str, Registry, list[int]], capsys: pytest.CaptureFixture[str]
+    admin: tuple[str, Registry, list[int]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     address, registry, scaled = admin
     registry.drain("127.0.0.1:7001")
@@ -156,10 +158,17 @@ async def test_status_and_scale_count_serving_and_draining_alike(
     assert out[0] == "prefill: 1 worker serving, 1 draining -> 2 workers"
     assert out[1].startswith("prefill: 1 worker serving, 1 draining (")
     assert out[2] == f"  {DRAINED_STAY}" and "`epd undrain` it" in out[2]
+    # A router from before `WorkerStatus.drained` tells no drained one: at the timeout the
+    # hint still comes, hedged (ownfixG review).
+    monkeypatch.setattr(WorkerRecord, "operator_drained", property(lambda record: False))
+    short = ("scale", "--role", "prefill", "--replicas", "2", "--timeout", "0.3")
+    assert await cmd_scale(_args(*short, "--address", address)) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"  {DRAINED_STAY} (if one is)"
+    monkeypatch.undo()
     registry.undrain("127.0.0.1:7001")
     assert await cmd_scale(_args(*argv, "--address", address)) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("prefill: 2 workers serving (")
-    assert scaled == [2, 2]
+    assert scaled == [2, 2, 2]
 
 
 async def test_only_an_operators_drain_counts_as_drained(
