@@ -181,7 +181,7 @@ async def test_epd_commands_without_the_ca_are_told_to_give_it(
     assert "UNAVAILABLE" in err and "give --tls-ca-file" in err, err
 
 
-def test_the_tls_hint_is_hedged_and_needs_no_tls_flag() -> None:
+async def test_the_tls_hint_is_hedged_and_needs_no_tls_flag() -> None:
     # `serve` and `config` have no --tls-ca-file: reading it raised inside the error
     # handler; a plaintext server that closes is no TLS router (ownfixG review).
     import argparse
