@@ -213,21 +213,25 @@ class PoolManager:
         return _Member(name, handle, request)
 
     async def _watch_start(self, pool: _Pool, member: _Member) -> None:
-        """Wait until `member`'s actor has started. One whose start raised leaves its pool
-        (Ray does not restart an actor whose creation task failed: kept, it was a member
-        that never served, and scaling to the same size started none), its cause kept in
-        `pool.failed` (`failures`) until the pool is scaled again; scaling again starts
-        another. One that died while starting (a crash, not an error) Ray restarts."""
+        """Wait until `member`'s actor has started. One dead for good before it did leaves
+        its pool (kept, it was a member that never served, and scaling to the same size
+        started none), its cause kept in `pool.failed` (`failures`) until the pool is
+        scaled again; scaling again starts another. Dead for good: its start raised (Ray
+        restarts no actor whose creation task failed), or it died while starting (a crash)
+        past its `max_restarts`; Ray's call waits through the restarts it has left."""
         import ray
 
         while True:
             try:
                 await member.handle.__ray_ready__.remote()
                 return
+            except ray.exceptions.ActorUnavailableError:  # unreachable for now: ask again
+                pass
             except ray.exceptions.RayActorError as exc:
-                if exc.actor_init_failed:
-                    cause = error_summary(exc)
-                    break
+                cause = error_summary(exc)
+                if not exc.actor_init_failed:
+                    cause = f"it died while starting, past its restarts: {cause}"[:300]
+                break
             except Exception:  # an error of the call itself: asked again below
                 logger.debug("%s: waiting for its start failed", member.name, exc_info=True)
             if member not in pool.members:  # retired meanwhile

@@ -11,7 +11,7 @@ import gc
 from types import SimpleNamespace
 
 import pytest
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 import cluster.pools as pools
 from cluster.deployment import Controller, _Scaler
@@ -58,19 +58,46 @@ async def test_a_worker_whose_start_raised_leaves_its_pool_and_scaling_again_rep
     assert manager.failures() == []
 
 
-async def test_a_worker_that_died_while_starting_stays_for_ray_to_restart(
+async def test_a_worker_unreachable_while_starting_is_asked_again_and_one_dead_is_failed(
     recorded: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Ray's call waits through the restarts an actor has left: one that died while starting
+    # and answers ActorDiedError is dead for good (past `max_restarts`), and was watched
+    # forever while `epd serve` said "the rest load their model" (ownfixG review).
     monkeypatch.setattr(pools, "START_RETRY_S", 0.01)
     manager, actors = _manager(recorded)
-    await manager.scale("decode", 1)
-    actors.handles[-1].start_error = RayActorError(error_msg="died", actor_init_failed=False)
+    await manager.scale("decode", 2)
+    actors.handles[0].start_error = ActorUnavailableError("connection lost", None)
+    actors.handles[1].start_error = RayActorError(
+        error_msg="The actor died unexpectedly before finishing this task.\n"
+        "\tname: epd-decode-1\nThe actor is dead because its worker process has died.",
+        actor_init_failed=False,
+    )
     await asyncio.sleep(0.05)
-    actors.handles[-1].start_error = None  # restarted, and up
+    actors.handles[0].start_error = None  # reachable again, and up
     await asyncio.sleep(0.05)
-    assert manager.replicas()["decode"] == 1 and manager.failures() == []
-    assert not [line for line in recorded if line.startswith("kill")]
-    assert not manager._starting  # the watch ended once it started
+    assert [name for name, _ in manager.members("decode")] == ["epd-decode-0"]
+    assert manager.failures() == [
+        "epd-decode-1 failed to start: it died while starting, past its restarts: "
+        "The actor is dead because its worker process has died."
+    ]
+    assert [line for line in recorded if line.startswith("kill")] == ["kill epd-decode-1 True"]
+    assert not manager._starting  # every watch ended
+
+
+async def test_a_worker_retired_while_starting_is_no_failed_start(recorded: list[str]) -> None:
+    # Its watch sees the actor killed (dead for good) after the retirement took it out of
+    # the pool: nothing failed, and the retirement, not the watch, ends it.
+    manager, actors = _manager(recorded)
+    await manager.scale("encoder", 1)
+    ready = asyncio.get_running_loop().create_future()
+    actors.handles[0].__ray_ready__.fn = lambda: ready
+    await settle()
+    await manager.scale("encoder", 0)  # never registered: killed at once
+    ready.set_exception(RayActorError(error_msg="killed", actor_init_failed=False))
+    await settle()
+    assert manager.failures() == [] and not manager._starting
+    assert [line for line in recorded if line.startswith("kill")] == ["kill epd-encoder-0 True"]
 
 
 async def test_epd_serve_start_up_ends_at_a_failed_start(recorded: list[str]) -> None:
