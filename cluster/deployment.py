@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 class _Scaler:
     """The router's scaler (`router.admin.Scaler`), with `waiting` for AdminService.Status
     (the workers Ray has not placed yet, asked at most every 2 s: a GCS call, off the loop)
-    and `failed` (the workers whose start raised)."""
+    and `failed` (the workers whose start failed: `PoolManager.failures`)."""
 
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
@@ -151,12 +151,12 @@ class Controller:
         """Wait until every pool has as many registered workers as it should.
 
         Returns the registered count per role; WorkerStartError once a worker's start
-        raised (`PoolManager.failures`), TimeoutError after `timeout_s`.
+        failed (`PoolManager.failures`), TimeoutError after `timeout_s`.
         """
         deadline = time.monotonic() + timeout_s
         while True:
             wanted = self.pools.replicas()
-            for failure in self.pools.failures():  # Ray does not restart such an actor
+            for failure in self.pools.failures():  # dead for good: Ray restarts it no more
                 raise WorkerStartError(failure)
             for reason in self.router.registry.refusals.values():
                 # Refused for its settings (model, protocol, KV layout): retrying cannot help.
@@ -199,8 +199,9 @@ class Controller:
         return f"{line}; the rest load their model"
 
     async def _failing(self, roles: list[str]) -> list[str]:
-        """ "name cannot register: why" for the workers of `roles` that are up (a second to
-        answer: those still loading do not) and whose calls to a router fail."""
+        """ "names cannot register: why" for the workers of `roles` that are up (3 s to
+        answer: those still loading do not) and whose calls to a router fail, one line per
+        failure."""
 
         async def failing(handle: Any) -> tuple[str, ...]:
             try:

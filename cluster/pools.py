@@ -61,7 +61,7 @@ from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "epd-controller"
-START_RETRY_S = 1.0  # between asks whether a worker that died while starting has started
+START_RETRY_S = 1.0  # between asks whether a worker has started, after one failed
 
 
 # ------------------------------------------------------------------------------ the pools
