@@ -55,7 +55,7 @@ class Need:
         """KV blocks the request holds on a worker of `role` (see the module docstring)."""
         if role == Role.PREFILL:
             return blocks_for(self.prompt_tokens, self.block_size)
-        if self.max_tokens == 1:  # the prefill worker's token is the answer
+        if role not in self.roles:  # one token: the prefill worker's is the answer
             return 0
         return blocks_for(self.prompt_tokens + self.max_tokens - 1, self.block_size)
 
