@@ -69,7 +69,8 @@ class Returns:
         self.max_wait_s = max_wait_s
         self.stop = stop  # no request waits once this says so (the router drains)
         self.max_waiting = max_waiting  # requests waiting at once, at most
-        self.lost: dict[Role, float] = {}  # role -> registry time its last loss
+        # role -> name of each worker lost in the last `RESTART_WINDOW_S` -> registry time
+        self.lost: dict[Role, dict[str, float]] = {}
         self.waited = 0  # requests that waited for a worker, ever
         self.waiting = 0  # requests waiting now
         self.registry: Registry | None = None
@@ -90,16 +91,22 @@ class Returns:
         registry.on_register.append(self._arrival)
 
     def _arrival(self, record: WorkerRecord) -> None:
-        """A worker registered: wake every waiter; later ones wait for the next. Its role's
-        loss is over: were the role emptied on purpose later (a scale to 0), requests must
-        not wait for a return (they waited `max_wait_s` each: raypools review, s39)."""
+        """A worker registered: wake every waiter; later ones wait for the next. The loss of
+        its name is over (back from its restart): were its role emptied on purpose later (a
+        scale to 0), requests must not wait for that return (each waited `max_wait_s`:
+        raypools review, s39); another's registration ends no loss (ownfixH)."""
         self._arrived.set()
         self._arrived = asyncio.Event()
-        self.lost.pop(record.role, None)
+        self.lost.get(record.role, {}).pop(record.name, None)
 
     def _lost(self, record: WorkerRecord) -> None:
-        if not record.draining and self.registry is not None:  # a drained one left on purpose
-            self.lost[record.role] = self.registry.clock()
+        if record.draining or self.registry is None:  # a drained one left on purpose
+            return
+        now = self.registry.clock()
+        lost = self.lost.setdefault(record.role, {})
+        for name in [n for n, when in lost.items() if now - when >= RESTART_WINDOW_S]:
+            del lost[name]  # long ago: not coming back (and names do not pile up)
+        lost[record.name] = now
 
     def restarting(self, role: Role) -> bool:
         """Whether `role` has no worker a request could use, and lost one lately (one silent
@@ -120,7 +127,7 @@ class Returns:
         workers = [w for w in registry.workers(role, timed_out=True) if not w.draining]
         if not all(map(gone, workers)):
             return False
-        left = self.lost.get(role)
+        left = max(self.lost.get(role, {}).values(), default=None)
         lately = left is not None and now - left < RESTART_WINDOW_S
         return lately or bool(workers) or now - self.started < STARTUP_S
 

@@ -57,15 +57,40 @@ def test_a_role_is_restarting_only_when_it_lost_a_worker_lately(registry, clock:
     registry.expire()
     assert not returns.restarting(Role.PREFILL)  # it left on purpose
     assert gone.address != back.address
-    # Lost, back under its name, then retired (a scale to 0): nothing to wait for.
+    # Lost, back under its name (another port), then retired (a scale to 0): nothing to
+    # wait for (each request waited `max_wait_s`: raypools review, s39).
     lost = registry.register(info(Role.ENCODER, 6))
     clock.now += registry.worker_timeout_s + 1
     registry.expire()
-    again = registry.register(info(Role.ENCODER, 7))
-    registry.drain(again.address)
+    moved = info(Role.ENCODER, 7)
+    moved.name = lost.name
+    registry.retire(lost.name)
+    registry.register(moved)  # back, and retiring
     clock.now += registry.worker_timeout_s + 1
+    registry.expire()  # it left
+    assert not returns.restarting(Role.ENCODER)
+
+
+@pytest.mark.parametrize("hold", ["drain", "retire"])
+def test_another_workers_registration_ends_no_loss(registry, clock: Clock, hold: str) -> None:
+    # Any registration of the role ended its loss: an operator's drained worker restarted
+    # for maintenance (or a retiring one registering again) made requests fail at once while
+    # the lost worker was still restarting (ownfixH review, s39).
+    returns = Returns(5.0, registry)
+    clock.now += STARTUP_S
+    lost = registry.register(info(Role.DECODE, 3))
+    held = registry.register(info(Role.DECODE, 4))
+    if hold == "drain":
+        registry.drain(held.address)
+    else:
+        registry.retire(held.name)
+    clock.now += registry.worker_timeout_s + 1
+    registry.heartbeat(held.worker_id, WorkerLoad())
     registry.expire()
-    assert not returns.restarting(Role.ENCODER) and lost.role == Role.ENCODER
+    assert registry.workers(Role.DECODE) == [held] and returns.restarting(Role.DECODE)
+    assert registry.register(info(Role.DECODE, 4)).draining  # registered again, held
+    assert returns.restarting(Role.DECODE)  # the lost one is still to come back
+    assert lost.name not in (w.name for w in registry.workers(Role.DECODE))
 
 
 def test_a_suspect_worker_counts_as_gone_only_once_it_is_silent(registry, clock: Clock) -> None:
