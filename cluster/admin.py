@@ -144,7 +144,9 @@ async def cmd_scale(args: argparse.Namespace) -> int:
                 return 1
             if time.monotonic() - t0 > args.timeout:
                 _say(f"{args.role}: still {_counted(now)} after {args.timeout:.0f}s")
-                if now.drained or now.draining:  # a router from before `drained` tells none
+                # A router from before `drained` tells none: hedged, where the pool is short
+                # (in a scale-down, the draining ones are retiring).
+                if now.drained or (now.draining and now.serving < reply.replicas):
                     _say(f"  {DRAINED_STAY}" + ("" if now.drained else " (if one is)"))
                 return 1
             await asyncio.sleep(0.2)

@@ -14,7 +14,9 @@ def failure_hint(args: argparse.Namespace, code: Any, details: str) -> str:
 
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return _key_hint(args)
-    plaintext = getattr(args, "tls_ca_file", None) is None  # `serve` and `config` have none
+    # "" dials plaintext too (as `epd.client` reads an empty $EPD_TLS_CA_FILE); commands
+    # without the flag (`serve`, `config`) get no hint to give it.
+    plaintext = hasattr(args, "tls_ca_file") and not args.tls_ca_file
     if code == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details and plaintext:
         return " (if the router serves TLS, it closes plaintext connections: give --tls-ca-file)"
     return ""

@@ -86,6 +86,12 @@ def test_a_request_without_a_worker_says_how_many_drain(registry: Registry) -> N
     registry.drain(worker.address)
     with pytest.raises(NoWorkerError, match=r"available \(1 stopping or retired\)$"):
         registry.pick(Role.DECODE)
+    # An operator's drain on a worker that drains itself (stopping): not undrain's either.
+    stopping = registry.register(info(Role.PREFILL, 5))
+    registry.drain(stopping.address)
+    registry.heartbeat(stopping.worker_id, WorkerLoad(draining=True))
+    with pytest.raises(NoWorkerError, match=r"available \(1 stopping or retired\)$"):
+        registry.pick(Role.PREFILL)
 
 
 def test_a_worker_whose_call_failed_is_picked_last_until_it_heartbeats(

@@ -188,8 +188,9 @@ async def test_the_tls_hint_is_hedged_and_needs_no_tls_flag() -> None:
 
     from cluster.hints import failure_hint
 
-    for args in (argparse.Namespace(command="serve"), argparse.Namespace(tls_ca_file=None)):
-        hint = failure_hint(args, grpc.StatusCode.UNAVAILABLE, "ipv4:1.2.3.4:1: Socket closed")
+    closed = "ipv4:1.2.3.4:1: Socket closed"
+    for ca in (None, ""):  # an empty $EPD_TLS_CA_FILE dials plaintext too
+        hint = failure_hint(argparse.Namespace(tls_ca_file=ca), grpc.StatusCode.UNAVAILABLE, closed)
         assert hint.startswith(" (if the router serves TLS")
-    given = argparse.Namespace(tls_ca_file="ca.pem")
-    assert failure_hint(given, grpc.StatusCode.UNAVAILABLE, "Socket closed") == ""
+    for args in (argparse.Namespace(command="serve"), argparse.Namespace(tls_ca_file="ca.pem")):
+        assert failure_hint(args, grpc.StatusCode.UNAVAILABLE, closed) == ""

@@ -5,6 +5,7 @@ registered directly)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -294,3 +295,16 @@ async def test_an_admin_refusal_names_its_field(admin: tuple[str, Registry, list
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert (refused.value.details() or "").startswith(f"{field}: ")
             assert ("epd-field", field) in tuple(refused.value.trailing_metadata() or ())
+
+
+async def test_a_slow_scale_down_gets_no_undrain_hint(
+    admin: tuple[str, Registry, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its retiring worker still finishing its streams at --timeout: the hedged hint told to
+    # `epd undrain` a retirement (ownfixH review, s39).
+    address, registry, _ = admin
+    asyncio.get_running_loop().call_later(0.15, registry.retire, "prefill-7002")
+    argv = ("scale", "--role", "prefill", "--replicas", "1", "--timeout", "0.3")
+    assert await cmd_scale(_args(*argv, "--address", address)) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "prefill: still 1 worker serving, 1 draining after 0s", out
