@@ -15,7 +15,8 @@ core set per worker, so workers sharing a node do not each take every core.
   an auto worker that shares its node (scaled past the cores, or more workers than cores),
   which asks for none: the node's CPUs are all spoken for, and Ray would not place it.
 
-`pending_actor_names` tells which actors still wait for Ray to place them.
+`starting_actors` tells which actors still wait for Ray to place them, and which Ray is
+restarting (or starting again after a restart: a worker that crashes while it starts).
 
 `CpuPlanner` is plain state of the pool manager (one asyncio loop); `take` when a worker is
 created, `release` when it is retired.
@@ -93,20 +94,36 @@ class CpuPlanner:
         return tuple(core for core in self.node_cores if core not in taken)
 
 
-def pending_actor_names() -> set[str]:
-    """Names of the actors Ray has not placed on a node yet (the GCS actor table, which
-    needs no dashboard; empty when this Ray does not answer)."""
+@dataclass(frozen=True, slots=True)
+class StartingActors:
+    """Actors not up, as Ray's GCS actor table has them."""
+
+    unplaced: frozenset[str] = frozenset()  # names Ray has not placed on a node yet
+    restarted: dict[str, int] = field(default_factory=dict)  # restarting: name -> restarts
+
+
+def starting_actors() -> StartingActors:
+    """The actors Ray has not placed yet, and those it restarts (or starts again after a
+    restart), from the GCS actor table, which needs no dashboard; none when this Ray does
+    not answer."""
     try:
         from ray._private.state import actors
 
-        table = actors(actor_state_name="PENDING_CREATION")
+        pending = actors(actor_state_name="PENDING_CREATION")
+        restarting = actors(actor_state_name="RESTARTING")
     except Exception:
         logger.debug("Ray's actor table did not answer", exc_info=True)
-        return set()
+        return StartingActors()
     # PENDING_CREATION also covers a placed actor whose __init__ runs (loading its model):
     # one still waiting for resources has no process and no node yet.
-    return {
+    unplaced = frozenset(
         str(info.get("Name", ""))
-        for info in table.values()
+        for info in pending.values()
         if not info.get("Pid") and not info.get("Address", {}).get("IPAddress")
+    )
+    restarted = {
+        str(info.get("Name", "")): int(info.get("NumRestarts") or 0)
+        for info in [*pending.values(), *restarting.values()]
+        if info.get("NumRestarts")
     }
+    return StartingActors(unplaced, restarted)

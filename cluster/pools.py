@@ -49,7 +49,7 @@ from typing import Any
 
 # `registered_counts` lives in cluster.admin, which `epd scale` imports without torch.
 from cluster.admin import registered_counts as registered_counts
-from cluster.placement import CpuPlanner, pending_actor_names
+from cluster.placement import CpuPlanner, starting_actors
 from cluster.settings import ROLES, PoolSettings
 from cluster.worker import WorkerActor
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
@@ -255,21 +255,26 @@ class PoolManager:
         ]
 
     def waiting(self) -> list[str]:
-        """One line per worker actor Ray has not placed yet (`pending_actor_names`) whose
-        request exceeds what the cluster has free, with both: it waits for resources."""
+        """One line per worker actor Ray has not placed yet (`starting_actors`) whose
+        request exceeds what the cluster has free, with both: it waits for resources; and
+        one per worker Ray restarts, with how often (a crash loop while it starts was told
+        as loading its model, for as long as `ready_timeout_s`)."""
         import ray
 
-        pending = pending_actor_names()
+        starting = starting_actors()
         free = ray.available_resources()
         lines = []
         for pool in self.pools.values():
             for m in pool.members:
                 short = any(v > free.get(k, 0.0) for k, v in m.request.items())
-                if m.name in pending and short:
+                if m.name in starting.unplaced and short:
                     asked = {k: v for k, v in m.request.items() if v}  # not a GPU it needs not
                     asks = ", ".join(_amount(k, v) for k, v in asked.items())
                     has = ", ".join(_amount(k, free.get(k, 0.0)) for k in asked)
                     lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
+                elif restarts := starting.restarted.get(m.name):
+                    times = "once" if restarts == 1 else f"{restarts} times"
+                    lines.append(f"{m.name} is restarting (restarted {times}: its log says why)")
         return lines
 
     def _worker_settings(self, role: str, name: str) -> ModelWorkerSettings:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import cluster.pools as pools
-from cluster.placement import CpuPlanner
+from cluster.placement import CpuPlanner, StartingActors
 from cluster.settings import EpdSettings, PoolSettings
 from common.server.threads import CpuPlacement, available_cores, resolve
 from common.settings.schema import SettingsError
@@ -154,7 +154,8 @@ async def test_waiting_names_the_workers_ray_cannot_place(monkeypatch: pytest.Mo
     await manager.scale("decode", 1)
     # Ray has placed neither yet; 1 CPU is free: the encoder (2 CPUs asked) and the decode
     # worker (4) both wait for resources.
-    monkeypatch.setattr(pools, "pending_actor_names", lambda: {"epd-encoder-0", "epd-decode-0"})
+    unplaced = StartingActors(frozenset({"epd-encoder-0", "epd-decode-0"}))
+    monkeypatch.setattr(pools, "starting_actors", lambda: unplaced)
     gib = float(1 << 30)
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 1.0, "memory": gib})
     assert manager.waiting() == [  # no "GPU 0" free for a worker that asks for none
@@ -168,3 +169,8 @@ async def test_waiting_names_the_workers_ray_cannot_place(monkeypatch: pytest.Mo
     # Memory, too: 64 workers of about 400 MB each would have run 24 GB out of memory.
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 8.0, "memory": gib / 4})
     assert [line.split()[0] for line in manager.waiting()] == ["epd-encoder-0", "epd-decode-0"]
+    # Placed, and crashing as it starts: Ray restarts it (it was told as loading its model).
+    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 8.0, "memory": gib})
+    crashing = StartingActors(restarted={"epd-decode-0": 3})
+    monkeypatch.setattr(pools, "starting_actors", lambda: crashing)
+    assert manager.waiting() == ["epd-decode-0 is restarting (restarted 3 times: its log says why)"]
