@@ -61,7 +61,8 @@ Worker columns:
                 after a scale-down, until it leaves)
 
 Then a line counting each role as `epd scale` does (serving workers, draining ones apart),
-a `waiting:` line per worker the deployment started that its cluster has not placed yet, a
+a `waiting:` line per worker the deployment started that its cluster has not placed yet (or
+restarts), a
 `failed:` line per worker whose start raised since its pool was last scaled (it left the
 pool), a `dropped:` line per worker the router dropped lately for its silence (until it
 registers again), and a `refused:` line per worker whose registration the router refused."""
