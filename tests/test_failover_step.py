@@ -117,26 +117,36 @@ async def test_a_lease_its_holder_said_was_gone_does_not_make_it_suspect(
     assert not holder.suspect  # it let the lease go when it was due: nothing wrong with it
 
 
-async def test_a_handle_whose_lease_ran_out_while_waiting_for_a_worker_is_not_sent(
-    cluster,
-) -> None:
-    # The lease's TTL was checked when the first decode worker failed, before the router
-    # waited for one to come back, and the handle went out 0.8 s past its TTL (s37diff).
+async def lapsed_while_no_decode(
+    cluster, prefill: FakePrefill, back: FakeDecode, back_at: list[str] | None = None
+):
+    """A 3-token answer prefilled under a 300 ms lease while the only decode worker is
+    dead (its calls fail UNAVAILABLE at once); `back` registers 0.6 s later, past the TTL,
+    its address appended to `back_at`."""
     await cluster.add(Role.ENCODER, FakeEncoder())
-    prefill = FakePrefill()
     prefill.lease_ttl_ms = 300
     await cluster.add(Role.PREFILL, prefill)
     await cluster.add(Role.DECODE, FakeDecode())
-    await cluster.servers[-1].stop(0)  # killed: its calls fail UNAVAILABLE at once
+    await cluster.servers[-1].stop(0)  # killed
     answer = asyncio.create_task(
         cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3), timeout_s=20)
     )
     while not prefill.requests:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.6)  # past the TTL, the router waiting for a decode worker
-    back = FakeDecode()
-    await cluster.add(Role.DECODE, back)
-    result = await answer
+    address = await cluster.add(Role.DECODE, back)
+    if back_at is not None:
+        back_at.append(address)
+    return await answer
+
+
+async def test_a_handle_whose_lease_ran_out_while_waiting_for_a_worker_is_not_sent(
+    cluster,
+) -> None:
+    # The lease's TTL was checked when the first decode worker failed, before the router
+    # waited for one to come back, and the handle went out 0.8 s past its TTL (s37diff).
+    prefill, back = FakePrefill(), FakeDecode()
+    result = await lapsed_while_no_decode(cluster, prefill, back)
     assert result.token_ids == [FIRST, 101, 102]
     assert [r.kv.lease_id for r in back.requests] == ["lease-2"]  # a fresh handle
     assert prefill.released[:1] == ["lease-1"]  # the lapsed one given back
@@ -165,20 +175,8 @@ async def test_a_lapsed_lease_prefilled_again_decodes_where_the_ticket_was_place
                 await context.abort(*status_for(NoFreeBlocksError(2, 0)))
             return await super().Prefill(request, context)
 
-    await cluster.add(Role.ENCODER, FakeEncoder())
-    prefill = FullOnce()
-    prefill.lease_ttl_ms = 300
-    await cluster.add(Role.PREFILL, prefill)
-    await cluster.add(Role.DECODE, FakeDecode())
-    await cluster.servers[-1].stop(0)  # killed: its calls fail UNAVAILABLE at once
-    answer = asyncio.create_task(
-        cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3), timeout_s=20)
-    )
-    while not prefill.requests:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.6)  # past the TTL, the router waiting for a decode worker
-    back_at = [await cluster.add(Role.DECODE, back)]
-    result = await answer
+    back_at: list[str] = []
+    result = await lapsed_while_no_decode(cluster, FullOnce(), back, back_at)
     assert result.token_ids == [FIRST, 101, 102]
     assert (len(extra.requests), len(back.requests)) == (1, 0)  # where the blocks are reserved
 
