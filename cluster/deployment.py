@@ -15,15 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from cluster.actor_states import WorkerRefusedError, WorkerStartError, error_summary
 from cluster.placement import CpuPlanner
-from cluster.pools import (
-    CONTROLLER_NAME,
-    PoolManager,
-    WorkerRefusedError,
-    WorkerStartError,
-    error_summary,
-    registered_counts,
-)
+from cluster.pools import CONTROLLER_NAME, PoolManager, registered_counts
 from cluster.ray_start import RUNNING
 from cluster.settings import ROLES, EpdSettings, PoolSettings
 from cluster.worker import (
@@ -48,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 class _Scaler:
     """The router's scaler (`router.admin.Scaler`), with `waiting` for AdminService.Status
-    (the workers Ray has not placed yet, asked at most every 2 s: a GCS call, off the loop)
-    and `failed` (the workers whose start failed: `PoolManager.failures`)."""
+    (the workers Ray has not placed yet or restarts, asked at most every 2 s: `survey`, which
+    takes the workers dead for good out of their pools) and `failed` (the workers that
+    failed to start or died for good: `PoolManager.failures`)."""
 
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
@@ -63,7 +58,7 @@ class _Scaler:
         pools = getattr(self.controller, "pools", None)  # None while the router starts
         if pools is not None and time.monotonic() - self._asked > 2.0:
             self._asked = time.monotonic()
-            self._waiting = await asyncio.to_thread(pools.waiting)
+            self._waiting = await pools.survey()
         return list(self._waiting)
 
     async def failed(self) -> list[str]:
@@ -171,7 +166,7 @@ class Controller:
             if all(have[role] >= n for role, n in wanted.items()):
                 return have
             if time.monotonic() > deadline:
-                waiting = await asyncio.to_thread(self.pools.waiting)
+                waiting = await self.pools.survey()
                 why = "; ".join(waiting) if waiting else "placed, not registered: see their logs"
                 raise TimeoutError(
                     f"workers not registered after {timeout_s:.0f}s: have {have}, want {wanted} "
@@ -187,7 +182,7 @@ class Controller:
         wanted = self.pools.replicas()
         have = self.registered
         short = [f"{role} {have.get(role, 0)}/{n}" for role, n in wanted.items()]
-        waiting = await asyncio.to_thread(self.pools.waiting)
+        waiting = await self.pools.survey()
         done = sum(min(have.get(role, 0), n) for role, n in wanted.items())
         line = f"{done} of {sum(wanted.values())} workers registered ({', '.join(short)})"
         if done == sum(wanted.values()):
@@ -210,7 +205,8 @@ class Controller:
             except Exception:  # loading its model still, or gone
                 return ()
 
-        members = [m for role in roles for m in self.pools.members(role)]
+        # Not those still starting: Ray queues the call until they have (one per line).
+        members = [m for role in roles for m in self.pools.members(role, started=True)]
         said = await asyncio.gather(*(failing(handle) for _, handle in members))
         who: dict[str, list[str]] = {}  # why -> the workers it stops (one line each why)
         for (name, _), whys in zip(members, said, strict=True):

@@ -15,9 +15,6 @@ core set per worker, so workers sharing a node do not each take every core.
   an auto worker that shares its node (scaled past the cores, or more workers than cores),
   which asks for none: the node's CPUs are all spoken for, and Ray would not place it.
 
-`starting_actors` tells which actors still wait for Ray to place them, and which Ray is
-restarting (or starting again after a restart: a worker that crashes while it starts).
-
 `CpuPlanner` is plain state of the pool manager (one asyncio loop); `take` when a worker is
 created, `release` when it is retired.
 """
@@ -92,38 +89,3 @@ class CpuPlanner:
         """The cores no live worker holds, lowest first."""
         taken = {core for cores in self._held.values() for core in cores}
         return tuple(core for core in self.node_cores if core not in taken)
-
-
-@dataclass(frozen=True, slots=True)
-class StartingActors:
-    """Actors not up, as Ray's GCS actor table has them."""
-
-    unplaced: frozenset[str] = frozenset()  # names Ray has not placed on a node yet
-    restarted: dict[str, int] = field(default_factory=dict)  # restarting: name -> restarts
-
-
-def starting_actors() -> StartingActors:
-    """The actors Ray has not placed yet, and those it restarts (or starts again after a
-    restart), from the GCS actor table, which needs no dashboard; none when this Ray does
-    not answer."""
-    try:
-        from ray._private.state import actors
-
-        pending = actors(actor_state_name="PENDING_CREATION")
-        restarting = actors(actor_state_name="RESTARTING")
-    except Exception:
-        logger.debug("Ray's actor table did not answer", exc_info=True)
-        return StartingActors()
-    # PENDING_CREATION also covers a placed actor whose __init__ runs (loading its model):
-    # one still waiting for resources has no process and no node yet.
-    unplaced = frozenset(
-        str(info.get("Name", ""))
-        for info in pending.values()
-        if not info.get("Pid") and not info.get("Address", {}).get("IPAddress")
-    )
-    restarted = {
-        str(info.get("Name", "")): int(info.get("NumRestarts") or 0)
-        for info in [*pending.values(), *restarting.values()]
-        if info.get("NumRestarts")
-    }
-    return StartingActors(unplaced, restarted)

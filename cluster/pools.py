@@ -41,15 +41,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.actor_states import (
+    ActorStates,
+    actor_id,
+    actor_states,
+    death,
+    error_summary,
+    start_outcome,
+)
+
 # `registered_counts` lives in cluster.admin, which `epd scale` imports without torch.
 from cluster.admin import registered_counts as registered_counts
-from cluster.placement import CpuPlanner, starting_actors
+from cluster.placement import CpuPlanner
 from cluster.settings import ROLES, PoolSettings
 from cluster.worker import WorkerActor
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
@@ -81,6 +89,7 @@ class _Member:
     name: str  # actor name, unique in the namespace
     handle: Any  # Ray actor handle
     request: dict[str, float] = field(default_factory=dict)  # what it asked Ray for
+    started: bool = False  # its actor started once (Ray may restart it since)
 
 
 @dataclass(slots=True)
@@ -91,7 +100,7 @@ class _Pool:
     members: list[_Member] = field(default_factory=list)
     next_index: int = 0  # suffix of the next actor name; never reused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    failed: dict[str, str] = field(default_factory=dict)  # since the last scale: name -> cause
+    failed: dict[str, str] = field(default_factory=dict)  # since the last scale: name -> end
 
 
 class PoolManager:
@@ -153,9 +162,10 @@ class PoolManager:
         """Workers each pool has or is moving to (retiring ones not counted)."""
         return {role: len(pool.members) for role, pool in self.pools.items()}
 
-    def members(self, role: str) -> list[tuple[str, Any]]:
-        """(actor name, handle) of each live worker of `role`, oldest first."""
-        return [(m.name, m.handle) for m in self.pools[role].members]
+    def members(self, role: str, *, started: bool = False) -> list[tuple[str, Any]]:
+        """(actor name, handle) of each live worker of `role` (`started`: whose actor has
+        started), oldest first."""
+        return [(m.name, m.handle) for m in self.pools[role].members if m.started or not started]
 
     async def scale(self, role: str, replicas: int) -> int:
         """Move `role`'s pool to `replicas` workers; returns the new size.
@@ -172,6 +182,8 @@ class PoolManager:
                 "([pools] max_replicas, --pools-max-replicas)"
             )
         pool = self.pools[role]
+        if pool.members and replicas >= len(pool.members):  # dead ones are no members
+            await self._reap([pool])
         async with pool.lock:
             pool.failed.clear()  # a new attempt: the workers that failed before are gone
             while len(pool.members) < replicas:
@@ -213,66 +225,69 @@ class PoolManager:
         return _Member(name, handle, request)
 
     async def _watch_start(self, pool: _Pool, member: _Member) -> None:
-        """Wait until `member`'s actor has started. One dead for good before it did leaves
-        its pool (kept, it was a member that never served, and scaling to the same size
-        started none), its cause kept in `pool.failed` (`failures`) until the pool is
-        scaled again; scaling again starts another. Dead for good: its start raised (Ray
-        restarts no actor whose creation task failed), or it died while starting (a crash)
-        past its `max_restarts`; Ray's call waits through the restarts it has left."""
+        """Wait until `member`'s actor has started (`start_outcome`). One dead for good
+        before it did leaves its pool (kept, it was a member that never served, and scaling
+        to the same size started none): `_failed`."""
+        gone = lambda: member not in pool.members  # noqa: E731 (retired meanwhile)
+        ended = await start_outcome(member.handle, gone, START_RETRY_S)
+        if ended is None:
+            member.started = True
+        else:
+            await self._failed(pool, member, death(ended, started=False))
+
+    async def _reap(self, pools: list[_Pool]) -> ActorStates:
+        """Ask Ray about every member of `pools` (`actor_states`, off the event loop); those
+        dead for good since they started (they died past their restarts, or a restart
+        raised) leave their pool as failed ones (`_failed`). One still starting is its start
+        watch's to tell."""
+        ids = [actor_id(m.handle) for pool in pools for m in pool.members]
+        states = await asyncio.to_thread(actor_states, ids)
+        for pool in pools:
+            for m in [m for m in pool.members if m.started]:
+                if actor_id(m.handle) in states.dead:
+                    ended = await start_outcome(m.handle, lambda: True, START_RETRY_S)
+                    if ended is not None:  # Ray's error for a call on it: the cause
+                        await self._failed(pool, m, death(ended, started=True))
+        return states
+
+    async def _failed(self, pool: _Pool, member: _Member, end: str) -> None:
+        """`member` is dead for good: it leaves its pool, `end` kept in `pool.failed`
+        (`failures`) until the pool is scaled again, which starts another."""
         import ray
 
-        while True:
-            try:
-                await member.handle.__ray_ready__.remote()
-                return
-            except ray.exceptions.ActorUnavailableError:  # unreachable for now: ask again
-                pass
-            except ray.exceptions.RayActorError as exc:
-                cause = error_summary(exc)
-                if not exc.actor_init_failed:
-                    cause = f"it died while starting, past its restarts: {cause}"[:300]
-                break
-            except Exception:  # an error of the call itself: asked again below
-                logger.debug("%s: waiting for its start failed", member.name, exc_info=True)
-            if member not in pool.members:  # retired meanwhile
-                return
-            await asyncio.sleep(START_RETRY_S)
         async with pool.lock:
-            if member not in pool.members:
+            if member not in pool.members:  # retired meanwhile, or told already
                 return
             pool.members.remove(member)
-            pool.failed[member.name] = cause
-        logger.error("%s failed to start: %s", member.name, cause)
+            pool.failed[member.name] = end
+        logger.error("%s %s", member.name, end)
         ray.kill(member.handle, no_restart=True)
         self.cpu.release(member.name)
 
     def failures(self) -> list[str]:
-        """One line per worker whose start failed since its pool was last scaled."""
-        return [
-            f"{name} failed to start: {cause}"
-            for pool in self.pools.values()
-            for name, cause in pool.failed.items()
-        ]
+        """One line per worker that failed to start, or died for good, since its pool was
+        last scaled."""
+        return [f"{name} {end}" for p in self.pools.values() for name, end in p.failed.items()]
 
-    def waiting(self) -> list[str]:
-        """One line per worker actor Ray has not placed yet (`starting_actors`) whose
-        request exceeds what the cluster has free, with both: it waits for resources; and
-        one per worker Ray restarts, with how often (a crash loop while it starts was told
-        as loading its model, for as long as `ready_timeout_s`)."""
+    async def survey(self) -> list[str]:
+        """`_reap` every pool, then one line per worker Ray has not placed yet whose request
+        exceeds what the cluster has free, with both (it waits for resources), and one per
+        worker Ray restarts, with how often (a crash loop while it starts was told as
+        loading its model for `ready_timeout_s`)."""
         import ray
 
-        starting = starting_actors()
-        free = ray.available_resources()
+        states = await self._reap(list(self.pools.values()))
+        free = await asyncio.to_thread(ray.available_resources)
         lines = []
         for pool in self.pools.values():
             for m in pool.members:
                 short = any(v > free.get(k, 0.0) for k, v in m.request.items())
-                if m.name in starting.unplaced and short:
+                if actor_id(m.handle) in states.unplaced and short:
                     asked = {k: v for k, v in m.request.items() if v}  # not a GPU it needs not
                     asks = ", ".join(_amount(k, v) for k, v in asked.items())
                     has = ", ".join(_amount(k, free.get(k, 0.0)) for k in asked)
                     lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
-                elif restarts := starting.restarted.get(m.name):
+                elif restarts := states.restarted.get(actor_id(m.handle)):
                     times = "once" if restarts == 1 else f"{restarts} times"
                     lines.append(f"{m.name} is restarting (restarted {times}: its log says why)")
         return lines
@@ -371,29 +386,3 @@ async def drain_at_router(
                 return
             await asyncio.sleep(0.1)
     logger.warning("router still has requests on %s after %.0fs", worker_address, timeout_s)
-
-
-# ------------------------------------------------------------------------------ controller
-
-
-class WorkerStartError(RuntimeError):
-    """A worker actor (or the controller) raised while starting; the message has the cause."""
-
-
-class WorkerRefusedError(WorkerStartError):
-    """The router refused a worker's registration for its settings (another model, protocol
-    or KV layout): a settings error, found only once the worker runs."""
-
-
-def error_summary(exc: BaseException | None) -> str:
-    """The last line of a (Ray) error: the exception that started it all, named without
-    its module ("SettingsError: ..."; ours, WorkerStartError, not at all)."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    last = _MODULE.sub("", lines[-1]) if lines else repr(exc)
-    for cls in (WorkerRefusedError, WorkerStartError):
-        last = last.removeprefix(f"{cls.__name__}: ")
-    return last
-
-
-# A dotted module path before an exception's class name, as a traceback's last line has it.
-_MODULE = re.compile(r"^(?:[a-z_][a-z0-9_]*\.)+(?=[A-Z]\w*: )")

@@ -303,8 +303,8 @@ async def _run(
 ) -> int:
     """Start the deployment (appended to `started_deployment`) and serve until `stop`; the
     exit code."""
+    from cluster.actor_states import WorkerRefusedError, WorkerStartError, error_summary
     from cluster.deployment import Deployment
-    from cluster.pools import WorkerRefusedError, WorkerStartError, error_summary
 
     code = 0
     try:

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 import cluster.pools as pools
-from cluster.placement import CpuPlanner, StartingActors
+from cluster.actor_states import ActorStates
+from cluster.placement import CpuPlanner
 from cluster.settings import EpdSettings, PoolSettings
 from common.server.threads import CpuPlacement, available_cores, resolve
 from common.settings.schema import SettingsError
@@ -154,23 +155,25 @@ async def test_waiting_names_the_workers_ray_cannot_place(monkeypatch: pytest.Mo
     await manager.scale("decode", 1)
     # Ray has placed neither yet; 1 CPU is free: the encoder (2 CPUs asked) and the decode
     # worker (4) both wait for resources.
-    unplaced = StartingActors(frozenset({"epd-encoder-0", "epd-decode-0"}))
-    monkeypatch.setattr(pools, "starting_actors", lambda: unplaced)
+    unplaced = ActorStates(frozenset({"id-epd-encoder-0", "id-epd-decode-0"}))  # by actor id
+    monkeypatch.setattr(pools, "actor_states", lambda ids: unplaced)
     gib = float(1 << 30)
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 1.0, "memory": gib})
-    assert manager.waiting() == [  # no "GPU 0" free for a worker that asks for none
+    assert await manager.survey() == [  # no "GPU 0" free for a worker that asks for none
         "epd-encoder-0 waits for Ray resources: asks CPU 2, memory 448 MiB; "
         "free: CPU 1, memory 1024 MiB",
         "epd-decode-0 waits for Ray resources: asks CPU 4, memory 448 MiB; "
         "free: CPU 1, memory 1024 MiB",
     ]
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 2.0, "memory": gib})
-    assert [line.split()[0] for line in manager.waiting()] == ["epd-decode-0"]  # 2 CPUs fit
+    assert [line.split()[0] for line in await manager.survey()] == ["epd-decode-0"]  # 2 CPUs fit
     # Memory, too: 64 workers of about 400 MB each would have run 24 GB out of memory.
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 8.0, "memory": gib / 4})
-    assert [line.split()[0] for line in manager.waiting()] == ["epd-encoder-0", "epd-decode-0"]
+    assert [line.split()[0] for line in await manager.survey()] == ["epd-encoder-0", "epd-decode-0"]
     # Placed, and crashing as it starts: Ray restarts it (it was told as loading its model).
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 8.0, "memory": gib})
-    crashing = StartingActors(restarted={"epd-decode-0": 3})
-    monkeypatch.setattr(pools, "starting_actors", lambda: crashing)
-    assert manager.waiting() == ["epd-decode-0 is restarting (restarted 3 times: its log says why)"]
+    crashing = ActorStates(restarted={"id-epd-decode-0": 3})
+    monkeypatch.setattr(pools, "actor_states", lambda ids: crashing)
+    assert await manager.survey() == [
+        "epd-decode-0 is restarting (restarted 3 times: its log says why)"
+    ]

@@ -14,9 +14,9 @@ import pytest
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 import cluster.pools as pools
+from cluster.actor_states import ActorStates, WorkerStartError, actor_states
 from cluster.deployment import Controller, _Scaler
 from cluster.placement import CpuPlanner
-from cluster.pools import WorkerStartError
 from cluster.worker import WorkerDescription
 from common.server.credentials import NO_CREDENTIALS
 from tests.test_pools import _manager
@@ -114,6 +114,98 @@ async def test_epd_serve_start_up_ends_at_a_failed_start(recorded: list[str]) ->
         await controller.wait_ready(10)
 
 
+RESTART_RAISED = RayActorError(
+    error_msg="The actor died because of an error raised in its creation task, "
+    f"ray::epd-prefill-0:WorkerActor.__init__() (pid=2, ip=127.0.0.1)\n  File ...\n{CAUSE}",
+    actor_init_failed=True,
+)
+CRASHED = RayActorError(
+    error_msg="The actor died unexpectedly before finishing this task.\n"
+    "The actor is dead because its worker process has died.",
+    actor_init_failed=False,
+)
+
+
+async def test_a_worker_dead_for_good_after_it_started_leaves_its_pool(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Started, served, crashed; Ray's restart raised (its fixed port still taken), or it
+    # crashed past its restarts: it stayed a member for good, `epd scale` to the same size
+    # started none, and no line said why (s39diff review F1).
+    manager, actors = _manager(recorded)
+    await manager.scale("prefill", 2)
+    await settle()  # both started
+    dead = {"id-epd-prefill-0"}
+    states = lambda ids: ActorStates(dead=frozenset(dead) & set(ids))  # noqa: E731
+    monkeypatch.setattr(pools, "actor_states", states)
+    monkeypatch.setattr("ray.available_resources", dict)
+    actors.handles[0].start_error = RESTART_RAISED  # what a call on it raises now
+    assert await manager.survey() == []
+    assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-1"]
+    assert manager.failures() == [f"epd-prefill-0 failed to restart: {CAUSE}"]
+    assert "kill epd-prefill-0 True" in recorded
+    # Scaling to the same size replaces the next one found dead, before it counts the pool.
+    dead.add("id-epd-prefill-1")
+    actors.handles[1].start_error = CRASHED
+    assert await manager.scale("prefill", 2) == 2
+    await settle()
+    assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-2", "epd-prefill-3"]
+    assert manager.failures() == []  # a new attempt: told in the router's log and by survey
+    # The one found dead by survey, past its restarts since it started:
+    dead.add("id-epd-prefill-3")
+    actors.handles[3].start_error = CRASHED
+    await manager.survey()
+    assert manager.failures() == [
+        "epd-prefill-3 died, past its restarts: "
+        "The actor is dead because its worker process has died."
+    ]
+
+
+async def test_a_dead_worker_still_starting_is_told_by_its_start_watch_alone(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, actors = _manager(recorded)
+    await manager.scale("decode", 1)
+    never = asyncio.get_running_loop().create_future()
+    actors.handles[0].__ray_ready__.fn = lambda: never  # its start watch waits
+    await settle()
+    monkeypatch.setattr(pools, "actor_states", lambda ids: ActorStates(dead=frozenset(ids)))
+    monkeypatch.setattr("ray.available_resources", dict)
+    assert await manager.survey() == [] and manager.failures() == []
+    never.set_exception(CRASHED)
+    await settle()
+    assert manager.failures() == [
+        "epd-decode-0 failed to start: it died while starting, past its restarts: "
+        "The actor is dead because its worker process has died."
+    ]
+
+
+def test_ray_is_asked_about_each_actor_by_its_id_not_its_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ray's actor table has no namespace: by name, another deployment's crash-looping
+    # "epd-prefill-0" was told as this one's (s39diff review F2).
+    import ray._private.state as state
+
+    table = {
+        "a1": {"State": "PENDING_CREATION", "NumRestarts": 0, "Pid": 0, "Address": {}},
+        "a2": {"State": "RESTARTING", "NumRestarts": 4},
+        "a3": {"State": "DEAD", "NumRestarts": 1},
+        "a4": {"State": "PENDING_CREATION", "NumRestarts": 2, "Pid": 7},  # loading again
+        "a5": {"State": "ALIVE", "NumRestarts": 3},
+    }
+    asked: list[str | None] = []
+
+    def actors(actor_id: str | None = None, **_: object) -> dict[str, object]:
+        asked.append(actor_id)
+        return table.get(actor_id or "", {})
+
+    monkeypatch.setattr(state, "actors", actors)
+    got = actor_states(["a1", "a2", "a3", "a4", "a5", "unknown"])
+    assert asked == ["a1", "a2", "a3", "a4", "a5", "unknown"]  # each by its id, no table scan
+    assert got == ActorStates(frozenset({"a1"}), {"a2": 4, "a4": 2}, frozenset({"a3"}))
+
+
 async def test_stop_ends_the_watches_of_workers_still_starting(recorded: list[str]) -> None:
     manager, actors = _manager(recorded)
     await manager.scale("encoder", 1)
@@ -131,7 +223,11 @@ async def test_epd_serve_start_up_names_a_worker_that_cannot_register(
     # "the rest load their model" for 600 s while a worker's every call to the router
     # failed its TLS handshake; only the worker's log said so (walkthrough review, s39).
     manager, actors = _manager(recorded)
-    monkeypatch.setattr(manager, "waiting", list)  # Ray placed them all
+
+    async def placed() -> list[str]:  # Ray placed them all
+        return []
+
+    monkeypatch.setattr(manager, "survey", placed)
     await manager.scale("prefill", 1)
     await manager.scale("decode", 1)
     refused = "127.0.0.1:1: UNAVAILABLE: Ssl handshake failed: CERTIFICATE_VERIFY_FAILED"
@@ -146,6 +242,7 @@ async def test_epd_serve_start_up_names_a_worker_that_cannot_register(
     actors.handles[1].describe.fn = loading
     await manager.scale("prefill", 2)  # another, failing alike: named on the same line
     actors.handles[2].describe.fn = failing
+    await settle()  # their actors started: asked (one still starting is not: Ray queues it)
     controller = Controller.__new__(Controller)
     controller.pools = manager
     controller.registered = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -57,6 +58,7 @@ class FakeHandle:
         self.describe = _Method(self._describe)
         self.drain = _Method(self._drain)
         self.__ray_ready__ = _Method(self._ready)  # Ray's: returns once __init__ has
+        self._actor_id = SimpleNamespace(hex=lambda: f"id-{self.name}")  # not its name
 
     async def _ready(self) -> None:
         if self.start_error is not None:
