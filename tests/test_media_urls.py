@@ -6,6 +6,7 @@ refused naming its field, as any other (never a 500)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -311,3 +312,37 @@ def test_no_medium_is_read_past_the_requests_deadline(tmp_path: Path) -> None:
         chat_request(body, "r", MediaPolicy(media_dir=tmp_path), held.append, time.monotonic())
     assert err.value.status == 504 and held == []
     assert "messages[0].content[0].image_url.url" in str(err.value)
+
+
+def test_a_symlink_loop_or_a_fifo_is_a_field_error(tmp_path: Path) -> None:
+    # A loop was a 500 with a traceback (Python 3.11's resolve raises RuntimeError), also for
+    # a path outside the folder, which was looked up before it was refused (s39diff F3).
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "loop").symlink_to("loop")
+    (tmp_path / "outer").symlink_to("outer")
+    os.mkfifo(media / "pipe")  # opened without blocking, and refused: no regular file
+    policy = MediaPolicy(media_dir=media)
+    for url in ("loop", "file:loop", f"{media}/loop", "loop/x.png", "pipe", f"{tmp_path}/outer"):
+        with pytest.raises(FieldError) as err:
+            load(url, "messages[0].content[0].image_url.url", policy)
+        assert err.value.field == "messages[0].content[0].image_url.url"
+    with pytest.raises(FieldError, match="no such file"):  # refused as written, not looked up
+        load(f"{tmp_path}/outer", "f", policy)
+
+
+def test_a_path_is_read_as_written_and_a_file_url_decoded(tmp_path: Path) -> None:
+    # A bare path was %-decoded and cut at "?" and "#": "50%25.png" read "50%.png", and
+    # "what?.png" could not be named; "img:1.png" was read as a URL scheme (s39diff F4).
+    for name, data in (("50%25.png", b"literal"), ("50%.png", b"decoded"), ("what?.png", b"q")):
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "h#x.png").write_bytes(b"h")
+    (tmp_path / "img:1.png").write_bytes(b"colon")
+    policy = MediaPolicy(media_dir=tmp_path)
+    assert load("50%25.png", "f", policy) == b"literal"
+    assert load(f"{tmp_path}/50%25.png", "f", policy) == b"literal"
+    assert load("file:50%25.png", "f", policy) == b"decoded"  # a URL: %25 is "%"
+    assert load("what?.png", "f", policy) == b"q" and load("h#x.png", "f", policy) == b"h"
+    assert load("img:1.png", "f", policy) == b"colon"
+    with pytest.raises(FieldError, match="expected a data URL"):  # a URL of another scheme
+        load("ftp://example.com/cat.png", "f", policy)

@@ -2,7 +2,8 @@
 
     data:<mime>;base64,<payload>   always (the payload is the file)
     /path or file:///path          only inside `[router] http_media_dir` (default: refused);
-    path, file:path                a path relative to that folder, inside it
+    path, file:path                a path relative to that folder, inside it (a path is read
+                                   as written; a file: URL is %-decoded)
     https://host/...               only with `[router] http_fetch_urls` (default: off); the
                                    host's addresses are resolved once and every one must be
                                    public (private, loopback, link-local, reserved: refused;
@@ -23,8 +24,10 @@ import binascii
 import contextlib
 import http.client
 import ipaddress
+import os
 import socket
 import ssl
+import stat
 import threading
 import time
 import urllib.parse
@@ -76,14 +79,14 @@ def _load(url: str, field: str, policy: MediaPolicy, gone: Callable[[], bool]) -
         if parsed.scheme != "https":
             raise FieldError(field, "only https URLs are fetched")
         return _fetch(parsed, field, policy, gone)
-    bare = not parsed.scheme and bool(url)  # a path: absolute, or with a folder, relative
-    if parsed.scheme == "file" or (bare and (url.startswith("/") or policy.media_dir)):
+    if parsed.scheme == "file":
         if parsed.netloc.lower() not in ("", "localhost"):  # RFC 8089: a file elsewhere
             raise FieldError(field, "names a file on another host (file:///path is local)")
-        local = urllib.parse.unquote(parsed.path)
-        if policy.media_dir is not None and not local.startswith("/"):  # inside the folder
-            local = str(policy.media_dir / local)
-        return _local(local, field, policy)
+        return _local(urllib.parse.unquote(parsed.path), field, policy)
+    # A path, as written (no %-decoding, no ?query or #fragment): absolute, or relative to
+    # the folder; also one whose first part has a colon ("img:1.png", no "scheme://").
+    if url.startswith("/") or (url and policy.media_dir and url.partition(":")[2][:2] != "//"):
+        return _local(url, field, policy)
     raise FieldError(field, "expected a data URL (data:<mime>;base64,...)")
 
 
@@ -111,15 +114,31 @@ def _data_url(url: str, field: str) -> bytes:
 
 
 def _local(path: str, field: str, policy: MediaPolicy) -> bytes:
+    """The file at `path` (relative: to the folder), a regular file inside the folder."""
     if policy.media_dir is None:
         raise FieldError(field, "local files are refused (no [router] http_media_dir)")
     root = policy.media_dir.resolve()
-    try:  # the folder is never named: it is no client's business
-        target = Path(path).resolve()
-        if not target.is_relative_to(root) or not target.is_file():
-            raise FieldError(field, "no such file under http_media_dir")
-        with target.open("rb") as file:
+    # Inside the folder as written first: a path out of it is never looked up (a lookup
+    # tells whether it exists, and may hang on a network mount), then once links are
+    # followed. The folder is never named: it is no client's business.
+    written = os.path.normpath(os.path.join(root, path))
+    missing = FieldError(field, "no such file under http_media_dir")
+    if os.path.commonpath([root, written]) != str(root):
+        raise missing
+    try:
+        target = Path(written).resolve(strict=True)
+        if not target.is_relative_to(root):
+            raise missing
+        # Not blocking on a FIFO put there after any check; a last link swapped in is refused.
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        with open(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise missing
             data = file.read(policy.max_bytes + 1)  # one growing meanwhile: no more than this
+    except FileNotFoundError:
+        raise missing from None
+    except RuntimeError:  # a symlink loop (Python 3.11's resolve); 3.13 raises OSError
+        raise FieldError(field, "cannot be read under http_media_dir (a symlink loop)") from None
     except OSError as exc:  # a name too long, no permission, gone meanwhile: a 500 before
         raise FieldError(field, f"cannot be read under http_media_dir ({exc.strerror})") from None
     if len(data) > policy.max_bytes:
