@@ -307,7 +307,7 @@ class Registry:
                     "dropped %s worker %s: no heartbeat for %.1f s",
                     record.role,
                     record.address,
-                    self.clock() - record.last_seen + record.excused,
+                    self.seconds_since(record),
                 )
             for listener in self.on_expire:
                 listener(record)
@@ -339,8 +339,10 @@ class Registry:
         return [role for role in (Role.ENCODER, Role.PREFILL, Role.DECODE) if role not in live]
 
     def seconds_since(self, record: WorkerRecord) -> float:
-        """Seconds since the worker's last register or heartbeat."""
-        return max(0.0, self.clock() - record.last_seen)
+        """Seconds since the worker's last register or heartbeat, the router's own stalls
+        included (`excuse` moved `last_seen` past them: they count as no silence, but they
+        passed)."""
+        return max(0.0, self.clock() - record.last_seen + record.excused)
 
     def pick(
         self,

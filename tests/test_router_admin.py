@@ -140,3 +140,25 @@ async def test_status_names_the_workers_dropped_for_their_silence() -> None:
     now[0] += DROPPED_FOR_S + 1  # long ago: no longer news
     reply = await servicer.Status(admin_service_pb2.StatusRequest(), None)
     assert list(reply.dropped_workers) == []
+
+
+async def test_a_dropped_workers_silence_counts_the_routers_own_stalls() -> None:
+    # The router's stall is excused (no worker is dropped for it) but it passed: `epd status`
+    # said "no heartbeat for 5.0 s" where the router's log said 9.0 s (s39diff N2).
+    from router.admin import AdminServicer
+    from router.registry import Registry
+    from tests.registry_helpers import info
+
+    now = [100.0]
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=lambda: now[0])
+    servicer = AdminServicer(registry)
+    silent = registry.register(info(Role.DECODE, 7001))
+    now[0] += 4.0
+    registry.excuse(4.0)  # the router stalled 4 s
+    now[0] += 5.0
+    assert registry.seconds_since(silent) == 9.0
+    registry.expire()
+    reply = await servicer.Status(admin_service_pb2.StatusRequest(), None)
+    assert list(reply.dropped_workers) == [
+        f"decode {silent.name} {silent.address}: no heartbeat for 9.0 s, dropped 0 s ago"
+    ]
