@@ -6,6 +6,7 @@ own "epd-prefill-0").
   node yet, those starting again after a crash (how often), and those dead for good.
 - `start_outcome`: wait until an actor has started, or is dead for good (Ray's call waits
   through the restarts it has left); `death` tells the cause of such an end.
+- `error_summary`: a Ray error's root cause in one line; `WorkerStartError` carries one.
 """
 
 from __future__ import annotations
