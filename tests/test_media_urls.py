@@ -346,3 +346,24 @@ def test_a_path_is_read_as_written_and_a_file_url_decoded(tmp_path: Path) -> Non
     assert load("img:1.png", "f", policy) == b"colon"
     with pytest.raises(FieldError, match="expected a data URL"):  # a URL of another scheme
         load("ftp://example.com/cat.png", "f", policy)
+
+
+def test_a_folder_named_leaks_no_descriptor_and_a_linked_folder_reads_as_set(
+    tmp_path: Path,
+) -> None:
+    # Each request naming a folder left its descriptor open (os.open succeeds on a folder):
+    # a router's descriptors ran out. A folder set through a link (/srv -> /mnt/disk) was
+    # refused by its absolute paths (ownfixA review M1, M2).
+    (tmp_path / "disk" / "media" / "sub").mkdir(parents=True)
+    (tmp_path / "disk" / "media" / "cat.png").write_bytes(b"cat")
+    (tmp_path / "srv").symlink_to(tmp_path / "disk")
+    set_as = tmp_path / "srv" / "media"
+    policy = MediaPolicy(media_dir=set_as)
+    before = len(os.listdir("/proc/self/fd"))
+    for url in (".", "sub", "sub/", "file:sub", str(set_as)):
+        with pytest.raises(FieldError, match="no such file"):
+            load(url, "f", policy)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert load(f"{set_as}/cat.png", "f", policy) == b"cat"
+    assert load(f"file://{set_as}/cat.png", "f", policy) == b"cat"
+    assert load(f"{tmp_path}/disk/media/cat.png", "f", policy) == b"cat"  # as resolved, too

@@ -118,12 +118,14 @@ def _local(path: str, field: str, policy: MediaPolicy) -> bytes:
     if policy.media_dir is None:
         raise FieldError(field, "local files are refused (no [router] http_media_dir)")
     root = policy.media_dir.resolve()
-    # Inside the folder as written first: a path out of it is never looked up (a lookup
-    # tells whether it exists, and may hang on a network mount), then once links are
-    # followed. The folder is never named: it is no client's business.
+    # Inside the folder as written first (as set, or once its links are followed): a path
+    # out of it is never looked up (a lookup tells whether it exists, and may hang on a
+    # network mount); then once the path's links are followed. The folder is never named:
+    # it is no client's business.
     written = os.path.normpath(os.path.join(root, path))
     missing = FieldError(field, "no such file under http_media_dir")
-    if os.path.commonpath([root, written]) != str(root):
+    tops = (str(root), os.path.abspath(policy.media_dir))
+    if not any(os.path.commonpath([top, written]) == top for top in tops):
         raise missing
     try:
         target = Path(written).resolve(strict=True)
@@ -131,10 +133,13 @@ def _local(path: str, field: str, policy: MediaPolicy) -> bytes:
             raise missing
         # Not blocking on a FIFO put there after any check; a last link swapped in is refused.
         fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        with open(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device
                 raise missing
-            data = file.read(policy.max_bytes + 1)  # one growing meanwhile: no more than this
+            with open(fd, "rb", closefd=False) as file:
+                data = file.read(policy.max_bytes + 1)  # one growing meanwhile: no more
+        finally:
+            os.close(fd)  # every path: a folder's descriptor leaked one per request
     except FileNotFoundError:
         raise missing from None
     except RuntimeError:  # a symlink loop (Python 3.11's resolve); 3.13 raises OSError
