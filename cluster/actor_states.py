@@ -88,13 +88,13 @@ async def start_outcome(
 
 def death(exc: BaseException, started: bool) -> str:
     """How an actor dead for good ended, from Ray's error: its start (or, once it had
-    started, a restart after a crash) raised, or it died past its restarts while starting
-    or since."""
+    started, a restart after a crash) raised, or it died past its restarts (or was killed)
+    while starting or since."""
     cause = error_summary(exc)
     if getattr(exc, "actor_init_failed", False):
         return f"failed to {'restart' if started else 'start'}: {cause}"[:300]
-    if started:
-        return f"died, past its restarts: {cause}"[:300]
+    if started:  # past its restarts, or killed from outside
+        return f"died for good: {cause}"[:300]
     return f"failed to start: it died while starting, past its restarts: {cause}"[:300]
 
 

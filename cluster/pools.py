@@ -142,6 +142,7 @@ class PoolManager:
         self._retiring: set[asyncio.Task[None]] = set()
         self._starting: set[asyncio.Task[None]] = set()  # `_watch_start`, one a new worker
         self.routers_drained = False  # set by stop(): the routers take no new work
+        self.stopping = False  # set by stop()
         # The deployment's view of its routers (the controller sets both,
         # `cluster.deployment.follow_registries`): whether an operator drained the worker of
         # this name, and one retiring now, held out of rotation at once (told before `scale`
@@ -182,9 +183,11 @@ class PoolManager:
                 "([pools] max_replicas, --pools-max-replicas)"
             )
         pool = self.pools[role]
-        if pool.members and replicas >= len(pool.members):  # dead ones are no members
-            await self._reap([pool])
         async with pool.lock:
+            if self.stopping and replicas:
+                raise ValueError("the deployment is stopping")
+            if pool.members and replicas:  # dead ones are no members: not counted, not retired
+                await self._reap([pool])
             pool.failed.clear()  # a new attempt: the workers that failed before are gone
             while len(pool.members) < replicas:
                 member = self._create(pool)
@@ -233,7 +236,7 @@ class PoolManager:
         if ended is None:
             member.started = True
         else:
-            await self._failed(pool, member, death(ended, started=False))
+            self._failed(pool, member, death(ended, started=False))
 
     async def _reap(self, pools: list[_Pool]) -> ActorStates:
         """Ask Ray about every member of `pools` (`actor_states`, off the event loop); those
@@ -247,19 +250,20 @@ class PoolManager:
                 if actor_id(m.handle) in states.dead:
                     ended = await start_outcome(m.handle, lambda: True, START_RETRY_S)
                     if ended is not None:  # Ray's error for a call on it: the cause
-                        await self._failed(pool, m, death(ended, started=True))
+                        self._failed(pool, m, death(ended, started=True))
         return states
 
-    async def _failed(self, pool: _Pool, member: _Member, end: str) -> None:
+    def _failed(self, pool: _Pool, member: _Member, end: str) -> None:
         """`member` is dead for good: it leaves its pool, `end` kept in `pool.failed`
-        (`failures`) until the pool is scaled again, which starts another."""
+        (`failures`) until the pool is scaled again, which starts another; the routers
+        stop counting it at once (`retiring`: its registration lasts until it times out)."""
         import ray
 
-        async with pool.lock:
-            if member not in pool.members:  # retired meanwhile, or told already
-                return
-            pool.members.remove(member)
-            pool.failed[member.name] = end
+        if member not in pool.members:  # retired meanwhile, or told already
+            return
+        pool.members.remove(member)
+        pool.failed[member.name] = end
+        self.retiring(member.name)
         logger.error("%s %s", member.name, end)
         ray.kill(member.handle, no_restart=True)
         self.cpu.release(member.name)
@@ -354,6 +358,7 @@ class PoolManager:
         still answer heartbeats) or stopped, so the drain step at the routers is skipped.
         """
         self.routers_drained = routers_drained
+        self.stopping = True  # no scaling up from here
         for task in self._starting:
             task.cancel()
         for role in ROLES:

@@ -133,6 +133,8 @@ async def test_a_worker_dead_for_good_after_it_started_leaves_its_pool(
     # crashed past its restarts: it stayed a member for good, `epd scale` to the same size
     # started none, and no line said why (s39diff review F1).
     manager, actors = _manager(recorded)
+    retired: list[str] = []
+    manager.retiring = retired.append  # the routers hold it out of rotation at once
     await manager.scale("prefill", 2)
     await settle()  # both started
     dead = {"id-epd-prefill-0"}
@@ -156,9 +158,35 @@ async def test_a_worker_dead_for_good_after_it_started_leaves_its_pool(
     actors.handles[3].start_error = CRASHED
     await manager.survey()
     assert manager.failures() == [
-        "epd-prefill-3 died, past its restarts: "
-        "The actor is dead because its worker process has died."
+        "epd-prefill-3 died for good: The actor is dead because its worker process has died."
     ]
+    assert retired == ["epd-prefill-0", "epd-prefill-1", "epd-prefill-3"]  # counted by none
+
+
+async def test_a_scale_down_retires_the_dead_not_a_healthy_worker(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Scaled 3 -> 2 with one dead since the last survey, the newest healthy one was retired
+    # and the dead one kept: one left of two asked (ownfixA review P1).
+    manager, actors = _manager(recorded)
+    await manager.scale("prefill", 3)
+    await settle()
+    monkeypatch.setattr(pools, "actor_states", lambda ids: ActorStates(dead=frozenset(ids[:1])))
+    actors.handles[0].start_error = RESTART_RAISED
+    assert await manager.scale("prefill", 2) == 2
+    await settle()
+    assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-1", "epd-prefill-2"]
+
+
+async def test_no_worker_is_started_once_the_pools_stop(recorded: list[str]) -> None:
+    # A Scale that reached the pools during `stop` started workers nobody retired (ownfixA
+    # review P2).
+    manager, _ = _manager(recorded)
+    await manager.scale("encoder", 1)
+    await manager.stop(routers_drained=True)
+    with pytest.raises(ValueError, match="stopping"):
+        await manager.scale("encoder", 2)
+    assert manager.members("encoder") == []
 
 
 async def test_a_dead_worker_still_starting_is_told_by_its_start_watch_alone(

@@ -221,7 +221,9 @@ async def test_scale_down_retires_newest_in_order_and_never_reuses_names(
     recorded.clear()
     assert await manager.scale("prefill", 1) == 1  # returns before the retirements finish
     assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-0"]
-    await manager.stop()  # waits for every retirement (and retires the last one too)
+    await manager.scale("prefill", 2)
+    assert actors.handles[-1].name == "epd-prefill-3"
+    await manager.stop()  # waits for every retirement (and retires the others too)
     for name in ("epd-prefill-2", "epd-prefill-1"):
         steps = [e for e in recorded if e.split()[1] in (name, f"addr-{name}")]
         assert steps == [
@@ -230,8 +232,6 @@ async def test_scale_down_retires_newest_in_order_and_never_reuses_names(
             f"drain {name}",
             f"kill {name} True",
         ]
-    await manager.scale("prefill", 1)
-    assert actors.handles[-1].name == "epd-prefill-3"
 
 
 async def test_scale_down_retires_the_workers_an_operator_drained_first(
