@@ -49,12 +49,10 @@ from google.protobuf.message import DecodeError
 
 from common.errors import FieldError
 from common.processing.prompt import ProcessedPrompt
-from common.sampling import MAX_STOP_TOKEN_IDS
 from common.server.rpc import CLIENT_STREAM_WINDOW
-from common.wire.counts import check_counts
 from epd.v1 import router_service_pb2
 from router.calls import Refused, RouterError
-from router.stop import MAX_STOP_STRINGS
+from router.request_bytes import Sized, decode_request
 
 SERVICE = "epd.v1.RouterService"
 RETRY_AFTER_S = 1.0  # the back-off a refusal suggests
@@ -185,20 +183,13 @@ class _TenantReads:
     waiting: int = 0  # of those, the ones waiting
 
 
-@dataclass(frozen=True, slots=True)
-class Sized:
-    """A Generate request and the bytes it holds, as `decode_request` counts them."""
-
-    request: router_service_pb2.GenerateRequest
-    size: int
-
-
 async def read_request(
     held: HeldBytes,
     context: grpc.aio.ServicerContext,
     timeout_s: float,
     tenant: str | None,
     max_model_len: int,
+    max_text_bytes: int | None = None,
 ) -> Sized:
     """The call's Generate request, read once one of `held.reads` (and of `tenant`'s share
     of them) is free, its bytes then held as `tenant`'s (the caller gives them back when the
@@ -206,7 +197,8 @@ async def read_request(
     DEADLINE_EXCEEDED when the request has not arrived `timeout_s` after its read began (a
     stalled sender gives its read back), INVALID_ARGUMENT when it sent none or bytes that
     do not decode (which escaped as UNKNOWN "Unexpected DecodeError" before) or hold more
-    elements than a request may (`decode_request`, on a thread, naming the field),
+    elements, or strings longer, than a request may (`decode_request`, on a thread, naming
+    the field: `max_model_len` bounds its resume tokens, `max_text_bytes` its text),
     RESOURCE_EXHAUSTED (`retry-after-ms`) when holding it would pass the bound, or when
     it would wait for a read with no place left to wait (`held.no_place_to_wait`)."""
     if held.no_place_to_wait(tenant):
@@ -219,15 +211,22 @@ async def read_request(
         except TimeoutError:
             sized = None
         if isinstance(sized, bytes):
+            data, sized, refused = sized, None, None
             try:
-                sized = await _decoded(sized, max_model_len)
+                sized = await _decoded(data, max_model_len, max_text_bytes)
             except DecodeError:
                 sized = CORRUPT
-            except FieldError as exc:
+            except FieldError as exc:  # kept as text: its traceback holds the bytes
+                refused = (str(exc), exc.field)
+            # Aborted out of the handler, the bytes dropped first: raised in it, the abort's
+            # context held this frame, and so the bytes, until a garbage collection (255 MiB
+            # requests refused kept GBs: attacker review, s40).
+            del data
+            if refused is not None:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    str(exc),
-                    trailing_metadata=(("epd-field", exc.field),),
+                    refused[0],
+                    trailing_metadata=(("epd-field", refused[1]),),
                 )
     if context.done():  # the client's deadline passed: gRPC ended the call, nothing to say
         raise asyncio.CancelledError
@@ -247,12 +246,13 @@ async def read_request(
     return sized
 
 
-async def _decoded(data: bytes, max_model_len: int) -> Sized:
+async def _decoded(data: bytes, max_model_len: int, max_text_bytes: int | None) -> Sized:
     """`decode_request` on a thread, awaited to its end even when the caller is cancelled:
     the read slot is held until then (a cancelled call's decode ran on beyond the slots,
     holding its bytes: one client cancelling 107 MiB requests grew a router 230 MB/s;
     ownfix review)."""
-    work = asyncio.ensure_future(asyncio.to_thread(decode_request, data, max_model_len))
+    decoding = asyncio.to_thread(decode_request, data, max_model_len, max_text_bytes)
+    work = asyncio.ensure_future(decoding)
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
@@ -260,6 +260,8 @@ async def _decoded(data: bytes, max_model_len: int) -> Sized:
         if not work.cancelled():
             work.exception()  # retrieved: nobody waits for it any more
         raise
+    finally:  # its error's traceback holds this frame: a cycle through the future, which
+        del work, decoding, data  # held the bytes until a garbage collection
 
 
 async def _busy(context: grpc.aio.ServicerContext, holds: str) -> None:
@@ -331,50 +333,6 @@ class MediaHold:
             yield
         finally:
             self.held.give(media, self.tenant)
-
-
-ELEMENT_BYTES = 64  # per message, content part, stop string and video frame, decoded
-INT_BYTES = 8  # per resume token and stop token id, decoded (1 byte each on the wire)
-
-
-def decoded_bytes(request: router_service_pb2.GenerateRequest, per_part: int = 0) -> int:
-    """What the decoded `request` holds beside its wire bytes: `ELEMENT_BYTES` for each
-    message, content part, stop string and video frame (an empty one is 2 bytes on the wire
-    and ~45 decoded) and `INT_BYTES` for each resume token and stop token id; `per_part`
-    more for each message and content part (what a parsed HTTP body holds of them)."""
-    parts = frames = 0
-    for message in request.messages:
-        parts += len(message.content)
-        for part in message.content:
-            if part.HasField("video"):
-                frames += len(part.video.frames)
-    ints = len(request.resume_tokens) + len(request.sampling.stop_token_ids)
-    shaped = len(request.messages) + parts
-    return (
-        ELEMENT_BYTES * (shaped + len(request.stop) + frames) + INT_BYTES * ints + per_part * shaped
-    )
-
-
-# The most messages, content parts and video frames a Generate holds, each in all (the HTTP
-# API's bound on a body's objects), and the most fields in all (each message's role, ...).
-MAX_ELEMENTS = 1 << 16
-MAX_FIELDS = 5 * MAX_ELEMENTS
-
-
-def decode_request(data: bytes, max_model_len: int) -> Sized:
-    """The request and what it holds decoded: its wire bytes plus `decoded_bytes`. Its
-    element counts are checked from its bytes first (`common.wire.counts`; FieldError
-    naming the field): parsing and counting 524k empty messages of 1 MiB held the router's
-    event loop 1.4 s (stalls review). Run it on a thread: it may take a second or so."""
-    bounds = {
-        "stop": MAX_STOP_STRINGS,
-        "sampling.stop_token_ids": MAX_STOP_TOKEN_IDS,
-        "resume_tokens": max_model_len,
-    }
-    descriptor = router_service_pb2.GenerateRequest.DESCRIPTOR
-    check_counts(data, descriptor, bounds, MAX_ELEMENTS, MAX_FIELDS)
-    request = router_service_pb2.GenerateRequest.FromString(data)
-    return Sized(request, len(data) + decoded_bytes(request))
 
 
 def add_router_service(servicer: Any, server: Any) -> None:

@@ -5,9 +5,8 @@ weights), derives the model identity and KV shape workers must match, and starts
 server with RouterService, RegistryService, AdminService and grpc.health.v1.
 
 Generate, per request:
-  1. check the request and process the chat (decode media, tokenise, exact runs, hashes)
-     in a worker thread; anything malformed -> INVALID_ARGUMENT naming the field, before
-     any worker is involved;
+  1. check the request (its bytes first: `router.request_bytes`) and process the chat in a
+     worker thread; anything malformed -> INVALID_ARGUMENT naming the field, no worker called;
   2. deadline = the client's, capped by `request_timeout_s`;
   3. `Orchestrator.run` streams the answer (encode -> prefill -> decode).
 
@@ -248,7 +247,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         try:
             within = longest if left is None else min(left, longest)
             most = self.settings.model_len(self.processor.config.text.max_position_embeddings)
-            sized = await read_request(self.held, context, within, caller.tenant, most)
+            bounds = (most, self.settings.max_prompt_text_bytes)
+            sized = await read_request(self.held, context, within, caller.tenant, *bounds)
         except grpc.aio.AbortError:  # refused before it was read (the bytes held, corrupt)
             finished = self.orchestrator.metrics.finished
             refused_before(finished, caller.tenant, context.code(), context.details() or "")

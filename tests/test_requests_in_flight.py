@@ -22,7 +22,8 @@ from common.sampling import SamplingParams
 from common.server.credentials import bearer_metadata
 from epd.client import Chunk, Client, GenerateError
 from epd.v1 import router_service_pb2
-from router.held import HeldBytes, decoded_bytes
+from router.held import HeldBytes
+from router.request_bytes import decoded_bytes
 from tests.cluster import CLIENT_KEY
 from tests.test_bad_input import chat, grpc_request, post_raw
 from tests.test_http_api import add_workers, fake_router, url_of
@@ -289,7 +290,7 @@ def test_a_request_of_many_empty_messages_counts_what_it_holds_decoded() -> None
     # 2 bytes a message on the wire, ~45 decoded: counted at the wire size alone, 1 GiB of
     # `requests_in_flight_mb` held ~22 GiB of them.
     from epd.v1 import router_service_pb2
-    from router.held import ELEMENT_BYTES, decode_request
+    from router.request_bytes import ELEMENT_BYTES, decode_request
 
     request = router_service_pb2.GenerateRequest()
     for _ in range(10_000):
@@ -302,7 +303,7 @@ def test_a_request_of_many_empty_messages_counts_what_it_holds_decoded() -> None
 def test_video_frames_and_token_lists_count_what_they_hold_decoded() -> None:
     # Empty frames are 2 bytes on the wire and small token ids 1 byte: counted at the wire
     # size alone, a request held 8-14x its count (3.6 GiB from one 256 MiB message).
-    from router.held import ELEMENT_BYTES, INT_BYTES, decode_request
+    from router.request_bytes import ELEMENT_BYTES, INT_BYTES, decode_request
 
     request = router_service_pb2.GenerateRequest()
     video = request.messages.add().content.add().video
@@ -349,7 +350,7 @@ async def test_a_cancelled_calls_decode_holds_its_read_until_it_ends(
 
     release, decoding = threading.Event(), threading.Event()
 
-    def slow(data: bytes, max_model_len: int) -> Any:
+    def slow(data: bytes, max_model_len: int, max_text_bytes: int | None) -> Any:
         decoding.set()
         release.wait(10)
         raise held_module.DecodeError("never mind")

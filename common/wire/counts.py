@@ -19,7 +19,7 @@ types 3 and 4, which proto3 has not), which a parser would keep as an unknown fi
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -40,16 +40,23 @@ _DELIMITED = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
 
 
 def check_counts(
-    data: bytes, descriptor: Descriptor, bounds: Mapping[str, int], default: int, most: int
+    data: bytes,
+    descriptor: Descriptor,
+    bounds: Mapping[str, int],
+    default: int,
+    most: int,
+    strings: Strings | None = None,
 ) -> dict[str, int]:
     """Refuse `data`, a serialized `descriptor` message, with `FieldError` when a field path
     (`messages.content`: dotted names, no indexes; the error names the element, as
     `messages[3].content`) occurs more often than `bounds` says for it, or `default` times
     for one it does not name, or when the message holds more than `most` fields in all (a
     packed field's elements not counted there: they cost no walking); occurrences are
-    counted over the whole message, sub-messages' summed. `DecodeError` when the bytes are
-    not protobuf wire format. Returns the counts, by path."""
-    walk = _Walk(bytes(data), bounds, default, most)
+    counted over the whole message, sub-messages' summed. `strings(path, field, size)` is
+    called for each string or bytes value, in order, with its size on the wire (it raises
+    to refuse it). `DecodeError` when the bytes are not protobuf wire format. Returns the
+    counts, by path."""
+    walk = _Walk(bytes(data), bounds, default, most, strings)
     walk.message(0, len(data), descriptor, "", "")
     return walk.counts
 
@@ -58,9 +65,21 @@ _VARINT = re.compile(rb"[\x80-\xff]{0,9}[\x00-\x7f]")  # one varint, up to 10 by
 _MESSAGE, _PACKED, _ONE = 0, 1, 2  # what a length-delimited occurrence of a field holds
 
 
+# Called for each string or bytes value: (its path, the field as errors name it, its bytes).
+Strings = Callable[[str, str, int], None]
+
+
 class _Walk:
-    def __init__(self, data: bytes, bounds: Mapping[str, int], default: int, most: int) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        bounds: Mapping[str, int],
+        default: int,
+        most: int,
+        strings: Strings | None,
+    ) -> None:
         self.data = data
+        self.strings = strings
         self.bounds = bounds
         self.default = default
         self.left = most  # fields the walk may still read
@@ -142,6 +161,8 @@ class _Walk:
             key, name, kind, sub, repeated, width = known
             if wire != 2 or kind == _ONE:
                 self.count(key, shown, name, 1)
+                if wire == 2 and self.strings is not None:
+                    self.strings(key, f"{shown}{name}", pos - start)
             elif kind == _MESSAGE:
                 index = seen[number] = seen.get(number, -1) + 1
                 self.count(key, shown, name, 1)

@@ -42,9 +42,14 @@ from common.errors import FieldError
 from common.server.auth import Authenticator, Caller
 from common.tasks import cancel_and_wait
 from epd.v1 import router_service_pb2
-from router.held import decoded_bytes
 from router.http.body import ARRIVED_KEY, CALLER_KEY, HELD_KEY, identify
-from router.http.convert import as_sent, chat_request, completion_request, names_media
+from router.http.convert import (
+    as_sent,
+    chat_request,
+    check_text_length,
+    completion_request,
+    names_media,
+)
 from router.http.errors import ApiError, api_error, model_not_found
 from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
@@ -52,6 +57,7 @@ from router.http.schema import ChatCompletionRequest, CompletionRequest, Samplin
 from router.http.stream import Answer, TimedStream, events
 from router.outcomes import refused_before
 from router.prepare_threads import LIGHT_BODY_BYTES
+from router.request_bytes import decoded_bytes
 
 if TYPE_CHECKING:
     from router.server import RouterServicer
@@ -59,7 +65,7 @@ if TYPE_CHECKING:
 
 # What a parsed body holds per message and content part (pydantic objects) beside the
 # `GenerateRequest` made of it: measured ~650 B for a one-letter message, against ~30 B of
-# JSON (`router.held.decoded_bytes`).
+# JSON (`router.request_bytes.decoded_bytes`).
 PARSED_PART_BYTES = 640
 
 Chunks = AsyncGenerator[router_service_pb2.GenerateResponse, None]
@@ -187,6 +193,8 @@ def build_app(
         heavy = len(data) > LIGHT_BODY_BYTES
         body = await threads.run(heavy, who.tenant, parse_body, data, content_type, schema, commas)
         check_model(body)
+        if isinstance(body, ChatCompletionRequest | CompletionRequest):
+            check_text_length(body, servicer.settings.max_prompt_text_bytes)
         return body
 
     @contextlib.contextmanager

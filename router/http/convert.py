@@ -160,6 +160,32 @@ def _request(body: SamplingBody, request_id: str) -> router_service_pb2.Generate
     return request
 
 
+def check_text_length(body: ChatCompletionRequest | CompletionRequest, max_bytes: int) -> None:
+    """FieldError naming the text part (as the body spells it) where the body's text passes
+    `max_bytes` (`max_prompt_text_bytes`) in characters, before any copy of it is made: each
+    character is a byte at least, so none the processor's count of bytes accepts is refused.
+    Converted first, a 250 MiB text was copied into the request, then again at each read of
+    it, holding the GIL (attacker review, s40)."""
+    if isinstance(body, CompletionRequest):
+        texts = [("prompt", body.prompt)]
+    else:
+        texts = []
+        for m, message in enumerate(body.messages):
+            if isinstance(message.content, str):
+                texts.append((f"messages[{m}].content", message.content))
+                continue
+            for p, part in enumerate(message.content):
+                if isinstance(part, TextContent):
+                    texts.append((f"messages[{m}].content[{p}].text", part.text))
+    used = 0
+    for field, text in texts:
+        used += len(text)
+        if used > max_bytes:
+            raise FieldError(
+                field, f"prompt text of {used}+ bytes exceeds max_prompt_text_bytes = {max_bytes}"
+            )
+
+
 def names_media(body: ChatCompletionRequest) -> bool:
     """Whether a message of `body` holds an image or a video part (its URL is read by
     `chat_request`: a file, a fetch, or a data URL decoded)."""

@@ -1,0 +1,110 @@
+"""A Generate request's bytes: checked on the wire before they are parsed, then decoded
+(`decode_request`, on a thread), and what the decoded request holds beside them
+(`decoded_bytes`), which `router.held` counts.
+
+Before parsing, from the wire alone (`common.wire.counts`): each field's elements (parsing
+and counting 524k empty messages of 1 MiB held the router's event loop 1.4 s: stalls
+review), and each string's bytes (`_Strings`): the text of the prompt, roles and text parts
+in all against `max_prompt_text_bytes` (the UTF-8 bytes on the wire are the bytes the
+processor counts), and the ids, salt, uuids and stop strings against their characters (at
+most 4 bytes each). Parsed first, a refused 255 MiB prompt was copied again at every read
+of it (each a UTF-8 decode, GIL held), then once more to count it: two such requests of one
+tenant, within its share, took a router to 5-8 GB and stalled its loop 18 s of 25
+(attacker review, s40).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.errors import FieldError
+from common.multimodal.validation import MAX_UUID_CHARS
+from common.processing.limits import InputLimits, check_text_bytes
+from common.sampling import MAX_STOP_TOKEN_IDS
+from common.wire.counts import check_counts
+from epd.v1 import router_service_pb2
+from router.ids import MAX_ID_CHARS
+from router.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+
+@dataclass(frozen=True, slots=True)
+class Sized:
+    """A Generate request and the bytes it holds, as `decode_request` counts them."""
+
+    request: router_service_pb2.GenerateRequest
+    size: int
+
+
+ELEMENT_BYTES = 64  # per message, content part, stop string and video frame, decoded
+INT_BYTES = 8  # per resume token and stop token id, decoded (1 byte each on the wire)
+
+
+def decoded_bytes(request: router_service_pb2.GenerateRequest, per_part: int = 0) -> int:
+    """What the decoded `request` holds beside its wire bytes: `ELEMENT_BYTES` for each
+    message, content part, stop string and video frame (an empty one is 2 bytes on the wire
+    and ~45 decoded) and `INT_BYTES` for each resume token and stop token id; `per_part`
+    more for each message and content part (what a parsed HTTP body holds of them)."""
+    parts = frames = 0
+    for message in request.messages:
+        parts += len(message.content)
+        for part in message.content:
+            if part.HasField("video"):
+                frames += len(part.video.frames)
+    ints = len(request.resume_tokens) + len(request.sampling.stop_token_ids)
+    shaped = len(request.messages) + parts
+    return (
+        ELEMENT_BYTES * (shaped + len(request.stop) + frames) + INT_BYTES * ints + per_part * shaped
+    )
+
+
+# The most messages, content parts and video frames a Generate holds, each in all (the HTTP
+# API's bound on a body's objects), and the most fields in all (each message's role, ...).
+MAX_ELEMENTS = 1 << 16
+MAX_FIELDS = 5 * MAX_ELEMENTS
+
+# The strings whose UTF-8 bytes are the prompt's text (`InputLimits.max_text_bytes`).
+TEXT = frozenset(("prompt", "messages.role", "messages.content.text"))
+# Strings of at most so many characters, and the refusal past them (as the checks after
+# parsing word it): refused on the wire past 4 bytes a character, which no string that
+# passes those checks has.
+_IDS = f"is over {MAX_ID_CHARS} characters"
+_UUIDS = f"is over {MAX_UUID_CHARS} characters"
+CHARACTERS = {
+    "request_id": (MAX_ID_CHARS, _IDS),
+    "cache_salt": (MAX_ID_CHARS, _IDS),
+    "stop": (MAX_STOP_CHARS, f"a stop string may have at most {MAX_STOP_CHARS} characters"),
+    "messages.content.image.uuid": (MAX_UUID_CHARS, _UUIDS),
+    "messages.content.video.uuid": (MAX_UUID_CHARS, _UUIDS),
+}
+
+
+class _Strings:
+    """What `check_counts` calls for each string on the wire: the text's bytes summed and
+    checked as the processor checks them, each bounded string's against its characters."""
+
+    def __init__(self, max_text_bytes: int | None) -> None:
+        self.limits = InputLimits(max_text_bytes=max_text_bytes)
+        self.text = 0
+
+    def __call__(self, path: str, field: str, size: int) -> None:
+        if path in TEXT:
+            self.text += size
+            check_text_bytes(self.text, self.limits, field)
+        elif (bound := CHARACTERS.get(path)) is not None and size > 4 * bound[0]:
+            raise FieldError(field, bound[1])
+
+
+def decode_request(data: bytes, max_model_len: int, max_text_bytes: int | None = None) -> Sized:
+    """The request and what it holds decoded: its wire bytes plus `decoded_bytes`. Its
+    elements and strings are checked from its bytes first (the module docstring; FieldError
+    naming the field). Run it on a thread: it may take a second or so."""
+    bounds = {
+        "stop": MAX_STOP_STRINGS,
+        "sampling.stop_token_ids": MAX_STOP_TOKEN_IDS,
+        "resume_tokens": max_model_len,
+    }
+    descriptor = router_service_pb2.GenerateRequest.DESCRIPTOR
+    strings = _Strings(max_text_bytes)
+    check_counts(data, descriptor, bounds, MAX_ELEMENTS, MAX_FIELDS, strings)
+    request = router_service_pb2.GenerateRequest.FromString(data)
+    return Sized(request, len(data) + decoded_bytes(request))
