@@ -114,6 +114,16 @@ class RouterError(Exception):
         self.context_exceeded = False
 
 
+def invalid(message: str, field: str, context_exceeded: bool = False) -> RouterError:
+    """INVALID_ARGUMENT for a request's bad `field`, named in the `epd-field` trailer. Made
+    here, not bound to a name in the handler that raises it: its traceback would hold that
+    frame, a cycle keeping the request until a garbage collection (attacker2 review, s40)."""
+    error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    error.trailing_metadata = (("epd-field", field),)
+    error.context_exceeded = context_exceeded
+    return error
+
+
 class KvPoolFull(RouterError):
     """A prefill worker (`address`) answered RESOURCE_EXHAUSTED: its pool was full then
     (`router.admission` queues the request again)."""

@@ -113,7 +113,10 @@ class PrepareThreads:
                 loop.call_soon_threadsafe(done, None)
 
         work.add_done_callback(finished)
-        return await asyncio.wrap_future(work)
+        try:
+            return await asyncio.wrap_future(work)
+        finally:  # its error's traceback holds this frame: a cycle through the future kept
+            del work, call, args  # the request until a garbage collection (attacker2, s40)
 
     def _release_if_idle(self, loop: asyncio.AbstractEventLoop) -> None:
         """What media requests freed, given back once `heavy` stayed idle a while: the heap's

@@ -61,7 +61,7 @@ from epd.v1 import (
 )
 from router.admin import AdminServicer, Scaler
 from router.admission_need import fitted_to_decode
-from router.calls import Job, RouterError
+from router.calls import Job, RouterError, invalid
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
 from router.detokenize import IncrementalDetokenizer
@@ -209,10 +209,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     raise
                 if time.monotonic() > deadline:  # passed while its media decoded
                     raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
-                error = RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                error.trailing_metadata = (("epd-field", exc.field),)
-                error.context_exceeded = isinstance(exc, ContextTooLong)
-                raise error from None
+                raise invalid(str(exc), exc.field, isinstance(exc, ContextTooLong)) from None
             outcome.prompt_tokens = len(prompt.prompt_token_ids)
             with media.holding(prompt):
                 job = Job(
@@ -253,21 +250,23 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
             finished = self.orchestrator.metrics.finished
             refused_before(finished, caller.tenant, context.code(), context.details() or "")
             raise
-        request = sized.request
+        request, size, failed = sized.request, sized.size, None
         request.request_id = request.request_id or uuid.uuid4().hex  # one id in every log line
         try:
             left = context.time_remaining()
-            async for chunk in self.generate(request, caller, left, sized.size):
+            async for chunk in self.generate(request, caller, left, size):
                 if context.done():  # past the client's deadline: gRPC ended the call
                     return
                 yield chunk
         except RouterError as exc:  # logged by `generate`
-            if not context.done():  # else writing to it fails, logged at ERROR by gRPC
-                await context.abort(exc.code, str(exc), trailing_metadata=exc.trailing_metadata)
+            failed = (exc.code, str(exc), exc.trailing_metadata)
         except RpcStatusError as exc:  # draining
-            await context.abort(exc.code, exc.details)
+            failed = (exc.code, exc.details, ())
         finally:
-            self.held.give(sized.size, caller.tenant)
+            self.held.give(size, caller.tenant)
+        del request, sized  # gRPC keeps an abort in a cycle with this frame: not the request
+        if failed is not None and not context.done():  # else writing fails, logged by gRPC
+            await context.abort(failed[0], failed[1], trailing_metadata=failed[2])
 
 
 @dataclass(slots=True, eq=False)

@@ -206,7 +206,10 @@ def build_app(
         except (ApiError, FieldError) as exc:
             error = api_error(exc)
             refused_before(finished, who.tenant, error.grpc_code, str(error))
-            raise error from None
+            try:
+                raise error from None
+            finally:  # its traceback holds this frame: a cycle kept the body (and the text
+                del error  # it was refused for) until a garbage collection (attacker2, s40)
         except ClientDisconnect:  # gone while sending its body: answered 499 (`_gone`)
             gone = "the client went away while sending its body"
             refused_before(finished, who.tenant, grpc.StatusCode.CANCELLED, gone)
