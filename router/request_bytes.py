@@ -15,6 +15,7 @@ tenant, within its share, took a router to 5-8 GB and stalled its loop 18 s of 2
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from common.errors import FieldError
@@ -79,19 +80,54 @@ CHARACTERS = {
 
 
 class _Strings:
-    """What `check_counts` calls for each string on the wire: the text's bytes summed and
-    checked as the processor checks them, each bounded string's against its characters."""
+    """What `check_counts` calls for each string on the wire; `check` then refuses as the
+    checks after parsing would: the text's bytes in all, summed in the processor's order
+    (each message's role, then its parts), and each bounded string against its characters.
+    A singular field sent again counts as the parser keeps it, its last value, as does a
+    part whose image or video came after its text (one of them, the last: ownfixB review);
+    stop strings, a repeated field, are checked each as it comes."""
 
     def __init__(self, max_text_bytes: int | None) -> None:
         self.limits = InputLimits(max_text_bytes=max_text_bytes)
-        self.text = 0
+        self.text: dict[str, int] = {}  # field (as errors name it) -> its bytes
+        self.bounded: dict[str, tuple[int, str]] = {}  # field -> (its bytes, its path)
 
     def __call__(self, path: str, field: str, size: int) -> None:
         if path in TEXT:
-            self.text += size
-            check_text_bytes(self.text, self.limits, field)
-        elif (bound := CHARACTERS.get(path)) is not None and size > 4 * bound[0]:
-            raise FieldError(field, bound[1])
+            self.text[field] = size
+        elif path.startswith(_MEDIA):  # the part is an image or a video, no text (oneof)
+            self.text.pop(f"{field.split('.image.')[0].split('.video.')[0]}.text", None)
+        if path == "stop" and size > 4 * MAX_STOP_CHARS:
+            raise FieldError(field, CHARACTERS[path][1])
+        if path in CHARACTERS:
+            self.bounded[field] = (size, path)
+
+    def check(self) -> None:
+        for field, (size, path) in self.bounded.items():
+            most, reason = CHARACTERS[path]
+            if size > 4 * most:
+                raise FieldError(field, reason)
+        if self.limits.max_text_bytes is None:
+            return
+        if sum(self.text.values()) <= self.limits.max_text_bytes:
+            return
+        used = 0
+        for field in sorted(self.text, key=_processor_order):
+            used += self.text[field]
+            check_text_bytes(used, self.limits, field)
+
+
+_MEDIA = ("messages.content.image.", "messages.content.video.")
+_INDEXES = re.compile(r"messages\[(\d+)\]\.(?:role|content\[(\d+)\]\.text)")
+
+
+def _processor_order(field: str) -> tuple[int, int]:
+    """Where the processor counts `field`'s text: the prompt, or message by message, its
+    role before its parts (a client may send a message's content before its role)."""
+    found = _INDEXES.fullmatch(field)
+    if found is None:  # the prompt
+        return (-1, -1)
+    return (int(found[1]), -1 if found[2] is None else int(found[2]))
 
 
 def decode_request(data: bytes, max_model_len: int, max_text_bytes: int | None = None) -> Sized:
@@ -106,5 +142,6 @@ def decode_request(data: bytes, max_model_len: int, max_text_bytes: int | None =
     descriptor = router_service_pb2.GenerateRequest.DESCRIPTOR
     strings = _Strings(max_text_bytes)
     check_counts(data, descriptor, bounds, MAX_ELEMENTS, MAX_FIELDS, strings)
+    strings.check()
     request = router_service_pb2.GenerateRequest.FromString(data)
     return Sized(request, len(data) + decoded_bytes(request))
