@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "epd-controller"
 START_RETRY_S = 1.0  # between asks whether a worker has started, after one failed
+ASK_RAY_S = 10.0  # the longest a scale or a status waits for Ray to say which workers died
 
 
 # ------------------------------------------------------------------------------ the pools
@@ -244,13 +245,18 @@ class PoolManager:
         raised) leave their pool as failed ones (`_failed`). One still starting is its start
         watch's to tell."""
         ids = [actor_id(m.handle) for pool in pools for m in pool.members]
-        states = await asyncio.to_thread(actor_states, ids)
-        for pool in pools:
-            for m in [m for m in pool.members if m.started]:
-                if actor_id(m.handle) in states.dead:
-                    ended = await start_outcome(m.handle, lambda: True, START_RETRY_S)
-                    if ended is not None:  # Ray's error for a call on it: the cause
-                        self._failed(pool, m, death(ended, started=True))
+        try:  # a Ray that does not answer holds no scale nor `stop` (under the pool's lock)
+            async with asyncio.timeout(ASK_RAY_S):
+                states = await asyncio.to_thread(actor_states, ids)
+                for pool in pools:
+                    for m in [m for m in pool.members if m.started]:
+                        if actor_id(m.handle) in states.dead:
+                            ended = await start_outcome(m.handle, lambda: True, START_RETRY_S)
+                            if ended is not None:  # Ray's error for a call on it: the cause
+                                self._failed(pool, m, death(ended, started=True))
+        except TimeoutError:
+            logger.warning("Ray did not tell within %.0f s which workers are dead", ASK_RAY_S)
+            return ActorStates()
         return states
 
     def _failed(self, pool: _Pool, member: _Member, end: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -309,3 +310,23 @@ async def test_epd_serve_stopped_while_waiting_leaves_no_unretrieved_failure() -
     gc.collect()
     await asyncio.sleep(0)
     assert unretrieved == []
+
+
+async def test_a_ray_that_does_not_answer_holds_no_scale(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reap runs under the pool's lock: a GCS that hung held every scale and `stop` with
+    # it (ownfixB review F4).
+    manager, _ = _manager(recorded)
+    await manager.scale("prefill", 1)
+    await settle()
+    monkeypatch.setattr(pools, "ASK_RAY_S", 0.05)
+
+    def hung(ids: list[str]) -> ActorStates:
+        time.sleep(1)
+        return ActorStates()
+
+    monkeypatch.setattr(pools, "actor_states", hung)
+    started = time.monotonic()
+    assert await manager.scale("prefill", 2) == 2
+    assert time.monotonic() - started < 0.9
