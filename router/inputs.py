@@ -283,10 +283,11 @@ class _Reader:
 
     def video(self, video: router_service_pb2.VideoInput, where: str) -> VideoPart | _FileVideo:
         uuid = _uuid(video, f"{where}.video.uuid")
-        if video.file and video.frames:
+        file = video.file  # read once: each read copies it (200 MiB: 0.13 s, GIL held)
+        if file and video.frames:
             raise InputError(f"{where}.video", "set exactly one of frames and file")
-        if video.file:
-            return self.video_file(video, where)
+        if file:
+            return self.video_file(video, file, where)
         if not video.frames:  # (an empty `file` reads as none)
             raise InputError(f"{where}.video", "has neither frames nor a file (or it is empty)")
         try:
@@ -348,7 +349,9 @@ class _Reader:
                 out.append(KeyedImage(frame, key))
         return out
 
-    def video_file(self, video: router_service_pb2.VideoInput, where: str) -> _FileVideo:
+    def video_file(
+        self, video: router_service_pb2.VideoInput, file: bytes, where: str
+    ) -> _FileVideo:
         if video.fps != 0 and not MIN_FPS <= video.fps <= MAX_FPS:
             raise InputError(
                 f"{where}.video.fps",
@@ -360,7 +363,7 @@ class _Reader:
         fps = video.fps or limits.video_file_fps
         try:
             opened = open_video(
-                video.file,
+                file,
                 fps=fps,
                 max_frames=limits.max_video_frames or DEFAULT_MAX_VIDEO_FRAMES,
                 max_pixels=MAX_IMAGE_PIXELS
