@@ -86,16 +86,20 @@ async def start_outcome(
         await asyncio.sleep(retry_s)
 
 
+FAILED_TO_START = "failed to start"  # what a new worker's end says (`epd scale` stops at it)
+
+
 def death(exc: BaseException, started: bool) -> str:
     """How an actor dead for good ended, from Ray's error: its start (or, once it had
     started, a restart after a crash) raised, or it died past its restarts (or was killed)
     while starting or since."""
-    cause = error_summary(exc)
+    # Ray's guesses after its cause ("Some common causes include: (1) ...") are no cause.
+    cause = error_summary(exc).split(" Some common causes include")[0]
     if getattr(exc, "actor_init_failed", False):
-        return f"failed to {'restart' if started else 'start'}: {cause}"[:300]
+        return f"{'failed to restart' if started else FAILED_TO_START}: {cause}"[:300]
     if started:  # past its restarts, or killed from outside
         return f"died for good: {cause}"[:300]
-    return f"failed to start: it died while starting, past its restarts: {cause}"[:300]
+    return f"{FAILED_TO_START}: it died while starting, past its restarts: {cause}"[:300]
 
 
 class WorkerStartError(RuntimeError):

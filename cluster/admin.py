@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.actor_states import FAILED_TO_START
 from cluster.console import say as _say
 
 
@@ -122,9 +123,16 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             return 0
         t0 = time.monotonic()
         said: list[str] = []
+        told: set[str] = set()
         while True:
             status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
             now = role_counts(status)[args.role]
+            lines = [w for w in status.failed_starts if f"-{args.role}-" in w]
+            # Workers dead for good since they started (the scale replaces them): told once.
+            died = [w for w in lines if f" {FAILED_TO_START}: " not in w and w not in told]
+            if died:
+                _say(f"{args.role}: " + "; ".join(died))
+                told.update(died)
             # Workers drained with `epd drain` stay in the pool, serving nothing: said at once.
             if now.serving == reply.replicas - now.drained and now.draining <= before.draining:
                 took = time.monotonic() - t0
@@ -137,7 +145,7 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             if waiting and waiting != said:  # e.g. Ray has no CPU or GPU left for a worker
                 _say(f"{args.role}: " + "; ".join(waiting))
                 said = waiting
-            failed = [w for w in status.failed_starts if f"-{args.role}-" in w]
+            failed = [w for w in lines if f" {FAILED_TO_START}: " in w]
             if failed:  # out of the pool: waiting cannot help (scaling again starts others)
                 _say(f"{args.role}: " + "; ".join(failed))
                 _say(f"{args.role}: {_counted(now)}; `epd scale` again starts others")

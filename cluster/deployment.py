@@ -238,6 +238,7 @@ class Controller:
         """
         timeout_s = self.settings.pools.drain_timeout_s
         routers = [self.router, *self.more_routers]
+        self.pools.stopping = True  # a Scale meanwhile starts none (it is told why)
         drains = await asyncio.gather(*(r.lifecycle.drain(timeout_s, stop=False) for r in routers))
         if not all(drains):
             await asyncio.gather(*(r.stop(0) for r in routers))

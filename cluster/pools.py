@@ -143,7 +143,7 @@ class PoolManager:
         self._retiring: set[asyncio.Task[None]] = set()
         self._starting: set[asyncio.Task[None]] = set()  # `_watch_start`, one a new worker
         self.routers_drained = False  # set by stop(): the routers take no new work
-        self.stopping = False  # set by stop()
+        self.stopping = False  # set by stop(), or the deployment's shutdown before it
         # The deployment's view of its routers (the controller sets both,
         # `cluster.deployment.follow_registries`): whether an operator drained the worker of
         # this name, and one retiring now, held out of rotation at once (told before `scale`
@@ -187,9 +187,9 @@ class PoolManager:
         async with pool.lock:
             if self.stopping and replicas:
                 raise ValueError("the deployment is stopping")
-            if pool.members and replicas:  # dead ones are no members: not counted, not retired
-                await self._reap([pool])
             pool.failed.clear()  # a new attempt: the workers that failed before are gone
+            if pool.members and replicas:  # the dead are no members: not counted nor retired
+                await self._reap([pool])  # (and told: `failures`, until the next scale)
             while len(pool.members) < replicas:
                 member = self._create(pool)
                 pool.members.append(member)

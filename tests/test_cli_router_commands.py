@@ -58,6 +58,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         self.scaled: list[tuple[int, int]] = []
         self.failed = ["epd-encoder-3 failed to start: SettingsError: port 9 is in use"]
         self.starts_fail = False  # a Scale's new workers fail to start
+        self.found_dead = False  # a Scale finds a worker dead for good, and replaces it
 
     async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
         response = admin_service_pb2.StatusResponse(
@@ -92,6 +93,8 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         if self.starts_fail:
             self.failed = [f"epd-prefill-{n} failed to start: boom" for n in range(2, 4)]
         else:
+            if self.found_dead:
+                self.failed = ["epd-prefill-0 died for good: it crashed"]
             self.sizes[request.role] = request.replicas
         return admin_service_pb2.ScaleResponse(replicas=request.replicas)
 
@@ -227,6 +230,22 @@ async def test_scale_stops_waiting_at_a_worker_that_failed_to_start(
         "prefill: epd-prefill-2 failed to start: boom; epd-prefill-3 failed to start: boom",
         "prefill: 1 worker serving; `epd scale` again starts others",
     ]
+
+
+async def test_scale_tells_a_dead_worker_it_replaced_and_waits_on(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A worker found dead for good by the scale was cleared with the failures before it and
+    # never told (raypools2 review 1); it is no start that failed: the wait goes on.
+    address, _, admin = router
+    admin.found_dead = True
+    args = build_parser().parse_args(
+        ["scale", "--role", "prefill", "--replicas", "2", "--address", address]
+    )
+    assert await cmd_scale(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "prefill: epd-prefill-0 died for good: it crashed"
+    assert out[2].startswith("prefill: 2 workers serving (") and len(out) == 3
 
 
 async def test_drain_reports_unknown_workers(
