@@ -273,11 +273,11 @@ class Admission:
         return live
 
     def _check_fits(self, need: Need) -> None:
-        for role in need.roles:
-            refusal = need.too_large(role, [self.capacity(w) for w in self._live(role)])
-            if refusal is not None:
-                self.refused["never_fits"] += 1
-                raise refusal
+        for role in need.roles:  # raised as made: bound to a local here, the refusal closed a
+            capacities = [self.capacity(w) for w in self._live(role)]  # cycle through this
+            if need.too_large(role, capacities) is not None:  # frame, which kept the request
+                self.refused["never_fits"] += 1  # until a garbage collection (ownfixC C3)
+                raise need.too_large(role, capacities) or AssertionError
 
     def _place(self, ticket: Ticket, choose: Choose, avoid: Collection[str] = frozenset()) -> bool:
         """Reserve on a worker with room for each role, none of the prefill workers in

@@ -297,7 +297,10 @@ async def _unless_gone(
         on_gone()
         await cancel_and_wait(task)
         raise _ClientGone
-    return task.result()
+    try:
+        return task.result()
+    finally:  # its error's traceback holds this frame: a cycle through the task kept the
+        del task, gone, work  # body and its media until a garbage collection (ownfixC C1)
 
 
 async def _disconnect(raw: Request) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import http.client
 import ipaddress
 import os
@@ -123,25 +124,27 @@ def _local(path: str, field: str, policy: MediaPolicy) -> bytes:
     # network mount); then once the path's links are followed. The folder is never named:
     # it is no client's business.
     written = os.path.normpath(os.path.join(root, path))
-    missing = FieldError(field, "no such file under http_media_dir")
+    # Made at each raise: one error bound to a local here closed a cycle through this
+    # frame, which kept the request's media until a garbage collection (ownfixC C2).
+    missing = functools.partial(FieldError, field, "no such file under http_media_dir")
     tops = (str(root), os.path.abspath(policy.media_dir))
     if not any(os.path.commonpath([top, written]) == top for top in tops):
-        raise missing
+        raise missing()
     try:
         target = Path(written).resolve(strict=True)
         if not target.is_relative_to(root):
-            raise missing
+            raise missing()
         # Not blocking on a FIFO put there after any check; a last link swapped in is refused.
         fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device
-                raise missing
+                raise missing()
             with open(fd, "rb", closefd=False) as file:
                 data = file.read(policy.max_bytes + 1)  # one growing meanwhile: no more
         finally:
             os.close(fd)  # every path: a folder's descriptor leaked one per request
     except FileNotFoundError:
-        raise missing from None
+        raise missing() from None
     except RuntimeError:  # a symlink loop (Python 3.11's resolve); 3.13 raises OSError
         raise FieldError(field, "cannot be read under http_media_dir (a symlink loop)") from None
     except OSError as exc:  # a name too long, no permission, gone meanwhile: a 500 before

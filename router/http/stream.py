@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+import traceback
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,9 @@ async def events(
     except Exception as exc:
         yield sse(on_error(exc))
         return
+    except BaseException as exc:  # the client left: anyio keeps the cancellation in a cycle
+        traceback.clear_frames(exc.__traceback__)  # with its frames, which held the request
+        raise  # (its job, prompt, pixels) until a garbage collection (ownfixC C4)
     finally:
         if isinstance(chunks, AsyncGenerator):  # closed with this one (`TimedStream`)
             await chunks.aclose()
