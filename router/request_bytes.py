@@ -83,8 +83,8 @@ class _Strings:
     """What `check_counts` calls for each string on the wire; `check` then refuses as the
     checks after parsing would: the text's bytes in all, summed in the processor's order
     (each message's role, then its parts), and each bounded string against its characters.
-    A singular field sent again counts as the parser keeps it, its last value, as does a
-    part whose image or video came after its text (one of them, the last: ownfixB review);
+    A singular field sent again counts as the parser keeps it, its last value, and a part
+    as the last member of its oneof it was sent (text, image or video: ownfixB, ownfixC);
     stop strings, a repeated field, are checked each as it comes."""
 
     def __init__(self, max_text_bytes: int | None) -> None:
@@ -93,10 +93,15 @@ class _Strings:
         self.bounded: dict[str, tuple[int, str]] = {}  # field -> (its bytes, its path)
 
     def __call__(self, path: str, field: str, size: int) -> None:
+        if path.startswith(_PART):  # a part holds its oneof's last member: not the others
+            member = path.removeprefix(_PART).split(".")[0]  # text, image or video
+            part = field[: field.rindex(f".{member}")]
+            if member != "text":
+                self.text.pop(f"{part}.text", None)
+            for other in {"image", "video"} - {member}:
+                self.bounded.pop(f"{part}.{other}.uuid", None)
         if path in TEXT:
             self.text[field] = size
-        elif path.startswith(_MEDIA):  # the part is an image or a video, no text (oneof)
-            self.text.pop(f"{field.split('.image.')[0].split('.video.')[0]}.text", None)
         if path == "stop" and size > 4 * MAX_STOP_CHARS:
             raise FieldError(field, CHARACTERS[path][1])
         if path in CHARACTERS:
@@ -117,7 +122,7 @@ class _Strings:
             check_text_bytes(used, self.limits, field)
 
 
-_MEDIA = ("messages.content.image.", "messages.content.video.")
+_PART = "messages.content."
 _INDEXES = re.compile(r"messages\[(\d+)\]\.(?:role|content\[(\d+)\]\.text)")
 
 

@@ -8,12 +8,12 @@ stalled its loop 18 s of 25 (attacker review, s40)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from common.errors import FieldError
 from common.processing.limits import InputLimits, LimitError, check_text_bytes
-from common.processing.messages import Message, TextPart, check_text_limits
+from common.processing.messages import ImagePart, Message, TextPart, check_text_limits
 from epd.v1 import router_service_pb2
 from router.request_bytes import decode_request
 
@@ -217,3 +217,67 @@ def test_a_part_whose_image_came_after_its_text_counts_no_text() -> None:
     message = router_service_pb2.ChatMessage(role="user").SerializeToString() + _delimited(2, part)
     request = decode_request(_delimited(2, message), 1024, 100).request
     assert request.messages[0].content[0].WhichOneof("content") == "image"
+
+
+part_pieces = st.lists(  # one content part sent in pieces: the parser keeps the last member
+    st.one_of(
+        st.builds(lambda t: router_service_pb2.ContentPart(text=t), texts),
+        st.builds(
+            lambda u: router_service_pb2.ContentPart(image={"data": b"png", "uuid": u}),
+            st.text("u\u00fc\U0001f600", max_size=300),
+        ),
+        st.builds(
+            lambda u: router_service_pb2.ContentPart(video={"frames": [b"f"], "uuid": u}),
+            st.text("v\U0001f600", max_size=300),
+        ),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(part_pieces, min_size=1, max_size=3), st.integers(0, 60))
+@example(  # an image whose uuid is past any length allowed, then a text: the part is text
+    [
+        [
+            router_service_pb2.ContentPart(image={"data": b"png", "uuid": "\U0001f600" * 300}),
+            router_service_pb2.ContentPart(text="hi"),
+        ]
+    ],
+    60,
+)
+def test_a_part_sent_in_pieces_is_refused_only_as_parsed(
+    parts: list[list[router_service_pb2.ContentPart]], limit: int
+) -> None:
+    # The uuid of an image a part's later text replaced was still checked (ownfixC C6). The
+    # wire refuses only what the checks after parsing refuse: its uuid bound is in bytes.
+    content = b"".join(
+        _delimited(2, b"".join(piece.SerializeToString() for piece in pieces)) for pieces in parts
+    )
+    message = router_service_pb2.ChatMessage(role="user").SerializeToString() + content
+    wire = _delimited(2, message)
+    parsed = router_service_pb2.GenerateRequest.FromString(wire).messages[0]
+    content_ = tuple(
+        TextPart(p.text) if p.WhichOneof("content") == "text" else ImagePart(data=b"png")
+        for p in parsed.content
+    )  # the processor counts text parts where they stand
+    long_uuid = any(
+        len(getattr(p, kind).uuid) > 256
+        for p in parsed.content
+        if (kind := p.WhichOneof("content")) in ("image", "video")
+    )
+    text_refused: FieldError | None = None
+    try:
+        check_text_limits([Message("user", content_)], InputLimits(max_text_bytes=limit))
+    except LimitError as exc:
+        text_refused = exc
+    try:
+        decode_request(wire, 1024, limit)
+        got: FieldError | None = None
+    except FieldError as exc:
+        got = exc
+    if got is not None:
+        assert long_uuid or text_refused is not None  # never refused where parsing accepts
+    if text_refused is not None and not long_uuid:
+        assert got is not None and (got.field, str(got)) == (text_refused.field, str(text_refused))
