@@ -299,11 +299,12 @@ class _Reader:
                 f"{where}.video.fps",
                 f"must be from {MIN_FPS:g} to {MAX_FPS:g}, got {video.fps:g}",
             )
-        fields = [f"{where}.video.frames[{k}]" for k in range(len(video.frames))]
+        data = list(video.frames)  # read once: each read copies every frame (ownfixC C7)
+        fields = [f"{where}.video.frames[{k}]" for k in range(len(data))]
         self.budget.begin()
         opened = [
             open_image(frame, field, self.limits, self.budget)
-            for frame, field in zip(video.frames, fields, strict=True)
+            for frame, field in zip(data, fields, strict=True)
         ]
         sizes = {f.size for f in opened}
         if len(sizes) != 1:
@@ -313,7 +314,7 @@ class _Reader:
             self.cost.video(len(opened), fps, *opened[0].size, f"{where}.video.frames")
         except LimitError as exc:
             raise InputError(exc.field, exc.reason) from None
-        frames = self.keyed_frames(list(video.frames), opened, fps)
+        frames = self.keyed_frames(data, opened, fps)
         if frames is None:  # no processed-partition cache: every frame is decoded
             self.opened.extend(zip(opened, fields, strict=True))
         else:
