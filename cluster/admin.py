@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.actor_states import FAILED_TO_START
 from cluster.console import say as _say
+
+if TYPE_CHECKING:
+    from common.server.credentials import ChannelCredentials
+
+logger = logging.getLogger(__name__)
 
 
 def _routers(args: argparse.Namespace) -> list[str]:
@@ -330,3 +336,33 @@ async def cmd_undrain(args: argparse.Namespace) -> int:
 
     rc = await _on_every_router(args, undrain, undrain_away)
     return 1 if still else rc
+
+
+async def drain_at_router(
+    router_address: str,
+    worker_address: str,
+    timeout_s: float,
+    credentials: ChannelCredentials | None = None,
+) -> None:
+    """Tell the router to stop routing to a worker, then wait for its requests there to end
+    (AdminService calls: `credentials` are an admin's or the cluster's).
+
+    Waiting on the router's count (not only the worker's) matters for prefill workers: a
+    request still needs the prefill worker after its Prefill RPC returned, until decode has
+    pulled the KV blocks.
+    """
+    from common.server.credentials import NO_CREDENTIALS
+    from common.server.rpc import channel
+    from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    async with channel(router_address, credentials=credentials or NO_CREDENTIALS) as ch:
+        stub = admin_service_pb2_grpc.AdminServiceStub(ch)
+        await stub.Drain(admin_service_pb2.DrainRequest(address=worker_address), timeout=10)
+        while time.monotonic() < deadline:
+            reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+            busy = [w.router_in_flight for w in reply.workers if w.info.address == worker_address]
+            if not busy or busy[0] == 0:
+                return
+            await asyncio.sleep(0.1)
+    logger.warning("router still has requests on %s after %.0fs", worker_address, timeout_s)

@@ -39,10 +39,11 @@ serving traffic is gRPC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,16 +56,15 @@ from cluster.actor_states import (
     start_outcome,
 )
 
-# `registered_counts` lives in cluster.admin, which `epd scale` imports without torch.
+# These live in cluster.admin, which `epd scale` imports without torch.
+from cluster.admin import drain_at_router
 from cluster.admin import registered_counts as registered_counts
 from cluster.placement import CpuPlanner
 from cluster.settings import ROLES, PoolSettings
 from cluster.worker import WorkerActor
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
-from common.server.rpc import channel
 from common.server.threads import available_cores
 from common.settings.base import ModelWorkerSettings
-from epd.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class PoolManager:
         self.pools = {role: _Pool(role) for role in ROLES}
         self._retiring: set[asyncio.Task[None]] = set()
         self._starting: set[asyncio.Task[None]] = set()  # `_watch_start`, one a new worker
+        self._ray_state = ThreadPoolExecutor(1, thread_name_prefix="epd-ray-state")
         self.routers_drained = False  # set by stop(): the routers take no new work
         self.stopping = False  # set by stop(), or the deployment's shutdown before it
         # The deployment's view of its routers (the controller sets both,
@@ -240,14 +241,16 @@ class PoolManager:
             self._failed(pool, member, death(ended, started=False))
 
     async def _reap(self, pools: list[_Pool]) -> ActorStates:
-        """Ask Ray about every member of `pools` (`actor_states`, off the event loop); those
-        dead for good since they started (they died past their restarts, or a restart
+        """Ask Ray about every member of `pools` (`actor_states`, on the pools' thread for
+        Ray's state: a GCS that does not answer holds that one, not the loop's executor);
+        those dead for good since they started (they died past their restarts, or a restart
         raised) leave their pool as failed ones (`_failed`). One still starting is its start
         watch's to tell."""
         ids = [actor_id(m.handle) for pool in pools for m in pool.members]
+        loop = asyncio.get_running_loop()
         try:  # a Ray that does not answer holds no scale nor `stop` (under the pool's lock)
             async with asyncio.timeout(ASK_RAY_S):
-                states = await asyncio.to_thread(actor_states, ids)
+                states = await loop.run_in_executor(self._ray_state, actor_states, ids)
                 for pool in pools:
                     for m in [m for m in pool.members if m.started]:
                         if actor_id(m.handle) in states.dead:
@@ -287,7 +290,10 @@ class PoolManager:
         import ray
 
         states = await self._reap(list(self.pools.values()))
-        free = await asyncio.to_thread(ray.available_resources)
+        loop, free = asyncio.get_running_loop(), {}
+        with contextlib.suppress(TimeoutError):  # nothing is said to wait for resources then
+            async with asyncio.timeout(ASK_RAY_S):
+                free = await loop.run_in_executor(self._ray_state, ray.available_resources)
         lines = []
         for pool in self.pools.values():
             for m in pool.members:
@@ -371,29 +377,4 @@ class PoolManager:
             await self.scale(role, 0)
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
-
-
-async def drain_at_router(
-    router_address: str,
-    worker_address: str,
-    timeout_s: float,
-    credentials: ChannelCredentials = NO_CREDENTIALS,
-) -> None:
-    """Tell the router to stop routing to a worker, then wait for its requests there to end
-    (AdminService calls: `credentials` are an admin's or the cluster's).
-
-    Waiting on the router's count (not only the worker's) matters for prefill workers: a
-    request still needs the prefill worker after its Prefill RPC returned, until decode has
-    pulled the KV blocks.
-    """
-    deadline = time.monotonic() + timeout_s
-    async with channel(router_address, credentials=credentials) as ch:
-        stub = admin_service_pb2_grpc.AdminServiceStub(ch)
-        await stub.Drain(admin_service_pb2.DrainRequest(address=worker_address), timeout=10)
-        while time.monotonic() < deadline:
-            reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-            busy = [w.router_in_flight for w in reply.workers if w.info.address == worker_address]
-            if not busy or busy[0] == 0:
-                return
-            await asyncio.sleep(0.1)
-    logger.warning("router still has requests on %s after %.0fs", worker_address, timeout_s)
+        self._ray_state.shutdown(wait=False)

@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 import cluster.pools as pools
-from cluster.admin import RoleCount, role_counts
-from cluster.pools import PoolManager, drain_at_router
+from cluster.admin import RoleCount, drain_at_router, role_counts
+from cluster.pools import PoolManager
 from cluster.settings import EpdSettings, PoolSettings
 from cluster.worker import WorkerDescription
 from common.server.rpc import start_server
