@@ -106,12 +106,6 @@ async def registered_counts(stub: Any) -> dict[str, int]:
     return {role: count.serving for role, count in role_counts(reply).items()}
 
 
-async def _count(stub: Any, role: str) -> RoleCount:
-    from epd.v1 import admin_service_pb2
-
-    return role_counts(await stub.Status(admin_service_pb2.StatusRequest(), timeout=10))[role]
-
-
 async def cmd_scale(args: argparse.Namespace) -> int:
     """Ask the router's scaler for `--replicas` workers, then wait until the pool has them."""
     from common.wire.roles import role_to_proto
@@ -119,7 +113,8 @@ async def cmd_scale(args: argparse.Namespace) -> int:
 
     ch, stub = await _admin(args)
     async with ch:
-        before = await _count(stub, args.role)
+        first = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+        before = role_counts(first)[args.role]
         reply = await stub.Scale(
             admin_service_pb2.ScaleRequest(role=role_to_proto(args.role), replicas=args.replicas),
             timeout=60,
@@ -129,16 +124,20 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             return 0
         t0 = time.monotonic()
         said: list[str] = []
-        told: set[str] = set()
+        # Workers dead for good since they started, found by that Status or by the scale
+        # (which replaced them): told once, and waited on. One found later is not replaced.
+        replaced = {w for w in first.failed_starts if _died(w, args.role)}
+        polls = 0
         while True:
             status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
             now = role_counts(status)[args.role]
-            lines = [w for w in status.failed_starts if f"-{args.role}-" in w]
-            # Workers dead for good since they started (the scale replaces them): told once.
-            died = [w for w in lines if f" {FAILED_TO_START}: " not in w and w not in told]
-            if died:
-                _say(f"{args.role}: " + "; ".join(died))
-                told.update(died)
+            died = [w for w in status.failed_starts if _died(w, args.role)]
+            if not polls:
+                replaced.update(died)
+                if replaced:
+                    _say(f"{args.role}: " + "; ".join(sorted(replaced)))
+            polls += 1
+            died = [w for w in died if w not in replaced]
             # Workers drained with `epd drain` stay in the pool, serving nothing: said at once.
             if now.serving == reply.replicas - now.drained and now.draining <= before.draining:
                 took = time.monotonic() - t0
@@ -151,7 +150,7 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             if waiting and waiting != said:  # e.g. Ray has no CPU or GPU left for a worker
                 _say(f"{args.role}: " + "; ".join(waiting))
                 said = waiting
-            failed = [w for w in lines if f" {FAILED_TO_START}: " in w]
+            failed = [w for w in status.failed_starts if _died(w, args.role, start=True)] + died
             if failed:  # out of the pool: waiting cannot help (scaling again starts others)
                 _say(f"{args.role}: " + "; ".join(failed))
                 _say(f"{args.role}: {_counted(now)}; `epd scale` again starts others")
@@ -164,6 +163,12 @@ async def cmd_scale(args: argparse.Namespace) -> int:
                     _say(f"  {DRAINED_STAY}" + ("" if now.drained else " (if one is)"))
                 return 1
             await asyncio.sleep(0.2)
+
+
+def _died(line: str, role: str, *, start: bool = False) -> bool:
+    """Whether a `failed_starts` line tells of a worker of `role` that failed to start
+    (`start`), or else of one dead for good after it started."""
+    return f"-{role}-" in line and (f" {FAILED_TO_START}: " in line) == start
 
 
 def _workers(n: int) -> str:

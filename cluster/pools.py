@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "epd-controller"
 START_RETRY_S = 1.0  # between asks whether a worker has started, after one failed
-ASK_RAY_S = 10.0  # the longest a scale or a status waits for Ray to say which workers died
+ASK_RAY_S = 4.0  # the longest one question to Ray waits (a status asks two; epd's calls, 10 s)
 
 
 # ------------------------------------------------------------------------------ the pools
@@ -377,4 +377,3 @@ class PoolManager:
             await self.scale(role, 0)
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
-        self._ray_state.shutdown(wait=False)

@@ -59,8 +59,15 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         self.failed = ["epd-encoder-3 failed to start: SettingsError: port 9 is in use"]
         self.starts_fail = False  # a Scale's new workers fail to start
         self.found_dead = False  # a Scale finds a worker dead for good, and replaces it
+        self.grows = True  # a Scale's workers come up
+        self.polls = 0  # Status calls answered
+        self.dies_at = 0  # from this Status on (0: never), a worker died for good is told
 
     async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
+        self.polls += 1
+        if self.dies_at and self.polls >= self.dies_at:
+            self.failed = ["epd-prefill-1 died for good: it crashed again"]
+            self.sizes[2] = 1
         response = admin_service_pb2.StatusResponse(
             model="tiny",
             active_requests=1,
@@ -90,9 +97,11 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
 
     async def Scale(self, request: Any, context: Any) -> admin_service_pb2.ScaleResponse:
         self.scaled.append((request.role, request.replicas))
+        role = ("encoder", "prefill", "decode")[request.role - 1]
+        self.failed = [w for w in self.failed if f"-{role}-" not in w]  # as the pools clear
         if self.starts_fail:
             self.failed = [f"epd-prefill-{n} failed to start: boom" for n in range(2, 4)]
-        else:
+        elif self.grows:
             if self.found_dead:
                 self.failed = ["epd-prefill-0 died for good: it crashed"]
             self.sizes[request.role] = request.replicas
@@ -246,6 +255,40 @@ async def test_scale_tells_a_dead_worker_it_replaced_and_waits_on(
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "prefill: epd-prefill-0 died for good: it crashed"
     assert out[2].startswith("prefill: 2 workers serving (") and len(out) == 3
+
+
+async def test_scale_tells_a_death_the_status_before_it_found(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The Status `epd scale` asks first found the dead worker; the scale cleared it with the
+    # failures before replacing it: told nowhere (ownfixD review D2).
+    address, _, admin = router
+    admin.failed = ["epd-prefill-0 died for good: it crashed"]  # cleared by the Scale
+    args = build_parser().parse_args(
+        ["scale", "--role", "prefill", "--replicas", "2", "--address", address]
+    )
+    assert await cmd_scale(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "prefill: epd-prefill-0 died for good: it crashed"
+
+
+async def test_scale_stops_at_a_worker_that_died_while_it_waited(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Not replaced by this scale: the pool stays short. It waited its whole timeout
+    # (ownfixD review D3).
+    address, _, admin = router
+    admin.failed, admin.dies_at = [], 3  # the first Status, the first poll, then it dies
+    admin.grows = False
+    args = build_parser().parse_args(
+        ["scale", "--role", "prefill", "--replicas", "3", "--address", address]
+    )
+    assert await cmd_scale(args) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == [
+        "prefill: epd-prefill-1 died for good: it crashed again",
+        "prefill: 1 worker serving; `epd scale` again starts others",
+    ]
 
 
 async def test_drain_reports_unknown_workers(

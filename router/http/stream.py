@@ -133,7 +133,8 @@ async def events(
         return
     except BaseException as exc:  # the client left: anyio keeps the cancellation in a cycle
         traceback.clear_frames(exc.__traceback__)  # with its frames, which held the request
-        raise  # (its job, prompt, pixels) until a garbage collection (ownfixC C4)
+        del on_error  # (job, prompt, pixels; and here, through `on_error`, the parsed body)
+        raise  # until a garbage collection (ownfixC C4, ownfixD D1)
     finally:
         if isinstance(chunks, AsyncGenerator):  # closed with this one (`TimedStream`)
             await chunks.aclose()
