@@ -113,3 +113,33 @@ async def test_an_http_chat_refused_while_its_media_are_read_is_freed(fake: Fake
     )
     assert status == 400 and answer["error"]["param"] == "messages[0].content[1].image_url.url"
     assert held < 1 << 20, f"{held / 2**20:.1f} MiB held after the refusal"
+
+
+async def test_a_stream_whose_client_left_is_freed(fake: FakeCluster) -> None:
+    # The client of a streamed answer hung up mid-answer: anyio keeps the cancellation in a
+    # cycle with the frames it passed, which held the request, its job, prompt and pixels,
+    # and (through the stream's error handler) the parsed body (ownfixC C4, ownfixD D1).
+    from tests.test_http_api import add_workers
+    from tests.test_http_disconnect import send_then_hang_up
+
+    _, decode = await add_workers(fake)
+    decode.hang_after_first = True  # one token, then nothing: a long answer
+    loop = asyncio.get_running_loop()
+
+    async def leave() -> None:
+        asked, answering = len(decode.requests), asyncio.Event()
+
+        async def watch() -> None:
+            while len(decode.requests) == asked:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # past its first chunk
+            answering.set()
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.to_thread(send_then_hang_up, url_of(fake), True, answering, loop)
+        await watcher
+        await asyncio.wait_for(decode.cancelled.wait(), 10)
+        decode.cancelled.clear()
+        await asyncio.sleep(0.2)  # the router's side of the stream ends
+
+    await held_after(leave)  # no part of the request left in a cycle
