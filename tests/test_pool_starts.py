@@ -332,3 +332,30 @@ async def test_a_ray_that_does_not_answer_holds_no_scale(
     started = time.monotonic()
     assert await manager.scale("prefill", 2) == 2
     assert time.monotonic() - started < 0.9
+
+
+async def test_a_scale_while_the_shutdown_drains_the_routers_is_refused(
+    recorded: list[str],
+) -> None:
+    # `stopping` was set only once the routers had drained: a Scale meanwhile started
+    # workers, which loaded and were retired (raypools2 review 2).
+    from cluster.settings import EpdSettings
+
+    manager, _ = _manager(recorded)
+    refused: list[str] = []
+
+    async def drain(timeout_s: float, stop: bool = True) -> bool:
+        with pytest.raises(ValueError, match="stopping") as err:
+            await manager.scale("encoder", 1)
+        refused.append(str(err.value))
+        return True
+
+    async def stop(grace_s: float) -> None:
+        pass
+
+    controller = Controller.__new__(Controller)  # its fields, not its actor's start
+    controller.pools, controller.settings = manager, EpdSettings()
+    controller.router = SimpleNamespace(lifecycle=SimpleNamespace(drain=drain), stop=stop)
+    controller.more_routers = []
+    await controller.shutdown()
+    assert refused == ["the deployment is stopping"] and manager.members("encoder") == []
