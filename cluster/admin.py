@@ -120,13 +120,15 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             timeout=60,
         )
         _say(f"{args.role}: {_counted(before)} -> {_workers(reply.replicas)}")
-        if args.no_wait:
-            return 0
-        t0 = time.monotonic()
-        said: list[str] = []
         # Workers dead for good since they started, found by that Status or by the scale
         # (which replaced them): told once, and waited on. One found later is not replaced.
         replaced = {w for w in first.failed_starts if _died(w, args.role)}
+        if args.no_wait:
+            if replaced:  # the scale cleared them: told here or nowhere
+                _say(f"{args.role}: " + "; ".join(sorted(replaced)))
+            return 0
+        t0 = time.monotonic()
+        said: list[str] = []
         polls = 0
         while True:
             status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
@@ -146,7 +148,7 @@ async def cmd_scale(args: argparse.Namespace) -> int:
                     return 0
                 _say(f"  {DRAINED_STAY}")
                 return 1
-            waiting = [w for w in status.waiting if f"-{args.role}-" in w]
+            waiting = [w for w in status.waiting if w.startswith(f"epd-{args.role}-")]
             if waiting and waiting != said:  # e.g. Ray has no CPU or GPU left for a worker
                 _say(f"{args.role}: " + "; ".join(waiting))
                 said = waiting
@@ -168,7 +170,7 @@ async def cmd_scale(args: argparse.Namespace) -> int:
 def _died(line: str, role: str, *, start: bool = False) -> bool:
     """Whether a `failed_starts` line tells of a worker of `role` that failed to start
     (`start`), or else of one dead for good after it started."""
-    return f"-{role}-" in line and (f" {FAILED_TO_START}: " in line) == start
+    return line.startswith(f"epd-{role}-") and (f" {FAILED_TO_START}: " in line) == start
 
 
 def _workers(n: int) -> str:

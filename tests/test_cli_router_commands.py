@@ -272,6 +272,25 @@ async def test_scale_tells_a_death_the_status_before_it_found(
     assert out[1] == "prefill: epd-prefill-0 died for good: it crashed"
 
 
+async def test_scale_without_waiting_tells_the_deaths_it_found_and_only_its_roles(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # With --no-wait it returned before telling them (ownfixE review E1); a decode worker's
+    # line whose cause names a prefill worker was the prefill's (E5).
+    address, _, admin = router
+    admin.failed = [
+        "epd-prefill-0 died for good: it crashed",
+        "epd-decode-0 died for good: epd-prefill-0 took its port",
+    ]
+    args = build_parser().parse_args(
+        ["scale", "--role", "prefill", "--replicas", "2", "--no-wait", "--address", address]
+    )
+    assert await cmd_scale(args) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "prefill: epd-prefill-0 died for good: it crashed"
+    ]
+
+
 async def test_scale_stops_at_a_worker_that_died_while_it_waited(
     router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
 ) -> None:
