@@ -5,6 +5,7 @@ is a one-line error."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -111,6 +112,12 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         return admin_service_pb2.DrainResponse(found=request.address == "127.0.0.1:7030")
 
 
+def scale_prefill(address: str, replicas: int, *flags: str) -> argparse.Namespace:
+    """`epd scale --role prefill --replicas N [flags]` against `address`, parsed."""
+    command = ["scale", "--role", "prefill", "--replicas", str(replicas), *flags]
+    return build_parser().parse_args([*command, "--address", address])
+
+
 @pytest.fixture
 async def router() -> AsyncIterator[tuple[str, FakeRouter, FakeAdmin]]:
     fake_router, fake_admin = FakeRouter(), FakeAdmin()
@@ -213,9 +220,7 @@ async def test_scale_asks_the_router_and_waits_for_the_pool(
     router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
 ) -> None:
     address, _, admin = router
-    args = build_parser().parse_args(
-        ["scale", "--role", "prefill", "--replicas", "3", "--address", address]
-    )
+    args = scale_prefill(address, 3)
     assert await cmd_scale(args) == 0
     assert admin.scaled == [(registry_service_pb2.WORKER_ROLE_PREFILL, 3)]
     out = capsys.readouterr().out.splitlines()
@@ -230,9 +235,7 @@ async def test_scale_stops_waiting_at_a_worker_that_failed_to_start(
     # in `epd serve`'s console alone (walkthrough review, s39).
     address, _, admin = router
     admin.starts_fail = True
-    args = build_parser().parse_args(
-        ["scale", "--role", "prefill", "--replicas", "3", "--address", address]
-    )
+    args = scale_prefill(address, 3)
     assert await cmd_scale(args) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[1:] == [
@@ -248,9 +251,7 @@ async def test_scale_tells_a_dead_worker_it_replaced_and_waits_on(
     # never told (raypools2 review 1); it is no start that failed: the wait goes on.
     address, _, admin = router
     admin.found_dead = True
-    args = build_parser().parse_args(
-        ["scale", "--role", "prefill", "--replicas", "2", "--address", address]
-    )
+    args = scale_prefill(address, 2)
     assert await cmd_scale(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "prefill: epd-prefill-0 died for good: it crashed"
@@ -264,9 +265,7 @@ async def test_scale_tells_a_death_the_status_before_it_found(
     # failures before replacing it: told nowhere (ownfixD review D2).
     address, _, admin = router
     admin.failed = ["epd-prefill-0 died for good: it crashed"]  # cleared by the Scale
-    args = build_parser().parse_args(
-        ["scale", "--role", "prefill", "--replicas", "2", "--address", address]
-    )
+    args = scale_prefill(address, 2)
     assert await cmd_scale(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "prefill: epd-prefill-0 died for good: it crashed"
@@ -282,9 +281,7 @@ async def test_scale_without_waiting_tells_the_deaths_it_found_and_only_its_role
         "epd-prefill-0 died for good: it crashed",
         "epd-decode-0 died for good: epd-prefill-0 took its port",
     ]
-    args = build_parser().parse_args(
-        ["scale", "--role", "prefill", "--replicas", "2", "--no-wait", "--address", address]
-    )
+    args = scale_prefill(address, 2, "--no-wait")
     assert await cmd_scale(args) == 0
     assert capsys.readouterr().out.splitlines()[1:] == [
         "prefill: epd-prefill-0 died for good: it crashed"
@@ -299,9 +296,7 @@ async def test_scale_stops_at_a_worker_that_died_while_it_waited(
     address, _, admin = router
     admin.failed, admin.dies_at = [], 3  # the first Status, the first poll, then it dies
     admin.grows = False
-    args = build_parser().parse_args(
-        ["scale", "--role", "prefill", "--replicas", "3", "--address", address]
-    )
+    args = scale_prefill(address, 3)
     assert await cmd_scale(args) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[1:] == [
