@@ -5,8 +5,8 @@ admin_key file `epd serve` wrote).
 Counting workers, the same way in `scale` and `status` (`role_counts`): a worker is serving
 when it is registered and not draining; draining ones (after `epd drain`, or retiring after
 a scale-down) are counted apart until they leave the registry or are undrained. A scale is
-done when the pool's serving count is what was asked and no more workers drain than before
-it (the retired ones are gone).
+done when the pool's serving count is what was asked and no worker drains that did not
+before it (the retired ones are gone; dead ones, held out, leave on their own).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import argparse
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cluster.actor_states import FAILED_TO_START
 from cluster.console import say as _say
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def _routers(args: argparse.Namespace) -> list[str]:
     return routers
 
 
-async def _admin(args: argparse.Namespace, router: str | None = None) -> Any:
+async def admin_stub(args: argparse.Namespace, router: str | None = None) -> Any:
     """(channel, AdminService stub) to `router`, by default the first one listed."""
 
     from common.server.credentials import ChannelCredentials, checked_key, read_ca
@@ -79,17 +79,25 @@ class RoleCount:
     drained: int = 0  # of those, drained by an operator (`epd drain`): they stay in the pool
 
 
+def workers_by_role(reply: Any) -> Iterator[tuple[str, Any]]:
+    """(role name, `WorkerStatus`) of each worker of an `AdminService.Status` reply, but
+    those of a role this CLI does not know."""
+    from common.wire.roles import role_from_proto
+
+    for worker in reply.workers:
+        try:
+            yield role_from_proto(worker.info.role), worker
+        except ValueError:
+            continue
+
+
 def role_counts(reply: Any) -> dict[str, RoleCount]:
     """`RoleCount` per worker role name of an `AdminService.Status` reply."""
     from common.roles import WORKER_ROLES
-    from common.wire.roles import role_from_proto
 
     counts = {str(r): RoleCount() for r in WORKER_ROLES}
-    for worker in reply.workers:
-        try:
-            count = counts[role_from_proto(worker.info.role)]
-        except ValueError:
-            continue  # a role this CLI does not know
+    for role, worker in workers_by_role(reply):
+        count = counts[role]
         if worker.draining:
             count.draining += 1
             count.drained += worker.drained
@@ -106,80 +114,13 @@ async def registered_counts(stub: Any) -> dict[str, int]:
     return {role: count.serving for role, count in role_counts(reply).items()}
 
 
-async def cmd_scale(args: argparse.Namespace) -> int:
-    """Ask the router's scaler for `--replicas` workers, then wait until the pool has them."""
-    from common.wire.roles import role_to_proto
-    from epd.v1 import admin_service_pb2
-
-    ch, stub = await _admin(args)
-    async with ch:
-        first = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-        before = role_counts(first)[args.role]
-        reply = await stub.Scale(
-            admin_service_pb2.ScaleRequest(role=role_to_proto(args.role), replicas=args.replicas),
-            timeout=60,
-        )
-        _say(f"{args.role}: {_counted(before)} -> {_workers(reply.replicas)}")
-        # Workers dead for good since they started, found by that Status or by the scale
-        # (which replaced them): told once, and waited on. One found later is not replaced.
-        replaced = {w for w in first.failed_starts if _died(w, args.role)}
-        if args.no_wait:
-            if replaced:  # the scale cleared them: told here or nowhere
-                _say(f"{args.role}: " + "; ".join(sorted(replaced)))
-            return 0
-        t0 = time.monotonic()
-        said: list[str] = []
-        polls = 0
-        while True:
-            status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-            now = role_counts(status)[args.role]
-            died = [w for w in status.failed_starts if _died(w, args.role)]
-            if not polls:
-                replaced.update(died)
-                if replaced:
-                    _say(f"{args.role}: " + "; ".join(sorted(replaced)))
-            polls += 1
-            died = [w for w in died if w not in replaced]
-            # Workers drained with `epd drain` stay in the pool, serving nothing: said at once.
-            if now.serving == reply.replicas - now.drained and now.draining <= before.draining:
-                took = time.monotonic() - t0
-                _say(f"{args.role}: {_counted(now)} ({took:.1f}s)")
-                if not now.drained:
-                    return 0
-                _say(f"  {DRAINED_STAY}")
-                return 1
-            waiting = [w for w in status.waiting if w.startswith(f"epd-{args.role}-")]
-            if waiting and waiting != said:  # e.g. Ray has no CPU or GPU left for a worker
-                _say(f"{args.role}: " + "; ".join(waiting))
-                said = waiting
-            failed = [w for w in status.failed_starts if _died(w, args.role, start=True)] + died
-            if failed:  # out of the pool: waiting cannot help (scaling again starts others)
-                _say(f"{args.role}: " + "; ".join(failed))
-                _say(f"{args.role}: {_counted(now)}; `epd scale` again starts others")
-                return 1
-            if time.monotonic() - t0 > args.timeout:
-                _say(f"{args.role}: still {_counted(now)} after {args.timeout:.0f}s")
-                # A router from before `drained` tells none: hedged, where the pool is short
-                # (in a scale-down, the draining ones are retiring).
-                if now.drained or (now.draining and now.serving < reply.replicas):
-                    _say(f"  {DRAINED_STAY}" + ("" if now.drained else " (if one is)"))
-                return 1
-            await asyncio.sleep(0.2)
-
-
-def _died(line: str, role: str, *, start: bool = False) -> bool:
-    """Whether a `failed_starts` line tells of a worker of `role` that failed to start
-    (`start`), or else of one dead for good after it started."""
-    return line.startswith(f"epd-{role}-") and (f" {FAILED_TO_START}: " in line) == start
-
-
-def _workers(n: int) -> str:
+def n_workers(n: int) -> str:
     return f"{n} worker" if n == 1 else f"{n} workers"
 
 
-def _counted(count: RoleCount) -> str:
+def counted(count: RoleCount) -> str:
     """ "2 workers serving" or "2 workers serving, 1 draining"."""
-    text = f"{_workers(count.serving)} serving"
+    text = f"{n_workers(count.serving)} serving"
     return f"{text}, {count.draining} draining" if count.draining else text
 
 
@@ -188,7 +129,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     from common.wire.roles import role_from_proto
     from epd.v1 import admin_service_pb2
 
-    ch, stub = await _admin(args)
+    ch, stub = await admin_stub(args)
     async with ch:
         reply = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
     model = reply.model or "-"
@@ -230,7 +171,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     if not reply.workers:
         _say("(no workers registered)")
     # The counts `epd scale` waits on: serving workers, draining ones apart.
-    _say("; ".join(f"{role} {_counted(count)}" for role, count in role_counts(reply).items()))
+    _say("; ".join(f"{role} {counted(count)}" for role, count in role_counts(reply).items()))
     for line in reply.waiting:  # started by the deployment, not placed by its cluster yet
         _say(f"waiting: {line}")
     for line in reply.failed_starts:  # started by the deployment, out of its pool since
@@ -281,7 +222,7 @@ async def _on_router(args: argparse.Namespace, act: Any, away: Any, router: str,
     """`_on_every_router` on one router: 1 when it does not know the worker."""
     from epd.v1 import admin_service_pb2
 
-    ch, stub = await _admin(args, router)
+    ch, stub = await admin_stub(args, router)
     async with ch:
         if _is_address(args.worker):
             found = await act(stub, args.worker, f"{where}{args.worker}")

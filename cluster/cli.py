@@ -15,7 +15,8 @@ $EPD_API_KEY, or the key `epd serve` wrote: client_key for `generate`, admin_key
 admin commands, under $EPD_HOME/<namespace>, default ~/.epd/epd) and, for a TLS router,
 `--tls-ca-file`.
 `serve` is in `cluster.serve`, `generate` in `cluster.generate`, the admin commands in
-`cluster.admin`; they print through `cluster.console`, the library code they call logs.
+`cluster.admin` (`scale` in `cluster.scale`); they print through `cluster.console`, the
+library code they call logs.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cluster.admin import cmd_drain, cmd_scale, cmd_status, cmd_undrain
+from cluster.admin import cmd_drain, cmd_status, cmd_undrain
 from cluster.console import say as _say
 from cluster.generate import build_messages as build_messages
 from cluster.generate import cmd_generate
 from cluster.generate import frame_files as frame_files
 from cluster.hints import failure_hint
+from cluster.scale import cmd_scale
 from cluster.serve import cmd_serve
 
 if TYPE_CHECKING:

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from cluster.admin import cmd_drain, cmd_scale, cmd_status
+from cluster.admin import cmd_drain, cmd_status
 from cluster.cli import build_parser, cmd_generate, main
+from cluster.scale import cmd_scale
 from common.server.rpc import start_server
 from epd.v1 import (
     admin_service_pb2,
@@ -63,6 +64,8 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         self.grows = True  # a Scale's workers come up
         self.polls = 0  # Status calls answered
         self.dies_at = 0  # from this Status on (0: never), a worker died for good is told
+        # The names of the draining prefill workers at each Status (the last list from then on)
+        self.draining: list[list[str]] = [[]]
 
     async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
         self.polls += 1
@@ -94,6 +97,14 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
                     worker.load.kv_blocks_free = 61
                 worker.load.cache_hits = 2
                 worker.load.cache_lookups = 5
+        for name in self.draining[min(self.polls, len(self.draining)) - 1]:
+            response.workers.add(
+                worker_id=f"id-{name}",
+                info=registry_service_pb2.WorkerInfo(
+                    role=registry_service_pb2.WORKER_ROLE_PREFILL, address="127.0.0.1:9", name=name
+                ),
+                draining=True,
+            )
         return response
 
     async def Scale(self, request: Any, context: Any) -> admin_service_pb2.ScaleResponse:
@@ -303,6 +314,59 @@ async def test_scale_stops_at_a_worker_that_died_while_it_waited(
         "prefill: epd-prefill-1 died for good: it crashed again",
         "prefill: 1 worker serving; `epd scale` again starts others",
     ]
+
+
+async def test_scale_down_waits_for_its_retiree_not_for_a_dead_worker(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The dead worker (held out: draining) counted among those draining before the scale,
+    # so its registration dropping passed for the retiree leaving (ownfixE review E3).
+    address, _, admin = router
+    admin.sizes[2] = 2
+    admin.failed = ["epd-prefill-2 died for good: it crashed"]
+    admin.draining = [
+        ["epd-prefill-2"],  # the Status before the scale
+        ["epd-prefill-2", "epd-prefill-1"],  # the retiree drains
+        ["epd-prefill-1"],  # the dead one's registration dropped
+        ["epd-prefill-1"],
+        [],  # the retiree is gone
+    ]
+    args = scale_prefill(address, 1)
+    assert await cmd_scale(args) == 0
+    assert admin.polls == 5
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("prefill: 1 worker serving (")
+
+
+async def test_scale_up_waits_for_no_dead_worker_to_leave(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A worker the scale found dead and replaced stays registered (held out) until its
+    # registration times out: the pool is full meanwhile.
+    address, _, admin = router
+    admin.found_dead = True
+    admin.draining = [[], ["epd-prefill-0"]]
+    args = scale_prefill(address, 2)
+    assert await cmd_scale(args) == 0
+    assert admin.polls == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "prefill: epd-prefill-0 died for good: it crashed"
+
+
+async def test_scale_tells_a_death_at_the_poll_the_pool_reads_full(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It returned 0, the death told nowhere (ownfixE review E4).
+    address, _, admin = router
+    admin.failed, admin.dies_at = [], 3  # the second poll finds the death
+    admin.grows = False
+    admin.sizes[2] = 2  # the death leaves 1, the size asked for
+
+    args = scale_prefill(address, 1)
+    assert await cmd_scale(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "prefill: epd-prefill-1 died for good: it crashed again"
+    assert out[2].startswith("prefill: 1 worker serving (") and len(out) == 3
 
 
 async def test_drain_reports_unknown_workers(

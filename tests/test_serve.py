@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cluster.admin import cmd_scale
 from cluster.cli import build_parser, main
+from cluster.scale import cmd_scale
 from common.sampling import SamplingParams
 from common.settings.api_keys import default_api_key
 from epd.client import Client

@@ -17,12 +17,12 @@ from cluster.admin import (
     DRAINED_STAY,
     RoleCount,
     cmd_drain,
-    cmd_scale,
     cmd_status,
     cmd_undrain,
     role_counts,
 )
 from cluster.cli import build_parser
+from cluster.scale import cmd_scale
 from common.roles import Role
 from common.server.rpc import channel, start_server
 from common.settings.schema import SettingsError

@@ -1,0 +1,108 @@
+"""`epd scale`: ask a router's scaler for a pool size, then wait until the pool has it
+(counted as `cluster.admin.role_counts` counts), telling the workers that failed to start or
+died for good on the way.
+
+A scale is done when the pool's serving count is what was asked and no worker drains that
+did not before it (the retired ones are gone; dead ones, held out, leave on their own). It
+stops at once, 1, at a start that failed or a death it did not replace: waiting cannot help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Collection
+from typing import Any
+
+from cluster.actor_states import FAILED_TO_START
+from cluster.admin import DRAINED_STAY, admin_stub, counted, n_workers, role_counts, workers_by_role
+from cluster.console import say as _say
+
+
+async def cmd_scale(args: argparse.Namespace) -> int:
+    """Ask the router's scaler for `--replicas` workers, then wait until the pool has them."""
+    from common.wire.roles import role_to_proto
+    from epd.v1 import admin_service_pb2
+
+    ch, stub = await admin_stub(args)
+    async with ch:
+        first = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+        before = role_counts(first)[args.role]
+        reply = await stub.Scale(
+            admin_service_pb2.ScaleRequest(role=role_to_proto(args.role), replicas=args.replicas),
+            timeout=60,
+        )
+        _say(f"{args.role}: {counted(before)} -> {n_workers(reply.replicas)}")
+        # Workers dead for good since they started, found by that Status or by the scale
+        # (which replaced them): told once, and waited on. One found later is not replaced.
+        replaced = {w for w in first.failed_starts if _died(w, args.role)}
+        # Draining before the scale, by id, but the dead (held out; their registrations
+        # dropping had passed for this scale's retirees leaving: ownfixE review E3).
+        retiring = _draining(first, args.role, _names(replaced))
+        if args.no_wait:
+            if replaced:  # the scale cleared them: told here or nowhere
+                _say(f"{args.role}: " + "; ".join(sorted(replaced)))
+            return 0
+        t0 = time.monotonic()
+        said: list[str] = []
+        polls = 0
+        while True:
+            status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+            now = role_counts(status)[args.role]
+            died = [w for w in status.failed_starts if _died(w, args.role)]
+            if not polls:
+                replaced.update(died)
+                if replaced:
+                    _say(f"{args.role}: " + "; ".join(sorted(replaced)))
+            polls += 1
+            died = [w for w in died if w not in replaced]
+            leaving = _draining(status, args.role, _names(replaced) | _names(died)) - retiring
+            # Workers drained with `epd drain` stay in the pool, serving nothing: said at once.
+            if now.serving == reply.replicas - now.drained and not leaving:
+                if died:  # told before the pool reads full, or never (ownfixE review E4)
+                    _say(f"{args.role}: " + "; ".join(died))
+                took = time.monotonic() - t0
+                _say(f"{args.role}: {counted(now)} ({took:.1f}s)")
+                if not now.drained:
+                    return 0
+                _say(f"  {DRAINED_STAY}")
+                return 1
+            waiting = [w for w in status.waiting if w.startswith(f"epd-{args.role}-")]
+            if waiting and waiting != said:  # e.g. Ray has no CPU or GPU left for a worker
+                _say(f"{args.role}: " + "; ".join(waiting))
+                said = waiting
+            failed = [w for w in status.failed_starts if _died(w, args.role, start=True)] + died
+            if failed:  # out of the pool: waiting cannot help (scaling again starts others)
+                _say(f"{args.role}: " + "; ".join(failed))
+                _say(f"{args.role}: {counted(now)}; `epd scale` again starts others")
+                return 1
+            if time.monotonic() - t0 > args.timeout:
+                _say(f"{args.role}: still {counted(now)} after {args.timeout:.0f}s")
+                # A router from before `drained` tells none: hedged, where the pool is short
+                # (in a scale-down, the draining ones are retiring).
+                if now.drained or (now.draining and now.serving < reply.replicas):
+                    _say(f"  {DRAINED_STAY}" + ("" if now.drained else " (if one is)"))
+                return 1
+            await asyncio.sleep(0.2)
+
+
+def _died(line: str, role: str, *, start: bool = False) -> bool:
+    """Whether a `failed_starts` line tells of a worker of `role` that failed to start
+    (`start`), or else of one dead for good after it started."""
+    return line.startswith(f"epd-{role}-") and (f" {FAILED_TO_START}: " in line) == start
+
+
+def _names(lines: Collection[str]) -> set[str]:
+    """The workers `failed_starts` lines tell of (a line starts with the worker's name)."""
+    return {line.split(" ", 1)[0] for line in lines}
+
+
+def _draining(reply: Any, role: str, dead: set[str]) -> set[str]:
+    """The ids of `role`'s draining workers in a Status reply, but the `dead` ones (named):
+    those leave on their own, when their registration times out."""
+    return {
+        w.worker_id
+        for r, w in workers_by_role(reply)
+        if r == role and w.draining and w.info.name not in dead
+    }
