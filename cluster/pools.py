@@ -191,6 +191,8 @@ class PoolManager:
             pool.failed.clear()  # a new attempt: the workers that failed before are gone
             if pool.members and replicas:  # the dead are no members: not counted nor retired
                 await self._reap([pool])  # (and told: `failures`, until the next scale)
+                if self.stopping:  # set while Ray answered (s41 review F4)
+                    raise ValueError("the deployment is stopping")
             while len(pool.members) < replicas:
                 member = self._create(pool)
                 pool.members.append(member)
@@ -290,15 +292,19 @@ class PoolManager:
         import ray
 
         states = await self._reap(list(self.pools.values()))
-        loop, free = asyncio.get_running_loop(), {}
+        loop, free = asyncio.get_running_loop(), None
         with contextlib.suppress(TimeoutError):  # nothing is said to wait for resources then
             async with asyncio.timeout(ASK_RAY_S):
                 free = await loop.run_in_executor(self._ray_state, ray.available_resources)
         lines = []
         for pool in self.pools.values():
             for m in pool.members:
-                short = any(v > free.get(k, 0.0) for k, v in m.request.items())
-                if actor_id(m.handle) in states.unplaced and short:
+                unplaced = actor_id(m.handle) in states.unplaced
+                if (
+                    unplaced
+                    and free is not None
+                    and any(v > free.get(k, 0.0) for k, v in m.request.items())
+                ):
                     asked = {k: v for k, v in m.request.items() if v}  # not a GPU it needs not
                     asks = ", ".join(_amount(k, v) for k, v in asked.items())
                     has = ", ".join(_amount(k, free.get(k, 0.0)) for k in asked)

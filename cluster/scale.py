@@ -90,7 +90,8 @@ async def cmd_scale(args: argparse.Namespace) -> int:
 def _died(line: str, role: str, *, start: bool = False) -> bool:
     """Whether a `failed_starts` line tells of a worker of `role` that failed to start
     (`start`), or else of one dead for good after it started."""
-    return line.startswith(f"epd-{role}-") and (f" {FAILED_TO_START}: " in line) == start
+    name, _, end = line.partition(" ")  # the end's cause may say anything (s41 review F6)
+    return name.startswith(f"epd-{role}-") and end.startswith(f"{FAILED_TO_START}: ") == start
 
 
 def _names(lines: Collection[str]) -> set[str]:

@@ -299,6 +299,22 @@ async def test_scale_without_waiting_tells_the_deaths_it_found_and_only_its_role
     ]
 
 
+async def test_scale_tells_a_death_whose_cause_says_failed_to_start_as_a_death(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Read as a failed start, the death the scale replaced stopped it, 1 (s41 review F6).
+    address, _, admin = router
+    admin.failed = ["epd-prefill-0 died for good: RuntimeError: UCX failed to start: no device"]
+    args = scale_prefill(address, 2)
+    assert await cmd_scale(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        out[1]
+        == "prefill: epd-prefill-0 died for good: RuntimeError: UCX failed to start: no device"
+    )
+    assert out[2].startswith("prefill: 2 workers serving (") and len(out) == 3
+
+
 async def test_scale_stops_at_a_worker_that_died_while_it_waited(
     router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from types import SimpleNamespace
 
@@ -359,3 +360,47 @@ async def test_a_scale_while_the_shutdown_drains_the_routers_is_refused(
     controller.more_routers = []
     await controller.shutdown()
     assert refused == ["the deployment is stopping"] and manager.members("encoder") == []
+
+
+async def test_a_scale_whose_ray_question_outlasts_the_shutdown_starting_starts_none(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `stopping` was checked before the reap's question to Ray (up to `ASK_RAY_S`) alone: a
+    # Scale that asked meanwhile started its workers (s41 review F4).
+    manager, _ = _manager(recorded)
+    await manager.scale("prefill", 1)
+    await settle()
+    asking, answer = threading.Event(), threading.Event()
+
+    def slow(ids: list[str]) -> ActorStates:
+        asking.set()
+        answer.wait(5)
+        return ActorStates()
+
+    monkeypatch.setattr(pools, "actor_states", slow)
+    scaling = asyncio.create_task(manager.scale("prefill", 3))
+    await asyncio.to_thread(asking.wait, 5)
+    manager.stopping = True  # the deployment's shutdown begins
+    answer.set()
+    with pytest.raises(ValueError, match="stopping"):
+        await scaling
+    assert len(manager.members("prefill")) == 1
+
+
+async def test_no_worker_is_said_to_wait_for_resources_ray_did_not_tell(
+    recorded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ray's free resources past `ASK_RAY_S` read as none free: "free: CPU 0, memory 0 MiB"
+    # (s41 review F5).
+    import ray
+
+    monkeypatch.setattr(pools, "ASK_RAY_S", 0.1)
+    manager, _ = _manager(recorded)
+    await manager.scale("prefill", 1)
+    ids = [pools.actor_id(h) for _, h in manager.members("prefill")]
+    monkeypatch.setattr(pools, "actor_states", lambda _: ActorStates(unplaced=frozenset(ids)))
+    monkeypatch.setattr(ray, "available_resources", lambda: time.sleep(0.3) or {"CPU": 8.0})
+    assert await manager.survey() == []
+    await asyncio.sleep(0.3)  # the late answer leaves the pools' one Ray thread
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0})
+    assert [line.split(" waits")[0] for line in await manager.survey()] == ["epd-prefill-0"]
