@@ -399,7 +399,11 @@ async def test_no_worker_is_said_to_wait_for_resources_ray_did_not_tell(
     await manager.scale("prefill", 1)
     ids = [pools.actor_id(h) for _, h in manager.members("prefill")]
     monkeypatch.setattr(pools, "actor_states", lambda _: ActorStates(unplaced=frozenset(ids)))
-    monkeypatch.setattr(ray, "available_resources", lambda: time.sleep(0.3) or {"CPU": 8.0})
+    def late() -> dict[str, float]:
+        time.sleep(0.3)
+        return {"CPU": 8.0}
+
+    monkeypatch.setattr(ray, "available_resources", late)
     assert await manager.survey() == []
     await asyncio.sleep(0.3)  # the late answer leaves the pools' one Ray thread
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0})
