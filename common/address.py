@@ -3,13 +3,15 @@
 An IPv6 host is written in brackets (`[fd00::1]:50062`). A worker's own address made of a
 bare IPv6 host and a port (`$(POD_IP):50062` on an IPv6 pod gives `fd00::1:50062`) is put in
 brackets (`bracketed`); the registry refuses any other form it cannot dial (`check_address`).
-Errors a client reads name no address (`without_addresses`).
+Errors a client reads name no address (`without_addresses`, and `without_known` for the
+addresses a router knows its workers by, whatever their form).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Collection
 
 # An address in a message, as gRPC, the OS and our workers write them (each candidate is
 # checked in `_address`): gRPC's own forms (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:1`,
@@ -95,3 +97,15 @@ def without_addresses(text: str, instead: str = "a worker") -> str:
     """`text` with every network address in it replaced by `instead`: what a worker's or
     gRPC's error says, for a client (the addresses are the operator's to know)."""
     return _ADDRESS.sub(lambda match: _address(match, instead), text)
+
+
+def without_known(text: str, addresses: Collection[str], instead: str = "a worker") -> str:
+    """`text` with each of `addresses` (and gRPC's `ipv4:`/`ipv6:` spelling of it) replaced
+    by `instead`, where it stands alone (not inside a longer name or port): the addresses
+    a router knows its workers by, which `without_addresses` misses where a host is one
+    plain word (`vm:50062`, `gpu01:50062`: a client's `id:12345` looks the same)."""
+    for address in sorted(set(addresses), key=len, reverse=True):
+        if address in text:
+            alone = rf"(?<![\w.:-])(?:ipv4:|ipv6:)?{re.escape(address)}(?![\w.-]|:\d)"
+            text = re.sub(alone, instead, text)
+    return text

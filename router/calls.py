@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from common.address import without_addresses
+from common.address import without_addresses, without_known
 from common.errors import DECODE_STEP_FAILED
 from common.handoff import EMBEDDINGS_LOST
 from common.kv.block_pool import WHOLE_POOL, pool_full
@@ -237,7 +237,7 @@ class WorkerCalls:
         said = exc.details() or ""
         for named in (f"ipv4:{worker.address}", f"ipv6:{worker.address}", worker.address):
             said = said.replace(named, f"the {worker.role} worker")  # ("a worker prefill ...")
-        details = without_addresses(said)
+        details = without_addresses(without_known(said, self._addresses()))
         logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
         error: RouterError = RouterError(code, f"{stage} failed: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and pool_full(said):  # blocks in use now
@@ -247,6 +247,10 @@ class WorkerCalls:
         error.address = worker.address
         error.stage = stage
         return error
+
+    def _addresses(self) -> list[str]:
+        """Every worker address this router knows (a peer's, named in another's error)."""
+        return [w.address for w in self.registry.workers(timed_out=True)]
 
     async def with_retry(
         self,

@@ -43,6 +43,35 @@ def test_no_address_reaches_a_client_in_a_workers_error() -> None:
         assert "a worker" in cleaned and "50062" not in cleaned and "prefill" not in cleaned
 
 
+def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
+    # A decode worker's refusal named the prefill worker holding the lease as `vm:47820`,
+    # which is no address by its form alone (s41 attacker3 F1): the router knows it.
+    from common.address import without_known
+    from router.calls import WorkerCalls
+    from router.registry import Registry
+    from tests.registry_helpers import Clock, info
+
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=Clock())
+    prefill = info(Role.PREFILL, 1)
+    prefill.address = "vm:47820"
+    registry.register(prefill)
+    decode = registry.register(info(Role.DECODE, 7))
+    said = "kv.lease_id: the lease on vm:47820 was not live (ipv4:vm:47820 too)"
+    exc = grpc.aio.AioRpcError(
+        grpc.StatusCode.ABORTED, grpc.aio.Metadata(), grpc.aio.Metadata(), said
+    )
+    error = WorkerCalls(registry).error("decode", decode, exc)
+    assert (
+        str(error)
+        == "decode failed: kv.lease_id: the lease on a worker was not live (a worker too)"
+    )
+    # Alone only: not inside a longer port or name, and nothing the router does not know.
+    known = ["vm:4782", "gpu01:50062"]
+    kept = "vm:47820, xgpu01:50062, gpu01:500620, id:12345, gpu01:50062.5"
+    assert without_known(kept, known) == kept
+    assert without_known("to gpu01:50062: refused", known) == "to a worker: refused"
+
+
 def worker_error(role: Role, code: grpc.StatusCode, said: str) -> RouterError:
     """The client-facing error `WorkerCalls.error` makes of a `role` worker's call that
     failed with `code` and details `said` (the worker's address is in `said` as {address})."""
