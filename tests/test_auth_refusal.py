@@ -6,13 +6,14 @@ Generate calls took a router from 264 MB to 1.46 GB resident; now 279 MB).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
 
-from common.server.auth import Authenticator
+from common.server.auth import Authenticator, RefusalLog
 from common.server.rpc import RunningServer, start_server
 from epd.v1 import router_service_pb2
 
@@ -82,3 +83,34 @@ async def test_a_refused_call_is_not_read(served: tuple[RunningServer, Counting]
     # refusal (PERMISSION_DENIED) reads nothing either.
     assert await generate(server.address, big, KEY_SECRET) == grpc.StatusCode.PERMISSION_DENIED
     assert counting.decoded == 0
+
+
+async def test_refused_calls_are_logged_a_line_per_kind_a_minute(
+    served: tuple[RunningServer, Counting], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A line each: one client without credentials grew a server's log by ~300 KB/s (s41
+    # attacker3 F2).
+    server, _ = served
+    small = router_service_pb2.GenerateRequest(request_id="x", prompt="y")
+    with caplog.at_level(logging.INFO, logger="common.server.auth"):
+        for _ in range(20):
+            assert await generate(server.address, small, None) == grpc.StatusCode.UNAUTHENTICATED
+        await generate(server.address, small, KEY_SECRET)  # another kind: its own first line
+    assert [r.getMessage() for r in caplog.records] == [
+        f"refused {GENERATE}: UNAUTHENTICATED",
+        f"refused {GENERATE}: PERMISSION_DENIED",
+    ]
+
+
+def test_a_refusal_log_says_how_many_it_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    log = RefusalLog(every_s=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="common.server.auth"):
+        for t in range(0, 130, 2):  # a refusal every 2 s for 128 s
+            now[0] = float(t)
+            log(GENERATE, grpc.StatusCode.UNAUTHENTICATED)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"refused {GENERATE}: UNAUTHENTICATED",
+        f"refused {GENERATE}: UNAUTHENTICATED (and 29 more since 60 s ago)",
+        f"refused {GENERATE}: UNAUTHENTICATED (and 29 more since 60 s ago)",
+    ]
