@@ -81,18 +81,21 @@ CHARACTERS = {
 
 class _Strings:
     """What `check_counts` calls for each string on the wire; `check` then refuses as the
-    checks after parsing would: the text's bytes in all, summed in the processor's order
-    (each message's role, then its parts), and each bounded string against its characters.
-    A singular field sent again counts as the parser keeps it, its last value, and a part
-    as the last member of its oneof it was sent (text, image or video: ownfixB, ownfixC);
-    stop strings, a repeated field, are checked each as it comes."""
+    checks after parsing would, in their order: the ids, the stop strings, then the prompt
+    and the chat message by message (each message's role, then its parts: a part's text
+    summed into the text's bytes, an image's or video's uuid against its characters). A
+    singular field sent again counts as the parser keeps it, its last value, and a part as
+    the last member of its oneof it was sent, strings or not (text, image or video: ownfixB,
+    ownfixC, s41 review F1). A request with several faults is refused naming the first in
+    that order (one the wire does not show, found after parsing, may come before it)."""
 
     def __init__(self, max_text_bytes: int | None) -> None:
         self.limits = InputLimits(max_text_bytes=max_text_bytes)
         self.text: dict[str, int] = {}  # field (as errors name it) -> its bytes
         self.bounded: dict[str, tuple[int, str]] = {}  # field -> (its bytes, its path)
+        self.long_stop = False  # a stop string past its characters (each is checked)
 
-    def __call__(self, path: str, field: str, size: int) -> None:
+    def __call__(self, path: str, field: str, size: int | None) -> None:
         if path.startswith(_PART):  # a part holds its oneof's last member: not the others
             member = path.removeprefix(_PART).split(".")[0]  # text, image or video
             part = field[: field.rindex(f".{member}")]
@@ -100,37 +103,49 @@ class _Strings:
                 self.text.pop(f"{part}.text", None)
             for other in {"image", "video"} - {member}:
                 self.bounded.pop(f"{part}.{other}.uuid", None)
+        if size is None:  # a sub-message begins: its member switched the oneof, if any
+            return
         if path in TEXT:
             self.text[field] = size
-        if path == "stop" and size > 4 * MAX_STOP_CHARS:
-            raise FieldError(field, CHARACTERS[path][1])
-        if path in CHARACTERS:
+        if path == "stop":  # repeated: every one counts
+            self.long_stop |= size > 4 * MAX_STOP_CHARS
+        elif path in CHARACTERS:
             self.bounded[field] = (size, path)
 
     def check(self) -> None:
-        for field, (size, path) in self.bounded.items():
-            most, reason = CHARACTERS[path]
-            if size > 4 * most:
-                raise FieldError(field, reason)
-        if self.limits.max_text_bytes is None:
-            return
-        if sum(self.text.values()) <= self.limits.max_text_bytes:
+        for field in ("request_id", "cache_salt"):
+            self._characters(field)
+        if self.long_stop:
+            raise FieldError("stop", CHARACTERS["stop"][1])
+        over = self.limits.max_text_bytes is not None and (
+            sum(self.text.values()) > self.limits.max_text_bytes
+        )
+        if not over and all(size <= 4 * CHARACTERS[p][0] for size, p in self.bounded.values()):
             return
         used = 0
-        for field in sorted(self.text, key=_processor_order):
-            used += self.text[field]
-            check_text_bytes(used, self.limits, field)
+        for field in sorted({*self.text, *self.bounded}, key=_processor_order):
+            if field in self.bounded:
+                self._characters(field)
+            else:
+                used += self.text[field]
+                check_text_bytes(used, self.limits, field)
+
+    def _characters(self, field: str) -> None:
+        size, path = self.bounded.get(field, (0, ""))
+        if path and size > 4 * CHARACTERS[path][0]:
+            raise FieldError(field, CHARACTERS[path][1])
 
 
 _PART = "messages.content."
-_INDEXES = re.compile(r"messages\[(\d+)\]\.(?:role|content\[(\d+)\]\.text)")
+_INDEXES = re.compile(r"messages\[(\d+)\]\.(?:role|content\[(\d+)\]\..+)")
 
 
 def _processor_order(field: str) -> tuple[int, int]:
-    """Where the processor counts `field`'s text: the prompt, or message by message, its
-    role before its parts (a client may send a message's content before its role)."""
+    """Where the checks after parsing meet `field`: the ids and the prompt first, then
+    message by message, its role before its parts (a client may send a message's content
+    before its role)."""
     found = _INDEXES.fullmatch(field)
-    if found is None:  # the prompt
+    if found is None:  # the prompt (the ids were checked before)
         return (-1, -1)
     return (int(found[1]), -1 if found[2] is None else int(found[2]))
 

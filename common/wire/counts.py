@@ -54,8 +54,9 @@ def check_counts(
     packed field's elements not counted there: they cost no walking); occurrences are
     counted over the whole message, sub-messages' summed. `strings(path, field, size)` is
     called for each string or bytes value, in order, with its size on the wire (it raises
-    to refuse it). `DecodeError` when the bytes are not protobuf wire format. Returns the
-    counts, by path."""
+    to refuse it), and with size None as each occurrence of a singular sub-message field
+    begins (one of a oneof replaces the member set before, strings or not). `DecodeError`
+    when the bytes are not protobuf wire format. Returns the counts, by path."""
     walk = _Walk(bytes(data), bounds, default, most, strings)
     walk.message(0, len(data), descriptor, "", "")
     return walk.counts
@@ -65,8 +66,9 @@ _VARINT = re.compile(rb"[\x80-\xff]{0,9}[\x00-\x7f]")  # one varint, up to 10 by
 _MESSAGE, _PACKED, _ONE = 0, 1, 2  # what a length-delimited occurrence of a field holds
 
 
-# Called for each string or bytes value: (its path, the field as errors name it, its bytes).
-Strings = Callable[[str, str, int], None]
+# Called for each string or bytes value: (its path, the field as errors name it, its bytes);
+# and (path, field, None) as a singular sub-message field's occurrence begins.
+Strings = Callable[[str, str, int | None], None]
 
 
 class _Walk:
@@ -167,6 +169,8 @@ class _Walk:
                 index = seen[number] = seen.get(number, -1) + 1
                 self.count(key, shown, name, 1)
                 inner = f"{shown}{name}[{index}]." if repeated else f"{shown}{name}."
+                if self.strings is not None and not repeated:
+                    self.strings(key, f"{shown}{name}", None)
                 self.message(start, pos, sub, f"{key}.", inner)
             elif width:
                 self.count(key, shown, name, (pos - start) // width)
