@@ -115,28 +115,81 @@ def test_ids_and_stop_strings_past_any_length_allowed_are_refused_on_the_wire(
     decode_request(wide.SerializeToString(), 1024, 1 << 20)
 
 
-def test_an_http_bodys_text_past_the_limit_in_characters_is_refused_before_conversion() -> None:
-    from router.http.convert import check_text_length
-    from router.http.schema import ChatCompletionRequest, CompletionRequest
+http_content = st.one_of(
+    texts,  # a string content: one text part
+    st.lists(st.one_of(texts, st.none()), min_size=1, max_size=3),  # a text, or an image (None)
+)
 
-    chat = ChatCompletionRequest.model_validate(
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(("system", "user", "assistant", "developer")), http_content),
+        min_size=1,
+        max_size=3,
+    ),
+    st.integers(0, 60),
+)
+def test_an_http_bodys_text_is_refused_before_conversion_as_the_processor_refuses_it(
+    chat: list[tuple[str, str | list[str | None]]], limit: int
+) -> None:
+    # Counted in characters, the part named was not always the processor's, nor the bytes
+    # said bytes (s41 review F3); roles were not counted.
+    from router.http.convert import check_text_length
+    from router.http.schema import ChatCompletionRequest
+
+    def part(text: str | None) -> dict[str, object]:
+        if text is None:
+            return {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+        return {"type": "text", "text": text}
+
+    body = ChatCompletionRequest.model_validate(
         {
             "model": "m",
             "messages": [
-                {"role": "user", "content": "ab"},
-                {"role": "user", "content": [{"type": "text", "text": "ü" * 3}]},
+                {"role": role, "content": c if isinstance(c, str) else [part(t) for t in c]}
+                for role, c in chat
             ],
         }
     )
-    check_text_length(chat, 5)  # 5 characters (the processor counts 8 bytes and the roles)
-    with pytest.raises(FieldError, match="prompt text of 5\\+ bytes") as err:
-        check_text_length(chat, 4)
-    assert err.value.field == "messages[1].content[0].text"
-    with pytest.raises(FieldError) as err:
-        check_text_length(chat, 1)
-    assert err.value.field == "messages[0].content"  # a string content, as the body has it
-    with pytest.raises(FieldError) as err:
-        check_text_length(CompletionRequest.model_validate({"model": "m", "prompt": "abc"}), 2)
+    messages = [
+        Message(
+            "system" if role == "developer" else role,
+            (TextPart(c),)
+            if isinstance(c, str)
+            else tuple(ImagePart(data=b"png") if t is None else TextPart(t) for t in c),
+        )
+        for role, c in chat
+    ]
+    expected: FieldError | None = None
+    try:
+        check_text_limits(messages, InputLimits(max_text_bytes=limit))
+    except LimitError as exc:
+        expected = exc
+    try:
+        check_text_length(body, limit)
+        got: FieldError | None = None
+    except FieldError as exc:
+        got = exc
+    assert (got is None) == (expected is None)
+    if got is not None and expected is not None:
+        m = int(expected.field.split("]")[0].removeprefix("messages["))
+        named = expected.field
+        if isinstance(chat[m][1], str) and named.endswith(".content[0].text"):
+            named = named.removesuffix("[0].text")  # as the body spells it
+        assert got.field == named
+        shown = int(str(got).split("prompt text of ")[1].split("+")[0])
+        assert limit < shown <= int(str(expected).split("prompt text of ")[1].split("+")[0])
+
+
+def test_a_huge_http_text_is_counted_without_being_copied() -> None:
+    from router.http.convert import check_text_length
+    from router.http.schema import CompletionRequest
+
+    text = "\u00fc" * (8 << 20)  # 16 MiB of UTF-8: its first 1001 characters counted
+    body = CompletionRequest.model_validate({"model": "m", "prompt": text})
+    with pytest.raises(FieldError, match="prompt text of 2002\\+ bytes") as err:
+        check_text_length(body, 1000)
     assert err.value.field == "prompt"
 
 

@@ -161,16 +161,20 @@ def _request(body: SamplingBody, request_id: str) -> router_service_pb2.Generate
 
 
 def check_text_length(body: ChatCompletionRequest | CompletionRequest, max_bytes: int) -> None:
-    """FieldError naming the text part (as the body spells it) where the body's text passes
-    `max_bytes` (`max_prompt_text_bytes`) in characters, before any copy of it is made: each
-    character is a byte at least, so none the processor's count of bytes accepts is refused.
-    Converted first, a 250 MiB text was copied into the request, then again at each read of
-    it, holding the GIL (attacker review, s40)."""
+    """FieldError naming the role or text part (as the body spells it) where the body's text
+    passes `max_bytes` (`max_prompt_text_bytes`) in UTF-8 bytes, counted where the processor
+    counts them (each message's role as converted, then its text parts), before any copy of
+    the text is made: a text past what is left is encoded only as far as it crosses the
+    limit, so the bytes said are at least those (as the processor says, "N+"). Converted
+    first, a 250 MiB text was copied into the request, then again at each read of it,
+    holding the GIL (attacker review, s40); counted in characters, the part named was not
+    always the processor's (s41 review F3)."""
     if isinstance(body, CompletionRequest):
         texts = [("prompt", body.prompt)]
     else:
         texts = []
         for m, message in enumerate(body.messages):
+            texts.append((f"messages[{m}].role", _role(message.role)))
             if isinstance(message.content, str):
                 texts.append((f"messages[{m}].content", message.content))
                 continue
@@ -179,11 +183,18 @@ def check_text_length(body: ChatCompletionRequest | CompletionRequest, max_bytes
                     texts.append((f"messages[{m}].content[{p}].text", part.text))
     used = 0
     for field, text in texts:
-        used += len(text)
+        # Past the limit in characters, its first `left + 1` characters cross it.
+        left = max_bytes - used
+        used += len(text) if text.isascii() else len(text[: left + 1].encode())
         if used > max_bytes:
             raise FieldError(
                 field, f"prompt text of {used}+ bytes exceeds max_prompt_text_bytes = {max_bytes}"
             )
+
+
+def _role(role: str) -> str:
+    """A chat message's role as the router reads it (OpenAI's `developer` is `system`)."""
+    return "system" if role == "developer" else role
 
 
 def names_media(body: ChatCompletionRequest) -> bool:
@@ -236,7 +247,7 @@ def chat_request(
         return data
 
     for m, message in enumerate(body.messages):
-        out = request.messages.add(role="system" if message.role == "developer" else message.role)
+        out = request.messages.add(role=_role(message.role))
         if isinstance(message.content, str):
             out.content.add(text=message.content)
             continue
