@@ -68,11 +68,24 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         messages = build_messages(
             args.prompt, args.image, args.video, fps=args.fps, system=args.system
         )
+    except OSError as exc:  # a file of --image or --video (a frame of a --video folder)
+        images = [str(image) for image in args.image or ()]
+        flag = "--image" if str(exc.filename) in images else "--video"
+        _say(f"epd: {flag} {exc.filename}: {exc.strerror or exc}")
+        return 2
+    except ValueError as exc:
+        _say(f"epd: {exc}")
+        return 2
+    try:
         sampling = SamplingParams(
             temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
         )
-    except (OSError, ValueError) as exc:
-        _say(f"epd: {exc}")
+    except ValueError as exc:  # it names the field: "max_tokens must be ..."
+        name = str(exc).split(" ", 1)[0]
+        flag = (
+            f"--{name.replace('_', '-')}: " if name in ("temperature", "max_tokens", "seed") else ""
+        )
+        _say(f"epd: {flag}{exc}")
         return 2
     t0 = time.monotonic()
     ttft = 0.0
@@ -107,10 +120,13 @@ async def cmd_generate(args: argparse.Namespace) -> int:
         _say("(no answer)")
         return 1
     decode_s = total - ttft
-    rate = (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else 0.0
+    # One token: no rate after the first ("0.0 tokens/s" read as a stall).
+    rate = ""
+    if tokens > 1 and decode_s > 0:
+        rate = f"{(tokens - 1) / decode_s:.1f} tokens/s after the first, "
     _say(
         f"--- {tokens} tokens ({finish or 'unfinished'}); TTFT {ttft * 1000:.0f} ms, "
-        f"{rate:.1f} tokens/s after the first, {total:.2f} s total"
+        f"{rate}{total:.2f} s total"
     )
     _say(
         f"--- prompt {stats['prompt_tokens']} tokens, {stats['cached_tokens']} from prefix "

@@ -262,6 +262,26 @@ def test_generate_fps_not_positive_is_one_line(
     assert "Traceback" not in out.err
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--image", "nosuch.png"], "epd: --image nosuch.png: No such file or directory"),
+        (["--max-tokens", "0"], "epd: --max-tokens: max_tokens must be "),
+        (["--temperature", "-1"], "epd: --temperature: temperature "),
+        (["--seed", str(1 << 64)], "epd: --seed: seed "),
+    ],
+)
+def test_generate_names_the_flag_it_refuses(
+    capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    # A bare "[Errno 2] ..." for a missing --image; the setting's name for a sampling flag
+    # (newuser review, s41).
+    assert main(["generate", "hi", *flags]) == 2
+    out = capsys.readouterr()
+    assert out.out.startswith(said) and out.out.count("\n") == 1, out.out
+    assert "Traceback" not in out.err
+
+
 async def test_a_refused_worker_is_remembered_with_its_reason() -> None:
     import grpc
 

@@ -182,6 +182,7 @@ async def test_a_refusal_of_a_request_without_a_body_keeps_the_connection(
     [
         (f"{POST.replace('completions', 'completions/')}\r\n{KEY}", BODY),
         (f"GET /health/ HTTP/1.1\r\n{KEY}", b""),
+        (f"GET /v1/models/ HTTP/1.1\r\n{KEY}", b""),  # it said "the model '' does not exist"
     ],
 )
 @ON_ROUTER
@@ -193,6 +194,7 @@ async def test_a_trailing_slash_is_an_openai_404_not_a_redirect(
     status, headers, reply = await exchange(router, head, body)
     assert status == 404 and "location" not in headers, headers
     assert reply["error"]["type"] == "not_found_error", reply
+    assert reply["error"]["message"].startswith("no such endpoint: "), reply
 
 
 @ON_ROUTER

@@ -258,6 +258,8 @@ def build_app(
     # `:path`: a served name may hold slashes (`org/model`), as Hugging Face ids do.
     @app.get("/v1/models/{model:path}")
     async def model(model: str, _who: Who) -> dict[str, Any]:
+        if not model:  # `/v1/models/`: a path with a trailing slash, as any other
+            raise StarletteHTTPException(404)
         if model != model_id:
             raise model_not_found(model, model_id)
         return served

@@ -180,7 +180,9 @@ def limit_body(
     app: Any, max_bytes: int, held: HeldBytes, timeout_s: float, stats: ConnectionStats
 ) -> Any:
     """`app` behind the bounds of this module's docstring (408s counted in `stats`)."""
-    too_large = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes")
+    too_large = ApiError(
+        grpc.StatusCode.INVALID_ARGUMENT, f"body over {max_bytes} bytes (max_message_mb)"
+    )
     too_large.status = 413
     late = ApiError(
         grpc.StatusCode.DEADLINE_EXCEEDED,
