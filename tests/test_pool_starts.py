@@ -399,6 +399,7 @@ async def test_no_worker_is_said_to_wait_for_resources_ray_did_not_tell(
     await manager.scale("prefill", 1)
     ids = [pools.actor_id(h) for _, h in manager.members("prefill")]
     monkeypatch.setattr(pools, "actor_states", lambda _: ActorStates(unplaced=frozenset(ids)))
+
     def late() -> dict[str, float]:
         time.sleep(0.3)
         return {"CPU": 8.0}
