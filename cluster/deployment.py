@@ -17,7 +17,7 @@ import grpc
 
 from cluster.actor_states import WorkerRefusedError, WorkerStartError, error_summary
 from cluster.placement import CpuPlanner
-from cluster.pools import CONTROLLER_NAME, PoolManager, registered_counts
+from cluster.pools import CONTROLLER_NAME, WAITS_FOR_RAY, PoolManager, registered_counts
 from cluster.ray_start import RUNNING
 from cluster.settings import ROLES, EpdSettings, PoolSettings
 from cluster.worker import (
@@ -287,6 +287,12 @@ def cpu_planner(pools: PoolSettings) -> CpuPlanner:
 
 
 WAIT_REPORT_S = 10.0  # how often `epd serve` says how far start-up is
+# Said once a worker waits for Ray resources: `ready_timeout_s` passed on a small node with
+# the line naming what it asked, not what sets it (newuser review, s41).
+RAY_ASKS_HINT = (
+    "what each worker asks of Ray: [pools] num_cpus (default: its threads), num_gpus, "
+    "memory_mb; its threads: [encoder|prefill|decode] threads (0: share the node's cores)"
+)
 
 
 class Deployment:
@@ -340,7 +346,7 @@ class Deployment:
         """Registered workers per role once every pool is complete. Every `WAIT_REPORT_S`
         until then, `on_wait` gets a progress line (`Controller.progress`)."""
         ready = asyncio.ensure_future(self.controller.wait_ready.remote(timeout_s))
-        started = time.monotonic()
+        started, hinted = time.monotonic(), False
         try:
             while True:
                 done, _ = await asyncio.wait({ready}, timeout=WAIT_REPORT_S)
@@ -349,6 +355,9 @@ class Deployment:
                 with contextlib.suppress(Exception):
                     progress = await self.controller.progress.remote()
                     on_wait(f"still waiting ({time.monotonic() - started:.0f}s): {progress}")
+                    if WAITS_FOR_RAY in progress and not hinted:  # once: what to change
+                        on_wait(f"  {RAY_ASKS_HINT}")
+                        hinted = True
         finally:  # stopped meanwhile: its outcome is no news (a traceback at exit: raypools)
             ready.cancel()
             ready.add_done_callback(lambda f: f.cancelled() or f.exception())

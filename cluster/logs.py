@@ -7,8 +7,8 @@ logging starts, plus its logger's level when that already happened). When stdout
 is not a terminal, or `NO_COLOR` is set, the actors' log lines reach the driver without ANSI
 colour codes: Ray's prefix colour is off (`RAY_COLOR_PREFIX=0`) and so is its log
 deduplication, whose "[repeated Nx]" marker is always coloured (`RAY_DEDUP_LOGS=0`, read
-when Ray is imported, so `driver_env` runs before `import ray`). A variable the user set is
-left as it is.
+when Ray is imported, so `driver_env` runs before `import ray`), and so are the colours of
+Ray's task errors in the workers. A variable the user set is left as it is.
 """
 
 from __future__ import annotations
@@ -53,7 +53,19 @@ def quiet_driver(level: str) -> None:
 
 
 def worker_env(level: str) -> None:
-    """In a worker (before NIXL starts, and again after): NIXL at warning unless debug."""
+    """In a worker (before NIXL starts, and again after): NIXL at warning unless debug;
+    Ray's errors without colour where its prefixes have none."""
     wanted = "DEBUG" if debug(level) else "WARN"
     if os.environ.setdefault("NIXL_LOG_LEVEL", wanted) == wanted:  # else: the user's choice
         logging.getLogger("nixl").setLevel(logging.DEBUG if debug(level) else logging.WARNING)
+    if os.environ.get("RAY_COLOR_PREFIX") == "0":
+        plain_ray_errors()
+
+
+def plain_ray_errors() -> None:
+    """Ray colours the `ray::Actor.method()` line of a task's error whatever the stream
+    (colorama's codes, in the process that raised): a worker's failed start reached a piped
+    `epd serve` log with ANSI codes (newuser review, s41)."""
+    from ray import exceptions  # its colorama: Ray's own copy
+
+    exceptions.colorama.Fore.CYAN = exceptions.colorama.Fore.RESET = ""

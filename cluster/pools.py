@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "epd-controller"
 START_RETRY_S = 1.0  # between asks whether a worker has started, after one failed
+WAITS_FOR_RAY = "waits for Ray resources"  # a worker Ray has nowhere to place yet
 ASK_RAY_S = 4.0  # the longest one question to Ray waits (a status asks two; epd's calls, 10 s)
 
 
@@ -308,7 +309,7 @@ class PoolManager:
                     asked = {k: v for k, v in m.request.items() if v}  # not a GPU it needs not
                     asks = ", ".join(_amount(k, v) for k, v in asked.items())
                     has = ", ".join(_amount(k, free.get(k, 0.0)) for k in asked)
-                    lines.append(f"{m.name} waits for Ray resources: asks {asks}; free: {has}")
+                    lines.append(f"{m.name} {WAITS_FOR_RAY}: asks {asks}; free: {has}")
                 elif restarts := states.restarted.get(actor_id(m.handle)):
                     times = "once" if restarts == 1 else f"{restarts} times"
                     lines.append(f"{m.name} is restarting (restarted {times}: its log says why)")

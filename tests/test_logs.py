@@ -16,8 +16,12 @@ KNOBS = ("RAY_COLOR_PREFIX", "RAY_DEDUP_LOGS", "NIXL_LOG_LEVEL", "NO_COLOR")
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from ray.exceptions import colorama
+
     for name in KNOBS:
         monkeypatch.delenv(name, raising=False)
+    for colour in ("CYAN", "RESET"):  # `plain_ray_errors` sets them for the process
+        monkeypatch.setattr(colorama.Fore, colour, getattr(colorama.Fore, colour))
     nixl = logging.getLogger("nixl")
     level = nixl.level
     yield
@@ -35,6 +39,23 @@ def test_piped_output_gets_no_colour_codes(monkeypatch: pytest.MonkeyPatch) -> N
     assert (logs.os.environ["RAY_COLOR_PREFIX"], logs.os.environ["RAY_DEDUP_LOGS"]) == ("0", "0")
     assert logs.os.environ["NIXL_LOG_LEVEL"] == "WARN"
     assert logging.getLogger("nixl").level == logging.WARNING
+
+
+def test_a_workers_ray_errors_get_no_colour_codes_where_its_prefixes_have_none() -> None:
+    # A worker's failed start reached a piped `epd serve` log with Ray's cyan `ray::...`
+    # line (newuser review, s41).
+    from ray.exceptions import RayTaskError
+
+    def said() -> str:
+        trace = 'Traceback (most recent call last):\n  File "w.py", line 1\nValueError: x'
+        error = RayTaskError("f", trace, ValueError("x"), "ray::A.__init__", 1, "10.0.0.1")
+        return str(error)
+
+    logs.worker_env("warning")  # a terminal: Ray's colours stay
+    assert "\x1b[" in said()
+    logs.os.environ["RAY_COLOR_PREFIX"] = "0"  # as `driver_env` sets it for a pipe
+    logs.worker_env("warning")
+    assert "\x1b" not in said() and said().startswith("ray::A.__init__() (pid=1")
 
 
 def test_a_terminal_keeps_colour_unless_no_color(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -409,3 +409,30 @@ async def test_no_worker_is_said_to_wait_for_resources_ray_did_not_tell(
     await asyncio.sleep(0.3)  # the late answer leaves the pools' one Ray thread
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0})
     assert [line.split(" waits")[0] for line in await manager.survey()] == ["epd-prefill-0"]
+
+
+async def test_epd_serve_says_once_what_sets_what_a_waiting_worker_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It waited `ready_timeout_s` on a 2-core node for a worker asking 1 CPU too many, the
+    # line naming what it asked, not what sets it (newuser review, s41).
+    import cluster.deployment as deployment_module
+    from cluster.deployment import RAY_ASKS_HINT, Deployment
+
+    monkeypatch.setattr(deployment_module, "WAIT_REPORT_S", 0.02)
+
+    async def ready(timeout_s: float) -> dict[str, int]:
+        await asyncio.sleep(0.2)
+        return {"decode": 1}
+
+    async def progress() -> str:
+        return "2 of 3 registered; epd-decode-0 waits for Ray resources: asks CPU 1; free: CPU 0"
+
+    deployment = Deployment.__new__(Deployment)  # its fields, not Ray's
+    deployment.controller = SimpleNamespace(
+        wait_ready=SimpleNamespace(remote=ready), progress=SimpleNamespace(remote=progress)
+    )
+    said: list[str] = []
+    assert await deployment.wait_ready(10, said.append) == {"decode": 1}
+    assert said.count(f"  {RAY_ASKS_HINT}") == 1 and len(said) > 3
+    assert said.index(f"  {RAY_ASKS_HINT}") == 1  # after the first line that names one
