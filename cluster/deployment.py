@@ -258,9 +258,9 @@ def follow_registries(pools: PoolManager, registries: Sequence[Registry]) -> Non
     registries[0].on_register.append(lambda record: registered.add(record.name))
     pools.drained = lambda name: any(r.drained_by_operator(name) for r in registries)
 
-    def retiring(name: str) -> None:
+    def retiring(name: str, died: bool = False) -> None:
         for registry in registries:
-            registry.retire(name)
+            registry.retire(name, died)
 
     pools.retiring = retiring
 

@@ -151,7 +151,7 @@ class PoolManager:
         # this name, and one retiring now, held out of rotation at once (told before `scale`
         # returns, so what `epd scale` counts right after is already true).
         self.drained: Callable[[str], bool] = lambda name: False
-        self.retiring: Callable[[str], None] = lambda name: None
+        self.retiring: Callable[[str, bool], None] = lambda name, died: None  # (died for good)
         # Workers that registered at least once (the controller adds them as the router
         # sees them); one that never did is stopped without a drain once the router is gone.
         self.registered: set[str] = set()
@@ -205,7 +205,7 @@ class PoolManager:
                 drained = [m for m in pool.members if self.drained(m.name)]
                 member = drained[-1] if drained else pool.members[-1]
                 pool.members.remove(member)
-                self.retiring(member.name)
+                self.retiring(member.name, False)
                 task = asyncio.create_task(self._retire(role, member), name=f"retire-{member.name}")
                 self._retiring.add(task)
                 task.add_done_callback(self._retiring.discard)
@@ -275,7 +275,7 @@ class PoolManager:
             return
         pool.members.remove(member)
         pool.failed[member.name] = end
-        self.retiring(member.name)
+        self.retiring(member.name, True)
         logger.error("%s %s", member.name, end)
         ray.kill(member.handle, no_restart=True)
         self.cpu.release(member.name)

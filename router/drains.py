@@ -74,12 +74,14 @@ class Holds:
             del self._drained[key]
         return bool(set(away) - registered)
 
-    def retire(self, name: str, records: Iterable[WorkerRecord]) -> None:
-        """The deployment retires the worker `name`; `records` are every registered one."""
+    def retire(self, name: str, records: Iterable[WorkerRecord], died: bool = False) -> None:
+        """The deployment retires the worker `name` (`died`: for it died for good);
+        `records` are every registered one."""
         _hold(self._retiring, name, None)
         for record in records:
             if record.name == name:
                 record.retiring = True
+                record.died |= died
 
     def drained(self, name: str) -> bool:
         """Whether an operator drained a worker of this name (any role) and did not undrain it."""

@@ -268,11 +268,11 @@ class Registry:
             logger.info("lifted the drain held for %s (not registered now)", address or name)
         return bool(records), any(not r.draining for r in records), lifted_away
 
-    def retire(self, name: str) -> None:
-        """The deployment retires the worker `name` (a scale-down): no new work for it, now
-        and whenever it registers again; nothing undoes it (it leaves)."""
-        self.holds.retire(name, self._workers.values())
-        logger.info("retiring worker %s", name)
+    def retire(self, name: str, died: bool = False) -> None:
+        """The deployment retires the worker `name` (a scale-down, or `died` for good): no
+        new work for it, now and whenever it registers again; nothing undoes it (it leaves)."""
+        self.holds.retire(name, self._workers.values(), died)
+        logger.info("%s worker %s", "holding out the dead" if died else "retiring", name)
 
     def drained_by_operator(self, name: str) -> bool:
         """Whether an operator drained a worker of this name and has not undrained it."""
@@ -300,7 +300,9 @@ class Registry:
         dead = [w for w in self._workers.values() if w.last_seen < cutoff]
         for record in dead:
             del self._workers[record.worker_id]
-            if record.draining:  # it was leaving: a scale-down, a stop or `epd drain`
+            if record.died:  # held out since (its death was told: `epd status`, `failed:`)
+                logger.info("dropped %s worker %s: it died for good", record.role, record.address)
+            elif record.draining:  # it was leaving: a scale-down, a stop or `epd drain`
                 logger.info("retired %s worker %s (drained, stopped)", record.role, record.address)
             else:
                 logger.warning(

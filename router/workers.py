@@ -170,6 +170,7 @@ class WorkerRecord:
     placed: int = 0
     drain_requested: bool = False  # AdminService.Drain asked for it (Undrain undoes it)
     retiring: bool = False  # the deployment retires it (`Registry.retire`): nothing undoes it
+    died: bool = False  # ... for it died for good (its registration lasts until it times out)
     last_pick: int = 0  # selection tick of the last pick (least recently picked wins ties)
     # A call on it failed UNAVAILABLE since its last heartbeat (killed, frozen, unreachable):
     # picked only when no other worker of its role is left (`Registry.pick`).

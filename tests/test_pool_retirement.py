@@ -90,3 +90,19 @@ async def test_the_routers_stop_after_the_workers_retire_unless_their_drain_ran_
         order.clear()
         await controller.shutdown()
         assert order == [("drain", False), *first, ("pools", True), ("stop", 0.5)]
+
+
+async def test_a_dead_worker_is_held_out_at_the_router_as_dead(recorded: list[str]) -> None:
+    # Held out like a retiree, its registration timing out was logged "retired (drained,
+    # stopped)" (ownfixB review F5, s40).
+    manager, _ = _manager(recorded)
+    registry = Registry(worker_timeout_s=60.0, heartbeat_interval_s=1.0, expected_model=MODEL)
+    follow_registries(manager, [registry])
+    await manager.scale("prefill", 2)
+    _register(registry, 7000, "epd-prefill-0", "process-1")
+    _register(registry, 7001, "epd-prefill-1", "process-2")
+    manager.retiring("epd-prefill-0", True)  # what `_failed` does
+    manager.retiring("epd-prefill-1", False)  # what a scale-down does
+    died = {w.name: (w.draining, w.died) for w in registry.workers()}
+    assert died == {"epd-prefill-0": (True, True), "epd-prefill-1": (True, False)}
+    await manager.stop()

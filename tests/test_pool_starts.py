@@ -135,8 +135,8 @@ async def test_a_worker_dead_for_good_after_it_started_leaves_its_pool(
     # crashed past its restarts: it stayed a member for good, `epd scale` to the same size
     # started none, and no line said why (s39diff review F1).
     manager, actors = _manager(recorded)
-    retired: list[str] = []
-    manager.retiring = retired.append  # the routers hold it out of rotation at once
+    retired: list[tuple[str, bool]] = []
+    manager.retiring = lambda name, died: retired.append((name, died))  # held out at once
     await manager.scale("prefill", 2)
     await settle()  # both started
     dead = {"id-epd-prefill-0"}
@@ -164,7 +164,7 @@ async def test_a_worker_dead_for_good_after_it_started_leaves_its_pool(
     assert manager.failures()[1:] == [  # beside the one before, until the next scale
         "epd-prefill-3 died for good: The actor is dead because its worker process has died."
     ]
-    assert retired == ["epd-prefill-0", "epd-prefill-1", "epd-prefill-3"]  # counted by none
+    assert retired == [(f"epd-prefill-{n}", True) for n in (0, 1, 3)]  # counted by none
 
 
 async def test_a_scale_down_retires_the_dead_not_a_healthy_worker(

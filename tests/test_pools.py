@@ -243,7 +243,7 @@ async def test_scale_down_retires_the_workers_an_operator_drained_first(
     drained = {"epd-prefill-0"}
     retiring: list[str] = []
     manager.drained = drained.__contains__
-    manager.retiring = retiring.append
+    manager.retiring = lambda name, died: retiring.append(name + " (died)" * died)
     await manager.scale("prefill", 2)
     assert await manager.scale("prefill", 1) == 1
     assert [name for name, _ in manager.members("prefill")] == ["epd-prefill-1"]

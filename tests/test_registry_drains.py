@@ -6,6 +6,7 @@ router stalled (fake clock, no network)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -175,6 +176,24 @@ def test_a_worker_retired_before_it_registered_registers_retiring(registry: Regi
     registry.retire("epd-prefill-2")
     assert registry.register(named(Role.PREFILL, 3, "epd-prefill-2", "process-1")).draining
     assert not registry.register(named(Role.PREFILL, 4, "epd-prefill-3", "process-2")).draining
+
+
+def test_a_worker_held_out_for_its_death_is_dropped_as_dead_not_retired(
+    registry: Registry, clock: Clock, caplog: Any
+) -> None:
+    # Its registration timing out logged "retired ... (drained, stopped)": it had died
+    # (ownfixB review F5, s40).
+    dead = registry.register(named(Role.PREFILL, 3, "epd-prefill-0", "p0"))
+    leaving = registry.register(named(Role.PREFILL, 4, "epd-prefill-1", "p1"))
+    registry.retire("epd-prefill-0", died=True)
+    registry.retire("epd-prefill-1")
+    assert dead.draining and dead.died and not leaving.died
+    clock.now += 2 * registry.worker_timeout_s
+    with caplog.at_level(logging.INFO, logger="router.registry"):
+        assert {r.name for r in registry.expire()} == {"epd-prefill-0", "epd-prefill-1"}
+    assert f"dropped prefill worker {dead.address}: it died for good" in caplog.text
+    assert f"retired prefill worker {leaving.address} (drained, stopped)" in caplog.text
+    assert "retired prefill worker " + dead.address not in caplog.text
 
 
 def test_retirements_do_not_push_an_operators_drain_out(registry: Registry) -> None:
