@@ -4,7 +4,8 @@ died for good on the way.
 
 A scale is done when the pool's serving count is what was asked and no worker drains that
 did not before it (the retired ones are gone; dead ones, held out, leave on their own). It
-stops at once, 1, at a start that failed or a death it did not replace: waiting cannot help.
+stops at once, 1, at a start that failed or a death it did not replace while the pool is
+short: waiting cannot help (one found as the pool reads full is told, and the scale is done).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ async def cmd_scale(args: argparse.Namespace) -> int:
         # Workers dead for good since they started, found by that Status or by the scale
         # (which replaced them): told once, and waited on. One found later is not replaced.
         replaced = {w for w in first.failed_starts if _died(w, args.role)}
-        # Draining before the scale, by id, but the dead (held out; their registrations
+        # Leaving before the scale, by name, but the dead (held out; their registrations
         # dropping had passed for this scale's retirees leaving: ownfixE review E3).
-        retiring = _draining(first, args.role, _names(replaced))
+        retiring = _leaving(first, args.role, _names(replaced))
         if args.no_wait:
             if replaced:  # the scale cleared them: told here or nowhere
                 _say(f"{args.role}: " + "; ".join(sorted(replaced)))
@@ -57,7 +58,7 @@ async def cmd_scale(args: argparse.Namespace) -> int:
                     _say(f"{args.role}: " + "; ".join(sorted(replaced)))
             polls += 1
             died = [w for w in died if w not in replaced]
-            leaving = _draining(status, args.role, _names(replaced) | _names(died)) - retiring
+            leaving = _leaving(status, args.role, _names(replaced) | _names(died)) - retiring
             # Workers drained with `epd drain` stay in the pool, serving nothing: said at once.
             if now.serving == reply.replicas - now.drained and not leaving:
                 if died:  # told before the pool reads full, or never (ownfixE review E4)
@@ -99,11 +100,13 @@ def _names(lines: Collection[str]) -> set[str]:
     return {line.split(" ", 1)[0] for line in lines}
 
 
-def _draining(reply: Any, role: str, dead: set[str]) -> set[str]:
-    """The ids of `role`'s draining workers in a Status reply, but the `dead` ones (named):
-    those leave on their own, when their registration times out."""
+def _leaving(reply: Any, role: str, dead: set[str]) -> set[str]:
+    """`role`'s workers draining to leave in a Status reply, by name (by id where a worker
+    has none): not those an operator drained (they stay, counted apart: a registration
+    again gets a new id, and one waited the whole timeout: ownfixA review, s41), nor the
+    `dead` (named), which leave on their own when their registration times out."""
     return {
-        w.worker_id
+        w.info.name or w.worker_id
         for r, w in workers_by_role(reply)
-        if r == role and w.draining and w.info.name not in dead
+        if r == role and w.draining and not w.drained and w.info.name not in dead
     }

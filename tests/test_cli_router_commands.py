@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cluster.admin import cmd_drain, cmd_status
+from cluster.admin import DRAINED_STAY, cmd_drain, cmd_status
 from cluster.cli import build_parser, cmd_generate, main
 from cluster.scale import cmd_scale
 from common.server.rpc import start_server
@@ -66,6 +66,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         self.dies_at = 0  # from this Status on (0: never), a worker died for good is told
         # The names of the draining prefill workers at each Status (the last list from then on)
         self.draining: list[list[str]] = [[]]
+        self.drained: set[str] = set()  # of those, drained by an operator (`epd drain`)
 
     async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
         self.polls += 1
@@ -99,11 +100,12 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
                 worker.load.cache_lookups = 5
         for name in self.draining[min(self.polls, len(self.draining)) - 1]:
             response.workers.add(
-                worker_id=f"id-{name}",
+                worker_id=f"id-{name}-{self.polls}",  # a registration again: a new id
                 info=registry_service_pb2.WorkerInfo(
                     role=registry_service_pb2.WORKER_ROLE_PREFILL, address="127.0.0.1:9", name=name
                 ),
                 draining=True,
+                drained=name in self.drained,
             )
         return response
 
@@ -352,6 +354,20 @@ async def test_scale_down_waits_for_its_retiree_not_for_a_dead_worker(
     assert admin.polls == 5
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("prefill: 1 worker serving (")
+
+
+async def test_scale_does_not_wait_for_a_worker_an_operator_drained(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Registered again meanwhile (a new id), it was taken for a retiree and waited on for
+    # the whole timeout (ownfixA review, s41).
+    address, _, admin = router
+    admin.draining, admin.drained = [["epd-prefill-7"]], {"epd-prefill-7"}
+    admin.grows = False  # the pool of 2 holds it: 1 serving, 1 drained
+    args = scale_prefill(address, 2, "--timeout", "5")
+    assert await cmd_scale(args) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"  {DRAINED_STAY}"
+    assert admin.polls == 2
 
 
 async def test_scale_up_waits_for_no_dead_worker_to_leave(
