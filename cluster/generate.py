@@ -69,7 +69,7 @@ async def cmd_generate(args: argparse.Namespace) -> int:
             args.prompt, args.image, args.video, fps=args.fps, system=args.system
         )
     except OSError as exc:  # a file of --image or --video (a frame of a --video folder)
-        images = [str(image) for image in args.image or ()]
+        images = [str(Path(image)) for image in args.image or ()]  # as opened (./a: a)
         flag = "--image" if str(exc.filename) in images else "--video"
         _say(f"epd: {flag} {exc.filename}: {exc.strerror or exc}")
         return 2

@@ -266,6 +266,7 @@ def test_generate_fps_not_positive_is_one_line(
     ("flags", "said"),
     [
         (["--image", "nosuch.png"], "epd: --image nosuch.png: No such file or directory"),
+        (["--image", "./nosuch.png"], "epd: --image nosuch.png: No such file or directory"),
         (["--max-tokens", "0"], "epd: --max-tokens: max_tokens must be "),
         (["--temperature", "-1"], "epd: --temperature: temperature "),
         (["--seed", str(1 << 64)], "epd: --seed: seed "),

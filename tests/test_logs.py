@@ -41,7 +41,9 @@ def test_piped_output_gets_no_colour_codes(monkeypatch: pytest.MonkeyPatch) -> N
     assert logging.getLogger("nixl").level == logging.WARNING
 
 
-def test_a_workers_ray_errors_get_no_colour_codes_where_its_prefixes_have_none() -> None:
+def test_a_workers_ray_errors_get_no_colour_codes_where_its_prefixes_have_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A worker's failed start reached a piped `epd serve` log with Ray's cyan `ray::...`
     # line (newuser review, s41).
     from ray.exceptions import RayTaskError
@@ -53,7 +55,7 @@ def test_a_workers_ray_errors_get_no_colour_codes_where_its_prefixes_have_none()
 
     logs.worker_env("warning")  # a terminal: Ray's colours stay
     assert "\x1b[" in said()
-    logs.os.environ["RAY_COLOR_PREFIX"] = "0"  # as `driver_env` sets it for a pipe
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "0")  # as `driver_env` sets it for a pipe
     logs.worker_env("warning")
     assert "\x1b" not in said() and said().startswith("ray::A.__init__() (pid=1")
 
