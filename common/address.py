@@ -100,12 +100,13 @@ def without_addresses(text: str, instead: str = "a worker") -> str:
 
 
 def without_known(text: str, addresses: Collection[str], instead: str = "a worker") -> str:
-    """`text` with each of `addresses` (and gRPC's `ipv4:`/`ipv6:` spelling of it) replaced
-    by `instead`, where it stands alone (not inside a longer name or port): the addresses
-    a router knows its workers by, which `without_addresses` misses where a host is one
-    plain word (`vm:50062`, `gpu01:50062`: a client's `id:12345` looks the same)."""
+    """`text` with each of `addresses` (and gRPC's `ipv4:`, `ipv6:` and `dns:` forms of it)
+    replaced by `instead`, where it stands alone (not inside a longer name or port): the
+    addresses a router knows its workers by, which `without_addresses` misses where a host
+    is one plain word (`vm:50062`, `gpu01:50062`: a client's `id:12345` looks the same)."""
     for address in sorted(set(addresses), key=len, reverse=True):
         if address in text:
-            alone = rf"(?<![\w.:-])(?:ipv4:|ipv6:)?{re.escape(address)}(?![\w.-]|:\d)"
+            named = rf"(?:ipv4:|ipv6:|dns:(?:///)?)?{re.escape(address)}"  # gRPC's forms too
+            alone = rf"(?<![\w.:/-]){named}(?!\w|-|\.\w|:\d)"  # may end a sentence
             text = re.sub(alone, instead, text)
     return text

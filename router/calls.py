@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -185,6 +185,9 @@ class Job:
         return left
 
 
+KNOWN_ADDRESSES = 1024  # worker addresses kept to keep them out of a client's errors
+
+
 class WorkerCalls:
     """Picks workers from the registry and runs calls on them (see `with_retry`)."""
 
@@ -196,6 +199,10 @@ class WorkerCalls:
         self.attempts = attempts  # tries of one stage, on different workers
         self.retries: Counter[str] = Counter()  # calls tried again, per stage (metrics)
         self.returns: Returns | None = None  # the wait for a restarting role (set by `serve`)
+        # Every address a worker registered at, the latest `KNOWN_ADDRESSES`: a peer named in
+        # another's error may have registered again elsewhere since (a Ray restart).
+        self._known: OrderedDict[str, None] = OrderedDict()
+        registry.on_register.append(self._registered)
 
     def pick(self, role: Role, tried: Collection[str]) -> WorkerRecord:
         """The least loaded worker of `role` not yet tried; RouterError(UNAVAILABLE) naming
@@ -248,9 +255,15 @@ class WorkerCalls:
         error.stage = stage
         return error
 
+    def _registered(self, record: WorkerRecord) -> None:
+        self._known[record.address] = None
+        self._known.move_to_end(record.address)
+        while len(self._known) > KNOWN_ADDRESSES:
+            self._known.popitem(last=False)
+
     def _addresses(self) -> list[str]:
         """Every worker address this router knows (a peer's, named in another's error)."""
-        return [w.address for w in self.registry.workers(timed_out=True)]
+        return [*self._known, *(w.address for w in self.registry.workers(timed_out=True))]
 
     async def with_retry(
         self,

@@ -46,7 +46,7 @@ def test_no_address_reaches_a_client_in_a_workers_error() -> None:
 def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
     # A decode worker's refusal named the prefill worker holding the lease as `vm:47820`,
     # which is no address by its form alone (s41 attacker3 F1): the router knows it.
-    from common.address import without_known
+    from common.address import without_addresses, without_known
     from router.calls import WorkerCalls
     from router.registry import Registry
     from tests.registry_helpers import Clock, info
@@ -70,6 +70,33 @@ def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
     kept = "vm:47820, xgpu01:50062, gpu01:500620, id:12345, gpu01:50062.5"
     assert without_known(kept, known) == kept
     assert without_known("to gpu01:50062: refused", known) == "to a worker: refused"
+    # At a sentence's end; in gRPC's `dns:` forms (it read "a worker worker": ownfixA, s41).
+    assert without_known("lease on gpu01:50062.", known) == "lease on a worker."
+    for said in ("dns:///gpu01:50062 gone", "dns:gpu01:50062 gone"):
+        assert without_addresses(without_known(said, known)) == "a worker gone"
+
+
+def test_a_peer_registered_again_elsewhere_is_not_named_by_its_old_address() -> None:
+    # A Ray restart registers it again at a new port: its old address, in a lease error
+    # another worker sent, reached the client (ownfixA review, s41).
+    from router.calls import WorkerCalls
+    from router.registry import Registry
+    from tests.registry_helpers import Clock, info
+
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=Clock())
+    calls = WorkerCalls(registry)
+    prefill = info(Role.PREFILL, 1)
+    prefill.address, prefill.name = "vm:47820", "epd-prefill-0"
+    old = registry.register(prefill)
+    registry.remove(old.worker_id)
+    prefill.address = "vm:47821"
+    registry.register(prefill)
+    decode = registry.register(info(Role.DECODE, 7))
+    said = "kv.lease_id: the lease on vm:47820 was not live"
+    exc = grpc.aio.AioRpcError(
+        grpc.StatusCode.ABORTED, grpc.aio.Metadata(), grpc.aio.Metadata(), said
+    )
+    assert "47820" not in str(calls.error("decode", decode, exc))
 
 
 def worker_error(role: Role, code: grpc.StatusCode, said: str) -> RouterError:
