@@ -25,7 +25,7 @@ from common.sampling import MAX_STOP_TOKEN_IDS
 from common.wire.counts import check_counts
 from epd.v1 import router_service_pb2
 from router.ids import MAX_ID_CHARS
-from router.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from router.stop import EMPTY_STOP, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class _Strings:
         self.limits = InputLimits(max_text_bytes=max_text_bytes)
         self.text: dict[str, int] = {}  # field (as errors name it) -> its bytes
         self.bounded: dict[str, tuple[int, str]] = {}  # field -> (its bytes, its path)
-        self.long_stop = False  # a stop string past its characters (each is checked)
+        self.stop_fault: str | None = None  # the first stop string's, empty or too long
 
     def __call__(self, path: str, field: str, size: int | None) -> None:
         if path.startswith(_PART):  # a part holds its oneof's last member: not the others
@@ -107,16 +107,19 @@ class _Strings:
             return
         if path in TEXT:
             self.text[field] = size
-        if path == "stop":  # repeated: every one counts
-            self.long_stop |= size > 4 * MAX_STOP_CHARS
+        if path == "stop":  # repeated: every one counts, the first fault named
+            if self.stop_fault is None and not size:
+                self.stop_fault = EMPTY_STOP
+            elif self.stop_fault is None and size > 4 * MAX_STOP_CHARS:
+                self.stop_fault = CHARACTERS[path][1]
         elif path in CHARACTERS:
             self.bounded[field] = (size, path)
 
     def check(self) -> None:
         for field in ("request_id", "cache_salt"):
             self._characters(field)
-        if self.long_stop:
-            raise FieldError("stop", CHARACTERS["stop"][1])
+        if self.stop_fault is not None:
+            raise FieldError("stop", self.stop_fault)
         over = self.limits.max_text_bytes is not None and (
             sum(self.text.values()) > self.limits.max_text_bytes
         )

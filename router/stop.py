@@ -27,6 +27,7 @@ from router.detokenize import IncrementalDetokenizer
 
 MAX_STOP_STRINGS = 16  # most stop strings one request may name
 MAX_STOP_CHARS = 256  # longest stop string
+EMPTY_STOP = "stop strings must not be empty"
 
 
 def check_stop(stops: Sequence[str]) -> None:
@@ -35,7 +36,7 @@ def check_stop(stops: Sequence[str]) -> None:
         raise FieldError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for text in stops:
         if not text:
-            raise FieldError("stop", "stop strings must not be empty")
+            raise FieldError("stop", EMPTY_STOP)
         if len(text) > MAX_STOP_CHARS:
             raise FieldError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters")
 

@@ -438,3 +438,16 @@ def test_ids_come_before_stop_strings_whatever_order_they_are_sent_in(
     with pytest.raises(FieldError) as err:
         decode_request(wire, 1024, 1 << 20)
     assert err.value.field == named
+
+
+@pytest.mark.parametrize("stops", [["", "x" * 2000], ["x" * 2000, ""], ["ok", "", "y" * 2000]])
+def test_the_first_faulty_stop_string_is_named_as_after_parsing(stops: list[str]) -> None:
+    # An empty one before one too long was refused for the long one (ownfixA review, s41).
+    from router.stop import check_stop
+
+    with pytest.raises(FieldError) as after:
+        check_stop(stops)
+    wire = router_service_pb2.GenerateRequest(stop=stops).SerializeToString()
+    with pytest.raises(FieldError) as err:
+        decode_request(wire, 1024, 1 << 20)
+    assert (err.value.field, str(err.value)) == (after.value.field, str(after.value))

@@ -119,3 +119,29 @@ def test_the_walk_stops_at_its_bounds_whatever_the_size() -> None:
         counts(b"\x12\x05ab")  # a length past the end
     with pytest.raises(DecodeError):
         counts(b"\x13")  # a group
+
+
+def test_a_field_sent_in_another_wire_type_is_unknown_as_the_parser_reads_it() -> None:
+    # 17 stop strings sent as varints were refused on the wire ("more than 16"), though the
+    # parser keeps them as unknown fields and the request holds none (ownfixA, s41).
+    def tag(number: int, wire: int) -> bytes:
+        return bytes([number << 3 | wire])
+
+    top_k_packed = tag(3, 2) + b"\x01\x05"  # sampling.top_k (a singular int32) packed
+    odd = b"".join(
+        [
+            (tag(5, 0) + b"\x01") * 17,  # stop (strings) as varints
+            (tag(2, 5) + b"\0\0\0\0") * 3,  # messages (messages) as fixed32
+            tag(7, 1) + b"\0" * 8,  # resume_tokens (int32: varints or packed) as fixed64
+            tag(3, 2) + bytes([len(top_k_packed)]) + top_k_packed,
+        ]
+    )
+    parsed = router_service_pb2.GenerateRequest.FromString(odd)
+    assert not (parsed.stop or parsed.messages or parsed.resume_tokens)
+    assert parsed.sampling.top_k == 0
+    got = check_counts(odd, DESCRIPTOR, {"stop": 16}, BIG, BIG)
+    assert "stop" not in got and "messages" not in got and "resume_tokens" not in got
+    assert "sampling.top_k" not in got and got["sampling"] == 1
+    # Their own wire types still count, a repeated number packed or not.
+    fine = (tag(7, 0) + b"\x05") + (tag(7, 2) + b"\x02\x06\x07")
+    assert check_counts(fine, DESCRIPTOR, {}, BIG, BIG)["resume_tokens"] == 3

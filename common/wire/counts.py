@@ -10,10 +10,11 @@ the message's descriptor: it counts each field's occurrences (a packed field's e
 from its bytes, in C) under the field's path, a singular field's too (a field sent again
 is parsed again), descends into sub-messages, and raises `FieldError` naming the field
 once a path passes its bound, or the fields read pass a bound of their own, before walking
-further: its cost is bounded, whatever the message's size. Unknown fields are not counted nor
-descended into (the parser keeps each whole), only read against the bound on fields in all;
-a length past the end is a `DecodeError`, as the parser finds it, and so is a group (wire
-types 3 and 4, which proto3 has not), which a parser would keep as an unknown field.
+further: its cost is bounded, whatever the message's size. Unknown fields (and a known one
+sent in another wire type: the parser keeps either whole) are not counted nor descended
+into, only read against the bound on fields in all; a length past the end is a
+`DecodeError`, as the parser finds it, and so is a group (wire types 3 and 4, which proto3
+has not), which a parser would keep as an unknown field.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ class _Walk:
         self.default = default
         self.left = most  # fields the walk may still read
         self.counts: dict[str, int] = {}
-        # path -> field number -> (key, name, what it holds, sub-message, repeated, width)
-        self._plans: dict[str, dict[int, tuple[str, str, int, Any, bool, int]]] = {}
+        # path -> field number -> (key, name, what it holds, sub-message, repeated, width,
+        # the wire types it is read in)
+        self._plans: dict[str, dict[int, tuple[str, str, int, Any, bool, int, tuple[int, ...]]]]
+        self._plans = {}
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
         """A tag's or a length's varint: at most 5 bytes (more: a parser refuses it too)."""
@@ -118,6 +121,10 @@ class _Walk:
                 kind = _ONE if field.type in _DELIMITED else kind
                 width = _FIXED.get(field.type, 0)
                 sub = field.message_type
+                natural = 2 if kind != _PACKED else {8: 1, 4: 5}.get(width, 0)
+                # Another wire type the parser keeps as an unknown field (ownfixA, s41); a
+                # repeated number may come packed.
+                wires = (natural, 2) if field.is_repeated and kind == _PACKED else (natural,)
                 plan[number] = (
                     f"{path}{field.name}",
                     field.name,
@@ -125,6 +132,7 @@ class _Walk:
                     sub,
                     field.is_repeated,
                     width,
+                    wires,
                 )
         return plan
 
@@ -158,9 +166,9 @@ class _Walk:
             if pos > end:
                 raise DecodeError(f"{shown}field {number}: runs past the end of its message")
             known = plan.get(number)
-            if known is None:  # unknown: the parser keeps it whole; counted in `left` only
-                continue
-            key, name, kind, sub, repeated, width = known
+            if known is None or wire not in known[6]:  # unknown: the parser keeps it whole;
+                continue  # counted in `left` only
+            key, name, kind, sub, repeated, width, _ = known
             if wire != 2 or kind == _ONE:
                 self.count(key, shown, name, 1)
                 if wire == 2 and self.strings is not None:
