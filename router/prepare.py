@@ -16,6 +16,7 @@ from common.wire.sampling import sampling_from_proto
 from epd.v1 import router_service_pb2
 from router.held import MediaHold
 from router.inputs import ContextTooLong, InputError, messages_from_proto
+from router.request_bytes import EMPTY_PROMPT, PROMPT_AND_MESSAGES
 from router.settings import RouterSettings
 
 
@@ -42,13 +43,13 @@ def prepare_request(
     called for a request refused here."""
     limits = settings.input_limits(processor.config.text.max_position_embeddings)
     if request.HasField("prompt") and not request.prompt:
-        raise InputError("prompt", "is empty")
+        raise InputError("prompt", EMPTY_PROMPT)
     try:
         sampling = sampling_from_proto(request.sampling, processor.generation)
     except FieldError as exc:  # sampling errors and multimodal layout errors alike
         raise InputError(exc.field, exc.reason) from None
     if request.HasField("prompt") and request.messages:
-        raise InputError("prompt", "give either messages or a prompt, not both")
+        raise InputError("prompt", PROMPT_AND_MESSAGES)
     messages = (
         []
         if request.HasField("prompt")

@@ -25,7 +25,7 @@ from common.sampling import MAX_STOP_TOKEN_IDS
 from common.wire.counts import check_counts
 from epd.v1 import router_service_pb2
 from router.ids import MAX_ID_CHARS
-from router.stop import EMPTY_STOP, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from router.stop import EMPTY_STOP, MAX_STOP_CHARS, MAX_STOP_STRINGS, TOO_MANY_STOPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,10 @@ def decoded_bytes(request: router_service_pb2.GenerateRequest, per_part: int = 0
 # API's bound on a body's objects), and the most fields in all (each message's role, ...).
 MAX_ELEMENTS = 1 << 16
 MAX_FIELDS = 5 * MAX_ELEMENTS
+
+# Refusals of the prompt field, here and after parsing (`router.prepare`).
+EMPTY_PROMPT = "is empty"
+PROMPT_AND_MESSAGES = "give either messages or a prompt, not both"
 
 # The strings whose UTF-8 bytes are the prompt's text (`InputLimits.max_text_bytes`).
 TEXT = frozenset(("prompt", "messages.role", "messages.content.text"))
@@ -115,11 +119,18 @@ class _Strings:
         elif path in CHARACTERS:
             self.bounded[field] = (size, path)
 
-    def check(self) -> None:
+    def check(self, messages: bool) -> None:
+        """Refuse as the checks after parsing would (the class docstring); `messages`:
+        the request holds a message (an empty one too)."""
         for field in ("request_id", "cache_salt"):
             self._characters(field)
         if self.stop_fault is not None:
             raise FieldError("stop", self.stop_fault)
+        if "prompt" in self.text:  # sent (an optional field: present though empty)
+            if not self.text["prompt"]:
+                raise FieldError("prompt", EMPTY_PROMPT)
+            if messages:
+                raise FieldError("prompt", PROMPT_AND_MESSAGES)
         over = self.limits.max_text_bytes is not None and (
             sum(self.text.values()) > self.limits.max_text_bytes
         )
@@ -164,7 +175,12 @@ def decode_request(data: bytes, max_model_len: int, max_text_bytes: int | None =
     }
     descriptor = router_service_pb2.GenerateRequest.DESCRIPTOR
     strings = _Strings(max_text_bytes)
-    check_counts(data, descriptor, bounds, MAX_ELEMENTS, MAX_FIELDS, strings)
-    strings.check()
+    try:
+        counts = check_counts(data, descriptor, bounds, MAX_ELEMENTS, MAX_FIELDS, strings)
+    except FieldError as exc:  # worded as `check_stop` words it (ownfixA review, s41)
+        if exc.field != "stop":
+            raise
+        raise FieldError("stop", TOO_MANY_STOPS) from None
+    strings.check(bool(counts.get("messages")))
     request = router_service_pb2.GenerateRequest.FromString(data)
     return Sized(request, len(data) + decoded_bytes(request))

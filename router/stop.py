@@ -28,12 +28,13 @@ from router.detokenize import IncrementalDetokenizer
 MAX_STOP_STRINGS = 16  # most stop strings one request may name
 MAX_STOP_CHARS = 256  # longest stop string
 EMPTY_STOP = "stop strings must not be empty"
+TOO_MANY_STOPS = f"at most {MAX_STOP_STRINGS} stop strings"
 
 
 def check_stop(stops: Sequence[str]) -> None:
     """FieldError("stop") for an empty, too long or too many stop strings."""
     if len(stops) > MAX_STOP_STRINGS:
-        raise FieldError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        raise FieldError("stop", TOO_MANY_STOPS)
     for text in stops:
         if not text:
             raise FieldError("stop", EMPTY_STOP)

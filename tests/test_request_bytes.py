@@ -31,6 +31,17 @@ def processor_refusal(chat: list[tuple[str, list[str]]], limit: int) -> FieldErr
     return None
 
 
+def prompt_refusal(prompt: str, limit: int) -> FieldError | None:
+    """What the checks after parsing say of a request's prompt (sent, without messages)."""
+    if not prompt:
+        return FieldError("prompt", "is empty")
+    try:
+        check_text_bytes(len(prompt.encode()), InputLimits(max_text_bytes=limit), "prompt")
+    except LimitError as exc:
+        return exc
+    return None
+
+
 def wire_refusal(request: router_service_pb2.GenerateRequest, limit: int) -> FieldError | None:
     try:
         decode_request(request.SerializeToString(), 1024, limit)
@@ -60,12 +71,7 @@ def test_the_wire_refuses_the_text_the_processor_refuses(
 @given(texts, st.integers(0, 100))
 def test_a_prompt_is_refused_on_the_wire_as_after_parsing(prompt: str, limit: int) -> None:
     request = router_service_pb2.GenerateRequest(prompt=prompt)
-    expected: FieldError | None = None
-    try:
-        check_text_bytes(len(prompt.encode()), InputLimits(max_text_bytes=limit), "prompt")
-    except LimitError as exc:
-        expected = exc
-    got = wire_refusal(request, limit)
+    got, expected = wire_refusal(request, limit), prompt_refusal(prompt, limit)
     assert (got is None) == (expected is None)
     if expected is not None and got is not None:
         assert (got.field, str(got)) == (expected.field, str(expected))
@@ -234,13 +240,7 @@ def test_a_request_sent_in_pieces_is_refused_as_parsed(
         parsed.ClearField("messages")  # refused for both, before text: one at a time here
         wire = parsed.SerializeToString()
     if parsed.HasField("prompt"):
-        expected: FieldError | None = None
-        try:
-            check_text_bytes(
-                len(parsed.prompt.encode()), InputLimits(max_text_bytes=limit), "prompt"
-            )
-        except LimitError as exc:
-            expected = exc
+        expected = prompt_refusal(parsed.prompt, limit)
     else:
         chat = [(m.role, [part.text for part in m.content]) for m in parsed.messages]
         expected = processor_refusal(chat, limit)
@@ -451,3 +451,27 @@ def test_the_first_faulty_stop_string_is_named_as_after_parsing(stops: list[str]
     with pytest.raises(FieldError) as err:
         decode_request(wire, 1024, 1 << 20)
     assert (err.value.field, str(err.value)) == (after.value.field, str(after.value))
+
+
+@pytest.mark.parametrize(
+    ("request_", "field", "reason"),
+    [
+        ({"prompt": ""}, "prompt", "is empty"),
+        (  # both, the prompt past the text limit too: named for both first, as after parsing
+            {"prompt": "p" * 200, "messages": [{"role": "user"}]},
+            "prompt",
+            "give either messages or a prompt, not both",
+        ),
+        ({"prompt": "p", "messages": [{}]}, "prompt", "give either messages or a prompt, not both"),
+        ({"stop": ["s"] * 17}, "stop", "at most 16 stop strings"),
+    ],
+)
+def test_the_prompt_field_and_the_stop_count_are_refused_as_after_parsing(
+    request_: dict[str, object], field: str, reason: str
+) -> None:
+    # Each was refused on the wire for something the checks after parsing meet later, or
+    # in other words (ownfixA review, s41).
+    wire = router_service_pb2.GenerateRequest(**request_).SerializeToString()  # type: ignore[arg-type]
+    with pytest.raises(FieldError) as err:
+        decode_request(wire, 1024, 100)
+    assert (err.value.field, err.value.reason) == (field, reason)
