@@ -53,6 +53,11 @@ def test_a_workers_ray_errors_get_no_colour_codes_where_its_prefixes_have_none(
         error = RayTaskError("f", trace, ValueError("x"), "ray::A.__init__", 1, "10.0.0.1")
         return str(error)
 
+    from ray.exceptions import colorama
+
+    # As Ray has them (a test before may have run `epd serve` piped, in this process).
+    monkeypatch.setattr(colorama.Fore, "CYAN", "\x1b[36m")
+    monkeypatch.setattr(colorama.Fore, "RESET", "\x1b[39m")
     logs.worker_env("warning")  # a terminal: Ray's colours stay
     assert "\x1b[" in said()
     monkeypatch.setenv("RAY_COLOR_PREFIX", "0")  # as `driver_env` sets it for a pipe

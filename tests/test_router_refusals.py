@@ -186,7 +186,8 @@ async def test_a_request_of_many_tiny_elements_is_refused_without_holding_the_lo
                 pass
     field = {"messages": "messages", "parts": "messages[0].content", "stop": "stop"}[shape]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert info.value.details().startswith(f"{field}: more than ")
+    said = {"stop": "stop: at most 16 stop strings"}.get(shape, f"{field}: more than ")
+    assert info.value.details().startswith(said)  # (stop: as `check_stop` words it)
     assert ("epd-field", field) in tuple(info.value.trailing_metadata() or ())
     assert max(gaps, default=0.0) < 0.5, gaps
 
