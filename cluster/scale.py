@@ -101,12 +101,13 @@ def _names(lines: Collection[str]) -> set[str]:
 
 
 def _leaving(reply: Any, role: str, dead: set[str]) -> set[str]:
-    """`role`'s workers draining to leave in a Status reply, by name (by id where a worker
-    has none): not those an operator drained (they stay, counted apart: a registration
-    again gets a new id, and one waited the whole timeout: ownfixA review, s41), nor the
-    `dead` (named), which leave on their own when their registration times out."""
+    """`role`'s workers draining to leave in a Status reply, by name (by address where a
+    worker has none): not those an operator drained (they stay, counted apart: a
+    registration again gets a new id, and one waited the whole timeout: ownfixA review,
+    s41), nor the `dead` (named), which leave on their own when their registration times
+    out."""
     return {
-        w.info.name or w.worker_id
+        w.info.name or w.info.address
         for r, w in workers_by_role(reply)
         if r == role and w.draining and not w.drained and w.info.name not in dead
     }

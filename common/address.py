@@ -99,14 +99,25 @@ def without_addresses(text: str, instead: str = "a worker") -> str:
     return _ADDRESS.sub(lambda match: _address(match, instead), text)
 
 
+# A `host:port` (`[v6]:port`) standing alone: not inside a longer name or port, at a
+# sentence's end too, in gRPC's `ipv4:`, `ipv6:` and `dns:` forms as well (group 1: the
+# address). A registered address is of this form but where its host has other characters.
+_ALONE = r"(?<![\w.:/-])(?:ipv4:|ipv6:|dns:(?:///)?)?({})(?!\w|-|\.\w|:\d)"
+_PLAIN = r"\[[0-9A-Fa-f.:]+(?:%[\w.-]+)?\]:\d{1,5}|[\w.-]+:\d{1,5}"
+_ANY_PLAIN = re.compile(_ALONE.format(_PLAIN))
+
+
 def without_known(text: str, addresses: Collection[str], instead: str = "a worker") -> str:
-    """`text` with each of `addresses` (and gRPC's `ipv4:`, `ipv6:` and `dns:` forms of it)
-    replaced by `instead`, where it stands alone (not inside a longer name or port): the
-    addresses a router knows its workers by, which `without_addresses` misses where a host
-    is one plain word (`vm:50062`, `gpu01:50062`: a client's `id:12345` looks the same)."""
-    for address in sorted(set(addresses), key=len, reverse=True):
-        if address in text:
-            named = rf"(?:ipv4:|ipv6:|dns:(?:///)?)?{re.escape(address)}"  # gRPC's forms too
-            alone = rf"(?<![\w.:/-]){named}(?!\w|-|\.\w|:\d)"  # may end a sentence
-            text = re.sub(alone, instead, text)
+    """`text` with each of `addresses` replaced by `instead` where it stands alone (`_ALONE`):
+    the addresses a router knows its workers by, which `without_addresses` misses where a
+    host is one plain word (`vm:50062`, `gpu01:50062`: a client's `id:12345` looks the
+    same). One pass over `text`, whatever the number of addresses (an address of another
+    form, rare, costs a pass of its own)."""
+    known = set(addresses)
+    if not known:
+        return text
+    text = _ANY_PLAIN.sub(lambda m: instead if m[1] in known else m[0], text)
+    for address in known:
+        if address in text and not re.fullmatch(_PLAIN, address):
+            text = re.sub(_ALONE.format(re.escape(address)), instead, text)
     return text

@@ -241,9 +241,9 @@ class WorkerCalls:
         """The client-facing error of a failed worker call: the worker's address, which is
         the operator's to know (docs/security.md), is in the log, not in the error."""
         code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
-        said = exc.details() or ""
-        for named in (f"ipv4:{worker.address}", f"ipv6:{worker.address}", worker.address):
-            said = said.replace(named, f"the {worker.role} worker")  # ("a worker prefill ...")
+        # Its own address as "the prefill worker" (not "a worker prefill worker"), then the
+        # addresses of others it names.
+        said = without_known(exc.details() or "", [worker.address], f"the {worker.role} worker")
         details = without_addresses(without_known(said, self._addresses()))
         logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
         error: RouterError = RouterError(code, f"{stage} failed: {details}")

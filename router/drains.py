@@ -36,7 +36,8 @@ class Holds:
     def __init__(self) -> None:
         # (role, name) -> the address last registered under it, of workers an operator drained
         self._drained: OrderedDict[tuple[Role, str], str] = OrderedDict()
-        self._retiring: OrderedDict[str, None] = OrderedDict()  # names of retiring workers
+        # Names of retiring workers -> whether for their death
+        self._retiring: OrderedDict[str, bool] = OrderedDict()
 
     def apply(self, record: WorkerRecord) -> None:
         """Hold a newly registered `record` as its name is held."""
@@ -45,6 +46,7 @@ class Holds:
             self._drained[key] = record.address
             record.drain_requested = True
         record.retiring = record.name in self._retiring
+        record.died = self._retiring.get(record.name, False)  # a Register late in flight
 
     def drain(self, records: Iterable[WorkerRecord]) -> None:
         """An operator drained `records` (those at one address). A retiring worker's drain
@@ -77,11 +79,12 @@ class Holds:
     def retire(self, name: str, records: Iterable[WorkerRecord], died: bool = False) -> None:
         """The deployment retires the worker `name` (`died`: for it died for good);
         `records` are every registered one."""
-        _hold(self._retiring, name, None)
+        died |= self._retiring.get(name, False)
+        _hold(self._retiring, name, died)
         for record in records:
             if record.name == name:
                 record.retiring = True
-                record.died |= died
+                record.died = died
 
     def drained(self, name: str) -> bool:
         """Whether an operator drained a worker of this name (any role) and did not undrain it."""

@@ -90,8 +90,9 @@ class _Strings:
     summed into the text's bytes, an image's or video's uuid against its characters). A
     singular field sent again counts as the parser keeps it, its last value, and a part as
     the last member of its oneof it was sent, strings or not (text, image or video: ownfixB,
-    ownfixC, s41 review F1). A request with several faults is refused naming the first in
-    that order (one the wire does not show, found after parsing, may come before it)."""
+    ownfixC, s41 review F1). A request with several faults is refused naming the first of
+    them in that order; a fault only the checks after parsing find may come before it, and
+    too many elements (stop strings, tokens) are refused as the walk meets them, first."""
 
     def __init__(self, max_text_bytes: int | None) -> None:
         self.limits = InputLimits(max_text_bytes=max_text_bytes)

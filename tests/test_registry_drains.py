@@ -194,6 +194,9 @@ def test_a_worker_held_out_for_its_death_is_dropped_as_dead_not_retired(
     assert f"dropped prefill worker {dead.address}: it died for good" in caplog.text
     assert f"retired prefill worker {leaving.address} (drained, stopped)" in caplog.text
     assert "retired prefill worker " + dead.address not in caplog.text
+    # A Register in flight when it died comes back held out as dead (ownfixB, s41).
+    late = registry.register(named(Role.PREFILL, 5, "epd-prefill-0", "p0"))
+    assert late.draining and late.died
 
 
 def test_retirements_do_not_push_an_operators_drain_out(registry: Registry) -> None:

@@ -99,6 +99,18 @@ def test_a_peer_registered_again_elsewhere_is_not_named_by_its_old_address() -> 
     assert "47820" not in str(calls.error("decode", decode, exc))
 
 
+def test_the_called_workers_own_address_is_named_by_its_role_in_every_form() -> None:
+    # gRPC's `dns:` form read "a worker prefill worker", and a longer port kept its last
+    # digit ("the prefill worker1": ownfixB review, s41).
+    for said, seen in (
+        ("dns:///{address}: refused", "the prefill worker: refused"),
+        ("ipv6:{address} and {address}.", "the prefill worker and the prefill worker."),
+        ("{address}1 is another", "a worker is another"),  # an address, not this one
+    ):
+        error = worker_error(Role.PREFILL, grpc.StatusCode.UNAVAILABLE, said)
+        assert str(error) == f"prefill failed: {seen}", said
+
+
 def worker_error(role: Role, code: grpc.StatusCode, said: str) -> RouterError:
     """The client-facing error `WorkerCalls.error` makes of a `role` worker's call that
     failed with `code` and details `said` (the worker's address is in `said` as {address})."""
