@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.sampling import SamplingParams
 from common.server.rpc import MAX_DETAILS, clipped
 from epd.client import GenerateError, build_request
+from router.stop import TOO_MANY_STOPS
 from tests.loop_gaps import loop_gaps
 from tests.test_router import FIRST, IMAGE, TEXT, chat, png
 from tests.test_router import ckpt as ckpt  # fixture
@@ -186,7 +187,7 @@ async def test_a_request_of_many_tiny_elements_is_refused_without_holding_the_lo
                 pass
     field = {"messages": "messages", "parts": "messages[0].content", "stop": "stop"}[shape]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    said = {"stop": "stop: at most 16 stop strings"}.get(shape, f"{field}: more than ")
+    said = {"stop": f"stop: {TOO_MANY_STOPS}"}.get(shape, f"{field}: more than ")
     assert info.value.details().startswith(said)  # (stop: as `check_stop` words it)
     assert ("epd-field", field) in tuple(info.value.trailing_metadata() or ())
     assert max(gaps, default=0.0) < 0.5, gaps

@@ -41,6 +41,9 @@ def test_no_address_reaches_a_client_in_a_workers_error() -> None:
     ):
         cleaned = without_addresses(text)
         assert "a worker" in cleaned and "50062" not in cleaned and "prefill" not in cleaned
+    # A host name's parts are not each tried as a host: 12 KB of `a-` took 1.6 s.
+    long = "a-" * 6000
+    assert without_addresses(long) == long and without_addresses(f"x {long}b:1 y") == "x a worker y"
 
 
 def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
@@ -72,6 +75,11 @@ def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
     assert without_known("to gpu01:50062: refused", known) == "to a worker: refused"
     # At a sentence's end; in gRPC's `dns:` forms (it read "a worker worker": ownfixA, s41).
     assert without_known("lease on gpu01:50062.", known) == "lease on a worker."
+    # In a URL, or after another's colon (ownfixC review, s41); a known address of another
+    # form that ends with a plain one is replaced whole.
+    for said in ("grpc://gpu01:50062/x", "tcp://gpu01:50062", "target:gpu01:50062"):
+        assert "50062" not in without_known(said, known), said
+    assert without_known("at a+b:1 and b:1", ["b:1", "a+b:1"]) == "at a worker and a worker"
     for said in ("dns:///gpu01:50062 gone", "dns:gpu01:50062 gone"):
         assert without_addresses(without_known(said, known)) == "a worker gone"
 
