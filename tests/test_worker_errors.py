@@ -41,9 +41,6 @@ def test_no_address_reaches_a_client_in_a_workers_error() -> None:
     ):
         cleaned = without_addresses(text)
         assert "a worker" in cleaned and "50062" not in cleaned and "prefill" not in cleaned
-    # A host name's parts are not each tried as a host: 12 KB of `a-` took 1.6 s.
-    long = "a-" * 6000
-    assert without_addresses(long) == long and without_addresses(f"x {long}b:1 y") == "x a worker y"
 
 
 def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
