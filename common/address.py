@@ -15,14 +15,15 @@ from collections.abc import Collection
 
 # An address in a message, as gRPC, the OS and our workers write them (each candidate is
 # checked in `_address`): gRPC's own forms (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:1`,
-# `dns:host:port`), a DNS error's `name=`, a bracketed IPv6 address with its port, a bare IPv6
-# one (with `::`, or all 8 groups; a zone), an IPv4 one (a Python `('10.0.0.5', 50062)` whole),
-# `localhost`, a dotted or hyphenated host name with a port. Not any word before `:digits`:
-# a time, a ratio, `id:12345`, `c10::Error`, `file.cpp:44` are a client's or a library's.
-# (Tried from each of a name's parts, a run of `a-` costs its length squared: ~10 ms at the
-# 1 KiB a worker's error details are clipped to, `common.server.rpc.MAX_DETAILS`.)
+# `dns:host:port`, `dns:///[fd00::1]:1`), a DNS error's `name=`, a bracketed IPv6 address
+# with its port, a bare IPv6 one (with `::`, or all 8 groups; a zone), an IPv4 one (a
+# Python `('10.0.0.5', 50062)` whole), `localhost`, a dotted or hyphenated host name with a
+# port. Not any word before `:digits`: a time, a ratio, `id:12345`, `c10::Error`,
+# `file.cpp:44` are a client's or a library's. (Tried from each of a name's parts, a run of
+# `a-` costs its length squared: ~10 ms at the 1 KiB a worker's error details are clipped
+# to, `common.server.rpc.MAX_DETAILS`.)
 _ADDRESS = re.compile(
-    r"(?P<grpc>(?:ipv4|ipv6|dns|unix|unix-abstract):"
+    r"(?P<grpc>(?:ipv4|ipv6|dns|unix|unix-abstract):/*"
     r"(?:\[[^\]\s]*\]|%5B\S*?%5D|[^\s:]+)(?::\d{1,5})?)"
     r"|(?P<dns>name=[^\s]+)"
     r"|(?P<bracket>\[[0-9A-Fa-f.:]+(?:%[\w.-]+)?\]:\d{1,5})"

@@ -37,6 +37,7 @@ def test_no_address_reaches_a_client_in_a_workers_error() -> None:
         "2600:1f18:4a3:6900:8c15:4b2a:96d1:3e0f:50062 gone",
         "DNS resolution failed for epd-prefill-0:50062: qtype=A name=epd-prefill-0",
         "localhost:50062 refused",
+        "dns:///[fd00::1]:50062 refused",  # it left "::1]:50062" (ownfixD review, s41)
         "connect(('10.0.0.5', 50062)) failed",
     ):
         cleaned = without_addresses(text)
