@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from cluster.actor_states import WorkerRefusedError, WorkerStartError, error_summary
+from cluster.hints import RAY_ASKS_HINT
 from cluster.placement import CpuPlanner
 from cluster.pools import CONTROLLER_NAME, WAITS_FOR_RAY, PoolManager, registered_counts
 from cluster.ray_start import RUNNING
@@ -43,8 +44,8 @@ logger = logging.getLogger(__name__)
 class _Scaler:
     """The router's scaler (`router.admin.Scaler`), with `waiting` for AdminService.Status
     (the workers Ray has not placed yet or restarts, asked at most every 2 s: `survey`, which
-    takes the workers dead for good out of their pools) and `failed` (the workers that
-    failed to start or died for good: `PoolManager.failures`)."""
+    takes the workers dead for good out of their pools), `failed` (the workers that failed
+    to start or died for good: `PoolManager.failures`) and `replaced` (a scale's)."""
 
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
@@ -64,6 +65,9 @@ class _Scaler:
     async def failed(self) -> list[str]:
         pools = getattr(self.controller, "pools", None)
         return pools.failures() if pools is not None else []
+
+    async def replaced(self, role: Any) -> list[str]:
+        return list(self.controller.pools.replaced(str(role)))  # after a scale: pools exist
 
 
 class Controller:
@@ -287,12 +291,6 @@ def cpu_planner(pools: PoolSettings) -> CpuPlanner:
 
 
 WAIT_REPORT_S = 10.0  # how often `epd serve` says how far start-up is
-# Said once a worker waits for Ray resources: `ready_timeout_s` passed on a small node with
-# the line naming what it asked, not what sets it (newuser review, s41).
-RAY_ASKS_HINT = (
-    "what each worker asks of Ray: [pools] num_cpus (default: its threads), num_gpus, "
-    "memory_mb; its threads: [encoder|prefill|decode] threads (0: share the node's cores)"
-)
 
 
 class Deployment:

@@ -1,10 +1,18 @@
 """What the `epd` commands suggest when a call to the router fails: where they looked for
-the key (UNAUTHENTICATED), or TLS (a router serving TLS closes a plaintext connection)."""
+the key (UNAUTHENTICATED), or TLS (a router serving TLS closes a plaintext connection); and
+what `epd serve` says once a worker waits for Ray resources (`RAY_ASKS_HINT`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+# What sets what a worker asks of Ray: `epd serve` waited its 600 s `ready_timeout_s` on a
+# small node, its line naming what a worker asked, not what sets it (newuser review, s41).
+RAY_ASKS_HINT = (
+    "what each worker asks of Ray: [pools] num_cpus (default: its threads), num_gpus, "
+    "memory_mb; its threads: [encoder|prefill|decode] threads (0: share the node's cores)"
+)
 
 
 def failure_hint(args: argparse.Namespace, code: Any, details: str) -> str:

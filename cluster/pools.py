@@ -77,6 +77,10 @@ ASK_RAY_S = 4.0  # the longest one question to Ray waits (a status asks two; epd
 # ------------------------------------------------------------------------------ the pools
 
 
+def _lines(failed: dict[str, str]) -> list[str]:
+    return [f"{name} {end}" for name, end in failed.items()]
+
+
 def _amount(resource: str, value: float) -> str:
     """`resource value` as Ray counts it; memory (bytes) in MiB."""
     if resource == "memory":
@@ -103,6 +107,7 @@ class _Pool:
     next_index: int = 0  # suffix of the next actor name; never reused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     failed: dict[str, str] = field(default_factory=dict)  # since the last scale: name -> end
+    replaced: list[str] = field(default_factory=list)  # the last scale's: `failures` lines
 
 
 class PoolManager:
@@ -189,11 +194,13 @@ class PoolManager:
         async with pool.lock:
             if self.stopping and replicas:
                 raise ValueError("the deployment is stopping")
+            before = _lines(pool.failed)
             pool.failed.clear()  # a new attempt: the workers that failed before are gone
             if pool.members and replicas:  # the dead are no members: not counted nor retired
                 await self._reap([pool])  # (and told: `failures`, until the next scale)
                 if self.stopping:  # set while Ray answered (s41 review F4)
                     raise ValueError("the deployment is stopping")
+            pool.replaced = before + _lines(pool.failed)  # what this scale replaces
             while len(pool.members) < replicas:
                 member = self._create(pool)
                 pool.members.append(member)
@@ -283,7 +290,12 @@ class PoolManager:
     def failures(self) -> list[str]:
         """One line per worker that failed to start, or died for good, since its pool was
         last scaled."""
-        return [f"{name} {end}" for p in self.pools.values() for name, end in p.failed.items()]
+        return [line for p in self.pools.values() for line in _lines(p.failed)]
+
+    def replaced(self, role: str) -> list[str]:
+        """The `failures` lines of `role`'s last scale took out of the pool's count: those
+        before it, and those it found (`epd scale` waits on them, and stops at any other)."""
+        return list(self.pools[role].replaced)
 
     async def survey(self) -> list[str]:
         """`_reap` every pool, then one line per worker Ray has not placed yet whose request

@@ -37,7 +37,12 @@ async def cmd_scale(args: argparse.Namespace) -> int:
         _say(f"{args.role}: {counted(before)} -> {n_workers(reply.replicas)}")
         # Workers dead for good since they started, found by that Status or by the scale
         # (which replaced them): told once, and waited on. One found later is not replaced.
-        replaced = {w for w in first.failed_starts if _died(w, args.role)}
+        # A router from before `tells_replaced`: those the first Status and poll tell (a
+        # death found meanwhile is taken for replaced: ownfixE review E2).
+        told = reply.tells_replaced
+        replaced = set(
+            reply.replaced if told else (w for w in first.failed_starts if _died(w, args.role))
+        )
         # Leaving before the scale, by name, but the dead (held out; their registrations
         # dropping had passed for this scale's retirees leaving: ownfixE review E3).
         retiring = _leaving(first, args.role, _names(replaced))
@@ -53,7 +58,7 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             now = role_counts(status)[args.role]
             died = [w for w in status.failed_starts if _died(w, args.role)]
             if not polls:
-                replaced.update(died)
+                replaced.update(() if told else died)
                 if replaced:
                     _say(f"{args.role}: " + "; ".join(sorted(replaced)))
             polls += 1
@@ -73,7 +78,8 @@ async def cmd_scale(args: argparse.Namespace) -> int:
             if waiting and waiting != said:  # e.g. Ray has no CPU or GPU left for a worker
                 _say(f"{args.role}: " + "; ".join(waiting))
                 said = waiting
-            failed = [w for w in status.failed_starts if _died(w, args.role, start=True)] + died
+            starts = [w for w in status.failed_starts if _died(w, args.role, start=True)]
+            failed = [w for w in starts if w not in replaced] + died
             if failed:  # out of the pool: waiting cannot help (scaling again starts others)
                 _say(f"{args.role}: " + "; ".join(failed))
                 _say(f"{args.role}: {counted(now)}; `epd scale` again starts others")

@@ -4,7 +4,9 @@ Scaling is not the router's job: it delegates to a pluggable async `Scaler` give
 `router.server.serve` (the Ray deployment plugs one in). Without one, Scale answers
 UNIMPLEMENTED. A scaler may also have async `waiting()` and `failed()` methods: lines about
 workers it started that are not up yet (what they wait for) and whose start failed (why),
-which Status reports.
+which Status reports; and `replaced(role)`: the lines of those dead for good that its last
+scale of `role` took out of the pool's count, which Scale answers (`epd scale` waits on
+those and stops at any other).
 """
 
 from __future__ import annotations
@@ -155,7 +157,12 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
             replicas = await self.scaler(role, request.replicas)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return admin_service_pb2.ScaleResponse(replicas=replicas)
+        response = admin_service_pb2.ScaleResponse(replicas=replicas)
+        replaced = getattr(self.scaler, "replaced", None)  # the dead it took out of the count
+        if replaced is not None:
+            response.replaced.extend(await replaced(role))
+            response.tells_replaced = True
+        return response
 
     async def Drain(
         self, request: admin_service_pb2.DrainRequest, context: grpc.aio.ServicerContext

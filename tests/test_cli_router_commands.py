@@ -67,6 +67,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         # The names of the draining prefill workers at each Status (the last list from then on)
         self.draining: list[list[str]] = [[]]
         self.drained: set[str] = set()  # of those, drained by an operator (`epd drain`)
+        self.tells = False  # a Scale says the dead it replaced (`tells_replaced`)
 
     async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
         self.polls += 1
@@ -112,6 +113,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
     async def Scale(self, request: Any, context: Any) -> admin_service_pb2.ScaleResponse:
         self.scaled.append((request.role, request.replicas))
         role = ("encoder", "prefill", "decode")[request.role - 1]
+        cleared = [w for w in self.failed if f"-{role}-" in w]
         self.failed = [w for w in self.failed if f"-{role}-" not in w]  # as the pools clear
         if self.starts_fail:
             self.failed = [f"epd-prefill-{n} failed to start: boom" for n in range(2, 4)]
@@ -119,7 +121,11 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
             if self.found_dead:
                 self.failed = ["epd-prefill-0 died for good: it crashed"]
             self.sizes[request.role] = request.replicas
-        return admin_service_pb2.ScaleResponse(replicas=request.replicas)
+        response = admin_service_pb2.ScaleResponse(replicas=request.replicas)
+        if self.tells:
+            response.replaced.extend(cleared + self.failed)
+            response.tells_replaced = True
+        return response
 
     async def Drain(self, request: Any, context: Any) -> admin_service_pb2.DrainResponse:
         return admin_service_pb2.DrainResponse(found=request.address == "127.0.0.1:7030")
@@ -368,6 +374,38 @@ async def test_scale_does_not_wait_for_a_worker_an_operator_drained(
     assert await cmd_scale(args) == 1
     assert capsys.readouterr().out.splitlines()[-1] == f"  {DRAINED_STAY}"
     assert admin.polls == 2
+
+
+async def test_scale_stops_at_a_death_its_first_poll_finds_where_the_router_tells_replaced(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Taken for one the scale replaced, it was waited on for the whole timeout (where the
+    # scale's question to Ray timed out, nothing replaced it: ownfixE review E2).
+    address, _, admin = router
+    admin.tells, admin.grows = True, False
+    admin.failed, admin.dies_at = [], 2  # the first poll finds it
+    args = scale_prefill(address, 3, "--timeout", "5")
+    assert await cmd_scale(args) == 1
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "prefill: epd-prefill-1 died for good: it crashed again",
+        "prefill: 1 worker serving; `epd scale` again starts others",
+    ]
+    assert admin.polls == 2
+
+
+async def test_scale_tells_the_dead_the_router_says_it_replaced_and_waits_on(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, _, admin = router
+    admin.tells, admin.found_dead = True, True
+    admin.failed = ["epd-prefill-5 failed to start: boom"]  # before the scale: cleared by it
+    args = scale_prefill(address, 2)
+    assert await cmd_scale(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        "prefill: epd-prefill-0 died for good: it crashed; epd-prefill-5 failed to start: boom"
+    )
+    assert out[2].startswith("prefill: 2 workers serving (") and len(out) == 3
 
 
 async def test_scale_up_waits_for_no_dead_worker_to_leave(

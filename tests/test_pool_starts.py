@@ -165,6 +165,15 @@ async def test_a_worker_dead_for_good_after_it_started_leaves_its_pool(
         "epd-prefill-3 died for good: The actor is dead because its worker process has died."
     ]
     assert retired == [(f"epd-prefill-{n}", True) for n in (0, 1, 3)]  # counted by none
+    # What a scale replaced (for `epd scale`): the failures before it and those it found.
+    dead.add("id-epd-prefill-2")
+    actors.handles[2].start_error = CRASHED
+    assert await manager.scale("prefill", 2) == 2
+    assert [line.split(" ")[0] for line in manager.replaced("prefill")] == [
+        "epd-prefill-1",
+        "epd-prefill-3",
+        "epd-prefill-2",
+    ]
 
 
 async def test_a_scale_down_retires_the_dead_not_a_healthy_worker(
@@ -417,7 +426,8 @@ async def test_epd_serve_says_once_what_sets_what_a_waiting_worker_asks(
     # It waited `ready_timeout_s` on a 2-core node for a worker asking 1 CPU too many, the
     # line naming what it asked, not what sets it (newuser review, s41).
     import cluster.deployment as deployment_module
-    from cluster.deployment import RAY_ASKS_HINT, Deployment
+    from cluster.deployment import Deployment
+    from cluster.hints import RAY_ASKS_HINT
 
     monkeypatch.setattr(deployment_module, "WAIT_REPORT_S", 0.02)
 

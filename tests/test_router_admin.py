@@ -82,6 +82,31 @@ async def test_scale_delegates_to_the_scaler(ckpt):
     finally:
         await router.stop(0)
     assert reply.replicas == 3 and calls == [(Role.PREFILL, 3)]
+    assert not reply.tells_replaced  # a scaler without `replaced`: `epd scale` guesses
+
+
+async def test_scale_answers_the_dead_its_scaler_replaced() -> None:
+    # `epd scale` took a death its first poll found for one the scale replaced, and waited
+    # its whole timeout (ownfixE review E2, s40).
+    from router.admin import AdminServicer
+    from router.registry import Registry
+
+    class Scaler:
+        async def __call__(self, role: Role, replicas: int) -> int:
+            return replicas
+
+        async def replaced(self, role: Role) -> list[str]:
+            return [f"epd-{role}-0 died for good: it crashed"]
+
+    registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0)
+    servicer = AdminServicer(registry, Scaler())
+    request = admin_service_pb2.ScaleRequest(
+        role=registry_service_pb2.WORKER_ROLE_DECODE, replicas=2
+    )
+    reply = await servicer.Scale(request, None)
+    assert reply.tells_replaced and list(reply.replaced) == [
+        "epd-decode-0 died for good: it crashed"
+    ]
 
 
 async def test_mismatched_registration_is_failed_precondition(cluster, workers):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import registry_service_pb2 as epd_dot_v1_dot_registry__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65pd/v1/admin_service.proto\x12\x06\x65pd.v1\x1a\x1d\x65pd/v1/registry_service.proto\"\xf7\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x04info\x18\x02 \x01(\x0b\x32\x12.epd.v1.WorkerInfo\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x12.epd.v1.WorkerLoad\x12\x18\n\x10router_in_flight\x18\x04 \x01(\r\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12!\n\x19router_reserved_kv_blocks\x18\x07 \x01(\r\x12\x0f\n\x07suspect\x18\x08 \x01(\x08\x12\x0f\n\x07\x64rained\x18\t \x01(\x08\"1\n\rStatusRequest\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.epd.v1.WorkerRole\"\xf1\x02\n\x0eStatusResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.epd.v1.WorkerStatus\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x13\n\x0bqueued_peak\x18\x05 \x01(\r\x12\x19\n\x11\x61\x64mitted_requests\x18\x06 \x01(\x04\x12\x18\n\x10refused_requests\x18\x07 \x01(\x04\x12\x19\n\x11requeued_requests\x18\x08 \x01(\x04\x12\x18\n\x10queue_wait_p50_s\x18\t \x01(\x01\x12\x18\n\x10queue_wait_max_s\x18\n \x01(\x01\x12\x0f\n\x07waiting\x18\x0b \x03(\t\x12\x1d\n\x15refused_registrations\x18\x0c \x03(\t\x12\x15\n\rfailed_starts\x18\r \x03(\t\x12\x17\n\x0f\x64ropped_workers\x18\x0e \x03(\t\"B\n\x0cScaleRequest\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.epd.v1.WorkerRole\x12\x10\n\x08replicas\x18\x02 \x01(\r\"!\n\rScaleResponse\x12\x10\n\x08replicas\x18\x01 \x01(\r\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1e\n\rDrainResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"/\n\x0eUndrainRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"F\n\x0fUndrainResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x13\n\x0blifted_away\x18\x03 \x01(\x08\x32\xef\x01\n\x0c\x41\x64minService\x12\x37\n\x06Status\x12\x15.epd.v1.StatusRequest\x1a\x16.epd.v1.StatusResponse\x12\x34\n\x05Scale\x12\x14.epd.v1.ScaleRequest\x1a\x15.epd.v1.ScaleResponse\x12\x34\n\x05\x44rain\x12\x14.epd.v1.DrainRequest\x1a\x15.epd.v1.DrainResponse\x12:\n\x07Undrain\x12\x16.epd.v1.UndrainRequest\x1a\x17.epd.v1.UndrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65pd/v1/admin_service.proto\x12\x06\x65pd.v1\x1a\x1d\x65pd/v1/registry_service.proto\"\xf7\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x04info\x18\x02 \x01(\x0b\x32\x12.epd.v1.WorkerInfo\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x12.epd.v1.WorkerLoad\x12\x18\n\x10router_in_flight\x18\x04 \x01(\r\x12\x1f\n\x17seconds_since_heartbeat\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12!\n\x19router_reserved_kv_blocks\x18\x07 \x01(\r\x12\x0f\n\x07suspect\x18\x08 \x01(\x08\x12\x0f\n\x07\x64rained\x18\t \x01(\x08\"1\n\rStatusRequest\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.epd.v1.WorkerRole\"\xf1\x02\n\x0eStatusResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.epd.v1.WorkerStatus\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x13\n\x0bqueued_peak\x18\x05 \x01(\r\x12\x19\n\x11\x61\x64mitted_requests\x18\x06 \x01(\x04\x12\x18\n\x10refused_requests\x18\x07 \x01(\x04\x12\x19\n\x11requeued_requests\x18\x08 \x01(\x04\x12\x18\n\x10queue_wait_p50_s\x18\t \x01(\x01\x12\x18\n\x10queue_wait_max_s\x18\n \x01(\x01\x12\x0f\n\x07waiting\x18\x0b \x03(\t\x12\x1d\n\x15refused_registrations\x18\x0c \x03(\t\x12\x15\n\rfailed_starts\x18\r \x03(\t\x12\x17\n\x0f\x64ropped_workers\x18\x0e \x03(\t\"B\n\x0cScaleRequest\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.epd.v1.WorkerRole\x12\x10\n\x08replicas\x18\x02 \x01(\r\"K\n\rScaleResponse\x12\x10\n\x08replicas\x18\x01 \x01(\r\x12\x10\n\x08replaced\x18\x02 \x03(\t\x12\x16\n\x0etells_replaced\x18\x03 \x01(\x08\"\x1f\n\x0c\x44rainRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1e\n\rDrainResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"/\n\x0eUndrainRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"F\n\x0fUndrainResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x13\n\x0blifted_away\x18\x03 \x01(\x08\x32\xef\x01\n\x0c\x41\x64minService\x12\x37\n\x06Status\x12\x15.epd.v1.StatusRequest\x1a\x16.epd.v1.StatusResponse\x12\x34\n\x05Scale\x12\x14.epd.v1.ScaleRequest\x1a\x15.epd.v1.ScaleResponse\x12\x34\n\x05\x44rain\x12\x14.epd.v1.DrainRequest\x1a\x15.epd.v1.DrainResponse\x12:\n\x07Undrain\x12\x16.epd.v1.UndrainRequest\x1a\x17.epd.v1.UndrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,15 +41,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCALEREQUEST']._serialized_start=742
   _globals['_SCALEREQUEST']._serialized_end=808
   _globals['_SCALERESPONSE']._serialized_start=810
-  _globals['_SCALERESPONSE']._serialized_end=843
-  _globals['_DRAINREQUEST']._serialized_start=845
-  _globals['_DRAINREQUEST']._serialized_end=876
-  _globals['_DRAINRESPONSE']._serialized_start=878
-  _globals['_DRAINRESPONSE']._serialized_end=908
-  _globals['_UNDRAINREQUEST']._serialized_start=910
-  _globals['_UNDRAINREQUEST']._serialized_end=957
-  _globals['_UNDRAINRESPONSE']._serialized_start=959
-  _globals['_UNDRAINRESPONSE']._serialized_end=1029
-  _globals['_ADMINSERVICE']._serialized_start=1032
-  _globals['_ADMINSERVICE']._serialized_end=1271
+  _globals['_SCALERESPONSE']._serialized_end=885
+  _globals['_DRAINREQUEST']._serialized_start=887
+  _globals['_DRAINREQUEST']._serialized_end=918
+  _globals['_DRAINRESPONSE']._serialized_start=920
+  _globals['_DRAINRESPONSE']._serialized_end=950
+  _globals['_UNDRAINREQUEST']._serialized_start=952
+  _globals['_UNDRAINREQUEST']._serialized_end=999
+  _globals['_UNDRAINRESPONSE']._serialized_start=1001
+  _globals['_UNDRAINRESPONSE']._serialized_end=1071
+  _globals['_ADMINSERVICE']._serialized_start=1074
+  _globals['_ADMINSERVICE']._serialized_end=1313
 # @@protoc_insertion_point(module_scope)

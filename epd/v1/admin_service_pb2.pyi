@@ -76,10 +76,14 @@ class ScaleRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_registry_service_pb2.WorkerRole, str]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class ScaleResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "replaced", "tells_replaced")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    TELLS_REPLACED_FIELD_NUMBER: _ClassVar[int]
     replicas: int
-    def __init__(self, replicas: _Optional[int] = ...) -> None: ...
+    replaced: _containers.RepeatedScalarFieldContainer[str]
+    tells_replaced: bool
+    def __init__(self, replicas: _Optional[int] = ..., replaced: _Optional[_Iterable[str]] = ..., tells_replaced: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("address",)
