@@ -181,7 +181,7 @@ class PoolManager:
 
         New workers are created at once and register as they come up; surplus workers (those
         an operator drained, then the newest) retire in the background: drain, then exit.
-        Does not wait for either.
+        Does not wait for either. The workers dead for good that it replaces: `replaced`.
         """
         if role not in self.pools:
             raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
@@ -293,8 +293,8 @@ class PoolManager:
         return [line for p in self.pools.values() for line in _lines(p.failed)]
 
     def replaced(self, role: str) -> list[str]:
-        """The `failures` lines of `role`'s last scale took out of the pool's count: those
-        before it, and those it found (`epd scale` waits on them, and stops at any other)."""
+        """The `failures` lines that `role`'s last scale took out of the pool's count: those
+        from before it, and those it found (`epd scale` waits on them, and stops at others)."""
         return list(self.pools[role].replaced)
 
     async def survey(self) -> list[str]:

@@ -3,9 +3,11 @@
 died for good on the way.
 
 A scale is done when the pool's serving count is what was asked and no worker drains that
-did not before it (the retired ones are gone; dead ones, held out, leave on their own). It
-stops at once, 1, at a start that failed or a death it did not replace while the pool is
-short: waiting cannot help (one found as the pool reads full is told, and the scale is done).
+did not before it (the retired ones are gone; dead ones, held out, leave on their own). The
+workers dead for good or failed to start that the scale took out of the pool's count (the
+router answers them: `ScaleResponse.replaced`) are told, and waited on; it stops at once,
+1, at any other start that failed or death while the pool is short: waiting cannot help
+(one found as the pool reads full is told, and the scale is done).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from common.kv.block_pool import WHOLE_POOL, pool_full
 from common.processing.processor import ProcessedPrompt
 from common.roles import Role
 from common.sampling import SamplingParams
+from common.server.rpc import clipped
 from router.registry import Registry
 from router.workers import NoWorkerError, WorkerRecord
 
@@ -242,9 +243,11 @@ class WorkerCalls:
         the operator's to know (docs/security.md), is in the log, not in the error."""
         code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.INTERNAL
         # Its own address as "the prefill worker" (not "a worker prefill worker"), then the
-        # addresses of others it names.
-        said = without_known(exc.details() or "", [worker.address], f"the {worker.role} worker")
-        details = without_addresses(without_known(said, self._addresses()))
+        # addresses of others it names; clipped first: the scrub of a long run costs its
+        # length squared (this version's workers clip theirs; gRPC's and others may not).
+        said = exc.details() or ""
+        own = without_known(clipped(said), [worker.address], f"the {worker.role} worker")
+        details = without_addresses(without_known(own, self._addresses()))
         logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
         error: RouterError = RouterError(code, f"{stage} failed: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and pool_full(said):  # blocks in use now
