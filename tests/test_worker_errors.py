@@ -5,6 +5,7 @@ its role, and a full KV pool passed on with a back-off hint where waiting can he
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from common.roles import Role
 from router.calls import RouterError
@@ -123,6 +124,19 @@ def test_a_long_error_is_clipped_before_its_addresses_are_looked_for() -> None:
 
     error = worker_error(Role.DECODE, grpc.StatusCode.INTERNAL, "a-" * 8192 + " at {address}")
     assert len(str(error)) < MAX_DETAILS + 100 and str(error).endswith(" characters)")
+
+
+@pytest.mark.parametrize("into", [1, 7, 20, 23])  # the cut at that character of the address
+def test_an_address_the_clip_cuts_in_two_reaches_no_client(into: int) -> None:
+    # "prefill-0.prefill.epd.svc.cluster.local:" and "gpu01:5006" reached clients, the rest
+    # cut off by the clip, the half left no address to the scrub (chaos5 review, s41).
+    from common.server.rpc import MAX_DETAILS, clipped
+
+    address = "gpu01.epd.svc.local:50062"
+    said = "x" * (MAX_DETAILS - 41 - into) + " " + address + " and more" * 200
+    error = worker_error(Role.DECODE, grpc.StatusCode.INTERNAL, said)
+    assert str(error).endswith(f"x ... ({len(said)} characters)"), str(error)[-60:]
+    assert clipped(said).endswith(f"... ({len(said)} characters)")
 
 
 def worker_error(role: Role, code: grpc.StatusCode, said: str) -> RouterError:

@@ -281,10 +281,21 @@ MAX_DETAILS = 1024  # characters of an error's details sent (gRPC refuses >16 Ki
 def clipped(details: str, limit: int = MAX_DETAILS) -> str:
     """`details` cut to `limit` characters, saying how long it was: an error that repeats a
     caller's list would otherwise overflow the trailers and reach the caller as
-    RESOURCE_EXHAUSTED, without its field."""
+    RESOURCE_EXHAUSTED, without its field. Not within an address: the half of one cut in two
+    is none to the router's scrub, and reached clients (chaos5 review, s41), so the
+    characters an address may hold before the cut go too (at most `_ADDRESS_CHARS`)."""
     if len(details) <= limit:
         return details
-    return f"{details[: limit - 40]}... ({len(details)} characters)"
+    head = details[: limit - 40]
+    if _ADDRESS_CHAR.match(details, limit - 40):  # the cut may be within one
+        reached = _ADDRESS_RUN.match(head[: -_ADDRESS_CHARS - 1 : -1])  # read backwards
+        head = head[: len(head) - (reached.end() if reached else 0)]
+    return f"{head}... ({len(details)} characters)"
+
+
+_ADDRESS_CHARS = 300  # an address's longest: a 253-character host name and its port
+_ADDRESS_CHAR = re.compile(r"[\w.:%/\[\]-]")  # what a host:port ([v6]:port, ipv4:...) holds
+_ADDRESS_RUN = re.compile(_ADDRESS_CHAR.pattern + "*")
 
 
 def logged(name: str, limit: int = 200) -> str:
