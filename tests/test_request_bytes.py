@@ -42,12 +42,23 @@ def prompt_refusal(prompt: str, limit: int) -> FieldError | None:
     return None
 
 
-def wire_refusal(request: router_service_pb2.GenerateRequest, limit: int) -> FieldError | None:
+def wire_refusal(
+    request: router_service_pb2.GenerateRequest | bytes, limit: int
+) -> FieldError | None:
+    """What the wire check says of `request` (or its bytes), None when it passes."""
+    wire = request if isinstance(request, bytes) else request.SerializeToString()
     try:
-        decode_request(request.SerializeToString(), 1024, limit)
+        decode_request(wire, 1024, limit)
     except FieldError as exc:
         return exc
     return None
+
+
+def same_refusal(got: FieldError | None, expected: FieldError | None) -> None:
+    """Both refuse, naming the same field in the same words, or neither does."""
+    assert (got is None) == (expected is None), (got, expected)
+    if expected is not None and got is not None:
+        assert (got.field, str(got)) == (expected.field, str(expected))
 
 
 @settings(max_examples=300, deadline=None)
@@ -62,9 +73,7 @@ def test_the_wire_refuses_the_text_the_processor_refuses(
     for role, parts in chat:
         request.messages.add(role=role, content=[{"text": t} for t in parts])
     expected, got = processor_refusal(chat, limit), wire_refusal(request, limit)
-    assert (got is None) == (expected is None)
-    if expected is not None and got is not None:
-        assert (got.field, str(got)) == (expected.field, str(expected))
+    same_refusal(got, expected)
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,9 +81,7 @@ def test_the_wire_refuses_the_text_the_processor_refuses(
 def test_a_prompt_is_refused_on_the_wire_as_after_parsing(prompt: str, limit: int) -> None:
     request = router_service_pb2.GenerateRequest(prompt=prompt)
     got, expected = wire_refusal(request, limit), prompt_refusal(prompt, limit)
-    assert (got is None) == (expected is None)
-    if expected is not None and got is not None:
-        assert (got.field, str(got)) == (expected.field, str(expected))
+    same_refusal(got, expected)
 
 
 def test_a_large_prompt_is_refused_before_it_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,14 +251,7 @@ def test_a_request_sent_in_pieces_is_refused_as_parsed(
     else:
         chat = [(m.role, [part.text for part in m.content]) for m in parsed.messages]
         expected = processor_refusal(chat, limit)
-    try:
-        decode_request(wire, 1024, limit)
-        got: FieldError | None = None
-    except FieldError as exc:
-        got = exc
-    assert (got is None) == (expected is None)
-    if expected is not None and got is not None:
-        assert (got.field, str(got)) == (expected.field, str(expected))
+    same_refusal(wire_refusal(wire, limit), expected)
 
 
 def test_a_singular_id_sent_again_counts_its_last_value() -> None:
@@ -328,11 +328,7 @@ def test_a_part_sent_in_pieces_is_refused_only_as_parsed(
         check_text_limits([Message("user", content_)], InputLimits(max_text_bytes=limit))
     except LimitError as exc:
         text_refused = exc
-    try:
-        decode_request(wire, 1024, limit)
-        got: FieldError | None = None
-    except FieldError as exc:
-        got = exc
+    got = wire_refusal(wire, limit)
     if got is not None:
         assert long_uuid or text_refused is not None  # never refused where parsing accepts
     if text_refused is not None and not long_uuid:

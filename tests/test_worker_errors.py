@@ -59,10 +59,7 @@ def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
     registry.register(prefill)
     decode = registry.register(info(Role.DECODE, 7))
     said = "kv.lease_id: the lease on vm:47820 was not live (ipv4:vm:47820 too)"
-    exc = grpc.aio.AioRpcError(
-        grpc.StatusCode.ABORTED, grpc.aio.Metadata(), grpc.aio.Metadata(), said
-    )
-    error = WorkerCalls(registry).error("decode", decode, exc)
+    error = WorkerCalls(registry).error("decode", decode, aborted(said))
     assert (
         str(error)
         == "decode failed: kv.lease_id: the lease on a worker was not live (a worker too)"
@@ -100,10 +97,7 @@ def test_a_peer_registered_again_elsewhere_is_not_named_by_its_old_address() -> 
     registry.register(prefill)
     decode = registry.register(info(Role.DECODE, 7))
     said = "kv.lease_id: the lease on vm:47820 was not live"
-    exc = grpc.aio.AioRpcError(
-        grpc.StatusCode.ABORTED, grpc.aio.Metadata(), grpc.aio.Metadata(), said
-    )
-    assert "47820" not in str(calls.error("decode", decode, exc))
+    assert "47820" not in str(calls.error("decode", decode, aborted(said)))
 
 
 def test_the_called_workers_own_address_is_named_by_its_role_in_every_form() -> None:
@@ -139,18 +133,21 @@ def test_an_address_the_clip_cuts_in_two_reaches_no_client(into: int) -> None:
     assert clipped(said).endswith(f"... ({len(said)} characters)")
 
 
+def aborted(said: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> grpc.aio.AioRpcError:
+    """A worker call's failure with `code` and details `said`."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), said)
+
+
 def worker_error(role: Role, code: grpc.StatusCode, said: str) -> RouterError:
     """The client-facing error `WorkerCalls.error` makes of a `role` worker's call that
     failed with `code` and details `said` (the worker's address is in `said` as {address})."""
-    from grpc.aio import Metadata
-
     from router.calls import WorkerCalls
     from router.registry import Registry
     from tests.registry_helpers import Clock, info
 
     registry = Registry(worker_timeout_s=3.0, heartbeat_interval_s=1.0, clock=Clock())
     worker = registry.register(info(role, 7))
-    exc = grpc.aio.AioRpcError(code, Metadata(), Metadata(), said.format(address=worker.address))
+    exc = aborted(said.format(address=worker.address), code)
     return WorkerCalls(registry).error(str(role), worker, exc)
 
 
