@@ -6,6 +6,7 @@ Generate calls took a router from 264 MB to 1.46 GB resident; now 279 MB).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -114,3 +115,54 @@ def test_a_refusal_log_says_how_many_it_left_out(caplog: pytest.LogCaptureFixtur
         f"refused {GENERATE}: UNAUTHENTICATED (and 29 more since 60 s ago)",
         f"refused {GENERATE}: UNAUTHENTICATED (and 29 more since 60 s ago)",
     ]
+
+
+def test_a_burst_that_stops_is_counted_at_its_window_end(caplog: pytest.LogCaptureFixture) -> None:
+    now, due = [0.0], []
+    log = RefusalLog(every_s=60.0, clock=lambda: now[0], later=lambda s, f: due.append((s, f)))
+    with caplog.at_level(logging.INFO, logger="common.server.auth"):
+        for t in range(0, 10):  # ten refusals in 9 s, then none
+            now[0] = float(t)
+            log(GENERATE, grpc.StatusCode.UNAUTHENTICATED)
+        assert [s for s, _ in due] == [59.0]  # one line arranged, at the window's end
+        now[0] = 60.0
+        due.pop()[1]()
+        now[0] = 200.0  # the next window left nothing out: its line has nothing to say
+        log(GENERATE, grpc.StatusCode.UNAUTHENTICATED)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"refused {GENERATE}: UNAUTHENTICATED",
+        f"refused {GENERATE}: UNAUTHENTICATED (and 9 more since 60 s ago)",
+        f"refused {GENERATE}: UNAUTHENTICATED",
+    ]
+
+
+def test_a_window_end_says_nothing_once_a_refusal_said_it(caplog: pytest.LogCaptureFixture) -> None:
+    now, due = [0.0], []
+    log = RefusalLog(every_s=60.0, clock=lambda: now[0], later=lambda s, f: due.append((s, f)))
+    with caplog.at_level(logging.INFO, logger="common.server.auth"):
+        for t in (0.0, 5.0, 61.0, 62.0):
+            now[0] = t
+            log(GENERATE, grpc.StatusCode.UNAUTHENTICATED)
+        due[0][1]()  # late: the refusal at 61 s said the count; 62 s is the new window's
+    assert [r.getMessage() for r in caplog.records] == [
+        f"refused {GENERATE}: UNAUTHENTICATED",
+        f"refused {GENERATE}: UNAUTHENTICATED (and 1 more since 61 s ago)",
+    ]
+    now[0] = 121.0
+    with caplog.at_level(logging.INFO, logger="common.server.auth"):
+        due[1][1]()  # the window begun at 61 s ends: the refusal at 62 s
+    assert caplog.records[-1].getMessage() == (
+        f"refused {GENERATE}: UNAUTHENTICATED (and 1 more since 60 s ago)"
+    )
+
+
+async def test_a_window_end_is_arranged_on_the_loop(caplog: pytest.LogCaptureFixture) -> None:
+    log = RefusalLog(every_s=0.05)
+    with caplog.at_level(logging.INFO, logger="common.server.auth"):
+        log(GENERATE, grpc.StatusCode.UNAUTHENTICATED)
+        log(GENERATE, grpc.StatusCode.UNAUTHENTICATED)
+        await asyncio.sleep(0.2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == f"refused {GENERATE}: UNAUTHENTICATED"
+    assert lines[1].startswith(f"refused {GENERATE}: UNAUTHENTICATED (and 1 more since ")
+    assert len(lines) == 2

@@ -27,6 +27,7 @@ which re-reads the same metadata.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hmac
 import logging
@@ -187,22 +188,55 @@ class RefusalLog:
     """Logs refused calls: each kind (method and code) at its first refusal, then at most
     once every `every_s` with how many were refused since. Calls without credentials cost
     their sender nothing: a line each grew a server's log by ~300 KB/s from one client (s41
-    attacker3 F2). Methods are the server's own (an unknown one is never refused here)."""
+    attacker3 F2). Methods are the server's own (an unknown one is never refused here).
 
-    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+    The first refusal a line leaves out arranges (`later`: the running event loop's
+    `call_later`, when there is one) a line at the window's end, so a burst that stops is
+    still counted, within `every_s`."""
+
+    def __init__(
+        self,
+        every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        later: Callable[[float, Callable[[], None]], object] | None = None,
+    ):
         self.every_s = every_s
         self.clock = clock
+        self.later = later or _call_later
         self._kinds: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last line, since)
 
     def __call__(self, method: str, code: grpc.StatusCode) -> None:
         kind, now = (method, code.name), self.clock()
         last, since = self._kinds.get(kind, (-math.inf, 0))
-        if now - last < self.every_s:
-            self._kinds[kind] = (last, since + 1)
+        if now - last >= self.every_s:
+            self._line(kind, now)
             return
+        self._kinds[kind] = (last, since + 1)
+        if since == 0:
+            self.later(last + self.every_s - now, lambda: self._due(kind, last))
+
+    def _due(self, kind: tuple[str, str], window: float) -> None:
+        """The window begun at `window` has ended: say how many it left out, unless a
+        refusal since has already said it (a line began another window)."""
+        last, since = self._kinds[kind]
+        if last == window and since:
+            self._line(kind, self.clock())
+
+    def _line(self, kind: tuple[str, str], now: float) -> None:
+        last, since = self._kinds.get(kind, (-math.inf, 0))
         self._kinds[kind] = (now, 0)
         more = f" (and {since} more since {now - last:.0f} s ago)" if since else ""
-        logger.info("refused %s: %s%s", method, code.name, more)
+        logger.info("refused %s: %s%s", *kind, more)
+
+
+def _call_later(delay_s: float, callback: Callable[[], None]) -> None:
+    """`callback` after `delay_s` on the running event loop; nothing outside one (the
+    next refusal's line then says the count)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    loop.call_later(delay_s, callback)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
