@@ -17,11 +17,12 @@ from collections.abc import Collection
 # checked in `_address`): gRPC's own forms (`ipv4:10.0.0.5:50062`, `ipv6:%5B::1%5D:1`,
 # `dns:host:port`, `dns:///[fd00::1]:1`), a DNS error's `name=`, a bracketed IPv6 address
 # with its port, a bare IPv6 one (with `::`, or all 8 groups; a zone), an IPv4 one (a
-# Python `('10.0.0.5', 50062)` whole), `localhost`, a dotted or hyphenated host name with a
-# port. Not any word before `:digits`: a time, a ratio, `id:12345`, `c10::Error`,
-# `file.cpp:44` are a client's or a library's. (Tried from each of a name's parts, a run of
-# `a-` costs its length squared: ~10 ms at the 1 KiB a worker's error details are clipped
-# to, `common.server.rpc.MAX_DETAILS`.)
+# Python `('10.0.0.5', 50062)` whole), `localhost`, a dotted host name with a letter in it
+# (`10-0-0-5.ns.pod.cluster.local`, `gpu_node.local`) or a hyphenated one led by a letter,
+# with a port. Not any word before `:digits`: a time (`2024-05-01T10:00`), a ratio,
+# `id:12345`, `c10::Error`, `version 2.35:1`, `file.cpp:44` are a client's or a library's.
+# (Tried from each of a name's parts, a run of `a-` costs its length squared: ~10 ms at the
+# 1 KiB a worker's error details are clipped to, `common.server.rpc.MAX_DETAILS`.)
 _ADDRESS = re.compile(
     r"(?P<grpc>(?:ipv4|ipv6|dns|unix|unix-abstract):/*"
     r"(?:\[[^\]\s]*\]|%5B\S*?%5D|[^\s:]+)(?::\d{1,5})?)"
@@ -31,8 +32,8 @@ _ADDRESS = re.compile(
     r"|(?P<v6>(?<![\w:.\[])(?:[0-9A-Fa-f:]*::[0-9A-Fa-f:.]*[0-9A-Fa-f]|(?:[0-9A-Fa-f]{1,4}:){7}"
     r"[0-9A-Fa-f]{1,4}(?::\d{1,5})?)(?:%[\w.-]+)?(?![\w:]))"
     r"|(?P<v4>\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b)"
-    r"|(?P<host>\b(?:localhost|[A-Za-z][A-Za-z0-9-]*(?:\.[A-Za-z0-9-]+)+\.?|[A-Za-z][A-Za-z0-9]*"
-    r"(?:-[A-Za-z0-9]+)+):\d{1,5}\b)"
+    r"|(?P<host>\b(?:localhost|(?=[\w.-]*[A-Za-z])\w[\w-]*(?:\.[\w-]+)+\.?|[A-Za-z]\w*(?:-\w+)+)"
+    r":\d{1,5}\b)"
 )
 # Source files in a library's error (`CUDAException.cpp:44`), not hosts.
 _FILE_SUFFIXES = frozenset(
@@ -102,12 +103,12 @@ def without_addresses(text: str, instead: str = "a worker") -> str:
     return _ADDRESS.sub(lambda match: _address(match, instead), text)
 
 
-# A `host:port` (`[v6]:port`) standing alone: not inside a longer name or port, at a
-# sentence's end or in a URL too, in gRPC's `ipv4:`, `ipv6:` and `dns:` forms as well (group
-# 1: the address). A registered address is of this form but where its host has other
-# characters.
-_ALONE = r"(?<![\w.-])(?:ipv4:|ipv6:|dns:(?:///)?)?({})(?!\w|-|\.\w|:\d)"
-_PLAIN = r"\[[0-9A-Fa-f.:]+(?:%[\w.-]+)?\]:\d{1,5}|[\w.-]+:\d{1,5}"
+# A `host:port` (`[v6]:port`) standing alone: not inside a longer name (`x.vm:1`, `x-vm:1`)
+# or port, after `...` or a dash, before a dash, a sentence's end or in a URL too, in gRPC's
+# `ipv4:`, `ipv6:` and `dns:` forms as well (group 1: the address); `vm:1.5` is a number. A
+# registered address is of the plain form but where its host has other characters.
+_ALONE = r"(?<!\w)(?<!\w[.-])(?:ipv4:|ipv6:|dns:(?:///)?)?({})(?!\w|\.\d|:\d)"
+_PLAIN = r"\[[0-9A-Fa-f.:]+(?:%[\w.-]+)?\]:\d{1,5}|\w[\w-]*(?:\.[\w-]+)*\.?:\d{1,5}"
 _ANY_PLAIN = re.compile(_ALONE.format(_PLAIN))
 _PLAIN_ADDRESS = re.compile(_PLAIN)
 

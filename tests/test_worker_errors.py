@@ -43,6 +43,13 @@ def test_no_address_reaches_a_client_in_a_workers_error() -> None:
     ):
         cleaned = without_addresses(text)
         assert "a worker" in cleaned and "50062" not in cleaned and "prefill" not in cleaned
+    # Whole: a pod's name left its IP in dashes, and underscored names stayed (s41diff F2).
+    for text in (
+        "10-244-1-5.ns.pod.cluster.local:50062 refused",
+        "gpu_node.cluster.local:50062 refused",
+        "gpu_node-1:50062 refused",
+    ):
+        assert without_addresses(text) == "a worker refused", text
 
 
 def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
@@ -78,6 +85,15 @@ def test_a_peer_known_by_a_one_word_host_is_not_named_to_a_client() -> None:
     assert without_known("at a+b:1 and b:1", ["b:1", "a+b:1"]) == "at a worker and a worker"
     for said in ("dns:///gpu01:50062 gone", "dns:gpu01:50062 gone"):
         assert without_addresses(without_known(said, known)) == "a worker gone"
+    # After `...` or a dash, before a dash or `.x` (s41diff F1); not in another's name.
+    for said, seen in (
+        ("tried a, b...gpu01:50062", "tried a, b...a worker"),
+        ("holder -gpu01:50062", "holder -a worker"),
+        ("gpu01:50062- gone", "a worker- gone"),
+        ("gpu01:50062.x", "a worker.x"),
+        ("x.gpu01:50062 x-gpu01:50062", "x.gpu01:50062 x-gpu01:50062"),
+    ):
+        assert without_known(said, known) == seen, said
 
 
 def test_a_peer_registered_again_elsewhere_is_not_named_by_its_old_address() -> None:
