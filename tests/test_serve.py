@@ -21,7 +21,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from common.sampling import SamplingParams
 from common.settings.api_keys import default_api_key
 from epd.client import Client
 from tests.cluster import listening_pid
+from tests.serve_helpers import Served, admin_status, chat, of_role, read_lines, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -42,23 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 400.0
 DRAIN_TIMEOUT_S = 30  # [pools] drain_timeout_s
 SAMPLING = SamplingParams(max_tokens=12)
-
-
-@dataclass
-class Served:
-    """A running `epd serve` subprocess."""
-
-    process: subprocess.Popen[str]
-    address: str  # router host:port
-    cache_dir: Path  # its EPD_CACHE_DIR
-    http_url: str = ""  # the OpenAI-compatible API's base URL (ends in /v1)
-    lines: list[str] = field(default_factory=list)  # its output so far
-
-
-def _reader(stream: Any, out: queue.Queue[str | None]) -> None:
-    for line in stream:
-        out.put(line.rstrip("\n"))
-    out.put(None)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +73,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         start_new_session=True,  # Ctrl-C of the test run does not reach it; we stop it
     )
     lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_reader, args=(process.stdout, lines), daemon=True).start()
+    threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
     result = Served(process, "", cache)
 
     def next_line(deadline: float) -> str | None:
@@ -163,37 +146,6 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return image, frames
 
 
-def _chat(text: str, image: Path | None = None, frames: Path | None = None) -> list[dict[str, Any]]:
-    content: list[dict[str, Any]] = []
-    if image is not None:
-        content.append({"type": "image", "image": image.read_bytes()})
-    if frames is not None:
-        video = [p.read_bytes() for p in sorted(frames.iterdir())]
-        content.append({"type": "video", "video": video, "fps": 2.0})
-    content.append({"type": "text", "text": text})
-    return [{"role": "user", "content": content}]
-
-
-async def _status(address: str) -> Any:
-    async with Client(address, api_key=default_api_key("admin_key")) as client:
-        return await client.status()
-
-
-async def _wait_for(address: str, check: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = await _status(address)
-        if check(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout_s:.0f}s: {status}")
-        await asyncio.sleep(0.25)
-
-
-def _of_role(status: Any, role: int) -> list[Any]:
-    return [w for w in status.workers if w.info.role == role]
-
-
 # --------------------------------------------------------------------------------- tests
 
 
@@ -202,7 +154,7 @@ async def test_image_and_video_answer_equals_offline_engine(
 ) -> None:
     assert any("preparing the built-in tiny checkpoint" in line for line in served.lines)
     image, frames = media
-    messages = _chat("Describe the image and the video.", image, frames)
+    messages = chat("Describe the image and the video.", image, frames)
     async with Client(served.address) as client:
         chunks = [c async for c in client.generate(messages, SAMPLING)]
     tokens = [t for c in chunks for t in c.token_ids]
@@ -317,7 +269,7 @@ async def test_scale_prefill_up_and_down_while_streams_run(
 ) -> None:
     image, _ = media
     prompts = [
-        _chat(f"Question {i}: what is in the picture?", image if i % 2 == 0 else None)
+        chat(f"Question {i}: what is in the picture?", image if i % 2 == 0 else None)
         for i in range(8)
     ]
     async with Client(served.address) as client:
@@ -343,27 +295,27 @@ async def test_scale_prefill_up_and_down_while_streams_run(
             ["scale", "--role", "prefill", "--replicas", "2", "--address", served.address]
         )
         assert await cmd_scale(args) == 0
-        await _wait_for(
+        await wait_for(
             served.address,
-            lambda s: len(_of_role(s, prefill)) == 2,
+            lambda s: len(of_role(s, prefill)) == 2,
             180,
             "2 prefill workers registered",
         )
-        served_by = await _wait_for(
+        served_by = await wait_for(
             served.address,
-            lambda s: sum(w.load.cache_lookups > 0 for w in _of_role(s, prefill)) >= 2,
+            lambda s: sum(w.load.cache_lookups > 0 for w in of_role(s, prefill)) >= 2,
             60,
             "requests on a new prefill worker",
         )
-        assert len(_of_role(served_by, prefill)) == 2
+        assert len(of_role(served_by, prefill)) == 2
         during_up = sum(map(len, answers))
 
         args = build_parser().parse_args(
             ["scale", "--role", "prefill", "--replicas", "1", "--address", served.address]
         )
         assert await cmd_scale(args) == 0  # returns once the retired worker has left
-        status = await _status(served.address)
-        assert len(_of_role(status, prefill)) == 1
+        status = await admin_status(served.address)
+        assert len(of_role(status, prefill)) == 1
         assert not any(w.draining for w in status.workers)
     finally:
         done.set()
@@ -379,27 +331,27 @@ async def test_scale_prefill_up_and_down_while_streams_run(
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
 async def test_killed_decode_actor_is_restarted_and_registers_again(served: Served) -> None:
     decode = 3  # registry_service_pb2.WORKER_ROLE_DECODE
-    messages = _chat("Count the apples on the table.")
+    messages = chat("Count the apples on the table.")
     async with Client(served.address) as client:
         before = await client.generate_text(messages, SAMPLING)
-    status = await _status(served.address)
-    (worker,) = _of_role(status, decode)
+    status = await admin_status(served.address)
+    (worker,) = of_role(status, decode)
     old_address = worker.info.address
     pid = listening_pid(int(old_address.rsplit(":", 1)[1]))
     assert pid != served.process.pid
     os.kill(pid, signal.SIGKILL)
 
-    await _wait_for(
+    await wait_for(
         served.address,
         lambda s: (
-            [w.info.address for w in _of_role(s, decode)] not in ([], [old_address])
-            and len(_of_role(s, decode)) == 1
+            [w.info.address for w in of_role(s, decode)] not in ([], [old_address])
+            and len(of_role(s, decode)) == 1
         ),
         240,
         "the restarted decode worker registered (and the dead one dropped)",
     )
-    status = await _status(served.address)
-    (restarted,) = _of_role(status, decode)
+    status = await admin_status(served.address)
+    (restarted,) = of_role(status, decode)
     assert restarted.info.name == worker.info.name  # same actor, new process and port
     async with Client(served.address) as client:
         for _ in range(2):
