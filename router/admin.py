@@ -158,7 +158,9 @@ class AdminServicer(admin_service_pb2_grpc.AdminServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         response = admin_service_pb2.ScaleResponse(replicas=replicas)
-        replaced = getattr(self.scaler, "replaced", None)  # the dead it took out of the count
+        # The dead it took out of the count: read with nothing awaited since the scale left
+        # its pool's lock (no other Scale of the role runs between; s41diff F6, s42).
+        replaced = getattr(self.scaler, "replaced", None)
         if replaced is not None:
             response.replaced.extend(await replaced(role))
             response.tells_replaced = True
