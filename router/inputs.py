@@ -9,18 +9,17 @@ Limits come before work (`common.processing.limits.InputLimits`, from the router
 settings): text bytes are counted before anything is tokenized; a video's frame count
 before any frame is opened; every image and frame is opened lazily, its header's size
 checked, and what the request's media take decoded summed from the headers, before any is
-decoded. A video may come as a container file (`VideoInput.file`: mp4, webm,
-mkv), opened by `common.processing.video_file.open_video`: its bytes, frame size and
-duration are checked from its headers, and the frames it will give counted in the same
-budget, before anything is decoded; it is sampled at the request's `fps` (0: the router's
-`video_file_fps`) and its frames keep the container's times (the processor then samples them
-as any frame list, at most its `video_sample_fps`). With the processor's processed-image
-cache, a video's frames are keyed by their bytes (`common.processing.video_cache`) and
-only those of temporal patches the cache does not hold are decoded: the same video with
-frames appended decodes the new frames alone. The chat becomes typed
-`Message`s here, once (`common.processing.messages`); nothing after this reads the protobuf
-or a dict. Errors are `InputError`s (a `ValueError`), which the server answers with
-INVALID_ARGUMENT.
+decoded. A video may come as a container file (`VideoInput.file`: mp4, webm, mkv), opened by
+`common.processing.video_file.open_video`: its bytes, frame size and duration checked from
+its headers, and what it will take counted in the same budget, before anything is decoded;
+it is sampled at the request's `fps` (0: `video_file_fps`) with the container's times, and
+only the frames the processor samples of those (at most its `video_sample_fps`) are kept,
+resized as they decode. With the processor's processed-image cache, a video's frames are
+keyed by their bytes (`common.processing.video_cache`) and only those of temporal patches
+the cache does not hold are decoded: the same video with frames appended decodes the new
+frames alone. The chat becomes typed `Message`s here, once (`common.processing.messages`);
+nothing after this reads the protobuf or a dict. Errors are `InputError`s (a `ValueError`),
+which the server answers with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -306,9 +305,10 @@ class _Reader:
             open_image(frame, field, self.limits, self.budget)
             for frame, field in zip(data, fields, strict=True)
         ]
-        sizes = {f.size for f in opened}
-        if len(sizes) != 1:
-            raise InputError(f"{where}.video.frames", f"frames differ in size: {sorted(sizes)}")
+        odd = next((k for k, f in enumerate(opened) if f.size != opened[0].size), None)
+        if odd is not None:  # the first frame of another size named (s42 media review L4)
+            sizes = f"{opened[odd].size} against {opened[0].size}"
+            raise InputError(fields[odd], f"differs in size from frame 0 ({sizes})")
         fps = float(video.fps)
         try:
             self.cost.video(len(opened), fps, *opened[0].size, f"{where}.video.frames")
@@ -374,6 +374,7 @@ class _Reader:
                 max_seconds=limits.max_video_seconds,
                 max_decoded_pixels=limits.max_video_decoded_pixels,
                 field=field,
+                planner=self.cost.planner(),
             )
         except FieldError as exc:
             raise InputError(exc.field, exc.reason) from None
@@ -387,9 +388,8 @@ class _Reader:
 
 
 def _uuid(media: Any, field: str) -> str | None:
-    """An image's or video's caller-supplied `uuid` (None: unset or empty, as an empty uuid
-    on the wire means none); InputError naming `field` when it is longer than block keys may
-    hash (`MAX_UUID_CHARS`)."""
+    """An image's or video's caller-supplied `uuid` (None: unset or empty, as on the wire);
+    InputError naming `field` when longer than block keys may hash (`MAX_UUID_CHARS`)."""
     if not media.HasField("uuid") or not media.uuid:
         return None
     if len(media.uuid) > MAX_UUID_CHARS:

@@ -22,11 +22,14 @@ to refuse.
 
 from __future__ import annotations
 
+import functools
+
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
+from common.processing.frame_store import Planner
 from common.processing.image import smart_resize
 from common.processing.limits import DECODED_BYTES_PER_PIXEL, InputLimits, LimitError, MediaBudget
-from common.processing.video import plan_video
-from common.processing.video_file import VideoHeader
+from common.processing.video import VideoPlan, plan_video
+from common.processing.video_file import VideoHeader, kept_rate
 from common.processing.video_memory import FRAME_BYTES_PER_PIXEL, decoder_bytes
 
 # What resizing one image or frame takes for a while, a resized pixel: the resized image
@@ -63,42 +66,64 @@ class MediaCost:
         self.budget.briefly(max(0, RESIZED_BYTES_PER_PIXEL - codes) * h * w, field)
         self.budget.briefly(len(s.image_mean) * h * w, field, alone=True)
 
-    def video(
-        self, frames: int, fps: float, width: int, height: int, field: str, alone: bool = False
-    ) -> None:
-        """Count one video of `frames` frames (given, or its header's sample times) of
-        `width` x `height` at `fps`, processed beside the most one frame took for a while
-        (frames given as images) or `alone` (a file's); `LimitError` naming `field` as for
-        `image`, or for a frame shape the processor would refuse."""
+    def video(self, frames: int, fps: float, width: int, height: int, field: str) -> None:
+        """Count one video of `frames` frames given as images, of `width` x `height` at
+        `fps`, processed beside the most one frame took for a while; `LimitError` naming
+        `field` as for `image`, or for a frame shape the processor would refuse."""
         s = self.settings
         if s is None:
             return
-        try:
-            plan = plan_video(frames, fps, width, height, s)  # the processor's own plan
-        except ValueError as exc:  # a frame shape the video resize refuses
-            raise LimitError(field, str(exc)) from None
+        plan = self._plan(frames, fps, width, height, field)
         self._add(*plan.size, len(plan.padded) // s.temporal_patch_size, field)
         # Its resized frames, stacked (3 bytes a pixel), and one frame at a time made an
-        # image (of a decoded file's array), RGB and resized.
+        # image, RGB and resized.
         h, w = plan.size
         one = DECODED_BYTES_PER_PIXEL * width * height + RESIZED_BYTES_PER_PIXEL * h * w
-        self.budget.briefly(len(plan.indices) * h * w * 3 + one, field, alone)
+        self.budget.briefly(len(plan.indices) * h * w * 3 + one, field)
 
     def video_file(self, header: VideoHeader, fps: float, field: str) -> None:
-        """Count a video file from its header, sampled at `fps`: a decoded frame (RGB) a
-        sample time, what FFmpeg holds while it decodes (gone before it is processed), and
-        the frames as `video` counts them, at the rate they were sampled at."""
+        """Count a video file from its header, sampled at `fps` and decoded planned
+        (`common.processing.frame_store.PlannedStore`): the frames the processor samples,
+        resized as they decode, held until processed, and their patch codes, made after;
+        while it decodes, what FFmpeg holds and one decoded frame (RGB, made an image,
+        resized), beside the resized frames but before the codes. Without the processor's
+        settings, every kept frame whole."""
         width, height, count = header.width, header.height, len(header.sample_times)
-        self.budget.add_bytes(count * width * height * FRAME_BYTES_PER_PIXEL, field)
-        self.budget.briefly(decoder_bytes(header), field, alone=True)
-        self.video(count, fps, width, height, field, alone=True)
+        s = self.settings
+        if s is None:
+            self.budget.add_bytes(count * width * height * FRAME_BYTES_PER_PIXEL, field)
+            self.budget.briefly(decoder_bytes(header), field, alone=True)
+            return
+        plan = self._plan(count, kept_rate(header.duration_s, fps, count), width, height, field)
+        h, w = plan.size
+        self.budget.add_bytes(len(plan.indices) * h * w * FRAME_BYTES_PER_PIXEL, field)
+        codes = self._add(h, w, len(plan.padded) // s.temporal_patch_size, field)
+        one = (FRAME_BYTES_PER_PIXEL + DECODED_BYTES_PER_PIXEL) * width * height
+        one += RESIZED_BYTES_PER_PIXEL * h * w
+        self.budget.briefly(max(0, decoder_bytes(header) + one - codes), field, alone=True)
 
-    def _add(self, height: int, width: int, steps: int, field: str) -> None:
-        """`steps` temporal patches of `height` x `width` resized pixels."""
+    def planner(self) -> Planner | None:
+        """The processor's plan of a decoded file's kept frames (None: no settings)."""
+        return (
+            None if self.settings is None else functools.partial(plan_video, settings=self.settings)
+        )
+
+    def _plan(self, frames: int, fps: float, width: int, height: int, field: str) -> VideoPlan:
+        """The processor's own plan of a video; `LimitError` naming `field` for a frame
+        shape the video resize refuses."""
+        assert self.settings is not None
+        try:
+            return plan_video(frames, fps, width, height, self.settings)
+        except ValueError as exc:
+            raise LimitError(field, str(exc)) from None
+
+    def _add(self, height: int, width: int, steps: int, field: str) -> int:
+        """`steps` temporal patches of `height` x `width` resized pixels; returns their
+        codes' bytes."""
         s = self.settings
         assert s is not None
-        patch_bytes = height * width * len(s.image_mean) * s.temporal_patch_size
-        self.budget.add_bytes(steps * patch_bytes, field)
+        codes = steps * height * width * len(s.image_mean) * s.temporal_patch_size
+        self.budget.add_bytes(codes, field)
         self.tokens += steps * (height // s.factor) * (width // s.factor)
         context = self.limits.max_model_len
         if context is not None and self.tokens >= context:
@@ -108,3 +133,4 @@ class MediaCost:
                 f"the model's context is {context} tokens, and the prompt's text and at least "
                 "one generated token must fit too",
             )
+        return codes

@@ -108,14 +108,14 @@ class RouterSettings(ServerSettings):
     max_video_frames: int = setting(768, "most frames one video may send")
     max_media_bytes: int = setting(
         512 << 20,
-        "most bytes one request's media may take: decoded pixels (4 per pixel, 3 for a "
-        "video file's frames) and the patch codes processing makes of them, summed over all "
-        "images and frames, and once the most one item takes beside those for a while (a "
-        "progressive JPEG's coefficients, 2 a band, WebP's decoder, 12 a pixel, or FFmpeg's "
-        "buffers, 20 frames in the stream's own format, while it decodes; an EXIF turn and "
-        "RGB copies, 4 a "
-        "pixel each, and the resized copies, 7 a resized pixel, while it is processed), from "
-        "their headers before any is decoded",
+        "most bytes one request's media may take: decoded pixels (4 per pixel; of a video "
+        "file, the frames the processor samples, resized as they decode, 3 a resized pixel) "
+        "and the patch codes processing makes of them, summed over all images and frames, "
+        "and once the most one item takes beside those for a while (a progressive JPEG's "
+        "coefficients, 2 a band, WebP's decoder, 12 a pixel, or FFmpeg's buffers, 20 frames "
+        "in the stream's own format, and one decoded frame, while it decodes; an EXIF turn "
+        "and RGB copies, 4 a pixel each, and the resized copies, 7 a resized pixel, while it "
+        "is processed), from their headers before any is decoded",
     )
     max_video_file_bytes: int = setting(
         256 << 20, "most bytes of one video file (mp4, webm, mkv), checked before it is opened"

@@ -11,10 +11,10 @@ The dict form: `{"role": str, "content": str | [part, ...] | None}` with parts
 `{"type": "text", "text": str}`, `{"type": "image", "image": src}` (`src`: encoded bytes, a
 path, a PIL image or an array; OpenAI's `{"type": "image_url", "image_url": {"url":
 "data:...;base64,..."}}` too) and `{"type": "video", "video": frames, "fps": float}`
-(frames: a list of images, a `(T, H, W, C)` array, or `TimedFrames`, whose own rate is the
-default fps). A media part may instead name a side payload with `"index": k`, or carry no
-data at all to take the next unreferenced payload of its modality; `"uuid"` is the caller's
-identity for the item.
+(frames: a list of images, a `(T, H, W, C)` array, or a file's `TimedFrames` or
+`PlannedFrames`, whose own rate is the default fps). A media part may instead name a side
+payload with `"index": k`, or carry no data at all to take the next unreferenced payload of
+its modality; `"uuid"` is the caller's identity for the item.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import numpy.typing as npt
 from common.multimodal.params import Modality
 from common.processing.image import ImageSource
 from common.processing.limits import InputLimits, check_text_bytes
-from common.processing.video import TimedFrames
+from common.processing.video import PlannedFrames, TimedFrames
 
 # Decoded or encoded frames: a list of images, one (T, H, W, C) uint8 array, or frames with
 # their own times (decoded from a video file by `common.processing.video_file`).
-VideoSource = Sequence[ImageSource] | npt.NDArray[np.uint8] | TimedFrames
+VideoSource = Sequence[ImageSource] | npt.NDArray[np.uint8] | TimedFrames | PlannedFrames
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +158,7 @@ def _part(part: Any) -> Part:
     if kind == "video":
         fps = part.get("fps")
         video = part.get("video")
-        if fps is None and isinstance(video, TimedFrames):
+        if fps is None and isinstance(video, TimedFrames | PlannedFrames):
             fps = video.fps
         return VideoPart(video, None if fps is None else float(fps), part.get("index"), uuid)
     raise ValueError(f"unsupported content part type {kind!r}")

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from common.errors import FieldError
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.image import (
     ByteArray,
@@ -36,6 +37,11 @@ from common.processing.image import (
     to_rgb,
 )
 from common.processing.limits import check_fps
+
+
+class VideoFileError(FieldError):
+    """A video file that cannot be read: not a supported container, no video stream,
+    corrupt data (`common.processing.video_file`)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -51,6 +57,29 @@ class TimedFrames:
             raise ValueError(
                 f"timed frames need (T, H, W, 3) frames and T times, got "
                 f"{self.frames.shape} and {len(self.times)}"
+            )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlannedFrames:
+    """A decoded file's frames as the processor would make them of its `TimedFrames`, made
+    as they were decoded: only the frames `plan` samples, resized to its size, beside every
+    kept frame's time (`common.processing.frame_store`). The file's frames are never all
+    held at their full size (a 130 s 720p file sampled at 2 fps: 718 MB; its 260 frames
+    resized: 18 MB)."""
+
+    frames: ByteArray  # (len(plan.indices), h, w, 3) uint8 RGB, resized to `plan.size`
+    times: tuple[float, ...]  # seconds of every frame the file's sampling kept
+    fps: float  # rate those frames stand for (what `TimedFrames.fps` would be)
+    source_size: tuple[int, int]  # (width, height) of the frames as decoded, upright
+    plan: VideoPlan  # `plan_video(len(times), fps, *source_size)`
+
+    def __post_init__(self) -> None:
+        h, w = self.plan.size
+        if self.frames.shape != (len(self.plan.indices), h, w, 3):
+            raise ValueError(
+                f"planned frames need {len(self.plan.indices)} frames of {w}x{h}, got "
+                f"{self.frames.shape}"
             )
 
 
@@ -201,7 +230,15 @@ class _Frames:
 def preprocess_video(frames: Any, fps: float, settings: ProcessorSettings) -> ProcessedVideo:
     """Decoded frames at `fps` frames per second -> patch rows, grid and timestamps.
 
-    `TimedFrames` bring their own rate and times; `fps` is then ignored."""
+    `TimedFrames` and `PlannedFrames` bring their own rate and times; `fps` is then
+    ignored. `PlannedFrames` were sampled and resized as they were decoded, by this plan."""
+    if isinstance(frames, PlannedFrames):
+        plan = plan_video(len(frames.times), frames.fps, *frames.source_size, settings)
+        if plan != frames.plan:
+            raise ValueError("the video's frames were planned with other processor settings")
+        patches, grid = patch_codes(frames.frames, settings)
+        timestamps = video_timestamps(plan, frames.fps, settings, frames.times)
+        return ProcessedVideo(patches, grid, timestamps)
     frame_times = None
     if isinstance(frames, TimedFrames):
         fps, frame_times = frames.fps, frames.times

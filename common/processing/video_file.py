@@ -17,13 +17,14 @@ before a single frame is decoded (DESIGN §7, limits come before work):
 - the first video stream's width x height (`max_pixels`) and duration (`max_seconds`).
 
 `VideoFile.decode` then samples the stream at `fps`: one frame per `1 / fps` seconds (the
-frame nearest each sample time, never one frame twice), or, when that is more than
-`max_frames`, `max_frames` times spread uniformly over the duration. Decoding stops at the
-last sample time and refuses a stream that holds far more frames than its header says. Each
-kept frame is converted to RGB and keeps its time, from the container's presentation
-timestamps relative to the stream's start, and is turned upright by the stream's display
-matrix: `TimedFrames`, which the processor turns into the `<t seconds>` text between a
-video's runs.
+first from half a source frame before each sample time on, never one twice; not always the
+nearest in a file of variable rate), or, when that is more than `max_frames`, `max_frames`
+times spread uniformly over the duration. Decoding stops at the last sample time and refuses
+a stream that holds far more frames than its header says. Each kept frame is converted to
+RGB and keeps its time, from the container's presentation timestamps relative to the
+stream's start, and is turned upright by the stream's display matrix: `TimedFrames` (or,
+planned, `PlannedFrames`: `common.processing.frame_store`), whose times the processor turns
+into the `<t seconds>` text between a video's runs.
 
 Every refusal is a `FieldError` naming the caller's field (`LimitError` for a limit,
 `VideoFileError` for a file that is not a readable video).
@@ -38,13 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import av
-import numpy as np
 
 from common.errors import FieldError
+from common.processing.frame_store import PlannedStore, Planner, WholeFrames
 from common.processing.frame_turn import upright_frame
 from common.processing.iso_boxes import MAX_TRACKS, check_mp4
 from common.processing.limits import MIN_FPS, LimitError, check_fps
-from common.processing.video import TimedFrames
+from common.processing.video import PlannedFrames, TimedFrames, VideoFileError
 from common.processing.video_memory import ASSUMED_FORMAT, pixel_bytes
 
 # Magic bytes -> the one demuxer allowed to read such a file.
@@ -74,11 +75,6 @@ _OPEN_OPTIONS = {
 # again with probing bounded, and decoders refusing frames past the pixel limit.
 _SIZE_PROBE_OPTIONS = {**_OPEN_OPTIONS, "probesize": str(1 << 20), "analyzeduration": "1000000"}
 _PROBE_MAX_PIXELS = 1 << 26  # the decoders' frame limit then, where the caller gives none
-
-
-class VideoFileError(FieldError):
-    """A video file that cannot be read: not a supported container, no video stream,
-    corrupt data."""
 
 
 def container_format(data: bytes, field: str) -> str:
@@ -114,24 +110,47 @@ class VideoFile:
         fps: float,
         field: str,
         max_decoded_pixels: int | None = None,
+        planner: Planner | None = None,
+        reopen: Callable[[], av.container.InputContainer] | None = None,
     ) -> None:
         self._container = container
         self.header = header
         self.fps = fps  # rate the frames are sampled at
         self.field = field  # the request field errors name
         self.max_decoded_pixels = max_decoded_pixels  # None: unlimited
+        # The processor's plan of the kept frames (None: every kept frame whole) and how to
+        # open the file again, should the frames kept call for another plan.
+        self.planner = planner
+        self._reopen = reopen
 
     def close(self) -> None:
         """Release the container (idempotent)."""
         self._container.close()
 
-    def decode(self, ended: Callable[[], bool] | None = None) -> TimedFrames:
-        """Decode up to the last sample time and keep the frames nearest the sample times.
-        `VideoFileError` naming the field on corrupt data or a stream that is not what its
-        header said, or once `ended()` says the request it is for has ended (asked before
-        each frame: decoding is linear, and the thread it runs on is not cancelled)."""
+    def decode(self, ended: Callable[[], bool] | None = None) -> TimedFrames | PlannedFrames:
+        """Decode up to the last sample time and keep a frame for each sample time:
+        whole (`TimedFrames`), or with a `planner`, those the processor samples, resized as
+        they decode (`PlannedFrames`; a file that kept fewer frames than it has sample
+        times is planned for those and decoded again). `VideoFileError` naming the field on
+        corrupt data or a stream that is not what its header said, or once `ended()` says
+        the request it is for has ended (asked before each frame: decoding is linear, and
+        the thread it runs on is not cancelled)."""
         try:
-            return self._decode(ended)
+            if self.planner is None:
+                whole = self._decode(WholeFrames(len(self.header.sample_times), self.field), ended)
+                assert whole is not None  # (never planned again)
+                return whole
+            count = len(self.header.sample_times)
+            for _ in range(2):
+                store = PlannedStore(count, self._rate(count), self.planner, self.field)
+                got = self._decode(store, ended)
+                if got is not None:
+                    return got
+                count = store.kept
+                assert self._reopen is not None
+                self._container.close()
+                self._container = self._reopen()
+            raise VideoFileError(self.field, "kept other frames when decoded again")
         except FieldError:
             raise  # already names the field and says what is wrong
         except _DECODE_ERRORS as exc:
@@ -139,7 +158,9 @@ class VideoFile:
         finally:
             self.close()
 
-    def _decode(self, ended: Callable[[], bool] | None) -> TimedFrames:
+    def _decode(
+        self, store: WholeFrames | PlannedStore, ended: Callable[[], bool] | None
+    ) -> TimedFrames | PlannedFrames | None:
         header = self.header
         stream = self._container.streams.video[0]
         start = 0.0
@@ -152,10 +173,7 @@ class VideoFile:
         half = min(0.5 / header.rate if header.rate else 1e-3, 0.5 * spacing)
         rate = header.rate or MAX_SOURCE_RATE
         budget = max(math.ceil(header.duration_s * rate * _FRAME_SLACK), _FRAME_SLACK_MIN)
-        # Kept frames, one per sample time at most, written in place: a list of them then
-        # stacked held each twice (ownfix review).
-        frames: np.ndarray | None = None
-        times: list[float] = []
+        times: list[float] = []  # of the frames kept (`store`), one per sample time at most
         decoded = 0
         checked = header.pixel_format  # the last frame format checked
         limit = self.max_decoded_pixels
@@ -192,12 +210,7 @@ class VideoFile:
             t = frame.time - start
             if t + half < targets[next_target]:
                 continue
-            pixels = upright_frame(frame)
-            if frames is None:
-                frames = self._frames_for(len(targets), pixels.shape)
-            elif pixels.shape != frames.shape[1:]:
-                raise VideoFileError(self.field, "turns its frames differently as it plays")
-            frames[len(times)] = pixels
+            store.keep(len(times), upright_frame(frame))
             times.append(t)
             # The frame covers every sample time up to `half` after it (a source slower than
             # `fps` skips some), so no frame is kept twice.
@@ -205,29 +218,22 @@ class VideoFile:
                 next_target += 1
             if next_target == len(targets):
                 break
-        if frames is None:
+        if not times:
             raise VideoFileError(self.field, "has no decodable frames")
-        return TimedFrames(frames[: len(times)], tuple(times), self._rate(len(times)))
-
-    def _frames_for(self, count: int, shape: tuple[int, ...]) -> np.ndarray:
-        """Room for `count` frames of `shape`, or `VideoFileError` where there is none
-        (a caller with no media budget, a host that does not overcommit memory)."""
-        try:
-            return np.empty((count, *shape), dtype=np.uint8)
-        except MemoryError:
-            raise VideoFileError(
-                self.field, f"decodes to {count} frames of {shape}: more than fits in memory here"
-            ) from None
+        return store.result(times, self._rate(len(times)))
 
     def _rate(self, kept: int) -> float:
-        """The rate `kept` frames stand for: the asked `fps` when each of its sample times
-        got a frame, else (a source slower than `fps`, or `max_frames` spreading them) as
-        many frames as the header's duration holds; the processor reads a video's length
-        as frames / rate, and would otherwise take it for shorter and drop frames."""
-        header = self.header
-        if kept == max(1, math.ceil(header.duration_s * self.fps - 1e-9)):
-            return self.fps
-        return max(kept / header.duration_s, MIN_FPS) if header.duration_s > 0 else self.fps
+        return kept_rate(self.header.duration_s, self.fps, kept)
+
+
+def kept_rate(duration_s: float, fps: float, kept: int) -> float:
+    """The rate `kept` frames of a file sampled at `fps` stand for: `fps` when each of its
+    sample times got a frame, else (a source slower than `fps`, or `max_frames` spreading
+    them) as many frames as its duration holds; the processor reads a video's length as
+    frames / rate, and would otherwise take it for shorter and drop frames."""
+    if kept == max(1, math.ceil(duration_s * fps - 1e-9)):
+        return fps
+    return max(kept / duration_s, MIN_FPS) if duration_s > 0 else fps
 
 
 def sample_times(duration_s: float, fps: float, max_frames: int) -> tuple[float, ...]:
@@ -249,10 +255,12 @@ def open_video(
     max_seconds: float | None = None,
     max_decoded_pixels: int | None = None,
     field: str = "video.file",
+    planner: Planner | None = None,
 ) -> VideoFile:
     """Open a video file and check its headers against the limits (None: unlimited);
     nothing is decoded. `LimitError` for a file over a limit, `VideoFileError` for one that
-    is not a readable video, both naming `field`."""
+    is not a readable video, both naming `field`. `planner`: the processor's plan, to keep
+    only the frames it samples, resized as they decode (`VideoFile.decode`)."""
     try:
         check_fps(fps)
     except ValueError as exc:
@@ -268,18 +276,24 @@ def open_video(
     kind = container_format(data, field)
     if kind == "mov":
         check_mp4(data, max_seconds, MAX_SOURCE_RATE, _FRAME_SLACK, field)
-    try:
-        # The decoders refuse frames past the pixel limit: opening still decodes the first
-        # frame of the first stream (an 8000x8000 one: 0.13 s and 150 MB, then refused).
-        most = {"max_pixels": str(max_pixels or _PROBE_MAX_PIXELS)}
-        opened = {**_OPEN_OPTIONS, **most}
-        container = av.open(io.BytesIO(data), mode="r", format=kind, options=opened)
-        if _unsized(container):
-            container.close()
-            bounded = {**_SIZE_PROBE_OPTIONS, **most}
-            container = av.open(io.BytesIO(data), mode="r", format=kind, options=bounded)
-    except _DECODE_ERRORS as exc:
-        raise VideoFileError(field, f"is not a readable video file ({exc})") from None
+
+    def reopen() -> av.container.InputContainer:
+        try:
+            # The decoders refuse frames past the pixel limit: opening still decodes the
+            # first frame of the first stream (an 8000x8000 one: 0.13 s and 150 MB, then
+            # refused).
+            most = {"max_pixels": str(max_pixels or _PROBE_MAX_PIXELS)}
+            opened = {**_OPEN_OPTIONS, **most}
+            container = av.open(io.BytesIO(data), mode="r", format=kind, options=opened)
+            if _unsized(container):
+                container.close()
+                bounded = {**_SIZE_PROBE_OPTIONS, **most}
+                container = av.open(io.BytesIO(data), mode="r", format=kind, options=bounded)
+        except _DECODE_ERRORS as exc:
+            raise VideoFileError(field, f"is not a readable video file ({exc})") from None
+        return container
+
+    container = reopen()
     if max_pixels is not None and _unsized(container):  # some decoders then say 0x0 (ffv1)
         container.close()
         raise LimitError(
@@ -294,12 +308,12 @@ def open_video(
     except BaseException:
         container.close()
         raise
-    return VideoFile(container, header, fps, field, max_decoded_pixels)
+    return VideoFile(container, header, fps, field, max_decoded_pixels, planner, reopen)
 
 
-def decode_video(data: bytes, **options: Any) -> TimedFrames:
+def decode_video(data: bytes, **options: Any) -> TimedFrames | PlannedFrames:
     """`open_video(data, **options)`, then `VideoFile.decode`: the sampled frames
-    `(T, H, W, 3)` uint8 with their times in seconds."""
+    `(T, H, W, 3)` uint8 with their times in seconds (planned, with a `planner`)."""
     return open_video(data, **options).decode()
 
 

@@ -153,7 +153,8 @@ class ImageContent(_Body):
 
 class VideoContent(_Body):
     """`{"type": "video_url", "video_url": {"url": ...}, "uuid": ..., "fps": ...}`: a
-    container file (mp4, webm, mkv) the router decodes and samples at `fps`."""
+    container file (mp4, webm, mkv) the router decodes and samples at `fps` (the model's
+    processor then keeps at most its own rate of those frames: 2 a second for Qwen3-VL)."""
 
     type: Literal["video_url"]
     video_url: MediaUrl

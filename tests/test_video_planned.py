@@ -1,0 +1,156 @@
+"""A video file decoded planned (`common.processing.frame_store.PlannedStore`): only the
+frames the processor samples, resized as they decode, make the same prompt and patch codes
+as every kept frame decoded whole and processed after; and the router counts what that
+holds, so the default limits take minutes of HD video (s42 media review M1: a 130 s 720p
+file was refused, every sampled frame held at full size)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+from fractions import Fraction
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+
+from common.models.tiny import default_checkpoint
+from common.processing.frame_store import PlannedStore
+from common.processing.limits import LimitError, MediaBudget
+from common.processing.processor import Processor
+from common.processing.video import PlannedFrames, TimedFrames, plan_video, preprocess_video
+from common.processing.video_file import VideoHeader, open_video
+from router.media_cost import MediaCost
+from router.settings import RouterSettings
+from tests.test_video_file import KINDS, make_video, video_chat
+from tests.video_helpers import mux_frames
+
+
+@pytest.fixture(scope="module")
+def processor() -> Processor:
+    return Processor.from_pretrained(default_checkpoint("tiny"))
+
+
+def both(processor: Processor, data: bytes, **options: Any) -> tuple[Any, Any]:
+    """The file decoded whole and planned, with the same options."""
+    planner = functools.partial(plan_video, settings=processor.settings)
+    whole = open_video(data, **options).decode()
+    planned = open_video(data, planner=planner, **options).decode()
+    assert isinstance(whole, TimedFrames) and isinstance(planned, PlannedFrames)
+    return whole, planned
+
+
+def assert_same(processor: Processor, whole: TimedFrames, planned: PlannedFrames) -> None:
+    a = preprocess_video(whole, 0.0, processor.settings)
+    b = preprocess_video(planned, 0.0, processor.settings)
+    assert a.grid_thw == b.grid_thw and a.timestamps == b.timestamps
+    assert np.array_equal(a.patches, b.patches)
+    x, y = processor.process(video_chat(whole)), processor.process(video_chat(planned))
+    assert x.prompt_token_ids == y.prompt_token_ids
+    assert x.params.items[0].content_hash == y.params.items[0].content_hash
+
+
+def noisy_video(frames: int, size: tuple[int, int], rate: int) -> bytes:
+    """Random frames in a lossless codec: resizing differences would show."""
+    width, height = size
+    rng = np.random.default_rng(3)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        stream = container.add_stream("ffv1", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv444p"
+        pixels = [rng.integers(0, 256, (height, width, 3), np.uint8) for _ in range(frames)]
+        mux_frames(container, stream, pixels, Fraction(1, rate))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("fmt", "codec", "suffix"), KINDS)
+def test_a_planned_file_makes_the_codes_of_its_whole_frames(processor, fmt, codec, suffix):
+    whole, planned = both(processor, make_video(fmt, codec), fps=2.0, max_frames=768)
+    assert planned.times == whole.times and planned.fps == whole.fps
+    assert_same(processor, whole, planned)
+
+
+@pytest.mark.parametrize(
+    ("fps", "max_frames"),
+    [(2.0, 768), (8.0, 768), (8.0, 5), (0.5, 768)],  # sampled, every frame, spread, sparse
+)
+def test_planned_noise_frames_resize_to_the_same_bytes(processor, fps, max_frames):
+    data = noisy_video(24, (97, 61), 8)  # odd sizes: resized, not only copied
+    whole, planned = both(processor, data, fps=fps, max_frames=max_frames)
+    assert planned.frames.shape[0] == len(planned.plan.indices) <= len(whole.times)
+    assert_same(processor, whole, planned)
+
+
+def test_a_source_slower_than_the_rate_is_planned_again_for_what_it_kept(processor, monkeypatch):
+    # 8 frames at 1 a second sampled at 4: 32 sample times, 8 kept; the plan for 32 is not
+    # the plan for 8, so the file is decoded a second time, planned for 8.
+    slow = make_video(frames=8, rate=1)
+    opened: list[int] = []
+    real = av.open
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        opened.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(av, "open", counting)
+    whole, planned = both(processor, slow, fps=4.0, max_frames=768)
+    assert len(planned.times) == 8 and planned.times == whole.times
+    assert len(opened) == 3  # whole once; planned, then again
+    assert_same(processor, whole, planned)
+
+
+def test_variable_frame_times_are_kept_planned(processor):
+    seconds = [0, 1, 2, 3, 5, 6, 7, 8]  # a gap between 3 s and 5 s
+    data = make_video("matroska", "ffv1", frames=8, size=(32, 32), rate=1, pts=seconds)
+    whole, planned = both(processor, data, fps=1.0, max_frames=768)
+    assert planned.times == tuple(float(s) for s in seconds)
+    assert_same(processor, whole, planned)
+
+
+def test_the_store_plans_from_the_frames_as_kept_not_the_header(processor):
+    # A turned file's frames come upright (`upright_frame`): tall where its header says
+    # wide. The store plans from the frames it is given, as the processor would.
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, (7, 90, 38, 3), np.uint8)
+    times = tuple(k / 2 for k in range(7))
+    planner = functools.partial(plan_video, settings=processor.settings)
+    store = PlannedStore(7, 2.0, planner, "video")
+    for k, pixels in enumerate(frames):
+        store.keep(k, pixels)
+    planned = store.result(times, 2.0)
+    assert planned is not None and planned.source_size == (38, 90)
+    assert_same(processor, TimedFrames(frames, times, 2.0), planned)
+    assert PlannedStore(8, 2.0, planner, "video").result(times, 2.0) is None  # planned for 8
+
+
+def test_planned_frames_made_with_other_settings_are_refused(processor):
+    _, planned = both(processor, make_video(), fps=2.0, max_frames=768)
+    other = dataclasses.replace(processor.settings, video_max_pixels=4 * 32 * 32)
+    with pytest.raises(ValueError, match="other processor settings"):
+        preprocess_video(planned, 0.0, other)
+
+
+def counted(seconds: float, size: tuple[int, int]) -> bool:
+    """Whether the router's default limits take a file of `seconds` at `size`, 30 fps,
+    sampled at 2 (from its header, as a request is counted before decoding)."""
+    from common.models.qwen3_vl.preprocessor import ProcessorSettings
+
+    limits = RouterSettings().input_limits(262144)
+    cost = MediaCost(ProcessorSettings(), limits, MediaBudget(limits))
+    times = tuple(k / 2 for k in range(int(seconds * 2)))
+    header = VideoHeader(*size, seconds, 30.0, times, "yuv420p")
+    try:
+        cost.video_file(header, 2.0, "video")
+    except LimitError:
+        return False
+    return True
+
+
+def test_the_default_limits_take_minutes_of_hd_video():
+    # Counted whole, 1080p passed max_media_bytes from ~35 s and 720p from ~70 s; the 600 s
+    # of max_video_seconds were out of reach at any usual size (s42 media review M1).
+    assert counted(130.0, (1280, 720))
+    assert counted(300.0, (1920, 1080))
+    assert counted(383.0, (640, 360))  # 766 sample times: just under max_video_frames
