@@ -156,6 +156,7 @@ async def test_a_lease_made_under_a_due_ones_id_while_the_reaper_runs_is_kept() 
         freed.append(lease.held)
         if lease.held == "a":  # b's reader releases it; a new lease takes its id
             assert table.pop("b") is not None
+            table._barred.clear()  # its bar forgotten (past MAX_BARRED of them)
             table.add("b2", lease_id="b")
             made.set()
 
@@ -165,3 +166,44 @@ async def test_a_lease_made_under_a_due_ones_id_while_the_reaper_runs_is_kept() 
     await asyncio.sleep(0.05)
     await table.stop_reaper()
     assert freed == ["a"] and "b" in table  # the new lease "b" lives on
+
+
+def test_a_chosen_id_is_barred_once_its_lease_is_released_or_expired() -> None:
+    # Leased again under the id, a new lease answered the old lease's reader that its lease
+    # was live throughout its READ, though it had expired before (s42 kvtrust review).
+    clock = Clock()
+    table: LeaseTable[str] = LeaseTable(5.0, clock)
+    table.add("blocks", "r1", lease_id="released")
+    table.add("blocks", "r2", lease_id="expired", ttl_s=2.0)
+    table.add("blocks", "r3", ttl_s=2.0)  # the table's own id: never chosen, never barred
+    assert table.pop_or_bar("released") is not None
+    clock.now += 2.0
+    assert len(table.pop_expired()) == 2
+    for lease_id in ("released", "expired"):
+        with pytest.raises(LeaseIdError) as refused:
+            table.add("other blocks", "r4", lease_id=lease_id)
+        assert refused.value.reason == "released"
+    assert sorted(table._barred) == ["expired", "released"] and len(table) == 0
+    clock.now += 3.1  # each forgotten a TTL after its lease went
+    assert table.add("blocks", "r5", lease_id="released").lease_id == "released"
+    with pytest.raises(LeaseIdError):
+        table.check("expired")
+
+
+async def test_a_chosen_id_the_reaper_frees_is_barred() -> None:
+    clock = Clock()
+    table: LeaseTable[str] = LeaseTable(1.0, clock)
+    table.add("a", lease_id="reaped")
+    clock.now += 1.0
+    freed: list[str] = []
+
+    async def on_expire(lease: leases.Lease[str]) -> None:
+        freed.append(lease.held)
+
+    table.start_reaper(on_expire, interval_s=0.01)
+    async with asyncio.timeout(2):
+        while not freed:
+            await asyncio.sleep(0.01)
+    await table.stop_reaper()
+    with pytest.raises(LeaseIdError):
+        table.add("b", lease_id="reaped")

@@ -14,9 +14,12 @@ Ids chosen by the caller: a caller that asks for a lease may name its id (`add(l
 so that it can release the lease even when the answer carrying it never reaches it (its call
 cancelled or timed out after the lease was made). Such a release may come first:
 `pop_or_bar` of an id no live lease has bars it, and `add` refuses a barred id (`LeaseIdError`)
-for `ttl_s` after, so a lease released before it was made is never made. Barred ids are kept
-in arrival order and forgotten once `ttl_s` old, at most `MAX_BARRED` of them (beyond that
-the oldest go first: a lease made that late lives until its TTL, as without the bar).
+for `ttl_s` after, so a lease released before it was made is never made. A chosen id is
+barred as well once its lease is released or expires: a reader still holding a handle of
+the old lease would otherwise be told by the new one's id that its lease was live (s42
+kvtrust review: an expired lease's reader confirmed against a new lease under its id).
+Barred ids are kept in arrival order and forgotten once `ttl_s` old, at most `MAX_BARRED`
+of them (beyond that the oldest go first, as without the bar).
 
 The reaper (`start_reaper`) is a task of the table's own: every `interval_s` it pops the
 expired leases and awaits `on_expire(lease)` for each, which frees what the lease held.
@@ -84,6 +87,7 @@ class Lease(Generic[T]):
     expires_at: float  # clock() time after which the reaper frees it
     request_id: str  # the request it was made for, for logs
     ttl_s: float  # the lifetime it was given, which a renewal gives it again from then
+    chosen: bool = False  # its id was the caller's (barred once the lease is gone)
 
 
 class LeaseTable(Generic[T]):
@@ -119,12 +123,14 @@ class LeaseTable(Generic[T]):
         """A new lease, owning `held` until it is popped; it lives `ttl_s` (default: the
         table's `ttl_s`). `lease_id`: the caller's choice (None: a random one); LeaseIdError
         when it is malformed, live or barred (`check`), and then nothing is added."""
+        chosen = lease_id is not None
         if lease_id is None:
             lease_id = uuid.uuid4().hex
         else:
             self.check(lease_id)
         lifetime = self.ttl_s if ttl_s is None else ttl_s
-        lease = Lease(lease_id, held, self.clock() + lifetime, logged(request_id), lifetime)
+        expires_at = self.clock() + lifetime
+        lease = Lease(lease_id, held, expires_at, logged(request_id), lifetime, chosen)
         self._leases[lease_id] = lease
         return lease
 
@@ -142,12 +148,21 @@ class LeaseTable(Generic[T]):
         it for `ttl_s` (the release of a lease not made yet, see the module docstring)."""
         lease = self.pop(lease_id)
         if lease is None and _LEASE_ID.fullmatch(lease_id):  # no other id is ever leased
-            self._forget_barred()
-            self._barred[lease_id] = self.clock() + self.ttl_s
-            self._barred.move_to_end(lease_id)
-            while len(self._barred) > MAX_BARRED:
-                self._barred.popitem(last=False)
+            self._bar(lease_id)
         return lease
+
+    def _bar(self, lease_id: str) -> None:
+        self._forget_barred()
+        self._barred[lease_id] = self.clock() + self.ttl_s
+        self._barred.move_to_end(lease_id)
+        while len(self._barred) > MAX_BARRED:
+            self._barred.popitem(last=False)
+
+    def _gone(self, lease: Lease[T]) -> None:
+        """A lease left the table (released or expired): its id, if the caller's, is never
+        that of a new lease for `ttl_s`."""
+        if lease.chosen:
+            self._bar(lease.lease_id)
 
     def _forget_barred(self) -> None:
         now = self.clock()
@@ -162,6 +177,7 @@ class LeaseTable(Generic[T]):
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
             self.released += 1
+            self._gone(lease)
         return lease
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease[T] | None:
@@ -183,6 +199,7 @@ class LeaseTable(Generic[T]):
         gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in gone:
             del self._leases[lease.lease_id]
+            self._gone(lease)
         self.expired += len(gone)
         return gone
 
@@ -223,6 +240,7 @@ class LeaseTable(Generic[T]):
                 if lease is None or lease.expires_at > now:
                     continue
                 del self._leases[lease_id]
+                self._gone(lease)
                 self.expired += 1
                 logger.warning(
                     "lease %s (request %s) expired unreleased", lease.lease_id, lease.request_id
