@@ -1,8 +1,8 @@
 """The router process: `RouterService.Generate` plus the registry and admin services.
 
-`serve(settings)` loads the checkpoint's processor (tokenizer + media preprocessing, no
-weights), derives the model identity and KV shape workers must match, and starts one gRPC
-server with RouterService, RegistryService, AdminService and grpc.health.v1.
+`serve(settings)` loads the checkpoint's processor (tokenizer, media preprocessing), derives
+the model identity and KV shape workers must match, and starts one gRPC server with
+RouterService, RegistryService, AdminService and grpc.health.v1.
 
 Generate, per request:
   1. check the request (its bytes first: `router.request_bytes`) and process the chat in a
@@ -10,19 +10,17 @@ Generate, per request:
   2. deadline = the client's, capped by `request_timeout_s`;
   3. `Orchestrator.run` streams the answer (encode -> prefill -> decode).
 
-Every call is authenticated (`common.server.auth`): Generate needs a client API key, whose
-tenant picks the request's cache salt (`router.tenants`); RegistryService needs the cluster
-bearer; AdminService an admin key. `--insecure` turns that off (said in the log).
+Every call is authenticated (`common.server.auth`): Generate needs a client API key (its
+tenant salts the caches: `router.tenants`), RegistryService the cluster bearer, AdminService
+an admin key; `--insecure` turns that off (said in the log).
 
-Workers register with every router they are given; each router keeps its own registry, KV
-event subscriptions and admission ledger, and knows nothing of the others. A worker that
-registers again from a known address as a new process (`instance_id`) is a restart: the
-router drops the old process's prefix entries, subscription and channel first.
+Workers register with every router they are given; each keeps its own registry, KV event
+subscriptions and admission ledger (a worker's new process drops its old one's: a restart).
 
 Lifecycle (`common.server.role.RoleServer`): starting (processor loaded) -> serving (`serve`
 returned) -> draining (`drain()`: Generate refuses new requests with UNAVAILABLE, running
-ones finish) -> stopped (`stop`: gRPC, then the expiry task, then the orchestrator's KV
-event subscriptions, then the peer client: lease releases in flight finish, channels close).
+ones finish, or end saying why: `router.stopping`) -> stopped (`stop`: gRPC, the expiry
+task, the orchestrator's KV event subscriptions, the peer client: releases finish).
 """
 
 from __future__ import annotations
@@ -78,6 +76,7 @@ from router.registry_service import RegistryServicer
 from router.returns import Returns, needed
 from router.settings import RouterSettings
 from router.stop import check_stop, stop_at
+from router.stopping import Stopping
 from router.tenants import tenant_salt
 from router.workers import CheckpointShape
 
@@ -106,6 +105,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         share = settings.tenant_share_for(auth.client_tenants if auth else 0)
         most, largest = settings.requests_in_flight_mb << 20, settings.max_message_mb << 20
         self.held = HeldBytes(most, largest, tenant_share=share)  # both front doors' requests
+        self.stopping = Stopping(lifecycle)  # ends answers once the drain's time ran out
         self.prepare_threads = PrepareThreads(share)  # the threads requests are prepared on
         # Waits for a restarting role's workers (`router.returns`; follows `serve`'s registry).
         self.returns = Returns(
@@ -231,6 +231,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 async for chunk in self.orchestrator.metrics.track(answer, outcome.started):
                     if staged is not None:
                         staged.keep()
+                    self.stopping.check()  # the drain's time ran out: ends here, and says so
                     yield chunk
 
     async def Generate(

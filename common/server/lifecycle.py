@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ON_TIMEOUT_S = 2.0  # the most a drain's `on_timeout` hooks take, all of them
+
 
 class LifecycleState(enum.StrEnum):
     """Where a server is in its life; see ServerLifecycle."""
@@ -61,6 +63,10 @@ class ServerLifecycle:
         self.on_drain: list[Callable[[], Awaitable[object]]] = []
         # Counts of untracked work a drain also waits for (e.g. leases peers still pull).
         self.holds: list[Callable[[], int]] = []
+        # Awaited, in order, when a drain's time ran out, before the stop cancels what is
+        # left (failures logged; `ON_TIMEOUT_S` in all): e.g. the router ends its answers
+        # with an error that says why, not gRPC's "Cancelling all calls" or a cut body.
+        self.on_timeout: list[Callable[[], Awaitable[object]]] = []
         self._drain_task: asyncio.Future[bool] | None = None  # the drain, once begun
         self._stop_task: asyncio.Future[None] | None = None  # the server's stop after it
 
@@ -170,6 +176,13 @@ class ServerLifecycle:
                 self.held(),
             )
             clean = False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ON_TIMEOUT_S):
+                    for hook in self.on_timeout:
+                        try:
+                            await hook()
+                        except Exception:
+                            logger.exception("a drain timeout hook failed")
         return clean
 
 

@@ -1,0 +1,97 @@
+"""A router whose drain runs out of time while answers stream (`router.stopping`): each ends
+with an error that says so, an HTTP stream with an error event and the end of its body, a
+gRPC one with UNAVAILABLE, before the stop; not gRPC's "Cancelling all calls", nor a body
+cut short that a client reads as a network failure (s42 operator review M1)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from common.roles import Role
+from common.sampling import SamplingParams
+from epd.client import GenerateError
+from epd.v1 import decode_service_pb2
+from router.stopping import STOPPING
+from tests.cluster import CLIENT_KEY
+from tests.test_http_api import MODEL_ID, fake_router
+from tests.test_http_api import ckpt as ckpt  # fixture
+from tests.test_router import FakeDecode, FakeEncoder, FakePrefill
+
+
+class Trickle(FakeDecode):
+    """A decode worker that sends a token every 20 ms, up to `max_tokens`."""
+
+    async def Decode(self, request: Any, context: Any) -> Any:
+        for k in range(request.sampling.max_tokens - 1):
+            await asyncio.sleep(0.02)
+            yield decode_service_pb2.DecodeResponse(token_ids=[101 + k], blocks_pulled=3)
+        yield decode_service_pb2.DecodeResponse(
+            finish_reason=decode_service_pb2.FINISH_REASON_LENGTH
+        )
+
+
+def _stream(host: str, port: int) -> socket.socket:
+    body = json.dumps(
+        {
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3000,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.create_connection((host, port), timeout=20)
+    sock.sendall(
+        (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {CLIENT_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body
+    )
+    return sock
+
+
+def _rest(sock: socket.socket) -> bytes:
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+async def test_answers_a_drain_ran_out_on_end_saying_why(ckpt: Path) -> None:
+    c = await fake_router(ckpt)
+    await c.add(Role.ENCODER, FakeEncoder())
+    await c.add(Role.PREFILL, FakePrefill())
+    await c.add(Role.DECODE, Trickle())
+    assert c.router.http_address is not None
+    host, port = c.router.http_address.rsplit(":", 1)
+    sock = await asyncio.to_thread(_stream, host, int(port))
+    chats = [{"role": "user", "content": "hello"}]
+    grpc_answer = asyncio.ensure_future(
+        c.client.generate_text(chats, SamplingParams(max_tokens=3000, ignore_eos=True))
+    )
+    try:
+        await asyncio.sleep(0.5)  # both streaming
+        assert not grpc_answer.done()
+        clean = await c.router.lifecycle.drain(0.3)
+        assert not clean
+        with pytest.raises(GenerateError) as refused:
+            await grpc_answer
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert STOPPING in refused.value.details
+        body = await asyncio.to_thread(_rest, sock)
+    finally:
+        sock.close()
+        await c.close()
+    assert body.startswith(b"HTTP/1.1 200")
+    events = [line for line in body.split(b"\n") if line.startswith(b"data: {")]
+    last = json.loads(events[-1][len(b"data: ") :])
+    assert last["error"]["code"] == "unavailable" and STOPPING in last["error"]["message"]
+    assert body.endswith(b"0\r\n\r\n"), body[-200:]  # the body's end, not a cut
