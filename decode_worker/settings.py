@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import KvWorkerSettings
-from common.settings.schema import SettingsError, check_not_negative, check_positive, setting
+from common.settings.schema import (
+    check_positive,
+    check_threads,
+    setting,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +40,6 @@ class DecodeSettings(KvWorkerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         KvWorkerSettings.check(self)
-        check_not_negative(self, "threads")
+        check_threads(self)
         check_positive(self, "max_batch", "pull_timeout_s", "release_timeout_s")
-        if self.stream_interval < 1:
-            raise SettingsError("stream_interval: must be at least 1")
+        check_positive(self, "stream_interval")

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings.base import ModelWorkerSettings
-from common.settings.schema import check_lease_ttl, check_not_negative, check_positive, setting
+from common.settings.schema import (
+    check_at_most,
+    check_lease_ttl,
+    check_not_negative,
+    check_positive,
+    check_threads,
+    setting,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +48,7 @@ class EncoderSettings(ModelWorkerSettings):
     batch_window_ms: float = setting(
         2.0,
         "wait this long to batch items of concurrent requests (two calls with one request id"
-        " go in separate batches, in order)",
+        " go in separate batches, in order); at most 1000",
     )
     max_batch_rows: int = setting(1 << 16, "patch rows per vision forward, at most")
     exact_partitions: bool = setting(
@@ -54,13 +61,15 @@ class EncoderSettings(ModelWorkerSettings):
     def check(self) -> None:
         """Raise SettingsError naming the first unusable field."""
         ModelWorkerSettings.check(self)
+        check_threads(self)
         check_not_negative(
             self,
-            "threads",
             "cache_bytes",
             "inline_limit_bytes",
             "output_pool_mb",
             "batch_window_ms",
         )
+        # Every image request waits it: 60000 (read as seconds?) added a minute to each.
+        check_at_most(self, "batch_window_ms", 1000.0, "every encode waits it")
         check_positive(self, "max_batch_rows")
         check_lease_ttl(self)

@@ -10,6 +10,7 @@ from common.settings.schema import (
     check_lease_ttl,
     check_not_negative,
     check_positive,
+    check_threads,
     setting,
 )
 
@@ -52,8 +53,11 @@ class PrefillSettings(KvWorkerSettings):
         """Raise SettingsError naming the first unusable field."""
         KvWorkerSettings.check(self)
         # (a negative lease_ttl_per_lease_s would shorten leases below lease_ttl_s)
-        check_not_negative(self, "threads", "pack_tokens", "lease_ttl_per_lease_s")
+        check_threads(self)
+        check_not_negative(self, "pack_tokens", "lease_ttl_per_lease_s")
         check_positive(self, "embedding_pull_timeout_s")
         check_lease_ttl(self)
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise SettingsError("prefill_chunk: must be at least 1, or unset (whole prompts)")
+        if self.prefill_chunk is not None:
+            if self.prefill_chunk < 1:
+                raise SettingsError("prefill_chunk: must be at least 1, or unset (whole prompts)")
+            check_not_negative(self, "prefill_chunk")  # (its ceiling)

@@ -287,13 +287,8 @@ class RouterSettings(ServerSettings):
             self,
             "max_queued_requests",
             "max_queue_wait_s",
-            "max_prompt_text_bytes",
-            "max_image_pixels",
-            "max_media_bytes",
-            "max_video_file_bytes",
             "max_video_seconds",
             "max_video_decoded_pixels",
-            "http_fetch_max_bytes",
             "http_max_connections",
             "requests_in_flight_mb",
             "processed_image_cache_mb",
@@ -305,8 +300,15 @@ class RouterSettings(ServerSettings):
             "kv_reprefills",
             "grace_s",  # ignored, but a number like the others
         )
-        check_positive(
+        check_positive(  # a limit of 0 refused every request of its kind (s42 operator L5)
             self,
+            "max_prompt_text_bytes",
+            "max_image_pixels",
+            "max_media_bytes",
+            "max_video_file_bytes",
+            "http_fetch_max_bytes",
+            "chat_max_tokens",
+            "max_video_frames",
             "request_timeout_s",
             "release_timeout_s",
             "http_fetch_timeout_s",
@@ -314,12 +316,8 @@ class RouterSettings(ServerSettings):
             "heartbeat_interval_s",
             "worker_timeout_s",
         )
-        if self.chat_max_tokens < 1:
-            raise SettingsError("chat_max_tokens: must be at least 1")
         if not -1 <= self.http_port <= 65535:
             raise SettingsError("http_port: must be -1 (off), 0 (any free port) or a port")
-        if self.max_video_frames < 1:
-            raise SettingsError("max_video_frames: must be positive")
         if self.max_image_pixels > MAX_IMAGE_PIXELS:  # else capped there, silently
             raise SettingsError(
                 f"max_image_pixels: at most {MAX_IMAGE_PIXELS} (8192 x 8192, the most a "
@@ -358,6 +356,8 @@ class RouterSettings(ServerSettings):
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SettingsError("max_model_len: must be at least 2")
+        if self.max_model_len is not None:
+            check_positive(self, "max_model_len")  # (its ceiling)
 
     def tenant_share_for(self, client_tenants: int) -> float:
         """The share of the router's bounds one tenant may take: `tenant_share` where the

@@ -22,6 +22,7 @@ from PIL import Image
 from common.processing.chat import IM_START
 from common.processing.limits import InputLimits, LimitError, MediaBudget
 from common.processing.processor import IMAGE_PAD, ProcessedPrompt, Processor
+from common.server.lifecycle import ServerLifecycle
 from epd.v1 import (
     router_service_pb2,
 )
@@ -75,7 +76,7 @@ def prepare(processor: Processor) -> Callable[..., Prepare]:
     `_prepare` can run, so a refusal here reaches no worker)."""
 
     def make(**overrides: Any) -> Prepare:
-        servicer = RouterServicer(processor, None, None, RouterSettings(**overrides))  # type: ignore[arg-type]
+        servicer = RouterServicer(processor, None, ServerLifecycle(), RouterSettings(**overrides))  # type: ignore[arg-type]
         return servicer._prepare
 
     return make

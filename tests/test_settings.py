@@ -354,6 +354,10 @@ def test_every_numeric_setting_refuses_negative_nan_and_overflow(role: str) -> N
         bads: tuple[float, ...] = (-1, float("nan")) if "float" in str(f.type) else (-1,)
         if f.name.endswith("_s"):  # 1e10 s overflowed gRPC's deadlines: every call failed
             bads += (1e10, float("inf"))
+        if f.name.endswith("_ms"):  # a batch window of 1e300 ms hung every image request
+            bads += (1e300,)
+        if "int" in str(f.type):  # past a C int: an overflow at start naming no setting
+            bads += (10**20,)
         for bad in bads:
             try:
                 dataclasses.replace(base, **{f.name: bad}).check()

@@ -34,6 +34,7 @@ from common.processing.video_file import (
     sample_times,
 )
 from common.sampling import SamplingParams
+from common.server.lifecycle import ServerLifecycle
 from epd.client import GenerateError, build_request
 from epd.v1 import router_service_pb2
 from router.inputs import InputError
@@ -283,8 +284,7 @@ def file_request(data: bytes, fps: float = 0.0) -> router_service_pb2.GenerateRe
 
 
 def prepare(processor: Processor, **settings: Any) -> Any:
-    servicer = RouterServicer(processor, None, None, RouterSettings(**settings))  # type: ignore[arg-type]
-    return servicer._prepare
+    return RouterServicer(processor, None, ServerLifecycle(), RouterSettings(**settings))._prepare  # type: ignore[arg-type]
 
 
 def test_the_router_samples_a_file_at_its_default_rate(processor, mp4):

@@ -73,9 +73,37 @@ def check_not_negative(settings: object, *names: str) -> None:
         _check_seconds(settings, name)
 
 
+# The largest integer setting: counts reach C longs (gRPC's channel arguments, torch's
+# threads), where a larger one failed at start with an overflow naming no setting.
+MAX_INT = (1 << 63) - 1
+
+
 def _check_seconds(settings: object, name: str) -> None:
-    if name.endswith("_s") and not getattr(settings, name) <= MAX_SECONDS:
+    value = getattr(settings, name)
+    if name.endswith("_s") and not value <= MAX_SECONDS:
         raise SettingsError(f"{name}: must be at most {MAX_SECONDS:.0e} s (115 days)")
+    if name.endswith("_ms") and not value <= MAX_SECONDS * 1000:
+        raise SettingsError(f"{name}: must be at most {MAX_SECONDS * 1000:.0e} ms (115 days)")
+    if isinstance(value, int) and value > MAX_INT:
+        raise SettingsError(f"{name}: must be at most {MAX_INT}")
+
+
+MAX_THREADS = 1024  # a worker's torch threads: more than any node's cores
+
+
+def check_threads(settings: object) -> None:
+    """SettingsError unless `threads` is 0 (auto) to `MAX_THREADS` (20000, a typo, would
+    start as many OpenMP threads)."""
+    check_not_negative(settings, "threads")
+    check_at_most(settings, "threads", MAX_THREADS, "more threads than any node has cores")
+
+
+def check_at_most(settings: object, name: str, most: float, why: str) -> None:
+    """SettingsError naming `name` when it is past `most` (`why`: what makes it so);
+    `check_not_negative`'s ceilings too."""
+    if not getattr(settings, name) <= most:
+        raise SettingsError(f"{name}: must be at most {most:g} ({why})")
+    _check_seconds(settings, name)
 
 
 def setting(default: Any, help: str) -> Any:
