@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cluster.console import complain
 from cluster.console import say as _say
 
 if TYPE_CHECKING:
@@ -34,14 +36,16 @@ def _routers(args: argparse.Namespace) -> list[str]:
     from common.settings.schema import SettingsError
     from epd.routers import check_port
 
+    # Named as the user gave it: `--address` has $EPD_ROUTER as its default.
+    flag = "$EPD_ROUTER" if args.address == os.environ.get("EPD_ROUTER") else "--address"
     routers = [a.strip() for a in args.address.split(",") if a.strip()]
     if not routers:
-        raise SettingsError(f"--address: no router address given in {args.address!r}")
+        raise SettingsError(f"{flag}: no router address given in {args.address!r}")
     for router in routers:
         try:
             check_port(router)
         except ValueError as exc:
-            raise SettingsError(f"--address: {exc}") from None
+            raise SettingsError(f"{flag}: {exc}") from None
     return routers
 
 
@@ -238,7 +242,7 @@ async def _on_router(args: argparse.Namespace, act: Any, away: Any, router: str,
                 found = await away(stub, args.worker, f"{where}{args.worker}")
     if not found:
         kind = "at" if _is_address(args.worker) else "named"
-        _say(f"{where}no registered worker {kind} {args.worker}")
+        complain(f"{where}no registered worker {kind} {args.worker}")
         return 1
     return 0
 

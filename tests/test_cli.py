@@ -192,6 +192,17 @@ def test_cli_arguments_no_router_could_use_are_one_line_errors(
     assert exc.value.code == 2 and says in err and "Traceback" not in err, err
 
 
+def test_a_bad_router_address_from_the_environment_is_named_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It read "--address: router address 'bogus': no port" (s42 operator review L4).
+    monkeypatch.setenv("EPD_ROUTER", "bogus")
+    with pytest.raises(SystemExit) as exc:
+        main(["status"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "$EPD_ROUTER: router address 'bogus': no port" in err, err
+
+
 def test_a_ca_file_that_is_no_ca_is_named(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -243,8 +243,8 @@ async def test_drain_reports_unknown_workers(
         await cmd_drain(parser.parse_args(["drain", "127.0.0.1:7030", "--address", address])) == 0
     )
     assert await cmd_drain(parser.parse_args(["drain", "127.0.0.1:1", "--address", address])) == 1
-    out = capsys.readouterr().out
-    assert "127.0.0.1:7030: draining" in out and "no registered worker at 127.0.0.1:1" in out
+    out, err = capsys.readouterr()
+    assert "127.0.0.1:7030: draining" in out and "no registered worker at 127.0.0.1:1" in err
 
 
 def test_commands_report_an_unreachable_router(capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,9 +72,9 @@ async def test_undrain_routes_to_a_drained_worker_again(
     assert await cmd_undrain(_args("undrain", worker, "--address", address)) == 0
     assert not any(w.draining for w in registry.workers())
     assert await cmd_undrain(_args("undrain", "127.0.0.1:1", "--address", address)) == 1
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert f"{worker}: serving (gets new work again)" in out
-    assert "no registered worker at 127.0.0.1:1" in out
+    assert "epd: no registered worker at 127.0.0.1:1" in err  # (stderr: s42 operator L4)
 
 
 async def test_undrain_of_a_worker_away_lifts_its_drain_by_address_or_name(
@@ -95,7 +95,7 @@ async def test_undrain_of_a_worker_away_lifts_its_drain_by_address_or_name(
         assert not registry.register(info(Role.PREFILL, 7001)).draining
     assert await cmd_undrain(_args("undrain", "prefill-7001", "--address", address)) == 0
     assert await cmd_undrain(_args("undrain", "prefill-9", "--address", address)) == 1
-    assert "no registered worker named prefill-9" in capsys.readouterr().out
+    assert "no registered worker named prefill-9" in capsys.readouterr().err
 
 
 async def test_a_worker_draining_itself_stays_draining(
@@ -268,9 +268,9 @@ async def test_drain_and_undrain_reach_every_router_listed_by_address_or_name(
         assert not any(w.draining for r in registries for w in r.workers())
         assert await cmd_drain(_args("drain", "nobody", "--address", routers)) == 1
         assert not any(w.draining for r in registries for w in r.workers())  # nothing drained
-        out = capsys.readouterr().out
+        out, err = capsys.readouterr()
         assert out.count("prefill-7001 (127.0.0.1:7001): draining") == 2  # one line a router
-        assert f"{servers[1].address}: no registered worker named nobody" in out
+        assert f"{servers[1].address}: no registered worker named nobody" in err
         # A router that is down is reported; the ones after it are told all the same.
         await servers[0].stop(0)
         assert await cmd_drain(_args("drain", "127.0.0.1:7002", "--address", routers)) == 1
