@@ -115,6 +115,19 @@ class RouterError(Exception):
         self.context_exceeded = False
 
 
+def past_timeout(exc: BaseException, timeout_s: float, client_s: float | None) -> BaseException:
+    """`exc`, or where it is a DEADLINE_EXCEEDED the router's `request_timeout_s` set (the
+    client's was later, or none), one that says so: a worker's "Stream removed (Deadline
+    Exceeded)" named neither the limit nor the router (s42 operator review L6)."""
+    if not isinstance(exc, RouterError) or exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return exc
+    if client_s is not None and client_s < timeout_s:
+        return exc  # the client's own deadline
+    said = RouterError(exc.code, f"past the router's request_timeout_s ({timeout_s:g} s): {exc}")
+    said.trailing_metadata, said.address, said.stage = exc.trailing_metadata, exc.address, exc.stage
+    return said
+
+
 def invalid(message: str, field: str, context_exceeded: bool = False) -> RouterError:
     """INVALID_ARGUMENT for a request's bad `field`, named in the `epd-field` trailer. Made
     here, not bound to a name in the handler that raises it: its traceback would hold that

@@ -59,7 +59,7 @@ from epd.v1 import (
 )
 from router.admin import AdminServicer, Scaler
 from router.admission_need import fitted_to_decode
-from router.calls import Job, RouterError, invalid
+from router.calls import Job, RouterError, invalid, past_timeout
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
 from router.detokenize import IncrementalDetokenizer
@@ -128,10 +128,9 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         arrived: float | None = None,
     ) -> AsyncGenerator[router_service_pb2.GenerateResponse, None]:
         """Stream the answer to one chat for `caller` (its tenant salts the caches) within
-        `client_left` seconds (None: `request_timeout_s`); see `Orchestrator.run` for what
-        the chunks hold. The request's processed media are held in `held` beside the `holds`
-        bytes it holds already (`router.held.MediaHold.holding`); `fit_max_tokens`: its
-        `max_tokens` is the router's default, cut to the context left (`_prepare`); `arrived`
+        `client_left` seconds (None: `request_timeout_s`; `Orchestrator.run` says what the
+        chunks hold). Media held in `held` beside its `holds` bytes (`MediaHold.holding`);
+        `fit_max_tokens`: `max_tokens` is the default, cut to the context left; `arrived`
         (time.monotonic()): TTFT's start, before an HTTP body was read. Raises RouterError,
         or RpcStatusError while draining. The gRPC Generate and the HTTP API run this."""
         request_id = shown_id(request.request_id) or uuid.uuid4().hex  # as logs show it
@@ -152,8 +151,10 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 outcome.saw(chunk)
                 yield chunk
         except BaseException as exc:
-            outcome.failed(exc)
-            raise
+            outcome.failed(said := past_timeout(exc, budget, client_left))  # as the client reads
+            if said is exc:
+                raise
+            raise said from None
         finally:
             self.orchestrator.metrics.finished.labels(outcome.outcome).inc()
             outcome.log()
@@ -237,9 +238,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
     async def Generate(
         self, _requests: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
-        """Stream the answer to one chat (`generate`, as the authenticated caller). The
-        request is read once `held` lets it be, and held until the answer ends
-        (RESOURCE_EXHAUSTED if it would pass `requests_in_flight_mb`): `router.held`."""
+        """Stream the answer to one chat (`generate`, as the authenticated caller), read once
+        `held` lets it be and held until it ends (`router.held`: requests_in_flight_mb)."""
         longest, left = self.settings.request_timeout_s, context.time_remaining()
         caller = principal(self.auth, context)
         try:

@@ -131,3 +131,29 @@ async def test_deadline_cancels_in_flight_work(cluster, workers):
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.wait_for(pre.cancelled.wait(), 5)
     assert await released(pre) == [pre.requests[0].lease_id]
+
+
+async def test_the_routers_own_timeout_is_named_to_the_client(ckpt):
+    # It read "decode failed: Stream removed (Deadline Exceeded)", naming neither the limit
+    # nor the router (s42 operator review L6); a client's shorter deadline is its own.
+    from common.roles import Role
+    from tests.test_http_api import fake_router
+    from tests.test_router import FakeDecode, FakeEncoder, FakePrefill
+
+    c = await fake_router(ckpt, request_timeout_s=0.5)
+    try:
+        dec = FakeDecode()
+        dec.hang_after_first = True
+        for role, worker in ((Role.ENCODER, FakeEncoder()), (Role.PREFILL, FakePrefill())):
+            await c.add(role, worker)
+        await c.add(Role.DECODE, dec)
+        with pytest.raises(GenerateError) as ours:
+            await c.client.generate_text(TEXT, SamplingParams(max_tokens=8))
+        assert ours.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert ours.value.details.startswith("past the router's request_timeout_s (0.5 s): ")
+        with pytest.raises(GenerateError) as theirs:
+            await c.client.generate_text(TEXT, SamplingParams(max_tokens=8), timeout_s=0.3)
+        assert theirs.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "request_timeout_s" not in theirs.value.details
+    finally:
+        await c.close()
