@@ -20,7 +20,7 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import grpc
 
@@ -126,6 +126,19 @@ def past_timeout(exc: BaseException, timeout_s: float, client_s: float | None) -
     said = RouterError(exc.code, f"past the router's request_timeout_s ({timeout_s:g} s): {exc}")
     said.trailing_metadata, said.address, said.stage = exc.trailing_metadata, exc.address, exc.stage
     return said
+
+
+def raise_past_timeout(exc: BaseException, timeout_s: float, client_s: float | None) -> NoReturn:
+    """Raise `past_timeout(exc, ...)` (re-raise `exc` where it is that), from an `except`
+    clause of `exc`. Bound to no name left in the caller's frame, which its traceback
+    holds: a cycle that kept the request until a garbage collection (CI, s42)."""
+    said = past_timeout(exc, timeout_s, client_s)
+    try:
+        if said is exc:
+            raise
+        raise said from None
+    finally:
+        del said, exc
 
 
 def invalid(message: str, field: str, context_exceeded: bool = False) -> RouterError:

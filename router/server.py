@@ -59,7 +59,7 @@ from epd.v1 import (
 )
 from router.admin import AdminServicer, Scaler
 from router.admission_need import fitted_to_decode
-from router.calls import Job, RouterError, invalid, past_timeout
+from router.calls import Job, RouterError, invalid, past_timeout, raise_past_timeout
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
 from router.detokenize import IncrementalDetokenizer
@@ -151,10 +151,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 outcome.saw(chunk)
                 yield chunk
         except BaseException as exc:
-            outcome.failed(said := past_timeout(exc, budget, client_left))  # as the client reads
-            if said is exc:
-                raise
-            raise said from None
+            outcome.failed(past_timeout(exc, budget, client_left))  # as the client reads it
+            raise_past_timeout(exc, budget, client_left)
         finally:
             self.orchestrator.metrics.finished.labels(outcome.outcome).inc()
             outcome.log()
