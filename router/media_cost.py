@@ -29,8 +29,9 @@ from common.processing.frame_store import Planner
 from common.processing.image import smart_resize
 from common.processing.limits import DECODED_BYTES_PER_PIXEL, InputLimits, LimitError, MediaBudget
 from common.processing.video import VideoPlan, plan_video
-from common.processing.video_file import VideoHeader, kept_rate
+from common.processing.video_file import VideoHeader
 from common.processing.video_memory import FRAME_BYTES_PER_PIXEL, decoder_bytes
+from common.processing.video_sampling import kept_rate
 
 # What resizing one image or frame takes for a while, a resized pixel: the resized image
 # (4) and its pixels as an array (3).
@@ -96,8 +97,16 @@ class MediaCost:
             return
         plan = self._plan(count, kept_rate(header.duration_s, fps, count), width, height, field)
         h, w = plan.size
-        self.budget.add_bytes(len(plan.indices) * h * w * FRAME_BYTES_PER_PIXEL, field)
+        # A file may keep fewer frames than its header's sample times (a slower source, gaps),
+        # planned for those: fewer and larger, within the processor's video_max_pixels (their
+        # codes 4/3 of it, padded), where the header's plan may round far below it (1.47x
+        # held as counted: ownfixA review, s42).
+        most = min(s.video_max_pixels, count * width * height)
+        resized = max(len(plan.indices) * h * w, most) * FRAME_BYTES_PER_PIXEL
+        self.budget.add_bytes(resized, field)
         codes = self._add(h, w, len(plan.padded) // s.temporal_patch_size, field)
+        self.budget.add_bytes(max(0, 4 * most - codes), field)
+        codes = max(codes, 4 * most)
         one = (FRAME_BYTES_PER_PIXEL + DECODED_BYTES_PER_PIXEL) * width * height
         one += RESIZED_BYTES_PER_PIXEL * h * w
         self.budget.briefly(max(0, decoder_bytes(header) + one - codes), field, alone=True)

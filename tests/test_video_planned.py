@@ -33,11 +33,14 @@ def processor() -> Processor:
     return Processor.from_pretrained(default_checkpoint("tiny"))
 
 
+def planner_of(processor: Processor) -> Any:
+    return functools.partial(plan_video, settings=processor.settings)
+
+
 def both(processor: Processor, data: bytes, **options: Any) -> tuple[Any, Any]:
     """The file decoded whole and planned, with the same options."""
-    planner = functools.partial(plan_video, settings=processor.settings)
     whole = open_video(data, **options).decode()
-    planned = open_video(data, planner=planner, **options).decode()
+    planned = open_video(data, planner=planner_of(processor), **options).decode()
     assert isinstance(whole, TimedFrames) and isinstance(planned, PlannedFrames)
     return whole, planned
 
@@ -83,22 +86,37 @@ def test_planned_noise_frames_resize_to_the_same_bytes(processor, fps, max_frame
     assert_same(processor, whole, planned)
 
 
-def test_a_source_slower_than_the_rate_is_planned_again_for_what_it_kept(processor, monkeypatch):
-    # 8 frames at 1 a second sampled at 4: 32 sample times, 8 kept; the plan for 32 is not
-    # the plan for 8, so the file is decoded a second time, planned for 8.
+def test_a_source_slower_than_the_rate_is_planned_for_what_it_keeps_and_decoded_once(processor):
+    # 8 frames at 1 a second sampled at 4: 32 sample times, 8 kept. Planned for 32, it was
+    # decoded a second time, planned for 8 (ownfixA review, s42); its packets' times say 8.
     slow = make_video(frames=8, rate=1)
-    opened: list[int] = []
-    real = av.open
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        opened.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(av, "open", counting)
     whole, planned = both(processor, slow, fps=4.0, max_frames=768)
     assert len(planned.times) == 8 and planned.times == whole.times
-    assert len(opened) == 3  # whole once; planned, then again
     assert_same(processor, whole, planned)
+    opened = open_video(slow, fps=4.0, max_frames=768, planner=planner_of(processor))
+    opened.decode()
+    assert opened._decoded == 8
+
+
+def test_a_second_pass_counts_against_the_same_decoding_limit(processor, monkeypatch):
+    # Where the decoder keeps another count than the packets said, the file is planned
+    # for that and decoded again: within one max_decoded_pixels, not one a pass.
+    from common.processing import video_file
+
+    data = make_video(frames=16, rate=8)  # 64 x 64
+    monkeypatch.setattr(video_file, "kept_from_packets", lambda *args: 3)  # says 3, keeps 4
+    planned = open_video(data, fps=2.0, max_frames=768, planner=planner_of(processor))
+    got = planned.decode()
+    assert len(got.times) == 4 and planned._decoded == 2 * 13  # to 1.5 s, twice
+    whole = open_video(data, fps=2.0, max_frames=768).decode()
+    assert isinstance(whole, TimedFrames) and isinstance(got, PlannedFrames)
+    assert_same(processor, whole, got)
+    once = 13 * 64 * 64  # what one pass decodes
+    tight = open_video(
+        data, fps=2.0, max_frames=768, planner=planner_of(processor), max_decoded_pixels=once
+    )
+    with pytest.raises(LimitError, match="max_video_decoded_pixels"):
+        tight.decode()
 
 
 def test_variable_frame_times_are_kept_planned(processor):
@@ -154,3 +172,24 @@ def test_the_default_limits_take_minutes_of_hd_video():
     assert counted(130.0, (1280, 720))
     assert counted(300.0, (1920, 1080))
     assert counted(383.0, (640, 360))  # 766 sample times: just under max_video_frames
+
+
+def test_a_file_keeping_fewer_frames_than_its_header_says_fits_its_reservation():
+    # Planned for the frames it keeps (fewer and larger), a 599 s 4K file with 3 frames held
+    # 1.47x what its header's plan of 599 reserved (ownfixA review, s42).
+    from common.models.qwen3_vl.preprocessor import ProcessorSettings
+    from common.processing.limits import InputLimits
+    from common.processing.video_sampling import kept_rate, sample_times
+
+    s = ProcessorSettings()
+    for width, height in ((3840, 2160), (1280, 720), (720, 1280), (320, 240)):
+        for seconds, fps in ((599.0, 1.0), (61.0, 2.0), (10.0, 8.0), (2.2, 2.0)):
+            times = sample_times(seconds, fps, 768)
+            cost = MediaCost(s, InputLimits(), MediaBudget(InputLimits()))
+            cost.video_file(VideoHeader(width, height, seconds, 30.0, times, "yuv420p"), fps, "v")
+            for kept in {1, 2, 3, 4, 5, 7, len(times) // 3, len(times) // 2, len(times)} - {0}:
+                plan = plan_video(kept, kept_rate(seconds, fps, kept), width, height, s)
+                h, w = plan.size
+                steps = len(plan.padded) // s.temporal_patch_size
+                held = (len(plan.indices) + steps * s.temporal_patch_size) * h * w * 3
+                assert held <= cost.budget.used, (width, height, seconds, fps, kept)

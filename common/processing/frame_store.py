@@ -36,6 +36,10 @@ class WholeFrames:
         self.kept = 0  # frames kept, once `result` was asked
         self._frames: np.ndarray | None = None
 
+    def wants(self, k: int) -> bool:
+        """Whether `keep` takes the `k`th kept frame's pixels: every one."""
+        return True
+
     def keep(self, k: int, pixels: np.ndarray) -> None:
         """The `k`th kept frame (upright RGB pixels)."""
         if self._frames is None:
@@ -63,6 +67,11 @@ class PlannedStore:
         self._plan: VideoPlan | None = None
         self._frames: np.ndarray | None = None
         self._slot: dict[int, int] = {}  # kept frame -> its row of `_frames`
+
+    def wants(self, k: int) -> bool:
+        """Whether `keep` takes the `k`th kept frame's pixels: the first (the plan is made
+        of its size) and those the plan samples; the others need not be made RGB."""
+        return self._plan is None or k in self._slot
 
     def keep(self, k: int, pixels: np.ndarray) -> None:
         """The `k`th kept frame (upright RGB pixels): resized, where the plan samples it."""

@@ -47,6 +47,7 @@ from common.processing.iso_boxes import MAX_TRACKS, check_mp4
 from common.processing.limits import MIN_FPS, LimitError, check_fps
 from common.processing.video import PlannedFrames, TimedFrames, VideoFileError
 from common.processing.video_memory import ASSUMED_FORMAT, pixel_bytes
+from common.processing.video_sampling import Sampling, kept_from_packets, kept_rate, sample_times
 
 # Magic bytes -> the one demuxer allowed to read such a file.
 _MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header: mkv, webm
@@ -122,6 +123,7 @@ class VideoFile:
         # open the file again, should the frames kept call for another plan.
         self.planner = planner
         self._reopen = reopen
+        self._decoded = 0  # frames decoded by `decode`, every pass
 
     def close(self) -> None:
         """Release the container (idempotent)."""
@@ -130,26 +132,32 @@ class VideoFile:
     def decode(self, ended: Callable[[], bool] | None = None) -> TimedFrames | PlannedFrames:
         """Decode up to the last sample time and keep a frame for each sample time:
         whole (`TimedFrames`), or with a `planner`, those the processor samples, resized as
-        they decode (`PlannedFrames`; a file that kept fewer frames than it has sample
-        times is planned for those and decoded again). `VideoFileError` naming the field on
-        corrupt data or a stream that is not what its header said, or once `ended()` says
-        the request it is for has ended (asked before each frame: decoding is linear, and
-        the thread it runs on is not cancelled)."""
+        they decode (`PlannedFrames`: planned for as many frames as its packets' times say
+        it keeps, `kept_from_packets`; where the decoder kept another count, planned for
+        that and decoded again, both passes within `max_decoded_pixels`). `VideoFileError`
+        naming the field on corrupt data or a stream that is not what its header said, or
+        once `ended()` says the request it is for has ended (asked before each frame:
+        decoding is linear, and the thread it runs on is not cancelled)."""
         try:
+            self._decoded = 0  # frames decoded, every pass: counted against the limit
+            count = len(self.header.sample_times)
             if self.planner is None:
-                whole = self._decode(WholeFrames(len(self.header.sample_times), self.field), ended)
+                whole = self._decode(WholeFrames(count, self.field), ended)
                 assert whole is not None  # (never planned again)
                 return whole
-            count = len(self.header.sample_times)
+            assert self._reopen is not None
+            # How many frames it keeps, from its packets' times: planned once (ownfixA, s42).
+            most = self._frame_budget()
+            counted = kept_from_packets(self._container, self._sampling(), self._start(), most)
             for _ in range(2):
+                count = counted or count
+                self._container.close()
+                self._container = self._reopen()
                 store = PlannedStore(count, self._rate(count), self.planner, self.field)
                 got = self._decode(store, ended)
                 if got is not None:
                     return got
-                count = store.kept
-                assert self._reopen is not None
-                self._container.close()
-                self._container = self._reopen()
+                counted = store.kept  # the decoder kept other frames than its packets said
             raise VideoFileError(self.field, "kept other frames when decoded again")
         except FieldError:
             raise  # already names the field and says what is wrong
@@ -158,26 +166,32 @@ class VideoFile:
         finally:
             self.close()
 
+    def _sampling(self) -> Sampling:
+        header = self.header
+        return Sampling(header.sample_times, header.duration_s, header.rate)
+
+    def _frame_budget(self) -> int:
+        """The most frames a stream may hold beside its header's duration and rate."""
+        rate = self.header.rate or MAX_SOURCE_RATE
+        return max(math.ceil(self.header.duration_s * rate * _FRAME_SLACK), _FRAME_SLACK_MIN)
+
+    def _start(self) -> float:
+        stream = self._container.streams.video[0]
+        if stream.start_time and stream.time_base:
+            return float(stream.start_time * stream.time_base)
+        return 0.0
+
     def _decode(
         self, store: WholeFrames | PlannedStore, ended: Callable[[], bool] | None
     ) -> TimedFrames | PlannedFrames | None:
         header = self.header
         stream = self._container.streams.video[0]
-        start = 0.0
-        if stream.start_time and stream.time_base:
-            start = float(stream.start_time * stream.time_base)
-        targets = header.sample_times
-        # A frame stands for the sample times up to half a source frame after it (at most
-        # half the sampling interval, whatever rate the header claims).
-        spacing = targets[1] - targets[0] if len(targets) > 1 else header.duration_s
-        half = min(0.5 / header.rate if header.rate else 1e-3, 0.5 * spacing)
-        rate = header.rate or MAX_SOURCE_RATE
-        budget = max(math.ceil(header.duration_s * rate * _FRAME_SLACK), _FRAME_SLACK_MIN)
+        start, sampling = self._start(), self._sampling()
+        budget = self._frame_budget()
         times: list[float] = []  # of the frames kept (`store`), one per sample time at most
-        decoded = 0
+        decoded = 0  # this pass's
         checked = header.pixel_format  # the last frame format checked
         limit = self.max_decoded_pixels
-        next_target = 0  # index of the first sample time no kept frame covers
         for frame in self._container.decode(stream):
             if ended is not None and ended():
                 raise VideoFileError(
@@ -185,11 +199,12 @@ class VideoFile:
                     "was still decoding when the request ended (client gone or deadline)",
                 )
             decoded += 1
-            if limit is not None and decoded * header.width * header.height > limit:
+            self._decoded += 1
+            if limit is not None and self._decoded * header.width * header.height > limit:
                 raise LimitError(
                     self.field,
                     f"decoding it to {header.sample_times[-1]:.1f} s passed "
-                    f"max_video_decoded_pixels = {limit} ({decoded} frames of "
+                    f"max_video_decoded_pixels = {limit} ({self._decoded} frames of "
                     f"{header.width}x{header.height})",
                 )
             if decoded > budget:
@@ -207,16 +222,12 @@ class VideoFile:
             if frame.format.name != checked:  # every change: an in-band one too (ownfix E)
                 checked = frame.format.name
                 _check_format(checked, header, self.field)
-            t = frame.time - start
-            if t + half < targets[next_target]:
+            if not sampling.keeps(frame.time - start):
                 continue
-            store.keep(len(times), upright_frame(frame))
-            times.append(t)
-            # The frame covers every sample time up to `half` after it (a source slower than
-            # `fps` skips some), so no frame is kept twice.
-            while next_target < len(targets) and targets[next_target] <= t + half:
-                next_target += 1
-            if next_target == len(targets):
+            if store.wants(len(times)):  # (made RGB and turned only then: ownfixA, s42)
+                store.keep(len(times), upright_frame(frame))
+            times.append(frame.time - start)
+            if sampling.done:
                 break
         if not times:
             raise VideoFileError(self.field, "has no decodable frames")
@@ -224,25 +235,6 @@ class VideoFile:
 
     def _rate(self, kept: int) -> float:
         return kept_rate(self.header.duration_s, self.fps, kept)
-
-
-def kept_rate(duration_s: float, fps: float, kept: int) -> float:
-    """The rate `kept` frames of a file sampled at `fps` stand for: `fps` when each of its
-    sample times got a frame, else (a source slower than `fps`, or `max_frames` spreading
-    them) as many frames as its duration holds; the processor reads a video's length as
-    frames / rate, and would otherwise take it for shorter and drop frames."""
-    if kept == max(1, math.ceil(duration_s * fps - 1e-9)):
-        return fps
-    return max(kept / duration_s, MIN_FPS) if duration_s > 0 else fps
-
-
-def sample_times(duration_s: float, fps: float, max_frames: int) -> tuple[float, ...]:
-    """Seconds of the frames to keep: every `1 / fps` in `[0, duration)`, or `max_frames`
-    spread uniformly over the duration when that is fewer."""
-    count = max(1, math.ceil(duration_s * fps - 1e-9))
-    if count <= max_frames:
-        return tuple(k / fps for k in range(count))
-    return tuple(k * duration_s / max_frames for k in range(max_frames))
 
 
 def open_video(

@@ -1,0 +1,85 @@
+"""Which frames of a video file its sampling keeps, and how many it will keep.
+
+A file sampled at `fps` has sample times every `1 / fps` seconds (`sample_times`; at most
+`max_frames`, spread over the duration where more). As the file decodes, a frame is kept
+for the first sample time no kept frame covers once the frame is within half a source
+frame of it, and covers every sample time up to half a source frame after it (`Sampling`),
+so no frame is kept twice and a source slower than `fps` leaves sample times without one.
+
+`kept_from_packets` runs the same rule over the times of a file's packets, demuxed but not
+decoded: how many frames decoding will keep, known before it starts, so the processor's
+plan of them (`common.processing.frame_store.PlannedStore`) is made once (planned for every
+sample time, a file that kept fewer was decoded a second time: ownfixA review, s42).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from common.processing.limits import MIN_FPS
+
+
+class Sampling:
+    """The keep rule of one file's sample times (module docstring)."""
+
+    def __init__(self, targets: tuple[float, ...], duration_s: float, rate: float | None) -> None:
+        self.targets = targets  # the sample times, seconds from the stream's start
+        # A frame stands for the sample times up to half a source frame after it (at most
+        # half the sampling interval, whatever rate the header claims).
+        spacing = targets[1] - targets[0] if len(targets) > 1 else duration_s
+        self.half = min(0.5 / rate if rate else 1e-3, 0.5 * spacing)
+        self.next = 0  # the first sample time no kept frame covers
+
+    def keeps(self, t: float) -> bool:
+        """Whether the frame at `t` seconds (frames in time order) is kept."""
+        if t + self.half < self.targets[self.next]:
+            return False
+        while self.next < len(self.targets) and self.targets[self.next] <= t + self.half:
+            self.next += 1
+        return True
+
+    @property
+    def done(self) -> bool:
+        """Every sample time is covered: decoding may stop."""
+        return self.next == len(self.targets)
+
+
+def kept_from_packets(container: Any, sampling: Sampling, start: float, most: int) -> int | None:
+    """How many frames `sampling` keeps of the first video stream of `container`, from its
+    packets' presentation times (demuxed, nothing decoded; the container is read to its
+    end). None where a packet has no time, or past `most` packets (decoding refuses such a
+    stream), and where none is kept."""
+    stream = container.streams.video[0]
+    times: list[float] = []
+    for packet in container.demux(stream):
+        if not packet.size:  # the demuxer's end-of-stream packet
+            continue
+        if packet.pts is None or len(times) == most:
+            return None
+        times.append(float(packet.pts * stream.time_base) - start)
+    kept = 0
+    for t in sorted(times):
+        kept += sampling.keeps(t)
+        if sampling.done:
+            break
+    return kept or None
+
+
+def kept_rate(duration_s: float, fps: float, kept: int) -> float:
+    """The rate `kept` frames of a file sampled at `fps` stand for: `fps` when each of its
+    sample times got a frame, else (a source slower than `fps`, or `max_frames` spreading
+    them) as many frames as its duration holds; the processor reads a video's length as
+    frames / rate, and would otherwise take it for shorter and drop frames."""
+    if kept == max(1, math.ceil(duration_s * fps - 1e-9)):
+        return fps
+    return max(kept / duration_s, MIN_FPS) if duration_s > 0 else fps
+
+
+def sample_times(duration_s: float, fps: float, max_frames: int) -> tuple[float, ...]:
+    """Seconds of the frames to keep: every `1 / fps` in `[0, duration)`, or `max_frames`
+    spread uniformly over the duration when that is fewer."""
+    count = max(1, math.ceil(duration_s * fps - 1e-9))
+    if count <= max_frames:
+        return tuple(k / fps for k in range(count))
+    return tuple(k * duration_s / max_frames for k in range(max_frames))
