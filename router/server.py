@@ -230,7 +230,6 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 async for chunk in self.orchestrator.metrics.track(answer, outcome.started):
                     if staged is not None:
                         staged.keep()
-                    self.stopping.check()  # the drain's time ran out: ends here, and says so
                     yield chunk
 
     async def Generate(
@@ -253,10 +252,11 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         request.request_id = request.request_id or uuid.uuid4().hex  # one id in every log line
         try:
             left = context.time_remaining()
-            async for chunk in self.generate(request, caller, left, size):
-                if context.done():  # past the client's deadline: gRPC ended the call
-                    return
-                yield chunk
+            async with self.stopping.answering():  # ended saying why when the drain runs out
+                async for chunk in self.generate(request, caller, left, size):
+                    if context.done():  # past the client's deadline: gRPC ended the call
+                        return
+                    yield chunk
         except RouterError as exc:  # logged by `generate`
             failed = (exc.code, str(exc), exc.trailing_metadata)
         except RpcStatusError as exc:  # draining

@@ -102,7 +102,9 @@ async def test_hanging_up_during_decode_cancels_the_stream(
 async def test_a_stream_nobody_reads_ends_at_its_time(spec: str) -> None:
     # A client that kept its connection open and read nothing held the answer (its held
     # bytes, the router's drain) for as long as it liked, past `request_timeout_s`.
+    from common.server.lifecycle import ServerLifecycle
     from router.http.stream import TimedStream
+    from router.stopping import Stopping
 
     closed = asyncio.Event()
 
@@ -124,7 +126,7 @@ async def test_a_stream_nobody_reads_ends_at_its_time(spec: str) -> None:
         await asyncio.Event().wait()
         return {}
 
-    response = TimedStream(body(), 0.3, media_type="text/event-stream")
+    response = TimedStream(body(), 0.3, Stopping(ServerLifecycle()), "")
     scope = {"type": "http", "asgi": {"spec_version": spec}}
     await asyncio.wait_for(response(scope, receive, send), 5)
     assert closed.is_set() and len(sent) == 4

@@ -26,12 +26,16 @@ from tests.test_router import FakeDecode, FakeEncoder, FakePrefill
 
 
 class Trickle(FakeDecode):
-    """A decode worker that sends a token every 20 ms, up to `max_tokens`."""
+    """A decode worker that sends a token every `every_s`, up to `max_tokens`."""
+
+    def __init__(self, every_s: float) -> None:
+        super().__init__()
+        self.every_s = every_s
 
     async def Decode(self, request: Any, context: Any) -> Any:
         for k in range(request.sampling.max_tokens - 1):
-            await asyncio.sleep(0.02)
             yield decode_service_pb2.DecodeResponse(token_ids=[101 + k], blocks_pulled=3)
+            await asyncio.sleep(self.every_s)
         yield decode_service_pb2.DecodeResponse(
             finish_reason=decode_service_pb2.FINISH_REASON_LENGTH
         )
@@ -65,11 +69,16 @@ def _rest(sock: socket.socket) -> bytes:
     return got
 
 
-async def test_answers_a_drain_ran_out_on_end_saying_why(ckpt: Path) -> None:
+# Streaming a token every 20 ms; a token every 3 s (ended between chunks: it was cut, ownfixA
+# review, s42); still in prefill (no head sent yet over HTTP: a 503).
+@pytest.mark.parametrize("where", ["streaming", "slow", "prefill"])
+async def test_answers_a_drain_ran_out_on_end_saying_why(ckpt: Path, where: str) -> None:
     c = await fake_router(ckpt)
+    prefill = FakePrefill()
+    prefill.hang = where == "prefill"
     await c.add(Role.ENCODER, FakeEncoder())
-    await c.add(Role.PREFILL, FakePrefill())
-    await c.add(Role.DECODE, Trickle())
+    await c.add(Role.PREFILL, prefill)
+    await c.add(Role.DECODE, Trickle(3.0 if where == "slow" else 0.02))
     assert c.router.http_address is not None
     host, port = c.router.http_address.rsplit(":", 1)
     sock = await asyncio.to_thread(_stream, host, int(port))
@@ -90,8 +99,12 @@ async def test_answers_a_drain_ran_out_on_end_saying_why(ckpt: Path) -> None:
     finally:
         sock.close()
         await c.close()
-    assert body.startswith(b"HTTP/1.1 200")
-    events = [line for line in body.split(b"\n") if line.startswith(b"data: {")]
-    last = json.loads(events[-1][len(b"data: ") :])
-    assert last["error"]["code"] == "unavailable" and STOPPING in last["error"]["message"]
-    assert body.endswith(b"0\r\n\r\n"), body[-200:]  # the body's end, not a cut
+    if where == "prefill":  # nothing sent yet: an error answer
+        assert body.startswith(b"HTTP/1.1 503"), body[:200]
+        error = json.loads(body.split(b"\r\n\r\n", 1)[1])["error"]
+    else:
+        assert body.startswith(b"HTTP/1.1 200")
+        events = [line for line in body.split(b"\n") if line.startswith(b"data: {")]
+        error = json.loads(events[-1][len(b"data: ") :])["error"]
+        assert body.endswith(b"0\r\n\r\n"), body[-200:]  # the body's end, not a cut
+    assert error["code"] == "unavailable" and STOPPING in error["message"]

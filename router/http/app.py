@@ -42,6 +42,7 @@ from common.errors import FieldError
 from common.server.auth import Authenticator, Caller
 from common.tasks import cancel_and_wait
 from epd.v1 import router_service_pb2
+from router.calls import RouterError
 from router.http.body import ARRIVED_KEY, CALLER_KEY, HELD_KEY, identify
 from router.http.convert import (
     as_sent,
@@ -54,10 +55,11 @@ from router.http.errors import ApiError, api_error, model_not_found
 from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
-from router.http.stream import Answer, TimedStream, events
+from router.http.stream import Answer, TimedStream, events, sse
 from router.outcomes import refused_before
 from router.prepare_threads import LIGHT_BODY_BYTES
 from router.request_bytes import decoded_bytes
+from router.stopping import STOPPING
 
 if TYPE_CHECKING:
     from router.server import RouterServicer
@@ -170,10 +172,11 @@ def build_app(
 
         try:
             try:
-                first = await _unless_gone(raw, _first(chunks))
-                if not body.stream:
-                    return JSONResponse(await _unless_gone(raw, _all(result, first, chunks)))
-            except ApiError as error:
+                async with servicer.stopping.answering():  # 503 when the drain runs out
+                    first = await _unless_gone(raw, _first(chunks))
+                    if not body.stream:
+                        return JSONResponse(await _unless_gone(raw, _all(result, first, chunks)))
+            except (ApiError, RouterError) as error:
                 raise sent(error) from None
         except _ClientGone:
             await chunks.aclose()
@@ -181,7 +184,8 @@ def build_app(
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = events(result, _chain(first, chunks), include_usage, lambda e: sent(e).body())
         seconds = servicer.settings.request_timeout_s  # the answer's, as for its workers
-        return TimedStream(stream, seconds, media_type="text/event-stream")
+        stopped = sse(sent(RouterError(grpc.StatusCode.UNAVAILABLE, STOPPING)).body())
+        return TimedStream(stream, seconds, servicer.stopping, stopped)
 
     threads = servicer.prepare_threads  # off the event loop, within a tenant's share
 

@@ -14,11 +14,14 @@ import time
 import traceback
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.responses import StreamingResponse
 
 from epd.v1 import decode_service_pb2, router_service_pb2
+
+if TYPE_CHECKING:
+    from router.stopping import Stopping
 
 logger = logging.getLogger(__name__)
 
@@ -150,17 +153,32 @@ class TimedStream(StreamingResponse):
     stream's generator is closed and so is the connection (uvicorn closes a response the
     app left unfinished)."""
 
-    def __init__(self, content: AsyncIterator[str], seconds: float, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
+    def __init__(
+        self, content: AsyncIterator[str], seconds: float, stopping: Stopping, stopped: str
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream")
         self.seconds = seconds
+        self.stopping = stopping  # the router's: ends the answer when its drain runs out
+        self.stopped = stopped  # the event that then ends it (`router.stopping`)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        started = False
+
+        async def sending(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            async with asyncio.timeout(self.seconds):
-                await super().__call__(scope, receive, send)
+            async with asyncio.timeout(self.seconds) as timeout:
+                with self.stopping.ending(timeout):
+                    await super().__call__(scope, receive, sending)
         except TimeoutError:
             if isinstance(self.body_iterator, AsyncGenerator):  # its request's `finally`s
                 await self.body_iterator.aclose()
+            if self.stopping.now and started:  # its last event, then the end of its body
+                await send({"type": "http.response.body", "body": self.stopped.encode()})
+                return
             logger.info(
                 "an answer was not taken within %.0f s: its connection is closed", self.seconds
             )
