@@ -287,8 +287,7 @@ class RouterSettings(ServerSettings):
             self,
             "max_queued_requests",
             "max_queue_wait_s",
-            "max_video_seconds",
-            "max_video_decoded_pixels",
+            "http_fetch_max_bytes",
             "http_max_connections",
             "requests_in_flight_mb",
             "processed_image_cache_mb",
@@ -306,7 +305,8 @@ class RouterSettings(ServerSettings):
             "max_image_pixels",
             "max_media_bytes",
             "max_video_file_bytes",
-            "http_fetch_max_bytes",
+            "max_video_seconds",
+            "max_video_decoded_pixels",
             "chat_max_tokens",
             "max_video_frames",
             "request_timeout_s",
@@ -316,6 +316,8 @@ class RouterSettings(ServerSettings):
             "heartbeat_interval_s",
             "worker_timeout_s",
         )
+        if self.http_fetch_urls and not self.http_fetch_max_bytes:  # (else unused: 0 is fine)
+            raise SettingsError("http_fetch_max_bytes: must be positive to fetch media URLs")
         if not -1 <= self.http_port <= 65535:
             raise SettingsError("http_port: must be -1 (off), 0 (any free port) or a port")
         if self.max_image_pixels > MAX_IMAGE_PIXELS:  # else capped there, silently

@@ -372,3 +372,31 @@ def test_every_numeric_setting_refuses_negative_nan_and_overflow(role: str) -> N
     if role == "prefill":
         with pytest.raises(SettingsError, match="prefill_chunk"):
             dataclasses.replace(base, prefill_chunk=0).check()
+
+
+def test_router_limits_whose_zero_refuses_everything_are_refused() -> None:
+    # Each was taken at start, then refused every request of its kind (s42 operator L5;
+    # ownfixA review: the video ones). A fetch limit with fetching off is not used.
+    import dataclasses
+
+    from common.models.tiny import default_checkpoint
+    from common.settings.schema import SettingsError
+    from common.settings.security import SecuritySettings
+    from router.settings import RouterSettings
+
+    base = RouterSettings(
+        model=str(default_checkpoint("tiny")), security=SecuritySettings(insecure=True)
+    )
+    for name in (
+        "max_prompt_text_bytes",
+        "max_image_pixels",
+        "max_media_bytes",
+        "max_video_file_bytes",
+        "max_video_seconds",
+        "max_video_decoded_pixels",
+    ):
+        with pytest.raises(SettingsError, match=f"^{name}: must be positive"):
+            dataclasses.replace(base, **{name: 0}).check()
+    dataclasses.replace(base, http_fetch_max_bytes=0).check()
+    with pytest.raises(SettingsError, match="^http_fetch_max_bytes"):
+        dataclasses.replace(base, http_fetch_max_bytes=0, http_fetch_urls=True).check()
