@@ -398,5 +398,5 @@ def test_router_limits_whose_zero_refuses_everything_are_refused() -> None:
         with pytest.raises(SettingsError, match=f"^{name}: must be positive"):
             dataclasses.replace(base, **{name: 0}).check()
     dataclasses.replace(base, http_fetch_max_bytes=0).check()
-    with pytest.raises(SettingsError, match="^http_fetch_max_bytes"):
+    with pytest.raises(SettingsError, match=r"^http_fetch_max_bytes"):
         dataclasses.replace(base, http_fetch_max_bytes=0, http_fetch_urls=True).check()
