@@ -193,3 +193,24 @@ def test_a_file_keeping_fewer_frames_than_its_header_says_fits_its_reservation()
                 steps = len(plan.padded) // s.temporal_patch_size
                 held = (len(plan.indices) + steps * s.temporal_patch_size) * h * w * 3
                 assert held <= cost.budget.used, (width, height, seconds, fps, kept)
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.8, 0.95])
+def test_a_truncated_file_planned_ends_as_decoded_whole(processor, cut):
+    # Its packets read to the end (where a corrupt tail may stop the demuxer) only to
+    # count them: planned, it is refused or kept as decoding it whole refuses or keeps it.
+    data = noisy_video(24, (97, 61), 8)
+    cut_data = data[: int(len(data) * cut)]
+
+    def outcome(planner: Any) -> Any:
+        try:
+            return open_video(cut_data, fps=4.0, max_frames=768, planner=planner).decode()
+        except Exception as exc:
+            return type(exc)
+
+    whole, planned = outcome(None), outcome(planner_of(processor))
+    if isinstance(whole, TimedFrames):
+        assert isinstance(planned, PlannedFrames)
+        assert_same(processor, whole, planned)
+    else:
+        assert planned is whole

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import av
+
 from common.processing.limits import MIN_FPS
 
 
@@ -48,16 +50,20 @@ class Sampling:
 def kept_from_packets(container: Any, sampling: Sampling, start: float, most: int) -> int | None:
     """How many frames `sampling` keeps of the first video stream of `container`, from its
     packets' presentation times (demuxed, nothing decoded; the container is read to its
-    end). None where a packet has no time, or past `most` packets (decoding refuses such a
-    stream), and where none is kept."""
+    end). None where a packet has no time, past `most` packets (decoding refuses such a
+    stream), where the demuxer fails (a corrupt tail decoding may never reach) and where
+    none is kept: planned for every sample time then."""
     stream = container.streams.video[0]
     times: list[float] = []
-    for packet in container.demux(stream):
-        if not packet.size:  # the demuxer's end-of-stream packet
-            continue
-        if packet.pts is None or len(times) == most:
-            return None
-        times.append(float(packet.pts * stream.time_base) - start)
+    try:
+        for packet in container.demux(stream):
+            if not packet.size:  # the demuxer's end-of-stream packet
+                continue
+            if packet.pts is None or len(times) == most:
+                return None
+            times.append(float(packet.pts * stream.time_base) - start)
+    except (av.FFmpegError, OSError, ValueError, EOFError):  # past what decoding reads, maybe
+        return None
     kept = 0
     for t in sorted(times):
         kept += sampling.keeps(t)
