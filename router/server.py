@@ -151,7 +151,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 outcome.saw(chunk)
                 yield chunk
         except BaseException as exc:
-            outcome.failed(past_timeout(exc, budget, client_left))  # as the client reads it
+            outcome.failed(self.stopping.seen(past_timeout(exc, budget, client_left)))
             raise_past_timeout(exc, budget, client_left)
         finally:
             self.orchestrator.metrics.finished.labels(outcome.outcome).inc()

@@ -52,6 +52,14 @@ class Stopping:
                 while self.lifecycle.active:
                     await asyncio.sleep(0.02)
 
+    def seen(self, exc: BaseException) -> BaseException:
+        """How an answer that ended with `exc` is counted and logged: ended by the stop,
+        not left by its client, once the drain's time ran out (the cancel reaches the
+        answer's code before `answering` turns it into RouterError)."""
+        if self.now and isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            return RouterError(grpc.StatusCode.UNAVAILABLE, STOPPING)
+        return exc
+
     @contextlib.contextmanager
     def ending(self, timeout: asyncio.Timeout) -> Iterator[None]:
         """Within `timeout` (entered by the task that sends the answer), which `end`

@@ -96,6 +96,9 @@ async def test_answers_a_drain_ran_out_on_end_saying_why(ckpt: Path, where: str)
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
         assert STOPPING in refused.value.details
         body = await asyncio.to_thread(_rest, sock)
+        finished = c.router.orchestrator.metrics.finished
+        assert finished.labels("unavailable")._value.get() == 2  # not counted as left
+        assert finished.labels("cancelled")._value.get() == 0
     finally:
         sock.close()
         await c.close()
