@@ -214,3 +214,33 @@ def test_a_truncated_file_planned_ends_as_decoded_whole(processor, cut):
         assert_same(processor, whole, planned)
     else:
         assert planned is whole
+
+
+def test_a_stream_cut_before_its_first_keyframe_is_decoded_once(processor, tmp_path):
+    # A recording cut mid-GOP starts with frames the decoder drops: counted from the first
+    # keyframe on, or it was planned for frames it never kept and decoded twice (ownfixB).
+    import av
+
+    source = tmp_path / "source.mkv"
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, 256, (48, 64, 3), np.uint8)
+    with av.open(str(source), "w", format="matroska") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.options = {"bframes": "0", "g": "8", "keyint_min": "8", "sc_threshold": "0"}
+        frames = [np.roll(base, 5 * k, axis=1) for k in range(24)]
+        mux_frames(container, stream, frames, Fraction(1, 8))
+    with av.open(str(source)) as opened:
+        video = opened.streams.video[0]
+        packets = [p for p in opened.demux(video) if p.size][3:]  # from a P-frame on
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="matroska") as cut:
+            out = cut.add_stream_from_template(video)
+            for packet in packets:
+                packet.stream = out
+                cut.mux(packet)
+    whole, planned = both(processor, buf.getvalue(), fps=4.0, max_frames=768)
+    assert_same(processor, whole, planned)
+    once = open_video(buf.getvalue(), fps=4.0, max_frames=768, planner=planner_of(processor))
+    once.decode()
+    assert once._decoded <= len(packets)  # one pass

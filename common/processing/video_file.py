@@ -147,8 +147,8 @@ class VideoFile:
                 return whole
             assert self._reopen is not None
             # How many frames it keeps, from its packets' times: planned once (ownfixA, s42).
-            most = self._frame_budget()
-            counted = kept_from_packets(self._container, self._sampling(), self._start(), most)
+            most, start = self._frame_budget(), self._start()
+            counted = kept_from_packets(self._container, self._sampling(), start, most, ended)
             for _ in range(2):
                 count = counted or count
                 self._container.close()

@@ -15,6 +15,7 @@ sample time, a file that kept fewer was decoded a second time: ownfixA review, s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import av
@@ -47,17 +48,29 @@ class Sampling:
         return self.next == len(self.targets)
 
 
-def kept_from_packets(container: Any, sampling: Sampling, start: float, most: int) -> int | None:
+def kept_from_packets(
+    container: Any,
+    sampling: Sampling,
+    start: float,
+    most: int,
+    ended: Callable[[], bool] | None = None,
+) -> int | None:
     """How many frames `sampling` keeps of the first video stream of `container`, from its
     packets' presentation times (demuxed, nothing decoded; the container is read to its
-    end). None where a packet has no time, past `most` packets (decoding refuses such a
-    stream), where the demuxer fails (a corrupt tail decoding may never reach) and where
-    none is kept: planned for every sample time then."""
+    end), from its first keyframe on (a decoder drops what comes before it: a recording
+    cut mid-GOP; ownfixB review, s42). None where a packet has no time, past `most` packets
+    (decoding refuses such a stream), where the demuxer fails (a corrupt tail decoding may
+    never reach) and where none is kept: planned for every sample time then. `ended()`
+    (asked every 1024 packets): the request has ended, None at once."""
     stream = container.streams.video[0]
     times: list[float] = []
+    keyed = False
     try:
-        for packet in container.demux(stream):
-            if not packet.size:  # the demuxer's end-of-stream packet
+        for n, packet in enumerate(container.demux(stream)):
+            if n % 1024 == 1023 and ended is not None and ended():
+                return None
+            keyed = keyed or packet.is_keyframe
+            if not packet.size or not keyed or packet.is_discard:  # (size 0: the end)
                 continue
             if packet.pts is None or len(times) == most:
                 return None

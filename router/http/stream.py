@@ -8,6 +8,7 @@ one the finish reason; `Answer` folds them into the usage and the finish reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -177,8 +178,10 @@ class TimedStream(StreamingResponse):
             if isinstance(self.body_iterator, AsyncGenerator):  # its request's `finally`s
                 await self.body_iterator.aclose()
             if self.stopping.now and started:  # its last event, then the end of its body
-                await send({"type": "http.response.body", "body": self.stopped.encode()})
-                return
+                with contextlib.suppress(TimeoutError):  # (a client not reading: cut)
+                    async with asyncio.timeout(self.stopping.grace_s / 2):
+                        await send({"type": "http.response.body", "body": self.stopped.encode()})
+                        return
             logger.info(
                 "an answer was not taken within %.0f s: its connection is closed", self.seconds
             )
