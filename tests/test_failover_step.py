@@ -7,6 +7,7 @@ chunk, and the router did both)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -126,18 +127,34 @@ async def lapsed_while_no_decode(
     await cluster.add(Role.ENCODER, FakeEncoder())
     prefill.lease_ttl_ms = 300
     await cluster.add(Role.PREFILL, prefill)
-    await cluster.add(Role.DECODE, FakeDecode())
+    dead = await cluster.add(Role.DECODE, FakeDecode())
     await cluster.servers[-1].stop(0)  # killed
-    answer = asyncio.create_task(
-        cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3), timeout_s=20)
-    )
-    while not prefill.requests:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.6)  # past the TTL, the router waiting for a decode worker
-    address = await cluster.add(Role.DECODE, back)
-    if back_at is not None:
-        back_at.append(address)
-    return await answer
+    # Its port kept from `back` (bound, not listening: calls to it are refused at once):
+    # taken again, `back` was marked unreachable by the dead one's failed call and, sending
+    # no heartbeats, waited out the request's deadline (a flake in a full run, s42).
+    with socket.socket() as held:
+        await _bind(held, int(dead.rsplit(":", 1)[1]))
+        answer = asyncio.create_task(
+            cluster.client.generate_text(TEXT, SamplingParams(max_tokens=3), timeout_s=20)
+        )
+        while not prefill.requests:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.6)  # past the TTL, the router waiting for a decode worker
+        address = await cluster.add(Role.DECODE, back)
+        if back_at is not None:
+            back_at.append(address)
+        return await answer
+
+
+async def _bind(sock: socket.socket, port: int) -> None:
+    """`sock` bound to `port` once the server that had it let it go (within a second)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    for _ in range(100):
+        try:
+            sock.bind(("127.0.0.1", port))
+            return
+        except OSError:
+            await asyncio.sleep(0.01)
 
 
 async def test_a_handle_whose_lease_ran_out_while_waiting_for_a_worker_is_not_sent(
