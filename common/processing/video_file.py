@@ -134,12 +134,14 @@ class VideoFile:
         whole (`TimedFrames`), or with a `planner`, those the processor samples, resized as
         they decode (`PlannedFrames`: planned for as many frames as its packets' times say
         it keeps, `kept_from_packets`; where the decoder kept another count, planned for
-        that and decoded again, both passes within `max_decoded_pixels`). `VideoFileError`
+        that and decoded again, each pass within `max_decoded_pixels`, so that a count
+        wrong for a codec costs time, never a refusal decoding whole would not make:
+        ownfixC, s42). `VideoFileError`
         naming the field on corrupt data or a stream that is not what its header said, or
         once `ended()` says the request it is for has ended (asked before each frame:
         decoding is linear, and the thread it runs on is not cancelled)."""
         try:
-            self._decoded = 0  # frames decoded, every pass: counted against the limit
+            self._decoded = 0  # frames decoded, every pass
             count = len(self.header.sample_times)
             if self.planner is None:
                 whole = self._decode(WholeFrames(count, self.field), ended)
@@ -200,11 +202,11 @@ class VideoFile:
                 )
             decoded += 1
             self._decoded += 1
-            if limit is not None and self._decoded * header.width * header.height > limit:
+            if limit is not None and decoded * header.width * header.height > limit:
                 raise LimitError(
                     self.field,
                     f"decoding it to {header.sample_times[-1]:.1f} s passed "
-                    f"max_video_decoded_pixels = {limit} ({self._decoded} frames of "
+                    f"max_video_decoded_pixels = {limit} ({decoded} frames of "
                     f"{header.width}x{header.height})",
                 )
             if decoded > budget:
