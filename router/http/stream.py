@@ -182,9 +182,12 @@ class TimedStream(StreamingResponse):
                     async with asyncio.timeout(self.stopping.grace_s / 2):
                         await send({"type": "http.response.body", "body": self.stopped.encode()})
                         return
-            logger.info(
-                "an answer was not taken within %.0f s: its connection is closed", self.seconds
-            )
+                logger.info("a stopping router's last event was not taken: connection closed")
+            else:
+                logger.info(
+                    "an answer was not taken within %.0f s: its connection is closed",
+                    self.seconds,
+                )
             _CUT.left += 1  # uvicorn's error line about it is ours to drop
 
 
