@@ -129,9 +129,9 @@ async def lapsed_while_no_decode(
     await cluster.add(Role.PREFILL, prefill)
     dead = await cluster.add(Role.DECODE, FakeDecode())
     await cluster.servers[-1].stop(0)  # killed
-    # Its port kept from `back` (bound, not listening: calls to it are refused at once):
-    # taken again, `back` was marked unreachable by the dead one's failed call and, sending
-    # no heartbeats, waited out the request's deadline (a flake in a full run, s42).
+    # Its port kept from anything else (bound, not listening: calls to it are refused at
+    # once): in a full run the request hung to its deadline once (s42); a socket that
+    # listens there and never speaks does that (ownfixC; `back` taking the port does not).
     with socket.socket() as held:
         await _bind(held, int(dead.rsplit(":", 1)[1]))
         answer = asyncio.create_task(
