@@ -160,11 +160,7 @@ class ServerLifecycle:
         logger.info("draining: %d in flight, %d held", self.active, self.held())
         try:
             async with asyncio.timeout(timeout_s):
-                for hook in self.on_drain:
-                    try:
-                        await hook()
-                    except Exception:
-                        logger.exception("a drain hook failed")
+                await _run(self.on_drain, "a drain hook")
                 await self._until_idle()
             clean = True
         except TimeoutError:
@@ -178,12 +174,17 @@ class ServerLifecycle:
             clean = False
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(ON_TIMEOUT_S):
-                    for hook in self.on_timeout:
-                        try:
-                            await hook()
-                        except Exception:
-                            logger.exception("a drain timeout hook failed")
+                    await _run(self.on_timeout, "a drain timeout hook")
         return clean
+
+
+async def _run(hooks: Sequence[Callable[[], Awaitable[object]]], what: str) -> None:
+    """Await each of `hooks` in order; one that fails is logged as `what`, the rest run."""
+    for hook in hooks:
+        try:
+            await hook()
+        except Exception:
+            logger.exception("%s failed", what)
 
 
 def _to_start(task: asyncio.Future[Any] | None) -> bool:
