@@ -126,7 +126,7 @@ async def test_a_stream_nobody_reads_ends_at_its_time(spec: str) -> None:
         await asyncio.Event().wait()
         return {}
 
-    response = TimedStream(body(), 0.3, Stopping(ServerLifecycle()), "")
+    response = TimedStream(body(), 0.3, Stopping(ServerLifecycle()), str)
     scope = {"type": "http", "asgi": {"spec_version": spec}}
     await asyncio.wait_for(response(scope, receive, send), 5)
     assert closed.is_set() and len(sent) == 4

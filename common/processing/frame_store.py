@@ -4,9 +4,9 @@
   `decode_video` gives a caller that processes them itself (the offline engine, tests).
 - `PlannedStore`: only the frames the processor's plan samples, resized as they are decoded
   (`PlannedFrames`): the router's. The plan (`plan_video`: which frames, what size) is a
-  function of the kept frames' count, rate and size; the store plans for every sample time
-  getting a frame, so a file that keeps fewer (a source slower than the rate, a stream that
-  ends early) is planned again for what it kept and decoded once more (`None` from
+  function of the kept frames' count, rate and size; the store plans for the count its
+  file is said to keep (`common.processing.video_sampling.kept_from_packets`), and a file
+  that keeps another is planned again for what it kept and decoded once more (`None` from
   `result`). Its frames are resized one by one, by the same calls on the same pixels as the
   processor's (`_Frames`, `resized_frames`), so the codes are the same bytes.
 
@@ -33,7 +33,6 @@ class WholeFrames:
     def __init__(self, count: int, field: str) -> None:
         self.count = count  # sample times: the most frames kept
         self.field = field
-        self.kept = 0  # frames kept, once `result` was asked
         self._frames: np.ndarray | None = None
 
     def wants(self, k: int) -> bool:
@@ -50,7 +49,6 @@ class WholeFrames:
 
     def result(self, times: Sequence[float], fps: float) -> TimedFrames:
         assert self._frames is not None
-        self.kept = len(times)
         return TimedFrames(self._frames[: len(times)], tuple(times), fps)
 
 

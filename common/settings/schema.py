@@ -61,7 +61,7 @@ def check_positive(settings: object, *names: str) -> None:
     for name in names:
         if not getattr(settings, name) > 0:
             raise SettingsError(f"{name}: must be positive")
-        _check_seconds(settings, name)
+        _check_ceiling(settings, name)
 
 
 def check_not_negative(settings: object, *names: str) -> None:
@@ -70,7 +70,7 @@ def check_not_negative(settings: object, *names: str) -> None:
     for name in names:
         if not getattr(settings, name) >= 0:
             raise SettingsError(f"{name}: must not be negative")
-        _check_seconds(settings, name)
+        _check_ceiling(settings, name)
 
 
 # The largest integer setting: counts reach C longs (gRPC's channel arguments, torch's
@@ -78,7 +78,7 @@ def check_not_negative(settings: object, *names: str) -> None:
 MAX_INT = (1 << 63) - 1
 
 
-def _check_seconds(settings: object, name: str) -> None:
+def _check_ceiling(settings: object, name: str) -> None:
     value = getattr(settings, name)
     if name.endswith("_s") and not value <= MAX_SECONDS:
         raise SettingsError(f"{name}: must be at most {MAX_SECONDS:.0e} s (115 days)")
@@ -103,7 +103,7 @@ def check_at_most(settings: object, name: str, most: float, why: str) -> None:
     `check_not_negative`'s ceilings too."""
     if not getattr(settings, name) <= most:
         raise SettingsError(f"{name}: must be at most {most:g} ({why})")
-    _check_seconds(settings, name)
+    _check_ceiling(settings, name)
 
 
 def setting(default: Any, help: str) -> Any:

@@ -184,7 +184,10 @@ def build_app(
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = events(result, _chain(first, chunks), include_usage, lambda e: sent(e).body())
         seconds = servicer.settings.request_timeout_s  # the answer's, as for its workers
-        stopped = sse(sent(RouterError(grpc.StatusCode.UNAVAILABLE, STOPPING)).body())
+
+        def stopped() -> str:  # its last event where the router's drain runs out
+            return sse(sent(RouterError(grpc.StatusCode.UNAVAILABLE, STOPPING)).body())
+
         return TimedStream(stream, seconds, servicer.stopping, stopped)
 
     threads = servicer.prepare_threads  # off the event loop, within a tenant's share

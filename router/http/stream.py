@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -155,12 +155,16 @@ class TimedStream(StreamingResponse):
     app left unfinished)."""
 
     def __init__(
-        self, content: AsyncIterator[str], seconds: float, stopping: Stopping, stopped: str
+        self,
+        content: AsyncIterator[str],
+        seconds: float,
+        stopping: Stopping,
+        stopped: Callable[[], str],
     ) -> None:
         super().__init__(content, media_type="text/event-stream")
         self.seconds = seconds
         self.stopping = stopping  # the router's: ends the answer when its drain runs out
-        self.stopped = stopped  # the event that then ends it (`router.stopping`)
+        self.stopped = stopped  # the event that then ends it (`router.stopping`), made then
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         started = False
@@ -180,7 +184,7 @@ class TimedStream(StreamingResponse):
             if self.stopping.now and started:  # its last event, then the end of its body
                 with contextlib.suppress(TimeoutError):  # (a client not reading: cut)
                     async with asyncio.timeout(self.stopping.grace_s / 2):
-                        await send({"type": "http.response.body", "body": self.stopped.encode()})
+                        await send({"type": "http.response.body", "body": self.stopped().encode()})
                         return
                 logger.info("a stopping router's last event was not taken: connection closed")
             else:
