@@ -184,11 +184,7 @@ def build_app(
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         stream = events(result, _chain(first, chunks), include_usage, lambda e: sent(e).body())
         seconds = servicer.settings.request_timeout_s  # the answer's, as for its workers
-
-        def stopped() -> str:  # its last event where the router's drain runs out
-            return sse(sent(RouterError(grpc.StatusCode.UNAVAILABLE, STOPPING)).body())
-
-        return TimedStream(stream, seconds, servicer.stopping, stopped)
+        return TimedStream(stream, seconds, servicer.stopping, _stopped)
 
     threads = servicer.prepare_threads  # off the event loop, within a tenant's share
 
@@ -310,6 +306,13 @@ async def _unless_gone(
         return task.result()
     finally:  # its error's traceback holds this frame: a cycle through the task kept the
         del task, gone, work  # body and its media until a garbage collection (ownfixC C1)
+
+
+def _stopped() -> str:
+    """A stream's last event where the router's drain runs out (`router.stopping`): a
+    function of nothing the request holds (a closure over the body kept it in a cycle with
+    a stream whose client left: `test_refusal_memory`)."""
+    return sse(api_error(RouterError(grpc.StatusCode.UNAVAILABLE, STOPPING)).body())
 
 
 async def _disconnect(raw: Request) -> None:
