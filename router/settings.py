@@ -43,7 +43,8 @@ class RouterSettings(ServerSettings):
         10.0,
         "a worker that leaves an HTTP/2 ping unanswered this long, sent after this long of a "
         "call, fails the router's calls on it, which are then tried on another worker (a "
-        "frozen process, a lost network path; a killed one fails them at once)",
+        "frozen process, a lost network path; a killed one fails them at once); a new "
+        "connection must finish its handshake within twice this (at least 1 s)",
     )
     request_timeout_s: float = setting(
         300.0, "longest a request may run when the client sets no earlier deadline"

@@ -131,7 +131,8 @@ async def lapsed_while_no_decode(
     await cluster.servers[-1].stop(0)  # killed
     # Its port kept from anything else (bound, not listening: calls to it are refused at
     # once): in a full run the request hung to its deadline once (s42); a socket that
-    # listens there and never speaks does that (ownfixC; `back` taking the port does not).
+    # listens there and never speaks holds a call twice worker_keepalive_s, 20 s here
+    # (ownfixC; `back` taking the port does not).
     with socket.socket() as held:
         await _bind(held, int(dead.rsplit(":", 1)[1]))
         answer = asyncio.create_task(

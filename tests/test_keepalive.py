@@ -111,6 +111,20 @@ async def test_a_call_on_a_frozen_server_fails_over_within_two_pings(frozen_serv
     assert waited < 5, waited  # 2 x 0.3 s of pings, not the call's 30 s deadline
 
 
+async def test_a_new_connection_to_a_frozen_server_fails_within_two_pings(frozen_server) -> None:
+    # Frozen before any connection: its kernel accepts one, but no HTTP/2 handshake comes and
+    # no ping can be sent. gRPC's own connect limit held the call 20 s (or to its deadline).
+    address, proc = frozen_server
+    os.kill(proc.pid, signal.SIGSTOP)
+    async with channel(address, keepalive_s=0.3) as ch:
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await ch.unary_unary("/t.T/Slow")(b"0", timeout=30)
+        waited = time.monotonic() - started
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert waited < 5, waited  # a handshake has as long as a ping's answer, twice
+
+
 async def test_a_frozen_clients_call_is_cancelled_on_the_server() -> None:
     calls: list[str] = []
     running = await start_server(

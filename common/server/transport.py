@@ -4,7 +4,9 @@ them): message sizes, keepalive, the connections a server keeps, reconnects.
 Keepalive: a call whose peer stops answering (a frozen process, a lost network path; a
 killed process resets its connections at once) fails with UNAVAILABLE once an HTTP/2 ping
 sent after `KEEPALIVE_S` of the call goes unanswered for `KEEPALIVE_S` more, so that the
-caller tries another peer (`router.calls`) instead of waiting out the call's deadline.
+caller tries another peer (`router.calls`) instead of waiting out the call's deadline. A
+new connection to such a process (its kernel accepts it, nobody speaks) fails its calls
+after as long (`connect_options`).
 Pings are sent only while calls are open. Every epd server accepts them (any interval:
 gRPC's default answers a third ping within 5 minutes without data with GOAWAY
 "too_many_pings", which would end a long call).
@@ -35,6 +37,7 @@ HANDSHAKE_S = 10.0  # a connection's time to finish its handshake (silent ones h
 # the longest (a connection attempt a second to a dead peer costs little).
 RECONNECT_FIRST_S = 0.25
 RECONNECT_MAX_S = 1.0
+CONNECT_MIN_S = 1.0  # the least a connection has to finish its handshake (TLS on a busy host)
 
 Options = list[tuple[str, int]]
 
@@ -57,6 +60,20 @@ def keepalive_options(keepalive_s: float = KEEPALIVE_S) -> Options:
         ("grpc.keepalive_timeout_ms", ms),
         ("grpc.http2.ping_timeout_ms", ms),  # gRPC >= 1.6x enforces this one, not the above
         ("grpc.http2.max_pings_without_data", 0),  # else pings stop after 2 without data
+    ]
+
+
+def connect_options(keepalive_s: float = KEEPALIVE_S) -> Options:
+    """A channel's pings (`keepalive_options`), and a connection's time to finish its
+    handshake: twice `keepalive_s` (what a ping has to be answered, twice), at least
+    `CONNECT_MIN_S`. A peer that accepts connections and never speaks (a frozen process: its
+    kernel accepts for it) fails a call as a silent one on an open connection does; gRPC's
+    own limit is 20 s whatever the keepalive (its `min_reconnect_backoff_ms` is that
+    limit)."""
+    connect_s = max(CONNECT_MIN_S, 2 * keepalive_s)
+    return [
+        *keepalive_options(keepalive_s),
+        ("grpc.min_reconnect_backoff_ms", round(connect_s * 1000)),
     ]
 
 
@@ -92,7 +109,7 @@ def channel_options(max_message_mb: int, keepalive_s: float | None) -> Options:
     reconnect back-off (module docstring)."""
     return [
         *message_options(max_message_mb),
-        *(keepalive_options(keepalive_s) if keepalive_s is not None else ()),
+        *(connect_options(keepalive_s) if keepalive_s is not None else ()),
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.initial_reconnect_backoff_ms", round(RECONNECT_FIRST_S * 1000)),
         ("grpc.max_reconnect_backoff_ms", round(RECONNECT_MAX_S * 1000)),
