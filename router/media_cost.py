@@ -29,7 +29,7 @@ from common.processing.frame_store import Planner
 from common.processing.image import smart_resize
 from common.processing.limits import DECODED_BYTES_PER_PIXEL, InputLimits, LimitError, MediaBudget
 from common.processing.video import VideoPlan, plan_video
-from common.processing.video_file import VideoHeader
+from common.processing.video_header import VideoHeader
 from common.processing.video_memory import FRAME_BYTES_PER_PIXEL, decoder_bytes
 from common.processing.video_sampling import kept_rate
 

@@ -144,7 +144,7 @@ def test_typical_requests_fit_the_default_budget_and_wide_4k_files_do_not() -> N
     # only): what a phone or camera sends is taken; a 4K file in 10-bit 4:4:4, whose
     # decoder took 1.1 GB, is refused (ownfix reviews B to D measured each against its peak).
     from common.processing.limits import LimitError, MediaBudget
-    from common.processing.video_file import VideoHeader
+    from common.processing.video_header import VideoHeader
     from router.media_cost import MediaCost
     from router.settings import RouterSettings
 

@@ -26,13 +26,8 @@ from common.processing import video_file
 from common.processing.limits import LimitError
 from common.processing.processor import Processor
 from common.processing.video import TimedFrames, temporal_timestamps
-from common.processing.video_file import (
-    VideoFileError,
-    container_format,
-    decode_video,
-    open_video,
-    sample_times,
-)
+from common.processing.video_file import VideoFileError, container_format, decode_video, open_video
+from common.processing.video_sampling import sample_times
 from common.sampling import SamplingParams
 from common.server.lifecycle import ServerLifecycle
 from epd.client import GenerateError, build_request

@@ -21,10 +21,12 @@ from common.processing.frame_store import PlannedStore
 from common.processing.limits import LimitError, MediaBudget
 from common.processing.processor import Processor
 from common.processing.video import PlannedFrames, TimedFrames, plan_video, preprocess_video
-from common.processing.video_file import VideoHeader, open_video
+from common.processing.video_file import VideoFileError, open_video
+from common.processing.video_header import VideoHeader
 from router.media_cost import MediaCost
 from router.settings import RouterSettings
 from tests.test_video_file import KINDS, make_video, video_chat
+from tests.test_video_turn import ORIENT
 from tests.video_helpers import mux_frames
 
 
@@ -214,31 +216,130 @@ def test_a_truncated_file_planned_ends_as_decoded_whole(processor, cut):
         assert planned is whole
 
 
-def test_a_stream_cut_before_its_first_keyframe_is_decoded_once(processor, tmp_path):
+CUTS = {
     # A recording cut mid-GOP starts with frames the decoder drops: counted from the first
     # keyframe on, or it was planned for frames it never kept and decoded twice (ownfixB).
-    import av
+    "mid-gop": ("matroska", "libx264", {"bframes": "0", "g": "8", "keyint_min": "8"}, 3),
+    # Cut at an open GOP's keyframe: the B-frames shown before it refer to the GOP cut off,
+    # and the decoder drops them too (s42diff review, s43), as MPEG-4 Part 2 does (ownfixC).
+    "open-gop": (
+        "matroska",
+        "libx264",
+        {"bframes": "3", "x264-params": "open-gop=1:keyint=8:min-keyint=8:b-adapt=0"},
+        5,  # decoding order: I0 P4 B2 B1 B3 | I8 B6 B5 B7 P12 ...
+    ),
+    "mpeg4": ("mp4", "mpeg4", {"bf": "2", "g": "8"}, 3),
+}
 
-    source = tmp_path / "source.mkv"
+
+@pytest.mark.parametrize("cut", sorted(CUTS))
+def test_a_stream_cut_mid_gop_is_decoded_once(processor, tmp_path, cut):
+    fmt, codec, options, drop = CUTS[cut]
+    source = tmp_path / f"source.{fmt}"
     rng = np.random.default_rng(2)
     base = rng.integers(0, 256, (48, 64, 3), np.uint8)
-    with av.open(str(source), "w", format="matroska") as container:
-        stream = container.add_stream("libx264", rate=8)
+    with av.open(str(source), "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=8)
         stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        stream.options = {"bframes": "0", "g": "8", "keyint_min": "8", "sc_threshold": "0"}
-        frames = [np.roll(base, 5 * k, axis=1) for k in range(24)]
+        stream.options = {"sc_threshold": "0", **options}
+        frames = [np.roll(base, 5 * k, axis=1) for k in range(48)]
         mux_frames(container, stream, frames, Fraction(1, 8))
     with av.open(str(source)) as opened:
         video = opened.streams.video[0]
-        packets = [p for p in opened.demux(video) if p.size][3:]  # from a P-frame on
+        packets = [p for p in opened.demux(video) if p.size][drop:]  # in decoding order
         buf = io.BytesIO()
-        with av.open(buf, "w", format="matroska") as cut:
-            out = cut.add_stream_from_template(video)
+        with av.open(buf, "w", format=fmt) as out:
+            copy = out.add_stream_from_template(video)
             for packet in packets:
-                packet.stream = out
-                cut.mux(packet)
+                packet.stream = copy
+                out.mux(packet)
     whole, planned = both(processor, buf.getvalue(), fps=4.0, max_frames=768)
     assert_same(processor, whole, planned)
     once = open_video(buf.getvalue(), fps=4.0, max_frames=768, planner=planner_of(processor))
     once.decode()
     assert once._decoded <= len(packets)  # one pass
+
+
+def test_counting_stops_where_the_sampling_is_done():
+    # As decoding stops at the last sample time, so does the count: a short video beside a
+    # long tail of other packets was read to its end first (s42diff review, s43).
+    from types import SimpleNamespace
+
+    from common.processing.video_sampling import Sampling, kept_from_packets, sample_times
+
+    pulled = []
+
+    def packets():  # one frame each 1/8 s, in order
+        for k in range(1000):
+            pulled.append(k)
+            yield SimpleNamespace(size=1, pts=k, dts=k, is_keyframe=k == 0, is_discard=False)
+
+    sampling = Sampling(sample_times(1.0, 2.0, 768), 1.0, 8.0)  # at 0 and 0.5 s
+    stream = SimpleNamespace(time_base=Fraction(1, 8))
+    assert kept_from_packets(packets(), stream, sampling, 0.0, 10_000) == 2
+    assert len(pulled) == 5  # to the frame at 0.5 s
+
+
+def test_ended_is_asked_as_packets_are_read_not_only_frames(processor):
+    # 20,000 tiny audio packets among 8 frames: reading them asks whether the request ended,
+    # planned and whole alike (it was asked per frame: seconds of a thread for a file of
+    # millions, the client gone).
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        video = container.add_stream("libx264", rate=8)
+        video.width, video.height, video.pix_fmt = 64, 64, "yuv420p"
+        audio = container.add_stream("pcm_u8", rate=8000)
+        packets = []
+        for k in range(20_000):
+            packet = av.Packet(b"\x80")
+            packet.stream, packet.time_base = audio, Fraction(1, 40_000)  # to 0.5 s
+            packet.pts = packet.dts = k
+            packets.append(packet)
+        frames = [np.full((64, 64, 3), 20 * k, np.uint8) for k in range(8)]
+        mux_frames(container, video, frames, Fraction(1, 8))
+        for packet in packets:
+            container.mux(packet)
+    for planner in (None, planner_of(processor)):
+        asked: list[int] = []
+
+        def ended(asked: list[int] = asked) -> bool:
+            asked.append(1)
+            return False
+
+        open_video(buf.getvalue(), fps=2.0, max_frames=768, planner=planner).decode(ended)
+        assert len(asked) >= 19, len(asked)  # 20,000 packets: every 1024; 5 frames
+
+
+def test_a_frame_the_plan_does_not_sample_turned_differently_is_refused(processor):
+    # Its turn is read from its display matrix, its pixels not made: planned, such a file
+    # was accepted where decoding whole refuses it (s42diff review, s43). Every frame but
+    # the 4th turned (the decoder keeps a turn for the frames after the one that has it).
+    from av.bitstream import BitStreamFilterContext
+
+    from common.processing.frame_turn import upright_frame, upright_size
+
+    encoded = io.BytesIO()
+    with av.open(encoded, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.options = {"bframes": "0", "x264-params": "keyint=1"}
+        frames = [np.full((48, 64, 3), 10 * k, np.uint8) for k in range(24)]
+        mux_frames(container, stream, frames, Fraction(1, 8))
+    opened: Any = av.open(io.BytesIO(encoded.getvalue()))
+    video = opened.streams.video[0]
+    buf = io.BytesIO()
+    with opened, av.open(buf, "w", format="matroska") as out:
+        copy = out.add_stream_from_template(video)
+        for k, packet in enumerate(p for p in opened.demux(video) if p.size):
+            turn = BitStreamFilterContext(f"{ORIENT}:rotate=90", video)
+            for each in turn.filter(packet) if k != 3 else [packet]:
+                each.stream = copy
+                out.mux(each)
+    with av.open(io.BytesIO(buf.getvalue())) as check:
+        decoded: Any = check
+        sizes = [(upright_size(f), upright_frame(f).shape[:2]) for f in decoded.decode(video=0)]
+    assert all(a == b for a, b in sizes) and len({a for a, _ in sizes}) == 2
+    for planner in (None, planner_of(processor)):
+        planned = open_video(buf.getvalue(), fps=8.0, max_frames=768, planner=planner)
+        with pytest.raises(VideoFileError, match="turns its frames differently as it plays"):
+            planned.decode()

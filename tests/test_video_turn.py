@@ -15,7 +15,8 @@ import pytest
 from av.bitstream import BitStreamFilterContext
 
 from common.processing.frame_turn import _display_matrix, upright_frame
-from common.processing.video_file import VideoFileError, VideoHeader, open_video
+from common.processing.video_file import VideoFileError, open_video
+from common.processing.video_header import VideoHeader
 from common.processing.video_memory import decoder_bytes, pixel_bytes
 from tests.video_helpers import mux_frames
 

@@ -43,9 +43,15 @@ class WholeFrames:
         """The `k`th kept frame (upright RGB pixels)."""
         if self._frames is None:
             self._frames = _room(self.count, pixels.shape, self.field)
-        elif pixels.shape != self._frames.shape[1:]:
-            raise VideoFileError(self.field, "turns its frames differently as it plays")
+        else:
+            _same_turn(self._frames.shape[1:3], pixels.shape[:2], self.field)
         self._frames[k] = pixels
+
+    def check(self, size: tuple[int, int]) -> None:
+        """A kept frame's upright (height, width), where `keep` does not take it (never:
+        it takes every one)."""
+        if self._frames is not None:
+            _same_turn(self._frames.shape[1:3], size, self.field)
 
     def result(self, times: Sequence[float], fps: float) -> TimedFrames:
         assert self._frames is not None
@@ -79,13 +85,18 @@ class PlannedStore:
             self._plan = self.planner(self.count, self.fps, width, height)
             self._frames = _room(len(self._plan.indices), (*self._plan.size, 3), self.field)
             self._slot = {index: row for row, index in enumerate(self._plan.indices)}
-        elif pixels.shape != self._shape:
-            raise VideoFileError(self.field, "turns its frames differently as it plays")
+        else:
+            self.check(pixels.shape[:2])
         row = self._slot.get(k)
         if row is not None:
             assert self._frames is not None
             image = to_rgb(load_image(np.ascontiguousarray(pixels, dtype=np.uint8)))
             self._frames[row] = resize_rgb(image, *self._plan.size)
+
+    def check(self, size: tuple[int, int]) -> None:
+        """A kept frame's upright (height, width), where `keep` does not take its pixels: a
+        stream that turns its frames as it plays is refused whatever the plan samples."""
+        _same_turn(self._shape[:2], size, self.field)
 
     def result(self, times: Sequence[float], fps: float) -> PlannedFrames | None:
         """The planned frames, or None where the plan was made for another count or rate
@@ -96,6 +107,11 @@ class PlannedStore:
         assert self._plan is not None and self._frames is not None
         height, width = self._shape[:2]
         return PlannedFrames(self._frames, tuple(times), fps, (width, height), self._plan)
+
+
+def _same_turn(first: tuple[int, ...], size: tuple[int, ...], field: str) -> None:
+    if tuple(size) != tuple(first):
+        raise VideoFileError(field, "turns its frames differently as it plays")
 
 
 def _room(count: int, shape: tuple[int, ...], field: str) -> np.ndarray:

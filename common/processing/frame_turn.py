@@ -31,15 +31,10 @@ def upright_frame(frame: av.VideoFrame) -> np.ndarray:
     quarter turn), as images are by their EXIF orientation. A turn other than a quarter
     one, or a degenerate matrix, leaves the frame as stored."""
     pixels = frame.to_ndarray(format="rgb24")
-    matrix = _display_matrix(frame)
-    if matrix is None:
+    turn = _turn(frame)
+    if turn is None:
         return pixels
-    m = np.frombuffer(matrix, dtype=np.int32).astype(np.float64)
-    scale0, scale1 = math.hypot(m[0], m[3]), math.hypot(m[1], m[4])
-    if not scale0 or not scale1:
-        return pixels  # degenerate
-    theta = float(round(math.degrees(math.atan2(m[1] / scale1, m[0] / scale0))))  # clockwise
-    theta -= 360 * math.floor(theta / 360 + 0.9 / 360)
+    m, theta = turn
     hflip = vflip = False
     if abs(theta - 90) < 1:  # clockwise, or with a flip the transpose
         pixels = np.rot90(pixels, 1)[::-1] if m[3] > 0 else np.rot90(pixels, -1)
@@ -54,3 +49,27 @@ def upright_frame(frame: av.VideoFrame) -> np.ndarray:
     if vflip:
         pixels = pixels[::-1]
     return np.ascontiguousarray(pixels)
+
+
+def upright_size(frame: av.VideoFrame) -> tuple[int, int]:
+    """(height, width) of `upright_frame(frame)`, its pixels not made: a frame the processor
+    does not sample is still checked for its turn (s42diff review, s43)."""
+    turn = _turn(frame)
+    if turn is not None and (abs(turn[1] - 90) < 1 or abs(turn[1] - 270) < 1):
+        return frame.width, frame.height
+    return frame.height, frame.width
+
+
+def _turn(frame: av.VideoFrame) -> tuple[np.ndarray, float] | None:
+    """The frame's display matrix and its clockwise turn in degrees, [0, 360); None without
+    a matrix, or a degenerate one."""
+    matrix = _display_matrix(frame)
+    if matrix is None:
+        return None
+    m = np.frombuffer(matrix, dtype=np.int32).astype(np.float64)
+    scale0, scale1 = math.hypot(m[0], m[3]), math.hypot(m[1], m[4])
+    if not scale0 or not scale1:
+        return None  # degenerate
+    theta = float(round(math.degrees(math.atan2(m[1] / scale1, m[0] / scale0))))  # clockwise
+    theta -= 360 * math.floor(theta / 360 + 0.9 / 360)
+    return m, theta

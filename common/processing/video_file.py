@@ -34,20 +34,26 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import av
 
 from common.errors import FieldError
 from common.processing.frame_store import PlannedStore, Planner, WholeFrames
-from common.processing.frame_turn import upright_frame
+from common.processing.frame_turn import upright_frame, upright_size
 from common.processing.iso_boxes import MAX_TRACKS, check_mp4
-from common.processing.limits import MIN_FPS, LimitError, check_fps
+from common.processing.limits import LimitError, check_fps
 from common.processing.video import PlannedFrames, TimedFrames, VideoFileError
-from common.processing.video_memory import ASSUMED_FORMAT, pixel_bytes
-from common.processing.video_sampling import Sampling, kept_from_packets, kept_rate, sample_times
+from common.processing.video_header import (
+    MAX_SOURCE_RATE,
+    VideoHeader,
+    check_decoding,
+    check_format,
+    check_header,
+    read_header,
+)
+from common.processing.video_sampling import Sampling, kept_from_packets, kept_rate
 
 # Magic bytes -> the one demuxer allowed to read such a file.
 _MATROSKA_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header: mkv, webm
@@ -56,10 +62,6 @@ _ISO_BOX_TYPES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip")  # mp4, 
 # variable frame rates) before it is refused as lying about its length.
 _FRAME_SLACK = 1.5
 _FRAME_SLACK_MIN = 16
-# The fastest frame rate a file may declare, and the one assumed when it declares none.
-# Frames are decoded in order up to the last sample time, so duration x rate bounds the
-# work; a small file declaring 1000 fps would otherwise have the router decode every one.
-MAX_SOURCE_RATE = 240.0
 _DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 # Opening reads the headers only: FFmpeg's stream probing would otherwise decode the first
 # frames of every stream before any limit is checked (20 streams of 8192x8192 in a 4 MB
@@ -86,18 +88,6 @@ def container_format(data: bytes, field: str) -> str:
     if len(data) >= 8 and data[4:8] in _ISO_BOX_TYPES:
         return "mov"
     raise VideoFileError(field, "is not an mp4, mov, webm or mkv file")
-
-
-@dataclass(frozen=True, slots=True)
-class VideoHeader:
-    """What the headers of a video file say, checked against the limits."""
-
-    width: int  # frame width in pixels
-    height: int  # frame height in pixels
-    duration_s: float  # length of the video stream in seconds
-    rate: float | None  # average frames per second, None when the header has none
-    sample_times: tuple[float, ...]  # seconds (from the stream's start) of the frames to keep
-    pixel_format: str = ASSUMED_FORMAT  # the decoder's, FFmpeg's name
 
 
 class VideoFile:
@@ -136,10 +126,10 @@ class VideoFile:
         it keeps, `kept_from_packets`; where the decoder kept another count, planned for
         that and decoded again, each pass within `max_decoded_pixels`, so that a count
         wrong for a codec costs time, never a refusal decoding whole would not make:
-        ownfixC, s42). `VideoFileError`
-        naming the field on corrupt data or a stream that is not what its header said, or
-        once `ended()` says the request it is for has ended (asked before each frame:
-        decoding is linear, and the thread it runs on is not cancelled)."""
+        ownfixC, s42). `VideoFileError` naming the field on corrupt data or a stream that is
+        not what its header said, or once `ended()` says the request it is for has ended
+        (asked before each frame and every 1024 packets read: decoding is linear, and the
+        thread it runs on is not cancelled)."""
         try:
             self._decoded = 0  # frames decoded, every pass
             count = len(self.header.sample_times)
@@ -150,7 +140,9 @@ class VideoFile:
             assert self._reopen is not None
             # How many frames it keeps, from its packets' times: planned once (ownfixA, s42).
             most, start = self._frame_budget(), self._start()
-            counted = kept_from_packets(self._container, self._sampling(), start, most, ended)
+            stream = self._container.streams.video[0]
+            packets = self._packets(ended)
+            counted = kept_from_packets(packets, stream, self._sampling(), start, most)
             for _ in range(2):
                 count = counted or count
                 self._container.close()
@@ -167,6 +159,23 @@ class VideoFile:
             raise VideoFileError(self.field, f"is not a decodable video ({exc})") from None
         finally:
             self.close()
+
+    def _packets(self, ended: Callable[[], bool] | None) -> Iterator[av.Packet]:
+        """The first video stream's packets, demuxed with every other stream's so that
+        `ended()` is asked every 1024 packets of any (a short video beside a long tail of
+        tiny audio packets was read to its end, seconds of a thread, the request gone:
+        s42diff review, s43). `VideoFileError` once the request has ended."""
+        index = self._container.streams.video[0].index
+        for n, packet in enumerate(self._container.demux()):
+            if n % 1024 == 1023 and ended is not None and ended():
+                raise self._ended()
+            if packet.stream_index == index:
+                yield packet
+
+    def _ended(self) -> VideoFileError:
+        return VideoFileError(
+            self.field, "was still decoding when the request ended (client gone or deadline)"
+        )
 
     def _sampling(self) -> Sampling:
         header = self.header
@@ -187,19 +196,15 @@ class VideoFile:
         self, store: WholeFrames | PlannedStore, ended: Callable[[], bool] | None
     ) -> TimedFrames | PlannedFrames | None:
         header = self.header
-        stream = self._container.streams.video[0]
         start, sampling = self._start(), self._sampling()
         budget = self._frame_budget()
         times: list[float] = []  # of the frames kept (`store`), one per sample time at most
         decoded = 0  # this pass's
         checked = header.pixel_format  # the last frame format checked
         limit = self.max_decoded_pixels
-        for frame in self._container.decode(stream):
+        for frame in (f for packet in self._packets(ended) for f in packet.decode()):
             if ended is not None and ended():
-                raise VideoFileError(
-                    self.field,
-                    "was still decoding when the request ended (client gone or deadline)",
-                )
+                raise self._ended()
             decoded += 1
             self._decoded += 1
             if limit is not None and decoded * header.width * header.height > limit:
@@ -223,11 +228,13 @@ class VideoFile:
                 )
             if frame.format.name != checked:  # every change: an in-band one too (ownfix E)
                 checked = frame.format.name
-                _check_format(checked, header, self.field)
+                check_format(checked, header, self.field)
             if not sampling.keeps(frame.time - start):
                 continue
             if store.wants(len(times)):  # (made RGB and turned only then: ownfixA, s42)
                 store.keep(len(times), upright_frame(frame))
+            else:
+                store.check(upright_size(frame))
             times.append(frame.time - start)
             if sampling.done:
                 break
@@ -296,9 +303,9 @@ def open_video(
             "past it, or its header gives none)",
         )
     try:
-        header = _header(container, fps, max_frames, field)
-        _check_header(header, max_pixels, max_seconds, field)
-        _check_decoding(header, max_decoded_pixels, field)
+        header = read_header(container, fps, max_frames, field)
+        check_header(header, max_pixels, max_seconds, field)
+        check_decoding(header, max_decoded_pixels, field)
     except BaseException:
         container.close()
         raise
@@ -316,78 +323,3 @@ def _unsized(container: av.container.InputContainer) -> bool:
     video = container.streams.video
     codec = video[0].codec_context if video else None
     return codec is not None and (codec.width < 1 or codec.height < 1)
-
-
-def _header(
-    container: av.container.InputContainer, fps: float, max_frames: int, field: str
-) -> VideoHeader:
-    if not container.streams.video:
-        raise VideoFileError(field, "has no video stream")
-    stream = container.streams.video[0]
-    codec = stream.codec_context  # None: a codec this build of FFmpeg does not know
-    if codec is None:
-        raise VideoFileError(field, "has a video stream in a codec this server cannot decode")
-    width, height = codec.width, codec.height
-    if width < 1 or height < 1:
-        raise VideoFileError(field, f"has no frame size in its header ({width}x{height})")
-    if stream.duration and stream.time_base:
-        duration = float(stream.duration * stream.time_base)
-    elif container.duration:
-        duration = container.duration / av.time_base
-    else:
-        raise VideoFileError(field, "has no duration in its header")
-    if not duration > 0 or not math.isfinite(duration):
-        raise VideoFileError(field, f"has a duration of {duration} s")
-    rate = float(stream.average_rate) if stream.average_rate else None
-    if rate is not None and not MIN_FPS <= rate <= MAX_SOURCE_RATE:
-        raise VideoFileError(
-            field,
-            f"declares {rate:g} frames per second; a file may declare {MIN_FPS:g} to "
-            f"{MAX_SOURCE_RATE:g}",
-        )
-    times = sample_times(duration, fps, max_frames)
-    pixel_format = codec.format.name if codec.format is not None else ASSUMED_FORMAT
-    return VideoHeader(width, height, duration, rate, times, pixel_format)
-
-
-def _check_format(name: str, header: VideoHeader, field: str) -> None:
-    """Refuse frames whose pixel format takes more than the one its header's decoding was
-    counted for (`decoder_bytes`)."""
-    if pixel_bytes(name) > pixel_bytes(header.pixel_format):
-        raise VideoFileError(
-            field,
-            f"decodes to {name} frames, wider than the {header.pixel_format} its request's "
-            "memory was counted for",
-        )
-
-
-def _check_decoding(header: VideoHeader, limit: int | None, field: str) -> None:
-    """Refuse a file whose frames up to its last sample time, at the rate its header states,
-    hold more than `limit` pixels (a header with no rate: counted while decoding)."""
-    if limit is None or header.rate is None:
-        return
-    frames = math.ceil(header.sample_times[-1] * header.rate) + 1
-    if frames * header.width * header.height > limit:
-        raise LimitError(
-            field,
-            f"sampling it means decoding {frames} frames of {header.width}x{header.height} "
-            f"to reach {header.sample_times[-1]:.1f} s, past max_video_decoded_pixels = "
-            f"{limit}; send fewer seconds, a lower resolution or its frames",
-        )
-
-
-def _check_header(
-    header: VideoHeader, max_pixels: int | None, max_seconds: float | None, field: str
-) -> None:
-    pixels = header.width * header.height
-    if max_pixels is not None and pixels > max_pixels:
-        raise LimitError(
-            field,
-            f"video of {header.width}x{header.height} = {pixels} pixels per frame exceeds "
-            f"max_image_pixels = {max_pixels}",
-        )
-    if max_seconds is not None and header.duration_s > max_seconds:
-        raise LimitError(
-            field,
-            f"video of {header.duration_s:.1f} s exceeds max_video_seconds = {max_seconds}",
-        )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import av
 
 if TYPE_CHECKING:
-    from common.processing.video_file import VideoHeader
+    from common.processing.video_header import VideoHeader
 
 # A kept frame's pixels (RGB, 3 bytes each). While a file decodes, FFmpeg holds up to 16
 # reference frames and a few more in the stream's own format, and the conversion to RGB

@@ -14,12 +14,14 @@ sample time, a file that kept fewer was decoded a second time: ownfixA review, s
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
 
 import av
 
+from common.errors import FieldError
 from common.processing.limits import MIN_FPS
 
 
@@ -49,39 +51,45 @@ class Sampling:
 
 
 def kept_from_packets(
-    container: Any,
-    sampling: Sampling,
-    start: float,
-    most: int,
-    ended: Callable[[], bool] | None = None,
+    packets: Iterable[av.Packet], stream: Any, sampling: Sampling, start: float, most: int
 ) -> int | None:
-    """How many frames `sampling` keeps of the first video stream of `container`, from its
-    packets' presentation times (demuxed, nothing decoded; the container is read to its
-    end), from its first keyframe on (a decoder drops what comes before it: a recording
-    cut mid-GOP; ownfixB review, s42). None where a packet has no time, past `most` packets
-    (decoding refuses such a stream), where the demuxer fails (a corrupt tail decoding may
-    never reach) and where none is kept: planned for every sample time then. `ended()`
-    (asked every 1024 packets): the request has ended, None at once."""
-    stream = container.streams.video[0]
-    times: list[float] = []
-    keyed = False
+    """How many frames `sampling` keeps of video `stream`, from the presentation times of
+    its `packets` (demuxed, nothing decoded), from its first keyframe on (a decoder drops
+    what comes before it: a recording cut mid-GOP; ownfixB review, s42). The packets are
+    read until the sampling is done, as decoding stops there (no packet is shown before it
+    is decoded, and decoding is in order: the times before a packet's decoding time are
+    final; a file giving no decoding times is read to its end). None where a packet has no
+    time, past `most` packets (decoding refuses such a stream), where the demuxer fails (a
+    corrupt tail decoding may never reach) and where none is kept: planned for every
+    sample time then."""
+    pending: list[float] = []  # times not yet run through the rule, a heap
+    counted = kept = 0
+    keyed, first = False, 0
     try:
-        for n, packet in enumerate(container.demux(stream)):
-            if n % 1024 == 1023 and ended is not None and ended():
-                return None
-            keyed = keyed or packet.is_keyframe
+        for packet in packets:
+            if not keyed and packet.is_keyframe and packet.pts is not None:
+                keyed, first = True, packet.pts
             if not packet.size or not keyed or packet.is_discard:  # (size 0: the end)
                 continue
-            if packet.pts is None or len(times) == most:
+            if packet.pts is None or counted == most:
                 return None
-            times.append(float(packet.pts * stream.time_base) - start)
+            if packet.pts < first:
+                continue
+            counted += 1
+            heapq.heappush(pending, float(packet.pts * stream.time_base) - start)
+            if packet.dts is None:
+                continue
+            decoded = float(packet.dts * stream.time_base) - start
+            while pending and pending[0] <= decoded:
+                kept += sampling.keeps(heapq.heappop(pending))
+                if sampling.done:
+                    return kept
+    except FieldError:
+        raise  # (the request ended)
     except (av.FFmpegError, OSError, ValueError, EOFError):  # past what decoding reads, maybe
         return None
-    kept = 0
-    for t in sorted(times):
-        kept += sampling.keeps(t)
-        if sampling.done:
-            break
+    while pending and not sampling.done:
+        kept += sampling.keeps(heapq.heappop(pending))
     return kept or None
 
 
