@@ -132,6 +132,41 @@ async def test_a_stream_nobody_reads_ends_at_its_time(spec: str) -> None:
     assert closed.is_set() and len(sent) == 4
 
 
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+async def test_a_drain_running_out_as_a_stream_ends_sends_nothing_after_its_end(spec: str) -> None:
+    # The drain's timeout landing as the last body message went out: its "router is
+    # stopping" event was sent after it, and uvicorn logged a traceback (s42diff F3, s43).
+    from common.server.lifecycle import ServerLifecycle
+    from router.http.stream import TimedStream
+    from router.stopping import Stopping
+
+    stopping = Stopping(ServerLifecycle(), grace_s=0.2)
+    ends: list[asyncio.Task] = []
+
+    async def body() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+        yield "data: [DONE]\n\n"
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            ends.append(asyncio.create_task(stopping.end()))  # the drain runs out now
+            await asyncio.sleep(0.05)
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    response = TimedStream(body(), 60.0, stopping, lambda: "data: STOPPING\n\n")
+    scope = {"type": "http", "asgi": {"spec_version": spec}}
+    await asyncio.wait_for(response(scope, receive, send), 5)
+    await asyncio.gather(*ends)
+    assert [m.get("more_body") for m in sent if m["type"] == "http.response.body"][-1] is False
+    assert b"STOPPING" not in b"".join(m.get("body", b"") for m in sent)
+
+
 async def test_hanging_up_while_media_urls_are_fetched_stops_the_fetches(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -167,11 +167,13 @@ class TimedStream(StreamingResponse):
         self.stopped = stopped  # the event that then ends it (`router.stopping`), made then
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        started = False
+        started = ended = False
 
         async def sending(message: Any) -> None:
-            nonlocal started
+            nonlocal started, ended
             started = started or message["type"] == "http.response.start"
+            body = message["type"] == "http.response.body"
+            ended = ended or (body and not message.get("more_body", False))  # (before: sent)
             await send(message)
 
         try:
@@ -181,6 +183,8 @@ class TimedStream(StreamingResponse):
         except TimeoutError:
             if isinstance(self.body_iterator, AsyncGenerator):  # its request's `finally`s
                 await self.body_iterator.aclose()
+            if ended:  # the time ran out as its end went out: nothing may follow (s42diff F3)
+                return
             if self.stopping.now and started:  # its last event, then the end of its body
                 with contextlib.suppress(TimeoutError):  # (a client not reading: cut)
                     async with asyncio.timeout(self.stopping.grace_s / 2):
