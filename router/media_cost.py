@@ -23,6 +23,7 @@ to refuse.
 from __future__ import annotations
 
 import functools
+import math
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.frame_store import Planner
@@ -98,10 +99,10 @@ class MediaCost:
         plan = self._plan(count, kept_rate(header.duration_s, fps, count), width, height, field)
         h, w = plan.size
         # A file may keep fewer frames than its header's sample times (a slower source, gaps),
-        # planned for those: fewer and larger, within the processor's video_max_pixels (their
-        # codes 4/3 of it, padded), where the header's plan may round far below it (1.47x
-        # held as counted: ownfixA review, s42).
-        most = min(s.video_max_pixels, count * width * height)
+        # planned for those: fewer and larger (`_most_resized`), their codes 4/3 of that,
+        # padded, where the header's plan may round far below it (1.47x held as counted:
+        # ownfixA review, s42).
+        most = _most_resized(s, width, height, count)
         resized = max(len(plan.indices) * h * w, most) * FRAME_BYTES_PER_PIXEL
         self.budget.add_bytes(resized, field)
         codes = self._add(h, w, len(plan.padded) // s.temporal_patch_size, field)
@@ -143,3 +144,20 @@ class MediaCost:
                 "one generated token must fit too",
             )
         return codes
+
+
+def _most_resized(s: ProcessorSettings, width: int, height: int, count: int) -> int:
+    """The most resized pixels a plan of at most `count` frames of `width` x `height` holds:
+    `video_max_pixels`, or where fewer frames fit it unshrunk, those frames (a side below
+    the patch factor scaled up to it, each rounded up to it); and a count of 4k + 1 frames
+    is checked against the cap as 4k (an even count), so may pass it by 1/4k (s42diff
+    review, s43: 5 frames of a tall file held 1.19x the cap, 1.12x what was reserved)."""
+    f, cap = s.factor, s.video_max_pixels
+    up = max(1.0, f / width, f / height)
+    frame = math.ceil(int(width * up) / f) * f * math.ceil(int(height * up) / f) * f
+    most = min(cap, count * frame)
+    for n in range(5, count + 1, 4):  # up to the first whose frames reach the cap
+        most = max(most, min(n * frame, cap * n // (n - 1)))
+        if n * frame >= cap:
+            break
+    return most
