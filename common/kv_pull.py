@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.cpu import torch_thread
 from common.errors import NO_READ_STARTED
 from common.kv.allocator import ImportPlan
 from common.kv.digest import cache_block_digests
@@ -45,7 +46,9 @@ from epd.v1 import kv_pb2
 logger = logging.getLogger(__name__)
 
 PULL_THREADS = 32  # READs in flight at once, per process (each mostly waits on its holder)
-_pulls = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-kv-pull")
+_pulls = ThreadPoolExecutor(
+    PULL_THREADS, thread_name_prefix="epd-kv-pull", initializer=torch_thread
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from common.cpu import torch_thread
 from common.handoff import EMBEDDINGS_LOST, Handoff, read_handoff
 from common.models.runner import LmRunner
 from common.multimodal.validation import MultimodalLayoutError
@@ -46,7 +47,9 @@ from epd.v1 import multimodal_pb2, tensor_pb2
 logger = logging.getLogger(__name__)
 
 PULL_THREADS = 32  # handoffs being read at once, per process (each mostly waits on encoders)
-_pulls = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="epd-embedding-pull")
+_pulls = ThreadPoolExecutor(
+    PULL_THREADS, thread_name_prefix="epd-embedding-pull", initializer=torch_thread
+)
 
 
 class EmbeddingPulls:

@@ -136,6 +136,30 @@ def test_a_worker_process_applies_its_placement() -> None:
         assert out[2].strip() == str(list(pinned))
 
 
+@pytest.mark.skipif(len(available_cores()) < 2, reason="one core: no team to start")
+def test_threads_running_torch_take_the_processs_thread_count() -> None:
+    # A pull thread whose first torch call was a matrix product (a digest) started an
+    # OpenMP team of a thread per core, spinning between calls (perf14 review, s43).
+    code = (
+        "import os, torch\n"
+        "from common.kv_pull import _pulls\n"
+        "from common.models.model_thread import ModelThread\n"
+        "from prefill_worker.embeddings import _pulls as embeddings\n"
+        "torch.set_num_threads(1)\n"
+        "a = torch.randn(128, 128)\n"
+        "def product():\n"
+        "    before = len(os.listdir('/proc/self/task'))\n"
+        "    a @ a\n"
+        "    return len(os.listdir('/proc/self/task')) - before\n"
+        "model = ModelThread()\n"
+        "print([p.submit(product).result() for p in (_pulls, embeddings, model._executor)])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out.split("\n")[-2] == "[0, 0, 0]", out
+
+
 async def test_waiting_names_the_workers_ray_cannot_place(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.test_pools import FakeActorClass
 

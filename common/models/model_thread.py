@@ -15,6 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from common.cpu import torch_thread
+
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
@@ -30,7 +32,9 @@ class ModelThread:
     """
 
     def __init__(self, name: str = "epd-model") -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=name, initializer=torch_thread
+        )
 
     async def call(
         self,
