@@ -347,3 +347,32 @@ def test_a_frame_the_plan_does_not_sample_turned_differently_is_refused(processo
         planned = open_video(buf.getvalue(), fps=8.0, max_frames=768, planner=planner)
         with pytest.raises(VideoFileError, match="turns its frames differently as it plays"):
             planned.decode()
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_video_after_other_streams_keeps_its_last_frames(processor, attached):
+    # Its decoder's flush packet names stream 0 (PyAV's, at the end): read by that index, a
+    # video after an audio stream lost the B-frames its decoder held at the end, and an
+    # attachment's flush packet was decoded, an AttributeError (ownfixA review, s43).
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        audio = container.add_stream("pcm_s16le", rate=8000)
+        video = container.add_stream("libx264", rate=8)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        video.options = {"bframes": "3"}
+        if attached:
+            container.add_attachment("font.ttf", "application/x-truetype-font", b"\0" * 100)
+        rng = np.random.default_rng(0)
+        base = rng.integers(0, 256, (48, 64, 3), np.uint8)
+        mux_frames(
+            container, video, [np.roll(base, 3 * k, axis=1) for k in range(24)], Fraction(1, 8)
+        )
+        sound = av.AudioFrame.from_ndarray(
+            np.zeros((1, 8800), np.int16), format="s16", layout="mono"
+        )
+        sound.sample_rate, sound.pts, sound.time_base = 8000, 0, Fraction(1, 8000)
+        for packet in [*audio.encode(sound), *audio.encode()]:  # 0.1 s past the video
+            container.mux(packet)
+    whole, planned = both(processor, buf.getvalue(), fps=8.0, max_frames=768)
+    assert len(whole.times) == 24 and whole.times[-1] == pytest.approx(23 / 8)
+    assert_same(processor, whole, planned)

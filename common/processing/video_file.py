@@ -169,7 +169,7 @@ class VideoFile:
         for n, packet in enumerate(self._container.demux()):
             if n % 1024 == 1023 and ended is not None and ended():
                 raise self._ended()
-            if packet.stream_index == index:
+            if packet.stream.index == index:  # (the end's flush packets: stream_index 0)
                 yield packet
 
     def _ended(self) -> VideoFileError:
