@@ -56,8 +56,8 @@ def test_every_numeric_setting_refuses_negative_nan_and_overflow(role: str) -> N
     with pytest.raises(SettingsError, match="max_message_mb"):  # a C int in gRPC's options
         dataclasses.replace(base, max_message_mb=2048).check()
     with pytest.raises(SettingsError, match="grpc_max_connections"):  # so is this (s42diff)
-        dataclasses.replace(base, grpc_max_connections=1 << 31).check()
-    dataclasses.replace(base, grpc_max_connections=(1 << 31) - 1).check()
+        dataclasses.replace(base, grpc_max_connections=(1 << 31) - 1).check()  # an abort
+    dataclasses.replace(base, grpc_max_connections=(1 << 31) - 2).check()
     if role == "prefill":
         with pytest.raises(SettingsError, match="prefill_chunk"):
             dataclasses.replace(base, prefill_chunk=0).check()

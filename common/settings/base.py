@@ -100,8 +100,8 @@ class ServerSettings:
         check_not_negative(self, "grpc_max_connections")
         if self.max_message_mb > MAX_MESSAGE_MB:  # gRPC takes the bytes as a C int
             raise SettingsError(f"max_message_mb: must be at most {MAX_MESSAGE_MB}")
-        if self.grpc_max_connections > MAX_C_INT:  # so does it take this
-            raise SettingsError(f"grpc_max_connections: must be at most {MAX_C_INT}")
+        if self.grpc_max_connections >= MAX_C_INT:  # a C int, and gRPC aborts at its top
+            raise SettingsError(f"grpc_max_connections: must be at most {MAX_C_INT - 1}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise SettingsError("metrics_port: must be between 0 and 65535")
         check_distinct_ports(self, "port", "metrics_port")
