@@ -133,9 +133,12 @@ async def test_a_stream_nobody_reads_ends_at_its_time(spec: str) -> None:
 
 
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])
-async def test_a_drain_running_out_as_a_stream_ends_sends_nothing_after_its_end(spec: str) -> None:
+@pytest.mark.parametrize("waiting", [False, True])
+async def test_a_drain_running_out_as_a_stream_ends_ends_it_once(spec: str, waiting: bool) -> None:
     # The drain's timeout landing as the last body message went out: its "router is
     # stopping" event was sent after it, and uvicorn logged a traceback (s42diff F3, s43).
+    # Landing while that message waits for the client to read (uvicorn waits, then writes),
+    # the event is the body's end instead (ownfixA F4, s43).
     from common.server.lifecycle import ServerLifecycle
     from router.http.stream import TimedStream
     from router.stopping import Stopping
@@ -150,10 +153,11 @@ async def test_a_drain_running_out_as_a_stream_ends_sends_nothing_after_its_end(
     sent: list[dict] = []
 
     async def send(message: dict) -> None:
-        sent.append(message)
         if message["type"] == "http.response.body" and not message.get("more_body"):
             ends.append(asyncio.create_task(stopping.end()))  # the drain runs out now
-            await asyncio.sleep(0.05)
+            if waiting:
+                await asyncio.sleep(0.05)  # the client reads nothing: not written
+        sent.append(message)
 
     async def receive() -> dict:
         await asyncio.Event().wait()
@@ -163,8 +167,10 @@ async def test_a_drain_running_out_as_a_stream_ends_sends_nothing_after_its_end(
     scope = {"type": "http", "asgi": {"spec_version": spec}}
     await asyncio.wait_for(response(scope, receive, send), 5)
     await asyncio.gather(*ends)
-    assert [m.get("more_body") for m in sent if m["type"] == "http.response.body"][-1] is False
-    assert b"STOPPING" not in b"".join(m.get("body", b"") for m in sent)
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert [m.get("more_body", False) for m in bodies][-1] is False
+    assert sum(not m.get("more_body", False) for m in bodies) == 1  # one end, the last
+    assert (b"STOPPING" in bodies[-1]["body"]) is waiting
 
 
 async def test_hanging_up_while_media_urls_are_fetched_stops_the_fetches(

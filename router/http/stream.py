@@ -172,9 +172,9 @@ class TimedStream(StreamingResponse):
         async def sending(message: Any) -> None:
             nonlocal started, ended
             started = started or message["type"] == "http.response.start"
+            await send(message)  # (a client not reading: it may never return)
             body = message["type"] == "http.response.body"
-            ended = ended or (body and not message.get("more_body", False))  # (before: sent)
-            await send(message)
+            ended = ended or (body and not message.get("more_body", False))
 
         try:
             async with asyncio.timeout(self.seconds) as timeout:
