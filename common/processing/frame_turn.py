@@ -15,14 +15,14 @@ from typing import Any
 
 import av
 import numpy as np
-from av.sidedata.sidedata import SideDataContainer
+from av.sidedata.sidedata import SideDataContainer, Type
 
 
 def _display_matrix(frame: av.VideoFrame) -> bytes | None:
     """The frame's display matrix (nine int32), None when it has none."""
     sides: Any = SideDataContainer(frame)  # type: ignore[call-arg]  # (its stub takes none)
-    found = next((s for s in sides if s.type.name == "DISPLAYMATRIX"), None)
-    return None if found is None else bytes(found)
+    found = sides.get(Type.DISPLAYMATRIX)  # (iterating it gives its data before PyAV 18.1.1,
+    return None if found is None else bytes(found)  # its types from then: get is both's)
 
 
 def upright_frame(frame: av.VideoFrame) -> np.ndarray:
