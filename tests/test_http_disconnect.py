@@ -173,6 +173,42 @@ async def test_a_drain_running_out_as_a_stream_ends_ends_it_once(spec: str, wait
     assert (b"STOPPING" in bodies[-1]["body"]) is waiting
 
 
+async def test_a_drain_running_out_before_a_streams_start_is_taken_sends_no_body() -> None:
+    # A client that pipelines and reads nothing: the status line waits. Taken as sent, the
+    # stopping event went out as a body with no status line before it, and uvicorn answered
+    # 500 with a traceback (ownfixB G2, s43).
+    from common.server.lifecycle import ServerLifecycle
+    from router.http.stream import TimedStream
+    from router.stopping import Stopping
+
+    stopping = Stopping(ServerLifecycle(), grace_s=0.2)
+
+    async def body() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            await asyncio.Event().wait()  # the client reads nothing: never written
+        sent.append(message)
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    async def drain_runs_out() -> None:
+        await asyncio.sleep(0.05)
+        await stopping.end()
+
+    response = TimedStream(body(), 60.0, stopping, lambda: "data: STOPPING\n\n")
+    ends = asyncio.create_task(drain_runs_out())
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    await asyncio.wait_for(response(scope, receive, send), 5)
+    await ends
+    assert sent == []
+
+
 async def test_hanging_up_while_media_urls_are_fetched_stops_the_fetches(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -171,8 +171,8 @@ class TimedStream(StreamingResponse):
 
         async def sending(message: Any) -> None:
             nonlocal started, ended
+            await send(message)  # (a client not reading: it may never return, unsent)
             started = started or message["type"] == "http.response.start"
-            await send(message)  # (a client not reading: it may never return)
             body = message["type"] == "http.response.body"
             ended = ended or (body and not message.get("more_body", False))
 
@@ -191,6 +191,8 @@ class TimedStream(StreamingResponse):
                         await send({"type": "http.response.body", "body": self.stopped().encode()})
                         return
                 logger.info("a stopping router's last event was not taken: connection closed")
+            elif self.stopping.now:  # (its status line not taken either: ownfixB G2, s43)
+                logger.info("a stopping router's answer was not taken: connection closed")
             else:
                 logger.info(
                     "an answer was not taken within %.0f s: its connection is closed",
