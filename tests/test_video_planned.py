@@ -284,6 +284,25 @@ def test_counting_stops_where_the_sampling_is_done():
     assert len(pulled) == 5  # to the frame at 0.5 s
 
 
+def test_counting_with_guessed_decoding_times_counts_every_time():
+    # FFmpeg guesses the first decoding times of some mkv files (two video streams, B-frames):
+    # stepped by them, the count passed times still to come, 22 where 24 were kept, and the
+    # file was decoded twice (ownfixB review, s43).
+    from types import SimpleNamespace
+
+    from common.processing.video_sampling import Sampling, kept_from_packets, sample_times
+
+    order = [(0, 0), (5, 5), (3, None), (4, 3), (1, 4), (2, 5), *((k, k) for k in range(6, 24))]
+
+    def packets():  # (pts, dts) in 1/8 s, in decoding order
+        for pts, dts in order:
+            yield SimpleNamespace(size=1, pts=pts, dts=dts, is_keyframe=pts == 0, is_discard=False)
+
+    sampling = Sampling(sample_times(3.0, 8.0, 768), 3.0, 8.0)
+    stream = SimpleNamespace(time_base=Fraction(1, 8))
+    assert kept_from_packets(packets(), stream, sampling, 0.0, 10_000) == 24
+
+
 def test_a_frame_the_plan_does_not_sample_turned_differently_is_refused(processor):
     # Its turn is read from its display matrix, its pixels not made: planned, such a file
     # was accepted where decoding whole refuses it (s42diff review, s43). Every frame but

@@ -14,6 +14,7 @@ sample time, a file that kept fewer was decoded a second time: ownfixA review, s
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections.abc import Iterable
@@ -62,8 +63,10 @@ def kept_from_packets(
     time, past `most` packets (decoding refuses such a stream), where the demuxer fails (a
     corrupt tail decoding may never reach) and where none is kept: planned for every
     sample time then."""
+    fresh = copy.copy(sampling)  # for a count over every time, where decoding times lied
+    times: list[float] = []  # every time counted
     pending: list[float] = []  # times not yet run through the rule, a heap
-    counted = kept = 0
+    kept, last, ordered = 0, -math.inf, True  # `last`: the latest time run through it
     keyed, first = False, 0
     try:
         for packet in packets:
@@ -71,23 +74,32 @@ def kept_from_packets(
                 keyed, first = True, packet.pts
             if not packet.size or not keyed or packet.is_discard:  # (size 0: the end)
                 continue
-            if packet.pts is None or counted == most:
+            if packet.pts is None or len(times) == most:
                 return None
             if packet.pts < first:
                 continue
-            counted += 1
-            heapq.heappush(pending, float(packet.pts * stream.time_base) - start)
+            times.append(float(packet.pts * stream.time_base) - start)
+            # One shown before a time already counted: its decoding times were guessed
+            # (FFmpeg's, for some mkv files; ownfixB review, s43): read to the end, sorted.
+            ordered = ordered and times[-1] >= last
+            if not ordered:
+                continue
+            heapq.heappush(pending, times[-1])
             if packet.dts is None:
                 continue
             decoded = float(packet.dts * stream.time_base) - start
             while pending and pending[0] <= decoded:
-                kept += sampling.keeps(heapq.heappop(pending))
+                last = heapq.heappop(pending)
+                kept += sampling.keeps(last)
                 if sampling.done:
                     return kept
     except FieldError:
         raise  # (the request ended)
     except (av.FFmpegError, OSError, ValueError, EOFError):  # past what decoding reads, maybe
         return None
+    if not ordered:
+        kept, sampling, pending = 0, fresh, times
+        heapq.heapify(pending)
     while pending and not sampling.done:
         kept += sampling.keeps(heapq.heappop(pending))
     return kept or None
