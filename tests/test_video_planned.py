@@ -269,7 +269,12 @@ def test_counting_stops_where_the_sampling_is_done():
     # long tail of other packets was read to its end first (s42diff review, s43).
     from types import SimpleNamespace
 
-    from common.processing.video_sampling import Sampling, kept_from_packets, sample_times
+    from common.processing.video_sampling import (
+        REORDER_DEPTH,
+        Sampling,
+        kept_from_packets,
+        sample_times,
+    )
 
     pulled = []
 
@@ -281,7 +286,7 @@ def test_counting_stops_where_the_sampling_is_done():
     sampling = Sampling(sample_times(1.0, 2.0, 768), 1.0, 8.0)  # at 0 and 0.5 s
     stream = SimpleNamespace(time_base=Fraction(1, 8))
     assert kept_from_packets(packets(), stream, sampling, 0.0, 10_000) == 2
-    assert len(pulled) == 5  # to the frame at 0.5 s
+    assert len(pulled) == 5 + REORDER_DEPTH + 1  # to the frame at 0.5 s, and a decoder's depth
 
 
 def test_counting_with_guessed_decoding_times_counts_every_time():
@@ -301,6 +306,11 @@ def test_counting_with_guessed_decoding_times_counts_every_time():
     sampling = Sampling(sample_times(3.0, 8.0, 768), 3.0, 8.0)
     stream = SimpleNamespace(time_base=Fraction(1, 8))
     assert kept_from_packets(packets(), stream, sampling, 0.0, 10_000) == 24
+    # Six frames: the sampling was done before the packet showing the times were guessed
+    # (2 of 6 counted; ownfixC review, s43).
+    del order[6:]
+    sampling = Sampling(sample_times(0.75, 8.0, 768), 0.75, 8.0)
+    assert kept_from_packets(packets(), stream, sampling, 0.0, 10_000) == 6
 
 
 def test_a_frame_the_plan_does_not_sample_turned_differently_is_refused(processor):

@@ -25,6 +25,8 @@ import av
 from common.errors import FieldError
 from common.processing.limits import MIN_FPS
 
+REORDER_DEPTH = 16  # the most frames a decoder holds back to show in order (H.264, HEVC)
+
 
 class Sampling:
     """The keep rule of one file's sample times (module docstring)."""
@@ -67,6 +69,7 @@ def kept_from_packets(
     times: list[float] = []  # every time counted
     pending: list[float] = []  # times not yet run through the rule, a heap
     kept, last, ordered = 0, -math.inf, True  # `last`: the latest time run through it
+    past = 0  # packets read once the sampling was done
     keyed, first = False, 0
     try:
         for packet in packets:
@@ -81,18 +84,22 @@ def kept_from_packets(
             times.append(float(packet.pts * stream.time_base) - start)
             # One shown before a time already counted: its decoding times were guessed
             # (FFmpeg's, for some mkv files; ownfixB review, s43): read to the end, sorted.
+            # Done, a decoder's reordering depth more is read to see that (ownfixC, s43).
             ordered = ordered and times[-1] >= last
             if not ordered:
+                continue
+            if sampling.done:
+                past += 1
+                if past > REORDER_DEPTH:
+                    return kept
                 continue
             heapq.heappush(pending, times[-1])
             if packet.dts is None:
                 continue
             decoded = float(packet.dts * stream.time_base) - start
-            while pending and pending[0] <= decoded:
+            while pending and pending[0] <= decoded and not sampling.done:
                 last = heapq.heappop(pending)
                 kept += sampling.keeps(last)
-                if sampling.done:
-                    return kept
     except FieldError:
         raise  # (the request ended)
     except (av.FFmpegError, OSError, ValueError, EOFError):  # past what decoding reads, maybe
