@@ -126,7 +126,7 @@ async def test_a_stream_nobody_reads_ends_at_its_time(spec: str) -> None:
         await asyncio.Event().wait()
         return {}
 
-    response = TimedStream(body(), 0.3, Stopping(ServerLifecycle()), str)
+    response = TimedStream(body(), 0.3, Stopping(ServerLifecycle()), dict)
     scope = {"type": "http", "asgi": {"spec_version": spec}}
     await asyncio.wait_for(response(scope, receive, send), 5)
     assert closed.is_set() and len(sent) == 4
@@ -163,7 +163,7 @@ async def test_a_drain_running_out_as_a_stream_ends_ends_it_once(spec: str, wait
         await asyncio.Event().wait()
         return {}
 
-    response = TimedStream(body(), 60.0, stopping, lambda: "data: STOPPING\n\n")
+    response = TimedStream(body(), 60.0, stopping, lambda: {"error": "STOPPING"})
     scope = {"type": "http", "asgi": {"spec_version": spec}}
     await asyncio.wait_for(response(scope, receive, send), 5)
     await asyncio.gather(*ends)
@@ -173,10 +173,14 @@ async def test_a_drain_running_out_as_a_stream_ends_ends_it_once(spec: str, wait
     assert (b"STOPPING" in bodies[-1]["body"]) is waiting
 
 
-async def test_a_drain_running_out_before_a_streams_start_is_taken_sends_no_body() -> None:
+@pytest.mark.parametrize("reads_soon", [False, True])
+async def test_a_drain_running_out_before_a_streams_start_is_taken_answers_503(
+    reads_soon: bool,
+) -> None:
     # A client that pipelines and reads nothing: the status line waits. Taken as sent, the
     # stopping event went out as a body with no status line before it, and uvicorn answered
-    # 500 with a traceback (ownfixB G2, s43).
+    # 500 with a traceback (ownfixB G2, s43); one that reads within the grace gets a 503
+    # saying why (ownfixC C2, s43).
     from common.server.lifecycle import ServerLifecycle
     from router.http.stream import TimedStream
     from router.stopping import Stopping
@@ -189,7 +193,7 @@ async def test_a_drain_running_out_before_a_streams_start_is_taken_sends_no_body
     sent: list[dict] = []
 
     async def send(message: dict) -> None:
-        if message["type"] == "http.response.start":
+        if message["type"] == "http.response.start" and not (reads_soon and stopping.now):
             await asyncio.Event().wait()  # the client reads nothing: never written
         sent.append(message)
 
@@ -201,12 +205,16 @@ async def test_a_drain_running_out_before_a_streams_start_is_taken_sends_no_body
         await asyncio.sleep(0.05)
         await stopping.end()
 
-    response = TimedStream(body(), 60.0, stopping, lambda: "data: STOPPING\n\n")
+    response = TimedStream(body(), 60.0, stopping, lambda: {"error": "STOPPING"})
     ends = asyncio.create_task(drain_runs_out())
     scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
     await asyncio.wait_for(response(scope, receive, send), 5)
     await ends
-    assert sent == []
+    if not reads_soon:
+        assert sent == []
+        return
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 503 and json.loads(sent[1]["body"]) == {"error": "STOPPING"}
 
 
 async def test_hanging_up_while_media_urls_are_fetched_stops_the_fetches(

@@ -55,7 +55,7 @@ from router.http.errors import ApiError, api_error, model_not_found
 from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
-from router.http.stream import Answer, TimedStream, events, sse
+from router.http.stream import Answer, TimedStream, events
 from router.outcomes import refused_before
 from router.prepare_threads import LIGHT_BODY_BYTES
 from router.request_bytes import decoded_bytes
@@ -308,11 +308,11 @@ async def _unless_gone(
         del task, gone, work  # body and its media until a garbage collection (ownfixC C1)
 
 
-def _stopped() -> str:
-    """A stream's last event where the router's drain runs out (`router.stopping`): a
+def _stopped() -> dict[str, Any]:
+    """A stream's error body where the router's drain runs out (`router.stopping`): a
     function of nothing the request holds (a closure over the body kept it in a cycle with
     a stream whose client left: `test_refusal_memory`)."""
-    return sse(api_error(RouterError(grpc.StatusCode.UNAVAILABLE, STOPPING)).body())
+    return api_error(RouterError(grpc.StatusCode.UNAVAILABLE, STOPPING)).body()
 
 
 async def _disconnect(raw: Request) -> None:

@@ -147,6 +147,13 @@ async def events(
     yield sse("[DONE]")
 
 
+_JSON = [(b"content-type", b"application/json")]
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
 class TimedStream(StreamingResponse):
     """A streamed response that ends within `seconds`, sent or not: a client that stops
     reading holds its connection, its held bytes and the router's drain only so long (its
@@ -159,12 +166,12 @@ class TimedStream(StreamingResponse):
         content: AsyncIterator[str],
         seconds: float,
         stopping: Stopping,
-        stopped: Callable[[], str],
+        stopped: Callable[[], dict[str, Any]],
     ) -> None:
         super().__init__(content, media_type="text/event-stream")
         self.seconds = seconds
         self.stopping = stopping  # the router's: ends the answer when its drain runs out
-        self.stopped = stopped  # the event that then ends it (`router.stopping`), made then
+        self.stopped = stopped  # the error body that then ends it (`router.stopping`), made then
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         started = ended = False
@@ -188,11 +195,18 @@ class TimedStream(StreamingResponse):
             if self.stopping.now and started:  # its last event, then the end of its body
                 with contextlib.suppress(TimeoutError):  # (a client not reading: cut)
                     async with asyncio.timeout(self.stopping.grace_s / 2):
-                        await send({"type": "http.response.body", "body": self.stopped().encode()})
+                        await send(
+                            {"type": "http.response.body", "body": sse(self.stopped()).encode()}
+                        )
                         return
                 logger.info("a stopping router's last event was not taken: connection closed")
-            elif self.stopping.now:  # (its status line not taken either: ownfixB G2, s43)
-                logger.info("a stopping router's answer was not taken: connection closed")
+            elif self.stopping.now:  # its status line not taken either (ownfixB G2, s43): a
+                with contextlib.suppress(TimeoutError):  # 503 for a client that reads soon
+                    async with asyncio.timeout(self.stopping.grace_s / 2):  # (ownfixC C2)
+                        await send({"type": "http.response.start", "status": 503, "headers": _JSON})
+                        await send({"type": "http.response.body", "body": _json(self.stopped())})
+                        return
+                logger.info("a stopping router's answer was not taken: its client reads nothing")
             else:
                 logger.info(
                     "an answer was not taken within %.0f s: its connection is closed",
