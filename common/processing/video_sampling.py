@@ -61,7 +61,8 @@ def kept_from_packets(
     what comes before it: a recording cut mid-GOP; ownfixB review, s42). The packets are
     read until the sampling is done, as decoding stops there (no packet is shown before it
     is decoded, and decoding is in order: the times before a packet's decoding time are
-    final; a file giving no decoding times is read to its end). None where a packet has no
+    final; a file giving no decoding times is read to its end), and `REORDER_DEPTH` more,
+    to the end where one shows those decoding times were guessed. None where a packet has no
     time, past `most` packets (decoding refuses such a stream), where the demuxer fails (a
     corrupt tail decoding may never reach) and where none is kept: planned for every
     sample time then."""
