@@ -110,7 +110,7 @@ class PlannedStore:
 
 
 def _same_turn(first: tuple[int, ...], size: tuple[int, ...], field: str) -> None:
-    if tuple(size) != tuple(first):
+    if size != first:
         raise VideoFileError(field, "turns its frames differently as it plays")
 
 

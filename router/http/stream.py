@@ -150,10 +150,6 @@ async def events(
 _JSON = [(b"content-type", b"application/json")]
 
 
-def _json(body: dict[str, Any]) -> bytes:
-    return json.dumps(body).encode()
-
-
 class TimedStream(StreamingResponse):
     """A streamed response that ends within `seconds`, sent or not: a client that stops
     reading holds its connection, its held bytes and the router's drain only so long (its
@@ -204,7 +200,8 @@ class TimedStream(StreamingResponse):
                 with contextlib.suppress(TimeoutError):  # 503 for a client that reads soon
                     async with asyncio.timeout(self.stopping.grace_s / 2):  # (ownfixC C2)
                         await send({"type": "http.response.start", "status": 503, "headers": _JSON})
-                        await send({"type": "http.response.body", "body": _json(self.stopped())})
+                        why = json.dumps(self.stopped()).encode()
+                        await send({"type": "http.response.body", "body": why})
                         return
                 logger.info("a stopping router's answer was not taken: its client reads nothing")
             else:
