@@ -126,17 +126,19 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
         holds: int = 0,
         fit_max_tokens: bool = False,
         arrived: float | None = None,
+        budget_from: float | None = None,
     ) -> AsyncGenerator[router_service_pb2.GenerateResponse, None]:
         """Stream the answer to one chat for `caller` (its tenant salts the caches) within
-        `client_left` seconds (None: `request_timeout_s`; `Orchestrator.run` says what the
-        chunks hold). Media held in `held` beside its `holds` bytes (`MediaHold.holding`);
-        `fit_max_tokens`: `max_tokens` is the default, cut to the context left; `arrived`
-        (time.monotonic()): TTFT's start, before an HTTP body was read. Raises RouterError,
-        or RpcStatusError while draining. The gRPC Generate and the HTTP API run this."""
+        `request_timeout_s` from `budget_from` (None: now) or the client's `client_left` s
+        (`Orchestrator.run` says what the chunks hold); media held beside `holds` bytes;
+        `fit_max_tokens`: `max_tokens` is the default, cut to the context left; `arrived`:
+        TTFT's start. Raises RouterError, or RpcStatusError while draining."""
         request_id = shown_id(request.request_id) or uuid.uuid4().hex  # as logs show it
-        started = time.monotonic()
-        budget = self.settings.request_timeout_s
-        deadline = started + (budget if client_left is None else min(budget, client_left))
+        started, budget = time.monotonic(), self.settings.request_timeout_s
+        own = (started if budget_from is None else budget_from) + budget
+        if client_left is not None and started + client_left >= own:
+            client_left = None  # the router's own budget ends first: the error names it
+        deadline = own if client_left is None else started + client_left
         gone = threading.Event()  # set once this coroutine is done with `_prepare`'s thread
 
         def ended() -> bool:

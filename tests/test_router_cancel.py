@@ -137,7 +137,8 @@ async def test_the_routers_own_timeout_is_named_to_the_client(ckpt):
     # It read "decode failed: Stream removed (Deadline Exceeded)", naming neither the limit
     # nor the router (s42 operator review L6); a client's shorter deadline is its own.
     from common.roles import Role
-    from tests.test_http_api import fake_router
+    from tests.cluster import CLIENT_KEY
+    from tests.test_http_api import MODEL_ID, WEATHER, call, fake_router, url_of
     from tests.test_router import FakeDecode, FakeEncoder, FakePrefill
 
     c = await fake_router(ckpt, request_timeout_s=0.5)
@@ -155,5 +156,14 @@ async def test_the_routers_own_timeout_is_named_to_the_client(ckpt):
             await c.client.generate_text(TEXT, SamplingParams(max_tokens=8), timeout_s=0.3)
         assert theirs.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "request_timeout_s" not in theirs.value.details
+        # An HTTP chat's budget starts before its media are read: it was passed on as the
+        # client's own, and the 504 said only "decode failed: Deadline Exceeded" (s44
+        # operator2 review L2).
+        body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 8}
+        url = f"{url_of(c)}/v1/chat/completions"
+        status, _, reply = await asyncio.to_thread(call, url, body, CLIENT_KEY)
+        assert status == 504, reply
+        said = "past the router's request_timeout_s (0.5 s): "
+        assert reply["error"]["message"].startswith(said), reply
     finally:
         await c.close()

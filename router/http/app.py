@@ -162,8 +162,9 @@ def build_app(
             chat_max = servicer.settings.chat_max_tokens
             request.sampling.max_tokens = min(chat_max, most) if most else chat_max
         held = hold.bytes if hold is not None else 0
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        chunks = servicer.generate(request, who, left, held, default, arrived)
+        # The router's own budget (`request_timeout_s`), from when a chat's media were read.
+        since = None if deadline is None else deadline - servicer.settings.request_timeout_s
+        chunks = servicer.generate(request, who, None, held, default, arrived, since)
 
         def sent(exc: BaseException) -> ApiError:
             error = api_error(exc)
