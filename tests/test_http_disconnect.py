@@ -271,3 +271,51 @@ async def test_hanging_up_while_media_urls_are_fetched_stops_the_fetches(
     finally:
         release.set()
         await c.close()
+
+
+def read_stream(url: str) -> tuple[bytes, bool]:
+    """A streamed chat's whole body, read as fast as it comes, and whether it ended whole."""
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+    body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 8, "stream": True}
+    headers = {"Authorization": f"Bearer {CLIENT_KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    reply = conn.getresponse()
+    try:
+        return reply.read(), True
+    except http.client.IncompleteRead as cut:
+        return cut.partial, False
+    finally:
+        conn.close()
+
+
+async def test_a_stream_is_cut_only_well_past_its_requests_deadline(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The answer was cut at `request_timeout_s` from its first token, the request's deadline
+    # running from before it: a loop lagging more than the TTFT let the cut win, and a
+    # client reading at full speed got a body cut short with no event, counted as gone
+    # (s44 operator2 review L1). Now the cut comes CUT_AFTER_DEADLINE_S past the deadline,
+    # whose error event goes out first.
+    import time
+
+    import router.http.app
+    from router.http.stream import CUT_AFTER_DEADLINE_S, TimedStream
+
+    cuts: list[float] = []
+
+    def timed(content: Any, seconds: float, *args: Any) -> TimedStream:
+        cuts.append(time.monotonic() + seconds)
+        return TimedStream(content, seconds, *args)
+
+    monkeypatch.setattr(router.http.app, "TimedStream", timed)
+    c = await fake_router(ckpt, request_timeout_s=0.6)
+    try:
+        _, decode = await add_workers(c)
+        decode.hang_after_first = True  # one token, then nothing: past the deadline
+        sent = time.monotonic()
+        body, whole = await asyncio.to_thread(read_stream, url_of(c))
+    finally:
+        await c.close()
+    last = body.decode().strip().split("\n\n")[-1]
+    assert whole and "past the router's request_timeout_s (0.6 s)" in last, body
+    assert cuts and cuts[0] >= sent + 0.6 + CUT_AFTER_DEADLINE_S - 0.1, (cuts, sent)

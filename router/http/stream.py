@@ -149,6 +149,10 @@ async def events(
 
 _JSON = [(b"content-type", b"application/json")]
 
+# How long past its request's deadline an HTTP answer is cut (`TimedStream`): its deadline
+# error is an event of the stream, sent first unless the client reads nothing.
+CUT_AFTER_DEADLINE_S = 5.0
+
 
 class TimedStream(StreamingResponse):
     """A streamed response that ends within `seconds`, sent or not: a client that stops
@@ -163,9 +167,11 @@ class TimedStream(StreamingResponse):
         seconds: float,
         stopping: Stopping,
         stopped: Callable[[], dict[str, Any]],
+        name: str = "an answer",
     ) -> None:
         super().__init__(content, media_type="text/event-stream")
         self.seconds = seconds
+        self.name = name  # for the log: "answer chatcmpl-..."
         self.stopping = stopping  # the router's: ends the answer when its drain runs out
         self.stopped = stopped  # the error body that then ends it (`router.stopping`), made then
 
@@ -195,7 +201,7 @@ class TimedStream(StreamingResponse):
                             {"type": "http.response.body", "body": sse(self.stopped()).encode()}
                         )
                         return
-                logger.info("a stopping router's last event was not taken: connection closed")
+                logger.info("a stopping router's last event of %s was not taken", self.name)
             elif self.stopping.now:  # its status line not taken either (ownfixB G2, s43): a
                 with contextlib.suppress(TimeoutError):  # 503 for a client that reads soon
                     async with asyncio.timeout(self.stopping.grace_s / 2):  # (ownfixC C2)
@@ -203,12 +209,11 @@ class TimedStream(StreamingResponse):
                         why = json.dumps(self.stopped()).encode()
                         await send({"type": "http.response.body", "body": why})
                         return
-                logger.info("a stopping router's answer was not taken: its client reads nothing")
-            else:
                 logger.info(
-                    "an answer was not taken within %.0f s: its connection is closed",
-                    self.seconds,
+                    "a stopping router's %s was not taken: its client reads nothing", self.name
                 )
+            else:
+                logger.info("%s was not taken in time: its connection is closed", self.name)
             _CUT.left += 1  # uvicorn's error line about it is ours to drop
 
 
