@@ -188,6 +188,25 @@ def test_json_numbers_still_fit_number_fields() -> None:
         # as unknown fields, a 200 without them (docswalk review, s33).
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
+        # vLLM's, each a 200 as if not asked (sampling and openai reviews, s44).
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ({"typical_p": 0.5}, "typical_p"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+        ({"logits_processors": ["x"]}, "logits_processors"),
+        ({"vllm_xargs": {"a": 1}}, "vllm_xargs"),
+        ({"chat_template": "{{ 'x' }}"}, "chat_template"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+        ({"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs"),
+        ({"add_special_tokens": True}, "add_special_tokens"),
+        (
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "", "refusal": "no"}]},
+            "messages[0].refusal",
+        ),
     ],
 )
 def test_what_is_asked_for_and_not_done_is_refused(extra: dict[str, Any], param: str) -> None:
@@ -208,12 +227,25 @@ def test_neutral_values_and_the_ignored_fields_are_accepted() -> None:
     extra |= {"echo": False, "best_of": 1}
     extra |= ignored
     extra |= {"response_format": {"type": "text"}, "max_tokens": 4, "max_completion_tokens": 4}
+    extra |= {"typical_p": 1, "skip_special_tokens": True, "add_special_tokens": False}
+    extra |= {"chat_template_kwargs": {}, "mm_processor_kwargs": {}, "allowed_token_ids": None}
+    # An answer's message as OpenAI returns it, sent back in the history.
+    said = {"role": "assistant", "content": "ok", "refusal": None, "tool_calls": []}
+    messages = [*messages, said | {"audio": None, "function_call": None}]
     body = parse_body(
         json.dumps(chat(messages=messages, **extra)).encode(), None, ChatCompletionRequest
     )
     assert chat_request(body, "r", MediaPolicy()).sampling.max_tokens == 4
     prompt = CompletionRequest.model_validate({"model": MODEL_ID, "prompt": "x", "store": True})
     assert completion_request(prompt, "r").prompt == "x"  # a chat's field only
+
+
+def test_a_completions_response_format_other_than_text_is_refused() -> None:
+    # It was a chat's field only: a completion asking for JSON got text (openai s44 F1).
+    body = {"model": MODEL_ID, "prompt": "x", "response_format": {"type": "json_object"}}
+    with pytest.raises(FieldError) as err:
+        completion_request(CompletionRequest.model_validate(body), "r")
+    assert err.value.field == "response_format"
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,12 @@ def refuse_unsupported(body: SamplingBody) -> None:
     for name in GUIDED:
         if getattr(body, name) is not None:
             raise FieldError(name, "structured output is not supported by this server")
+    _refuse_extensions(body)
+    fmt = body.response_format  # no type, or text with a schema: which is meant is unknown
+    if fmt is not None and (
+        fmt.get("type") != "text" or any(v is not None for k, v in fmt.items() if k != "type")
+    ):
+        raise FieldError("response_format", 'only {"type": "text"} is supported')
     if body.echo:
         raise FieldError("echo", "echoing the prompt is not supported by this server")
     if body.best_of not in (None, 1):
@@ -128,22 +134,39 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
         if choice not in (None, "none", "auto"):
             raise FieldError(name, 'tool calls are not supported by this server ("none" or "auto")')
-    fmt = body.response_format  # no type, or text with a schema: which is meant is unknown
-    if fmt is not None and (
-        fmt.get("type") != "text" or any(v is not None for k, v in fmt.items() if k != "type")
-    ):
-        raise FieldError("response_format", 'only {"type": "text"} is supported')
     if body.modalities not in (None, ["text"]):
         raise FieldError("modalities", 'only ["text"] is supported')
-    for name in ("audio", "prediction", "web_search_options", "moderation"):
+    for name in ("audio", "prediction", "web_search_options", "moderation", "chat_template"):
         if getattr(body, name) is not None:
             raise FieldError(name, "is not supported by this server")
+    for name in ("chat_template_kwargs", "mm_processor_kwargs"):
+        if getattr(body, name):
+            raise FieldError(name, "is not supported by this server (only {})")
+    if body.add_special_tokens:
+        raise FieldError("add_special_tokens", "is not supported by this server (only false)")
     if body.store:
         raise FieldError("store", "only false is supported (nothing is stored to fetch later)")
     if body.continue_final_message:
         raise FieldError("continue_final_message", "is not supported by this server")
     if not body.add_generation_prompt:
         raise FieldError("add_generation_prompt", "only true is supported")
+    for m, message in enumerate(body.messages):
+        for name in ("tool_calls", "function_call", "refusal", "audio"):
+            if getattr(message, name):  # [] or "": what clients send back with an answer
+                raise FieldError(f"messages[{m}].{name}", "is not supported by this server")
+
+
+def _refuse_extensions(body: SamplingBody) -> None:
+    """`refuse_unsupported`'s vLLM extensions that would change the answer."""
+    for name in ("allowed_token_ids", "truncate_prompt_tokens", "logits_processors"):
+        if getattr(body, name) is not None:
+            raise FieldError(name, "is not supported by this server")
+    if body.vllm_xargs:
+        raise FieldError("vllm_xargs", "is not supported by this server")
+    if body.typical_p is not None and body.typical_p != 1:
+        raise FieldError("typical_p", "is not supported by this server (only 1)")
+    if not body.skip_special_tokens:
+        raise FieldError("skip_special_tokens", "is not supported by this server (only true)")
 
 
 # vLLM's guided decoding (structured output): refused when set.

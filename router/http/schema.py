@@ -171,6 +171,12 @@ class ChatMessage(_Body):
 
     role: Literal["system", "user", "assistant", "developer"]
     content: Text | Annotated[list[ContentPart], Field(min_length=1)]  # as OpenAI: no []
+    # An assistant's, as OpenAI returns them: refused unless empty (`refuse_unsupported`),
+    # the template has no place for them (openai s44 review F2: dropped from the prompt).
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
 
 
 class StreamOptions(_Body):
@@ -233,6 +239,15 @@ class SamplingBody(_Body):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # vLLM's, which would change the answer, ignored (sampling, s44 review M1): refused
+    # unless neutral.
+    allowed_token_ids: list[Any] | None = None  # refused when set
+    typical_p: float | None = None  # refused unless 1
+    skip_special_tokens: bool = True  # refused when false (their text is left out)
+    truncate_prompt_tokens: Any = None  # refused when set (a prompt is never cut here)
+    logits_processors: Any = None  # refused when set
+    vllm_xargs: Any = None  # refused when set
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
     @property
     def stop_strings(self) -> list[str]:
@@ -248,7 +263,6 @@ class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Any] | None = None  # refused when not empty (no tool calls)
     functions: list[Any] | None = None  # the older name of `tools`
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     # Refused unless neutral (`router.http.convert.refuse_unsupported`): a forced tool call,
     # audio out, predicted output; vLLM's chat-template switches.
     tool_choice: Any = None  # "none" or "auto" only
@@ -263,6 +277,10 @@ class ChatCompletionRequest(SamplingBody):
     store: bool = False  # refused when true
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template writes them
+    chat_template: Any = None  # refused when set: the checkpoint's template is used
+    chat_template_kwargs: dict[str, Any] | None = None  # refused when not empty
+    mm_processor_kwargs: dict[str, Any] | None = None  # refused when not empty
 
 
 class CompletionRequest(SamplingBody):
