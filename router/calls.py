@@ -115,24 +115,34 @@ class RouterError(Exception):
         self.context_exceeded = False
 
 
-def past_timeout(exc: BaseException, timeout_s: float, client_s: float | None) -> BaseException:
-    """`exc`, or where it is a DEADLINE_EXCEEDED the router's `request_timeout_s` set (the
-    client's was later, or none), one that says so: a worker's "Stream removed (Deadline
-    Exceeded)" named neither the limit nor the router (s42 operator review L6)."""
-    if not isinstance(exc, RouterError) or exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+def told(exc: BaseException, timeout_s: float, client_s: float | None) -> BaseException:
+    """`exc` as the client is told it. A DEADLINE_EXCEEDED that the router's
+    `request_timeout_s` set (the client's was later, or none) says so: a worker's "Stream
+    removed (Deadline Exceeded)" named neither the limit nor the router (s42 operator review
+    L6). A worker's FAILED_PRECONDITION (a KV handle, layout or prompt digest that does not
+    match: the deployment's fault, never the request's) is INTERNAL: HTTP clients got a 400
+    for it, which they do not retry (openai review F3, s44)."""
+    if not isinstance(exc, RouterError):
         return exc
-    if client_s is not None and client_s < timeout_s:
+    if exc.code == grpc.StatusCode.FAILED_PRECONDITION and exc.stage:
+        said = RouterError(grpc.StatusCode.INTERNAL, str(exc))
+    elif exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return exc
+    elif client_s is not None and client_s < timeout_s:
         return exc  # the client's own deadline
-    said = RouterError(exc.code, f"past the router's request_timeout_s ({timeout_s:g} s): {exc}")
+    else:
+        said = RouterError(
+            exc.code, f"past the router's request_timeout_s ({timeout_s:g} s): {exc}"
+        )
     said.trailing_metadata, said.address, said.stage = exc.trailing_metadata, exc.address, exc.stage
     return said
 
 
-def raise_past_timeout(exc: BaseException, timeout_s: float, client_s: float | None) -> NoReturn:
-    """Raise `past_timeout(exc, ...)` (re-raise `exc` where it is that), from an `except`
-    clause of `exc`. Bound to no name left in the caller's frame, which its traceback
-    holds: a cycle that kept the request until a garbage collection (CI, s42)."""
-    said = past_timeout(exc, timeout_s, client_s)
+def raise_told(exc: BaseException, timeout_s: float, client_s: float | None) -> NoReturn:
+    """Raise `told(exc, ...)` (re-raise `exc` where it is that), from an `except` clause of
+    `exc`. Bound to no name left in the caller's frame, which its traceback holds: a cycle
+    that kept the request until a garbage collection (CI, s42)."""
+    said = told(exc, timeout_s, client_s)
     try:
         if said is exc:
             raise

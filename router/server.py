@@ -59,7 +59,7 @@ from epd.v1 import (
 )
 from router.admin import AdminServicer, Scaler
 from router.admission_need import fitted_to_decode
-from router.calls import Job, RouterError, invalid, past_timeout, raise_past_timeout
+from router.calls import Job, RouterError, invalid, raise_told, told
 from router.decode import check_resume
 from router.departures import expire_loop, forget_restarted
 from router.detokenize import IncrementalDetokenizer
@@ -153,8 +153,8 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                 outcome.saw(chunk)
                 yield chunk
         except BaseException as exc:
-            outcome.failed(self.stopping.seen(past_timeout(exc, budget, client_left)))
-            raise_past_timeout(exc, budget, client_left)
+            outcome.failed(self.stopping.seen(told(exc, budget, client_left)))
+            raise_told(exc, budget, client_left)
         finally:
             self.orchestrator.metrics.finished.labels(outcome.outcome).inc()
             outcome.log()

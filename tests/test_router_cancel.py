@@ -167,3 +167,31 @@ async def test_the_routers_own_timeout_is_named_to_the_client(ckpt):
         assert reply["error"]["message"].startswith(said), reply
     finally:
         await c.close()
+
+
+async def test_a_workers_failed_precondition_is_the_servers_fault(ckpt):
+    # A KV handle, layout or prompt digest that does not match is the deployment's fault:
+    # HTTP clients got a 400 invalid_request_error for it, which they do not retry (openai
+    # review F3, s44); gRPC clients FAILED_PRECONDITION, which says "fix your request".
+    from common.roles import Role
+    from tests.cluster import CLIENT_KEY
+    from tests.test_http_api import MODEL_ID, WEATHER, call, fake_router, url_of
+    from tests.test_router import FakeDecode, FakeEncoder, FakePrefill
+
+    c = await fake_router(ckpt)
+    try:
+        dec = FakeDecode()
+        dec.fail = grpc.StatusCode.FAILED_PRECONDITION
+        for role, worker in ((Role.ENCODER, FakeEncoder()), (Role.PREFILL, FakePrefill())):
+            await c.add(role, worker)
+        await c.add(Role.DECODE, dec)
+        with pytest.raises(GenerateError) as err:
+            await c.client.generate_text(TEXT, SamplingParams(max_tokens=8))
+        assert err.value.code == grpc.StatusCode.INTERNAL, err.value
+        assert "fake decode failure" in err.value.details
+        body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 8}
+        url = f"{url_of(c)}/v1/chat/completions"
+        status, _, reply = await asyncio.to_thread(call, url, body, CLIENT_KEY)
+        assert (status, reply["error"]["type"]) == (500, "server_error"), reply
+    finally:
+        await c.close()
