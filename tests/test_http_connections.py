@@ -108,6 +108,8 @@ async def test_a_connection_past_the_cap_is_closed_as_it_opens(strict: FakeClust
         with socket.create_connection(address) as extra:
             told = await closed_within(extra, 0.3)  # well before the head timeout
             assert told is not None and told.startswith(b"HTTP/1.1 503"), told
+            error = json.loads(told.split(b"\r\n\r\n", 1)[1])["error"]  # it was empty
+            assert error["type"] == "service_unavailable", error
     finally:
         for sock in held:
             sock.close()

@@ -79,10 +79,17 @@ SMALL_PIECES = "a request body sent in too many small pieces (send pieces of 512
 TCP_INFO_BYTES = 232
 BYTES_ACKED = 120
 
+# What a connection past the cap is told as it is closed: OpenAI's error shape, as every
+# other error (its body was empty: openai review F4, s44).
+_BUSY_BODY = (
+    b'{"error": {"message": "too many connections to this router (http_max_connections); '
+    b'retry after 1 s", "type": "service_unavailable", "param": null, '
+    b'"code": "too_many_connections"}}'
+)
 BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
-    b"Connection: close\r\n\r\n"
-)  # what a connection past the cap is told as it is closed
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
 
 
 INVALID_EVERY_S = 10.0  # one of uvicorn's `_INVALID` lines at most this often
