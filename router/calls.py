@@ -269,6 +269,10 @@ class WorkerCalls:
             if self.returns is None or not self.returns.restarting(role):
                 raise
         failed = ", ".join(sorted(tried))
+        if self.returns.full:  # it said it waited (openai review F5, s44)
+            why = "max_queued_requests requests wait already"
+            logger.info("no %s worker left to try (%s failed); not waiting: %s", role, failed, why)
+            return pick()
         logger.info("no %s worker left to try (%s failed); waiting for one back", role, failed)
         await self.returns.wait((role,), deadline)
         tried -= {w.address for w in self.registry.workers(role) if not w.suspect}

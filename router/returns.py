@@ -131,6 +131,11 @@ class Returns:
         lately = left is not None and now - left < RESTART_WINDOW_S
         return lately or bool(workers) or now - self.started < STARTUP_S
 
+    @property
+    def full(self) -> bool:
+        """`max_waiting` requests wait already: another does not."""
+        return self.waiting >= self.max_waiting
+
     async def wait(
         self, roles: Iterable[Role], deadline: float, stop: Callable[[], bool] | None = None
     ) -> None:
@@ -140,7 +145,7 @@ class Returns:
         already."""
         needed = tuple(roles)
         stop = stop or self.stop
-        if not any(map(self.restarting, needed)) or self.waiting >= self.max_waiting:
+        if not any(map(self.restarting, needed)) or self.full:
             return
         self.waited += 1
         self.waiting += 1

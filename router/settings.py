@@ -215,7 +215,8 @@ class RouterSettings(ServerSettings):
         512,
         "requests that may wait in the router for the KV blocks they need on a prefill and a "
         "decode worker; past that, new ones are refused with RESOURCE_EXHAUSTED "
-        "(0: refuse at once what does not fit)",
+        "(0: refuse at once what does not fit); as many may wait for a restarting role's "
+        "worker, past that failing UNAVAILABLE at once (0: none waits)",
     )
     max_queue_wait_s: float = setting(
         60.0,

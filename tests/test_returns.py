@@ -322,3 +322,28 @@ async def test_a_request_whose_worker_is_killed_waits_for_its_return(ckpt, role:
             assert (await asyncio.wait_for(answer, 10)).token_ids == [FIRST, 101]
     finally:
         await cluster.close()
+
+
+async def test_past_max_waiting_a_request_fails_at_once_and_the_log_says_it_did_not_wait(
+    registry, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With max_queued_requests 0 the log said "waiting for one back" for requests that
+    # failed at once (openai review F5, s44).
+    from router.calls import RouterError, WorkerCalls
+
+    calls = WorkerCalls(registry)
+    calls.returns = returns = Returns(10.0, registry, max_waiting=0)
+    registry.register(info(Role.DECODE, 3))
+    clock.now += registry.worker_timeout_s + 1
+    registry.expire()
+    assert returns.restarting(Role.DECODE) and returns.full
+
+    def pick() -> None:
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, "no decode worker")
+
+    started = time.monotonic()
+    with caplog.at_level("INFO", "router.calls"), pytest.raises(RouterError):
+        await calls.pick_or_return(Role.DECODE, set(), started + 30, pick)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 0.2
+    assert "not waiting: max_queued_requests requests wait already" in caplog.text
+    assert "waiting for one back" not in caplog.text
