@@ -116,9 +116,10 @@ class Registry:
 
     # ------------------------------------------------------------------ registration
 
-    def refuse(self, address: str, why: str, role: str = "") -> None:
-        """Note why Register refused the `role` worker at `address` (for `epd status`)."""
-        self.refusals.note(address, why, role)
+    def refuse(self, address: str, why: str, role: str = "") -> bool:
+        """Note why Register refused the `role` worker at `address` (for `epd status`);
+        whether that is news, for the log (`Refusals.note`)."""
+        return self.refusals.note(address, why, role)
 
     def register(self, info: registry_service_pb2.WorkerInfo) -> WorkerRecord:
         """Check and record a worker. Raises ValueError for an incomplete registration and

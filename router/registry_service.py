@@ -28,13 +28,11 @@ class RegistryServicer(registry_service_pb2_grpc.RegistryServiceServicer):
         try:
             record = self.registry.register(request.worker)
         except RegistrationRefused as exc:
-            logger.warning("refused worker: %s", exc)
             role = str(role_from_proto(request.worker.role))  # parsed before any refusal
-            self.registry.refuse(request.worker.address, str(exc), role)
+            _log(self.registry.refuse(request.worker.address, str(exc), role), exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:  # an incomplete registration: refused as the others are
-            logger.warning("refused worker: %s", exc)
-            self.registry.refuse(request.worker.address or context.peer(), str(exc))
+            _log(self.registry.refuse(request.worker.address or context.peer(), str(exc)), exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return registry_service_pb2.RegisterResponse(
             worker_id=record.worker_id,
@@ -47,3 +45,8 @@ class RegistryServicer(registry_service_pb2_grpc.RegistryServiceServicer):
         """Refresh liveness and load; known=False asks the worker to register again."""
         known = self.registry.heartbeat(request.worker_id, WorkerLoad.from_proto(request.load))
         return registry_service_pb2.HeartbeatResponse(known=known)
+
+
+def _log(news: bool, exc: Exception) -> None:
+    """A refusal: a warning when it is news (`Refusals.note`), else a debug line."""
+    logger.log(logging.WARNING if news else logging.DEBUG, "refused worker: %s", exc)

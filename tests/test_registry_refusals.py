@@ -46,6 +46,22 @@ def test_status_shows_refusals_while_the_worker_keeps_asking(
     assert registry.refusals.recent() == [] and not registry.refusals
 
 
+def test_a_refusal_is_news_once_then_on_a_new_reason_or_after_a_quiet_spell(
+    registry: Registry, clock: Clock
+) -> None:
+    # The router warned of a refused worker every second, for as long as it asked (33 lines
+    # in 35 s for one wrong block size: operator2 review L3, s44); the log warns of news only.
+    from router.refusals import REFUSAL_SHOWN_S
+
+    assert registry.refuse("10.0.0.1:1", "wrong model", "decode")
+    clock.now += 1
+    assert not registry.refuse("10.0.0.1:1", "wrong model", "decode")  # asked again
+    assert registry.refuse("10.0.0.2:1", "wrong model", "decode")  # another worker
+    assert registry.refuse("10.0.0.1:1", "wrong layout", "decode")  # another reason
+    clock.now += REFUSAL_SHOWN_S + 1
+    assert registry.refuse("10.0.0.1:1", "wrong layout", "decode")  # after a quiet spell
+
+
 def test_a_request_without_a_worker_says_how_many_were_refused(
     registry: Registry, clock: Clock
 ) -> None:
