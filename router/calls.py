@@ -288,7 +288,7 @@ class WorkerCalls:
         said = exc.details() or ""
         own = without_known(clipped(said), [worker.address], f"the {worker.role} worker")
         details = without_addresses(without_known(own, self._addresses()))
-        logger.warning("%s on %s failed: %s %s", stage, worker.address, exc.code(), exc.details())
+        logger.warning("%s on %s failed: %s %s", stage, worker.shown, exc.code(), exc.details())
         error: RouterError = RouterError(code, f"{stage} failed: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and pool_full(said):  # blocks in use now
             error = Refused(f"{stage} failed: {details}", POOL_FULL_RETRY_S)

@@ -336,7 +336,7 @@ class DecodeStage:
             if len(tries.tried) >= self.calls.attempts:
                 raise self.calls.error("decode", worker, exc) from None
             tries.retrying = True
-            logger.warning("decode on %s failed (%s); trying again", worker.address, code)
+            logger.warning("decode on %s failed (%s); trying again", worker.shown, code)
             return True  # the same handle (unless its lease ran out: `stream`), another worker
         if tries.migrations >= self.migrations:
             raise self.calls.error("decode", worker, exc) from None
@@ -346,7 +346,7 @@ class DecodeStage:
             "request %s: decode stream on %s broke after %d tokens (%s); "
             "resuming on a decode worker not tried yet, if there is one",
             job.request_id,
-            worker.address,
+            worker.shown,
             1 + streamed,
             exc.details(),
         )

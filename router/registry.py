@@ -225,7 +225,7 @@ class Registry:
         if record is None:
             return False
         if load.draining and not record.load.draining:
-            logger.info("worker %s reports draining", record.address)
+            logger.info("worker %s reports draining", record.shown)
         record.load = load
         record.in_flight_at_heartbeat = record.in_flight
         record.heard(self.clock())
@@ -239,7 +239,7 @@ class Registry:
         request would try it first meanwhile, a frozen one's waiting on a reconnect.
         `unreachable`: its connection was lost (`WorkerRecord.unreachable`)."""
         if not record.suspect:
-            logger.info("%s worker %s suspect: a call on it failed", record.role, record.address)
+            logger.info("%s worker %s suspect: a call on it failed", record.role, record.shown)
         record.mark_suspect(self.clock(), self.heartbeat_interval_s)
         record.unreachable = record.unreachable or unreachable
 
@@ -264,7 +264,7 @@ class Registry:
         records = [r for r in self._workers.values() if chosen(r)]
         lifted_away = self.holds.undrain(records, address=address, name="" if address else name)
         for record in records:
-            logger.info("undrained %s worker %s", record.role, record.address)
+            logger.info("undrained %s worker %s", record.role, record.shown)
         if lifted_away:
             logger.info("lifted the drain held for %s (not registered now)", address or name)
         return bool(records), any(not r.draining for r in records), lifted_away
@@ -302,14 +302,14 @@ class Registry:
         for record in dead:
             del self._workers[record.worker_id]
             if record.died:  # held out since (its death was told: `epd status`, `failed:`)
-                logger.info("dropped %s worker %s: it died for good", record.role, record.address)
+                logger.info("dropped %s worker %s: it died for good", record.role, record.shown)
             elif record.draining:  # it was leaving: a scale-down, a stop or `epd drain`
-                logger.info("retired %s worker %s (drained, stopped)", record.role, record.address)
+                logger.info("retired %s worker %s (drained, stopped)", record.role, record.shown)
             else:
                 logger.warning(
                     "dropped %s worker %s: no heartbeat for %.1f s",
                     record.role,
-                    record.address,
+                    record.shown,
                     self.seconds_since(record),
                 )
             for listener in self.on_expire:

@@ -183,6 +183,12 @@ class WorkerRecord:
     # (`router.returns`), not once its heartbeats are missed.
     unreachable: bool = False
 
+    @property
+    def shown(self) -> str:
+        """Its name and address, as logs give it (operators look for a pod by its name, and
+        a pod's address is reused: operator2 review L6, s44)."""
+        return self.address if self.name == self.address else f"{self.name} ({self.address})"
+
     def mark_suspect(self, now: float, heartbeat_interval_s: float) -> None:
         """A call on it failed UNAVAILABLE. A first failure lasts until the next heartbeat;
         one within `SUSPECT_MEMORY_S` of the last mark's clearing (heartbeats arrive, calls

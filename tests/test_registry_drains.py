@@ -191,9 +191,11 @@ def test_a_worker_held_out_for_its_death_is_dropped_as_dead_not_retired(
     clock.now += 2 * registry.worker_timeout_s
     with caplog.at_level(logging.INFO, logger="router.registry"):
         assert {r.name for r in registry.expire()} == {"epd-prefill-0", "epd-prefill-1"}
-    assert f"dropped prefill worker {dead.address}: it died for good" in caplog.text
-    assert f"retired prefill worker {leaving.address} (drained, stopped)" in caplog.text
-    assert "retired prefill worker " + dead.address not in caplog.text
+    # Named as operators look for them, by name too (operator2 review L6, s44).
+    assert f"dropped prefill worker {dead.shown}: it died for good" in caplog.text
+    assert f"retired prefill worker {leaving.shown} (drained, stopped)" in caplog.text
+    assert "retired prefill worker " + dead.shown not in caplog.text
+    assert dead.shown == f"epd-prefill-0 ({dead.address})"
     # A Register in flight when it died comes back held out as dead (ownfixB, s41).
     late = registry.register(named(Role.PREFILL, 5, "epd-prefill-0", "p0"))
     assert late.draining and late.died

@@ -206,14 +206,14 @@ def test_a_drained_worker_that_goes_silent_is_retired_not_lost(
         worker_timeout_s=3.0, heartbeat_interval_s=1.0, expected_model=MODEL, clock=lambda: now[0]
     )
     leaving = registry.register(info(Role.DECODE, 7001))
-    registry.register(info(Role.DECODE, 7002))
+    dead = registry.register(info(Role.DECODE, 7002))
     registry.drain(leaving.address)  # what a scale-down does before the worker stops
     now[0] += 10
     with caplog.at_level("INFO", logger="router.registry"):
         assert len(registry.expire()) == 2
     levels = {r.getMessage(): r.levelname for r in caplog.records}
-    assert levels["retired decode worker 127.0.0.1:7001 (drained, stopped)"] == "INFO"
-    assert levels["dropped decode worker 127.0.0.1:7002: no heartbeat for 10.0 s"] == "WARNING"
+    assert levels[f"retired decode worker {leaving.shown} (drained, stopped)"] == "INFO"
+    assert levels[f"dropped decode worker {dead.shown}: no heartbeat for 10.0 s"] == "WARNING"
 
 
 async def test_scale_says_what_a_waiting_worker_waits_for(
