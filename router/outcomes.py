@@ -12,7 +12,9 @@ Outcomes, a fixed set (a label value each):
                   the request ran)
     deadline      a deadline passed: the router's (`request_timeout_s`), or the client's
                   before its request was read
-    invalid       refused for its input (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE)
+    invalid       refused for its input (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE),
+                  and one that can never fit (RESOURCE_EXHAUSTED `TooLarge`: the HTTP API's
+                  400; it was counted refused, for load: operator2 review L4, s44)
     refused       refused for load (RESOURCE_EXHAUSTED: queue, tenant share, held bytes)
     unavailable   no worker, or the router drains (UNAVAILABLE)
     error         anything else (INTERNAL: a bug)
@@ -36,7 +38,7 @@ import grpc
 
 from common.server.rpc import RpcStatusError
 from epd.v1 import decode_service_pb2, router_service_pb2
-from router.calls import RouterError
+from router.calls import RouterError, TooLarge
 from router.ids import loggable
 
 logger = logging.getLogger("router.server")  # the router's request log, as before
@@ -93,6 +95,8 @@ class Outcome:
         """The request ends with `exc` (raised on, or the generator closed)."""
         if isinstance(exc, asyncio.CancelledError | GeneratorExit):
             self.failure = "cancelled"
+        elif isinstance(exc, TooLarge):
+            self.failure, self.detail = "invalid", f"{exc.code.name} {exc}"
         elif isinstance(exc, RouterError | RpcStatusError):
             self.failure = _BY_CODE.get(exc.code, "error")
             self.detail = f"{exc.code.name} {exc}"
