@@ -40,7 +40,7 @@ def decode_metrics(servicer: DecodeServicer) -> list[Any]:
     batch = servicer.batcher.batch
     return [
         *requests_metrics(running, max(servicer.active - running, 0)),
-        *kv_pool_metrics(servicer.runner.allocator.pool),
+        *kv_pool_metrics(servicer.runner.allocator.pool, servicer.runner.allocator.block_size),
         counter("epd:decode_requests", "Decode streams admitted.", c.requests),
         counter(
             "epd:kv_blocks_pulled",

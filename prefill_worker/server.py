@@ -39,7 +39,7 @@ def prefill_metrics(servicer: PrefillServicer) -> list[Any]:
     c, waiting = servicer.counters, servicer.packer.waiting
     return [
         *requests_metrics(max(c.active - waiting, 0), waiting),
-        *kv_pool_metrics(servicer.runner.allocator.pool),
+        *kv_pool_metrics(servicer.runner.allocator.pool, servicer.runner.allocator.block_size),
         counter("epd:prefill_requests", "Prefill calls answered with a KV handle.", c.requests),
         counter(
             "epd:prefills_dropped",

@@ -155,7 +155,11 @@ async def test_one_request_shows_up_in_every_scrape(dep: Deployment) -> None:
     assert one(encoder, "epd:encoder_cache_queries_total") >= 1
     assert one(encoder, "vllm:num_requests_running") == 0
 
-    assert one(prefill, "vllm:prefix_cache_queries_total") > 0
+    # Tokens, as vLLM's (they counted blocks: operator2 review L5, s44): the prompt's full
+    # blocks', none cached yet.
+    full = result.prompt_tokens // BLOCK * BLOCK
+    assert one(prefill, "vllm:prefix_cache_queries_total") == full > 0
+    assert one(prefill, "vllm:prefix_cache_hits_total") == 0
     assert one(prefill, "epd:prefill_requests_total") == 1
     assert one(prefill, "epd:prefills_dropped_total") == 0
     assert 0 <= one(prefill, "vllm:kv_cache_usage_perc") <= 1

@@ -75,13 +75,18 @@ def requests_metrics(running: int, waiting: int) -> list[Any]:
     ]
 
 
-def kv_pool_metrics(pool: BlockPool) -> list[Any]:
-    """A KV worker's prefix cache (blocks looked up / found) and pool usage."""
+def kv_pool_metrics(pool: BlockPool, block_size: int) -> list[Any]:
+    """A KV worker's prefix cache (tokens looked up / found, as vLLM counts them, in the
+    full blocks only a cache holds: they counted blocks, and vLLM's dashboards read tokens:
+    operator2 review L5, s44) and pool usage."""
+    queried, hit = pool.lookups * block_size, pool.hits * block_size
     return [
         counter(
-            "vllm:prefix_cache_queries", "KV blocks looked up in the prefix cache.", pool.lookups
+            "vllm:prefix_cache_queries",
+            "Tokens looked up in the prefix cache (of full KV blocks).",
+            queried,
         ),
-        counter("vllm:prefix_cache_hits", "KV blocks found in the prefix cache.", pool.hits),
+        counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", hit),
         gauge(
             "vllm:kv_cache_usage_perc",
             "Fraction of KV blocks in use (0 to 1).",
