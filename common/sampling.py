@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from array import array
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -39,8 +40,8 @@ FinishReason = Literal["stop", "length"]
 # (a logit of 5 over 1e-38 is inf, the softmax of inf is NaN, and the draw would pick token
 # 0 whatever the logits say), and by then the distribution is the argmax for any logit gap
 # above a few 1e-4 (a gap of 1e-3 makes the runner-up e^-100 times as likely). vLLM draws
-# the same line.
-GREEDY_TEMPERATURE = 1e-5
+# the same line: 1e-5, here the float32 nearest it, as temperatures are (`SamplingParams`).
+GREEDY_TEMPERATURE: float = struct.unpack("<f", struct.pack("<f", 1e-5))[0]
 MAX_STOP_TOKEN_IDS = 1024  # a request's stop tokens, each checked per sampled token
 
 
@@ -73,14 +74,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # Both as the wire carries them (float32), so that the offline engine, the client
+        # and the workers see one number: 1e-5 was sampled offline and greedy deployed, and
+        # 1e39 passed here to be refused by the router as "inf" (sampling review L4, s44).
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= _float32(t) < math.inf:
             raise SamplingError(
-                "temperature", f"temperature must be a finite number >= 0, got {t!r}"
+                "temperature", f"temperature must be a finite float32 >= 0, got {t!r}"
             )
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
-            raise SamplingError("top_p", f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < _float32(p) <= 1:
+            raise SamplingError("top_p", f"top_p must be a float32 in (0, 1], got {p!r}")
+        object.__setattr__(self, "temperature", _float32(t))
+        object.__setattr__(self, "top_p", _float32(p))
         if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:  # the wire's int32
             raise SamplingError(
                 "top_k", f"top_k must be an int in [0, 2**31) (0 = off), got {self.top_k!r}"
@@ -93,7 +99,13 @@ class SamplingParams:
             raise SamplingError(
                 "max_tokens", f"max_tokens must be an int in [1, 2**32), got {self.max_tokens!r}"
             )
-        stop = tuple(self.stop_token_ids)
+        try:
+            stop = tuple(self.stop_token_ids)
+        except TypeError:  # a bare "'int' object is not iterable" (sampling review L5, s44)
+            raise SamplingError(
+                "stop_token_ids",
+                f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}",
+            ) from None
         if len(stop) > MAX_STOP_TOKEN_IDS:
             raise SamplingError(
                 "stop_token_ids",
@@ -114,6 +126,15 @@ class SamplingParams:
         """True when the row takes the argmax (no randomness is drawn): a temperature
         below `GREEDY_TEMPERATURE`, or top_k 1."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to the nearest float32, as the wire carries it: an infinity of its
+    sign past float32's range (NaN and the infinities as they are)."""
+    try:
+        return float(struct.unpack("<f", struct.pack("<f", value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _is_int(value: object) -> bool:

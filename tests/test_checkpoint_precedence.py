@@ -171,7 +171,7 @@ def test_generation_defaults(tmp_path: Path) -> None:
     )
     defaults = GenerationDefaults.from_folder(tmp_path)
     s = defaults.sampling()
-    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.7, 0.9, 20, 5)
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (f32(0.7), f32(0.9), 20, 5)
     assert defaults.eos_token_ids == (3,)
     assert defaults.sampling(max_tokens=2, temperature=None).max_tokens == 2
     _write(tmp_path, "generation_config.json", {"temperature": 0.7, "top_k": 20})
@@ -179,12 +179,17 @@ def test_generation_defaults(tmp_path: Path) -> None:
     assert greedy.is_greedy and greedy.top_k == 20
 
 
+def f32(value: float) -> float:
+    """`value` as SamplingParams keeps it: the float32 the wire carries (sampling L4, s44)."""
+    return generation.SamplingParams(top_p=value).top_p
+
+
 @pytest.mark.parametrize("raw", [{"do_sample": True}, {"do_sample": True, "temperature": None}])
 def test_do_sample_without_temperature_samples_at_one(tmp_path: Path, raw: dict) -> None:
     """As transformers' `generate` does: sampling asked for, no temperature given."""
     _write(tmp_path, "generation_config.json", {**raw, "top_p": 0.9})
     s = GenerationDefaults.from_folder(tmp_path).sampling()
-    assert (s.temperature, s.top_p) == (1.0, 0.9) and not s.is_greedy
+    assert (s.temperature, s.top_p) == (1.0, f32(0.9)) and not s.is_greedy
 
 
 def test_generation_eos_wins_over_config(tmp_path: Path) -> None:
@@ -201,7 +206,7 @@ def test_wire_sampling_takes_checkpoint_defaults() -> None:
 
     defaults = GenerationDefaults(top_p=0.8, top_k=5, max_new_tokens=3)
     unset = sampling_from_proto(sampling_pb2.SamplingParams(temperature=0.5), defaults)
-    assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.5, 0.8, 5, 3)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.5, f32(0.8), 5, 3)
     given = sampling_pb2.SamplingParams(temperature=0.5, top_p=0.5, top_k=2, max_tokens=9)
     s = sampling_from_proto(given, defaults)
     assert (s.top_p, s.top_k, s.max_tokens) == (0.5, 2, 9)

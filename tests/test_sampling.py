@@ -10,6 +10,7 @@ import torch
 from common.sampling import (
     GREEDY_TEMPERATURE,
     Sampler,
+    SamplingError,
     SamplingParams,
     StopChecker,
     apply_top_k_top_p,
@@ -66,6 +67,27 @@ def test_greedy_is_argmax():
     out = Sampler().sample(logits, [SamplingParams()] * 5, [0] * 5)
     assert out.dtype == torch.long
     assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_temperature_and_top_p_are_the_float32_the_wire_carries():
+    # 1e-5 was sampled offline and greedy once deployed (the wire's float32 is below 1e-5);
+    # 1e39 and top_p 1e-50 passed here to be refused by the router as "inf" and "0.0",
+    # values the client never sent; a list-less stop_token_ids was a bare TypeError
+    # (sampling review L4, L5, s44).
+    from common.wire.sampling import sampling_from_proto, sampling_to_proto
+
+    for params in (SamplingParams(temperature=1e-5), SamplingParams(temperature=0.7, top_p=0.9)):
+        sent = sampling_from_proto(sampling_to_proto(params))
+        assert (sent.temperature, sent.top_p, sent.is_greedy) == (
+            params.temperature,
+            params.top_p,
+            params.is_greedy,
+        )
+    assert not SamplingParams(temperature=1e-5).is_greedy
+    for field, bad in (("temperature", 1e39), ("top_p", 1e-50), ("stop_token_ids", 5)):
+        with pytest.raises(SamplingError) as err:
+            SamplingParams(**{field: bad})
+        assert err.value.field == field and repr(bad) in str(err.value)
 
 
 def test_top_k_one_is_greedy_even_when_hot():

@@ -313,7 +313,7 @@ def test_filters_turned_off_are_sent_off_not_left_to_the_checkpoint() -> None:
     assert sampling_from_proto(sampling_to_proto(off), checkpoint) == off
     # Only a wire message that leaves them unset takes the checkpoint's.
     unset = sampling_from_proto(sampling_pb2.SamplingParams(temperature=1.0), checkpoint)
-    assert (unset.top_p, unset.top_k) == (0.8, 20)
+    assert (unset.top_p, unset.top_k) == (pytest.approx(0.8, rel=1e-7), 20)  # as float32
 
 
 def test_non_multimodal_fields_raise_the_general_field_error() -> None:
