@@ -71,7 +71,10 @@ class GenerateResult:
     """The outcome of one request."""
 
     token_ids: list[int]  # generated tokens, the stop token included
-    text: str  # detokenized `token_ids` (special tokens skipped)
+    # Detokenized `token_ids`, special tokens and the request's stop tokens skipped, as the
+    # router's text (it showed a stop token's text the router leaves out: sampling review
+    # L1, s44).
+    text: str
     finish_reason: FinishReason  # "stop" or "length"
     prompt_tokens: int  # tokens in the prompt
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
@@ -272,9 +275,10 @@ class Engine:
 
     def _result(self, seq: LmSequence) -> GenerateResult:
         assert seq.finish_reason is not None
+        silent = frozenset(seq.sampling.stop_token_ids)
         return GenerateResult(
             token_ids=list(seq.output),
-            text=self.processor.decode(seq.output),
+            text=self.processor.decode([t for t in seq.output if t not in silent]),
             finish_reason=seq.finish_reason,
             prompt_tokens=len(seq.prompt_token_ids),
             cached_tokens=seq.cached_tokens,

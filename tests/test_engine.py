@@ -215,6 +215,26 @@ def test_continuous_batching_admits_when_blocks_free(setup):
     assert results[3].cached_tokens > 0
 
 
+def test_a_stop_tokens_text_is_left_out_as_the_router_leaves_it_out(setup):
+    # The engine, the reference the deployment is checked against, showed it (sampling
+    # review L1, s44): same tokens, different text.
+    engine = setup[0]
+    messages, _ = CASES["text"]
+    free = engine.generate(messages, SamplingParams(max_tokens=6, ignore_eos=True))
+    stop = free.token_ids[3]
+    special = set(engine.processor.tokenizer.get_added_tokens_decoder())
+    assert stop not in special  # a word piece: its text would show
+    stopped = engine.generate(
+        messages, SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=(stop,))
+    )
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+    kept = [t for t in stopped.token_ids if t != stop]
+    assert (
+        stopped.text == engine.processor.decode(kept) != engine.processor.decode(stopped.token_ids)
+    )
+
+
 def test_repeated_prompt_hits_prefix_cache(setup):
     engine = fresh(setup[0])
     messages, _ = CASES["image"]
