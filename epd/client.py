@@ -118,8 +118,8 @@ class Client:
         within 5 minutes by closing the connection ("too many pings")."""
         if max_retries < 0:
             raise ValueError(f"max_retries must not be negative, got {max_retries}")
-        if keepalive_s is not None and not keepalive_s >= 0.1:
-            raise ValueError(f"keepalive_s must be None or at least 0.1, got {keepalive_s}")
+        if keepalive_s is not None and not 0.1 <= keepalive_s <= 3600:  # gRPC's C int of ms
+            raise ValueError(f"keepalive_s must be None or 0.1 to 3600 s, got {keepalive_s}")
         self.max_retries = max_retries
         self.max_bytes = max_message_mb << 20  # what one request may take (`build_request`)
         self.addresses = router_list(address)  # every router, in the order given

@@ -17,7 +17,7 @@ from PIL import Image
 from common.processing.messages import ImagePart, Message, TextPart, VideoPart
 from common.sampling import SamplingParams
 from common.wire.sampling import sampling_from_proto
-from epd.client import build_request, encode_image
+from epd.client import Client, build_request, encode_image
 from router.inputs import decode_image, messages_from_proto
 
 
@@ -327,3 +327,11 @@ def test_a_key_file_saved_with_a_bom_is_read(tmp_path, monkeypatch):
     (tmp_path / "epd").mkdir()
     (tmp_path / "epd" / "client_key").write_bytes(b"\xef\xbb\xbfthe-key\r\n")
     assert default_api_key() == "the-key"
+
+
+@pytest.mark.parametrize("keepalive_s", [0.05, 3601.0, 1.5e6, float("nan")])
+def test_a_keepalive_grpc_cannot_take_is_refused_naming_it(keepalive_s):
+    # 1.5e6 s failed at the first call with a bare OverflowError naming nothing: twice the
+    # keepalive, in ms, is a C int option (s43diff review L2, s44).
+    with pytest.raises(ValueError, match=r"keepalive_s must be None or 0\.1 to 3600 s"):
+        Client("127.0.0.1:1", api_key="k", keepalive_s=keepalive_s)
