@@ -23,13 +23,12 @@ to refuse.
 from __future__ import annotations
 
 import functools
-import math
 
 from common.models.qwen3_vl.preprocessor import ProcessorSettings
 from common.processing.frame_store import Planner
 from common.processing.image import smart_resize
 from common.processing.limits import DECODED_BYTES_PER_PIXEL, InputLimits, LimitError, MediaBudget
-from common.processing.video import VideoPlan, plan_video
+from common.processing.video import VideoPlan, plan_video, smart_resize_video
 from common.processing.video_header import VideoHeader
 from common.processing.video_memory import FRAME_BYTES_PER_PIXEL, decoder_bytes
 from common.processing.video_sampling import kept_rate
@@ -99,15 +98,14 @@ class MediaCost:
         plan = self._plan(count, kept_rate(header.duration_s, fps, count), width, height, field)
         h, w = plan.size
         # A file may keep fewer frames than its header's sample times (a slower source, gaps),
-        # planned for those: fewer and larger (`_most_resized`), their codes 4/3 of that,
-        # padded, where the header's plan may round far below it (1.47x held as counted:
-        # ownfixA review, s42).
-        most = _most_resized(s, width, height, count)
+        # planned for those: fewer and larger (`_most_held`), where the header's plan may
+        # round far below it (1.47x held as counted: ownfixA review, s42).
+        most, most_codes = _most_held(s, width, height, count)
         resized = max(len(plan.indices) * h * w, most) * FRAME_BYTES_PER_PIXEL
         self.budget.add_bytes(resized, field)
         codes = self._add(h, w, len(plan.padded) // s.temporal_patch_size, field)
-        self.budget.add_bytes(max(0, 4 * most - codes), field)
-        codes = max(codes, 4 * most)
+        self.budget.add_bytes(max(0, most_codes - codes), field)
+        codes = max(codes, most_codes)
         one = (FRAME_BYTES_PER_PIXEL + DECODED_BYTES_PER_PIXEL) * width * height
         one += RESIZED_BYTES_PER_PIXEL * h * w
         self.budget.briefly(max(0, decoder_bytes(header) + one - codes), field, alone=True)
@@ -146,18 +144,27 @@ class MediaCost:
         return codes
 
 
-def _most_resized(s: ProcessorSettings, width: int, height: int, count: int) -> int:
-    """The most resized pixels a plan of at most `count` frames of `width` x `height` holds:
-    `video_max_pixels`, or where fewer frames fit it unshrunk, those frames (a side below
-    the patch factor scaled up to it, each rounded up to it); and a count of 4k + 1 frames
-    is checked against the cap as 4k (an even count), so may pass it by 1/4k (s42diff
-    review, s43: 5 frames of a tall file held 1.19x the cap, 1.12x what was reserved)."""
-    f, cap = s.factor, s.video_max_pixels
-    up = max(1.0, f / width, f / height)
-    frame = math.ceil(int(width * up) / f) * f * math.ceil(int(height * up) / f) * f
-    most = min(cap, count * frame)
-    for n in range(5, count + 1, 4):  # up to the first whose frames reach the cap
-        most = max(most, min(n * frame, cap * n // (n - 1)))
-        if n * frame >= cap:
-            break
-    return most
+def _most_held(s: ProcessorSettings, width: int, height: int, count: int) -> tuple[int, int]:
+    """The most resized pixels, and the most bytes of patch codes, a plan of at most `count`
+    frames of `width` x `height` holds: each count's own resize (`smart_resize_video`), as
+    a file keeping fewer frames than its header says is planned. A bound by formula was
+    passed: the resize checks its cap against the frames rounded to whole temporal
+    patches, which may round down (5 frames as 4 at a patch of 2: 1.19x the cap, s42diff
+    review; 4 as 3 at 3: 1.14x what was reserved, s43diff review L1, s44), and a side
+    below twice the patch factor is not shrunk below it (thin files: 1.02x, ownfixA F5,
+    s43). At most `video_max_frames` resizes, ~2 µs each."""
+    most = most_codes = 0
+    t, channels = s.temporal_patch_size, len(s.image_mean)
+    for n in range(1, count + 1):
+        h, w = smart_resize_video(
+            n,
+            height,
+            width,
+            temporal_factor=t,
+            factor=s.factor,
+            min_pixels=s.video_min_pixels,
+            max_pixels=s.video_max_pixels,
+        )
+        most = max(most, n * h * w)
+        most_codes = max(most_codes, -(-n // t) * t * h * w * channels)
+    return most, most_codes

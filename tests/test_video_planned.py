@@ -178,14 +178,23 @@ def test_a_file_keeping_fewer_frames_than_its_header_says_fits_its_reservation()
     # Planned for the frames it keeps (fewer and larger), a 599 s 4K file with 3 frames held
     # 1.47x what its header's plan of 599 reserved (ownfixA review, s42).
     from common.models.qwen3_vl.preprocessor import ProcessorSettings
-    from common.processing.limits import InputLimits
-    from common.processing.video_sampling import kept_rate, sample_times
 
     # The processor checks its cap against an even count: 5 frames of a tall file kept
     # 1.19x video_max_pixels, 1.12x what was reserved; a side rounds up to the patch factor
     # (48 to 64) (s42diff review F2, s43).
-    s = ProcessorSettings()
-    sizes = ((3840, 2160), (1280, 720), (720, 1280), (320, 240), (1701, 3528), (48, 720))
+    # With a temporal patch of 3 (config.json may say any), 4 frames are checked as 3: a
+    # 4K file held 1.14x (s43diff review L1, s44); thin files, their short side kept at the
+    # patch factor, up to 1.02x (ownfixA review F5, s43).
+    for t in (1, 2, 3, 4):
+        settings = dataclasses.replace(ProcessorSettings(), temporal_patch_size=t)
+        sizes = ((3840, 2160), (1280, 720), (720, 1280), (320, 240), (1701, 3528), (48, 720))
+        _fits_its_reservation(settings, (*sizes, (3982, 63), (7680, 48)))
+
+
+def _fits_its_reservation(s: Any, sizes: Any) -> None:
+    from common.processing.limits import InputLimits
+    from common.processing.video_sampling import kept_rate, sample_times
+
     for width, height in sizes:
         for seconds, fps in ((599.0, 1.0), (61.0, 2.0), (61.0, 1.0), (10.0, 8.0), (2.2, 2.0)):
             times = sample_times(seconds, fps, 768)
