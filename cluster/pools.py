@@ -60,7 +60,7 @@ from cluster.actor_states import (
 from cluster.admin import drain_at_router
 from cluster.admin import registered_counts as registered_counts
 from cluster.placement import CpuPlanner
-from cluster.settings import ROLES, PoolSettings
+from cluster.settings import ROLES, PoolSettings, one_worker_ports
 from cluster.worker import WorkerActor
 from common.server.credentials import NO_CREDENTIALS, ChannelCredentials
 from common.server.threads import available_cores
@@ -190,6 +190,7 @@ class PoolManager:
                 f"replicas must be in [0, {self.settings.max_replicas}] "
                 "([pools] max_replicas, --pools-max-replicas)"
             )
+        one_worker_ports(role, self.role_settings[role], replicas, "the replicas asked")
         pool = self.pools[role]
         async with pool.lock:
             if self.stopping and replicas:

@@ -228,12 +228,7 @@ class EpdSettings:
                     f"pools.{name}_replicas: {n} is more than pools.max_replicas "
                     f"({pools.max_replicas})"
                 )
-            for key in ("port", "metrics_port"):  # replicas of one host would share it
-                if n > 1 and (getattr(getattr(full, name), key) or 0) > 0:
-                    raise SettingsError(
-                        f"{name}.{key}: a fixed port takes one worker, and "
-                        f"pools.{name}_replicas is {n} (0: a free port each)"
-                    )
+            one_worker_ports(name, getattr(full, name), n, f"pools.{name}_replicas")
         for name in ("num_cpus", "num_gpus"):
             if (getattr(pools, name) or 0) < 0 or (getattr(self.ray, name) or 0) < 0:
                 where = "pools" if (getattr(pools, name) or 0) < 0 else "ray"
@@ -315,6 +310,19 @@ def read_secrets(security: SecuritySettings) -> None:
     security.tls_files()
     if security.api_keys_file:
         load_api_keys(security.api_keys_file)
+
+
+def one_worker_ports(role: str, worker: ModelWorkerSettings, replicas: int, asked: str) -> None:
+    """SettingsError where `replicas` workers of `role` would share a fixed port of theirs
+    (`port`, `metrics_port`: Ray may place replicas on one host); `asked` names what asked
+    for them (`epd scale` did not check: its new worker failed to start, "port in use":
+    operator2 review L7, s44)."""
+    for key in ("port", "metrics_port"):
+        if replicas > 1 and (getattr(worker, key) or 0) > 0:
+            raise SettingsError(
+                f"{role}.{key}: a fixed port takes one worker, and {asked} is {replicas} "
+                "(0: a free port each)"
+            )
 
 
 def check_model_folder(key: str, model: str) -> None:

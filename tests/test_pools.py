@@ -11,6 +11,7 @@ The worker actor itself is tested in test_worker_actor.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from common.server.rpc import start_server
 from common.server.threads import CpuPlacement
 from common.wire.roles import role_from_proto, role_to_proto
 from epd.v1 import admin_service_pb2, admin_service_pb2_grpc, registry_service_pb2
+from prefill_worker.settings import PrefillSettings
 
 # ------------------------------------------------------------------------ stand-in actors
 
@@ -311,6 +313,16 @@ async def test_scale_refuses_bad_requests(recorded: list[str]) -> None:
         await manager.scale("router", 1)
     with pytest.raises(ValueError, match=r"replicas must be in \[0, 4\] \(\[pools\] max_replicas"):
         await manager.scale("decode", 5)
+    # A fixed port takes one worker: refused at start, but `epd scale` to 2 started one
+    # that failed "port in use" (operator2 review L7, s44).
+    for key in ("port", "metrics_port"):
+        fixed: Any = dataclasses.replace(PrefillSettings(), **{key: 45120})  # type: ignore[arg-type]
+        settings = EpdSettings(prefill=fixed, pools=PoolSettings())
+        manager.role_settings = settings.role_settings()
+        assert await manager.scale("prefill", 1) == 1
+        with pytest.raises(ValueError, match=rf"^prefill\.{key}: a fixed port takes one worker"):
+            await manager.scale("prefill", 2)
+        assert await manager.scale("prefill", 0) == 0
 
 
 # ------------------------------------------------------------------ router side of drain
