@@ -248,13 +248,26 @@ async def _on_router(args: argparse.Namespace, act: Any, away: Any, router: str,
 
 
 async def cmd_drain(args: argparse.Namespace) -> int:
-    """AdminService.Drain on every router: they stop sending new work to the worker."""
+    """AdminService.Drain on every router: they stop sending new work to the worker; said
+    where it was the last of its role serving."""
+    from common.wire.roles import role_from_proto
     from epd.v1 import admin_service_pb2
 
     async def drain(stub: Any, address: str, label: str) -> bool:
         reply = await stub.Drain(admin_service_pb2.DrainRequest(address=address), timeout=10)
         if reply.found:
             _say(f"{label}: draining (no new work; in-flight work finishes)")
+            status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
+            roles = {w.info.role for w in status.workers if w.info.address == address}
+            if roles and not any(
+                w.info.role in roles and not w.draining for w in status.workers
+            ):  # said nowhere before (operator2 review M1, s44)
+                name = role_from_proto(roles.pop())
+                complain(
+                    f"{label}: it was the last serving {name} worker: until one serves "
+                    f"(`epd undrain`), requests that need one wait for it or fail, and the "
+                    "router's health (readiness) says NOT_SERVING"
+                )
         return bool(reply.found)
 
     return await _on_every_router(args, drain)

@@ -9,5 +9,6 @@ def say(line: str) -> None:
 
 
 def complain(line: str) -> None:
-    """Write one line to stderr as `epd: line`: what made the command exit non-zero."""
+    """Write one line to stderr as `epd: line`: what made the command exit non-zero, or
+    what an operator must know of what it did (`epd drain` of a role's last worker)."""
     print(f"epd: {line}", file=sys.stderr, flush=True)

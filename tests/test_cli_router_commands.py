@@ -67,6 +67,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         self.draining: list[list[str]] = [[]]
         self.drained: set[str] = set()  # of those, drained by an operator (`epd drain`)
         self.tells = False  # a Scale says the dead it replaced (`tells_replaced`)
+        self.drains: set[str] = set()  # the addresses Drain found
 
     async def Status(self, request: Any, context: Any) -> admin_service_pb2.StatusResponse:
         self.polls += 1
@@ -91,6 +92,7 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
                     router_in_flight=1,
                     seconds_since_heartbeat=0.5,
                     suspect=role == 3,
+                    draining=f"127.0.0.1:{7000 + 10 * role + i}" in self.drains,
                 )
                 worker.load.active_requests = 1
                 if role != 3:  # the decode worker has not heartbeated yet
@@ -127,7 +129,10 @@ class FakeAdmin(admin_service_pb2_grpc.AdminServiceServicer):
         return response
 
     async def Drain(self, request: Any, context: Any) -> admin_service_pb2.DrainResponse:
-        return admin_service_pb2.DrainResponse(found=request.address == "127.0.0.1:7030")
+        found = request.address in ("127.0.0.1:7030", "127.0.0.1:7020", "127.0.0.1:7021")
+        if found:
+            self.drains.add(request.address)
+        return admin_service_pb2.DrainResponse(found=found)
 
 
 def scale_prefill(address: str, replicas: int, *flags: str) -> argparse.Namespace:
@@ -245,6 +250,22 @@ async def test_drain_reports_unknown_workers(
     assert await cmd_drain(parser.parse_args(["drain", "127.0.0.1:1", "--address", address])) == 1
     out, err = capsys.readouterr()
     assert "127.0.0.1:7030: draining" in out and "no registered worker at 127.0.0.1:1" in err
+    # The only decode worker: said (a drain took every router out of a Service's endpoints
+    # without a word, their readiness failing: operator2 review M1, s44).
+    assert "127.0.0.1:7030: it was the last serving decode worker" in err
+
+
+async def test_drain_of_one_of_two_workers_of_a_role_says_nothing_more(
+    router: tuple[str, FakeRouter, FakeAdmin], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, _, admin = router
+    admin.sizes[2] = 2  # prefill: 127.0.0.1:7020 and :7021
+    drain = build_parser().parse_args(["drain", "127.0.0.1:7020", "--address", address])
+    assert await cmd_drain(drain) == 0
+    assert "last serving" not in capsys.readouterr().err
+    drain = build_parser().parse_args(["drain", "127.0.0.1:7021", "--address", address])
+    assert await cmd_drain(drain) == 0
+    assert "it was the last serving prefill worker" in capsys.readouterr().err
 
 
 def test_commands_report_an_unreachable_router(capsys: pytest.CaptureFixture[str]) -> None:
