@@ -188,6 +188,7 @@ def test_json_numbers_still_fit_number_fields() -> None:
         # as unknown fields, a 200 without them (docswalk review, s33).
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
+        ({"n": 2}, "n"),  # refused saying why, not with pydantic's bound (openai F6, s44)
         # vLLM's, each a 200 as if not asked (sampling and openai reviews, s44).
         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ({"typical_p": 0.5}, "typical_p"),
@@ -214,6 +215,8 @@ def test_what_is_asked_for_and_not_done_is_refused(extra: dict[str, Any], param:
     with pytest.raises(FieldError) as err:
         chat_request(body, "r", MediaPolicy())
     assert err.value.field == param
+    if param == "n":
+        assert "only 1 is supported" in str(err.value)
     if "max_tokens" in extra:  # both named
         assert "max_tokens is 3" in str(err.value) and "is 5" in str(err.value)
 

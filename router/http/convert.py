@@ -118,6 +118,8 @@ def refuse_unsupported(body: SamplingBody) -> None:
         raise FieldError("response_format", 'only {"type": "text"} is supported')
     if body.echo:
         raise FieldError("echo", "echoing the prompt is not supported by this server")
+    if body.n != 1:  # pydantic's "less than or equal to 1" said no why (openai F6, s44)
+        raise FieldError("n", "only 1 is supported (one choice per request)")
     if body.best_of not in (None, 1):
         raise FieldError("best_of", "only 1 is supported (one completion per request)")
     if isinstance(body, ChatCompletionRequest):

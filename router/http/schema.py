@@ -3,7 +3,8 @@
 Sampling follows OpenAI's defaults where they differ from the gRPC API's: `temperature`
 defaults to 1.0. `max_tokens` (or `max_completion_tokens`) unset: a chat runs to its end, up to
 `[router] chat_max_tokens` (or the checkpoint's `max_new_tokens`, if less) or the context the
-prompt leaves (`router.http.app`); a completion gets the router's default (16, as OpenAI's).
+prompt leaves (`router.http.app`); a completion gets the checkpoint's `max_new_tokens`, else
+16 (OpenAI's).
 `ignore_eos` and `cache_salt` are extensions (as in vLLM), sent with the `openai` client via
 `extra_body`; `cache_salt` is the gRPC API's (mixed into the tenant's: docs/security.md).
 
@@ -205,7 +206,7 @@ class SamplingBody(_Body):
     max_tokens: Int | None = Field(default=None, ge=1, le=UINT32_MAX)
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=UINT32_MAX)
     stop: Text | list[Text] | None = None
-    n: Int = Field(default=1, ge=1, le=1)  # one choice per request
+    n: Int = Field(default=1, ge=1)  # refused above 1: one choice per request
     ignore_eos: bool = False  # extension: keep generating past end-of-sequence
     # Extension (as in vLLM): splits the caller's cache further, as `GenerateRequest.cache_salt`.
     cache_salt: (
