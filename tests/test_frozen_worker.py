@@ -112,7 +112,7 @@ async def test_requests_on_a_frozen_worker_fail_over(cluster, role) -> None:
     moved = [
         line
         for line in log.splitlines()
-        if f"on {address[1]}" in line and ("failed" in line or "broke" in line)
+        if f"on {victim} ({address[1]})" in line and ("failed" in line or "broke" in line)
     ]
     assert moved  # some requests were on the victim, and moved
     # Not the requests' 60 s deadline: the calls on the frozen worker fail after the pings'
