@@ -120,11 +120,16 @@ def told(exc: BaseException, timeout_s: float, client_s: float | None) -> BaseEx
     `request_timeout_s` set (the client's was later, or none) says so: a worker's "Stream
     removed (Deadline Exceeded)" named neither the limit nor the router (s42 operator review
     L6). A worker's FAILED_PRECONDITION (a KV handle, layout or prompt digest that does not
-    match: the deployment's fault, never the request's) is INTERNAL: HTTP clients got a 400
-    for it, which they do not retry (openai review F3, s44)."""
+    match), or its INVALID_ARGUMENT naming a `kv` field (the handle prefill made), is the
+    deployment's fault, never the request's: INTERNAL. HTTP clients got a 400 for it, which
+    they do not retry (openai review F3, ownfixA L1, s44)."""
     if not isinstance(exc, RouterError):
         return exc
-    if exc.code == grpc.StatusCode.FAILED_PRECONDITION and exc.stage:
+    kv_field = str(exc).startswith((f"{exc.stage} failed: kv.", f"{exc.stage} failed: kv:"))
+    if exc.stage and (
+        exc.code == grpc.StatusCode.FAILED_PRECONDITION
+        or (exc.code == grpc.StatusCode.INVALID_ARGUMENT and kv_field)
+    ):
         said = RouterError(grpc.StatusCode.INTERNAL, str(exc))
     elif exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
         return exc
@@ -270,7 +275,8 @@ class WorkerCalls:
                 raise
         failed = ", ".join(sorted(tried))
         if self.returns.full:  # it said it waited (openai review F5, s44)
-            why = "max_queued_requests requests wait already"
+            most = self.returns.max_waiting
+            why = f"{self.returns.waiting} wait already (max_queued_requests: {most})"
             logger.info("no %s worker left to try (%s failed); not waiting: %s", role, failed, why)
             return pick()
         logger.info("no %s worker left to try (%s failed); waiting for one back", role, failed)
@@ -347,5 +353,5 @@ class WorkerCalls:
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or tries >= limit:
                         raise self.error(stage, worker, exc) from None
                     logger.warning(
-                        "%s on %s failed (%s); trying again", stage, worker.address, exc.code()
+                        "%s on %s failed (%s); trying again", stage, worker.shown, exc.code()
                     )

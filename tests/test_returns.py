@@ -345,5 +345,5 @@ async def test_past_max_waiting_a_request_fails_at_once_and_the_log_says_it_did_
     with caplog.at_level("INFO", "router.calls"), pytest.raises(RouterError):
         await calls.pick_or_return(Role.DECODE, set(), started + 30, pick)  # type: ignore[arg-type]
     assert time.monotonic() - started < 0.2
-    assert "not waiting: max_queued_requests requests wait already" in caplog.text
+    assert "not waiting: 0 wait already (max_queued_requests: 0)" in caplog.text
     assert "waiting for one back" not in caplog.text

@@ -148,6 +148,7 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
         self.hang_before_first = False
         self.hang_after_first = False
         self.fail: grpc.StatusCode | None = None
+        self.fail_details = "fake decode failure"
         self.refuse_kv = 0  # answer this many calls ABORTED, as when the KV fails its checks
         self.per_chunk = 1  # tokens a chunk carries after the first (a worker's stream_interval)
         self.first_id = 101  # the answer's second token; each later one is one more
@@ -157,7 +158,7 @@ class FakeDecode(decode_service_pb2_grpc.DecodeServiceServicer):
     async def Decode(self, request, context):
         self.requests.append(request)
         if self.fail is not None:
-            await context.abort(self.fail, "fake decode failure")
+            await context.abort(self.fail, self.fail_details)
         if self.refuse_kv:
             self.refuse_kv -= 1
             await context.abort(grpc.StatusCode.ABORTED, "kv.block_digests: prefill again")

@@ -189,6 +189,18 @@ async def test_a_workers_failed_precondition_is_the_servers_fault(ckpt):
             await c.client.generate_text(TEXT, SamplingParams(max_tokens=8))
         assert err.value.code == grpc.StatusCode.INTERNAL, err.value
         assert "fake decode failure" in err.value.details
+        # Or an INVALID_ARGUMENT naming the handle prefill made (ownfixA review L1, s44); one
+        # naming another field is still the request's.
+        dec.fail, dec.fail_details = grpc.StatusCode.INVALID_ARGUMENT, "kv.blocks: 3 for 5"
+        with pytest.raises(GenerateError) as err:
+            await c.client.generate_text(TEXT, SamplingParams(max_tokens=8))
+        assert err.value.code == grpc.StatusCode.INTERNAL, err.value
+        dec.fail_details = "resume_tokens: 70000 outside the vocab"
+        with pytest.raises(GenerateError) as err:
+            await c.client.generate_text(TEXT, SamplingParams(max_tokens=8))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        dec.fail_details = "fake decode failure"
+        dec.fail = grpc.StatusCode.FAILED_PRECONDITION
         body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 8}
         url = f"{url_of(c)}/v1/chat/completions"
         status, _, reply = await asyncio.to_thread(call, url, body, CLIENT_KEY)
