@@ -326,7 +326,7 @@ class DecodeStage:
             logger.warning(
                 "request %s: decode on %s refused the KV (%s); prefilling again",
                 job.request_id,
-                worker.address,
+                worker.shown,
                 exc.details(),
             )
             return False

@@ -165,7 +165,7 @@ class OverlappedPrefill:
                 "request %s: prefill step %d on %s failed, no more steps (%s)",
                 job.request_id,
                 k,
-                worker.address,
+                worker.shown,
                 exc,
             )
             return False

@@ -183,7 +183,7 @@ class Registry:
             del self._workers[old.worker_id]
             restarted = not info.instance_id or old.info.instance_id != info.instance_id
             again = " after a restart" if restarted else ""
-            logger.info("worker %s re-registered%s", old.address, again)
+            logger.info("worker %s re-registered%s", old.shown, again)
             if restarted:
                 for restart_listener in self.on_restart:
                     restart_listener(old)
@@ -249,7 +249,7 @@ class Registry:
         records = [r for r in self._workers.values() if r.address == address]
         self.holds.drain(records)
         for record in records:
-            logger.info("draining %s worker %s (%s)", record.role, address, record.name)
+            logger.info("draining %s worker %s", record.role, record.shown)
         return bool(records)
 
     def undrain(self, address: str = "", name: str = "") -> tuple[bool, bool, bool]:

@@ -113,7 +113,8 @@ async def test_restarted_worker_is_a_new_instance_and_old_entries_go(cluster: Cl
     (new,) = _until(new_instance, 60, "the restarted prefill worker to register")
     assert new.worker_id != old.worker_id
     log = (cluster.log_dir / "router.log").read_text()
-    assert f"worker {old.info.address} re-registered after a restart" in log
+    said = f"worker {old.info.name} ({old.info.address}) re-registered after a restart"
+    assert said in log
     async with Client(cluster.address, api_key=cluster.client_key) as client:
         third = await client.generate_text(prompt, LONG, timeout_s=60)
     # The new process caches nothing yet: no prefix served from the old one's blocks.
