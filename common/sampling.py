@@ -77,13 +77,15 @@ class SamplingParams:
         # Both as the wire carries them (float32), so that the offline engine, the client
         # and the workers see one number: 1e-5 was sampled offline and greedy deployed, and
         # 1e39 passed here to be refused by the router as "inf" (sampling review L4, s44).
+        # Both the value and its float32 in range: -1e-46 (float32 -0.0) and top_p
+        # 1.0000000001 (float32 1.0) are refused, as HTTP refuses them (ownfixB F5, s44).
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= _float32(t) < math.inf:
+        if not _number(t) or not (t >= 0 and 0 <= _float32(t) < math.inf):
             raise SamplingError(
                 "temperature", f"temperature must be a finite float32 >= 0, got {t!r}"
             )
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < _float32(p) <= 1:
+        if not _number(p) or not (0 < p <= 1 and 0 < _float32(p) <= 1):
             raise SamplingError("top_p", f"top_p must be a float32 in (0, 1], got {p!r}")
         object.__setattr__(self, "temperature", _float32(t))
         object.__setattr__(self, "top_p", _float32(p))
@@ -135,6 +137,10 @@ def _float32(value: float) -> float:
         return float(struct.unpack("<f", struct.pack("<f", value))[0])
     except OverflowError:
         return math.copysign(math.inf, value)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _is_int(value: object) -> bool:
