@@ -152,10 +152,13 @@ def _most_held(s: ProcessorSettings, width: int, height: int, count: int) -> tup
     patches, which may round down (5 frames as 4 at a patch of 2: 1.19x the cap, s42diff
     review; 4 as 3 at 3: 1.14x what was reserved, s43diff review L1, s44), and a side
     below twice the patch factor is not shrunk below it (thin files: 1.02x, ownfixA F5,
-    s43). At most `video_max_frames` resizes, ~2 µs each."""
+    s43). At most the processor's `video_max_frames` resizes where it samples, ~2 µs each."""
     most = most_codes = 0
     t, channels = s.temporal_patch_size, len(s.image_mean)
-    for n in range(1, count + 1):
+    # The sampling keeps at most `video_max_frames` of any count (the router's own bound on
+    # a file's count has none: 100,000 took 0.19 s here; ownfixB review F3, s44).
+    kept = count if s.video_sample_fps is None else min(count, s.video_max_frames)
+    for n in range(1, kept + 1):
         h, w = smart_resize_video(
             n,
             height,
@@ -167,4 +170,7 @@ def _most_held(s: ProcessorSettings, width: int, height: int, count: int) -> tup
         )
         most = max(most, n * h * w)
         most_codes = max(most_codes, -(-n // t) * t * h * w * channels)
-    return most, most_codes
+    # Codes at least 4 bytes a held pixel (3, a third more): what the decoder freed and the
+    # allocator keeps while they are made (exact, a 720p file's resident memory grew 1.01-
+    # 1.03x what was counted; the bound by formula before kept that margin: ownfixB F1).
+    return most, max(most_codes, 4 * most)
