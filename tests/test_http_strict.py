@@ -225,7 +225,7 @@ def test_neutral_values_and_the_ignored_fields_are_accepted() -> None:
     ignored = {k: "x" for k in ACCEPTED_AND_IGNORED if k.isidentifier()}
     assert {"metadata", "service_tier", "reasoning_effort", "parallel_tool_calls"} <= set(ignored)
     image = {"type": "image_url", "image_url": {"url": png_data_url(1), "detail": "low"}}
-    messages = [{"role": "user", "content": [image], "name": "ann"}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [image], "name": "ann"}]
     extra: dict[str, Any] = {"store": False, "web_search_options": None, "moderation": None}
     extra |= {"echo": False, "best_of": 1}
     extra |= ignored
@@ -233,8 +233,8 @@ def test_neutral_values_and_the_ignored_fields_are_accepted() -> None:
     extra |= {"typical_p": 1, "skip_special_tokens": True, "add_special_tokens": False}
     extra |= {"chat_template_kwargs": {}, "mm_processor_kwargs": {}, "allowed_token_ids": None}
     # An answer's message as OpenAI returns it, sent back in the history.
-    said = {"role": "assistant", "content": "ok", "refusal": None, "tool_calls": []}
-    messages = [*messages, said | {"audio": None, "function_call": None}]
+    said: dict[str, Any] = {"role": "assistant", "content": "ok", "refusal": None}
+    messages = [*messages, said | {"tool_calls": [], "audio": None, "function_call": None}]
     body = parse_body(
         json.dumps(chat(messages=messages, **extra)).encode(), None, ChatCompletionRequest
     )
