@@ -120,3 +120,31 @@ def test_a_renders_time_is_the_cpu_time_of_its_thread() -> None:
     thread.start()
     thread.join()
     assert outcome[0] is None and isinstance(outcome[1], SecurityError)
+
+
+async def test_a_chat_setting_a_variable_its_template_reads_is_refused_naming_it(
+    ckpt_copy: Path,
+) -> None:
+    # Over HTTP: one the template reads would change the prompt unsaid; one it does not
+    # read cannot, and is ignored (all of them were refused: ownfixA review, s44).
+    import asyncio
+
+    from tests.cluster import CLIENT_KEY
+    from tests.test_http_api import MODEL_ID, WEATHER, add_workers, call, fake_router, url_of
+
+    thinking = "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+    (ckpt_copy / "chat_template.jinja").write_text(_CHATML + thinking)
+    c = await fake_router(ckpt_copy)
+    try:
+        await add_workers(c)
+        url = f"{url_of(c)}/v1/chat/completions"
+        for kwargs, status in (({"enable_thinking": False}, 400), ({"other": 1}, 200)):
+            body = {"model": MODEL_ID, "messages": WEATHER, "max_tokens": 2}
+            body["chat_template_kwargs"] = kwargs
+            got, _, reply = await asyncio.to_thread(call, url, body, CLIENT_KEY)
+            assert got == status, reply
+            if got == 400:
+                assert reply["error"]["param"] == "chat_template_kwargs.enable_thinking"
+        assert reply["choices"][0]["finish_reason"] == "length"
+    finally:
+        await c.close()

@@ -197,7 +197,6 @@ def test_json_numbers_still_fit_number_fields() -> None:
         ({"logits_processors": ["x"]}, "logits_processors"),
         ({"vllm_xargs": {"a": 1}}, "vllm_xargs"),
         ({"chat_template": "{{ 'x' }}"}, "chat_template"),
-        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
         ({"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs"),
         ({"add_special_tokens": True}, "add_special_tokens"),
         (
@@ -241,6 +240,28 @@ def test_neutral_values_and_the_ignored_fields_are_accepted() -> None:
     assert chat_request(body, "r", MediaPolicy()).sampling.max_tokens == 4
     prompt = CompletionRequest.model_validate({"model": MODEL_ID, "prompt": "x", "store": True})
     assert completion_request(prompt, "r").prompt == "x"  # a chat's field only
+
+
+def test_a_template_kwarg_is_refused_only_where_the_template_reads_it() -> None:
+    # Refused whole, `{"enable_thinking": false}` (which clients set up for Qwen3 send) was
+    # a 400 against templates that never read it (ownfixA review, s44); one the template
+    # reads would change the prompt unsaid.
+    from common.processing.template import ChatTemplate
+    from router.http.convert import check_template_kwargs
+
+    source = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+    )
+    reads = ChatTemplate(source).reads
+    assert reads == {"messages", "enable_thinking"}
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    body = parse_body(json.dumps(chat(**kwargs)).encode(), None, ChatCompletionRequest)
+    with pytest.raises(FieldError) as err:
+        check_template_kwargs(body, reads)
+    assert err.value.field == "chat_template_kwargs.enable_thinking"
+    check_template_kwargs(body, {"messages"})  # a template that does not read it: ignored
+    chat_request(body, "r", MediaPolicy())  # nothing else refuses it
 
 
 def test_a_completions_response_format_other_than_text_is_refused() -> None:

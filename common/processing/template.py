@@ -118,6 +118,7 @@ class ChatTemplate:
         tokenizer's special ones). `variables`: template variables such as `eos_token`.
         `origin`: where the source was found, named by errors. Raises `CheckpointError`
         when the source does not compile."""
+        from jinja2 import meta
         from jinja2.exceptions import TemplateError
 
         def raise_exception(message: str) -> None:
@@ -138,6 +139,9 @@ class ChatTemplate:
         self.origin = origin
         try:
             self._template = env.from_string(source)
+            # The names it reads from its context (`messages`, `tools`, `enable_thinking`,
+            # ...): a variable it does not read cannot change what it renders.
+            self.reads = frozenset(meta.find_undeclared_variables(env.parse(source)))
         except (TemplateError, RecursionError, MemoryError) as exc:
             raise CheckpointError(f"{origin}: does not compile: {exc!r}") from None
         self._variables = dict(variables or {})

@@ -47,6 +47,7 @@ from router.http.body import ARRIVED_KEY, CALLER_KEY, HELD_KEY, identify
 from router.http.convert import (
     as_sent,
     chat_request,
+    check_template_kwargs,
     check_text_length,
     completion_request,
     names_media,
@@ -192,6 +193,8 @@ def build_app(
         return TimedStream(stream, seconds, servicer.stopping, _stopped, f"answer {result.id}")
 
     threads = servicer.prepare_threads  # off the event loop, within a tenant's share
+    template = servicer.processor.template  # None: the built-in layout, which reads none
+    reads = frozenset() if template is None else template.reads
 
     async def parsed(raw: Request, schema: type[B], who: Caller) -> B:
         """The body as `schema`, parsed and validated off the event loop (`router.http.parse`)."""
@@ -203,6 +206,8 @@ def build_app(
         check_model(body)
         if isinstance(body, ChatCompletionRequest | CompletionRequest):
             check_text_length(body, servicer.settings.max_prompt_text_bytes)
+        if isinstance(body, ChatCompletionRequest):
+            check_template_kwargs(body, reads)
         return body
 
     @contextlib.contextmanager

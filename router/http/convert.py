@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import grpc
 
@@ -141,9 +141,8 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     for name in ("audio", "prediction", "web_search_options", "moderation", "chat_template"):
         if getattr(body, name) is not None:
             raise FieldError(name, "is not supported by this server")
-    for name in ("chat_template_kwargs", "mm_processor_kwargs"):
-        if getattr(body, name):
-            raise FieldError(name, "is not supported by this server (only {})")
+    if body.mm_processor_kwargs:
+        raise FieldError("mm_processor_kwargs", "is not supported by this server (only {})")
     if body.add_special_tokens:
         raise FieldError("add_special_tokens", "is not supported by this server (only false)")
     if body.store:
@@ -156,6 +155,20 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
         for name in ("tool_calls", "function_call", "refusal", "audio"):
             if getattr(message, name):  # [] or "": what clients send back with an answer
                 raise FieldError(f"messages[{m}].{name}", "is not supported by this server")
+
+
+def check_template_kwargs(body: ChatCompletionRequest, reads: Collection[str]) -> None:
+    """FieldError naming the first of a chat's `chat_template_kwargs` (vLLM's) the chat
+    template reads (`reads`: `ChatTemplate.reads`): passing them is not done here, so one
+    it reads would change the prompt unsaid. One it does not read cannot change it, and is
+    ignored (`{"enable_thinking": false}`, which clients set up for Qwen3 send, to a
+    template without it: refusing every one was a 400 for them; ownfixA review, s44)."""
+    for key in body.chat_template_kwargs or {}:
+        if key in reads:
+            raise FieldError(
+                f"chat_template_kwargs.{key}",
+                "the chat template reads it; setting its variables is not supported by this server",
+            )
 
 
 def _refuse_extensions(body: SamplingBody) -> None:
