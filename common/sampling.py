@@ -134,9 +134,9 @@ def _float32(value: float) -> float:
     """`value` rounded to the nearest float32, as the wire carries it: an infinity of its
     sign past float32's range (NaN and the infinities as they are)."""
     try:
-        return float(struct.unpack("<f", struct.pack("<f", value))[0])
-    except OverflowError:
-        return math.copysign(math.inf, value)
+        return float(struct.unpack("<f", struct.pack("<f", float(value)))[0])
+    except OverflowError:  # past float32's range, or an int past float64's (10**400)
+        return math.inf if value > 0 else -math.inf
 
 
 def _number(value: object) -> bool:

@@ -86,6 +86,7 @@ def test_temperature_and_top_p_are_the_float32_the_wire_carries():
     assert not SamplingParams(temperature=1e-5).is_greedy
     refused = [("temperature", 1e39), ("top_p", 1e-50), ("stop_token_ids", 5)]
     refused += [("temperature", -1e-46), ("top_p", 1.0000000001)]  # float32 -0.0 and 1.0
+    refused += [("temperature", 10**400)]  # a struct.error, named nowhere (ownfixC L4)
     for field, bad in refused:
         with pytest.raises(SamplingError) as err:
             SamplingParams(**{field: bad})
