@@ -261,7 +261,10 @@ async def cmd_drain(args: argparse.Namespace) -> int:
             _say(f"{label}: draining (no new work; in-flight work finishes)")
             try:  # the drain is done: a failed look afterwards fails nothing (ownfixB F6)
                 status = await stub.Status(admin_service_pb2.StatusRequest(), timeout=10)
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as exc:
+                complain(
+                    f"{label}: whether it was its role's last serving worker: {exc.code().name}"
+                )
                 return True
             roles = {w.info.role for w in status.workers if w.info.address == address}
             if roles and not any(

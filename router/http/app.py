@@ -156,7 +156,7 @@ def build_app(
         hold = raw.scope.get(HELD_KEY)
         # A chat that sets no length runs to its end, as OpenAI's: up to `chat_max_tokens`
         # (or the checkpoint's `max_new_tokens`, if less), or the context the prompt leaves.
-        # A completion's default is 16, as OpenAI's.
+        # A completion's is the checkpoint's `max_new_tokens`, else 16 (OpenAI's).
         default = chat and not (body.max_tokens or body.max_completion_tokens)
         if default:
             most = servicer.processor.generation.max_new_tokens
