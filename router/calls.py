@@ -116,13 +116,14 @@ class RouterError(Exception):
 
 
 def told(exc: BaseException, timeout_s: float, client_s: float | None) -> BaseException:
-    """`exc` as the client is told it. A DEADLINE_EXCEEDED that the router's
-    `request_timeout_s` set (the client's was later, or none) says so: a worker's "Stream
-    removed (Deadline Exceeded)" named neither the limit nor the router (s42 operator review
-    L6). A worker's FAILED_PRECONDITION (a KV handle, layout or prompt digest that does not
-    match), or its INVALID_ARGUMENT naming a `kv` field (the handle prefill made), is the
-    deployment's fault, never the request's: INTERNAL. HTTP clients got a 400 for it, which
-    they do not retry (openai review F3, ownfixA L1, s44)."""
+    """`exc` as the client is told it (`client_s`: the client's own time, where it ended
+    before the router's; None: the router's ended first). A DEADLINE_EXCEEDED that the
+    router's `request_timeout_s` set says so: a worker's "Stream removed (Deadline
+    Exceeded)" named neither the limit nor the router (s42 operator review L6). A worker's
+    FAILED_PRECONDITION (a KV handle, layout or prompt digest that does not match), or its
+    INVALID_ARGUMENT naming a `kv` field (the handle prefill made), is the deployment's
+    fault, never the request's: INTERNAL. HTTP clients got a 400 for it, which they do not
+    retry (openai review F3, ownfixA L1, s44)."""
     if not isinstance(exc, RouterError):
         return exc
     kv_field = str(exc).startswith((f"{exc.stage} failed: kv.", f"{exc.stage} failed: kv:"))
@@ -133,7 +134,7 @@ def told(exc: BaseException, timeout_s: float, client_s: float | None) -> BaseEx
         said = RouterError(grpc.StatusCode.INTERNAL, str(exc))
     elif exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
         return exc
-    elif client_s is not None and client_s < timeout_s:
+    elif client_s is not None:
         return exc  # the client's own deadline
     else:
         said = RouterError(

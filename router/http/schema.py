@@ -240,8 +240,8 @@ class SamplingBody(_Body):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    # vLLM's, which would change the answer, ignored (sampling, s44 review M1): refused
-    # unless neutral.
+    # vLLM's that would change the answer (they were ignored: sampling review M1, s44):
+    # refused unless neutral.
     allowed_token_ids: list[Any] | None = None  # refused when set
     typical_p: float | None = None  # refused unless 1
     skip_special_tokens: bool = True  # refused when false (their text is left out)
@@ -280,7 +280,9 @@ class ChatCompletionRequest(SamplingBody):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes them
     chat_template: Any = None  # refused when set: the checkpoint's template is used
-    chat_template_kwargs: dict[str, Any] | None = None  # refused when not empty
+    # A key the chat template reads is refused, one it does not is ignored (it cannot
+    # change the prompt): `router.http.convert.check_template_kwargs`.
+    chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # refused when not empty
 
 
