@@ -57,8 +57,10 @@ lock:
 	$(LOCK_VENV)/bin/python -m pip install --quiet ".[dev]"
 	{ echo "# The exact releases \`make test\` and \`make serve\` install (make lock writes this file)."; \
 	  echo "# torch is pinned in pyproject.toml and the Makefile."; \
-	  $(LOCK_VENV)/bin/python -m pip freeze --exclude epd --exclude torch; } > constraints.txt
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude epd --exclude torch; } > constraints.txt.new
+	@# Replaced only once the freeze succeeded: a failed one left an empty file behind.
+	mv constraints.txt.new constraints.txt
 	rm -rf $(LOCK_VENV)
 
 clean:
-	rm -rf $(VENV) $(LOCK_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(LOCK_VENV) constraints.txt.new build *.egg-info .mypy_cache .ruff_cache .pytest_cache
