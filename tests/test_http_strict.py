@@ -199,6 +199,7 @@ def test_json_numbers_still_fit_number_fields() -> None:
         ({"chat_template": "{{ 'x' }}"}, "chat_template"),
         ({"mm_processor_kwargs": {"fps": 1}}, "mm_processor_kwargs"),
         ({"add_special_tokens": True}, "add_special_tokens"),
+        ({"structural_tag": {"type": "structural_tag"}}, "structural_tag"),  # s44diff M1, s45
         (
             {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
             "messages[0].tool_calls",
@@ -242,26 +243,40 @@ def test_neutral_values_and_the_ignored_fields_are_accepted() -> None:
     assert completion_request(prompt, "r").prompt == "x"  # a chat's field only
 
 
-def test_a_template_kwarg_is_refused_only_where_the_template_reads_it() -> None:
+def test_a_template_input_is_refused_only_where_the_template_uses_it() -> None:
     # Refused whole, `{"enable_thinking": false}` (which clients set up for Qwen3 send) was
     # a 400 against templates that never read it (ownfixA review, s44); one the template
-    # reads would change the prompt unsaid.
+    # reads would change the prompt unsaid, as vLLM's `documents` and an earlier answer's
+    # `reasoning_content` did, dropped (s44diff review L1, L2, s45).
     from common.processing.template import ChatTemplate
-    from router.http.convert import check_template_kwargs
+    from router.http.convert import check_template_inputs
 
     source = (
-        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{{ m.reasoning_content or '' }}{% endfor %}"
         "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+        "{% for d in documents or [] %}{{ d }}{% endfor %}"
     )
-    reads = ChatTemplate(source).reads
-    assert reads == {"messages", "enable_thinking"}
-    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
-    body = parse_body(json.dumps(chat(**kwargs)).encode(), None, ChatCompletionRequest)
-    with pytest.raises(FieldError) as err:
-        check_template_kwargs(body, reads)
-    assert err.value.field == "chat_template_kwargs.enable_thinking"
-    check_template_kwargs(body, {"messages"})  # a template that does not read it: ignored
-    chat_request(body, "r", MediaPolicy())  # nothing else refuses it
+    template = ChatTemplate(source)
+    assert template.reads == {"messages", "enable_thinking", "documents"}
+    assert {"content", "reasoning_content"} <= template.names
+    answer = {"role": "assistant", "content": "ok"}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs."),
+        ({"documents": [{"text": "d"}]}, "documents"),
+        ({"messages": [answer | {"reasoning_content": "r"}]}, "messages[0].reasoning_content"),
+        ({"messages": [answer | {"reasoning": "r"}]}, "messages[0].reasoning"),
+    ]
+    for extra, field in cases:
+        body = parse_body(json.dumps(chat(**extra)).encode(), None, ChatCompletionRequest)
+        with pytest.raises(FieldError) as err:
+            check_template_inputs(body, template.reads, template.names)
+        assert err.value.field.startswith(field), err.value.field
+        plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+        check_template_inputs(body, plain.reads, plain.names)  # not used: ignored
+        chat_request(body, "r", MediaPolicy())  # nothing else refuses it
+    neutral = chat(documents=[], messages=[answer | {"reasoning_content": ""}])
+    body = parse_body(json.dumps(neutral).encode(), None, ChatCompletionRequest)
+    check_template_inputs(body, template.reads, template.names)
 
 
 def test_a_completions_response_format_other_than_text_is_refused() -> None:

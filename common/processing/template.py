@@ -45,7 +45,13 @@ from common.models.checkpoint_files import read_checkpoint_object, read_checkpoi
 from common.multimodal.params import Modality
 from common.processing.chat import Control, Piece
 from common.processing.messages import ImagePart, MediaPart, Message, TextPart, VideoPart
-from common.processing.template_sandbox import BoundedSandbox, RenderBudget, budget, new_budget
+from common.processing.template_sandbox import (
+    BoundedSandbox,
+    RenderBudget,
+    budget,
+    names_in,
+    new_budget,
+)
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_JSON = "chat_template.json"
@@ -141,7 +147,12 @@ class ChatTemplate:
             self._template = env.from_string(source)
             # The names it reads from its context (`messages`, `tools`, `enable_thinking`,
             # ...): a variable it does not read cannot change what it renders.
-            self.reads = frozenset(meta.find_undeclared_variables(env.parse(source)))
+            tree = env.parse(source)
+            self.reads = frozenset(meta.find_undeclared_variables(tree))
+            # Every attribute it looks up and string it holds (`message.reasoning_content`,
+            # `message["reasoning"]`, `"x" in message`): a message field named in none of
+            # them cannot change what it renders either.
+            self.names = frozenset(names_in(tree))
         except (TemplateError, RecursionError, MemoryError) as exc:
             raise CheckpointError(f"{origin}: does not compile: {exc!r}") from None
         self._variables = dict(variables or {})

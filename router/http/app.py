@@ -47,7 +47,7 @@ from router.http.body import ARRIVED_KEY, CALLER_KEY, HELD_KEY, identify
 from router.http.convert import (
     as_sent,
     chat_request,
-    check_template_kwargs,
+    check_template_inputs,
     check_text_length,
     completion_request,
     names_media,
@@ -195,6 +195,7 @@ def build_app(
     threads = servicer.prepare_threads  # off the event loop, within a tenant's share
     template = servicer.processor.template  # None: the built-in layout, which reads none
     reads = frozenset() if template is None else template.reads
+    names = frozenset() if template is None else template.names
 
     async def parsed(raw: Request, schema: type[B], who: Caller) -> B:
         """The body as `schema`, parsed and validated off the event loop (`router.http.parse`)."""
@@ -207,7 +208,7 @@ def build_app(
         if isinstance(body, ChatCompletionRequest | CompletionRequest):
             check_text_length(body, servicer.settings.max_prompt_text_bytes)
         if isinstance(body, ChatCompletionRequest):
-            check_template_kwargs(body, reads)
+            check_template_inputs(body, reads, names)
         return body
 
     @contextlib.contextmanager

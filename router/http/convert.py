@@ -157,18 +157,28 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
                 raise FieldError(f"messages[{m}].{name}", "is not supported by this server")
 
 
-def check_template_kwargs(body: ChatCompletionRequest, reads: Collection[str]) -> None:
-    """FieldError naming the first of a chat's `chat_template_kwargs` (vLLM's) the chat
-    template reads (`reads`: `ChatTemplate.reads`): passing them is not done here, so one
-    it reads would change the prompt unsaid. One it does not read cannot change it, and is
-    ignored (`{"enable_thinking": false}`, which clients set up for Qwen3 send, to a
-    template without it: refusing every one was a 400 for them; ownfixA review, s44)."""
+def check_template_inputs(
+    body: ChatCompletionRequest, reads: Collection[str], names: Collection[str]
+) -> None:
+    """FieldError naming the first of a chat's inputs to the chat template that passing is
+    not done here, where the template would use it (so it would change the prompt unsaid):
+    vLLM's `chat_template_kwargs` keys and `documents` (`reads`: `ChatTemplate.reads`, the
+    variables the template reads), a message's `reasoning_content` or `reasoning` (`names`:
+    `ChatTemplate.names`, what it looks up). One the template does not use cannot change
+    the prompt, and is ignored (`{"enable_thinking": false}`, which clients set up for
+    Qwen3 send, to a template without it: refusing every one was a 400 for them; ownfixA
+    review, s44; `documents` and `reasoning_content` were dropped: s44diff review, s45)."""
+    said = "the chat template reads it; passing it to the template is not supported by this server"
     for key in body.chat_template_kwargs or {}:
         if key in reads:
-            raise FieldError(
-                f"chat_template_kwargs.{key}",
-                "the chat template reads it; setting its variables is not supported by this server",
-            )
+            raise FieldError(f"chat_template_kwargs.{key}", said)
+    if body.documents and "documents" in reads:
+        raise FieldError("documents", said)
+    for m, message in enumerate(body.messages):
+        if message.reasoning_content and "reasoning_content" in names:
+            raise FieldError(f"messages[{m}].reasoning_content", said)
+        if message.reasoning and ("reasoning" in names or "reasoning_content" in names):
+            raise FieldError(f"messages[{m}].reasoning", said)
 
 
 def _refuse_extensions(body: SamplingBody) -> None:
@@ -185,7 +195,14 @@ def _refuse_extensions(body: SamplingBody) -> None:
 
 
 # vLLM's guided decoding (structured output): refused when set.
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+GUIDED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "structural_tag",
+)
 
 
 def _request(body: SamplingBody, request_id: str) -> router_service_pb2.GenerateRequest:

@@ -178,6 +178,10 @@ class ChatMessage(_Body):
     function_call: Any = None
     refusal: str | None = None
     audio: Any = None
+    # vLLM's (an answer's reasoning, which Qwen3-style templates write back): refused when
+    # not empty where the chat template names it (`router.http.convert.check_template_inputs`).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class StreamOptions(_Body):
@@ -240,6 +244,7 @@ class SamplingBody(_Body):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    structural_tag: Any = None
     # vLLM's that would change the answer (they were ignored: sampling review M1, s44):
     # refused unless neutral.
     allowed_token_ids: list[Any] | None = None  # refused when set
@@ -281,8 +286,9 @@ class ChatCompletionRequest(SamplingBody):
     add_special_tokens: bool = False  # the template writes them
     chat_template: Any = None  # refused when set: the checkpoint's template is used
     # A key the chat template reads is refused, one it does not is ignored (it cannot
-    # change the prompt): `router.http.convert.check_template_kwargs`.
+    # change the prompt): `router.http.convert.check_template_inputs`.
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[Any] | None = None  # vLLM's, for RAG templates: likewise, where read
     mm_processor_kwargs: dict[str, Any] | None = None  # refused when not empty
 
 
