@@ -267,9 +267,11 @@ async def cmd_drain(args: argparse.Namespace) -> int:
                 )
                 return True
             roles = {w.info.role for w in status.workers if w.info.address == address}
+            # Said nowhere before (operator2 review M1, s44); a suspect worker (a call on
+            # it failed UNAVAILABLE: dead and not yet dropped) serves nothing (s44diff, s45).
             if roles and not any(
-                w.info.role in roles and not w.draining for w in status.workers
-            ):  # said nowhere before (operator2 review M1, s44)
+                w.info.role in roles and not (w.draining or w.suspect) for w in status.workers
+            ):
                 name = role_from_proto(roles.pop())
                 complain(
                     f"{label}: it was the last serving {name} worker: until one serves "

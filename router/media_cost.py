@@ -152,7 +152,7 @@ def _most_held(s: ProcessorSettings, width: int, height: int, count: int) -> tup
     patches, which may round down (5 frames as 4 at a patch of 2: 1.19x the cap, s42diff
     review; 4 as 3 at 3: 1.14x what was reserved, s43diff review L1, s44), and a side
     below twice the patch factor is not shrunk below it (thin files: 1.02x, ownfixA F5,
-    s43). At most the processor's `video_max_frames` resizes where it samples, ~2 µs each."""
+    s43). At most the processor's `video_max_frames` resizes where it samples, ~10 µs each."""
     most = most_codes = 0
     t, channels = s.temporal_patch_size, len(s.image_mean)
     # The sampling keeps at most `video_max_frames` of any count (the router's own bound on

@@ -183,11 +183,12 @@ def check_template_inputs(
 
 def _refuse_extensions(body: SamplingBody) -> None:
     """`refuse_unsupported`'s vLLM extensions that would change the answer."""
-    for name in ("allowed_token_ids", "truncate_prompt_tokens", "logits_processors"):
+    for name in ("allowed_token_ids", "truncate_prompt_tokens"):
         if getattr(body, name) is not None:
             raise FieldError(name, "is not supported by this server")
-    if body.vllm_xargs:
-        raise FieldError("vllm_xargs", "is not supported by this server")
+    for name in ("logits_processors", "vllm_xargs"):  # none, [] or {}: neutral
+        if getattr(body, name):
+            raise FieldError(name, "is not supported by this server")
     if body.typical_p is not None and body.typical_p != 1:
         raise FieldError("typical_p", "is not supported by this server (only 1)")
     if not body.skip_special_tokens:
