@@ -307,13 +307,12 @@ class EncoderEngine:
                     continue
             batch = self._running = self._take_batch()
             started = time.perf_counter()
-            try:
-                segments = await asyncio.to_thread(self._forward, batch)
+            try:  # its caching too: failing there stopped this loop, the batch never answered
+                self._complete(batch, await asyncio.to_thread(self._forward, batch))
             except Exception as exc:
-                logger.exception("vision forward failed for %d requests", len(batch))
+                logger.exception("encoding failed for %d requests", len(batch))
                 self._fail(batch, exc)
             else:
-                self._complete(batch, segments)
                 took_ms = 1e3 * (time.perf_counter() - started)
                 logger.debug("encoded %d requests in %.1f ms", len(batch), took_ms)
             self._running = []
