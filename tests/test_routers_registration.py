@@ -284,3 +284,33 @@ async def test_a_worker_is_ready_only_once_a_router_has_accepted_it() -> None:
         await server.stop(0)
         if router is not None:
             await router.stop(0)
+
+
+async def test_a_stop_while_a_left_router_is_let_go_closes_its_channel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The worker stops just as its lookup finds a router gone: the stop cancelled the let-go
+    # registrar's own stop, which `registrars` no longer listed, its channel left open
+    # (races review L3, s45).
+    import common.server.registrar as registrar_module
+
+    answers = [[f"127.0.0.1:{free_port()}"], []]  # found, then gone (nobody listens there)
+    stopping: list[asyncio.Future[None]] = []
+
+    async def resolve_all(host: str, port: int) -> list[str]:
+        found = answers.pop(0) if answers else []
+        if not answers and not stopping:  # gone: the worker's stop runs next
+            loop = asyncio.get_running_loop()
+            loop.call_soon(lambda: stopping.append(asyncio.ensure_future(regs.stop())))
+        return found
+
+    monkeypatch.setattr(registrar_module, "resolve_all", resolve_all)
+    worker = registry_service_pb2.WorkerInfo(address="127.0.0.1:1", name="w")
+    load = registry_service_pb2.WorkerLoad
+    regs = Registrations([], worker, load, discover="routers:1", resolve_s=0.2)
+    regs.start()
+    await _until(lambda: len(regs.registrars) == 1)
+    (let_go,) = regs.registrars
+    await _until(lambda: bool(stopping))
+    await asyncio.gather(*stopping)
+    assert let_go._channel is None

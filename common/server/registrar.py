@@ -315,8 +315,8 @@ class Registrations:
         for address in [a for a in self._found if a not in addresses]:
             logger.info("router at %s left %s; no longer registered there", address, self.discover)
             registrar = self._found.pop(address)
-            self.registrars.remove(registrar)
-            await registrar.stop()
+            await registrar.stop()  # listed until stopped: a `stop` cancelling this one's
+            self.registrars.remove(registrar)  # stops it again (its channel was left open)
 
 
 async def resolve_all(host: str, port: int) -> list[str]:
