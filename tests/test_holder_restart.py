@@ -1,6 +1,7 @@
 """A prefill worker (the KV holder) killed and back at its address: what the decode side
 does with it (kill review at HEAD: requests that waited out the restart were then refused
-their KV and failed, 24 and 17 in two runs of four)."""
+their KV and failed, 24 and 17 in two runs of four); and a closing peer client's releases
+to a holder."""
 
 from __future__ import annotations
 
@@ -90,3 +91,29 @@ async def test_metadata_a_dead_holder_cannot_serve_means_prefill_again(
             on_quarantine=lambda e: None,
         )
     assert caught.value.code == code and "kv.agent_metadata" in caught.value.details
+
+
+async def test_close_waits_for_releases_started_while_it_waits() -> None:
+    # A request's cleanup running late started a release while `close` waited for the
+    # others: it went out on a channel `close` then closed, the lease pinned on the holder
+    # until its TTL (races review L2, s45).
+    released: list[str] = []
+
+    class Slow(prefill_service_pb2_grpc.PrefillServiceServicer):
+        async def ReleaseKv(self, request, context):
+            await asyncio.sleep(0.3)
+            released.append(request.lease_id)
+            return prefill_service_pb2.ReleaseKvResponse(released=True)
+
+    adder = prefill_service_pb2_grpc.add_PrefillServiceServicer_to_server
+    server = await start_server([lambda s: adder(Slow(), s)], port=0)
+    peers = PeerClient(release_timeout_s=5.0)
+    try:
+        peers.release_kv(server.address, "first")
+        closing = asyncio.create_task(peers.close())
+        await asyncio.sleep(0.1)  # `close` waits for the first
+        peers.release_kv(server.address, "late")
+        await closing
+        assert sorted(released) == ["first", "late"]
+    finally:
+        await server.stop(0)

@@ -267,8 +267,9 @@ class PeerClient:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
-        """Wait for the releases in flight, then close every channel."""
-        if self._tasks:
+        """Wait for the releases in flight, those started meanwhile too (a request's
+        cleanup running late: races review L2, s45), then close every channel."""
+        while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
