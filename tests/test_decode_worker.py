@@ -310,8 +310,10 @@ async def test_stream_interval_sends_that_many_tokens_a_chunk(cluster: Cluster) 
         batcher.stream_interval = 1
     streamed = [t for ch in answer.chunks for t in ch.token_ids]
     assert streamed == c.expected(TEXT, GREEDY).token_ids[1:]
+    # (A stream read late takes the steps queued behind its chunk too: on a loaded machine
+    # the whole answer came in the first message, none after it, CI load s45.)
     sizes = [len(ch.token_ids) for ch in answer.chunks[1:]]
-    assert sizes and all(n % 3 == 0 for n in sizes[:-1]) and sizes[-1] >= 1
+    assert all(n % 3 == 0 for n in sizes[:-1]) and all(sizes)
     assert len(answer.chunks) <= 2 + len(streamed) // 3
 
 
