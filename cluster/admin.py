@@ -267,16 +267,18 @@ async def cmd_drain(args: argparse.Namespace) -> int:
                 )
                 return True
             roles = {w.info.role for w in status.workers if w.info.address == address}
-            # Said nowhere before (operator2 review M1, s44); a suspect worker (a call on
-            # it failed UNAVAILABLE: dead and not yet dropped) serves nothing (s44diff, s45).
-            if roles and not any(
-                w.info.role in roles and not (w.draining or w.suspect) for w in status.workers
-            ):
-                name = role_from_proto(roles.pop())
+            left = [w for w in status.workers if w.info.role in roles and not w.draining]
+            name = role_from_proto(next(iter(roles))) if roles else ""
+            if roles and not left:  # said nowhere before (operator2 review M1, s44)
                 complain(
                     f"{label}: it was the last serving {name} worker: until one serves "
                     f"(`epd undrain`), requests that need one wait for it or fail, and the "
                     "router's health (readiness) says NOT_SERVING"
+                )
+            elif roles and all(w.suspect for w in left):  # dead, maybe (s44diff, s45)
+                complain(
+                    f"{label}: every other {name} worker is suspect (a call on it failed): "
+                    "if they are gone, requests that need one fail until one serves"
                 )
         return bool(reply.found)
 

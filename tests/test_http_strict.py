@@ -278,6 +278,11 @@ def test_a_template_input_is_refused_only_where_the_template_uses_it() -> None:
     neutral = chat(documents=[], messages=[answer | {"reasoning_content": ""}])
     body = parse_body(json.dumps(neutral).encode(), None, ChatCompletionRequest)
     check_template_inputs(body, template.reads, template.names)
+    # An earlier answer's, as a client appends each answer to its history: Qwen3-style
+    # templates render an answer's reasoning only after the last user message (ownfixA F1).
+    earlier = [answer | {"reasoning_content": "r"}, {"role": "user", "content": "and?"}]
+    body = parse_body(json.dumps(chat(messages=earlier)).encode(), None, ChatCompletionRequest)
+    check_template_inputs(body, template.reads, template.names)
 
 
 def test_a_completions_response_format_other_than_text_is_refused() -> None:
