@@ -247,42 +247,79 @@ def test_neutral_values_and_the_ignored_fields_are_accepted() -> None:
 def test_a_template_input_is_refused_only_where_the_template_uses_it() -> None:
     # Refused whole, `{"enable_thinking": false}` (which clients set up for Qwen3 send) was
     # a 400 against templates that never read it (ownfixA review, s44); one the template
-    # reads would change the prompt unsaid, as vLLM's `documents` and an earlier answer's
-    # `reasoning_content` did, dropped (s44diff review L1, L2, s45).
+    # reads would change the prompt unsaid, as vLLM's `documents` did, dropped (s44diff
+    # review L1, s45).
     from common.processing.template import ChatTemplate
-    from router.http.convert import check_template_inputs
+    from router.http.template_inputs import check_template_inputs
 
     source = (
-        "{% for m in messages %}{{ m.content }}{{ m.reasoning_content or '' }}{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
         "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
         "{% for d in documents or [] %}{{ d }}{% endfor %}"
     )
     template = ChatTemplate(source)
     assert template.reads == {"messages", "enable_thinking", "documents"}
-    assert {"content", "reasoning_content"} <= template.names
-    answer = {"role": "assistant", "content": "ok"}
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
     cases: list[tuple[dict[str, Any], str]] = [
         ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs."),
         ({"documents": [{"text": "d"}]}, "documents"),
-        ({"messages": [answer | {"reasoning_content": "r"}]}, "messages[0].reasoning_content"),
-        ({"messages": [answer | {"reasoning": "r"}]}, "messages[0].reasoning"),
     ]
     for extra, field in cases:
         body = parse_body(json.dumps(chat(**extra)).encode(), None, ChatCompletionRequest)
         with pytest.raises(FieldError) as err:
-            check_template_inputs(body, template.reads, template.names)
+            check_template_inputs(body, template)
         assert err.value.field.startswith(field), err.value.field
-        plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
-        check_template_inputs(body, plain.reads, plain.names)  # not used: ignored
+        check_template_inputs(body, plain)  # not read: ignored
+        check_template_inputs(body, None)  # the built-in layout reads none
         chat_request(body, "r", MediaPolicy())  # nothing else refuses it
-    neutral = chat(documents=[], messages=[answer | {"reasoning_content": ""}])
-    body = parse_body(json.dumps(neutral).encode(), None, ChatCompletionRequest)
-    check_template_inputs(body, template.reads, template.names)
-    # An earlier answer's, as a client appends each answer to its history: Qwen3-style
-    # templates render an answer's reasoning only after the last user message (ownfixA F1).
-    earlier = [answer | {"reasoning_content": "r"}, {"role": "user", "content": "and?"}]
-    body = parse_body(json.dumps(chat(messages=earlier)).encode(), None, ChatCompletionRequest)
-    check_template_inputs(body, template.reads, template.names)
+    body = parse_body(json.dumps(chat(documents=[])).encode(), None, ChatCompletionRequest)
+    check_template_inputs(body, template)
+
+
+# As Qwen3's templates do: an answer's reasoning is rendered only after the last user turn.
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor -%}"
+    "{%- for m in messages -%}{{ m.role }}:"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last and m.reasoning_content -%}"
+    "<think>{{ m.reasoning_content }}</think>{%- endif -%}{{ m.content }}|"
+    "{%- endfor -%}"
+)
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_an_answers_reasoning_is_refused_only_where_the_template_renders_it(field: str) -> None:
+    # Dropped unsaid where the template renders it (s44diff review L2, s45); refused where
+    # the template names the field, a client appending each answer (its reasoning too) to
+    # its history got a 400 from a Qwen3-style template that leaves it out (ownfixA F1);
+    # refused after the last user message, reasoning a template renders before it passed
+    # (ownfixB F1): the template's own render says.
+    from common.processing.template import ChatTemplate
+    from router.http.template_inputs import check_reasoning, reasoning_to_check
+
+    template = ChatTemplate(QWEN3_LIKE)
+    answer = {"role": "assistant", "content": "ok", field: "because"}
+    question = {"role": "user", "content": "and?"}
+
+    def body(*messages: dict[str, Any]) -> ChatCompletionRequest:
+        raw = json.dumps(chat(messages=list(messages))).encode()
+        return parse_body(raw, None, ChatCompletionRequest)
+
+    last = body(question, answer)  # rendered: the answer comes after the last question
+    assert reasoning_to_check(last, template)
+    with pytest.raises(FieldError) as err:
+        check_reasoning(last, template)
+    assert err.value.field == f"messages[1].{field}"
+    check_reasoning(body(question, answer, question), template)  # left out: ignored
+    check_reasoning(body(question, answer | {field: ""}), template)  # empty: neutral
+    every = ChatTemplate(
+        "{% for m in messages %}{{ m.reasoning_content }}{{ m.content }}{% endfor %}"
+    )
+    with pytest.raises(FieldError):  # one that renders every answer's: refused there too
+        check_reasoning(body(question, answer, question), every)
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert not reasoning_to_check(last, plain) and not reasoning_to_check(last, None)
 
 
 def test_a_completions_response_format_other_than_text_is_refused() -> None:

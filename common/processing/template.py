@@ -38,6 +38,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import meta
+from jinja2.exceptions import TemplateError
 from tokenizers import Tokenizer
 
 from common.errors import CheckpointError
@@ -54,6 +56,9 @@ from common.processing.template_sandbox import (
 )
 
 TEMPLATE_FILE = "chat_template.jinja"
+# Whatever a template's own code raises (`range(10**9)` is an OverflowError in the sandbox)
+# is the template's failure to render a request, not a crash.
+_FAILURES = (TemplateError, ArithmeticError, LookupError, RecursionError, TypeError, MemoryError)
 TEMPLATE_JSON = "chat_template.json"
 logger = logging.getLogger(__name__)
 
@@ -124,8 +129,6 @@ class ChatTemplate:
         tokenizer's special ones). `variables`: template variables such as `eos_token`.
         `origin`: where the source was found, named by errors. Raises `CheckpointError`
         when the source does not compile."""
-        from jinja2 import meta
-        from jinja2.exceptions import TemplateError
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
@@ -173,32 +176,28 @@ class ChatTemplate:
         `common.processing.chat.render_chat`. Raises `ValueError` when the template fails
         (its `raise_exception` included, or an error its own code makes) or places media it
         was not given. `limits`: what the render may spend (default: `new_budget()`)."""
-        from jinja2.exceptions import TemplateError
-
         texts: list[str] = []
         media: dict[Modality, list[MediaPart]] = {Modality.IMAGE: [], Modality.VIDEO: []}
         dicts = [self._message_dict(m, texts, media) for m in messages]
+        rendered = self.render_text(dicts, add_generation_prompt, limits)
+        return self._pieces(rendered, texts, media)
+
+    def render_text(
+        self, dicts: list[dict[str, Any]], add_generation_prompt: bool, limits: RenderBudget | None
+    ) -> str:
+        """The template's text for `messages` as it gets them (dicts); `ValueError` when the
+        template fails (`render`)."""
         try:
             with budget(limits):  # bounded time, loop steps and repetition (template_sandbox)
-                rendered = self._template.render(
+                return self._template.render(
                     messages=dicts,
                     add_generation_prompt=add_generation_prompt,
                     tools=None,
                     documents=None,
                     **self._variables,
                 )
-        except (
-            TemplateError,
-            ArithmeticError,
-            LookupError,
-            RecursionError,
-            TypeError,
-            MemoryError,
-        ) as exc:
-            # Whatever a template's own code raises (`range(10**9)` is an OverflowError in
-            # the sandbox) is the template's failure to render this request, not a crash.
+        except _FAILURES as exc:
             raise ValueError(f"chat template: {exc!r}") from exc
-        return self._pieces(rendered, texts, media)
 
     def check(self, timeout_s: float = CHECK_SECONDS) -> None:
         """Render `CHECK_CHATS` once, as at load; raise `CheckpointError` naming `origin`

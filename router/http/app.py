@@ -47,7 +47,6 @@ from router.http.body import ARRIVED_KEY, CALLER_KEY, HELD_KEY, identify
 from router.http.convert import (
     as_sent,
     chat_request,
-    check_template_inputs,
     check_text_length,
     completion_request,
     names_media,
@@ -57,6 +56,11 @@ from router.http.media import MediaPolicy
 from router.http.parse import MAX_BODY_VALUES, parse_body
 from router.http.schema import ChatCompletionRequest, CompletionRequest, SamplingBody
 from router.http.stream import CUT_AFTER_DEADLINE_S, Answer, TimedStream, events
+from router.http.template_inputs import (
+    check_reasoning,
+    check_template_inputs,
+    reasoning_to_check,
+)
 from router.outcomes import refused_before
 from router.prepare_threads import LIGHT_BODY_BYTES
 from router.request_bytes import decoded_bytes
@@ -194,8 +198,6 @@ def build_app(
 
     threads = servicer.prepare_threads  # off the event loop, within a tenant's share
     template = servicer.processor.template  # None: the built-in layout, which reads none
-    reads = frozenset() if template is None else template.reads
-    names = frozenset() if template is None else template.names
 
     async def parsed(raw: Request, schema: type[B], who: Caller) -> B:
         """The body as `schema`, parsed and validated off the event loop (`router.http.parse`)."""
@@ -208,7 +210,9 @@ def build_app(
         if isinstance(body, ChatCompletionRequest | CompletionRequest):
             check_text_length(body, servicer.settings.max_prompt_text_bytes)
         if isinstance(body, ChatCompletionRequest):
-            check_template_inputs(body, reads, names)
+            check_template_inputs(body, template)
+            if template is not None and reasoning_to_check(body, template):  # renders twice
+                await threads.run(True, who.tenant, check_reasoning, body, template)
         return body
 
     @contextlib.contextmanager

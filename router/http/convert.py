@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import grpc
 
@@ -155,36 +155,6 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
         for name in ("tool_calls", "function_call", "refusal", "audio"):
             if getattr(message, name):  # [] or "": what clients send back with an answer
                 raise FieldError(f"messages[{m}].{name}", "is not supported by this server")
-
-
-def check_template_inputs(
-    body: ChatCompletionRequest, reads: Collection[str], names: Collection[str]
-) -> None:
-    """FieldError naming the first of a chat's inputs to the chat template that passing is
-    not done here, where the template would use it (so it would change the prompt unsaid):
-    vLLM's `chat_template_kwargs` keys and `documents` (`reads`: `ChatTemplate.reads`, the
-    variables the template reads), a message's `reasoning_content` or `reasoning` after the
-    last user message (`names`: `ChatTemplate.names`, what it looks up). One the template
-    does not use cannot change the prompt, and is ignored (`{"enable_thinking": false}`,
-    which clients set up for Qwen3 send, to a template without it: refusing every one was
-    a 400 for them; ownfixA review, s44; `documents` and `reasoning_content` were dropped:
-    s44diff review, s45). A template that reads a message whole (`m|tojson`) is not seen
-    reading its reasoning."""
-    said = "the chat template reads it; passing it to the template is not supported by this server"
-    for key in body.chat_template_kwargs or {}:
-        if key in reads:
-            raise FieldError(f"chat_template_kwargs.{key}", said)
-    if body.documents and "documents" in reads:
-        raise FieldError("documents", said)
-    # An answer's reasoning before the last user message: Qwen3-style templates leave it
-    # out as this server does (refused, `messages.append(answer)` was a 400: ownfixA F1).
-    users = [m for m, message in enumerate(body.messages) if message.role == "user"]
-    after = users[-1] + 1 if users else 0
-    for m, message in enumerate(body.messages[after:], after):
-        if message.reasoning_content and "reasoning_content" in names:
-            raise FieldError(f"messages[{m}].reasoning_content", said)
-        if message.reasoning and ("reasoning" in names or "reasoning_content" in names):
-            raise FieldError(f"messages[{m}].reasoning", said)
 
 
 def _refuse_extensions(body: SamplingBody) -> None:
