@@ -159,13 +159,12 @@ class EncoderEngine:
         selections = [self._select(jobs, None) for jobs in requests]
         while self._queue:
             batch = self._take_batch()
-            try:
-                segments = self._forward(batch)
+            try:  # caching too, as in the batch loop (its keys stayed in flight: ownfixB F3)
+                self._complete(batch, self._forward(batch))
             except BaseException as exc:
                 self._fail(batch + self._queue, exc)
                 self._queue.clear()
                 raise
-            self._complete(batch, segments)
         return [self._outputs(j, s) for j, s in zip(requests, selections, strict=True)]
 
     def _select(

@@ -1,6 +1,7 @@
 """A batch of `EncoderEngine` that fails after the tower's forward, while its rows are
 cached: its requests get the error and the engine goes on encoding. It stopped the batch
-loop, and the batch's requests waited for their deadlines (races review L4, s45)."""
+loop, and the batch's requests waited for their deadlines (races review L4, s45); in
+`encode_now` its keys stayed in flight, every later call refused (ownfixB F3, s45)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ async def test_a_batch_that_fails_caching_fails_its_requests_and_the_next_is_enc
         (out,) = await engine.encode([image_job(processor, 801)])
     assert not out.cache_hit and engine.units_encoded == 1
     await engine.close()
+
+
+def test_encode_now_that_fails_caching_leaves_nothing_in_flight(
+    processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.0)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("cache broke")
+
+    monkeypatch.setattr(engine.cache, "put_many", broken)
+    with pytest.raises(RuntimeError, match="cache broke"):
+        engine.encode_now([[image_job(processor, 810)]])
+    assert not engine._inflight and not engine._queue
+    monkeypatch.undo()
+    (outs,) = engine.encode_now([[image_job(processor, 810)]])
+    assert [o.cache_hit for o in outs] == [False]
