@@ -307,7 +307,7 @@ def test_an_answers_reasoning_is_refused_only_where_the_template_renders_it(fiel
         return parse_body(raw, None, ChatCompletionRequest)
 
     last = body(question, answer)  # rendered: the answer comes after the last question
-    assert reasoning_to_check(last, template)
+    assert reasoning_to_check(last)
     with pytest.raises(FieldError) as err:
         check_reasoning(last, template)
     assert err.value.field == f"messages[1].{field}"
@@ -319,7 +319,10 @@ def test_an_answers_reasoning_is_refused_only_where_the_template_renders_it(fiel
     with pytest.raises(FieldError):  # one that renders every answer's: refused there too
         check_reasoning(body(question, answer, question), every)
     plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert not reasoning_to_check(last, plain) and not reasoning_to_check(last, None)
+    check_reasoning(last, plain)  # not read: ignored
+    whole = ChatTemplate("{% for m in messages %}{{ m|tojson }}{% endfor %}")
+    with pytest.raises(FieldError):  # read with the message whole
+        check_reasoning(last, whole)
 
 
 def test_a_completions_response_format_other_than_text_is_refused() -> None:

@@ -51,7 +51,6 @@ from common.processing.template_sandbox import (
     BoundedSandbox,
     RenderBudget,
     budget,
-    names_in,
     new_budget,
 )
 
@@ -150,12 +149,7 @@ class ChatTemplate:
             self._template = env.from_string(source)
             # The names it reads from its context (`messages`, `tools`, `enable_thinking`,
             # ...): a variable it does not read cannot change what it renders.
-            tree = env.parse(source)
-            self.reads = frozenset(meta.find_undeclared_variables(tree))
-            # Every attribute it looks up and string it holds (`message.reasoning_content`,
-            # `message["reasoning"]`, `"x" in message`): a message field named in none of
-            # them cannot change what it renders either.
-            self.names = frozenset(names_in(tree))
+            self.reads = frozenset(meta.find_undeclared_variables(env.parse(source)))
         except (TemplateError, RecursionError, MemoryError) as exc:
             raise CheckpointError(f"{origin}: does not compile: {exc!r}") from None
         self._variables = dict(variables or {})

@@ -28,7 +28,6 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import nodes
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError, safe_range
 
@@ -146,11 +145,3 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         _step()
         return super().call(__context, __obj, *args, **kwargs)
-
-
-def names_in(tree: nodes.Template) -> set[str]:
-    """Every attribute a parsed template looks up and every string constant it holds: a
-    field of a message (`m.reasoning_content`, `m["reasoning"]`, `"x" in m`, `m.get("x")`)
-    that none of them names cannot change what the template renders."""
-    names = {node.attr for node in tree.find_all(nodes.Getattr)}
-    return names | {n.value for n in tree.find_all(nodes.Const) if isinstance(n.value, str)}

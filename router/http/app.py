@@ -211,7 +211,7 @@ def build_app(
             check_text_length(body, servicer.settings.max_prompt_text_bytes)
         if isinstance(body, ChatCompletionRequest):
             check_template_inputs(body, template)
-            if template is not None and reasoning_to_check(body, template):  # renders twice
+            if template is not None and reasoning_to_check(body):  # renders twice
                 await threads.run(True, who.tenant, check_reasoning, body, template)
         return body
 

@@ -32,14 +32,9 @@ def check_template_inputs(body: ChatCompletionRequest, template: ChatTemplate | 
         raise FieldError("documents", SAID)
 
 
-def reasoning_to_check(body: ChatCompletionRequest, template: ChatTemplate | None) -> bool:
-    """Whether `check_reasoning` has to render: a message holds reasoning and the template
-    names the field (`ChatTemplate.names`: what it looks up; one it never names it cannot
-    read, unless it reads a message whole, `m|tojson`)."""
-    names = frozenset() if template is None else template.names
-    return any(getattr(m, f) for m in body.messages for f in REASONING) and bool(
-        names & set(REASONING)
-    )
+def reasoning_to_check(body: ChatCompletionRequest) -> bool:
+    """Whether `check_reasoning` has to render: a message holds reasoning."""
+    return any(getattr(m, f) for m in body.messages for f in REASONING)
 
 
 def check_reasoning(body: ChatCompletionRequest, template: ChatTemplate) -> None:
