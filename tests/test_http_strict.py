@@ -313,6 +313,8 @@ def test_an_answers_reasoning_is_refused_only_where_the_template_renders_it(fiel
     assert err.value.field == f"messages[1].{field}"
     check_reasoning(body(question, answer, question), template)  # left out: ignored
     check_reasoning(body(question, answer | {field: ""}), template)  # empty: neutral
+    said = {"role": "system", "content": "be brief", field: "x"}  # not an answer's: ignored
+    check_reasoning(body(question, said), ChatTemplate("{{ messages|tojson }}"))
     every = ChatTemplate(
         "{% for m in messages %}{{ m.reasoning_content }}{{ m.content }}{% endfor %}"
     )

@@ -33,8 +33,9 @@ def check_template_inputs(body: ChatCompletionRequest, template: ChatTemplate | 
 
 
 def reasoning_to_check(body: ChatCompletionRequest) -> bool:
-    """Whether `check_reasoning` has to render: a message holds reasoning."""
-    return any(getattr(m, f) for m in body.messages for f in REASONING)
+    """Whether `check_reasoning` has to render: an answer holds reasoning (vLLM passes an
+    assistant message's only; another's is ignored, here too: ownfixC L4, s45)."""
+    return any(getattr(m, f) for m in body.messages if m.role == "assistant" for f in REASONING)
 
 
 def check_reasoning(body: ChatCompletionRequest, template: ChatTemplate) -> None:
@@ -47,7 +48,7 @@ def check_reasoning(body: ChatCompletionRequest, template: ChatTemplate) -> None
     given = [dict(d) for d in plain]
     last = None
     for m, message in enumerate(body.messages):
-        for field in REASONING:
+        for field in REASONING if message.role == "assistant" else ():
             if value := getattr(message, field):
                 given[m].update(reasoning_content=value, reasoning=value)
                 last = f"messages[{m}].{field}"
