@@ -47,19 +47,15 @@ from common.models.checkpoint_files import read_checkpoint_object, read_checkpoi
 from common.multimodal.params import Modality
 from common.processing.chat import Control, Piece
 from common.processing.messages import ImagePart, MediaPart, Message, TextPart, VideoPart
-from common.processing.template_sandbox import (
-    BoundedSandbox,
-    RenderBudget,
-    budget,
-    new_budget,
-)
+from common.processing.template_sandbox import BoundedSandbox, RenderBudget, budget, new_budget
 
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_JSON = "chat_template.json"
+logger = logging.getLogger(__name__)
+
 # Whatever a template's own code raises (`range(10**9)` is an OverflowError in the sandbox)
 # is the template's failure to render a request, not a crash.
 _FAILURES = (TemplateError, ArithmeticError, LookupError, RecursionError, TypeError, MemoryError)
-TEMPLATE_JSON = "chat_template.json"
-logger = logging.getLogger(__name__)
 
 _KEY_FILES = ("processor_config.json", "tokenizer_config.json")
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
@@ -179,8 +175,8 @@ class ChatTemplate:
     def render_text(
         self, dicts: list[dict[str, Any]], add_generation_prompt: bool, limits: RenderBudget | None
     ) -> str:
-        """The template's text for `messages` as it gets them (dicts); `ValueError` when the
-        template fails (`render`)."""
+        """The template's text for messages as it is given them (`dicts`, as `render` makes
+        them); `ValueError` when the template fails (`render`)."""
         try:
             with budget(limits):  # bounded time, loop steps and repetition (template_sandbox)
                 return self._template.render(
