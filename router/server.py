@@ -257,7 +257,7 @@ class RouterServicer(router_service_pb2_grpc.RouterServiceServicer):
                     if context.done():  # past the client's deadline: gRPC ended the call
                         return
                     # Written, not yielded: a drain's cancel lands here, not in gRPC's write
-                    # outside `answering` ("Cancelling all calls", 8 of 12 streams: s44 note).
+                    # outside `answering` ("Cancelling all calls": 8 of 12 fast streams, s45).
                     await context.write(chunk)
         except RouterError as exc:  # logged by `generate`
             failed = (exc.code, str(exc), exc.trailing_metadata)

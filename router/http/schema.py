@@ -178,8 +178,8 @@ class ChatMessage(_Body):
     function_call: Any = None
     refusal: str | None = None
     audio: Any = None
-    # vLLM's (an answer's reasoning, which Qwen3-style templates write back): refused when
-    # not empty where the chat template names it (`router.http.convert.check_template_inputs`).
+    # vLLM's (an answer's reasoning, which Qwen3-style templates write back): refused where
+    # the chat template renders the chat otherwise with it (`router.http.template_inputs`).
     reasoning_content: str | None = None
     reasoning: str | None = None
 
@@ -286,7 +286,7 @@ class ChatCompletionRequest(SamplingBody):
     add_special_tokens: bool = False  # the template writes them
     chat_template: Any = None  # refused when set: the checkpoint's template is used
     # A key the chat template reads is refused, one it does not is ignored (it cannot
-    # change the prompt): `router.http.convert.check_template_inputs`.
+    # change the prompt): `router.http.template_inputs`.
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[Any] | None = None  # vLLM's, for RAG templates: likewise, where read
     mm_processor_kwargs: dict[str, Any] | None = None  # refused when not empty
