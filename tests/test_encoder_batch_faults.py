@@ -12,20 +12,27 @@ import pytest
 from common.models.qwen3_vl.vision import VisionTower
 from common.processing.processor import Processor
 from encoder_worker.cache import EncoderCache
+from encoder_worker.engine import EncoderEngine
 from tests.test_encoder_engine import image_job, make_engine, tower
 
 __all__ = ["tower"]  # the module fixture shared with test_encoder_engine
 
 
-async def test_a_batch_that_fails_caching_fails_its_requests_and_the_next_is_encoded(
-    processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def cache_broken(tower: VisionTower, monkeypatch: pytest.MonkeyPatch) -> EncoderEngine:
+    """An engine whose cache raises at every store (until `monkeypatch.undo()`)."""
     engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.0)
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("cache broke")
 
     monkeypatch.setattr(engine.cache, "put_many", broken)
+    return engine
+
+
+async def test_a_batch_that_fails_caching_fails_its_requests_and_the_next_is_encoded(
+    processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = cache_broken(tower, monkeypatch)
     async with asyncio.timeout(30):
         with pytest.raises(RuntimeError, match="cache broke"):
             await engine.encode([image_job(processor, 800)])
@@ -39,12 +46,7 @@ async def test_a_batch_that_fails_caching_fails_its_requests_and_the_next_is_enc
 def test_encode_now_that_fails_caching_leaves_nothing_in_flight(
     processor: Processor, tower: VisionTower, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = make_engine(tower, EncoderCache(1 << 30), batch_window_s=0.0)
-
-    def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("cache broke")
-
-    monkeypatch.setattr(engine.cache, "put_many", broken)
+    engine = cache_broken(tower, monkeypatch)
     with pytest.raises(RuntimeError, match="cache broke"):
         engine.encode_now([[image_job(processor, 810)]])
     assert not engine._inflight and not engine._queue
