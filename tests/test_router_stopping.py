@@ -128,7 +128,7 @@ async def test_a_stream_the_drain_ends_in_grpcs_write_ends_saying_why(ckpt: Path
     """An answer written as fast as its client reads is most often in gRPC's write of a chunk
     when the drain runs out: it ends with UNAVAILABLE saying why too, not "Cancelling all
     calls" (the router's handler yielded its chunks, and the cancel landed in gRPC's write,
-    outside the code that turns it into the error: 8 of 12 such streams, s44 note)."""
+    outside the code that turns it into the error: 8 of 12 such streams, s45)."""
     for _ in range(3):  # each a fresh router: a drain ends it
         c = await fake_router(ckpt)
         await c.add(Role.ENCODER, FakeEncoder())

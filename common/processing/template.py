@@ -254,9 +254,7 @@ class ChatTemplate:
                 media[part.modality].append(part)
             else:
                 raise ValueError(f"unsupported content part {part!r}")
-        if len(parts) == 1 and parts[0]["type"] == "text":
-            return {"role": role, "content": parts[0]["text"]}
-        return {"role": role, "content": parts}
+        return message_dict(role, parts)
 
     def _pieces(
         self, rendered: str, texts: list[str], media: dict[Modality, list[MediaPart]]
@@ -338,6 +336,13 @@ def load_chat_template(folder: str | Path, tokenizer: Tokenizer) -> ChatTemplate
 # one 400 frames deep; s35diff review), and `longest_of`'s own recursion one. Real tokens
 # nest a few deep.
 MAX_NESTING = 100
+
+
+def message_dict(role: str, parts: list[dict[str, str]]) -> dict[str, Any]:
+    """A message as templates are given it: one text part as a string, else its parts."""
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return {"role": role, "content": parts[0]["text"]}
+    return {"role": role, "content": parts}
 
 
 def longest_of(strings: Iterable[str]) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.errors import FieldError
-from common.processing.template import ChatTemplate
+from common.processing.template import ChatTemplate, message_dict
 from router.http.schema import ChatCompletionRequest, ChatMessage, TextContent
 
 SAID = "the chat template reads it; passing it to the template is not supported by this server"
@@ -67,17 +67,18 @@ def check_reasoning(body: ChatCompletionRequest, template: ChatTemplate) -> None
 
 
 def _as_template_sees(message: ChatMessage) -> dict[str, Any]:
-    """The message as the processor gives it to the template (`ChatTemplate.render`): one
-    text part as a string, else typed parts; media as their type."""
+    """The message as the processor gives it to the template (`ChatTemplate.render`, its
+    texts unescaped): media as their type."""
     role = "system" if message.role == "developer" else message.role
-    if isinstance(message.content, str):
-        return {"role": role, "content": message.content}
-    parts: list[dict[str, str]] = []
-    for part in message.content:
-        if isinstance(part, TextContent):
-            parts.append({"type": "text", "text": part.text})
-        else:
-            parts.append({"type": "image" if part.type == "image_url" else "video"})
-    if len(parts) == 1 and parts[0]["type"] == "text":
-        return {"role": role, "content": parts[0]["text"]}
-    return {"role": role, "content": parts}
+    content = message.content
+    if isinstance(content, str):
+        return message_dict(role, [{"type": "text", "text": content}])
+    return message_dict(
+        role,
+        [
+            {"type": "text", "text": part.text}
+            if isinstance(part, TextContent)
+            else {"type": "image" if part.type == "image_url" else "video"}
+            for part in content
+        ],
+    )
